@@ -1,0 +1,207 @@
+//! Exec: request, result and streamed events.
+use base64::engine::general_purpose::STANDARD as B64;
+use base64::Engine;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// The command of an exec: an argv list (run directly, `PATH` searched for `argv[0]`) or a
+/// shell string (run as `/bin/sh -c STRING`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum Cmd {
+    /// `["python3", "-c", "print(1)"]`
+    Argv(Vec<String>),
+    /// `"echo hi | wc -c"`
+    Shell(String),
+}
+
+impl Cmd {
+    /// The argv actually executed: a shell string becomes `["/bin/sh", "-c", s]`.
+    pub fn to_argv(&self) -> Vec<String> {
+        match self {
+            Cmd::Argv(v) => v.clone(),
+            Cmd::Shell(s) => vec!["/bin/sh".into(), "-c".into(), s.clone()],
+        }
+    }
+}
+
+/// `POST /v1/sandboxes/{id}/exec` body.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ExecRequest {
+    /// Command to run.
+    pub cmd: Cmd,
+    /// Working directory inside the sandbox (default `/workspace`).
+    #[serde(default)]
+    pub cwd: Option<String>,
+    /// Extra environment; overrides the sandbox's `env` per key.
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    /// Standard input, base64. Without it stdin is `/dev/null`.
+    #[serde(default)]
+    pub stdin_b64: Option<String>,
+    /// Wall-clock limit in seconds (default 60; range (0, 86400]). On expiry the whole process
+    /// tree is killed and `timed_out` is set.
+    #[serde(default)]
+    pub timeout_s: Option<f64>,
+    /// Cap on kept bytes per stream (default 1 MiB, max 64 MiB): the first and last halves
+    /// are kept, the middle dropped, and `truncated` is set.
+    #[serde(default)]
+    pub max_output_bytes: Option<u64>,
+    /// User inside the sandbox: only `"root"` (the sandbox's own unprivileged root) for now.
+    #[serde(default)]
+    pub user: Option<String>,
+    /// Trajectory step number (trajectory log, not available yet).
+    #[serde(default)]
+    pub step: Option<u64>,
+}
+
+impl ExecRequest {
+    /// An exec of `cmd` with every other field at its default.
+    pub fn new(cmd: Cmd) -> Self {
+        ExecRequest {
+            cmd,
+            cwd: None,
+            env: BTreeMap::new(),
+            stdin_b64: None,
+            timeout_s: None,
+            max_output_bytes: None,
+            user: None,
+            step: None,
+        }
+    }
+}
+
+/// Captured bytes of one output stream, after the head+tail cap.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Output {
+    /// Kept bytes (head, then tail when truncated).
+    pub data: Vec<u8>,
+    /// Total bytes the process wrote to this stream.
+    pub total: u64,
+    /// True when `data` is shorter than `total`.
+    pub truncated: bool,
+}
+
+/// Result of an exec (`exit` record of a streamed exec too).
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct ExecResult {
+    /// Exit status: the process's own code, 128+n when killed by signal n, 127 when the
+    /// command was not found, 126 when it could not be executed.
+    pub exit_code: i32,
+    /// Signal number that killed the process, if any.
+    pub signal: Option<i32>,
+    /// The timeout expired and the process tree was killed.
+    pub timed_out: bool,
+    /// The kernel's OOM killer killed a process of this exec.
+    pub oom_killed: bool,
+    /// Wall-clock duration in milliseconds.
+    pub duration_ms: f64,
+    /// Stdout as UTF-8 text (invalid bytes replaced by U+FFFD).
+    pub stdout: String,
+    /// Stderr as UTF-8 text (invalid bytes replaced by U+FFFD).
+    pub stderr: String,
+    /// Exact stdout bytes, base64; present only when stdout is not valid UTF-8.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stdout_b64: Option<String>,
+    /// Exact stderr bytes, base64; present only when stderr is not valid UTF-8.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stderr_b64: Option<String>,
+    /// Total bytes written to stdout (before the cap).
+    pub stdout_bytes: u64,
+    /// Total bytes written to stderr (before the cap).
+    pub stderr_bytes: u64,
+    /// Some output was dropped by the head+tail cap.
+    pub truncated: bool,
+    /// The result came from the trajectory log without executing.
+    pub replayed: bool,
+}
+
+/// Text of `bytes` plus their exact base64 when they are not valid UTF-8.
+pub fn text_and_b64(bytes: &[u8]) -> (String, Option<String>) {
+    match std::str::from_utf8(bytes) {
+        Ok(s) => (s.to_owned(), None),
+        Err(_) => (
+            String::from_utf8_lossy(bytes).into_owned(),
+            Some(B64.encode(bytes)),
+        ),
+    }
+}
+
+impl ExecResult {
+    /// Fill the output fields from captured stdout and stderr.
+    pub fn set_output(&mut self, stdout: &Output, stderr: &Output) {
+        (self.stdout, self.stdout_b64) = text_and_b64(&stdout.data);
+        (self.stderr, self.stderr_b64) = text_and_b64(&stderr.data);
+        self.stdout_bytes = stdout.total;
+        self.stderr_bytes = stderr.total;
+        self.truncated = stdout.truncated || stderr.truncated;
+    }
+
+    /// Exact stdout bytes (decoding `stdout_b64` when present).
+    pub fn stdout_raw(&self) -> Vec<u8> {
+        raw(&self.stdout, &self.stdout_b64)
+    }
+
+    /// Exact stderr bytes (decoding `stderr_b64` when present).
+    pub fn stderr_raw(&self) -> Vec<u8> {
+        raw(&self.stderr, &self.stderr_b64)
+    }
+}
+
+fn raw(text: &str, b64: &Option<String>) -> Vec<u8> {
+    match b64 {
+        Some(b) => B64.decode(b).unwrap_or_else(|_| text.as_bytes().to_vec()),
+        None => text.as_bytes().to_vec(),
+    }
+}
+
+/// One line of a streamed exec (`?stream=true`, NDJSON: one JSON object per line).
+///
+/// Chunks come as the process writes them; the stream ends with exactly one `exit` or
+/// `error` line.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum ExecEvent {
+    /// A chunk of stdout.
+    Stdout {
+        /// Chunk as text (invalid UTF-8 replaced).
+        data: String,
+        /// Exact bytes, base64, when the chunk is not valid UTF-8.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        data_b64: Option<String>,
+    },
+    /// A chunk of stderr.
+    Stderr {
+        /// Chunk as text (invalid UTF-8 replaced).
+        data: String,
+        /// Exact bytes, base64, when the chunk is not valid UTF-8.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        data_b64: Option<String>,
+    },
+    /// The process ended; `result` has empty `stdout`/`stderr` (already streamed) but the
+    /// byte totals.
+    Exit {
+        /// Exit record.
+        result: ExecResult,
+    },
+    /// The exec failed inside Sandlot (not the program's own failure).
+    Error {
+        /// The error.
+        error: crate::ApiError,
+    },
+}
+
+impl ExecEvent {
+    /// A stdout chunk event from raw bytes.
+    pub fn stdout(bytes: &[u8]) -> Self {
+        let (data, data_b64) = text_and_b64(bytes);
+        ExecEvent::Stdout { data, data_b64 }
+    }
+
+    /// A stderr chunk event from raw bytes.
+    pub fn stderr(bytes: &[u8]) -> Self {
+        let (data, data_b64) = text_and_b64(bytes);
+        ExecEvent::Stderr { data, data_b64 }
+    }
+}

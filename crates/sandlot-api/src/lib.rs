@@ -1,0 +1,24 @@
+//! Wire types of the Sandlot HTTP API v1.
+//!
+//! These are the JSON shapes of `docs/openapi.json` (served at `/openapi.json`) and of
+//! `../shared/DESIGN.md` ("HTTP API v1"). The server, the node, the Rust client and the CLI
+//! all use them, so a field changes in exactly one place. `run_code` follows SandboxFusion's
+//! `/run_code` schema (bytedance/SandboxFusion, `sandbox/server/sandbox_api.py`).
+#![deny(missing_docs)]
+
+mod error;
+mod exec;
+mod files;
+mod run_code;
+mod sandbox;
+
+pub use error::{ApiError, ErrorBody, ErrorCode};
+pub use exec::{Cmd, ExecEvent, ExecRequest, ExecResult, Output};
+pub use files::{FileEntry, FileList, FileType};
+pub use run_code::{
+    CommandRunResult, CommandRunStatus, RunCodeRequest, RunCodeResponse, RunStatus,
+};
+pub use sandbox::{
+    Backend, CreateSandboxRequest, KeepaliveRequest, NetworkPolicy, Sandbox, SandboxList,
+    SandboxState,
+};

@@ -1,0 +1,196 @@
+//! Sandbox resource: create request, state and listing.
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::fmt;
+use std::str::FromStr;
+
+/// Isolation level, chosen per sandbox with `backend=`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Backend {
+    /// Namespace jail built by Sandlot itself (user, mount, pid, net, ipc, uts, cgroup ns).
+    #[default]
+    Function,
+    /// OCI container through an OCI runtime CLI (runc, crun, runsc).
+    Container,
+    /// QEMU `-M microvm` with its own kernel.
+    Microvm,
+    /// Full VM: QEMU q35 booting a disk image.
+    Vm,
+}
+
+impl Backend {
+    /// Wire name, e.g. `"function"`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Backend::Function => "function",
+            Backend::Container => "container",
+            Backend::Microvm => "microvm",
+            Backend::Vm => "vm",
+        }
+    }
+}
+
+impl fmt::Display for Backend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for Backend {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "function" => Ok(Backend::Function),
+            "container" => Ok(Backend::Container),
+            "microvm" => Ok(Backend::Microvm),
+            "vm" => Ok(Backend::Vm),
+            other => Err(format!(
+                "unknown backend {other:?}; expected one of function, container, microvm, vm"
+            )),
+        }
+    }
+}
+
+/// Network policy of a sandbox. Only `"none"` exists so far (no network device but loopback).
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum NetworkPolicy {
+    /// No network at all: a fresh network namespace with only `lo`.
+    #[default]
+    None,
+}
+
+/// `POST /v1/sandboxes` body. Every field is optional; defaults are in the field docs.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CreateSandboxRequest {
+    /// Isolation level (default `function`).
+    #[serde(default)]
+    pub backend: Backend,
+    /// Image name as listed by `sandlot image ls` (default `"python"`).
+    #[serde(default)]
+    pub image: Option<String>,
+    /// CPU quota in cores, e.g. `0.5` (default 1.0; range 0.01–64).
+    #[serde(default)]
+    pub cpu: Option<f64>,
+    /// Memory limit in MiB (default 512; range 16–65536).
+    #[serde(default)]
+    pub memory_mib: Option<u64>,
+    /// Writable-layer size limit in MiB (default 1024). Enforced by later backends; recorded now.
+    #[serde(default)]
+    pub disk_mib: Option<u64>,
+    /// Maximum number of processes and threads (default 256; range 8–65536).
+    #[serde(default)]
+    pub pids_max: Option<u64>,
+    /// Seconds until the sandbox is deleted unless kept alive (default 600; 0 = no TTL;
+    /// max 604800).
+    #[serde(default)]
+    pub ttl_s: Option<u64>,
+    /// Environment given to every exec (exec `env` overrides per key).
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    /// Free-form labels for selection (`GET /v1/sandboxes?label=k=v`).
+    #[serde(default)]
+    pub labels: BTreeMap<String, String>,
+    /// Network policy (default `"none"`).
+    #[serde(default)]
+    pub network: NetworkPolicy,
+    /// Trajectory id binding this sandbox to a trajectory log (not available yet).
+    #[serde(default)]
+    pub trajectory: Option<String>,
+}
+
+/// Lifecycle state of a sandbox.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SandboxState {
+    /// Being set up by its node.
+    Creating,
+    /// Ready for exec and file calls.
+    Running,
+    /// Being torn down.
+    Deleting,
+    /// Gone (kept in listings only until its record is purged).
+    Deleted,
+    /// Its node lost it (e.g. the host rebooted); only delete is valid.
+    Lost,
+}
+
+impl SandboxState {
+    /// Wire name, e.g. `"running"`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SandboxState::Creating => "creating",
+            SandboxState::Running => "running",
+            SandboxState::Deleting => "deleting",
+            SandboxState::Deleted => "deleted",
+            SandboxState::Lost => "lost",
+        }
+    }
+}
+
+impl FromStr for SandboxState {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Ok(match s {
+            "creating" => SandboxState::Creating,
+            "running" => SandboxState::Running,
+            "deleting" => SandboxState::Deleting,
+            "deleted" => SandboxState::Deleted,
+            "lost" => SandboxState::Lost,
+            other => return Err(format!("unknown sandbox state {other:?}")),
+        })
+    }
+}
+
+/// A sandbox as returned by the API.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Sandbox {
+    /// Opaque id, `sb-` followed by 20 lowercase hex digits.
+    pub id: String,
+    /// Isolation level.
+    pub backend: Backend,
+    /// Image name.
+    pub image: String,
+    /// Lifecycle state.
+    pub state: SandboxState,
+    /// Name of the node that runs it.
+    pub node: String,
+    /// Creation time, RFC 3339 UTC.
+    pub created_at: String,
+    /// Expiry time, RFC 3339 UTC; `null` when the sandbox has no TTL.
+    pub expires_at: Option<String>,
+    /// CPU quota in cores.
+    pub cpu: f64,
+    /// Memory limit in MiB.
+    pub memory_mib: u64,
+    /// Writable-layer size limit in MiB.
+    pub disk_mib: u64,
+    /// Process limit.
+    pub pids_max: u64,
+    /// TTL in seconds (0 = none).
+    pub ttl_s: u64,
+    /// Labels.
+    pub labels: std::collections::BTreeMap<String, String>,
+    /// Network policy.
+    pub network: NetworkPolicy,
+    /// Trajectory id, if bound to one.
+    pub trajectory: Option<String>,
+}
+
+/// `GET /v1/sandboxes` body.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SandboxList {
+    /// Matching sandboxes, oldest first.
+    pub sandboxes: Vec<Sandbox>,
+}
+
+/// `POST /v1/sandboxes/{id}/keepalive` body.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KeepaliveRequest {
+    /// New TTL in seconds counted from now (default: the sandbox's own `ttl_s`).
+    #[serde(default)]
+    pub ttl_s: Option<u64>,
+}

@@ -1,0 +1,12 @@
+//! Sandlot node agent.
+//!
+//! A node runs sandboxes on one host. The server talks to it only through the [`Node`] trait
+//! ([`LocalNode`] is the in-process implementation used by `sandlot up`; cluster mode adds a
+//! transport, not a rewrite). Backends live in [`backends`], images in [`images`], cgroup
+//! handling for v1 and v2 in [`cgroups`].
+#![deny(missing_docs)]
+#![warn(clippy::undocumented_unsafe_blocks)]
+
+pub mod node;
+
+pub use node::{ExecSink, Node, NodeError, NodeInfo, NodeResult, SandboxSpec, SandboxStatus};

@@ -1,0 +1,163 @@
+//! The server↔node boundary.
+use async_trait::async_trait;
+use sandlot_api::{Backend, ErrorCode, ExecEvent, ExecRequest, ExecResult, FileEntry};
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use tokio::sync::mpsc;
+
+/// Everything a node needs to create a sandbox. The server has validated ranges and filled
+/// defaults; the node still refuses what it cannot honour.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SandboxSpec {
+    /// Id chosen by the server (`sb-` + 20 hex digits); unique on the node.
+    pub id: String,
+    /// Isolation level.
+    pub backend: Backend,
+    /// Image name in the node's image store.
+    pub image: String,
+    /// CPU quota in cores.
+    pub cpu: f64,
+    /// Memory limit in MiB.
+    pub memory_mib: u64,
+    /// Writable-layer limit in MiB.
+    pub disk_mib: u64,
+    /// Process/thread limit.
+    pub pids_max: u64,
+    /// Environment for every exec.
+    pub env: BTreeMap<String, String>,
+}
+
+/// What the node knows about a sandbox it runs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SandboxStatus {
+    /// Sandbox id.
+    pub id: String,
+    /// Isolation level.
+    pub backend: Backend,
+    /// True when its processes are alive and it can serve calls.
+    pub alive: bool,
+}
+
+/// Node facts shown by the server.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeInfo {
+    /// Node name (the host name by default).
+    pub name: String,
+    /// Backends this node can run, with the reason for each one it cannot.
+    pub backends: Vec<(Backend, Result<(), String>)>,
+    /// `"v1"` or `"v2"`.
+    pub cgroup_version: String,
+}
+
+/// Errors of node operations. Each maps to exactly one wire [`ErrorCode`].
+#[derive(Debug, thiserror::Error)]
+pub enum NodeError {
+    /// No sandbox (or file, or image) of that name on this node.
+    #[error("{0}")]
+    NotFound(String),
+    /// Bad input the server could not catch (bad path, file too large, ...).
+    #[error("{0}")]
+    InvalidArgument(String),
+    /// The backend or a host feature is missing; the message says why.
+    #[error("{0}")]
+    Unavailable(String),
+    /// Node capacity exhausted.
+    #[error("{0}")]
+    ResourceExhausted(String),
+    /// The sandbox is in a state that does not allow the call (e.g. being deleted).
+    #[error("{0}")]
+    Conflict(String),
+    /// Host-side failure (mount, cgroup, spawn), with the path or step in the message.
+    #[error("{context}")]
+    Internal {
+        /// What was being done, with the path.
+        context: String,
+        /// Cause.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl NodeError {
+    /// Wrap an I/O error with what was being done.
+    pub fn io(context: impl Into<String>, source: std::io::Error) -> Self {
+        NodeError::Internal {
+            context: context.into(),
+            source,
+        }
+    }
+
+    /// The wire error code of this error.
+    pub fn code(&self) -> ErrorCode {
+        match self {
+            NodeError::NotFound(_) => ErrorCode::NotFound,
+            NodeError::InvalidArgument(_) => ErrorCode::InvalidArgument,
+            NodeError::Unavailable(_) => ErrorCode::Unavailable,
+            NodeError::ResourceExhausted(_) => ErrorCode::ResourceExhausted,
+            NodeError::Conflict(_) => ErrorCode::Conflict,
+            NodeError::Internal { .. } => ErrorCode::Internal,
+        }
+    }
+}
+
+/// Result of node operations.
+pub type NodeResult<T> = Result<T, NodeError>;
+
+/// Where a streamed exec sends its chunks (stdout/stderr events only; the final result is
+/// the return value of [`Node::exec`]). A closed receiver does not stop the exec.
+pub type ExecSink = mpsc::Sender<ExecEvent>;
+
+/// The operations every node honours, whatever backend runs the sandbox.
+///
+/// All paths are paths inside the sandbox; they resolve inside the sandbox root only
+/// (symlinks and `..` cannot escape).
+#[async_trait]
+pub trait Node: Send + Sync + 'static {
+    /// Node facts.
+    fn info(&self) -> NodeInfo;
+
+    /// Create and start a sandbox; on error nothing of it is left behind.
+    async fn create(&self, spec: &SandboxSpec) -> NodeResult<()>;
+
+    /// Run a command to completion (or timeout). With `sink`, output chunks are also sent
+    /// there as they come.
+    async fn exec(
+        &self,
+        id: &str,
+        req: &ExecRequest,
+        sink: Option<ExecSink>,
+    ) -> NodeResult<ExecResult>;
+
+    /// Read a whole file; files over `max_bytes` give `InvalidArgument`.
+    async fn read_file(&self, id: &str, path: &str, max_bytes: u64) -> NodeResult<Vec<u8>>;
+
+    /// Write a file atomically (temp file + fsync + rename), creating parent directories.
+    async fn write_file(&self, id: &str, path: &str, data: bytes::Bytes) -> NodeResult<()>;
+
+    /// List a directory, sorted by name.
+    async fn list_dir(&self, id: &str, path: &str) -> NodeResult<Vec<FileEntry>>;
+
+    /// Remove a file, or a directory recursively.
+    async fn remove_file(&self, id: &str, path: &str) -> NodeResult<()>;
+
+    /// Kill every process of the sandbox and remove all its host resources (mounts,
+    /// cgroups, directories). Idempotent: an unknown id is not an error.
+    async fn delete(&self, id: &str) -> NodeResult<()>;
+
+    /// Sandboxes this node has (alive or not).
+    async fn list(&self) -> NodeResult<Vec<SandboxStatus>>;
+
+    /// After a restart: find sandboxes left running by the previous process from on-disk
+    /// state, adopt those whose id is in `keep` and alive, and delete every other one
+    /// (half-created or unknown leftovers). Returns the ids adopted.
+    async fn readopt(&self, keep: &[String]) -> NodeResult<Vec<String>>;
+}
+
+/// Host paths a node uses under its data directory.
+#[derive(Debug, Clone)]
+pub struct NodePaths {
+    /// `DATA/images`: the image store.
+    pub images: PathBuf,
+    /// `DATA/sandboxes`: one directory per sandbox.
+    pub sandboxes: PathBuf,
+}
