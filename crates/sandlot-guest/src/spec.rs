@@ -1,0 +1,124 @@
+//! JSON specs exchanged between the node and `sandlot-guest`.
+//!
+//! * `sandlot-guest init`: reads one [`InitSpec`] as JSON on stdin; on success prints one
+//!   [`InitReady`] line on stdout and exits 0 while the sandbox's pid 1 keeps running
+//!   (re-parented away from the node); on failure prints the reason on stderr, exits
+//!   non-zero and leaves no process behind (mounts live only in the dead mount namespace;
+//!   the node removes directories and cgroups).
+//! * `sandlot-guest exec`: reads one [`ExecSpec`] as JSON from file descriptor 3 (to EOF);
+//!   its stdin, stdout and stderr become those of the command; it writes one
+//!   [`ExecStatus`] as JSON on file descriptor 4 when the command has ended, then exits 0.
+//!   If it dies before writing (e.g. the node killed the exec cgroup on timeout), fd 4
+//!   reaches EOF with nothing written.
+use serde::{Deserialize, Serialize};
+
+/// How `sandlot-guest init` builds a sandbox. Paths are host paths.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct InitSpec {
+    /// Read-only image layers, top-most first (overlayfs `lowerdir=` order).
+    pub lowerdirs: Vec<String>,
+    /// Per-sandbox writable layer (overlayfs `upperdir=`), owned by `uid_base`.
+    pub upperdir: String,
+    /// overlayfs `workdir=` on the same file system as `upperdir`.
+    pub workdir: String,
+    /// Empty directory where the overlay is mounted before pivot_root.
+    pub rootfs: String,
+    /// Host name inside the sandbox (uts namespace).
+    pub hostname: String,
+    /// Host uid/gid that uid/gid 0 inside maps to (`0 uid_base uid_count` in uid_map).
+    pub uid_base: u32,
+    /// Number of ids mapped.
+    pub uid_count: u32,
+    /// `cgroup.procs` files the init writes its own pid into before unsharing (one per
+    /// cgroup v1 hierarchy, or the single v2 one), so that everything in the sandbox is
+    /// accounted to the sandbox's cgroups.
+    pub cgroup_procs: Vec<String>,
+    /// Size of the tmpfs on /tmp (and /dev/shm), MiB.
+    pub tmp_mib: u64,
+}
+
+/// Printed by `sandlot-guest init` on success.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct InitReady {
+    /// Host pid of the sandbox's pid 1.
+    pub pid: i32,
+    /// Its start time (field 22 of `/proc/PID/stat`, clock ticks since boot), to tell it
+    /// from a later process that reuses the pid.
+    pub starttime: u64,
+}
+
+/// One resource limit (setrlimit(2)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Rlimit {
+    /// Resource name: `nofile`, `core`, `fsize`, `stack`, `nproc`, `memlock`, `msgqueue`.
+    pub resource: RlimitResource,
+    /// Soft and hard limit (same value).
+    pub value: u64,
+}
+
+/// Resources settable through [`Rlimit`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RlimitResource {
+    /// RLIMIT_NOFILE
+    Nofile,
+    /// RLIMIT_CORE
+    Core,
+    /// RLIMIT_FSIZE (bytes)
+    Fsize,
+    /// RLIMIT_STACK (bytes)
+    Stack,
+    /// RLIMIT_MEMLOCK (bytes)
+    Memlock,
+    /// RLIMIT_MSGQUEUE (bytes)
+    Msgqueue,
+}
+
+/// How `sandlot-guest exec` runs one command inside a sandbox.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExecSpec {
+    /// Host pid of the sandbox's pid 1 (from [`InitReady`]).
+    pub init_pid: i32,
+    /// Its start time, checked before joining (a stale pid gives an error status).
+    pub init_starttime: u64,
+    /// `cgroup.procs` files to join before entering the namespaces (the exec's own cgroups).
+    pub cgroup_procs: Vec<String>,
+    /// argv; `argv[0]` without a `/` is searched in `PATH` of `env`.
+    pub argv: Vec<String>,
+    /// Complete environment of the command, in order.
+    pub env: Vec<(String, String)>,
+    /// Working directory inside the sandbox.
+    pub cwd: String,
+    /// uid and gid inside the sandbox (0 = the sandbox's unprivileged root).
+    pub uid: u32,
+    /// gid inside the sandbox.
+    pub gid: u32,
+    /// Resource limits applied before execve.
+    pub rlimits: Vec<Rlimit>,
+}
+
+/// Written by `sandlot-guest exec` on fd 4 when the command has ended.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum ExecStatus {
+    /// The command exited with this code (127: not found, 126: not executable, with a
+    /// message on the command's stderr).
+    Exited {
+        /// Exit code 0–255.
+        code: i32,
+    },
+    /// The command was killed by this signal.
+    Signaled {
+        /// Signal number.
+        signal: i32,
+    },
+    /// The exec could not be set up (sandbox gone, cwd missing, ...): an infrastructure
+    /// error, not the program's verdict.
+    SetupFailed {
+        /// What failed, with the path or step.
+        message: String,
+        /// True when the cause is the caller's input (e.g. cwd does not exist), so the
+        /// node answers `invalid_argument` rather than `internal`.
+        user_error: bool,
+    },
+}
