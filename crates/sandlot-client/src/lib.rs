@@ -1,0 +1,1 @@
+//! Rust client of the Sandlot HTTP API v1 (placeholder).
