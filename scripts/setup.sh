@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Sets up everything Sandlot needs on a fresh Debian 12 machine, as root:
+#   Debian packages, the release build (sandlot + sandlot-guest), the Python SDK with its
+#   test and example dependencies, and the two local images (busybox, python).
+# Idempotent and cached: a second run skips what is already there (the python rootfs is
+# cached under $SANDLOT_CACHE_DIR, default /var/cache/sandlot).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+: "${SANDLOT_IMAGES_DIR:=/var/lib/sandlot/images}"
+: "${SANDLOT_CACHE_DIR:=/var/cache/sandlot}"
+export SANDLOT_IMAGES_DIR SANDLOT_CACHE_DIR
+
+step() { printf '\n==> %s\n' "$*"; }
+
+if [ "$(id -u)" != 0 ]; then
+  echo "setup.sh: run as root (sandboxes need namespaces, mounts and cgroups)" >&2
+  exit 1
+fi
+
+step "Debian packages"
+pkgs=(busybox-static debootstrap bubblewrap iproute2 procps curl ca-certificates)
+missing=()
+for p in "${pkgs[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}"
+else
+  echo "all present: ${pkgs[*]}"
+fi
+
+step "Rust build (release)"
+cargo build --release --locked --workspace --bins
+
+step "Python SDK and test/example dependencies"
+python3 -m pip install -q --disable-pip-version-check -e "sdk/python[test]"
+
+step "Images (busybox, python) in $SANDLOT_IMAGES_DIR"
+mkdir -p "$SANDLOT_IMAGES_DIR" "$SANDLOT_CACHE_DIR"
+./target/release/sandlot image build busybox --images-dir "$SANDLOT_IMAGES_DIR"
+./target/release/sandlot image build python --images-dir "$SANDLOT_IMAGES_DIR" --cache-dir "$SANDLOT_CACHE_DIR"
+./target/release/sandlot image ls --images-dir "$SANDLOT_IMAGES_DIR"
