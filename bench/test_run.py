@@ -1,0 +1,131 @@
+"""Unit tests of bench/run.py's pure logic and load driver (no server, no root needed).
+
+Run: python3 -m pytest -q bench/test_run.py
+"""
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import run  # noqa: E402
+
+
+def test_percentile_matches_linear_interpolation():
+    vals = [float(v) for v in range(1, 101)]  # 1..100
+    assert run.percentile(vals, 50) == pytest.approx(50.5)
+    assert run.percentile(vals, 99) == pytest.approx(99.01)
+    assert run.percentile(vals, 0) == 1.0
+    assert run.percentile(vals, 100) == 100.0
+    assert run.percentile([7.0], 99) == 7.0
+    # Order of the input does not matter.
+    assert run.percentile(list(reversed(vals)), 50) == pytest.approx(50.5)
+
+
+def test_percentile_rejects_empty_and_out_of_range():
+    with pytest.raises(ValueError):
+        run.percentile([], 50)
+    with pytest.raises(ValueError):
+        run.percentile([1.0], 101)
+
+
+def test_run_block_counts_calls_across_threads():
+    calls = []
+    lock = threading.Lock()
+
+    def call():
+        with lock:
+            calls.append(threading.get_ident())
+        time.sleep(0.001)
+        return 0.001
+
+    s = run.Sample("x", 4)
+    run.run_block(s, call, n=50, concurrency=4, deadline_s=30, max_errors=5)
+    assert s.ok == 50 and len(calls) == 50
+    assert s.errors == 0 and not s.aborted
+    assert len(set(calls)) > 1  # really concurrent
+    assert s.rate is not None and s.rate > 0
+
+
+def test_run_block_aborts_after_max_errors():
+    n_calls = []
+
+    def bad():
+        n_calls.append(1)
+        raise run.BenchError("boom")
+
+    s = run.Sample("bad", 1)
+    run.run_block(s, bad, n=100, concurrency=1, deadline_s=30, max_errors=5)
+    assert s.ok == 0
+    assert s.errors == 5 and len(n_calls) == 5
+    assert "5 errors" in s.aborted
+    assert s.error_msgs and "boom" in s.error_msgs[0]
+
+
+def test_run_block_stops_at_deadline():
+    def slow():
+        time.sleep(0.05)
+        return 0.05
+
+    s = run.Sample("slow", 1)
+    t0 = time.monotonic()
+    run.run_block(s, slow, n=10_000, concurrency=1, deadline_s=0.3, max_errors=5)
+    assert time.monotonic() - t0 < 2.0
+    assert 0 < s.ok < 10_000
+    assert s.aborted.startswith("deadline")
+
+
+def test_interleaved_splits_calls_over_rounds():
+    seen = []
+
+    def mk(name):
+        def call():
+            seen.append(name)
+            return 0.0
+        return call
+
+    out = run.interleaved([("a", mk("a")), ("b", mk("b"))], n=7, concurrency=1, rounds=3,
+                          deadline_s=30, warmup=1)
+    assert out["a"].ok == 7 and out["b"].ok == 7
+    # One warm-up each, then rounds alternate: round 0 a,b; round 1 b,a; round 2 a,b.
+    assert seen[:2] == ["a", "b"]
+    body = seen[2:]
+    assert body[:3] == ["a"] * 3 and body[3:6] == ["b"] * 3  # round 0: 3 calls each
+    assert body[6:8] == ["b"] * 2  # round 1 starts with b
+
+
+def test_upsert_section_inserts_newest_first_and_replaces_same_key():
+    t = run.upsert_section("", "2026-01-01 full", "## one\nA\n")
+    assert t.startswith("# Sandlot benchmarks")
+    t = run.upsert_section(t, "2026-01-02 full", "## two\nB\n")
+    assert t.index("## two") < t.index("## one")
+    t2 = run.upsert_section(t, "2026-01-01 full", "## one again\nC\n")
+    assert "## one\nA" not in t2 and "## one again\nC" in t2
+    assert "## two\nB" in t2
+    assert t2.count("<!-- bench:begin") == 2
+    # Hand-written text outside the markers survives.
+    t3 = run.upsert_section(t2 + "\nhand notes\n", "2026-01-03 quick", "## three\n")
+    assert "hand notes" in t3 and t3.count("<!-- bench:begin") == 3
+
+
+def test_check_loopback():
+    run.check_loopback("http://127.0.0.1:7070")
+    run.check_loopback("http://localhost:1")
+    run.check_loopback("http://[::1]:8080")
+    with pytest.raises(SystemExit):
+        run.check_loopback("http://10.0.0.1:7070")
+    with pytest.raises(SystemExit):
+        run.check_loopback("http://example.com")
+
+
+def test_meminfo_is_in_bytes_and_consistent():
+    m = run.meminfo()
+    assert m["MemTotal"] > 2**20 * 64  # more than 64 MiB, so the kB unit was applied
+    assert 0 < m["MemAvailable"] <= m["MemTotal"]
+
+
+def test_sb_id_regex():
+    assert run.SB_ID_RE.search("sandlot-sb-0123456789abcdef0123.scope").group(0) == "sb-0123456789abcdef0123"
+    assert run.SB_ID_RE.search("sb-XYZ") is None
