@@ -129,3 +129,45 @@ def test_meminfo_is_in_bytes_and_consistent():
 def test_sb_id_regex():
     assert run.SB_ID_RE.search("sandlot-sb-0123456789abcdef0123.scope").group(0) == "sb-0123456789abcdef0123"
     assert run.SB_ID_RE.search("sb-XYZ") is None
+
+
+def test_sandbox_cgroups_sums_a_real_memory_cgroup():
+    """Root + a memory cgroup controller: make a cgroup named like a sandbox, charge ~32 MiB
+    to it from a child process, and check the harness finds it and reads the charge."""
+    import os
+    import secrets
+    import subprocess
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root to create a cgroup")
+    version, root = run.cgroup_layout()
+    if not root.exists():
+        pytest.skip(f"no memory cgroup controller at {root}")
+    sid = "sb-" + secrets.token_hex(10)
+    cg = root / f"bench-test-{sid}"
+    cg.mkdir()
+    child = None
+    try:
+        # The child joins the cgroup itself, then touches 32 MiB and waits.
+        code = (
+            f"open('{cg}/cgroup.procs','w').write(str(__import__('os').getpid()));"
+            "b=bytearray(32*1024*1024);b[::4096]=b'x'*len(b[::4096]);"
+            "print('ready',flush=True);__import__('sys').stdin.read()"
+        )
+        child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert child.stdout.readline().strip() == "ready"
+        found = run.sandbox_cgroups({sid})
+        assert list(found) == [str(cg)]
+        assert found[str(cg)] >= 32 * 2**20
+        assert run.sandbox_cgroups({"sb-" + "0" * 20}) == {}
+    finally:
+        if child:
+            child.stdin.close()
+            child.wait(timeout=10)
+        for _ in range(50):
+            try:
+                cg.rmdir()
+                break
+            except OSError:
+                time.sleep(0.1)
+    assert run.sandbox_cgroups({sid}) == {}
