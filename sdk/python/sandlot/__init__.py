@@ -1,0 +1,35 @@
+"""Python SDK of Sandlot, isolated sandboxes for AI agents (HTTP API v1).
+
+Start::
+
+    import sandlot
+    client = sandlot.Client()                      # SANDLOT_URL or http://127.0.0.1:7070
+    with client.create(memory_mib=256) as sb:      # backend="function", image="python"
+        r = sb.exec("python3 -c 'print(6*7)'")
+        assert r.exit_code == 0 and r.stdout == b"42\\n"
+        sb.write_file("data.bin", b"\\x00\\x01")   # relative to /workspace
+    res = client.run_code("print(1)", language="python")   # SandboxFusion /run_code
+    assert res.status == "Success"
+
+:class:`AsyncClient` / :class:`AsyncSandbox` mirror the same methods as coroutines.
+Errors are :class:`SandlotError` subclasses named after the server's stable codes.
+"""
+
+from .aio import AsyncClient, AsyncSandbox
+from .client import Client, Sandbox
+from .errors import (Conflict, DeadlineExceeded, InternalError, InvalidArgument, NotFound,
+                     PayloadTooLarge, PermissionDenied, ProtocolError, ResourceExhausted,
+                     SandlotError, TransportError, Unauthenticated, Unavailable)
+from .models import (CommandRunResult, ExecEvent, ExecResult, FileEntry, RunCodeResult,
+                     StderrChunk, StdoutChunk)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AsyncClient", "AsyncSandbox", "Client", "Sandbox",
+    "SandlotError", "InvalidArgument", "NotFound", "Conflict", "ResourceExhausted",
+    "DeadlineExceeded", "Unavailable", "PermissionDenied", "Unauthenticated",
+    "PayloadTooLarge", "InternalError", "TransportError", "ProtocolError",
+    "ExecResult", "ExecEvent", "StdoutChunk", "StderrChunk", "FileEntry",
+    "RunCodeResult", "CommandRunResult",
+]

@@ -1,0 +1,260 @@
+"""Asyncio client of the Sandlot HTTP API v1; mirrors :mod:`sandlot.client` method for method
+(keep the two in step)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, AsyncIterator, Dict, List, Mapping, Optional, Sequence
+
+import httpx
+
+from . import _base
+from .errors import ProtocolError, SandlotError, TransportError
+from .models import (Command, Data, ExecEvent, ExecResult, FileEntry, RunCodeResult,
+                     create_body, exec_body, label_params, parse_exec_event, run_code_body,
+                     to_bytes)
+
+
+class AsyncClient:
+    """A connection pool to one Sandlot server, for asyncio; share one per event loop.
+
+    Args:
+        url: base URL, e.g. ``http://127.0.0.1:7070``; default env ``SANDLOT_URL``, else
+            ``http://127.0.0.1:7070``.
+        timeout: seconds allowed for a plain call; calls that run work (exec, run_code)
+            get their own work time on top of it.
+        retries: how many times a call answered 429 ``resource_exhausted`` (or whose
+            connection could not be set up) is sent again, after ``Retry-After`` or a
+            backoff. Such calls did nothing on the server, so retrying is safe.
+        headers: extra headers on every request (e.g. ``Authorization``).
+
+    Errors: every method raises a :class:`~sandlot.errors.SandlotError` subclass named after
+    the server's error code, :class:`~sandlot.errors.TransportError` when no answer came.
+    """
+
+    def __init__(self, url: Optional[str] = None, timeout: float = 30.0, retries: int = 3,
+                 headers: Optional[Mapping[str, str]] = None) -> None:
+        self.url = _base.resolve_url(url)
+        self.timeout = float(timeout)
+        self.retries = int(retries)
+        self._http = httpx.AsyncClient(base_url=self.url, timeout=_base.call_timeout(self.timeout, 0),
+                                  limits=_base.http_limits(), headers=dict(headers or {}))
+
+    # -- plumbing ---------------------------------------------------------------------
+    async def _request(self, method: str, path: str, *, work_s: Optional[float] = None,
+                 **kw: Any) -> httpx.Response:
+        attempt = 0
+        while True:
+            try:
+                resp = await self._http.request(method, path,
+                                          timeout=_base.call_timeout(self.timeout, work_s), **kw)
+                return _base.check(resp)
+            except SandlotError as e:
+                if attempt >= self.retries or not _base.is_retryable(e):
+                    raise
+                err: Optional[SandlotError] = e
+            except httpx.HTTPError as e:
+                if attempt >= self.retries or not _base.is_retryable(e):
+                    raise TransportError(f"{method} {self.url}{path}: {e!r}") from e
+                err = None
+            await asyncio.sleep(_base.retry_delay(attempt, err))
+            attempt += 1
+
+    async def aclose(self) -> None:
+        """Close the connection pool."""
+        await self._http.aclose()
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.aclose()
+
+    # -- API ---------------------------------------------------------------------------
+    async def ping(self) -> bool:
+        """``GET /v1/ping``; True when the server answers ``pong``."""
+        return (await self._request("GET", "/v1/ping")).text.strip() == "pong"
+
+    async def create(self, backend: str = "function", image: str = "python", cpu: Optional[float] = None,
+               memory_mib: Optional[int] = None, disk_mib: Optional[int] = None,
+               pids_max: Optional[int] = None, ttl_s: Optional[int] = None,
+               env: Optional[Mapping[str, str]] = None, labels: Optional[Mapping[str, str]] = None,
+               idempotency_key: Optional[str] = None) -> "AsyncSandbox":
+        """Create a sandbox (``POST /v1/sandboxes``) and return it once running.
+
+        Unset limits take the server defaults (cpu 1 core, memory 512 MiB, pids 256,
+        ttl 600 s; ``ttl_s=0`` means no TTL). The same ``idempotency_key`` returns the
+        same sandbox instead of a second one.
+
+        Raises:
+            InvalidArgument: unknown backend or a value out of range.
+            NotFound: unknown image.  Unavailable: backend not available on this host.
+            ResourceExhausted: node capacity exhausted (after ``retries``).
+        """
+        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else None
+        body = create_body(backend, image, cpu, memory_mib, disk_mib, pids_max, ttl_s, env,
+                           labels)
+        resp = await self._request("POST", "/v1/sandboxes", json=body, headers=headers, work_s=60)
+        return AsyncSandbox(self, _base.json_of(resp))
+
+    async def get(self, sandbox_id: str) -> "AsyncSandbox":
+        """``GET /v1/sandboxes/{id}``. Raises NotFound for an unknown id."""
+        return AsyncSandbox(self, _base.json_of(await self._request("GET", _base.sandbox_path(sandbox_id))))
+
+    async def list(self, labels: Optional[Mapping[str, str]] = None) -> List["AsyncSandbox"]:
+        """Sandboxes whose labels include every ``labels`` pair, oldest first."""
+        resp = await self._request("GET", "/v1/sandboxes", params=label_params(labels))
+        body = _base.json_of(resp)
+        try:
+            return [AsyncSandbox(self, d) for d in body["sandboxes"]]
+        except (KeyError, TypeError) as e:
+            raise ProtocolError(f"bad sandbox list {body!r:.300}") from e
+
+    async def delete(self, sandbox_id: str) -> None:
+        """Delete a sandbox (``DELETE /v1/sandboxes/{id}``); no error when already gone."""
+        await self._request("DELETE", _base.sandbox_path(sandbox_id), work_s=30)
+
+    async def run_code(self, code: str, language: str = "python", compile_timeout: float = 10,
+                 run_timeout: float = 10, memory_limit_mb: int = -1,
+                 stdin: Optional[str] = None, files: Optional[Mapping[str, Data]] = None,
+                 fetch_files: Optional[Sequence[str]] = None) -> RunCodeResult:
+        """One-shot ``POST /run_code`` (SandboxFusion-compatible) in a fresh sandbox.
+
+        Args:
+            code: program source.  language: ``python``, ``bash`` or ``cpp``.
+            compile_timeout, run_timeout: seconds.  memory_limit_mb: MB, -1 = default.
+            stdin: text fed to the program.  files: path → content written first
+                (relative to the working directory).  fetch_files: paths returned in
+                ``result.files`` as bytes.
+
+        Returns the verdict; a program failure is ``status == "Failed"`` and a Sandlot
+        failure ``status == "SandboxError"`` (neither raises).
+
+        Raises:
+            InvalidArgument: unknown language or bad limits.  ResourceExhausted /
+            DeadlineExceeded: server overloaded (after ``retries``).
+        """
+        body = run_code_body(code, language, compile_timeout, run_timeout, memory_limit_mb,
+                             stdin, files, fetch_files)
+        resp = await self._request("POST", "/run_code", json=body,
+                             work_s=float(compile_timeout) + float(run_timeout) + 30)
+        return RunCodeResult.from_json(_base.json_of(resp))
+
+
+class AsyncSandbox(_base.SandboxFields):
+    """A sandbox handle; attributes are those of the API's Sandbox (see SandboxFields);
+    methods are coroutines.
+
+    Used as an async context manager, the sandbox is deleted on exit. Paths are inside the
+    sandbox; relative ones are relative to ``/workspace``.
+    """
+
+    def __init__(self, client: AsyncClient, data: Mapping[str, Any]) -> None:
+        self._client = client
+        self._update(data)
+
+    async def __aenter__(self) -> "AsyncSandbox":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.delete()
+
+    def _path(self, suffix: str = "") -> str:
+        return _base.sandbox_path(self.id, suffix)
+
+    async def refresh(self) -> "AsyncSandbox":
+        """Re-read the attributes from the server. Raises NotFound when gone."""
+        self._update(_base.json_of(await self._client._request("GET", self._path())))
+        return self
+
+    async def keepalive(self, ttl_s: Optional[int] = None) -> "AsyncSandbox":
+        """Push expiry to now + ``ttl_s`` seconds (default: the sandbox's own ``ttl_s``)."""
+        body: Dict[str, Any] = {} if ttl_s is None else {"ttl_s": ttl_s}
+        self._update(_base.json_of(await self._client._request("POST", self._path("/keepalive"),
+                                                         json=body)))
+        return self
+
+    async def delete(self) -> None:
+        """Delete the sandbox (kills everything in it); no error when already gone."""
+        await self._client.delete(self.id)
+
+    async def exec(self, cmd: Command, cwd: Optional[str] = None,
+             env: Optional[Mapping[str, str]] = None, stdin: Optional[Data] = None,
+             timeout_s: Optional[float] = None,
+             max_output_bytes: Optional[int] = None) -> ExecResult:
+        """Run a command to completion and return its :class:`ExecResult`.
+
+        Args:
+            cmd: argv list, or a shell string run as ``/bin/sh -c``.
+            cwd: working directory (default ``/workspace``).  env: extra variables.
+            stdin: bytes (or text, UTF-8) fed to the command; without it stdin is /dev/null.
+            timeout_s: wall-clock limit in seconds (server default 60, range (0, 86400]);
+                on expiry the whole process tree is killed and ``timed_out`` is set.
+            max_output_bytes: cap on kept bytes per stream (default 1 MiB, head+tail kept).
+
+        A command that fails (non-zero exit, signal, timeout, OOM) is a result, not an
+        exception. Raises NotFound (sandbox gone), InvalidArgument (bad cwd or limits).
+        """
+        body = exec_body(cmd, cwd, env, stdin, timeout_s, max_output_bytes)
+        resp = await self._client._request("POST", self._path("/exec"), json=body,
+                                     work_s=timeout_s or _base.DEFAULT_EXEC_TIMEOUT_S)
+        return ExecResult.from_json(_base.json_of(resp))
+
+    async def exec_stream(self, cmd: Command, cwd: Optional[str] = None,
+                    env: Optional[Mapping[str, str]] = None, stdin: Optional[Data] = None,
+                    timeout_s: Optional[float] = None,
+                    max_output_bytes: Optional[int] = None) -> AsyncIterator[ExecEvent]:
+        """Like :meth:`exec`, streamed: yields :class:`StdoutChunk`/:class:`StderrChunk`
+        (``.data`` bytes) as the command writes, then exactly one :class:`ExecResult` whose
+        ``stdout``/``stderr`` are empty (the bytes already came as chunks).
+
+        Raises the error of an ``error`` event, or of a non-2xx answer, while iterating.
+        """
+        body = exec_body(cmd, cwd, env, stdin, timeout_s, max_output_bytes)
+        timeout = _base.call_timeout(self._client.timeout,
+                                     timeout_s or _base.DEFAULT_EXEC_TIMEOUT_S)
+        try:
+            async with self._client._http.stream("POST", self._path("/exec"),
+                                           params={"stream": "true"}, json=body,
+                                           timeout=timeout) as resp:
+                if not resp.is_success:
+                    await resp.aread()
+                    _base.check(resp)
+                ended = False
+                async for line in resp.aiter_lines():
+                    if not line.strip():
+                        continue
+                    ev = parse_exec_event(line)
+                    yield ev
+                    if isinstance(ev, ExecResult):
+                        ended = True
+                if not ended:
+                    raise ProtocolError("exec stream ended without an exit record")
+        except httpx.HTTPError as e:
+            raise TransportError(f"POST {self._path('/exec')}?stream=true: {e!r}") from e
+
+    async def write_file(self, path: str, data: Data) -> None:
+        """Write ``data`` (bytes, or text as UTF-8) to ``path`` atomically, creating parent
+        directories. Raises InvalidArgument (path escapes or is a directory),
+        PayloadTooLarge (over the server's size limit)."""
+        await self._client._request("PUT", self._path("/files"), params={"path": path},
+                              content=to_bytes(data), work_s=60,
+                              headers={"Content-Type": "application/octet-stream"})
+
+    async def read_file(self, path: str) -> bytes:
+        """The exact bytes of ``path``. Raises NotFound when missing."""
+        return (await self._client._request("GET", self._path("/files"), params={"path": path},
+                                            work_s=60)).content
+
+    async def list_dir(self, path: str = ".") -> List[FileEntry]:
+        """Entries of directory ``path``, sorted by name. Raises NotFound when missing."""
+        body = _base.json_of(await self._client._request("GET", self._path("/files/list"),
+                                                   params={"path": path}))
+        try:
+            return [FileEntry.from_json(e) for e in body["entries"]]
+        except (KeyError, TypeError) as e:
+            raise ProtocolError(f"bad file list {body!r:.300}") from e
+
+    async def remove(self, path: str) -> None:
+        """Remove a file, or a directory recursively."""
+        await self._client._request("DELETE", self._path("/files"), params={"path": path}, work_s=30)

@@ -1,0 +1,258 @@
+"""Synchronous client of the Sandlot HTTP API v1 (DESIGN.md, "HTTP API v1")."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence
+
+import httpx
+
+from . import _base
+from .errors import ProtocolError, SandlotError, TransportError
+from .models import (Command, Data, ExecEvent, ExecResult, FileEntry, RunCodeResult,
+                     create_body, exec_body, label_params, parse_exec_event, run_code_body,
+                     to_bytes)
+
+
+class Client:
+    """A connection pool to one Sandlot server. Thread-safe; share one per process.
+
+    Args:
+        url: base URL, e.g. ``http://127.0.0.1:7070``; default env ``SANDLOT_URL``, else
+            ``http://127.0.0.1:7070``.
+        timeout: seconds allowed for a plain call; calls that run work (exec, run_code)
+            get their own work time on top of it.
+        retries: how many times a call answered 429 ``resource_exhausted`` (or whose
+            connection could not be set up) is sent again, after ``Retry-After`` or a
+            backoff. Such calls did nothing on the server, so retrying is safe.
+        headers: extra headers on every request (e.g. ``Authorization``).
+
+    Errors: every method raises a :class:`~sandlot.errors.SandlotError` subclass named after
+    the server's error code, :class:`~sandlot.errors.TransportError` when no answer came.
+    """
+
+    def __init__(self, url: Optional[str] = None, timeout: float = 30.0, retries: int = 3,
+                 headers: Optional[Mapping[str, str]] = None) -> None:
+        self.url = _base.resolve_url(url)
+        self.timeout = float(timeout)
+        self.retries = int(retries)
+        self._http = httpx.Client(base_url=self.url, timeout=_base.call_timeout(self.timeout, 0),
+                                  limits=_base.http_limits(), headers=dict(headers or {}))
+
+    # -- plumbing ---------------------------------------------------------------------
+    def _request(self, method: str, path: str, *, work_s: Optional[float] = None,
+                 **kw: Any) -> httpx.Response:
+        attempt = 0
+        while True:
+            try:
+                resp = self._http.request(method, path,
+                                          timeout=_base.call_timeout(self.timeout, work_s), **kw)
+                return _base.check(resp)
+            except SandlotError as e:
+                if attempt >= self.retries or not _base.is_retryable(e):
+                    raise
+                err: Optional[SandlotError] = e
+            except httpx.HTTPError as e:
+                if attempt >= self.retries or not _base.is_retryable(e):
+                    raise TransportError(f"{method} {self.url}{path}: {e!r}") from e
+                err = None
+            time.sleep(_base.retry_delay(attempt, err))
+            attempt += 1
+
+    def close(self) -> None:
+        """Close the connection pool."""
+        self._http.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- API ---------------------------------------------------------------------------
+    def ping(self) -> bool:
+        """``GET /v1/ping``; True when the server answers ``pong``."""
+        return self._request("GET", "/v1/ping").text.strip() == "pong"
+
+    def create(self, backend: str = "function", image: str = "python", cpu: Optional[float] = None,
+               memory_mib: Optional[int] = None, disk_mib: Optional[int] = None,
+               pids_max: Optional[int] = None, ttl_s: Optional[int] = None,
+               env: Optional[Mapping[str, str]] = None, labels: Optional[Mapping[str, str]] = None,
+               idempotency_key: Optional[str] = None) -> "Sandbox":
+        """Create a sandbox (``POST /v1/sandboxes``) and return it once running.
+
+        Unset limits take the server defaults (cpu 1 core, memory 512 MiB, pids 256,
+        ttl 600 s; ``ttl_s=0`` means no TTL). The same ``idempotency_key`` returns the
+        same sandbox instead of a second one.
+
+        Raises:
+            InvalidArgument: unknown backend or a value out of range.
+            NotFound: unknown image.  Unavailable: backend not available on this host.
+            ResourceExhausted: node capacity exhausted (after ``retries``).
+        """
+        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else None
+        body = create_body(backend, image, cpu, memory_mib, disk_mib, pids_max, ttl_s, env,
+                           labels)
+        resp = self._request("POST", "/v1/sandboxes", json=body, headers=headers, work_s=60)
+        return Sandbox(self, _base.json_of(resp))
+
+    def get(self, sandbox_id: str) -> "Sandbox":
+        """``GET /v1/sandboxes/{id}``. Raises NotFound for an unknown id."""
+        return Sandbox(self, _base.json_of(self._request("GET", _base.sandbox_path(sandbox_id))))
+
+    def list(self, labels: Optional[Mapping[str, str]] = None) -> List["Sandbox"]:
+        """Sandboxes whose labels include every ``labels`` pair, oldest first."""
+        resp = self._request("GET", "/v1/sandboxes", params=label_params(labels))
+        body = _base.json_of(resp)
+        try:
+            return [Sandbox(self, d) for d in body["sandboxes"]]
+        except (KeyError, TypeError) as e:
+            raise ProtocolError(f"bad sandbox list {body!r:.300}") from e
+
+    def delete(self, sandbox_id: str) -> None:
+        """Delete a sandbox (``DELETE /v1/sandboxes/{id}``); no error when already gone."""
+        self._request("DELETE", _base.sandbox_path(sandbox_id), work_s=30)
+
+    def run_code(self, code: str, language: str = "python", compile_timeout: float = 10,
+                 run_timeout: float = 10, memory_limit_mb: int = -1,
+                 stdin: Optional[str] = None, files: Optional[Mapping[str, Data]] = None,
+                 fetch_files: Optional[Sequence[str]] = None) -> RunCodeResult:
+        """One-shot ``POST /run_code`` (SandboxFusion-compatible) in a fresh sandbox.
+
+        Args:
+            code: program source.  language: ``python``, ``bash`` or ``cpp``.
+            compile_timeout, run_timeout: seconds.  memory_limit_mb: MB, -1 = default.
+            stdin: text fed to the program.  files: path → content written first
+                (relative to the working directory).  fetch_files: paths returned in
+                ``result.files`` as bytes.
+
+        Returns the verdict; a program failure is ``status == "Failed"`` and a Sandlot
+        failure ``status == "SandboxError"`` (neither raises).
+
+        Raises:
+            InvalidArgument: unknown language or bad limits.  ResourceExhausted /
+            DeadlineExceeded: server overloaded (after ``retries``).
+        """
+        body = run_code_body(code, language, compile_timeout, run_timeout, memory_limit_mb,
+                             stdin, files, fetch_files)
+        resp = self._request("POST", "/run_code", json=body,
+                             work_s=float(compile_timeout) + float(run_timeout) + 30)
+        return RunCodeResult.from_json(_base.json_of(resp))
+
+
+class Sandbox(_base.SandboxFields):
+    """A sandbox handle; attributes are those of the API's Sandbox (see SandboxFields).
+
+    Used as a context manager, the sandbox is deleted on exit. Paths are inside the
+    sandbox; relative ones are relative to ``/workspace``.
+    """
+
+    def __init__(self, client: Client, data: Mapping[str, Any]) -> None:
+        self._client = client
+        self._update(data)
+
+    def __enter__(self) -> "Sandbox":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.delete()
+
+    def _path(self, suffix: str = "") -> str:
+        return _base.sandbox_path(self.id, suffix)
+
+    def refresh(self) -> "Sandbox":
+        """Re-read the attributes from the server. Raises NotFound when gone."""
+        self._update(_base.json_of(self._client._request("GET", self._path())))
+        return self
+
+    def keepalive(self, ttl_s: Optional[int] = None) -> "Sandbox":
+        """Push expiry to now + ``ttl_s`` seconds (default: the sandbox's own ``ttl_s``)."""
+        body: Dict[str, Any] = {} if ttl_s is None else {"ttl_s": ttl_s}
+        self._update(_base.json_of(self._client._request("POST", self._path("/keepalive"),
+                                                         json=body)))
+        return self
+
+    def delete(self) -> None:
+        """Delete the sandbox (kills everything in it); no error when already gone."""
+        self._client.delete(self.id)
+
+    def exec(self, cmd: Command, cwd: Optional[str] = None,
+             env: Optional[Mapping[str, str]] = None, stdin: Optional[Data] = None,
+             timeout_s: Optional[float] = None,
+             max_output_bytes: Optional[int] = None) -> ExecResult:
+        """Run a command to completion and return its :class:`ExecResult`.
+
+        Args:
+            cmd: argv list, or a shell string run as ``/bin/sh -c``.
+            cwd: working directory (default ``/workspace``).  env: extra variables.
+            stdin: bytes (or text, UTF-8) fed to the command; without it stdin is /dev/null.
+            timeout_s: wall-clock limit in seconds (server default 60, range (0, 86400]);
+                on expiry the whole process tree is killed and ``timed_out`` is set.
+            max_output_bytes: cap on kept bytes per stream (default 1 MiB, head+tail kept).
+
+        A command that fails (non-zero exit, signal, timeout, OOM) is a result, not an
+        exception. Raises NotFound (sandbox gone), InvalidArgument (bad cwd or limits).
+        """
+        body = exec_body(cmd, cwd, env, stdin, timeout_s, max_output_bytes)
+        resp = self._client._request("POST", self._path("/exec"), json=body,
+                                     work_s=timeout_s or _base.DEFAULT_EXEC_TIMEOUT_S)
+        return ExecResult.from_json(_base.json_of(resp))
+
+    def exec_stream(self, cmd: Command, cwd: Optional[str] = None,
+                    env: Optional[Mapping[str, str]] = None, stdin: Optional[Data] = None,
+                    timeout_s: Optional[float] = None,
+                    max_output_bytes: Optional[int] = None) -> Iterator[ExecEvent]:
+        """Like :meth:`exec`, streamed: yields :class:`StdoutChunk`/:class:`StderrChunk`
+        (``.data`` bytes) as the command writes, then exactly one :class:`ExecResult` whose
+        ``stdout``/``stderr`` are empty (the bytes already came as chunks).
+
+        Raises the error of an ``error`` event, or of a non-2xx answer, while iterating.
+        """
+        body = exec_body(cmd, cwd, env, stdin, timeout_s, max_output_bytes)
+        timeout = _base.call_timeout(self._client.timeout,
+                                     timeout_s or _base.DEFAULT_EXEC_TIMEOUT_S)
+        try:
+            with self._client._http.stream("POST", self._path("/exec"),
+                                           params={"stream": "true"}, json=body,
+                                           timeout=timeout) as resp:
+                if not resp.is_success:
+                    resp.read()
+                    _base.check(resp)
+                ended = False
+                for line in resp.iter_lines():
+                    if not line.strip():
+                        continue
+                    ev = parse_exec_event(line)
+                    yield ev
+                    if isinstance(ev, ExecResult):
+                        ended = True
+                if not ended:
+                    raise ProtocolError("exec stream ended without an exit record")
+        except httpx.HTTPError as e:
+            raise TransportError(f"POST {self._path('/exec')}?stream=true: {e!r}") from e
+
+    def write_file(self, path: str, data: Data) -> None:
+        """Write ``data`` (bytes, or text as UTF-8) to ``path`` atomically, creating parent
+        directories. Raises InvalidArgument (path escapes or is a directory),
+        PayloadTooLarge (over the server's size limit)."""
+        self._client._request("PUT", self._path("/files"), params={"path": path},
+                              content=to_bytes(data), work_s=60,
+                              headers={"Content-Type": "application/octet-stream"})
+
+    def read_file(self, path: str) -> bytes:
+        """The exact bytes of ``path``. Raises NotFound when missing."""
+        return self._client._request("GET", self._path("/files"), params={"path": path},
+                                     work_s=60).content
+
+    def list_dir(self, path: str = ".") -> List[FileEntry]:
+        """Entries of directory ``path``, sorted by name. Raises NotFound when missing."""
+        body = _base.json_of(self._client._request("GET", self._path("/files/list"),
+                                                   params={"path": path}))
+        try:
+            return [FileEntry.from_json(e) for e in body["entries"]]
+        except (KeyError, TypeError) as e:
+            raise ProtocolError(f"bad file list {body!r:.300}") from e
+
+    def remove(self, path: str) -> None:
+        """Remove a file, or a directory recursively."""
+        self._client._request("DELETE", self._path("/files"), params={"path": path}, work_s=30)

@@ -1,0 +1,340 @@
+"""Typed results of the Sandlot HTTP API v1 and the request builders shared by the sync and
+async clients.
+
+Field names follow the wire types in ``crates/sandlot-api/src/*.rs``; bytes that travel as
+base64 on the wire (``stdout_b64``, ``stdin_b64``, ``files``) are plain ``bytes`` here.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
+
+from .errors import ERROR_CLASSES, ProtocolError, SandlotError
+
+#: A command: an argv list (``PATH`` searched for ``argv[0]``) or a shell string (``sh -c``).
+Command = Union[str, Sequence[str]]
+#: Bytes, or text sent as UTF-8.
+Data = Union[bytes, bytearray, memoryview, str]
+
+
+def to_bytes(data: Data) -> bytes:
+    """``data`` as bytes; ``str`` is encoded as UTF-8."""
+    if isinstance(data, str):
+        return data.encode("utf-8")
+    return bytes(data)
+
+
+def _b64(data: Data) -> str:
+    return base64.b64encode(to_bytes(data)).decode("ascii")
+
+
+def _exact(text: Optional[str], b64: Optional[str]) -> bytes:
+    """Exact bytes of a stream: ``b64`` decoded when present, else ``text`` as UTF-8."""
+    if b64 is not None:
+        return base64.b64decode(b64)
+    return (text or "").encode("utf-8")
+
+
+@dataclass
+class ExecResult:
+    """Result of ``Sandbox.exec`` (and the last event of ``Sandbox.exec_stream``).
+
+    Attributes:
+        exit_code: the process's own code; 128+n when killed by signal n; 127 when the
+            command was not found, 126 when it could not be executed.
+        signal: signal number that killed the process, or ``None``.
+        timed_out: the timeout expired and the whole process tree was killed.
+        oom_killed: the kernel's OOM killer killed a process of this exec.
+        duration_ms: wall-clock duration, milliseconds.
+        stdout: exact stdout bytes kept (head + tail when ``truncated``). Empty in the
+            result of a streamed exec (the bytes came as chunks).
+        stderr: exact stderr bytes kept, likewise.
+        stdout_bytes: total bytes the process wrote to stdout (before the cap).
+        stderr_bytes: total bytes written to stderr.
+        truncated: some output was dropped by the head+tail cap.
+        replayed: the result came from the trajectory log without executing.
+    """
+
+    exit_code: int
+    signal: Optional[int] = None
+    timed_out: bool = False
+    oom_killed: bool = False
+    duration_ms: float = 0.0
+    stdout: bytes = b""
+    stderr: bytes = b""
+    stdout_bytes: int = 0
+    stderr_bytes: int = 0
+    truncated: bool = False
+    replayed: bool = False
+
+    @property
+    def text(self) -> str:
+        """Stdout decoded as UTF-8 (invalid bytes replaced by U+FFFD)."""
+        return self.stdout.decode("utf-8", "replace")
+
+    @property
+    def stdout_text(self) -> str:
+        """Same as :attr:`text`."""
+        return self.text
+
+    @property
+    def stderr_text(self) -> str:
+        """Stderr decoded as UTF-8 (invalid bytes replaced by U+FFFD)."""
+        return self.stderr.decode("utf-8", "replace")
+
+    @property
+    def ok(self) -> bool:
+        """True when the command exited 0 without timeout."""
+        return self.exit_code == 0 and not self.timed_out
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "ExecResult":
+        """Parse the wire ``ExecResult`` (``crates/sandlot-api/src/exec.rs``).
+
+        Raises:
+            ProtocolError: a required field is missing or has the wrong type.
+        """
+        try:
+            return cls(
+                exit_code=int(d["exit_code"]),
+                signal=None if d.get("signal") is None else int(d["signal"]),
+                timed_out=bool(d.get("timed_out", False)),
+                oom_killed=bool(d.get("oom_killed", False)),
+                duration_ms=float(d.get("duration_ms", 0.0)),
+                stdout=_exact(d.get("stdout"), d.get("stdout_b64")),
+                stderr=_exact(d.get("stderr"), d.get("stderr_b64")),
+                stdout_bytes=int(d.get("stdout_bytes", 0)),
+                stderr_bytes=int(d.get("stderr_bytes", 0)),
+                truncated=bool(d.get("truncated", False)),
+                replayed=bool(d.get("replayed", False)),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise ProtocolError(f"bad ExecResult {dict(d)!r:.300}: {e}") from e
+
+
+@dataclass
+class StdoutChunk:
+    """A chunk of stdout from ``Sandbox.exec_stream``; ``data`` holds the exact bytes."""
+
+    data: bytes
+
+
+@dataclass
+class StderrChunk:
+    """A chunk of stderr from ``Sandbox.exec_stream``; ``data`` holds the exact bytes."""
+
+    data: bytes
+
+
+#: One item of ``exec_stream``: chunks, then exactly one :class:`ExecResult`.
+ExecEvent = Union[StdoutChunk, StderrChunk, ExecResult]
+
+
+def parse_exec_event(line: Union[str, bytes]) -> ExecEvent:
+    """Parse one NDJSON line of ``POST /v1/sandboxes/{id}/exec?stream=true``.
+
+    Returns a chunk or the final :class:`ExecResult`.
+
+    Raises:
+        SandlotError subclass: the line is an ``error`` event (infrastructure failure).
+        ProtocolError: the line is not a known event.
+    """
+    try:
+        ev = json.loads(line)
+        kind = ev["type"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ProtocolError(f"bad exec stream line {line!r:.300}: {e}") from e
+    if kind == "stdout":
+        return StdoutChunk(_exact(ev.get("data"), ev.get("data_b64")))
+    if kind == "stderr":
+        return StderrChunk(_exact(ev.get("data"), ev.get("data_b64")))
+    if kind == "exit":
+        return ExecResult.from_json(ev["result"])
+    if kind == "error":
+        err = ev.get("error") or {}
+        code = str(err.get("code", "internal"))
+        cls = ERROR_CLASSES.get(code, SandlotError)
+        raise cls(str(err.get("message", "")), code=code if cls is SandlotError else None)
+    raise ProtocolError(f"unknown exec stream event type {kind!r}")
+
+
+@dataclass
+class FileEntry:
+    """One entry of ``Sandbox.list_dir``.
+
+    Attributes:
+        name: file name (not the full path).
+        type: ``"file"``, ``"dir"``, ``"symlink"`` (not followed) or ``"other"``.
+        size: size in bytes.
+        mode: permission bits, e.g. ``0o644``.
+        mtime: modification time, seconds since the Unix epoch.
+    """
+
+    name: str
+    type: str
+    size: int
+    mode: int
+    mtime: int
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "FileEntry":
+        """Parse the wire ``FileEntry``."""
+        try:
+            return cls(str(d["name"]), str(d["type"]), int(d["size"]), int(d["mode"]),
+                       int(d["mtime"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ProtocolError(f"bad FileEntry {dict(d)!r:.300}: {e}") from e
+
+
+@dataclass
+class CommandRunResult:
+    """One step (compile or run) of ``run_code``, SandboxFusion's ``CommandRunResult``.
+
+    Attributes:
+        status: ``"Finished"`` (exited, any code), ``"Error"`` (could not run) or
+            ``"TimeLimitExceeded"``.
+        execution_time: wall-clock seconds, or ``None``.
+        return_code: exit code (128+n for signal n), or ``None``.
+        stdout: stdout text, or ``None``.
+        stderr: stderr text, or ``None``.
+    """
+
+    status: str
+    execution_time: Optional[float] = None
+    return_code: Optional[int] = None
+    stdout: Optional[str] = None
+    stderr: Optional[str] = None
+
+    @classmethod
+    def from_json(cls, d: Optional[Mapping[str, Any]]) -> Optional["CommandRunResult"]:
+        """Parse the wire object; ``None`` stays ``None``."""
+        if d is None:
+            return None
+        return cls(
+            status=str(d.get("status")),
+            execution_time=d.get("execution_time"),
+            return_code=d.get("return_code"),
+            stdout=d.get("stdout"),
+            stderr=d.get("stderr"),
+        )
+
+
+@dataclass
+class RunCodeResult:
+    """Answer of ``run_code`` (SandboxFusion's ``RunCodeResponse``).
+
+    Attributes:
+        status: ``"Success"``, ``"Failed"`` (the program's own failure: compile error,
+            non-zero exit, time limit) or ``"SandboxError"`` (Sandlot failed; the program's
+            verdict is unknown).
+        message: explanation for ``Failed``/``SandboxError``; empty on success.
+        compile_result: compile step, for compiled languages.
+        run_result: run step; ``None`` when compilation failed.
+        executor_pod_name: node that ran it.
+        files: fetched files, path → exact bytes (base64-decoded).
+    """
+
+    status: str
+    message: str = ""
+    compile_result: Optional[CommandRunResult] = None
+    run_result: Optional[CommandRunResult] = None
+    executor_pod_name: Optional[str] = None
+    files: Dict[str, bytes] = field(default_factory=dict)
+
+    @property
+    def success(self) -> bool:
+        """True when ``status == "Success"``."""
+        return self.status == "Success"
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "RunCodeResult":
+        """Parse the wire ``RunCodeResponse``."""
+        try:
+            return cls(
+                status=str(d["status"]),
+                message=str(d.get("message") or ""),
+                compile_result=CommandRunResult.from_json(d.get("compile_result")),
+                run_result=CommandRunResult.from_json(d.get("run_result")),
+                executor_pod_name=d.get("executor_pod_name"),
+                files={k: base64.b64decode(v) for k, v in (d.get("files") or {}).items()},
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise ProtocolError(f"bad RunCodeResponse {dict(d)!r:.300}: {e}") from e
+
+
+# Fields of the wire ``Sandbox`` copied onto the SDK's Sandbox objects.
+SANDBOX_FIELDS = (
+    "id", "backend", "image", "state", "node", "created_at", "expires_at", "cpu",
+    "memory_mib", "disk_mib", "pids_max", "ttl_s", "labels", "network", "trajectory",
+)
+
+
+def _put(body: Dict[str, Any], key: str, value: Any) -> None:
+    if value is not None:
+        body[key] = value
+
+
+def create_body(
+    backend: str, image: str, cpu: Optional[float], memory_mib: Optional[int],
+    disk_mib: Optional[int], pids_max: Optional[int], ttl_s: Optional[int],
+    env: Optional[Mapping[str, str]], labels: Optional[Mapping[str, str]],
+) -> Dict[str, Any]:
+    """JSON body of ``POST /v1/sandboxes``; unset fields are left to the server's defaults."""
+    body: Dict[str, Any] = {"backend": backend, "image": image}
+    _put(body, "cpu", cpu)
+    _put(body, "memory_mib", memory_mib)
+    _put(body, "disk_mib", disk_mib)
+    _put(body, "pids_max", pids_max)
+    _put(body, "ttl_s", ttl_s)
+    if env:
+        body["env"] = dict(env)
+    if labels:
+        body["labels"] = dict(labels)
+    return body
+
+
+def exec_body(
+    cmd: Command, cwd: Optional[str], env: Optional[Mapping[str, str]],
+    stdin: Optional[Data], timeout_s: Optional[float], max_output_bytes: Optional[int],
+) -> Dict[str, Any]:
+    """JSON body of ``POST /v1/sandboxes/{id}/exec``."""
+    if isinstance(cmd, (bytes, bytearray)):
+        raise TypeError("cmd must be a str (shell string) or a sequence of str (argv)")
+    body: Dict[str, Any] = {"cmd": cmd if isinstance(cmd, str) else [str(a) for a in cmd]}
+    _put(body, "cwd", cwd)
+    if env:
+        body["env"] = dict(env)
+    if stdin is not None:
+        body["stdin_b64"] = _b64(stdin)
+    _put(body, "timeout_s", timeout_s)
+    _put(body, "max_output_bytes", max_output_bytes)
+    return body
+
+
+def run_code_body(
+    code: str, language: str, compile_timeout: float, run_timeout: float,
+    memory_limit_mb: int, stdin: Optional[str], files: Optional[Mapping[str, Data]],
+    fetch_files: Optional[Sequence[str]],
+) -> Dict[str, Any]:
+    """JSON body of ``POST /run_code`` (SandboxFusion field names, e.g. ``memory_limit_MB``)."""
+    body: Dict[str, Any] = {
+        "code": code,
+        "language": language,
+        "compile_timeout": compile_timeout,
+        "run_timeout": run_timeout,
+        "memory_limit_MB": memory_limit_mb,
+    }
+    _put(body, "stdin", stdin)
+    if files:
+        body["files"] = {path: _b64(data) for path, data in files.items()}
+    if fetch_files:
+        body["fetch_files"] = list(fetch_files)
+    return body
+
+
+def label_params(labels: Optional[Mapping[str, str]]) -> List[tuple]:
+    """Query parameters of ``GET /v1/sandboxes?label=k=v`` (one per label, all must match)."""
+    return [("label", f"{k}={v}") for k, v in (labels or {}).items()]

@@ -1,0 +1,263 @@
+"""End-to-end fixtures: drive the real `sandlot up` binary through the Python SDK.
+
+Environment:
+    SANDLOT_BIN         the `sandlot` binary (default target/release/sandlot, else
+                        target/debug/sandlot).
+    SANDLOT_IMAGES_DIR  image store passed to `sandlot up --images-dir`
+                        (default /var/lib/sandlot/images).
+    SANDLOT_E2E_LOG_DIR where server logs are kept (default: a pytest temp dir).
+
+Tests that need something missing (the binary, root, the `python` image) call pytest.skip
+with the reason, so `pytest -rs` lists every skip and why.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Dict, Iterator, List, Optional
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "sdk" / "python"))  # works without `pip install -e sdk/python`
+
+import sandlot  # noqa: E402
+
+IMAGES_DIR = os.environ.get("SANDLOT_IMAGES_DIR", "/var/lib/sandlot/images")
+READY_DEADLINE_S = 60.0
+
+
+def find_binary() -> Optional[Path]:
+    """SANDLOT_BIN, else target/release/sandlot, else target/debug/sandlot."""
+    env = os.environ.get("SANDLOT_BIN")
+    if env:
+        return Path(env) if Path(env).is_file() else None
+    for p in (REPO / "target" / "release" / "sandlot", REPO / "target" / "debug" / "sandlot"):
+        if p.is_file() and os.access(p, os.X_OK):
+            return p
+    return None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(pred: Callable[[], bool], timeout: float, interval: float = 0.05,
+               what: str = "condition") -> None:
+    """Poll ``pred`` until it is true; fail the test after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if pred():
+            return
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+        interval = min(interval * 1.5, 1.0)
+
+
+class Server:
+    """One `sandlot up` process on a free port with its own data directory."""
+
+    def __init__(self, binary: Path, data_dir: Path, log_path: Path,
+                 port: Optional[int] = None) -> None:
+        self.binary = binary
+        self.data_dir = data_dir
+        self.log_path = log_path
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: Optional[subprocess.Popen] = None
+
+    def start(self) -> None:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")
+        log.write(f"\n===== start {time.strftime('%H:%M:%S')} =====\n".encode())
+        log.flush()
+        cmd = [str(self.binary), "up", "--listen", f"127.0.0.1:{self.port}",
+               "--data-dir", str(self.data_dir), "--images-dir", IMAGES_DIR]
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL)
+        log.close()
+        client = sandlot.Client(self.url, timeout=2, retries=0)
+        deadline = time.monotonic() + READY_DEADLINE_S
+        try:
+            while True:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"`{' '.join(cmd)}` exited with {self.proc.returncode}"
+                                       f"\n{self.log_tail()}")
+                try:
+                    if client.ping():
+                        return
+                except sandlot.SandlotError:
+                    pass
+                if time.monotonic() > deadline:
+                    self.kill()
+                    raise RuntimeError(f"`sandlot up` not ready after {READY_DEADLINE_S}s"
+                                       f"\n{self.log_tail()}")
+                time.sleep(0.05)
+        finally:
+            client.close()
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> Optional[int]:
+        """Send ``sig`` and wait for the exit; SIGKILL after ``timeout``. Returns the code."""
+        if self.proc is None or self.proc.poll() is not None:
+            return None if self.proc is None else self.proc.returncode
+        self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise RuntimeError(f"`sandlot up` ignored signal {sig} for {timeout}s; killed"
+                               f"\n{self.log_tail()}")
+
+    def kill(self) -> None:
+        """kill -9, as a crash would."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def restart(self, sig: int = signal.SIGTERM) -> None:
+        if sig == signal.SIGKILL:
+            self.kill()
+        else:
+            self.stop(sig)
+        self.start()
+
+    def log_tail(self, n: int = 60) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return "(no log)"
+        return f"--- tail of {self.log_path} ---\n" + "\n".join(lines[-n:])
+
+
+def count_leaks(data_dir: Path) -> Dict[str, int]:
+    """Host resources that outlive sandboxes if cleanup is broken.
+
+    Keys: ``cgroups`` (dirs under /sys/fs/cgroup/*/sandlot/ and /sys/fs/cgroup/sandlot/
+    on v2), ``sandbox_dirs`` (entries of DATA/sandboxes), ``mounts`` (mountinfo lines
+    naming DATA), ``guests`` (processes whose cmdline contains `sandlot-guest`).
+    """
+    cg = 0
+    root = Path("/sys/fs/cgroup")
+    for base in [root / "sandlot"] + [p / "sandlot" for p in root.glob("*") if p.is_dir()]:
+        if base.is_dir():
+            for _dirpath, dirnames, _ in os.walk(base):
+                cg += len(dirnames)
+    sb_dir = data_dir / "sandboxes"
+    dirs = len(list(sb_dir.iterdir())) if sb_dir.is_dir() else 0
+    data_s = str(data_dir)
+    try:
+        mounts = sum(1 for line in open("/proc/self/mountinfo") if data_s in line)
+    except OSError:
+        mounts = 0
+    guests = 0
+    for p in Path("/proc").glob("[0-9]*"):
+        try:
+            if b"sandlot-guest" in (p / "cmdline").read_bytes():
+                guests += 1
+        except OSError:
+            pass
+    return {"cgroups": cg, "sandbox_dirs": dirs, "mounts": mounts, "guests": guests}
+
+
+def host_processes_matching(needle: bytes) -> List[int]:
+    """Pids of host processes whose NUL-joined cmdline contains ``needle``."""
+    out = []
+    for p in Path("/proc").glob("[0-9]*"):
+        try:
+            if needle in (p / "cmdline").read_bytes():
+                out.append(int(p.name))
+        except (OSError, ValueError):
+            pass
+    return out
+
+
+@pytest.fixture(scope="session")
+def binary() -> Path:
+    b = find_binary()
+    if b is None:
+        pytest.skip("no `sandlot` binary: set SANDLOT_BIN or run `cargo build -p sandlot-cli`")
+    return b
+
+
+@pytest.fixture(scope="session")
+def log_dir(tmp_path_factory) -> Path:
+    d = os.environ.get("SANDLOT_E2E_LOG_DIR")
+    if d:
+        Path(d).mkdir(parents=True, exist_ok=True)
+        return Path(d)
+    return tmp_path_factory.mktemp("logs")
+
+
+@pytest.fixture(scope="session")
+def server(binary, tmp_path_factory, log_dir) -> Iterator[Server]:
+    """The shared `sandlot up` of the session (SIGTERM at the end; log tail on failure)."""
+    if os.geteuid() != 0:
+        pytest.skip("end-to-end tests need root (namespaces, cgroups, overlay mounts)")
+    srv = Server(binary, tmp_path_factory.mktemp("data"), log_dir / "sandlot-up.log")
+    try:
+        srv.start()
+    except RuntimeError as e:
+        pytest.fail(f"could not start `sandlot up`: {e}")
+    yield srv
+    try:
+        code = srv.stop()
+        print(f"\n`sandlot up` exited with {code}; log: {srv.log_path}")
+    except RuntimeError as e:
+        print(e)
+
+
+@pytest.fixture(scope="session")
+def client(server) -> Iterator[sandlot.Client]:
+    c = sandlot.Client(server.url, timeout=60)
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="session")
+def python_image(client, server) -> str:
+    """Skip unless a `python` sandbox can be created here (image present, backend works)."""
+    try:
+        sb = client.create(image="python", memory_mib=128, ttl_s=120)
+    except (sandlot.NotFound, sandlot.Unavailable) as e:
+        pytest.skip(f"no usable `python` image in {IMAGES_DIR} "
+                    f"(run scripts/setup.sh or `sandlot image build python`): {e}")
+    try:
+        r = sb.exec(["python3", "-c", "print('ready')"], timeout_s=30)
+        if r.exit_code != 0:
+            pytest.fail(f"python image present but python3 fails: {r}\n{server.log_tail()}")
+    finally:
+        sb.delete()
+    return "python"
+
+
+@pytest.fixture
+def sb(client, python_image, server, request) -> Iterator[sandlot.Sandbox]:
+    """A fresh python sandbox (128 MiB, 1 core, 5 min TTL), deleted after the test."""
+    box = client.create(image=python_image, memory_mib=128, ttl_s=300,
+                        labels={"test": request.node.name[:60]})
+    yield box
+    try:
+        box.delete()
+    except sandlot.SandlotError as e:
+        print(f"cleanup of {box.id} failed: {e}")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """On a failed test, print the tail of the server log (kept in the log dir)."""
+    outcome = yield
+    rep = outcome.get_result()
+    if rep.when == "call" and rep.failed:
+        srv = item.funcargs.get("server") if hasattr(item, "funcargs") else None
+        if isinstance(srv, Server):
+            rep.sections.append(("sandlot up log", srv.log_tail()))

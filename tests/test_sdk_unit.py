@@ -1,0 +1,194 @@
+"""Unit tests of the SDK's pure logic (wire parsing, error mapping, request shapes).
+
+These need no server: the HTTP layer is a named fake (`FakeServer`, an httpx.MockTransport
+handler) that records requests and answers canned JSON in the wire shapes of
+crates/sandlot-api. Everything end-to-end lives in the other test files.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+
+import httpx
+import pytest
+
+import sandlot
+from sandlot.errors import error_from_response
+from sandlot.models import parse_exec_event
+
+SB = {"id": "sb-0123456789abcdef0123", "backend": "function", "image": "python",
+      "state": "running", "node": "n1", "created_at": "2026-01-01T00:00:00Z",
+      "expires_at": None, "cpu": 1.0, "memory_mib": 512, "disk_mib": 1024, "pids_max": 256,
+      "ttl_s": 0, "labels": {"a": "b"}, "network": "none", "trajectory": None}
+
+
+class FakeServer:
+    """Fake HTTP layer for unit tests only: records requests, replies from `routes`."""
+
+    def __init__(self, routes):
+        self.routes = routes
+        self.requests = []
+
+    def __call__(self, req: httpx.Request) -> httpx.Response:
+        self.requests.append(req)
+        return self.routes(req)
+
+
+def fake_client(routes, **kw) -> tuple:
+    fake = FakeServer(routes)
+    c = sandlot.Client("http://fake", **kw)
+    c._http = httpx.Client(base_url="http://fake", transport=httpx.MockTransport(fake))
+    return c, fake
+
+
+def test_error_body_maps_to_class_and_fields():
+    e = error_from_response(404, b'{"error":{"code":"not_found","message":"no sb-1"}}', {})
+    assert isinstance(e, sandlot.NotFound) and e.code == "not_found"
+    assert e.message == "no sb-1" and e.status == 404
+    e = error_from_response(429, b'{"error":{"code":"resource_exhausted","message":"busy"}}',
+                            {"retry-after": "2"})
+    assert isinstance(e, sandlot.ResourceExhausted) and e.retry_after == 2.0
+    # A body that is not the API's shape falls back on the status.
+    e = error_from_response(413, b"length limit exceeded", {})
+    assert isinstance(e, sandlot.PayloadTooLarge) and "length limit" in e.message
+    e = error_from_response(502, b"", {})
+    assert isinstance(e, sandlot.InternalError)
+    # An unknown code stays visible.
+    e = error_from_response(400, b'{"error":{"code":"brand_new","message":"m"}}', {})
+    assert isinstance(e, sandlot.InvalidArgument) and e.code == "brand_new"
+
+
+def test_every_wire_code_has_a_class():
+    codes = ["invalid_argument", "not_found", "conflict", "resource_exhausted",
+             "deadline_exceeded", "unavailable", "permission_denied", "unauthenticated",
+             "payload_too_large", "internal"]
+    for code in codes:
+        body = json.dumps({"error": {"code": code, "message": "x"}}).encode()
+        e = error_from_response(400, body, {})
+        assert e.code == code and type(e) is not sandlot.SandlotError
+
+
+def test_exec_result_prefers_exact_b64_bytes():
+    raw = b"\xff\xfe ok \x80"
+    r = sandlot.ExecResult.from_json({
+        "exit_code": 3, "signal": None, "timed_out": False, "oom_killed": False,
+        "duration_ms": 1.5, "stdout": raw.decode("utf-8", "replace"),
+        "stdout_b64": base64.b64encode(raw).decode(), "stderr": "é\n", "stdout_bytes": 7,
+        "stderr_bytes": 3, "truncated": False, "replayed": False})
+    assert r.stdout == raw and r.stderr == "é\n".encode() and r.stderr_text == "é\n"
+    assert r.exit_code == 3 and not r.ok and r.stdout_bytes == 7
+
+
+def test_stream_events_parse_and_error_event_raises():
+    assert parse_exec_event('{"type":"stdout","data":"hi"}') == sandlot.StdoutChunk(b"hi")
+    ev = parse_exec_event('{"type":"stderr","data":"?","data_b64":"/w=="}')
+    assert ev == sandlot.StderrChunk(b"\xff")
+    ev = parse_exec_event('{"type":"exit","result":{"exit_code":0,"duration_ms":1,'
+                          '"stdout":"","stderr":"","stdout_bytes":2,"stderr_bytes":0,'
+                          '"timed_out":false,"oom_killed":false,"truncated":false,'
+                          '"replayed":false,"signal":null}}')
+    assert isinstance(ev, sandlot.ExecResult) and ev.stdout_bytes == 2
+    with pytest.raises(sandlot.Unavailable):
+        parse_exec_event('{"type":"error","error":{"code":"unavailable","message":"gone"}}')
+    with pytest.raises(sandlot.ProtocolError):
+        parse_exec_event("not json")
+
+
+def test_request_shapes_match_the_wire_types():
+    def routes(req):
+        if req.url.path == "/v1/sandboxes" and req.method == "POST":
+            return httpx.Response(201, json=SB)
+        if req.url.path.endswith("/exec"):
+            return httpx.Response(200, json={"exit_code": 0, "duration_ms": 1, "stdout": "",
+                                             "stderr": "", "stdout_bytes": 0,
+                                             "stderr_bytes": 0, "truncated": False,
+                                             "replayed": False, "timed_out": False,
+                                             "oom_killed": False, "signal": None})
+        if req.url.path == "/run_code":
+            return httpx.Response(200, json={"status": "Success", "message": "",
+                                             "compile_result": None, "run_result": None,
+                                             "executor_pod_name": "n1",
+                                             "files": {"o.txt": "aGk="}})
+        if req.url.path == "/v1/sandboxes":
+            return httpx.Response(200, json={"sandboxes": [SB]})
+        return httpx.Response(204)
+
+    c, fake = fake_client(routes)
+    sb = c.create(memory_mib=64, labels={"k": "v"}, idempotency_key="key-1")
+    assert sb.id == SB["id"] and sb.labels == {"a": "b"} and sb.state == "running"
+    create = fake.requests[-1]
+    assert json.loads(create.content) == {"backend": "function", "image": "python",
+                                          "memory_mib": 64, "labels": {"k": "v"}}
+    assert create.headers["idempotency-key"] == "key-1"
+    sb.exec(["cat"], stdin=b"\x00\xff", timeout_s=2.5, env={"A": "1"})
+    body = json.loads(fake.requests[-1].content)
+    assert body == {"cmd": ["cat"], "env": {"A": "1"}, "stdin_b64": "AP8=", "timeout_s": 2.5}
+    sb.exec("echo hi")
+    assert json.loads(fake.requests[-1].content) == {"cmd": "echo hi"}
+    sb.write_file("dir with space/ü.txt", "x")
+    put = fake.requests[-1]
+    assert put.method == "PUT" and put.url.params["path"] == "dir with space/ü.txt"
+    res = c.run_code("print(1)", files={"in.txt": b"\x01"}, fetch_files=["o.txt"])
+    body = json.loads(fake.requests[-1].content)
+    assert body["memory_limit_MB"] == -1 and body["files"] == {"in.txt": "AQ=="}
+    assert res.success and res.files == {"o.txt": b"hi"}
+    assert [s.id for s in c.list(labels={"a": "b", "c": "d"})] == [SB["id"]]
+    assert fake.requests[-1].url.params.get_list("label") == ["a=b", "c=d"]
+
+
+def test_429_is_retried_after_retry_after():
+    calls = []
+
+    def routes(req):
+        calls.append(1)
+        if len(calls) < 3:
+            return httpx.Response(429, headers={"Retry-After": "0"},
+                                  json={"error": {"code": "resource_exhausted", "message": "b"}})
+        return httpx.Response(200, json={"status": "Success", "message": "", "files": {}})
+
+    c, _ = fake_client(routes, retries=3)
+    assert c.run_code("print(1)").success and len(calls) == 3
+    c, _ = fake_client(routes, retries=0)
+    calls.clear()
+    with pytest.raises(sandlot.ResourceExhausted):
+        c.run_code("x")
+
+
+def test_transport_error_when_nothing_listens():
+    with socket_closed_port() as port:
+        c = sandlot.Client(f"http://127.0.0.1:{port}", timeout=2, retries=1)
+        with pytest.raises(sandlot.TransportError):
+            c.ping()
+
+
+def test_async_client_mirrors_sync():
+    async def main():
+        fake = FakeServer(lambda req: httpx.Response(201, json=SB) if req.method == "POST"
+                          else httpx.Response(404, json={"error": {"code": "not_found",
+                                                                   "message": "gone"}}))
+        c = sandlot.AsyncClient("http://fake")
+        c._http = httpx.AsyncClient(base_url="http://fake", transport=httpx.MockTransport(fake))
+        sb = await c.create()
+        assert isinstance(sb, sandlot.AsyncSandbox) and sb.id == SB["id"]
+        with pytest.raises(sandlot.NotFound):
+            await sb.refresh()
+        await c.aclose()
+
+    asyncio.run(main())
+
+
+class socket_closed_port:
+    """A port number that nothing listens on (bound then closed)."""
+
+    def __enter__(self):
+        import socket
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        self.port = s.getsockname()[1]
+        s.close()
+        return self.port
+
+    def __exit__(self, *exc):
+        return False
