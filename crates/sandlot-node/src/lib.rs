@@ -7,7 +7,9 @@
 #![deny(missing_docs)]
 #![warn(clippy::undocumented_unsafe_blocks)]
 
+pub mod cgroups;
 pub mod files;
 pub mod node;
+pub mod output;
 
 pub use node::{ExecSink, Node, NodeError, NodeInfo, NodeResult, SandboxSpec, SandboxStatus};

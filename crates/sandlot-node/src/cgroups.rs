@@ -1,0 +1,688 @@
+//! Control groups for sandboxes, on cgroup v1 (one hierarchy per controller) and v2 (unified).
+//!
+//! Layout (kernel docs: `Documentation/admin-guide/cgroup-v1/*.rst`, `cgroup-v2.rst`):
+//!
+//! * v1: `/sys/fs/cgroup/<ctrl>/sandlot/<id>` in each of `memory`, `cpu`, `cpuacct` (when it
+//!   is a separate hierarchy), `pids` and `freezer`; per-exec children
+//!   `/sys/fs/cgroup/<ctrl>/sandlot/<id>/x<n>` in every one of them. The exec's memory child
+//!   has no limit of its own: with `memory.use_hierarchy=1` it is charged against the
+//!   sandbox's limit.
+//! * v2: `/sys/fs/cgroup/sandlot/<id>` with `+memory +cpu +pids` enabled in the
+//!   `cgroup.subtree_control` of `/sys/fs/cgroup` and `/sys/fs/cgroup/sandlot`; per-exec
+//!   children `/sys/fs/cgroup/sandlot/<id>/x<n>` without controllers of their own (so the
+//!   sandbox's init may stay in the sandbox group itself: the "no internal processes" rule
+//!   only applies once controllers are enabled for children).
+//!
+//! Killing a group: v2 writes `1` to `cgroup.kill`; v1 freezes the group (`freezer.state`
+//! `FROZEN`), sends SIGKILL to every pid of `cgroup.procs`, thaws, and repeats until the
+//! group is empty. Freezing first means no process can fork a new one between our read of
+//! `cgroup.procs` and the kill (a fork bomb cannot outrun the loop).
+use crate::node::{NodeError, NodeResult};
+use std::fs;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+/// Name of the parent group under which every sandbox group lives.
+pub const PARENT: &str = "sandlot";
+
+/// CFS period used for the CPU quota, microseconds.
+pub const CPU_PERIOD_US: u64 = 100_000;
+
+/// Which cgroup interface the host offers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CgroupVersion {
+    /// One hierarchy per controller under `/sys/fs/cgroup/<ctrl>`.
+    V1,
+    /// The unified hierarchy at `/sys/fs/cgroup`.
+    V2,
+}
+
+impl CgroupVersion {
+    /// `"v1"` or `"v2"`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CgroupVersion::V1 => "v1",
+            CgroupVersion::V2 => "v2",
+        }
+    }
+}
+
+/// v1 controllers a sandbox uses; `cpuacct` only when it is its own hierarchy.
+const V1_CONTROLLERS: [&str; 5] = ["memory", "cpu", "cpuacct", "pids", "freezer"];
+const V1_REQUIRED: [&str; 4] = ["memory", "cpu", "pids", "freezer"];
+
+/// Resource limits of one sandbox.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Limits {
+    /// Memory limit in bytes (swap is not allowed on top of it).
+    pub memory_bytes: u64,
+    /// CPU quota in cores (e.g. `0.5`).
+    pub cpu: f64,
+    /// Maximum number of tasks (processes and threads).
+    pub pids_max: u64,
+}
+
+/// The host's cgroup mount: version and the hierarchies a sandbox uses.
+#[derive(Debug, Clone)]
+pub struct CgroupRoot {
+    version: CgroupVersion,
+    /// v1: `(controller, hierarchy mount)`; v2: one entry `("unified", /sys/fs/cgroup)`.
+    hierarchies: Vec<(&'static str, PathBuf)>,
+}
+
+impl CgroupRoot {
+    /// Detect the cgroup version under `/sys/fs/cgroup`.
+    ///
+    /// # Errors
+    /// `Unavailable` when neither a v2 mount with controllers nor the v1 controllers
+    /// memory, cpu, pids and freezer are present.
+    pub fn detect() -> NodeResult<CgroupRoot> {
+        Self::detect_at(Path::new("/sys/fs/cgroup"))
+    }
+
+    /// [`CgroupRoot::detect`] with another mount point (for hosts that mount it elsewhere).
+    ///
+    /// # Errors
+    /// As [`CgroupRoot::detect`].
+    pub fn detect_at(root: &Path) -> NodeResult<CgroupRoot> {
+        // v2 = the mount point itself is cgroup2 and offers controllers.
+        let is_cgroup2 = nix::sys::statfs::statfs(root)
+            .map(|s| s.filesystem_type() == nix::sys::statfs::CGROUP2_SUPER_MAGIC)
+            .unwrap_or(false);
+        if is_cgroup2 {
+            let ctrls = fs::read_to_string(root.join("cgroup.controllers")).unwrap_or_default();
+            let have: Vec<&str> = ctrls.split_whitespace().collect();
+            for need in ["memory", "cpu", "pids"] {
+                if !have.contains(&need) {
+                    return Err(NodeError::Unavailable(format!(
+                        "cgroup v2 at {} lacks the {need} controller (has: {ctrls:?})",
+                        root.display()
+                    )));
+                }
+            }
+            return Ok(CgroupRoot {
+                version: CgroupVersion::V2,
+                hierarchies: vec![("unified", root.to_path_buf())],
+            });
+        }
+        let mut hierarchies: Vec<(&'static str, PathBuf)> = Vec::new();
+        for ctrl in V1_CONTROLLERS {
+            let p = root.join(ctrl);
+            // `cpu` and `cpuacct` may be links to one `cpu,cpuacct` hierarchy: dedupe.
+            let Ok(canon) = fs::canonicalize(&p) else {
+                if V1_REQUIRED.contains(&ctrl) {
+                    return Err(NodeError::Unavailable(format!(
+                        "cgroup v1 controller {ctrl} is not mounted at {}",
+                        p.display()
+                    )));
+                }
+                continue;
+            };
+            if !canon.join("cgroup.procs").exists() {
+                if V1_REQUIRED.contains(&ctrl) {
+                    return Err(NodeError::Unavailable(format!(
+                        "{} is not a cgroup v1 hierarchy",
+                        canon.display()
+                    )));
+                }
+                continue;
+            }
+            if !hierarchies.iter().any(|(_, h)| *h == canon) {
+                hierarchies.push((ctrl, canon));
+            }
+        }
+        Ok(CgroupRoot {
+            version: CgroupVersion::V1,
+            hierarchies,
+        })
+    }
+
+    /// The detected version.
+    pub fn version(&self) -> CgroupVersion {
+        self.version
+    }
+
+    /// The group of sandbox `id` (not created yet).
+    pub fn sandbox(&self, id: &str) -> SandboxCgroup {
+        SandboxCgroup {
+            group: Cgroup {
+                version: self.version,
+                dirs: self
+                    .hierarchies
+                    .iter()
+                    .map(|(c, h)| (*c, h.join(PARENT).join(id)))
+                    .collect(),
+            },
+        }
+    }
+
+    /// Ids of every sandbox group that exists under `sandlot/` in any hierarchy.
+    pub fn list_sandboxes(&self) -> Vec<String> {
+        let mut ids: Vec<String> = Vec::new();
+        for (_, h) in &self.hierarchies {
+            let Ok(rd) = fs::read_dir(h.join(PARENT)) else {
+                continue;
+            };
+            for e in rd.flatten() {
+                if e.file_type().map(|t| t.is_dir()).unwrap_or(false) {
+                    let name = e.file_name().to_string_lossy().into_owned();
+                    if !ids.contains(&name) {
+                        ids.push(name);
+                    }
+                }
+            }
+        }
+        ids.sort();
+        ids
+    }
+
+    /// Create the `sandlot` parent groups (v2: and enable the controllers for children).
+    ///
+    /// # Errors
+    /// `Internal` with the path that could not be created or written.
+    pub fn ensure_parent(&self) -> NodeResult<()> {
+        for (ctrl, h) in &self.hierarchies {
+            let parent = h.join(PARENT);
+            mkdir(&parent)?;
+            match self.version {
+                CgroupVersion::V1 => {
+                    if *ctrl == "memory" {
+                        // Children must be charged against their parents' limits. It is the
+                        // default on recent kernels (and cannot be changed there).
+                        let _ = write_file(&parent.join("memory.use_hierarchy"), "1");
+                    }
+                }
+                CgroupVersion::V2 => {
+                    write_file(&h.join("cgroup.subtree_control"), "+memory +cpu +pids")?;
+                    write_file(&parent.join("cgroup.subtree_control"), "+memory +cpu +pids")?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A set of directories that form one logical group: one per v1 hierarchy, or one v2 dir.
+#[derive(Debug, Clone)]
+pub struct Cgroup {
+    version: CgroupVersion,
+    dirs: Vec<(&'static str, PathBuf)>,
+}
+
+impl Cgroup {
+    fn dir(&self, ctrl: &str) -> Option<&Path> {
+        match self.version {
+            CgroupVersion::V2 => self.dirs.first().map(|(_, d)| d.as_path()),
+            CgroupVersion::V1 => self
+                .dirs
+                .iter()
+                .find(|(c, _)| *c == ctrl)
+                .map(|(_, d)| d.as_path()),
+        }
+    }
+
+    /// Directories of this group (one per hierarchy).
+    pub fn dirs(&self) -> impl Iterator<Item = &Path> {
+        self.dirs.iter().map(|(_, d)| d.as_path())
+    }
+
+    /// The `cgroup.procs` files a process writes its pid into to join this group (one per
+    /// hierarchy).
+    pub fn procs_files(&self) -> Vec<PathBuf> {
+        self.dirs
+            .iter()
+            .map(|(_, d)| d.join("cgroup.procs"))
+            .collect()
+    }
+
+    /// Whether any directory of the group exists.
+    pub fn exists(&self) -> bool {
+        self.dirs.iter().any(|(_, d)| d.exists())
+    }
+
+    fn create(&self) -> NodeResult<()> {
+        for (_, d) in &self.dirs {
+            mkdir(d)?;
+        }
+        Ok(())
+    }
+
+    /// Host pids of the processes in this group (not in its children), over all hierarchies.
+    pub fn pids(&self) -> Vec<i32> {
+        let mut pids = Vec::new();
+        for (_, d) in &self.dirs {
+            if let Ok(s) = fs::read_to_string(d.join("cgroup.procs")) {
+                for p in s.lines().filter_map(|l| l.trim().parse::<i32>().ok()) {
+                    if !pids.contains(&p) {
+                        pids.push(p);
+                    }
+                }
+            }
+        }
+        pids
+    }
+
+    /// True when no process is in the group or its children (a missing group is empty).
+    pub fn is_empty(&self) -> bool {
+        match self.version {
+            CgroupVersion::V2 => match self.dirs.first() {
+                Some((_, d)) => match fs::read_to_string(d.join("cgroup.events")) {
+                    Ok(s) => !s.lines().any(|l| l.trim() == "populated 1"),
+                    Err(_) => true,
+                },
+                None => true,
+            },
+            CgroupVersion::V1 => {
+                self.pids().is_empty() && self.children().iter().all(|c| c.is_empty())
+            }
+        }
+    }
+
+    /// Child groups (named the same in every hierarchy).
+    fn children(&self) -> Vec<Cgroup> {
+        let mut names: Vec<String> = Vec::new();
+        for (_, d) in &self.dirs {
+            if let Ok(rd) = fs::read_dir(d) {
+                for e in rd.flatten() {
+                    if e.file_type().map(|t| t.is_dir()).unwrap_or(false) {
+                        let n = e.file_name().to_string_lossy().into_owned();
+                        if !names.contains(&n) {
+                            names.push(n);
+                        }
+                    }
+                }
+            }
+        }
+        names.iter().map(|n| self.child(n)).collect()
+    }
+
+    fn child(&self, name: &str) -> Cgroup {
+        Cgroup {
+            version: self.version,
+            dirs: self.dirs.iter().map(|(c, d)| (*c, d.join(name))).collect(),
+        }
+    }
+
+    /// OOM kills counted for this group and its descendants (`oom_kill` of
+    /// `memory.oom_control` on v1, of `memory.events` on v2). `None` when unreadable.
+    pub fn oom_kills(&self) -> Option<u64> {
+        let (file, _) = match self.version {
+            CgroupVersion::V1 => (self.dir("memory")?.join("memory.oom_control"), ()),
+            CgroupVersion::V2 => (self.dir("unified")?.join("memory.events"), ()),
+        };
+        let s = fs::read_to_string(file).ok()?;
+        parse_counter(&s, "oom_kill")
+    }
+
+    /// Kill every process of the group and of its children, and wait until it is empty.
+    ///
+    /// # Errors
+    /// `Internal` with the path when the group cannot be frozen/killed, or when processes
+    /// are still there at `deadline`.
+    pub fn kill(&self, deadline: Instant) -> NodeResult<()> {
+        if !self.exists() {
+            return Ok(());
+        }
+        match self.version {
+            CgroupVersion::V2 => self.kill_v2(deadline),
+            CgroupVersion::V1 => {
+                // Children first, then this group's own processes (v1 `cgroup.procs` lists
+                // only the group's direct members).
+                for c in self.children() {
+                    c.kill(deadline)?;
+                }
+                self.kill_v1(deadline)
+            }
+        }
+    }
+
+    fn kill_v2(&self, deadline: Instant) -> NodeResult<()> {
+        let Some(d) = self.dir("unified") else {
+            return Ok(());
+        };
+        let kill_file = d.join("cgroup.kill");
+        loop {
+            if self.is_empty() {
+                return Ok(());
+            }
+            if kill_file.exists() {
+                match write_file(&kill_file, "1") {
+                    Ok(()) => {}
+                    Err(_) if !d.exists() => return Ok(()),
+                    Err(e) => return Err(e),
+                }
+            } else {
+                // Kernels before 5.14 have no cgroup.kill: freeze, kill, thaw.
+                let _ = write_file(&d.join("cgroup.freeze"), "1");
+                for p in self.pids() {
+                    sigkill(p);
+                }
+                let _ = write_file(&d.join("cgroup.freeze"), "0");
+            }
+            if Instant::now() > deadline {
+                return Err(still_there(d));
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+
+    fn kill_v1(&self, deadline: Instant) -> NodeResult<()> {
+        let freezer = self.dir("freezer").map(|d| d.join("freezer.state"));
+        loop {
+            if self.pids().is_empty() {
+                return Ok(());
+            }
+            if let Some(f) = &freezer {
+                if f.exists() {
+                    write_file(f, "FROZEN")?;
+                    // Wait until every task is frozen (FREEZING → FROZEN), with the deadline.
+                    loop {
+                        match fs::read_to_string(f) {
+                            Ok(s) if s.trim() == "FROZEN" => break,
+                            Ok(_) => {}
+                            Err(_) => break,
+                        }
+                        if Instant::now() > deadline {
+                            break;
+                        }
+                        std::thread::sleep(Duration::from_millis(1));
+                    }
+                }
+            }
+            for p in self.pids() {
+                sigkill(p);
+            }
+            if let Some(f) = &freezer {
+                if f.exists() {
+                    // Frozen tasks die once thawed.
+                    write_file(f, "THAWED")?;
+                }
+            }
+            if self.pids().is_empty() {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                return Err(still_there(
+                    self.dirs
+                        .first()
+                        .map(|(_, d)| d.as_path())
+                        .unwrap_or(Path::new("?")),
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+
+    /// Remove the group's directories, children first. Missing directories are fine; EBUSY
+    /// (tasks still exiting) is retried until `deadline`.
+    ///
+    /// # Errors
+    /// `Internal` with the directory that could not be removed.
+    pub fn remove(&self, deadline: Instant) -> NodeResult<()> {
+        for c in self.children() {
+            c.remove(deadline)?;
+        }
+        for (_, d) in &self.dirs {
+            loop {
+                match fs::remove_dir(d) {
+                    Ok(()) => break,
+                    Err(e) if e.kind() == io::ErrorKind::NotFound => break,
+                    Err(e)
+                        if e.raw_os_error() == Some(libc::EBUSY) && Instant::now() < deadline =>
+                    {
+                        std::thread::sleep(Duration::from_millis(5));
+                    }
+                    Err(e) => {
+                        return Err(NodeError::io(format!("remove cgroup {}", d.display()), e))
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// [`Cgroup::kill`] then [`Cgroup::remove`] with one deadline `timeout` from now.
+    ///
+    /// # Errors
+    /// As those two.
+    pub fn destroy(&self, timeout: Duration) -> NodeResult<()> {
+        let deadline = Instant::now() + timeout;
+        self.kill(deadline)?;
+        self.remove(deadline)
+    }
+}
+
+/// The cgroup of one sandbox (all its processes, init included).
+#[derive(Debug, Clone)]
+pub struct SandboxCgroup {
+    group: Cgroup,
+}
+
+impl SandboxCgroup {
+    /// The underlying group.
+    pub fn group(&self) -> &Cgroup {
+        &self.group
+    }
+
+    /// Create the group and apply `limits`.
+    ///
+    /// # Errors
+    /// `Internal` with the path that could not be created or written.
+    pub fn create(&self, limits: &Limits) -> NodeResult<()> {
+        self.group.create()?;
+        self.apply(limits)
+    }
+
+    /// (Re-)apply `limits` to an existing group.
+    ///
+    /// # Errors
+    /// `Internal` with the file that could not be written.
+    pub fn apply(&self, limits: &Limits) -> NodeResult<()> {
+        let g = &self.group;
+        let quota = ((limits.cpu * CPU_PERIOD_US as f64).round() as u64).max(1000);
+        match g.version {
+            CgroupVersion::V1 => {
+                let mem = g.dir("memory").expect("memory hierarchy");
+                write_file(
+                    &mem.join("memory.limit_in_bytes"),
+                    &limits.memory_bytes.to_string(),
+                )?;
+                // Same value for memory+swap, so swap cannot extend the limit. The file is
+                // absent when the kernel has no swap accounting.
+                let memsw = mem.join("memory.memsw.limit_in_bytes");
+                if memsw.exists() {
+                    write_file(&memsw, &limits.memory_bytes.to_string())?;
+                }
+                let cpu = g.dir("cpu").expect("cpu hierarchy");
+                write_file(&cpu.join("cpu.cfs_period_us"), &CPU_PERIOD_US.to_string())?;
+                write_file(&cpu.join("cpu.cfs_quota_us"), &quota.to_string())?;
+                let pids = g.dir("pids").expect("pids hierarchy");
+                write_file(&pids.join("pids.max"), &limits.pids_max.to_string())?;
+            }
+            CgroupVersion::V2 => {
+                let d = g.dir("unified").expect("v2 dir");
+                write_file(&d.join("memory.max"), &limits.memory_bytes.to_string())?;
+                let swap = d.join("memory.swap.max");
+                if swap.exists() {
+                    write_file(&swap, "0")?;
+                }
+                write_file(&d.join("cpu.max"), &format!("{quota} {CPU_PERIOD_US}"))?;
+                write_file(&d.join("pids.max"), &limits.pids_max.to_string())?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The per-exec child group `x<n>` (not created yet).
+    pub fn exec_child(&self, n: u64) -> ExecCgroup {
+        ExecCgroup {
+            group: self.group.child(&format!("x{n}")),
+        }
+    }
+
+    /// Every existing exec child group.
+    pub fn exec_children(&self) -> Vec<Cgroup> {
+        self.group.children()
+    }
+
+    /// Kill every process of the sandbox (children first) within `timeout`.
+    ///
+    /// # Errors
+    /// `Internal` with the path when processes survive.
+    pub fn kill_all(&self, timeout: Duration) -> NodeResult<()> {
+        self.group.kill(Instant::now() + timeout)
+    }
+
+    /// Remove the sandbox group and its children, retrying EBUSY within `timeout`.
+    ///
+    /// # Errors
+    /// `Internal` with the directory that could not be removed.
+    pub fn remove(&self, timeout: Duration) -> NodeResult<()> {
+        self.group.remove(Instant::now() + timeout)
+    }
+}
+
+/// The cgroup of one exec: every process the command starts lands here, so the whole tree
+/// can be killed at once.
+#[derive(Debug, Clone)]
+pub struct ExecCgroup {
+    group: Cgroup,
+}
+
+impl ExecCgroup {
+    /// The underlying group.
+    pub fn group(&self) -> &Cgroup {
+        &self.group
+    }
+
+    /// Create the directories (v1: in every hierarchy; no limits of their own).
+    ///
+    /// # Errors
+    /// `Internal` with the directory that could not be created.
+    pub fn create(&self) -> NodeResult<()> {
+        self.group.create()
+    }
+}
+
+fn still_there(d: &Path) -> NodeError {
+    NodeError::io(
+        format!(
+            "processes remain in cgroup {} after the kill deadline",
+            d.display()
+        ),
+        io::Error::from(io::ErrorKind::TimedOut),
+    )
+}
+
+fn sigkill(pid: i32) {
+    if pid > 0 {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(pid),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+    }
+}
+
+fn mkdir(d: &Path) -> NodeResult<()> {
+    match fs::create_dir(d) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Ok(()),
+        Err(e) => Err(NodeError::io(format!("create cgroup {}", d.display()), e)),
+    }
+}
+
+/// Write `value` to a cgroup (or any) file; the error carries the path.
+///
+/// # Errors
+/// `Internal` with the path.
+pub fn write_file(path: &Path, value: &str) -> NodeResult<()> {
+    fs::write(path, value)
+        .map_err(|e| NodeError::io(format!("write {value:?} to {}", path.display()), e))
+}
+
+/// Value of the line `key N` in a flat-keyed cgroup file (`memory.events`, `oom_control`).
+pub fn parse_counter(text: &str, key: &str) -> Option<u64> {
+    text.lines().find_map(|l| {
+        let mut it = l.split_whitespace();
+        if it.next() == Some(key) {
+            it.next()?.parse().ok()
+        } else {
+            None
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_flat_keyed_counters() {
+        let v1 = "oom_kill_disable 0\nunder_oom 0\noom_kill 3\n";
+        assert_eq!(parse_counter(v1, "oom_kill"), Some(3));
+        assert_eq!(parse_counter(v1, "under_oom"), Some(0));
+        let v2 = "low 0\nhigh 0\nmax 5\noom 2\noom_kill 1\noom_group_kill 0\n";
+        assert_eq!(parse_counter(v2, "oom_kill"), Some(1));
+        assert_eq!(parse_counter(v2, "oom"), Some(2));
+        assert_eq!(parse_counter("", "oom_kill"), None);
+    }
+
+    #[test]
+    fn detects_this_host_and_kills_a_process_tree() {
+        if !nix::unistd::Uid::effective().is_root() {
+            eprintln!("SKIP detects_this_host_and_kills_a_process_tree: needs root");
+            return;
+        }
+        let root = match CgroupRoot::detect() {
+            Ok(r) => r,
+            Err(e) => {
+                eprintln!("SKIP: no usable cgroups: {e}");
+                return;
+            }
+        };
+        root.ensure_parent().unwrap();
+        let id = format!("unit-{}", std::process::id());
+        let sb = root.sandbox(&id);
+        sb.create(&Limits {
+            memory_bytes: 64 << 20,
+            cpu: 0.5,
+            pids_max: 32,
+        })
+        .unwrap();
+        let x = sb.exec_child(1);
+        x.create().unwrap();
+        // A shell that joins the exec group, then leaves a background child behind.
+        let files: Vec<String> = x
+            .group()
+            .procs_files()
+            .iter()
+            .map(|p| p.display().to_string())
+            .collect();
+        let script = format!(
+            "for f in {}; do echo $$ > $f; done; sleep 100 & sleep 100",
+            files.join(" ")
+        );
+        let mut child = std::process::Command::new("/bin/sh")
+            .arg("-c")
+            .arg(script)
+            .spawn()
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while x.group().pids().len() < 2 && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert!(
+            x.group().pids().len() >= 2,
+            "processes joined the exec group"
+        );
+        assert!(!sb.group().is_empty());
+        sb.kill_all(Duration::from_secs(5)).unwrap();
+        let st = child.wait().unwrap();
+        assert!(!st.success());
+        assert!(sb.group().is_empty());
+        sb.remove(Duration::from_secs(5)).unwrap();
+        assert!(!sb.group().exists());
+        assert!(!root.list_sandboxes().contains(&id));
+    }
+}
