@@ -112,11 +112,11 @@ class Server:
         self.proc.send_signal(sig)
         try:
             return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
+        except subprocess.TimeoutExpired as e:
             self.proc.kill()
             self.proc.wait()
             raise RuntimeError(f"`sandlot up` ignored signal {sig} for {timeout}s; killed"
-                               f"\n{self.log_tail()}")
+                               f"\n{self.log_tail()}") from e
 
     def kill(self) -> None:
         """kill -9, as a crash would."""

@@ -69,15 +69,18 @@ def json_of(resp: httpx.Response) -> Any:
 def retry_delay(attempt: int, err: Optional[SandlotError]) -> float:
     """Seconds to wait before retry number ``attempt`` (0-based): the server's
     ``Retry-After`` when given, else exponential backoff with jitter, at most 5 s."""
-    if isinstance(err, ResourceExhausted) and err.retry_after is not None:
+    if err is not None and err.retry_after is not None:
         return min(max(err.retry_after, 0.0), 30.0)
     return min(5.0, 0.1 * (2 ** attempt)) * (0.5 + random.random() / 2)
 
 
 def is_retryable(err: BaseException) -> bool:
-    """True for failures where the server did nothing, so sending again is safe: HTTP 429
-    (overload is answered before any work) and connection setup failures."""
+    """True for failures where the server did nothing, so sending again is safe: HTTP 429,
+    any answer with ``Retry-After`` (overload is answered before any work, e.g. a
+    ``run_code`` that found no free slot: 504 + Retry-After) and connection setup failures."""
     if isinstance(err, ResourceExhausted):
+        return True
+    if isinstance(err, SandlotError) and err.retry_after is not None:
         return True
     return isinstance(err, (httpx.ConnectError, httpx.ConnectTimeout))
 

@@ -37,12 +37,13 @@ class AsyncClient:
         self.url = _base.resolve_url(url)
         self.timeout = float(timeout)
         self.retries = int(retries)
-        self._http = httpx.AsyncClient(base_url=self.url, timeout=_base.call_timeout(self.timeout, 0),
+        self._http = httpx.AsyncClient(base_url=self.url,
+                                       timeout=_base.call_timeout(self.timeout, 0),
                                   limits=_base.http_limits(), headers=dict(headers or {}))
 
     # -- plumbing ---------------------------------------------------------------------
     async def _request(self, method: str, path: str, *, work_s: Optional[float] = None,
-                 **kw: Any) -> httpx.Response:
+                       **kw: Any) -> httpx.Response:
         attempt = 0
         while True:
             try:
@@ -75,11 +76,12 @@ class AsyncClient:
         """``GET /v1/ping``; True when the server answers ``pong``."""
         return (await self._request("GET", "/v1/ping")).text.strip() == "pong"
 
-    async def create(self, backend: str = "function", image: str = "python", cpu: Optional[float] = None,
-               memory_mib: Optional[int] = None, disk_mib: Optional[int] = None,
-               pids_max: Optional[int] = None, ttl_s: Optional[int] = None,
-               env: Optional[Mapping[str, str]] = None, labels: Optional[Mapping[str, str]] = None,
-               idempotency_key: Optional[str] = None) -> "AsyncSandbox":
+    async def create(self, backend: str = "function", image: str = "python",
+                     cpu: Optional[float] = None, memory_mib: Optional[int] = None,
+                     disk_mib: Optional[int] = None, pids_max: Optional[int] = None,
+                     ttl_s: Optional[int] = None, env: Optional[Mapping[str, str]] = None,
+                     labels: Optional[Mapping[str, str]] = None,
+                     idempotency_key: Optional[str] = None) -> "AsyncSandbox":
         """Create a sandbox (``POST /v1/sandboxes``) and return it once running.
 
         Unset limits take the server defaults (cpu 1 core, memory 512 MiB, pids 256,
@@ -99,7 +101,8 @@ class AsyncClient:
 
     async def get(self, sandbox_id: str) -> "AsyncSandbox":
         """``GET /v1/sandboxes/{id}``. Raises NotFound for an unknown id."""
-        return AsyncSandbox(self, _base.json_of(await self._request("GET", _base.sandbox_path(sandbox_id))))
+        resp = await self._request("GET", _base.sandbox_path(sandbox_id))
+        return AsyncSandbox(self, _base.json_of(resp))
 
     async def list(self, labels: Optional[Mapping[str, str]] = None) -> List["AsyncSandbox"]:
         """Sandboxes whose labels include every ``labels`` pair, oldest first."""
@@ -115,9 +118,9 @@ class AsyncClient:
         await self._request("DELETE", _base.sandbox_path(sandbox_id), work_s=30)
 
     async def run_code(self, code: str, language: str = "python", compile_timeout: float = 10,
-                 run_timeout: float = 10, memory_limit_mb: int = -1,
-                 stdin: Optional[str] = None, files: Optional[Mapping[str, Data]] = None,
-                 fetch_files: Optional[Sequence[str]] = None) -> RunCodeResult:
+                       run_timeout: float = 10, memory_limit_mb: int = -1,
+                       stdin: Optional[str] = None, files: Optional[Mapping[str, Data]] = None,
+                       fetch_files: Optional[Sequence[str]] = None) -> RunCodeResult:
         """One-shot ``POST /run_code`` (SandboxFusion-compatible) in a fresh sandbox.
 
         Args:
@@ -179,9 +182,9 @@ class AsyncSandbox(_base.SandboxFields):
         await self._client.delete(self.id)
 
     async def exec(self, cmd: Command, cwd: Optional[str] = None,
-             env: Optional[Mapping[str, str]] = None, stdin: Optional[Data] = None,
-             timeout_s: Optional[float] = None,
-             max_output_bytes: Optional[int] = None) -> ExecResult:
+                   env: Optional[Mapping[str, str]] = None, stdin: Optional[Data] = None,
+                   timeout_s: Optional[float] = None,
+                   max_output_bytes: Optional[int] = None) -> ExecResult:
         """Run a command to completion and return its :class:`ExecResult`.
 
         Args:
@@ -201,9 +204,9 @@ class AsyncSandbox(_base.SandboxFields):
         return ExecResult.from_json(_base.json_of(resp))
 
     async def exec_stream(self, cmd: Command, cwd: Optional[str] = None,
-                    env: Optional[Mapping[str, str]] = None, stdin: Optional[Data] = None,
-                    timeout_s: Optional[float] = None,
-                    max_output_bytes: Optional[int] = None) -> AsyncIterator[ExecEvent]:
+                          env: Optional[Mapping[str, str]] = None, stdin: Optional[Data] = None,
+                          timeout_s: Optional[float] = None,
+                          max_output_bytes: Optional[int] = None) -> AsyncIterator[ExecEvent]:
         """Like :meth:`exec`, streamed: yields :class:`StdoutChunk`/:class:`StderrChunk`
         (``.data`` bytes) as the command writes, then exactly one :class:`ExecResult` whose
         ``stdout``/``stderr`` are empty (the bytes already came as chunks).
@@ -257,4 +260,5 @@ class AsyncSandbox(_base.SandboxFields):
 
     async def remove(self, path: str) -> None:
         """Remove a file, or a directory recursively."""
-        await self._client._request("DELETE", self._path("/files"), params={"path": path}, work_s=30)
+        await self._client._request("DELETE", self._path("/files"), params={"path": path},
+                                    work_s=30)

@@ -1,0 +1,176 @@
+"""Files API end to end (DESIGN.md, "Files"): exact bytes, any UTF-8 path, no escapes."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import uuid
+from pathlib import Path
+
+import pytest
+
+import sandlot
+
+
+def test_binary_round_trip(sb):
+    data = bytes(range(256)) * 64 + os.urandom(4096) + b"\x00\r\n\xff"
+    sb.write_file("bin/data.bin", data)
+    assert sb.read_file("bin/data.bin") == data
+    assert sb.read_file("/workspace/bin/data.bin") == data  # relative = under /workspace
+    r = sb.exec(["sha256sum", "bin/data.bin"])
+    assert r.stdout.split()[0].decode() == hashlib.sha256(data).hexdigest()
+    # A file written inside is read back exactly.
+    sb.exec(["python3", "-c", "open('made.bin','wb').write(bytes(range(255,-1,-1)))"])
+    assert sb.read_file("made.bin") == bytes(range(255, -1, -1))
+
+
+def test_unicode_and_space_paths(sb):
+    path = "dir with space/файл ü 日本 #?&=%.txt"
+    sb.write_file(path, "contenu é\n")
+    assert sb.read_file(path) == "contenu é\n".encode()
+    names = [e.name for e in sb.list_dir("dir with space")]
+    assert names == ["файл ü 日本 #?&=%.txt"]
+    r = sb.exec(["cat", path])
+    assert r.stdout == "contenu é\n".encode()
+
+
+def test_list_dir_entries(sb):
+    sb.write_file("ls/a.txt", b"12345")
+    sb.exec("mkdir -p ls/sub && ln -s a.txt ls/link && chmod 600 ls/a.txt")
+    entries = {e.name: e for e in sb.list_dir("ls")}
+    assert sorted(entries) == ["a.txt", "link", "sub"]
+    assert entries["a.txt"].type == "file" and entries["a.txt"].size == 5
+    assert entries["a.txt"].mode & 0o777 == 0o600
+    assert entries["sub"].type == "dir" and entries["link"].type == "symlink"
+    assert entries["a.txt"].mtime > 1_600_000_000
+
+
+@pytest.mark.parametrize("size", [20 * 1024, 50 * 1024 * 1024], ids=["20KB", "50MB"])
+def test_sizes(sb, size):
+    data = os.urandom(size)
+    sb.write_file(f"size-{size}.bin", data)
+    back = sb.read_file(f"size-{size}.bin")
+    assert len(back) == size and back == data
+    r = sb.exec(["sh", "-c", f"wc -c < size-{size}.bin"])
+    assert int(r.stdout) == size
+
+
+def test_overwrite_and_remove(sb):
+    sb.write_file("x.txt", "one")
+    sb.write_file("x.txt", "two")
+    assert sb.read_file("x.txt") == b"two"
+    sb.remove("x.txt")
+    with pytest.raises(sandlot.NotFound):
+        sb.read_file("x.txt")
+    sb.write_file("tree/a/b/c.txt", "deep")
+    sb.remove("tree")
+    assert sb.exec("test -e tree; echo $?").stdout == b"1\n"
+
+
+def test_missing_file_is_not_found(sb):
+    with pytest.raises(sandlot.NotFound):
+        sb.read_file("no-such-file.txt")
+    with pytest.raises(sandlot.NotFound):
+        sb.list_dir("no-such-dir")
+
+
+@pytest.fixture
+def host_secret(tmp_path_factory):
+    """A host file outside every sandbox, with content no sandbox can know."""
+    d = Path("/tmp") / f"sandlot-host-{uuid.uuid4().hex}"
+    d.mkdir()
+    f = d / "secret.txt"
+    secret = f"HOST-SECRET-{uuid.uuid4().hex}".encode()
+    f.write_bytes(secret)
+    yield f, secret
+    for p in sorted(d.rglob("*"), reverse=True):
+        p.unlink() if not p.is_dir() or p.is_symlink() else p.rmdir()
+    d.rmdir()
+
+
+def _escapes(path_in_host: Path):
+    rel = "../" * 12 + str(path_in_host).lstrip("/")
+    return [rel, "/" + rel, "/workspace/" + rel, "a/../../" + rel]
+
+
+def test_dotdot_read_cannot_escape(sb, host_secret):
+    f, secret = host_secret
+    for p in _escapes(f):
+        try:
+            data = sb.read_file(p)
+        except (sandlot.NotFound, sandlot.InvalidArgument, sandlot.PermissionDenied):
+            continue
+        assert secret not in data, f"read {p!r} returned the host file"
+
+
+def test_dotdot_write_and_remove_cannot_escape(sb, host_secret):
+    f, secret = host_secret
+    planted = f.parent / "planted.txt"
+    for p in _escapes(planted):
+        try:
+            sb.write_file(p, b"pwned")
+        except (sandlot.NotFound, sandlot.InvalidArgument, sandlot.PermissionDenied):
+            pass
+        assert not planted.exists(), f"write {p!r} escaped"
+    for p in _escapes(f):
+        try:
+            sb.remove(p)
+        except (sandlot.NotFound, sandlot.InvalidArgument, sandlot.PermissionDenied):
+            pass
+        assert f.read_bytes() == secret, f"remove {p!r} touched the host file"
+
+
+def test_dotdot_list_cannot_escape(sb, host_secret):
+    f, _ = host_secret
+    for p in _escapes(f.parent):
+        try:
+            names = [e.name for e in sb.list_dir(p)]
+        except (sandlot.NotFound, sandlot.InvalidArgument, sandlot.PermissionDenied):
+            continue
+        assert "secret.txt" not in names, f"list {p!r} showed a host directory"
+
+
+def test_symlink_escapes_refused(sb, host_secret):
+    f, secret = host_secret
+    target = f.parent / "via-link.txt"
+    sb.exec(f"ln -s {f} file-link; ln -s {f.parent} dir-link; ln -s {target} new-link; "
+            f"ln -s / root-link")
+    # Reading through a link that points at a host path.
+    for p in ["file-link", "dir-link/secret.txt", f"root-link{f}"]:
+        try:
+            data = sb.read_file(p)
+        except (sandlot.NotFound, sandlot.InvalidArgument, sandlot.PermissionDenied):
+            continue
+        assert secret not in data, f"read {p!r} followed a symlink onto the host"
+    # Writing through links.
+    for p in ["new-link", "dir-link/planted.txt", f"root-link{f.parent}/planted2.txt",
+              "file-link"]:
+        try:
+            sb.write_file(p, b"pwned")
+        except (sandlot.NotFound, sandlot.InvalidArgument, sandlot.PermissionDenied):
+            pass
+    assert not target.exists()
+    assert not (f.parent / "planted.txt").exists()
+    assert not (f.parent / "planted2.txt").exists()
+    assert f.read_bytes() == secret
+    # Listing through a link.
+    try:
+        names = [e.name for e in sb.list_dir("dir-link")]
+    except (sandlot.NotFound, sandlot.InvalidArgument, sandlot.PermissionDenied):
+        names = []
+    assert "secret.txt" not in names
+    # Removing through a link leaves the host file alone.
+    for p in ["dir-link/secret.txt", f"root-link{f}"]:
+        try:
+            sb.remove(p)
+        except (sandlot.NotFound, sandlot.InvalidArgument, sandlot.PermissionDenied):
+            pass
+    assert f.read_bytes() == secret
+
+
+def test_files_of_one_sandbox_invisible_to_another(client, sb, python_image):
+    sb.write_file("private.txt", "mine")
+    with client.create(image=python_image, memory_mib=64, ttl_s=60) as other:
+        with pytest.raises(sandlot.NotFound):
+            other.read_file("private.txt")
+        assert other.exec("cat /workspace/private.txt").exit_code != 0
