@@ -1,1 +1,274 @@
-//! placeholder
+//! Sandlot control plane: the HTTP API v1 of `../../shared/DESIGN.md` over a [`Node`].
+//!
+//! Start it with [`serve`] (or [`Server::bind`] + [`Server::run`] to learn the bound address
+//! first); test handlers without a socket through [`router`]. Records live in SQLite under
+//! `DATA/sandlot.db` ([`store`]); a reaper deletes sandboxes whose TTL expired; on start the
+//! server asks the node to re-adopt the sandboxes its records say are running
+//! ([`lifecycle`]). Routes, one module per resource:
+//!
+//! | route | module |
+//! |---|---|
+//! | `POST/GET /v1/sandboxes`, `GET/DELETE /v1/sandboxes/{id}`, `POST …/keepalive` | [`sandboxes`] |
+//! | `POST /v1/sandboxes/{id}/exec[?stream=true]` | [`exec`] |
+//! | `PUT/GET/DELETE /v1/sandboxes/{id}/files?path=P`, `GET …/files/list?path=P` | [`files`] |
+//! | `POST /run_code` (SandboxFusion-compatible) | [`run_code`] |
+//! | `GET /v1/ping`, `/healthz`, `/metrics`, `/openapi.json` | [`health`] |
+//!
+//! Errors map to HTTP in one place, [`error`].
+#![deny(missing_docs)]
+
+pub mod error;
+pub mod exec;
+pub mod files;
+pub mod health;
+pub mod lifecycle;
+pub mod run_code;
+pub mod sandboxes;
+pub mod store;
+
+#[cfg(test)]
+mod fake;
+#[cfg(test)]
+mod tests;
+
+use anyhow::Context;
+use axum::extract::{DefaultBodyLimit, MatchedPath};
+use axum::routing::{get, post};
+use axum::Router;
+use sandlot_node::Node;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Server settings. [`ServerConfig::new`] gives the documented defaults.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    /// Address to listen on (default `127.0.0.1:7070`).
+    pub listen: SocketAddr,
+    /// Data directory; the store is `DATA/sandlot.db`.
+    pub data_dir: PathBuf,
+    /// Largest JSON request body in bytes (default 16 MiB); larger → 413 `payload_too_large`.
+    pub max_json_bytes: usize,
+    /// Largest file upload and download in bytes (default 256 MiB); larger → 413 on upload,
+    /// 400 `invalid_argument` from the node on download.
+    pub max_file_bytes: usize,
+    /// `run_code` calls running at once (default max(4, 4 × cores)).
+    pub run_code_concurrency: usize,
+    /// `run_code` calls allowed to wait for a slot (default 256); more → 429 at once.
+    pub run_code_queue: usize,
+    /// Longest wait for a `run_code` slot (default 10 s); then 504 `deadline_exceeded`.
+    pub run_code_wait: Duration,
+    /// Period of the TTL reaper (default 1 s).
+    pub reap_interval: Duration,
+    /// How long an `Idempotency-Key` is remembered (default 24 h).
+    pub idempotency_ttl: Duration,
+    /// How long a clean shutdown waits for in-flight requests (default 10 s).
+    pub shutdown_grace: Duration,
+}
+
+impl ServerConfig {
+    /// Defaults for a data directory.
+    pub fn new(data_dir: PathBuf) -> Self {
+        let cores = std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1);
+        ServerConfig {
+            listen: SocketAddr::from(([127, 0, 0, 1], 7070)),
+            data_dir,
+            max_json_bytes: 16 << 20,
+            max_file_bytes: 256 << 20,
+            run_code_concurrency: (4 * cores).max(4),
+            run_code_queue: 256,
+            run_code_wait: Duration::from_secs(10),
+            reap_interval: Duration::from_secs(1),
+            idempotency_ttl: Duration::from_secs(24 * 3600),
+            shutdown_grace: Duration::from_secs(10),
+        }
+    }
+}
+
+/// Shared state of every handler.
+pub struct AppState {
+    /// Settings.
+    pub cfg: ServerConfig,
+    /// The node running the sandboxes.
+    pub node: Arc<dyn Node>,
+    /// Durable records.
+    pub store: store::Store,
+    /// Name of the node (from [`Node::info`]).
+    pub node_name: String,
+    /// Admission control of `run_code`.
+    pub run_code_gate: run_code::Gate,
+    /// Ids whose `node.create` is in flight in this process; the reaper leaves them to
+    /// their creator, which rolls them back itself.
+    pub creating: std::sync::Mutex<std::collections::HashSet<String>>,
+}
+
+/// Handler state: cheap to clone.
+pub type SharedState = Arc<AppState>;
+
+impl AppState {
+    /// Open the store under `cfg.data_dir` (creating the directory).
+    ///
+    /// # Errors
+    /// The data directory cannot be created or the database cannot be opened.
+    pub fn open(cfg: ServerConfig, node: Arc<dyn Node>) -> anyhow::Result<SharedState> {
+        std::fs::create_dir_all(&cfg.data_dir)
+            .with_context(|| format!("create data dir {}", cfg.data_dir.display()))?;
+        let db = cfg.data_dir.join("sandlot.db");
+        let store = store::Store::open(&db)?;
+        let node_name = node.info().name;
+        let run_code_gate = run_code::Gate::new(cfg.run_code_concurrency, cfg.run_code_queue);
+        Ok(Arc::new(AppState {
+            cfg,
+            node,
+            store,
+            node_name,
+            run_code_gate,
+            creating: Default::default(),
+        }))
+    }
+}
+
+impl AppState {
+    pub(crate) fn creating_set(
+        &self,
+    ) -> std::sync::MutexGuard<'_, std::collections::HashSet<String>> {
+        self.creating.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// The whole HTTP API as an axum router (no socket; drive it with `tower::ServiceExt`).
+pub fn router(state: SharedState) -> Router {
+    let trace = tower_http::trace::TraceLayer::new_for_http().make_span_with(
+        |req: &axum::http::Request<axum::body::Body>| {
+            let route = req
+                .extensions()
+                .get::<MatchedPath>()
+                .map(|m| m.as_str().to_owned())
+                .unwrap_or_default();
+            let sandbox_id = req
+                .uri()
+                .path()
+                .strip_prefix("/v1/sandboxes/")
+                .and_then(|r| r.split('/').next())
+                .unwrap_or("");
+            tracing::info_span!("http", method = %req.method(), route, sandbox_id)
+        },
+    );
+    Router::new()
+        .route(
+            "/v1/sandboxes",
+            post(sandboxes::create).get(sandboxes::list),
+        )
+        .route(
+            "/v1/sandboxes/{id}",
+            get(sandboxes::get_one).delete(sandboxes::delete),
+        )
+        .route("/v1/sandboxes/{id}/keepalive", post(sandboxes::keepalive))
+        .route("/v1/sandboxes/{id}/exec", post(exec::exec))
+        .route(
+            "/v1/sandboxes/{id}/files",
+            get(files::read)
+                .put(files::write)
+                .delete(files::remove)
+                // Uploads get their own, larger limit than JSON bodies.
+                .layer(DefaultBodyLimit::max(state.cfg.max_file_bytes)),
+        )
+        .route("/v1/sandboxes/{id}/files/list", get(files::list))
+        .route("/run_code", post(run_code::run_code))
+        .route("/v1/ping", get(health::ping))
+        .route("/healthz", get(health::healthz))
+        .route("/metrics", get(health::metrics))
+        .route("/openapi.json", get(health::openapi))
+        .fallback(error::not_found_route)
+        .layer(DefaultBodyLimit::max(state.cfg.max_json_bytes))
+        .layer(trace)
+        .with_state(state)
+}
+
+/// A server bound to its socket, records recovered, not yet serving.
+pub struct Server {
+    state: SharedState,
+    listener: tokio::net::TcpListener,
+}
+
+impl Server {
+    /// Open the store, bind `cfg.listen`, and re-adopt the sandboxes of a previous run
+    /// ([`lifecycle::recover`]).
+    ///
+    /// # Errors
+    /// Store, bind or re-adoption failures, with context.
+    pub async fn bind(cfg: ServerConfig, node: Arc<dyn Node>) -> anyhow::Result<Server> {
+        let listen = cfg.listen;
+        let state = AppState::open(cfg, node)?;
+        lifecycle::recover(&state)
+            .await
+            .context("re-adopt sandboxes of the previous run")?;
+        let listener = tokio::net::TcpListener::bind(listen)
+            .await
+            .with_context(|| format!("listen on {listen}"))?;
+        Ok(Server { state, listener })
+    }
+
+    /// The bound address (useful with port 0).
+    pub fn local_addr(&self) -> std::io::Result<SocketAddr> {
+        self.listener.local_addr()
+    }
+
+    /// Serve until `shutdown` resolves, then stop accepting, give in-flight requests up to
+    /// `shutdown_grace`, and return. Sandboxes are left running for the next start to
+    /// re-adopt (sandboxes outlive processes).
+    ///
+    /// # Errors
+    /// Accept-loop failures.
+    pub async fn run(
+        self,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> anyhow::Result<()> {
+        let state = self.state;
+        let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+        let reaper = tokio::spawn(lifecycle::reaper(state.clone(), stop_rx.clone()));
+        let grace = state.cfg.shutdown_grace;
+        let app = router(state);
+        let mut stopped = stop_rx.clone();
+        let serve = axum::serve(self.listener, app).with_graceful_shutdown(async move {
+            shutdown.await;
+            tracing::info!("shutting down: no new connections, finishing in-flight requests");
+            let _ = stop_tx.send(true);
+        });
+        let out = tokio::select! {
+            r = serve => r.context("http server"),
+            _ = async {
+                let _ = stopped.wait_for(|s| *s).await;
+                tokio::time::sleep(grace).await;
+            } => {
+                tracing::warn!(?grace, "in-flight requests still running after the grace period; exiting");
+                Ok(())
+            }
+        };
+        reaper.abort();
+        out
+    }
+}
+
+/// Bind, recover and serve until `shutdown` resolves (see [`Server::run`]).
+///
+/// # Errors
+/// As [`Server::bind`] and [`Server::run`].
+pub async fn serve(
+    cfg: ServerConfig,
+    node: Arc<dyn Node>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    let server = Server::bind(cfg, node).await?;
+    tracing::info!(addr = %server.local_addr()?, "sandlot server listening");
+    server.run(shutdown).await
+}
+
+/// Current time in Unix milliseconds.
+pub(crate) fn now_ms() -> i64 {
+    chrono::Utc::now().timestamp_millis()
+}

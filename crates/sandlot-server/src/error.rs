@@ -1,0 +1,159 @@
+//! The one place where errors become HTTP responses.
+//!
+//! Every handler returns [`ServerError`]; its [`IntoResponse`] picks the status from
+//! [`ErrorCode::http_status`] and writes `{"error": {"code", "message"}}`
+//! ([`sandlot_api::ErrorBody`]). Internal errors are logged with their whole source chain;
+//! the client gets the top-level message only.
+use crate::store::StoreError;
+use axum::extract::rejection::{BytesRejection, JsonRejection, PathRejection, QueryRejection};
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use sandlot_api::{ApiError, ErrorBody, ErrorCode};
+use sandlot_node::NodeError;
+
+/// Any error a handler can answer with.
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    /// A validation or protocol error decided by the server itself.
+    #[error("{0}")]
+    Api(ApiError),
+    /// An error of the node.
+    #[error("node: {0}")]
+    Node(#[from] NodeError),
+    /// An error of the SQLite store.
+    #[error("store: {0}")]
+    Store(#[from] StoreError),
+    /// An API error that also asks the client to retry after some seconds
+    /// (`Retry-After` header; overload answers of `run_code`).
+    #[error("{error}")]
+    RetryAfter {
+        /// The error.
+        error: ApiError,
+        /// Seconds for `Retry-After`.
+        seconds: u64,
+    },
+}
+
+impl ServerError {
+    /// A server-decided error.
+    pub fn new(code: ErrorCode, message: impl Into<String>) -> Self {
+        ServerError::Api(ApiError::new(code, message))
+    }
+
+    /// `400 invalid_argument`.
+    pub fn invalid(message: impl Into<String>) -> Self {
+        Self::new(ErrorCode::InvalidArgument, message)
+    }
+
+    /// `404 not_found` for a sandbox id.
+    pub fn no_sandbox(id: &str) -> Self {
+        Self::new(ErrorCode::NotFound, format!("no sandbox {id:?}"))
+    }
+
+    /// The wire error (code + message) of this error.
+    pub fn api_error(&self) -> ApiError {
+        match self {
+            ServerError::Api(e) | ServerError::RetryAfter { error: e, .. } => e.clone(),
+            ServerError::Node(e) => ApiError::new(e.code(), e.to_string()),
+            ServerError::Store(e) => ApiError::new(ErrorCode::Internal, e.to_string()),
+        }
+    }
+}
+
+/// The full source chain of an error, `a: b: c`, for logs.
+pub fn chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cur = c.source();
+    }
+    s
+}
+
+impl IntoResponse for ServerError {
+    fn into_response(self) -> Response {
+        let api = self.api_error();
+        if api.code == ErrorCode::Internal {
+            tracing::error!(error = %chain(&self), "internal error");
+        } else {
+            tracing::debug!(code = %api.code, error = %chain(&self), "request failed");
+        }
+        let status = StatusCode::from_u16(api.code.http_status())
+            .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        let mut resp = (status, axum::Json(ErrorBody { error: api })).into_response();
+        if let ServerError::RetryAfter { seconds, .. } = self {
+            resp.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(seconds));
+        }
+        resp
+    }
+}
+
+/// A rejection of axum's body extractors: 413 (over the body limit) becomes
+/// `payload_too_large`, everything else `invalid_argument` with axum's explanation.
+fn rejection(status: StatusCode, text: String) -> ServerError {
+    if status == StatusCode::PAYLOAD_TOO_LARGE {
+        ServerError::new(
+            ErrorCode::PayloadTooLarge,
+            format!("request body too large: {text}"),
+        )
+    } else {
+        ServerError::invalid(text)
+    }
+}
+
+impl From<JsonRejection> for ServerError {
+    fn from(r: JsonRejection) -> Self {
+        rejection(r.status(), r.body_text())
+    }
+}
+
+impl From<BytesRejection> for ServerError {
+    fn from(r: BytesRejection) -> Self {
+        rejection(r.status(), r.body_text())
+    }
+}
+
+impl From<QueryRejection> for ServerError {
+    fn from(r: QueryRejection) -> Self {
+        ServerError::invalid(r.body_text())
+    }
+}
+
+impl From<PathRejection> for ServerError {
+    fn from(r: PathRejection) -> Self {
+        ServerError::invalid(r.body_text())
+    }
+}
+
+/// Handler result.
+pub type ApiResult<T> = Result<T, ServerError>;
+
+/// `Json<T>` whose rejections (wrong content type, invalid JSON, unknown fields or enum
+/// variants, body over the limit) answer with our JSON error body instead of axum's text.
+#[derive(Debug, Clone, Copy, Default, axum::extract::FromRequest)]
+#[from_request(via(axum::Json), rejection(ServerError))]
+pub struct Json<T>(pub T);
+
+impl<T: serde::Serialize> IntoResponse for Json<T> {
+    fn into_response(self) -> Response {
+        axum::Json(self.0).into_response()
+    }
+}
+
+/// `Query<T>` answering rejections with our JSON error body.
+#[derive(Debug, Clone, Copy, Default, axum::extract::FromRequestParts)]
+#[from_request(via(axum::extract::Query), rejection(ServerError))]
+pub struct Query<T>(pub T);
+
+/// `Path<T>` answering rejections with our JSON error body.
+#[derive(Debug, Clone, Copy, Default, axum::extract::FromRequestParts)]
+#[from_request(via(axum::extract::Path), rejection(ServerError))]
+pub struct Path<T>(pub T);
+
+/// Fallback for unknown routes: `404 not_found` in our body.
+pub async fn not_found_route(uri: axum::http::Uri) -> ServerError {
+    ServerError::new(ErrorCode::NotFound, format!("no route {}", uri.path()))
+}

@@ -1,0 +1,152 @@
+//! `POST /v1/sandboxes/{id}/exec[?stream=true]`.
+//!
+//! Without `stream`, the answer is one `ExecResult`. With `stream=true` the answer is
+//! `application/x-ndjson`: one [`ExecEvent`] JSON object per line — `stdout`/`stderr` chunks
+//! as the node produces them, then exactly one `exit` line (the result with empty
+//! `stdout`/`stderr`, byte totals kept) or one `error` line (`{"type":"error","error":
+//! {"code","message"}}`) when the node failed. Errors found before the exec starts
+//! (validation, unknown sandbox) are ordinary HTTP errors. The exec runs in its own task:
+//! a client that goes away does not stop it before its timeout.
+use crate::error::{ApiResult, Json, Path, Query, ServerError};
+use crate::sandboxes::running;
+use crate::SharedState;
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::header;
+use axum::response::{IntoResponse, Response};
+use sandlot_api::{ErrorCode, ExecEvent, ExecRequest, ExecResult};
+use serde::Deserialize;
+use tokio::sync::mpsc;
+
+/// Longest exec timeout, seconds (one day).
+pub const MAX_TIMEOUT_S: f64 = 86_400.0;
+/// Largest `max_output_bytes` (64 MiB).
+pub const MAX_OUTPUT_BYTES: u64 = 64 << 20;
+
+/// Query of the exec route.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ExecQuery {
+    /// `true` for NDJSON streaming.
+    #[serde(default)]
+    pub stream: bool,
+}
+
+/// Check the fields the server owns (the node validates too).
+///
+/// # Errors
+/// `invalid_argument` for a timeout outside (0, 86400] or an empty argv; `unavailable` for
+/// `step` (trajectory log not built yet).
+pub fn validate(req: &ExecRequest) -> ApiResult<()> {
+    if req.step.is_some() {
+        return Err(ServerError::new(
+            ErrorCode::Unavailable,
+            "trajectory log not built yet: exec without `step`",
+        ));
+    }
+    if let Some(t) = req.timeout_s {
+        if !(t.is_finite() && t > 0.0 && t <= MAX_TIMEOUT_S) {
+            return Err(ServerError::invalid(format!(
+                "timeout_s = {t} must be in (0, {MAX_TIMEOUT_S}]"
+            )));
+        }
+    }
+    if let Some(m) = req.max_output_bytes {
+        if m > MAX_OUTPUT_BYTES {
+            return Err(ServerError::invalid(format!(
+                "max_output_bytes = {m} is over {MAX_OUTPUT_BYTES}"
+            )));
+        }
+    }
+    match &req.cmd {
+        sandlot_api::Cmd::Argv(v) if v.is_empty() => {
+            Err(ServerError::invalid("cmd must not be an empty list"))
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Run an exec to completion in its own task (see module docs).
+///
+/// # Errors
+/// The node's error.
+pub async fn run_exec(st: &SharedState, id: &str, req: ExecRequest) -> ApiResult<ExecResult> {
+    let node = st.node.clone();
+    let id = id.to_owned();
+    tokio::spawn(async move { node.exec(&id, &req, None).await })
+        .await
+        .map_err(|e| ServerError::new(ErrorCode::Internal, format!("exec task failed: {e}")))?
+        .map_err(ServerError::from)
+}
+
+fn line(ev: &ExecEvent) -> Bytes {
+    let mut v = serde_json::to_vec(ev).expect("event serializes");
+    v.push(b'\n');
+    Bytes::from(v)
+}
+
+/// The `exit` record of a stream: the result without the already streamed text.
+pub fn exit_event(mut r: ExecResult) -> ExecEvent {
+    r.stdout.clear();
+    r.stderr.clear();
+    r.stdout_b64 = None;
+    r.stderr_b64 = None;
+    ExecEvent::Exit { result: r }
+}
+
+fn stream(st: &SharedState, id: String, req: ExecRequest) -> Response {
+    let (ev_tx, mut ev_rx) = mpsc::channel::<ExecEvent>(64);
+    let (out_tx, out_rx) = mpsc::channel::<Bytes>(64);
+    let node = st.node.clone();
+    tokio::spawn(async move {
+        let exec = node.exec(&id, &req, Some(ev_tx));
+        tokio::pin!(exec);
+        // A gone client only makes the sends fail; the exec itself continues.
+        let result = loop {
+            tokio::select! {
+                biased;
+                Some(ev) = ev_rx.recv() => { let _ = out_tx.send(line(&ev)).await; }
+                r = &mut exec => break r,
+            }
+        };
+        while let Ok(ev) = ev_rx.try_recv() {
+            let _ = out_tx.send(line(&ev)).await;
+        }
+        let last = match result {
+            Ok(r) => exit_event(r),
+            Err(e) => {
+                tracing::info!(sandbox_id = %id, error = %crate::error::chain(&e), "streamed exec failed");
+                ExecEvent::Error {
+                    error: ServerError::from(e).api_error(),
+                }
+            }
+        };
+        let _ = out_tx.send(line(&last)).await;
+    });
+    let body = futures::stream::unfold(out_rx, |mut rx| async move {
+        rx.recv()
+            .await
+            .map(|b| (Ok::<Bytes, std::convert::Infallible>(b), rx))
+    });
+    (
+        [(header::CONTENT_TYPE, "application/x-ndjson")],
+        Body::from_stream(body),
+    )
+        .into_response()
+}
+
+/// `POST /v1/sandboxes/{id}/exec` → `ExecResult`, or NDJSON events with `?stream=true`.
+/// 404 for an unknown sandbox, 409 when it is not running.
+pub async fn exec(
+    State(st): State<SharedState>,
+    Path(id): Path<String>,
+    Query(q): Query<ExecQuery>,
+    Json(req): Json<ExecRequest>,
+) -> ApiResult<Response> {
+    validate(&req)?;
+    running(&st, &id)?;
+    if q.stream {
+        return Ok(stream(&st, id, req));
+    }
+    Ok(Json(run_exec(&st, &id, req).await?).into_response())
+}

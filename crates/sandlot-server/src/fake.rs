@@ -1,0 +1,245 @@
+//! `FakeNode`: a **unit-test fake** of the [`Node`] trait, in memory, for router tests of
+//! validation, error mapping, idempotency and stream framing. It runs nothing: "exec"
+//! interprets a handful of argv shapes (`echo`, `exit N`, `sleep S`, `chunks N`,
+//! `python3 main.py`, `g++ …`, `./main`) so the server's own logic can be checked. Real
+//! behaviour is tested against `LocalNode` end to end.
+use async_trait::async_trait;
+use bytes::Bytes;
+use sandlot_api::{Backend, ExecEvent, ExecRequest, ExecResult, FileEntry, FileType, Output};
+use sandlot_node::{ExecSink, Node, NodeError, NodeInfo, NodeResult, SandboxSpec, SandboxStatus};
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Mutex;
+use std::time::Duration;
+
+#[derive(Default)]
+pub struct FakeNode {
+    pub sandboxes: Mutex<HashMap<String, BTreeMap<String, Vec<u8>>>>,
+    pub create_delay: Mutex<Duration>,
+    pub deleted: Mutex<Vec<String>>,
+    pub creates: Mutex<Vec<SandboxSpec>>,
+}
+
+impl FakeNode {
+    pub fn ids(&self) -> Vec<String> {
+        let mut v: Vec<_> = self.sandboxes.lock().unwrap().keys().cloned().collect();
+        v.sort();
+        v
+    }
+
+    fn files<T>(
+        &self,
+        id: &str,
+        f: impl FnOnce(&mut BTreeMap<String, Vec<u8>>) -> T,
+    ) -> NodeResult<T> {
+        let mut m = self.sandboxes.lock().unwrap();
+        let files = m
+            .get_mut(id)
+            .ok_or_else(|| NodeError::NotFound(format!("no sandbox {id}")))?;
+        Ok(f(files))
+    }
+}
+
+fn result(code: i32, out: &[u8], err: &[u8], timed_out: bool) -> ExecResult {
+    let mut r = ExecResult {
+        exit_code: code,
+        timed_out,
+        duration_ms: 12.0,
+        ..Default::default()
+    };
+    let o = |d: &[u8]| Output {
+        data: d.to_vec(),
+        total: d.len() as u64,
+        truncated: false,
+    };
+    r.set_output(&o(out), &o(err));
+    r
+}
+
+#[async_trait]
+impl Node for FakeNode {
+    fn info(&self) -> NodeInfo {
+        NodeInfo {
+            name: "fake-node".into(),
+            backends: vec![
+                (Backend::Function, Ok(())),
+                (Backend::Vm, Err("no kvm".into())),
+            ],
+            cgroup_version: "v1".into(),
+        }
+    }
+
+    async fn create(&self, spec: &SandboxSpec) -> NodeResult<()> {
+        if !["python", "busybox"].contains(&spec.image.as_str()) {
+            return Err(NodeError::NotFound(format!("no image {:?}", spec.image)));
+        }
+        if spec.backend != Backend::Function {
+            return Err(NodeError::Unavailable(format!(
+                "backend {} not built",
+                spec.backend
+            )));
+        }
+        let d = *self.create_delay.lock().unwrap();
+        tokio::time::sleep(d).await;
+        self.creates.lock().unwrap().push(spec.clone());
+        self.sandboxes
+            .lock()
+            .unwrap()
+            .insert(spec.id.clone(), BTreeMap::new());
+        Ok(())
+    }
+
+    async fn exec(
+        &self,
+        id: &str,
+        req: &ExecRequest,
+        sink: Option<ExecSink>,
+    ) -> NodeResult<ExecResult> {
+        let files = self.files(id, |f| f.clone())?;
+        let argv = req.cmd.to_argv();
+        let args: Vec<&str> = argv.iter().map(|s| s.as_str()).collect();
+        let timeout = req.timeout_s.unwrap_or(60.0);
+        let r = match args.as_slice() {
+            ["echo", rest @ ..] => {
+                result(0, format!("{}\n", rest.join(" ")).as_bytes(), b"", false)
+            }
+            ["exit", n] => result(n.parse().unwrap(), b"", b"bye", false),
+            ["sleep", s] => {
+                let s: f64 = s.parse().unwrap();
+                if s > timeout {
+                    tokio::time::sleep(Duration::from_secs_f64(timeout)).await;
+                    result(137, b"", b"", true)
+                } else {
+                    tokio::time::sleep(Duration::from_secs_f64(s)).await;
+                    result(0, b"", b"", false)
+                }
+            }
+            ["chunks", n] => {
+                let n: usize = n.parse().unwrap();
+                let mut out = Vec::new();
+                for i in 0..n {
+                    let c = format!("line {i}\n");
+                    out.extend_from_slice(c.as_bytes());
+                    if let Some(s) = &sink {
+                        let _ = s.send(ExecEvent::stdout(c.as_bytes())).await;
+                    }
+                }
+                if let Some(s) = &sink {
+                    let _ = s.send(ExecEvent::stderr(&[0xff, 0xfe])).await;
+                }
+                result(3, &out, &[0xff, 0xfe], false)
+            }
+            ["fail"] => {
+                return Err(NodeError::io(
+                    "spawn /x",
+                    std::io::Error::from_raw_os_error(libc_enoent()),
+                ))
+            }
+            ["python3", "main.py"] => {
+                let code = String::from_utf8_lossy(&files["/workspace/main.py"]).into_owned();
+                let stdin = req
+                    .stdin_b64
+                    .as_ref()
+                    .map(|b| {
+                        use base64::Engine;
+                        base64::engine::general_purpose::STANDARD.decode(b).unwrap()
+                    })
+                    .unwrap_or_default();
+                if code.contains("loop") {
+                    result(137, b"", b"", true)
+                } else if code.contains("raise") {
+                    result(1, b"", b"Traceback", false)
+                } else {
+                    self.files(id, |f| {
+                        f.insert("/workspace/out.txt".into(), b"made".to_vec())
+                    })?;
+                    result(0, &stdin, b"", false)
+                }
+            }
+            ["g++", ..] => {
+                let code = String::from_utf8_lossy(&files["/workspace/main.cpp"]).into_owned();
+                if code.contains("syntax error") {
+                    result(1, b"", b"main.cpp:1: error", false)
+                } else {
+                    result(0, b"", b"", false)
+                }
+            }
+            ["./main"] => result(0, b"42\n", b"", false),
+            other => result(127, b"", format!("not found: {other:?}").as_bytes(), false),
+        };
+        Ok(r)
+    }
+
+    async fn read_file(&self, id: &str, path: &str, max_bytes: u64) -> NodeResult<Vec<u8>> {
+        let data = self
+            .files(id, |f| f.get(path).cloned())?
+            .ok_or_else(|| NodeError::NotFound(format!("no file {path}")))?;
+        if data.len() as u64 > max_bytes {
+            return Err(NodeError::InvalidArgument(format!(
+                "{path} is over {max_bytes} bytes"
+            )));
+        }
+        Ok(data)
+    }
+
+    async fn write_file(&self, id: &str, path: &str, data: Bytes) -> NodeResult<()> {
+        if path.contains("..") {
+            return Err(NodeError::InvalidArgument(format!("path {path:?} escapes")));
+        }
+        self.files(id, |f| f.insert(path.to_owned(), data.to_vec()))?;
+        Ok(())
+    }
+
+    async fn list_dir(&self, id: &str, path: &str) -> NodeResult<Vec<FileEntry>> {
+        let prefix = format!("{}/", path.trim_end_matches('/'));
+        self.files(id, |f| {
+            f.iter()
+                .filter_map(|(p, d)| {
+                    let name = p.strip_prefix(&prefix)?;
+                    Some(FileEntry {
+                        name: name.to_owned(),
+                        kind: FileType::File,
+                        size: d.len() as u64,
+                        mode: 0o644,
+                        mtime: 0,
+                    })
+                })
+                .collect()
+        })
+    }
+
+    async fn remove_file(&self, id: &str, path: &str) -> NodeResult<()> {
+        self.files(id, |f| f.remove(path))?
+            .map(|_| ())
+            .ok_or_else(|| NodeError::NotFound(format!("no file {path}")))
+    }
+
+    async fn delete(&self, id: &str) -> NodeResult<()> {
+        self.sandboxes.lock().unwrap().remove(id);
+        self.deleted.lock().unwrap().push(id.to_owned());
+        Ok(())
+    }
+
+    async fn list(&self) -> NodeResult<Vec<SandboxStatus>> {
+        Ok(self
+            .ids()
+            .into_iter()
+            .map(|id| SandboxStatus {
+                id,
+                backend: Backend::Function,
+                alive: true,
+            })
+            .collect())
+    }
+
+    async fn readopt(&self, keep: &[String]) -> NodeResult<Vec<String>> {
+        let mut m = self.sandboxes.lock().unwrap();
+        m.retain(|id, _| keep.contains(id));
+        let mut v: Vec<_> = m.keys().cloned().collect();
+        v.sort();
+        Ok(v)
+    }
+}
+
+fn libc_enoent() -> i32 {
+    2
+}

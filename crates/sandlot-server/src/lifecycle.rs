@@ -1,0 +1,78 @@
+//! Start-up re-adoption and the TTL reaper.
+use crate::error::chain;
+use crate::sandboxes::delete_sandbox;
+use crate::{now_ms, SharedState};
+use sandlot_api::SandboxState;
+use std::collections::HashSet;
+
+/// After a (re)start: ask the node to re-adopt every sandbox whose record is `running`;
+/// adopted ones stay `running`, every other record (`creating`, `deleting`, `lost`, or
+/// `running` but not adopted) is removed, each with a log line. The node deletes its own
+/// leftovers that are not adopted.
+///
+/// # Errors
+/// Store or node failures; the server does not start then.
+pub async fn recover(st: &SharedState) -> anyhow::Result<()> {
+    let records = st.store.list()?;
+    let keep: Vec<String> = records
+        .iter()
+        .filter(|r| r.state == SandboxState::Running)
+        .map(|r| r.id.clone())
+        .collect();
+    let adopted: HashSet<String> = st.node.readopt(&keep).await?.into_iter().collect();
+    for r in records {
+        if adopted.contains(&r.id) {
+            tracing::info!(sandbox_id = %r.id, "re-adopted running sandbox");
+        } else {
+            tracing::warn!(sandbox_id = %r.id, state = r.state.as_str(), "sandbox not re-adopted; record removed");
+            st.store.remove(&r.id)?;
+        }
+    }
+    Ok(())
+}
+
+/// Every `reap_interval` until `stop` turns true: delete sandboxes whose TTL expired and
+/// retry deletes that failed (records left `deleting`), then purge old idempotency keys.
+pub async fn reaper(st: SharedState, mut stop: tokio::sync::watch::Receiver<bool>) {
+    let mut tick = tokio::time::interval(st.cfg.reap_interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = stop.wait_for(|s| *s) => return,
+        }
+        reap_once(&st).await;
+    }
+}
+
+/// One reaper pass (see [`reaper`]). Returns the ids it deleted.
+pub async fn reap_once(st: &SharedState) -> Vec<String> {
+    let now = now_ms();
+    let due = match st.store.due_for_reaping(now) {
+        Ok(d) => d,
+        Err(e) => {
+            tracing::error!(error = %chain(&e), "reaper: store");
+            return Vec::new();
+        }
+    };
+    let mut done = Vec::new();
+    for r in due {
+        if st.creating_set().contains(&r.id) {
+            continue; // its creator rolls it back
+        }
+        match delete_sandbox(st, &r.id).await {
+            Ok(()) => {
+                tracing::info!(sandbox_id = %r.id, "reaper: deleted (TTL expired or delete retried)");
+                done.push(r.id);
+            }
+            Err(e) => {
+                tracing::warn!(sandbox_id = %r.id, error = %chain(&e), "reaper: delete failed; retrying next pass")
+            }
+        }
+    }
+    let cutoff = now - st.cfg.idempotency_ttl.as_millis() as i64;
+    if let Err(e) = st.store.purge_keys(cutoff) {
+        tracing::error!(error = %chain(&e), "reaper: purge idempotency keys");
+    }
+    done
+}

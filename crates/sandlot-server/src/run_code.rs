@@ -1,0 +1,341 @@
+//! `POST /run_code`, compatible with SandboxFusion's `/run_code`
+//! (bytedance/SandboxFusion `sandbox/server/sandbox_api.py`; shapes in
+//! [`sandlot_api::RunCodeRequest`]).
+//!
+//! Each call creates an ephemeral `function` sandbox on image `python` (memory
+//! `memory_limit_MB` clamped to 16–65536 when > 0, else 512 MiB; TTL = compile timeout plus
+//! run timeout plus 120 s, a safety net should this process die mid-call; label
+//! `sandlot.kind=run_code`), writes `files` (base64) and the code to `/workspace`, runs it, fetches `fetch_files`, and
+//! always deletes the sandbox — the work runs in its own task, so a client disconnect still
+//! ends in cleanup.
+//!
+//! | language | file | compile | run |
+//! |---|---|---|---|
+//! | `python` (`python3`) | `main.py` | — | `python3 main.py` |
+//! | `bash` | `main.sh` | — | `bash main.sh` (`sh main.sh` when the image has no bash) |
+//! | `cpp` | `main.cpp` | `g++ -O2 -std=c++17 -o main main.cpp` (`compile_timeout`) | `./main` |
+//!
+//! Verdicts as SandboxFusion: compile exit ≠ 0 → `Failed`, `compile_result` `Finished`, no
+//! `run_result`; compile timeout → `Failed`, `compile_result` `TimeLimitExceeded`; run exit 0
+//! → `Success`; exit ≠ 0 → `Failed` (`run_result` `Finished`); run timeout → `Failed`
+//! (`run_result` `TimeLimitExceeded`). `execution_time` is in seconds.
+//!
+//! Error policy, chosen for RL reward functions (verl's `sandbox_fusion` utilities treat any
+//! non-200 as an API failure to retry): once the body parses, every other problem — an
+//! unknown language, bad base64 in `files`, a timeout out of (0, 86400], any node or
+//! infrastructure failure — is **HTTP 200 with `status: SandboxError`** and a message,
+//! never a silent `Failed`. A body that is not valid JSON or misses `code`/`language` is 400
+//! `invalid_argument`. Overload: at most `run_code_concurrency` calls run at once; up to
+//! `run_code_queue` more wait at most `run_code_wait`. A full queue answers 429
+//! `resource_exhausted` at once, a wait that timed out 504 `deadline_exceeded`; both carry
+//! `Retry-After: 1`. Paths in `files`/`fetch_files` are relative to `/workspace` unless
+//! absolute; fetch paths that do not exist are left out of `files`, as SandboxFusion does.
+use crate::error::{ApiResult, Json, ServerError};
+use crate::sandboxes::{create_sandbox, delete_sandbox};
+use crate::SharedState;
+use axum::extract::State;
+use base64::engine::general_purpose::STANDARD as B64;
+use base64::Engine;
+use sandlot_api::{
+    ApiError, Cmd, CommandRunResult, CommandRunStatus, CreateSandboxRequest, ErrorCode,
+    ExecRequest, ExecResult, RunCodeRequest, RunCodeResponse, RunStatus,
+};
+use sandlot_node::NodeError;
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+/// Admission control: a semaphore of running slots plus a bounded count of waiters.
+pub struct Gate {
+    sem: Arc<Semaphore>,
+    slots: usize,
+    queue: usize,
+    waiting: AtomicUsize,
+}
+
+struct Waiting<'a>(&'a AtomicUsize);
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+impl Gate {
+    /// `slots` calls at once, `queue` waiting.
+    pub fn new(slots: usize, queue: usize) -> Self {
+        Gate {
+            sem: Arc::new(Semaphore::new(slots)),
+            slots,
+            queue,
+            waiting: AtomicUsize::new(0),
+        }
+    }
+
+    /// `(running, waiting)` right now.
+    pub fn load(&self) -> (usize, usize) {
+        (
+            self.slots - self.sem.available_permits(),
+            self.waiting.load(Ordering::SeqCst),
+        )
+    }
+
+    /// A running slot, waiting at most `wait`.
+    ///
+    /// # Errors
+    /// 429 `resource_exhausted` when the queue is full; 504 `deadline_exceeded` after
+    /// `wait`; both with `Retry-After: 1`.
+    pub async fn admit(&self, wait: Duration) -> ApiResult<OwnedSemaphorePermit> {
+        if let Ok(p) = self.sem.clone().try_acquire_owned() {
+            return Ok(p);
+        }
+        if self.waiting.fetch_add(1, Ordering::SeqCst) >= self.queue {
+            self.waiting.fetch_sub(1, Ordering::SeqCst);
+            return Err(ServerError::RetryAfter {
+                error: ApiError::new(
+                    ErrorCode::ResourceExhausted,
+                    format!(
+                        "run_code overloaded: {} running, {} waiting",
+                        self.slots, self.queue
+                    ),
+                ),
+                seconds: 1,
+            });
+        }
+        let _w = Waiting(&self.waiting);
+        match tokio::time::timeout(wait, self.sem.clone().acquire_owned()).await {
+            Ok(Ok(p)) => Ok(p),
+            Ok(Err(_)) => Err(ServerError::new(
+                ErrorCode::Unavailable,
+                "server shutting down",
+            )),
+            Err(_) => Err(ServerError::RetryAfter {
+                error: ApiError::new(
+                    ErrorCode::DeadlineExceeded,
+                    format!("no run_code slot free within {wait:?}"),
+                ),
+                seconds: 1,
+            }),
+        }
+    }
+}
+
+/// `POST /run_code` → `RunCodeResponse` (see module docs for statuses).
+pub async fn run_code(
+    State(st): State<SharedState>,
+    Json(req): Json<RunCodeRequest>,
+) -> ApiResult<Json<RunCodeResponse>> {
+    let permit = st.run_code_gate.admit(st.cfg.run_code_wait).await?;
+    let st2 = st.clone();
+    let resp = tokio::spawn(async move {
+        let _permit = permit;
+        execute(&st2, req).await
+    })
+    .await
+    .unwrap_or_else(|e| sandbox_error(&st, format!("run_code task failed: {e}")));
+    Ok(Json(resp))
+}
+
+fn sandbox_error(st: &SharedState, message: String) -> RunCodeResponse {
+    RunCodeResponse {
+        status: RunStatus::SandboxError,
+        message,
+        compile_result: None,
+        run_result: None,
+        executor_pod_name: Some(st.node_name.clone()),
+        files: BTreeMap::new(),
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Lang {
+    Python,
+    Bash,
+    Cpp,
+}
+
+struct Plan {
+    lang: Lang,
+    files: Vec<(String, Vec<u8>)>,
+}
+
+const WORKDIR: &str = "/workspace";
+
+fn sandbox_path(p: &str) -> String {
+    if p.starts_with('/') {
+        p.to_owned()
+    } else {
+        format!("{WORKDIR}/{p}")
+    }
+}
+
+fn check_timeout(name: &str, t: f64) -> Result<(), String> {
+    if t.is_finite() && t > 0.0 && t <= crate::exec::MAX_TIMEOUT_S {
+        Ok(())
+    } else {
+        Err(format!("{name} = {t} must be in (0, 86400]"))
+    }
+}
+
+fn plan(req: &RunCodeRequest) -> Result<Plan, String> {
+    let lang = match req.language.as_str() {
+        "python" | "python3" => Lang::Python,
+        "bash" => Lang::Bash,
+        "cpp" => Lang::Cpp,
+        other => {
+            return Err(format!(
+                "unsupported language {other:?}; supported: python, bash, cpp"
+            ))
+        }
+    };
+    check_timeout("compile_timeout", req.compile_timeout)?;
+    check_timeout("run_timeout", req.run_timeout)?;
+    let mut files = Vec::new();
+    for (path, content) in &req.files {
+        let Some(content) = content else { continue };
+        let data = B64
+            .decode(content)
+            .map_err(|e| format!("files[{path:?}] is not valid base64: {e}"))?;
+        files.push((sandbox_path(path), data));
+    }
+    let main = match lang {
+        Lang::Python => "main.py",
+        Lang::Bash => "main.sh",
+        Lang::Cpp => "main.cpp",
+    };
+    files.push((sandbox_path(main), req.code.clone().into_bytes()));
+    Ok(Plan { lang, files })
+}
+
+fn command_result(r: &ExecResult) -> CommandRunResult {
+    CommandRunResult {
+        status: if r.timed_out {
+            CommandRunStatus::TimeLimitExceeded
+        } else {
+            CommandRunStatus::Finished
+        },
+        execution_time: Some(r.duration_ms / 1000.0),
+        return_code: Some(r.exit_code),
+        stdout: Some(r.stdout.clone()),
+        stderr: Some(r.stderr.clone()),
+    }
+}
+
+fn exec_req(cmd: Cmd, timeout: f64, stdin: Option<&str>) -> ExecRequest {
+    let mut e = ExecRequest::new(cmd);
+    e.cwd = Some(WORKDIR.into());
+    e.timeout_s = Some(timeout);
+    e.stdin_b64 = stdin.map(|s| B64.encode(s.as_bytes()));
+    e
+}
+
+/// Run one `run_code` request to its response (never an `Err`: infrastructure failures
+/// become `SandboxError`). Creates and always deletes one sandbox.
+pub async fn execute(st: &SharedState, req: RunCodeRequest) -> RunCodeResponse {
+    let plan = match plan(&req) {
+        Ok(p) => p,
+        Err(m) => return sandbox_error(st, m),
+    };
+    let memory_mib = if req.memory_limit_MB > 0 {
+        (req.memory_limit_MB as u64).clamp(16, 65536)
+    } else {
+        512
+    };
+    let ttl = (req.compile_timeout + req.run_timeout).ceil() as u64 + 120;
+    let create = CreateSandboxRequest {
+        image: Some("python".into()),
+        memory_mib: Some(memory_mib),
+        ttl_s: Some(ttl.min(crate::sandboxes::MAX_TTL_S)),
+        ..Default::default()
+    };
+    let labels = BTreeMap::from([("sandlot.kind".to_string(), "run_code".to_string())]);
+    let id = match create_sandbox(st, create, labels, None).await {
+        Ok((rec, _)) => rec.id,
+        Err(e) => return sandbox_error(st, format!("create sandbox: {}", e.api_error())),
+    };
+    let out = run_in(st, &id, &req, plan).await;
+    if let Err(e) = delete_sandbox(st, &id).await {
+        tracing::warn!(sandbox_id = %id, error = %crate::error::chain(&e), "run_code: delete failed; the reaper retries");
+    }
+    match out {
+        Ok(r) => r,
+        Err(e) => sandbox_error(st, e.to_string()),
+    }
+}
+
+async fn run_in(
+    st: &SharedState,
+    id: &str,
+    req: &RunCodeRequest,
+    plan: Plan,
+) -> Result<RunCodeResponse, NodeError> {
+    for (path, data) in plan.files {
+        st.node.write_file(id, &path, data.into()).await?;
+    }
+    let mut resp = RunCodeResponse {
+        status: RunStatus::Success,
+        message: String::new(),
+        compile_result: None,
+        run_result: None,
+        executor_pod_name: Some(st.node_name.clone()),
+        files: BTreeMap::new(),
+    };
+    let run_cmd = match plan.lang {
+        Lang::Python => Cmd::Argv(vec!["python3".into(), "main.py".into()]),
+        Lang::Bash => Cmd::Shell(
+            "if command -v bash >/dev/null 2>&1; then exec bash main.sh; else exec sh main.sh; fi"
+                .into(),
+        ),
+        Lang::Cpp => {
+            let argv = ["g++", "-O2", "-std=c++17", "-o", "main", "main.cpp"];
+            let compile = Cmd::Argv(argv.iter().map(|s| s.to_string()).collect());
+            let c = st
+                .node
+                .exec(id, &exec_req(compile, req.compile_timeout, None), None)
+                .await?;
+            resp.compile_result = Some(command_result(&c));
+            if c.timed_out || c.exit_code != 0 {
+                resp.status = RunStatus::Failed;
+                resp.message = if c.timed_out {
+                    "compile time limit exceeded".into()
+                } else {
+                    format!("compilation failed with exit code {}", c.exit_code)
+                };
+                return Ok(resp);
+            }
+            Cmd::Argv(vec!["./main".into()])
+        }
+    };
+    let r = st
+        .node
+        .exec(
+            id,
+            &exec_req(run_cmd, req.run_timeout, req.stdin.as_deref()),
+            None,
+        )
+        .await?;
+    resp.run_result = Some(command_result(&r));
+    if r.timed_out {
+        resp.status = RunStatus::Failed;
+        resp.message = "run time limit exceeded".into();
+    } else if r.exit_code != 0 {
+        resp.status = RunStatus::Failed;
+        resp.message = format!("program exited with code {}", r.exit_code);
+    }
+    for path in &req.fetch_files {
+        match st
+            .node
+            .read_file(id, &sandbox_path(path), st.cfg.max_file_bytes as u64)
+            .await
+        {
+            Ok(data) => {
+                resp.files.insert(path.clone(), B64.encode(data));
+            }
+            Err(NodeError::NotFound(_)) => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(resp)
+}

@@ -1,0 +1,416 @@
+//! `/v1/sandboxes`: create, list, get, delete, keepalive.
+//!
+//! Create protocol (nothing half-created is left behind):
+//! 1. validate and fill defaults; 2. insert the record in state `creating` (and the
+//!    `Idempotency-Key`, same transaction); 3. `node.create`; 4. compare-and-set
+//!    `creating → running`. On a node error the record and key are removed and the node's
+//!    error is answered. When a `DELETE` arrived during step 3, step 4 fails: the sandbox is
+//!    deleted on the node, the record removed, and the creator gets **409 conflict**
+//!    ("deleted while being created"). The work runs in its own task, so a client that
+//!    disconnects mid-create does not interrupt the protocol.
+//!
+//! Idempotency: a create with `Idempotency-Key: K` whose body (as parsed JSON, canonical
+//! form) equals the first request with K answers **200** with the sandbox made by that first
+//! request, in its current state (also `creating` while it is still in flight); another
+//! body under K → **409 conflict**; when the first sandbox is already gone → **404
+//! not_found**. Keys are kept 24 h (`ServerConfig::idempotency_ttl`); a create that failed
+//! forgets its key so a retry creates again.
+use crate::error::{ApiResult, Json, Path, Query, ServerError};
+use crate::store::{KeyOutcome, Record, SpecJson};
+use crate::{now_ms, SharedState};
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use sandlot_api::{
+    CreateSandboxRequest, ErrorCode, KeepaliveRequest, Sandbox, SandboxList, SandboxState,
+};
+use sandlot_node::SandboxSpec;
+use sha2::{Digest, Sha256};
+use std::collections::BTreeMap;
+
+/// Largest TTL: one week, in seconds.
+pub const MAX_TTL_S: u64 = 604_800;
+/// Most entries in `env` or `labels`.
+pub const MAX_MAP_ENTRIES: usize = 256;
+/// Longest key of `env` or `labels`, bytes.
+pub const MAX_KEY_BYTES: usize = 256;
+/// Longest `env` value, bytes.
+pub const MAX_ENV_VALUE_BYTES: usize = 32 * 1024;
+/// Longest label value, bytes.
+pub const MAX_LABEL_VALUE_BYTES: usize = 1024;
+/// Default image.
+pub const DEFAULT_IMAGE: &str = "python";
+
+/// Create parameters after validation, defaults filled.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Validated {
+    /// Image name.
+    pub image: String,
+    /// Everything else stored in the record's `spec`.
+    pub spec: SpecJson,
+}
+
+fn range<T: PartialOrd + std::fmt::Display + Copy>(name: &str, v: T, lo: T, hi: T) -> ApiResult<T> {
+    if v >= lo && v <= hi {
+        Ok(v)
+    } else {
+        Err(ServerError::invalid(format!(
+            "{name} = {v} is out of range [{lo}, {hi}]"
+        )))
+    }
+}
+
+fn check_map(name: &str, m: &BTreeMap<String, String>, max_value: usize) -> ApiResult<()> {
+    if m.len() > MAX_MAP_ENTRIES {
+        return Err(ServerError::invalid(format!(
+            "{name} has {} entries; at most {MAX_MAP_ENTRIES}",
+            m.len()
+        )));
+    }
+    for (k, v) in m {
+        // '=' would make `KEY=VALUE` (env) and `label=k=v` (filters) ambiguous; NUL cannot
+        // pass through execve.
+        if k.is_empty() || k.len() > MAX_KEY_BYTES || k.contains(['=', '\0']) {
+            return Err(ServerError::invalid(format!(
+                "{name} key {k:?} must be 1–{MAX_KEY_BYTES} bytes without '=' or NUL"
+            )));
+        }
+        if v.len() > max_value || v.contains('\0') {
+            return Err(ServerError::invalid(format!(
+                "{name} value of {k:?} must be at most {max_value} bytes without NUL"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Image names reach host paths on the node: allow only `[A-Za-z0-9._:-]`, not starting
+/// with '.', so no name can walk out of the image store (the node checks as well).
+fn check_image(name: &str) -> ApiResult<()> {
+    let ok = !name.is_empty()
+        && name.len() <= 128
+        && !name.starts_with('.')
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"._:-".contains(&b));
+    if ok {
+        Ok(())
+    } else {
+        Err(ServerError::invalid(format!(
+            "image name {name:?} must be 1–128 characters of [A-Za-z0-9._:-], not starting with '.'"
+        )))
+    }
+}
+
+/// Validate a create request and fill defaults (image `python`, cpu 1, memory 512 MiB,
+/// disk 1024 MiB, pids 256, ttl 600 s).
+///
+/// # Errors
+/// `invalid_argument` for out-of-range values or oversized maps; `unavailable` for
+/// `trajectory` (the trajectory log is not built yet).
+pub fn validate(req: &CreateSandboxRequest) -> ApiResult<Validated> {
+    if req.trajectory.is_some() {
+        return Err(ServerError::new(
+            ErrorCode::Unavailable,
+            "trajectory log not built yet: create the sandbox without `trajectory`",
+        ));
+    }
+    let image = req
+        .image
+        .clone()
+        .unwrap_or_else(|| DEFAULT_IMAGE.to_owned());
+    check_image(&image)?;
+    let cpu = req.cpu.unwrap_or(1.0);
+    if !cpu.is_finite() {
+        return Err(ServerError::invalid("cpu must be a finite number"));
+    }
+    let spec = SpecJson {
+        cpu: range("cpu", cpu, 0.01, 64.0)?,
+        memory_mib: range("memory_mib", req.memory_mib.unwrap_or(512), 16, 65536)?,
+        disk_mib: range("disk_mib", req.disk_mib.unwrap_or(1024), 16, 1 << 20)?,
+        pids_max: range("pids_max", req.pids_max.unwrap_or(256), 8, 65536)?,
+        ttl_s: range("ttl_s", req.ttl_s.unwrap_or(600), 0, MAX_TTL_S)?,
+        env: req.env.clone(),
+        network: req.network.clone(),
+        trajectory: None,
+    };
+    check_map("env", &spec.env, MAX_ENV_VALUE_BYTES)?;
+    check_map("labels", &req.labels, MAX_LABEL_VALUE_BYTES)?;
+    Ok(Validated { image, spec })
+}
+
+/// A fresh sandbox id: `sb-` + 20 lowercase hex digits (80 random bits).
+pub fn new_id() -> String {
+    let bytes: [u8; 10] = rand::random();
+    let mut s = String::from("sb-");
+    for b in bytes {
+        s.push_str(&format!("{b:02x}"));
+    }
+    s
+}
+
+fn digest(req: &CreateSandboxRequest) -> String {
+    // Canonical form: serde output of the parsed request (maps are BTreeMaps, so ordered);
+    // whitespace and key order of the client's JSON do not matter.
+    let json = serde_json::to_vec(req).expect("request serializes");
+    Sha256::digest(&json)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// Create a sandbox (the whole protocol of the module docs). Returns the record and
+/// whether it was created now (`false`: an idempotent replay).
+///
+/// # Errors
+/// Validation errors, 409/404 for idempotency conflicts or a concurrent delete, the node's
+/// error when it could not create.
+pub async fn create_sandbox(
+    st: &SharedState,
+    req: CreateSandboxRequest,
+    labels_extra: BTreeMap<String, String>,
+    idempotency_key: Option<String>,
+) -> ApiResult<(Record, bool)> {
+    let v = validate(&req)?;
+    let mut labels = req.labels.clone();
+    labels.extend(labels_extra);
+    let now = now_ms();
+    let rec = Record {
+        id: new_id(),
+        backend: req.backend,
+        image: v.image,
+        state: SandboxState::Creating,
+        node: st.node_name.clone(),
+        created_at_ms: now,
+        expires_at_ms: (v.spec.ttl_s > 0).then(|| now + v.spec.ttl_s as i64 * 1000),
+        spec: v.spec,
+        labels,
+    };
+    let d = digest(&req);
+    let key = idempotency_key.as_deref().map(|k| (k, d.as_str()));
+    match st.store.insert_with_key(&rec, key)? {
+        KeyOutcome::Inserted => {}
+        KeyOutcome::Replay(sid) => {
+            return match st.store.get(&sid)? {
+                Some(r) => Ok((r, false)),
+                None => Err(ServerError::new(
+                    ErrorCode::NotFound,
+                    format!("sandbox {sid} created under this Idempotency-Key is gone"),
+                )),
+            };
+        }
+        KeyOutcome::Mismatch => {
+            return Err(ServerError::new(
+                ErrorCode::Conflict,
+                "Idempotency-Key was already used with a different request body",
+            ))
+        }
+    }
+    // Own task: a dropped request future must not stop between the node's create and the
+    // record update.
+    let st2 = st.clone();
+    st.creating_set().insert(rec.id.clone());
+    tokio::spawn(async move {
+        let id = rec.id.clone();
+        let out = finish_create(&st2, rec).await;
+        st2.creating_set().remove(&id);
+        out
+    })
+    .await
+    .map_err(|e| ServerError::new(ErrorCode::Internal, format!("create task failed: {e}")))?
+}
+
+async fn finish_create(st: &SharedState, mut rec: Record) -> ApiResult<(Record, bool)> {
+    let spec = SandboxSpec {
+        id: rec.id.clone(),
+        backend: rec.backend,
+        image: rec.image.clone(),
+        cpu: rec.spec.cpu,
+        memory_mib: rec.spec.memory_mib,
+        disk_mib: rec.spec.disk_mib,
+        pids_max: rec.spec.pids_max,
+        env: rec.spec.env.clone(),
+    };
+    let id = rec.id.clone();
+    if let Err(e) = st.node.create(&spec).await {
+        tracing::info!(sandbox_id = %id, error = %crate::error::chain(&e), "create failed; record removed");
+        st.store.remove(&id)?;
+        st.store.forget_keys_of(&id)?;
+        return Err(e.into());
+    }
+    if st
+        .store
+        .transition(&id, &[SandboxState::Creating], SandboxState::Running)?
+    {
+        tracing::info!(sandbox_id = %id, backend = %rec.backend, image = %rec.image, "sandbox running");
+        rec.state = SandboxState::Running;
+        return Ok((rec, true));
+    }
+    // A DELETE came while the node was creating: finish its job.
+    tracing::info!(sandbox_id = %id, "deleted while being created; rolling back");
+    if let Err(e) = st.node.delete(&id).await {
+        tracing::error!(sandbox_id = %id, error = %crate::error::chain(&e), "rollback delete failed; the reaper retries");
+        return Err(e.into());
+    }
+    st.store.remove(&id)?;
+    Err(ServerError::new(
+        ErrorCode::Conflict,
+        format!("sandbox {id} was deleted while being created"),
+    ))
+}
+
+/// Delete a sandbox: mark it `deleting`, kill it on the node, remove the record. Unknown ids
+/// are fine. A sandbox still `creating` is only marked; its creator rolls it back. When the
+/// node fails, the record stays `deleting` and the reaper retries every second.
+///
+/// # Errors
+/// The node's error (the record is kept for the retry), store errors.
+pub async fn delete_sandbox(st: &SharedState, id: &str) -> ApiResult<()> {
+    let Some(rec) = st.store.get(id)? else {
+        return Ok(());
+    };
+    let all = [
+        SandboxState::Creating,
+        SandboxState::Running,
+        SandboxState::Deleting,
+        SandboxState::Lost,
+        SandboxState::Deleted,
+    ];
+    st.store.transition(id, &all, SandboxState::Deleting)?;
+    if rec.state == SandboxState::Creating {
+        return Ok(());
+    }
+    let st2 = st.clone();
+    let id2 = id.to_owned();
+    tokio::spawn(async move {
+        st2.node.delete(&id2).await?;
+        st2.store.remove(&id2)?;
+        tracing::info!(sandbox_id = %id2, "sandbox deleted");
+        Ok::<(), ServerError>(())
+    })
+    .await
+    .map_err(|e| ServerError::new(ErrorCode::Internal, format!("delete task failed: {e}")))?
+}
+
+/// The record of a sandbox that must be `running` for the call.
+///
+/// # Errors
+/// 404 `not_found` without a record; 409 `conflict` in any other state.
+pub fn running(st: &SharedState, id: &str) -> ApiResult<Record> {
+    let rec = st
+        .store
+        .get(id)?
+        .ok_or_else(|| ServerError::no_sandbox(id))?;
+    if rec.state != SandboxState::Running {
+        return Err(ServerError::new(
+            ErrorCode::Conflict,
+            format!("sandbox {id} is {}, not running", rec.state.as_str()),
+        ));
+    }
+    Ok(rec)
+}
+
+/// `POST /v1/sandboxes` → 201 `Sandbox` (200 on an idempotent replay).
+pub async fn create(
+    State(st): State<SharedState>,
+    headers: HeaderMap,
+    Json(req): Json<CreateSandboxRequest>,
+) -> ApiResult<(StatusCode, Json<Sandbox>)> {
+    let key = match headers.get("idempotency-key") {
+        None => None,
+        Some(v) => {
+            let k = v
+                .to_str()
+                .ok()
+                .filter(|k| !k.is_empty() && k.len() <= 256)
+                .ok_or_else(|| {
+                    ServerError::invalid("Idempotency-Key must be 1–256 visible ASCII characters")
+                })?;
+            Some(k.to_owned())
+        }
+    };
+    let (rec, created) = create_sandbox(&st, req, BTreeMap::new(), key).await?;
+    let status = if created {
+        StatusCode::CREATED
+    } else {
+        StatusCode::OK
+    };
+    Ok((status, Json(rec.to_api())))
+}
+
+/// `GET /v1/sandboxes?label=k=v` (repeatable, all must match) → `SandboxList`, oldest first.
+pub async fn list(
+    State(st): State<SharedState>,
+    Query(params): Query<Vec<(String, String)>>,
+) -> ApiResult<Json<SandboxList>> {
+    let mut want = Vec::new();
+    for (k, v) in params {
+        if k != "label" {
+            return Err(ServerError::invalid(format!(
+                "unknown query parameter {k:?}; only label=k=v"
+            )));
+        }
+        let (lk, lv) = v
+            .split_once('=')
+            .ok_or_else(|| ServerError::invalid(format!("label filter {v:?} must be k=v")))?;
+        want.push((lk.to_owned(), lv.to_owned()));
+    }
+    let sandboxes = st
+        .store
+        .list()?
+        .into_iter()
+        .filter(|r| {
+            want.iter()
+                .all(|(k, v)| r.labels.get(k).is_some_and(|x| x == v))
+        })
+        .map(|r| r.to_api())
+        .collect();
+    Ok(Json(SandboxList { sandboxes }))
+}
+
+/// `GET /v1/sandboxes/{id}` → `Sandbox` or 404.
+pub async fn get_one(
+    State(st): State<SharedState>,
+    Path(id): Path<String>,
+) -> ApiResult<Json<Sandbox>> {
+    let rec = st
+        .store
+        .get(&id)?
+        .ok_or_else(|| ServerError::no_sandbox(&id))?;
+    Ok(Json(rec.to_api()))
+}
+
+/// `DELETE /v1/sandboxes/{id}` → 204, also when unknown or already gone.
+pub async fn delete(
+    State(st): State<SharedState>,
+    Path(id): Path<String>,
+) -> ApiResult<StatusCode> {
+    delete_sandbox(&st, &id).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// `POST /v1/sandboxes/{id}/keepalive` with an optional body `{"ttl_s": N}` (an empty body
+/// keeps the sandbox's own TTL) → `Sandbox` with `expires_at` = now + ttl (`null` for 0).
+pub async fn keepalive(
+    State(st): State<SharedState>,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> ApiResult<Json<Sandbox>> {
+    let req: KeepaliveRequest = if body.iter().all(|b| b.is_ascii_whitespace()) {
+        KeepaliveRequest::default()
+    } else {
+        serde_json::from_slice(&body)
+            .map_err(|e| ServerError::invalid(format!("keepalive body: {e}")))?
+    };
+    let rec = running(&st, &id)?;
+    let ttl = range("ttl_s", req.ttl_s.unwrap_or(rec.spec.ttl_s), 0, MAX_TTL_S)?;
+    let expires = (ttl > 0).then(|| now_ms() + ttl as i64 * 1000);
+    if !st.store.set_expiry(&id, expires, ttl)? {
+        running(&st, &id)?; // gone or no longer running meanwhile: answer 404/409
+    }
+    let rec = st
+        .store
+        .get(&id)?
+        .ok_or_else(|| ServerError::no_sandbox(&id))?;
+    Ok(Json(rec.to_api()))
+}

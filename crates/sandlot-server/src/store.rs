@@ -1,0 +1,550 @@
+//! Durable records of sandboxes and idempotency keys, in SQLite (`DATA/sandlot.db`).
+//!
+//! Schema (version 1):
+//! - `sandboxes(id TEXT PK, backend, image, state, node, created_at INTEGER ms, expires_at
+//!   INTEGER ms NULL, spec TEXT json, labels TEXT json)`; `spec` is [`SpecJson`].
+//! - `idempotency(key TEXT PK, digest TEXT, sandbox_id TEXT, created_at INTEGER ms)`.
+//!
+//! The database runs in WAL mode with `synchronous=NORMAL` (a commit survives a process
+//! crash; a power loss may lose the last commits, which the node's re-adoption tolerates).
+//! One connection sits behind a `std::sync::Mutex`; every statement is a primary-key or
+//! small indexed access taking microseconds, so handlers call the store inline instead of
+//! paying a `spawn_blocking` hop per call.
+use rusqlite::{params, Connection, OptionalExtension};
+use sandlot_api::{Backend, NetworkPolicy, Sandbox, SandboxState};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+/// Errors of the store.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// Opening or migrating the database file failed.
+    #[error("open {path}")]
+    Open {
+        /// Database file.
+        path: PathBuf,
+        /// Cause.
+        #[source]
+        source: rusqlite::Error,
+    },
+    /// A statement failed.
+    #[error("sqlite {op}")]
+    Sql {
+        /// What was being done.
+        op: &'static str,
+        /// Cause.
+        #[source]
+        source: rusqlite::Error,
+    },
+    /// A stored row does not decode (corrupt or written by a newer version).
+    #[error("bad record {id}: {what}")]
+    Corrupt {
+        /// Row id.
+        id: String,
+        /// What is wrong.
+        what: String,
+    },
+}
+
+type Result<T> = std::result::Result<T, StoreError>;
+
+fn sql(op: &'static str) -> impl FnOnce(rusqlite::Error) -> StoreError {
+    move |source| StoreError::Sql { op, source }
+}
+
+/// The `spec` column: every create parameter not in its own column.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SpecJson {
+    /// CPU quota in cores.
+    pub cpu: f64,
+    /// Memory limit in MiB.
+    pub memory_mib: u64,
+    /// Writable-layer limit in MiB.
+    pub disk_mib: u64,
+    /// Process limit.
+    pub pids_max: u64,
+    /// TTL in seconds (0 = none).
+    pub ttl_s: u64,
+    /// Environment of every exec.
+    pub env: BTreeMap<String, String>,
+    /// Network policy.
+    pub network: NetworkPolicy,
+    /// Trajectory id.
+    pub trajectory: Option<String>,
+}
+
+/// One sandbox row.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Record {
+    /// `sb-` + 20 hex.
+    pub id: String,
+    /// Isolation level.
+    pub backend: Backend,
+    /// Image name.
+    pub image: String,
+    /// Lifecycle state.
+    pub state: SandboxState,
+    /// Node name.
+    pub node: String,
+    /// Creation time, Unix milliseconds.
+    pub created_at_ms: i64,
+    /// Expiry, Unix milliseconds; `None` without TTL.
+    pub expires_at_ms: Option<i64>,
+    /// Other parameters.
+    pub spec: SpecJson,
+    /// Labels.
+    pub labels: BTreeMap<String, String>,
+}
+
+fn rfc3339(ms: i64) -> String {
+    chrono::DateTime::from_timestamp_millis(ms)
+        .unwrap_or_default()
+        .to_rfc3339_opts(chrono::SecondsFormat::Millis, true)
+}
+
+impl Record {
+    /// The wire shape of this record.
+    pub fn to_api(&self) -> Sandbox {
+        Sandbox {
+            id: self.id.clone(),
+            backend: self.backend,
+            image: self.image.clone(),
+            state: self.state,
+            node: self.node.clone(),
+            created_at: rfc3339(self.created_at_ms),
+            expires_at: self.expires_at_ms.map(rfc3339),
+            cpu: self.spec.cpu,
+            memory_mib: self.spec.memory_mib,
+            disk_mib: self.spec.disk_mib,
+            pids_max: self.spec.pids_max,
+            ttl_s: self.spec.ttl_s,
+            labels: self.labels.clone(),
+            network: self.spec.network.clone(),
+            trajectory: self.spec.trajectory.clone(),
+        }
+    }
+}
+
+/// What [`Store::insert_with_key`] found.
+#[derive(Debug, Clone, PartialEq)]
+pub enum KeyOutcome {
+    /// The record (and key, if any) were inserted.
+    Inserted,
+    /// The key was used before with the same request digest, for this sandbox id.
+    Replay(String),
+    /// The key was used before with another request.
+    Mismatch,
+}
+
+/// The SQLite store. Cheap to share behind an `Arc`.
+pub struct Store {
+    conn: Mutex<Connection>,
+}
+
+const COLS: &str = "id, backend, image, state, node, created_at, expires_at, spec, labels";
+
+impl Store {
+    /// Open (creating if needed) `path` and apply the schema.
+    ///
+    /// # Errors
+    /// [`StoreError::Open`] with the path when the file cannot be opened or migrated.
+    pub fn open(path: &Path) -> Result<Store> {
+        let open_err = |source| StoreError::Open {
+            path: path.to_owned(),
+            source,
+        };
+        let conn = Connection::open(path).map_err(open_err)?;
+        conn.execute_batch(
+            "PRAGMA journal_mode=WAL;
+             PRAGMA synchronous=NORMAL;
+             PRAGMA busy_timeout=5000;
+             CREATE TABLE IF NOT EXISTS sandboxes (
+                id TEXT PRIMARY KEY, backend TEXT NOT NULL, image TEXT NOT NULL,
+                state TEXT NOT NULL, node TEXT NOT NULL, created_at INTEGER NOT NULL,
+                expires_at INTEGER, spec TEXT NOT NULL, labels TEXT NOT NULL);
+             CREATE INDEX IF NOT EXISTS sandboxes_expires ON sandboxes(expires_at);
+             CREATE TABLE IF NOT EXISTS idempotency (
+                key TEXT PRIMARY KEY, digest TEXT NOT NULL, sandbox_id TEXT NOT NULL,
+                created_at INTEGER NOT NULL);",
+        )
+        .map_err(open_err)?;
+        Ok(Store {
+            conn: Mutex::new(conn),
+        })
+    }
+
+    fn conn(&self) -> std::sync::MutexGuard<'_, Connection> {
+        // A panic while holding the lock cannot leave SQLite inconsistent (each statement
+        // is atomic), so a poisoned lock is still usable.
+        self.conn.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Insert a new record; with `key = Some((key, digest))` also record the idempotency key
+    /// in the same transaction, unless the key exists (then nothing is inserted).
+    ///
+    /// # Errors
+    /// [`StoreError::Sql`] on SQLite failures (including a duplicate id).
+    pub fn insert_with_key(&self, rec: &Record, key: Option<(&str, &str)>) -> Result<KeyOutcome> {
+        let mut conn = self.conn();
+        let tx = conn.transaction().map_err(sql("begin"))?;
+        if let Some((key, digest)) = key {
+            let found: Option<(String, String)> = tx
+                .query_row(
+                    "SELECT digest, sandbox_id FROM idempotency WHERE key = ?1",
+                    [key],
+                    |r| Ok((r.get(0)?, r.get(1)?)),
+                )
+                .optional()
+                .map_err(sql("select idempotency key"))?;
+            if let Some((d, sid)) = found {
+                return Ok(if d == digest {
+                    KeyOutcome::Replay(sid)
+                } else {
+                    KeyOutcome::Mismatch
+                });
+            }
+            tx.execute(
+                "INSERT INTO idempotency (key, digest, sandbox_id, created_at) VALUES (?1, ?2, ?3, ?4)",
+                params![key, digest, rec.id, rec.created_at_ms],
+            )
+            .map_err(sql("insert idempotency key"))?;
+        }
+        let spec = serde_json::to_string(&rec.spec).expect("spec serializes");
+        let labels = serde_json::to_string(&rec.labels).expect("labels serialize");
+        tx.execute(
+            &format!("INSERT INTO sandboxes ({COLS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)"),
+            params![
+                rec.id,
+                rec.backend.as_str(),
+                rec.image,
+                rec.state.as_str(),
+                rec.node,
+                rec.created_at_ms,
+                rec.expires_at_ms,
+                spec,
+                labels
+            ],
+        )
+        .map_err(sql("insert sandbox"))?;
+        tx.commit().map_err(sql("commit"))?;
+        Ok(KeyOutcome::Inserted)
+    }
+
+    /// One record by id.
+    ///
+    /// # Errors
+    /// [`StoreError`] on SQLite failures or an undecodable row.
+    pub fn get(&self, id: &str) -> Result<Option<Record>> {
+        let conn = self.conn();
+        let row = conn
+            .query_row(
+                &format!("SELECT {COLS} FROM sandboxes WHERE id = ?1"),
+                [id],
+                raw_row,
+            )
+            .optional()
+            .map_err(sql("select sandbox"))?;
+        row.map(decode).transpose()
+    }
+
+    /// Every record, oldest first.
+    ///
+    /// # Errors
+    /// [`StoreError`] on SQLite failures or an undecodable row.
+    pub fn list(&self) -> Result<Vec<Record>> {
+        self.select(
+            &format!("SELECT {COLS} FROM sandboxes ORDER BY created_at, rowid"),
+            [],
+        )
+    }
+
+    /// Records whose `expires_at` is at or before `now_ms`, or stuck in `deleting`.
+    ///
+    /// # Errors
+    /// [`StoreError`] on SQLite failures or an undecodable row.
+    pub fn due_for_reaping(&self, now_ms: i64) -> Result<Vec<Record>> {
+        self.select(
+            &format!(
+                "SELECT {COLS} FROM sandboxes WHERE (expires_at IS NOT NULL AND expires_at <= ?1)
+                 OR state = 'deleting' ORDER BY created_at"
+            ),
+            [now_ms],
+        )
+    }
+
+    fn select<P: rusqlite::Params>(&self, q: &str, p: P) -> Result<Vec<Record>> {
+        let conn = self.conn();
+        let mut stmt = conn.prepare(q).map_err(sql("prepare select"))?;
+        let rows = stmt
+            .query_map(p, raw_row)
+            .map_err(sql("select sandboxes"))?
+            .collect::<std::result::Result<Vec<_>, _>>()
+            .map_err(sql("read sandboxes"))?;
+        rows.into_iter().map(decode).collect()
+    }
+
+    /// Set `state = to` only when the current state is one of `from`. Returns whether a row
+    /// changed (compare-and-set: a create racing a delete finds out here).
+    ///
+    /// # Errors
+    /// [`StoreError::Sql`].
+    pub fn transition(&self, id: &str, from: &[SandboxState], to: SandboxState) -> Result<bool> {
+        let conn = self.conn();
+        let from: Vec<&str> = from.iter().map(|s| s.as_str()).collect();
+        let from_json = serde_json::to_string(&from).expect("strings serialize");
+        let n = conn
+            .execute(
+                "UPDATE sandboxes SET state = ?1 WHERE id = ?2
+                 AND state IN (SELECT value FROM json_each(?3))",
+                params![to.as_str(), id, from_json],
+            )
+            .map_err(sql("update state"))?;
+        Ok(n == 1)
+    }
+
+    /// Set a new expiry for a `running` record. Returns whether it changed.
+    ///
+    /// # Errors
+    /// [`StoreError::Sql`].
+    pub fn set_expiry(&self, id: &str, expires_at_ms: Option<i64>, ttl_s: u64) -> Result<bool> {
+        let conn = self.conn();
+        let n = conn
+            .execute(
+                "UPDATE sandboxes SET expires_at = ?1,
+                   spec = json_set(spec, '$.ttl_s', ?2)
+                 WHERE id = ?3 AND state = 'running'",
+                params![expires_at_ms, ttl_s as i64, id],
+            )
+            .map_err(sql("update expiry"))?;
+        Ok(n == 1)
+    }
+
+    /// Remove a record and the idempotency keys pointing at it. Returns whether it existed.
+    ///
+    /// # Errors
+    /// [`StoreError::Sql`].
+    pub fn remove(&self, id: &str) -> Result<bool> {
+        let mut conn = self.conn();
+        let tx = conn.transaction().map_err(sql("begin"))?;
+        let n = tx
+            .execute("DELETE FROM sandboxes WHERE id = ?1", [id])
+            .map_err(sql("delete sandbox"))?;
+        tx.commit().map_err(sql("commit"))?;
+        Ok(n == 1)
+    }
+
+    /// Forget the idempotency keys of a sandbox whose create failed, so a retry with the
+    /// same key creates again.
+    ///
+    /// # Errors
+    /// [`StoreError::Sql`].
+    pub fn forget_keys_of(&self, id: &str) -> Result<()> {
+        self.conn()
+            .execute("DELETE FROM idempotency WHERE sandbox_id = ?1", [id])
+            .map_err(sql("delete idempotency keys"))?;
+        Ok(())
+    }
+
+    /// Drop idempotency keys created before `before_ms`. Returns how many.
+    ///
+    /// # Errors
+    /// [`StoreError::Sql`].
+    pub fn purge_keys(&self, before_ms: i64) -> Result<usize> {
+        self.conn()
+            .execute("DELETE FROM idempotency WHERE created_at < ?1", [before_ms])
+            .map_err(sql("purge idempotency keys"))
+    }
+}
+
+type RawRow = (
+    String,
+    String,
+    String,
+    String,
+    String,
+    i64,
+    Option<i64>,
+    String,
+    String,
+);
+
+fn raw_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<RawRow> {
+    Ok((
+        r.get(0)?,
+        r.get(1)?,
+        r.get(2)?,
+        r.get(3)?,
+        r.get(4)?,
+        r.get(5)?,
+        r.get(6)?,
+        r.get(7)?,
+        r.get(8)?,
+    ))
+}
+
+fn decode(raw: RawRow) -> Result<Record> {
+    let (id, backend, image, state, node, created_at_ms, expires_at_ms, spec, labels) = raw;
+    let bad = |what: String| StoreError::Corrupt {
+        id: id.clone(),
+        what,
+    };
+    Ok(Record {
+        backend: backend.parse().map_err(bad)?,
+        state: state.parse().map_err(bad)?,
+        spec: serde_json::from_str(&spec).map_err(|e| bad(format!("spec: {e}")))?,
+        labels: serde_json::from_str(&labels).map_err(|e| bad(format!("labels: {e}")))?,
+        image,
+        node,
+        created_at_ms,
+        expires_at_ms,
+        id,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rec(id: &str, created: i64, expires: Option<i64>) -> Record {
+        Record {
+            id: id.into(),
+            backend: Backend::Function,
+            image: "python".into(),
+            state: SandboxState::Creating,
+            node: "n1".into(),
+            created_at_ms: created,
+            expires_at_ms: expires,
+            spec: SpecJson {
+                cpu: 0.5,
+                memory_mib: 256,
+                disk_mib: 1024,
+                pids_max: 64,
+                ttl_s: 10,
+                env: [("A".to_string(), "b".to_string())].into(),
+                network: NetworkPolicy::None,
+                trajectory: None,
+            },
+            labels: [("job".to_string(), "x".to_string())].into(),
+        }
+    }
+
+    fn tmpdb(name: &str) -> PathBuf {
+        let dir =
+            std::env::temp_dir().join(format!("sandlot-store-test-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        dir.join("sandlot.db")
+    }
+
+    #[test]
+    fn records_survive_reopen() {
+        let path = tmpdb("reopen");
+        {
+            let s = Store::open(&path).unwrap();
+            assert_eq!(
+                s.insert_with_key(&rec("sb-1", 1, Some(5)), None).unwrap(),
+                KeyOutcome::Inserted
+            );
+            assert!(s
+                .transition("sb-1", &[SandboxState::Creating], SandboxState::Running)
+                .unwrap());
+        }
+        let s = Store::open(&path).unwrap();
+        let r = s.get("sb-1").unwrap().expect("record kept");
+        let mut want = rec("sb-1", 1, Some(5));
+        want.state = SandboxState::Running;
+        assert_eq!(r, want);
+        assert_eq!(r.to_api().created_at, "1970-01-01T00:00:00.001Z");
+    }
+
+    #[test]
+    fn transition_is_compare_and_set() {
+        let s = Store::open(&tmpdb("cas")).unwrap();
+        s.insert_with_key(&rec("sb-1", 1, None), None).unwrap();
+        assert!(s
+            .transition("sb-1", &[SandboxState::Creating], SandboxState::Deleting)
+            .unwrap());
+        // A create finishing after a delete started must not flip it back.
+        assert!(!s
+            .transition("sb-1", &[SandboxState::Creating], SandboxState::Running)
+            .unwrap());
+        assert_eq!(
+            s.get("sb-1").unwrap().unwrap().state,
+            SandboxState::Deleting
+        );
+        assert!(!s
+            .transition("sb-2", &[SandboxState::Creating], SandboxState::Running)
+            .unwrap());
+    }
+
+    #[test]
+    fn idempotency_keys() {
+        let s = Store::open(&tmpdb("keys")).unwrap();
+        assert_eq!(
+            s.insert_with_key(&rec("sb-1", 100, None), Some(("k", "d1")))
+                .unwrap(),
+            KeyOutcome::Inserted
+        );
+        assert_eq!(
+            s.insert_with_key(&rec("sb-2", 101, None), Some(("k", "d1")))
+                .unwrap(),
+            KeyOutcome::Replay("sb-1".into())
+        );
+        assert_eq!(
+            s.insert_with_key(&rec("sb-3", 102, None), Some(("k", "d2")))
+                .unwrap(),
+            KeyOutcome::Mismatch
+        );
+        assert!(s.get("sb-2").unwrap().is_none(), "a replay inserts nothing");
+        assert_eq!(s.purge_keys(100).unwrap(), 0);
+        assert_eq!(s.purge_keys(101).unwrap(), 1);
+        assert_eq!(
+            s.insert_with_key(&rec("sb-4", 103, None), Some(("k", "d2")))
+                .unwrap(),
+            KeyOutcome::Inserted
+        );
+        s.forget_keys_of("sb-4").unwrap();
+        assert_eq!(
+            s.insert_with_key(&rec("sb-5", 104, None), Some(("k", "d3")))
+                .unwrap(),
+            KeyOutcome::Inserted
+        );
+    }
+
+    #[test]
+    fn reaping_and_expiry() {
+        let s = Store::open(&tmpdb("reap")).unwrap();
+        s.insert_with_key(&rec("sb-a", 1, Some(50)), None).unwrap();
+        s.insert_with_key(&rec("sb-b", 2, Some(150)), None).unwrap();
+        s.insert_with_key(&rec("sb-c", 3, None), None).unwrap();
+        let due: Vec<_> = s
+            .due_for_reaping(100)
+            .unwrap()
+            .into_iter()
+            .map(|r| r.id)
+            .collect();
+        assert_eq!(due, ["sb-a"]);
+        s.transition("sb-c", &[SandboxState::Creating], SandboxState::Deleting)
+            .unwrap();
+        let due: Vec<_> = s
+            .due_for_reaping(100)
+            .unwrap()
+            .into_iter()
+            .map(|r| r.id)
+            .collect();
+        assert_eq!(due, ["sb-a", "sb-c"]);
+        // Only running records take a new expiry.
+        assert!(!s.set_expiry("sb-a", Some(500), 7).unwrap());
+        s.transition("sb-a", &[SandboxState::Creating], SandboxState::Running)
+            .unwrap();
+        assert!(s.set_expiry("sb-a", Some(500), 7).unwrap());
+        let a = s.get("sb-a").unwrap().unwrap();
+        assert_eq!((a.expires_at_ms, a.spec.ttl_s), (Some(500), 7));
+        let ids: Vec<_> = s.list().unwrap().into_iter().map(|r| r.id).collect();
+        assert_eq!(ids, ["sb-a", "sb-b", "sb-c"]);
+        assert!(s.remove("sb-a").unwrap());
+        assert!(!s.remove("sb-a").unwrap());
+    }
+}
