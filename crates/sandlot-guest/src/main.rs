@@ -1,1 +1,26 @@
-fn main() {}
+//! `sandlot-guest`: the function backend's jail helper. `sandlot-guest init` builds a
+//! sandbox and leaves its pid 1 running; `sandlot-guest exec` runs one command in it. The
+//! JSON protocol is in [`sandlot_guest::spec`]. Single-threaded on purpose: unshare(2) and
+//! setns(2) into a user namespace refuse multi-threaded callers.
+
+mod exec;
+mod fsrules;
+mod host;
+mod init;
+mod seccomp;
+mod sys;
+
+fn main() {
+    let code = match std::env::args().nth(1).as_deref() {
+        Some("init") => init::main(),
+        Some("exec") => exec::main(),
+        _ => {
+            eprintln!(
+                "usage: sandlot-guest init   (InitSpec JSON on stdin, InitReady JSON on stdout)\n       \
+                 sandlot-guest exec   (ExecSpec JSON on fd 3, ExecStatus JSON on fd 4)"
+            );
+            2
+        }
+    };
+    std::process::exit(code)
+}

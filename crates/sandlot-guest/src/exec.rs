@@ -1,0 +1,390 @@
+//! `sandlot-guest exec`: runs one command inside a sandbox built by `init`.
+//!
+//! Protocol: [`ExecSpec`] JSON on fd 3 (to EOF); the command's stdin/stdout/stderr are
+//! this process's; one [`ExecStatus`] JSON document on fd 4 when it has ended; exit 0.
+//!
+//! The process joins the sandbox's cgroups and every namespace but the user namespace,
+//! then forks (a pid namespace is entered only by children). The parent stays host root
+//! in the host user namespace, waits and reports. The child applies the resource limits
+//! (while it still has host privileges, so limits above the node's own hard limits work),
+//! joins the user namespace, becomes the requested uid/gid, and locks itself down in this
+//! order: no_new_privs, landlock, capabilities, signals, seccomp (last, so that the
+//! set-up calls above are not themselves filtered), then execve.
+//!
+//! Set-up errors in the child travel to the parent over a close-on-exec pipe (a byte `U`
+//! for the caller's fault or `I` for an internal one, then the text); EOF without data
+//! means execve succeeded or failed in the command's own way (127/126 with a message on
+//! the command's stderr, like a shell).
+
+use std::ffi::CString;
+use std::io::{Read, Write};
+use std::os::fd::{AsFd, OwnedFd};
+
+use anyhow::Context;
+use nix::errno::Errno;
+use nix::fcntl::{open, openat, OFlag};
+use nix::sched::{setns, CloneFlags};
+use nix::sys::resource::{setrlimit, Resource};
+use nix::sys::stat::Mode;
+use nix::sys::wait::{waitpid, WaitStatus};
+use nix::unistd::{
+    chdir, chroot, fchdir, pipe2, setgroups, setresgid, setresuid, setsid, Gid, Pid, Uid,
+};
+use sandlot_guest::spec::{ExecSpec, ExecStatus, RlimitResource};
+
+use crate::host;
+use crate::sys::{self, Forked};
+use crate::{fsrules, seccomp};
+
+/// A failed set-up step.
+struct SetupError {
+    message: String,
+    user_error: bool,
+}
+
+impl SetupError {
+    fn user(message: impl Into<String>) -> Self {
+        Self {
+            message: message.into(),
+            user_error: true,
+        }
+    }
+}
+
+impl From<anyhow::Error> for SetupError {
+    fn from(e: anyhow::Error) -> Self {
+        Self {
+            message: format!("{e:#}"),
+            user_error: false,
+        }
+    }
+}
+
+impl From<SetupError> for ExecStatus {
+    fn from(e: SetupError) -> Self {
+        ExecStatus::SetupFailed {
+            message: e.message,
+            user_error: e.user_error,
+        }
+    }
+}
+
+/// Entry point; returns the process exit code (0 once a status was written).
+pub fn main() -> i32 {
+    let status_fd = match sys::inherited_fd(4) {
+        Ok(fd) => fd,
+        Err(e) => {
+            eprintln!("sandlot-guest exec: fd 4 (ExecStatus output) is not open: {e}");
+            return 1;
+        }
+    };
+    // The command must not inherit the status pipe (it could forge a status).
+    if let Err(e) = sys::set_cloexec(4) {
+        eprintln!("sandlot-guest exec: FD_CLOEXEC on fd 4: {e}");
+        return 1;
+    }
+    let status = match run() {
+        Ok(s) => s,
+        Err(e) => e.into(),
+    };
+    let json = serde_json::to_vec(&status).expect("ExecStatus serialises");
+    let mut out = std::fs::File::from(status_fd);
+    if let Err(e) = out.write_all(&json) {
+        eprintln!("sandlot-guest exec: writing ExecStatus to fd 4: {e}");
+        return 1;
+    }
+    0
+}
+
+fn read_spec() -> Result<ExecSpec, SetupError> {
+    let fd = sys::inherited_fd(3).context("fd 3 (ExecSpec input) is not open")?;
+    let mut s = String::new();
+    std::fs::File::from(fd)
+        .read_to_string(&mut s)
+        .context("reading ExecSpec from fd 3")?;
+    Ok(serde_json::from_str(&s).context("parsing ExecSpec JSON from fd 3")?)
+}
+
+/// Everything the child needs, prepared before the fork so that input errors are found
+/// early and the child allocates little.
+struct Prepared {
+    argv: Vec<CString>,
+    envp: Vec<CString>,
+    path: String,
+    cwd: CString,
+    filters: [seccompiler::BpfProgram; 2],
+}
+
+fn cstring(what: &str, s: &str) -> Result<CString, SetupError> {
+    CString::new(s).map_err(|_| SetupError::user(format!("{what} contains a NUL byte: {s:?}")))
+}
+
+fn prepare(spec: &ExecSpec) -> Result<Prepared, SetupError> {
+    if spec.argv.is_empty() {
+        return Err(SetupError::user("argv is empty"));
+    }
+    let argv = spec
+        .argv
+        .iter()
+        .map(|a| cstring("argv", a))
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut envp = Vec::with_capacity(spec.env.len());
+    for (k, v) in &spec.env {
+        if k.is_empty() || k.contains('=') {
+            return Err(SetupError::user(format!(
+                "invalid environment variable name {k:?}"
+            )));
+        }
+        envp.push(cstring("env", &format!("{k}={v}"))?);
+    }
+    // glibc's default search path when PATH is unset (confstr _CS_PATH).
+    let path = spec
+        .env
+        .iter()
+        .find(|(k, _)| k == "PATH")
+        .map(|(_, v)| v.clone())
+        .unwrap_or_else(|| "/bin:/usr/bin".to_string());
+    Ok(Prepared {
+        argv,
+        envp,
+        path,
+        cwd: cstring("cwd", &spec.cwd)?,
+        filters: seccomp::build()?,
+    })
+}
+
+/// The sandbox's init, pinned: `/proc/PID` opened once, so every later lookup refers to
+/// the same process even if the pid were reused (the directory fd then answers ESRCH).
+struct Target {
+    ns: Vec<(OwnedFd, CloneFlags, &'static str)>,
+    user: OwnedFd,
+    root: OwnedFd,
+}
+
+fn open_target(spec: &ExecSpec) -> Result<Target, SetupError> {
+    let what = format!("/proc/{}", spec.init_pid);
+    let dir = open(
+        what.as_str(),
+        OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
+        Mode::empty(),
+    )
+    .map_err(|e| SetupError::from(anyhow::anyhow!("sandbox gone: opening {what}: {e}")))?;
+    let t = host::starttime_at(&dir, &what).context("sandbox gone")?;
+    if t != spec.init_starttime {
+        return Err(anyhow::anyhow!(
+            "sandbox gone: {what} has starttime {t}, expected {} (pid reused)",
+            spec.init_starttime
+        )
+        .into());
+    }
+    let open_ns = |name: &str| -> Result<OwnedFd, SetupError> {
+        Ok(openat(
+            &dir,
+            format!("ns/{name}").as_str(),
+            OFlag::O_RDONLY | OFlag::O_CLOEXEC,
+            Mode::empty(),
+        )
+        .with_context(|| format!("opening {what}/ns/{name}"))?)
+    };
+    // setns order: the user namespace last, so that the others are joined with host
+    // privileges (their owner is the host user namespace); mnt after pid and the rest,
+    // since it changes what paths mean.
+    let mut ns = Vec::new();
+    for (name, flag) in [
+        ("ipc", CloneFlags::CLONE_NEWIPC),
+        ("uts", CloneFlags::CLONE_NEWUTS),
+        ("net", CloneFlags::CLONE_NEWNET),
+        ("cgroup", CloneFlags::CLONE_NEWCGROUP),
+        ("pid", CloneFlags::CLONE_NEWPID),
+        ("mnt", CloneFlags::CLONE_NEWNS),
+    ] {
+        ns.push((open_ns(name)?, flag, name));
+    }
+    let user = open_ns("user")?;
+    let root = openat(
+        &dir,
+        "root",
+        OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
+        Mode::empty(),
+    )
+    .with_context(|| format!("opening {what}/root"))?;
+    Ok(Target { ns, user, root })
+}
+
+fn run() -> Result<ExecStatus, SetupError> {
+    let spec = read_spec()?;
+    let prepared = prepare(&spec)?;
+    host::join_cgroups(&spec.cgroup_procs)?;
+    let target = open_target(&spec)?;
+    for (fd, flag, name) in &target.ns {
+        setns(fd, *flag)
+            .with_context(|| format!("setns({name}) into /proc/{}/ns/{name}", spec.init_pid))?;
+    }
+    // Like `nsenter -r`: take the init's root (the pivoted overlay) as ours.
+    fchdir(&target.root).context("fchdir to the init's root")?;
+    chroot(".").context("chroot to the init's root")?;
+
+    let (err_r, err_w) = pipe2(OFlag::O_CLOEXEC).context("pipe2")?;
+    match sys::fork().context("fork")? {
+        Forked::Child => {
+            drop(err_r);
+            let e = match child(&spec, &prepared, &target) {
+                Ok(never) => match never {},
+                Err(e) => e,
+            };
+            let mut w = std::fs::File::from(err_w);
+            let tag = if e.user_error { "U" } else { "I" };
+            let _ = write!(w, "{tag}{}", e.message);
+            sys::exit_now(125)
+        }
+        Forked::Parent(pid) => {
+            drop(err_w);
+            drop(target);
+            let mut msg = Vec::new();
+            let read = std::fs::File::from(err_r).read_to_end(&mut msg);
+            let status = wait(pid)?;
+            if let Err(e) = read {
+                return Err(anyhow::anyhow!("reading the child's error pipe: {e}").into());
+            }
+            if let Some((&tag, text)) = msg.split_first() {
+                return Err(SetupError {
+                    message: String::from_utf8_lossy(text).into_owned(),
+                    user_error: tag == b'U',
+                });
+            }
+            Ok(status)
+        }
+    }
+}
+
+fn wait(pid: Pid) -> Result<ExecStatus, SetupError> {
+    loop {
+        match waitpid(pid, None) {
+            Ok(WaitStatus::Exited(_, code)) => return Ok(ExecStatus::Exited { code }),
+            Ok(WaitStatus::Signaled(_, sig, _)) => {
+                return Ok(ExecStatus::Signaled { signal: sig as i32 })
+            }
+            Ok(_) => continue,
+            Err(Errno::EINTR) => continue,
+            Err(e) => return Err(anyhow::anyhow!("waitpid({pid}): {e}").into()),
+        }
+    }
+}
+
+fn rlimit_resource(r: RlimitResource) -> Resource {
+    match r {
+        RlimitResource::Nofile => Resource::RLIMIT_NOFILE,
+        RlimitResource::Core => Resource::RLIMIT_CORE,
+        RlimitResource::Fsize => Resource::RLIMIT_FSIZE,
+        RlimitResource::Stack => Resource::RLIMIT_STACK,
+        RlimitResource::Memlock => Resource::RLIMIT_MEMLOCK,
+        RlimitResource::Msgqueue => Resource::RLIMIT_MSGQUEUE,
+    }
+}
+
+/// The forked child: returns only on a set-up error; execve failures end it with
+/// 127/126 directly.
+fn child(
+    spec: &ExecSpec,
+    p: &Prepared,
+    target: &Target,
+) -> Result<std::convert::Infallible, SetupError> {
+    // Limits first, with host privileges: raising a hard limit needs CAP_SYS_RESOURCE in
+    // the initial user namespace, which is gone after setns(user).
+    for l in &spec.rlimits {
+        setrlimit(rlimit_resource(l.resource), l.value, l.value)
+            .with_context(|| format!("setrlimit({:?}, {})", l.resource, l.value))?;
+    }
+    setns(target.user.as_fd(), CloneFlags::CLONE_NEWUSER)
+        .with_context(|| format!("setns(user) into /proc/{}/ns/user", spec.init_pid))?;
+    // A session of its own: no controlling terminal of the node, and the node can signal
+    // the whole process group.
+    setsid().context("setsid")?;
+    // Needs CAP_SETPCAP, which a non-zero uid loses at setresuid: do it before.
+    sys::drop_bounding_and_ambient().context("dropping the capability bounding set")?;
+    let uid = Uid::from_raw(spec.uid);
+    let gid = Gid::from_raw(spec.gid);
+    let unmapped = |e: Errno, what: &str, id: u32| -> SetupError {
+        if e == Errno::EINVAL {
+            SetupError::user(format!("{what} {id} is not mapped in the sandbox"))
+        } else {
+            anyhow::anyhow!("{what}({id}): {e}").into()
+        }
+    };
+    setgroups(&[]).context("setgroups([])")?;
+    setresgid(gid, gid, gid).map_err(|e| unmapped(e, "setresgid", spec.gid))?;
+    setresuid(uid, uid, uid).map_err(|e| unmapped(e, "setresuid", spec.uid))?;
+    // As the target user, so permissions are checked as they will apply to the command.
+    if let Err(e) = chdir(p.cwd.as_c_str()) {
+        return Err(SetupError::user(format!(
+            "cwd {}: {}",
+            spec.cwd,
+            sys::strerror(e as i32)
+        )));
+    }
+    // Nothing inherited from the node (or opened above) may reach the command; the error
+    // pipe stays usable until execve closes it.
+    sys::cloexec_from(3).context("close_range(3.., CLOEXEC)")?;
+    sys::set_no_new_privs().context("prctl(PR_SET_NO_NEW_PRIVS)")?;
+    fsrules::restrict()?;
+    sys::clear_capabilities().context("capset(0)")?;
+    sys::reset_signals().context("resetting signal dispositions")?;
+    seccomp::apply(&p.filters)?;
+    exec_search(p)
+}
+
+/// execve with a PATH search of our own (glibc's execvp would search the PATH of this
+/// process's environment, not the command's). Mirrors glibc execvpe: an entry without `/`
+/// is tried in each PATH element; EACCES is remembered and the search goes on; ENOENT and
+/// ENOTDIR go on; any other error stops it. Never returns.
+fn exec_search(p: &Prepared) -> ! {
+    let name = p.argv[0].to_string_lossy().into_owned();
+    let try_exec = |path: &CString| -> Errno {
+        match nix::unistd::execve(path, &p.argv, &p.envp) {
+            Ok(never) => match never {},
+            Err(e) => e,
+        }
+    };
+    let err = if name.contains('/') {
+        try_exec(&p.argv[0])
+    } else {
+        let mut seen_eacces = false;
+        let mut last = Errno::ENOENT;
+        for dir in p.path.split(':') {
+            let dir = if dir.is_empty() { "." } else { dir };
+            let Ok(full) = CString::new(format!("{dir}/{name}")) else {
+                continue;
+            };
+            match try_exec(&full) {
+                Errno::EACCES => seen_eacces = true,
+                Errno::ENOENT
+                | Errno::ENOTDIR
+                | Errno::ESTALE
+                | Errno::ENODEV
+                | Errno::ETIMEDOUT => {}
+                e => {
+                    last = e;
+                    break;
+                }
+            }
+        }
+        if last == Errno::ENOENT && seen_eacces {
+            Errno::EACCES
+        } else {
+            last
+        }
+    };
+    let mut stderr = std::io::stderr();
+    if err == Errno::ENOENT {
+        let what = if name.contains('/') {
+            "No such file or directory"
+        } else {
+            "command not found"
+        };
+        let _ = writeln!(stderr, "sandlot: {name}: {what}");
+        sys::exit_now(127)
+    } else {
+        let _ = writeln!(stderr, "sandlot: {name}: {}", sys::strerror(err as i32));
+        sys::exit_now(126)
+    }
+}
