@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any, AsyncIterator, Dict, List, Mapping, Optional, Sequence
 
 import httpx
@@ -97,7 +98,13 @@ class AsyncClient:
         body = create_body(backend, image, cpu, memory_mib, disk_mib, pids_max, ttl_s, env,
                            labels)
         resp = await self._request("POST", "/v1/sandboxes", json=body, headers=headers, work_s=60)
-        return AsyncSandbox(self, _base.json_of(resp))
+        sb = AsyncSandbox(self, _base.json_of(resp))
+        # An Idempotency-Key replay of a create still in flight answers `creating`.
+        deadline = time.monotonic() + 60
+        while sb.state == "creating" and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+            await sb.refresh()
+        return sb
 
     async def get(self, sandbox_id: str) -> "AsyncSandbox":
         """``GET /v1/sandboxes/{id}``. Raises NotFound for an unknown id."""

@@ -94,7 +94,13 @@ class Client:
         body = create_body(backend, image, cpu, memory_mib, disk_mib, pids_max, ttl_s, env,
                            labels)
         resp = self._request("POST", "/v1/sandboxes", json=body, headers=headers, work_s=60)
-        return Sandbox(self, _base.json_of(resp))
+        sb = Sandbox(self, _base.json_of(resp))
+        # An Idempotency-Key replay of a create still in flight answers `creating`.
+        deadline = time.monotonic() + 60
+        while sb.state == "creating" and time.monotonic() < deadline:
+            time.sleep(0.05)
+            sb.refresh()
+        return sb
 
     def get(self, sandbox_id: str) -> "Sandbox":
         """``GET /v1/sandboxes/{id}``. Raises NotFound for an unknown id."""
