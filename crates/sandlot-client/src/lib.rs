@@ -1,1 +1,428 @@
-//! Rust client of the Sandlot HTTP API v1 (placeholder).
+//! Rust client of the Sandlot HTTP API v1 (`docs/openapi.json`, DESIGN.md "HTTP API v1").
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), sandlot_client::ClientError> {
+//! use sandlot_client::Client;
+//! use sandlot_api::{Cmd, CreateSandboxRequest, ExecRequest};
+//! let c = Client::new("http://127.0.0.1:7070")?;
+//! let sb = c.create(&CreateSandboxRequest::default()).await?;
+//! let r = c.exec(&sb.id, &ExecRequest::new(Cmd::Shell("echo hi".into()))).await?;
+//! assert_eq!(r.stdout, "hi\n");
+//! c.delete(&sb.id).await?;
+//! # Ok(()) }
+//! ```
+//!
+//! Every method maps to one route. Errors: [`ClientError::Api`] carries the server's decoded
+//! `{"error": {"code", "message"}}` body (switch on [`ErrorCode`]); transport failures and
+//! undecodable answers are the other variants.
+#![deny(missing_docs)]
+
+use bytes::Bytes;
+use futures::{Stream, StreamExt};
+use sandlot_api::{
+    ApiError, CreateSandboxRequest, ErrorBody, ErrorCode, ExecEvent, ExecRequest, ExecResult,
+    FileEntry, FileList, KeepaliveRequest, RunCodeRequest, RunCodeResponse, Sandbox, SandboxList,
+};
+use serde::de::DeserializeOwned;
+use std::pin::Pin;
+
+/// Errors of client calls.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    /// The server answered with an error body (HTTP status is `code.http_status()`).
+    #[error("{0}")]
+    Api(ApiError),
+    /// The request could not be sent or the answer not read (connection refused, reset...).
+    #[error("{url}")]
+    Transport {
+        /// Requested URL.
+        url: String,
+        /// Cause.
+        #[source]
+        source: reqwest::Error,
+    },
+    /// The answer was not what the API promises (not JSON, unexpected status, bad line).
+    #[error("bad response from {url}: {what}")]
+    BadResponse {
+        /// Requested URL.
+        url: String,
+        /// What was wrong.
+        what: String,
+    },
+    /// The base URL does not parse.
+    #[error("invalid base URL {0:?}")]
+    BadUrl(String),
+}
+
+impl ClientError {
+    /// The API error code, when the server answered with one.
+    pub fn code(&self) -> Option<ErrorCode> {
+        match self {
+            ClientError::Api(e) => Some(e.code),
+            _ => None,
+        }
+    }
+}
+
+/// Result of client calls.
+pub type Result<T> = std::result::Result<T, ClientError>;
+
+/// A stream of exec events: chunks, then one `exit` or `error` event.
+pub type ExecStream = Pin<Box<dyn Stream<Item = Result<ExecEvent>> + Send>>;
+
+/// Client of one Sandlot server. Cheap to clone (connection pool shared).
+#[derive(Debug, Clone)]
+pub struct Client {
+    base: String,
+    http: reqwest::Client,
+}
+
+fn enc(s: &str) -> String {
+    // RFC 3986 unreserved characters pass; everything else (including '/') is %-encoded.
+    let mut out = String::with_capacity(s.len());
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+impl Client {
+    /// A client of the server at `base_url`, e.g. `http://127.0.0.1:7070` (no trailing
+    /// path). No request timeout is set: execs can last up to their own `timeout_s`.
+    ///
+    /// # Errors
+    /// [`ClientError::BadUrl`] when `base_url` is not an `http(s)://` URL.
+    pub fn new(base_url: &str) -> Result<Client> {
+        let base = base_url.trim_end_matches('/').to_owned();
+        if !(base.starts_with("http://") || base.starts_with("https://")) {
+            return Err(ClientError::BadUrl(base_url.to_owned()));
+        }
+        Ok(Client {
+            base,
+            http: reqwest::Client::new(),
+        })
+    }
+
+    /// The base URL.
+    pub fn base_url(&self) -> &str {
+        &self.base
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("{}{}", self.base, path)
+    }
+
+    async fn send(&self, url: &str, rb: reqwest::RequestBuilder) -> Result<reqwest::Response> {
+        let resp = rb.send().await.map_err(|source| ClientError::Transport {
+            url: url.to_owned(),
+            source,
+        })?;
+        if resp.status().is_success() {
+            return Ok(resp);
+        }
+        let status = resp.status();
+        let body = resp
+            .bytes()
+            .await
+            .map_err(|source| ClientError::Transport {
+                url: url.to_owned(),
+                source,
+            })?;
+        match serde_json::from_slice::<ErrorBody>(&body) {
+            Ok(e) => Err(ClientError::Api(e.error)),
+            Err(_) => Err(ClientError::BadResponse {
+                url: url.to_owned(),
+                what: format!("HTTP {status}: {}", String::from_utf8_lossy(&body)),
+            }),
+        }
+    }
+
+    async fn json<T: DeserializeOwned>(&self, url: &str, rb: reqwest::RequestBuilder) -> Result<T> {
+        let resp = self.send(url, rb).await?;
+        let body = resp
+            .bytes()
+            .await
+            .map_err(|source| ClientError::Transport {
+                url: url.to_owned(),
+                source,
+            })?;
+        serde_json::from_slice(&body).map_err(|e| ClientError::BadResponse {
+            url: url.to_owned(),
+            what: e.to_string(),
+        })
+    }
+
+    /// `POST /v1/sandboxes` → the new [`Sandbox`] (state `running`).
+    ///
+    /// # Errors
+    /// `invalid_argument` (ranges), `not_found` (image), `unavailable` (backend), ...
+    pub async fn create(&self, req: &CreateSandboxRequest) -> Result<Sandbox> {
+        let url = self.url("/v1/sandboxes");
+        self.json(&url, self.http.post(&url).json(req)).await
+    }
+
+    /// `POST /v1/sandboxes` with an `Idempotency-Key`: retrying with the same key and
+    /// request returns the same sandbox instead of creating another.
+    ///
+    /// # Errors
+    /// As [`create`](Self::create); `conflict` when the key was used with another request.
+    pub async fn create_idempotent(
+        &self,
+        req: &CreateSandboxRequest,
+        key: &str,
+    ) -> Result<Sandbox> {
+        let url = self.url("/v1/sandboxes");
+        let rb = self
+            .http
+            .post(&url)
+            .header("Idempotency-Key", key)
+            .json(req);
+        self.json(&url, rb).await
+    }
+
+    /// `GET /v1/sandboxes/{id}`.
+    ///
+    /// # Errors
+    /// `not_found`.
+    pub async fn get(&self, id: &str) -> Result<Sandbox> {
+        let url = self.url(&format!("/v1/sandboxes/{}", enc(id)));
+        self.json(&url, self.http.get(&url)).await
+    }
+
+    /// `GET /v1/sandboxes?label=k=v...`: live sandboxes carrying every label, oldest first.
+    ///
+    /// # Errors
+    /// Transport or API errors.
+    pub async fn list(&self, labels: &[(&str, &str)]) -> Result<Vec<Sandbox>> {
+        let q: Vec<String> = labels
+            .iter()
+            .map(|(k, v)| format!("label={}", enc(&format!("{k}={v}"))))
+            .collect();
+        let url = if q.is_empty() {
+            self.url("/v1/sandboxes")
+        } else {
+            self.url(&format!("/v1/sandboxes?{}", q.join("&")))
+        };
+        let l: SandboxList = self.json(&url, self.http.get(&url)).await?;
+        Ok(l.sandboxes)
+    }
+
+    /// `DELETE /v1/sandboxes/{id}`; succeeds also when the sandbox is already gone.
+    ///
+    /// # Errors
+    /// Transport errors, or the node's error when the kill failed (the server retries).
+    pub async fn delete(&self, id: &str) -> Result<()> {
+        let url = self.url(&format!("/v1/sandboxes/{}", enc(id)));
+        self.send(&url, self.http.delete(&url)).await.map(drop)
+    }
+
+    /// `POST /v1/sandboxes/{id}/keepalive`: expiry = now + `ttl_s` (the sandbox's own TTL
+    /// when `None`; 0 = no expiry).
+    ///
+    /// # Errors
+    /// `not_found`, `conflict` (not running), `invalid_argument` (ttl over a week).
+    pub async fn keepalive(&self, id: &str, ttl_s: Option<u64>) -> Result<Sandbox> {
+        let url = self.url(&format!("/v1/sandboxes/{}/keepalive", enc(id)));
+        self.json(&url, self.http.post(&url).json(&KeepaliveRequest { ttl_s }))
+            .await
+    }
+
+    /// `POST /v1/sandboxes/{id}/exec` → [`ExecResult`] (waits for the command).
+    ///
+    /// # Errors
+    /// `not_found`, `conflict`, `invalid_argument`; the program's own failure is in the
+    /// result (`exit_code`, `timed_out`), not an error.
+    pub async fn exec(&self, id: &str, req: &ExecRequest) -> Result<ExecResult> {
+        let url = self.url(&format!("/v1/sandboxes/{}/exec", enc(id)));
+        self.json(&url, self.http.post(&url).json(req)).await
+    }
+
+    /// `POST /v1/sandboxes/{id}/exec?stream=true` → a stream of [`ExecEvent`] parsed from
+    /// NDJSON: `stdout`/`stderr` chunks as they come, then one `exit` (result without the
+    /// text, byte totals kept) or `error` event.
+    ///
+    /// # Errors
+    /// Errors before the exec starts are returned here; later ones arrive as `error`
+    /// events or `Err` items (transport, bad line).
+    pub async fn exec_stream(&self, id: &str, req: &ExecRequest) -> Result<ExecStream> {
+        let url = self.url(&format!("/v1/sandboxes/{}/exec?stream=true", enc(id)));
+        let resp = self.send(&url, self.http.post(&url).json(req)).await?;
+        Ok(ndjson(url, resp.bytes_stream()))
+    }
+
+    fn file_url(&self, id: &str, suffix: &str, path: &str) -> String {
+        self.url(&format!(
+            "/v1/sandboxes/{}/files{suffix}?path={}",
+            enc(id),
+            enc(path)
+        ))
+    }
+
+    /// `PUT /v1/sandboxes/{id}/files?path=P`: write `data` atomically, creating parents.
+    ///
+    /// # Errors
+    /// `payload_too_large` over the server's file limit (256 MiB by default),
+    /// `invalid_argument` for a path escaping the sandbox.
+    pub async fn write_file(&self, id: &str, path: &str, data: impl Into<Bytes>) -> Result<()> {
+        let url = self.file_url(id, "", path);
+        let rb = self
+            .http
+            .put(&url)
+            .header("content-type", "application/octet-stream")
+            .body(data.into());
+        self.send(&url, rb).await.map(drop)
+    }
+
+    /// `GET /v1/sandboxes/{id}/files?path=P` → the file's bytes.
+    ///
+    /// # Errors
+    /// `not_found`, `invalid_argument` (a directory, too large).
+    pub async fn read_file(&self, id: &str, path: &str) -> Result<Bytes> {
+        let url = self.file_url(id, "", path);
+        let resp = self.send(&url, self.http.get(&url)).await?;
+        resp.bytes()
+            .await
+            .map_err(|source| ClientError::Transport { url, source })
+    }
+
+    /// `GET /v1/sandboxes/{id}/files/list?path=P` → entries sorted by name.
+    ///
+    /// # Errors
+    /// `not_found`, `invalid_argument` (not a directory).
+    pub async fn list_files(&self, id: &str, path: &str) -> Result<Vec<FileEntry>> {
+        let url = self.file_url(id, "/list", path);
+        let l: FileList = self.json(&url, self.http.get(&url)).await?;
+        Ok(l.entries)
+    }
+
+    /// `DELETE /v1/sandboxes/{id}/files?path=P` (directories recursively).
+    ///
+    /// # Errors
+    /// `not_found`.
+    pub async fn remove_file(&self, id: &str, path: &str) -> Result<()> {
+        let url = self.file_url(id, "", path);
+        self.send(&url, self.http.delete(&url)).await.map(drop)
+    }
+
+    /// `POST /run_code` (SandboxFusion-compatible) → [`RunCodeResponse`]; the verdict is in
+    /// `status`.
+    ///
+    /// # Errors
+    /// `resource_exhausted` (429) or `deadline_exceeded` (504) under overload: retry after a
+    /// second.
+    pub async fn run_code(&self, req: &RunCodeRequest) -> Result<RunCodeResponse> {
+        let url = self.url("/run_code");
+        self.json(&url, self.http.post(&url).json(req)).await
+    }
+
+    /// `GET /v1/ping` → `Ok(())` when the server answers `pong`.
+    ///
+    /// # Errors
+    /// Transport errors; `BadResponse` for another answer.
+    pub async fn ping(&self) -> Result<()> {
+        let url = self.url("/v1/ping");
+        let resp = self.send(&url, self.http.get(&url)).await?;
+        let body = resp.text().await.map_err(|source| ClientError::Transport {
+            url: url.clone(),
+            source,
+        })?;
+        if body.trim() == "pong" {
+            Ok(())
+        } else {
+            Err(ClientError::BadResponse {
+                url,
+                what: format!("expected pong, got {body:?}"),
+            })
+        }
+    }
+}
+
+/// Split a byte stream into NDJSON lines and decode each as an [`ExecEvent`].
+fn ndjson(
+    url: String,
+    body: impl Stream<Item = reqwest::Result<Bytes>> + Send + 'static,
+) -> ExecStream {
+    struct St<S> {
+        body: Pin<Box<S>>,
+        buf: Vec<u8>,
+        url: String,
+        done: bool,
+    }
+    let st = St {
+        body: Box::pin(body),
+        buf: Vec::new(),
+        url,
+        done: false,
+    };
+    Box::pin(futures::stream::unfold(st, |mut st| async move {
+        loop {
+            if let Some(pos) = st.buf.iter().position(|&b| b == b'\n') {
+                let line: Vec<u8> = st.buf.drain(..=pos).collect();
+                let line = &line[..line.len() - 1];
+                if line.iter().all(|b| b.is_ascii_whitespace()) {
+                    continue;
+                }
+                let item = serde_json::from_slice::<ExecEvent>(line).map_err(|e| {
+                    ClientError::BadResponse {
+                        url: st.url.clone(),
+                        what: format!("bad NDJSON line: {e}"),
+                    }
+                });
+                return Some((item, st));
+            }
+            if st.done {
+                if st.buf.iter().all(|b| b.is_ascii_whitespace()) {
+                    return None;
+                }
+                st.buf.push(b'\n'); // last line without newline
+                continue;
+            }
+            match st.body.next().await {
+                Some(Ok(chunk)) => st.buf.extend_from_slice(&chunk),
+                Some(Err(source)) => {
+                    st.done = true;
+                    st.buf.clear();
+                    let url = st.url.clone();
+                    return Some((Err(ClientError::Transport { url, source }), st));
+                }
+                None => st.done = true,
+            }
+        }
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn encoding() {
+        assert_eq!(enc("/work space/ä=1&"), "%2Fwork%20space%2F%C3%A4%3D1%26");
+        assert_eq!(enc("sb-0a"), "sb-0a");
+        assert!(Client::new("localhost:7070").is_err());
+        assert_eq!(Client::new("http://h:1/").unwrap().base_url(), "http://h:1");
+    }
+
+    #[tokio::test]
+    async fn ndjson_splits_lines_across_chunks() {
+        let text = "{\"type\":\"stdout\",\"data\":\"a\\n\"}\n{\"type\":\"std";
+        let rest = "err\",\"data\":\"b\"}\n\n{\"type\":\"exit\",\"result\":{\"exit_code\":0,\"signal\":null,\"timed_out\":false,\"oom_killed\":false,\"duration_ms\":1.0,\"stdout\":\"\",\"stderr\":\"\",\"stdout_bytes\":2,\"stderr_bytes\":1,\"truncated\":false,\"replayed\":false}}";
+        let chunks: Vec<reqwest::Result<Bytes>> =
+            vec![Ok(Bytes::from(text)), Ok(Bytes::from(rest))];
+        let evs: Vec<_> = ndjson("u".into(), futures::stream::iter(chunks))
+            .collect()
+            .await;
+        let evs: Vec<ExecEvent> = evs.into_iter().map(|e| e.unwrap()).collect();
+        assert_eq!(evs.len(), 3);
+        assert_eq!(evs[0], ExecEvent::stdout(b"a\n"));
+        assert_eq!(evs[1], ExecEvent::stderr(b"b"));
+        match &evs[2] {
+            ExecEvent::Exit { result } => assert_eq!(result.stdout_bytes, 2),
+            e => panic!("{e:?}"),
+        }
+    }
+}
