@@ -9,6 +9,7 @@
 
 pub mod cgroups;
 pub mod files;
+pub mod images;
 pub mod node;
 pub mod output;
 

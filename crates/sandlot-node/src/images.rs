@@ -1,0 +1,907 @@
+//! The node's image store: named root file systems that sandboxes mount as read-only
+//! overlay lower layers.
+//!
+//! Layout under the store directory (`DATA/images`):
+//!
+//! ```text
+//! <dir>/<name>/image.json    metadata (ImageJson below: name, env, workdir, created_at,
+//!                            size_bytes, source, layers)
+//! <dir>/<name>/rootfs/       the root file system (the single layer of a local image)
+//! <dir>/.<name>.tmp-<pid>/   an image being built (never listed; a leading dot is never a
+//!                            valid image name, so it cannot clash with one)
+//! ```
+//!
+//! An image is built in its temp directory, `image.json` is written last (temp file, fsync,
+//! rename), and the directory is then renamed into place, so a half-built image is never
+//! seen. Temp directories left by dead processes are removed by [`ImageStore::open`].
+//!
+//! Today images come from two local builders ([`ImageSource::Busybox`],
+//! [`ImageSource::Debootstrap`]) and have one layer. The OCI issue adds an `Oci` source whose
+//! `layers` are content-addressed directories shared between images (unpacked once); the
+//! rest of the node already consumes [`Image::layers`] as an overlay lowerdir list, so it does
+//! not change.
+use crate::node::{NodeError, NodeResult};
+use serde::{Deserialize, Serialize};
+use std::collections::HashSet;
+use std::fs;
+use std::io::{self, Write};
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::path::{Component, Path, PathBuf};
+use std::process::{Command, Stdio};
+
+/// Name of the metadata file in an image directory.
+pub const IMAGE_JSON: &str = "image.json";
+/// Name of the root file system directory in an image directory.
+pub const ROOTFS_DIR: &str = "rootfs";
+/// `PATH` given to every built-in image.
+pub const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+/// Host binary copied into the `busybox` image (Debian package `busybox-static`).
+pub const HOST_BUSYBOX: &str = "/bin/busybox";
+/// Stamp file marking a complete debootstrap cache directory (JSON of the spec it was made
+/// from). A cache directory without it is never used.
+pub const CACHE_STAMP: &str = ".sandlot-cache-complete";
+
+/// A named image ready to be mounted.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Image {
+    /// Image name (`[a-z0-9][a-z0-9._-]{0,63}`).
+    pub name: String,
+    /// Host directories to stack as overlay lower dirs, top-most first. Read-only to
+    /// sandboxes; owned by host root.
+    pub layers: Vec<PathBuf>,
+    /// Default environment of processes in the image, in order.
+    pub env: Vec<(String, String)>,
+    /// Default working directory inside the image.
+    pub workdir: Option<String>,
+    /// Apparent size of all layers in bytes (hard links counted once).
+    pub size_bytes: u64,
+    /// Creation time, RFC 3339 UTC (e.g. `2026-11-29T10:00:00Z`).
+    pub created_at: String,
+    /// How the image came to be.
+    pub source: ImageSource,
+}
+
+/// How an image came to be (recorded in `image.json` as `{"kind": ..., ...}`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum ImageSource {
+    /// A static busybox binary plus one symlink per applet.
+    Busybox {
+        /// Host path of the binary copied in.
+        binary: PathBuf,
+    },
+    /// A Debian root file system made by `debootstrap`, hard-linked from a cache.
+    Debootstrap(DebootstrapSpec),
+}
+
+/// What `debootstrap` builds; also the identity of a cache directory.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DebootstrapSpec {
+    /// Debian suite, e.g. `bookworm`.
+    pub suite: String,
+    /// `--variant`, e.g. `minbase`.
+    pub variant: String,
+    /// `--include` packages.
+    pub include: Vec<String>,
+    /// Debian mirror URL.
+    pub mirror: String,
+    /// Directory name of the cache under the cache dir, e.g. `python-bookworm`.
+    pub cache_name: String,
+    /// Paths (relative to the rootfs) that must exist after the build, e.g. `usr/bin/python3`.
+    pub must_exist: Vec<String>,
+}
+
+impl DebootstrapSpec {
+    /// The `python` image: minbase bookworm with `python3` and `g++`. The mirror is
+    /// `$SANDLOT_DEBIAN_MIRROR` or `http://deb.debian.org/debian`.
+    pub fn python_bookworm() -> DebootstrapSpec {
+        DebootstrapSpec {
+            suite: "bookworm".into(),
+            variant: "minbase".into(),
+            include: vec!["python3".into(), "g++".into()],
+            mirror: std::env::var("SANDLOT_DEBIAN_MIRROR")
+                .unwrap_or_else(|_| "http://deb.debian.org/debian".into()),
+            cache_name: "python-bookworm".into(),
+            must_exist: vec!["usr/bin/python3".into(), "usr/bin/g++".into()],
+        }
+    }
+}
+
+/// `image.json` as stored on disk.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct ImageJson {
+    name: String,
+    env: Vec<(String, String)>,
+    workdir: Option<String>,
+    created_at: String,
+    size_bytes: u64,
+    source: ImageSource,
+    /// Layer directories relative to the store directory, top-most first.
+    #[serde(default)]
+    layers: Vec<String>,
+}
+
+/// Check an image name: `[a-z0-9][a-z0-9._-]{0,63}`.
+///
+/// # Errors
+/// `InvalidArgument` naming the rule.
+pub fn validate_name(name: &str) -> NodeResult<()> {
+    let b = name.as_bytes();
+    let ok_first = b
+        .first()
+        .is_some_and(|c| c.is_ascii_lowercase() || c.is_ascii_digit());
+    let ok_rest = b[..]
+        .iter()
+        .skip(1)
+        .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || matches!(c, b'.' | b'_' | b'-'));
+    if ok_first && ok_rest && b.len() <= 64 {
+        Ok(())
+    } else {
+        Err(NodeError::InvalidArgument(format!(
+            "invalid image name {name:?}: must match [a-z0-9][a-z0-9._-]{{0,63}}"
+        )))
+    }
+}
+
+/// A directory of named images. Cheap to clone the path; all state is on disk, so several
+/// stores (or processes) may share one directory.
+#[derive(Debug, Clone)]
+pub struct ImageStore {
+    dir: PathBuf,
+}
+
+impl ImageStore {
+    /// Open (and create) the store at `dir`, removing temp directories left by dead builders.
+    ///
+    /// # Errors
+    /// `Internal` with the path when the directory cannot be created or read.
+    pub fn open(dir: impl Into<PathBuf>) -> NodeResult<ImageStore> {
+        let dir = dir.into();
+        fs::create_dir_all(&dir)
+            .map_err(|e| NodeError::io(format!("create image store {}", dir.display()), e))?;
+        remove_stale_tmp(&dir)?;
+        Ok(ImageStore { dir })
+    }
+
+    /// The store directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Look an image up by name.
+    ///
+    /// # Errors
+    /// `InvalidArgument` for a bad name; `NotFound` (`image "x" not found; available: a, b`);
+    /// `Internal` when its `image.json` is unreadable or corrupt.
+    pub fn get(&self, name: &str) -> NodeResult<Image> {
+        validate_name(name)?;
+        match self.load(name)? {
+            Some(img) => Ok(img),
+            None => {
+                let names: Vec<String> = self.list()?.into_iter().map(|i| i.name).collect();
+                let available = if names.is_empty() {
+                    "none".to_string()
+                } else {
+                    names.join(", ")
+                };
+                Err(NodeError::NotFound(format!(
+                    "image \"{name}\" not found; available: {available}"
+                )))
+            }
+        }
+    }
+
+    /// All complete images, sorted by name. Broken entries are skipped with a warning.
+    ///
+    /// # Errors
+    /// `Internal` when the store directory cannot be read.
+    pub fn list(&self) -> NodeResult<Vec<Image>> {
+        let rd = fs::read_dir(&self.dir)
+            .map_err(|e| NodeError::io(format!("read image store {}", self.dir.display()), e))?;
+        let mut out = Vec::new();
+        for ent in rd {
+            let ent = ent.map_err(|e| {
+                NodeError::io(format!("read image store {}", self.dir.display()), e)
+            })?;
+            let Some(name) = ent.file_name().to_str().map(str::to_string) else {
+                continue;
+            };
+            if validate_name(&name).is_err() {
+                continue;
+            }
+            match self.load(&name) {
+                Ok(Some(img)) => out.push(img),
+                Ok(None) => {}
+                Err(e) => tracing::warn!(image = %name, error = %e, "skipping broken image"),
+            }
+        }
+        out.sort_by(|a, b| a.name.cmp(&b.name));
+        Ok(out)
+    }
+
+    /// Remove an image. Sandboxes still using it keep working only as long as their
+    /// mounts pin the files; the caller must not remove images in use.
+    ///
+    /// # Errors
+    /// `InvalidArgument` for a bad name; `NotFound` when absent; `Internal` on I/O failure.
+    pub fn remove(&self, name: &str) -> NodeResult<()> {
+        validate_name(name)?;
+        let path = self.dir.join(name);
+        if !path.join(IMAGE_JSON).exists() {
+            return Err(NodeError::NotFound(format!("image \"{name}\" not found")));
+        }
+        // Rename first so the image disappears atomically; then delete at leisure.
+        let doomed = self.tmp_path(name, "rm");
+        fs::rename(&path, &doomed)
+            .map_err(|e| NodeError::io(format!("rename {}", path.display()), e))?;
+        fs::remove_dir_all(&doomed)
+            .map_err(|e| NodeError::io(format!("remove {}", doomed.display()), e))
+    }
+
+    /// Build (or reuse) the `busybox` image from [`HOST_BUSYBOX`]; takes well under a second.
+    ///
+    /// # Errors
+    /// See [`build_busybox_with`](Self::build_busybox_with).
+    pub fn build_busybox(&self) -> NodeResult<Image> {
+        self.build_busybox_with(false)
+    }
+
+    /// Build the `busybox` image; an existing one is kept unless `force`.
+    ///
+    /// The rootfs has `bin/busybox`, a symlink per applet in `bin/` (`busybox --list`),
+    /// `proc dev sys tmp(1777) etc root(0700) workspace usr/bin`, and `etc/passwd`,
+    /// `etc/group`, `etc/hostname`.
+    ///
+    /// # Errors
+    /// `Unavailable` when `/bin/busybox` is missing or dynamically linked (install
+    /// `busybox-static`); `Internal` with the path on I/O failure.
+    pub fn build_busybox_with(&self, force: bool) -> NodeResult<Image> {
+        let name = "busybox";
+        if !force {
+            if let Some(img) = self.load(name)? {
+                return Ok(img);
+            }
+        }
+        let binary = PathBuf::from(HOST_BUSYBOX);
+        check_static_elf(&binary)?;
+        let env = vec![("PATH".to_string(), DEFAULT_PATH.to_string())];
+        let source = ImageSource::Busybox {
+            binary: binary.clone(),
+        };
+        self.install(name, source, env, Some("/workspace".into()), |rootfs| {
+            fill_busybox(rootfs, &binary)
+        })
+    }
+
+    /// Build (or reuse) the `python` image (Debian bookworm minbase + python3 + g++).
+    ///
+    /// # Errors
+    /// See [`build_python_with`](Self::build_python_with).
+    pub fn build_python(&self, cache_dir: &Path) -> NodeResult<Image> {
+        self.build_python_with(cache_dir, false)
+    }
+
+    /// Build the `python` image; an existing one is kept unless `force`.
+    ///
+    /// The Debian tree is made once by `debootstrap` into `<cache_dir>/python-bookworm/`
+    /// (about a minute and ~570 MB; progress goes to stderr), then each build hard-links it
+    /// (about a second), drops `/dev` nodes and apt lists, and adds `/workspace`.
+    ///
+    /// # Errors
+    /// `Unavailable` when `debootstrap` is missing or not run as root; `Internal` when
+    /// debootstrap fails (its output is on stderr) or on I/O failure.
+    pub fn build_python_with(&self, cache_dir: &Path, force: bool) -> NodeResult<Image> {
+        self.build_debootstrap(
+            "python",
+            cache_dir,
+            &DebootstrapSpec::python_bookworm(),
+            force,
+        )
+    }
+
+    /// Build image `name` from a debootstrap tree described by `spec`, cached at
+    /// `<cache_dir>/<spec.cache_name>/`; an existing image is kept unless `force`.
+    /// [`build_python`](Self::build_python) is this with [`DebootstrapSpec::python_bookworm`].
+    ///
+    /// The cache is built into a temp dir, checked (`spec.must_exist`), stamped with
+    /// [`CACHE_STAMP`] and renamed into place; a cache dir without the stamp is never used
+    /// (it is removed and rebuilt). Env: `PATH`, `LANG=C.UTF-8`; workdir `/workspace`.
+    ///
+    /// # Errors
+    /// `InvalidArgument` for a bad name; `Unavailable` when `debootstrap` is missing or not
+    /// run as root; `Internal` when debootstrap fails (its output is on stderr) or on I/O
+    /// failure.
+    pub fn build_debootstrap(
+        &self,
+        name: &str,
+        cache_dir: &Path,
+        spec: &DebootstrapSpec,
+        force: bool,
+    ) -> NodeResult<Image> {
+        validate_name(name)?;
+        if !force {
+            if let Some(img) = self.load(name)? {
+                return Ok(img);
+            }
+        }
+        let cache = ensure_debootstrap_cache(cache_dir, spec)?;
+        let env = vec![
+            ("PATH".to_string(), DEFAULT_PATH.to_string()),
+            ("LANG".to_string(), "C.UTF-8".to_string()),
+        ];
+        self.install(
+            name,
+            ImageSource::Debootstrap(spec.clone()),
+            env,
+            Some("/workspace".into()),
+            |rootfs| fill_from_cache(rootfs, &cache),
+        )
+    }
+
+    /// Build image `name` into a temp dir with `fill(rootfs)`, write `image.json` last, and
+    /// move it into place (replacing an existing image atomically).
+    fn install(
+        &self,
+        name: &str,
+        source: ImageSource,
+        env: Vec<(String, String)>,
+        workdir: Option<String>,
+        fill: impl FnOnce(&Path) -> NodeResult<()>,
+    ) -> NodeResult<Image> {
+        validate_name(name)?;
+        let tmp = self.tmp_path(name, "tmp");
+        if tmp.exists() {
+            fs::remove_dir_all(&tmp)
+                .map_err(|e| NodeError::io(format!("remove {}", tmp.display()), e))?;
+        }
+        let result = (|| {
+            let rootfs = tmp.join(ROOTFS_DIR);
+            fs::create_dir_all(&rootfs)
+                .map_err(|e| NodeError::io(format!("create {}", rootfs.display()), e))?;
+            set_mode(&rootfs, 0o755)?;
+            fill(&rootfs)?;
+            let meta = ImageJson {
+                name: name.to_string(),
+                env,
+                workdir,
+                created_at: chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
+                size_bytes: tree_size(&rootfs)?,
+                source,
+                layers: vec![format!("{name}/{ROOTFS_DIR}")],
+            };
+            let json = serde_json::to_vec_pretty(&meta).expect("image.json serializes");
+            write_atomic(&tmp.join(IMAGE_JSON), &json)?;
+            self.publish(name, &tmp)
+        })();
+        if result.is_err() && tmp.exists() {
+            // Keep the original error; a failed cleanup is retried by the next open().
+            if let Err(e) = fs::remove_dir_all(&tmp) {
+                tracing::warn!(path = %tmp.display(), error = %e, "cannot remove failed build");
+            }
+        }
+        result?;
+        self.load(name)?.ok_or_else(|| {
+            NodeError::io(
+                format!("image {name} vanished right after being built"),
+                io::ErrorKind::NotFound.into(),
+            )
+        })
+    }
+
+    /// Move a complete temp image dir to `<dir>/<name>`.
+    fn publish(&self, name: &str, tmp: &Path) -> NodeResult<()> {
+        let dst = self.dir.join(name);
+        match fs::rename(tmp, &dst) {
+            Ok(()) => {}
+            Err(e) if matches!(e.raw_os_error(), Some(libc::ENOTEMPTY) | Some(libc::EEXIST)) => {
+                // Replace: swap the directories atomically (renameat2 RENAME_EXCHANGE), so
+                // readers see either the old or the new image, then delete the old one.
+                nix::fcntl::renameat2(
+                    nix::fcntl::AT_FDCWD,
+                    tmp,
+                    nix::fcntl::AT_FDCWD,
+                    &dst,
+                    nix::fcntl::RenameFlags::RENAME_EXCHANGE,
+                )
+                .map_err(|e| {
+                    NodeError::io(format!("swap {} into place", dst.display()), e.into())
+                })?;
+                fs::remove_dir_all(tmp)
+                    .map_err(|e| NodeError::io(format!("remove old image {}", tmp.display()), e))?;
+            }
+            Err(e) => return Err(NodeError::io(format!("rename to {}", dst.display()), e)),
+        }
+        fsync_dir(&self.dir)
+    }
+
+    /// `<dir>/.<name>.<what>-<pid>`.
+    fn tmp_path(&self, name: &str, what: &str) -> PathBuf {
+        self.dir
+            .join(format!(".{name}.{what}-{}", std::process::id()))
+    }
+
+    /// Read `<dir>/<name>/image.json`; `None` when there is none.
+    fn load(&self, name: &str) -> NodeResult<Option<Image>> {
+        let path = self.dir.join(name).join(IMAGE_JSON);
+        let bytes = match fs::read(&path) {
+            Ok(b) => b,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(NodeError::io(format!("read {}", path.display()), e)),
+        };
+        let corrupt = |why: String| {
+            NodeError::io(
+                format!("corrupt {}: {why}", path.display()),
+                io::ErrorKind::InvalidData.into(),
+            )
+        };
+        let meta: ImageJson = serde_json::from_slice(&bytes).map_err(|e| corrupt(e.to_string()))?;
+        if meta.name != name {
+            // A directory renamed by hand, or a temp dir: not this image.
+            return Ok(None);
+        }
+        let rels = if meta.layers.is_empty() {
+            vec![format!("{name}/{ROOTFS_DIR}")]
+        } else {
+            meta.layers.clone()
+        };
+        let mut layers = Vec::new();
+        for rel in rels {
+            // Layers must stay inside the store: no absolute paths, no `..`.
+            let p = Path::new(&rel);
+            if !p.components().all(|c| matches!(c, Component::Normal(_))) {
+                return Err(corrupt(format!("layer path {rel:?} leaves the store")));
+            }
+            layers.push(self.dir.join(p));
+        }
+        Ok(Some(Image {
+            name: meta.name,
+            layers,
+            env: meta.env,
+            workdir: meta.workdir,
+            size_bytes: meta.size_bytes,
+            created_at: meta.created_at,
+            source: meta.source,
+        }))
+    }
+}
+
+/// Remove `.<name>.<what>-<pid>` directories whose process is gone.
+fn remove_stale_tmp(dir: &Path) -> NodeResult<()> {
+    let rd = fs::read_dir(dir)
+        .map_err(|e| NodeError::io(format!("read image store {}", dir.display()), e))?;
+    for ent in rd.flatten() {
+        let fname = ent.file_name();
+        let Some(s) = fname.to_str() else { continue };
+        if !s.starts_with('.') {
+            continue;
+        }
+        let Some(pid) = s.rsplit('-').next().and_then(|p| p.parse::<u32>().ok()) else {
+            continue;
+        };
+        if pid != std::process::id() && !Path::new(&format!("/proc/{pid}")).exists() {
+            let path = ent.path();
+            tracing::info!(path = %path.display(), "removing leftover of a dead image build");
+            if let Err(e) = fs::remove_dir_all(&path) {
+                tracing::warn!(path = %path.display(), error = %e, "cannot remove leftover");
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Refuse a missing or dynamically linked binary (it would not run inside a bare image).
+fn check_static_elf(path: &Path) -> NodeResult<()> {
+    let data = match fs::read(path) {
+        Ok(d) => d,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {
+            return Err(NodeError::Unavailable(format!(
+                "{} not found; install the Debian package busybox-static",
+                path.display()
+            )))
+        }
+        Err(e) => return Err(NodeError::io(format!("read {}", path.display()), e)),
+    };
+    if elf64_has_interp(&data) != Some(false) {
+        return Err(NodeError::Unavailable(format!(
+            "{} is not a static x86-64/ELF64 binary; install the Debian package busybox-static",
+            path.display()
+        )));
+    }
+    Ok(())
+}
+
+/// For a little-endian ELF64 file: does it have a `PT_INTERP` program header (i.e. is it
+/// dynamically linked)? `None` when it is not such a file. Format: ELF-64 Object File
+/// Format 1.5, "ELF Header" (e_phoff at 0x20, e_phentsize at 0x36, e_phnum at 0x38) and
+/// "Program Header" (p_type at 0, PT_INTERP = 3).
+fn elf64_has_interp(data: &[u8]) -> Option<bool> {
+    if data.len() < 64 || &data[..4] != b"\x7fELF" || data[4] != 2 || data[5] != 1 {
+        return None;
+    }
+    let u16_at = |o: usize| Some(u16::from_le_bytes(data.get(o..o + 2)?.try_into().ok()?));
+    let phoff = u64::from_le_bytes(data.get(0x20..0x28)?.try_into().ok()?) as usize;
+    let phentsize = u16_at(0x36)? as usize;
+    let phnum = u16_at(0x38)? as usize;
+    for i in 0..phnum {
+        let off = phoff.checked_add(i.checked_mul(phentsize)?)?;
+        let p_type = u32::from_le_bytes(data.get(off..off + 4)?.try_into().ok()?);
+        if p_type == 3 {
+            return Some(true);
+        }
+    }
+    Some(false)
+}
+
+/// Lay out the busybox rootfs.
+fn fill_busybox(rootfs: &Path, binary: &Path) -> NodeResult<()> {
+    for (d, mode) in [
+        ("bin", 0o755),
+        ("proc", 0o755),
+        ("dev", 0o755),
+        ("sys", 0o755),
+        ("tmp", 0o1777),
+        ("etc", 0o755),
+        ("root", 0o700),
+        ("workspace", 0o755),
+        ("usr", 0o755),
+        ("usr/bin", 0o755),
+    ] {
+        let p = rootfs.join(d);
+        fs::create_dir_all(&p).map_err(|e| NodeError::io(format!("create {}", p.display()), e))?;
+        // Explicit chmod: create_dir_all is subject to the umask, and tmp needs the sticky bit.
+        set_mode(&p, mode)?;
+    }
+    let dst = rootfs.join("bin/busybox");
+    fs::copy(binary, &dst)
+        .map_err(|e| NodeError::io(format!("copy {} to {}", binary.display(), dst.display()), e))?;
+    set_mode(&dst, 0o755)?;
+    let out = Command::new(binary)
+        .arg("--list")
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|e| NodeError::io(format!("run {} --list", binary.display()), e))?;
+    if !out.status.success() {
+        return Err(NodeError::io(
+            format!("{} --list exited with {}", binary.display(), out.status),
+            io::ErrorKind::Other.into(),
+        ));
+    }
+    let mut applets: Vec<String> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(str::trim)
+        .filter(|a| !a.is_empty() && !a.contains('/') && *a != "busybox" && *a != "." && *a != "..")
+        .map(str::to_string)
+        .collect();
+    if !applets.iter().any(|a| a == "sh") {
+        applets.push("sh".into());
+    }
+    for a in applets {
+        let link = rootfs.join("bin").join(&a);
+        match std::os::unix::fs::symlink("busybox", &link) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(NodeError::io(format!("symlink {}", link.display()), e)),
+        }
+    }
+    for (f, body, mode) in [
+        (
+            "etc/passwd",
+            "root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/nonexistent:/bin/false\n",
+            0o644,
+        ),
+        ("etc/group", "root:x:0:\nnogroup:x:65534:\n", 0o644),
+        ("etc/hostname", "sandbox\n", 0o644),
+    ] {
+        let p = rootfs.join(f);
+        fs::write(&p, body).map_err(|e| NodeError::io(format!("write {}", p.display()), e))?;
+        set_mode(&p, mode)?;
+    }
+    Ok(())
+}
+
+/// Make sure `<cache_dir>/<spec.cache_name>` holds a complete debootstrap tree; build it
+/// when missing. Returns its path.
+fn ensure_debootstrap_cache(cache_dir: &Path, spec: &DebootstrapSpec) -> NodeResult<PathBuf> {
+    // The cache name becomes a path component: same rule as image names (no `/`, no `..`).
+    validate_name(&spec.cache_name)?;
+    let dst = cache_dir.join(&spec.cache_name);
+    if dst.join(CACHE_STAMP).exists() {
+        return Ok(dst);
+    }
+    fs::create_dir_all(cache_dir)
+        .map_err(|e| NodeError::io(format!("create cache dir {}", cache_dir.display()), e))?;
+    if dst.exists() {
+        // No stamp: an interrupted or foreign tree. Never use it; move it aside and drop it.
+        tracing::warn!(path = %dst.display(), "cache dir without completeness stamp; rebuilding");
+        let stale = cache_dir.join(format!(".{}.stale-{}", spec.cache_name, std::process::id()));
+        fs::rename(&dst, &stale)
+            .map_err(|e| NodeError::io(format!("move aside {}", dst.display()), e))?;
+        fs::remove_dir_all(&stale)
+            .map_err(|e| NodeError::io(format!("remove {}", stale.display()), e))?;
+    }
+    if !nix::unistd::Uid::effective().is_root() {
+        return Err(NodeError::Unavailable(
+            "building a debootstrap image needs root".into(),
+        ));
+    }
+    let tmp = cache_dir.join(format!(".{}.tmp-{}", spec.cache_name, std::process::id()));
+    if tmp.exists() {
+        fs::remove_dir_all(&tmp)
+            .map_err(|e| NodeError::io(format!("remove {}", tmp.display()), e))?;
+    }
+    let result = (|| {
+        run_debootstrap(spec, &tmp)?;
+        for p in &spec.must_exist {
+            if fs::symlink_metadata(tmp.join(p)).is_err() {
+                return Err(NodeError::io(
+                    format!(
+                        "debootstrap finished but {} is missing in {}",
+                        p,
+                        tmp.display()
+                    ),
+                    io::ErrorKind::NotFound.into(),
+                ));
+            }
+        }
+        let stamp = serde_json::json!({
+            "spec": spec,
+            "created_at": chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
+        });
+        write_atomic(&tmp.join(CACHE_STAMP), stamp.to_string().as_bytes())?;
+        match fs::rename(&tmp, &dst) {
+            Ok(()) => fsync_dir(cache_dir),
+            // Another builder finished first; theirs is complete too.
+            Err(e) if matches!(e.raw_os_error(), Some(libc::ENOTEMPTY) | Some(libc::EEXIST)) => {
+                fs::remove_dir_all(&tmp)
+                    .map_err(|e| NodeError::io(format!("remove {}", tmp.display()), e))
+            }
+            Err(e) => Err(NodeError::io(format!("rename to {}", dst.display()), e)),
+        }
+    })();
+    if result.is_err() && tmp.exists() {
+        if let Err(e) = fs::remove_dir_all(&tmp) {
+            tracing::warn!(path = %tmp.display(), error = %e, "cannot remove failed debootstrap");
+        }
+    }
+    result.map(|()| dst)
+}
+
+/// Run debootstrap into `target`, its output streamed to our stderr so a user sees progress.
+fn run_debootstrap(spec: &DebootstrapSpec, target: &Path) -> NodeResult<()> {
+    let mut cmd = Command::new("debootstrap");
+    cmd.arg(format!("--variant={}", spec.variant));
+    if !spec.include.is_empty() {
+        cmd.arg(format!("--include={}", spec.include.join(",")));
+    }
+    cmd.arg(&spec.suite)
+        .arg(target)
+        .arg(&spec.mirror)
+        .stdin(Stdio::null())
+        .stdout(io::stderr())
+        .stderr(Stdio::inherit());
+    tracing::info!(suite = %spec.suite, target = %target.display(), mirror = %spec.mirror,
+        "running debootstrap (about a minute)");
+    let status = match cmd.status() {
+        Ok(s) => s,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {
+            return Err(NodeError::Unavailable(
+                "debootstrap not found; install the Debian package debootstrap".into(),
+            ))
+        }
+        Err(e) => return Err(NodeError::io("run debootstrap", e)),
+    };
+    if !status.success() {
+        return Err(NodeError::io(
+            format!(
+                "debootstrap {} into {} failed ({status}); its log is above and in {}/debootstrap/debootstrap.log",
+                spec.suite,
+                target.display(),
+                target.display()
+            ),
+            io::ErrorKind::Other.into(),
+        ));
+    }
+    Ok(())
+}
+
+/// Hard-link the cache into `rootfs`, then trim what an image should not carry.
+///
+/// Hard links are safe here: image layers are overlay *lower* dirs, mounted read-only and
+/// owned by host root; overlayfs copies a file up into the sandbox's upper dir before any
+/// change, so no sandbox can ever write to these shared inodes, and nothing else writes to
+/// the cache after its stamp is set.
+fn fill_from_cache(rootfs: &Path, cache: &Path) -> NodeResult<()> {
+    let status = Command::new("cp")
+        .arg("-a")
+        .arg("--link")
+        .arg("--no-target-directory")
+        .arg(cache)
+        .arg(rootfs)
+        .stdin(Stdio::null())
+        .status()
+        .map_err(|e| NodeError::io("run cp", e))?;
+    if !status.success() {
+        return Err(NodeError::io(
+            format!(
+                "cp -al {} {} failed ({status})",
+                cache.display(),
+                rootfs.display()
+            ),
+            io::ErrorKind::Other.into(),
+        ));
+    }
+    // Unlinking names in the copy never touches the cache's own names.
+    remove_if_exists(&rootfs.join(CACHE_STAMP))?;
+    // SECURITY: debootstrap creates real device nodes in /dev (null, zero, tty, console,
+    // ...). A lower layer must not carry device nodes: the jail gives each sandbox its own
+    // /dev, and a node inside the image would be one more way to reach a host device
+    // should a mount ever lack nodev.
+    empty_dir(&rootfs.join("dev"))?;
+    // Apt indexes and caches: tens of MB, useless without network.
+    empty_dir(&rootfs.join("var/lib/apt/lists"))?;
+    empty_dir(&rootfs.join("var/cache/apt"))?;
+    let ws = rootfs.join("workspace");
+    fs::create_dir_all(&ws).map_err(|e| NodeError::io(format!("create {}", ws.display()), e))?;
+    set_mode(&ws, 0o755)
+}
+
+/// Remove everything inside `dir` (not `dir` itself); a missing dir is fine.
+fn empty_dir(dir: &Path) -> NodeResult<()> {
+    let rd = match fs::read_dir(dir) {
+        Ok(rd) => rd,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(NodeError::io(format!("read {}", dir.display()), e)),
+    };
+    for ent in rd {
+        let ent = ent.map_err(|e| NodeError::io(format!("read {}", dir.display()), e))?;
+        let p = ent.path();
+        let ft = ent
+            .file_type()
+            .map_err(|e| NodeError::io(format!("stat {}", p.display()), e))?;
+        // file_type() does not follow symlinks, so a symlink to a dir is unlinked, not walked.
+        let r = if ft.is_dir() {
+            fs::remove_dir_all(&p)
+        } else {
+            fs::remove_file(&p)
+        };
+        r.map_err(|e| NodeError::io(format!("remove {}", p.display()), e))?;
+    }
+    Ok(())
+}
+
+fn remove_if_exists(p: &Path) -> NodeResult<()> {
+    match fs::remove_file(p) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(NodeError::io(format!("remove {}", p.display()), e)),
+    }
+}
+
+fn set_mode(p: &Path, mode: u32) -> NodeResult<()> {
+    fs::set_permissions(p, fs::Permissions::from_mode(mode))
+        .map_err(|e| NodeError::io(format!("chmod {:o} {}", mode, p.display()), e))
+}
+
+/// Write `path` via a temp file in the same directory, fsync, rename, fsync the directory.
+fn write_atomic(path: &Path, data: &[u8]) -> NodeResult<()> {
+    let dir = path.parent().unwrap_or(Path::new("."));
+    let tmp = dir.join(format!(
+        ".{}.tmp-{}",
+        path.file_name().and_then(|s| s.to_str()).unwrap_or("file"),
+        std::process::id()
+    ));
+    let mut f = fs::File::create(&tmp)
+        .map_err(|e| NodeError::io(format!("create {}", tmp.display()), e))?;
+    f.write_all(data)
+        .and_then(|()| f.sync_all())
+        .map_err(|e| NodeError::io(format!("write {}", tmp.display()), e))?;
+    set_mode(&tmp, 0o644)?;
+    fs::rename(&tmp, path)
+        .map_err(|e| NodeError::io(format!("rename to {}", path.display()), e))?;
+    fsync_dir(dir)
+}
+
+fn fsync_dir(dir: &Path) -> NodeResult<()> {
+    fs::File::open(dir)
+        .and_then(|f| f.sync_all())
+        .map_err(|e| NodeError::io(format!("fsync {}", dir.display()), e))
+}
+
+/// Apparent size of a tree: regular files and symlinks, each inode counted once.
+fn tree_size(root: &Path) -> NodeResult<u64> {
+    let mut seen = HashSet::new();
+    let mut total = 0u64;
+    let mut stack = vec![root.to_path_buf()];
+    while let Some(dir) = stack.pop() {
+        let rd =
+            fs::read_dir(&dir).map_err(|e| NodeError::io(format!("read {}", dir.display()), e))?;
+        for ent in rd {
+            let ent = ent.map_err(|e| NodeError::io(format!("read {}", dir.display()), e))?;
+            let md = fs::symlink_metadata(ent.path())
+                .map_err(|e| NodeError::io(format!("stat {}", ent.path().display()), e))?;
+            if md.is_dir() {
+                stack.push(ent.path());
+            } else if (md.is_file() || md.file_type().is_symlink())
+                && seen.insert((md.dev(), md.ino()))
+            {
+                total += md.len();
+            }
+        }
+    }
+    Ok(total)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names() {
+        for ok in ["busybox", "python", "a", "0", "py3.11_x-y", &"a".repeat(64)] {
+            assert!(validate_name(ok).is_ok(), "{ok}");
+        }
+        for bad in [
+            "",
+            "Busybox",
+            ".x",
+            "-x",
+            "_x",
+            "a/b",
+            "..",
+            "a b",
+            &"a".repeat(65),
+            "é",
+        ] {
+            assert!(
+                matches!(validate_name(bad), Err(NodeError::InvalidArgument(_))),
+                "{bad}"
+            );
+        }
+    }
+
+    #[test]
+    fn elf_interp_detection() {
+        // Not ELF.
+        assert_eq!(elf64_has_interp(b"#!/bin/sh\n"), None);
+        // A minimal ELF64 header with one program header of the given type.
+        let elf = |p_type: u32| {
+            let mut d = vec![0u8; 64 + 56];
+            d[..4].copy_from_slice(b"\x7fELF");
+            d[4] = 2;
+            d[5] = 1;
+            d[0x20..0x28].copy_from_slice(&64u64.to_le_bytes());
+            d[0x36..0x38].copy_from_slice(&56u16.to_le_bytes());
+            d[0x38..0x3a].copy_from_slice(&1u16.to_le_bytes());
+            d[64..68].copy_from_slice(&p_type.to_le_bytes());
+            d
+        };
+        assert_eq!(elf64_has_interp(&elf(3)), Some(true));
+        assert_eq!(elf64_has_interp(&elf(1)), Some(false));
+        // Truncated program header table.
+        let mut t = elf(3);
+        t.truncate(66);
+        assert_eq!(elf64_has_interp(&t), None);
+        // The real host binaries, when present.
+        if let Ok(d) = fs::read("/bin/ls") {
+            assert_eq!(elf64_has_interp(&d), Some(true), "/bin/ls is dynamic");
+        }
+    }
+
+    #[test]
+    fn image_json_round_trip() {
+        let j = ImageJson {
+            name: "python".into(),
+            env: vec![("PATH".into(), DEFAULT_PATH.into())],
+            workdir: Some("/workspace".into()),
+            created_at: "2026-11-29T10:00:00Z".into(),
+            size_bytes: 5,
+            source: ImageSource::Debootstrap(DebootstrapSpec::python_bookworm()),
+            layers: vec!["python/rootfs".into()],
+        };
+        let s = serde_json::to_string(&j).unwrap();
+        assert!(s.contains("\"kind\":\"debootstrap\""), "{s}");
+        let back: ImageJson = serde_json::from_str(&s).unwrap();
+        assert_eq!(back.source, j.source);
+        assert_eq!(back.env, j.env);
+    }
+}
