@@ -1,1 +1,498 @@
-fn main() {}
+//! `sandlot`: run the server (`up`), drive it (`run`, `exec`, `create`, `ls`, `rm`) and
+//! manage the local image store (`image`). Logic lives in the libraries; this binary only
+//! parses arguments and prints.
+//!
+//! Exit codes: 0 ok; the command's own exit code for `run` and `exec`; 2 usage errors;
+//! 1 any other error (printed as `error: CODE: message`).
+use anyhow::Context;
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use futures::StreamExt;
+use sandlot_api::{Backend, Cmd, CreateSandboxRequest, ExecEvent, ExecRequest, ExecResult};
+use sandlot_client::{Client, ClientError};
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+
+#[derive(Parser)]
+#[command(
+    name = "sandlot",
+    version,
+    about = "Isolated sandboxes for AI agents at training scale"
+)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Command,
+}
+
+#[derive(Args, Clone)]
+struct Remote {
+    /// Server URL.
+    #[arg(long, env = "SANDLOT_URL", default_value = "http://127.0.0.1:7070")]
+    url: String,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the server and a local node in one process (state in DATA/sandlot.db).
+    ///
+    /// Prints `sandlot listening on http://ADDR` on stdout when ready. SIGTERM/SIGINT stop
+    /// accepting connections, give in-flight requests up to 10 s, and exit; sandboxes keep
+    /// running and are re-adopted by the next `sandlot up` on the same data directory
+    /// (expired ones are then reaped).
+    Up(UpArgs),
+    /// Create a sandbox, run one command, print its output, delete it; exits with the
+    /// command's exit code.
+    Run(RunArgs),
+    /// Run a command in an existing sandbox; exits with the command's exit code.
+    Exec(ExecArgs),
+    /// Create a sandbox and print its id (for scripts).
+    Create(CreateArgs),
+    /// List sandboxes (oldest first).
+    Ls(LsArgs),
+    /// Delete sandboxes (unknown ids are fine).
+    Rm(RmArgs),
+    /// Manage the local image store directly (no server needed).
+    #[command(subcommand)]
+    Image(ImageCmd),
+    /// Print the version.
+    Version,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
+}
+
+#[derive(Args)]
+struct UpArgs {
+    /// Address to listen on (HOST:PORT; port 0 picks a free one).
+    #[arg(long, default_value = "127.0.0.1:7070")]
+    listen: SocketAddr,
+    /// Data directory (sandbox state, sandlot.db, images).
+    #[arg(long, env = "SANDLOT_DATA_DIR", default_value = "/var/lib/sandlot")]
+    data_dir: PathBuf,
+    /// Image store directory [default: DATA/images].
+    #[arg(long)]
+    images_dir: Option<PathBuf>,
+    /// Node name shown in sandboxes and /healthz [default: host name].
+    #[arg(long)]
+    node_name: Option<String>,
+    /// Log format on stderr (level via RUST_LOG, default info).
+    #[arg(long, value_enum, default_value = "text")]
+    log_format: LogFormat,
+    /// Largest file upload in MiB.
+    #[arg(long, default_value_t = 256)]
+    max_file_mib: usize,
+}
+
+#[derive(Args, Clone)]
+struct SandboxOpts {
+    /// Isolation level: function, container, microvm, vm.
+    #[arg(long, default_value = "function")]
+    backend: Backend,
+    /// Image name (see `sandlot image ls`).
+    #[arg(long, default_value = "python")]
+    image: String,
+    /// CPU quota in cores (0.01–64) [server default: 1].
+    #[arg(long)]
+    cpu: Option<f64>,
+    /// Memory limit in MiB (16–65536) [server default: 512].
+    #[arg(long)]
+    memory_mib: Option<u64>,
+    /// Environment for every exec, KEY=VALUE (repeatable).
+    #[arg(long = "env", value_parser = parse_kv)]
+    env: Vec<(String, String)>,
+}
+
+impl SandboxOpts {
+    fn request(&self) -> CreateSandboxRequest {
+        CreateSandboxRequest {
+            backend: self.backend,
+            image: Some(self.image.clone()),
+            cpu: self.cpu,
+            memory_mib: self.memory_mib,
+            env: self.env.iter().cloned().collect(),
+            ..Default::default()
+        }
+    }
+}
+
+#[derive(Args)]
+struct RunArgs {
+    #[command(flatten)]
+    remote: Remote,
+    #[command(flatten)]
+    sandbox: SandboxOpts,
+    /// Command timeout in seconds (0 < S ≤ 86400) [server default: 60].
+    #[arg(long)]
+    timeout: Option<f64>,
+    /// Command and arguments (argv; use `sh -c '...'` for shell syntax).
+    #[arg(last = true, required = true)]
+    cmd: Vec<String>,
+}
+
+#[derive(Args)]
+struct ExecArgs {
+    #[command(flatten)]
+    remote: Remote,
+    /// Sandbox id (sb-…).
+    id: String,
+    /// Command timeout in seconds (0 < S ≤ 86400) [server default: 60].
+    #[arg(long)]
+    timeout: Option<f64>,
+    /// Print output as it comes (NDJSON stream from the server).
+    #[arg(long)]
+    stream: bool,
+    /// Working directory inside the sandbox [default: /workspace].
+    #[arg(long)]
+    cwd: Option<String>,
+    /// Command and arguments (argv).
+    #[arg(last = true, required = true)]
+    cmd: Vec<String>,
+}
+
+#[derive(Args)]
+struct CreateArgs {
+    #[command(flatten)]
+    remote: Remote,
+    #[command(flatten)]
+    sandbox: SandboxOpts,
+    /// TTL in seconds (0 = none, max 604800) [server default: 600].
+    #[arg(long)]
+    ttl: Option<u64>,
+    /// Label k=v (repeatable).
+    #[arg(long = "label", value_parser = parse_kv)]
+    labels: Vec<(String, String)>,
+}
+
+#[derive(Args)]
+struct LsArgs {
+    #[command(flatten)]
+    remote: Remote,
+    /// Only sandboxes with label k=v (repeatable; all must match).
+    #[arg(long = "label", value_parser = parse_kv)]
+    labels: Vec<(String, String)>,
+    /// Print the JSON list instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args)]
+struct RmArgs {
+    #[command(flatten)]
+    remote: Remote,
+    /// Sandbox ids.
+    #[arg(required = true)]
+    ids: Vec<String>,
+}
+
+#[derive(Args, Clone)]
+struct ImageDirs {
+    /// Data directory.
+    #[arg(long, env = "SANDLOT_DATA_DIR", default_value = "/var/lib/sandlot")]
+    data_dir: PathBuf,
+    /// Image store directory [default: DATA/images].
+    #[arg(long)]
+    images_dir: Option<PathBuf>,
+}
+
+impl ImageDirs {
+    fn open(&self) -> anyhow::Result<sandlot_node::images::ImageStore> {
+        let dir = self
+            .images_dir
+            .clone()
+            .unwrap_or_else(|| self.data_dir.join("images"));
+        sandlot_node::images::ImageStore::open(dir.clone())
+            .with_context(|| format!("open image store {}", dir.display()))
+    }
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum BuiltinImage {
+    /// Static busybox (under a second).
+    Busybox,
+    /// Debian bookworm minbase + python3 + g++ (debootstrap once into the cache, ~1 min).
+    Python,
+}
+
+#[derive(Subcommand)]
+enum ImageCmd {
+    /// Build a built-in image.
+    Build {
+        /// Which image.
+        name: BuiltinImage,
+        #[command(flatten)]
+        dirs: ImageDirs,
+        /// Cache of debootstrap trees (kept between builds).
+        #[arg(long, default_value = "/var/cache/sandlot")]
+        cache_dir: PathBuf,
+        /// Rebuild even when the image exists.
+        #[arg(long)]
+        force: bool,
+    },
+    /// List images: NAME SIZE CREATED.
+    Ls {
+        #[command(flatten)]
+        dirs: ImageDirs,
+    },
+    /// Remove an image.
+    Rm {
+        /// Image name.
+        name: String,
+        #[command(flatten)]
+        dirs: ImageDirs,
+    },
+}
+
+fn parse_kv(s: &str) -> Result<(String, String), String> {
+    s.split_once('=')
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .ok_or_else(|| format!("{s:?} is not KEY=VALUE"))
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let rt = match tokio::runtime::Runtime::new() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: tokio runtime: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    match rt.block_on(dispatch(cli.cmd)) {
+        Ok(code) => ExitCode::from(code),
+        Err(e) => {
+            match e.downcast_ref::<ClientError>() {
+                Some(ClientError::Api(api)) => eprintln!("error: {}: {}", api.code, api.message),
+                _ => eprintln!("error: {e:#}"),
+            }
+            ExitCode::from(1)
+        }
+    }
+}
+
+async fn dispatch(cmd: Command) -> anyhow::Result<u8> {
+    match cmd {
+        Command::Up(a) => up(a).await,
+        Command::Run(a) => run(a).await,
+        Command::Exec(a) => exec(a).await,
+        Command::Create(a) => create(a).await,
+        Command::Ls(a) => ls(a).await,
+        Command::Rm(a) => rm(a).await,
+        Command::Image(c) => image(c),
+        Command::Version => {
+            println!("sandlot {}", env!("CARGO_PKG_VERSION"));
+            Ok(0)
+        }
+    }
+}
+
+fn init_logs(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let b = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => b.init(),
+        LogFormat::Json => b.json().init(),
+    }
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = match signal(SignalKind::terminate()) {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot watch SIGTERM; only SIGINT stops the server");
+            let _ = tokio::signal::ctrl_c().await;
+            return;
+        }
+    };
+    tokio::select! {
+        _ = term.recv() => tracing::info!("SIGTERM"),
+        _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT"),
+    }
+}
+
+async fn up(a: UpArgs) -> anyhow::Result<u8> {
+    init_logs(a.log_format);
+    let mut ncfg = sandlot_node::NodeConfig::new(a.data_dir.clone());
+    if let Some(d) = a.images_dir {
+        ncfg.images_dir = d;
+    }
+    if let Some(n) = a.node_name {
+        ncfg.name = n;
+    }
+    let node = sandlot_node::LocalNode::open(ncfg).context("open local node")?;
+    let mut cfg = sandlot_server::ServerConfig::new(a.data_dir);
+    cfg.listen = a.listen;
+    cfg.max_file_bytes = a.max_file_mib << 20;
+    let server = sandlot_server::Server::bind(cfg, Arc::new(node)).await?;
+    let addr = server.local_addr()?;
+    println!("sandlot listening on http://{addr}");
+    std::io::stdout().flush().ok();
+    server.run(shutdown_signal()).await?;
+    tracing::info!("stopped; sandboxes left running for re-adoption");
+    Ok(0)
+}
+
+fn exec_request(cmd: Vec<String>, timeout: Option<f64>, cwd: Option<String>) -> ExecRequest {
+    let mut r = ExecRequest::new(Cmd::Argv(cmd));
+    r.timeout_s = timeout;
+    r.cwd = cwd;
+    r
+}
+
+fn print_result(r: &ExecResult) -> u8 {
+    let mut out = std::io::stdout();
+    let _ = out.write_all(&r.stdout_raw());
+    let _ = out.flush();
+    let _ = std::io::stderr().write_all(&r.stderr_raw());
+    report_exit(r)
+}
+
+fn report_exit(r: &ExecResult) -> u8 {
+    if r.timed_out {
+        eprintln!("sandlot: command timed out after {:.0} ms", r.duration_ms);
+    }
+    if r.oom_killed {
+        eprintln!("sandlot: command was killed by the OOM killer");
+    }
+    if r.truncated {
+        eprintln!("sandlot: output truncated (kept head and tail)");
+    }
+    r.exit_code.clamp(0, 255) as u8
+}
+
+async fn run(a: RunArgs) -> anyhow::Result<u8> {
+    let c = Client::new(&a.remote.url)?;
+    let sb = c.create(&a.sandbox.request()).await?;
+    let out = c.exec(&sb.id, &exec_request(a.cmd, a.timeout, None)).await;
+    // Always delete, also when the exec failed.
+    let del = c.delete(&sb.id).await;
+    let code = print_result(&out?);
+    del?;
+    Ok(code)
+}
+
+async fn exec(a: ExecArgs) -> anyhow::Result<u8> {
+    let c = Client::new(&a.remote.url)?;
+    let req = exec_request(a.cmd, a.timeout, a.cwd);
+    if !a.stream {
+        return Ok(print_result(&c.exec(&a.id, &req).await?));
+    }
+    let mut s = c.exec_stream(&a.id, &req).await?;
+    while let Some(ev) = s.next().await {
+        match ev? {
+            ExecEvent::Stdout { data, data_b64 } => {
+                let mut o = std::io::stdout();
+                let _ = o.write_all(&raw(&data, data_b64));
+                let _ = o.flush();
+            }
+            ExecEvent::Stderr { data, data_b64 } => {
+                let _ = std::io::stderr().write_all(&raw(&data, data_b64));
+            }
+            ExecEvent::Exit { result } => return Ok(report_exit(&result)),
+            ExecEvent::Error { error } => return Err(ClientError::Api(error).into()),
+        }
+    }
+    anyhow::bail!("stream ended without an exit record")
+}
+
+fn raw(text: &str, b64: Option<String>) -> Vec<u8> {
+    ExecResult {
+        stdout: text.to_owned(),
+        stdout_b64: b64,
+        ..Default::default()
+    }
+    .stdout_raw()
+}
+
+async fn create(a: CreateArgs) -> anyhow::Result<u8> {
+    let c = Client::new(&a.remote.url)?;
+    let mut req = a.sandbox.request();
+    req.ttl_s = a.ttl;
+    req.labels = a.labels.into_iter().collect::<BTreeMap<_, _>>();
+    let sb = c.create(&req).await?;
+    println!("{}", sb.id);
+    Ok(0)
+}
+
+async fn ls(a: LsArgs) -> anyhow::Result<u8> {
+    let c = Client::new(&a.remote.url)?;
+    let labels: Vec<(&str, &str)> = a
+        .labels
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .collect();
+    let list = c.list(&labels).await?;
+    if a.json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&serde_json::json!({ "sandboxes": list }))?
+        );
+        return Ok(0);
+    }
+    println!(
+        "{:<24} {:<9} {:<9} {:<10} {:<25} {:<25} LABELS",
+        "ID", "STATE", "BACKEND", "IMAGE", "CREATED", "EXPIRES"
+    );
+    for s in list {
+        let labels: Vec<String> = s.labels.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        println!(
+            "{:<24} {:<9} {:<9} {:<10} {:<25} {:<25} {}",
+            s.id,
+            s.state.as_str(),
+            s.backend.as_str(),
+            s.image,
+            s.created_at,
+            s.expires_at.as_deref().unwrap_or("-"),
+            labels.join(",")
+        );
+    }
+    Ok(0)
+}
+
+async fn rm(a: RmArgs) -> anyhow::Result<u8> {
+    let c = Client::new(&a.remote.url)?;
+    for id in &a.ids {
+        c.delete(id).await.with_context(|| format!("delete {id}"))?;
+    }
+    Ok(0)
+}
+
+fn image(cmd: ImageCmd) -> anyhow::Result<u8> {
+    match cmd {
+        ImageCmd::Build {
+            name,
+            dirs,
+            cache_dir,
+            force,
+        } => {
+            let store = dirs.open()?;
+            let img = match name {
+                BuiltinImage::Busybox => store.build_busybox_with(force),
+                BuiltinImage::Python => store.build_python_with(&cache_dir, force),
+            }
+            .context("build image")?;
+            println!("{} {} bytes", img.name, img.size_bytes);
+        }
+        ImageCmd::Ls { dirs } => {
+            println!("{:<20} {:>12} CREATED", "NAME", "SIZE");
+            for img in dirs.open()?.list()? {
+                println!("{:<20} {:>12} {}", img.name, img.size_bytes, img.created_at);
+            }
+        }
+        ImageCmd::Rm { name, dirs } => {
+            dirs.open()?
+                .remove(&name)
+                .with_context(|| format!("remove image {name}"))?;
+        }
+    }
+    Ok(0)
+}
