@@ -480,8 +480,12 @@ fn remove_stale_tmp(dir: &Path) -> NodeResult<()> {
         };
         if pid != std::process::id() && !Path::new(&format!("/proc/{pid}")).exists() {
             let path = ent.path();
-            tracing::info!(path = %path.display(), "removing leftover of a dead image build");
-            if let Err(e) = fs::remove_dir_all(&path) {
+            tracing::info!(path = %path.display(), "removing leftover of a dead build");
+            let removed = unmount_under(&path).and_then(|()| {
+                fs::remove_dir_all(&path)
+                    .map_err(|e| NodeError::io(format!("remove {}", path.display()), e))
+            });
+            if let Err(e) = removed {
                 tracing::warn!(path = %path.display(), error = %e, "cannot remove leftover");
             }
         }
@@ -610,10 +614,12 @@ fn ensure_debootstrap_cache(cache_dir: &Path, spec: &DebootstrapSpec) -> NodeRes
     }
     fs::create_dir_all(cache_dir)
         .map_err(|e| NodeError::io(format!("create cache dir {}", cache_dir.display()), e))?;
+    remove_stale_tmp(cache_dir)?;
     if dst.exists() {
         // No stamp: an interrupted or foreign tree. Never use it; move it aside and drop it.
         tracing::warn!(path = %dst.display(), "cache dir without completeness stamp; rebuilding");
         let stale = cache_dir.join(format!(".{}.stale-{}", spec.cache_name, std::process::id()));
+        unmount_under(&dst)?;
         fs::rename(&dst, &stale)
             .map_err(|e| NodeError::io(format!("move aside {}", dst.display()), e))?;
         fs::remove_dir_all(&stale)
@@ -626,6 +632,7 @@ fn ensure_debootstrap_cache(cache_dir: &Path, spec: &DebootstrapSpec) -> NodeRes
     }
     let tmp = cache_dir.join(format!(".{}.tmp-{}", spec.cache_name, std::process::id()));
     if tmp.exists() {
+        unmount_under(&tmp)?;
         fs::remove_dir_all(&tmp)
             .map_err(|e| NodeError::io(format!("remove {}", tmp.display()), e))?;
     }
@@ -659,11 +666,56 @@ fn ensure_debootstrap_cache(cache_dir: &Path, spec: &DebootstrapSpec) -> NodeRes
         }
     })();
     if result.is_err() && tmp.exists() {
-        if let Err(e) = fs::remove_dir_all(&tmp) {
+        if let Err(e) = unmount_under(&tmp).and_then(|()| {
+            fs::remove_dir_all(&tmp)
+                .map_err(|e| NodeError::io(format!("remove {}", tmp.display()), e))
+        }) {
             tracing::warn!(path = %tmp.display(), error = %e, "cannot remove failed debootstrap");
         }
     }
     result.map(|()| dst)
+}
+
+/// Detach every mount at or below `dir` (deepest first). debootstrap mounts `proc` and
+/// `sys` inside its target while it runs; if it dies midway they stay mounted, and a
+/// recursive delete must never walk into the host's procfs/sysfs through them.
+fn unmount_under(dir: &Path) -> NodeResult<()> {
+    let info = fs::read_to_string("/proc/thread-self/mountinfo")
+        .map_err(|e| NodeError::io("read /proc/thread-self/mountinfo", e))?;
+    let mut points: Vec<PathBuf> = info
+        .lines()
+        .filter_map(|l| l.split(' ').nth(4))
+        .map(|p| PathBuf::from(unescape_mountinfo(p)))
+        .filter(|p| p.starts_with(dir))
+        .collect();
+    // Longest first: children before parents.
+    points.sort_by_key(|p| std::cmp::Reverse(p.as_os_str().len()));
+    for p in points {
+        nix::mount::umount2(&p, nix::mount::MntFlags::MNT_DETACH)
+            .map_err(|e| NodeError::io(format!("unmount {}", p.display()), e.into()))?;
+    }
+    Ok(())
+}
+
+/// Undo mountinfo's octal escapes (`\040` for a space, proc_pid_mountinfo(5)).
+fn unescape_mountinfo(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'\\'
+            && i + 3 < b.len()
+            && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c))
+        {
+            let v = (b[i + 1] - b'0') * 64 + (b[i + 2] - b'0') * 8 + (b[i + 3] - b'0');
+            out.push(v);
+            i += 4;
+        } else {
+            out.push(b[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
 }
 
 /// Run debootstrap into `target`, its output streamed to our stderr so a user sees progress.
@@ -885,6 +937,12 @@ mod tests {
         if let Ok(d) = fs::read("/bin/ls") {
             assert_eq!(elf64_has_interp(&d), Some(true), "/bin/ls is dynamic");
         }
+    }
+
+    #[test]
+    fn mountinfo_unescape() {
+        assert_eq!(unescape_mountinfo("/a\\040b\\011c"), "/a b\tc");
+        assert_eq!(unescape_mountinfo("/plain\\"), "/plain\\");
     }
 
     #[test]

@@ -431,3 +431,37 @@ fn python_cache_from_nothing() {
     assert!(ok, "{out}");
     assert_eq!(out.trim(), "42");
 }
+
+#[test]
+fn leftover_with_mounts_inside_is_unmounted_not_walked() {
+    if !is_root("mounts") {
+        return;
+    }
+    // Private mount ns for this thread: the bind below is invisible to the host.
+    unshare(CloneFlags::CLONE_NEWNS).expect("unshare mount ns");
+    mount(
+        None::<&str>,
+        "/",
+        None::<&str>,
+        MsFlags::MS_REC | MsFlags::MS_PRIVATE,
+        None::<&str>,
+    )
+    .unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    // What a killed debootstrap leaves: its target with /proc still mounted.
+    let dead = tmp.path().join(".python-bookworm.tmp-4194304999");
+    fs::create_dir_all(dead.join("proc")).unwrap();
+    mount(
+        Some("/proc"),
+        &dead.join("proc"),
+        None::<&str>,
+        MsFlags::MS_BIND,
+        None::<&str>,
+    )
+    .unwrap();
+    ImageStore::open(tmp.path()).unwrap();
+    assert!(!dead.exists(), "leftover removed");
+    let info = fs::read_to_string("/proc/thread-self/mountinfo").unwrap();
+    assert!(!info.contains(".python-bookworm.tmp-"), "mount detached");
+    assert!(Path::new("/proc/self/status").exists());
+}
