@@ -1018,6 +1018,24 @@ async fn health_routes() {
     let r = call(&t.app, Method::GET, "/openapi.json", None).await;
     let doc = r.json();
     assert_eq!(doc["openapi"], "3.1.0");
+    for route in [
+        "/v1/sandboxes",
+        "/v1/sandboxes/{id}",
+        "/v1/sandboxes/{id}/keepalive",
+        "/v1/sandboxes/{id}/exec",
+        "/v1/sandboxes/{id}/files",
+        "/v1/sandboxes/{id}/files/list",
+        "/run_code",
+        "/v1/ping",
+        "/healthz",
+        "/metrics",
+        "/openapi.json",
+    ] {
+        assert!(
+            doc["paths"][route].is_object(),
+            "{route} missing from openapi.json"
+        );
+    }
     create(&t, json!({})).await;
     let r = call(&t.app, Method::GET, "/metrics", None).await;
     let text = String::from_utf8(r.body.to_vec()).unwrap();
