@@ -69,9 +69,23 @@ pub struct CgroupRoot {
     version: CgroupVersion,
     /// v1: `(controller, hierarchy mount)`; v2: one entry `("unified", /sys/fs/cgroup)`.
     hierarchies: Vec<(&'static str, PathBuf)>,
+    /// Name of the parent group of every sandbox group ([`PARENT`] by default).
+    parent: String,
 }
 
 impl CgroupRoot {
+    /// Use `name` instead of [`PARENT`] as the parent group (one per node: a node's
+    /// `readopt` sweeps every group under its parent that it does not know).
+    pub fn with_parent(mut self, name: &str) -> Self {
+        self.parent = name.to_string();
+        self
+    }
+
+    /// Name of the parent group.
+    pub fn parent(&self) -> &str {
+        &self.parent
+    }
+
     /// Detect the cgroup version under `/sys/fs/cgroup`.
     ///
     /// # Errors
@@ -104,6 +118,7 @@ impl CgroupRoot {
             return Ok(CgroupRoot {
                 version: CgroupVersion::V2,
                 hierarchies: vec![("unified", root.to_path_buf())],
+                parent: PARENT.to_string(),
             });
         }
         let mut hierarchies: Vec<(&'static str, PathBuf)> = Vec::new();
@@ -135,12 +150,31 @@ impl CgroupRoot {
         Ok(CgroupRoot {
             version: CgroupVersion::V1,
             hierarchies,
+            parent: PARENT.to_string(),
         })
     }
 
     /// The detected version.
     pub fn version(&self) -> CgroupVersion {
         self.version
+    }
+
+    /// Remove the (empty) parent groups; a parent that still has sandboxes stays (EBUSY).
+    ///
+    /// # Errors
+    /// `Internal` with the directory, except for "not found" and "busy".
+    pub fn remove_parent(&self) -> NodeResult<()> {
+        for (_, h) in &self.hierarchies {
+            let d = h.join(&self.parent);
+            match fs::remove_dir(&d) {
+                Ok(()) => {}
+                Err(e)
+                    if e.kind() == io::ErrorKind::NotFound
+                        || e.raw_os_error() == Some(libc::EBUSY) => {}
+                Err(e) => return Err(NodeError::io(format!("remove cgroup {}", d.display()), e)),
+            }
+        }
+        Ok(())
     }
 
     /// The group of sandbox `id` (not created yet).
@@ -151,7 +185,7 @@ impl CgroupRoot {
                 dirs: self
                     .hierarchies
                     .iter()
-                    .map(|(c, h)| (*c, h.join(PARENT).join(id)))
+                    .map(|(c, h)| (*c, h.join(&self.parent).join(id)))
                     .collect(),
             },
         }
@@ -161,7 +195,7 @@ impl CgroupRoot {
     pub fn list_sandboxes(&self) -> Vec<String> {
         let mut ids: Vec<String> = Vec::new();
         for (_, h) in &self.hierarchies {
-            let Ok(rd) = fs::read_dir(h.join(PARENT)) else {
+            let Ok(rd) = fs::read_dir(h.join(&self.parent)) else {
                 continue;
             };
             for e in rd.flatten() {
@@ -183,7 +217,7 @@ impl CgroupRoot {
     /// `Internal` with the path that could not be created or written.
     pub fn ensure_parent(&self) -> NodeResult<()> {
         for (ctrl, h) in &self.hierarchies {
-            let parent = h.join(PARENT);
+            let parent = h.join(&self.parent);
             mkdir(&parent)?;
             match self.version {
                 CgroupVersion::V1 => {
@@ -334,6 +368,58 @@ impl Cgroup {
                 }
                 self.kill_v1(deadline)
             }
+        }
+    }
+
+    /// Kill every process of the group (not of its children) except `spare`, and wait until
+    /// only `spare` is left (or the deadline passes).
+    ///
+    /// Used on an exec's group to spare the `sandlot-guest exec` helper: it then reaps its
+    /// killed child itself, so no zombie is handed to the host's init (the helper lives in
+    /// the host pid namespace, so its orphans would be reparented there).
+    ///
+    /// # Errors
+    /// `Internal` with the path when the group cannot be frozen or thawed.
+    pub fn kill_except(&self, spare: i32, deadline: Instant) -> NodeResult<()> {
+        let freeze = match self.version {
+            CgroupVersion::V1 => self
+                .dir("freezer")
+                .map(|d| (d.join("freezer.state"), "FROZEN", "THAWED")),
+            CgroupVersion::V2 => self
+                .dir("unified")
+                .map(|d| (d.join("cgroup.freeze"), "1", "0")),
+        };
+        loop {
+            let others: Vec<i32> = self.pids().into_iter().filter(|p| *p != spare).collect();
+            if others.is_empty() {
+                return Ok(());
+            }
+            if let Some((f, on, _)) = &freeze {
+                if f.exists() {
+                    write_file(f, on)?;
+                    if self.version == CgroupVersion::V1 {
+                        while fs::read_to_string(f)
+                            .map(|s| s.trim() != "FROZEN")
+                            .unwrap_or(false)
+                            && Instant::now() < deadline
+                        {
+                            std::thread::sleep(Duration::from_millis(1));
+                        }
+                    }
+                }
+            }
+            for p in self.pids().into_iter().filter(|p| *p != spare) {
+                sigkill(p);
+            }
+            if let Some((f, _, off)) = &freeze {
+                if f.exists() {
+                    write_file(f, off)?;
+                }
+            }
+            if Instant::now() > deadline {
+                return Ok(());
+            }
+            std::thread::sleep(Duration::from_millis(2));
         }
     }
 

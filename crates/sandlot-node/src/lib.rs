@@ -7,10 +7,13 @@
 #![deny(missing_docs)]
 #![warn(clippy::undocumented_unsafe_blocks)]
 
+pub mod backends;
 pub mod cgroups;
 pub mod files;
 pub mod images;
+pub mod local;
 pub mod node;
 pub mod output;
 
+pub use local::{default_guest_bin, LocalNode, NodeConfig};
 pub use node::{ExecSink, Node, NodeError, NodeInfo, NodeResult, SandboxSpec, SandboxStatus};

@@ -1,0 +1,1284 @@
+//! The `function` backend: a namespace jail built by `sandlot-guest`.
+//!
+//! Host layout of one sandbox (`DATA/sandboxes/<id>/`):
+//!
+//! * `upper/` — overlayfs upper dir, the sandbox's only writable layer. Owned by `uid_base`
+//!   (the host uid of root inside the sandbox), mode 0755; `upper/workspace` (0755) and
+//!   `upper/root` (0700) are pre-created with the same owner so the sandbox's root can write
+//!   its home and workspace. Everything else of the rootfs comes from the image's lower dirs,
+//!   which are owned by host root: inside the user namespace they show up as owned by
+//!   `nobody`, so they are read-only to the sandbox (security: an image layer shared by every
+//!   sandbox can never be modified by one of them; writes go to the upper dir by copy-up only
+//!   where the directory is writable, i.e. `/workspace`, `/root`, and the tmpfs mounts).
+//! * `work/` — overlayfs work dir (same file system as `upper/`), owned by `uid_base`.
+//! * `rootfs/` — empty mount point for the overlay. The overlay is mounted only inside the
+//!   sandbox's own mount namespace, so nothing is mounted in the host's namespace and the
+//!   mount disappears with the sandbox's init.
+//! * `state.json` — [`JailState`], written atomically once the sandbox runs; a directory
+//!   without it is a half-created sandbox and is removed by `readopt`.
+//!
+//! Processes: `sandlot-guest init` (contract: `sandlot_guest::spec`) makes the sandbox's
+//! pid 1 inside the sandbox cgroup; each exec runs `sandlot-guest exec` in a fresh child
+//! cgroup `x<n>` that it joins before entering the namespaces, so the exec's whole process
+//! tree can be killed at once. An exec's process tree never outlives the exec: the exec
+//! cgroup is killed and removed when the exec ends, which also ends background children
+//! (`sleep 100 &`). Long-lived background processes need the (later) background-process API.
+use super::SandboxBackend;
+use crate::cgroups::{Cgroup, CgroupRoot, Limits, SandboxCgroup};
+use crate::files::SandboxFs;
+use crate::images::Image;
+use crate::node::{ExecSink, NodeError, NodeResult, SandboxSpec, SandboxStatus};
+use crate::output::Capture;
+use async_trait::async_trait;
+use base64::Engine as _;
+use sandlot_api::{Backend, ExecEvent, ExecRequest, ExecResult, FileEntry};
+use sandlot_guest::spec::{ExecSpec, ExecStatus, InitReady, InitSpec, Rlimit, RlimitResource};
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, HashMap};
+use std::io::Write as _;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
+use tokio::sync::{watch, RwLock};
+
+/// Default cap on kept bytes per stream (1 MiB).
+pub const DEFAULT_MAX_OUTPUT: u64 = 1 << 20;
+/// Largest accepted `max_output_bytes` (64 MiB).
+pub const MAX_MAX_OUTPUT: u64 = 64 << 20;
+/// Default exec timeout (60 s).
+pub const DEFAULT_TIMEOUT_S: f64 = 60.0;
+/// Largest accepted exec timeout (one day).
+pub const MAX_TIMEOUT_S: f64 = 86_400.0;
+/// Number of uids/gids mapped into a sandbox (`0..65536` inside → `uid_base..` outside).
+pub const UID_COUNT: u32 = 65_536;
+/// Limit on open files of every exec.
+pub const NOFILE: u64 = 1024;
+
+/// How long `sandlot-guest init` may take.
+const INIT_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long killing and removing cgroups may take.
+const KILL_TIMEOUT: Duration = Duration::from_secs(10);
+/// After the command ended: how long to wait for the output pipes to reach EOF before the
+/// exec cgroup is killed (it holds background children that keep the pipes open).
+const PIPE_GRACE: Duration = Duration::from_millis(50);
+/// After the exec cgroup is empty: how long to wait for the pipes (a process outside the
+/// cgroup could still hold them; we stop reading then).
+const DRAIN_GRACE: Duration = Duration::from_millis(500);
+
+/// Static configuration of the function backend.
+#[derive(Debug, Clone)]
+pub struct FunctionConfig {
+    /// `DATA/sandboxes`: one directory per sandbox.
+    pub sandboxes_dir: PathBuf,
+    /// The `sandlot-guest` binary.
+    pub guest_bin: PathBuf,
+    /// Host uid (and gid) that root inside a sandbox maps to.
+    pub uid_base: u32,
+}
+
+/// Spec fields kept in `state.json` (serialisable copy of [`SandboxSpec`]).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StoredSpec {
+    /// CPU quota in cores.
+    pub cpu: f64,
+    /// Memory limit in MiB.
+    pub memory_mib: u64,
+    /// Writable-layer limit in MiB (enforced per file through RLIMIT_FSIZE for now).
+    pub disk_mib: u64,
+    /// Process/thread limit.
+    pub pids_max: u64,
+    /// Sandbox environment.
+    pub env: BTreeMap<String, String>,
+}
+
+/// On-disk state of a running sandbox: `DATA/sandboxes/<id>/state.json`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct JailState {
+    /// Sandbox id.
+    pub id: String,
+    /// Always `function` here.
+    pub backend: Backend,
+    /// Image name.
+    pub image: String,
+    /// Environment of the image (applied before the sandbox's).
+    pub image_env: Vec<(String, String)>,
+    /// Host pid of the sandbox's pid 1.
+    pub init_pid: i32,
+    /// Its start time (field 22 of `/proc/PID/stat`).
+    pub init_starttime: u64,
+    /// Host uid/gid of root inside.
+    pub uid_base: u32,
+    /// Limits and environment.
+    pub spec: StoredSpec,
+}
+
+/// One running sandbox.
+struct Jail {
+    state: JailState,
+    cgroup: SandboxCgroup,
+    /// `true` once delete has begun. Exec set-up holds the read side so that delete
+    /// (write side) never races an exec that is creating its cgroup.
+    deleting: RwLock<bool>,
+    /// Fires when the sandbox is deleted, so running execs stop at once.
+    killed: watch::Sender<bool>,
+    next_exec: AtomicU64,
+}
+
+/// The function backend: sandboxes by id.
+pub struct FunctionBackend {
+    cfg: FunctionConfig,
+    cgroups: CgroupRoot,
+    jails: Mutex<HashMap<String, Arc<Jail>>>,
+}
+
+impl FunctionBackend {
+    /// A backend storing sandboxes under `cfg.sandboxes_dir` and cgroups under `cgroups`.
+    ///
+    /// # Errors
+    /// `Internal` when the sandboxes directory or the `sandlot` cgroups cannot be created.
+    pub fn new(cfg: FunctionConfig, cgroups: CgroupRoot) -> NodeResult<Self> {
+        std::fs::create_dir_all(&cfg.sandboxes_dir)
+            .map_err(|e| NodeError::io(format!("create {}", cfg.sandboxes_dir.display()), e))?;
+        // Sandboxes' uids must traverse to their upper dirs but not list other sandboxes.
+        let _ =
+            std::fs::set_permissions(&cfg.sandboxes_dir, std::fs::Permissions::from_mode(0o711));
+        cgroups.ensure_parent()?;
+        Ok(FunctionBackend {
+            cfg,
+            cgroups,
+            jails: Mutex::new(HashMap::new()),
+        })
+    }
+
+    fn jail(&self, id: &str) -> NodeResult<Arc<Jail>> {
+        self.jails
+            .lock()
+            .unwrap()
+            .get(id)
+            .cloned()
+            .ok_or_else(|| NodeError::NotFound(format!("sandbox {id} not found on this node")))
+    }
+
+    fn dir_of(&self, id: &str) -> PathBuf {
+        self.cfg.sandboxes_dir.join(id)
+    }
+
+    /// Open the sandbox root for the files module, on a blocking thread.
+    async fn with_fs<T: Send + 'static>(
+        &self,
+        id: &str,
+        f: impl FnOnce(&SandboxFs) -> NodeResult<T> + Send + 'static,
+    ) -> NodeResult<T> {
+        let jail = self.jail(id)?;
+        if *jail.deleting.read().await {
+            return Err(NodeError::NotFound(format!(
+                "sandbox {id} is being deleted"
+            )));
+        }
+        let pid = jail.state.init_pid;
+        let start = jail.state.init_starttime;
+        let uid = jail.state.uid_base;
+        let id = id.to_string();
+        spawn_blocking(move || {
+            if proc_starttime(pid) != Some(start) {
+                return Err(NodeError::Conflict(format!(
+                    "sandbox {id} is not running (its init {pid} is gone)"
+                )));
+            }
+            // The sandbox root as its init sees it; files resolves every path inside it.
+            let fs = SandboxFs::open(Path::new(&format!("/proc/{pid}/root")), uid, uid)?;
+            f(&fs)
+        })
+        .await
+    }
+
+    async fn create_inner(
+        &self,
+        spec: &SandboxSpec,
+        image: &Image,
+        dir: &Path,
+        cg: &SandboxCgroup,
+        ready: &mut Option<InitReady>,
+    ) -> NodeResult<JailState> {
+        let uid = self.cfg.uid_base;
+        let d = dir.to_path_buf();
+        let limits = Limits {
+            memory_bytes: spec.memory_mib.saturating_mul(1 << 20),
+            cpu: spec.cpu,
+            pids_max: spec.pids_max,
+        };
+        let cg2 = cg.clone();
+        spawn_blocking(move || {
+            make_dirs(&d, uid)?;
+            cg2.create(&limits)
+        })
+        .await?;
+
+        let init = InitSpec {
+            lowerdirs: image
+                .layers
+                .iter()
+                .map(|p| p.display().to_string())
+                .collect(),
+            upperdir: dir.join("upper").display().to_string(),
+            workdir: dir.join("work").display().to_string(),
+            rootfs: dir.join("rootfs").display().to_string(),
+            hostname: spec.id.clone(),
+            uid_base: uid,
+            uid_count: UID_COUNT,
+            cgroup_procs: cg
+                .group()
+                .procs_files()
+                .iter()
+                .map(|p| p.display().to_string())
+                .collect(),
+            // tmpfs pages are charged to the sandbox's memory cgroup, so the memory limit
+            // bounds /tmp too; disk_mib bounds it further.
+            tmp_mib: spec.disk_mib.min(spec.memory_mib).max(1),
+        };
+        let r = run_init(&self.cfg.guest_bin, &init).await?;
+        *ready = Some(r.clone());
+
+        let state = JailState {
+            id: spec.id.clone(),
+            backend: Backend::Function,
+            image: image.name.clone(),
+            image_env: image.env.clone(),
+            init_pid: r.pid,
+            init_starttime: r.starttime,
+            uid_base: uid,
+            spec: StoredSpec {
+                cpu: spec.cpu,
+                memory_mib: spec.memory_mib,
+                disk_mib: spec.disk_mib,
+                pids_max: spec.pids_max,
+                env: spec.env.clone(),
+            },
+        };
+        let st = state.clone();
+        let d = dir.to_path_buf();
+        spawn_blocking(move || write_state(&d, &st)).await?;
+        Ok(state)
+    }
+
+    fn adopt(&self, state: JailState) -> Arc<Jail> {
+        let (killed, _) = watch::channel(false);
+        let jail = Arc::new(Jail {
+            cgroup: self.cgroups.sandbox(&state.id),
+            state,
+            deleting: RwLock::new(false),
+            killed,
+            next_exec: AtomicU64::new(1),
+        });
+        self.jails
+            .lock()
+            .unwrap()
+            .insert(jail.state.id.clone(), jail.clone());
+        jail
+    }
+
+    /// Kill everything of sandbox `id` and remove its cgroups and directory.
+    async fn destroy(&self, id: &str) -> NodeResult<()> {
+        let cg = self.cgroups.sandbox(id);
+        let dir = self.dir_of(id);
+        spawn_blocking(move || destroy_blocking(&cg, &dir)).await
+    }
+}
+
+#[async_trait]
+impl SandboxBackend for FunctionBackend {
+    fn kind(&self) -> Backend {
+        Backend::Function
+    }
+
+    async fn create(&self, spec: &SandboxSpec, image: &Image) -> NodeResult<()> {
+        check_id(&spec.id)?;
+        if spec.backend != Backend::Function {
+            return Err(NodeError::InvalidArgument(format!(
+                "the function backend cannot create a {} sandbox",
+                spec.backend
+            )));
+        }
+        if !(spec.cpu.is_finite() && spec.cpu > 0.0) || spec.memory_mib == 0 || spec.pids_max == 0 {
+            return Err(NodeError::InvalidArgument(format!(
+                "cpu ({}), memory_mib ({}) and pids_max ({}) must be positive",
+                spec.cpu, spec.memory_mib, spec.pids_max
+            )));
+        }
+        let dir = self.dir_of(&spec.id);
+        // create_dir (not create_dir_all) is the atomic claim of the id on this node.
+        match std::fs::create_dir(&dir) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                return Err(NodeError::Conflict(format!(
+                    "sandbox {} already exists on this node",
+                    spec.id
+                )))
+            }
+            Err(e) => return Err(NodeError::io(format!("create {}", dir.display()), e)),
+        }
+        let cg = self.cgroups.sandbox(&spec.id);
+        let mut ready = None;
+        match self.create_inner(spec, image, &dir, &cg, &mut ready).await {
+            Ok(state) => {
+                self.adopt(state);
+                tracing::info!(sandbox = %spec.id, backend = "function", image = %image.name, "sandbox created");
+                Ok(())
+            }
+            Err(err) => {
+                // Rollback: kill whatever started (the init is in the sandbox cgroup), remove
+                // cgroups and directories; keep both errors when the cleanup fails too.
+                let cleanup = self.destroy(&spec.id).await;
+                Err(match cleanup {
+                    Ok(()) => err,
+                    Err(c) => with_cleanup_error(err, c),
+                })
+            }
+        }
+    }
+
+    fn has(&self, id: &str) -> bool {
+        self.jails.lock().unwrap().contains_key(id)
+    }
+
+    async fn exec(
+        &self,
+        id: &str,
+        req: &ExecRequest,
+        sink: Option<ExecSink>,
+    ) -> NodeResult<ExecResult> {
+        let jail = self.jail(id)?;
+        let plan = ExecPlan::new(&jail.state, req)?;
+        run_exec(&self.cfg.guest_bin, &jail, plan, sink).await
+    }
+
+    async fn read_file(&self, id: &str, path: &str, max_bytes: u64) -> NodeResult<Vec<u8>> {
+        let path = path.to_string();
+        self.with_fs(id, move |fs| fs.read(&path, max_bytes)).await
+    }
+
+    async fn write_file(&self, id: &str, path: &str, data: bytes::Bytes) -> NodeResult<()> {
+        let path = path.to_string();
+        self.with_fs(id, move |fs| fs.write(&path, &data)).await
+    }
+
+    async fn list_dir(&self, id: &str, path: &str) -> NodeResult<Vec<FileEntry>> {
+        let path = path.to_string();
+        self.with_fs(id, move |fs| fs.list(&path)).await
+    }
+
+    async fn remove_file(&self, id: &str, path: &str) -> NodeResult<()> {
+        let path = path.to_string();
+        self.with_fs(id, move |fs| fs.remove(&path)).await
+    }
+
+    async fn delete(&self, id: &str) -> NodeResult<()> {
+        if check_id(id).is_err() {
+            // Such an id can never have been created: nothing to delete.
+            return Ok(());
+        }
+        let jail = self.jails.lock().unwrap().get(id).cloned();
+        if let Some(jail) = &jail {
+            // Wait for execs that are setting up, then stop every running exec.
+            *jail.deleting.write().await = true;
+            let _ = jail.killed.send(true);
+        }
+        let res = self.destroy(id).await;
+        if res.is_ok() {
+            self.jails.lock().unwrap().remove(id);
+            tracing::info!(sandbox = %id, backend = "function", "sandbox deleted");
+        }
+        res
+    }
+
+    fn list(&self) -> Vec<SandboxStatus> {
+        let mut v: Vec<SandboxStatus> = self
+            .jails
+            .lock()
+            .unwrap()
+            .values()
+            .map(|j| SandboxStatus {
+                id: j.state.id.clone(),
+                backend: Backend::Function,
+                alive: proc_starttime(j.state.init_pid) == Some(j.state.init_starttime),
+            })
+            .collect();
+        v.sort_by(|a, b| a.id.cmp(&b.id));
+        v
+    }
+
+    async fn readopt(&self, keep: &[String]) -> NodeResult<Vec<String>> {
+        let mut adopted = Vec::new();
+        let mut errors = Vec::new();
+        let entries: Vec<String> = match std::fs::read_dir(&self.cfg.sandboxes_dir) {
+            Ok(rd) => rd
+                .flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect(),
+            Err(e) => {
+                return Err(NodeError::io(
+                    format!("read {}", self.cfg.sandboxes_dir.display()),
+                    e,
+                ))
+            }
+        };
+        for name in entries {
+            if check_id(&name).is_err() {
+                continue;
+            }
+            if self.has(&name) {
+                adopted.push(name);
+                continue;
+            }
+            let state = read_state(&self.dir_of(&name));
+            let alive = state
+                .as_ref()
+                .map(|s| proc_starttime(s.init_pid) == Some(s.init_starttime))
+                .unwrap_or(false);
+            if let (Some(state), true, true) = (state, alive, keep.contains(&name)) {
+                let jail = self.adopt(state);
+                // Execs of the previous process lost their caller: end them.
+                let cg = jail.cgroup.clone();
+                let stale =
+                    spawn_blocking(move || {
+                        let mut max = 0;
+                        for c in cg.exec_children() {
+                            if let Some(n) = c.dirs().next().and_then(|d| {
+                                d.file_name()?.to_str()?.strip_prefix('x')?.parse().ok()
+                            }) {
+                                max = max.max(n);
+                            }
+                            c.destroy(KILL_TIMEOUT)?;
+                        }
+                        Ok(max)
+                    })
+                    .await;
+                match stale {
+                    Ok(max) => jail.next_exec.store(max + 1, Ordering::SeqCst),
+                    Err(e) => errors.push(e.to_string()),
+                }
+                tracing::info!(sandbox = %name, backend = "function", "sandbox re-adopted");
+                adopted.push(name);
+            } else {
+                tracing::info!(sandbox = %name, backend = "function", "removing leftover sandbox");
+                if let Err(e) = self.destroy(&name).await {
+                    errors.push(e.to_string());
+                }
+            }
+        }
+        // Cgroups without a sandbox directory (e.g. the directory was removed by hand).
+        for id in self.cgroups.list_sandboxes() {
+            if !adopted.contains(&id) && !self.has(&id) {
+                let cg = self.cgroups.sandbox(&id);
+                if let Err(e) = spawn_blocking(move || cg.group().destroy(KILL_TIMEOUT)).await {
+                    errors.push(e.to_string());
+                }
+            }
+        }
+        adopted.sort();
+        if errors.is_empty() {
+            Ok(adopted)
+        } else {
+            Err(NodeError::io(
+                format!(
+                    "readopt: cleanup of leftovers failed: {}",
+                    errors.join("; ")
+                ),
+                std::io::Error::other("cleanup failed"),
+            ))
+        }
+    }
+}
+
+/// A validated exec, ready to hand to `sandlot-guest exec`.
+struct ExecPlan {
+    spec: ExecSpec,
+    stdin: Option<Vec<u8>>,
+    timeout: Duration,
+    cap: usize,
+}
+
+impl ExecPlan {
+    fn new(state: &JailState, req: &ExecRequest) -> NodeResult<ExecPlan> {
+        let timeout_s = req.timeout_s.unwrap_or(DEFAULT_TIMEOUT_S);
+        if !(timeout_s.is_finite() && timeout_s > 0.0 && timeout_s <= MAX_TIMEOUT_S) {
+            return Err(NodeError::InvalidArgument(format!(
+                "timeout_s must be in (0, {MAX_TIMEOUT_S}], got {timeout_s}"
+            )));
+        }
+        let cap = req.max_output_bytes.unwrap_or(DEFAULT_MAX_OUTPUT);
+        if cap > MAX_MAX_OUTPUT {
+            return Err(NodeError::InvalidArgument(format!(
+                "max_output_bytes must be at most {MAX_MAX_OUTPUT}, got {cap}"
+            )));
+        }
+        match req.user.as_deref() {
+            None | Some("root") => {}
+            Some(u) => {
+                return Err(NodeError::InvalidArgument(format!(
+                "user {u:?} is not supported; only \"root\" (the sandbox's own unprivileged root)"
+            )))
+            }
+        }
+        let argv = req.cmd.to_argv();
+        if argv.is_empty() || argv[0].is_empty() {
+            return Err(NodeError::InvalidArgument("cmd must not be empty".into()));
+        }
+        if argv.iter().any(|a| a.contains('\0')) {
+            return Err(NodeError::InvalidArgument(
+                "cmd must not contain NUL bytes".into(),
+            ));
+        }
+        let cwd = req.cwd.clone().unwrap_or_else(|| "/workspace".to_string());
+        if !cwd.starts_with('/') || cwd.contains('\0') {
+            return Err(NodeError::InvalidArgument(format!(
+                "cwd must be an absolute path, got {cwd:?}"
+            )));
+        }
+        let mut env: Vec<(String, String)> = vec![
+            (
+                "PATH".into(),
+                "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".into(),
+            ),
+            ("HOME".into(), "/root".into()),
+            ("LANG".into(), "C.UTF-8".into()),
+            ("TERM".into(), "xterm".into()),
+        ];
+        let layers: Vec<(String, String)> = state
+            .image_env
+            .iter()
+            .cloned()
+            .chain(state.spec.env.iter().map(|(k, v)| (k.clone(), v.clone())))
+            .chain(req.env.iter().map(|(k, v)| (k.clone(), v.clone())))
+            .collect();
+        for (k, v) in layers {
+            if k.is_empty() || k.contains('=') || k.contains('\0') || v.contains('\0') {
+                return Err(NodeError::InvalidArgument(format!(
+                    "bad environment variable name or value: {k:?}"
+                )));
+            }
+            match env.iter_mut().find(|(ek, _)| *ek == k) {
+                Some(slot) => slot.1 = v,
+                None => env.push((k, v)),
+            }
+        }
+        let stdin = match &req.stdin_b64 {
+            None => None,
+            Some(b) => Some(
+                base64::engine::general_purpose::STANDARD
+                    .decode(b)
+                    .map_err(|e| {
+                        NodeError::InvalidArgument(format!("stdin_b64 is not base64: {e}"))
+                    })?,
+            ),
+        };
+        let spec = ExecSpec {
+            init_pid: state.init_pid,
+            init_starttime: state.init_starttime,
+            cgroup_procs: Vec::new(),
+            argv,
+            env,
+            cwd,
+            uid: 0,
+            gid: 0,
+            rlimits: vec![
+                Rlimit {
+                    resource: RlimitResource::Nofile,
+                    value: NOFILE,
+                },
+                Rlimit {
+                    resource: RlimitResource::Core,
+                    value: 0,
+                },
+                Rlimit {
+                    resource: RlimitResource::Fsize,
+                    value: state.spec.disk_mib.saturating_mul(1 << 20),
+                },
+            ],
+        };
+        Ok(ExecPlan {
+            spec,
+            stdin,
+            timeout: Duration::from_secs_f64(timeout_s),
+            cap: cap as usize,
+        })
+    }
+}
+
+/// Kills and removes the exec cgroup if the exec future is dropped before it cleaned up
+/// (client disconnected): the exec's processes never outlive it.
+struct ExecGuard {
+    group: Option<Cgroup>,
+    tasks: Vec<tokio::task::AbortHandle>,
+}
+
+impl Drop for ExecGuard {
+    fn drop(&mut self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+        if let Some(g) = self.group.take() {
+            // A plain thread: this may run outside a tokio runtime.
+            std::thread::spawn(move || {
+                if let Err(e) = g.destroy(KILL_TIMEOUT) {
+                    tracing::warn!(error = %e, "cleanup of a dropped exec failed");
+                }
+            });
+        }
+    }
+}
+
+/// How the command ended, as seen from the status pipe.
+enum Ending {
+    Status(ExecStatus),
+    /// EOF on the status pipe with nothing written: the helper was killed.
+    Killed,
+    TimedOut,
+    /// The sandbox was deleted during the exec.
+    Deleted,
+}
+
+async fn run_exec(
+    guest_bin: &Path,
+    jail: &Jail,
+    mut plan: ExecPlan,
+    sink: Option<ExecSink>,
+) -> NodeResult<ExecResult> {
+    let mut killed_rx = jail.killed.subscribe();
+    let id = &jail.state.id;
+
+    // --- set-up, under the read side of the lifecycle lock ---
+    let setup = jail.deleting.read().await;
+    if *setup || *killed_rx.borrow() {
+        return Err(NodeError::NotFound(format!(
+            "sandbox {id} is being deleted"
+        )));
+    }
+    let n = jail.next_exec.fetch_add(1, Ordering::SeqCst);
+    let xcg = jail.cgroup.exec_child(n);
+    let mut guard = ExecGuard {
+        group: Some(xcg.group().clone()),
+        tasks: Vec::new(),
+    };
+    {
+        let x = xcg.clone();
+        spawn_blocking(move || x.create()).await?;
+    }
+    plan.spec.cgroup_procs = xcg
+        .group()
+        .procs_files()
+        .iter()
+        .map(|p| p.display().to_string())
+        .collect();
+    let oom_before = jail.cgroup.group().oom_kills();
+
+    let spec_json = serde_json::to_vec(&plan.spec).expect("ExecSpec serialises");
+    let (spec_r, spec_w) = cloexec_pipe()?;
+    let (status_r, status_w) = cloexec_pipe()?;
+    // Move the child's ends above the low fds, so that dup2 onto 3 and 4 in the child can
+    // never clobber one of them.
+    let spec_r = dup_high(&spec_r)?;
+    let status_w = dup_high(&status_w)?;
+    let (spec_fd, status_fd) = (spec_r.as_raw_fd(), status_w.as_raw_fd());
+
+    let mut cmd = tokio::process::Command::new(guest_bin);
+    cmd.arg("exec")
+        .stdin(if plan.stdin.is_some() {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        })
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .env_clear()
+        .kill_on_drop(true);
+    // SAFETY: the closure runs in the forked child before execve and only calls dup2(2),
+    // which is async-signal-safe; it touches no allocator or lock. The source fds are
+    // CLOEXEC and >= 10; dup2 gives the copies on 3 and 4 without CLOEXEC.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::dup2(spec_fd, 3) < 0 || libc::dup2(status_fd, 4) < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let start = Instant::now();
+    let mut child = cmd
+        .spawn()
+        .map_err(|e| NodeError::io(format!("spawn {} exec", guest_bin.display()), e))?;
+    // The parent's copies of the child's ends must go, or EOF never comes.
+    drop(spec_r);
+    drop(status_w);
+    drop(setup);
+
+    // Spec on fd 3, then EOF.
+    let spec_task = tokio::spawn(async move {
+        if let Ok(mut w) = tokio::net::unix::pipe::Sender::from_owned_fd(spec_w) {
+            let _ = w.write_all(&spec_json).await;
+        }
+    });
+    guard.tasks.push(spec_task.abort_handle());
+    if let (Some(data), Some(mut w)) = (plan.stdin.take(), child.stdin.take()) {
+        let t = tokio::spawn(async move {
+            // EPIPE (the command does not read its stdin) is not an error.
+            let _ = w.write_all(&data).await;
+        });
+        guard.tasks.push(t.abort_handle());
+    }
+    let out_cap = Arc::new(Mutex::new(Capture::new(plan.cap)));
+    let err_cap = Arc::new(Mutex::new(Capture::new(plan.cap)));
+    let out_task = tokio::spawn(pump(
+        child.stdout.take().expect("piped stdout"),
+        out_cap.clone(),
+        sink.clone(),
+        true,
+    ));
+    let err_task = tokio::spawn(pump(
+        child.stderr.take().expect("piped stderr"),
+        err_cap.clone(),
+        sink.clone(),
+        false,
+    ));
+    guard.tasks.push(out_task.abort_handle());
+    guard.tasks.push(err_task.abort_handle());
+
+    let status_rx = tokio::net::unix::pipe::Receiver::from_owned_fd(status_r)
+        .map_err(|e| NodeError::io("status pipe of sandlot-guest exec", e))?;
+    // Kept (pinned) until the end: the helper may still write its status after a timeout,
+    // and must not get EPIPE.
+    let mut status_fut = std::pin::pin!(read_status(status_rx));
+    let ending = tokio::select! {
+        s = status_fut.as_mut() => match s { Some(s) => Ending::Status(s), None => Ending::Killed },
+        _ = tokio::time::sleep(plan.timeout) => Ending::TimedOut,
+        _ = killed_rx.wait_for(|k| *k) => Ending::Deleted,
+    };
+    let duration_ms = start.elapsed().as_secs_f64() * 1000.0;
+
+    let group = xcg.group().clone();
+    let helper_pid = child.id().map(|p| p as i32).unwrap_or(-1);
+    if !matches!(ending, Ending::Status(_)) {
+        // Timeout or delete: the whole process tree goes, not only the leader. The helper
+        // is spared a moment so that it reaps its child itself (see `kill_except`).
+        kill_tree(&group, helper_pid, &mut child).await;
+    }
+    // Output: until EOF; past a short grace, kill the exec cgroup (background children hold
+    // the pipes) and read what is left until EOF or a last grace.
+    let mut readers = std::pin::pin!(futures_join(out_task, err_task));
+    if tokio::time::timeout(PIPE_GRACE, readers.as_mut())
+        .await
+        .is_err()
+    {
+        kill_tree(&group, helper_pid, &mut child).await;
+        let _ = tokio::time::timeout(DRAIN_GRACE, readers.as_mut()).await;
+    }
+    // OOM: the exec group's own counter (v1 memory child; exact even when execs overlap);
+    // where the exec group has no memory controller (v2 here) the sandbox counter's delta,
+    // which may also count an OOM kill of an overlapping exec.
+    let oom_killed = match group.oom_kills() {
+        Some(n) => n > 0,
+        None => match (oom_before, jail.cgroup.group().oom_kills()) {
+            (Some(a), Some(b)) => b > a,
+            _ => false,
+        },
+    };
+    // Always end the exec's processes and remove its cgroup.
+    kill_tree(&group, helper_pid, &mut child).await;
+    let g = group.clone();
+    let cleanup = spawn_blocking(move || g.destroy(KILL_TIMEOUT)).await;
+    guard.group = None;
+    let _ = child.start_kill();
+    let _ = child.wait().await;
+    for t in &guard.tasks {
+        t.abort();
+    }
+    if let Err(e) = cleanup {
+        tracing::warn!(sandbox = %id, error = %e, "exec cgroup cleanup failed");
+    }
+
+    let mut res = ExecResult {
+        duration_ms,
+        ..Default::default()
+    };
+    match ending {
+        Ending::Status(ExecStatus::Exited { code }) => res.exit_code = code,
+        Ending::Status(ExecStatus::Signaled { signal }) => {
+            res.exit_code = 128 + signal;
+            res.signal = Some(signal);
+        }
+        Ending::Status(ExecStatus::SetupFailed {
+            message,
+            user_error,
+        }) => {
+            return Err(if user_error {
+                NodeError::InvalidArgument(message)
+            } else {
+                NodeError::io(
+                    format!("sandlot-guest exec in sandbox {id}: {message}"),
+                    std::io::Error::other("exec set-up failed"),
+                )
+            })
+        }
+        // EOF without a status: the helper was killed under us (sandbox deleted, OOM kill of
+        // the helper itself, ...): reported like a SIGKILL of the command.
+        Ending::Killed | Ending::Deleted => {
+            res.exit_code = 137;
+            res.signal = Some(9);
+        }
+        Ending::TimedOut => {
+            res.exit_code = 137;
+            res.signal = Some(9);
+            res.timed_out = true;
+        }
+    }
+    res.oom_killed = oom_killed;
+    let out = take_capture(&out_cap, plan.cap);
+    let err = take_capture(&err_cap, plan.cap);
+    res.set_output(&out, &err);
+    Ok(res)
+}
+
+/// Kill every process of the exec group but the helper, give the helper a moment to reap
+/// its child and exit by itself, then kill whatever is left (the helper included).
+async fn kill_tree(group: &Cgroup, helper_pid: i32, child: &mut tokio::process::Child) {
+    let g = group.clone();
+    let _ = spawn_blocking(move || g.kill_except(helper_pid, Instant::now() + KILL_TIMEOUT)).await;
+    let _ = tokio::time::timeout(Duration::from_millis(200), child.wait()).await;
+    let g = group.clone();
+    let _ = spawn_blocking(move || g.kill(Instant::now() + KILL_TIMEOUT)).await;
+    let _ = child.start_kill();
+}
+
+fn take_capture(c: &Arc<Mutex<Capture>>, cap: usize) -> sandlot_api::Output {
+    std::mem::replace(&mut *c.lock().unwrap(), Capture::new(cap)).finish()
+}
+
+/// Await two join handles; output of both is in their shared captures.
+async fn futures_join(a: tokio::task::JoinHandle<()>, b: tokio::task::JoinHandle<()>) {
+    let _ = a.await;
+    let _ = b.await;
+}
+
+/// Read one stream to EOF into `cap`, forwarding chunks to `sink`.
+async fn pump(
+    mut r: impl tokio::io::AsyncRead + Unpin,
+    cap: Arc<Mutex<Capture>>,
+    sink: Option<ExecSink>,
+    stdout: bool,
+) {
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        let n = match r.read(&mut buf).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => n,
+        };
+        cap.lock().unwrap().push(&buf[..n]);
+        if let Some(s) = &sink {
+            let ev = if stdout {
+                ExecEvent::stdout(&buf[..n])
+            } else {
+                ExecEvent::stderr(&buf[..n])
+            };
+            // A closed receiver does not stop the exec.
+            let _ = s.send(ev).await;
+        }
+    }
+}
+
+/// Read the status JSON from fd 4 of the helper: parsed as soon as complete (a process
+/// that inherited the pipe cannot delay it), `None` on EOF without a status.
+async fn read_status(mut rx: tokio::net::unix::pipe::Receiver) -> Option<ExecStatus> {
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 4096];
+    loop {
+        match rx.read(&mut chunk).await {
+            Ok(0) | Err(_) => return serde_json::from_slice(&buf).ok(),
+            Ok(n) => {
+                buf.extend_from_slice(&chunk[..n]);
+                if let Ok(s) = serde_json::from_slice::<ExecStatus>(&buf) {
+                    return Some(s);
+                }
+                if buf.len() > 1 << 20 {
+                    return None;
+                }
+            }
+        }
+    }
+}
+
+/// Run `sandlot-guest init` with `spec` on stdin; returns its `InitReady` line.
+async fn run_init(guest_bin: &Path, spec: &InitSpec) -> NodeResult<InitReady> {
+    let mut child = tokio::process::Command::new(guest_bin)
+        .arg("init")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .env_clear()
+        .kill_on_drop(true)
+        .spawn()
+        .map_err(|e| NodeError::io(format!("spawn {} init", guest_bin.display()), e))?;
+    let json = serde_json::to_vec(spec).expect("InitSpec serialises");
+    let mut stdin = child.stdin.take().expect("piped stdin");
+    let mut stdout = tokio::io::BufReader::new(child.stdout.take().expect("piped stdout"));
+    let mut stderr = child.stderr.take().expect("piped stderr");
+    let errbuf = Arc::new(Mutex::new(Vec::new()));
+    let eb = errbuf.clone();
+    let err_task = tokio::spawn(async move {
+        let mut b = [0u8; 4096];
+        while let Ok(n) = stderr.read(&mut b).await {
+            if n == 0 {
+                break;
+            }
+            let mut v = eb.lock().unwrap();
+            if v.len() < 64 * 1024 {
+                v.extend_from_slice(&b[..n]);
+            }
+        }
+    });
+    let work = async {
+        stdin
+            .write_all(&json)
+            .await
+            .map_err(|e| NodeError::io("write InitSpec to sandlot-guest init", e))?;
+        drop(stdin);
+        let mut line = String::new();
+        stdout
+            .read_line(&mut line)
+            .await
+            .map_err(|e| NodeError::io("read InitReady from sandlot-guest init", e))?;
+        // Wait for the helper itself (not for EOF: the sandbox's pid 1 lives on).
+        let status = child
+            .wait()
+            .await
+            .map_err(|e| NodeError::io("wait for sandlot-guest init", e))?;
+        Ok::<_, NodeError>((line, status))
+    };
+    let res = tokio::time::timeout(INIT_TIMEOUT, work).await;
+    // Let stderr arrive, without waiting on a pid 1 that may hold it.
+    let _ = tokio::time::timeout(Duration::from_millis(200), err_task).await;
+    let stderr = String::from_utf8_lossy(&errbuf.lock().unwrap())
+        .trim()
+        .to_string();
+    let (line, status) = match res {
+        Err(_) => {
+            return Err(NodeError::io(
+                format!("sandlot-guest init did not finish in {INIT_TIMEOUT:?}; stderr: {stderr}"),
+                std::io::Error::from(std::io::ErrorKind::TimedOut),
+            ))
+        }
+        Ok(r) => r?,
+    };
+    if !status.success() {
+        return Err(NodeError::io(
+            format!("sandlot-guest init failed ({status}): {stderr}"),
+            std::io::Error::other("sandbox init failed"),
+        ));
+    }
+    serde_json::from_str::<InitReady>(line.trim()).map_err(|e| {
+        NodeError::io(
+            format!("sandlot-guest init printed {line:?}, not InitReady; stderr: {stderr}"),
+            std::io::Error::new(std::io::ErrorKind::InvalidData, e),
+        )
+    })
+}
+
+/// Ids become path components and cgroup names: only `[A-Za-z0-9_-]`, 1–64 chars.
+fn check_id(id: &str) -> NodeResult<()> {
+    let ok = !id.is_empty()
+        && id.len() <= 64
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
+    if ok {
+        Ok(())
+    } else {
+        Err(NodeError::InvalidArgument(format!(
+            "bad sandbox id {id:?}: expected 1-64 of [A-Za-z0-9_-]"
+        )))
+    }
+}
+
+fn make_dirs(dir: &Path, uid: u32) -> NodeResult<()> {
+    let own = |p: &Path, mode: u32| -> NodeResult<()> {
+        match std::fs::create_dir(p) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(NodeError::io(format!("create {}", p.display()), e)),
+        }
+        std::os::unix::fs::chown(p, Some(uid), Some(uid))
+            .map_err(|e| NodeError::io(format!("chown {} to {uid}", p.display()), e))?;
+        std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode))
+            .map_err(|e| NodeError::io(format!("chmod {}", p.display()), e))
+    };
+    // The sandbox dir itself stays host-root owned; 0711 lets the sandbox's uid reach its
+    // upper dir without listing anything.
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o711))
+        .map_err(|e| NodeError::io(format!("chmod {}", dir.display()), e))?;
+    own(&dir.join("upper"), 0o755)?;
+    own(&dir.join("upper/workspace"), 0o755)?;
+    own(&dir.join("upper/root"), 0o700)?;
+    own(&dir.join("work"), 0o700)?;
+    own(&dir.join("rootfs"), 0o755)
+}
+
+fn write_state(dir: &Path, state: &JailState) -> NodeResult<()> {
+    let tmp = dir.join("state.json.tmp");
+    let dst = dir.join("state.json");
+    let json = serde_json::to_vec_pretty(state).expect("JailState serialises");
+    let mut f = std::fs::File::create(&tmp)
+        .map_err(|e| NodeError::io(format!("create {}", tmp.display()), e))?;
+    f.write_all(&json)
+        .and_then(|_| f.sync_all())
+        .map_err(|e| NodeError::io(format!("write {}", tmp.display()), e))?;
+    std::fs::rename(&tmp, &dst)
+        .map_err(|e| NodeError::io(format!("rename {} to {}", tmp.display(), dst.display()), e))?;
+    if let Ok(d) = std::fs::File::open(dir) {
+        let _ = d.sync_all();
+    }
+    Ok(())
+}
+
+/// The state of the sandbox in `dir`, if it has a readable `state.json`.
+pub fn read_state(dir: &Path) -> Option<JailState> {
+    let s = std::fs::read(dir.join("state.json")).ok()?;
+    serde_json::from_slice(&s).ok()
+}
+
+/// Kill, remove cgroups, unmount anything left under `dir` (there should be nothing: the
+/// overlay lives in the sandbox's mount namespace), remove `dir`.
+fn destroy_blocking(cg: &SandboxCgroup, dir: &Path) -> NodeResult<()> {
+    let mut errs: Vec<NodeError> = Vec::new();
+    if let Err(e) = cg.kill_all(KILL_TIMEOUT) {
+        errs.push(e);
+    }
+    if let Err(e) = cg.remove(KILL_TIMEOUT) {
+        errs.push(e);
+    }
+    // Never recurse into a mount: remove_dir_all would then delete through it.
+    for m in mounts_under(dir) {
+        tracing::warn!(path = %m.display(), "unmounting a leftover host mount of a sandbox");
+        if let Err(e) = nix::mount::umount2(&m, nix::mount::MntFlags::MNT_DETACH) {
+            errs.push(NodeError::io(
+                format!("unmount {}", m.display()),
+                std::io::Error::from(e),
+            ));
+        }
+    }
+    if mounts_under(dir).is_empty() {
+        match std::fs::remove_dir_all(dir) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => errs.push(NodeError::io(format!("remove {}", dir.display()), e)),
+        }
+    }
+    match errs.len() {
+        0 => Ok(()),
+        1 => Err(errs.pop().unwrap()),
+        _ => {
+            let first = errs.remove(0);
+            let rest: Vec<String> = errs.iter().map(|e| e.to_string()).collect();
+            Err(with_cleanup_error(
+                first,
+                NodeError::io(rest.join("; "), std::io::Error::other("cleanup")),
+            ))
+        }
+    }
+}
+
+/// Mount points at or below `dir` in the node's mount namespace (`/proc/self/mountinfo`,
+/// field 5, octal escapes decoded; proc(5)).
+pub fn mounts_under(dir: &Path) -> Vec<PathBuf> {
+    let Ok(s) = std::fs::read_to_string("/proc/self/mountinfo") else {
+        return Vec::new();
+    };
+    let mut v: Vec<PathBuf> = s
+        .lines()
+        .filter_map(|l| l.split(' ').nth(4))
+        .map(|m| PathBuf::from(unescape_mountinfo(m)))
+        .filter(|m| m.starts_with(dir))
+        .collect();
+    // Deepest first.
+    v.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
+    v
+}
+
+fn unescape_mountinfo(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'\\'
+            && i + 3 < b.len()
+            && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c))
+        {
+            let v = (b[i + 1] - b'0') * 64 + (b[i + 2] - b'0') * 8 + (b[i + 3] - b'0');
+            out.push(v);
+            i += 4;
+        } else {
+            out.push(b[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// Start time of `pid` (field 22 of `/proc/PID/stat`, clock ticks since boot; proc(5)),
+/// `None` when there is no such process or it is a zombie.
+pub fn proc_starttime(pid: i32) -> Option<u64> {
+    if pid <= 0 {
+        return None;
+    }
+    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // comm (field 2) may contain spaces and ')': fields after the last ')' start at 3.
+    let rest = &s[s.rfind(')')? + 1..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    if fields.first() == Some(&"Z") || fields.first() == Some(&"X") {
+        return None;
+    }
+    fields.get(22 - 3)?.parse().ok()
+}
+
+fn with_cleanup_error(orig: NodeError, cleanup: NodeError) -> NodeError {
+    let extra = format!("; cleanup also failed: {cleanup}");
+    match orig {
+        NodeError::NotFound(m) => NodeError::NotFound(m + &extra),
+        NodeError::InvalidArgument(m) => NodeError::InvalidArgument(m + &extra),
+        NodeError::Unavailable(m) => NodeError::Unavailable(m + &extra),
+        NodeError::ResourceExhausted(m) => NodeError::ResourceExhausted(m + &extra),
+        NodeError::Conflict(m) => NodeError::Conflict(m + &extra),
+        NodeError::Internal { context, source } => NodeError::Internal {
+            context: context + &extra,
+            source,
+        },
+    }
+}
+
+fn cloexec_pipe() -> NodeResult<(OwnedFd, OwnedFd)> {
+    nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)
+        .map_err(|e| NodeError::io("pipe2", std::io::Error::from(e)))
+}
+
+fn dup_high(fd: &OwnedFd) -> NodeResult<OwnedFd> {
+    nix::fcntl::fcntl(fd, nix::fcntl::FcntlArg::F_DUPFD_CLOEXEC(10))
+        .map(|raw| {
+            // SAFETY: F_DUPFD_CLOEXEC returned a new fd that nothing else owns.
+            unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(raw) }
+        })
+        .map_err(|e| NodeError::io("fcntl(F_DUPFD_CLOEXEC)", std::io::Error::from(e)))
+}
+
+async fn spawn_blocking<T: Send + 'static>(
+    f: impl FnOnce() -> NodeResult<T> + Send + 'static,
+) -> NodeResult<T> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| NodeError::io("blocking task", std::io::Error::other(e.to_string())))?
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn starttime_of_self_and_missing() {
+        let me = std::process::id() as i32;
+        assert!(proc_starttime(me).is_some());
+        assert_eq!(proc_starttime(me), proc_starttime(me));
+        assert_eq!(proc_starttime(i32::MAX), None);
+        assert_eq!(proc_starttime(0), None);
+    }
+
+    #[test]
+    fn ids_are_checked() {
+        assert!(check_id("sb-0123456789abcdef0123").is_ok());
+        for bad in ["", "../x", "a/b", "a b", ".", ".."] {
+            assert!(check_id(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn mountinfo_escapes() {
+        assert_eq!(unescape_mountinfo(r"/a\040b"), "/a b");
+        assert_eq!(unescape_mountinfo(r"/x\134y"), r"/x\y");
+        assert_eq!(unescape_mountinfo("/plain"), "/plain");
+    }
+
+    fn state() -> JailState {
+        JailState {
+            id: "sb-1".into(),
+            backend: Backend::Function,
+            image: "busybox".into(),
+            image_env: vec![("A".into(), "img".into()), ("PATH".into(), "/img".into())],
+            init_pid: 1,
+            init_starttime: 1,
+            uid_base: 100000,
+            spec: StoredSpec {
+                cpu: 1.0,
+                memory_mib: 64,
+                disk_mib: 10,
+                pids_max: 64,
+                env: [
+                    ("A".to_string(), "sb".to_string()),
+                    ("B".to_string(), "sb".to_string()),
+                ]
+                .into_iter()
+                .collect(),
+            },
+        }
+    }
+
+    #[test]
+    fn exec_plan_merges_env_and_validates() {
+        let mut req = ExecRequest::new(sandlot_api::Cmd::Shell("echo hi".into()));
+        req.env.insert("B".into(), "exec".into());
+        let p = ExecPlan::new(&state(), &req).unwrap();
+        let get = |k: &str| {
+            p.spec
+                .env
+                .iter()
+                .find(|(a, _)| a == k)
+                .map(|(_, v)| v.as_str())
+        };
+        assert_eq!(get("PATH"), Some("/img"));
+        assert_eq!(get("A"), Some("sb"));
+        assert_eq!(get("B"), Some("exec"));
+        assert_eq!(get("HOME"), Some("/root"));
+        assert_eq!(p.spec.argv, ["/bin/sh", "-c", "echo hi"]);
+        assert_eq!(p.spec.cwd, "/workspace");
+        assert_eq!(p.timeout, Duration::from_secs(60));
+        assert_eq!(p.cap, 1 << 20);
+        assert!(p.spec.rlimits.contains(&Rlimit {
+            resource: RlimitResource::Fsize,
+            value: 10 << 20
+        }));
+
+        for (t, ok) in [
+            (0.0, false),
+            (-1.0, false),
+            (86400.0, true),
+            (86400.5, false),
+            (f64::NAN, false),
+        ] {
+            let mut r = req.clone();
+            r.timeout_s = Some(t);
+            assert_eq!(ExecPlan::new(&state(), &r).is_ok(), ok, "timeout {t}");
+        }
+        let mut r = req.clone();
+        r.max_output_bytes = Some(MAX_MAX_OUTPUT + 1);
+        assert!(ExecPlan::new(&state(), &r).is_err());
+        let mut r = req.clone();
+        r.user = Some("nobody".into());
+        assert!(ExecPlan::new(&state(), &r).is_err());
+        let mut r = req.clone();
+        r.stdin_b64 = Some("!!".into());
+        assert!(ExecPlan::new(&state(), &r).is_err());
+        let mut r = req.clone();
+        r.cmd = sandlot_api::Cmd::Argv(vec![]);
+        assert!(ExecPlan::new(&state(), &r).is_err());
+    }
+}

@@ -1,0 +1,120 @@
+//! Isolation backends behind one narrow trait.
+//!
+//! [`SandboxBackend`] holds the operations every backend honours; [`AnyBackend`] is the enum
+//! over the backends compiled into this node. A backend that is not built yet, or that the
+//! host cannot run, is still listed ([`AnyBackend::Unavailable`]) and answers every call with
+//! `NodeError::Unavailable` and the reason, instead of vanishing.
+pub mod function;
+
+use crate::images::Image;
+use crate::node::{ExecSink, NodeError, NodeResult, SandboxSpec, SandboxStatus};
+use async_trait::async_trait;
+use sandlot_api::{Backend, ExecRequest, ExecResult, FileEntry};
+
+/// Operations of one backend. Every sandbox id belongs to exactly one backend.
+#[async_trait]
+pub trait SandboxBackend: Send + Sync {
+    /// Which backend this is.
+    fn kind(&self) -> Backend;
+
+    /// Create and start a sandbox from `image`; on error nothing is left behind.
+    async fn create(&self, spec: &SandboxSpec, image: &Image) -> NodeResult<()>;
+
+    /// True when this backend runs sandbox `id`.
+    fn has(&self, id: &str) -> bool;
+
+    /// Run a command (see [`crate::Node::exec`]).
+    async fn exec(
+        &self,
+        id: &str,
+        req: &ExecRequest,
+        sink: Option<ExecSink>,
+    ) -> NodeResult<ExecResult>;
+
+    /// Read a file inside the sandbox (`max_bytes` cap).
+    async fn read_file(&self, id: &str, path: &str, max_bytes: u64) -> NodeResult<Vec<u8>>;
+
+    /// Write a file inside the sandbox.
+    async fn write_file(&self, id: &str, path: &str, data: bytes::Bytes) -> NodeResult<()>;
+
+    /// List a directory inside the sandbox.
+    async fn list_dir(&self, id: &str, path: &str) -> NodeResult<Vec<FileEntry>>;
+
+    /// Remove a file or directory inside the sandbox.
+    async fn remove_file(&self, id: &str, path: &str) -> NodeResult<()>;
+
+    /// Kill and remove a sandbox and every host resource of it; unknown ids are fine.
+    async fn delete(&self, id: &str) -> NodeResult<()>;
+
+    /// Sandboxes of this backend.
+    fn list(&self) -> Vec<SandboxStatus>;
+
+    /// Re-adopt sandboxes in `keep` found alive on disk, clean up every other leftover.
+    async fn readopt(&self, keep: &[String]) -> NodeResult<Vec<String>>;
+}
+
+/// The backends compiled into this node.
+pub enum AnyBackend {
+    /// The namespace jail (`backend=function`).
+    Function(function::FunctionBackend),
+    /// A backend this node cannot run, with the reason.
+    Unavailable {
+        /// Which backend.
+        kind: Backend,
+        /// Why it cannot run here.
+        why: String,
+    },
+}
+
+impl AnyBackend {
+    /// The backends that are not built yet, each with the issue that tracks it.
+    pub fn not_built() -> Vec<AnyBackend> {
+        [
+            (
+                Backend::Container,
+                "backend container is not built yet (open issue: OCI runtime backend)",
+            ),
+            (
+                Backend::Microvm,
+                "backend microvm is not built yet (open issue: QEMU microVM backend)",
+            ),
+            (
+                Backend::Vm,
+                "backend vm is not built yet (open issue: QEMU q35 VM backend)",
+            ),
+        ]
+        .into_iter()
+        .map(|(kind, why)| AnyBackend::Unavailable {
+            kind,
+            why: why.to_string(),
+        })
+        .collect()
+    }
+
+    /// Which backend this is.
+    pub fn kind(&self) -> Backend {
+        match self {
+            AnyBackend::Function(_) => Backend::Function,
+            AnyBackend::Unavailable { kind, .. } => *kind,
+        }
+    }
+
+    /// `Ok` when usable, else the reason.
+    pub fn availability(&self) -> Result<(), String> {
+        match self {
+            AnyBackend::Function(_) => Ok(()),
+            AnyBackend::Unavailable { why, .. } => Err(why.clone()),
+        }
+    }
+
+    /// The backend's operations.
+    ///
+    /// # Errors
+    /// `Unavailable` with the reason when this backend cannot run here.
+    pub fn get(&self) -> NodeResult<&dyn SandboxBackend> {
+        match self {
+            AnyBackend::Function(f) => Ok(f),
+            AnyBackend::Unavailable { why, .. } => Err(NodeError::Unavailable(why.clone())),
+        }
+    }
+}

@@ -1,0 +1,250 @@
+//! [`LocalNode`]: the in-process [`Node`] over this host's backends, images and cgroups.
+//!
+//! ```no_run
+//! # async fn demo() -> sandlot_node::NodeResult<()> {
+//! use sandlot_node::{LocalNode, Node, NodeConfig};
+//! let node = LocalNode::open(NodeConfig::new("/var/lib/sandlot"))?;
+//! node.readopt(&[]).await?; // clean up leftovers of a previous process
+//! # Ok(()) }
+//! ```
+use crate::backends::function::{FunctionBackend, FunctionConfig};
+use crate::backends::AnyBackend;
+use crate::cgroups::CgroupRoot;
+use crate::images::ImageStore;
+use crate::node::{ExecSink, Node, NodeError, NodeInfo, NodeResult, SandboxSpec, SandboxStatus};
+use async_trait::async_trait;
+use sandlot_api::{Backend, ExecRequest, ExecResult, FileEntry};
+use std::os::unix::fs::PermissionsExt;
+use std::path::PathBuf;
+
+/// Configuration of a [`LocalNode`].
+#[derive(Debug, Clone)]
+pub struct NodeConfig {
+    /// Node name shown by the server (the host name by default).
+    pub name: String,
+    /// Data directory; sandboxes live in `DATA/sandboxes/<id>`.
+    pub data_dir: PathBuf,
+    /// Image store directory (`DATA/images` by default).
+    pub images_dir: PathBuf,
+    /// The `sandlot-guest` binary (see [`default_guest_bin`]).
+    pub guest_bin: PathBuf,
+    /// Host uid (and gid) that root inside a sandbox maps to (default 100000); the
+    /// sandbox's uids `0..65536` map to `uid_base..uid_base+65536`.
+    pub uid_base: u32,
+    /// Name of the parent cgroup of this node's sandboxes (default `sandlot`). Two nodes on
+    /// one host (e.g. parallel tests) need different names: `readopt` removes every group
+    /// under its parent that it does not know.
+    pub cgroup_parent: String,
+}
+
+impl NodeConfig {
+    /// Defaults under `data_dir`: images in `DATA/images`, guest from [`default_guest_bin`],
+    /// uid base 100000, name = host name.
+    pub fn new(data_dir: impl Into<PathBuf>) -> Self {
+        let data_dir = data_dir.into();
+        NodeConfig {
+            name: nix::unistd::gethostname()
+                .ok()
+                .and_then(|h| h.into_string().ok())
+                .unwrap_or_else(|| "localhost".into()),
+            images_dir: data_dir.join("images"),
+            data_dir,
+            guest_bin: default_guest_bin(),
+            uid_base: 100_000,
+            cgroup_parent: crate::cgroups::PARENT.to_string(),
+        }
+    }
+}
+
+/// `$SANDLOT_GUEST_BIN`, or `sandlot-guest` next to the running executable.
+pub fn default_guest_bin() -> PathBuf {
+    if let Some(p) = std::env::var_os("SANDLOT_GUEST_BIN") {
+        return PathBuf::from(p);
+    }
+    std::env::current_exe()
+        .ok()
+        .and_then(|e| e.parent().map(|d| d.join("sandlot-guest")))
+        .unwrap_or_else(|| PathBuf::from("sandlot-guest"))
+}
+
+/// A node running sandboxes on this host.
+pub struct LocalNode {
+    name: String,
+    cgroup_version: String,
+    images: ImageStore,
+    backends: Vec<AnyBackend>,
+}
+
+impl LocalNode {
+    /// Open the node: create the data directories, detect cgroups, check the guest binary.
+    ///
+    /// A missing host feature (no cgroups, no executable guest binary, not root) does not fail
+    /// the node: the function backend is then listed as unavailable with the reason.
+    ///
+    /// # Errors
+    /// `Internal` when the data or image directory cannot be created.
+    pub fn open(cfg: NodeConfig) -> NodeResult<LocalNode> {
+        std::fs::create_dir_all(&cfg.data_dir)
+            .map_err(|e| NodeError::io(format!("create {}", cfg.data_dir.display()), e))?;
+        let images = ImageStore::open(cfg.images_dir.clone())?;
+        let cgroups = CgroupRoot::detect().map(|c| c.with_parent(&cfg.cgroup_parent));
+        let cgroup_version = match &cgroups {
+            Ok(c) => c.version().as_str().to_string(),
+            Err(_) => "none".to_string(),
+        };
+        let function = (|| -> Result<FunctionBackend, String> {
+            if !nix::unistd::Uid::effective().is_root() {
+                return Err("the function backend needs root (namespaces, cgroups)".into());
+            }
+            let cg = cgroups.map_err(|e| e.to_string())?;
+            check_executable(&cfg.guest_bin)?;
+            FunctionBackend::new(
+                FunctionConfig {
+                    sandboxes_dir: cfg.data_dir.join("sandboxes"),
+                    guest_bin: cfg.guest_bin.clone(),
+                    uid_base: cfg.uid_base,
+                },
+                cg,
+            )
+            .map_err(|e| e.to_string())
+        })();
+        let mut backends = vec![match function {
+            Ok(f) => AnyBackend::Function(f),
+            Err(why) => {
+                tracing::warn!(backend = "function", %why, "backend unavailable");
+                AnyBackend::Unavailable {
+                    kind: Backend::Function,
+                    why: format!("backend function is unavailable: {why}"),
+                }
+            }
+        }];
+        backends.extend(AnyBackend::not_built());
+        Ok(LocalNode {
+            name: cfg.name,
+            cgroup_version,
+            images,
+            backends,
+        })
+    }
+
+    /// The node's image store.
+    pub fn images(&self) -> &ImageStore {
+        &self.images
+    }
+
+    fn backend(&self, kind: Backend) -> NodeResult<&dyn crate::backends::SandboxBackend> {
+        self.backends
+            .iter()
+            .find(|b| b.kind() == kind)
+            .ok_or_else(|| NodeError::Unavailable(format!("backend {kind} is not compiled in")))?
+            .get()
+    }
+
+    fn owner(&self, id: &str) -> NodeResult<&dyn crate::backends::SandboxBackend> {
+        self.backends
+            .iter()
+            .filter_map(|b| b.get().ok())
+            .find(|b| b.has(id))
+            .ok_or_else(|| {
+                NodeError::NotFound(format!("sandbox {id} not found on node {}", self.name))
+            })
+    }
+}
+
+fn check_executable(p: &std::path::Path) -> Result<(), String> {
+    let md = std::fs::metadata(p).map_err(|e| {
+        format!(
+            "guest helper {} is missing ({e}); build it with `cargo build -p sandlot-guest` or set SANDLOT_GUEST_BIN",
+            p.display()
+        )
+    })?;
+    if !md.is_file() || md.permissions().mode() & 0o111 == 0 {
+        return Err(format!(
+            "guest helper {} is not an executable file",
+            p.display()
+        ));
+    }
+    Ok(())
+}
+
+#[async_trait]
+impl Node for LocalNode {
+    fn info(&self) -> NodeInfo {
+        NodeInfo {
+            name: self.name.clone(),
+            backends: self
+                .backends
+                .iter()
+                .map(|b| (b.kind(), b.availability()))
+                .collect(),
+            cgroup_version: self.cgroup_version.clone(),
+        }
+    }
+
+    async fn create(&self, spec: &SandboxSpec) -> NodeResult<()> {
+        let backend = self.backend(spec.backend)?;
+        if self.owner(&spec.id).is_ok() {
+            return Err(NodeError::Conflict(format!(
+                "sandbox {} already exists",
+                spec.id
+            )));
+        }
+        let image = self.images.get(&spec.image)?;
+        backend.create(spec, &image).await
+    }
+
+    async fn exec(
+        &self,
+        id: &str,
+        req: &ExecRequest,
+        sink: Option<ExecSink>,
+    ) -> NodeResult<ExecResult> {
+        self.owner(id)?.exec(id, req, sink).await
+    }
+
+    async fn read_file(&self, id: &str, path: &str, max_bytes: u64) -> NodeResult<Vec<u8>> {
+        self.owner(id)?.read_file(id, path, max_bytes).await
+    }
+
+    async fn write_file(&self, id: &str, path: &str, data: bytes::Bytes) -> NodeResult<()> {
+        self.owner(id)?.write_file(id, path, data).await
+    }
+
+    async fn list_dir(&self, id: &str, path: &str) -> NodeResult<Vec<FileEntry>> {
+        self.owner(id)?.list_dir(id, path).await
+    }
+
+    async fn remove_file(&self, id: &str, path: &str) -> NodeResult<()> {
+        self.owner(id)?.remove_file(id, path).await
+    }
+
+    async fn delete(&self, id: &str) -> NodeResult<()> {
+        match self.owner(id) {
+            Ok(b) => b.delete(id).await,
+            // Unknown id: still let every backend clean up leftovers of that id on disk.
+            Err(_) => {
+                for b in self.backends.iter().filter_map(|b| b.get().ok()) {
+                    b.delete(id).await?;
+                }
+                Ok(())
+            }
+        }
+    }
+
+    async fn list(&self) -> NodeResult<Vec<SandboxStatus>> {
+        Ok(self
+            .backends
+            .iter()
+            .filter_map(|b| b.get().ok())
+            .flat_map(|b| b.list())
+            .collect())
+    }
+
+    async fn readopt(&self, keep: &[String]) -> NodeResult<Vec<String>> {
+        let mut all = Vec::new();
+        for b in self.backends.iter().filter_map(|b| b.get().ok()) {
+            all.extend(b.readopt(keep).await?);
+        }
+        Ok(all)
+    }
+}
