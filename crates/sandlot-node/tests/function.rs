@@ -641,3 +641,90 @@ async fn info_and_unavailable_backends() {
     assert!(matches!(e, NodeError::Conflict(_)), "{e:?}");
     assert_eq!(sh(n, "sb-dup", "echo ok").await.stdout, "ok\n");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn limits_are_written_and_concurrent_execs_are_separate() {
+    let Some(env) = setup("limits_are_written_and_concurrent_execs_are_separate") else {
+        return;
+    };
+    let n = env.node();
+    let mut s = spec("sb-lim");
+    s.cpu = 0.5;
+    s.memory_mib = 96;
+    s.pids_max = 40;
+    n.create(&s).await.unwrap();
+    let cg = env.cgroups();
+    let group = cg.sandbox("sb-lim");
+    let read = |file: &str| -> Option<String> {
+        group
+            .group()
+            .dirs()
+            .find_map(|d| std::fs::read_to_string(d.join(file)).ok())
+            .map(|s| s.trim().to_string())
+    };
+    match cg.version() {
+        sandlot_node::cgroups::CgroupVersion::V1 => {
+            assert_eq!(
+                read("memory.limit_in_bytes").unwrap(),
+                (96u64 << 20).to_string()
+            );
+            if let Some(sw) = read("memory.memsw.limit_in_bytes") {
+                assert_eq!(sw, (96u64 << 20).to_string());
+            }
+            assert_eq!(read("cpu.cfs_quota_us").unwrap(), "50000");
+            assert_eq!(read("cpu.cfs_period_us").unwrap(), "100000");
+        }
+        sandlot_node::cgroups::CgroupVersion::V2 => {
+            assert_eq!(read("memory.max").unwrap(), (96u64 << 20).to_string());
+            assert_eq!(read("cpu.max").unwrap(), "50000 100000");
+        }
+    }
+    assert_eq!(read("pids.max").unwrap(), "40");
+
+    // Four execs at once: each gets its own output and exit code.
+    let reqs: Vec<ExecRequest> = (0..4)
+        .map(|i| sh_req(&format!("sleep 0.3; echo exec-{i}; exit {i}"), 10.0))
+        .collect();
+    let t = Instant::now();
+    let (r0, r1, r2, r3) = tokio::join!(
+        n.exec("sb-lim", &reqs[0], None),
+        n.exec("sb-lim", &reqs[1], None),
+        n.exec("sb-lim", &reqs[2], None),
+        n.exec("sb-lim", &reqs[3], None)
+    );
+    let results = [r0, r1, r2, r3];
+    assert!(
+        t.elapsed() < Duration::from_secs(3),
+        "execs ran in parallel"
+    );
+    for (i, r) in results.into_iter().enumerate() {
+        let r = r.unwrap();
+        assert_eq!(r.stdout, format!("exec-{i}\n"));
+        assert_eq!(r.exit_code, i as i32);
+    }
+    assert_eq!(env.exec_groups("sb-lim"), 0);
+}
+
+#[tokio::test]
+async fn missing_guest_binary_makes_function_unavailable() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut cfg = NodeConfig::new(tmp.path().join("data"));
+    cfg.guest_bin = tmp.path().join("no-such-guest");
+    cfg.cgroup_parent = format!("sandlot-test-{}-missing", std::process::id());
+    let node = LocalNode::open(cfg).unwrap();
+    let (_, avail) = node
+        .info()
+        .backends
+        .into_iter()
+        .find(|(b, _)| *b == Backend::Function)
+        .unwrap();
+    let why = avail.unwrap_err();
+    assert!(
+        why.contains("no-such-guest") || why.contains("root"),
+        "{why}"
+    );
+    let e = node.create(&spec("sb-x")).await.unwrap_err();
+    assert!(matches!(e, NodeError::Unavailable(_)), "{e:?}");
+    // delete of anything is still fine (idempotent)
+    node.delete("sb-x").await.unwrap();
+}
