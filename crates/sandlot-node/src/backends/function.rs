@@ -23,6 +23,23 @@
 //! tree can be killed at once. An exec's process tree never outlives the exec: the exec
 //! cgroup is killed and removed when the exec ends, which also ends background children
 //! (`sleep 100 &`). Long-lived background processes need the (later) background-process API.
+//!
+//! Exec results: the status comes from fd 4 of the helper (`Exited` → its code, `Signaled`
+//! n → 128+n); a timeout kills the exec's tree and gives 137/SIGKILL with `timed_out`; EOF
+//! on fd 4 without a status (the helper was killed: sandbox deleted during the exec, or an
+//! OOM kill of the helper) is reported as 137/SIGKILL too. `SetupFailed` is an error, not a
+//! result: `InvalidArgument` when the caller's input caused it (`user_error`), else
+//! `Internal`.
+//!
+//! Known approximations:
+//! * disk: `disk_mib` bounds each file (RLIMIT_FSIZE) and the /tmp tmpfs, not the upper
+//!   dir as a whole (a project quota or a size-limited upper file system is a later step);
+//! * OOM on cgroup v2: exec groups have no memory controller, so `oom_killed` is the delta
+//!   of the sandbox's `oom_kill` counter over the exec, which also counts OOM kills of an
+//!   overlapping exec in the same sandbox (v1 reads the exec group's own counter: exact);
+//! * the sandbox's init is re-parented to the host's init when `sandlot-guest init` exits,
+//!   so after a delete the host's init reaps it (a host init that reaps lazily shows it as
+//!   a zombie for a while; it holds no memory, cgroup or mount).
 use super::SandboxBackend;
 use crate::cgroups::{Cgroup, CgroupRoot, Limits, SandboxCgroup};
 use crate::files::SandboxFs;
