@@ -142,13 +142,14 @@ class Server:
 def count_leaks(data_dir: Path) -> Dict[str, int]:
     """Host resources that outlive sandboxes if cleanup is broken.
 
-    Keys: ``cgroups`` (dirs under /sys/fs/cgroup/*/sandlot/ and /sys/fs/cgroup/sandlot/
-    on v2), ``sandbox_dirs`` (entries of DATA/sandboxes), ``mounts`` (mountinfo lines
+    Keys: ``cgroups`` (sandbox dirs under /sys/fs/cgroup/*/sandlot-*/ on v1 and
+    /sys/fs/cgroup/sandlot-*/ on v2: every node's parent group is ``sandlot-<hash of its
+    data dir>``), ``sandbox_dirs`` (entries of DATA/sandboxes), ``mounts`` (mountinfo lines
     naming DATA), ``guests`` (processes whose cmdline contains `sandlot-guest`).
     """
     cg = 0
     root = Path("/sys/fs/cgroup")
-    for base in [root / "sandlot"] + [p / "sandlot" for p in root.glob("*") if p.is_dir()]:
+    for base in list(root.glob("sandlot-*")) + list(root.glob("*/sandlot-*")):
         if base.is_dir():
             for _dirpath, dirnames, _ in os.walk(base):
                 cg += len(dirnames)

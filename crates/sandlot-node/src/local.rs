@@ -31,9 +31,9 @@ pub struct NodeConfig {
     /// Host uid (and gid) that root inside a sandbox maps to (default 100000); the
     /// sandbox's uids `0..65536` map to `uid_base..uid_base+65536`.
     pub uid_base: u32,
-    /// Name of the parent cgroup of this node's sandboxes (default `sandlot`). Two nodes on
-    /// one host (e.g. parallel tests) need different names: `readopt` removes every group
-    /// under its parent that it does not know.
+    /// Name of the parent cgroup of this node's sandboxes (default from
+    /// [`default_cgroup_parent`]: one per data directory). Two nodes on one host need
+    /// different names: `readopt` removes every group under its parent that it does not know.
     pub cgroup_parent: String,
 }
 
@@ -48,12 +48,25 @@ impl NodeConfig {
                 .and_then(|h| h.into_string().ok())
                 .unwrap_or_else(|| "localhost".into()),
             images_dir: data_dir.join("images"),
+            cgroup_parent: default_cgroup_parent(&data_dir),
             data_dir,
             guest_bin: default_guest_bin(),
             uid_base: 100_000,
-            cgroup_parent: crate::cgroups::PARENT.to_string(),
         }
     }
+}
+
+/// `sandlot-` followed by 12 hex digits of a hash (FNV-1a 64) of the data directory's
+/// absolute path: stable across restarts and versions, distinct for two nodes on one host
+/// that use different data directories.
+pub fn default_cgroup_parent(data_dir: &std::path::Path) -> String {
+    use std::os::unix::ffi::OsStrExt;
+    let abs = std::path::absolute(data_dir).unwrap_or_else(|_| data_dir.to_path_buf());
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in abs.as_os_str().as_bytes() {
+        h = (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3);
+    }
+    format!("{}-{:012x}", crate::cgroups::PARENT, h & 0xffff_ffff_ffff)
 }
 
 /// `$SANDLOT_GUEST_BIN`, or `sandlot-guest` next to the running executable.

@@ -20,12 +20,11 @@
 //! → `Success`; exit ≠ 0 → `Failed` (`run_result` `Finished`); run timeout → `Failed`
 //! (`run_result` `TimeLimitExceeded`). `execution_time` is in seconds.
 //!
-//! Error policy, chosen for RL reward functions (verl's `sandbox_fusion` utilities treat any
-//! non-200 as an API failure to retry): once the body parses, every other problem — an
-//! unknown language, bad base64 in `files`, a timeout out of (0, 86400], any node or
-//! infrastructure failure — is **HTTP 200 with `status: SandboxError`** and a message,
-//! never a silent `Failed`. A body that is not valid JSON or misses `code`/`language` is 400
-//! `invalid_argument`. Overload: at most `run_code_concurrency` calls run at once; up to
+//! Error policy: a request that can never succeed — not JSON, `code`/`language` missing, an
+//! unknown language, bad base64 in `files`, a timeout out of (0, 86400] — is HTTP 400
+//! `invalid_argument` before any sandbox exists (SandboxFusion answers such requests with
+//! a 4xx validation error too). Every infrastructure failure after that is **HTTP 200 with
+//! `status: SandboxError`** and a message, never a silent `Failed`. Overload: at most `run_code_concurrency` calls run at once; up to
 //! `run_code_queue` more wait at most `run_code_wait`. A full queue answers 429
 //! `resource_exhausted` at once, a wait that timed out 504 `deadline_exceeded`; both carry
 //! `Retry-After: 1`. Paths in `files`/`fetch_files` are relative to `/workspace` unless
@@ -127,11 +126,12 @@ pub async fn run_code(
     State(st): State<SharedState>,
     Json(req): Json<RunCodeRequest>,
 ) -> ApiResult<Json<RunCodeResponse>> {
+    let plan = plan(&req).map_err(ServerError::invalid)?;
     let permit = st.run_code_gate.admit(st.cfg.run_code_wait).await?;
     let st2 = st.clone();
     let resp = tokio::spawn(async move {
         let _permit = permit;
-        execute(&st2, req).await
+        execute(&st2, req, plan).await
     })
     .await
     .unwrap_or_else(|e| sandbox_error(&st, format!("run_code task failed: {e}")));
@@ -233,11 +233,7 @@ fn exec_req(cmd: Cmd, timeout: f64, stdin: Option<&str>) -> ExecRequest {
 
 /// Run one `run_code` request to its response (never an `Err`: infrastructure failures
 /// become `SandboxError`). Creates and always deletes one sandbox.
-pub async fn execute(st: &SharedState, req: RunCodeRequest) -> RunCodeResponse {
-    let plan = match plan(&req) {
-        Ok(p) => p,
-        Err(m) => return sandbox_error(st, m),
-    };
+async fn execute(st: &SharedState, req: RunCodeRequest, plan: Plan) -> RunCodeResponse {
     let memory_mib = if req.memory_limit_MB > 0 {
         (req.memory_limit_MB as u64).clamp(16, 65536)
     } else {

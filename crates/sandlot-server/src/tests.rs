@@ -929,9 +929,12 @@ async fn run_code_verdicts_and_cleanup() {
         json!({"code": "x", "language": "python", "files": {"a": "!!"}}),
         json!({"code": "x", "language": "python", "run_timeout": 0}),
     ] {
-        let v = run_code(&t, bad.clone()).await;
-        assert_eq!(v["status"], "SandboxError", "{bad}");
-        assert!(!v["message"].as_str().unwrap().is_empty());
+        let r = call(&t.app, Method::POST, "/run_code", Some(bad.clone())).await;
+        assert_eq!(
+            (r.status, r.code()),
+            (StatusCode::BAD_REQUEST, "invalid_argument".into()),
+            "{bad}"
+        );
     }
     let r = call(
         &t.app,
