@@ -532,7 +532,8 @@ def sandbox_cgroups(ids: set[str], max_depth: int = 6) -> dict[str, int]:
 
 
 def mounts_with(ids: set[str]) -> int:
-    """Number of /proc/self/mountinfo lines that name one of `ids` (leftover mounts)."""
+    """Number of host mounts (/proc/self/mountinfo lines) that name one of `ids`. A sandbox's
+    own overlay lives in its private mount namespace, so this finds only host-side leaks."""
     n = 0
     with open("/proc/self/mountinfo") as f:
         for line in f:
@@ -540,6 +541,41 @@ def mounts_with(ids: set[str]) -> int:
             if m and m.group(0) in ids:
                 n += 1
     return n
+
+
+def procs_in(ids: set[str]) -> int:
+    """Number of host processes whose cgroup path (/proc/PID/cgroup) names one of `ids`."""
+    n = 0
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/cgroup") as f:
+                text = f.read()
+        except OSError:  # the process ended meanwhile
+            continue
+        if any(m.group(0) in ids for m in SB_ID_RE.finditer(text)):
+            n += 1
+    return n
+
+
+def rss_bytes(pid: int) -> Optional[int]:
+    """VmRSS of `pid` in bytes (proc(5)), None when it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def dirs_named(root: Optional[Path], ids: set[str]) -> Optional[int]:
+    """Entries directly under `root` whose name holds one of `ids` (None without a root)."""
+    if root is None or not root.exists():
+        return None
+    return sum(1 for e in os.listdir(root) if (m := SB_ID_RE.search(e)) and m.group(0) in ids)
 
 
 def machine() -> dict:
@@ -674,11 +710,15 @@ def section_function(api: Api, rootfs: Path, image: str, n: int, rounds: int, de
     return out
 
 
-def section_memory(api: Api, image: str, count: int, concurrency: int, deadline_s: float) -> dict:
-    """Measurement 3: host memory per idle function sandbox with `count` alive."""
+def section_memory(api: Api, image: str, count: int, concurrency: int, deadline_s: float,
+                   server_pid: Optional[int] = None, sandboxes_dir: Optional[Path] = None) -> dict:
+    """Measurement 3: host memory per idle function sandbox with `count` alive.
+    With `server_pid` (a server started by the harness) its RSS growth is reported apart;
+    with `sandboxes_dir` leftover per-sandbox directories are checked after the delete."""
     res: dict = {"image": image, "requested": count}
     time.sleep(1.0)
     before = host_used_bytes()
+    rss_before = rss_bytes(server_pid) if server_pid else None
     ids: list[str] = []
     lock = threading.Lock()
     errors: list[str] = []
@@ -728,6 +768,12 @@ def section_memory(api: Api, image: str, count: int, concurrency: int, deadline_
     res["per_sandbox_cgroup_mib"] = (sum(cgs.values()) / len(cgs) / 2**20) if cgs else None
     id_set = set(ids)
     res["mounts_alive"] = mounts_with(id_set)
+    res["procs_alive"] = procs_in(id_set)
+    rss_after = rss_bytes(server_pid) if server_pid else None
+    res["server_rss_delta_mib"] = (
+        (rss_after - rss_before) / 2**20 if rss_before is not None and rss_after is not None else None
+    )
+    res["dirs_alive"] = dirs_named(sandboxes_dir, id_set)
     print(f"  [memory] deleting {len(ids)} sandboxes ...", flush=True)
     t1 = time.perf_counter()
     failed = api.delete_all(concurrency=concurrency, deadline_s=deadline_s)
@@ -739,12 +785,18 @@ def section_memory(api: Api, image: str, count: int, concurrency: int, deadline_
         listed = [s for s in api.list_mine() if s["id"] in id_set and s.get("state") != "deleted"]
         cg_left = sandbox_cgroups(id_set)
         mnt_left = mounts_with(id_set)
-        if (not listed and not cg_left and not mnt_left) or time.monotonic() > deadline:
+        procs_left = procs_in(id_set)
+        dirs_left = dirs_named(sandboxes_dir, id_set)
+        gone = not (listed or cg_left or mnt_left or procs_left or dirs_left)
+        if gone or time.monotonic() > deadline:
             break
         time.sleep(0.5)
     res["left_listed"] = len(listed)
     res["left_cgroups"] = len(cg_left)
     res["left_mounts"] = mnt_left
+    res["left_procs"] = procs_left
+    res["left_dirs"] = dirs_left
+    res["all_gone"] = gone
     time.sleep(1.0)
     res["host_after_delete_mib"] = host_used_bytes() / 2**20
     return res
@@ -831,9 +883,17 @@ def render(meta: dict, rc: Optional[dict], fn: Optional[dict], mem: Optional[dic
             cg = mem.get("per_sandbox_cgroup_mib")
             L.append(f"| per sandbox, own cgroup memory charge (MiB; {mem['cgroups_found']} cgroups found) | "
                      f"{'—' if cg is None else f'{cg:.2f}'} |")
-            L.append(f"| mounts naming the sandboxes while alive | {mem['mounts_alive']} |")
+            srv = mem.get("server_rss_delta_mib")
+            srv_per = "—" if srv is None else f"{srv / mem['created']:.3f}"
+            L.append(f"| server process RSS growth, per sandbox (MiB) | {srv_per} |")
+            L.append(f"| host processes in sandbox cgroups while alive (per sandbox) | "
+                     f"{mem['procs_alive']} ({mem['procs_alive'] / mem['created']:.1f}) |")
+            L.append(f"| sandbox dirs / host mounts naming the sandboxes while alive | "
+                     f"{'—' if mem['dirs_alive'] is None else mem['dirs_alive']} / {mem['mounts_alive']} |")
             L.append(f"| delete wall time (s) / failed deletes | {mem['delete_wall_s']:.1f} / {mem['delete_failed']} |")
-            L.append(f"| left after delete: listed / cgroups / mounts | {mem['left_listed']} / {mem['left_cgroups']} / {mem['left_mounts']} |")
+            L.append(f"| left after delete: listed / cgroups / processes / dirs / host mounts | {mem['left_listed']} / "
+                     f"{mem['left_cgroups']} / {mem['left_procs']} / {'—' if mem['left_dirs'] is None else mem['left_dirs']} / "
+                     f"{mem['left_mounts']} → {'all gone' if mem['all_gone'] else 'LEFTOVERS'} |")
             L.append(f"| host used after delete (MiB; noise/leak indicator) | {mem['host_after_delete_mib']:.0f} |")
             L.append("")
             L.append(f"- per sandbox (host) {per:.2f} MiB (target ≤ {TARGET_MEM_PER_SANDBOX_MIB} MiB: "
@@ -977,7 +1037,11 @@ def main(argv: Optional[list[str]] = None) -> int:
             fn["image"] = args.image
             fn["warm_pool"] = why
         if api is not None and "memory" not in skip:
-            mem = section_memory(api, args.mem_image or args.image, mem_count, 8, args.deadline)
+            mem = section_memory(
+                api, args.mem_image or args.image, mem_count, 8, args.deadline,
+                server_pid=server.proc.pid if server and server.proc else None,
+                sandboxes_dir=server.tmp / "data" / "sandboxes" if server else None,
+            )
     except KeyboardInterrupt:
         STOP.set()
         print("\nbench: interrupted; cleaning up", file=sys.stderr)
@@ -996,6 +1060,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                 print(f"bench: server log tail:\n{server.tail()}", file=sys.stderr)
             server.cleanup_dir()
 
+    notes.append("Load average at end: " + " ".join(open("/proc/loadavg").read().split()[:3])
+                 + " (2 cores shared with other builds: figures above ~2 mean contention).")
     report = render(meta, rc, fn, mem, notes)
     print()
     print(report)
