@@ -495,6 +495,15 @@ def host_used_bytes(samples: int = 5, gap_s: float = 0.3) -> int:
     return int(percentile([float(v) for v in vals], 50))
 
 
+MEMINFO_PARTS = ("AnonPages", "Shmem", "Slab", "SUnreclaim", "KernelStack", "PageTables", "Cached")
+
+
+def meminfo_parts() -> dict[str, int]:
+    """The /proc/meminfo fields that show where host memory went (bytes)."""
+    m = meminfo()
+    return {k: m.get(k, 0) for k in MEMINFO_PARTS}
+
+
 def cgroup_layout() -> tuple[str, Path]:
     """('v2', /sys/fs/cgroup) when the unified hierarchy has the memory controller,
     otherwise ('v1', /sys/fs/cgroup/memory)."""
@@ -642,7 +651,7 @@ def verdict(ok: Optional[bool]) -> str:
     return "n/a" if ok is None else ("met" if ok else "MISSED")
 
 
-def section_runcode(api: Optional[Api], rootfs: Path, n: int, rounds: int, deadline_s: float) -> dict:
+def section_runcode(api: Optional[Api], rootfs: Path, image: str, n: int, rounds: int, deadline_s: float) -> dict:
     """Measurement 1: run_code print(1) vs chroot and bwrap baselines."""
     argv = ["/usr/bin/python3", "-c", "print(1)"]
     base = baseline_cmds(rootfs, argv)
@@ -660,10 +669,26 @@ def section_runcode(api: Optional[Api], rootfs: Path, n: int, rounds: int, deadl
                 raise BenchError(f"run_code answered {json.dumps(res)[:300]}")
             return lat
         subjects.append(("run_code", rc))
+        # Diagnostic, not a target: the same program exec'd in one live sandbox, to split
+        # run_code's cost into sandbox lifecycle vs the exec path itself.
+        live_sid = api.create(image)
+
+        def live_exec() -> float:
+            t0 = time.perf_counter()
+            res = api.exec(live_sid, argv)
+            lat = time.perf_counter() - t0
+            if res.get("exit_code") != 0 or res.get("stdout") != "1\n":
+                raise BenchError(f"exec answered {json.dumps(res)[:300]}")
+            return lat
+        subjects.append(("exec in live sandbox", live_exec))
     out: dict = {"commands": {k: shlex.join(v) for k, v in base.items()}, "by_conc": {}}
-    for conc in (1, 8):
-        print(f"  [run_code] concurrency {conc}: {n} calls per subject in {rounds} rounds ...", flush=True)
-        out["by_conc"][conc] = interleaved(subjects, n, conc, rounds, deadline_s, warmup=3)
+    try:
+        for conc in (1, 8):
+            print(f"  [run_code] concurrency {conc}: {n} calls per subject in {rounds} rounds ...", flush=True)
+            out["by_conc"][conc] = interleaved(subjects, n, conc, rounds, deadline_s, warmup=3)
+    finally:
+        if api is not None:
+            api.delete(live_sid)
     return out
 
 
@@ -718,6 +743,7 @@ def section_memory(api: Api, image: str, count: int, concurrency: int, deadline_
     res: dict = {"image": image, "requested": count}
     time.sleep(1.0)
     before = host_used_bytes()
+    parts_before = meminfo_parts()
     rss_before = rss_bytes(server_pid) if server_pid else None
     ids: list[str] = []
     lock = threading.Lock()
@@ -760,6 +786,10 @@ def section_memory(api: Api, image: str, count: int, concurrency: int, deadline_
             errors.append(f"probe exec: {e}"[:300])
     time.sleep(2.0)  # let deferred work (page cache, slab) settle
     after = host_used_bytes()
+    parts_after = meminfo_parts()
+    res["parts_per_sandbox_kib"] = {
+        k: (parts_after[k] - parts_before[k]) / len(ids) / 1024 for k in MEMINFO_PARTS
+    }
     cgs = sandbox_cgroups(set(ids))
     res["host_before_mib"] = before / 2**20
     res["host_after_mib"] = after / 2**20
@@ -799,6 +829,8 @@ def section_memory(api: Api, image: str, count: int, concurrency: int, deadline_
     res["all_gone"] = gone
     time.sleep(1.0)
     res["host_after_delete_mib"] = host_used_bytes() / 2**20
+    parts_gone = meminfo_parts()
+    res["parts_after_delete_mib"] = {k: (parts_gone[k] - parts_before[k]) / 2**20 for k in MEMINFO_PARTS}
     return res
 
 
@@ -843,6 +875,8 @@ def render(meta: dict, rc: Optional[dict], fn: Optional[dict], mem: Optional[dic
                      f"{fmt_ratio(r_bw)} (target ≤ {TARGET_RUNCODE_VS_BWRAP}×: "
                      f"{verdict(None if r_bw is None else r_bw <= TARGET_RUNCODE_VS_BWRAP)}); throughput run_code/chroot = "
                      f"{fmt_ratio(ratio(s.rate, samples['chroot'].rate))}")
+        L.append("- 'exec in live sandbox' (diagnostic, no target) = the same `python3 -c 'print(1)'` exec'd in one "
+                 "already running `function` sandbox: run_code minus it ≈ the per-call sandbox lifecycle.")
         L.extend(error_lines(rc["by_conc"]))
         L.append("")
     if fn:
@@ -895,6 +929,12 @@ def render(meta: dict, rc: Optional[dict], fn: Optional[dict], mem: Optional[dic
                      f"{mem['left_cgroups']} / {mem['left_procs']} / {'—' if mem['left_dirs'] is None else mem['left_dirs']} / "
                      f"{mem['left_mounts']} → {'all gone' if mem['all_gone'] else 'LEFTOVERS'} |")
             L.append(f"| host used after delete (MiB; noise/leak indicator) | {mem['host_after_delete_mib']:.0f} |")
+            pp = mem["parts_per_sandbox_kib"]
+            L.append("| /proc/meminfo growth per sandbox while alive (KiB) | "
+                     + ", ".join(f"{k} {v:.0f}" for k, v in pp.items()) + " |")
+            pg = mem["parts_after_delete_mib"]
+            L.append("| /proc/meminfo after delete − before (MiB, whole host) | "
+                     + ", ".join(f"{k} {v:+.0f}" for k, v in pg.items()) + " |")
             L.append("")
             L.append(f"- per sandbox (host) {per:.2f} MiB (target ≤ {TARGET_MEM_PER_SANDBOX_MIB} MiB: "
                      f"{verdict(per <= TARGET_MEM_PER_SANDBOX_MIB)}). Host figures include the server's own growth and "
@@ -1031,7 +1071,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"bench: machine {meta['machine']}\nbench: rootfs {rootfs}; {n} calls/subject/concurrency, "
               f"{rounds} rounds", flush=True)
         if "runcode" not in skip:
-            rc = section_runcode(api, rootfs, n, rounds, args.deadline)
+            rc = section_runcode(api, rootfs, args.image, n, rounds, args.deadline)
         if api is not None and "function" not in skip:
             fn = section_function(api, rootfs, args.image, n, rounds, args.deadline)
             fn["image"] = args.image
