@@ -76,7 +76,7 @@ struct UpArgs {
     #[arg(long, env = "SANDLOT_DATA_DIR", default_value = "/var/lib/sandlot")]
     data_dir: PathBuf,
     /// Image store directory [default: DATA/images].
-    #[arg(long)]
+    #[arg(long, env = "SANDLOT_IMAGES_DIR")]
     images_dir: Option<PathBuf>,
     /// Node name shown in sandboxes and /healthz [default: host name].
     #[arg(long)]
@@ -196,7 +196,7 @@ struct ImageDirs {
     #[arg(long, env = "SANDLOT_DATA_DIR", default_value = "/var/lib/sandlot")]
     data_dir: PathBuf,
     /// Image store directory [default: DATA/images].
-    #[arg(long)]
+    #[arg(long, env = "SANDLOT_IMAGES_DIR")]
     images_dir: Option<PathBuf>,
 }
 
@@ -296,7 +296,8 @@ fn init_logs(format: LogFormat) {
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     let b = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
     match format {
         LogFormat::Text => b.init(),
         LogFormat::Json => b.json().init(),
