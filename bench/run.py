@@ -135,6 +135,37 @@ class Sample:
 # ----------------------------------------------------------------------------- load driver
 
 STOP = threading.Event()  # set on Ctrl-C / SIGTERM: every loop ends at its next call
+_WORKERS: list[threading.Thread] = []  # every load thread, joined before the final cleanup
+_WORKERS_LOCK = threading.Lock()
+
+
+def spawn(target: Callable[[], None]) -> threading.Thread:
+    """Start a daemon load thread and register it, so cleanup can wait for in-flight calls
+    (a create answered after the cleanup listed the sandboxes would otherwise leak)."""
+    t = threading.Thread(target=target, daemon=True)
+    with _WORKERS_LOCK:
+        _WORKERS[:] = [w for w in _WORKERS if w.is_alive()]
+        _WORKERS.append(t)
+    t.start()
+    return t
+
+
+def join_all(threads: list[threading.Thread]) -> None:
+    """Join `threads` in short slices so the main thread still receives Ctrl-C/SIGTERM."""
+    for t in threads:
+        while t.is_alive():
+            t.join(0.2)
+
+
+def join_workers(deadline_s: float) -> int:
+    """After STOP: wait up to `deadline_s` for registered load threads; returns how many
+    are still running."""
+    end_at = time.monotonic() + deadline_s
+    with _WORKERS_LOCK:
+        threads = list(_WORKERS)
+    for t in threads:
+        t.join(max(0.0, end_at - time.monotonic()))
+    return sum(t.is_alive() for t in threads)
 
 
 def run_block(
@@ -182,13 +213,7 @@ def run_block(
                 sample.latencies.append(lat)
 
     t0 = time.perf_counter()
-    threads = [threading.Thread(target=worker, daemon=True) for _ in range(concurrency)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        # Join in slices so the main thread still sees Ctrl-C.
-        while t.is_alive():
-            t.join(0.2)
+    join_all([spawn(worker) for _ in range(concurrency)])
     sample.wall_s += time.perf_counter() - t0
 
 
@@ -345,7 +370,36 @@ class Server:
         self.proc = None
 
     def cleanup_dir(self) -> None:
+        """Remove the temp data dir and the server's (now empty) cgroup parent directories."""
         shutil.rmtree(self.tmp, ignore_errors=True)
+        remove_empty_cgroup_parent(cgroup_parent_name(self.tmp / "data"))
+
+
+def cgroup_parent_name(data_dir: Path) -> str:
+    """The node's cgroup parent for `data_dir`, as sandlot-node's `default_cgroup_parent`
+    (crates/sandlot-node/src/local.rs) names it: `sandlot-` + the low 48 bits of FNV-1a 64 of
+    the absolute path, as 12 hex digits."""
+    h = 0xCBF29CE484222325
+    for b in os.fsencode(os.path.abspath(data_dir)):
+        h = ((h ^ b) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
+    return f"sandlot-{h & 0xFFFFFFFFFFFF:012x}"
+
+
+def remove_empty_cgroup_parent(name: str) -> int:
+    """rmdir `name` under every cgroup hierarchy (v1 controllers and the v2 root). rmdir of a
+    cgroup fails while it has children or processes, so only an empty parent goes. The server
+    leaves its parent in place on shutdown (sandboxes outlive it); ours is private to this
+    run's temp data dir. Returns how many directories were removed."""
+    removed = 0
+    root = Path("/sys/fs/cgroup")
+    candidates = [root / name] + [d / name for d in root.iterdir() if d.is_dir()] if root.exists() else []
+    for c in candidates:
+        try:
+            c.rmdir()
+            removed += 1
+        except OSError:
+            pass
+    return removed
 
 
 def server_flags(binary: Path) -> str:
@@ -698,7 +752,7 @@ def section_function(api: Api, rootfs: Path, image: str, n: int, rounds: int, de
     phases: dict[int, dict[str, list[float]]] = {}
 
     def make(conc: int) -> Callable[[], float]:
-        ph = phases.setdefault(conc, {"create": [], "exec": []})
+        ph = phases.setdefault(conc, {"create": [], "exec": [], "delete": []})
         lock = threading.Lock()
 
         def cycle() -> float:
@@ -711,10 +765,13 @@ def section_function(api: Api, rootfs: Path, image: str, n: int, rounds: int, de
                 if res.get("exit_code") != 0:
                     raise BenchError(f"exec true answered {json.dumps(res)[:300]}")
             finally:
+                t3 = time.perf_counter()
                 api.delete(sid)  # outside the timed window
+                t4 = time.perf_counter()
             with lock:
                 ph["create"].append(t1 - t0)
                 ph["exec"].append(t2 - t1)
+                ph["delete"].append(t4 - t3)
             return t2 - t0
 
         return cycle
@@ -727,7 +784,7 @@ def section_function(api: Api, rootfs: Path, image: str, n: int, rounds: int, de
         ]
         print(f"  [function] concurrency {conc}: {n} cycles in {rounds} rounds ...", flush=True)
         out["by_conc"][conc] = interleaved(subjects, n, conc, rounds, deadline_s, warmup=2)
-        ph = phases.get(conc, {"create": [], "exec": []})
+        ph = phases.get(conc, {"create": [], "exec": [], "delete": []})
         # Warm-up cycles are included in the phase lists: drop them (they came first).
         out["phases"][conc] = {
             k: (percentile(v[2:], 50) * 1000 if len(v) > 2 else None) for k, v in ph.items()
@@ -767,12 +824,7 @@ def section_memory(api: Api, image: str, count: int, concurrency: int, deadline_
 
     print(f"  [memory] creating {count} idle '{image}' sandboxes (concurrency {concurrency}) ...", flush=True)
     t0 = time.perf_counter()
-    threads = [threading.Thread(target=worker, daemon=True) for _ in range(concurrency)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        while t.is_alive():
-            t.join(0.2)
+    join_all([spawn(worker) for _ in range(concurrency)])
     res["create_wall_s"] = time.perf_counter() - t0
     res["created"] = len(ids)
     res["errors"] = errors
@@ -886,13 +938,14 @@ def render(meta: dict, rc: Optional[dict], fn: Optional[dict], mem: Optional[dic
                  f"follows outside the window but inside the loop, so 'cycles/s' is create+exec+delete cycles per second. "
                  f"Baseline: `{fn['commands']['bwrap']}` (a fresh bubblewrap jail running `true`).")
         L.append("")
-        L.append("| subject | conc | ok | errors | p50 ms | p99 ms | cycles/s | p50 / bwrap true | create p50 ms | exec p50 ms |")
-        L.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        L.append("| subject | conc | ok | errors | p50 ms | p99 ms | cycles/s | p50 / bwrap true | create p50 ms | exec p50 ms | delete p50 ms (untimed) |")
+        L.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for conc, samples in fn["by_conc"].items():
             bw = samples["bwrap true"].p(50)
             ph = fn["phases"].get(conc, {})
             for name, s in samples.items():
-                extra = (f"{fmt_ms(ph.get('create'))} | {fmt_ms(ph.get('exec'))}" if name == "create+exec" else "— | —")
+                extra = (f"{fmt_ms(ph.get('create'))} | {fmt_ms(ph.get('exec'))} | {fmt_ms(ph.get('delete'))}"
+                         if name == "create+exec" else "— | — | —")
                 L.append(f"| {name} | {conc} | {s.ok} | {s.errors} | {fmt_ms(s.p(50))} | {fmt_ms(s.p(99))} | "
                          f"{fmt_rate(s.rate)} | {fmt_ratio(ratio(s.p(50), bw))} | {extra} |")
         L.append("")
@@ -1088,6 +1141,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         notes.append("Interrupted: partial figures.")
         rcode = 130
     finally:
+        STOP.set()
+        # Cleanup is bounded (threads: HTTP timeout + 5 s; deletes: 120 s) and must not be cut
+        # short by a second Ctrl-C, or sandboxes would outlive the run.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        busy = join_workers(deadline_s=api.timeout_s + 5 if api else 5)
+        if busy:
+            print(f"bench: WARNING: {busy} load threads still busy at cleanup", file=sys.stderr)
         if api is not None:
             left = api.delete_all()
             if left:

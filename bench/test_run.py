@@ -171,3 +171,17 @@ def test_sandbox_cgroups_sums_a_real_memory_cgroup():
             except OSError:
                 time.sleep(0.1)
     assert run.sandbox_cgroups({sid}) == {}
+
+
+def test_cgroup_parent_name_is_fnv1a_of_the_absolute_path():
+    # FNV-1a 64 of "" is the offset basis; of "a" is the published test vector af63dc4c8601ec8c.
+    assert run.cgroup_parent_name.__doc__
+    import os
+    h = 0xCBF29CE484222325
+    h = ((h ^ ord("a")) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
+    assert h == 0xAF63DC4C8601EC8C
+    name = run.cgroup_parent_name(Path("/a"))
+    assert name.startswith("sandlot-") and len(name) == len("sandlot-") + 12
+    # Relative paths are made absolute first.
+    cwd = os.getcwd()
+    assert run.cgroup_parent_name(Path("x")) == run.cgroup_parent_name(Path(cwd) / "x")
