@@ -11,6 +11,14 @@ Start::
     res = client.run_code("print(1)", language="python")   # SandboxFusion /run_code
     assert res.status == "Success"
 
+Trajectory log (preemption-safe agent loops)::
+
+    sb = client.create(trajectory="job-42/ep-7")   # or the live one already bound to it
+    r = sb.exec("mkdir out")                        # step 0; after a restart of the
+    r.replayed                                      # trainer: True, nothing ran again
+    client.trajectory("job-42/ep-7").steps          # digests, exit codes, replay counts
+    client.pause(labels={"job": "42"}); client.resume(labels={"job": "42"})
+
 :class:`AsyncClient` / :class:`AsyncSandbox` mirror the same methods as coroutines.
 Errors are :class:`SandlotError` subclasses named after the server's stable codes.
 """
@@ -20,8 +28,9 @@ from .client import Client, Sandbox
 from .errors import (Conflict, DeadlineExceeded, InternalError, InvalidArgument, NotFound,
                      PayloadTooLarge, PermissionDenied, ProtocolError, ResourceExhausted,
                      SandlotError, TransportError, Unauthenticated, Unavailable)
-from .models import (CommandRunResult, ExecEvent, ExecResult, FileEntry, RunCodeResult,
-                     StderrChunk, StdoutChunk)
+from .models import (CommandRunResult, ExecEvent, ExecResult, FileEntry, RestoreMismatch,
+                     RestoreReport, RunCodeResult, StderrChunk, StdoutChunk, TrajectoryInfo,
+                     TrajectoryStep)
 
 __version__ = "0.1.0"
 
@@ -31,5 +40,6 @@ __all__ = [
     "DeadlineExceeded", "Unavailable", "PermissionDenied", "Unauthenticated",
     "PayloadTooLarge", "InternalError", "TransportError", "ProtocolError",
     "ExecResult", "ExecEvent", "StdoutChunk", "StderrChunk", "FileEntry",
-    "RunCodeResult", "CommandRunResult",
+    "RunCodeResult", "CommandRunResult", "TrajectoryInfo", "TrajectoryStep",
+    "RestoreReport", "RestoreMismatch",
 ]

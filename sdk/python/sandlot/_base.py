@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import os
 import random
-from typing import Any, Dict, Mapping, Optional
+import threading
+from typing import Any, Dict, Mapping, Optional, Tuple
 from urllib.parse import quote
 
 import httpx
 
 from .errors import ProtocolError, ResourceExhausted, SandlotError, error_from_response
-from .models import SANDBOX_FIELDS
+from .models import SANDBOX_FIELDS, RestoreReport
 
 #: Used when neither ``url=`` nor ``SANDLOT_URL`` is given (``sandlot up``'s default listen).
 DEFAULT_URL = "http://127.0.0.1:7070"
@@ -26,6 +27,72 @@ def resolve_url(url: Optional[str]) -> str:
 def sandbox_path(sandbox_id: str, suffix: str = "") -> str:
     """``/v1/sandboxes/{id}{suffix}`` with the id percent-encoded."""
     return f"/v1/sandboxes/{quote(sandbox_id, safe='')}{suffix}"
+
+
+def trajectory_path(trajectory: str) -> str:
+    """``/v1/trajectories/{id}`` with the id percent-encoded (ids may contain ``/``)."""
+    return f"/v1/trajectories/{quote(trajectory, safe='')}"
+
+
+#: Response header set on a file call answered from the trajectory log.
+REPLAYED_HEADER = "sandlot-replayed"
+
+
+def replayed_header(resp: httpx.Response) -> bool:
+    """True when ``resp`` carries ``Sandlot-Replayed: true``."""
+    return resp.headers.get(REPLAYED_HEADER, "").strip().lower() == "true"
+
+
+def step_params(path: str, step: Optional[int]) -> Dict[str, Any]:
+    """Query parameters of a file call: ``path`` and, when logged, ``step``."""
+    params: Dict[str, Any] = {"path": path}
+    if step is not None:
+        params["step"] = step
+    return params
+
+
+class StepCounter:
+    """Numbers the mutating calls of a sandbox bound to a trajectory (from 0).
+
+    ``take`` reserves the number of a call and advances the counter at once; ``failed``
+    gives the number back when the call raised, so a retry of the same call carries the
+    same step (answered from the log if the server had logged it, else executed). A
+    trajectory is a sequence: auto-numbered calls on one sandbox should not overlap; the
+    lock only keeps the counter itself consistent.
+    """
+
+    def __init__(self, bound: bool) -> None:
+        self.bound = bound
+        self.next = 0
+        self._lock = threading.Lock()
+
+    def take(self, step: Optional[int], auto: bool) -> Tuple[Optional[int], int]:
+        """The step to send (``None`` = unlogged) and the counter value to restore on
+        failure. An explicit ``step`` is sent as given (also on a sandbox without a
+        trajectory, where the server answers 400) and moves the counter to ``step + 1``;
+        without one, a bound sandbox's ``auto`` calls get the next number.
+
+        Raises:
+            ValueError: ``step`` is negative or not an int.
+        """
+        with self._lock:
+            prev = self.next
+            if step is None:
+                if not (auto and self.bound):
+                    return None, prev
+                step = prev
+            elif isinstance(step, bool) or not isinstance(step, int) or step < 0:
+                raise ValueError(f"step must be an int >= 0, got {step!r}")
+            self.next = step + 1
+            return step, prev
+
+    def failed(self, step: Optional[int], prev: int) -> None:
+        """Undo ``take`` for a call that raised, unless a later call moved the counter."""
+        if step is None:
+            return
+        with self._lock:
+            if self.next == step + 1:
+                self.next = prev
 
 
 def http_limits() -> httpx.Limits:
@@ -92,7 +159,7 @@ class SandboxFields:
         id: ``sb-`` + 20 hex digits.
         backend: ``function``, ``container``, ``microvm`` or ``vm``.
         image: image name.
-        state: ``creating``, ``running``, ``deleting``, ``deleted`` or ``lost``.
+        state: ``creating``, ``running``, ``paused``, ``deleting``, ``deleted`` or ``lost``.
         node: node that runs it.
         created_at: RFC 3339 UTC string.
         expires_at: RFC 3339 UTC string, or ``None`` without TTL.
@@ -100,6 +167,16 @@ class SandboxFields:
         labels: dict of str → str.
         network: network policy (``"none"``).
         trajectory: trajectory id or ``None``.
+        restore: :class:`~sandlot.models.RestoreReport` of a ``create(restore="replay")``
+            that rebuilt the sandbox, else ``None``.
+        reattached: the create answered HTTP 200 with an existing sandbox (a live sandbox
+            already bound to the trajectory, or an ``Idempotency-Key`` replay) instead of
+            201 with a new one.
+        next_step: step number the next auto-numbered mutating call will carry (0 after
+            create/attach: an agent loop replays from its start). Only meaningful when
+            ``trajectory`` is set.
+        last_replayed: whether the last logged call (exec, write_file, remove, or a read
+            given ``step=``) was answered from the log instead of running.
         raw: the last JSON object received, unchanged.
     """
 
@@ -118,7 +195,11 @@ class SandboxFields:
     labels: Dict[str, str]
     network: Any
     trajectory: Optional[str]
+    restore: Optional[RestoreReport] = None
+    reattached: bool = False
+    last_replayed: bool = False
     raw: Dict[str, Any]
+    _steps: StepCounter
 
     def _update(self, d: Mapping[str, Any]) -> None:
         if not isinstance(d, Mapping) or "id" not in d:
@@ -127,7 +208,17 @@ class SandboxFields:
             setattr(self, name, d.get(name))
         if self.labels is None:
             self.labels = {}
+        # `restore` is only on the create answer; a later refresh keeps the report.
+        if d.get("restore") is not None:
+            self.restore = RestoreReport.from_json(d["restore"])
+        if not hasattr(self, "_steps"):
+            self._steps = StepCounter(bool(self.trajectory))
         self.raw = dict(d)
+
+    @property
+    def next_step(self) -> int:
+        """Step number of the next auto-numbered mutating call (see ``SandboxFields``)."""
+        return self._steps.next
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(id={self.id!r}, backend={self.backend!r}, "

@@ -10,8 +10,8 @@ import httpx
 from . import _base
 from .errors import ProtocolError, SandlotError, TransportError
 from .models import (Command, Data, ExecEvent, ExecResult, FileEntry, RunCodeResult,
-                     create_body, exec_body, label_params, parse_exec_event, run_code_body,
-                     to_bytes)
+                     TrajectoryInfo, create_body, exec_body, ids_of, label_params,
+                     parse_exec_event, run_code_body, selector_body, to_bytes)
 
 
 class Client:
@@ -78,23 +78,56 @@ class Client:
                memory_mib: Optional[int] = None, disk_mib: Optional[int] = None,
                pids_max: Optional[int] = None, ttl_s: Optional[int] = None,
                env: Optional[Mapping[str, str]] = None, labels: Optional[Mapping[str, str]] = None,
-               idempotency_key: Optional[str] = None) -> "Sandbox":
+               idempotency_key: Optional[str] = None, trajectory: Optional[str] = None,
+               restore: Optional[str] = None) -> "Sandbox":
         """Create a sandbox (``POST /v1/sandboxes``) and return it once running.
 
         Unset limits take the server defaults (cpu 1 core, memory 512 MiB, pids 256,
         ttl 600 s; ``ttl_s=0`` means no TTL). The same ``idempotency_key`` returns the
         same sandbox instead of a second one.
 
+        Trajectory log: ``trajectory=T`` (1–200 chars of ``[A-Za-z0-9._:/-]``) binds the
+        sandbox to the log of T; its exec/write_file/remove calls are then numbered from
+        0 (``sandbox.next_step``) and a step already logged comes back from the log
+        (``replayed``) instead of running again. When a live sandbox already holds T it
+        is returned as is (``reattached``; other fields ignored). When T's sandbox is gone
+        but steps are logged, ``restore="fail"`` (default) raises Conflict and
+        ``restore="replay"`` builds a new sandbox by re-executing the logged mutating
+        steps in order (``sandbox.restore`` reports exit-code mismatches).
+
         Raises:
-            InvalidArgument: unknown backend or a value out of range.
+            InvalidArgument: unknown backend, a value out of range, bad trajectory id.
             NotFound: unknown image.  Unavailable: backend not available on this host.
             ResourceExhausted: node capacity exhausted (after ``retries``).
+            Conflict: T has logged steps, its sandbox is gone and ``restore`` is not
+                ``"replay"``.
+            ValueError: ``restore`` is neither ``"fail"`` nor ``"replay"``.
         """
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else None
         body = create_body(backend, image, cpu, memory_mib, disk_mib, pids_max, ttl_s, env,
-                           labels)
-        resp = self._request("POST", "/v1/sandboxes", json=body, headers=headers, work_s=60)
+                           labels, trajectory, restore)
+        return self._create(body, headers, restore == "replay")
+
+    def attach(self, trajectory: str) -> "Sandbox":
+        """The live sandbox bound to ``trajectory`` (a create that carries only the
+        trajectory: a new default sandbox when T has no logged step yet). The handle's
+        step counter starts at 0, so an agent loop replayed from its start gets its
+        logged steps back from the log.
+
+        Raises:
+            Conflict: T has logged steps but its sandbox is gone (create with
+                ``restore="replay"`` to rebuild it).
+            InvalidArgument: bad trajectory id.
+        """
+        return self._create({"trajectory": trajectory}, None, False)
+
+    def _create(self, body: Dict[str, Any], headers: Optional[Dict[str, str]],
+                replay: bool) -> "Sandbox":
+        # A restore re-executes every logged step before answering.
+        resp = self._request("POST", "/v1/sandboxes", json=body, headers=headers,
+                             work_s=600 if replay else 60)
         sb = Sandbox(self, _base.json_of(resp))
+        sb.reattached = resp.status_code == 200
         # An Idempotency-Key replay of a create still in flight answers `creating`.
         deadline = time.monotonic() + 60
         while sb.state == "creating" and time.monotonic() < deadline:
@@ -118,6 +151,41 @@ class Client:
     def delete(self, sandbox_id: str) -> None:
         """Delete a sandbox (``DELETE /v1/sandboxes/{id}``); no error when already gone."""
         self._request("DELETE", _base.sandbox_path(sandbox_id), work_s=30)
+
+    def trajectory(self, trajectory: str) -> TrajectoryInfo:
+        """``GET /v1/trajectories/{id}``: the log of ``trajectory`` (steps with digests,
+        exit codes and replay counts). Raises NotFound for an unknown trajectory."""
+        resp = self._request("GET", _base.trajectory_path(trajectory))
+        return TrajectoryInfo.from_json(_base.json_of(resp))
+
+    def delete_trajectory(self, trajectory: str) -> None:
+        """``DELETE /v1/trajectories/{id}``: forget the log (not the sandbox; a sandbox
+        still bound keeps running and its log restarts at step 0). No error when unknown."""
+        self._request("DELETE", _base.trajectory_path(trajectory))
+
+    def pause(self, labels: Mapping[str, str]) -> List[str]:
+        """Freeze every running sandbox whose labels include all ``labels`` pairs
+        (``POST /v1/sandboxes:pause``); returns the ids paused. A paused sandbox uses no
+        CPU and answers Conflict to exec, file calls and keepalive; its TTL keeps
+        counting; delete works.
+
+        Raises:
+            ValueError: ``labels`` is empty.
+        """
+        resp = self._request("POST", "/v1/sandboxes:pause", json=selector_body(labels),
+                             work_s=60)
+        return ids_of(_base.json_of(resp))
+
+    def resume(self, labels: Mapping[str, str]) -> List[str]:
+        """Thaw every paused sandbox whose labels include all ``labels`` pairs
+        (``POST /v1/sandboxes:resume``); returns the ids resumed.
+
+        Raises:
+            ValueError: ``labels`` is empty.
+        """
+        resp = self._request("POST", "/v1/sandboxes:resume", json=selector_body(labels),
+                             work_s=60)
+        return ids_of(_base.json_of(resp))
 
     def run_code(self, code: str, language: str = "python", compile_timeout: float = 10,
                  run_timeout: float = 10, memory_limit_mb: int = -1,
@@ -151,6 +219,11 @@ class Sandbox(_base.SandboxFields):
 
     Used as a context manager, the sandbox is deleted on exit. Paths are inside the
     sandbox; relative ones are relative to ``/workspace``.
+
+    Bound to a trajectory, ``exec``, ``write_file`` and ``remove`` carry the next step
+    number automatically (``next_step``); pass ``step=`` to set it (the counter then
+    continues from ``step + 1``). A call that raises gives its number back, so retrying
+    it sends the same step. Reads are logged only when given ``step=``.
     """
 
     def __init__(self, client: Client, data: Mapping[str, Any]) -> None:
@@ -185,7 +258,7 @@ class Sandbox(_base.SandboxFields):
     def exec(self, cmd: Command, cwd: Optional[str] = None,
              env: Optional[Mapping[str, str]] = None, stdin: Optional[Data] = None,
              timeout_s: Optional[float] = None,
-             max_output_bytes: Optional[int] = None) -> ExecResult:
+             max_output_bytes: Optional[int] = None, step: Optional[int] = None) -> ExecResult:
         """Run a command to completion and return its :class:`ExecResult`.
 
         Args:
@@ -196,25 +269,56 @@ class Sandbox(_base.SandboxFields):
                 on expiry the whole process tree is killed and ``timed_out`` is set.
             max_output_bytes: cap on kept bytes per stream (default 1 MiB, head+tail kept).
 
+            step: trajectory step (default: ``next_step`` when bound to a trajectory).
+
         A command that fails (non-zero exit, signal, timeout, OOM) is a result, not an
-        exception. Raises NotFound (sandbox gone), InvalidArgument (bad cwd or limits).
+        exception. ``result.replayed`` is True when it came from the trajectory log.
+        Raises NotFound (sandbox gone), InvalidArgument (bad cwd or limits, step beyond
+        the next one, step without trajectory), Conflict (the step is logged with another
+        request digest, or the sandbox is paused).
         """
-        body = exec_body(cmd, cwd, env, stdin, timeout_s, max_output_bytes)
-        resp = self._client._request("POST", self._path("/exec"), json=body,
-                                     work_s=timeout_s or _base.DEFAULT_EXEC_TIMEOUT_S)
-        return ExecResult.from_json(_base.json_of(resp))
+        s, prev = self._steps.take(step, auto=True)
+        try:
+            body = exec_body(cmd, cwd, env, stdin, timeout_s, max_output_bytes, s)
+            resp = self._client._request("POST", self._path("/exec"), json=body,
+                                         work_s=timeout_s or _base.DEFAULT_EXEC_TIMEOUT_S)
+            res = ExecResult.from_json(_base.json_of(resp))
+        except BaseException:
+            self._steps.failed(s, prev)
+            raise
+        if s is not None:
+            self.last_replayed = res.replayed
+        return res
 
     def exec_stream(self, cmd: Command, cwd: Optional[str] = None,
                     env: Optional[Mapping[str, str]] = None, stdin: Optional[Data] = None,
-                    timeout_s: Optional[float] = None,
-                    max_output_bytes: Optional[int] = None) -> Iterator[ExecEvent]:
+                    timeout_s: Optional[float] = None, max_output_bytes: Optional[int] = None,
+                    step: Optional[int] = None) -> Iterator[ExecEvent]:
         """Like :meth:`exec`, streamed: yields :class:`StdoutChunk`/:class:`StderrChunk`
         (``.data`` bytes) as the command writes, then exactly one :class:`ExecResult` whose
         ``stdout``/``stderr`` are empty (the bytes already came as chunks).
 
         Raises the error of an ``error`` event, or of a non-2xx answer, while iterating.
+        Trajectory steps are numbered as in :meth:`exec` (the number is taken when
+        iteration starts and given back if the stream fails before its exit record).
         """
-        body = exec_body(cmd, cwd, env, stdin, timeout_s, max_output_bytes)
+        s, prev = self._steps.take(step, auto=True)
+        ended = False
+        try:
+            for ev in self._stream(cmd, cwd, env, stdin, timeout_s, max_output_bytes, s):
+                if isinstance(ev, ExecResult):
+                    ended = True
+                    if s is not None:
+                        self.last_replayed = ev.replayed
+                yield ev
+        finally:
+            if not ended:
+                self._steps.failed(s, prev)
+
+    def _stream(self, cmd: Command, cwd: Optional[str], env: Optional[Mapping[str, str]],
+                stdin: Optional[Data], timeout_s: Optional[float],
+                max_output_bytes: Optional[int], step: Optional[int]) -> Iterator[ExecEvent]:
+        body = exec_body(cmd, cwd, env, stdin, timeout_s, max_output_bytes, step)
         timeout = _base.call_timeout(self._client.timeout,
                                      timeout_s or _base.DEFAULT_EXEC_TIMEOUT_S)
         try:
@@ -237,28 +341,42 @@ class Sandbox(_base.SandboxFields):
         except httpx.HTTPError as e:
             raise TransportError(f"POST {self._path('/exec')}?stream=true: {e!r}") from e
 
-    def write_file(self, path: str, data: Data) -> None:
+    def _logged(self, method: str, suffix: str, path: str, step: Optional[int], auto: bool,
+                work_s: float, **kw: Any) -> httpx.Response:
+        """A file call carrying ``?step=`` when logged; records ``last_replayed``."""
+        s, prev = self._steps.take(step, auto)
+        try:
+            resp = self._client._request(method, self._path(suffix),
+                                         params=_base.step_params(path, s), work_s=work_s, **kw)
+        except BaseException:
+            self._steps.failed(s, prev)
+            raise
+        if s is not None:
+            self.last_replayed = _base.replayed_header(resp)
+        return resp
+
+    def write_file(self, path: str, data: Data, step: Optional[int] = None) -> None:
         """Write ``data`` (bytes, or text as UTF-8) to ``path`` atomically, creating parent
-        directories. Raises InvalidArgument (path escapes or is a directory),
-        PayloadTooLarge (over the server's size limit)."""
-        self._client._request("PUT", self._path("/files"), params={"path": path},
-                              content=to_bytes(data), work_s=60,
-                              headers={"Content-Type": "application/octet-stream"})
+        directories. A trajectory step like :meth:`exec` (``last_replayed`` tells whether
+        it came from the log). Raises InvalidArgument (path escapes or is a directory),
+        PayloadTooLarge (over the server's size limit), Conflict (diverging step, paused)."""
+        self._logged("PUT", "/files", path, step, True, 60, content=to_bytes(data),
+                     headers={"Content-Type": "application/octet-stream"})
 
-    def read_file(self, path: str) -> bytes:
-        """The exact bytes of ``path``. Raises NotFound when missing."""
-        return self._client._request("GET", self._path("/files"), params={"path": path},
-                                     work_s=60).content
+    def read_file(self, path: str, step: Optional[int] = None) -> bytes:
+        """The exact bytes of ``path``. Raises NotFound when missing. Logged as a
+        trajectory step only when ``step`` is given."""
+        return self._logged("GET", "/files", path, step, False, 60).content
 
-    def list_dir(self, path: str = ".") -> List[FileEntry]:
-        """Entries of directory ``path``, sorted by name. Raises NotFound when missing."""
-        body = _base.json_of(self._client._request("GET", self._path("/files/list"),
-                                                   params={"path": path}))
+    def list_dir(self, path: str = ".", step: Optional[int] = None) -> List[FileEntry]:
+        """Entries of directory ``path``, sorted by name. Raises NotFound when missing.
+        Logged as a trajectory step only when ``step`` is given."""
+        body = _base.json_of(self._logged("GET", "/files/list", path, step, False, 30))
         try:
             return [FileEntry.from_json(e) for e in body["entries"]]
         except (KeyError, TypeError) as e:
             raise ProtocolError(f"bad file list {body!r:.300}") from e
 
-    def remove(self, path: str) -> None:
-        """Remove a file, or a directory recursively."""
-        self._client._request("DELETE", self._path("/files"), params={"path": path}, work_s=30)
+    def remove(self, path: str, step: Optional[int] = None) -> None:
+        """Remove a file, or a directory recursively. A trajectory step like :meth:`exec`."""
+        self._logged("DELETE", "/files", path, step, True, 30)

@@ -265,6 +265,130 @@ class RunCodeResult:
             raise ProtocolError(f"bad RunCodeResponse {dict(d)!r:.300}: {e}") from e
 
 
+@dataclass
+class RestoreMismatch:
+    """A replayed exec of a ``restore="replay"`` whose exit code differs from the log.
+
+    Attributes:
+        step: step number in the trajectory (from 0).
+        logged_exit_code: exit code recorded when the step first ran.
+        exit_code: exit code of the re-execution.
+    """
+
+    step: int
+    logged_exit_code: int
+    exit_code: int
+
+
+@dataclass
+class RestoreReport:
+    """What a ``create(trajectory=T, restore="replay")`` did (wire ``Sandbox.restore``).
+
+    Attributes:
+        replayed_steps: logged mutating steps (exec, write_file, remove_file) re-executed.
+        mismatches: execs whose exit code differed from the log; reported, not fatal.
+    """
+
+    replayed_steps: int
+    mismatches: List[RestoreMismatch] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """True when every replayed exec exited as logged."""
+        return not self.mismatches
+
+    @classmethod
+    def from_json(cls, d: Optional[Mapping[str, Any]]) -> Optional["RestoreReport"]:
+        """Parse the wire object; ``None`` stays ``None``.
+
+        Raises:
+            ProtocolError: a field is missing or has the wrong type.
+        """
+        if d is None:
+            return None
+        try:
+            return cls(
+                replayed_steps=int(d["replayed_steps"]),
+                mismatches=[RestoreMismatch(int(m["step"]), int(m["logged_exit_code"]),
+                                            int(m["exit_code"]))
+                            for m in d.get("mismatches") or []],
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise ProtocolError(f"bad RestoreReport {d!r:.300}: {e}") from e
+
+
+@dataclass
+class TrajectoryStep:
+    """One logged step of a trajectory (``GET /v1/trajectories/{id}``).
+
+    Attributes:
+        step: step number, from 0, contiguous.
+        kind: ``exec``, ``write_file``, ``remove_file``, ``read_file`` or ``list_dir``.
+        digest: hex SHA-256 of the canonical JSON of the request.
+        exit_code: exit code for ``exec`` steps, else ``None``.
+        created_at: RFC 3339 UTC time the step was logged.
+        replay_count: how many times the step was answered from the log.
+    """
+
+    step: int
+    kind: str
+    digest: str
+    exit_code: Optional[int]
+    created_at: str
+    replay_count: int
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "TrajectoryStep":
+        """Parse the wire object. Raises ProtocolError on a bad shape."""
+        try:
+            return cls(
+                step=int(d["step"]), kind=str(d["kind"]), digest=str(d["digest"]),
+                exit_code=None if d.get("exit_code") is None else int(d["exit_code"]),
+                created_at=str(d.get("created_at", "")),
+                replay_count=int(d.get("replay_count", 0)),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise ProtocolError(f"bad trajectory step {d!r:.300}: {e}") from e
+
+
+@dataclass
+class TrajectoryInfo:
+    """A trajectory log (``GET /v1/trajectories/{id}``).
+
+    Attributes:
+        id: trajectory id (1–200 chars of ``[A-Za-z0-9._:/-]``).
+        sandbox_id: the live sandbox bound to it, or ``None`` when gone.
+        next_step: the step number the next executed call must carry.
+        steps: logged steps, in order.
+        replayed_total: answers served from the log, summed over the steps.
+        raw: the JSON object received, unchanged.
+    """
+
+    id: str
+    sandbox_id: Optional[str]
+    next_step: int
+    steps: List[TrajectoryStep]
+    replayed_total: int
+    raw: Dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "TrajectoryInfo":
+        """Parse the wire object. Raises ProtocolError on a bad shape."""
+        try:
+            return cls(
+                id=str(d["id"]), sandbox_id=d.get("sandbox_id"),
+                next_step=int(d["next_step"]),
+                steps=[TrajectoryStep.from_json(s) for s in d["steps"]],
+                replayed_total=int(d.get("replayed_total", 0)), raw=dict(d),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise ProtocolError(f"bad trajectory {d!r:.300}: {e}") from e
+
+
+#: Values of ``create(restore=...)``: fail when the trajectory's sandbox is gone (default),
+#: or rebuild it by re-executing the logged mutating steps.
+RESTORE_MODES = ("fail", "replay")
+
 # Fields of the wire ``Sandbox`` copied onto the SDK's Sandbox objects.
 SANDBOX_FIELDS = (
     "id", "backend", "image", "state", "node", "created_at", "expires_at", "cpu",
@@ -281,8 +405,15 @@ def create_body(
     backend: str, image: str, cpu: Optional[float], memory_mib: Optional[int],
     disk_mib: Optional[int], pids_max: Optional[int], ttl_s: Optional[int],
     env: Optional[Mapping[str, str]], labels: Optional[Mapping[str, str]],
+    trajectory: Optional[str] = None, restore: Optional[str] = None,
 ) -> Dict[str, Any]:
-    """JSON body of ``POST /v1/sandboxes``; unset fields are left to the server's defaults."""
+    """JSON body of ``POST /v1/sandboxes``; unset fields are left to the server's defaults.
+
+    Raises:
+        ValueError: ``restore`` is not one of :data:`RESTORE_MODES`.
+    """
+    if restore is not None and restore not in RESTORE_MODES:
+        raise ValueError(f"restore must be one of {RESTORE_MODES}, got {restore!r}")
     body: Dict[str, Any] = {"backend": backend, "image": image}
     _put(body, "cpu", cpu)
     _put(body, "memory_mib", memory_mib)
@@ -293,14 +424,17 @@ def create_body(
         body["env"] = dict(env)
     if labels:
         body["labels"] = dict(labels)
+    _put(body, "trajectory", trajectory)
+    _put(body, "restore", restore)
     return body
 
 
 def exec_body(
     cmd: Command, cwd: Optional[str], env: Optional[Mapping[str, str]],
     stdin: Optional[Data], timeout_s: Optional[float], max_output_bytes: Optional[int],
+    step: Optional[int] = None,
 ) -> Dict[str, Any]:
-    """JSON body of ``POST /v1/sandboxes/{id}/exec``."""
+    """JSON body of ``POST /v1/sandboxes/{id}/exec`` (``step``: trajectory step number)."""
     if isinstance(cmd, (bytes, bytearray)):
         raise TypeError("cmd must be a str (shell string) or a sequence of str (argv)")
     body: Dict[str, Any] = {"cmd": cmd if isinstance(cmd, str) else [str(a) for a in cmd]}
@@ -311,6 +445,7 @@ def exec_body(
         body["stdin_b64"] = _b64(stdin)
     _put(body, "timeout_s", timeout_s)
     _put(body, "max_output_bytes", max_output_bytes)
+    _put(body, "step", step)
     return body
 
 
@@ -333,6 +468,29 @@ def run_code_body(
     if fetch_files:
         body["fetch_files"] = list(fetch_files)
     return body
+
+
+def selector_body(labels: Optional[Mapping[str, str]]) -> Dict[str, Any]:
+    """JSON body of ``POST /v1/sandboxes:pause`` / ``:resume``: ``{"labels": {...}}``.
+
+    Raises:
+        ValueError: ``labels`` is empty (the server requires at least one pair, so a
+            selector can never match every sandbox by accident).
+    """
+    if not labels:
+        raise ValueError("pause/resume need at least one label pair")
+    return {"labels": {str(k): str(v) for k, v in labels.items()}}
+
+
+def ids_of(body: Any) -> List[str]:
+    """The ``sandboxes`` id list of a pause/resume answer. Raises ProtocolError."""
+    try:
+        ids = body["sandboxes"]
+        if not isinstance(ids, list):
+            raise TypeError("not a list")
+        return [str(i) for i in ids]
+    except (KeyError, TypeError) as e:
+        raise ProtocolError(f"bad pause/resume answer {body!r:.300}: {e}") from e
 
 
 def label_params(labels: Optional[Mapping[str, str]]) -> List[tuple]:
