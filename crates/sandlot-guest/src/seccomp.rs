@@ -133,8 +133,22 @@ pub fn build() -> Result<[BpfProgram; 2]> {
         pers.push(cond(0, SeccompCmpArgLen::Dword, SeccompCmpOp::Ne, v)?);
     }
     rules.insert(libc::SYS_personality, vec![SeccompRule::new(pers)?]);
-    // socket: no packet sockets, no raw sockets (sniffing/spoofing if a network is ever
-    // attached). SOCK_RAW is the low 4 bits of the type (the rest are SOCK_CLOEXEC etc.).
+    // socket: no packet sockets and no raw IP sockets (sniffing/spoofing if a network is
+    // ever attached). SOCK_RAW is the low 4 bits of the type (the rest are SOCK_CLOEXEC
+    // etc.). Raw *netlink* sockets stay allowed: glibc's getaddrinfo (AI_ADDRCONFIG) and
+    // getifaddrs, `ip` and Python's socket module open AF_NETLINK/SOCK_RAW, and netlink in
+    // a namespace owned by the host user namespace grants the sandbox nothing.
+    let raw_ip = |family: i32| -> Result<SeccompRule> {
+        Ok(SeccompRule::new(vec![
+            cond(0, SeccompCmpArgLen::Dword, SeccompCmpOp::Eq, family as u64)?,
+            cond(
+                1,
+                SeccompCmpArgLen::Dword,
+                SeccompCmpOp::MaskedEq(0xf),
+                libc::SOCK_RAW as u64,
+            )?,
+        ])?)
+    };
     rules.insert(
         libc::SYS_socket,
         vec![
@@ -144,12 +158,8 @@ pub fn build() -> Result<[BpfProgram; 2]> {
                 SeccompCmpOp::Eq,
                 libc::AF_PACKET as u64,
             )?])?,
-            SeccompRule::new(vec![cond(
-                1,
-                SeccompCmpArgLen::Dword,
-                SeccompCmpOp::MaskedEq(0xf),
-                libc::SOCK_RAW as u64,
-            )?])?,
+            raw_ip(libc::AF_INET)?,
+            raw_ip(libc::AF_INET6)?,
         ],
     );
     let eperm = SeccompFilter::new(
