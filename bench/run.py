@@ -1015,6 +1015,14 @@ HEADER = """# Sandlot benchmarks
 Recorded by `bench/run.py` (see its docstring). Every section is one run: the exact command,
 the machine, the date and the figures. Machines are shared and noisy, so each run measures
 its baselines itself and the ratios are what to compare across runs. Newest first.
+
+Run it (as root, after `scripts/setup.sh`; takes about a minute, `--quick` about 20 s):
+
+    python3 bench/run.py --start --write BENCHMARKS.md      # starts target/release/sandlot up itself
+    python3 bench/run.py --url http://127.0.0.1:7070         # against a running server, print only
+    python3 -m pytest -q bench/test_run.py                   # the harness's own tests
+
+A rerun on the same day and mode replaces that day's section; other sections stay.
 """
 SECTION_RE = re.compile(r"<!-- bench:begin (?P<key>[^>]*?) -->\n.*?<!-- bench:end -->\n?", re.S)
 
