@@ -367,3 +367,41 @@ fn python_rootfs_runs_python_and_exec_latency() {
         p50(direct)
     );
 }
+
+#[test]
+fn non_root_uid_and_unmapped_uid() {
+    if skip("non_root_uid_and_unmapped_uid") {
+        return;
+    }
+    let sb = Sandbox::start("uid", None);
+    let mut spec = sb.spec(&[
+        "sh",
+        "-c",
+        "id -u; id -g; grep -E '^(CapEff|CapBnd)' /proc/self/status",
+    ]);
+    spec.uid = 1000;
+    spec.gid = 1000;
+    spec.cwd = "/tmp".into();
+    let out = run_exec(&spec);
+    assert_eq!(out.code(), Some(0), "{out:?}");
+    assert_eq!(
+        out.stdout,
+        "1000\n1000\nCapEff:\t0000000000000000\nCapBnd:\t0000000000000000\n"
+    );
+    // uid 1000 cannot write the root-owned /workspace.
+    let mut spec = sb.spec(&["touch", "/workspace/x"]);
+    spec.uid = 1000;
+    spec.gid = 1000;
+    spec.cwd = "/".into();
+    assert_ne!(run_exec(&spec).code(), Some(0));
+    // An id outside the map is the caller's error.
+    let mut spec = sb.spec(&["true"]);
+    spec.uid = UID_COUNT + 5;
+    assert!(matches!(
+        run_exec(&spec).status,
+        ExecStatus::SetupFailed {
+            user_error: true,
+            ..
+        }
+    ));
+}
