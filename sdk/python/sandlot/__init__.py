@@ -28,9 +28,9 @@ from .client import Client, Sandbox
 from .errors import (Conflict, DeadlineExceeded, InternalError, InvalidArgument, NotFound,
                      PayloadTooLarge, PermissionDenied, ProtocolError, ResourceExhausted,
                      SandlotError, TransportError, Unauthenticated, Unavailable)
-from .models import (CommandRunResult, ExecEvent, ExecResult, FileEntry, RestoreMismatch,
-                     RestoreReport, RunCodeResult, StderrChunk, StdoutChunk, TrajectoryInfo,
-                     TrajectoryStep)
+from .models import (AffectedIds, CommandRunResult, ExecEvent, ExecResult, FileEntry,
+                     RestoreMismatch, RestoreReport, RunCodeResult, StderrChunk, StdoutChunk,
+                     TrajectoryInfo, TrajectoryStep)
 
 __version__ = "0.1.0"
 
@@ -41,5 +41,5 @@ __all__ = [
     "PayloadTooLarge", "InternalError", "TransportError", "ProtocolError",
     "ExecResult", "ExecEvent", "StdoutChunk", "StderrChunk", "FileEntry",
     "RunCodeResult", "CommandRunResult", "TrajectoryInfo", "TrajectoryStep",
-    "RestoreReport", "RestoreMismatch",
+    "RestoreReport", "RestoreMismatch", "AffectedIds",
 ]

@@ -165,8 +165,9 @@ class Client:
 
     def pause(self, labels: Mapping[str, str]) -> List[str]:
         """Freeze every running sandbox whose labels include all ``labels`` pairs
-        (``POST /v1/sandboxes:pause``); returns the ids paused. A paused sandbox uses no
-        CPU and answers Conflict to exec, file calls and keepalive; its TTL keeps
+        (``POST /v1/sandboxes:pause``); returns the ids paused (a list; ``.failed`` maps
+        the id of each match the node could not pause to its error). A paused sandbox
+        uses no CPU and answers Conflict to exec, file calls and keepalive; its TTL keeps
         counting; delete works.
 
         Raises:
@@ -178,7 +179,8 @@ class Client:
 
     def resume(self, labels: Mapping[str, str]) -> List[str]:
         """Thaw every paused sandbox whose labels include all ``labels`` pairs
-        (``POST /v1/sandboxes:resume``); returns the ids resumed.
+        (``POST /v1/sandboxes:resume``); returns the ids resumed (``.failed`` as for
+        :meth:`pause`).
 
         Raises:
             ValueError: ``labels`` is empty.

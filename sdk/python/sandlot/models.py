@@ -482,14 +482,30 @@ def selector_body(labels: Optional[Mapping[str, str]]) -> Dict[str, Any]:
     return {"labels": {str(k): str(v) for k, v in labels.items()}}
 
 
-def ids_of(body: Any) -> List[str]:
-    """The ``sandboxes`` id list of a pause/resume answer. Raises ProtocolError."""
+class AffectedIds(List[str]):
+    """Ids a pause/resume changed (a plain list of str), plus ``failed``: id → the
+    :class:`SandlotError` of each matching sandbox the node could not pause or resume
+    (it keeps its previous state)."""
+
+    failed: Dict[str, SandlotError]
+
+
+def ids_of(body: Any) -> AffectedIds:
+    """The answer of a pause/resume (wire ``PauseResult``). Raises ProtocolError."""
     try:
         ids = body["sandboxes"]
         if not isinstance(ids, list):
             raise TypeError("not a list")
-        return [str(i) for i in ids]
-    except (KeyError, TypeError) as e:
+        out = AffectedIds(str(i) for i in ids)
+        out.failed = {}
+        for f in body.get("failed") or []:
+            err = f.get("error") or {}
+            code = str(err.get("code", "internal"))
+            cls = ERROR_CLASSES.get(code, SandlotError)
+            out.failed[str(f["id"])] = cls(str(err.get("message", "")),
+                                           code=code if cls is SandlotError else None)
+        return out
+    except (KeyError, TypeError, AttributeError) as e:
         raise ProtocolError(f"bad pause/resume answer {body!r:.300}: {e}") from e
 
 
