@@ -26,6 +26,7 @@ Robustness: every loop is bounded by a call count and a deadline; every HTTP cal
 subprocess has a timeout; sandboxes carry a `sandlot-bench=<run id>` label and a TTL, and
 whatever the harness created is deleted on normal exit, error, Ctrl-C or SIGTERM.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,9 +46,9 @@ import tempfile
 import threading
 import time
 import urllib.parse
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
 
 try:
     import httpx
@@ -109,11 +110,11 @@ class Sample:
     def ok(self) -> int:
         return len(self.latencies)
 
-    def p(self, q: float) -> Optional[float]:
+    def p(self, q: float) -> float | None:
         return percentile(self.latencies, q) * 1000.0 if self.latencies else None
 
     @property
-    def rate(self) -> Optional[float]:
+    def rate(self) -> float | None:
         return self.ok / self.wall_s if self.wall_s > 0 and self.ok else None
 
     def to_json(self) -> dict:
@@ -135,7 +136,9 @@ class Sample:
 # ----------------------------------------------------------------------------- load driver
 
 STOP = threading.Event()  # set on Ctrl-C / SIGTERM: every loop ends at its next call
-_WORKERS: list[threading.Thread] = []  # every load thread, joined before the final cleanup
+_WORKERS: list[
+    threading.Thread
+] = []  # every load thread, joined before the final cleanup
 _WORKERS_LOCK = threading.Lock()
 
 
@@ -236,16 +239,21 @@ def interleaved(
             try:
                 call()
             except Exception as e:  # noqa: BLE001
-                samples[name].error_msgs.append(f"warmup: {type(e).__name__}: {e}"[:300])
+                samples[name].error_msgs.append(
+                    f"warmup: {type(e).__name__}: {e}"[:300]
+                )
     per_round = [n // rounds + (1 if r < n % rounds else 0) for r in range(rounds)]
     for r in range(rounds):
-        order = subjects[r % len(subjects):] + subjects[: r % len(subjects)]
+        order = subjects[r % len(subjects) :] + subjects[: r % len(subjects)]
         for name, call in order:
             s = samples[name]
             if STOP.is_set() or s.aborted:
                 continue
             run_block(
-                s, call, per_round[r], concurrency,
+                s,
+                call,
+                per_round[r],
+                concurrency,
                 deadline_s=deadline_s / rounds,
                 max_errors=max(5, n // 10),
             )
@@ -260,20 +268,41 @@ def baseline_cmds(rootfs: Path, argv: list[str]) -> dict[str, list[str]]:
     return {
         "chroot": ["chroot", str(rootfs), *argv],
         "bwrap": [
-            "bwrap", "--unshare-all", "--ro-bind", str(rootfs), "/",
-            "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", *argv,
+            "bwrap",
+            "--unshare-all",
+            "--ro-bind",
+            str(rootfs),
+            "/",
+            "--proc",
+            "/proc",
+            "--dev",
+            "/dev",
+            "--tmpfs",
+            "/tmp",
+            *argv,
         ],
     }
 
 
-def subprocess_call(cmd: list[str], expect_stdout: Optional[str], timeout_s: float) -> Callable[[], float]:
+def subprocess_call(
+    cmd: list[str], expect_stdout: str | None, timeout_s: float
+) -> Callable[[], float]:
     def call() -> float:
         t0 = time.perf_counter()
-        p = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, timeout=timeout_s)
+        p = subprocess.run(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            timeout=timeout_s,
+            check=False,
+        )
         lat = time.perf_counter() - t0
         if p.returncode != 0:
             raise BenchError(f"{cmd[0]} exit {p.returncode}: {p.stderr[-200:]!r}")
-        if expect_stdout is not None and p.stdout.decode(errors="replace") != expect_stdout:
+        if (
+            expect_stdout is not None
+            and p.stdout.decode(errors="replace") != expect_stdout
+        ):
             raise BenchError(f"{cmd[0]} stdout {p.stdout[:100]!r}")
         return lat
 
@@ -299,18 +328,22 @@ def check_loopback(url: str) -> None:
             return
     except ValueError:
         pass
-    raise SystemExit(f"bench: refusing non-loopback URL {url!r} (requests stay on 127.0.0.1)")
+    raise SystemExit(
+        f"bench: refusing non-loopback URL {url!r} (requests stay on 127.0.0.1)"
+    )
 
 
 class Server:
     """`sandlot up` on a free loopback port with a temporary data directory."""
 
-    def __init__(self, binary: Path, images_dir: Path, extra: list[str], ready_timeout_s: float):
+    def __init__(
+        self, binary: Path, images_dir: Path, extra: list[str], ready_timeout_s: float
+    ):
         self.binary = binary
         self.images_dir = images_dir
         self.extra = extra
         self.ready_timeout_s = ready_timeout_s
-        self.proc: Optional[subprocess.Popen] = None
+        self.proc: subprocess.Popen | None = None
         self.tmp = Path(tempfile.mkdtemp(prefix="sandlot-bench."))
         self.log_path = self.tmp / "sandlot-up.log"
         self.port = free_loopback_port()
@@ -322,24 +355,34 @@ class Server:
                 f"bench: {self.binary} not found; build it: cargo build --release -p sandlot-cli"
             )
         cmd = [
-            str(self.binary), "up",
-            "--listen", f"127.0.0.1:{self.port}",
-            "--data-dir", str(self.tmp / "data"),
-            "--images-dir", str(self.images_dir),
+            str(self.binary),
+            "up",
+            "--listen",
+            f"127.0.0.1:{self.port}",
+            "--data-dir",
+            str(self.tmp / "data"),
+            "--images-dir",
+            str(self.images_dir),
             *self.extra,
         ]
         self.cmd = cmd
-        log = open(self.log_path, "wb")
         # Own process group, so a Ctrl-C in the terminal reaches the harness first and the
         # harness can delete its sandboxes before it stops the server.
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
-        log.close()
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         deadline = time.monotonic() + self.ready_timeout_s
         last = ""
         while time.monotonic() < deadline and not STOP.is_set():
             if self.proc.poll() is not None:
-                raise SystemExit(f"bench: sandlot up exited with {self.proc.returncode}:\n{self.tail()}")
+                raise SystemExit(
+                    f"bench: sandlot up exited with {self.proc.returncode}:\n{self.tail()}"
+                )
             try:
                 r = httpx.get(f"{self.url}/v1/ping", timeout=1.0)
                 if r.status_code == 200:
@@ -355,7 +398,9 @@ class Server:
 
     def tail(self, n: int = 40) -> str:
         try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+            return "\n".join(
+                self.log_path.read_text(errors="replace").splitlines()[-n:]
+            )
         except OSError:
             return "(no log)"
 
@@ -392,7 +437,11 @@ def remove_empty_cgroup_parent(name: str) -> int:
     run's temp data dir. Returns how many directories were removed."""
     removed = 0
     root = Path("/sys/fs/cgroup")
-    candidates = [root / name] + [d / name for d in root.iterdir() if d.is_dir()] if root.exists() else []
+    candidates = (
+        [root / name] + [d / name for d in root.iterdir() if d.is_dir()]
+        if root.exists()
+        else []
+    )
     for c in candidates:
         try:
             c.rmdir()
@@ -405,8 +454,13 @@ def remove_empty_cgroup_parent(name: str) -> int:
 def server_flags(binary: Path) -> str:
     """`sandlot up --help` text ('' when unavailable), to detect optional flags."""
     try:
-        return subprocess.run([str(binary), "up", "--help"], capture_output=True, text=True,
-                              timeout=10).stdout
+        return subprocess.run(
+            [str(binary), "up", "--help"],
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=10,
+        ).stdout
     except (OSError, subprocess.TimeoutExpired):
         return ""
 
@@ -440,7 +494,7 @@ class Api:
         self._lock = threading.Lock()
         self.live: set[str] = set()  # ids created and not yet deleted by us
 
-    def client(self) -> "httpx.Client":
+    def client(self) -> httpx.Client:
         c = getattr(self._local, "c", None)
         if c is None:
             c = httpx.Client(base_url=self.url, timeout=self.timeout_s)
@@ -456,7 +510,7 @@ class Api:
             self._clients.clear()
 
     @staticmethod
-    def _check(r: "httpx.Response", want: tuple[int, ...], what: str) -> None:
+    def _check(r: httpx.Response, want: tuple[int, ...], what: str) -> None:
         if r.status_code not in want:
             raise BenchError(f"{what}: HTTP {r.status_code} {r.text[:200]}")
 
@@ -466,8 +520,12 @@ class Api:
         return r.json()
 
     def create(self, image: str, ttl_s: int = 900) -> str:
-        body = {"backend": "function", "image": image, "ttl_s": ttl_s,
-                "labels": {BENCH_LABEL: self.run_id}}
+        body = {
+            "backend": "function",
+            "image": image,
+            "ttl_s": ttl_s,
+            "labels": {BENCH_LABEL: self.run_id},
+        }
         r = self.client().post("/v1/sandboxes", json=body)
         self._check(r, (200, 201), "create")
         sid = r.json()["id"]
@@ -476,7 +534,9 @@ class Api:
         return sid
 
     def exec(self, sid: str, cmd: list[str], timeout_s: float = 30.0) -> dict:
-        r = self.client().post(f"/v1/sandboxes/{sid}/exec", json={"cmd": cmd, "timeout_s": timeout_s})
+        r = self.client().post(
+            f"/v1/sandboxes/{sid}/exec", json={"cmd": cmd, "timeout_s": timeout_s}
+        )
         self._check(r, (200,), "exec")
         return r.json()
 
@@ -487,7 +547,9 @@ class Api:
             self.live.discard(sid)
 
     def list_mine(self) -> list[dict]:
-        r = self.client().get("/v1/sandboxes", params={"label": f"{BENCH_LABEL}={self.run_id}"})
+        r = self.client().get(
+            "/v1/sandboxes", params={"label": f"{BENCH_LABEL}={self.run_id}"}
+        )
         self._check(r, (200,), "list")
         return r.json().get("sandboxes", [])
 
@@ -497,8 +559,8 @@ class Api:
         ids = set(self.live)
         try:
             ids |= {s["id"] for s in self.list_mine() if s.get("state") != "deleted"}
-        except Exception:  # noqa: BLE001 - listing is a second net; tracked ids still go
-            pass
+        except Exception as e:  # noqa: BLE001 - listing is a second net; tracked ids still go
+            print(f"bench: listing sandboxes for cleanup failed: {e}", file=sys.stderr)
         failed: list[str] = []
         todo = sorted(ids)
         lock = threading.Lock()
@@ -516,7 +578,9 @@ class Api:
                     with lock:
                         failed.append(sid)
 
-        threads = [threading.Thread(target=worker, daemon=True) for _ in range(concurrency)]
+        threads = [
+            threading.Thread(target=worker, daemon=True) for _ in range(concurrency)
+        ]
         for t in threads:
             t.start()
         for t in threads:
@@ -534,7 +598,9 @@ def meminfo() -> dict[str, int]:
         for line in f:
             k, v = line.split(":", 1)
             parts = v.split()
-            out[k] = int(parts[0]) * (1024 if len(parts) > 1 and parts[1] == "kB" else 1)
+            out[k] = int(parts[0]) * (
+                1024 if len(parts) > 1 and parts[1] == "kB" else 1
+            )
     return out
 
 
@@ -549,7 +615,15 @@ def host_used_bytes(samples: int = 5, gap_s: float = 0.3) -> int:
     return int(percentile([float(v) for v in vals], 50))
 
 
-MEMINFO_PARTS = ("AnonPages", "Shmem", "Slab", "SUnreclaim", "KernelStack", "PageTables", "Cached")
+MEMINFO_PARTS = (
+    "AnonPages",
+    "Shmem",
+    "Slab",
+    "SUnreclaim",
+    "KernelStack",
+    "PageTables",
+    "Cached",
+)
 
 
 def meminfo_parts() -> dict[str, int]:
@@ -622,7 +696,7 @@ def procs_in(ids: set[str]) -> int:
     return n
 
 
-def rss_bytes(pid: int) -> Optional[int]:
+def rss_bytes(pid: int) -> int | None:
     """VmRSS of `pid` in bytes (proc(5)), None when it cannot be read."""
     try:
         with open(f"/proc/{pid}/status") as f:
@@ -634,27 +708,40 @@ def rss_bytes(pid: int) -> Optional[int]:
     return None
 
 
-def dirs_named(root: Optional[Path], ids: set[str]) -> Optional[int]:
+def dirs_named(root: Path | None, ids: set[str]) -> int | None:
     """Entries directly under `root` whose name holds one of `ids` (None without a root)."""
     if root is None or not root.exists():
         return None
-    return sum(1 for e in os.listdir(root) if (m := SB_ID_RE.search(e)) and m.group(0) in ids)
+    return sum(
+        1 for e in os.listdir(root) if (m := SB_ID_RE.search(e)) and m.group(0) in ids
+    )
 
 
 def machine() -> dict:
     cpu = "?"
     try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
     except OSError:
         pass
     try:
-        commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
-                                capture_output=True, text=True, timeout=5).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
+        commit = subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=5,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
         commit += " (+ uncommitted changes in the tree)" if dirty else ""
     except (OSError, subprocess.TimeoutExpired):
         commit = "?"
@@ -664,13 +751,19 @@ def machine() -> dict:
         "kernel": platform.release(),
         "cpu": cpu,
         "cgroup": cgroup_layout()[0],
-        "loadavg": " ".join(open("/proc/loadavg").read().split()[:3]),
+        "loadavg": loadavg(),
         "commit": commit,
         "python": platform.python_version(),
     }
 
 
-def find_rootfs(explicit: Optional[str]) -> Path:
+def loadavg() -> str:
+    """The 1, 5 and 15 minute load averages (proc(5))."""
+    with open("/proc/loadavg") as f:
+        return " ".join(f.read().split()[:3])
+
+
+def find_rootfs(explicit: str | None) -> Path:
     if explicit:
         p = Path(explicit)
         if not (p / "usr/bin/python3").exists():
@@ -679,33 +772,37 @@ def find_rootfs(explicit: Optional[str]) -> Path:
     for p in ROOTFS_CANDIDATES:
         if (p / "usr/bin/python3").exists():
             return p
-    raise SystemExit("bench: no python rootfs found in " + ", ".join(map(str, ROOTFS_CANDIDATES)))
+    raise SystemExit(
+        "bench: no python rootfs found in " + ", ".join(map(str, ROOTFS_CANDIDATES))
+    )
 
 
 # ----------------------------------------------------------------------------- sections
 
 
-def fmt_ms(v: Optional[float]) -> str:
+def fmt_ms(v: float | None) -> str:
     return "—" if v is None else (f"{v:.2f}" if v < 10 else f"{v:.1f}")
 
 
-def fmt_rate(v: Optional[float]) -> str:
+def fmt_rate(v: float | None) -> str:
     return "—" if v is None else f"{v:.1f}"
 
 
-def ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
+def ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
-def fmt_ratio(v: Optional[float]) -> str:
+def fmt_ratio(v: float | None) -> str:
     return "—" if v is None else f"{v:.2f}×"
 
 
-def verdict(ok: Optional[bool]) -> str:
+def verdict(ok: bool | None) -> str:
     return "n/a" if ok is None else ("met" if ok else "MISSED")
 
 
-def section_runcode(api: Optional[Api], rootfs: Path, image: str, n: int, rounds: int, deadline_s: float) -> dict:
+def section_runcode(
+    api: Api | None, rootfs: Path, image: str, n: int, rounds: int, deadline_s: float
+) -> dict:
     """Measurement 1: run_code print(1) vs chroot and bwrap baselines."""
     argv = ["/usr/bin/python3", "-c", "print(1)"]
     base = baseline_cmds(rootfs, argv)
@@ -714,6 +811,7 @@ def section_runcode(api: Optional[Api], rootfs: Path, image: str, n: int, rounds
         ("bwrap", subprocess_call(base["bwrap"], "1\n", 30)),
     ]
     if api is not None:
+
         def rc() -> float:
             t0 = time.perf_counter()
             res = api.run_code("print(1)")
@@ -722,6 +820,7 @@ def section_runcode(api: Optional[Api], rootfs: Path, image: str, n: int, rounds
             if res.get("status") != "Success" or rr.get("stdout") != "1\n":
                 raise BenchError(f"run_code answered {json.dumps(res)[:300]}")
             return lat
+
         subjects.append(("run_code", rc))
         # Diagnostic, not a target: the same program exec'd in one live sandbox, to split
         # run_code's cost into sandbox lifecycle vs the exec path itself.
@@ -734,19 +833,27 @@ def section_runcode(api: Optional[Api], rootfs: Path, image: str, n: int, rounds
             if res.get("exit_code") != 0 or res.get("stdout") != "1\n":
                 raise BenchError(f"exec answered {json.dumps(res)[:300]}")
             return lat
+
         subjects.append(("exec in live sandbox", live_exec))
     out: dict = {"commands": {k: shlex.join(v) for k, v in base.items()}, "by_conc": {}}
     try:
         for conc in (1, 8):
-            print(f"  [run_code] concurrency {conc}: {n} calls per subject in {rounds} rounds ...", flush=True)
-            out["by_conc"][conc] = interleaved(subjects, n, conc, rounds, deadline_s, warmup=3)
+            print(
+                f"  [run_code] concurrency {conc}: {n} calls per subject in {rounds} rounds ...",
+                flush=True,
+            )
+            out["by_conc"][conc] = interleaved(
+                subjects, n, conc, rounds, deadline_s, warmup=3
+            )
     finally:
         if api is not None:
             api.delete(live_sid)
     return out
 
 
-def section_function(api: Api, rootfs: Path, image: str, n: int, rounds: int, deadline_s: float) -> dict:
+def section_function(
+    api: Api, rootfs: Path, image: str, n: int, rounds: int, deadline_s: float
+) -> dict:
     """Measurement 2: function sandbox create -> first exec `true`, delete untimed."""
     base = baseline_cmds(rootfs, ["/bin/true"])
     phases: dict[int, dict[str, list[float]]] = {}
@@ -776,24 +883,41 @@ def section_function(api: Api, rootfs: Path, image: str, n: int, rounds: int, de
 
         return cycle
 
-    out: dict = {"commands": {k: shlex.join(v) for k, v in base.items()}, "by_conc": {}, "phases": {}}
+    out: dict = {
+        "commands": {k: shlex.join(v) for k, v in base.items()},
+        "by_conc": {},
+        "phases": {},
+    }
     for conc in (1, 8):
         subjects = [
             ("bwrap true", subprocess_call(base["bwrap"], "", 30)),
             ("create+exec", make(conc)),
         ]
-        print(f"  [function] concurrency {conc}: {n} cycles in {rounds} rounds ...", flush=True)
-        out["by_conc"][conc] = interleaved(subjects, n, conc, rounds, deadline_s, warmup=2)
+        print(
+            f"  [function] concurrency {conc}: {n} cycles in {rounds} rounds ...",
+            flush=True,
+        )
+        out["by_conc"][conc] = interleaved(
+            subjects, n, conc, rounds, deadline_s, warmup=2
+        )
         ph = phases.get(conc, {"create": [], "exec": [], "delete": []})
         # Warm-up cycles are included in the phase lists: drop them (they came first).
         out["phases"][conc] = {
-            k: (percentile(v[2:], 50) * 1000 if len(v) > 2 else None) for k, v in ph.items()
+            k: (percentile(v[2:], 50) * 1000 if len(v) > 2 else None)
+            for k, v in ph.items()
         }
     return out
 
 
-def section_memory(api: Api, image: str, count: int, concurrency: int, deadline_s: float,
-                   server_pid: Optional[int] = None, sandboxes_dir: Optional[Path] = None) -> dict:
+def section_memory(
+    api: Api,
+    image: str,
+    count: int,
+    concurrency: int,
+    deadline_s: float,
+    server_pid: int | None = None,
+    sandboxes_dir: Path | None = None,
+) -> dict:
     """Measurement 3: host memory per idle function sandbox with `count` alive.
     With `server_pid` (a server started by the harness) its RSS growth is reported apart;
     with `sandboxes_dir` leftover per-sandbox directories are checked after the delete."""
@@ -822,7 +946,10 @@ def section_memory(api: Api, image: str, count: int, concurrency: int, deadline_
                 with lock:
                     errors.append(f"{type(e).__name__}: {e}"[:300])
 
-    print(f"  [memory] creating {count} idle '{image}' sandboxes (concurrency {concurrency}) ...", flush=True)
+    print(
+        f"  [memory] creating {count} idle '{image}' sandboxes (concurrency {concurrency}) ...",
+        flush=True,
+    )
     t0 = time.perf_counter()
     join_all([spawn(worker) for _ in range(concurrency)])
     res["create_wall_s"] = time.perf_counter() - t0
@@ -847,13 +974,17 @@ def section_memory(api: Api, image: str, count: int, concurrency: int, deadline_
     res["host_after_mib"] = after / 2**20
     res["per_sandbox_host_mib"] = (after - before) / len(ids) / 2**20
     res["cgroups_found"] = len(cgs)
-    res["per_sandbox_cgroup_mib"] = (sum(cgs.values()) / len(cgs) / 2**20) if cgs else None
+    res["per_sandbox_cgroup_mib"] = (
+        (sum(cgs.values()) / len(cgs) / 2**20) if cgs else None
+    )
     id_set = set(ids)
     res["mounts_alive"] = mounts_with(id_set)
     res["procs_alive"] = procs_in(id_set)
     rss_after = rss_bytes(server_pid) if server_pid else None
     res["server_rss_delta_mib"] = (
-        (rss_after - rss_before) / 2**20 if rss_before is not None and rss_after is not None else None
+        (rss_after - rss_before) / 2**20
+        if rss_before is not None and rss_after is not None
+        else None
     )
     res["dirs_alive"] = dirs_named(sandboxes_dir, id_set)
     print(f"  [memory] deleting {len(ids)} sandboxes ...", flush=True)
@@ -864,7 +995,11 @@ def section_memory(api: Api, image: str, count: int, concurrency: int, deadline_
     # Check they are gone: API listing, cgroup directories, mounts.
     deadline = time.monotonic() + 30
     while True:
-        listed = [s for s in api.list_mine() if s["id"] in id_set and s.get("state") != "deleted"]
+        listed = [
+            s
+            for s in api.list_mine()
+            if s["id"] in id_set and s.get("state") != "deleted"
+        ]
         cg_left = sandbox_cgroups(id_set)
         mnt_left = mounts_with(id_set)
         procs_left = procs_in(id_set)
@@ -882,39 +1017,55 @@ def section_memory(api: Api, image: str, count: int, concurrency: int, deadline_
     time.sleep(1.0)
     res["host_after_delete_mib"] = host_used_bytes() / 2**20
     parts_gone = meminfo_parts()
-    res["parts_after_delete_mib"] = {k: (parts_gone[k] - parts_before[k]) / 2**20 for k in MEMINFO_PARTS}
+    res["parts_after_delete_mib"] = {
+        k: (parts_gone[k] - parts_before[k]) / 2**20 for k in MEMINFO_PARTS
+    }
     return res
 
 
 # ----------------------------------------------------------------------------- report
 
 
-def render(meta: dict, rc: Optional[dict], fn: Optional[dict], mem: Optional[dict], notes: list[str]) -> str:
+def render(
+    meta: dict, rc: dict | None, fn: dict | None, mem: dict | None, notes: list[str]
+) -> str:
     L: list[str] = []
     m = meta["machine"]
     L.append(f"## {meta['date']} — {meta['mode']}")
     L.append("")
     L.append(f"- Command: `{meta['command']}`")
-    L.append(f"- Machine: {m['nproc']} CPUs ({m['cpu']}), {m['mem_gib']} GiB RAM, kernel {m['kernel']}, "
-             f"cgroup {m['cgroup']}, load average at start {m['loadavg']}")
-    L.append(f"- Tree: commit {m['commit']}; server: {meta['server']}; python rootfs for baselines: `{meta['rootfs']}`")
-    L.append(f"- Method: subjects interleaved in {meta['rounds']} rounds per concurrency (rotated order), "
-             f"warm-up calls discarded; latency = client-side wall time per call; rate = calls completed / wall time.")
+    L.append(
+        f"- Machine: {m['nproc']} CPUs ({m['cpu']}), {m['mem_gib']} GiB RAM, kernel {m['kernel']}, "
+        f"cgroup {m['cgroup']}, load average at start {m['loadavg']}"
+    )
+    L.append(
+        f"- Tree: commit {m['commit']}; server: {meta['server']}; python rootfs for baselines: `{meta['rootfs']}`"
+    )
+    L.append(
+        f"- Method: subjects interleaved in {meta['rounds']} rounds per concurrency (rotated order), "
+        f"warm-up calls discarded; latency = client-side wall time per call; rate = calls completed / wall time."
+    )
     for n in notes:
         L.append(f"- {n}")
     L.append("")
     if rc:
         L.append("### 1. `run_code` python `print(1)` vs baselines")
         L.append("")
-        L.append(f"Baselines: chroot = `{rc['commands']['chroot']}`; bwrap = `{rc['commands']['bwrap']}`.")
+        L.append(
+            f"Baselines: chroot = `{rc['commands']['chroot']}`; bwrap = `{rc['commands']['bwrap']}`."
+        )
         L.append("")
-        L.append("| subject | conc | calls ok | errors | p50 ms | p99 ms | calls/s | p50 / chroot | p50 / bwrap |")
+        L.append(
+            "| subject | conc | calls ok | errors | p50 ms | p99 ms | calls/s | p50 / chroot | p50 / bwrap |"
+        )
         L.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
         for conc, samples in rc["by_conc"].items():
             ch, bw = samples["chroot"].p(50), samples["bwrap"].p(50)
             for name, s in samples.items():
-                L.append(f"| {name} | {conc} | {s.ok} | {s.errors} | {fmt_ms(s.p(50))} | {fmt_ms(s.p(99))} | "
-                         f"{fmt_rate(s.rate)} | {fmt_ratio(ratio(s.p(50), ch))} | {fmt_ratio(ratio(s.p(50), bw))} |")
+                L.append(
+                    f"| {name} | {conc} | {s.ok} | {s.errors} | {fmt_ms(s.p(50))} | {fmt_ms(s.p(99))} | "
+                    f"{fmt_rate(s.rate)} | {fmt_ratio(ratio(s.p(50), ch))} | {fmt_ratio(ratio(s.p(50), bw))} |"
+                )
         L.append("")
         for conc, samples in rc["by_conc"].items():
             s = samples.get("run_code")
@@ -922,77 +1073,122 @@ def render(meta: dict, rc: Optional[dict], fn: Optional[dict], mem: Optional[dic
                 continue
             r_ch = ratio(s.p(50), samples["chroot"].p(50))
             r_bw = ratio(s.p(50), samples["bwrap"].p(50))
-            L.append(f"- conc {conc}: run_code/chroot p50 = {fmt_ratio(r_ch)} (target ≤ {TARGET_RUNCODE_VS_CHROOT}×: "
-                     f"{verdict(None if r_ch is None else r_ch <= TARGET_RUNCODE_VS_CHROOT)}); run_code/bwrap p50 = "
-                     f"{fmt_ratio(r_bw)} (target ≤ {TARGET_RUNCODE_VS_BWRAP}×: "
-                     f"{verdict(None if r_bw is None else r_bw <= TARGET_RUNCODE_VS_BWRAP)}); throughput run_code/chroot = "
-                     f"{fmt_ratio(ratio(s.rate, samples['chroot'].rate))}")
-        L.append("- 'exec in live sandbox' (diagnostic, no target) = the same `python3 -c 'print(1)'` exec'd in one "
-                 "already running `function` sandbox: run_code minus it ≈ the per-call sandbox lifecycle.")
+            L.append(
+                f"- conc {conc}: run_code/chroot p50 = {fmt_ratio(r_ch)} (target ≤ {TARGET_RUNCODE_VS_CHROOT}×: "
+                f"{verdict(None if r_ch is None else r_ch <= TARGET_RUNCODE_VS_CHROOT)}); run_code/bwrap p50 = "
+                f"{fmt_ratio(r_bw)} (target ≤ {TARGET_RUNCODE_VS_BWRAP}×: "
+                f"{verdict(None if r_bw is None else r_bw <= TARGET_RUNCODE_VS_BWRAP)}); throughput run_code/chroot = "
+                f"{fmt_ratio(ratio(s.rate, samples['chroot'].rate))}"
+            )
+        L.append(
+            "- 'exec in live sandbox' (diagnostic, no target) = the same `python3 -c 'print(1)'` exec'd in one "
+            "already running `function` sandbox: run_code minus it ≈ the per-call sandbox lifecycle."
+        )
         L.extend(error_lines(rc["by_conc"]))
         L.append("")
     if fn:
-        L.append(f"### 2. `function` sandbox: create → first exec (`true`), image `{fn['image']}`")
+        L.append(
+            f"### 2. `function` sandbox: create → first exec (`true`), image `{fn['image']}`"
+        )
         L.append("")
-        L.append(f"Warm pool: {fn['warm_pool']}. Timed window = `POST /v1/sandboxes` + `POST .../exec`; the delete "
-                 f"follows outside the window but inside the loop, so 'cycles/s' is create+exec+delete cycles per second. "
-                 f"Baseline: `{fn['commands']['bwrap']}` (a fresh bubblewrap jail running `true`).")
+        L.append(
+            f"Warm pool: {fn['warm_pool']}. Timed window = `POST /v1/sandboxes` + `POST .../exec`; the delete "
+            f"follows outside the window but inside the loop, so 'cycles/s' is create+exec+delete cycles per second. "
+            f"Baseline: `{fn['commands']['bwrap']}` (a fresh bubblewrap jail running `true`)."
+        )
         L.append("")
-        L.append("| subject | conc | ok | errors | p50 ms | p99 ms | cycles/s | p50 / bwrap true | create p50 ms | exec p50 ms | delete p50 ms (untimed) |")
+        L.append(
+            "| subject | conc | ok | errors | p50 ms | p99 ms | cycles/s | p50 / bwrap true | create p50 ms | exec p50 ms | delete p50 ms (untimed) |"
+        )
         L.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for conc, samples in fn["by_conc"].items():
             bw = samples["bwrap true"].p(50)
             ph = fn["phases"].get(conc, {})
             for name, s in samples.items():
-                extra = (f"{fmt_ms(ph.get('create'))} | {fmt_ms(ph.get('exec'))} | {fmt_ms(ph.get('delete'))}"
-                         if name == "create+exec" else "— | — | —")
-                L.append(f"| {name} | {conc} | {s.ok} | {s.errors} | {fmt_ms(s.p(50))} | {fmt_ms(s.p(99))} | "
-                         f"{fmt_rate(s.rate)} | {fmt_ratio(ratio(s.p(50), bw))} | {extra} |")
+                extra = (
+                    f"{fmt_ms(ph.get('create'))} | {fmt_ms(ph.get('exec'))} | {fmt_ms(ph.get('delete'))}"
+                    if name == "create+exec"
+                    else "— | — | —"
+                )
+                L.append(
+                    f"| {name} | {conc} | {s.ok} | {s.errors} | {fmt_ms(s.p(50))} | {fmt_ms(s.p(99))} | "
+                    f"{fmt_rate(s.rate)} | {fmt_ratio(ratio(s.p(50), bw))} | {extra} |"
+                )
         L.append("")
         for conc, samples in fn["by_conc"].items():
             p50 = samples["create+exec"].p(50)
-            L.append(f"- conc {conc}: create→first exec p50 = {fmt_ms(p50)} ms (target ≤ {TARGET_CREATE_EXEC_P50_MS} ms: "
-                     f"{verdict(None if p50 is None else p50 <= TARGET_CREATE_EXEC_P50_MS)})")
+            L.append(
+                f"- conc {conc}: create→first exec p50 = {fmt_ms(p50)} ms (target ≤ {TARGET_CREATE_EXEC_P50_MS} ms: "
+                f"{verdict(None if p50 is None else p50 <= TARGET_CREATE_EXEC_P50_MS)})"
+            )
         L.extend(error_lines(fn["by_conc"]))
         L.append("")
     if mem:
-        L.append(f"### 3. Host memory per idle `function` sandbox ({mem.get('created', 0)} alive, image `{mem['image']}`)")
+        L.append(
+            f"### 3. Host memory per idle `function` sandbox ({mem.get('created', 0)} alive, image `{mem['image']}`)"
+        )
         L.append("")
         if mem.get("created"):
             per = mem["per_sandbox_host_mib"]
             L.append("| measure | value |")
             L.append("|---|---:|")
-            L.append(f"| sandboxes created / requested | {mem['created']} / {mem['requested']} |")
+            L.append(
+                f"| sandboxes created / requested | {mem['created']} / {mem['requested']} |"
+            )
             L.append(f"| create wall time (s) | {mem['create_wall_s']:.1f} |")
-            L.append(f"| host used before (MemTotal−MemAvailable, MiB) | {mem['host_before_mib']:.0f} |")
-            L.append(f"| host used with all alive (MiB) | {mem['host_after_mib']:.0f} |")
+            L.append(
+                f"| host used before (MemTotal−MemAvailable, MiB) | {mem['host_before_mib']:.0f} |"
+            )
+            L.append(
+                f"| host used with all alive (MiB) | {mem['host_after_mib']:.0f} |"
+            )
             L.append(f"| **per sandbox, host (MiB)** | **{per:.2f}** |")
             cg = mem.get("per_sandbox_cgroup_mib")
-            L.append(f"| per sandbox, own cgroup memory charge (MiB; {mem['cgroups_found']} cgroups found) | "
-                     f"{'—' if cg is None else f'{cg:.2f}'} |")
+            L.append(
+                f"| per sandbox, own cgroup memory charge (MiB; {mem['cgroups_found']} cgroups found) | "
+                f"{'—' if cg is None else f'{cg:.2f}'} |"
+            )
             srv = mem.get("server_rss_delta_mib")
             srv_per = "—" if srv is None else f"{srv / mem['created']:.3f}"
             L.append(f"| server process RSS growth, per sandbox (MiB) | {srv_per} |")
-            L.append(f"| host processes in sandbox cgroups while alive (per sandbox) | "
-                     f"{mem['procs_alive']} ({mem['procs_alive'] / mem['created']:.1f}) |")
-            L.append(f"| sandbox dirs / host mounts naming the sandboxes while alive | "
-                     f"{'—' if mem['dirs_alive'] is None else mem['dirs_alive']} / {mem['mounts_alive']} |")
-            L.append(f"| delete wall time (s) / failed deletes | {mem['delete_wall_s']:.1f} / {mem['delete_failed']} |")
-            L.append(f"| left after delete: listed / cgroups / processes / dirs / host mounts | {mem['left_listed']} / "
-                     f"{mem['left_cgroups']} / {mem['left_procs']} / {'—' if mem['left_dirs'] is None else mem['left_dirs']} / "
-                     f"{mem['left_mounts']} → {'all gone' if mem['all_gone'] else 'LEFTOVERS'} |")
-            L.append(f"| host used after delete (MiB; noise/leak indicator) | {mem['host_after_delete_mib']:.0f} |")
+            L.append(
+                f"| host processes in sandbox cgroups while alive (per sandbox) | "
+                f"{mem['procs_alive']} ({mem['procs_alive'] / mem['created']:.1f}) |"
+            )
+            L.append(
+                f"| sandbox dirs / host mounts naming the sandboxes while alive | "
+                f"{'—' if mem['dirs_alive'] is None else mem['dirs_alive']} / {mem['mounts_alive']} |"
+            )
+            L.append(
+                f"| delete wall time (s) / failed deletes | {mem['delete_wall_s']:.1f} / {mem['delete_failed']} |"
+            )
+            L.append(
+                f"| left after delete: listed / cgroups / processes / dirs / host mounts | {mem['left_listed']} / "
+                f"{mem['left_cgroups']} / {mem['left_procs']} / {'—' if mem['left_dirs'] is None else mem['left_dirs']} / "
+                f"{mem['left_mounts']} → {'all gone' if mem['all_gone'] else 'LEFTOVERS'} |"
+            )
+            L.append(
+                f"| host used after delete (MiB; noise/leak indicator) | {mem['host_after_delete_mib']:.0f} |"
+            )
             pp = mem["parts_per_sandbox_kib"]
-            L.append("| /proc/meminfo growth per sandbox while alive (KiB) | "
-                     + ", ".join(f"{k} {v:.0f}" for k, v in pp.items()) + " |")
+            L.append(
+                "| /proc/meminfo growth per sandbox while alive (KiB) | "
+                + ", ".join(f"{k} {v:.0f}" for k, v in pp.items())
+                + " |"
+            )
             pg = mem["parts_after_delete_mib"]
-            L.append("| /proc/meminfo after delete − before (MiB, whole host) | "
-                     + ", ".join(f"{k} {v:+.0f}" for k, v in pg.items()) + " |")
+            L.append(
+                "| /proc/meminfo after delete − before (MiB, whole host) | "
+                + ", ".join(f"{k} {v:+.0f}" for k, v in pg.items())
+                + " |"
+            )
             L.append("")
-            L.append(f"- per sandbox (host) {per:.2f} MiB (target ≤ {TARGET_MEM_PER_SANDBOX_MIB} MiB: "
-                     f"{verdict(per <= TARGET_MEM_PER_SANDBOX_MIB)}). Host figures include the server's own growth and "
-                     f"kernel objects (mounts, namespaces, page tables) and are exposed to other tenants' noise; "
-                     f"compare 'after delete' with 'before'.")
+            L.append(
+                f"- per sandbox (host) {per:.2f} MiB (target ≤ {TARGET_MEM_PER_SANDBOX_MIB} MiB: "
+                f"{verdict(per <= TARGET_MEM_PER_SANDBOX_MIB)}). Host figures include the server's own growth and "
+                f"kernel objects (mounts, namespaces, page tables) and are exposed to other tenants' noise; "
+                f"compare 'after delete' with 'before'."
+            )
         if mem.get("errors"):
             L.append(f"- errors: {'; '.join(mem['errors'][:3])}")
         L.append("")
@@ -1005,8 +1201,10 @@ def error_lines(by_conc: dict) -> list[str]:
         for name, s in samples.items():
             if s.error_msgs or s.aborted:
                 msg = "; ".join(s.error_msgs[:3])
-                out.append(f"- {name} conc {conc}: {s.errors} errors{' (aborted: ' + s.aborted + ')' if s.aborted else ''}"
-                           f"{': ' + msg if msg else ''}")
+                out.append(
+                    f"- {name} conc {conc}: {s.errors} errors{' (aborted: ' + s.aborted + ')' if s.aborted else ''}"
+                    f"{': ' + msg if msg else ''}"
+                )
     return out
 
 
@@ -1024,7 +1222,9 @@ Run it (as root, after `scripts/setup.sh`; takes about a minute, `--quick` about
 
 A rerun on the same day and mode replaces that day's section; other sections stay.
 """
-SECTION_RE = re.compile(r"<!-- bench:begin (?P<key>[^>]*?) -->\n.*?<!-- bench:end -->\n?", re.S)
+SECTION_RE = re.compile(
+    r"<!-- bench:begin (?P<key>[^>]*?) -->\n.*?<!-- bench:end -->\n?", re.DOTALL
+)
 
 
 def upsert_section(text: str, key: str, body: str) -> str:
@@ -1036,42 +1236,94 @@ def upsert_section(text: str, key: str, body: str) -> str:
         text = HEADER
     for m in SECTION_RE.finditer(text):
         if m.group("key") == key:
-            return text[: m.start()] + block + text[m.end():]
+            return text[: m.start()] + block + text[m.end() :]
     first = SECTION_RE.search(text)
     if first:
-        return text[: first.start()] + block + "\n" + text[first.start():]
+        return text[: first.start()] + block + "\n" + text[first.start() :]
     return text.rstrip() + "\n\n" + block
 
 
 # ----------------------------------------------------------------------------- main
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--url", help="base URL of a running server (loopback only)")
-    g.add_argument("--start", action="store_true", help="start target/release/sandlot up for this run")
-    ap.add_argument("--quick", action="store_true", help="fewer calls (smoke run, noisier figures)")
-    ap.add_argument("--write", metavar="PATH", help="insert/replace this run's dated section in PATH (BENCHMARKS.md)")
+    g.add_argument(
+        "--start",
+        action="store_true",
+        help="start target/release/sandlot up for this run",
+    )
+    ap.add_argument(
+        "--quick", action="store_true", help="fewer calls (smoke run, noisier figures)"
+    )
+    ap.add_argument(
+        "--write",
+        metavar="PATH",
+        help="insert/replace this run's dated section in PATH (BENCHMARKS.md)",
+    )
     ap.add_argument("--json", metavar="PATH", help="also write raw figures as JSON")
-    ap.add_argument("--binary", default=str(REPO / "target/release/sandlot"), help="sandlot binary for --start")
-    ap.add_argument("--images-dir", default=os.environ.get("SANDLOT_IMAGES_DIR", "/var/lib/sandlot/images"))
-    ap.add_argument("--rootfs", help="python rootfs for the baselines (default: first of %s)"
-                    % ", ".join(map(str, ROOTFS_CANDIDATES)))
-    ap.add_argument("--image", default="python", help="image of the function sandboxes (default python)")
-    ap.add_argument("--mem-image", default=None, help="image of the memory test (default: --image)")
-    ap.add_argument("-n", "--calls", type=int, help="calls per subject and concurrency (default 200, quick 40)")
-    ap.add_argument("--mem-count", type=int, help="idle sandboxes in the memory test (default 500, quick 100)")
-    ap.add_argument("--rounds", type=int, help="interleaving rounds (default 4, quick 2)")
-    ap.add_argument("--skip", default="", help="comma list of sections to skip: runcode,function,memory")
-    ap.add_argument("--deadline", type=float, default=300.0, help="seconds per measurement block set (default 300)")
+    ap.add_argument(
+        "--binary",
+        default=str(REPO / "target/release/sandlot"),
+        help="sandlot binary for --start",
+    )
+    ap.add_argument(
+        "--images-dir",
+        default=os.environ.get("SANDLOT_IMAGES_DIR", "/var/lib/sandlot/images"),
+    )
+    ap.add_argument(
+        "--rootfs",
+        help="python rootfs for the baselines (default: first of "
+        + ", ".join(map(str, ROOTFS_CANDIDATES))
+        + ")",
+    )
+    ap.add_argument(
+        "--image",
+        default="python",
+        help="image of the function sandboxes (default python)",
+    )
+    ap.add_argument(
+        "--mem-image", default=None, help="image of the memory test (default: --image)"
+    )
+    ap.add_argument(
+        "-n",
+        "--calls",
+        type=int,
+        help="calls per subject and concurrency (default 200, quick 40)",
+    )
+    ap.add_argument(
+        "--mem-count",
+        type=int,
+        help="idle sandboxes in the memory test (default 500, quick 100)",
+    )
+    ap.add_argument(
+        "--rounds", type=int, help="interleaving rounds (default 4, quick 2)"
+    )
+    ap.add_argument(
+        "--skip",
+        default="",
+        help="comma list of sections to skip: runcode,function,memory",
+    )
+    ap.add_argument(
+        "--deadline",
+        type=float,
+        default=300.0,
+        help="seconds per measurement block set (default 300)",
+    )
     args = ap.parse_args(argv)
 
     if httpx is None:
         print("bench: python3 -m pip install httpx", file=sys.stderr)
         return 2
     if os.geteuid() != 0:
-        print("bench: run as root (chroot, bwrap baselines and cgroup reads need it)", file=sys.stderr)
+        print(
+            "bench: run as root (chroot, bwrap baselines and cgroup reads need it)",
+            file=sys.stderr,
+        )
         return 2
     n = args.calls or (40 if args.quick else 200)
     mem_count = args.mem_count or (100 if args.quick else 500)
@@ -1080,37 +1332,55 @@ def main(argv: Optional[list[str]] = None) -> int:
     rootfs = find_rootfs(args.rootfs)
     for tool in ("chroot", "bwrap"):
         if not shutil.which(tool):
-            print(f"bench: {tool} not found (apt-get install bubblewrap coreutils)", file=sys.stderr)
+            print(
+                f"bench: {tool} not found (apt-get install bubblewrap coreutils)",
+                file=sys.stderr,
+            )
             return 2
 
     # SIGTERM behaves like Ctrl-C: stop loops, delete what we created, stop the server.
-    def on_term(signum, frame):  # noqa: ARG001
+    def on_term(signum, frame):
         STOP.set()
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_term)
 
     run_id = f"{int(time.time())}-{os.getpid()}"
-    now = _dt.datetime.now(_dt.timezone.utc)
-    mode = ("quick" if args.quick else "full") + ("" if (args.url or args.start) else ", baselines only")
+    now = _dt.datetime.now(_dt.UTC)
+    mode = ("quick" if args.quick else "full") + (
+        "" if (args.url or args.start) else ", baselines only"
+    )
     meta = {
         "date": now.strftime("%Y-%m-%d %H:%M UTC"),
         "mode": mode,
-        "command": "python3 " + shlex.join([os.path.relpath(sys.argv[0], REPO) if Path(sys.argv[0]).exists() else sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
+        "command": "python3 "
+        + shlex.join(
+            [
+                os.path.relpath(sys.argv[0], REPO)
+                if Path(sys.argv[0]).exists()
+                else sys.argv[0],
+                *(argv if argv is not None else sys.argv[1:]),
+            ]
+        ),
         "machine": machine(),
         "rootfs": str(rootfs),
         "rounds": rounds,
         "server": "none (baselines only)",
     }
     notes: list[str] = []
-    server: Optional[Server] = None
-    api: Optional[Api] = None
+    server: Server | None = None
+    api: Api | None = None
     rc = fn = mem = None
     rcode = 0
     try:
         if args.start:
-            server = Server(Path(args.binary), Path(args.images_dir), [], ready_timeout_s=60)
-            print(f"bench: starting {server.binary} up on {server.url} (log {server.log_path}) ...", flush=True)
+            server = Server(
+                Path(args.binary), Path(args.images_dir), [], ready_timeout_s=60
+            )
+            print(
+                f"bench: starting {server.binary} up on {server.url} (log {server.log_path}) ...",
+                flush=True,
+            )
             server.start()
             meta["server"] = f"`{shlex.join(server.cmd)}` (started by the harness)"
         elif args.url:
@@ -1126,11 +1396,16 @@ def main(argv: Optional[list[str]] = None) -> int:
             notes.append("No server given (--url/--start): only the baselines ran.")
         warm, why = has_warm_pool(Path(args.binary))
         if warm:
-            notes.append(f"Warm pool detected ({why}) but this harness does not yet toggle it: "
-                         f"the function figures are whatever the server's default is.")
+            notes.append(
+                f"Warm pool detected ({why}) but this harness does not yet toggle it: "
+                f"the function figures are whatever the server's default is."
+            )
 
-        print(f"bench: machine {meta['machine']}\nbench: rootfs {rootfs}; {n} calls/subject/concurrency, "
-              f"{rounds} rounds", flush=True)
+        print(
+            f"bench: machine {meta['machine']}\nbench: rootfs {rootfs}; {n} calls/subject/concurrency, "
+            f"{rounds} rounds",
+            flush=True,
+        )
         if "runcode" not in skip:
             rc = section_runcode(api, rootfs, args.image, n, rounds, args.deadline)
         if api is not None and "function" not in skip:
@@ -1139,7 +1414,11 @@ def main(argv: Optional[list[str]] = None) -> int:
             fn["warm_pool"] = why
         if api is not None and "memory" not in skip:
             mem = section_memory(
-                api, args.mem_image or args.image, mem_count, 8, args.deadline,
+                api,
+                args.mem_image or args.image,
+                mem_count,
+                8,
+                args.deadline,
                 server_pid=server.proc.pid if server and server.proc else None,
                 sandboxes_dir=server.tmp / "data" / "sandboxes" if server else None,
             )
@@ -1156,11 +1435,17 @@ def main(argv: Optional[list[str]] = None) -> int:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         busy = join_workers(deadline_s=api.timeout_s + 5 if api else 5)
         if busy:
-            print(f"bench: WARNING: {busy} load threads still busy at cleanup", file=sys.stderr)
+            print(
+                f"bench: WARNING: {busy} load threads still busy at cleanup",
+                file=sys.stderr,
+            )
         if api is not None:
             left = api.delete_all()
             if left:
-                print(f"bench: WARNING: could not delete {len(left)} sandboxes: {left[:5]}", file=sys.stderr)
+                print(
+                    f"bench: WARNING: could not delete {len(left)} sandboxes: {left[:5]}",
+                    file=sys.stderr,
+                )
                 rcode = rcode or 1
             api.close()
         if server is not None:
@@ -1169,16 +1454,33 @@ def main(argv: Optional[list[str]] = None) -> int:
                 print(f"bench: server log tail:\n{server.tail()}", file=sys.stderr)
             server.cleanup_dir()
 
-    notes.append("Load average at end: " + " ".join(open("/proc/loadavg").read().split()[:3])
-                 + " (2 cores shared with other builds: figures above ~2 mean contention).")
+    notes.append(
+        "Load average at end: "
+        + loadavg()
+        + " (2 cores shared with other builds: figures above ~2 mean contention)."
+    )
     report = render(meta, rc, fn, mem, notes)
     print()
     print(report)
     if args.json:
         raw = {
             "meta": meta,
-            "run_code": rc and {**rc, "by_conc": {c: {k: s.to_json() for k, s in v.items()} for c, v in rc["by_conc"].items()}},
-            "function": fn and {**fn, "by_conc": {c: {k: s.to_json() for k, s in v.items()} for c, v in fn["by_conc"].items()}},
+            "run_code": rc
+            and {
+                **rc,
+                "by_conc": {
+                    c: {k: s.to_json() for k, s in v.items()}
+                    for c, v in rc["by_conc"].items()
+                },
+            },
+            "function": fn
+            and {
+                **fn,
+                "by_conc": {
+                    c: {k: s.to_json() for k, s in v.items()}
+                    for c, v in fn["by_conc"].items()
+                },
+            },
             "memory": mem,
         }
         Path(args.json).write_text(json.dumps(raw, indent=2, default=str))

@@ -2,6 +2,7 @@
 
 Run: python3 -m pytest -q bench/test_run.py
 """
+
 import sys
 import threading
 import time
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import run  # noqa: E402
+import run
 
 
 def test_percentile_matches_linear_interpolation():
@@ -84,10 +85,17 @@ def test_interleaved_splits_calls_over_rounds():
         def call():
             seen.append(name)
             return 0.0
+
         return call
 
-    out = run.interleaved([("a", mk("a")), ("b", mk("b"))], n=7, concurrency=1, rounds=3,
-                          deadline_s=30, warmup=1)
+    out = run.interleaved(
+        [("a", mk("a")), ("b", mk("b"))],
+        n=7,
+        concurrency=1,
+        rounds=3,
+        deadline_s=30,
+        warmup=1,
+    )
     assert out["a"].ok == 7 and out["b"].ok == 7
     # One warm-up each, then rounds alternate: round 0 a,b; round 1 b,a; round 2 a,b.
     assert seen[:2] == ["a", "b"]
@@ -127,7 +135,10 @@ def test_meminfo_is_in_bytes_and_consistent():
 
 
 def test_sb_id_regex():
-    assert run.SB_ID_RE.search("sandlot-sb-0123456789abcdef0123.scope").group(0) == "sb-0123456789abcdef0123"
+    assert (
+        run.SB_ID_RE.search("sandlot-sb-0123456789abcdef0123.scope").group(0)
+        == "sb-0123456789abcdef0123"
+    )
     assert run.SB_ID_RE.search("sb-XYZ") is None
 
 
@@ -140,7 +151,7 @@ def test_sandbox_cgroups_sums_a_real_memory_cgroup():
 
     if os.geteuid() != 0:
         pytest.skip("needs root to create a cgroup")
-    version, root = run.cgroup_layout()
+    _version, root = run.cgroup_layout()
     if not root.exists():
         pytest.skip(f"no memory cgroup controller at {root}")
     sid = "sb-" + secrets.token_hex(10)
@@ -154,7 +165,12 @@ def test_sandbox_cgroups_sums_a_real_memory_cgroup():
             "b=bytearray(32*1024*1024);b[::4096]=b'x'*len(b[::4096]);"
             "print('ready',flush=True);__import__('sys').stdin.read()"
         )
-        child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        child = subprocess.Popen(
+            [sys.executable, "-c", code],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         assert child.stdout.readline().strip() == "ready"
         found = run.sandbox_cgroups({sid})
         assert list(found) == [str(cg)]
@@ -177,6 +193,7 @@ def test_cgroup_parent_name_is_fnv1a_of_the_absolute_path():
     # FNV-1a 64 of "" is the offset basis; of "a" is the published test vector af63dc4c8601ec8c.
     assert run.cgroup_parent_name.__doc__
     import os
+
     h = 0xCBF29CE484222325
     h = ((h ^ ord("a")) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
     assert h == 0xAF63DC4C8601EC8C
