@@ -63,6 +63,11 @@ fn denied_syscalls() -> Vec<i64> {
         // kernel attack surface with a long CVE history
         libc::SYS_bpf,
         libc::SYS_perf_event_open,
+        // io_uring: a large kernel attack surface with a history of privilege escalations
+        // (e.g. CVE-2022-29582, CVE-2023-2598); Docker's default profile denies it too.
+        libc::SYS_io_uring_setup,
+        libc::SYS_io_uring_enter,
+        libc::SYS_io_uring_register,
         libc::SYS_userfaultfd,
         libc::SYS_keyctl,
         libc::SYS_add_key,
