@@ -35,7 +35,9 @@ import ipaddress
 import json
 import os
 import platform
+import queue
 import re
+import resource
 import shlex
 import shutil
 import signal
@@ -102,6 +104,9 @@ class Sample:
     concurrency: int
     latencies: list[float] = field(default_factory=list)
     wall_s: float = 0.0
+    cpu_s: float = (
+        0.0  # harness (client) CPU time, user+sys, all threads, during the blocks
+    )
     errors: int = 0
     error_msgs: list[str] = field(default_factory=list)
     aborted: str = ""
@@ -130,7 +135,13 @@ class Sample:
             "mean_ms": (sum(self.latencies) / self.ok * 1000.0) if self.ok else None,
             "rate_per_s": self.rate,
             "wall_s": self.wall_s,
+            "client_cpu_ms_per_call": self.cpu_ms_per_call,
         }
+
+    @property
+    def cpu_ms_per_call(self) -> float | None:
+        """Harness CPU per call in ms: how much of the 2 shared cores the client itself ate."""
+        return self.cpu_s / self.ok * 1000.0 if self.ok else None
 
 
 # ----------------------------------------------------------------------------- load driver
@@ -216,8 +227,11 @@ def run_block(
                 sample.latencies.append(lat)
 
     t0 = time.perf_counter()
+    c0 = resource.getrusage(resource.RUSAGE_SELF)
     join_all([spawn(worker) for _ in range(concurrency)])
+    c1 = resource.getrusage(resource.RUSAGE_SELF)
     sample.wall_s += time.perf_counter() - t0
+    sample.cpu_s += (c1.ru_utime - c0.ru_utime) + (c1.ru_stime - c0.ru_stime)
 
 
 def interleaved(
@@ -483,25 +497,50 @@ def has_warm_pool(binary: Path) -> tuple[bool, str]:
 
 
 class Api:
-    """Thread-safe thin HTTP client: one httpx.Client per thread; tracks created sandboxes."""
+    """Thread-safe thin HTTP client over a pool of keep-alive httpx.Clients (one per
+    concurrent caller, reused across blocks: creating a client costs milliseconds of CPU,
+    which must not land inside a timed call); tracks the sandboxes it created."""
 
     def __init__(self, url: str, run_id: str, timeout_s: float = 60.0):
         self.url = url.rstrip("/")
         self.run_id = run_id
         self.timeout_s = timeout_s
-        self._local = threading.local()
+        self._idle: queue.SimpleQueue = queue.SimpleQueue()
         self._clients: list = []
         self._lock = threading.Lock()
         self.live: set[str] = set()  # ids created and not yet deleted by us
 
-    def client(self) -> httpx.Client:
-        c = getattr(self._local, "c", None)
-        if c is None:
-            c = httpx.Client(base_url=self.url, timeout=self.timeout_s)
-            self._local.c = c
-            with self._lock:
-                self._clients.append(c)
+    def _new_client(self) -> httpx.Client:
+        c = httpx.Client(base_url=self.url, timeout=self.timeout_s)
+        with self._lock:
+            self._clients.append(c)
         return c
+
+    def prewarm(self, n: int) -> None:
+        """Create `n` clients, each with an open connection (one /v1/ping each)."""
+        held = []
+        try:
+            for _ in range(n):
+                try:
+                    held.append(self._idle.get_nowait())
+                except queue.Empty:
+                    held.append(self._new_client())
+            for c in held:
+                self._check(c.get("/v1/ping"), (200,), "ping")
+        finally:
+            for c in held:
+                self._idle.put(c)
+
+    def request(self, method: str, path: str, **kw) -> httpx.Response:
+        """One HTTP request on an idle pooled client (a new one when all are busy)."""
+        try:
+            c = self._idle.get_nowait()
+        except queue.Empty:
+            c = self._new_client()
+        try:
+            return c.request(method, path, **kw)
+        finally:
+            self._idle.put(c)
 
     def close(self) -> None:
         with self._lock:
@@ -515,7 +554,7 @@ class Api:
             raise BenchError(f"{what}: HTTP {r.status_code} {r.text[:200]}")
 
     def run_code(self, code: str, language: str = "python") -> dict:
-        r = self.client().post("/run_code", json={"code": code, "language": language})
+        r = self.request("POST", "/run_code", json={"code": code, "language": language})
         self._check(r, (200,), "run_code")
         return r.json()
 
@@ -526,7 +565,7 @@ class Api:
             "ttl_s": ttl_s,
             "labels": {BENCH_LABEL: self.run_id},
         }
-        r = self.client().post("/v1/sandboxes", json=body)
+        r = self.request("POST", "/v1/sandboxes", json=body)
         self._check(r, (200, 201), "create")
         sid = r.json()["id"]
         with self._lock:
@@ -534,21 +573,23 @@ class Api:
         return sid
 
     def exec(self, sid: str, cmd: list[str], timeout_s: float = 30.0) -> dict:
-        r = self.client().post(
-            f"/v1/sandboxes/{sid}/exec", json={"cmd": cmd, "timeout_s": timeout_s}
+        r = self.request(
+            "POST",
+            f"/v1/sandboxes/{sid}/exec",
+            json={"cmd": cmd, "timeout_s": timeout_s},
         )
         self._check(r, (200,), "exec")
         return r.json()
 
     def delete(self, sid: str) -> None:
-        r = self.client().delete(f"/v1/sandboxes/{sid}")
+        r = self.request("DELETE", f"/v1/sandboxes/{sid}")
         self._check(r, (200, 204, 404), "delete")
         with self._lock:
             self.live.discard(sid)
 
     def list_mine(self) -> list[dict]:
-        r = self.client().get(
-            "/v1/sandboxes", params={"label": f"{BENCH_LABEL}={self.run_id}"}
+        r = self.request(
+            "GET", "/v1/sandboxes", params={"label": f"{BENCH_LABEL}={self.run_id}"}
         )
         self._check(r, (200,), "list")
         return r.json().get("sandboxes", [])
@@ -806,6 +847,9 @@ def section_runcode(
     """Measurement 1: run_code print(1) vs chroot and bwrap baselines."""
     argv = ["/usr/bin/python3", "-c", "print(1)"]
     base = baseline_cmds(rootfs, argv)
+    # Server-reported times of the HTTP subjects (ms), per concurrency; rebound per block
+    # below (the closures read the current binding).
+    server_side: dict[str, list[float]] = {}
     subjects: list[tuple[str, Callable[[], float]]] = [
         ("chroot", subprocess_call(base["chroot"], "1\n", 30)),
         ("bwrap", subprocess_call(base["bwrap"], "1\n", 30)),
@@ -817,6 +861,10 @@ def section_runcode(
             res = api.run_code("print(1)")
             lat = time.perf_counter() - t0
             rr = res.get("run_result") or {}
+            if isinstance(rr.get("execution_time"), (int, float)):
+                server_side.setdefault("run_code run_result.execution_time", []).append(
+                    rr["execution_time"] * 1000.0
+                )
             if res.get("status") != "Success" or rr.get("stdout") != "1\n":
                 raise BenchError(f"run_code answered {json.dumps(res)[:300]}")
             return lat
@@ -830,14 +878,23 @@ def section_runcode(
             t0 = time.perf_counter()
             res = api.exec(live_sid, argv)
             lat = time.perf_counter() - t0
+            if isinstance(res.get("duration_ms"), (int, float)):
+                server_side.setdefault("live exec duration_ms", []).append(
+                    res["duration_ms"]
+                )
             if res.get("exit_code") != 0 or res.get("stdout") != "1\n":
                 raise BenchError(f"exec answered {json.dumps(res)[:300]}")
             return lat
 
         subjects.append(("exec in live sandbox", live_exec))
-    out: dict = {"commands": {k: shlex.join(v) for k, v in base.items()}, "by_conc": {}}
+    out: dict = {
+        "commands": {k: shlex.join(v) for k, v in base.items()},
+        "by_conc": {},
+        "server_side": {},
+    }
     try:
         for conc in (1, 8):
+            server_side = out["server_side"].setdefault(conc, {})
             print(
                 f"  [run_code] concurrency {conc}: {n} calls per subject in {rounds} rounds ...",
                 flush=True,
@@ -1056,15 +1113,17 @@ def render(
         )
         L.append("")
         L.append(
-            "| subject | conc | calls ok | errors | p50 ms | p99 ms | calls/s | p50 / chroot | p50 / bwrap |"
+            "| subject | conc | calls ok | errors | p50 ms | p99 ms | calls/s | p50 / chroot | p50 / bwrap "
+            "| harness CPU ms/call |"
         )
-        L.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+        L.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for conc, samples in rc["by_conc"].items():
             ch, bw = samples["chroot"].p(50), samples["bwrap"].p(50)
             for name, s in samples.items():
                 L.append(
                     f"| {name} | {conc} | {s.ok} | {s.errors} | {fmt_ms(s.p(50))} | {fmt_ms(s.p(99))} | "
-                    f"{fmt_rate(s.rate)} | {fmt_ratio(ratio(s.p(50), ch))} | {fmt_ratio(ratio(s.p(50), bw))} |"
+                    f"{fmt_rate(s.rate)} | {fmt_ratio(ratio(s.p(50), ch))} | {fmt_ratio(ratio(s.p(50), bw))} "
+                    f"| {fmt_ms(s.cpu_ms_per_call)} |"
                 )
         L.append("")
         for conc, samples in rc["by_conc"].items():
@@ -1083,6 +1142,16 @@ def render(
         L.append(
             "- 'exec in live sandbox' (diagnostic, no target) = the same `python3 -c 'print(1)'` exec'd in one "
             "already running `function` sandbox: run_code minus it ≈ the per-call sandbox lifecycle."
+        )
+        for conc, sv in rc.get("server_side", {}).items():
+            parts = [
+                f"{k} p50 {fmt_ms(percentile(v, 50))} ms" for k, v in sv.items() if v
+            ]
+            if parts:
+                L.append(f"- server-reported times, conc {conc}: " + "; ".join(parts))
+        L.append(
+            "- 'harness CPU ms/call' = this client's own CPU (all threads; subprocess baselines: "
+            "fork/exec and pipes; HTTP subjects: httpx) — it shares the host's cores with the server."
         )
         L.extend(error_lines(rc["by_conc"]))
         L.append("")
@@ -1382,16 +1451,24 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
             server.start()
-            meta["server"] = f"`{shlex.join(server.cmd)}` (started by the harness)"
+            built = _dt.datetime.fromtimestamp(
+                server.binary.stat().st_mtime, _dt.UTC
+            ).strftime("%Y-%m-%d %H:%M UTC")
+            meta["server"] = (
+                f"`{shlex.join(server.cmd)}` (started by the harness; binary built {built})"
+            )
         elif args.url:
             check_loopback(args.url)
             meta["server"] = f"{args.url} (already running)"
         url = server.url if server else args.url
         if url:
             api = Api(url, run_id)
-            r = api.client().get("/v1/ping")
+            r = api.request("GET", "/v1/ping")
             if r.status_code != 200:
                 raise SystemExit(f"bench: {url}/v1/ping answered HTTP {r.status_code}")
+            api.prewarm(
+                9
+            )  # 8 workers + the main thread, connections open before timing
         else:
             notes.append("No server given (--url/--start): only the baselines ran.")
         warm, why = has_warm_pool(Path(args.binary))
