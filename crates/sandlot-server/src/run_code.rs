@@ -129,12 +129,16 @@ pub async fn run_code(
     let plan = plan(&req).map_err(ServerError::invalid)?;
     let permit = st.run_code_gate.admit(st.cfg.run_code_wait).await?;
     let st2 = st.clone();
-    let resp = tokio::spawn(async move {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    // The task answers through `tx` as soon as the verdict is known and deletes the sandbox
+    // afterwards, still holding the admission permit so deletes cannot pile up unbounded.
+    tokio::spawn(async move {
         let _permit = permit;
-        execute(&st2, req, plan).await
-    })
-    .await
-    .unwrap_or_else(|e| sandbox_error(&st, format!("run_code task failed: {e}")));
+        execute(&st2, req, plan, tx).await
+    });
+    let resp = rx
+        .await
+        .unwrap_or_else(|_| sandbox_error(&st, "run_code task failed before answering".into()));
     Ok(Json(resp))
 }
 
@@ -233,7 +237,15 @@ fn exec_req(cmd: Cmd, timeout: f64, stdin: Option<&str>) -> ExecRequest {
 
 /// Run one `run_code` request to its response (never an `Err`: infrastructure failures
 /// become `SandboxError`). Creates and always deletes one sandbox.
-async fn execute(st: &SharedState, req: RunCodeRequest, plan: Plan) -> RunCodeResponse {
+///
+/// The response goes to `answer` before the delete, so the caller does not wait for the
+/// teardown; a failed delete is left to the TTL reaper (the sandbox is `deleting`).
+async fn execute(
+    st: &SharedState,
+    req: RunCodeRequest,
+    plan: Plan,
+    answer: tokio::sync::oneshot::Sender<RunCodeResponse>,
+) {
     let memory_mib = if req.memory_limit_MB > 0 {
         (req.memory_limit_MB as u64).clamp(16, 65536)
     } else {
@@ -249,15 +261,21 @@ async fn execute(st: &SharedState, req: RunCodeRequest, plan: Plan) -> RunCodeRe
     let labels = BTreeMap::from([("sandlot.kind".to_string(), "run_code".to_string())]);
     let id = match create_sandbox(st, create, labels, None).await {
         Ok((rec, _)) => rec.id,
-        Err(e) => return sandbox_error(st, format!("create sandbox: {}", e.api_error())),
+        Err(e) => {
+            let _ = answer.send(sandbox_error(
+                st,
+                format!("create sandbox: {}", e.api_error()),
+            ));
+            return;
+        }
     };
     let out = run_in(st, &id, &req, plan).await;
-    if let Err(e) = delete_sandbox(st, &id).await {
-        tracing::warn!(sandbox_id = %id, error = %crate::error::chain(&e), "run_code: delete failed; the reaper retries");
-    }
-    match out {
+    let _ = answer.send(match out {
         Ok(r) => r,
         Err(e) => sandbox_error(st, e.to_string()),
+    });
+    if let Err(e) = delete_sandbox(st, &id).await {
+        tracing::warn!(sandbox_id = %id, error = %crate::error::chain(&e), "run_code: delete failed; the reaper retries");
     }
 }
 
