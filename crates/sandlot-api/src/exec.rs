@@ -51,7 +51,10 @@ pub struct ExecRequest {
     /// User inside the sandbox: only `"root"` (the sandbox's own unprivileged root) for now.
     #[serde(default)]
     pub user: Option<String>,
-    /// Trajectory step number (trajectory log, not available yet).
+    /// Trajectory step number, from 0, on a sandbox bound to a trajectory: a step already
+    /// logged with the same request comes back from the log (`replayed: true`) without
+    /// running; the next step runs and is logged before the answer. Without `step` the call
+    /// runs unlogged.
     #[serde(default)]
     pub step: Option<u64>,
 }

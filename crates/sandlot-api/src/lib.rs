@@ -11,14 +11,16 @@ mod exec;
 mod files;
 mod run_code;
 mod sandbox;
+mod trajectory;
 
 pub use error::{ApiError, ErrorBody, ErrorCode};
-pub use exec::{Cmd, ExecEvent, ExecRequest, ExecResult, Output};
+pub use exec::{text_and_b64, Cmd, ExecEvent, ExecRequest, ExecResult, Output};
 pub use files::{FileEntry, FileList, FileType};
 pub use run_code::{
     CommandRunResult, CommandRunStatus, RunCodeRequest, RunCodeResponse, RunStatus,
 };
 pub use sandbox::{
-    Backend, CreateSandboxRequest, KeepaliveRequest, NetworkPolicy, Sandbox, SandboxList,
-    SandboxState,
+    Backend, CreateSandboxRequest, KeepaliveRequest, NetworkPolicy, RestoreMismatch, RestoreMode,
+    RestoreReport, Sandbox, SandboxList, SandboxState,
 };
+pub use trajectory::{LabelSelector, PauseFailure, PauseResult, TrajectoryInfo, TrajectoryStep};

@@ -96,9 +96,46 @@ pub struct CreateSandboxRequest {
     /// Network policy (default `"none"`).
     #[serde(default)]
     pub network: NetworkPolicy,
-    /// Trajectory id binding this sandbox to a trajectory log (not available yet).
+    /// Trajectory id binding this sandbox to a trajectory log: 1–200 characters of
+    /// `[A-Za-z0-9._:/-]`. When a live sandbox is already bound to it, create answers that
+    /// sandbox (200, the reattach) whatever the other fields say.
     #[serde(default)]
     pub trajectory: Option<String>,
+    /// What to do when `trajectory` has logged steps but its sandbox is gone (default
+    /// `fail`). Only meaningful with `trajectory`.
+    #[serde(default)]
+    pub restore: Option<RestoreMode>,
+}
+
+/// `restore=` of a create with a trajectory whose sandbox is gone.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RestoreMode {
+    /// Answer 409 `conflict` (the default).
+    #[default]
+    Fail,
+    /// Build a new sandbox and re-execute every logged mutating step in order.
+    Replay,
+}
+
+/// Outcome of a `restore="replay"` create.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct RestoreReport {
+    /// Number of logged mutating steps (exec, write_file, remove_file) re-executed.
+    pub replayed_steps: u64,
+    /// Execs whose exit code differs from the logged one, in step order.
+    pub mismatches: Vec<RestoreMismatch>,
+}
+
+/// One exec of a restore whose exit code differs from the log.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RestoreMismatch {
+    /// Step number.
+    pub step: u64,
+    /// Exit code in the log.
+    pub logged_exit_code: i32,
+    /// Exit code of the re-execution.
+    pub exit_code: i32,
 }
 
 /// Lifecycle state of a sandbox.
@@ -115,6 +152,9 @@ pub enum SandboxState {
     Deleted,
     /// Its node lost it (e.g. the host rebooted); only delete is valid.
     Lost,
+    /// Frozen by `POST /v1/sandboxes:pause`: uses no CPU; exec, file calls and keepalive
+    /// answer 409 `conflict` until `:resume`; delete works. The TTL keeps counting.
+    Paused,
 }
 
 impl SandboxState {
@@ -126,6 +166,7 @@ impl SandboxState {
             SandboxState::Deleting => "deleting",
             SandboxState::Deleted => "deleted",
             SandboxState::Lost => "lost",
+            SandboxState::Paused => "paused",
         }
     }
 }
@@ -139,6 +180,7 @@ impl FromStr for SandboxState {
             "deleting" => SandboxState::Deleting,
             "deleted" => SandboxState::Deleted,
             "lost" => SandboxState::Lost,
+            "paused" => SandboxState::Paused,
             other => return Err(format!("unknown sandbox state {other:?}")),
         })
     }
@@ -177,6 +219,9 @@ pub struct Sandbox {
     pub network: NetworkPolicy,
     /// Trajectory id, if bound to one.
     pub trajectory: Option<String>,
+    /// Present only on the answer of a `restore="replay"` create that rebuilt the sandbox.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub restore: Option<RestoreReport>,
 }
 
 /// `GET /v1/sandboxes` body.

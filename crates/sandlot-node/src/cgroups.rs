@@ -500,6 +500,108 @@ impl Cgroup {
         }
     }
 
+    /// The freezer control file of the group and its (frozen, thawed) values: v1
+    /// `freezer.state` (`FROZEN`/`THAWED`), v2 `cgroup.freeze` (`1`/`0`).
+    fn freezer(&self) -> Option<(PathBuf, &'static str, &'static str)> {
+        match self.version {
+            CgroupVersion::V1 => self
+                .dir("freezer")
+                .map(|d| (d.join("freezer.state"), "FROZEN", "THAWED")),
+            CgroupVersion::V2 => self
+                .dir("unified")
+                .map(|d| (d.join("cgroup.freeze"), "1", "0")),
+        }
+    }
+
+    /// Freeze every process of the group and of its children (cgroup freezer: v1
+    /// `freezer.state`, `Documentation/admin-guide/cgroup-v1/freezer-subsystem.rst`; v2
+    /// `cgroup.freeze`, `cgroup-v2.rst` "Core Interface Files") and wait until the kernel
+    /// reports the group frozen (v1 `FREEZING` → `FROZEN`; v2 `frozen 1` in `cgroup.events`).
+    /// Frozen tasks use no CPU until [`Cgroup::thaw`].
+    ///
+    /// # Errors
+    /// `Internal` with the path when the freezer file is missing or cannot be written, or
+    /// when the group is not frozen by `deadline` (the group is thawed again then).
+    pub fn freeze(&self, deadline: Instant) -> NodeResult<()> {
+        let (f, on, _) = self.freezer().ok_or_else(|| {
+            NodeError::io(
+                "freeze: no freezer hierarchy for this cgroup",
+                io::Error::from(io::ErrorKind::Unsupported),
+            )
+        })?;
+        write_file(&f, on)?;
+        loop {
+            if self.is_frozen() {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                let _ = self.thaw();
+                return Err(NodeError::io(
+                    format!("cgroup {} did not freeze before the deadline", f.display()),
+                    io::Error::from(io::ErrorKind::TimedOut),
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    /// Thaw the group (undo [`Cgroup::freeze`]). A missing group is fine.
+    ///
+    /// # Errors
+    /// `Internal` with the path when the freezer file exists but cannot be written.
+    pub fn thaw(&self) -> NodeResult<()> {
+        match self.freezer() {
+            Some((f, _, off)) if f.exists() => write_file(&f, off),
+            _ => Ok(()),
+        }
+    }
+
+    /// True when the kernel reports the whole group frozen (v1 `freezer.state` = `FROZEN`,
+    /// v2 `frozen 1` in `cgroup.events`). A missing group is not frozen.
+    pub fn is_frozen(&self) -> bool {
+        match self.version {
+            CgroupVersion::V1 => self
+                .dir("freezer")
+                .and_then(|d| fs::read_to_string(d.join("freezer.state")).ok())
+                .is_some_and(|s| s.trim() == "FROZEN"),
+            CgroupVersion::V2 => self
+                .dir("unified")
+                .and_then(|d| fs::read_to_string(d.join("cgroup.events")).ok())
+                .is_some_and(|s| parse_counter(&s, "frozen") == Some(1)),
+        }
+    }
+
+    /// True when freezing was requested for this group itself (v1 `freezer.state` is
+    /// `FREEZING` or `FROZEN`; v2 `cgroup.freeze` is `1`), even if not complete yet.
+    pub fn freeze_requested(&self) -> bool {
+        match self.freezer() {
+            Some((f, on, _)) => fs::read_to_string(f).is_ok_and(|s| {
+                let s = s.trim();
+                s == on || s == "FREEZING"
+            }),
+            None => false,
+        }
+    }
+
+    /// CPU time used by the group and its children, nanoseconds (v1 `cpuacct.usage`, v2
+    /// `usage_usec` of `cpu.stat` × 1000). `None` when unreadable.
+    pub fn cpu_usage_ns(&self) -> Option<u64> {
+        match self.version {
+            CgroupVersion::V1 => {
+                let d = self.dir("cpuacct").or_else(|| self.dir("cpu"))?;
+                fs::read_to_string(d.join("cpuacct.usage"))
+                    .ok()?
+                    .trim()
+                    .parse()
+                    .ok()
+            }
+            CgroupVersion::V2 => {
+                let s = fs::read_to_string(self.dir("unified")?.join("cpu.stat")).ok()?;
+                parse_counter(&s, "usage_usec").map(|us| us * 1000)
+            }
+        }
+    }
+
     /// Remove the group's directories, children first. Missing directories are fine; EBUSY
     /// (tasks still exiting) is retried until `deadline`.
     ///
@@ -570,15 +672,25 @@ impl SandboxCgroup {
         match g.version {
             CgroupVersion::V1 => {
                 let mem = g.dir("memory").expect("memory hierarchy");
-                write_file(
-                    &mem.join("memory.limit_in_bytes"),
-                    &limits.memory_bytes.to_string(),
-                )?;
+                let limit = mem.join("memory.limit_in_bytes");
                 // Same value for memory+swap, so swap cannot extend the limit. The file is
-                // absent when the kernel has no swap accounting.
+                // absent when the kernel has no swap accounting. The kernel keeps
+                // memory <= memory+swap at every write, so raising an existing limit
+                // (re-apply, warm-pool hand-over) writes memory+swap first.
                 let memsw = mem.join("memory.memsw.limit_in_bytes");
-                if memsw.exists() {
-                    write_file(&memsw, &limits.memory_bytes.to_string())?;
+                let v = limits.memory_bytes.to_string();
+                let raising = fs::read_to_string(&limit)
+                    .ok()
+                    .and_then(|c| c.trim().parse::<u64>().ok())
+                    .is_some_and(|cur| limits.memory_bytes > cur);
+                if raising && memsw.exists() {
+                    write_file(&memsw, &v)?;
+                    write_file(&limit, &v)?;
+                } else {
+                    write_file(&limit, &v)?;
+                    if memsw.exists() {
+                        write_file(&memsw, &v)?;
+                    }
                 }
                 let cpu = g.dir("cpu").expect("cpu hierarchy");
                 write_file(&cpu.join("cpu.cfs_period_us"), &CPU_PERIOD_US.to_string())?;

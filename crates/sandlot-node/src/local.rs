@@ -231,6 +231,14 @@ impl Node for LocalNode {
         self.owner(id)?.remove_file(id, path).await
     }
 
+    async fn pause(&self, id: &str) -> NodeResult<()> {
+        self.owner(id)?.pause(id).await
+    }
+
+    async fn resume(&self, id: &str) -> NodeResult<()> {
+        self.owner(id)?.resume(id).await
+    }
+
     async fn delete(&self, id: &str) -> NodeResult<()> {
         match self.owner(id) {
             Ok(b) => b.delete(id).await,

@@ -140,6 +140,22 @@ pub trait Node: Send + Sync + 'static {
     /// Remove a file, or a directory recursively.
     async fn remove_file(&self, id: &str, path: &str) -> NodeResult<()>;
 
+    /// Pause: freeze every process of the sandbox (cgroup freezer; later backends: the VM's
+    /// vCPUs). A paused sandbox uses no CPU; exec and file calls answer
+    /// [`NodeError::Conflict`] ("sandbox is paused") until [`Node::resume`]; an exec already
+    /// running is frozen with it and continues after resume. Pausing a paused sandbox is a
+    /// no-op. [`Node::delete`] works on a paused sandbox.
+    ///
+    /// # Errors
+    /// `NotFound` for an unknown or deleting sandbox; `Internal` when the freezer fails.
+    async fn pause(&self, id: &str) -> NodeResult<()>;
+
+    /// Resume: thaw a paused sandbox. Resuming a running sandbox is a no-op.
+    ///
+    /// # Errors
+    /// `NotFound` for an unknown or deleting sandbox; `Internal` when the freezer fails.
+    async fn resume(&self, id: &str) -> NodeResult<()>;
+
     /// Kill every process of the sandbox and remove all its host resources (mounts,
     /// cgroups, directories). Idempotent: an unknown id is not an error.
     async fn delete(&self, id: &str) -> NodeResult<()>;

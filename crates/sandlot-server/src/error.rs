@@ -5,6 +5,7 @@
 //! ([`sandlot_api::ErrorBody`]). Internal errors are logged with their whole source chain;
 //! the client gets the top-level message only.
 use crate::store::StoreError;
+use crate::trajectory_store::TrajectoryStoreError;
 use axum::extract::rejection::{BytesRejection, JsonRejection, PathRejection, QueryRejection};
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -23,6 +24,9 @@ pub enum ServerError {
     /// An error of the SQLite store.
     #[error("store: {0}")]
     Store(#[from] StoreError),
+    /// An error of the trajectory log.
+    #[error("{0}")]
+    Trajectory(#[from] TrajectoryStoreError),
     /// An API error that also asks the client to retry after some seconds
     /// (`Retry-After` header; overload answers of `run_code`).
     #[error("{error}")]
@@ -56,6 +60,11 @@ impl ServerError {
             ServerError::Api(e) | ServerError::RetryAfter { error: e, .. } => e.clone(),
             ServerError::Node(e) => ApiError::new(e.code(), e.to_string()),
             ServerError::Store(e) => ApiError::new(ErrorCode::Internal, e.to_string()),
+            // Another writer logged the step first: the caller's view is stale.
+            ServerError::Trajectory(e @ TrajectoryStoreError::NotNext { .. }) => {
+                ApiError::new(ErrorCode::Conflict, e.to_string())
+            }
+            ServerError::Trajectory(e) => ApiError::new(ErrorCode::Internal, e.to_string()),
         }
     }
 }

@@ -7,8 +7,15 @@
 //! {"code","message"}}`) when the node failed. Errors found before the exec starts
 //! (validation, unknown sandbox) are ordinary HTTP errors. The exec runs in its own task:
 //! a client that goes away does not stop it before its timeout.
+//!
+//! `step` (trajectory log): see [`crate::trajectory`]. A replayed step answers the logged
+//! result with `replayed: true`; streamed, it sends the logged stdout and stderr as one
+//! chunk each and then the `exit` line. An executed step is logged before the `exit` line
+//! is sent (a failure to log becomes the `error` line).
 use crate::error::{ApiResult, Json, Path, Query, ServerError};
 use crate::sandboxes::running;
+use crate::trajectory::{self, Begin, Pending};
+use crate::trajectory_store::{StepRequest, StepResult};
 use crate::SharedState;
 use axum::body::{Body, Bytes};
 use axum::extract::State;
@@ -35,15 +42,8 @@ pub struct ExecQuery {
 /// Check the fields the server owns (the node validates too).
 ///
 /// # Errors
-/// `invalid_argument` for a timeout outside (0, 86400] or an empty argv; `unavailable` for
-/// `step` (trajectory log not built yet).
+/// `invalid_argument` for a timeout outside (0, 86400] or an empty argv.
 pub fn validate(req: &ExecRequest) -> ApiResult<()> {
-    if req.step.is_some() {
-        return Err(ServerError::new(
-            ErrorCode::Unavailable,
-            "trajectory log not built yet: exec without `step`",
-        ));
-    }
     if let Some(t) = req.timeout_s {
         if !(t.is_finite() && t > 0.0 && t <= MAX_TIMEOUT_S) {
             return Err(ServerError::invalid(format!(
@@ -94,10 +94,30 @@ pub fn exit_event(mut r: ExecResult) -> ExecEvent {
     ExecEvent::Exit { result: r }
 }
 
-fn stream(st: &SharedState, id: String, req: ExecRequest) -> Response {
+fn ndjson(body: Body) -> Response {
+    ([(header::CONTENT_TYPE, "application/x-ndjson")], body).into_response()
+}
+
+/// A replayed step as a stream: logged stdout, stderr, then `exit` with `replayed: true`.
+fn replayed_stream(mut r: ExecResult) -> Response {
+    r.replayed = true;
+    let mut out = Vec::new();
+    let (o, e) = (r.stdout_raw(), r.stderr_raw());
+    if !o.is_empty() {
+        out.extend_from_slice(&line(&ExecEvent::stdout(&o)));
+    }
+    if !e.is_empty() {
+        out.extend_from_slice(&line(&ExecEvent::stderr(&e)));
+    }
+    out.extend_from_slice(&line(&exit_event(r)));
+    ndjson(Body::from(out))
+}
+
+fn stream(st: &SharedState, id: String, req: ExecRequest, pending: Option<Pending>) -> Response {
     let (ev_tx, mut ev_rx) = mpsc::channel::<ExecEvent>(64);
     let (out_tx, out_rx) = mpsc::channel::<Bytes>(64);
     let node = st.node.clone();
+    let st = st.clone();
     tokio::spawn(async move {
         let exec = node.exec(&id, &req, Some(ev_tx));
         tokio::pin!(exec);
@@ -112,6 +132,27 @@ fn stream(st: &SharedState, id: String, req: ExecRequest) -> Response {
         while let Ok(ev) = ev_rx.try_recv() {
             let _ = out_tx.send(line(&ev)).await;
         }
+        let result = match (result, &pending) {
+            (Ok(r), Some(p)) => {
+                let step = StepResult::Exec(r);
+                match p.commit(&st, &StepRequest::Exec(req.clone()), &step).await {
+                    Ok(()) => match step {
+                        StepResult::Exec(r) => Ok(r),
+                        _ => unreachable!("built as Exec above"),
+                    },
+                    Err(e) => {
+                        let _ = out_tx
+                            .send(line(&ExecEvent::Error {
+                                error: e.api_error(),
+                            }))
+                            .await;
+                        return;
+                    }
+                }
+            }
+            (r, _) => r,
+        };
+        drop(pending);
         let last = match result {
             Ok(r) => exit_event(r),
             Err(e) => {
@@ -128,11 +169,7 @@ fn stream(st: &SharedState, id: String, req: ExecRequest) -> Response {
             .await
             .map(|b| (Ok::<Bytes, std::convert::Infallible>(b), rx))
     });
-    (
-        [(header::CONTENT_TYPE, "application/x-ndjson")],
-        Body::from_stream(body),
-    )
-        .into_response()
+    ndjson(Body::from_stream(body))
 }
 
 /// `POST /v1/sandboxes/{id}/exec` → `ExecResult`, or NDJSON events with `?stream=true`.
@@ -144,9 +181,34 @@ pub async fn exec(
     Json(req): Json<ExecRequest>,
 ) -> ApiResult<Response> {
     validate(&req)?;
-    running(&st, &id)?;
+    let rec = running(&st, &id)?;
     if q.stream {
-        return Ok(stream(&st, id, req));
+        let pending = match req.step {
+            None => None,
+            Some(s) => {
+                match trajectory::begin(&st, &rec, s, &StepRequest::Exec(req.clone())).await? {
+                    Begin::Replayed(StepResult::Exec(r)) => return Ok(replayed_stream(r)),
+                    Begin::Replayed(_) => return Err(wrong_kind(s)),
+                    Begin::Execute(p) => Some(p),
+                }
+            }
+        };
+        return Ok(stream(&st, id, req, pending));
     }
-    Ok(Json(run_exec(&st, &id, req).await?).into_response())
+    let step = req.step;
+    match trajectory::call(&st, &rec, step, StepRequest::Exec(req)).await? {
+        (StepResult::Exec(mut r), replayed) => {
+            r.replayed = replayed;
+            Ok(Json(r).into_response())
+        }
+        _ => Err(wrong_kind(step.unwrap_or(0))),
+    }
+}
+
+/// Same digest but another kind cannot happen (the kind is part of the digest).
+fn wrong_kind(step: u64) -> ServerError {
+    ServerError::new(
+        ErrorCode::Internal,
+        format!("logged step {step} is not an exec"),
+    )
 }

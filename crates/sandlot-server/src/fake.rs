@@ -17,6 +17,10 @@ pub struct FakeNode {
     pub create_delay: Mutex<Duration>,
     pub deleted: Mutex<Vec<String>>,
     pub creates: Mutex<Vec<SandboxSpec>>,
+    /// Ids currently paused; exec and file calls on them answer `Conflict`.
+    pub paused: Mutex<std::collections::HashSet<String>>,
+    /// Every exec that reached the node, as (sandbox id, argv).
+    pub execs: Mutex<Vec<(String, Vec<String>)>>,
 }
 
 impl FakeNode {
@@ -31,6 +35,9 @@ impl FakeNode {
         id: &str,
         f: impl FnOnce(&mut BTreeMap<String, Vec<u8>>) -> T,
     ) -> NodeResult<T> {
+        if self.paused.lock().unwrap().contains(id) {
+            return Err(NodeError::Conflict(format!("sandbox is paused: {id}")));
+        }
         let mut m = self.sandboxes.lock().unwrap();
         let files = m
             .get_mut(id)
@@ -96,6 +103,10 @@ impl Node for FakeNode {
     ) -> NodeResult<ExecResult> {
         let files = self.files(id, |f| f.clone())?;
         let argv = req.cmd.to_argv();
+        self.execs
+            .lock()
+            .unwrap()
+            .push((id.to_owned(), argv.clone()));
         let args: Vec<&str> = argv.iter().map(|s| s.as_str()).collect();
         let timeout = req.timeout_s.unwrap_or(60.0);
         let r = match args.as_slice() {
@@ -164,6 +175,29 @@ impl Node for FakeNode {
                 }
             }
             ["./main"] => result(0, b"42\n", b"", false),
+            // Appends a line to /workspace/log and prints the line count: not idempotent,
+            // so running it twice shows.
+            ["append", line] => {
+                let n = self.files(id, |f| {
+                    let e = f.entry("/workspace/log".into()).or_default();
+                    e.extend_from_slice(format!("{line}\n").as_bytes());
+                    e.iter().filter(|b| **b == b'\n').count()
+                })?;
+                result(0, format!("{n}\n").as_bytes(), b"", false)
+            }
+            // Exit code from a file's content (`/workspace/code`, default 0): lets a test
+            // make a replayed step end differently.
+            ["code"] => {
+                let c = files
+                    .get("/workspace/code")
+                    .map(|d| String::from_utf8_lossy(d).trim().parse().unwrap())
+                    .unwrap_or(0);
+                result(c, b"", b"", false)
+            }
+            ["big", n] => {
+                let n: usize = n.parse().unwrap();
+                result(0, &vec![b'x'; n], &[0xff; 3], false)
+            }
             other => result(127, b"", format!("not found: {other:?}").as_bytes(), false),
         };
         Ok(r)
@@ -213,7 +247,24 @@ impl Node for FakeNode {
             .ok_or_else(|| NodeError::NotFound(format!("no file {path}")))
     }
 
+    async fn pause(&self, id: &str) -> NodeResult<()> {
+        if !self.sandboxes.lock().unwrap().contains_key(id) {
+            return Err(NodeError::NotFound(format!("no sandbox {id}")));
+        }
+        self.paused.lock().unwrap().insert(id.to_owned());
+        Ok(())
+    }
+
+    async fn resume(&self, id: &str) -> NodeResult<()> {
+        if !self.sandboxes.lock().unwrap().contains_key(id) {
+            return Err(NodeError::NotFound(format!("no sandbox {id}")));
+        }
+        self.paused.lock().unwrap().remove(id);
+        Ok(())
+    }
+
     async fn delete(&self, id: &str) -> NodeResult<()> {
+        self.paused.lock().unwrap().remove(id);
         self.sandboxes.lock().unwrap().remove(id);
         self.deleted.lock().unwrap().push(id.to_owned());
         Ok(())

@@ -4,82 +4,126 @@
 //! inside the sandbox root only. A missing `path` is 400 `invalid_argument`. Uploads are
 //! limited to `ServerConfig::max_file_bytes` (413 `payload_too_large` over it) and so are
 //! downloads (the node answers 400 for a larger file).
+//!
+//! `?step=N` (trajectory log, [`crate::trajectory`]): write and remove are logged mutating
+//! steps; read and list are logged only when `step` is given. A replayed answer carries the
+//! header `Sandlot-Replayed: true`.
 use crate::error::{ApiResult, Json, Path, Query, ServerError};
 use crate::sandboxes::running;
+use crate::trajectory::call;
+use crate::trajectory_store::{StepRequest, StepResult};
 use crate::SharedState;
 use axum::body::Bytes;
 use axum::extract::State;
-use axum::http::{header, StatusCode};
+use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
-use sandlot_api::FileList;
+use sandlot_api::{ErrorCode, FileList};
 use serde::Deserialize;
 
-/// `?path=P`.
+/// `?path=P[&step=N]`.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct PathQuery {
     /// Path inside the sandbox.
     pub path: Option<String>,
+    /// Trajectory step (see [`crate::trajectory`]).
+    #[serde(default)]
+    pub step: Option<u64>,
 }
 
 impl PathQuery {
-    fn get(self) -> ApiResult<String> {
-        match self.path {
-            Some(p) if !p.is_empty() => Ok(p),
+    fn get(&self) -> ApiResult<String> {
+        match &self.path {
+            Some(p) if !p.is_empty() => Ok(p.clone()),
             _ => Err(ServerError::invalid("missing query parameter `path`")),
         }
     }
 }
 
-/// `PUT …/files?path=P`, raw body → 204. Atomic on the node (temp file, fsync, rename).
+/// Header set to `true` on a file answer that came from the trajectory log.
+pub const REPLAYED_HEADER: &str = "sandlot-replayed";
+
+fn with_replayed(mut resp: Response, replayed: bool) -> Response {
+    if replayed {
+        resp.headers_mut()
+            .insert(REPLAYED_HEADER, HeaderValue::from_static("true"));
+    }
+    resp
+}
+
+fn wrong_kind(q: &PathQuery) -> ServerError {
+    ServerError::new(
+        ErrorCode::Internal,
+        format!("logged step {:?} has another kind", q.step),
+    )
+}
+
+/// `PUT …/files?path=P[&step=N]`, raw body → 204 (`Sandlot-Replayed: true` when replayed).
+/// Atomic on the node (temp file, fsync, rename).
 pub async fn write(
     State(st): State<SharedState>,
     Path(id): Path<String>,
     Query(q): Query<PathQuery>,
     body: Result<Bytes, axum::extract::rejection::BytesRejection>,
-) -> ApiResult<StatusCode> {
+) -> ApiResult<Response> {
     let path = q.get()?;
-    let body = body?;
-    running(&st, &id)?;
-    st.node.write_file(&id, &path, body).await?;
-    Ok(StatusCode::NO_CONTENT)
+    let data = body?;
+    let rec = running(&st, &id)?;
+    let (_, replayed) = call(&st, &rec, q.step, StepRequest::WriteFile { path, data }).await?;
+    Ok(with_replayed(
+        StatusCode::NO_CONTENT.into_response(),
+        replayed,
+    ))
 }
 
-/// `GET …/files?path=P` → the bytes, `application/octet-stream`.
+/// `GET …/files?path=P[&step=N]` → the bytes, `application/octet-stream`. Logged only with
+/// `step`.
 pub async fn read(
     State(st): State<SharedState>,
     Path(id): Path<String>,
     Query(q): Query<PathQuery>,
 ) -> ApiResult<Response> {
     let path = q.get()?;
-    running(&st, &id)?;
-    let data = st
-        .node
-        .read_file(&id, &path, st.cfg.max_file_bytes as u64)
-        .await?;
-    Ok(([(header::CONTENT_TYPE, "application/octet-stream")], data).into_response())
+    let rec = running(&st, &id)?;
+    match call(&st, &rec, q.step, StepRequest::ReadFile { path }).await? {
+        (StepResult::Data(data), replayed) => Ok(with_replayed(
+            ([(header::CONTENT_TYPE, "application/octet-stream")], data).into_response(),
+            replayed,
+        )),
+        _ => Err(wrong_kind(&q)),
+    }
 }
 
-/// `DELETE …/files?path=P` → 204 (a directory is removed recursively).
+/// `DELETE …/files?path=P[&step=N]` → 204 (a directory is removed recursively;
+/// `Sandlot-Replayed: true` when replayed).
 pub async fn remove(
     State(st): State<SharedState>,
     Path(id): Path<String>,
     Query(q): Query<PathQuery>,
-) -> ApiResult<StatusCode> {
+) -> ApiResult<Response> {
     let path = q.get()?;
-    running(&st, &id)?;
-    st.node.remove_file(&id, &path).await?;
-    Ok(StatusCode::NO_CONTENT)
+    let rec = running(&st, &id)?;
+    let (_, replayed) = call(&st, &rec, q.step, StepRequest::RemoveFile { path }).await?;
+    Ok(with_replayed(
+        StatusCode::NO_CONTENT.into_response(),
+        replayed,
+    ))
 }
 
-/// `GET …/files/list?path=P` → `{"entries": [...]}` sorted by name.
+/// `GET …/files/list?path=P[&step=N]` → `{"entries": [...]}` sorted by name. Logged only
+/// with `step`.
 pub async fn list(
     State(st): State<SharedState>,
     Path(id): Path<String>,
     Query(q): Query<PathQuery>,
-) -> ApiResult<Json<FileList>> {
+) -> ApiResult<Response> {
     let path = q.get()?;
-    running(&st, &id)?;
-    let entries = st.node.list_dir(&id, &path).await?;
-    Ok(Json(FileList { entries }))
+    let rec = running(&st, &id)?;
+    match call(&st, &rec, q.step, StepRequest::ListDir { path }).await? {
+        (StepResult::List(entries), replayed) => Ok(with_replayed(
+            Json(FileList { entries }).into_response(),
+            replayed,
+        )),
+        _ => Err(wrong_kind(&q)),
+    }
 }

@@ -11,10 +11,13 @@
 //! | `POST/GET /v1/sandboxes`, `GET/DELETE /v1/sandboxes/{id}`, `POST …/keepalive` | [`sandboxes`] |
 //! | `POST /v1/sandboxes/{id}/exec[?stream=true]` | [`exec`] |
 //! | `PUT/GET/DELETE /v1/sandboxes/{id}/files?path=P`, `GET …/files/list?path=P` | [`files`] |
+//! | `POST /v1/sandboxes:pause`, `POST /v1/sandboxes:resume` | [`pause`] |
+//! | `GET/DELETE /v1/trajectories/{*id}`; step semantics of exec and files | [`trajectory`] |
 //! | `POST /run_code` (SandboxFusion-compatible) | [`run_code`] |
 //! | `GET /v1/ping`, `/healthz`, `/metrics`, `/openapi.json` | [`health`] |
 //!
-//! Errors map to HTTP in one place, [`error`].
+//! The trajectory log lives behind [`trajectory_store::TrajectoryStore`] (SQLite in
+//! `DATA/trajectories.db`). Errors map to HTTP in one place, [`error`].
 #![deny(missing_docs)]
 
 pub mod error;
@@ -22,9 +25,12 @@ pub mod exec;
 pub mod files;
 pub mod health;
 pub mod lifecycle;
+pub mod pause;
 pub mod run_code;
 pub mod sandboxes;
 pub mod store;
+pub mod trajectory;
+pub mod trajectory_store;
 
 #[cfg(test)]
 mod fake;
@@ -66,6 +72,14 @@ pub struct ServerConfig {
     pub idempotency_ttl: Duration,
     /// How long a clean shutdown waits for in-flight requests (default 10 s).
     pub shutdown_grace: Duration,
+    /// Trajectory logs whose last activity is older than this and whose sandbox is gone are
+    /// deleted (default 168 h; `sandlot up --trajectory-retention-h`).
+    pub trajectory_retention: Duration,
+    /// Period of the trajectory retention pass (default 60 s).
+    pub trajectory_gc_interval: Duration,
+    /// `synchronous=FULL` for the trajectory log: a logged step also survives power loss, at
+    /// one fsync per step (default false: `NORMAL`, survives a crash of the server process).
+    pub trajectory_fsync: bool,
 }
 
 impl ServerConfig {
@@ -85,6 +99,9 @@ impl ServerConfig {
             reap_interval: Duration::from_secs(1),
             idempotency_ttl: Duration::from_secs(24 * 3600),
             shutdown_grace: Duration::from_secs(10),
+            trajectory_retention: Duration::from_secs(168 * 3600),
+            trajectory_gc_interval: Duration::from_secs(60),
+            trajectory_fsync: false,
         }
     }
 }
@@ -104,6 +121,12 @@ pub struct AppState {
     /// Ids whose `node.create` is in flight in this process; the reaper leaves them to
     /// their creator, which rolls them back itself.
     pub creating: std::sync::Mutex<std::collections::HashSet<String>>,
+    /// The trajectory log.
+    pub trajectories: Arc<dyn trajectory_store::TrajectoryStore>,
+    /// Per-trajectory locks serialising the calls of one trajectory.
+    pub traj_locks: trajectory::Locks,
+    /// When the last trajectory retention pass ran, Unix ms.
+    pub last_traj_gc_ms: std::sync::atomic::AtomicI64,
 }
 
 /// Handler state: cheap to clone.
@@ -119,6 +142,10 @@ impl AppState {
             .with_context(|| format!("create data dir {}", cfg.data_dir.display()))?;
         let db = cfg.data_dir.join("sandlot.db");
         let store = store::Store::open(&db)?;
+        let trajectories = Arc::new(trajectory_store::SqliteTrajectoryStore::open(
+            &cfg.data_dir.join("trajectories.db"),
+            cfg.trajectory_fsync,
+        )?);
         let node_name = node.info().name;
         let run_code_gate = run_code::Gate::new(cfg.run_code_concurrency, cfg.run_code_queue);
         Ok(Arc::new(AppState {
@@ -128,6 +155,9 @@ impl AppState {
             node_name,
             run_code_gate,
             creating: Default::default(),
+            trajectories,
+            traj_locks: Default::default(),
+            last_traj_gc_ms: std::sync::atomic::AtomicI64::new(now_ms()),
         }))
     }
 }
@@ -178,6 +208,12 @@ pub fn router(state: SharedState) -> Router {
                 .layer(DefaultBodyLimit::max(state.cfg.max_file_bytes)),
         )
         .route("/v1/sandboxes/{id}/files/list", get(files::list))
+        .route("/v1/sandboxes:pause", post(pause::pause))
+        .route("/v1/sandboxes:resume", post(pause::resume))
+        .route(
+            "/v1/trajectories/{*id}",
+            get(trajectory::get).delete(trajectory::delete),
+        )
         .route("/run_code", post(run_code::run_code))
         .route("/v1/ping", get(health::ping))
         .route("/healthz", get(health::healthz))

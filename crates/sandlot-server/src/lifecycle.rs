@@ -5,8 +5,9 @@ use crate::{now_ms, SharedState};
 use sandlot_api::SandboxState;
 use std::collections::HashSet;
 
-/// After a (re)start: ask the node to re-adopt every sandbox whose record is `running`;
-/// adopted ones stay `running`, every other record (`creating`, `deleting`, `lost`, or
+/// After a (re)start: ask the node to re-adopt every sandbox whose record is `running` or
+/// `paused`; adopted ones keep their state (a paused sandbox's cgroup stays frozen across
+/// the restart), every other record (`creating`, `deleting`, `lost`, or
 /// `running` but not adopted) is removed, each with a log line. The node deletes its own
 /// leftovers that are not adopted.
 ///
@@ -16,7 +17,7 @@ pub async fn recover(st: &SharedState) -> anyhow::Result<()> {
     let records = st.store.list()?;
     let keep: Vec<String> = records
         .iter()
-        .filter(|r| r.state == SandboxState::Running)
+        .filter(|r| matches!(r.state, SandboxState::Running | SandboxState::Paused))
         .map(|r| r.id.clone())
         .collect();
     let adopted: HashSet<String> = st.node.readopt(&keep).await?.into_iter().collect();
@@ -73,6 +74,16 @@ pub async fn reap_once(st: &SharedState) -> Vec<String> {
     let cutoff = now - st.cfg.idempotency_ttl.as_millis() as i64;
     if let Err(e) = st.store.purge_keys(cutoff) {
         tracing::error!(error = %chain(&e), "reaper: purge idempotency keys");
+    }
+    let last = st
+        .last_traj_gc_ms
+        .load(std::sync::atomic::Ordering::Relaxed);
+    if now - last >= st.cfg.trajectory_gc_interval.as_millis() as i64 {
+        st.last_traj_gc_ms
+            .store(now, std::sync::atomic::Ordering::Relaxed);
+        if let Err(e) = crate::trajectory::gc(st).await {
+            tracing::error!(error = %chain(&e), "reaper: trajectory retention");
+        }
     }
     done
 }

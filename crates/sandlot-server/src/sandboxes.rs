@@ -106,14 +106,17 @@ fn check_image(name: &str) -> ApiResult<()> {
 /// disk 1024 MiB, pids 256, ttl 600 s).
 ///
 /// # Errors
-/// `invalid_argument` for out-of-range values or oversized maps; `unavailable` for
-/// `trajectory` (the trajectory log is not built yet).
+/// `invalid_argument` for out-of-range values, oversized maps, a bad trajectory id, or
+/// `restore` without `trajectory`.
 pub fn validate(req: &CreateSandboxRequest) -> ApiResult<Validated> {
-    if req.trajectory.is_some() {
-        return Err(ServerError::new(
-            ErrorCode::Unavailable,
-            "trajectory log not built yet: create the sandbox without `trajectory`",
-        ));
+    match &req.trajectory {
+        Some(t) => crate::trajectory::check_id(t)?,
+        None if req.restore.is_some() => {
+            return Err(ServerError::invalid(
+                "restore is only valid with trajectory",
+            ))
+        }
+        None => {}
     }
     let image = req
         .image
@@ -132,7 +135,7 @@ pub fn validate(req: &CreateSandboxRequest) -> ApiResult<Validated> {
         ttl_s: range("ttl_s", req.ttl_s.unwrap_or(600), 0, MAX_TTL_S)?,
         env: req.env.clone(),
         network: req.network.clone(),
-        trajectory: None,
+        trajectory: req.trajectory.clone(),
     };
     check_map("env", &spec.env, MAX_ENV_VALUE_BYTES)?;
     check_map("labels", &req.labels, MAX_LABEL_VALUE_BYTES)?;
@@ -275,6 +278,7 @@ pub async fn delete_sandbox(st: &SharedState, id: &str) -> ApiResult<()> {
         SandboxState::Deleting,
         SandboxState::Lost,
         SandboxState::Deleted,
+        SandboxState::Paused,
     ];
     st.store.transition(id, &all, SandboxState::Deleting)?;
     if rec.state == SandboxState::Creating {
@@ -301,6 +305,12 @@ pub fn running(st: &SharedState, id: &str) -> ApiResult<Record> {
         .store
         .get(id)?
         .ok_or_else(|| ServerError::no_sandbox(id))?;
+    if rec.state == SandboxState::Paused {
+        return Err(ServerError::new(
+            ErrorCode::Conflict,
+            format!("sandbox is paused: {id} (resume it with POST /v1/sandboxes:resume)"),
+        ));
+    }
     if rec.state != SandboxState::Running {
         return Err(ServerError::new(
             ErrorCode::Conflict,
@@ -310,7 +320,8 @@ pub fn running(st: &SharedState, id: &str) -> ApiResult<Record> {
     Ok(rec)
 }
 
-/// `POST /v1/sandboxes` → 201 `Sandbox` (200 on an idempotent replay).
+/// `POST /v1/sandboxes` → 201 `Sandbox` (200 on an idempotent replay). With `trajectory`:
+/// the rules of [`crate::trajectory::create_bound`] (200 on a reattach).
 pub async fn create(
     State(st): State<SharedState>,
     headers: HeaderMap,
@@ -329,6 +340,10 @@ pub async fn create(
             Some(k.to_owned())
         }
     };
+    if req.trajectory.is_some() {
+        let (status, sb) = crate::trajectory::create_bound(&st, req, key).await?;
+        return Ok((status, Json(sb)));
+    }
     let (rec, created) = create_sandbox(&st, req, BTreeMap::new(), key).await?;
     let status = if created {
         StatusCode::CREATED

@@ -123,6 +123,7 @@ impl Record {
             labels: self.labels.clone(),
             network: self.spec.network.clone(),
             trajectory: self.spec.trajectory.clone(),
+            restore: None,
         }
     }
 }
@@ -165,6 +166,8 @@ impl Store {
                 state TEXT NOT NULL, node TEXT NOT NULL, created_at INTEGER NOT NULL,
                 expires_at INTEGER, spec TEXT NOT NULL, labels TEXT NOT NULL);
              CREATE INDEX IF NOT EXISTS sandboxes_expires ON sandboxes(expires_at);
+             CREATE INDEX IF NOT EXISTS sandboxes_trajectory
+                ON sandboxes(json_extract(spec, '$.trajectory'));
              CREATE TABLE IF NOT EXISTS idempotency (
                 key TEXT PRIMARY KEY, digest TEXT NOT NULL, sandbox_id TEXT NOT NULL,
                 created_at INTEGER NOT NULL);",
@@ -258,6 +261,23 @@ impl Store {
             &format!("SELECT {COLS} FROM sandboxes ORDER BY created_at, rowid"),
             [],
         )
+    }
+
+    /// The live (`creating`, `running` or `paused`) record bound to `trajectory`, if any
+    /// (the oldest when, against the server's per-trajectory lock, there are several).
+    ///
+    /// # Errors
+    /// [`StoreError`] on SQLite failures or an undecodable row.
+    pub fn live_by_trajectory(&self, trajectory: &str) -> Result<Option<Record>> {
+        Ok(self
+            .select(
+                &format!(
+                    "SELECT {COLS} FROM sandboxes WHERE json_extract(spec, '$.trajectory') = ?1
+                     AND state IN ('creating', 'running', 'paused') ORDER BY created_at LIMIT 1"
+                ),
+                [trajectory],
+            )?
+            .pop())
     }
 
     /// Records whose `expires_at` is at or before `now_ms`, or stuck in `deleting`.

@@ -31,6 +31,13 @@
 //! result: `InvalidArgument` when the caller's input caused it (`user_error`), else
 //! `Internal`.
 //!
+//! Pause/resume: pause freezes the sandbox cgroup (v1 `freezer.state`, v2 `cgroup.freeze`;
+//! the freeze is hierarchical, so every exec group is frozen with it) and marks the jail
+//! paused: new execs and file calls answer `Conflict` ("sandbox is paused") until resume
+//! thaws it. An exec already running is frozen mid-flight and continues after resume; its
+//! timeout is wall-clock, so it keeps counting while paused. Delete thaws first, then kills.
+//! A re-adopted sandbox whose group is still frozen comes back paused.
+//!
 //! Known approximations:
 //! * disk: `disk_mib` bounds each file (RLIMIT_FSIZE) and the /tmp tmpfs, not the upper
 //!   dir as a whole (a project quota or a size-limited upper file system is a later step);
@@ -80,6 +87,8 @@ pub const NOFILE: u64 = 1024;
 const INIT_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long killing and removing cgroups may take.
 const KILL_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long freezing a sandbox's cgroup may take (pause).
+const FREEZE_TIMEOUT: Duration = Duration::from_secs(10);
 /// After the command ended: how long to wait for the output pipes to reach EOF before the
 /// exec cgroup is killed (it holds background children that keep the pipes open).
 const PIPE_GRACE: Duration = Duration::from_millis(50);
@@ -144,6 +153,21 @@ struct Jail {
     /// Fires when the sandbox is deleted, so running execs stop at once.
     killed: watch::Sender<bool>,
     next_exec: AtomicU64,
+    /// `true` while the sandbox's cgroup is frozen ([`SandboxBackend::pause`]); exec and
+    /// file calls answer `Conflict` then.
+    paused: std::sync::atomic::AtomicBool,
+}
+
+impl Jail {
+    fn check_not_paused(&self) -> NodeResult<()> {
+        if self.paused.load(Ordering::SeqCst) {
+            return Err(NodeError::Conflict(format!(
+                "sandbox is paused: {}",
+                self.state.id
+            )));
+        }
+        Ok(())
+    }
 }
 
 /// The function backend: sandboxes by id.
@@ -197,6 +221,7 @@ impl FunctionBackend {
                 "sandbox {id} is being deleted"
             )));
         }
+        jail.check_not_paused()?;
         let pid = jail.state.init_pid;
         let start = jail.state.init_starttime;
         let uid = jail.state.uid_base;
@@ -285,8 +310,12 @@ impl FunctionBackend {
 
     fn adopt(&self, state: JailState) -> Arc<Jail> {
         let (killed, _) = watch::channel(false);
+        let cgroup = self.cgroups.sandbox(&state.id);
+        // A sandbox paused by a previous process stays paused (the kernel keeps it frozen).
+        let paused = std::sync::atomic::AtomicBool::new(cgroup.group().freeze_requested());
         let jail = Arc::new(Jail {
-            cgroup: self.cgroups.sandbox(&state.id),
+            cgroup,
+            paused,
             state,
             deleting: RwLock::new(false),
             killed,
@@ -370,6 +399,7 @@ impl SandboxBackend for FunctionBackend {
         sink: Option<ExecSink>,
     ) -> NodeResult<ExecResult> {
         let jail = self.jail(id)?;
+        jail.check_not_paused()?;
         let plan = ExecPlan::new(&jail.state, req)?;
         run_exec(&self.cfg.guest_bin, &jail, plan, sink).await
     }
@@ -411,6 +441,42 @@ impl SandboxBackend for FunctionBackend {
             tracing::info!(sandbox = %id, backend = "function", "sandbox deleted");
         }
         res
+    }
+
+    async fn pause(&self, id: &str) -> NodeResult<()> {
+        let jail = self.jail(id)?;
+        // Under the read side of the lifecycle lock: no delete runs meanwhile.
+        let guard = jail.deleting.read().await;
+        if *guard {
+            return Err(NodeError::NotFound(format!(
+                "sandbox {id} is being deleted"
+            )));
+        }
+        // Set first so that no new exec starts while the freeze is in progress.
+        jail.paused.store(true, Ordering::SeqCst);
+        let g = jail.cgroup.group().clone();
+        let res = spawn_blocking(move || g.freeze(Instant::now() + FREEZE_TIMEOUT)).await;
+        if res.is_err() {
+            jail.paused.store(false, Ordering::SeqCst);
+        } else {
+            tracing::info!(sandbox = %id, backend = "function", "sandbox paused (cgroup frozen)");
+        }
+        res
+    }
+
+    async fn resume(&self, id: &str) -> NodeResult<()> {
+        let jail = self.jail(id)?;
+        let guard = jail.deleting.read().await;
+        if *guard {
+            return Err(NodeError::NotFound(format!(
+                "sandbox {id} is being deleted"
+            )));
+        }
+        let g = jail.cgroup.group().clone();
+        spawn_blocking(move || g.thaw()).await?;
+        jail.paused.store(false, Ordering::SeqCst);
+        tracing::info!(sandbox = %id, backend = "function", "sandbox resumed (cgroup thawed)");
+        Ok(())
     }
 
     fn list(&self) -> Vec<SandboxStatus> {
@@ -461,8 +527,14 @@ impl SandboxBackend for FunctionBackend {
                 let jail = self.adopt(state);
                 // Execs of the previous process lost their caller: end them.
                 let cg = jail.cgroup.clone();
+                let was_paused = jail.paused.load(Ordering::SeqCst);
                 let stale =
                     spawn_blocking(move || {
+                        // v1: tasks of a frozen parent cannot die; thaw for the cleanup and
+                        // freeze again afterwards.
+                        if was_paused {
+                            cg.group().thaw()?;
+                        }
                         let mut max = 0;
                         for c in cg.exec_children() {
                             if let Some(n) = c.dirs().next().and_then(|d| {
@@ -471,6 +543,9 @@ impl SandboxBackend for FunctionBackend {
                                 max = max.max(n);
                             }
                             c.destroy(KILL_TIMEOUT)?;
+                        }
+                        if was_paused {
+                            cg.group().freeze(Instant::now() + FREEZE_TIMEOUT)?;
                         }
                         Ok(max)
                     })
@@ -1070,6 +1145,11 @@ pub fn read_state(dir: &Path) -> Option<JailState> {
 /// overlay lives in the sandbox's mount namespace), remove `dir`.
 fn destroy_blocking(cg: &SandboxCgroup, dir: &Path) -> NodeResult<()> {
     let mut errs: Vec<NodeError> = Vec::new();
+    // A paused (frozen) sandbox is thawed first: on cgroup v1 frozen tasks do not die of
+    // SIGKILL until thawed, and freezing/thawing a child of a frozen parent has no effect.
+    if let Err(e) = cg.group().thaw() {
+        errs.push(e);
+    }
     if let Err(e) = cg.kill_all(KILL_TIMEOUT) {
         errs.push(e);
     }

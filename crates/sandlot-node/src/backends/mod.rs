@@ -43,6 +43,12 @@ pub trait SandboxBackend: Send + Sync {
     /// Remove a file or directory inside the sandbox.
     async fn remove_file(&self, id: &str, path: &str) -> NodeResult<()>;
 
+    /// Freeze every process of the sandbox (see [`crate::Node::pause`]).
+    async fn pause(&self, id: &str) -> NodeResult<()>;
+
+    /// Thaw a paused sandbox (see [`crate::Node::resume`]).
+    async fn resume(&self, id: &str) -> NodeResult<()>;
+
     /// Kill and remove a sandbox and every host resource of it; unknown ids are fine.
     async fn delete(&self, id: &str) -> NodeResult<()>;
 

@@ -1,0 +1,122 @@
+//! `POST /v1/sandboxes:pause` and `POST /v1/sandboxes:resume`: job-level freeze and thaw by
+//! label selector.
+//!
+//! Body `{"labels": {"k": "v", …}}` (AND of all pairs, at least one) → `{"sandboxes": [ids
+//! affected], "failed": [{"id", "error"}]}` (`failed` only when non-empty). Pause takes
+//! every matching `running` sandbox to `paused`: the record first (so new calls answer 409
+//! "sandbox is paused" at once), then the node freezes its processes; when the node fails,
+//! the record goes back to `running` and the sandbox is listed in `failed`. Resume thaws
+//! every matching `paused` sandbox on the node first, then sets `running`. Sandboxes in other
+//! states are not touched (and not listed). The sandboxes of one call are handled
+//! concurrently, in a task of their own (a client that goes away does not leave a record
+//! `paused` over a running sandbox). The TTL keeps counting while paused; delete works.
+use crate::error::{ApiResult, Json, ServerError};
+use crate::SharedState;
+use axum::extract::State;
+use sandlot_api::{ErrorCode, LabelSelector, PauseFailure, PauseResult, SandboxState};
+
+fn matching(st: &SharedState, sel: &LabelSelector, state: SandboxState) -> ApiResult<Vec<String>> {
+    if sel.labels.is_empty() {
+        return Err(ServerError::invalid(
+            "labels must hold at least one k: v pair (an empty selector would match every sandbox)",
+        ));
+    }
+    Ok(st
+        .store
+        .list()?
+        .into_iter()
+        .filter(|r| {
+            r.state == state
+                && sel
+                    .labels
+                    .iter()
+                    .all(|(k, v)| r.labels.get(k).is_some_and(|x| x == v))
+        })
+        .map(|r| r.id)
+        .collect())
+}
+
+async fn pause_one(st: SharedState, id: String) -> Result<Option<String>, PauseFailure> {
+    let fail = |e: ServerError| PauseFailure {
+        id: id.clone(),
+        error: e.api_error(),
+    };
+    match st
+        .store
+        .transition(&id, &[SandboxState::Running], SandboxState::Paused)
+    {
+        Ok(true) => {}
+        Ok(false) => return Ok(None), // deleted or paused meanwhile
+        Err(e) => return Err(fail(e.into())),
+    }
+    if let Err(e) = st.node.pause(&id).await {
+        tracing::warn!(sandbox_id = %id, error = %crate::error::chain(&e), "pause failed");
+        let _ = st
+            .store
+            .transition(&id, &[SandboxState::Paused], SandboxState::Running);
+        return Err(fail(e.into()));
+    }
+    tracing::info!(sandbox_id = %id, "sandbox paused");
+    Ok(Some(id))
+}
+
+async fn resume_one(st: SharedState, id: String) -> Result<Option<String>, PauseFailure> {
+    let fail = |e: ServerError| PauseFailure {
+        id: id.clone(),
+        error: e.api_error(),
+    };
+    if let Err(e) = st.node.resume(&id).await {
+        tracing::warn!(sandbox_id = %id, error = %crate::error::chain(&e), "resume failed");
+        return Err(fail(e.into()));
+    }
+    match st
+        .store
+        .transition(&id, &[SandboxState::Paused], SandboxState::Running)
+    {
+        Ok(true) => {
+            tracing::info!(sandbox_id = %id, "sandbox resumed");
+            Ok(Some(id))
+        }
+        Ok(false) => Ok(None), // deleted meanwhile
+        Err(e) => Err(fail(e.into())),
+    }
+}
+
+async fn run_all<F, Fut>(st: &SharedState, ids: Vec<String>, f: F) -> ApiResult<PauseResult>
+where
+    F: Fn(SharedState, String) -> Fut,
+    Fut: std::future::Future<Output = Result<Option<String>, PauseFailure>> + Send + 'static,
+{
+    let futs: Vec<Fut> = ids.into_iter().map(|id| f(st.clone(), id)).collect();
+    let outs = tokio::spawn(futures::future::join_all(futs))
+        .await
+        .map_err(|e| ServerError::new(ErrorCode::Internal, format!("pause task failed: {e}")))?;
+    let mut res = PauseResult::default();
+    for o in outs {
+        match o {
+            Ok(Some(id)) => res.sandboxes.push(id),
+            Ok(None) => {}
+            Err(f) => res.failed.push(f),
+        }
+    }
+    res.sandboxes.sort();
+    Ok(res)
+}
+
+/// `POST /v1/sandboxes:pause` → `PauseResult` (see module docs).
+pub async fn pause(
+    State(st): State<SharedState>,
+    Json(sel): Json<LabelSelector>,
+) -> ApiResult<Json<PauseResult>> {
+    let ids = matching(&st, &sel, SandboxState::Running)?;
+    Ok(Json(run_all(&st, ids, pause_one).await?))
+}
+
+/// `POST /v1/sandboxes:resume` → `PauseResult` (see module docs).
+pub async fn resume(
+    State(st): State<SharedState>,
+    Json(sel): Json<LabelSelector>,
+) -> ApiResult<Json<PauseResult>> {
+    let ids = matching(&st, &sel, SandboxState::Paused)?;
+    Ok(Json(run_all(&st, ids, resume_one).await?))
+}
