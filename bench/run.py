@@ -1083,9 +1083,9 @@ def section_memory(
 # ----------------------------------------------------------------------------- report
 
 
-def render(
-    meta: dict, rc: dict | None, fn: dict | None, mem: dict | None, notes: list[str]
-) -> str:
+def render(meta: dict, passes: list[dict], notes: list[str]) -> str:
+    """The Markdown section of one run: header, then per pass sections 1-2 (and 3 where
+    measured)."""
     L: list[str] = []
     m = meta["machine"]
     L.append(f"## {meta['date']} — {meta['mode']}")
@@ -1096,8 +1096,12 @@ def render(
         f"cgroup {m['cgroup']}, load average at start {m['loadavg']}"
     )
     L.append(
-        f"- Tree: commit {m['commit']}; server: {meta['server']}; python rootfs for baselines: `{meta['rootfs']}`"
+        f"- Tree: commit {m['commit']}; python rootfs for baselines: `{meta['rootfs']}`"
     )
+    for p in passes:
+        L.append(
+            f"- Server{' (' + p['label'] + ')' if p['label'] else ''}: {p['server']}"
+        )
     L.append(
         f"- Method: subjects interleaved in {meta['rounds']} rounds per concurrency (rotated order), "
         f"warm-up calls discarded; latency = client-side wall time per call; rate = calls completed / wall time."
@@ -1105,8 +1109,35 @@ def render(
     for n in notes:
         L.append(f"- {n}")
     L.append("")
+    for p in passes:
+        render_sections(L, p.get("rc"), p.get("fn"), p.get("mem"), p["label"])
+    if len(passes) == 2 and all(p.get("fn") for p in passes):
+        cold, warm = passes
+        L.append(f"### Warm pool vs cold ({warm['label']} / {cold['label']})")
+        L.append("")
+        for conc in (1, 8):
+            parts = []
+            for sec, subj in (("fn", "create+exec"), ("rc", "run_code")):
+                try:
+                    c = cold[sec]["by_conc"][conc][subj].p(50)
+                    w = warm[sec]["by_conc"][conc][subj].p(50)
+                except (KeyError, TypeError):
+                    continue
+                parts.append(
+                    f"{subj} p50 {fmt_ms(w)} vs {fmt_ms(c)} ms = {fmt_ratio(ratio(w, c))}"
+                )
+            L.append(f"- conc {conc}: " + "; ".join(parts))
+        L.append("")
+    return "\n".join(L).rstrip() + "\n"
+
+
+def render_sections(
+    L: list[str], rc: dict | None, fn: dict | None, mem: dict | None, label: str
+) -> None:
+    """Append sections 1-3 of one pass to `L` (each only when measured)."""
+    suffix = f" — {label}" if label else ""
     if rc:
-        L.append("### 1. `run_code` python `print(1)` vs baselines")
+        L.append(f"### 1. `run_code` python `print(1)` vs baselines{suffix}")
         L.append("")
         L.append(
             f"Baselines: chroot = `{rc['commands']['chroot']}`; bwrap = `{rc['commands']['bwrap']}`."
@@ -1157,11 +1188,11 @@ def render(
         L.append("")
     if fn:
         L.append(
-            f"### 2. `function` sandbox: create → first exec (`true`), image `{fn['image']}`"
+            f"### 2. `function` sandbox: create → first exec (`true`), image `{fn['image']}`{suffix}"
         )
         L.append("")
         L.append(
-            f"Warm pool: {fn['warm_pool']}. Timed window = `POST /v1/sandboxes` + `POST .../exec`; the delete "
+            f"Server configuration: {fn['warm_pool']}. Timed window = `POST /v1/sandboxes` + `POST .../exec`; the delete "
             f"follows outside the window but inside the loop, so 'cycles/s' is create+exec+delete cycles per second. "
             f"Baseline: `{fn['commands']['bwrap']}` (a fresh bubblewrap jail running `true`)."
         )
@@ -1194,7 +1225,7 @@ def render(
         L.append("")
     if mem:
         L.append(
-            f"### 3. Host memory per idle `function` sandbox ({mem.get('created', 0)} alive, image `{mem['image']}`)"
+            f"### 3. Host memory per idle `function` sandbox ({mem.get('created', 0)} alive, image `{mem['image']}`){suffix}"
         )
         L.append("")
         if mem.get("created"):
@@ -1254,14 +1285,13 @@ def render(
             L.append("")
             L.append(
                 f"- per sandbox (host) {per:.2f} MiB (target ≤ {TARGET_MEM_PER_SANDBOX_MIB} MiB: "
-                f"{verdict(per <= TARGET_MEM_PER_SANDBOX_MIB)}). Host figures include the server's own growth and "
+                f"{verdict(per <= TARGET_MEM_PER_SANDBOX_MIB) if per > 0 else 'n/a: not positive, host noise exceeded the signal; use more sandboxes'}). Host figures include the server's own growth and "
                 f"kernel objects (mounts, namespaces, page tables) and are exposed to other tenants' noise; "
                 f"compare 'after delete' with 'before'."
             )
         if mem.get("errors"):
             L.append(f"- errors: {'; '.join(mem['errors'][:3])}")
         L.append("")
-    return "\n".join(L).rstrip() + "\n"
 
 
 def error_lines(by_conc: dict) -> list[str]:
@@ -1313,6 +1343,122 @@ def upsert_section(text: str, key: str, body: str) -> str:
 
 
 # ----------------------------------------------------------------------------- main
+
+
+def default_warm_pool(binary: Path) -> int | None:
+    """The `--warm-pool` default from `sandlot up --help`, if it says one."""
+    m = re.search(
+        r"--warm-pool <[A-Z_]+>.*?\[default: (\d+)\]", server_flags(binary), re.DOTALL
+    )
+    return int(m.group(1)) if m else None
+
+
+def run_pass(
+    res: dict,
+    args: argparse.Namespace,
+    extra: list[str],
+    with_memory: bool,
+    run_id: str,
+    rootfs: Path,
+    n: int,
+    rounds: int,
+    mem_count: int,
+    skip: set[str],
+) -> int:
+    """Run the sections against one server configuration, filling `res` (rc, fn, mem,
+    server). Starts/stops the server with --start; deletes everything it created, also on
+    Ctrl-C/SIGTERM (the KeyboardInterrupt is re-raised after the cleanup). Returns 0, or 1
+    when sandboxes could not be deleted."""
+    server: Server | None = None
+    api: Api | None = None
+    rcode = 0
+    try:
+        if args.start:
+            server = Server(
+                Path(args.binary), Path(args.images_dir), extra, ready_timeout_s=60
+            )
+            print(
+                f"bench: starting {server.binary} up on {server.url} (log {server.log_path}) ...",
+                flush=True,
+            )
+            server.start()
+            built = _dt.datetime.fromtimestamp(
+                server.binary.stat().st_mtime, _dt.UTC
+            ).strftime("%Y-%m-%d %H:%M UTC")
+            res["server"] = (
+                f"`{shlex.join(server.cmd)}` (started by the harness; binary built {built})"
+            )
+        elif args.url:
+            check_loopback(args.url)
+            res["server"] = f"{args.url} (already running)"
+        url = server.url if server else args.url
+        if url:
+            api = Api(url, run_id)
+            r = api.request("GET", "/v1/ping")
+            if r.status_code != 200:
+                raise SystemExit(f"bench: {url}/v1/ping answered HTTP {r.status_code}")
+            api.prewarm(
+                9
+            )  # 8 workers + the main thread: connections open before timing
+            if (
+                server
+                and extra != ["--warm-pool", "0"]
+                and "--warm-pool" in server_flags(server.binary)
+            ):
+                time.sleep(2.0)  # let the warm pool fill before timing
+        if res["label"]:
+            print(f"bench: pass '{res['label']}'", flush=True)
+        if "runcode" not in skip:
+            res["rc"] = section_runcode(
+                api, rootfs, args.image, n, rounds, args.deadline
+            )
+        if api is not None and "function" not in skip:
+            fn = section_function(api, rootfs, args.image, n, rounds, args.deadline)
+            fn["image"] = args.image
+            fn["warm_pool"] = res["label"] or "none"
+            res["fn"] = fn
+        if api is not None and with_memory and "memory" not in skip:
+            res["mem"] = section_memory(
+                api,
+                args.mem_image or args.image,
+                mem_count,
+                8,
+                args.deadline,
+                server_pid=server.proc.pid if server and server.proc else None,
+                sandboxes_dir=server.tmp / "data" / "sandboxes" if server else None,
+            )
+    finally:
+        interrupted = STOP.is_set()
+        # Cleanup is bounded (threads: HTTP timeout + 5 s; deletes: 120 s) and must not be cut
+        # short by a second Ctrl-C, or sandboxes would outlive the run.
+        old_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        old_term = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        STOP.set()  # in-flight loops end at their next call
+        busy = join_workers(deadline_s=api.timeout_s + 5 if api else 5)
+        if not interrupted:
+            STOP.clear()
+        if busy:
+            print(
+                f"bench: WARNING: {busy} load threads still busy at cleanup",
+                file=sys.stderr,
+            )
+        if api is not None:
+            left = api.delete_all()
+            if left:
+                print(
+                    f"bench: WARNING: could not delete {len(left)} sandboxes: {left[:5]}",
+                    file=sys.stderr,
+                )
+                rcode = 1
+            api.close()
+        if server is not None:
+            server.stop()
+            if rcode or interrupted:
+                print(f"bench: server log tail:\n{server.tail()}", file=sys.stderr)
+            server.cleanup_dir()
+        signal.signal(signal.SIGINT, old_int)
+        signal.signal(signal.SIGTERM, old_term)
+    return rcode
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1373,6 +1519,11 @@ def main(argv: list[str] | None = None) -> int:
         "--rounds", type=int, help="interleaving rounds (default 4, quick 2)"
     )
     ap.add_argument(
+        "--warm-pool",
+        type=int,
+        help="warm-pool size of the warm pass (default: the server's own default)",
+    )
+    ap.add_argument(
         "--skip",
         default="",
         help="comma list of sections to skip: runcode,function,memory",
@@ -1407,12 +1558,13 @@ def main(argv: list[str] | None = None) -> int:
             )
             return 2
 
-    # SIGTERM behaves like Ctrl-C: stop loops, delete what we created, stop the server.
+    # Ctrl-C and SIGTERM: stop loops, delete what we created, stop the server.
     def on_term(signum, frame):
         STOP.set()
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, on_term)
 
     run_id = f"{int(time.time())}-{os.getpid()}"
     now = _dt.datetime.now(_dt.UTC)
@@ -1434,131 +1586,97 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine(),
         "rootfs": str(rootfs),
         "rounds": rounds,
-        "server": "none (baselines only)",
     }
     notes: list[str] = []
-    server: Server | None = None
-    api: Api | None = None
-    rc = fn = mem = None
+    warm, why = has_warm_pool(Path(args.binary))
+    # Passes: one server configuration each. With --start and a server that has a warm pool,
+    # a cold pass (--warm-pool 0, also the memory test: pure per-sandbox cost) and a warm
+    # pass (the server's default pool, or --warm-pool N); otherwise one pass.
+    if args.start and warm and "--warm-pool" in server_flags(Path(args.binary)):
+        size = (
+            args.warm_pool
+            if args.warm_pool is not None
+            else default_warm_pool(Path(args.binary))
+        )
+        warm_extra = (
+            [] if args.warm_pool is None else ["--warm-pool", str(args.warm_pool)]
+        )
+        plan = [
+            ("cold: --warm-pool 0", ["--warm-pool", "0"], True),
+            (
+                f"warm pool: {size} ready jails per image"
+                + (" (server default)" if args.warm_pool is None else ""),
+                warm_extra,
+                False,
+            ),
+        ]
+    elif args.start or args.url:
+        plan = [("" if not warm else f"warm pool: server as started ({why})", [], True)]
+        if not warm:
+            notes.append(
+                "No warm pool in this server (no --warm-pool flag, no warm_pool in sandlot-node)."
+            )
+    else:
+        plan = [("", [], False)]
+        notes.append("No server given (--url/--start): only the baselines ran.")
+    print(
+        f"bench: machine {meta['machine']}\nbench: rootfs {rootfs}; {n} calls/subject/concurrency, "
+        f"{rounds} rounds; passes: {[p[0] or 'default' for p in plan]}",
+        flush=True,
+    )
+    passes: list[dict] = []
     rcode = 0
     try:
-        if args.start:
-            server = Server(
-                Path(args.binary), Path(args.images_dir), [], ready_timeout_s=60
-            )
-            print(
-                f"bench: starting {server.binary} up on {server.url} (log {server.log_path}) ...",
-                flush=True,
-            )
-            server.start()
-            built = _dt.datetime.fromtimestamp(
-                server.binary.stat().st_mtime, _dt.UTC
-            ).strftime("%Y-%m-%d %H:%M UTC")
-            meta["server"] = (
-                f"`{shlex.join(server.cmd)}` (started by the harness; binary built {built})"
-            )
-        elif args.url:
-            check_loopback(args.url)
-            meta["server"] = f"{args.url} (already running)"
-        url = server.url if server else args.url
-        if url:
-            api = Api(url, run_id)
-            r = api.request("GET", "/v1/ping")
-            if r.status_code != 200:
-                raise SystemExit(f"bench: {url}/v1/ping answered HTTP {r.status_code}")
-            api.prewarm(
-                9
-            )  # 8 workers + the main thread, connections open before timing
-        else:
-            notes.append("No server given (--url/--start): only the baselines ran.")
-        warm, why = has_warm_pool(Path(args.binary))
-        if warm:
-            notes.append(
-                f"Warm pool detected ({why}) but this harness does not yet toggle it: "
-                f"the function figures are whatever the server's default is."
-            )
-
-        print(
-            f"bench: machine {meta['machine']}\nbench: rootfs {rootfs}; {n} calls/subject/concurrency, "
-            f"{rounds} rounds",
-            flush=True,
-        )
-        if "runcode" not in skip:
-            rc = section_runcode(api, rootfs, args.image, n, rounds, args.deadline)
-        if api is not None and "function" not in skip:
-            fn = section_function(api, rootfs, args.image, n, rounds, args.deadline)
-            fn["image"] = args.image
-            fn["warm_pool"] = why
-        if api is not None and "memory" not in skip:
-            mem = section_memory(
-                api,
-                args.mem_image or args.image,
+        for label, extra, with_memory in plan:
+            res = {"label": label, "server": "none (baselines only)"}
+            passes.append(res)
+            rcode = run_pass(
+                res,
+                args,
+                extra,
+                with_memory,
+                run_id,
+                rootfs,
+                n,
+                rounds,
                 mem_count,
-                8,
-                args.deadline,
-                server_pid=server.proc.pid if server and server.proc else None,
-                sandboxes_dir=server.tmp / "data" / "sandboxes" if server else None,
+                skip,
             )
+            if rcode:
+                break
     except KeyboardInterrupt:
         STOP.set()
         print("\nbench: interrupted; cleaning up", file=sys.stderr)
         notes.append("Interrupted: partial figures.")
         rcode = 130
-    finally:
-        STOP.set()
-        # Cleanup is bounded (threads: HTTP timeout + 5 s; deletes: 120 s) and must not be cut
-        # short by a second Ctrl-C, or sandboxes would outlive the run.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        busy = join_workers(deadline_s=api.timeout_s + 5 if api else 5)
-        if busy:
-            print(
-                f"bench: WARNING: {busy} load threads still busy at cleanup",
-                file=sys.stderr,
-            )
-        if api is not None:
-            left = api.delete_all()
-            if left:
-                print(
-                    f"bench: WARNING: could not delete {len(left)} sandboxes: {left[:5]}",
-                    file=sys.stderr,
-                )
-                rcode = rcode or 1
-            api.close()
-        if server is not None:
-            server.stop()
-            if rcode:
-                print(f"bench: server log tail:\n{server.tail()}", file=sys.stderr)
-            server.cleanup_dir()
 
     notes.append(
         "Load average at end: "
         + loadavg()
         + " (2 cores shared with other builds: figures above ~2 mean contention)."
     )
-    report = render(meta, rc, fn, mem, notes)
+    report = render(meta, passes, notes)
     print()
     print(report)
     if args.json:
+
+        def samples_json(sec: dict | None) -> dict | None:
+            if not sec:
+                return sec
+            return {
+                **sec,
+                "by_conc": {
+                    c: {k: s.to_json() for k, s in v.items()}
+                    for c, v in sec["by_conc"].items()
+                },
+            }
+
         raw = {
             "meta": meta,
-            "run_code": rc
-            and {
-                **rc,
-                "by_conc": {
-                    c: {k: s.to_json() for k, s in v.items()}
-                    for c, v in rc["by_conc"].items()
-                },
-            },
-            "function": fn
-            and {
-                **fn,
-                "by_conc": {
-                    c: {k: s.to_json() for k, s in v.items()}
-                    for c, v in fn["by_conc"].items()
-                },
-            },
-            "memory": mem,
+            "passes": [
+                {**p, "rc": samples_json(p.get("rc")), "fn": samples_json(p.get("fn"))}
+                for p in passes
+            ],
         }
         Path(args.json).write_text(json.dumps(raw, indent=2, default=str))
     if args.write:
