@@ -87,6 +87,13 @@ struct UpArgs {
     /// Largest file upload in MiB.
     #[arg(long, default_value_t = 256)]
     max_file_mib: usize,
+    /// Ready `function` jails kept per warm-pool image, so a create only hands one over
+    /// (0 = no warm pool). Pooled jails are real processes and count toward the host.
+    #[arg(long, default_value_t = 4)]
+    warm_pool: usize,
+    /// Images the warm pool keeps jails of (comma-separated).
+    #[arg(long, value_delimiter = ',', default_value = "python")]
+    warm_pool_images: Vec<String>,
 }
 
 #[derive(Args, Clone)]
@@ -329,6 +336,8 @@ async fn up(a: UpArgs) -> anyhow::Result<u8> {
     if let Some(n) = a.node_name {
         ncfg.name = n;
     }
+    ncfg.warm_pool = a.warm_pool;
+    ncfg.warm_pool_images = a.warm_pool_images;
     let node = sandlot_node::LocalNode::open(ncfg).context("open local node")?;
     let mut cfg = sandlot_server::ServerConfig::new(a.data_dir);
     cfg.listen = a.listen;

@@ -8,6 +8,7 @@
 //! # Ok(()) }
 //! ```
 use crate::backends::function::{FunctionBackend, FunctionConfig};
+use crate::backends::pool::PoolConfig;
 use crate::backends::AnyBackend;
 use crate::cgroups::CgroupRoot;
 use crate::images::ImageStore;
@@ -35,6 +36,12 @@ pub struct NodeConfig {
     /// [`default_cgroup_parent`]: one per data directory). Two nodes on one host need
     /// different names: `readopt` removes every group under its parent that it does not know.
     pub cgroup_parent: String,
+    /// Ready `function` jails kept per image in [`NodeConfig::warm_pool_images`] (default 0:
+    /// no warm pool). The pool starts after the first [`Node::readopt`]; see
+    /// [`crate::backends::pool`].
+    pub warm_pool: usize,
+    /// Image names the warm pool keeps jails of (default empty).
+    pub warm_pool_images: Vec<String>,
 }
 
 impl NodeConfig {
@@ -52,6 +59,8 @@ impl NodeConfig {
             data_dir,
             guest_bin: default_guest_bin(),
             uid_base: 100_000,
+            warm_pool: 0,
+            warm_pool_images: Vec::new(),
         }
     }
 }
@@ -86,6 +95,7 @@ pub struct LocalNode {
     cgroup_version: String,
     images: ImageStore,
     backends: Vec<AnyBackend>,
+    pool: PoolConfig,
 }
 
 impl LocalNode {
@@ -137,12 +147,39 @@ impl LocalNode {
             cgroup_version,
             images,
             backends,
+            pool: PoolConfig {
+                per_image: cfg.warm_pool,
+                images: cfg.warm_pool_images,
+            },
         })
     }
 
     /// The node's image store.
     pub fn images(&self) -> &ImageStore {
         &self.images
+    }
+
+    /// Ready warm-pool jails per image (empty when the pool is off or not started yet).
+    pub fn warm_pool_ready(&self) -> std::collections::BTreeMap<String, usize> {
+        self.function()
+            .and_then(|f| f.warm_pool())
+            .map(|p| p.ready())
+            .unwrap_or_default()
+    }
+
+    /// Warm-pool hand-overs and creates that found no usable pooled jail, since start.
+    pub fn warm_pool_stats(&self) -> (u64, u64) {
+        self.function()
+            .and_then(|f| f.warm_pool())
+            .map(|p| p.stats())
+            .unwrap_or_default()
+    }
+
+    fn function(&self) -> Option<&FunctionBackend> {
+        self.backends.iter().find_map(|b| match b {
+            AnyBackend::Function(f) => Some(f),
+            _ => None,
+        })
     }
 
     fn backend(&self, kind: Backend) -> NodeResult<&dyn crate::backends::SandboxBackend> {
@@ -265,6 +302,10 @@ impl Node for LocalNode {
         let mut all = Vec::new();
         for b in self.backends.iter().filter_map(|b| b.get().ok()) {
             all.extend(b.readopt(keep).await?);
+        }
+        // The warm pool starts once the previous process's leftovers are gone.
+        if let Some(f) = self.function() {
+            f.start_warm_pool(self.images.clone(), self.pool.clone())?;
         }
         Ok(all)
     }

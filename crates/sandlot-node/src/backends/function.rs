@@ -141,6 +141,18 @@ pub struct JailState {
     pub uid_base: u32,
     /// Limits and environment.
     pub spec: StoredSpec,
+    /// Name of the sandbox's cgroup when it is not the id: a sandbox handed over by the
+    /// warm pool keeps the cgroup it was built in (`wp-<hex>`; see [`super::pool`]).
+    /// Absent in older files and for cold-created sandboxes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cgroup: Option<String>,
+}
+
+impl JailState {
+    /// Name of the sandbox's cgroup under the node's parent group.
+    pub fn cgroup_name(&self) -> &str {
+        self.cgroup.as_deref().unwrap_or(&self.id)
+    }
 }
 
 /// One running sandbox.
@@ -175,6 +187,8 @@ pub struct FunctionBackend {
     cfg: FunctionConfig,
     cgroups: CgroupRoot,
     jails: Mutex<HashMap<String, Arc<Jail>>>,
+    /// The warm pool, once started ([`FunctionBackend::start_warm_pool`]).
+    pool: std::sync::OnceLock<super::pool::WarmPool>,
 }
 
 impl FunctionBackend {
@@ -193,6 +207,7 @@ impl FunctionBackend {
             cfg,
             cgroups,
             jails: Mutex::new(HashMap::new()),
+            pool: std::sync::OnceLock::new(),
         })
     }
 
@@ -247,70 +262,15 @@ impl FunctionBackend {
         cg: &SandboxCgroup,
         ready: &mut Option<InitReady>,
     ) -> NodeResult<JailState> {
-        let uid = self.cfg.uid_base;
-        let d = dir.to_path_buf();
-        let limits = Limits {
-            memory_bytes: spec.memory_mib.saturating_mul(1 << 20),
-            cpu: spec.cpu,
-            pids_max: spec.pids_max,
-        };
-        let cg2 = cg.clone();
-        spawn_blocking(move || {
-            make_dirs(&d, uid)?;
-            cg2.create(&limits)
-        })
-        .await?;
-
-        let init = InitSpec {
-            lowerdirs: image
-                .layers
-                .iter()
-                .map(|p| p.display().to_string())
-                .collect(),
-            upperdir: dir.join("upper").display().to_string(),
-            workdir: dir.join("work").display().to_string(),
-            rootfs: dir.join("rootfs").display().to_string(),
-            hostname: spec.id.clone(),
-            uid_base: uid,
-            uid_count: UID_COUNT,
-            cgroup_procs: cg
-                .group()
-                .procs_files()
-                .iter()
-                .map(|p| p.display().to_string())
-                .collect(),
-            // tmpfs pages are charged to the sandbox's memory cgroup, so the memory limit
-            // bounds /tmp too; disk_mib bounds it further.
-            tmp_mib: spec.disk_mib.min(spec.memory_mib).max(1),
-        };
-        let r = run_init(&self.cfg.guest_bin, &init).await?;
-        *ready = Some(r.clone());
-
-        let state = JailState {
-            id: spec.id.clone(),
-            backend: Backend::Function,
-            image: image.name.clone(),
-            image_env: image.env.clone(),
-            init_pid: r.pid,
-            init_starttime: r.starttime,
-            uid_base: uid,
-            spec: StoredSpec {
-                cpu: spec.cpu,
-                memory_mib: spec.memory_mib,
-                disk_mib: spec.disk_mib,
-                pids_max: spec.pids_max,
-                env: spec.env.clone(),
-            },
-        };
-        let st = state.clone();
-        let d = dir.to_path_buf();
-        spawn_blocking(move || write_state(&d, &st)).await?;
-        Ok(state)
+        // tmpfs pages are charged to the sandbox's memory cgroup, so the memory limit
+        // bounds /tmp too; disk_mib bounds it further.
+        let tmp_mib = spec.disk_mib.min(spec.memory_mib).max(1);
+        build_jail(&self.cfg, spec, image, dir, cg, tmp_mib, ready).await
     }
 
     fn adopt(&self, state: JailState) -> Arc<Jail> {
         let (killed, _) = watch::channel(false);
-        let cgroup = self.cgroups.sandbox(&state.id);
+        let cgroup = self.cgroups.sandbox(state.cgroup_name());
         // A sandbox paused by a previous process stays paused (the kernel keeps it frozen).
         let paused = std::sync::atomic::AtomicBool::new(cgroup.group().freeze_requested());
         let jail = Arc::new(Jail {
@@ -328,10 +288,57 @@ impl FunctionBackend {
         jail
     }
 
+    /// Whether cgroup `name` belongs to a known sandbox (under another name: handed over
+    /// by the warm pool) or to the warm pool itself.
+    fn cgroup_in_use(&self, name: &str) -> bool {
+        self.jails
+            .lock()
+            .unwrap()
+            .values()
+            .any(|j| j.state.cgroup_name() == name)
+            || self.pool.get().is_some_and(|p| p.owns(name))
+    }
+
+    /// Start the warm pool (see [`super::pool`]); a second call does nothing. Call it after
+    /// `readopt`, which clears the previous process's cgroups first.
+    ///
+    /// # Errors
+    /// `Internal` when the pool directory or its thread cannot be created.
+    pub fn start_warm_pool(
+        &self,
+        images: crate::images::ImageStore,
+        cfg: super::pool::PoolConfig,
+    ) -> NodeResult<()> {
+        if self.pool.get().is_some() || cfg.per_image == 0 || cfg.images.is_empty() {
+            return Ok(());
+        }
+        let pool =
+            super::pool::WarmPool::start(self.cfg.clone(), self.cgroups.clone(), images, cfg)?;
+        // A concurrent caller may have won: its pool stays, ours is dropped (and stops).
+        let _ = self.pool.set(pool);
+        Ok(())
+    }
+
+    /// The warm pool, when started.
+    pub fn warm_pool(&self) -> Option<&super::pool::WarmPool> {
+        self.pool.get()
+    }
+
     /// Kill everything of sandbox `id` and remove its cgroups and directory.
     async fn destroy(&self, id: &str) -> NodeResult<()> {
-        let cg = self.cgroups.sandbox(id);
         let dir = self.dir_of(id);
+        // The cgroup may carry another name (handed over by the warm pool): the jail's or
+        // the state file's record, else the id.
+        let known = self
+            .jails
+            .lock()
+            .unwrap()
+            .get(id)
+            .map(|j| j.state.cgroup_name().to_string());
+        let name = known
+            .or_else(|| read_state(&dir).and_then(|s| s.cgroup))
+            .unwrap_or_else(|| id.to_string());
+        let cg = self.cgroups.sandbox(&name);
         spawn_blocking(move || destroy_blocking(&cg, &dir)).await
     }
 }
@@ -367,6 +374,26 @@ impl SandboxBackend for FunctionBackend {
                 )))
             }
             Err(e) => return Err(NodeError::io(format!("create {}", dir.display()), e)),
+        }
+        // Warm pool: hand a ready jail over; on any failure fall through to a cold create
+        // in the same (still empty) claimed directory.
+        if let Some(pool) = self.pool.get() {
+            if let Some(p) = pool.take(spec, image).await {
+                let name = p.name.clone();
+                let res = pool.hand_over(p, spec, image, &dir).await;
+                match res {
+                    Ok(state) => {
+                        self.adopt(state);
+                        pool.release(&name);
+                        tracing::info!(sandbox = %spec.id, backend = "function", image = %image.name, pooled = %name, "sandbox created from the warm pool");
+                        return Ok(());
+                    }
+                    Err(e) => {
+                        pool.release(&name);
+                        tracing::warn!(sandbox = %spec.id, pooled = %name, error = %e, "pooled jail unusable; creating cold");
+                    }
+                }
+            }
         }
         let cg = self.cgroups.sandbox(&spec.id);
         let mut ready = None;
@@ -521,7 +548,7 @@ impl SandboxBackend for FunctionBackend {
             let state = read_state(&self.dir_of(&name));
             let alive = state
                 .as_ref()
-                .map(|s| proc_starttime(s.init_pid) == Some(s.init_starttime))
+                .map(|s| s.id == name && proc_starttime(s.init_pid) == Some(s.init_starttime))
                 .unwrap_or(false);
             if let (Some(state), true, true) = (state, alive, keep.contains(&name)) {
                 let jail = self.adopt(state);
@@ -565,7 +592,7 @@ impl SandboxBackend for FunctionBackend {
         }
         // Cgroups without a sandbox directory (e.g. the directory was removed by hand).
         for id in self.cgroups.list_sandboxes() {
-            if !adopted.contains(&id) && !self.has(&id) {
+            if !adopted.contains(&id) && !self.has(&id) && !self.cgroup_in_use(&id) {
                 let cg = self.cgroups.sandbox(&id);
                 if let Err(e) = spawn_blocking(move || cg.group().destroy(KILL_TIMEOUT)).await {
                     errors.push(e.to_string());
@@ -585,6 +612,78 @@ impl SandboxBackend for FunctionBackend {
             ))
         }
     }
+}
+
+/// Build and start a jail for `spec` in the claimed directory `dir` with cgroup `cg` and a
+/// /tmp tmpfs of `tmp_mib` MiB; writes `state.json`. On error the caller removes what was
+/// left (directory and cgroup). Used by cold creates and by the warm pool.
+pub(crate) async fn build_jail(
+    cfg: &FunctionConfig,
+    spec: &SandboxSpec,
+    image: &Image,
+    dir: &Path,
+    cg: &SandboxCgroup,
+    tmp_mib: u64,
+    ready: &mut Option<InitReady>,
+) -> NodeResult<JailState> {
+    let uid = cfg.uid_base;
+    let d = dir.to_path_buf();
+    let limits = Limits {
+        memory_bytes: spec.memory_mib.saturating_mul(1 << 20),
+        cpu: spec.cpu,
+        pids_max: spec.pids_max,
+    };
+    let cg2 = cg.clone();
+    spawn_blocking(move || {
+        make_dirs(&d, uid)?;
+        cg2.create(&limits)
+    })
+    .await?;
+
+    let init = InitSpec {
+        lowerdirs: image
+            .layers
+            .iter()
+            .map(|p| p.display().to_string())
+            .collect(),
+        upperdir: dir.join("upper").display().to_string(),
+        workdir: dir.join("work").display().to_string(),
+        rootfs: dir.join("rootfs").display().to_string(),
+        hostname: spec.id.clone(),
+        uid_base: uid,
+        uid_count: UID_COUNT,
+        cgroup_procs: cg
+            .group()
+            .procs_files()
+            .iter()
+            .map(|p| p.display().to_string())
+            .collect(),
+        tmp_mib,
+    };
+    let r = run_init(&cfg.guest_bin, &init).await?;
+    *ready = Some(r.clone());
+
+    let state = JailState {
+        id: spec.id.clone(),
+        backend: Backend::Function,
+        image: image.name.clone(),
+        image_env: image.env.clone(),
+        init_pid: r.pid,
+        init_starttime: r.starttime,
+        uid_base: uid,
+        cgroup: None,
+        spec: StoredSpec {
+            cpu: spec.cpu,
+            memory_mib: spec.memory_mib,
+            disk_mib: spec.disk_mib,
+            pids_max: spec.pids_max,
+            env: spec.env.clone(),
+        },
+    };
+    let st = state.clone();
+    let d = dir.to_path_buf();
+    spawn_blocking(move || write_state(&d, &st)).await?;
+    Ok(state)
 }
 
 /// A validated exec, ready to hand to `sandlot-guest exec`.
@@ -1118,21 +1217,22 @@ fn make_dirs(dir: &Path, uid: u32) -> NodeResult<()> {
     own(&dir.join("rootfs"), 0o755)
 }
 
-fn write_state(dir: &Path, state: &JailState) -> NodeResult<()> {
+/// Write `state.json` atomically (temp file + rename(2)), without fsync: the file only has
+/// to outlive the node process, not the host. The page cache survives a process crash;
+/// after a host crash every jail is dead anyway, and a torn or missing file makes
+/// `readopt` remove the directory as a leftover. (An fsync here cost ~13 ms per create on
+/// an ext4 virtual disk, most of a create.)
+pub(crate) fn write_state(dir: &Path, state: &JailState) -> NodeResult<()> {
     let tmp = dir.join("state.json.tmp");
     let dst = dir.join("state.json");
     let json = serde_json::to_vec_pretty(state).expect("JailState serialises");
     let mut f = std::fs::File::create(&tmp)
         .map_err(|e| NodeError::io(format!("create {}", tmp.display()), e))?;
     f.write_all(&json)
-        .and_then(|_| f.sync_all())
         .map_err(|e| NodeError::io(format!("write {}", tmp.display()), e))?;
+    drop(f);
     std::fs::rename(&tmp, &dst)
-        .map_err(|e| NodeError::io(format!("rename {} to {}", tmp.display(), dst.display()), e))?;
-    if let Ok(d) = std::fs::File::open(dir) {
-        let _ = d.sync_all();
-    }
-    Ok(())
+        .map_err(|e| NodeError::io(format!("rename {} to {}", tmp.display(), dst.display()), e))
 }
 
 /// The state of the sandbox in `dir`, if it has a readable `state.json`.
@@ -1143,7 +1243,7 @@ pub fn read_state(dir: &Path) -> Option<JailState> {
 
 /// Kill, remove cgroups, unmount anything left under `dir` (there should be nothing: the
 /// overlay lives in the sandbox's mount namespace), remove `dir`.
-fn destroy_blocking(cg: &SandboxCgroup, dir: &Path) -> NodeResult<()> {
+pub(crate) fn destroy_blocking(cg: &SandboxCgroup, dir: &Path) -> NodeResult<()> {
     let mut errs: Vec<NodeError> = Vec::new();
     // A paused (frozen) sandbox is thawed first: on cgroup v1 frozen tasks do not die of
     // SIGKILL until thawed, and freezing/thawing a child of a frozen parent has no effect.
@@ -1314,6 +1414,7 @@ mod tests {
             init_pid: 1,
             init_starttime: 1,
             uid_base: 100000,
+            cgroup: None,
             spec: StoredSpec {
                 cpu: 1.0,
                 memory_mib: 64,

@@ -5,6 +5,7 @@
 //! host cannot run, is still listed ([`AnyBackend::Unavailable`]) and answers every call with
 //! `NodeError::Unavailable` and the reason, instead of vanishing.
 pub mod function;
+pub mod pool;
 
 use crate::images::Image;
 use crate::node::{ExecSink, NodeError, NodeResult, SandboxSpec, SandboxStatus};

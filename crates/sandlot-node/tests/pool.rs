@@ -1,0 +1,465 @@
+//! The warm pool of the `function` backend end to end: a real `LocalNode` with
+//! `warm_pool` on, the real `sandlot-guest`, a busybox image built by
+//! `ImageStore::build_busybox`. Needs root, cgroups and the guest binary
+//! (`cargo build -p sandlot-guest`, or `SANDLOT_GUEST_BIN`); each test prints why it skips.
+//!
+//! `cargo test -p sandlot-node --test pool -- --nocapture` prints cold vs pooled create
+//! latency.
+use sandlot_api::{Backend, Cmd, ExecRequest};
+use sandlot_node::backends::function::{proc_starttime, read_state};
+use sandlot_node::backends::pool::POOL_PREFIX;
+use sandlot_node::cgroups::CgroupRoot;
+use sandlot_node::{LocalNode, Node, NodeConfig, SandboxSpec};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+struct Env {
+    node: Option<Arc<LocalNode>>,
+    cfg: NodeConfig,
+    _tmp: tempfile::TempDir,
+}
+
+impl Env {
+    fn node(&self) -> &LocalNode {
+        self.node.as_ref().unwrap()
+    }
+
+    fn cgroups(&self) -> CgroupRoot {
+        CgroupRoot::detect()
+            .unwrap()
+            .with_parent(&self.cfg.cgroup_parent)
+    }
+
+    fn sandbox_dir(&self, id: &str) -> PathBuf {
+        self.cfg.data_dir.join("sandboxes").join(id)
+    }
+
+    fn pool_dir(&self) -> PathBuf {
+        self.cfg.data_dir.join("warm-pool")
+    }
+
+    /// Names of the entries of `DATA/warm-pool`.
+    fn pool_entries(&self) -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(self.pool_dir())
+            .map(|rd| {
+                rd.flatten()
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .collect()
+            })
+            .unwrap_or_default();
+        v.sort();
+        v
+    }
+
+    /// The value of a limit file of sandbox `id`'s cgroup (by the name in its state).
+    fn cgroup_file(&self, cgroup: &str, v1: &str, v2: &str) -> String {
+        let g = self.cgroups().sandbox(cgroup);
+        for d in g.group().dirs() {
+            for f in [v1, v2] {
+                if let Ok(s) = std::fs::read_to_string(d.join(f)) {
+                    return s.trim().to_string();
+                }
+            }
+        }
+        panic!("no {v1} / {v2} in the cgroup {cgroup}");
+    }
+
+    async fn wait_ready(&self, image: &str, n: usize) {
+        let end = Instant::now() + Duration::from_secs(30);
+        while self
+            .node()
+            .warm_pool_ready()
+            .get(image)
+            .copied()
+            .unwrap_or(0)
+            < n
+        {
+            assert!(
+                Instant::now() < end,
+                "warm pool did not reach {n} ready {image} jails: {:?}",
+                self.node().warm_pool_ready()
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+}
+
+impl Drop for Env {
+    fn drop(&mut self) {
+        if let Some(node) = self.node.take() {
+            std::thread::scope(|s| {
+                s.spawn(|| {
+                    let rt = tokio::runtime::Builder::new_current_thread()
+                        .enable_all()
+                        .build()
+                        .unwrap();
+                    rt.block_on(async {
+                        for st in node.list().await.unwrap() {
+                            let _ = node.delete(&st.id).await;
+                        }
+                    })
+                })
+                .join()
+                .unwrap()
+            });
+            // Dropping the node stops the pool and destroys its jails.
+            drop(node);
+        }
+        let _ = self.cgroups().remove_parent();
+    }
+}
+
+fn guest_bin() -> PathBuf {
+    if let Some(p) = std::env::var_os("SANDLOT_GUEST_BIN") {
+        return PathBuf::from(p);
+    }
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/debug/sandlot-guest")
+}
+
+static SEQ: AtomicU32 = AtomicU32::new(0);
+
+fn config(test: &str, pool: usize) -> Option<(NodeConfig, tempfile::TempDir)> {
+    if !nix::unistd::Uid::effective().is_root() {
+        eprintln!("SKIP {test}: needs root (namespaces, cgroups)");
+        return None;
+    }
+    if let Err(e) = CgroupRoot::detect() {
+        eprintln!("SKIP {test}: no usable cgroups: {e}");
+        return None;
+    }
+    let guest = guest_bin();
+    if !guest.exists() {
+        eprintln!(
+            "SKIP {test}: {} missing; run `cargo build -p sandlot-guest` or set SANDLOT_GUEST_BIN",
+            guest.display()
+        );
+        return None;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let mut cfg = NodeConfig::new(tmp.path().join("data"));
+    cfg.guest_bin = guest;
+    cfg.name = "pool-test-node".into();
+    cfg.cgroup_parent = format!(
+        "sandlot-pooltest-{}-{}",
+        std::process::id(),
+        SEQ.fetch_add(1, Ordering::SeqCst)
+    );
+    cfg.warm_pool = pool;
+    cfg.warm_pool_images = vec!["busybox".into()];
+    Some((cfg, tmp))
+}
+
+/// A node with a warm pool of `pool` busybox jails, started (readopt done).
+async fn setup(test: &str, pool: usize) -> Option<Env> {
+    let (cfg, tmp) = config(test, pool)?;
+    let node = LocalNode::open(cfg.clone()).unwrap();
+    if let Err(e) = node.images().build_busybox() {
+        eprintln!("SKIP {test}: cannot build the busybox image: {e}");
+        return None;
+    }
+    node.readopt(&[]).await.unwrap();
+    Some(Env {
+        node: Some(Arc::new(node)),
+        cfg,
+        _tmp: tmp,
+    })
+}
+
+/// Server defaults (512 MiB, 1 GiB disk): the pool can serve it.
+fn spec(id: &str) -> SandboxSpec {
+    SandboxSpec {
+        id: id.into(),
+        backend: Backend::Function,
+        image: "busybox".into(),
+        cpu: 0.5,
+        memory_mib: 512,
+        disk_mib: 1024,
+        pids_max: 64,
+        env: [("SB_VAR".to_string(), "from-sandbox".to_string())]
+            .into_iter()
+            .collect(),
+    }
+}
+
+async fn sh(node: &LocalNode, id: &str, script: &str) -> sandlot_api::ExecResult {
+    let mut r = ExecRequest::new(Cmd::Shell(script.into()));
+    r.timeout_s = Some(30.0);
+    node.exec(id, &r, None)
+        .await
+        .unwrap_or_else(|e| panic!("exec {script:?} in {id}: {e}"))
+}
+
+/// Cgroup name recorded for `id`: a `wp-` name when the sandbox came from the pool.
+fn cgroup_of(env: &Env, id: &str) -> String {
+    read_state(&env.sandbox_dir(id))
+        .unwrap_or_else(|| panic!("no state.json for {id}"))
+        .cgroup_name()
+        .to_string()
+}
+
+fn pooled(env: &Env, id: &str) -> bool {
+    cgroup_of(env, id).starts_with(POOL_PREFIX)
+}
+
+/// Every host trace of cgroup `name` and sandbox dir `id` is gone, and `pid` is dead.
+async fn assert_gone(env: &Env, id: &str, cgroup: &str, pid: i32) {
+    let end = Instant::now() + Duration::from_secs(10);
+    loop {
+        let cg = env.cgroups().sandbox(cgroup).group().exists();
+        let dir = env.sandbox_dir(id).exists();
+        let alive = proc_starttime(pid).is_some();
+        if !cg && !dir && !alive {
+            return;
+        }
+        assert!(
+            Instant::now() < end,
+            "{id} left: cgroup {cgroup} {cg}, dir {dir}, init {pid} alive {alive}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+fn p50(v: &mut [f64]) -> f64 {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    v[v.len() / 2]
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pooled_create_is_used_works_and_deletes_clean() {
+    let Some(env) = setup("pooled_create_is_used_works_and_deletes_clean", 2).await else {
+        return;
+    };
+    let n = env.node();
+    env.wait_ready("busybox", 2).await;
+    assert!(
+        n.list().await.unwrap().is_empty(),
+        "pooled jails are not sandboxes"
+    );
+    assert_eq!(env.pool_entries().len(), 2);
+
+    let t = Instant::now();
+    n.create(&spec("sb-pooled")).await.unwrap();
+    let took = t.elapsed();
+    assert!(pooled(&env, "sb-pooled"), "the create did not use the pool");
+    assert_eq!(n.warm_pool_stats().0, 1);
+    eprintln!("pooled create took {took:?}");
+
+    // It works like any sandbox: exec, env, host name, files, limits.
+    let r = sh(n, "sb-pooled", "echo hi; echo $SB_VAR; hostname; pwd").await;
+    assert_eq!(r.exit_code, 0, "{r:?}");
+    assert_eq!(r.stdout, "hi\nfrom-sandbox\nsb-pooled\n/workspace\n");
+    n.write_file("sb-pooled", "/workspace/a.txt", "data".into())
+        .await
+        .unwrap();
+    assert_eq!(
+        n.read_file("sb-pooled", "/workspace/a.txt", 100)
+            .await
+            .unwrap(),
+        b"data"
+    );
+    assert_eq!(sh(n, "sb-pooled", "cat a.txt").await.stdout, "data");
+    let names: Vec<String> = n
+        .list_dir("sb-pooled", "/workspace")
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|e| e.name)
+        .collect();
+    assert!(names.contains(&"a.txt".to_string()), "{names:?}");
+    let cg = cgroup_of(&env, "sb-pooled");
+    assert_eq!(
+        env.cgroup_file(&cg, "memory.limit_in_bytes", "memory.max"),
+        (512u64 << 20).to_string()
+    );
+    assert_eq!(env.cgroup_file(&cg, "pids.max", "pids.max"), "64");
+    let cpu = env.cgroup_file(&cg, "cpu.cfs_quota_us", "cpu.max");
+    assert!(cpu.starts_with("50000"), "cpu quota {cpu}");
+    let state = read_state(&env.sandbox_dir("sb-pooled")).unwrap();
+    assert_eq!(state.id, "sb-pooled");
+    assert_eq!(state.spec.memory_mib, 512);
+    let pid = state.init_pid;
+
+    // The pool refills.
+    env.wait_ready("busybox", 2).await;
+
+    // Delete leaves nothing: directory, cgroup (under its pooled name), processes.
+    n.delete("sb-pooled").await.unwrap();
+    assert_gone(&env, "sb-pooled", &cg, pid).await;
+    assert!(n
+        .exec(
+            "sb-pooled",
+            &ExecRequest::new(Cmd::Shell("true".into())),
+            None
+        )
+        .await
+        .is_err());
+
+    // Cold (a /tmp bound the pool cannot give: disk < memory) vs pooled create latency.
+    let (mut cold, mut warm) = (Vec::new(), Vec::new());
+    for i in 0..8 {
+        let mut s = spec(&format!("sb-cold-{i}"));
+        s.disk_mib = 64;
+        let t = Instant::now();
+        n.create(&s).await.unwrap();
+        cold.push(t.elapsed().as_secs_f64() * 1000.0);
+        assert!(!pooled(&env, &s.id));
+        env.wait_ready("busybox", 1).await;
+        let id = format!("sb-warm-{i}");
+        let t = Instant::now();
+        n.create(&spec(&id)).await.unwrap();
+        warm.push(t.elapsed().as_secs_f64() * 1000.0);
+        assert!(pooled(&env, &id));
+        assert_eq!(sh(n, &id, "echo ok").await.stdout, "ok\n");
+        n.delete(&s.id).await.unwrap();
+        n.delete(&id).await.unwrap();
+    }
+    let (c, w) = (p50(&mut cold), p50(&mut warm));
+    eprintln!("create p50: cold {c:.2} ms, pooled {w:.2} ms (8 each)");
+    assert!(
+        w < c,
+        "pooled create ({w:.2} ms) is not faster than cold ({c:.2} ms)"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_lower_and_higher_than_the_pool_default() {
+    let Some(env) = setup("memory_lower_and_higher_than_the_pool_default", 2).await else {
+        return;
+    };
+    let n = env.node();
+    for (id, mib) in [("sb-small", 32u64), ("sb-big", 2048u64)] {
+        env.wait_ready("busybox", 1).await;
+        let mut s = spec(id);
+        s.memory_mib = mib;
+        n.create(&s).await.unwrap();
+        assert!(pooled(&env, id), "{id} did not use the pool");
+        let cg = cgroup_of(&env, id);
+        assert_eq!(
+            env.cgroup_file(&cg, "memory.limit_in_bytes", "memory.max"),
+            (mib << 20).to_string(),
+            "{id}"
+        );
+        assert_eq!(sh(n, id, "echo ok").await.stdout, "ok\n");
+    }
+    // The small limit is enforced: a 64 MiB buffer in a 32 MiB sandbox is OOM-killed.
+    let mut req = ExecRequest::new(Cmd::Shell(
+        "dd if=/dev/zero of=/dev/null bs=64M count=1".into(),
+    ));
+    req.timeout_s = Some(20.0);
+    let r = n.exec("sb-small", &req, None).await.unwrap();
+    assert!(
+        r.oom_killed && !r.timed_out,
+        "64 MiB fit in a 32 MiB sandbox: {r:?}"
+    );
+    // ...and the same buffer fits in the 2 GiB one.
+    let r = n.exec("sb-big", &req, None).await.unwrap();
+    assert_eq!((r.exit_code, r.oom_killed), (0, false), "{r:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_creates_beyond_the_pool_fall_back_to_cold() {
+    let Some(env) = setup("concurrent_creates_beyond_the_pool_fall_back_to_cold", 1).await else {
+        return;
+    };
+    let node = env.node.clone().unwrap();
+    env.wait_ready("busybox", 1).await;
+    let mut tasks = Vec::new();
+    for i in 0..5 {
+        let node = node.clone();
+        tasks.push(tokio::spawn(async move {
+            node.create(&spec(&format!("sb-c{i}"))).await
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap().unwrap();
+    }
+    let mut n_pooled = 0;
+    for i in 0..5 {
+        let id = format!("sb-c{i}");
+        assert_eq!(
+            sh(&node, &id, "echo $SB_VAR").await.stdout,
+            "from-sandbox\n"
+        );
+        n_pooled += usize::from(pooled(&env, &id));
+    }
+    let (hits, misses) = node.warm_pool_stats();
+    eprintln!("5 concurrent creates, pool of 1: {n_pooled} pooled, hits {hits}, misses {misses}");
+    assert!(n_pooled >= 1, "none used the pool");
+    assert!(n_pooled < 5, "all five pooled with a pool of one");
+    assert_eq!(hits as usize, n_pooled);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restart_removes_pool_jails_and_readopts_real_ones() {
+    let Some(env) = setup("restart_removes_pool_jails_and_readopts_real_ones", 2).await else {
+        return;
+    };
+    let n1 = env.node();
+    env.wait_ready("busybox", 2).await;
+    n1.create(&spec("sb-keep")).await.unwrap();
+    assert!(pooled(&env, "sb-keep"));
+    n1.write_file("sb-keep", "/workspace/k.txt", "kept".into())
+        .await
+        .unwrap();
+    env.wait_ready("busybox", 2).await;
+    let old: Vec<String> = env.pool_entries();
+    assert_eq!(old.len(), 2, "{old:?}");
+    let old_pids: Vec<i32> = old
+        .iter()
+        .map(|p| read_state(&env.pool_dir().join(p)).unwrap().init_pid)
+        .collect();
+
+    // A second process on the same data dir (the first one "crashed": it is left alone
+    // and idle, its pool full).
+    let n2 = LocalNode::open(env.cfg.clone()).unwrap();
+    let adopted = n2.readopt(&["sb-keep".to_string()]).await.unwrap();
+    assert_eq!(adopted, ["sb-keep"]);
+    // The old pool's jails are gone (processes, cgroups, directories)...
+    let end = Instant::now() + Duration::from_secs(10);
+    loop {
+        let dirs_left = old.iter().any(|p| env.pool_dir().join(p).exists());
+        let cg_left = old
+            .iter()
+            .any(|p| env.cgroups().sandbox(p).group().exists());
+        let alive = old_pids.iter().any(|p| proc_starttime(*p).is_some());
+        if !dirs_left && !cg_left && !alive {
+            break;
+        }
+        assert!(
+            Instant::now() < end,
+            "old pool left: dirs {dirs_left}, cgroups {cg_left}, alive {alive}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // ...the new one refills with new jails...
+    let end = Instant::now() + Duration::from_secs(30);
+    while n2.warm_pool_ready().get("busybox").copied().unwrap_or(0) < 2 {
+        assert!(Instant::now() < end, "new pool did not fill");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let new = env.pool_entries();
+    assert!(
+        new.iter().all(|p| !old.contains(p)),
+        "old {old:?} new {new:?}"
+    );
+    // ...and the pooled sandbox is re-adopted and works.
+    assert_eq!(
+        sh(&n2, "sb-keep", "cat k.txt; echo; hostname").await.stdout,
+        "kept\nsb-keep\n"
+    );
+    assert_eq!(
+        n2.read_file("sb-keep", "/workspace/k.txt", 10)
+            .await
+            .unwrap(),
+        b"kept"
+    );
+    let cg = cgroup_of(&env, "sb-keep");
+    let pid = read_state(&env.sandbox_dir("sb-keep")).unwrap().init_pid;
+    n2.delete("sb-keep").await.unwrap();
+    assert_gone(&env, "sb-keep", &cg, pid).await;
+    // Dropping a pool destroys its own jails and nothing else.
+    drop(n2);
+    assert!(env.pool_entries().is_empty(), "{:?}", env.pool_entries());
+}
