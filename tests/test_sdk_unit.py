@@ -192,3 +192,22 @@ class socket_closed_port:
 
     def __exit__(self, *exc):
         return False
+
+
+def test_stale_keepalive_connection_is_retried_only_for_idempotent_methods():
+    """A server that closed a kept-alive connection before answering (as after a 413 on
+    that connection) costs an idempotent call one retry; a POST is never re-sent."""
+    calls = {"DELETE": 0, "POST": 0}
+
+    def routes(req):
+        calls[req.method] += 1
+        if calls[req.method] == 1:
+            raise httpx.RemoteProtocolError("Server disconnected without sending a response.")
+        return httpx.Response(204)
+
+    client, _fake = fake_client(routes)
+    client.delete(SB["id"])
+    assert calls["DELETE"] == 2
+    with pytest.raises(sandlot.TransportError):
+        client._request("POST", "/v1/sandboxes/x/exec", json={"cmd": "true"})
+    assert calls["POST"] == 1

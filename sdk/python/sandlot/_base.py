@@ -141,14 +141,22 @@ def retry_delay(attempt: int, err: Optional[SandlotError]) -> float:
     return min(5.0, 0.1 * (2 ** attempt)) * (0.5 + random.random() / 2)
 
 
-def is_retryable(err: BaseException) -> bool:
-    """True for failures where the server did nothing, so sending again is safe: HTTP 429,
-    any answer with ``Retry-After`` (overload is answered before any work, e.g. a
-    ``run_code`` that found no free slot: 504 + Retry-After) and connection setup failures."""
+IDEMPOTENT_METHODS = frozenset({"GET", "HEAD", "PUT", "DELETE"})
+
+
+def is_retryable(err: BaseException, method: str = "POST") -> bool:
+    """True for failures where sending again is safe: HTTP 429, any answer with
+    ``Retry-After`` (overload is answered before any work, e.g. a ``run_code`` that found
+    no free slot: 504 + Retry-After), connection setup failures, and — for idempotent
+    methods (GET, HEAD, PUT, DELETE; RFC 9110 §9.2.2) only — a kept-alive connection that
+    the server closed before answering (``httpx.RemoteProtocolError``, e.g. after it
+    refused an oversize body on that connection)."""
     if isinstance(err, ResourceExhausted):
         return True
     if isinstance(err, SandlotError) and err.retry_after is not None:
         return True
+    if isinstance(err, httpx.RemoteProtocolError):
+        return method.upper() in IDEMPOTENT_METHODS
     return isinstance(err, (httpx.ConnectError, httpx.ConnectTimeout))
 
 

@@ -56,7 +56,7 @@ class AsyncClient:
                     raise
                 err: Optional[SandlotError] = e
             except httpx.HTTPError as e:
-                if attempt >= self.retries or not _base.is_retryable(e):
+                if attempt >= self.retries or not _base.is_retryable(e, method):
                     raise TransportError(f"{method} {self.url}{path}: {e!r}") from e
                 err = None
             await asyncio.sleep(_base.retry_delay(attempt, err))

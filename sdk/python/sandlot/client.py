@@ -53,7 +53,7 @@ class Client:
                     raise
                 err: Optional[SandlotError] = e
             except httpx.HTTPError as e:
-                if attempt >= self.retries or not _base.is_retryable(e):
+                if attempt >= self.retries or not _base.is_retryable(e, method):
                     raise TransportError(f"{method} {self.url}{path}: {e!r}") from e
                 err = None
             time.sleep(_base.retry_delay(attempt, err))
