@@ -17,6 +17,8 @@ printf '\n==> sandlot up --listen %s --data-dir %s\n' "$listen" "$data_dir"
 pid=$!
 stop() {
   kill -TERM "$pid" 2>/dev/null && wait "$pid" 2>/dev/null || true
+  # run_code deletes every sandbox it makes; remove the data dir unless one is left.
+  if [ -z "$(ls -A "$data_dir/sandboxes" 2>/dev/null)" ]; then rm -rf "$data_dir"; fi
 }
 trap stop EXIT
 
@@ -29,4 +31,4 @@ done
 curl -fsS "$SANDLOT_URL/v1/ping" >/dev/null || { echo "sandlot up did not answer:"; tail -50 "$log"; exit 1; }
 
 printf '\n==> examples/humaneval.py (HumanEval, 164 problems, via POST /run_code)\n'
-python3 examples/humaneval.py --url "$SANDLOT_URL" "$@"
+.venv/bin/python examples/humaneval.py --url "$SANDLOT_URL" "$@"

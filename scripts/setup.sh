@@ -34,8 +34,15 @@ fi
 step "Rust build (release)"
 cargo build --release --locked --workspace --bins
 
-step "Python SDK and test/example dependencies"
-python3 -m pip install -q --disable-pip-version-check -e "sdk/python[test]"
+step "Python SDK and test/example dependencies (virtual environment .venv)"
+# A project-local venv: no change to the machine's Python, and no PEP 668 refusal on a
+# Debian-managed python3. Debian's python3 needs python3-venv for this.
+if ! python3 -c 'import venv, ensurepip' 2>/dev/null; then
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends python3-venv
+fi
+[ -x .venv/bin/python ] || python3 -m venv .venv
+.venv/bin/python -m pip install -q --disable-pip-version-check -e "sdk/python[test]"
 
 step "Images (busybox, python) in $SANDLOT_IMAGES_DIR"
 mkdir -p "$SANDLOT_IMAGES_DIR" "$SANDLOT_CACHE_DIR"

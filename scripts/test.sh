@@ -15,4 +15,4 @@ printf '\n==> cargo test (release profile: shares the build with setup)\n'
 cargo test --release --locked --workspace -- --test-threads=2
 
 printf '\n==> pytest tests/ (end to end, through the Python SDK)\n'
-python3 -m pytest -q -rs tests/
+.venv/bin/python -m pytest -q -rfEs tests/
