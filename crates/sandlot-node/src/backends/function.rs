@@ -309,12 +309,14 @@ impl FunctionBackend {
         images: crate::images::ImageStore,
         cfg: super::pool::PoolConfig,
     ) -> NodeResult<()> {
+        // Serialised: a second pool starting in parallel would sweep the first one's jails.
+        static START: Mutex<()> = Mutex::new(());
+        let _once = START.lock().unwrap_or_else(|e| e.into_inner());
         if self.pool.get().is_some() || cfg.per_image == 0 || cfg.images.is_empty() {
             return Ok(());
         }
         let pool =
             super::pool::WarmPool::start(self.cfg.clone(), self.cgroups.clone(), images, cfg)?;
-        // A concurrent caller may have won: its pool stays, ours is dropped (and stops).
         let _ = self.pool.set(pool);
         Ok(())
     }
