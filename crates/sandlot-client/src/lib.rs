@@ -21,8 +21,16 @@ use bytes::Bytes;
 use futures::{Stream, StreamExt};
 use sandlot_api::{
     ApiError, CreateSandboxRequest, ErrorBody, ErrorCode, ExecEvent, ExecRequest, ExecResult,
-    FileEntry, FileList, KeepaliveRequest, RunCodeRequest, RunCodeResponse, Sandbox, SandboxList,
+    FileEntry, FileList, KeepaliveRequest, LabelSelector, PauseResult, RunCodeRequest,
+    RunCodeResponse, Sandbox, SandboxList, TrajectoryInfo,
 };
+
+/// True when a file answer came from the trajectory log (`Sandlot-Replayed: true`).
+fn replayed(resp: &reqwest::Response) -> bool {
+    resp.headers()
+        .get("sandlot-replayed")
+        .is_some_and(|v| v.as_bytes() == b"true")
+}
 use serde::de::DeserializeOwned;
 use std::pin::Pin;
 
@@ -305,6 +313,83 @@ impl Client {
     /// `not_found`.
     pub async fn remove_file(&self, id: &str, path: &str) -> Result<()> {
         let url = self.file_url(id, "", path);
+        self.send(&url, self.http.delete(&url)).await.map(drop)
+    }
+
+    /// `PUT /v1/sandboxes/{id}/files?path=P&step=N`: a logged write on a trajectory
+    /// sandbox. Returns whether the answer came from the log (`Sandlot-Replayed: true`).
+    ///
+    /// # Errors
+    /// As [`write_file`](Self::write_file); `conflict` when step `N` was logged with other
+    /// data, `invalid_argument` for a step beyond the next one.
+    pub async fn write_file_step(
+        &self,
+        id: &str,
+        path: &str,
+        data: impl Into<Bytes>,
+        step: u64,
+    ) -> Result<bool> {
+        let url = format!("{}&step={step}", self.file_url(id, "", path));
+        let rb = self
+            .http
+            .put(&url)
+            .header("content-type", "application/octet-stream")
+            .body(data.into());
+        Ok(replayed(&self.send(&url, rb).await?))
+    }
+
+    /// `DELETE /v1/sandboxes/{id}/files?path=P&step=N`: a logged remove. Returns whether the
+    /// answer came from the log.
+    ///
+    /// # Errors
+    /// As [`remove_file`](Self::remove_file) and [`write_file_step`](Self::write_file_step).
+    pub async fn remove_file_step(&self, id: &str, path: &str, step: u64) -> Result<bool> {
+        let url = format!("{}&step={step}", self.file_url(id, "", path));
+        Ok(replayed(&self.send(&url, self.http.delete(&url)).await?))
+    }
+
+    /// `POST /v1/sandboxes:pause` with a label selector (every pair must match) → ids paused.
+    ///
+    /// # Errors
+    /// `invalid_argument` for an empty selector.
+    pub async fn pause(&self, labels: &[(&str, &str)]) -> Result<PauseResult> {
+        self.pause_resume("pause", labels).await
+    }
+
+    /// `POST /v1/sandboxes:resume` with a label selector → ids resumed.
+    ///
+    /// # Errors
+    /// `invalid_argument` for an empty selector.
+    pub async fn resume(&self, labels: &[(&str, &str)]) -> Result<PauseResult> {
+        self.pause_resume("resume", labels).await
+    }
+
+    async fn pause_resume(&self, verb: &str, labels: &[(&str, &str)]) -> Result<PauseResult> {
+        let url = self.url(&format!("/v1/sandboxes:{verb}"));
+        let sel = LabelSelector {
+            labels: labels
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+        };
+        self.json(&url, self.http.post(&url).json(&sel)).await
+    }
+
+    /// `GET /v1/trajectories/{id}` → the log (steps, digests, exit codes, replay counts).
+    ///
+    /// # Errors
+    /// `not_found` for an unknown trajectory.
+    pub async fn trajectory(&self, trajectory: &str) -> Result<TrajectoryInfo> {
+        let url = self.url(&format!("/v1/trajectories/{}", enc(trajectory)));
+        self.json(&url, self.http.get(&url)).await
+    }
+
+    /// `DELETE /v1/trajectories/{id}`: delete the log (not the sandbox); fine when unknown.
+    ///
+    /// # Errors
+    /// Transport errors, `invalid_argument` for a malformed id.
+    pub async fn delete_trajectory(&self, trajectory: &str) -> Result<()> {
+        let url = self.url(&format!("/v1/trajectories/{}", enc(trajectory)));
         self.send(&url, self.http.delete(&url)).await.map(drop)
     }
 

@@ -167,7 +167,12 @@ fn identity_hostname_network_and_pids_are_the_sandboxs() {
     // lo is up: `ip link` shows it UP, and a TCP connection over 127.0.0.1 works.
     let out = sb.exec(&["ip", "link", "show", "lo"]);
     assert!(out.stdout.contains("UP"), "{out:?}");
-    let out = sb.sh("nc -l -p 7000 > /tmp/got & sleep 0.3; echo over-lo | nc 127.0.0.1 7000; sleep 0.2; cat /tmp/got");
+    // Poll until the listener accepts (no fixed sleep: this must hold on a loaded host).
+    let out = sb.sh(
+        "nc -l -p 7000 > /tmp/got & \
+         for i in $(seq 1 100); do echo over-lo | nc 127.0.0.1 7000 2>/dev/null && break; sleep 0.05; done; \
+         wait; cat /tmp/got",
+    );
     assert_eq!(out.stdout, "over-lo\n", "{out:?}");
 
     // The sandbox sees only its own processes: init (pid 1), the orphaned sleep, and the

@@ -338,25 +338,17 @@ fn rfc3339(ms: i64) -> String {
 }
 
 /// `GET /v1/trajectories/{*id}` (id percent-encoded; it may contain `/`) →
-/// `TrajectoryInfo`; 404 when there is neither a log nor a live sandbox bound to it.
+/// `TrajectoryInfo`; 404 when the trajectory has no log (never logged a step, or its log
+/// was deleted), even while a sandbox is bound to it.
 pub async fn get(
     State(st): State<SharedState>,
     Path(id): Path<String>,
 ) -> ApiResult<crate::error::Json<TrajectoryInfo>> {
     check_id(&id)?;
+    let log = st.trajectories.summary(&id).await?.ok_or_else(|| {
+        ServerError::new(ErrorCode::NotFound, format!("no trajectory log {id:?}"))
+    })?;
     let sandbox_id = st.store.live_by_trajectory(&id)?.map(|r| r.id);
-    let log = st.trajectories.summary(&id).await?;
-    if log.is_none() && sandbox_id.is_none() {
-        return Err(ServerError::new(
-            ErrorCode::NotFound,
-            format!("no trajectory {id:?}"),
-        ));
-    }
-    let log = log.unwrap_or(crate::trajectory_store::LogSummary {
-        next_step: 0,
-        steps: Vec::new(),
-        replayed_total: 0,
-    });
     Ok(crate::error::Json(TrajectoryInfo {
         id,
         sandbox_id,

@@ -830,3 +830,141 @@ impl TrajectoryStore for SqliteTrajectoryStore {
         Ok(v)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sandlot_api::{Cmd, Output};
+
+    fn tmpdb(name: &str) -> PathBuf {
+        let dir =
+            std::env::temp_dir().join(format!("sandlot-traj-test-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        dir.join("trajectories.db")
+    }
+
+    fn exec_result(code: i32, out: &[u8]) -> StepResult {
+        let mut r = ExecResult {
+            exit_code: code,
+            ..Default::default()
+        };
+        let o = |d: &[u8]| Output {
+            data: d.to_vec(),
+            total: d.len() as u64,
+            truncated: false,
+        };
+        r.set_output(&o(out), &o(b""));
+        StepResult::Exec(r)
+    }
+
+    async fn log_two(s: &SqliteTrajectoryStore, t: &str, big: &[u8]) {
+        let e = StepRequest::Exec(ExecRequest::new(Cmd::Shell("echo hi".into())));
+        s.append(t, 0, &e, &e.digest(), &exec_result(0, b"hi\n"), 1)
+            .await
+            .unwrap();
+        let w = StepRequest::WriteFile {
+            path: "/workspace/a".into(),
+            data: Bytes::copy_from_slice(big),
+        };
+        s.append(t, 1, &w, &w.digest(), &StepResult::Done, 2)
+            .await
+            .unwrap();
+    }
+
+    #[tokio::test]
+    async fn entries_survive_reopen_and_blobs_roundtrip() {
+        let path = tmpdb("reopen");
+        let big: Vec<u8> = (0..5000u32).map(|i| (i % 251) as u8).collect();
+        {
+            let s = SqliteTrajectoryStore::open(&path, false).unwrap();
+            log_two(&s, "t/1", &big).await;
+            // Not the next step: refused inside the transaction.
+            let e = StepRequest::RemoveFile { path: "/x".into() };
+            assert!(matches!(
+                s.append("t/1", 1, &e, &e.digest(), &StepResult::Done, 3)
+                    .await,
+                Err(TrajectoryStoreError::NotNext { next: 2, .. })
+            ));
+            let out = vec![b'y'; 3000];
+            let e = StepRequest::Exec(ExecRequest::new(Cmd::Argv(vec!["big".into()])));
+            s.append("t/1", 2, &e, &e.digest(), &exec_result(1, &out), 4)
+                .await
+                .unwrap();
+        }
+        let s = SqliteTrajectoryStore::open(&path, false).unwrap();
+        assert_eq!(s.next_step("t/1").await.unwrap(), 3);
+        assert_eq!(s.next_step("other").await.unwrap(), 0);
+        match s.get_step("t/1", 2).await.unwrap().unwrap().result {
+            StepResult::Exec(r) => {
+                assert_eq!(r.stdout.len(), 3000);
+                assert_eq!(r.exit_code, 1);
+            }
+            other => panic!("{other:?}"),
+        }
+        let m = s.mutating_steps("t/1").await.unwrap();
+        assert_eq!(m.len(), 3);
+        match &m[1].1 {
+            StepRequest::WriteFile { data, .. } => assert_eq!(&data[..], &big[..]),
+            other => panic!("{other:?}"),
+        }
+        s.record_replay("t/1", 0, 9).await.unwrap();
+        let sum = s.summary("t/1").await.unwrap().unwrap();
+        assert_eq!(sum.replayed_total, 1);
+        assert_eq!(sum.steps[0].replay_count, 1);
+        assert_eq!(sum.steps[1].kind, "write_file");
+        assert_eq!(sum.steps[2].exit_code, Some(1));
+        // Delete drops the log and its unused blobs.
+        assert!(s.delete("t/1").await.unwrap());
+        assert!(s.summary("t/1").await.unwrap().is_none());
+        let blobs: i64 = s
+            .conn()
+            .query_row("SELECT count(*) FROM blobs", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(blobs, 0);
+    }
+
+    #[tokio::test]
+    async fn committed_entry_visible_after_crash() {
+        let path = tmpdb("crash");
+        let s = SqliteTrajectoryStore::open(&path, false).unwrap();
+        log_two(&s, "c", b"data").await;
+        // Simulated crash: the connection is never closed (no checkpoint, WAL left as is).
+        std::mem::forget(s);
+        assert!(path.with_extension("db-wal").exists(), "WAL file in use");
+        let s2 = SqliteTrajectoryStore::open(&path, false).unwrap();
+        assert_eq!(s2.next_step("c").await.unwrap(), 2);
+        let e = StepRequest::Exec(ExecRequest::new(Cmd::Shell("echo hi".into())));
+        let got = s2.get_step("c", 0).await.unwrap().unwrap();
+        assert_eq!(got.digest, e.digest());
+        assert_eq!(got.result, exec_result(0, b"hi\n"));
+    }
+
+    #[test]
+    fn digest_is_canonical() {
+        let mut a = ExecRequest::new(Cmd::Shell("x".into()));
+        a.env.insert("B".into(), "2".into());
+        a.env.insert("A".into(), "1".into());
+        let mut b = ExecRequest::new(Cmd::Argv(vec!["/bin/sh".into(), "-c".into(), "x".into()]));
+        b.env.insert("A".into(), "1".into());
+        b.env.insert("B".into(), "2".into());
+        b.step = Some(7);
+        // Shell string = its argv form; env order and `step` do not matter.
+        assert_eq!(
+            StepRequest::Exec(a.clone()).digest(),
+            StepRequest::Exec(b).digest()
+        );
+        let mut c = a.clone();
+        c.timeout_s = Some(5.0);
+        assert_ne!(StepRequest::Exec(a).digest(), StepRequest::Exec(c).digest());
+        let w = |d: &'static [u8]| StepRequest::WriteFile {
+            path: "/p".into(),
+            data: Bytes::from_static(d),
+        };
+        assert_ne!(w(b"1").digest(), w(b"2").digest());
+        assert_ne!(
+            StepRequest::ReadFile { path: "/p".into() }.digest(),
+            StepRequest::ListDir { path: "/p".into() }.digest()
+        );
+    }
+}
