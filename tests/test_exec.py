@@ -171,16 +171,28 @@ for i in range(50):
             os._exit(0)
         os._exit(0)
     os.waitpid(pid, 0)
-time.sleep(1.5)
-z = 0
-for p in glob.glob('/proc/[0-9]*/stat'):
-    try:
-        s = open(p).read()
-    except OSError:
-        continue
-    if s[s.rindex(')') + 2] == 'Z':
-        z += 1
-print(z)
+
+def zombies():
+    z = 0
+    for p in glob.glob('/proc/[0-9]*/stat'):
+        try:
+            s = open(p).read()
+        except OSError:
+            continue
+        if s[s.rindex(')') + 2] == 'Z':
+            z += 1
+    return z
+
+def others():
+    # every process of the sandbox but its init (pid 1) and us: the orphans, alive or zombie
+    return [p for p in glob.glob('/proc/[0-9]*') if p not in ('/proc/1', f'/proc/{os.getpid()}')]
+
+# Poll (no fixed sleep): the orphans exit after 50 ms and the sandbox's init must reap
+# every one of them; wait up to 20 s for them to be gone, then count zombies.
+deadline = time.monotonic() + 20
+while others() and time.monotonic() < deadline:
+    time.sleep(0.05)
+print(zombies())
 """
 
 
@@ -193,7 +205,7 @@ def test_orphans_leave_no_zombies(sb):
 def test_streaming_yields_chunks_then_result(sb):
     events = []
     t0 = time.monotonic()
-    for ev in sb.exec_stream("for i in 1 2 3; do echo $i; sleep 0.4; done; "
+    for ev in sb.exec_stream("for i in 1 2 3; do echo $i; sleep 0.6; done; "
                              "printf '\\377' >&2; exit 4", timeout_s=30):
         events.append((time.monotonic() - t0, ev))
     assert isinstance(events[-1][1], sandlot.ExecResult)
