@@ -6,6 +6,7 @@
 //! the client gets the top-level message only.
 use crate::store::StoreError;
 use crate::trajectory_store::TrajectoryStoreError;
+use axum::body::Bytes;
 use axum::extract::rejection::{BytesRejection, JsonRejection, PathRejection, QueryRejection};
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -142,9 +143,59 @@ pub type ApiResult<T> = Result<T, ServerError>;
 
 /// `Json<T>` whose rejections (wrong content type, invalid JSON, unknown fields or enum
 /// variants, body over the limit) answer with our JSON error body instead of axum's text.
-#[derive(Debug, Clone, Copy, Default, axum::extract::FromRequest)]
-#[from_request(via(axum::Json), rejection(ServerError))]
+///
+/// The body must be a JSON **object** (RFC 8259 §4): serde would otherwise also build a
+/// struct from a JSON array by field position (`["function","busybox",1,…]`), a second,
+/// undocumented request shape that bypasses field names and `deny_unknown_fields`.
+#[derive(Debug, Clone, Copy, Default)]
 pub struct Json<T>(pub T);
+
+/// True for `application/json` and `application/*+json` (the rule of `axum::Json`).
+fn json_content_type(headers: &axum::http::HeaderMap) -> bool {
+    let Some(ct) = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+    else {
+        return false;
+    };
+    let essence = ct
+        .split(';')
+        .next()
+        .unwrap_or("")
+        .trim()
+        .to_ascii_lowercase();
+    match essence.strip_prefix("application/") {
+        Some(sub) => sub == "json" || sub.ends_with("+json"),
+        None => false,
+    }
+}
+
+impl<T, S> axum::extract::FromRequest<S> for Json<T>
+where
+    T: serde::de::DeserializeOwned,
+    S: Send + Sync,
+{
+    type Rejection = ServerError;
+
+    async fn from_request(req: axum::extract::Request, state: &S) -> Result<Self, ServerError> {
+        if !json_content_type(req.headers()) {
+            return Err(ServerError::invalid(
+                "Expected request with `Content-Type: application/json`",
+            ));
+        }
+        let bytes = Bytes::from_request(req, state).await?;
+        let first = bytes.iter().find(|b| !b.is_ascii_whitespace());
+        if first != Some(&b'{') {
+            // An empty or malformed body still gets serde's own message below when it
+            // starts like an object; anything else is not an object at all.
+            if first.is_some_and(|b| b"[\"-0123456789tfn".contains(b)) {
+                return Err(ServerError::invalid("request body must be a JSON object"));
+            }
+        }
+        let axum::Json(v) = axum::Json::<T>::from_bytes(&bytes)?;
+        Ok(Json(v))
+    }
+}
 
 impl<T: serde::Serialize> IntoResponse for Json<T> {
     fn into_response(self) -> Response {
@@ -161,6 +212,18 @@ pub struct Query<T>(pub T);
 #[derive(Debug, Clone, Copy, Default, axum::extract::FromRequestParts)]
 #[from_request(via(axum::extract::Path), rejection(ServerError))]
 pub struct Path<T>(pub T);
+
+/// Fallback for a known route called with a method it does not serve: `405` with our body
+/// (code `invalid_argument`; the status stays 405 so HTTP clients see the usual meaning).
+pub async fn method_not_allowed(method: axum::http::Method, uri: axum::http::Uri) -> Response {
+    let body = ErrorBody {
+        error: ApiError::new(
+            ErrorCode::InvalidArgument,
+            format!("method {method} not allowed on {}", uri.path()),
+        ),
+    };
+    (StatusCode::METHOD_NOT_ALLOWED, axum::Json(body)).into_response()
+}
 
 /// Fallback for unknown routes: `404 not_found` in our body.
 pub async fn not_found_route(uri: axum::http::Uri) -> ServerError {

@@ -42,7 +42,8 @@ pub struct ExecQuery {
 /// Check the fields the server owns (the node validates too).
 ///
 /// # Errors
-/// `invalid_argument` for a timeout outside (0, 86400] or an empty argv.
+/// `invalid_argument` for a timeout outside (0, 86400], an empty argv or a blank shell
+/// string.
 pub fn validate(req: &ExecRequest) -> ApiResult<()> {
     if let Some(t) = req.timeout_s {
         if !(t.is_finite() && t > 0.0 && t <= MAX_TIMEOUT_S) {
@@ -62,6 +63,10 @@ pub fn validate(req: &ExecRequest) -> ApiResult<()> {
         sandlot_api::Cmd::Argv(v) if v.is_empty() => {
             Err(ServerError::invalid("cmd must not be an empty list"))
         }
+        // `sh -c ""` would "succeed" doing nothing: as meaningless as an empty argv.
+        sandlot_api::Cmd::Shell(s) if s.trim().is_empty() => Err(ServerError::invalid(
+            "cmd must not be an empty or blank shell string",
+        )),
         _ => Ok(()),
     }
 }

@@ -36,6 +36,8 @@ pub mod trajectory_store;
 mod fake;
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_hardening;
 
 use anyhow::Context;
 use axum::extract::{DefaultBodyLimit, MatchedPath};
@@ -220,6 +222,7 @@ pub fn router(state: SharedState) -> Router {
         .route("/metrics", get(health::metrics))
         .route("/openapi.json", get(health::openapi))
         .fallback(error::not_found_route)
+        .method_not_allowed_fallback(error::method_not_allowed)
         .layer(DefaultBodyLimit::max(state.cfg.max_json_bytes))
         .layer(trace)
         .with_state(state)

@@ -84,22 +84,11 @@ fn check_map(name: &str, m: &BTreeMap<String, String>, max_value: usize) -> ApiR
     Ok(())
 }
 
-/// Image names reach host paths on the node: allow only `[A-Za-z0-9._:-]`, not starting
-/// with '.', so no name can walk out of the image store (the node checks as well).
+/// Image names reach host paths on the node: one rule for server and node, the node's
+/// [`sandlot_node::validate_image_name`] (`[a-z0-9][a-z0-9._-]{0,63}`), so no name can walk
+/// out of the image store and both sides answer with the same message.
 fn check_image(name: &str) -> ApiResult<()> {
-    let ok = !name.is_empty()
-        && name.len() <= 128
-        && !name.starts_with('.')
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b"._:-".contains(&b));
-    if ok {
-        Ok(())
-    } else {
-        Err(ServerError::invalid(format!(
-            "image name {name:?} must be 1–128 characters of [A-Za-z0-9._:-], not starting with '.'"
-        )))
-    }
+    sandlot_node::validate_image_name(name).map_err(ServerError::from)
 }
 
 /// Validate a create request and fill defaults (image `python`, cpu 1, memory 512 MiB,
@@ -413,6 +402,9 @@ pub async fn keepalive(
 ) -> ApiResult<Json<Sandbox>> {
     let req: KeepaliveRequest = if body.iter().all(|b| b.is_ascii_whitespace()) {
         KeepaliveRequest::default()
+    } else if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+        // Only an object: serde would also read the struct from an array by position.
+        return Err(ServerError::invalid("request body must be a JSON object"));
     } else {
         serde_json::from_slice(&body)
             .map_err(|e| ServerError::invalid(format!("keepalive body: {e}")))?

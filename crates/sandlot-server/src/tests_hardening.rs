@@ -1,0 +1,210 @@
+//! Router tests of the hardening fixes (request shapes, method fallback, file-read budget,
+//! `run_code` fetch verdicts, error mapping) over the unit-test `FakeNode` (no socket, no
+//! root).
+use crate::fake::FakeNode;
+use crate::{router, AppState, ServerConfig, SharedState};
+use axum::body::{Body, Bytes};
+use axum::http::{HeaderMap, Method, Request, StatusCode};
+use axum::Router;
+use serde_json::{json, Value};
+use std::sync::Arc;
+use tower::ServiceExt;
+
+struct T {
+    #[allow(dead_code)]
+    st: SharedState,
+    node: Arc<FakeNode>,
+    app: Router,
+}
+
+fn setup_with(name: &str, f: impl FnOnce(&mut ServerConfig)) -> T {
+    let d = std::env::temp_dir().join(format!("sandlot-hard-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    let mut cfg = ServerConfig::new(d);
+    f(&mut cfg);
+    let node = Arc::new(FakeNode::default());
+    let st = AppState::open(cfg, node.clone()).unwrap();
+    let app = router(st.clone());
+    T { st, node, app }
+}
+
+fn setup(name: &str) -> T {
+    setup_with(name, |_| {})
+}
+
+struct Resp {
+    status: StatusCode,
+    headers: HeaderMap,
+    body: Bytes,
+}
+
+impl Resp {
+    fn json(&self) -> Value {
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {:?}", String::from_utf8_lossy(&self.body)))
+    }
+    fn code(&self) -> String {
+        self.json()["error"]["code"].as_str().unwrap().to_owned()
+    }
+    fn message(&self) -> String {
+        self.json()["error"]["message"].as_str().unwrap().to_owned()
+    }
+}
+
+async fn raw(app: &Router, method: Method, uri: &str, ctype: Option<&str>, body: Vec<u8>) -> Resp {
+    let mut b = Request::builder().method(method).uri(uri);
+    if let Some(c) = ctype {
+        b = b.header("content-type", c);
+    }
+    let resp = app
+        .clone()
+        .oneshot(b.body(Body::from(body)).unwrap())
+        .await
+        .unwrap();
+    let status = resp.status();
+    let headers = resp.headers().clone();
+    let body = axum::body::to_bytes(resp.into_body(), usize::MAX)
+        .await
+        .unwrap();
+    Resp {
+        status,
+        headers,
+        body,
+    }
+}
+
+async fn post(app: &Router, uri: &str, body: Value) -> Resp {
+    raw(
+        app,
+        Method::POST,
+        uri,
+        Some("application/json"),
+        serde_json::to_vec(&body).unwrap(),
+    )
+    .await
+}
+
+async fn create(t: &T) -> String {
+    let r = post(&t.app, "/v1/sandboxes", json!({"image": "busybox"})).await;
+    assert_eq!(r.status, StatusCode::CREATED, "{:?}", r.body);
+    r.json()["id"].as_str().unwrap().to_owned()
+}
+
+// Finding 6: serde builds structs from JSON arrays by position; only objects are requests.
+#[tokio::test]
+async fn json_body_must_be_an_object() {
+    let t = setup("jsonobj");
+    let arr = json!(["function", "busybox", 1, 16, 16, 8, 5]);
+    let r = post(&t.app, "/v1/sandboxes", arr.clone()).await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST, "{:?}", r.body);
+    assert_eq!(r.code(), "invalid_argument");
+    assert_eq!(r.message(), "request body must be a JSON object");
+    assert!(t.node.ids().is_empty(), "no sandbox may be created");
+    for body in [json!(["print(1)", "python"]), json!("x"), json!(3)] {
+        let r = post(&t.app, "/run_code", body).await;
+        assert_eq!(r.status, StatusCode::BAD_REQUEST, "{:?}", r.body);
+        assert_eq!(r.message(), "request body must be a JSON object");
+    }
+    let id = create(&t).await;
+    let r = post(
+        &t.app,
+        &format!("/v1/sandboxes/{id}/exec"),
+        json!([["echo", "a"]]),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST, "{:?}", r.body);
+    let r = post(
+        &t.app,
+        &format!("/v1/sandboxes/{id}/keepalive"),
+        json!([60]),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST, "{:?}", r.body);
+    assert_eq!(r.message(), "request body must be a JSON object");
+    // Objects, malformed JSON and a wrong content type keep their usual answers.
+    let r = post(
+        &t.app,
+        &format!("/v1/sandboxes/{id}/exec"),
+        json!({"cmd": ["echo", "a"]}),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::OK, "{:?}", r.body);
+    let r = raw(
+        &t.app,
+        Method::POST,
+        "/v1/sandboxes",
+        Some("application/json"),
+        b"{\"image\":".to_vec(),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST);
+    assert_ne!(r.message(), "request body must be a JSON object");
+    let r = raw(
+        &t.app,
+        Method::POST,
+        "/v1/sandboxes",
+        Some("text/plain"),
+        b"{}".to_vec(),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST);
+    assert!(r.message().contains("Content-Type"), "{}", r.message());
+    let r = raw(
+        &t.app,
+        Method::POST,
+        "/v1/sandboxes",
+        Some("application/vnd.x+json; charset=utf-8"),
+        b" {}".to_vec(),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::CREATED, "{:?}", r.body);
+}
+
+// Finding 9: a wrong method answers 405 with our JSON error body.
+#[tokio::test]
+async fn wrong_method_is_405_json() {
+    let t = setup("405");
+    let r = raw(&t.app, Method::GET, "/run_code", None, vec![]).await;
+    assert_eq!(r.status, StatusCode::METHOD_NOT_ALLOWED);
+    assert_eq!(r.code(), "invalid_argument");
+    assert_eq!(r.message(), "method GET not allowed on /run_code");
+    let r = raw(&t.app, Method::PUT, "/v1/sandboxes/sb-1/exec", None, vec![]).await;
+    assert_eq!(r.status, StatusCode::METHOD_NOT_ALLOWED);
+    assert_eq!(
+        r.message(),
+        "method PUT not allowed on /v1/sandboxes/sb-1/exec"
+    );
+    let r = raw(&t.app, Method::GET, "/v1/nope", None, vec![]).await;
+    assert_eq!(r.status, StatusCode::NOT_FOUND);
+    assert_eq!(r.code(), "not_found");
+    assert!(r.headers.get("content-type").is_some());
+}
+
+// Finding 7: a blank shell string is as empty as an empty argv; one image-name rule.
+#[tokio::test]
+async fn blank_shell_cmd_and_image_rule() {
+    let t = setup("blank");
+    let id = create(&t).await;
+    for cmd in ["", "   ", "\n\t"] {
+        let r = post(
+            &t.app,
+            &format!("/v1/sandboxes/{id}/exec"),
+            json!({"cmd": cmd}),
+        )
+        .await;
+        assert_eq!(r.status, StatusCode::BAD_REQUEST, "{cmd:?}: {:?}", r.body);
+        assert_eq!(r.code(), "invalid_argument");
+    }
+    assert!(
+        t.node.execs.lock().unwrap().is_empty(),
+        "nothing may reach the node"
+    );
+    let node_msg = sandlot_node::validate_image_name("Python:3")
+        .unwrap_err()
+        .to_string();
+    let r = post(&t.app, "/v1/sandboxes", json!({"image": "Python:3"})).await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST);
+    assert_eq!(r.message(), node_msg);
+    let r = post(&t.app, "/v1/sandboxes", json!({"image": "a".repeat(65)})).await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST);
+}
