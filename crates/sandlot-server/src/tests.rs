@@ -1509,9 +1509,12 @@ async fn trajectory_delete_log_and_concurrent_same_step() {
     assert_eq!(r.status, StatusCode::NO_CONTENT);
     let r = call(&t.app, Method::DELETE, "/v1/trajectories/never-was", None).await;
     assert_eq!(r.status, StatusCode::NO_CONTENT);
-    // Without a log the trajectory is unknown to GET, even with a sandbox bound.
+    // The log is gone; D stays known through its live sandbox, with no steps.
     let r = call(&t.app, Method::GET, "/v1/trajectories/D", None).await;
-    assert_eq!(r.status, StatusCode::NOT_FOUND);
+    assert_eq!(r.status, StatusCode::OK);
+    assert_eq!(r.json()["next_step"], 0);
+    assert_eq!(r.json()["steps"], json!([]));
+    assert_eq!(r.json()["sandbox_id"], id.as_str());
     let r = exec_step(&t, &id, json!({"cmd": ["append", "x"], "step": 0})).await;
     assert_eq!(r.json()["replayed"], false);
     assert_eq!(r.json()["stdout"], "2\n");

@@ -338,17 +338,29 @@ fn rfc3339(ms: i64) -> String {
 }
 
 /// `GET /v1/trajectories/{*id}` (id percent-encoded; it may contain `/`) →
-/// `TrajectoryInfo`; 404 when the trajectory has no log (never logged a step, or its log
-/// was deleted), even while a sandbox is bound to it.
+/// `TrajectoryInfo`; 404 when there is neither a log nor a live sandbox bound to it (a
+/// bound sandbox without logged steps, e.g. after `DELETE` of its log, answers
+/// `next_step: 0` and no steps).
 pub async fn get(
     State(st): State<SharedState>,
     Path(id): Path<String>,
 ) -> ApiResult<crate::error::Json<TrajectoryInfo>> {
     check_id(&id)?;
-    let log = st.trajectories.summary(&id).await?.ok_or_else(|| {
-        ServerError::new(ErrorCode::NotFound, format!("no trajectory log {id:?}"))
-    })?;
     let sandbox_id = st.store.live_by_trajectory(&id)?.map(|r| r.id);
+    let log = match st.trajectories.summary(&id).await? {
+        Some(log) => log,
+        None if sandbox_id.is_some() => crate::trajectory_store::LogSummary {
+            next_step: 0,
+            steps: Vec::new(),
+            replayed_total: 0,
+        },
+        None => {
+            return Err(ServerError::new(
+                ErrorCode::NotFound,
+                format!("no trajectory {id:?}"),
+            ))
+        }
+    };
     Ok(crate::error::Json(TrajectoryInfo {
         id,
         sandbox_id,
