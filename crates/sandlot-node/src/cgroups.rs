@@ -460,8 +460,9 @@ impl Cgroup {
                 return Ok(());
             }
             if let Some(f) = &freezer {
-                if f.exists() {
-                    write_file(f, "FROZEN")?;
+                // A concurrent delete may remove the group between two steps: a vanished
+                // control file means there is nothing left to kill.
+                if write_if_present(f, "FROZEN")? {
                     // Wait until every task is frozen (FREEZING → FROZEN), with the deadline.
                     loop {
                         match fs::read_to_string(f) {
@@ -480,10 +481,8 @@ impl Cgroup {
                 sigkill(p);
             }
             if let Some(f) = &freezer {
-                if f.exists() {
-                    // Frozen tasks die once thawed.
-                    write_file(f, "THAWED")?;
-                }
+                // Frozen tasks die once thawed.
+                write_if_present(f, "THAWED")?;
             }
             if self.pids().is_empty() {
                 return Ok(());
@@ -797,6 +796,19 @@ fn mkdir(d: &Path) -> NodeResult<()> {
 pub fn write_file(path: &Path, value: &str) -> NodeResult<()> {
     fs::write(path, value)
         .map_err(|e| NodeError::io(format!("write {value:?} to {}", path.display()), e))
+}
+
+/// Like [`write_file`], but a control file that does not exist (its group was removed
+/// meanwhile) is `Ok(false)` instead of an error.
+pub fn write_if_present(path: &Path, value: &str) -> NodeResult<bool> {
+    match fs::write(path, value) {
+        Ok(()) => Ok(true),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
+        Err(e) => Err(NodeError::io(
+            format!("write {value:?} to {}", path.display()),
+            e,
+        )),
+    }
 }
 
 /// Value of the line `key N` in a flat-keyed cgroup file (`memory.events`, `oom_control`).
