@@ -14,5 +14,5 @@ export SANDLOT_GUEST_BIN="$PWD/target/release/sandlot-guest"
 printf '\n==> cargo test (release profile: shares the build with setup)\n'
 cargo test --release --locked --workspace -- --test-threads=2
 
-printf '\n==> pytest tests/ (end to end, through the Python SDK)\n'
-.venv/bin/python -m pytest -q -rfEs tests/
+printf '\n==> pytest tests/ (end to end, through the Python SDK) and the bench harness tests\n'
+.venv/bin/python -m pytest -q -rfEs tests/ bench/test_run.py
