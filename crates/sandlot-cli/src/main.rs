@@ -54,6 +54,12 @@ enum Command {
     Ls(LsArgs),
     /// Delete sandboxes (unknown ids are fine).
     Rm(RmArgs),
+    /// Freeze every running sandbox with all the given labels (e.g. a preempted job's).
+    Pause(SelectArgs),
+    /// Thaw every paused sandbox with all the given labels.
+    Resume(SelectArgs),
+    /// Print a trajectory log (`GET /v1/trajectories/{id}`) as JSON.
+    Trajectory(TrajectoryArgs),
     /// Manage the local image store directly (no server needed).
     #[command(subcommand)]
     Image(ImageCmd),
@@ -87,6 +93,13 @@ struct UpArgs {
     /// Largest file upload in MiB.
     #[arg(long, default_value_t = 256)]
     max_file_mib: usize,
+    /// Hours a trajectory log is kept after its last activity once its sandbox is gone.
+    #[arg(long, default_value_t = 168)]
+    trajectory_retention_h: u64,
+    /// fsync the trajectory log on every step (survives power loss, not only a crash of
+    /// this process; one fsync per logged step).
+    #[arg(long)]
+    trajectory_fsync: bool,
     /// Ready `function` jails kept per warm-pool image, so a create only hands one over
     /// (0 = no warm pool). Pooled jails are real processes and count toward the host.
     #[arg(long, default_value_t = 4)]
@@ -186,6 +199,23 @@ struct LsArgs {
     /// Print the JSON list instead of a table.
     #[arg(long)]
     json: bool,
+}
+
+#[derive(Args)]
+struct SelectArgs {
+    #[command(flatten)]
+    remote: Remote,
+    /// Label k=v (repeatable, at least one; all must match).
+    #[arg(long = "label", value_parser = parse_kv, required = true)]
+    labels: Vec<(String, String)>,
+}
+
+#[derive(Args)]
+struct TrajectoryArgs {
+    #[command(flatten)]
+    remote: Remote,
+    /// Trajectory id, e.g. `job-42/ep-7`.
+    id: String,
 }
 
 #[derive(Args)]
@@ -290,6 +320,9 @@ async fn dispatch(cmd: Command) -> anyhow::Result<u8> {
         Command::Create(a) => create(a).await,
         Command::Ls(a) => ls(a).await,
         Command::Rm(a) => rm(a).await,
+        Command::Pause(a) => pause_resume(a, true).await,
+        Command::Resume(a) => pause_resume(a, false).await,
+        Command::Trajectory(a) => trajectory(a).await,
         Command::Image(c) => image(c),
         Command::Version => {
             println!("sandlot {}", env!("CARGO_PKG_VERSION"));
@@ -342,6 +375,8 @@ async fn up(a: UpArgs) -> anyhow::Result<u8> {
     let mut cfg = sandlot_server::ServerConfig::new(a.data_dir);
     cfg.listen = a.listen;
     cfg.max_file_bytes = a.max_file_mib << 20;
+    cfg.trajectory_retention = std::time::Duration::from_secs(a.trajectory_retention_h * 3600);
+    cfg.trajectory_fsync = a.trajectory_fsync;
     let server = sandlot_server::Server::bind(cfg, Arc::new(node)).await?;
     let addr = server.local_addr()?;
     println!("sandlot listening on http://{addr}");
@@ -430,6 +465,36 @@ async fn create(a: CreateArgs) -> anyhow::Result<u8> {
     req.labels = a.labels.into_iter().collect::<BTreeMap<_, _>>();
     let sb = c.create(&req).await?;
     println!("{}", sb.id);
+    Ok(0)
+}
+
+/// Prints one affected id per line; ids the node refused go to stderr and make the exit
+/// code 1.
+async fn pause_resume(a: SelectArgs, pause: bool) -> anyhow::Result<u8> {
+    let c = Client::new(&a.remote.url)?;
+    let labels: Vec<(&str, &str)> = a
+        .labels
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .collect();
+    let r = if pause {
+        c.pause(&labels).await?
+    } else {
+        c.resume(&labels).await?
+    };
+    for id in &r.sandboxes {
+        println!("{id}");
+    }
+    for f in &r.failed {
+        eprintln!("{}: {}", f.id, f.error);
+    }
+    Ok(u8::from(!r.failed.is_empty()))
+}
+
+async fn trajectory(a: TrajectoryArgs) -> anyhow::Result<u8> {
+    let c = Client::new(&a.remote.url)?;
+    let t = c.trajectory(&a.id).await?;
+    println!("{}", serde_json::to_string_pretty(&t)?);
     Ok(0)
 }
 
