@@ -138,6 +138,13 @@ fn map_errno(e: Errno, what: &str, path: &str) -> NodeError {
         Errno::EXDEV => NodeError::InvalidArgument(format!("path escapes the sandbox: {path}")),
         Errno::ENAMETOOLONG => NodeError::InvalidArgument(format!("path too long: {path}")),
         Errno::ENOTEMPTY => NodeError::Conflict(format!("directory not empty: {path}")),
+        // The sandbox's own space (disk_mib quota, tmpfs size, inodes, file size limit) is
+        // used up: the caller's resource, not a host failure.
+        Errno::ENOSPC | Errno::EDQUOT | Errno::EFBIG => NodeError::ResourceExhausted(format!(
+            "no space left in the sandbox ({}) while writing {path}",
+            e.desc()
+        )),
+        Errno::EBUSY => NodeError::InvalidArgument(format!("path is a mount point: {path}")),
         other => NodeError::io(format!("{what} {path}"), std::io::Error::from(other)),
     }
 }
@@ -226,17 +233,9 @@ impl SandboxFs {
         })
     }
 
-    /// Read a whole regular file.
-    ///
-    /// `path` is absolute inside the sandbox or relative to `/workspace`; symlinks are
-    /// followed but stay inside the root.
-    ///
-    /// # Errors
-    /// `NotFound` when missing; `InvalidArgument` when not a regular file, on a special
-    /// file system, larger than `max_bytes` ("file is N bytes; limit M"), or a bad path;
-    /// `Internal` on I/O failure.
-    pub fn read(&self, path: &str, max_bytes: u64) -> NodeResult<Vec<u8>> {
-        let p = SbPath::parse(path)?;
+    /// Resolve `path` to an `O_PATH` fd of a regular file on an allowed file system, with
+    /// its stat.
+    fn open_regular(&self, p: &SbPath) -> NodeResult<(OwnedFd, FileStat)> {
         // SECURITY: O_PATH first — no open side effects (device open hooks, FIFO blocking,
         // tty acquisition) happen before we know this is a regular file on an allowed fs.
         let how = OpenHow::new()
@@ -247,24 +246,47 @@ impl SandboxFs {
         check_fs(opath.as_fd(), &p.abs)?;
         let st = fstat(opath.as_fd()).map_err(|e| map_errno(e, "fstat", &p.abs))?;
         match kind_of(&st) {
-            FileType::File => {}
-            FileType::Dir => {
-                return Err(NodeError::InvalidArgument(format!(
-                    "is a directory: {}",
-                    p.abs
-                )))
-            }
-            _ => {
-                return Err(NodeError::InvalidArgument(format!(
-                    "not a regular file: {}",
-                    p.abs
-                )))
-            }
+            FileType::File => Ok((opath, st)),
+            FileType::Dir => Err(NodeError::InvalidArgument(format!(
+                "is a directory: {}",
+                p.abs
+            ))),
+            _ => Err(NodeError::InvalidArgument(format!(
+                "not a regular file: {}",
+                p.abs
+            ))),
         }
+    }
+
+    /// Size in bytes (`st_size`) of the regular file at `path`, resolved as
+    /// [`read`](Self::read) does. A sparse file reports its apparent size.
+    ///
+    /// # Errors
+    /// As [`read`](Self::read), without the size limit.
+    pub fn size(&self, path: &str) -> NodeResult<u64> {
+        let p = SbPath::parse(path)?;
+        Ok(self.open_regular(&p)?.1.st_size as u64)
+    }
+
+    /// Read a whole regular file.
+    ///
+    /// `path` is absolute inside the sandbox or relative to `/workspace`; symlinks are
+    /// followed but stay inside the root. Memory grows with the bytes actually read, never
+    /// reserved up front from `st_size` (which the sandbox controls: a sparse file can
+    /// claim any size for free).
+    ///
+    /// # Errors
+    /// `NotFound` when missing; `InvalidArgument` when not a regular file, on a special
+    /// file system, larger than `max_bytes` ("file is N bytes; limit M"), or a bad path;
+    /// `Internal` on I/O failure.
+    pub fn read(&self, path: &str, max_bytes: u64) -> NodeResult<Vec<u8>> {
+        let p = SbPath::parse(path)?;
+        let (opath, st) = self.open_regular(&p)?;
         let size = st.st_size as u64;
         if size > max_bytes {
             return Err(NodeError::InvalidArgument(format!(
-                "file is {size} bytes; limit {max_bytes}"
+                "file is {size} bytes; limit {max_bytes}: {}",
+                p.abs
             )));
         }
         // Re-open the very inode pinned by the O_PATH fd (no path is resolved again, so
@@ -278,7 +300,8 @@ impl SandboxFs {
         )
         .map_err(|e| map_errno(e, "open", &p.abs))?;
         let mut file = File::from(fd);
-        let mut buf = Vec::with_capacity(size as usize);
+        // SECURITY: no `with_capacity(st_size)`: growth follows the data read (see above).
+        let mut buf = Vec::new();
         // Read at most max+1 bytes: a file growing after fstat is still caught.
         (&mut file)
             .take(max_bytes.saturating_add(1))
@@ -286,7 +309,8 @@ impl SandboxFs {
             .map_err(|e| NodeError::io(format!("read {}", p.abs), e))?;
         if buf.len() as u64 > max_bytes {
             return Err(NodeError::InvalidArgument(format!(
-                "file is over {max_bytes} bytes; limit {max_bytes}"
+                "file is over {max_bytes} bytes; limit {max_bytes}: {}",
+                p.abs
             )));
         }
         Ok(buf)
@@ -302,8 +326,9 @@ impl SandboxFs {
     ///
     /// # Errors
     /// `InvalidArgument` when the path names a directory or lies on a special file system,
-    /// or a parent is not a directory; `NotFound` when a parent vanishes concurrently;
-    /// `Internal` on I/O failure (e.g. `ENOSPC`).
+    /// or a parent is not a directory, or the target is a mount point; `NotFound` when a
+    /// parent vanishes concurrently; `ResourceExhausted` when the sandbox's space is used up
+    /// (`ENOSPC`, `EDQUOT`, `EFBIG`); `Internal` on other I/O failures.
     pub fn write(&self, path: &str, data: &[u8]) -> NodeResult<()> {
         let p = SbPath::parse(path)?;
         let (parent_path, name) = p.split();
@@ -331,13 +356,18 @@ impl SandboxFs {
             .map_err(|e| map_errno(e, "create temp file in", &p.abs))?;
         let result = (|| {
             let mut file = File::from(fd);
-            file.write_all(data)
-                .map_err(|e| NodeError::io(format!("write {}", p.abs), e))?;
+            file.write_all(data).map_err(|e| match e.raw_os_error() {
+                Some(n) => map_errno(Errno::from_raw(n), "write", &p.abs),
+                None => NodeError::io(format!("write {}", p.abs), e),
+            })?;
             fchown(file.as_fd(), Some(self.uid), Some(self.gid))
                 .map_err(|e| map_errno(e, "chown", &p.abs))?;
             fchmod(file.as_fd(), Mode::from_bits_truncate(0o644))
                 .map_err(|e| map_errno(e, "chmod", &p.abs))?;
             fsync(file.as_fd()).map_err(|e| map_errno(e, "fsync", &p.abs))?;
+            // SECURITY: renaming over a mount point (e.g. the bind-mounted /dev/null) is
+            // allowed from the host's mount namespace and detaches the sandbox's mount.
+            refuse_mount_point(parent.as_fd(), &name, &p.abs)?;
             // rename(2) replaces a file or a symlink atomically; over a directory it fails
             // with EISDIR (or EEXIST/ENOTEMPTY for a non-empty one), mapped below.
             renameat(
@@ -407,7 +437,8 @@ impl SandboxFs {
     ///
     /// # Errors
     /// `NotFound` when missing; `InvalidArgument` for `/`, `.`/`..`-terminated paths, a
-    /// special file system or a too-deep tree; `Conflict` when the sandbox keeps filling a
+    /// mount point (anywhere in the tree), one of [`PROTECTED_DIRS`] itself, a special file
+    /// system or a too-deep tree; `Conflict` when the sandbox keeps filling a
     /// directory during removal; `Internal` on other failures (e.g. a mount point inside).
     pub fn remove(&self, path: &str) -> NodeResult<()> {
         let p = SbPath::parse(path)?;
@@ -421,6 +452,24 @@ impl SandboxFs {
         let parent = self.open_dir(&parent_path)?;
         let st = fstatat(parent.as_fd(), name.as_str(), AtFlags::AT_SYMLINK_NOFOLLOW)
             .map_err(|e| map_errno(e, "stat", &p.abs))?;
+        refuse_mount_point(parent.as_fd(), &name, &p.abs)?;
+        // The sandbox's standard directories are its working area, not content: refuse
+        // them by inode, so no symlink or `..` spelling gets around the check.
+        for keep in PROTECTED_DIRS {
+            let how = OpenHow::new()
+                .flags(OFlag::O_PATH | OFlag::O_CLOEXEC)
+                .resolve(in_root());
+            if let Ok(fd) = openat2_retry(self.root.as_fd(), keep, how) {
+                if let Ok(k) = fstat(fd.as_fd()) {
+                    if (k.st_dev, k.st_ino) == (st.st_dev, st.st_ino) {
+                        return Err(NodeError::InvalidArgument(format!(
+                            "refusing to remove {keep} (named as {})",
+                            p.abs
+                        )));
+                    }
+                }
+            }
+        }
         if kind_of(&st) == FileType::Dir {
             remove_tree(parent.as_fd(), &name, &p.abs, 0)
         } else {
@@ -538,7 +587,9 @@ fn remove_tree(parent: BorrowedFd<'_>, name: &str, abs: &str, depth: usize) -> N
                 Err(Errno::ENOENT) => continue,
                 Err(e) => return Err(map_errno(e, "stat", &child)),
             };
-            let res = if kind_of(&st) == FileType::Dir {
+            let res = if let Err(e) = refuse_mount_point(dfd, &n, &child) {
+                Err(e)
+            } else if kind_of(&st) == FileType::Dir {
                 remove_tree(dfd, &n, &child, depth + 1)
             } else {
                 unlinkat(dfd, n.as_str(), UnlinkatFlags::NoRemoveDir)
@@ -558,6 +609,67 @@ fn remove_tree(parent: BorrowedFd<'_>, name: &str, abs: &str, depth: usize) -> N
     Err(NodeError::Conflict(format!(
         "directory keeps changing during removal: {abs}"
     )))
+}
+
+/// Directories of the sandbox that [`SandboxFs::remove`] never removes themselves (their
+/// contents may be removed).
+pub const PROTECTED_DIRS: &[&str] = &["/workspace", "/tmp", "/dev", "/dev/shm", "/proc", "/sys"];
+
+/// `InvalidArgument("path is a mount point")` when entry `name` of `dir` is the root of a
+/// mount; `Ok` when it is not or does not exist.
+///
+/// SECURITY: the node works from the host's mount namespace, where unlink/rename/rmdir of a
+/// path that is a mount point only in the *sandbox's* namespace succeed and silently detach
+/// that mount (mount_namespaces(7), "MS_PRIVATE ... unlink"), e.g. the sandbox's bind-mounted
+/// `/dev/null`. Detection: `statx(2)` `STATX_ATTR_MOUNT_ROOT` (Linux 5.8+), and, for older
+/// kernels, a device number differing from the directory's.
+fn refuse_mount_point(dir: BorrowedFd<'_>, name: &str, abs: &str) -> NodeResult<()> {
+    let refuse = || {
+        Err(NodeError::InvalidArgument(format!(
+            "path is a mount point: {abs}"
+        )))
+    };
+    let Ok(cname) = std::ffi::CString::new(name) else {
+        return Err(NodeError::InvalidArgument(format!(
+            "path contains a NUL byte: {abs}"
+        )));
+    };
+    let mut stx = std::mem::MaybeUninit::<libc::statx>::zeroed();
+    // SAFETY: `dir` is a live fd, `cname` a NUL-terminated string that outlives the call,
+    // and `stx` points to writable memory of the size statx(2) fills.
+    let rc = unsafe {
+        libc::statx(
+            dir.as_raw_fd(),
+            cname.as_ptr(),
+            libc::AT_SYMLINK_NOFOLLOW | libc::AT_NO_AUTOMOUNT,
+            libc::STATX_BASIC_STATS,
+            stx.as_mut_ptr(),
+        )
+    };
+    if rc != 0 {
+        return match Errno::last() {
+            Errno::ENOENT => Ok(()),
+            e => Err(map_errno(e, "statx", abs)),
+        };
+    }
+    // SAFETY: statx returned 0, so the kernel filled the struct (zeroed before anyway).
+    let stx = unsafe { stx.assume_init() };
+    let root_bit = libc::STATX_ATTR_MOUNT_ROOT as u64;
+    if stx.stx_attributes_mask & root_bit != 0 {
+        return if stx.stx_attributes & root_bit != 0 {
+            refuse()
+        } else {
+            Ok(())
+        };
+    }
+    // Fallback only: overlayfs without `xino` may give non-directories the st_dev of their
+    // layer, so this can refuse a plain file on such kernels (safe side).
+    let parent = fstat(dir).map_err(|e| map_errno(e, "fstat", abs))?;
+    let dev = libc::makedev(stx.stx_dev_major, stx.stx_dev_minor);
+    if dev != parent.st_dev {
+        return refuse();
+    }
+    Ok(())
 }
 
 /// A cheap unique-enough suffix for temp names (O_EXCL catches the rare clash).

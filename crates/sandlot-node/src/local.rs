@@ -29,8 +29,9 @@ pub struct NodeConfig {
     pub images_dir: PathBuf,
     /// The `sandlot-guest` binary (see [`default_guest_bin`]).
     pub guest_bin: PathBuf,
-    /// Host uid (and gid) that root inside a sandbox maps to (default 100000); the
-    /// sandbox's uids `0..65536` map to `uid_base..uid_base+65536`.
+    /// First host uid (and gid) of the sandboxes' id ranges (default 100000): each
+    /// function jail gets a range of 65536 ids of its own, `uid_base + slot × 65536 ..`
+    /// (lowest free slot; see [`crate::backends::uids`]), so its uids `0..65536` map there.
     pub uid_base: u32,
     /// Name of the parent cgroup of this node's sandboxes (default from
     /// [`default_cgroup_parent`]: one per data directory). Two nodes on one host need
@@ -254,6 +255,10 @@ impl Node for LocalNode {
 
     async fn read_file(&self, id: &str, path: &str, max_bytes: u64) -> NodeResult<Vec<u8>> {
         self.owner(id)?.read_file(id, path, max_bytes).await
+    }
+
+    async fn file_size(&self, id: &str, path: &str) -> NodeResult<u64> {
+        self.owner(id)?.file_size(id, path).await
     }
 
     async fn write_file(&self, id: &str, path: &str, data: bytes::Bytes) -> NodeResult<()> {

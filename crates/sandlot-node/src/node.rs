@@ -129,7 +129,19 @@ pub trait Node: Send + Sync + 'static {
     ) -> NodeResult<ExecResult>;
 
     /// Read a whole file; files over `max_bytes` give `InvalidArgument`.
+    ///
+    /// Memory grows with the bytes read (never pre-reserved from the file's claimed size);
+    /// callers that hold many reads at once budget them with [`Node::file_size`] first.
     async fn read_file(&self, id: &str, path: &str, max_bytes: u64) -> NodeResult<Vec<u8>>;
+
+    /// Size in bytes of the regular file at `path` (its `st_size`; symlinks followed inside
+    /// the root), so a caller can reserve memory before [`Node::read_file`]. The sandbox may
+    /// change the file in between: the size is a hint, `read_file`'s `max_bytes` the bound.
+    ///
+    /// # Errors
+    /// As [`Node::read_file`]: `NotFound`, `InvalidArgument` (not a regular file, special
+    /// file system, bad path), `Internal`.
+    async fn file_size(&self, id: &str, path: &str) -> NodeResult<u64>;
 
     /// Write a file atomically (temp file + fsync + rename), creating parent directories.
     async fn write_file(&self, id: &str, path: &str, data: bytes::Bytes) -> NodeResult<()>;

@@ -92,10 +92,16 @@ impl IntoResponse for ServerError {
         }
         let status = StatusCode::from_u16(api.code.http_status())
             .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        let exhausted = api.code == ErrorCode::ResourceExhausted;
         let mut resp = (status, axum::Json(ErrorBody { error: api })).into_response();
         if let ServerError::RetryAfter { seconds, .. } = self {
             resp.headers_mut()
                 .insert(header::RETRY_AFTER, HeaderValue::from(seconds));
+        } else if exhausted {
+            // Capacity answers of the node (file read budget, process or space limits):
+            // worth retrying later.
+            resp.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(1u64));
         }
         resp
     }

@@ -215,6 +215,11 @@ impl Node for FakeNode {
         Ok(data)
     }
 
+    async fn file_size(&self, id: &str, path: &str) -> NodeResult<u64> {
+        self.files(id, |f| f.get(path).map(|d| d.len() as u64))?
+            .ok_or_else(|| NodeError::NotFound(format!("no file {path}")))
+    }
+
     async fn write_file(&self, id: &str, path: &str, data: Bytes) -> NodeResult<()> {
         if path.contains("..") {
             return Err(NodeError::InvalidArgument(format!("path {path:?} escapes")));

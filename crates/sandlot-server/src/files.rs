@@ -85,6 +85,22 @@ pub async fn read(
 ) -> ApiResult<Response> {
     let path = q.get()?;
     let rec = running(&st, &id)?;
+    if q.step.is_none() {
+        // Unlogged read: the budget share stays with the answer until it is sent.
+        let (data, permit) = st
+            .budget_node
+            .read_file_held(&rec.id, &path, st.cfg.max_file_bytes as u64)
+            .await?;
+        let len = data.len();
+        return Ok((
+            [
+                (header::CONTENT_TYPE, "application/octet-stream".to_string()),
+                (header::CONTENT_LENGTH, len.to_string()),
+            ],
+            held_body(data, permit),
+        )
+            .into_response());
+    }
     match call(&st, &rec, q.step, StepRequest::ReadFile { path }).await? {
         (StepResult::Data(data), replayed) => Ok(with_replayed(
             ([(header::CONTENT_TYPE, "application/octet-stream")], data).into_response(),
@@ -92,6 +108,24 @@ pub async fn read(
         )),
         _ => Err(wrong_kind(&q)),
     }
+}
+
+/// A body of `data` in 1 MiB chunks that keeps `permit` until the last chunk was taken:
+/// hyper asks for the next chunk only once the previous ones are mostly written, so the
+/// budget share lives about as long as the bytes do.
+fn held_body(data: Vec<u8>, permit: tokio::sync::OwnedSemaphorePermit) -> axum::body::Body {
+    use futures::StreamExt;
+    const CHUNK: usize = 1 << 20;
+    let data = Bytes::from(data);
+    let chunks: Vec<Bytes> = (0..data.len())
+        .step_by(CHUNK)
+        .map(|i| data.slice(i..(i + CHUNK).min(data.len())))
+        .collect();
+    let stream = futures::stream::iter(chunks).map(move |c| {
+        let _held = &permit;
+        Ok::<_, std::convert::Infallible>(c)
+    });
+    axum::body::Body::from_stream(stream)
 }
 
 /// `DELETE …/files?path=P[&step=N]` → 204 (a directory is removed recursively;

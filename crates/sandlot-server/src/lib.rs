@@ -20,6 +20,7 @@
 //! `DATA/trajectories.db`). Errors map to HTTP in one place, [`error`].
 #![deny(missing_docs)]
 
+pub mod budget;
 pub mod error;
 pub mod exec;
 pub mod files;
@@ -62,6 +63,14 @@ pub struct ServerConfig {
     /// Largest file upload and download in bytes (default 256 MiB); larger → 413 on upload,
     /// 400 `invalid_argument` from the node on download.
     pub max_file_bytes: usize,
+    /// Server-wide bytes of file data that reads may hold in memory at once (default
+    /// 1 GiB; [`budget`]).
+    pub file_read_budget_bytes: u64,
+    /// Longest wait for a share of that budget (default 2 s); then 429 `resource_exhausted`.
+    pub file_read_budget_wait: Duration,
+    /// Total bytes `run_code` returns in `files` per call (default 64 MiB); files past it
+    /// are left out and named in `message`.
+    pub run_code_fetch_bytes: u64,
     /// `run_code` calls running at once (default max(4, 4 × cores)).
     pub run_code_concurrency: usize,
     /// `run_code` calls allowed to wait for a slot (default 256); more → 429 at once.
@@ -95,6 +104,9 @@ impl ServerConfig {
             data_dir,
             max_json_bytes: 16 << 20,
             max_file_bytes: 256 << 20,
+            file_read_budget_bytes: 1 << 30,
+            file_read_budget_wait: Duration::from_secs(2),
+            run_code_fetch_bytes: 64 << 20,
             run_code_concurrency: (4 * cores).max(4),
             run_code_queue: 256,
             run_code_wait: Duration::from_secs(10),
@@ -112,8 +124,13 @@ impl ServerConfig {
 pub struct AppState {
     /// Settings.
     pub cfg: ServerConfig,
-    /// The node running the sandboxes.
+    /// The node running the sandboxes, behind the file read budget
+    /// ([`budget::BudgetNode`]).
     pub node: Arc<dyn Node>,
+    /// The file read budget shared by every read.
+    pub file_budget: Arc<budget::FileBudget>,
+    /// The same node as [`AppState::node`], for reads that keep their budget share.
+    pub budget_node: Arc<budget::BudgetNode>,
     /// Durable records.
     pub store: store::Store,
     /// Name of the node (from [`Node::info`]).
@@ -149,10 +166,18 @@ impl AppState {
             cfg.trajectory_fsync,
         )?);
         let node_name = node.info().name;
+        let file_budget = Arc::new(budget::FileBudget::new(
+            cfg.file_read_budget_bytes,
+            cfg.file_read_budget_wait,
+        ));
+        let budget_node = Arc::new(budget::BudgetNode::new(node, file_budget.clone()));
+        let node: Arc<dyn Node> = budget_node.clone();
         let run_code_gate = run_code::Gate::new(cfg.run_code_concurrency, cfg.run_code_queue);
         Ok(Arc::new(AppState {
             cfg,
             node,
+            file_budget,
+            budget_node,
             store,
             node_name,
             run_code_gate,

@@ -29,6 +29,10 @@
 //! `resource_exhausted` at once, a wait that timed out 504 `deadline_exceeded`; both carry
 //! `Retry-After: 1`. Paths in `files`/`fetch_files` are relative to `/workspace` unless
 //! absolute; fetch paths that do not exist are left out of `files`, as SandboxFusion does.
+//! Fetch paths the program made unreadable (a directory, FIFO, device, a link into `/proc`,
+//! a file over `max_file_bytes`) or past the per-call total `run_code_fetch_bytes` are left
+//! out too and named in `message`; the verdict stays the run's (never `SandboxError`, which
+//! is for infrastructure failures only).
 use crate::error::{ApiResult, Json, ServerError};
 use crate::sandboxes::{create_sandbox, delete_sandbox};
 use crate::SharedState;
@@ -269,11 +273,14 @@ async fn execute(
             return;
         }
     };
-    let out = run_in(st, &id, &req, plan).await;
+    // Budget shares of the fetched files, kept until the answer is handed over.
+    let mut held = Vec::new();
+    let out = run_in(st, &id, &req, plan, &mut held).await;
     let _ = answer.send(match out {
         Ok(r) => r,
         Err(e) => sandbox_error(st, e.to_string()),
     });
+    drop(held);
     if let Err(e) = delete_sandbox(st, &id).await {
         tracing::warn!(sandbox_id = %id, error = %crate::error::chain(&e), "run_code: delete failed; the reaper retries");
     }
@@ -284,6 +291,7 @@ async fn run_in(
     id: &str,
     req: &RunCodeRequest,
     plan: Plan,
+    held: &mut Vec<tokio::sync::OwnedSemaphorePermit>,
 ) -> Result<RunCodeResponse, NodeError> {
     for (path, data) in plan.files {
         st.node.write_file(id, &path, data.into()).await?;
@@ -338,18 +346,54 @@ async fn run_in(
         resp.status = RunStatus::Failed;
         resp.message = format!("program exited with code {}", r.exit_code);
     }
+    // SECURITY (reward hacking): the program controls what the fetched paths are — a
+    // symlink into /proc, a FIFO, a directory, a huge sparse file. Such a path is the
+    // program's doing: it is left out of `files` and the verdict stays what the run decided.
+    // Only infrastructure failures (Internal, Unavailable, ...) turn into SandboxError, which
+    // trainers treat as "retry", so a program cannot launder its own failure into one.
+    let mut left = st.cfg.run_code_fetch_bytes;
+    let mut left_out = Vec::new();
     for path in &req.fetch_files {
+        let max = (st.cfg.max_file_bytes as u64).min(left);
         match st
-            .node
-            .read_file(id, &sandbox_path(path), st.cfg.max_file_bytes as u64)
+            .budget_node
+            .read_file_held(id, &sandbox_path(path), max)
             .await
         {
-            Ok(data) => {
+            Ok((data, permit)) => {
+                held.push(permit);
+                left -= data.len() as u64;
                 resp.files.insert(path.clone(), B64.encode(data));
             }
+            // Missing files are left out silently, as SandboxFusion does.
             Err(NodeError::NotFound(_)) => {}
+            Err(NodeError::InvalidArgument(m)) => {
+                let over_total = max < st.cfg.max_file_bytes as u64
+                    && st
+                        .node
+                        .file_size(id, &sandbox_path(path))
+                        .await
+                        .is_ok_and(|n| n > max);
+                let why = if over_total {
+                    format!(
+                        "{m} (fetch_files returns at most {} bytes per call)",
+                        st.cfg.run_code_fetch_bytes
+                    )
+                } else {
+                    m
+                };
+                left_out.push(format!("{path:?}: {why}"));
+            }
             Err(e) => return Err(e),
         }
+    }
+    if !left_out.is_empty() {
+        let note = format!("fetch_files left out {}", left_out.join("; "));
+        resp.message = if resp.message.is_empty() {
+            note
+        } else {
+            format!("{}; {note}", resp.message)
+        };
     }
     Ok(resp)
 }

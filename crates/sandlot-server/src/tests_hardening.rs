@@ -208,3 +208,103 @@ async fn blank_shell_cmd_and_image_rule() {
     let r = post(&t.app, "/v1/sandboxes", json!({"image": "a".repeat(65)})).await;
     assert_eq!(r.status, StatusCode::BAD_REQUEST);
 }
+
+// Finding 1: reads take their size from the server-wide budget; none free → 429 + Retry-After.
+#[tokio::test]
+async fn file_read_budget_exhausted_is_429() {
+    let t = setup_with("budget", |c| {
+        c.file_read_budget_bytes = 4 * crate::budget::UNIT;
+        c.file_read_budget_wait = std::time::Duration::from_millis(100);
+    });
+    let id = create(&t).await;
+    let data = vec![7u8; 3 * crate::budget::UNIT as usize];
+    let uri = format!("/v1/sandboxes/{id}/files?path=/workspace/f");
+    let r = raw(&t.app, Method::PUT, &uri, None, data.clone()).await;
+    assert_eq!(r.status, StatusCode::NO_CONTENT);
+    // Another read holds 2 of the 4 units: a 3-unit read cannot get its share.
+    let (held, _) =
+        t.st.file_budget
+            .reserve(2 * crate::budget::UNIT)
+            .await
+            .unwrap();
+    let r = raw(&t.app, Method::GET, &uri, None, vec![]).await;
+    assert_eq!(r.status, StatusCode::TOO_MANY_REQUESTS, "{:?}", r.body);
+    assert_eq!(r.code(), "resource_exhausted");
+    assert_eq!(r.headers.get("retry-after").unwrap(), "1");
+    // A small file still fits next to it.
+    let small = format!("/v1/sandboxes/{id}/files?path=/workspace/s");
+    assert_eq!(
+        raw(&t.app, Method::PUT, &small, None, b"hi".to_vec())
+            .await
+            .status,
+        StatusCode::NO_CONTENT
+    );
+    let r = raw(&t.app, Method::GET, &small, None, vec![]).await;
+    assert_eq!((r.status, &r.body[..]), (StatusCode::OK, &b"hi"[..]));
+    drop(held);
+    let r = raw(&t.app, Method::GET, &uri, None, vec![]).await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert_eq!(r.body.len(), data.len());
+    // Every share came back.
+    assert_eq!(t.st.file_budget.available_bytes(), 4 * crate::budget::UNIT);
+}
+
+fn b64(d: &[u8]) -> String {
+    use base64::Engine;
+    base64::engine::general_purpose::STANDARD.encode(d)
+}
+
+// Finding 2: a fetch path the program made unreadable leaves the file out; the verdict stays
+// the run's (never SandboxError).
+#[tokio::test]
+async fn run_code_unreadable_fetch_keeps_the_verdict() {
+    let t = setup_with("fetchbad", |c| c.max_file_bytes = 10);
+    for (code, status) in [("print(1)", "Success"), ("raise x", "Failed")] {
+        let r = post(
+            &t.app,
+            "/run_code",
+            json!({"code": code, "language": "python",
+                   "files": {"big.bin": b64(&[1u8; 20])},
+                   "fetch_files": ["big.bin", "missing.txt", "out.txt"]}),
+        )
+        .await;
+        assert_eq!(r.status, StatusCode::OK, "{:?}", r.body);
+        let v = r.json();
+        assert_eq!(v["status"], status, "{v}");
+        assert!(v["run_result"].is_object(), "{v}");
+        let files = v["files"].as_object().unwrap();
+        assert!(
+            !files.contains_key("big.bin") && !files.contains_key("missing.txt"),
+            "{v}"
+        );
+        let msg = v["message"].as_str().unwrap();
+        assert!(msg.contains("fetch_files left out \"big.bin\""), "{msg}");
+        assert!(!msg.contains("missing.txt"), "{msg}");
+        if status == "Success" {
+            assert_eq!(files["out.txt"], b64(b"made"));
+        }
+    }
+}
+
+// Finding 1c: fetch_files returns at most run_code_fetch_bytes per call.
+#[tokio::test]
+async fn run_code_fetch_total_is_capped() {
+    let t = setup_with("fetchcap", |c| c.run_code_fetch_bytes = 6);
+    let r = post(
+        &t.app,
+        "/run_code",
+        json!({"code": "print(1)", "language": "python",
+               "files": {"b.txt": b64(b"12345")},
+               "fetch_files": ["out.txt", "b.txt"]}),
+    )
+    .await;
+    let v = r.json();
+    assert_eq!(v["status"], "Success", "{v}");
+    assert_eq!(v["files"]["out.txt"], b64(b"made"));
+    assert!(v["files"].get("b.txt").is_none(), "{v}");
+    let msg = v["message"].as_str().unwrap();
+    assert!(
+        msg.contains("\"b.txt\"") && msg.contains("at most 6 bytes per call"),
+        "{msg}"
+    );
+}

@@ -438,6 +438,11 @@ impl SandboxBackend for FunctionBackend {
         self.with_fs(id, move |fs| fs.read(&path, max_bytes)).await
     }
 
+    async fn file_size(&self, id: &str, path: &str) -> NodeResult<u64> {
+        let path = path.to_string();
+        self.with_fs(id, move |fs| fs.size(&path)).await
+    }
+
     async fn write_file(&self, id: &str, path: &str, data: bytes::Bytes) -> NodeResult<()> {
         let path = path.to_string();
         self.with_fs(id, move |fs| fs.write(&path, &data)).await

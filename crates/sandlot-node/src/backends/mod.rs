@@ -6,6 +6,7 @@
 //! `NodeError::Unavailable` and the reason, instead of vanishing.
 pub mod function;
 pub mod pool;
+pub mod uids;
 
 use crate::images::Image;
 use crate::node::{ExecSink, NodeError, NodeResult, SandboxSpec, SandboxStatus};
@@ -34,6 +35,9 @@ pub trait SandboxBackend: Send + Sync {
 
     /// Read a file inside the sandbox (`max_bytes` cap).
     async fn read_file(&self, id: &str, path: &str, max_bytes: u64) -> NodeResult<Vec<u8>>;
+
+    /// Size of a regular file inside the sandbox (see [`crate::Node::file_size`]).
+    async fn file_size(&self, id: &str, path: &str) -> NodeResult<u64>;
 
     /// Write a file inside the sandbox.
     async fn write_file(&self, id: &str, path: &str, data: bytes::Bytes) -> NodeResult<()>;

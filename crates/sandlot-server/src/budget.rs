@@ -1,0 +1,176 @@
+//! Server-wide memory budget for file data read from sandboxes.
+//!
+//! A sandbox decides how big its files are, and a sparse file of any apparent size costs it
+//! nothing (`truncate -s 256M f`), while reading it costs the server that much memory per
+//! concurrent read. Every file read (`GET …/files`, trajectory steps, `run_code`
+//! `fetch_files`) therefore reserves its size from one [`FileBudget`] — a semaphore counted
+//! in [`UNIT`]s of 64 KiB, `ServerConfig::file_read_budget_bytes` in all (default 1 GiB) —
+//! before the node reads it, and gives it back when the read returns. A read that cannot
+//! get its share within `ServerConfig::file_read_budget_wait` answers 429
+//! `resource_exhausted` (with `Retry-After`, see [`crate::error`]).
+//!
+//! [`BudgetNode`] applies the budget by wrapping the node, so every caller of
+//! [`Node::read_file`] goes through it. A plain `GET …/files` and `run_code` keep the share
+//! until their answer is sent ([`BudgetNode::read_file_held`]); a read logged as a
+//! trajectory step holds it for the read only.
+use async_trait::async_trait;
+use sandlot_api::{ExecRequest, ExecResult, FileEntry};
+use sandlot_node::{ExecSink, Node, NodeError, NodeInfo, NodeResult, SandboxSpec, SandboxStatus};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+/// Budget unit in bytes (64 KiB).
+pub const UNIT: u64 = 64 << 10;
+
+/// The byte budget of file data held in memory by reads.
+#[derive(Debug)]
+pub struct FileBudget {
+    sem: Arc<Semaphore>,
+    units: u32,
+    wait: Duration,
+}
+
+impl FileBudget {
+    /// A budget of `total_bytes` (rounded up to [`UNIT`]s, at least one), waiting at most
+    /// `wait` for a share.
+    pub fn new(total_bytes: u64, wait: Duration) -> Self {
+        let units = total_bytes.div_ceil(UNIT).clamp(1, u32::MAX as u64 >> 3) as u32;
+        FileBudget {
+            sem: Arc::new(Semaphore::new(units as usize)),
+            units,
+            wait,
+        }
+    }
+
+    /// Bytes free right now.
+    pub fn available_bytes(&self) -> u64 {
+        self.sem.available_permits() as u64 * UNIT
+    }
+
+    /// Reserve `bytes` (rounded up to units; at least one unit, at most the whole budget).
+    /// Returns the permit and the bytes it covers.
+    ///
+    /// # Errors
+    /// `ResourceExhausted` when the share is not free within the wait.
+    pub async fn reserve(&self, bytes: u64) -> NodeResult<(OwnedSemaphorePermit, u64)> {
+        let units = bytes.div_ceil(UNIT).clamp(1, self.units as u64) as u32;
+        let exhausted = || {
+            NodeError::ResourceExhausted(format!(
+                "file read budget exhausted: {bytes} bytes not free within {:?} (server-wide budget {} bytes); retry later",
+                self.wait,
+                self.units as u64 * UNIT
+            ))
+        };
+        match tokio::time::timeout(self.wait, self.sem.clone().acquire_many_owned(units)).await {
+            Ok(Ok(p)) => Ok((p, units as u64 * UNIT)),
+            Ok(Err(_)) | Err(_) => Err(exhausted()),
+        }
+    }
+}
+
+/// A [`Node`] whose reads take their size from a [`FileBudget`] first; every other call
+/// goes straight to the wrapped node.
+pub struct BudgetNode {
+    inner: Arc<dyn Node>,
+    budget: Arc<FileBudget>,
+}
+
+impl BudgetNode {
+    /// Wrap `inner`.
+    pub fn new(inner: Arc<dyn Node>, budget: Arc<FileBudget>) -> Self {
+        BudgetNode { inner, budget }
+    }
+}
+
+impl BudgetNode {
+    /// [`Node::read_file`] that also returns the budget share of the data, for a caller
+    /// that keeps the bytes in memory after the read (an answer being sent): the share
+    /// goes back when the permit is dropped.
+    ///
+    /// # Errors
+    /// As [`Node::read_file`]; `ResourceExhausted` when the share is not free in time.
+    pub async fn read_file_held(
+        &self,
+        id: &str,
+        path: &str,
+        max_bytes: u64,
+    ) -> NodeResult<(Vec<u8>, OwnedSemaphorePermit)> {
+        let size = self.inner.file_size(id, path).await?;
+        if size > max_bytes {
+            // The node refuses from st_size alone, before reading a byte.
+            self.inner.read_file(id, path, max_bytes).await?;
+            return Err(NodeError::InvalidArgument(format!(
+                "file is {size} bytes; limit {max_bytes}: {path}"
+            )));
+        }
+        let (permit, covered) = self.budget.reserve(size).await?;
+        // Never read more than reserved: a file grown since the size check is refused
+        // ("file is over N bytes"), not read beyond the budget.
+        let data = self
+            .inner
+            .read_file(id, path, max_bytes.min(covered.max(size)))
+            .await?;
+        Ok((data, permit))
+    }
+}
+
+#[async_trait]
+impl Node for BudgetNode {
+    fn info(&self) -> NodeInfo {
+        self.inner.info()
+    }
+
+    async fn create(&self, spec: &SandboxSpec) -> NodeResult<()> {
+        self.inner.create(spec).await
+    }
+
+    async fn exec(
+        &self,
+        id: &str,
+        req: &ExecRequest,
+        sink: Option<ExecSink>,
+    ) -> NodeResult<ExecResult> {
+        self.inner.exec(id, req, sink).await
+    }
+
+    async fn read_file(&self, id: &str, path: &str, max_bytes: u64) -> NodeResult<Vec<u8>> {
+        Ok(self.read_file_held(id, path, max_bytes).await?.0)
+    }
+
+    async fn file_size(&self, id: &str, path: &str) -> NodeResult<u64> {
+        self.inner.file_size(id, path).await
+    }
+
+    async fn write_file(&self, id: &str, path: &str, data: bytes::Bytes) -> NodeResult<()> {
+        self.inner.write_file(id, path, data).await
+    }
+
+    async fn list_dir(&self, id: &str, path: &str) -> NodeResult<Vec<FileEntry>> {
+        self.inner.list_dir(id, path).await
+    }
+
+    async fn remove_file(&self, id: &str, path: &str) -> NodeResult<()> {
+        self.inner.remove_file(id, path).await
+    }
+
+    async fn pause(&self, id: &str) -> NodeResult<()> {
+        self.inner.pause(id).await
+    }
+
+    async fn resume(&self, id: &str) -> NodeResult<()> {
+        self.inner.resume(id).await
+    }
+
+    async fn delete(&self, id: &str) -> NodeResult<()> {
+        self.inner.delete(id).await
+    }
+
+    async fn list(&self) -> NodeResult<Vec<SandboxStatus>> {
+        self.inner.list().await
+    }
+
+    async fn readopt(&self, keep: &[String]) -> NodeResult<Vec<String>> {
+        self.inner.readopt(keep).await
+    }
+}
