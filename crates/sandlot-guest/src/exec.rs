@@ -40,6 +40,7 @@ use crate::{fsrules, seccomp};
 struct SetupError {
     message: String,
     user_error: bool,
+    resource_exhausted: bool,
 }
 
 impl SetupError {
@@ -47,6 +48,7 @@ impl SetupError {
         Self {
             message: message.into(),
             user_error: true,
+            resource_exhausted: false,
         }
     }
 }
@@ -56,6 +58,7 @@ impl From<anyhow::Error> for SetupError {
         Self {
             message: format!("{e:#}"),
             user_error: false,
+            resource_exhausted: false,
         }
     }
 }
@@ -65,6 +68,7 @@ impl From<SetupError> for ExecStatus {
         ExecStatus::SetupFailed {
             message: e.message,
             user_error: e.user_error,
+            resource_exhausted: e.resource_exhausted,
         }
     }
 }
@@ -225,7 +229,21 @@ fn run() -> Result<ExecStatus, SetupError> {
     chroot(".").context("chroot to the init's root")?;
 
     let (err_r, err_w) = pipe2(OFlag::O_CLOEXEC).context("pipe2")?;
-    match sys::fork().context("fork")? {
+    // This process already sits in the sandbox's cgroups: when the sandbox's own
+    // processes hold every pid of its pids limit, this fork is the one refused (EAGAIN).
+    // That is the sandbox's state, not a node failure.
+    let forked = match sys::fork() {
+        Ok(f) => f,
+        Err(e) if e.raw_os_error() == Some(libc::EAGAIN) => {
+            return Err(SetupError {
+                message: format!("fork: {e}"),
+                user_error: false,
+                resource_exhausted: true,
+            })
+        }
+        Err(e) => return Err(anyhow::Error::from(e).context("fork").into()),
+    };
+    match forked {
         Forked::Child => {
             drop(err_r);
             let e = match child(&spec, &prepared, &target) {
@@ -250,6 +268,7 @@ fn run() -> Result<ExecStatus, SetupError> {
                 return Err(SetupError {
                     message: String::from_utf8_lossy(text).into_owned(),
                     user_error: tag == b'U',
+                    resource_exhausted: false,
                 });
             }
             Ok(status)

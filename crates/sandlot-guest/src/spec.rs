@@ -120,5 +120,10 @@ pub enum ExecStatus {
         /// True when the cause is the caller's input (e.g. cwd does not exist), so the
         /// node answers `invalid_argument` rather than `internal`.
         user_error: bool,
+        /// True when the sandbox's own processes used up its process limit (`fork` failed
+        /// with `EAGAIN` inside the sandbox's pids cgroup), so the node answers
+        /// `resource_exhausted`. Absent in older helpers' output (defaults to false).
+        #[serde(default)]
+        resource_exhausted: bool,
     },
 }

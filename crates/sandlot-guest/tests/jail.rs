@@ -69,6 +69,7 @@ fn setup_errors_are_reported_not_exit_codes() {
         ExecStatus::SetupFailed {
             message,
             user_error,
+            ..
         } => {
             assert!(user_error);
             assert!(message.contains("/does/not/exist"), "{message}");
@@ -90,6 +91,7 @@ fn setup_errors_are_reported_not_exit_codes() {
         ExecStatus::SetupFailed {
             message,
             user_error,
+            ..
         } => {
             assert!(!user_error);
             assert!(message.contains("sandbox gone"), "{message}");
@@ -309,6 +311,7 @@ fn a_dead_sandbox_is_reported_gone() {
         ExecStatus::SetupFailed {
             message,
             user_error,
+            ..
         } => {
             assert!(!user_error);
             assert!(message.contains("sandbox gone"), "{message}");

@@ -1012,8 +1012,14 @@ async fn run_exec(
         Ending::Status(ExecStatus::SetupFailed {
             message,
             user_error,
+            resource_exhausted,
         }) => {
-            return Err(if user_error {
+            return Err(if resource_exhausted {
+                NodeError::ResourceExhausted(format!(
+                    "sandbox is at its process limit (pids_max={}): {message}",
+                    jail.state.spec.pids_max
+                ))
+            } else if user_error {
                 NodeError::InvalidArgument(message)
             } else {
                 NodeError::io(
