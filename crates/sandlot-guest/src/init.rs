@@ -18,7 +18,11 @@
 //!
 //! Security model: every namespace except the user namespace is created by host root and
 //! so owned by the host user namespace; the user namespace is created last, after all
-//! mounts and the host name are set. Root inside the sandbox therefore holds capabilities
+//! mounts and the host name are set, and by the sandbox's own host uid (`uid_base`, a
+//! range of its own per sandbox), not by host root: the init drops to that uid/gid in the
+//! host namespace right before the unshare, so the namespace is owned by it and
+//! everything the kernel counts per user inside the sandbox (inotify instances, ...) is
+//! charged to it, never to host root (see `become_sandbox_host_ids`). Root inside the sandbox therefore holds capabilities
 //! only over its own user namespace: it cannot unmount, remount, mount, set the host name
 //! or configure the network, because those need capabilities in the namespace's owner
 //! (mount_namespaces(7): mounts made in a more privileged namespace are locked).
@@ -284,7 +288,11 @@ fn init(spec: &InitSpec, go: OwnedFd, report: &OwnedFd) -> Result<std::convert::
         eprintln!("sandlot-guest init: warning: writing -1000 to /proc/self/oom_score_adj: {e}");
     }
 
-    unshare(CloneFlags::CLONE_NEWUSER).context("unshare(CLONE_NEWUSER)")?;
+    become_sandbox_host_ids(spec.uid_base)?;
+    unshare(CloneFlags::CLONE_NEWUSER).context(
+        "unshare(CLONE_NEWUSER) as the sandbox's host uid (a kernel or LSM that refuses \
+         user namespaces to non-root uids even with CAP_SYS_ADMIN would refuse it)",
+    )?;
     nix::unistd::write(report, b"U").context("signalling the outer (U)")?;
     let mut go = std::fs::File::from(go);
     let mut b = [0u8; 1];
@@ -324,6 +332,45 @@ fn init(spec: &InitSpec, go: OwnedFd, report: &OwnedFd) -> Result<std::convert::
     let chld = sys::ChildSignal::block().context("blocking SIGCHLD")?;
     nix::unistd::write(report, b"R").context("signalling the outer (R)")?;
     reap_forever(&chld)
+}
+
+/// Turns the init, still in the host user namespace, into the sandbox's own host
+/// uid/gid `base` (no supplementary groups) just before it creates the user namespace.
+///
+/// Security: the owner of a user namespace is the euid of the process that creates it
+/// (user_namespaces(7)), and the kernel charges the per-user counts of everything made
+/// inside it (inotify instances and watches, nested user namespaces, ...: the "ucounts"
+/// of kernel/ucount.c, whose `inc_ucount` walks up through each namespace's owner) at the
+/// top level to that owner's uid, under the host-wide limits (`fs.inotify.*`,
+/// `user.max_*`). Created by host root, a sandbox's inotify instances counted against
+/// host root's `fs.inotify.max_user_instances`: one sandbox could exhaust it for host
+/// root, the node and every other sandbox. Owned by `base` (which the node gives to this
+/// sandbox alone), a sandbox can only exhaust its own share.
+///
+/// Only CAP_SYS_ADMIN is kept (PR_SET_KEEPCAPS, then capset), for the unshare alone: hosts
+/// that restrict unprivileged user namespaces (Debian's `kernel.unprivileged_userns_clone
+/// = 0`, Ubuntu's `kernel.apparmor_restrict_unprivileged_userns = 1`) let a creator with
+/// CAP_SYS_ADMIN through, and the namespace's owner is still the euid `base`. No other
+/// host capability survives, and entering the new namespace replaces the process's
+/// capabilities with a set that is valid only inside it (and clears keep-caps).
+///
+/// Everything that needs host root (mounts, pivot_root, sethostname, oom_score_adj) is
+/// done before this. The outer, host root with CAP_SETUID/CAP_SETGID in the parent
+/// namespace, may still write the id maps (user_namespaces(7)); that the init is no longer
+/// dumpable (the euid change resets it) only makes its /proc files root-owned.
+fn become_sandbox_host_ids(base: u32) -> Result<()> {
+    const CAP_SYS_ADMIN: u64 = 21; // linux/capability.h
+    setgroups(&[]).context("setgroups([]) in the host user namespace")?;
+    let gid = Gid::from_raw(base);
+    setresgid(gid, gid, gid)
+        .with_context(|| format!("setresgid({base}) in the host user namespace"))?;
+    sys::set_keep_caps(true).context("prctl(PR_SET_KEEPCAPS, 1)")?;
+    let uid = Uid::from_raw(base);
+    setresuid(uid, uid, uid)
+        .with_context(|| format!("setresuid({base}) in the host user namespace"))?;
+    sys::set_keep_caps(false).context("prctl(PR_SET_KEEPCAPS, 0)")?;
+    sys::set_capabilities(1 << CAP_SYS_ADMIN)
+        .context("capset(CAP_SYS_ADMIN only) before creating the user namespace")
 }
 
 /// pid 1's only job: reap orphans. As pid 1 of its namespace it gets no signal from

@@ -112,9 +112,23 @@ pub fn drop_bounding_and_ambient() -> io::Result<()> {
     Ok(())
 }
 
+/// PR_SET_KEEPCAPS: whether the permitted capabilities survive a change of all uids from
+/// 0 to non-zero (prctl(2), capabilities(7) "Effect of user ID changes on capabilities").
+/// The kernel resets the flag on execve and when the process enters a new user namespace.
+pub fn set_keep_caps(keep: bool) -> io::Result<()> {
+    prctl(libc::PR_SET_KEEPCAPS, keep as libc::c_ulong).map(drop)
+}
+
 /// capset(2) with effective, permitted and inheritable all empty (version 3 header, two
 /// 32-bit data words, linux/capability.h).
 pub fn clear_capabilities() -> io::Result<()> {
+    set_capabilities(0)
+}
+
+/// capset(2): effective and permitted become exactly `caps` (bit n = capability n,
+/// linux/capability.h), inheritable empty. Only lowers: the kernel refuses (EPERM) a
+/// capability that is not already permitted.
+pub fn set_capabilities(caps: u64) -> io::Result<()> {
     #[repr(C)]
     struct Header {
         version: u32,
@@ -132,11 +146,19 @@ pub fn clear_capabilities() -> io::Result<()> {
         version: LINUX_CAPABILITY_VERSION_3,
         pid: 0,
     };
-    let data = [Data {
-        effective: 0,
-        permitted: 0,
-        inheritable: 0,
-    }; 2];
+    let word = |i: u32| (caps >> (32 * i)) as u32;
+    let data = [
+        Data {
+            effective: word(0),
+            permitted: word(0),
+            inheritable: 0,
+        },
+        Data {
+            effective: word(1),
+            permitted: word(1),
+            inheritable: 0,
+        },
+    ];
     // SAFETY: header and data match the kernel's v3 layout; data has the two elements v3
     // requires; both outlive the call.
     let ret = unsafe { libc::syscall(libc::SYS_capset, &mut header, data.as_ptr()) };

@@ -2,8 +2,8 @@
 //!
 //! Host layout of one sandbox (`DATA/sandboxes/<id>/`):
 //!
-//! * `upper/` — overlayfs upper dir, the sandbox's only writable layer. Owned by `uid_base`
-//!   (the host uid of root inside the sandbox), mode 0755; `upper/workspace` (0755) and
+//! * `upper/` — overlayfs upper dir, the sandbox's only writable layer. Owned by the jail's
+//!   `uid_base` (the host uid of root inside the sandbox), mode 0755; `upper/workspace` (0755) and
 //!   `upper/root` (0700) are pre-created with the same owner so the sandbox's root can write
 //!   its home and workspace. Everything else of the rootfs comes from the image's lower dirs,
 //!   which are owned by host root: inside the user namespace they show up as owned by
@@ -16,6 +16,15 @@
 //!   mount disappears with the sandbox's init.
 //! * `state.json` — [`JailState`], written atomically once the sandbox runs; a directory
 //!   without it is a half-created sandbox and is removed by `readopt`.
+//!
+//! Host ids: every jail (sandbox or pooled) has a host uid/gid range of its own,
+//! `uid_base .. uid_base + 65536` with `uid_base = FunctionConfig::uid_base + slot × 65536`,
+//! the slot being the lowest one no live jail holds ([`super::uids`]); it is recorded in
+//! `state.json` and rebuilt from there when sandboxes are re-adopted. The sandbox's user
+//! namespace is created, and so owned, by that base uid (`sandlot-guest init` drops to it
+//! before the unshare), so everything the kernel counts per user inside the sandbox
+//! (inotify instances, ...) is charged to the sandbox's own uid, never to host root or to
+//! another sandbox. The files API writes as the jail's base uid/gid too.
 //!
 //! Processes: `sandlot-guest init` (contract: `sandlot_guest::spec`) makes the sandbox's
 //! pid 1 inside the sandbox cgroup; each exec runs `sandlot-guest exec` in a fresh child
@@ -47,6 +56,7 @@
 //! * the sandbox's init is re-parented to the host's init when `sandlot-guest init` exits,
 //!   so after a delete the host's init reaps it (a host init that reaps lazily shows it as
 //!   a zombie for a while; it holds no memory, cgroup or mount).
+use super::uids::{UidLease, UidSlots};
 use super::SandboxBackend;
 use crate::cgroups::{Cgroup, CgroupRoot, Limits, SandboxCgroup};
 use crate::files::SandboxFs;
@@ -78,7 +88,8 @@ pub const MAX_MAX_OUTPUT: u64 = 64 << 20;
 pub const DEFAULT_TIMEOUT_S: f64 = 60.0;
 /// Largest accepted exec timeout (one day).
 pub const MAX_TIMEOUT_S: f64 = 86_400.0;
-/// Number of uids/gids mapped into a sandbox (`0..65536` inside → `uid_base..` outside).
+/// Number of uids/gids mapped into a sandbox (`0..65536` inside → `uid_base..` outside);
+/// also the size of one slot of [`super::uids::UidSlots`].
 pub const UID_COUNT: u32 = 65_536;
 /// Limit on open files of every exec.
 pub const NOFILE: u64 = 1024;
@@ -103,7 +114,8 @@ pub struct FunctionConfig {
     pub sandboxes_dir: PathBuf,
     /// The `sandlot-guest` binary.
     pub guest_bin: PathBuf,
-    /// Host uid (and gid) that root inside a sandbox maps to.
+    /// First host uid (and gid) of the sandboxes' ranges: root inside the jail of slot `s`
+    /// maps to `uid_base + s × 65536` (see [`super::uids`]).
     pub uid_base: u32,
 }
 
@@ -137,7 +149,8 @@ pub struct JailState {
     pub init_pid: i32,
     /// Its start time (field 22 of `/proc/PID/stat`).
     pub init_starttime: u64,
-    /// Host uid/gid of root inside.
+    /// Host uid/gid of root inside: the start of this jail's own range of 65536 ids
+    /// (files of older versions hold the node's shared base, which re-adoption keeps).
     pub uid_base: u32,
     /// Limits and environment.
     pub spec: StoredSpec,
@@ -158,6 +171,8 @@ impl JailState {
 /// One running sandbox.
 struct Jail {
     state: JailState,
+    /// Its host uid range (`state.uid_base`), held while the jail is known.
+    _uids: UidLease,
     cgroup: SandboxCgroup,
     /// `true` once delete has begun. Exec set-up holds the read side so that delete
     /// (write side) never races an exec that is creating its cgroup.
@@ -187,6 +202,8 @@ pub struct FunctionBackend {
     cfg: FunctionConfig,
     cgroups: CgroupRoot,
     jails: Mutex<HashMap<String, Arc<Jail>>>,
+    /// Host uid ranges of live jails, shared with the warm pool.
+    uids: Arc<UidSlots>,
     /// The warm pool, once started ([`FunctionBackend::start_warm_pool`]).
     pool: std::sync::OnceLock<super::pool::WarmPool>,
 }
@@ -204,6 +221,7 @@ impl FunctionBackend {
             std::fs::set_permissions(&cfg.sandboxes_dir, std::fs::Permissions::from_mode(0o711));
         cgroups.ensure_parent()?;
         Ok(FunctionBackend {
+            uids: UidSlots::new(cfg.uid_base),
             cfg,
             cgroups,
             jails: Mutex::new(HashMap::new()),
@@ -260,20 +278,25 @@ impl FunctionBackend {
         image: &Image,
         dir: &Path,
         cg: &SandboxCgroup,
+        uids: &mut Option<UidLease>,
         ready: &mut Option<InitReady>,
     ) -> NodeResult<JailState> {
+        // Held by the caller until its rollback has killed a half-built jail.
+        let base = uids.insert(self.uids.allocate()?).base();
         // tmpfs pages are charged to the sandbox's memory cgroup, so the memory limit
         // bounds /tmp too; disk_mib bounds it further.
         let tmp_mib = spec.disk_mib.min(spec.memory_mib).max(1);
-        build_jail(&self.cfg, spec, image, dir, cg, tmp_mib, ready).await
+        build_jail(&self.cfg, spec, image, dir, cg, tmp_mib, base, ready).await
     }
 
-    fn adopt(&self, state: JailState) -> Arc<Jail> {
+    /// Register a running jail; `uids` holds its host uid range (`state.uid_base`).
+    fn adopt(&self, state: JailState, uids: UidLease) -> Arc<Jail> {
         let (killed, _) = watch::channel(false);
         let cgroup = self.cgroups.sandbox(state.cgroup_name());
         // A sandbox paused by a previous process stays paused (the kernel keeps it frozen).
         let paused = std::sync::atomic::AtomicBool::new(cgroup.group().freeze_requested());
         let jail = Arc::new(Jail {
+            _uids: uids,
             cgroup,
             paused,
             state,
@@ -315,8 +338,13 @@ impl FunctionBackend {
         if self.pool.get().is_some() || cfg.per_image == 0 || cfg.images.is_empty() {
             return Ok(());
         }
-        let pool =
-            super::pool::WarmPool::start(self.cfg.clone(), self.cgroups.clone(), images, cfg)?;
+        let pool = super::pool::WarmPool::start(
+            self.cfg.clone(),
+            self.cgroups.clone(),
+            self.uids.clone(),
+            images,
+            cfg,
+        )?;
         let _ = self.pool.set(pool);
         Ok(())
     }
@@ -384,8 +412,8 @@ impl SandboxBackend for FunctionBackend {
                 let name = p.name.clone();
                 let res = pool.hand_over(p, spec, image, &dir).await;
                 match res {
-                    Ok(state) => {
-                        self.adopt(state);
+                    Ok((state, uids)) => {
+                        self.adopt(state, uids);
                         pool.release(&name);
                         tracing::info!(sandbox = %spec.id, backend = "function", image = %image.name, pooled = %name, "sandbox created from the warm pool");
                         return Ok(());
@@ -399,10 +427,16 @@ impl SandboxBackend for FunctionBackend {
         }
         let cg = self.cgroups.sandbox(&spec.id);
         let mut ready = None;
-        match self.create_inner(spec, image, &dir, &cg, &mut ready).await {
+        let mut uids = None;
+        match self
+            .create_inner(spec, image, &dir, &cg, &mut uids, &mut ready)
+            .await
+        {
             Ok(state) => {
-                self.adopt(state);
-                tracing::info!(sandbox = %spec.id, backend = "function", image = %image.name, "sandbox created");
+                let uid_base = state.uid_base;
+                let uids = uids.expect("create_inner allocated a uid range");
+                self.adopt(state, uids);
+                tracing::info!(sandbox = %spec.id, backend = "function", image = %image.name, uid_base, "sandbox created");
                 Ok(())
             }
             Err(err) => {
@@ -558,7 +592,9 @@ impl SandboxBackend for FunctionBackend {
                 .map(|s| s.id == name && proc_starttime(s.init_pid) == Some(s.init_starttime))
                 .unwrap_or(false);
             if let (Some(state), true, true) = (state, alive, keep.contains(&name)) {
-                let jail = self.adopt(state);
+                // Its uid range stays its own: no new jail may get an overlapping one.
+                let uids = self.uids.reserve(state.uid_base);
+                let jail = self.adopt(state, uids);
                 // Execs of the previous process lost their caller: end them.
                 let cg = jail.cgroup.clone();
                 let was_paused = jail.paused.load(Ordering::SeqCst);
@@ -621,9 +657,11 @@ impl SandboxBackend for FunctionBackend {
     }
 }
 
-/// Build and start a jail for `spec` in the claimed directory `dir` with cgroup `cg` and a
-/// /tmp tmpfs of `tmp_mib` MiB; writes `state.json`. On error the caller removes what was
-/// left (directory and cgroup). Used by cold creates and by the warm pool.
+/// Build and start a jail for `spec` in the claimed directory `dir` with cgroup `cg`, a
+/// /tmp tmpfs of `tmp_mib` MiB and host uid/gid range `uid_base..uid_base+65536` (the
+/// caller holds its [`UidLease`]); writes `state.json`. On error the caller removes what
+/// was left (directory and cgroup). Used by cold creates and by the warm pool.
+#[allow(clippy::too_many_arguments)]
 pub(crate) async fn build_jail(
     cfg: &FunctionConfig,
     spec: &SandboxSpec,
@@ -631,9 +669,10 @@ pub(crate) async fn build_jail(
     dir: &Path,
     cg: &SandboxCgroup,
     tmp_mib: u64,
+    uid_base: u32,
     ready: &mut Option<InitReady>,
 ) -> NodeResult<JailState> {
-    let uid = cfg.uid_base;
+    let uid = uid_base;
     let d = dir.to_path_buf();
     let limits = Limits {
         memory_bytes: spec.memory_mib.saturating_mul(1 << 20),

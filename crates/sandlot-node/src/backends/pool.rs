@@ -9,7 +9,11 @@
 //!   so pooled jails never show up as sandboxes: `list()` does not see them, `readopt`
 //!   never adopts them, and a node restart removes every leftover of the pool before it
 //!   refills;
-//! * cgroup `<parent>/<name>` in every hierarchy.
+//! * cgroup `<parent>/<name>` in every hierarchy;
+//! * a host uid range of its own from the backend's table ([`super::uids`]), like any
+//!   jail; the hand-over passes it on to the sandbox unchanged (the jail's files and user
+//!   namespace already belong to it). Ranges of a previous process's leftovers stay taken
+//!   until the start-up sweep has killed them.
 //!
 //! Hand-over ([`WarmPool::hand_over`]), for a create whose image has a ready jail built
 //! from the same layers and whose /tmp bound matches (see [`tmp_compatible`]): the spec's
@@ -39,6 +43,7 @@ use super::function::{
     build_jail, destroy_blocking, proc_starttime, write_state, FunctionConfig, JailState,
     StoredSpec,
 };
+use super::uids::{UidLease, UidSlots};
 use crate::cgroups::{CgroupRoot, Limits};
 use crate::images::{Image, ImageStore};
 use crate::node::{NodeError, NodeResult, SandboxSpec};
@@ -91,11 +96,18 @@ pub(crate) struct Pooled {
     pub state: JailState,
     /// Image layers it was built from.
     pub layers: Vec<PathBuf>,
+    /// Its host uid range (`state.uid_base`); handed over with the jail.
+    pub uids: UidLease,
 }
 
 struct Shared {
     cfg: FunctionConfig,
     cgroups: CgroupRoot,
+    /// The backend's uid ranges: pooled jails hold theirs like sandboxes do.
+    uids: Arc<UidSlots>,
+    /// Ranges of a previous process's pooled jails, held until the start-up sweep has
+    /// killed them (so that no new jail shares a range with a still-running leftover).
+    leftover_uids: Mutex<HashMap<String, UidLease>>,
     images: ImageStore,
     pool: PoolConfig,
     dir: PathBuf,
@@ -132,17 +144,30 @@ impl WarmPool {
     pub(crate) fn start(
         cfg: FunctionConfig,
         cgroups: CgroupRoot,
+        uids: Arc<UidSlots>,
         images: ImageStore,
         pool: PoolConfig,
     ) -> NodeResult<WarmPool> {
         let dir = pool_dir(&cfg.sandboxes_dir);
         std::fs::create_dir_all(&dir)
             .map_err(|e| NodeError::io(format!("create {}", dir.display()), e))?;
+        let leftover_uids = std::fs::read_dir(&dir)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|e| {
+                let name = e.file_name().to_string_lossy().into_owned();
+                let st = super::function::read_state(&e.path())?;
+                Some((name, uids.reserve(st.uid_base)))
+            })
+            .collect();
         // Same as DATA/sandboxes: the sandbox uid must traverse to its upper dir.
         let _ = std::fs::set_permissions(&dir, std::os::unix::fs::PermissionsExt::from_mode(0o711));
         let shared = Arc::new(Shared {
             cfg,
             cgroups,
+            uids,
+            leftover_uids: Mutex::new(leftover_uids),
             images,
             pool,
             dir,
@@ -242,7 +267,7 @@ impl WarmPool {
         spec: &SandboxSpec,
         image: &Image,
         dst: &Path,
-    ) -> NodeResult<JailState> {
+    ) -> NodeResult<(JailState, UidLease)> {
         let cg = self.shared.cgroups.sandbox(&p.name);
         let state = JailState {
             id: spec.id.clone(),
@@ -298,7 +323,7 @@ impl WarmPool {
         match res {
             Ok(()) => {
                 self.shared.hits.fetch_add(1, Ordering::Relaxed);
-                Ok(state)
+                Ok((state, p.uids))
             }
             Err(e) => {
                 self.discard(p).await;
@@ -367,6 +392,10 @@ impl Shared {
             }
             tracing::info!(pooled = %name, "removing a leftover pooled jail");
             self.destroy(&name, &e.path());
+            // Dead now (or failed to die: then it keeps its range until the next start).
+            if !e.path().exists() {
+                self.leftover_uids.lock().unwrap().remove(&name);
+            }
         }
     }
 
@@ -395,20 +424,42 @@ impl Shared {
         };
         let cg = self.cgroups.sandbox(&name);
         let mut ready = None;
-        match build_jail(&self.cfg, &spec, image, &dir, &cg, POOL_TMP_MIB, &mut ready).await {
+        // On failure the lease is dropped only after the half-built jail is destroyed.
+        let mut uids = None;
+        let built = match self.uids.allocate() {
+            Ok(u) => {
+                let base = uids.insert(u).base();
+                build_jail(
+                    &self.cfg,
+                    &spec,
+                    image,
+                    &dir,
+                    &cg,
+                    POOL_TMP_MIB,
+                    base,
+                    &mut ready,
+                )
+                .await
+            }
+            Err(e) => Err(e),
+        };
+        match built {
             Ok(mut state) => {
+                let uids = uids.expect("allocated above");
                 state.cgroup = Some(name.clone());
                 Ok(Pooled {
                     name,
                     dir,
                     state,
                     layers: image.layers.clone(),
+                    uids,
                 })
             }
             Err(e) => {
                 // build_jail leaves its half-built jail to the caller (as create does).
                 let (d, cg) = (dir.clone(), self.cgroups.sandbox(&name));
                 let _ = tokio::task::spawn_blocking(move || destroy_blocking(&cg, &d)).await;
+                drop(uids);
                 self.owned.lock().unwrap().remove(&name);
                 Err(e)
             }
