@@ -1532,3 +1532,15 @@ mod tests {
         assert!(ExecPlan::new(&state(), &r).is_err());
     }
 }
+
+impl Drop for FunctionBackend {
+    /// Stops the warm pool (which destroys its jails), then removes the node's parent
+    /// cgroups if nothing is left in them. Sandboxes left running for re-adoption keep the
+    /// parents busy (EBUSY), and they stay.
+    fn drop(&mut self) {
+        drop(self.pool.take());
+        if let Err(e) = self.cgroups.remove_parent() {
+            tracing::warn!(error = %e, "could not remove the node's parent cgroups");
+        }
+    }
+}
