@@ -33,6 +33,15 @@
 //! cgroup is killed and removed when the exec ends, which also ends background children
 //! (`sleep 100 &`). Long-lived background processes need the (later) background-process API.
 //!
+//! Standby helpers (opt-in, `SANDLOT_EXEC_STANDBY=1` in the node's environment): joining a
+//! cgroup (writing `cgroup.procs`) waits for an RCU grace period on cgroup v1 (7–15 ms on a
+//! loaded 2-core host, most of an exec's own cost), so once a sandbox has run
+//! `STANDBY_AFTER_EXECS` execs the node starts the next exec's helper right after an exec
+//! ends, in the next exec group `x<n>` (the node writes the helper's pid into it), blocked
+//! on its spec. The next exec without stdin hands it its spec (with no `cgroup_procs`) and
+//! skips the join. While it waits, the helper is one more task in the sandbox's cgroups
+//! (counted against `pids_max`); delete kills it with the sandbox. See `Standby`.
+//!
 //! Exec results: the status comes from fd 4 of the helper (`Exited` → its code, `Signaled`
 //! n → 128+n); a timeout kills the exec's tree and gives 137/SIGKILL with `timed_out`; EOF
 //! on fd 4 without a status (the helper was killed: sandbox deleted during the exec, or an
@@ -106,6 +115,9 @@ const PIPE_GRACE: Duration = Duration::from_millis(50);
 /// After the exec cgroup is empty: how long to wait for the pipes (a process outside the
 /// cgroup could still hold them; we stop reading then).
 const DRAIN_GRACE: Duration = Duration::from_millis(500);
+/// A sandbox gets a standby exec helper once it has run this many execs (a one-shot
+/// sandbox such as `run_code`'s never pays for a helper it will not use).
+const STANDBY_AFTER_EXECS: u64 = 2;
 
 /// Static configuration of the function backend.
 #[derive(Debug, Clone)]
@@ -180,6 +192,14 @@ struct Jail {
     /// Fires when the sandbox is deleted, so running execs stop at once.
     killed: watch::Sender<bool>,
     next_exec: AtomicU64,
+    /// Execs that ran to an end (any result but a delete); a standby helper is prepared
+    /// only once this reaches [`STANDBY_AFTER_EXECS`].
+    execs_done: AtomicU64,
+    /// A `sandlot-guest exec` helper started ahead of time and already in its exec
+    /// cgroup, waiting for its spec (see [`Standby`]); taken by the next exec without stdin.
+    standby: Mutex<Option<Standby>>,
+    /// `true` while a task prepares a standby helper (at most one per sandbox).
+    standby_busy: std::sync::atomic::AtomicBool,
     /// `true` while the sandbox's cgroup is frozen ([`SandboxBackend::pause`]); exec and
     /// file calls answer `Conflict` then.
     paused: std::sync::atomic::AtomicBool,
@@ -206,6 +226,8 @@ pub struct FunctionBackend {
     uids: Arc<UidSlots>,
     /// The warm pool, once started ([`FunctionBackend::start_warm_pool`]).
     pool: std::sync::OnceLock<super::pool::WarmPool>,
+    /// Whether sandboxes get a standby exec helper ([`Standby`]; `SANDLOT_EXEC_STANDBY=1`).
+    exec_standby: bool,
 }
 
 impl FunctionBackend {
@@ -226,6 +248,7 @@ impl FunctionBackend {
             cgroups,
             jails: Mutex::new(HashMap::new()),
             pool: std::sync::OnceLock::new(),
+            exec_standby: std::env::var_os("SANDLOT_EXEC_STANDBY").is_some_and(|v| v == "1"),
         })
     }
 
@@ -303,6 +326,9 @@ impl FunctionBackend {
             deleting: RwLock::new(false),
             killed,
             next_exec: AtomicU64::new(1),
+            execs_done: AtomicU64::new(0),
+            standby: Mutex::new(None),
+            standby_busy: std::sync::atomic::AtomicBool::new(false),
         });
         self.jails
             .lock()
@@ -464,7 +490,8 @@ impl SandboxBackend for FunctionBackend {
         let jail = self.jail(id)?;
         jail.check_not_paused()?;
         let plan = ExecPlan::new(&jail.state, req)?;
-        run_exec(&self.cfg.guest_bin, &jail, plan, sink).await
+        let standby = self.exec_standby.then_some(self.cfg.guest_bin.as_path());
+        run_exec(&self.cfg.guest_bin, &jail, plan, sink, standby).await
     }
 
     async fn read_file(&self, id: &str, path: &str, max_bytes: u64) -> NodeResult<Vec<u8>> {
@@ -880,41 +907,17 @@ enum Ending {
     Deleted,
 }
 
-async fn run_exec(
-    guest_bin: &Path,
-    jail: &Jail,
-    mut plan: ExecPlan,
-    sink: Option<ExecSink>,
-) -> NodeResult<ExecResult> {
-    let mut killed_rx = jail.killed.subscribe();
-    let id = &jail.state.id;
+/// A running `sandlot-guest exec` helper: the node's ends of its spec (fd 3) and status
+/// (fd 4) pipes.
+struct Helper {
+    child: tokio::process::Child,
+    spec_w: OwnedFd,
+    status_r: OwnedFd,
+}
 
-    // --- set-up, under the read side of the lifecycle lock ---
-    let setup = jail.deleting.read().await;
-    if *setup || *killed_rx.borrow() {
-        return Err(NodeError::NotFound(format!(
-            "sandbox {id} is being deleted"
-        )));
-    }
-    let n = jail.next_exec.fetch_add(1, Ordering::SeqCst);
-    let xcg = jail.cgroup.exec_child(n);
-    let mut guard = ExecGuard {
-        group: Some(xcg.group().clone()),
-        tasks: Vec::new(),
-    };
-    {
-        let x = xcg.clone();
-        spawn_blocking(move || x.create()).await?;
-    }
-    plan.spec.cgroup_procs = xcg
-        .group()
-        .procs_files()
-        .iter()
-        .map(|p| p.display().to_string())
-        .collect();
-    let oom_before = jail.cgroup.group().oom_kills();
-
-    let spec_json = serde_json::to_vec(&plan.spec).expect("ExecSpec serialises");
+/// Start `sandlot-guest exec`; it reads its spec from fd 3 (blocking until the node writes
+/// it). stdin is a pipe when `stdin_piped`, else /dev/null.
+fn spawn_helper(guest_bin: &Path, stdin_piped: bool) -> NodeResult<Helper> {
     let (spec_r, spec_w) = cloexec_pipe()?;
     let (status_r, status_w) = cloexec_pipe()?;
     // Move the child's ends above the low fds, so that dup2 onto 3 and 4 in the child can
@@ -925,7 +928,7 @@ async fn run_exec(
 
     let mut cmd = tokio::process::Command::new(guest_bin);
     cmd.arg("exec")
-        .stdin(if plan.stdin.is_some() {
+        .stdin(if stdin_piped {
             Stdio::piped()
         } else {
             Stdio::null()
@@ -945,13 +948,175 @@ async fn run_exec(
             Ok(())
         });
     }
-    let start = Instant::now();
-    let mut child = cmd
+    let child = cmd
         .spawn()
         .map_err(|e| NodeError::io(format!("spawn {} exec", guest_bin.display()), e))?;
-    // The parent's copies of the child's ends must go, or EOF never comes.
+    // The parent's copies of the child's ends must go (here, as they drop), or EOF never
+    // comes.
     drop(spec_r);
     drop(status_w);
+    Ok(Helper {
+        child,
+        spec_w,
+        status_r,
+    })
+}
+
+/// An exec helper started ahead of time, already a member of its own exec cgroup `x<n>`
+/// and blocked reading its spec.
+///
+/// Why: on cgroup v1 the first write to a `cgroup.procs` file takes the global
+/// `cgroup_threadgroup_rwsem` for writing, which waits for an RCU grace period (measured
+/// 7–15 ms on the 2-core dev host, most of an exec's overhead); a standby pays it between
+/// execs instead of inside one. Its exec then gets an `ExecSpec` whose `cgroup_procs` is
+/// empty (already joined: the node wrote the helper's pid into them). Nothing about the
+/// exec changes: same helper, same cgroup per exec, same set-up order in the helper; only
+/// the join moves from the helper to the node, before the spec is sent.
+///
+/// Costs: one idle process per sandbox that ran [`STANDBY_AFTER_EXECS`] execs; it is in
+/// the sandbox's cgroups, so it counts as one task against `pids_max` while it waits.
+/// Delete kills it with the rest of the sandbox's cgroup; a node restart leaves it to read
+/// EOF and exit, and `readopt` removes its empty group.
+struct Standby {
+    helper: Helper,
+    xcg: crate::cgroups::ExecCgroup,
+}
+
+impl Jail {
+    /// The standby helper, when there is one and it is still alive (a dead one, e.g.
+    /// OOM-killed while waiting, is discarded and its group removed).
+    fn take_standby(&self) -> Option<Standby> {
+        let mut s = self.standby.lock().unwrap().take()?;
+        if matches!(s.helper.child.try_wait(), Ok(None)) {
+            return Some(s);
+        }
+        let g = s.xcg.group().clone();
+        std::thread::spawn(move || {
+            let _ = g.destroy(KILL_TIMEOUT);
+        });
+        None
+    }
+}
+
+/// Prepare a standby helper for `jail` in the background unless one exists or is being
+/// prepared.
+fn kick_standby(guest_bin: &Path, jail: &Arc<Jail>) {
+    if jail.standby.lock().unwrap().is_some() || jail.standby_busy.swap(true, Ordering::SeqCst) {
+        return;
+    }
+    let jail = jail.clone();
+    let bin = guest_bin.to_path_buf();
+    tokio::spawn(async move {
+        if let Err(e) = prepare_standby(&bin, &jail).await {
+            tracing::debug!(sandbox = %jail.state.id, error = %e, "no standby exec helper");
+        }
+        jail.standby_busy.store(false, Ordering::SeqCst);
+    });
+}
+
+async fn prepare_standby(guest_bin: &Path, jail: &Arc<Jail>) -> NodeResult<()> {
+    // Under the read side of the lifecycle lock, like an exec's set-up: a delete waits for
+    // it, or it sees the delete and does nothing.
+    let lock = jail.deleting.read().await;
+    if *lock || *jail.killed.borrow() {
+        return Ok(());
+    }
+    let n = jail.next_exec.fetch_add(1, Ordering::SeqCst);
+    let xcg = jail.cgroup.exec_child(n);
+    let x = xcg.clone();
+    spawn_blocking(move || x.create()).await?;
+    let joined = match spawn_helper(guest_bin, false) {
+        Ok(helper) => {
+            let pid = helper.child.id().map(|p| p.to_string());
+            let procs = xcg.group().procs_files();
+            let res = spawn_blocking(move || {
+                let pid = pid.ok_or_else(|| {
+                    NodeError::io("standby helper", std::io::Error::other("exited at once"))
+                })?;
+                for f in &procs {
+                    crate::cgroups::write_file(f, &pid)?;
+                }
+                Ok(())
+            })
+            .await;
+            res.map(|()| helper)
+        }
+        Err(e) => Err(e),
+    };
+    match joined {
+        Ok(helper) => {
+            *jail.standby.lock().unwrap() = Some(Standby { helper, xcg });
+            Ok(())
+        }
+        Err(e) => {
+            // The helper (if any) was killed on drop; remove the group.
+            let g = xcg.group().clone();
+            let _ = spawn_blocking(move || g.destroy(KILL_TIMEOUT)).await;
+            Err(e)
+        }
+    }
+}
+
+async fn run_exec(
+    guest_bin: &Path,
+    jail: &Arc<Jail>,
+    mut plan: ExecPlan,
+    sink: Option<ExecSink>,
+    standby_bin: Option<&Path>,
+) -> NodeResult<ExecResult> {
+    let mut killed_rx = jail.killed.subscribe();
+    let id = &jail.state.id;
+
+    // --- set-up, under the read side of the lifecycle lock ---
+    let setup = jail.deleting.read().await;
+    if *setup || *killed_rx.borrow() {
+        return Err(NodeError::NotFound(format!(
+            "sandbox {id} is being deleted"
+        )));
+    }
+    // A standby helper has /dev/null as stdin: only for execs without stdin.
+    let standby = if plan.stdin.is_none() {
+        jail.take_standby()
+    } else {
+        None
+    };
+    let mut guard = ExecGuard {
+        group: None,
+        tasks: Vec::new(),
+    };
+    let (xcg, start, helper) = match standby {
+        Some(s) => {
+            guard.group = Some(s.xcg.group().clone());
+            // Already a member of every exec cgroup (joined by the node).
+            plan.spec.cgroup_procs = Vec::new();
+            (s.xcg, Instant::now(), s.helper)
+        }
+        None => {
+            let n = jail.next_exec.fetch_add(1, Ordering::SeqCst);
+            let xcg = jail.cgroup.exec_child(n);
+            guard.group = Some(xcg.group().clone());
+            {
+                let x = xcg.clone();
+                spawn_blocking(move || x.create()).await?;
+            }
+            plan.spec.cgroup_procs = xcg
+                .group()
+                .procs_files()
+                .iter()
+                .map(|p| p.display().to_string())
+                .collect();
+            let start = Instant::now();
+            let helper = spawn_helper(guest_bin, plan.stdin.is_some())?;
+            (xcg, start, helper)
+        }
+    };
+    let Helper {
+        mut child,
+        spec_w,
+        status_r,
+    } = helper;
+    let oom_before = jail.cgroup.group().oom_kills();
+    let spec_json = serde_json::to_vec(&plan.spec).expect("ExecSpec serialises");
     drop(setup);
 
     // Spec on fd 3, then EOF.
@@ -1036,6 +1201,13 @@ async fn run_exec(
     }
     if let Err(e) = cleanup {
         tracing::warn!(sandbox = %id, error = %e, "exec cgroup cleanup failed");
+    }
+    if let Some(bin) = standby_bin {
+        if !matches!(ending, Ending::Deleted)
+            && jail.execs_done.fetch_add(1, Ordering::SeqCst) + 1 >= STANDBY_AFTER_EXECS
+        {
+            kick_standby(bin, jail);
+        }
     }
 
     let mut res = ExecResult {
@@ -1432,6 +1604,185 @@ async fn spawn_blocking<T: Send + 'static>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The standby helper's process and exec group: `(host pid, group dirs)`, once it is
+    /// ready (within 10 s).
+    async fn wait_standby(jail: &Jail) -> (i32, Vec<PathBuf>) {
+        let end = Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Some(s) = jail.standby.lock().unwrap().as_ref() {
+                let pid = s.helper.child.id().expect("standby alive") as i32;
+                return (pid, s.xcg.group().dirs().map(Path::to_path_buf).collect());
+            }
+            assert!(Instant::now() < end, "no standby helper within 10 s");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    /// Standby exec helpers (`SANDLOT_EXEC_STANDBY=1`): the next exec without stdin takes
+    /// the pre-joined helper, with unchanged results (exit code, output, background
+    /// children killed, timeout, OOM); an exec with stdin leaves it alone; delete kills it.
+    /// Needs root, cgroups and the guest binary (`SANDLOT_GUEST_BIN` or target/debug).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn standby_helper_serves_execs_with_unchanged_semantics() {
+        let test = "standby_helper_serves_execs_with_unchanged_semantics";
+        if !nix::unistd::Uid::effective().is_root() {
+            eprintln!("SKIP {test}: needs root (namespaces, cgroups)");
+            return;
+        }
+        let Ok(cgroups) = CgroupRoot::detect() else {
+            eprintln!("SKIP {test}: no usable cgroups");
+            return;
+        };
+        let guest_bin = std::env::var_os("SANDLOT_GUEST_BIN")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| {
+                Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/debug/sandlot-guest")
+            });
+        if !guest_bin.exists() {
+            eprintln!("SKIP {test}: {} missing", guest_bin.display());
+            return;
+        }
+        let tmp = tempfile::tempdir().unwrap();
+        let store = crate::images::ImageStore::open(tmp.path().join("images")).unwrap();
+        let image = match store.build_busybox() {
+            Ok(i) => i,
+            Err(e) => {
+                eprintln!("SKIP {test}: cannot build the busybox image: {e}");
+                return;
+            }
+        };
+        let cgroups = cgroups.with_parent(&format!("sandlot-unit-standby-{}", std::process::id()));
+        let mut be = FunctionBackend::new(
+            FunctionConfig {
+                sandboxes_dir: tmp.path().join("sandboxes"),
+                guest_bin,
+                uid_base: 100_000,
+            },
+            cgroups,
+        )
+        .unwrap();
+        be.exec_standby = true;
+        let spec = SandboxSpec {
+            id: "sb-standby".into(),
+            backend: Backend::Function,
+            image: "busybox".into(),
+            cpu: 1.0,
+            memory_mib: 64,
+            disk_mib: 64,
+            pids_max: 64,
+            env: BTreeMap::new(),
+        };
+        be.create(&spec, &image).await.unwrap();
+        let sh = |script: &str, timeout_s: f64| {
+            let mut r = ExecRequest::new(sandlot_api::Cmd::Shell(script.into()));
+            r.timeout_s = Some(timeout_s);
+            r
+        };
+        let jail = be.jail("sb-standby").unwrap();
+        // No standby before the second exec.
+        for _ in 0..STANDBY_AFTER_EXECS {
+            assert!(jail.standby.lock().unwrap().is_none());
+            let r = be
+                .exec("sb-standby", &sh("true", 10.0), None)
+                .await
+                .unwrap();
+            assert_eq!(r.exit_code, 0, "{r:?}");
+        }
+
+        // Exit code, output, and a background child that does not outlive the exec.
+        let (pid, dirs) = wait_standby(&jail).await;
+        assert!(dirs.iter().all(|d| d.exists()));
+        let r = be
+            .exec(
+                "sb-standby",
+                &sh("sleep 100 & echo out; echo err >&2; exit 7", 10.0),
+                None,
+            )
+            .await
+            .unwrap();
+        assert_eq!(
+            (r.exit_code, r.stdout.as_str(), r.stderr.as_str()),
+            (7, "out\n", "err\n")
+        );
+        assert!(!r.timed_out && !r.oom_killed, "{r:?}");
+        assert!(
+            proc_starttime(pid).is_none(),
+            "the standby helper {pid} ran the exec"
+        );
+        assert!(
+            dirs.iter().all(|d| !d.exists()),
+            "its exec group is removed"
+        );
+        let ps = be
+            .exec("sb-standby", &sh("ps -o comm", 10.0), None)
+            .await
+            .unwrap();
+        assert!(!ps.stdout.contains("sleep"), "{ps:?}");
+
+        // An exec with stdin spawns its own helper and leaves the standby alone.
+        let (pid, _) = wait_standby(&jail).await;
+        let mut req = ExecRequest::new(sandlot_api::Cmd::Argv(vec!["cat".into()]));
+        req.stdin_b64 = Some(base64::engine::general_purpose::STANDARD.encode("piped"));
+        let r = be.exec("sb-standby", &req, None).await.unwrap();
+        assert_eq!((r.exit_code, r.stdout.as_str()), (0, "piped"));
+        assert!(proc_starttime(pid).is_some(), "standby kept");
+        // And a standby exec's stdin is /dev/null.
+        let r = be
+            .exec("sb-standby", &sh("cat; echo end", 10.0), None)
+            .await
+            .unwrap();
+        assert_eq!((r.exit_code, r.stdout.as_str()), (0, "end\n"));
+        assert!(proc_starttime(pid).is_none());
+
+        // Timeout kills the whole tree.
+        wait_standby(&jail).await;
+        let r = be
+            .exec(
+                "sb-standby",
+                &sh("echo before; sleep 100 & sleep 100", 1.0),
+                None,
+            )
+            .await
+            .unwrap();
+        assert!(r.timed_out, "{r:?}");
+        assert_eq!(
+            (r.exit_code, r.signal, r.stdout.as_str()),
+            (137, Some(9), "before\n")
+        );
+
+        // OOM is reported from the exec group's own counter, and only for that exec.
+        wait_standby(&jail).await;
+        let r = be
+            .exec(
+                "sb-standby",
+                &sh("head -c 200m /dev/zero | tail", 30.0),
+                None,
+            )
+            .await
+            .unwrap();
+        assert!(r.oom_killed && r.exit_code != 0, "{r:?}");
+        wait_standby(&jail).await;
+        let r = be
+            .exec("sb-standby", &sh("echo fine", 10.0), None)
+            .await
+            .unwrap();
+        assert!(!r.oom_killed && r.exit_code == 0, "{r:?}");
+
+        // Delete kills a waiting standby and removes its group.
+        let (pid, dirs) = wait_standby(&jail).await;
+        drop(jail);
+        be.delete("sb-standby").await.unwrap();
+        let end = Instant::now() + Duration::from_secs(5);
+        while proc_starttime(pid).is_some() && Instant::now() < end {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert!(
+            proc_starttime(pid).is_none(),
+            "standby {pid} survived the delete"
+        );
+        assert!(dirs.iter().all(|d| !d.exists()));
+    }
 
     #[test]
     fn starttime_of_self_and_missing() {
