@@ -680,42 +680,11 @@ fn ensure_debootstrap_cache(cache_dir: &Path, spec: &DebootstrapSpec) -> NodeRes
 /// `sys` inside its target while it runs; if it dies midway they stay mounted, and a
 /// recursive delete must never walk into the host's procfs/sysfs through them.
 fn unmount_under(dir: &Path) -> NodeResult<()> {
-    let info = fs::read_to_string("/proc/thread-self/mountinfo")
-        .map_err(|e| NodeError::io("read /proc/thread-self/mountinfo", e))?;
-    let mut points: Vec<PathBuf> = info
-        .lines()
-        .filter_map(|l| l.split(' ').nth(4))
-        .map(|p| PathBuf::from(unescape_mountinfo(p)))
-        .filter(|p| p.starts_with(dir))
-        .collect();
-    // Longest first: children before parents.
-    points.sort_by_key(|p| std::cmp::Reverse(p.as_os_str().len()));
-    for p in points {
+    for p in crate::mountinfo::mounts_under(dir) {
         nix::mount::umount2(&p, nix::mount::MntFlags::MNT_DETACH)
             .map_err(|e| NodeError::io(format!("unmount {}", p.display()), e.into()))?;
     }
     Ok(())
-}
-
-/// Undo mountinfo's octal escapes (`\040` for a space, proc_pid_mountinfo(5)).
-fn unescape_mountinfo(s: &str) -> String {
-    let b = s.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        if b[i] == b'\\'
-            && i + 3 < b.len()
-            && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c))
-        {
-            let v = (b[i + 1] - b'0') * 64 + (b[i + 2] - b'0') * 8 + (b[i + 3] - b'0');
-            out.push(v);
-            i += 4;
-        } else {
-            out.push(b[i]);
-            i += 1;
-        }
-    }
-    String::from_utf8_lossy(&out).into_owned()
 }
 
 /// Run debootstrap into `target`, its output streamed to our stderr so a user sees progress.
@@ -937,12 +906,6 @@ mod tests {
         if let Ok(d) = fs::read("/bin/ls") {
             assert_eq!(elf64_has_interp(&d), Some(true), "/bin/ls is dynamic");
         }
-    }
-
-    #[test]
-    fn mountinfo_unescape() {
-        assert_eq!(unescape_mountinfo("/a\\040b\\011c"), "/a b\tc");
-        assert_eq!(unescape_mountinfo("/plain\\"), "/plain\\");
     }
 
     #[test]

@@ -12,6 +12,7 @@ pub mod cgroups;
 pub mod files;
 pub mod images;
 pub mod local;
+pub mod mountinfo;
 pub mod node;
 pub mod output;
 

@@ -1511,42 +1511,7 @@ pub(crate) fn destroy_blocking(cg: &SandboxCgroup, dir: &Path) -> NodeResult<()>
     }
 }
 
-/// Mount points at or below `dir` in the node's mount namespace (`/proc/self/mountinfo`,
-/// field 5, octal escapes decoded; proc(5)).
-pub fn mounts_under(dir: &Path) -> Vec<PathBuf> {
-    let Ok(s) = std::fs::read_to_string("/proc/self/mountinfo") else {
-        return Vec::new();
-    };
-    let mut v: Vec<PathBuf> = s
-        .lines()
-        .filter_map(|l| l.split(' ').nth(4))
-        .map(|m| PathBuf::from(unescape_mountinfo(m)))
-        .filter(|m| m.starts_with(dir))
-        .collect();
-    // Deepest first.
-    v.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
-    v
-}
-
-fn unescape_mountinfo(s: &str) -> String {
-    let b = s.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        if b[i] == b'\\'
-            && i + 3 < b.len()
-            && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c))
-        {
-            let v = (b[i + 1] - b'0') * 64 + (b[i + 2] - b'0') * 8 + (b[i + 3] - b'0');
-            out.push(v);
-            i += 4;
-        } else {
-            out.push(b[i]);
-            i += 1;
-        }
-    }
-    String::from_utf8_lossy(&out).into_owned()
-}
+pub use crate::mountinfo::mounts_under;
 
 /// Start time of `pid` (field 22 of `/proc/PID/stat`, clock ticks since boot; proc(5)),
 /// `None` when there is no such process or it is a zombie.
@@ -1799,13 +1764,6 @@ mod tests {
         for bad in ["", "../x", "a/b", "a b", ".", ".."] {
             assert!(check_id(bad).is_err(), "{bad:?}");
         }
-    }
-
-    #[test]
-    fn mountinfo_escapes() {
-        assert_eq!(unescape_mountinfo(r"/a\040b"), "/a b");
-        assert_eq!(unescape_mountinfo(r"/x\134y"), r"/x\y");
-        assert_eq!(unescape_mountinfo("/plain"), "/plain");
     }
 
     fn state() -> JailState {
