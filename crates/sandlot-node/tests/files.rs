@@ -162,7 +162,9 @@ fn large_files_and_size_limit() {
     assert!(back == big, "50 MB round trip differs");
     eprintln!("50 MB write+read: {:?}", t.elapsed());
     match sfs.read("20k", 1000) {
-        Err(NodeError::InvalidArgument(m)) => assert_eq!(m, "file is 20480 bytes; limit 1000: /workspace/20k"),
+        Err(NodeError::InvalidArgument(m)) => {
+            assert_eq!(m, "file is 20480 bytes; limit 1000: /workspace/20k")
+        }
         other => panic!("expected size error, got {other:?}"),
     }
 }
