@@ -1,13 +1,15 @@
 //! The `function` backend end to end: a real `LocalNode`, the real `sandlot-guest`, a busybox
 //! image built by `ImageStore::build_busybox`. Needs root, cgroups and the guest binary
-//! (`cargo build -p sandlot-guest`, or `SANDLOT_GUEST_BIN`); each test prints why it skips.
+//! (`SANDLOT_GUEST_BIN`, else `target/{release,debug}/sandlot-guest` of this build's
+//! profile); each test prints why it skips.
 use sandlot_api::{Backend, Cmd, ExecEvent, ExecRequest, ExecResult};
 use sandlot_node::backends::function::{mounts_under, proc_starttime, read_state};
 use sandlot_node::cgroups::CgroupRoot;
 use sandlot_node::{LocalNode, Node, NodeConfig, NodeError, SandboxSpec};
-use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
+
+mod support;
 
 struct Env {
     node: Option<LocalNode>,
@@ -21,9 +23,7 @@ impl Env {
     }
 
     fn cgroups(&self) -> CgroupRoot {
-        CgroupRoot::detect()
-            .unwrap()
-            .with_parent(&self.cfg.cgroup_parent)
+        support::cgroups(&self.cfg)
     }
 
     fn sandbox_dir(&self, id: &str) -> PathBuf {
@@ -47,76 +47,21 @@ impl Env {
 
 impl Drop for Env {
     fn drop(&mut self) {
+        // Delete whatever the test left, then the test's own cgroup parent.
         if let Some(node) = self.node.take() {
-            // Delete whatever the test left, then the test's own cgroup parent (on a
-            // thread of its own: this may run inside the test's runtime).
-            let ids: Vec<String> = std::thread::scope(|s| {
-                s.spawn(|| {
-                    let rt = tokio::runtime::Builder::new_current_thread()
-                        .enable_all()
-                        .build()
-                        .unwrap();
-                    rt.block_on(async {
-                        let ids: Vec<String> = node
-                            .list()
-                            .await
-                            .unwrap()
-                            .into_iter()
-                            .map(|s| s.id)
-                            .collect();
-                        for id in &ids {
-                            let _ = node.delete(id).await;
-                        }
-                        ids
-                    })
-                })
-                .join()
-                .unwrap()
-            });
-            let _ = ids;
+            support::delete_all(&node);
         }
         let _ = self.cgroups().remove_parent();
     }
 }
 
-fn guest_bin() -> PathBuf {
-    if let Some(p) = std::env::var_os("SANDLOT_GUEST_BIN") {
-        return PathBuf::from(p);
-    }
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/debug/sandlot-guest")
-}
-
-static SEQ: AtomicU32 = AtomicU32::new(0);
-
 /// A fresh node over a temp data dir, or `None` (with the reason printed) when this host
 /// cannot run the function backend.
 fn setup(test: &str) -> Option<Env> {
-    if !nix::unistd::Uid::effective().is_root() {
-        eprintln!("SKIP {test}: needs root (namespaces, cgroups)");
-        return None;
-    }
-    if let Err(e) = CgroupRoot::detect() {
-        eprintln!("SKIP {test}: no usable cgroups: {e}");
-        return None;
-    }
-    let guest = guest_bin();
-    if !guest.exists() {
-        eprintln!(
-            "SKIP {test}: {} missing; run `cargo build -p sandlot-guest` or set SANDLOT_GUEST_BIN",
-            guest.display()
-        );
-        return None;
-    }
-    let tmp = tempfile::tempdir().unwrap();
-    let mut cfg = NodeConfig::new(tmp.path().join("data"));
-    cfg.guest_bin = guest;
+    let guest = support::host_ready(test, support::BUILD_GUEST_HINT)?;
+    let (mut cfg, tmp) = support::node_config(guest);
     cfg.name = "test-node".into();
-    // One cgroup parent per test node, so parallel tests never sweep each other.
-    cfg.cgroup_parent = format!(
-        "sandlot-test-{}-{}",
-        std::process::id(),
-        SEQ.fetch_add(1, Ordering::SeqCst)
-    );
+    cfg.cgroup_parent = support::unique_cgroup_parent("sandlot-test");
     let node = LocalNode::open(cfg.clone()).unwrap();
     if let Some((_, Err(why))) = node
         .info()
@@ -126,8 +71,7 @@ fn setup(test: &str) -> Option<Env> {
     {
         panic!("function backend unavailable on a host that should run it: {why}");
     }
-    if let Err(e) = node.images().build_busybox() {
-        eprintln!("SKIP {test}: cannot build the busybox image: {e}");
+    if !support::build_busybox(test, &node) {
         return None;
     }
     Some(Env {

@@ -1,12 +1,14 @@
 //! Pause/resume of the `function` backend on the real cgroup freezer: a real `LocalNode`,
 //! the real `sandlot-guest`, a busybox image. Needs root, cgroups and the guest binary
-//! (`cargo build -p sandlot-guest`, or `SANDLOT_GUEST_BIN`); each test prints why it skips.
+//! (`SANDLOT_GUEST_BIN`, else `target/{release,debug}/sandlot-guest` of this build's
+//! profile); each test prints why it skips.
 use sandlot_api::{Backend, Cmd, ExecRequest};
 use sandlot_node::cgroups::CgroupRoot;
 use sandlot_node::{LocalNode, Node, NodeConfig, NodeError, SandboxSpec};
-use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+mod support;
 
 struct Env {
     node: Arc<LocalNode>,
@@ -16,44 +18,17 @@ struct Env {
 
 impl Env {
     fn cgroups(&self) -> CgroupRoot {
-        CgroupRoot::detect()
-            .unwrap()
-            .with_parent(&self.cfg.cgroup_parent)
+        support::cgroups(&self.cfg)
     }
-}
-
-fn guest_bin() -> PathBuf {
-    if let Some(p) = std::env::var_os("SANDLOT_GUEST_BIN") {
-        return PathBuf::from(p);
-    }
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/debug/sandlot-guest")
 }
 
 fn setup(test: &str) -> Option<Env> {
-    if !nix::unistd::Uid::effective().is_root() {
-        eprintln!("SKIP {test}: needs root (namespaces, cgroups)");
-        return None;
-    }
-    if let Err(e) = CgroupRoot::detect() {
-        eprintln!("SKIP {test}: no usable cgroups: {e}");
-        return None;
-    }
-    let guest = guest_bin();
-    if !guest.exists() {
-        eprintln!(
-            "SKIP {test}: {} missing; run `cargo build -p sandlot-guest` or set SANDLOT_GUEST_BIN",
-            guest.display()
-        );
-        return None;
-    }
-    let tmp = tempfile::tempdir().unwrap();
-    let mut cfg = NodeConfig::new(tmp.path().join("data"));
-    cfg.guest_bin = guest;
+    let guest = support::host_ready(test, support::BUILD_GUEST_HINT)?;
+    let (mut cfg, tmp) = support::node_config(guest);
     cfg.name = "test-node".into();
-    cfg.cgroup_parent = format!("sandlot-test-pause-{}", std::process::id());
+    cfg.cgroup_parent = support::unique_cgroup_parent("sandlot-test-pause");
     let node = LocalNode::open(cfg.clone()).unwrap();
-    if let Err(e) = node.images().build_busybox() {
-        eprintln!("SKIP {test}: cannot build the busybox image: {e}");
+    if !support::build_busybox(test, &node) {
         return None;
     }
     Some(Env {

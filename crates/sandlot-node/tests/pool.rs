@@ -1,7 +1,8 @@
 //! The warm pool of the `function` backend end to end: a real `LocalNode` with
 //! `warm_pool` on, the real `sandlot-guest`, a busybox image built by
 //! `ImageStore::build_busybox`. Needs root, cgroups and the guest binary
-//! (`cargo build -p sandlot-guest`, or `SANDLOT_GUEST_BIN`); each test prints why it skips.
+//! (`SANDLOT_GUEST_BIN`, else `target/{release,debug}/sandlot-guest` of this build's
+//! profile); each test prints why it skips.
 //!
 //! `cargo test -p sandlot-node --test pool -- --nocapture` prints cold vs pooled create
 //! latency.
@@ -10,10 +11,11 @@ use sandlot_node::backends::function::{proc_starttime, read_state};
 use sandlot_node::backends::pool::POOL_PREFIX;
 use sandlot_node::cgroups::CgroupRoot;
 use sandlot_node::{LocalNode, Node, NodeConfig, SandboxSpec};
-use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+mod support;
 
 struct Env {
     node: Option<Arc<LocalNode>>,
@@ -27,9 +29,7 @@ impl Env {
     }
 
     fn cgroups(&self) -> CgroupRoot {
-        CgroupRoot::detect()
-            .unwrap()
-            .with_parent(&self.cfg.cgroup_parent)
+        support::cgroups(&self.cfg)
     }
 
     fn sandbox_dir(&self, id: &str) -> PathBuf {
@@ -89,21 +89,7 @@ impl Env {
 impl Drop for Env {
     fn drop(&mut self) {
         if let Some(node) = self.node.take() {
-            std::thread::scope(|s| {
-                s.spawn(|| {
-                    let rt = tokio::runtime::Builder::new_current_thread()
-                        .enable_all()
-                        .build()
-                        .unwrap();
-                    rt.block_on(async {
-                        for st in node.list().await.unwrap() {
-                            let _ = node.delete(&st.id).await;
-                        }
-                    })
-                })
-                .join()
-                .unwrap()
-            });
+            support::delete_all(&node);
             // Dropping the node stops the pool and destroys its jails.
             drop(node);
         }
@@ -111,41 +97,11 @@ impl Drop for Env {
     }
 }
 
-fn guest_bin() -> PathBuf {
-    if let Some(p) = std::env::var_os("SANDLOT_GUEST_BIN") {
-        return PathBuf::from(p);
-    }
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/debug/sandlot-guest")
-}
-
-static SEQ: AtomicU32 = AtomicU32::new(0);
-
 fn config(test: &str, pool: usize) -> Option<(NodeConfig, tempfile::TempDir)> {
-    if !nix::unistd::Uid::effective().is_root() {
-        eprintln!("SKIP {test}: needs root (namespaces, cgroups)");
-        return None;
-    }
-    if let Err(e) = CgroupRoot::detect() {
-        eprintln!("SKIP {test}: no usable cgroups: {e}");
-        return None;
-    }
-    let guest = guest_bin();
-    if !guest.exists() {
-        eprintln!(
-            "SKIP {test}: {} missing; run `cargo build -p sandlot-guest` or set SANDLOT_GUEST_BIN",
-            guest.display()
-        );
-        return None;
-    }
-    let tmp = tempfile::tempdir().unwrap();
-    let mut cfg = NodeConfig::new(tmp.path().join("data"));
-    cfg.guest_bin = guest;
+    let guest = support::host_ready(test, support::BUILD_GUEST_HINT)?;
+    let (mut cfg, tmp) = support::node_config(guest);
     cfg.name = "pool-test-node".into();
-    cfg.cgroup_parent = format!(
-        "sandlot-pooltest-{}-{}",
-        std::process::id(),
-        SEQ.fetch_add(1, Ordering::SeqCst)
-    );
+    cfg.cgroup_parent = support::unique_cgroup_parent("sandlot-pooltest");
     cfg.warm_pool = pool;
     cfg.warm_pool_images = vec!["busybox".into()];
     Some((cfg, tmp))
@@ -155,8 +111,7 @@ fn config(test: &str, pool: usize) -> Option<(NodeConfig, tempfile::TempDir)> {
 async fn setup(test: &str, pool: usize) -> Option<Env> {
     let (cfg, tmp) = config(test, pool)?;
     let node = LocalNode::open(cfg.clone()).unwrap();
-    if let Err(e) = node.images().build_busybox() {
-        eprintln!("SKIP {test}: cannot build the busybox image: {e}");
+    if !support::build_busybox(test, &node) {
         return None;
     }
     node.readopt(&[]).await.unwrap();

@@ -9,8 +9,10 @@ use sandlot_node::backends::function::read_state;
 use sandlot_node::cgroups::CgroupRoot;
 use sandlot_node::{LocalNode, Node, NodeConfig, SandboxSpec};
 use std::os::unix::fs::MetadataExt;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
+
+mod support;
 
 struct Env {
     node: Option<LocalNode>,
@@ -26,9 +28,7 @@ impl Env {
         self.cfg.data_dir.join("sandboxes").join(id)
     }
     fn cgroups(&self) -> CgroupRoot {
-        CgroupRoot::detect()
-            .unwrap()
-            .with_parent(&self.cfg.cgroup_parent)
+        support::cgroups(&self.cfg)
     }
     fn base(&self, id: &str) -> u32 {
         read_state(&self.dir(id)).expect("state.json").uid_base
@@ -38,55 +38,14 @@ impl Env {
 impl Drop for Env {
     fn drop(&mut self) {
         if let Some(node) = self.node.take() {
-            std::thread::scope(|s| {
-                s.spawn(|| {
-                    let rt = tokio::runtime::Builder::new_current_thread()
-                        .enable_all()
-                        .build()
-                        .unwrap();
-                    rt.block_on(async {
-                        for sb in node.list().await.unwrap() {
-                            let _ = node.delete(&sb.id).await;
-                        }
-                    })
-                })
-                .join()
-                .unwrap()
-            });
+            support::delete_all(&node);
         }
         let _ = self.cgroups().remove_parent();
     }
 }
 
-fn guest_bin() -> PathBuf {
-    if let Some(p) = std::env::var_os("SANDLOT_GUEST_BIN") {
-        return PathBuf::from(p);
-    }
-    let profile = if cfg!(debug_assertions) {
-        "debug"
-    } else {
-        "release"
-    };
-    Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("../../target/{profile}/sandlot-guest"))
-}
-
 fn setup(test: &str) -> Option<Env> {
-    if !nix::unistd::Uid::effective().is_root() {
-        eprintln!("SKIP {test}: needs root (namespaces, cgroups)");
-        return None;
-    }
-    if let Err(e) = CgroupRoot::detect() {
-        eprintln!("SKIP {test}: no usable cgroups: {e}");
-        return None;
-    }
-    let guest = guest_bin();
-    if !guest.exists() {
-        eprintln!(
-            "SKIP {test}: {} missing; build sandlot-guest",
-            guest.display()
-        );
-        return None;
-    }
+    let guest = support::host_ready(test, "build sandlot-guest")?;
     let images = std::env::var_os("SANDLOT_IMAGES_DIR")
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from("/var/lib/sandlot/images"));
@@ -106,12 +65,9 @@ fn setup(test: &str) -> Option<Env> {
         eprintln!("SKIP {test}: no python3 on the host");
         return None;
     }
-    let tmp = tempfile::tempdir().unwrap();
-    let mut cfg = NodeConfig::new(tmp.path().join("data"));
-    cfg.guest_bin = guest;
+    let (mut cfg, tmp) = support::node_config(guest);
     cfg.images_dir = images;
-    cfg.cgroup_parent = format!("sandlot-test-uids-{}-{test}", std::process::id());
-    cfg.cgroup_parent.truncate(60);
+    cfg.cgroup_parent = support::unique_cgroup_parent("sandlot-test-uids");
     let node = LocalNode::open(cfg.clone()).unwrap();
     Some(Env {
         node: Some(node),

@@ -1,0 +1,107 @@
+//! Setup shared by the root integration tests of the `function` backend (`function.rs`,
+//! `pool.rs`, `pause.rs`, `uids.rs`): where the guest binary is, the host checks with their
+//! `SKIP <test>: ...` lines, unique cgroup parents, a node config over a temp dir, the
+//! busybox image and the end-of-test sweep. Each test file keeps its own `Env`.
+//!
+//! Used with `mod support;`; each test binary compiles this module on its own and not every
+//! file uses every helper, hence the `dead_code` allowance.
+#![allow(dead_code)]
+
+use sandlot_node::cgroups::CgroupRoot;
+use sandlot_node::{LocalNode, Node, NodeConfig};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU32, Ordering};
+
+/// Hint printed after `<guest> missing;` by most files.
+pub const BUILD_GUEST_HINT: &str = "run `cargo build -p sandlot-guest` or set SANDLOT_GUEST_BIN";
+
+/// The `sandlot-guest` binary: `SANDLOT_GUEST_BIN` if set, else
+/// `target/{release,debug}/sandlot-guest` of the same build profile as this test binary, so
+/// `cargo test --release` never silently runs a stale debug guest.
+pub fn guest_bin() -> PathBuf {
+    if let Some(p) = std::env::var_os("SANDLOT_GUEST_BIN") {
+        return PathBuf::from(p);
+    }
+    let profile = if cfg!(debug_assertions) {
+        "debug"
+    } else {
+        "release"
+    };
+    Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("../../target/{profile}/sandlot-guest"))
+}
+
+/// Root, usable cgroups and an existing guest binary: the guest's path, or `None` after
+/// printing `SKIP {test}: ...` (`guest_hint` follows `<path> missing;`).
+pub fn host_ready(test: &str, guest_hint: &str) -> Option<PathBuf> {
+    if !nix::unistd::Uid::effective().is_root() {
+        eprintln!("SKIP {test}: needs root (namespaces, cgroups)");
+        return None;
+    }
+    if let Err(e) = CgroupRoot::detect() {
+        eprintln!("SKIP {test}: no usable cgroups: {e}");
+        return None;
+    }
+    let guest = guest_bin();
+    if !guest.exists() {
+        eprintln!("SKIP {test}: {} missing; {guest_hint}", guest.display());
+        return None;
+    }
+    Some(guest)
+}
+
+static SEQ: AtomicU32 = AtomicU32::new(0);
+
+/// `{prefix}-{pid}-{n}`: one cgroup parent per test node, so parallel tests never sweep
+/// each other.
+pub fn unique_cgroup_parent(prefix: &str) -> String {
+    format!(
+        "{prefix}-{}-{}",
+        std::process::id(),
+        SEQ.fetch_add(1, Ordering::SeqCst)
+    )
+}
+
+/// A `NodeConfig` with its data dir at `<tmp>/data` and `guest` as the guest binary; the
+/// `TempDir` must outlive the node.
+pub fn node_config(guest: PathBuf) -> (NodeConfig, tempfile::TempDir) {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut cfg = NodeConfig::new(tmp.path().join("data"));
+    cfg.guest_bin = guest;
+    (cfg, tmp)
+}
+
+/// Builds the busybox image in `node`'s store; `false` after printing `SKIP {test}: ...`.
+pub fn build_busybox(test: &str, node: &LocalNode) -> bool {
+    if let Err(e) = node.images().build_busybox() {
+        eprintln!("SKIP {test}: cannot build the busybox image: {e}");
+        return false;
+    }
+    true
+}
+
+/// The cgroup root of `cfg`'s node (under its `cgroup_parent`).
+pub fn cgroups(cfg: &NodeConfig) -> CgroupRoot {
+    CgroupRoot::detect()
+        .unwrap()
+        .with_parent(&cfg.cgroup_parent)
+}
+
+/// Deletes every sandbox `node` lists, on a thread and runtime of its own (this may run in
+/// a `Drop` inside the test's runtime).
+pub fn delete_all(node: &LocalNode) {
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async {
+                for sb in node.list().await.unwrap() {
+                    let _ = node.delete(&sb.id).await;
+                }
+            })
+        })
+        .join()
+        .unwrap()
+    });
+}
