@@ -1566,6 +1566,18 @@ async fn spawn_blocking<T: Send + 'static>(
         .map_err(|e| NodeError::io("blocking task", std::io::Error::other(e.to_string())))?
 }
 
+impl Drop for FunctionBackend {
+    /// Stops the warm pool (which destroys its jails), then removes the node's parent
+    /// cgroups if nothing is left in them. Sandboxes left running for re-adoption keep the
+    /// parents busy (EBUSY), and they stay.
+    fn drop(&mut self) {
+        drop(self.pool.take());
+        if let Err(e) = self.cgroups.remove_parent() {
+            tracing::warn!(error = %e, "could not remove the node's parent cgroups");
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1839,17 +1851,5 @@ mod tests {
         let mut r = req.clone();
         r.cmd = sandlot_api::Cmd::Argv(vec![]);
         assert!(ExecPlan::new(&state(), &r).is_err());
-    }
-}
-
-impl Drop for FunctionBackend {
-    /// Stops the warm pool (which destroys its jails), then removes the node's parent
-    /// cgroups if nothing is left in them. Sandboxes left running for re-adoption keep the
-    /// parents busy (EBUSY), and they stay.
-    fn drop(&mut self) {
-        drop(self.pool.take());
-        if let Err(e) = self.cgroups.remove_parent() {
-            tracing::warn!(error = %e, "could not remove the node's parent cgroups");
-        }
     }
 }
