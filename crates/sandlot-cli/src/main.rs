@@ -371,8 +371,10 @@ async fn up(a: UpArgs) -> anyhow::Result<u8> {
     }
     ncfg.warm_pool = a.warm_pool;
     ncfg.warm_pool_images = a.warm_pool_images;
+    let images_dir = ncfg.images_dir.clone();
     let node = sandlot_node::LocalNode::open(ncfg).context("open local node")?;
     let mut cfg = sandlot_server::ServerConfig::new(a.data_dir);
+    cfg.images_dir = Some(images_dir);
     cfg.listen = a.listen;
     cfg.max_file_bytes = a.max_file_mib << 20;
     cfg.trajectory_retention = std::time::Duration::from_secs(a.trajectory_retention_h * 3600);

@@ -13,6 +13,7 @@
 //! chunk each and then the `exit` line. An executed step is logged before the `exit` line
 //! is sent (a failure to log becomes the `error` line).
 use crate::error::{ApiResult, Json, Path, Query, ServerError};
+use crate::events::{exec_event, ExecInfo};
 use crate::sandboxes::running;
 use crate::trajectory::{self, Begin, Pending};
 use crate::trajectory_store::{StepRequest, StepResult};
@@ -21,7 +22,7 @@ use axum::body::{Body, Bytes};
 use axum::extract::State;
 use axum::http::header;
 use axum::response::{IntoResponse, Response};
-use sandlot_api::{ErrorCode, ExecEvent, ExecRequest, ExecResult};
+use sandlot_api::{ApiError, Backend, ErrorCode, ExecEvent, ExecRequest, ExecResult};
 use serde::Deserialize;
 use tokio::sync::mpsc;
 
@@ -118,12 +119,19 @@ fn replayed_stream(mut r: ExecResult) -> Response {
     ndjson(Body::from(out))
 }
 
-fn stream(st: &SharedState, id: String, req: ExecRequest, pending: Option<Pending>) -> Response {
+fn stream(
+    st: &SharedState,
+    id: String,
+    backend: Backend,
+    req: ExecRequest,
+    pending: Option<Pending>,
+) -> Response {
     let (ev_tx, mut ev_rx) = mpsc::channel::<ExecEvent>(64);
     let (out_tx, out_rx) = mpsc::channel::<Bytes>(64);
     let node = st.node.clone();
     let st = st.clone();
     tokio::spawn(async move {
+        let started = std::time::Instant::now();
         let exec = node.exec(&id, &req, Some(ev_tx));
         tokio::pin!(exec);
         // A gone client only makes the sends fail; the exec itself continues.
@@ -136,6 +144,18 @@ fn stream(st: &SharedState, id: String, req: ExecRequest, pending: Option<Pendin
         };
         while let Ok(ev) = ev_rx.try_recv() {
             let _ = out_tx.send(line(&ev)).await;
+        }
+        let info = ExecInfo::new(&id, backend, &req, "api");
+        let secs = started.elapsed().as_secs_f64();
+        match &result {
+            Ok(r) => exec_event(&st, info, Ok(r), false, secs),
+            Err(e) => exec_event(
+                &st,
+                info,
+                Err(ApiError::new(e.code(), e.to_string())),
+                false,
+                secs,
+            ),
         }
         let result = match (result, &pending) {
             (Ok(r), Some(p)) => {
@@ -192,21 +212,36 @@ pub async fn exec(
             None => None,
             Some(s) => {
                 match trajectory::begin(&st, &rec, s, &StepRequest::Exec(req.clone())).await? {
-                    Begin::Replayed(StepResult::Exec(r)) => return Ok(replayed_stream(r)),
+                    Begin::Replayed(StepResult::Exec(r)) => {
+                        let info = ExecInfo::new(&id, rec.backend, &req, "api");
+                        exec_event(&st, info, Ok(&r), true, 0.0);
+                        return Ok(replayed_stream(r));
+                    }
                     Begin::Replayed(_) => return Err(wrong_kind(s)),
                     Begin::Execute(p) => Some(p),
                 }
             }
         };
-        return Ok(stream(&st, id, req, pending));
+        return Ok(stream(&st, id, rec.backend, req, pending));
     }
     let step = req.step;
-    match trajectory::call(&st, &rec, step, StepRequest::Exec(req)).await? {
-        (StepResult::Exec(mut r), replayed) => {
+    let info = ExecInfo::new(&id, rec.backend, &req, "api");
+    let started = std::time::Instant::now();
+    let out = trajectory::call(&st, &rec, step, StepRequest::Exec(req)).await;
+    let secs = started.elapsed().as_secs_f64();
+    match out {
+        Ok((StepResult::Exec(mut r), replayed)) => {
             r.replayed = replayed;
+            exec_event(&st, info, Ok(&r), replayed, secs);
             Ok(Json(r).into_response())
         }
-        _ => Err(wrong_kind(step.unwrap_or(0))),
+        Ok(_) => Err(wrong_kind(step.unwrap_or(0))),
+        // Only node failures are exec outcomes; a refused step (400/409) never ran.
+        Err(e @ ServerError::Node(_)) => {
+            exec_event(&st, info, Err(e.api_error()), false, secs);
+            Err(e)
+        }
+        Err(e) => Err(e),
     }
 }
 

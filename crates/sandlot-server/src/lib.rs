@@ -14,7 +14,10 @@
 //! | `POST /v1/sandboxes:pause`, `POST /v1/sandboxes:resume` | [`pause`] |
 //! | `GET/DELETE /v1/trajectories/{*id}`; step semantics of exec and files | [`trajectory`] |
 //! | `POST /run_code` (SandboxFusion-compatible) | [`run_code`] |
-//! | `GET /v1/ping`, `/healthz`, `/metrics`, `/openapi.json` | [`health`] |
+//! | `GET /v1/ping`, `/healthz`, `/openapi.json` | [`health`] |
+//! | `GET /metrics` | [`metrics`] |
+//! | `GET /v1/events` (audit events, in memory) | [`events`] |
+//! | `GET /` (status page) | [`web`] |
 //!
 //! The trajectory log lives behind [`trajectory_store::TrajectoryStore`] (SQLite in
 //! `DATA/trajectories.db`). Errors map to HTTP in one place, [`error`].
@@ -22,16 +25,19 @@
 
 pub mod budget;
 pub mod error;
+pub mod events;
 pub mod exec;
 pub mod files;
 pub mod health;
 pub mod lifecycle;
+pub mod metrics;
 pub mod pause;
 pub mod run_code;
 pub mod sandboxes;
 pub mod store;
 pub mod trajectory;
 pub mod trajectory_store;
+pub mod web;
 
 #[cfg(test)]
 mod fake;
@@ -39,6 +45,8 @@ mod fake;
 mod tests;
 #[cfg(test)]
 mod tests_hardening;
+#[cfg(test)]
+mod tests_observe;
 
 use anyhow::Context;
 use axum::extract::{DefaultBodyLimit, MatchedPath};
@@ -91,6 +99,9 @@ pub struct ServerConfig {
     /// `synchronous=FULL` for the trajectory log: a logged step also survives power loss, at
     /// one fsync per step (default false: `NORMAL`, survives a crash of the server process).
     pub trajectory_fsync: bool,
+    /// Image store directory, read at scrape for `sandlot_image_count` (default none: the
+    /// gauge stays 0; `sandlot up` sets the node's).
+    pub images_dir: Option<PathBuf>,
 }
 
 impl ServerConfig {
@@ -116,6 +127,7 @@ impl ServerConfig {
             trajectory_retention: Duration::from_secs(168 * 3600),
             trajectory_gc_interval: Duration::from_secs(60),
             trajectory_fsync: false,
+            images_dir: None,
         }
     }
 }
@@ -146,6 +158,10 @@ pub struct AppState {
     pub traj_locks: trajectory::Locks,
     /// When the last trajectory retention pass ran, Unix ms.
     pub last_traj_gc_ms: std::sync::atomic::AtomicI64,
+    /// Prometheus metrics ([`metrics`]).
+    pub metrics: metrics::Metrics,
+    /// Audit events, in memory ([`events`]).
+    pub events: events::EventLog,
 }
 
 /// Handler state: cheap to clone.
@@ -185,6 +201,8 @@ impl AppState {
             trajectories,
             traj_locks: Default::default(),
             last_traj_gc_ms: std::sync::atomic::AtomicI64::new(now_ms()),
+            metrics: metrics::Metrics::new(),
+            events: events::EventLog::default(),
         }))
     }
 }
@@ -244,7 +262,9 @@ pub fn router(state: SharedState) -> Router {
         .route("/run_code", post(run_code::run_code))
         .route("/v1/ping", get(health::ping))
         .route("/healthz", get(health::healthz))
-        .route("/metrics", get(health::metrics))
+        .route("/metrics", get(metrics::metrics))
+        .route("/v1/events", get(events::list))
+        .route("/", get(web::index))
         .route("/openapi.json", get(health::openapi))
         .fallback(error::not_found_route)
         .method_not_allowed_fallback(error::method_not_allowed)

@@ -24,9 +24,14 @@ pub async fn recover(st: &SharedState) -> anyhow::Result<()> {
     for r in records {
         if adopted.contains(&r.id) {
             tracing::info!(sandbox_id = %r.id, "re-adopted running sandbox");
+            let f = serde_json::Map::new();
+            crate::events::record(st, "readopted", Some(&r.id), Some(r.backend), f);
         } else {
             tracing::warn!(sandbox_id = %r.id, state = r.state.as_str(), "sandbox not re-adopted; record removed");
             st.store.remove(&r.id)?;
+            let mut f = serde_json::Map::new();
+            f.insert("state".into(), r.state.as_str().into());
+            crate::events::record(st, "lost", Some(&r.id), Some(r.backend), f);
         }
     }
     Ok(())
@@ -60,6 +65,10 @@ pub async fn reap_once(st: &SharedState) -> Vec<String> {
     for r in due {
         if st.creating_set().contains(&r.id) {
             continue; // its creator rolls it back
+        }
+        if r.state != SandboxState::Deleting && r.expires_at_ms.is_some_and(|t| t <= now) {
+            let f = serde_json::Map::new();
+            crate::events::record(st, "expired", Some(&r.id), Some(r.backend), f);
         }
         match delete_sandbox(st, &r.id).await {
             Ok(()) => {

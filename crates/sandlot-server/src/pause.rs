@@ -36,6 +36,11 @@ fn matching(st: &SharedState, sel: &LabelSelector, state: SandboxState) -> ApiRe
         .collect())
 }
 
+/// Backend of a sandbox for its event (one store read; `None` when gone).
+fn backend_of(st: &SharedState, id: &str) -> Option<sandlot_api::Backend> {
+    st.store.get(id).ok().flatten().map(|r| r.backend)
+}
+
 async fn pause_one(st: SharedState, id: String) -> Result<Option<String>, PauseFailure> {
     let fail = |e: ServerError| PauseFailure {
         id: id.clone(),
@@ -54,9 +59,18 @@ async fn pause_one(st: SharedState, id: String) -> Result<Option<String>, PauseF
         let _ = st
             .store
             .transition(&id, &[SandboxState::Paused], SandboxState::Running);
-        return Err(fail(e.into()));
+        let e = ServerError::from(e);
+        crate::events::record_error(&st, "pause", Some(&id), backend_of(&st, &id), &e);
+        return Err(fail(e));
     }
     tracing::info!(sandbox_id = %id, "sandbox paused");
+    crate::events::record(
+        &st,
+        "paused",
+        Some(&id),
+        backend_of(&st, &id),
+        Default::default(),
+    );
     Ok(Some(id))
 }
 
@@ -67,7 +81,9 @@ async fn resume_one(st: SharedState, id: String) -> Result<Option<String>, Pause
     };
     if let Err(e) = st.node.resume(&id).await {
         tracing::warn!(sandbox_id = %id, error = %crate::error::chain(&e), "resume failed");
-        return Err(fail(e.into()));
+        let e = ServerError::from(e);
+        crate::events::record_error(&st, "resume", Some(&id), backend_of(&st, &id), &e);
+        return Err(fail(e));
     }
     match st
         .store
@@ -75,6 +91,8 @@ async fn resume_one(st: SharedState, id: String) -> Result<Option<String>, Pause
     {
         Ok(true) => {
             tracing::info!(sandbox_id = %id, "sandbox resumed");
+            let b = backend_of(&st, &id);
+            crate::events::record(&st, "resumed", Some(&id), b, Default::default());
             Ok(Some(id))
         }
         Ok(false) => Ok(None), // deleted meanwhile

@@ -131,7 +131,13 @@ pub async fn run_code(
     Json(req): Json<RunCodeRequest>,
 ) -> ApiResult<Json<RunCodeResponse>> {
     let plan = plan(&req).map_err(ServerError::invalid)?;
-    let permit = st.run_code_gate.admit(st.cfg.run_code_wait).await?;
+    let permit = match st.run_code_gate.admit(st.cfg.run_code_wait).await {
+        Ok(p) => p,
+        Err(e) => {
+            st.metrics.run_code_done("Rejected");
+            return Err(e);
+        }
+    };
     let st2 = st.clone();
     let (tx, rx) = tokio::sync::oneshot::channel();
     // The task answers through `tx` as soon as the verdict is known and deletes the sandbox
@@ -143,6 +149,9 @@ pub async fn run_code(
     let resp = rx
         .await
         .unwrap_or_else(|_| sandbox_error(&st, "run_code task failed before answering".into()));
+    let status = serde_json::to_value(resp.status).unwrap_or_default();
+    st.metrics
+        .run_code_done(status.as_str().unwrap_or("SandboxError"));
     Ok(Json(resp))
 }
 
@@ -286,6 +295,24 @@ async fn execute(
     }
 }
 
+/// An exec on the node with its audit event and latency observation.
+async fn observed_exec(
+    st: &SharedState,
+    id: &str,
+    r: ExecRequest,
+) -> Result<ExecResult, NodeError> {
+    let info = crate::events::ExecInfo::new(id, sandlot_api::Backend::Function, &r, "run_code");
+    let started = std::time::Instant::now();
+    let out = st.node.exec(id, &r, None).await;
+    let secs = started.elapsed().as_secs_f64();
+    let ev = match &out {
+        Ok(res) => Ok(res),
+        Err(e) => Err(ApiError::new(e.code(), e.to_string())),
+    };
+    crate::events::exec_event(st, info, ev, false, secs);
+    out
+}
+
 async fn run_in(
     st: &SharedState,
     id: &str,
@@ -313,10 +340,7 @@ async fn run_in(
         Lang::Cpp => {
             let argv = ["g++", "-O2", "-std=c++17", "-o", "main", "main.cpp"];
             let compile = Cmd::Argv(argv.iter().map(|s| s.to_string()).collect());
-            let c = st
-                .node
-                .exec(id, &exec_req(compile, req.compile_timeout, None), None)
-                .await?;
+            let c = observed_exec(st, id, exec_req(compile, req.compile_timeout, None)).await?;
             resp.compile_result = Some(command_result(&c));
             if c.timed_out || c.exit_code != 0 {
                 resp.status = RunStatus::Failed;
@@ -330,14 +354,12 @@ async fn run_in(
             Cmd::Argv(vec!["./main".into()])
         }
     };
-    let r = st
-        .node
-        .exec(
-            id,
-            &exec_req(run_cmd, req.run_timeout, req.stdin.as_deref()),
-            None,
-        )
-        .await?;
+    let r = observed_exec(
+        st,
+        id,
+        exec_req(run_cmd, req.run_timeout, req.stdin.as_deref()),
+    )
+    .await?;
     resp.run_result = Some(command_result(&r));
     if r.timed_out {
         resp.status = RunStatus::Failed;

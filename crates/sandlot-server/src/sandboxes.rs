@@ -224,17 +224,26 @@ async fn finish_create(st: &SharedState, mut rec: Record) -> ApiResult<(Record, 
         env: rec.spec.env.clone(),
     };
     let id = rec.id.clone();
-    if let Err(e) = st.node.create(&spec).await {
+    let started = std::time::Instant::now();
+    let created = st.node.create(&spec).await;
+    st.metrics
+        .create_done(rec.backend, started.elapsed().as_secs_f64());
+    if let Err(e) = created {
         tracing::info!(sandbox_id = %id, error = %crate::error::chain(&e), "create failed; record removed");
         st.store.remove(&id)?;
         st.store.forget_keys_of(&id)?;
-        return Err(e.into());
+        let e = ServerError::from(e);
+        crate::events::record_error(st, "create", Some(&id), Some(rec.backend), &e);
+        return Err(e);
     }
     if st
         .store
         .transition(&id, &[SandboxState::Creating], SandboxState::Running)?
     {
         tracing::info!(sandbox_id = %id, backend = %rec.backend, image = %rec.image, "sandbox running");
+        let mut f = serde_json::Map::new();
+        f.insert("image".into(), rec.image.clone().into());
+        crate::events::record(st, "created", Some(&id), Some(rec.backend), f);
         rec.state = SandboxState::Running;
         return Ok((rec, true));
     }
@@ -275,10 +284,17 @@ pub async fn delete_sandbox(st: &SharedState, id: &str) -> ApiResult<()> {
     }
     let st2 = st.clone();
     let id2 = id.to_owned();
+    let backend = rec.backend;
     tokio::spawn(async move {
-        st2.node.delete(&id2).await?;
+        if let Err(e) = st2.node.delete(&id2).await {
+            let e = ServerError::from(e);
+            crate::events::record_error(&st2, "delete", Some(&id2), Some(backend), &e);
+            return Err(e);
+        }
         st2.store.remove(&id2)?;
         tracing::info!(sandbox_id = %id2, "sandbox deleted");
+        let f = serde_json::Map::new();
+        crate::events::record(&st2, "deleted", Some(&id2), Some(backend), f);
         Ok::<(), ServerError>(())
     })
     .await

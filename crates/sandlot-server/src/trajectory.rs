@@ -153,6 +153,7 @@ impl Pending {
                 now_ms(),
             )
             .await?;
+        st.metrics.steps_logged.inc();
         Ok(())
     }
 }
@@ -194,6 +195,7 @@ pub async fn begin(
             ));
         }
         st.trajectories.record_replay(&t, step, now_ms()).await?;
+        st.metrics.replays.inc();
         return Ok(Begin::Replayed(logged.result));
     }
     if step > next {

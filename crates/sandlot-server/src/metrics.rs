@@ -1,0 +1,314 @@
+//! `GET /metrics`: Prometheus metrics through the `prometheus-client` crate, exposed in the
+//! OpenMetrics 1.0 text format (`application/openmetrics-text; version=1.0.0`, which
+//! Prometheus scrapes natively; the body ends with `# EOF`).
+//!
+//! | name | type | labels | source |
+//! |---|---|---|---|
+//! | `sandlot_sandboxes` | gauge | `backend`, `state` | store records, counted at scrape |
+//! | `sandlot_create_seconds` | histogram | `backend` | `node.create` of each sandbox |
+//! | `sandlot_exec_seconds` | histogram | `backend`, `outcome` = `ok`\|`timeout`\|`error` | every exec run on the node (API, stream, `run_code`); replays are not execs |
+//! | `sandlot_trajectory_replays_total` | counter | | steps answered from the trajectory log |
+//! | `sandlot_trajectory_steps_logged_total` | counter | | steps appended to the log |
+//! | `sandlot_run_code_total` | counter | `status` = `Success`\|`Failed`\|`SandboxError`\|`Rejected` | `/run_code` calls (`Rejected`: 429/504 from admission) |
+//! | `sandlot_run_code_running`, `sandlot_run_code_waiting` | gauge | | `run_code` admission, at scrape |
+//! | `sandlot_image_count` | gauge | | complete images in the image store, at scrape |
+//! | `sandlot_events_total` | counter | `kind` | audit events recorded ([`crate::events`]) |
+//!
+//! Hot paths only touch the crate's atomics (a read lock on a label family to find the
+//! series); no lock is held across an `.await`. Seconds are wall-clock seconds.
+use crate::error::ApiResult;
+use crate::SharedState;
+use axum::extract::State;
+use axum::http::header;
+use axum::response::IntoResponse;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+use sandlot_api::Backend;
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+use std::sync::Mutex;
+
+/// Content type of the `/metrics` answer.
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// Labels `backend`, `state`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, PartialOrd, Ord, EncodeLabelSet)]
+pub struct BackendState {
+    /// Backend name.
+    pub backend: String,
+    /// Sandbox state.
+    pub state: String,
+}
+
+/// Label `backend`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct BackendLabel {
+    /// Backend name.
+    pub backend: String,
+}
+
+/// Labels `backend`, `outcome`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ExecLabels {
+    /// Backend name.
+    pub backend: String,
+    /// `ok`, `timeout` or `error`.
+    pub outcome: String,
+}
+
+/// Label `status`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct StatusLabel {
+    /// `run_code` status.
+    pub status: String,
+}
+
+/// Label `kind`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct KindLabel {
+    /// Event kind.
+    pub kind: String,
+}
+
+fn create_histogram() -> Histogram {
+    // 10 ms … ~82 s.
+    Histogram::new(exponential_buckets(0.01, 2.0, 14))
+}
+
+fn exec_histogram() -> Histogram {
+    // 1 ms … ~262 s.
+    Histogram::new(exponential_buckets(0.001, 2.0, 19))
+}
+
+/// Outcome label of an exec: `timeout` when it hit its timeout, `ok` when it ran (any exit
+/// code), `error` (`None`) when the node failed.
+pub fn exec_outcome(r: Option<&sandlot_api::ExecResult>) -> &'static str {
+    match r {
+        Some(r) if r.timed_out => "timeout",
+        Some(_) => "ok",
+        None => "error",
+    }
+}
+
+/// Every metric of the server and its registry.
+pub struct Metrics {
+    registry: Registry,
+    sandboxes: Family<BackendState, Gauge>,
+    /// Label sets of `sandlot_sandboxes` ever set, so states that emptied read 0.
+    seen: Mutex<BTreeSet<BackendState>>,
+    create_seconds: Family<BackendLabel, Histogram, fn() -> Histogram>,
+    exec_seconds: Family<ExecLabels, Histogram, fn() -> Histogram>,
+    /// Steps answered from the trajectory log.
+    pub replays: Counter,
+    /// Steps appended to the trajectory log.
+    pub steps_logged: Counter,
+    run_code: Family<StatusLabel, Counter>,
+    run_code_running: Gauge,
+    run_code_waiting: Gauge,
+    image_count: Gauge,
+    events: Family<KindLabel, Counter>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    /// A fresh registry with every metric registered.
+    pub fn new() -> Self {
+        let mut registry = Registry::default();
+        let sandboxes = Family::<BackendState, Gauge>::default();
+        registry.register(
+            "sandlot_sandboxes",
+            "Sandboxes by backend and state",
+            sandboxes.clone(),
+        );
+        let create_seconds =
+            Family::<BackendLabel, Histogram, fn() -> Histogram>::new_with_constructor(
+                create_histogram,
+            );
+        registry.register(
+            "sandlot_create_seconds",
+            "Time of the node's create of a sandbox, seconds",
+            create_seconds.clone(),
+        );
+        let exec_seconds = Family::<ExecLabels, Histogram, fn() -> Histogram>::new_with_constructor(
+            exec_histogram,
+        );
+        registry.register(
+            "sandlot_exec_seconds",
+            "Wall time of execs run on the node, seconds",
+            exec_seconds.clone(),
+        );
+        let replays = Counter::default();
+        registry.register(
+            "sandlot_trajectory_replays",
+            "Steps answered from the trajectory log",
+            replays.clone(),
+        );
+        let steps_logged = Counter::default();
+        registry.register(
+            "sandlot_trajectory_steps_logged",
+            "Steps appended to the trajectory log",
+            steps_logged.clone(),
+        );
+        let run_code = Family::<StatusLabel, Counter>::default();
+        registry.register(
+            "sandlot_run_code",
+            "run_code calls by status (Rejected: refused by admission control)",
+            run_code.clone(),
+        );
+        let run_code_running = Gauge::default();
+        registry.register(
+            "sandlot_run_code_running",
+            "run_code calls running",
+            run_code_running.clone(),
+        );
+        let run_code_waiting = Gauge::default();
+        registry.register(
+            "sandlot_run_code_waiting",
+            "run_code calls waiting for a slot",
+            run_code_waiting.clone(),
+        );
+        let image_count = Gauge::default();
+        registry.register(
+            "sandlot_image_count",
+            "Complete images in the image store",
+            image_count.clone(),
+        );
+        let events = Family::<KindLabel, Counter>::default();
+        registry.register(
+            "sandlot_events",
+            "Audit events recorded, by kind",
+            events.clone(),
+        );
+        Metrics {
+            registry,
+            sandboxes,
+            seen: Mutex::new(BTreeSet::new()),
+            create_seconds,
+            exec_seconds,
+            replays,
+            steps_logged,
+            run_code,
+            run_code_running,
+            run_code_waiting,
+            image_count,
+            events,
+        }
+    }
+
+    /// Observe one node create.
+    pub fn create_done(&self, backend: Backend, secs: f64) {
+        self.create_seconds
+            .get_or_create(&BackendLabel {
+                backend: backend.as_str().to_owned(),
+            })
+            .observe(secs);
+    }
+
+    /// Observe one exec run on the node (`outcome` from [`exec_outcome`]).
+    pub fn exec_done(&self, backend: Backend, outcome: &str, secs: f64) {
+        self.exec_seconds
+            .get_or_create(&ExecLabels {
+                backend: backend.as_str().to_owned(),
+                outcome: outcome.to_owned(),
+            })
+            .observe(secs);
+    }
+
+    /// Count one `run_code` call with its final status.
+    pub fn run_code_done(&self, status: &str) {
+        self.run_code
+            .get_or_create(&StatusLabel {
+                status: status.to_owned(),
+            })
+            .inc();
+    }
+
+    /// Count one audit event.
+    pub fn event(&self, kind: &str) {
+        self.events
+            .get_or_create(&KindLabel {
+                kind: kind.to_owned(),
+            })
+            .inc();
+    }
+
+    /// Set the scrape-time gauges and encode everything.
+    fn render(
+        &self,
+        counts: BTreeMap<BackendState, i64>,
+        running: usize,
+        waiting: usize,
+        images: Option<i64>,
+    ) -> String {
+        {
+            let mut seen = self.seen.lock().unwrap_or_else(|p| p.into_inner());
+            for l in seen.iter() {
+                if !counts.contains_key(l) {
+                    self.sandboxes.get_or_create(l).set(0);
+                }
+            }
+            for (l, n) in counts {
+                self.sandboxes.get_or_create(&l).set(n);
+                seen.insert(l);
+            }
+        }
+        self.run_code_running.set(running as i64);
+        self.run_code_waiting.set(waiting as i64);
+        if let Some(n) = images {
+            self.image_count.set(n);
+        }
+        let mut s = String::new();
+        prometheus_client::encoding::text::encode(&mut s, &self.registry)
+            .expect("encoding into a String cannot fail");
+        s
+    }
+}
+
+/// Complete images under `dir`: entries with an `image.json` (the image store's marker of a
+/// finished build; builds in progress live in temp directories without one).
+pub fn count_images(dir: &Path) -> std::io::Result<i64> {
+    let mut n = 0;
+    for ent in std::fs::read_dir(dir)? {
+        let ent = ent?;
+        let name = ent.file_name();
+        let valid = name
+            .to_str()
+            .is_some_and(|s| sandlot_node::validate_image_name(s).is_ok());
+        if valid && ent.path().join("image.json").is_file() {
+            n += 1;
+        }
+    }
+    Ok(n)
+}
+
+/// `GET /metrics` → the metrics of the module table, OpenMetrics text.
+pub async fn metrics(State(st): State<SharedState>) -> ApiResult<impl IntoResponse> {
+    let mut counts: BTreeMap<BackendState, i64> = BTreeMap::new();
+    for r in st.store.list()? {
+        *counts
+            .entry(BackendState {
+                backend: r.backend.as_str().into(),
+                state: r.state.as_str().into(),
+            })
+            .or_default() += 1;
+    }
+    let images = match st.cfg.images_dir.clone() {
+        None => None,
+        Some(dir) => tokio::task::spawn_blocking(move || count_images(&dir).ok())
+            .await
+            .ok()
+            .flatten(),
+    };
+    let (running, waiting) = st.run_code_gate.load();
+    let text = st.metrics.render(counts, running, waiting, images);
+    Ok(([(header::CONTENT_TYPE, CONTENT_TYPE)], text))
+}
