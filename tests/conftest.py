@@ -146,12 +146,18 @@ def count_leaks(data_dir: Path) -> Dict[str, int]:
     /sys/fs/cgroup/sandlot-*/ on v2: every node's parent group is ``sandlot-<hash of its
     data dir>``), ``sandbox_dirs`` (entries of DATA/sandboxes), ``mounts`` (mountinfo lines
     naming DATA), ``guests`` (processes whose cmdline contains `sandlot-guest`).
+
+    Ready warm-pool jails (DATA/warm-pool/<name>) are not leaks: the server refills its pool
+    in the background at any moment, so their cgroups and processes are left out.
     """
+    pool_dir = data_dir / "warm-pool"
+    pooled = set(os.listdir(pool_dir)) if pool_dir.is_dir() else set()
     cg = 0
     root = Path("/sys/fs/cgroup")
     for base in list(root.glob("sandlot-*")) + list(root.glob("*/sandlot-*")):
         if base.is_dir():
             for _dirpath, dirnames, _ in os.walk(base):
+                dirnames[:] = [d for d in dirnames if d not in pooled]
                 cg += len(dirnames)
     sb_dir = data_dir / "sandboxes"
     dirs = len(list(sb_dir.iterdir())) if sb_dir.is_dir() else 0
@@ -163,10 +169,13 @@ def count_leaks(data_dir: Path) -> Dict[str, int]:
     guests = 0
     for p in Path("/proc").glob("[0-9]*"):
         try:
-            if b"sandlot-guest" in (p / "cmdline").read_bytes():
-                guests += 1
+            if b"sandlot-guest" not in (p / "cmdline").read_bytes():
+                continue
+            groups = (p / "cgroup").read_text()
         except OSError:
-            pass
+            continue
+        if not any(f"/{name}\n" in groups or f"/{name}/" in groups for name in pooled):
+            guests += 1
     return {"cgroups": cg, "sandbox_dirs": dirs, "mounts": mounts, "guests": guests}
 
 
