@@ -42,6 +42,8 @@ pub mod web;
 #[cfg(test)]
 mod fake;
 #[cfg(test)]
+mod test_support;
+#[cfg(test)]
 mod tests;
 #[cfg(test)]
 mod tests_hardening;

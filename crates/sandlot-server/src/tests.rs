@@ -1,103 +1,11 @@
 //! Router-level tests over the unit-test `FakeNode` (no socket, no root).
 use crate::fake::FakeNode;
-use crate::{lifecycle, router, AppState, ServerConfig, SharedState};
-use axum::body::{Body, Bytes};
-use axum::http::{HeaderMap, Method, Request, StatusCode};
-use axum::Router;
+use crate::test_support::*;
+use crate::{lifecycle, router, AppState, ServerConfig};
+use axum::http::{Method, StatusCode};
 use serde_json::{json, Value};
 use std::sync::Arc;
 use std::time::Duration;
-use tower::ServiceExt;
-
-struct T {
-    st: SharedState,
-    node: Arc<FakeNode>,
-    app: Router,
-}
-
-fn data_dir(name: &str) -> std::path::PathBuf {
-    let d = std::env::temp_dir().join(format!("sandlot-router-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    d
-}
-
-fn setup_with(name: &str, f: impl FnOnce(&mut ServerConfig)) -> T {
-    let mut cfg = ServerConfig::new(data_dir(name));
-    f(&mut cfg);
-    let node = Arc::new(FakeNode::default());
-    let st = AppState::open(cfg, node.clone()).unwrap();
-    let app = router(st.clone());
-    T { st, node, app }
-}
-
-fn setup(name: &str) -> T {
-    setup_with(name, |_| {})
-}
-
-struct Resp {
-    status: StatusCode,
-    headers: HeaderMap,
-    body: Bytes,
-}
-
-impl Resp {
-    fn json(&self) -> Value {
-        serde_json::from_slice(&self.body)
-            .unwrap_or_else(|e| panic!("not JSON ({e}): {:?}", String::from_utf8_lossy(&self.body)))
-    }
-    fn code(&self) -> String {
-        self.json()["error"]["code"].as_str().unwrap().to_owned()
-    }
-}
-
-async fn raw(
-    app: &Router,
-    method: Method,
-    uri: &str,
-    ctype: Option<&str>,
-    body: Vec<u8>,
-    hdr: &[(&str, &str)],
-) -> Resp {
-    let mut b = Request::builder().method(method).uri(uri);
-    if let Some(c) = ctype {
-        b = b.header("content-type", c);
-    }
-    for (k, v) in hdr {
-        b = b.header(*k, *v);
-    }
-    let resp = app
-        .clone()
-        .oneshot(b.body(Body::from(body)).unwrap())
-        .await
-        .unwrap();
-    let status = resp.status();
-    let headers = resp.headers().clone();
-    let body = axum::body::to_bytes(resp.into_body(), usize::MAX)
-        .await
-        .unwrap();
-    Resp {
-        status,
-        headers,
-        body,
-    }
-}
-
-async fn call(app: &Router, method: Method, uri: &str, body: Option<Value>) -> Resp {
-    match body {
-        Some(v) => {
-            raw(
-                app,
-                method,
-                uri,
-                Some("application/json"),
-                serde_json::to_vec(&v).unwrap(),
-                &[],
-            )
-            .await
-        }
-        None => raw(app, method, uri, None, Vec::new(), &[]).await,
-    }
-}
 
 async fn create(t: &T, body: Value) -> String {
     let r = call(&t.app, Method::POST, "/v1/sandboxes", Some(body)).await;

@@ -1,88 +1,9 @@
 //! Router tests of the hardening fixes (request shapes, method fallback, file-read budget,
 //! `run_code` fetch verdicts, error mapping) over the unit-test `FakeNode` (no socket, no
 //! root).
-use crate::fake::FakeNode;
-use crate::{router, AppState, ServerConfig, SharedState};
-use axum::body::{Body, Bytes};
-use axum::http::{HeaderMap, Method, Request, StatusCode};
-use axum::Router;
-use serde_json::{json, Value};
-use std::sync::Arc;
-use tower::ServiceExt;
-
-struct T {
-    #[allow(dead_code)]
-    st: SharedState,
-    node: Arc<FakeNode>,
-    app: Router,
-}
-
-fn setup_with(name: &str, f: impl FnOnce(&mut ServerConfig)) -> T {
-    let d = std::env::temp_dir().join(format!("sandlot-hard-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    let mut cfg = ServerConfig::new(d);
-    f(&mut cfg);
-    let node = Arc::new(FakeNode::default());
-    let st = AppState::open(cfg, node.clone()).unwrap();
-    let app = router(st.clone());
-    T { st, node, app }
-}
-
-fn setup(name: &str) -> T {
-    setup_with(name, |_| {})
-}
-
-struct Resp {
-    status: StatusCode,
-    headers: HeaderMap,
-    body: Bytes,
-}
-
-impl Resp {
-    fn json(&self) -> Value {
-        serde_json::from_slice(&self.body)
-            .unwrap_or_else(|e| panic!("not JSON ({e}): {:?}", String::from_utf8_lossy(&self.body)))
-    }
-    fn code(&self) -> String {
-        self.json()["error"]["code"].as_str().unwrap().to_owned()
-    }
-    fn message(&self) -> String {
-        self.json()["error"]["message"].as_str().unwrap().to_owned()
-    }
-}
-
-async fn raw(app: &Router, method: Method, uri: &str, ctype: Option<&str>, body: Vec<u8>) -> Resp {
-    let mut b = Request::builder().method(method).uri(uri);
-    if let Some(c) = ctype {
-        b = b.header("content-type", c);
-    }
-    let resp = app
-        .clone()
-        .oneshot(b.body(Body::from(body)).unwrap())
-        .await
-        .unwrap();
-    let status = resp.status();
-    let headers = resp.headers().clone();
-    let body = axum::body::to_bytes(resp.into_body(), usize::MAX)
-        .await
-        .unwrap();
-    Resp {
-        status,
-        headers,
-        body,
-    }
-}
-
-async fn post(app: &Router, uri: &str, body: Value) -> Resp {
-    raw(
-        app,
-        Method::POST,
-        uri,
-        Some("application/json"),
-        serde_json::to_vec(&body).unwrap(),
-    )
-    .await
-}
+use crate::test_support::*;
+use axum::http::{Method, StatusCode};
+use serde_json::json;
 
 async fn create(t: &T) -> String {
     let r = post(&t.app, "/v1/sandboxes", json!({"image": "busybox"})).await;
@@ -135,6 +56,7 @@ async fn json_body_must_be_an_object() {
         "/v1/sandboxes",
         Some("application/json"),
         b"{\"image\":".to_vec(),
+        &[],
     )
     .await;
     assert_eq!(r.status, StatusCode::BAD_REQUEST);
@@ -145,6 +67,7 @@ async fn json_body_must_be_an_object() {
         "/v1/sandboxes",
         Some("text/plain"),
         b"{}".to_vec(),
+        &[],
     )
     .await;
     assert_eq!(r.status, StatusCode::BAD_REQUEST);
@@ -155,6 +78,7 @@ async fn json_body_must_be_an_object() {
         "/v1/sandboxes",
         Some("application/vnd.x+json; charset=utf-8"),
         b" {}".to_vec(),
+        &[],
     )
     .await;
     assert_eq!(r.status, StatusCode::CREATED, "{:?}", r.body);
@@ -164,17 +88,25 @@ async fn json_body_must_be_an_object() {
 #[tokio::test]
 async fn wrong_method_is_405_json() {
     let t = setup("405");
-    let r = raw(&t.app, Method::GET, "/run_code", None, vec![]).await;
+    let r = raw(&t.app, Method::GET, "/run_code", None, vec![], &[]).await;
     assert_eq!(r.status, StatusCode::METHOD_NOT_ALLOWED);
     assert_eq!(r.code(), "invalid_argument");
     assert_eq!(r.message(), "method GET not allowed on /run_code");
-    let r = raw(&t.app, Method::PUT, "/v1/sandboxes/sb-1/exec", None, vec![]).await;
+    let r = raw(
+        &t.app,
+        Method::PUT,
+        "/v1/sandboxes/sb-1/exec",
+        None,
+        vec![],
+        &[],
+    )
+    .await;
     assert_eq!(r.status, StatusCode::METHOD_NOT_ALLOWED);
     assert_eq!(
         r.message(),
         "method PUT not allowed on /v1/sandboxes/sb-1/exec"
     );
-    let r = raw(&t.app, Method::GET, "/v1/nope", None, vec![]).await;
+    let r = raw(&t.app, Method::GET, "/v1/nope", None, vec![], &[]).await;
     assert_eq!(r.status, StatusCode::NOT_FOUND);
     assert_eq!(r.code(), "not_found");
     assert!(r.headers.get("content-type").is_some());
@@ -219,7 +151,7 @@ async fn file_read_budget_exhausted_is_429() {
     let id = create(&t).await;
     let data = vec![7u8; 3 * crate::budget::UNIT as usize];
     let uri = format!("/v1/sandboxes/{id}/files?path=/workspace/f");
-    let r = raw(&t.app, Method::PUT, &uri, None, data.clone()).await;
+    let r = raw(&t.app, Method::PUT, &uri, None, data.clone(), &[]).await;
     assert_eq!(r.status, StatusCode::NO_CONTENT);
     // Another read holds 2 of the 4 units: a 3-unit read cannot get its share.
     let (held, _) =
@@ -227,22 +159,22 @@ async fn file_read_budget_exhausted_is_429() {
             .reserve(2 * crate::budget::UNIT)
             .await
             .unwrap();
-    let r = raw(&t.app, Method::GET, &uri, None, vec![]).await;
+    let r = raw(&t.app, Method::GET, &uri, None, vec![], &[]).await;
     assert_eq!(r.status, StatusCode::TOO_MANY_REQUESTS, "{:?}", r.body);
     assert_eq!(r.code(), "resource_exhausted");
     assert_eq!(r.headers.get("retry-after").unwrap(), "1");
     // A small file still fits next to it.
     let small = format!("/v1/sandboxes/{id}/files?path=/workspace/s");
     assert_eq!(
-        raw(&t.app, Method::PUT, &small, None, b"hi".to_vec())
+        raw(&t.app, Method::PUT, &small, None, b"hi".to_vec(), &[])
             .await
             .status,
         StatusCode::NO_CONTENT
     );
-    let r = raw(&t.app, Method::GET, &small, None, vec![]).await;
+    let r = raw(&t.app, Method::GET, &small, None, vec![], &[]).await;
     assert_eq!((r.status, &r.body[..]), (StatusCode::OK, &b"hi"[..]));
     drop(held);
-    let r = raw(&t.app, Method::GET, &uri, None, vec![]).await;
+    let r = raw(&t.app, Method::GET, &uri, None, vec![], &[]).await;
     assert_eq!(r.status, StatusCode::OK);
     assert_eq!(r.body.len(), data.len());
     // Every share came back.

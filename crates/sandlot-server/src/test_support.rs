@@ -1,0 +1,107 @@
+//! Shared helpers of the router-level tests: a server over the unit-test `FakeNode` (no
+//! socket, no root) and one-shot requests through the router.
+use crate::fake::FakeNode;
+use crate::{router, AppState, ServerConfig, SharedState};
+use axum::body::{Body, Bytes};
+use axum::http::{HeaderMap, Method, Request, StatusCode};
+use axum::Router;
+use serde_json::Value;
+use std::sync::Arc;
+use tower::ServiceExt;
+
+pub(crate) struct T {
+    pub(crate) st: SharedState,
+    pub(crate) node: Arc<FakeNode>,
+    pub(crate) app: Router,
+}
+
+pub(crate) fn data_dir(name: &str) -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!("sandlot-router-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    d
+}
+
+pub(crate) fn setup_with(name: &str, f: impl FnOnce(&mut ServerConfig)) -> T {
+    let mut cfg = ServerConfig::new(data_dir(name));
+    f(&mut cfg);
+    let node = Arc::new(FakeNode::default());
+    let st = AppState::open(cfg, node.clone()).unwrap();
+    let app = router(st.clone());
+    T { st, node, app }
+}
+
+pub(crate) fn setup(name: &str) -> T {
+    setup_with(name, |_| {})
+}
+
+pub(crate) struct Resp {
+    pub(crate) status: StatusCode,
+    pub(crate) headers: HeaderMap,
+    pub(crate) body: Bytes,
+}
+
+impl Resp {
+    pub(crate) fn json(&self) -> Value {
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {:?}", String::from_utf8_lossy(&self.body)))
+    }
+    pub(crate) fn code(&self) -> String {
+        self.json()["error"]["code"].as_str().unwrap().to_owned()
+    }
+    pub(crate) fn message(&self) -> String {
+        self.json()["error"]["message"].as_str().unwrap().to_owned()
+    }
+}
+
+pub(crate) async fn raw(
+    app: &Router,
+    method: Method,
+    uri: &str,
+    ctype: Option<&str>,
+    body: Vec<u8>,
+    hdr: &[(&str, &str)],
+) -> Resp {
+    let mut b = Request::builder().method(method).uri(uri);
+    if let Some(c) = ctype {
+        b = b.header("content-type", c);
+    }
+    for (k, v) in hdr {
+        b = b.header(*k, *v);
+    }
+    let resp = app
+        .clone()
+        .oneshot(b.body(Body::from(body)).unwrap())
+        .await
+        .unwrap();
+    let status = resp.status();
+    let headers = resp.headers().clone();
+    let body = axum::body::to_bytes(resp.into_body(), usize::MAX)
+        .await
+        .unwrap();
+    Resp {
+        status,
+        headers,
+        body,
+    }
+}
+
+pub(crate) async fn call(app: &Router, method: Method, uri: &str, body: Option<Value>) -> Resp {
+    match body {
+        Some(v) => {
+            raw(
+                app,
+                method,
+                uri,
+                Some("application/json"),
+                serde_json::to_vec(&v).unwrap(),
+                &[],
+            )
+            .await
+        }
+        None => raw(app, method, uri, None, Vec::new(), &[]).await,
+    }
+}
+
+pub(crate) async fn post(app: &Router, uri: &str, body: Value) -> Resp {
+    call(app, Method::POST, uri, Some(body)).await
+}
