@@ -25,6 +25,9 @@ pub struct SandboxSpec {
     pub pids_max: u64,
     /// Environment for every exec.
     pub env: BTreeMap<String, String>,
+    /// OCI runtime of a `container` sandbox (`runc`, `crun`, `runsc`); `None` = the node's
+    /// default. Ignored by other backends.
+    pub runtime: Option<String>,
 }
 
 /// What the node knows about a sandbox it runs.
