@@ -5,8 +5,7 @@
 //! listening unix socket: the node bound it on the host and passed it in, so the
 //! container can neither replace nor redirect it) or `--listen PATH` (bind a unix socket).
 //!
-//! Duties as pid 1: reap every child (orphans are re-parented here), bring up `lo`, end
-//! every exec on SIGTERM. Each exec runs `sandlot-guest exec` in `own_pid_ns` mode (this
+//! Duties as pid 1: reap every child (orphans are re-parented here), bring up `lo`. Each exec runs `sandlot-guest exec` in `own_pid_ns` mode (this
 //! same binary via `/proc/self/exe`), so set-up, privilege drop, seccomp and the whole-tree
 //! kill are the code the function backend uses. The runtime is single-threaded (tokio
 //! current-thread) to keep the agent small: it only shuffles bytes.
@@ -40,7 +39,8 @@ type Body = http_body_util::combinators::BoxBody<Bytes, Infallible>;
 /// After the command ended, how long to wait for its output pipes to reach EOF.
 const DRAIN_GRACE: Duration = Duration::from_millis(500);
 
-/// Pids of exec helpers still running (killed on SIGTERM); the reaper removes them.
+/// Pids of exec helpers still running (so a late kill never hits a reused pid); the reaper
+/// removes them.
 type Live = Arc<Mutex<HashSet<i32>>>;
 
 /// Entry point; returns the process exit code.
@@ -99,32 +99,37 @@ async fn serve(listener: std::os::unix::net::UnixListener) -> i32 {
     };
     let live: Live = Arc::default();
     tokio::spawn(reap(live.clone()));
-    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-        Ok(s) => s,
-        Err(e) => {
-            eprintln!("sandlot-guest agent: SIGTERM handler: {e}");
-            return 1;
-        }
-    };
+    // No SIGTERM handler on purpose: as pid 1 of its namespace the agent then ignores
+    // SIGTERM sent from inside (a command cannot stop it); the node deletes containers
+    // with SIGKILL, which takes every exec's pid namespace down with it.
+    let mut failures = 0u32;
     loop {
-        tokio::select! {
-            conn = listener.accept() => {
-                let Ok((stream, _)) = conn else { continue };
-                let live = live.clone();
-                tokio::spawn(async move {
-                    let svc = hyper::service::service_fn(move |req| handle(req, live.clone()));
-                    let _ = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
-                        .serve_connection(TokioIo::new(stream), svc)
-                        .await;
-                });
+        let stream = match listener.accept().await {
+            Ok((stream, _)) => {
+                failures = 0;
+                stream
             }
-            _ = term.recv() => {
-                for pid in live.lock().unwrap().iter() {
-                    let _ = kill(Pid::from_raw(*pid), Signal::SIGKILL);
+            Err(e) => {
+                // EMFILE and friends: back off instead of spinning; give up only when the
+                // listener itself is unusable for good.
+                failures += 1;
+                if failures == 1 || failures % 100 == 0 {
+                    eprintln!("sandlot-guest agent: accept: {e}");
                 }
-                return 0;
+                if failures >= 1000 {
+                    return 1;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
             }
-        }
+        };
+        let live = live.clone();
+        tokio::spawn(async move {
+            let svc = hyper::service::service_fn(move |req| handle(req, live.clone()));
+            let _ = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+                .serve_connection(TokioIo::new(stream), svc)
+                .await;
+        });
     }
 }
 

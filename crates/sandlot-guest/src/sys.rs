@@ -118,7 +118,7 @@ pub fn drop_bounding_and_ambient() -> io::Result<()> {
         }
     }
     // SAFETY: integer-only prctl.
-    cvt(unsafe {
+    let cleared = cvt(unsafe {
         libc::prctl(
             libc::PR_CAP_AMBIENT,
             libc::PR_CAP_AMBIENT_CLEAR_ALL as libc::c_ulong,
@@ -126,8 +126,12 @@ pub fn drop_bounding_and_ambient() -> io::Result<()> {
             0 as libc::c_ulong,
             0 as libc::c_ulong,
         )
-    })?;
-    Ok(())
+    });
+    match cleared {
+        // A kernel without ambient capabilities (gVisor answers EINVAL) has none to clear.
+        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Ok(()),
+        r => r.map(|_| ()),
+    }
 }
 
 /// PR_SET_KEEPCAPS: whether the permitted capabilities survive a change of all uids from
@@ -197,7 +201,26 @@ pub fn cloexec_from(from: RawFd) -> io::Result<()> {
             CLOSE_RANGE_CLOEXEC,
         )
     };
-    cvt(ret as libc::c_int).map(drop)
+    match cvt(ret as libc::c_int) {
+        Ok(_) => Ok(()),
+        // Kernels without CLOSE_RANGE_CLOEXEC (before 5.11, gVisor): flag each open fd.
+        Err(e) if matches!(e.raw_os_error(), Some(libc::EINVAL | libc::ENOSYS)) => {
+            let fds: Vec<RawFd> = std::fs::read_dir("/proc/self/fd")?
+                .flatten()
+                .filter_map(|e| e.file_name().to_str()?.parse().ok())
+                .filter(|fd| *fd >= from)
+                .collect();
+            for fd in fds {
+                // EBADF: the read_dir fd itself, closed by now.
+                match set_cloexec(fd) {
+                    Err(e) if e.raw_os_error() == Some(libc::EBADF) => {}
+                    r => r?,
+                }
+            }
+            Ok(())
+        }
+        Err(e) => Err(e),
+    }
 }
 
 /// Closes every descriptor in `from..=to` (close_range(2)).

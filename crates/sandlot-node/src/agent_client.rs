@@ -14,6 +14,33 @@ use sandlot_guest::agent_proto::{
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+/// How long one ping may take.
+const PING_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Connects to the unix socket at `path` without following a symlink in its last
+/// component: the file is opened `O_PATH | O_NOFOLLOW`, checked to be a socket, and the
+/// connection goes through `/proc/self/fd/N`, which names that very inode. A sandbox that
+/// can write the socket's directory (gVisor's host-UDS mode) therefore cannot point the
+/// node at another host socket.
+async fn connect_socket(path: &Path) -> std::io::Result<tokio::net::UnixStream> {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::FileTypeExt;
+    let fd = nix::fcntl::open(
+        path,
+        nix::fcntl::OFlag::O_PATH | nix::fcntl::OFlag::O_NOFOLLOW | nix::fcntl::OFlag::O_CLOEXEC,
+        nix::sys::stat::Mode::empty(),
+    )
+    .map_err(std::io::Error::from)?;
+    let file = std::fs::File::from(fd);
+    if !file.metadata()?.file_type().is_socket() {
+        return Err(std::io::Error::other("not a unix socket"));
+    }
+    let stream =
+        tokio::net::UnixStream::connect(format!("/proc/self/fd/{}", file.as_raw_fd())).await;
+    drop(file);
+    stream
+}
+
 /// A client of one sandbox's agent.
 pub struct AgentClient {
     socket: PathBuf,
@@ -43,7 +70,7 @@ impl AgentClient {
                 return Ok(s.clone());
             }
         }
-        let stream = tokio::net::UnixStream::connect(&self.socket)
+        let stream = connect_socket(&self.socket)
             .await
             .map_err(|e| agent_err(&self.socket, "connect", e))?;
         let (sender, connection) =
@@ -75,16 +102,24 @@ impl AgentClient {
             .map_err(|e| agent_err(&self.socket, path, e))
     }
 
-    /// Waits until the agent answers `GET /v1/ping`, retrying until `deadline`.
+    /// Waits until the agent answers `GET /v1/ping`, retrying until `deadline` (each try is
+    /// bounded too: a peer that accepts but never speaks HTTP/2 cannot hang it).
     ///
     /// # Errors
     /// `Internal` with the last failure when the deadline passes.
     pub async fn wait_ready(&self, deadline: Instant) -> NodeResult<()> {
         loop {
-            let err = match self.call(Method::GET, PATH_PING, Bytes::new()).await {
-                Ok(r) if r.status() == StatusCode::OK => return Ok(()),
-                Ok(r) => agent_err(&self.socket, "ping", r.status()),
-                Err(e) => e,
+            let left = deadline.saturating_duration_since(Instant::now());
+            let attempt = self.call(Method::GET, PATH_PING, Bytes::new());
+            let err = match tokio::time::timeout(left.min(PING_TIMEOUT), attempt).await {
+                Ok(Ok(r)) if r.status() == StatusCode::OK => return Ok(()),
+                Ok(Ok(r)) => agent_err(&self.socket, "ping", r.status()),
+                Ok(Err(e)) => e,
+                Err(_) => {
+                    // Drop a connection that never answered; the next try dials again.
+                    *self.conn.lock().await = None;
+                    agent_err(&self.socket, "ping", "no answer")
+                }
             };
             if Instant::now() >= deadline {
                 return Err(err);

@@ -568,6 +568,12 @@ async fn info_and_unavailable_backends() {
     for (b, avail) in &info.backends {
         match b {
             Backend::Function => assert!(avail.is_ok()),
+            // Available where a runtime and the static agent exist, else with the reason.
+            Backend::Container => {
+                if let Err(why) = avail {
+                    assert!(why.contains("container"), "{why}");
+                }
+            }
             _ => assert!(avail.as_ref().unwrap_err().contains("not built yet")),
         }
     }

@@ -75,8 +75,14 @@ const FREEZE_TIMEOUT: Duration = Duration::from_secs(10);
 const EXEC_GRACE: Duration = Duration::from_secs(10);
 /// Where the agent binary is bind-mounted inside the container (read-only).
 const AGENT_PATH: &str = "/.sandlot/sandlot-guest";
-/// Size of the container's `/tmp` tmpfs, MiB (as in the function backend's jail).
+/// Size of the container's `/tmp` tmpfs, MiB (as in the function backend's jail). runsc
+/// containers keep `/tmp` in the overlay instead, where the node's files API reaches it.
 const TMP_MIB: u64 = 256;
+/// Uid (inside) owning runsc's agent socket directory: not 0, so commands (uid 0 without
+/// capabilities) cannot replace the socket.
+const AGENT_UID: u32 = 65_533;
+/// Where runsc's agent socket directory is bind-mounted inside the container.
+const AGENT_RUN_DIR: &str = "/.sandlot/run";
 
 /// An OCI runtime CLI.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -303,6 +309,11 @@ impl ContainerBackend {
                 "--network=none",
                 "--ignore-cgroups",
                 "--overlay2=none",
+                // The node edits the rootfs from the host (files API): no caching that
+                // assumes exclusive access.
+                "--file-access=shared",
+                // The agent binds its socket in a host directory (see `agent_socket`).
+                "--host-uds=create",
             ]);
         }
         cmd.stdin(Stdio::null());
@@ -334,14 +345,38 @@ impl ContainerBackend {
             })
             .await?;
         }
-        let listener = std::os::unix::net::UnixListener::bind(dir.join("agent.sock"))
-            .map_err(|e| NodeError::io(format!("bind {}/agent.sock", dir.display()), e))?;
+        // runc: the node binds the socket and hands the listening fd over. runsc cannot take
+        // a listening socket, so its agent binds one in `run/`, a host directory shared with
+        // the sandbox (gVisor's host-UDS mode) that only the agent may write: it is owned by
+        // uid 65533 inside, and commands run as uid 0 without capabilities.
+        let listener = if runtime == Runtime::Runsc {
+            let run = dir.join("run");
+            std::fs::create_dir(&run)
+                .and_then(|_| {
+                    std::os::unix::fs::chown(
+                        &run,
+                        Some(uid_base + AGENT_UID),
+                        Some(uid_base + AGENT_UID),
+                    )
+                })
+                .and_then(|_| {
+                    std::fs::set_permissions(&run, std::fs::Permissions::from_mode(0o755))
+                })
+                .map_err(|e| NodeError::io(format!("create {}", run.display()), e))?;
+            None
+        } else {
+            Some(
+                std::os::unix::net::UnixListener::bind(agent_socket(&dir, runtime))
+                    .map_err(|e| NodeError::io(format!("bind {}/agent.sock", dir.display()), e))?,
+            )
+        };
         let cfg = bundle_spec(
             &spec.id,
             runtime,
             uid_base,
             &format!("/{}/{}", self.cgroups.parent(), spec.id),
             &self.cfg.agent_bin,
+            &dir,
         )?;
         cfg.save(dir.join("config.json")).map_err(|e| {
             NodeError::io("write config.json", std::io::Error::other(e.to_string()))
@@ -359,11 +394,18 @@ impl ContainerBackend {
             .arg(&dir)
             .arg("--pid-file")
             .arg(dir.join("init.pid"))
-            .args(["--preserve-fds", "1"])
+            // The listening socket as the container's fd 3.
+            .args(
+                listener
+                    .as_ref()
+                    .map(|_| ["--preserve-fds", "1"])
+                    .into_iter()
+                    .flatten(),
+            )
             .arg(&spec.id)
             .stdout(log.try_clone().map_err(|e| NodeError::io("dup log", e))?)
             .stderr(log);
-        let lfd = listener.as_raw_fd();
+        let lfd = listener.as_ref().map(|l| l.as_raw_fd());
         let procs: Vec<std::ffi::CString> = if runtime == Runtime::Runsc {
             cg.group()
                 .procs_files()
@@ -377,8 +419,10 @@ impl ContainerBackend {
         // (dup2, open, write, close) on data prepared before the fork.
         unsafe {
             cmd.pre_exec(move || {
-                if libc::dup2(lfd, 3) < 0 {
-                    return Err(std::io::Error::last_os_error());
+                if let Some(lfd) = lfd {
+                    if libc::dup2(lfd, 3) < 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
                 }
                 for p in &procs {
                     let fd = libc::open(p.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
@@ -427,7 +471,7 @@ impl ContainerBackend {
                 )),
             )
         })?;
-        let agent = AgentClient::new(dir.join("agent.sock"));
+        let agent = AgentClient::new(agent_socket(&dir, runtime));
         agent
             .wait_ready(Instant::now() + AGENT_READY_TIMEOUT)
             .await?;
@@ -458,7 +502,7 @@ impl ContainerBackend {
     fn adopt(&self, state: ContainerState, uids: UidLease) -> Arc<Container> {
         let c = Arc::new(Container {
             cgroup: self.cgroups.sandbox(&state.id),
-            agent: AgentClient::new(self.dir_of(&state.id).join("agent.sock")),
+            agent: AgentClient::new(agent_socket(&self.dir_of(&state.id), state.runtime)),
             _uids: uids,
             deleting: RwLock::new(false),
             killed: watch::channel(false).0,
@@ -500,6 +544,14 @@ impl ContainerBackend {
             }
         }
         spawn_blocking(move || destroy_blocking(&cg, &dir)).await
+    }
+}
+
+/// Host path of the agent's socket of the container in `dir`.
+fn agent_socket(dir: &Path, runtime: Runtime) -> PathBuf {
+    match runtime {
+        Runtime::Runsc => dir.join("run").join("agent.sock"),
+        _ => dir.join("agent.sock"),
     }
 }
 
@@ -609,6 +661,7 @@ fn bundle_spec(
     uid_base: u32,
     cgroups_path: &str,
     agent_bin: &Path,
+    bundle_dir: &Path,
 ) -> NodeResult<oci_spec::runtime::Spec> {
     use oci_spec::runtime::*;
     let bad = |e: oci_spec::OciSpecError| {
@@ -643,12 +696,21 @@ fn bundle_spec(
                 .build()
                 .map_err(bad)?,
         )
-        .args(vec![
-            AGENT_PATH.to_string(),
-            "agent".into(),
-            "--listen-fd".into(),
-            "3".into(),
-        ])
+        .args(if runtime == Runtime::Runsc {
+            vec![
+                AGENT_PATH.to_string(),
+                "agent".into(),
+                "--listen".into(),
+                format!("{AGENT_RUN_DIR}/agent.sock"),
+            ]
+        } else {
+            vec![
+                AGENT_PATH.to_string(),
+                "agent".into(),
+                "--listen-fd".into(),
+                "3".into(),
+            ]
+        })
         .env(vec![
             "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".to_string(),
         ])
@@ -680,20 +742,38 @@ fn bundle_spec(
     ));
     spec.set_hostname(Some(id.to_string()));
     let mut mounts = spec.mounts().clone().unwrap_or_default();
-    mounts.push(
-        MountBuilder::default()
-            .destination("/tmp")
-            .typ("tmpfs")
-            .source("tmpfs")
-            .options(vec![
-                "nosuid".into(),
-                "nodev".into(),
-                "mode=1777".into(),
-                format!("size={TMP_MIB}m"),
-            ])
-            .build()
-            .map_err(bad)?,
-    );
+    if runtime == Runtime::Runsc {
+        mounts.push(
+            MountBuilder::default()
+                .destination(AGENT_RUN_DIR)
+                .typ("bind")
+                .source(bundle_dir.join("run"))
+                .options(vec![
+                    "bind".into(),
+                    "rw".into(),
+                    "nosuid".into(),
+                    "nodev".into(),
+                    "noexec".into(),
+                ])
+                .build()
+                .map_err(bad)?,
+        );
+    } else {
+        mounts.push(
+            MountBuilder::default()
+                .destination("/tmp")
+                .typ("tmpfs")
+                .source("tmpfs")
+                .options(vec![
+                    "nosuid".into(),
+                    "nodev".into(),
+                    "mode=1777".into(),
+                    format!("size={TMP_MIB}m"),
+                ])
+                .build()
+                .map_err(bad)?,
+        );
+    }
     mounts.push(
         MountBuilder::default()
             .destination(AGENT_PATH)
@@ -1089,6 +1169,12 @@ impl ContainerBackend {
         }
         c.check_not_paused()?;
         let (pid, start, uid) = (c.state.init_pid, c.state.init_starttime, c.state.uid_base);
+        // runc: the container's own view (its /tmp and /dev/shm included). runsc: the
+        // container's processes live inside gVisor, whose root is the node's overlay mount.
+        let root = match c.state.runtime {
+            Runtime::Runsc => self.dir_of(id).join("rootfs"),
+            _ => PathBuf::from(format!("/proc/{pid}/root")),
+        };
         let id = id.to_string();
         spawn_blocking(move || {
             if proc_starttime(pid) != Some(start) {
@@ -1096,7 +1182,7 @@ impl ContainerBackend {
                     "sandbox {id} is not running (its init {pid} is gone)"
                 )));
             }
-            let fs = SandboxFs::open(Path::new(&format!("/proc/{pid}/root")), uid, uid)?;
+            let fs = SandboxFs::open(&root, uid, uid)?;
             f(&fs)
         })
         .await
