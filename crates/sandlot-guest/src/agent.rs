@@ -113,7 +113,7 @@ async fn serve(listener: std::os::unix::net::UnixListener) -> i32 {
                 // EMFILE and friends: back off instead of spinning; give up only when the
                 // listener itself is unusable for good.
                 failures += 1;
-                if failures == 1 || failures % 100 == 0 {
+                if failures == 1 || failures.is_multiple_of(100) {
                     eprintln!("sandlot-guest agent: accept: {e}");
                 }
                 if failures >= 1000 {
