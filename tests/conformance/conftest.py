@@ -31,7 +31,6 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, FrozenSet, Iterator, List, Optional
 
-import httpx
 import pytest
 
 import sandlot
@@ -95,7 +94,7 @@ def probe(case: Case, client: sandlot.Client, server) -> Optional[str]:
     A backend that says it works but cannot run `python3` in its probe sandbox is a failure,
     not a skip.
     """
-    health = httpx.get(f"{server.url}/healthz", timeout=30).json()
+    health = client._request("GET", "/healthz").json()
     status = health.get("backends", {}).get(case.backend)
     if status is None:
         return f"/healthz lists no backend {case.backend!r}: {health.get('backends')}"
@@ -112,7 +111,10 @@ def probe(case: Case, client: sandlot.Client, server) -> Optional[str]:
     except sandlot.InvalidArgument as e:
         if case.runtime is not None and "runtime" in e.message:
             return f"the server does not take runtime={case.runtime!r}: {e.message}"
-        raise
+        pytest.fail(f"{case.name}: the probe create was refused: {e}", pytrace=False)
+    except sandlot.SandlotError as e:
+        pytest.fail(f"{case.name}: /healthz lists backend {case.backend} as ok but the probe "
+                    f"create failed: {e}\n{server.log_tail(20)}", pytrace=False)
     try:
         r = box.exec(["python3", "-c", "print('ready')"], timeout_s=60)
         if r.exit_code != 0 or r.stdout != b"ready\n":
