@@ -6,6 +6,10 @@ Environment:
     SANDLOT_IMAGES_DIR  image store passed to `sandlot up --images-dir`
                         (default /var/lib/sandlot/images).
     SANDLOT_E2E_LOG_DIR where server logs are kept (default: a pytest temp dir).
+    SANDLOT_REQUIRE_BACKENDS  backend cases of the conformance suite (tests/conformance)
+                        that must run: a named case the server cannot run fails instead of
+                        being skipped (comma list: function, container-runc,
+                        container-runsc; `container` = both container cases).
 
 Tests that need something missing (the binary, root, the `python` image) call pytest.skip
 with the reason, so `pytest -rs` lists every skip and why.
@@ -155,8 +159,9 @@ def count_leaks(data_dir: Path) -> Dict[str, int]:
 
     ``sandbox_dirs``: entries of DATA/sandboxes. ``mounts``: mountinfo lines naming DATA
     (overlays, binds, the per-sandbox upper layers). ``cgroups``: groups below the node's
-    parent group (:func:`node_cgroup_parent`) in every hierarchy: /sys/fs/cgroup/<ctrl>/P on
-    v1, /sys/fs/cgroup/P on v2. ``processes``: processes in those groups, plus processes whose
+    parent group P (:func:`node_cgroup_parent`) and below its per-backend siblings ``P-*``
+    (the container backend's ``P-ctr``) in every hierarchy: /sys/fs/cgroup/<ctrl>/P… on v1,
+    /sys/fs/cgroup/P… on v2. ``processes``: processes in those groups, plus processes whose
     command line names DATA (an OCI runtime's ``--root``, a bundle path), the `sandlot`
     server itself left out. ``veths``: veth devices of the host network namespace (host-wide:
     a sandbox's network policy adds one pair per sandbox).
@@ -169,7 +174,7 @@ def count_leaks(data_dir: Path) -> Dict[str, int]:
     parent = node_cgroup_parent(data_dir)
     cg = 0
     root = Path("/sys/fs/cgroup")
-    for base in [root / parent] + list(root.glob(f"*/{parent}")):
+    for base in list(root.glob(f"{parent}*")) + list(root.glob(f"*/{parent}*")):
         if base.is_dir():
             for _dirpath, dirnames, _ in os.walk(base):
                 dirnames[:] = [d for d in dirnames if d not in pooled]
@@ -191,7 +196,7 @@ def count_leaks(data_dir: Path) -> Dict[str, int]:
             continue
         if any(f"/{name}\n" in groups or f"/{name}/" in groups for name in pooled):
             continue
-        in_node = f"/{parent}/" in groups
+        in_node = f"/{parent}/" in groups or f"/{parent}-" in groups
         argv0 = os.path.basename(cmdline.split(b"\0", 1)[0])
         if in_node or (data_b in cmdline and argv0 != b"sandlot"):
             procs += 1
