@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Sets up everything Sandlot needs on a fresh Debian 12 machine, as root:
-#   Debian packages, the release build (sandlot + sandlot-guest), the Python SDK with its
-#   test and example dependencies, and the two local images (busybox, python).
+#   Debian packages, the OCI runtimes runc and runsc (scripts/install-runtimes.sh), the
+#   release build (sandlot + sandlot-guest), the Python SDK with its test and example
+#   dependencies, and the two local images (busybox, python).
 # Idempotent and cached: a second run skips what is already there (the python rootfs is
-# cached under $SANDLOT_CACHE_DIR, default /var/cache/sandlot).
+# cached under $SANDLOT_CACHE_DIR, default /var/cache/sandlot, and so is the runsc .deb).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -32,6 +33,9 @@ if [ ${#missing[@]} -gt 0 ]; then
 else
   echo "all present: ${pkgs[*]}"
 fi
+
+step "OCI runtimes for the container backend (runc from Debian 12, runsc from Debian 13's package)"
+./scripts/install-runtimes.sh
 
 step "Rust build (release)"
 cargo build --release --locked --workspace --bins

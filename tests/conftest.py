@@ -6,6 +6,10 @@ Environment:
     SANDLOT_IMAGES_DIR  image store passed to `sandlot up --images-dir`
                         (default /var/lib/sandlot/images).
     SANDLOT_E2E_LOG_DIR where server logs are kept (default: a pytest temp dir).
+    SANDLOT_REQUIRE_BACKENDS  backend cases of the conformance suite (tests/conformance)
+                        that must run: a named case the server cannot run fails instead of
+                        being skipped (comma list: function, container-runc,
+                        container-runsc; `container` = both container cases).
 
 Tests that need something missing (the binary, root, the `python` image) call pytest.skip
 with the reason, so `pytest -rs` lists every skip and why.
@@ -139,22 +143,38 @@ class Server:
         return f"--- tail of {self.log_path} ---\n" + "\n".join(lines[-n:])
 
 
-def count_leaks(data_dir: Path) -> Dict[str, int]:
-    """Host resources that outlive sandboxes if cleanup is broken.
+def node_cgroup_parent(data_dir: Path) -> str:
+    """Name of the parent cgroup of the node whose data dir is ``data_dir``: ``sandlot-`` +
+    12 hex digits of FNV-1a 64 of the absolute path (``default_cgroup_parent`` in
+    crates/sandlot-node/src/local.rs)."""
+    h = 0xcbf29ce484222325
+    for b in os.fsencode(os.path.abspath(data_dir)):
+        h = ((h ^ b) * 0x100000001b3) & 0xFFFFFFFFFFFFFFFF
+    return f"sandlot-{h & 0xFFFFFFFFFFFF:012x}"
 
-    Keys: ``cgroups`` (sandbox dirs under /sys/fs/cgroup/*/sandlot-*/ on v1 and
-    /sys/fs/cgroup/sandlot-*/ on v2: every node's parent group is ``sandlot-<hash of its
-    data dir>``), ``sandbox_dirs`` (entries of DATA/sandboxes), ``mounts`` (mountinfo lines
-    naming DATA), ``guests`` (processes whose cmdline contains `sandlot-guest`).
+
+def count_leaks(data_dir: Path) -> Dict[str, int]:
+    """Host resources of the node with data dir ``data_dir`` that outlive its sandboxes if
+    cleanup is broken. Every backend is counted the same way:
+
+    ``sandbox_dirs``: entries of DATA/sandboxes. ``mounts``: mountinfo lines naming DATA
+    (overlays, binds, the per-sandbox upper layers). ``cgroups``: groups below the node's
+    parent group P (:func:`node_cgroup_parent`) and below its per-backend siblings ``P-*``
+    (the container backend's ``P-ctr``) in every hierarchy: /sys/fs/cgroup/<ctrl>/P… on v1,
+    /sys/fs/cgroup/P… on v2. ``processes``: processes in those groups, plus processes whose
+    command line names DATA (an OCI runtime's ``--root``, a bundle path), the `sandlot`
+    server itself left out. ``veths``: veth devices of the host network namespace (host-wide:
+    a sandbox's network policy adds one pair per sandbox).
 
     Ready warm-pool jails (DATA/warm-pool/<name>) are not leaks: the server refills its pool
     in the background at any moment, so their cgroups and processes are left out.
     """
     pool_dir = data_dir / "warm-pool"
     pooled = set(os.listdir(pool_dir)) if pool_dir.is_dir() else set()
+    parent = node_cgroup_parent(data_dir)
     cg = 0
     root = Path("/sys/fs/cgroup")
-    for base in list(root.glob("sandlot-*")) + list(root.glob("*/sandlot-*")):
+    for base in list(root.glob(f"{parent}*")) + list(root.glob(f"*/{parent}*")):
         if base.is_dir():
             for _dirpath, dirnames, _ in os.walk(base):
                 dirnames[:] = [d for d in dirnames if d not in pooled]
@@ -162,21 +182,68 @@ def count_leaks(data_dir: Path) -> Dict[str, int]:
     sb_dir = data_dir / "sandboxes"
     dirs = len(list(sb_dir.iterdir())) if sb_dir.is_dir() else 0
     data_s = str(data_dir)
+    data_b = os.fsencode(data_s)
     try:
         mounts = sum(1 for line in open("/proc/self/mountinfo") if data_s in line)
     except OSError:
         mounts = 0
-    guests = 0
+    procs = 0
     for p in Path("/proc").glob("[0-9]*"):
         try:
-            if b"sandlot-guest" not in (p / "cmdline").read_bytes():
-                continue
             groups = (p / "cgroup").read_text()
+            cmdline = (p / "cmdline").read_bytes()
         except OSError:
             continue
-        if not any(f"/{name}\n" in groups or f"/{name}/" in groups for name in pooled):
-            guests += 1
-    return {"cgroups": cg, "sandbox_dirs": dirs, "mounts": mounts, "guests": guests}
+        if any(f"/{name}\n" in groups or f"/{name}/" in groups for name in pooled):
+            continue
+        in_node = f"/{parent}/" in groups or f"/{parent}-" in groups
+        argv0 = os.path.basename(cmdline.split(b"\0", 1)[0])
+        if in_node or (data_b in cmdline and argv0 != b"sandlot"):
+            procs += 1
+    return {"sandbox_dirs": dirs, "mounts": mounts, "cgroups": cg, "processes": procs,
+            "veths": count_veths()}
+
+
+def count_veths() -> int:
+    """veth devices in this (the host's) network namespace; 0 without iproute2."""
+    try:
+        out = subprocess.run(["ip", "-o", "link", "show", "type", "veth"], capture_output=True,
+                             timeout=10, check=False).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(1 for line in out.splitlines() if line.strip())
+
+
+def wait_no_leaks(data_dir: Path, before: Dict[str, int], timeout: float = 30.0,
+                  what: str = "") -> Dict[str, int]:
+    """Poll :func:`count_leaks` until no count exceeds ``before``; fail after ``timeout``
+    with both counts. Returns the last count."""
+    last: Dict[str, int] = {}
+
+    def clean() -> bool:
+        last.update(count_leaks(data_dir))
+        return all(last[k] <= before.get(k, 0) for k in last)
+
+    deadline = time.monotonic() + timeout
+    while not clean():
+        if time.monotonic() > deadline:
+            pytest.fail(f"leaked{' ' + what if what else ''}: before {before}, after {last}")
+        time.sleep(0.2)
+    return dict(last)
+
+
+#: HTTP status of each wire error code (crates/sandlot-server/src/error.rs).
+ERROR_STATUS = {"invalid_argument": 400, "not_found": 404, "payload_too_large": 413}
+
+
+def assert_error(resp, code: str) -> dict:
+    """``resp`` (an httpx.Response) is ``{"error": {"code": code, "message": non-empty}}``
+    with code's HTTP status; returns the error object."""
+    assert resp.status_code == ERROR_STATUS[code], (resp.status_code, resp.text[:300])
+    assert resp.headers.get("content-type", "").startswith("application/json"), resp.headers
+    err = resp.json()["error"]
+    assert err["code"] == code and err["message"], err
+    return err
 
 
 def host_processes_matching(needle: bytes) -> List[int]:

@@ -138,6 +138,46 @@ def test_request_shapes_match_the_wire_types():
     assert fake.requests[-1].url.params.get_list("label") == ["a=b", "c=d"]
 
 
+def test_create_runtime_and_network_fields():
+    """`runtime` and `network` go on the wire as given; unset, they are left out (a server
+    that predates them still accepts the body); the Sandbox reports `runtime` when the
+    server returns it, else None."""
+    answer = dict(SB, backend="container", runtime="runsc",
+                  network={"allow": ["10.1.2.0/24", "pypi.example"]})
+    c, fake = fake_client(lambda req: httpx.Response(201, json=answer))
+    sb = c.create(backend="container", runtime="runsc",
+                  network={"allow": ("10.1.2.0/24", "pypi.example")})
+    assert json.loads(fake.requests[-1].content) == {
+        "backend": "container", "image": "python", "runtime": "runsc",
+        "network": {"allow": ["10.1.2.0/24", "pypi.example"]}}
+    assert sb.runtime == "runsc" and sb.network == {"allow": ["10.1.2.0/24", "pypi.example"]}
+    c.create(network="none")
+    assert json.loads(fake.requests[-1].content) == {"backend": "function", "image": "python",
+                                                     "network": "none"}
+    c.create()
+    body = json.loads(fake.requests[-1].content)
+    assert "runtime" not in body and "network" not in body
+    c, _ = fake_client(lambda req: httpx.Response(201, json=SB))
+    assert c.create().runtime is None  # a server that does not report it
+    for bad in ({"allow": "10.0.0.1"}, {"allow": [1]}, {"deny": []}, ["10.0.0.1"], 5):
+        with pytest.raises(TypeError):
+            c.create(network=bad)
+    with pytest.raises(TypeError):
+        c.create(runtime=1)
+
+    async def main():
+        fake = FakeServer(lambda req: httpx.Response(201, json=answer))
+        ac = sandlot.AsyncClient("http://fake")
+        ac._http = httpx.AsyncClient(base_url="http://fake", transport=httpx.MockTransport(fake))
+        box = await ac.create(backend="container", runtime="runc", network="none")
+        assert json.loads(fake.requests[-1].content) == {
+            "backend": "container", "image": "python", "runtime": "runc", "network": "none"}
+        assert box.runtime == "runsc"  # what the server answered
+        await ac.aclose()
+
+    asyncio.run(main())
+
+
 def test_429_is_retried_after_retry_after():
     calls = []
 

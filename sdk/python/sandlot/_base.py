@@ -173,7 +173,9 @@ class SandboxFields:
         expires_at: RFC 3339 UTC string, or ``None`` without TTL.
         cpu: cores; memory_mib, disk_mib: MiB; pids_max: processes; ttl_s: seconds.
         labels: dict of str → str.
-        network: network policy (``"none"``).
+        network: network policy: ``"none"`` or ``{"allow": [CIDR, IP or DNS name, ...]}``.
+        runtime: OCI runtime of a ``container`` sandbox (``runc``, ``crun``, ``runsc``);
+            ``None`` for other backends and from servers that do not report it.
         trajectory: trajectory id or ``None``.
         restore: :class:`~sandlot.models.RestoreReport` of a ``create(restore="replay")``
             that rebuilt the sandbox, else ``None``.
@@ -203,6 +205,7 @@ class SandboxFields:
     labels: Dict[str, str]
     network: Any
     trajectory: Optional[str]
+    runtime: Optional[str]
     restore: Optional[RestoreReport] = None
     reattached: bool = False
     last_replayed: bool = False

@@ -11,8 +11,8 @@ import httpx
 
 from . import _base
 from .errors import ProtocolError, SandlotError, TransportError
-from .models import (Command, Data, ExecEvent, ExecResult, FileEntry, RunCodeResult,
-                     TrajectoryInfo, create_body, exec_body, ids_of, label_params,
+from .models import (Command, Data, ExecEvent, ExecResult, FileEntry, Network,
+                     RunCodeResult, TrajectoryInfo, create_body, exec_body, ids_of, label_params,
                      parse_exec_event, run_code_body, selector_body, to_bytes)
 
 
@@ -83,27 +83,34 @@ class AsyncClient:
                      ttl_s: Optional[int] = None, env: Optional[Mapping[str, str]] = None,
                      labels: Optional[Mapping[str, str]] = None,
                      idempotency_key: Optional[str] = None, trajectory: Optional[str] = None,
-                     restore: Optional[str] = None) -> "AsyncSandbox":
+                     restore: Optional[str] = None, runtime: Optional[str] = None,
+                     network: Optional[Network] = None) -> "AsyncSandbox":
         """Create a sandbox (``POST /v1/sandboxes``) and return it once running.
 
         Unset limits take the server defaults (cpu 1 core, memory 512 MiB, pids 256,
         ttl 600 s; ``ttl_s=0`` means no TTL). The same ``idempotency_key`` returns the
-        same sandbox instead of a second one.
+        same sandbox instead of a second one. ``runtime`` (OCI runtime of
+        ``backend="container"``) and ``network`` (``"none"`` or ``{"allow": [...]}``): as
+        :meth:`sandlot.Client.create`; fields left at ``None`` are not sent.
 
         Trajectory log: as :meth:`sandlot.Client.create` (``trajectory=``, ``restore=``,
         ``reattached``, ``next_step``, ``restore`` report).
 
         Raises:
-            InvalidArgument: unknown backend, a value out of range, bad trajectory id.
-            NotFound: unknown image.  Unavailable: backend not available on this host.
+            InvalidArgument: unknown backend or runtime, a runtime with a backend other
+                than ``container``, a bad network entry, a value out of range, bad
+                trajectory id.
+            NotFound: unknown image.  Unavailable: backend or runtime not available on
+                this host (the message says why).
             ResourceExhausted: node capacity exhausted (after ``retries``).
             Conflict: T has logged steps, its sandbox is gone and ``restore`` is not
                 ``"replay"``.
             ValueError: ``restore`` is neither ``"fail"`` nor ``"replay"``.
+            TypeError: ``runtime`` or ``network`` of the wrong type.
         """
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else None
         body = create_body(backend, image, cpu, memory_mib, disk_mib, pids_max, ttl_s, env,
-                           labels, trajectory, restore)
+                           labels, trajectory, restore, runtime, network)
         return await self._create(body, headers, restore == "replay")
 
     async def attach(self, trajectory: str) -> "AsyncSandbox":

@@ -389,10 +389,20 @@ class TrajectoryInfo:
 #: or rebuild it by re-executing the logged mutating steps.
 RESTORE_MODES = ("fail", "replay")
 
+#: Values of ``create(runtime=...)`` (OCI runtime of ``backend="container"``). The server is
+#: the judge: it refuses a runtime with another backend, and answers ``unavailable`` with the
+#: reason when the runtime is not installed or cannot run on its host (crun on cgroup v1).
+RUNTIMES = ("runc", "crun", "runsc")
+
+#: A network policy: ``"none"`` (loopback only, the default) or ``{"allow": [entry, ...]}``
+#: where each entry is a CIDR (``10.1.2.0/24``), an IP address or a DNS name.
+Network = Union[str, Mapping[str, Sequence[str]]]
+
 # Fields of the wire ``Sandbox`` copied onto the SDK's Sandbox objects.
 SANDBOX_FIELDS = (
     "id", "backend", "image", "state", "node", "created_at", "expires_at", "cpu",
     "memory_mib", "disk_mib", "pids_max", "ttl_s", "labels", "network", "trajectory",
+    "runtime",
 )
 
 
@@ -406,11 +416,15 @@ def create_body(
     disk_mib: Optional[int], pids_max: Optional[int], ttl_s: Optional[int],
     env: Optional[Mapping[str, str]], labels: Optional[Mapping[str, str]],
     trajectory: Optional[str] = None, restore: Optional[str] = None,
+    runtime: Optional[str] = None, network: Optional[Network] = None,
 ) -> Dict[str, Any]:
-    """JSON body of ``POST /v1/sandboxes``; unset fields are left to the server's defaults.
+    """JSON body of ``POST /v1/sandboxes``; unset fields are left to the server's defaults
+    and left out of the body (so a server that predates a field still accepts the call).
 
     Raises:
         ValueError: ``restore`` is not one of :data:`RESTORE_MODES`.
+        TypeError: ``runtime`` is not a str, or ``network`` is neither a str nor a mapping
+            whose ``allow`` is a list of str.
     """
     if restore is not None and restore not in RESTORE_MODES:
         raise ValueError(f"restore must be one of {RESTORE_MODES}, got {restore!r}")
@@ -426,7 +440,31 @@ def create_body(
         body["labels"] = dict(labels)
     _put(body, "trajectory", trajectory)
     _put(body, "restore", restore)
+    if runtime is not None:
+        if not isinstance(runtime, str):
+            raise TypeError(f"runtime must be a str (one of {RUNTIMES}), got {runtime!r}")
+        body["runtime"] = runtime
+    if network is not None:
+        body["network"] = network_body(network)
     return body
+
+
+def network_body(network: Network) -> Any:
+    """Wire form of a network policy: the string as given (``"none"``), or
+    ``{"allow": [str, ...]}`` from a mapping. Values are checked by the server.
+
+    Raises:
+        TypeError: neither a str nor a mapping with an ``allow`` list of str.
+    """
+    if isinstance(network, str):
+        return network
+    if isinstance(network, Mapping):
+        allow = network.get("allow")
+        if (isinstance(allow, (str, bytes)) or not isinstance(allow, Sequence)
+                or not all(isinstance(a, str) for a in allow)):
+            raise TypeError(f"network['allow'] must be a list of str, got {allow!r}")
+        return {**dict(network), "allow": list(allow)}
+    raise TypeError(f'network must be "none" or {{"allow": [...]}}, got {network!r}')
 
 
 def exec_body(

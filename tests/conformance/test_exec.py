@@ -1,7 +1,10 @@
-"""Exec semantics end to end (DESIGN.md, "Exec semantics"), through the SDK."""
+"""Exec semantics (DESIGN.md, "Exec semantics"), identical on every backend."""
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import os
 import time
 import uuid
 
@@ -23,8 +26,28 @@ def test_echo_cwd_env_defaults(sb):
     assert r.stdout == b"/tmp\n"
 
 
+def test_argv_is_not_a_shell_string(sb):
+    # argv: no shell in between, metacharacters arrive as they are.
+    r = sb.exec(["echo", "$HOME", "a;b", "*", "'q'"])
+    assert r.exit_code == 0 and r.stdout == b"$HOME a;b * 'q'\n"
+    # A shell string: /bin/sh -c expands, pipes and chains.
+    r = sb.exec("X=4; echo $((X * 2)) | tr 8 9 && false || echo chained")
+    assert r.exit_code == 0 and r.stdout == b"9\nchained\n"
+
+
+def test_large_program_through_stdin(sb):
+    # 8 MiB of source: far past ARG_MAX (2 MiB) and MAX_ARG_STRLEN (128 KiB). The program
+    # prints the digest of its own literal, so every byte must have arrived.
+    data = base64.b64encode(os.urandom(6 * MIB)).decode()
+    program = f"DATA = '{data}'\nimport hashlib\nprint(hashlib.sha256(DATA.encode()).hexdigest())\n"
+    assert len(program) > 8 * MIB
+    r = sb.exec(["python3", "-"], stdin=program, timeout_s=120)
+    assert r.exit_code == 0, r
+    assert r.stdout.decode().strip() == hashlib.sha256(data.encode()).hexdigest()
+
+
 def test_huge_output_capped_tail_kept(sb):
-    # Verbatim from the issue: `seq 1 3000000; echo END >&2; exit 3`.
+    # Verbatim from the foundation issue: `seq 1 3000000; echo END >&2; exit 3`.
     r = sb.exec("seq 1 3000000; echo END >&2; exit 3", timeout_s=60)
     expected_total = sum(len(str(i)) + 1 for i in range(1, 3000001))
     assert r.exit_code == 3 and not r.timed_out
@@ -78,7 +101,8 @@ def test_timeout_kills_background_children(sb):
     assert r.exit_code != 0
     assert elapsed < 15, f"exec returned after {elapsed:.1f}s for a 1.5 s timeout"
     assert b"started" in r.stdout  # output before the timeout is kept
-    # Nothing of the tree survives, on the host or inside the sandbox.
+    # Nothing of the tree survives, on the host (where the backend's processes are host
+    # processes) or inside the sandbox.
     needle = f"sleep\x00{tag}".encode()
     wait_until(lambda: not host_processes_matching(needle), 10,
                what=f"the `sleep {tag}` processes to die")
@@ -101,8 +125,8 @@ def test_missing_command_is_127(sb):
 
 
 def test_not_executable_is_126(sb):
-    sb.write_file("notexec.sh", "#!/bin/sh\necho hi\n")
-    r = sb.exec(["./notexec.sh"])
+    sb.write_file("exec-126/notexec.sh", "#!/bin/sh\necho hi\n")
+    r = sb.exec(["./notexec.sh"], cwd="/workspace/exec-126")
     assert r.exit_code == 126 and r.stderr
 
 
@@ -112,57 +136,14 @@ def test_killed_by_signal_is_128_plus_n(sb, sig):
     assert r.signal == sig and r.exit_code == 128 + sig and not r.timed_out
 
 
-def test_memory_limit_oom_killed(client, python_image):
-    with client.create(image=python_image, memory_mib=64, ttl_s=120) as box:
-        r = box.exec(["python3", "-c", "b = b'x' * (400 << 20); print(len(b))"], timeout_s=60)
-        assert r.oom_killed, r
-        assert r.exit_code != 0 and b"419430400" not in r.stdout
-        # The sandbox survives its OOM.
-        assert box.exec("echo alive").stdout == b"alive\n"
-
-
-FORK_BOMB = r"""
-import os, sys, time
-n = 0
-err = None
-while n < 3000:           # bounded, so a broken pids limit cannot take the host down
-    try:
-        pid = os.fork()
-    except OSError as e:
-        err = e.errno
-        break
-    if pid == 0:
-        os.close(1); os.close(2)
-        time.sleep(20)
-        os._exit(0)
-    n += 1
-print(n, err, flush=True)
-"""
-
-
-def test_fork_bomb_contained_by_pids_limit(client, python_image):
-    with client.create(image=python_image, memory_mib=256, pids_max=32, ttl_s=120) as box:
-        r = box.exec(["python3", "-c", FORK_BOMB], timeout_s=30)
-        n, err = r.stdout.split()
-        assert err == b"11", f"fork should fail with EAGAIN: {r}"  # EAGAIN
-        assert int(n) < 32
-        # A classic shell fork bomb is contained too: the exec ends (timeout kills the
-        # tree) and the sandbox answers again afterwards.
-        t0 = time.monotonic()
-        r = box.exec("b(){ b | b & }; b; sleep 2", timeout_s=5)
-        assert time.monotonic() - t0 < 40
-
-        def answers() -> bool:
-            try:
-                return box.exec("echo ok", timeout_s=10).stdout == b"ok\n"
-            except sandlot.SandlotError:
-                return False
-
-        wait_until(answers, 30, what="the sandbox to answer after the fork bomb")
-
-
 ORPHANS = r"""
 import glob, os, time
+
+def others():
+    # every process of the sandbox but its init (pid 1) and us
+    return {p for p in glob.glob('/proc/[0-9]*') if p not in ('/proc/1', f'/proc/{os.getpid()}')}
+
+before = others()           # what the backend runs besides init (e.g. an exec helper)
 for i in range(50):
     pid = os.fork()
     if pid == 0:
@@ -183,14 +164,10 @@ def zombies():
             z += 1
     return z
 
-def others():
-    # every process of the sandbox but its init (pid 1) and us: the orphans, alive or zombie
-    return [p for p in glob.glob('/proc/[0-9]*') if p not in ('/proc/1', f'/proc/{os.getpid()}')]
-
 # Poll (no fixed sleep): the orphans exit after 50 ms and the sandbox's init must reap
-# every one of them; wait up to 20 s for them to be gone, then count zombies.
+# every one of them; wait up to 20 s for them to be gone (alive or zombie), then count zombies.
 deadline = time.monotonic() + 20
-while others() and time.monotonic() < deadline:
+while others() - before and time.monotonic() < deadline:
     time.sleep(0.05)
 print(zombies())
 """
@@ -218,13 +195,6 @@ def test_streaming_yields_chunks_then_result(sb):
     # The first chunk came while the command was still running (real streaming).
     first = next(t for t, e in events if isinstance(e, sandlot.StdoutChunk))
     assert first < events[-1][0] - 0.5, [(round(t, 2), e) for t, e in events]
-
-
-def test_exec_on_deleted_sandbox_is_not_found(client, python_image):
-    box = client.create(image=python_image, memory_mib=64, ttl_s=60)
-    box.delete()
-    with pytest.raises((sandlot.NotFound, sandlot.Conflict)):
-        box.exec("true")
 
 
 def test_bad_cwd_is_invalid_argument(sb):

@@ -1,0 +1,227 @@
+"""Fixtures of the conformance suite: every test here runs once per backend case.
+
+Cases (the test id names the case, e.g. ``test_stdin[container-runsc]``):
+
+    function          backend="function"
+    container-runc    backend="container", runtime="runc"
+    container-runsc   backend="container", runtime="runsc"
+
+A case the session server cannot run is skipped with the reason: ``GET /healthz`` lists the
+backend as ``"unavailable: why"``, or a probe create answers ``unavailable`` (runtime not
+installed, crun on cgroup v1), ``not_found`` (no such image for that backend) or refuses the
+``runtime`` field (a server that predates it). When the environment variable
+``SANDLOT_REQUIRE_BACKENDS`` (comma list of case names; ``container`` stands for every
+``container-*`` case) names the case, the same reason fails every test of the case instead.
+
+Fixtures:
+    backend     the case (session scope, parametrised); probe passed.
+    sb          one sandbox of the case shared by the tests of a module (256 MiB, 20 min TTL):
+                for tests that leave it as they found it.
+    make        factory of fresh sandboxes of the case (``make(memory_mib=64, ...)``), all
+                deleted after the test.
+    leak_baseline  host resources of the node (tests/conftest.py ``count_leaks``) taken
+                before the case's first test; test_zz_leaks.py checks them after its last.
+
+Every sandbox carries the label ``conformance=<case>``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, FrozenSet, Iterator, List, Optional
+
+import pytest
+
+import sandlot
+from conftest import count_leaks, wait_until
+
+#: Image of every conformance sandbox (the local `python` image built by scripts/setup.sh).
+IMAGE = os.environ.get("SANDLOT_CONFORMANCE_IMAGE", "python")
+REQUIRE_ENV = "SANDLOT_REQUIRE_BACKENDS"
+
+
+@dataclass(frozen=True)
+class Case:
+    """One backend configuration the suite runs against."""
+
+    name: str
+    backend: str
+    runtime: Optional[str] = None
+
+    def create_args(self) -> Dict[str, Any]:
+        """``backend=`` and, when set, ``runtime=`` of the create call."""
+        args: Dict[str, Any] = {"backend": self.backend}
+        if self.runtime is not None:
+            args["runtime"] = self.runtime
+        return args
+
+    @property
+    def labels(self) -> Dict[str, str]:
+        return {"conformance": self.name}
+
+
+CASES: List[Case] = [
+    Case("function", "function"),
+    Case("container-runc", "container", "runc"),
+    Case("container-runsc", "container", "runsc"),
+]
+
+
+def required_cases(value: Optional[str]) -> FrozenSet[str]:
+    """Case names required by a ``SANDLOT_REQUIRE_BACKENDS`` value.
+
+    Raises:
+        ValueError: a name that is neither a case nor ``container``.
+    """
+    names = {n.strip() for n in (value or "").split(",") if n.strip()}
+    known = {c.name for c in CASES}
+    out = set()
+    for n in names:
+        if n in known:
+            out.add(n)
+        elif n == "container":
+            out |= {c.name for c in CASES if c.backend == "container"}
+        else:
+            raise ValueError(f"{REQUIRE_ENV}={value!r}: unknown case {n!r} "
+                             f"(known: {', '.join(sorted(known))}, container)")
+    return frozenset(out)
+
+
+def probe(case: Case, client: sandlot.Client, server) -> Optional[str]:
+    """None when ``case`` runs on the session server, else the reason it cannot.
+
+    A backend that says it works but cannot run `python3` in its probe sandbox is a failure,
+    not a skip.
+    """
+    health = client._request("GET", "/healthz").json()
+    status = health.get("backends", {}).get(case.backend)
+    if status is None:
+        return f"/healthz lists no backend {case.backend!r}: {health.get('backends')}"
+    if status != "ok":
+        return f"/healthz: {case.backend}: {status}"
+    try:
+        box = client.create(image=IMAGE, memory_mib=128, ttl_s=120,
+                            labels={**case.labels, "probe": "1"}, **case.create_args())
+    except sandlot.Unavailable as e:
+        return f"create answered unavailable: {e.message}"
+    except sandlot.NotFound as e:
+        return (f"no image {IMAGE!r} for backend {case.backend} "
+                f"(run scripts/setup.sh): {e.message}")
+    except sandlot.InvalidArgument as e:
+        if case.runtime is not None and "runtime" in e.message:
+            return f"the server does not take runtime={case.runtime!r}: {e.message}"
+        pytest.fail(f"{case.name}: the probe create was refused: {e}", pytrace=False)
+    except sandlot.SandlotError as e:
+        pytest.fail(f"{case.name}: /healthz lists backend {case.backend} as ok but the probe "
+                    f"create failed: {e}\n{server.log_tail(20)}", pytrace=False)
+    try:
+        r = box.exec(["python3", "-c", "print('ready')"], timeout_s=60)
+        if r.exit_code != 0 or r.stdout != b"ready\n":
+            pytest.fail(f"{case.name}: the backend is listed as ok but its probe sandbox "
+                        f"cannot run python3: {r}\n{server.log_tail()}")
+    finally:
+        box.delete()
+    sb_dir = server.data_dir / "sandboxes" / box.id
+    wait_until(lambda: not sb_dir.exists(), 30, what=f"the probe sandbox {box.id} to go")
+    return None
+
+
+@pytest.fixture(scope="session")
+def required_backends() -> FrozenSet[str]:
+    try:
+        return required_cases(os.environ.get(REQUIRE_ENV))
+    except ValueError as e:
+        pytest.fail(str(e), pytrace=False)
+
+
+@pytest.fixture(scope="session", params=CASES, ids=[c.name for c in CASES])
+def backend(request, client, server, required_backends) -> Case:
+    """The backend case of the test; skipped (or, when required, failed) with the reason
+    when the session server cannot run it."""
+    case: Case = request.param
+    why = probe(case, client, server)
+    if why is not None:
+        if case.name in required_backends:
+            pytest.fail(f"{case.name} is required ({REQUIRE_ENV}="
+                        f"{os.environ.get(REQUIRE_ENV)}) but cannot run here: {why}",
+                        pytrace=False)
+        pytest.skip(f"{case.name}: {why}")
+    return case
+
+
+@pytest.fixture(scope="session", autouse=True)
+def leak_baseline(backend, server) -> Dict[str, int]:
+    """Host resources of the node before the case's first test (see ``count_leaks``)."""
+    return count_leaks(server.data_dir)
+
+
+@pytest.fixture
+def make(backend, client, request) -> Iterator[Callable[..., sandlot.Sandbox]]:
+    """Factory: ``make(**create_kwargs)`` creates a sandbox of the case (image, backend,
+    runtime and labels filled in, TTL 5 min unless given); all are deleted after the test."""
+    boxes: List[sandlot.Sandbox] = []
+
+    def create(**kw: Any) -> sandlot.Sandbox:
+        labels = {**backend.labels, "test": request.node.name[:60], **kw.pop("labels", {})}
+        kw.setdefault("image", IMAGE)
+        kw.setdefault("ttl_s", 300)
+        box = client.create(labels=labels, **backend.create_args(), **kw)
+        boxes.append(box)
+        return box
+
+    yield create
+    for box in boxes:
+        try:
+            box.delete()
+        except sandlot.SandlotError as e:
+            print(f"cleanup of {box.id} failed: {e}")
+
+
+@pytest.fixture(scope="module")
+def sb(backend, client, request) -> Iterator[sandlot.Sandbox]:
+    """One sandbox of the case shared by a module's tests (256 MiB, 20 min TTL). Tests on it
+    work in their own paths and leave no process behind."""
+    box = client.create(image=IMAGE, memory_mib=256, ttl_s=1200, **backend.create_args(),
+                        labels={**backend.labels, "module": request.module.__name__[-60:]})
+    yield box
+    try:
+        box.delete()
+    except sandlot.SandlotError as e:
+        print(f"cleanup of {box.id} failed: {e}")
+
+
+def _case_of(nodeid: str) -> Optional[str]:
+    if "conformance/" not in nodeid or "[" not in nodeid:
+        return None
+    params = nodeid[nodeid.index("[") + 1:]
+    for c in sorted(CASES, key=lambda c: -len(c.name)):
+        if params == f"{c.name}]" or params.startswith(f"{c.name}-"):
+            return c.name
+    return None
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """One line per backend case: its outcome counts and, when skipped or failed in its
+    fixture, why (the `-rs` list repeats the reason once per test)."""
+    counts: Dict[str, Dict[str, int]] = {}
+    why: Dict[str, str] = {}
+    for outcome in ("passed", "failed", "error", "skipped"):
+        for rep in terminalreporter.stats.get(outcome, []):
+            case = _case_of(getattr(rep, "nodeid", ""))
+            if case is None or (outcome == "passed" and rep.when != "call"):
+                continue
+            c = counts.setdefault(case, {})
+            c[outcome] = c.get(outcome, 0) + 1
+            if outcome == "skipped" and isinstance(rep.longrepr, tuple):
+                why.setdefault(case, rep.longrepr[2].removeprefix("Skipped: "))
+            elif outcome == "error" and case not in why:
+                crash = getattr(rep.longrepr, "reprcrash", None)
+                why[case] = (crash.message if crash is not None else str(rep.longrepr))[:300]
+    if not counts:
+        return
+    terminalreporter.section("conformance cases")
+    for case in [c.name for c in CASES if c.name in counts]:
+        line = ", ".join(f"{n} {o}" for o, n in counts[case].items())
+        reason = f" — {why[case]}" if case in why else ""
+        terminalreporter.write_line(f"{case}: {line}{reason}")
