@@ -18,9 +18,11 @@ with the reason, so `pytest -rs` lists every skip and why.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import sys
 import time
 from pathlib import Path
@@ -157,7 +159,7 @@ def count_leaks(data_dir: Path) -> Dict[str, int]:
     """Host resources of the node with data dir ``data_dir`` that outlive its sandboxes if
     cleanup is broken. Every backend is counted the same way:
 
-    ``sandbox_dirs``: entries of DATA/sandboxes. ``mounts``: mountinfo lines naming DATA
+    ``sandbox_dirs``: entries of DATA/sandboxes and DATA/containers. ``mounts``: mountinfo lines naming DATA
     (overlays, binds, the per-sandbox upper layers). ``cgroups``: groups below the node's
     parent group P (:func:`node_cgroup_parent`) and below its per-backend siblings ``P-*``
     (the container backend's ``P-ctr``) in every hierarchy: /sys/fs/cgroup/<ctrl>/P… on v1,
@@ -179,8 +181,8 @@ def count_leaks(data_dir: Path) -> Dict[str, int]:
             for _dirpath, dirnames, _ in os.walk(base):
                 dirnames[:] = [d for d in dirnames if d not in pooled]
                 cg += len(dirnames)
-    sb_dir = data_dir / "sandboxes"
-    dirs = len(list(sb_dir.iterdir())) if sb_dir.is_dir() else 0
+    dirs = sum(len(list(d.iterdir())) for d in (data_dir / "sandboxes", data_dir / "containers")
+               if d.is_dir())
     data_s = str(data_dir)
     data_b = os.fsencode(data_s)
     try:
@@ -280,7 +282,11 @@ def server(binary, tmp_path_factory, log_dir) -> Iterator[Server]:
     """The shared `sandlot up` of the session (SIGTERM at the end; log tail on failure)."""
     if os.geteuid() != 0:
         pytest.skip("end-to-end tests need root (namespaces, cgroups, overlay mounts)")
-    srv = Server(binary, tmp_path_factory.mktemp("data"), log_dir / "sandlot-up.log")
+    # Not under pytest's private temp dir (0700): containers run as unprivileged host uids
+    # that must walk down to DATA/containers/<id>/rootfs.
+    data = Path(tempfile.mkdtemp(prefix="sandlot-e2e-", dir="/var/tmp"))
+    os.chmod(data, 0o711)
+    srv = Server(binary, data / "data", log_dir / "sandlot-up.log")
     try:
         srv.start()
     except RuntimeError as e:
@@ -291,6 +297,9 @@ def server(binary, tmp_path_factory, log_dir) -> Iterator[Server]:
         print(f"\n`sandlot up` exited with {code}; log: {srv.log_path}")
     except RuntimeError as e:
         print(e)
+    # Removed only when nothing is mounted below it (a leak is reported, never deleted through).
+    if not any(str(data) in line for line in open("/proc/self/mountinfo")):
+        shutil.rmtree(data, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -252,6 +252,21 @@ impl ContainerBackend {
                 "no OCI runtime (runc, crun, runsc) is installed".into(),
             ));
         }
+        // runc pivots into the rootfs as the container's root, an unprivileged host uid: it
+        // must be able to walk down to DATA/containers/<id>/rootfs.
+        let abs = std::path::absolute(&cfg.dir).unwrap_or_else(|_| cfg.dir.clone());
+        for a in abs.ancestors().skip(1) {
+            if let Ok(md) = std::fs::metadata(a) {
+                if md.permissions().mode() & 0o001 == 0 {
+                    return Err(NodeError::Unavailable(format!(
+                        "{} (mode {:o}) is not searchable by other users; containers run as unprivileged host uids that must reach {}: use a data directory whose parents are o+x",
+                        a.display(),
+                        md.permissions().mode() & 0o7777,
+                        abs.display()
+                    )));
+                }
+            }
+        }
         for d in [&cfg.dir, &cfg.state_root] {
             std::fs::create_dir_all(d)
                 .map_err(|e| NodeError::io(format!("create {}", d.display()), e))?;
@@ -1176,6 +1191,7 @@ impl ContainerBackend {
             _ => PathBuf::from(format!("/proc/{pid}/root")),
         };
         let id = id.to_string();
+        let runtime = c.state.runtime;
         spawn_blocking(move || {
             if proc_starttime(pid) != Some(start) {
                 return Err(NodeError::Conflict(format!(
@@ -1183,14 +1199,51 @@ impl ContainerBackend {
                 )));
             }
             let fs = SandboxFs::open(&root, uid, uid)?;
+            // runc: /tmp, /dev and /dev/shm are file systems of the container's user
+            // namespace, where host root's uid is unmapped (creating a file fails with
+            // EOVERFLOW); act as the container's root (its host uid, no capabilities).
+            let _as = (runtime != Runtime::Runsc).then(|| FsIds::switch(uid));
             f(&fs)
         })
         .await
     }
 }
 
+/// This thread's file-system uid and gid switched to `id` until dropped (setfsuid(2) is
+/// per thread; going from 0 to non-zero also clears the file capabilities from the
+/// effective set, and going back restores them).
+struct FsIds;
+
+impl FsIds {
+    fn switch(id: u32) -> FsIds {
+        // SAFETY: setfsgid/setfsuid take integers and affect only the calling thread.
+        unsafe {
+            libc::setfsgid(id);
+            libc::setfsuid(id);
+        }
+        FsIds
+    }
+}
+
+impl Drop for FsIds {
+    fn drop(&mut self) {
+        // SAFETY: as above; back to root for the next task of this pooled thread.
+        unsafe {
+            libc::setfsuid(0);
+            libc::setfsgid(0);
+        }
+    }
+}
+
 impl Drop for ContainerBackend {
+    /// Removes the backend's parent cgroup where it is empty: the hierarchies the node
+    /// manages, and (v1) the others runc created it in (net_cls, perf_event, ...).
     fn drop(&mut self) {
         let _ = self.cgroups.remove_parent();
+        if let Ok(rd) = std::fs::read_dir("/sys/fs/cgroup") {
+            for e in rd.flatten() {
+                let _ = std::fs::remove_dir(e.path().join(self.cgroups.parent()));
+            }
+        }
     }
 }
