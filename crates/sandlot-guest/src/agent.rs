@@ -247,7 +247,26 @@ async fn exec(mut body: Incoming, live: Live) -> Result<Response<Body>, String> 
         });
     }
     let start = Instant::now();
-    let mut child = cmd.spawn().map_err(|e| format!("spawn exec helper: {e}"))?;
+    let mut child = match cmd.spawn() {
+        Ok(c) => c,
+        // The sandbox's processes hold every pid of its limit: the sandbox's state, not
+        // an agent failure (the node answers resource_exhausted).
+        Err(e) if e.raw_os_error() == Some(libc::EAGAIN) => {
+            let exit = ExecExit {
+                status: ExecStatus::SetupFailed {
+                    message: format!("spawn exec helper: {e}"),
+                    user_error: false,
+                    resource_exhausted: true,
+                },
+                timed_out: false,
+                duration_ms: 0.0,
+            };
+            let json = serde_json::to_vec(&exit).expect("ExecExit serialises");
+            let frame = Bytes::from(encode(FrameKind::Exit, &json));
+            return Ok(Response::new(Full::new(frame).boxed()));
+        }
+        Err(e) => return Err(format!("spawn exec helper: {e}")),
+    };
     drop(spec_r);
     drop(status_w);
     let pid = child.id() as i32;

@@ -5,9 +5,12 @@
 //! Host layout of one sandbox (`DATA/containers/<id>/`, which is also the OCI bundle):
 //!
 //! * `config.json` — the OCI runtime spec, generated with `oci-spec` (below).
-//! * `upper/`, `work/` — the overlayfs writable layer, owned by the container's root
-//!   (`uid_base`); `rootfs/` — the overlay of the image layers + `upper/`, mounted on the
-//!   host by the node (so it survives node restarts with the container).
+//! * `disk.img` + `scratch/` — the writable layer's file system: a sparse ext4 image of
+//!   `disk_mib` MiB loop-mounted at `scratch/` (the disk quota, see `mount_scratch`);
+//!   `scratch/upper/`, `scratch/work/` — the overlayfs writable layer, owned by the
+//!   container's root (`uid_base`); `rootfs/` — the overlay of the image layers +
+//!   `scratch/upper/`, mounted on the host by the node (so it survives node restarts with
+//!   the container).
 //! * `agent.sock` — a unix socket bound and listened on by the NODE, in a root-owned
 //!   directory; its listening fd is handed to the container (`--preserve-fds 1`, fd 3),
 //!   where the agent accepts on it. The container can neither replace nor redirect the
@@ -36,7 +39,8 @@
 //! container group's `oom_kill` counter over the exec (an overlapping exec's OOM kill is
 //! counted too).
 use super::function::{
-    check_id, destroy_blocking, make_dirs, proc_starttime, spawn_blocking, ExecPlan, StoredSpec,
+    check_id, destroy_blocking, make_layer_dirs, own_dir, proc_starttime, spawn_blocking, ExecPlan,
+    StoredSpec,
 };
 use super::uids::{UidLease, UidSlots};
 use super::SandboxBackend;
@@ -75,9 +79,6 @@ const FREEZE_TIMEOUT: Duration = Duration::from_secs(10);
 const EXEC_GRACE: Duration = Duration::from_secs(10);
 /// Where the agent binary is bind-mounted inside the container (read-only).
 const AGENT_PATH: &str = "/.sandlot/sandlot-guest";
-/// Size of the container's `/tmp` tmpfs, MiB (as in the function backend's jail). runsc
-/// containers keep `/tmp` in the overlay instead, where the node's files API reaches it.
-const TMP_MIB: u64 = 256;
 /// Uid (inside) owning runsc's agent socket directory: not 0, so commands (uid 0 without
 /// capabilities) cannot replace the socket.
 const AGENT_UID: u32 = 65_533;
@@ -353,9 +354,19 @@ impl ContainerBackend {
         {
             let (dir, cg) = (dir.clone(), cg.clone());
             let lowers: Vec<PathBuf> = image.layers.clone();
+            let disk_mib = spec.disk_mib;
             spawn_blocking(move || {
-                make_dirs(&dir, uid_base)?;
+                std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o711))
+                    .map_err(|e| NodeError::io(format!("chmod {}", dir.display()), e))?;
+                mount_scratch(&dir, disk_mib)?;
+                make_layer_dirs(&dir.join("scratch"), uid_base)?;
+                own_dir(&dir.join("rootfs"), uid_base, 0o755)?;
                 mount_overlay(&dir, &lowers)?;
+                // /tmp lives on the writable layer (under the disk quota), world-writable.
+                let tmp = dir.join("rootfs/tmp");
+                if !tmp.is_dir() {
+                    own_dir(&tmp, uid_base, 0o1777)?;
+                }
                 cg.create(&limits)
             })
             .await?;
@@ -562,6 +573,35 @@ impl ContainerBackend {
     }
 }
 
+/// `/dev`, `/proc` or `/sys` when `path` (relative paths are under /workspace; `..`
+/// collapsed lexically) lies in one of them: file systems a runsc sandbox's kernel provides
+/// itself, which the host-side files API cannot see.
+fn runtime_mount_of(path: &str) -> Option<&'static str> {
+    let mut parts: Vec<&str> = Vec::new();
+    let abs = if path.starts_with('/') {
+        path.to_string()
+    } else {
+        format!("{}/{path}", crate::files::WORKDIR)
+    };
+    for c in abs.split('/') {
+        match c {
+            "" | "." => {}
+            ".." => {
+                parts.pop();
+            }
+            c => parts.push(c),
+        }
+    }
+    ["dev", "proc", "sys"]
+        .into_iter()
+        .find(|m| parts.first() == Some(m))
+        .map(|m| match m {
+            "dev" => "/dev",
+            "proc" => "/proc",
+            _ => "/sys",
+        })
+}
+
 /// Host path of the agent's socket of the container in `dir`.
 fn agent_socket(dir: &Path, runtime: Runtime) -> PathBuf {
     match runtime {
@@ -570,14 +610,56 @@ fn agent_socket(dir: &Path, runtime: Runtime) -> PathBuf {
     }
 }
 
+/// The container's writable layer with its disk quota: `dir/disk.img`, a sparse file of
+/// `disk_mib` MiB formatted as ext4 (no journal: scratch data does not outlive the
+/// sandbox; no reserved blocks: the quota is the same for every uid), loop-mounted at
+/// `dir/scratch` (`nosuid,nodev`; the loop device is released with the mount). Writing past
+/// it gives ENOSPC inside the sandbox, which stays usable, and deleting files frees space.
+/// The image's own inode count (ext4's default ratio) also bounds inode exhaustion.
+fn mount_scratch(dir: &Path, disk_mib: u64) -> NodeResult<()> {
+    let img = dir.join("disk.img");
+    let mnt = dir.join("scratch");
+    std::fs::File::create(&img)
+        .and_then(|f| f.set_len(disk_mib << 20))
+        .map_err(|e| NodeError::io(format!("create {}", img.display()), e))?;
+    std::fs::create_dir(&mnt).map_err(|e| NodeError::io(format!("create {}", mnt.display()), e))?;
+    let run = |cmd: &mut std::process::Command| -> NodeResult<()> {
+        let out = cmd
+            .stdin(Stdio::null())
+            .output()
+            .map_err(|e| NodeError::io(format!("run {:?}", cmd.get_program()), e))?;
+        if out.status.success() {
+            Ok(())
+        } else {
+            Err(NodeError::io(
+                format!(
+                    "{:?}: {}: {}",
+                    cmd.get_program(),
+                    out.status,
+                    String::from_utf8_lossy(&out.stderr).trim()
+                ),
+                std::io::Error::other("scratch disk"),
+            ))
+        }
+    };
+    run(std::process::Command::new("mkfs.ext4")
+        .args(["-q", "-F", "-m", "0", "-O", "^has_journal", "-E"])
+        .arg("lazy_itable_init=1,nodiscard")
+        .arg(&img))?;
+    run(std::process::Command::new("mount")
+        .args(["-o", "loop,nosuid,nodev,noatime"])
+        .arg(&img)
+        .arg(&mnt))
+}
+
 /// Mounts the overlay of `lowers` (top-most first) + `dir/upper` at `dir/rootfs`.
 fn mount_overlay(dir: &Path, lowers: &[PathBuf]) -> NodeResult<()> {
     let lower: Vec<String> = lowers.iter().map(|p| p.display().to_string()).collect();
     let opts = format!(
         "lowerdir={},upperdir={},workdir={}",
         lower.join(":"),
-        dir.join("upper").display(),
-        dir.join("work").display()
+        dir.join("scratch/upper").display(),
+        dir.join("scratch/work").display()
     );
     nix::mount::mount(
         Some("overlay"),
@@ -773,17 +855,19 @@ fn bundle_spec(
                 .build()
                 .map_err(bad)?,
         );
-    } else {
+        // gVisor mounts a tmpfs of its own on /tmp unless the spec names one; bind the
+        // rootfs's /tmp instead, so /tmp is on the writable layer (and its quota) as in runc
+        // and the node's files API sees what the sandbox sees.
         mounts.push(
             MountBuilder::default()
                 .destination("/tmp")
-                .typ("tmpfs")
-                .source("tmpfs")
+                .typ("bind")
+                .source(bundle_dir.join("rootfs/tmp"))
                 .options(vec![
+                    "bind".into(),
+                    "rw".into(),
                     "nosuid".into(),
                     "nodev".into(),
-                    "mode=1777".into(),
-                    format!("size={TMP_MIB}m"),
                 ])
                 .build()
                 .map_err(bad)?,
@@ -1030,28 +1114,29 @@ impl SandboxBackend for ContainerBackend {
     }
 
     async fn read_file(&self, id: &str, path: &str, max_bytes: u64) -> NodeResult<Vec<u8>> {
-        let path = path.to_string();
-        self.with_fs(id, move |fs| fs.read(&path, max_bytes)).await
+        let p = path.to_string();
+        self.with_fs(id, path, move |fs| fs.read(&p, max_bytes))
+            .await
     }
 
     async fn file_size(&self, id: &str, path: &str) -> NodeResult<u64> {
-        let path = path.to_string();
-        self.with_fs(id, move |fs| fs.size(&path)).await
+        let p = path.to_string();
+        self.with_fs(id, path, move |fs| fs.size(&p)).await
     }
 
     async fn write_file(&self, id: &str, path: &str, data: bytes::Bytes) -> NodeResult<()> {
-        let path = path.to_string();
-        self.with_fs(id, move |fs| fs.write(&path, &data)).await
+        let p = path.to_string();
+        self.with_fs(id, path, move |fs| fs.write(&p, &data)).await
     }
 
     async fn list_dir(&self, id: &str, path: &str) -> NodeResult<Vec<FileEntry>> {
-        let path = path.to_string();
-        self.with_fs(id, move |fs| fs.list(&path)).await
+        let p = path.to_string();
+        self.with_fs(id, path, move |fs| fs.list(&p)).await
     }
 
     async fn remove_file(&self, id: &str, path: &str) -> NodeResult<()> {
-        let path = path.to_string();
-        self.with_fs(id, move |fs| fs.remove(&path)).await
+        let p = path.to_string();
+        self.with_fs(id, path, move |fs| fs.remove(&p)).await
     }
 
     async fn pause(&self, id: &str) -> NodeResult<()> {
@@ -1174,6 +1259,7 @@ impl ContainerBackend {
     async fn with_fs<T: Send + 'static>(
         &self,
         id: &str,
+        path: &str,
         f: impl FnOnce(&SandboxFs) -> NodeResult<T> + Send + 'static,
     ) -> NodeResult<T> {
         let c = self.get(id)?;
@@ -1192,6 +1278,13 @@ impl ContainerBackend {
         };
         let id = id.to_string();
         let runtime = c.state.runtime;
+        if runtime == Runtime::Runsc {
+            if let Some(top) = runtime_mount_of(path) {
+                return Err(NodeError::InvalidArgument(format!(
+                    "{path}: {top} belongs to gVisor's own kernel in a runsc sandbox; the files API reaches the sandbox's file system only"
+                )));
+            }
+        }
         spawn_blocking(move || {
             if proc_starttime(pid) != Some(start) {
                 return Err(NodeError::Conflict(format!(

@@ -1443,26 +1443,34 @@ pub(crate) fn check_id(id: &str) -> NodeResult<()> {
 }
 
 pub(crate) fn make_dirs(dir: &Path, uid: u32) -> NodeResult<()> {
-    let own = |p: &Path, mode: u32| -> NodeResult<()> {
-        match std::fs::create_dir(p) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
-            Err(e) => return Err(NodeError::io(format!("create {}", p.display()), e)),
-        }
-        std::os::unix::fs::chown(p, Some(uid), Some(uid))
-            .map_err(|e| NodeError::io(format!("chown {} to {uid}", p.display()), e))?;
-        std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode))
-            .map_err(|e| NodeError::io(format!("chmod {}", p.display()), e))
-    };
     // The sandbox dir itself stays host-root owned; 0711 lets the sandbox's uid reach its
     // upper dir without listing anything.
     std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o711))
         .map_err(|e| NodeError::io(format!("chmod {}", dir.display()), e))?;
-    own(&dir.join("upper"), 0o755)?;
-    own(&dir.join("upper/workspace"), 0o755)?;
-    own(&dir.join("upper/root"), 0o700)?;
-    own(&dir.join("work"), 0o700)?;
-    own(&dir.join("rootfs"), 0o755)
+    make_layer_dirs(dir, uid)?;
+    own_dir(&dir.join("rootfs"), uid, 0o755)
+}
+
+/// The writable layer's directories in `dir`, owned by `uid` (root inside the sandbox):
+/// `upper/` (0755) with `upper/workspace` (0755) and `upper/root` (0700), and `work/` (0700).
+pub(crate) fn make_layer_dirs(dir: &Path, uid: u32) -> NodeResult<()> {
+    own_dir(&dir.join("upper"), uid, 0o755)?;
+    own_dir(&dir.join("upper/workspace"), uid, 0o755)?;
+    own_dir(&dir.join("upper/root"), uid, 0o700)?;
+    own_dir(&dir.join("work"), uid, 0o700)
+}
+
+/// Creates `p` (if missing) owned by `uid:uid` with `mode`.
+pub(crate) fn own_dir(p: &Path, uid: u32, mode: u32) -> NodeResult<()> {
+    match std::fs::create_dir(p) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(NodeError::io(format!("create {}", p.display()), e)),
+    }
+    std::os::unix::fs::chown(p, Some(uid), Some(uid))
+        .map_err(|e| NodeError::io(format!("chown {} to {uid}", p.display()), e))?;
+    std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode))
+        .map_err(|e| NodeError::io(format!("chmod {}", p.display()), e))
 }
 
 /// Write `state.json` atomically (temp file + rename(2)), without fsync: the file only has
