@@ -144,3 +144,71 @@ def test_import_of_a_skopeo_oci_archive(binary, registry, tmp_path):
     meta = json.loads((store / "imported-bb" / "image.json").read_text())
     assert meta["source"]["kind"] == "archive" and len(meta["layers"]) == 1
     assert ["PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"] in meta["env"]
+
+
+def _layout_blob(root: Path, media: str, data: bytes) -> dict:
+    import hashlib
+    d = hashlib.sha256(data).hexdigest()
+    (root / "blobs" / "sha256" / d).write_bytes(data)
+    return {"mediaType": media, "digest": f"sha256:{d}", "size": len(data)}
+
+
+def _tar(members: list, gz: bool = True) -> bytes:
+    """members: (name, kind, data_or_target) with kind 'file' | 'dir' | 'tree' (a host dir)."""
+    import io
+    import tarfile
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz" if gz else "w") as t:
+        for name, kind, payload in members:
+            if kind == "tree":
+                t.add(str(payload), arcname=name, recursive=True)
+                continue
+            info = tarfile.TarInfo(name)
+            info.mtime = 1_700_000_000
+            if kind == "dir":
+                info.type, info.mode = tarfile.DIRTYPE, 0o755
+                t.addfile(info)
+            else:
+                info.mode, info.size = 0o644, len(payload)
+                t.addfile(info, io.BytesIO(payload))
+    return buf.getvalue()
+
+
+def test_whiteouts_and_opaque_dirs_work_in_a_sandbox(binary, client, server, tmp_path):
+    """A two-layer image imported from an OCI layout: the upper layer's whiteout hides a file
+    of the lower one and its opaque dir hides the lower dir's entries, inside a real
+    function sandbox (overlayfs reads what the unpacker wrote)."""
+    import gzip
+    import hashlib
+    busybox = Path(IMAGES_DIR) / "busybox" / "rootfs"
+    if not busybox.is_dir():
+        pytest.skip(f"no busybox image in {IMAGES_DIR} (sandlot image build busybox)")
+    layout = tmp_path / "layout"
+    (layout / "blobs" / "sha256").mkdir(parents=True)
+    (layout / "oci-layout").write_text('{"imageLayoutVersion":"1.0.0"}')
+    l1 = _tar([(".", "tree", busybox), ("data", "dir", None), ("data/old", "file", b"o"),
+               ("gone", "file", b"g"), ("kept", "file", b"k")])
+    l2 = _tar([(".wh.gone", "file", b""), ("data", "dir", None),
+               ("data/.wh..wh..opq", "file", b""), ("data/new", "file", b"n")])
+    gzmt = "application/vnd.oci.image.layer.v1.tar+gzip"
+    diff_ids = [f"sha256:{hashlib.sha256(gzip.decompress(x)).hexdigest()}" for x in (l1, l2)]
+    layers = [_layout_blob(layout, gzmt, x) for x in (l1, l2)]
+    config = {"architecture": "amd64", "os": "linux",
+              "config": {"Env": ["PATH=/bin", "FROM_IMAGE=yes"]},
+              "rootfs": {"type": "layers", "diff_ids": diff_ids}}
+    cd = _layout_blob(layout, "application/vnd.oci.image.config.v1+json",
+                      json.dumps(config).encode())
+    manifest = {"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
+                "config": cd, "layers": layers}
+    md = _layout_blob(layout, "application/vnd.oci.image.manifest.v1+json",
+                      json.dumps(manifest).encode())
+    (layout / "index.json").write_text(json.dumps({"schemaVersion": 2, "manifests": [md]}))
+    name = "e2e-whiteout-test"
+    cli(binary, "image", "import", str(layout), "--name", name, "--images-dir", IMAGES_DIR)
+    try:
+        with client.create(backend="function", image=name, memory_mib=64, ttl_s=120) as box:
+            r = box.exec(["sh", "-c", "ls /data; test -e /gone && echo gone-visible; "
+                                      "cat /kept; echo; echo $FROM_IMAGE"], timeout_s=30)
+            assert (r.exit_code, r.stdout) == (0, b"new\nk\nyes\n"), r
+    finally:
+        cli(binary, "image", "rm", name, "--images-dir", IMAGES_DIR, check=False)

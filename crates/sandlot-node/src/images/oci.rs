@@ -820,8 +820,8 @@ impl ImageStore {
                 progress.finish(&id, "already present");
                 continue;
             }
-            // A layer whose unpacked dir exists needs no blob: skip the download (but only
-            // for layers; the config is read below).
+            // Blobs are kept (gc frees them with their last image), so a layer blob is
+            // fetched even when a layer with its DiffID is already unpacked.
             let size = u64::try_from(d.size).ok().filter(|s| *s > 0);
             progress.start(&id, "download", size);
             let desc = oci_client::manifest::OciDescriptor {
