@@ -226,8 +226,17 @@ pub fn parse_reference(s: &str) -> NodeResult<oci_client::Reference> {
             "invalid image reference: longer than 512 bytes".into(),
         ));
     }
-    oci_client::Reference::try_from(s)
-        .map_err(|e| NodeError::InvalidArgument(format!("invalid image reference {s:?}: {e}")))
+    let r = oci_client::Reference::try_from(s)
+        .map_err(|e| NodeError::InvalidArgument(format!("invalid image reference {s:?}: {e}")))?;
+    // The grammar lets an upper-case first component through as a "domain" that
+    // normalisation then moves into the repository (`A/b` → `docker.io/A/b`); Docker refuses
+    // such names, so do we.
+    if r.repository().bytes().any(|c| c.is_ascii_uppercase()) {
+        return Err(NodeError::InvalidArgument(format!(
+            "invalid image reference {s:?}: repository name must be lowercase"
+        )));
+    }
+    Ok(r)
 }
 
 /// Classify an image name: a valid short name is [`ImageName::Short`]; anything containing
@@ -349,6 +358,21 @@ impl ImageStore {
         fs::create_dir_all(&dir)
             .map_err(|e| NodeError::io(format!("create image store {}", dir.display()), e))?;
         remove_stale_tmp(&dir)?;
+        for sub in ["refs", oci::BLOBS_DIR, oci::LAYERS_DIR] {
+            let p = dir.join(sub);
+            if p.is_dir() {
+                remove_stale_tmp(&p)?;
+            }
+        }
+        Ok(ImageStore {
+            dir,
+            pull_policy: PullPolicy::from_env(),
+        })
+    }
+
+    /// Create `refs/`, `blobs/sha256/` and `layers/sha256/` when missing (on first OCI
+    /// use, so a store of built-in images only stays as it was).
+    pub(crate) fn ensure_oci_dirs(&self) -> NodeResult<()> {
         // SECURITY: blobs and layers hold image files with the image's own owners and
         // setuid bits; only root may reach them (sandboxes see them through overlay mounts
         // made by root, which do not walk these paths with the sandbox's credentials).
@@ -359,20 +383,14 @@ impl ImageStore {
             ("layers", 0o700),
             (oci::LAYERS_DIR, 0o700),
         ] {
-            let p = dir.join(sub);
+            let p = self.dir.join(sub);
             if !p.is_dir() {
                 fs::create_dir_all(&p)
                     .map_err(|e| NodeError::io(format!("create {}", p.display()), e))?;
                 set_mode(&p, mode)?;
             }
         }
-        for sub in ["refs", oci::BLOBS_DIR, oci::LAYERS_DIR] {
-            remove_stale_tmp(&dir.join(sub))?;
-        }
-        Ok(ImageStore {
-            dir,
-            pull_policy: PullPolicy::from_env(),
-        })
+        Ok(())
     }
 
     /// The same store with another pull-on-create policy.
@@ -543,8 +561,11 @@ impl ImageStore {
         let mut keep_layers = HashSet::new();
         let mut dirs = vec![];
         for (sub, is_ref) in [(self.dir.clone(), false), (self.dir.join("refs"), true)] {
-            let rd = fs::read_dir(&sub)
-                .map_err(|e| NodeError::io(format!("read {}", sub.display()), e))?;
+            let rd = match fs::read_dir(&sub) {
+                Ok(rd) => rd,
+                Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+                Err(e) => return Err(NodeError::io(format!("read {}", sub.display()), e)),
+            };
             for ent in rd.flatten() {
                 let n = ent.file_name().to_string_lossy().to_string();
                 if n.starts_with('.') || (!is_ref && RESERVED.contains(&n.as_str())) {
@@ -578,6 +599,9 @@ impl ImageStore {
             (self.blobs_dir(), &keep_blobs, false),
             (self.layers_dir(), &keep_layers, true),
         ] {
+            if !sub.is_dir() {
+                continue;
+            }
             remove_stale_tmp(&sub)?;
             let rd = fs::read_dir(&sub)
                 .map_err(|e| NodeError::io(format!("read {}", sub.display()), e))?;
@@ -1311,6 +1335,56 @@ mod tests {
                 "{bad}"
             );
         }
+    }
+
+    #[test]
+    fn image_names_and_references() {
+        assert_eq!(
+            parse_image_name("python").unwrap(),
+            ImageName::Short("python".into())
+        );
+        for (given, whole) in [
+            (
+                "127.0.0.1:5000/sandlot/python:latest",
+                "127.0.0.1:5000/sandlot/python:latest",
+            ),
+            (
+                "127.0.0.1:5000/sandlot/python",
+                "127.0.0.1:5000/sandlot/python:latest",
+            ),
+            ("busybox:1.36", "docker.io/library/busybox:1.36"),
+            ("localhost/x", "localhost/x:latest"),
+        ] {
+            assert_eq!(parse_image_name(given).unwrap().key(), whole, "{given}");
+        }
+        for bad in [
+            "Python:3",
+            "A/b",
+            "a b/c",
+            "x@sha256:00",
+            "refs",
+            "blobs",
+            "a/../b",
+        ] {
+            assert!(
+                matches!(parse_image_name(bad), Err(NodeError::InvalidArgument(_))),
+                "{bad}"
+            );
+        }
+        assert!(validate_ref(&format!("a/{}", "b".repeat(600))).is_err());
+    }
+
+    #[test]
+    fn pull_policy() {
+        let lo = PullPolicy::parse("");
+        assert!(lo.allows("127.0.0.1:5000") && lo.allows("localhost") && lo.allows("[::1]:5000"));
+        assert!(!lo.allows("docker.io") && !lo.allows("10.0.0.1:5000"));
+        assert!(!PullPolicy::parse("none").allows("127.0.0.1:5000"));
+        assert!(PullPolicy::parse("*").allows("registry.example.com"));
+        let list = PullPolicy::parse("registry.example.com:443, loopback");
+        assert!(list.allows("registry.example.com:443") && list.allows("127.0.0.2:1"));
+        assert!(!list.allows("registry.example.com"));
+        assert!(!PullPolicy::parse("r.example").allows("127.0.0.1:5000"));
     }
 
     #[test]

@@ -517,6 +517,7 @@ impl ImageStore {
     /// # Errors
     /// `Internal` when the temp file cannot be created.
     pub fn blob_writer(&self, limit: Option<u64>) -> NodeResult<BlobWriter> {
+        self.ensure_oci_dirs()?;
         let dir = self.blobs_dir();
         let tmp = dir.join(tmp_name("blob"));
         let file = fs::OpenOptions::new()
@@ -593,6 +594,7 @@ impl ImageStore {
         if dst.is_dir() {
             return Ok((dst, false));
         }
+        self.ensure_oci_dirs()?;
         let src = self.blob_path(blob)?;
         let mut f =
             File::open(&src).map_err(|e| NodeError::io(format!("open {}", src.display()), e))?;
@@ -641,6 +643,7 @@ impl ImageStore {
 
     /// Shared lock for pulls/imports (gc takes it exclusively), on `<dir>/.lock`.
     pub(super) fn lock(&self, exclusive: bool) -> NodeResult<nix::fcntl::Flock<File>> {
+        self.ensure_oci_dirs()?;
         let p = self.dir.join(".lock");
         let f = fs::OpenOptions::new()
             .create(true)
