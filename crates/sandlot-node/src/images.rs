@@ -223,17 +223,20 @@ impl ImageName {
 pub fn parse_reference(s: &str) -> NodeResult<oci_client::Reference> {
     if s.len() > 512 {
         return Err(NodeError::InvalidArgument(
-            "invalid image reference: longer than 512 bytes".into(),
+            "invalid image name: a reference is at most 512 bytes".into(),
         ));
     }
-    let r = oci_client::Reference::try_from(s)
-        .map_err(|e| NodeError::InvalidArgument(format!("invalid image reference {s:?}: {e}")))?;
+    let r = oci_client::Reference::try_from(s).map_err(|e| {
+        NodeError::InvalidArgument(format!(
+            "invalid image name {s:?}: not a short name and not a valid OCI reference: {e}"
+        ))
+    })?;
     // The grammar lets an upper-case first component through as a "domain" that
     // normalisation then moves into the repository (`A/b` → `docker.io/A/b`); Docker refuses
     // such names, so do we.
     if r.repository().bytes().any(|c| c.is_ascii_uppercase()) {
         return Err(NodeError::InvalidArgument(format!(
-            "invalid image reference {s:?}: repository name must be lowercase"
+            "invalid image name {s:?}: the repository of a reference must be lowercase"
         )));
     }
     Ok(r)
