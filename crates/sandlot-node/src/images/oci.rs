@@ -856,6 +856,14 @@ impl ImageStore {
         };
         let cfg_digest = config.digest.clone();
         // Unpacking is blocking file-system work: off the async runtime.
+        let pending: Vec<String> = plan
+            .iter()
+            .filter(|l| self.layer_path(&l.diff_id).is_ok_and(|p| !p.is_dir()))
+            .map(|l| short(&l.diff_id))
+            .collect();
+        for id in &pending {
+            progress.start(id, "unpack", None);
+        }
         let progress_name = name.clone();
         let img = tokio::task::spawn_blocking(move || {
             store.install_oci(
@@ -869,6 +877,9 @@ impl ImageStore {
         })
         .await
         .map_err(|e| NodeError::io(format!("unpack {whole}"), io::Error::other(e)))??;
+        for id in &pending {
+            progress.finish(id, "unpacked");
+        }
         progress.finish(&short(&digest), "installed");
         Ok(img)
     }
