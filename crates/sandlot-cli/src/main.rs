@@ -349,7 +349,10 @@ impl sandlot_node::images::oci::Progress for CliProgress {
                 .progress_chars("=> "),
             ),
             None => {
-                let b = m.add(indicatif::ProgressBar::new_spinner());
+                let b = m.add(indicatif::ProgressBar::new_spinner()).with_style(
+                    indicatif::ProgressStyle::with_template("{prefix} {spinner} {msg}")
+                        .unwrap_or_else(|_| indicatif::ProgressStyle::default_spinner()),
+                );
                 b.enable_steady_tick(std::time::Duration::from_millis(120));
                 b
             }
