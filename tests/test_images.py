@@ -204,11 +204,24 @@ def test_whiteouts_and_opaque_dirs_work_in_a_sandbox(binary, client, server, tmp
                       json.dumps(manifest).encode())
     (layout / "index.json").write_text(json.dumps({"schemaVersion": 2, "manifests": [md]}))
     name = "e2e-whiteout-test"
-    cli(binary, "image", "import", str(layout), "--name", name, "--images-dir", IMAGES_DIR)
+    d = ["--images-dir", IMAGES_DIR]
+    cli(binary, "image", "import", str(layout), "--name", name, *d)
+    meta = json.loads((Path(IMAGES_DIR) / name / "image.json").read_text())
+    layer_dirs = [Path(IMAGES_DIR) / rel for rel in meta["layers"]]
     try:
         with client.create(backend="function", image=name, memory_mib=64, ttl_s=120) as box:
             r = box.exec(["sh", "-c", "ls /data; test -e /gone && echo gone-visible; "
                                       "cat /kept; echo; echo $FROM_IMAGE"], timeout_s=30)
             assert (r.exit_code, r.stdout) == (0, b"new\nk\nyes\n"), r
+            # Removing the image and collecting while the sandbox runs keeps its layers
+            # (they are mounted), and the sandbox keeps working.
+            cli(binary, "image", "rm", name, *d)
+            out = cli(binary, "image", "gc", *d).stdout
+            assert all(p.is_dir() for p in layer_dirs), out
+            assert "kept 2 unreferenced layers still mounted" in out, out
+            assert box.exec(["cat", "/kept"], timeout_s=30).stdout == b"k"
+        # Sandbox gone: the next gc frees them.
+        cli(binary, "image", "gc", *d)
+        assert not any(p.exists() for p in layer_dirs)
     finally:
-        cli(binary, "image", "rm", name, "--images-dir", IMAGES_DIR, check=False)
+        cli(binary, "image", "rm", name, *d, check=False)

@@ -307,8 +307,8 @@ enum ImageCmd {
         #[command(flatten)]
         dirs: ImageDirs,
     },
-    /// Remove blobs and unpacked layers no image references. Do not run it after removing
-    /// an image that a running sandbox still uses.
+    /// Remove blobs and unpacked layers no image references (layers a running sandbox has
+    /// mounted are kept).
     Gc {
         #[command(flatten)]
         dirs: ImageDirs,
@@ -715,8 +715,8 @@ async fn image(cmd: ImageCmd) -> anyhow::Result<u8> {
         ImageCmd::Gc { dirs } => {
             let r = dirs.open()?.gc().context("image gc")?;
             println!(
-                "removed {} blobs and {} layers, {} bytes",
-                r.blobs, r.layers, r.bytes
+                "removed {} blobs and {} layers, {} bytes; kept {} unreferenced layers still mounted",
+                r.blobs, r.layers, r.bytes, r.in_use
             );
         }
     }

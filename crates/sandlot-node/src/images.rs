@@ -341,6 +341,8 @@ pub struct GcReport {
     pub layers: u64,
     /// Bytes freed (apparent sizes).
     pub bytes: u64,
+    /// Layers no image references that were kept because a mount still uses them.
+    pub in_use: u64,
 }
 
 /// A directory of named images. Cheap to clone the path; all state is on disk, so several
@@ -553,8 +555,11 @@ impl ImageStore {
     /// leftovers of dead pulls. Holds the store lock exclusively, so it waits for running
     /// pulls/imports (which hold it shared) and they wait for it.
     ///
-    /// Layers of a removed image are deleted even if a sandbox created from it still runs
-    /// (its overlay would then lose files): remove images only when no sandbox uses them.
+    /// Layers still mounted by a sandbox are kept even when no image references them any
+    /// more: every mount namespace on the host is read (`/proc/<pid>/mountinfo`, one
+    /// process per namespace) and layer directories named in a mount's options (overlay
+    /// `lowerdir=`) count as referenced. So removing an image while sandboxes run on it and
+    /// then collecting is safe; the layers go at the first `gc` after the last such sandbox.
     ///
     /// # Errors
     /// `Internal` on I/O failure.
@@ -598,6 +603,12 @@ impl ImageStore {
             }
         }
         let mut report = GcReport::default();
+        let in_use = layers_mounted();
+        for h in in_use {
+            if keep_layers.insert(h) {
+                report.in_use += 1;
+            }
+        }
         for (sub, keep, is_layer) in [
             (self.blobs_dir(), &keep_blobs, false),
             (self.layers_dir(), &keep_layers, true),
@@ -914,6 +925,47 @@ impl ImageStore {
 static PULLS: std::sync::LazyLock<
     std::sync::Mutex<std::collections::HashMap<String, std::sync::Arc<tokio::sync::Mutex<()>>>>,
 > = std::sync::LazyLock::new(Default::default);
+
+/// Layer digests (hex) that appear as `…/layers/sha256/<hex>` in any mount of any mount
+/// namespace (overlay `lowerdir=` options list them), reading `/proc/<pid>/mountinfo` once
+/// per mount namespace. The match ignores which store the path is in (a relative or
+/// symlinked store path would not match literally); keeping too much is the safe side.
+/// Unreadable processes (gone meanwhile) are skipped.
+fn layers_mounted() -> HashSet<String> {
+    let mut out = HashSet::new();
+    let needle = format!("/{}/", oci::LAYERS_DIR);
+    let mut seen_ns = HashSet::new();
+    let Ok(rd) = fs::read_dir("/proc") else {
+        return out;
+    };
+    for ent in rd.flatten() {
+        let name = ent.file_name();
+        let Some(pid) = name
+            .to_str()
+            .filter(|s| s.bytes().all(|c| c.is_ascii_digit()))
+        else {
+            continue;
+        };
+        let Ok(ns) = fs::read_link(format!("/proc/{pid}/ns/mnt")) else {
+            continue;
+        };
+        if !seen_ns.insert(ns) {
+            continue;
+        }
+        let Ok(info) = fs::read_to_string(format!("/proc/{pid}/mountinfo")) else {
+            continue;
+        };
+        let mut rest = info.as_str();
+        while let Some(i) = rest.find(&needle) {
+            rest = &rest[i + needle.len()..];
+            let hex: String = rest.chars().take(64).collect();
+            if hex.len() == 64 && hex.bytes().all(|c| c.is_ascii_hexdigit()) {
+                out.insert(hex);
+            }
+        }
+    }
+    out
+}
 
 /// Directory name of a reference image: lowercase hex SHA-256 of the normalised reference.
 fn ref_hash(whole: &str) -> String {
