@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # Sets up everything Sandlot needs on a fresh Debian 12 machine, as root:
 #   Debian packages, the OCI runtimes runc and runsc (scripts/install-runtimes.sh), the
-#   release build (sandlot + sandlot-guest), the Python SDK with its test and example
-#   dependencies, and the two local images (busybox, python).
+#   release build (sandlot, sandlot-guest and its static build for containers), the Python
+#   SDK with its test and example dependencies, the two local images (busybox, python), and
+#   a local OCI registry on 127.0.0.1:5000 holding them as
+#   127.0.0.1:5000/sandlot/{busybox,python}:latest (scripts/registry.sh; tests/test_images.py
+#   pulls from it).
 # Idempotent and cached: a second run skips what is already there (the python rootfs is
 # cached under $SANDLOT_CACHE_DIR, default /var/cache/sandlot, and so is the runsc .deb).
 set -euo pipefail
@@ -22,7 +25,10 @@ fi
 step "Debian packages"
 # chromium + fonts-liberation: tests/test_web.py screenshots the status page headless
 # (about 45 s to install here with recommends, less without; the test skips without it).
-pkgs=(busybox-static debootstrap bubblewrap iproute2 procps curl ca-certificates chromium fonts-liberation)
+# docker-registry, skopeo, umoci: the local OCI registry and the test images pushed into it.
+# libssl-dev, pkg-config: TLS for registry pulls (oci-client through reqwest's native-tls).
+pkgs=(busybox-static debootstrap bubblewrap iproute2 procps curl ca-certificates chromium fonts-liberation
+      docker-registry skopeo umoci libssl-dev pkg-config)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -61,3 +67,7 @@ mkdir -p "$SANDLOT_IMAGES_DIR" "$SANDLOT_CACHE_DIR"
 ./target/release/sandlot image build busybox --images-dir "$SANDLOT_IMAGES_DIR"
 ./target/release/sandlot image build python --images-dir "$SANDLOT_IMAGES_DIR" --cache-dir "$SANDLOT_CACHE_DIR"
 ./target/release/sandlot image ls --images-dir "$SANDLOT_IMAGES_DIR"
+
+step "Local OCI registry on ${SANDLOT_REGISTRY_ADDR:-127.0.0.1:5000} with the test images"
+./scripts/registry.sh start
+./scripts/registry.sh push

@@ -114,7 +114,8 @@ struct SandboxOpts {
     /// Isolation level: function, container, microvm, vm.
     #[arg(long, default_value = "function")]
     backend: Backend,
-    /// Image name (see `sandlot image ls`).
+    /// Image: a short name (see `sandlot image ls`) or a reference such as
+    /// `127.0.0.1:5000/sandlot/python:latest` (pulled by the node on first use when allowed).
     #[arg(long, default_value = "python")]
     image: String,
     /// CPU quota in cores (0.01–64) [server default: 1].
@@ -275,18 +276,121 @@ enum ImageCmd {
         #[arg(long)]
         force: bool,
     },
-    /// List images: NAME SIZE CREATED.
+    /// Pull an image from a registry (OCI distribution API; plain HTTP only for loopback
+    /// registries such as 127.0.0.1:5000). A multi-platform index resolves to linux/amd64.
+    Pull {
+        /// Reference, e.g. `127.0.0.1:5000/sandlot/python:latest` (tag `latest` by default).
+        reference: String,
+        /// Store it under this name (short name or reference) [default: the reference].
+        #[arg(long)]
+        name: Option<String>,
+        #[command(flatten)]
+        dirs: ImageDirs,
+    },
+    /// Import an OCI image layout directory, an OCI archive (tar of a layout) or a
+    /// `docker save` archive.
+    Import {
+        /// Directory or tar file.
+        path: PathBuf,
+        /// Store it under this name [default: the archive's full reference annotation or
+        /// RepoTags entry].
+        #[arg(long)]
+        name: Option<String>,
+        #[command(flatten)]
+        dirs: ImageDirs,
+    },
+    /// List images: NAME SIZE LAYERS CREATED SOURCE.
     Ls {
         #[command(flatten)]
         dirs: ImageDirs,
     },
-    /// Remove an image.
+    /// Remove an image name (its blobs and layers stay until `gc`).
     Rm {
-        /// Image name.
+        /// Image name or reference.
         name: String,
         #[command(flatten)]
         dirs: ImageDirs,
     },
+    /// Remove blobs and unpacked layers no image references (layers a running sandbox has
+    /// mounted are kept).
+    Gc {
+        #[command(flatten)]
+        dirs: ImageDirs,
+    },
+}
+
+/// Progress of a pull/import: bars on a terminal, one line per step otherwise.
+struct CliProgress {
+    multi: Option<indicatif::MultiProgress>,
+    bars: std::sync::Mutex<BTreeMap<String, indicatif::ProgressBar>>,
+}
+
+impl CliProgress {
+    fn new() -> CliProgress {
+        let tty = std::io::IsTerminal::is_terminal(&std::io::stderr());
+        CliProgress {
+            multi: tty.then(indicatif::MultiProgress::new),
+            bars: Default::default(),
+        }
+    }
+}
+
+impl sandlot_node::images::oci::Progress for CliProgress {
+    fn start(&self, id: &str, what: &str, total: Option<u64>) {
+        let Some(m) = &self.multi else {
+            match total {
+                Some(t) => eprintln!("{id}: {what} ({t} bytes)"),
+                None => eprintln!("{id}: {what}"),
+            }
+            return;
+        };
+        let bar = match total {
+            Some(t) => m.add(indicatif::ProgressBar::new(t)).with_style(
+                indicatif::ProgressStyle::with_template(
+                    "{prefix} {msg:10} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec}",
+                )
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
+                .progress_chars("=> "),
+            ),
+            None => {
+                let b = m.add(indicatif::ProgressBar::new_spinner()).with_style(
+                    indicatif::ProgressStyle::with_template("{prefix} {spinner} {msg}")
+                        .unwrap_or_else(|_| indicatif::ProgressStyle::default_spinner()),
+                );
+                b.enable_steady_tick(std::time::Duration::from_millis(120));
+                b
+            }
+        };
+        bar.set_prefix(id.to_string());
+        bar.set_message(what.to_string());
+        self.bars
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(id.to_string(), bar);
+    }
+
+    fn advance(&self, id: &str, bytes: u64) {
+        if let Some(b) = self.bars.lock().unwrap_or_else(|p| p.into_inner()).get(id) {
+            b.inc(bytes);
+        }
+    }
+
+    fn finish(&self, id: &str, note: &str) {
+        let bar = self
+            .bars
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(id);
+        match bar {
+            Some(b) => b.finish_with_message(note.to_string()),
+            None if self.multi.is_some() => {
+                if let Some(m) = &self.multi {
+                    let _ = m.println(format!("{id} {note}"));
+                }
+            }
+            None => eprintln!("{id}: {note}"),
+        }
+    }
 }
 
 fn parse_kv(s: &str) -> Result<(String, String), String> {
@@ -327,7 +431,7 @@ async fn dispatch(cmd: Command) -> anyhow::Result<u8> {
         Command::Pause(a) => pause_resume(a, true).await,
         Command::Resume(a) => pause_resume(a, false).await,
         Command::Trajectory(a) => trajectory(a).await,
-        Command::Image(c) => image(c),
+        Command::Image(c) => image(c).await,
         Command::Version => {
             println!("sandlot {}", env!("CARGO_PKG_VERSION"));
             Ok(0)
@@ -547,7 +651,7 @@ async fn rm(a: RmArgs) -> anyhow::Result<u8> {
     Ok(0)
 }
 
-fn image(cmd: ImageCmd) -> anyhow::Result<u8> {
+async fn image(cmd: ImageCmd) -> anyhow::Result<u8> {
     match cmd {
         ImageCmd::Build {
             name,
@@ -563,16 +667,61 @@ fn image(cmd: ImageCmd) -> anyhow::Result<u8> {
             .context("build image")?;
             println!("{} {} bytes", img.name, img.size_bytes);
         }
+        ImageCmd::Pull {
+            reference,
+            name,
+            dirs,
+        } => {
+            let store = dirs.open()?;
+            let p = CliProgress::new();
+            let img = store
+                .pull(&reference, name.as_deref(), &p)
+                .await
+                .with_context(|| format!("pull {reference}"))?;
+            println!("{} {} bytes", img.name, img.size_bytes);
+        }
+        ImageCmd::Import { path, name, dirs } => {
+            let store = dirs.open()?;
+            let p = CliProgress::new();
+            let img = store
+                .import(&path, name.as_deref(), &p)
+                .with_context(|| format!("import {}", path.display()))?;
+            println!("{} {} bytes", img.name, img.size_bytes);
+        }
         ImageCmd::Ls { dirs } => {
-            println!("{:<20} {:>12} CREATED", "NAME", "SIZE");
+            println!(
+                "{:<44} {:>12} {:>6} {:<20} SOURCE",
+                "NAME", "SIZE", "LAYERS", "CREATED"
+            );
             for img in dirs.open()?.list()? {
-                println!("{:<20} {:>12} {}", img.name, img.size_bytes, img.created_at);
+                use sandlot_node::images::ImageSource as S;
+                let source = match &img.source {
+                    S::Busybox { .. } => "built-in busybox".to_string(),
+                    S::Debootstrap(d) => format!("debootstrap {}", d.suite),
+                    S::Registry { reference, .. } => format!("pull {reference}"),
+                    S::Archive { path, .. } => format!("import {}", path.display()),
+                };
+                println!(
+                    "{:<44} {:>12} {:>6} {:<20} {}",
+                    img.name,
+                    img.size_bytes,
+                    img.layers.len(),
+                    img.created_at,
+                    source
+                );
             }
         }
         ImageCmd::Rm { name, dirs } => {
             dirs.open()?
                 .remove(&name)
                 .with_context(|| format!("remove image {name}"))?;
+        }
+        ImageCmd::Gc { dirs } => {
+            let r = dirs.open()?.gc().context("image gc")?;
+            println!(
+                "removed {} blobs and {} layers, {} bytes; kept {} unreferenced layers still mounted",
+                r.blobs, r.layers, r.bytes, r.in_use
+            );
         }
     }
     Ok(0)

@@ -1,25 +1,43 @@
 //! The node's image store: named root file systems that sandboxes mount as read-only
 //! overlay lower layers.
 //!
+//! Images are named two ways:
+//!
+//! - a **short name** `[a-z0-9][a-z0-9._-]{0,63}` (`python`, `busybox`, or any name given
+//!   with `pull --name` / `import --name`): only ever looked up in the store;
+//! - a full **reference** (`127.0.0.1:5000/sandlot/python:latest`, `busybox:1.36`, anything
+//!   with a `/`, `:` or `@`), normalised as Docker does (`busybox` → `docker.io/library/
+//!   busybox:latest`): looked up by its normalised form; on create ([`ImageStore::resolve`])
+//!   an absent reference is pulled first when its registry is allowed (see [`PullPolicy`]).
+//!
 //! Layout under the store directory (`DATA/images`):
 //!
 //! ```text
-//! <dir>/<name>/image.json    metadata (ImageJson below: name, env, workdir, created_at,
-//!                            size_bytes, source, layers)
-//! <dir>/<name>/rootfs/       the root file system (the single layer of a local image)
-//! <dir>/.<name>.tmp-<pid>/   an image being built (never listed; a leading dot is never a
-//!                            valid image name, so it cannot clash with one)
+//! <dir>/<name>/image.json        metadata of a short-named image (ImageJson below: name, env,
+//!                                workdir, user, created_at, size_bytes, source, layers, blobs)
+//! <dir>/<name>/rootfs/           the single layer of a built-in image (busybox, python)
+//! <dir>/refs/<sha256>/image.json an image named by a reference; the directory name is the
+//!                                SHA-256 of the normalised reference (image.json holds it)
+//! <dir>/blobs/sha256/<hex>       content-addressed blobs (see [`oci`])
+//! <dir>/layers/sha256/<hex>/     unpacked OCI layers by DiffID, shared by images (see [`oci`])
+//! <dir>/.<name>.tmp-<pid>/       an image being built (never listed; a leading dot is never a
+//!                                valid image name, so it cannot clash with one)
 //! ```
+//!
+//! `refs`, `blobs` and `layers` are reserved and cannot be short names.
 //!
 //! An image is built in its temp directory, `image.json` is written last (temp file, fsync,
 //! rename), and the directory is then renamed into place, so a half-built image is never
 //! seen. Temp directories left by dead processes are removed by [`ImageStore::open`].
 //!
-//! Today images come from two local builders ([`ImageSource::Busybox`],
-//! [`ImageSource::Debootstrap`]) and have one layer. The OCI issue adds an `Oci` source whose
-//! `layers` are content-addressed directories shared between images (unpacked once); the
-//! rest of the node already consumes [`Image::layers`] as an overlay lowerdir list, so it does
-//! not change.
+//! Images come from two local builders ([`ImageSource::Busybox`],
+//! [`ImageSource::Debootstrap`]) with one layer each, and from OCI registries and archives
+//! ([`ImageSource::Registry`], [`ImageSource::Archive`]) whose layers are content-addressed
+//! directories unpacked once and shared; the rest of the node consumes [`Image::layers`] as
+//! an overlay lowerdir list either way.
+pub mod oci;
+pub mod unpack;
+
 use crate::node::{NodeError, NodeResult};
 use serde::{Deserialize, Serialize};
 use std::collections::HashSet;
@@ -44,7 +62,8 @@ pub const CACHE_STAMP: &str = ".sandlot-cache-complete";
 /// A named image ready to be mounted.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Image {
-    /// Image name (`[a-z0-9][a-z0-9._-]{0,63}`).
+    /// Image name: a short name (`[a-z0-9][a-z0-9._-]{0,63}`) or a normalised reference
+    /// (`127.0.0.1:5000/sandlot/python:latest`).
     pub name: String,
     /// Host directories to stack as overlay lower dirs, top-most first. Read-only to
     /// sandboxes; owned by host root.
@@ -53,6 +72,10 @@ pub struct Image {
     pub env: Vec<(String, String)>,
     /// Default working directory inside the image.
     pub workdir: Option<String>,
+    /// Default user of processes (image config `User`: `name`, `uid`, `uid:gid`, ...);
+    /// `None` means root. The container backend honours it; the function backend does not
+    /// (yet): its commands run as the sandbox's root.
+    pub user: Option<String>,
     /// Apparent size of all layers in bytes (hard links counted once).
     pub size_bytes: u64,
     /// Creation time, RFC 3339 UTC (e.g. `2026-11-29T10:00:00Z`).
@@ -72,6 +95,24 @@ pub enum ImageSource {
     },
     /// A Debian root file system made by `debootstrap`, hard-linked from a cache.
     Debootstrap(DebootstrapSpec),
+    /// Pulled from a registry.
+    Registry {
+        /// Normalised reference pulled, e.g. `127.0.0.1:5000/sandlot/python:latest`.
+        reference: String,
+        /// Digest of the (platform) image manifest.
+        manifest: String,
+        /// Digest of the image config.
+        config: String,
+    },
+    /// Imported from an OCI layout directory or a `docker save` / OCI archive.
+    Archive {
+        /// Path imported from.
+        path: PathBuf,
+        /// Digest of the image manifest (empty for a `docker save` archive without one).
+        manifest: String,
+        /// Digest of the image config.
+        config: String,
+    },
 }
 
 /// What `debootstrap` builds; also the identity of a cache directory.
@@ -113,15 +154,23 @@ struct ImageJson {
     name: String,
     env: Vec<(String, String)>,
     workdir: Option<String>,
+    #[serde(default)]
+    user: Option<String>,
     created_at: String,
     size_bytes: u64,
     source: ImageSource,
     /// Layer directories relative to the store directory, top-most first.
     #[serde(default)]
     layers: Vec<String>,
+    /// Blobs (`sha256:<hex>`) the image needs kept: index, manifest, config, layer blobs.
+    #[serde(default)]
+    blobs: Vec<String>,
 }
 
-/// Check an image name: `[a-z0-9][a-z0-9._-]{0,63}`.
+/// Store directories that cannot be image names.
+pub const RESERVED: &[&str] = &["refs", "blobs", "layers"];
+
+/// Check a short image name: `[a-z0-9][a-z0-9._-]{0,63}`, not one of [`RESERVED`].
 ///
 /// # Errors
 /// `InvalidArgument` naming the rule.
@@ -134,7 +183,11 @@ pub fn validate_name(name: &str) -> NodeResult<()> {
         .iter()
         .skip(1)
         .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || matches!(c, b'.' | b'_' | b'-'));
-    if ok_first && ok_rest && b.len() <= 64 {
+    if RESERVED.contains(&name) {
+        Err(NodeError::InvalidArgument(format!(
+            "invalid image name {name:?}: reserved for the store's own directories"
+        )))
+    } else if ok_first && ok_rest && b.len() <= 64 {
         Ok(())
     } else {
         Err(NodeError::InvalidArgument(format!(
@@ -143,11 +196,161 @@ pub fn validate_name(name: &str) -> NodeResult<()> {
     }
 }
 
+/// An image name as a user writes it, classified.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ImageName {
+    /// A short local name (`python`).
+    Short(String),
+    /// A registry reference, normalised (`docker.io/library/busybox:latest`).
+    Reference(oci_client::Reference),
+}
+
+impl ImageName {
+    /// The name the store keeps the image under: the short name or the normalised reference.
+    pub fn key(&self) -> String {
+        match self {
+            ImageName::Short(s) => s.clone(),
+            ImageName::Reference(r) => r.whole(),
+        }
+    }
+}
+
+/// Parse an OCI reference (distribution/reference grammar: `[host[:port]/]path[:tag][@digest]`,
+/// lowercase path, tag `latest` when neither tag nor digest is given).
+///
+/// # Errors
+/// `InvalidArgument` naming the problem.
+pub fn parse_reference(s: &str) -> NodeResult<oci_client::Reference> {
+    if s.len() > 512 {
+        return Err(NodeError::InvalidArgument(
+            "invalid image name: a reference is at most 512 bytes".into(),
+        ));
+    }
+    let r = oci_client::Reference::try_from(s).map_err(|e| {
+        NodeError::InvalidArgument(format!(
+            "invalid image name {s:?}: not a short name and not a valid OCI reference: {e}"
+        ))
+    })?;
+    // The grammar lets an upper-case first component through as a "domain" that
+    // normalisation then moves into the repository (`A/b` → `docker.io/A/b`); Docker refuses
+    // such names, so do we.
+    if r.repository().bytes().any(|c| c.is_ascii_uppercase()) {
+        return Err(NodeError::InvalidArgument(format!(
+            "invalid image name {s:?}: the repository of a reference must be lowercase"
+        )));
+    }
+    Ok(r)
+}
+
+/// Classify an image name: a valid short name is [`ImageName::Short`]; anything containing
+/// `/`, `:` or `@` must be a valid reference.
+///
+/// # Errors
+/// `InvalidArgument`: the short-name rule for names without `/ : @`, the reference rule
+/// otherwise.
+pub fn parse_image_name(s: &str) -> NodeResult<ImageName> {
+    if s.contains(['/', ':', '@']) {
+        parse_reference(s).map(ImageName::Reference)
+    } else {
+        validate_name(s).map(|()| ImageName::Short(s.to_string()))
+    }
+}
+
+/// Check an image name as the API accepts it (short name or reference); see
+/// [`parse_image_name`].
+///
+/// # Errors
+/// `InvalidArgument` naming the rule.
+pub fn validate_ref(s: &str) -> NodeResult<()> {
+    parse_image_name(s).map(drop)
+}
+
+/// Which registries [`ImageStore::resolve`] may pull from when a create names a reference
+/// that is not in the store. `sandlot image pull` is not limited by it.
+///
+/// A pull on create makes the node send HTTP requests to a host a caller chose, so the
+/// default allows loopback registries only (`localhost`, `127.0.0.0/8`, `[::1]`, any port).
+/// Set from `$SANDLOT_PULL_REGISTRIES`: `loopback` (default), `none`, `*` (any), or a
+/// comma-separated list of `host[:port]` (`loopback` may be one of the items).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PullPolicy {
+    /// Never pull on create.
+    None,
+    /// Any registry.
+    Any,
+    /// Loopback registries, plus these `host[:port]`.
+    Allow {
+        /// Whether loopback registries are allowed.
+        loopback: bool,
+        /// Other allowed registries, exactly as written in references.
+        hosts: Vec<String>,
+    },
+}
+
+impl PullPolicy {
+    /// Parse the `$SANDLOT_PULL_REGISTRIES` syntax (see the type).
+    pub fn parse(s: &str) -> PullPolicy {
+        match s.trim() {
+            "" | "loopback" => PullPolicy::Allow {
+                loopback: true,
+                hosts: vec![],
+            },
+            "none" => PullPolicy::None,
+            "*" => PullPolicy::Any,
+            list => {
+                let items: Vec<&str> = list
+                    .split(',')
+                    .map(str::trim)
+                    .filter(|x| !x.is_empty())
+                    .collect();
+                PullPolicy::Allow {
+                    loopback: items.contains(&"loopback"),
+                    hosts: items
+                        .into_iter()
+                        .filter(|x| *x != "loopback")
+                        .map(str::to_string)
+                        .collect(),
+                }
+            }
+        }
+    }
+
+    /// From `$SANDLOT_PULL_REGISTRIES` (default `loopback`).
+    pub fn from_env() -> PullPolicy {
+        PullPolicy::parse(&std::env::var("SANDLOT_PULL_REGISTRIES").unwrap_or_default())
+    }
+
+    /// May a create pull from `registry` (`host[:port]`)?
+    pub fn allows(&self, registry: &str) -> bool {
+        match self {
+            PullPolicy::None => false,
+            PullPolicy::Any => true,
+            PullPolicy::Allow { loopback, hosts } => {
+                (*loopback && oci::is_loopback(registry)) || hosts.iter().any(|h| h == registry)
+            }
+        }
+    }
+}
+
+/// What [`ImageStore::gc`] removed.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct GcReport {
+    /// Blobs removed.
+    pub blobs: u64,
+    /// Layer directories removed.
+    pub layers: u64,
+    /// Bytes freed (apparent sizes).
+    pub bytes: u64,
+    /// Layers no image references that were kept because a mount still uses them.
+    pub in_use: u64,
+}
+
 /// A directory of named images. Cheap to clone the path; all state is on disk, so several
 /// stores (or processes) may share one directory.
 #[derive(Debug, Clone)]
 pub struct ImageStore {
     dir: PathBuf,
+    pull_policy: PullPolicy,
 }
 
 impl ImageStore {
@@ -160,7 +363,45 @@ impl ImageStore {
         fs::create_dir_all(&dir)
             .map_err(|e| NodeError::io(format!("create image store {}", dir.display()), e))?;
         remove_stale_tmp(&dir)?;
-        Ok(ImageStore { dir })
+        for sub in ["refs", oci::BLOBS_DIR, oci::LAYERS_DIR] {
+            let p = dir.join(sub);
+            if p.is_dir() {
+                remove_stale_tmp(&p)?;
+            }
+        }
+        Ok(ImageStore {
+            dir,
+            pull_policy: PullPolicy::from_env(),
+        })
+    }
+
+    /// Create `refs/`, `blobs/sha256/` and `layers/sha256/` when missing (on first OCI
+    /// use, so a store of built-in images only stays as it was).
+    pub(crate) fn ensure_oci_dirs(&self) -> NodeResult<()> {
+        // SECURITY: blobs and layers hold image files with the image's own owners and
+        // setuid bits; only root may reach them (sandboxes see them through overlay mounts
+        // made by root, which do not walk these paths with the sandbox's credentials).
+        for (sub, mode) in [
+            ("refs", 0o755),
+            ("blobs", 0o700),
+            (oci::BLOBS_DIR, 0o700),
+            ("layers", 0o700),
+            (oci::LAYERS_DIR, 0o700),
+        ] {
+            let p = self.dir.join(sub);
+            if !p.is_dir() {
+                fs::create_dir_all(&p)
+                    .map_err(|e| NodeError::io(format!("create {}", p.display()), e))?;
+                set_mode(&p, mode)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The same store with another pull-on-create policy.
+    pub fn with_pull_policy(mut self, policy: PullPolicy) -> ImageStore {
+        self.pull_policy = policy;
+        self
     }
 
     /// The store directory.
@@ -168,14 +409,24 @@ impl ImageStore {
         &self.dir
     }
 
-    /// Look an image up by name.
+    /// Directory of image `name` (short name or reference; see the module docs).
+    fn image_dir(&self, name: &ImageName) -> PathBuf {
+        match name {
+            ImageName::Short(s) => self.dir.join(s),
+            ImageName::Reference(r) => self.dir.join("refs").join(ref_hash(&r.whole())),
+        }
+    }
+
+    /// Look an image up by name: a short name, or a reference (normalised first, so
+    /// `127.0.0.1:5000/x` finds `127.0.0.1:5000/x:latest`). Never pulls; see
+    /// [`resolve`](Self::resolve).
     ///
     /// # Errors
     /// `InvalidArgument` for a bad name; `NotFound` (`image "x" not found; available: a, b`);
     /// `Internal` when its `image.json` is unreadable or corrupt.
     pub fn get(&self, name: &str) -> NodeResult<Image> {
-        validate_name(name)?;
-        match self.load(name)? {
+        let parsed = parse_image_name(name)?;
+        match self.load(&parsed)? {
             Some(img) => Ok(img),
             None => {
                 let names: Vec<String> = self.list()?.into_iter().map(|i| i.name).collect();
@@ -191,51 +442,202 @@ impl ImageStore {
         }
     }
 
-    /// All complete images, sorted by name. Broken entries are skipped with a warning.
+    /// The create path's one call: [`get`](Self::get), and when `name` is a reference that
+    /// is not in the store and the [`PullPolicy`] allows its registry, pull it first (then it
+    /// is cached). Concurrent resolves of the same reference in this process pull once.
+    ///
+    /// # Errors
+    /// As [`get`](Self::get); a disallowed registry is `NotFound` with a hint to pull first;
+    /// pull failures as [`pull`](Self::pull).
+    pub async fn resolve(&self, name: &str) -> NodeResult<Image> {
+        let parsed = parse_image_name(name)?;
+        let ImageName::Reference(r) = &parsed else {
+            return self.get(name);
+        };
+        if let Some(img) = self.load(&parsed)? {
+            return Ok(img);
+        }
+        let registry = r.resolve_registry().to_string();
+        if !self.pull_policy.allows(&registry) {
+            return Err(NodeError::NotFound(format!(
+                "image \"{}\" is not in the node's store and pulling on create from {registry} is not allowed \
+                 (SANDLOT_PULL_REGISTRIES); pull it first with `sandlot image pull {}`",
+                r.whole(),
+                r.whole()
+            )));
+        }
+        let key = format!("{}\0{}", self.dir.display(), r.whole());
+        let gate = {
+            let mut m = PULLS.lock().unwrap_or_else(|p| p.into_inner());
+            m.entry(key.clone())
+                .or_insert_with(|| std::sync::Arc::new(tokio::sync::Mutex::new(())))
+                .clone()
+        };
+        let _held = gate.lock().await;
+        let out = match self.load(&parsed)? {
+            Some(img) => Ok(img),
+            None => {
+                tracing::info!(image = %r.whole(), "pulling image on first use");
+                self.pull(&r.whole(), None, &oci::NoProgress).await
+            }
+        };
+        PULLS.lock().unwrap_or_else(|p| p.into_inner()).remove(&key);
+        out
+    }
+
+    /// All complete images (short-named and by reference), sorted by name. Broken entries
+    /// are skipped with a warning.
     ///
     /// # Errors
     /// `Internal` when the store directory cannot be read.
     pub fn list(&self) -> NodeResult<Vec<Image>> {
-        let rd = fs::read_dir(&self.dir)
-            .map_err(|e| NodeError::io(format!("read image store {}", self.dir.display()), e))?;
         let mut out = Vec::new();
-        for ent in rd {
-            let ent = ent.map_err(|e| {
-                NodeError::io(format!("read image store {}", self.dir.display()), e)
-            })?;
-            let Some(name) = ent.file_name().to_str().map(str::to_string) else {
-                continue;
+        for (sub, is_ref) in [(self.dir.clone(), false), (self.dir.join("refs"), true)] {
+            let rd = match fs::read_dir(&sub) {
+                Ok(rd) => rd,
+                Err(e) if e.kind() == io::ErrorKind::NotFound && is_ref => continue,
+                Err(e) => {
+                    return Err(NodeError::io(
+                        format!("read image store {}", sub.display()),
+                        e,
+                    ))
+                }
             };
-            if validate_name(&name).is_err() {
-                continue;
-            }
-            match self.load(&name) {
-                Ok(Some(img)) => out.push(img),
-                Ok(None) => {}
-                Err(e) => tracing::warn!(image = %name, error = %e, "skipping broken image"),
+            for ent in rd {
+                let ent = ent
+                    .map_err(|e| NodeError::io(format!("read image store {}", sub.display()), e))?;
+                let Some(fname) = ent.file_name().to_str().map(str::to_string) else {
+                    continue;
+                };
+                let loaded = if is_ref {
+                    if fname.len() != 64 || !fname.bytes().all(|c| c.is_ascii_hexdigit()) {
+                        continue;
+                    }
+                    self.load_dir(&ent.path(), None)
+                } else {
+                    if validate_name(&fname).is_err() {
+                        continue;
+                    }
+                    self.load(&ImageName::Short(fname.clone()))
+                };
+                match loaded {
+                    Ok(Some(img)) => out.push(img),
+                    Ok(None) => {}
+                    Err(e) => tracing::warn!(image = %fname, error = %e, "skipping broken image"),
+                }
             }
         }
         out.sort_by(|a, b| a.name.cmp(&b.name));
         Ok(out)
     }
 
-    /// Remove an image. Sandboxes still using it keep working only as long as their
-    /// mounts pin the files; the caller must not remove images in use.
+    /// Remove an image (its name; blobs and layers stay until [`gc`](Self::gc)). Sandboxes
+    /// still using it keep working as long as its layers are not garbage-collected; the
+    /// caller must not remove images in use.
     ///
     /// # Errors
     /// `InvalidArgument` for a bad name; `NotFound` when absent; `Internal` on I/O failure.
     pub fn remove(&self, name: &str) -> NodeResult<()> {
-        validate_name(name)?;
-        let path = self.dir.join(name);
-        if !path.join(IMAGE_JSON).exists() {
+        let parsed = parse_image_name(name)?;
+        let path = self.image_dir(&parsed);
+        if self.load(&parsed)?.is_none() {
             return Err(NodeError::NotFound(format!("image \"{name}\" not found")));
         }
         // Rename first so the image disappears atomically; then delete at leisure.
-        let doomed = self.tmp_path(name, "rm");
+        let doomed = self.tmp_path(&parsed, "rm");
         fs::rename(&path, &doomed)
             .map_err(|e| NodeError::io(format!("rename {}", path.display()), e))?;
         fs::remove_dir_all(&doomed)
             .map_err(|e| NodeError::io(format!("remove {}", doomed.display()), e))
+    }
+
+    /// Remove every blob and unpacked layer that no image's `image.json` references, and
+    /// leftovers of dead pulls. Holds the store lock exclusively, so it waits for running
+    /// pulls/imports (which hold it shared) and they wait for it.
+    ///
+    /// Layers still mounted by a sandbox are kept even when no image references them any
+    /// more: every mount namespace on the host is read (`/proc/<pid>/mountinfo`, one
+    /// process per namespace) and layer directories named in a mount's options (overlay
+    /// `lowerdir=`) count as referenced. So removing an image while sandboxes run on it and
+    /// then collecting is safe; the layers go at the first `gc` after the last such sandbox.
+    ///
+    /// # Errors
+    /// `Internal` on I/O failure.
+    pub fn gc(&self) -> NodeResult<GcReport> {
+        let _lock = self.lock(true)?;
+        let mut keep_blobs = HashSet::new();
+        let mut keep_layers = HashSet::new();
+        let mut dirs = vec![];
+        for (sub, is_ref) in [(self.dir.clone(), false), (self.dir.join("refs"), true)] {
+            let rd = match fs::read_dir(&sub) {
+                Ok(rd) => rd,
+                Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+                Err(e) => return Err(NodeError::io(format!("read {}", sub.display()), e)),
+            };
+            for ent in rd.flatten() {
+                let n = ent.file_name().to_string_lossy().to_string();
+                if n.starts_with('.') || (!is_ref && RESERVED.contains(&n.as_str())) {
+                    continue;
+                }
+                dirs.push(ent.path());
+            }
+        }
+        for d in dirs {
+            let p = d.join(IMAGE_JSON);
+            let Ok(bytes) = fs::read(&p) else { continue };
+            let meta: ImageJson = serde_json::from_slice(&bytes).map_err(|e| {
+                NodeError::io(
+                    format!("corrupt {}: {e}; refusing to gc", p.display()),
+                    io::ErrorKind::InvalidData.into(),
+                )
+            })?;
+            keep_blobs.extend(
+                meta.blobs
+                    .iter()
+                    .filter_map(|b| oci::digest_hex(b).ok().map(str::to_string)),
+            );
+            for l in &meta.layers {
+                if let Some(h) = l.strip_prefix(&format!("{}/", oci::LAYERS_DIR)) {
+                    keep_layers.insert(h.to_string());
+                }
+            }
+        }
+        let mut report = GcReport::default();
+        let in_use = layers_mounted();
+        for h in in_use {
+            if keep_layers.insert(h) {
+                report.in_use += 1;
+            }
+        }
+        for (sub, keep, is_layer) in [
+            (self.blobs_dir(), &keep_blobs, false),
+            (self.layers_dir(), &keep_layers, true),
+        ] {
+            if !sub.is_dir() {
+                continue;
+            }
+            remove_stale_tmp(&sub)?;
+            let rd = fs::read_dir(&sub)
+                .map_err(|e| NodeError::io(format!("read {}", sub.display()), e))?;
+            for ent in rd.flatten() {
+                let n = ent.file_name().to_string_lossy().to_string();
+                if n.starts_with('.') || keep.contains(&n) {
+                    continue;
+                }
+                let p = ent.path();
+                let r = if is_layer {
+                    report.bytes += tree_size(&p).unwrap_or(0);
+                    report.layers += 1;
+                    fs::remove_dir_all(&p)
+                } else {
+                    report.bytes += ent.metadata().map(|m| m.len()).unwrap_or(0);
+                    report.blobs += 1;
+                    fs::remove_file(&p)
+                };
+                r.map_err(|e| NodeError::io(format!("remove {}", p.display()), e))?;
+            }
+        }
+        Ok(report)
     }
 
     /// Build (or reuse) the `busybox` image from [`HOST_BUSYBOX`]; takes well under a second.
@@ -258,7 +660,7 @@ impl ImageStore {
     pub fn build_busybox_with(&self, force: bool) -> NodeResult<Image> {
         let name = "busybox";
         if !force {
-            if let Some(img) = self.load(name)? {
+            if let Some(img) = self.load(&ImageName::Short(name.to_string()))? {
                 return Ok(img);
             }
         }
@@ -320,7 +722,7 @@ impl ImageStore {
     ) -> NodeResult<Image> {
         validate_name(name)?;
         if !force {
-            if let Some(img) = self.load(name)? {
+            if let Some(img) = self.load(&ImageName::Short(name.to_string()))? {
                 return Ok(img);
             }
         }
@@ -349,7 +751,8 @@ impl ImageStore {
         fill: impl FnOnce(&Path) -> NodeResult<()>,
     ) -> NodeResult<Image> {
         validate_name(name)?;
-        let tmp = self.tmp_path(name, "tmp");
+        let key = ImageName::Short(name.to_string());
+        let tmp = self.tmp_path(&key, "tmp");
         if tmp.exists() {
             fs::remove_dir_all(&tmp)
                 .map_err(|e| NodeError::io(format!("remove {}", tmp.display()), e))?;
@@ -364,14 +767,16 @@ impl ImageStore {
                 name: name.to_string(),
                 env,
                 workdir,
+                user: None,
                 created_at: chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
                 size_bytes: tree_size(&rootfs)?,
                 source,
                 layers: vec![format!("{name}/{ROOTFS_DIR}")],
+                blobs: vec![],
             };
             let json = serde_json::to_vec_pretty(&meta).expect("image.json serializes");
             write_atomic(&tmp.join(IMAGE_JSON), &json)?;
-            self.publish(name, &tmp)
+            self.publish(&key, &tmp)
         })();
         if result.is_err() && tmp.exists() {
             // Keep the original error; a failed cleanup is retried by the next open().
@@ -380,7 +785,7 @@ impl ImageStore {
             }
         }
         result?;
-        self.load(name)?.ok_or_else(|| {
+        self.load(&key)?.ok_or_else(|| {
             NodeError::io(
                 format!("image {name} vanished right after being built"),
                 io::ErrorKind::NotFound.into(),
@@ -388,9 +793,39 @@ impl ImageStore {
         })
     }
 
-    /// Move a complete temp image dir to `<dir>/<name>`.
-    fn publish(&self, name: &str, tmp: &Path) -> NodeResult<()> {
-        let dst = self.dir.join(name);
+    /// Write an image that has no rootfs of its own (its layers are shared): a temp dir
+    /// holding only `image.json`, moved into place (replacing an existing image atomically).
+    fn install_meta(&self, name: &str, meta: &ImageJson) -> NodeResult<Image> {
+        let key = parse_image_name(name)?;
+        let tmp = self.tmp_path(&key, "tmp");
+        if tmp.exists() {
+            fs::remove_dir_all(&tmp)
+                .map_err(|e| NodeError::io(format!("remove {}", tmp.display()), e))?;
+        }
+        let result = (|| {
+            fs::create_dir_all(&tmp)
+                .map_err(|e| NodeError::io(format!("create {}", tmp.display()), e))?;
+            set_mode(&tmp, 0o755)?;
+            let json = serde_json::to_vec_pretty(meta).expect("image.json serializes");
+            write_atomic(&tmp.join(IMAGE_JSON), &json)?;
+            self.publish(&key, &tmp)
+        })();
+        if result.is_err() && tmp.exists() {
+            let _ = fs::remove_dir_all(&tmp);
+        }
+        result?;
+        self.load(&key)?.ok_or_else(|| {
+            NodeError::io(
+                format!("image {name} vanished right after being installed"),
+                io::ErrorKind::NotFound.into(),
+            )
+        })
+    }
+
+    /// Move a complete temp image dir to its place.
+    fn publish(&self, name: &ImageName, tmp: &Path) -> NodeResult<()> {
+        let dst = self.image_dir(name);
+        let parent = dst.parent().unwrap_or(&self.dir).to_path_buf();
         match fs::rename(tmp, &dst) {
             Ok(()) => {}
             Err(e) if matches!(e.raw_os_error(), Some(libc::ENOTEMPTY) | Some(libc::EEXIST)) => {
@@ -411,18 +846,30 @@ impl ImageStore {
             }
             Err(e) => return Err(NodeError::io(format!("rename to {}", dst.display()), e)),
         }
-        fsync_dir(&self.dir)
+        fsync_dir(&parent)
     }
 
-    /// `<dir>/.<name>.<what>-<pid>`.
-    fn tmp_path(&self, name: &str, what: &str) -> PathBuf {
-        self.dir
-            .join(format!(".{name}.{what}-{}", std::process::id()))
+    /// `.<dirname>.<what><n>-<pid>` next to the image's directory.
+    fn tmp_path(&self, name: &ImageName, what: &str) -> PathBuf {
+        static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let dst = self.image_dir(name);
+        let base = dst
+            .file_name()
+            .map(|s| s.to_string_lossy().to_string())
+            .unwrap_or_default();
+        let n = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        dst.with_file_name(format!(".{base}.{what}{n}-{}", std::process::id()))
     }
 
-    /// Read `<dir>/<name>/image.json`; `None` when there is none.
-    fn load(&self, name: &str) -> NodeResult<Option<Image>> {
-        let path = self.dir.join(name).join(IMAGE_JSON);
+    /// Read the `image.json` of `name`; `None` when there is none.
+    fn load(&self, name: &ImageName) -> NodeResult<Option<Image>> {
+        self.load_dir(&self.image_dir(name), Some(&name.key()))
+    }
+
+    /// Read `<dir>/image.json`; `None` when there is none or (when `expect` is given) it
+    /// names another image.
+    fn load_dir(&self, dir: &Path, expect: Option<&str>) -> NodeResult<Option<Image>> {
+        let path = dir.join(IMAGE_JSON);
         let bytes = match fs::read(&path) {
             Ok(b) => b,
             Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
@@ -435,12 +882,20 @@ impl ImageStore {
             )
         };
         let meta: ImageJson = serde_json::from_slice(&bytes).map_err(|e| corrupt(e.to_string()))?;
-        if meta.name != name {
+        if expect.is_some_and(|n| meta.name != n) {
             // A directory renamed by hand, or a temp dir: not this image.
             return Ok(None);
         }
+        if expect.is_none() {
+            // Listed from refs/: the directory must be the hash of the name inside.
+            let ok = matches!(parse_image_name(&meta.name), Ok(ImageName::Reference(_)))
+                && dir.file_name().and_then(|s| s.to_str()) == Some(ref_hash(&meta.name).as_str());
+            if !ok {
+                return Ok(None);
+            }
+        }
         let rels = if meta.layers.is_empty() {
-            vec![format!("{name}/{ROOTFS_DIR}")]
+            vec![format!("{}/{ROOTFS_DIR}", meta.name)]
         } else {
             meta.layers.clone()
         };
@@ -458,6 +913,7 @@ impl ImageStore {
             layers,
             env: meta.env,
             workdir: meta.workdir,
+            user: meta.user,
             size_bytes: meta.size_bytes,
             created_at: meta.created_at,
             source: meta.source,
@@ -465,7 +921,59 @@ impl ImageStore {
     }
 }
 
-/// Remove `.<name>.<what>-<pid>` directories whose process is gone.
+/// Pulls in flight in this process, by store dir and reference ([`ImageStore::resolve`]).
+static PULLS: std::sync::LazyLock<
+    std::sync::Mutex<std::collections::HashMap<String, std::sync::Arc<tokio::sync::Mutex<()>>>>,
+> = std::sync::LazyLock::new(Default::default);
+
+/// Layer digests (hex) that appear as `…/layers/sha256/<hex>` in any mount of any mount
+/// namespace (overlay `lowerdir=` options list them), reading `/proc/<pid>/mountinfo` once
+/// per mount namespace. The match ignores which store the path is in (a relative or
+/// symlinked store path would not match literally); keeping too much is the safe side.
+/// Unreadable processes (gone meanwhile) are skipped.
+fn layers_mounted() -> HashSet<String> {
+    let mut out = HashSet::new();
+    let needle = format!("/{}/", oci::LAYERS_DIR);
+    let mut seen_ns = HashSet::new();
+    let Ok(rd) = fs::read_dir("/proc") else {
+        return out;
+    };
+    for ent in rd.flatten() {
+        let name = ent.file_name();
+        let Some(pid) = name
+            .to_str()
+            .filter(|s| s.bytes().all(|c| c.is_ascii_digit()))
+        else {
+            continue;
+        };
+        let Ok(ns) = fs::read_link(format!("/proc/{pid}/ns/mnt")) else {
+            continue;
+        };
+        if !seen_ns.insert(ns) {
+            continue;
+        }
+        let Ok(info) = fs::read_to_string(format!("/proc/{pid}/mountinfo")) else {
+            continue;
+        };
+        let mut rest = info.as_str();
+        while let Some(i) = rest.find(&needle) {
+            rest = &rest[i + needle.len()..];
+            let hex: String = rest.chars().take(64).collect();
+            if hex.len() == 64 && hex.bytes().all(|c| c.is_ascii_hexdigit()) {
+                out.insert(hex);
+            }
+        }
+    }
+    out
+}
+
+/// Directory name of a reference image: lowercase hex SHA-256 of the normalised reference.
+fn ref_hash(whole: &str) -> String {
+    use sha2::Digest as _;
+    unpack::hex(&sha2::Sha256::digest(whole.as_bytes()))
+}
+
+/// Remove `.<name>.<what>-<pid>` entries (directories or files) whose process is gone.
 fn remove_stale_tmp(dir: &Path) -> NodeResult<()> {
     let rd = fs::read_dir(dir)
         .map_err(|e| NodeError::io(format!("read image store {}", dir.display()), e))?;
@@ -482,8 +990,12 @@ fn remove_stale_tmp(dir: &Path) -> NodeResult<()> {
             let path = ent.path();
             tracing::info!(path = %path.display(), "removing leftover of a dead build");
             let removed = unmount_under(&path).and_then(|()| {
-                fs::remove_dir_all(&path)
-                    .map_err(|e| NodeError::io(format!("remove {}", path.display()), e))
+                if path.is_dir() {
+                    fs::remove_dir_all(&path)
+                } else {
+                    fs::remove_file(&path)
+                }
+                .map_err(|e| NodeError::io(format!("remove {}", path.display()), e))
             });
             if let Err(e) = removed {
                 tracing::warn!(path = %path.display(), error = %e, "cannot remove leftover");
@@ -822,7 +1334,7 @@ fn write_atomic(path: &Path, data: &[u8]) -> NodeResult<()> {
     fsync_dir(dir)
 }
 
-fn fsync_dir(dir: &Path) -> NodeResult<()> {
+pub(crate) fn fsync_dir(dir: &Path) -> NodeResult<()> {
     fs::File::open(dir)
         .and_then(|f| f.sync_all())
         .map_err(|e| NodeError::io(format!("fsync {}", dir.display()), e))
@@ -881,6 +1393,56 @@ mod tests {
     }
 
     #[test]
+    fn image_names_and_references() {
+        assert_eq!(
+            parse_image_name("python").unwrap(),
+            ImageName::Short("python".into())
+        );
+        for (given, whole) in [
+            (
+                "127.0.0.1:5000/sandlot/python:latest",
+                "127.0.0.1:5000/sandlot/python:latest",
+            ),
+            (
+                "127.0.0.1:5000/sandlot/python",
+                "127.0.0.1:5000/sandlot/python:latest",
+            ),
+            ("busybox:1.36", "docker.io/library/busybox:1.36"),
+            ("localhost/x", "localhost/x:latest"),
+        ] {
+            assert_eq!(parse_image_name(given).unwrap().key(), whole, "{given}");
+        }
+        for bad in [
+            "Python:3",
+            "A/b",
+            "a b/c",
+            "x@sha256:00",
+            "refs",
+            "blobs",
+            "a/../b",
+        ] {
+            assert!(
+                matches!(parse_image_name(bad), Err(NodeError::InvalidArgument(_))),
+                "{bad}"
+            );
+        }
+        assert!(validate_ref(&format!("a/{}", "b".repeat(600))).is_err());
+    }
+
+    #[test]
+    fn pull_policy() {
+        let lo = PullPolicy::parse("");
+        assert!(lo.allows("127.0.0.1:5000") && lo.allows("localhost") && lo.allows("[::1]:5000"));
+        assert!(!lo.allows("docker.io") && !lo.allows("10.0.0.1:5000"));
+        assert!(!PullPolicy::parse("none").allows("127.0.0.1:5000"));
+        assert!(PullPolicy::parse("*").allows("registry.example.com"));
+        let list = PullPolicy::parse("registry.example.com:443, loopback");
+        assert!(list.allows("registry.example.com:443") && list.allows("127.0.0.2:1"));
+        assert!(!list.allows("registry.example.com"));
+        assert!(!PullPolicy::parse("r.example").allows("127.0.0.1:5000"));
+    }
+
+    #[test]
     fn elf_interp_detection() {
         // Not ELF.
         assert_eq!(elf64_has_interp(b"#!/bin/sh\n"), None);
@@ -914,10 +1476,12 @@ mod tests {
             name: "python".into(),
             env: vec![("PATH".into(), DEFAULT_PATH.into())],
             workdir: Some("/workspace".into()),
+            user: None,
             created_at: "2026-11-29T10:00:00Z".into(),
             size_bytes: 5,
             source: ImageSource::Debootstrap(DebootstrapSpec::python_bookworm()),
             layers: vec!["python/rootfs".into()],
+            blobs: vec![],
         };
         let s = serde_json::to_string(&j).unwrap();
         assert!(s.contains("\"kind\":\"debootstrap\""), "{s}");

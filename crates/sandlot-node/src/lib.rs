@@ -18,5 +18,6 @@ pub mod node;
 pub mod output;
 
 pub use images::validate_name as validate_image_name;
+pub use images::validate_ref as validate_image_ref;
 pub use local::{default_agent_bin, default_guest_bin, LocalNode, NodeConfig};
 pub use node::{ExecSink, Node, NodeError, NodeInfo, NodeResult, SandboxSpec, SandboxStatus};

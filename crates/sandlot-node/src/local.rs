@@ -302,7 +302,7 @@ impl Node for LocalNode {
                 spec.id
             )));
         }
-        let image = self.images.get(&spec.image)?;
+        let image = self.images.resolve(&spec.image).await?;
         backend.create(spec, &image).await
     }
 

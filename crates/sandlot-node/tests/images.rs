@@ -244,7 +244,10 @@ fn not_found_lists_available_and_bad_names_are_refused() {
         }
         other => panic!("expected NotFound, got {other:?}"),
     }
-    for bad in ["", "../etc", "A", ".hidden", "a/b"] {
+    // ("a/b" would be a valid reference now: looked up, not refused.)
+    for bad in [
+        "", "../etc", "A", ".hidden", "a/../b", "A/b", "refs", "layers",
+    ] {
         assert!(
             matches!(store.get(bad), Err(NodeError::InvalidArgument(_))),
             "{bad:?}"

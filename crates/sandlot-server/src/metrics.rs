@@ -274,7 +274,8 @@ impl Metrics {
 }
 
 /// Complete images under `dir`: entries with an `image.json` (the image store's marker of a
-/// finished build; builds in progress live in temp directories without one).
+/// finished build; builds in progress live in temp directories without one), short-named
+/// ones in `dir` and reference-named ones in `dir/refs`.
 pub fn count_images(dir: &Path) -> std::io::Result<i64> {
     let mut n = 0;
     for ent in std::fs::read_dir(dir)? {
@@ -285,6 +286,18 @@ pub fn count_images(dir: &Path) -> std::io::Result<i64> {
             .is_some_and(|s| sandlot_node::validate_image_name(s).is_ok());
         if valid && ent.path().join("image.json").is_file() {
             n += 1;
+        }
+    }
+    // Images named by an OCI reference live in refs/<sha256 of the reference>/.
+    if let Ok(rd) = std::fs::read_dir(dir.join("refs")) {
+        for ent in rd.flatten() {
+            let hashed = ent
+                .file_name()
+                .to_str()
+                .is_some_and(|s| s.len() == 64 && s.bytes().all(|c| c.is_ascii_hexdigit()));
+            if hashed && ent.path().join("image.json").is_file() {
+                n += 1;
+            }
         }
     }
     Ok(n)

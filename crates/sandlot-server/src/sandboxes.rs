@@ -85,10 +85,11 @@ fn check_map(name: &str, m: &BTreeMap<String, String>, max_value: usize) -> ApiR
 }
 
 /// Image names reach host paths on the node: one rule for server and node, the node's
-/// [`sandlot_node::validate_image_name`] (`[a-z0-9][a-z0-9._-]{0,63}`), so no name can walk
-/// out of the image store and both sides answer with the same message.
+/// [`sandlot_node::validate_image_ref`] (a short name `[a-z0-9][a-z0-9._-]{0,63}` or an OCI
+/// reference such as `127.0.0.1:5000/sandlot/python:latest`), so no name can walk out of the
+/// image store and both sides answer with the same message.
 fn check_image(name: &str) -> ApiResult<()> {
-    sandlot_node::validate_image_name(name).map_err(ServerError::from)
+    sandlot_node::validate_image_ref(name).map_err(ServerError::from)
 }
 
 /// Validate a create request and fill defaults (image `python`, cpu 1, memory 512 MiB,

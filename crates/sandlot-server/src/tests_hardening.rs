@@ -131,7 +131,7 @@ async fn blank_shell_cmd_and_image_rule() {
         t.node.execs.lock().unwrap().is_empty(),
         "nothing may reach the node"
     );
-    let node_msg = sandlot_node::validate_image_name("Python:3")
+    let node_msg = sandlot_node::validate_image_ref("Python:3")
         .unwrap_err()
         .to_string();
     let r = post(&t.app, "/v1/sandboxes", json!({"image": "Python:3"})).await;
