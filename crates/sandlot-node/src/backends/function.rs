@@ -1649,6 +1649,7 @@ mod tests {
             disk_mib: 64,
             pids_max: 64,
             env: BTreeMap::new(),
+            network: sandlot_api::NetworkPolicy::None,
         };
         be.create(&spec, &image).await.unwrap();
         let sh = |script: &str, timeout_s: f64| {
