@@ -21,7 +21,7 @@ fi
 step "Debian packages"
 # chromium + fonts-liberation: tests/test_web.py screenshots the status page headless
 # (about 45 s to install here with recommends, less without; the test skips without it).
-pkgs=(busybox-static debootstrap bubblewrap iproute2 procps curl ca-certificates chromium fonts-liberation)
+pkgs=(busybox-static debootstrap bubblewrap iproute2 nftables procps curl ca-certificates chromium fonts-liberation)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
