@@ -226,6 +226,9 @@ struct Inner {
 pub struct NetworkManager {
     cfg: NetConfig,
     inner: Mutex<Inner>,
+    /// One async lock per id with an attach or teardown in progress: a teardown that comes
+    /// while the same id is being attached waits for it, then removes everything.
+    ops: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
 }
 
 impl std::fmt::Debug for NetworkManager {
@@ -328,6 +331,7 @@ impl NetworkManager {
         let m = NetworkManager {
             cfg,
             inner: Mutex::new(Inner::default()),
+            ops: Mutex::new(HashMap::new()),
         };
         nft(&m.base_script()).await?;
         Ok(m)
@@ -370,6 +374,23 @@ add rule inet {t} postrouting ip saddr {pool} oifname != \"{p}*\" masquerade
 ",
             protected = protected.join(", ")
         )
+    }
+
+    async fn op_lock(&self, id: &str) -> OpGuard<'_> {
+        let lock = self
+            .ops
+            .lock()
+            .expect("ops lock")
+            .entry(id.to_owned())
+            .or_default()
+            .clone();
+        let guard = lock.clone().lock_owned().await;
+        OpGuard {
+            mgr: self,
+            id: id.to_owned(),
+            lock,
+            _guard: guard,
+        }
     }
 
     /// Host-side interface name of sandbox `id`: the prefix + hex of SHA-256(id), 15
@@ -415,6 +436,7 @@ add rule inet {t} postrouting ip saddr {pool} oifname != \"{p}*\" masquerade
     ) -> NodeResult<Attachment> {
         policy.check().map_err(NodeError::InvalidArgument)?;
         check_id(id)?;
+        let _op = self.op_lock(id).await;
         let state = {
             let mut inner = self.inner.lock().expect("net lock");
             if inner.slots.values().any(|v| v == id) {
@@ -494,6 +516,10 @@ add rule inet {t} postrouting ip saddr {pool} oifname != \"{p}*\" masquerade
             None,
         )
         .await?;
+        // No IPv6 on either end (the data path is IPv4 only): no link-local addresses, no
+        // router or neighbour solicitations that would show up as policy drops.
+        disable_ipv6(None, h).await?;
+        disable_ipv6(Some(&st.netns), "eth0").await?;
         let host_cidr = format!("{}/30", st.host_addr);
         run("ip", &["addr", "add", &host_cidr, "dev", h], None).await?;
         run("ip", &["link", "set", h, "up"], None).await?;
@@ -657,6 +683,7 @@ delete element inet {t} in_vmap {{ \"{h}\" }}
     /// `Internal` when a removal fails (the first failure; the others are still tried).
     pub async fn teardown(&self, id: &str) -> NodeResult<()> {
         check_id(id)?;
+        let _op = self.op_lock(id).await;
         let live = self.inner.lock().expect("net lock").live.remove(id);
         let state = match live {
             Some(l) => {
@@ -846,6 +873,24 @@ delete element inet {t} in_vmap {{ \"{h}\" }}
     }
 }
 
+/// Holds the per-id lock; drops the map entry when nobody else waits on it.
+struct OpGuard<'a> {
+    mgr: &'a NetworkManager,
+    id: String,
+    lock: Arc<tokio::sync::Mutex<()>>,
+    _guard: tokio::sync::OwnedMutexGuard<()>,
+}
+
+impl Drop for OpGuard<'_> {
+    fn drop(&mut self) {
+        let mut ops = self.mgr.ops.lock().expect("ops lock");
+        // References: the map's, ours and the owned guard's.
+        if Arc::strong_count(&self.lock) <= 3 {
+            ops.remove(&self.id);
+        }
+    }
+}
+
 /// The nft set a resolver adds answered addresses to.
 #[derive(Clone)]
 struct NftSet {
@@ -918,6 +963,34 @@ fn read_state(path: &Path) -> NodeResult<NetState> {
             std::io::Error::other(e),
         )
     })
+}
+
+/// Sets `net.ipv6.conf.<ifname>.disable_ipv6 = 1` in the host namespace or, with `netns`,
+/// in that namespace (a thread that joined it opens `/proc/sys/net`, which resolves to the
+/// opener's network namespace). A kernel without IPv6 has no such file: fine.
+async fn disable_ipv6(netns: Option<&Path>, ifname: &str) -> NodeResult<()> {
+    let file = format!("/proc/sys/net/ipv6/conf/{ifname}/disable_ipv6");
+    let ns = netns.map(Path::to_owned);
+    let f = file.clone();
+    let r = tokio::task::spawn_blocking(move || {
+        std::thread::spawn(move || -> std::io::Result<()> {
+            if let Some(ns) = ns {
+                let fd = std::fs::File::open(&ns)?;
+                nix::sched::setns(fd, nix::sched::CloneFlags::CLONE_NEWNET)
+                    .map_err(std::io::Error::from)?;
+            }
+            match std::fs::write(&f, "1") {
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+                r => r,
+            }
+        })
+        .join()
+        .unwrap_or_else(|_| Err(std::io::Error::other("sysctl thread panicked")))
+    })
+    .await
+    .unwrap_or_else(|e| Err(std::io::Error::other(e)));
+    let place = netns.map_or("host".to_owned(), |p| p.display().to_string());
+    r.map_err(|e| NodeError::io(format!("write {file} in {place}"), e))
 }
 
 async fn delete_link(name: &str) -> NodeResult<()> {
@@ -1018,6 +1091,7 @@ mod tests {
                 state_dir: "/nonexistent".into(),
             },
             inner: Mutex::new(Inner::default()),
+            ops: Mutex::new(HashMap::new()),
         }
     }
 

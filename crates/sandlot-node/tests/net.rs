@@ -114,6 +114,45 @@ fn dns_a(server: Ipv4Addr, name: &str, tcp: bool) -> Option<(ResponseCode, Vec<I
     Some((r.response_code(), addrs))
 }
 
+/// TTLs of the A records in the UDP answer for `name`.
+fn dns_ttls(server: Ipv4Addr, name: &str) -> Vec<u32> {
+    let mut m = Message::new();
+    m.set_id(7)
+        .set_message_type(MessageType::Query)
+        .set_op_code(OpCode::Query)
+        .set_recursion_desired(true)
+        .add_query(Query::query(Name::from_ascii(name).unwrap(), RecordType::A));
+    let s = std::net::UdpSocket::bind("0.0.0.0:0").unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+    s.send_to(&m.to_vec().unwrap(), (server, 53)).unwrap();
+    let mut buf = vec![0u8; 4096];
+    let n = s.recv(&mut buf).unwrap();
+    let r = Message::from_vec(&buf[..n]).unwrap();
+    r.answers().iter().map(|rec| rec.ttl()).collect()
+}
+
+/// Elements of the sandbox's resolved-address set with their timeouts in seconds.
+fn dns_set(table: &str, host_if: &str) -> BTreeMap<Ipv4Addr, u64> {
+    let out = sh(&[
+        "nft",
+        "-j",
+        "list",
+        "set",
+        "inet",
+        table,
+        &format!("{host_if}_dns"),
+    ]);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let mut m = BTreeMap::new();
+    for item in v["nftables"].as_array().unwrap() {
+        for e in item["set"]["elem"].as_array().into_iter().flatten() {
+            let ip = e["elem"]["val"].as_str().unwrap().parse().unwrap();
+            m.insert(ip, e["elem"]["timeout"].as_u64().unwrap());
+        }
+    }
+    m
+}
+
 /// Interface names in the namespace at `ns`.
 fn links_in(ns: &Path) -> Vec<String> {
     let out = sh(&[
@@ -192,6 +231,8 @@ struct World {
     b: Ipv4Addr,
     /// What `ok.<tag>.test` and `*.w.<tag>.test` resolve to.
     c: Ipv4Addr,
+    /// A link-local address (inside the protected 169.254.0.0/16).
+    d: Ipv4Addr,
     /// Host address on the uplink.
     host_uplink: Ipv4Addr,
     /// Names the upstream DNS server has seen (lowercase, with trailing dot).
@@ -212,6 +253,8 @@ impl World {
         let net = |last: u8| Ipv4Addr::new(100, o2 as u8, o3 as u8, last);
         let (host_uplink, inet_addr) = (net(1), net(2));
         let (a, b, c) = (net(10), net(11), net(12));
+        // A link-local service (not the metadata address): reachable only when listed.
+        let d = Ipv4Addr::new(169, 254, 100 + (r % 100) as u8, 1 + ((r >> 8) % 250) as u8);
         let inet = format!("inet-{tag}");
         let uplink = format!("tu{tag}");
         sh(&["ip", "netns", "add", &inet]);
@@ -235,6 +278,7 @@ impl World {
             format!("addr add {a}/32 dev lo"),
             format!("addr add {b}/32 dev lo"),
             format!("addr add {c}/32 dev lo"),
+            format!("addr add {d}/32 dev lo"),
         ] {
             let mut args = vec!["ip", "-n", &inet];
             args.extend(cmd.split(' '));
@@ -248,10 +292,18 @@ impl World {
             "via",
             &inet_addr.to_string(),
         ]);
+        sh(&[
+            "ip",
+            "route",
+            "add",
+            &format!("{d}/32"),
+            "via",
+            &inet_addr.to_string(),
+        ]);
 
         // TCP listeners inside the internet: "hello from <ip>".
         let accepted = Arc::new(Mutex::new(BTreeMap::new()));
-        for ip in [a, b, c] {
+        for ip in [a, b, c, d] {
             let l = in_ns(&inet_ns, move || {
                 std::net::TcpListener::bind((ip, PORT)).unwrap()
             })
@@ -272,12 +324,13 @@ impl World {
         let seen = Arc::new(Mutex::new(Vec::new()));
         let udp = tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap();
         let upstream = udp.local_addr().unwrap();
-        let zone: BTreeMap<String, Ipv4Addr> = [
-            (format!("ok.{tag}.test."), c),
-            (format!("x.w.{tag}.test."), c),
-            (format!("w.{tag}.test."), c),
-            (format!("denied.{tag}.test."), b),
-            (format!("local.{tag}.test."), Ipv4Addr::LOCALHOST),
+        let zone: BTreeMap<String, (Ipv4Addr, u32)> = [
+            (format!("ok.{tag}.test."), (c, 300)),
+            (format!("x.w.{tag}.test."), (c, 300)),
+            (format!("w.{tag}.test."), (c, 300)),
+            (format!("long.{tag}.test."), (a, 86_400)),
+            (format!("denied.{tag}.test."), (b, 300)),
+            (format!("local.{tag}.test."), (Ipv4Addr::LOCALHOST, 300)),
         ]
         .into();
         let tcp = tokio::net::TcpListener::bind(upstream).await.unwrap();
@@ -296,10 +349,10 @@ impl World {
                     .set_recursion_available(true)
                     .add_query(query.clone());
                 match zone.get(&name) {
-                    Some(ip) if query.query_type() == RecordType::A => {
+                    Some((ip, ttl)) if query.query_type() == RecordType::A => {
                         r.add_answer(Record::from_rdata(
                             query.name().clone(),
-                            300,
+                            *ttl,
                             RData::A(A(*ip)),
                         ));
                     }
@@ -357,6 +410,7 @@ impl World {
             a,
             b,
             c,
+            d,
             host_uplink,
             seen,
             accepted,
@@ -414,6 +468,9 @@ impl Drop for World {
         let _ = Command::new("ip")
             .args(["link", "del", &self.uplink])
             .status();
+        let _ = Command::new("ip")
+            .args(["route", "del", &format!("{}/32", self.d)])
+            .status();
         for l in host_links(&self.cfg.veth_prefix) {
             let _ = Command::new("ip").args(["link", "del", &l]).status();
         }
@@ -446,6 +503,8 @@ async fn allow_policy_filters_egress_dns_and_the_host() {
         format!("ok.{tag}.test"),
         format!("*.w.{tag}.test"),
         format!("local.{tag}.test"),
+        format!("long.{tag}.test"),
+        w.d.to_string(),
     ]);
     let att = mgr.attach("sb-net-1", &ns, &policy).await.unwrap();
     assert_eq!(links_in(&ns), vec!["eth0".to_string(), "lo".to_string()]);
@@ -458,6 +517,10 @@ async fn allow_policy_filters_egress_dns_and_the_host() {
     let blocked = in_ns(&ns, move || tcp_get(b, PORT)).await;
     assert!(blocked.is_err(), "B must be blocked: {blocked:?}");
     assert_eq!(w.accepted(b), 0);
+    // A link-local address listed explicitly is reachable.
+    let d = w.d;
+    let got = in_ns(&ns, move || tcp_get(d, PORT)).await.unwrap();
+    assert_eq!(got, format!("hello from {d}\n"));
     // C is not allowed before its name resolved.
     assert!(in_ns(&ns, move || tcp_get(c, PORT)).await.is_err());
     assert_eq!(w.accepted(c), 0);
@@ -494,8 +557,16 @@ async fn allow_policy_filters_egress_dns_and_the_host() {
     assert!(!w.seen_contains("denied."), "{:?}", w.seen.lock().unwrap());
     assert!(!w.seen_contains("exfil-"), "{:?}", w.seen.lock().unwrap());
     assert!(w.seen_contains(&format!("ok.{tag}.test.")));
+    // TTLs: the set element lives as long as the answer's TTL (300 s); a TTL above the
+    // node's maximum (1 h) is shortened in the answer and in the set.
+    let name = format!("long.{tag}.test");
+    let ttls = in_ns(&ns, move || dns_ttls(res, &name)).await;
+    assert_eq!(ttls, vec![3600]);
+    let timeouts = dns_set(&w.cfg.table, &att.host_if);
+    assert_eq!(timeouts.get(&c), Some(&300), "{timeouts:?}");
+    assert_eq!(timeouts.get(&w.a), Some(&3600), "{timeouts:?}");
     let stats = mgr.dns_stats("sb-net-1").unwrap();
-    assert_eq!((stats.forwarded, stats.refused), (2, 4), "{stats:?}");
+    assert_eq!((stats.forwarded, stats.refused), (3, 4), "{stats:?}");
 
     // An allowed name that resolves to loopback does not open the host (no DNS rebinding).
     let name = format!("local.{tag}.test");
@@ -598,6 +669,10 @@ async fn sandboxes_are_isolated_and_sweep_readopts_after_a_crash() {
     assert!(in_ns(&ns1, move || tcp_get(gw, 22)).await.is_err());
     let r = in_ns(&ns1, move || tcp_get(Ipv4Addr::new(169, 254, 169, 254), 80)).await;
     assert!(r.is_err(), "0.0.0.0/0 does not open metadata");
+    let d = w.d;
+    let r = in_ns(&ns1, move || tcp_get(d, PORT)).await;
+    assert!(r.is_err(), "0.0.0.0/0 does not open link-local: {r:?}");
+    assert_eq!(w.accepted(d), 0);
 
     // A stray veth with the prefix (a half-created leftover).
     let stray = format!("{}zzzzzzzzzz", w.cfg.veth_prefix);
@@ -646,5 +721,17 @@ async fn sandboxes_are_isolated_and_sweep_readopts_after_a_crash() {
 
     mgr.teardown("sb-s1").await.unwrap();
     mgr.teardown("sb-s3").await.unwrap();
+    assert_eq!(w.leftovers(), (vec![], vec![], 0, 0));
+
+    // A delete that arrives while the attach runs waits for it, then removes everything.
+    let ns4 = w.netns_path("s4");
+    create_netns(&ns4).unwrap();
+    let (attached, torn) = tokio::join!(mgr.attach("sb-s4", &ns4, &p2), async {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        mgr.teardown("sb-s4").await
+    });
+    attached.unwrap();
+    torn.unwrap();
+    assert!(mgr.attached().is_empty());
     assert_eq!(w.leftovers(), (vec![], vec![], 0, 0));
 }
