@@ -35,6 +35,12 @@ fi
 
 step "Rust build (release)"
 cargo build --release --locked --workspace --bins
+# The guest agent runs inside containers whose images may have no libc (busybox,
+# distroless): a second, statically linked build of sandlot-guest, found by the node at
+# target/x86_64-unknown-linux-gnu/release/sandlot-guest (an explicit --target keeps the
+# flag away from build scripts and proc macros).
+CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUSTFLAGS="-C target-feature=+crt-static" \
+  cargo build --release --locked -p sandlot-guest --target x86_64-unknown-linux-gnu
 
 step "Python SDK and test/example dependencies (virtual environment .venv)"
 # A project-local venv: no change to the machine's Python, and no PEP 668 refusal on a

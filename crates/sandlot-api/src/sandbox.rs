@@ -88,6 +88,10 @@ pub struct CreateSandboxRequest {
     /// Network policy (default `"none"`).
     #[serde(default)]
     pub network: NetworkPolicy,
+    /// OCI runtime of a `container` sandbox: `"runc"` (default), `"crun"` (cgroup v2 hosts)
+    /// or `"runsc"` (gVisor). Only valid with `backend: "container"`.
+    #[serde(default)]
+    pub runtime: Option<String>,
     /// Trajectory id binding this sandbox to a trajectory log: 1–200 characters of
     /// `[A-Za-z0-9._:/-]`. When a live sandbox is already bound to it, create answers that
     /// sandbox (200, the reattach) whatever the other fields say.
@@ -209,6 +213,9 @@ pub struct Sandbox {
     pub labels: std::collections::BTreeMap<String, String>,
     /// Network policy.
     pub network: NetworkPolicy,
+    /// OCI runtime (`runc`, `crun`, `runsc`); present for `container` sandboxes only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub runtime: Option<String>,
     /// Trajectory id, if bound to one.
     pub trajectory: Option<String>,
     /// Present only on the answer of a `restore="replay"` create that rebuilt the sandbox.

@@ -126,6 +126,9 @@ struct SandboxOpts {
     /// Environment for every exec, KEY=VALUE (repeatable).
     #[arg(long = "env", value_parser = parse_kv)]
     env: Vec<(String, String)>,
+    /// OCI runtime of a container sandbox: runc, crun, runsc [server default: runc].
+    #[arg(long)]
+    runtime: Option<String>,
 }
 
 impl SandboxOpts {
@@ -136,6 +139,7 @@ impl SandboxOpts {
             cpu: self.cpu,
             memory_mib: self.memory_mib,
             env: self.env.iter().cloned().collect(),
+            runtime: self.runtime.clone(),
             ..Default::default()
         }
     }

@@ -218,6 +218,9 @@ fn open_target(spec: &ExecSpec) -> Result<Target, SetupError> {
 fn run() -> Result<ExecStatus, SetupError> {
     let spec = read_spec()?;
     let prepared = prepare(&spec)?;
+    if spec.own_pid_ns {
+        return run_in_own_pid_ns(&spec, &prepared);
+    }
     host::join_cgroups(&spec.cgroup_procs)?;
     let target = open_target(&spec)?;
     for (fd, flag, name) in &target.ns {
@@ -246,7 +249,7 @@ fn run() -> Result<ExecStatus, SetupError> {
     match forked {
         Forked::Child => {
             drop(err_r);
-            let e = match child(&spec, &prepared, &target) {
+            let e = match child(&spec, &prepared, Some(&target)) {
                 Ok(never) => match never {},
                 Err(e) => e,
             };
@@ -276,6 +279,113 @@ fn run() -> Result<ExecStatus, SetupError> {
     }
 }
 
+/// The `own_pid_ns` mode (guest agent inside a container or VM): this process is already
+/// inside the sandbox. It unshares a pid namespace and forks its init ("exec init"), which
+/// forks the command as its pid 2, reaps everything, and reports the command's status over
+/// a pipe before it exits. When the exec init exits (or is killed: it has
+/// `PR_SET_PDEATHSIG=SIGKILL`, so killing this process kills it), the kernel kills every
+/// process left in the namespace, so background children never outlive the exec.
+///
+/// Relay format (exec init → this process): one byte `E` (exited) or `S` (signaled), then
+/// the code or signal as a little-endian i32.
+fn run_in_own_pid_ns(spec: &ExecSpec, p: &Prepared) -> Result<ExecStatus, SetupError> {
+    nix::sched::unshare(CloneFlags::CLONE_NEWPID).context("unshare(CLONE_NEWPID)")?;
+    let (err_r, err_w) = pipe2(OFlag::O_CLOEXEC).context("pipe2")?;
+    let (relay_r, relay_w) = pipe2(OFlag::O_CLOEXEC).context("pipe2")?;
+    let exhausted = |e: std::io::Error| SetupError {
+        message: format!("fork: {e}"),
+        user_error: false,
+        resource_exhausted: true,
+    };
+    match sys::fork().map_err(exhausted)? {
+        Forked::Child => {
+            drop(err_r);
+            drop(relay_r);
+            exec_init(spec, p, err_w, relay_w)
+        }
+        Forked::Parent(init) => {
+            drop(err_w);
+            drop(relay_w);
+            let mut msg = Vec::new();
+            let read = std::fs::File::from(err_r).read_to_end(&mut msg);
+            let init_status = wait(init)?;
+            if let Err(e) = read {
+                return Err(anyhow::anyhow!("reading the child's error pipe: {e}").into());
+            }
+            if let Some((&tag, text)) = msg.split_first() {
+                return Err(SetupError {
+                    message: String::from_utf8_lossy(text).into_owned(),
+                    user_error: tag == b'U',
+                    resource_exhausted: tag == b'R',
+                });
+            }
+            let mut relay = Vec::new();
+            let _ = std::fs::File::from(relay_r).read_to_end(&mut relay);
+            match (init_status, relay.as_slice()) {
+                (ExecStatus::Exited { code: 0 }, [tag, a, b, c, d]) => {
+                    let n = i32::from_le_bytes([*a, *b, *c, *d]);
+                    Ok(if *tag == b'S' {
+                        ExecStatus::Signaled { signal: n }
+                    } else {
+                        ExecStatus::Exited { code: n }
+                    })
+                }
+                // The exec init was killed (timeout, delete): the command with it.
+                (ExecStatus::Signaled { signal }, _) => Ok(ExecStatus::Signaled { signal }),
+                (other, _) => Err(anyhow::anyhow!(
+                    "exec init ended without a status ({other:?}, relay {relay:?})"
+                )
+                .into()),
+            }
+        }
+    }
+}
+
+/// Pid 1 of the exec's own pid namespace: forks the command, reaps every process until the
+/// command is reaped, relays its status, exits (which kills what is left).
+fn exec_init(spec: &ExecSpec, p: &Prepared, err_w: OwnedFd, relay_w: OwnedFd) -> ! {
+    // Die with the helper; if it died before the prctl, the relay pipe has no reader.
+    if sys::set_parent_death_signal(libc::SIGKILL).is_err() || sys::reader_gone(&relay_w) {
+        sys::exit_now(125)
+    }
+    let cmd = match sys::fork() {
+        Ok(Forked::Child) => {
+            drop(relay_w);
+            let e = match child(spec, p, None) {
+                Ok(never) => match never {},
+                Err(e) => e,
+            };
+            let mut w = std::fs::File::from(err_w);
+            let tag = if e.user_error { "U" } else { "I" };
+            let _ = write!(w, "{tag}{}", e.message);
+            sys::exit_now(125)
+        }
+        Ok(Forked::Parent(pid)) => pid,
+        Err(e) => {
+            let tag = if e.raw_os_error() == Some(libc::EAGAIN) {
+                "R"
+            } else {
+                "I"
+            };
+            let _ = write!(std::fs::File::from(err_w), "{tag}fork: {e}");
+            sys::exit_now(125)
+        }
+    };
+    drop(err_w);
+    let (tag, n) = loop {
+        match waitpid(None::<Pid>, None) {
+            Ok(WaitStatus::Exited(pid, code)) if pid == cmd => break (b'E', code),
+            Ok(WaitStatus::Signaled(pid, sig, _)) if pid == cmd => break (b'S', sig as i32),
+            Ok(_) | Err(Errno::EINTR) => continue,
+            Err(_) => break (b'S', libc::SIGKILL),
+        }
+    };
+    let mut relay = [tag, 0, 0, 0, 0];
+    relay[1..].copy_from_slice(&n.to_le_bytes());
+    let _ = std::fs::File::from(relay_w).write_all(&relay);
+    sys::exit_now(0)
+}
+
 fn wait(pid: Pid) -> Result<ExecStatus, SetupError> {
     loop {
         match waitpid(pid, None) {
@@ -303,10 +413,13 @@ fn rlimit_resource(r: RlimitResource) -> Resource {
 
 /// The forked child: returns only on a set-up error; execve failures end it with
 /// 127/126 directly.
+///
+/// `target` is the sandbox to join (function backend); `None` when this process is already
+/// inside the sandbox (`own_pid_ns` mode).
 fn child(
     spec: &ExecSpec,
     p: &Prepared,
-    target: &Target,
+    target: Option<&Target>,
 ) -> Result<std::convert::Infallible, SetupError> {
     // Limits first, with host privileges: raising a hard limit needs CAP_SYS_RESOURCE in
     // the initial user namespace, which is gone after setns(user).
@@ -314,8 +427,10 @@ fn child(
         setrlimit(rlimit_resource(l.resource), l.value, l.value)
             .with_context(|| format!("setrlimit({:?}, {})", l.resource, l.value))?;
     }
-    setns(target.user.as_fd(), CloneFlags::CLONE_NEWUSER)
-        .with_context(|| format!("setns(user) into /proc/{}/ns/user", spec.init_pid))?;
+    if let Some(target) = target {
+        setns(target.user.as_fd(), CloneFlags::CLONE_NEWUSER)
+            .with_context(|| format!("setns(user) into /proc/{}/ns/user", spec.init_pid))?;
+    }
     // A session of its own: no controlling terminal of the node, and the node can signal
     // the whole process group.
     setsid().context("setsid")?;
@@ -345,7 +460,9 @@ fn child(
     // pipe stays usable until execve closes it.
     sys::cloexec_from(3).context("close_range(3.., CLOEXEC)")?;
     sys::set_no_new_privs().context("prctl(PR_SET_NO_NEW_PRIVS)")?;
-    fsrules::restrict()?;
+    if spec.landlock {
+        fsrules::restrict()?;
+    }
     sys::clear_capabilities().context("capset(0)")?;
     sys::reset_signals().context("resetting signal dispositions")?;
     seccomp::apply(&p.filters)?;

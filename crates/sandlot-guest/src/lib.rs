@@ -6,4 +6,5 @@
 //! landlock, execve). The JSON shapes below are the whole protocol between the two.
 #![deny(missing_docs)]
 
+pub mod agent_proto;
 pub mod spec;

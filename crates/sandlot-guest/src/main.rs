@@ -1,8 +1,11 @@
 //! `sandlot-guest`: the function backend's jail helper. `sandlot-guest init` builds a
 //! sandbox and leaves its pid 1 running; `sandlot-guest exec` runs one command in it. The
-//! JSON protocol is in [`sandlot_guest::spec`]. Single-threaded on purpose: unshare(2) and
-//! setns(2) into a user namespace refuse multi-threaded callers.
+//! JSON protocol is in [`sandlot_guest::spec`]. `init` and `exec` are single-threaded on
+//! purpose: unshare(2) and setns(2) into a user namespace refuse multi-threaded callers.
+//! `sandlot-guest agent` is the guest agent of containers (see `agent`); it only spawns
+//! `exec` helpers, so its runtime threads never meet those calls.
 
+mod agent;
 mod exec;
 mod fsrules;
 mod host;
@@ -14,10 +17,12 @@ fn main() {
     let code = match std::env::args().nth(1).as_deref() {
         Some("init") => init::main(),
         Some("exec") => exec::main(),
+        Some("agent") => agent::main(&std::env::args().skip(2).collect::<Vec<_>>()),
         _ => {
             eprintln!(
                 "usage: sandlot-guest init   (InitSpec JSON on stdin, InitReady JSON on stdout)\n       \
-                 sandlot-guest exec   (ExecSpec JSON on fd 3, ExecStatus JSON on fd 4)"
+                 sandlot-guest exec   (ExecSpec JSON on fd 3, ExecStatus JSON on fd 4)\n       \
+                 sandlot-guest agent --listen-fd N | --listen PATH   (guest agent, HTTP/2)"
             );
             2
         }

@@ -95,6 +95,22 @@ pub struct ExecSpec {
     pub gid: u32,
     /// Resource limits applied before execve.
     pub rlimits: Vec<Rlimit>,
+    /// `false` (default, the function backend): join the namespaces of `init_pid` from the
+    /// host. `true` (the guest agent inside a container or VM): `init_pid`,
+    /// `init_starttime` and `cgroup_procs` are ignored; the helper is already inside the
+    /// sandbox and runs the command in a fresh pid namespace of its own, whose init reaps
+    /// and ends with the command, so the command's whole process tree ends with it (killing
+    /// the helper with SIGKILL kills that tree too).
+    #[serde(default)]
+    pub own_pid_ns: bool,
+    /// Apply the landlock ruleset (writes only beneath the scratch directories; default
+    /// true). The container backend turns it off: its root may write its whole rootfs.
+    #[serde(default = "default_true")]
+    pub landlock: bool,
+}
+
+fn default_true() -> bool {
+    true
 }
 
 /// Written by `sandlot-guest exec` on fd 4 when the command has ended.

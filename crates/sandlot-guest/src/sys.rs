@@ -37,6 +37,24 @@ pub fn fork() -> io::Result<Forked> {
     }
 }
 
+/// prctl(PR_SET_PDEATHSIG, sig): `sig` is delivered when the parent thread exits.
+pub fn set_parent_death_signal(sig: libc::c_int) -> io::Result<()> {
+    prctl(libc::PR_SET_PDEATHSIG, sig as libc::c_ulong).map(|_| ())
+}
+
+/// True when the read end of the pipe whose write end is `w` is closed everywhere
+/// (poll(2) reports `POLLERR` on such a write end).
+pub fn reader_gone(w: &OwnedFd) -> bool {
+    let mut pfd = libc::pollfd {
+        fd: w.as_raw_fd(),
+        events: libc::POLLOUT,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd; timeout 0 never blocks.
+    let n = unsafe { libc::poll(&mut pfd, 1, 0) };
+    n == 1 && pfd.revents & libc::POLLERR != 0
+}
+
 /// Sets IFF_UP on the interface `lo` of the current network namespace (SIOCSIFFLAGS on
 /// an AF_INET datagram socket, netdevice(7)).
 pub fn loopback_up() -> io::Result<()> {

@@ -8,6 +8,7 @@
 #![deny(missing_docs)]
 #![warn(clippy::undocumented_unsafe_blocks)]
 
+pub mod agent_client;
 pub mod backends;
 pub mod cgroups;
 pub mod dns;
@@ -20,5 +21,5 @@ pub mod node;
 pub mod output;
 
 pub use images::validate_name as validate_image_name;
-pub use local::{default_guest_bin, LocalNode, NodeConfig};
+pub use local::{default_agent_bin, default_guest_bin, LocalNode, NodeConfig};
 pub use node::{ExecSink, Node, NodeError, NodeInfo, NodeResult, SandboxSpec, SandboxStatus};

@@ -7,6 +7,7 @@
 //! node.readopt(&[]).await?; // clean up leftovers of a previous process
 //! # Ok(()) }
 //! ```
+use crate::backends::container::{ContainerBackend, ContainerConfig, Runtime};
 use crate::backends::function::{FunctionBackend, FunctionConfig};
 use crate::backends::pool::PoolConfig;
 use crate::backends::AnyBackend;
@@ -29,6 +30,9 @@ pub struct NodeConfig {
     pub images_dir: PathBuf,
     /// The `sandlot-guest` binary (see [`default_guest_bin`]).
     pub guest_bin: PathBuf,
+    /// A statically linked `sandlot-guest`, the agent of containers (see
+    /// [`default_agent_bin`]).
+    pub agent_bin: PathBuf,
     /// First host uid (and gid) of the sandboxes' id ranges (default 100000): each
     /// function jail gets a range of 65536 ids of its own, `uid_base + slot × 65536 ..`
     /// (lowest free slot; see [`crate::backends::uids`]), so its uids `0..65536` map there.
@@ -59,6 +63,7 @@ impl NodeConfig {
             cgroup_parent: default_cgroup_parent(&data_dir),
             data_dir,
             guest_bin: default_guest_bin(),
+            agent_bin: default_agent_bin(),
             uid_base: 100_000,
             warm_pool: 0,
             warm_pool_images: Vec::new(),
@@ -88,6 +93,33 @@ pub fn default_guest_bin() -> PathBuf {
         .ok()
         .and_then(|e| e.parent().map(|d| d.join("sandlot-guest")))
         .unwrap_or_else(|| PathBuf::from("sandlot-guest"))
+}
+
+/// `$SANDLOT_AGENT_BIN`; else `sandlot-guest` next to the running executable when it is
+/// statically linked; else the static build cargo leaves beside a release/debug directory
+/// (`target/x86_64-unknown-linux-gnu/<profile>/sandlot-guest`, made by scripts/setup.sh with
+/// `-C target-feature=+crt-static`).
+pub fn default_agent_bin() -> PathBuf {
+    if let Some(p) = std::env::var_os("SANDLOT_AGENT_BIN") {
+        return PathBuf::from(p);
+    }
+    let guest = default_guest_bin();
+    if crate::backends::container::is_static_elf(&guest) {
+        return guest;
+    }
+    let exe = std::env::current_exe().ok();
+    let dir = exe.as_deref().and_then(|e| e.parent());
+    if let (Some(dir), Some(profile)) = (dir, dir.and_then(|d| d.file_name())) {
+        let cand = dir.parent().map(|t| {
+            t.join("x86_64-unknown-linux-gnu")
+                .join(profile)
+                .join("sandlot-guest")
+        });
+        if let Some(c) = cand.filter(|c| c.is_file()) {
+            return c;
+        }
+    }
+    guest
 }
 
 /// A node running sandboxes on this host.
@@ -132,16 +164,46 @@ impl LocalNode {
             )
             .map_err(|e| e.to_string())
         })();
-        let mut backends = vec![match function {
-            Ok(f) => AnyBackend::Function(f),
-            Err(why) => {
-                tracing::warn!(backend = "function", %why, "backend unavailable");
-                AnyBackend::Unavailable {
-                    kind: Backend::Function,
-                    why: format!("backend function is unavailable: {why}"),
-                }
+        let uids = match &function {
+            Ok(f) => f.uid_slots(),
+            Err(_) => crate::backends::uids::UidSlots::new(cfg.uid_base),
+        };
+        let container = (|| -> Result<ContainerBackend, String> {
+            if !nix::unistd::Uid::effective().is_root() {
+                return Err("the container backend needs root (mounts, cgroups)".into());
             }
-        }];
+            let cg = CgroupRoot::detect()
+                .map_err(|e| e.to_string())?
+                .with_parent(&format!("{}-ctr", cfg.cgroup_parent));
+            ContainerBackend::new(
+                ContainerConfig {
+                    dir: cfg.data_dir.join("containers"),
+                    state_root: cfg.data_dir.join("runtime"),
+                    agent_bin: cfg.agent_bin.clone(),
+                    default_runtime: Runtime::Runc,
+                },
+                cg,
+                uids,
+            )
+            .map_err(|e| e.to_string())
+        })();
+        let unavailable = |kind: Backend, why: String| {
+            tracing::warn!(backend = %kind, %why, "backend unavailable");
+            AnyBackend::Unavailable {
+                kind,
+                why: format!("backend {kind} is unavailable: {why}"),
+            }
+        };
+        let mut backends = vec![
+            match function {
+                Ok(f) => AnyBackend::Function(f),
+                Err(why) => unavailable(Backend::Function, why),
+            },
+            match container {
+                Ok(c) => AnyBackend::Container(c),
+                Err(why) => unavailable(Backend::Container, why),
+            },
+        ];
         backends.extend(AnyBackend::not_built());
         Ok(LocalNode {
             name: cfg.name,

@@ -31,6 +31,9 @@ pub struct SandboxSpec {
     /// `lo`. `Allow`: the backend sets the sandbox's namespace up with
     /// [`crate::net::NetworkManager::attach`] before the sandbox's own processes start.
     pub network: NetworkPolicy,
+    /// OCI runtime of a `container` sandbox (`runc`, `crun`, `runsc`); `None` = the node's
+    /// default. Ignored by other backends.
+    pub runtime: Option<String>,
 }
 
 /// What the node knows about a sandbox it runs.

@@ -49,6 +49,7 @@ fn spec(id: &str) -> SandboxSpec {
         pids_max: 64,
         env: Default::default(),
         network: sandlot_api::NetworkPolicy::None,
+        runtime: None,
     }
 }
 

@@ -136,6 +136,7 @@ fn spec(id: &str) -> SandboxSpec {
             .into_iter()
             .collect(),
         network: sandlot_api::NetworkPolicy::None,
+        runtime: None,
     }
 }
 

@@ -87,6 +87,7 @@ fn spec(id: &str) -> SandboxSpec {
         pids_max: 128,
         env: Default::default(),
         network: sandlot_api::NetworkPolicy::None,
+        runtime: None,
     }
 }
 

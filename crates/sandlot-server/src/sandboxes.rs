@@ -22,7 +22,7 @@ use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use sandlot_api::{
-    CreateSandboxRequest, ErrorCode, KeepaliveRequest, Sandbox, SandboxList, SandboxState,
+    Backend, CreateSandboxRequest, ErrorCode, KeepaliveRequest, Sandbox, SandboxList, SandboxState,
 };
 use sandlot_node::SandboxSpec;
 use sha2::{Digest, Sha256};
@@ -124,12 +124,29 @@ pub fn validate(req: &CreateSandboxRequest) -> ApiResult<Validated> {
         ttl_s: range("ttl_s", req.ttl_s.unwrap_or(600), 0, MAX_TTL_S)?,
         env: req.env.clone(),
         network: req.network.clone(),
+        runtime: check_runtime(req)?,
         trajectory: req.trajectory.clone(),
     };
     req.network.check().map_err(ServerError::invalid)?;
     check_map("env", &spec.env, MAX_ENV_VALUE_BYTES)?;
     check_map("labels", &req.labels, MAX_LABEL_VALUE_BYTES)?;
     Ok(Validated { image, spec })
+}
+
+/// The OCI runtime of a create: only for `backend: "container"`, one of runc / crun / runsc,
+/// `runc` when absent.
+fn check_runtime(req: &CreateSandboxRequest) -> ApiResult<Option<String>> {
+    match (req.backend, req.runtime.as_deref()) {
+        (Backend::Container, None) => Ok(Some("runc".to_string())),
+        (Backend::Container, Some(r @ ("runc" | "crun" | "runsc"))) => Ok(Some(r.to_string())),
+        (Backend::Container, Some(r)) => Err(ServerError::invalid(format!(
+            "unknown runtime {r:?}: expected \"runc\", \"crun\" or \"runsc\""
+        ))),
+        (_, None) => Ok(None),
+        (b, Some(_)) => Err(ServerError::invalid(format!(
+            "runtime is only valid with backend \"container\", not {b}"
+        ))),
+    }
 }
 
 /// A fresh sandbox id: `sb-` + 20 lowercase hex digits (80 random bits).
@@ -224,6 +241,7 @@ async fn finish_create(st: &SharedState, mut rec: Record) -> ApiResult<(Record, 
         pids_max: rec.spec.pids_max,
         env: rec.spec.env.clone(),
         network: rec.spec.network.clone(),
+        runtime: rec.spec.runtime.clone(),
     };
     let id = rec.id.clone();
     let started = std::time::Instant::now();

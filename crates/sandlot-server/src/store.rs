@@ -71,6 +71,9 @@ pub struct SpecJson {
     pub env: BTreeMap<String, String>,
     /// Network policy.
     pub network: NetworkPolicy,
+    /// OCI runtime of a container sandbox (absent in rows of older versions).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub runtime: Option<String>,
     /// Trajectory id.
     pub trajectory: Option<String>,
 }
@@ -122,6 +125,7 @@ impl Record {
             ttl_s: self.spec.ttl_s,
             labels: self.labels.clone(),
             network: self.spec.network.clone(),
+            runtime: self.spec.runtime.clone(),
             trajectory: self.spec.trajectory.clone(),
             restore: None,
         }
@@ -444,6 +448,7 @@ mod tests {
                 ttl_s: 10,
                 env: [("A".to_string(), "b".to_string())].into(),
                 network: NetworkPolicy::None,
+                runtime: None,
                 trajectory: None,
             },
             labels: [("job".to_string(), "x".to_string())].into(),

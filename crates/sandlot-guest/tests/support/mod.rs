@@ -250,6 +250,8 @@ impl Sandbox {
             uid: 0,
             gid: 0,
             rlimits: Vec::<Rlimit>::new(),
+            own_pid_ns: false,
+            landlock: true,
         }
     }
 

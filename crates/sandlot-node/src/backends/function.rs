@@ -348,6 +348,12 @@ impl FunctionBackend {
             || self.pool.get().is_some_and(|p| p.owns(name))
     }
 
+    /// The host uid ranges of this node's sandboxes (shared with the container backend, so
+    /// no two sandboxes of any backend get overlapping ranges).
+    pub fn uid_slots(&self) -> Arc<UidSlots> {
+        self.uids.clone()
+    }
+
     /// Start the warm pool (see [`super::pool`]); a second call does nothing. Call it after
     /// `readopt`, which clears the previous process's cgroups first.
     ///
@@ -759,16 +765,33 @@ pub(crate) async fn build_jail(
     Ok(state)
 }
 
-/// A validated exec, ready to hand to `sandlot-guest exec`.
-struct ExecPlan {
-    spec: ExecSpec,
-    stdin: Option<Vec<u8>>,
-    timeout: Duration,
-    cap: usize,
+/// A validated exec, ready to hand to `sandlot-guest exec` (directly, or through the guest
+/// agent of a container).
+pub(crate) struct ExecPlan {
+    pub(crate) spec: ExecSpec,
+    pub(crate) stdin: Option<Vec<u8>>,
+    pub(crate) timeout: Duration,
+    pub(crate) cap: usize,
 }
 
 impl ExecPlan {
     fn new(state: &JailState, req: &ExecRequest) -> NodeResult<ExecPlan> {
+        let mut plan = ExecPlan::build(&state.image_env, &state.spec, req)?;
+        plan.spec.init_pid = state.init_pid;
+        plan.spec.init_starttime = state.init_starttime;
+        Ok(plan)
+    }
+
+    /// Validates `req` against a sandbox with this image environment and spec; the
+    /// returned spec has no target (`init_pid` 0).
+    ///
+    /// # Errors
+    /// `InvalidArgument` for a bad timeout, output cap, user, cmd, cwd, env or stdin.
+    pub(crate) fn build(
+        image_env: &[(String, String)],
+        sandbox: &StoredSpec,
+        req: &ExecRequest,
+    ) -> NodeResult<ExecPlan> {
         let timeout_s = req.timeout_s.unwrap_or(DEFAULT_TIMEOUT_S);
         if !(timeout_s.is_finite() && timeout_s > 0.0 && timeout_s <= MAX_TIMEOUT_S) {
             return Err(NodeError::InvalidArgument(format!(
@@ -813,11 +836,10 @@ impl ExecPlan {
             ("LANG".into(), "C.UTF-8".into()),
             ("TERM".into(), "xterm".into()),
         ];
-        let layers: Vec<(String, String)> = state
-            .image_env
+        let layers: Vec<(String, String)> = image_env
             .iter()
             .cloned()
-            .chain(state.spec.env.iter().map(|(k, v)| (k.clone(), v.clone())))
+            .chain(sandbox.env.iter().map(|(k, v)| (k.clone(), v.clone())))
             .chain(req.env.iter().map(|(k, v)| (k.clone(), v.clone())))
             .collect();
         for (k, v) in layers {
@@ -842,8 +864,8 @@ impl ExecPlan {
             ),
         };
         let spec = ExecSpec {
-            init_pid: state.init_pid,
-            init_starttime: state.init_starttime,
+            init_pid: 0,
+            init_starttime: 0,
             cgroup_procs: Vec::new(),
             argv,
             env,
@@ -861,9 +883,11 @@ impl ExecPlan {
                 },
                 Rlimit {
                     resource: RlimitResource::Fsize,
-                    value: state.spec.disk_mib.saturating_mul(1 << 20),
+                    value: sandbox.disk_mib.saturating_mul(1 << 20),
                 },
             ],
+            own_pid_ns: false,
+            landlock: true,
         };
         Ok(ExecPlan {
             spec,
@@ -1403,7 +1427,7 @@ async fn run_init(guest_bin: &Path, spec: &InitSpec) -> NodeResult<InitReady> {
 }
 
 /// Ids become path components and cgroup names: only `[A-Za-z0-9_-]`, 1–64 chars.
-fn check_id(id: &str) -> NodeResult<()> {
+pub(crate) fn check_id(id: &str) -> NodeResult<()> {
     let ok = !id.is_empty()
         && id.len() <= 64
         && id
@@ -1418,7 +1442,7 @@ fn check_id(id: &str) -> NodeResult<()> {
     }
 }
 
-fn make_dirs(dir: &Path, uid: u32) -> NodeResult<()> {
+pub(crate) fn make_dirs(dir: &Path, uid: u32) -> NodeResult<()> {
     let own = |p: &Path, mode: u32| -> NodeResult<()> {
         match std::fs::create_dir(p) {
             Ok(()) => {}
@@ -1558,7 +1582,7 @@ fn dup_high(fd: &OwnedFd) -> NodeResult<OwnedFd> {
         .map_err(|e| NodeError::io("fcntl(F_DUPFD_CLOEXEC)", std::io::Error::from(e)))
 }
 
-async fn spawn_blocking<T: Send + 'static>(
+pub(crate) async fn spawn_blocking<T: Send + 'static>(
     f: impl FnOnce() -> NodeResult<T> + Send + 'static,
 ) -> NodeResult<T> {
     tokio::task::spawn_blocking(f)
@@ -1650,6 +1674,7 @@ mod tests {
             pids_max: 64,
             env: BTreeMap::new(),
             network: sandlot_api::NetworkPolicy::None,
+            runtime: None,
         };
         be.create(&spec, &image).await.unwrap();
         let sh = |script: &str, timeout_s: f64| {

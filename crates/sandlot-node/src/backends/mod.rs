@@ -4,6 +4,7 @@
 //! over the backends compiled into this node. A backend that is not built yet, or that the
 //! host cannot run, is still listed ([`AnyBackend::Unavailable`]) and answers every call with
 //! `NodeError::Unavailable` and the reason, instead of vanishing.
+pub mod container;
 pub mod function;
 pub mod pool;
 pub mod uids;
@@ -68,6 +69,8 @@ pub trait SandboxBackend: Send + Sync {
 pub enum AnyBackend {
     /// The namespace jail (`backend=function`).
     Function(function::FunctionBackend),
+    /// OCI containers (`backend=container`).
+    Container(container::ContainerBackend),
     /// A backend this node cannot run, with the reason.
     Unavailable {
         /// Which backend.
@@ -81,10 +84,6 @@ impl AnyBackend {
     /// The backends that are not built yet, each with the issue that tracks it.
     pub fn not_built() -> Vec<AnyBackend> {
         [
-            (
-                Backend::Container,
-                "backend container is not built yet (open issue: OCI runtime backend)",
-            ),
             (
                 Backend::Microvm,
                 "backend microvm is not built yet (open issue: QEMU microVM backend)",
@@ -106,6 +105,7 @@ impl AnyBackend {
     pub fn kind(&self) -> Backend {
         match self {
             AnyBackend::Function(_) => Backend::Function,
+            AnyBackend::Container(_) => Backend::Container,
             AnyBackend::Unavailable { kind, .. } => *kind,
         }
     }
@@ -113,7 +113,7 @@ impl AnyBackend {
     /// `Ok` when usable, else the reason.
     pub fn availability(&self) -> Result<(), String> {
         match self {
-            AnyBackend::Function(_) => Ok(()),
+            AnyBackend::Function(_) | AnyBackend::Container(_) => Ok(()),
             AnyBackend::Unavailable { why, .. } => Err(why.clone()),
         }
     }
@@ -125,6 +125,7 @@ impl AnyBackend {
     pub fn get(&self) -> NodeResult<&dyn SandboxBackend> {
         match self {
             AnyBackend::Function(f) => Ok(f),
+            AnyBackend::Container(c) => Ok(c),
             AnyBackend::Unavailable { why, .. } => Err(NodeError::Unavailable(why.clone())),
         }
     }

@@ -422,6 +422,7 @@ impl Shared {
             pids_max: POOL_PIDS_MAX,
             env: BTreeMap::new(),
             network: sandlot_api::NetworkPolicy::None,
+            runtime: None,
         };
         let cg = self.cgroups.sandbox(&name);
         let mut ready = None;

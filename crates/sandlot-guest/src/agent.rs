@@ -1,0 +1,385 @@
+//! `sandlot-guest agent`: pid 1 of a container (later of a microVM/VM), serving the
+//! protocol of [`sandlot_guest::agent_proto`] over HTTP/2.
+//!
+//! Usage: `sandlot-guest agent --listen-fd N` (accept connections on an inherited,
+//! listening unix socket: the node bound it on the host and passed it in, so the
+//! container can neither replace nor redirect it) or `--listen PATH` (bind a unix socket).
+//!
+//! Duties as pid 1: reap every child (orphans are re-parented here), bring up `lo`, end
+//! every exec on SIGTERM. Each exec runs `sandlot-guest exec` in `own_pid_ns` mode (this
+//! same binary via `/proc/self/exe`), so set-up, privilege drop, seccomp and the whole-tree
+//! kill are the code the function backend uses. The runtime is single-threaded (tokio
+//! current-thread) to keep the agent small: it only shuffles bytes.
+use std::collections::HashSet;
+use std::convert::Infallible;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::process::CommandExt;
+use std::process::{Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full, StreamBody};
+use hyper::body::{Frame as BodyFrame, Incoming};
+use hyper::{Method, Request, Response, StatusCode};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use nix::sys::signal::{kill, Signal};
+use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
+use nix::unistd::Pid;
+use sandlot_guest::agent_proto::{
+    encode, ExecExit, ExecRequest, FrameDecoder, FrameKind, PATH_EXEC, PATH_PING,
+};
+use sandlot_guest::spec::ExecStatus;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::sync::mpsc;
+
+use crate::sys;
+
+type Body = http_body_util::combinators::BoxBody<Bytes, Infallible>;
+
+/// After the command ended, how long to wait for its output pipes to reach EOF.
+const DRAIN_GRACE: Duration = Duration::from_millis(500);
+
+/// Pids of exec helpers still running (killed on SIGTERM); the reaper removes them.
+type Live = Arc<Mutex<HashSet<i32>>>;
+
+/// Entry point; returns the process exit code.
+pub fn main(args: &[String]) -> i32 {
+    let listener = match listener_from_args(args) {
+        Ok(l) => l,
+        Err(e) => {
+            eprintln!("sandlot-guest agent: {e}");
+            return 2;
+        }
+    };
+    if std::process::id() == 1 {
+        // A container without network has a fresh netns with `lo` down.
+        let _ = sys::loopback_up();
+    }
+    let rt = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("sandlot-guest agent: tokio runtime: {e}");
+            return 1;
+        }
+    };
+    rt.block_on(serve(listener))
+}
+
+fn listener_from_args(args: &[String]) -> Result<std::os::unix::net::UnixListener, String> {
+    match args {
+        [flag, fd] if flag == "--listen-fd" => {
+            let fd: i32 = fd.parse().map_err(|_| format!("bad fd {fd:?}"))?;
+            let owned = sys::inherited_fd(fd).map_err(|e| format!("fd {fd}: {e}"))?;
+            sys::set_cloexec(owned.as_raw_fd()).map_err(|e| format!("cloexec {fd}: {e}"))?;
+            Ok(std::os::unix::net::UnixListener::from(owned))
+        }
+        [flag, path] if flag == "--listen" => {
+            let _ = std::fs::remove_file(path);
+            std::os::unix::net::UnixListener::bind(path).map_err(|e| format!("bind {path}: {e}"))
+        }
+        _ => Err("usage: sandlot-guest agent --listen-fd N | --listen PATH".into()),
+    }
+}
+
+async fn serve(listener: std::os::unix::net::UnixListener) -> i32 {
+    if let Err(e) = listener.set_nonblocking(true) {
+        eprintln!("sandlot-guest agent: nonblocking listener: {e}");
+        return 1;
+    }
+    let listener = match tokio::net::UnixListener::from_std(listener) {
+        Ok(l) => l,
+        Err(e) => {
+            eprintln!("sandlot-guest agent: listener: {e}");
+            return 1;
+        }
+    };
+    let live: Live = Arc::default();
+    tokio::spawn(reap(live.clone()));
+    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("sandlot-guest agent: SIGTERM handler: {e}");
+            return 1;
+        }
+    };
+    loop {
+        tokio::select! {
+            conn = listener.accept() => {
+                let Ok((stream, _)) = conn else { continue };
+                let live = live.clone();
+                tokio::spawn(async move {
+                    let svc = hyper::service::service_fn(move |req| handle(req, live.clone()));
+                    let _ = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+                        .serve_connection(TokioIo::new(stream), svc)
+                        .await;
+                });
+            }
+            _ = term.recv() => {
+                for pid in live.lock().unwrap().iter() {
+                    let _ = kill(Pid::from_raw(*pid), Signal::SIGKILL);
+                }
+                return 0;
+            }
+        }
+    }
+}
+
+/// Reaps every child on SIGCHLD: exec helpers and orphans re-parented to pid 1.
+async fn reap(live: Live) {
+    let Ok(mut chld) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::child()) else {
+        return;
+    };
+    loop {
+        loop {
+            match waitpid(None::<Pid>, Some(WaitPidFlag::WNOHANG)) {
+                Ok(WaitStatus::StillAlive) | Err(_) => break,
+                Ok(s) => {
+                    if let Some(pid) = s.pid() {
+                        live.lock().unwrap().remove(&pid.as_raw());
+                    }
+                }
+            }
+        }
+        if chld.recv().await.is_none() {
+            return;
+        }
+    }
+}
+
+fn text(status: StatusCode, msg: impl Into<String>) -> Response<Body> {
+    Response::builder()
+        .status(status)
+        .body(Full::new(Bytes::from(msg.into())).boxed())
+        .expect("valid response")
+}
+
+async fn handle(req: Request<Incoming>, live: Live) -> Result<Response<Body>, Infallible> {
+    Ok(match (req.method(), req.uri().path()) {
+        (&Method::GET, PATH_PING) => text(
+            StatusCode::OK,
+            format!(
+                "{{\"agent\":\"{}\",\"pid\":{}}}",
+                env!("CARGO_PKG_VERSION"),
+                std::process::id()
+            ),
+        ),
+        (&Method::POST, PATH_EXEC) => match exec(req.into_body(), live).await {
+            Ok(r) => r,
+            Err(msg) => text(StatusCode::BAD_REQUEST, msg),
+        },
+        _ => text(StatusCode::NOT_FOUND, "no such call"),
+    })
+}
+
+/// Reads frames from the request body until the spec frame; returns it with the decoder
+/// (which may hold the first stdin frames).
+async fn read_spec(body: &mut Incoming) -> Result<(ExecRequest, FrameDecoder), String> {
+    let mut dec = FrameDecoder::default();
+    loop {
+        if let Some(f) = dec.next_frame().map_err(|e| e.to_string())? {
+            if f.kind != FrameKind::Spec {
+                return Err(format!("first frame must be a spec, got {:?}", f.kind));
+            }
+            let r: ExecRequest =
+                serde_json::from_slice(&f.data).map_err(|e| format!("spec JSON: {e}"))?;
+            return Ok((r, dec));
+        }
+        match body.frame().await {
+            Some(Ok(fr)) => {
+                if let Ok(data) = fr.into_data() {
+                    dec.push(&data);
+                }
+            }
+            Some(Err(e)) => return Err(format!("request body: {e}")),
+            None => return Err("request ended before the spec frame".into()),
+        }
+    }
+}
+
+fn pipe() -> std::io::Result<(OwnedFd, OwnedFd)> {
+    nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(std::io::Error::from)
+}
+
+/// Moves `fd` to a number >= 10 (CLOEXEC), so dup2 onto 3/4 in the child cannot clobber it.
+fn high(fd: OwnedFd) -> std::io::Result<OwnedFd> {
+    let n = nix::fcntl::fcntl(&fd, nix::fcntl::FcntlArg::F_DUPFD_CLOEXEC(10))?;
+    // SAFETY: F_DUPFD_CLOEXEC returned a fresh descriptor that we now own.
+    Ok(unsafe { OwnedFd::from_raw_fd(n) })
+}
+
+async fn exec(mut body: Incoming, live: Live) -> Result<Response<Body>, String> {
+    let (mut req, mut dec) = read_spec(&mut body).await?;
+    req.spec.own_pid_ns = true;
+    req.spec.cgroup_procs.clear();
+    let spec_json = serde_json::to_vec(&req.spec).map_err(|e| e.to_string())?;
+    let (spec_r, spec_w) = pipe().map_err(|e| e.to_string())?;
+    let (status_r, status_w) = pipe().map_err(|e| e.to_string())?;
+    let spec_r = high(spec_r).map_err(|e| e.to_string())?;
+    let status_w = high(status_w).map_err(|e| e.to_string())?;
+    let (sfd, wfd) = (spec_r.as_raw_fd(), status_w.as_raw_fd());
+    let mut cmd = Command::new("/proc/self/exe");
+    cmd.arg("exec")
+        .stdin(if req.stdin {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        })
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .env_clear();
+    // SAFETY: runs in the forked child before execve; dup2 is async-signal-safe and the
+    // sources are CLOEXEC fds >= 10.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::dup2(sfd, 3) < 0 || libc::dup2(wfd, 4) < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let start = Instant::now();
+    let mut child = cmd.spawn().map_err(|e| format!("spawn exec helper: {e}"))?;
+    drop(spec_r);
+    drop(status_w);
+    let pid = child.id() as i32;
+    live.lock().unwrap().insert(pid);
+    let killer = KillOnDrop(pid, live.clone());
+
+    let mut spec_w = tokio::net::unix::pipe::Sender::from_owned_fd(spec_w)
+        .map_err(|e| format!("spec pipe: {e}"))?;
+    tokio::spawn(async move {
+        let _ = spec_w.write_all(&spec_json).await;
+    });
+    if let Some(stdin) = child.stdin.take() {
+        let fd = OwnedFd::from(stdin);
+        let mut w = tokio::net::unix::pipe::Sender::from_owned_fd(fd)
+            .map_err(|e| format!("stdin pipe: {e}"))?;
+        tokio::spawn(async move {
+            loop {
+                while let Ok(Some(f)) = dec.next_frame() {
+                    if f.kind == FrameKind::Stdin && w.write_all(&f.data).await.is_err() {
+                        return;
+                    }
+                }
+                match body.frame().await {
+                    Some(Ok(fr)) => {
+                        if let Ok(data) = fr.into_data() {
+                            dec.push(&data);
+                        }
+                    }
+                    _ => return, // end of body: close stdin
+                }
+            }
+        });
+    }
+    let (tx, rx) = mpsc::channel::<Bytes>(16);
+    let out = pump(
+        child.stdout.take().map(OwnedFd::from),
+        FrameKind::Stdout,
+        tx.clone(),
+    );
+    let err = pump(
+        child.stderr.take().map(OwnedFd::from),
+        FrameKind::Stderr,
+        tx.clone(),
+    );
+    let status_rx = tokio::net::unix::pipe::Receiver::from_owned_fd(status_r)
+        .map_err(|e| format!("status pipe: {e}"))?;
+    let timeout = Duration::from_millis(req.timeout_ms.max(1));
+    tokio::spawn(async move {
+        let _killer = killer;
+        let mut status_fut = std::pin::pin!(read_status(status_rx));
+        let (status, timed_out) = tokio::select! {
+            s = status_fut.as_mut() => (s, false),
+            _ = tokio::time::sleep(timeout) => (None, true),
+            _ = tx.closed() => (None, false),
+        };
+        if status.is_none() {
+            // Timeout, caller gone, or helper killed: SIGKILL to the helper takes its exec
+            // init (PR_SET_PDEATHSIG) and with it the command's whole pid namespace.
+            let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
+        }
+        let duration_ms = start.elapsed().as_secs_f64() * 1000.0;
+        let _ = tokio::time::timeout(DRAIN_GRACE, async {
+            let _ = out.await;
+            let _ = err.await;
+        })
+        .await;
+        let status = status.unwrap_or(ExecStatus::Signaled {
+            signal: libc::SIGKILL,
+        });
+        let exit = ExecExit {
+            status,
+            timed_out,
+            duration_ms,
+        };
+        let json = serde_json::to_vec(&exit).expect("ExecExit serialises");
+        let _ = tx.send(Bytes::from(encode(FrameKind::Exit, &json))).await;
+        drop(child);
+    });
+    let stream = futures_util::stream::unfold(rx, |mut rx| async move {
+        rx.recv()
+            .await
+            .map(|b| (Ok::<_, Infallible>(BodyFrame::data(b)), rx))
+    });
+    Ok(Response::new(StreamBody::new(stream).boxed()))
+}
+
+/// Kills the helper (and so the command's tree) when the exec task ends without a status.
+struct KillOnDrop(i32, Live);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        if self.1.lock().unwrap().contains(&self.0) {
+            let _ = kill(Pid::from_raw(self.0), Signal::SIGKILL);
+        }
+    }
+}
+
+fn pump(
+    fd: Option<OwnedFd>,
+    kind: FrameKind,
+    tx: mpsc::Sender<Bytes>,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let Some(fd) = fd else { return };
+        let Ok(mut r) = tokio::net::unix::pipe::Receiver::from_owned_fd(fd) else {
+            return;
+        };
+        let mut buf = vec![0u8; 64 * 1024];
+        loop {
+            match r.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => {
+                    if tx.send(Bytes::from(encode(kind, &buf[..n]))).await.is_err() {
+                        return;
+                    }
+                }
+            }
+        }
+    })
+}
+
+/// The helper's status JSON on its fd 4; `None` on EOF without a (valid) status.
+async fn read_status(mut rx: tokio::net::unix::pipe::Receiver) -> Option<ExecStatus> {
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 4096];
+    loop {
+        match rx.read(&mut chunk).await {
+            Ok(0) | Err(_) => return serde_json::from_slice(&buf).ok(),
+            Ok(n) => {
+                buf.extend_from_slice(&chunk[..n]);
+                if let Ok(s) = serde_json::from_slice::<ExecStatus>(&buf) {
+                    return Some(s);
+                }
+                if buf.len() > 1 << 20 {
+                    return None;
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,225 @@
+//! The guest agent's wire protocol: what the node says to `sandlot-guest agent` running as
+//! pid 1 inside a container (and, later, a microVM or VM).
+//!
+//! Transport: HTTP/2 with prior knowledge (RFC 9113 §3.3, no TLS, no upgrade) over ONE
+//! byte stream — a unix socket the node created and handed to the container, or a
+//! virtio-serial port. HTTP/2 multiplexes any number of calls on that stream; the agent
+//! does not care what the stream is.
+//!
+//! Calls:
+//!
+//! * `GET /v1/ping` → 200, body `{"agent": "<version>", "pid": <agent pid>}`.
+//! * `POST /v1/exec` — request body: a stream of [frames](Frame): first one
+//!   [`FrameKind::Spec`] holding [`ExecRequest`] JSON, then [`FrameKind::Stdin`] frames
+//!   (only when `ExecRequest::stdin`); the end of the request body is the command's stdin
+//!   EOF. Response 200, body: [`FrameKind::Stdout`] / [`FrameKind::Stderr`] frames as the
+//!   command writes, then exactly one [`FrameKind::Exit`] frame holding [`ExecExit`] JSON.
+//!   Resetting the stream (dropping the response) kills the command's whole process tree.
+//!   A bad request answers 400 with a text body.
+//!
+//! Frame layout: 1 byte kind, 4 bytes big-endian payload length, payload (at most
+//! [`MAX_FRAME`] bytes). [`FrameDecoder`] is the one decoder, used by both ends.
+use serde::{Deserialize, Serialize};
+
+use crate::spec::{ExecSpec, ExecStatus};
+
+/// Path of the liveness call.
+pub const PATH_PING: &str = "/v1/ping";
+/// Path of the exec call.
+pub const PATH_EXEC: &str = "/v1/exec";
+/// Largest frame payload, bytes. Writers split larger data.
+pub const MAX_FRAME: usize = 1 << 20;
+/// Size of a frame header, bytes.
+pub const HEADER: usize = 5;
+
+/// What a frame carries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum FrameKind {
+    /// [`ExecRequest`] JSON (request, first frame).
+    Spec = 1,
+    /// Bytes for the command's stdin (request).
+    Stdin = 2,
+    /// Bytes the command wrote to stdout (response).
+    Stdout = 3,
+    /// Bytes the command wrote to stderr (response).
+    Stderr = 4,
+    /// [`ExecExit`] JSON (response, last frame).
+    Exit = 5,
+}
+
+impl FrameKind {
+    fn from_byte(b: u8) -> Option<FrameKind> {
+        Some(match b {
+            1 => FrameKind::Spec,
+            2 => FrameKind::Stdin,
+            3 => FrameKind::Stdout,
+            4 => FrameKind::Stderr,
+            5 => FrameKind::Exit,
+            _ => return None,
+        })
+    }
+}
+
+/// One decoded frame.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Frame {
+    /// Its kind.
+    pub kind: FrameKind,
+    /// Its payload.
+    pub data: Vec<u8>,
+}
+
+/// A malformed frame stream. The connection's stream is unusable after one.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FrameError {
+    /// The kind byte is not one of [`FrameKind`].
+    UnknownKind(u8),
+    /// The length field exceeds [`MAX_FRAME`].
+    TooLarge(u32),
+}
+
+impl std::fmt::Display for FrameError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            FrameError::UnknownKind(k) => write!(f, "unknown frame kind {k}"),
+            FrameError::TooLarge(n) => write!(f, "frame of {n} bytes exceeds {MAX_FRAME}"),
+        }
+    }
+}
+
+impl std::error::Error for FrameError {}
+
+/// Encodes `data` as frames of `kind` (several when longer than [`MAX_FRAME`]; one empty
+/// frame for empty data).
+pub fn encode(kind: FrameKind, data: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(data.len() + HEADER);
+    let mut chunks = data.chunks(MAX_FRAME).peekable();
+    if chunks.peek().is_none() {
+        out.push(kind as u8);
+        out.extend_from_slice(&0u32.to_be_bytes());
+    }
+    for c in chunks {
+        out.push(kind as u8);
+        out.extend_from_slice(&(c.len() as u32).to_be_bytes());
+        out.extend_from_slice(c);
+    }
+    out
+}
+
+/// Incremental decoder: [`FrameDecoder::push`] bytes as they arrive, then take complete
+/// frames with [`FrameDecoder::next_frame`]. Holds at most one partial frame plus what was
+/// pushed.
+#[derive(Debug, Default)]
+pub struct FrameDecoder {
+    buf: Vec<u8>,
+    start: usize,
+}
+
+impl FrameDecoder {
+    /// Appends received bytes.
+    pub fn push(&mut self, data: &[u8]) {
+        if self.start > 0 && self.start == self.buf.len() {
+            self.buf.clear();
+            self.start = 0;
+        }
+        self.buf.extend_from_slice(data);
+    }
+
+    /// The next complete frame, `Ok(None)` when more bytes are needed.
+    ///
+    /// # Errors
+    /// [`FrameError`] on an unknown kind or an oversized length; the stream is then
+    /// unusable.
+    pub fn next_frame(&mut self) -> Result<Option<Frame>, FrameError> {
+        let rest = &self.buf[self.start..];
+        if rest.len() < HEADER {
+            return Ok(None);
+        }
+        let kind = FrameKind::from_byte(rest[0]).ok_or(FrameError::UnknownKind(rest[0]))?;
+        let len = u32::from_be_bytes([rest[1], rest[2], rest[3], rest[4]]);
+        if len as usize > MAX_FRAME {
+            return Err(FrameError::TooLarge(len));
+        }
+        let end = HEADER + len as usize;
+        if rest.len() < end {
+            return Ok(None);
+        }
+        let data = rest[HEADER..end].to_vec();
+        self.start += end;
+        if self.start > (1 << 16) && self.start * 2 > self.buf.len() {
+            self.buf.drain(..self.start);
+            self.start = 0;
+        }
+        Ok(Some(Frame { kind, data }))
+    }
+
+    /// True when no partial frame is buffered (a clean end of stream).
+    pub fn is_empty(&self) -> bool {
+        self.start == self.buf.len()
+    }
+}
+
+/// `POST /v1/exec` spec frame.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExecRequest {
+    /// What `sandlot-guest exec` runs; the agent forces `own_pid_ns = true`.
+    pub spec: ExecSpec,
+    /// Wall-clock limit in milliseconds; the whole process tree is killed at it.
+    pub timeout_ms: u64,
+    /// Whether stdin frames follow (else the command's stdin is `/dev/null`).
+    pub stdin: bool,
+}
+
+/// `POST /v1/exec` exit frame.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ExecExit {
+    /// How the command ended (or why it could not start).
+    pub status: ExecStatus,
+    /// True when the agent killed it at `timeout_ms`.
+    pub timed_out: bool,
+    /// Wall time from spawning the helper to the command's end, milliseconds.
+    pub duration_ms: f64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn frames_round_trip_in_any_chunking() {
+        let mut wire = encode(FrameKind::Stdout, b"hello");
+        wire.extend(encode(FrameKind::Stderr, b""));
+        wire.extend(encode(FrameKind::Exit, b"{}"));
+        for step in 1..wire.len() {
+            let mut d = FrameDecoder::default();
+            let mut got = Vec::new();
+            for c in wire.chunks(step) {
+                d.push(c);
+                while let Some(f) = d.next_frame().unwrap() {
+                    got.push(f);
+                }
+            }
+            assert!(d.is_empty());
+            assert_eq!(got.len(), 3, "chunk size {step}");
+            assert_eq!(got[0].data, b"hello");
+            assert_eq!(got[1].kind, FrameKind::Stderr);
+            assert_eq!(got[2].data, b"{}");
+        }
+    }
+
+    #[test]
+    fn large_data_is_split_and_bad_headers_are_errors() {
+        let big = vec![7u8; MAX_FRAME + 3];
+        let mut d = FrameDecoder::default();
+        d.push(&encode(FrameKind::Stdin, &big));
+        assert_eq!(d.next_frame().unwrap().unwrap().data.len(), MAX_FRAME);
+        assert_eq!(d.next_frame().unwrap().unwrap().data.len(), 3);
+        let mut d = FrameDecoder::default();
+        d.push(&[9, 0, 0, 0, 0]);
+        assert_eq!(d.next_frame(), Err(FrameError::UnknownKind(9)));
+        let mut d = FrameDecoder::default();
+        d.push(&[1, 0xff, 0xff, 0xff, 0xff]);
+        assert!(matches!(d.next_frame(), Err(FrameError::TooLarge(_))));
+    }
+}

@@ -1,0 +1,1110 @@
+//! The `container` backend: OCI containers started through an OCI runtime CLI — `runc`
+//! (default), `crun` (cgroup v2 hosts only), `runsc` (gVisor) — with `sandlot-guest agent`
+//! as pid 1 serving execs over HTTP/2 on a unix socket (no `runc exec` per command).
+//!
+//! Host layout of one sandbox (`DATA/containers/<id>/`, which is also the OCI bundle):
+//!
+//! * `config.json` — the OCI runtime spec, generated with `oci-spec` (below).
+//! * `upper/`, `work/` — the overlayfs writable layer, owned by the container's root
+//!   (`uid_base`); `rootfs/` — the overlay of the image layers + `upper/`, mounted on the
+//!   host by the node (so it survives node restarts with the container).
+//! * `agent.sock` — a unix socket bound and listened on by the NODE, in a root-owned
+//!   directory; its listening fd is handed to the container (`--preserve-fds 1`, fd 3),
+//!   where the agent accepts on it. The container can neither replace nor redirect the
+//!   socket, and after a node restart the node reconnects to the same path.
+//! * `agent.log` — stdout/stderr of the container's pid 1 (the agent's own messages).
+//! * `state.json` — [`ContainerState`], written once the agent answered; a directory without
+//!   it is a half-created sandbox and is removed by `readopt`.
+//!
+//! The spec: namespaces pid, ipc, uts, mount, network (only `lo`), cgroup and user, with
+//! uid/gid 0..65536 inside mapped to the sandbox's own host range (see [`super::uids`]);
+//! runc's default masked and read-only paths; a seccomp profile that denies the calls the
+//! agent never needs (kernel modules, kexec, bpf, perf, keyrings, reboot, swap, handle-based
+//! opens, userfaultfd, io_uring, clock setting, ...); the agent keeps Docker's default
+//! capability set plus `CAP_SYS_ADMIN` (inside the user namespace only) so it can give each
+//! exec a pid namespace; every exec then runs `sandlot-guest exec` in `own_pid_ns` mode,
+//! which drops every capability, sets no_new_privs and applies the function backend's
+//! seccomp deny list before execve — commands see the same privileges on both backends.
+//! Landlock is not applied in containers: their root may write its whole rootfs.
+//!
+//! Cgroups: the node creates the sandbox's group (`<parent>-ctr/<id>`, limits from the
+//! spec, the same code as the function backend) and names it as `cgroupsPath`, so runc
+//! joins it; runsc runs with `--ignore-cgroups` and is itself started inside the group, so
+//! its sandbox and gofer are accounted there. Pause freezes that group.
+//!
+//! Exit and OOM: the agent reports each exec's status; `oom_killed` is the delta of the
+//! container group's `oom_kill` counter over the exec (an overlapping exec's OOM kill is
+//! counted too).
+use super::function::{
+    check_id, destroy_blocking, make_dirs, proc_starttime, spawn_blocking, ExecPlan, StoredSpec,
+};
+use super::uids::{UidLease, UidSlots};
+use super::SandboxBackend;
+use crate::agent_client::{AgentClient, ExecChunk};
+use crate::cgroups::{CgroupRoot, Limits, SandboxCgroup};
+use crate::files::SandboxFs;
+use crate::images::Image;
+use crate::node::{ExecSink, NodeError, NodeResult, SandboxSpec, SandboxStatus};
+use crate::output::Capture;
+use async_trait::async_trait;
+use sandlot_api::{Backend, ExecEvent, ExecRequest, ExecResult, FileEntry};
+use sandlot_guest::agent_proto;
+use sandlot_guest::spec::ExecStatus;
+use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio::sync::{watch, RwLock};
+
+/// How long the runtime's `run --detach` may take.
+const RUNTIME_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long the agent may take to answer its first ping after the runtime returned.
+const AGENT_READY_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long killing and removing cgroups may take.
+const KILL_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long freezing may take (pause).
+const FREEZE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Past an exec's own timeout: how long the node waits for the agent's exit frame before it
+/// gives up on the exec (the agent kills at the timeout itself).
+const EXEC_GRACE: Duration = Duration::from_secs(10);
+/// Where the agent binary is bind-mounted inside the container (read-only).
+const AGENT_PATH: &str = "/.sandlot/sandlot-guest";
+/// Size of the container's `/tmp` tmpfs, MiB (as in the function backend's jail).
+const TMP_MIB: u64 = 256;
+
+/// An OCI runtime CLI.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Runtime {
+    /// runc (default here).
+    Runc,
+    /// crun: needs a unified cgroup v2 host.
+    Crun,
+    /// gVisor's runsc: a user-space kernel between the container and the host.
+    Runsc,
+}
+
+impl Runtime {
+    /// Every runtime, in preference order.
+    pub const ALL: [Runtime; 3] = [Runtime::Runc, Runtime::Crun, Runtime::Runsc];
+
+    /// Its CLI name (`runc`, `crun`, `runsc`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Runtime::Runc => "runc",
+            Runtime::Crun => "crun",
+            Runtime::Runsc => "runsc",
+        }
+    }
+
+    /// Parses a CLI name.
+    pub fn parse(s: &str) -> Option<Runtime> {
+        Runtime::ALL.into_iter().find(|r| r.name() == s)
+    }
+}
+
+/// Static configuration of the container backend.
+#[derive(Debug, Clone)]
+pub struct ContainerConfig {
+    /// `DATA/containers`: one bundle directory per sandbox.
+    pub dir: PathBuf,
+    /// `DATA/runtime`: each runtime's state root (`--root DATA/runtime/<name>`).
+    pub state_root: PathBuf,
+    /// The statically linked `sandlot-guest` (bind-mounted into every container).
+    pub agent_bin: PathBuf,
+    /// Runtime used when a create names none.
+    pub default_runtime: Runtime,
+}
+
+/// On-disk state of a running container: `DATA/containers/<id>/state.json`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ContainerState {
+    /// Sandbox id (also the runtime's container id).
+    pub id: String,
+    /// Image name.
+    pub image: String,
+    /// Environment of the image (applied before the sandbox's).
+    pub image_env: Vec<(String, String)>,
+    /// Which runtime runs it.
+    pub runtime: Runtime,
+    /// Host uid/gid of root inside (start of its range of 65536 ids).
+    pub uid_base: u32,
+    /// Host pid of the container's pid 1 (the agent; for runsc the sandbox process).
+    pub init_pid: i32,
+    /// Its start time (field 22 of `/proc/PID/stat`).
+    pub init_starttime: u64,
+    /// Limits and environment.
+    pub spec: StoredSpec,
+}
+
+struct Container {
+    state: ContainerState,
+    _uids: UidLease,
+    cgroup: SandboxCgroup,
+    agent: AgentClient,
+    deleting: RwLock<bool>,
+    killed: watch::Sender<bool>,
+    paused: AtomicBool,
+}
+
+impl Container {
+    fn check_not_paused(&self) -> NodeResult<()> {
+        if self.paused.load(Ordering::SeqCst) {
+            return Err(NodeError::Conflict(format!(
+                "sandbox is paused: {}",
+                self.state.id
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// The container backend: containers by id.
+pub struct ContainerBackend {
+    cfg: ContainerConfig,
+    cgroups: CgroupRoot,
+    uids: Arc<UidSlots>,
+    /// Each runtime's binary, or why it cannot run here.
+    runtimes: Vec<(Runtime, Result<PathBuf, String>)>,
+    boxes: Mutex<HashMap<String, Arc<Container>>>,
+}
+
+/// Finds `name` in `PATH` (and the usual sbin directories).
+fn find_binary(name: &str) -> Option<PathBuf> {
+    let path = std::env::var("PATH").unwrap_or_default();
+    let found = path
+        .split(':')
+        .chain(["/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin"])
+        .filter(|d| !d.is_empty())
+        .map(|d| Path::new(d).join(name))
+        .find(|p| {
+            std::fs::metadata(p)
+                .map(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+                .unwrap_or(false)
+        });
+    found
+}
+
+/// True when the ELF file at `p` has no program interpreter (statically linked): it must
+/// run in images without a libc.
+pub fn is_static_elf(p: &Path) -> bool {
+    let Ok(data) = std::fs::read(p) else {
+        return false;
+    };
+    // ELF64 little-endian: e_phoff at 0x20, e_phentsize at 0x36, e_phnum at 0x38; PT_INTERP = 3.
+    if data.len() < 0x40 || &data[..4] != b"\x7fELF" || data[4] != 2 {
+        return false;
+    }
+    let rd16 = |o: usize| u16::from_le_bytes([data[o], data[o + 1]]) as usize;
+    let phoff = u64::from_le_bytes(data[0x20..0x28].try_into().unwrap()) as usize;
+    let (size, n) = (rd16(0x36), rd16(0x38));
+    (0..n).all(|i| {
+        let o = phoff + i * size;
+        o + 4 <= data.len() && u32::from_le_bytes(data[o..o + 4].try_into().unwrap()) != 3
+    })
+}
+
+impl ContainerBackend {
+    /// A backend storing bundles under `cfg.dir`, cgroups under `cgroups` (a parent of
+    /// their own: the function backend removes groups it does not know under its parent),
+    /// host uid ranges from `uids` (shared with the function backend).
+    ///
+    /// # Errors
+    /// `Unavailable` when the agent binary is missing or not static, or no runtime exists;
+    /// `Internal` when the directories cannot be created.
+    pub fn new(cfg: ContainerConfig, cgroups: CgroupRoot, uids: Arc<UidSlots>) -> NodeResult<Self> {
+        if !is_static_elf(&cfg.agent_bin) {
+            return Err(NodeError::Unavailable(format!(
+                "the container backend needs a statically linked sandlot-guest; {} is missing or dynamic (scripts/setup.sh builds one, or set SANDLOT_AGENT_BIN)",
+                cfg.agent_bin.display()
+            )));
+        }
+        let v2 = cgroups.version() == crate::cgroups::CgroupVersion::V2;
+        let runtimes: Vec<(Runtime, Result<PathBuf, String>)> = Runtime::ALL
+            .into_iter()
+            .map(|r| {
+                let found = find_binary(r.name())
+                    .ok_or_else(|| format!("runtime {} is not installed", r.name()));
+                let ok = match (r, found) {
+                    (Runtime::Crun, Ok(_)) if !v2 => Err(
+                        "runtime crun needs a unified cgroup v2 host (this host is cgroup v1)"
+                            .to_string(),
+                    ),
+                    (_, f) => f,
+                };
+                (r, ok)
+            })
+            .collect();
+        if !runtimes.iter().any(|(_, b)| b.is_ok()) {
+            return Err(NodeError::Unavailable(
+                "no OCI runtime (runc, crun, runsc) is installed".into(),
+            ));
+        }
+        for d in [&cfg.dir, &cfg.state_root] {
+            std::fs::create_dir_all(d)
+                .map_err(|e| NodeError::io(format!("create {}", d.display()), e))?;
+            std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o711))
+                .map_err(|e| NodeError::io(format!("chmod {}", d.display()), e))?;
+        }
+        cgroups.ensure_parent()?;
+        Ok(ContainerBackend {
+            cfg,
+            cgroups,
+            uids,
+            runtimes,
+            boxes: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// Each runtime with its binary or the reason it is unavailable.
+    pub fn runtimes(&self) -> &[(Runtime, Result<PathBuf, String>)] {
+        &self.runtimes
+    }
+
+    fn runtime_bin(&self, r: Runtime) -> NodeResult<PathBuf> {
+        match self.runtimes.iter().find(|(k, _)| *k == r) {
+            Some((_, Ok(p))) => Ok(p.clone()),
+            Some((_, Err(why))) => Err(NodeError::Unavailable(why.clone())),
+            None => Err(NodeError::Unavailable(format!(
+                "runtime {} unknown",
+                r.name()
+            ))),
+        }
+    }
+
+    fn dir_of(&self, id: &str) -> PathBuf {
+        self.cfg.dir.join(id)
+    }
+
+    fn get(&self, id: &str) -> NodeResult<Arc<Container>> {
+        self.boxes
+            .lock()
+            .unwrap()
+            .get(id)
+            .cloned()
+            .ok_or_else(|| NodeError::NotFound(format!("sandbox {id} not found")))
+    }
+
+    /// The runtime command line with its global flags.
+    fn runtime_cmd(&self, r: Runtime, bin: &Path) -> std::process::Command {
+        let mut cmd = std::process::Command::new(bin);
+        cmd.arg("--root").arg(self.cfg.state_root.join(r.name()));
+        if r == Runtime::Runsc {
+            // systrap: no KVM needed; the node owns networking (none) and cgroups; writes go
+            // to the host overlay (so the node's files API and disk accounting see them).
+            cmd.args([
+                "--platform=systrap",
+                "--network=none",
+                "--ignore-cgroups",
+                "--overlay2=none",
+            ]);
+        }
+        cmd.stdin(Stdio::null());
+        cmd
+    }
+
+    async fn create_inner(
+        &self,
+        spec: &SandboxSpec,
+        image: &Image,
+        runtime: Runtime,
+        bin: &Path,
+        uid_base: u32,
+        cg: &SandboxCgroup,
+    ) -> NodeResult<ContainerState> {
+        let dir = self.dir_of(&spec.id);
+        let limits = Limits {
+            memory_bytes: spec.memory_mib << 20,
+            cpu: spec.cpu,
+            pids_max: spec.pids_max,
+        };
+        {
+            let (dir, cg) = (dir.clone(), cg.clone());
+            let lowers: Vec<PathBuf> = image.layers.clone();
+            spawn_blocking(move || {
+                make_dirs(&dir, uid_base)?;
+                mount_overlay(&dir, &lowers)?;
+                cg.create(&limits)
+            })
+            .await?;
+        }
+        let listener = std::os::unix::net::UnixListener::bind(dir.join("agent.sock"))
+            .map_err(|e| NodeError::io(format!("bind {}/agent.sock", dir.display()), e))?;
+        let cfg = bundle_spec(
+            &spec.id,
+            runtime,
+            uid_base,
+            &format!("/{}/{}", self.cgroups.parent(), spec.id),
+            &self.cfg.agent_bin,
+        )?;
+        cfg.save(dir.join("config.json")).map_err(|e| {
+            NodeError::io("write config.json", std::io::Error::other(e.to_string()))
+        })?;
+
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(dir.join("agent.log"))
+            .map_err(|e| NodeError::io(format!("create {}/agent.log", dir.display()), e))?;
+        let mut cmd = self.runtime_cmd(runtime, bin);
+        cmd.arg("run")
+            .arg("--detach")
+            .arg("--bundle")
+            .arg(&dir)
+            .arg("--pid-file")
+            .arg(dir.join("init.pid"))
+            .args(["--preserve-fds", "1"])
+            .arg(&spec.id)
+            .stdout(log.try_clone().map_err(|e| NodeError::io("dup log", e))?)
+            .stderr(log);
+        let lfd = listener.as_raw_fd();
+        let procs: Vec<std::ffi::CString> = if runtime == Runtime::Runsc {
+            cg.group()
+                .procs_files()
+                .iter()
+                .map(|p| std::ffi::CString::new(p.as_os_str().as_encoded_bytes()).unwrap())
+                .collect()
+        } else {
+            Vec::new()
+        };
+        // SAFETY: runs in the forked child before execve; only async-signal-safe calls
+        // (dup2, open, write, close) on data prepared before the fork.
+        unsafe {
+            cmd.pre_exec(move || {
+                if libc::dup2(lfd, 3) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                for p in &procs {
+                    let fd = libc::open(p.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
+                    if fd < 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    let ok = libc::write(fd, b"0".as_ptr().cast(), 1) == 1;
+                    libc::close(fd);
+                    if !ok {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                }
+                Ok(())
+            });
+        }
+        let status = run_with_timeout(cmd, RUNTIME_TIMEOUT).await?;
+        drop(listener);
+        if !status.success() {
+            let log = std::fs::read_to_string(dir.join("agent.log")).unwrap_or_default();
+            return Err(NodeError::io(
+                format!(
+                    "{} run {}: {}; {}",
+                    runtime.name(),
+                    spec.id,
+                    status,
+                    tail(&log, 2000)
+                ),
+                std::io::Error::other("OCI runtime failed"),
+            ));
+        }
+        let pid: i32 = std::fs::read_to_string(dir.join("init.pid"))
+            .ok()
+            .and_then(|s| s.trim().parse().ok())
+            .ok_or_else(|| {
+                NodeError::io(
+                    format!("{}: no pid file", runtime.name()),
+                    std::io::Error::other("init.pid"),
+                )
+            })?;
+        let starttime = proc_starttime(pid).ok_or_else(|| {
+            NodeError::io(
+                format!("container {} died at start", spec.id),
+                std::io::Error::other(tail(
+                    &std::fs::read_to_string(dir.join("agent.log")).unwrap_or_default(),
+                    2000,
+                )),
+            )
+        })?;
+        let agent = AgentClient::new(dir.join("agent.sock"));
+        agent
+            .wait_ready(Instant::now() + AGENT_READY_TIMEOUT)
+            .await?;
+        let state = ContainerState {
+            id: spec.id.clone(),
+            image: image.name.clone(),
+            image_env: image.env.clone(),
+            runtime,
+            uid_base,
+            init_pid: pid,
+            init_starttime: starttime,
+            spec: StoredSpec {
+                cpu: spec.cpu,
+                memory_mib: spec.memory_mib,
+                disk_mib: spec.disk_mib,
+                pids_max: spec.pids_max,
+                env: spec.env.clone(),
+            },
+        };
+        let json = serde_json::to_vec_pretty(&state).expect("ContainerState serialises");
+        let tmp = dir.join("state.json.tmp");
+        std::fs::write(&tmp, json)
+            .and_then(|_| std::fs::rename(&tmp, dir.join("state.json")))
+            .map_err(|e| NodeError::io(format!("write {}/state.json", dir.display()), e))?;
+        Ok(state)
+    }
+
+    fn adopt(&self, state: ContainerState, uids: UidLease) -> Arc<Container> {
+        let c = Arc::new(Container {
+            cgroup: self.cgroups.sandbox(&state.id),
+            agent: AgentClient::new(self.dir_of(&state.id).join("agent.sock")),
+            _uids: uids,
+            deleting: RwLock::new(false),
+            killed: watch::channel(false).0,
+            paused: AtomicBool::new(false),
+            state,
+        });
+        c.paused
+            .store(c.cgroup.group().is_frozen(), Ordering::SeqCst);
+        self.boxes
+            .lock()
+            .unwrap()
+            .insert(c.state.id.clone(), c.clone());
+        c
+    }
+
+    /// Runtime delete (kills and forgets the container), then the host resources.
+    async fn destroy(&self, id: &str, runtime: Option<Runtime>) -> NodeResult<()> {
+        let dir = self.dir_of(id);
+        let runtime = runtime.or_else(|| {
+            std::fs::read(dir.join("state.json"))
+                .ok()
+                .and_then(|s| serde_json::from_slice::<ContainerState>(&s).ok())
+                .map(|s| s.runtime)
+        });
+        let cg = self.cgroups.sandbox(id);
+        // Thaw first: a frozen container cannot be killed on cgroup v1.
+        let _ = cg.group().thaw();
+        let candidates: Vec<Runtime> = match runtime {
+            Some(r) => vec![r],
+            None => Runtime::ALL.to_vec(),
+        };
+        for r in candidates {
+            if let Ok(bin) = self.runtime_bin(r) {
+                let mut cmd = self.runtime_cmd(r, &bin);
+                cmd.args(["delete", "--force", id])
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::null());
+                let _ = run_with_timeout(cmd, RUNTIME_TIMEOUT).await;
+            }
+        }
+        spawn_blocking(move || destroy_blocking(&cg, &dir)).await
+    }
+}
+
+/// Mounts the overlay of `lowers` (top-most first) + `dir/upper` at `dir/rootfs`.
+fn mount_overlay(dir: &Path, lowers: &[PathBuf]) -> NodeResult<()> {
+    let lower: Vec<String> = lowers.iter().map(|p| p.display().to_string()).collect();
+    let opts = format!(
+        "lowerdir={},upperdir={},workdir={}",
+        lower.join(":"),
+        dir.join("upper").display(),
+        dir.join("work").display()
+    );
+    nix::mount::mount(
+        Some("overlay"),
+        &dir.join("rootfs"),
+        Some("overlay"),
+        nix::mount::MsFlags::MS_NODEV,
+        Some(opts.as_str()),
+    )
+    .map_err(|e| {
+        NodeError::io(
+            format!("mount overlay at {}/rootfs", dir.display()),
+            e.into(),
+        )
+    })
+}
+
+/// Runs `cmd` (whose stdio the caller set: never pipes, which a container would inherit
+/// and hold open) to its end, killing it at `timeout`.
+async fn run_with_timeout(
+    cmd: std::process::Command,
+    timeout: Duration,
+) -> NodeResult<std::process::ExitStatus> {
+    let what = format!("{:?}", cmd.get_program());
+    let mut cmd = tokio::process::Command::from(cmd);
+    cmd.kill_on_drop(true);
+    match tokio::time::timeout(timeout, cmd.status()).await {
+        Ok(r) => r.map_err(|e| NodeError::io(format!("run {what}"), e)),
+        Err(_) => Err(NodeError::io(
+            format!("{what} did not finish in {timeout:?}"),
+            std::io::Error::from(std::io::ErrorKind::TimedOut),
+        )),
+    }
+}
+
+fn tail(s: &str, n: usize) -> &str {
+    let mut start = s.len().saturating_sub(n);
+    while !s.is_char_boundary(start) {
+        start += 1;
+    }
+    s[start..].trim()
+}
+
+/// Syscalls the container's seccomp profile refuses (EPERM) for every process in it, the
+/// agent included: none of them is needed to run commands, and each is a known path to
+/// the host kernel's most sensitive code (Docker's default profile denies them too).
+/// Execs add the function backend's stricter filter on top.
+const DENIED: &[&str] = &[
+    "acct",
+    "add_key",
+    "bpf",
+    "clock_adjtime",
+    "clock_settime",
+    "create_module",
+    "delete_module",
+    "finit_module",
+    "fanotify_init",
+    "get_kernel_syms",
+    "init_module",
+    "io_uring_enter",
+    "io_uring_register",
+    "io_uring_setup",
+    "iopl",
+    "ioperm",
+    "kcmp",
+    "kexec_file_load",
+    "kexec_load",
+    "keyctl",
+    "lookup_dcookie",
+    "name_to_handle_at",
+    "nfsservctl",
+    "open_by_handle_at",
+    "perf_event_open",
+    "process_vm_readv",
+    "process_vm_writev",
+    "query_module",
+    "quotactl",
+    "reboot",
+    "request_key",
+    "settimeofday",
+    "stime",
+    "swapoff",
+    "swapon",
+    "sysfs",
+    "_sysctl",
+    "uselib",
+    "userfaultfd",
+    "ustat",
+    "vm86",
+    "vm86old",
+];
+
+/// The OCI runtime spec of one container (runtime-spec 1.0, `config.json`).
+fn bundle_spec(
+    id: &str,
+    runtime: Runtime,
+    uid_base: u32,
+    cgroups_path: &str,
+    agent_bin: &Path,
+) -> NodeResult<oci_spec::runtime::Spec> {
+    use oci_spec::runtime::*;
+    let bad = |e: oci_spec::OciSpecError| {
+        NodeError::io("build OCI spec", std::io::Error::other(e.to_string()))
+    };
+    let mut spec = Spec::default();
+    let caps: std::collections::HashSet<Capability> = [
+        Capability::Chown,
+        Capability::DacOverride,
+        Capability::Fsetid,
+        Capability::Fowner,
+        Capability::Mknod,
+        Capability::NetRaw,
+        Capability::Setgid,
+        Capability::Setuid,
+        Capability::Setfcap,
+        Capability::Setpcap,
+        Capability::NetBindService,
+        Capability::SysChroot,
+        Capability::Kill,
+        Capability::AuditWrite,
+        Capability::SysAdmin,
+    ]
+    .into_iter()
+    .collect();
+    let process = ProcessBuilder::default()
+        .terminal(false)
+        .user(
+            UserBuilder::default()
+                .uid(0u32)
+                .gid(0u32)
+                .build()
+                .map_err(bad)?,
+        )
+        .args(vec![
+            AGENT_PATH.to_string(),
+            "agent".into(),
+            "--listen-fd".into(),
+            "3".into(),
+        ])
+        .env(vec![
+            "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".to_string(),
+        ])
+        .cwd("/")
+        .no_new_privileges(true)
+        .capabilities(
+            LinuxCapabilitiesBuilder::default()
+                .bounding(caps.clone())
+                .effective(caps.clone())
+                .permitted(caps)
+                .build()
+                .map_err(bad)?,
+        )
+        .rlimits(vec![PosixRlimitBuilder::default()
+            .typ(PosixRlimitType::RlimitNofile)
+            .hard(1024u64)
+            .soft(1024u64)
+            .build()
+            .map_err(bad)?])
+        .build()
+        .map_err(bad)?;
+    spec.set_process(Some(process));
+    spec.set_root(Some(
+        RootBuilder::default()
+            .path("rootfs")
+            .readonly(false)
+            .build()
+            .map_err(bad)?,
+    ));
+    spec.set_hostname(Some(id.to_string()));
+    let mut mounts = spec.mounts().clone().unwrap_or_default();
+    mounts.push(
+        MountBuilder::default()
+            .destination("/tmp")
+            .typ("tmpfs")
+            .source("tmpfs")
+            .options(vec![
+                "nosuid".into(),
+                "nodev".into(),
+                "mode=1777".into(),
+                format!("size={TMP_MIB}m"),
+            ])
+            .build()
+            .map_err(bad)?,
+    );
+    mounts.push(
+        MountBuilder::default()
+            .destination(AGENT_PATH)
+            .typ("bind")
+            .source(agent_bin)
+            .options(vec![
+                "bind".into(),
+                "ro".into(),
+                "nosuid".into(),
+                "nodev".into(),
+            ])
+            .build()
+            .map_err(bad)?,
+    );
+    spec.set_mounts(Some(mounts));
+    let map = LinuxIdMappingBuilder::default()
+        .container_id(0u32)
+        .host_id(uid_base)
+        .size(super::function::UID_COUNT)
+        .build()
+        .map_err(bad)?;
+    let mut linux = Linux::default();
+    let mut namespaces = linux.namespaces().clone().unwrap_or_default();
+    namespaces.retain(|n| n.typ() != LinuxNamespaceType::User);
+    namespaces.push(
+        LinuxNamespaceBuilder::default()
+            .typ(LinuxNamespaceType::User)
+            .build()
+            .map_err(bad)?,
+    );
+    if !namespaces
+        .iter()
+        .any(|n| n.typ() == LinuxNamespaceType::Cgroup)
+    {
+        namespaces.push(
+            LinuxNamespaceBuilder::default()
+                .typ(LinuxNamespaceType::Cgroup)
+                .build()
+                .map_err(bad)?,
+        );
+    }
+    linux.set_namespaces(Some(namespaces));
+    linux.set_uid_mappings(Some(vec![map]));
+    linux.set_gid_mappings(Some(vec![map]));
+    if runtime != Runtime::Runsc {
+        linux.set_cgroups_path(Some(PathBuf::from(cgroups_path)));
+    }
+    linux.set_resources(Some(
+        LinuxResourcesBuilder::default()
+            .devices(vec![LinuxDeviceCgroupBuilder::default()
+                .allow(false)
+                .access("rwm")
+                .build()
+                .map_err(bad)?])
+            .build()
+            .map_err(bad)?,
+    ));
+    linux.set_seccomp(Some(
+        LinuxSeccompBuilder::default()
+            .default_action(LinuxSeccompAction::ScmpActAllow)
+            .architectures(vec![
+                Arch::ScmpArchX86_64,
+                Arch::ScmpArchX86,
+                Arch::ScmpArchX32,
+            ])
+            .syscalls(vec![LinuxSyscallBuilder::default()
+                .names(DENIED.iter().map(|s| s.to_string()).collect::<Vec<_>>())
+                .action(LinuxSeccompAction::ScmpActErrno)
+                .errno_ret(libc::EPERM as u32)
+                .build()
+                .map_err(bad)?])
+            .build()
+            .map_err(bad)?,
+    ));
+    spec.set_linux(Some(linux));
+    Ok(spec)
+}
+
+#[async_trait]
+impl SandboxBackend for ContainerBackend {
+    fn kind(&self) -> Backend {
+        Backend::Container
+    }
+
+    async fn create(&self, spec: &SandboxSpec, image: &Image) -> NodeResult<()> {
+        check_id(&spec.id)?;
+        let runtime = match spec.runtime.as_deref() {
+            None => self.cfg.default_runtime,
+            Some(name) => Runtime::parse(name).ok_or_else(|| {
+                NodeError::InvalidArgument(format!(
+                    "unknown runtime {name:?}: expected runc, crun or runsc"
+                ))
+            })?,
+        };
+        let bin = self.runtime_bin(runtime)?;
+        let dir = self.dir_of(&spec.id);
+        match std::fs::create_dir(&dir) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                return Err(NodeError::Conflict(format!(
+                    "sandbox {} already exists",
+                    spec.id
+                )))
+            }
+            Err(e) => return Err(NodeError::io(format!("create {}", dir.display()), e)),
+        }
+        let uids = match self.uids.allocate() {
+            Ok(u) => u,
+            Err(e) => {
+                let _ = std::fs::remove_dir(&dir);
+                return Err(e);
+            }
+        };
+        let cg = self.cgroups.sandbox(&spec.id);
+        match self
+            .create_inner(spec, image, runtime, &bin, uids.base(), &cg)
+            .await
+        {
+            Ok(state) => {
+                self.adopt(state, uids);
+                tracing::info!(sandbox = %spec.id, backend = "container", runtime = runtime.name(), "sandbox created");
+                Ok(())
+            }
+            Err(e) => {
+                if let Err(c) = self.destroy(&spec.id, Some(runtime)).await {
+                    tracing::warn!(sandbox = %spec.id, error = %c, "cleanup after a failed create");
+                }
+                Err(e)
+            }
+        }
+    }
+
+    fn has(&self, id: &str) -> bool {
+        self.boxes.lock().unwrap().contains_key(id)
+    }
+
+    async fn exec(
+        &self,
+        id: &str,
+        req: &ExecRequest,
+        sink: Option<ExecSink>,
+    ) -> NodeResult<ExecResult> {
+        let c = self.get(id)?;
+        let mut killed = c.killed.subscribe();
+        let guard = c.deleting.read().await;
+        if *guard || *killed.borrow() {
+            return Err(NodeError::NotFound(format!(
+                "sandbox {id} is being deleted"
+            )));
+        }
+        c.check_not_paused()?;
+        let mut plan = ExecPlan::build(&c.state.image_env, &c.state.spec, req)?;
+        plan.spec.own_pid_ns = true;
+        plan.spec.landlock = false;
+        let oom_before = c.cgroup.group().oom_kills();
+        let areq = agent_proto::ExecRequest {
+            spec: plan.spec,
+            timeout_ms: plan.timeout.as_millis() as u64,
+            stdin: plan.stdin.is_some(),
+        };
+        let mut stream = c.agent.exec(&areq, plan.stdin.as_deref()).await?;
+        drop(guard);
+        let mut out = Capture::new(plan.cap);
+        let mut err = Capture::new(plan.cap);
+        let deadline = tokio::time::Instant::now() + plan.timeout + EXEC_GRACE;
+        let exit = loop {
+            let chunk = tokio::select! {
+                c = stream.next() => c?,
+                _ = tokio::time::sleep_until(deadline) => None,
+                _ = killed.wait_for(|k| *k) => None,
+            };
+            match chunk {
+                Some(ExecChunk::Output(is_out, data)) => {
+                    if is_out { &mut out } else { &mut err }.push(&data);
+                    if let Some(s) = &sink {
+                        let ev = if is_out {
+                            ExecEvent::stdout(&data)
+                        } else {
+                            ExecEvent::stderr(&data)
+                        };
+                        let _ = s.send(ev).await;
+                    }
+                }
+                Some(ExecChunk::Exit(x)) => break Some(x),
+                None => break None,
+            }
+        };
+        let mut res = ExecResult::default();
+        match exit {
+            Some(x) => {
+                res.duration_ms = x.duration_ms;
+                res.timed_out = x.timed_out;
+                match x.status {
+                    ExecStatus::Exited { code } => res.exit_code = code,
+                    ExecStatus::Signaled { signal } => {
+                        res.exit_code = 128 + signal;
+                        res.signal = Some(signal);
+                    }
+                    ExecStatus::SetupFailed {
+                        message,
+                        user_error,
+                        resource_exhausted,
+                    } => {
+                        return Err(if resource_exhausted {
+                            NodeError::ResourceExhausted(format!(
+                                "sandbox is at its process limit (pids_max={}): {message}",
+                                c.state.spec.pids_max
+                            ))
+                        } else if user_error {
+                            NodeError::InvalidArgument(message)
+                        } else {
+                            NodeError::io(
+                                format!("exec in container {id}: {message}"),
+                                std::io::Error::other("exec set-up failed"),
+                            )
+                        })
+                    }
+                }
+            }
+            // The agent died, the sandbox was deleted, or the agent missed its own deadline.
+            None => {
+                if *killed.borrow() {
+                    res.exit_code = 137;
+                    res.signal = Some(9);
+                } else {
+                    return Err(NodeError::io(
+                        format!("exec in container {id}: the guest agent ended the stream without an exit"),
+                        std::io::Error::other("agent stream ended"),
+                    ));
+                }
+            }
+        }
+        res.oom_killed = match (oom_before, c.cgroup.group().oom_kills()) {
+            (Some(a), Some(b)) => b > a,
+            _ => false,
+        };
+        res.set_output(&out.finish(), &err.finish());
+        Ok(res)
+    }
+
+    async fn read_file(&self, id: &str, path: &str, max_bytes: u64) -> NodeResult<Vec<u8>> {
+        let path = path.to_string();
+        self.with_fs(id, move |fs| fs.read(&path, max_bytes)).await
+    }
+
+    async fn file_size(&self, id: &str, path: &str) -> NodeResult<u64> {
+        let path = path.to_string();
+        self.with_fs(id, move |fs| fs.size(&path)).await
+    }
+
+    async fn write_file(&self, id: &str, path: &str, data: bytes::Bytes) -> NodeResult<()> {
+        let path = path.to_string();
+        self.with_fs(id, move |fs| fs.write(&path, &data)).await
+    }
+
+    async fn list_dir(&self, id: &str, path: &str) -> NodeResult<Vec<FileEntry>> {
+        let path = path.to_string();
+        self.with_fs(id, move |fs| fs.list(&path)).await
+    }
+
+    async fn remove_file(&self, id: &str, path: &str) -> NodeResult<()> {
+        let path = path.to_string();
+        self.with_fs(id, move |fs| fs.remove(&path)).await
+    }
+
+    async fn pause(&self, id: &str) -> NodeResult<()> {
+        let c = self.get(id)?;
+        let guard = c.deleting.read().await;
+        if *guard {
+            return Err(NodeError::NotFound(format!(
+                "sandbox {id} is being deleted"
+            )));
+        }
+        c.paused.store(true, Ordering::SeqCst);
+        let g = c.cgroup.group().clone();
+        let r = spawn_blocking(move || g.freeze(Instant::now() + FREEZE_TIMEOUT)).await;
+        if r.is_err() {
+            c.paused.store(false, Ordering::SeqCst);
+        }
+        r
+    }
+
+    async fn resume(&self, id: &str) -> NodeResult<()> {
+        let c = self.get(id)?;
+        let guard = c.deleting.read().await;
+        if *guard {
+            return Err(NodeError::NotFound(format!(
+                "sandbox {id} is being deleted"
+            )));
+        }
+        let g = c.cgroup.group().clone();
+        spawn_blocking(move || g.thaw()).await?;
+        c.paused.store(false, Ordering::SeqCst);
+        Ok(())
+    }
+
+    async fn delete(&self, id: &str) -> NodeResult<()> {
+        if check_id(id).is_err() {
+            return Ok(());
+        }
+        let c = self.boxes.lock().unwrap().get(id).cloned();
+        if let Some(c) = &c {
+            *c.deleting.write().await = true;
+            let _ = c.killed.send(true);
+        }
+        let res = self.destroy(id, c.as_ref().map(|c| c.state.runtime)).await;
+        if res.is_ok() {
+            self.boxes.lock().unwrap().remove(id);
+            tracing::info!(sandbox = %id, backend = "container", "sandbox deleted");
+        }
+        res
+    }
+
+    fn list(&self) -> Vec<SandboxStatus> {
+        self.boxes
+            .lock()
+            .unwrap()
+            .values()
+            .map(|c| SandboxStatus {
+                id: c.state.id.clone(),
+                backend: Backend::Container,
+                alive: proc_starttime(c.state.init_pid) == Some(c.state.init_starttime),
+            })
+            .collect()
+    }
+
+    async fn readopt(&self, keep: &[String]) -> NodeResult<Vec<String>> {
+        let mut adopted = Vec::new();
+        let mut errors = Vec::new();
+        let names: Vec<String> = std::fs::read_dir(&self.cfg.dir)
+            .map_err(|e| NodeError::io(format!("read {}", self.cfg.dir.display()), e))?
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| check_id(n).is_ok())
+            .collect();
+        for name in names {
+            if self.has(&name) {
+                adopted.push(name);
+                continue;
+            }
+            let state: Option<ContainerState> =
+                std::fs::read(self.dir_of(&name).join("state.json"))
+                    .ok()
+                    .and_then(|s| serde_json::from_slice(&s).ok());
+            let alive = state.as_ref().is_some_and(|s| {
+                s.id == name && proc_starttime(s.init_pid) == Some(s.init_starttime)
+            });
+            match state {
+                Some(state) if alive && keep.contains(&name) => {
+                    let uids = self.uids.reserve(state.uid_base);
+                    self.adopt(state, uids);
+                    tracing::info!(sandbox = %name, backend = "container", "sandbox re-adopted");
+                    adopted.push(name);
+                }
+                state => {
+                    tracing::info!(sandbox = %name, backend = "container", "removing leftover sandbox");
+                    if let Err(e) = self.destroy(&name, state.map(|s| s.runtime)).await {
+                        errors.push(e.to_string());
+                    }
+                }
+            }
+        }
+        for id in self.cgroups.list_sandboxes() {
+            if !self.has(&id) {
+                let cg = self.cgroups.sandbox(&id);
+                if let Err(e) = spawn_blocking(move || cg.group().destroy(KILL_TIMEOUT)).await {
+                    errors.push(e.to_string());
+                }
+            }
+        }
+        if errors.is_empty() {
+            Ok(adopted)
+        } else {
+            Err(NodeError::io(
+                format!("container readopt: {}", errors.join("; ")),
+                std::io::Error::other("cleanup"),
+            ))
+        }
+    }
+}
+
+impl ContainerBackend {
+    async fn with_fs<T: Send + 'static>(
+        &self,
+        id: &str,
+        f: impl FnOnce(&SandboxFs) -> NodeResult<T> + Send + 'static,
+    ) -> NodeResult<T> {
+        let c = self.get(id)?;
+        if *c.deleting.read().await {
+            return Err(NodeError::NotFound(format!(
+                "sandbox {id} is being deleted"
+            )));
+        }
+        c.check_not_paused()?;
+        let (pid, start, uid) = (c.state.init_pid, c.state.init_starttime, c.state.uid_base);
+        let id = id.to_string();
+        spawn_blocking(move || {
+            if proc_starttime(pid) != Some(start) {
+                return Err(NodeError::Conflict(format!(
+                    "sandbox {id} is not running (its init {pid} is gone)"
+                )));
+            }
+            let fs = SandboxFs::open(Path::new(&format!("/proc/{pid}/root")), uid, uid)?;
+            f(&fs)
+        })
+        .await
+    }
+}
+
+impl Drop for ContainerBackend {
+    fn drop(&mut self) {
+        let _ = self.cgroups.remove_parent();
+    }
+}
