@@ -207,6 +207,14 @@ pub struct Attachment {
     pub host_if: String,
 }
 
+impl Attachment {
+    /// Contents for the sandbox's `/etc/resolv.conf` (resolv.conf(5)): its resolver only,
+    /// no search domains.
+    pub fn resolv_conf(&self) -> String {
+        format!("nameserver {}\n", self.resolver)
+    }
+}
+
 struct Live {
     state: NetState,
     resolver: Resolver,

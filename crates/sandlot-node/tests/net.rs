@@ -509,6 +509,7 @@ async fn allow_policy_filters_egress_dns_and_the_host() {
     let att = mgr.attach("sb-net-1", &ns, &policy).await.unwrap();
     assert_eq!(links_in(&ns), vec!["eth0".to_string(), "lo".to_string()]);
     let res = att.resolver;
+    assert_eq!(att.resolv_conf(), format!("nameserver {res}\n"));
 
     // Allowed CIDR reachable; other address blocked (and never reached).
     let (a, b, c) = (w.a, w.b, w.c);
