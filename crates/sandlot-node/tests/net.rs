@@ -736,3 +736,72 @@ async fn sandboxes_are_isolated_and_sweep_readopts_after_a_crash() {
     assert!(mgr.attached().is_empty());
     assert_eq!(w.leftovers(), (vec![], vec![], 0, 0));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_full_pool_answers_resource_exhausted_and_frees_on_teardown() {
+    if skip("a_full_pool_answers_resource_exhausted_and_frees_on_teardown") {
+        return;
+    }
+    let r: u32 = rand::random();
+    let tag = format!("{:04x}", r & 0xffff);
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = NetConfig {
+        // A /29: two /30 slots.
+        pool: format!(
+            "10.{}.{}.{}/29",
+            201 + (r >> 8) % 50,
+            r % 256,
+            8 * ((r >> 16) % 32)
+        )
+        .parse()
+        .unwrap(),
+        upstream: "127.0.0.1:53".parse().unwrap(),
+        table: format!("sandlot_p{tag}"),
+        veth_prefix: format!("p{tag}"),
+        state_dir: dir.path().join("net"),
+    };
+    let mgr = NetworkManager::new(cfg.clone()).await.unwrap();
+    let policy: AllowPolicy =
+        serde_json::from_value(serde_json::json!({"allow": ["192.0.2.0/24"]})).unwrap();
+    let mut addrs = Vec::new();
+    for i in 0..3 {
+        let ns = dir.path().join(format!("{i}.netns"));
+        create_netns(&ns).unwrap();
+        let r = mgr.attach(&format!("sb-p{i}"), &ns, &policy).await;
+        if i < 2 {
+            addrs.push(r.unwrap().sandbox_addr);
+        } else {
+            let e = r.unwrap_err();
+            assert_eq!(e.code(), sandlot_api::ErrorCode::ResourceExhausted, "{e}");
+            assert!(e.to_string().contains("is full"), "{e}");
+            remove_netns(&ns).unwrap();
+        }
+    }
+    assert_ne!(addrs[0], addrs[1]);
+    mgr.teardown("sb-p0").await.unwrap();
+    let ns = dir.path().join("again.netns");
+    create_netns(&ns).unwrap();
+    let again = mgr.attach("sb-p3", &ns, &policy).await.unwrap();
+    assert_eq!(again.sandbox_addr, addrs[0], "the freed slot is reused");
+    mgr.teardown("sb-p1").await.unwrap();
+    mgr.teardown("sb-p3").await.unwrap();
+    assert!(host_links(&cfg.veth_prefix).is_empty());
+    let objs: Vec<String> = nft_objects(&cfg.table)
+        .into_iter()
+        .filter(|n| !BASE_OBJECTS.contains(&n.as_str()))
+        .collect();
+    assert!(objs.is_empty(), "{objs:?}");
+    assert_eq!(std::fs::read_dir(&cfg.state_dir).unwrap().count(), 0);
+    let netns_left = std::fs::read_dir(dir.path())
+        .unwrap()
+        .filter(|e| {
+            e.as_ref()
+                .unwrap()
+                .path()
+                .extension()
+                .is_some_and(|x| x == "netns")
+        })
+        .count();
+    assert_eq!(netns_left, 0);
+    sh(&["nft", "delete", "table", "inet", &cfg.table]);
+}
