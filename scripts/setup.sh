@@ -27,7 +27,7 @@ step "Debian packages"
 # (about 45 s to install here with recommends, less without; the test skips without it).
 # docker-registry, skopeo, umoci: the local OCI registry and the test images pushed into it.
 # libssl-dev, pkg-config: TLS for registry pulls (oci-client through reqwest's native-tls).
-pkgs=(busybox-static debootstrap bubblewrap iproute2 procps curl ca-certificates chromium fonts-liberation
+pkgs=(busybox-static debootstrap bubblewrap iproute2 nftables procps curl ca-certificates chromium fonts-liberation
       docker-registry skopeo umoci libssl-dev pkg-config)
 missing=()
 for p in "${pkgs[@]}"; do

@@ -9,6 +9,7 @@
 mod error;
 mod exec;
 mod files;
+mod network;
 mod run_code;
 mod sandbox;
 mod trajectory;
@@ -16,11 +17,12 @@ mod trajectory;
 pub use error::{ApiError, ErrorBody, ErrorCode};
 pub use exec::{text_and_b64, Cmd, ExecEvent, ExecRequest, ExecResult, Output};
 pub use files::{FileEntry, FileList, FileType};
+pub use network::{AllowEntry, AllowPolicy, NetworkPolicy, MAX_ALLOW_ENTRIES};
 pub use run_code::{
     CommandRunResult, CommandRunStatus, RunCodeRequest, RunCodeResponse, RunStatus,
 };
 pub use sandbox::{
-    Backend, CreateSandboxRequest, KeepaliveRequest, NetworkPolicy, RestoreMismatch, RestoreMode,
-    RestoreReport, Sandbox, SandboxList, SandboxState,
+    Backend, CreateSandboxRequest, KeepaliveRequest, RestoreMismatch, RestoreMode, RestoreReport,
+    Sandbox, SandboxList, SandboxState,
 };
 pub use trajectory::{LabelSelector, PauseFailure, PauseResult, TrajectoryInfo, TrajectoryStep};

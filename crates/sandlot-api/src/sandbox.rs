@@ -1,4 +1,5 @@
 //! Sandbox resource: create request, state and listing.
+use crate::network::NetworkPolicy;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::fmt;
@@ -50,15 +51,6 @@ impl FromStr for Backend {
             )),
         }
     }
-}
-
-/// Network policy of a sandbox. Only `"none"` exists so far (no network device but loopback).
-#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum NetworkPolicy {
-    /// No network at all: a fresh network namespace with only `lo`.
-    #[default]
-    None,
 }
 
 /// `POST /v1/sandboxes` body. Every field is optional; defaults are in the field docs.

@@ -3,17 +3,20 @@
 //! A node runs sandboxes on one host. The server talks to it only through the [`Node`] trait
 //! ([`LocalNode`] is the in-process implementation used by `sandlot up`; cluster mode adds a
 //! transport, not a rewrite). Backends live in [`backends`], images in [`images`], cgroup
-//! handling for v1 and v2 in [`cgroups`].
+//! handling for v1 and v2 in [`cgroups`], network policies (veth, nftables, filtering DNS)
+//! in [`net`] and [`dns`].
 #![deny(missing_docs)]
 #![warn(clippy::undocumented_unsafe_blocks)]
 
 pub mod agent_client;
 pub mod backends;
 pub mod cgroups;
+pub mod dns;
 pub mod files;
 pub mod images;
 pub mod local;
 pub mod mountinfo;
+pub mod net;
 pub mod node;
 pub mod output;
 

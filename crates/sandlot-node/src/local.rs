@@ -302,6 +302,15 @@ impl Node for LocalNode {
                 spec.id
             )));
         }
+        // Until a backend applies allow policies (crate::net::NetworkManager::attach), say so
+        // instead of silently giving the sandbox no network. 400, not 503: the request
+        // cannot succeed on this node whatever its state.
+        if spec.network != sandlot_api::NetworkPolicy::None {
+            return Err(NodeError::InvalidArgument(format!(
+                "network allow policies are not enforced by the {} backend yet; use \"none\"",
+                spec.backend
+            )));
+        }
         let image = self.images.resolve(&spec.image).await?;
         backend.create(spec, &image).await
     }

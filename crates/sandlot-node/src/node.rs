@@ -1,6 +1,8 @@
 //! The server↔node boundary.
 use async_trait::async_trait;
-use sandlot_api::{Backend, ErrorCode, ExecEvent, ExecRequest, ExecResult, FileEntry};
+use sandlot_api::{
+    Backend, ErrorCode, ExecEvent, ExecRequest, ExecResult, FileEntry, NetworkPolicy,
+};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use tokio::sync::mpsc;
@@ -25,6 +27,10 @@ pub struct SandboxSpec {
     pub pids_max: u64,
     /// Environment for every exec.
     pub env: BTreeMap<String, String>,
+    /// Network policy (validated by the server). `None`: a network namespace with only
+    /// `lo`. `Allow`: the backend sets the sandbox's namespace up with
+    /// [`crate::net::NetworkManager::attach`] before the sandbox's own processes start.
+    pub network: NetworkPolicy,
     /// OCI runtime of a `container` sandbox (`runc`, `crun`, `runsc`); `None` = the node's
     /// default. Ignored by other backends.
     pub runtime: Option<String>,

@@ -93,6 +93,7 @@ fn spec(id: &str) -> SandboxSpec {
         env: [("SB_VAR".to_string(), "from-sandbox".to_string())]
             .into_iter()
             .collect(),
+        network: sandlot_api::NetworkPolicy::None,
         runtime: None,
     }
 }

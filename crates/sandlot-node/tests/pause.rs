@@ -48,6 +48,7 @@ fn spec(id: &str) -> SandboxSpec {
         disk_mib: 64,
         pids_max: 64,
         env: Default::default(),
+        network: sandlot_api::NetworkPolicy::None,
         runtime: None,
     }
 }

@@ -128,6 +128,7 @@ pub fn validate(req: &CreateSandboxRequest) -> ApiResult<Validated> {
         runtime: check_runtime(req)?,
         trajectory: req.trajectory.clone(),
     };
+    req.network.check().map_err(ServerError::invalid)?;
     check_map("env", &spec.env, MAX_ENV_VALUE_BYTES)?;
     check_map("labels", &req.labels, MAX_LABEL_VALUE_BYTES)?;
     Ok(Validated { image, spec })
@@ -240,6 +241,7 @@ async fn finish_create(st: &SharedState, mut rec: Record) -> ApiResult<(Record, 
         disk_mib: rec.spec.disk_mib,
         pids_max: rec.spec.pids_max,
         env: rec.spec.env.clone(),
+        network: rec.spec.network.clone(),
         runtime: rec.spec.runtime.clone(),
     };
     let id = rec.id.clone();

@@ -124,6 +124,14 @@ async fn create_validation_and_rejections_are_json_errors() {
         (json!({"pids_max": 4}), "pids_max"),
         (json!({"ttl_s": 604801}), "ttl_s"),
         (json!({"network": "host"}), "unknown variant"),
+        (json!({"network": {"allow": []}}), "at least one entry"),
+        (
+            json!({"network": {"allow": ["10.1.2.3/24"]}}),
+            "network.allow entry \"10.1.2.3/24\": host bits are set",
+        ),
+        (json!({"network": {"allow": ["*.org"]}}), "two labels"),
+        (json!({"network": {"allow": ["::1"]}}), "IPv6"),
+        (json!({"network": {"deny": ["a.example"]}}), "unknown field"),
         (json!({"bogus": 1}), "unknown field"),
         (json!({"image": "../etc"}), "image name"),
         (json!({"env": {"A=B": "x"}}), "env key"),
@@ -1550,4 +1558,32 @@ async fn pause_resume_by_label() {
         ),
         (StatusCode::OK, tj.as_str(), "paused")
     );
+}
+
+#[tokio::test]
+async fn network_policy_reaches_the_node_in_canonical_form() {
+    let t = setup("netpol");
+    let body = json!({"network": {"allow": ["10.1.2.0/24", "203.0.113.7/32", "PyPI.example.", "*.example.org"]}});
+    let r = call(&t.app, Method::POST, "/v1/sandboxes", Some(body)).await;
+    assert_eq!(r.status, StatusCode::CREATED, "{:?}", r.body);
+    let canonical =
+        json!({"allow": ["10.1.2.0/24", "203.0.113.7", "pypi.example", "*.example.org"]});
+    assert_eq!(r.json()["network"], canonical);
+    let id = r.json()["id"].as_str().unwrap().to_owned();
+    let r = call(&t.app, Method::GET, &format!("/v1/sandboxes/{id}"), None).await;
+    assert_eq!(r.json()["network"], canonical, "stored and read back");
+    let spec = t.node.creates.lock().unwrap()[0].clone();
+    assert_eq!(serde_json::to_value(&spec.network).unwrap(), canonical);
+    // "none" and null are the default and echo as "none".
+    for v in [json!("none"), Value::Null] {
+        let r = call(
+            &t.app,
+            Method::POST,
+            "/v1/sandboxes",
+            Some(json!({ "network": v })),
+        )
+        .await;
+        assert_eq!(r.status, StatusCode::CREATED);
+        assert_eq!(r.json()["network"], "none");
+    }
 }

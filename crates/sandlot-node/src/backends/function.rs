@@ -1681,6 +1681,7 @@ mod tests {
             disk_mib: 64,
             pids_max: 64,
             env: BTreeMap::new(),
+            network: sandlot_api::NetworkPolicy::None,
             runtime: None,
         };
         be.create(&spec, &image).await.unwrap();

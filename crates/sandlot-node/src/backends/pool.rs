@@ -421,6 +421,7 @@ impl Shared {
             disk_mib: POOL_TMP_MIB,
             pids_max: POOL_PIDS_MAX,
             env: BTreeMap::new(),
+            network: sandlot_api::NetworkPolicy::None,
             runtime: None,
         };
         let cg = self.cgroups.sandbox(&name);
