@@ -302,12 +302,12 @@ impl Node for LocalNode {
                 spec.id
             )));
         }
-        // Until a backend applies allow policies (crate::net::NetworkManager::attach), say so
-        // instead of silently giving the sandbox no network. 400, not 503: the request
-        // cannot succeed on this node whatever its state.
-        if spec.network != sandlot_api::NetworkPolicy::None {
+        // Only the container backend applies allow policies so far; say so instead of
+        // silently giving the sandbox no network. 400, not 503: the request cannot succeed
+        // on this node whatever its state.
+        if spec.network != sandlot_api::NetworkPolicy::None && spec.backend != Backend::Container {
             return Err(NodeError::InvalidArgument(format!(
-                "network allow policies are not enforced by the {} backend yet; use \"none\"",
+                "network allow policies are not enforced by the {} backend yet; use \"none\" or backend \"container\"",
                 spec.backend
             )));
         }

@@ -48,6 +48,7 @@ use crate::agent_client::{AgentClient, ExecChunk};
 use crate::cgroups::{CgroupRoot, Limits, SandboxCgroup};
 use crate::files::SandboxFs;
 use crate::images::Image;
+use crate::net::{NetConfig, NetworkManager};
 use crate::node::{ExecSink, NodeError, NodeResult, SandboxSpec, SandboxStatus};
 use crate::output::Capture;
 use async_trait::async_trait;
@@ -175,6 +176,9 @@ impl Container {
 /// The container backend: containers by id.
 pub struct ContainerBackend {
     cfg: ContainerConfig,
+    /// Network policies (`network: {"allow": ...}`), set up by the first `readopt`; the
+    /// error says why allow policies cannot be honoured on this node.
+    net: tokio::sync::OnceCell<Result<Arc<NetworkManager>, String>>,
     cgroups: CgroupRoot,
     uids: Arc<UidSlots>,
     /// Each runtime's binary, or why it cannot run here.
@@ -276,6 +280,7 @@ impl ContainerBackend {
         }
         cgroups.ensure_parent()?;
         Ok(ContainerBackend {
+            net: tokio::sync::OnceCell::new(),
             cfg,
             cgroups,
             uids,
@@ -298,6 +303,29 @@ impl ContainerBackend {
                 r.name()
             ))),
         }
+    }
+
+    /// The network manager, created on first use (state in `DATA/net`).
+    async fn net(&self) -> NodeResult<Arc<NetworkManager>> {
+        let state_dir = self
+            .cfg
+            .state_root
+            .parent()
+            .unwrap_or(Path::new("/"))
+            .join("net");
+        let r = self
+            .net
+            .get_or_init(|| async move {
+                let cfg = NetConfig::new(state_dir).map_err(|e| e.to_string())?;
+                NetworkManager::new(cfg)
+                    .await
+                    .map(Arc::new)
+                    .map_err(|e| e.to_string())
+            })
+            .await;
+        r.clone().map_err(|why| {
+            NodeError::Unavailable(format!("network allow policies are unavailable: {why}"))
+        })
     }
 
     fn dir_of(&self, id: &str) -> PathBuf {
@@ -396,6 +424,28 @@ impl ContainerBackend {
                     .map_err(|e| NodeError::io(format!("bind {}/agent.sock", dir.display()), e))?,
             )
         };
+        // An allow policy: a network namespace of our own with the veth, firewall and
+        // resolver ready before any process of the sandbox starts.
+        let netns = match &spec.network {
+            sandlot_api::NetworkPolicy::None => None,
+            sandlot_api::NetworkPolicy::Allow(policy) => {
+                if runtime == Runtime::Runsc {
+                    return Err(NodeError::InvalidArgument(
+                        "network allow policies are not supported with runtime runsc yet (gVisor runs with --network=none); use runc".into(),
+                    ));
+                }
+                let net = self.net().await?;
+                let path = dir.join("netns");
+                let p = path.clone();
+                spawn_blocking(move || crate::net::create_netns(&p)).await?;
+                let att = net.attach(&spec.id, &path, policy).await?;
+                let resolv = dir.join("rootfs/etc/resolv.conf");
+                let _ = std::fs::remove_file(&resolv);
+                std::fs::write(&resolv, att.resolv_conf())
+                    .map_err(|e| NodeError::io(format!("write {}", resolv.display()), e))?;
+                Some(path)
+            }
+        };
         let cfg = bundle_spec(
             &spec.id,
             runtime,
@@ -403,6 +453,7 @@ impl ContainerBackend {
             &format!("/{}/{}", self.cgroups.parent(), spec.id),
             &self.cfg.agent_bin,
             &dir,
+            netns.as_deref(),
         )?;
         cfg.save(dir.join("config.json")).map_err(|e| {
             NodeError::io("write config.json", std::io::Error::other(e.to_string()))
@@ -569,7 +620,12 @@ impl ContainerBackend {
                 let _ = run_with_timeout(cmd, RUNTIME_TIMEOUT).await;
             }
         }
-        spawn_blocking(move || destroy_blocking(&cg, &dir)).await
+        let net = match self.net.get() {
+            Some(Ok(net)) => net.teardown(id).await,
+            _ => Ok(()),
+        };
+        let host = spawn_blocking(move || destroy_blocking(&cg, &dir)).await;
+        host.and(net)
     }
 }
 
@@ -759,6 +815,7 @@ fn bundle_spec(
     cgroups_path: &str,
     agent_bin: &Path,
     bundle_dir: &Path,
+    netns: Option<&Path>,
 ) -> NodeResult<oci_spec::runtime::Spec> {
     use oci_spec::runtime::*;
     let bad = |e: oci_spec::OciSpecError| {
@@ -839,6 +896,29 @@ fn bundle_spec(
     ));
     spec.set_hostname(Some(id.to_string()));
     let mut mounts = spec.mounts().clone().unwrap_or_default();
+    if netns.is_some() {
+        // A network namespace made by the node belongs to the host's user namespace, where
+        // the container may not mount sysfs; bind the host's read-only, as rootless runc
+        // does (/sys/firmware stays masked).
+        for m in mounts
+            .iter_mut()
+            .filter(|m| m.destination() == Path::new("/sys"))
+        {
+            *m = MountBuilder::default()
+                .destination("/sys")
+                .typ("none")
+                .source("/sys")
+                .options(vec![
+                    "rbind".into(),
+                    "nosuid".into(),
+                    "noexec".into(),
+                    "nodev".into(),
+                    "ro".into(),
+                ])
+                .build()
+                .map_err(bad)?;
+        }
+    }
     if runtime == Runtime::Runsc {
         mounts.push(
             MountBuilder::default()
@@ -897,6 +977,16 @@ fn bundle_spec(
     let mut linux = Linux::default();
     let mut namespaces = linux.namespaces().clone().unwrap_or_default();
     namespaces.retain(|n| n.typ() != LinuxNamespaceType::User);
+    if let Some(path) = netns {
+        namespaces.retain(|n| n.typ() != LinuxNamespaceType::Network);
+        namespaces.push(
+            LinuxNamespaceBuilder::default()
+                .typ(LinuxNamespaceType::Network)
+                .path(path)
+                .build()
+                .map_err(bad)?,
+        );
+    }
     namespaces.push(
         LinuxNamespaceBuilder::default()
             .typ(LinuxNamespaceType::User)
@@ -1234,6 +1324,32 @@ impl SandboxBackend for ContainerBackend {
                         errors.push(e.to_string());
                     }
                 }
+            }
+        }
+        // Networks of re-adopted containers come back (resolver restarted); every other
+        // leftover (veth, nft chains, netns file) goes.
+        let net_state = self
+            .cfg
+            .state_root
+            .parent()
+            .unwrap_or(Path::new("/"))
+            .join("net");
+        let any_net = std::fs::read_dir(&net_state).is_ok_and(|mut d| d.next().is_some());
+        // Only when a previous process set networks up: a node that never used an allow
+        // policy changes nothing on the host (no nft table, no ip_forward).
+        match if any_net {
+            self.net().await.map(Some)
+        } else {
+            Ok(None)
+        } {
+            Ok(None) => {}
+            Ok(Some(net)) => {
+                if let Err(e) = net.sweep(&adopted).await {
+                    errors.push(e.to_string());
+                }
+            }
+            Err(e) => {
+                tracing::warn!(backend = "container", error = %e, "no network policies on this node")
             }
         }
         for id in self.cgroups.list_sandboxes() {
