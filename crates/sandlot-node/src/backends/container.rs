@@ -80,6 +80,12 @@ const FREEZE_TIMEOUT: Duration = Duration::from_secs(10);
 const EXEC_GRACE: Duration = Duration::from_secs(10);
 /// Where the agent binary is bind-mounted inside the container (read-only).
 const AGENT_PATH: &str = "/.sandlot/sandlot-guest";
+/// Memory (MiB) a runsc sandbox's cgroup gets on top of `memory_mib`: gVisor's sentry and
+/// gofer live in it too.
+const RUNSC_EXTRA_MIB: u64 = 96;
+/// Tasks a runsc sandbox's cgroup gets on top of `pids_max`: the Go runtimes of the sentry
+/// and gofer (about 25 threads idle) and their growth under load.
+const RUNSC_EXTRA_PIDS: u64 = 128;
 /// Uid (inside) owning runsc's agent socket directory: not 0, so commands (uid 0 without
 /// capabilities) cannot replace the socket.
 const AGENT_UID: u32 = 65_533;
@@ -374,10 +380,16 @@ impl ContainerBackend {
         cg: &SandboxCgroup,
     ) -> NodeResult<ContainerState> {
         let dir = self.dir_of(&spec.id);
+        // runsc: gVisor's own processes and threads (sentry, gofer, one stub process per
+        // guest process) share the group, so it gets room for them on top of the spec.
+        let (extra_mib, extra_pids) = match runtime {
+            Runtime::Runsc => (RUNSC_EXTRA_MIB, RUNSC_EXTRA_PIDS),
+            _ => (0, 0),
+        };
         let limits = Limits {
-            memory_bytes: spec.memory_mib << 20,
+            memory_bytes: (spec.memory_mib + extra_mib) << 20,
             cpu: spec.cpu,
-            pids_max: spec.pids_max,
+            pids_max: spec.pids_max + extra_pids,
         };
         {
             let (dir, cg) = (dir.clone(), cg.clone());

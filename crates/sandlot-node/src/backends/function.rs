@@ -1516,6 +1516,10 @@ pub(crate) fn destroy_blocking(cg: &SandboxCgroup, dir: &Path) -> NodeResult<()>
     for m in mounts_under(dir) {
         tracing::warn!(path = %m.display(), "unmounting a leftover host mount of a sandbox");
         if let Err(e) = nix::mount::umount2(&m, nix::mount::MntFlags::MNT_DETACH) {
+            // EINVAL: not a mount point (any more): a concurrent cleanup was first.
+            if e == nix::errno::Errno::EINVAL && !mounts_under(dir).contains(&m) {
+                continue;
+            }
             errs.push(NodeError::io(
                 format!("unmount {}", m.display()),
                 std::io::Error::from(e),
