@@ -664,6 +664,11 @@ def section_noisy(
 # ----------------------------------------------------------------------------- report
 
 
+def one_line(cmd: list[str]) -> str:
+    """`cmd` as a shell line with newlines shown as \\n (inline Markdown code)."""
+    return shlex.join(cmd).replace("\n", "\\n")
+
+
 def fm(v: float | None) -> str:
     return R.fmt_ms(v)
 
@@ -870,7 +875,7 @@ def render(meta: dict, res: dict, notes: list[str]) -> str:
             "B = a container of the same runtime with memory_mib 256, pids_max 64 (cpu 1). During A's noisy blocks B runs, "
             "at the same time, three exec loops: "
             + "; ".join(
-                f"{k} `{shlex.join(c)}` (timeout {t:.0f} s)"
+                f"{k} `{one_line(c)}` (timeout {t:.0f} s)"
                 for k, (c, t) in NOISE.items()
             )
             + ". Quiet and noisy blocks alternate (quiet first on even rounds)."

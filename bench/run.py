@@ -1335,6 +1335,7 @@ Run it (as root, after `scripts/setup.sh`; takes about a minute, `--quick` about
 
     python3 bench/run.py --start --write BENCHMARKS.md      # starts target/release/sandlot up itself
     python3 bench/run.py --url http://127.0.0.1:7070         # against a running server, print only
+    python3 bench/containers.py --write BENCHMARKS.md       # container backend (runc, runsc); ~10 min
     python3 -m pytest -q bench/test_run.py                   # the harness's own tests
 
 A rerun on the same day and mode replaces that day's section; other sections stay.
