@@ -300,6 +300,7 @@ def test_containers_tiny_run(tmp_path):
         pytest.skip("the server's container backend is unavailable here (see stderr)")
     assert rc == 0
     import json
+    import re
 
     res = json.loads(out.read_text())["results"]
     c1 = res["create"]["samples"]
@@ -316,7 +317,9 @@ def test_containers_tiny_run(tmp_path):
         set(Path("/proc/self/mountinfo").read_text().splitlines()) - mounts_before
     )
     assert not [m for m in new_mounts if "/var/tmp/sandlot-bench." in m]
-    for p in Path("/var/tmp").glob("sandlot-bench-containers-*.log"):
-        if p.stat().st_mtime > time.time() - 120:
-            p.unlink()
+    # Remove this run's kept server log only (its path is in the notes).
+    for note in json.loads(out.read_text())["notes"]:
+        m = re.search(r"Server log kept at `([^`]+)`", note)
+        if m:
+            Path(m.group(1)).unlink(missing_ok=True)
     shutil.rmtree(tmp_path, ignore_errors=True)
