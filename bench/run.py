@@ -351,14 +351,27 @@ class Server:
     """`sandlot up` on a free loopback port with a temporary data directory."""
 
     def __init__(
-        self, binary: Path, images_dir: Path, extra: list[str], ready_timeout_s: float
+        self,
+        binary: Path,
+        images_dir: Path,
+        extra: list[str],
+        ready_timeout_s: float,
+        tmp_parent: str | None = None,
+        env: dict[str, str] | None = None,
     ):
+        """`tmp_parent`: where the temporary data dir goes (default: tempfile's, /tmp). A
+        server running containers needs one whose path unprivileged host uids may walk
+        (e.g. /var/tmp): the temp dir is then made 0711 instead of mkdtemp's 0700.
+        `env`: extra environment variables of `sandlot up`."""
         self.binary = binary
         self.images_dir = images_dir
         self.extra = extra
         self.ready_timeout_s = ready_timeout_s
+        self.env = env or {}
         self.proc: subprocess.Popen | None = None
-        self.tmp = Path(tempfile.mkdtemp(prefix="sandlot-bench."))
+        self.tmp = Path(tempfile.mkdtemp(prefix="sandlot-bench.", dir=tmp_parent))
+        if tmp_parent is not None:
+            os.chmod(self.tmp, 0o711)
         self.log_path = self.tmp / "sandlot-up.log"
         self.port = free_loopback_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -389,6 +402,7 @@ class Server:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
+                env={**os.environ, **self.env},
             )
         deadline = time.monotonic() + self.ready_timeout_s
         last = ""
@@ -558,12 +572,16 @@ class Api:
         self._check(r, (200,), "run_code")
         return r.json()
 
-    def create(self, image: str, ttl_s: int = 900) -> str:
+    def create(
+        self, image: str, ttl_s: int = 900, backend: str = "function", **extra
+    ) -> str:
+        """Create a sandbox; `extra` adds body fields (runtime, memory_mib, pids_max, ...)."""
         body = {
-            "backend": "function",
+            "backend": backend,
             "image": image,
             "ttl_s": ttl_s,
             "labels": {BENCH_LABEL: self.run_id},
+            **extra,
         }
         r = self.request("POST", "/v1/sandboxes", json=body)
         self._check(r, (200, 201), "create")
@@ -1317,6 +1335,7 @@ Run it (as root, after `scripts/setup.sh`; takes about a minute, `--quick` about
 
     python3 bench/run.py --start --write BENCHMARKS.md      # starts target/release/sandlot up itself
     python3 bench/run.py --url http://127.0.0.1:7070         # against a running server, print only
+    python3 bench/containers.py --write BENCHMARKS.md       # container backend (runc, runsc); ~10 min
     python3 -m pytest -q bench/test_run.py                   # the harness's own tests
 
 A rerun on the same day and mode replaces that day's section; other sections stay.

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import containers
 import run
 
 
@@ -202,3 +203,123 @@ def test_cgroup_parent_name_is_fnv1a_of_the_absolute_path():
     # Relative paths are made absolute first.
     cwd = os.getcwd()
     assert run.cgroup_parent_name(Path("x")) == run.cgroup_parent_name(Path(cwd) / "x")
+
+
+# ----------------------------------------------------------------------------- containers.py
+
+
+def _template(runtime: str) -> dict:
+    return {
+        "process": {"args": ["/.sandlot/sandlot-guest", "agent", "--listen-fd", "3"]},
+        "hostname": "sb-0123456789abcdef0123",
+        "root": {"path": "rootfs"},
+        "mounts": [
+            {"destination": "/proc", "type": "proc", "source": "proc"},
+            {"destination": "/.sandlot/run", "type": "bind", "source": "/d/c/sb-x/run"},
+        ],
+        "linux": {
+            "cgroupsPath": "/sandlot-abc-ctr/sb-0123456789abcdef0123",
+            "uidMappings": [{"hostID": 100000, "containerID": 0, "size": 65536}],
+        },
+    }
+
+
+def test_bare_config_runs_true_in_its_own_cgroup_and_bundle(tmp_path):
+    t = _template("runc")
+    c = containers.bare_config(t, "runc", tmp_path, "sandlot-bench-bare-1")
+    assert c["process"]["args"] == ["/bin/true"]
+    assert c["linux"]["cgroupsPath"].startswith("/sandlot-bench-bare-1/")
+    assert c["hostname"] != t["hostname"]
+    run_mount = next(m for m in c["mounts"] if m["destination"] == "/.sandlot/run")
+    assert run_mount["source"] == str(tmp_path / "run")
+    # The template is not modified.
+    assert t["process"]["args"][0] == "/.sandlot/sandlot-guest"
+    # runsc runs with --ignore-cgroups, as the node does: no cgroupsPath.
+    c2 = containers.bare_config(_template("runsc"), "runsc", tmp_path, "p")
+    assert "cgroupsPath" not in c2["linux"]
+
+
+def test_overlay_lowerdir_of_a_non_mount_is_none(tmp_path):
+    assert containers.overlay_lowerdir(tmp_path) is None
+
+
+def test_server_log_problems_groups_by_kind():
+    log = (
+        "2026-11-30T09:03:28.768396Z  INFO sandlot: sandbox created\n"
+        "2026-11-30T09:03:28.768396Z  WARN x: unmounting path=/d/containers/sb-0123456789abcdef0123/rootfs\n"
+        "2026-11-30T09:03:29.768396Z  WARN x: unmounting path=/d/containers/sb-aaaaaaaaaaaaaaaaaaaa/rootfs\n"
+        "2026-11-30T09:03:30.000000Z ERROR y: delete failed: unmount /d/x\n"
+    )
+    kinds = containers.server_log_problems(log)
+    assert [c for c, _ in kinds] == [2, 1]
+    assert "sb-0123456789abcdef0123" in kinds[0][1] and "ERROR" in kinds[1][1]
+    assert containers.server_log_problems("all INFO\n") == []
+
+
+def test_containers_tiny_run(tmp_path):
+    """A few seconds of the real thing: runc create -> first exec vs bare `runc run`, and the
+    exec round trip, against a harness-started server; everything it made is gone after.
+    Skipped where the container backend cannot run (reason given)."""
+    import os
+    import shutil
+
+    binary = Path(os.environ.get("SANDLOT_BIN", run.REPO / "target/release/sandlot"))
+    why = None
+    if os.geteuid() != 0:
+        why = "needs root"
+    elif not binary.exists():
+        why = f"{binary} not built"
+    elif not containers.runtime_bin("runc"):
+        why = "runc not installed"
+    elif not Path("/var/lib/sandlot/images/python/rootfs/usr/bin/python3").exists():
+        why = "python image not in /var/lib/sandlot/images"
+    elif run.httpx is None:
+        why = "httpx not installed"
+    if why:
+        pytest.skip(why)
+    before = set(os.listdir("/var/tmp"))
+    mounts_before = set(Path("/proc/self/mountinfo").read_text().splitlines())
+    out = tmp_path / "out.json"
+    rc = containers.main(
+        [
+            "--binary",
+            str(binary),
+            "--runtimes",
+            "runc",
+            "--skip",
+            "rate,idle,noisy",
+            "-n",
+            "3",
+            "--rounds",
+            "1",
+            "--json",
+            str(out),
+        ]
+    )
+    if rc == 3:
+        pytest.skip("the server's container backend is unavailable here (see stderr)")
+    assert rc == 0
+    import json
+    import re
+
+    res = json.loads(out.read_text())["results"]
+    c1 = res["create"]["samples"]
+    assert c1["bare runc run"]["ok"] == 3 and c1["runc create+exec"]["ok"] == 3
+    assert res["exec"]["samples"]["exec true: runc container"]["ok"] == 6
+    # The data dir is gone and no mount names it.
+    made = {
+        d
+        for d in set(os.listdir("/var/tmp")) - before
+        if d.startswith("sandlot-bench.")
+    }
+    assert not made, made
+    new_mounts = (
+        set(Path("/proc/self/mountinfo").read_text().splitlines()) - mounts_before
+    )
+    assert not [m for m in new_mounts if "/var/tmp/sandlot-bench." in m]
+    # Remove this run's kept server log only (its path is in the notes).
+    for note in json.loads(out.read_text())["notes"]:
+        m = re.search(r"Server log kept at `([^`]+)`", note)
+        if m:
+            Path(m.group(1)).unlink(missing_ok=True)
+    shutil.rmtree(tmp_path, ignore_errors=True)
