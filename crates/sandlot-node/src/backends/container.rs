@@ -636,7 +636,16 @@ impl ContainerBackend {
             Some(Ok(net)) => net.teardown(id).await,
             _ => Ok(()),
         };
-        let host = spawn_blocking(move || destroy_blocking(&cg, &dir)).await;
+        let host = spawn_blocking(move || {
+            // The rootfs overlay and the scratch disk are this backend's own host mounts
+            // (expected, so no warning); anything else left is reported by the shared
+            // cleanup. Detached: a runtime process may still hold them for a moment.
+            for m in ["rootfs", "scratch"] {
+                let _ = nix::mount::umount2(&dir.join(m), nix::mount::MntFlags::MNT_DETACH);
+            }
+            destroy_blocking(&cg, &dir)
+        })
+        .await;
         host.and(net)
     }
 }
