@@ -15,7 +15,14 @@ import sandlot
 from conftest import wait_until
 
 
-def test_memory_limit_oom_killed(make):
+def test_memory_limit_oom_killed(make, backend, request):
+    if backend.name == "container-runsc":
+        # Known deviation, kept visible (strict: an XPASS fails the run and this goes): the
+        # runsc of Debian 13 (release 20240729) cannot size gVisor's memory to the sandbox
+        # (no --total-memory), so the host cgroup's OOM killer ends the whole gVisor sandbox
+        # instead of the one process. docs/backends.md says so.
+        request.applymarker(pytest.mark.xfail(
+            strict=True, reason="gVisor 20240729: a memory-limit OOM kills the whole sandbox"))
     box = make(memory_mib=64, ttl_s=120)
     r = box.exec(["python3", "-c", "b = b'x' * (400 << 20); print(len(b))"], timeout_s=60)
     assert r.oom_killed, r

@@ -348,6 +348,27 @@ fn exec_init(spec: &ExecSpec, p: &Prepared, err_w: OwnedFd, relay_w: OwnedFd) ->
     if sys::set_parent_death_signal(libc::SIGKILL).is_err() || sys::reader_gone(&relay_w) {
         sys::exit_now(125)
     }
+    // A process limit counts the sandbox's processes of the uid: the fork of the command is
+    // the one refused at the limit, so no capability may exempt it.
+    if let Some(l) = spec
+        .rlimits
+        .iter()
+        .find(|l| l.resource == RlimitResource::Nproc)
+    {
+        let lowered = setrlimit(Resource::RLIMIT_NPROC, l.value, l.value)
+            .map_err(std::io::Error::from)
+            .and_then(|_| sys::get_capabilities())
+            .and_then(|caps| {
+                sys::set_capabilities(
+                    // CAP_SYS_ADMIN = 21, CAP_SYS_RESOURCE = 24 (linux/capability.h).
+                    caps & !(1 << 21) & !(1 << 24),
+                )
+            });
+        if let Err(e) = lowered {
+            let _ = write!(std::fs::File::from(err_w), "Iapplying RLIMIT_NPROC: {e}");
+            sys::exit_now(125)
+        }
+    }
     let cmd = match sys::fork() {
         Ok(Forked::Child) => {
             drop(relay_w);
@@ -408,6 +429,7 @@ fn rlimit_resource(r: RlimitResource) -> Resource {
         RlimitResource::Stack => Resource::RLIMIT_STACK,
         RlimitResource::Memlock => Resource::RLIMIT_MEMLOCK,
         RlimitResource::Msgqueue => Resource::RLIMIT_MSGQUEUE,
+        RlimitResource::Nproc => Resource::RLIMIT_NPROC,
     }
 }
 

@@ -72,6 +72,11 @@ pub enum RlimitResource {
     Memlock,
     /// RLIMIT_MSGQUEUE (bytes)
     Msgqueue,
+    /// RLIMIT_NPROC (processes of the real uid). In `own_pid_ns` mode the exec init also
+    /// applies it, without CAP_SYS_ADMIN/CAP_SYS_RESOURCE, before forking the command, so a
+    /// sandbox at its limit refuses the exec (used where no pids cgroup sees the sandbox's
+    /// processes, e.g. inside gVisor).
+    Nproc,
 }
 
 /// How `sandlot-guest exec` runs one command inside a sandbox.

@@ -147,6 +147,31 @@ pub fn clear_capabilities() -> io::Result<()> {
     set_capabilities(0)
 }
 
+/// capget(2): the permitted set of this thread (bit n = capability n).
+pub fn get_capabilities() -> io::Result<u64> {
+    #[repr(C)]
+    struct Header {
+        version: u32,
+        pid: libc::c_int,
+    }
+    #[repr(C)]
+    #[derive(Clone, Copy, Default)]
+    struct Data {
+        effective: u32,
+        permitted: u32,
+        inheritable: u32,
+    }
+    let mut header = Header {
+        version: 0x2008_0522,
+        pid: 0,
+    };
+    let mut data = [Data::default(); 2];
+    // SAFETY: v3 header and two data words, as capget(2) requires; both outlive the call.
+    let ret = unsafe { libc::syscall(libc::SYS_capget, &mut header, data.as_mut_ptr()) };
+    cvt(ret as libc::c_int)?;
+    Ok(u64::from(data[0].permitted) | (u64::from(data[1].permitted) << 32))
+}
+
 /// capset(2): effective and permitted become exactly `caps` (bit n = capability n,
 /// linux/capability.h), inheritable empty. Only lowers: the kernel refuses (EPERM) a
 /// capability that is not already permitted.

@@ -1138,6 +1138,14 @@ impl SandboxBackend for ContainerBackend {
         let mut plan = ExecPlan::build(&c.state.image_env, &c.state.spec, req)?;
         plan.spec.own_pid_ns = true;
         plan.spec.landlock = false;
+        if c.state.runtime == Runtime::Runsc {
+            // gVisor's processes are invisible to the host pids cgroup (which also holds
+            // gVisor itself): its own RLIMIT_NPROC bounds the sandbox's processes instead.
+            plan.spec.rlimits.push(sandlot_guest::spec::Rlimit {
+                resource: sandlot_guest::spec::RlimitResource::Nproc,
+                value: c.state.spec.pids_max,
+            });
+        }
         let oom_before = c.cgroup.group().oom_kills();
         let areq = agent_proto::ExecRequest {
             spec: plan.spec,
@@ -1205,7 +1213,10 @@ impl SandboxBackend for ContainerBackend {
             }
             // The agent died, the sandbox was deleted, or the agent missed its own deadline.
             None => {
-                if *killed.borrow() {
+                let died = proc_starttime(c.state.init_pid) != Some(c.state.init_starttime);
+                if *killed.borrow() || died {
+                    // Deleted, or the whole container died with the command (a runsc
+                    // sandbox OOM-killed as a whole): the command's own end, as SIGKILL.
                     res.exit_code = 137;
                     res.signal = Some(9);
                 } else {
