@@ -17,8 +17,8 @@ cargo test --release --locked --workspace -- --test-threads=2
 # The conformance suite (tests/conformance) runs every case against every backend case:
 # a case the server cannot run is skipped with the reason, unless SANDLOT_REQUIRE_BACKENDS
 # (comma list: function, container-runc, container-runsc; `container` = both) names it, then
-# it fails. Default: only `function` is required (the container backend is not built yet).
-: "${SANDLOT_REQUIRE_BACKENDS:=function}"
+# it fails. Default: every backend setup.sh installs (function, runc and gVisor containers).
+: "${SANDLOT_REQUIRE_BACKENDS:=function,container-runc,container-runsc}"
 export SANDLOT_REQUIRE_BACKENDS
 
 printf '\n==> pytest tests/ (end to end, through the Python SDK; required backends: %s) and the bench harness tests\n' \

@@ -1,0 +1,217 @@
+//! The guest agent (`sandlot-guest agent`) and the node's client of it, end to end on the
+//! host: a real agent process on a unix socket, real `sandlot-guest exec` helpers in their
+//! own pid namespaces. Needs root (the helper unshares a pid namespace) and the guest
+//! binary (`SANDLOT_GUEST_BIN`, else `target/{release,debug}/sandlot-guest`); each test
+//! prints why it skips.
+mod support;
+
+use sandlot_guest::agent_proto::ExecRequest;
+use sandlot_guest::spec::{ExecSpec, ExecStatus};
+use sandlot_node::agent_client::{AgentClient, ExecChunk};
+use std::process::{Child, Command};
+use std::time::{Duration, Instant};
+
+struct Agent {
+    child: Child,
+    client: AgentClient,
+    _tmp: tempfile::TempDir,
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+async fn start(test: &str) -> Option<Agent> {
+    let guest = support::host_ready(test, support::BUILD_GUEST_HINT)?;
+    let tmp = tempfile::tempdir().unwrap();
+    let sock = tmp.path().join("agent.sock");
+    let child = Command::new(&guest)
+        .args(["agent", "--listen"])
+        .arg(&sock)
+        .spawn()
+        .unwrap();
+    let client = AgentClient::new(&sock);
+    client
+        .wait_ready(Instant::now() + Duration::from_secs(10))
+        .await
+        .unwrap();
+    Some(Agent {
+        child,
+        client,
+        _tmp: tmp,
+    })
+}
+
+fn request(script: &str, timeout_ms: u64, stdin: bool) -> ExecRequest {
+    ExecRequest {
+        spec: ExecSpec {
+            init_pid: 0,
+            init_starttime: 0,
+            cgroup_procs: Vec::new(),
+            argv: vec!["/bin/sh".into(), "-c".into(), script.into()],
+            env: vec![("PATH".into(), "/usr/bin:/bin".into())],
+            cwd: "/".into(),
+            uid: 0,
+            gid: 0,
+            rlimits: Vec::new(),
+            own_pid_ns: true,
+            landlock: false,
+        },
+        timeout_ms,
+        stdin,
+    }
+}
+
+/// Runs to the exit frame; returns (stdout, stderr, exit).
+async fn run(
+    a: &Agent,
+    req: &ExecRequest,
+    stdin: Option<&[u8]>,
+) -> (Vec<u8>, Vec<u8>, sandlot_guest::agent_proto::ExecExit) {
+    let mut s = a.client.exec(req, stdin).await.unwrap();
+    let (mut out, mut err) = (Vec::new(), Vec::new());
+    loop {
+        match s.next().await.unwrap().expect("stream ended without exit") {
+            ExecChunk::Output(true, d) => out.extend(d),
+            ExecChunk::Output(false, d) => err.extend(d),
+            ExecChunk::Exit(x) => return (out, err, x),
+        }
+    }
+}
+
+fn alive(pid: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map(|s| !s.contains(") Z "))
+        .unwrap_or(false)
+}
+
+#[tokio::test]
+async fn exec_streams_output_takes_stdin_and_reports_the_exit() {
+    let Some(a) = start("exec_streams_output_takes_stdin_and_reports_the_exit").await else {
+        return;
+    };
+    let req = request("cat; echo err >&2; echo $$; exit 3", 10_000, true);
+    let (out, err, x) = run(&a, &req, Some(b"from stdin\n")).await;
+    // The command is pid 2 of its own pid namespace (its init is pid 1).
+    assert_eq!(String::from_utf8_lossy(&out), "from stdin\n2\n");
+    assert_eq!(err, b"err\n");
+    assert_eq!(x.status, ExecStatus::Exited { code: 3 });
+    assert!(!x.timed_out);
+    // Many calls multiplexed on one connection at once.
+    let reqs: Vec<ExecRequest> = (0..8)
+        .map(|i| request(&format!("echo {i}"), 10_000, false))
+        .collect();
+    let outs = futures::future::join_all(reqs.iter().map(|r| run(&a, r, None))).await;
+    for (i, (out, _, x)) in outs.into_iter().enumerate() {
+        assert_eq!(out, format!("{i}\n").into_bytes());
+        assert_eq!(x.status, ExecStatus::Exited { code: 0 });
+    }
+}
+
+#[tokio::test]
+async fn timeout_kills_the_whole_tree_and_keeps_earlier_output() {
+    let Some(a) = start("timeout_kills_the_whole_tree_and_keeps_earlier_output").await else {
+        return;
+    };
+    let marker = a._tmp.path().join("ns");
+    let script = format!(
+        "sleep 300 & readlink /proc/self/ns/pid > {}; echo started; sleep 300",
+        marker.display()
+    );
+    let t = Instant::now();
+    let (out, _, x) = run(&a, &request(&script, 1_000, false), None).await;
+    assert!(x.timed_out, "{x:?}");
+    assert_eq!(x.status, ExecStatus::Signaled { signal: 9 });
+    assert_eq!(out, b"started\n");
+    assert!(t.elapsed() < Duration::from_secs(10));
+    // Nothing of the tree is left: no process in that pid namespace.
+    let ns = std::fs::read_to_string(&marker).unwrap();
+    let left: Vec<i32> = std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse().ok())
+        .filter(|p: &i32| {
+            std::fs::read_link(format!("/proc/{p}/ns/pid"))
+                .map(|l| l.to_string_lossy() == ns.trim())
+                .unwrap_or(false)
+                && alive(*p)
+        })
+        .collect();
+    assert!(
+        left.is_empty(),
+        "left in the exec's pid namespace: {left:?}"
+    );
+}
+
+#[tokio::test]
+async fn dropping_the_stream_kills_the_command() {
+    let Some(a) = start("dropping_the_stream_kills_the_command").await else {
+        return;
+    };
+    let marker = a._tmp.path().join("ns");
+    let script = format!(
+        "readlink /proc/self/ns/pid > {}; sleep 300",
+        marker.display()
+    );
+    let s = a
+        .client
+        .exec(&request(&script, 600_000, false), None)
+        .await
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !marker.exists() && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let ns = std::fs::read_to_string(&marker).unwrap();
+    drop(s);
+    let in_ns = || {
+        std::fs::read_dir("/proc")
+            .unwrap()
+            .flatten()
+            .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+            .filter(|p| {
+                std::fs::read_link(format!("/proc/{p}/ns/pid"))
+                    .map(|l| l.to_string_lossy() == ns.trim())
+                    .unwrap_or(false)
+                    && alive(*p)
+            })
+            .count()
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while in_ns() > 0 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(in_ns(), 0, "the command outlived its caller");
+    // The agent still serves.
+    let (out, _, _) = run(&a, &request("echo ok", 10_000, false), None).await;
+    assert_eq!(out, b"ok\n");
+}
+
+#[tokio::test]
+async fn a_command_that_cannot_start_is_127_and_bad_input_is_a_user_error() {
+    let Some(a) = start("a_command_that_cannot_start_is_127_and_bad_input_is_a_user_error").await
+    else {
+        return;
+    };
+    let mut req = request("", 10_000, false);
+    req.spec.argv = vec!["no-such-command-xyz".into()];
+    let (_, err, x) = run(&a, &req, None).await;
+    assert_eq!(x.status, ExecStatus::Exited { code: 127 });
+    assert!(String::from_utf8_lossy(&err).contains("command not found"));
+    let mut req = request("true", 10_000, false);
+    req.spec.cwd = "/no/such/dir".into();
+    let (_, _, x) = run(&a, &req, None).await;
+    assert!(
+        matches!(
+            x.status,
+            ExecStatus::SetupFailed {
+                user_error: true,
+                ..
+            }
+        ),
+        "{x:?}"
+    );
+}
