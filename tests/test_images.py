@@ -86,6 +86,24 @@ def test_create_from_registry_reference_pulls_on_first_use(binary, client, serve
         assert box.exec(["python3", "-V"], timeout_s=60).exit_code == 0
 
 
+@pytest.mark.parametrize("runtime", ["runc", "runsc"])
+def test_container_from_a_pulled_image(client, server, registry, runtime):
+    """The pulled OCI image runs as a container too (its layers as the overlay's lower
+    dirs), through the same SDK call with only `backend`/`runtime` changed."""
+    health = client._request("GET", "/healthz").json()
+    required = os.environ.get("SANDLOT_REQUIRE_BACKENDS", "").split(",")
+    if health["backends"].get("container") != "ok" and not (
+            "container" in required or f"container-{runtime}" in required):
+        pytest.skip(f"container backend: {health['backends'].get('container')}")
+    with client.create(backend="container", runtime=runtime, image=PY_REF, memory_mib=256,
+                       ttl_s=120) as box:
+        assert box.image == PY_REF
+        r = box.exec(["python3", "-c", "print(2+2)"], timeout_s=60)
+        assert (r.exit_code, r.stdout) == (0, b"4\n"), r
+        r = box.exec(["sh", "-c", "echo $LANG"], timeout_s=30)
+        assert r.stdout == b"C.UTF-8\n", r
+
+
 def test_bad_and_disallowed_references(client, registry):
     with pytest.raises(sandlot.InvalidArgument):
         client.create(image="Bad/Ref:x")

@@ -107,6 +107,9 @@ struct UpArgs {
     /// Images the warm pool keeps jails of (comma-separated).
     #[arg(long, value_delimiter = ',', default_value = "python")]
     warm_pool_images: Vec<String>,
+    /// OCI runtime of `container` sandboxes created without one: runc, runsc or crun.
+    #[arg(long, default_value = "runc", value_parser = ["runc", "runsc", "crun"])]
+    default_runtime: String,
 }
 
 #[derive(Args, Clone)]
@@ -479,11 +482,14 @@ async fn up(a: UpArgs) -> anyhow::Result<u8> {
     }
     ncfg.warm_pool = a.warm_pool;
     ncfg.warm_pool_images = a.warm_pool_images;
+    ncfg.default_runtime = sandlot_node::backends::container::Runtime::parse(&a.default_runtime)
+        .context("--default-runtime")?;
     let images_dir = ncfg.images_dir.clone();
     let node = sandlot_node::LocalNode::open(ncfg).context("open local node")?;
     let mut cfg = sandlot_server::ServerConfig::new(a.data_dir);
     cfg.images_dir = Some(images_dir);
     cfg.listen = a.listen;
+    cfg.default_runtime = a.default_runtime;
     cfg.max_file_bytes = a.max_file_mib << 20;
     cfg.trajectory_retention = std::time::Duration::from_secs(a.trajectory_retention_h * 3600);
     cfg.trajectory_fsync = a.trajectory_fsync;

@@ -47,6 +47,8 @@ pub struct NodeConfig {
     pub warm_pool: usize,
     /// Image names the warm pool keeps jails of (default empty).
     pub warm_pool_images: Vec<String>,
+    /// OCI runtime of `container` sandboxes created without one (default runc).
+    pub default_runtime: Runtime,
 }
 
 impl NodeConfig {
@@ -67,6 +69,7 @@ impl NodeConfig {
             uid_base: 100_000,
             warm_pool: 0,
             warm_pool_images: Vec::new(),
+            default_runtime: Runtime::Runc,
         }
     }
 }
@@ -180,7 +183,7 @@ impl LocalNode {
                     dir: cfg.data_dir.join("containers"),
                     state_root: cfg.data_dir.join("runtime"),
                     agent_bin: cfg.agent_bin.clone(),
-                    default_runtime: Runtime::Runc,
+                    default_runtime: cfg.default_runtime,
                 },
                 cg,
                 uids,

@@ -66,6 +66,9 @@ use std::time::Duration;
 pub struct ServerConfig {
     /// Address to listen on (default `127.0.0.1:7070`).
     pub listen: SocketAddr,
+    /// OCI runtime of `container` sandboxes created without one (default `runc`; must match
+    /// the node's `NodeConfig::default_runtime`).
+    pub default_runtime: String,
     /// Data directory; the store is `DATA/sandlot.db`.
     pub data_dir: PathBuf,
     /// Largest JSON request body in bytes (default 16 MiB); larger → 413 `payload_too_large`.
@@ -114,6 +117,7 @@ impl ServerConfig {
             .unwrap_or(1);
         ServerConfig {
             listen: SocketAddr::from(([127, 0, 0, 1], 7070)),
+            default_runtime: "runc".to_string(),
             data_dir,
             max_json_bytes: 16 << 20,
             max_file_bytes: 256 << 20,

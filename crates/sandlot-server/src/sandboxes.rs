@@ -134,11 +134,11 @@ pub fn validate(req: &CreateSandboxRequest) -> ApiResult<Validated> {
     Ok(Validated { image, spec })
 }
 
-/// The OCI runtime of a create: only for `backend: "container"`, one of runc / crun / runsc,
-/// `runc` when absent.
+/// The OCI runtime of a create: only for `backend: "container"`, one of runc / crun / runsc;
+/// absent = the node's default (filled in by the create).
 fn check_runtime(req: &CreateSandboxRequest) -> ApiResult<Option<String>> {
     match (req.backend, req.runtime.as_deref()) {
-        (Backend::Container, None) => Ok(Some("runc".to_string())),
+        (Backend::Container, None) => Ok(None),
         (Backend::Container, Some(r @ ("runc" | "crun" | "runsc"))) => Ok(Some(r.to_string())),
         (Backend::Container, Some(r)) => Err(ServerError::invalid(format!(
             "unknown runtime {r:?}: expected \"runc\", \"crun\" or \"runsc\""
@@ -182,7 +182,10 @@ pub async fn create_sandbox(
     labels_extra: BTreeMap<String, String>,
     idempotency_key: Option<String>,
 ) -> ApiResult<(Record, bool)> {
-    let v = validate(&req)?;
+    let mut v = validate(&req)?;
+    if req.backend == Backend::Container && v.spec.runtime.is_none() {
+        v.spec.runtime = Some(st.cfg.default_runtime.clone());
+    }
     let mut labels = req.labels.clone();
     labels.extend(labels_extra);
     let now = now_ms();
