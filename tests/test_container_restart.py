@@ -252,26 +252,32 @@ def test_kill9_readopts_20_runc_containers(node, client, baseline):
 
 
 def test_ttl_expiry_after_kill9(node, client, baseline):
-    """The TTL of a re-adopted container still runs out: a container with a 6 s TTL
-    survives kill -9 + restart and is then reaped by the restarted server on time, leaving
-    nothing behind."""
+    """TTLs of re-adopted containers still run out: one with an 8 s TTL survives kill -9 +
+    restart and is then reaped by the restarted server on time; one whose 3 s TTL ran out
+    while no server was running is reaped right after the restart. Nothing is left."""
     box = client.create(backend="container", runtime="runc", image=IMAGE, memory_mib=64,
                         ttl_s=8)
+    short = client.create(backend="container", runtime="runc", image=IMAGE, memory_mib=64,
+                          ttl_s=3)
     created = time.monotonic()
     node.kill()
+    time.sleep(max(0.0, 3.5 - (time.monotonic() - created)))
     node.start()
-    got = client.get(box.id)
-    if time.monotonic() - created < 7:
-        assert got.state == "running", got.raw
 
-    def gone() -> bool:
+    def gone(sid: str) -> bool:
         try:
-            return client.get(box.id).state in ("deleted",)
+            return client.get(sid).state == "deleted"
         except sandlot.NotFound:
             return True
 
-    wait_until(gone, 30, what=f"the TTL of re-adopted {box.id} to expire")
-    assert_nothing_left(node, baseline, "the TTL expiry of a re-adopted container")
+    got = client.get(box.id)
+    if time.monotonic() - created < 7:
+        assert got.state == "running", got.raw
+    wait_until(lambda: gone(short.id), 5,
+               what=f"{short.id}, expired while no server ran, to be reaped after the restart")
+    wait_until(lambda: gone(box.id), 30, what=f"the TTL of re-adopted {box.id} to expire")
+    assert time.monotonic() - created >= 7.5, "reaped before its TTL"
+    assert_nothing_left(node, baseline, "the TTL expiry of re-adopted containers")
 
 
 def _half_created_seen(data_dir: Path, trigger: str) -> bool:
