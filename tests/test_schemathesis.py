@@ -61,6 +61,7 @@ def test_schemathesis_finds_nothing(server, client, python_image, tmp_path):
     cli = schemathesis_cli()
     health = httpx.get(f"{server.url}/healthz", timeout=10).json()
     unavailable = sorted(b for b, s in health["backends"].items() if s != "ok")
+    absent_runtimes = sorted(r for r, s in health.get("runtimes", {}).items() if s != "ok")
     before_ids = {b.id for b in client.list()}
     before = count_leaks(server.data_dir)
 
@@ -76,6 +77,7 @@ def test_schemathesis_finds_nothing(server, client, python_image, tmp_path):
     env = dict(os.environ,
                SCHEMATHESIS_HOOKS="schemathesis_hooks",
                SANDLOT_UNAVAILABLE_BACKENDS=",".join(unavailable),
+               SANDLOT_UNAVAILABLE_RUNTIMES=",".join(absent_runtimes),
                PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
     t0 = time.monotonic()
     try:

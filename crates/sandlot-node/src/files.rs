@@ -521,10 +521,13 @@ impl SandboxFs {
                 cur = self.open_dir(&here)?;
                 continue;
             }
-            match mkdirat(cur.as_fd(), *comp, Mode::from_bits_truncate(0o755)) {
-                Ok(()) | Err(Errno::EEXIST) => {}
+            // Only a directory made here gets our owner and mode; one that exists (made
+            // meanwhile, or reached through `..`) is the sandbox's and stays as it is.
+            let created = match mkdirat(cur.as_fd(), *comp, Mode::from_bits_truncate(0o755)) {
+                Ok(()) => true,
+                Err(Errno::EEXIST) => false,
                 Err(e) => return Err(map_errno(e, "mkdir", &here)),
-            }
+            };
             // SECURITY: open the new name without following anything: if the sandbox
             // swapped it for a symlink meanwhile we fail (ELOOP) instead of chowning a
             // target elsewhere.
@@ -534,11 +537,13 @@ impl SandboxFs {
             let next =
                 openat2_retry(cur.as_fd(), comp, how).map_err(|e| map_errno(e, "open", &here))?;
             check_fs(next.as_fd(), &here)?;
-            // fchown/fchmod on the fd (not the name): umask does not apply, no race.
-            fchown(next.as_fd(), Some(self.uid), Some(self.gid))
-                .map_err(|e| map_errno(e, "chown", &here))?;
-            fchmod(next.as_fd(), Mode::from_bits_truncate(0o755))
-                .map_err(|e| map_errno(e, "chmod", &here))?;
+            if created {
+                // fchown/fchmod on the fd (not the name): umask does not apply, no race.
+                fchown(next.as_fd(), Some(self.uid), Some(self.gid))
+                    .map_err(|e| map_errno(e, "chown", &here))?;
+                fchmod(next.as_fd(), Mode::from_bits_truncate(0o755))
+                    .map_err(|e| map_errno(e, "chmod", &here))?;
+            }
             cur = next;
         }
         Ok(cur)

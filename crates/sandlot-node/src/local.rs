@@ -294,6 +294,22 @@ impl Node for LocalNode {
                 .map(|b| (b.kind(), b.availability()))
                 .collect(),
             cgroup_version: self.cgroup_version.clone(),
+            runtimes: self
+                .backends
+                .iter()
+                .find_map(|b| match b {
+                    AnyBackend::Container(c) => Some(c.runtimes()),
+                    _ => None,
+                })
+                .unwrap_or_default()
+                .iter()
+                .map(|(r, bin)| {
+                    (
+                        r.name().to_string(),
+                        bin.as_ref().map(|_| ()).map_err(Clone::clone),
+                    )
+                })
+                .collect(),
         }
     }
 

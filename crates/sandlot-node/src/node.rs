@@ -56,6 +56,9 @@ pub struct NodeInfo {
     pub backends: Vec<(Backend, Result<(), String>)>,
     /// `"v1"` or `"v2"`.
     pub cgroup_version: String,
+    /// OCI runtimes of the container backend (`runc`, `crun`, `runsc`), with the reason for
+    /// each one this node cannot run; empty when the container backend is unavailable.
+    pub runtimes: Vec<(String, Result<(), String>)>,
 }
 
 /// Errors of node operations. Each maps to exactly one wire [`ErrorCode`].

@@ -72,6 +72,7 @@ impl Node for FakeNode {
                 (Backend::Vm, Err("no kvm".into())),
             ],
             cgroup_version: "v1".into(),
+            runtimes: Vec::new(),
         }
     }
 

@@ -15,19 +15,23 @@ pub async fn ping() -> &'static str {
 }
 
 /// `GET /healthz` → `{"status":"ok","node":NAME,"cgroup_version":"v1"|"v2",
-/// "backends":{"function":"ok"|"unavailable: why",...},"sandboxes":N}`.
+/// "backends":{"function":"ok"|"unavailable: why",...},"runtimes":{"runc":"ok"|"unavailable:
+/// why",...},"sandboxes":N}` (`runtimes`: the container backend's OCI runtimes).
 pub async fn healthz(State(st): State<SharedState>) -> ApiResult<Json<serde_json::Value>> {
     let info = st.node.info();
+    let status = |r: &Result<(), String>| match r {
+        Ok(()) => "ok".to_owned(),
+        Err(why) => format!("unavailable: {why}"),
+    };
     let backends: BTreeMap<String, String> = info
         .backends
         .iter()
-        .map(|(b, r)| {
-            let s = match r {
-                Ok(()) => "ok".to_owned(),
-                Err(why) => format!("unavailable: {why}"),
-            };
-            (b.as_str().to_owned(), s)
-        })
+        .map(|(b, r)| (b.as_str().to_owned(), status(r)))
+        .collect();
+    let runtimes: BTreeMap<String, String> = info
+        .runtimes
+        .iter()
+        .map(|(n, r)| (n.clone(), status(r)))
         .collect();
     let n = st.store.list()?.len();
     Ok(Json(serde_json::json!({
@@ -35,6 +39,7 @@ pub async fn healthz(State(st): State<SharedState>) -> ApiResult<Json<serde_json
         "node": info.name,
         "cgroup_version": info.cgroup_version,
         "backends": backends,
+        "runtimes": runtimes,
         "sandboxes": n,
         "version": env!("CARGO_PKG_VERSION"),
     })))
