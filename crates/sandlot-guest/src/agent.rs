@@ -316,7 +316,7 @@ async fn exec(mut body: Incoming, live: Live) -> Result<Response<Body>, String> 
     let timeout = Duration::from_millis(req.timeout_ms.max(1));
     tokio::spawn(async move {
         let _killer = killer;
-        let mut status_fut = std::pin::pin!(read_status(status_rx));
+        let mut status_fut = std::pin::pin!(sandlot_guest::spec::read_exec_status(status_rx));
         let (status, timed_out) = tokio::select! {
             s = status_fut.as_mut() => (s, false),
             _ = tokio::time::sleep(timeout) => (None, true),
@@ -386,24 +386,4 @@ fn pump(
             }
         }
     })
-}
-
-/// The helper's status JSON on its fd 4; `None` on EOF without a (valid) status.
-async fn read_status(mut rx: tokio::net::unix::pipe::Receiver) -> Option<ExecStatus> {
-    let mut buf = Vec::new();
-    let mut chunk = [0u8; 4096];
-    loop {
-        match rx.read(&mut chunk).await {
-            Ok(0) | Err(_) => return serde_json::from_slice(&buf).ok(),
-            Ok(n) => {
-                buf.extend_from_slice(&chunk[..n]);
-                if let Ok(s) = serde_json::from_slice::<ExecStatus>(&buf) {
-                    return Some(s);
-                }
-                if buf.len() > 1 << 20 {
-                    return None;
-                }
-            }
-        }
-    }
 }

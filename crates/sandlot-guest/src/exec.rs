@@ -249,32 +249,15 @@ fn run() -> Result<ExecStatus, SetupError> {
     match forked {
         Forked::Child => {
             drop(err_r);
-            let e = match child(&spec, &prepared, Some(&target)) {
+            match child(&spec, &prepared, Some(&target)) {
                 Ok(never) => match never {},
-                Err(e) => e,
-            };
-            let mut w = std::fs::File::from(err_w);
-            let tag = if e.user_error { "U" } else { "I" };
-            let _ = write!(w, "{tag}{}", e.message);
-            sys::exit_now(125)
+                Err(e) => report_setup_error(err_w, e),
+            }
         }
         Forked::Parent(pid) => {
             drop(err_w);
             drop(target);
-            let mut msg = Vec::new();
-            let read = std::fs::File::from(err_r).read_to_end(&mut msg);
-            let status = wait(pid)?;
-            if let Err(e) = read {
-                return Err(anyhow::anyhow!("reading the child's error pipe: {e}").into());
-            }
-            if let Some((&tag, text)) = msg.split_first() {
-                return Err(SetupError {
-                    message: String::from_utf8_lossy(text).into_owned(),
-                    user_error: tag == b'U',
-                    resource_exhausted: false,
-                });
-            }
-            Ok(status)
+            wait_setup(err_r, pid)
         }
     }
 }
@@ -306,19 +289,7 @@ fn run_in_own_pid_ns(spec: &ExecSpec, p: &Prepared) -> Result<ExecStatus, SetupE
         Forked::Parent(init) => {
             drop(err_w);
             drop(relay_w);
-            let mut msg = Vec::new();
-            let read = std::fs::File::from(err_r).read_to_end(&mut msg);
-            let init_status = wait(init)?;
-            if let Err(e) = read {
-                return Err(anyhow::anyhow!("reading the child's error pipe: {e}").into());
-            }
-            if let Some((&tag, text)) = msg.split_first() {
-                return Err(SetupError {
-                    message: String::from_utf8_lossy(text).into_owned(),
-                    user_error: tag == b'U',
-                    resource_exhausted: tag == b'R',
-                });
-            }
+            let init_status = wait_setup(err_r, init)?;
             let mut relay = Vec::new();
             let _ = std::fs::File::from(relay_r).read_to_end(&mut relay);
             match (init_status, relay.as_slice()) {
@@ -365,32 +336,27 @@ fn exec_init(spec: &ExecSpec, p: &Prepared, err_w: OwnedFd, relay_w: OwnedFd) ->
                 )
             });
         if let Err(e) = lowered {
-            let _ = write!(std::fs::File::from(err_w), "Iapplying RLIMIT_NPROC: {e}");
-            sys::exit_now(125)
+            let e = anyhow::Error::from(e).context("applying RLIMIT_NPROC");
+            report_setup_error(err_w, e.into())
         }
     }
     let cmd = match sys::fork() {
         Ok(Forked::Child) => {
             drop(relay_w);
-            let e = match child(spec, p, None) {
+            match child(spec, p, None) {
                 Ok(never) => match never {},
-                Err(e) => e,
-            };
-            let mut w = std::fs::File::from(err_w);
-            let tag = if e.user_error { "U" } else { "I" };
-            let _ = write!(w, "{tag}{}", e.message);
-            sys::exit_now(125)
+                Err(e) => report_setup_error(err_w, e),
+            }
         }
         Ok(Forked::Parent(pid)) => pid,
-        Err(e) => {
-            let tag = if e.raw_os_error() == Some(libc::EAGAIN) {
-                "R"
-            } else {
-                "I"
-            };
-            let _ = write!(std::fs::File::from(err_w), "{tag}fork: {e}");
-            sys::exit_now(125)
-        }
+        Err(e) => report_setup_error(
+            err_w,
+            SetupError {
+                message: format!("fork: {e}"),
+                user_error: false,
+                resource_exhausted: e.raw_os_error() == Some(libc::EAGAIN),
+            },
+        ),
     };
     drop(err_w);
     let (tag, n) = loop {
@@ -405,6 +371,40 @@ fn exec_init(spec: &ExecSpec, p: &Prepared, err_w: OwnedFd, relay_w: OwnedFd) ->
     relay[1..].copy_from_slice(&n.to_le_bytes());
     let _ = std::fs::File::from(relay_w).write_all(&relay);
     sys::exit_now(0)
+}
+
+/// In a forked child whose set-up failed: the error to the parent over `err_w` (one tag
+/// byte, `U` for the caller's fault, `R` for the sandbox's process limit, else `I`, then the
+/// text), then exit 125.
+fn report_setup_error(err_w: OwnedFd, e: SetupError) -> ! {
+    let tag = if e.user_error {
+        "U"
+    } else if e.resource_exhausted {
+        "R"
+    } else {
+        "I"
+    };
+    let _ = write!(std::fs::File::from(err_w), "{tag}{}", e.message);
+    sys::exit_now(125)
+}
+
+/// The parent's side of a fork: reads the child's error pipe to EOF (execve closed it, or
+/// the child wrote a set-up error and exited), then waits for the child.
+fn wait_setup(err_r: OwnedFd, pid: Pid) -> Result<ExecStatus, SetupError> {
+    let mut msg = Vec::new();
+    let read = std::fs::File::from(err_r).read_to_end(&mut msg);
+    let status = wait(pid)?;
+    if let Err(e) = read {
+        return Err(anyhow::anyhow!("reading the child's error pipe: {e}").into());
+    }
+    if let Some((&tag, text)) = msg.split_first() {
+        return Err(SetupError {
+            message: String::from_utf8_lossy(text).into_owned(),
+            user_error: tag == b'U',
+            resource_exhausted: tag == b'R',
+        });
+    }
+    Ok(status)
 }
 
 fn wait(pid: Pid) -> Result<ExecStatus, SetupError> {

@@ -148,3 +148,26 @@ pub enum ExecStatus {
         resource_exhausted: bool,
     },
 }
+
+/// Reads the [`ExecStatus`] JSON a `sandlot-guest exec` helper writes on its fd 4: parsed as
+/// soon as it is complete (a process that inherited the pipe cannot delay it); `None` on
+/// EOF without a valid status (the helper was killed) or past 1 MiB of garbage.
+pub async fn read_exec_status(mut rx: tokio::net::unix::pipe::Receiver) -> Option<ExecStatus> {
+    use tokio::io::AsyncReadExt;
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 4096];
+    loop {
+        match rx.read(&mut chunk).await {
+            Ok(0) | Err(_) => return serde_json::from_slice(&buf).ok(),
+            Ok(n) => {
+                buf.extend_from_slice(&chunk[..n]);
+                if let Ok(s) = serde_json::from_slice::<ExecStatus>(&buf) {
+                    return Some(s);
+                }
+                if buf.len() > 1 << 20 {
+                    return None;
+                }
+            }
+        }
+    }
+}

@@ -1178,7 +1178,7 @@ async fn run_exec(
         .map_err(|e| NodeError::io("status pipe of sandlot-guest exec", e))?;
     // Kept (pinned) until the end: the helper may still write its status after a timeout,
     // and must not get EPIPE.
-    let mut status_fut = std::pin::pin!(read_status(status_rx));
+    let mut status_fut = std::pin::pin!(sandlot_guest::spec::read_exec_status(status_rx));
     let ending = tokio::select! {
         s = status_fut.as_mut() => match s { Some(s) => Ending::Status(s), None => Ending::Killed },
         _ = tokio::time::sleep(plan.timeout) => Ending::TimedOut,
@@ -1325,27 +1325,6 @@ async fn pump(
             };
             // A closed receiver does not stop the exec.
             let _ = s.send(ev).await;
-        }
-    }
-}
-
-/// Read the status JSON from fd 4 of the helper: parsed as soon as complete (a process
-/// that inherited the pipe cannot delay it), `None` on EOF without a status.
-async fn read_status(mut rx: tokio::net::unix::pipe::Receiver) -> Option<ExecStatus> {
-    let mut buf = Vec::new();
-    let mut chunk = [0u8; 4096];
-    loop {
-        match rx.read(&mut chunk).await {
-            Ok(0) | Err(_) => return serde_json::from_slice(&buf).ok(),
-            Ok(n) => {
-                buf.extend_from_slice(&chunk[..n]);
-                if let Ok(s) = serde_json::from_slice::<ExecStatus>(&buf) {
-                    return Some(s);
-                }
-                if buf.len() > 1 << 20 {
-                    return None;
-                }
-            }
         }
     }
 }
