@@ -393,10 +393,14 @@ async fn orphans_leave_no_zombies() {
     assert_eq!(env.procs("sb-orphans").len(), 1);
 }
 
-fn mount_count() -> usize {
+/// Host mounts naming this test node's data dir (a host-wide count would see whatever
+/// else the machine mounts meanwhile).
+fn mount_count(data_dir: &std::path::Path) -> usize {
+    let d = data_dir.display().to_string();
     std::fs::read_to_string("/proc/self/mountinfo")
         .unwrap()
         .lines()
+        .filter(|l| l.contains(&d))
         .count()
 }
 
@@ -406,7 +410,7 @@ async fn delete_during_exec_and_twice_leaves_nothing() {
         return;
     };
     let n = env.node();
-    let mounts_before = mount_count();
+    let mounts_before = mount_count(&env.cfg.data_dir);
     n.create(&spec("sb-del")).await.unwrap();
     let dir = env.sandbox_dir("sb-del");
     let state = read_state(&dir).expect("state.json written");
@@ -444,7 +448,7 @@ async fn delete_during_exec_and_twice_leaves_nothing() {
         "init {} still alive",
         state.init_pid
     );
-    assert_eq!(mount_count(), mounts_before);
+    assert_eq!(mount_count(&env.cfg.data_dir), mounts_before);
     assert!(n.list().await.unwrap().is_empty());
     let e = n
         .exec("sb-del", &sh_req("true", 1.0), None)
