@@ -19,6 +19,8 @@ pub struct FakeNode {
     pub creates: Mutex<Vec<SandboxSpec>>,
     /// Ids currently paused; exec and file calls on them answer `Conflict`.
     pub paused: Mutex<std::collections::HashSet<String>>,
+    /// Ids whose processes "died": `list` reports them not alive.
+    pub dead: Mutex<std::collections::HashSet<String>>,
     /// Every exec that reached the node, as (sandbox id, argv).
     pub execs: Mutex<Vec<(String, Vec<String>)>>,
 }
@@ -281,9 +283,9 @@ impl Node for FakeNode {
             .ids()
             .into_iter()
             .map(|id| SandboxStatus {
+                alive: !self.dead.lock().unwrap().contains(&id),
                 id,
                 backend: Backend::Function,
-                alive: true,
             })
             .collect())
     }

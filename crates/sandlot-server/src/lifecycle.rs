@@ -38,7 +38,8 @@ pub async fn recover(st: &SharedState) -> anyhow::Result<()> {
 }
 
 /// Every `reap_interval` until `stop` turns true: delete sandboxes whose TTL expired and
-/// retry deletes that failed (records left `deleting`), then purge old idempotency keys.
+/// retry deletes that failed (records left `deleting`), mark sandboxes that died under the
+/// node `lost`, then purge old idempotency keys.
 pub async fn reaper(st: SharedState, mut stop: tokio::sync::watch::Receiver<bool>) {
     let mut tick = tokio::time::interval(st.cfg.reap_interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -48,6 +49,24 @@ pub async fn reaper(st: SharedState, mut stop: tokio::sync::watch::Receiver<bool
             _ = stop.wait_for(|s| *s) => return,
         }
         reap_once(&st).await;
+    }
+}
+
+/// Records `running` or `paused` whose sandbox the node reports dead (its processes ended
+/// under it: e.g. a runsc sandbox killed as a whole by the host's OOM killer) become `lost`,
+/// so clients see it and only delete remains valid; each gets a `lost` event.
+async fn mark_lost(st: &SharedState) {
+    let Ok(statuses) = st.node.list().await else {
+        return;
+    };
+    for s in statuses.into_iter().filter(|s| !s.alive) {
+        let from = [SandboxState::Running, SandboxState::Paused];
+        if let Ok(true) = st.store.transition(&s.id, &from, SandboxState::Lost) {
+            tracing::warn!(sandbox_id = %s.id, "sandbox died under its node; marked lost");
+            let mut f = serde_json::Map::new();
+            f.insert("reason".into(), "processes ended".into());
+            crate::events::record(st, "lost", Some(&s.id), Some(s.backend), f);
+        }
     }
 }
 
@@ -80,6 +99,7 @@ pub async fn reap_once(st: &SharedState) -> Vec<String> {
             }
         }
     }
+    mark_lost(st).await;
     let cutoff = now - st.cfg.idempotency_ttl.as_millis() as i64;
     if let Err(e) = st.store.purge_keys(cutoff) {
         tracing::error!(error = %chain(&e), "reaper: purge idempotency keys");

@@ -687,6 +687,44 @@ async fn delete_during_create_rolls_back() {
 }
 
 #[tokio::test]
+async fn a_sandbox_that_died_under_its_node_is_marked_lost() {
+    let t = setup("lost");
+    let r = call(&t.app, Method::POST, "/v1/sandboxes", Some(json!({}))).await;
+    let id = r.json()["id"].as_str().unwrap().to_owned();
+    lifecycle::reap_once(&t.st).await;
+    let r = call(&t.app, Method::GET, &format!("/v1/sandboxes/{id}"), None).await;
+    assert_eq!(r.json()["state"], "running");
+    t.node.dead.lock().unwrap().insert(id.clone());
+    lifecycle::reap_once(&t.st).await;
+    let r = call(&t.app, Method::GET, &format!("/v1/sandboxes/{id}"), None).await;
+    assert_eq!(r.json()["state"], "lost");
+    let r = call(
+        &t.app,
+        Method::GET,
+        &format!("/v1/events?sandbox={id}&kind=lost"),
+        None,
+    )
+    .await;
+    assert_eq!(
+        r.json()["events"].as_array().unwrap().len(),
+        1,
+        "{:?}",
+        r.json()
+    );
+    // Only delete remains, and it works.
+    let r = call(
+        &t.app,
+        Method::POST,
+        &format!("/v1/sandboxes/{id}/exec"),
+        Some(json!({"cmd": ["true"]})),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::CONFLICT);
+    let r = call(&t.app, Method::DELETE, &format!("/v1/sandboxes/{id}"), None).await;
+    assert_eq!(r.status, StatusCode::NO_CONTENT);
+}
+
+#[tokio::test]
 async fn ttl_reaper_and_keepalive() {
     let t = setup("ttl");
     let a = create(&t, json!({"ttl_s": 1})).await;
