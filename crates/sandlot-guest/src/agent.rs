@@ -77,11 +77,31 @@ fn listener_from_args(args: &[String]) -> Result<std::os::unix::net::UnixListene
             sys::set_cloexec(owned.as_raw_fd()).map_err(|e| format!("cloexec {fd}: {e}"))?;
             Ok(std::os::unix::net::UnixListener::from(owned))
         }
-        [flag, path] if flag == "--listen" => {
+        [flag, path, rest @ ..] if flag == "--listen" => {
             let _ = std::fs::remove_file(path);
-            std::os::unix::net::UnixListener::bind(path).map_err(|e| format!("bind {path}: {e}"))
+            let l = std::os::unix::net::UnixListener::bind(path)
+                .map_err(|e| format!("bind {path}: {e}"))?;
+            // Connecting needs write permission on the socket: owned by another uid with
+            // mode 0600, commands (uid 0 without capabilities) cannot reach the agent.
+            if let [flag, uid] = rest {
+                if flag != "--socket-owner" {
+                    return Err(format!("unknown flag {flag:?}"));
+                }
+                let uid: u32 = uid.parse().map_err(|_| format!("bad uid {uid:?}"))?;
+                std::os::unix::fs::chown(path, Some(uid), Some(uid))
+                    .and_then(|_| {
+                        use std::os::unix::fs::PermissionsExt;
+                        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
+                    })
+                    .map_err(|e| format!("chown/chmod {path}: {e}"))?;
+            } else if !rest.is_empty() {
+                return Err("usage: --listen PATH [--socket-owner UID]".into());
+            }
+            Ok(l)
         }
-        _ => Err("usage: sandlot-guest agent --listen-fd N | --listen PATH".into()),
+        _ => Err(
+            "usage: sandlot-guest agent --listen-fd N | --listen PATH [--socket-owner UID]".into(),
+        ),
     }
 }
 
@@ -110,16 +130,14 @@ async fn serve(listener: std::os::unix::net::UnixListener) -> i32 {
                 stream
             }
             Err(e) => {
-                // EMFILE and friends: back off instead of spinning; give up only when the
-                // listener itself is unusable for good.
+                // EMFILE and friends: back off instead of spinning, up to a second; never
+                // exit (as pid 1 that would end the sandbox).
                 failures += 1;
                 if failures == 1 || failures.is_multiple_of(100) {
                     eprintln!("sandlot-guest agent: accept: {e}");
                 }
-                if failures >= 1000 {
-                    return 1;
-                }
-                tokio::time::sleep(Duration::from_millis(50)).await;
+                let ms = (50 * u64::from(failures)).min(1000);
+                tokio::time::sleep(Duration::from_millis(ms)).await;
                 continue;
             }
         };

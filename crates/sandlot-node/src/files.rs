@@ -128,6 +128,9 @@ impl SbPath {
 fn map_errno(e: Errno, what: &str, path: &str) -> NodeError {
     match e {
         Errno::ENOENT => NodeError::NotFound(format!("no such file: {path}")),
+        Errno::EACCES | Errno::EPERM => {
+            NodeError::PermissionDenied(format!("permission denied: {what} {path}"))
+        }
         Errno::EISDIR => NodeError::InvalidArgument(format!("is a directory: {path}")),
         Errno::ENOTDIR => NodeError::InvalidArgument(format!("not a directory: {path}")),
         // ELOOP: too many symlinks, a magic link (RESOLVE_NO_MAGICLINKS), or O_NOFOLLOW on a

@@ -79,6 +79,10 @@ pub enum NodeError {
     /// The sandbox is in a state that does not allow the call (e.g. being deleted).
     #[error("{0}")]
     Conflict(String),
+    /// The sandbox's own permissions refuse the call (a file its root may not read or
+    /// write).
+    #[error("{0}")]
+    PermissionDenied(String),
     /// Host-side failure (mount, cgroup, spawn), with the path or step in the message.
     #[error("{context}")]
     Internal {
@@ -107,6 +111,7 @@ impl NodeError {
             NodeError::Unavailable(_) => ErrorCode::Unavailable,
             NodeError::ResourceExhausted(_) => ErrorCode::ResourceExhausted,
             NodeError::Conflict(_) => ErrorCode::Conflict,
+            NodeError::PermissionDenied(_) => ErrorCode::PermissionDenied,
             NodeError::Internal { .. } => ErrorCode::Internal,
         }
     }

@@ -396,7 +396,12 @@ impl ContainerBackend {
             let lowers: Vec<PathBuf> = image.layers.clone();
             let disk_mib = spec.disk_mib;
             spawn_blocking(move || {
-                std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o711))
+                // Only root and the container's root (group `uid_base`) may walk in: no other
+                // host user reaches the rootfs, the scratch disk or the socket.
+                std::os::unix::fs::chown(&dir, Some(0), Some(uid_base))
+                    .and_then(|_| {
+                        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o710))
+                    })
                     .map_err(|e| NodeError::io(format!("chmod {}", dir.display()), e))?;
                 mount_scratch(&dir, disk_mib)?;
                 make_layer_dirs(&dir.join("scratch"), uid_base)?;
@@ -650,9 +655,10 @@ impl ContainerBackend {
     }
 }
 
-/// `/dev`, `/proc` or `/sys` when `path` (relative paths are under /workspace; `..`
-/// collapsed lexically) lies in one of them: file systems a runsc sandbox's kernel provides
-/// itself, which the host-side files API cannot see.
+/// `/dev`, `/proc`, `/sys` or `/.sandlot` when `path` (relative paths are under /workspace;
+/// `..` collapsed lexically) lies in one of them: file systems a runsc sandbox's kernel
+/// provides itself, which the host-side files API cannot see, and the agent's own files
+/// (with runc they are read-only mounts the files API refuses anyway).
 fn runtime_mount_of(path: &str) -> Option<&'static str> {
     let mut parts: Vec<&str> = Vec::new();
     let abs = if path.starts_with('/') {
@@ -669,13 +675,14 @@ fn runtime_mount_of(path: &str) -> Option<&'static str> {
             c => parts.push(c),
         }
     }
-    ["dev", "proc", "sys"]
+    ["dev", "proc", "sys", ".sandlot"]
         .into_iter()
         .find(|m| parts.first() == Some(m))
         .map(|m| match m {
             "dev" => "/dev",
             "proc" => "/proc",
-            _ => "/sys",
+            "sys" => "/sys",
+            _ => "/.sandlot",
         })
 }
 
@@ -742,7 +749,9 @@ fn mount_overlay(dir: &Path, lowers: &[PathBuf]) -> NodeResult<()> {
         Some("overlay"),
         &dir.join("rootfs"),
         Some("overlay"),
-        nix::mount::MsFlags::MS_NODEV,
+        // nosuid: the mount is on the host, where a setuid file of the image or of the
+        // sandbox must never run with its owner's rights.
+        nix::mount::MsFlags::MS_NODEV | nix::mount::MsFlags::MS_NOSUID,
         Some(opts.as_str()),
     )
     .map_err(|e| {
@@ -877,6 +886,8 @@ fn bundle_spec(
                 "agent".into(),
                 "--listen".into(),
                 format!("{AGENT_RUN_DIR}/agent.sock"),
+                "--socket-owner".into(),
+                AGENT_UID.to_string(),
             ]
         } else {
             vec![
@@ -1429,7 +1440,7 @@ impl ContainerBackend {
         if runtime == Runtime::Runsc {
             if let Some(top) = runtime_mount_of(path) {
                 return Err(NodeError::InvalidArgument(format!(
-                    "{path}: {top} belongs to gVisor's own kernel in a runsc sandbox; the files API reaches the sandbox's file system only"
+                    "{path}: {top} is not part of the sandbox's file system in a runsc sandbox (gVisor's own kernel or the guest agent)"
                 )));
             }
         }
@@ -1443,7 +1454,9 @@ impl ContainerBackend {
             // runc: /tmp, /dev and /dev/shm are file systems of the container's user
             // namespace, where host root's uid is unmapped (creating a file fails with
             // EOVERFLOW); act as the container's root (its host uid, no capabilities).
-            let _as = (runtime != Runtime::Runsc).then(|| FsIds::switch(uid));
+            // runsc: the host overlay, where host root could read and write what the
+            // sandbox's root may not; the same identity keeps both runtimes alike.
+            let _as = FsIds::switch(uid);
             f(&fs)
         })
         .await

@@ -1552,6 +1552,7 @@ fn with_cleanup_error(orig: NodeError, cleanup: NodeError) -> NodeError {
         NodeError::Unavailable(m) => NodeError::Unavailable(m + &extra),
         NodeError::ResourceExhausted(m) => NodeError::ResourceExhausted(m + &extra),
         NodeError::Conflict(m) => NodeError::Conflict(m + &extra),
+        NodeError::PermissionDenied(m) => NodeError::PermissionDenied(m + &extra),
         NodeError::Internal { context, source } => NodeError::Internal {
             context: context + &extra,
             source,
