@@ -11,16 +11,23 @@
 //!   container's root (`uid_base`); `rootfs/` — the overlay of the image layers +
 //!   `scratch/upper/`, mounted on the host by the node (so it survives node restarts with
 //!   the container).
-//! * `agent.sock` — a unix socket bound and listened on by the NODE, in a root-owned
-//!   directory; its listening fd is handed to the container (`--preserve-fds 1`, fd 3),
-//!   where the agent accepts on it. The container can neither replace nor redirect the
-//!   socket, and after a node restart the node reconnects to the same path.
+//! * `agent.sock` (runc) — a unix socket bound and listened on by the NODE in the bundle
+//!   directory (`0710 root:<uid_base>`); its listening fd is handed to the container
+//!   (`--preserve-fds 1`, fd 3), where the agent accepts on it. Nothing in the container can
+//!   reach, replace or redirect it, and after a node restart the node reconnects to the same
+//!   path. `run/agent.sock` (runsc, which cannot take a listening fd) — bound by the agent
+//!   in a host directory shared in gVisor's host-UDS mode, then made `0600` and owned by
+//!   uid 65533 inside (as is `run/`), so commands (uid 0, no capabilities) cannot connect to
+//!   or replace it.
+//! * `netns` — with an allow policy: the network namespace the node made (see
+//!   [`crate::net`]).
 //! * `agent.log` — stdout/stderr of the container's pid 1 (the agent's own messages).
 //! * `state.json` — [`ContainerState`], written once the agent answered; a directory without
 //!   it is a half-created sandbox and is removed by `readopt`.
 //!
-//! The spec: namespaces pid, ipc, uts, mount, network (only `lo`), cgroup and user, with
-//! uid/gid 0..65536 inside mapped to the sandbox's own host range (see [`super::uids`]);
+//! The spec: namespaces pid, ipc, uts, mount, network (only `lo`, or `netns`), cgroup and
+//! user, with uid/gid 0..65536 inside mapped to the sandbox's own host range (see
+//! [`super::uids`]);
 //! runc's default masked and read-only paths; a seccomp profile that denies the calls the
 //! agent never needs (kernel modules, kexec, bpf, perf, keyrings, reboot, swap, handle-based
 //! opens, userfaultfd, io_uring, clock setting, ...); the agent keeps Docker's default
