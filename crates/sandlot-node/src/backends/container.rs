@@ -242,7 +242,16 @@ impl ContainerBackend {
     /// # Errors
     /// `Unavailable` when the agent binary is missing or not static, or no runtime exists;
     /// `Internal` when the directories cannot be created.
-    pub fn new(cfg: ContainerConfig, cgroups: CgroupRoot, uids: Arc<UidSlots>) -> NodeResult<Self> {
+    pub fn new(
+        mut cfg: ContainerConfig,
+        cgroups: CgroupRoot,
+        uids: Arc<UidSlots>,
+    ) -> NodeResult<Self> {
+        // The bundle's bind mount needs an absolute source (runc would resolve a relative
+        // one against the bundle).
+        if let Ok(abs) = std::fs::canonicalize(&cfg.agent_bin) {
+            cfg.agent_bin = abs;
+        }
         if !is_static_elf(&cfg.agent_bin) {
             return Err(NodeError::Unavailable(format!(
                 "the container backend needs a statically linked sandlot-guest; {} is missing or dynamic (scripts/setup.sh builds one, or set SANDLOT_AGENT_BIN)",
