@@ -46,8 +46,8 @@
 //! container group's `oom_kill` counter over the exec (an overlapping exec's OOM kill is
 //! counted too).
 use super::function::{
-    check_id, destroy_blocking, make_layer_dirs, own_dir, proc_starttime, spawn_blocking, ExecPlan,
-    StoredSpec,
+    check_id, check_not_paused, destroy_blocking, freeze, make_layer_dirs, own_dir, proc_starttime,
+    spawn_blocking, thaw, ExecPlan, StoredSpec,
 };
 use super::uids::{UidLease, UidSlots};
 use super::SandboxBackend;
@@ -80,8 +80,6 @@ const RUNTIME_TIMEOUT: Duration = Duration::from_secs(60);
 const AGENT_READY_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long killing and removing cgroups may take.
 const KILL_TIMEOUT: Duration = Duration::from_secs(10);
-/// How long freezing may take (pause).
-const FREEZE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Past an exec's own timeout: how long the node waits for the agent's exit frame before it
 /// gives up on the exec (the agent kills at the timeout itself).
 const EXEC_GRACE: Duration = Duration::from_secs(10);
@@ -176,13 +174,7 @@ struct Container {
 
 impl Container {
     fn check_not_paused(&self) -> NodeResult<()> {
-        if self.paused.load(Ordering::SeqCst) {
-            return Err(NodeError::Conflict(format!(
-                "sandbox is paused: {}",
-                self.state.id
-            )));
-        }
-        Ok(())
+        check_not_paused(&self.paused, &self.state.id)
     }
 }
 
@@ -1290,33 +1282,12 @@ impl SandboxBackend for ContainerBackend {
 
     async fn pause(&self, id: &str) -> NodeResult<()> {
         let c = self.get(id)?;
-        let guard = c.deleting.read().await;
-        if *guard {
-            return Err(NodeError::NotFound(format!(
-                "sandbox {id} is being deleted"
-            )));
-        }
-        c.paused.store(true, Ordering::SeqCst);
-        let g = c.cgroup.group().clone();
-        let r = spawn_blocking(move || g.freeze(Instant::now() + FREEZE_TIMEOUT)).await;
-        if r.is_err() {
-            c.paused.store(false, Ordering::SeqCst);
-        }
-        r
+        freeze(id, "container", &c.deleting, &c.paused, c.cgroup.group()).await
     }
 
     async fn resume(&self, id: &str) -> NodeResult<()> {
         let c = self.get(id)?;
-        let guard = c.deleting.read().await;
-        if *guard {
-            return Err(NodeError::NotFound(format!(
-                "sandbox {id} is being deleted"
-            )));
-        }
-        let g = c.cgroup.group().clone();
-        spawn_blocking(move || g.thaw()).await?;
-        c.paused.store(false, Ordering::SeqCst);
-        Ok(())
+        thaw(id, "container", &c.deleting, &c.paused, c.cgroup.group()).await
     }
 
     async fn delete(&self, id: &str) -> NodeResult<()> {

@@ -207,14 +207,66 @@ struct Jail {
 
 impl Jail {
     fn check_not_paused(&self) -> NodeResult<()> {
-        if self.paused.load(Ordering::SeqCst) {
-            return Err(NodeError::Conflict(format!(
-                "sandbox is paused: {}",
-                self.state.id
-            )));
-        }
-        Ok(())
+        check_not_paused(&self.paused, &self.state.id)
     }
+}
+
+/// `Conflict` ("sandbox is paused") while `paused` is set: exec and file calls of every
+/// backend that pauses by freezing its cgroup.
+pub(crate) fn check_not_paused(paused: &std::sync::atomic::AtomicBool, id: &str) -> NodeResult<()> {
+    if paused.load(Ordering::SeqCst) {
+        return Err(NodeError::Conflict(format!("sandbox is paused: {id}")));
+    }
+    Ok(())
+}
+
+/// Pause by freezing `group` (see [`SandboxBackend::pause`]), under the read side of the
+/// sandbox's lifecycle lock `deleting` (no delete runs meanwhile). `paused` is set first,
+/// so no new exec starts while the freeze is in progress, and cleared again if it fails.
+pub(crate) async fn freeze(
+    id: &str,
+    backend: &str,
+    deleting: &RwLock<bool>,
+    paused: &std::sync::atomic::AtomicBool,
+    group: &Cgroup,
+) -> NodeResult<()> {
+    let guard = deleting.read().await;
+    if *guard {
+        return Err(NodeError::NotFound(format!(
+            "sandbox {id} is being deleted"
+        )));
+    }
+    paused.store(true, Ordering::SeqCst);
+    let g = group.clone();
+    let res = spawn_blocking(move || g.freeze(Instant::now() + FREEZE_TIMEOUT)).await;
+    if res.is_err() {
+        paused.store(false, Ordering::SeqCst);
+    } else {
+        tracing::info!(sandbox = %id, backend, "sandbox paused (cgroup frozen)");
+    }
+    res
+}
+
+/// Resume by thawing `group` (see [`SandboxBackend::resume`]); the counterpart of
+/// [`freeze`].
+pub(crate) async fn thaw(
+    id: &str,
+    backend: &str,
+    deleting: &RwLock<bool>,
+    paused: &std::sync::atomic::AtomicBool,
+    group: &Cgroup,
+) -> NodeResult<()> {
+    let guard = deleting.read().await;
+    if *guard {
+        return Err(NodeError::NotFound(format!(
+            "sandbox {id} is being deleted"
+        )));
+    }
+    let g = group.clone();
+    spawn_blocking(move || g.thaw()).await?;
+    paused.store(false, Ordering::SeqCst);
+    tracing::info!(sandbox = %id, backend, "sandbox resumed (cgroup thawed)");
+    Ok(())
 }
 
 /// The function backend: sandboxes by id.
@@ -545,39 +597,13 @@ impl SandboxBackend for FunctionBackend {
     }
 
     async fn pause(&self, id: &str) -> NodeResult<()> {
-        let jail = self.jail(id)?;
-        // Under the read side of the lifecycle lock: no delete runs meanwhile.
-        let guard = jail.deleting.read().await;
-        if *guard {
-            return Err(NodeError::NotFound(format!(
-                "sandbox {id} is being deleted"
-            )));
-        }
-        // Set first so that no new exec starts while the freeze is in progress.
-        jail.paused.store(true, Ordering::SeqCst);
-        let g = jail.cgroup.group().clone();
-        let res = spawn_blocking(move || g.freeze(Instant::now() + FREEZE_TIMEOUT)).await;
-        if res.is_err() {
-            jail.paused.store(false, Ordering::SeqCst);
-        } else {
-            tracing::info!(sandbox = %id, backend = "function", "sandbox paused (cgroup frozen)");
-        }
-        res
+        let j = self.jail(id)?;
+        freeze(id, "function", &j.deleting, &j.paused, j.cgroup.group()).await
     }
 
     async fn resume(&self, id: &str) -> NodeResult<()> {
-        let jail = self.jail(id)?;
-        let guard = jail.deleting.read().await;
-        if *guard {
-            return Err(NodeError::NotFound(format!(
-                "sandbox {id} is being deleted"
-            )));
-        }
-        let g = jail.cgroup.group().clone();
-        spawn_blocking(move || g.thaw()).await?;
-        jail.paused.store(false, Ordering::SeqCst);
-        tracing::info!(sandbox = %id, backend = "function", "sandbox resumed (cgroup thawed)");
-        Ok(())
+        let j = self.jail(id)?;
+        thaw(id, "function", &j.deleting, &j.paused, j.cgroup.group()).await
     }
 
     fn list(&self) -> Vec<SandboxStatus> {
