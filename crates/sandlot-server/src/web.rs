@@ -139,7 +139,7 @@ pub async fn index(State(st): State<SharedState>) -> ApiResult<impl IntoResponse
         &rows,
     );
     html.push_str(
-        "<h2>Recent events (newest first; in memory, not durable)</h2><table id=\"events\"></table>",
+        "<h2>Recent events (newest first)</h2><table id=\"events\"></table>",
     );
     let _ = write!(html, "<script>{SCRIPT}</script></body></html>");
     Ok((
