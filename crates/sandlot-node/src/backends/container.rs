@@ -457,11 +457,6 @@ impl ContainerBackend {
         let netns = match &spec.network {
             sandlot_api::NetworkPolicy::None => None,
             sandlot_api::NetworkPolicy::Allow(policy) => {
-                if runtime == Runtime::Runsc {
-                    return Err(NodeError::InvalidArgument(
-                        "network allow policies are not supported with runtime runsc yet (gVisor runs with --network=none); use runc".into(),
-                    ));
-                }
                 let net = self.net().await?;
                 let path = dir.join("netns");
                 let p = path.clone();
@@ -493,6 +488,14 @@ impl ContainerBackend {
             .open(dir.join("agent.log"))
             .map_err(|e| NodeError::io(format!("create {}/agent.log", dir.display()), e))?;
         let mut cmd = self.runtime_cmd(runtime, bin);
+        if runtime == Runtime::Runsc && netns.is_some() {
+            // gVisor's sentry joins the namespace the node made and uses the kernel's
+            // network stack there (hostinet; the later flag wins over `--network=none`).
+            // Its own netstack (`--network=sandbox`) would be the deeper layer, but
+            // runsc 20240729 refuses it on this kernel: it takes any namespace that has
+            // /proc/sys/net/core/rmem_default for the host's (fixed in gVisor 20240801).
+            cmd.arg("--network=host");
+        }
         cmd.arg("run")
             .arg("--detach")
             .arg("--bundle")
