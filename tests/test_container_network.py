@@ -1,4 +1,4 @@
-"""Network policies of runc containers against a small "internet" built on this machine
+"""Network policies of runc and runsc containers against a small "internet" built on this machine
 (issue 3, "Network policy"): a network namespace ``sl-inet-<rand>`` joined to the host by a
 veth pair (host side 10.98.K.1/30, "internet" side 10.98.K.2/30) that runs an HTTP server
 on 10.98.K.2:8080 and a DNS server on 10.98.K.2:53 answering every ``*.test`` name with
