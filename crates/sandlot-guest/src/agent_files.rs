@@ -3,7 +3,6 @@
 //! work on tokio's blocking pool. Nothing here knows what carries the HTTP/2 connection (a
 //! unix socket, virtio-serial, vsock): handlers take a request and give a response.
 use std::convert::Infallible;
-use std::path::Path;
 use std::sync::{Arc, OnceLock};
 
 use bytes::Bytes;
@@ -33,21 +32,25 @@ const READ_CHUNK: usize = 256 * 1024;
 /// mounts (the same set the node refused from the host).
 const REFUSED_TOPS: [&str; 4] = ["/dev", "/proc", "/sys", "/.sandlot"];
 
+/// Environment variable naming the directory the file calls resolve in (default `/`, the
+/// agent's own root). Only tests set it (the node gives the agent a fixed environment).
+pub const ROOT_ENV: &str = "SANDLOT_AGENT_FILES_ROOT";
+
 /// The agent's root with its policy, opened once.
 fn root() -> FsResult<Arc<SandboxFs>> {
     static ROOT: OnceLock<Result<Arc<SandboxFs>, FsError>> = OnceLock::new();
     ROOT.get_or_init(|| {
-        let root_dev = std::fs::metadata("/").map(|m| {
-            use std::os::unix::fs::MetadataExt;
-            m.dev()
-        });
+        use std::os::unix::fs::MetadataExt;
+        let dir = std::env::var_os(ROOT_ENV)
+            .map(std::path::PathBuf::from)
+            .unwrap_or_else(|| "/".into());
+        let root_dev = std::fs::metadata(&dir).map(|m| m.dev());
         // The agent's own bind mounts (its binary, runsc's socket directory): refused by
         // device too, so a symlink cannot reach them past the lexical check. Only devices
         // that differ from the root's (a shared one would refuse everything).
         let mut refused_devs = Vec::new();
-        for p in ["/.sandlot", "/.sandlot/sandlot-guest", "/.sandlot/run"] {
-            use std::os::unix::fs::MetadataExt;
-            if let (Ok(m), Ok(rd)) = (std::fs::symlink_metadata(p), root_dev.as_ref()) {
+        for p in [".sandlot", ".sandlot/sandlot-guest", ".sandlot/run"] {
+            if let (Ok(m), Ok(rd)) = (std::fs::symlink_metadata(dir.join(p)), root_dev.as_ref()) {
                 if m.dev() != *rd && !refused_devs.contains(&m.dev()) {
                     refused_devs.push(m.dev());
                 }
@@ -62,8 +65,7 @@ fn root() -> FsResult<Arc<SandboxFs>> {
             refused_devs,
         };
         let (uid, gid) = (nix::unistd::getuid(), nix::unistd::getgid());
-        SandboxFs::open(Path::new("/"), uid.as_raw(), gid.as_raw())
-            .map(|fs| Arc::new(fs.with_policy(policy)))
+        SandboxFs::open(&dir, uid.as_raw(), gid.as_raw()).map(|fs| Arc::new(fs.with_policy(policy)))
     })
     .clone()
 }

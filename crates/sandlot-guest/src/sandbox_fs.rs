@@ -1360,4 +1360,57 @@ mod tests {
             assert!(fs.path(ok).is_ok(), "{ok}");
         }
     }
+
+    #[test]
+    fn resolution_without_openat2_stays_in_the_root() {
+        use std::os::unix::fs::symlink;
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path().join("root");
+        std::fs::create_dir_all(root.join("a/b")).unwrap();
+        std::fs::write(root.join("a/b/f"), b"in").unwrap();
+        std::fs::write(tmp.path().join("secret"), b"out").unwrap();
+        symlink("/a/b", root.join("abs")).unwrap();
+        symlink("../../../../secret", root.join("a/up")).unwrap();
+        symlink("loop", root.join("loop")).unwrap();
+        let rfd =
+            nix::fcntl::open(&root, OFlag::O_PATH | OFlag::O_DIRECTORY, Mode::empty()).unwrap();
+        let read = |path: &str| -> Result<Vec<u8>, Errno> {
+            let how = OpenHow::new().flags(OFlag::O_RDONLY).resolve(in_root());
+            let fd = resolve_by_hand(rfd.as_fd(), path, how)?;
+            let mut v = Vec::new();
+            File::from(fd).read_to_end(&mut v).unwrap();
+            Ok(v)
+        };
+        assert_eq!(read("/a/b/f").unwrap(), b"in");
+        assert_eq!(read("/abs/f").unwrap(), b"in");
+        assert_eq!(read("/../../a/./b/../b/f").unwrap(), b"in");
+        assert_eq!(read("/a/up"), Err(Errno::ENOENT));
+        assert_eq!(read("/loop"), Err(Errno::ELOOP));
+        assert_eq!(read("/a/b/f/x"), Err(Errno::ENOTDIR));
+        let dir = OpenHow::new()
+            .flags(OFlag::O_RDONLY | OFlag::O_DIRECTORY)
+            .resolve(in_root());
+        assert_eq!(
+            resolve_by_hand(rfd.as_fd(), "/a/b/f", dir).unwrap_err(),
+            Errno::ENOTDIR
+        );
+        assert!(resolve_by_hand(rfd.as_fd(), "/", dir).is_ok());
+        let one = OpenHow::new()
+            .flags(OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW)
+            .resolve(one_name());
+        for bad in ["a/b", "..", ".", ""] {
+            assert_eq!(
+                resolve_by_hand(rfd.as_fd(), bad, one).unwrap_err(),
+                Errno::EXDEV,
+                "{bad}"
+            );
+        }
+        // A symlink is never followed: O_NOFOLLOW|O_DIRECTORY answers ENOTDIR (openat2
+        // would say ELOOP); both are invalid_argument.
+        assert!(matches!(
+            resolve_by_hand(rfd.as_fd(), "abs", one),
+            Err(Errno::ENOTDIR | Errno::ELOOP)
+        ));
+        assert!(resolve_by_hand(rfd.as_fd(), "a", one).is_ok());
+    }
 }
