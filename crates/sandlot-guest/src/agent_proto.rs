@@ -265,7 +265,7 @@ pub struct MkdirRequest {
 }
 
 /// HTTP status of an error code: 404 not_found, 400 invalid_argument, 403
-/// permission_denied, 409 conflict, 507 resource_exhausted, 413 payload_too_large, 500
+/// permission_denied, 409 conflict, 429 resource_exhausted, 413 payload_too_large, 500
 /// internal.
 pub fn fs_status(code: FsCode) -> u16 {
     match code {
@@ -273,7 +273,7 @@ pub fn fs_status(code: FsCode) -> u16 {
         FsCode::InvalidArgument => 400,
         FsCode::PermissionDenied => 403,
         FsCode::Conflict => 409,
-        FsCode::ResourceExhausted => 507,
+        FsCode::ResourceExhausted => 429,
         FsCode::PayloadTooLarge => 413,
         FsCode::Internal => 500,
     }
