@@ -171,12 +171,18 @@ where
     blocking(move || f(&fs, r)).await
 }
 
+/// Runs `f` on the blocking pool with this thread's effective capabilities cleared, so the
+/// call may touch exactly what the sandbox's root user without capabilities may (as its
+/// commands), and `EACCES`/`EPERM` answer `permission_denied`.
 async fn blocking<T: Send + 'static>(
     f: impl FnOnce() -> FsResult<T> + Send + 'static,
 ) -> FsResult<T> {
-    tokio::task::spawn_blocking(f)
-        .await
-        .unwrap_or_else(|e| Err(FsError::new(FsCode::Internal, format!("file task: {e}"))))
+    tokio::task::spawn_blocking(move || {
+        let _caps = NoEffectiveCaps::enter()?;
+        f()
+    })
+    .await
+    .unwrap_or_else(|e| Err(FsError::new(FsCode::Internal, format!("file task: {e}"))))
 }
 
 async fn read(body: Incoming) -> FsResult<Response<Body>> {
@@ -265,4 +271,69 @@ async fn write(mut body: Incoming) -> FsResult<Response<Body>> {
     }
     blocking(move || w.commit()).await?;
     Ok(no_content())
+}
+
+/// This thread's effective capability set emptied until dropped (capset(2) acts on the
+/// calling thread only; the permitted set is kept, so dropping raises them again for the
+/// next task of this pooled thread).
+struct NoEffectiveCaps([CapData; 2]);
+
+#[repr(C)]
+struct CapHeader {
+    version: u32,
+    pid: libc::c_int,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct CapData {
+    effective: u32,
+    permitted: u32,
+    inheritable: u32,
+}
+
+/// `_LINUX_CAPABILITY_VERSION_3` (linux/capability.h): two 32-bit words per set.
+const CAP_V3: u32 = 0x2008_0522;
+
+fn capset(data: &[CapData; 2]) -> std::io::Result<()> {
+    let mut h = CapHeader {
+        version: CAP_V3,
+        pid: 0,
+    };
+    // SAFETY: header and data have the kernel's v3 layout (two data elements); both outlive
+    // the call.
+    let r = unsafe { libc::syscall(libc::SYS_capset, &mut h, data.as_ptr()) };
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
+impl NoEffectiveCaps {
+    fn enter() -> FsResult<NoEffectiveCaps> {
+        let mut h = CapHeader {
+            version: CAP_V3,
+            pid: 0,
+        };
+        let mut old = [CapData::default(); 2];
+        // SAFETY: as in `capset`; the kernel fills the two elements of `old`.
+        let r = unsafe { libc::syscall(libc::SYS_capget, &mut h, old.as_mut_ptr()) };
+        if r != 0 {
+            return Err(FsError::io("capget", std::io::Error::last_os_error()));
+        }
+        let mut none = old;
+        for d in &mut none {
+            d.effective = 0;
+        }
+        capset(&none).map_err(|e| FsError::io("capset (drop effective)", e))?;
+        Ok(NoEffectiveCaps(old))
+    }
+}
+
+impl Drop for NoEffectiveCaps {
+    fn drop(&mut self) {
+        // Raising effective back within the permitted set cannot fail for lack of rights.
+        let _ = capset(&self.0);
+    }
 }

@@ -226,6 +226,33 @@ async fn file_errors_have_stable_codes() {
         std::fs::read(a.root.join("etc/passwd")).unwrap(),
         b"root:x:0:0::/root:/bin/sh\n"
     );
+    // The calls act without capabilities: another user's private file is refused.
+    std::fs::write(a.root.join("workspace/private"), b"p").unwrap();
+    std::os::unix::fs::chown(a.root.join("workspace/private"), Some(1234), Some(1234)).unwrap();
+    std::fs::set_permissions(
+        a.root.join("workspace/private"),
+        std::os::unix::fs::PermissionsExt::from_mode(0o600),
+    )
+    .unwrap();
+    assert_eq!(
+        code(c.read_file("private", 10).await),
+        FsCode::PermissionDenied
+    );
+    std::fs::create_dir(a.root.join("workspace/locked")).unwrap();
+    std::os::unix::fs::chown(a.root.join("workspace/locked"), Some(1234), Some(1234)).unwrap();
+    std::fs::set_permissions(
+        a.root.join("workspace/locked"),
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
+    assert_eq!(
+        code(c.write_file("locked/x", b"x", 10).await),
+        FsCode::PermissionDenied
+    );
+    assert_eq!(
+        code(c.mkdir("locked/d", false).await),
+        FsCode::PermissionDenied
+    );
     // A procfs mounted inside the root (reached without the /proc name) is refused.
     std::fs::create_dir(a.root.join("workspace/p")).unwrap();
     mount(
