@@ -362,14 +362,15 @@ impl ContainerBackend {
         cmd.arg("--root").arg(self.cfg.state_root.join(r.name()));
         if r == Runtime::Runsc {
             // systrap: no KVM needed; the node owns networking (none) and cgroups; writes go
-            // to the host overlay (so the node's files API and disk accounting see them).
+            // to the host overlay (so the disk quota and accounting see them).
             cmd.args([
                 "--platform=systrap",
                 "--network=none",
                 "--ignore-cgroups",
                 "--overlay2=none",
-                // The node edits the rootfs from the host (files API): no caching that
-                // assumes exclusive access.
+                // No caching that assumes exclusive access to the host overlay. The files
+                // API now goes through the agent (inside gVisor); kept until measured
+                // without it.
                 "--file-access=shared",
                 // The agent binds its socket in a host directory (see `agent_socket`).
                 "--host-uds=create",
@@ -946,8 +947,7 @@ fn bundle_spec(
                 .map_err(bad)?,
         );
         // gVisor mounts a tmpfs of its own on /tmp unless the spec names one; bind the
-        // rootfs's /tmp instead, so /tmp is on the writable layer (and its quota) as in runc
-        // and the node's files API sees what the sandbox sees.
+        // rootfs's /tmp instead, so /tmp is on the writable layer (and its quota) as in runc.
         mounts.push(
             MountBuilder::default()
                 .destination("/tmp")
