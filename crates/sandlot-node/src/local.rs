@@ -364,6 +364,14 @@ impl Node for LocalNode {
         self.owner(id)?.remove_file(id, path).await
     }
 
+    async fn stat_file(&self, id: &str, path: &str) -> NodeResult<FileEntry> {
+        self.owner(id)?.stat_file(id, path).await
+    }
+
+    async fn make_dir(&self, id: &str, path: &str, parents: bool) -> NodeResult<()> {
+        self.owner(id)?.make_dir(id, path, parents).await
+    }
+
     async fn pause(&self, id: &str) -> NodeResult<()> {
         self.owner(id)?.pause(id).await
     }

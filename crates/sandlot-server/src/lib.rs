@@ -260,6 +260,8 @@ pub fn router(state: SharedState) -> Router {
                 .layer(DefaultBodyLimit::max(state.cfg.max_file_bytes)),
         )
         .route("/v1/sandboxes/{id}/files/list", get(files::list))
+        .route("/v1/sandboxes/{id}/files/stat", get(files::stat))
+        .route("/v1/sandboxes/{id}/files/mkdir", post(files::mkdir))
         .route("/v1/sandboxes:pause", post(pause::pause))
         .route("/v1/sandboxes:resume", post(pause::resume))
         .route(
