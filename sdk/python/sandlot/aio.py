@@ -11,10 +11,10 @@ import httpx
 
 from . import _base
 from .errors import ProtocolError, SandlotError, TransportError
-from .process import AsyncProcess, processes_of, spawn_body
 from .models import (Command, Data, ExecEvent, ExecResult, FileEntry, Network,
                      RunCodeResult, TrajectoryInfo, create_body, exec_body, ids_of, label_params,
                      parse_exec_event, run_code_body, selector_body, to_bytes)
+from .process import AsyncProcess, processes_of, spawn_body
 
 
 class AsyncClient:

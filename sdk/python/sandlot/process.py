@@ -18,8 +18,8 @@ import httpx
 
 from . import _base
 from .errors import ERROR_CLASSES, Conflict, ProtocolError, SandlotError, TransportError
-from .models import (Command, Data, ExecResult, StderrChunk, StdoutChunk, _b64, _exact,
-                     exec_body, to_bytes)
+from .models import (Command, Data, ExecResult, StderrChunk, StdoutChunk, _exact, exec_body,
+                     to_bytes)
 
 if TYPE_CHECKING:  # pragma: no cover
     from .aio import AsyncSandbox
@@ -378,4 +378,4 @@ def processes_of(body: Any) -> List[Mapping[str, Any]]:
         raise ProtocolError(f"bad process list {body!r:.300}") from e
 
 
-__all__ = ["Process", "AsyncProcess", "OutputSkipped", "OutputEvent", "Signal", "_b64"]
+__all__ = ["Process", "AsyncProcess", "OutputSkipped", "OutputEvent", "Signal"]
