@@ -51,6 +51,8 @@ mod tests;
 mod tests_hardening;
 #[cfg(test)]
 mod tests_observe;
+#[cfg(test)]
+mod tests_processes;
 
 use anyhow::Context;
 use axum::extract::{DefaultBodyLimit, MatchedPath};
