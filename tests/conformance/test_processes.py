@@ -233,3 +233,28 @@ def test_unknown_ids_and_bad_requests(sb, server):
         assert_error(h.post(f"{base}/{sb.id}/processes/{p.id}/wait",
                             params={"timeout_s": -1}), "invalid_argument")
         p.wait(timeout=20)
+
+
+def test_asyncio_sdk(sb, server):
+    import asyncio
+
+    async def main():
+        async with sandlot.AsyncClient(server.url) as ac:
+            box = await ac.get(sb.id)
+            p = await box.spawn(["python3", "-u", "-c",
+                                 "import sys; print(sys.stdin.readline().strip()[::-1])"],
+                                stdin_open=True)
+            await p.write_stdin("olleh\n", eof=True)
+            chunks = [ev.data async for ev in p.output(follow=True)
+                      if isinstance(ev, sandlot.StdoutChunk)]
+            assert b"".join(chunks) == b"hello\n"
+            r = await p.wait(timeout=30)
+            assert r.exit_code == 0 and r.stdout == b"hello\n"
+            q = await box.spawn(["sleep", "60"])
+            assert await q.wait(timeout=0.5) is None
+            await q.kill()
+            assert (await q.wait(timeout=20)).signal == 9
+            assert {p.id, q.id} <= {x.id for x in await box.processes()}
+            assert (await box.process(q.id)).state == "exited"
+
+    asyncio.run(main())
