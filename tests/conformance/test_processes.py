@@ -258,3 +258,22 @@ def test_asyncio_sdk(sb, server):
             assert (await box.process(q.id)).state == "exited"
 
     asyncio.run(main())
+
+
+def test_paused_sandbox_keeps_its_processes(make, client):
+    tag = uuid.uuid4().hex[:12]
+    box = make(labels={"procs-pause": tag})
+    p = box.spawn("echo up; sleep 60")
+    _read_until(p, b"up\n")
+    assert client.pause({"procs-pause": tag}) == [box.id]
+    try:
+        with pytest.raises(sandlot.Conflict):
+            p.signal("TERM")
+        with pytest.raises(sandlot.Conflict):
+            box.spawn("true")
+        assert p.wait(timeout=0.5) is None and p.running
+    finally:
+        client.resume({"procs-pause": tag})
+    p.signal("TERM")
+    r = p.wait(timeout=20)
+    assert (r.exit_code, r.signal) == (143, 15), r

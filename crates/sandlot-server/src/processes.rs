@@ -40,6 +40,19 @@ fn known(st: &SharedState, id: &str) -> ApiResult<sandlot_api::Backend> {
     }
 }
 
+/// Signals, stdin and kills need the sandbox's processes thawed: a frozen tree cannot act
+/// on them (and a SIGKILL of a frozen cgroup v1 tree waits for the thaw).
+fn not_paused(st: &SharedState, id: &str) -> ApiResult<()> {
+    match st.store.get(id)? {
+        Some(rec) if rec.state == sandlot_api::SandboxState::Paused => Err(ServerError::new(
+            ErrorCode::Conflict,
+            format!("sandbox is paused: {id} (resume it with POST /v1/sandboxes:resume)"),
+        )),
+        Some(_) => Ok(()),
+        None => Err(ServerError::no_sandbox(id)),
+    }
+}
+
 /// `POST /v1/sandboxes/{id}/processes` → 201 [`Process`]. 404 unknown sandbox, 409 not
 /// running, 429 at the per-sandbox limit of running processes.
 pub async fn spawn(
@@ -175,14 +188,15 @@ pub async fn wait(
     Ok(Json(h.wait(Duration::from_secs_f64(t)).await))
 }
 
-/// `POST /v1/sandboxes/{id}/processes/{pid}/signal` → 204. 409 when it already exited.
+/// `POST /v1/sandboxes/{id}/processes/{pid}/signal` → 204. 409 when it already exited or
+/// the sandbox is paused.
 pub async fn signal(
     State(st): State<SharedState>,
     Path((id, pid)): Path<(String, String)>,
     Json(req): Json<SignalRequest>,
 ) -> ApiResult<StatusCode> {
     let n = req.signal.number().map_err(ServerError::invalid)?;
-    known(&st, &id)?;
+    not_paused(&st, &id)?;
     st.processes.get(&id, &pid)?.signal(n)?;
     Ok(StatusCode::NO_CONTENT)
 }
@@ -197,14 +211,14 @@ pub struct StdinQuery {
 }
 
 /// `POST /v1/sandboxes/{id}/processes/{pid}/stdin?eof=` raw body → 204. 409 when stdin is
-/// not open; 504 when the process has not read its stdin for 10 s.
+/// not open or the sandbox is paused; 504 when the process has not read its stdin for 10 s.
 pub async fn stdin(
     State(st): State<SharedState>,
     Path((id, pid)): Path<(String, String)>,
     Query(q): Query<StdinQuery>,
     body: Bytes,
 ) -> ApiResult<StatusCode> {
-    known(&st, &id)?;
+    not_paused(&st, &id)?;
     if body.len() > MAX_STDIN_BYTES {
         return Err(ServerError::new(
             ErrorCode::PayloadTooLarge,
@@ -222,12 +236,12 @@ pub async fn stdin(
 }
 
 /// `DELETE /v1/sandboxes/{id}/processes/{pid}` → 204: kills the whole tree and forgets the
-/// handle.
+/// handle. 409 while the sandbox is paused.
 pub async fn delete(
     State(st): State<SharedState>,
     Path((id, pid)): Path<(String, String)>,
 ) -> ApiResult<StatusCode> {
-    known(&st, &id)?;
+    not_paused(&st, &id)?;
     st.processes.remove(&id, &pid).await?;
     Ok(StatusCode::NO_CONTENT)
 }
