@@ -184,6 +184,7 @@ impl LocalNode {
                 ContainerConfig {
                     dir: cfg.data_dir.join("containers"),
                     state_root: cfg.data_dir.join("runtime"),
+                    disk_templates: cfg.data_dir.join("disk-templates"),
                     agent_bin: cfg.agent_bin.clone(),
                     default_runtime: cfg.default_runtime,
                 },

@@ -170,7 +170,7 @@ pub struct AppState {
     pub last_traj_gc_ms: std::sync::atomic::AtomicI64,
     /// Prometheus metrics ([`metrics`]).
     pub metrics: metrics::Metrics,
-    /// Audit events, in memory ([`events`]).
+    /// Audit events, durable in `events.db` ([`events`]).
     pub events: events::EventLog,
     /// Background processes ([`processes`]), over the same node.
     pub processes: std::sync::Arc<sandlot_node::processes::ProcessTable>,
@@ -203,6 +203,7 @@ impl AppState {
         let run_code_gate = run_code::Gate::new(cfg.run_code_concurrency, cfg.run_code_queue);
         let processes =
             sandlot_node::processes::ProcessTable::new(node.clone(), Default::default());
+        let events = events::EventLog::open(&cfg.data_dir.join("events.db"))?;
         Ok(Arc::new(AppState {
             cfg,
             node,
@@ -216,7 +217,7 @@ impl AppState {
             traj_locks: Default::default(),
             last_traj_gc_ms: std::sync::atomic::AtomicI64::new(now_ms()),
             metrics: metrics::Metrics::new(),
-            events: events::EventLog::default(),
+            events,
             processes,
         }))
     }

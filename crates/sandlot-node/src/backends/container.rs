@@ -135,6 +135,8 @@ pub struct ContainerConfig {
     pub dir: PathBuf,
     /// `DATA/runtime`: each runtime's state root (`--root DATA/runtime/<name>`).
     pub state_root: PathBuf,
+    /// `DATA/disk-templates`: one formatted scratch-disk image per size ([`crate::disk`]).
+    pub disk_templates: PathBuf,
     /// The statically linked `sandlot-guest` (bind-mounted into every container).
     pub agent_bin: PathBuf,
     /// Runtime used when a create names none.
@@ -540,6 +542,7 @@ impl ContainerBackend {
             let (dir, cg) = (dir.clone(), cg.clone());
             let lowers: Vec<PathBuf> = image.layers.clone();
             let disk_mib = spec.disk_mib;
+            let templates = self.cfg.disk_templates.clone();
             spawn_blocking(move || {
                 // Only root and the container's root (group `uid_base`) may walk in: no other
                 // host user reaches the rootfs, the scratch disk or the socket.
@@ -548,7 +551,7 @@ impl ContainerBackend {
                         std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o710))
                     })
                     .map_err(|e| NodeError::io(format!("chmod {}", dir.display()), e))?;
-                mount_scratch(&dir, disk_mib)?;
+                mount_scratch(&templates, &dir, disk_mib)?;
                 make_layer_dirs(&dir.join("scratch"), uid_base)?;
                 own_dir(&dir.join("rootfs"), uid_base, 0o755)?;
                 mount_overlay(&dir, &lowers)?;
@@ -591,11 +594,6 @@ impl ContainerBackend {
         let netns = match &spec.network {
             sandlot_api::NetworkPolicy::None => None,
             sandlot_api::NetworkPolicy::Allow(policy) => {
-                if runtime == Runtime::Runsc {
-                    return Err(NodeError::InvalidArgument(
-                        "network allow policies are not supported with runtime runsc yet (gVisor runs with --network=none); use runc".into(),
-                    ));
-                }
                 let net = self.net().await?;
                 let path = dir.join("netns");
                 let p = path.clone();
@@ -627,6 +625,14 @@ impl ContainerBackend {
             .open(dir.join("agent.log"))
             .map_err(|e| NodeError::io(format!("create {}/agent.log", dir.display()), e))?;
         let mut cmd = self.runtime_cmd(runtime, bin);
+        if runtime == Runtime::Runsc && netns.is_some() {
+            // gVisor's sentry joins the namespace the node made and uses the kernel's
+            // network stack there (hostinet; the later flag wins over `--network=none`).
+            // Its own netstack (`--network=sandbox`) would be the deeper layer, but
+            // runsc 20240729 refuses it on this kernel: it takes any namespace that has
+            // /proc/sys/net/core/rmem_default for the host's (fixed in gVisor 20240801).
+            cmd.arg("--network=host");
+        }
         cmd.arg("run")
             .arg("--detach")
             .arg("--bundle")
@@ -839,46 +845,23 @@ fn agent_socket(dir: &Path, runtime: Runtime) -> PathBuf {
     }
 }
 
-/// The container's writable layer with its disk quota: `dir/disk.img`, a sparse file of
-/// `disk_mib` MiB formatted as ext4 (no journal: scratch data does not outlive the
-/// sandbox; no reserved blocks: the quota is the same for every uid), loop-mounted at
-/// `dir/scratch` (`nosuid,nodev`; the loop device is released with the mount). Writing past
-/// it gives ENOSPC inside the sandbox, which stays usable, and deleting files frees space.
-/// The image's own inode count (ext4's default ratio) also bounds inode exhaustion.
-fn mount_scratch(dir: &Path, disk_mib: u64) -> NodeResult<()> {
-    let img = dir.join("disk.img");
+/// The container's writable layer with its disk quota: `dir/disk.img`, a sparse ext4 image
+/// of `disk_mib` MiB ([`crate::disk`]: cloned from a per-size template), loop-mounted at
+/// `dir/scratch` (`nosuid,nodev,noatime`; the loop device is released with the mount).
+/// Writing past it gives ENOSPC inside the sandbox, which stays usable, and deleting files
+/// frees space. The image's own inode count (ext4's default ratio) also bounds inode
+/// exhaustion.
+fn mount_scratch(templates: &Path, dir: &Path, disk_mib: u64) -> NodeResult<()> {
     let mnt = dir.join("scratch");
-    std::fs::File::create(&img)
-        .and_then(|f| f.set_len(disk_mib << 20))
-        .map_err(|e| NodeError::io(format!("create {}", img.display()), e))?;
     std::fs::create_dir(&mnt).map_err(|e| NodeError::io(format!("create {}", mnt.display()), e))?;
-    let run = |cmd: &mut std::process::Command| -> NodeResult<()> {
-        let out = cmd
-            .stdin(Stdio::null())
-            .output()
-            .map_err(|e| NodeError::io(format!("run {:?}", cmd.get_program()), e))?;
-        if out.status.success() {
-            Ok(())
-        } else {
-            Err(NodeError::io(
-                format!(
-                    "{:?}: {}: {}",
-                    cmd.get_program(),
-                    out.status,
-                    String::from_utf8_lossy(&out.stderr).trim()
-                ),
-                std::io::Error::other("scratch disk"),
-            ))
-        }
-    };
-    run(std::process::Command::new("mkfs.ext4")
-        .args(["-q", "-F", "-m", "0", "-O", "^has_journal", "-E"])
-        .arg("lazy_itable_init=1,nodiscard")
-        .arg(&img))?;
-    run(std::process::Command::new("mount")
-        .args(["-o", "loop,nosuid,nodev,noatime"])
-        .arg(&img)
-        .arg(&mnt))
+    let img = dir.join("disk.img");
+    crate::disk::make_image(templates, &img, disk_mib)?;
+    use nix::mount::MsFlags;
+    crate::disk::mount_image(
+        &img,
+        &mnt,
+        MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOATIME,
+    )
 }
 
 /// Mounts the overlay of `lowers` (top-most first) + `dir/upper` at `dir/rootfs`.
