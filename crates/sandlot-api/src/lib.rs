@@ -10,6 +10,7 @@ mod error;
 mod exec;
 mod files;
 mod network;
+mod process;
 mod run_code;
 mod sandbox;
 mod trajectory;
@@ -18,6 +19,10 @@ pub use error::{ApiError, ErrorBody, ErrorCode};
 pub use exec::{text_and_b64, Cmd, ExecEvent, ExecRequest, ExecResult, Output};
 pub use files::{FileEntry, FileList, FileType};
 pub use network::{AllowEntry, AllowPolicy, NetworkPolicy, MAX_ALLOW_ENTRIES};
+pub use process::{
+    Process, ProcessEvent, ProcessList, ProcessState, SignalName, SignalRequest, SpawnRequest,
+    StreamName, SIGNALS,
+};
 pub use run_code::{
     CommandRunResult, CommandRunStatus, RunCodeRequest, RunCodeResponse, RunStatus,
 };

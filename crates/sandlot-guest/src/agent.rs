@@ -26,7 +26,8 @@ use nix::sys::signal::{kill, Signal};
 use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
 use nix::unistd::Pid;
 use sandlot_guest::agent_proto::{
-    encode, ExecExit, ExecRequest, FrameDecoder, FrameKind, PATH_EXEC, PATH_PING,
+    encode, ExecExit, ExecRequest, FrameDecoder, FrameKind, SignalRequest, PATH_EXEC, PATH_PING,
+    PATH_SIGNAL,
 };
 use sandlot_guest::spec::ExecStatus;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -42,6 +43,17 @@ const DRAIN_GRACE: Duration = Duration::from_millis(500);
 /// Pids of exec helpers still running (so a late kill never hits a reused pid); the reaper
 /// removes them.
 type Live = Arc<Mutex<HashSet<i32>>>;
+
+/// Running execs that have an [`ExecRequest::handle`]: handle → helper pid (see
+/// [`signal`]).
+type Handles = Arc<Mutex<std::collections::HashMap<String, i32>>>;
+
+/// What every call may need: the live helpers and the named execs.
+#[derive(Clone, Default)]
+struct Shared {
+    live: Live,
+    handles: Handles,
+}
 
 /// Entry point; returns the process exit code.
 pub fn main(args: &[String]) -> i32 {
@@ -117,7 +129,8 @@ async fn serve(listener: std::os::unix::net::UnixListener) -> i32 {
             return 1;
         }
     };
-    let live: Live = Arc::default();
+    let shared = Shared::default();
+    let live = shared.live.clone();
     tokio::spawn(reap(live.clone()));
     // No SIGTERM handler on purpose: as pid 1 of its namespace the agent then ignores
     // SIGTERM sent from inside (a command cannot stop it); the node deletes containers
@@ -141,9 +154,9 @@ async fn serve(listener: std::os::unix::net::UnixListener) -> i32 {
                 continue;
             }
         };
-        let live = live.clone();
+        let shared = shared.clone();
         tokio::spawn(async move {
-            let svc = hyper::service::service_fn(move |req| handle(req, live.clone()));
+            let svc = hyper::service::service_fn(move |req| handle(req, shared.clone()));
             let _ = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
                 .serve_connection(TokioIo::new(stream), svc)
                 .await;
@@ -180,7 +193,7 @@ fn text(status: StatusCode, msg: impl Into<String>) -> Response<Body> {
         .expect("valid response")
 }
 
-async fn handle(req: Request<Incoming>, live: Live) -> Result<Response<Body>, Infallible> {
+async fn handle(req: Request<Incoming>, shared: Shared) -> Result<Response<Body>, Infallible> {
     if req.uri().path().starts_with("/v1/files/") {
         return Ok(crate::agent_files::handle(req)
             .await
@@ -195,10 +208,11 @@ async fn handle(req: Request<Incoming>, live: Live) -> Result<Response<Body>, In
                 std::process::id()
             ),
         ),
-        (&Method::POST, PATH_EXEC) => match exec(req.into_body(), live).await {
+        (&Method::POST, PATH_EXEC) => match exec(req.into_body(), shared).await {
             Ok(r) => r,
             Err(msg) => text(StatusCode::BAD_REQUEST, msg),
         },
+        (&Method::POST, PATH_SIGNAL) => signal(req.into_body(), &shared).await,
         _ => text(StatusCode::NOT_FOUND, "no such call"),
     })
 }
@@ -239,8 +253,61 @@ fn high(fd: OwnedFd) -> std::io::Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(n) })
 }
 
-async fn exec(mut body: Incoming, live: Live) -> Result<Response<Body>, String> {
+/// `POST /v1/signal`: delivers a signal to the exec named by the handle (see
+/// [`sandlot_guest::agent_proto::PATH_SIGNAL`]).
+async fn signal(body: Incoming, shared: &Shared) -> Response<Body> {
+    // A signal request is a few bytes; anything larger is not one.
+    let limited = http_body_util::Limited::new(body, 4096);
+    let bytes = match limited.collect().await {
+        Ok(b) => b.to_bytes(),
+        Err(e) => return text(StatusCode::BAD_REQUEST, format!("request body: {e}")),
+    };
+    let req: SignalRequest = match serde_json::from_slice(&bytes) {
+        Ok(r) => r,
+        Err(e) => return text(StatusCode::BAD_REQUEST, format!("signal JSON: {e}")),
+    };
+    if req.signal != libc::SIGKILL && !sys::FORWARDED.contains(&req.signal) {
+        return text(
+            StatusCode::BAD_REQUEST,
+            format!("signal {} cannot be delivered", req.signal),
+        );
+    }
+    let Some(pid) = shared.handles.lock().unwrap().get(&req.handle).copied() else {
+        return text(StatusCode::NOT_FOUND, "no running exec with that handle");
+    };
+    // Only a helper not yet reaped: its pid cannot have been reused.
+    if !shared.live.lock().unwrap().contains(&pid) {
+        return text(StatusCode::NOT_FOUND, "the exec has ended");
+    }
+    let sig = Signal::try_from(req.signal).expect("checked above");
+    match kill(Pid::from_raw(pid), sig) {
+        Ok(()) => Response::builder()
+            .status(StatusCode::NO_CONTENT)
+            .body(Full::new(Bytes::new()).boxed())
+            .expect("valid response"),
+        Err(e) => text(StatusCode::NOT_FOUND, format!("the exec has ended: {e}")),
+    }
+}
+
+/// Removes an exec's handle when its task ends.
+struct HandleGuard(Handles, Option<String>);
+
+impl Drop for HandleGuard {
+    fn drop(&mut self) {
+        if let Some(h) = &self.1 {
+            self.0.lock().unwrap().remove(h);
+        }
+    }
+}
+
+async fn exec(mut body: Incoming, shared: Shared) -> Result<Response<Body>, String> {
+    let live = shared.live.clone();
     let (mut req, mut dec) = read_spec(&mut body).await?;
+    if let Some(h) = &req.handle {
+        if shared.handles.lock().unwrap().contains_key(h) {
+            return Err(format!("handle {h:?} is already in use"));
+        }
+    }
     req.spec.own_pid_ns = true;
     req.spec.cgroup_procs.clear();
     let spec_json = serde_json::to_vec(&req.spec).map_err(|e| e.to_string())?;
@@ -266,7 +333,8 @@ async fn exec(mut body: Incoming, live: Live) -> Result<Response<Body>, String> 
             if libc::dup2(sfd, 3) < 0 || libc::dup2(wfd, 4) < 0 {
                 return Err(std::io::Error::last_os_error());
             }
-            Ok(())
+            // Signals for the command wait in the helper until it can forward them.
+            sys::block_forwarded_raw()
         });
     }
     let start = Instant::now();
@@ -295,6 +363,10 @@ async fn exec(mut body: Incoming, live: Live) -> Result<Response<Body>, String> 
     let pid = child.id() as i32;
     live.lock().unwrap().insert(pid);
     let killer = KillOnDrop(pid, live.clone());
+    let named = HandleGuard(shared.handles.clone(), req.handle.clone());
+    if let Some(h) = &req.handle {
+        shared.handles.lock().unwrap().insert(h.clone(), pid);
+    }
 
     let mut spec_w = tokio::net::unix::pipe::Sender::from_owned_fd(spec_w)
         .map_err(|e| format!("spec pipe: {e}"))?;
@@ -339,6 +411,7 @@ async fn exec(mut body: Incoming, live: Live) -> Result<Response<Body>, String> 
     let timeout = Duration::from_millis(req.timeout_ms.max(1));
     tokio::spawn(async move {
         let _killer = killer;
+        let _named = named;
         let mut status_fut = std::pin::pin!(sandlot_guest::spec::read_exec_status(status_rx));
         let (status, timed_out) = tokio::select! {
             s = status_fut.as_mut() => (s, false),

@@ -16,6 +16,7 @@
 //!   command writes, then exactly one [`FrameKind::Exit`] frame holding [`ExecExit`] JSON.
 //!   Resetting the stream (dropping the response) kills the command's whole process tree.
 //!   A bad request answers 400 with a text body.
+//! * `POST /v1/signal` — see [`PATH_SIGNAL`].
 //!
 //! File calls (paths under `/v1/files/`; the rules of [`crate::sandbox_fs`], applied by the
 //! agent to its own root: relative paths under `/workspace`, `openat2` with
@@ -197,6 +198,10 @@ pub struct ExecRequest {
     pub timeout_ms: u64,
     /// Whether stdin frames follow (else the command's stdin is `/dev/null`).
     pub stdin: bool,
+    /// A name for this exec, unique among the agent's running execs, that
+    /// [`PATH_SIGNAL`] calls use to reach it; `None`: not signallable (a plain exec).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub handle: Option<String>,
 }
 
 /// `POST /v1/exec` exit frame.
@@ -295,6 +300,24 @@ pub fn ascii_json(e: &FsError) -> String {
         }
     }
     out
+}
+
+/// Path of the signal call (background processes).
+///
+/// `POST /v1/signal`, body [`SignalRequest`] JSON → 204 when delivered, 404 when no running
+/// exec has that handle, 400 for a bad body or a signal outside
+/// [`crate::spec::FORWARDED_SIGNALS`] and SIGKILL (9). SIGKILL kills the exec's helper,
+/// which ends its whole process tree (pid namespace); any other signal goes to the helper,
+/// which forwards it to the command's process group.
+pub const PATH_SIGNAL: &str = "/v1/signal";
+
+/// `POST /v1/signal` body.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SignalRequest {
+    /// [`ExecRequest::handle`] of the exec.
+    pub handle: String,
+    /// Signal number (Linux).
+    pub signal: i32,
 }
 
 #[cfg(test)]

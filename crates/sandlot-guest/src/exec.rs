@@ -11,6 +11,12 @@
 //! order: no_new_privs, landlock, capabilities, signals, seccomp (last, so that the
 //! set-up calls above are not themselves filtered), then execve.
 //!
+//! Signals: the [`sys::FORWARDED`] signals this process receives go to the command's
+//! process group (through the exec init in `own_pid_ns` mode); they are blocked from the
+//! start (the spawner blocks them before execve) and stay pending until the command exists,
+//! so one sent during set-up is delivered, not lost. SIGKILL of this process ends the whole
+//! tree as before.
+//!
 //! Set-up errors in the child travel to the parent over a close-on-exec pipe (a byte `U`
 //! for the caller's fault or `I` for an internal one, then the text); EOF without data
 //! means execve succeeded or failed in the command's own way (127/126 with a message on
@@ -75,6 +81,11 @@ impl From<SetupError> for ExecStatus {
 
 /// Entry point; returns the process exit code (0 once a status was written).
 pub fn main() -> i32 {
+    // Signals for the command stay pending until it exists (see `sys::start_forwarding`);
+    // without the handler they would only be lost, so a failure here is not fatal.
+    if let Err(e) = sys::start_forwarding() {
+        eprintln!("sandlot-guest exec: signal forwarding: {e}");
+    }
     let status_fd = match sys::inherited_fd(4) {
         Ok(fd) => fd,
         Err(e) => {
@@ -257,6 +268,8 @@ fn run() -> Result<ExecStatus, SetupError> {
         Forked::Parent(pid) => {
             drop(err_w);
             drop(target);
+            // The command calls setsid(2): its process group gets what we catch.
+            let _ = sys::forward_to(pid, true);
             wait_setup(err_r, pid)
         }
     }
@@ -289,6 +302,8 @@ fn run_in_own_pid_ns(spec: &ExecSpec, p: &Prepared) -> Result<ExecStatus, SetupE
         Forked::Parent(init) => {
             drop(err_w);
             drop(relay_w);
+            // The exec init passes what we catch on to the command's process group.
+            let _ = sys::forward_to(init, false);
             let init_status = wait_setup(err_r, init)?;
             let mut relay = Vec::new();
             let _ = std::fs::File::from(relay_r).read_to_end(&mut relay);
@@ -348,7 +363,10 @@ fn exec_init(spec: &ExecSpec, p: &Prepared, err_w: OwnedFd, relay_w: OwnedFd) ->
                 Err(e) => report_setup_error(err_w, e),
             }
         }
-        Ok(Forked::Parent(pid)) => pid,
+        Ok(Forked::Parent(pid)) => {
+            let _ = sys::forward_to(pid, true);
+            pid
+        }
         Err(e) => report_setup_error(
             err_w,
             SetupError {

@@ -171,3 +171,13 @@ pub async fn read_exec_status(mut rx: tokio::net::unix::pipe::Receiver) -> Optio
         }
     }
 }
+
+/// Signals `sandlot-guest exec` forwards to its command, Linux numbers (x86-64 and
+/// aarch64): SIGHUP 1, SIGINT 2, SIGQUIT 3, SIGABRT 6, SIGUSR1 10, SIGUSR2 12, SIGALRM 14,
+/// SIGTERM 15, SIGCONT 18, SIGTSTP 20, SIGWINCH 28 — every catchable signal a user sends a
+/// job. A helper has them blocked from its start (its spawner blocks them before execve)
+/// and delivers each it receives to the command's process group (function backend), or to
+/// its exec init, which delivers it to the command's process group (`own_pid_ns`). SIGKILL
+/// and SIGSTOP cannot be caught: SIGKILL is delivered by killing the helper (the whole
+/// tree goes), SIGSTOP is not offered.
+pub const FORWARDED_SIGNALS: [i32; 11] = [1, 2, 3, 6, 10, 12, 14, 15, 18, 20, 28];

@@ -364,3 +364,94 @@ pub fn exit_now(code: i32) -> ! {
     // SAFETY: _exit has no preconditions and never returns.
     unsafe { libc::_exit(code) }
 }
+
+/// Signals an exec helper forwards (see [`sandlot_guest::spec::FORWARDED_SIGNALS`]).
+pub const FORWARDED: [libc::c_int; 11] = sandlot_guest::spec::FORWARDED_SIGNALS;
+
+/// Where [`forward_handler`] sends what it catches: a pid (> 0) or nothing yet (0).
+static FORWARD_TO: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(0);
+/// Whether the target is a process group leader (`kill(-pid)` first).
+static FORWARD_GROUP: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+extern "C" fn forward_handler(sig: libc::c_int) {
+    use std::sync::atomic::Ordering;
+    let to = FORWARD_TO.load(Ordering::SeqCst);
+    if to <= 0 {
+        return;
+    }
+    // SAFETY: kill(2) is async-signal-safe; errno is saved and restored around it so the
+    // interrupted code never sees it change.
+    unsafe {
+        let errno = *libc::__errno_location();
+        if !FORWARD_GROUP.load(Ordering::SeqCst) || libc::kill(-to, sig) != 0 {
+            // Before setsid(2) the group does not exist yet: the leader alone (it has the
+            // signal blocked until it resets its dispositions, then dies of it).
+            libc::kill(to, sig);
+        }
+        *libc::__errno_location() = errno;
+    }
+}
+
+fn forwarded_set() -> libc::sigset_t {
+    // SAFETY: sigset_t is plain data; sigemptyset initialises it before sigaddset.
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        for s in FORWARDED {
+            libc::sigaddset(&mut set, s);
+        }
+        set
+    }
+}
+
+/// Blocks the [`FORWARDED`] signals and installs the forwarding handler for them (with
+/// `SA_RESTART`). They stay pending until [`forward_to`] names the target: a signal sent
+/// while the command is being set up is delivered, never lost. Children forked while they
+/// are blocked inherit the mask; [`reset_signals`] (just before execve) restores the
+/// defaults and delivers what is pending.
+pub fn start_forwarding() -> io::Result<()> {
+    let set = forwarded_set();
+    // SAFETY: `set` is initialised; the sigaction struct is zeroed then filled; the
+    // handler only calls async-signal-safe functions.
+    unsafe {
+        cvt(libc::sigprocmask(
+            libc::SIG_BLOCK,
+            &set,
+            std::ptr::null_mut(),
+        ))?;
+        let mut sa: libc::sigaction = std::mem::zeroed();
+        sa.sa_sigaction = forward_handler as *const () as libc::sighandler_t;
+        sa.sa_flags = libc::SA_RESTART;
+        libc::sigfillset(&mut sa.sa_mask);
+        for s in FORWARDED {
+            cvt(libc::sigaction(s, &sa, std::ptr::null_mut()))?;
+        }
+    }
+    Ok(())
+}
+
+/// Names the process (`group`: and its process group) that caught signals go to, then
+/// unblocks them, which delivers the pending ones.
+pub fn forward_to(pid: Pid, group: bool) -> io::Result<()> {
+    use std::sync::atomic::Ordering;
+    FORWARD_GROUP.store(group, Ordering::SeqCst);
+    FORWARD_TO.store(pid.as_raw(), Ordering::SeqCst);
+    let set = forwarded_set();
+    // SAFETY: `set` is initialised.
+    unsafe {
+        cvt(libc::sigprocmask(
+            libc::SIG_UNBLOCK,
+            &set,
+            std::ptr::null_mut(),
+        ))?;
+    }
+    Ok(())
+}
+
+/// For a spawner's `pre_exec`: blocks the [`FORWARDED`] signals in the forked child, so a
+/// helper cannot die of one before [`start_forwarding`] runs. Async-signal-safe.
+pub fn block_forwarded_raw() -> io::Result<()> {
+    let set = forwarded_set();
+    // SAFETY: `set` is initialised; sigprocmask is async-signal-safe.
+    cvt(unsafe { libc::sigprocmask(libc::SIG_BLOCK, &set, std::ptr::null_mut()) }).map(|_| ())
+}

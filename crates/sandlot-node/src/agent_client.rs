@@ -10,7 +10,7 @@ use hyper::{Method, Request, StatusCode};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use sandlot_guest::agent_proto::{
     encode, ExecExit, ExecRequest, FileInfo, Frame, FrameDecoder, FrameKind, FsCode, FsError,
-    PATH_EXEC, PATH_PING,
+    SignalRequest, PATH_EXEC, PATH_PING, PATH_SIGNAL,
 };
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -42,10 +42,14 @@ async fn connect_socket(path: &Path) -> std::io::Result<tokio::net::UnixStream> 
     stream
 }
 
+/// Request body of every agent call: a whole buffer, or a stream (stdin of a background
+/// process).
+type ReqBody = http_body_util::combinators::BoxBody<Bytes, std::convert::Infallible>;
+
 /// A client of one sandbox's agent.
 pub struct AgentClient {
     socket: PathBuf,
-    conn: tokio::sync::Mutex<Option<SendRequest<Full<Bytes>>>>,
+    conn: tokio::sync::Mutex<Option<SendRequest<ReqBody>>>,
 }
 
 fn agent_err(socket: &Path, what: &str, e: impl std::fmt::Display) -> NodeError {
@@ -64,7 +68,7 @@ impl AgentClient {
         }
     }
 
-    async fn sender(&self) -> NodeResult<SendRequest<Full<Bytes>>> {
+    async fn sender(&self) -> NodeResult<SendRequest<ReqBody>> {
         let mut conn = self.conn.lock().await;
         if let Some(s) = conn.as_ref() {
             if !s.is_closed() {
@@ -91,11 +95,20 @@ impl AgentClient {
         path: &str,
         body: Bytes,
     ) -> NodeResult<hyper::Response<Incoming>> {
+        self.call_body(method, path, Full::new(body).boxed()).await
+    }
+
+    async fn call_body(
+        &self,
+        method: Method,
+        path: &str,
+        body: ReqBody,
+    ) -> NodeResult<hyper::Response<Incoming>> {
         let mut sender = self.sender().await?;
         let req = Request::builder()
             .method(method)
             .uri(format!("http://agent{path}"))
-            .body(Full::new(body))
+            .body(body)
             .expect("valid request");
         sender
             .send_request(req)
@@ -135,12 +148,42 @@ impl AgentClient {
     /// # Errors
     /// `Internal` when the agent cannot be reached or refuses the request.
     pub async fn exec(&self, req: &ExecRequest, stdin: Option<&[u8]>) -> NodeResult<ExecStream> {
+        self.exec_streaming(req, stdin, None).await
+    }
+
+    /// [`AgentClient::exec`] whose stdin stays open: after `stdin`, every chunk received on
+    /// `more` is sent as stdin frames on the request body; the command's stdin closes (EOF)
+    /// when `more`'s senders are all dropped. `req.stdin` must be true when `more` is given.
+    ///
+    /// # Errors
+    /// As [`AgentClient::exec`].
+    pub async fn exec_streaming(
+        &self,
+        req: &ExecRequest,
+        stdin: Option<&[u8]>,
+        more: Option<tokio::sync::mpsc::Receiver<Bytes>>,
+    ) -> NodeResult<ExecStream> {
         let spec = serde_json::to_vec(req).expect("ExecRequest serialises");
         let mut body = encode(FrameKind::Spec, &spec);
         if let Some(data) = stdin {
             body.extend(encode(FrameKind::Stdin, data));
         }
-        let resp = self.call(Method::POST, PATH_EXEC, body.into()).await?;
+        let body: ReqBody = match more {
+            None => Full::new(Bytes::from(body)).boxed(),
+            Some(rx) => {
+                let first = futures::stream::once(async move { Bytes::from(body) });
+                let rest = futures::stream::unfold(rx, |mut rx| async move {
+                    rx.recv()
+                        .await
+                        .map(|b| (Bytes::from(encode(FrameKind::Stdin, &b)), rx))
+                });
+                let frames = futures::StreamExt::map(futures::StreamExt::chain(first, rest), |b| {
+                    Ok::<_, std::convert::Infallible>(hyper::body::Frame::data(b))
+                });
+                http_body_util::StreamBody::new(frames).boxed()
+            }
+        };
+        let resp = self.call_body(Method::POST, PATH_EXEC, body).await?;
         if resp.status() != StatusCode::OK {
             let status = resp.status();
             let text = resp
@@ -339,6 +382,39 @@ impl AgentClient {
         use sandlot_guest::agent_proto::{PathRequest, PATH_FILES_REMOVE};
         self.fs_empty(PATH_FILES_REMOVE, &PathRequest { path: path.into() })
             .await
+    }
+}
+
+impl AgentClient {
+    /// Delivers `signal` to the running exec started with `handle` (see
+    /// [`sandlot_guest::agent_proto::PATH_SIGNAL`]). An exec that already ended is not an
+    /// error (the signal has nobody to reach).
+    ///
+    /// # Errors
+    /// `Internal` when the agent cannot be reached or refuses the request.
+    pub async fn signal(&self, handle: &str, signal: i32) -> NodeResult<()> {
+        let body = serde_json::to_vec(&SignalRequest {
+            handle: handle.to_string(),
+            signal,
+        })
+        .expect("SignalRequest serialises");
+        let resp = self.call(Method::POST, PATH_SIGNAL, body.into()).await?;
+        match resp.status() {
+            StatusCode::NO_CONTENT | StatusCode::NOT_FOUND => Ok(()),
+            status => {
+                let text = resp
+                    .into_body()
+                    .collect()
+                    .await
+                    .map(|b| String::from_utf8_lossy(&b.to_bytes()).into_owned())
+                    .unwrap_or_default();
+                Err(agent_err(
+                    &self.socket,
+                    "signal",
+                    format!("{status}: {text}"),
+                ))
+            }
+        }
     }
 }
 

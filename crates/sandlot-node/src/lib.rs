@@ -3,7 +3,7 @@
 //! A node runs sandboxes on one host. The server talks to it only through the [`Node`] trait
 //! ([`LocalNode`] is the in-process implementation used by `sandlot up`; cluster mode adds a
 //! transport, not a rewrite). Backends live in [`backends`], images in [`images`], cgroup
-//! handling for v1 and v2 in [`cgroups`], network policies (veth, nftables, filtering DNS)
+//! handling for v1 and v2 in [`cgroups`], background processes in [`processes`], network policies (veth, nftables, filtering DNS)
 //! in [`net`] and [`dns`].
 #![deny(missing_docs)]
 #![warn(clippy::undocumented_unsafe_blocks)]
@@ -20,8 +20,11 @@ pub mod mountinfo;
 pub mod net;
 pub mod node;
 pub mod output;
+pub mod processes;
 
 pub use images::validate_name as validate_image_name;
 pub use images::validate_ref as validate_image_ref;
 pub use local::{default_agent_bin, default_guest_bin, LocalNode, NodeConfig};
-pub use node::{ExecSink, Node, NodeError, NodeInfo, NodeResult, SandboxSpec, SandboxStatus};
+pub use node::{
+    ExecControl, ExecSink, Node, NodeError, NodeInfo, NodeResult, SandboxSpec, SandboxStatus,
+};

@@ -13,7 +13,9 @@ use crate::backends::pool::PoolConfig;
 use crate::backends::AnyBackend;
 use crate::cgroups::CgroupRoot;
 use crate::images::ImageStore;
-use crate::node::{ExecSink, Node, NodeError, NodeInfo, NodeResult, SandboxSpec, SandboxStatus};
+use crate::node::{
+    ExecControl, ExecSink, Node, NodeError, NodeInfo, NodeResult, SandboxSpec, SandboxStatus,
+};
 use async_trait::async_trait;
 use sandlot_api::{Backend, ExecRequest, ExecResult, FileEntry};
 use std::os::unix::fs::PermissionsExt;
@@ -342,6 +344,18 @@ impl Node for LocalNode {
         sink: Option<ExecSink>,
     ) -> NodeResult<ExecResult> {
         self.owner(id)?.exec(id, req, sink).await
+    }
+
+    async fn exec_controlled(
+        &self,
+        id: &str,
+        req: &ExecRequest,
+        sink: Option<ExecSink>,
+        control: ExecControl,
+    ) -> NodeResult<ExecResult> {
+        self.owner(id)?
+            .exec_controlled(id, req, sink, control)
+            .await
     }
 
     async fn read_file(&self, id: &str, path: &str, max_bytes: u64) -> NodeResult<Vec<u8>> {

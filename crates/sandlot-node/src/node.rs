@@ -79,6 +79,10 @@ pub enum NodeError {
     /// The sandbox is in a state that does not allow the call (e.g. being deleted).
     #[error("{0}")]
     Conflict(String),
+    /// The call did not finish in time (a background process that does not read its
+    /// stdin).
+    #[error("{0}")]
+    DeadlineExceeded(String),
     /// The sandbox's own permissions refuse the call (a file its root may not read or
     /// write).
     #[error("{0}")]
@@ -112,6 +116,7 @@ impl NodeError {
             NodeError::ResourceExhausted(_) => ErrorCode::ResourceExhausted,
             NodeError::Conflict(_) => ErrorCode::Conflict,
             NodeError::PermissionDenied(_) => ErrorCode::PermissionDenied,
+            NodeError::DeadlineExceeded(_) => ErrorCode::DeadlineExceeded,
             NodeError::Internal { .. } => ErrorCode::Internal,
         }
     }
@@ -123,6 +128,22 @@ pub type NodeResult<T> = Result<T, NodeError>;
 /// Where a streamed exec sends its chunks (stdout/stderr events only; the final result is
 /// the return value of [`Node::exec`]). A closed receiver does not stop the exec.
 pub type ExecSink = mpsc::Sender<ExecEvent>;
+
+/// Live control of a running exec, for background processes (`crate::processes`): stdin
+/// that stays open and signals.
+#[derive(Debug)]
+pub struct ExecControl {
+    /// Stdin chunks sent after the request's own `stdin_b64`; the command's stdin closes
+    /// (EOF) when every sender is dropped. `None`: stdin is `stdin_b64` alone (or
+    /// `/dev/null`).
+    pub stdin: Option<mpsc::Receiver<bytes::Bytes>>,
+    /// Signals to deliver, Linux numbers: SIGKILL (9) ends the whole process tree; the
+    /// others ([`sandlot_guest::spec::FORWARDED_SIGNALS`]) go to the command's process
+    /// group. Other numbers are ignored (the caller validates).
+    pub signals: mpsc::UnboundedReceiver<i32>,
+    /// A name for the exec, unique on the node (the guest agent's exec handle).
+    pub handle: String,
+}
 
 /// The operations every node honours, whatever backend runs the sandbox.
 ///
@@ -144,6 +165,25 @@ pub trait Node: Send + Sync + 'static {
         req: &ExecRequest,
         sink: Option<ExecSink>,
     ) -> NodeResult<ExecResult>;
+
+    /// [`Node::exec`] with live control ([`ExecControl`]): stdin streamed while the command
+    /// runs and signals delivered to it. The engine of background processes
+    /// ([`crate::processes::ProcessTable`]).
+    ///
+    /// # Errors
+    /// As [`Node::exec`]; `Unavailable` where the node does not support it (the default).
+    async fn exec_controlled(
+        &self,
+        id: &str,
+        req: &ExecRequest,
+        sink: Option<ExecSink>,
+        control: ExecControl,
+    ) -> NodeResult<ExecResult> {
+        let _ = (id, req, sink, control);
+        Err(NodeError::Unavailable(
+            "background processes are not supported by this node".into(),
+        ))
+    }
 
     /// Read a whole file; files over `max_bytes` give `InvalidArgument`.
     ///

@@ -134,6 +134,16 @@ impl Node for BudgetNode {
         self.inner.exec(id, req, sink).await
     }
 
+    async fn exec_controlled(
+        &self,
+        id: &str,
+        req: &ExecRequest,
+        sink: Option<ExecSink>,
+        control: sandlot_node::ExecControl,
+    ) -> NodeResult<ExecResult> {
+        self.inner.exec_controlled(id, req, sink, control).await
+    }
+
     async fn read_file(&self, id: &str, path: &str, max_bytes: u64) -> NodeResult<Vec<u8>> {
         Ok(self.read_file_held(id, path, max_bytes).await?.0)
     }

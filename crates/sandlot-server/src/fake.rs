@@ -66,6 +66,64 @@ fn result(code: i32, out: &[u8], err: &[u8], timed_out: bool) -> ExecResult {
 
 #[async_trait]
 impl Node for FakeNode {
+    /// Background processes: `echo …` (stdout, exit 0), `sleep N` (until N seconds or a
+    /// signal: 128+n), `cat` (stdin to stdout until EOF, or a signal).
+    async fn exec_controlled(
+        &self,
+        id: &str,
+        req: &ExecRequest,
+        sink: Option<ExecSink>,
+        mut control: sandlot_node::ExecControl,
+    ) -> NodeResult<ExecResult> {
+        self.files(id, |_| ())?;
+        let argv = req.cmd.to_argv();
+        let args: Vec<&str> = argv.iter().map(|s| s.as_str()).collect();
+        let send = |ev: ExecEvent| {
+            let sink = sink.clone();
+            async move {
+                if let Some(s) = sink {
+                    let _ = s.send(ev).await;
+                }
+            }
+        };
+        let killed = |sig: i32| ExecResult {
+            exit_code: 128 + sig,
+            signal: Some(sig),
+            ..Default::default()
+        };
+        match args.as_slice() {
+            ["echo", rest @ ..] => {
+                send(ExecEvent::stdout(
+                    format!("{}\n", rest.join(" ")).as_bytes(),
+                ))
+                .await;
+                Ok(ExecResult::default())
+            }
+            ["sleep", s] => {
+                let d = Duration::from_secs_f64(s.parse().unwrap());
+                tokio::select! {
+                    _ = tokio::time::sleep(d) => Ok(ExecResult::default()),
+                    Some(sig) = control.signals.recv() => Ok(killed(sig)),
+                }
+            }
+            ["cat"] => {
+                let mut stdin = control.stdin.take().expect("cat needs stdin");
+                loop {
+                    tokio::select! {
+                        chunk = stdin.recv() => match chunk {
+                            Some(b) => send(ExecEvent::stdout(&b)).await,
+                            None => return Ok(ExecResult::default()),
+                        },
+                        Some(sig) = control.signals.recv() => return Ok(killed(sig)),
+                    }
+                }
+            }
+            _ => Err(NodeError::InvalidArgument(format!(
+                "fake node: no background {argv:?}"
+            ))),
+        }
+    }
+
     fn info(&self) -> NodeInfo {
         NodeInfo {
             name: "fake-node".into(),

@@ -10,6 +10,7 @@
 //! |---|---|
 //! | `POST/GET /v1/sandboxes`, `GET/DELETE /v1/sandboxes/{id}`, `POST …/keepalive` | [`sandboxes`] |
 //! | `POST /v1/sandboxes/{id}/exec[?stream=true]` | [`exec`] |
+//! | `/v1/sandboxes/{id}/processes[/{pid}[/output\|/wait\|/signal\|/stdin]]` | [`processes`] |
 //! | `PUT/GET/DELETE /v1/sandboxes/{id}/files?path=P`, `GET …/files/list?path=P` | [`files`] |
 //! | `POST /v1/sandboxes:pause`, `POST /v1/sandboxes:resume` | [`pause`] |
 //! | `GET/DELETE /v1/trajectories/{*id}`; step semantics of exec and files | [`trajectory`] |
@@ -32,6 +33,7 @@ pub mod health;
 pub mod lifecycle;
 pub mod metrics;
 pub mod pause;
+pub mod processes;
 pub mod run_code;
 pub mod sandboxes;
 pub mod store;
@@ -49,6 +51,8 @@ mod tests;
 mod tests_hardening;
 #[cfg(test)]
 mod tests_observe;
+#[cfg(test)]
+mod tests_processes;
 
 use anyhow::Context;
 use axum::extract::{DefaultBodyLimit, MatchedPath};
@@ -168,6 +172,8 @@ pub struct AppState {
     pub metrics: metrics::Metrics,
     /// Audit events, durable in `events.db` ([`events`]).
     pub events: events::EventLog,
+    /// Background processes ([`processes`]), over the same node.
+    pub processes: std::sync::Arc<sandlot_node::processes::ProcessTable>,
 }
 
 /// Handler state: cheap to clone.
@@ -195,6 +201,8 @@ impl AppState {
         let budget_node = Arc::new(budget::BudgetNode::new(node, file_budget.clone()));
         let node: Arc<dyn Node> = budget_node.clone();
         let run_code_gate = run_code::Gate::new(cfg.run_code_concurrency, cfg.run_code_queue);
+        let processes =
+            sandlot_node::processes::ProcessTable::new(node.clone(), Default::default());
         let events = events::EventLog::open(&cfg.data_dir.join("events.db"))?;
         Ok(Arc::new(AppState {
             cfg,
@@ -210,6 +218,7 @@ impl AppState {
             last_traj_gc_ms: std::sync::atomic::AtomicI64::new(now_ms()),
             metrics: metrics::Metrics::new(),
             events,
+            processes,
         }))
     }
 }
@@ -251,6 +260,30 @@ pub fn router(state: SharedState) -> Router {
         )
         .route("/v1/sandboxes/{id}/keepalive", post(sandboxes::keepalive))
         .route("/v1/sandboxes/{id}/exec", post(exec::exec))
+        .route(
+            "/v1/sandboxes/{id}/processes",
+            post(processes::spawn).get(processes::list),
+        )
+        .route(
+            "/v1/sandboxes/{id}/processes/{pid}",
+            get(processes::get_one).delete(processes::delete),
+        )
+        .route(
+            "/v1/sandboxes/{id}/processes/{pid}/output",
+            get(processes::output),
+        )
+        .route(
+            "/v1/sandboxes/{id}/processes/{pid}/wait",
+            post(processes::wait),
+        )
+        .route(
+            "/v1/sandboxes/{id}/processes/{pid}/signal",
+            post(processes::signal),
+        )
+        .route(
+            "/v1/sandboxes/{id}/processes/{pid}/stdin",
+            post(processes::stdin),
+        )
         .route(
             "/v1/sandboxes/{id}/files",
             get(files::read)

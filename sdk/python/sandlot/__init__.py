@@ -19,6 +19,12 @@ Trajectory log (preemption-safe agent loops)::
     client.trajectory("job-42/ep-7").steps          # digests, exit codes, replay counts
     client.pause(labels={"job": "42"}); client.resume(labels={"job": "42"})
 
+Background processes (handles that outlive the client)::
+
+    p = sb.spawn("python3 server.py", stdin_open=True)   # returns at once
+    for ev in p.output(follow=True): ...                  # chunks, then the ExecResult
+    sb.process(p.id).signal("SIGTERM"); p.wait(timeout=10)
+
 :class:`AsyncClient` / :class:`AsyncSandbox` mirror the same methods as coroutines.
 Errors are :class:`SandlotError` subclasses named after the server's stable codes.
 """
@@ -28,6 +34,7 @@ from .client import Client, Sandbox
 from .errors import (Conflict, DeadlineExceeded, InternalError, InvalidArgument, NotFound,
                      PayloadTooLarge, PermissionDenied, ProtocolError, ResourceExhausted,
                      SandlotError, TransportError, Unauthenticated, Unavailable)
+from .process import AsyncProcess, OutputSkipped, Process
 from .models import (AffectedIds, CommandRunResult, ExecEvent, ExecResult, FileEntry,
                      RestoreMismatch, RestoreReport, RunCodeResult, StderrChunk, StdoutChunk,
                      TrajectoryInfo, TrajectoryStep)
@@ -42,4 +49,5 @@ __all__ = [
     "ExecResult", "ExecEvent", "StdoutChunk", "StderrChunk", "FileEntry",
     "RunCodeResult", "CommandRunResult", "TrajectoryInfo", "TrajectoryStep",
     "RestoreReport", "RestoreMismatch", "AffectedIds",
+    "Process", "AsyncProcess", "OutputSkipped",
 ]

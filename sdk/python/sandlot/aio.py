@@ -14,6 +14,7 @@ from .errors import ProtocolError, SandlotError, TransportError
 from .models import (Command, Data, ExecEvent, ExecResult, FileEntry, Network,
                      RunCodeResult, TrajectoryInfo, create_body, exec_body, ids_of, label_params,
                      parse_exec_event, run_code_body, selector_body, to_bytes)
+from .process import AsyncProcess, processes_of, spawn_body
 
 
 class AsyncClient:
@@ -385,3 +386,23 @@ class AsyncSandbox(_base.SandboxFields):
     async def remove(self, path: str, step: Optional[int] = None) -> None:
         """Remove a file, or a directory recursively. A trajectory step like :meth:`exec`."""
         await self._logged("DELETE", "/files", path, step, True, 30)
+
+    # -- background processes ----------------------------------------------------------
+    async def spawn(self, cmd: Command, cwd: Optional[str] = None,
+                    env: Optional[Mapping[str, str]] = None, stdin: Optional[Data] = None,
+                    stdin_open: bool = False, timeout_s: Optional[float] = None,
+                    max_output_bytes: Optional[int] = None) -> AsyncProcess:
+        """As :meth:`sandlot.Sandbox.spawn`."""
+        body = spawn_body(cmd, cwd, env, stdin, stdin_open, timeout_s, max_output_bytes)
+        resp = await self._client._request("POST", self._path("/processes"), json=body)
+        return AsyncProcess(self, _base.json_of(resp))
+
+    async def process(self, pid: str) -> AsyncProcess:
+        """As :meth:`sandlot.Sandbox.process`."""
+        resp = await self._client._request("GET", self._path(f"/processes/{pid}"))
+        return AsyncProcess(self, _base.json_of(resp))
+
+    async def processes(self) -> List[AsyncProcess]:
+        """As :meth:`sandlot.Sandbox.processes`."""
+        body = _base.json_of(await self._client._request("GET", self._path("/processes")))
+        return [AsyncProcess(self, d) for d in processes_of(body)]

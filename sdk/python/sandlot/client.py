@@ -12,6 +12,7 @@ from .errors import ProtocolError, SandlotError, TransportError
 from .models import (Command, Data, ExecEvent, ExecResult, FileEntry, Network,
                      RunCodeResult, TrajectoryInfo, create_body, exec_body, ids_of, label_params,
                      parse_exec_event, run_code_body, selector_body, to_bytes)
+from .process import Process, processes_of, spawn_body
 
 
 class Client:
@@ -411,3 +412,37 @@ class Sandbox(_base.SandboxFields):
     def remove(self, path: str, step: Optional[int] = None) -> None:
         """Remove a file, or a directory recursively. A trajectory step like :meth:`exec`."""
         self._logged("DELETE", "/files", path, step, True, 30)
+
+    # -- background processes ----------------------------------------------------------
+    def spawn(self, cmd: Command, cwd: Optional[str] = None,
+              env: Optional[Mapping[str, str]] = None, stdin: Optional[Data] = None,
+              stdin_open: bool = False, timeout_s: Optional[float] = None,
+              max_output_bytes: Optional[int] = None) -> Process:
+        """Start ``cmd`` in the background and return its :class:`~sandlot.Process` handle
+        at once. It runs in the server until it exits, is killed, its ``timeout_s`` (default
+        and maximum one day) passes, or the sandbox ends; not a trajectory step.
+
+        Args:
+            stdin: first bytes of stdin. stdin_open: keep stdin open for
+                :meth:`Process.write_stdin` (else it closes after ``stdin``, or is
+                /dev/null).
+            max_output_bytes: bytes retained per stream for ``output`` (default 2 MiB,
+                maximum 16 MiB; the last ones are kept).
+
+        Raises ResourceExhausted at the sandbox's limit of running processes (16),
+        InvalidArgument, NotFound, Conflict (sandbox paused or not running).
+        """
+        body = spawn_body(cmd, cwd, env, stdin, stdin_open, timeout_s, max_output_bytes)
+        resp = self._client._request("POST", self._path("/processes"), json=body)
+        return Process(self, _base.json_of(resp))
+
+    def process(self, pid: str) -> Process:
+        """Reattach to a background process by handle (e.g. from another client or a
+        previous run of the trainer). Raises NotFound when unknown."""
+        resp = self._client._request("GET", self._path(f"/processes/{pid}"))
+        return Process(self, _base.json_of(resp))
+
+    def processes(self) -> List[Process]:
+        """The sandbox's background processes (running and exited), oldest first."""
+        body = _base.json_of(self._client._request("GET", self._path("/processes")))
+        return [Process(self, d) for d in processes_of(body)]

@@ -56,7 +56,7 @@ use crate::cgroups::{CgroupRoot, Limits, SandboxCgroup};
 use crate::files::{file_entry, node_error};
 use crate::images::Image;
 use crate::net::{NetConfig, NetworkManager};
-use crate::node::{ExecSink, NodeError, NodeResult, SandboxSpec, SandboxStatus};
+use crate::node::{ExecControl, ExecSink, NodeError, NodeResult, SandboxSpec, SandboxStatus};
 use crate::output::Capture;
 use async_trait::async_trait;
 use sandlot_api::{Backend, ExecEvent, ExecRequest, ExecResult, FileEntry};
@@ -230,6 +230,143 @@ pub fn is_static_elf(p: &Path) -> bool {
 }
 
 impl ContainerBackend {
+    /// An exec through the agent; with `control`, stdin streams and signals reach it.
+    async fn run_exec(
+        &self,
+        id: &str,
+        req: &ExecRequest,
+        sink: Option<ExecSink>,
+        control: Option<ExecControl>,
+    ) -> NodeResult<ExecResult> {
+        let c = self.get(id)?;
+        let mut killed = c.killed.subscribe();
+        let guard = c.deleting.read().await;
+        if *guard || *killed.borrow() {
+            return Err(NodeError::NotFound(format!(
+                "sandbox {id} is being deleted"
+            )));
+        }
+        c.check_not_paused()?;
+        let mut plan = ExecPlan::build(&c.state.image_env, &c.state.spec, req)?;
+        plan.spec.own_pid_ns = true;
+        plan.spec.landlock = false;
+        if c.state.runtime == Runtime::Runsc {
+            // gVisor's processes are invisible to the host pids cgroup (which also holds
+            // gVisor itself): its own RLIMIT_NPROC bounds the sandbox's processes instead.
+            plan.spec.rlimits.push(sandlot_guest::spec::Rlimit {
+                resource: sandlot_guest::spec::RlimitResource::Nproc,
+                value: c.state.spec.pids_max,
+            });
+        }
+        let oom_before = c.cgroup.group().oom_kills();
+        let (more_stdin, mut signals, handle) = match control {
+            Some(ctl) => (ctl.stdin, Some(ctl.signals), Some(ctl.handle)),
+            None => (None, None, None),
+        };
+        let areq = agent_proto::ExecRequest {
+            spec: plan.spec,
+            timeout_ms: plan.timeout.as_millis() as u64,
+            stdin: plan.stdin.is_some() || more_stdin.is_some(),
+            handle: handle.clone(),
+        };
+        let mut stream = c
+            .agent
+            .exec_streaming(&areq, plan.stdin.as_deref(), more_stdin)
+            .await?;
+        drop(guard);
+        let mut out = Capture::new(plan.cap);
+        let mut err = Capture::new(plan.cap);
+        let deadline = tokio::time::Instant::now() + plan.timeout + EXEC_GRACE;
+        let exit = loop {
+            let step = tokio::select! {
+                c = stream.next() => Ok(c?),
+                _ = tokio::time::sleep_until(deadline) => Ok(None),
+                _ = killed.wait_for(|k| *k) => Ok(None),
+                Some(sig) = async { match signals.as_mut() { Some(r) => r.recv().await, None => std::future::pending().await } } => Err(sig),
+            };
+            let chunk = match step {
+                Ok(chunk) => chunk,
+                Err(sig) => {
+                    if let Some(h) = &handle {
+                        if let Err(e) = c.agent.signal(h, sig).await {
+                            tracing::warn!(sandbox = %id, error = %e, "signal through the guest agent failed");
+                        }
+                    }
+                    continue;
+                }
+            };
+            match chunk {
+                Some(ExecChunk::Output(is_out, data)) => {
+                    if is_out { &mut out } else { &mut err }.push(&data);
+                    if let Some(s) = &sink {
+                        let ev = if is_out {
+                            ExecEvent::stdout(&data)
+                        } else {
+                            ExecEvent::stderr(&data)
+                        };
+                        let _ = s.send(ev).await;
+                    }
+                }
+                Some(ExecChunk::Exit(x)) => break Some(x),
+                None => break None,
+            }
+        };
+        let mut res = ExecResult::default();
+        match exit {
+            Some(x) => {
+                res.duration_ms = x.duration_ms;
+                res.timed_out = x.timed_out;
+                match x.status {
+                    ExecStatus::Exited { code } => res.exit_code = code,
+                    ExecStatus::Signaled { signal } => {
+                        res.exit_code = 128 + signal;
+                        res.signal = Some(signal);
+                    }
+                    ExecStatus::SetupFailed {
+                        message,
+                        user_error,
+                        resource_exhausted,
+                    } => {
+                        return Err(if resource_exhausted {
+                            NodeError::ResourceExhausted(format!(
+                                "sandbox is at its process limit (pids_max={}): {message}",
+                                c.state.spec.pids_max
+                            ))
+                        } else if user_error {
+                            NodeError::InvalidArgument(message)
+                        } else {
+                            NodeError::io(
+                                format!("exec in container {id}: {message}"),
+                                std::io::Error::other("exec set-up failed"),
+                            )
+                        })
+                    }
+                }
+            }
+            // The agent died, the sandbox was deleted, or the agent missed its own deadline.
+            None => {
+                let died = proc_starttime(c.state.init_pid) != Some(c.state.init_starttime);
+                if *killed.borrow() || died {
+                    // Deleted, or the whole container died with the command (a runsc
+                    // sandbox OOM-killed as a whole): the command's own end, as SIGKILL.
+                    res.exit_code = 137;
+                    res.signal = Some(9);
+                } else {
+                    return Err(NodeError::io(
+                        format!("exec in container {id}: the guest agent ended the stream without an exit"),
+                        std::io::Error::other("agent stream ended"),
+                    ));
+                }
+            }
+        }
+        res.oom_killed = match (oom_before, c.cgroup.group().oom_kills()) {
+            (Some(a), Some(b)) => b > a,
+            _ => false,
+        };
+        res.set_output(&out.finish(), &err.finish());
+        Ok(res)
+    }
+
     /// A backend storing bundles under `cfg.dir`, cgroups under `cgroups` (a parent of
     /// their own: the function backend removes groups it does not know under its parent),
     /// host uid ranges from `uids` (shared with the function backend).
@@ -1098,113 +1235,17 @@ impl SandboxBackend for ContainerBackend {
         req: &ExecRequest,
         sink: Option<ExecSink>,
     ) -> NodeResult<ExecResult> {
-        let c = self.get(id)?;
-        let mut killed = c.killed.subscribe();
-        let guard = c.deleting.read().await;
-        if *guard || *killed.borrow() {
-            return Err(NodeError::NotFound(format!(
-                "sandbox {id} is being deleted"
-            )));
-        }
-        c.check_not_paused()?;
-        let mut plan = ExecPlan::build(&c.state.image_env, &c.state.spec, req)?;
-        plan.spec.own_pid_ns = true;
-        plan.spec.landlock = false;
-        if c.state.runtime == Runtime::Runsc {
-            // gVisor's processes are invisible to the host pids cgroup (which also holds
-            // gVisor itself): its own RLIMIT_NPROC bounds the sandbox's processes instead.
-            plan.spec.rlimits.push(sandlot_guest::spec::Rlimit {
-                resource: sandlot_guest::spec::RlimitResource::Nproc,
-                value: c.state.spec.pids_max,
-            });
-        }
-        let oom_before = c.cgroup.group().oom_kills();
-        let areq = agent_proto::ExecRequest {
-            spec: plan.spec,
-            timeout_ms: plan.timeout.as_millis() as u64,
-            stdin: plan.stdin.is_some(),
-        };
-        let mut stream = c.agent.exec(&areq, plan.stdin.as_deref()).await?;
-        drop(guard);
-        let mut out = Capture::new(plan.cap);
-        let mut err = Capture::new(plan.cap);
-        let deadline = tokio::time::Instant::now() + plan.timeout + EXEC_GRACE;
-        let exit = loop {
-            let chunk = tokio::select! {
-                c = stream.next() => c?,
-                _ = tokio::time::sleep_until(deadline) => None,
-                _ = killed.wait_for(|k| *k) => None,
-            };
-            match chunk {
-                Some(ExecChunk::Output(is_out, data)) => {
-                    if is_out { &mut out } else { &mut err }.push(&data);
-                    if let Some(s) = &sink {
-                        let ev = if is_out {
-                            ExecEvent::stdout(&data)
-                        } else {
-                            ExecEvent::stderr(&data)
-                        };
-                        let _ = s.send(ev).await;
-                    }
-                }
-                Some(ExecChunk::Exit(x)) => break Some(x),
-                None => break None,
-            }
-        };
-        let mut res = ExecResult::default();
-        match exit {
-            Some(x) => {
-                res.duration_ms = x.duration_ms;
-                res.timed_out = x.timed_out;
-                match x.status {
-                    ExecStatus::Exited { code } => res.exit_code = code,
-                    ExecStatus::Signaled { signal } => {
-                        res.exit_code = 128 + signal;
-                        res.signal = Some(signal);
-                    }
-                    ExecStatus::SetupFailed {
-                        message,
-                        user_error,
-                        resource_exhausted,
-                    } => {
-                        return Err(if resource_exhausted {
-                            NodeError::ResourceExhausted(format!(
-                                "sandbox is at its process limit (pids_max={}): {message}",
-                                c.state.spec.pids_max
-                            ))
-                        } else if user_error {
-                            NodeError::InvalidArgument(message)
-                        } else {
-                            NodeError::io(
-                                format!("exec in container {id}: {message}"),
-                                std::io::Error::other("exec set-up failed"),
-                            )
-                        })
-                    }
-                }
-            }
-            // The agent died, the sandbox was deleted, or the agent missed its own deadline.
-            None => {
-                let died = proc_starttime(c.state.init_pid) != Some(c.state.init_starttime);
-                if *killed.borrow() || died {
-                    // Deleted, or the whole container died with the command (a runsc
-                    // sandbox OOM-killed as a whole): the command's own end, as SIGKILL.
-                    res.exit_code = 137;
-                    res.signal = Some(9);
-                } else {
-                    return Err(NodeError::io(
-                        format!("exec in container {id}: the guest agent ended the stream without an exit"),
-                        std::io::Error::other("agent stream ended"),
-                    ));
-                }
-            }
-        }
-        res.oom_killed = match (oom_before, c.cgroup.group().oom_kills()) {
-            (Some(a), Some(b)) => b > a,
-            _ => false,
-        };
-        res.set_output(&out.finish(), &err.finish());
-        Ok(res)
+        self.run_exec(id, req, sink, None).await
+    }
+
+    async fn exec_controlled(
+        &self,
+        id: &str,
+        req: &ExecRequest,
+        sink: Option<ExecSink>,
+        control: ExecControl,
+    ) -> NodeResult<ExecResult> {
+        self.run_exec(id, req, sink, Some(control)).await
     }
 
     async fn read_file(&self, id: &str, path: &str, max_bytes: u64) -> NodeResult<Vec<u8>> {

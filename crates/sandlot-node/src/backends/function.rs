@@ -70,7 +70,7 @@ use super::SandboxBackend;
 use crate::cgroups::{Cgroup, CgroupRoot, Limits, SandboxCgroup};
 use crate::files::SandboxFs;
 use crate::images::Image;
-use crate::node::{ExecSink, NodeError, NodeResult, SandboxSpec, SandboxStatus};
+use crate::node::{ExecControl, ExecSink, NodeError, NodeResult, SandboxSpec, SandboxStatus};
 use crate::output::Capture;
 use async_trait::async_trait;
 use base64::Engine as _;
@@ -549,7 +549,29 @@ impl SandboxBackend for FunctionBackend {
         jail.check_not_paused()?;
         let plan = ExecPlan::new(&jail.state, req)?;
         let standby = self.exec_standby.then_some(self.cfg.guest_bin.as_path());
-        run_exec(&self.cfg.guest_bin, &jail, plan, sink, standby).await
+        run_exec(&self.cfg.guest_bin, &jail, plan, sink, standby, None).await
+    }
+
+    async fn exec_controlled(
+        &self,
+        id: &str,
+        req: &ExecRequest,
+        sink: Option<ExecSink>,
+        control: ExecControl,
+    ) -> NodeResult<ExecResult> {
+        let jail = self.jail(id)?;
+        jail.check_not_paused()?;
+        let plan = ExecPlan::new(&jail.state, req)?;
+        let standby = self.exec_standby.then_some(self.cfg.guest_bin.as_path());
+        run_exec(
+            &self.cfg.guest_bin,
+            &jail,
+            plan,
+            sink,
+            standby,
+            Some(control),
+        )
+        .await
     }
 
     async fn read_file(&self, id: &str, path: &str, max_bytes: u64) -> NodeResult<Vec<u8>> {
@@ -1005,6 +1027,16 @@ fn spawn_helper(guest_bin: &Path, stdin_piped: bool) -> NodeResult<Helper> {
             if libc::dup2(spec_fd, 3) < 0 || libc::dup2(status_fd, 4) < 0 {
                 return Err(std::io::Error::last_os_error());
             }
+            // Signals for the command wait in the helper until it can forward them
+            // (`sandlot_guest::spec::FORWARDED_SIGNALS`); sigprocmask is async-signal-safe.
+            let mut set: libc::sigset_t = std::mem::zeroed();
+            libc::sigemptyset(&mut set);
+            for s in sandlot_guest::spec::FORWARDED_SIGNALS {
+                libc::sigaddset(&mut set, s);
+            }
+            if libc::sigprocmask(libc::SIG_BLOCK, &set, std::ptr::null_mut()) < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
             Ok(())
         });
     }
@@ -1123,7 +1155,13 @@ async fn run_exec(
     mut plan: ExecPlan,
     sink: Option<ExecSink>,
     standby_bin: Option<&Path>,
+    control: Option<ExecControl>,
 ) -> NodeResult<ExecResult> {
+    let (more_stdin, mut signals) = match control {
+        Some(c) => (c.stdin, Some(c.signals)),
+        None => (None, None),
+    };
+    let stdin_piped = plan.stdin.is_some() || more_stdin.is_some();
     let mut killed_rx = jail.killed.subscribe();
     let id = &jail.state.id;
 
@@ -1135,7 +1173,7 @@ async fn run_exec(
         )));
     }
     // A standby helper has /dev/null as stdin: only for execs without stdin.
-    let standby = if plan.stdin.is_none() {
+    let standby = if !stdin_piped {
         jail.take_standby()
     } else {
         None
@@ -1166,7 +1204,7 @@ async fn run_exec(
                 .map(|p| p.display().to_string())
                 .collect();
             let start = Instant::now();
-            let helper = spawn_helper(guest_bin, plan.stdin.is_some())?;
+            let helper = spawn_helper(guest_bin, stdin_piped)?;
             (xcg, start, helper)
         }
     };
@@ -1186,10 +1224,24 @@ async fn run_exec(
         }
     });
     guard.tasks.push(spec_task.abort_handle());
-    if let (Some(data), Some(mut w)) = (plan.stdin.take(), child.stdin.take()) {
+    if let Some(mut w) = child.stdin.take() {
+        let data = plan.stdin.take();
+        let mut more = more_stdin;
         let t = tokio::spawn(async move {
             // EPIPE (the command does not read its stdin) is not an error.
-            let _ = w.write_all(&data).await;
+            if let Some(data) = data {
+                if w.write_all(&data).await.is_err() {
+                    return;
+                }
+            }
+            if let Some(rx) = more.as_mut() {
+                while let Some(chunk) = rx.recv().await {
+                    if w.write_all(&chunk).await.is_err() {
+                        return;
+                    }
+                }
+            }
+            // Dropping `w` is the command's EOF.
         });
         guard.tasks.push(t.abort_handle());
     }
@@ -1215,15 +1267,21 @@ async fn run_exec(
     // Kept (pinned) until the end: the helper may still write its status after a timeout,
     // and must not get EPIPE.
     let mut status_fut = std::pin::pin!(sandlot_guest::spec::read_exec_status(status_rx));
-    let ending = tokio::select! {
-        s = status_fut.as_mut() => match s { Some(s) => Ending::Status(s), None => Ending::Killed },
-        _ = tokio::time::sleep(plan.timeout) => Ending::TimedOut,
-        _ = killed_rx.wait_for(|k| *k) => Ending::Deleted,
+    let group = xcg.group().clone();
+    let helper_pid = child.id().map(|p| p as i32).unwrap_or(-1);
+    let timeout = tokio::time::sleep(plan.timeout);
+    tokio::pin!(timeout);
+    let ending = loop {
+        let sig = tokio::select! {
+            s = status_fut.as_mut() => break match s { Some(s) => Ending::Status(s), None => Ending::Killed },
+            _ = &mut timeout => break Ending::TimedOut,
+            _ = killed_rx.wait_for(|k| *k) => break Ending::Deleted,
+            Some(sig) = async { match signals.as_mut() { Some(r) => r.recv().await, None => std::future::pending().await } } => sig,
+        };
+        deliver_signal(&group, helper_pid, sig).await;
     };
     let duration_ms = start.elapsed().as_secs_f64() * 1000.0;
 
-    let group = xcg.group().clone();
-    let helper_pid = child.id().map(|p| p as i32).unwrap_or(-1);
     if !matches!(ending, Ending::Status(_)) {
         // Timeout or delete: the whole process tree goes, not only the leader. The helper
         // is spared a moment so that it reaps its child itself (see `kill_except`).
@@ -1316,6 +1374,23 @@ async fn run_exec(
     let err = take_capture(&err_cap, plan.cap);
     res.set_output(&out, &err);
     Ok(res)
+}
+
+/// A signal for a running exec: SIGKILL kills its whole exec cgroup (helper included, so
+/// the exec ends as killed by signal 9); a forwarded signal goes to the helper, which
+/// passes it to the command's process group (`sandlot-guest exec`); others are ignored.
+async fn deliver_signal(group: &Cgroup, helper_pid: i32, sig: i32) {
+    if sig == libc::SIGKILL {
+        let g = group.clone();
+        let _ = spawn_blocking(move || g.kill(Instant::now() + KILL_TIMEOUT)).await;
+    } else if helper_pid > 0 && sandlot_guest::spec::FORWARDED_SIGNALS.contains(&sig) {
+        // The helper is our child and not yet reaped (`child.wait` runs after the exec
+        // ends), so its pid cannot have been reused.
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(helper_pid),
+            nix::sys::signal::Signal::try_from(sig).ok(),
+        );
+    }
 }
 
 /// Kill every process of the exec group but the helper, give the helper a moment to reap
@@ -1589,6 +1664,7 @@ fn with_cleanup_error(orig: NodeError, cleanup: NodeError) -> NodeError {
         NodeError::ResourceExhausted(m) => NodeError::ResourceExhausted(m + &extra),
         NodeError::Conflict(m) => NodeError::Conflict(m + &extra),
         NodeError::PermissionDenied(m) => NodeError::PermissionDenied(m + &extra),
+        NodeError::DeadlineExceeded(m) => NodeError::DeadlineExceeded(m + &extra),
         NodeError::Internal { context, source } => NodeError::Internal {
             context: context + &extra,
             source,

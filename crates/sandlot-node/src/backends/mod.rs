@@ -10,7 +10,7 @@ pub mod pool;
 pub mod uids;
 
 use crate::images::Image;
-use crate::node::{ExecSink, NodeError, NodeResult, SandboxSpec, SandboxStatus};
+use crate::node::{ExecControl, ExecSink, NodeError, NodeResult, SandboxSpec, SandboxStatus};
 use async_trait::async_trait;
 use sandlot_api::{Backend, ExecRequest, ExecResult, FileEntry};
 
@@ -32,6 +32,15 @@ pub trait SandboxBackend: Send + Sync {
         id: &str,
         req: &ExecRequest,
         sink: Option<ExecSink>,
+    ) -> NodeResult<ExecResult>;
+
+    /// Run a command with live control (see [`crate::Node::exec_controlled`]).
+    async fn exec_controlled(
+        &self,
+        id: &str,
+        req: &ExecRequest,
+        sink: Option<ExecSink>,
+        control: ExecControl,
     ) -> NodeResult<ExecResult>;
 
     /// Read a file inside the sandbox (`max_bytes` cap).

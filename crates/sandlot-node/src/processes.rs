@@ -1,0 +1,695 @@
+//! Background processes: commands started with a handle that live in the node, not in the
+//! request or the client that started them.
+//!
+//! [`ProcessTable::spawn`] runs the command through [`Node::exec_controlled`] in a task of
+//! its own and keeps, per process, the last `max_output_bytes` of stdout and of stderr in an
+//! [`OutputLog`] (a ring with absolute byte offsets), its stdin sender, a signal sender and,
+//! once it ended, its [`ExecResult`]. Any client can then read its output from byte offsets
+//! (a reconnecting client passes the offsets it reached), wait for it, signal it, feed its
+//! stdin and remove it.
+//!
+//! Signals (semantics of [`sandlot_guest::spec::FORWARDED_SIGNALS`]): SIGKILL ends the
+//! whole process tree (exec cgroup on the function backend, the exec's pid namespace in a
+//! container); every other signal goes to the command's process group (the command is a
+//! session leader: `kill(-pgid, sig)`), like a terminal's job control; children that moved
+//! to their own process group do not get it. When the command's leader ends, what is left
+//! of its tree is killed, as for every exec.
+//!
+//! Bounds: at most [`ProcessLimits::max_running`] running processes per sandbox (more:
+//! `ResourceExhausted`) and [`ProcessLimits::max_kept`] records per sandbox (the oldest
+//! exited ones are forgotten first); retained output per stream up to [`MAX_RETAIN`].
+//!
+//! Lifetime: processes end with their sandbox (delete, TTL) and are forgotten with
+//! [`ProcessTable::forget_sandbox`]. The table is memory only: after a restart of the
+//! node's process its background processes are gone (their exec helpers die with the
+//! node's exec tasks) and their handles answer `NotFound`.
+use crate::node::{ExecControl, Node, NodeError, NodeResult};
+use bytes::Bytes;
+use sandlot_api::{
+    ApiError, Cmd, ExecEvent, ExecRequest, ExecResult, Process, ProcessEvent, ProcessState,
+    SpawnRequest, StreamName,
+};
+use std::collections::{HashMap, VecDeque};
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::{mpsc, watch};
+
+/// Default bytes retained per stream (2 MiB).
+pub const DEFAULT_RETAIN: u64 = 2 << 20;
+/// Largest `max_output_bytes` of a background process (16 MiB per stream).
+pub const MAX_RETAIN: u64 = 16 << 20;
+/// Default and largest timeout of a background process, seconds (one day).
+pub const MAX_TIMEOUT_S: f64 = 86_400.0;
+/// Largest chunk in one output event, bytes.
+const EVENT_CHUNK: usize = 64 << 10;
+/// How long a stdin write waits for a process that does not read its stdin.
+const STDIN_WAIT: Duration = Duration::from_secs(10);
+/// How long removing a process waits for its SIGKILL to take effect before it drops the
+/// exec (which kills the tree too).
+const KILL_WAIT: Duration = Duration::from_secs(5);
+
+/// Per-sandbox bounds of the table.
+#[derive(Debug, Clone, Copy)]
+pub struct ProcessLimits {
+    /// Running processes per sandbox (default 16).
+    pub max_running: usize,
+    /// Records (running + exited) per sandbox (default 64); the oldest exited go first.
+    pub max_kept: usize,
+}
+
+impl Default for ProcessLimits {
+    fn default() -> Self {
+        ProcessLimits {
+            max_running: 16,
+            max_kept: 64,
+        }
+    }
+}
+
+/// The last `cap` bytes of one output stream, with absolute offsets: byte `n` of the stream
+/// is retained while `start() <= n < end()`.
+#[derive(Debug, Clone)]
+pub struct OutputLog {
+    cap: usize,
+    buf: VecDeque<u8>,
+    start: u64,
+}
+
+impl OutputLog {
+    /// An empty log retaining at most `cap` bytes.
+    pub fn new(cap: usize) -> Self {
+        OutputLog {
+            cap,
+            buf: VecDeque::new(),
+            start: 0,
+        }
+    }
+
+    /// Appends bytes the process wrote; the oldest fall out past the cap.
+    pub fn push(&mut self, data: &[u8]) {
+        if data.len() >= self.cap {
+            self.start += (self.buf.len() + data.len() - self.cap) as u64;
+            self.buf.clear();
+            self.buf.extend(&data[data.len() - self.cap..]);
+            return;
+        }
+        let overflow = (self.buf.len() + data.len()).saturating_sub(self.cap);
+        self.buf.drain(..overflow);
+        self.start += overflow as u64;
+        self.buf.extend(data);
+    }
+
+    /// Offset of the oldest retained byte.
+    pub fn start(&self) -> u64 {
+        self.start
+    }
+
+    /// Total bytes written (offset of the next byte).
+    pub fn end(&self) -> u64 {
+        self.start + self.buf.len() as u64
+    }
+
+    /// Up to `max` retained bytes from offset `from` (raised to [`OutputLog::start`] when
+    /// older), with the offset they start at. Empty at or past the end.
+    pub fn read(&self, from: u64, max: usize) -> (u64, Vec<u8>) {
+        let from = from.max(self.start);
+        if from >= self.end() {
+            return (from, Vec::new());
+        }
+        let skip = (from - self.start) as usize;
+        let n = (self.buf.len() - skip).min(max);
+        (from, self.buf.range(skip..skip + n).copied().collect())
+    }
+}
+
+struct State {
+    stdout: OutputLog,
+    stderr: OutputLog,
+    result: Option<ExecResult>,
+    error: Option<ApiError>,
+    ended_at: Option<String>,
+}
+
+impl State {
+    fn ended(&self) -> bool {
+        self.result.is_some() || self.error.is_some()
+    }
+
+    fn log(&mut self, s: StreamName) -> &mut OutputLog {
+        match s {
+            StreamName::Stdout => &mut self.stdout,
+            StreamName::Stderr => &mut self.stderr,
+        }
+    }
+}
+
+/// One background process. Cheap to share (`Arc`); the table and its task hold it.
+pub struct ProcessHandle {
+    id: String,
+    sandbox_id: String,
+    cmd: Cmd,
+    started_at: String,
+    state: Mutex<State>,
+    /// Bumped on every change (output, end, stdin closed); waiters and followers watch it.
+    version: watch::Sender<u64>,
+    stdin: Mutex<Option<mpsc::Sender<Bytes>>>,
+    signals: mpsc::UnboundedSender<i32>,
+    task: Mutex<Option<tokio::task::AbortHandle>>,
+}
+
+fn now_rfc3339() -> String {
+    chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true)
+}
+
+fn raw_chunk(data: &str, b64: &Option<String>) -> Vec<u8> {
+    use base64::Engine as _;
+    match b64 {
+        Some(b) => base64::engine::general_purpose::STANDARD
+            .decode(b)
+            .unwrap_or_else(|_| data.as_bytes().to_vec()),
+        None => data.as_bytes().to_vec(),
+    }
+}
+
+impl ProcessHandle {
+    /// Its handle (`pr-…`).
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// Whether it has ended.
+    pub fn ended(&self) -> bool {
+        self.state.lock().unwrap().ended()
+    }
+
+    /// Its wire record.
+    pub fn info(&self) -> Process {
+        let st = self.state.lock().unwrap();
+        Process {
+            id: self.id.clone(),
+            sandbox_id: self.sandbox_id.clone(),
+            cmd: self.cmd.clone(),
+            state: if st.ended() {
+                ProcessState::Exited
+            } else {
+                ProcessState::Running
+            },
+            started_at: self.started_at.clone(),
+            ended_at: st.ended_at.clone(),
+            stdin_open: !st.ended() && self.stdin.lock().unwrap().is_some(),
+            stdout_bytes: st.stdout.end(),
+            stderr_bytes: st.stderr.end(),
+            result: st.result.clone(),
+            error: st.error.clone(),
+        }
+    }
+
+    fn bump(&self) {
+        self.version.send_modify(|v| *v += 1);
+    }
+
+    /// Waits until the process ends or `timeout` passes, then answers its record (still
+    /// `running` after a timeout; that is not an error).
+    pub async fn wait(&self, timeout: Duration) -> Process {
+        let mut rx = self.version.subscribe();
+        let _ = tokio::time::timeout(timeout, async {
+            loop {
+                if self.ended() {
+                    return;
+                }
+                if rx.changed().await.is_err() {
+                    return;
+                }
+            }
+        })
+        .await;
+        self.info()
+    }
+
+    /// Sends `signal` (a Linux number the caller validated: see the module docs).
+    ///
+    /// # Errors
+    /// `Conflict` when the process has already ended.
+    pub fn signal(&self, signal: i32) -> NodeResult<()> {
+        if self.ended() || self.signals.send(signal).is_err() {
+            return Err(NodeError::Conflict(format!(
+                "process {} has already exited",
+                self.id
+            )));
+        }
+        Ok(())
+    }
+
+    /// Writes `data` to the process's stdin, then closes it when `eof`.
+    ///
+    /// # Errors
+    /// `Conflict` when stdin is not open (not started with `stdin: true`, closed, or the
+    /// process ended); `DeadlineExceeded` when the process has not read earlier input for
+    /// 10 s (the pipe and the queue are full).
+    pub async fn write_stdin(&self, data: Bytes, eof: bool) -> NodeResult<()> {
+        let tx = self.stdin.lock().unwrap().clone();
+        let Some(tx) = tx.filter(|_| !self.ended()) else {
+            return Err(NodeError::Conflict(format!(
+                "stdin of process {} is not open (start it with \"stdin\": true; it closes at eof or exit)",
+                self.id
+            )));
+        };
+        if !data.is_empty() {
+            match tokio::time::timeout(STDIN_WAIT, tx.send(data)).await {
+                Ok(Ok(())) => {}
+                Ok(Err(_)) => {
+                    return Err(NodeError::Conflict(format!(
+                        "process {} has already exited",
+                        self.id
+                    )))
+                }
+                Err(_) => {
+                    return Err(NodeError::DeadlineExceeded(format!(
+                        "process {} has not read its stdin for {} s",
+                        self.id,
+                        STDIN_WAIT.as_secs()
+                    )))
+                }
+            }
+        }
+        if eof {
+            self.stdin.lock().unwrap().take();
+            self.bump();
+        }
+        Ok(())
+    }
+
+    /// The process's output from byte offsets, as [`ProcessEvent`]s: retained chunks of
+    /// each stream from its offset (a `skipped` event first when the offset is older than
+    /// what is retained), then, once the process ended, one `exit` (or `error`) event.
+    /// Without `follow` the stream ends when the retained output is sent (with the `exit`
+    /// event only if it already ended); with `follow` it continues until the end. Order
+    /// within a stream is exact; the interleaving of stdout and stderr is not kept.
+    ///
+    /// # Errors
+    /// `InvalidArgument` when an offset is past the bytes written so far.
+    pub fn output(
+        self: Arc<Self>,
+        stdout_offset: u64,
+        stderr_offset: u64,
+        follow: bool,
+    ) -> NodeResult<impl futures::Stream<Item = ProcessEvent> + Send + 'static> {
+        {
+            let st = self.state.lock().unwrap();
+            for (name, off, log) in [
+                ("stdout_offset", stdout_offset, &st.stdout),
+                ("stderr_offset", stderr_offset, &st.stderr),
+            ] {
+                if off > log.end() {
+                    return Err(NodeError::InvalidArgument(format!(
+                        "{name} = {off} is past the {} bytes written so far",
+                        log.end()
+                    )));
+                }
+            }
+        }
+        let rx = self.version.subscribe();
+        let cursor = Cursor {
+            proc: self,
+            offsets: [stdout_offset, stderr_offset],
+            follow,
+            done: false,
+            rx,
+        };
+        Ok(futures::stream::unfold(cursor, |mut c| async move {
+            let ev = c.next().await?;
+            Some((ev, c))
+        }))
+    }
+}
+
+struct Cursor {
+    proc: Arc<ProcessHandle>,
+    offsets: [u64; 2],
+    follow: bool,
+    done: bool,
+    rx: watch::Receiver<u64>,
+}
+
+impl Cursor {
+    async fn next(&mut self) -> Option<ProcessEvent> {
+        if self.done {
+            return None;
+        }
+        loop {
+            // Marks the current version seen before reading, so a change after the read
+            // wakes `changed` below.
+            self.rx.borrow_and_update();
+            {
+                let mut st = self.proc.state.lock().unwrap();
+                for (i, s) in [StreamName::Stdout, StreamName::Stderr]
+                    .into_iter()
+                    .enumerate()
+                {
+                    let log = st.log(s);
+                    if self.offsets[i] < log.start() {
+                        let ev = ProcessEvent::Skipped {
+                            stream: s,
+                            from: self.offsets[i],
+                            to: log.start(),
+                        };
+                        self.offsets[i] = log.start();
+                        return Some(ev);
+                    }
+                    let (off, data) = log.read(self.offsets[i], EVENT_CHUNK);
+                    if !data.is_empty() {
+                        self.offsets[i] = off + data.len() as u64;
+                        return Some(ProcessEvent::chunk(s, &data, off));
+                    }
+                }
+                if st.ended() {
+                    self.done = true;
+                    return Some(match (&st.result, &st.error) {
+                        (Some(r), _) => ProcessEvent::Exit { result: r.clone() },
+                        (None, Some(e)) => ProcessEvent::Error { error: e.clone() },
+                        (None, None) => unreachable!("ended"),
+                    });
+                }
+            }
+            if !self.follow || self.rx.changed().await.is_err() {
+                self.done = true;
+                return None;
+            }
+        }
+    }
+}
+
+type ExecFuture = Pin<Box<dyn Future<Output = NodeResult<ExecResult>> + Send>>;
+
+/// The background processes of a node, by sandbox.
+pub struct ProcessTable {
+    node: Arc<dyn Node>,
+    limits: ProcessLimits,
+    by_sandbox: Mutex<HashMap<String, Vec<Arc<ProcessHandle>>>>,
+}
+
+/// A fresh handle: `pr-` + 20 lowercase hex digits (80 random bits).
+fn new_id() -> String {
+    let bytes: [u8; 10] = rand::random();
+    let mut s = String::from("pr-");
+    for b in bytes {
+        s.push_str(&format!("{b:02x}"));
+    }
+    s
+}
+
+impl ProcessTable {
+    /// A table running processes on `node`.
+    pub fn new(node: Arc<dyn Node>, limits: ProcessLimits) -> Arc<Self> {
+        Arc::new(ProcessTable {
+            node,
+            limits,
+            by_sandbox: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// Starts `req` in sandbox `sandbox` (the caller checked it exists and runs).
+    ///
+    /// # Errors
+    /// `InvalidArgument` for a bad request (the exec's own checks, `timeout_s`,
+    /// `max_output_bytes`); `ResourceExhausted` at [`ProcessLimits::max_running`] or when the
+    /// sandbox is at its process limit; the node's error when the exec cannot start (e.g.
+    /// `Conflict` for a paused sandbox). Set-up failures the node finds later (a missing
+    /// `cwd`) end the process with `error` set.
+    pub async fn spawn(&self, sandbox: &str, req: SpawnRequest) -> NodeResult<Process> {
+        let timeout_s = req.timeout_s.unwrap_or(MAX_TIMEOUT_S);
+        if !(timeout_s.is_finite() && timeout_s > 0.0 && timeout_s <= MAX_TIMEOUT_S) {
+            return Err(NodeError::InvalidArgument(format!(
+                "timeout_s = {timeout_s} must be in (0, {MAX_TIMEOUT_S}]"
+            )));
+        }
+        let retain = req.max_output_bytes.unwrap_or(DEFAULT_RETAIN);
+        if retain > MAX_RETAIN {
+            return Err(NodeError::InvalidArgument(format!(
+                "max_output_bytes = {retain} is over {MAX_RETAIN} for a background process"
+            )));
+        }
+        let exec_req = ExecRequest {
+            cmd: req.cmd.clone(),
+            cwd: req.cwd,
+            env: req.env,
+            stdin_b64: req.stdin_b64,
+            timeout_s: Some(timeout_s),
+            // The node keeps no copy: the output lives in the process's logs.
+            max_output_bytes: Some(0),
+            user: req.user,
+            step: None,
+        };
+        let (stdin_tx, stdin_rx) = if req.stdin {
+            let (tx, rx) = mpsc::channel::<Bytes>(16);
+            (Some(tx), Some(rx))
+        } else {
+            (None, None)
+        };
+        let (sig_tx, sig_rx) = mpsc::unbounded_channel();
+        let proc = Arc::new(ProcessHandle {
+            id: new_id(),
+            sandbox_id: sandbox.to_string(),
+            cmd: req.cmd,
+            started_at: now_rfc3339(),
+            state: Mutex::new(State {
+                stdout: OutputLog::new(retain as usize),
+                stderr: OutputLog::new(retain as usize),
+                result: None,
+                error: None,
+                ended_at: None,
+            }),
+            version: watch::channel(0).0,
+            stdin: Mutex::new(stdin_tx),
+            signals: sig_tx,
+            task: Mutex::new(None),
+        });
+        self.admit(&proc)?;
+        let control = ExecControl {
+            stdin: stdin_rx,
+            signals: sig_rx,
+            handle: proc.id.clone(),
+        };
+        let (ev_tx, ev_rx) = mpsc::channel::<ExecEvent>(64);
+        let node = self.node.clone();
+        let sid = sandbox.to_string();
+        let mut exec: ExecFuture = Box::pin(async move {
+            node.exec_controlled(&sid, &exec_req, Some(ev_tx), control)
+                .await
+        });
+        // One poll here: what the node refuses before starting anything (validation, a
+        // paused or deleting sandbox) is this call's error, not a process.
+        if let std::task::Poll::Ready(r) = futures::poll!(exec.as_mut()) {
+            if let Err(e) = r {
+                self.remove_record(sandbox, &proc.id);
+                return Err(e);
+            }
+            exec = Box::pin(futures::future::ready(r));
+        }
+        let task = tokio::spawn(collect(proc.clone(), exec, ev_rx));
+        *proc.task.lock().unwrap() = Some(task.abort_handle());
+        Ok(proc.info())
+    }
+
+    /// Adds `proc` under its sandbox, within the limits.
+    fn admit(&self, proc: &Arc<ProcessHandle>) -> NodeResult<()> {
+        let mut map = self.by_sandbox.lock().unwrap();
+        let list = map.entry(proc.sandbox_id.clone()).or_default();
+        let running = list.iter().filter(|p| !p.ended()).count();
+        if running >= self.limits.max_running {
+            return Err(NodeError::ResourceExhausted(format!(
+                "sandbox {} already runs {running} background processes (limit {}); wait for or delete one",
+                proc.sandbox_id, self.limits.max_running
+            )));
+        }
+        while list.len() >= self.limits.max_kept {
+            match list.iter().position(|p| p.ended()) {
+                Some(i) => {
+                    list.remove(i);
+                }
+                None => break,
+            }
+        }
+        list.push(proc.clone());
+        Ok(())
+    }
+
+    fn remove_record(&self, sandbox: &str, pid: &str) -> Option<Arc<ProcessHandle>> {
+        let mut map = self.by_sandbox.lock().unwrap();
+        let list = map.get_mut(sandbox)?;
+        let i = list.iter().position(|p| p.id == pid)?;
+        let p = list.remove(i);
+        if list.is_empty() {
+            map.remove(sandbox);
+        }
+        Some(p)
+    }
+
+    /// The processes of a sandbox, oldest first.
+    pub fn list(&self, sandbox: &str) -> Vec<Process> {
+        let map = self.by_sandbox.lock().unwrap();
+        map.get(sandbox)
+            .map(|l| l.iter().map(|p| p.info()).collect())
+            .unwrap_or_default()
+    }
+
+    /// One process.
+    ///
+    /// # Errors
+    /// `NotFound` for an unknown handle (or one of another sandbox).
+    pub fn get(&self, sandbox: &str, pid: &str) -> NodeResult<Arc<ProcessHandle>> {
+        let map = self.by_sandbox.lock().unwrap();
+        map.get(sandbox)
+            .and_then(|l| l.iter().find(|p| p.id == pid))
+            .cloned()
+            .ok_or_else(|| {
+                NodeError::NotFound(format!(
+                    "no process {pid} in sandbox {sandbox} (background processes do not survive a restart of the server)"
+                ))
+            })
+    }
+
+    /// Kills the process's whole tree (SIGKILL), waits for it to end (a few seconds at
+    /// most), and forgets it.
+    ///
+    /// # Errors
+    /// `NotFound` for an unknown handle.
+    pub async fn remove(&self, sandbox: &str, pid: &str) -> NodeResult<()> {
+        let p = self.get(sandbox, pid)?;
+        self.remove_record(sandbox, pid);
+        kill_and_drop(p).await;
+        Ok(())
+    }
+
+    /// Forgets every process of a sandbox (deleted or expired), killing those still running.
+    pub fn forget_sandbox(&self, sandbox: &str) {
+        let list = self.by_sandbox.lock().unwrap().remove(sandbox);
+        for p in list.unwrap_or_default() {
+            if !p.ended() {
+                tokio::spawn(kill_and_drop(p));
+            }
+        }
+    }
+
+    /// Running processes on this node, all sandboxes (for metrics).
+    pub fn running(&self) -> usize {
+        let map = self.by_sandbox.lock().unwrap();
+        map.values().flatten().filter(|p| !p.ended()).count()
+    }
+}
+
+async fn kill_and_drop(p: Arc<ProcessHandle>) {
+    let _ = p.signal(libc::SIGKILL);
+    p.wait(KILL_WAIT).await;
+    // Dropping the exec kills its tree on every backend (exec cgroup / agent stream reset).
+    if let Some(t) = p.task.lock().unwrap().take() {
+        t.abort();
+    }
+}
+
+/// The process's task: runs the exec, moves its output into the logs, records the end.
+async fn collect(
+    proc: Arc<ProcessHandle>,
+    exec: ExecFuture,
+    mut events: mpsc::Receiver<ExecEvent>,
+) {
+    let push = |ev: ExecEvent| {
+        let (stream, bytes) = match ev {
+            ExecEvent::Stdout { data, data_b64 } => {
+                (StreamName::Stdout, raw_chunk(&data, &data_b64))
+            }
+            ExecEvent::Stderr { data, data_b64 } => {
+                (StreamName::Stderr, raw_chunk(&data, &data_b64))
+            }
+            _ => return,
+        };
+        proc.state.lock().unwrap().log(stream).push(&bytes);
+        proc.bump();
+    };
+    tokio::pin!(exec);
+    let result = loop {
+        tokio::select! {
+            biased;
+            Some(ev) = events.recv() => push(ev),
+            r = &mut exec => break r,
+        }
+    };
+    while let Ok(ev) = events.try_recv() {
+        push(ev);
+    }
+    {
+        let mut st = proc.state.lock().unwrap();
+        match result {
+            Ok(mut r) => {
+                // The node kept no output (max_output_bytes 0): the totals are the logs'.
+                r.stdout.clear();
+                r.stderr.clear();
+                r.stdout_b64 = None;
+                r.stderr_b64 = None;
+                r.stdout_bytes = st.stdout.end();
+                r.stderr_bytes = st.stderr.end();
+                r.truncated = st.stdout.start() > 0 || st.stderr.start() > 0;
+                st.result = Some(r);
+            }
+            Err(e) => st.error = Some(ApiError::new(e.code(), e.to_string())),
+        }
+        st.ended_at = Some(now_rfc3339());
+    }
+    proc.stdin.lock().unwrap().take();
+    proc.bump();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn log_of(cap: usize, chunks: &[&[u8]]) -> OutputLog {
+        let mut l = OutputLog::new(cap);
+        for c in chunks {
+            l.push(c);
+        }
+        l
+    }
+
+    #[test]
+    fn output_log_keeps_the_last_bytes_with_absolute_offsets() {
+        let l = log_of(10, &[b"abc", b"defg"]);
+        assert_eq!((l.start(), l.end()), (0, 7));
+        assert_eq!(l.read(0, 100), (0, b"abcdefg".to_vec()));
+        assert_eq!(l.read(2, 3), (2, b"cde".to_vec()));
+        assert_eq!(l.read(7, 100), (7, vec![]));
+        // Byte-at-a-time and one big chunk agree.
+        let input: Vec<u8> = (0u8..100).collect();
+        let whole = log_of(10, &[&input]);
+        let mut bytewise = OutputLog::new(10);
+        for b in &input {
+            bytewise.push(std::slice::from_ref(b));
+        }
+        let chunked = log_of(10, &input.chunks(7).collect::<Vec<_>>());
+        for l in [whole, bytewise, chunked] {
+            assert_eq!((l.start(), l.end()), (90, 100));
+            // An offset that fell out of the log reads from the oldest kept byte.
+            assert_eq!(l.read(5, 100), (90, (90u8..100).collect::<Vec<_>>()));
+            assert_eq!(l.read(95, 2), (95, vec![95, 96]));
+        }
+    }
+
+    #[test]
+    fn output_log_edges() {
+        // Exactly the cap, then one more byte.
+        let mut l = log_of(4, &[b"abcd"]);
+        assert_eq!((l.start(), l.read(0, 9).1), (0, b"abcd".to_vec()));
+        l.push(b"e");
+        assert_eq!((l.start(), l.end()), (1, 5));
+        assert_eq!(l.read(0, 9), (1, b"bcde".to_vec()));
+        // Cap 0 keeps nothing but counts.
+        let l = log_of(0, &[b"abc", b""]);
+        assert_eq!((l.start(), l.end()), (3, 3));
+        assert_eq!(l.read(0, 9), (3, vec![]));
+        // Empty pushes change nothing.
+        let l = log_of(3, &[b"", b"xy", b""]);
+        assert_eq!((l.start(), l.end()), (0, 2));
+    }
+}

@@ -1,0 +1,247 @@
+//! Background processes: `/v1/sandboxes/{id}/processes[/{pid}[/output|/wait|/signal|/stdin]]`.
+//!
+//! | route | answer |
+//! |---|---|
+//! | `POST …/processes` ([`SpawnRequest`]) | 201 [`Process`] |
+//! | `GET …/processes` | [`ProcessList`] |
+//! | `GET …/processes/{pid}` | [`Process`] |
+//! | `GET …/processes/{pid}/output?stdout_offset=&stderr_offset=&follow=` | NDJSON [`sandlot_api::ProcessEvent`] |
+//! | `POST …/processes/{pid}/wait?timeout_s=` | [`Process`] (still `running` after the timeout) |
+//! | `POST …/processes/{pid}/signal` ([`SignalRequest`]) | 204 |
+//! | `POST …/processes/{pid}/stdin?eof=` raw body | 204 |
+//! | `DELETE …/processes/{pid}` | 204 (kills the whole tree, forgets the handle) |
+//!
+//! The processes live in [`sandlot_node::processes::ProcessTable`] (semantics, signals and
+//! bounds there), not in the request: a client may go away and a new one pick them up by
+//! handle. They are not trajectory steps (a spawn carries no `step` and is never logged or
+//! replayed). They end with their sandbox, and a restart of `sandlot up` ends them all:
+//! their handles then answer 404.
+use crate::error::{ApiResult, Json, Path, Query, ServerError};
+use crate::sandboxes::running;
+use crate::SharedState;
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use sandlot_api::{ErrorCode, Process, ProcessList, SignalRequest, SpawnRequest};
+use serde::Deserialize;
+use std::time::Duration;
+
+/// Longest `wait` in one call, seconds (clients loop for longer waits).
+pub const MAX_WAIT_S: f64 = 300.0;
+/// Largest stdin body in one call (1 MiB).
+pub const MAX_STDIN_BYTES: usize = 1 << 20;
+
+/// The sandbox must exist (any state but gone) for the calls on its processes.
+fn known(st: &SharedState, id: &str) -> ApiResult<sandlot_api::Backend> {
+    match st.store.get(id)? {
+        Some(rec) => Ok(rec.backend),
+        None => Err(ServerError::no_sandbox(id)),
+    }
+}
+
+/// Signals, stdin and kills need the sandbox's processes thawed: a frozen tree cannot act
+/// on them (and a SIGKILL of a frozen cgroup v1 tree waits for the thaw).
+fn not_paused(st: &SharedState, id: &str) -> ApiResult<()> {
+    match st.store.get(id)? {
+        Some(rec) if rec.state == sandlot_api::SandboxState::Paused => Err(ServerError::new(
+            ErrorCode::Conflict,
+            format!("sandbox is paused: {id} (resume it with POST /v1/sandboxes:resume)"),
+        )),
+        Some(_) => Ok(()),
+        None => Err(ServerError::no_sandbox(id)),
+    }
+}
+
+/// `POST /v1/sandboxes/{id}/processes` → 201 [`Process`]. 404 unknown sandbox, 409 not
+/// running, 429 at the per-sandbox limit of running processes.
+pub async fn spawn(
+    State(st): State<SharedState>,
+    Path(id): Path<String>,
+    Json(req): Json<SpawnRequest>,
+) -> ApiResult<Response> {
+    // The command's own checks (empty argv, blank shell string) are exec's.
+    crate::exec::validate(&sandlot_api::ExecRequest::new(req.cmd.clone()))?;
+    let rec = running(&st, &id)?;
+    let p = match st.processes.spawn(&id, req).await {
+        Ok(p) => p,
+        Err(e) => {
+            let e = ServerError::from(e);
+            crate::events::record_error(&st, "spawn", Some(&id), Some(rec.backend), &e);
+            return Err(e);
+        }
+    };
+    let mut f = serde_json::Map::new();
+    f.insert("process".into(), p.id.clone().into());
+    crate::events::record(&st, "process_spawned", Some(&id), Some(rec.backend), f);
+    watch_exit(&st, &id, rec.backend, &p.id);
+    Ok((StatusCode::CREATED, Json(p)).into_response())
+}
+
+/// Records a `process_exited` audit event when the process ends.
+fn watch_exit(st: &SharedState, id: &str, backend: sandlot_api::Backend, pid: &str) {
+    let Ok(h) = st.processes.get(id, pid) else {
+        return;
+    };
+    let st = st.clone();
+    let id = id.to_owned();
+    tokio::spawn(async move {
+        loop {
+            let p = h.wait(Duration::from_secs(3600)).await;
+            if p.state == sandlot_api::ProcessState::Exited {
+                let mut f = serde_json::Map::new();
+                f.insert("process".into(), p.id.clone().into());
+                if let Some(r) = &p.result {
+                    f.insert("exit_code".into(), r.exit_code.into());
+                    f.insert("timed_out".into(), r.timed_out.into());
+                }
+                if let Some(e) = &p.error {
+                    f.insert("error".into(), e.code.as_str().into());
+                }
+                crate::events::record(&st, "process_exited", Some(&id), Some(backend), f);
+                return;
+            }
+        }
+    });
+}
+
+/// `GET /v1/sandboxes/{id}/processes` → [`ProcessList`].
+pub async fn list(
+    State(st): State<SharedState>,
+    Path(id): Path<String>,
+) -> ApiResult<Json<ProcessList>> {
+    known(&st, &id)?;
+    Ok(Json(ProcessList {
+        processes: st.processes.list(&id),
+    }))
+}
+
+/// `GET /v1/sandboxes/{id}/processes/{pid}` → [`Process`].
+pub async fn get_one(
+    State(st): State<SharedState>,
+    Path((id, pid)): Path<(String, String)>,
+) -> ApiResult<Json<Process>> {
+    known(&st, &id)?;
+    Ok(Json(st.processes.get(&id, &pid)?.info()))
+}
+
+/// Query of the output route.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OutputQuery {
+    /// First stdout byte wanted (default 0).
+    #[serde(default)]
+    pub stdout_offset: u64,
+    /// First stderr byte wanted (default 0).
+    #[serde(default)]
+    pub stderr_offset: u64,
+    /// Keep streaming until the process ends (default false: what is retained now).
+    #[serde(default)]
+    pub follow: bool,
+}
+
+/// `GET /v1/sandboxes/{id}/processes/{pid}/output` → NDJSON events.
+pub async fn output(
+    State(st): State<SharedState>,
+    Path((id, pid)): Path<(String, String)>,
+    Query(q): Query<OutputQuery>,
+) -> ApiResult<Response> {
+    known(&st, &id)?;
+    let h = st.processes.get(&id, &pid)?;
+    let events = h.output(q.stdout_offset, q.stderr_offset, q.follow)?;
+    let lines = futures::StreamExt::map(events, |ev| {
+        let mut v = serde_json::to_vec(&ev).expect("event serializes");
+        v.push(b'\n');
+        Ok::<Bytes, std::convert::Infallible>(Bytes::from(v))
+    });
+    Ok((
+        [(header::CONTENT_TYPE, "application/x-ndjson")],
+        Body::from_stream(lines),
+    )
+        .into_response())
+}
+
+/// Query of the wait route.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WaitQuery {
+    /// Longest wait in seconds (default 30, range [0, 300]).
+    #[serde(default)]
+    pub timeout_s: Option<f64>,
+}
+
+/// `POST /v1/sandboxes/{id}/processes/{pid}/wait` → [`Process`], once it ended or the
+/// timeout passed.
+pub async fn wait(
+    State(st): State<SharedState>,
+    Path((id, pid)): Path<(String, String)>,
+    Query(q): Query<WaitQuery>,
+) -> ApiResult<Json<Process>> {
+    let t = q.timeout_s.unwrap_or(30.0);
+    if !(t.is_finite() && (0.0..=MAX_WAIT_S).contains(&t)) {
+        return Err(ServerError::invalid(format!(
+            "timeout_s = {t} must be in [0, {MAX_WAIT_S}]"
+        )));
+    }
+    known(&st, &id)?;
+    let h = st.processes.get(&id, &pid)?;
+    Ok(Json(h.wait(Duration::from_secs_f64(t)).await))
+}
+
+/// `POST /v1/sandboxes/{id}/processes/{pid}/signal` → 204. 409 when it already exited or
+/// the sandbox is paused.
+pub async fn signal(
+    State(st): State<SharedState>,
+    Path((id, pid)): Path<(String, String)>,
+    Json(req): Json<SignalRequest>,
+) -> ApiResult<StatusCode> {
+    let n = req.signal.number().map_err(ServerError::invalid)?;
+    not_paused(&st, &id)?;
+    st.processes.get(&id, &pid)?.signal(n)?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// Query of the stdin route.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StdinQuery {
+    /// Close stdin after this body.
+    #[serde(default)]
+    pub eof: bool,
+}
+
+/// `POST /v1/sandboxes/{id}/processes/{pid}/stdin?eof=` raw body → 204. 409 when stdin is
+/// not open or the sandbox is paused; 504 when the process has not read its stdin for 10 s.
+pub async fn stdin(
+    State(st): State<SharedState>,
+    Path((id, pid)): Path<(String, String)>,
+    Query(q): Query<StdinQuery>,
+    body: Bytes,
+) -> ApiResult<StatusCode> {
+    not_paused(&st, &id)?;
+    if body.len() > MAX_STDIN_BYTES {
+        return Err(ServerError::new(
+            ErrorCode::PayloadTooLarge,
+            format!(
+                "stdin body of {} bytes is over {MAX_STDIN_BYTES}; send it in several calls",
+                body.len()
+            ),
+        ));
+    }
+    st.processes
+        .get(&id, &pid)?
+        .write_stdin(body, q.eof)
+        .await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// `DELETE /v1/sandboxes/{id}/processes/{pid}` → 204: kills the whole tree and forgets the
+/// handle. 409 while the sandbox is paused.
+pub async fn delete(
+    State(st): State<SharedState>,
+    Path((id, pid)): Path<(String, String)>,
+) -> ApiResult<StatusCode> {
+    not_paused(&st, &id)?;
+    st.processes.remove(&id, &pid).await?;
+    Ok(StatusCode::NO_CONTENT)
+}

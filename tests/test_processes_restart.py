@@ -1,0 +1,65 @@
+"""Background processes across a restart of `sandlot up`: the sandbox is re-adopted, its
+background processes are gone (killed with the old process's execs; their table was in its
+memory), and their handles answer 404 (docs/api.md, "Background processes")."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+import sandlot
+from conftest import Server, host_processes_matching, wait_until
+
+
+@pytest.mark.parametrize("backend", ["function", "container"])
+def test_restart_ends_background_processes(binary, tmp_path, python_image, backend):
+    # Containers run as unprivileged host uids: the data directory's parents must be o+x.
+    base = Path(tempfile.mkdtemp(prefix="sandlot-procs-", dir="/var/tmp"))
+    os.chmod(base, 0o711)
+    srv = Server(binary, base / "data", tmp_path / "restart.log")
+    srv.start()
+    try:
+        c = sandlot.Client(srv.url, timeout=60)
+        try:
+            box = c.create(backend=backend, image=python_image, memory_mib=64, ttl_s=600)
+        except sandlot.Unavailable as e:
+            pytest.skip(f"backend {backend} unavailable here: {e.message}")
+        tag = f"{uuid.uuid4().int % 900000 + 100000}"
+        p = box.spawn(f"(setsid sh -c 'while true; do date +%s%N > /tmp/hb; sleep 0.1; done' &);"
+                      f" sleep {tag}")
+        wait_until(lambda: box.exec("test -s /tmp/hb").exit_code == 0, 15, what="heartbeat")
+        assert [q.id for q in box.processes()] == [p.id]
+        srv.restart(signal.SIGKILL)
+        assert c.get(box.id).state == "running"
+        assert box.processes() == []
+        with pytest.raises(sandlot.NotFound):
+            box.process(p.id)
+        with pytest.raises(sandlot.NotFound):
+            p.refresh()
+
+        def stopped() -> bool:
+            a = box.read_file("/tmp/hb")
+            time.sleep(0.5)
+            return a == box.read_file("/tmp/hb")
+        wait_until(stopped, 15, what="the old background process tree to die")
+        wait_until(lambda: not host_processes_matching(f"sleep\x00{tag}".encode()), 15,
+                   what=f"`sleep {tag}` to die")
+        # New background processes work after the restart.
+        q = box.spawn("echo again")
+        assert q.wait(timeout=30).stdout == b"again\n"
+        box.delete()
+        c.close()
+    except Exception:
+        print(srv.log_tail())
+        raise
+    finally:
+        srv.stop()
+        if not any(str(base) in line for line in open("/proc/self/mountinfo")):
+            shutil.rmtree(base, ignore_errors=True)
