@@ -278,6 +278,7 @@ async fn exec(mut body: Incoming, live: Live) -> Result<Response<Body>, String> 
                 },
                 timed_out: false,
                 duration_ms: 0.0,
+                violations: Vec::new(),
             };
             let json = serde_json::to_vec(&exit).expect("ExecExit serialises");
             let frame = Bytes::from(encode(FrameKind::Exit, &json));
@@ -334,7 +335,11 @@ async fn exec(mut body: Incoming, live: Live) -> Result<Response<Body>, String> 
     let timeout = Duration::from_millis(req.timeout_ms.max(1));
     tokio::spawn(async move {
         let _killer = killer;
-        let mut status_fut = std::pin::pin!(sandlot_guest::spec::read_exec_status(status_rx));
+        let violations = std::sync::Mutex::new(Vec::new());
+        let mut status_fut = std::pin::pin!(sandlot_guest::spec::read_exec_status(
+            status_rx,
+            &violations
+        ));
         let (status, timed_out) = tokio::select! {
             s = status_fut.as_mut() => (s, false),
             _ = tokio::time::sleep(timeout) => (None, true),
@@ -344,6 +349,8 @@ async fn exec(mut body: Incoming, live: Live) -> Result<Response<Body>, String> 
             // Timeout, caller gone, or helper killed: SIGKILL to the helper takes its exec
             // init (PR_SET_PDEATHSIG) and with it the command's whole pid namespace.
             let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
+            // Violation records still in the pipe (EOF follows the kill at once).
+            let _ = tokio::time::timeout(DRAIN_GRACE, status_fut.as_mut()).await;
         }
         let duration_ms = start.elapsed().as_secs_f64() * 1000.0;
         let _ = tokio::time::timeout(DRAIN_GRACE, async {
@@ -358,6 +365,7 @@ async fn exec(mut body: Incoming, live: Live) -> Result<Response<Body>, String> 
             status,
             timed_out,
             duration_ms,
+            violations: std::mem::take(&mut *violations.lock().unwrap_or_else(|p| p.into_inner())),
         };
         let json = serde_json::to_vec(&exit).expect("ExecExit serialises");
         let _ = tx.send(Bytes::from(encode(FrameKind::Exit, &json))).await;

@@ -1204,7 +1204,11 @@ async fn run_exec(
         .map_err(|e| NodeError::io("status pipe of sandlot-guest exec", e))?;
     // Kept (pinned) until the end: the helper may still write its status after a timeout,
     // and must not get EPIPE.
-    let mut status_fut = std::pin::pin!(sandlot_guest::spec::read_exec_status(status_rx));
+    let violations = std::sync::Mutex::new(Vec::new());
+    let mut status_fut = std::pin::pin!(sandlot_guest::spec::read_exec_status(
+        status_rx,
+        &violations
+    ));
     let ending = tokio::select! {
         s = status_fut.as_mut() => match s { Some(s) => Ending::Status(s), None => Ending::Killed },
         _ = tokio::time::sleep(plan.timeout) => Ending::TimedOut,
@@ -1218,6 +1222,9 @@ async fn run_exec(
         // Timeout or delete: the whole process tree goes, not only the leader. The helper
         // is spared a moment so that it reaps its child itself (see `kill_except`).
         kill_tree(&group, helper_pid, &mut child).await;
+        // Violation records the helper wrote before it was killed (EOF follows at once
+        // when it is gone).
+        let _ = tokio::time::timeout(PIPE_GRACE, status_fut.as_mut()).await;
     }
     // Output: until EOF; past a short grace, kill the exec cgroup (background children hold
     // the pipes) and read what is left until EOF or a last grace.
@@ -1262,6 +1269,9 @@ async fn run_exec(
 
     let mut res = ExecResult {
         duration_ms,
+        violations: super::violations_from_guest(std::mem::take(
+            &mut *violations.lock().unwrap_or_else(|p| p.into_inner()),
+        )),
         ..Default::default()
     };
     match ending {
