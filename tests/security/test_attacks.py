@@ -379,22 +379,46 @@ def test_cpu_spin_is_contained(backend, make, target, audit):
             out.append(time.monotonic() - t0)
         return out
 
-    base = p99(probe_execs(10))
-    cur = audit.cursor()
-    res: Dict[str, sandlot.ExecResult] = {}
-    th = threading.Thread(target=lambda: res.setdefault(
-        "r", spinner.exec(["python3", "-c", "while True: pass"], timeout_s=5)))
-    th.start()
-    time.sleep(1.0)
-    during = p99(probe_execs(10))
-    th.join(60)
-    r = res["r"]
-    assert r.timed_out, r
-    ev = exec_events(audit, cur, spinner)
-    assert ev and ev[0]["timed_out"]
-    # The issue's bound (neighbours' exec p99 <= 2x baseline), with 50 ms of slack for the
-    # shared 2-core CI machine; the ratio is in the table.
+    def spin_once() -> Tuple[float, float, sandlot.ExecResult, List[dict]]:
+        base = p99(probe_execs(12))
+        cur = audit.cursor()
+        res: Dict[str, sandlot.ExecResult] = {}
+        th = threading.Thread(target=lambda: res.setdefault(
+            "r", spinner.exec(["python3", "-c", "while True: pass"], timeout_s=5)))
+        th.start()
+        time.sleep(1.0)
+        during = p99(probe_execs(12))
+        th.join(60)
+        return base, during, res["r"], exec_events(audit, cur, spinner)
+
+    # The issue's bound (neighbours' exec p99 <= 2x baseline), with 50 ms of slack; the
+    # CI machine has 2 cores shared with builds, so one noisy measurement is retried once (a
+    # real containment failure fails both).
+    for attempt in range(2):
+        base, during, r, ev = spin_once()
+        assert r.timed_out, r
+        assert ev and ev[0]["timed_out"]
+        if during <= 2 * base + 0.05:
+            break
     assert during <= 2 * base + 0.05, f"neighbour exec p99 {during:.3f}s vs baseline {base:.3f}s"
     record("cpu_spin", backend.name, "cpu cgroup quota + timeout",
            f"contained (timed out; neighbour exec p99 {during * 1000:.0f} ms vs "
            f"{base * 1000:.0f} ms baseline)", exec_event_text(ev[0]))
+
+
+def test_violation_survives_a_timeout_and_is_counted(backend, target, audit, server):
+    """A command that attempts a denied call and then hides until its timeout kills it is
+    still reported: the supervisor writes each record as it happens, not with the status."""
+    if backend.name == "container-runsc":
+        pytest.skip(GVISOR_NO_NOTIFY)
+    cur = audit.cursor()
+    r = target.exec(["sh", "-c", "python3 /workspace/attack_payload.py bpf; sleep 60"],
+                    timeout_s=2)
+    assert r.timed_out, r
+    v = audit.since(cur, sandbox=target.id, kind="violation")
+    assert [e["syscall"] for e in v] == ["bpf"], v
+    metrics = audit.http.get("/metrics").text
+    line = [ln for ln in metrics.splitlines()
+            if ln.startswith("sandlot_violations_total{") and 'what="bpf"' in ln
+            and 'layer="seccomp"' in ln and f'backend="{backend.backend}"' in ln]
+    assert line and float(line[0].split()[-1]) >= 1, line
