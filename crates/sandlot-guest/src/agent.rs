@@ -340,17 +340,19 @@ async fn exec(mut body: Incoming, live: Live) -> Result<Response<Body>, String> 
             status_rx,
             &violations
         ));
-        let (status, timed_out) = tokio::select! {
-            s = status_fut.as_mut() => (s, false),
-            _ = tokio::time::sleep(timeout) => (None, true),
-            _ = tx.closed() => (None, false),
+        let (status, timed_out, read_done) = tokio::select! {
+            s = status_fut.as_mut() => (s, false, true),
+            _ = tokio::time::sleep(timeout) => (None, true, false),
+            _ = tx.closed() => (None, false, false),
         };
         if status.is_none() {
             // Timeout, caller gone, or helper killed: SIGKILL to the helper takes its exec
             // init (PR_SET_PDEATHSIG) and with it the command's whole pid namespace.
             let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
-            // Violation records still in the pipe (EOF follows the kill at once).
-            let _ = tokio::time::timeout(DRAIN_GRACE, status_fut.as_mut()).await;
+            if !read_done {
+                // Violation records still in the pipe (EOF follows the kill at once).
+                let _ = tokio::time::timeout(DRAIN_GRACE, status_fut.as_mut()).await;
+            }
         }
         let duration_ms = start.elapsed().as_secs_f64() * 1000.0;
         let _ = tokio::time::timeout(DRAIN_GRACE, async {

@@ -1223,8 +1223,10 @@ async fn run_exec(
         // is spared a moment so that it reaps its child itself (see `kill_except`).
         kill_tree(&group, helper_pid, &mut child).await;
         // Violation records the helper wrote before it was killed (EOF follows at once
-        // when it is gone).
-        let _ = tokio::time::timeout(PIPE_GRACE, status_fut.as_mut()).await;
+        // when it is gone). Not after `Killed`: that future has completed.
+        if matches!(ending, Ending::TimedOut | Ending::Deleted) {
+            let _ = tokio::time::timeout(PIPE_GRACE, status_fut.as_mut()).await;
+        }
     }
     // Output: until EOF; past a short grace, kill the exec cgroup (background children hold
     // the pipes) and read what is left until EOF or a last grace.
