@@ -5,8 +5,9 @@ them — the same probe as tests/conformance/conftest.py).
 
 Fixtures:
     backend   the case (session scope, parametrised).
-    target    one sandbox of the case shared by the attempts (the payload
-              ``attack_payload.py`` uploaded to /workspace), deleted at the end.
+    target    one sandbox of the case shared by a module's attempts (the payload
+              ``attack_payload.py`` uploaded to /workspace), deleted after the module (so
+              tests/test_zz_leaks.py, which runs later, finds nothing left).
     make      factory of fresh sandboxes of the case, deleted after the test.
     audit     :class:`Audit` over ``GET /v1/events`` of the session server.
     table     the attempt × backend table; written to tests/artifacts/attack-table.md and
@@ -82,7 +83,7 @@ def backend(request, client, server, required_backends) -> Case:
     return case
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def target(backend, client) -> Iterator[sandlot.Sandbox]:
     box = client.create(image=IMAGE, memory_mib=256, ttl_s=1200, **backend.create_args(),
                         labels={"security": backend.name})
