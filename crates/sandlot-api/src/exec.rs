@@ -118,6 +118,26 @@ pub struct ExecResult {
     pub truncated: bool,
     /// The result came from the trajectory log without executing.
     pub replayed: bool,
+    /// Denied dangerous syscalls the command attempted, oldest first (each failed with
+    /// `EPERM` in the command), reported by the exec's seccomp supervisor; at most 64 per
+    /// exec. Absent when none, and on runtimes whose kernel cannot report them (gVisor).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub violations: Vec<Violation>,
+}
+
+/// One denied syscall attempt (seccomp user notification, seccomp_unotify(2)).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Violation {
+    /// The layer that refused it: `seccomp`.
+    pub layer: String,
+    /// Syscall name (`mount`, `bpf`, `socket`, ...).
+    pub syscall: String,
+    /// Syscall number on the sandbox's architecture.
+    pub nr: i32,
+    /// Pid of the caller as the sandbox's exec helper sees it (0 when not visible).
+    pub pid: u32,
+    /// When it was refused, Unix milliseconds (the sandbox's clock).
+    pub time_unix_ms: u64,
 }
 
 /// Text of `bytes` plus their exact base64 when they are not valid UTF-8.

@@ -16,7 +16,7 @@ mod sandbox;
 mod trajectory;
 
 pub use error::{ApiError, ErrorBody, ErrorCode};
-pub use exec::{text_and_b64, Cmd, ExecEvent, ExecRequest, ExecResult, Output};
+pub use exec::{text_and_b64, Cmd, ExecEvent, ExecRequest, ExecResult, Output, Violation};
 pub use files::{FileEntry, FileList, FileType};
 pub use network::{AllowEntry, AllowPolicy, NetworkPolicy, MAX_ALLOW_ENTRIES};
 pub use process::{

@@ -351,6 +351,7 @@ async fn exec(mut body: Incoming, shared: Shared) -> Result<Response<Body>, Stri
                 },
                 timed_out: false,
                 duration_ms: 0.0,
+                violations: Vec::new(),
             };
             let json = serde_json::to_vec(&exit).expect("ExecExit serialises");
             let frame = Bytes::from(encode(FrameKind::Exit, &json));
@@ -412,16 +413,24 @@ async fn exec(mut body: Incoming, shared: Shared) -> Result<Response<Body>, Stri
     tokio::spawn(async move {
         let _killer = killer;
         let _named = named;
-        let mut status_fut = std::pin::pin!(sandlot_guest::spec::read_exec_status(status_rx));
-        let (status, timed_out) = tokio::select! {
-            s = status_fut.as_mut() => (s, false),
-            _ = tokio::time::sleep(timeout) => (None, true),
-            _ = tx.closed() => (None, false),
+        let violations = std::sync::Mutex::new(Vec::new());
+        let mut status_fut = std::pin::pin!(sandlot_guest::spec::read_exec_status(
+            status_rx,
+            &violations
+        ));
+        let (status, timed_out, read_done) = tokio::select! {
+            s = status_fut.as_mut() => (s, false, true),
+            _ = tokio::time::sleep(timeout) => (None, true, false),
+            _ = tx.closed() => (None, false, false),
         };
         if status.is_none() {
             // Timeout, caller gone, or helper killed: SIGKILL to the helper takes its exec
             // init (PR_SET_PDEATHSIG) and with it the command's whole pid namespace.
             let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
+            if !read_done {
+                // Violation records still in the pipe (EOF follows the kill at once).
+                let _ = tokio::time::timeout(DRAIN_GRACE, status_fut.as_mut()).await;
+            }
         }
         let duration_ms = start.elapsed().as_secs_f64() * 1000.0;
         let _ = tokio::time::timeout(DRAIN_GRACE, async {
@@ -436,6 +445,7 @@ async fn exec(mut body: Incoming, shared: Shared) -> Result<Response<Body>, Stri
             status,
             timed_out,
             duration_ms,
+            violations: std::mem::take(&mut *violations.lock().unwrap_or_else(|p| p.into_inner())),
         };
         let json = serde_json::to_vec(&exit).expect("ExecExit serialises");
         let _ = tx.send(Bytes::from(encode(FrameKind::Exit, &json))).await;

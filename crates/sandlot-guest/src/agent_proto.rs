@@ -213,6 +213,10 @@ pub struct ExecExit {
     pub timed_out: bool,
     /// Wall time from spawning the helper to the command's end, milliseconds.
     pub duration_ms: f64,
+    /// Denied syscalls the command attempted (seccomp reports), oldest first; absent when
+    /// none (and from agents that predate it).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub violations: Vec<crate::spec::Violation>,
 }
 
 /// Path of the streamed file read.

@@ -17,6 +17,14 @@
 //! so one sent during set-up is delivered, not lost. SIGKILL of this process ends the whole
 //! tree as before.
 //!
+//! Seccomp reports: the child installs the deny list with a user-notification listener and
+//! sends it (SCM_RIGHTS) over a socket pair made before the first fork to this process,
+//! which is outside the filter; while it waits for its child it runs a
+//! [`seccomp::Supervisor`] that answers each denied call with EPERM and writes a
+//! `violation` record on fd 4 ahead of the status (see `crate::seccomp`). The wait is one
+//! poll(2) loop over the child's error pipe, the supervisor's descriptor and a signalfd for
+//! SIGCHLD.
+//!
 //! Set-up errors in the child travel to the parent over a close-on-exec pipe (a byte `U`
 //! for the caller's fault or `I` for an internal one, then the text); EOF without data
 //! means execve succeeded or failed in the command's own way (127/126 with a message on
@@ -24,7 +32,7 @@
 
 use std::ffi::CString;
 use std::io::{Read, Write};
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 
 use anyhow::Context;
 use nix::errno::Errno;
@@ -98,12 +106,21 @@ pub fn main() -> i32 {
         eprintln!("sandlot-guest exec: FD_CLOEXEC on fd 4: {e}");
         return 1;
     }
-    let status = match run() {
+    let mut out = std::fs::File::from(status_fd);
+    // The supervisor's copy (close-on-exec, like fd 4): violation records go out as they
+    // happen, the status after them.
+    let sup_out = match out.try_clone() {
+        Ok(f) => f,
+        Err(e) => {
+            eprintln!("sandlot-guest exec: dup of fd 4: {e}");
+            return 1;
+        }
+    };
+    let status = match run(sup_out) {
         Ok(s) => s,
         Err(e) => e.into(),
     };
     let json = serde_json::to_vec(&status).expect("ExecStatus serialises");
-    let mut out = std::fs::File::from(status_fd);
     if let Err(e) = out.write_all(&json) {
         eprintln!("sandlot-guest exec: writing ExecStatus to fd 4: {e}");
         return 1;
@@ -127,7 +144,7 @@ struct Prepared {
     envp: Vec<CString>,
     path: String,
     cwd: CString,
-    filters: [seccompiler::BpfProgram; 2],
+    filters: seccomp::Filters,
 }
 
 fn cstring(what: &str, s: &str) -> Result<CString, SetupError> {
@@ -226,11 +243,24 @@ fn open_target(spec: &ExecSpec) -> Result<Target, SetupError> {
     Ok(Target { ns, user, root })
 }
 
-fn run() -> Result<ExecStatus, SetupError> {
+/// The two ends of the socket pair that carries the command's seccomp listener from the
+/// command's child (`send`) to this process (`recv`).
+struct ListenerChannel {
+    recv: OwnedFd,
+    send: OwnedFd,
+}
+
+fn listener_channel() -> Result<ListenerChannel, SetupError> {
+    let (recv, send) = sys::socketpair().context("socketpair (seccomp listener)")?;
+    Ok(ListenerChannel { recv, send })
+}
+
+fn run(sup_out: std::fs::File) -> Result<ExecStatus, SetupError> {
     let spec = read_spec()?;
     let prepared = prepare(&spec)?;
+    let chan = listener_channel()?;
     if spec.own_pid_ns {
-        return run_in_own_pid_ns(&spec, &prepared);
+        return run_in_own_pid_ns(&spec, &prepared, chan, sup_out);
     }
     host::join_cgroups(&spec.cgroup_procs)?;
     let target = open_target(&spec)?;
@@ -260,7 +290,8 @@ fn run() -> Result<ExecStatus, SetupError> {
     match forked {
         Forked::Child => {
             drop(err_r);
-            match child(&spec, &prepared, Some(&target)) {
+            drop(chan.recv);
+            match child(&spec, &prepared, Some(&target), &chan.send) {
                 Ok(never) => match never {},
                 Err(e) => report_setup_error(err_w, e),
             }
@@ -268,9 +299,10 @@ fn run() -> Result<ExecStatus, SetupError> {
         Forked::Parent(pid) => {
             drop(err_w);
             drop(target);
+            drop(chan.send);
             // The command calls setsid(2): its process group gets what we catch.
             let _ = sys::forward_to(pid, true);
-            wait_setup(err_r, pid)
+            wait_setup(err_r, pid, seccomp::Supervisor::new(chan.recv, sup_out))
         }
     }
 }
@@ -284,7 +316,12 @@ fn run() -> Result<ExecStatus, SetupError> {
 ///
 /// Relay format (exec init → this process): one byte `E` (exited) or `S` (signaled), then
 /// the code or signal as a little-endian i32.
-fn run_in_own_pid_ns(spec: &ExecSpec, p: &Prepared) -> Result<ExecStatus, SetupError> {
+fn run_in_own_pid_ns(
+    spec: &ExecSpec,
+    p: &Prepared,
+    chan: ListenerChannel,
+    sup_out: std::fs::File,
+) -> Result<ExecStatus, SetupError> {
     nix::sched::unshare(CloneFlags::CLONE_NEWPID).context("unshare(CLONE_NEWPID)")?;
     let (err_r, err_w) = pipe2(OFlag::O_CLOEXEC).context("pipe2")?;
     let (relay_r, relay_w) = pipe2(OFlag::O_CLOEXEC).context("pipe2")?;
@@ -297,14 +334,20 @@ fn run_in_own_pid_ns(spec: &ExecSpec, p: &Prepared) -> Result<ExecStatus, SetupE
         Forked::Child => {
             drop(err_r);
             drop(relay_r);
-            exec_init(spec, p, err_w, relay_w)
+            drop(chan.recv);
+            drop(sup_out);
+            exec_init(spec, p, err_w, relay_w, chan.send)
         }
         Forked::Parent(init) => {
             drop(err_w);
             drop(relay_w);
+            drop(chan.send);
             // The exec init passes what we catch on to the command's process group.
             let _ = sys::forward_to(init, false);
-            let init_status = wait_setup(err_r, init)?;
+            // Returns once the exec init has exited: every process of its pid namespace is
+            // gone then, so every notification was answered.
+            let init_status =
+                wait_setup(err_r, init, seccomp::Supervisor::new(chan.recv, sup_out))?;
             let mut relay = Vec::new();
             let _ = std::fs::File::from(relay_r).read_to_end(&mut relay);
             match (init_status, relay.as_slice()) {
@@ -329,7 +372,13 @@ fn run_in_own_pid_ns(spec: &ExecSpec, p: &Prepared) -> Result<ExecStatus, SetupE
 
 /// Pid 1 of the exec's own pid namespace: forks the command, reaps every process until the
 /// command is reaped, relays its status, exits (which kills what is left).
-fn exec_init(spec: &ExecSpec, p: &Prepared, err_w: OwnedFd, relay_w: OwnedFd) -> ! {
+fn exec_init(
+    spec: &ExecSpec,
+    p: &Prepared,
+    err_w: OwnedFd,
+    relay_w: OwnedFd,
+    listener_send: OwnedFd,
+) -> ! {
     // Die with the helper; if it died before the prctl, the relay pipe has no reader.
     if sys::set_parent_death_signal(libc::SIGKILL).is_err() || sys::reader_gone(&relay_w) {
         sys::exit_now(125)
@@ -358,13 +407,15 @@ fn exec_init(spec: &ExecSpec, p: &Prepared, err_w: OwnedFd, relay_w: OwnedFd) ->
     let cmd = match sys::fork() {
         Ok(Forked::Child) => {
             drop(relay_w);
-            match child(spec, p, None) {
+            match child(spec, p, None, &listener_send) {
                 Ok(never) => match never {},
                 Err(e) => report_setup_error(err_w, e),
             }
         }
         Ok(Forked::Parent(pid)) => {
             let _ = sys::forward_to(pid, true);
+            // Only the command's child may send a listener.
+            drop(listener_send);
             pid
         }
         Err(e) => report_setup_error(
@@ -407,14 +458,68 @@ fn report_setup_error(err_w: OwnedFd, e: SetupError) -> ! {
 }
 
 /// The parent's side of a fork: reads the child's error pipe to EOF (execve closed it, or
-/// the child wrote a set-up error and exited), then waits for the child.
-fn wait_setup(err_r: OwnedFd, pid: Pid) -> Result<ExecStatus, SetupError> {
+/// the child wrote a set-up error and exited) and waits for the child, answering the seccomp
+/// supervisor's descriptor meanwhile (the command may sit in a notified syscall).
+fn wait_setup(
+    err_r: OwnedFd,
+    pid: Pid,
+    mut sup: seccomp::Supervisor,
+) -> Result<ExecStatus, SetupError> {
+    use nix::sys::signal::{SigSet, Signal};
+    use nix::sys::signalfd::{SfdFlags, SignalFd};
+    use nix::sys::wait::WaitPidFlag;
+    // SIGCHLD is blocked only here, after the fork (the child keeps the old mask), and read
+    // through a signalfd; a child that ended before the block is found by the WNOHANG wait
+    // below (its SIGCHLD was discarded: SIG_DFL).
+    let mut set = SigSet::empty();
+    set.add(Signal::SIGCHLD);
+    set.thread_block().context("blocking SIGCHLD")?;
+    let sfd = SignalFd::with_flags(&set, SfdFlags::SFD_CLOEXEC | SfdFlags::SFD_NONBLOCK)
+        .context("signalfd(SIGCHLD)")?;
+    let mut err = Some(std::fs::File::from(err_r));
     let mut msg = Vec::new();
-    let read = std::fs::File::from(err_r).read_to_end(&mut msg);
-    let status = wait(pid)?;
-    if let Err(e) = read {
-        return Err(anyhow::anyhow!("reading the child's error pipe: {e}").into());
+    let mut status = None;
+    loop {
+        if status.is_none() {
+            status = match waitpid(pid, Some(WaitPidFlag::WNOHANG)) {
+                Ok(WaitStatus::Exited(_, code)) => Some(ExecStatus::Exited { code }),
+                Ok(WaitStatus::Signaled(_, sig, _)) => {
+                    Some(ExecStatus::Signaled { signal: sig as i32 })
+                }
+                Ok(_) | Err(Errno::EINTR) => None,
+                Err(e) => return Err(anyhow::anyhow!("waitpid({pid}): {e}").into()),
+            };
+        }
+        if status.is_some() && err.is_none() {
+            break;
+        }
+        let fds = [
+            err.as_ref().map_or(-1, |f| f.as_raw_fd()),
+            sup.fd().unwrap_or(-1),
+            sfd.as_raw_fd(),
+        ];
+        let ev = sys::poll_in(&fds).context("poll (exec wait)")?;
+        if ev[0] != 0 {
+            if let Some(f) = err.as_mut() {
+                let mut buf = [0u8; 4096];
+                match f.read(&mut buf) {
+                    Ok(0) => err = None,
+                    Ok(n) => msg.extend_from_slice(&buf[..n]),
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                    Err(e) => {
+                        return Err(anyhow::anyhow!("reading the child's error pipe: {e}").into())
+                    }
+                }
+            }
+        }
+        if fds[1] >= 0 {
+            sup.ready(ev[1]);
+        }
+        if ev[2] != 0 {
+            while let Ok(Some(_)) = sfd.read_signal() {}
+        }
     }
+    let status = status.expect("loop ends with a status");
     if let Some((&tag, text)) = msg.split_first() {
         return Err(SetupError {
             message: String::from_utf8_lossy(text).into_owned(),
@@ -423,20 +528,6 @@ fn wait_setup(err_r: OwnedFd, pid: Pid) -> Result<ExecStatus, SetupError> {
         });
     }
     Ok(status)
-}
-
-fn wait(pid: Pid) -> Result<ExecStatus, SetupError> {
-    loop {
-        match waitpid(pid, None) {
-            Ok(WaitStatus::Exited(_, code)) => return Ok(ExecStatus::Exited { code }),
-            Ok(WaitStatus::Signaled(_, sig, _)) => {
-                return Ok(ExecStatus::Signaled { signal: sig as i32 })
-            }
-            Ok(_) => continue,
-            Err(Errno::EINTR) => continue,
-            Err(e) => return Err(anyhow::anyhow!("waitpid({pid}): {e}").into()),
-        }
-    }
 }
 
 fn rlimit_resource(r: RlimitResource) -> Resource {
@@ -460,6 +551,7 @@ fn child(
     spec: &ExecSpec,
     p: &Prepared,
     target: Option<&Target>,
+    listener_send: &OwnedFd,
 ) -> Result<std::convert::Infallible, SetupError> {
     // Limits first, with host privileges: raising a hard limit needs CAP_SYS_RESOURCE in
     // the initial user namespace, which is gone after setns(user).
@@ -505,7 +597,16 @@ fn child(
     }
     sys::clear_capabilities().context("capset(0)")?;
     sys::reset_signals().context("resetting signal dispositions")?;
-    seccomp::apply(&p.filters)?;
+    match seccomp::apply(&p.filters)? {
+        seccomp::Installed::Listener(fd) => {
+            // Without a supervisor the denied calls would fail with ENOSYS and go
+            // unreported: a send failure is an internal error, never a silent run.
+            sys::send_fd(listener_send, fd.as_raw_fd())
+                .context("sending the seccomp listener to the supervisor")?;
+        }
+        // gVisor and old kernels: the deny list answers EPERM itself (not reported).
+        seccomp::Installed::Silent => {}
+    }
     exec_search(p)
 }
 

@@ -6,10 +6,12 @@
 //!   non-zero and leaves no process behind (mounts live only in the dead mount namespace;
 //!   the node removes directories and cgroups).
 //! * `sandlot-guest exec`: reads one [`ExecSpec`] as JSON from file descriptor 3 (to EOF);
-//!   its stdin, stdout and stderr become those of the command; it writes one
-//!   [`ExecStatus`] as JSON on file descriptor 4 when the command has ended, then exits 0.
-//!   If it dies before writing (e.g. the node killed the exec cgroup on timeout), fd 4
-//!   reaches EOF with nothing written.
+//!   its stdin, stdout and stderr become those of the command. On file descriptor 4 it
+//!   writes a sequence of JSON documents: one [`Violation`] (`"kind": "violation"`) for
+//!   each denied syscall the command attempted, as it happens, then one [`ExecStatus`]
+//!   when the command has ended; then it exits 0. If it dies before the status (e.g. the
+//!   node killed the exec cgroup on timeout), fd 4 reaches EOF without one; the
+//!   violations written before still count ([`read_exec_status`]).
 use serde::{Deserialize, Serialize};
 
 /// How `sandlot-guest init` builds a sandbox. Paths are host paths.
@@ -149,25 +151,71 @@ pub enum ExecStatus {
     },
 }
 
-/// Reads the [`ExecStatus`] JSON a `sandlot-guest exec` helper writes on its fd 4: parsed as
-/// soon as it is complete (a process that inherited the pipe cannot delay it); `None` on
-/// EOF without a valid status (the helper was killed) or past 1 MiB of garbage.
-pub async fn read_exec_status(mut rx: tokio::net::unix::pipe::Receiver) -> Option<ExecStatus> {
+/// A denied syscall a command attempted, reported by the seccomp supervisor of
+/// `sandlot-guest exec` (`SECCOMP_RET_USER_NOTIF`, seccomp_unotify(2)); the call failed
+/// with `EPERM` in the command.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Violation {
+    /// Syscall name (`mount`, `bpf`, `socket`, ...).
+    pub syscall: String,
+    /// Syscall number on the sandbox's architecture (`arch`).
+    pub nr: i32,
+    /// Architecture of the call, as the kernel reports it (`AUDIT_ARCH_*`, e.g.
+    /// 0xc000003e for x86_64).
+    pub arch: u32,
+    /// Pid of the caller in the exec helper's pid namespace (0 when not visible there).
+    pub pid: u32,
+    /// When the supervisor received the call, Unix milliseconds (the sandbox's clock).
+    pub time_unix_ms: u64,
+}
+
+/// Most [`Violation`]s one exec reports; later attempts are still refused but not
+/// reported one by one (a command looping on a denied call cannot flood the audit log).
+pub const MAX_VIOLATIONS_PER_EXEC: usize = 64;
+
+/// Reads what a `sandlot-guest exec` helper writes on its fd 4: [`Violation`]s go to
+/// `violations` as they arrive (so they survive a timeout that cancels this future); the
+/// [`ExecStatus`] is returned as soon as it is complete (a process that inherited the pipe
+/// cannot delay it). `None` on EOF without a valid status (the helper was killed) or past
+/// 1 MiB of garbage.
+pub async fn read_exec_status(
+    mut rx: tokio::net::unix::pipe::Receiver,
+    violations: &std::sync::Mutex<Vec<Violation>>,
+) -> Option<ExecStatus> {
     use tokio::io::AsyncReadExt;
     let mut buf = Vec::new();
     let mut chunk = [0u8; 4096];
     loop {
-        match rx.read(&mut chunk).await {
-            Ok(0) | Err(_) => return serde_json::from_slice(&buf).ok(),
-            Ok(n) => {
-                buf.extend_from_slice(&chunk[..n]);
-                if let Ok(s) = serde_json::from_slice::<ExecStatus>(&buf) {
-                    return Some(s);
+        let n = match rx.read(&mut chunk).await {
+            Ok(0) | Err(_) => 0,
+            Ok(n) => n,
+        };
+        buf.extend_from_slice(&chunk[..n]);
+        let mut docs = serde_json::Deserializer::from_slice(&buf).into_iter::<serde_json::Value>();
+        let mut consumed = 0;
+        loop {
+            match docs.next() {
+                Some(Ok(v)) => {
+                    consumed = docs.byte_offset();
+                    if v.get("kind").and_then(|k| k.as_str()) == Some("violation") {
+                        if let Ok(x) = serde_json::from_value::<Violation>(v) {
+                            let mut g = violations.lock().unwrap_or_else(|p| p.into_inner());
+                            if g.len() < MAX_VIOLATIONS_PER_EXEC {
+                                g.push(x);
+                            }
+                        }
+                    } else {
+                        return serde_json::from_value(v).ok();
+                    }
                 }
-                if buf.len() > 1 << 20 {
-                    return None;
-                }
+                Some(Err(e)) if e.is_eof() => break,
+                Some(Err(_)) => return None,
+                None => break,
             }
+        }
+        buf.drain(..consumed);
+        if n == 0 || buf.len() > 1 << 20 {
+            return None;
         }
     }
 }

@@ -26,11 +26,13 @@ pub enum Forked {
 
 /// fork(2).
 ///
-/// Callers must be single-threaded (`sandlot-guest` never starts a thread), so the child
-/// may run arbitrary code, not only async-signal-safe functions.
+/// Callers must be single-threaded, so the child may run arbitrary code, not only
+/// async-signal-safe functions. `sandlot-guest init` and `exec` never fork once a thread
+/// exists: `exec` starts its one extra thread (the seccomp supervisor,
+/// [`crate::seccomp::Supervisor`]) in the parent after its last fork.
 pub fn fork() -> io::Result<Forked> {
-    // SAFETY: the process is single-threaded (no tokio, no std::thread anywhere in this
-    // binary), so no lock can be held by another thread across the fork.
+    // SAFETY: the process is single-threaded (`init` and `exec` start no thread; the
+    // agent never calls this), so no lock can be held by another thread across the fork.
     match unsafe { nix::unistd::fork() }.map_err(io::Error::from)? {
         ForkResult::Parent { child } => Ok(Forked::Parent(child)),
         ForkResult::Child => Ok(Forked::Child),
@@ -454,4 +456,175 @@ pub fn block_forwarded_raw() -> io::Result<()> {
     let set = forwarded_set();
     // SAFETY: `set` is initialised; sigprocmask is async-signal-safe.
     cvt(unsafe { libc::sigprocmask(libc::SIG_BLOCK, &set, std::ptr::null_mut()) }).map(|_| ())
+}
+
+/// seccomp(SECCOMP_SET_MODE_FILTER, SECCOMP_FILTER_FLAG_NEW_LISTENER, prog): installs the
+/// filter on the calling thread and returns its user-notification listener
+/// (seccomp_unotify(2), Linux 5.0). Requires no_new_privs.
+///
+/// # Errors
+/// The kernel's: EINVAL where the flag is unknown (older kernels; gVisor), EBUSY when a
+/// filter of this task already has a listener.
+pub fn seccomp_new_listener(prog: &[seccompiler::sock_filter]) -> io::Result<OwnedFd> {
+    let len = u16::try_from(prog.len()).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
+    let fprog = libc::sock_fprog {
+        len,
+        // seccompiler::sock_filter is #[repr(C)] {u16, u8, u8, u32}, the layout of
+        // libc::sock_filter (linux/filter.h); the kernel only reads through the pointer.
+        filter: prog.as_ptr() as *mut libc::sock_filter,
+    };
+    // SAFETY: `fprog` points at `prog`, which outlives the call; the kernel copies it.
+    let ret = unsafe {
+        libc::syscall(
+            libc::SYS_seccomp,
+            libc::SECCOMP_SET_MODE_FILTER,
+            libc::SECCOMP_FILTER_FLAG_NEW_LISTENER,
+            &fprog as *const libc::sock_fprog,
+        )
+    };
+    let fd = cvt(ret as libc::c_int)?;
+    // SAFETY: a new descriptor the kernel just returned; nothing else owns it.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    set_cloexec(fd.as_raw_fd())?;
+    Ok(fd)
+}
+
+/// A unix stream socket pair, both ends close-on-exec.
+pub fn socketpair() -> io::Result<(OwnedFd, OwnedFd)> {
+    let mut fds = [0 as RawFd; 2];
+    // SAFETY: `fds` is a valid out array of two ints.
+    cvt(unsafe {
+        libc::socketpair(
+            libc::AF_UNIX,
+            libc::SOCK_STREAM | libc::SOCK_CLOEXEC,
+            0,
+            fds.as_mut_ptr(),
+        )
+    })?;
+    // SAFETY: two new descriptors owned by nothing else.
+    Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
+}
+
+const FD_CMSG_SPACE: usize = 64;
+
+/// Sends one byte and `fd` (SCM_RIGHTS, unix(7)) over the socket `sock`.
+pub fn send_fd(sock: &OwnedFd, fd: RawFd) -> io::Result<()> {
+    let mut byte = [b'L'];
+    let mut iov = libc::iovec {
+        iov_base: byte.as_mut_ptr().cast(),
+        iov_len: 1,
+    };
+    let mut cbuf = [0u64; FD_CMSG_SPACE / 8];
+    // SAFETY: msghdr is plain data; every pointer set below refers to live locals; the
+    // CMSG_* macros stay within `cbuf` (CMSG_SPACE(4) = 24 <= 64 bytes).
+    unsafe {
+        let mut msg: libc::msghdr = std::mem::zeroed();
+        msg.msg_iov = &mut iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = cbuf.as_mut_ptr().cast();
+        msg.msg_controllen = libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) as _;
+        let c = libc::CMSG_FIRSTHDR(&msg);
+        (*c).cmsg_level = libc::SOL_SOCKET;
+        (*c).cmsg_type = libc::SCM_RIGHTS;
+        (*c).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<RawFd>() as u32) as _;
+        std::ptr::write_unaligned(libc::CMSG_DATA(c).cast::<RawFd>(), fd);
+        let n = libc::sendmsg(sock.as_raw_fd(), &msg, libc::MSG_NOSIGNAL);
+        if n < 0 {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
+/// Receives what [`send_fd`] sent: `Ok(None)` on EOF or a message without a descriptor.
+pub fn recv_fd(sock: &OwnedFd) -> io::Result<Option<OwnedFd>> {
+    let mut byte = [0u8; 1];
+    let mut iov = libc::iovec {
+        iov_base: byte.as_mut_ptr().cast(),
+        iov_len: 1,
+    };
+    let mut cbuf = [0u64; FD_CMSG_SPACE / 8];
+    // SAFETY: as in send_fd; the kernel writes at most msg_controllen bytes into `cbuf`;
+    // a received descriptor is owned by nothing else yet.
+    unsafe {
+        let mut msg: libc::msghdr = std::mem::zeroed();
+        msg.msg_iov = &mut iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = cbuf.as_mut_ptr().cast();
+        msg.msg_controllen = FD_CMSG_SPACE as _;
+        let n = libc::recvmsg(sock.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC);
+        if n < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        if n == 0 {
+            return Ok(None);
+        }
+        let c = libc::CMSG_FIRSTHDR(&msg);
+        if c.is_null() || (*c).cmsg_level != libc::SOL_SOCKET || (*c).cmsg_type != libc::SCM_RIGHTS
+        {
+            return Ok(None);
+        }
+        let fd = std::ptr::read_unaligned(libc::CMSG_DATA(c).cast::<RawFd>());
+        Ok(Some(OwnedFd::from_raw_fd(fd)))
+    }
+}
+
+/// poll(2) for `POLLIN` on each descriptor (negative ones are ignored, poll(2)), without a
+/// timeout; returns each one's `revents`. EINTR is retried.
+pub fn poll_in(fds: &[RawFd]) -> io::Result<Vec<libc::c_short>> {
+    let mut p: Vec<libc::pollfd> = fds
+        .iter()
+        .map(|&fd| libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        })
+        .collect();
+    loop {
+        // SAFETY: `p` is a valid array of `p.len()` pollfds.
+        let n = unsafe { libc::poll(p.as_mut_ptr(), p.len() as libc::nfds_t, -1) };
+        if n >= 0 {
+            return Ok(p.iter().map(|x| x.revents).collect());
+        }
+        let e = io::Error::last_os_error();
+        if e.raw_os_error() != Some(libc::EINTR) {
+            return Err(e);
+        }
+    }
+}
+
+/// SECCOMP_IOCTL_NOTIF_RECV: the next pending notification of `listener`
+/// (seccomp_unotify(2)). ENOENT: the target died before it was received.
+pub fn notif_recv(listener: &OwnedFd) -> io::Result<libc::seccomp_notif> {
+    // SAFETY: seccomp_notif is plain data and must be zeroed before RECV (the kernel
+    // checks); the ioctl writes at most size_of::<seccomp_notif>() bytes into it.
+    unsafe {
+        let mut n: libc::seccomp_notif = std::mem::zeroed();
+        cvt(libc::ioctl(
+            listener.as_raw_fd(),
+            libc::SECCOMP_IOCTL_NOTIF_RECV,
+            &mut n as *mut libc::seccomp_notif,
+        ))?;
+        Ok(n)
+    }
+}
+
+/// SECCOMP_IOCTL_NOTIF_SEND: the notified syscall `id` fails with `errno` in its caller.
+/// ENOENT: the target died (or its syscall was interrupted) meanwhile.
+pub fn notif_send_errno(listener: &OwnedFd, id: u64, errno: i32) -> io::Result<()> {
+    let mut resp = libc::seccomp_notif_resp {
+        id,
+        val: 0,
+        error: -errno,
+        flags: 0,
+    };
+    // SAFETY: `resp` is a valid seccomp_notif_resp the kernel only reads.
+    cvt(unsafe {
+        libc::ioctl(
+            listener.as_raw_fd(),
+            libc::SECCOMP_IOCTL_NOTIF_SEND,
+            &mut resp as *mut libc::seccomp_notif_resp,
+        )
+    })
+    .map(drop)
 }

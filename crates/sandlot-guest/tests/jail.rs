@@ -214,6 +214,14 @@ fn privileged_operations_fail_inside() {
     let sb = Sandbox::start("priv", None);
     let out = sb.exec(&["mount", "-t", "tmpfs", "x", "/mnt"]);
     assert_ne!(out.code(), Some(0), "{out:?}");
+    // ... and reported by the helper's seccomp supervisor (user notification).
+    let v = &out.violations;
+    assert!(
+        v.iter()
+            .any(|v| v.syscall == "mount" && v.nr == libc::SYS_mount as i32),
+        "{out:?}"
+    );
+    assert!(v[0].time_unix_ms > 0 && v[0].pid > 0, "{v:?}");
     assert_ne!(sb.exec(&["umount", "-l", "/proc"]).code(), Some(0));
     assert_ne!(sb.exec(&["hostname", "evil"]).code(), Some(0));
     assert_eq!(sb.exec(&["hostname"]).stdout, format!("{}\n", sb.hostname));

@@ -20,8 +20,9 @@
 //! | `paused`, `resumed` | `POST /v1/sandboxes:pause` / `:resume` | |
 //! | `readopted` | re-adopted at server start | |
 //! | `lost` | at server start: record not re-adopted, removed | `state` (the record's) |
-//! | `exec` | an exec finished or was replayed | `command_digest` (SHA-256 hex of the JSON of `cmd`; the command itself is not kept), `exit_code`, `duration_ms`, `timed_out`, `oom_killed`, `replayed`, `step` (or null), `source` (`api`\|`run_code`) |
+//! | `exec` | an exec finished or was replayed | `command_digest` (SHA-256 hex of the JSON of `cmd`; the command itself is not kept), `exit_code`, `signal`, `duration_ms`, `timed_out`, `oom_killed`, `truncated`, `stdout_bytes`, `stderr_bytes`, `violations` (how many `violation` events of this exec precede it), `replayed`, `step` (or null), `source` (`api`\|`run_code`) |
 //! | `error` | a node operation failed | `op` (`create`\|`exec`\|`delete`\|`pause`\|`resume`), `code`, `message` |
+//! | `violation` | a refused dangerous attempt: a denied syscall reported by the exec's seccomp supervisor (after the exec ends, before its `exec` event), or a files API path that would leave the sandbox | `layer` (`seccomp`\|`files_api`); seccomp: `syscall`, `nr`, `pid`, `at` (RFC 3339 time of the refusal, the sandbox's clock), `command_digest`, `action` (`EPERM`); files_api: `op`, `path`, `code`, `message` |
 //!
 //! Query: `sandbox` and `kind` filter exactly; `since` is either an event id (a cursor:
 //! events with a larger id) or an RFC 3339 time (events at or after it); `limit` 1–1000
@@ -456,12 +457,22 @@ pub fn exec_event(
     }
     match out {
         Ok(r) => {
+            if !replayed {
+                for v in &r.violations {
+                    seccomp_violation(st, sandbox, backend, &digest, v);
+                }
+            }
             let mut f = Map::new();
             f.insert("command_digest".into(), digest.into());
             f.insert("exit_code".into(), r.exit_code.into());
             f.insert("duration_ms".into(), r.duration_ms.into());
             f.insert("timed_out".into(), r.timed_out.into());
             f.insert("oom_killed".into(), r.oom_killed.into());
+            f.insert("signal".into(), r.signal.into());
+            f.insert("truncated".into(), r.truncated.into());
+            f.insert("stdout_bytes".into(), r.stdout_bytes.into());
+            f.insert("stderr_bytes".into(), r.stderr_bytes.into());
+            f.insert("violations".into(), r.violations.len().into());
             f.insert("replayed".into(), replayed.into());
             f.insert("step".into(), step.into());
             f.insert("source".into(), source.into());
@@ -472,6 +483,53 @@ pub fn exec_event(
             st.events.error("exec", Some(sandbox), Some(backend), e);
         }
     }
+}
+
+/// Record a `violation` event of a denied syscall and count it in
+/// `sandlot_violations_total`.
+fn seccomp_violation(
+    st: &SharedState,
+    sandbox: &str,
+    backend: Backend,
+    digest: &str,
+    v: &sandlot_api::Violation,
+) {
+    st.metrics.violation(backend, &v.layer, &v.syscall);
+    let at = chrono::DateTime::from_timestamp_millis(v.time_unix_ms as i64)
+        .map(|t| t.to_rfc3339_opts(chrono::SecondsFormat::Millis, true));
+    let mut f = Map::new();
+    f.insert("layer".into(), v.layer.clone().into());
+    f.insert("syscall".into(), v.syscall.clone().into());
+    f.insert("nr".into(), v.nr.into());
+    f.insert("pid".into(), v.pid.into());
+    f.insert("at".into(), at.into());
+    f.insert("command_digest".into(), digest.into());
+    f.insert("action".into(), "EPERM".into());
+    record(st, "violation", Some(sandbox), Some(backend), f);
+}
+
+/// Record a `violation` event of a files API call refused because its path would leave the
+/// sandbox (`..`, a symlink out, a path into the agent's or runtime's own files), and count
+/// it in `sandlot_violations_total`.
+pub fn files_violation(
+    st: &SharedState,
+    sandbox: &str,
+    backend: Backend,
+    op: &str,
+    path: &str,
+    e: &ApiError,
+) {
+    st.metrics.violation(backend, "files_api", op);
+    let mut f = Map::new();
+    f.insert("layer".into(), "files_api".into());
+    f.insert("op".into(), op.into());
+    f.insert("path".into(), path.into());
+    f.insert(
+        "code".into(),
+        serde_json::to_value(e.code).unwrap_or(Value::Null),
+    );
+    f.insert("message".into(), e.message.clone().into());
+    record(st, "violation", Some(sandbox), Some(backend), f);
 }
 
 /// Record an event and count it in `sandlot_events_total`.

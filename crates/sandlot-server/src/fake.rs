@@ -175,6 +175,17 @@ impl Node for FakeNode {
                 result(0, format!("{}\n", rest.join(" ")).as_bytes(), b"", false)
             }
             ["exit", n] => result(n.parse().unwrap(), b"", b"bye", false),
+            // A denied syscall, as the exec helper's seccomp supervisor reports it.
+            ["mount", ..] => ExecResult {
+                violations: vec![sandlot_api::Violation {
+                    layer: "seccomp".into(),
+                    syscall: "mount".into(),
+                    nr: 165,
+                    pid: 7,
+                    time_unix_ms: 1_796_036_022_312,
+                }],
+                ..result(32, b"", b"mount: permission denied", false)
+            },
             ["sleep", s] => {
                 let s: f64 = s.parse().unwrap();
                 if s > timeout {

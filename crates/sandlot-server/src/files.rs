@@ -5,6 +5,12 @@
 //! limited to `ServerConfig::max_file_bytes` (413 `payload_too_large` over it) and so are
 //! downloads (the node answers 400 for a larger file).
 //!
+//! Audit: a path whose `..` components climb above `/` (resolved inside the sandbox root
+//! anyway), and a call the node refuses because the path would leave the sandbox (a symlink
+//! out or a magic link, a special file system such as `/proc` or `/sys`, a mount point, the
+//! agent's or runtime's own files, permission), are recorded as `violation` events (layer
+//! `files_api`, [`crate::events::files_violation`]).
+//!
 //! `?step=N` (trajectory log, [`crate::trajectory`]): write and remove are logged mutating
 //! steps; read and list are logged only when `step` is given. A replayed answer carries the
 //! header `Sandlot-Replayed: true`.
@@ -51,6 +57,73 @@ fn with_replayed(mut resp: Response, replayed: bool) -> Response {
     resp
 }
 
+/// True when the lexical `..` components of `path` climb above `/` (e.g. `../../etc/x`
+/// from `/workspace`, or `/../x`): an attempt to leave the sandbox, which the node clamps
+/// to its root (openat2 `RESOLVE_IN_ROOT`).
+pub fn climbs_above_root(path: &str) -> bool {
+    let mut depth: i64 = if path.starts_with('/') {
+        0
+    } else {
+        // relative paths start in /workspace (sandlot_node::files::WORKDIR)
+        1
+    };
+    for c in path.split('/') {
+        match c {
+            "" | "." => {}
+            ".." => {
+                depth -= 1;
+                if depth < 0 {
+                    return true;
+                }
+            }
+            _ => depth += 1,
+        }
+    }
+    false
+}
+
+/// Node refusals that mean the path tried to leave the sandbox or reach what the sandbox
+/// must not touch through the files API (messages of `sandlot_node::files` and the
+/// container backend's files checks).
+fn is_escape_refusal(e: &sandlot_api::ApiError) -> bool {
+    const MARKERS: [&str; 6] = [
+        "escapes the sandbox",
+        "forbidden link",
+        "special file system",
+        "not part of the sandbox",
+        "mount point",
+        "permission denied",
+    ];
+    matches!(
+        e.code,
+        ErrorCode::InvalidArgument | ErrorCode::PermissionDenied
+    ) && MARKERS.iter().any(|m| e.message.contains(m))
+}
+
+/// Audit of one files API call on `rec`: the climb check now, refusals in `r`.
+fn audited<T>(
+    st: &SharedState,
+    rec: &crate::store::Record,
+    op: &str,
+    path: &str,
+    r: ApiResult<T>,
+) -> ApiResult<T> {
+    if climbs_above_root(path) {
+        let e = sandlot_api::ApiError::new(
+            ErrorCode::InvalidArgument,
+            format!("path climbs above / and was resolved inside the sandbox root: {path}"),
+        );
+        crate::events::files_violation(st, &rec.id, rec.backend, op, path, &e);
+    }
+    if let Err(err) = &r {
+        let e = err.api_error();
+        if is_escape_refusal(&e) {
+            crate::events::files_violation(st, &rec.id, rec.backend, op, path, &e);
+        }
+    }
+    r
+}
+
 fn wrong_kind(q: &PathQuery) -> ServerError {
     ServerError::new(
         ErrorCode::Internal,
@@ -69,7 +142,17 @@ pub async fn write(
     let path = q.get()?;
     let data = body?;
     let rec = running(&st, &id)?;
-    let (_, replayed) = call(&st, &rec, q.step, StepRequest::WriteFile { path, data }).await?;
+    let r = call(
+        &st,
+        &rec,
+        q.step,
+        StepRequest::WriteFile {
+            path: path.clone(),
+            data,
+        },
+    )
+    .await;
+    let (_, replayed) = audited(&st, &rec, "write", &path, r)?;
     Ok(with_replayed(
         StatusCode::NO_CONTENT.into_response(),
         replayed,
@@ -87,10 +170,12 @@ pub async fn read(
     let rec = running(&st, &id)?;
     if q.step.is_none() {
         // Unlogged read: the budget share stays with the answer until it is sent.
-        let (data, permit) = st
+        let r = st
             .budget_node
             .read_file_held(&rec.id, &path, st.cfg.max_file_bytes as u64)
-            .await?;
+            .await
+            .map_err(ServerError::from);
+        let (data, permit) = audited(&st, &rec, "read", &path, r)?;
         let len = data.len();
         return Ok((
             [
@@ -101,7 +186,14 @@ pub async fn read(
         )
             .into_response());
     }
-    match call(&st, &rec, q.step, StepRequest::ReadFile { path }).await? {
+    let r = call(
+        &st,
+        &rec,
+        q.step,
+        StepRequest::ReadFile { path: path.clone() },
+    )
+    .await;
+    match audited(&st, &rec, "read", &path, r)? {
         (StepResult::Data(data), replayed) => Ok(with_replayed(
             ([(header::CONTENT_TYPE, "application/octet-stream")], data).into_response(),
             replayed,
@@ -137,7 +229,14 @@ pub async fn remove(
 ) -> ApiResult<Response> {
     let path = q.get()?;
     let rec = running(&st, &id)?;
-    let (_, replayed) = call(&st, &rec, q.step, StepRequest::RemoveFile { path }).await?;
+    let r = call(
+        &st,
+        &rec,
+        q.step,
+        StepRequest::RemoveFile { path: path.clone() },
+    )
+    .await;
+    let (_, replayed) = audited(&st, &rec, "remove", &path, r)?;
     Ok(with_replayed(
         StatusCode::NO_CONTENT.into_response(),
         replayed,
@@ -153,7 +252,14 @@ pub async fn list(
 ) -> ApiResult<Response> {
     let path = q.get()?;
     let rec = running(&st, &id)?;
-    match call(&st, &rec, q.step, StepRequest::ListDir { path }).await? {
+    let r = call(
+        &st,
+        &rec,
+        q.step,
+        StepRequest::ListDir { path: path.clone() },
+    )
+    .await;
+    match audited(&st, &rec, "list", &path, r)? {
         (StepResult::List(entries), replayed) => Ok(with_replayed(
             Json(FileList { entries }).into_response(),
             replayed,
@@ -213,4 +319,25 @@ pub async fn mkdir(
     let rec = running(&st, &id)?;
     st.node.make_dir(&rec.id, &path, q.parents).await?;
     Ok(StatusCode::NO_CONTENT.into_response())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::climbs_above_root;
+
+    #[test]
+    fn climbing_above_the_root_is_seen() {
+        for p in [
+            "/..",
+            "/../etc/passwd",
+            "../../x",
+            "a/../../../x",
+            "/a/b/../../../c",
+        ] {
+            assert!(climbs_above_root(p), "{p}");
+        }
+        for p in ["/", "x", "../x", "/a/../b", "./a/./b/..", "/a//b/../../c"] {
+            assert!(!climbs_above_root(p), "{p}");
+        }
+    }
 }

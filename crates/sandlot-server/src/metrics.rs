@@ -13,6 +13,7 @@
 //! | `sandlot_run_code_running`, `sandlot_run_code_waiting` | gauge | | `run_code` admission, at scrape |
 //! | `sandlot_image_count` | gauge | | complete images in the image store, at scrape |
 //! | `sandlot_events_total` | counter | `kind` | audit events recorded ([`crate::events`]) |
+//! | `sandlot_violations_total` | counter | `backend`, `layer` = `seccomp`\|`files_api`, `what` (syscall name or files API operation) | refused attempts recorded as `violation` events |
 //!
 //! Hot paths only touch the crate's atomics (a read lock on a label family to find the
 //! series); no lock is held across an `.await`. Seconds are wall-clock seconds.
@@ -67,6 +68,17 @@ pub struct StatusLabel {
     pub status: String,
 }
 
+/// Labels `backend`, `layer`, `what` of `sandlot_violations_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ViolationLabels {
+    /// Backend name.
+    pub backend: String,
+    /// Refusing layer: `seccomp` or `files_api`.
+    pub layer: String,
+    /// Syscall name (seccomp) or files API operation (`read`, `write`, ...).
+    pub what: String,
+}
+
 /// Label `kind`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct KindLabel {
@@ -111,6 +123,7 @@ pub struct Metrics {
     run_code_waiting: Gauge,
     image_count: Gauge,
     events: Family<KindLabel, Counter>,
+    violations: Family<ViolationLabels, Counter>,
 }
 
 impl Default for Metrics {
@@ -188,7 +201,14 @@ impl Metrics {
             "Audit events recorded, by kind",
             events.clone(),
         );
+        let violations = Family::<ViolationLabels, Counter>::default();
+        registry.register(
+            "sandlot_violations",
+            "Refused dangerous attempts (seccomp reports, files API path escapes)",
+            violations.clone(),
+        );
         Metrics {
+            violations,
             registry,
             sandboxes,
             seen: Mutex::new(BTreeSet::new()),
@@ -228,6 +248,18 @@ impl Metrics {
         self.run_code
             .get_or_create(&StatusLabel {
                 status: status.to_owned(),
+            })
+            .inc();
+    }
+
+    /// Count one refused attempt (`layer` `seccomp` or `files_api`; `what` the syscall or
+    /// files API operation).
+    pub fn violation(&self, backend: Backend, layer: &str, what: &str) {
+        self.violations
+            .get_or_create(&ViolationLabels {
+                backend: backend.as_str().to_owned(),
+                layer: layer.to_owned(),
+                what: what.to_owned(),
             })
             .inc();
     }

@@ -349,3 +349,51 @@ async fn openapi_lists_observability_routes() {
         );
     }
 }
+
+#[tokio::test]
+async fn seccomp_reports_and_files_escapes_become_violation_events() {
+    let (app, _st) = app("violations");
+    let id = create(&app, json!({"image": "python"})).await;
+    let r = exec(
+        &app,
+        &id,
+        json!({"cmd": ["mount", "-t", "tmpfs", "x", "/mnt"]}),
+    )
+    .await;
+    assert_eq!(r["violations"][0]["syscall"], "mount");
+    let ev = events(&app, &format!("?sandbox={id}&kind=violation")).await;
+    let v = &ev["events"][0];
+    assert_eq!(v["layer"], "seccomp");
+    assert_eq!(v["syscall"], "mount");
+    assert_eq!(v["nr"], 165);
+    assert_eq!(v["action"], "EPERM");
+    assert_eq!(v["at"], "2026-11-30T10:53:42.312Z");
+    let ex = events(&app, &format!("?sandbox={id}&kind=exec")).await;
+    assert_eq!(ex["events"][0]["violations"], 1);
+    assert_eq!(ex["events"][0]["command_digest"], v["command_digest"]);
+    assert!(ex["events"][0]["id"].as_u64() > v["id"].as_u64());
+    // An exec without attempts has no `violations` field.
+    let r = exec(&app, &id, json!({"cmd": ["echo", "hi"]})).await;
+    assert!(r.get("violations").is_none(), "{r}");
+
+    // Files API: `..` above the root is reported even though the node clamps it.
+    let (s, _) = call(
+        &app,
+        Method::GET,
+        &format!("/v1/sandboxes/{id}/files?path=../../etc/passwd"),
+        None,
+    )
+    .await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+    let ev = events(&app, &format!("?sandbox={id}&kind=violation")).await;
+    let f = &ev["events"][1];
+    assert_eq!(f["layer"], "files_api");
+    assert_eq!(f["op"], "read");
+    assert_eq!(f["path"], "../../etc/passwd");
+
+    let (_, text) = call(&app, Method::GET, "/metrics", None).await;
+    let seccomp = r#"sandlot_violations_total{backend="function",layer="seccomp",what="mount"}"#;
+    assert_eq!(sample(&text, seccomp), Some(1.0), "{text}");
+    let files = r#"sandlot_violations_total{backend="function",layer="files_api",what="read"}"#;
+    assert_eq!(sample(&text, files), Some(1.0), "{text}");
+}

@@ -56,6 +56,10 @@ class ExecResult:
         stderr_bytes: total bytes written to stderr.
         truncated: some output was dropped by the head+tail cap.
         replayed: the result came from the trajectory log without executing.
+        violations: denied dangerous syscalls the command attempted, oldest first, each a
+            dict ``{"layer": "seccomp", "syscall": str, "nr": int, "pid": int,
+            "time_unix_ms": int}`` (the call failed with EPERM); empty when none, and on
+            gVisor, which cannot report them.
     """
 
     exit_code: int
@@ -69,6 +73,7 @@ class ExecResult:
     stderr_bytes: int = 0
     truncated: bool = False
     replayed: bool = False
+    violations: List[Dict[str, Any]] = field(default_factory=list)
 
     @property
     def text(self) -> str:
@@ -110,6 +115,7 @@ class ExecResult:
                 stderr_bytes=int(d.get("stderr_bytes", 0)),
                 truncated=bool(d.get("truncated", False)),
                 replayed=bool(d.get("replayed", False)),
+                violations=[dict(v) for v in d.get("violations") or []],
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ProtocolError(f"bad ExecResult {dict(d)!r:.300}: {e}") from e

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use sandlot_guest::spec::{ExecSpec, ExecStatus, InitReady, InitSpec, Rlimit};
+use sandlot_guest::spec::{ExecSpec, ExecStatus, InitReady, InitSpec, Rlimit, Violation};
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_sandlot-guest");
 pub const UID_BASE: u32 = 100_000;
@@ -161,6 +161,8 @@ pub struct Sandbox {
 #[derive(Debug)]
 pub struct Output {
     pub status: ExecStatus,
+    /// Denied syscalls the command attempted (the helper's seccomp reports).
+    pub violations: Vec<Violation>,
     pub stdout: String,
     pub stderr: String,
 }
@@ -378,14 +380,29 @@ pub fn run_exec(spec: &ExecSpec) -> Output {
         out.status,
         String::from_utf8_lossy(&out.stderr)
     );
-    let status: ExecStatus = serde_json::from_str(&status).unwrap_or_else(|e| {
-        panic!(
-            "ExecStatus {status:?}: {e}; stderr {:?}",
-            String::from_utf8_lossy(&out.stderr)
-        )
-    });
+    // fd 4: `violation` records (seccomp reports), then the ExecStatus.
+    let mut violations = Vec::new();
+    let mut last = None;
+    for doc in serde_json::Deserializer::from_str(&status).into_iter::<serde_json::Value>() {
+        let doc = doc.unwrap_or_else(|e| panic!("fd 4 {status:?}: {e}"));
+        if doc["kind"] == "violation" {
+            violations.push(serde_json::from_value::<Violation>(doc).unwrap());
+        } else {
+            last = Some(doc);
+        }
+    }
+    let status: ExecStatus = last
+        .ok_or_else(|| "no status".to_string())
+        .and_then(|v| serde_json::from_value(v).map_err(|e| e.to_string()))
+        .unwrap_or_else(|e| {
+            panic!(
+                "ExecStatus {status:?}: {e}; stderr {:?}",
+                String::from_utf8_lossy(&out.stderr)
+            )
+        });
     Output {
         status,
+        violations,
         stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
         stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
     }

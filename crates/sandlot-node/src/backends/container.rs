@@ -28,9 +28,11 @@
 //! The spec: namespaces pid, ipc, uts, mount, network (only `lo`, or `netns`), cgroup and
 //! user, with uid/gid 0..65536 inside mapped to the sandbox's own host range (see
 //! [`super::uids`]);
-//! runc's default masked and read-only paths; a seccomp profile that denies the calls the
-//! agent never needs (kernel modules, kexec, bpf, perf, keyrings, reboot, swap, handle-based
-//! opens, userfaultfd, io_uring, clock setting, ...); the agent keeps Docker's default
+//! runc's default masked and read-only paths; a seccomp profile over the calls the agent
+//! never needs (kernel modules, kexec, bpf, perf, keyrings, reboot, swap, handle-based
+//! opens, userfaultfd, io_uring, clock setting, ...): ERRNO for those the exec filter does
+//! not cover, LOG for those it refuses and reports ([`REPORTED_BY_EXEC`]: an ERRNO would
+//! pre-empt the report); the agent keeps Docker's default
 //! capability set plus `CAP_SYS_ADMIN` (inside the user namespace only) so it can give each
 //! exec a pid namespace; every exec then runs `sandlot-guest exec` in `own_pid_ns` mode,
 //! which drops every capability, sets no_new_privs and applies the function backend's
@@ -936,6 +938,48 @@ const DENIED: &[&str] = &[
     "vm86old",
 ];
 
+/// Calls of [`DENIED`] that every exec's own filter (`sandlot-guest exec`, crate
+/// `sandlot-guest` `seccomp.rs`) refuses and *reports* (SECCOMP_RET_USER_NOTIF). The
+/// container profile answers these with `SCMP_ACT_LOG` instead of ERRNO: the kernel keeps
+/// the highest-precedence verdict of all filters (seccomp(2): ERRNO > USER_NOTIF > LOG), so
+/// an ERRNO here would refuse them before the exec's supervisor hears of them. Commands
+/// always run under the exec filter (it is installed before execve and cannot be removed),
+/// so they are still refused; only the agent itself, which never makes these calls, is
+/// logged (kernel audit log) rather than refused.
+const REPORTED_BY_EXEC: &[&str] = &[
+    "acct",
+    "add_key",
+    "bpf",
+    "clock_adjtime",
+    "clock_settime",
+    "delete_module",
+    "fanotify_init",
+    "finit_module",
+    "init_module",
+    "io_uring_enter",
+    "io_uring_register",
+    "io_uring_setup",
+    "ioperm",
+    "iopl",
+    "kcmp",
+    "kexec_file_load",
+    "kexec_load",
+    "keyctl",
+    "lookup_dcookie",
+    "name_to_handle_at",
+    "open_by_handle_at",
+    "perf_event_open",
+    "process_vm_readv",
+    "process_vm_writev",
+    "quotactl",
+    "reboot",
+    "request_key",
+    "settimeofday",
+    "swapoff",
+    "swapon",
+    "userfaultfd",
+];
+
 /// The OCI runtime spec of one container (runtime-spec 1.0, `config.json`).
 fn bundle_spec(
     id: &str,
@@ -1158,12 +1202,30 @@ fn bundle_spec(
                 Arch::ScmpArchX86,
                 Arch::ScmpArchX32,
             ])
-            .syscalls(vec![LinuxSyscallBuilder::default()
-                .names(DENIED.iter().map(|s| s.to_string()).collect::<Vec<_>>())
-                .action(LinuxSeccompAction::ScmpActErrno)
-                .errno_ret(libc::EPERM as u32)
-                .build()
-                .map_err(bad)?])
+            .syscalls(vec![
+                LinuxSyscallBuilder::default()
+                    .names(
+                        DENIED
+                            .iter()
+                            .filter(|s| !REPORTED_BY_EXEC.contains(s))
+                            .map(|s| s.to_string())
+                            .collect::<Vec<_>>(),
+                    )
+                    .action(LinuxSeccompAction::ScmpActErrno)
+                    .errno_ret(libc::EPERM as u32)
+                    .build()
+                    .map_err(bad)?,
+                LinuxSyscallBuilder::default()
+                    .names(
+                        REPORTED_BY_EXEC
+                            .iter()
+                            .map(|s| s.to_string())
+                            .collect::<Vec<_>>(),
+                    )
+                    .action(LinuxSeccompAction::ScmpActLog)
+                    .build()
+                    .map_err(bad)?,
+            ])
             .build()
             .map_err(bad)?,
     ));

@@ -1266,7 +1266,11 @@ async fn run_exec(
         .map_err(|e| NodeError::io("status pipe of sandlot-guest exec", e))?;
     // Kept (pinned) until the end: the helper may still write its status after a timeout,
     // and must not get EPIPE.
-    let mut status_fut = std::pin::pin!(sandlot_guest::spec::read_exec_status(status_rx));
+    let violations = std::sync::Mutex::new(Vec::new());
+    let mut status_fut = std::pin::pin!(sandlot_guest::spec::read_exec_status(
+        status_rx,
+        &violations
+    ));
     let group = xcg.group().clone();
     let helper_pid = child.id().map(|p| p as i32).unwrap_or(-1);
     let timeout = tokio::time::sleep(plan.timeout);
@@ -1286,6 +1290,11 @@ async fn run_exec(
         // Timeout or delete: the whole process tree goes, not only the leader. The helper
         // is spared a moment so that it reaps its child itself (see `kill_except`).
         kill_tree(&group, helper_pid, &mut child).await;
+        // Violation records the helper wrote before it was killed (EOF follows at once
+        // when it is gone). Not after `Killed`: that future has completed.
+        if matches!(ending, Ending::TimedOut | Ending::Deleted) {
+            let _ = tokio::time::timeout(PIPE_GRACE, status_fut.as_mut()).await;
+        }
     }
     // Output: until EOF; past a short grace, kill the exec cgroup (background children hold
     // the pipes) and read what is left until EOF or a last grace.
@@ -1330,6 +1339,9 @@ async fn run_exec(
 
     let mut res = ExecResult {
         duration_ms,
+        violations: super::violations_from_guest(std::mem::take(
+            &mut *violations.lock().unwrap_or_else(|p| p.into_inner()),
+        )),
         ..Default::default()
     };
     match ending {

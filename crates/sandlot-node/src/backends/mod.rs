@@ -145,3 +145,19 @@ impl AnyBackend {
         }
     }
 }
+
+/// The guest's seccomp reports ([`sandlot_guest::spec::Violation`]) as wire
+/// [`sandlot_api::Violation`]s (`layer` = `seccomp`).
+pub fn violations_from_guest(
+    v: Vec<sandlot_guest::spec::Violation>,
+) -> Vec<sandlot_api::Violation> {
+    v.into_iter()
+        .map(|x| sandlot_api::Violation {
+            layer: "seccomp".into(),
+            syscall: x.syscall,
+            nr: x.nr,
+            pid: x.pid,
+            time_unix_ms: x.time_unix_ms,
+        })
+        .collect()
+}

@@ -1,0 +1,424 @@
+"""The attack suite: attempts a model rewarded for success might make to leave its sandbox or
+hurt the node, run on every backend case; each test asserts that the attempt FAILS and that
+it left an audit event in ``GET /v1/events`` (docs/security.md has the threat model).
+
+Events expected, by the layer that stops the attempt:
+
+* denied syscalls (seccomp deny list of ``sandlot-guest exec``): a ``violation`` event
+  (``layer: seccomp``, ``syscall``, ``nr``, ``pid``, ``at``, the exec's ``command_digest``),
+  reported through seccomp user notification. gVisor (runsc 20240729) refuses
+  ``SECCOMP_FILTER_FLAG_NEW_LISTENER`` (EINVAL, measured): there the call is still refused,
+  only the ``exec`` event records the command, and the test ends as xfail with that reason
+  after the block itself was asserted;
+* files API paths that leave the sandbox: a ``violation`` event (``layer: files_api``);
+* attempts stopped by namespaces, read-only mounts, the device cgroup, no_new_privs, the
+  network namespace or cgroup limits: the kernel reports nothing per call, so the record is
+  the ``exec`` event of the command (digest, exit status, ``oom_killed``, ``timed_out``,
+  ``truncated``, output sizes); the table says so.
+
+The table (attempt × backend → blocked; event) is written to tests/artifacts/attack-table.md
+and printed in the pytest summary (tests/security/conftest.py).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import threading
+import time
+import uuid
+from typing import Dict, Iterable, List, Optional, Tuple
+
+import pytest
+
+import sandlot
+from conformance.test_limits import FORK_BOMB
+from security.conftest import record
+
+GVISOR_NO_NOTIFY = ("gVisor (runsc 20240729) refuses SECCOMP_FILTER_FLAG_NEW_LISTENER (EINVAL): "
+                    "the call is refused but not reported")
+
+#: attempt → syscalls whose violation event it must produce (payload name = attempt name).
+SECCOMP: Dict[str, Iterable[str]] = {
+    "mount": ["mount"], "umount2": ["umount2"], "pivot_root": ["pivot_root"],
+    "unshare": ["unshare"], "clone_newuser": ["clone"], "setns": ["setns"],
+    "ptrace": ["ptrace"], "process_vm_readv": ["process_vm_readv"], "bpf": ["bpf"],
+    "perf_event_open": ["perf_event_open"], "keyctl": ["keyctl"], "add_key": ["add_key"],
+    "init_module": ["init_module"], "finit_module": ["finit_module"],
+    "delete_module": ["delete_module"], "kexec_load": ["kexec_load"],
+    "kexec_file_load": ["kexec_file_load"], "reboot": ["reboot"], "swapon": ["swapon"],
+    "open_by_handle_at": ["open_by_handle_at"], "userfaultfd": ["userfaultfd"],
+    "raw_socket": ["socket"], "packet_socket": ["socket"], "settimeofday": ["settimeofday"],
+    "clock_settime": ["clock_settime"], "sethostname": ["sethostname"],
+    "setdomainname": ["setdomainname"], "io_uring_setup": ["io_uring_setup"],
+    "personality": ["personality"], "acct": ["acct"], "iopl": ["iopl"], "syslog": ["syslog"],
+    "fsopen": ["fsopen"], "open_tree": ["open_tree"], "mknod_device": ["mknod", "mknodat"],
+}
+
+#: In-sandbox attempts stopped by a layer that does not report per call: attempt → layer.
+KERNEL_LAYERS: Dict[str, str] = {
+    "proc_sys_write": "read-only /proc/sys (mount ns; gVisor: its own procfs)",
+    "sysrq_trigger": "masked /proc/sysrq-trigger",
+    "sys_write": "read-only or absent /sys",
+    "hardlink_escape": "mount boundaries (EXDEV)",
+    "setuid_upper": "no_new_privs, empty bounding set, nosuid overlay",
+    "dns_exfil": "net namespace without a route (runc policies: the DNS proxy)",
+}
+
+
+def payload(box: sandlot.Sandbox, name: str, *args: str,
+            timeout_s: float = 60) -> Tuple[str, sandlot.ExecResult]:
+    r = box.exec(["python3", "/workspace/attack_payload.py", name, *args], timeout_s=timeout_s)
+    line = r.stdout.decode(errors="replace").strip().splitlines()
+    verdict = line[-1] if line else ""
+    return verdict, r
+
+
+def assert_blocked(verdict: str, r: sandlot.ExecResult) -> str:
+    assert r.exit_code == 0 and verdict.startswith("BLOCKED"), \
+        f"attempt not blocked: {verdict!r} {r}"
+    return verdict.removeprefix("BLOCKED ").strip()
+
+
+def exec_events(audit, cursor: str, box: sandlot.Sandbox) -> List[dict]:
+    return audit.since(cursor, sandbox=box.id, kind="exec")
+
+
+def exec_event_text(ev: dict) -> str:
+    bits = [f"exit {ev['exit_code']}"]
+    for k in ("oom_killed", "timed_out", "truncated"):
+        if ev.get(k):
+            bits.append(k)
+    return f"`exec` ({', '.join(bits)})"
+
+
+@pytest.fixture(scope="session")
+def host_marker() -> Iterable[str]:
+    """A file on the host's root file system that no sandbox may see."""
+    path = f"/var/tmp/sandlot-attack-marker-{uuid.uuid4().hex[:12]}"
+    with open(path, "w") as f:
+        f.write("host")
+    yield path
+    os.unlink(path)
+
+
+@pytest.mark.parametrize("attempt", list(SECCOMP))
+def test_denied_syscall_is_refused_and_reported(attempt, backend, target, audit):
+    host_name = socket.gethostname()
+    cur = audit.cursor()
+    verdict, r = payload(target, attempt)
+    how = assert_blocked(verdict, r)
+    assert socket.gethostname() == host_name
+    evs = audit.since(cur, sandbox=target.id)
+    execs = [e for e in evs if e["kind"] == "exec"]
+    assert len(execs) == 1, evs
+    viol = [e for e in evs if e["kind"] == "violation" and e.get("layer") == "seccomp"]
+    errno_name = how.split()[-1]
+    if backend.name == "container-runsc":
+        assert viol == [], viol
+        record(attempt, backend.name, "seccomp", f"blocked ({errno_name})",
+               "`exec` only: gVisor cannot report (no seccomp user notification)")
+        pytest.xfail(GVISOR_NO_NOTIFY)
+    hits = [v for v in viol if v["syscall"] in SECCOMP[attempt]]
+    assert hits, f"no violation event for {attempt}: {evs}"
+    v = hits[0]
+    assert v["sandbox"] == target.id and v["action"] == "EPERM"
+    assert v["command_digest"] == execs[0]["command_digest"]
+    assert v["at"] and v["nr"] > 0 and v["id"] < execs[0]["id"]
+    assert execs[0]["violations"] == len(viol)
+    assert r.violations and r.violations[0]["syscall"] == v["syscall"]
+    record(attempt, backend.name, "seccomp", f"blocked ({errno_name})",
+           f"`violation` seccomp `{v['syscall']}`")
+
+
+@pytest.mark.parametrize("attempt", list(KERNEL_LAYERS))
+def test_kernel_layer_attempt_is_refused(attempt, backend, target, audit):
+    cur = audit.cursor()
+    verdict, r = payload(target, attempt)
+    how = assert_blocked(verdict, r)
+    ev = exec_events(audit, cur, target)
+    assert len(ev) == 1, ev
+    record(attempt, backend.name, KERNEL_LAYERS[attempt], f"blocked ({how[-60:]})",
+           exec_event_text(ev[0]) + "; no per-call report from this layer")
+
+
+def test_proc1_root_and_dotdot_do_not_reach_the_host(backend, target, audit, host_marker):
+    for attempt, layer in [("proc1_root", "pid + mount ns (/proc/1 is the sandbox's init)"),
+                           ("dotdot_inside", "mount ns + pivot_root/chroot"),
+                           ("leaked_fds", "fds swept before execve (close_range CLOEXEC)")]:
+        cur = audit.cursor()
+        verdict, r = payload(target, attempt, host_marker)
+        how = assert_blocked(verdict, r)
+        ev = exec_events(audit, cur, target)
+        assert len(ev) == 1, ev
+        record(attempt, backend.name, layer, f"blocked ({how[:60]})",
+               exec_event_text(ev[0]) + "; nothing to refuse: the host is not there")
+
+
+def test_cwd_proc_self_fd_cve_2024_21626(backend, target, audit, host_marker):
+    """runc CVE-2024-21626: a cwd of /proc/self/fd/N pointing at a leaked host directory."""
+    cur = audit.cursor()
+    outcomes = []
+    for fd in range(3, 10):
+        try:
+            r = target.exec(["python3", "-c",
+                             f"import os; print(os.path.realpath('.'));"
+                             f"print(os.path.exists('../../../../../..{host_marker}'))"],
+                            cwd=f"/proc/self/fd/{fd}", timeout_s=30)
+        except sandlot.InvalidArgument as e:
+            outcomes.append(f"{fd}: invalid_argument")
+            continue
+        assert r.stdout.split()[-1:] != [b"True"], f"host reached through cwd fd {fd}: {r}"
+        outcomes.append(f"{fd}: ran in {r.stdout.split()[0].decode() if r.stdout else '?'}")
+    evs = audit.since(cur, sandbox=target.id)
+    kinds = sorted({e["kind"] for e in evs})
+    assert len(evs) == 7, evs  # one exec or error event per attempt
+    errors = [e for e in evs if e["kind"] == "error"]
+    record("cwd_proc_self_fd (CVE-2024-21626)", backend.name,
+           "cwd resolved inside the sandbox after setns/chroot; fds swept",
+           f"blocked ({'; '.join(outcomes[:2])}...)",
+           f"{len(errors)} `error` (op exec, invalid_argument), {len(evs) - len(errors)} `exec`")
+    assert kinds
+
+
+def files_violations(audit, cur, box) -> List[dict]:
+    return [e for e in audit.since(cur, sandbox=box.id, kind="violation")
+            if e.get("layer") == "files_api"]
+
+
+def test_files_api_dotdot_is_clamped_and_reported(backend, target, audit):
+    own = target.exec(["cat", "/etc/hostname"]).stdout
+    cur = audit.cursor()
+    data = target.read_file("../../../../../../../etc/hostname")
+    assert data == own  # the sandbox's own file: `..` stops at the sandbox root
+    v = files_violations(audit, cur, target)
+    assert v and v[0]["op"] == "read" and "climbs above" in v[0]["message"], v
+    record("files_api_dotdot", backend.name, "files API: openat2 RESOLVE_IN_ROOT",
+           "blocked (clamped to the sandbox root)", "`violation` files_api (climb)")
+
+
+def test_files_api_magic_symlink_is_refused(backend, target, audit):
+    target.exec(["ln", "-sfn", "/proc/1/root", "/workspace/attack-mlink"])
+    cur = audit.cursor()
+    with pytest.raises(sandlot.SandlotError) as ei:
+        target.read_file("/workspace/attack-mlink/etc/hostname")
+    v = files_violations(audit, cur, target)
+    code = getattr(ei.value, "code", type(ei.value).__name__)
+    if not v:
+        assert backend.name == "container-runsc", f"no violation event: {ei.value}"
+        # runsc: the node reads the host-side overlay, where /proc is an empty directory:
+        # the link leads nowhere (not_found), which is no refusal to report.
+        record("files_api_magic_symlink", backend.name,
+               "files API: RESOLVE_NO_MAGICLINKS; runsc: host-side overlay",
+               f"blocked ({code})", "none: not_found on the host-side overlay is not a refusal")
+        pytest.xfail("runsc: the link resolves to nothing on the host-side overlay (not_found)")
+    record("files_api_magic_symlink", backend.name, "files API: RESOLVE_NO_MAGICLINKS",
+           f"blocked ({code})", "`violation` files_api")
+
+
+def test_files_api_special_fs_write_is_refused(backend, target, audit):
+    cur = audit.cursor()
+    with pytest.raises(sandlot.SandlotError) as ei:
+        target.write_file("/proc/sysrq-trigger", b"h")
+    v = files_violations(audit, cur, target)
+    assert v, f"no violation event: {ei.value}"
+    record("files_api_proc_write", backend.name,
+           "files API: only overlayfs/tmpfs (runsc: /proc, /sys refused by path)",
+           f"blocked ({getattr(ei.value, 'code', '')})", "`violation` files_api")
+
+
+def test_another_sandboxs_files_stay_out_of_reach(backend, target, make, audit, server):
+    other = make(memory_mib=128)
+    secret = f"attack-secret-{uuid.uuid4().hex[:8]}"
+    other.write_file(f"/workspace/{secret}", b"secret")
+    cur = audit.cursor()
+    verdict, r = payload(target, "other_sandbox", secret)
+    how = assert_blocked(verdict, r)
+    # Through the files API, with the host path of the other sandbox's upper layer.
+    host_path = f"/../../../../..{server.data_dir}/sandboxes/{other.id}/upper/workspace/{secret}"
+    with pytest.raises(sandlot.NotFound):
+        target.read_file(host_path)
+    v = files_violations(audit, cur, target)
+    ev = exec_events(audit, cur, target)
+    assert v and ev, (v, ev)
+    record("other_sandbox_files", backend.name, "mount + pid ns; files API root",
+           f"blocked ({how[-40:]}; files API not_found)",
+           "`violation` files_api (climb) + " + exec_event_text(ev[0]))
+
+
+def host_ip() -> Optional[str]:
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("10.255.255.255", 1))
+            ip = s.getsockname()[0]
+            return None if ip.startswith("127.") else ip
+    except OSError:
+        return None
+
+
+def test_network_targets_are_unreachable(backend, target, audit, server):
+    port = server.port
+    ip = host_ip()
+    targets = [("connect_server_api", f"127.0.0.1:{port}", "own net ns: its lo is not the host's"),
+               ("connect_loopback_service", "127.0.0.1:5000", "own net ns (registry on host lo)"),
+               ("connect_metadata", "169.254.169.254:80", "no route (net ns without uplink)")]
+    if ip:
+        targets.insert(1, ("connect_node_api_host_ip", f"{ip}:{port}", "no route to host addresses"))
+    for attempt, t, layer in targets:
+        cur = audit.cursor()
+        verdict, r = payload(target, "connect", t)
+        how = assert_blocked(verdict, r)
+        ev = exec_events(audit, cur, target)
+        assert len(ev) == 1
+        record(attempt, backend.name, layer, f"blocked ({how.split(':', 2)[-1].strip(' }')})",
+               exec_event_text(ev[0]) + "; no per-call report")
+
+
+def test_signals_do_not_reach_host_processes(backend, target, audit):
+    victim = subprocess.Popen(["sleep", "300"])
+    try:
+        cur = audit.cursor()
+        verdict, r = payload(target, "signal_host", str(victim.pid))
+        time.sleep(0.2)
+        assert victim.poll() is None, "a host process was killed from inside the sandbox"
+        # ESRCH, or a sandbox process that happens to have that pid: either way the host's
+        # process lives.
+        ev = exec_events(audit, cur, target)
+        assert len(ev) == 1
+        record("signal_host_process", backend.name, "pid namespace",
+               f"blocked (host pid {victim.pid} alive; {verdict[-20:]})",
+               exec_event_text(ev[0]) + "; no per-call report")
+    finally:
+        victim.kill()
+        victim.wait()
+
+
+def test_fork_bomb_is_contained(backend, make, audit):
+    box = make(memory_mib=256, pids_max=32, ttl_s=120)
+    cur = audit.cursor()
+    r = box.exec(["python3", "-c", FORK_BOMB], timeout_s=30)
+    n, err = r.stdout.split()
+    assert err == b"11" and int(n) < 32, r
+    assert box.exec("echo ok", timeout_s=30).stdout == b"ok\n"
+    ev = exec_events(audit, cur, box)
+    assert ev
+    record("fork_bomb", backend.name, "pids cgroup (runsc: RLIMIT_NPROC in gVisor)",
+           f"contained (EAGAIN after {int(n)} forks)", exec_event_text(ev[0]))
+
+
+def test_memory_bomb_is_contained(backend, make, audit):
+    box = make(memory_mib=64, ttl_s=120)
+    cur = audit.cursor()
+    r = box.exec(["python3", "-c", "b = b'x' * (400 << 20); print(len(b))"], timeout_s=60)
+    assert b"419430400" not in r.stdout and r.exit_code != 0, r
+    ev = exec_events(audit, cur, box)
+    assert ev
+    if backend.name != "container-runsc":
+        assert r.oom_killed and ev[0]["oom_killed"], (r, ev)
+    record("memory_bomb", backend.name, "memory cgroup",
+           "contained (OOM-killed" + ("; gVisor: whole sandbox)" if backend.name ==
+                                      "container-runsc" else ")"),
+           exec_event_text(ev[0]))
+
+
+def test_disk_fill_is_contained(backend, make, audit):
+    box = make(memory_mib=128, disk_mib=16, ttl_s=120)
+    cur = audit.cursor()
+    r = box.exec("head -c 48M /dev/zero > /tmp/fill", timeout_s=60)
+    # ENOSPC from the sized file system, or SIGXFSZ (128+25) from RLIMIT_FSIZE, which the
+    # function backend sets to the same size.
+    enospc = r.exit_code != 0 and b"space" in r.stderr.lower()
+    fsize = r.exit_code == 128 + 25
+    assert enospc or fsize, r
+    ev = exec_events(audit, cur, box)
+    assert ev
+    record("disk_fill", backend.name, "disk_mib: sized tmpfs / upper-layer quota; RLIMIT_FSIZE",
+           "contained (" + ("ENOSPC" if enospc else "SIGXFSZ: RLIMIT_FSIZE") + ")",
+           exec_event_text(ev[0]))
+
+
+def test_inode_exhaustion_is_contained(backend, make, audit):
+    box = make(memory_mib=128, disk_mib=16, ttl_s=120)
+    cur = audit.cursor()
+    verdict, r = payload(box, "inode_exhaustion", "400000", timeout_s=90)
+    contained = verdict.startswith("BLOCKED") or r.oom_killed or r.timed_out or r.exit_code != 0
+    assert contained, (verdict, r)
+    assert box.exec("echo ok", timeout_s=30).stdout == b"ok\n"
+    ev = exec_events(audit, cur, box)
+    assert ev
+    how = verdict.removeprefix("BLOCKED ") if verdict.startswith("BLOCKED") else \
+        ("OOM-killed" if r.oom_killed else f"exit {r.exit_code}")
+    record("inode_exhaustion", backend.name, "tmpfs inode limit / memory cgroup",
+           f"contained ({how[-50:]})", exec_event_text(ev[0]))
+
+
+def test_output_flood_is_capped(backend, target, audit):
+    cur = audit.cursor()
+    r = target.exec("head -c 64M /dev/zero", timeout_s=60)
+    assert r.truncated and r.stdout_bytes == 64 << 20 and len(r.stdout) <= 1 << 20, \
+        (r.truncated, r.stdout_bytes, len(r.stdout))
+    ev = exec_events(audit, cur, target)
+    assert ev and ev[0]["truncated"] and ev[0]["stdout_bytes"] == 64 << 20
+    record("output_flood", backend.name, "head+tail output cap",
+           f"contained (kept {len(r.stdout)} of {r.stdout_bytes} bytes)", exec_event_text(ev[0]))
+
+
+def test_cpu_spin_is_contained(backend, make, target, audit):
+    spinner = make(memory_mib=128, cpu=1, ttl_s=120)
+
+    def p99(samples: List[float]) -> float:
+        s = sorted(samples)
+        return s[min(len(s) - 1, int(len(s) * 0.99))]
+
+    def probe_execs(n: int) -> List[float]:
+        out = []
+        for _ in range(n):
+            t0 = time.monotonic()
+            target.exec(["true"], timeout_s=30)
+            out.append(time.monotonic() - t0)
+        return out
+
+    def spin_once() -> Tuple[float, float, sandlot.ExecResult, List[dict]]:
+        base = p99(probe_execs(12))
+        cur = audit.cursor()
+        res: Dict[str, sandlot.ExecResult] = {}
+        th = threading.Thread(target=lambda: res.setdefault(
+            "r", spinner.exec(["python3", "-c", "while True: pass"], timeout_s=5)))
+        th.start()
+        time.sleep(1.0)
+        during = p99(probe_execs(12))
+        th.join(60)
+        return base, during, res["r"], exec_events(audit, cur, spinner)
+
+    # The issue's bound (neighbours' exec p99 <= 2x baseline), with 50 ms of slack; the
+    # CI machine has 2 cores shared with builds, so one noisy measurement is retried once (a
+    # real containment failure fails both).
+    for attempt in range(2):
+        base, during, r, ev = spin_once()
+        assert r.timed_out, r
+        assert ev and ev[0]["timed_out"]
+        if during <= 2 * base + 0.05:
+            break
+    assert during <= 2 * base + 0.05, f"neighbour exec p99 {during:.3f}s vs baseline {base:.3f}s"
+    record("cpu_spin", backend.name, "cpu cgroup quota + timeout",
+           f"contained (timed out; neighbour exec p99 {during * 1000:.0f} ms vs "
+           f"{base * 1000:.0f} ms baseline)", exec_event_text(ev[0]))
+
+
+def test_violation_survives_a_timeout_and_is_counted(backend, target, audit, server):
+    """A command that attempts a denied call and then hides until its timeout kills it is
+    still reported: the supervisor writes each record as it happens, not with the status."""
+    if backend.name == "container-runsc":
+        pytest.skip(GVISOR_NO_NOTIFY)
+    cur = audit.cursor()
+    r = target.exec(["sh", "-c", "python3 /workspace/attack_payload.py bpf; sleep 60"],
+                    timeout_s=2)
+    assert r.timed_out, r
+    v = audit.since(cur, sandbox=target.id, kind="violation")
+    assert [e["syscall"] for e in v] == ["bpf"], v
+    metrics = audit.http.get("/metrics").text
+    line = [ln for ln in metrics.splitlines()
+            if ln.startswith("sandlot_violations_total{") and 'what="bpf"' in ln
+            and 'layer="seccomp"' in ln and f'backend="{backend.backend}"' in ln]
+    assert line and float(line[0].split()[-1]) >= 1, line
