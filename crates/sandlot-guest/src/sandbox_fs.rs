@@ -32,7 +32,7 @@
 use nix::errno::Errno;
 use nix::fcntl::{openat, openat2, readlinkat, renameat, AtFlags, OFlag, ResolveFlag};
 use nix::sys::stat::{fchmod, fstat, fstatat, mkdirat, FileStat, Mode, SFlag};
-use nix::sys::statfs::{fstatfs, FsType, OVERLAYFS_SUPER_MAGIC, TMPFS_MAGIC};
+use nix::sys::statfs::{fstatfs, FsType, OVERLAYFS_SUPER_MAGIC, PROC_SUPER_MAGIC, TMPFS_MAGIC};
 use nix::unistd::{fchown, fsync, unlinkat, Gid, Uid, UnlinkatFlags};
 use serde::{Deserialize, Serialize};
 use std::fs::File;
@@ -363,8 +363,8 @@ const MAX_SYMLINKS: usize = 40;
 /// * `RESOLVE_IN_ROOT` (with `RESOLVE_NO_MAGICLINKS`): the path is walked one component at
 ///   a time from `dir` with `openat(O_PATH | O_NOFOLLOW)`; `..` pops to the previous
 ///   directory and stops at `dir`; a symlink's target is read and walked in its place (an
-///   absolute one from `dir`), at most [`MAX_SYMLINKS`] of them (`ELOOP`). A procfs "magic"
-///   link is thereby treated as the text it reads as, so it cannot jump to another root.
+///   absolute one from `dir`), at most [`MAX_SYMLINKS`] of them (`ELOOP`). A symlink on
+///   procfs (a "magic" link) is refused with `ELOOP`, as `RESOLVE_NO_MAGICLINKS` does.
 ///   The final object is then re-opened through `/proc/self/fd/N` with the real flags.
 /// * `RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_XDEV` on one name: `openat` with
 ///   `O_NOFOLLOW`; names with `/` or `..` are refused (`EXDEV`), and a directory on another
@@ -412,6 +412,11 @@ fn resolve_by_hand(dir: BorrowedFd<'_>, path: &str, how: OpenHow) -> Result<Owne
                 if how.flags.contains(OFlag::O_PATH) {
                     return Ok(fd);
                 }
+                return Err(Errno::ELOOP);
+            }
+            // RESOLVE_NO_MAGICLINKS: a link of procfs (`/proc/<pid>/root`, `/proc/self/fd/N`)
+            // is refused like openat2 refuses it, not followed as its text.
+            if fstatfs(fd.as_fd()).is_ok_and(|f| f.filesystem_type() == PROC_SUPER_MAGIC) {
                 return Err(Errno::ELOOP);
             }
             links += 1;

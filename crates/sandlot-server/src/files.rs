@@ -86,8 +86,9 @@ pub fn climbs_above_root(path: &str) -> bool {
 /// must not touch through the files API (messages of `sandlot_node::files` and the
 /// container backend's files checks).
 fn is_escape_refusal(e: &sandlot_api::ApiError) -> bool {
-    const MARKERS: [&str; 6] = [
+    const MARKERS: [&str; 7] = [
         "escapes the sandbox",
+        "is not served by the sandbox's file API",
         "forbidden link",
         "special file system",
         "not part of the sandbox",

@@ -318,6 +318,7 @@ impl ContainerBackend {
             Some(x) => {
                 res.duration_ms = x.duration_ms;
                 res.timed_out = x.timed_out;
+                res.violations = super::violations_from_guest(x.violations);
                 match x.status {
                     ExecStatus::Exited { code } => res.exit_code = code,
                     ExecStatus::Signaled { signal } => {
