@@ -20,15 +20,22 @@
 //! | `exec` | an exec finished or was replayed | `command_digest` (SHA-256 hex of the JSON of `cmd`; the command itself is not kept), `exit_code`, `duration_ms`, `timed_out`, `oom_killed`, `replayed`, `step` (or null), `source` (`api`\|`run_code`) |
 //! | `error` | a node operation failed | `op` (`create`\|`exec`\|`delete`\|`pause`\|`resume`), `code`, `message` |
 //!
+//! Tenants ([`crate::auth`]): each event about a sandbox carries (internally, not in the
+//! JSON) the tenant of that sandbox, learnt when the sandbox was created or re-adopted; a
+//! caller with a non-admin API key sees only its own tenant's events (events about no
+//! sandbox are admin-only).
+//!
 //! Query: `sandbox` and `kind` filter exactly; `since` is either an event id (a cursor:
 //! events with a larger id) or an RFC 3339 time (events at or after it); `limit` 1–1000
 //! (default 100). Events come oldest first. When more than `limit` match, a query with a
 //! cursor gets the oldest `limit` after it (paging forward) and one without gets the newest
 //! `limit` (a dashboard tail). Answer: `{"events": [...], "next": "N"}`: pass `next` as
 //! `since` to get only what came after this answer.
+use crate::auth::Principal;
 use crate::error::{ApiResult, Json, Query, ServerError};
 use crate::SharedState;
 use axum::extract::State;
+use axum::Extension;
 use sandlot_api::{ApiError, Backend, ExecRequest, ExecResult};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
@@ -57,6 +64,9 @@ pub struct Event {
     pub sandbox: Option<String>,
     /// Backend of that sandbox, when known.
     pub backend: Option<String>,
+    /// Tenant of that sandbox (not serialized).
+    #[serde(skip)]
+    pub tenant: Option<String>,
     /// Fields of the kind.
     #[serde(flatten)]
     pub fields: Map<String, Value>,
@@ -72,7 +82,12 @@ pub struct EventLog {
 struct Ring {
     next_id: u64,
     events: VecDeque<Event>,
+    /// Tenant of each live sandbox that has one (sandbox id → tenant id).
+    owners: std::collections::HashMap<String, String>,
 }
+
+/// Kinds after which a sandbox is gone: its owner entry is dropped once tagged.
+const FINAL_KINDS: [&str; 2] = ["deleted", "lost"];
 
 /// SHA-256 hex of the JSON of an exec's `cmd` (argv list or shell string).
 pub fn command_digest(req: &ExecRequest) -> String {
@@ -84,6 +99,20 @@ pub fn command_digest(req: &ExecRequest) -> String {
 }
 
 impl EventLog {
+    /// Remember that `sandbox` belongs to `tenant` (its later events are tagged with it).
+    pub fn set_owner(&self, sandbox: &str, tenant: Option<&str>) {
+        if let Some(t) = tenant {
+            let mut ring = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+            ring.owners.insert(sandbox.to_owned(), t.to_owned());
+        }
+    }
+
+    /// Forget the owner of `sandbox` (its create failed).
+    pub fn forget_owner(&self, sandbox: &str) {
+        let mut ring = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        ring.owners.remove(sandbox);
+    }
+
     /// Record an event; returns its id.
     pub fn push(
         &self,
@@ -96,6 +125,11 @@ impl EventLog {
         let mut ring = self.inner.lock().unwrap_or_else(|p| p.into_inner());
         ring.next_id += 1;
         let id = ring.next_id;
+        let tenant = match sandbox {
+            Some(s) if FINAL_KINDS.contains(&kind) => ring.owners.remove(s),
+            Some(s) => ring.owners.get(s).cloned(),
+            None => None,
+        };
         if ring.events.len() >= RING_CAPACITY {
             ring.events.pop_front();
         }
@@ -106,14 +140,17 @@ impl EventLog {
             kind: kind.to_owned(),
             sandbox: sandbox.map(str::to_owned),
             backend: backend.map(|b| b.as_str().to_owned()),
+            tenant,
             fields,
         });
         id
     }
 
-    /// Events matching the filters (see module docs) and the `next` cursor.
+    /// Events matching the filters (see module docs) and the `next` cursor; with
+    /// `only_tenant`, only events tagged with that tenant.
     pub fn query(
         &self,
+        only_tenant: Option<&str>,
         sandbox: Option<&str>,
         kind: Option<&str>,
         since: &Since,
@@ -122,7 +159,8 @@ impl EventLog {
         let ring = self.inner.lock().unwrap_or_else(|p| p.into_inner());
         let newest = ring.next_id;
         let keep = |e: &&Event| {
-            sandbox.is_none_or(|s| e.sandbox.as_deref() == Some(s))
+            only_tenant.is_none_or(|t| e.tenant.as_deref() == Some(t))
+                && sandbox.is_none_or(|s| e.sandbox.as_deref() == Some(s))
                 && kind.is_none_or(|k| e.kind == k)
                 && match since {
                     Since::All => true,
@@ -318,6 +356,7 @@ pub struct EventsQuery {
 /// `GET /v1/events` → `{"events": [...], "next": "N"}` (module docs).
 pub async fn list(
     State(st): State<SharedState>,
+    Extension(who): Extension<Principal>,
     Query(q): Query<EventsQuery>,
 ) -> ApiResult<Json<Value>> {
     let since = Since::parse(q.since.as_deref())?;
@@ -327,9 +366,13 @@ pub async fn list(
             "limit = {limit} must be in [1, {MAX_LIMIT}]"
         )));
     }
-    let (events, next) = st
-        .events
-        .query(q.sandbox.as_deref(), q.kind.as_deref(), &since, limit);
+    let (events, next) = st.events.query(
+        who.only_tenant(),
+        q.sandbox.as_deref(),
+        q.kind.as_deref(),
+        &since,
+        limit,
+    );
     Ok(Json(serde_json::json!({
         "events": events,
         "next": next.to_string(),

@@ -262,7 +262,7 @@ async fn events_pause_resume_expire_and_ring_bound() {
     }
     let (evs, next) = st
         .events
-        .query(None, None, &crate::events::Since::After(0), 1000);
+        .query(None, None, None, &crate::events::Since::After(0), 1000);
     assert_eq!(
         evs[0].id, 11,
         "oldest kept after the ring wrapped (5 + 10005 pushed)"
