@@ -77,7 +77,7 @@ enum Command {
     #[command(subcommand)]
     Image(ImageCmd),
     /// Manage API keys in DATA/sandlot.db directly (no server needed; a running server sees
-    /// changes at once). The first key turns authentication on for every route.
+    /// changes at once). The first key turns authentication on (every route but ping, healthz, openapi.json).
     #[command(subcommand)]
     Key(KeyCmd),
     /// Print the version.

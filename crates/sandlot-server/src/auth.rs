@@ -30,7 +30,8 @@
 //! - admin keys only (else 403 `permission_denied`): `GET /metrics`, `GET /` (host-wide
 //!   figures);
 //! - every other route needs a key. Any route whose path template starts with
-//!   `/v1/sandboxes/{id}` (today's and any added later) first loads the sandbox record: a
+//!   `/v1/sandboxes/{…}` (today's and any added later, whatever the parameter is called;
+//!   [`scoped`]) first loads the sandbox record: a
 //!   sandbox of another tenant is answered exactly like an unknown id (404 `not_found`;
 //!   `DELETE /v1/sandboxes/{id}` answers 204 as for an unknown id and deletes nothing), so
 //!   its existence does not leak. `/v1/trajectories/{*id}` likewise for a trajectory id
@@ -57,10 +58,37 @@ pub const KEY_PREFIX: &str = "sk-";
 pub const PUBLIC_ROUTES: [&str; 3] = ["/v1/ping", "/healthz", "/openapi.json"];
 /// Routes that need an admin key when authentication is on.
 pub const ADMIN_ROUTES: [&str; 2] = ["/metrics", "/"];
-/// Route prefix whose `{id}` is a sandbox id checked against the caller's tenant.
-pub const SANDBOX_ROUTE_PREFIX: &str = "/v1/sandboxes/{id}";
-/// Route whose `{*id}` is a trajectory id checked against the caller's tenant.
-pub const TRAJECTORY_ROUTE: &str = "/v1/trajectories/{*id}";
+/// Route templates starting with this name a sandbox in their first parameter (whatever the
+/// parameter is called), checked against the caller's tenant.
+pub const SANDBOX_ROUTES: &str = "/v1/sandboxes/{";
+/// Route templates starting with this name a trajectory in their first parameter.
+pub const TRAJECTORY_ROUTES: &str = "/v1/trajectories/{";
+
+/// What a route template's first path parameter names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Scoped<'a> {
+    /// A sandbox id in parameter `.0`.
+    Sandbox(&'a str),
+    /// A trajectory id in parameter `.0`.
+    Trajectory(&'a str),
+}
+
+/// The tenant-scoped object a route template (`MatchedPath`) addresses, if any:
+/// `/v1/sandboxes/{id}/anything` → `Sandbox("id")`, `/v1/trajectories/{*id}` →
+/// `Trajectory("id")`. `/v1/sandboxes:pause` and `/v1/sandboxes` address none.
+pub fn scoped(route: &str) -> Option<Scoped<'_>> {
+    fn param(rest: &str) -> Option<&str> {
+        let name = &rest[..rest.find('}')?];
+        Some(name.strip_prefix('*').unwrap_or(name))
+    }
+    if let Some(rest) = route.strip_prefix(SANDBOX_ROUTES) {
+        return param(rest).map(Scoped::Sandbox);
+    }
+    if let Some(rest) = route.strip_prefix(TRAJECTORY_ROUTES) {
+        return param(rest).map(Scoped::Trajectory);
+    }
+    None
+}
 
 /// Who is calling: put into the request extensions by [`authorize`].
 #[derive(Debug, Clone, PartialEq)]
@@ -248,9 +276,13 @@ pub fn authenticate(st: &SharedState, headers: &HeaderMap) -> Result<Principal, 
     })
 }
 
-/// What a caller who may not see sandbox `id` gets: the answer of an unknown id.
+/// What a caller who may not see sandbox `id` gets: the answer of an unknown id (`DELETE
+/// /v1/sandboxes/{id}` itself answers 204 for an unknown id).
 fn hidden_sandbox(method: &Method, route: &str, id: &str) -> Response {
-    if method == Method::DELETE && route == SANDBOX_ROUTE_PREFIX {
+    let whole = route
+        .strip_prefix(SANDBOX_ROUTES)
+        .is_some_and(|r| r.ends_with('}') && !r.contains('/'));
+    if method == Method::DELETE && whole {
         return StatusCode::NO_CONTENT.into_response();
     }
     ServerError::no_sandbox(id).into_response()
@@ -279,16 +311,20 @@ pub async fn authorize(State(st): State<SharedState>, req: Request, next: Next) 
         .into_response();
     }
     let (mut parts, body) = req.into_parts();
-    if !principal.admin && (route.starts_with(SANDBOX_ROUTE_PREFIX) || route == TRAJECTORY_ROUTE) {
+    if let Some(what) = scoped(route).filter(|_| !principal.admin) {
         let params = match RawPathParams::from_request_parts(&mut parts, &st).await {
             Ok(p) => p,
             Err(e) => return ServerError::invalid(e.body_text()).into_response(),
         };
-        let Some(id) = params.iter().find(|(k, _)| *k == "id").map(|(_, v)| v) else {
-            return ServerError::new(ErrorCode::Internal, "route without id").into_response();
+        let name = match what {
+            Scoped::Sandbox(n) | Scoped::Trajectory(n) => n,
         };
-        if route == TRAJECTORY_ROUTE {
-            match st.store.trajectory_owner(id) {
+        let Some(id) = params.iter().find(|(k, _)| *k == name).map(|(_, v)| v) else {
+            return ServerError::new(ErrorCode::Internal, format!("route {route} without {name}"))
+                .into_response();
+        };
+        match what {
+            Scoped::Trajectory(_) => match st.store.trajectory_owner(id) {
                 Ok(owner) if principal.sees(owner.as_deref()) => {}
                 Ok(_) if parts.method == Method::DELETE => {
                     return StatusCode::NO_CONTENT.into_response()
@@ -298,15 +334,14 @@ pub async fn authorize(State(st): State<SharedState>, req: Request, next: Next) 
                         .into_response()
                 }
                 Err(e) => return ServerError::from(e).into_response(),
-            }
-        } else {
-            match st.store.get(id) {
+            },
+            Scoped::Sandbox(_) => match st.store.get(id) {
                 Ok(Some(rec)) if !principal.sees(rec.tenant.as_deref()) => {
                     return hidden_sandbox(&parts.method, route, id)
                 }
                 Ok(_) => {}
                 Err(e) => return ServerError::from(e).into_response(),
-            }
+            },
         }
     }
     parts.extensions.insert(principal);

@@ -95,6 +95,34 @@ fn credentials_bearer_and_basic() {
     assert!(Principal::anonymous().sees(Some("key_b")));
 }
 
+#[test]
+fn every_sandbox_and_trajectory_route_is_scoped() {
+    use crate::auth::{scoped, Scoped};
+    assert_eq!(scoped("/v1/sandboxes/{id}"), Some(Scoped::Sandbox("id")));
+    assert_eq!(
+        scoped("/v1/sandboxes/{id}/exec"),
+        Some(Scoped::Sandbox("id"))
+    );
+    // Routes added later, whatever their parameter is called.
+    assert_eq!(
+        scoped("/v1/sandboxes/{sandbox_id}/processes/{pid}"),
+        Some(Scoped::Sandbox("sandbox_id"))
+    );
+    assert_eq!(
+        scoped("/v1/trajectories/{*id}"),
+        Some(Scoped::Trajectory("id"))
+    );
+    for open in [
+        "/v1/sandboxes",
+        "/v1/sandboxes:pause",
+        "/v1/events",
+        "/run_code",
+        "",
+    ] {
+        assert_eq!(scoped(open), None, "{open}");
+    }
+}
+
 #[tokio::test]
 async fn without_keys_everything_is_open() {
     let t = setup("tenant-open");
