@@ -52,6 +52,9 @@ cargo build --release --locked --workspace --bins
 CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUSTFLAGS="-C target-feature=+crt-static" \
   cargo build --release --locked -p sandlot-guest --target x86_64-unknown-linux-gnu
 
+step "Fuzzing toolchain (nightly Rust, cargo-fuzz) for scripts/fuzz.sh"
+./scripts/install-fuzz.sh
+
 step "Python SDK and test/example dependencies (virtual environment .venv)"
 # A project-local venv: no change to the machine's Python, and no PEP 668 refusal on a
 # Debian-managed python3. Debian's python3 needs python3-venv for this.

@@ -14,6 +14,11 @@ export SANDLOT_GUEST_BIN="$PWD/target/release/sandlot-guest"
 printf '\n==> cargo test (release profile: shares the build with setup)\n'
 cargo test --release --locked --workspace -- --test-threads=2
 
+# cargo-fuzz targets (guest-agent frame decoder, image layer unpacker), FUZZ_SECONDS each
+# (default 60); a crash fails the run, the summary prints the run counts.
+printf '\n==> cargo fuzz (fuzz/; %s s per target)\n' "${FUZZ_SECONDS:-60}"
+./scripts/fuzz.sh
+
 # The conformance suite (tests/conformance) runs every case against every backend case:
 # a case the server cannot run is skipped with the reason, unless SANDLOT_REQUIRE_BACKENDS
 # (comma list: function, container-runc, container-runsc; `container` = both) names it, then

@@ -32,6 +32,19 @@ struct Remote {
     /// Server URL.
     #[arg(long, env = "SANDLOT_URL", default_value = "http://127.0.0.1:7070")]
     url: String,
+    /// API key (`sk-…`), sent as `Authorization: Bearer`; needed once the server has keys.
+    #[arg(long, env = "SANDLOT_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
+}
+
+impl Remote {
+    fn client(&self) -> anyhow::Result<Client> {
+        let c = Client::new(&self.url)?;
+        Ok(match &self.api_key {
+            Some(k) if !k.is_empty() => c.with_api_key(k)?,
+            _ => c,
+        })
+    }
 }
 
 #[derive(Subcommand)]
@@ -63,6 +76,10 @@ enum Command {
     /// Manage the local image store directly (no server needed).
     #[command(subcommand)]
     Image(ImageCmd),
+    /// Manage API keys in DATA/sandlot.db directly (no server needed; a running server sees
+    /// changes at once). The first key turns authentication on (every route but ping, healthz, openapi.json).
+    #[command(subcommand)]
+    Key(KeyCmd),
     /// Print the version.
     Version,
 }
@@ -256,6 +273,141 @@ impl ImageDirs {
     }
 }
 
+#[derive(Args, Clone)]
+struct DataDir {
+    /// Data directory of the server (its store is DATA/sandlot.db).
+    #[arg(long, env = "SANDLOT_DATA_DIR", default_value = "/var/lib/sandlot")]
+    data_dir: PathBuf,
+}
+
+#[derive(Subcommand)]
+enum KeyCmd {
+    /// Create an API key; prints the key (`sk-…`, shown only this once) on stdout and its
+    /// id (the tenant id of its sandboxes) on stderr. Limits default to unlimited.
+    Create {
+        #[command(flatten)]
+        dirs: DataDir,
+        /// Name to recognise the key by (1–128 characters), e.g. the team or job.
+        #[arg(long)]
+        name: String,
+        /// Admin scope: /metrics, the status page /, and every tenant's sandboxes, trajectories
+        /// and events.
+        #[arg(long)]
+        admin: bool,
+        /// Most sandboxes the key may have at once (any state).
+        #[arg(long)]
+        max_sandboxes: Option<u64>,
+        /// Most CPU cores summed over its sandboxes.
+        #[arg(long)]
+        max_cpu: Option<f64>,
+        /// Most memory in MiB summed over its sandboxes.
+        #[arg(long)]
+        max_memory_mib: Option<u64>,
+    },
+    /// List keys (ids, names, scope, limits, creation and revocation times; never the keys).
+    Ls {
+        #[command(flatten)]
+        dirs: DataDir,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Revoke a key by id (`key_…`): it authenticates nothing from now on. Its sandboxes keep
+    /// running until deleted by an admin key or their TTL.
+    Revoke {
+        #[command(flatten)]
+        dirs: DataDir,
+        /// Key id.
+        id: String,
+    },
+}
+
+fn open_store(d: &DataDir) -> anyhow::Result<sandlot_server::store::Store> {
+    std::fs::create_dir_all(&d.data_dir)
+        .with_context(|| format!("create data dir {}", d.data_dir.display()))?;
+    Ok(sandlot_server::store::Store::open(
+        &d.data_dir.join("sandlot.db"),
+    )?)
+}
+
+fn key(cmd: KeyCmd) -> anyhow::Result<u8> {
+    match cmd {
+        KeyCmd::Create {
+            dirs,
+            name,
+            admin,
+            max_sandboxes,
+            max_cpu,
+            max_memory_mib,
+        } => {
+            if name.is_empty() || name.chars().count() > 128 {
+                anyhow::bail!("--name must be 1–128 characters");
+            }
+            if max_cpu.is_some_and(|c| !(c.is_finite() && c >= 0.0)) {
+                anyhow::bail!("--max-cpu must be a finite number ≥ 0");
+            }
+            let quota = sandlot_server::store::Quota {
+                max_sandboxes,
+                max_cpu,
+                max_memory_mib,
+            };
+            let store = open_store(&dirs)?;
+            let (row, key) = sandlot_server::auth::create_key(&store, &name, admin, quota)?;
+            println!("{key}");
+            eprintln!(
+                "created API key {} ({name}{}); the key above is shown only once",
+                row.id,
+                if admin { ", admin" } else { "" }
+            );
+            Ok(0)
+        }
+        KeyCmd::Ls { dirs, json } => {
+            let keys = open_store(&dirs)?.list_keys()?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&keys)?);
+                return Ok(0);
+            }
+            let lim = |v: Option<String>| v.unwrap_or_else(|| "-".into());
+            println!(
+                "{:<20} {:<16} {:<5} {:>9} {:>7} {:>10} {:<24} REVOKED",
+                "ID", "NAME", "ADMIN", "SANDBOXES", "CPU", "MEMORY_MIB", "CREATED"
+            );
+            for k in keys {
+                let t = |ms: i64| {
+                    chrono::DateTime::from_timestamp_millis(ms)
+                        .unwrap_or_default()
+                        .to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
+                };
+                println!(
+                    "{:<20} {:<16} {:<5} {:>9} {:>7} {:>10} {:<24} {}",
+                    k.id,
+                    k.name,
+                    k.admin,
+                    lim(k.quota.max_sandboxes.map(|v| v.to_string())),
+                    lim(k.quota.max_cpu.map(|v| v.to_string())),
+                    lim(k.quota.max_memory_mib.map(|v| v.to_string())),
+                    t(k.created_at_ms),
+                    k.revoked_at_ms.map(t).unwrap_or_else(|| "-".into()),
+                );
+            }
+            Ok(0)
+        }
+        KeyCmd::Revoke { dirs, id } => {
+            let store = open_store(&dirs)?;
+            let now = chrono::Utc::now().timestamp_millis();
+            if store.revoke_key(&id, now)? {
+                eprintln!("revoked API key {id}");
+                Ok(0)
+            } else if store.list_keys()?.iter().any(|k| k.id == id) {
+                eprintln!("API key {id} was already revoked");
+                Ok(0)
+            } else {
+                anyhow::bail!("no API key {id:?} in {}", dirs.data_dir.display())
+            }
+        }
+    }
+}
+
 #[derive(Clone, Copy, ValueEnum)]
 enum BuiltinImage {
     /// Static busybox (under a second).
@@ -435,6 +587,7 @@ async fn dispatch(cmd: Command) -> anyhow::Result<u8> {
         Command::Resume(a) => pause_resume(a, false).await,
         Command::Trajectory(a) => trajectory(a).await,
         Command::Image(c) => image(c).await,
+        Command::Key(c) => key(c),
         Command::Version => {
             println!("sandlot {}", env!("CARGO_PKG_VERSION"));
             Ok(0)
@@ -531,7 +684,7 @@ fn report_exit(r: &ExecResult) -> u8 {
 }
 
 async fn run(a: RunArgs) -> anyhow::Result<u8> {
-    let c = Client::new(&a.remote.url)?;
+    let c = a.remote.client()?;
     let sb = c.create(&a.sandbox.request()).await?;
     let out = c.exec(&sb.id, &exec_request(a.cmd, a.timeout, None)).await;
     // Always delete, also when the exec failed.
@@ -542,7 +695,7 @@ async fn run(a: RunArgs) -> anyhow::Result<u8> {
 }
 
 async fn exec(a: ExecArgs) -> anyhow::Result<u8> {
-    let c = Client::new(&a.remote.url)?;
+    let c = a.remote.client()?;
     let req = exec_request(a.cmd, a.timeout, a.cwd);
     if !a.stream {
         return Ok(print_result(&c.exec(&a.id, &req).await?));
@@ -575,7 +728,7 @@ fn raw(text: &str, b64: Option<String>) -> Vec<u8> {
 }
 
 async fn create(a: CreateArgs) -> anyhow::Result<u8> {
-    let c = Client::new(&a.remote.url)?;
+    let c = a.remote.client()?;
     let mut req = a.sandbox.request();
     req.ttl_s = a.ttl;
     req.labels = a.labels.into_iter().collect::<BTreeMap<_, _>>();
@@ -587,7 +740,7 @@ async fn create(a: CreateArgs) -> anyhow::Result<u8> {
 /// Prints one affected id per line; ids the node refused go to stderr and make the exit
 /// code 1.
 async fn pause_resume(a: SelectArgs, pause: bool) -> anyhow::Result<u8> {
-    let c = Client::new(&a.remote.url)?;
+    let c = a.remote.client()?;
     let labels: Vec<(&str, &str)> = a
         .labels
         .iter()
@@ -608,14 +761,14 @@ async fn pause_resume(a: SelectArgs, pause: bool) -> anyhow::Result<u8> {
 }
 
 async fn trajectory(a: TrajectoryArgs) -> anyhow::Result<u8> {
-    let c = Client::new(&a.remote.url)?;
+    let c = a.remote.client()?;
     let t = c.trajectory(&a.id).await?;
     println!("{}", serde_json::to_string_pretty(&t)?);
     Ok(0)
 }
 
 async fn ls(a: LsArgs) -> anyhow::Result<u8> {
-    let c = Client::new(&a.remote.url)?;
+    let c = a.remote.client()?;
     let labels: Vec<(&str, &str)> = a
         .labels
         .iter()
@@ -650,7 +803,7 @@ async fn ls(a: LsArgs) -> anyhow::Result<u8> {
 }
 
 async fn rm(a: RmArgs) -> anyhow::Result<u8> {
-    let c = Client::new(&a.remote.url)?;
+    let c = a.remote.client()?;
     for id in &a.ids {
         c.delete(id).await.with_context(|| format!("delete {id}"))?;
     }

@@ -115,6 +115,35 @@ impl Client {
         })
     }
 
+    /// This client, sending `Authorization: Bearer <key>` on every request (an API key
+    /// `sk-…` from `sandlot key create`; needed once the server has keys).
+    ///
+    /// # Errors
+    /// [`ClientError::BadResponse`] when the key is not a valid header value (control
+    /// characters); [`ClientError::Transport`] when the HTTP client cannot be built.
+    pub fn with_api_key(self, key: &str) -> Result<Client> {
+        let mut v =
+            reqwest::header::HeaderValue::from_str(&format!("Bearer {key}")).map_err(|_| {
+                ClientError::BadResponse {
+                    url: self.base.clone(),
+                    what: "API key holds characters not allowed in an HTTP header".into(),
+                }
+            })?;
+        v.set_sensitive(true);
+        let headers = reqwest::header::HeaderMap::from_iter([(reqwest::header::AUTHORIZATION, v)]);
+        let http = reqwest::Client::builder()
+            .default_headers(headers)
+            .build()
+            .map_err(|source| ClientError::Transport {
+                url: self.base.clone(),
+                source,
+            })?;
+        Ok(Client {
+            base: self.base,
+            http,
+        })
+    }
+
     /// The base URL.
     pub fn base_url(&self) -> &str {
         &self.base

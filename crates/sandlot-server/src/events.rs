@@ -24,15 +24,22 @@
 //! | `error` | a node operation failed | `op` (`create`\|`exec`\|`delete`\|`pause`\|`resume`), `code`, `message` |
 //! | `violation` | a refused dangerous attempt: a denied syscall reported by the exec's seccomp supervisor (after the exec ends, before its `exec` event), or a files API path that would leave the sandbox | `layer` (`seccomp`\|`files_api`); seccomp: `syscall`, `nr`, `pid`, `at` (RFC 3339 time of the refusal, the sandbox's clock), `command_digest`, `action` (`EPERM`); files_api: `op`, `path`, `code`, `message` |
 //!
+//! Tenants ([`crate::auth`]): each event about a sandbox carries (internally, not in the
+//! JSON) the tenant of that sandbox, learnt when the sandbox was created or re-adopted; a
+//! caller with a non-admin API key sees only its own tenant's events (events about no
+//! sandbox are admin-only).
+//!
 //! Query: `sandbox` and `kind` filter exactly; `since` is either an event id (a cursor:
 //! events with a larger id) or an RFC 3339 time (events at or after it); `limit` 1–1000
 //! (default 100). Events come oldest first. When more than `limit` match, a query with a
 //! cursor gets the oldest `limit` after it (paging forward) and one without gets the newest
 //! `limit` (a dashboard tail). Answer: `{"events": [...], "next": "N"}`: pass `next` as
 //! `since` to get only what came after this answer.
+use crate::auth::Principal;
 use crate::error::{ApiResult, Json, Query, ServerError};
 use crate::SharedState;
 use axum::extract::State;
+use axum::Extension;
 use rusqlite::{params, Connection, OptionalExtension};
 use sandlot_api::{ApiError, Backend, ExecRequest, ExecResult};
 use serde::{Deserialize, Serialize};
@@ -67,6 +74,9 @@ pub struct Event {
     pub sandbox: Option<String>,
     /// Backend of that sandbox, when known.
     pub backend: Option<String>,
+    /// Tenant of that sandbox (not serialized).
+    #[serde(skip)]
+    pub tenant: Option<String>,
     /// Fields of the kind.
     #[serde(flatten)]
     pub fields: Map<String, Value>,
@@ -86,6 +96,8 @@ struct Ring {
     db: Option<Connection>,
     /// Lowest id still in the database (ids below it were pruned or never existed).
     db_first_id: u64,
+    /// Tenant of each live sandbox that has one (sandbox id → tenant id).
+    owners: std::collections::HashMap<String, String>,
 }
 
 /// Which database rows a query reads: ids in (`after`, `before`), time at or after
@@ -131,9 +143,12 @@ impl Ring {
         let body = serde_json::to_string(e).expect("event serializes");
         let r = db
             .prepare_cached(
-                "INSERT INTO events (id, time_ms, kind, sandbox, body) VALUES (?1, ?2, ?3, ?4, ?5)",
+                "INSERT INTO events (id, time_ms, kind, sandbox, tenant, body) \
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
             )
-            .and_then(|mut st| st.execute(params![e.id, e.time_ms, e.kind, e.sandbox, body]));
+            .and_then(|mut st| {
+                st.execute(params![e.id, e.time_ms, e.kind, e.sandbox, e.tenant, body])
+            });
         if let Err(err) = r {
             tracing::error!(event_id = e.id, error = %err, "audit event not written to the events database; kept in memory only");
         }
@@ -146,9 +161,15 @@ impl Ring {
         }
     }
 
-    /// Read the rows of `w` matching `sandbox` and `kind` from the database. Rows that fail
-    /// to parse are skipped with a warning.
-    fn select(&self, sandbox: Option<&str>, kind: Option<&str>, w: Window) -> Vec<Event> {
+    /// Read the rows of `w` matching `tenant`, `sandbox` and `kind` from the database. Rows
+    /// that fail to parse are skipped with a warning.
+    fn select(
+        &self,
+        tenant: Option<&str>,
+        sandbox: Option<&str>,
+        kind: Option<&str>,
+        w: Window,
+    ) -> Vec<Event> {
         let Window {
             after,
             from_ms,
@@ -160,9 +181,9 @@ impl Ring {
             return Vec::new();
         };
         let sql = format!(
-            "SELECT body, time_ms FROM events WHERE (?1 IS NULL OR sandbox = ?1) \
+            "SELECT body, time_ms, tenant FROM events WHERE (?1 IS NULL OR sandbox = ?1) \
              AND (?2 IS NULL OR kind = ?2) AND id > ?3 AND time_ms >= ?4 AND id < ?5 \
-             ORDER BY id {} LIMIT ?6",
+             AND (?7 IS NULL OR tenant = ?7) ORDER BY id {} LIMIT ?6",
             if newest_first { "DESC" } else { "ASC" }
         );
         let rows = db.prepare_cached(&sql).and_then(|mut st| {
@@ -173,18 +194,26 @@ impl Ring {
                     after.min(i64::MAX as u64),
                     from_ms,
                     before.min(i64::MAX as u64),
-                    limit as i64
+                    limit as i64,
+                    tenant
                 ],
-                |r| Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?)),
+                |r| {
+                    Ok((
+                        r.get::<_, String>(0)?,
+                        r.get::<_, i64>(1)?,
+                        r.get::<_, Option<String>>(2)?,
+                    ))
+                },
             )?
             .collect::<Result<Vec<_>, _>>()
         });
         match rows {
             Ok(rows) => rows
                 .into_iter()
-                .filter_map(|(body, ms)| match serde_json::from_str::<Event>(&body) {
+                .filter_map(|(body, ms, tenant)| match serde_json::from_str::<Event>(&body) {
                     Ok(mut e) => {
                         e.time_ms = ms;
+                        e.tenant = tenant;
                         Some(e)
                     }
                     Err(err) => {
@@ -200,6 +229,9 @@ impl Ring {
         }
     }
 }
+
+/// Kinds after which a sandbox is gone: its owner entry is dropped once tagged.
+const FINAL_KINDS: [&str; 2] = ["deleted", "lost"];
 
 /// SHA-256 hex of the JSON of an exec's `cmd` (argv list or shell string).
 pub fn command_digest(req: &ExecRequest) -> String {
@@ -226,7 +258,7 @@ impl EventLog {
                      PRAGMA busy_timeout=5000;
                      CREATE TABLE IF NOT EXISTS events (
                         id INTEGER PRIMARY KEY, time_ms INTEGER NOT NULL, kind TEXT NOT NULL,
-                        sandbox TEXT, body TEXT NOT NULL);
+                        sandbox TEXT, tenant TEXT, body TEXT NOT NULL);
                      CREATE INDEX IF NOT EXISTS events_sandbox ON events(sandbox, id);
                      CREATE INDEX IF NOT EXISTS events_kind ON events(kind, id);
                      CREATE INDEX IF NOT EXISTS events_time ON events(time_ms);",
@@ -247,12 +279,26 @@ impl EventLog {
             db: Some(db),
             ..Ring::default()
         };
-        let mut tail = ring.select(None, None, Window::newest(RING_CAPACITY));
+        let mut tail = ring.select(None, None, None, Window::newest(RING_CAPACITY));
         tail.reverse();
         ring.events = tail.into();
         Ok(EventLog {
             inner: Mutex::new(ring),
         })
+    }
+
+    /// Remember that `sandbox` belongs to `tenant` (its later events are tagged with it).
+    pub fn set_owner(&self, sandbox: &str, tenant: Option<&str>) {
+        if let Some(t) = tenant {
+            let mut ring = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+            ring.owners.insert(sandbox.to_owned(), t.to_owned());
+        }
+    }
+
+    /// Forget the owner of `sandbox` (its create failed).
+    pub fn forget_owner(&self, sandbox: &str) {
+        let mut ring = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        ring.owners.remove(sandbox);
     }
 
     /// Record an event (durably, see module docs); returns its id.
@@ -267,6 +313,11 @@ impl EventLog {
         let mut ring = self.inner.lock().unwrap_or_else(|p| p.into_inner());
         ring.next_id += 1;
         let id = ring.next_id;
+        let tenant = match sandbox {
+            Some(s) if FINAL_KINDS.contains(&kind) => ring.owners.remove(s),
+            Some(s) => ring.owners.get(s).cloned(),
+            None => None,
+        };
         if ring.events.len() >= RING_CAPACITY {
             ring.events.pop_front();
         }
@@ -277,6 +328,7 @@ impl EventLog {
             kind: kind.to_owned(),
             sandbox: sandbox.map(str::to_owned),
             backend: backend.map(|b| b.as_str().to_owned()),
+            tenant,
             fields,
         };
         ring.insert(&e);
@@ -284,9 +336,11 @@ impl EventLog {
         id
     }
 
-    /// Events matching the filters (see module docs) and the `next` cursor.
+    /// Events matching the filters (see module docs) and the `next` cursor; with
+    /// `only_tenant`, only events tagged with that tenant.
     pub fn query(
         &self,
+        only_tenant: Option<&str>,
         sandbox: Option<&str>,
         kind: Option<&str>,
         since: &Since,
@@ -295,7 +349,8 @@ impl EventLog {
         let ring = self.inner.lock().unwrap_or_else(|p| p.into_inner());
         let newest = ring.next_id;
         let keep = |e: &&Event| {
-            sandbox.is_none_or(|s| e.sandbox.as_deref() == Some(s))
+            only_tenant.is_none_or(|t| e.tenant.as_deref() == Some(t))
+                && sandbox.is_none_or(|s| e.sandbox.as_deref() == Some(s))
                 && kind.is_none_or(|k| e.kind == k)
                 && match since {
                     Since::All => true,
@@ -314,6 +369,7 @@ impl EventLog {
                         .collect()
                 } else {
                     ring.select(
+                        only_tenant,
                         sandbox,
                         kind,
                         Window {
@@ -351,7 +407,7 @@ impl EventLog {
                         before: ring.events.front().map_or(u64::MAX, |f| f.id),
                         ..Window::newest(limit - out.len())
                     };
-                    out.extend(ring.select(sandbox, kind, w));
+                    out.extend(ring.select(only_tenant, sandbox, kind, w));
                 }
                 out.reverse();
                 (out, newest)
@@ -573,6 +629,7 @@ pub struct EventsQuery {
 /// `GET /v1/events` → `{"events": [...], "next": "N"}` (module docs).
 pub async fn list(
     State(st): State<SharedState>,
+    Extension(who): Extension<Principal>,
     Query(q): Query<EventsQuery>,
 ) -> ApiResult<Json<Value>> {
     let since = Since::parse(q.since.as_deref())?;
@@ -582,9 +639,13 @@ pub async fn list(
             "limit = {limit} must be in [1, {MAX_LIMIT}]"
         )));
     }
-    let (events, next) = st
-        .events
-        .query(q.sandbox.as_deref(), q.kind.as_deref(), &since, limit);
+    let (events, next) = st.events.query(
+        who.only_tenant(),
+        q.sandbox.as_deref(),
+        q.kind.as_deref(),
+        &since,
+        limit,
+    );
     Ok(Json(serde_json::json!({
         "events": events,
         "next": next.to_string(),

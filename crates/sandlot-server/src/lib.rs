@@ -20,10 +20,13 @@
 //! | `GET /v1/events` (audit events, in memory) | [`events`] |
 //! | `GET /` (status page) | [`web`] |
 //!
+//! Authentication and tenant scoping of every route: [`auth`] (one layer over the router).
+//!
 //! The trajectory log lives behind [`trajectory_store::TrajectoryStore`] (SQLite in
 //! `DATA/trajectories.db`). Errors map to HTTP in one place, [`error`].
 #![deny(missing_docs)]
 
+pub mod auth;
 pub mod budget;
 pub mod error;
 pub mod events;
@@ -53,6 +56,8 @@ mod tests_hardening;
 mod tests_observe;
 #[cfg(test)]
 mod tests_processes;
+#[cfg(test)]
+mod tests_tenants;
 
 use anyhow::Context;
 use axum::extract::{DefaultBodyLimit, MatchedPath};
@@ -174,6 +179,8 @@ pub struct AppState {
     pub events: events::EventLog,
     /// Background processes ([`processes`]), over the same node.
     pub processes: std::sync::Arc<sandlot_node::processes::ProcessTable>,
+    /// Authentication required (latched once the store showed an API key; [`auth`]).
+    pub auth_on: std::sync::atomic::AtomicBool,
 }
 
 /// Handler state: cheap to clone.
@@ -219,6 +226,7 @@ impl AppState {
             metrics: metrics::Metrics::new(),
             events,
             processes,
+            auth_on: std::sync::atomic::AtomicBool::new(false),
         }))
     }
 }
@@ -310,6 +318,11 @@ pub fn router(state: SharedState) -> Router {
         .route("/openapi.json", get(health::openapi))
         .fallback(error::not_found_route)
         .method_not_allowed_fallback(error::method_not_allowed)
+        // Every route, present and future: credentials, admin scope, tenant of `{id}`.
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            auth::authorize,
+        ))
         .layer(DefaultBodyLimit::max(state.cfg.max_json_bytes))
         .layer(trace)
         .with_state(state)
@@ -326,10 +339,28 @@ impl Server {
     /// ([`lifecycle::recover`]).
     ///
     /// # Errors
-    /// Store, bind or re-adoption failures, with context.
+    /// Store, bind or re-adoption failures, with context; a non-loopback `cfg.listen` while
+    /// the store holds no API key (the server would serve anyone without authentication).
     pub async fn bind(cfg: ServerConfig, node: Arc<dyn Node>) -> anyhow::Result<Server> {
         let listen = cfg.listen;
+        let data_dir = cfg.data_dir.clone();
         let state = AppState::open(cfg, node)?;
+        if !listen.ip().is_loopback() && !state.store.has_keys()? {
+            anyhow::bail!(
+                "refusing to listen on {listen} without authentication: no API keys in {}. \
+                 Create one with `sandlot key create --data-dir {} --name NAME --admin`, \
+                 or listen on a loopback address (127.0.0.1, ::1)",
+                data_dir.join("sandlot.db").display(),
+                data_dir.display()
+            );
+        }
+        if auth::enabled(&state)? {
+            tracing::info!(
+                "API keys present: every request needs one (except ping, healthz, openapi)"
+            );
+        } else {
+            tracing::info!("no API keys: no authentication (allowed on loopback only)");
+        }
         lifecycle::recover(&state)
             .await
             .context("re-adopt sandboxes of the previous run")?;

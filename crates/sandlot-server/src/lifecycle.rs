@@ -22,6 +22,7 @@ pub async fn recover(st: &SharedState) -> anyhow::Result<()> {
         .collect();
     let adopted: HashSet<String> = st.node.readopt(&keep).await?.into_iter().collect();
     for r in records {
+        st.events.set_owner(&r.id, r.tenant.as_deref());
         if adopted.contains(&r.id) {
             tracing::info!(sandbox_id = %r.id, "re-adopted running sandbox");
             let f = serde_json::Map::new();

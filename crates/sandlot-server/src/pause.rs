@@ -7,15 +7,24 @@
 //! "sandbox is paused" at once), then the node freezes its processes; when the node fails,
 //! the record goes back to `running` and the sandbox is listed in `failed`. Resume thaws
 //! every matching `paused` sandbox on the node first, then sets `running`. Sandboxes in other
-//! states are not touched (and not listed). The sandboxes of one call are handled
+//! states are not touched (and not listed), nor are other tenants' sandboxes ([`crate::auth`]). The sandboxes of one call are handled
 //! concurrently, in a task of their own (a client that goes away does not leave a record
 //! `paused` over a running sandbox). The TTL keeps counting while paused; delete works.
+use crate::auth::Principal;
 use crate::error::{ApiResult, Json, ServerError};
 use crate::SharedState;
 use axum::extract::State;
+use axum::Extension;
 use sandlot_api::{ErrorCode, LabelSelector, PauseFailure, PauseResult, SandboxState};
 
-fn matching(st: &SharedState, sel: &LabelSelector, state: SandboxState) -> ApiResult<Vec<String>> {
+/// Ids of the sandboxes in `state` matching `sel` that `who` may see (a tenant's label
+/// pause never touches another tenant's sandboxes, whatever their labels).
+fn matching(
+    st: &SharedState,
+    who: &Principal,
+    sel: &LabelSelector,
+    state: SandboxState,
+) -> ApiResult<Vec<String>> {
     if sel.labels.is_empty() {
         return Err(ServerError::invalid(
             "labels must hold at least one k: v pair (an empty selector would match every sandbox)",
@@ -27,6 +36,7 @@ fn matching(st: &SharedState, sel: &LabelSelector, state: SandboxState) -> ApiRe
         .into_iter()
         .filter(|r| {
             r.state == state
+                && who.sees(r.tenant.as_deref())
                 && sel
                     .labels
                     .iter()
@@ -124,17 +134,19 @@ where
 /// `POST /v1/sandboxes:pause` → `PauseResult` (see module docs).
 pub async fn pause(
     State(st): State<SharedState>,
+    Extension(who): Extension<Principal>,
     Json(sel): Json<LabelSelector>,
 ) -> ApiResult<Json<PauseResult>> {
-    let ids = matching(&st, &sel, SandboxState::Running)?;
+    let ids = matching(&st, &who, &sel, SandboxState::Running)?;
     Ok(Json(run_all(&st, ids, pause_one).await?))
 }
 
 /// `POST /v1/sandboxes:resume` → `PauseResult` (see module docs).
 pub async fn resume(
     State(st): State<SharedState>,
+    Extension(who): Extension<Principal>,
     Json(sel): Json<LabelSelector>,
 ) -> ApiResult<Json<PauseResult>> {
-    let ids = matching(&st, &sel, SandboxState::Paused)?;
+    let ids = matching(&st, &who, &sel, SandboxState::Paused)?;
     Ok(Json(run_all(&st, ids, resume_one).await?))
 }

@@ -33,10 +33,16 @@
 //! a file over `max_file_bytes`) or past the per-call total `run_code_fetch_bytes` are left
 //! out too and named in `message`; the verdict stays the run's (never `SandboxError`, which
 //! is for infrastructure failures only).
+//!
+//! Tenants ([`crate::auth`]): the ephemeral sandbox belongs to the caller's API key and
+//! counts against its quota while it exists; a full quota answers HTTP 429
+//! `resource_exhausted` with `Retry-After: 1` (no sandbox made), not a `SandboxError`.
+use crate::auth::Principal;
 use crate::error::{ApiResult, Json, ServerError};
 use crate::sandboxes::{create_sandbox, delete_sandbox};
 use crate::SharedState;
 use axum::extract::State;
+use axum::Extension;
 use base64::engine::general_purpose::STANDARD as B64;
 use base64::Engine;
 use sandlot_api::{
@@ -128,6 +134,7 @@ impl Gate {
 /// `POST /run_code` → `RunCodeResponse` (see module docs for statuses).
 pub async fn run_code(
     State(st): State<SharedState>,
+    Extension(who): Extension<Principal>,
     Json(req): Json<RunCodeRequest>,
 ) -> ApiResult<Json<RunCodeResponse>> {
     let plan = plan(&req).map_err(ServerError::invalid)?;
@@ -144,11 +151,16 @@ pub async fn run_code(
     // afterwards, still holding the admission permit so deletes cannot pile up unbounded.
     tokio::spawn(async move {
         let _permit = permit;
-        execute(&st2, req, plan, tx).await
+        execute(&st2, &who, req, plan, tx).await
     });
-    let resp = rx
-        .await
-        .unwrap_or_else(|_| sandbox_error(&st, "run_code task failed before answering".into()));
+    let resp = match rx.await {
+        Ok(Ok(resp)) => resp,
+        Ok(Err(quota)) => {
+            st.metrics.run_code_done("Rejected");
+            return Err(quota);
+        }
+        Err(_) => sandbox_error(&st, "run_code task failed before answering".into()),
+    };
     let status = serde_json::to_value(resp.status).unwrap_or_default();
     st.metrics
         .run_code_done(status.as_str().unwrap_or("SandboxError"));
@@ -255,9 +267,10 @@ fn exec_req(cmd: Cmd, timeout: f64, stdin: Option<&str>) -> ExecRequest {
 /// teardown; a failed delete is left to the TTL reaper (the sandbox is `deleting`).
 async fn execute(
     st: &SharedState,
+    who: &Principal,
     req: RunCodeRequest,
     plan: Plan,
-    answer: tokio::sync::oneshot::Sender<RunCodeResponse>,
+    answer: tokio::sync::oneshot::Sender<ApiResult<RunCodeResponse>>,
 ) {
     let memory_mib = if req.memory_limit_MB > 0 {
         (req.memory_limit_MB as u64).clamp(16, 65536)
@@ -272,23 +285,28 @@ async fn execute(
         ..Default::default()
     };
     let labels = BTreeMap::from([("sandlot.kind".to_string(), "run_code".to_string())]);
-    let id = match create_sandbox(st, create, labels, None).await {
+    let id = match create_sandbox(st, who, create, labels, None).await {
         Ok((rec, _)) => rec.id,
+        // The caller's quota is full: HTTP 429, to be retried, not a verdict on the code.
+        Err(e @ ServerError::RetryAfter { .. }) => {
+            let _ = answer.send(Err(e));
+            return;
+        }
         Err(e) => {
-            let _ = answer.send(sandbox_error(
+            let _ = answer.send(Ok(sandbox_error(
                 st,
                 format!("create sandbox: {}", e.api_error()),
-            ));
+            )));
             return;
         }
     };
     // Budget shares of the fetched files, kept until the answer is handed over.
     let mut held = Vec::new();
     let out = run_in(st, &id, &req, plan, &mut held).await;
-    let _ = answer.send(match out {
+    let _ = answer.send(Ok(match out {
         Ok(r) => r,
         Err(e) => sandbox_error(st, e.to_string()),
-    });
+    }));
     drop(held);
     if let Err(e) = delete_sandbox(st, &id).await {
         tracing::warn!(sandbox_id = %id, error = %crate::error::chain(&e), "run_code: delete failed; the reaper retries");

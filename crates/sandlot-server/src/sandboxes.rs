@@ -14,13 +14,20 @@
 //! request, in its current state (also `creating` while it is still in flight); another
 //! body under K → **409 conflict**; when the first sandbox is already gone → **404
 //! not_found**. Keys are kept 24 h (`ServerConfig::idempotency_ttl`); a create that failed
-//! forgets its key so a retry creates again.
+//! forgets its key so a retry creates again. Keys are scoped per tenant: the same key used
+//! by two API keys names two different creates.
+//!
+//! Tenants ([`crate::auth`]): a create records the caller's tenant and is checked against
+//! its quota in the same transaction as the insert (over it → 429 `resource_exhausted`,
+//! nothing created); list shows only the caller's sandboxes (an admin sees all).
+use crate::auth::Principal;
 use crate::error::{ApiResult, Json, Path, Query, ServerError};
 use crate::store::{KeyOutcome, Record, SpecJson};
 use crate::{now_ms, SharedState};
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
+use axum::Extension;
 use sandlot_api::{
     Backend, CreateSandboxRequest, ErrorCode, KeepaliveRequest, Sandbox, SandboxList, SandboxState,
 };
@@ -170,14 +177,15 @@ fn digest(req: &CreateSandboxRequest) -> String {
         .collect()
 }
 
-/// Create a sandbox (the whole protocol of the module docs). Returns the record and
-/// whether it was created now (`false`: an idempotent replay).
+/// Create a sandbox for `who` (the whole protocol of the module docs). Returns the record
+/// and whether it was created now (`false`: an idempotent replay).
 ///
 /// # Errors
-/// Validation errors, 409/404 for idempotency conflicts or a concurrent delete, the node's
-/// error when it could not create.
+/// Validation errors, 409/404 for idempotency conflicts or a concurrent delete, 429
+/// `resource_exhausted` over `who`'s quota, the node's error when it could not create.
 pub async fn create_sandbox(
     st: &SharedState,
+    who: &Principal,
     req: CreateSandboxRequest,
     labels_extra: BTreeMap<String, String>,
     idempotency_key: Option<String>,
@@ -199,11 +207,25 @@ pub async fn create_sandbox(
         expires_at_ms: (v.spec.ttl_s > 0).then(|| now + v.spec.ttl_s as i64 * 1000),
         spec: v.spec,
         labels,
+        tenant: who.tenant.clone(),
     };
     let d = digest(&req);
-    let key = idempotency_key.as_deref().map(|k| (k, d.as_str()));
-    match st.store.insert_with_key(&rec, key)? {
+    // Per-tenant key space: another tenant's key must neither replay nor block this create.
+    let scoped_key = idempotency_key.map(|k| match &who.tenant {
+        Some(t) => format!("{t}/{k}"),
+        None => k,
+    });
+    let key = scoped_key.as_deref().map(|k| (k, d.as_str()));
+    match st.store.insert_checked(&rec, key, who.quota.as_ref())? {
         KeyOutcome::Inserted => {}
+        KeyOutcome::OverQuota(msg) => {
+            // RetryAfter marks it as the caller's own limit (run_code answers it as HTTP
+            // 429 instead of a `SandboxError` verdict).
+            return Err(ServerError::RetryAfter {
+                error: sandlot_api::ApiError::new(ErrorCode::ResourceExhausted, msg),
+                seconds: 1,
+            });
+        }
         KeyOutcome::Replay(sid) => {
             return match st.store.get(&sid)? {
                 Some(r) => Ok((r, false)),
@@ -220,6 +242,7 @@ pub async fn create_sandbox(
             ))
         }
     }
+    st.events.set_owner(&rec.id, rec.tenant.as_deref());
     // Own task: a dropped request future must not stop between the node's create and the
     // record update.
     let st2 = st.clone();
@@ -258,6 +281,7 @@ async fn finish_create(st: &SharedState, mut rec: Record) -> ApiResult<(Record, 
         st.store.forget_keys_of(&id)?;
         let e = ServerError::from(e);
         crate::events::record_error(st, "create", Some(&id), Some(rec.backend), &e);
+        st.events.forget_owner(&id);
         return Err(e);
     }
     if st
@@ -278,6 +302,7 @@ async fn finish_create(st: &SharedState, mut rec: Record) -> ApiResult<(Record, 
         return Err(e.into());
     }
     st.store.remove(&id)?;
+    st.events.forget_owner(&id);
     Err(ServerError::new(
         ErrorCode::Conflict,
         format!("sandbox {id} was deleted while being created"),
@@ -355,6 +380,7 @@ pub fn running(st: &SharedState, id: &str) -> ApiResult<Record> {
 /// the rules of [`crate::trajectory::create_bound`] (200 on a reattach).
 pub async fn create(
     State(st): State<SharedState>,
+    Extension(who): Extension<Principal>,
     headers: HeaderMap,
     Json(req): Json<CreateSandboxRequest>,
 ) -> ApiResult<(StatusCode, Json<Sandbox>)> {
@@ -372,10 +398,10 @@ pub async fn create(
         }
     };
     if req.trajectory.is_some() {
-        let (status, sb) = crate::trajectory::create_bound(&st, req, key).await?;
+        let (status, sb) = crate::trajectory::create_bound(&st, &who, req, key).await?;
         return Ok((status, Json(sb)));
     }
-    let (rec, created) = create_sandbox(&st, req, BTreeMap::new(), key).await?;
+    let (rec, created) = create_sandbox(&st, &who, req, BTreeMap::new(), key).await?;
     let status = if created {
         StatusCode::CREATED
     } else {
@@ -384,9 +410,11 @@ pub async fn create(
     Ok((status, Json(rec.to_api())))
 }
 
-/// `GET /v1/sandboxes?label=k=v` (repeatable, all must match) → `SandboxList`, oldest first.
+/// `GET /v1/sandboxes?label=k=v` (repeatable, all must match) → `SandboxList`, oldest first;
+/// only the caller's tenant's sandboxes (an admin sees all).
 pub async fn list(
     State(st): State<SharedState>,
+    Extension(who): Extension<Principal>,
     Query(params): Query<Vec<(String, String)>>,
 ) -> ApiResult<Json<SandboxList>> {
     let mut want = Vec::new();
@@ -406,8 +434,10 @@ pub async fn list(
         .list()?
         .into_iter()
         .filter(|r| {
-            want.iter()
-                .all(|(k, v)| r.labels.get(k).is_some_and(|x| x == v))
+            who.sees(r.tenant.as_deref())
+                && want
+                    .iter()
+                    .all(|(k, v)| r.labels.get(k).is_some_and(|x| x == v))
         })
         .map(|r| r.to_api())
         .collect();

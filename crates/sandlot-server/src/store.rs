@@ -4,6 +4,13 @@
 //! - `sandboxes(id TEXT PK, backend, image, state, node, created_at INTEGER ms, expires_at
 //!   INTEGER ms NULL, spec TEXT json, labels TEXT json)`; `spec` is [`SpecJson`].
 //! - `idempotency(key TEXT PK, digest TEXT, sandbox_id TEXT, created_at INTEGER ms)`.
+//! - `sandboxes.tenant TEXT NULL` (added to older databases on open): the id of the API key
+//!   that created the sandbox; `NULL` when created without authentication.
+//! - `api_keys(id TEXT PK, name, digest TEXT UNIQUE = SHA-256 hex of the key, admin INTEGER,
+//!   max_sandboxes INTEGER NULL, max_cpu REAL NULL, max_memory_mib INTEGER NULL, created_at
+//!   INTEGER ms, revoked_at INTEGER ms NULL)`: [`KeyRow`]; the key itself is never stored.
+//! - `trajectory_owners(trajectory TEXT PK, tenant TEXT)`: which tenant a trajectory id
+//!   belongs to (claimed by its first create with authentication).
 //!
 //! The database runs in WAL mode with `synchronous=NORMAL` (a commit survives a process
 //! crash; a power loss may lose the last commits, which the node's re-adoption tolerates).
@@ -99,6 +106,8 @@ pub struct Record {
     pub spec: SpecJson,
     /// Labels.
     pub labels: BTreeMap<String, String>,
+    /// Id of the API key (tenant) that created it; `None` without authentication.
+    pub tenant: Option<String>,
 }
 
 fn rfc3339(ms: i64) -> String {
@@ -141,6 +150,40 @@ pub enum KeyOutcome {
     Replay(String),
     /// The key was used before with another request.
     Mismatch,
+    /// The tenant's quota does not admit the sandbox; the message says which limit.
+    OverQuota(String),
+}
+
+/// Limits of one API key over its sandboxes that exist (any state); `None` = unlimited.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct Quota {
+    /// Most sandboxes at once.
+    pub max_sandboxes: Option<u64>,
+    /// Most CPU cores summed over its sandboxes.
+    pub max_cpu: Option<f64>,
+    /// Most memory in MiB summed over its sandboxes.
+    pub max_memory_mib: Option<u64>,
+}
+
+/// One row of `api_keys` (the key itself is not stored, only its SHA-256).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct KeyRow {
+    /// Public id, `key_` + 16 hex digits; the tenant id of its sandboxes.
+    pub id: String,
+    /// Operator-chosen name.
+    pub name: String,
+    /// SHA-256 of the key, 64 lowercase hex digits.
+    #[serde(skip)]
+    pub digest: String,
+    /// Admin scope (see [`crate::auth`]).
+    pub admin: bool,
+    /// Limits.
+    #[serde(flatten)]
+    pub quota: Quota,
+    /// Creation time, Unix ms.
+    pub created_at_ms: i64,
+    /// Revocation time, Unix ms; a revoked key authenticates nothing.
+    pub revoked_at_ms: Option<i64>,
 }
 
 /// The SQLite store. Cheap to share behind an `Arc`.
@@ -148,7 +191,9 @@ pub struct Store {
     conn: Mutex<Connection>,
 }
 
-const COLS: &str = "id, backend, image, state, node, created_at, expires_at, spec, labels";
+const COLS: &str = "id, backend, image, state, node, created_at, expires_at, spec, labels, tenant";
+const KEY_COLS: &str =
+    "id, name, digest, admin, max_sandboxes, max_cpu, max_memory_mib, created_at, revoked_at";
 
 impl Store {
     /// Open (creating if needed) `path` and apply the schema.
@@ -174,9 +219,26 @@ impl Store {
                 ON sandboxes(json_extract(spec, '$.trajectory'));
              CREATE TABLE IF NOT EXISTS idempotency (
                 key TEXT PRIMARY KEY, digest TEXT NOT NULL, sandbox_id TEXT NOT NULL,
-                created_at INTEGER NOT NULL);",
+                created_at INTEGER NOT NULL);
+             CREATE TABLE IF NOT EXISTS api_keys (
+                id TEXT PRIMARY KEY, name TEXT NOT NULL, digest TEXT NOT NULL UNIQUE,
+                admin INTEGER NOT NULL, max_sandboxes INTEGER, max_cpu REAL,
+                max_memory_mib INTEGER, created_at INTEGER NOT NULL, revoked_at INTEGER);
+             CREATE TABLE IF NOT EXISTS trajectory_owners (
+                trajectory TEXT PRIMARY KEY, tenant TEXT NOT NULL);",
         )
         .map_err(open_err)?;
+        // Databases of older versions lack the tenant column.
+        let has_tenant = conn
+            .prepare("SELECT 1 FROM pragma_table_info('sandboxes') WHERE name = 'tenant'")
+            .and_then(|mut s| s.exists([]))
+            .map_err(open_err)?;
+        if !has_tenant {
+            conn.execute_batch("ALTER TABLE sandboxes ADD COLUMN tenant TEXT;")
+                .map_err(open_err)?;
+        }
+        conn.execute_batch("CREATE INDEX IF NOT EXISTS sandboxes_tenant ON sandboxes(tenant);")
+            .map_err(open_err)?;
         Ok(Store {
             conn: Mutex::new(conn),
         })
@@ -194,6 +256,21 @@ impl Store {
     /// # Errors
     /// [`StoreError::Sql`] on SQLite failures (including a duplicate id).
     pub fn insert_with_key(&self, rec: &Record, key: Option<(&str, &str)>) -> Result<KeyOutcome> {
+        self.insert_checked(rec, key, None)
+    }
+
+    /// [`Store::insert_with_key`], and with `quota` also check in the same transaction that
+    /// the sandboxes of `rec.tenant` (any state) plus `rec` stay within it; when not,
+    /// nothing is inserted and [`KeyOutcome::OverQuota`] says which limit.
+    ///
+    /// # Errors
+    /// [`StoreError::Sql`] on SQLite failures (including a duplicate id).
+    pub fn insert_checked(
+        &self,
+        rec: &Record,
+        key: Option<(&str, &str)>,
+        quota: Option<&Quota>,
+    ) -> Result<KeyOutcome> {
         let mut conn = self.conn();
         let tx = conn.transaction().map_err(sql("begin"))?;
         if let Some((key, digest)) = key {
@@ -218,10 +295,27 @@ impl Store {
             )
             .map_err(sql("insert idempotency key"))?;
         }
+        if let Some(q) = quota {
+            let (n, cpu, mem): (i64, f64, i64) = tx
+                .query_row(
+                    "SELECT COUNT(*), COALESCE(SUM(json_extract(spec, '$.cpu')), 0.0),
+                        COALESCE(SUM(json_extract(spec, '$.memory_mib')), 0)
+                     FROM sandboxes WHERE tenant IS ?1",
+                    [&rec.tenant],
+                    |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+                )
+                .map_err(sql("sum tenant usage"))?;
+            if let Some(msg) = over_quota(q, n as u64, cpu, mem as u64, &rec.spec) {
+                // Dropping the transaction rolls back the idempotency key.
+                return Ok(KeyOutcome::OverQuota(msg));
+            }
+        }
         let spec = serde_json::to_string(&rec.spec).expect("spec serializes");
         let labels = serde_json::to_string(&rec.labels).expect("labels serialize");
         tx.execute(
-            &format!("INSERT INTO sandboxes ({COLS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)"),
+            &format!(
+                "INSERT INTO sandboxes ({COLS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)"
+            ),
             params![
                 rec.id,
                 rec.backend.as_str(),
@@ -231,7 +325,8 @@ impl Store {
                 rec.created_at_ms,
                 rec.expires_at_ms,
                 spec,
-                labels
+                labels,
+                rec.tenant
             ],
         )
         .map_err(sql("insert sandbox"))?;
@@ -371,6 +466,127 @@ impl Store {
         Ok(())
     }
 
+    /// Add an API key row.
+    ///
+    /// # Errors
+    /// [`StoreError::Sql`] (also for a duplicate id or digest).
+    pub fn insert_key(&self, k: &KeyRow) -> Result<()> {
+        self.conn()
+            .execute(
+                &format!(
+                    "INSERT INTO api_keys ({KEY_COLS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)"
+                ),
+                params![
+                    k.id,
+                    k.name,
+                    k.digest,
+                    k.admin,
+                    k.quota.max_sandboxes.map(|v| v as i64),
+                    k.quota.max_cpu,
+                    k.quota.max_memory_mib.map(|v| v as i64),
+                    k.created_at_ms,
+                    k.revoked_at_ms
+                ],
+            )
+            .map_err(sql("insert api key"))?;
+        Ok(())
+    }
+
+    /// The key row whose digest is `digest` (revoked or not).
+    ///
+    /// # Errors
+    /// [`StoreError::Sql`].
+    pub fn key_by_digest(&self, digest: &str) -> Result<Option<KeyRow>> {
+        self.conn()
+            .query_row(
+                &format!("SELECT {KEY_COLS} FROM api_keys WHERE digest = ?1"),
+                [digest],
+                key_row,
+            )
+            .optional()
+            .map_err(sql("select api key"))
+    }
+
+    /// Every key row, oldest first.
+    ///
+    /// # Errors
+    /// [`StoreError::Sql`].
+    pub fn list_keys(&self) -> Result<Vec<KeyRow>> {
+        let conn = self.conn();
+        let mut stmt = conn
+            .prepare(&format!(
+                "SELECT {KEY_COLS} FROM api_keys ORDER BY created_at, rowid"
+            ))
+            .map_err(sql("prepare select api keys"))?;
+        let rows = stmt
+            .query_map([], key_row)
+            .map_err(sql("select api keys"))?
+            .collect::<std::result::Result<Vec<_>, _>>()
+            .map_err(sql("read api keys"))?;
+        Ok(rows)
+    }
+
+    /// Mark key `id` revoked at `now_ms` (kept, so authentication stays on). Returns whether
+    /// a not yet revoked key was found.
+    ///
+    /// # Errors
+    /// [`StoreError::Sql`].
+    pub fn revoke_key(&self, id: &str, now_ms: i64) -> Result<bool> {
+        let n = self
+            .conn()
+            .execute(
+                "UPDATE api_keys SET revoked_at = ?1 WHERE id = ?2 AND revoked_at IS NULL",
+                params![now_ms, id],
+            )
+            .map_err(sql("revoke api key"))?;
+        Ok(n == 1)
+    }
+
+    /// Whether any key row exists, revoked ones included (authentication is then required).
+    ///
+    /// # Errors
+    /// [`StoreError::Sql`].
+    pub fn has_keys(&self) -> Result<bool> {
+        self.conn()
+            .prepare_cached("SELECT 1 FROM api_keys LIMIT 1")
+            .and_then(|mut s| s.exists([]))
+            .map_err(sql("count api keys"))
+    }
+
+    /// Claim trajectory id `t` for `tenant` unless another tenant holds it. Returns whether
+    /// `tenant` owns it now.
+    ///
+    /// # Errors
+    /// [`StoreError::Sql`].
+    pub fn claim_trajectory(&self, t: &str, tenant: &str) -> Result<bool> {
+        let conn = self.conn();
+        conn.execute(
+            "INSERT OR IGNORE INTO trajectory_owners (trajectory, tenant) VALUES (?1, ?2)",
+            [t, tenant],
+        )
+        .map_err(sql("claim trajectory"))?;
+        Ok(trajectory_owner_of(&conn, t)?.as_deref() == Some(tenant))
+    }
+
+    /// The tenant owning trajectory id `t`, if one claimed it.
+    ///
+    /// # Errors
+    /// [`StoreError::Sql`].
+    pub fn trajectory_owner(&self, t: &str) -> Result<Option<String>> {
+        trajectory_owner_of(&self.conn(), t)
+    }
+
+    /// Release the claim on trajectory `t` (its log was deleted).
+    ///
+    /// # Errors
+    /// [`StoreError::Sql`].
+    pub fn forget_trajectory_owner(&self, t: &str) -> Result<()> {
+        self.conn()
+            .execute("DELETE FROM trajectory_owners WHERE trajectory = ?1", [t])
+            .map_err(sql("forget trajectory owner"))?;
+        Ok(())
+    }
+
     /// Drop idempotency keys created before `before_ms`. Returns how many.
     ///
     /// # Errors
@@ -380,6 +596,62 @@ impl Store {
             .execute("DELETE FROM idempotency WHERE created_at < ?1", [before_ms])
             .map_err(sql("purge idempotency keys"))
     }
+}
+
+fn trajectory_owner_of(conn: &Connection, t: &str) -> Result<Option<String>> {
+    conn.query_row(
+        "SELECT tenant FROM trajectory_owners WHERE trajectory = ?1",
+        [t],
+        |r| r.get(0),
+    )
+    .optional()
+    .map_err(sql("select trajectory owner"))
+}
+
+fn key_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<KeyRow> {
+    Ok(KeyRow {
+        id: r.get(0)?,
+        name: r.get(1)?,
+        digest: r.get(2)?,
+        admin: r.get(3)?,
+        quota: Quota {
+            max_sandboxes: r.get::<_, Option<i64>>(4)?.map(|v| v.max(0) as u64),
+            max_cpu: r.get(5)?,
+            max_memory_mib: r.get::<_, Option<i64>>(6)?.map(|v| v.max(0) as u64),
+        },
+        created_at_ms: r.get(7)?,
+        revoked_at_ms: r.get(8)?,
+    })
+}
+
+/// Which limit of `q` a new sandbox of `spec` would pass, given the tenant's current
+/// `n` sandboxes, `cpu` cores and `mem` MiB; `None` when it fits.
+fn over_quota(q: &Quota, n: u64, cpu: f64, mem: u64, spec: &SpecJson) -> Option<String> {
+    if let Some(max) = q.max_sandboxes {
+        if n + 1 > max {
+            return Some(format!(
+                "quota exceeded: this API key may have at most {max} sandboxes and has {n}"
+            ));
+        }
+    }
+    if let Some(max) = q.max_cpu {
+        // Sums of decimal fractions: allow a rounding error of a millicore.
+        if cpu + spec.cpu > max + 1e-3 {
+            return Some(format!(
+                "quota exceeded: cpu {} + {cpu} in use would pass this API key's max_cpu {max}",
+                spec.cpu
+            ));
+        }
+    }
+    if let Some(max) = q.max_memory_mib {
+        if mem + spec.memory_mib > max {
+            return Some(format!(
+                "quota exceeded: memory_mib {} + {mem} in use would pass this API key's max_memory_mib {max}",
+                spec.memory_mib
+            ));
+        }
+    }
+    None
 }
 
 type RawRow = (
@@ -392,6 +664,7 @@ type RawRow = (
     Option<i64>,
     String,
     String,
+    Option<String>,
 );
 
 fn raw_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<RawRow> {
@@ -405,11 +678,12 @@ fn raw_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<RawRow> {
         r.get(6)?,
         r.get(7)?,
         r.get(8)?,
+        r.get(9)?,
     ))
 }
 
 fn decode(raw: RawRow) -> Result<Record> {
-    let (id, backend, image, state, node, created_at_ms, expires_at_ms, spec, labels) = raw;
+    let (id, backend, image, state, node, created_at_ms, expires_at_ms, spec, labels, tenant) = raw;
     let bad = |what: String| StoreError::Corrupt {
         id: id.clone(),
         what,
@@ -424,6 +698,7 @@ fn decode(raw: RawRow) -> Result<Record> {
         created_at_ms,
         expires_at_ms,
         id,
+        tenant,
     })
 }
 
@@ -452,6 +727,7 @@ mod tests {
                 trajectory: None,
             },
             labels: [("job".to_string(), "x".to_string())].into(),
+            tenant: None,
         }
     }
 

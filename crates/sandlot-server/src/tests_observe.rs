@@ -262,7 +262,7 @@ async fn events_pause_resume_expire_and_ring_bound() {
     for _ in 0..crate::events::RING_CAPACITY + 5 {
         mem.push("test", None, None, Default::default());
     }
-    let (evs, next) = mem.query(None, None, &crate::events::Since::After(0), 1000);
+    let (evs, next) = mem.query(None, None, None, &crate::events::Since::After(0), 1000);
     assert_eq!(evs[0].id, 6, "oldest kept after the ring wrapped");
     assert_eq!(evs.len(), 1000);
     assert_eq!(next, evs[999].id);
@@ -276,41 +276,41 @@ async fn events_are_durable_across_reopen_and_beyond_the_ring() {
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("events.db");
     let log = EventLog::open(&path).unwrap();
+    log.set_owner("sb-a", Some("tenant-1"));
     let mut f = serde_json::Map::new();
     f.insert("image".into(), "python".into());
     assert_eq!(log.push("created", Some("sb-a"), None, f), 1);
     for _ in 0..RING_CAPACITY + 5 {
         log.push("test", None, None, Default::default());
     }
-    // Older than the ring: read back from the database, fields intact.
-    let (evs, next) = log.query(None, None, &Since::After(0), 3);
+    // Older than the ring: read back from the database, fields and tenant intact.
+    let (evs, next) = log.query(None, None, None, &Since::After(0), 3);
     assert_eq!(evs.iter().map(|e| e.id).collect::<Vec<_>>(), [1, 2, 3]);
     assert_eq!(evs[0].fields["image"], "python");
     assert_eq!(next, 3);
-    let (evs, _) = log.query(Some("sb-a"), None, &Since::All, 10);
-    assert_eq!(
-        evs.len(),
-        1,
-        "a filter reaching past the ring finds the old event"
-    );
+    let (evs, _) = log.query(None, Some("sb-a"), None, &Since::All, 10);
+    assert_eq!(evs.len(), 1, "a filter reaching past the ring finds it");
+    let (evs, _) = log.query(Some("tenant-1"), None, None, &Since::All, 10);
+    assert_eq!(evs.len(), 1, "the tenant of a database row is kept");
+    let (evs, _) = log.query(Some("tenant-2"), None, None, &Since::After(0), 10);
+    assert!(evs.is_empty(), "another tenant sees none of it: {evs:?}");
     drop(log);
 
     // A restart keeps ids increasing and old cursors valid.
     let log = EventLog::open(&path).unwrap();
+    log.set_owner("sb-a", Some("tenant-1"));
     let last = (RING_CAPACITY + 6) as u64;
-    assert_eq!(
-        log.push("deleted", Some("sb-a"), None, Default::default()),
-        last + 1
-    );
-    let (evs, next) = log.query(Some("sb-a"), None, &Since::After(0), 10);
+    let id = log.push("deleted", Some("sb-a"), None, Default::default());
+    assert_eq!(id, last + 1);
+    let (evs, next) = log.query(Some("tenant-1"), Some("sb-a"), None, &Since::After(0), 10);
     let kinds: Vec<&str> = evs.iter().map(|e| e.kind.as_str()).collect();
     assert_eq!(kinds, ["created", "deleted"]);
     assert_eq!(next, last + 1);
-    let (evs, _) = log.query(None, Some("test"), &Since::After(last - 2), 10);
-    assert_eq!(
-        evs.iter().map(|e| e.id).collect::<Vec<_>>(),
-        [last - 1, last]
-    );
+    let (evs, _) = log.query(None, None, Some("test"), &Since::After(last - 2), 10);
+    let ids: Vec<u64> = evs.iter().map(|e| e.id).collect();
+    assert_eq!(ids, [last - 1, last]);
+    drop(log);
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[tokio::test]

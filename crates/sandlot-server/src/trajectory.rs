@@ -252,6 +252,7 @@ pub async fn call(
 /// the node's error code with "restore of trajectory T failed at step N: …".
 pub async fn create_bound(
     st: &SharedState,
+    who: &crate::auth::Principal,
     req: CreateSandboxRequest,
     key: Option<String>,
 ) -> ApiResult<(StatusCode, Sandbox)> {
@@ -259,11 +260,25 @@ pub async fn create_bound(
     check_id(&t)?;
     crate::sandboxes::validate(&req)?;
     let st = st.clone();
+    let who = who.clone();
     // Own task: a client that goes away mid-restore must not leave a half-restored sandbox
     // bound to the trajectory.
     tokio::spawn(async move {
         let _guard = st.traj_locks.lock(&t).await;
-        if let Some(rec) = st.store.live_by_trajectory(&t)? {
+        // Trajectory ids are client-chosen: the first tenant to use one owns it.
+        if let Some(tenant) = &who.tenant {
+            if !st.store.claim_trajectory(&t, tenant)? && !who.admin {
+                return Err(ServerError::new(
+                    ErrorCode::Conflict,
+                    format!("trajectory id {t:?} belongs to another API key; choose another id"),
+                ));
+            }
+        }
+        if let Some(rec) = st
+            .store
+            .live_by_trajectory(&t)?
+            .filter(|r| who.sees(r.tenant.as_deref()))
+        {
             tracing::info!(sandbox_id = %rec.id, trajectory = %t, "reattach");
             return Ok((StatusCode::OK, rec.to_api()));
         }
@@ -277,7 +292,7 @@ pub async fn create_bound(
                 ),
             ));
         }
-        let (rec, created) = create_sandbox(&st, req, BTreeMap::new(), key).await?;
+        let (rec, created) = create_sandbox(&st, &who, req, BTreeMap::new(), key).await?;
         if !created {
             return Ok((StatusCode::OK, rec.to_api()));
         }
@@ -392,6 +407,9 @@ pub async fn delete(
     check_id(&id)?;
     let _guard = st.traj_locks.lock(&id).await;
     st.trajectories.delete(&id).await?;
+    if st.store.live_by_trajectory(&id)?.is_none() {
+        st.store.forget_trajectory_owner(&id)?;
+    }
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -406,6 +424,7 @@ pub async fn gc(st: &SharedState) -> ApiResult<Vec<String>> {
     for t in st.trajectories.inactive_since(cutoff).await? {
         let _guard = st.traj_locks.lock(&t).await;
         if st.store.live_by_trajectory(&t)?.is_none() && st.trajectories.delete(&t).await? {
+            st.store.forget_trajectory_owner(&t)?;
             tracing::info!(trajectory = %t, "trajectory log expired (retention); deleted");
             done.push(t);
         }

@@ -24,6 +24,18 @@ def resolve_url(url: Optional[str]) -> str:
     return (url or os.environ.get("SANDLOT_URL") or DEFAULT_URL).rstrip("/")
 
 
+def resolve_headers(api_key: Optional[str],
+                    headers: Optional[Mapping[str, str]]) -> Dict[str, str]:
+    """Headers of every request: ``headers`` plus ``Authorization: Bearer <key>`` with
+    ``api_key``, else env ``SANDLOT_API_KEY`` (none when both are unset or empty, the
+    server's no-auth loopback mode). An ``Authorization`` in ``headers`` wins."""
+    out = dict(headers or {})
+    key = api_key or os.environ.get("SANDLOT_API_KEY")
+    if key and not any(k.lower() == "authorization" for k in out):
+        out["Authorization"] = f"Bearer {key}"
+    return out
+
+
 def sandbox_path(sandbox_id: str, suffix: str = "") -> str:
     """``/v1/sandboxes/{id}{suffix}`` with the id percent-encoded."""
     return f"/v1/sandboxes/{quote(sandbox_id, safe='')}{suffix}"

@@ -28,20 +28,25 @@ class AsyncClient:
         retries: how many times a call answered 429 ``resource_exhausted`` (or whose
             connection could not be set up) is sent again, after ``Retry-After`` or a
             backoff. Such calls did nothing on the server, so retrying is safe.
-        headers: extra headers on every request (e.g. ``Authorization``).
+        api_key: API key (``sk-…`` from ``sandlot key create``) sent as ``Authorization:
+            Bearer``; default env ``SANDLOT_API_KEY``, else none (a server without keys,
+            on loopback, needs none).
+        headers: extra headers on every request.
 
     Errors: every method raises a :class:`~sandlot.errors.SandlotError` subclass named after
     the server's error code, :class:`~sandlot.errors.TransportError` when no answer came.
     """
 
     def __init__(self, url: Optional[str] = None, timeout: float = 30.0, retries: int = 3,
-                 headers: Optional[Mapping[str, str]] = None) -> None:
+                 headers: Optional[Mapping[str, str]] = None,
+                 api_key: Optional[str] = None) -> None:
         self.url = _base.resolve_url(url)
         self.timeout = float(timeout)
         self.retries = int(retries)
         self._http = httpx.AsyncClient(base_url=self.url,
                                        timeout=_base.call_timeout(self.timeout, 0),
-                                  limits=_base.http_limits(), headers=dict(headers or {}))
+                                       limits=_base.http_limits(),
+                                       headers=_base.resolve_headers(api_key, headers))
 
     # -- plumbing ---------------------------------------------------------------------
     async def _request(self, method: str, path: str, *, work_s: Optional[float] = None,
