@@ -195,7 +195,10 @@ pub fn serve_vm(port: &std::path::Path) -> i32 {
     let live: Live = Arc::default();
     rt.spawn(reap(live.clone()));
     loop {
-        while !port_poll(&file, libc::POLLIN, 100).is_some_and(|r| r & libc::POLLHUP == 0) {}
+        // While no host is connected poll answers POLLHUP at once: sleep between checks.
+        while port_poll(&file, libc::POLLIN, 100).is_none_or(|r| r & libc::POLLHUP != 0) {
+            std::thread::sleep(Duration::from_millis(20));
+        }
         let (a, b) = match std::os::unix::net::UnixStream::pair() {
             Ok(p) => p,
             Err(e) => {
@@ -405,12 +408,24 @@ async fn exec(mut body: Incoming, live: Live) -> Result<Response<Body>, String> 
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .env_clear();
-    // SAFETY: runs in the forked child before execve; dup2 is async-signal-safe and the
-    // sources are CLOEXEC fds >= 10.
+    // In a microVM every exec joins the guest's `sandbox` cgroup (its pids limit).
+    let procs = std::path::Path::new(crate::vm::SANDBOX_CGROUP_PROCS)
+        .exists()
+        .then(|| std::ffi::CString::new(crate::vm::SANDBOX_CGROUP_PROCS).expect("no NUL"));
+    // SAFETY: runs in the forked child before execve; dup2, open, write and close are
+    // async-signal-safe, the sources are CLOEXEC fds >= 10, the path was made before fork.
     unsafe {
         cmd.pre_exec(move || {
             if libc::dup2(sfd, 3) < 0 || libc::dup2(wfd, 4) < 0 {
                 return Err(std::io::Error::last_os_error());
+            }
+            if let Some(p) = &procs {
+                let fd = libc::open(p.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
+                if fd >= 0 {
+                    // "0" moves the writing process itself.
+                    libc::write(fd, b"0".as_ptr().cast(), 1);
+                    libc::close(fd);
+                }
             }
             Ok(())
         });

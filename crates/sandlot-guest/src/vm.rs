@@ -161,8 +161,36 @@ fn boot() -> Result<(), String> {
         Some("mode=1777"),
     )?;
     let _ = nix::unistd::sethostname("sandlot");
+    sandbox_cgroup(&cmdline)?;
     let port = find_port(AGENT_PORT)?;
     std::process::exit(crate::agent::serve_vm(&port));
+}
+
+/// Path of the guest cgroup every exec joins (made by [`sandbox_cgroup`]).
+pub const SANDBOX_CGROUP_PROCS: &str = "/sys/fs/cgroup/sandbox/cgroup.procs";
+
+/// Mounts cgroup2 and makes the `sandbox` group every exec joins, with `pids.max` from
+/// `sandlot.pids_max=N` on the kernel command line (the sandbox's process limit: kernel
+/// threads and the agent stay outside it).
+fn sandbox_cgroup(cmdline: &str) -> Result<(), String> {
+    mnt(
+        "cgroup2",
+        "/sys/fs/cgroup",
+        "cgroup2",
+        MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
+        None,
+    )?;
+    let _ = std::fs::write("/sys/fs/cgroup/cgroup.subtree_control", "+pids +memory");
+    std::fs::create_dir_all("/sys/fs/cgroup/sandbox")
+        .map_err(|e| format!("mkdir sandbox cgroup: {e}"))?;
+    if let Some(n) = cmdline
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix("sandlot.pids_max="))
+    {
+        std::fs::write("/sys/fs/cgroup/sandbox/pids.max", n)
+            .map_err(|e| format!("pids.max {n}: {e}"))?;
+    }
+    Ok(())
 }
 
 fn mkdir_mode(p: &Path, mode: u32) -> Result<(), String> {

@@ -442,7 +442,11 @@ impl MicrovmBackend {
         })?;
         let smp = (spec.cpu.ceil() as u64).clamp(1, 16);
         let sock = dir.join("agent.sock");
-        let mut append = String::from("console=ttyS0 panic=-1 quiet");
+        // The guest agent puts every exec in a guest cgroup with this pids limit.
+        let mut append = format!(
+            "console=ttyS0 panic=-1 quiet sandlot.pids_max={}",
+            spec.pids_max
+        );
         // Debugging aid: e.g. `loglevel=5` shows the guest agent's messages on the console.
         if let Ok(extra) = std::env::var("SANDLOT_MICROVM_APPEND") {
             append.push(' ');
@@ -886,11 +890,6 @@ impl SandboxBackend for MicrovmBackend {
         let mut plan = ExecPlan::build(&vm.state.image_env, &vm.state.spec, req)?;
         plan.spec.own_pid_ns = true;
         plan.spec.landlock = false;
-        // The guest has no cgroups of the sandbox's own: RLIMIT_NPROC bounds its processes.
-        plan.spec.rlimits.push(sandlot_guest::spec::Rlimit {
-            resource: sandlot_guest::spec::RlimitResource::Nproc,
-            value: vm.state.spec.pids_max,
-        });
         let areq = agent_proto::ExecRequest {
             spec: plan.spec,
             timeout_ms: plan.timeout.as_millis() as u64,
