@@ -1,4 +1,4 @@
-"""Network policies of runc containers against a small "internet" built on this machine
+"""Network policies of runc and runsc containers against a small "internet" built on this machine
 (issue 3, "Network policy"): a network namespace ``sl-inet-<rand>`` joined to the host by a
 veth pair (host side 10.98.K.1/30, "internet" side 10.98.K.2/30) that runs an HTTP server
 on 10.98.K.2:8080 and a DNS server on 10.98.K.2:53 answering every ``*.test`` name with
@@ -365,9 +365,14 @@ def _cmdline(p: Path) -> bytes:
         return b""
 
 
-def make_box(client, network, **kw) -> sandlot.Sandbox:
-    return client.create(backend="container", runtime="runc", image=IMAGE, memory_mib=128,
+def make_box(client, network, runtime="runc", **kw) -> sandlot.Sandbox:
+    return client.create(backend="container", runtime=runtime, image=IMAGE, memory_mib=128,
                          ttl_s=300, network=network, **kw)
+
+
+#: Allow policies work on both runtimes: runc uses the kernel's stack in the node's network
+#: namespace, gVisor (`--network=sandbox`) its own stack on the same veth.
+RUNTIMES = pytest.mark.parametrize("runtime", ["runc", "runsc"])
 
 
 def _attached(node: Server, box: sandlot.Sandbox) -> dict:
@@ -385,14 +390,15 @@ def _attached(node: Server, box: sandlot.Sandbox) -> dict:
     return st
 
 
-def test_allow_ip_reaches_only_that_address(node, client, inet, host_listener):
+@RUNTIMES
+def test_allow_ip_reaches_only_that_address(node, client, inet, host_listener, runtime):
     """allow [10.98.K.2]: HTTP to it works; metadata, every host address (listener and
     Sandlot port, gateway included) are unreachable; any name is refused by the resolver
     and never reaches the upstream; delete leaves nothing."""
     for a in host_addresses():
         assert host_can_reach(a, host_listener), f"host listener not reachable on {a}"
     assert host_can_reach(inet.host_ip, node.port), "the server does not listen on 0.0.0.0"
-    box = make_box(client, {"allow": [inet.ip]})
+    box = make_box(client, {"allow": [inet.ip]}, runtime)
     st = _attached(node, box)
     checks = [["http", f"http://{inet.ip}:{HTTP_PORT}/hello.txt"],
               ["resolve", "good.test"], ["resolve", "bad.test"], ["dns", "bad.test"]]
@@ -410,10 +416,11 @@ def test_allow_ip_reaches_only_that_address(node, client, inet, host_listener):
     assert_torn_down(node, box.id, st["host_if"])
 
 
-def test_allow_other_cidr_blocks_everything_else(node, client, inet, host_listener):
+@RUNTIMES
+def test_allow_other_cidr_blocks_everything_else(node, client, inet, host_listener, runtime):
     """allow [10.97.0.0/24]: the "internet" host 10.98.K.2 (HTTP and its DNS port) is
     unreachable, as are metadata and the host; delete leaves nothing."""
-    box = make_box(client, {"allow": ["10.97.0.0/24"]})
+    box = make_box(client, {"allow": ["10.97.0.0/24"]}, runtime)
     st = _attached(node, box)
     bad = [["http", f"http://{inet.ip}:{HTTP_PORT}/hello.txt"], ["tcp", f"{inet.ip}:53"]]
     bad += unreachable_checks(node, st["host_addr"], host_listener)
@@ -425,12 +432,13 @@ def test_allow_other_cidr_blocks_everything_else(node, client, inet, host_listen
     assert_torn_down(node, box.id, st["host_if"])
 
 
-def test_allow_names_resolve_only_those(node, client, inet, host_listener):
+@RUNTIMES
+def test_allow_names_resolve_only_those(node, client, inet, host_listener, runtime):
     """allow [good.test, *.wild.test]: good.test and a.wild.test resolve to 10.98.K.2
     through the node's resolver and the test upstream, HTTP by name works; bad.test and
     wild.test-lookalikes are refused without reaching the upstream; the host stays
     unreachable; delete leaves nothing."""
-    box = make_box(client, {"allow": ["good.test", "*.wild.test"]})
+    box = make_box(client, {"allow": ["good.test", "*.wild.test"]}, runtime)
     st = _attached(node, box)
     before = len(inet.dns_seen())
     ok = [["resolve", "good.test"], ["resolve", "a.wild.test"]]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import signal
 
+import httpx
 import pytest
 
 import sandlot
@@ -19,6 +20,10 @@ def _gone(client, sid) -> bool:
         return client.get(sid).state == "deleted"
     except sandlot.NotFound:
         return True
+
+
+def _events(url, params):
+    return httpx.get(url + "/v1/events", params=params, timeout=30)
 
 
 def test_200_sandboxes_asyncio(server, python_image):
@@ -58,7 +63,15 @@ def test_restart_readopts_sandboxes(binary, tmp_path, python_image, how):
         bg_lives = b"sleep 1000" in boxes[0].exec(ps).stdout
         deleted = boxes.pop()
         deleted.delete()
+        before = _events(srv.url, {"kind": "deleted"}).json()["events"]
         srv.restart(signal.SIGKILL if how == "kill9" else signal.SIGTERM)
+        # The audit log is durable: the events from before the restart are still there, and
+        # new ids continue after them.
+        after = _events(srv.url, {"kind": "deleted"}).json()["events"]
+        assert [e["sandbox"] for e in after] == [deleted.id] == [e["sandbox"] for e in before]
+        readopted = _events(srv.url, {"kind": "readopted"}).json()["events"]
+        assert sorted(e["sandbox"] for e in readopted) == sorted(b.id for b in boxes)
+        assert min(e["id"] for e in readopted) > before[0]["id"]
         for i, box in enumerate(boxes):
             got = c.get(box.id)
             assert got.state == "running", got.raw

@@ -72,8 +72,7 @@ CASES: List[Case] = [
 ]
 
 #: Cases that run only a subset of the suite (slow boots), by test function name: every
-#: category (errors, exec, lifecycle, limits) has at least one test. Files are not in it:
-#: the microvm backend answers `unavailable` to file calls until the guest agent serves them.
+#: category (errors, exec, files, lifecycle, limits) has at least one test.
 REDUCED: Dict[str, FrozenSet[str]] = {
     "microvm": frozenset({
         "test_unknown_image_is_not_found",
@@ -92,6 +91,10 @@ REDUCED: Dict[str, FrozenSet[str]] = {
         "test_delete_during_running_exec",
         "test_env_of_sandbox_and_exec_override",
         "test_fork_bomb_contained_by_pids_limit",
+        "test_binary_round_trip",
+        "test_list_dir_entries",
+        "test_dotdot_read_cannot_escape",
+        "test_symlink_escapes_refused",
     }),
 }
 
@@ -104,8 +107,6 @@ def _reduced_case(request):
     case = request.getfixturevalue("backend")
     subset = REDUCED.get(case.name)
     if subset is not None and request.function.__name__ not in subset:
-        if request.module.__name__.endswith("test_files"):
-            pytest.skip(f"{case.name}: file calls are not served by the microvm guest agent yet")
         pytest.skip(f"{case.name}: not in the reduced set of this slow case (conftest REDUCED)")
 
 

@@ -176,3 +176,54 @@ def test_files_of_one_sandbox_invisible_to_another(sb, make):
     with pytest.raises(sandlot.NotFound):
         other.read_file("private.txt")
     assert other.exec("cat /workspace/private.txt").exit_code != 0
+
+
+def test_stat_reports_files_dirs_and_links(sb):
+    sb.write_file("st/a.txt", b"12345")
+    sb.exec("chmod 640 st/a.txt && ln -sf a.txt st/link")
+    f = sb.stat("st/a.txt")
+    assert (f.name, f.type, f.size) == ("a.txt", "file", 5)
+    assert f.mode & 0o777 == 0o640 and f.mtime > 1_600_000_000
+    d = sb.stat("/workspace/st")
+    assert (d.name, d.type) == ("st", "dir")
+    link = sb.stat("st/link")  # followed inside the sandbox
+    assert (link.name, link.type, link.size) == ("link", "file", 5)
+    root = sb.stat("/")
+    assert (root.name, root.type) == ("/", "dir")
+    with pytest.raises(sandlot.NotFound):
+        sb.stat("st/missing")
+    with pytest.raises(sandlot.InvalidArgument):
+        sb.stat("/proc/1/status")
+
+
+def test_mkdir_with_and_without_parents(sb):
+    sb.mkdir("mk/a/b", parents=True)
+    d = sb.stat("mk/a/b")
+    assert d.type == "dir" and d.mode & 0o777 == 0o755
+    sb.mkdir("mk/a/b", parents=True)  # mkdir -p of an existing directory is fine
+    with pytest.raises(sandlot.Conflict):
+        sb.mkdir("mk/a/b")
+    with pytest.raises(sandlot.NotFound):
+        sb.mkdir("mk/missing/c")
+    sb.mkdir("mk/c")
+    assert sorted(e.name for e in sb.list_dir("mk")) == ["a", "c"]
+    # Commands in the sandbox can use what the API made.
+    assert sb.exec("touch mk/a/b/x && test -d mk/c && echo ok").stdout == b"ok\n"
+    sb.write_file("mk/file", "x")
+    with pytest.raises(sandlot.Conflict):
+        sb.mkdir("mk/file")
+    with pytest.raises(sandlot.Conflict):
+        sb.mkdir("mk/file", parents=True)
+    with pytest.raises(sandlot.InvalidArgument):
+        sb.mkdir("mk/file/sub", parents=True)
+    with pytest.raises(sandlot.InvalidArgument):
+        sb.mkdir("/proc/sandlot-x")
+    sb.remove("mk")
+
+
+def test_mkdir_dotdot_stays_inside(sb):
+    name = f"sandlot-escape-{uuid.uuid4().hex}"
+    sb.mkdir(f"../../../../../tmp/{name}", parents=True)
+    assert not Path("/tmp", name).exists()
+    assert sb.stat(f"/tmp/{name}").type == "dir"
+    sb.remove(f"/tmp/{name}")

@@ -335,6 +335,11 @@ fn text(status: StatusCode, msg: impl Into<String>) -> Response<Body> {
 }
 
 async fn handle(req: Request<Incoming>, live: Live) -> Result<Response<Body>, Infallible> {
+    if req.uri().path().starts_with("/v1/files/") {
+        return Ok(crate::agent_files::handle(req)
+            .await
+            .unwrap_or_else(|| text(StatusCode::NOT_FOUND, "no such call")));
+    }
     Ok(match (req.method(), req.uri().path()) {
         (&Method::GET, PATH_PING) => text(
             StatusCode::OK,

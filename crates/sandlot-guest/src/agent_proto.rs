@@ -17,10 +17,31 @@
 //!   Resetting the stream (dropping the response) kills the command's whole process tree.
 //!   A bad request answers 400 with a text body.
 //!
+//! File calls (paths under `/v1/files/`; the rules of [`crate::sandbox_fs`], applied by the
+//! agent to its own root: relative paths under `/workspace`, `openat2` with
+//! `RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS`, `/dev`, `/proc`, `/sys` and `/.sandlot`
+//! refused). Each is `POST` with a request body; an error answers the status of its
+//! [`FsCode`] ([`fs_status`]) with an [`FsError`] JSON body:
+//!
+//! * `POST /v1/files/read` — body [`ReadFileRequest`] JSON → 200, body: the file's bytes,
+//!   streamed. A failure after the 200 (the file grew past `max_bytes`, an I/O error) ends
+//!   the body with the trailer [`TRAILER_ERROR`] holding the [`FsError`] JSON (ASCII, see
+//!   [`ascii_json`]); a body that ends without that trailer is the whole file.
+//! * `POST /v1/files/write` — body: one [`FrameKind::Spec`] frame holding
+//!   [`WriteFileRequest`] JSON, then the file's bytes, raw, to the end of the body → 204
+//!   once the data is durable (temp file in the target's directory, fsync, rename, directory
+//!   fsync). Resetting the stream leaves the target untouched (the temp file is removed).
+//! * `POST /v1/files/list` — body [`PathRequest`] → 200, a JSON array of [`FileInfo`] sorted
+//!   by name.
+//! * `POST /v1/files/stat` — body [`PathRequest`] → 200, [`FileInfo`] JSON.
+//! * `POST /v1/files/mkdir` — body [`MkdirRequest`] → 204.
+//! * `POST /v1/files/remove` — body [`PathRequest`] → 204 (directories recursively).
+//!
 //! Frame layout: 1 byte kind, 4 bytes big-endian payload length, payload (at most
 //! [`MAX_FRAME`] bytes). [`FrameDecoder`] is the one decoder, used by both ends.
 use serde::{Deserialize, Serialize};
 
+pub use crate::sandbox_fs::{FileInfo, FileKind, FsCode, FsError};
 use crate::spec::{ExecSpec, ExecStatus};
 
 /// Path of the liveness call.
@@ -154,6 +175,13 @@ impl FrameDecoder {
         Ok(Some(Frame { kind, data }))
     }
 
+    /// The bytes pushed but not yet taken as frames (for a body whose frames are followed
+    /// by raw data, like `/v1/files/write`).
+    pub fn into_rest(mut self) -> Vec<u8> {
+        self.buf.drain(..self.start);
+        self.buf
+    }
+
     /// True when no partial frame is buffered (a clean end of stream).
     pub fn is_empty(&self) -> bool {
         self.start == self.buf.len()
@@ -180,6 +208,93 @@ pub struct ExecExit {
     pub timed_out: bool,
     /// Wall time from spawning the helper to the command's end, milliseconds.
     pub duration_ms: f64,
+}
+
+/// Path of the streamed file read.
+pub const PATH_FILES_READ: &str = "/v1/files/read";
+/// Path of the streamed, atomic file write.
+pub const PATH_FILES_WRITE: &str = "/v1/files/write";
+/// Path of the directory listing.
+pub const PATH_FILES_LIST: &str = "/v1/files/list";
+/// Path of the stat call.
+pub const PATH_FILES_STAT: &str = "/v1/files/stat";
+/// Path of the mkdir call.
+pub const PATH_FILES_MKDIR: &str = "/v1/files/mkdir";
+/// Path of the remove call.
+pub const PATH_FILES_REMOVE: &str = "/v1/files/remove";
+/// Trailer that carries an [`FsError`] when a streamed read fails after its 200.
+pub const TRAILER_ERROR: &str = "sandlot-error";
+
+/// `POST /v1/files/read` body.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReadFileRequest {
+    /// Path inside the sandbox (absolute, or relative to `/workspace`).
+    pub path: String,
+    /// Largest file accepted, bytes; a larger one fails with `payload_too_large`.
+    pub max_bytes: u64,
+}
+
+/// `POST /v1/files/write` spec frame.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WriteFileRequest {
+    /// Path inside the sandbox; missing parent directories are created.
+    pub path: String,
+    /// Largest body accepted, bytes; more fails with `payload_too_large` (nothing written).
+    pub max_bytes: u64,
+}
+
+/// `POST /v1/files/{list,stat,remove}` body.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PathRequest {
+    /// Path inside the sandbox.
+    pub path: String,
+}
+
+/// `POST /v1/files/mkdir` body.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MkdirRequest {
+    /// Path inside the sandbox.
+    pub path: String,
+    /// Create missing ancestors too, and accept an existing directory (`mkdir -p`).
+    #[serde(default)]
+    pub parents: bool,
+}
+
+/// HTTP status of an error code: 404 not_found, 400 invalid_argument, 403
+/// permission_denied, 409 conflict, 429 resource_exhausted, 413 payload_too_large, 500
+/// internal.
+pub fn fs_status(code: FsCode) -> u16 {
+    match code {
+        FsCode::NotFound => 404,
+        FsCode::InvalidArgument => 400,
+        FsCode::PermissionDenied => 403,
+        FsCode::Conflict => 409,
+        FsCode::ResourceExhausted => 429,
+        FsCode::PayloadTooLarge => 413,
+        FsCode::Internal => 500,
+    }
+}
+
+/// `e` as JSON with every non-ASCII character `\uXXXX`-escaped (RFC 8259 §7), so it fits
+/// an HTTP header or trailer value; `serde_json` reads it back unchanged.
+pub fn ascii_json(e: &FsError) -> String {
+    let json = serde_json::to_string(e).expect("FsError serialises");
+    let mut out = String::with_capacity(json.len());
+    for c in json.chars() {
+        if c.is_ascii() && !c.is_ascii_control() {
+            out.push(c);
+        } else {
+            let mut units = [0u16; 2];
+            for u in c.encode_utf16(&mut units) {
+                out.push_str(&format!("\\u{u:04x}"));
+            }
+        }
+    }
+    out
 }
 
 #[cfg(test)]
@@ -221,5 +336,24 @@ mod tests {
         let mut d = FrameDecoder::default();
         d.push(&[1, 0xff, 0xff, 0xff, 0xff]);
         assert!(matches!(d.next_frame(), Err(FrameError::TooLarge(_))));
+    }
+
+    #[test]
+    fn ascii_json_round_trips_any_message() {
+        let e = FsError::new(FsCode::NotFound, "no such file: /workspace/ü 😀\u{1}");
+        let a = ascii_json(&e);
+        assert!(a.bytes().all(|b| (0x20..0x7f).contains(&b)), "{a}");
+        let back: FsError = serde_json::from_str(&a).unwrap();
+        assert_eq!(back, e);
+    }
+
+    #[test]
+    fn rest_after_a_spec_frame_is_raw() {
+        let mut wire = encode(FrameKind::Spec, b"{}");
+        wire.extend_from_slice(b"raw bytes");
+        let mut d = FrameDecoder::default();
+        d.push(&wire);
+        assert_eq!(d.next_frame().unwrap().unwrap().kind, FrameKind::Spec);
+        assert_eq!(d.into_rest(), b"raw bytes");
     }
 }

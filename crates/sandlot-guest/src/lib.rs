@@ -7,4 +7,5 @@
 #![deny(missing_docs)]
 
 pub mod agent_proto;
+pub mod sandbox_fs;
 pub mod spec;

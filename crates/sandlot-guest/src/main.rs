@@ -6,6 +6,7 @@
 //! `exec` helpers, so its runtime threads never meet those calls.
 
 mod agent;
+mod agent_files;
 mod exec;
 mod fsrules;
 mod host;

@@ -9,7 +9,8 @@ use hyper::client::conn::http2::SendRequest;
 use hyper::{Method, Request, StatusCode};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use sandlot_guest::agent_proto::{
-    encode, ExecExit, ExecRequest, Frame, FrameDecoder, FrameKind, PATH_EXEC, PATH_PING,
+    encode, ExecExit, ExecRequest, FileInfo, Frame, FrameDecoder, FrameKind, FsCode, FsError,
+    PATH_EXEC, PATH_PING,
 };
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -182,6 +183,189 @@ impl AgentClient {
             dec: FrameDecoder::default(),
             socket: self.socket.clone(),
         })
+    }
+}
+
+/// File calls (`/v1/files/...`). Errors come back as the agent's [`FsError`] (its stable
+/// code and message); a call that never reached the agent, or an answer that is not an
+/// `FsError`, is [`FsCode::Internal`] naming the socket.
+impl AgentClient {
+    fn fs_internal(&self, what: &str, e: impl std::fmt::Display) -> FsError {
+        FsError {
+            code: FsCode::Internal,
+            message: format!("guest agent at {}: {what}", self.socket.display()),
+            cause: Some(e.to_string()),
+        }
+    }
+
+    /// One file call: `body` to `path`; the 2xx answer's body bytes, or the error.
+    async fn fs_call(&self, path: &str, body: Bytes) -> Result<hyper::Response<Incoming>, FsError> {
+        let resp = self
+            .call(Method::POST, path, body)
+            .await
+            .map_err(|e| self.fs_internal(path, e))?;
+        if resp.status().is_success() {
+            return Ok(resp);
+        }
+        let status = resp.status();
+        let bytes = resp
+            .into_body()
+            .collect()
+            .await
+            .map(|b| b.to_bytes())
+            .unwrap_or_default();
+        Err(
+            serde_json::from_slice::<FsError>(&bytes).unwrap_or_else(|_| {
+                self.fs_internal(
+                    path,
+                    format!("{status}: {}", String::from_utf8_lossy(&bytes)),
+                )
+            }),
+        )
+    }
+
+    async fn fs_json<T: serde::de::DeserializeOwned>(
+        &self,
+        path: &str,
+        req: &impl serde::Serialize,
+    ) -> Result<T, FsError> {
+        let body = serde_json::to_vec(req).expect("request serialises");
+        let resp = self.fs_call(path, body.into()).await?;
+        let bytes = resp
+            .into_body()
+            .collect()
+            .await
+            .map_err(|e| self.fs_internal(path, e))?
+            .to_bytes();
+        serde_json::from_slice(&bytes).map_err(|e| self.fs_internal(path, e))
+    }
+
+    async fn fs_empty(&self, path: &str, req: &impl serde::Serialize) -> Result<(), FsError> {
+        let body = serde_json::to_vec(req).expect("request serialises");
+        let resp = self.fs_call(path, body.into()).await?;
+        resp.into_body()
+            .collect()
+            .await
+            .map_err(|e| self.fs_internal(path, e))?;
+        Ok(())
+    }
+
+    /// Reads the regular file at `path` (absolute, or relative to `/workspace`), at most
+    /// `max_bytes` bytes; memory grows with the bytes received.
+    ///
+    /// # Errors
+    /// The agent's: `not_found`, `invalid_argument` (directory, not a regular file, special
+    /// file system, refused directory, bad path), `payload_too_large` (over `max_bytes`,
+    /// also when the file grows during the read), `permission_denied`, `internal`.
+    pub async fn read_file(&self, path: &str, max_bytes: u64) -> Result<Vec<u8>, FsError> {
+        use sandlot_guest::agent_proto::{ReadFileRequest, PATH_FILES_READ, TRAILER_ERROR};
+        let req = ReadFileRequest {
+            path: path.to_string(),
+            max_bytes,
+        };
+        let body = serde_json::to_vec(&req).expect("request serialises");
+        let mut body = self
+            .fs_call(PATH_FILES_READ, body.into())
+            .await?
+            .into_body();
+        let mut data = Vec::new();
+        while let Some(frame) = body.frame().await {
+            let frame = frame.map_err(|e| self.fs_internal("read body", e))?;
+            match frame.into_data() {
+                Ok(d) => {
+                    if (data.len() + d.len()) as u64 > max_bytes {
+                        return Err(FsError::new(
+                            FsCode::PayloadTooLarge,
+                            format!("file is over {max_bytes} bytes; limit {max_bytes}: {path}"),
+                        ));
+                    }
+                    data.extend_from_slice(&d);
+                }
+                Err(frame) => {
+                    if let Some(v) = frame.trailers_ref().and_then(|t| t.get(TRAILER_ERROR)) {
+                        return Err(serde_json::from_slice(v.as_bytes())
+                            .unwrap_or_else(|e| self.fs_internal("read error trailer", e)));
+                    }
+                }
+            }
+        }
+        Ok(data)
+    }
+
+    /// Writes `data` to `path` atomically and durably (the agent answers after the rename
+    /// and the directory's fsync), creating missing parents. `max_bytes` is the agent-side
+    /// limit (`payload_too_large` past it).
+    ///
+    /// # Errors
+    /// The agent's: `invalid_argument` (a directory, a special file system, a refused
+    /// directory, bad path), `not_found`, `permission_denied`, `resource_exhausted` (the
+    /// sandbox's space), `payload_too_large`, `internal`.
+    pub async fn write_file(&self, path: &str, data: &[u8], max_bytes: u64) -> Result<(), FsError> {
+        use sandlot_guest::agent_proto::{WriteFileRequest, PATH_FILES_WRITE};
+        let req = WriteFileRequest {
+            path: path.to_string(),
+            max_bytes,
+        };
+        let spec = serde_json::to_vec(&req).expect("request serialises");
+        let mut body = encode(FrameKind::Spec, &spec);
+        body.extend_from_slice(data);
+        let resp = self.fs_call(PATH_FILES_WRITE, body.into()).await?;
+        resp.into_body()
+            .collect()
+            .await
+            .map_err(|e| self.fs_internal("write", e))?;
+        Ok(())
+    }
+
+    /// Lists the directory at `path`, sorted by name (entries not followed).
+    ///
+    /// # Errors
+    /// `not_found`, `invalid_argument` (not a directory, special file system, refused),
+    /// `permission_denied`, `internal`.
+    pub async fn list_dir(&self, path: &str) -> Result<Vec<FileInfo>, FsError> {
+        use sandlot_guest::agent_proto::{PathRequest, PATH_FILES_LIST};
+        self.fs_json(PATH_FILES_LIST, &PathRequest { path: path.into() })
+            .await
+    }
+
+    /// Facts of `path` (symlinks followed inside the root).
+    ///
+    /// # Errors
+    /// `not_found`, `invalid_argument`, `permission_denied`, `internal`.
+    pub async fn stat(&self, path: &str) -> Result<FileInfo, FsError> {
+        use sandlot_guest::agent_proto::{PathRequest, PATH_FILES_STAT};
+        self.fs_json(PATH_FILES_STAT, &PathRequest { path: path.into() })
+            .await
+    }
+
+    /// Creates the directory `path` (`parents`: `mkdir -p`).
+    ///
+    /// # Errors
+    /// `not_found` (missing parent without `parents`), `conflict` (exists, or a
+    /// non-directory in the way), `invalid_argument`, `permission_denied`,
+    /// `resource_exhausted`, `internal`.
+    pub async fn mkdir(&self, path: &str, parents: bool) -> Result<(), FsError> {
+        use sandlot_guest::agent_proto::{MkdirRequest, PATH_FILES_MKDIR};
+        self.fs_empty(
+            PATH_FILES_MKDIR,
+            &MkdirRequest {
+                path: path.into(),
+                parents,
+            },
+        )
+        .await
+    }
+
+    /// Removes a file, a symlink, or a directory recursively.
+    ///
+    /// # Errors
+    /// `not_found`, `invalid_argument` (`/`, a protected directory, a mount point, special
+    /// file system), `conflict` (a directory that keeps filling), `permission_denied`,
+    /// `internal`.
+    pub async fn remove(&self, path: &str) -> Result<(), FsError> {
+        use sandlot_guest::agent_proto::{PathRequest, PATH_FILES_REMOVE};
+        self.fs_empty(PATH_FILES_REMOVE, &PathRequest { path: path.into() })
+            .await
     }
 }
 

@@ -11,6 +11,7 @@
 pub mod agent_client;
 pub mod backends;
 pub mod cgroups;
+pub mod disk;
 pub mod dns;
 pub mod files;
 pub mod images;

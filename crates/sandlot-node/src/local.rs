@@ -201,6 +201,7 @@ impl LocalNode {
                 ContainerConfig {
                     dir: cfg.data_dir.join("containers"),
                     state_root: cfg.data_dir.join("runtime"),
+                    disk_templates: cfg.data_dir.join("disk-templates"),
                     agent_bin: cfg.agent_bin.clone(),
                     default_runtime: cfg.default_runtime,
                 },
@@ -402,6 +403,14 @@ impl Node for LocalNode {
 
     async fn remove_file(&self, id: &str, path: &str) -> NodeResult<()> {
         self.owner(id)?.remove_file(id, path).await
+    }
+
+    async fn stat_file(&self, id: &str, path: &str) -> NodeResult<FileEntry> {
+        self.owner(id)?.stat_file(id, path).await
+    }
+
+    async fn make_dir(&self, id: &str, path: &str, parents: bool) -> NodeResult<()> {
+        self.owner(id)?.make_dir(id, path, parents).await
     }
 
     async fn pause(&self, id: &str) -> NodeResult<()> {

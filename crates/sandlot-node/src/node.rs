@@ -169,6 +169,23 @@ pub trait Node: Send + Sync + 'static {
     /// Remove a file, or a directory recursively.
     async fn remove_file(&self, id: &str, path: &str) -> NodeResult<()>;
 
+    /// Facts of the file or directory at `path` (symlinks followed inside the root; `name`
+    /// is the path's last component, `/` for the root).
+    ///
+    /// # Errors
+    /// `NotFound` when missing; `InvalidArgument` (bad path, special file system, refused
+    /// directory); `PermissionDenied`; `Internal`.
+    async fn stat_file(&self, id: &str, path: &str) -> NodeResult<FileEntry>;
+
+    /// Create the directory `path` (owned by the sandbox's root, mode 0755). `parents`:
+    /// create missing ancestors too and accept an existing directory (`mkdir -p`).
+    ///
+    /// # Errors
+    /// `NotFound` (missing parent without `parents`); `Conflict` (exists without
+    /// `parents`, or a non-directory is in the way); `InvalidArgument`; `PermissionDenied`;
+    /// `ResourceExhausted` (the sandbox's space); `Internal`.
+    async fn make_dir(&self, id: &str, path: &str, parents: bool) -> NodeResult<()>;
+
     /// Pause: freeze every process of the sandbox (cgroup freezer; later backends: the VM's
     /// vCPUs). A paused sandbox uses no CPU; exec and file calls answer
     /// [`NodeError::Conflict`] ("sandbox is paused") until [`Node::resume`]; an exec already

@@ -154,6 +154,14 @@ impl Node for BudgetNode {
         self.inner.remove_file(id, path).await
     }
 
+    async fn stat_file(&self, id: &str, path: &str) -> NodeResult<FileEntry> {
+        self.inner.stat_file(id, path).await
+    }
+
+    async fn make_dir(&self, id: &str, path: &str, parents: bool) -> NodeResult<()> {
+        self.inner.make_dir(id, path, parents).await
+    }
+
     async fn pause(&self, id: &str) -> NodeResult<()> {
         self.inner.pause(id).await
     }

@@ -1,10 +1,13 @@
-//! Audit events: an in-memory ring of the last [`RING_CAPACITY`] events and
+//! Audit events: a durable SQLite log (`events.db` in the data directory) fronted by an
+//! in-memory ring of the last [`RING_CAPACITY`] events, and
 //! `GET /v1/events?sandbox=&kind=&since=&limit=`.
 //!
-//! **Not durable**: the ring lives in the server process; a restart empties it and ids start
-//! again at 1 (clients holding a cursor from before the restart get everything after that
-//! id of the new process). Operators who need a permanent record should scrape the route or
-//! ship the JSON logs, which carry the same facts.
+//! **Durable**: each event is inserted (WAL, `synchronous=NORMAL`: it survives a crash of
+//! the server process; a power loss may lose the last transactions) before [`EventLog::push`]
+//! returns, so ids keep increasing across restarts and a cursor taken before a restart stays
+//! valid. The log keeps the newest [`RETENTION`] events (older rows are pruned). Queries the
+//! ring can answer never touch the database; older ones read it. An insert that fails (disk
+//! full) is logged at ERROR and the event is still kept in the ring.
 //!
 //! Event (JSON): `{"id": N, "time": RFC 3339 UTC with ms, "kind": K, "sandbox": ID|null,
 //! "backend": B|null, ...fields of the kind}`. Kinds and their fields:
@@ -29,22 +32,28 @@
 use crate::error::{ApiResult, Json, Query, ServerError};
 use crate::SharedState;
 use axum::extract::State;
+use rusqlite::{params, Connection, OptionalExtension};
 use sandlot_api::{ApiError, Backend, ExecRequest, ExecResult};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 use sha2::{Digest, Sha256};
 use std::collections::VecDeque;
+use std::path::Path;
 use std::sync::Mutex;
 
-/// Events kept in memory; older ones are dropped.
+/// Events kept in memory (the newest); older ones are read from the database.
 pub const RING_CAPACITY: usize = 10_000;
+/// Events kept in the database (the newest); older rows are pruned.
+pub const RETENTION: u64 = 1_000_000;
+/// Pushes between two prunes of the database.
+const PRUNE_EVERY: u64 = 1_000;
 /// Largest `limit`.
 pub const MAX_LIMIT: usize = 1000;
 
 /// One audit event.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Event {
-    /// Increasing id, from 1 per server process.
+    /// Increasing id, from 1, kept across restarts (the log is durable).
     pub id: u64,
     /// RFC 3339 UTC time with milliseconds.
     pub time: String,
@@ -62,7 +71,8 @@ pub struct Event {
     pub fields: Map<String, Value>,
 }
 
-/// The ring (a mutex held only for pushes and copies, never across an `.await`).
+/// The log: ring plus database (a mutex held for one insert or one query, never across an
+/// `.await`). [`EventLog::default`] is memory-only (unit tests of other logic).
 #[derive(Default)]
 pub struct EventLog {
     inner: Mutex<Ring>,
@@ -72,6 +82,122 @@ pub struct EventLog {
 struct Ring {
     next_id: u64,
     events: VecDeque<Event>,
+    db: Option<Connection>,
+    /// Lowest id still in the database (ids below it were pruned or never existed).
+    db_first_id: u64,
+}
+
+/// Which database rows a query reads: ids in (`after`, `before`), time at or after
+/// `from_ms`, at most `limit`, oldest or newest first.
+#[derive(Clone, Copy)]
+struct Window {
+    after: u64,
+    from_ms: i64,
+    before: u64,
+    newest_first: bool,
+    limit: usize,
+}
+
+impl Window {
+    /// Every row, newest first, at most `limit`.
+    fn newest(limit: usize) -> Window {
+        Window {
+            after: 0,
+            from_ms: i64::MIN,
+            before: u64::MAX,
+            newest_first: true,
+            limit,
+        }
+    }
+}
+
+impl Ring {
+    /// Whether the ring holds every stored event with an id above `id`.
+    fn covers_after(&self, id: u64) -> bool {
+        match self.events.front() {
+            None => true,
+            Some(f) => self.db.is_none() || f.id <= id.saturating_add(1).max(self.db_first_id),
+        }
+    }
+
+    /// Whether the ring holds every stored event (nothing older is in the database).
+    fn covers_all(&self) -> bool {
+        self.covers_after(0)
+    }
+
+    fn insert(&mut self, e: &Event) {
+        let Some(db) = &self.db else { return };
+        let body = serde_json::to_string(e).expect("event serializes");
+        let r = db
+            .prepare_cached(
+                "INSERT INTO events (id, time_ms, kind, sandbox, body) VALUES (?1, ?2, ?3, ?4, ?5)",
+            )
+            .and_then(|mut st| st.execute(params![e.id, e.time_ms, e.kind, e.sandbox, body]));
+        if let Err(err) = r {
+            tracing::error!(event_id = e.id, error = %err, "audit event not written to the events database; kept in memory only");
+        }
+        if e.id.is_multiple_of(PRUNE_EVERY) && e.id > RETENTION {
+            let first = e.id - RETENTION + 1;
+            match db.execute("DELETE FROM events WHERE id < ?1", params![first]) {
+                Ok(_) => self.db_first_id = first,
+                Err(err) => tracing::warn!(error = %err, "pruning the events database failed"),
+            }
+        }
+    }
+
+    /// Read the rows of `w` matching `sandbox` and `kind` from the database. Rows that fail
+    /// to parse are skipped with a warning.
+    fn select(&self, sandbox: Option<&str>, kind: Option<&str>, w: Window) -> Vec<Event> {
+        let Window {
+            after,
+            from_ms,
+            before,
+            newest_first,
+            limit,
+        } = w;
+        let Some(db) = &self.db else {
+            return Vec::new();
+        };
+        let sql = format!(
+            "SELECT body, time_ms FROM events WHERE (?1 IS NULL OR sandbox = ?1) \
+             AND (?2 IS NULL OR kind = ?2) AND id > ?3 AND time_ms >= ?4 AND id < ?5 \
+             ORDER BY id {} LIMIT ?6",
+            if newest_first { "DESC" } else { "ASC" }
+        );
+        let rows = db.prepare_cached(&sql).and_then(|mut st| {
+            st.query_map(
+                params![
+                    sandbox,
+                    kind,
+                    after.min(i64::MAX as u64),
+                    from_ms,
+                    before.min(i64::MAX as u64),
+                    limit as i64
+                ],
+                |r| Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?)),
+            )?
+            .collect::<Result<Vec<_>, _>>()
+        });
+        match rows {
+            Ok(rows) => rows
+                .into_iter()
+                .filter_map(|(body, ms)| match serde_json::from_str::<Event>(&body) {
+                    Ok(mut e) => {
+                        e.time_ms = ms;
+                        Some(e)
+                    }
+                    Err(err) => {
+                        tracing::warn!(error = %err, "unreadable row in the events database skipped");
+                        None
+                    }
+                })
+                .collect(),
+            Err(err) => {
+                tracing::error!(error = %err, "reading the events database failed; answering from memory");
+                Vec::new()
+            }
+        }
+    }
 }
 
 /// SHA-256 hex of the JSON of an exec's `cmd` (argv list or shell string).
@@ -84,7 +210,51 @@ pub fn command_digest(req: &ExecRequest) -> String {
 }
 
 impl EventLog {
-    /// Record an event; returns its id.
+    /// Open (creating if needed) the events database at `path` and load its newest
+    /// [`RING_CAPACITY`] events into the ring; ids continue after the highest stored one.
+    ///
+    /// # Errors
+    /// The file cannot be opened or its schema applied.
+    pub fn open(path: &Path) -> anyhow::Result<EventLog> {
+        use anyhow::Context;
+        let db = Connection::open(path)
+            .and_then(|c| {
+                c.execute_batch(
+                    "PRAGMA journal_mode=WAL;
+                     PRAGMA synchronous=NORMAL;
+                     PRAGMA busy_timeout=5000;
+                     CREATE TABLE IF NOT EXISTS events (
+                        id INTEGER PRIMARY KEY, time_ms INTEGER NOT NULL, kind TEXT NOT NULL,
+                        sandbox TEXT, body TEXT NOT NULL);
+                     CREATE INDEX IF NOT EXISTS events_sandbox ON events(sandbox, id);
+                     CREATE INDEX IF NOT EXISTS events_kind ON events(kind, id);
+                     CREATE INDEX IF NOT EXISTS events_time ON events(time_ms);",
+                )?;
+                Ok(c)
+            })
+            .with_context(|| format!("open events database {}", path.display()))?;
+        let (first, last): (Option<u64>, Option<u64>) = db
+            .query_row("SELECT MIN(id), MAX(id) FROM events", [], |r| {
+                Ok((r.get(0)?, r.get(1)?))
+            })
+            .optional()
+            .with_context(|| format!("read events database {}", path.display()))?
+            .unwrap_or((None, None));
+        let mut ring = Ring {
+            next_id: last.unwrap_or(0),
+            db_first_id: first.unwrap_or(1),
+            db: Some(db),
+            ..Ring::default()
+        };
+        let mut tail = ring.select(None, None, Window::newest(RING_CAPACITY));
+        tail.reverse();
+        ring.events = tail.into();
+        Ok(EventLog {
+            inner: Mutex::new(ring),
+        })
+    }
+
+    /// Record an event (durably, see module docs); returns its id.
     pub fn push(
         &self,
         kind: &str,
@@ -99,7 +269,7 @@ impl EventLog {
         if ring.events.len() >= RING_CAPACITY {
             ring.events.pop_front();
         }
-        ring.events.push_back(Event {
+        let e = Event {
             id,
             time: now.to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
             time_ms: now.timestamp_millis(),
@@ -107,7 +277,9 @@ impl EventLog {
             sandbox: sandbox.map(str::to_owned),
             backend: backend.map(|b| b.as_str().to_owned()),
             fields,
-        });
+        };
+        ring.insert(&e);
+        ring.events.push_back(e);
         id
     }
 
@@ -131,14 +303,26 @@ impl EventLog {
                 }
         };
         match since {
-            Since::After(_) => {
-                let out: Vec<Event> = ring
-                    .events
-                    .iter()
-                    .filter(keep)
-                    .take(limit)
-                    .cloned()
-                    .collect();
+            Since::After(after) => {
+                let mut out: Vec<Event> = if ring.covers_after(*after) {
+                    ring.events
+                        .iter()
+                        .filter(keep)
+                        .take(limit)
+                        .cloned()
+                        .collect()
+                } else {
+                    ring.select(
+                        sandbox,
+                        kind,
+                        Window {
+                            after: *after,
+                            newest_first: false,
+                            ..Window::newest(limit)
+                        },
+                    )
+                };
+                out.truncate(limit);
                 let next = if out.len() == limit {
                     out.last().map_or(newest, |e| e.id)
                 } else {
@@ -155,6 +339,19 @@ impl EventLog {
                     .take(limit)
                     .cloned()
                     .collect();
+                let from_ms = match since {
+                    Since::AtOrAfterMs(t) => *t,
+                    _ => i64::MIN,
+                };
+                let ring_reaches_back = ring.events.front().is_some_and(|f| f.time_ms < from_ms);
+                if out.len() < limit && !ring.covers_all() && !ring_reaches_back {
+                    let w = Window {
+                        from_ms,
+                        before: ring.events.front().map_or(u64::MAX, |f| f.id),
+                        ..Window::newest(limit - out.len())
+                    };
+                    out.extend(ring.select(sandbox, kind, w));
+                }
                 out.reverse();
                 (out, newest)
             }

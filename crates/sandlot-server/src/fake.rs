@@ -255,6 +255,36 @@ impl Node for FakeNode {
             .ok_or_else(|| NodeError::NotFound(format!("no file {path}")))
     }
 
+    async fn stat_file(&self, id: &str, path: &str) -> NodeResult<FileEntry> {
+        let prefix = format!("{}/", path.trim_end_matches('/'));
+        let name = path.rsplit('/').next().unwrap_or(path).to_owned();
+        self.files(id, |f| {
+            if let Some(d) = f.get(path) {
+                Some((FileType::File, d.len() as u64))
+            } else if f.keys().any(|k| k.starts_with(&prefix)) {
+                Some((FileType::Dir, 0))
+            } else {
+                None
+            }
+        })?
+        .map(|(kind, size)| FileEntry {
+            name,
+            kind,
+            size,
+            mode: if kind == FileType::Dir { 0o755 } else { 0o644 },
+            mtime: 0,
+        })
+        .ok_or_else(|| NodeError::NotFound(format!("no file {path}")))
+    }
+
+    async fn make_dir(&self, id: &str, path: &str, _parents: bool) -> NodeResult<()> {
+        // Directories are implicit in the fake's flat map.
+        if path.contains("..") {
+            return Err(NodeError::InvalidArgument(format!("path {path:?} escapes")));
+        }
+        self.files(id, |_| ())
+    }
+
     async fn pause(&self, id: &str) -> NodeResult<()> {
         if !self.sandboxes.lock().unwrap().contains_key(id) {
             return Err(NodeError::NotFound(format!("no sandbox {id}")));

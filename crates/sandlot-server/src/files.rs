@@ -161,3 +161,56 @@ pub async fn list(
         _ => Err(wrong_kind(&q)),
     }
 }
+
+/// `?path=P` of `…/files/stat` (not logged in trajectories, so no `step`).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StatQuery {
+    /// Path inside the sandbox.
+    pub path: Option<String>,
+}
+
+/// `GET …/files/stat?path=P` → `FileEntry` JSON `{"name","type","size","mode","mtime"}` of
+/// the path (symlinks followed inside the sandbox; `name` is the last component, `/` for
+/// the root). Not logged in trajectories.
+pub async fn stat(
+    State(st): State<SharedState>,
+    Path(id): Path<String>,
+    Query(q): Query<StatQuery>,
+) -> ApiResult<Response> {
+    let path = match q.path {
+        Some(p) if !p.is_empty() => p,
+        _ => return Err(ServerError::invalid("missing query parameter `path`")),
+    };
+    let rec = running(&st, &id)?;
+    let entry = st.node.stat_file(&rec.id, &path).await?;
+    Ok(Json(entry).into_response())
+}
+
+/// `?path=P[&parents=true]` of `…/files/mkdir`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MkdirQuery {
+    /// Path inside the sandbox.
+    pub path: Option<String>,
+    /// Create missing parents and accept an existing directory (`mkdir -p`); default false.
+    #[serde(default)]
+    pub parents: bool,
+}
+
+/// `POST …/files/mkdir?path=P[&parents=true]` → 204. Without `parents`: 404 `not_found` when
+/// the parent is missing, 409 `conflict` when the path exists; with it, 409 only when a
+/// non-directory is in the way. Not logged in trajectories.
+pub async fn mkdir(
+    State(st): State<SharedState>,
+    Path(id): Path<String>,
+    Query(q): Query<MkdirQuery>,
+) -> ApiResult<Response> {
+    let path = match q.path {
+        Some(p) if !p.is_empty() => p,
+        _ => return Err(ServerError::invalid("missing query parameter `path`")),
+    };
+    let rec = running(&st, &id)?;
+    st.node.make_dir(&rec.id, &path, q.parents).await?;
+    Ok(StatusCode::NO_CONTENT.into_response())
+}

@@ -166,7 +166,7 @@ pub struct AppState {
     pub last_traj_gc_ms: std::sync::atomic::AtomicI64,
     /// Prometheus metrics ([`metrics`]).
     pub metrics: metrics::Metrics,
-    /// Audit events, in memory ([`events`]).
+    /// Audit events, durable in `events.db` ([`events`]).
     pub events: events::EventLog,
 }
 
@@ -195,6 +195,7 @@ impl AppState {
         let budget_node = Arc::new(budget::BudgetNode::new(node, file_budget.clone()));
         let node: Arc<dyn Node> = budget_node.clone();
         let run_code_gate = run_code::Gate::new(cfg.run_code_concurrency, cfg.run_code_queue);
+        let events = events::EventLog::open(&cfg.data_dir.join("events.db"))?;
         Ok(Arc::new(AppState {
             cfg,
             node,
@@ -208,7 +209,7 @@ impl AppState {
             traj_locks: Default::default(),
             last_traj_gc_ms: std::sync::atomic::AtomicI64::new(now_ms()),
             metrics: metrics::Metrics::new(),
-            events: events::EventLog::default(),
+            events,
         }))
     }
 }
@@ -259,6 +260,8 @@ pub fn router(state: SharedState) -> Router {
                 .layer(DefaultBodyLimit::max(state.cfg.max_file_bytes)),
         )
         .route("/v1/sandboxes/{id}/files/list", get(files::list))
+        .route("/v1/sandboxes/{id}/files/stat", get(files::stat))
+        .route("/v1/sandboxes/{id}/files/mkdir", post(files::mkdir))
         .route("/v1/sandboxes:pause", post(pause::pause))
         .route("/v1/sandboxes:resume", post(pause::resume))
         .route(

@@ -983,6 +983,8 @@ async fn health_routes() {
         "/v1/sandboxes/{id}/exec",
         "/v1/sandboxes/{id}/files",
         "/v1/sandboxes/{id}/files/list",
+        "/v1/sandboxes/{id}/files/stat",
+        "/v1/sandboxes/{id}/files/mkdir",
         "/run_code",
         "/v1/ping",
         "/healthz",

@@ -138,9 +138,7 @@ pub async fn index(State(st): State<SharedState>) -> ApiResult<impl IntoResponse
         &["id", "backend", "state", "image", "labels", "expires"],
         &rows,
     );
-    html.push_str(
-        "<h2>Recent events (newest first; in memory, not durable)</h2><table id=\"events\"></table>",
-    );
+    html.push_str("<h2>Recent events (newest first)</h2><table id=\"events\"></table>");
     let _ = write!(html, "<script>{SCRIPT}</script></body></html>");
     Ok((
         [

@@ -390,6 +390,24 @@ class Sandbox(_base.SandboxFields):
         except (KeyError, TypeError) as e:
             raise ProtocolError(f"bad file list {body!r:.300}") from e
 
+    def stat(self, path: str) -> FileEntry:
+        """Facts of ``path`` as a :class:`FileEntry` (``name`` is its last component, ``/``
+        for the root; symlinks are followed inside the sandbox). Raises NotFound when
+        missing, InvalidArgument for a refused path. Not a trajectory step."""
+        resp = self._client._request("GET", self._path("/files/stat"),
+                                         params={"path": path}, work_s=30)
+        return FileEntry.from_json(_base.json_of(resp))
+
+    def mkdir(self, path: str, parents: bool = False) -> None:
+        """Create directory ``path`` (mode 0755, owned by the sandbox's root). With
+        ``parents``, missing ancestors are created too and an existing directory is fine
+        (``mkdir -p``). Raises NotFound (parent missing, without ``parents``), Conflict
+        (exists, or a non-directory is in the way), InvalidArgument (refused path). Not a
+        trajectory step."""
+        self._client._request("POST", self._path("/files/mkdir"),
+                                   params={"path": path, "parents": "true" if parents else "false"},
+                                   work_s=30)
+
     def remove(self, path: str, step: Optional[int] = None) -> None:
         """Remove a file, or a directory recursively. A trajectory step like :meth:`exec`."""
         self._logged("DELETE", "/files", path, step, True, 30)

@@ -53,7 +53,7 @@ use super::uids::{UidLease, UidSlots};
 use super::SandboxBackend;
 use crate::agent_client::{AgentClient, ExecChunk};
 use crate::cgroups::{CgroupRoot, Limits, SandboxCgroup};
-use crate::files::SandboxFs;
+use crate::files::{file_entry, node_error};
 use crate::images::Image;
 use crate::net::{NetConfig, NetworkManager};
 use crate::node::{ExecSink, NodeError, NodeResult, SandboxSpec, SandboxStatus};
@@ -61,6 +61,7 @@ use crate::output::Capture;
 use async_trait::async_trait;
 use sandlot_api::{Backend, ExecEvent, ExecRequest, ExecResult, FileEntry};
 use sandlot_guest::agent_proto;
+use sandlot_guest::sandbox_fs::FileKind;
 use sandlot_guest::spec::ExecStatus;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
@@ -135,6 +136,8 @@ pub struct ContainerConfig {
     pub dir: PathBuf,
     /// `DATA/runtime`: each runtime's state root (`--root DATA/runtime/<name>`).
     pub state_root: PathBuf,
+    /// `DATA/disk-templates`: one formatted scratch-disk image per size ([`crate::disk`]).
+    pub disk_templates: PathBuf,
     /// The statically linked `sandlot-guest` (bind-mounted into every container).
     pub agent_bin: PathBuf,
     /// Runtime used when a create names none.
@@ -361,14 +364,15 @@ impl ContainerBackend {
         cmd.arg("--root").arg(self.cfg.state_root.join(r.name()));
         if r == Runtime::Runsc {
             // systrap: no KVM needed; the node owns networking (none) and cgroups; writes go
-            // to the host overlay (so the node's files API and disk accounting see them).
+            // to the host overlay (so the disk quota and accounting see them).
             cmd.args([
                 "--platform=systrap",
                 "--network=none",
                 "--ignore-cgroups",
                 "--overlay2=none",
-                // The node edits the rootfs from the host (files API): no caching that
-                // assumes exclusive access.
+                // No caching that assumes exclusive access to the host overlay. The files
+                // API now goes through the agent (inside gVisor); kept until measured
+                // without it.
                 "--file-access=shared",
                 // The agent binds its socket in a host directory (see `agent_socket`).
                 "--host-uds=create",
@@ -403,6 +407,7 @@ impl ContainerBackend {
             let (dir, cg) = (dir.clone(), cg.clone());
             let lowers: Vec<PathBuf> = image.layers.clone();
             let disk_mib = spec.disk_mib;
+            let templates = self.cfg.disk_templates.clone();
             spawn_blocking(move || {
                 // Only root and the container's root (group `uid_base`) may walk in: no other
                 // host user reaches the rootfs, the scratch disk or the socket.
@@ -411,7 +416,7 @@ impl ContainerBackend {
                         std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o710))
                     })
                     .map_err(|e| NodeError::io(format!("chmod {}", dir.display()), e))?;
-                mount_scratch(&dir, disk_mib)?;
+                mount_scratch(&templates, &dir, disk_mib)?;
                 make_layer_dirs(&dir.join("scratch"), uid_base)?;
                 own_dir(&dir.join("rootfs"), uid_base, 0o755)?;
                 mount_overlay(&dir, &lowers)?;
@@ -454,11 +459,6 @@ impl ContainerBackend {
         let netns = match &spec.network {
             sandlot_api::NetworkPolicy::None => None,
             sandlot_api::NetworkPolicy::Allow(policy) => {
-                if runtime == Runtime::Runsc {
-                    return Err(NodeError::InvalidArgument(
-                        "network allow policies are not supported with runtime runsc yet (gVisor runs with --network=none); use runc".into(),
-                    ));
-                }
                 let net = self.net().await?;
                 let path = dir.join("netns");
                 let p = path.clone();
@@ -490,6 +490,14 @@ impl ContainerBackend {
             .open(dir.join("agent.log"))
             .map_err(|e| NodeError::io(format!("create {}/agent.log", dir.display()), e))?;
         let mut cmd = self.runtime_cmd(runtime, bin);
+        if runtime == Runtime::Runsc && netns.is_some() {
+            // gVisor's sentry joins the namespace the node made and uses the kernel's
+            // network stack there (hostinet; the later flag wins over `--network=none`).
+            // Its own netstack (`--network=sandbox`) would be the deeper layer, but
+            // runsc 20240729 refuses it on this kernel: it takes any namespace that has
+            // /proc/sys/net/core/rmem_default for the host's (fixed in gVisor 20240801).
+            cmd.arg("--network=host");
+        }
         cmd.arg("run")
             .arg("--detach")
             .arg("--bundle")
@@ -663,37 +671,6 @@ impl ContainerBackend {
     }
 }
 
-/// `/dev`, `/proc`, `/sys` or `/.sandlot` when `path` (relative paths are under /workspace;
-/// `..` collapsed lexically) lies in one of them: file systems a runsc sandbox's kernel
-/// provides itself, which the host-side files API cannot see, and the agent's own files
-/// (with runc they are read-only mounts the files API refuses anyway).
-fn runtime_mount_of(path: &str) -> Option<&'static str> {
-    let mut parts: Vec<&str> = Vec::new();
-    let abs = if path.starts_with('/') {
-        path.to_string()
-    } else {
-        format!("{}/{path}", crate::files::WORKDIR)
-    };
-    for c in abs.split('/') {
-        match c {
-            "" | "." => {}
-            ".." => {
-                parts.pop();
-            }
-            c => parts.push(c),
-        }
-    }
-    ["dev", "proc", "sys", ".sandlot"]
-        .into_iter()
-        .find(|m| parts.first() == Some(m))
-        .map(|m| match m {
-            "dev" => "/dev",
-            "proc" => "/proc",
-            "sys" => "/sys",
-            _ => "/.sandlot",
-        })
-}
-
 /// Host path of the agent's socket of the container in `dir`.
 fn agent_socket(dir: &Path, runtime: Runtime) -> PathBuf {
     match runtime {
@@ -702,46 +679,23 @@ fn agent_socket(dir: &Path, runtime: Runtime) -> PathBuf {
     }
 }
 
-/// The container's writable layer with its disk quota: `dir/disk.img`, a sparse file of
-/// `disk_mib` MiB formatted as ext4 (no journal: scratch data does not outlive the
-/// sandbox; no reserved blocks: the quota is the same for every uid), loop-mounted at
-/// `dir/scratch` (`nosuid,nodev`; the loop device is released with the mount). Writing past
-/// it gives ENOSPC inside the sandbox, which stays usable, and deleting files frees space.
-/// The image's own inode count (ext4's default ratio) also bounds inode exhaustion.
-fn mount_scratch(dir: &Path, disk_mib: u64) -> NodeResult<()> {
-    let img = dir.join("disk.img");
+/// The container's writable layer with its disk quota: `dir/disk.img`, a sparse ext4 image
+/// of `disk_mib` MiB ([`crate::disk`]: cloned from a per-size template), loop-mounted at
+/// `dir/scratch` (`nosuid,nodev,noatime`; the loop device is released with the mount).
+/// Writing past it gives ENOSPC inside the sandbox, which stays usable, and deleting files
+/// frees space. The image's own inode count (ext4's default ratio) also bounds inode
+/// exhaustion.
+fn mount_scratch(templates: &Path, dir: &Path, disk_mib: u64) -> NodeResult<()> {
     let mnt = dir.join("scratch");
-    std::fs::File::create(&img)
-        .and_then(|f| f.set_len(disk_mib << 20))
-        .map_err(|e| NodeError::io(format!("create {}", img.display()), e))?;
     std::fs::create_dir(&mnt).map_err(|e| NodeError::io(format!("create {}", mnt.display()), e))?;
-    let run = |cmd: &mut std::process::Command| -> NodeResult<()> {
-        let out = cmd
-            .stdin(Stdio::null())
-            .output()
-            .map_err(|e| NodeError::io(format!("run {:?}", cmd.get_program()), e))?;
-        if out.status.success() {
-            Ok(())
-        } else {
-            Err(NodeError::io(
-                format!(
-                    "{:?}: {}: {}",
-                    cmd.get_program(),
-                    out.status,
-                    String::from_utf8_lossy(&out.stderr).trim()
-                ),
-                std::io::Error::other("scratch disk"),
-            ))
-        }
-    };
-    run(std::process::Command::new("mkfs.ext4")
-        .args(["-q", "-F", "-m", "0", "-O", "^has_journal", "-E"])
-        .arg("lazy_itable_init=1,nodiscard")
-        .arg(&img))?;
-    run(std::process::Command::new("mount")
-        .args(["-o", "loop,nosuid,nodev,noatime"])
-        .arg(&img)
-        .arg(&mnt))
+    let img = dir.join("disk.img");
+    crate::disk::make_image(templates, &img, disk_mib)?;
+    use nix::mount::MsFlags;
+    crate::disk::mount_image(
+        &img,
+        &mnt,
+        MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOATIME,
+    )
 }
 
 /// Mounts the overlay of `lowers` (top-most first) + `dir/upper` at `dir/rootfs`.
@@ -976,8 +930,7 @@ fn bundle_spec(
                 .map_err(bad)?,
         );
         // gVisor mounts a tmpfs of its own on /tmp unless the spec names one; bind the
-        // rootfs's /tmp instead, so /tmp is on the writable layer (and its quota) as in runc
-        // and the node's files API sees what the sandbox sees.
+        // rootfs's /tmp instead, so /tmp is on the writable layer (and its quota) as in runc.
         mounts.push(
             MountBuilder::default()
                 .destination("/tmp")
@@ -1255,29 +1208,54 @@ impl SandboxBackend for ContainerBackend {
     }
 
     async fn read_file(&self, id: &str, path: &str, max_bytes: u64) -> NodeResult<Vec<u8>> {
-        let p = path.to_string();
-        self.with_fs(id, path, move |fs| fs.read(&p, max_bytes))
-            .await
+        let c = self.fs_target(id).await?;
+        c.agent.read_file(path, max_bytes).await.map_err(node_error)
     }
 
     async fn file_size(&self, id: &str, path: &str) -> NodeResult<u64> {
-        let p = path.to_string();
-        self.with_fs(id, path, move |fs| fs.size(&p)).await
+        let c = self.fs_target(id).await?;
+        let st = c.agent.stat(path).await.map_err(node_error)?;
+        let abs = if path.starts_with('/') {
+            path.to_string()
+        } else {
+            format!("{}/{path}", crate::files::WORKDIR)
+        };
+        match st.kind {
+            FileKind::File => Ok(st.size),
+            FileKind::Dir => Err(NodeError::InvalidArgument(format!("is a directory: {abs}"))),
+            _ => Err(NodeError::InvalidArgument(format!(
+                "not a regular file: {abs}"
+            ))),
+        }
     }
 
     async fn write_file(&self, id: &str, path: &str, data: bytes::Bytes) -> NodeResult<()> {
-        let p = path.to_string();
-        self.with_fs(id, path, move |fs| fs.write(&p, &data)).await
+        let c = self.fs_target(id).await?;
+        c.agent
+            .write_file(path, &data, u64::MAX)
+            .await
+            .map_err(node_error)
     }
 
     async fn list_dir(&self, id: &str, path: &str) -> NodeResult<Vec<FileEntry>> {
-        let p = path.to_string();
-        self.with_fs(id, path, move |fs| fs.list(&p)).await
+        let c = self.fs_target(id).await?;
+        let v = c.agent.list_dir(path).await.map_err(node_error)?;
+        Ok(v.into_iter().map(file_entry).collect())
+    }
+
+    async fn stat_file(&self, id: &str, path: &str) -> NodeResult<FileEntry> {
+        let c = self.fs_target(id).await?;
+        c.agent.stat(path).await.map(file_entry).map_err(node_error)
+    }
+
+    async fn make_dir(&self, id: &str, path: &str, parents: bool) -> NodeResult<()> {
+        let c = self.fs_target(id).await?;
+        c.agent.mkdir(path, parents).await.map_err(node_error)
     }
 
     async fn remove_file(&self, id: &str, path: &str) -> NodeResult<()> {
-        let p = path.to_string();
-        self.with_fs(id, path, move |fs| fs.remove(&p)).await
+        let c = self.fs_target(id).await?;
+        c.agent.remove(path).await.map_err(node_error)
     }
 
     async fn pause(&self, id: &str) -> NodeResult<()> {
@@ -1402,12 +1380,12 @@ impl SandboxBackend for ContainerBackend {
 }
 
 impl ContainerBackend {
-    async fn with_fs<T: Send + 'static>(
-        &self,
-        id: &str,
-        path: &str,
-        f: impl FnOnce(&SandboxFs) -> NodeResult<T> + Send + 'static,
-    ) -> NodeResult<T> {
+    /// The container a file call goes to: its guest agent serves the call inside the
+    /// container (paths resolve in the container's own root, as its root user).
+    ///
+    /// # Errors
+    /// `NotFound` (unknown or being deleted), `Conflict` (paused, or its init is gone).
+    async fn fs_target(&self, id: &str) -> NodeResult<Arc<Container>> {
         let c = self.get(id)?;
         if *c.deleting.read().await {
             return Err(NodeError::NotFound(format!(
@@ -1415,64 +1393,13 @@ impl ContainerBackend {
             )));
         }
         c.check_not_paused()?;
-        let (pid, start, uid) = (c.state.init_pid, c.state.init_starttime, c.state.uid_base);
-        // runc: the container's own view (its /tmp and /dev/shm included). runsc: the
-        // container's processes live inside gVisor, whose root is the node's overlay mount.
-        let root = match c.state.runtime {
-            Runtime::Runsc => self.dir_of(id).join("rootfs"),
-            _ => PathBuf::from(format!("/proc/{pid}/root")),
-        };
-        let id = id.to_string();
-        let runtime = c.state.runtime;
-        if runtime == Runtime::Runsc {
-            if let Some(top) = runtime_mount_of(path) {
-                return Err(NodeError::InvalidArgument(format!(
-                    "{path}: {top} is not part of the sandbox's file system in a runsc sandbox (gVisor's own kernel or the guest agent)"
-                )));
-            }
+        if proc_starttime(c.state.init_pid) != Some(c.state.init_starttime) {
+            return Err(NodeError::Conflict(format!(
+                "sandbox {id} is not running (its init {} is gone)",
+                c.state.init_pid
+            )));
         }
-        spawn_blocking(move || {
-            if proc_starttime(pid) != Some(start) {
-                return Err(NodeError::Conflict(format!(
-                    "sandbox {id} is not running (its init {pid} is gone)"
-                )));
-            }
-            let fs = SandboxFs::open(&root, uid, uid)?;
-            // runc: /tmp, /dev and /dev/shm are file systems of the container's user
-            // namespace, where host root's uid is unmapped (creating a file fails with
-            // EOVERFLOW); act as the container's root (its host uid, no capabilities).
-            // runsc: the host overlay, where host root could read and write what the
-            // sandbox's root may not; the same identity keeps both runtimes alike.
-            let _as = FsIds::switch(uid);
-            f(&fs)
-        })
-        .await
-    }
-}
-
-/// This thread's file-system uid and gid switched to `id` until dropped (setfsuid(2) is
-/// per thread; going from 0 to non-zero also clears the file capabilities from the
-/// effective set, and going back restores them).
-struct FsIds;
-
-impl FsIds {
-    fn switch(id: u32) -> FsIds {
-        // SAFETY: setfsgid/setfsuid take integers and affect only the calling thread.
-        unsafe {
-            libc::setfsgid(id);
-            libc::setfsuid(id);
-        }
-        FsIds
-    }
-}
-
-impl Drop for FsIds {
-    fn drop(&mut self) {
-        // SAFETY: as above; back to root for the next task of this pooled thread.
-        unsafe {
-            libc::setfsuid(0);
-            libc::setfsgid(0);
-        }
+        Ok(c)
     }
 }
 

@@ -577,6 +577,16 @@ impl SandboxBackend for FunctionBackend {
         self.with_fs(id, move |fs| fs.remove(&path)).await
     }
 
+    async fn stat_file(&self, id: &str, path: &str) -> NodeResult<FileEntry> {
+        let path = path.to_string();
+        self.with_fs(id, move |fs| fs.stat(&path)).await
+    }
+
+    async fn make_dir(&self, id: &str, path: &str, parents: bool) -> NodeResult<()> {
+        let path = path.to_string();
+        self.with_fs(id, move |fs| fs.mkdir(&path, parents)).await
+    }
+
     async fn delete(&self, id: &str) -> NodeResult<()> {
         if check_id(id).is_err() {
             // Such an id can never have been created: nothing to delete.

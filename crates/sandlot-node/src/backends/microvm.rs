@@ -36,12 +36,14 @@ use super::function::{
 use super::SandboxBackend;
 use crate::agent_client::{AgentClient, ExecChunk};
 use crate::cgroups::{CgroupRoot, Limits, SandboxCgroup};
+use crate::files::{file_entry, node_error};
 use crate::images::Image;
 use crate::node::{ExecSink, NodeError, NodeResult, SandboxSpec, SandboxStatus};
 use crate::output::Capture;
 use async_trait::async_trait;
 use sandlot_api::{Backend, ExecEvent, ExecRequest, ExecResult, FileEntry};
 use sandlot_guest::agent_proto;
+use sandlot_guest::sandbox_fs::FileKind;
 use sandlot_guest::spec::ExecStatus;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
@@ -634,6 +636,24 @@ impl MicrovmBackend {
         vm
     }
 
+    /// The microVM of a file call: known, not being deleted, not paused, QEMU alive.
+    async fn fs_target(&self, id: &str) -> NodeResult<Arc<Vm>> {
+        let vm = self.get(id)?;
+        if *vm.deleting.read().await {
+            return Err(NodeError::NotFound(format!(
+                "sandbox {id} is being deleted"
+            )));
+        }
+        check_not_paused(&vm.paused, id)?;
+        if proc_starttime(vm.state.qemu_pid) != Some(vm.state.qemu_starttime) {
+            return Err(NodeError::Conflict(format!(
+                "sandbox {id} is not running (its QEMU {} is gone)",
+                vm.state.qemu_pid
+            )));
+        }
+        Ok(vm)
+    }
+
     /// Kills the QEMU of `id` (from `state.json` or `boot.json`), removes its cgroup and
     /// directory.
     async fn destroy(&self, id: &str) -> NodeResult<()> {
@@ -983,29 +1003,62 @@ impl SandboxBackend for MicrovmBackend {
         Ok(res)
     }
 
-    async fn read_file(&self, id: &str, _path: &str, _max_bytes: u64) -> NodeResult<Vec<u8>> {
-        self.get(id)?;
-        Err(files_unavailable())
+    async fn read_file(&self, id: &str, path: &str, max_bytes: u64) -> NodeResult<Vec<u8>> {
+        let vm = self.fs_target(id).await?;
+        vm.agent
+            .read_file(path, max_bytes)
+            .await
+            .map_err(node_error)
     }
 
-    async fn file_size(&self, id: &str, _path: &str) -> NodeResult<u64> {
-        self.get(id)?;
-        Err(files_unavailable())
+    async fn file_size(&self, id: &str, path: &str) -> NodeResult<u64> {
+        let vm = self.fs_target(id).await?;
+        let st = vm.agent.stat(path).await.map_err(node_error)?;
+        let abs = if path.starts_with('/') {
+            path.to_string()
+        } else {
+            format!("{}/{path}", crate::files::WORKDIR)
+        };
+        match st.kind {
+            FileKind::File => Ok(st.size),
+            FileKind::Dir => Err(NodeError::InvalidArgument(format!("is a directory: {abs}"))),
+            _ => Err(NodeError::InvalidArgument(format!(
+                "not a regular file: {abs}"
+            ))),
+        }
     }
 
-    async fn write_file(&self, id: &str, _path: &str, _data: bytes::Bytes) -> NodeResult<()> {
-        self.get(id)?;
-        Err(files_unavailable())
+    async fn write_file(&self, id: &str, path: &str, data: bytes::Bytes) -> NodeResult<()> {
+        let vm = self.fs_target(id).await?;
+        vm.agent
+            .write_file(path, &data, u64::MAX)
+            .await
+            .map_err(node_error)
     }
 
-    async fn list_dir(&self, id: &str, _path: &str) -> NodeResult<Vec<FileEntry>> {
-        self.get(id)?;
-        Err(files_unavailable())
+    async fn list_dir(&self, id: &str, path: &str) -> NodeResult<Vec<FileEntry>> {
+        let vm = self.fs_target(id).await?;
+        let v = vm.agent.list_dir(path).await.map_err(node_error)?;
+        Ok(v.into_iter().map(file_entry).collect())
     }
 
-    async fn remove_file(&self, id: &str, _path: &str) -> NodeResult<()> {
-        self.get(id)?;
-        Err(files_unavailable())
+    async fn remove_file(&self, id: &str, path: &str) -> NodeResult<()> {
+        let vm = self.fs_target(id).await?;
+        vm.agent.remove(path).await.map_err(node_error)
+    }
+
+    async fn stat_file(&self, id: &str, path: &str) -> NodeResult<FileEntry> {
+        let vm = self.fs_target(id).await?;
+        vm.agent
+            .stat(path)
+            .await
+            .map(file_entry)
+            .map_err(node_error)
+    }
+
+    async fn make_dir(&self, id: &str, path: &str, parents: bool) -> NodeResult<()> {
+        let vm = self.fs_target(id).await?;
+        vm.agent.mkdir(path, parents).await.map_err(node_error)
     }
 
     async fn pause(&self, id: &str) -> NodeResult<()> {
@@ -1105,12 +1158,6 @@ impl SandboxBackend for MicrovmBackend {
             ))
         }
     }
-}
-
-fn files_unavailable() -> NodeError {
-    NodeError::Unavailable(
-        "file calls are not available on the microvm backend yet (they need the guest agent's file calls); use exec (e.g. cat, tee) meanwhile".into(),
-    )
 }
 
 #[cfg(test)]

@@ -50,6 +50,12 @@ pub trait SandboxBackend: Send + Sync {
     /// Remove a file or directory inside the sandbox.
     async fn remove_file(&self, id: &str, path: &str) -> NodeResult<()>;
 
+    /// Facts of one path inside the sandbox (see [`crate::Node::stat_file`]).
+    async fn stat_file(&self, id: &str, path: &str) -> NodeResult<FileEntry>;
+
+    /// Create a directory inside the sandbox (see [`crate::Node::make_dir`]).
+    async fn make_dir(&self, id: &str, path: &str, parents: bool) -> NodeResult<()>;
+
     /// Freeze every process of the sandbox (see [`crate::Node::pause`]).
     async fn pause(&self, id: &str) -> NodeResult<()>;
 
