@@ -43,6 +43,9 @@ fi
 step "OCI runtimes for the container backend (runc from Debian 12, runsc from Debian 13's package)"
 ./scripts/install-runtimes.sh
 
+step "QEMU and the microvm guest kit (scripts/guest-kit.sh)"
+./scripts/guest-kit.sh
+
 step "Rust build (release)"
 cargo build --release --locked --workspace --bins
 # The guest agent runs inside containers whose images may have no libc (busybox,

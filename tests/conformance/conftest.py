@@ -5,6 +5,9 @@ Cases (the test id names the case, e.g. ``test_stdin[container-runsc]``):
     function          backend="function"
     container-runc    backend="container", runtime="runc"
     container-runsc   backend="container", runtime="runsc"
+    microvm           backend="microvm" (QEMU; under TCG each boot takes seconds, so only
+                      the tests in ``REDUCED[microvm]`` run: at least one per category;
+                      the others skip with that reason)
 
 A case the session server cannot run is skipped with the reason: ``GET /healthz`` lists the
 backend as ``"unavailable: why"``, or a probe create answers ``unavailable`` (runtime not
@@ -65,7 +68,46 @@ CASES: List[Case] = [
     Case("function", "function"),
     Case("container-runc", "container", "runc"),
     Case("container-runsc", "container", "runsc"),
+    Case("microvm", "microvm"),
 ]
+
+#: Cases that run only a subset of the suite (slow boots), by test function name: every
+#: category (errors, exec, files, lifecycle, limits) has at least one test.
+REDUCED: Dict[str, FrozenSet[str]] = {
+    "microvm": frozenset({
+        "test_unknown_image_is_not_found",
+        "test_bad_exec_requests",
+        "test_echo_cwd_env_defaults",
+        "test_argv_is_not_a_shell_string",
+        "test_stdin_binary_and_text",
+        "test_non_utf8_bytes_exact",
+        "test_timeout_kills_background_children",
+        "test_missing_command_is_127",
+        "test_killed_by_signal_is_128_plus_n",
+        "test_streaming_yields_chunks_then_result",
+        "test_backend_and_runtime_are_the_ones_asked_for",
+        "test_create_get_list_defaults",
+        "test_delete_twice_and_unknown",
+        "test_delete_during_running_exec",
+        "test_env_of_sandbox_and_exec_override",
+        "test_fork_bomb_contained_by_pids_limit",
+        "test_binary_round_trip",
+        "test_list_dir_entries",
+        "test_dotdot_read_cannot_escape",
+        "test_symlink_escapes_refused",
+    }),
+}
+
+
+@pytest.fixture(autouse=True)
+def _reduced_case(request):
+    """Skips a test outside a reduced case's subset, with the reason."""
+    if "backend" not in request.fixturenames:
+        return
+    case = request.getfixturevalue("backend")
+    subset = REDUCED.get(case.name)
+    if subset is not None and request.function.__name__ not in subset:
+        pytest.skip(f"{case.name}: not in the reduced set of this slow case (conftest REDUCED)")
 
 
 def required_cases(value: Optional[str]) -> FrozenSet[str]:

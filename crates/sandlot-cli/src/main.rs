@@ -628,6 +628,7 @@ async fn up(a: UpArgs) -> anyhow::Result<u8> {
     init_logs(a.log_format);
     let mut ncfg = sandlot_node::NodeConfig::new(a.data_dir.clone());
     if let Some(d) = a.images_dir {
+        ncfg.guest_kit_dir = sandlot_node::local::default_guest_kit_dir(&d);
         ncfg.images_dir = d;
     }
     if let Some(n) = a.node_name {

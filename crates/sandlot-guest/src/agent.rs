@@ -130,8 +130,7 @@ async fn serve(listener: std::os::unix::net::UnixListener) -> i32 {
         }
     };
     let shared = Shared::default();
-    let live = shared.live.clone();
-    tokio::spawn(reap(live.clone()));
+    tokio::spawn(reap(shared.live.clone()));
     // No SIGTERM handler on purpose: as pid 1 of its namespace the agent then ignores
     // SIGTERM sent from inside (a command cannot stop it); the node deletes containers
     // with SIGKILL, which takes every exec's pid namespace down with it.
@@ -154,14 +153,168 @@ async fn serve(listener: std::os::unix::net::UnixListener) -> i32 {
                 continue;
             }
         };
-        let shared = shared.clone();
-        tokio::spawn(async move {
-            let svc = hyper::service::service_fn(move |req| handle(req, shared.clone()));
-            let _ = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
-                .serve_connection(TokioIo::new(stream), svc)
-                .await;
-        });
+        tokio::spawn(serve_conn(stream, shared.clone()));
     }
+}
+
+/// Serves one HTTP/2 connection until it ends.
+async fn serve_conn<S>(stream: S, shared: Shared)
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let svc = hyper::service::service_fn(move |req| handle(req, shared.clone()));
+    let _ = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+        .serve_connection(TokioIo::new(stream), svc)
+        .await;
+}
+
+/// The agent of a microVM (called by [`crate::vm`] as pid 1): serves the protocol over the
+/// virtio-serial port `port`, a single byte stream that QEMU connects to a unix socket on
+/// the host. Each host connection gets a fresh HTTP/2 server connection: the port reads EOF
+/// (and polls `POLLHUP`) when the host side closes (node restart), which ends that
+/// connection (and kills its running execs, as a reset stream does); the next one starts
+/// when the host connects again.
+///
+/// The port is served by two plain threads with poll(2) timeouts, bridged to a socketpair
+/// whose other end is the HTTP/2 connection: the port's wake-ups are not reliable edges for
+/// epoll (seen with virtio_console on Linux 6.1 under QEMU 7.2).
+/// Returns only on a fatal error.
+pub fn serve_vm(port: &std::path::Path) -> i32 {
+    use std::os::unix::fs::OpenOptionsExt;
+    let file = match std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_CLOEXEC)
+        .open(port)
+    {
+        Ok(f) => Arc::new(f),
+        Err(e) => {
+            eprintln!("sandlot-guest agent: open {}: {e}", port.display());
+            return 1;
+        }
+    };
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("sandlot-guest agent: tokio runtime: {e}");
+            return 1;
+        }
+    };
+    let shared = Shared::default();
+    rt.spawn(reap(shared.live.clone()));
+    loop {
+        // While no host is connected poll answers POLLHUP at once: sleep between checks.
+        while port_poll(&file, libc::POLLIN, 100).is_none_or(|r| r & libc::POLLHUP != 0) {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let (a, b) = match std::os::unix::net::UnixStream::pair() {
+            Ok(p) => p,
+            Err(e) => {
+                eprintln!("sandlot-guest agent: socketpair: {e}");
+                std::thread::sleep(Duration::from_millis(100));
+                continue;
+            }
+        };
+        let conn = {
+            let _g = rt.enter();
+            a.set_nonblocking(true)
+                .ok()
+                .and_then(|_| tokio::net::UnixStream::from_std(a).ok())
+        };
+        let Some(conn) = conn else { continue };
+        rt.spawn(serve_conn(conn, shared.clone()));
+        bridge(&file, b);
+    }
+}
+
+/// poll(2) on the port for `events` for up to `ms`; the returned events, `None` on error.
+fn port_poll(f: &std::fs::File, events: libc::c_short, ms: i32) -> Option<libc::c_short> {
+    let mut p = libc::pollfd {
+        fd: f.as_raw_fd(),
+        events,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd.
+    let r = unsafe { libc::poll(&mut p, 1, ms) };
+    if r < 0 {
+        std::thread::sleep(Duration::from_millis(ms as u64));
+        return None;
+    }
+    Some(p.revents)
+}
+
+/// Copies bytes between the port and `b` (the agent's end of one HTTP/2 connection) until
+/// the host disconnects (a read of 0 with `POLLHUP`) or the connection ends; then shuts `b`
+/// down so the HTTP/2 connection ends too.
+fn bridge(port: &Arc<std::fs::File>, b: std::os::unix::net::UnixStream) {
+    use std::io::{Read, Write};
+    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let Ok(mut b_in) = b.try_clone() else { return };
+    let _ = b_in.set_read_timeout(Some(Duration::from_millis(100)));
+    let down = {
+        let (port, done) = (port.clone(), done.clone());
+        std::thread::spawn(move || {
+            let mut buf = vec![0u8; 64 * 1024];
+            while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                let n = match b_in.read(&mut buf) {
+                    Ok(0) => break,
+                    Ok(n) => n,
+                    Err(e)
+                        if e.kind() == std::io::ErrorKind::WouldBlock
+                            || e.kind() == std::io::ErrorKind::TimedOut
+                            || e.kind() == std::io::ErrorKind::Interrupted =>
+                    {
+                        continue
+                    }
+                    Err(_) => break,
+                };
+                let mut off = 0;
+                while off < n && !done.load(std::sync::atomic::Ordering::Relaxed) {
+                    match (&*port).write(&buf[off..n]) {
+                        Ok(w) => off += w,
+                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                            port_poll(&port, libc::POLLOUT, 10);
+                        }
+                        Err(_) => break,
+                    }
+                }
+            }
+            done.store(true, std::sync::atomic::Ordering::Relaxed);
+        })
+    };
+    let mut b_out = b;
+    let mut buf = vec![0u8; 64 * 1024];
+    while !done.load(std::sync::atomic::Ordering::Relaxed) {
+        let revents = port_poll(port, libc::POLLIN, 100).unwrap_or(0);
+        if revents & (libc::POLLIN | libc::POLLHUP) == 0 {
+            continue;
+        }
+        match (&**port).read(&mut buf) {
+            Ok(0) => {
+                // A read of 0 is the host's close only when poll agrees (the port can also
+                // yield empty reads).
+                if port_poll(port, libc::POLLIN, 0).is_some_and(|r| r & libc::POLLHUP != 0) {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            Ok(n) => {
+                if b_out.write_all(&buf[..n]).is_err() {
+                    break;
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(_) => break,
+        }
+    }
+    done.store(true, std::sync::atomic::Ordering::Relaxed);
+    let _ = b_out.shutdown(std::net::Shutdown::Both);
+    let _ = down.join();
 }
 
 /// Reaps every child on SIGCHLD: exec helpers and orphans re-parented to pid 1.
@@ -326,12 +479,24 @@ async fn exec(mut body: Incoming, shared: Shared) -> Result<Response<Body>, Stri
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .env_clear();
-    // SAFETY: runs in the forked child before execve; dup2 is async-signal-safe and the
-    // sources are CLOEXEC fds >= 10.
+    // In a microVM every exec joins the guest's `sandbox` cgroup (its pids limit).
+    let procs = std::path::Path::new(crate::vm::SANDBOX_CGROUP_PROCS)
+        .exists()
+        .then(|| std::ffi::CString::new(crate::vm::SANDBOX_CGROUP_PROCS).expect("no NUL"));
+    // SAFETY: runs in the forked child before execve; dup2, open, write and close are
+    // async-signal-safe, the sources are CLOEXEC fds >= 10, the path was made before fork.
     unsafe {
         cmd.pre_exec(move || {
             if libc::dup2(sfd, 3) < 0 || libc::dup2(wfd, 4) < 0 {
                 return Err(std::io::Error::last_os_error());
+            }
+            if let Some(p) = &procs {
+                let fd = libc::open(p.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
+                if fd >= 0 {
+                    // "0" moves the writing process itself.
+                    libc::write(fd, b"0".as_ptr().cast(), 1);
+                    libc::close(fd);
+                }
             }
             // Signals for the command wait in the helper until it can forward them.
             sys::block_forwarded_raw()

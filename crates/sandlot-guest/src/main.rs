@@ -13,8 +13,13 @@ mod host;
 mod init;
 mod seccomp;
 mod sys;
+mod vm;
 
 fn main() {
+    // pid 1 of a microVM: the kernel runs the initramfs's /init with no arguments.
+    if std::process::id() == 1 && std::env::args().count() == 1 {
+        std::process::exit(vm::main());
+    }
     let code = match std::env::args().nth(1).as_deref() {
         Some("init") => init::main(),
         Some("exec") => exec::main(),

@@ -142,6 +142,33 @@ impl AgentClient {
         }
     }
 
+    /// Waits until the agent answers `GET /v1/ping` over ONE connection: retries only while
+    /// the socket cannot be connected, then waits for the answer until `deadline`. For
+    /// agents behind a single byte stream (a microVM's virtio-serial port), where dropping
+    /// and re-dialling a connection the guest has not seen yet would interleave two
+    /// HTTP/2 connections on the one stream.
+    ///
+    /// # Errors
+    /// `Internal` with the last failure when the deadline passes.
+    pub async fn wait_ready_single(&self, deadline: Instant) -> NodeResult<()> {
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match tokio::time::timeout(left, self.call(Method::GET, PATH_PING, Bytes::new())).await
+            {
+                Ok(Ok(r)) if r.status() == StatusCode::OK => return Ok(()),
+                Ok(Ok(r)) => return Err(agent_err(&self.socket, "ping", r.status())),
+                Ok(Err(e)) => {
+                    if Instant::now() >= deadline {
+                        return Err(e);
+                    }
+                    *self.conn.lock().await = None;
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                Err(_) => return Err(agent_err(&self.socket, "ping", "no answer")),
+            }
+        }
+    }
+
     /// Starts an exec; read its output and exit with [`ExecStream::next`]. Dropping the
     /// stream resets the HTTP/2 stream, and the agent then kills the command's tree.
     ///

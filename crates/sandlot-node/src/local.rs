@@ -9,6 +9,7 @@
 //! ```
 use crate::backends::container::{ContainerBackend, ContainerConfig, Runtime};
 use crate::backends::function::{FunctionBackend, FunctionConfig};
+use crate::backends::microvm::{MicrovmBackend, MicrovmConfig};
 use crate::backends::pool::PoolConfig;
 use crate::backends::AnyBackend;
 use crate::cgroups::CgroupRoot;
@@ -51,6 +52,9 @@ pub struct NodeConfig {
     pub warm_pool_images: Vec<String>,
     /// OCI runtime of `container` sandboxes created without one (default runc).
     pub default_runtime: Runtime,
+    /// The microvm guest kit (kernel + modules, built by `scripts/guest-kit.sh`):
+    /// `$SANDLOT_GUEST_KIT_DIR`, else `guest-kit/` beside the images directory.
+    pub guest_kit_dir: PathBuf,
 }
 
 impl NodeConfig {
@@ -58,12 +62,14 @@ impl NodeConfig {
     /// uid base 100000, name = host name.
     pub fn new(data_dir: impl Into<PathBuf>) -> Self {
         let data_dir = data_dir.into();
+        let images_dir = data_dir.join("images");
         NodeConfig {
+            guest_kit_dir: default_guest_kit_dir(&images_dir),
             name: nix::unistd::gethostname()
                 .ok()
                 .and_then(|h| h.into_string().ok())
                 .unwrap_or_else(|| "localhost".into()),
-            images_dir: data_dir.join("images"),
+            images_dir,
             cgroup_parent: default_cgroup_parent(&data_dir),
             data_dir,
             guest_bin: default_guest_bin(),
@@ -87,6 +93,19 @@ pub fn default_cgroup_parent(data_dir: &std::path::Path) -> String {
         h = (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3);
     }
     format!("{}-{:012x}", crate::cgroups::PARENT, h & 0xffff_ffff_ffff)
+}
+
+/// `$SANDLOT_GUEST_KIT_DIR`, else `guest-kit/` beside `images_dir` (the layout
+/// `scripts/guest-kit.sh` writes: `/var/lib/sandlot/guest-kit` next to
+/// `/var/lib/sandlot/images`).
+pub fn default_guest_kit_dir(images_dir: &std::path::Path) -> PathBuf {
+    if let Some(p) = std::env::var_os("SANDLOT_GUEST_KIT_DIR") {
+        return PathBuf::from(p);
+    }
+    images_dir
+        .parent()
+        .unwrap_or(std::path::Path::new("/"))
+        .join("guest-kit")
 }
 
 /// `$SANDLOT_GUEST_BIN`, or `sandlot-guest` next to the running executable.
@@ -193,6 +212,24 @@ impl LocalNode {
             )
             .map_err(|e| e.to_string())
         })();
+        let microvm = (|| -> Result<MicrovmBackend, String> {
+            if !nix::unistd::Uid::effective().is_root() {
+                return Err("the microvm backend needs root (cgroups)".into());
+            }
+            let cg = CgroupRoot::detect()
+                .map_err(|e| e.to_string())?
+                .with_parent(&format!("{}-vm", cfg.cgroup_parent));
+            MicrovmBackend::new(
+                MicrovmConfig {
+                    dir: cfg.data_dir.join("microvm"),
+                    kit_dir: cfg.guest_kit_dir.clone(),
+                    agent_bin: cfg.agent_bin.clone(),
+                    accel: MicrovmConfig::accel_from_env()?,
+                },
+                cg,
+            )
+            .map_err(|e| e.to_string())
+        })();
         let unavailable = |kind: Backend, why: String| {
             tracing::warn!(backend = %kind, %why, "backend unavailable");
             AnyBackend::Unavailable {
@@ -208,6 +245,10 @@ impl LocalNode {
             match container {
                 Ok(c) => AnyBackend::Container(c),
                 Err(why) => unavailable(Backend::Container, why),
+            },
+            match microvm {
+                Ok(m) => AnyBackend::Microvm(m),
+                Err(why) => unavailable(Backend::Microvm, why),
             },
         ];
         backends.extend(AnyBackend::not_built());

@@ -47,24 +47,22 @@
 //! Exit and OOM: the agent reports each exec's status; `oom_killed` is the delta of the
 //! container group's `oom_kill` counter over the exec (an overlapping exec's OOM kill is
 //! counted too).
+use super::agent_exec;
 use super::function::{
     check_id, check_not_paused, destroy_blocking, freeze, make_layer_dirs, own_dir, proc_starttime,
     spawn_blocking, thaw, ExecPlan, StoredSpec,
 };
 use super::uids::{UidLease, UidSlots};
 use super::SandboxBackend;
-use crate::agent_client::{AgentClient, ExecChunk};
+use crate::agent_client::AgentClient;
 use crate::cgroups::{CgroupRoot, Limits, SandboxCgroup};
 use crate::files::{file_entry, node_error};
 use crate::images::Image;
 use crate::net::{NetConfig, NetworkManager};
 use crate::node::{ExecControl, ExecSink, NodeError, NodeResult, SandboxSpec, SandboxStatus};
-use crate::output::Capture;
 use async_trait::async_trait;
-use sandlot_api::{Backend, ExecEvent, ExecRequest, ExecResult, FileEntry};
-use sandlot_guest::agent_proto;
+use sandlot_api::{Backend, ExecRequest, ExecResult, FileEntry};
 use sandlot_guest::sandbox_fs::FileKind;
-use sandlot_guest::spec::ExecStatus;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::os::fd::AsRawFd;
@@ -83,9 +81,6 @@ const RUNTIME_TIMEOUT: Duration = Duration::from_secs(60);
 const AGENT_READY_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long killing and removing cgroups may take.
 const KILL_TIMEOUT: Duration = Duration::from_secs(10);
-/// Past an exec's own timeout: how long the node waits for the agent's exit frame before it
-/// gives up on the exec (the agent kills at the timeout itself).
-const EXEC_GRACE: Duration = Duration::from_secs(10);
 /// Where the agent binary is bind-mounted inside the container (read-only).
 const AGENT_PATH: &str = "/.sandlot/sandlot-guest";
 /// Memory (MiB) a runsc sandbox's cgroup gets on top of `memory_mib`: gVisor's sentry and
@@ -261,112 +256,20 @@ impl ContainerBackend {
             });
         }
         let oom_before = c.cgroup.group().oom_kills();
-        let (more_stdin, mut signals, handle) = match control {
-            Some(ctl) => (ctl.stdin, Some(ctl.signals), Some(ctl.handle)),
-            None => (None, None, None),
+        let (pid, start) = (c.state.init_pid, c.state.init_starttime);
+        let died = move || proc_starttime(pid) != Some(start);
+        let target = agent_exec::Target {
+            id,
+            kind: "container",
+            agent: &c.agent,
+            pids_max: c.state.spec.pids_max,
+            died: &died,
         };
-        let areq = agent_proto::ExecRequest {
-            spec: plan.spec,
-            timeout_ms: plan.timeout.as_millis() as u64,
-            stdin: plan.stdin.is_some() || more_stdin.is_some(),
-            handle: handle.clone(),
-        };
-        let mut stream = c
-            .agent
-            .exec_streaming(&areq, plan.stdin.as_deref(), more_stdin)
-            .await?;
-        drop(guard);
-        let mut out = Capture::new(plan.cap);
-        let mut err = Capture::new(plan.cap);
-        let deadline = tokio::time::Instant::now() + plan.timeout + EXEC_GRACE;
-        let exit = loop {
-            let step = tokio::select! {
-                c = stream.next() => Ok(c?),
-                _ = tokio::time::sleep_until(deadline) => Ok(None),
-                _ = killed.wait_for(|k| *k) => Ok(None),
-                Some(sig) = async { match signals.as_mut() { Some(r) => r.recv().await, None => std::future::pending().await } } => Err(sig),
-            };
-            let chunk = match step {
-                Ok(chunk) => chunk,
-                Err(sig) => {
-                    if let Some(h) = &handle {
-                        if let Err(e) = c.agent.signal(h, sig).await {
-                            tracing::warn!(sandbox = %id, error = %e, "signal through the guest agent failed");
-                        }
-                    }
-                    continue;
-                }
-            };
-            match chunk {
-                Some(ExecChunk::Output(is_out, data)) => {
-                    if is_out { &mut out } else { &mut err }.push(&data);
-                    if let Some(s) = &sink {
-                        let ev = if is_out {
-                            ExecEvent::stdout(&data)
-                        } else {
-                            ExecEvent::stderr(&data)
-                        };
-                        let _ = s.send(ev).await;
-                    }
-                }
-                Some(ExecChunk::Exit(x)) => break Some(x),
-                None => break None,
-            }
-        };
-        let mut res = ExecResult::default();
-        match exit {
-            Some(x) => {
-                res.duration_ms = x.duration_ms;
-                res.timed_out = x.timed_out;
-                res.violations = super::violations_from_guest(x.violations);
-                match x.status {
-                    ExecStatus::Exited { code } => res.exit_code = code,
-                    ExecStatus::Signaled { signal } => {
-                        res.exit_code = 128 + signal;
-                        res.signal = Some(signal);
-                    }
-                    ExecStatus::SetupFailed {
-                        message,
-                        user_error,
-                        resource_exhausted,
-                    } => {
-                        return Err(if resource_exhausted {
-                            NodeError::ResourceExhausted(format!(
-                                "sandbox is at its process limit (pids_max={}): {message}",
-                                c.state.spec.pids_max
-                            ))
-                        } else if user_error {
-                            NodeError::InvalidArgument(message)
-                        } else {
-                            NodeError::io(
-                                format!("exec in container {id}: {message}"),
-                                std::io::Error::other("exec set-up failed"),
-                            )
-                        })
-                    }
-                }
-            }
-            // The agent died, the sandbox was deleted, or the agent missed its own deadline.
-            None => {
-                let died = proc_starttime(c.state.init_pid) != Some(c.state.init_starttime);
-                if *killed.borrow() || died {
-                    // Deleted, or the whole container died with the command (a runsc
-                    // sandbox OOM-killed as a whole): the command's own end, as SIGKILL.
-                    res.exit_code = 137;
-                    res.signal = Some(9);
-                } else {
-                    return Err(NodeError::io(
-                        format!("exec in container {id}: the guest agent ended the stream without an exit"),
-                        std::io::Error::other("agent stream ended"),
-                    ));
-                }
-            }
-        }
+        let mut res = agent_exec::run(target, plan, guard, &mut killed, sink, control).await?;
         res.oom_killed = match (oom_before, c.cgroup.group().oom_kills()) {
             (Some(a), Some(b)) => b > a,
             _ => false,
         };
-        res.set_output(&out.finish(), &err.finish());
         Ok(res)
     }
 

@@ -4,8 +4,10 @@
 //! over the backends compiled into this node. A backend that is not built yet, or that the
 //! host cannot run, is still listed ([`AnyBackend::Unavailable`]) and answers every call with
 //! `NodeError::Unavailable` and the reason, instead of vanishing.
+mod agent_exec;
 pub mod container;
 pub mod function;
+pub mod microvm;
 pub mod pool;
 pub mod uids;
 
@@ -86,6 +88,8 @@ pub enum AnyBackend {
     Function(function::FunctionBackend),
     /// OCI containers (`backend=container`).
     Container(container::ContainerBackend),
+    /// QEMU microVMs (`backend=microvm`).
+    Microvm(microvm::MicrovmBackend),
     /// A backend this node cannot run, with the reason.
     Unavailable {
         /// Which backend.
@@ -98,16 +102,10 @@ pub enum AnyBackend {
 impl AnyBackend {
     /// The backends that are not built yet, each with the issue that tracks it.
     pub fn not_built() -> Vec<AnyBackend> {
-        [
-            (
-                Backend::Microvm,
-                "backend microvm is not built yet (open issue: QEMU microVM backend)",
-            ),
-            (
-                Backend::Vm,
-                "backend vm is not built yet (open issue: QEMU q35 VM backend)",
-            ),
-        ]
+        [(
+            Backend::Vm,
+            "backend vm is not built yet (open issue: QEMU q35 VM backend)",
+        )]
         .into_iter()
         .map(|(kind, why)| AnyBackend::Unavailable {
             kind,
@@ -121,6 +119,7 @@ impl AnyBackend {
         match self {
             AnyBackend::Function(_) => Backend::Function,
             AnyBackend::Container(_) => Backend::Container,
+            AnyBackend::Microvm(_) => Backend::Microvm,
             AnyBackend::Unavailable { kind, .. } => *kind,
         }
     }
@@ -128,7 +127,7 @@ impl AnyBackend {
     /// `Ok` when usable, else the reason.
     pub fn availability(&self) -> Result<(), String> {
         match self {
-            AnyBackend::Function(_) | AnyBackend::Container(_) => Ok(()),
+            AnyBackend::Function(_) | AnyBackend::Container(_) | AnyBackend::Microvm(_) => Ok(()),
             AnyBackend::Unavailable { why, .. } => Err(why.clone()),
         }
     }
@@ -141,6 +140,7 @@ impl AnyBackend {
         match self {
             AnyBackend::Function(f) => Ok(f),
             AnyBackend::Container(c) => Ok(c),
+            AnyBackend::Microvm(m) => Ok(m),
             AnyBackend::Unavailable { why, .. } => Err(NodeError::Unavailable(why.clone())),
         }
     }

@@ -1,0 +1,163 @@
+//! One exec through a guest agent, shared by the backends whose commands run behind
+//! `sandlot-guest agent` (`container`, `microvm`): send the request
+//! ([`sandlot_guest::agent_proto::ExecRequest`]), relay output to the capture and the
+//! caller's sink, pass signals to the agent's `/v1/signal`, and turn the exit frame into an
+//! [`ExecResult`].
+use super::function::ExecPlan;
+use crate::agent_client::{AgentClient, ExecChunk};
+use crate::node::{ExecControl, ExecSink, NodeError, NodeResult};
+use crate::output::Capture;
+use sandlot_api::{ExecEvent, ExecResult};
+use sandlot_guest::agent_proto;
+use sandlot_guest::spec::ExecStatus;
+use std::time::Duration;
+use tokio::sync::watch;
+
+/// Past an exec's own timeout: how long the node waits for the agent's exit frame before it
+/// gives up on the exec (the agent kills at the timeout itself).
+const EXEC_GRACE: Duration = Duration::from_secs(10);
+
+/// The sandbox an exec runs in, as the shared loop needs it.
+pub(super) struct Target<'a> {
+    /// Sandbox id (messages).
+    pub id: &'a str,
+    /// `container` or `microVM` (messages).
+    pub kind: &'static str,
+    /// Its agent.
+    pub agent: &'a AgentClient,
+    /// Its `pids_max` (the message of a spawn refused at the limit).
+    pub pids_max: u64,
+    /// Whether the sandbox as a whole is gone (its init or VMM died); asked when the
+    /// stream ends without an exit frame.
+    pub died: &'a (dyn Fn() -> bool + Send + Sync),
+}
+
+/// Runs `plan` in `t` (see module docs). `guard` (the sandbox's delete lock) is released
+/// once the request is sent; `killed` turns true when the sandbox is deleted.
+///
+/// # Errors
+/// `ResourceExhausted` at the process limit, `InvalidArgument` for a command the agent
+/// refuses as the caller's fault, `Internal` when the agent fails or does not answer.
+pub(super) async fn run<G>(
+    t: Target<'_>,
+    plan: ExecPlan,
+    guard: G,
+    killed: &mut watch::Receiver<bool>,
+    sink: Option<ExecSink>,
+    control: Option<ExecControl>,
+) -> NodeResult<ExecResult> {
+    let (more_stdin, mut signals, handle) = match control {
+        Some(ctl) => (ctl.stdin, Some(ctl.signals), Some(ctl.handle)),
+        None => (None, None, None),
+    };
+    let areq = agent_proto::ExecRequest {
+        spec: plan.spec,
+        timeout_ms: plan.timeout.as_millis() as u64,
+        stdin: plan.stdin.is_some() || more_stdin.is_some(),
+        handle: handle.clone(),
+    };
+    let id = t.id;
+    let mut stream = tokio::time::timeout(
+        plan.timeout + EXEC_GRACE,
+        t.agent
+            .exec_streaming(&areq, plan.stdin.as_deref(), more_stdin),
+    )
+    .await
+    .map_err(|_| {
+        NodeError::io(
+            format!("exec in {} {id}: the guest agent did not answer", t.kind),
+            std::io::Error::other("agent timeout"),
+        )
+    })??;
+    drop(guard);
+    let mut out = Capture::new(plan.cap);
+    let mut err = Capture::new(plan.cap);
+    let deadline = tokio::time::Instant::now() + plan.timeout + EXEC_GRACE;
+    let exit = loop {
+        let step = tokio::select! {
+            c = stream.next() => Ok(c?),
+            _ = tokio::time::sleep_until(deadline) => Ok(None),
+            _ = killed.wait_for(|k| *k) => Ok(None),
+            Some(sig) = async { match signals.as_mut() { Some(r) => r.recv().await, None => std::future::pending().await } } => Err(sig),
+        };
+        let chunk = match step {
+            Ok(chunk) => chunk,
+            Err(sig) => {
+                if let Some(h) = &handle {
+                    if let Err(e) = t.agent.signal(h, sig).await {
+                        tracing::warn!(sandbox = %id, error = %e, "signal through the guest agent failed");
+                    }
+                }
+                continue;
+            }
+        };
+        match chunk {
+            Some(ExecChunk::Output(is_out, data)) => {
+                if is_out { &mut out } else { &mut err }.push(&data);
+                if let Some(s) = &sink {
+                    let ev = if is_out {
+                        ExecEvent::stdout(&data)
+                    } else {
+                        ExecEvent::stderr(&data)
+                    };
+                    let _ = s.send(ev).await;
+                }
+            }
+            Some(ExecChunk::Exit(x)) => break Some(x),
+            None => break None,
+        }
+    };
+    let mut res = ExecResult::default();
+    match exit {
+        Some(x) => {
+            res.duration_ms = x.duration_ms;
+            res.timed_out = x.timed_out;
+            res.violations = super::violations_from_guest(x.violations);
+            match x.status {
+                ExecStatus::Exited { code } => res.exit_code = code,
+                ExecStatus::Signaled { signal } => {
+                    res.exit_code = 128 + signal;
+                    res.signal = Some(signal);
+                }
+                ExecStatus::SetupFailed {
+                    message,
+                    user_error,
+                    resource_exhausted,
+                } => {
+                    return Err(if resource_exhausted {
+                        NodeError::ResourceExhausted(format!(
+                            "sandbox is at its process limit (pids_max={}): {message}",
+                            t.pids_max
+                        ))
+                    } else if user_error {
+                        NodeError::InvalidArgument(message)
+                    } else {
+                        NodeError::io(
+                            format!("exec in {} {id}: {message}", t.kind),
+                            std::io::Error::other("exec set-up failed"),
+                        )
+                    })
+                }
+            }
+        }
+        // The agent died, the sandbox was deleted, or the agent missed its own deadline.
+        None => {
+            if *killed.borrow() || (t.died)() {
+                // Deleted, or the whole sandbox died with the command (a runsc sandbox
+                // OOM-killed as a whole): the command's own end, as SIGKILL.
+                res.exit_code = 137;
+                res.signal = Some(9);
+            } else {
+                return Err(NodeError::io(
+                    format!(
+                        "exec in {} {id}: the guest agent ended the stream without an exit",
+                        t.kind
+                    ),
+                    std::io::Error::other("agent stream ended"),
+                ));
+            }
+        }
+    }
+    res.set_output(&out.finish(), &err.finish());
+    Ok(res)
+}

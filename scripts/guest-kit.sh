@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# Installs QEMU and builds the guest kit of the `microvm` backend, as root, idempotently:
+#   Debian packages qemu-system-x86 (the VMM), qemu-utils, erofs-utils (mkfs.erofs: the
+#   read-only image disks), e2fsprogs (mkfs.ext4: the per-sandbox scratch disks), kmod
+#   (modinfo), and the kit in $SANDLOT_GUEST_KIT_DIR (default: guest-kit/ beside the images
+#   directory, /var/lib/sandlot/guest-kit):
+#     vmlinuz            the Debian cloud kernel (linux-image-*-cloud-amd64), direct-booted
+#     modules/*.ko       the modules the guest needs (virtio-mmio, virtio-blk,
+#                        virtio-console, erofs, overlay) with their dependencies
+#     modules/order      their file names in load order (dependencies first)
+#     kernel-version     the kernel's release string (the kit is rebuilt when it changes)
+# The kernel package is only unpacked (dpkg -x), never installed as a host kernel; its .deb
+# is cached in $SANDLOT_CACHE_DIR. The node builds the initramfs itself from this kit and
+# its static sandlot-guest (so a rebuilt agent is picked up without re-running this).
+set -euo pipefail
+
+: "${SANDLOT_IMAGES_DIR:=/var/lib/sandlot/images}"
+: "${SANDLOT_CACHE_DIR:=/var/cache/sandlot}"
+: "${SANDLOT_GUEST_KIT_DIR:=$(dirname "$SANDLOT_IMAGES_DIR")/guest-kit}"
+
+pkgs=(qemu-system-x86 qemu-utils erofs-utils e2fsprogs kmod)
+missing=()
+for p in "${pkgs[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+
+# The concrete kernel package behind the cloud meta-package (e.g. linux-image-6.1.0-57-cloud-amd64).
+pkg=$(apt-cache depends linux-image-cloud-amd64 | awk '/Depends: linux-image-[0-9]/ {print $2; exit}')
+if [ -z "$pkg" ]; then
+  echo "guest-kit.sh: cannot resolve linux-image-cloud-amd64 (apt-get update?)" >&2
+  exit 1
+fi
+release=${pkg#linux-image-}
+kit=$SANDLOT_GUEST_KIT_DIR
+if [ -f "$kit/kernel-version" ] && [ "$(cat "$kit/kernel-version")" = "$release" ] \
+   && [ -f "$kit/vmlinuz" ] && [ -f "$kit/modules/order" ]; then
+  echo "guest kit up to date in $kit ($release)"
+  exit 0
+fi
+
+mkdir -p "$SANDLOT_CACHE_DIR/debs"
+deb=$(ls "$SANDLOT_CACHE_DIR/debs/${pkg}_"*.deb 2>/dev/null | head -1 || true)
+if [ -z "$deb" ]; then
+  (cd "$SANDLOT_CACHE_DIR/debs" && apt-get download "$pkg" 2>&1 | grep -v "unsandboxed" || true)
+  deb=$(ls "$SANDLOT_CACHE_DIR/debs/${pkg}_"*.deb | head -1)
+fi
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+dpkg -x "$deb" "$tmp/x"
+moddir="$tmp/x/lib/modules/$release"
+
+declare -A seen=()
+order=()
+# Depth-first: a module's `depends=` (from modinfo) first, then the module itself.
+add() {
+  local name=$1 file dep
+  [ -n "${seen[$name]:-}" ] && return 0
+  seen[$name]=1
+  file=$(find "$moddir" -name "$name.ko" -o -name "${name//_/-}.ko" | head -1)
+  if [ -z "$file" ]; then
+    # Built in (=y): nothing to load.
+    grep -q "/$name.ko$" "$moddir/modules.builtin" 2>/dev/null && return 0
+    echo "guest-kit.sh: module $name not found in $pkg" >&2
+    exit 1
+  fi
+  for dep in $(modinfo -F depends "$file" | tr ',' ' '); do add "$dep"; done
+  order+=("$file")
+}
+for m in virtio_mmio virtio_blk virtio_console erofs overlay; do add "$m"; done
+
+new="$kit.new"
+rm -rf "$new"
+mkdir -p "$new/modules"
+cp "$tmp/x/boot/vmlinuz-$release" "$new/vmlinuz"
+: > "$new/modules/order"
+for f in "${order[@]}"; do
+  cp "$f" "$new/modules/"
+  basename "$f" >> "$new/modules/order"
+done
+echo "$release" > "$new/kernel-version"
+rm -rf "$kit"
+mv "$new" "$kit"
+echo "guest kit built in $kit ($release): $(tr '\n' ' ' < "$kit/modules/order")"
