@@ -86,6 +86,11 @@ REDUCED: Dict[str, FrozenSet[str]] = {
         "test_killed_by_signal_is_128_plus_n",
         "test_streaming_yields_chunks_then_result",
         "test_backend_and_runtime_are_the_ones_asked_for",
+        # background processes (test_processes.py)
+        "test_output_later_and_reconnect_with_a_new_client",
+        "test_signal_term_and_a_trapping_shell",
+        "test_kill_ends_the_whole_tree",
+        "test_stdin_interaction",
         "test_create_get_list_defaults",
         "test_delete_twice_and_unknown",
         "test_delete_during_running_exec",
