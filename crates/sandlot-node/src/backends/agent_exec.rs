@@ -2,7 +2,8 @@
 //! `sandlot-guest agent` (`container`, `microvm`): send the request
 //! ([`sandlot_guest::agent_proto::ExecRequest`]), relay output to the capture and the
 //! caller's sink, pass signals to the agent's `/v1/signal`, and turn the exit frame into an
-//! [`ExecResult`].
+//! [`ExecResult`]; and the one file call that needs more than a call of the agent's
+//! ([`file_size`]).
 use super::function::ExecPlan;
 use crate::agent_client::{AgentClient, ExecChunk};
 use crate::node::{ExecControl, ExecSink, NodeError, NodeResult};
@@ -160,4 +161,26 @@ pub(super) async fn run<G>(
     }
     res.set_output(&out.finish(), &err.finish());
     Ok(res)
+}
+
+/// Size of the regular file at `path` (absolute, or relative to `/workspace`) through the
+/// agent's stat call.
+///
+/// # Errors
+/// The agent's error; `InvalidArgument` for a directory or anything but a regular file.
+pub(super) async fn file_size(agent: &AgentClient, path: &str) -> NodeResult<u64> {
+    use sandlot_guest::sandbox_fs::FileKind;
+    let st = agent.stat(path).await.map_err(crate::files::node_error)?;
+    let abs = if path.starts_with('/') {
+        path.to_string()
+    } else {
+        format!("{}/{path}", crate::files::WORKDIR)
+    };
+    match st.kind {
+        FileKind::File => Ok(st.size),
+        FileKind::Dir => Err(NodeError::InvalidArgument(format!("is a directory: {abs}"))),
+        _ => Err(NodeError::InvalidArgument(format!(
+            "not a regular file: {abs}"
+        ))),
+    }
 }

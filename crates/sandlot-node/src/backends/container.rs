@@ -62,7 +62,6 @@ use crate::net::{NetConfig, NetworkManager};
 use crate::node::{ExecControl, ExecSink, NodeError, NodeResult, SandboxSpec, SandboxStatus};
 use async_trait::async_trait;
 use sandlot_api::{Backend, ExecRequest, ExecResult, FileEntry};
-use sandlot_guest::sandbox_fs::FileKind;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::os::fd::AsRawFd;
@@ -1221,19 +1220,7 @@ impl SandboxBackend for ContainerBackend {
 
     async fn file_size(&self, id: &str, path: &str) -> NodeResult<u64> {
         let c = self.fs_target(id).await?;
-        let st = c.agent.stat(path).await.map_err(node_error)?;
-        let abs = if path.starts_with('/') {
-            path.to_string()
-        } else {
-            format!("{}/{path}", crate::files::WORKDIR)
-        };
-        match st.kind {
-            FileKind::File => Ok(st.size),
-            FileKind::Dir => Err(NodeError::InvalidArgument(format!("is a directory: {abs}"))),
-            _ => Err(NodeError::InvalidArgument(format!(
-                "not a regular file: {abs}"
-            ))),
-        }
+        super::agent_exec::file_size(&c.agent, path).await
     }
 
     async fn write_file(&self, id: &str, path: &str, data: bytes::Bytes) -> NodeResult<()> {
