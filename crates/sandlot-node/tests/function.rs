@@ -574,16 +574,16 @@ async fn info_and_unavailable_backends() {
         match b {
             Backend::Function => assert!(avail.is_ok()),
             // Available where a runtime and the static agent exist, else with the reason.
-            Backend::Container => {
+            Backend::Container | Backend::Microvm => {
                 if let Err(why) = avail {
-                    assert!(why.contains("container"), "{why}");
+                    assert!(why.contains(b.as_str()), "{why}");
                 }
             }
             _ => assert!(avail.as_ref().unwrap_err().contains("not built yet")),
         }
     }
     let mut s = spec("sb-vm");
-    s.backend = Backend::Microvm;
+    s.backend = Backend::Vm;
     let e = n.create(&s).await.unwrap_err();
     assert!(matches!(e, NodeError::Unavailable(_)), "{e:?}");
     let mut s = spec("sb-img");
