@@ -53,7 +53,8 @@ def test_required_cases():
     assert required_cases("container") == {"container-runc", "container-runsc"}
     with pytest.raises(ValueError, match="container-crun"):
         required_cases("function,container-crun")
-    assert [c.name for c in CASES] == ["function", "container-runc", "container-runsc"]
+    assert [c.name for c in CASES] == ["function", "container-runc", "container-runsc",
+                                       "microvm"]
     assert RUNSC.create_args() == {"backend": "container", "runtime": "runsc"}
     assert CASES[0].create_args() == {"backend": "function"}
 

@@ -230,14 +230,22 @@ def node(binary, log_dir, inet, tmp_path_factory) -> Iterator[Server]:
         f"a=0.0.0.0:${{a#127.0.0.1:}};; esac; set -- \"$@\" \"$a\"; done\n"
         f"exec \"$bin\" \"$@\"' sh {binary} \"$@\"\n")
     wrapper.chmod(0o755)
+    # Off loopback `sandlot up` needs an API key first (it refuses to serve 0.0.0.0 without
+    # one); the tests use an admin key.
+    made = subprocess.run([str(binary), "key", "create", "--data-dir", str(base / "data"),
+                           "--name", "network-tests", "--admin"],
+                          capture_output=True, text=True, timeout=60)
+    assert made.returncode == 0, made.stderr
+    api_key = made.stdout.strip()
     srv = Server(wrapper, base / "data", log_dir / "container-network.log")
+    srv.api_key = api_key
     try:
         srv.start()
     except RuntimeError as e:
         pytest.fail(f"could not start `sandlot up` in its own mount namespace: {e}")
     ns_resolv = Path(f"/proc/{srv.proc.pid}/root/etc/resolv.conf").read_text()
     assert inet.ip in ns_resolv, ns_resolv
-    c = sandlot.Client(srv.url, timeout=60)
+    c = sandlot.Client(srv.url, timeout=60, api_key=api_key)
     try:
         c.create(backend="container", runtime="runc", image=IMAGE, memory_mib=64,
                  ttl_s=60).delete()
@@ -286,7 +294,7 @@ def host_listener() -> Iterator[int]:
 
 @pytest.fixture(scope="module")
 def client(node) -> Iterator[sandlot.Client]:
-    c = sandlot.Client(node.url, timeout=120)
+    c = sandlot.Client(node.url, timeout=120, api_key=node.api_key)
     yield c
     c.close()
 

@@ -72,7 +72,13 @@ def required_backends() -> frozenset:
         pytest.fail(str(e), pytrace=False)
 
 
-@pytest.fixture(scope="session", params=CASES, ids=[c.name for c in CASES])
+#: The attack suite's expectations are those of backends sharing the host kernel (function,
+#: containers); in a microVM, root owns its own guest kernel (/proc/sys, /sys, SysRq are the
+#: guest's), so its cases need their own verdicts — not written yet.
+SECURITY_CASES = [c for c in CASES if c.name != "microvm"]
+
+
+@pytest.fixture(scope="session", params=SECURITY_CASES, ids=[c.name for c in SECURITY_CASES])
 def backend(request, client, server, required_backends) -> Case:
     case: Case = request.param
     why = probe(case, client, server)
@@ -122,7 +128,7 @@ def record(attempt: str, case: str, layer: str, blocked: str, event: str) -> Non
 
 
 def render_table() -> str:
-    cases = [c.name for c in CASES]
+    cases = [c.name for c in SECURITY_CASES]
     lines = ["| # | attempt | stopped by | " + " | ".join(cases) + " |",
              "|---|---|---|" + "---|" * len(cases)]
     for i, (attempt, per) in enumerate(ROWS.items(), 1):
