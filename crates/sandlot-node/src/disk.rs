@@ -22,8 +22,14 @@ const LOOP_CTL_GET_FREE: libc::c_ulong = 0x4C82;
 const LOOP_CONFIGURE: libc::c_ulong = 0x4C0A;
 /// `LO_FLAGS_AUTOCLEAR`: detach when the last user (the mount) goes away.
 const LO_FLAGS_AUTOCLEAR: u32 = 4;
-/// Tries before giving up when other creators keep taking the free device first.
-const ATTACH_TRIES: usize = 16;
+/// Tries before giving up when other processes keep taking the free device first (creates
+/// of this node do not race each other: they attach one at a time, see [`ATTACH_LOCK`]).
+const ATTACH_TRIES: usize = 64;
+
+/// Serialises `LOOP_CTL_GET_FREE` + `LOOP_CONFIGURE` within the process: the kernel hands
+/// every concurrent caller the same free device, so unserialised creates would mostly retry.
+/// Held for two ioctls (microseconds), not for the mount.
+static ATTACH_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 /// `struct loop_info64` (`linux/loop.h`).
 #[repr(C)]
@@ -172,6 +178,7 @@ pub fn mount_image(img: &Path, mnt: &Path, flags: nix::mount::MsFlags) -> NodeRe
     let ctl = File::open("/dev/loop-control").map_err(io("open /dev/loop-control".into()))?;
     let mut last = None;
     for _ in 0..ATTACH_TRIES {
+        let attached = ATTACH_LOCK.lock().unwrap_or_else(|p| p.into_inner());
         // SAFETY: an argument-less ioctl on an open descriptor.
         let n = unsafe { libc::ioctl(ctl.as_raw_fd(), LOOP_CTL_GET_FREE) };
         if n < 0 {
@@ -216,6 +223,7 @@ pub fn mount_image(img: &Path, mnt: &Path, flags: nix::mount::MsFlags) -> NodeRe
             }
             return Err(NodeError::io(format!("LOOP_CONFIGURE {dev}"), e));
         }
+        drop(attached);
         // Closing `loopf` after the mount leaves the mount as the last user, so the
         // device is cleared by the unmount (or right here when the mount fails).
         return nix::mount::mount(Some(dev.as_str()), mnt, Some("ext4"), flags, None::<&str>)
