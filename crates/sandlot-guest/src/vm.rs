@@ -162,6 +162,7 @@ fn boot() -> Result<(), String> {
 /// `/sys` and `/dev` in it: `/dev/pts`, `/dev/shm`, the host name, the sandbox cgroup, then
 /// the agent on [`AGENT_PORT`] (never returns on success).
 fn serve_in_root(cmdline: &str) -> Result<(), String> {
+    IN_VM.store(true, std::sync::atomic::Ordering::SeqCst);
     mnt(
         "devpts",
         "/dev/pts",
@@ -284,6 +285,10 @@ fn find_port(name: &str) -> Result<PathBuf, String> {
         std::thread::sleep(Duration::from_millis(5));
     }
 }
+
+/// Set once this process is the agent of a microVM or VM (pid 1 of its guest): the file
+/// calls then also accept ext4, the `vm` root disk's file system.
+pub static IN_VM: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 /// Kernel command line word that selects the `vm` boot: the root is a whole disk.
 pub const DISK_ROOT_ARG: &str = "sandlot.root=disk";
