@@ -105,7 +105,7 @@ def render(meta: dict, rows: list[dict]) -> str:
         f"- Machine: {meta['machine']}; load average at start {meta['load']}",
         f"- Accelerator: **{meta['accels']}** (`/healthz` accel: {meta['accel_why']})",
         "",
-        "| backend | accel | n | boot→ready p50 | p99 | API create p50 | p99 | first create (builds the image disk) | exec `true` p50 | p99 |",
+        "| backend | accel | n | boot→ready p50 ms | p99 ms | API create p50 ms | p99 ms | first create ms (builds the image disk) | exec `true` p50 ms | p99 ms |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -118,7 +118,8 @@ def render(meta: dict, rows: list[dict]) -> str:
         "",
         "boot→ready: QEMU started → the guest agent answered (node log); API create adds the "
         "per-sandbox disk and cgroup. Sequential creates, concurrency 1. Under TCG every "
-        "instruction of firmware, kernel and agent is translated: these are not KVM figures.",
+        "instruction of firmware, kernel and agent is translated: these are not KVM figures. "
+        "The load average is other work on the same host (the exec figures suffer most).",
     ]
     return "\n".join(lines) + "\n"
 
