@@ -36,7 +36,7 @@ use super::function::{
 };
 use super::microvm::{
     find_binary, fnv, prune_failed, tail_of, write_cpio, write_json, Accel, VmState,
-    QEMU_OVERHEAD_MIB, QEMU_PIDS,
+    QEMU_OVERHEAD_MIB,
 };
 use super::qemu::{spawn_in_cgroup, AccelProbe};
 use super::SandboxBackend;
@@ -59,6 +59,10 @@ use tokio::sync::{watch, RwLock};
 const READY_TIMEOUT_KVM: Duration = Duration::from_secs(60);
 /// Boot → agent ready deadline under TCG (firmware + PCI probing are slow there).
 const READY_TIMEOUT_TCG: Duration = Duration::from_secs(180);
+/// Tasks (threads) allowed to one QEMU: vCPUs, main loop, and the block layer's worker
+/// pool (up to 64 threads per AioContext under heavy disk I/O, e.g. the guest's online
+/// resize; at the limit QEMU aborts in `qemu_thread_create`).
+const QEMU_PIDS: u64 = 160;
 /// Name of the guest's agent port.
 const AGENT_PORT: &str = "org.sandlot.agent";
 /// Where the agent lives inside the disk (`sandlot-guest`'s `vm::DISK_AGENT`).
