@@ -380,7 +380,10 @@ fn grow_ext4(dev: &str, mountpoint: &str) {
             std::io::Error::last_os_error()
         ));
     } else {
-        log(&format!("grew {dev} to {blocks} blocks in {:?}", t.elapsed()));
+        log(&format!(
+            "grew {dev} to {blocks} blocks in {:?}",
+            t.elapsed()
+        ));
     }
 }
 

@@ -23,7 +23,7 @@
 //! `sandlot.root=disk` on the command line) after SeaBIOS, q35's default firmware; no boot
 //! loader in the disk (under TCG a GRUB stage would add seconds to every boot for nothing:
 //! the kernel is the node's anyway). The initramfs's `/init` loads the modules, mounts the
-//! disk with virtio serial `root` read-write, grows it, makes it `/` and execs the disk's
+//! disk with virtio serial `root` read-write, makes it `/` and execs the disk's
 //! own `/.sandlot/sandlot-guest vm-disk-init` as pid 1 — the agent is the disk's init
 //! service, serving the container agent protocol on the virtio-serial port
 //! `org.sandlot.agent` (see `sandlot-guest`'s `vm` module).
