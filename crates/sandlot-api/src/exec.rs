@@ -120,7 +120,8 @@ pub struct ExecResult {
     pub replayed: bool,
     /// Denied dangerous syscalls the command attempted, oldest first (each failed with
     /// `EPERM` in the command), reported by the exec's seccomp supervisor; at most 64 per
-    /// exec. Absent when none, and on runtimes whose kernel cannot report them (gVisor).
+    /// exec. Absent when none. On runsc they are read from gVisor's sentry debug log (`pid` in
+    /// gVisor's root pid namespace).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub violations: Vec<Violation>,
 }

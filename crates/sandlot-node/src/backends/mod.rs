@@ -7,6 +7,7 @@
 mod agent_exec;
 pub mod container;
 pub mod function;
+pub mod gvisor_audit;
 pub mod microvm;
 pub mod pool;
 pub mod uids;
