@@ -477,3 +477,29 @@ def test_violation_survives_a_timeout_and_is_counted(backend, target, audit, ser
             if ln.startswith("sandlot_violations_total{") and 'what="bpf"' in ln
             and 'layer="seccomp"' in ln and f'backend="{backend.backend}"' in ln]
     assert line and float(line[0].split()[-1]) >= 1, line
+
+
+def test_dns_exfil_under_an_allowlist_is_refused_and_reported(backend, make, audit):
+    """A sandbox allowed one name tries to tunnel data out through the names it asks: the
+    node's resolver answers REFUSED without asking upstream, the direct query to a public
+    resolver is dropped, and the refusal is a ``violation`` event (``layer: dns``)."""
+    if backend.backend != "container":
+        record("dns_exfil_allowlist", backend.name, "policy resolver (REFUSED) + nft drop",
+               "n/a: no network policies on this backend (no network at all)", "—")
+        pytest.skip(f"network policies exist on the container backend only, not {backend.name}")
+    try:
+        box = make(memory_mib=128, network={"allow": ["example.org"]})
+    except (sandlot.InvalidArgument, sandlot.Unavailable) as e:
+        pytest.skip(f"network policies cannot run here: {e}")
+    cur = audit.cursor()
+    verdict, r = payload(box, "dns_exfil")
+    how = assert_blocked(verdict, r)
+    v = [e for e in audit.since(cur, sandbox=box.id, kind="violation") if e.get("layer") == "dns"]
+    assert v, f"no dns violation event: {r}"
+    assert v[0]["name"] == "c2VjcmV0.exfil.attacker.test." and v[0]["action"] == "REFUSED", v
+    assert v[0]["qtype"] in ("A", "AAAA") and v[0]["at"], v
+    ev = exec_events(audit, cur, box)
+    assert ev and ev[0]["violations"] >= 1 and v[0]["command_digest"] == ev[0]["command_digest"]
+    assert any(x.get("layer") == "dns" for x in r.violations), r.violations
+    record("dns_exfil_allowlist", backend.name, "policy resolver (REFUSED) + nft drop",
+           f"blocked ({how[-50:]})", f"`violation` dns `{v[0]['name']}` ({len(v)} queries)")

@@ -60,6 +60,8 @@ class ExecResult:
             dict ``{"layer": "seccomp", "syscall": str, "nr": int, "pid": int,
             "time_unix_ms": int}`` (the call failed with EPERM); empty when none. On gVisor
             (runsc) they come from its sentry's log, ``pid`` in gVisor's root pid namespace.
+            Under a network policy, DNS queries the node refused during the exec too:
+            ``{"layer": "dns", "name": str, "qtype": str, "time_unix_ms": int, ...}``.
     """
 
     exit_code: int

@@ -268,9 +268,28 @@ impl ContainerBackend {
             died: &died,
         };
         let window = c.sentry.as_ref().map(|s| s.begin());
+        let started = gvisor_audit::now_ms();
         let mut res = agent_exec::run(target, plan, guard, &mut killed, sink, control).await?;
         if let Some(w) = window {
             res.violations.extend(w.finish());
+        }
+        // DNS queries the network policy's resolver refused while this exec ran.
+        if let Some(Ok(net)) = self.net.get() {
+            let refused = net.dns_refusals(id, started, gvisor_audit::now_ms());
+            let room =
+                sandlot_guest::spec::MAX_VIOLATIONS_PER_EXEC.saturating_sub(res.violations.len());
+            res.violations.extend(
+                refused
+                    .into_iter()
+                    .take(room)
+                    .map(|r| sandlot_api::Violation {
+                        layer: "dns".into(),
+                        time_unix_ms: r.time_unix_ms,
+                        name: Some(r.name),
+                        qtype: Some(r.qtype),
+                        ..Default::default()
+                    }),
+            );
         }
         res.oom_killed = match (oom_before, c.cgroup.group().oom_kills()) {
             (Some(a), Some(b)) => b > a,

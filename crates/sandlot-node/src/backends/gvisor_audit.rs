@@ -32,8 +32,11 @@
 //! shared interval. If the node is down, the sentry's writes fail with EPIPE (no reader) and
 //! those refusals are lost; a re-adopted sandbox reports again from then on.
 //!
-//! Cost: the sentry writes every debug line (a few thousand per python start, systrap's
-//! patching messages) through the FIFO; measured in BENCHMARKS.md (runsc exec round trip).
+//! Cost: mostly gVisor's debug log level itself (the sentry and gofer format and write their
+//! debug messages), a little the FIFO: +10 ms p50 on a ~60 ms runsc exec of `true`, +10–30 ms
+//! on a python start, on the loaded 2-core CI host (`bench/runsc_audit.py`, BENCHMARKS.md). An operator who
+//! prefers the speed sets `SANDLOT_GVISOR_AUDIT=0` for the node ([`enabled`]): runsc sandboxes
+//! created then still refuse the calls but report nothing (as before this existed).
 
 use std::collections::{HashMap, VecDeque};
 use std::ffi::CString;
@@ -176,7 +179,8 @@ fn parse_line(line: &[u8]) -> Option<Denial> {
     })
 }
 
-fn now_ms() -> u64 {
+/// Now, Unix milliseconds.
+pub fn now_ms() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_millis() as u64)
@@ -284,9 +288,21 @@ fn drain(rx: &Receiver, state: &Mutex<State>) -> std::io::Result<()> {
 /// sandbox ([`attach`]); keyed by FIFO path.
 static PREPARED: Mutex<Option<HashMap<PathBuf, Arc<SentryLog>>>> = Mutex::new(None);
 
+/// Whether runsc sandboxes get the sentry log at creation: unless the node's environment has
+/// `SANDLOT_GVISOR_AUDIT=0` (or `off`, `false`).
+pub fn enabled() -> bool {
+    !matches!(
+        std::env::var("SANDLOT_GVISOR_AUDIT").as_deref(),
+        Ok("0") | Ok("off") | Ok("false")
+    )
+}
+
 /// The global `runsc` flags (before `run`) that send the sentry's debug log to the FIFO of
-/// the container in `dir`.
+/// the container in `dir` (none when not [`enabled`]).
 pub fn runsc_run_args(dir: &Path) -> Vec<std::ffi::OsString> {
+    if !enabled() {
+        return Vec::new();
+    }
     let mut log = std::ffi::OsString::from("--debug-log=");
     log.push(dir.join(FIFO_NAME));
     vec![
@@ -369,6 +385,7 @@ impl ExecWindow {
                 nr: d.nr,
                 pid: d.pid,
                 time_unix_ms: d.time_unix_ms,
+                ..Default::default()
             })
             .collect()
     }
@@ -388,6 +405,9 @@ impl Drop for ExecWindow {
 /// # Errors
 /// The `mkfifo` or open error.
 pub fn prepare(dir: &Path) -> std::io::Result<()> {
+    if !enabled() {
+        return Ok(());
+    }
     let path = dir.join(FIFO_NAME);
     let c = CString::new(path.as_os_str().as_bytes()).map_err(std::io::Error::other)?;
     // SAFETY: a NUL-terminated path.

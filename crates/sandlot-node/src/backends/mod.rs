@@ -159,6 +159,7 @@ pub fn violations_from_guest(
             nr: x.nr,
             pid: x.pid,
             time_unix_ms: x.time_unix_ms,
+            ..Default::default()
         })
         .collect()
 }
