@@ -40,8 +40,12 @@ def sc(name, *args):
     return r, ctypes.get_errno()
 
 
+#: Prefix of verdict lines (``batch``).
+PREFIX = ""
+
+
 def verdict(ok, detail):
-    print(("BLOCKED " if ok else "ESCAPED ") + detail, flush=True)
+    print(PREFIX + ("BLOCKED " if ok else "ESCAPED ") + detail, flush=True)
 
 
 def expect_fail(name, *args):
@@ -361,9 +365,25 @@ WITH_ARGS = {
     "inode_exhaustion": a_inode_exhaustion,
 }
 
+def batch(names):
+    """``batch NAME...``: the argument-less attempts one after another in this process (one
+    interpreter start: the microVM's TCG makes each start cost seconds); each verdict line is
+    prefixed with ``NAME<TAB>``."""
+    global PREFIX
+    for n in names:
+        PREFIX = n + "\t"
+        try:
+            SIMPLE[n]()
+        except Exception as e:  # noqa: BLE001 - a crash of one attempt is its verdict
+            verdict(False, f"payload error {type(e).__name__}: {e}")
+    PREFIX = ""
+
+
 if __name__ == "__main__":
     name, args = sys.argv[1], sys.argv[2:]
-    if name in SIMPLE:
+    if name == "batch":
+        batch(args)
+    elif name in SIMPLE:
         SIMPLE[name]()
     else:
         WITH_ARGS[name](*args)

@@ -7,9 +7,10 @@ Events expected, by the layer that stops the attempt:
 * denied syscalls (seccomp deny list of ``sandlot-guest exec``): a ``violation`` event
   (``layer: seccomp``, ``syscall``, ``nr``, ``pid``, ``at``, the exec's ``command_digest``),
   reported through seccomp user notification. gVisor (runsc 20240729) refuses
-  ``SECCOMP_FILTER_FLAG_NEW_LISTENER`` (EINVAL, measured): there the call is still refused,
-  only the ``exec`` event records the command, and the test ends as xfail with that reason
-  after the block itself was asserted;
+  ``SECCOMP_FILTER_FLAG_NEW_LISTENER`` (EINVAL, measured): there the filter answers EPERM
+  itself and the node reads the refusal from gVisor's sentry debug log
+  (``sandlot-node`` ``backends/gvisor_audit.rs``) — same event, ``pid`` in gVisor's root
+  pid namespace;
 * files API paths that leave the sandbox: a ``violation`` event (``layer: files_api``);
 * attempts stopped by namespaces, read-only mounts, the device cgroup, no_new_privs, the
   network namespace or cgroup limits: the kernel reports nothing per call, so the record is
@@ -35,9 +36,6 @@ import pytest
 import sandlot
 from conformance.test_limits import FORK_BOMB
 from security.conftest import record
-
-GVISOR_NO_NOTIFY = ("gVisor (runsc 20240729) refuses SECCOMP_FILTER_FLAG_NEW_LISTENER (EINVAL): "
-                    "the call is refused but not reported")
 
 #: attempt → syscalls whose violation event it must produce (payload name = attempt name).
 SECCOMP: Dict[str, Iterable[str]] = {
@@ -103,23 +101,35 @@ def host_marker() -> Iterable[str]:
     os.unlink(path)
 
 
-@pytest.mark.parametrize("attempt", list(SECCOMP))
-def test_denied_syscall_is_refused_and_reported(attempt, backend, target, audit):
-    host_name = socket.gethostname()
+@pytest.fixture(scope="module")
+def seccomp_batch(backend, target, audit) -> Dict[str, object]:
+    """microvm: every SECCOMP attempt in one exec (``attack_payload.py batch``; one python
+    start instead of 35 under TCG). Returns the verdict line per attempt, the exec result
+    and the events of that exec."""
     cur = audit.cursor()
-    verdict, r = payload(target, attempt)
+    r = target.exec(["python3", "/workspace/attack_payload.py", "batch", *SECCOMP],
+                    timeout_s=300)
+    lines = dict(ln.split("\t", 1) for ln in r.stdout.decode(errors="replace").splitlines()
+                 if "\t" in ln)
+    return {"verdicts": lines, "result": r, "events": audit.since(cur, sandbox=target.id)}
+
+
+@pytest.mark.parametrize("attempt", list(SECCOMP))
+def test_denied_syscall_is_refused_and_reported(attempt, backend, target, audit, request):
+    host_name = socket.gethostname()
+    if backend.name == "microvm":
+        b = request.getfixturevalue("seccomp_batch")
+        verdict, r, evs = b["verdicts"].get(attempt, ""), b["result"], b["events"]
+    else:
+        cur = audit.cursor()
+        verdict, r = payload(target, attempt)
+        evs = audit.since(cur, sandbox=target.id)
     how = assert_blocked(verdict, r)
     assert socket.gethostname() == host_name
-    evs = audit.since(cur, sandbox=target.id)
     execs = [e for e in evs if e["kind"] == "exec"]
     assert len(execs) == 1, evs
     viol = [e for e in evs if e["kind"] == "violation" and e.get("layer") == "seccomp"]
     errno_name = how.split()[-1]
-    if backend.name == "container-runsc":
-        assert viol == [], viol
-        record(attempt, backend.name, "seccomp", f"blocked ({errno_name})",
-               "`exec` only: gVisor cannot report (no seccomp user notification)")
-        pytest.xfail(GVISOR_NO_NOTIFY)
     hits = [v for v in viol if v["syscall"] in SECCOMP[attempt]]
     assert hits, f"no violation event for {attempt}: {evs}"
     v = hits[0]
@@ -127,19 +137,62 @@ def test_denied_syscall_is_refused_and_reported(attempt, backend, target, audit)
     assert v["command_digest"] == execs[0]["command_digest"]
     assert v["at"] and v["nr"] > 0 and v["id"] < execs[0]["id"]
     assert execs[0]["violations"] == len(viol)
-    assert r.violations and r.violations[0]["syscall"] == v["syscall"]
+    assert r.violations and v["syscall"] in [x["syscall"] for x in r.violations]
+    via = {"container-runsc": " (gVisor sentry log)",
+           "microvm": " (guest kernel's seccomp notification; one exec for all 35)"
+           }.get(backend.name, "")
     record(attempt, backend.name, "seccomp", f"blocked ({errno_name})",
-           f"`violation` seccomp `{v['syscall']}`")
+           f"`violation` seccomp `{v['syscall']}`{via}")
+
+
+def host_sysrq_lines() -> int:
+    """Lines of the host kernel's log that SysRq wrote (``sysrq:``)."""
+    out = subprocess.run(["dmesg"], capture_output=True, text=True, check=False).stdout
+    return sum("sysrq" in ln.lower() for ln in out.splitlines())
+
+
+def read_host(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
+#: microvm: attempts on kernel interfaces that the guest kernel owns. Root inside the VM may
+#: write its own /proc/sys, SysRq and /sys (the guest's, not masked there); "blocked" means
+#: the host is unaffected, checked from the host side: attempt → (what is checked, probe
+#: taken before and after, layer).
+VM_GUEST_OWNED = {
+    "proc_sys_write": ("host /proc/sys/kernel/hostname unchanged",
+                       lambda: read_host("/proc/sys/kernel/hostname"),
+                       "separate guest kernel (its own /proc/sys)"),
+    "sysrq_trigger": ("no SysRq line in the host's kernel log", host_sysrq_lines,
+                      "separate guest kernel (SysRq acts on the guest)"),
+    "sys_write": ("host /sys/kernel/mm/transparent_hugepage/enabled unchanged",
+                  lambda: read_host("/sys/kernel/mm/transparent_hugepage/enabled"),
+                  "separate guest kernel (its own sysfs)"),
+}
 
 
 @pytest.mark.parametrize("attempt", list(KERNEL_LAYERS))
 def test_kernel_layer_attempt_is_refused(attempt, backend, target, audit):
+    guest_owned = VM_GUEST_OWNED.get(attempt) if backend.name == "microvm" else None
+    before = guest_owned[1]() if guest_owned else None
     cur = audit.cursor()
     verdict, r = payload(target, attempt)
-    how = assert_blocked(verdict, r)
+    layer = KERNEL_LAYERS[attempt]
+    if guest_owned:
+        what, probe_host, vm_layer = guest_owned
+        assert r.exit_code == 0 and verdict.split(" ", 1)[0] in ("BLOCKED", "ESCAPED"), \
+            (verdict, r)
+        assert probe_host() == before, f"{what}: host changed after {attempt} in a microVM"
+        in_guest = "write reached the guest kernel" if verdict.startswith("ESCAPED") else \
+            f"refused in the guest ({verdict[8:50]})"
+        blocked = f"host unaffected ({in_guest}; {what})"
+        layer += "; microvm: " + vm_layer
+    else:
+        blocked = f"blocked ({assert_blocked(verdict, r)[-60:]})"
     ev = exec_events(audit, cur, target)
     assert len(ev) == 1, ev
-    record(attempt, backend.name, KERNEL_LAYERS[attempt], f"blocked ({how[-60:]})",
+    record(attempt, backend.name, layer, blocked,
            exec_event_text(ev[0]) + "; no per-call report from this layer")
 
 
@@ -309,6 +362,14 @@ def test_memory_bomb_is_contained(backend, make, audit):
     assert b"419430400" not in r.stdout and r.exit_code != 0, r
     ev = exec_events(audit, cur, box)
     assert ev
+    if backend.name == "microvm":
+        # The guest kernel refuses the allocation (MemoryError) or OOM-kills it inside the
+        # VM; QEMU's own cgroup (guest RAM + overhead) bounds the host side.
+        assert r.oom_killed or b"MemoryError" in r.stderr, r
+        how = "OOM-killed in the guest" if r.oom_killed else "MemoryError: guest RAM"
+        record("memory_bomb", backend.name, "memory cgroup (microvm: guest RAM + QEMU's group)",
+               f"contained ({how})", exec_event_text(ev[0]))
+        return
     if backend.name != "container-runsc":
         assert r.oom_killed and ev[0]["oom_killed"], (r, ev)
     record("memory_bomb", backend.name, "memory cgroup",
@@ -404,11 +465,10 @@ def test_cpu_spin_is_contained(backend, make, target, audit):
 def test_violation_survives_a_timeout_and_is_counted(backend, target, audit, server):
     """A command that attempts a denied call and then hides until its timeout kills it is
     still reported: the supervisor writes each record as it happens, not with the status."""
-    if backend.name == "container-runsc":
-        pytest.skip(GVISOR_NO_NOTIFY)
     cur = audit.cursor()
-    r = target.exec(["sh", "-c", "python3 /workspace/attack_payload.py bpf; sleep 60"],
-                    timeout_s=2)
+    # (a python start takes seconds in a TCG microVM)
+    r = target.exec(["sh", "-c", "python3 /workspace/attack_payload.py bpf; sleep 120"],
+                    timeout_s=10 if backend.name == "microvm" else 2)
     assert r.timed_out, r
     v = audit.since(cur, sandbox=target.id, kind="violation")
     assert [e["syscall"] for e in v] == ["bpf"], v
@@ -417,3 +477,29 @@ def test_violation_survives_a_timeout_and_is_counted(backend, target, audit, ser
             if ln.startswith("sandlot_violations_total{") and 'what="bpf"' in ln
             and 'layer="seccomp"' in ln and f'backend="{backend.backend}"' in ln]
     assert line and float(line[0].split()[-1]) >= 1, line
+
+
+def test_dns_exfil_under_an_allowlist_is_refused_and_reported(backend, make, audit):
+    """A sandbox allowed one name tries to tunnel data out through the names it asks: the
+    node's resolver answers REFUSED without asking upstream, the direct query to a public
+    resolver is dropped, and the refusal is a ``violation`` event (``layer: dns``)."""
+    if backend.backend != "container":
+        record("dns_exfil_allowlist", backend.name, "policy resolver (REFUSED) + nft drop",
+               "n/a: no network policies on this backend (no network at all)", "—")
+        pytest.skip(f"network policies exist on the container backend only, not {backend.name}")
+    try:
+        box = make(memory_mib=128, network={"allow": ["example.org"]})
+    except (sandlot.InvalidArgument, sandlot.Unavailable) as e:
+        pytest.skip(f"network policies cannot run here: {e}")
+    cur = audit.cursor()
+    verdict, r = payload(box, "dns_exfil")
+    how = assert_blocked(verdict, r)
+    v = [e for e in audit.since(cur, sandbox=box.id, kind="violation") if e.get("layer") == "dns"]
+    assert v, f"no dns violation event: {r}"
+    assert v[0]["name"] == "c2VjcmV0.exfil.attacker.test." and v[0]["action"] == "REFUSED", v
+    assert v[0]["qtype"] in ("A", "AAAA") and v[0]["at"], v
+    ev = exec_events(audit, cur, box)
+    assert ev and ev[0]["violations"] >= 1 and v[0]["command_digest"] == ev[0]["command_digest"]
+    assert any(x.get("layer") == "dns" for x in r.violations), r.violations
+    record("dns_exfil_allowlist", backend.name, "policy resolver (REFUSED) + nft drop",
+           f"blocked ({how[-50:]})", f"`violation` dns `{v[0]['name']}` ({len(v)} queries)")

@@ -120,15 +120,19 @@ pub struct ExecResult {
     pub replayed: bool,
     /// Denied dangerous syscalls the command attempted, oldest first (each failed with
     /// `EPERM` in the command), reported by the exec's seccomp supervisor; at most 64 per
-    /// exec. Absent when none, and on runtimes whose kernel cannot report them (gVisor).
+    /// exec. Absent when none. On runsc they are read from gVisor's sentry debug log (`pid` in
+    /// gVisor's root pid namespace).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub violations: Vec<Violation>,
 }
 
-/// One denied syscall attempt (seccomp user notification, seccomp_unotify(2)).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+/// One refused attempt an exec made: a denied syscall (`layer` `seccomp`: seccomp user
+/// notification, seccomp_unotify(2), or gVisor's sentry log) or a DNS query the sandbox's
+/// network policy refused (`layer` `dns`: `name` and `qtype` set, `syscall` empty, `nr` and
+/// `pid` 0).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Violation {
-    /// The layer that refused it: `seccomp`.
+    /// The layer that refused it: `seccomp` or `dns`.
     pub layer: String,
     /// Syscall name (`mount`, `bpf`, `socket`, ...).
     pub syscall: String,
@@ -136,8 +140,14 @@ pub struct Violation {
     pub nr: i32,
     /// Pid of the caller as the sandbox's exec helper sees it (0 when not visible).
     pub pid: u32,
-    /// When it was refused, Unix milliseconds (the sandbox's clock).
+    /// When it was refused, Unix milliseconds (the sandbox's clock; `dns`: the node's).
     pub time_unix_ms: u64,
+    /// `dns`: the refused question's name (as asked, ASCII, trailing dot).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    /// `dns`: the refused question's type (`A`, `TXT`, ...).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub qtype: Option<String>,
 }
 
 /// Text of `bytes` plus their exact base64 when they are not valid UTF-8.

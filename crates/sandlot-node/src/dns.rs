@@ -52,11 +52,51 @@ pub struct Stats {
     pub failed: u64,
 }
 
+/// One query the resolver answered REFUSED, kept for the audit (`violation` events, layer
+/// `dns`, of the exec that asked).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Refusal {
+    /// The question's name as asked (ASCII, trailing dot); empty when the message had none.
+    pub name: String,
+    /// The question's type (`A`, `TXT`, ...); `-` when the message had none.
+    pub qtype: String,
+    /// When it was refused, Unix milliseconds (the node's clock).
+    pub time_unix_ms: u64,
+}
+
+/// Most refusals a resolver keeps until they are taken (older ones are dropped; the
+/// `refused` counter still counts them).
+pub const MAX_REFUSALS: usize = 256;
+
 #[derive(Default)]
 struct Counters {
     forwarded: AtomicU64,
     refused: AtomicU64,
     failed: AtomicU64,
+    refusals: std::sync::Mutex<std::collections::VecDeque<Refusal>>,
+}
+
+impl Counters {
+    /// Counts a refusal of `req` and keeps its question.
+    fn refuse(&self, req: &Message) {
+        self.refused.fetch_add(1, Ordering::Relaxed);
+        let q = req.queries().first();
+        let r = Refusal {
+            name: q.map(|q| q.name().to_ascii()).unwrap_or_default(),
+            qtype: q
+                .map(|q| q.query_type().to_string())
+                .unwrap_or_else(|| "-".into()),
+            time_unix_ms: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_millis() as u64)
+                .unwrap_or(0),
+        };
+        let mut v = self.refusals.lock().unwrap_or_else(|p| p.into_inner());
+        if v.len() == MAX_REFUSALS {
+            v.pop_front();
+        }
+        v.push_back(r);
+    }
 }
 
 struct Ctx {
@@ -106,6 +146,18 @@ impl Resolver {
             refused: c.refused.load(Ordering::Relaxed),
             failed: c.failed.load(Ordering::Relaxed),
         }
+    }
+
+    /// Takes the kept refusals stamped at or before `until_ms` (Unix ms), oldest first.
+    pub fn take_refusals(&self, until_ms: u64) -> Vec<Refusal> {
+        let mut v = self
+            .ctx
+            .counters
+            .refusals
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let n = v.iter().take_while(|r| r.time_unix_ms <= until_ms).count();
+        v.drain(..n).collect()
     }
 
     /// Stops the listeners and waits until their sockets are closed. Queries in flight on
@@ -213,12 +265,12 @@ async fn handle(ctx: &Ctx, raw: &[u8], tcp: bool) -> Option<Vec<u8>> {
     }
     let c = &ctx.counters;
     if req.op_code() != OpCode::Query || req.queries().len() != 1 {
-        c.refused.fetch_add(1, Ordering::Relaxed);
+        c.refuse(&req);
         return error_reply(&req, ResponseCode::Refused);
     }
     let q = &req.queries()[0];
     if !ctx.policy.allows_name(&q.name().to_ascii()) {
-        c.refused.fetch_add(1, Ordering::Relaxed);
+        c.refuse(&req);
         tracing::debug!(name = %q.name(), "dns refused by policy");
         return error_reply(&req, ResponseCode::Refused);
     }

@@ -872,6 +872,19 @@ delete element inet {t} in_vmap {{ \"{h}\" }}
         inner.live.get(id).map(|l| l.resolver.stats())
     }
 
+    /// DNS queries of sandbox `id` its resolver refused within `[since_ms, until_ms]` (Unix
+    /// ms), oldest first; refusals before `since_ms` (no exec running to claim them) are
+    /// dropped. Empty when `id` has no network policy.
+    pub fn dns_refusals(&self, id: &str, since_ms: u64, until_ms: u64) -> Vec<dns::Refusal> {
+        let inner = self.inner.lock().expect("net lock");
+        let Some(l) = inner.live.get(id) else {
+            return Vec::new();
+        };
+        let mut v = l.resolver.take_refusals(until_ms);
+        v.retain(|r| r.time_unix_ms >= since_ms);
+        v
+    }
+
     /// Ids with a live network on this node.
     pub fn attached(&self) -> Vec<String> {
         let inner = self.inner.lock().expect("net lock");

@@ -568,6 +568,15 @@ async fn allow_policy_filters_egress_dns_and_the_host() {
     assert_eq!(timeouts.get(&w.a), Some(&3600), "{timeouts:?}");
     let stats = mgr.dns_stats("sb-net-1").unwrap();
     assert_eq!((stats.forwarded, stats.refused), (3, 4), "{stats:?}");
+    // The refusals are kept for the audit (`violation` events, layer dns) and taken once.
+    let refused = mgr.dns_refusals("sb-net-1", 0, u64::MAX);
+    assert!(
+        refused
+            .iter()
+            .any(|r| r.name == format!("c2VjcmV0.exfil-{tag}.example.") && r.qtype == "A"),
+        "{refused:?}"
+    );
+    assert!(mgr.dns_refusals("sb-net-1", 0, u64::MAX).is_empty());
 
     // An allowed name that resolves to loopback does not open the host (no DNS rebinding).
     let name = format!("local.{tag}.test");

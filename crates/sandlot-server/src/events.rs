@@ -22,7 +22,7 @@
 //! | `lost` | at server start: record not re-adopted, removed | `state` (the record's) |
 //! | `exec` | an exec finished or was replayed | `command_digest` (SHA-256 hex of the JSON of `cmd`; the command itself is not kept), `exit_code`, `signal`, `duration_ms`, `timed_out`, `oom_killed`, `truncated`, `stdout_bytes`, `stderr_bytes`, `violations` (how many `violation` events of this exec precede it), `replayed`, `step` (or null), `source` (`api`\|`run_code`) |
 //! | `error` | a node operation failed | `op` (`create`\|`exec`\|`delete`\|`pause`\|`resume`), `code`, `message` |
-//! | `violation` | a refused dangerous attempt: a denied syscall reported by the exec's seccomp supervisor (after the exec ends, before its `exec` event), or a files API path that would leave the sandbox | `layer` (`seccomp`\|`files_api`); seccomp: `syscall`, `nr`, `pid`, `at` (RFC 3339 time of the refusal, the sandbox's clock), `command_digest`, `action` (`EPERM`); files_api: `op`, `path`, `code`, `message` |
+//! | `violation` | a refused dangerous attempt: a denied syscall reported by the exec's seccomp supervisor or gVisor's sentry log, or a DNS query the network policy refused (both after the exec ends, before its `exec` event), or a files API path that would leave the sandbox | `layer` (`seccomp`\|`dns`\|`files_api`); seccomp: `syscall`, `nr`, `pid`, `at` (RFC 3339 time of the refusal, the sandbox's clock), `command_digest`, `action` (`EPERM`); dns: `name`, `qtype`, `at`, `command_digest`, `action` (`REFUSED`); files_api: `op`, `path`, `code`, `message` |
 //!
 //! Tenants ([`crate::auth`]): each event about a sandbox carries (internally, not in the
 //! JSON) the tenant of that sandbox, learnt when the sandbox was created or re-adopted; a
@@ -550,11 +550,22 @@ fn seccomp_violation(
     digest: &str,
     v: &sandlot_api::Violation,
 ) {
-    st.metrics.violation(backend, &v.layer, &v.syscall);
     let at = chrono::DateTime::from_timestamp_millis(v.time_unix_ms as i64)
         .map(|t| t.to_rfc3339_opts(chrono::SecondsFormat::Millis, true));
     let mut f = Map::new();
     f.insert("layer".into(), v.layer.clone().into());
+    if v.layer == "dns" {
+        // A query the network policy's resolver refused.
+        st.metrics.violation(backend, &v.layer, "query");
+        f.insert("name".into(), v.name.clone().into());
+        f.insert("qtype".into(), v.qtype.clone().into());
+        f.insert("at".into(), at.into());
+        f.insert("command_digest".into(), digest.into());
+        f.insert("action".into(), "REFUSED".into());
+        record(st, "violation", Some(sandbox), Some(backend), f);
+        return;
+    }
+    st.metrics.violation(backend, &v.layer, &v.syscall);
     f.insert("syscall".into(), v.syscall.clone().into());
     f.insert("nr".into(), v.nr.into());
     f.insert("pid".into(), v.pid.into());

@@ -184,6 +184,7 @@ impl Node for FakeNode {
                     nr: 165,
                     pid: 7,
                     time_unix_ms: 1_796_036_022_312,
+                    ..Default::default()
                 }],
                 ..result(32, b"", b"mount: permission denied", false)
             },

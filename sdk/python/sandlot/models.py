@@ -58,8 +58,10 @@ class ExecResult:
         replayed: the result came from the trajectory log without executing.
         violations: denied dangerous syscalls the command attempted, oldest first, each a
             dict ``{"layer": "seccomp", "syscall": str, "nr": int, "pid": int,
-            "time_unix_ms": int}`` (the call failed with EPERM); empty when none, and on
-            gVisor, which cannot report them.
+            "time_unix_ms": int}`` (the call failed with EPERM); empty when none. On gVisor
+            (runsc) they come from its sentry's log, ``pid`` in gVisor's root pid namespace.
+            Under a network policy, DNS queries the node refused during the exec too:
+            ``{"layer": "dns", "name": str, "qtype": str, "time_unix_ms": int, ...}``.
     """
 
     exit_code: int

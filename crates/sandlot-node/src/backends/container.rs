@@ -52,6 +52,7 @@ use super::function::{
     check_id, check_not_paused, destroy_blocking, freeze, make_layer_dirs, own_dir, proc_starttime,
     spawn_blocking, thaw, ExecPlan, StoredSpec,
 };
+use super::gvisor_audit;
 use super::uids::{UidLease, UidSlots};
 use super::SandboxBackend;
 use crate::agent_client::AgentClient;
@@ -169,6 +170,8 @@ struct Container {
     deleting: RwLock<bool>,
     killed: watch::Sender<bool>,
     paused: AtomicBool,
+    /// runsc: gVisor's debug log, where the sentry reports the exec filter's refusals.
+    sentry: Option<Arc<gvisor_audit::SentryLog>>,
 }
 
 impl Container {
@@ -264,7 +267,30 @@ impl ContainerBackend {
             pids_max: c.state.spec.pids_max,
             died: &died,
         };
+        let window = c.sentry.as_ref().map(|s| s.begin());
+        let started = gvisor_audit::now_ms();
         let mut res = agent_exec::run(target, plan, guard, &mut killed, sink, control).await?;
+        if let Some(w) = window {
+            res.violations.extend(w.finish());
+        }
+        // DNS queries the network policy's resolver refused while this exec ran.
+        if let Some(Ok(net)) = self.net.get() {
+            let refused = net.dns_refusals(id, started, gvisor_audit::now_ms());
+            let room =
+                sandlot_guest::spec::MAX_VIOLATIONS_PER_EXEC.saturating_sub(res.violations.len());
+            res.violations.extend(
+                refused
+                    .into_iter()
+                    .take(room)
+                    .map(|r| sandlot_api::Violation {
+                        layer: "dns".into(),
+                        time_unix_ms: r.time_unix_ms,
+                        name: Some(r.name),
+                        qtype: Some(r.qtype),
+                        ..Default::default()
+                    }),
+            );
+        }
         res.oom_killed = match (oom_before, c.cgroup.group().oom_kills()) {
             (Some(a), Some(b)) => b > a,
             _ => false,
@@ -532,6 +558,12 @@ impl ContainerBackend {
             .open(dir.join("agent.log"))
             .map_err(|e| NodeError::io(format!("create {}/agent.log", dir.display()), e))?;
         let mut cmd = self.runtime_cmd(runtime, bin);
+        if runtime == Runtime::Runsc {
+            // The sentry's refusals of the exec deny list, through its debug log.
+            gvisor_audit::prepare(&dir)
+                .map_err(|e| NodeError::io(format!("mkfifo {}", dir.display()), e))?;
+            cmd.args(gvisor_audit::runsc_run_args(&dir));
+        }
         if runtime == Runtime::Runsc && netns.is_some() {
             // gVisor's sentry joins the namespace the node made and uses the kernel's
             // network stack there (hostinet; the later flag wins over `--network=none`).
@@ -659,6 +691,10 @@ impl ContainerBackend {
             deleting: RwLock::new(false),
             killed: watch::channel(false).0,
             paused: AtomicBool::new(false),
+            sentry: match state.runtime {
+                Runtime::Runsc => gvisor_audit::attach(&self.dir_of(&state.id)),
+                _ => None,
+            },
             state,
         });
         c.paused
@@ -695,6 +731,7 @@ impl ContainerBackend {
                 let _ = run_with_timeout(cmd, RUNTIME_TIMEOUT).await;
             }
         }
+        gvisor_audit::forget(&dir);
         let net = match self.net.get() {
             Some(Ok(net)) => net.teardown(id).await,
             _ => Ok(()),

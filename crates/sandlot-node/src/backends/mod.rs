@@ -7,6 +7,7 @@
 mod agent_exec;
 pub mod container;
 pub mod function;
+pub mod gvisor_audit;
 pub mod microvm;
 pub mod pool;
 pub mod qemu;
@@ -159,6 +160,7 @@ pub fn violations_from_guest(
             nr: x.nr,
             pid: x.pid,
             time_unix_ms: x.time_unix_ms,
+            ..Default::default()
         })
         .collect()
 }
