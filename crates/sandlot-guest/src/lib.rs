@@ -9,3 +9,4 @@
 pub mod agent_proto;
 pub mod sandbox_fs;
 pub mod spec;
+pub mod syscalls;

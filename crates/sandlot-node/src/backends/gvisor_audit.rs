@@ -20,7 +20,7 @@
 //! ([`runsc_run_args`]): only the sandbox process (`boot`, the sentry) writes debug lines,
 //! JSON-escaped (a file name the sandbox chooses cannot forge a line), into a FIFO that the
 //! node holds open read-write (so the open never blocks and nothing lands on disk). A tokio
-//! task drains it as it fills and keeps the refusals of the exec deny list ([`REPORTED`]);
+//! task drains it as it fills and keeps the refusals of the exec deny list ([`reported_name`]);
 //! everything else (the sentry's other debug output, mostly systrap patching) is dropped
 //! unparsed.
 //!
@@ -58,80 +58,12 @@ const MAX_PENDING: usize = 1024;
 /// Most refusals one exec reports (as `sandlot_guest::spec::MAX_VIOLATIONS_PER_EXEC`).
 const MAX_PER_EXEC: usize = sandlot_guest::spec::MAX_VIOLATIONS_PER_EXEC;
 
-/// `(number, name)` of the calls the exec deny list refuses with EPERM (`sandlot-guest`
-/// `seccomp.rs`: `denied_syscalls` and `CONDITIONAL`; keep in step). `clone3`, refused with
-/// ENOSYS so that glibc falls back to `clone`, is not reported (as under runc). A refusal
-/// of any other number comes from a filter the sandbox's own program installed and is not
-/// a Sandlot violation.
-macro_rules! sys_table {
-    ($($name:ident),* $(,)?) => { &[$((libc::$name, stringify!($name))),*] };
-}
-const REPORTED: &[(i64, &str)] = sys_table![
-    SYS_mount,
-    SYS_umount2,
-    SYS_pivot_root,
-    SYS_unshare,
-    SYS_setns,
-    SYS_open_by_handle_at,
-    SYS_name_to_handle_at,
-    SYS_fsopen,
-    SYS_fsconfig,
-    SYS_fsmount,
-    SYS_fspick,
-    SYS_move_mount,
-    SYS_open_tree,
-    SYS_mount_setattr,
-    SYS_quotactl,
-    SYS_swapon,
-    SYS_swapoff,
-    SYS_acct,
-    SYS_bpf,
-    SYS_perf_event_open,
-    SYS_io_uring_setup,
-    SYS_io_uring_enter,
-    SYS_io_uring_register,
-    SYS_userfaultfd,
-    SYS_keyctl,
-    SYS_add_key,
-    SYS_request_key,
-    SYS_lookup_dcookie,
-    SYS_fanotify_init,
-    SYS_kcmp,
-    SYS_mbind,
-    SYS_set_mempolicy,
-    SYS_move_pages,
-    SYS_init_module,
-    SYS_finit_module,
-    SYS_delete_module,
-    SYS_kexec_load,
-    SYS_kexec_file_load,
-    SYS_reboot,
-    SYS_ptrace,
-    SYS_process_vm_readv,
-    SYS_process_vm_writev,
-    SYS_settimeofday,
-    SYS_clock_settime,
-    SYS_clock_adjtime,
-    SYS_adjtimex,
-    SYS_sethostname,
-    SYS_setdomainname,
-    SYS_syslog,
-    SYS_vhangup,
-    SYS_iopl,
-    SYS_ioperm,
-    SYS_clone,
-    SYS_personality,
-    SYS_socket,
-    SYS_mknod,
-    SYS_mknodat,
-];
-
-/// Name of a reported syscall number (`None` for any other).
+/// Name of a call of the exec deny list (`sandlot_guest::syscalls`; `None` for any other
+/// number). `clone3`, refused with ENOSYS so that glibc falls back to `clone`, is not on it
+/// (as under runc); a refusal of any other number comes from a filter the sandbox's own
+/// program installed and is not a Sandlot violation.
 fn reported_name(nr: i64) -> Option<&'static str> {
-    REPORTED
-        .iter()
-        .find(|(n, _)| *n == nr)
-        .map(|(_, name)| name.trim_start_matches("SYS_"))
+    sandlot_guest::syscalls::syscall_name(nr)
 }
 
 /// One refusal read from the sentry's log.
@@ -144,7 +76,7 @@ struct Denial {
 }
 
 /// Parses one line of the sentry's JSON debug log; `Some` only for a refusal of a
-/// [`REPORTED`] call.
+/// [`reported_name`] call.
 fn parse_line(line: &[u8]) -> Option<Denial> {
     const MARK: &[u8] = b"denied by seccomp";
     if !line.windows(MARK.len()).any(|w| w == MARK) {
