@@ -151,7 +151,7 @@ fn cstring(what: &str, s: &str) -> Result<CString, SetupError> {
     CString::new(s).map_err(|_| SetupError::user(format!("{what} contains a NUL byte: {s:?}")))
 }
 
-fn prepare(spec: &ExecSpec) -> Result<Prepared, SetupError> {
+fn prepare(spec: &ExecSpec, filters: seccomp::Filters) -> Result<Prepared, SetupError> {
     if spec.argv.is_empty() {
         return Err(SetupError::user("argv is empty"));
     }
@@ -181,8 +181,26 @@ fn prepare(spec: &ExecSpec) -> Result<Prepared, SetupError> {
         envp,
         path,
         cwd: cstring("cwd", &spec.cwd)?,
-        filters: seccomp::build()?,
+        filters,
     })
+}
+
+/// Makes `/dev/null` this process's stdin (and so the command's), see
+/// [`ExecSpec::stdin_null`].
+fn stdin_from_dev_null() -> Result<(), SetupError> {
+    let null = open(
+        "/dev/null",
+        OFlag::O_RDONLY | OFlag::O_CLOEXEC,
+        Mode::empty(),
+    )
+    .context("opening /dev/null for stdin")?;
+    // SAFETY: dup2 onto fd 0; `null` stays owned and is closed on drop.
+    if unsafe { libc::dup2(null.as_raw_fd(), 0) } < 0 {
+        return Err(anyhow::Error::from(std::io::Error::last_os_error())
+            .context("dup2 /dev/null onto stdin")
+            .into());
+    }
+    Ok(())
 }
 
 /// The sandbox's init, pinned: `/proc/PID` opened once, so every later lookup refers to
@@ -256,9 +274,15 @@ fn listener_channel() -> Result<ListenerChannel, SetupError> {
 }
 
 fn run(sup_out: std::fs::File) -> Result<ExecStatus, SetupError> {
-    let spec = read_spec()?;
-    let prepared = prepare(&spec)?;
+    // What needs no spec comes first: the guest agent starts its next helper ahead of time,
+    // so this work is done while it waits for the spec on fd 3.
+    let filters = seccomp::build()?;
     let chan = listener_channel()?;
+    let spec = read_spec()?;
+    if spec.stdin_null {
+        stdin_from_dev_null()?;
+    }
+    let prepared = prepare(&spec, filters)?;
     if spec.own_pid_ns {
         return run_in_own_pid_ns(&spec, &prepared, chan, sup_out);
     }
