@@ -59,11 +59,12 @@ struct Shared {
 
 /// A started `sandlot-guest exec` waiting for its spec on fd 3.
 ///
-/// The agent keeps one started ahead of the next exec (the "spare", see [`Shared::spare`]):
-/// the fork and execve of the helper and its spec-independent set-up (seccomp filters, the
-/// listener socket pair) then happen off the exec's critical path. A spare costs one
-/// process of the sandbox (its pids limit) and about 0.2 MiB private memory; one that died
-/// meanwhile (OOM killer, kill from the node) is noticed and replaced by a fresh helper.
+/// The agent keeps one started ahead of the next exec (the "spare", see [`Shared::spare`];
+/// `sandlot-guest exec --own-pid-ns`): the fork and execve of the helper and its
+/// spec-independent set-up (the exec's pid namespace and exec init, the seccomp filters)
+/// then happen off the exec's critical path. A spare costs two processes of the sandbox
+/// (its pids limit) and about 0.3 MiB private memory; one that died meanwhile (OOM killer,
+/// kill from the node) is noticed and replaced by a fresh helper.
 struct Helper {
     child: std::process::Child,
     pid: i32,
@@ -82,7 +83,7 @@ impl Helper {
         let status_w = high(status_w)?;
         let (sfd, wfd) = (spec_r.as_raw_fd(), status_w.as_raw_fd());
         let mut cmd = Command::new("/proc/self/exe");
-        cmd.arg("exec")
+        cmd.args(["exec", "--own-pid-ns"])
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
