@@ -124,10 +124,11 @@ impl Helper {
 }
 
 impl Shared {
-    /// The spare helper if it is still alive (not yet reaped), else a freshly started one
-    /// (also while a refill is under way: no waiting for it).
+    /// The spare helper if it is still alive (not yet reaped), else a freshly started one.
+    /// A refill under way is waited for (it holds the lock until its helper has exec'd,
+    /// well under a millisecond): starting a second helper next to it costs more.
     fn take_helper(&self) -> std::io::Result<Helper> {
-        let spare = self.spare.try_lock().ok().and_then(|mut s| s.take());
+        let spare = self.spare.lock().unwrap().take();
         if let Some(h) = spare {
             if self.live.lock().unwrap().contains(&h.pid) {
                 return Ok(h);
