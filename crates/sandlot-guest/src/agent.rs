@@ -48,11 +48,115 @@ type Live = Arc<Mutex<HashSet<i32>>>;
 /// [`signal`]).
 type Handles = Arc<Mutex<std::collections::HashMap<String, i32>>>;
 
-/// What every call may need: the live helpers and the named execs.
+/// What every call may need: the live helpers, the named execs and the helper started
+/// ahead of the next exec.
 #[derive(Clone, Default)]
 struct Shared {
     live: Live,
     handles: Handles,
+    spare: Arc<Mutex<Option<Helper>>>,
+}
+
+/// A started `sandlot-guest exec` waiting for its spec on fd 3.
+///
+/// The agent keeps one started ahead of the next exec (the "spare", see [`Shared::spare`];
+/// `sandlot-guest exec --own-pid-ns`): the fork and execve of the helper and its
+/// spec-independent set-up (the exec's pid namespace and exec init, the seccomp filters)
+/// then happen off the exec's critical path. A spare costs two processes of the sandbox
+/// (its pids limit) and about 0.3 MiB private memory; one that died meanwhile (OOM killer,
+/// kill from the node) is noticed and replaced by a fresh helper.
+struct Helper {
+    child: std::process::Child,
+    pid: i32,
+    /// Write end of the helper's fd 3 (the spec).
+    spec_w: OwnedFd,
+    /// Read end of the helper's fd 4 (violations, then the status).
+    status_r: OwnedFd,
+}
+
+impl Helper {
+    /// Starts a helper (stdin, stdout and stderr are pipes) and registers it in `live`.
+    fn spawn(live: &Live) -> std::io::Result<Helper> {
+        let (spec_r, spec_w) = pipe()?;
+        let (status_r, status_w) = pipe()?;
+        let spec_r = high(spec_r)?;
+        let status_w = high(status_w)?;
+        let (sfd, wfd) = (spec_r.as_raw_fd(), status_w.as_raw_fd());
+        let mut cmd = Command::new("/proc/self/exe");
+        cmd.args(["exec", "--own-pid-ns"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .env_clear();
+        // In a microVM every exec joins the guest's `sandbox` cgroup (its pids limit).
+        let procs = std::path::Path::new(crate::vm::SANDBOX_CGROUP_PROCS)
+            .exists()
+            .then(|| std::ffi::CString::new(crate::vm::SANDBOX_CGROUP_PROCS).expect("no NUL"));
+        // SAFETY: runs in the forked child before execve; dup2, open, write and close are
+        // async-signal-safe, the sources are CLOEXEC fds >= 10, the path was made before fork.
+        unsafe {
+            cmd.pre_exec(move || {
+                if libc::dup2(sfd, 3) < 0 || libc::dup2(wfd, 4) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                if let Some(p) = &procs {
+                    let fd = libc::open(p.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
+                    if fd >= 0 {
+                        // "0" moves the writing process itself.
+                        libc::write(fd, b"0".as_ptr().cast(), 1);
+                        libc::close(fd);
+                    }
+                }
+                // Signals for the command wait in the helper until it can forward them.
+                sys::block_forwarded_raw()
+            });
+        }
+        let child = cmd.spawn()?;
+        let pid = child.id() as i32;
+        live.lock().unwrap().insert(pid);
+        Ok(Helper {
+            child,
+            pid,
+            spec_w,
+            status_r,
+        })
+    }
+}
+
+impl Shared {
+    /// The spare helper if it is still alive (not yet reaped), else a freshly started one.
+    /// A refill under way is waited for (it holds the lock until its helper has exec'd,
+    /// well under a millisecond): starting a second helper next to it costs more.
+    fn take_helper(&self) -> std::io::Result<Helper> {
+        let spare = self.spare.lock().unwrap().take();
+        if let Some(h) = spare {
+            if self.live.lock().unwrap().contains(&h.pid) {
+                return Ok(h);
+            }
+        }
+        Helper::spawn(&self.live)
+    }
+
+    /// Starts a spare helper on a short-lived thread (the fork and execve stay off the
+    /// runtime's thread) unless a live one is there or a refill is under way. A failure,
+    /// e.g. at the pids limit, leaves none: the next exec starts its own.
+    fn refill_spare(&self) {
+        let shared = self.clone();
+        let _ = std::thread::Builder::new()
+            .name("spare".into())
+            .stack_size(64 * 1024)
+            .spawn(move || {
+                let Ok(mut spare) = shared.spare.try_lock() else {
+                    return;
+                };
+                let alive = spare
+                    .as_ref()
+                    .is_some_and(|h| shared.live.lock().unwrap().contains(&h.pid));
+                if !alive {
+                    *spare = Helper::spawn(&shared.live).ok();
+                }
+            });
+    }
 }
 
 /// Entry point; returns the process exit code.
@@ -131,6 +235,7 @@ async fn serve(listener: std::os::unix::net::UnixListener) -> i32 {
     };
     let shared = Shared::default();
     tokio::spawn(reap(shared.live.clone()));
+    shared.refill_spare();
     // No SIGTERM handler on purpose: as pid 1 of its namespace the agent then ignores
     // SIGTERM sent from inside (a command cannot stop it); the node deletes containers
     // with SIGKILL, which takes every exec's pid namespace down with it.
@@ -206,6 +311,7 @@ pub fn serve_vm(port: &std::path::Path) -> i32 {
     };
     let shared = Shared::default();
     rt.spawn(reap(shared.live.clone()));
+    shared.refill_spare();
     loop {
         // While no host is connected poll answers POLLHUP at once: sleep between checks.
         while port_poll(&file, libc::POLLIN, 100).is_none_or(|r| r & libc::POLLHUP != 0) {
@@ -463,48 +569,11 @@ async fn exec(mut body: Incoming, shared: Shared) -> Result<Response<Body>, Stri
     }
     req.spec.own_pid_ns = true;
     req.spec.cgroup_procs.clear();
+    req.spec.stdin_null = !req.stdin;
     let spec_json = serde_json::to_vec(&req.spec).map_err(|e| e.to_string())?;
-    let (spec_r, spec_w) = pipe().map_err(|e| e.to_string())?;
-    let (status_r, status_w) = pipe().map_err(|e| e.to_string())?;
-    let spec_r = high(spec_r).map_err(|e| e.to_string())?;
-    let status_w = high(status_w).map_err(|e| e.to_string())?;
-    let (sfd, wfd) = (spec_r.as_raw_fd(), status_w.as_raw_fd());
-    let mut cmd = Command::new("/proc/self/exe");
-    cmd.arg("exec")
-        .stdin(if req.stdin {
-            Stdio::piped()
-        } else {
-            Stdio::null()
-        })
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .env_clear();
-    // In a microVM every exec joins the guest's `sandbox` cgroup (its pids limit).
-    let procs = std::path::Path::new(crate::vm::SANDBOX_CGROUP_PROCS)
-        .exists()
-        .then(|| std::ffi::CString::new(crate::vm::SANDBOX_CGROUP_PROCS).expect("no NUL"));
-    // SAFETY: runs in the forked child before execve; dup2, open, write and close are
-    // async-signal-safe, the sources are CLOEXEC fds >= 10, the path was made before fork.
-    unsafe {
-        cmd.pre_exec(move || {
-            if libc::dup2(sfd, 3) < 0 || libc::dup2(wfd, 4) < 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            if let Some(p) = &procs {
-                let fd = libc::open(p.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
-                if fd >= 0 {
-                    // "0" moves the writing process itself.
-                    libc::write(fd, b"0".as_ptr().cast(), 1);
-                    libc::close(fd);
-                }
-            }
-            // Signals for the command wait in the helper until it can forward them.
-            sys::block_forwarded_raw()
-        });
-    }
     let start = Instant::now();
-    let mut child = match cmd.spawn() {
-        Ok(c) => c,
+    let helper = match send_spec(&shared, &spec_json).await {
+        Ok(h) => h,
         // The sandbox's processes hold every pid of its limit: the sandbox's state, not
         // an agent failure (the node answers resource_exhausted).
         Err(e) if e.raw_os_error() == Some(libc::EAGAIN) => {
@@ -524,22 +593,19 @@ async fn exec(mut body: Incoming, shared: Shared) -> Result<Response<Body>, Stri
         }
         Err(e) => return Err(format!("spawn exec helper: {e}")),
     };
-    drop(spec_r);
-    drop(status_w);
-    let pid = child.id() as i32;
-    live.lock().unwrap().insert(pid);
+    let Started {
+        mut child,
+        pid,
+        status_r,
+    } = helper;
     let killer = KillOnDrop(pid, live.clone());
     let named = HandleGuard(shared.handles.clone(), req.handle.clone());
     if let Some(h) = &req.handle {
         shared.handles.lock().unwrap().insert(h.clone(), pid);
     }
-
-    let mut spec_w = tokio::net::unix::pipe::Sender::from_owned_fd(spec_w)
-        .map_err(|e| format!("spec pipe: {e}"))?;
-    tokio::spawn(async move {
-        let _ = spec_w.write_all(&spec_json).await;
-    });
-    if let Some(stdin) = child.stdin.take() {
+    // Without stdin the helper swaps in /dev/null (`stdin_null`); our end just closes.
+    let stdin = child.stdin.take().filter(|_| req.stdin);
+    if let Some(stdin) = stdin {
         let fd = OwnedFd::from(stdin);
         let mut w = tokio::net::unix::pipe::Sender::from_owned_fd(fd)
             .map_err(|e| format!("stdin pipe: {e}"))?;
@@ -575,6 +641,7 @@ async fn exec(mut body: Incoming, shared: Shared) -> Result<Response<Body>, Stri
     let status_rx = tokio::net::unix::pipe::Receiver::from_owned_fd(status_r)
         .map_err(|e| format!("status pipe: {e}"))?;
     let timeout = Duration::from_millis(req.timeout_ms.max(1));
+    let spare_after = shared.clone();
     tokio::spawn(async move {
         let _killer = killer;
         let _named = named;
@@ -615,6 +682,8 @@ async fn exec(mut body: Incoming, shared: Shared) -> Result<Response<Body>, Stri
         let json = serde_json::to_vec(&exit).expect("ExecExit serialises");
         let _ = tx.send(Bytes::from(encode(FrameKind::Exit, &json))).await;
         drop(child);
+        // The next exec's helper, started now that this one's answer is on its way.
+        spare_after.refill_spare();
     });
     let stream = futures_util::stream::unfold(rx, |mut rx| async move {
         rx.recv()
@@ -622,6 +691,48 @@ async fn exec(mut body: Incoming, shared: Shared) -> Result<Response<Body>, Stri
             .map(|b| (Ok::<_, Infallible>(BodyFrame::data(b)), rx))
     });
     Ok(Response::new(StreamBody::new(stream).boxed()))
+}
+
+/// A helper that has its spec: what the exec keeps of it.
+struct Started {
+    child: std::process::Child,
+    pid: i32,
+    status_r: OwnedFd,
+}
+
+/// Hands `spec_json` to a helper (the spare if it is alive, else a fresh one) and closes
+/// its fd 3. A spare that died after the check (EPIPE: fd 3 has no reader) is replaced by
+/// a fresh helper once.
+async fn send_spec(shared: &Shared, spec_json: &[u8]) -> std::io::Result<Started> {
+    let mut helper = shared.take_helper()?;
+    let mut retried = false;
+    loop {
+        let Helper {
+            child,
+            pid,
+            spec_w,
+            status_r,
+        } = helper;
+        let mut w = tokio::net::unix::pipe::Sender::from_owned_fd(spec_w)?;
+        match w.write_all(spec_json).await {
+            Ok(()) => {
+                return Ok(Started {
+                    child,
+                    pid,
+                    status_r,
+                })
+            }
+            Err(e) => {
+                // The reaper collects it.
+                let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
+                if retried || e.raw_os_error() != Some(libc::EPIPE) {
+                    return Err(e);
+                }
+                retried = true;
+                helper = Helper::spawn(&shared.live)?;
+            }
+        }
+    }
 }
 
 /// Kills the helper (and so the command's tree) when the exec task ends without a status.

@@ -11,6 +11,10 @@
 //! order: no_new_privs, landlock, capabilities, signals, seccomp (last, so that the
 //! set-up calls above are not themselves filtered), then execve.
 //!
+//! Pre-started (`sandlot-guest exec --own-pid-ns`, the guest agent's helpers): the pid
+//! namespace and its exec init exist, and the exec init has installed the seccomp filters,
+//! before the spec arrives; the command inherits them (see `run_prestarted`).
+//!
 //! Signals: the [`sys::FORWARDED`] signals this process receives go to the command's
 //! process group (through the exec init in `own_pid_ns` mode); they are blocked from the
 //! start (the spawner blocks them before execve) and stay pending until the command exists,
@@ -88,7 +92,9 @@ impl From<SetupError> for ExecStatus {
 }
 
 /// Entry point; returns the process exit code (0 once a status was written).
-pub fn main() -> i32 {
+/// `prestart` (`sandlot-guest exec --own-pid-ns`, the guest agent's helpers): see
+/// [`run_prestarted`].
+pub fn main(prestart: bool) -> i32 {
     // Signals for the command stay pending until it exists (see `sys::start_forwarding`);
     // without the handler they would only be lost, so a failure here is not fatal.
     if let Err(e) = sys::start_forwarding() {
@@ -116,6 +122,7 @@ pub fn main() -> i32 {
             return 1;
         }
     };
+    let run = if prestart { run_prestarted } else { run };
     let status = match run(sup_out) {
         Ok(s) => s,
         Err(e) => e.into(),
@@ -151,7 +158,7 @@ fn cstring(what: &str, s: &str) -> Result<CString, SetupError> {
     CString::new(s).map_err(|_| SetupError::user(format!("{what} contains a NUL byte: {s:?}")))
 }
 
-fn prepare(spec: &ExecSpec) -> Result<Prepared, SetupError> {
+fn prepare(spec: &ExecSpec, filters: seccomp::Filters) -> Result<Prepared, SetupError> {
     if spec.argv.is_empty() {
         return Err(SetupError::user("argv is empty"));
     }
@@ -181,8 +188,26 @@ fn prepare(spec: &ExecSpec) -> Result<Prepared, SetupError> {
         envp,
         path,
         cwd: cstring("cwd", &spec.cwd)?,
-        filters: seccomp::build()?,
+        filters,
     })
+}
+
+/// Makes `/dev/null` this process's stdin (and so the command's), see
+/// [`ExecSpec::stdin_null`].
+fn stdin_from_dev_null() -> Result<(), SetupError> {
+    let null = open(
+        "/dev/null",
+        OFlag::O_RDONLY | OFlag::O_CLOEXEC,
+        Mode::empty(),
+    )
+    .context("opening /dev/null for stdin")?;
+    // SAFETY: dup2 onto fd 0; `null` stays owned and is closed on drop.
+    if unsafe { libc::dup2(null.as_raw_fd(), 0) } < 0 {
+        return Err(anyhow::Error::from(std::io::Error::last_os_error())
+            .context("dup2 /dev/null onto stdin")
+            .into());
+    }
+    Ok(())
 }
 
 /// The sandbox's init, pinned: `/proc/PID` opened once, so every later lookup refers to
@@ -256,9 +281,15 @@ fn listener_channel() -> Result<ListenerChannel, SetupError> {
 }
 
 fn run(sup_out: std::fs::File) -> Result<ExecStatus, SetupError> {
-    let spec = read_spec()?;
-    let prepared = prepare(&spec)?;
+    // What needs no spec comes first: the guest agent starts its next helper ahead of time,
+    // so this work is done while it waits for the spec on fd 3.
+    let filters = seccomp::build()?;
     let chan = listener_channel()?;
+    let spec = read_spec()?;
+    if spec.stdin_null {
+        stdin_from_dev_null()?;
+    }
+    let prepared = prepare(&spec, filters)?;
     if spec.own_pid_ns {
         return run_in_own_pid_ns(&spec, &prepared, chan, sup_out);
     }
@@ -291,7 +322,7 @@ fn run(sup_out: std::fs::File) -> Result<ExecStatus, SetupError> {
         Forked::Child => {
             drop(err_r);
             drop(chan.recv);
-            match child(&spec, &prepared, Some(&target), &chan.send) {
+            match child(&spec, &prepared, Some(&target), Some(&chan.send)) {
                 Ok(never) => match never {},
                 Err(e) => report_setup_error(err_w, e),
             }
@@ -336,7 +367,7 @@ fn run_in_own_pid_ns(
             drop(relay_r);
             drop(chan.recv);
             drop(sup_out);
-            exec_init(spec, p, err_w, relay_w, chan.send)
+            exec_init(spec, p, err_w, relay_w, Some(chan.send))
         }
         Forked::Parent(init) => {
             drop(err_w);
@@ -348,25 +379,96 @@ fn run_in_own_pid_ns(
             // gone then, so every notification was answered.
             let init_status =
                 wait_setup(err_r, init, seccomp::Supervisor::new(chan.recv, sup_out))?;
-            let mut relay = Vec::new();
-            let _ = std::fs::File::from(relay_r).read_to_end(&mut relay);
-            match (init_status, relay.as_slice()) {
-                (ExecStatus::Exited { code: 0 }, [tag, a, b, c, d]) => {
-                    let n = i32::from_le_bytes([*a, *b, *c, *d]);
-                    Ok(if *tag == b'S' {
-                        ExecStatus::Signaled { signal: n }
-                    } else {
-                        ExecStatus::Exited { code: n }
-                    })
+            relay_status(init_status, relay_r)
+        }
+    }
+}
+
+/// `own_pid_ns` mode started before the spec exists (the guest agent keeps such a helper
+/// ready for its next exec): everything that does not depend on the spec happens first —
+/// the filters are built, the pid namespace is unshared and the exec init forked, and the
+/// exec init installs the filters (with its listener sent to this process's supervisor)
+/// while it waits for the spec on fd 3. The command, forked by the exec init once the spec
+/// came, inherits the filters: none of its set-up calls is on the deny list, so installing
+/// them first changes nothing it can do, and the exec's critical path loses a fork, the
+/// unshare and the filter installation. The process limit still bites at the exec: the
+/// command's fork is the one refused.
+fn run_prestarted(sup_out: std::fs::File) -> Result<ExecStatus, SetupError> {
+    let filters = seccomp::build()?;
+    let chan = listener_channel()?;
+    nix::sched::unshare(CloneFlags::CLONE_NEWPID).context("unshare(CLONE_NEWPID)")?;
+    let (err_r, err_w) = pipe2(OFlag::O_CLOEXEC).context("pipe2")?;
+    let (relay_r, relay_w) = pipe2(OFlag::O_CLOEXEC).context("pipe2")?;
+    let exhausted = |e: std::io::Error| SetupError {
+        message: format!("fork: {e}"),
+        user_error: false,
+        resource_exhausted: true,
+    };
+    match sys::fork().map_err(exhausted)? {
+        Forked::Child => {
+            drop(err_r);
+            drop(relay_r);
+            drop(chan.recv);
+            drop(sup_out);
+            // Die with the helper; if it died before the prctl, the relay pipe has no reader.
+            if sys::set_parent_death_signal(libc::SIGKILL).is_err() || sys::reader_gone(&relay_w) {
+                sys::exit_now(125)
+            }
+            let ready = sys::set_no_new_privs()
+                .context("prctl(PR_SET_NO_NEW_PRIVS)")
+                .map_err(SetupError::from)
+                .and_then(|_| install(&filters, &chan.send));
+            drop(chan.send);
+            if let Err(e) = ready {
+                report_setup_error(err_w, e)
+            }
+            let prepared = read_spec().and_then(|spec| {
+                if spec.stdin_null {
+                    stdin_from_dev_null()?;
                 }
-                // The exec init was killed (timeout, delete): the command with it.
-                (ExecStatus::Signaled { signal }, _) => Ok(ExecStatus::Signaled { signal }),
-                (other, _) => Err(anyhow::anyhow!(
-                    "exec init ended without a status ({other:?}, relay {relay:?})"
-                )
-                .into()),
+                let p = prepare(&spec, filters)?;
+                Ok((spec, p))
+            });
+            match prepared {
+                Ok((spec, p)) => exec_init(&spec, &p, err_w, relay_w, None),
+                Err(e) => report_setup_error(err_w, e),
             }
         }
+        Forked::Parent(init) => {
+            drop(err_w);
+            drop(relay_w);
+            drop(chan.send);
+            // The spec is the exec init's to read.
+            // SAFETY: fd 3 is the inherited spec pipe, not owned by anything here.
+            unsafe { libc::close(3) };
+            let _ = sys::forward_to(init, false);
+            let init_status =
+                wait_setup(err_r, init, seccomp::Supervisor::new(chan.recv, sup_out))?;
+            relay_status(init_status, relay_r)
+        }
+    }
+}
+
+/// The command's status from the exec init's exit status and its relay pipe (format in
+/// [`run_in_own_pid_ns`]).
+fn relay_status(init_status: ExecStatus, relay_r: OwnedFd) -> Result<ExecStatus, SetupError> {
+    let mut relay = Vec::new();
+    let _ = std::fs::File::from(relay_r).read_to_end(&mut relay);
+    match (init_status, relay.as_slice()) {
+        (ExecStatus::Exited { code: 0 }, [tag, a, b, c, d]) => {
+            let n = i32::from_le_bytes([*a, *b, *c, *d]);
+            Ok(if *tag == b'S' {
+                ExecStatus::Signaled { signal: n }
+            } else {
+                ExecStatus::Exited { code: n }
+            })
+        }
+        // The exec init was killed (timeout, delete): the command with it.
+        (ExecStatus::Signaled { signal }, _) => Ok(ExecStatus::Signaled { signal }),
+        (other, _) => Err(anyhow::anyhow!(
+            "exec init ended without a status ({other:?}, relay {relay:?})"
+        )
+        .into()),
     }
 }
 
@@ -377,7 +479,7 @@ fn exec_init(
     p: &Prepared,
     err_w: OwnedFd,
     relay_w: OwnedFd,
-    listener_send: OwnedFd,
+    listener_send: Option<OwnedFd>,
 ) -> ! {
     // Die with the helper; if it died before the prctl, the relay pipe has no reader.
     if sys::set_parent_death_signal(libc::SIGKILL).is_err() || sys::reader_gone(&relay_w) {
@@ -407,7 +509,7 @@ fn exec_init(
     let cmd = match sys::fork() {
         Ok(Forked::Child) => {
             drop(relay_w);
-            match child(spec, p, None, &listener_send) {
+            match child(spec, p, None, listener_send.as_ref()) {
                 Ok(never) => match never {},
                 Err(e) => report_setup_error(err_w, e),
             }
@@ -551,7 +653,7 @@ fn child(
     spec: &ExecSpec,
     p: &Prepared,
     target: Option<&Target>,
-    listener_send: &OwnedFd,
+    listener_send: Option<&OwnedFd>,
 ) -> Result<std::convert::Infallible, SetupError> {
     // Limits first, with host privileges: raising a hard limit needs CAP_SYS_RESOURCE in
     // the initial user namespace, which is gone after setns(user).
@@ -597,17 +699,32 @@ fn child(
     }
     sys::clear_capabilities().context("capset(0)")?;
     sys::reset_signals().context("resetting signal dispositions")?;
-    match seccomp::apply(&p.filters)? {
+    // `None`: the exec init installed the filters before forking us (see
+    // `run_prestarted`); they are inherited.
+    if let Some(send) = listener_send {
+        install_filters(p, send)?;
+    }
+    exec_search(p)
+}
+
+/// Installs the exec filters on the calling thread and hands the listener (if the kernel
+/// gives one) to the supervisor over `send`.
+fn install_filters(p: &Prepared, send: &OwnedFd) -> Result<(), SetupError> {
+    install(&p.filters, send)
+}
+
+fn install(filters: &seccomp::Filters, send: &OwnedFd) -> Result<(), SetupError> {
+    match seccomp::apply(filters)? {
         seccomp::Installed::Listener(fd) => {
             // Without a supervisor the denied calls would fail with ENOSYS and go
             // unreported: a send failure is an internal error, never a silent run.
-            sys::send_fd(listener_send, fd.as_raw_fd())
+            sys::send_fd(send, fd.as_raw_fd())
                 .context("sending the seccomp listener to the supervisor")?;
         }
         // gVisor and old kernels: the deny list answers EPERM itself (not reported).
         seccomp::Installed::Silent => {}
     }
-    exec_search(p)
+    Ok(())
 }
 
 /// execve with a PATH search of our own (glibc's execvp would search the PATH of this

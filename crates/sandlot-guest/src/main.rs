@@ -22,13 +22,13 @@ fn main() {
     }
     let code = match std::env::args().nth(1).as_deref() {
         Some("init") => init::main(),
-        Some("exec") => exec::main(),
+        Some("exec") => exec::main(std::env::args().nth(2).as_deref() == Some("--own-pid-ns")),
         Some("vm-disk-init") => vm::disk_init(),
         Some("agent") => agent::main(&std::env::args().skip(2).collect::<Vec<_>>()),
         _ => {
             eprintln!(
                 "usage: sandlot-guest init   (InitSpec JSON on stdin, InitReady JSON on stdout)\n       \
-                 sandlot-guest exec   (ExecSpec JSON on fd 3, ExecStatus JSON on fd 4)\n       \
+                 sandlot-guest exec [--own-pid-ns]   (ExecSpec JSON on fd 3, ExecStatus JSON on fd 4)\n       \
                  sandlot-guest agent --listen-fd N | --listen PATH   (guest agent, HTTP/2)"
             );
             2

@@ -114,6 +114,11 @@ pub struct ExecSpec {
     /// true). The container backend turns it off: its root may write its whole rootfs.
     #[serde(default = "default_true")]
     pub landlock: bool,
+    /// Replace stdin with `/dev/null` before the command starts (default false: stdin as
+    /// inherited). The guest agent starts its next helper ahead of time with a stdin pipe
+    /// and sets this for an exec without stdin, so the command still sees `/dev/null`.
+    #[serde(default)]
+    pub stdin_null: bool,
 }
 
 fn default_true() -> bool {

@@ -59,6 +59,7 @@ fn request(script: &str, timeout_ms: u64, stdin: bool) -> ExecRequest {
             rlimits: Vec::new(),
             own_pid_ns: true,
             landlock: false,
+            stdin_null: false,
         },
         timeout_ms,
         stdin,

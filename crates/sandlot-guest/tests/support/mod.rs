@@ -254,6 +254,7 @@ impl Sandbox {
             rlimits: Vec::<Rlimit>::new(),
             own_pid_ns: false,
             landlock: true,
+            stdin_null: false,
         }
     }
 

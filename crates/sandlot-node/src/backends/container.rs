@@ -460,6 +460,8 @@ impl ContainerBackend {
         cg: &SandboxCgroup,
     ) -> NodeResult<ContainerState> {
         let dir = self.dir_of(&spec.id);
+        // Phase timings for the debug log (where a create's time goes).
+        let t0 = Instant::now();
         // runsc: gVisor's own processes and threads (sentry, gofer, one stub process per
         // guest process) share the group, so it gets room for them on top of the spec.
         let (extra_mib, extra_pids) = match runtime {
@@ -476,7 +478,10 @@ impl ContainerBackend {
             let lowers: Vec<PathBuf> = image.layers.clone();
             let disk_mib = spec.disk_mib;
             let templates = self.cfg.disk_templates.clone();
-            spawn_blocking(move || {
+            // The cgroup does not depend on the disk: made at the same time (on a failure
+            // the caller's destroy removes whatever of both exists).
+            let cgroup = spawn_blocking(move || cg.create(&limits));
+            let disk = spawn_blocking(move || {
                 // Only root and the container's root (group `uid_base`) may walk in: no other
                 // host user reaches the rootfs, the scratch disk or the socket.
                 std::os::unix::fs::chown(&dir, Some(0), Some(uid_base))
@@ -493,14 +498,17 @@ impl ContainerBackend {
                 if !tmp.is_dir() {
                     own_dir(&tmp, uid_base, 0o1777)?;
                 }
-                cg.create(&limits)
-            })
-            .await?;
+                Ok(())
+            });
+            let (disk, cgroup) = tokio::join!(disk, cgroup);
+            disk?;
+            cgroup?;
         }
         // runc: the node binds the socket and hands the listening fd over. runsc cannot take
         // a listening socket, so its agent binds one in `run/`, a host directory shared with
         // the sandbox (gVisor's host-UDS mode) that only the agent may write: it is owned by
         // uid 65533 inside, and commands run as uid 0 without capabilities.
+        let t_prep = t0.elapsed();
         let listener = if runtime == Runtime::Runsc {
             let run = dir.join("run");
             std::fs::create_dir(&run)
@@ -622,7 +630,9 @@ impl ContainerBackend {
                 Ok(())
             });
         }
+        let t_spawn = t0.elapsed();
         let status = run_with_timeout(cmd, RUNTIME_TIMEOUT).await?;
+        let t_runtime = t0.elapsed();
         drop(listener);
         if !status.success() {
             let log = std::fs::read_to_string(dir.join("agent.log")).unwrap_or_default();
@@ -659,6 +669,15 @@ impl ContainerBackend {
         agent
             .wait_ready(Instant::now() + AGENT_READY_TIMEOUT)
             .await?;
+        let t_ready = t0.elapsed();
+        tracing::debug!(
+            sandbox = %spec.id,
+            prep_ms = t_prep.as_secs_f64() * 1e3,
+            bundle_ms = (t_spawn - t_prep).as_secs_f64() * 1e3,
+            runtime_ms = (t_runtime - t_spawn).as_secs_f64() * 1e3,
+            ready_ms = (t_ready - t_runtime).as_secs_f64() * 1e3,
+            "container create phases"
+        );
         let state = ContainerState {
             id: spec.id.clone(),
             image: image.name.clone(),

@@ -946,6 +946,7 @@ impl ExecPlan {
             ],
             own_pid_ns: false,
             landlock: true,
+            stdin_null: false,
         };
         Ok(ExecPlan {
             spec,
