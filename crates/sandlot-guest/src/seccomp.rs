@@ -37,7 +37,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, Result};
 use sandlot_guest::spec::{Violation, MAX_VIOLATIONS_PER_EXEC};
-use sandlot_guest::syscalls::{denied_syscalls, syscall_name, CONDITIONAL};
+use sandlot_guest::syscalls::{denied_syscalls, syscall_name};
 use seccompiler::{
     BpfProgram, SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompFilter,
     SeccompRule, TargetArch,
