@@ -72,7 +72,7 @@ CASES: List[Case] = [
 ]
 
 #: Cases that run only a subset of the suite (slow boots), by test function name: every
-#: category (errors, exec, files, lifecycle, limits) has at least one test.
+#: category (errors, exec, files, lifecycle, limits, processes, pause) has at least one test.
 REDUCED: Dict[str, FrozenSet[str]] = {
     "microvm": frozenset({
         "test_unknown_image_is_not_found",
@@ -100,6 +100,9 @@ REDUCED: Dict[str, FrozenSet[str]] = {
         "test_list_dir_entries",
         "test_dotdot_read_cannot_escape",
         "test_symlink_escapes_refused",
+        # pause (test_pause.py): memory saved to a file, QEMU stopped, restored
+        "test_pause_resume_keeps_a_background_process_and_files",
+        "test_pause_twice_resume_twice_and_delete_while_paused",
     }),
 }
 

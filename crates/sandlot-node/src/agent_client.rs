@@ -23,7 +23,7 @@ const PING_TIMEOUT: Duration = Duration::from_secs(2);
 /// connection goes through `/proc/self/fd/N`, which names that very inode. A sandbox that
 /// can write the socket's directory (gVisor's host-UDS mode) therefore cannot point the
 /// node at another host socket.
-async fn connect_socket(path: &Path) -> std::io::Result<tokio::net::UnixStream> {
+pub(crate) async fn connect_socket(path: &Path) -> std::io::Result<tokio::net::UnixStream> {
     use std::os::fd::AsRawFd;
     use std::os::unix::fs::FileTypeExt;
     let fd = nix::fcntl::open(
@@ -46,9 +46,19 @@ async fn connect_socket(path: &Path) -> std::io::Result<tokio::net::UnixStream> 
 /// process).
 type ReqBody = http_body_util::combinators::BoxBody<Bytes, std::convert::Infallible>;
 
+/// Opens the byte stream of one new agent connection, in place of connecting the socket
+/// (the `microvm` backend's relay, which keeps the connection across a pause).
+pub type Connector = std::sync::Arc<
+    dyn Fn() -> std::pin::Pin<
+            Box<dyn std::future::Future<Output = std::io::Result<tokio::net::UnixStream>> + Send>,
+        > + Send
+        + Sync,
+>;
+
 /// A client of one sandbox's agent.
 pub struct AgentClient {
     socket: PathBuf,
+    connector: Option<Connector>,
     conn: tokio::sync::Mutex<Option<SendRequest<ReqBody>>>,
 }
 
@@ -64,6 +74,17 @@ impl AgentClient {
     pub fn new(socket: impl Into<PathBuf>) -> Self {
         AgentClient {
             socket: socket.into(),
+            connector: None,
+            conn: tokio::sync::Mutex::new(None),
+        }
+    }
+
+    /// A client whose connections come from `connector` (`socket` only names the agent in
+    /// error messages).
+    pub fn with_connector(socket: impl Into<PathBuf>, connector: Connector) -> Self {
+        AgentClient {
+            socket: socket.into(),
+            connector: Some(connector),
             conn: tokio::sync::Mutex::new(None),
         }
     }
@@ -75,9 +96,11 @@ impl AgentClient {
                 return Ok(s.clone());
             }
         }
-        let stream = connect_socket(&self.socket)
-            .await
-            .map_err(|e| agent_err(&self.socket, "connect", e))?;
+        let stream = match &self.connector {
+            Some(c) => c().await,
+            None => connect_socket(&self.socket).await,
+        }
+        .map_err(|e| agent_err(&self.socket, "connect", e))?;
         let (sender, connection) =
             hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(stream))
                 .await
