@@ -29,9 +29,10 @@ pub struct Qmp {
 }
 
 fn qmp_err(path: &Path, what: &str, e: impl std::fmt::Display) -> NodeError {
+    let e = e.to_string();
     NodeError::io(
-        format!("QMP at {}: {what}", path.display()),
-        std::io::Error::other(e.to_string()),
+        format!("QMP at {}: {what}: {e}", path.display()),
+        std::io::Error::other(e),
     )
 }
 
