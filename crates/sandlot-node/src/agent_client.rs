@@ -10,7 +10,7 @@ use hyper::{Method, Request, StatusCode};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use sandlot_guest::agent_proto::{
     encode, ExecExit, ExecRequest, FileInfo, Frame, FrameDecoder, FrameKind, FsCode, FsError,
-    SignalRequest, PATH_EXEC, PATH_PING, PATH_SIGNAL,
+    IdentityRequest, SignalRequest, PATH_EXEC, PATH_IDENTITY, PATH_PING, PATH_SIGNAL,
 };
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -436,6 +436,31 @@ impl AgentClient {
 }
 
 impl AgentClient {
+    /// New hostname, machine id and entropy for a microVM guest
+    /// ([`sandlot_guest::agent_proto::PATH_IDENTITY`]).
+    ///
+    /// # Errors
+    /// `Internal` when the agent cannot be reached or refuses (its message).
+    pub async fn set_identity(&self, req: &IdentityRequest) -> NodeResult<()> {
+        let body = serde_json::to_vec(req).expect("IdentityRequest serialises");
+        let resp = self.call(Method::POST, PATH_IDENTITY, body.into()).await?;
+        if resp.status() == StatusCode::NO_CONTENT {
+            return Ok(());
+        }
+        let status = resp.status();
+        let text = resp
+            .into_body()
+            .collect()
+            .await
+            .map(|b| String::from_utf8_lossy(&b.to_bytes()).into_owned())
+            .unwrap_or_default();
+        Err(agent_err(
+            &self.socket,
+            "identity",
+            format!("{status}: {text}"),
+        ))
+    }
+
     /// Delivers `signal` to the running exec started with `handle` (see
     /// [`sandlot_guest::agent_proto::PATH_SIGNAL`]). An exec that already ended is not an
     /// error (the signal has nobody to reach).

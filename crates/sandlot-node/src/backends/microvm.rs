@@ -54,6 +54,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::{watch, RwLock};
 
 mod snapshot;
+mod template;
 
 /// How long a KVM probe boot may take to reach init before the node falls back to TCG.
 pub const PROBE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -148,6 +149,10 @@ pub struct VmState {
     /// last one).
     #[serde(default)]
     pub memory_saved: bool,
+    /// How it started: `cold` (kernel boot) or `template` (restored from the image's
+    /// template snapshot, see `template`).
+    #[serde(default)]
+    pub started_from: String,
 }
 
 struct Vm {
@@ -175,6 +180,10 @@ pub struct MicrovmBackend {
     /// Serialises image conversions (one `mkfs.erofs` at a time).
     convert: tokio::sync::Mutex<()>,
     vms: Mutex<HashMap<String, Arc<Vm>>>,
+    /// Template snapshots in use (`SANDLOT_MICROVM_TEMPLATES`, default on).
+    templates_enabled: bool,
+    /// Template keys being built now.
+    templates_building: Arc<Mutex<std::collections::HashSet<String>>>,
 }
 
 fn find_binary(name: &str) -> Option<PathBuf> {
@@ -329,7 +338,8 @@ impl MicrovmBackend {
                 cfg.agent_bin.display()
             )));
         }
-        for d in ["vms", "images", "failed"] {
+        template::sweep_partial(&cfg.dir.join("templates"));
+        for d in ["vms", "images", "failed", "templates"] {
             let p = cfg.dir.join(d);
             std::fs::create_dir_all(&p)
                 .map_err(|e| NodeError::io(format!("create {}", p.display()), e))?;
@@ -364,6 +374,8 @@ impl MicrovmBackend {
             accel: tokio::sync::OnceCell::new(),
             convert: tokio::sync::Mutex::new(()),
             vms: Mutex::new(HashMap::new()),
+            templates_enabled: template::enabled_from_env(),
+            templates_building: Arc::new(Mutex::new(Default::default())),
         })
     }
 
@@ -444,6 +456,80 @@ impl MicrovmBackend {
         Ok(out)
     }
 
+    /// QEMU's command line for a VM whose files are in `dir` (`scratch.img`, `agent.sock`,
+    /// `qmp.sock`, `console.log`) over the image disk `disk`.
+    #[allow(clippy::too_many_arguments)]
+    fn qemu_args(
+        &self,
+        accel: Accel,
+        smp: u64,
+        memory_mib: u64,
+        append: &str,
+        disk: &Path,
+        dir: &Path,
+    ) -> Vec<String> {
+        let mut args: Vec<String> = [
+            "-M",
+            "microvm,rtc=on",
+            "-nodefaults",
+            "-no-user-config",
+            "-display",
+            "none",
+            "-no-reboot",
+        ]
+        .map(String::from)
+        .to_vec();
+        let mut push = |xs: &[&str]| args.extend(xs.iter().map(|x| x.to_string()));
+        match accel {
+            Accel::Kvm => push(&["-accel", "kvm", "-cpu", "host"]),
+            Accel::Tcg => push(&["-accel", "tcg,thread=multi,tb-size=64", "-cpu", "max"]),
+        }
+        let p = |x: &Path| x.display().to_string();
+        push(&[
+            "-smp",
+            &smp.to_string(),
+            "-m",
+            &format!("{memory_mib}M"),
+            "-kernel",
+            &p(&self.cfg.kit_dir.join("vmlinuz")),
+            "-initrd",
+            &p(&self.cfg.dir.join("initramfs.cpio")),
+            "-append",
+            append,
+            "-serial",
+            &format!("file:{}", p(&dir.join("console.log"))),
+            "-drive",
+            &format!("id=image,file={},format=raw,if=none,readonly=on", p(disk)),
+            "-device",
+            "virtio-blk-device,drive=image,serial=image",
+            "-drive",
+            &format!(
+                "id=scratch,file={},format=raw,if=none",
+                p(&dir.join("scratch.img"))
+            ),
+            "-device",
+            "virtio-blk-device,drive=scratch,serial=scratch",
+            "-device",
+            "virtio-serial-device",
+            "-chardev",
+            &format!(
+                "socket,id=agent,path={},server=on,wait=off",
+                p(&dir.join("agent.sock"))
+            ),
+            "-device",
+            &format!("virtserialport,chardev=agent,name={AGENT_PORT}"),
+            // Pause with memory and template starts drive QEMU through QMP.
+            "-qmp",
+            &format!(
+                "unix:{},server=on,wait=off",
+                p(&dir.join(snapshot::QMP_SOCK))
+            ),
+            "-sandbox",
+            "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
+        ]);
+        args
+    }
+
     async fn create_inner(
         &self,
         spec: &SandboxSpec,
@@ -455,32 +541,6 @@ impl MicrovmBackend {
         let dir = self.vm_dir(&spec.id);
         let scratch = dir.join("scratch.img");
         let mib = spec.disk_mib.max(16);
-        {
-            let s = scratch.clone();
-            spawn_blocking(move || {
-                let f = std::fs::File::create(&s)
-                    .map_err(|e| NodeError::io(format!("create {}", s.display()), e))?;
-                f.set_len(mib << 20)
-                    .map_err(|e| NodeError::io(format!("size {}", s.display()), e))?;
-                let out = std::process::Command::new("mkfs.ext4")
-                    .args(["-q", "-F", "-O", "^has_journal", "-E", "root_owner=0:0"])
-                    .arg(&s)
-                    .output()
-                    .map_err(|e| NodeError::io("run mkfs.ext4", e))?;
-                if !out.status.success() {
-                    return Err(NodeError::io(
-                        format!(
-                            "mkfs.ext4 {}: {}",
-                            s.display(),
-                            String::from_utf8_lossy(&out.stderr)
-                        ),
-                        std::io::Error::other("mkfs.ext4 failed"),
-                    ));
-                }
-                Ok(())
-            })
-            .await?;
-        }
         let memory_mib = spec.memory_mib.max(128);
         cg.create(&Limits {
             memory_bytes: (memory_mib + QEMU_OVERHEAD_MIB) << 20,
@@ -499,72 +559,19 @@ impl MicrovmBackend {
             append.push(' ');
             append.push_str(&extra);
         }
-        let mut args: Vec<String> = [
-            "-M",
-            "microvm,rtc=on",
-            "-nodefaults",
-            "-no-user-config",
-            "-display",
-            "none",
-            "-no-reboot",
-        ]
-        .map(String::from)
-        .to_vec();
-        let mut push = |xs: &[&str]| args.extend(xs.iter().map(|x| x.to_string()));
-        match accel {
-            Accel::Kvm => push(&["-accel", "kvm", "-cpu", "host"]),
-            Accel::Tcg => {
-                push(&["-accel", "tcg,thread=multi,tb-size=64", "-cpu", "max"]);
-                // TCG's microvm has no PIT/HPET to calibrate the TSC against; without these
-                // the kernel stops at "Marking TSC unstable".
-                append.push_str(" tsc_early_khz=2000000 no_timer_check");
-            }
+        if accel == Accel::Tcg {
+            // TCG's microvm has no PIT/HPET to calibrate the TSC against; without these
+            // the kernel stops at "Marking TSC unstable".
+            append.push_str(" tsc_early_khz=2000000 no_timer_check");
         }
-        let p = |x: &Path| x.display().to_string();
-        push(&[
-            "-smp",
-            &smp.to_string(),
-            "-m",
-            &format!("{memory_mib}M"),
-            "-kernel",
-            &p(&self.cfg.kit_dir.join("vmlinuz")),
-            "-initrd",
-            &p(&self.cfg.dir.join("initramfs.cpio")),
-            "-append",
-            &append,
-            "-serial",
-            &format!("file:{}", p(&dir.join("console.log"))),
-            "-drive",
-            &format!("id=image,file={},format=raw,if=none,readonly=on", p(&disk)),
-            "-device",
-            "virtio-blk-device,drive=image,serial=image",
-            "-drive",
-            &format!("id=scratch,file={},format=raw,if=none", p(&scratch)),
-            "-device",
-            "virtio-blk-device,drive=scratch,serial=scratch",
-            "-device",
-            "virtio-serial-device",
-            "-chardev",
-            &format!("socket,id=agent,path={},server=on,wait=off", p(&sock)),
-            "-device",
-            &format!("virtserialport,chardev=agent,name={AGENT_PORT}"),
-            // Pause with memory and template starts drive QEMU through QMP.
-            "-qmp",
-            &format!(
-                "unix:{},server=on,wait=off",
-                p(&dir.join(snapshot::QMP_SOCK))
-            ),
-            "-sandbox",
-            "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
-        ]);
-        let (pid, starttime) = self.spawn_qemu(&args, &dir, cg, false)?;
-        let state = VmState {
+        let args = self.qemu_args(accel, smp, memory_mib, &append, &disk, &dir);
+        let mut state = VmState {
             id: spec.id.clone(),
             image: image.name.clone(),
             image_env: image.env.clone(),
             accel,
-            qemu_pid: pid,
-            qemu_starttime: starttime,
+            qemu_pid: 0,
+            qemu_starttime: 0,
             spec: StoredSpec {
                 cpu: spec.cpu,
                 memory_mib: spec.memory_mib,
@@ -572,46 +579,79 @@ impl MicrovmBackend {
                 pids_max: spec.pids_max,
                 env: spec.env.clone(),
             },
-            qemu_args: args,
+            qemu_args: args.clone(),
             memory_saved: false,
+            started_from: String::new(),
         };
-        // Written before readiness so that a failed boot is cleaned up by pid too.
-        write_json(&dir.join("boot.json"), &state)?;
         let relay = Relay::new(sock.clone());
         let agent = AgentClient::with_connector(&sock, relay.connector());
-        let timeout = match accel {
-            Accel::Kvm => READY_TIMEOUT_KVM,
-            Accel::Tcg => READY_TIMEOUT_TCG,
-        };
         let started = Instant::now();
-        let ready = agent.wait_ready_single(Instant::now() + timeout).await;
-        if let Err(e) = ready {
-            let console = dir.join("console.log");
-            let keep = self
-                .cfg
-                .dir
-                .join("failed")
-                .join(format!("{}.console.log", spec.id));
-            let _ = std::fs::copy(&console, &keep);
-            prune_failed(&self.cfg.dir.join("failed"));
-            let alive = proc_starttime(pid) == Some(starttime);
-            return Err(NodeError::io(
-                format!(
-                    "microVM {} did not become ready within {}s ({}; QEMU {}; {}): console kept at {}; QEMU said: {}; console tail: {}",
-                    spec.id,
-                    timeout.as_secs(),
-                    accel.as_str(),
-                    if alive { "still running" } else { "exited" },
-                    e,
-                    keep.display(),
-                    tail_of(&dir.join("qemu.log"), 400),
-                    tail_of(&console, 800)
-                ),
-                std::io::Error::other("boot failed"),
-            ));
+        let key = template::key(self, &dir, &args, mib);
+        let mut from_template = false;
+        if self.templates_enabled {
+            match self
+                .start_from_template(&key, &args, &dir, cg, &agent, &relay, &mut state)
+                .await
+            {
+                Ok(true) => from_template = true,
+                Ok(false) => {}
+                Err(e) => {
+                    tracing::warn!(sandbox = %spec.id, backend = "microvm", error = %e, "template start failed; cold boot instead");
+                    // Leaves the directory as a cold boot expects it.
+                    let _ = std::fs::remove_file(&scratch);
+                    let _ = std::fs::remove_file(dir.join("qemu.log"));
+                    let _ = std::fs::remove_file(dir.join("console.log"));
+                }
+            }
         }
-        tracing::info!(sandbox = %spec.id, backend = "microvm", accel = accel.as_str(), ms = started.elapsed().as_millis() as u64, "microVM agent ready");
+        if !from_template {
+            let s = scratch.clone();
+            spawn_blocking(move || make_scratch(&s, mib)).await?;
+            let (pid, starttime) = self.spawn_qemu(&args, &dir, cg, false)?;
+            state.qemu_pid = pid;
+            state.qemu_starttime = starttime;
+            state.started_from = "cold".into();
+            // Written before readiness so that a failed boot is cleaned up by pid too.
+            write_json(&dir.join("boot.json"), &state)?;
+            let timeout = match accel {
+                Accel::Kvm => READY_TIMEOUT_KVM,
+                Accel::Tcg => READY_TIMEOUT_TCG,
+            };
+            let ready = agent.wait_ready_single(Instant::now() + timeout).await;
+            if let Err(e) = ready {
+                let console = dir.join("console.log");
+                let keep = self
+                    .cfg
+                    .dir
+                    .join("failed")
+                    .join(format!("{}.console.log", spec.id));
+                let _ = std::fs::copy(&console, &keep);
+                prune_failed(&self.cfg.dir.join("failed"));
+                let alive = proc_starttime(pid) == Some(starttime);
+                return Err(NodeError::io(
+                    format!(
+                        "microVM {} did not become ready within {}s ({}; QEMU {}; {}): console kept at {}; QEMU said: {}; console tail: {}",
+                        spec.id,
+                        timeout.as_secs(),
+                        accel.as_str(),
+                        if alive { "still running" } else { "exited" },
+                        e,
+                        keep.display(),
+                        tail_of(&dir.join("qemu.log"), 400),
+                        tail_of(&console, 800)
+                    ),
+                    std::io::Error::other("boot failed"),
+                ));
+            }
+        }
+        agent
+            .set_identity(&template::fresh_identity(&spec.id))
+            .await?;
+        tracing::info!(sandbox = %spec.id, backend = "microvm", accel = accel.as_str(), start = %state.started_from, ms = started.elapsed().as_millis() as u64, "microVM agent ready");
         write_json(&dir.join("state.json"), &state)?;
+        if self.templates_enabled && !from_template {
+            self.build_template_in_background(key, accel, smp, memory_mib, append, disk, mib);
+        }
         Ok((state, (agent, relay)))
     }
 
@@ -628,7 +668,20 @@ impl MicrovmBackend {
         cg: &SandboxCgroup,
         append: bool,
     ) -> NodeResult<(i32, u64)> {
-        let mut cmd = std::process::Command::new(&self.qemu);
+        spawn_qemu(&self.qemu, args, dir, cg, append)
+    }
+}
+
+/// [`MicrovmBackend::spawn_qemu`] of the binary `qemu`.
+fn spawn_qemu(
+    qemu: &Path,
+    args: &[String],
+    dir: &Path,
+    cg: &SandboxCgroup,
+    append: bool,
+) -> NodeResult<(i32, u64)> {
+    {
+        let mut cmd = std::process::Command::new(qemu);
         cmd.args(args);
         let log = std::fs::OpenOptions::new()
             .create(true)
@@ -680,14 +733,16 @@ impl MicrovmBackend {
         }
         let mut child = cmd
             .spawn()
-            .map_err(|e| NodeError::io(format!("start {}", self.qemu.display()), e))?;
+            .map_err(|e| NodeError::io(format!("start {}", qemu.display()), e))?;
         let pid = child.id() as i32;
         std::thread::spawn(move || {
             let _ = child.wait();
         });
         Ok((pid, proc_starttime(pid).unwrap_or(0)))
     }
+}
 
+impl MicrovmBackend {
     /// Registers a running microVM; `agent`: the connected client of its create (a new one
     /// would be a second connection on the guest's one stream).
     fn adopt(&self, state: VmState, agent: Option<(AgentClient, Arc<Relay>)>) -> Arc<Vm> {
@@ -772,6 +827,30 @@ impl MicrovmBackend {
         })
         .await
     }
+}
+
+/// A sparse ext4 file of `mib` MiB at `s` (the guest's writable layer).
+fn make_scratch(s: &Path, mib: u64) -> NodeResult<()> {
+    let f = std::fs::File::create(s)
+        .map_err(|e| NodeError::io(format!("create {}", s.display()), e))?;
+    f.set_len(mib << 20)
+        .map_err(|e| NodeError::io(format!("size {}", s.display()), e))?;
+    let out = std::process::Command::new("mkfs.ext4")
+        .args(["-q", "-F", "-O", "^has_journal", "-E", "root_owner=0:0"])
+        .arg(s)
+        .output()
+        .map_err(|e| NodeError::io("run mkfs.ext4", e))?;
+    if !out.status.success() {
+        return Err(NodeError::io(
+            format!(
+                "mkfs.ext4 {}: {}",
+                s.display(),
+                String::from_utf8_lossy(&out.stderr)
+            ),
+            std::io::Error::other("mkfs.ext4 failed"),
+        ));
+    }
+    Ok(())
 }
 
 fn write_json(path: &Path, st: &VmState) -> NodeResult<()> {

@@ -291,7 +291,7 @@ async fn pump(mut client: UnixStream, up: UnixStream, mut ctl: mpsc::Receiver<Ct
 
 /// `stop`, then the migration stream to `DIR/memory.state` (via a temp file, fsynced);
 /// its size in bytes. On failure the guest is continued again when QEMU still answers.
-fn save_memory(dir: &Path) -> NodeResult<u64> {
+pub(super) fn save_memory(dir: &Path) -> NodeResult<u64> {
     let mut q = Qmp::connect(
         &dir.join(QMP_SOCK),
         Instant::now() + Duration::from_secs(5),
@@ -327,11 +327,10 @@ fn save_memory(dir: &Path) -> NodeResult<u64> {
     res
 }
 
-/// `migrate-incoming` from `DIR/memory.state` into the QEMU listening on `DIR/qmp.sock`
-/// (started with `-incoming defer`), then `cont`.
-fn load_memory(q: &mut Qmp, dir: &Path) -> NodeResult<()> {
-    let path = dir.join(MEMORY_FILE);
-    let f = std::fs::File::open(&path)
+/// `migrate-incoming` from the saved state at `path` into the QEMU of `q` (started with
+/// `-incoming defer`), then `cont`.
+pub(super) fn load_memory(q: &mut Qmp, path: &Path) -> NodeResult<()> {
+    let f = std::fs::File::open(path)
         .map_err(|e| NodeError::io(format!("open {}", path.display()), e))?;
     q.execute_with_fd("getfd", Some(json!({ "fdname": "sandlot-mem" })), f.as_fd())?;
     q.execute("migrate-incoming", Some(json!({ "uri": "fd:sandlot-mem" })))?;
@@ -479,7 +478,7 @@ impl MicrovmBackend {
             let up = vm.relay.reconnect().await?;
             let d = dir.clone();
             let mut q = q;
-            spawn_blocking(move || load_memory(&mut q, &d)).await?;
+            spawn_blocking(move || load_memory(&mut q, &d.join(MEMORY_FILE))).await?;
             Ok(up)
         }
         .await;
