@@ -138,8 +138,10 @@ impl MicrovmBackend {
         if !mem.is_file() {
             return Ok(false);
         }
+        let t0 = Instant::now();
         let (src, dst) = (tpl.join("scratch.img"), dir.join("scratch.img"));
         spawn_blocking(move || copy_sparse(&src, &dst)).await?;
+        let copy_ms = t0.elapsed().as_millis() as u64;
         let mut a = args.to_vec();
         a.extend(["-incoming".to_string(), "defer".to_string()]);
         let (pid, start) = self.spawn_qemu(&a, dir, cg, false)?;
@@ -147,17 +149,23 @@ impl MicrovmBackend {
         state.qemu_starttime = start;
         state.started_from = "template".into();
         super::write_json(&dir.join("boot.json"), state)?;
+        let mut qmp_ms = 0;
+        let mut load_ms = 0;
         let res: NodeResult<()> = async {
             let d = dir.to_path_buf();
-            spawn_blocking(move || {
+            let (a, b) = spawn_blocking(move || {
+                let t = Instant::now();
                 let mut q = Qmp::connect(
                     &d.join(QMP_SOCK),
                     Instant::now() + Duration::from_secs(30),
                     Duration::from_secs(30),
                 )?;
-                load_memory(&mut q, &mem)
+                let a = t.elapsed().as_millis() as u64;
+                load_memory(&mut q, &mem)?;
+                Ok((a, t.elapsed().as_millis() as u64 - a))
             })
             .await?;
+            (qmp_ms, load_ms) = (a, b);
             agent
                 .wait_ready_single(Instant::now() + TEMPLATE_READY_TIMEOUT)
                 .await
@@ -179,6 +187,7 @@ impl MicrovmBackend {
                 std::io::Error::other("template start failed"),
             ));
         }
+        tracing::info!(sandbox = %state.id, backend = "microvm", template = %key, copy_ms, qmp_ms, load_ms, ready_ms = t0.elapsed().as_millis() as u64 - copy_ms - qmp_ms - load_ms, "microVM restored from template");
         Ok(true)
     }
 
