@@ -550,8 +550,11 @@ impl MicrovmBackend {
         let smp = (spec.cpu.ceil() as u64).clamp(1, 16);
         let sock = dir.join("agent.sock");
         // The guest agent puts every exec in a guest cgroup with this pids limit.
+        // `init_on_free=1`: freed guest pages are zeroed, and zero pages are not written to a
+        // saved state, so a pause or a template holds what the guest uses, not the leftovers
+        // of kernel and initramfs unpacking (a fresh guest's state: 99 -> 61 MiB here).
         let mut append = format!(
-            "console=ttyS0 panic=-1 quiet sandlot.pids_max={}",
+            "console=ttyS0 panic=-1 quiet init_on_free=1 sandlot.pids_max={}",
             spec.pids_max
         );
         // Debugging aid: e.g. `loglevel=5` shows the guest agent's messages on the console.
