@@ -361,10 +361,18 @@ pub(super) fn continue_if_stopped(dir: &Path) {
     }
 }
 
+/// Start time of `pid` whatever its state, zombies included: a multi-threaded QEMU's leader
+/// is a zombie while its other threads still exit and hold its descriptors (its sockets).
+fn starttime_any_state(pid: i32) -> Option<u64> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let rest = &s[s.rfind(')')? + 1..];
+    rest.split_whitespace().nth(22 - 3)?.parse().ok()
+}
+
 /// SIGKILL to QEMU `pid` (when it is still the process started at `start`), waiting up to
-/// 10 s for it to go.
+/// 10 s until it is gone entirely (reaped: every thread exited, every descriptor closed).
 pub(super) fn kill_and_wait(pid: i32, start: u64) {
-    if proc_starttime(pid) != Some(start) {
+    if starttime_any_state(pid) != Some(start) {
         return;
     }
     let _ = nix::sys::signal::kill(
@@ -372,7 +380,7 @@ pub(super) fn kill_and_wait(pid: i32, start: u64) {
         nix::sys::signal::Signal::SIGKILL,
     );
     let deadline = Instant::now() + Duration::from_secs(10);
-    while proc_starttime(pid) == Some(start) && Instant::now() < deadline {
+    while starttime_any_state(pid) == Some(start) && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(5));
     }
 }
@@ -463,6 +471,10 @@ impl MicrovmBackend {
         let dir = self.vm_dir(id);
         let mut args = vm.state.qemu_args.clone();
         args.extend(["-incoming".to_string(), "defer".to_string()]);
+        // The last QEMU's sockets: a connect must reach the new QEMU's or fail (and retry).
+        for f in [QMP_SOCK, "agent.sock"] {
+            let _ = std::fs::remove_file(dir.join(f));
+        }
         let (pid, start) = self.spawn_qemu(&args, &dir, &self.cgroups.sandbox(id), true)?;
         let res: NodeResult<Option<UnixStream>> = async {
             let d = dir.clone();
