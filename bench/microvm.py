@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def row(name, v, target=None, cols=5):
         p50, p99 = pct(v, 50), pct(v, 99)
-        t = (" | — |" if cols == 5 else "") if target is None else (
+        t = (" | —" if cols == 5 else "") if target is None else (
             f" | ≤ {target * 1000:.0f} ms: {R.verdict(p50 is not None and p50 <= target)}")
         return f"| {name} | {len(v)} | {ms(p50)} ({A}) | {ms(p99)} ({A}){t} |"
 
