@@ -16,7 +16,7 @@ import sandlot
 
 def _stdout_so_far(p: sandlot.Process) -> bytes:
     got = b""
-    for ev in p.output(follow=False):
+    for ev in p.output(follow=False, stdout_offset=0, stderr_offset=0):
         if isinstance(ev, sandlot.StdoutChunk):
             got += ev.data
     return got
