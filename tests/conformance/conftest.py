@@ -76,7 +76,7 @@ CASES: List[Case] = [
 ]
 
 #: Cases that run only a subset of the suite (slow boots), by test function name: every
-#: category (errors, exec, files, lifecycle, limits) has at least one test.
+#: category (errors, exec, files, lifecycle, limits, processes, pause) has at least one test.
 REDUCED: Dict[str, FrozenSet[str]] = {
     "microvm": frozenset({
         "test_unknown_image_is_not_found",
@@ -104,6 +104,9 @@ REDUCED: Dict[str, FrozenSet[str]] = {
         "test_list_dir_entries",
         "test_dotdot_read_cannot_escape",
         "test_symlink_escapes_refused",
+        # pause (test_pause.py): memory saved to a file, QEMU stopped, restored
+        "test_pause_resume_keeps_a_background_process_and_files",
+        "test_pause_twice_resume_twice_and_delete_while_paused",
     }),
     # Each module's shared `sb` is one boot, each `make`/create test one more: 14 tests,
     # ~9 boots of ~8 s each under TCG.
@@ -122,6 +125,8 @@ REDUCED: Dict[str, FrozenSet[str]] = {
         "test_fork_bomb_contained_by_pids_limit",
         "test_binary_round_trip",
         "test_symlink_escapes_refused",
+        # pause (test_pause.py): cgroup freeze of the QEMU
+        "test_pause_resume_keeps_a_background_process_and_files",
     }),
 }
 

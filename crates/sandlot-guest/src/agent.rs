@@ -26,8 +26,8 @@ use nix::sys::signal::{kill, Signal};
 use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
 use nix::unistd::Pid;
 use sandlot_guest::agent_proto::{
-    encode, ExecExit, ExecRequest, FrameDecoder, FrameKind, SignalRequest, PATH_EXEC, PATH_PING,
-    PATH_SIGNAL,
+    encode, ExecExit, ExecRequest, FrameDecoder, FrameKind, IdentityRequest, SignalRequest,
+    PATH_EXEC, PATH_IDENTITY, PATH_PING, PATH_SIGNAL,
 };
 use sandlot_guest::spec::ExecStatus;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -472,6 +472,7 @@ async fn handle(req: Request<Incoming>, shared: Shared) -> Result<Response<Body>
             Err(msg) => text(StatusCode::BAD_REQUEST, msg),
         },
         (&Method::POST, PATH_SIGNAL) => signal(req.into_body(), &shared).await,
+        (&Method::POST, PATH_IDENTITY) => identity(req.into_body()).await,
         _ => text(StatusCode::NOT_FOUND, "no such call"),
     })
 }
@@ -510,6 +511,96 @@ fn high(fd: OwnedFd) -> std::io::Result<OwnedFd> {
     let n = nix::fcntl::fcntl(&fd, nix::fcntl::FcntlArg::F_DUPFD_CLOEXEC(10))?;
     // SAFETY: F_DUPFD_CLOEXEC returned a fresh descriptor that we now own.
     Ok(unsafe { OwnedFd::from_raw_fd(n) })
+}
+
+/// `POST /v1/identity` (see [`sandlot_guest::agent_proto::PATH_IDENTITY`]): hostname,
+/// `/etc/machine-id` and fresh entropy for a microVM guest (the agent is its pid 1).
+async fn identity(body: Incoming) -> Response<Body> {
+    if std::process::id() != 1 {
+        return text(
+            StatusCode::NOT_FOUND,
+            "identity is set only by a microVM's init",
+        );
+    }
+    let limited = http_body_util::Limited::new(body, 16 << 10);
+    let bytes = match limited.collect().await {
+        Ok(b) => b.to_bytes(),
+        Err(e) => return text(StatusCode::BAD_REQUEST, format!("request body: {e}")),
+    };
+    let req: IdentityRequest = match serde_json::from_slice(&bytes) {
+        Ok(r) => r,
+        Err(e) => return text(StatusCode::BAD_REQUEST, format!("identity JSON: {e}")),
+    };
+    if req.hostname.is_empty() || req.hostname.len() > 64 || req.entropy.len() > 512 {
+        return text(
+            StatusCode::BAD_REQUEST,
+            "hostname 1..=64 bytes, entropy <= 512 bytes",
+        );
+    }
+    if req.machine_id.len() != 32
+        || !req
+            .machine_id
+            .bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+    {
+        return text(
+            StatusCode::BAD_REQUEST,
+            "machine_id: 32 lowercase hex digits",
+        );
+    }
+    if let Err(e) = nix::unistd::sethostname(&req.hostname) {
+        return text(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("sethostname: {e}"),
+        );
+    }
+    let _ = std::fs::create_dir_all("/etc");
+    let tmp = "/etc/.machine-id.sandlot";
+    if let Err(e) = std::fs::write(tmp, format!("{}\n", req.machine_id))
+        .and_then(|_| std::fs::rename(tmp, "/etc/machine-id"))
+    {
+        return text(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("/etc/machine-id: {e}"),
+        );
+    }
+    if let Err(e) = add_entropy(&req.entropy) {
+        return text(StatusCode::INTERNAL_SERVER_ERROR, format!("entropy: {e}"));
+    }
+    Response::builder()
+        .status(StatusCode::NO_CONTENT)
+        .body(Full::new(Bytes::new()).boxed())
+        .expect("valid response")
+}
+
+/// Credits `data` to the kernel's entropy pool (`RNDADDENTROPY`, 8 bits per byte) and
+/// reseeds the CRNG (`RNDRESEEDCRNG`), so `/dev/urandom` output differs from any other guest
+/// restored from the same snapshot (random(4)).
+fn add_entropy(data: &[u8]) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    const RNDADDENTROPY: libc::c_ulong = 0x4008_5203; // _IOW('R', 0x03, int[2])
+    const RNDRESEEDCRNG: libc::c_ulong = 0x5207; // _IO('R', 0x07)
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open("/dev/urandom")?;
+    if !data.is_empty() {
+        // struct rand_pool_info { int entropy_count; int buf_size; __u32 buf[]; }
+        let mut buf = Vec::with_capacity(8 + data.len());
+        buf.extend_from_slice(&((data.len() * 8) as i32).to_ne_bytes());
+        buf.extend_from_slice(&(data.len() as i32).to_ne_bytes());
+        buf.extend_from_slice(data);
+        buf.resize(buf.len().div_ceil(4) * 4, 0);
+        // SAFETY: RNDADDENTROPY reads a rand_pool_info of buf_size bytes from a buffer that
+        // holds it.
+        if unsafe { libc::ioctl(f.as_raw_fd(), RNDADDENTROPY, buf.as_ptr()) } < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    // SAFETY: RNDRESEEDCRNG takes no argument.
+    if unsafe { libc::ioctl(f.as_raw_fd(), RNDRESEEDCRNG) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
 }
 
 /// `POST /v1/signal`: delivers a signal to the exec named by the handle (see

@@ -324,6 +324,26 @@ pub struct SignalRequest {
     pub signal: i32,
 }
 
+/// Path of the identity call (microVM guests only: the agent is pid 1).
+///
+/// `POST /v1/identity`, body [`IdentityRequest`] JSON → 204 once the hostname is set,
+/// `/etc/machine-id` written and the entropy mixed into the kernel's pool (`RNDADDENTROPY`,
+/// credited, then `RNDRESEEDCRNG`); 400 for a bad body; 404 from an agent that is not pid 1
+/// (containers keep the runtime's identity). The node calls it after every microVM start,
+/// so guests restored from one template snapshot still differ.
+pub const PATH_IDENTITY: &str = "/v1/identity";
+
+/// `POST /v1/identity` body.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct IdentityRequest {
+    /// New hostname (1..=64 bytes).
+    pub hostname: String,
+    /// New machine id: 32 lowercase hex digits (machine-id(5)).
+    pub machine_id: String,
+    /// Random bytes from the host (at most 512) credited to the guest's entropy pool.
+    pub entropy: Vec<u8>,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

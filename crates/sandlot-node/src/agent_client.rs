@@ -10,7 +10,7 @@ use hyper::{Method, Request, StatusCode};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use sandlot_guest::agent_proto::{
     encode, ExecExit, ExecRequest, FileInfo, Frame, FrameDecoder, FrameKind, FsCode, FsError,
-    SignalRequest, PATH_EXEC, PATH_PING, PATH_SIGNAL,
+    IdentityRequest, SignalRequest, PATH_EXEC, PATH_IDENTITY, PATH_PING, PATH_SIGNAL,
 };
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -23,7 +23,7 @@ const PING_TIMEOUT: Duration = Duration::from_secs(2);
 /// connection goes through `/proc/self/fd/N`, which names that very inode. A sandbox that
 /// can write the socket's directory (gVisor's host-UDS mode) therefore cannot point the
 /// node at another host socket.
-async fn connect_socket(path: &Path) -> std::io::Result<tokio::net::UnixStream> {
+pub(crate) async fn connect_socket(path: &Path) -> std::io::Result<tokio::net::UnixStream> {
     use std::os::fd::AsRawFd;
     use std::os::unix::fs::FileTypeExt;
     let fd = nix::fcntl::open(
@@ -46,9 +46,19 @@ async fn connect_socket(path: &Path) -> std::io::Result<tokio::net::UnixStream> 
 /// process).
 type ReqBody = http_body_util::combinators::BoxBody<Bytes, std::convert::Infallible>;
 
+/// Opens the byte stream of one new agent connection, in place of connecting the socket
+/// (the `microvm` backend's relay, which keeps the connection across a pause).
+pub type Connector = std::sync::Arc<
+    dyn Fn() -> std::pin::Pin<
+            Box<dyn std::future::Future<Output = std::io::Result<tokio::net::UnixStream>> + Send>,
+        > + Send
+        + Sync,
+>;
+
 /// A client of one sandbox's agent.
 pub struct AgentClient {
     socket: PathBuf,
+    connector: Option<Connector>,
     conn: tokio::sync::Mutex<Option<SendRequest<ReqBody>>>,
 }
 
@@ -64,6 +74,17 @@ impl AgentClient {
     pub fn new(socket: impl Into<PathBuf>) -> Self {
         AgentClient {
             socket: socket.into(),
+            connector: None,
+            conn: tokio::sync::Mutex::new(None),
+        }
+    }
+
+    /// A client whose connections come from `connector` (`socket` only names the agent in
+    /// error messages).
+    pub fn with_connector(socket: impl Into<PathBuf>, connector: Connector) -> Self {
+        AgentClient {
+            socket: socket.into(),
+            connector: Some(connector),
             conn: tokio::sync::Mutex::new(None),
         }
     }
@@ -75,9 +96,11 @@ impl AgentClient {
                 return Ok(s.clone());
             }
         }
-        let stream = connect_socket(&self.socket)
-            .await
-            .map_err(|e| agent_err(&self.socket, "connect", e))?;
+        let stream = match &self.connector {
+            Some(c) => c().await,
+            None => connect_socket(&self.socket).await,
+        }
+        .map_err(|e| agent_err(&self.socket, "connect", e))?;
         let (sender, connection) =
             hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(stream))
                 .await
@@ -413,6 +436,31 @@ impl AgentClient {
 }
 
 impl AgentClient {
+    /// New hostname, machine id and entropy for a microVM guest
+    /// ([`sandlot_guest::agent_proto::PATH_IDENTITY`]).
+    ///
+    /// # Errors
+    /// `Internal` when the agent cannot be reached or refuses (its message).
+    pub async fn set_identity(&self, req: &IdentityRequest) -> NodeResult<()> {
+        let body = serde_json::to_vec(req).expect("IdentityRequest serialises");
+        let resp = self.call(Method::POST, PATH_IDENTITY, body.into()).await?;
+        if resp.status() == StatusCode::NO_CONTENT {
+            return Ok(());
+        }
+        let status = resp.status();
+        let text = resp
+            .into_body()
+            .collect()
+            .await
+            .map(|b| String::from_utf8_lossy(&b.to_bytes()).into_owned())
+            .unwrap_or_default();
+        Err(agent_err(
+            &self.socket,
+            "identity",
+            format!("{status}: {text}"),
+        ))
+    }
+
     /// Delivers `signal` to the running exec started with `handle` (see
     /// [`sandlot_guest::agent_proto::PATH_SIGNAL`]). An exec that already ended is not an
     /// error (the signal has nobody to reach).

@@ -21,6 +21,7 @@ pub mod net;
 pub mod node;
 pub mod output;
 pub mod processes;
+pub mod qmp;
 
 pub use images::validate_name as validate_image_name;
 pub use images::validate_ref as validate_image_ref;

@@ -43,6 +43,7 @@ use crate::node::{ExecControl, ExecSink, NodeError, NodeResult, SandboxSpec, San
 use async_trait::async_trait;
 use sandlot_api::{Backend, ExecRequest, ExecResult, FileEntry};
 use serde::{Deserialize, Serialize};
+use snapshot::{ProcCell, QemuProc, Relay};
 use std::collections::HashMap;
 use std::io::Write;
 use std::os::unix::process::CommandExt;
@@ -52,6 +53,9 @@ use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::{watch, RwLock};
+
+mod snapshot;
+mod template;
 
 /// How long a KVM probe boot may take to reach init before the node falls back to TCG.
 pub const PROBE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -121,10 +125,29 @@ pub struct VmState {
     pub qemu_starttime: u64,
     /// Limits and environment.
     pub spec: StoredSpec,
+    /// QEMU's arguments (a restore runs the same plus `-incoming defer`); empty in state
+    /// written before pause with memory existed.
+    #[serde(default)]
+    pub qemu_args: Vec<String>,
+    /// Paused with memory: the state is in `memory.state`, no QEMU runs (`qemu_pid` is the
+    /// last one).
+    #[serde(default)]
+    pub memory_saved: bool,
+    /// How it started: `cold` (kernel boot) or `template` (restored from the image's
+    /// template snapshot, see `template`).
+    #[serde(default)]
+    pub started_from: String,
 }
 
 struct Vm {
+    /// As created (its `qemu_pid` is the first QEMU's: see `proc_`).
     state: VmState,
+    /// The QEMU it runs in now (a resume starts a new one).
+    proc_: ProcCell,
+    /// The agent link that survives pause and resume.
+    relay: Arc<Relay>,
+    /// Serialises pause and resume.
+    lifecycle: tokio::sync::Mutex<()>,
     cgroup: SandboxCgroup,
     agent: AgentClient,
     deleting: RwLock<bool>,
@@ -140,6 +163,10 @@ pub struct MicrovmBackend {
     /// Serialises image conversions (one `mkfs.erofs` at a time).
     convert: tokio::sync::Mutex<()>,
     vms: Mutex<HashMap<String, Arc<Vm>>>,
+    /// Template snapshots in use (`SANDLOT_MICROVM_TEMPLATES`, default on).
+    templates_enabled: bool,
+    /// Template keys being built now.
+    templates_building: Arc<Mutex<std::collections::HashSet<String>>>,
 }
 
 pub(crate) fn find_binary(name: &str) -> Option<PathBuf> {
@@ -251,8 +278,8 @@ impl MicrovmBackend {
         let mut plan = ExecPlan::build(&vm.state.image_env, &vm.state.spec, req)?;
         plan.spec.own_pid_ns = true;
         plan.spec.landlock = false;
-        let (pid, start) = (vm.state.qemu_pid, vm.state.qemu_starttime);
-        let died = move || proc_starttime(pid) != Some(start);
+        let cell = vm.proc_.clone();
+        let died = move || !cell.lock().unwrap().exists();
         let target = super::agent_exec::Target {
             id,
             kind: "microVM",
@@ -297,7 +324,8 @@ impl MicrovmBackend {
                 cfg.agent_bin.display()
             )));
         }
-        for d in ["vms", "images", "failed"] {
+        template::sweep_partial(&cfg.dir.join("templates"));
+        for d in ["vms", "images", "failed", "templates"] {
             let p = cfg.dir.join(d);
             std::fs::create_dir_all(&p)
                 .map_err(|e| NodeError::io(format!("create {}", p.display()), e))?;
@@ -332,6 +360,8 @@ impl MicrovmBackend {
             cgroups,
             convert: tokio::sync::Mutex::new(()),
             vms: Mutex::new(HashMap::new()),
+            templates_enabled: template::enabled_from_env(),
+            templates_building: Arc::new(Mutex::new(Default::default())),
         })
     }
 
@@ -383,43 +413,91 @@ impl MicrovmBackend {
         Ok(out)
     }
 
+    /// QEMU's command line for a VM whose files are in `dir` (`scratch.img`, `agent.sock`,
+    /// `qmp.sock`, `console.log`) over the image disk `disk`.
+    #[allow(clippy::too_many_arguments)]
+    fn qemu_args(
+        &self,
+        accel: Accel,
+        smp: u64,
+        memory_mib: u64,
+        append: &str,
+        disk: &Path,
+        dir: &Path,
+    ) -> Vec<String> {
+        let mut args: Vec<String> = [
+            "-M",
+            "microvm,rtc=on",
+            "-nodefaults",
+            "-no-user-config",
+            "-display",
+            "none",
+            "-no-reboot",
+        ]
+        .map(String::from)
+        .to_vec();
+        let mut push = |xs: &[&str]| args.extend(xs.iter().map(|x| x.to_string()));
+        match accel {
+            Accel::Kvm => push(&["-accel", "kvm", "-cpu", "host"]),
+            Accel::Tcg => push(&["-accel", "tcg,thread=multi,tb-size=64", "-cpu", "max"]),
+        }
+        let p = |x: &Path| x.display().to_string();
+        push(&[
+            "-smp",
+            &smp.to_string(),
+            "-m",
+            &format!("{memory_mib}M"),
+            "-kernel",
+            &p(&self.cfg.kit_dir.join("vmlinuz")),
+            "-initrd",
+            &p(&self.cfg.dir.join("initramfs.cpio")),
+            "-append",
+            append,
+            "-serial",
+            &format!("file:{}", p(&dir.join("console.log"))),
+            "-drive",
+            &format!("id=image,file={},format=raw,if=none,readonly=on", p(disk)),
+            "-device",
+            "virtio-blk-device,drive=image,serial=image",
+            "-drive",
+            &format!(
+                "id=scratch,file={},format=raw,if=none",
+                p(&dir.join("scratch.img"))
+            ),
+            "-device",
+            "virtio-blk-device,drive=scratch,serial=scratch",
+            "-device",
+            "virtio-serial-device",
+            "-chardev",
+            &format!(
+                "socket,id=agent,path={},server=on,wait=off",
+                p(&dir.join("agent.sock"))
+            ),
+            "-device",
+            &format!("virtserialport,chardev=agent,name={AGENT_PORT}"),
+            // Pause with memory and template starts drive QEMU through QMP.
+            "-qmp",
+            &format!(
+                "unix:{},server=on,wait=off",
+                p(&dir.join(snapshot::QMP_SOCK))
+            ),
+            "-sandbox",
+            "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
+        ]);
+        args
+    }
+
     async fn create_inner(
         &self,
         spec: &SandboxSpec,
         image: &Image,
         cg: &SandboxCgroup,
-    ) -> NodeResult<(VmState, AgentClient)> {
+    ) -> NodeResult<(VmState, (AgentClient, Arc<Relay>))> {
         let accel = self.resolve_accel().await;
         let disk = self.image_disk(image).await?;
         let dir = self.vm_dir(&spec.id);
         let scratch = dir.join("scratch.img");
         let mib = spec.disk_mib.max(16);
-        {
-            let s = scratch.clone();
-            spawn_blocking(move || {
-                let f = std::fs::File::create(&s)
-                    .map_err(|e| NodeError::io(format!("create {}", s.display()), e))?;
-                f.set_len(mib << 20)
-                    .map_err(|e| NodeError::io(format!("size {}", s.display()), e))?;
-                let out = std::process::Command::new("mkfs.ext4")
-                    .args(["-q", "-F", "-O", "^has_journal", "-E", "root_owner=0:0"])
-                    .arg(&s)
-                    .output()
-                    .map_err(|e| NodeError::io("run mkfs.ext4", e))?;
-                if !out.status.success() {
-                    return Err(NodeError::io(
-                        format!(
-                            "mkfs.ext4 {}: {}",
-                            s.display(),
-                            String::from_utf8_lossy(&out.stderr)
-                        ),
-                        std::io::Error::other("mkfs.ext4 failed"),
-                    ));
-                }
-                Ok(())
-            })
-            .await?;
-        }
         let memory_mib = spec.memory_mib.max(128);
         cg.create(&Limits {
             memory_bytes: (memory_mib + QEMU_OVERHEAD_MIB) << 20,
@@ -429,8 +507,11 @@ impl MicrovmBackend {
         let smp = (spec.cpu.ceil() as u64).clamp(1, 16);
         let sock = dir.join("agent.sock");
         // The guest agent puts every exec in a guest cgroup with this pids limit.
+        // `init_on_free=1`: freed guest pages are zeroed, and zero pages are not written to a
+        // saved state, so a pause or a template holds what the guest uses, not the leftovers
+        // of kernel and initramfs unpacking (a fresh guest's state: 99 -> 61 MiB here).
         let mut append = format!(
-            "console=ttyS0 panic=-1 quiet sandlot.pids_max={}",
+            "console=ttyS0 panic=-1 quiet init_on_free=1 sandlot.pids_max={}",
             spec.pids_max
         );
         // Debugging aid: e.g. `loglevel=5` shows the guest agent's messages on the console.
@@ -438,65 +519,137 @@ impl MicrovmBackend {
             append.push(' ');
             append.push_str(&extra);
         }
-        let mut cmd = std::process::Command::new(&self.qemu);
-        cmd.args([
-            "-M",
-            "microvm,rtc=on",
-            "-nodefaults",
-            "-no-user-config",
-            "-display",
-            "none",
-            "-no-reboot",
-        ]);
-        match accel {
-            Accel::Kvm => {
-                cmd.args(["-accel", "kvm", "-cpu", "host"]);
-            }
-            Accel::Tcg => {
-                cmd.args(["-accel", "tcg,thread=multi,tb-size=64", "-cpu", "max"]);
-                // TCG's microvm has no PIT/HPET to calibrate the TSC against; without these
-                // the kernel stops at "Marking TSC unstable".
-                append.push_str(" tsc_early_khz=2000000 no_timer_check");
+        if accel == Accel::Tcg {
+            // TCG's microvm has no PIT/HPET to calibrate the TSC against; without these
+            // the kernel stops at "Marking TSC unstable".
+            append.push_str(" tsc_early_khz=2000000 no_timer_check");
+        }
+        let args = self.qemu_args(accel, smp, memory_mib, &append, &disk, &dir);
+        let mut state = VmState {
+            id: spec.id.clone(),
+            image: image.name.clone(),
+            image_env: image.env.clone(),
+            accel,
+            qemu_pid: 0,
+            qemu_starttime: 0,
+            spec: StoredSpec {
+                cpu: spec.cpu,
+                memory_mib: spec.memory_mib,
+                disk_mib: spec.disk_mib,
+                pids_max: spec.pids_max,
+                env: spec.env.clone(),
+            },
+            qemu_args: args.clone(),
+            memory_saved: false,
+            started_from: String::new(),
+        };
+        let relay = Relay::new(sock.clone());
+        let agent = AgentClient::with_connector(&sock, relay.connector());
+        let started = Instant::now();
+        let key = template::key(self, &dir, &args, mib);
+        let mut from_template = false;
+        if self.templates_enabled {
+            match self
+                .start_from_template(&key, &args, &dir, cg, &agent, &relay, &mut state)
+                .await
+            {
+                Ok(true) => from_template = true,
+                Ok(false) => {}
+                Err(e) => {
+                    tracing::warn!(sandbox = %spec.id, backend = "microvm", error = %e, "template start failed; cold boot instead");
+                    // Leaves the directory as a cold boot expects it.
+                    let _ = std::fs::remove_file(&scratch);
+                    let _ = std::fs::remove_file(dir.join("qemu.log"));
+                    let _ = std::fs::remove_file(dir.join("console.log"));
+                }
             }
         }
-        cmd.arg("-smp")
-            .arg(smp.to_string())
-            .arg("-m")
-            .arg(format!("{memory_mib}M"))
-            .arg("-kernel")
-            .arg(self.cfg.kit_dir.join("vmlinuz"))
-            .arg("-initrd")
-            .arg(self.cfg.dir.join("initramfs.cpio"))
-            .arg("-append")
-            .arg(&append)
-            .arg("-serial")
-            .arg(format!("file:{}", dir.join("console.log").display()))
-            .arg("-drive")
-            .arg(format!(
-                "id=image,file={},format=raw,if=none,readonly=on",
-                disk.display()
-            ))
-            .args(["-device", "virtio-blk-device,drive=image,serial=image"])
-            .arg("-drive")
-            .arg(format!(
-                "id=scratch,file={},format=raw,if=none",
-                scratch.display()
-            ))
-            .args(["-device", "virtio-blk-device,drive=scratch,serial=scratch"])
-            .args(["-device", "virtio-serial-device"])
-            .arg("-chardev")
-            .arg(format!(
-                "socket,id=agent,path={},server=on,wait=off",
-                sock.display()
-            ))
-            .arg("-device")
-            .arg(format!("virtserialport,chardev=agent,name={AGENT_PORT}"))
-            .args([
-                "-sandbox",
-                "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
-            ]);
-        let log = std::fs::File::create(dir.join("qemu.log"))
-            .map_err(|e| NodeError::io("create qemu.log", e))?;
+        if !from_template {
+            let s = scratch.clone();
+            spawn_blocking(move || make_scratch(&s, mib)).await?;
+            let (pid, starttime) = self.spawn_qemu(&args, &dir, cg, false)?;
+            state.qemu_pid = pid;
+            state.qemu_starttime = starttime;
+            state.started_from = "cold".into();
+            // Written before readiness so that a failed boot is cleaned up by pid too.
+            write_json(&dir.join("boot.json"), &state)?;
+            let timeout = match accel {
+                Accel::Kvm => READY_TIMEOUT_KVM,
+                Accel::Tcg => READY_TIMEOUT_TCG,
+            };
+            let ready = agent.wait_ready_single(Instant::now() + timeout).await;
+            if let Err(e) = ready {
+                let console = dir.join("console.log");
+                let keep = self
+                    .cfg
+                    .dir
+                    .join("failed")
+                    .join(format!("{}.console.log", spec.id));
+                let _ = std::fs::copy(&console, &keep);
+                prune_failed(&self.cfg.dir.join("failed"));
+                let alive = proc_starttime(pid) == Some(starttime);
+                return Err(NodeError::io(
+                    format!(
+                        "microVM {} did not become ready within {}s ({}; QEMU {}; {}): console kept at {}; QEMU said: {}; console tail: {}",
+                        spec.id,
+                        timeout.as_secs(),
+                        accel.as_str(),
+                        if alive { "still running" } else { "exited" },
+                        e,
+                        keep.display(),
+                        tail_of(&dir.join("qemu.log"), 400),
+                        tail_of(&console, 800)
+                    ),
+                    std::io::Error::other("boot failed"),
+                ));
+            }
+        }
+        agent
+            .set_identity(&template::fresh_identity(&spec.id))
+            .await?;
+        tracing::info!(sandbox = %spec.id, backend = "microvm", accel = accel.as_str(), start = %state.started_from, ms = started.elapsed().as_millis() as u64, "microVM agent ready");
+        write_json(&dir.join("state.json"), &state)?;
+        if self.templates_enabled && !from_template {
+            self.build_template_in_background(key, accel, smp, memory_mib, append, disk, mib);
+        }
+        Ok((state, (agent, relay)))
+    }
+
+    /// Starts QEMU with `args` in the cgroup `cg` and a session of its own, its output to
+    /// `DIR/qemu.log` (appended to when `append`); its pid and start time. A thread reaps
+    /// it when it exits (it is this process's child until the process ends).
+    ///
+    /// # Errors
+    /// `Internal` when the log cannot be opened or QEMU cannot be started.
+    fn spawn_qemu(
+        &self,
+        args: &[String],
+        dir: &Path,
+        cg: &SandboxCgroup,
+        append: bool,
+    ) -> NodeResult<(i32, u64)> {
+        spawn_qemu(&self.qemu, args, dir, cg, append)
+    }
+}
+
+/// [`MicrovmBackend::spawn_qemu`] of the binary `qemu`.
+fn spawn_qemu(
+    qemu: &Path,
+    args: &[String],
+    dir: &Path,
+    cg: &SandboxCgroup,
+    append: bool,
+) -> NodeResult<(i32, u64)> {
+    {
+        let mut cmd = std::process::Command::new(qemu);
+        cmd.args(args);
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .write(true)
+            .append(append)
+            .truncate(!append)
+            .open(dir.join("qemu.log"))
+            .map_err(|e| NodeError::io("open qemu.log", e))?;
         let log2 = log
             .try_clone()
             .map_err(|e| NodeError::io("dup qemu.log", e))?;
@@ -540,77 +693,37 @@ impl MicrovmBackend {
         }
         let mut child = cmd
             .spawn()
-            .map_err(|e| NodeError::io(format!("start {}", self.qemu.display()), e))?;
+            .map_err(|e| NodeError::io(format!("start {}", qemu.display()), e))?;
         let pid = child.id() as i32;
-        // QEMU is our child until this process ends: reap it when it exits.
         std::thread::spawn(move || {
             let _ = child.wait();
         });
-        let starttime = proc_starttime(pid).unwrap_or(0);
-        let state = VmState {
-            id: spec.id.clone(),
-            image: image.name.clone(),
-            image_env: image.env.clone(),
-            accel,
-            qemu_pid: pid,
-            qemu_starttime: starttime,
-            spec: StoredSpec {
-                cpu: spec.cpu,
-                memory_mib: spec.memory_mib,
-                disk_mib: spec.disk_mib,
-                pids_max: spec.pids_max,
-                env: spec.env.clone(),
-            },
-        };
-        // Written before readiness so that a failed boot is cleaned up by pid too.
-        write_json(&dir.join("boot.json"), &state)?;
-        let agent = AgentClient::new(&sock);
-        let timeout = match accel {
-            Accel::Kvm => READY_TIMEOUT_KVM,
-            Accel::Tcg => READY_TIMEOUT_TCG,
-        };
-        let started = Instant::now();
-        let ready = agent.wait_ready_single(Instant::now() + timeout).await;
-        if let Err(e) = ready {
-            let console = dir.join("console.log");
-            let keep = self
-                .cfg
-                .dir
-                .join("failed")
-                .join(format!("{}.console.log", spec.id));
-            let _ = std::fs::copy(&console, &keep);
-            prune_failed(&self.cfg.dir.join("failed"));
-            let alive = proc_starttime(pid) == Some(starttime);
-            return Err(NodeError::io(
-                format!(
-                    "microVM {} did not become ready within {}s ({}; QEMU {}; {}): console kept at {}; QEMU said: {}; console tail: {}",
-                    spec.id,
-                    timeout.as_secs(),
-                    accel.as_str(),
-                    if alive { "still running" } else { "exited" },
-                    e,
-                    keep.display(),
-                    tail_of(&dir.join("qemu.log"), 400),
-                    tail_of(&console, 800)
-                ),
-                std::io::Error::other("boot failed"),
-            ));
-        }
-        tracing::info!(sandbox = %spec.id, backend = "microvm", accel = accel.as_str(), ms = started.elapsed().as_millis() as u64, "microVM agent ready");
-        write_json(&dir.join("state.json"), &state)?;
-        Ok((state, agent))
+        Ok((pid, proc_starttime(pid).unwrap_or(0)))
     }
+}
 
+impl MicrovmBackend {
     /// Registers a running microVM; `agent`: the connected client of its create (a new one
     /// would be a second connection on the guest's one stream).
-    fn adopt(&self, state: VmState, agent: Option<AgentClient>) -> Arc<Vm> {
+    fn adopt(&self, state: VmState, agent: Option<(AgentClient, Arc<Relay>)>) -> Arc<Vm> {
+        let sock = self.vm_dir(&state.id).join("agent.sock");
+        let (agent, relay) = agent.unwrap_or_else(|| {
+            let relay = Relay::new(sock.clone());
+            (AgentClient::with_connector(&sock, relay.connector()), relay)
+        });
         let vm = Arc::new(Vm {
             cgroup: self.cgroups.sandbox(&state.id),
-            agent: agent
-                .unwrap_or_else(|| AgentClient::new(self.vm_dir(&state.id).join("agent.sock"))),
+            proc_: Arc::new(Mutex::new(QemuProc {
+                pid: state.qemu_pid,
+                start: state.qemu_starttime,
+                saved: state.memory_saved,
+            })),
+            relay,
+            lifecycle: tokio::sync::Mutex::new(()),
+            agent,
             deleting: RwLock::new(false),
             killed: watch::channel(false).0,
-            paused: AtomicBool::new(false),
+            paused: AtomicBool::new(state.memory_saved),
             state,
         });
         self.vms
@@ -629,10 +742,11 @@ impl MicrovmBackend {
             )));
         }
         check_not_paused(&vm.paused, id)?;
-        if proc_starttime(vm.state.qemu_pid) != Some(vm.state.qemu_starttime) {
+        let cur = *vm.proc_.lock().unwrap();
+        if !cur.exists() {
             return Err(NodeError::Conflict(format!(
                 "sandbox {id} is not running (its QEMU {} is gone)",
-                vm.state.qemu_pid
+                cur.pid
             )));
         }
         Ok(vm)
@@ -673,6 +787,30 @@ impl MicrovmBackend {
         })
         .await
     }
+}
+
+/// A sparse ext4 file of `mib` MiB at `s` (the guest's writable layer).
+fn make_scratch(s: &Path, mib: u64) -> NodeResult<()> {
+    let f = std::fs::File::create(s)
+        .map_err(|e| NodeError::io(format!("create {}", s.display()), e))?;
+    f.set_len(mib << 20)
+        .map_err(|e| NodeError::io(format!("size {}", s.display()), e))?;
+    let out = std::process::Command::new("mkfs.ext4")
+        .args(["-q", "-F", "-O", "^has_journal", "-E", "root_owner=0:0"])
+        .arg(s)
+        .output()
+        .map_err(|e| NodeError::io("run mkfs.ext4", e))?;
+    if !out.status.success() {
+        return Err(NodeError::io(
+            format!(
+                "mkfs.ext4 {}: {}",
+                s.display(),
+                String::from_utf8_lossy(&out.stderr)
+            ),
+            std::io::Error::other("mkfs.ext4 failed"),
+        ));
+    }
+    Ok(())
 }
 
 pub(crate) fn write_json(path: &Path, st: &VmState) -> NodeResult<()> {
@@ -941,14 +1079,23 @@ impl SandboxBackend for MicrovmBackend {
         vm.agent.mkdir(path, parents).await.map_err(node_error)
     }
 
+    /// Saves memory and device state to `memory.state` and stops QEMU (see
+    /// [`snapshot`]); a VM without a QMP socket (created by an older node) is frozen in its
+    /// cgroup instead.
     async fn pause(&self, id: &str) -> NodeResult<()> {
         let vm = self.get(id)?;
-        freeze(id, "microvm", &vm.deleting, &vm.paused, vm.cgroup.group()).await
+        if vm.state.qemu_args.is_empty() {
+            return freeze(id, "microvm", &vm.deleting, &vm.paused, vm.cgroup.group()).await;
+        }
+        self.pause_to_memory(id).await
     }
 
     async fn resume(&self, id: &str) -> NodeResult<()> {
         let vm = self.get(id)?;
-        thaw(id, "microvm", &vm.deleting, &vm.paused, vm.cgroup.group()).await
+        if vm.state.qemu_args.is_empty() {
+            return thaw(id, "microvm", &vm.deleting, &vm.paused, vm.cgroup.group()).await;
+        }
+        self.resume_from_memory(id).await
     }
 
     async fn delete(&self, id: &str) -> NodeResult<()> {
@@ -978,7 +1125,7 @@ impl SandboxBackend for MicrovmBackend {
             .map(|v| SandboxStatus {
                 id: v.state.id.clone(),
                 backend: Backend::Microvm,
-                alive: proc_starttime(v.state.qemu_pid) == Some(v.state.qemu_starttime),
+                alive: v.proc_.lock().unwrap().exists(),
             })
             .collect()
     }
@@ -1001,12 +1148,40 @@ impl SandboxBackend for MicrovmBackend {
             let state: Option<VmState> = std::fs::read(self.vm_dir(&name).join("state.json"))
                 .ok()
                 .and_then(|s| serde_json::from_slice(&s).ok());
+            let dir = self.vm_dir(&name);
             match state {
                 Some(st)
                     if st.id == name
                         && keep.contains(&name)
+                        && st.memory_saved
+                        && dir.join(snapshot::MEMORY_FILE).is_file() =>
+                {
+                    // Paused with memory: a QEMU left from a pause cut short goes.
+                    let (pid, start) = (st.qemu_pid, st.qemu_starttime);
+                    spawn_blocking(move || {
+                        snapshot::kill_and_wait(pid, start);
+                        Ok(())
+                    })
+                    .await?;
+                    self.adopt(st, None);
+                    tracing::info!(sandbox = %name, backend = "microvm", "sandbox re-adopted (paused with memory file)");
+                    adopted.push(name);
+                }
+                Some(st)
+                    if st.id == name
+                        && keep.contains(&name)
+                        && !st.memory_saved
                         && proc_starttime(st.qemu_pid) == Some(st.qemu_starttime) =>
                 {
+                    if !st.qemu_args.is_empty() {
+                        // A pause cut short between `stop` and `state.json`: run it again.
+                        let d = dir.clone();
+                        spawn_blocking(move || {
+                            snapshot::continue_if_stopped(&d);
+                            Ok(())
+                        })
+                        .await?;
+                    }
                     self.adopt(st, None);
                     tracing::info!(sandbox = %name, backend = "microvm", "sandbox re-adopted");
                     adopted.push(name);

@@ -483,6 +483,10 @@ impl VmBackend {
                 pids_max: spec.pids_max,
                 env: spec.env.clone(),
             },
+            // The q35 backend pauses by cgroup freeze (no memory snapshots yet).
+            qemu_args: Vec::new(),
+            memory_saved: false,
+            started_from: "cold".into(),
         };
         // Written before readiness so that a failed boot is cleaned up by pid too.
         write_json(&dir.join("boot.json"), &state)?;

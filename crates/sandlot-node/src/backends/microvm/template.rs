@@ -1,0 +1,293 @@
+//! Template snapshots: start a microVM by restoring a guest that already booted.
+//!
+//! When: the first cold boot of a machine shape (image disk, memory, vCPUs, scratch size,
+//! pids limit, accelerator, kernel, initramfs, QEMU) starts, in the background, one more
+//! boot of the same shape in `templates/<key>.tmp/`; once its agent answers, the node
+//! disconnects from it (so the template's guest has no agent connection), waits
+//! [`SETTLE`] for the guest to see that, `stop`s it and saves memory and devices
+//! (`memory.state`, as a pause does) next to its scratch disk as it is at that moment;
+//! the directory is renamed to `templates/<key>/`. Every later create of that shape copies
+//! the template's scratch disk (`cp --reflink=auto --sparse=always`), starts QEMU with its
+//! own command line plus `-incoming defer`, loads the template's state, `cont`s and
+//! connects. `SANDLOT_MICROVM_TEMPLATES=0` turns templates off.
+//!
+//! Identity: after every start (template or cold) the node sends the guest a fresh
+//! hostname (= sandbox id), `/etc/machine-id` and 64 random bytes that the agent credits to
+//! the kernel's entropy pool and reseeds the CRNG with
+//! ([`sandlot_guest::agent_proto::PATH_IDENTITY`]).
+//!
+//! A template start that fails (missing or stale files, QEMU refusing the state, no agent
+//! answer within [`TEMPLATE_READY_TIMEOUT`]) is logged with the reason and the create boots
+//! cold instead. Templates are kept until the data directory goes; partial ones
+//! (`*.tmp`) are removed at node start.
+use super::snapshot::{kill_and_wait, load_memory, save_memory, Relay, MEMORY_FILE, QMP_SOCK};
+use super::{
+    make_scratch, spawn_qemu, Accel, MicrovmBackend, VmState, QEMU_OVERHEAD_MIB, QEMU_PIDS,
+};
+use crate::agent_client::AgentClient;
+use crate::backends::function::spawn_blocking;
+use crate::cgroups::{Limits, SandboxCgroup};
+use crate::node::{NodeError, NodeResult};
+use crate::qmp::Qmp;
+use sandlot_guest::agent_proto::IdentityRequest;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+/// How long the template's guest gets to notice the node disconnected before it is saved.
+const SETTLE: Duration = Duration::from_millis(500);
+/// How long a restored guest may take to answer before the create boots cold instead.
+const TEMPLATE_READY_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Whether templates are on: `SANDLOT_MICROVM_TEMPLATES` unset, `1`, `on` or `true`.
+pub(super) fn enabled_from_env() -> bool {
+    !matches!(
+        std::env::var("SANDLOT_MICROVM_TEMPLATES").as_deref(),
+        Ok("0") | Ok("off") | Ok("false") | Ok("no")
+    )
+}
+
+/// Removes partial templates (`templates/*.tmp`) a crash left.
+pub(super) fn sweep_partial(dir: &Path) {
+    for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        if e.file_name().to_string_lossy().ends_with(".tmp") {
+            let _ = std::fs::remove_dir_all(e.path());
+        }
+    }
+}
+
+fn file_id(p: &Path) -> String {
+    std::fs::metadata(p)
+        .map(|m| {
+            use std::os::unix::fs::MetadataExt;
+            format!("{}:{}:{}", p.display(), m.len(), m.mtime())
+        })
+        .unwrap_or_default()
+}
+
+/// The template key of a VM with QEMU arguments `args` whose files live in `dir`: a hash of
+/// the arguments with `dir` taken out, the scratch size and the identity (size, mtime) of
+/// the kernel, initramfs and QEMU binary.
+pub(super) fn key(b: &MicrovmBackend, dir: &Path, args: &[String], scratch_mib: u64) -> String {
+    let d = dir.display().to_string();
+    let shape: Vec<String> = args.iter().map(|a| a.replace(&d, "VMDIR")).collect();
+    let ids = [
+        file_id(&b.cfg.kit_dir.join("vmlinuz")),
+        file_id(&b.cfg.dir.join("initramfs.cpio")),
+        file_id(&b.qemu),
+        scratch_mib.to_string(),
+    ];
+    let mut parts: Vec<&[u8]> = shape.iter().map(|s| s.as_bytes()).collect();
+    parts.extend(ids.iter().map(|s| s.as_bytes()));
+    format!("{:016x}", super::fnv(&parts))
+}
+
+/// Hostname = `id`, a random machine id and 64 random bytes of entropy.
+pub(super) fn fresh_identity(id: &str) -> IdentityRequest {
+    let mid: [u8; 16] = rand::random();
+    let (a, b): ([u8; 32], [u8; 32]) = (rand::random(), rand::random());
+    IdentityRequest {
+        hostname: id.to_string(),
+        machine_id: mid.iter().map(|b| format!("{b:02x}")).collect(),
+        entropy: [a, b].concat(),
+    }
+}
+
+fn copy_sparse(src: &Path, dst: &Path) -> NodeResult<()> {
+    let out = std::process::Command::new("cp")
+        .args(["--reflink=auto", "--sparse=always"])
+        .arg(src)
+        .arg(dst)
+        .output()
+        .map_err(|e| NodeError::io("run cp", e))?;
+    if !out.status.success() {
+        return Err(NodeError::io(
+            format!(
+                "cp {} {}: {}",
+                src.display(),
+                dst.display(),
+                String::from_utf8_lossy(&out.stderr).trim()
+            ),
+            std::io::Error::other("cp failed"),
+        ));
+    }
+    Ok(())
+}
+
+impl MicrovmBackend {
+    fn template_dir(&self, key: &str) -> PathBuf {
+        self.cfg.dir.join("templates").join(key)
+    }
+
+    /// Starts the VM of `state` (files in `dir`, QEMU arguments `args`) from the template
+    /// `key`: `Ok(false)` when there is none, `Ok(true)` once the restored guest's agent
+    /// answered (`state` then names its QEMU), an error when the restore failed (its QEMU
+    /// is gone again; the caller boots cold).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) async fn start_from_template(
+        &self,
+        key: &str,
+        args: &[String],
+        dir: &Path,
+        cg: &SandboxCgroup,
+        agent: &AgentClient,
+        relay: &Relay,
+        state: &mut VmState,
+    ) -> NodeResult<bool> {
+        let tpl = self.template_dir(key);
+        let mem = tpl.join(MEMORY_FILE);
+        if !mem.is_file() {
+            return Ok(false);
+        }
+        let t0 = Instant::now();
+        let (src, dst) = (tpl.join("scratch.img"), dir.join("scratch.img"));
+        spawn_blocking(move || copy_sparse(&src, &dst)).await?;
+        let copy_ms = t0.elapsed().as_millis() as u64;
+        let mut a = args.to_vec();
+        a.extend(["-incoming".to_string(), "defer".to_string()]);
+        let (pid, start) = self.spawn_qemu(&a, dir, cg, false)?;
+        state.qemu_pid = pid;
+        state.qemu_starttime = start;
+        state.started_from = "template".into();
+        super::write_json(&dir.join("boot.json"), state)?;
+        let mut qmp_ms = 0;
+        let mut load_ms = 0;
+        let res: NodeResult<()> = async {
+            let d = dir.to_path_buf();
+            let (a, b) = spawn_blocking(move || {
+                let t = Instant::now();
+                let mut q = Qmp::connect(
+                    &d.join(QMP_SOCK),
+                    Instant::now() + Duration::from_secs(30),
+                    Duration::from_secs(30),
+                )?;
+                let a = t.elapsed().as_millis() as u64;
+                load_memory(&mut q, &mem)?;
+                Ok((a, t.elapsed().as_millis() as u64 - a))
+            })
+            .await?;
+            (qmp_ms, load_ms) = (a, b);
+            agent
+                .wait_ready_single(Instant::now() + TEMPLATE_READY_TIMEOUT)
+                .await
+        }
+        .await;
+        if let Err(e) = res {
+            relay.detach().await;
+            spawn_blocking(move || {
+                kill_and_wait(pid, start);
+                Ok(())
+            })
+            .await?;
+            let _ = std::fs::remove_file(dir.join("boot.json"));
+            return Err(NodeError::io(
+                format!(
+                    "template {key}: {e}; QEMU said: {}",
+                    super::tail_of(&dir.join("qemu.log"), 400)
+                ),
+                std::io::Error::other("template start failed"),
+            ));
+        }
+        tracing::info!(sandbox = %state.id, backend = "microvm", template = %key, copy_ms, qmp_ms, load_ms, ready_ms = t0.elapsed().as_millis() as u64 - copy_ms - qmp_ms - load_ms, "microVM restored from template");
+        Ok(true)
+    }
+
+    /// Makes the template `key` in the background when it is neither there nor being made
+    /// (see the module docs).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn build_template_in_background(
+        &self,
+        key: String,
+        accel: Accel,
+        smp: u64,
+        memory_mib: u64,
+        append: String,
+        disk: PathBuf,
+        scratch_mib: u64,
+    ) {
+        let fin = self.template_dir(&key);
+        if fin.exists() || !self.templates_building.lock().unwrap().insert(key.clone()) {
+            return;
+        }
+        let tmp = self.cfg.dir.join("templates").join(format!("{key}.tmp"));
+        let args = self.qemu_args(accel, smp, memory_mib, &append, &disk, &tmp);
+        let qemu = self.qemu.clone();
+        let cg = self.cgroups.sandbox(&format!("tpl-{key}"));
+        let building = self.templates_building.clone();
+        let timeout = match accel {
+            Accel::Kvm => super::READY_TIMEOUT_KVM,
+            Accel::Tcg => super::READY_TIMEOUT_TCG,
+        };
+        tokio::spawn(async move {
+            let started = Instant::now();
+            let res = build(
+                &qemu,
+                &cg,
+                &tmp,
+                &fin,
+                &args,
+                scratch_mib,
+                memory_mib,
+                timeout,
+            )
+            .await;
+            match res {
+                Ok(bytes) => {
+                    tracing::info!(backend = "microvm", template = %key, ms = started.elapsed().as_millis() as u64, bytes, "template snapshot made")
+                }
+                Err(e) => {
+                    let _ = std::fs::remove_dir_all(&tmp);
+                    tracing::warn!(backend = "microvm", template = %key, error = %e, "template snapshot failed; creates keep booting cold")
+                }
+            }
+            building.lock().unwrap().remove(&key);
+        });
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn build(
+    qemu: &Path,
+    cg: &SandboxCgroup,
+    tmp: &Path,
+    fin: &Path,
+    args: &[String],
+    scratch_mib: u64,
+    memory_mib: u64,
+    timeout: Duration,
+) -> NodeResult<u64> {
+    let _ = std::fs::remove_dir_all(tmp);
+    std::fs::create_dir_all(tmp)
+        .map_err(|e| NodeError::io(format!("create {}", tmp.display()), e))?;
+    let s = tmp.join("scratch.img");
+    spawn_blocking(move || make_scratch(&s, scratch_mib)).await?;
+    cg.create(&Limits {
+        memory_bytes: (memory_mib + QEMU_OVERHEAD_MIB) << 20,
+        cpu: 1.0,
+        pids_max: QEMU_PIDS,
+    })?;
+    let (pid, start) = spawn_qemu(qemu, args, tmp, cg, false)?;
+    let res: NodeResult<u64> = async {
+        let relay = Relay::new(tmp.join("agent.sock"));
+        let agent = AgentClient::with_connector(tmp.join("agent.sock"), relay.connector());
+        agent.wait_ready_single(Instant::now() + timeout).await?;
+        relay.detach().await;
+        drop(agent);
+        tokio::time::sleep(SETTLE).await;
+        let d = tmp.to_path_buf();
+        spawn_blocking(move || save_memory(&d)).await
+    }
+    .await;
+    spawn_blocking(move || {
+        kill_and_wait(pid, start);
+        Ok(())
+    })
+    .await?;
+    let g = cg.group().clone();
+    let _ = spawn_blocking(move || g.destroy(Duration::from_secs(10))).await;
+    let size = res?;
+    for f in [QMP_SOCK, "agent.sock"] {
+        let _ = std::fs::remove_file(tmp.join(f));
+    }
+    std::fs::rename(tmp, fin).map_err(|e| NodeError::io(format!("rename {}", tmp.display()), e))?;
+    Ok(size)
+}
