@@ -46,7 +46,6 @@ use serde::{Deserialize, Serialize};
 use snapshot::{ProcCell, QemuProc, Relay};
 use std::collections::HashMap;
 use std::io::Write;
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::atomic::AtomicBool;
@@ -640,66 +639,9 @@ fn spawn_qemu(
     cg: &SandboxCgroup,
     append: bool,
 ) -> NodeResult<(i32, u64)> {
-    {
-        let mut cmd = std::process::Command::new(qemu);
-        cmd.args(args);
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .write(true)
-            .append(append)
-            .truncate(!append)
-            .open(dir.join("qemu.log"))
-            .map_err(|e| NodeError::io("open qemu.log", e))?;
-        let log2 = log
-            .try_clone()
-            .map_err(|e| NodeError::io("dup qemu.log", e))?;
-        cmd.stdin(Stdio::null()).stdout(log).stderr(log2);
-        let procs: Vec<std::ffi::CString> = cg
-            .group()
-            .procs_files()
-            .into_iter()
-            .filter_map(|p| std::ffi::CString::new(p.into_os_string().into_encoded_bytes()).ok())
-            .collect();
-        // SAFETY: after fork, before exec: only async-signal-safe calls (setsid, getpid,
-        // open, write, close) on data prepared before the fork.
-        unsafe {
-            cmd.pre_exec(move || {
-                libc::setsid();
-                let pid = libc::getpid();
-                let mut buf = [0u8; 16];
-                let mut n = pid as u32;
-                let mut i = buf.len();
-                loop {
-                    i -= 1;
-                    buf[i] = b'0' + (n % 10) as u8;
-                    n /= 10;
-                    if n == 0 {
-                        break;
-                    }
-                }
-                for p in &procs {
-                    let fd = libc::open(p.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
-                    if fd < 0 {
-                        return Err(std::io::Error::last_os_error());
-                    }
-                    let w = libc::write(fd, buf[i..].as_ptr().cast(), buf.len() - i);
-                    libc::close(fd);
-                    if w < 0 {
-                        return Err(std::io::Error::last_os_error());
-                    }
-                }
-                Ok(())
-            });
-        }
-        let mut child = cmd
-            .spawn()
-            .map_err(|e| NodeError::io(format!("start {}", qemu.display()), e))?;
-        let pid = child.id() as i32;
-        std::thread::spawn(move || {
-            let _ = child.wait();
-        });
-        Ok((pid, proc_starttime(pid).unwrap_or(0)))
-    }
+    let mut cmd = std::process::Command::new(qemu);
+    cmd.args(args);
+    super::qemu::spawn_logged(&mut cmd, dir, cg, append)
 }
 
 impl MicrovmBackend {

@@ -150,3 +150,39 @@ pub fn spawn_in_cgroup(
     cmd.spawn()
         .map_err(|e| NodeError::io(format!("start {:?}", cmd.get_program()), e))
 }
+
+/// Starts QEMU's `cmd` with stdout and stderr into `dir/qemu.log` (appended when `append`,
+/// e.g. a restore after a pause; truncated otherwise), in its own session and in the cgroup
+/// `cg` ([`spawn_in_cgroup`]), and reaps it from a thread when it exits.
+/// Returns its pid and start time (`/proc/PID/stat` field 22, to recognise it after a node
+/// restart).
+///
+/// # Errors
+/// `Internal` when the log cannot be opened or QEMU cannot be started.
+pub fn spawn_logged(
+    cmd: &mut std::process::Command,
+    dir: &Path,
+    cg: &SandboxCgroup,
+    append: bool,
+) -> NodeResult<(i32, u64)> {
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .write(true)
+        .append(append)
+        .truncate(!append)
+        .open(dir.join("qemu.log"))
+        .map_err(|e| NodeError::io("open qemu.log", e))?;
+    let log2 = log
+        .try_clone()
+        .map_err(|e| NodeError::io("dup qemu.log", e))?;
+    cmd.stdin(std::process::Stdio::null())
+        .stdout(log)
+        .stderr(log2);
+    let mut child = spawn_in_cgroup(cmd, cg)?;
+    let pid = child.id() as i32;
+    // QEMU is our child until this process ends: reap it when it exits.
+    std::thread::spawn(move || {
+        let _ = child.wait();
+    });
+    Ok((pid, super::function::proc_starttime(pid).unwrap_or(0)))
+}

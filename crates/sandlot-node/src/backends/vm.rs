@@ -38,7 +38,7 @@ use super::microvm::{
     find_binary, fnv, prune_failed, tail_of, write_cpio, write_json, Accel, VmState,
     QEMU_OVERHEAD_MIB,
 };
-use super::qemu::{spawn_in_cgroup, AccelProbe};
+use super::qemu::{spawn_logged, AccelProbe};
 use super::SandboxBackend;
 use crate::agent_client::AgentClient;
 use crate::cgroups::{CgroupRoot, Limits, SandboxCgroup};
@@ -49,7 +49,6 @@ use async_trait::async_trait;
 use sandlot_api::{Backend, ExecRequest, ExecResult, FileEntry};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
 use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -456,19 +455,7 @@ impl VmBackend {
                 "-sandbox",
                 "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
             ]);
-        let log = std::fs::File::create(dir.join("qemu.log"))
-            .map_err(|e| NodeError::io("create qemu.log", e))?;
-        let log2 = log
-            .try_clone()
-            .map_err(|e| NodeError::io("dup qemu.log", e))?;
-        cmd.stdin(Stdio::null()).stdout(log).stderr(log2);
-        let mut child = spawn_in_cgroup(&mut cmd, cg)?;
-        let pid = child.id() as i32;
-        // QEMU is our child until this process ends: reap it when it exits.
-        std::thread::spawn(move || {
-            let _ = child.wait();
-        });
-        let starttime = proc_starttime(pid).unwrap_or(0);
+        let (pid, starttime) = spawn_logged(&mut cmd, &dir, cg, false)?;
         let state = VmState {
             id: spec.id.clone(),
             image: image.name.clone(),
