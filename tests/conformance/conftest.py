@@ -72,7 +72,7 @@ CASES: List[Case] = [
 ]
 
 #: Cases that run only a subset of the suite (slow boots), by test function name: every
-#: category (errors, exec, files, lifecycle, limits) has at least one test.
+#: category (errors, exec, files, lifecycle, limits, checkpoint) has at least one test.
 REDUCED: Dict[str, FrozenSet[str]] = {
     "microvm": frozenset({
         "test_unknown_image_is_not_found",
@@ -100,6 +100,8 @@ REDUCED: Dict[str, FrozenSet[str]] = {
         "test_list_dir_entries",
         "test_dotdot_read_cannot_escape",
         "test_symlink_escapes_refused",
+        # checkpoint (test_checkpoint.py): one case, 5 boots
+        "test_checkpoint_forks_three_sandboxes",
     }),
 }
 

@@ -130,6 +130,7 @@ fn boot() -> Result<(), String> {
             mkdir_mode(Path::new(d), mode)?;
         }
     }
+    fresh_machine_id()?;
     for d in ["/proc", "/sys", "/dev"] {
         let to = format!("/mnt/root{d}");
         mount(
@@ -160,10 +161,31 @@ fn boot() -> Result<(), String> {
         MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
         Some("mode=1777"),
     )?;
-    let _ = nix::unistd::sethostname("sandlot");
+    // The sandbox id from the node (`sandlot.hostname=`), as in containers and jails.
+    let host = cmdline
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix("sandlot.hostname="))
+        .unwrap_or("sandlot");
+    let _ = nix::unistd::sethostname(host);
     sandbox_cgroup(&cmdline)?;
     let port = find_port(AGENT_PORT)?;
     std::process::exit(crate::agent::serve_vm(&port));
+}
+
+/// A machine-id(5) of this boot's own (32 hex digits from the guest kernel's random
+/// UUID): every microVM, a fork of a checkpoint included, gets a new one; the one a
+/// checkpoint's disk carried is replaced.
+fn fresh_machine_id() -> Result<(), String> {
+    let uuid = std::fs::read_to_string("/proc/sys/kernel/random/uuid")
+        .map_err(|e| format!("read /proc/sys/kernel/random/uuid: {e}"))?;
+    let id: String = uuid.trim().chars().filter(|c| *c != '-').collect();
+    let etc = Path::new("/mnt/root/etc");
+    if !etc.is_dir() {
+        mkdir_mode(etc, 0o755)?;
+    }
+    let f = etc.join("machine-id");
+    let _ = std::fs::remove_file(&f);
+    std::fs::write(&f, format!("{id}\n")).map_err(|e| format!("write {}: {e}", f.display()))
 }
 
 /// Path of the guest cgroup every exec joins (made by [`sandbox_cgroup`]).

@@ -36,6 +36,7 @@ use super::function::{
 use super::SandboxBackend;
 use crate::agent_client::AgentClient;
 use crate::cgroups::{CgroupRoot, Limits, SandboxCgroup};
+use crate::checkpoints::{Captured, Checkpoint};
 use crate::files::{file_entry, node_error};
 use crate::images::Image;
 use crate::node::{ExecControl, ExecSink, NodeError, NodeResult, SandboxSpec, SandboxStatus};
@@ -431,13 +432,16 @@ impl MicrovmBackend {
         spec: &SandboxSpec,
         image: &Image,
         cg: &SandboxCgroup,
+        seed: Option<&Checkpoint>,
     ) -> NodeResult<(VmState, AgentClient)> {
         let accel = self.resolve_accel().await;
         let disk = self.image_disk(image).await?;
         let dir = self.vm_dir(&spec.id);
         let scratch = dir.join("scratch.img");
         let mib = spec.disk_mib.max(16);
-        {
+        if let Some(ck) = seed {
+            seed_scratch(ck, &scratch, mib).await?;
+        } else {
             let s = scratch.clone();
             spawn_blocking(move || {
                 let f = std::fs::File::create(&s)
@@ -473,8 +477,8 @@ impl MicrovmBackend {
         let sock = dir.join("agent.sock");
         // The guest agent puts every exec in a guest cgroup with this pids limit.
         let mut append = format!(
-            "console=ttyS0 panic=-1 quiet sandlot.pids_max={}",
-            spec.pids_max
+            "console=ttyS0 panic=-1 quiet sandlot.pids_max={} sandlot.hostname={}",
+            spec.pids_max, spec.id
         );
         // Debugging aid: e.g. `loglevel=5` shows the guest agent's messages on the console.
         if let Ok(extra) = std::env::var("SANDLOT_MICROVM_APPEND") {
@@ -646,6 +650,79 @@ impl MicrovmBackend {
 
     /// Registers a running microVM; `agent`: the connected client of its create (a new one
     /// would be a second connection on the guest's one stream).
+    /// Create `spec`, its scratch disk copied from `seed` when given (a fork).
+    async fn create_with(
+        &self,
+        spec: &SandboxSpec,
+        image: &Image,
+        seed: Option<&Checkpoint>,
+    ) -> NodeResult<()> {
+        check_id(&spec.id)?;
+        let dir = self.vm_dir(&spec.id);
+        match std::fs::create_dir(&dir) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                return Err(NodeError::Conflict(format!(
+                    "sandbox {} already exists",
+                    spec.id
+                )))
+            }
+            Err(e) => return Err(NodeError::io(format!("create {}", dir.display()), e)),
+        }
+        let cg = self.cgroups.sandbox(&spec.id);
+        match self.create_inner(spec, image, &cg, seed).await {
+            Ok((state, agent)) => {
+                self.adopt(state, Some(agent));
+                tracing::info!(sandbox = %spec.id, backend = "microvm", "sandbox created");
+                Ok(())
+            }
+            Err(e) => {
+                if let Err(c) = self.destroy(&spec.id).await {
+                    tracing::warn!(sandbox = %spec.id, error = %c, "cleanup after a failed create");
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// A checkpoint of microVM `id` (see [`crate::checkpoints`]): `sync` in the guest (its
+    /// page cache reaches the scratch disk), then a sparse copy of `scratch.img` to
+    /// `dest/disk.img` while QEMU's cgroup is frozen (no guest write lands mid-copy).
+    async fn checkpoint_scratch(&self, id: &str, dest: &Path) -> NodeResult<Captured> {
+        let vm = self.get(id)?;
+        if vm.paused.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(NodeError::Conflict(format!(
+                "sandbox {id} is paused; resume it before a checkpoint (the guest must flush its disk first)"
+            )));
+        }
+        let mut req = ExecRequest::new(sandlot_api::Cmd::Argv(vec!["sync".into()]));
+        req.timeout_s = Some(60.0);
+        let r = self.run_exec(id, &req, None, None).await?;
+        if r.exit_code != 0 {
+            return Err(NodeError::io(
+                format!("sync in microVM {id}: exit {}: {}", r.exit_code, r.stderr),
+                std::io::Error::other("guest sync failed"),
+            ));
+        }
+        let scratch = self.vm_dir(id).join("scratch.img");
+        let disk = dest.join("disk.img");
+        crate::checkpoints::frozen_copy(
+            id,
+            &vm.deleting,
+            &vm.paused,
+            vm.cgroup.group(),
+            move || crate::checkpoints::copy_disk(&scratch, &disk),
+        )
+        .await?;
+        Ok(Captured {
+            backend: Backend::Microvm,
+            image: vm.state.image.clone(),
+            runtime: None,
+            uid_base: None,
+            disk_mib: vm.state.spec.disk_mib.max(16),
+        })
+    }
+
     fn adopt(&self, state: VmState, agent: Option<AgentClient>) -> Arc<Vm> {
         let vm = Arc::new(Vm {
             cgroup: self.cgroups.sandbox(&state.id),
@@ -716,6 +793,25 @@ impl MicrovmBackend {
         })
         .await
     }
+}
+
+/// A fork's scratch disk: a sparse copy of the checkpoint's, grown to `mib` MiB.
+///
+/// # Errors
+/// `InvalidArgument` when `mib` is below the checkpoint's disk; copy or resize failures.
+async fn seed_scratch(ck: &Checkpoint, scratch: &Path, mib: u64) -> NodeResult<()> {
+    if mib < ck.meta.disk_mib {
+        return Err(NodeError::InvalidArgument(format!(
+            "disk_mib {mib} is smaller than checkpoint {}'s disk ({} MiB)",
+            ck.meta.id, ck.meta.disk_mib
+        )));
+    }
+    let (src, dst) = (ck.disk(), scratch.to_path_buf());
+    spawn_blocking(move || {
+        crate::checkpoints::copy_disk(&src, &dst)?;
+        crate::checkpoints::grow_ext4(&dst, mib)
+    })
+    .await
 }
 
 fn write_json(path: &Path, st: &VmState) -> NodeResult<()> {
@@ -887,32 +983,20 @@ impl SandboxBackend for MicrovmBackend {
     }
 
     async fn create(&self, spec: &SandboxSpec, image: &Image) -> NodeResult<()> {
-        check_id(&spec.id)?;
-        let dir = self.vm_dir(&spec.id);
-        match std::fs::create_dir(&dir) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
-                return Err(NodeError::Conflict(format!(
-                    "sandbox {} already exists",
-                    spec.id
-                )))
-            }
-            Err(e) => return Err(NodeError::io(format!("create {}", dir.display()), e)),
-        }
-        let cg = self.cgroups.sandbox(&spec.id);
-        match self.create_inner(spec, image, &cg).await {
-            Ok((state, agent)) => {
-                self.adopt(state, Some(agent));
-                tracing::info!(sandbox = %spec.id, backend = "microvm", "sandbox created");
-                Ok(())
-            }
-            Err(e) => {
-                if let Err(c) = self.destroy(&spec.id).await {
-                    tracing::warn!(sandbox = %spec.id, error = %c, "cleanup after a failed create");
-                }
-                Err(e)
-            }
-        }
+        self.create_with(spec, image, None).await
+    }
+
+    async fn create_from(
+        &self,
+        spec: &SandboxSpec,
+        image: &Image,
+        checkpoint: &Checkpoint,
+    ) -> NodeResult<()> {
+        self.create_with(spec, image, Some(checkpoint)).await
+    }
+
+    async fn checkpoint(&self, id: &str, dest: &Path) -> NodeResult<Captured> {
+        self.checkpoint_scratch(id, dest).await
     }
 
     fn has(&self, id: &str) -> bool {
