@@ -72,7 +72,8 @@ enum Command {
     Checkpoint(CheckpointArgs),
     /// List checkpoints (oldest first).
     Checkpoints(CheckpointsArgs),
-    /// Delete checkpoints (unknown ids are fine; forks made from them live on).
+    /// Delete checkpoints (unknown ids are fine; forks made from them live on). Takes
+    /// checkpoint ids (`ck-…`).
     RmCheckpoint(RmArgs),
     /// Freeze every running sandbox with all the given labels (e.g. a preempted job's).
     Pause(SelectArgs),
@@ -274,7 +275,7 @@ struct TrajectoryArgs {
 struct RmArgs {
     #[command(flatten)]
     remote: Remote,
-    /// Sandbox ids.
+    /// Ids (sandbox ids for `rm`, checkpoint ids for `rm-checkpoint`).
     #[arg(required = true)]
     ids: Vec<String>,
 }

@@ -312,3 +312,25 @@ async fn records_survive_a_restart_and_orphans_are_pruned() {
     crate::checkpoints::recover(&t.st).await.unwrap();
     assert!(t.st.store.get_checkpoint(&ck).unwrap().is_none());
 }
+
+#[tokio::test]
+async fn openapi_lists_checkpoint_routes() {
+    let t = setup("ck-openapi");
+    let doc = call(&t.app, Method::GET, "/openapi.json", None)
+        .await
+        .json();
+    for route in [
+        "/v1/sandboxes/{id}/checkpoints",
+        "/v1/checkpoints",
+        "/v1/checkpoints/{checkpoint_id}",
+    ] {
+        assert!(
+            doc["paths"].get(route).is_some(),
+            "{route} missing from openapi.json"
+        );
+    }
+    assert!(
+        doc["components"]["schemas"]["CreateSandboxRequest"]["properties"]["checkpoint"]
+            .is_object()
+    );
+}
