@@ -2,13 +2,14 @@
 # Installs QEMU and builds the guest kit of the `microvm` backend, as root, idempotently:
 #   Debian packages qemu-system-x86 (the VMM), qemu-utils, erofs-utils (mkfs.erofs: the
 #   read-only image disks), e2fsprogs (mkfs.ext4: the per-sandbox scratch disks), kmod
-#   (modinfo), and the kit in $SANDLOT_GUEST_KIT_DIR (default: guest-kit/ beside the images
+#   (modinfo), and the kit (shared by `microvm` and `vm`) in $SANDLOT_GUEST_KIT_DIR (default: guest-kit/ beside the images
 #   directory, /var/lib/sandlot/guest-kit):
 #     vmlinuz            the Debian cloud kernel (linux-image-*-cloud-amd64), direct-booted
-#     modules/*.ko       the modules the guest needs (virtio-mmio, virtio-blk,
-#                        virtio-console, erofs, overlay) with their dependencies
+#     modules/*.ko       the modules the guest needs (virtio-mmio, virtio-pci, virtio-blk,
+#                        virtio-console, virtio-rng, erofs, overlay) with their dependencies
 #     modules/order      their file names in load order (dependencies first)
 #     kernel-version     the kernel's release string (the kit is rebuilt when it changes)
+#     modules/wanted     the module list asked for (the kit is rebuilt when it changes)
 # The kernel package is only unpacked (dpkg -x), never installed as a host kernel; its .deb
 # is cached in $SANDLOT_CACHE_DIR. The node builds the initramfs itself from this kit and
 # its static sandlot-guest (so a rebuilt agent is picked up without re-running this).
@@ -36,8 +37,11 @@ if [ -z "$pkg" ]; then
 fi
 release=${pkg#linux-image-}
 kit=$SANDLOT_GUEST_KIT_DIR
+# virtio_mmio: microvm's bus; virtio_pci: q35's (the vm backend); virtio_rng: the vm's entropy.
+wanted="virtio_mmio virtio_pci virtio_blk virtio_console virtio_rng erofs overlay"
 if [ -f "$kit/kernel-version" ] && [ "$(cat "$kit/kernel-version")" = "$release" ] \
-   && [ -f "$kit/vmlinuz" ] && [ -f "$kit/modules/order" ]; then
+   && [ -f "$kit/vmlinuz" ] && [ -f "$kit/modules/order" ] \
+   && [ "$(cat "$kit/modules/wanted" 2>/dev/null)" = "$wanted" ]; then
   echo "guest kit up to date in $kit ($release)"
   exit 0
 fi
@@ -70,7 +74,7 @@ add() {
   for dep in $(modinfo -F depends "$file" | tr ',' ' '); do add "$dep"; done
   order+=("$file")
 }
-for m in virtio_mmio virtio_blk virtio_console erofs overlay; do add "$m"; done
+for m in $wanted; do add "$m"; done
 
 new="$kit.new"
 rm -rf "$new"
@@ -82,6 +86,7 @@ for f in "${order[@]}"; do
   basename "$f" >> "$new/modules/order"
 done
 echo "$release" > "$new/kernel-version"
+echo "$wanted" > "$new/modules/wanted"
 rm -rf "$kit"
 mv "$new" "$kit"
 echo "guest kit built in $kit ($release): $(tr '\n' ' ' < "$kit/modules/order")"

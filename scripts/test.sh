@@ -21,10 +21,10 @@ printf '\n==> cargo fuzz (fuzz/; %s s per target)\n' "${FUZZ_SECONDS:-60}"
 
 # The conformance suite (tests/conformance) runs every case against every backend case:
 # a case the server cannot run is skipped with the reason, unless SANDLOT_REQUIRE_BACKENDS
-# (comma list: function, container-runc, container-runsc, microvm; `container` = both
+# (comma list: function, container-runc, container-runsc, microvm, vm; `container` = both
 # container cases) names it, then it fails. Default: every backend setup.sh installs (function,
-# runc and gVisor containers, microvm: a reduced set of tests, TCG boots are slow).
-: "${SANDLOT_REQUIRE_BACKENDS:=function,container-runc,container-runsc,microvm}"
+# runc and gVisor containers, microvm and vm: reduced sets of tests, TCG boots are slow).
+: "${SANDLOT_REQUIRE_BACKENDS:=function,container-runc,container-runsc,microvm,vm}"
 export SANDLOT_REQUIRE_BACKENDS
 
 printf '\n==> pytest tests/ (end to end, through the Python SDK; required backends: %s) and the bench harness tests\n' \

@@ -54,7 +54,7 @@ def test_required_cases():
     with pytest.raises(ValueError, match="container-crun"):
         required_cases("function,container-crun")
     assert [c.name for c in CASES] == ["function", "container-runc", "container-runsc",
-                                       "microvm"]
+                                       "microvm", "vm"]
     assert RUNSC.create_args() == {"backend": "container", "runtime": "runsc"}
     assert CASES[0].create_args() == {"backend": "function"}
 

@@ -8,6 +8,9 @@ Cases (the test id names the case, e.g. ``test_stdin[container-runsc]``):
     microvm           backend="microvm" (QEMU; under TCG each boot takes seconds, so only
                       the tests in ``REDUCED[microvm]`` run: at least one per category;
                       the others skip with that reason)
+    vm                backend="vm" (QEMU q35 booting a whole disk; slower still: the
+                      smaller subset ``REDUCED[vm]``, one or more per category, about ten
+                      boots in all)
 
 A case the session server cannot run is skipped with the reason: ``GET /healthz`` lists the
 backend as ``"unavailable: why"``, or a probe create answers ``unavailable`` (runtime not
@@ -69,6 +72,7 @@ CASES: List[Case] = [
     Case("container-runc", "container", "runc"),
     Case("container-runsc", "container", "runsc"),
     Case("microvm", "microvm"),
+    Case("vm", "vm"),
 ]
 
 #: Cases that run only a subset of the suite (slow boots), by test function name: every
@@ -102,6 +106,24 @@ REDUCED: Dict[str, FrozenSet[str]] = {
         "test_symlink_escapes_refused",
         # checkpoint (test_checkpoint.py): one case, 5 boots
         "test_checkpoint_forks_three_sandboxes",
+    }),
+    # Each module's shared `sb` is one boot, each `make`/create test one more: 14 tests,
+    # ~9 boots of ~8 s each under TCG.
+    "vm": frozenset({
+        "test_unknown_image_is_not_found",
+        "test_bad_exec_requests",
+        "test_echo_cwd_env_defaults",
+        "test_stdin_binary_and_text",
+        "test_timeout_kills_background_children",
+        "test_missing_command_is_127",
+        "test_streaming_yields_chunks_then_result",
+        "test_backend_and_runtime_are_the_ones_asked_for",
+        "test_create_get_list_defaults",
+        "test_delete_during_running_exec",
+        "test_kill_ends_the_whole_tree",
+        "test_fork_bomb_contained_by_pids_limit",
+        "test_binary_round_trip",
+        "test_symlink_escapes_refused",
     }),
 }
 

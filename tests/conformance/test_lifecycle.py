@@ -32,6 +32,12 @@ def test_backend_and_runtime_are_the_ones_asked_for(sb, backend):
     assert sb.backend == backend.backend, sb.raw
     # The server may report the OCI runtime; when it does, it is the one asked for.
     assert sb.runtime in (None, backend.runtime), sb.raw
+    # QEMU backends say which accelerator runs them (never assumed to be KVM); the others
+    # have none.
+    if backend.backend in ("microvm", "vm"):
+        assert sb.raw.get("accel") in ("kvm", "tcg"), sb.raw
+    else:
+        assert "accel" not in sb.raw, sb.raw
     # Proof from the inside: gVisor (runsc) answers with its own kernel; runc, crun and the
     # function jail share the host's.
     inside = sb.exec(["cat", "/proc/version"]).stdout

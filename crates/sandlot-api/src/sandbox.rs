@@ -222,6 +222,10 @@ pub struct Sandbox {
     /// OCI runtime (`runc`, `crun`, `runsc`); present for `container` sandboxes only.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub runtime: Option<String>,
+    /// Accelerator of a `microvm` or `vm` sandbox: `"kvm"` or `"tcg"` (QEMU's binary
+    /// translator, slow); absent for other backends.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub accel: Option<String>,
     /// Trajectory id, if bound to one.
     pub trajectory: Option<String>,
     /// Present only on the answer of a `restore="replay"` create that rebuilt the sandbox.

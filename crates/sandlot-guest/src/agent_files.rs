@@ -59,6 +59,11 @@ fn root() -> FsResult<Arc<SandboxFs>> {
         let mut allowed_fs = ALLOWED_FS.to_vec();
         // runsc: the rootfs and /tmp are gVisor gofer mounts of the node's overlay.
         allowed_fs.push(V9FS_MAGIC);
+        // vm: the root is the guest's own ext4 disk (no host file is reachable in a VM; in
+        // a container an ext4 would be a host bind mount, so only there it stays refused).
+        if crate::vm::IN_VM.load(std::sync::atomic::Ordering::SeqCst) {
+            allowed_fs.push(nix::sys::statfs::EXT4_SUPER_MAGIC);
+        }
         let policy = FsPolicy {
             allowed_fs,
             refused_tops: REFUSED_TOPS.iter().map(|s| s.to_string()).collect(),

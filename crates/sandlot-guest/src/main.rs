@@ -23,6 +23,7 @@ fn main() {
     let code = match std::env::args().nth(1).as_deref() {
         Some("init") => init::main(),
         Some("exec") => exec::main(),
+        Some("vm-disk-init") => vm::disk_init(),
         Some("agent") => agent::main(&std::env::args().skip(2).collect::<Vec<_>>()),
         _ => {
             eprintln!(

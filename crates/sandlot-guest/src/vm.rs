@@ -15,6 +15,12 @@
 //! 5. serve the agent protocol ([`crate::agent`]) over the virtio-serial port named
 //!    `org.sandlot.agent`, which QEMU connects to a unix socket on the host.
 //!
+//! With `sandlot.root=disk` on the kernel command line (the `vm` backend: a q35 VM whose
+//! root is a whole ext4 disk, see [`disk_root`]) steps 3–4 are instead: mount the virtio
+//! disk with serial `root` read-write at `/mnt/root`, make it `/`, and exec the disk's own
+//! agent [`DISK_AGENT`] as pid 1 (`sandlot-guest vm-disk-init`, [`disk_init`]), which grows
+//! the file system to the disk's size in a thread and does step 5.
+//!
 //! With `sandlot.probe` on the kernel command line it only prints [`PROBE_MARK`] to the
 //! console and powers off: the node's accelerator probe boots that to learn whether KVM can
 //! run the guest kernel.
@@ -104,6 +110,9 @@ fn boot() -> Result<(), String> {
         return Ok(());
     }
     load_modules()?;
+    if cmdline.split_whitespace().any(|w| w == DISK_ROOT_ARG) {
+        return disk_root();
+    }
     let image = wait_disk("image")?;
     let scratch = wait_disk("scratch")?;
     mnt(&image, "/mnt/image", "erofs", MsFlags::MS_RDONLY, None)?;
@@ -130,7 +139,6 @@ fn boot() -> Result<(), String> {
             mkdir_mode(Path::new(d), mode)?;
         }
     }
-    fresh_machine_id()?;
     for d in ["/proc", "/sys", "/dev"] {
         let to = format!("/mnt/root{d}");
         mount(
@@ -147,6 +155,14 @@ fn boot() -> Result<(), String> {
         .map_err(|e| format!("move /mnt/root to /: {e}"))?;
     nix::unistd::chroot(".").map_err(|e| format!("chroot: {e}"))?;
     std::env::set_current_dir("/").map_err(|e| format!("chdir /: {e}"))?;
+    serve_in_root(&cmdline)
+}
+
+/// The last steps of every guest's pid 1, once `/` is the sandbox's root with `/proc`,
+/// `/sys` and `/dev` in it: `/dev/pts`, `/dev/shm`, the host name, the sandbox cgroup, then
+/// the agent on [`AGENT_PORT`] (never returns on success).
+fn serve_in_root(cmdline: &str) -> Result<(), String> {
+    IN_VM.store(true, std::sync::atomic::Ordering::SeqCst);
     mnt(
         "devpts",
         "/dev/pts",
@@ -167,19 +183,20 @@ fn boot() -> Result<(), String> {
         .find_map(|w| w.strip_prefix("sandlot.hostname="))
         .unwrap_or("sandlot");
     let _ = nix::unistd::sethostname(host);
-    sandbox_cgroup(&cmdline)?;
+    fresh_machine_id()?;
+    sandbox_cgroup(cmdline)?;
     let port = find_port(AGENT_PORT)?;
     std::process::exit(crate::agent::serve_vm(&port));
 }
 
-/// A machine-id(5) of this boot's own (32 hex digits from the guest kernel's random
-/// UUID): every microVM, a fork of a checkpoint included, gets a new one; the one a
-/// checkpoint's disk carried is replaced.
+/// A machine-id(5) of this boot's own in the guest's root (32 hex digits from the guest
+/// kernel's random UUID): every microVM and VM, a fork of a checkpoint included, gets a new
+/// one; the one a checkpoint's disk carried is replaced.
 fn fresh_machine_id() -> Result<(), String> {
     let uuid = std::fs::read_to_string("/proc/sys/kernel/random/uuid")
         .map_err(|e| format!("read /proc/sys/kernel/random/uuid: {e}"))?;
     let id: String = uuid.trim().chars().filter(|c| *c != '-').collect();
-    let etc = Path::new("/mnt/root/etc");
+    let etc = Path::new("/etc");
     if !etc.is_dir() {
         mkdir_mode(etc, 0o755)?;
     }
@@ -289,4 +306,128 @@ fn find_port(name: &str) -> Result<PathBuf, String> {
         }
         std::thread::sleep(Duration::from_millis(5));
     }
+}
+
+/// Set once this process is the agent of a microVM or VM (pid 1 of its guest): the file
+/// calls then also accept ext4, the `vm` root disk's file system.
+pub static IN_VM: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Kernel command line word that selects the `vm` boot: the root is a whole disk.
+pub const DISK_ROOT_ARG: &str = "sandlot.root=disk";
+
+/// Where the node installs the static `sandlot-guest` in a `vm` disk image; it is the
+/// disk's init (`vm-disk-init`).
+pub const DISK_AGENT: &str = "/.sandlot/sandlot-guest";
+
+/// `EXT4_IOC_RESIZE_FS` = `_IOW('f', 16, __u64)` (linux/fs/ext4/ext4.h): online grow of a
+/// mounted ext4 to the given block count (what resize2fs does on a mounted file system).
+const EXT4_IOC_RESIZE_FS: libc::c_ulong = 0x4008_6610;
+
+/// The `vm` boot from the initramfs: mount the `root` disk, switch to it, exec
+/// [`DISK_AGENT`] (which keeps pid 1).
+fn disk_root() -> Result<(), String> {
+    let dev = wait_disk("root")?;
+    // noinit_itable: no background zeroing of the inode tables that the online grow adds
+    // (gigabytes of writes for a large disk_mib; the disk is the sandbox's own, thrown away
+    // on delete, and uninitialised groups are marked as such in their descriptors).
+    mnt(
+        &dev,
+        "/mnt/root",
+        "ext4",
+        MsFlags::MS_NOATIME,
+        Some("noinit_itable"),
+    )?;
+    for (d, mode) in [
+        ("/mnt/root/workspace", 0o755),
+        ("/mnt/root/root", 0o700),
+        ("/mnt/root/tmp", 0o1777),
+        ("/mnt/root/proc", 0o555),
+        ("/mnt/root/sys", 0o555),
+        ("/mnt/root/dev", 0o755),
+    ] {
+        if !Path::new(d).exists() {
+            mkdir_mode(Path::new(d), mode)?;
+        }
+    }
+    for d in ["/proc", "/sys", "/dev"] {
+        let to = format!("/mnt/root{d}");
+        mount(
+            Some(d),
+            to.as_str(),
+            None::<&str>,
+            MsFlags::MS_MOVE,
+            None::<&str>,
+        )
+        .map_err(|e| format!("move {d} to {to}: {e}"))?;
+    }
+    std::env::set_current_dir("/mnt/root").map_err(|e| format!("chdir /mnt/root: {e}"))?;
+    mount(Some("."), "/", None::<&str>, MsFlags::MS_MOVE, None::<&str>)
+        .map_err(|e| format!("move /mnt/root to /: {e}"))?;
+    nix::unistd::chroot(".").map_err(|e| format!("chroot: {e}"))?;
+    std::env::set_current_dir("/").map_err(|e| format!("chdir /: {e}"))?;
+    let prog = CString::new(DISK_AGENT).expect("no NUL");
+    let args = [
+        CString::new("sandlot-guest").expect("no NUL"),
+        CString::new("vm-disk-init").expect("no NUL"),
+    ];
+    let env: [CString; 0] = [];
+    let e = nix::unistd::execve(&prog, &args, &env).unwrap_err();
+    Err(format!("exec {DISK_AGENT}: {e}"))
+}
+
+/// Grows the ext4 at `mountpoint` to the size of `dev` (the node makes the per-sandbox
+/// qcow2 overlay larger than the image's file system: `disk_mib` more). Failure is logged,
+/// not fatal: the sandbox then has the base file system's free space.
+fn grow_ext4(dev: &str, mountpoint: &str) {
+    let name = dev.trim_start_matches("/dev/");
+    let sectors: u64 = std::fs::read_to_string(format!("/sys/block/{name}/size"))
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(0);
+    let Ok(st) = nix::sys::statvfs::statvfs(mountpoint) else {
+        log("statvfs of the root disk failed; not grown");
+        return;
+    };
+    let bsize = st.block_size().max(1024);
+    let mut blocks: u64 = sectors * 512 / bsize;
+    let Ok(f) = std::fs::File::open(mountpoint) else {
+        return;
+    };
+    let t = Instant::now();
+    // SAFETY: EXT4_IOC_RESIZE_FS reads one u64 through the pointer, which outlives the call.
+    let r = unsafe { libc::ioctl(f.as_raw_fd(), EXT4_IOC_RESIZE_FS, &mut blocks as *mut u64) };
+    if r != 0 {
+        log(&format!(
+            "grow {dev} to {blocks} blocks: {}",
+            std::io::Error::last_os_error()
+        ));
+    } else {
+        log(&format!(
+            "grew {dev} to {blocks} blocks in {:?}",
+            t.elapsed()
+        ));
+    }
+}
+
+/// pid 1 of a `vm` after [`disk_root`] exec'd it from the disk (`sandlot-guest
+/// vm-disk-init`): `/proc`, `/sys`, `/dev` are already in place. Never returns on success.
+pub fn disk_init() -> i32 {
+    if std::process::id() != 1 {
+        eprintln!("sandlot-guest vm-disk-init: only pid 1 of a vm runs this");
+        return 2;
+    }
+    stdio_to_kmsg();
+    // The grow to the disk's size runs beside the agent: it takes a fraction of a second
+    // for a few GiB but minutes for a TiB under TCG; until it ends the sandbox has the base
+    // file system's free space.
+    std::thread::spawn(|| match wait_disk("root") {
+        Ok(dev) => grow_ext4(&dev, "/"),
+        Err(e) => log(&format!("grow: {e}")),
+    });
+    let cmdline = std::fs::read_to_string("/proc/cmdline").unwrap_or_default();
+    if let Err(e) = serve_in_root(&cmdline) {
+        log(&format!("boot failed: {e}"));
+    }
+    power_off();
+    1
 }

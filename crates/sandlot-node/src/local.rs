@@ -11,6 +11,8 @@ use crate::backends::container::{ContainerBackend, ContainerConfig, Runtime};
 use crate::backends::function::{FunctionBackend, FunctionConfig};
 use crate::backends::microvm::{MicrovmBackend, MicrovmConfig};
 use crate::backends::pool::PoolConfig;
+use crate::backends::qemu::AccelProbe;
+use crate::backends::vm::{VmBackend, VmConfig};
 use crate::backends::AnyBackend;
 use crate::cgroups::CgroupRoot;
 use crate::checkpoints::{CheckpointMeta, CheckpointStore};
@@ -155,6 +157,8 @@ pub struct LocalNode {
     backends: Vec<AnyBackend>,
     pool: PoolConfig,
     checkpoints: CheckpointStore,
+    /// The accelerator decision of the QEMU backends (`None` when the configuration is bad).
+    accel: Option<std::sync::Arc<AccelProbe>>,
 }
 
 impl LocalNode {
@@ -214,6 +218,7 @@ impl LocalNode {
             )
             .map_err(|e| e.to_string())
         })();
+        let probe = crate::backends::qemu::accel_from_env().map(AccelProbe::new);
         let microvm = (|| -> Result<MicrovmBackend, String> {
             if !nix::unistd::Uid::effective().is_root() {
                 return Err("the microvm backend needs root (cgroups)".into());
@@ -226,7 +231,27 @@ impl LocalNode {
                     dir: cfg.data_dir.join("microvm"),
                     kit_dir: cfg.guest_kit_dir.clone(),
                     agent_bin: cfg.agent_bin.clone(),
-                    accel: MicrovmConfig::accel_from_env()?,
+                    probe: probe.clone()?,
+                },
+                cg,
+            )
+            .map_err(|e| e.to_string())
+        })();
+        let vm = (|| -> Result<VmBackend, String> {
+            if !nix::unistd::Uid::effective().is_root() {
+                return Err("the vm backend needs root (cgroups, disk builds)".into());
+            }
+            // Its own parent group: each backend's readopt removes unknown groups under its
+            // parent.
+            let cg = CgroupRoot::detect()
+                .map_err(|e| e.to_string())?
+                .with_parent(&format!("{}-q35", cfg.cgroup_parent));
+            VmBackend::new(
+                VmConfig {
+                    dir: cfg.data_dir.join("vm"),
+                    kit_dir: cfg.guest_kit_dir.clone(),
+                    agent_bin: cfg.agent_bin.clone(),
+                    probe: probe.clone()?,
                 },
                 cg,
             )
@@ -252,6 +277,10 @@ impl LocalNode {
                 Ok(m) => AnyBackend::Microvm(m),
                 Err(why) => unavailable(Backend::Microvm, why),
             },
+            match vm {
+                Ok(v) => AnyBackend::Vm(v),
+                Err(why) => unavailable(Backend::Vm, why),
+            },
         ];
         backends.extend(AnyBackend::not_built());
         let checkpoints = CheckpointStore::open(cfg.data_dir.join("checkpoints"))?;
@@ -265,6 +294,7 @@ impl LocalNode {
                 per_image: cfg.warm_pool,
                 images: cfg.warm_pool_images,
             },
+            accel: probe.ok(),
         })
     }
 
@@ -342,6 +372,13 @@ impl Node for LocalNode {
                 .map(|b| (b.kind(), b.availability()))
                 .collect(),
             cgroup_version: self.cgroup_version.clone(),
+            accel: self.accel.as_ref().and_then(|p| {
+                let qemu_backend = self
+                    .backends
+                    .iter()
+                    .any(|b| matches!(b, AnyBackend::Microvm(_) | AnyBackend::Vm(_)));
+                qemu_backend.then(|| (p.get().map(|a| a.as_str().to_string()), p.why()))
+            }),
             runtimes: self
                 .backends
                 .iter()
@@ -358,6 +395,17 @@ impl Node for LocalNode {
                     )
                 })
                 .collect(),
+        }
+    }
+
+    async fn accel(&self) -> Option<String> {
+        let qemu_backend = self
+            .backends
+            .iter()
+            .any(|b| matches!(b, AnyBackend::Microvm(_) | AnyBackend::Vm(_)));
+        match &self.accel {
+            Some(p) if qemu_backend => Some(p.wait().await.as_str().to_string()),
+            _ => None,
         }
     }
 

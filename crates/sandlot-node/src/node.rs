@@ -59,6 +59,9 @@ pub struct NodeInfo {
     /// OCI runtimes of the container backend (`runc`, `crun`, `runsc`), with the reason for
     /// each one this node cannot run; empty when the container backend is unavailable.
     pub runtimes: Vec<(String, Result<(), String>)>,
+    /// The accelerator of the QEMU backends (`microvm`, `vm`): `(Some("kvm"|"tcg"), why)`,
+    /// `(None, "probing")` while the start-up probe runs; `None` without a QEMU backend.
+    pub accel: Option<(Option<String>, String)>,
 }
 
 /// Errors of node operations. Each maps to exactly one wire [`ErrorCode`].
@@ -304,6 +307,13 @@ pub trait Node: Send + Sync + 'static {
     /// record of at start).
     async fn list_checkpoints(&self) -> NodeResult<Vec<String>> {
         Ok(Vec::new())
+    }
+
+    /// The accelerator (`"kvm"` or `"tcg"`) microvm and vm sandboxes get on this node,
+    /// waiting for the start-up probe if it is still running; `None` on a node without a
+    /// QEMU backend.
+    async fn accel(&self) -> Option<String> {
+        None
     }
 }
 

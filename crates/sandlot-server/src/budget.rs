@@ -121,6 +121,10 @@ impl Node for BudgetNode {
         self.inner.info()
     }
 
+    async fn accel(&self) -> Option<String> {
+        self.inner.accel().await
+    }
+
     async fn create(&self, spec: &SandboxSpec) -> NodeResult<()> {
         self.inner.create(spec).await
     }

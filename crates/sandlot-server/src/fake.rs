@@ -138,6 +138,7 @@ impl Node for FakeNode {
             ],
             cgroup_version: "v1".into(),
             runtimes: Vec::new(),
+            accel: None,
         }
     }
 

@@ -16,7 +16,9 @@ pub async fn ping() -> &'static str {
 
 /// `GET /healthz` → `{"status":"ok","node":NAME,"cgroup_version":"v1"|"v2",
 /// "backends":{"function":"ok"|"unavailable: why",...},"runtimes":{"runc":"ok"|"unavailable:
-/// why",...},"sandboxes":N}` (`runtimes`: the container backend's OCI runtimes).
+/// why",...},"accel":{"name":"kvm"|"tcg"|null,"why":TEXT}|null,"sandboxes":N}` (`runtimes`:
+/// the container backend's OCI runtimes; `accel`: the QEMU backends' accelerator, `name`
+/// null while the start-up probe runs, the whole field null without a QEMU backend).
 pub async fn healthz(State(st): State<SharedState>) -> ApiResult<Json<serde_json::Value>> {
     let info = st.node.info();
     let status = |r: &Result<(), String>| match r {
@@ -33,6 +35,9 @@ pub async fn healthz(State(st): State<SharedState>) -> ApiResult<Json<serde_json
         .iter()
         .map(|(n, r)| (n.clone(), status(r)))
         .collect();
+    let accel = info
+        .accel
+        .map(|(name, why)| serde_json::json!({"name": name, "why": why}));
     let n = st.store.list()?.len();
     Ok(Json(serde_json::json!({
         "status": "ok",
@@ -40,6 +45,7 @@ pub async fn healthz(State(st): State<SharedState>) -> ApiResult<Json<serde_json
         "cgroup_version": info.cgroup_version,
         "backends": backends,
         "runtimes": runtimes,
+        "accel": accel,
         "sandboxes": n,
         "version": env!("CARGO_PKG_VERSION"),
     })))

@@ -133,6 +133,7 @@ pub fn validate(req: &CreateSandboxRequest) -> ApiResult<Validated> {
         env: req.env.clone(),
         network: req.network.clone(),
         runtime: check_runtime(req)?,
+        accel: None,
         trajectory: req.trajectory.clone(),
         checkpoint: req.checkpoint.clone(),
     };
@@ -194,6 +195,10 @@ pub async fn create_sandbox(
     let mut v = validate(&req)?;
     if req.backend == Backend::Container && v.spec.runtime.is_none() {
         v.spec.runtime = Some(st.cfg.default_runtime.clone());
+    }
+    if matches!(req.backend, Backend::Microvm | Backend::Vm) {
+        // Decided once per node process (a start-up probe); waits for it if still running.
+        v.spec.accel = st.node.accel().await;
     }
     let mut labels = req.labels.clone();
     labels.extend(labels_extra);

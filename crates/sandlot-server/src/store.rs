@@ -83,6 +83,10 @@ pub struct SpecJson {
     /// OCI runtime of a container sandbox (absent in rows of older versions).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub runtime: Option<String>,
+    /// Accelerator of a microvm / vm sandbox (`kvm`, `tcg`; absent for other backends and
+    /// in rows of older versions).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub accel: Option<String>,
     /// Trajectory id.
     pub trajectory: Option<String>,
     /// Checkpoint the sandbox was forked from (absent otherwise and in older rows).
@@ -140,6 +144,7 @@ impl Record {
             labels: self.labels.clone(),
             network: self.spec.network.clone(),
             runtime: self.spec.runtime.clone(),
+            accel: self.spec.accel.clone(),
             trajectory: self.spec.trajectory.clone(),
             restore: None,
         }
@@ -734,6 +739,7 @@ mod tests {
                 network: NetworkPolicy::None,
                 runtime: None,
                 checkpoint: None,
+                accel: None,
                 trajectory: None,
             },
             labels: [("job".to_string(), "x".to_string())].into(),

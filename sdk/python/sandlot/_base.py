@@ -193,6 +193,8 @@ class SandboxFields:
         network: network policy: ``"none"`` or ``{"allow": [CIDR, IP or DNS name, ...]}``.
         runtime: OCI runtime of a ``container`` sandbox (``runc``, ``crun``, ``runsc``);
             ``None`` for other backends and from servers that do not report it.
+        accel: accelerator of a ``microvm`` or ``vm`` sandbox: ``"kvm"``, or ``"tcg"``
+            (QEMU's binary translator, slow); ``None`` for other backends.
         trajectory: trajectory id or ``None``.
         restore: :class:`~sandlot.models.RestoreReport` of a ``create(restore="replay")``
             that rebuilt the sandbox, else ``None``.
@@ -223,6 +225,7 @@ class SandboxFields:
     network: Any
     trajectory: Optional[str]
     runtime: Optional[str]
+    accel: Optional[str]
     restore: Optional[RestoreReport] = None
     reattached: bool = False
     last_replayed: bool = False

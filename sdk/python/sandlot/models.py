@@ -408,7 +408,7 @@ Network = Union[str, Mapping[str, Sequence[str]]]
 SANDBOX_FIELDS = (
     "id", "backend", "image", "state", "node", "created_at", "expires_at", "cpu",
     "memory_mib", "disk_mib", "pids_max", "ttl_s", "labels", "network", "trajectory",
-    "runtime",
+    "runtime", "accel",
 )
 
 

@@ -22,8 +22,9 @@
 //!
 //! Accelerator: KVM when `/dev/kvm` opens and a probe boot of the guest kernel reaches init
 //! within [`PROBE_TIMEOUT`] (some hosts' nested KVM cannot boot a stock kernel), else TCG;
-//! decided once per node process (lazily, at the first create), logged, shown in node
-//! info; `SANDLOT_MICROVM_ACCEL=kvm|tcg` forces it.
+//! decided once per node process (in the background from node start, shared with the `vm`
+//! backend: [`super::qemu::AccelProbe`]), logged, shown in node info and each sandbox's
+//! info; `SANDLOT_VM_ACCEL=kvm|tcg` (or the older `SANDLOT_MICROVM_ACCEL`) forces it.
 //!
 //! Jailing: every QEMU runs in its own cgroup (memory = the guest's plus
 //! [`QEMU_OVERHEAD_MIB`], the sandbox's CPU quota, [`QEMU_PIDS`] tasks) with `-sandbox on`
@@ -100,25 +101,8 @@ pub struct MicrovmConfig {
     pub kit_dir: PathBuf,
     /// The statically linked `sandlot-guest` (the guest's `/init`).
     pub agent_bin: PathBuf,
-    /// `None`: probe; `Some`: forced (`SANDLOT_MICROVM_ACCEL`).
-    pub accel: Option<Accel>,
-}
-
-impl MicrovmConfig {
-    /// `SANDLOT_MICROVM_ACCEL` (`kvm`, `tcg`, `auto` or unset = probe).
-    ///
-    /// # Errors
-    /// A message for any other value.
-    pub fn accel_from_env() -> Result<Option<Accel>, String> {
-        match std::env::var("SANDLOT_MICROVM_ACCEL").as_deref() {
-            Err(_) | Ok("") | Ok("auto") => Ok(None),
-            Ok("kvm") => Ok(Some(Accel::Kvm)),
-            Ok("tcg") => Ok(Some(Accel::Tcg)),
-            Ok(v) => Err(format!(
-                "SANDLOT_MICROVM_ACCEL must be kvm, tcg or auto, got {v:?}"
-            )),
-        }
-    }
+    /// The node's accelerator decision (forced or probed), shared with the `vm` backend.
+    pub probe: Arc<super::qemu::AccelProbe>,
 }
 
 /// On-disk state of a running microVM: `vms/<id>/state.json`.
@@ -154,13 +138,12 @@ pub struct MicrovmBackend {
     cfg: MicrovmConfig,
     qemu: PathBuf,
     cgroups: CgroupRoot,
-    accel: tokio::sync::OnceCell<Accel>,
     /// Serialises image conversions (one `mkfs.erofs` at a time).
     convert: tokio::sync::Mutex<()>,
     vms: Mutex<HashMap<String, Arc<Vm>>>,
 }
 
-fn find_binary(name: &str) -> Option<PathBuf> {
+pub(crate) fn find_binary(name: &str) -> Option<PathBuf> {
     let path = std::env::var("PATH").unwrap_or_default();
     let found = path
         .split(':')
@@ -179,7 +162,10 @@ fn find_binary(name: &str) -> Option<PathBuf> {
 
 /// Writes a newc cpio archive: `(path in archive, mode, contents)`; directories have
 /// `None` contents; `dev/console` is added as a character device (5, 1).
-fn write_cpio(out: &Path, entries: &[(String, u32, Option<Vec<u8>>)]) -> std::io::Result<()> {
+pub(crate) fn write_cpio(
+    out: &Path,
+    entries: &[(String, u32, Option<Vec<u8>>)],
+) -> std::io::Result<()> {
     let tmp = out.with_extension("tmp");
     let mut w = std::io::BufWriter::new(std::fs::File::create(&tmp)?);
     let mut ino = 1u32;
@@ -228,7 +214,7 @@ fn write_cpio(out: &Path, entries: &[(String, u32, Option<Vec<u8>>)]) -> std::io
     std::fs::rename(&tmp, out)
 }
 
-fn fnv(parts: &[&[u8]]) -> u64 {
+pub(crate) fn fnv(parts: &[&[u8]]) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     for p in parts {
         for b in p.iter().chain(&[0u8]) {
@@ -238,7 +224,7 @@ fn fnv(parts: &[&[u8]]) -> u64 {
     h
 }
 
-fn tail_of(path: &Path, n: usize) -> String {
+pub(crate) fn tail_of(path: &Path, n: usize) -> String {
     let s = std::fs::read(path).unwrap_or_default();
     let s = String::from_utf8_lossy(&s[s.len().saturating_sub(n)..]).into_owned();
     s.trim().to_string()
@@ -340,52 +326,23 @@ impl MicrovmBackend {
         write_cpio(&initrd, &entries)
             .map_err(|e| NodeError::io(format!("write {}", initrd.display()), e))?;
         cgroups.ensure_parent()?;
+        cfg.probe.start(&qemu, &cfg.kit_dir, &initrd);
         Ok(MicrovmBackend {
             cfg,
             qemu,
             cgroups,
-            accel: tokio::sync::OnceCell::new(),
             convert: tokio::sync::Mutex::new(()),
             vms: Mutex::new(HashMap::new()),
         })
     }
 
-    /// The accelerator, when decided (forced, or probed by a create so far).
+    /// The accelerator, when decided (forced, or probed in the background since start).
     pub fn accel(&self) -> Option<Accel> {
-        self.cfg.accel.or_else(|| self.accel.get().copied())
+        self.cfg.probe.get()
     }
 
     async fn resolve_accel(&self) -> Accel {
-        if let Some(a) = self.cfg.accel {
-            return a;
-        }
-        *self
-            .accel
-            .get_or_init(|| async {
-                let (qemu, kit, initrd) = (
-                    self.qemu.clone(),
-                    self.cfg.kit_dir.clone(),
-                    self.cfg.dir.join("initramfs.cpio"),
-                );
-                let (accel, why) =
-                    tokio::task::spawn_blocking(move || probe_kvm(&qemu, &kit, &initrd))
-                        .await
-                        .unwrap_or((Accel::Tcg, "probe task failed".into()));
-                match accel {
-                    Accel::Kvm => tracing::info!(
-                        backend = "microvm",
-                        accel = "kvm",
-                        "accelerator: KVM ({why})"
-                    ),
-                    Accel::Tcg => tracing::warn!(
-                        backend = "microvm",
-                        accel = "tcg",
-                        "accelerator: TCG, slow ({why})"
-                    ),
-                }
-                accel
-            })
-            .await
+        self.cfg.probe.wait().await
     }
 
     fn vm_dir(&self, id: &str) -> PathBuf {
@@ -814,7 +771,7 @@ async fn seed_scratch(ck: &Checkpoint, scratch: &Path, mib: u64) -> NodeResult<(
     .await
 }
 
-fn write_json(path: &Path, st: &VmState) -> NodeResult<()> {
+pub(crate) fn write_json(path: &Path, st: &VmState) -> NodeResult<()> {
     let tmp = path.with_extension("tmp");
     std::fs::write(
         &tmp,
@@ -824,7 +781,7 @@ fn write_json(path: &Path, st: &VmState) -> NodeResult<()> {
     .map_err(|e| NodeError::io(format!("write {}", path.display()), e))
 }
 
-fn prune_failed(dir: &Path) {
+pub(crate) fn prune_failed(dir: &Path) {
     let mut files: Vec<(std::time::SystemTime, PathBuf)> = std::fs::read_dir(dir)
         .into_iter()
         .flatten()
@@ -893,7 +850,7 @@ fn make_erofs(layers: &[PathBuf], out: &Path) -> NodeResult<()> {
 
 /// Boots the guest kernel under KVM with `sandlot.probe`; KVM when the probe mark appears
 /// within [`PROBE_TIMEOUT`], else TCG. Returns the choice and why.
-fn probe_kvm(qemu: &Path, kit: &Path, initrd: &Path) -> (Accel, String) {
+pub(crate) fn probe_kvm(qemu: &Path, kit: &Path, initrd: &Path) -> (Accel, String) {
     use std::io::Read;
     if let Err(e) = std::fs::OpenOptions::new()
         .read(true)

@@ -1,0 +1,866 @@
+//! The `vm` backend: one QEMU `-M q35` virtual machine per sandbox (PCI virtio devices:
+//! `virtio-blk-pci`, `virtio-serial-pci`, `virtio-rng-pci`), booting a whole disk image.
+//!
+//! Host layout (`DATA/vm/`):
+//!
+//! * `initramfs.cpio` — the same initramfs as the `microvm` backend's (the static
+//!   `sandlot-guest` as `/init` plus the guest kit's modules: q35 needs `virtio_pci`, the
+//!   Debian cloud kernel has it as a module, so the root disk cannot be found without it).
+//! * `images/<key>.qcow2` — the image's disk, built once per image (and per agent binary):
+//!   the image's layers merged by a read-only overlay mount with one more layer on top
+//!   holding `/.sandlot/sandlot-guest` (the static agent, the disk's init), written by
+//!   `mkfs.ext4 -d` (no mount, no loop device) into a raw file sized for the content plus
+//!   slack, then `qemu-img convert`ed to qcow2; read-only (mode 0444), shared as the backing
+//!   file of every VM of that image. `<key>` hashes the image name, creation time, layer
+//!   paths and the agent binary.
+//! * `vms/<id>/` — one sandbox: `disk.qcow2` (`qemu-img create -f qcow2 -b <base> -F
+//!   qcow2`, virtual size = the base's + `disk_mib` MiB; the guest grows its ext4 to it
+//!   online), `agent.sock`, `console.log`, `qemu.log`, `boot.json` / `state.json` — as for
+//!   `microvm`.
+//! * `failed/<id>.console.log` — the console of a VM that did not become ready (last 20).
+//!
+//! Boot: direct kernel boot (`-kernel` = the kit's kernel, `-initrd` = the initramfs,
+//! `sandlot.root=disk` on the command line) after SeaBIOS, q35's default firmware; no boot
+//! loader in the disk (under TCG a GRUB stage would add seconds to every boot for nothing:
+//! the kernel is the node's anyway). The initramfs's `/init` loads the modules, mounts the
+//! disk with virtio serial `root` read-write, makes it `/` and execs the disk's
+//! own `/.sandlot/sandlot-guest vm-disk-init` as pid 1 — the agent is the disk's init
+//! service, serving the container agent protocol on the virtio-serial port
+//! `org.sandlot.agent` (see `sandlot-guest`'s `vm` module).
+//!
+//! Accelerator, jailing (own cgroup with limits, `-sandbox on`, own session, re-adoption
+//! after a node restart), readiness deadline, failed-boot consoles, pause by cgroup freeze
+//! and delete are the `microvm` backend's ([`super::microvm`], [`super::qemu`]).
+use super::function::{
+    check_id, check_not_paused, freeze, proc_starttime, spawn_blocking, thaw, ExecPlan, StoredSpec,
+};
+use super::microvm::{
+    find_binary, fnv, prune_failed, tail_of, write_cpio, write_json, Accel, VmState,
+    QEMU_OVERHEAD_MIB,
+};
+use super::qemu::{spawn_in_cgroup, AccelProbe};
+use super::SandboxBackend;
+use crate::agent_client::AgentClient;
+use crate::cgroups::{CgroupRoot, Limits, SandboxCgroup};
+use crate::files::{file_entry, node_error};
+use crate::images::Image;
+use crate::node::{ExecControl, ExecSink, NodeError, NodeResult, SandboxSpec, SandboxStatus};
+use async_trait::async_trait;
+use sandlot_api::{Backend, ExecRequest, ExecResult, FileEntry};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::atomic::AtomicBool;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio::sync::{watch, RwLock};
+
+/// Boot → agent ready deadline under KVM.
+const READY_TIMEOUT_KVM: Duration = Duration::from_secs(60);
+/// Boot → agent ready deadline under TCG (firmware + PCI probing are slow there).
+const READY_TIMEOUT_TCG: Duration = Duration::from_secs(180);
+/// Tasks (threads) allowed to one QEMU: vCPUs, main loop, and the block layer's worker
+/// pool (up to 64 threads per AioContext under heavy disk I/O, e.g. the guest's online
+/// resize; at the limit QEMU aborts in `qemu_thread_create`).
+const QEMU_PIDS: u64 = 160;
+/// Name of the guest's agent port.
+const AGENT_PORT: &str = "org.sandlot.agent";
+/// Where the agent lives inside the disk (`sandlot-guest`'s `vm::DISK_AGENT`).
+const DISK_AGENT_DIR: &str = ".sandlot";
+
+/// Static configuration of the vm backend.
+#[derive(Debug, Clone)]
+pub struct VmConfig {
+    /// `DATA/vm`.
+    pub dir: PathBuf,
+    /// The guest kit (`vmlinuz`, `modules/`), built by `scripts/guest-kit.sh`.
+    pub kit_dir: PathBuf,
+    /// The statically linked `sandlot-guest` (installed into every disk, and the
+    /// initramfs's `/init`).
+    pub agent_bin: PathBuf,
+    /// The node's accelerator decision, shared with the `microvm` backend.
+    pub probe: Arc<AccelProbe>,
+}
+
+struct Vm {
+    state: VmState,
+    cgroup: SandboxCgroup,
+    agent: AgentClient,
+    deleting: RwLock<bool>,
+    killed: watch::Sender<bool>,
+    paused: AtomicBool,
+}
+
+/// The vm backend: q35 VMs by id.
+pub struct VmBackend {
+    cfg: VmConfig,
+    qemu: PathBuf,
+    qemu_img: PathBuf,
+    cgroups: CgroupRoot,
+    /// Hash of the agent binary (part of every disk's key: a new agent means new disks).
+    agent_key: u64,
+    /// Serialises disk builds (one `mkfs.ext4 -d` at a time).
+    convert: tokio::sync::Mutex<()>,
+    vms: Mutex<HashMap<String, Arc<Vm>>>,
+}
+
+fn run_tool(cmd: &mut std::process::Command, what: &str) -> NodeResult<()> {
+    let out = cmd
+        .output()
+        .map_err(|e| NodeError::io(format!("run {what}"), e))?;
+    if !out.status.success() {
+        return Err(NodeError::io(
+            format!("{what}: {}", String::from_utf8_lossy(&out.stderr).trim()),
+            std::io::Error::other(format!("{what} failed")),
+        ));
+    }
+    Ok(())
+}
+
+/// Bytes (rounded to 4 KiB blocks, plus one block per entry) and entries under `root`,
+/// not following symlinks.
+fn tree_usage(root: &Path) -> (u64, u64) {
+    let (mut bytes, mut entries) = (0u64, 0u64);
+    let mut stack = vec![root.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        let Ok(rd) = std::fs::read_dir(&d) else {
+            continue;
+        };
+        for e in rd.flatten() {
+            entries += 1;
+            let Ok(md) = e.path().symlink_metadata() else {
+                continue;
+            };
+            bytes += md.len().div_ceil(4096) * 4096 + 4096;
+            if md.is_dir() {
+                stack.push(e.path());
+            }
+        }
+    }
+    (bytes, entries)
+}
+
+/// The virtual size in bytes of a qcow2 file (header field `size`, bytes 24..32, big
+/// endian: QEMU's `docs/interop/qcow2.txt`).
+fn qcow2_size(path: &Path) -> NodeResult<u64> {
+    use std::io::Read;
+    let mut hdr = [0u8; 32];
+    std::fs::File::open(path)
+        .and_then(|mut f| f.read_exact(&mut hdr))
+        .map_err(|e| NodeError::io(format!("read {}", path.display()), e))?;
+    if &hdr[..4] != b"QFI\xfb" {
+        return Err(NodeError::io(
+            format!("{} is not a qcow2 file", path.display()),
+            std::io::Error::other("bad magic"),
+        ));
+    }
+    Ok(u64::from_be_bytes(hdr[24..32].try_into().expect("8 bytes")))
+}
+
+/// Builds the image's disk `out` (qcow2) from `layers` (top-most first) with `agent`
+/// installed as `/.sandlot/sandlot-guest`; everything in progress lives beside `out` with
+/// `.tmp` / `.merge` / `.kit` suffixes and is removed on return.
+fn make_disk(qemu_img: &Path, layers: &[PathBuf], agent: &Path, out: &Path) -> NodeResult<()> {
+    let kit = out.with_extension("kit");
+    let merged = out.with_extension("merge");
+    let raw = out.with_extension("raw.tmp");
+    let tmp = out.with_extension("qcow2.tmp");
+    let _ = nix::mount::umount2(&merged, nix::mount::MntFlags::MNT_DETACH);
+    for p in [&kit, &merged] {
+        let _ = std::fs::remove_dir_all(p);
+    }
+    let res = (|| -> NodeResult<()> {
+        let bin_dir = kit.join(DISK_AGENT_DIR);
+        std::fs::create_dir_all(&bin_dir)
+            .and_then(|_| std::fs::create_dir_all(&merged))
+            .map_err(|e| NodeError::io(format!("create {}", bin_dir.display()), e))?;
+        let dst = bin_dir.join("sandlot-guest");
+        std::fs::copy(agent, &dst)
+            .map_err(|e| NodeError::io(format!("copy {}", agent.display()), e))?;
+        {
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(&dst, std::fs::Permissions::from_mode(0o755))
+                .map_err(|e| NodeError::io(format!("chmod {}", dst.display()), e))?;
+        }
+        let lower = std::iter::once(&kit)
+            .chain(layers)
+            .map(|l| l.display().to_string())
+            .collect::<Vec<_>>()
+            .join(":");
+        nix::mount::mount(
+            Some("overlay"),
+            &merged,
+            Some("overlay"),
+            nix::mount::MsFlags::MS_RDONLY,
+            Some(format!("lowerdir={lower}").as_str()),
+        )
+        .map_err(|e| {
+            NodeError::io(
+                format!("overlay mount of {} layers", layers.len() + 1),
+                e.into(),
+            )
+        })?;
+        let (bytes, entries) = tree_usage(&merged);
+        // Content + 25 % + 64 MiB: the ext4 metadata, and room so that a sandbox with a
+        // small disk_mib still has the base's own slack.
+        let size_mib = (bytes + bytes / 4).div_ceil(1 << 20) + 64;
+        let inodes = entries * 2 + 16384;
+        run_tool(
+            std::process::Command::new("mkfs.ext4")
+                .args(["-q", "-F", "-O", "^has_journal", "-L", "sandlot-root"])
+                .arg("-N")
+                .arg(inodes.to_string())
+                .arg("-E")
+                .arg("root_owner=0:0")
+                .arg("-d")
+                .arg(&merged)
+                .arg(&raw)
+                .arg(format!("{size_mib}M")),
+            "mkfs.ext4 -d",
+        )?;
+        run_tool(
+            std::process::Command::new(qemu_img)
+                .args(["convert", "-q", "-f", "raw", "-O", "qcow2"])
+                .arg(&raw)
+                .arg(&tmp),
+            "qemu-img convert",
+        )?;
+        {
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o444))
+                .map_err(|e| NodeError::io(format!("chmod {}", tmp.display()), e))?;
+        }
+        std::fs::rename(&tmp, out)
+            .map_err(|e| NodeError::io(format!("rename {}", tmp.display()), e))
+    })();
+    let _ = nix::mount::umount2(&merged, nix::mount::MntFlags::MNT_DETACH);
+    let _ = std::fs::remove_dir(&merged);
+    let _ = std::fs::remove_dir_all(&kit);
+    let _ = std::fs::remove_file(&raw);
+    let _ = std::fs::remove_file(&tmp);
+    res
+}
+
+impl VmBackend {
+    /// A backend storing its files under `cfg.dir`, its QEMU cgroups under `cgroups`.
+    ///
+    /// # Errors
+    /// `Unavailable` when QEMU, qemu-img, mkfs.ext4, the guest kit or a static agent is
+    /// missing; `Internal` when the directories or the initramfs cannot be written.
+    pub fn new(mut cfg: VmConfig, cgroups: CgroupRoot) -> NodeResult<Self> {
+        let missing = |tool: &str| {
+            NodeError::Unavailable(format!(
+                "{tool} is not installed (scripts/guest-kit.sh installs it)"
+            ))
+        };
+        let qemu =
+            find_binary("qemu-system-x86_64").ok_or_else(|| missing("qemu-system-x86_64"))?;
+        let qemu_img = find_binary("qemu-img").ok_or_else(|| missing("qemu-img"))?;
+        if find_binary("mkfs.ext4").is_none() {
+            return Err(missing("mkfs.ext4"));
+        }
+        let kernel = cfg.kit_dir.join("vmlinuz");
+        if !kernel.is_file() {
+            return Err(NodeError::Unavailable(format!(
+                "no guest kernel at {} (run scripts/guest-kit.sh, or set SANDLOT_GUEST_KIT_DIR)",
+                kernel.display()
+            )));
+        }
+        let order = std::fs::read_to_string(cfg.kit_dir.join("modules/order")).unwrap_or_default();
+        if !order.lines().any(|l| l.trim() == "virtio_pci.ko") {
+            return Err(NodeError::Unavailable(format!(
+                "the guest kit in {} has no virtio_pci module (re-run scripts/guest-kit.sh)",
+                cfg.kit_dir.display()
+            )));
+        }
+        if let Ok(abs) = std::fs::canonicalize(&cfg.agent_bin) {
+            cfg.agent_bin = abs;
+        }
+        if !super::container::is_static_elf(&cfg.agent_bin) {
+            return Err(NodeError::Unavailable(format!(
+                "the vm backend needs a statically linked sandlot-guest as the guest's init; {} is missing or dynamic",
+                cfg.agent_bin.display()
+            )));
+        }
+        for d in ["vms", "images", "failed"] {
+            let p = cfg.dir.join(d);
+            std::fs::create_dir_all(&p)
+                .map_err(|e| NodeError::io(format!("create {}", p.display()), e))?;
+        }
+        let agent = std::fs::read(&cfg.agent_bin)
+            .map_err(|e| NodeError::io(format!("read {}", cfg.agent_bin.display()), e))?;
+        let agent_key = fnv(&[&agent]);
+        let mut entries: Vec<(String, u32, Option<Vec<u8>>)> = vec![
+            ("dev".into(), 0o755, None),
+            ("proc".into(), 0o555, None),
+            ("sys".into(), 0o555, None),
+            ("mnt".into(), 0o755, None),
+            ("modules".into(), 0o755, None),
+            ("init".into(), 0o755, Some(agent)),
+        ];
+        let mods = cfg.kit_dir.join("modules");
+        for m in order.lines().map(str::trim).filter(|l| !l.is_empty()) {
+            let data = std::fs::read(mods.join(m))
+                .map_err(|e| NodeError::io(format!("read kit module {m}"), e))?;
+            entries.push((format!("modules/{m}"), 0o644, Some(data)));
+        }
+        entries.push(("modules/order".into(), 0o644, Some(order.into_bytes())));
+        let initrd = cfg.dir.join("initramfs.cpio");
+        write_cpio(&initrd, &entries)
+            .map_err(|e| NodeError::io(format!("write {}", initrd.display()), e))?;
+        cgroups.ensure_parent()?;
+        cfg.probe.start(&qemu, &cfg.kit_dir, &initrd);
+        Ok(VmBackend {
+            cfg,
+            qemu,
+            qemu_img,
+            cgroups,
+            agent_key,
+            convert: tokio::sync::Mutex::new(()),
+            vms: Mutex::new(HashMap::new()),
+        })
+    }
+
+    fn vm_dir(&self, id: &str) -> PathBuf {
+        self.cfg.dir.join("vms").join(id)
+    }
+
+    fn get(&self, id: &str) -> NodeResult<Arc<Vm>> {
+        self.vms
+            .lock()
+            .unwrap()
+            .get(id)
+            .cloned()
+            .ok_or_else(|| NodeError::NotFound(format!("sandbox {id} not found")))
+    }
+
+    /// The image's qcow2 base disk, built once.
+    async fn image_disk(&self, image: &Image) -> NodeResult<PathBuf> {
+        let agent_key = self.agent_key.to_le_bytes();
+        let mut parts: Vec<&[u8]> = vec![
+            image.name.as_bytes(),
+            image.created_at.as_bytes(),
+            &agent_key,
+        ];
+        parts.extend(
+            image
+                .layers
+                .iter()
+                .map(|l| l.as_os_str().as_encoded_bytes()),
+        );
+        let key = format!("{:016x}", fnv(&parts));
+        let out = self.cfg.dir.join("images").join(format!("{key}.qcow2"));
+        if out.is_file() {
+            return Ok(out);
+        }
+        let _g = self.convert.lock().await;
+        if out.is_file() {
+            return Ok(out);
+        }
+        let (layers, agent, qemu_img, o) = (
+            image.layers.clone(),
+            self.cfg.agent_bin.clone(),
+            self.qemu_img.clone(),
+            out.clone(),
+        );
+        let started = Instant::now();
+        spawn_blocking(move || make_disk(&qemu_img, &layers, &agent, &o)).await?;
+        tracing::info!(backend = "vm", image = %image.name, ms = started.elapsed().as_millis() as u64, "image disk built (qcow2)");
+        Ok(out)
+    }
+
+    async fn create_inner(
+        &self,
+        spec: &SandboxSpec,
+        image: &Image,
+        cg: &SandboxCgroup,
+    ) -> NodeResult<(VmState, AgentClient)> {
+        let accel = self.cfg.probe.wait().await;
+        let base = self.image_disk(image).await?;
+        let dir = self.vm_dir(&spec.id);
+        let disk = dir.join("disk.qcow2");
+        {
+            let (base, disk, qemu_img) = (base.clone(), disk.clone(), self.qemu_img.clone());
+            let extra = spec.disk_mib.max(16) << 20;
+            spawn_blocking(move || {
+                let size = qcow2_size(&base)? + extra;
+                run_tool(
+                    std::process::Command::new(qemu_img)
+                        .args(["create", "-q", "-f", "qcow2", "-F", "qcow2", "-b"])
+                        .arg(&base)
+                        .arg(&disk)
+                        .arg(size.to_string()),
+                    "qemu-img create",
+                )
+            })
+            .await?;
+        }
+        let memory_mib = spec.memory_mib.max(128);
+        cg.create(&Limits {
+            memory_bytes: (memory_mib + QEMU_OVERHEAD_MIB) << 20,
+            cpu: spec.cpu,
+            pids_max: QEMU_PIDS,
+        })?;
+        let smp = (spec.cpu.ceil() as u64).clamp(1, 16);
+        let sock = dir.join("agent.sock");
+        let mut append = format!(
+            "console=ttyS0 panic=-1 quiet {} sandlot.pids_max={} sandlot.hostname={}",
+            "sandlot.root=disk", spec.pids_max, spec.id
+        );
+        if let Ok(extra) = std::env::var("SANDLOT_VM_APPEND") {
+            append.push(' ');
+            append.push_str(&extra);
+        }
+        let mut cmd = std::process::Command::new(&self.qemu);
+        cmd.args([
+            "-M",
+            "q35",
+            "-nodefaults",
+            "-no-user-config",
+            "-display",
+            "none",
+            "-no-reboot",
+        ]);
+        match accel {
+            Accel::Kvm => cmd.args(["-accel", "kvm", "-cpu", "host"]),
+            Accel::Tcg => cmd.args(["-accel", "tcg,thread=multi,tb-size=64", "-cpu", "max"]),
+        };
+        cmd.arg("-smp")
+            .arg(smp.to_string())
+            .arg("-m")
+            .arg(format!("{memory_mib}M"))
+            .arg("-kernel")
+            .arg(self.cfg.kit_dir.join("vmlinuz"))
+            .arg("-initrd")
+            .arg(self.cfg.dir.join("initramfs.cpio"))
+            .arg("-append")
+            .arg(&append)
+            .arg("-serial")
+            .arg(format!("file:{}", dir.join("console.log").display()))
+            .arg("-drive")
+            .arg(format!(
+                "id=root,file={},format=qcow2,if=none,discard=unmap",
+                disk.display()
+            ))
+            .args(["-device", "virtio-blk-pci,drive=root,serial=root"])
+            .args(["-device", "virtio-rng-pci"])
+            .args(["-device", "virtio-serial-pci"])
+            .arg("-chardev")
+            .arg(format!(
+                "socket,id=agent,path={},server=on,wait=off",
+                sock.display()
+            ))
+            .arg("-device")
+            .arg(format!("virtserialport,chardev=agent,name={AGENT_PORT}"))
+            .args([
+                "-sandbox",
+                "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
+            ]);
+        let log = std::fs::File::create(dir.join("qemu.log"))
+            .map_err(|e| NodeError::io("create qemu.log", e))?;
+        let log2 = log
+            .try_clone()
+            .map_err(|e| NodeError::io("dup qemu.log", e))?;
+        cmd.stdin(Stdio::null()).stdout(log).stderr(log2);
+        let mut child = spawn_in_cgroup(&mut cmd, cg)?;
+        let pid = child.id() as i32;
+        // QEMU is our child until this process ends: reap it when it exits.
+        std::thread::spawn(move || {
+            let _ = child.wait();
+        });
+        let starttime = proc_starttime(pid).unwrap_or(0);
+        let state = VmState {
+            id: spec.id.clone(),
+            image: image.name.clone(),
+            image_env: image.env.clone(),
+            accel,
+            qemu_pid: pid,
+            qemu_starttime: starttime,
+            spec: StoredSpec {
+                cpu: spec.cpu,
+                memory_mib: spec.memory_mib,
+                disk_mib: spec.disk_mib,
+                pids_max: spec.pids_max,
+                env: spec.env.clone(),
+            },
+        };
+        // Written before readiness so that a failed boot is cleaned up by pid too.
+        write_json(&dir.join("boot.json"), &state)?;
+        let agent = AgentClient::new(&sock);
+        let timeout = match accel {
+            Accel::Kvm => READY_TIMEOUT_KVM,
+            Accel::Tcg => READY_TIMEOUT_TCG,
+        };
+        let started = Instant::now();
+        if let Err(e) = agent.wait_ready_single(Instant::now() + timeout).await {
+            let console = dir.join("console.log");
+            let keep = self
+                .cfg
+                .dir
+                .join("failed")
+                .join(format!("{}.console.log", spec.id));
+            let _ = std::fs::copy(&console, &keep);
+            prune_failed(&self.cfg.dir.join("failed"));
+            let alive = proc_starttime(pid) == Some(starttime);
+            return Err(NodeError::io(
+                format!(
+                    "VM {} did not become ready within {}s ({}; QEMU {}; {}): console kept at {}; QEMU said: {}; console tail: {}",
+                    spec.id,
+                    timeout.as_secs(),
+                    accel.as_str(),
+                    if alive { "still running" } else { "exited" },
+                    e,
+                    keep.display(),
+                    tail_of(&dir.join("qemu.log"), 400),
+                    tail_of(&console, 800)
+                ),
+                std::io::Error::other("boot failed"),
+            ));
+        }
+        tracing::info!(sandbox = %spec.id, backend = "vm", accel = accel.as_str(), ms = started.elapsed().as_millis() as u64, "VM agent ready");
+        write_json(&dir.join("state.json"), &state)?;
+        Ok((state, agent))
+    }
+
+    /// One exec through the VM's agent ([`super::agent_exec`]); `oom_killed` stays false
+    /// (the guest kernel's OOM killer is invisible from the host).
+    async fn run_exec(
+        &self,
+        id: &str,
+        req: &ExecRequest,
+        sink: Option<ExecSink>,
+        control: Option<ExecControl>,
+    ) -> NodeResult<ExecResult> {
+        let vm = self.get(id)?;
+        let mut killed = vm.killed.subscribe();
+        let guard = vm.deleting.read().await;
+        if *guard || *killed.borrow() {
+            return Err(NodeError::NotFound(format!(
+                "sandbox {id} is being deleted"
+            )));
+        }
+        check_not_paused(&vm.paused, id)?;
+        let mut plan = ExecPlan::build(&vm.state.image_env, &vm.state.spec, req)?;
+        plan.spec.own_pid_ns = true;
+        plan.spec.landlock = false;
+        let (pid, start) = (vm.state.qemu_pid, vm.state.qemu_starttime);
+        let died = move || proc_starttime(pid) != Some(start);
+        let target = super::agent_exec::Target {
+            id,
+            kind: "VM",
+            agent: &vm.agent,
+            pids_max: vm.state.spec.pids_max,
+            died: &died,
+        };
+        super::agent_exec::run(target, plan, guard, &mut killed, sink, control).await
+    }
+
+    /// The accelerator sandbox `id` runs with.
+    pub fn accel_of(&self, id: &str) -> Option<Accel> {
+        self.vms.lock().unwrap().get(id).map(|v| v.state.accel)
+    }
+
+    /// Registers a running VM; `agent`: the connected client of its create (a new one
+    /// would be a second connection on the guest's one stream).
+    fn adopt(&self, state: VmState, agent: Option<AgentClient>) -> Arc<Vm> {
+        let vm = Arc::new(Vm {
+            cgroup: self.cgroups.sandbox(&state.id),
+            agent: agent
+                .unwrap_or_else(|| AgentClient::new(self.vm_dir(&state.id).join("agent.sock"))),
+            deleting: RwLock::new(false),
+            killed: watch::channel(false).0,
+            paused: AtomicBool::new(false),
+            state,
+        });
+        self.vms
+            .lock()
+            .unwrap()
+            .insert(vm.state.id.clone(), vm.clone());
+        vm
+    }
+
+    /// The VM of a file call: known, not being deleted, not paused, QEMU alive.
+    async fn fs_target(&self, id: &str) -> NodeResult<Arc<Vm>> {
+        let vm = self.get(id)?;
+        if *vm.deleting.read().await {
+            return Err(NodeError::NotFound(format!(
+                "sandbox {id} is being deleted"
+            )));
+        }
+        check_not_paused(&vm.paused, id)?;
+        if proc_starttime(vm.state.qemu_pid) != Some(vm.state.qemu_starttime) {
+            return Err(NodeError::Conflict(format!(
+                "sandbox {id} is not running (its QEMU {} is gone)",
+                vm.state.qemu_pid
+            )));
+        }
+        Ok(vm)
+    }
+
+    /// Kills the QEMU of `id` (from `state.json` or `boot.json`), removes its cgroup and
+    /// directory (its qcow2 overlay with it; the shared base stays).
+    async fn destroy(&self, id: &str) -> NodeResult<()> {
+        let dir = self.vm_dir(id);
+        let cg = self.cgroups.sandbox(id);
+        spawn_blocking(move || {
+            let st: Option<VmState> = ["state.json", "boot.json"].iter().find_map(|f| {
+                std::fs::read(dir.join(f))
+                    .ok()
+                    .and_then(|s| serde_json::from_slice(&s).ok())
+            });
+            if let Some(st) = st {
+                if proc_starttime(st.qemu_pid) == Some(st.qemu_starttime) {
+                    let _ = nix::sys::signal::kill(
+                        nix::unistd::Pid::from_raw(st.qemu_pid),
+                        nix::sys::signal::Signal::SIGKILL,
+                    );
+                    let deadline = Instant::now() + Duration::from_secs(10);
+                    while proc_starttime(st.qemu_pid) == Some(st.qemu_starttime)
+                        && Instant::now() < deadline
+                    {
+                        std::thread::sleep(Duration::from_millis(10));
+                    }
+                }
+            }
+            // Kills anything left in the group (a QEMU whose state file was lost) too.
+            cg.group().destroy(Duration::from_secs(10))?;
+            match std::fs::remove_dir_all(&dir) {
+                Ok(()) => Ok(()),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+                Err(e) => Err(NodeError::io(format!("remove {}", dir.display()), e)),
+            }
+        })
+        .await
+    }
+}
+
+#[async_trait]
+impl SandboxBackend for VmBackend {
+    fn kind(&self) -> Backend {
+        Backend::Vm
+    }
+
+    async fn create(&self, spec: &SandboxSpec, image: &Image) -> NodeResult<()> {
+        check_id(&spec.id)?;
+        let dir = self.vm_dir(&spec.id);
+        match std::fs::create_dir(&dir) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                return Err(NodeError::Conflict(format!(
+                    "sandbox {} already exists",
+                    spec.id
+                )))
+            }
+            Err(e) => return Err(NodeError::io(format!("create {}", dir.display()), e)),
+        }
+        let cg = self.cgroups.sandbox(&spec.id);
+        match self.create_inner(spec, image, &cg).await {
+            Ok((state, agent)) => {
+                self.adopt(state, Some(agent));
+                tracing::info!(sandbox = %spec.id, backend = "vm", "sandbox created");
+                Ok(())
+            }
+            Err(e) => {
+                if let Err(c) = self.destroy(&spec.id).await {
+                    tracing::warn!(sandbox = %spec.id, error = %c, "cleanup after a failed create");
+                }
+                Err(e)
+            }
+        }
+    }
+
+    fn has(&self, id: &str) -> bool {
+        self.vms.lock().unwrap().contains_key(id)
+    }
+
+    async fn exec(
+        &self,
+        id: &str,
+        req: &ExecRequest,
+        sink: Option<ExecSink>,
+    ) -> NodeResult<ExecResult> {
+        self.run_exec(id, req, sink, None).await
+    }
+
+    async fn exec_controlled(
+        &self,
+        id: &str,
+        req: &ExecRequest,
+        sink: Option<ExecSink>,
+        control: ExecControl,
+    ) -> NodeResult<ExecResult> {
+        self.run_exec(id, req, sink, Some(control)).await
+    }
+
+    async fn read_file(&self, id: &str, path: &str, max_bytes: u64) -> NodeResult<Vec<u8>> {
+        let vm = self.fs_target(id).await?;
+        vm.agent
+            .read_file(path, max_bytes)
+            .await
+            .map_err(node_error)
+    }
+
+    async fn file_size(&self, id: &str, path: &str) -> NodeResult<u64> {
+        let vm = self.fs_target(id).await?;
+        super::agent_exec::file_size(&vm.agent, path).await
+    }
+
+    async fn write_file(&self, id: &str, path: &str, data: bytes::Bytes) -> NodeResult<()> {
+        let vm = self.fs_target(id).await?;
+        vm.agent
+            .write_file(path, &data, u64::MAX)
+            .await
+            .map_err(node_error)
+    }
+
+    async fn list_dir(&self, id: &str, path: &str) -> NodeResult<Vec<FileEntry>> {
+        let vm = self.fs_target(id).await?;
+        let v = vm.agent.list_dir(path).await.map_err(node_error)?;
+        Ok(v.into_iter().map(file_entry).collect())
+    }
+
+    async fn remove_file(&self, id: &str, path: &str) -> NodeResult<()> {
+        let vm = self.fs_target(id).await?;
+        vm.agent.remove(path).await.map_err(node_error)
+    }
+
+    async fn stat_file(&self, id: &str, path: &str) -> NodeResult<FileEntry> {
+        let vm = self.fs_target(id).await?;
+        vm.agent
+            .stat(path)
+            .await
+            .map(file_entry)
+            .map_err(node_error)
+    }
+
+    async fn make_dir(&self, id: &str, path: &str, parents: bool) -> NodeResult<()> {
+        let vm = self.fs_target(id).await?;
+        vm.agent.mkdir(path, parents).await.map_err(node_error)
+    }
+
+    async fn pause(&self, id: &str) -> NodeResult<()> {
+        let vm = self.get(id)?;
+        freeze(id, "vm", &vm.deleting, &vm.paused, vm.cgroup.group()).await
+    }
+
+    async fn resume(&self, id: &str) -> NodeResult<()> {
+        let vm = self.get(id)?;
+        thaw(id, "vm", &vm.deleting, &vm.paused, vm.cgroup.group()).await
+    }
+
+    async fn delete(&self, id: &str) -> NodeResult<()> {
+        if check_id(id).is_err() {
+            return Ok(());
+        }
+        let vm = self.vms.lock().unwrap().get(id).cloned();
+        if let Some(vm) = &vm {
+            *vm.deleting.write().await = true;
+            let _ = vm.killed.send(true);
+        }
+        let res = self.destroy(id).await;
+        if res.is_ok() {
+            self.vms.lock().unwrap().remove(id);
+            if vm.is_some() {
+                tracing::info!(sandbox = %id, backend = "vm", "sandbox deleted");
+            }
+        }
+        res
+    }
+
+    fn list(&self) -> Vec<SandboxStatus> {
+        self.vms
+            .lock()
+            .unwrap()
+            .values()
+            .map(|v| SandboxStatus {
+                id: v.state.id.clone(),
+                backend: Backend::Vm,
+                alive: proc_starttime(v.state.qemu_pid) == Some(v.state.qemu_starttime),
+            })
+            .collect()
+    }
+
+    async fn readopt(&self, keep: &[String]) -> NodeResult<Vec<String>> {
+        let mut adopted = Vec::new();
+        let mut errors = Vec::new();
+        let vms = self.cfg.dir.join("vms");
+        let names: Vec<String> = std::fs::read_dir(&vms)
+            .map_err(|e| NodeError::io(format!("read {}", vms.display()), e))?
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| check_id(n).is_ok())
+            .collect();
+        for name in names {
+            if self.has(&name) {
+                adopted.push(name);
+                continue;
+            }
+            let state: Option<VmState> = std::fs::read(self.vm_dir(&name).join("state.json"))
+                .ok()
+                .and_then(|s| serde_json::from_slice(&s).ok());
+            match state {
+                Some(st)
+                    if st.id == name
+                        && keep.contains(&name)
+                        && proc_starttime(st.qemu_pid) == Some(st.qemu_starttime) =>
+                {
+                    self.adopt(st, None);
+                    tracing::info!(sandbox = %name, backend = "vm", "sandbox re-adopted");
+                    adopted.push(name);
+                }
+                _ => {
+                    tracing::info!(sandbox = %name, backend = "vm", "removing leftover sandbox");
+                    if let Err(e) = self.destroy(&name).await {
+                        errors.push(e.to_string());
+                    }
+                }
+            }
+        }
+        for id in self.cgroups.list_sandboxes() {
+            if !self.has(&id) {
+                let cg = self.cgroups.sandbox(&id);
+                if let Err(e) =
+                    spawn_blocking(move || cg.group().destroy(Duration::from_secs(10))).await
+                {
+                    errors.push(e.to_string());
+                }
+            }
+        }
+        if errors.is_empty() {
+            Ok(adopted)
+        } else {
+            Err(NodeError::io(
+                format!("vm readopt: {}", errors.join("; ")),
+                std::io::Error::other("cleanup"),
+            ))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn qcow2_size_reads_the_header() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("x.qcow2");
+        let mut hdr = vec![0u8; 64];
+        hdr[..4].copy_from_slice(b"QFI\xfb");
+        hdr[24..32].copy_from_slice(&(5u64 << 30).to_be_bytes());
+        std::fs::write(&p, &hdr).unwrap();
+        assert_eq!(qcow2_size(&p).unwrap(), 5 << 30);
+        std::fs::write(&p, [0u8; 64]).unwrap();
+        assert!(qcow2_size(&p).is_err());
+    }
+
+    #[test]
+    fn tree_usage_counts_entries_and_blocks() {
+        let d = tempfile::tempdir().unwrap();
+        std::fs::create_dir(d.path().join("a")).unwrap();
+        std::fs::write(d.path().join("a/f"), [1u8; 5000]).unwrap();
+        let (bytes, entries) = tree_usage(d.path());
+        assert_eq!(entries, 2);
+        assert!(bytes >= 8192 + 4096);
+    }
+}
