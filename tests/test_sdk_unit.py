@@ -251,3 +251,21 @@ def test_stale_keepalive_connection_is_retried_only_for_idempotent_methods():
     with pytest.raises(sandlot.TransportError):
         client._request("POST", "/v1/sandboxes/x/exec", json={"cmd": "true"})
     assert calls["POST"] == 1
+
+
+def test_create_body_with_and_without_checkpoint():
+    from sandlot.models import Checkpoint, create_body
+    args = (None, None, None, None, None, None, None, None)
+    assert create_body(*args[:2], *args[2:], None) == {"backend": "function", "image": "python"}
+    ck = Checkpoint.from_json({"checkpoint_id": "ck-0123456789abcdef0123", "sandbox_id": SB["id"],
+                               "backend": "container", "image": "python", "runtime": "runsc",
+                               "disk_mib": 64, "size_bytes": 4096,
+                               "created_at": "2026-01-01T00:00:00Z"})
+    # With a checkpoint, backend and image are left to the checkpoint unless given.
+    assert create_body(*args, None, checkpoint=ck) == {"checkpoint": ck.id}
+    assert create_body("container", None, *args[2:], None, checkpoint=ck.id) == {
+        "checkpoint": ck.id, "backend": "container"}
+    with pytest.raises(TypeError):
+        create_body(*args, None, checkpoint=5)
+    with pytest.raises(sandlot.ProtocolError):
+        Checkpoint.from_json({"checkpoint_id": "x"})

@@ -76,7 +76,8 @@ CASES: List[Case] = [
 ]
 
 #: Cases that run only a subset of the suite (slow boots), by test function name: every
-#: category (errors, exec, files, lifecycle, limits, processes, pause) has at least one test.
+#: category (errors, exec, files, lifecycle, limits, processes, pause, checkpoint) has at least
+#: one test.
 REDUCED: Dict[str, FrozenSet[str]] = {
     "microvm": frozenset({
         "test_unknown_image_is_not_found",
@@ -107,6 +108,8 @@ REDUCED: Dict[str, FrozenSet[str]] = {
         # pause (test_pause.py): memory saved to a file, QEMU stopped, restored
         "test_pause_resume_keeps_a_background_process_and_files",
         "test_pause_twice_resume_twice_and_delete_while_paused",
+        # checkpoint (test_checkpoint.py): one case, 5 boots
+        "test_checkpoint_forks_three_sandboxes",
     }),
     # Each module's shared `sb` is one boot, each `make`/create test one more: 14 tests,
     # ~9 boots of ~8 s each under TCG.

@@ -6,6 +6,7 @@
 //! `/run_code` schema (bytedance/SandboxFusion, `sandbox/server/sandbox_api.py`).
 #![deny(missing_docs)]
 
+mod checkpoint;
 mod error;
 mod exec;
 mod files;
@@ -15,6 +16,7 @@ mod run_code;
 mod sandbox;
 mod trajectory;
 
+pub use checkpoint::{Checkpoint, CheckpointList};
 pub use error::{ApiError, ErrorBody, ErrorCode};
 pub use exec::{text_and_b64, Cmd, ExecEvent, ExecRequest, ExecResult, Output, Violation};
 pub use files::{FileEntry, FileList, FileType};

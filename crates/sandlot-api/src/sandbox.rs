@@ -101,6 +101,12 @@ pub struct CreateSandboxRequest {
     /// `fail`). Only meaningful with `trajectory`.
     #[serde(default)]
     pub restore: Option<RestoreMode>,
+    /// Create a fork of this checkpoint (`ck-…`, from `POST /v1/sandboxes/{id}/checkpoints`):
+    /// the sandbox's writable layer starts as the checkpoint's. `backend`, `image` (and a
+    /// container's `runtime`, `disk_mib`) default to the checkpoint's; a different `backend`
+    /// or `image` → 400 `invalid_argument`; an unknown checkpoint → 404 `not_found`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checkpoint: Option<String>,
 }
 
 /// `restore=` of a create with a trajectory whose sandbox is gone.

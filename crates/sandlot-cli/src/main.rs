@@ -67,6 +67,14 @@ enum Command {
     Ls(LsArgs),
     /// Delete sandboxes (unknown ids are fine).
     Rm(RmArgs),
+    /// Save a sandbox's writable layer as a checkpoint and print its id (`ck-…`); fork it
+    /// with `sandlot create --checkpoint CK`.
+    Checkpoint(CheckpointArgs),
+    /// List checkpoints (oldest first).
+    Checkpoints(CheckpointsArgs),
+    /// Delete checkpoints (unknown ids are fine; forks made from them live on). Takes
+    /// checkpoint ids (`ck-…`).
+    RmCheckpoint(RmArgs),
     /// Freeze every running sandbox with all the given labels (e.g. a preempted job's).
     Pause(SelectArgs),
     /// Thaw every paused sandbox with all the given labels.
@@ -212,6 +220,26 @@ struct CreateArgs {
     /// Label k=v (repeatable).
     #[arg(long = "label", value_parser = parse_kv)]
     labels: Vec<(String, String)>,
+    /// Fork this checkpoint (`ck-…`): backend, image and runtime are the checkpoint's.
+    #[arg(long)]
+    checkpoint: Option<String>,
+}
+
+#[derive(Args)]
+struct CheckpointArgs {
+    #[command(flatten)]
+    remote: Remote,
+    /// Sandbox id.
+    id: String,
+}
+
+#[derive(Args)]
+struct CheckpointsArgs {
+    #[command(flatten)]
+    remote: Remote,
+    /// Print the JSON list instead of a table.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Args)]
@@ -247,7 +275,7 @@ struct TrajectoryArgs {
 struct RmArgs {
     #[command(flatten)]
     remote: Remote,
-    /// Sandbox ids.
+    /// Ids (sandbox ids for `rm`, checkpoint ids for `rm-checkpoint`).
     #[arg(required = true)]
     ids: Vec<String>,
 }
@@ -583,6 +611,9 @@ async fn dispatch(cmd: Command) -> anyhow::Result<u8> {
         Command::Create(a) => create(a).await,
         Command::Ls(a) => ls(a).await,
         Command::Rm(a) => rm(a).await,
+        Command::Checkpoint(a) => checkpoint(a).await,
+        Command::Checkpoints(a) => checkpoints(a).await,
+        Command::RmCheckpoint(a) => rm_checkpoint(a).await,
         Command::Pause(a) => pause_resume(a, true).await,
         Command::Resume(a) => pause_resume(a, false).await,
         Command::Trajectory(a) => trajectory(a).await,
@@ -733,6 +764,13 @@ async fn create(a: CreateArgs) -> anyhow::Result<u8> {
     let mut req = a.sandbox.request();
     req.ttl_s = a.ttl;
     req.labels = a.labels.into_iter().collect::<BTreeMap<_, _>>();
+    if let Some(ck) = a.checkpoint {
+        let ck = c.get_checkpoint(&ck).await?;
+        req.backend = ck.backend;
+        req.image = Some(ck.image);
+        req.runtime = ck.runtime;
+        req.checkpoint = Some(ck.checkpoint_id);
+    }
     let sb = c.create(&req).await?;
     println!("{}", sb.id);
     Ok(0)
@@ -807,6 +845,51 @@ async fn rm(a: RmArgs) -> anyhow::Result<u8> {
     let c = a.remote.client()?;
     for id in &a.ids {
         c.delete(id).await.with_context(|| format!("delete {id}"))?;
+    }
+    Ok(0)
+}
+
+async fn checkpoint(a: CheckpointArgs) -> anyhow::Result<u8> {
+    let c = a.remote.client()?;
+    let ck = c.checkpoint(&a.id).await?;
+    println!("{}", ck.checkpoint_id);
+    Ok(0)
+}
+
+async fn checkpoints(a: CheckpointsArgs) -> anyhow::Result<u8> {
+    let c = a.remote.client()?;
+    let list = c.list_checkpoints().await?;
+    if a.json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&serde_json::json!({ "checkpoints": list }))?
+        );
+        return Ok(0);
+    }
+    println!(
+        "{:<24} {:<24} {:<9} {:<10} {:>12} CREATED",
+        "ID", "SANDBOX", "BACKEND", "IMAGE", "BYTES"
+    );
+    for k in list {
+        println!(
+            "{:<24} {:<24} {:<9} {:<10} {:>12} {}",
+            k.checkpoint_id,
+            k.sandbox_id,
+            k.backend.as_str(),
+            k.image,
+            k.size_bytes,
+            k.created_at
+        );
+    }
+    Ok(0)
+}
+
+async fn rm_checkpoint(a: RmArgs) -> anyhow::Result<u8> {
+    let c = a.remote.client()?;
+    for id in &a.ids {
+        c.delete_checkpoint(id)
+            .await
+            .with_context(|| format!("delete checkpoint {id}"))?;
     }
     Ok(0)
 }

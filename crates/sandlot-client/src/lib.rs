@@ -20,9 +20,9 @@
 use bytes::Bytes;
 use futures::{Stream, StreamExt};
 use sandlot_api::{
-    ApiError, CreateSandboxRequest, ErrorBody, ErrorCode, ExecEvent, ExecRequest, ExecResult,
-    FileEntry, FileList, KeepaliveRequest, LabelSelector, PauseResult, RunCodeRequest,
-    RunCodeResponse, Sandbox, SandboxList, TrajectoryInfo,
+    ApiError, Checkpoint, CheckpointList, CreateSandboxRequest, ErrorBody, ErrorCode, ExecEvent,
+    ExecRequest, ExecResult, FileEntry, FileList, KeepaliveRequest, LabelSelector, PauseResult,
+    RunCodeRequest, RunCodeResponse, Sandbox, SandboxList, TrajectoryInfo,
 };
 
 /// True when a file answer came from the trajectory log (`Sandlot-Replayed: true`).
@@ -254,6 +254,44 @@ impl Client {
     /// Transport errors, or the node's error when the kill failed (the server retries).
     pub async fn delete(&self, id: &str) -> Result<()> {
         let url = self.url(&format!("/v1/sandboxes/{}", enc(id)));
+        self.send(&url, self.http.delete(&url)).await.map(drop)
+    }
+
+    /// `POST /v1/sandboxes/{id}/checkpoints`: save the sandbox's writable layer; fork it with
+    /// `CreateSandboxRequest { checkpoint: Some(ck.checkpoint_id), backend: ck.backend, .. }`.
+    ///
+    /// # Errors
+    /// `not_found`, `conflict` (not running; a paused microVM), `unavailable` (backend).
+    pub async fn checkpoint(&self, id: &str) -> Result<Checkpoint> {
+        let url = self.url(&format!("/v1/sandboxes/{}/checkpoints", enc(id)));
+        self.json(&url, self.http.post(&url)).await
+    }
+
+    /// `GET /v1/checkpoints`: this key's checkpoints, oldest first.
+    ///
+    /// # Errors
+    /// Transport or API errors.
+    pub async fn list_checkpoints(&self) -> Result<Vec<Checkpoint>> {
+        let url = self.url("/v1/checkpoints");
+        let l: CheckpointList = self.json(&url, self.http.get(&url)).await?;
+        Ok(l.checkpoints)
+    }
+
+    /// `GET /v1/checkpoints/{checkpoint_id}`.
+    ///
+    /// # Errors
+    /// `not_found`.
+    pub async fn get_checkpoint(&self, checkpoint_id: &str) -> Result<Checkpoint> {
+        let url = self.url(&format!("/v1/checkpoints/{}", enc(checkpoint_id)));
+        self.json(&url, self.http.get(&url)).await
+    }
+
+    /// `DELETE /v1/checkpoints/{checkpoint_id}`; succeeds also when already gone.
+    ///
+    /// # Errors
+    /// `conflict` while a create copies from it.
+    pub async fn delete_checkpoint(&self, checkpoint_id: &str) -> Result<()> {
+        let url = self.url(&format!("/v1/checkpoints/{}", enc(checkpoint_id)));
         self.send(&url, self.http.delete(&url)).await.map(drop)
     }
 

@@ -11,6 +11,7 @@
 pub mod agent_client;
 pub mod backends;
 pub mod cgroups;
+pub mod checkpoints;
 pub mod disk;
 pub mod dns;
 pub mod files;

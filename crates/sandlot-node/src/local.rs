@@ -15,6 +15,7 @@ use crate::backends::qemu::AccelProbe;
 use crate::backends::vm::{VmBackend, VmConfig};
 use crate::backends::AnyBackend;
 use crate::cgroups::CgroupRoot;
+use crate::checkpoints::{CheckpointMeta, CheckpointStore};
 use crate::images::ImageStore;
 use crate::node::{
     ExecControl, ExecSink, Node, NodeError, NodeInfo, NodeResult, SandboxSpec, SandboxStatus,
@@ -155,6 +156,7 @@ pub struct LocalNode {
     images: ImageStore,
     backends: Vec<AnyBackend>,
     pool: PoolConfig,
+    checkpoints: CheckpointStore,
     /// The accelerator decision of the QEMU backends (`None` when the configuration is bad).
     accel: Option<std::sync::Arc<AccelProbe>>,
 }
@@ -281,7 +283,9 @@ impl LocalNode {
             },
         ];
         backends.extend(AnyBackend::not_built());
+        let checkpoints = CheckpointStore::open(cfg.data_dir.join("checkpoints"))?;
         Ok(LocalNode {
+            checkpoints,
             name: cfg.name,
             cgroup_version,
             images,
@@ -424,6 +428,74 @@ impl Node for LocalNode {
         }
         let image = self.images.resolve(&spec.image).await?;
         backend.create(spec, &image).await
+    }
+
+    async fn checkpoint(&self, id: &str, checkpoint_id: &str) -> NodeResult<CheckpointMeta> {
+        let backend = self.owner(id)?;
+        let tmp = self.checkpoints.begin(checkpoint_id)?;
+        let captured = match backend.checkpoint(id, &tmp).await {
+            Ok(c) => c,
+            Err(e) => {
+                let _ = std::fs::remove_dir_all(&tmp);
+                return Err(e);
+            }
+        };
+        let t = tmp.clone();
+        let size_bytes = crate::backends::function::spawn_blocking(move || {
+            Ok(crate::checkpoints::disk_usage(&t))
+        })
+        .await?;
+        let meta = CheckpointMeta {
+            id: checkpoint_id.to_string(),
+            sandbox_id: id.to_string(),
+            backend: captured.backend,
+            image: captured.image,
+            runtime: captured.runtime,
+            uid_base: captured.uid_base,
+            disk_mib: captured.disk_mib,
+            size_bytes,
+            created_at_ms: chrono::Utc::now().timestamp_millis(),
+        };
+        self.checkpoints.commit(&tmp, &meta)?;
+        tracing::info!(sandbox = %id, checkpoint = %checkpoint_id, size_bytes, "checkpoint taken");
+        Ok(meta)
+    }
+
+    async fn create_from_checkpoint(
+        &self,
+        spec: &SandboxSpec,
+        checkpoint_id: &str,
+    ) -> NodeResult<()> {
+        let backend = self.backend(spec.backend)?;
+        let (ck, _in_use) = self.checkpoints.acquire(checkpoint_id)?;
+        if ck.meta.backend != spec.backend || ck.meta.image != spec.image {
+            return Err(NodeError::InvalidArgument(format!(
+                "checkpoint {checkpoint_id} is of backend {} and image {:?}; the sandbox asks for {} and {:?}",
+                ck.meta.backend, ck.meta.image, spec.backend, spec.image
+            )));
+        }
+        if self.owner(&spec.id).is_ok() {
+            return Err(NodeError::Conflict(format!(
+                "sandbox {} already exists",
+                spec.id
+            )));
+        }
+        if spec.network != sandlot_api::NetworkPolicy::None && spec.backend != Backend::Container {
+            return Err(NodeError::InvalidArgument(format!(
+                "network allow policies are not enforced by the {} backend yet; use \"none\" or backend \"container\"",
+                spec.backend
+            )));
+        }
+        let image = self.images.resolve(&spec.image).await?;
+        backend.create_from(spec, &image, &ck).await
+    }
+
+    async fn delete_checkpoint(&self, checkpoint_id: &str) -> NodeResult<()> {
+        self.checkpoints.delete(checkpoint_id)
+    }
+
+    async fn list_checkpoints(&self) -> NodeResult<Vec<String>> {
+        Ok(self.checkpoints.list())
     }
 
     async fn exec(

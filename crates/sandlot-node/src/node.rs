@@ -257,6 +257,58 @@ pub trait Node: Send + Sync + 'static {
     /// (half-created or unknown leftovers). Returns the ids adopted.
     async fn readopt(&self, keep: &[String]) -> NodeResult<Vec<String>>;
 
+    /// Checkpoint sandbox `id`'s writable layer as checkpoint `checkpoint_id` (`ck-` + 20
+    /// hex digits, chosen by the server) on this node's disk ([`crate::checkpoints`]); the
+    /// sandbox keeps running (its processes are frozen during the copy).
+    ///
+    /// # Errors
+    /// `NotFound` (sandbox); `InvalidArgument` (bad checkpoint id); `Conflict` (checkpoint
+    /// exists, or the sandbox's state forbids it); `Unavailable` where the backend or node
+    /// cannot checkpoint (the default); `Internal`.
+    async fn checkpoint(
+        &self,
+        id: &str,
+        checkpoint_id: &str,
+    ) -> NodeResult<crate::checkpoints::CheckpointMeta> {
+        let _ = (id, checkpoint_id);
+        Err(NodeError::Unavailable(
+            "checkpoints are not supported by this node".into(),
+        ))
+    }
+
+    /// [`Node::create`] a fork of checkpoint `checkpoint_id`: its writable layer starts as
+    /// a copy of the checkpoint's. `spec.backend` and `spec.image` must be the checkpoint's.
+    ///
+    /// # Errors
+    /// As `create`; `NotFound` for an unknown checkpoint; `InvalidArgument` for a backend
+    /// or image other than the checkpoint's or a smaller microVM disk.
+    async fn create_from_checkpoint(
+        &self,
+        spec: &SandboxSpec,
+        checkpoint_id: &str,
+    ) -> NodeResult<()> {
+        let _ = (spec, checkpoint_id);
+        Err(NodeError::Unavailable(
+            "checkpoints are not supported by this node".into(),
+        ))
+    }
+
+    /// Remove checkpoint `checkpoint_id`; an unknown id is fine. Forks never depend on
+    /// their checkpoint (each holds its own copy), so live forks do not block it.
+    ///
+    /// # Errors
+    /// `Conflict` while a create copies from it; `Internal`.
+    async fn delete_checkpoint(&self, checkpoint_id: &str) -> NodeResult<()> {
+        let _ = checkpoint_id;
+        Ok(())
+    }
+
+    /// Ids of the checkpoints on this node's disk (the server removes those it has no
+    /// record of at start).
+    async fn list_checkpoints(&self) -> NodeResult<Vec<String>> {
+        Ok(Vec::new())
+    }
+
     /// The accelerator (`"kvm"` or `"tcg"`) microvm and vm sandboxes get on this node,
     /// waiting for the start-up probe if it is still running; `None` on a node without a
     /// QEMU backend.

@@ -195,4 +195,28 @@ impl Node for BudgetNode {
     async fn readopt(&self, keep: &[String]) -> NodeResult<Vec<String>> {
         self.inner.readopt(keep).await
     }
+
+    async fn checkpoint(
+        &self,
+        id: &str,
+        checkpoint_id: &str,
+    ) -> NodeResult<sandlot_node::checkpoints::CheckpointMeta> {
+        self.inner.checkpoint(id, checkpoint_id).await
+    }
+
+    async fn create_from_checkpoint(
+        &self,
+        spec: &SandboxSpec,
+        checkpoint_id: &str,
+    ) -> NodeResult<()> {
+        self.inner.create_from_checkpoint(spec, checkpoint_id).await
+    }
+
+    async fn delete_checkpoint(&self, checkpoint_id: &str) -> NodeResult<()> {
+        self.inner.delete_checkpoint(checkpoint_id).await
+    }
+
+    async fn list_checkpoints(&self) -> NodeResult<Vec<String>> {
+        self.inner.list_checkpoints().await
+    }
 }

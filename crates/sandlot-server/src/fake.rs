@@ -11,6 +11,9 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Mutex;
 use std::time::Duration;
 
+/// A fake checkpoint: the parent's spec and a copy of its files.
+pub type FakeCheckpoint = (SandboxSpec, BTreeMap<String, Vec<u8>>);
+
 #[derive(Default)]
 pub struct FakeNode {
     pub sandboxes: Mutex<HashMap<String, BTreeMap<String, Vec<u8>>>>,
@@ -23,6 +26,8 @@ pub struct FakeNode {
     pub dead: Mutex<std::collections::HashSet<String>>,
     /// Every exec that reached the node, as (sandbox id, argv).
     pub execs: Mutex<Vec<(String, Vec<String>)>>,
+    /// Checkpoints: the parent's spec and a copy of its files.
+    pub checkpoints: Mutex<HashMap<String, FakeCheckpoint>>,
 }
 
 impl FakeNode {
@@ -389,6 +394,80 @@ impl Node for FakeNode {
                 backend: Backend::Function,
             })
             .collect())
+    }
+
+    async fn checkpoint(
+        &self,
+        id: &str,
+        checkpoint_id: &str,
+    ) -> NodeResult<sandlot_node::checkpoints::CheckpointMeta> {
+        sandlot_node::checkpoints::check_id(checkpoint_id)?;
+        // Unlike file calls, a checkpoint works on a paused sandbox.
+        let files = self
+            .sandboxes
+            .lock()
+            .unwrap()
+            .get(id)
+            .cloned()
+            .ok_or_else(|| NodeError::NotFound(format!("no sandbox {id}")))?;
+        let spec = self
+            .creates
+            .lock()
+            .unwrap()
+            .iter()
+            .find(|s| s.id == id)
+            .cloned()
+            .ok_or_else(|| NodeError::NotFound(format!("no sandbox {id}")))?;
+        let meta = sandlot_node::checkpoints::CheckpointMeta {
+            id: checkpoint_id.into(),
+            sandbox_id: id.into(),
+            backend: spec.backend,
+            image: spec.image.clone(),
+            runtime: spec.runtime.clone(),
+            uid_base: None,
+            disk_mib: spec.disk_mib,
+            size_bytes: files.values().map(|v| v.len() as u64).sum(),
+            created_at_ms: 1,
+        };
+        self.checkpoints
+            .lock()
+            .unwrap()
+            .insert(checkpoint_id.into(), (spec, files));
+        Ok(meta)
+    }
+
+    async fn create_from_checkpoint(
+        &self,
+        spec: &SandboxSpec,
+        checkpoint_id: &str,
+    ) -> NodeResult<()> {
+        let (parent, files) = self
+            .checkpoints
+            .lock()
+            .unwrap()
+            .get(checkpoint_id)
+            .cloned()
+            .ok_or_else(|| NodeError::NotFound(format!("no checkpoint {checkpoint_id}")))?;
+        if parent.backend != spec.backend || parent.image != spec.image {
+            return Err(NodeError::InvalidArgument(
+                "backend or image mismatch".into(),
+            ));
+        }
+        self.create(spec).await?;
+        self.sandboxes
+            .lock()
+            .unwrap()
+            .insert(spec.id.clone(), files);
+        Ok(())
+    }
+
+    async fn delete_checkpoint(&self, checkpoint_id: &str) -> NodeResult<()> {
+        self.checkpoints.lock().unwrap().remove(checkpoint_id);
+        Ok(())
+    }
+
+    async fn list_checkpoints(&self) -> NodeResult<Vec<String>> {
+        Ok(self.checkpoints.lock().unwrap().keys().cloned().collect())
     }
 
     async fn readopt(&self, keep: &[String]) -> NodeResult<Vec<String>> {

@@ -13,6 +13,7 @@
 //! | `/v1/sandboxes/{id}/processes[/{pid}[/output\|/wait\|/signal\|/stdin]]` | [`processes`] |
 //! | `PUT/GET/DELETE /v1/sandboxes/{id}/files?path=P`, `GET …/files/list?path=P` | [`files`] |
 //! | `POST /v1/sandboxes:pause`, `POST /v1/sandboxes:resume` | [`pause`] |
+//! | `POST /v1/sandboxes/{id}/checkpoints`, `GET /v1/checkpoints[/{ck}]`, `DELETE /v1/checkpoints/{ck}` | [`checkpoints`] |
 //! | `GET/DELETE /v1/trajectories/{*id}`; step semantics of exec and files | [`trajectory`] |
 //! | `POST /run_code` (SandboxFusion-compatible) | [`run_code`] |
 //! | `GET /v1/ping`, `/healthz`, `/openapi.json` | [`health`] |
@@ -28,6 +29,7 @@
 
 pub mod auth;
 pub mod budget;
+pub mod checkpoints;
 pub mod error;
 pub mod events;
 pub mod exec;
@@ -50,6 +52,8 @@ mod fake;
 mod test_support;
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_checkpoints;
 #[cfg(test)]
 mod tests_hardening;
 #[cfg(test)]
@@ -267,6 +271,12 @@ pub fn router(state: SharedState) -> Router {
             get(sandboxes::get_one).delete(sandboxes::delete),
         )
         .route("/v1/sandboxes/{id}/keepalive", post(sandboxes::keepalive))
+        .route("/v1/sandboxes/{id}/checkpoints", post(checkpoints::create))
+        .route("/v1/checkpoints", get(checkpoints::list))
+        .route(
+            "/v1/checkpoints/{checkpoint_id}",
+            get(checkpoints::get_one).delete(checkpoints::delete),
+        )
         .route("/v1/sandboxes/{id}/exec", post(exec::exec))
         .route(
             "/v1/sandboxes/{id}/processes",

@@ -35,7 +35,7 @@ pub async fn recover(st: &SharedState) -> anyhow::Result<()> {
             crate::events::record(st, "lost", Some(&r.id), Some(r.backend), f);
         }
     }
-    Ok(())
+    crate::checkpoints::recover(st).await
 }
 
 /// Every `reap_interval` until `stop` turns true: delete sandboxes whose TTL expired and

@@ -135,6 +135,7 @@ pub fn validate(req: &CreateSandboxRequest) -> ApiResult<Validated> {
         runtime: check_runtime(req)?,
         accel: None,
         trajectory: req.trajectory.clone(),
+        checkpoint: req.checkpoint.clone(),
     };
     req.network.check().map_err(ServerError::invalid)?;
     check_map("env", &spec.env, MAX_ENV_VALUE_BYTES)?;
@@ -277,7 +278,10 @@ async fn finish_create(st: &SharedState, mut rec: Record) -> ApiResult<(Record, 
     };
     let id = rec.id.clone();
     let started = std::time::Instant::now();
-    let created = st.node.create(&spec).await;
+    let created = match &rec.spec.checkpoint {
+        Some(ck) => st.node.create_from_checkpoint(&spec, ck).await,
+        None => st.node.create(&spec).await,
+    };
     st.metrics
         .create_done(rec.backend, started.elapsed().as_secs_f64());
     if let Err(e) = created {
@@ -387,8 +391,19 @@ pub async fn create(
     State(st): State<SharedState>,
     Extension(who): Extension<Principal>,
     headers: HeaderMap,
-    Json(req): Json<CreateSandboxRequest>,
+    Json(body): Json<serde_json::Value>,
 ) -> ApiResult<(StatusCode, Json<Sandbox>)> {
+    // Whether the body names a backend: a fork takes its checkpoint's when it does not.
+    let backend_given = body.get("backend").is_some();
+    if !body.is_object() {
+        return Err(ServerError::invalid("request body must be a JSON object"));
+    }
+    let mut req: CreateSandboxRequest = serde_json::from_value(body).map_err(|e| {
+        ServerError::invalid(format!(
+            "Failed to deserialize the JSON body into the target type: {e}"
+        ))
+    })?;
+    crate::checkpoints::fill_from_checkpoint(&st, &who, &mut req, backend_given)?;
     let key = match headers.get("idempotency-key") {
         None => None,
         Some(v) => {

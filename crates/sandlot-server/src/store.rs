@@ -11,6 +11,8 @@
 //!   INTEGER ms, revoked_at INTEGER ms NULL)`: [`KeyRow`]; the key itself is never stored.
 //! - `trajectory_owners(trajectory TEXT PK, tenant TEXT)`: which tenant a trajectory id
 //!   belongs to (claimed by its first create with authentication).
+//! - `checkpoints(id TEXT PK, sandbox_id, backend, image, runtime NULL, disk_mib, size_bytes,
+//!   created_at INTEGER ms, tenant NULL)`: [`crate::checkpoints::CheckpointRow`].
 //!
 //! The database runs in WAL mode with `synchronous=NORMAL` (a commit survives a process
 //! crash; a power loss may lose the last commits, which the node's re-adoption tolerates).
@@ -57,7 +59,7 @@ pub enum StoreError {
 
 type Result<T> = std::result::Result<T, StoreError>;
 
-fn sql(op: &'static str) -> impl FnOnce(rusqlite::Error) -> StoreError {
+pub(crate) fn sql(op: &'static str) -> impl FnOnce(rusqlite::Error) -> StoreError {
     move |source| StoreError::Sql { op, source }
 }
 
@@ -87,6 +89,9 @@ pub struct SpecJson {
     pub accel: Option<String>,
     /// Trajectory id.
     pub trajectory: Option<String>,
+    /// Checkpoint the sandbox was forked from (absent otherwise and in older rows).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checkpoint: Option<String>,
 }
 
 /// One sandbox row.
@@ -114,7 +119,7 @@ pub struct Record {
     pub tenant: Option<String>,
 }
 
-fn rfc3339(ms: i64) -> String {
+pub(crate) fn rfc3339(ms: i64) -> String {
     chrono::DateTime::from_timestamp_millis(ms)
         .unwrap_or_default()
         .to_rfc3339_opts(chrono::SecondsFormat::Millis, true)
@@ -230,7 +235,11 @@ impl Store {
                 admin INTEGER NOT NULL, max_sandboxes INTEGER, max_cpu REAL,
                 max_memory_mib INTEGER, created_at INTEGER NOT NULL, revoked_at INTEGER);
              CREATE TABLE IF NOT EXISTS trajectory_owners (
-                trajectory TEXT PRIMARY KEY, tenant TEXT NOT NULL);",
+                trajectory TEXT PRIMARY KEY, tenant TEXT NOT NULL);
+             CREATE TABLE IF NOT EXISTS checkpoints (
+                id TEXT PRIMARY KEY, sandbox_id TEXT NOT NULL, backend TEXT NOT NULL,
+                image TEXT NOT NULL, runtime TEXT, disk_mib INTEGER NOT NULL,
+                size_bytes INTEGER NOT NULL, created_at INTEGER NOT NULL, tenant TEXT);",
         )
         .map_err(open_err)?;
         // Databases of older versions lack the tenant column.
@@ -249,7 +258,7 @@ impl Store {
         })
     }
 
-    fn conn(&self) -> std::sync::MutexGuard<'_, Connection> {
+    pub(crate) fn conn(&self) -> std::sync::MutexGuard<'_, Connection> {
         // A panic while holding the lock cannot leave SQLite inconsistent (each statement
         // is atomic), so a poisoned lock is still usable.
         self.conn.lock().unwrap_or_else(|p| p.into_inner())
@@ -729,6 +738,7 @@ mod tests {
                 env: [("A".to_string(), "b".to_string())].into(),
                 network: NetworkPolicy::None,
                 runtime: None,
+                checkpoint: None,
                 accel: None,
                 trajectory: None,
             },

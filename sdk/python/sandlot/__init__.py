@@ -19,6 +19,12 @@ Trajectory log (preemption-safe agent loops)::
     client.trajectory("job-42/ep-7").steps          # digests, exit codes, replay counts
     client.pause(labels={"job": "42"}); client.resume(labels={"job": "42"})
 
+Checkpoints and forks::
+
+    ck = sb.checkpoint()                            # the writable layer, on the node
+    forks = [client.create(checkpoint=ck) for _ in range(3)]   # same files, own identity
+    client.delete_checkpoint(ck)                    # forks live on
+
 Background processes (handles that outlive the client)::
 
     p = sb.spawn("python3 server.py", stdin_open=True)   # returns at once
@@ -35,7 +41,7 @@ from .errors import (Conflict, DeadlineExceeded, InternalError, InvalidArgument,
                      PayloadTooLarge, PermissionDenied, ProtocolError, ResourceExhausted,
                      SandlotError, TransportError, Unauthenticated, Unavailable)
 from .process import AsyncProcess, OutputSkipped, Process
-from .models import (AffectedIds, CommandRunResult, ExecEvent, ExecResult, FileEntry,
+from .models import (AffectedIds, Checkpoint, CommandRunResult, ExecEvent, ExecResult, FileEntry,
                      RestoreMismatch, RestoreReport, RunCodeResult, StderrChunk, StdoutChunk,
                      TrajectoryInfo, TrajectoryStep)
 
@@ -48,6 +54,6 @@ __all__ = [
     "PayloadTooLarge", "InternalError", "TransportError", "ProtocolError",
     "ExecResult", "ExecEvent", "StdoutChunk", "StderrChunk", "FileEntry",
     "RunCodeResult", "CommandRunResult", "TrajectoryInfo", "TrajectoryStep",
-    "RestoreReport", "RestoreMismatch", "AffectedIds",
+    "RestoreReport", "RestoreMismatch", "AffectedIds", "Checkpoint",
     "Process", "AsyncProcess", "OutputSkipped",
 ]

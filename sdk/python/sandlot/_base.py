@@ -36,6 +36,11 @@ def resolve_headers(api_key: Optional[str],
     return out
 
 
+def checkpoint_path(checkpoint_id: str) -> str:
+    """``/v1/checkpoints/{id}`` with the id percent-encoded."""
+    return f"/v1/checkpoints/{quote(checkpoint_id, safe='')}"
+
+
 def sandbox_path(sandbox_id: str, suffix: str = "") -> str:
     """``/v1/sandboxes/{id}{suffix}`` with the id percent-encoded."""
     return f"/v1/sandboxes/{quote(sandbox_id, safe='')}{suffix}"

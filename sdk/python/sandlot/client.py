@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Union
 
 import httpx
 
 from . import _base
 from .errors import ProtocolError, SandlotError, TransportError
-from .models import (Command, Data, ExecEvent, ExecResult, FileEntry, Network,
+from .models import (Checkpoint, Command, checkpoint_id, checkpoints_of, Data, ExecEvent, ExecResult, FileEntry, Network,
                      RunCodeResult, TrajectoryInfo, create_body, exec_body, ids_of, label_params,
                      parse_exec_event, run_code_body, selector_body, to_bytes)
 from .process import Process, processes_of, spawn_body
@@ -80,13 +80,14 @@ class Client:
         """``GET /v1/ping``; True when the server answers ``pong``."""
         return self._request("GET", "/v1/ping").text.strip() == "pong"
 
-    def create(self, backend: str = "function", image: str = "python", cpu: Optional[float] = None,
+    def create(self, backend: Optional[str] = None, image: Optional[str] = None, cpu: Optional[float] = None,
                memory_mib: Optional[int] = None, disk_mib: Optional[int] = None,
                pids_max: Optional[int] = None, ttl_s: Optional[int] = None,
                env: Optional[Mapping[str, str]] = None, labels: Optional[Mapping[str, str]] = None,
                idempotency_key: Optional[str] = None, trajectory: Optional[str] = None,
                restore: Optional[str] = None, runtime: Optional[str] = None,
-               network: Optional[Network] = None) -> "Sandbox":
+               network: Optional[Network] = None,
+               checkpoint: Optional[Union[str, Checkpoint]] = None) -> "Sandbox":
         """Create a sandbox (``POST /v1/sandboxes``) and return it once running.
 
         Unset limits take the server defaults (cpu 1 core, memory 512 MiB, pids 256,
@@ -108,6 +109,11 @@ class Client:
         ``restore="replay"`` builds a new sandbox by re-executing the logged mutating
         steps in order (``sandbox.restore`` reports exit-code mismatches).
 
+        Fork: ``checkpoint=ck`` (a :class:`~sandlot.models.Checkpoint` or its id) starts
+        the sandbox's writable layer as a copy of the checkpoint's; ``backend`` and
+        ``image`` then default to the checkpoint's (others raise InvalidArgument), and
+        ``disk_mib`` too. The fork gets its own hostname (its id), machine-id and entropy.
+
         Raises:
             InvalidArgument: unknown backend or runtime, a runtime with a backend other
                 than ``container``, a bad network entry, a value out of range, bad
@@ -117,12 +123,13 @@ class Client:
             ResourceExhausted: node capacity exhausted (after ``retries``).
             Conflict: T has logged steps, its sandbox is gone and ``restore`` is not
                 ``"replay"``.
+            NotFound: unknown ``checkpoint`` (or another API key's).
             ValueError: ``restore`` is neither ``"fail"`` nor ``"replay"``.
             TypeError: ``runtime`` or ``network`` of the wrong type.
         """
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else None
         body = create_body(backend, image, cpu, memory_mib, disk_mib, pids_max, ttl_s, env,
-                           labels, trajectory, restore, runtime, network)
+                           labels, trajectory, restore, runtime, network, checkpoint)
         return self._create(body, headers, restore == "replay")
 
     def attach(self, trajectory: str) -> "Sandbox":
@@ -164,6 +171,26 @@ class Client:
             return [Sandbox(self, d) for d in body["sandboxes"]]
         except (KeyError, TypeError) as e:
             raise ProtocolError(f"bad sandbox list {body!r:.300}") from e
+
+    def checkpoints(self) -> List[Checkpoint]:
+        """``GET /v1/checkpoints``: this API key's checkpoints (an admin key: all), oldest
+        first."""
+        return checkpoints_of(_base.json_of(self._request("GET", "/v1/checkpoints")))
+
+    def get_checkpoint(self, checkpoint: Union[str, Checkpoint]) -> Checkpoint:
+        """``GET /v1/checkpoints/{id}``. Raises NotFound for an unknown id."""
+        path = _base.checkpoint_path(checkpoint_id(checkpoint))
+        return Checkpoint.from_json(_base.json_of(self._request("GET", path)))
+
+    def delete_checkpoint(self, checkpoint: Union[str, Checkpoint]) -> None:
+        """``DELETE /v1/checkpoints/{id}``; no error when already gone. Forks made from it
+        live on (each has its own copy).
+
+        Raises:
+            Conflict: a create is copying from it right now (retry).
+        """
+        path = _base.checkpoint_path(checkpoint_id(checkpoint))
+        self._request("DELETE", path, work_s=30)
 
     def delete(self, sandbox_id: str) -> None:
         """Delete a sandbox (``DELETE /v1/sandboxes/{id}``); no error when already gone."""
@@ -269,6 +296,19 @@ class Sandbox(_base.SandboxFields):
         self._update(_base.json_of(self._client._request("POST", self._path("/keepalive"),
                                                          json=body)))
         return self
+
+    def checkpoint(self) -> Checkpoint:
+        """Save the sandbox's writable layer as a checkpoint
+        (``POST /v1/sandboxes/{id}/checkpoints``); fork it with
+        ``client.create(checkpoint=ck)``. The sandbox keeps running (its processes are
+        frozen during the copy). Works on a paused sandbox too, except a microVM.
+
+        Raises:
+            Conflict: the sandbox is not running (or a paused microVM).
+            Unavailable: the backend cannot checkpoint.
+        """
+        resp = self._client._request("POST", self._path("/checkpoints"), work_s=600)
+        return Checkpoint.from_json(_base.json_of(resp))
 
     def delete(self) -> None:
         """Delete the sandbox (kills everything in it); no error when already gone."""

@@ -419,15 +419,76 @@ def _put(body: Dict[str, Any], key: str, value: Any) -> None:
         body[key] = value
 
 
+@dataclass
+class Checkpoint:
+    """A disk checkpoint of a sandbox (``POST /v1/sandboxes/{id}/checkpoints``): its
+    writable layer saved on the node, the seed of forks (``client.create(checkpoint=ck)``).
+
+    Attributes:
+        id: ``ck-`` + 20 hex digits (the wire's ``checkpoint_id``).
+        sandbox_id: the sandbox it was taken from (it may be gone since).
+        backend, image: of that sandbox; forks use the same.
+        runtime: OCI runtime of a container sandbox, else ``None``.
+        disk_mib: the parent's disk size, MiB (forks' default).
+        size_bytes: bytes the checkpoint occupies on the node's disk.
+        created_at: RFC 3339 UTC.
+        raw: the JSON object received, unchanged.
+    """
+
+    id: str
+    sandbox_id: str
+    backend: str
+    image: str
+    runtime: Optional[str]
+    disk_mib: int
+    size_bytes: int
+    created_at: str
+    raw: Dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "Checkpoint":
+        """Parse the wire object. Raises ProtocolError on a bad shape."""
+        try:
+            return cls(
+                id=str(d["checkpoint_id"]), sandbox_id=str(d["sandbox_id"]),
+                backend=str(d["backend"]), image=str(d["image"]), runtime=d.get("runtime"),
+                disk_mib=int(d["disk_mib"]), size_bytes=int(d["size_bytes"]),
+                created_at=str(d["created_at"]), raw=dict(d),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise ProtocolError(f"bad checkpoint {d!r:.300}: {e}") from e
+
+
+def checkpoints_of(body: Any) -> List[Checkpoint]:
+    """The ``checkpoints`` of a ``GET /v1/checkpoints`` answer. Raises ProtocolError."""
+    try:
+        return [Checkpoint.from_json(c) for c in body["checkpoints"]]
+    except (KeyError, TypeError) as e:
+        raise ProtocolError(f"bad checkpoint list {body!r:.300}") from e
+
+
+def checkpoint_id(checkpoint: Union[str, Checkpoint]) -> str:
+    """The id of a :class:`Checkpoint` or an id string. Raises TypeError otherwise."""
+    if isinstance(checkpoint, Checkpoint):
+        return checkpoint.id
+    if isinstance(checkpoint, str):
+        return checkpoint
+    raise TypeError(f"checkpoint must be a Checkpoint or its id (str), got {checkpoint!r}")
+
+
 def create_body(
-    backend: str, image: str, cpu: Optional[float], memory_mib: Optional[int],
+    backend: Optional[str], image: Optional[str], cpu: Optional[float],
+    memory_mib: Optional[int],
     disk_mib: Optional[int], pids_max: Optional[int], ttl_s: Optional[int],
     env: Optional[Mapping[str, str]], labels: Optional[Mapping[str, str]],
     trajectory: Optional[str] = None, restore: Optional[str] = None,
     runtime: Optional[str] = None, network: Optional[Network] = None,
+    checkpoint: Optional[Union[str, Checkpoint]] = None,
 ) -> Dict[str, Any]:
     """JSON body of ``POST /v1/sandboxes``; unset fields are left to the server's defaults
     and left out of the body (so a server that predates a field still accepts the call).
+    ``backend`` and ``image`` default to ``"function"`` and ``"python"``, or, with
+    ``checkpoint``, to the checkpoint's (left out of the body).
 
     Raises:
         ValueError: ``restore`` is not one of :data:`RESTORE_MODES`.
@@ -436,7 +497,14 @@ def create_body(
     """
     if restore is not None and restore not in RESTORE_MODES:
         raise ValueError(f"restore must be one of {RESTORE_MODES}, got {restore!r}")
-    body: Dict[str, Any] = {"backend": backend, "image": image}
+    body: Dict[str, Any] = {}
+    if checkpoint is not None:
+        body["checkpoint"] = checkpoint_id(checkpoint)
+    else:
+        backend = "function" if backend is None else backend
+        image = "python" if image is None else image
+    _put(body, "backend", backend)
+    _put(body, "image", image)
     _put(body, "cpu", cpu)
     _put(body, "memory_mib", memory_mib)
     _put(body, "disk_mib", disk_mib)

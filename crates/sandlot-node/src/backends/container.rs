@@ -57,6 +57,7 @@ use super::uids::{UidLease, UidSlots};
 use super::SandboxBackend;
 use crate::agent_client::AgentClient;
 use crate::cgroups::{CgroupRoot, Limits, SandboxCgroup};
+use crate::checkpoints::{Captured, Checkpoint};
 use crate::files::{file_entry, node_error};
 use crate::images::Image;
 use crate::net::{NetConfig, NetworkManager};
@@ -450,6 +451,7 @@ impl ContainerBackend {
         cmd
     }
 
+    #[allow(clippy::too_many_arguments)]
     async fn create_inner(
         &self,
         spec: &SandboxSpec,
@@ -458,6 +460,7 @@ impl ContainerBackend {
         bin: &Path,
         uid_base: u32,
         cg: &SandboxCgroup,
+        seed: Option<&Checkpoint>,
     ) -> NodeResult<ContainerState> {
         let dir = self.dir_of(&spec.id);
         // Phase timings for the debug log (where a create's time goes).
@@ -478,6 +481,8 @@ impl ContainerBackend {
             let lowers: Vec<PathBuf> = image.layers.clone();
             let disk_mib = spec.disk_mib;
             let templates = self.cfg.disk_templates.clone();
+            // A fork: the checkpoint's layer, re-owned from the parent's id range to ours.
+            let seed = seed.map(|ck| (ck.layer(), ck.meta.uid_base.map(|f| (f, uid_base))));
             // The cgroup does not depend on the disk: made at the same time (on a failure
             // the caller's destroy removes whatever of both exists).
             let cgroup = spawn_blocking(move || cg.create(&limits));
@@ -490,7 +495,12 @@ impl ContainerBackend {
                     })
                     .map_err(|e| NodeError::io(format!("chmod {}", dir.display()), e))?;
                 mount_scratch(&templates, &dir, disk_mib)?;
+                if let Some((layer, shift)) = &seed {
+                    crate::checkpoints::copy_layer(layer, &dir.join("scratch/upper"), *shift)?;
+                }
                 make_layer_dirs(&dir.join("scratch"), uid_base)?;
+                // A machine-id(5) of its own (a fork's replaces its checkpoint's).
+                crate::checkpoints::write_machine_id(&dir.join("scratch/upper"), uid_base)?;
                 own_dir(&dir.join("rootfs"), uid_base, 0o755)?;
                 mount_overlay(&dir, &lowers)?;
                 // /tmp lives on the writable layer (under the disk quota), world-writable.
@@ -700,6 +710,60 @@ impl ContainerBackend {
             .and_then(|_| std::fs::rename(&tmp, dir.join("state.json")))
             .map_err(|e| NodeError::io(format!("write {}/state.json", dir.display()), e))?;
         Ok(state)
+    }
+
+    /// Create `spec`, its writable layer seeded from `seed` when given (a fork).
+    async fn create_with(
+        &self,
+        spec: &SandboxSpec,
+        image: &Image,
+        seed: Option<&Checkpoint>,
+    ) -> NodeResult<()> {
+        check_id(&spec.id)?;
+        let runtime = match spec.runtime.as_deref() {
+            None => self.cfg.default_runtime,
+            Some(name) => Runtime::parse(name).ok_or_else(|| {
+                NodeError::InvalidArgument(format!(
+                    "unknown runtime {name:?}: expected runc, crun or runsc"
+                ))
+            })?,
+        };
+        let bin = self.runtime_bin(runtime)?;
+        let dir = self.dir_of(&spec.id);
+        match std::fs::create_dir(&dir) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                return Err(NodeError::Conflict(format!(
+                    "sandbox {} already exists",
+                    spec.id
+                )))
+            }
+            Err(e) => return Err(NodeError::io(format!("create {}", dir.display()), e)),
+        }
+        let uids = match self.uids.allocate() {
+            Ok(u) => u,
+            Err(e) => {
+                let _ = std::fs::remove_dir(&dir);
+                return Err(e);
+            }
+        };
+        let cg = self.cgroups.sandbox(&spec.id);
+        match self
+            .create_inner(spec, image, runtime, &bin, uids.base(), &cg, seed)
+            .await
+        {
+            Ok(state) => {
+                self.adopt(state, uids);
+                tracing::info!(sandbox = %spec.id, backend = "container", runtime = runtime.name(), "sandbox created");
+                Ok(())
+            }
+            Err(e) => {
+                if let Err(c) = self.destroy(&spec.id, Some(runtime)).await {
+                    tracing::warn!(sandbox = %spec.id, error = %c, "cleanup after a failed create");
+                }
+                Err(e)
+            }
+        }
     }
 
     fn adopt(&self, state: ContainerState, uids: UidLease) -> Arc<Container> {
@@ -1199,51 +1263,33 @@ impl SandboxBackend for ContainerBackend {
     }
 
     async fn create(&self, spec: &SandboxSpec, image: &Image) -> NodeResult<()> {
-        check_id(&spec.id)?;
-        let runtime = match spec.runtime.as_deref() {
-            None => self.cfg.default_runtime,
-            Some(name) => Runtime::parse(name).ok_or_else(|| {
-                NodeError::InvalidArgument(format!(
-                    "unknown runtime {name:?}: expected runc, crun or runsc"
-                ))
-            })?,
-        };
-        let bin = self.runtime_bin(runtime)?;
-        let dir = self.dir_of(&spec.id);
-        match std::fs::create_dir(&dir) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
-                return Err(NodeError::Conflict(format!(
-                    "sandbox {} already exists",
-                    spec.id
-                )))
-            }
-            Err(e) => return Err(NodeError::io(format!("create {}", dir.display()), e)),
-        }
-        let uids = match self.uids.allocate() {
-            Ok(u) => u,
-            Err(e) => {
-                let _ = std::fs::remove_dir(&dir);
-                return Err(e);
-            }
-        };
-        let cg = self.cgroups.sandbox(&spec.id);
-        match self
-            .create_inner(spec, image, runtime, &bin, uids.base(), &cg)
-            .await
-        {
-            Ok(state) => {
-                self.adopt(state, uids);
-                tracing::info!(sandbox = %spec.id, backend = "container", runtime = runtime.name(), "sandbox created");
-                Ok(())
-            }
-            Err(e) => {
-                if let Err(c) = self.destroy(&spec.id, Some(runtime)).await {
-                    tracing::warn!(sandbox = %spec.id, error = %c, "cleanup after a failed create");
-                }
-                Err(e)
-            }
-        }
+        self.create_with(spec, image, None).await
+    }
+
+    async fn create_from(
+        &self,
+        spec: &SandboxSpec,
+        image: &Image,
+        checkpoint: &Checkpoint,
+    ) -> NodeResult<()> {
+        self.create_with(spec, image, Some(checkpoint)).await
+    }
+
+    async fn checkpoint(&self, id: &str, dest: &Path) -> NodeResult<Captured> {
+        let c = self.get(id)?;
+        let upper = self.dir_of(id).join("scratch/upper");
+        let layer = dest.join("layer");
+        crate::checkpoints::frozen_copy(id, &c.deleting, &c.paused, c.cgroup.group(), move || {
+            crate::checkpoints::copy_layer(&upper, &layer, None)
+        })
+        .await?;
+        Ok(Captured {
+            backend: Backend::Container,
+            image: c.state.image.clone(),
+            runtime: Some(c.state.runtime.name().to_string()),
+            uid_base: Some(c.state.uid_base),
+            disk_mib: c.state.spec.disk_mib,
+        })
     }
 
     fn has(&self, id: &str) -> bool {

@@ -68,6 +68,7 @@
 use super::uids::{UidLease, UidSlots};
 use super::SandboxBackend;
 use crate::cgroups::{Cgroup, CgroupRoot, Limits, SandboxCgroup};
+use crate::checkpoints::{Captured, Checkpoint};
 use crate::files::SandboxFs;
 use crate::images::Image;
 use crate::node::{ExecControl, ExecSink, NodeError, NodeResult, SandboxSpec, SandboxStatus};
@@ -347,6 +348,7 @@ impl FunctionBackend {
         .await
     }
 
+    #[allow(clippy::too_many_arguments)]
     async fn create_inner(
         &self,
         spec: &SandboxSpec,
@@ -355,9 +357,17 @@ impl FunctionBackend {
         cg: &SandboxCgroup,
         uids: &mut Option<UidLease>,
         ready: &mut Option<InitReady>,
+        seed: Option<&Checkpoint>,
     ) -> NodeResult<JailState> {
         // Held by the caller until its rollback has killed a half-built jail.
         let base = uids.insert(self.uids.allocate()?).base();
+        if let Some(ck) = seed {
+            // A fork: the checkpoint's layer becomes this jail's upper dir, re-owned from the
+            // parent's id range to this jail's.
+            let (layer, upper) = (ck.layer(), dir.join("upper"));
+            let shift = ck.meta.uid_base.map(|from| (from, base));
+            spawn_blocking(move || crate::checkpoints::copy_layer(&layer, &upper, shift)).await?;
+        }
         // tmpfs pages are charged to the sandbox's memory cgroup, so the memory limit
         // bounds /tmp too; disk_mib bounds it further.
         let tmp_mib = spec.disk_mib.min(spec.memory_mib).max(1);
@@ -438,32 +448,13 @@ impl FunctionBackend {
         self.pool.get()
     }
 
-    /// Kill everything of sandbox `id` and remove its cgroups and directory.
-    async fn destroy(&self, id: &str) -> NodeResult<()> {
-        let dir = self.dir_of(id);
-        // The cgroup may carry another name (handed over by the warm pool): the jail's or
-        // the state file's record, else the id.
-        let known = self
-            .jails
-            .lock()
-            .unwrap()
-            .get(id)
-            .map(|j| j.state.cgroup_name().to_string());
-        let name = known
-            .or_else(|| read_state(&dir).and_then(|s| s.cgroup))
-            .unwrap_or_else(|| id.to_string());
-        let cg = self.cgroups.sandbox(&name);
-        spawn_blocking(move || destroy_blocking(&cg, &dir)).await
-    }
-}
-
-#[async_trait]
-impl SandboxBackend for FunctionBackend {
-    fn kind(&self) -> Backend {
-        Backend::Function
-    }
-
-    async fn create(&self, spec: &SandboxSpec, image: &Image) -> NodeResult<()> {
+    /// Create `spec`, its writable layer seeded from `seed` when given (a fork).
+    async fn create_with(
+        &self,
+        spec: &SandboxSpec,
+        image: &Image,
+        seed: Option<&Checkpoint>,
+    ) -> NodeResult<()> {
         check_id(&spec.id)?;
         if spec.backend != Backend::Function {
             return Err(NodeError::InvalidArgument(format!(
@@ -491,7 +482,7 @@ impl SandboxBackend for FunctionBackend {
         }
         // Warm pool: hand a ready jail over; on any failure fall through to a cold create
         // in the same (still empty) claimed directory.
-        if let Some(pool) = self.pool.get() {
+        if let Some(pool) = self.pool.get().filter(|_| seed.is_none()) {
             if let Some(p) = pool.take(spec, image).await {
                 let name = p.name.clone();
                 let res = pool.hand_over(p, spec, image, &dir).await;
@@ -513,7 +504,7 @@ impl SandboxBackend for FunctionBackend {
         let mut ready = None;
         let mut uids = None;
         match self
-            .create_inner(spec, image, &dir, &cg, &mut uids, &mut ready)
+            .create_inner(spec, image, &dir, &cg, &mut uids, &mut ready, seed)
             .await
         {
             Ok(state) => {
@@ -533,6 +524,65 @@ impl SandboxBackend for FunctionBackend {
                 })
             }
         }
+    }
+
+    /// Kill everything of sandbox `id` and remove its cgroups and directory.
+    async fn destroy(&self, id: &str) -> NodeResult<()> {
+        let dir = self.dir_of(id);
+        // The cgroup may carry another name (handed over by the warm pool): the jail's or
+        // the state file's record, else the id.
+        let known = self
+            .jails
+            .lock()
+            .unwrap()
+            .get(id)
+            .map(|j| j.state.cgroup_name().to_string());
+        let name = known
+            .or_else(|| read_state(&dir).and_then(|s| s.cgroup))
+            .unwrap_or_else(|| id.to_string());
+        let cg = self.cgroups.sandbox(&name);
+        spawn_blocking(move || destroy_blocking(&cg, &dir)).await
+    }
+}
+
+#[async_trait]
+impl SandboxBackend for FunctionBackend {
+    fn kind(&self) -> Backend {
+        Backend::Function
+    }
+
+    async fn create(&self, spec: &SandboxSpec, image: &Image) -> NodeResult<()> {
+        self.create_with(spec, image, None).await
+    }
+
+    async fn create_from(
+        &self,
+        spec: &SandboxSpec,
+        image: &Image,
+        checkpoint: &Checkpoint,
+    ) -> NodeResult<()> {
+        self.create_with(spec, image, Some(checkpoint)).await
+    }
+
+    async fn checkpoint(&self, id: &str, dest: &Path) -> NodeResult<Captured> {
+        let jail = self.jail(id)?;
+        let upper = self.dir_of(id).join("upper");
+        let layer = dest.join("layer");
+        crate::checkpoints::frozen_copy(
+            id,
+            &jail.deleting,
+            &jail.paused,
+            jail.cgroup.group(),
+            move || crate::checkpoints::copy_layer(&upper, &layer, None),
+        )
+        .await?;
+        Ok(Captured {
+            backend: Backend::Function,
+            image: jail.state.image.clone(),
+            runtime: None,
+            uid_base: Some(jail.state.uid_base),
+            disk_mib: jail.state.spec.disk_mib,
+        })
     }
 
     fn has(&self, id: &str) -> bool {
@@ -773,6 +823,8 @@ pub(crate) async fn build_jail(
     let cg2 = cg.clone();
     spawn_blocking(move || {
         make_dirs(&d, uid)?;
+        // A machine-id(5) of its own (a fork's replaces the one its checkpoint carried).
+        crate::checkpoints::write_machine_id(&d.join("upper"), uid)?;
         cg2.create(&limits)
     })
     .await?;

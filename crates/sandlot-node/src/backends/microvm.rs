@@ -37,6 +37,7 @@ use super::function::{
 use super::SandboxBackend;
 use crate::agent_client::AgentClient;
 use crate::cgroups::{CgroupRoot, Limits, SandboxCgroup};
+use crate::checkpoints::{Captured, Checkpoint};
 use crate::files::{file_entry, node_error};
 use crate::images::Image;
 use crate::node::{ExecControl, ExecSink, NodeError, NodeResult, SandboxSpec, SandboxStatus};
@@ -491,6 +492,7 @@ impl MicrovmBackend {
         spec: &SandboxSpec,
         image: &Image,
         cg: &SandboxCgroup,
+        seed: Option<&Checkpoint>,
     ) -> NodeResult<(VmState, (AgentClient, Arc<Relay>))> {
         let accel = self.resolve_accel().await;
         let disk = self.image_disk(image).await?;
@@ -547,7 +549,8 @@ impl MicrovmBackend {
         let started = Instant::now();
         let key = template::key(self, &dir, &args, mib);
         let mut from_template = false;
-        if self.templates_enabled {
+        // A fork boots on its checkpoint's disk, never from a template.
+        if self.templates_enabled && seed.is_none() {
             match self
                 .start_from_template(&key, &args, &dir, cg, &agent, &relay, &mut state)
                 .await
@@ -564,8 +567,12 @@ impl MicrovmBackend {
             }
         }
         if !from_template {
-            let s = scratch.clone();
-            spawn_blocking(move || make_scratch(&s, mib)).await?;
+            if let Some(ck) = seed {
+                seed_scratch(ck, &scratch, mib).await?;
+            } else {
+                let s = scratch.clone();
+                spawn_blocking(move || make_scratch(&s, mib)).await?;
+            }
             let (pid, starttime) = self.spawn_qemu(&args, &dir, cg, false)?;
             state.qemu_pid = pid;
             state.qemu_starttime = starttime;
@@ -578,33 +585,20 @@ impl MicrovmBackend {
             };
             let ready = agent.wait_ready_single(Instant::now() + timeout).await;
             if let Err(e) = ready {
-                let console = dir.join("console.log");
-                let keep = self
-                    .cfg
-                    .dir
-                    .join("failed")
-                    .join(format!("{}.console.log", spec.id));
-                let _ = std::fs::copy(&console, &keep);
-                prune_failed(&self.cfg.dir.join("failed"));
-                let alive = proc_starttime(pid) == Some(starttime);
-                return Err(NodeError::io(
-                    format!(
-                        "microVM {} did not become ready within {}s ({}; QEMU {}; {}): console kept at {}; QEMU said: {}; console tail: {}",
-                        spec.id,
-                        timeout.as_secs(),
-                        accel.as_str(),
-                        if alive { "still running" } else { "exited" },
-                        e,
-                        keep.display(),
-                        tail_of(&dir.join("qemu.log"), 400),
-                        tail_of(&console, 800)
-                    ),
-                    std::io::Error::other("boot failed"),
+                return Err(super::qemu::boot_failure(
+                    &self.cfg.dir,
+                    &dir,
+                    &format!("microVM {}", spec.id),
+                    &spec.id,
+                    timeout,
+                    accel,
+                    (pid, starttime),
+                    &e,
                 ));
             }
         }
         agent
-            .set_identity(&template::fresh_identity(&spec.id))
+            .set_identity(&super::qemu::fresh_identity(&spec.id))
             .await?;
         tracing::info!(sandbox = %spec.id, backend = "microvm", accel = accel.as_str(), start = %state.started_from, ms = started.elapsed().as_millis() as u64, "microVM agent ready");
         write_json(&dir.join("state.json"), &state)?;
@@ -647,6 +641,79 @@ fn spawn_qemu(
 impl MicrovmBackend {
     /// Registers a running microVM; `agent`: the connected client of its create (a new one
     /// would be a second connection on the guest's one stream).
+    /// Create `spec`, its scratch disk copied from `seed` when given (a fork).
+    async fn create_with(
+        &self,
+        spec: &SandboxSpec,
+        image: &Image,
+        seed: Option<&Checkpoint>,
+    ) -> NodeResult<()> {
+        check_id(&spec.id)?;
+        let dir = self.vm_dir(&spec.id);
+        match std::fs::create_dir(&dir) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                return Err(NodeError::Conflict(format!(
+                    "sandbox {} already exists",
+                    spec.id
+                )))
+            }
+            Err(e) => return Err(NodeError::io(format!("create {}", dir.display()), e)),
+        }
+        let cg = self.cgroups.sandbox(&spec.id);
+        match self.create_inner(spec, image, &cg, seed).await {
+            Ok((state, agent)) => {
+                self.adopt(state, Some(agent));
+                tracing::info!(sandbox = %spec.id, backend = "microvm", "sandbox created");
+                Ok(())
+            }
+            Err(e) => {
+                if let Err(c) = self.destroy(&spec.id).await {
+                    tracing::warn!(sandbox = %spec.id, error = %c, "cleanup after a failed create");
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// A checkpoint of microVM `id` (see [`crate::checkpoints`]): `sync` in the guest (its
+    /// page cache reaches the scratch disk), then a sparse copy of `scratch.img` to
+    /// `dest/disk.img` while QEMU's cgroup is frozen (no guest write lands mid-copy).
+    async fn checkpoint_scratch(&self, id: &str, dest: &Path) -> NodeResult<Captured> {
+        let vm = self.get(id)?;
+        if vm.paused.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(NodeError::Conflict(format!(
+                "sandbox {id} is paused; resume it before a checkpoint (the guest must flush its disk first)"
+            )));
+        }
+        let mut req = ExecRequest::new(sandlot_api::Cmd::Argv(vec!["sync".into()]));
+        req.timeout_s = Some(60.0);
+        let r = self.run_exec(id, &req, None, None).await?;
+        if r.exit_code != 0 {
+            return Err(NodeError::io(
+                format!("sync in microVM {id}: exit {}: {}", r.exit_code, r.stderr),
+                std::io::Error::other("guest sync failed"),
+            ));
+        }
+        let scratch = self.vm_dir(id).join("scratch.img");
+        let disk = dest.join("disk.img");
+        crate::checkpoints::frozen_copy(
+            id,
+            &vm.deleting,
+            &vm.paused,
+            vm.cgroup.group(),
+            move || crate::checkpoints::copy_disk(&scratch, &disk),
+        )
+        .await?;
+        Ok(Captured {
+            backend: Backend::Microvm,
+            image: vm.state.image.clone(),
+            runtime: None,
+            uid_base: None,
+            disk_mib: vm.state.spec.disk_mib.max(16),
+        })
+    }
+
     fn adopt(&self, state: VmState, agent: Option<(AgentClient, Arc<Relay>)>) -> Arc<Vm> {
         let sock = self.vm_dir(&state.id).join("agent.sock");
         let (agent, relay) = agent.unwrap_or_else(|| {
@@ -753,6 +820,25 @@ fn make_scratch(s: &Path, mib: u64) -> NodeResult<()> {
         ));
     }
     Ok(())
+}
+
+/// A fork's scratch disk: a sparse copy of the checkpoint's, grown to `mib` MiB.
+///
+/// # Errors
+/// `InvalidArgument` when `mib` is below the checkpoint's disk; copy or resize failures.
+async fn seed_scratch(ck: &Checkpoint, scratch: &Path, mib: u64) -> NodeResult<()> {
+    if mib < ck.meta.disk_mib {
+        return Err(NodeError::InvalidArgument(format!(
+            "disk_mib {mib} is smaller than checkpoint {}'s disk ({} MiB)",
+            ck.meta.id, ck.meta.disk_mib
+        )));
+    }
+    let (src, dst) = (ck.disk(), scratch.to_path_buf());
+    spawn_blocking(move || {
+        crate::checkpoints::copy_disk(&src, &dst)?;
+        crate::checkpoints::grow_ext4(&dst, mib)
+    })
+    .await
 }
 
 pub(crate) fn write_json(path: &Path, st: &VmState) -> NodeResult<()> {
@@ -924,32 +1010,20 @@ impl SandboxBackend for MicrovmBackend {
     }
 
     async fn create(&self, spec: &SandboxSpec, image: &Image) -> NodeResult<()> {
-        check_id(&spec.id)?;
-        let dir = self.vm_dir(&spec.id);
-        match std::fs::create_dir(&dir) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
-                return Err(NodeError::Conflict(format!(
-                    "sandbox {} already exists",
-                    spec.id
-                )))
-            }
-            Err(e) => return Err(NodeError::io(format!("create {}", dir.display()), e)),
-        }
-        let cg = self.cgroups.sandbox(&spec.id);
-        match self.create_inner(spec, image, &cg).await {
-            Ok((state, agent)) => {
-                self.adopt(state, Some(agent));
-                tracing::info!(sandbox = %spec.id, backend = "microvm", "sandbox created");
-                Ok(())
-            }
-            Err(e) => {
-                if let Err(c) = self.destroy(&spec.id).await {
-                    tracing::warn!(sandbox = %spec.id, error = %c, "cleanup after a failed create");
-                }
-                Err(e)
-            }
-        }
+        self.create_with(spec, image, None).await
+    }
+
+    async fn create_from(
+        &self,
+        spec: &SandboxSpec,
+        image: &Image,
+        checkpoint: &Checkpoint,
+    ) -> NodeResult<()> {
+        self.create_with(spec, image, Some(checkpoint)).await
+    }
+
+    async fn checkpoint(&self, id: &str, dest: &Path) -> NodeResult<Captured> {
+        self.checkpoint_scratch(id, dest).await
     }
 
     fn has(&self, id: &str) -> bool {

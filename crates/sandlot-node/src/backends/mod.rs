@@ -14,10 +14,12 @@ pub mod qemu;
 pub mod uids;
 pub mod vm;
 
+use crate::checkpoints::{Captured, Checkpoint};
 use crate::images::Image;
 use crate::node::{ExecControl, ExecSink, NodeError, NodeResult, SandboxSpec, SandboxStatus};
 use async_trait::async_trait;
 use sandlot_api::{Backend, ExecRequest, ExecResult, FileEntry};
+use std::path::Path;
 
 /// Operations of one backend. Every sandbox id belongs to exactly one backend.
 #[async_trait]
@@ -83,6 +85,37 @@ pub trait SandboxBackend: Send + Sync {
 
     /// Re-adopt sandboxes in `keep` found alive on disk, clean up every other leftover.
     async fn readopt(&self, keep: &[String]) -> NodeResult<Vec<String>>;
+
+    /// Copy sandbox `id`'s writable layer into the empty directory `dest` (see
+    /// [`crate::checkpoints`] for the layout per backend).
+    ///
+    /// # Errors
+    /// `Unavailable` where the backend cannot checkpoint (the default); `NotFound`;
+    /// `Conflict` when the sandbox's state forbids it; `Internal`.
+    async fn checkpoint(&self, id: &str, dest: &Path) -> NodeResult<Captured> {
+        let _ = (id, dest);
+        Err(NodeError::Unavailable(format!(
+            "the {} backend cannot checkpoint sandboxes",
+            self.kind()
+        )))
+    }
+
+    /// [`SandboxBackend::create`] with the writable layer seeded from `checkpoint` (a fork).
+    ///
+    /// # Errors
+    /// As `create`; `Unavailable` where the backend cannot fork (the default).
+    async fn create_from(
+        &self,
+        spec: &SandboxSpec,
+        image: &Image,
+        checkpoint: &Checkpoint,
+    ) -> NodeResult<()> {
+        let _ = (spec, image, checkpoint);
+        Err(NodeError::Unavailable(format!(
+            "the {} backend cannot create sandboxes from checkpoints",
+            self.kind()
+        )))
+    }
 }
 
 /// The backends compiled into this node.

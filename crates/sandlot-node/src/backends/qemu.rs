@@ -4,6 +4,7 @@
 use super::microvm::{probe_kvm, Accel};
 use crate::cgroups::SandboxCgroup;
 use crate::node::{NodeError, NodeResult};
+use sandlot_guest::agent_proto::IdentityRequest;
 use std::os::unix::process::CommandExt;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -185,4 +186,50 @@ pub fn spawn_logged(
         let _ = child.wait();
     });
     Ok((pid, super::function::proc_starttime(pid).unwrap_or(0)))
+}
+
+/// Hostname = `id`, a random machine id and 64 random bytes of entropy.
+pub fn fresh_identity(id: &str) -> IdentityRequest {
+    let mid: [u8; 16] = rand::random();
+    let (a, b): ([u8; 32], [u8; 32]) = (rand::random(), rand::random());
+    IdentityRequest {
+        hostname: id.to_string(),
+        machine_id: mid.iter().map(|b| format!("{b:02x}")).collect(),
+        entropy: [a, b].concat(),
+    }
+}
+
+/// The error of a boot whose agent did not answer within `timeout`: the console log of
+/// `dir` is kept as `DATA/failed/<id>.console.log` (older ones pruned) and the message
+/// carries the accelerator, whether QEMU (`pid`, start time) still runs, `err`, and the
+/// tails of `qemu.log` and the console. `what`: e.g. "microVM ID".
+#[allow(clippy::too_many_arguments)]
+pub fn boot_failure(
+    data_dir: &Path,
+    dir: &Path,
+    what: &str,
+    id: &str,
+    timeout: std::time::Duration,
+    accel: Accel,
+    (pid, starttime): (i32, u64),
+    err: &dyn std::fmt::Display,
+) -> NodeError {
+    let console = dir.join("console.log");
+    let failed = data_dir.join("failed");
+    let keep = failed.join(format!("{id}.console.log"));
+    let _ = std::fs::copy(&console, &keep);
+    super::microvm::prune_failed(&failed);
+    let alive = super::function::proc_starttime(pid) == Some(starttime);
+    NodeError::io(
+        format!(
+            "{what} did not become ready within {}s ({}; QEMU {}; {err}): console kept at {}; QEMU said: {}; console tail: {}",
+            timeout.as_secs(),
+            accel.as_str(),
+            if alive { "still running" } else { "exited" },
+            keep.display(),
+            super::microvm::tail_of(&dir.join("qemu.log"), 400),
+            super::microvm::tail_of(&console, 800)
+        ),
+        std::io::Error::other("boot failed"),
+    )
 }

@@ -34,11 +34,8 @@
 use super::function::{
     check_id, check_not_paused, freeze, proc_starttime, spawn_blocking, thaw, ExecPlan, StoredSpec,
 };
-use super::microvm::{
-    find_binary, fnv, prune_failed, tail_of, write_cpio, write_json, Accel, VmState,
-    QEMU_OVERHEAD_MIB,
-};
-use super::qemu::{spawn_logged, AccelProbe};
+use super::microvm::{find_binary, fnv, write_cpio, write_json, Accel, VmState, QEMU_OVERHEAD_MIB};
+use super::qemu::{boot_failure, fresh_identity, spawn_logged, AccelProbe};
 use super::SandboxBackend;
 use crate::agent_client::AgentClient;
 use crate::cgroups::{CgroupRoot, Limits, SandboxCgroup};
@@ -484,30 +481,18 @@ impl VmBackend {
         };
         let started = Instant::now();
         if let Err(e) = agent.wait_ready_single(Instant::now() + timeout).await {
-            let console = dir.join("console.log");
-            let keep = self
-                .cfg
-                .dir
-                .join("failed")
-                .join(format!("{}.console.log", spec.id));
-            let _ = std::fs::copy(&console, &keep);
-            prune_failed(&self.cfg.dir.join("failed"));
-            let alive = proc_starttime(pid) == Some(starttime);
-            return Err(NodeError::io(
-                format!(
-                    "VM {} did not become ready within {}s ({}; QEMU {}; {}): console kept at {}; QEMU said: {}; console tail: {}",
-                    spec.id,
-                    timeout.as_secs(),
-                    accel.as_str(),
-                    if alive { "still running" } else { "exited" },
-                    e,
-                    keep.display(),
-                    tail_of(&dir.join("qemu.log"), 400),
-                    tail_of(&console, 800)
-                ),
-                std::io::Error::other("boot failed"),
+            return Err(boot_failure(
+                &self.cfg.dir,
+                &dir,
+                &format!("VM {}", spec.id),
+                &spec.id,
+                timeout,
+                accel,
+                (pid, starttime),
+                &e,
             ));
         }
+        agent.set_identity(&fresh_identity(&spec.id)).await?;
         tracing::info!(sandbox = %spec.id, backend = "vm", accel = accel.as_str(), ms = started.elapsed().as_millis() as u64, "VM agent ready");
         write_json(&dir.join("state.json"), &state)?;
         Ok((state, agent))

@@ -29,7 +29,6 @@ use crate::backends::function::spawn_blocking;
 use crate::cgroups::{Limits, SandboxCgroup};
 use crate::node::{NodeError, NodeResult};
 use crate::qmp::Qmp;
-use sandlot_guest::agent_proto::IdentityRequest;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -81,38 +80,6 @@ pub(super) fn key(b: &MicrovmBackend, dir: &Path, args: &[String], scratch_mib: 
     format!("{:016x}", super::fnv(&parts))
 }
 
-/// Hostname = `id`, a random machine id and 64 random bytes of entropy.
-pub(super) fn fresh_identity(id: &str) -> IdentityRequest {
-    let mid: [u8; 16] = rand::random();
-    let (a, b): ([u8; 32], [u8; 32]) = (rand::random(), rand::random());
-    IdentityRequest {
-        hostname: id.to_string(),
-        machine_id: mid.iter().map(|b| format!("{b:02x}")).collect(),
-        entropy: [a, b].concat(),
-    }
-}
-
-fn copy_sparse(src: &Path, dst: &Path) -> NodeResult<()> {
-    let out = std::process::Command::new("cp")
-        .args(["--reflink=auto", "--sparse=always"])
-        .arg(src)
-        .arg(dst)
-        .output()
-        .map_err(|e| NodeError::io("run cp", e))?;
-    if !out.status.success() {
-        return Err(NodeError::io(
-            format!(
-                "cp {} {}: {}",
-                src.display(),
-                dst.display(),
-                String::from_utf8_lossy(&out.stderr).trim()
-            ),
-            std::io::Error::other("cp failed"),
-        ));
-    }
-    Ok(())
-}
-
 impl MicrovmBackend {
     fn template_dir(&self, key: &str) -> PathBuf {
         self.cfg.dir.join("templates").join(key)
@@ -140,7 +107,7 @@ impl MicrovmBackend {
         }
         let t0 = Instant::now();
         let (src, dst) = (tpl.join("scratch.img"), dir.join("scratch.img"));
-        spawn_blocking(move || copy_sparse(&src, &dst)).await?;
+        spawn_blocking(move || crate::checkpoints::copy_disk(&src, &dst)).await?;
         let copy_ms = t0.elapsed().as_millis() as u64;
         let mut a = args.to_vec();
         a.extend(["-incoming".to_string(), "defer".to_string()]);
