@@ -26,8 +26,24 @@ use std::time::{Duration, Instant};
 /// Name of the parent group under which every sandbox group lives.
 pub const PARENT: &str = "sandlot";
 
-/// CFS period used for the CPU quota, microseconds.
-pub const CPU_PERIOD_US: u64 = 100_000;
+/// CFS period used for the CPU quota, microseconds: 10 ms. A short period bounds how long
+/// a sandbox may run on every core at once before it is throttled (with the kernel default of
+/// 100 ms, a 1-CPU sandbox with two busy threads holds both cores of a 2-core node for 50 ms,
+/// which is a neighbour's p99 exec latency); see [`cpu_period_quota_us`].
+pub const CPU_PERIOD_US: u64 = 10_000;
+
+/// Smallest CFS quota the kernel accepts, microseconds.
+const CPU_QUOTA_MIN_US: u64 = 1_000;
+
+/// `(period, quota)` in microseconds for `cpu` cores: period [`CPU_PERIOD_US`], stretched
+/// for small shares so that the quota is at least the kernel's 1 ms minimum (cpu 0.01 →
+/// 1 ms per 100 ms), at most 1 s (the kernel's maximum period).
+pub fn cpu_period_quota_us(cpu: f64) -> (u64, u64) {
+    let cpu = cpu.max(0.001);
+    let period = ((CPU_QUOTA_MIN_US as f64 / cpu).ceil() as u64).clamp(CPU_PERIOD_US, 1_000_000);
+    let quota = ((cpu * period as f64).round() as u64).max(CPU_QUOTA_MIN_US);
+    (period, quota)
+}
 
 /// Which cgroup interface the host offers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -667,7 +683,7 @@ impl SandboxCgroup {
     /// `Internal` with the file that could not be written.
     pub fn apply(&self, limits: &Limits) -> NodeResult<()> {
         let g = &self.group;
-        let quota = ((limits.cpu * CPU_PERIOD_US as f64).round() as u64).max(1000);
+        let (period, quota) = cpu_period_quota_us(limits.cpu);
         match g.version {
             CgroupVersion::V1 => {
                 let mem = g.dir("memory").expect("memory hierarchy");
@@ -692,7 +708,7 @@ impl SandboxCgroup {
                     }
                 }
                 let cpu = g.dir("cpu").expect("cpu hierarchy");
-                write_file(&cpu.join("cpu.cfs_period_us"), &CPU_PERIOD_US.to_string())?;
+                write_file(&cpu.join("cpu.cfs_period_us"), &period.to_string())?;
                 write_file(&cpu.join("cpu.cfs_quota_us"), &quota.to_string())?;
                 let pids = g.dir("pids").expect("pids hierarchy");
                 write_file(&pids.join("pids.max"), &limits.pids_max.to_string())?;
@@ -704,7 +720,7 @@ impl SandboxCgroup {
                 if swap.exists() {
                     write_file(&swap, "0")?;
                 }
-                write_file(&d.join("cpu.max"), &format!("{quota} {CPU_PERIOD_US}"))?;
+                write_file(&d.join("cpu.max"), &format!("{quota} {period}"))?;
                 write_file(&d.join("pids.max"), &limits.pids_max.to_string())?;
             }
         }
@@ -825,6 +841,18 @@ pub fn parse_counter(text: &str, key: &str) -> Option<u64> {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn cpu_period_is_short_and_the_quota_never_below_the_kernel_minimum() {
+        assert_eq!(cpu_period_quota_us(1.0), (10_000, 10_000));
+        assert_eq!(cpu_period_quota_us(2.5), (10_000, 25_000));
+        assert_eq!(cpu_period_quota_us(0.1), (10_000, 1_000));
+        assert_eq!(cpu_period_quota_us(0.05), (20_000, 1_000));
+        assert_eq!(cpu_period_quota_us(0.01), (100_000, 1_000));
+        let (p, q) = cpu_period_quota_us(0.0001);
+        assert_eq!((p, q), (1_000_000, 1_000));
+    }
+
     use super::*;
 
     #[test]

@@ -629,12 +629,12 @@ async fn limits_are_written_and_concurrent_execs_are_separate() {
             if let Some(sw) = read("memory.memsw.limit_in_bytes") {
                 assert_eq!(sw, (96u64 << 20).to_string());
             }
-            assert_eq!(read("cpu.cfs_quota_us").unwrap(), "50000");
-            assert_eq!(read("cpu.cfs_period_us").unwrap(), "100000");
+            assert_eq!(read("cpu.cfs_quota_us").unwrap(), "5000");
+            assert_eq!(read("cpu.cfs_period_us").unwrap(), "10000");
         }
         sandlot_node::cgroups::CgroupVersion::V2 => {
             assert_eq!(read("memory.max").unwrap(), (96u64 << 20).to_string());
-            assert_eq!(read("cpu.max").unwrap(), "50000 100000");
+            assert_eq!(read("cpu.max").unwrap(), "5000 10000");
         }
     }
     assert_eq!(read("pids.max").unwrap(), "40");

@@ -232,7 +232,8 @@ async fn pooled_create_is_used_works_and_deletes_clean() {
     );
     assert_eq!(env.cgroup_file(&cg, "pids.max", "pids.max"), "64");
     let cpu = env.cgroup_file(&cg, "cpu.cfs_quota_us", "cpu.max");
-    assert!(cpu.starts_with("50000"), "cpu quota {cpu}");
+    // 0.5 CPU: 5 ms per 10 ms period (v2: "5000 10000").
+    assert!(cpu == "5000" || cpu == "5000 10000", "cpu quota {cpu}");
     let state = read_state(&env.sandbox_dir("sb-pooled")).unwrap();
     assert_eq!(state.id, "sb-pooled");
     assert_eq!(state.spec.memory_mib, 512);

@@ -840,3 +840,11 @@ mod tests {
         assert!(bytes >= 8192 + 4096);
     }
 }
+
+impl Drop for VmBackend {
+    /// Removes the backend's parent cgroups if no VM is left in them (running VMs keep them
+    /// busy, EBUSY, and stay for re-adoption).
+    fn drop(&mut self) {
+        let _ = self.cgroups.remove_parent();
+    }
+}

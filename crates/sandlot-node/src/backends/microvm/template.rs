@@ -258,3 +258,23 @@ async fn build(
     std::fs::rename(tmp, fin).map_err(|e| NodeError::io(format!("rename {}", tmp.display()), e))?;
     Ok(size)
 }
+
+impl Drop for MicrovmBackend {
+    /// Stops the template builds under way: their QEMU (cgroup `tpl-<key>`) would outlive
+    /// the node, and a partial template is worth nothing. (After a kill -9 the next start's
+    /// re-adoption destroys the leftover group and [`sweep_partial`] the directory.) Then
+    /// removes the backend's parent cgroups if no microVM is left in them (running ones
+    /// stay for re-adoption: EBUSY).
+    fn drop(&mut self) {
+        let keys: Vec<String> = self.templates_building.lock().unwrap().drain().collect();
+        for key in keys {
+            let cg = self.cgroups.sandbox(&format!("tpl-{key}"));
+            if let Err(e) = cg.group().destroy(Duration::from_secs(10)) {
+                tracing::warn!(backend = "microvm", template = %key, error = %e, "could not stop a template build");
+            }
+            let _ =
+                std::fs::remove_dir_all(self.cfg.dir.join("templates").join(format!("{key}.tmp")));
+        }
+        let _ = self.cgroups.remove_parent();
+    }
+}
