@@ -77,6 +77,10 @@ def required_backends() -> frozenset:
 #: host is unaffected, checked from the host side (test_attacks.py, ``VM_*``).
 SECURITY_CASES = list(CASES)
 
+#: Cases whose sandboxes are virtual machines with a guest kernel of their own (slow boots
+#: under TCG; kernel interfaces inside are the guest's).
+VM_CASES = ("microvm", "vm")
+
 
 @pytest.fixture(scope="session", params=SECURITY_CASES, ids=[c.name for c in SECURITY_CASES])
 def backend(request, client, server, required_backends) -> Case:
@@ -101,7 +105,7 @@ def target(backend, client) -> Iterator[sandlot.Sandbox]:
         print(f"cleanup of {box.id} failed: {e}")
 
 
-#: The one fresh-sandbox stand-in of the microvm case (see ``make``): enough for each test
+#: The one fresh-sandbox stand-in of the VM cases (see ``make``): enough for each test
 #: that asks for one (fork bomb: pids_max 32; memory bomb: 128 MiB of guest RAM against a
 #: 400 MiB allocation; disk and inode fill: 16 MiB; CPU spin: one core).
 SHARED_VM = dict(memory_mib=128, pids_max=32, disk_mib=16, cpu=1, ttl_s=900)
@@ -121,11 +125,11 @@ def shared_vm(backend, client) -> Iterator[sandlot.Sandbox]:
 
 @pytest.fixture
 def make(backend, client, request) -> Iterator[Callable[..., sandlot.Sandbox]]:
-    """Factory of fresh sandboxes, deleted after the test. microvm: a VM boots in 7-9 s
+    """Factory of fresh sandboxes, deleted after the test. microvm, vm: a VM boots in 7-9 s
     under TCG, so every test gets the module's one :data:`SHARED_VM` instead (the attempts
     that use it cannot harm the next: each is contained and checked, and what they leave
     in /tmp is removed after the test)."""
-    if backend.name == "microvm":
+    if backend.name in VM_CASES:
         vm: sandlot.Sandbox = request.getfixturevalue("shared_vm")
         yield lambda **kw: vm
         vm.exec("rm -rf /tmp/fill /tmp/inodes", timeout_s=120)

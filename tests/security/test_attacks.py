@@ -35,7 +35,7 @@ import pytest
 
 import sandlot
 from conformance.test_limits import FORK_BOMB
-from security.conftest import record
+from security.conftest import VM_CASES, record
 
 #: attempt → syscalls whose violation event it must produce (payload name = attempt name).
 SECCOMP: Dict[str, Iterable[str]] = {
@@ -117,7 +117,7 @@ def seccomp_batch(backend, target, audit) -> Dict[str, object]:
 @pytest.mark.parametrize("attempt", list(SECCOMP))
 def test_denied_syscall_is_refused_and_reported(attempt, backend, target, audit, request):
     host_name = socket.gethostname()
-    if backend.name == "microvm":
+    if backend.name in VM_CASES:
         b = request.getfixturevalue("seccomp_batch")
         verdict, r, evs = b["verdicts"].get(attempt, ""), b["result"], b["events"]
     else:
@@ -139,7 +139,8 @@ def test_denied_syscall_is_refused_and_reported(attempt, backend, target, audit,
     assert execs[0]["violations"] == len(viol)
     assert r.violations and v["syscall"] in [x["syscall"] for x in r.violations]
     via = {"container-runsc": " (gVisor sentry log)",
-           "microvm": " (guest kernel's seccomp notification; one exec for all 35)"
+           "microvm": " (guest kernel's seccomp notification; one exec for all 35)",
+           "vm": " (guest kernel's seccomp notification; one exec for all 35)"
            }.get(backend.name, "")
     record(attempt, backend.name, "seccomp", f"blocked ({errno_name})",
            f"`violation` seccomp `{v['syscall']}`{via}")
@@ -174,7 +175,7 @@ VM_GUEST_OWNED = {
 
 @pytest.mark.parametrize("attempt", list(KERNEL_LAYERS))
 def test_kernel_layer_attempt_is_refused(attempt, backend, target, audit):
-    guest_owned = VM_GUEST_OWNED.get(attempt) if backend.name == "microvm" else None
+    guest_owned = VM_GUEST_OWNED.get(attempt) if backend.name in VM_CASES else None
     before = guest_owned[1]() if guest_owned else None
     cur = audit.cursor()
     verdict, r = payload(target, attempt)
@@ -183,11 +184,11 @@ def test_kernel_layer_attempt_is_refused(attempt, backend, target, audit):
         what, probe_host, vm_layer = guest_owned
         assert r.exit_code == 0 and verdict.split(" ", 1)[0] in ("BLOCKED", "ESCAPED"), \
             (verdict, r)
-        assert probe_host() == before, f"{what}: host changed after {attempt} in a microVM"
+        assert probe_host() == before, f"{what}: host changed after {attempt} in a {backend.name}"
         in_guest = "write reached the guest kernel" if verdict.startswith("ESCAPED") else \
             f"refused in the guest ({verdict[8:50]})"
         blocked = f"host unaffected ({in_guest}; {what})"
-        layer += "; microvm: " + vm_layer
+        layer += f"; {backend.name}: " + vm_layer
     else:
         blocked = f"blocked ({assert_blocked(verdict, r)[-60:]})"
     ev = exec_events(audit, cur, target)
@@ -362,12 +363,12 @@ def test_memory_bomb_is_contained(backend, make, audit):
     assert b"419430400" not in r.stdout and r.exit_code != 0, r
     ev = exec_events(audit, cur, box)
     assert ev
-    if backend.name == "microvm":
+    if backend.name in VM_CASES:
         # The guest kernel refuses the allocation (MemoryError) or OOM-kills it inside the
         # VM; QEMU's own cgroup (guest RAM + overhead) bounds the host side.
         assert r.oom_killed or b"MemoryError" in r.stderr, r
         how = "OOM-killed in the guest" if r.oom_killed else "MemoryError: guest RAM"
-        record("memory_bomb", backend.name, "memory cgroup (microvm: guest RAM + QEMU's group)",
+        record("memory_bomb", backend.name, f"memory cgroup ({backend.name}: guest RAM + QEMU's group)",
                f"contained ({how})", exec_event_text(ev[0]))
         return
     if backend.name != "container-runsc":
@@ -468,7 +469,7 @@ def test_violation_survives_a_timeout_and_is_counted(backend, target, audit, ser
     cur = audit.cursor()
     # (a python start takes seconds in a TCG microVM)
     r = target.exec(["sh", "-c", "python3 /workspace/attack_payload.py bpf; sleep 120"],
-                    timeout_s=10 if backend.name == "microvm" else 2)
+                    timeout_s=10 if backend.name in VM_CASES else 2)
     assert r.timed_out, r
     v = audit.since(cur, sandbox=target.id, kind="violation")
     assert [e["syscall"] for e in v] == ["bpf"], v
