@@ -1,6 +1,6 @@
 """The attack suite: attempts a model rewarded for success might make to leave its sandbox or
 hurt the node, run on every backend case; each test asserts that the attempt FAILS and that
-it left an audit event in ``GET /v1/events`` (docs/security.md has the threat model).
+it left an audit event in ``GET /v1/events`` (docs/SECURITY.md has the threat model).
 
 Events expected, by the layer that stops the attempt:
 
