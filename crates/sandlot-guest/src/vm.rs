@@ -127,34 +127,7 @@ fn boot() -> Result<(), String> {
         none,
         Some("lowerdir=/mnt/image,upperdir=/mnt/scratch/upper,workdir=/mnt/scratch/work"),
     )?;
-    for (d, mode) in [
-        ("/mnt/root/workspace", 0o755),
-        ("/mnt/root/root", 0o700),
-        ("/mnt/root/tmp", 0o1777),
-        ("/mnt/root/proc", 0o555),
-        ("/mnt/root/sys", 0o555),
-        ("/mnt/root/dev", 0o755),
-    ] {
-        if !Path::new(d).exists() {
-            mkdir_mode(Path::new(d), mode)?;
-        }
-    }
-    for d in ["/proc", "/sys", "/dev"] {
-        let to = format!("/mnt/root{d}");
-        mount(
-            Some(d),
-            to.as_str(),
-            None::<&str>,
-            MsFlags::MS_MOVE,
-            None::<&str>,
-        )
-        .map_err(|e| format!("move {d} to {to}: {e}"))?;
-    }
-    std::env::set_current_dir("/mnt/root").map_err(|e| format!("chdir /mnt/root: {e}"))?;
-    mount(Some("."), "/", None::<&str>, MsFlags::MS_MOVE, None::<&str>)
-        .map_err(|e| format!("move /mnt/root to /: {e}"))?;
-    nix::unistd::chroot(".").map_err(|e| format!("chroot: {e}"))?;
-    std::env::set_current_dir("/").map_err(|e| format!("chdir /: {e}"))?;
+    enter_root()?;
     serve_in_root(&cmdline)
 }
 
@@ -302,19 +275,10 @@ pub const DISK_AGENT: &str = "/.sandlot/sandlot-guest";
 const EXT4_IOC_RESIZE_FS: libc::c_ulong = 0x4008_6610;
 
 /// The `vm` boot from the initramfs: mount the `root` disk, switch to it, exec
-/// [`DISK_AGENT`] (which keeps pid 1).
-fn disk_root() -> Result<(), String> {
-    let dev = wait_disk("root")?;
-    // noinit_itable: no background zeroing of the inode tables that the online grow adds
-    // (gigabytes of writes for a large disk_mib; the disk is the sandbox's own, thrown away
-    // on delete, and uninitialised groups are marked as such in their descriptors).
-    mnt(
-        &dev,
-        "/mnt/root",
-        "ext4",
-        MsFlags::MS_NOATIME,
-        Some("noinit_itable"),
-    )?;
+/// Makes the sandbox directories missing from the root file system mounted at `/mnt/root`,
+/// moves `/proc`, `/sys` and `/dev` into it and makes it the root (`MS_MOVE` onto `/` +
+/// chroot, as an initramfs `switch_root` does; the initramfs stays reachable to no one).
+fn enter_root() -> Result<(), String> {
     for (d, mode) in [
         ("/mnt/root/workspace", 0o755),
         ("/mnt/root/root", 0o700),
@@ -343,6 +307,23 @@ fn disk_root() -> Result<(), String> {
         .map_err(|e| format!("move /mnt/root to /: {e}"))?;
     nix::unistd::chroot(".").map_err(|e| format!("chroot: {e}"))?;
     std::env::set_current_dir("/").map_err(|e| format!("chdir /: {e}"))?;
+    Ok(())
+}
+
+/// [`DISK_AGENT`] (which keeps pid 1).
+fn disk_root() -> Result<(), String> {
+    let dev = wait_disk("root")?;
+    // noinit_itable: no background zeroing of the inode tables that the online grow adds
+    // (gigabytes of writes for a large disk_mib; the disk is the sandbox's own, thrown away
+    // on delete, and uninitialised groups are marked as such in their descriptors).
+    mnt(
+        &dev,
+        "/mnt/root",
+        "ext4",
+        MsFlags::MS_NOATIME,
+        Some("noinit_itable"),
+    )?;
+    enter_root()?;
     let prog = CString::new(DISK_AGENT).expect("no NUL");
     let args = [
         CString::new("sandlot-guest").expect("no NUL"),
