@@ -133,3 +133,39 @@ def test_checkpoint_bad_input(backend, make, client):
         client._request("POST", "/v1/sandboxes/sb-00000000000000000000/checkpoints")
     client.delete_checkpoint(ck)
     client.delete_checkpoint(ck)  # twice: fine
+
+
+def test_fork_never_follows_symlinks_planted_in_the_layer(backend, make, client, tmp_path):
+    """A sandbox replaces /workspace, /root, /tmp and /etc by symlinks to host paths, then
+    is checkpointed and forked: the node prepares the fork's layer as host root, and must
+    replace those entries, never chown/chmod/write through them (found by a break test:
+    host files became world-writable)."""
+    host_dirs = [tmp_path / n for n in ("ws", "root", "etc")]
+    for d in host_dirs:
+        d.mkdir(mode=0o700)
+    host_file = tmp_path / "secret"
+    host_file.write_bytes(b"host\n")
+    host_file.chmod(0o600)
+    watched = [tmp_path, *host_dirs, host_file]
+    before = {p: p.stat() for p in watched}
+    parent = make(memory_mib=128)
+    ws, root, etc = host_dirs
+    # `function` sandboxes cannot replace these (their / is read-only): each `||` keeps going.
+    parent.exec(["sh", "-c", f"cd / && for p in workspace:{ws} root:{root} tmp:{host_file} "
+                 f"etc:{etc}; do n=${{p%%:*}}; rm -rf /$n 2>/dev/null && "
+                 f"ln -s ${{p#*:}} /$n || true; done"], timeout_s=60)
+    ck = parent.checkpoint()
+    fork = client.create(checkpoint=ck, ttl_s=120, labels=backend.labels)
+    try:
+        r = fork.exec(["sh", "-c", "test -d /workspace && test -d /tmp && echo ok"],
+                      timeout_s=60)
+        assert r.stdout.strip() == b"ok", r
+        assert fork.exec(["cat", "/etc/machine-id"], timeout_s=60).exit_code == 0
+    finally:
+        fork.delete()
+        client.delete_checkpoint(ck)
+    for p, st in before.items():
+        now = p.stat()
+        assert (now.st_uid, now.st_gid, now.st_mode) == (st.st_uid, st.st_gid, st.st_mode), p
+    assert host_file.read_bytes() == b"host\n"
+    assert [x.name for x in etc.iterdir()] == []

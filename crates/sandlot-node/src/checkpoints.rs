@@ -422,10 +422,21 @@ pub fn new_machine_id() -> String {
 /// `Internal` on I/O failures.
 pub fn write_machine_id(upper: &Path, uid: u32) -> NodeResult<()> {
     let etc = upper.join("etc");
-    if std::fs::symlink_metadata(&etc).is_err() {
-        std::fs::create_dir(&etc)
-            .and_then(|_| std::fs::set_permissions(&etc, std::fs::Permissions::from_mode(0o755)))
-            .map_err(|e| NodeError::io(format!("create {}", etc.display()), e))?;
+    // Never through a symlink (a fork's seed is sandbox-written): `etc` that is not a
+    // directory is replaced by one.
+    match std::fs::symlink_metadata(&etc) {
+        Ok(md) if md.is_dir() => {}
+        found => {
+            if found.is_ok() {
+                std::fs::remove_file(&etc)
+                    .map_err(|e| NodeError::io(format!("remove {}", etc.display()), e))?;
+            }
+            std::fs::create_dir(&etc)
+                .and_then(|_| {
+                    std::fs::set_permissions(&etc, std::fs::Permissions::from_mode(0o755))
+                })
+                .map_err(|e| NodeError::io(format!("create {}", etc.display()), e))?;
+        }
     }
     let f = etc.join("machine-id");
     let tmp = etc.join(".machine-id.sandlot");

@@ -504,8 +504,9 @@ impl ContainerBackend {
                 own_dir(&dir.join("rootfs"), uid_base, 0o755)?;
                 mount_overlay(&dir, &lowers)?;
                 // /tmp lives on the writable layer (under the disk quota), world-writable.
+                // (`symlink_metadata`: a symlink there is replaced, never followed.)
                 let tmp = dir.join("rootfs/tmp");
-                if !tmp.is_dir() {
+                if !std::fs::symlink_metadata(&tmp).is_ok_and(|m| m.is_dir()) {
                     own_dir(&tmp, uid_base, 0o1777)?;
                 }
                 Ok(())
@@ -550,10 +551,17 @@ impl ContainerBackend {
                 let p = path.clone();
                 spawn_blocking(move || crate::net::create_netns(&p)).await?;
                 let att = net.attach(&spec.id, &path, policy).await?;
-                let resolv = dir.join("rootfs/etc/resolv.conf");
-                let _ = std::fs::remove_file(&resolv);
-                std::fs::write(&resolv, att.resolv_conf())
-                    .map_err(|e| NodeError::io(format!("write {}", resolv.display()), e))?;
+                // Resolved inside the rootfs (image and fork layers are untrusted: an `etc`
+                // symlink must not lead the write to a host path).
+                let rootfs = dir.join("rootfs");
+                sandlot_guest::sandbox_fs::SandboxFs::open(&rootfs, uid_base, uid_base)
+                    .and_then(|fs| fs.write("/etc/resolv.conf", att.resolv_conf().as_bytes()))
+                    .map_err(|e| {
+                        NodeError::io(
+                            format!("write {}/etc/resolv.conf", rootfs.display()),
+                            std::io::Error::other(e.to_string()),
+                        )
+                    })?;
                 Some(path)
             }
         };

@@ -1615,14 +1615,21 @@ pub(crate) fn make_layer_dirs(dir: &Path, uid: u32) -> NodeResult<()> {
     own_dir(&dir.join("work"), uid, 0o700)
 }
 
-/// Creates `p` (if missing) owned by `uid:uid` with `mode`.
+/// Creates `p` as a directory (if missing) owned by `uid:uid` with `mode`. Never follows a
+/// symlink: an entry at `p` that is not a directory (a symlink or file that a sandbox left
+/// in a writable layer a fork is seeded from, or that an image carries) is removed first,
+/// so the chown and chmod act on `p` itself, never on a host path it points to.
 pub(crate) fn own_dir(p: &Path, uid: u32, mode: u32) -> NodeResult<()> {
-    match std::fs::create_dir(p) {
-        Ok(()) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
-        Err(e) => return Err(NodeError::io(format!("create {}", p.display()), e)),
+    match std::fs::symlink_metadata(p) {
+        Ok(md) if md.is_dir() => {}
+        Ok(_) => std::fs::remove_file(p)
+            .and_then(|_| std::fs::create_dir(p))
+            .map_err(|e| NodeError::io(format!("replace {} by a directory", p.display()), e))?,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => std::fs::create_dir(p)
+            .map_err(|e| NodeError::io(format!("create {}", p.display()), e))?,
+        Err(e) => return Err(NodeError::io(format!("stat {}", p.display()), e)),
     }
-    std::os::unix::fs::chown(p, Some(uid), Some(uid))
+    std::os::unix::fs::lchown(p, Some(uid), Some(uid))
         .map_err(|e| NodeError::io(format!("chown {} to {uid}", p.display()), e))?;
     std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode))
         .map_err(|e| NodeError::io(format!("chmod {}", p.display()), e))
