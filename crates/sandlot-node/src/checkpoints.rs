@@ -245,9 +245,19 @@ impl CheckpointStore {
                 "checkpoint {id} is being copied into a new sandbox; retry when that create ends"
             )));
         }
+        // Renamed out of sight at once (a `.tmp` name, which a node start sweeps away),
+        // removed in the background: a big tree takes seconds, and no caller waits for it.
         let dir = self.path(id);
-        match std::fs::remove_dir_all(&dir) {
-            Ok(()) => Ok(()),
+        let trash = self.dir.join(format!("{id}.deleted.tmp"));
+        match std::fs::rename(&dir, &trash) {
+            Ok(()) => {
+                std::thread::spawn(move || {
+                    if let Err(e) = std::fs::remove_dir_all(&trash) {
+                        tracing::warn!(path = %trash.display(), error = %e, "removing a deleted checkpoint failed");
+                    }
+                });
+                Ok(())
+            }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
             Err(e) => Err(NodeError::io(format!("remove {}", dir.display()), e)),
         }
@@ -451,11 +461,37 @@ pub fn write_machine_id(upper: &Path, uid: u32) -> NodeResult<()> {
 /// How long freezing a sandbox for a checkpoint may take.
 const FREEZE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
-/// Run the blocking `copy` while `group` is frozen (unless the sandbox is `paused` already,
-/// then it stays frozen), under the read side of the sandbox's lifecycle lock `deleting`
-/// so no delete runs meanwhile: the copy sees the writable layer at one instant of the
-/// sandbox's processes. File API writes made from the host at the same moment may or may
-/// not be in it.
+/// Freezer transitions of every sandbox of this node, serialised: pause, resume and the
+/// freeze/thaw around checkpoint copies ([`frozen_copy`]), so none of them undoes another.
+/// Value: the checkpoint copies under way per sandbox id.
+pub(crate) static FREEZER: std::sync::LazyLock<
+    tokio::sync::Mutex<std::collections::HashMap<String, usize>>,
+> = std::sync::LazyLock::new(Default::default);
+
+/// Whether a checkpoint copy of `id` is under way (its group stays frozen until the last
+/// one ends; a resume meanwhile only clears `paused`, and that copy's end thaws).
+pub(crate) fn copying(f: &std::collections::HashMap<String, usize>, id: &str) -> bool {
+    f.get(id).is_some_and(|n| *n > 0)
+}
+
+/// One copy of `id` ended: the number still under way.
+fn release(f: &mut std::collections::HashMap<String, usize>, id: &str) -> usize {
+    let n = f.get_mut(id).map_or(0, |n| {
+        *n -= 1;
+        *n
+    });
+    if n == 0 {
+        f.remove(id);
+    }
+    n
+}
+
+/// Run the blocking `copy` while `group` is frozen, under the read side of the sandbox's
+/// lifecycle lock `deleting` so no delete runs meanwhile: the copy sees the writable layer
+/// at one instant of the sandbox's processes. The first of overlapping copies freezes the
+/// group (unless the sandbox is `paused`, then it is frozen already), the last one thaws it
+/// unless the sandbox is `paused` by then (a pause during the copy keeps it frozen). File
+/// API writes made from the host at the same moment may or may not be in it.
 ///
 /// # Errors
 /// `NotFound` when the sandbox is being deleted; the freezer's or `copy`'s error.
@@ -466,30 +502,42 @@ pub(crate) async fn frozen_copy<T: Send + 'static>(
     group: &crate::cgroups::Cgroup,
     copy: impl FnOnce() -> NodeResult<T> + Send + 'static,
 ) -> NodeResult<T> {
+    use crate::backends::function::spawn_blocking;
+    use std::sync::atomic::Ordering::SeqCst;
     let guard = deleting.read().await;
     if *guard {
         return Err(NodeError::NotFound(format!(
             "sandbox {id} is being deleted"
         )));
     }
-    let was_paused = paused.load(std::sync::atomic::Ordering::SeqCst);
-    let g = group.clone();
-    let out = crate::backends::function::spawn_blocking(move || {
-        if !was_paused {
-            g.freeze(std::time::Instant::now() + FREEZE_TIMEOUT)?;
-        }
-        let r = copy();
-        if !was_paused {
-            let t = g.thaw();
-            if r.is_ok() {
-                t?;
+    {
+        let mut f = FREEZER.lock().await;
+        let n = f.entry(id.to_owned()).or_insert(0);
+        *n += 1;
+        if *n == 1 && !paused.load(SeqCst) {
+            let g = group.clone();
+            let frozen =
+                spawn_blocking(move || g.freeze(std::time::Instant::now() + FREEZE_TIMEOUT)).await;
+            if let Err(e) = frozen {
+                release(&mut f, id);
+                return Err(e);
             }
         }
-        r
-    })
-    .await;
+    }
+    let out = spawn_blocking(copy).await;
+    let thawed = {
+        let mut f = FREEZER.lock().await;
+        if release(&mut f, id) == 0 && !paused.load(SeqCst) {
+            let g = group.clone();
+            spawn_blocking(move || g.thaw()).await
+        } else {
+            Ok(())
+        }
+    };
     drop(guard);
-    out
+    let out = out?;
+    thawed?;
+    Ok(out)
 }
 
 #[cfg(test)]

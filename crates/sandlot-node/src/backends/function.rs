@@ -237,6 +237,7 @@ pub(crate) async fn freeze(
             "sandbox {id} is being deleted"
         )));
     }
+    let _freezer = crate::checkpoints::FREEZER.lock().await;
     paused.store(true, Ordering::SeqCst);
     let g = group.clone();
     let res = spawn_blocking(move || g.freeze(Instant::now() + FREEZE_TIMEOUT)).await;
@@ -262,6 +263,13 @@ pub(crate) async fn thaw(
         return Err(NodeError::NotFound(format!(
             "sandbox {id} is being deleted"
         )));
+    }
+    let freezer = crate::checkpoints::FREEZER.lock().await;
+    if crate::checkpoints::copying(&freezer, id) {
+        // A checkpoint copy holds the group frozen; its end thaws it (not paused any more).
+        paused.store(false, Ordering::SeqCst);
+        tracing::info!(sandbox = %id, backend, "sandbox resumed (thawed when the checkpoint copy ends)");
+        return Ok(());
     }
     let g = group.clone();
     spawn_blocking(move || g.thaw()).await?;

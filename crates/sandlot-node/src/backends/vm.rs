@@ -813,6 +813,14 @@ impl SandboxBackend for VmBackend {
     }
 }
 
+impl Drop for VmBackend {
+    /// Removes the backend's parent cgroups if no VM is left in them (running VMs keep them
+    /// busy, EBUSY, and stay for re-adoption).
+    fn drop(&mut self) {
+        let _ = self.cgroups.remove_parent();
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -838,13 +846,5 @@ mod tests {
         let (bytes, entries) = tree_usage(d.path());
         assert_eq!(entries, 2);
         assert!(bytes >= 8192 + 4096);
-    }
-}
-
-impl Drop for VmBackend {
-    /// Removes the backend's parent cgroups if no VM is left in them (running VMs keep them
-    /// busy, EBUSY, and stay for re-adoption).
-    fn drop(&mut self) {
-        let _ = self.cgroups.remove_parent();
     }
 }
