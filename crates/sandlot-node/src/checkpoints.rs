@@ -143,7 +143,8 @@ pub fn check_id(id: &str) -> NodeResult<()> {
 }
 
 impl CheckpointStore {
-    /// Open (create, mode 0700) `dir`, removing half-made `*.tmp` checkpoints.
+    /// Open (create, mode 0700) `dir`, removing half-made `*.tmp` checkpoints (and thawing
+    /// the sandbox a copy of one had frozen when the node was killed).
     ///
     /// # Errors
     /// `Internal` when the directory cannot be created.
@@ -154,6 +155,7 @@ impl CheckpointStore {
         if let Ok(rd) = std::fs::read_dir(&dir) {
             for e in rd.flatten() {
                 if e.file_name().to_string_lossy().ends_with(".tmp") {
+                    thaw_interrupted(&e.path());
                     let _ = std::fs::remove_dir_all(e.path());
                 }
             }
@@ -300,8 +302,21 @@ pub fn disk_usage(p: &Path) -> u64 {
     total
 }
 
+/// Runs a copy tool (`cp`, `resize2fs`) to its end. It dies with the thread that waits for
+/// it (`PR_SET_PDEATHSIG`): a node killed mid-copy leaves no copy writing on into a
+/// half-made checkpoint that the next start removes.
 fn run(cmd: &mut std::process::Command) -> NodeResult<()> {
+    use std::os::unix::process::CommandExt;
     let what = format!("{cmd:?}");
+    // SAFETY: after fork, before exec: prctl(2) only.
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
     let out = cmd
         .stdin(std::process::Stdio::null())
         .output()
@@ -497,6 +512,7 @@ fn release(f: &mut std::collections::HashMap<String, usize>, id: &str) -> usize 
 /// `NotFound` when the sandbox is being deleted; the freezer's or `copy`'s error.
 pub(crate) async fn frozen_copy<T: Send + 'static>(
     id: &str,
+    dest: &Path,
     deleting: &tokio::sync::RwLock<bool>,
     paused: &std::sync::atomic::AtomicBool,
     group: &crate::cgroups::Cgroup,
@@ -510,8 +526,17 @@ pub(crate) async fn frozen_copy<T: Send + 'static>(
             "sandbox {id} is being deleted"
         )));
     }
+    // While the copy holds the group frozen, `dest/FROZEN_MARKER` names it: a node killed
+    // mid-copy thaws it at its next start ([`CheckpointStore::open`]) instead of leaving a
+    // running sandbox frozen for good.
+    let marker = dest.join(FROZEN_MARKER);
     {
         let mut f = FREEZER.lock().await;
+        if !paused.load(SeqCst) {
+            let dirs: Vec<String> = group.dirs().map(|d| d.display().to_string()).collect();
+            std::fs::write(&marker, dirs.join("\n"))
+                .map_err(|e| NodeError::io(format!("write {}", marker.display()), e))?;
+        }
         let n = f.entry(id.to_owned()).or_insert(0);
         *n += 1;
         if *n == 1 && !paused.load(SeqCst) {
@@ -535,9 +560,36 @@ pub(crate) async fn frozen_copy<T: Send + 'static>(
         }
     };
     drop(guard);
+    let _ = std::fs::remove_file(&marker);
     let out = out?;
     thawed?;
     Ok(out)
+}
+
+/// File in a checkpoint's build directory naming the cgroup directories its copy froze.
+const FROZEN_MARKER: &str = "frozen-groups";
+
+/// Thaws the groups named by `tmp`'s [`FROZEN_MARKER`] (a copy the node was killed in).
+fn thaw_interrupted(tmp: &Path) {
+    let Ok(list) = std::fs::read_to_string(tmp.join(FROZEN_MARKER)) else {
+        return;
+    };
+    for d in list.lines().map(Path::new) {
+        let (file, value) = if d.join("freezer.state").exists() {
+            ("freezer.state", "THAWED")
+        } else {
+            ("cgroup.freeze", "0")
+        };
+        match std::fs::write(d.join(file), value) {
+            Ok(()) => {
+                tracing::warn!(group = %d.display(), "thawed a sandbox a checkpoint copy froze when the node was killed")
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => {
+                tracing::warn!(group = %d.display(), error = %e, "could not thaw a group an interrupted checkpoint froze")
+            }
+        }
+    }
 }
 
 #[cfg(test)]

@@ -1287,9 +1287,14 @@ impl SandboxBackend for ContainerBackend {
         let c = self.get(id)?;
         let upper = self.dir_of(id).join("scratch/upper");
         let layer = dest.join("layer");
-        crate::checkpoints::frozen_copy(id, &c.deleting, &c.paused, c.cgroup.group(), move || {
-            crate::checkpoints::copy_layer(&upper, &layer, None)
-        })
+        crate::checkpoints::frozen_copy(
+            id,
+            dest,
+            &c.deleting,
+            &c.paused,
+            c.cgroup.group(),
+            move || crate::checkpoints::copy_layer(&upper, &layer, None),
+        )
         .await?;
         Ok(Captured {
             backend: Backend::Container,

@@ -578,6 +578,7 @@ impl SandboxBackend for FunctionBackend {
         let layer = dest.join("layer");
         crate::checkpoints::frozen_copy(
             id,
+            dest,
             &jail.deleting,
             &jail.paused,
             jail.cgroup.group(),

@@ -699,6 +699,7 @@ impl MicrovmBackend {
         let disk = dest.join("disk.img");
         crate::checkpoints::frozen_copy(
             id,
+            dest,
             &vm.deleting,
             &vm.paused,
             vm.cgroup.group(),
