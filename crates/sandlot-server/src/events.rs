@@ -251,6 +251,7 @@ impl EventLog {
     pub fn open(path: &Path) -> anyhow::Result<EventLog> {
         use anyhow::Context;
         let db = Connection::open(path)
+            .inspect(|_| crate::store::owner_only(path))
             .and_then(|c| {
                 c.execute_batch(
                     "PRAGMA journal_mode=WAL;

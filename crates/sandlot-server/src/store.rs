@@ -216,6 +216,7 @@ impl Store {
             source,
         };
         let conn = Connection::open(path).map_err(open_err)?;
+        owner_only(path);
         conn.execute_batch(
             "PRAGMA journal_mode=WAL;
              PRAGMA synchronous=NORMAL;
@@ -714,6 +715,16 @@ fn decode(raw: RawRow) -> Result<Record> {
         id,
         tenant,
     })
+}
+
+/// Makes the database file at `path` readable by its owner only (0600; SQLite gives its
+/// `-wal` and `-shm` files the same mode): it holds tenants' sandbox records, events and
+/// trajectories.
+pub(crate) fn owner_only(path: &std::path::Path) {
+    use std::os::unix::fs::PermissionsExt;
+    if let Err(e) = std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)) {
+        tracing::warn!(path = %path.display(), error = %e, "could not make the database owner-only");
+    }
 }
 
 #[cfg(test)]

@@ -489,6 +489,7 @@ impl SqliteTrajectoryStore {
             source,
         };
         let conn = Connection::open(path).map_err(open_err)?;
+        crate::store::owner_only(path);
         conn.execute_batch(&format!(
             "PRAGMA journal_mode=WAL;
              PRAGMA synchronous={};

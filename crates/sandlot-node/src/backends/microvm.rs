@@ -330,6 +330,13 @@ impl MicrovmBackend {
             std::fs::create_dir_all(&p)
                 .map_err(|e| NodeError::io(format!("create {}", p.display()), e))?;
         }
+        // Guest memory (saved states), disks and consoles: host root only (QEMU runs as
+        // root), so no other host user reads a sandbox's RAM or files.
+        std::fs::set_permissions(
+            &cfg.dir,
+            std::os::unix::fs::PermissionsExt::from_mode(0o700),
+        )
+        .map_err(|e| NodeError::io(format!("chmod {}", cfg.dir.display()), e))?;
         let mut entries: Vec<(String, u32, Option<Vec<u8>>)> = vec![
             ("dev".into(), 0o755, None),
             ("proc".into(), 0o555, None),

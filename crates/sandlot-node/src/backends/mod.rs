@@ -90,11 +90,12 @@ pub trait SandboxBackend: Send + Sync {
     /// [`crate::checkpoints`] for the layout per backend).
     ///
     /// # Errors
-    /// `Unavailable` where the backend cannot checkpoint (the default); `NotFound`;
+    /// `InvalidArgument` where the backend cannot checkpoint (the default: a request this
+    /// sandbox can never satisfy, like a network policy on `function`); `NotFound`;
     /// `Conflict` when the sandbox's state forbids it; `Internal`.
     async fn checkpoint(&self, id: &str, dest: &Path) -> NodeResult<Captured> {
         let _ = (id, dest);
-        Err(NodeError::Unavailable(format!(
+        Err(NodeError::InvalidArgument(format!(
             "the {} backend cannot checkpoint sandboxes",
             self.kind()
         )))

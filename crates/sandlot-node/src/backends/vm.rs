@@ -283,6 +283,13 @@ impl VmBackend {
             std::fs::create_dir_all(&p)
                 .map_err(|e| NodeError::io(format!("create {}", p.display()), e))?;
         }
+        // Guest memory (saved states), disks and consoles: host root only (QEMU runs as
+        // root), so no other host user reads a sandbox's RAM or files.
+        std::fs::set_permissions(
+            &cfg.dir,
+            std::os::unix::fs::PermissionsExt::from_mode(0o700),
+        )
+        .map_err(|e| NodeError::io(format!("chmod {}", cfg.dir.display()), e))?;
         let agent = std::fs::read(&cfg.agent_bin)
             .map_err(|e| NodeError::io(format!("read {}", cfg.agent_bin.display()), e))?;
         let agent_key = fnv(&[&agent]);
