@@ -63,6 +63,15 @@ def node(binary, log_dir) -> Iterator[Server]:
             shutil.rmtree(base, ignore_errors=True)
 
 
+def qemu_uid(pid: int) -> int:
+    """The real uid of QEMU ``pid`` (all four ids of ``Uid:`` must agree)."""
+    line = next(x for x in Path(f"/proc/{pid}/status").read_text().splitlines()
+                if x.startswith("Uid:"))
+    ids = set(line.split()[1:])
+    assert len(ids) == 1, line
+    return int(ids.pop())
+
+
 def test_kill9_while_paused_then_resume_and_delete_paused(node):
     tag = uuid.uuid4().hex[:12]
     c = sandlot.Client(node.url, timeout=120)
@@ -71,6 +80,9 @@ def test_kill9_while_paused_then_resume_and_delete_paused(node):
     r = box.exec("echo in-memory > /dev/shm/m && echo on-disk > /tmp/d && sync")
     assert r.exit_code == 0, r
     vmdir = node.data_dir / "microvm" / "vms" / box.id
+    st = json.loads((vmdir / "state.json").read_text())
+    uid = qemu_uid(st["qemu_pid"])
+    assert uid != 0 and st["qemu_uid"] == uid, st
     assert c.pause({"mvpause": tag}) == [box.id]
     st = json.loads((vmdir / "state.json").read_text())
     assert st["memory_saved"] is True
@@ -90,6 +102,8 @@ def test_kill9_while_paused_then_resume_and_delete_paused(node):
     assert not (vmdir / "memory.state").exists()
     st = json.loads((vmdir / "state.json").read_text())
     assert st["memory_saved"] is False and pid_alive(st["qemu_pid"])
+    # The restored QEMU (new process, after a node restart) runs as the same uid.
+    assert qemu_uid(st["qemu_pid"]) == uid == st["qemu_uid"], st
 
     # Paused again, then deleted: the memory file goes with the VM directory.
     assert c.pause({"mvpause": tag}) == [box.id]
@@ -117,6 +131,7 @@ def test_template_start_gives_each_guest_a_fresh_identity(node):
     for b in boxes:
         st = json.loads((node.data_dir / "microvm" / "vms" / b.id / "state.json").read_text())
         assert st["started_from"] == "template", st
+        assert qemu_uid(st["qemu_pid"]) == st["qemu_uid"] != 0, st
         r = b.exec(["sh", "-c", "hostname; cat /etc/machine-id; "
                     "python3 -c 'import os; print(os.urandom(16).hex())'"])
         assert r.exit_code == 0, r
@@ -130,6 +145,10 @@ def test_template_start_gives_each_guest_a_fresh_identity(node):
     assert boxes[1].read_file("/tmp/mine") == boxes[1].id.encode()
     st = json.loads((node.data_dir / "microvm" / "vms" / first.id / "state.json").read_text())
     assert st["started_from"] == "cold"
+    # Templates are root's once made (their builder's uid went back to the table).
+    for t in _templates(node):
+        assert t.parent.stat().st_uid == 0 and t.parent.stat().st_mode & 0o777 == 0o700
+        assert (t.parent / "scratch.img").stat().st_uid == 0
     for b in [first, *boxes]:
         b.delete()
     c.close()

@@ -23,6 +23,7 @@ and printed in the pytest summary (tests/security/conftest.py).
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -504,3 +505,58 @@ def test_dns_exfil_under_an_allowlist_is_refused_and_reported(backend, make, aud
     assert any(x.get("layer") == "dns" for x in r.violations), r.violations
     record("dns_exfil_allowlist", backend.name, "policy resolver (REFUSED) + nft drop",
            f"blocked ({how[-50:]})", f"`violation` dns `{v[0]['name']}` ({len(v)} queries)")
+
+
+def _proc_status(pid: int) -> Dict[str, str]:
+    out: Dict[str, str] = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            k, _, v = line.partition(":")
+            out[k] = v.strip()
+    return out
+
+
+def test_vmm_runs_as_an_unprivileged_uid_of_its_own(backend, target, make, server):
+    """A guest that escapes into its QEMU (a device-emulation bug) holds only a host uid of its
+    own: QEMU's real, effective, saved and file-system uids and gids are one non-root id, it
+    has no capabilities, the uid differs between two sandboxes, and the VM directory lets it
+    in without letting it create or replace files there (docs/SECURITY.md)."""
+    if backend.name not in VM_CASES:
+        pytest.skip(f"{backend.name}: no VMM process (the sandbox's own processes are judged "
+                    "by the other attempts)")
+    other = make(memory_mib=128)
+    assert other.id != target.id
+    seen = {}
+    for box in (target, other):
+        vmdir = server.data_dir / backend.name / "vms" / box.id
+        st = json.loads((vmdir / "state.json").read_text())
+        pid = st["qemu_pid"]
+        status = _proc_status(pid)
+        uids = [int(x) for x in status["Uid"].split()]
+        gids = [int(x) for x in status["Gid"].split()]
+        assert len(set(uids)) == 1 and uids[0] != 0, f"QEMU {pid} of {box.id}: Uid {uids}"
+        assert gids == [uids[0]] * 4, f"QEMU {pid} of {box.id}: Gid {gids}"
+        assert st.get("qemu_uid") == uids[0], st
+        for cap in ("CapEff", "CapPrm", "CapInh", "CapAmb"):
+            assert int(status[cap], 16) == 0, f"QEMU {pid} of {box.id}: {cap} {status[cap]}"
+        assert status["NoNewPrivs"] == "1", status["NoNewPrivs"]
+        assert status["Seccomp"] == "2", f"QEMU {pid} runs without its -sandbox filter"
+        # Supplementary groups: the QEMUs' shared group (image disks) and, under KVM, the
+        # group of /dev/kvm; never root's.
+        images = os.stat(server.data_dir / backend.name / "images")
+        assert images.st_uid == 0 and images.st_gid not in (0, uids[0]), images
+        assert images.st_mode & 0o7777 == 0o710, f"images dir mode {images.st_mode & 0o7777:o}"
+        groups = [int(g) for g in status["Groups"].split()]
+        kvm = os.stat("/dev/kvm").st_gid if os.path.exists("/dev/kvm") else None
+        assert 0 not in groups and set(groups) <= {images.st_gid, kvm}, \
+            f"QEMU {pid}: supplementary groups {groups}"
+        d = os.stat(vmdir)
+        assert (d.st_uid, d.st_gid, d.st_mode & 0o7777) == (0, uids[0], 0o710), \
+            f"{vmdir}: owner {d.st_uid}:{d.st_gid} mode {d.st_mode & 0o7777:o}"
+        for name in ("state.json", "qemu.log"):
+            assert os.stat(vmdir / name).st_uid == 0, f"{name} must stay root's"
+        seen[box.id] = uids[0]
+    assert len(set(seen.values())) == 2, f"two sandboxes share a QEMU uid: {seen}"
+    record("vmm_privileges", backend.name, "QEMU as a host uid per sandbox, no capabilities",
+           "blocked (uids " + ", ".join(str(u) for u in seen.values()) + "; CapEff 0)",
+           "none needed (checked from the host)")

@@ -214,11 +214,14 @@ impl LocalNode {
                     default_runtime: cfg.default_runtime,
                 },
                 cg,
-                uids,
+                uids.clone(),
             )
             .map_err(|e| e.to_string())
         })();
-        let probe = crate::backends::qemu::accel_from_env().map(AccelProbe::new);
+        // QEMUs take their uids from the same table as function and container sandboxes.
+        let qemu_uids = crate::backends::qemu::QemuUids::new(uids.clone());
+        let probe = crate::backends::qemu::accel_from_env()
+            .map(|forced| AccelProbe::new(forced, qemu_uids.clone()));
         let microvm = (|| -> Result<MicrovmBackend, String> {
             if !nix::unistd::Uid::effective().is_root() {
                 return Err("the microvm backend needs root (cgroups)".into());
@@ -232,6 +235,7 @@ impl LocalNode {
                     kit_dir: cfg.guest_kit_dir.clone(),
                     agent_bin: cfg.agent_bin.clone(),
                     probe: probe.clone()?,
+                    uids: qemu_uids.clone(),
                 },
                 cg,
             )
@@ -252,6 +256,7 @@ impl LocalNode {
                     kit_dir: cfg.guest_kit_dir.clone(),
                     agent_bin: cfg.agent_bin.clone(),
                     probe: probe.clone()?,
+                    uids: qemu_uids.clone(),
                 },
                 cg,
             )

@@ -10,7 +10,8 @@
 //! * `images/<key>.erofs` — an image converted once by `mkfs.erofs` (the layers are merged
 //!   through a read-only overlay mount first), shared read-only by every microVM of that
 //!   image; `<key>` hashes the image name, creation time and layer paths.
-//! * `vms/<id>/` — one sandbox: `scratch.img` (a sparse ext4 file of `disk_mib` MiB made
+//! * `vms/<id>/` — one sandbox (owner root, group = its QEMU's uid, mode 0710):
+//!   `scratch.img` (owned by its QEMU's uid, mode 0600; a sparse ext4 file of `disk_mib` MiB made
 //!   with `mkfs.ext4`: the overlay's writable layer inside the guest), `agent.sock` (QEMU's
 //!   unix socket server behind the guest's virtio-serial port `org.sandlot.agent`: the
 //!   agent protocol of containers runs over it), `console.log` (the guest's serial
@@ -29,11 +30,13 @@
 //! Jailing: every QEMU runs in its own cgroup (memory = the guest's plus
 //! [`QEMU_OVERHEAD_MIB`], the sandbox's CPU quota, [`QEMU_PIDS`] tasks) with `-sandbox on`
 //! (QEMU's seccomp filter: no spawning, no privilege changes, no obsolete calls, no
-//! resource control calls) and in a session of its own, so it outlives a node restart and
-//! is re-adopted.
+//! resource control calls), in a session of its own, so it outlives a node restart and
+//! is re-adopted, and as an unprivileged host uid of its own that reaches only its own
+//! files and the shared read-only ones (see [`super::qemu`]).
 use super::function::{
     check_id, check_not_paused, freeze, proc_starttime, spawn_blocking, thaw, ExecPlan, StoredSpec,
 };
+use super::qemu::{Jail, QemuUids, AGENT_FD, AGENT_SOCK, CONSOLE_LOG, QMP_FD, QMP_SOCK};
 use super::SandboxBackend;
 use crate::agent_client::AgentClient;
 use crate::cgroups::{CgroupRoot, Limits, SandboxCgroup};
@@ -106,6 +109,8 @@ pub struct MicrovmConfig {
     pub agent_bin: PathBuf,
     /// The node's accelerator decision (forced or probed), shared with the `vm` backend.
     pub probe: Arc<super::qemu::AccelProbe>,
+    /// Host uids of the QEMUs (one per sandbox), shared with the `vm` backend.
+    pub uids: Arc<QemuUids>,
 }
 
 /// On-disk state of a running microVM: `vms/<id>/state.json`.
@@ -137,6 +142,16 @@ pub struct VmState {
     /// template snapshot, see `template`).
     #[serde(default)]
     pub started_from: String,
+    /// Host uid (= gid) its QEMU runs as (every QEMU of this sandbox: after a pause, a
+    /// template start, a node restart); `None` in state of a node version that ran QEMU as
+    /// root (such a VM keeps running as root).
+    #[serde(default)]
+    pub qemu_uid: Option<u32>,
+}
+
+/// The jail of a microVM's QEMU (agent and QMP sockets handed over as fds).
+pub(crate) fn microvm_jail(uids: &QemuUids, uid: Option<u32>, accel: Accel) -> Jail {
+    uids.jail(uid, accel, &[(AGENT_SOCK, AGENT_FD), (QMP_SOCK, QMP_FD)])
 }
 
 struct Vm {
@@ -325,18 +340,11 @@ impl MicrovmBackend {
             )));
         }
         template::sweep_partial(&cfg.dir.join("templates"));
-        for d in ["vms", "images", "failed", "templates"] {
-            let p = cfg.dir.join(d);
-            std::fs::create_dir_all(&p)
-                .map_err(|e| NodeError::io(format!("create {}", p.display()), e))?;
-        }
-        // Guest memory (saved states), disks and consoles: host root only (QEMU runs as
-        // root), so no other host user reads a sandbox's RAM or files.
-        std::fs::set_permissions(
-            &cfg.dir,
-            std::os::unix::fs::PermissionsExt::from_mode(0o700),
-        )
-        .map_err(|e| NodeError::io(format!("chmod {}", cfg.dir.display()), e))?;
+        // QEMU runs as an unprivileged uid per sandbox: it walks down to its own VM
+        // directory (0710, group = its uid) and opens the shared read-only files by name
+        // (0711 directories: nobody lists them). Failed consoles stay root's.
+        super::qemu::prepare_backend_dir(&cfg.dir, &kernel, cfg.uids.group())?;
+        super::qemu::ensure_dir_mode(&cfg.dir.join("templates"), 0o711)?;
         let mut entries: Vec<(String, u32, Option<Vec<u8>>)> = vec![
             ("dev".into(), 0o755, None),
             ("proc".into(), 0o555, None),
@@ -358,6 +366,12 @@ impl MicrovmBackend {
         }
         let initrd = cfg.dir.join("initramfs.cpio");
         write_cpio(&initrd, &entries)
+            .and_then(|_| {
+                std::fs::set_permissions(
+                    &initrd,
+                    std::os::unix::fs::PermissionsExt::from_mode(0o444),
+                )
+            })
             .map_err(|e| NodeError::io(format!("write {}", initrd.display()), e))?;
         cgroups.ensure_parent()?;
         cfg.probe.start(&qemu, &cfg.kit_dir, &initrd);
@@ -420,8 +434,9 @@ impl MicrovmBackend {
         Ok(out)
     }
 
-    /// QEMU's command line for a VM whose files are in `dir` (`scratch.img`, `agent.sock`,
-    /// `qmp.sock`, `console.log`) over the image disk `disk`.
+    /// QEMU's command line for a VM whose files are in `dir` (`scratch.img`,
+    /// `console.log`; its `agent.sock` and `qmp.sock` are inherited as fds) over the image
+    /// disk `disk`.
     #[allow(clippy::too_many_arguments)]
     fn qemu_args(
         &self,
@@ -461,7 +476,7 @@ impl MicrovmBackend {
             "-append",
             append,
             "-serial",
-            &format!("file:{}", p(&dir.join("console.log"))),
+            &format!("file:{}", p(&dir.join(CONSOLE_LOG))),
             "-drive",
             &format!("id=image,file={},format=raw,if=none,readonly=on", p(disk)),
             "-device",
@@ -475,19 +490,17 @@ impl MicrovmBackend {
             "virtio-blk-device,drive=scratch,serial=scratch",
             "-device",
             "virtio-serial-device",
+            // Both sockets are bound by the node (`dir/agent.sock`, `dir/qmp.sock`) and
+            // inherited listening (see `super::qemu::Jail`).
             "-chardev",
-            &format!(
-                "socket,id=agent,path={},server=on,wait=off",
-                p(&dir.join("agent.sock"))
-            ),
+            &super::qemu::chardev_on_fd("agent", AGENT_FD),
             "-device",
             &format!("virtserialport,chardev=agent,name={AGENT_PORT}"),
             // Pause with memory and template starts drive QEMU through QMP.
-            "-qmp",
-            &format!(
-                "unix:{},server=on,wait=off",
-                p(&dir.join(snapshot::QMP_SOCK))
-            ),
+            "-chardev",
+            &super::qemu::chardev_on_fd("qmp", QMP_FD),
+            "-mon",
+            "chardev=qmp,mode=control",
             "-sandbox",
             "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
         ]);
@@ -507,6 +520,11 @@ impl MicrovmBackend {
         let scratch = dir.join("scratch.img");
         let mib = spec.disk_mib.max(16);
         let memory_mib = spec.memory_mib.max(128);
+        let uid = self.cfg.uids.take(&spec.id)?;
+        {
+            let d = dir.clone();
+            spawn_blocking(move || super::qemu::prepare_vm_dir(&d, uid)).await?;
+        }
         cg.create(&Limits {
             memory_bytes: (memory_mib + QEMU_OVERHEAD_MIB) << 20,
             cpu: spec.cpu,
@@ -550,6 +568,7 @@ impl MicrovmBackend {
             qemu_args: args.clone(),
             memory_saved: false,
             started_from: String::new(),
+            qemu_uid: Some(uid),
         };
         let relay = Relay::new(sock.clone());
         let agent = AgentClient::with_connector(&sock, relay.connector());
@@ -569,7 +588,12 @@ impl MicrovmBackend {
                     // Leaves the directory as a cold boot expects it.
                     let _ = std::fs::remove_file(&scratch);
                     let _ = std::fs::remove_file(dir.join("qemu.log"));
-                    let _ = std::fs::remove_file(dir.join("console.log"));
+                    let d = dir.clone();
+                    spawn_blocking(move || {
+                        let _ = std::fs::remove_file(d.join(CONSOLE_LOG));
+                        super::qemu::prepare_vm_dir(&d, uid)
+                    })
+                    .await?;
                 }
             }
         }
@@ -580,7 +604,14 @@ impl MicrovmBackend {
                 let s = scratch.clone();
                 spawn_blocking(move || make_scratch(&s, mib)).await?;
             }
-            let (pid, starttime) = self.spawn_qemu(&args, &dir, cg, false)?;
+            super::qemu::give_file(&scratch, uid)?;
+            let (pid, starttime) = self.spawn_qemu(
+                &args,
+                &dir,
+                cg,
+                false,
+                &microvm_jail(&self.cfg.uids, Some(uid), accel),
+            )?;
             state.qemu_pid = pid;
             state.qemu_starttime = starttime;
             state.started_from = "cold".into();
@@ -615,9 +646,9 @@ impl MicrovmBackend {
         Ok((state, (agent, relay)))
     }
 
-    /// Starts QEMU with `args` in the cgroup `cg` and a session of its own, its output to
-    /// `DIR/qemu.log` (appended to when `append`); its pid and start time. A thread reaps
-    /// it when it exits (it is this process's child until the process ends).
+    /// Starts QEMU with `args` in the cgroup `cg`, a session of its own and `jail`, its
+    /// output to `DIR/qemu.log` (appended to when `append`); its pid and start time. A
+    /// thread reaps it when it exits (it is this process's child until the process ends).
     ///
     /// # Errors
     /// `Internal` when the log cannot be opened or QEMU cannot be started.
@@ -627,8 +658,9 @@ impl MicrovmBackend {
         dir: &Path,
         cg: &SandboxCgroup,
         append: bool,
+        jail: &Jail,
     ) -> NodeResult<(i32, u64)> {
-        spawn_qemu(&self.qemu, args, dir, cg, append)
+        spawn_qemu(&self.qemu, args, dir, cg, append, jail)
     }
 }
 
@@ -639,10 +671,11 @@ fn spawn_qemu(
     dir: &Path,
     cg: &SandboxCgroup,
     append: bool,
+    jail: &Jail,
 ) -> NodeResult<(i32, u64)> {
     let mut cmd = std::process::Command::new(qemu);
     cmd.args(args);
-    super::qemu::spawn_logged(&mut cmd, dir, cg, append)
+    super::qemu::spawn_logged(&mut cmd, dir, cg, append, jail)
 }
 
 impl MicrovmBackend {
@@ -723,7 +756,10 @@ impl MicrovmBackend {
     }
 
     fn adopt(&self, state: VmState, agent: Option<(AgentClient, Arc<Relay>)>) -> Arc<Vm> {
-        let sock = self.vm_dir(&state.id).join("agent.sock");
+        if let Some(uid) = state.qemu_uid {
+            self.cfg.uids.keep(&state.id, uid);
+        }
+        let sock = self.vm_dir(&state.id).join(AGENT_SOCK);
         let (agent, relay) = agent.unwrap_or_else(|| {
             let relay = Relay::new(sock.clone());
             (AgentClient::with_connector(&sock, relay.connector()), relay)
@@ -770,10 +806,12 @@ impl MicrovmBackend {
     }
 
     /// Kills the QEMU of `id` (from `state.json` or `boot.json`), removes its cgroup and
-    /// directory.
+    /// directory, gives its uid back.
     async fn destroy(&self, id: &str) -> NodeResult<()> {
         let dir = self.vm_dir(id);
         let cg = self.cgroups.sandbox(id);
+        let uids = self.cfg.uids.clone();
+        let id_ = id.to_string();
         spawn_blocking(move || {
             let st: Option<VmState> = ["state.json", "boot.json"].iter().find_map(|f| {
                 std::fs::read(dir.join(f))
@@ -796,6 +834,8 @@ impl MicrovmBackend {
             }
             // Kills anything left in the group (a QEMU whose state file was lost) too.
             cg.group().destroy(Duration::from_secs(10))?;
+            // No process of the uid is left: it may go to another sandbox.
+            uids.release(&id_);
             match std::fs::remove_dir_all(&dir) {
                 Ok(()) => Ok(()),
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
@@ -923,12 +963,16 @@ fn make_erofs(layers: &[PathBuf], out: &Path) -> NodeResult<()> {
             std::io::Error::other("mkfs.erofs failed"),
         ));
     }
-    std::fs::rename(&tmp, out).map_err(|e| NodeError::io(format!("rename {}", tmp.display()), e))
+    // Read by every microVM's QEMU (unprivileged uids), written by nobody.
+    std::fs::set_permissions(&tmp, std::os::unix::fs::PermissionsExt::from_mode(0o444))
+        .and_then(|_| std::fs::rename(&tmp, out))
+        .map_err(|e| NodeError::io(format!("rename {}", tmp.display()), e))
 }
 
-/// Boots the guest kernel under KVM with `sandlot.probe`; KVM when the probe mark appears
-/// within [`PROBE_TIMEOUT`], else TCG. Returns the choice and why.
-pub(crate) fn probe_kvm(qemu: &Path, kit: &Path, initrd: &Path) -> (Accel, String) {
+/// Boots the guest kernel under KVM with `sandlot.probe`, QEMU confined to `jail`'s uid and
+/// groups as every VM's is; KVM when the probe mark appears within [`PROBE_TIMEOUT`], else
+/// TCG. Returns the choice and why.
+pub(crate) fn probe_kvm(qemu: &Path, kit: &Path, initrd: &Path, jail: &Jail) -> (Accel, String) {
     use std::io::Read;
     if let Err(e) = std::fs::OpenOptions::new()
         .read(true)
@@ -937,7 +981,9 @@ pub(crate) fn probe_kvm(qemu: &Path, kit: &Path, initrd: &Path) -> (Accel, Strin
     {
         return (Accel::Tcg, format!("/dev/kvm: {e}"));
     }
-    let child = std::process::Command::new(qemu)
+    let mut cmd = std::process::Command::new(qemu);
+    super::qemu::run_as(&mut cmd, jail);
+    let child = cmd
         .args([
             "-M", "microvm", "-accel", "kvm", "-cpu", "host", "-m", "256M", "-smp", "1",
         ])

@@ -1,10 +1,44 @@
 //! What the QEMU backends (`microvm`, `vm`) share: the accelerator decision of the node
-//! ([`AccelProbe`]) and starting a QEMU inside its own cgroup and session
-//! ([`spawn_in_cgroup`]).
+//! ([`AccelProbe`]) and starting a QEMU jailed ([`spawn_in_cgroup`]): in its own cgroup
+//! and session, as an unprivileged host user of its own ([`QemuUids`], [`Jail`]), with its
+//! unix sockets bound by the node and handed over as file descriptors.
+//!
+//! Security (why QEMU is not root): a guest that escapes into its QEMU (a device-emulation
+//! bug, e.g. CVE-2015-3456 "VENOM", CVE-2020-14364) then holds only a host uid of its own,
+//! no capabilities, QEMU's seccomp filter (`-sandbox on`), and can reach:
+//!
+//! * its VM directory `vms/<id>/` (owner root, group = its uid, mode 0710: it may walk in,
+//!   not list, create, rename or remove — so it cannot swap a file the node reads or
+//!   writes as root, e.g. `state.json`, `qemu.log`, for a symlink); in it only the files it
+//!   owns (mode 0600): the scratch disk or qcow2 overlay and `console.log`;
+//! * its sockets, which it never opens by path: the node binds `agent.sock` (and `qmp.sock`)
+//!   and QEMU inherits the listening sockets as fds [`AGENT_FD`] / [`QMP_FD`]
+//!   (`-chardev socket,fd=N,server=on`);
+//! * files every QEMU reads: the guest kit and the initramfs (mode 0444), image disks
+//!   (EROFS, qcow2 bases; mode 0444 in `images/`, mode 0710 for the group every QEMU has as
+//!   a supplementary group, [`QemuUids::group`]); the directories above are 0711 (openable
+//!   by name, not listable);
+//! * memory states (pause, templates) only as descriptors the node passes over QMP
+//!   (`getfd`): they stay root's;
+//! * `/dev/kvm` through its group (under KVM only).
+//!
+//! One uid per sandbox (the first id of a slot of the node's [`UidSlots`], shared with the
+//! `function` and `container` backends, so no other sandbox ever holds it): two QEMUs cannot
+//! signal, ptrace or read each other's `/proc`, memory or files. The uid is kept in
+//! `state.json` (`qemu_uid`): a pause/resume or template start (a new QEMU) and a node
+//! restart (re-adoption reserves it again) keep the same uid.
+//!
+//! QEMU's own `-runas` cannot be used: it calls setgid/setuid after `-sandbox
+//! elevateprivileges=deny` is in force and dies of SIGSYS (QEMU 7.2), so the node drops to
+//! the uid between fork and exec instead.
 use super::microvm::{probe_kvm, Accel};
+use super::uids::{UidLease, UidSlots};
 use crate::cgroups::SandboxCgroup;
 use crate::node::{NodeError, NodeResult};
 use sandlot_guest::agent_proto::IdentityRequest;
+use std::collections::HashMap;
+use std::os::fd::{AsRawFd, RawFd};
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::os::unix::process::CommandExt;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -36,16 +70,21 @@ pub fn accel_from_env() -> Result<Option<Accel>, String> {
 #[derive(Debug)]
 pub struct AccelProbe {
     forced: Option<Accel>,
+    /// The probe's QEMU runs as an unprivileged uid too (so KVM is chosen only when such a
+    /// QEMU can use `/dev/kvm`).
+    uids: Arc<QemuUids>,
     started: AtomicBool,
     decided: watch::Sender<Option<Accel>>,
     why: Mutex<String>,
 }
 
 impl AccelProbe {
-    /// A probe; `forced`: the configured accelerator (no probe boot then).
-    pub fn new(forced: Option<Accel>) -> Arc<Self> {
+    /// A probe; `forced`: the configured accelerator (no probe boot then); `uids`: where
+    /// the probe's QEMU takes its uid from.
+    pub fn new(forced: Option<Accel>, uids: Arc<QemuUids>) -> Arc<Self> {
         Arc::new(AccelProbe {
             forced,
+            uids,
             started: AtomicBool::new(false),
             decided: watch::channel(forced).0,
             why: Mutex::new(match forced {
@@ -68,8 +107,18 @@ impl AccelProbe {
         let me = self.clone();
         let (qemu, kit, initrd) = (qemu.to_owned(), kit.to_owned(), initrd.to_owned());
         std::thread::spawn(move || {
-            let (accel, why) = std::panic::catch_unwind(|| probe_kvm(&qemu, &kit, &initrd))
-                .unwrap_or((Accel::Tcg, "the probe panicked".into()));
+            const PROBE_ID: &str = "kvm-probe";
+            // The shared group's id as uid: no sandbox's QEMU has it.
+            let (accel, why) = match me.uids.group().map_or_else(|| me.uids.take(PROBE_ID), Ok) {
+                Ok(uid) => {
+                    let jail = Jail::new(Some(uid), Accel::Kvm, &[]);
+                    let r = std::panic::catch_unwind(|| probe_kvm(&qemu, &kit, &initrd, &jail))
+                        .unwrap_or((Accel::Tcg, "the probe panicked".into()));
+                    me.uids.release(PROBE_ID);
+                    r
+                }
+                Err(e) => (Accel::Tcg, format!("no uid for the probe: {e}")),
+            };
             match accel {
                 Accel::Kvm => tracing::info!(accel = "kvm", "accelerator: KVM ({why})"),
                 Accel::Tcg => tracing::warn!(accel = "tcg", "accelerator: TCG, slow ({why})"),
@@ -101,15 +150,266 @@ impl AccelProbe {
     }
 }
 
-/// Starts `cmd` (a QEMU) in a session of its own (it outlives the node and is re-adopted)
-/// and, before it runs, in the cgroup `cg` (its limits apply from its first instruction).
-/// Returns the child; the caller reaps it.
+/// File descriptor of the agent's listening socket in QEMU (`-chardev socket,fd=3`).
+pub const AGENT_FD: RawFd = 3;
+/// File descriptor of the QMP listening socket in QEMU (`-chardev socket,fd=4`).
+pub const QMP_FD: RawFd = 4;
+/// The agent socket's name in a VM directory.
+pub const AGENT_SOCK: &str = "agent.sock";
+/// The QMP socket's name in a VM directory.
+pub const QMP_SOCK: &str = "qmp.sock";
+/// The guest's serial console log in a VM directory (written by QEMU).
+pub const CONSOLE_LOG: &str = "console.log";
+
+/// `-chardev` value of a socket server on the inherited listening socket `fd`.
+pub fn chardev_on_fd(id: &str, fd: RawFd) -> String {
+    format!("socket,id={id},fd={fd},server=on,wait=off")
+}
+
+/// How one QEMU is confined beyond its cgroup and `-sandbox on`.
+#[derive(Debug, Clone, Default)]
+pub struct Jail {
+    /// Host uid = gid it runs as; `None`: host root (a VM re-adopted from a node version that
+    /// ran QEMU as root keeps its command line, which opens its sockets by path).
+    pub uid: Option<u32>,
+    /// Supplementary groups (the group of `/dev/kvm` under KVM).
+    pub groups: Vec<u32>,
+    /// Unix sockets the node binds in the VM directory and hands over listening:
+    /// (file name, descriptor number in QEMU).
+    pub sockets: Vec<(&'static str, RawFd)>,
+}
+
+impl Jail {
+    /// The jail of a QEMU running as `uid` with `accel`, serving `sockets`.
+    pub fn new(uid: Option<u32>, accel: Accel, sockets: &[(&'static str, RawFd)]) -> Jail {
+        Jail {
+            uid,
+            groups: match accel {
+                Accel::Kvm => kvm_group().into_iter().collect(),
+                Accel::Tcg => Vec::new(),
+            },
+            sockets: if uid.is_some() {
+                sockets.to_vec()
+            } else {
+                Vec::new()
+            },
+        }
+    }
+}
+
+/// The group of `/dev/kvm` when it grants read and write to its group and is not root's
+/// group (membership of gid 0 would be a privilege of its own).
+pub fn kvm_group() -> Option<u32> {
+    let md = std::fs::metadata("/dev/kvm").ok()?;
+    (md.gid() != 0 && md.mode() & 0o060 == 0o060).then_some(md.gid())
+}
+
+/// Host uids of QEMU processes: one slot of the node's [`UidSlots`] per sandbox (or
+/// template build), by sandbox id; and one group every QEMU has as a supplementary group
+/// (the first id of the highest free slot, held for the node's life): the image disks are
+/// readable through it and by nobody else. Shared by the `microvm` and `vm` backends.
+#[derive(Debug)]
+pub struct QemuUids {
+    slots: Arc<UidSlots>,
+    held: Mutex<HashMap<String, UidLease>>,
+    group: Option<UidLease>,
+}
+
+impl QemuUids {
+    /// Uids from `slots` (the table the `function` and `container` backends use). Without
+    /// a free slot for the shared group, image directories fall back to mode 0711.
+    pub fn new(slots: Arc<UidSlots>) -> Arc<QemuUids> {
+        let group = slots.allocate_highest().ok();
+        Arc::new(QemuUids {
+            slots,
+            held: Mutex::new(HashMap::new()),
+            group,
+        })
+    }
+
+    /// The group of every QEMU (see the type's docs).
+    pub fn group(&self) -> Option<u32> {
+        self.group.as_ref().map(UidLease::base)
+    }
+
+    /// The jail of a QEMU of `uid` (see [`Jail::new`]) with the shared group added.
+    pub fn jail(&self, uid: Option<u32>, accel: Accel, sockets: &[(&'static str, RawFd)]) -> Jail {
+        let mut j = Jail::new(uid, accel, sockets);
+        if uid.is_some() {
+            j.groups.extend(self.group());
+        }
+        j
+    }
+
+    /// The uid of `id`: the one it holds, else the first id of a newly allocated slot.
+    ///
+    /// # Errors
+    /// `ResourceExhausted` when every slot is held.
+    pub fn take(&self, id: &str) -> NodeResult<u32> {
+        let mut held = self.held.lock().unwrap();
+        if let Some(l) = held.get(id) {
+            return Ok(l.base());
+        }
+        let lease = self.slots.allocate()?;
+        let uid = lease.base();
+        held.insert(id.to_string(), lease);
+        Ok(uid)
+    }
+
+    /// Re-adoption: `id` holds `uid` again (its slot is skipped by later allocations).
+    pub fn keep(&self, id: &str, uid: u32) {
+        let mut held = self.held.lock().unwrap();
+        if !held.contains_key(id) {
+            held.insert(id.to_string(), self.slots.reserve(uid));
+        }
+    }
+
+    /// Gives `id`'s uid back; call only once no process of it is left.
+    pub fn release(&self, id: &str) {
+        self.held.lock().unwrap().remove(id);
+    }
+}
+
+/// Makes `dir` the VM directory of a QEMU running as `uid`: owner root, group `uid`, mode
+/// 0710 (it may walk in; it may not list, create, rename or remove), with `console.log`
+/// created for it (owner `uid`, mode 0600; QEMU opens it by path). Blocking.
 ///
 /// # Errors
-/// `Internal` when it cannot be started or put in the cgroup.
+/// `Internal` on chown/chmod/create failures.
+pub fn prepare_vm_dir(dir: &Path, uid: u32) -> NodeResult<()> {
+    std::os::unix::fs::chown(dir, Some(0), Some(uid))
+        .and_then(|_| std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o710)))
+        .map_err(|e| NodeError::io(format!("chmod {}", dir.display()), e))?;
+    let console = dir.join(CONSOLE_LOG);
+    std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(&console)
+        .map_err(|e| NodeError::io(format!("create {}", console.display()), e))?;
+    give_file(&console, uid)
+}
+
+/// [`prepare_vm_dir`] of `dir` plus [`give_file`] of each of `files` (its disks). Blocking.
+///
+/// # Errors
+/// `Internal` on chown/chmod/create failures.
+pub fn prepare_vm_files(dir: &Path, files: &[&Path], uid: u32) -> NodeResult<()> {
+    prepare_vm_dir(dir, uid)?;
+    files.iter().try_for_each(|f| give_file(f, uid))
+}
+
+/// Sets up a QEMU backend's directory `dir` (`DATA/microvm`, `DATA/vm`) for unprivileged
+/// QEMUs: checks that `dir` and the guest `kernel` are reachable ([`check_reachable`]);
+/// `dir` and `dir/vms` mode 0711 (open by name, no listing); `dir/images` owner root,
+/// group `group` (every QEMU's, [`QemuUids::group`]), mode 0710 (0711 without a group),
+/// the image disks in it mode 0444; `dir/failed` (kept consoles) 0700.
+///
+/// # Errors
+/// `Unavailable` when a parent is not searchable by other users; `Internal` on
+/// create/chmod failures.
+pub fn prepare_backend_dir(dir: &Path, kernel: &Path, group: Option<u32>) -> NodeResult<()> {
+    check_reachable(dir, "the VM files")?;
+    check_reachable(kernel, "the guest kernel")?;
+    ensure_dir_mode(dir, 0o711)?;
+    for (d, mode) in [("vms", 0o711), ("failed", 0o700)] {
+        ensure_dir_mode(&dir.join(d), mode)?;
+    }
+    let images = dir.join("images");
+    ensure_dir_mode(&images, if group.is_some() { 0o710 } else { 0o711 })?;
+    std::os::unix::fs::chown(&images, Some(0), Some(group.unwrap_or(0)))
+        .map_err(|e| NodeError::io(format!("chown {}", images.display()), e))?;
+    for e in std::fs::read_dir(dir.join("images"))
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
+        if e.file_type().is_ok_and(|t| t.is_file()) {
+            let _ = std::fs::set_permissions(e.path(), std::fs::Permissions::from_mode(0o444));
+        }
+    }
+    Ok(())
+}
+
+/// Hands the file `path` (a disk, a console) to `uid`: owner and group `uid`, mode 0600.
+///
+/// # Errors
+/// `Internal` on chown/chmod failures.
+pub fn give_file(path: &Path, uid: u32) -> NodeResult<()> {
+    std::os::unix::fs::lchown(path, Some(uid), Some(uid))
+        .and_then(|_| std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)))
+        .map_err(|e| NodeError::io(format!("chown {}", path.display()), e))
+}
+
+/// Creates `dir` if needed and sets its mode to `mode` (e.g. 0711: other users may open
+/// what they know the name of, not list it).
+///
+/// # Errors
+/// `Internal` on create/chmod failures.
+pub fn ensure_dir_mode(dir: &Path, mode: u32) -> NodeResult<()> {
+    std::fs::create_dir_all(dir)
+        .and_then(|_| std::fs::set_permissions(dir, std::fs::Permissions::from_mode(mode)))
+        .map_err(|e| NodeError::io(format!("chmod {}", dir.display()), e))
+}
+
+/// Checks that every parent of `path` is searchable by other users (`o+x`): unprivileged
+/// QEMUs must walk down to it.
+///
+/// # Errors
+/// `Unavailable` naming the first parent that is not.
+pub fn check_reachable(path: &Path, what: &str) -> NodeResult<()> {
+    let abs = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
+    for a in abs.ancestors().skip(1) {
+        if let Ok(md) = std::fs::metadata(a) {
+            if md.permissions().mode() & 0o001 == 0 {
+                return Err(NodeError::Unavailable(format!(
+                    "{} (mode {:o}) is not searchable by other users; QEMU runs as an unprivileged host uid that must reach {} ({what}): use directories whose parents are o+x",
+                    a.display(),
+                    md.permissions().mode() & 0o7777,
+                    abs.display()
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Makes `cmd` drop to `jail`'s uid, gid and supplementary groups before exec (no cgroup,
+/// no sockets: the accelerator probe).
+pub fn run_as(cmd: &mut std::process::Command, jail: &Jail) {
+    let Some(uid) = jail.uid else { return };
+    let groups: Vec<libc::gid_t> = jail.groups.clone();
+    // SAFETY: after fork, before exec: only async-signal-safe calls (setgroups, setresgid,
+    // setresuid) on data prepared before the fork.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::setgroups(groups.len(), groups.as_ptr()) != 0
+                || libc::setresgid(uid, uid, uid) != 0
+                || libc::setresuid(uid, uid, uid) != 0
+            {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+}
+
+/// Starts `cmd` (a QEMU) jailed by `jail` in a session of its own (it outlives the node and
+/// is re-adopted) and, before it runs, in the cgroup `cg` (its limits apply from its first
+/// instruction). Between fork and exec, in this order: new session, cgroup, the node-bound
+/// listening sockets of `jail` moved to their descriptor numbers, supplementary groups,
+/// gid, uid (real, effective and saved: no capabilities are left, see capabilities(7)
+/// "Effect of user ID changes on capabilities"). Returns the child; the caller reaps it.
+///
+/// # Errors
+/// `Internal` when a socket cannot be bound, or QEMU cannot be started, put in the cgroup
+/// or given its uid.
 pub fn spawn_in_cgroup(
     cmd: &mut std::process::Command,
     cg: &SandboxCgroup,
+    dir: &Path,
+    jail: &Jail,
 ) -> NodeResult<std::process::Child> {
     let procs: Vec<std::ffi::CString> = cg
         .group()
@@ -117,8 +417,29 @@ pub fn spawn_in_cgroup(
         .into_iter()
         .filter_map(|p| std::ffi::CString::new(p.into_os_string().into_encoded_bytes()).ok())
         .collect();
+    // Sockets: bound here (stale ones of an earlier QEMU removed first: a connect must reach
+    // the new QEMU's), dropped in this process once QEMU has them.
+    let mut listeners = Vec::new();
+    for (name, fd) in &jail.sockets {
+        let path = dir.join(name);
+        match std::fs::remove_file(&path) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(NodeError::io(format!("remove {}", path.display()), e)),
+        }
+        let l = std::os::unix::net::UnixListener::bind(&path)
+            .map_err(|e| NodeError::io(format!("bind {}", path.display()), e))?;
+        listeners.push((l, *fd));
+    }
+    let moves: Vec<(RawFd, RawFd)> = listeners
+        .iter()
+        .map(|(l, fd)| (l.as_raw_fd(), *fd))
+        .collect();
+    let user = jail.uid;
+    let groups: Vec<libc::gid_t> = jail.groups.clone();
     // SAFETY: after fork, before exec: only async-signal-safe calls (setsid, getpid,
-    // open, write, close) on data prepared before the fork.
+    // open, write, close, fcntl, dup2, setgroups, setresgid, setresuid) on data prepared
+    // before the fork.
     unsafe {
         cmd.pre_exec(move || {
             libc::setsid();
@@ -145,16 +466,44 @@ pub fn spawn_in_cgroup(
                     return Err(std::io::Error::last_os_error());
                 }
             }
+            // Copies above every target number first, so that moving one onto its number
+            // never closes another still to be moved; dup2 clears close-on-exec.
+            let mut high = [(-1, -1); 8];
+            for (i, (src, dst)) in moves.iter().take(high.len()).enumerate() {
+                let h = libc::fcntl(*src, libc::F_DUPFD_CLOEXEC, 64);
+                if h < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                high[i] = (h, *dst);
+            }
+            for (h, dst) in high.iter().filter(|(h, _)| *h >= 0) {
+                if libc::dup2(*h, *dst) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                libc::close(*h);
+            }
+            if let Some(uid) = user {
+                if libc::setgroups(groups.len(), groups.as_ptr()) != 0
+                    || libc::setresgid(uid, uid, uid) != 0
+                    || libc::setresuid(uid, uid, uid) != 0
+                {
+                    return Err(std::io::Error::last_os_error());
+                }
+            }
             Ok(())
         });
     }
-    cmd.spawn()
-        .map_err(|e| NodeError::io(format!("start {:?}", cmd.get_program()), e))
+    let child = cmd
+        .spawn()
+        .map_err(|e| NodeError::io(format!("start {:?}", cmd.get_program()), e));
+    drop(listeners);
+    child
 }
 
 /// Starts QEMU's `cmd` with stdout and stderr into `dir/qemu.log` (appended when `append`,
-/// e.g. a restore after a pause; truncated otherwise), in its own session and in the cgroup
-/// `cg` ([`spawn_in_cgroup`]), and reaps it from a thread when it exits.
+/// e.g. a restore after a pause; truncated otherwise; the node opens it, QEMU inherits it),
+/// jailed by `jail` in its own session and in the cgroup `cg` ([`spawn_in_cgroup`]), and
+/// reaps it from a thread when it exits.
 /// Returns its pid and start time (`/proc/PID/stat` field 22, to recognise it after a node
 /// restart).
 ///
@@ -165,6 +514,7 @@ pub fn spawn_logged(
     dir: &Path,
     cg: &SandboxCgroup,
     append: bool,
+    jail: &Jail,
 ) -> NodeResult<(i32, u64)> {
     let log = std::fs::OpenOptions::new()
         .create(true)
@@ -179,7 +529,7 @@ pub fn spawn_logged(
     cmd.stdin(std::process::Stdio::null())
         .stdout(log)
         .stderr(log2);
-    let mut child = spawn_in_cgroup(cmd, cg)?;
+    let mut child = spawn_in_cgroup(cmd, cg, dir, jail)?;
     let pid = child.id() as i32;
     // QEMU is our child until this process ends: reap it when it exits.
     std::thread::spawn(move || {
@@ -214,7 +564,7 @@ pub fn boot_failure(
     (pid, starttime): (i32, u64),
     err: &dyn std::fmt::Display,
 ) -> NodeError {
-    let console = dir.join("console.log");
+    let console = dir.join(CONSOLE_LOG);
     let failed = data_dir.join("failed");
     let keep = failed.join(format!("{id}.console.log"));
     let _ = std::fs::copy(&console, &keep);
@@ -232,4 +582,71 @@ pub fn boot_failure(
         ),
         std::io::Error::other("boot failed"),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chardev_on_an_inherited_listening_socket() {
+        assert_eq!(
+            chardev_on_fd("agent", AGENT_FD),
+            "socket,id=agent,fd=3,server=on,wait=off"
+        );
+    }
+
+    #[test]
+    fn a_root_qemu_gets_no_sockets_handed_over() {
+        let j = Jail::new(None, Accel::Tcg, &[(AGENT_SOCK, AGENT_FD)]);
+        assert!(j.sockets.is_empty() && j.groups.is_empty());
+        let j = Jail::new(Some(200_000), Accel::Tcg, &[(AGENT_SOCK, AGENT_FD)]);
+        assert_eq!(j.sockets, vec![(AGENT_SOCK, AGENT_FD)]);
+    }
+
+    #[test]
+    fn uids_are_per_sandbox_kept_and_released() {
+        let u = QemuUids::new(UidSlots::new(100_000));
+        let g = u.group().expect("a shared group");
+        let a = u.take("a").unwrap();
+        let b = u.take("b").unwrap();
+        assert!(a != b && a != g && b != g);
+        assert_eq!(u.take("a").unwrap(), a, "the same sandbox keeps its uid");
+        u.release("a");
+        u.keep("c", a);
+        assert_ne!(
+            u.take("d").unwrap(),
+            a,
+            "a re-adopted uid is not handed out again"
+        );
+        let j = u.jail(Some(b), Accel::Tcg, &[]);
+        assert_eq!(j.groups, vec![g]);
+    }
+
+    /// Needs root (chown).
+    #[test]
+    fn vm_dir_lets_the_uid_in_but_not_write() {
+        if !nix::unistd::Uid::effective().is_root() {
+            eprintln!("skipped: needs root (chown)");
+            return;
+        }
+        let d = tempfile::tempdir().unwrap();
+        let disk = d.path().join("scratch.img");
+        std::fs::write(&disk, b"x").unwrap();
+        prepare_vm_files(d.path(), &[&disk], 4_000_000).unwrap();
+        let md = std::fs::metadata(d.path()).unwrap();
+        assert_eq!(
+            (md.uid(), md.gid(), md.mode() & 0o7777),
+            (0, 4_000_000, 0o710)
+        );
+        for f in [disk, d.path().join(CONSOLE_LOG)] {
+            let md = std::fs::metadata(&f).unwrap();
+            assert_eq!(
+                (md.uid(), md.gid(), md.mode() & 0o7777),
+                (4_000_000, 4_000_000, 0o600),
+                "{}",
+                f.display()
+            );
+        }
+    }
 }

@@ -120,6 +120,31 @@ impl UidSlots {
         })
     }
 
+    /// The highest free slot, held until the lease is dropped: for ids the node holds for
+    /// its whole life (the QEMUs' shared group, see [`super::qemu::QemuUids`]), away from
+    /// the low slots that sandboxes take first and re-adopted ones hold.
+    ///
+    /// # Errors
+    /// `ResourceExhausted` when every slot is held.
+    pub fn allocate_highest(self: &Arc<Self>) -> NodeResult<UidLease> {
+        let mut used = self.used.lock().unwrap();
+        let slot = (0..self.slots)
+            .rev()
+            .find(|s| !used.contains_key(s))
+            .ok_or_else(|| {
+                NodeError::ResourceExhausted(format!(
+                    "no free host uid range: all {} ranges above uid {} are in use",
+                    self.slots, self.base
+                ))
+            })?;
+        used.insert(slot, 1);
+        Ok(UidLease {
+            owner: self.clone(),
+            base: self.base + slot * SLOT_SIZE,
+            slots: vec![slot],
+        })
+    }
+
     /// Hold whatever slots the range `host_base .. host_base + 65536` of a re-adopted jail
     /// overlaps (one when it is slot-aligned; a jail of an older version holds the shared
     /// base, i.e. slot 0, which several may share), so that no new jail gets an
@@ -187,6 +212,22 @@ mod tests {
             full.allocate(),
             Err(NodeError::ResourceExhausted(_))
         ));
+    }
+
+    #[test]
+    fn highest_slot_is_taken_from_the_top() {
+        let t = UidSlots::new(u32::MAX - 4 * SLOT_SIZE); // room for 3 slots
+        let top = t.allocate_highest().unwrap();
+        assert_eq!(top.slots, vec![2]);
+        let low = t.allocate().unwrap();
+        assert_eq!(low.slots, vec![0]);
+        let next = t.allocate_highest().unwrap();
+        assert_eq!(next.slots, vec![1]);
+        assert!(matches!(
+            t.allocate_highest(),
+            Err(NodeError::ResourceExhausted(_))
+        ));
+        drop((top, low, next));
     }
 
     #[test]

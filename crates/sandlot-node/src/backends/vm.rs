@@ -35,7 +35,7 @@ use super::function::{
     check_id, check_not_paused, freeze, proc_starttime, spawn_blocking, thaw, ExecPlan, StoredSpec,
 };
 use super::microvm::{find_binary, fnv, write_cpio, write_json, Accel, VmState, QEMU_OVERHEAD_MIB};
-use super::qemu::{boot_failure, fresh_identity, spawn_logged, AccelProbe};
+use super::qemu::{boot_failure, fresh_identity, spawn_logged, AccelProbe, AGENT_FD, AGENT_SOCK};
 use super::SandboxBackend;
 use crate::agent_client::AgentClient;
 use crate::cgroups::{CgroupRoot, Limits, SandboxCgroup};
@@ -76,6 +76,8 @@ pub struct VmConfig {
     pub agent_bin: PathBuf,
     /// The node's accelerator decision, shared with the `microvm` backend.
     pub probe: Arc<AccelProbe>,
+    /// Host uids of the QEMUs (one per sandbox), shared with the `microvm` backend.
+    pub uids: Arc<super::qemu::QemuUids>,
 }
 
 struct Vm {
@@ -278,18 +280,9 @@ impl VmBackend {
                 cfg.agent_bin.display()
             )));
         }
-        for d in ["vms", "images", "failed"] {
-            let p = cfg.dir.join(d);
-            std::fs::create_dir_all(&p)
-                .map_err(|e| NodeError::io(format!("create {}", p.display()), e))?;
-        }
-        // Guest memory (saved states), disks and consoles: host root only (QEMU runs as
-        // root), so no other host user reads a sandbox's RAM or files.
-        std::fs::set_permissions(
-            &cfg.dir,
-            std::os::unix::fs::PermissionsExt::from_mode(0o700),
-        )
-        .map_err(|e| NodeError::io(format!("chmod {}", cfg.dir.display()), e))?;
+        // Unprivileged QEMUs reach their VM directory and the shared read-only files only
+        // (see `super::qemu`).
+        super::qemu::prepare_backend_dir(&cfg.dir, &kernel, cfg.uids.group())?;
         let agent = std::fs::read(&cfg.agent_bin)
             .map_err(|e| NodeError::io(format!("read {}", cfg.agent_bin.display()), e))?;
         let agent_key = fnv(&[&agent]);
@@ -310,6 +303,12 @@ impl VmBackend {
         entries.push(("modules/order".into(), 0o644, Some(order.into_bytes())));
         let initrd = cfg.dir.join("initramfs.cpio");
         write_cpio(&initrd, &entries)
+            .and_then(|_| {
+                std::fs::set_permissions(
+                    &initrd,
+                    std::os::unix::fs::PermissionsExt::from_mode(0o444),
+                )
+            })
             .map_err(|e| NodeError::io(format!("write {}", initrd.display()), e))?;
         cgroups.ensure_parent()?;
         cfg.probe.start(&qemu, &cfg.kit_dir, &initrd);
@@ -398,6 +397,8 @@ impl VmBackend {
             })
             .await?;
         }
+        let uid = self.cfg.uids.take(&spec.id)?;
+        super::qemu::prepare_vm_files(&dir, &[&disk], uid)?;
         let memory_mib = spec.memory_mib.max(128);
         cg.create(&Limits {
             memory_bytes: (memory_mib + QEMU_OVERHEAD_MIB) << 20,
@@ -449,17 +450,18 @@ impl VmBackend {
             .args(["-device", "virtio-rng-pci"])
             .args(["-device", "virtio-serial-pci"])
             .arg("-chardev")
-            .arg(format!(
-                "socket,id=agent,path={},server=on,wait=off",
-                sock.display()
-            ))
+            .arg(super::qemu::chardev_on_fd("agent", AGENT_FD))
             .arg("-device")
             .arg(format!("virtserialport,chardev=agent,name={AGENT_PORT}"))
             .args([
                 "-sandbox",
                 "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
             ]);
-        let (pid, starttime) = spawn_logged(&mut cmd, &dir, cg, false)?;
+        let jail = self
+            .cfg
+            .uids
+            .jail(Some(uid), accel, &[(AGENT_SOCK, AGENT_FD)]);
+        let (pid, starttime) = spawn_logged(&mut cmd, &dir, cg, false, &jail)?;
         let state = VmState {
             id: spec.id.clone(),
             image: image.name.clone(),
@@ -478,6 +480,7 @@ impl VmBackend {
             qemu_args: Vec::new(),
             memory_saved: false,
             started_from: "cold".into(),
+            qemu_uid: Some(uid),
         };
         // Written before readiness so that a failed boot is cleaned up by pid too.
         write_json(&dir.join("boot.json"), &state)?;
@@ -546,6 +549,9 @@ impl VmBackend {
     /// Registers a running VM; `agent`: the connected client of its create (a new one
     /// would be a second connection on the guest's one stream).
     fn adopt(&self, state: VmState, agent: Option<AgentClient>) -> Arc<Vm> {
+        if let Some(uid) = state.qemu_uid {
+            self.cfg.uids.keep(&state.id, uid);
+        }
         let vm = Arc::new(Vm {
             cgroup: self.cgroups.sandbox(&state.id),
             agent: agent
@@ -585,6 +591,7 @@ impl VmBackend {
     async fn destroy(&self, id: &str) -> NodeResult<()> {
         let dir = self.vm_dir(id);
         let cg = self.cgroups.sandbox(id);
+        let (uids, id_) = (self.cfg.uids.clone(), id.to_string());
         spawn_blocking(move || {
             let st: Option<VmState> = ["state.json", "boot.json"].iter().find_map(|f| {
                 std::fs::read(dir.join(f))
@@ -607,6 +614,7 @@ impl VmBackend {
             }
             // Kills anything left in the group (a QEMU whose state file was lost) too.
             cg.group().destroy(Duration::from_secs(10))?;
+            uids.release(&id_);
             match std::fs::remove_dir_all(&dir) {
                 Ok(()) => Ok(()),
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),

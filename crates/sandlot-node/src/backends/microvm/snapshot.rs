@@ -40,8 +40,7 @@ use tokio::sync::{mpsc, oneshot};
 
 /// The saved memory and device state of a paused microVM.
 pub(super) const MEMORY_FILE: &str = "memory.state";
-/// QEMU's QMP socket in the VM directory.
-pub(super) const QMP_SOCK: &str = "qmp.sock";
+pub(super) use crate::backends::qemu::QMP_SOCK;
 /// How long the agent link may take to hand QEMU its last bytes before a pause gives up.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long saving or loading the state may take.
@@ -475,7 +474,9 @@ impl MicrovmBackend {
         for f in [QMP_SOCK, "agent.sock"] {
             let _ = std::fs::remove_file(dir.join(f));
         }
-        let (pid, start) = self.spawn_qemu(&args, &dir, &self.cgroups.sandbox(id), true)?;
+        // The same uid as before the pause (`qemu_uid`, held by the sandbox).
+        let jail = super::microvm_jail(&self.cfg.uids, vm.state.qemu_uid, vm.state.accel);
+        let (pid, start) = self.spawn_qemu(&args, &dir, &self.cgroups.sandbox(id), true, &jail)?;
         let res: NodeResult<Option<UnixStream>> = async {
             let d = dir.clone();
             let q = spawn_blocking(move || {

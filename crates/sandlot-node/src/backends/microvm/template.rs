@@ -26,6 +26,7 @@ use super::{
 };
 use crate::agent_client::AgentClient;
 use crate::backends::function::spawn_blocking;
+use crate::backends::qemu::{self, Jail};
 use crate::cgroups::{Limits, SandboxCgroup};
 use crate::node::{NodeError, NodeResult};
 use crate::qmp::Qmp;
@@ -107,11 +108,20 @@ impl MicrovmBackend {
         }
         let t0 = Instant::now();
         let (src, dst) = (tpl.join("scratch.img"), dir.join("scratch.img"));
-        spawn_blocking(move || crate::checkpoints::copy_disk(&src, &dst)).await?;
+        let uid = state.qemu_uid;
+        spawn_blocking(move || {
+            crate::checkpoints::copy_disk(&src, &dst)?;
+            match uid {
+                Some(uid) => crate::backends::qemu::give_file(&dst, uid),
+                None => Ok(()),
+            }
+        })
+        .await?;
         let copy_ms = t0.elapsed().as_millis() as u64;
         let mut a = args.to_vec();
         a.extend(["-incoming".to_string(), "defer".to_string()]);
-        let (pid, start) = self.spawn_qemu(&a, dir, cg, false)?;
+        let jail = super::microvm_jail(&self.cfg.uids, state.qemu_uid, state.accel);
+        let (pid, start) = self.spawn_qemu(&a, dir, cg, false, &jail)?;
         state.qemu_pid = pid;
         state.qemu_starttime = start;
         state.started_from = "template".into();
@@ -180,23 +190,34 @@ impl MicrovmBackend {
         let qemu = self.qemu.clone();
         let cg = self.cgroups.sandbox(&format!("tpl-{key}"));
         let building = self.templates_building.clone();
+        let uids = self.cfg.uids.clone();
         let timeout = match accel {
             Accel::Kvm => super::READY_TIMEOUT_KVM,
             Accel::Tcg => super::READY_TIMEOUT_TCG,
         };
         tokio::spawn(async move {
             let started = Instant::now();
-            let res = build(
-                &qemu,
-                &cg,
-                &tmp,
-                &fin,
-                &args,
-                scratch_mib,
-                memory_mib,
-                timeout,
-            )
-            .await;
+            // The build's QEMU has a uid of its own, given back when the build ends.
+            let owner = format!("tpl-{key}");
+            let res = match uids.take(&owner) {
+                Ok(uid) => {
+                    let jail = super::microvm_jail(&uids, Some(uid), accel);
+                    build(
+                        &qemu,
+                        &cg,
+                        &tmp,
+                        &fin,
+                        &args,
+                        scratch_mib,
+                        memory_mib,
+                        timeout,
+                        &jail,
+                    )
+                    .await
+                }
+                Err(e) => Err(e),
+            };
+            uids.release(&owner);
             match res {
                 Ok(bytes) => {
                     tracing::info!(backend = "microvm", template = %key, ms = started.elapsed().as_millis() as u64, bytes, "template snapshot made")
@@ -221,18 +242,28 @@ async fn build(
     scratch_mib: u64,
     memory_mib: u64,
     timeout: Duration,
+    jail: &Jail,
 ) -> NodeResult<u64> {
     let _ = std::fs::remove_dir_all(tmp);
     std::fs::create_dir_all(tmp)
         .map_err(|e| NodeError::io(format!("create {}", tmp.display()), e))?;
     let s = tmp.join("scratch.img");
-    spawn_blocking(move || make_scratch(&s, scratch_mib)).await?;
+    let (d, uid) = (tmp.to_path_buf(), jail.uid);
+    spawn_blocking(move || {
+        make_scratch(&s, scratch_mib)?;
+        if let Some(uid) = uid {
+            qemu::prepare_vm_dir(&d, uid)?;
+            qemu::give_file(&s, uid)?;
+        }
+        Ok(())
+    })
+    .await?;
     cg.create(&Limits {
         memory_bytes: (memory_mib + QEMU_OVERHEAD_MIB) << 20,
         cpu: 1.0,
         pids_max: QEMU_PIDS,
     })?;
-    let (pid, start) = spawn_qemu(qemu, args, tmp, cg, false)?;
+    let (pid, start) = spawn_qemu(qemu, args, tmp, cg, false, jail)?;
     let res: NodeResult<u64> = async {
         let relay = Relay::new(tmp.join("agent.sock"));
         let agent = AgentClient::with_connector(tmp.join("agent.sock"), relay.connector());
@@ -255,6 +286,16 @@ async fn build(
     for f in [QMP_SOCK, "agent.sock"] {
         let _ = std::fs::remove_file(tmp.join(f));
     }
+    // The template is root's alone from now on: its builder's uid goes to other sandboxes.
+    for f in ["scratch.img", qemu::CONSOLE_LOG] {
+        let p = tmp.join(f);
+        let _ = std::os::unix::fs::lchown(&p, Some(0), Some(0));
+    }
+    std::os::unix::fs::chown(tmp, Some(0), Some(0))
+        .and_then(|_| {
+            std::fs::set_permissions(tmp, std::os::unix::fs::PermissionsExt::from_mode(0o700))
+        })
+        .map_err(|e| NodeError::io(format!("chmod {}", tmp.display()), e))?;
     std::fs::rename(tmp, fin).map_err(|e| NodeError::io(format!("rename {}", tmp.display()), e))?;
     Ok(size)
 }
