@@ -12,9 +12,10 @@
 //!   image; `<key>` hashes the image name, creation time and layer paths.
 //! * `vms/<id>/` — one sandbox (owner root, group = its QEMU's uid, mode 0710):
 //!   `scratch.img` (owned by its QEMU's uid, mode 0600; a sparse ext4 file of `disk_mib` MiB made
-//!   with `mkfs.ext4`: the overlay's writable layer inside the guest), `agent.sock` (QEMU's
-//!   unix socket server behind the guest's virtio-serial port `org.sandlot.agent`: the
-//!   agent protocol of containers runs over it), `console.log` (the guest's serial
+//!   with `mkfs.ext4`: the overlay's writable layer inside the guest), `agent.sock` (the
+//!   unix socket behind the guest's virtio-serial port `org.sandlot.agent`, bound by the node
+//!   and served by QEMU on the inherited fd: the agent protocol of containers runs over it),
+//!   `qmp.sock` (QMP, likewise), `console.log` (the guest's serial
 //!   console), `qemu.log` (QEMU's own messages), `state.json` (written once the agent
 //!   answered: a directory without it is a half-created sandbox and is removed by
 //!   `readopt`).
