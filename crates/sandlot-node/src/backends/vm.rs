@@ -15,8 +15,9 @@
 //!   paths and the agent binary.
 //! * `vms/<id>/` — one sandbox: `disk.qcow2` (`qemu-img create -f qcow2 -b <base> -F
 //!   qcow2`, virtual size = the base's + `disk_mib` MiB; the guest grows its ext4 to it
-//!   online), `agent.sock`, `console.log`, `qemu.log`, `boot.json` / `state.json` — as for
-//!   `microvm`.
+//!   online), after checkpoints or in a fork more qcow2 layers (`layer-<hex>.qcow2`, see
+//!   [`chain`]), `agent.sock`, `qmp.sock`, `console.log`, `qemu.log`, `boot.json` /
+//!   `state.json` — as for `microvm`.
 //! * `failed/<id>.console.log` — the console of a VM that did not become ready (last 20).
 //!
 //! Boot: direct kernel boot (`-kernel` = the kit's kernel, `-initrd` = the initramfs,
@@ -31,6 +32,11 @@
 //! Accelerator, jailing (own cgroup with limits, `-sandbox on`, own session, re-adoption
 //! after a node restart), readiness deadline, failed-boot consoles, pause by cgroup freeze
 //! and delete are the `microvm` backend's ([`super::microvm`], [`super::qemu`]).
+//!
+//! Disk checkpoints and forks: live external qcow2 snapshots over QMP; a fork's disk is a
+//! new layer on the checkpoint's chain, shared by hard links, not copied ([`chain`]).
+mod chain;
+
 use super::function::{
     check_id, check_not_paused, freeze, proc_starttime, spawn_blocking, thaw, ExecPlan, StoredSpec,
 };
@@ -39,6 +45,7 @@ use super::qemu::{boot_failure, fresh_identity, spawn_logged, AccelProbe};
 use super::SandboxBackend;
 use crate::agent_client::AgentClient;
 use crate::cgroups::{CgroupRoot, Limits, SandboxCgroup};
+use crate::checkpoints::{Captured, Checkpoint};
 use crate::files::{file_entry, node_error};
 use crate::images::Image;
 use crate::node::{ExecControl, ExecSink, NodeError, NodeResult, SandboxSpec, SandboxStatus};
@@ -85,6 +92,9 @@ struct Vm {
     deleting: RwLock<bool>,
     killed: watch::Sender<bool>,
     paused: AtomicBool,
+    /// Serialises pause, resume and checkpoints (a checkpoint's QMP calls would stall on a
+    /// frozen QEMU).
+    lifecycle: tokio::sync::Mutex<()>,
 }
 
 /// The vm backend: q35 VMs by id.
@@ -377,14 +387,26 @@ impl VmBackend {
         spec: &SandboxSpec,
         image: &Image,
         cg: &SandboxCgroup,
+        seed: Option<&Checkpoint>,
     ) -> NodeResult<(VmState, AgentClient)> {
         let accel = self.cfg.probe.wait().await;
-        let base = self.image_disk(image).await?;
         let dir = self.vm_dir(&spec.id);
-        let disk = dir.join("disk.qcow2");
-        {
-            let (base, disk, qemu_img) = (base.clone(), disk.clone(), self.qemu_img.clone());
-            let extra = spec.disk_mib.max(16) << 20;
+        let mib = spec.disk_mib.max(16);
+        let active = if let Some(ck) = seed {
+            // A fork: a new layer on the checkpoint's chain (its disk can only grow).
+            if mib < ck.meta.disk_mib {
+                return Err(NodeError::InvalidArgument(format!(
+                    "disk_mib {mib} is smaller than checkpoint {}'s disk ({} MiB)",
+                    ck.meta.id, ck.meta.disk_mib
+                )));
+            }
+            let (qemu_img, ck_dir, d) = (self.qemu_img.clone(), ck.dir.clone(), dir.clone());
+            let grow = (mib - ck.meta.disk_mib) << 20;
+            spawn_blocking(move || chain::seed_fork(&qemu_img, &ck_dir, &d, grow)).await?
+        } else {
+            let base = self.image_disk(image).await?;
+            let (disk, qemu_img) = (chain::layer_path(&dir, chain::FIRST), self.qemu_img.clone());
+            let extra = mib << 20;
             spawn_blocking(move || {
                 let size = qcow2_size(&base)? + extra;
                 run_tool(
@@ -397,7 +419,9 @@ impl VmBackend {
                 )
             })
             .await?;
-        }
+            chain::FIRST.to_string()
+        };
+        let disk = chain::layer_path(&dir, &active);
         let memory_mib = spec.memory_mib.max(128);
         cg.create(&Limits {
             memory_bytes: (memory_mib + QEMU_OVERHEAD_MIB) << 20,
@@ -441,8 +465,10 @@ impl VmBackend {
             .arg("-serial")
             .arg(format!("file:{}", dir.join("console.log").display()))
             .arg("-drive")
+            // The node name is the layer's file stem: checkpoints find the active layer
+            // by it ([`chain`]).
             .arg(format!(
-                "id=root,file={},format=qcow2,if=none,discard=unmap",
+                "id=root,node-name={active},file={},format=qcow2,if=none,discard=unmap",
                 disk.display()
             ))
             .args(["-device", "virtio-blk-pci,drive=root,serial=root"])
@@ -455,6 +481,12 @@ impl VmBackend {
             ))
             .arg("-device")
             .arg(format!("virtserialport,chardev=agent,name={AGENT_PORT}"))
+            // Checkpoints install new disk layers through QMP.
+            .arg("-qmp")
+            .arg(format!(
+                "unix:{},server=on,wait=off",
+                dir.join(chain::QMP_SOCK).display()
+            ))
             .args([
                 "-sandbox",
                 "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
@@ -553,6 +585,7 @@ impl VmBackend {
             deleting: RwLock::new(false),
             killed: watch::channel(false).0,
             paused: AtomicBool::new(false),
+            lifecycle: tokio::sync::Mutex::new(()),
             state,
         });
         self.vms
@@ -578,6 +611,82 @@ impl VmBackend {
             )));
         }
         Ok(vm)
+    }
+
+    /// Creates `spec`, its disk a new layer on `seed`'s chain when given (a fork).
+    async fn create_with(
+        &self,
+        spec: &SandboxSpec,
+        image: &Image,
+        seed: Option<&Checkpoint>,
+    ) -> NodeResult<()> {
+        check_id(&spec.id)?;
+        let dir = self.vm_dir(&spec.id);
+        match std::fs::create_dir(&dir) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                return Err(NodeError::Conflict(format!(
+                    "sandbox {} already exists",
+                    spec.id
+                )))
+            }
+            Err(e) => return Err(NodeError::io(format!("create {}", dir.display()), e)),
+        }
+        let cg = self.cgroups.sandbox(&spec.id);
+        match self.create_inner(spec, image, &cg, seed).await {
+            Ok((state, agent)) => {
+                self.adopt(state, Some(agent));
+                tracing::info!(sandbox = %spec.id, backend = "vm", "sandbox created");
+                Ok(())
+            }
+            Err(e) => {
+                if let Err(c) = self.destroy(&spec.id).await {
+                    tracing::warn!(sandbox = %spec.id, error = %c, "cleanup after a failed create");
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// A checkpoint of VM `id` (see [`chain`]): `sync` in the guest (its page cache reaches
+    /// the disk), then the active qcow2 layer is frozen under a new one (QMP
+    /// `blockdev-snapshot`) and its chain linked into `dest`.
+    async fn checkpoint_disk(&self, id: &str, dest: &Path) -> NodeResult<Captured> {
+        let vm = self.get(id)?;
+        let _life = vm.lifecycle.lock().await;
+        if vm.paused.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(NodeError::Conflict(format!(
+                "sandbox {id} is paused; resume it before a checkpoint (the guest must flush its disk first)"
+            )));
+        }
+        let mut req = ExecRequest::new(sandlot_api::Cmd::Argv(vec!["sync".into()]));
+        req.timeout_s = Some(60.0);
+        let r = self.run_exec(id, &req, None, None).await?;
+        if r.exit_code != 0 {
+            return Err(NodeError::io(
+                format!("sync in VM {id}: exit {}: {}", r.exit_code, r.stderr),
+                std::io::Error::other("guest sync failed"),
+            ));
+        }
+        // No delete while the layers change.
+        let guard = vm.deleting.read().await;
+        if *guard {
+            return Err(NodeError::NotFound(format!(
+                "sandbox {id} is being deleted"
+            )));
+        }
+        let (qemu_img, dir, dest) = (self.qemu_img.clone(), self.vm_dir(id), dest.to_path_buf());
+        let started = Instant::now();
+        spawn_blocking(move || chain::snapshot(&qemu_img, &dir, &dest)).await?;
+        drop(guard);
+        tracing::info!(sandbox = %id, backend = "vm", ms = started.elapsed().as_millis() as u64, "disk layer frozen for a checkpoint");
+        Ok(Captured {
+            backend: Backend::Vm,
+            image: vm.state.image.clone(),
+            runtime: None,
+            uid_base: None,
+            disk_mib: vm.state.spec.disk_mib.max(16),
+        })
     }
 
     /// Kills the QEMU of `id` (from `state.json` or `boot.json`), removes its cgroup and
@@ -624,32 +733,20 @@ impl SandboxBackend for VmBackend {
     }
 
     async fn create(&self, spec: &SandboxSpec, image: &Image) -> NodeResult<()> {
-        check_id(&spec.id)?;
-        let dir = self.vm_dir(&spec.id);
-        match std::fs::create_dir(&dir) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
-                return Err(NodeError::Conflict(format!(
-                    "sandbox {} already exists",
-                    spec.id
-                )))
-            }
-            Err(e) => return Err(NodeError::io(format!("create {}", dir.display()), e)),
-        }
-        let cg = self.cgroups.sandbox(&spec.id);
-        match self.create_inner(spec, image, &cg).await {
-            Ok((state, agent)) => {
-                self.adopt(state, Some(agent));
-                tracing::info!(sandbox = %spec.id, backend = "vm", "sandbox created");
-                Ok(())
-            }
-            Err(e) => {
-                if let Err(c) = self.destroy(&spec.id).await {
-                    tracing::warn!(sandbox = %spec.id, error = %c, "cleanup after a failed create");
-                }
-                Err(e)
-            }
-        }
+        self.create_with(spec, image, None).await
+    }
+
+    async fn create_from(
+        &self,
+        spec: &SandboxSpec,
+        image: &Image,
+        checkpoint: &Checkpoint,
+    ) -> NodeResult<()> {
+        self.create_with(spec, image, Some(checkpoint)).await
+    }
+
+    async fn checkpoint(&self, id: &str, dest: &Path) -> NodeResult<Captured> {
+        self.checkpoint_disk(id, dest).await
     }
 
     fn has(&self, id: &str) -> bool {
@@ -723,11 +820,13 @@ impl SandboxBackend for VmBackend {
 
     async fn pause(&self, id: &str) -> NodeResult<()> {
         let vm = self.get(id)?;
+        let _life = vm.lifecycle.lock().await;
         freeze(id, "vm", &vm.deleting, &vm.paused, vm.cgroup.group()).await
     }
 
     async fn resume(&self, id: &str) -> NodeResult<()> {
         let vm = self.get(id)?;
+        let _life = vm.lifecycle.lock().await;
         thaw(id, "vm", &vm.deleting, &vm.paused, vm.cgroup.group()).await
     }
 
