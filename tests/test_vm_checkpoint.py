@@ -7,6 +7,8 @@ layer on that chain (hard links, no copy). Checked here:
   the parent is re-adopted, keeps writing, and checkpoints again (the active layer is found
   from QEMU's node names, not from node memory);
 * a fork of the second checkpoint sees the files of both, not the parent's later writes;
+* pause with memory after checkpoints restarts QEMU on the layer it wrote last (read-write),
+  never on a frozen one, also when the node is killed while the VM is paused;
 * deleting the checkpoint and the parent while the fork runs leaves the fork's disk whole
   (its own links keep the layers), and after everything is deleted no layer file remains.
 
@@ -15,6 +17,7 @@ One private `sandlot up` (VMs boot in seconds under TCG: one test, three boots).
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -77,10 +80,25 @@ def chain(top: Path) -> list:
             if line.startswith("image: ")]
 
 
+def open_layers(pid: int) -> dict:
+    """``{path: read-write?}`` of the qcow2 files QEMU ``pid`` holds open."""
+    out = {}
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.endswith(".qcow2"):
+            flags = int(Path(f"/proc/{pid}/fdinfo/{fd.name}").read_text().split()[3], 8)
+            out[target] = out.get(target, False) or (flags & os.O_ACCMODE) == os.O_RDWR
+    return out
+
+
 def test_layers_survive_kill_9_and_outlive_their_holders(node):
     before = count_leaks(node.data_dir)
     c = sandlot.Client(node.url, timeout=180)
-    parent = c.create(backend="vm", image=IMAGE, memory_mib=256, ttl_s=900)
+    parent = c.create(backend="vm", image=IMAGE, memory_mib=256, ttl_s=900,
+                      labels={"vmck": "p"})
     vmdir = node.data_dir / "vm" / "vms" / parent.id
     parent.write_file("/workspace/one.txt", b"first\n")
     ck1 = parent.checkpoint()
@@ -102,6 +120,27 @@ def test_layers_survive_kill_9_and_outlive_their_holders(node):
     sh(parent, "echo after > /workspace/after.txt")
     ck3 = parent.checkpoint()  # the active layer is found again after the restart
     assert len(list(vmdir.glob("*.qcow2"))) == 4
+
+    # Pause with memory after the checkpoints, kill -9 while paused, resume: the new QEMU
+    # writes to the newest layer only.
+    sh(parent, "echo paused > /workspace/p.txt && sync")
+    assert c.pause({"vmck": "p"}) == [parent.id], node.log_tail()
+    st = json.loads((vmdir / "state.json").read_text())
+    assert st["memory_saved"] is True and (vmdir / "memory.state").is_file(), st
+    node.restart(signal.SIGKILL)
+    c = sandlot.Client(node.url, timeout=180)
+    assert c.get(parent.id).state == "paused"
+    assert c.resume({"vmck": "p"}) == [parent.id], node.log_tail()
+    st = json.loads((vmdir / "state.json").read_text())
+    held = open_layers(st["qemu_pid"])
+    writable = [p for p, rw in held.items() if rw]
+    assert len(writable) == 1, held
+    assert os.stat(writable[0]).st_mode & 0o222, f"QEMU writes a frozen layer: {held}"
+    # base ← disk ← ck2 ← ck3 ← active
+    assert Path(writable[0]).parent == vmdir and len(held) == 5, held
+    parent = c.get(parent.id)
+    assert parent.read_file("/workspace/p.txt") == b"paused\n"
+    sh(parent, "echo resumed > /workspace/r.txt && sync")
 
     fork = c.create(checkpoint=ck2, memory_mib=256, ttl_s=900)
     assert fork.backend == "vm"

@@ -30,8 +30,10 @@
 //! `org.sandlot.agent` (see `sandlot-guest`'s `vm` module).
 //!
 //! Accelerator, jailing (own cgroup with limits, `-sandbox on`, own session, re-adoption
-//! after a node restart), readiness deadline, failed-boot consoles, pause by cgroup freeze
-//! and delete are the `microvm` backend's ([`super::microvm`], [`super::qemu`]).
+//! after a node restart), readiness deadline, failed-boot consoles, pause with memory
+//! (the agent relay and the save/restore steps of [`snapshot`]; the `-drive` of the resume's
+//! command line is brought up to the active disk layer at each pause) and delete are the
+//! `microvm` backend's ([`super::microvm`], [`super::qemu`]).
 //!
 //! Disk checkpoints and forks: live external qcow2 snapshots over QMP; a fork's disk is a
 //! new layer on the checkpoint's chain, shared by hard links, not copied ([`chain`]).
@@ -40,8 +42,11 @@ mod chain;
 use super::function::{
     check_id, check_not_paused, freeze, proc_starttime, spawn_blocking, thaw, ExecPlan, StoredSpec,
 };
-use super::microvm::{find_binary, fnv, write_cpio, write_json, Accel, VmState, QEMU_OVERHEAD_MIB};
-use super::qemu::{boot_failure, fresh_identity, spawn_logged, AccelProbe};
+use super::microvm::snapshot::{self, ProcCell, QemuProc, Relay, QMP_SOCK};
+use super::microvm::{
+    find_binary, fnv, spawn_qemu, write_cpio, write_json, Accel, VmState, QEMU_OVERHEAD_MIB,
+};
+use super::qemu::{boot_failure, fresh_identity, AccelProbe};
 use super::SandboxBackend;
 use crate::agent_client::AgentClient;
 use crate::cgroups::{CgroupRoot, Limits, SandboxCgroup};
@@ -68,6 +73,8 @@ const READY_TIMEOUT_TCG: Duration = Duration::from_secs(180);
 const QEMU_PIDS: u64 = 160;
 /// Name of the guest's agent port.
 const AGENT_PORT: &str = "org.sandlot.agent";
+/// QEMU's option whose value names the root disk (rewritten at pause: see `pause`).
+const DRIVE_FLAG: &str = "-drive";
 /// Where the agent lives inside the disk (`sandlot-guest`'s `vm::DISK_AGENT`).
 const DISK_AGENT_DIR: &str = ".sandlot";
 
@@ -86,7 +93,15 @@ pub struct VmConfig {
 }
 
 struct Vm {
+    /// As created (`qemu_pid`: the first QEMU's, see `proc_`; `qemu_args`: see `args`).
     state: VmState,
+    /// The QEMU it runs in now (a resume starts a new one).
+    proc_: ProcCell,
+    /// The agent link that survives pause and resume.
+    relay: Arc<Relay>,
+    /// QEMU's command line for the next resume (`-drive` names the active disk layer as of
+    /// the last pause).
+    args: Mutex<Vec<String>>,
     cgroup: SandboxCgroup,
     agent: AgentClient,
     deleting: RwLock<bool>,
@@ -108,6 +123,15 @@ pub struct VmBackend {
     /// Serialises disk builds (one `mkfs.ext4 -d` at a time).
     convert: tokio::sync::Mutex<()>,
     vms: Mutex<HashMap<String, Arc<Vm>>>,
+}
+
+/// The `-drive` value of the root disk whose active layer is `DIR/<stem>.qcow2`; the node
+/// name is the stem, so checkpoints find the active layer by it ([`chain`]).
+fn drive_arg(dir: &Path, stem: &str) -> String {
+    format!(
+        "id=root,node-name={stem},file={},format=qcow2,if=none,discard=unmap",
+        chain::layer_path(dir, stem).display()
+    )
 }
 
 fn run_tool(cmd: &mut std::process::Command, what: &str) -> NodeResult<()> {
@@ -388,7 +412,7 @@ impl VmBackend {
         image: &Image,
         cg: &SandboxCgroup,
         seed: Option<&Checkpoint>,
-    ) -> NodeResult<(VmState, AgentClient)> {
+    ) -> NodeResult<(VmState, (AgentClient, Arc<Relay>))> {
         let accel = self.cfg.probe.wait().await;
         let dir = self.vm_dir(&spec.id);
         let mib = spec.disk_mib.max(16);
@@ -421,7 +445,6 @@ impl VmBackend {
             .await?;
             chain::FIRST.to_string()
         };
-        let disk = chain::layer_path(&dir, &active);
         let memory_mib = spec.memory_mib.max(128);
         cg.create(&Limits {
             memory_bytes: (memory_mib + QEMU_OVERHEAD_MIB) << 20,
@@ -438,8 +461,8 @@ impl VmBackend {
             append.push(' ');
             append.push_str(&extra);
         }
-        let mut cmd = std::process::Command::new(&self.qemu);
-        cmd.args([
+        let p = |p: &Path| p.display().to_string();
+        let mut args: Vec<String> = [
             "-M",
             "q35",
             "-nodefaults",
@@ -447,51 +470,46 @@ impl VmBackend {
             "-display",
             "none",
             "-no-reboot",
-        ]);
-        match accel {
-            Accel::Kvm => cmd.args(["-accel", "kvm", "-cpu", "host"]),
-            Accel::Tcg => cmd.args(["-accel", "tcg,thread=multi,tb-size=64", "-cpu", "max"]),
+        ]
+        .map(String::from)
+        .to_vec();
+        let accel_args = match accel {
+            Accel::Kvm => ["-accel", "kvm", "-cpu", "host"],
+            Accel::Tcg => ["-accel", "tcg,thread=multi,tb-size=64", "-cpu", "max"],
         };
-        cmd.arg("-smp")
-            .arg(smp.to_string())
-            .arg("-m")
-            .arg(format!("{memory_mib}M"))
-            .arg("-kernel")
-            .arg(self.cfg.kit_dir.join("vmlinuz"))
-            .arg("-initrd")
-            .arg(self.cfg.dir.join("initramfs.cpio"))
-            .arg("-append")
-            .arg(&append)
-            .arg("-serial")
-            .arg(format!("file:{}", dir.join("console.log").display()))
-            .arg("-drive")
-            // The node name is the layer's file stem: checkpoints find the active layer
-            // by it ([`chain`]).
-            .arg(format!(
-                "id=root,node-name={active},file={},format=qcow2,if=none,discard=unmap",
-                disk.display()
-            ))
-            .args(["-device", "virtio-blk-pci,drive=root,serial=root"])
-            .args(["-device", "virtio-rng-pci"])
-            .args(["-device", "virtio-serial-pci"])
-            .arg("-chardev")
-            .arg(format!(
-                "socket,id=agent,path={},server=on,wait=off",
-                sock.display()
-            ))
-            .arg("-device")
-            .arg(format!("virtserialport,chardev=agent,name={AGENT_PORT}"))
-            // Checkpoints install new disk layers through QMP.
-            .arg("-qmp")
-            .arg(format!(
-                "unix:{},server=on,wait=off",
-                dir.join(chain::QMP_SOCK).display()
-            ))
-            .args([
-                "-sandbox",
-                "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
-            ]);
-        let (pid, starttime) = spawn_logged(&mut cmd, &dir, cg, false)?;
+        args.extend(accel_args.map(String::from));
+        args.extend([
+            "-smp".into(),
+            smp.to_string(),
+            "-m".into(),
+            format!("{memory_mib}M"),
+            "-kernel".into(),
+            p(&self.cfg.kit_dir.join("vmlinuz")),
+            "-initrd".into(),
+            p(&self.cfg.dir.join("initramfs.cpio")),
+            "-append".into(),
+            append.clone(),
+            "-serial".into(),
+            format!("file:{}", p(&dir.join("console.log"))),
+            DRIVE_FLAG.into(),
+            drive_arg(&dir, &active),
+            "-device".into(),
+            "virtio-blk-pci,drive=root,serial=root".into(),
+            "-device".into(),
+            "virtio-rng-pci".into(),
+            "-device".into(),
+            "virtio-serial-pci".into(),
+            "-chardev".into(),
+            format!("socket,id=agent,path={},server=on,wait=off", p(&sock)),
+            "-device".into(),
+            format!("virtserialport,chardev=agent,name={AGENT_PORT}"),
+            // Checkpoints install disk layers, pause saves memory, through QMP.
+            "-qmp".into(),
+            format!("unix:{},server=on,wait=off", p(&dir.join(QMP_SOCK))),
+            "-sandbox".into(),
+            "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny".into(),
+        ]);
+        let (pid, starttime) = spawn_qemu(&self.qemu, &args, &dir, cg, false)?;
         let state = VmState {
             id: spec.id.clone(),
             image: image.name.clone(),
@@ -506,14 +524,16 @@ impl VmBackend {
                 pids_max: spec.pids_max,
                 env: spec.env.clone(),
             },
-            // The q35 backend pauses by cgroup freeze (no memory snapshots yet).
-            qemu_args: Vec::new(),
+            // A resume restarts QEMU with these (the drive's layer brought up to date at
+            // pause, see `pause`).
+            qemu_args: args,
             memory_saved: false,
             started_from: "cold".into(),
         };
         // Written before readiness so that a failed boot is cleaned up by pid too.
         write_json(&dir.join("boot.json"), &state)?;
-        let agent = AgentClient::new(&sock);
+        let relay = Relay::new(sock.clone());
+        let agent = AgentClient::with_connector(&sock, relay.connector());
         let timeout = match accel {
             Accel::Kvm => READY_TIMEOUT_KVM,
             Accel::Tcg => READY_TIMEOUT_TCG,
@@ -534,7 +554,7 @@ impl VmBackend {
         agent.set_identity(&fresh_identity(&spec.id)).await?;
         tracing::info!(sandbox = %spec.id, backend = "vm", accel = accel.as_str(), ms = started.elapsed().as_millis() as u64, "VM agent ready");
         write_json(&dir.join("state.json"), &state)?;
-        Ok((state, agent))
+        Ok((state, (agent, relay)))
     }
 
     /// One exec through the VM's agent ([`super::agent_exec`]); `oom_killed` stays false
@@ -558,8 +578,8 @@ impl VmBackend {
         let mut plan = ExecPlan::build(&vm.state.image_env, &vm.state.spec, req)?;
         plan.spec.own_pid_ns = true;
         plan.spec.landlock = false;
-        let (pid, start) = (vm.state.qemu_pid, vm.state.qemu_starttime);
-        let died = move || proc_starttime(pid) != Some(start);
+        let cell = vm.proc_.clone();
+        let died = move || !cell.lock().unwrap().exists();
         let target = super::agent_exec::Target {
             id,
             kind: "VM",
@@ -575,16 +595,28 @@ impl VmBackend {
         self.vms.lock().unwrap().get(id).map(|v| v.state.accel)
     }
 
-    /// Registers a running VM; `agent`: the connected client of its create (a new one
-    /// would be a second connection on the guest's one stream).
-    fn adopt(&self, state: VmState, agent: Option<AgentClient>) -> Arc<Vm> {
+    /// Registers a running (or paused with memory) VM; `agent`: the connected client and
+    /// relay of its create (a new one would be a second connection on the guest's one
+    /// stream).
+    fn adopt(&self, state: VmState, agent: Option<(AgentClient, Arc<Relay>)>) -> Arc<Vm> {
+        let sock = self.vm_dir(&state.id).join("agent.sock");
+        let (agent, relay) = agent.unwrap_or_else(|| {
+            let relay = Relay::new(sock.clone());
+            (AgentClient::with_connector(&sock, relay.connector()), relay)
+        });
         let vm = Arc::new(Vm {
             cgroup: self.cgroups.sandbox(&state.id),
-            agent: agent
-                .unwrap_or_else(|| AgentClient::new(self.vm_dir(&state.id).join("agent.sock"))),
+            proc_: Arc::new(Mutex::new(QemuProc {
+                pid: state.qemu_pid,
+                start: state.qemu_starttime,
+                saved: state.memory_saved,
+            })),
+            relay,
+            args: Mutex::new(state.qemu_args.clone()),
+            agent,
             deleting: RwLock::new(false),
             killed: watch::channel(false).0,
-            paused: AtomicBool::new(false),
+            paused: AtomicBool::new(state.memory_saved),
             lifecycle: tokio::sync::Mutex::new(()),
             state,
         });
@@ -604,10 +636,11 @@ impl VmBackend {
             )));
         }
         check_not_paused(&vm.paused, id)?;
-        if proc_starttime(vm.state.qemu_pid) != Some(vm.state.qemu_starttime) {
+        let cur = *vm.proc_.lock().unwrap();
+        if !cur.exists() {
             return Err(NodeError::Conflict(format!(
                 "sandbox {id} is not running (its QEMU {} is gone)",
-                vm.state.qemu_pid
+                cur.pid
             )));
         }
         Ok(vm)
@@ -687,6 +720,24 @@ impl VmBackend {
             uid_base: None,
             disk_mib: vm.state.spec.disk_mib.max(16),
         })
+    }
+
+    /// The pause/resume [`snapshot::Target`] of `vm`.
+    fn target<'a>(&'a self, vm: &'a Vm) -> snapshot::Target<'a> {
+        snapshot::Target {
+            backend: "vm",
+            dir: self.vm_dir(&vm.state.id),
+            qemu: &self.qemu,
+            cgroup: &vm.cgroup,
+            state: VmState {
+                qemu_args: vm.args.lock().unwrap().clone(),
+                ..vm.state.clone()
+            },
+            deleting: &vm.deleting,
+            paused: &vm.paused,
+            relay: &vm.relay,
+            proc_: &vm.proc_,
+        }
     }
 
     /// Kills the QEMU of `id` (from `state.json` or `boot.json`), removes its cgroup and
@@ -818,16 +869,39 @@ impl SandboxBackend for VmBackend {
         vm.agent.mkdir(path, parents).await.map_err(node_error)
     }
 
+    /// Saves memory and device state to `memory.state` and stops QEMU (the `microvm`
+    /// backend's steps, [`snapshot`]); a VM without QEMU arguments on record (created by
+    /// an older node, no QMP socket) is frozen in its cgroup instead.
     async fn pause(&self, id: &str) -> NodeResult<()> {
         let vm = self.get(id)?;
         let _life = vm.lifecycle.lock().await;
-        freeze(id, "vm", &vm.deleting, &vm.paused, vm.cgroup.group()).await
+        if vm.state.qemu_args.is_empty() {
+            return freeze(id, "vm", &vm.deleting, &vm.paused, vm.cgroup.group()).await;
+        }
+        if !vm.paused.load(std::sync::atomic::Ordering::SeqCst) && vm.proc_.lock().unwrap().exists()
+        {
+            // Checkpoints may have moved the disk to a newer layer: the restored QEMU must
+            // open the one QEMU writes to now.
+            let dir = self.vm_dir(id);
+            let active = spawn_blocking(move || chain::active_layer(&dir)).await?;
+            let drive = drive_arg(&self.vm_dir(id), &active);
+            let mut args = vm.args.lock().unwrap();
+            if let Some(i) = args.iter().position(|a| a == DRIVE_FLAG) {
+                if let Some(v) = args.get_mut(i + 1) {
+                    *v = drive;
+                }
+            }
+        }
+        snapshot::pause(&self.target(&vm)).await
     }
 
     async fn resume(&self, id: &str) -> NodeResult<()> {
         let vm = self.get(id)?;
         let _life = vm.lifecycle.lock().await;
-        thaw(id, "vm", &vm.deleting, &vm.paused, vm.cgroup.group()).await
+        if vm.state.qemu_args.is_empty() {
+            return thaw(id, "vm", &vm.deleting, &vm.paused, vm.cgroup.group()).await;
+        }
+        snapshot::resume(&self.target(&vm)).await
     }
 
     async fn delete(&self, id: &str) -> NodeResult<()> {
@@ -857,7 +931,7 @@ impl SandboxBackend for VmBackend {
             .map(|v| SandboxStatus {
                 id: v.state.id.clone(),
                 backend: Backend::Vm,
-                alive: proc_starttime(v.state.qemu_pid) == Some(v.state.qemu_starttime),
+                alive: v.proc_.lock().unwrap().exists(),
             })
             .collect()
     }
@@ -880,12 +954,40 @@ impl SandboxBackend for VmBackend {
             let state: Option<VmState> = std::fs::read(self.vm_dir(&name).join("state.json"))
                 .ok()
                 .and_then(|s| serde_json::from_slice(&s).ok());
+            let dir = self.vm_dir(&name);
             match state {
                 Some(st)
                     if st.id == name
                         && keep.contains(&name)
+                        && st.memory_saved
+                        && dir.join(snapshot::MEMORY_FILE).is_file() =>
+                {
+                    // Paused with memory: a QEMU left from a pause cut short goes.
+                    let (pid, start) = (st.qemu_pid, st.qemu_starttime);
+                    spawn_blocking(move || {
+                        snapshot::kill_and_wait(pid, start);
+                        Ok(())
+                    })
+                    .await?;
+                    self.adopt(st, None);
+                    tracing::info!(sandbox = %name, backend = "vm", "sandbox re-adopted (paused with memory file)");
+                    adopted.push(name);
+                }
+                Some(st)
+                    if st.id == name
+                        && keep.contains(&name)
+                        && !st.memory_saved
                         && proc_starttime(st.qemu_pid) == Some(st.qemu_starttime) =>
                 {
+                    if !st.qemu_args.is_empty() {
+                        // A pause cut short between `stop` and `state.json`: run it again.
+                        let d = dir.clone();
+                        spawn_blocking(move || {
+                            snapshot::continue_if_stopped(&d);
+                            Ok(())
+                        })
+                        .await?;
+                    }
                     self.adopt(st, None);
                     tracing::info!(sandbox = %name, backend = "vm", "sandbox re-adopted");
                     adopted.push(name);

@@ -45,8 +45,7 @@ use std::time::{Duration, Instant};
 pub const TOP: &str = "top.qcow2";
 /// File stem of a cold-booted VM's first layer.
 pub const FIRST: &str = "disk";
-/// QEMU's QMP socket in the VM directory.
-pub const QMP_SOCK: &str = "qmp.sock";
+use crate::backends::microvm::snapshot::QMP_SOCK;
 /// How long one QMP answer may take (a `blockdev-snapshot` drains the disk's I/O).
 const QMP_TIMEOUT: Duration = Duration::from_secs(60);
 /// Longest chain followed (a loop in corrupt headers stops here).
@@ -177,6 +176,20 @@ fn active_stem(q: &mut Qmp) -> NodeResult<String> {
         ));
     }
     Ok(node.to_string())
+}
+
+/// The stem of the layer the running VM in `dir` writes to now (QMP `query-block`).
+/// Blocking.
+///
+/// # Errors
+/// `Internal` when QMP fails.
+pub fn active_layer(dir: &Path) -> NodeResult<String> {
+    let mut q = Qmp::connect(
+        &dir.join(QMP_SOCK),
+        Instant::now() + Duration::from_secs(5),
+        QMP_TIMEOUT,
+    )?;
+    active_stem(&mut q)
 }
 
 /// Freezes the active layer of the running VM in `dir` (QMP socket [`QMP_SOCK`]) and links
