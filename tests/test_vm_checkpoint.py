@@ -10,7 +10,8 @@ layer on that chain (hard links, no copy). Checked here:
 * pause with memory after checkpoints restarts QEMU on the layer it wrote last (read-write),
   never on a frozen one, also when the node is killed while the VM is paused;
 * deleting the checkpoint and the parent while the fork runs leaves the fork's disk whole
-  (its own links keep the layers), and after everything is deleted no layer file remains.
+  (its own links keep the layers), a fork of that fork boots on the same chain, and after
+  everything is deleted no layer file remains.
 
 One private `sandlot up` (VMs boot in seconds under TCG: one test, three boots).
 """
@@ -157,6 +158,13 @@ def test_layers_survive_kill_9_and_outlive_their_holders(node):
     sh(fork, "(echo 3 > /proc/sys/vm/drop_caches) 2>/dev/null; cat /workspace/one.txt /workspace/two.txt "
              "> /dev/null && echo mine > /workspace/f && sync")
     assert fork.read_file("/workspace/f") == b"mine\n"
+    # A fork of the fork: its chain runs through layers whose other holders are gone.
+    ck4 = fork.checkpoint()
+    fork2 = c.create(checkpoint=ck4, memory_mib=256, ttl_s=900)
+    assert fork2.read_file("/workspace/f") == b"mine\n"
+    assert fork2.read_file("/workspace/one.txt") == b"first\n"
+    c.delete_checkpoint(ck4)
+    fork2.delete()
     fork.delete()
     wait_no_leaks(node.data_dir, before, timeout=60, what="vm checkpoint layers")
     left = [p for p in (node.data_dir / "vm" / "vms").rglob("*.qcow2")]
