@@ -2,7 +2,7 @@
 DSec's ``pack_diff``).
 
 A checkpoint saves a sandbox's writable layer (incremental on its image); forks start from
-a copy of it. Each fork sees the parent's files, not the image file the parent deleted
+a copy of it (vm: a new qcow2 layer on it). Each fork sees the parent's files, not the image file the parent deleted
 (an overlay whiteout), and on the microVM not the contents of a directory the parent
 replaced (an opaque directory); each fork has its own entropy, hostname (= its id) and
 /etc/machine-id; a write in one fork shows in no other sandbox. After the forks and the
