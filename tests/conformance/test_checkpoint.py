@@ -135,6 +135,21 @@ def test_checkpoint_bad_input(backend, make, client):
     client.delete_checkpoint(ck)  # twice: fine
 
 
+def test_fork_smaller_than_its_checkpoint_is_the_callers_error(backend, make, client):
+    """A fork whose ``disk_mib`` cannot hold the checkpoint's writable layer is refused with
+    400 (the caller's size choice), not 429 (the node is not out of anything)."""
+    if backend.backend not in ("container", "microvm"):
+        pytest.skip(f"{backend.name}: the fork's disk_mib is not a quota that the copy fills")
+    box = make(memory_mib=128, disk_mib=128)
+    sh(box, "head -c 48M /dev/urandom > /root/big && sync")
+    ck = box.checkpoint()
+    try:
+        with pytest.raises(sandlot.InvalidArgument, match="disk_mib"):
+            client.create(checkpoint=ck, disk_mib=16, ttl_s=60)
+    finally:
+        client.delete_checkpoint(ck)
+
+
 def test_fork_never_follows_symlinks_planted_in_the_layer(backend, make, client, tmp_path):
     """A sandbox replaces /workspace, /root, /tmp and /etc by symlinks to host paths, then
     is checkpointed and forked: the node prepares the fork's layer as host root, and must

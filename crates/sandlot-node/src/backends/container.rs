@@ -485,7 +485,15 @@ impl ContainerBackend {
                     .map_err(|e| NodeError::io(format!("chmod {}", dir.display()), e))?;
                 mount_scratch(&templates, &dir, disk_mib)?;
                 if let Some((layer, shift)) = &seed {
-                    crate::checkpoints::copy_layer(layer, &dir.join("scratch/upper"), *shift)?;
+                    // The copy goes into the fork's own disk: full means disk_mib is too
+                    // small for the checkpoint, the caller's choice (400), not the node's.
+                    crate::checkpoints::copy_layer(layer, &dir.join("scratch/upper"), *shift)
+                        .map_err(|e| match e {
+                            NodeError::ResourceExhausted(m) => NodeError::InvalidArgument(format!(
+                                "disk_mib {disk_mib} is too small: {m}"
+                            )),
+                            e => e,
+                        })?;
                 }
                 make_layer_dirs(&dir.join("scratch"), uid_base)?;
                 // A machine-id(5) of its own (a fork's replaces its checkpoint's).
