@@ -20,7 +20,13 @@ Figures per backend:
            vm, EROFS for microvm) in a fresh data dir: once per image on a node.
   exec     round trip of `true` through the agent in one live sandbox, p50/p99.
 
-`measure_backend()` is the reusable part (e.g. for bench/microvm.py).
+With `--ops` (instead of the boot figures; section "QEMU backends: checkpoint, fork,
+pause"), per backend, in one sandbox of 512 MiB, `rounds` times: write 16 MiB of new data
+(untimed), then time `POST /v1/sandboxes/{id}/checkpoints`, `POST /v1/sandboxes:pause`
+(memory saved, QEMU stopped) and `:resume`; then time the API create of a fork of the last
+checkpoint (boot included) and report the checkpoint's `size_bytes`.
+
+`measure_backend()` and `measure_ops()` are the reusable parts (e.g. for bench/microvm.py).
 """
 
 from __future__ import annotations
@@ -96,6 +102,86 @@ def measure_backend(
     }
 
 
+def measure_ops(api: R.Api, backend: str, image: str, rounds: int) -> dict:
+    """Checkpoint, pause and resume times of one `backend` sandbox over `rounds` rounds,
+    then one fork create (see the module docs). Returns ms figures."""
+    sid = api.create(image, backend=backend, ttl_s=900, memory_mib=512)
+    sel = {"labels": {R.BENCH_LABEL: api.run_id}}
+    cks, pauses, resumes, cids = [], [], [], []
+    size = None
+    try:
+        for i in range(rounds):
+            r = api.exec(sid, ["sh", "-c", f"head -c 16777216 /dev/urandom > /tmp/b{i} && sync"],
+                         timeout_s=120)
+            if r.get("exit_code") != 0:
+                raise R.BenchError(f"write in {backend}: {r}")
+            t = time.monotonic()
+            resp = api.request("POST", f"/v1/sandboxes/{sid}/checkpoints")
+            cks.append((time.monotonic() - t) * 1000)
+            api._check(resp, (201,), "checkpoint")
+            cids.append(resp.json()["checkpoint_id"])
+            size = resp.json()["size_bytes"]
+            for path, acc in (("pause", pauses), ("resume", resumes)):
+                t = time.monotonic()
+                resp = api.request("POST", f"/v1/sandboxes:{path}", json=sel)
+                acc.append((time.monotonic() - t) * 1000)
+                api._check(resp, (200,), path)
+                if resp.json().get("sandboxes") != [sid]:
+                    raise R.BenchError(f"{path} {backend}: {resp.json()}")
+        t = time.monotonic()
+        fork = api.create(image, backend=backend, ttl_s=900, memory_mib=512,
+                          checkpoint=cids[-1])
+        fork_ms = (time.monotonic() - t) * 1000
+        api.delete(fork)
+    finally:
+        api.delete(sid)
+        for c in cids:
+            api.request("DELETE", f"/v1/checkpoints/{c}")
+    pq = lambda v, q: R.percentile(v, q) if v else None  # noqa: E731
+    return {
+        "backend": backend,
+        "rounds": rounds,
+        "checkpoint_p50_ms": pq(cks, 50),
+        "checkpoint_max_ms": max(cks),
+        "checkpoint_size_mib": (size or 0) / (1 << 20),
+        "pause_p50_ms": pq(pauses, 50),
+        "pause_max_ms": max(pauses),
+        "resume_p50_ms": pq(resumes, 50),
+        "resume_max_ms": max(resumes),
+        "fork_create_ms": fork_ms,
+    }
+
+
+def render_ops(meta: dict, rows: list[dict]) -> str:
+    f = R.fmt_ms
+    lines = [
+        f"## QEMU backends: checkpoint, fork, pause ({meta['date']}, {meta['accels']})",
+        "",
+        f"- Command: `{meta['command']}`",
+        f"- Machine: {meta['machine']}; load average at start {meta['load']}",
+        f"- Accelerator: **{meta['accels']}** (`/healthz` accel: {meta['accel_why']})",
+        "",
+        "| backend | accel | rounds | checkpoint p50 ms | max ms | last checkpoint size MiB | pause p50 ms | max ms | resume p50 ms | max ms | fork create ms (boot included) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| `{r['backend']}` | {meta['accels']} | {r['rounds']} | {f(r['checkpoint_p50_ms'])} | "
+            f"{f(r['checkpoint_max_ms'])} | {r['checkpoint_size_mib']:.1f} | {f(r['pause_p50_ms'])} | "
+            f"{f(r['pause_max_ms'])} | {f(r['resume_p50_ms'])} | {f(r['resume_max_ms'])} | "
+            f"{f(r['fork_create_ms'])} |"
+        )
+    lines += [
+        "",
+        "One 512 MiB sandbox per backend; each round writes 16 MiB of new data, then "
+        "checkpoints, pauses (memory to a file, QEMU stopped) and resumes it; API wall times. "
+        "`vm` checkpoints freeze a qcow2 layer (no copy: the size is the whole chain's "
+        "allocation, shared with the parent); `microvm` copies its scratch disk. Under TCG: "
+        "not KVM figures.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def render(meta: dict, rows: list[dict]) -> str:
     f = R.fmt_ms
     lines = [
@@ -136,6 +222,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--images-dir", default="/var/lib/sandlot/images")
     ap.add_argument("--write", metavar="PATH")
     ap.add_argument("--json", metavar="PATH")
+    ap.add_argument("--ops", action="store_true",
+                    help="checkpoint/fork/pause figures instead of boot figures")
+    ap.add_argument("--rounds", type=int, default=5, help="rounds of --ops (default 5)")
     args = ap.parse_args(argv)
     n = args.n or (3 if args.quick else 10)
     exec_calls = 10 if args.quick else 50
@@ -151,7 +240,10 @@ def main(argv: list[str] | None = None) -> int:
             if health["backends"].get(b) != "ok":
                 print(f"bench/vm.py: skipping {b}: {health['backends'].get(b)}", file=sys.stderr)
                 continue
-            row = measure_backend(api, server, b, args.image, n, exec_calls)
+            if args.ops:
+                row = measure_ops(api, b, args.image, args.rounds)
+            else:
+                row = measure_backend(api, server, b, args.image, n, exec_calls)
             print(json.dumps(row), flush=True)
             rows.append(row)
         health = api.request("GET", "/healthz").json()
@@ -171,14 +263,15 @@ def main(argv: list[str] | None = None) -> int:
         "accels": (accel.get("name") or "?").upper(),
         "accel_why": (accel.get("why") or "")[:120],
     }
-    text = render(meta, rows)
+    text = render_ops(meta, rows) if args.ops else render(meta, rows)
     print(text)
     if args.json:
         Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     if args.write:
         p = Path(args.write)
         old = p.read_text() if p.exists() else ""
-        key = f"vm-boot {meta['date'][:10]} {meta['accels']}"
+        kind = "vm-ops" if args.ops else "vm-boot"
+        key = f"{kind} {meta['date'][:10]} {meta['accels']}"
         p.write_text(R.upsert_section(old, key, text))
     return 0
 

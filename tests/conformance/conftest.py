@@ -111,8 +111,8 @@ REDUCED: Dict[str, FrozenSet[str]] = {
         # checkpoint (test_checkpoint.py): one case, 5 boots
         "test_checkpoint_forks_three_sandboxes",
     }),
-    # Each module's shared `sb` is one boot, each `make`/create test one more: 14 tests,
-    # ~9 boots of ~8 s each under TCG.
+    # Each module's shared `sb` is one boot, each `make`/create test one more: 17 tests,
+    # ~15 boots of ~8 s each under TCG.
     "vm": frozenset({
         "test_unknown_image_is_not_found",
         "test_bad_exec_requests",
@@ -128,8 +128,11 @@ REDUCED: Dict[str, FrozenSet[str]] = {
         "test_fork_bomb_contained_by_pids_limit",
         "test_binary_round_trip",
         "test_symlink_escapes_refused",
-        # pause (test_pause.py): cgroup freeze of the QEMU
+        # pause (test_pause.py): memory saved to a file, QEMU stopped, restored
         "test_pause_resume_keeps_a_background_process_and_files",
+        "test_pause_twice_resume_twice_and_delete_while_paused",
+        # checkpoint (test_checkpoint.py): qcow2 layer snapshot, 4 boots + the parent's
+        "test_checkpoint_forks_three_sandboxes",
     }),
 }
 

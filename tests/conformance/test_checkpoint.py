@@ -2,7 +2,7 @@
 DSec's ``pack_diff``).
 
 A checkpoint saves a sandbox's writable layer (incremental on its image); forks start from
-a copy of it. Each fork sees the parent's files, not the image file the parent deleted
+a copy of it (vm: a new qcow2 layer on it). Each fork sees the parent's files, not the image file the parent deleted
 (an overlay whiteout), and on the microVM not the contents of a directory the parent
 replaced (an opaque directory); each fork has its own entropy, hostname (= its id) and
 /etc/machine-id; a write in one fork shows in no other sandbox. After the forks and the
@@ -133,6 +133,21 @@ def test_checkpoint_bad_input(backend, make, client):
         client._request("POST", "/v1/sandboxes/sb-00000000000000000000/checkpoints")
     client.delete_checkpoint(ck)
     client.delete_checkpoint(ck)  # twice: fine
+
+
+def test_fork_smaller_than_its_checkpoint_is_the_callers_error(backend, make, client):
+    """A fork whose ``disk_mib`` cannot hold the checkpoint's writable layer is refused with
+    400 (the caller's size choice), not 429 (the node is not out of anything)."""
+    if backend.backend not in ("container", "microvm"):
+        pytest.skip(f"{backend.name}: the fork's disk_mib is not a quota that the copy fills")
+    box = make(memory_mib=128, disk_mib=128)
+    sh(box, "head -c 48M /dev/urandom > /root/big && sync")
+    ck = box.checkpoint()
+    try:
+        with pytest.raises(sandlot.InvalidArgument, match="disk_mib"):
+            client.create(checkpoint=ck, disk_mib=16, ttl_s=60)
+    finally:
+        client.delete_checkpoint(ck)
 
 
 def test_fork_never_follows_symlinks_planted_in_the_layer(backend, make, client, tmp_path):

@@ -560,3 +560,34 @@ def test_vmm_runs_as_an_unprivileged_uid_of_its_own(backend, target, make, serve
     record("vmm_privileges", backend.name, "QEMU as a host uid per sandbox, no capabilities",
            "blocked (uids " + ", ".join(str(u) for u in seen.values()) + "; CapEff 0)",
            "none needed (checked from the host)")
+
+
+def test_egress_past_an_allowlist_is_dropped_and_reported(backend, make, audit, server):
+    """A sandbox allowed one name connects to cloud metadata and to the Sandlot server
+    through its gateway: the node's nft rules drop both, and each drop is a ``violation``
+    event (``layer: network``, protocol, destination) of the exec that tried."""
+    if backend.backend != "container":
+        record("egress_past_allowlist", backend.name, "nft policy drop (NFLOG)",
+               "n/a: no network policies on this backend (no network at all)", "—")
+        pytest.skip(f"network policies exist on the container backend only, not {backend.name}")
+    try:
+        box = make(memory_mib=128, network={"allow": ["example.org"]})
+    except (sandlot.InvalidArgument, sandlot.Unavailable) as e:
+        pytest.skip(f"network policies cannot run here: {e}")
+    # The sandbox's resolver is the host side of its veth: the gateway to the host.
+    conf = box.exec(["cat", "/etc/resolv.conf"]).text
+    gw = [ln.split()[1] for ln in conf.splitlines() if ln.startswith("nameserver")]
+    assert gw, conf
+    targets = ["169.254.169.254:80", f"{gw[0]}:{server.port}"]
+    for t in targets:
+        cur = audit.cursor()
+        verdict, r = payload(box, "connect", t)
+        how = assert_blocked(verdict, r)
+        v = [e for e in audit.since(cur, sandbox=box.id, kind="violation")
+             if e.get("layer") == "network"]
+        assert any(e["dst"] == t and e["protocol"] == "tcp" and e["action"] == "DROP"
+                   for e in v), f"no network violation for {t}: {v} {r.violations}"
+        ev = exec_events(audit, cur, box)
+        assert ev and ev[0]["violations"] >= 1 and v[0]["command_digest"] == ev[0]["command_digest"]
+    record("egress_past_allowlist", backend.name, "nft policy drop (NFLOG)",
+           f"blocked ({how[-50:]})", f"`violation` network `tcp {targets[0]}` ({len(targets)} targets)")

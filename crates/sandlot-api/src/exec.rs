@@ -132,7 +132,8 @@ pub struct ExecResult {
 /// `pid` 0).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Violation {
-    /// The layer that refused it: `seccomp` or `dns`.
+    /// The layer that refused it: `seccomp`, `dns` or `network` (a packet the network
+    /// policy dropped).
     pub layer: String,
     /// Syscall name (`mount`, `bpf`, `socket`, ...).
     pub syscall: String,
@@ -148,6 +149,14 @@ pub struct Violation {
     /// `dns`: the refused question's type (`A`, `TXT`, ...).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub qtype: Option<String>,
+    /// `network`: the dropped packet's protocol (`tcp`, `udp`, `icmp`, `icmpv6`, or the IP
+    /// protocol number).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub protocol: Option<String>,
+    /// `network`: the dropped packet's destination, `ip:port` (TCP, UDP; `[ipv6]:port`) or
+    /// `ip`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dst: Option<String>,
 }
 
 /// Text of `bytes` plus their exact base64 when they are not valid UTF-8.

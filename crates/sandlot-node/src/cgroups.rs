@@ -13,6 +13,12 @@
 //!   sandbox's init may stay in the sandbox group itself: the "no internal processes" rule
 //!   only applies once controllers are enabled for children).
 //!
+//! CPU placement: each sandbox group also gets a cpuset of `ceil(cpu)` host CPUs, those that
+//! hold the fewest sandbox groups ([`CpuSpread`]; v1 `cpuset` hierarchy, v2 `cpuset`
+//! controller; skipped where neither exists). The CFS quota bounds how much CPU time a
+//! sandbox gets; the cpuset bounds *where*: a sandbox spinning on every thread it can start
+//! occupies its own cores and leaves the others to its neighbours and to the node.
+//!
 //! Killing a group: v2 writes `1` to `cgroup.kill`; v1 freezes the group (`freezer.state`
 //! `FROZEN`), sends SIGKILL to every pid of `cgroup.procs`, thaws, and repeats until the
 //! group is empty. Freezing first means no process can fork a new one between our read of
@@ -65,7 +71,7 @@ impl CgroupVersion {
 }
 
 /// v1 controllers a sandbox uses; `cpuacct` only when it is its own hierarchy.
-const V1_CONTROLLERS: [&str; 5] = ["memory", "cpu", "cpuacct", "pids", "freezer"];
+const V1_CONTROLLERS: [&str; 6] = ["memory", "cpu", "cpuacct", "pids", "freezer", "cpuset"];
 const V1_REQUIRED: [&str; 4] = ["memory", "cpu", "pids", "freezer"];
 
 /// Resource limits of one sandbox.
@@ -242,10 +248,34 @@ impl CgroupRoot {
                         // default on recent kernels (and cannot be changed there).
                         let _ = write_file(&parent.join("memory.use_hierarchy"), "1");
                     }
+                    if *ctrl == "cpuset" {
+                        // A new v1 cpuset group starts with no CPUs and no memory nodes (no
+                        // task may join it) unless its parent has `cgroup.clone_children`.
+                        for f in ["cpuset.cpus", "cpuset.mems"] {
+                            if read_trimmed(&parent.join(f)).is_empty() {
+                                write_file(&parent.join(f), &read_trimmed(&h.join(f)))?;
+                            }
+                        }
+                        write_file(&parent.join("cgroup.clone_children"), "1")?;
+                    }
                 }
                 CgroupVersion::V2 => {
                     write_file(&h.join("cgroup.subtree_control"), "+memory +cpu +pids")?;
                     write_file(&parent.join("cgroup.subtree_control"), "+memory +cpu +pids")?;
+                    // Placement only: a host without the cpuset controller runs unpinned.
+                    if write_file(&h.join("cgroup.subtree_control"), "+cpuset").is_ok() {
+                        let _ = write_file(&parent.join("cgroup.subtree_control"), "+cpuset");
+                    }
+                }
+            }
+        }
+        // Groups left by a previous run of the node (re-adopted sandboxes) hold their CPUs.
+        for id in self.list_sandboxes() {
+            let g = self.sandbox(&id).group;
+            if let Some(d) = g.cpuset_dir() {
+                let cpus = parse_cpu_list(&read_trimmed(&d.join("cpuset.cpus")));
+                if !cpus.is_empty() {
+                    lock_spread().hold(d, cpus);
                 }
             }
         }
@@ -269,6 +299,21 @@ impl Cgroup {
                 .iter()
                 .find(|(c, _)| *c == ctrl)
                 .map(|(_, d)| d.as_path()),
+        }
+    }
+
+    /// The directory whose `cpuset.cpus` places this group: v1 `cpuset` hierarchy, v2 the
+    /// group's dir when its parent enabled the controller. `None` when neither applies.
+    fn cpuset_dir(&self) -> Option<&Path> {
+        match self.version {
+            CgroupVersion::V1 => self.dir("cpuset"),
+            CgroupVersion::V2 => self.dir("unified").filter(|d| {
+                d.parent().is_some_and(|p| {
+                    read_trimmed(&p.join("cgroup.subtree_control"))
+                        .split_whitespace()
+                        .any(|c| c == "cpuset")
+                })
+            }),
         }
     }
 
@@ -626,6 +671,9 @@ impl Cgroup {
         for c in self.children() {
             c.remove(deadline)?;
         }
+        if let Some(d) = self.cpuset_dir() {
+            lock_spread().release(d);
+        }
         for (_, d) in &self.dirs {
             loop {
                 match fs::remove_dir(d) {
@@ -724,7 +772,49 @@ impl SandboxCgroup {
                 write_file(&d.join("pids.max"), &limits.pids_max.to_string())?;
             }
         }
+        self.place(limits.cpu);
         Ok(())
+    }
+
+    /// Narrow the group's cpuset to the `ceil(cpu)` allowed CPUs that hold the fewest
+    /// sandbox groups ([`CpuSpread`]). Best effort: placement is a latency policy, not a
+    /// limit (the CFS quota is), so a host without a cpuset controller, or a write the
+    /// kernel refuses (v1: an exec child group still holds other CPUs), leaves the group on
+    /// its parent's CPUs with a warning.
+    fn place(&self, cpu: f64) {
+        let Some(d) = self.group.cpuset_dir() else {
+            return;
+        };
+        let Some(parent) = d.parent() else {
+            return;
+        };
+        let effective = match self.group.version {
+            CgroupVersion::V1 => "cpuset.effective_cpus",
+            CgroupVersion::V2 => "cpuset.cpus.effective",
+        };
+        let allowed = parse_cpu_list(&read_trimmed(&parent.join(effective)));
+        if allowed.is_empty() {
+            return;
+        }
+        let want = (cpu.ceil().max(1.0) as usize).min(allowed.len());
+        let mut spread = lock_spread();
+        let cpus = spread.pick(d, &allowed, want);
+        let list = cpus
+            .iter()
+            .map(|c| c.to_string())
+            .collect::<Vec<_>>()
+            .join(",");
+        if self.group.version == CgroupVersion::V1 {
+            // Exec children made later copy the sandbox's CPUs.
+            let _ = write_file(&d.join("cgroup.clone_children"), "1");
+        }
+        match write_file(&d.join("cpuset.cpus"), &list) {
+            Ok(()) => spread.hold(d, cpus),
+            Err(e) => {
+                tracing::warn!(cgroup = %d.display(), error = %e, "cpuset placement skipped");
+                spread.hold(d, allowed);
+            }
+        }
     }
 
     /// The per-exec child group `x<n>` (not created yet).
@@ -827,6 +917,76 @@ pub fn write_if_present(path: &Path, value: &str) -> NodeResult<bool> {
     }
 }
 
+/// Which host CPUs each sandbox group was placed on, for the whole node process (CPUs are
+/// a host-wide resource, so every backend's groups count). Keyed by the group's cpuset
+/// directory; an entry is dropped when [`Cgroup::remove`] removes the group, and entries
+/// whose directory vanished otherwise are pruned on the next placement.
+#[derive(Debug, Default)]
+pub struct CpuSpread {
+    held: std::collections::HashMap<PathBuf, Vec<usize>>,
+}
+
+static SPREAD: std::sync::LazyLock<std::sync::Mutex<CpuSpread>> =
+    std::sync::LazyLock::new(Default::default);
+
+fn lock_spread() -> std::sync::MutexGuard<'static, CpuSpread> {
+    SPREAD.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl CpuSpread {
+    /// The `want` CPUs of `allowed` that the fewest *other* groups hold, lowest CPU number
+    /// first among equals (the group `dir`'s own previous placement does not count).
+    pub fn pick(&mut self, dir: &Path, allowed: &[usize], want: usize) -> Vec<usize> {
+        self.held.retain(|d, _| d.as_path() != dir && d.exists());
+        let mut load: Vec<(usize, usize)> = allowed
+            .iter()
+            .map(|&c| {
+                let n = self.held.values().filter(|v| v.contains(&c)).count();
+                (n, c)
+            })
+            .collect();
+        load.sort_unstable();
+        let mut cpus: Vec<usize> = load.into_iter().take(want).map(|(_, c)| c).collect();
+        cpus.sort_unstable();
+        cpus
+    }
+
+    /// Record that the group at `dir` runs on `cpus`.
+    pub fn hold(&mut self, dir: &Path, cpus: Vec<usize>) {
+        self.held.insert(dir.to_path_buf(), cpus);
+    }
+
+    /// Forget the group at `dir`.
+    pub fn release(&mut self, dir: &Path) {
+        self.held.remove(dir);
+    }
+}
+
+/// Parse the kernel's CPU list format (`0-3,8,10-11`; `Documentation/admin-guide/
+/// cgroup-v1/cpusets.rst`); malformed parts are skipped.
+pub fn parse_cpu_list(s: &str) -> Vec<usize> {
+    let mut out = Vec::new();
+    for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        match part.split_once('-') {
+            Some((a, b)) => {
+                if let (Ok(a), Ok(b)) = (a.parse::<usize>(), b.parse::<usize>()) {
+                    out.extend(a..=b.min(a + 4096));
+                }
+            }
+            None => out.extend(part.parse::<usize>().ok()),
+        }
+    }
+    out.sort_unstable();
+    out.dedup();
+    out
+}
+
+fn read_trimmed(p: &Path) -> String {
+    fs::read_to_string(p)
+        .map(|s| s.trim().to_string())
+        .unwrap_or_default()
+}
+
 /// Value of the line `key N` in a flat-keyed cgroup file (`memory.events`, `oom_control`).
 pub fn parse_counter(text: &str, key: &str) -> Option<u64> {
     text.lines().find_map(|l| {
@@ -854,6 +1014,42 @@ mod tests {
     }
 
     use super::*;
+
+    #[test]
+    fn parses_the_kernel_cpu_list_format() {
+        assert_eq!(parse_cpu_list("0-3,8,10-11\n"), vec![0, 1, 2, 3, 8, 10, 11]);
+        assert_eq!(parse_cpu_list("1"), vec![1]);
+        assert_eq!(parse_cpu_list(""), Vec::<usize>::new());
+        assert_eq!(parse_cpu_list("x,2,3-y"), vec![2]);
+    }
+
+    #[test]
+    fn spread_puts_each_group_on_the_least_held_cpus() {
+        // Directories that do not exist are pruned on each pick, so use real ones.
+        let tmp = std::env::temp_dir().join(format!("spread-{}", std::process::id()));
+        let dirs: Vec<PathBuf> = (0..4).map(|i| tmp.join(format!("g{i}"))).collect();
+        for d in &dirs {
+            fs::create_dir_all(d).unwrap();
+        }
+        let mut s = CpuSpread::default();
+        let all = [0, 1, 2, 3];
+        let a = s.pick(&dirs[0], &all, 1);
+        s.hold(&dirs[0], a.clone());
+        let b = s.pick(&dirs[1], &all, 2);
+        s.hold(&dirs[1], b.clone());
+        assert_eq!((a.as_slice(), b.as_slice()), (&[0][..], &[1, 2][..]));
+        // CPU 3 is free; then 0..3 each hold one group, so the lowest number wins.
+        assert_eq!(s.pick(&dirs[2], &all, 1), vec![3]);
+        s.hold(&dirs[2], vec![3]);
+        assert_eq!(s.pick(&dirs[3], &all, 2), vec![0, 1]);
+        // Re-placing a group ignores its own old CPUs; a removed group frees its CPUs.
+        assert_eq!(s.pick(&dirs[1], &all, 2), vec![1, 2]);
+        s.hold(&dirs[1], vec![1, 2]);
+        s.release(&dirs[0]);
+        fs::remove_dir(&dirs[2]).unwrap();
+        assert_eq!(s.pick(&dirs[3], &all, 2), vec![0, 3]);
+        fs::remove_dir_all(&tmp).unwrap();
+    }
 
     #[test]
     fn parses_flat_keyed_counters() {
@@ -888,8 +1084,21 @@ mod tests {
             pids_max: 32,
         })
         .unwrap();
+        if let Some(d) = sb.group().cpuset_dir() {
+            // cpu 0.5 → one CPU, and the exec child made below inherits it.
+            assert_eq!(
+                parse_cpu_list(&read_trimmed(&d.join("cpuset.cpus"))).len(),
+                1
+            );
+        }
         let x = sb.exec_child(1);
         x.create().unwrap();
+        if let (Some(d), Some(xd)) = (sb.group().cpuset_dir(), x.group().cpuset_dir()) {
+            assert_eq!(
+                read_trimmed(&xd.join("cpuset.cpus")),
+                read_trimmed(&d.join("cpuset.cpus"))
+            );
+        }
         // A shell that joins the exec group, then leaves a background child behind.
         let files: Vec<String> = x
             .group()

@@ -11,6 +11,9 @@
 //! * `microvm`: the scratch disk (a raw ext4 image holding the guest's overlay upper dir),
 //!   after a `sync` in the guest, copied sparsely while the VM's cgroup is frozen: stored
 //!   as `DATA/checkpoints/<ck>/disk.img`.
+//! * `vm`: hard links to the VM's frozen qcow2 layers (`top.qcow2` and the layers below
+//!   it), frozen by a live external snapshot; forks are new layers on that chain, sharing
+//!   it by hard links instead of copying (`backends/vm/chain.rs`).
 //!
 //! `meta.json` ([`CheckpointMeta`]) sits next to the content; a checkpoint is built in
 //! `<ck>.tmp/` and renamed into place, so a crash leaves no half-made checkpoint (leftover
@@ -27,6 +30,9 @@
 //! checkpoints exactly like any sandbox. The cost is one copy of the diff per fork
 //! (the diff, not the image). Owners in the parent's range are shifted to the fork's
 //! ([`copy_layer`]).
+//!
+//! The `vm` backend keeps the same lifetimes without copies: every holder (VM or
+//! checkpoint directory) has its own hard link to each layer of its chain.
 //!
 //! While a create copies from a checkpoint, deleting it answers `Conflict`
 //! ([`CheckpointStore::acquire`]).

@@ -19,6 +19,7 @@ pub mod images;
 pub mod local;
 pub mod mountinfo;
 pub mod net;
+pub mod net_audit;
 pub mod node;
 pub mod output;
 pub mod processes;

@@ -15,7 +15,8 @@
 //!   non-sandbox interface.
 //! - nftables (one table for the node, `inet <table>`, default `inet sandlot`): per sandbox
 //!   the chains `<if>_fwd` (forward path), `<if>_in` (input path, i.e. the host itself) and
-//!   `<if>_deny` (rate-limited log with prefix `sandlot-deny <if> ` and the named counter
+//!   `<if>_deny` (rate-limited NFLOG log with prefix `sandlot-deny <if> `, read by
+//!   [`crate::net_audit`], and the named counter
 //!   `<if>_drop`, then drop), the sets `<if>_net` (allowlisted CIDRs), `<if>_exp` (entries
 //!   inside protected ranges, allowed explicitly) and `<if>_dns` (addresses the resolver
 //!   answered for allowed names, element timeout = DNS TTL clamped to
@@ -39,7 +40,8 @@
 //! the Sandlot server port, its LAN address) only DNS to the sandbox's own resolver address
 //! is accepted. All IPv6 from the sandbox is dropped (the data path is IPv4 only). New
 //! connections *into* a sandbox are dropped. Drops are counted per sandbox
-//! ([`NetworkManager::drop_count`]) and logged to the kernel log, rate-limited.
+//! ([`NetworkManager::drop_count`]) and reported, rate-limited, as violations
+//! ([`NetworkManager::violations`]).
 //!
 //! # Host tools
 //! This module spawns the `ip` (iproute2) and `nft` (nftables ≥ 0.9.3, Debian package
@@ -58,9 +60,10 @@
 //!    `/etc/resolv.conf`, *then* start the sandbox's own processes.
 //! 3. On delete (any state): [`NetworkManager::teardown`]; idempotent.
 use crate::dns::{self, Resolver};
+use crate::net_audit;
 use crate::node::{NodeError, NodeResult};
 use ipnet::Ipv4Net;
-use sandlot_api::AllowPolicy;
+use sandlot_api::{AllowPolicy, Violation};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -237,6 +240,9 @@ pub struct NetworkManager {
     /// One async lock per id with an attach or teardown in progress: a teardown that comes
     /// while the same id is being attached waits for it, then removes everything.
     ops: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// Packets the policies refused, by host interface, read from NFLOG
+    /// ([`crate::net_audit`]); an interface is present while its sandbox is attached.
+    drops: net_audit::Drops,
 }
 
 impl std::fmt::Debug for NetworkManager {
@@ -336,11 +342,16 @@ impl NetworkManager {
         // advertisement acceptance on the host's own links.
         std::fs::write("/proc/sys/net/ipv4/ip_forward", "1")
             .map_err(|e| NodeError::io("enable /proc/sys/net/ipv4/ip_forward", e))?;
+        let group = net_audit::nflog_group(&cfg.table);
         let m = NetworkManager {
             cfg,
             inner: Mutex::new(Inner::default()),
             ops: Mutex::new(HashMap::new()),
+            drops: Default::default(),
         };
+        if let Err(e) = net_audit::start(group, &m.drops) {
+            tracing::warn!(group, error = %e, "cannot read NFLOG: network-policy drops are counted, not reported per packet");
+        }
         nft(&m.base_script()).await?;
         Ok(m)
     }
@@ -485,6 +496,7 @@ add rule inet {t} postrouting ip saddr {pool} oifname != \"{p}*\" masquerade
                     .expect("net lock")
                     .live
                     .insert(id.to_owned(), Live { state, resolver });
+                self.track_drops(&att.host_if);
                 Ok(att)
             }
             Err(e) => {
@@ -593,8 +605,9 @@ add rule inet {t} postrouting ip saddr {pool} oifname != \"{p}*\" masquerade
             s += &format!("add element inet {t} {h}_exp {{ {} }}\n", exp.join(", "));
         }
         let (host, sb) = (st.host_addr, st.sandbox_addr);
+        let (prefix, group) = (net_audit::prefix(h), net_audit::nflog_group(t));
         s += &format!(
-            "add rule inet {t} {h}_deny limit rate 10/second burst 20 packets log prefix \"sandlot-deny {h} \" level warn
+            "add rule inet {t} {h}_deny limit rate 10/second burst 20 packets log prefix \"{prefix}\" group {group} queue-threshold 1
 add rule inet {t} {h}_deny counter name {h}_drop drop
 add rule inet {t} {h}_fwd ct state established,related accept
 add rule inet {t} {h}_fwd ip saddr != {sb} goto {h}_deny
@@ -693,6 +706,7 @@ delete element inet {t} in_vmap {{ \"{h}\" }}
         check_id(id)?;
         let _op = self.op_lock(id).await;
         let live = self.inner.lock().expect("net lock").live.remove(id);
+        self.drops_map().remove(&self.host_if(id));
         let state = match live {
             Some(l) => {
                 l.resolver.stop().await;
@@ -766,6 +780,7 @@ delete element inet {t} in_vmap {{ \"{h}\" }}
                 let mut inner = self.inner.lock().expect("net lock");
                 inner.slots.insert(st.slot, st.id.clone());
                 adopted.push(st.id.clone());
+                self.track_drops(&st.host_if);
                 inner.live.insert(
                     st.id.clone(),
                     Live {
@@ -883,6 +898,53 @@ delete element inet {t} in_vmap {{ \"{h}\" }}
         let mut v = l.resolver.take_refusals(until_ms);
         v.retain(|r| r.time_unix_ms >= since_ms);
         v
+    }
+
+    /// What the policy of sandbox `id` refused within `[since_ms, until_ms]` (Unix ms), as
+    /// audit violations, oldest first: DNS queries its resolver refused (`layer: "dns"`,
+    /// `name`, `qtype`) and packets its nft rules dropped (`layer: "network"`, `protocol`,
+    /// `dst`; logged at most 10/s, burst 20, like the kernel log before). Each is returned
+    /// once; older ones (no exec running to claim them) are discarded. Empty without a
+    /// policy.
+    pub fn violations(&self, id: &str, since_ms: u64, until_ms: u64) -> Vec<Violation> {
+        let mut v: Vec<Violation> = self
+            .dns_refusals(id, since_ms, until_ms)
+            .into_iter()
+            .map(|r| Violation {
+                layer: "dns".into(),
+                time_unix_ms: r.time_unix_ms,
+                name: Some(r.name),
+                qtype: Some(r.qtype),
+                ..Default::default()
+            })
+            .collect();
+        if let Some(q) = self.drops_map().get_mut(&self.host_if(id)) {
+            let n = q.iter().take_while(|d| d.time_unix_ms <= until_ms).count();
+            v.extend(
+                q.drain(..n)
+                    .filter(|d| d.time_unix_ms >= since_ms)
+                    .map(|d| Violation {
+                        layer: "network".into(),
+                        time_unix_ms: d.time_unix_ms,
+                        protocol: Some(d.protocol),
+                        dst: Some(d.dst),
+                        ..Default::default()
+                    }),
+            );
+        }
+        v.sort_by_key(|x| x.time_unix_ms);
+        v
+    }
+
+    fn drops_map(
+        &self,
+    ) -> std::sync::MutexGuard<'_, HashMap<String, std::collections::VecDeque<net_audit::Drop>>>
+    {
+        self.drops.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn track_drops(&self, h: &str) {
+        self.drops_map().entry(h.to_owned()).or_default();
     }
 
     /// Ids with a live network on this node.
@@ -1113,6 +1175,7 @@ mod tests {
             },
             inner: Mutex::new(Inner::default()),
             ops: Mutex::new(HashMap::new()),
+            drops: Default::default(),
         }
     }
 

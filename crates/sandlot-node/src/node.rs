@@ -294,7 +294,8 @@ pub trait Node: Send + Sync + 'static {
     }
 
     /// Remove checkpoint `checkpoint_id`; an unknown id is fine. Forks never depend on
-    /// their checkpoint (each holds its own copy), so live forks do not block it.
+    /// their checkpoint (each holds its own copy; a vm fork its own hard links to the
+    /// checkpoint's qcow2 layers), so live forks do not block it.
     ///
     /// # Errors
     /// `Conflict` while a create copies from it; `Internal`.

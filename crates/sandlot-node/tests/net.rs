@@ -594,6 +594,7 @@ async fn allow_policy_filters_egress_dns_and_the_host() {
     let mut host_addrs = vec![res, w.host_uplink];
     host_addrs.extend(main_src);
     let drops_before = mgr.drop_count("sb-net-1").await.unwrap();
+    let since = now_ms();
     for ip in host_addrs {
         let r = in_ns(&ns, move || tcp_get(ip, port)).await;
         assert!(
@@ -608,6 +609,23 @@ async fn allow_policy_filters_egress_dns_and_the_host() {
         drops > drops_before,
         "drops are counted: {drops_before} -> {drops}"
     );
+    // ... and reported one by one (NFLOG), with protocol and destination, exactly once.
+    let v = mgr.violations("sb-net-1", since, now_ms());
+    let net: Vec<_> = v.iter().filter(|v| v.layer == "network").collect();
+    assert!(
+        net.iter().any(|v| v.protocol.as_deref() == Some("tcp")
+            && v.dst.as_deref() == Some("169.254.169.254:80")),
+        "the metadata connect is a network violation: {v:?}"
+    );
+    assert!(
+        net.iter()
+            .any(|v| v.dst.as_deref() == Some(&format!("{res}:{port}"))),
+        "the connect to the host through the gateway is one too: {v:?}"
+    );
+    assert!(mgr
+        .violations("sb-net-1", since, now_ms())
+        .iter()
+        .all(|v| v.layer != "network"));
     drop(host_srv);
 
     // Teardown leaves nothing: no veth, no per-sandbox nft object, no state, no netns
@@ -813,4 +831,11 @@ async fn a_full_pool_answers_resource_exhausted_and_frees_on_teardown() {
         .count();
     assert_eq!(netns_left, 0);
     sh(&["nft", "delete", "table", "inet", &cfg.table]);
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64
 }

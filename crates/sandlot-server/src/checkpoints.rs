@@ -194,7 +194,7 @@ pub fn visible(st: &SharedState, who: &Principal, id: &str) -> ApiResult<Checkpo
 /// running afterwards).
 ///
 /// # Errors
-/// 404 (sandbox), 409 (state), 503 `unavailable` (the backend cannot checkpoint), the
+/// 404 (sandbox), 409 (state), 400 `invalid_argument` (the backend cannot checkpoint), the
 /// node's error.
 pub async fn create(
     State(st): State<SharedState>,

@@ -22,7 +22,7 @@
 //! | `lost` | at server start: record not re-adopted, removed | `state` (the record's) |
 //! | `exec` | an exec finished or was replayed | `command_digest` (SHA-256 hex of the JSON of `cmd`; the command itself is not kept), `exit_code`, `signal`, `duration_ms`, `timed_out`, `oom_killed`, `truncated`, `stdout_bytes`, `stderr_bytes`, `violations` (how many `violation` events of this exec precede it), `replayed`, `step` (or null), `source` (`api`\|`run_code`) |
 //! | `error` | a node operation failed | `op` (`create`\|`exec`\|`delete`\|`pause`\|`resume`), `code`, `message` |
-//! | `violation` | a refused dangerous attempt: a denied syscall reported by the exec's seccomp supervisor or gVisor's sentry log, or a DNS query the network policy refused (both after the exec ends, before its `exec` event), or a files API path that would leave the sandbox | `layer` (`seccomp`\|`dns`\|`files_api`); seccomp: `syscall`, `nr`, `pid`, `at` (RFC 3339 time of the refusal, the sandbox's clock), `command_digest`, `action` (`EPERM`); dns: `name`, `qtype`, `at`, `command_digest`, `action` (`REFUSED`); files_api: `op`, `path`, `code`, `message` |
+//! | `violation` | a refused dangerous attempt: a denied syscall reported by the exec's seccomp supervisor or gVisor's sentry log, or a DNS query or packet the network policy refused (all after the exec ends, before its `exec` event), or a files API path that would leave the sandbox | `layer` (`seccomp`\|`dns`\|`network`\|`files_api`); seccomp: `syscall`, `nr`, `pid`, `at` (RFC 3339 time of the refusal, the sandbox's clock), `command_digest`, `action` (`EPERM`); dns: `name`, `qtype`, `at`, `command_digest`, `action` (`REFUSED`); network: `protocol`, `dst`, `at`, `command_digest`, `action` (`DROP`); files_api: `op`, `path`, `code`, `message` |
 //!
 //! Tenants ([`crate::auth`]): each event about a sandbox carries (internally, not in the
 //! JSON) the tenant of that sandbox, learnt when the sandbox was created or re-adopted; a
@@ -563,6 +563,18 @@ fn seccomp_violation(
         f.insert("at".into(), at.into());
         f.insert("command_digest".into(), digest.into());
         f.insert("action".into(), "REFUSED".into());
+        record(st, "violation", Some(sandbox), Some(backend), f);
+        return;
+    }
+    if v.layer == "network" {
+        // A packet the network policy's nft rules dropped (logged at most 10/s).
+        let proto = v.protocol.clone().unwrap_or_default();
+        st.metrics.violation(backend, &v.layer, &proto);
+        f.insert("protocol".into(), proto.into());
+        f.insert("dst".into(), v.dst.clone().into());
+        f.insert("at".into(), at.into());
+        f.insert("command_digest".into(), digest.into());
+        f.insert("action".into(), "DROP".into());
         record(st, "violation", Some(sandbox), Some(backend), f);
         return;
     }

@@ -355,13 +355,10 @@ impl Store {
     /// [`StoreError`] on SQLite failures or an undecodable row.
     pub fn get(&self, id: &str) -> Result<Option<Record>> {
         let conn = self.conn();
+        // Cached: this runs on every request that names a sandbox.
         let row = conn
-            .query_row(
-                &format!("SELECT {COLS} FROM sandboxes WHERE id = ?1"),
-                [id],
-                raw_row,
-            )
-            .optional()
+            .prepare_cached(&format!("SELECT {COLS} FROM sandboxes WHERE id = ?1"))
+            .and_then(|mut st| st.query_row([id], raw_row).optional())
             .map_err(sql("select sandbox"))?;
         row.map(decode).transpose()
     }
@@ -410,7 +407,7 @@ impl Store {
 
     fn select<P: rusqlite::Params>(&self, q: &str, p: P) -> Result<Vec<Record>> {
         let conn = self.conn();
-        let mut stmt = conn.prepare(q).map_err(sql("prepare select"))?;
+        let mut stmt = conn.prepare_cached(q).map_err(sql("prepare select"))?;
         let rows = stmt
             .query_map(p, raw_row)
             .map_err(sql("select sandboxes"))?

@@ -184,7 +184,8 @@ class Client:
 
     def delete_checkpoint(self, checkpoint: Union[str, Checkpoint]) -> None:
         """``DELETE /v1/checkpoints/{id}``; no error when already gone. Forks made from it
-        live on (each has its own copy).
+        live on (each has its own copy; a vm fork its own hard links to the
+        checkpoint's qcow2 layers).
 
         Raises:
             Conflict: a create is copying from it right now (retry).
@@ -301,11 +302,11 @@ class Sandbox(_base.SandboxFields):
         """Save the sandbox's writable layer as a checkpoint
         (``POST /v1/sandboxes/{id}/checkpoints``); fork it with
         ``client.create(checkpoint=ck)``. The sandbox keeps running (its processes are
-        frozen during the copy). Works on a paused sandbox too, except a microVM.
+        frozen during the copy). Works on a paused sandbox too, except a microVM or VM.
 
         Raises:
-            Conflict: the sandbox is not running (or a paused microVM).
-            Unavailable: the backend cannot checkpoint.
+            Conflict: the sandbox is not running (or a paused microVM or VM).
+            InvalidArgument: the backend cannot checkpoint (every built-in one can).
         """
         resp = self._client._request("POST", self._path("/checkpoints"), work_s=600)
         return Checkpoint.from_json(_base.json_of(resp))

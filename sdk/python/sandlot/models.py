@@ -61,7 +61,9 @@ class ExecResult:
             "time_unix_ms": int}`` (the call failed with EPERM); empty when none. On gVisor
             (runsc) they come from its sentry's log, ``pid`` in gVisor's root pid namespace.
             Under a network policy, DNS queries the node refused during the exec too:
-            ``{"layer": "dns", "name": str, "qtype": str, "time_unix_ms": int, ...}``.
+            ``{"layer": "dns", "name": str, "qtype": str, "time_unix_ms": int, ...}``, and
+            packets its rules dropped (at most 10/s): ``{"layer": "network", "protocol":
+            str, "dst": "ip:port", "time_unix_ms": int, ...}``.
     """
 
     exit_code: int

@@ -274,23 +274,12 @@ impl ContainerBackend {
         if let Some(w) = window {
             res.violations.extend(w.finish());
         }
-        // DNS queries the network policy's resolver refused while this exec ran.
+        // What the network policy refused while this exec ran (DNS queries, packets).
         if let Some(Ok(net)) = self.net.get() {
-            let refused = net.dns_refusals(id, started, gvisor_audit::now_ms());
             let room =
                 sandlot_guest::spec::MAX_VIOLATIONS_PER_EXEC.saturating_sub(res.violations.len());
-            res.violations.extend(
-                refused
-                    .into_iter()
-                    .take(room)
-                    .map(|r| sandlot_api::Violation {
-                        layer: "dns".into(),
-                        time_unix_ms: r.time_unix_ms,
-                        name: Some(r.name),
-                        qtype: Some(r.qtype),
-                        ..Default::default()
-                    }),
-            );
+            let refused = net.violations(id, started, gvisor_audit::now_ms());
+            res.violations.extend(refused.into_iter().take(room));
         }
         res.oom_killed = match (oom_before, c.cgroup.group().oom_kills()) {
             (Some(a), Some(b)) => b > a,
@@ -496,7 +485,15 @@ impl ContainerBackend {
                     .map_err(|e| NodeError::io(format!("chmod {}", dir.display()), e))?;
                 mount_scratch(&templates, &dir, disk_mib)?;
                 if let Some((layer, shift)) = &seed {
-                    crate::checkpoints::copy_layer(layer, &dir.join("scratch/upper"), *shift)?;
+                    // The copy goes into the fork's own disk: full means disk_mib is too
+                    // small for the checkpoint, the caller's choice (400), not the node's.
+                    crate::checkpoints::copy_layer(layer, &dir.join("scratch/upper"), *shift)
+                        .map_err(|e| match e {
+                            NodeError::ResourceExhausted(m) => NodeError::InvalidArgument(format!(
+                                "disk_mib {disk_mib} is too small: {m}"
+                            )),
+                            e => e,
+                        })?;
                 }
                 make_layer_dirs(&dir.join("scratch"), uid_base)?;
                 // A machine-id(5) of its own (a fork's replaces its checkpoint's).

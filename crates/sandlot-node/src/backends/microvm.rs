@@ -58,7 +58,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::{watch, RwLock};
 
-mod snapshot;
+pub(crate) mod snapshot;
 mod template;
 
 /// How long a KVM probe boot may take to reach init before the node falls back to TCG.
@@ -666,7 +666,7 @@ impl MicrovmBackend {
 }
 
 /// [`MicrovmBackend::spawn_qemu`] of the binary `qemu`.
-fn spawn_qemu(
+pub(crate) fn spawn_qemu(
     qemu: &Path,
     args: &[String],
     dir: &Path,

@@ -342,6 +342,21 @@ pub fn give_file(path: &Path, uid: u32) -> NodeResult<()> {
         .map_err(|e| NodeError::io(format!("chown {}", path.display()), e))
 }
 
+/// Makes `path` (a frozen qcow2 layer: a checkpoint's, a fork's backing file) readable by
+/// every QEMU that reaches it and writable by none: owner root, group `group` (every QEMU's
+/// supplementary group, [`QemuUids::group`]), mode 0440; without a group, root:root 0444.
+/// A QEMU reaches only the layers linked into its own VM directory (0710, root:its uid),
+/// so the group grants no more than a sandbox's own chain.
+///
+/// # Errors
+/// `Internal` on chown/chmod failures.
+pub fn share_read_only(path: &Path, group: Option<u32>) -> NodeResult<()> {
+    let mode = if group.is_some() { 0o440 } else { 0o444 };
+    std::os::unix::fs::lchown(path, Some(0), Some(group.unwrap_or(0)))
+        .and_then(|_| std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)))
+        .map_err(|e| NodeError::io(format!("chown {}", path.display()), e))
+}
+
 /// Creates `dir` if needed and sets its mode to `mode` (e.g. 0711: other users may open
 /// what they know the name of, not list it).
 ///

@@ -15,8 +15,11 @@
 //!   paths and the agent binary.
 //! * `vms/<id>/` — one sandbox: `disk.qcow2` (`qemu-img create -f qcow2 -b <base> -F
 //!   qcow2`, virtual size = the base's + `disk_mib` MiB; the guest grows its ext4 to it
-//!   online), `agent.sock`, `console.log`, `qemu.log`, `boot.json` / `state.json` — as for
-//!   `microvm`.
+//!   online), after checkpoints or in a fork more qcow2 layers (`layer-<hex>.qcow2`, see
+//!   [`chain`]), `agent.sock`, `qmp.sock`, `console.log`, `qemu.log`, `boot.json` /
+//!   `state.json` — as for `microvm`, owners included (QEMU runs as the sandbox's
+//!   unprivileged uid and owns only its active layer and `console.log`; frozen layers are
+//!   root's, readable by the QEMUs' shared group: see [`chain`] and [`super::qemu`]).
 //! * `failed/<id>.console.log` — the console of a VM that did not become ready (last 20).
 //!
 //! Boot: direct kernel boot (`-kernel` = the kit's kernel, `-initrd` = the initramfs,
@@ -29,16 +32,30 @@
 //! `org.sandlot.agent` (see `sandlot-guest`'s `vm` module).
 //!
 //! Accelerator, jailing (own cgroup with limits, `-sandbox on`, own session, re-adoption
-//! after a node restart), readiness deadline, failed-boot consoles, pause by cgroup freeze
-//! and delete are the `microvm` backend's ([`super::microvm`], [`super::qemu`]).
+//! after a node restart), readiness deadline, failed-boot consoles, pause with memory
+//! (the agent relay and the save/restore steps of [`snapshot`]; the `-drive` of the resume's
+//! command line is brought up to the active disk layer at each pause) and delete are the
+//! `microvm` backend's ([`super::microvm`], [`super::qemu`]).
+//!
+//! Disk checkpoints and forks: live external qcow2 snapshots over QMP; a fork's disk is a
+//! new layer on the checkpoint's chain, shared by hard links, not copied ([`chain`]).
+mod chain;
+
 use super::function::{
     check_id, check_not_paused, freeze, proc_starttime, spawn_blocking, thaw, ExecPlan, StoredSpec,
 };
-use super::microvm::{find_binary, fnv, write_cpio, write_json, Accel, VmState, QEMU_OVERHEAD_MIB};
-use super::qemu::{boot_failure, fresh_identity, spawn_logged, AccelProbe, AGENT_FD, AGENT_SOCK};
+use super::microvm::snapshot::{self, ProcCell, QemuProc, Relay, QMP_SOCK};
+use super::microvm::{
+    find_binary, fnv, spawn_qemu, write_cpio, write_json, Accel, VmState, QEMU_OVERHEAD_MIB,
+};
+use super::qemu::{
+    boot_failure, fresh_identity, AccelProbe, Jail, QemuUids, AGENT_FD, AGENT_SOCK, CONSOLE_LOG,
+    QMP_FD,
+};
 use super::SandboxBackend;
 use crate::agent_client::AgentClient;
 use crate::cgroups::{CgroupRoot, Limits, SandboxCgroup};
+use crate::checkpoints::{Captured, Checkpoint};
 use crate::files::{file_entry, node_error};
 use crate::images::Image;
 use crate::node::{ExecControl, ExecSink, NodeError, NodeResult, SandboxSpec, SandboxStatus};
@@ -61,6 +78,8 @@ const READY_TIMEOUT_TCG: Duration = Duration::from_secs(180);
 const QEMU_PIDS: u64 = 160;
 /// Name of the guest's agent port.
 const AGENT_PORT: &str = "org.sandlot.agent";
+/// QEMU's option whose value names the root disk (rewritten at pause: see `pause`).
+const DRIVE_FLAG: &str = "-drive";
 /// Where the agent lives inside the disk (`sandlot-guest`'s `vm::DISK_AGENT`).
 const DISK_AGENT_DIR: &str = ".sandlot";
 
@@ -77,16 +96,34 @@ pub struct VmConfig {
     /// The node's accelerator decision, shared with the `microvm` backend.
     pub probe: Arc<AccelProbe>,
     /// Host uids of the QEMUs (one per sandbox), shared with the `microvm` backend.
-    pub uids: Arc<super::qemu::QemuUids>,
+    pub uids: Arc<QemuUids>,
+}
+
+/// The jail of a VM's QEMU running as `uid` (agent and QMP sockets bound by the node and
+/// handed over as fds; none for a root QEMU of an older node, whose command line opens
+/// them by path).
+fn vm_jail(uids: &QemuUids, uid: Option<u32>, accel: Accel) -> Jail {
+    uids.jail(uid, accel, &[(AGENT_SOCK, AGENT_FD), (QMP_SOCK, QMP_FD)])
 }
 
 struct Vm {
+    /// As created (`qemu_pid`: the first QEMU's, see `proc_`; `qemu_args`: see `args`).
     state: VmState,
+    /// The QEMU it runs in now (a resume starts a new one).
+    proc_: ProcCell,
+    /// The agent link that survives pause and resume.
+    relay: Arc<Relay>,
+    /// QEMU's command line for the next resume (`-drive` names the active disk layer as of
+    /// the last pause).
+    args: Mutex<Vec<String>>,
     cgroup: SandboxCgroup,
     agent: AgentClient,
     deleting: RwLock<bool>,
     killed: watch::Sender<bool>,
     paused: AtomicBool,
+    /// Serialises pause, resume and checkpoints (a checkpoint's QMP calls would stall on a
+    /// frozen QEMU).
+    lifecycle: tokio::sync::Mutex<()>,
 }
 
 /// The vm backend: q35 VMs by id.
@@ -100,6 +137,15 @@ pub struct VmBackend {
     /// Serialises disk builds (one `mkfs.ext4 -d` at a time).
     convert: tokio::sync::Mutex<()>,
     vms: Mutex<HashMap<String, Arc<Vm>>>,
+}
+
+/// The `-drive` value of the root disk whose active layer is `DIR/<stem>.qcow2`; the node
+/// name is the stem, so checkpoints find the active layer by it ([`chain`]).
+fn drive_arg(dir: &Path, stem: &str) -> String {
+    format!(
+        "id=root,node-name={stem},file={},format=qcow2,if=none,discard=unmap",
+        chain::layer_path(dir, stem).display()
+    )
 }
 
 fn run_tool(cmd: &mut std::process::Command, what: &str) -> NodeResult<()> {
@@ -376,14 +422,27 @@ impl VmBackend {
         spec: &SandboxSpec,
         image: &Image,
         cg: &SandboxCgroup,
-    ) -> NodeResult<(VmState, AgentClient)> {
+        seed: Option<&Checkpoint>,
+    ) -> NodeResult<(VmState, (AgentClient, Arc<Relay>))> {
         let accel = self.cfg.probe.wait().await;
-        let base = self.image_disk(image).await?;
         let dir = self.vm_dir(&spec.id);
-        let disk = dir.join("disk.qcow2");
-        {
-            let (base, disk, qemu_img) = (base.clone(), disk.clone(), self.qemu_img.clone());
-            let extra = spec.disk_mib.max(16) << 20;
+        let mib = spec.disk_mib.max(16);
+        let active = if let Some(ck) = seed {
+            // A fork: a new layer on the checkpoint's chain (its disk can only grow).
+            if mib < ck.meta.disk_mib {
+                return Err(NodeError::InvalidArgument(format!(
+                    "disk_mib {mib} is smaller than checkpoint {}'s disk ({} MiB)",
+                    ck.meta.id, ck.meta.disk_mib
+                )));
+            }
+            let (qemu_img, ck_dir, d) = (self.qemu_img.clone(), ck.dir.clone(), dir.clone());
+            let grow = (mib - ck.meta.disk_mib) << 20;
+            let group = self.cfg.uids.group();
+            spawn_blocking(move || chain::seed_fork(&qemu_img, &ck_dir, &d, grow, group)).await?
+        } else {
+            let base = self.image_disk(image).await?;
+            let (disk, qemu_img) = (chain::layer_path(&dir, chain::FIRST), self.qemu_img.clone());
+            let extra = mib << 20;
             spawn_blocking(move || {
                 let size = qcow2_size(&base)? + extra;
                 run_tool(
@@ -396,9 +455,15 @@ impl VmBackend {
                 )
             })
             .await?;
-        }
+            chain::FIRST.to_string()
+        };
+        // Its QEMU's uid: the VM directory (root:uid 0710) and the active layer (uid's,
+        // 0600) are its; the layers below stay root's, readable by the QEMUs' group.
         let uid = self.cfg.uids.take(&spec.id)?;
-        super::qemu::prepare_vm_files(&dir, &[&disk], uid)?;
+        {
+            let (d, disk) = (dir.clone(), chain::layer_path(&dir, &active));
+            spawn_blocking(move || super::qemu::prepare_vm_files(&d, &[&disk], uid)).await?;
+        }
         let memory_mib = spec.memory_mib.max(128);
         cg.create(&Limits {
             memory_bytes: (memory_mib + QEMU_OVERHEAD_MIB) << 20,
@@ -406,7 +471,7 @@ impl VmBackend {
             pids_max: QEMU_PIDS,
         })?;
         let smp = (spec.cpu.ceil() as u64).clamp(1, 16);
-        let sock = dir.join("agent.sock");
+        let sock = dir.join(AGENT_SOCK);
         let mut append = format!(
             "console=ttyS0 panic=-1 quiet {} sandlot.pids_max={}",
             "sandlot.root=disk", spec.pids_max
@@ -415,8 +480,8 @@ impl VmBackend {
             append.push(' ');
             append.push_str(&extra);
         }
-        let mut cmd = std::process::Command::new(&self.qemu);
-        cmd.args([
+        let p = |p: &Path| p.display().to_string();
+        let mut args: Vec<String> = [
             "-M",
             "q35",
             "-nodefaults",
@@ -424,44 +489,51 @@ impl VmBackend {
             "-display",
             "none",
             "-no-reboot",
-        ]);
-        match accel {
-            Accel::Kvm => cmd.args(["-accel", "kvm", "-cpu", "host"]),
-            Accel::Tcg => cmd.args(["-accel", "tcg,thread=multi,tb-size=64", "-cpu", "max"]),
+        ]
+        .map(String::from)
+        .to_vec();
+        let accel_args = match accel {
+            Accel::Kvm => ["-accel", "kvm", "-cpu", "host"],
+            Accel::Tcg => ["-accel", "tcg,thread=multi,tb-size=64", "-cpu", "max"],
         };
-        cmd.arg("-smp")
-            .arg(smp.to_string())
-            .arg("-m")
-            .arg(format!("{memory_mib}M"))
-            .arg("-kernel")
-            .arg(self.cfg.kit_dir.join("vmlinuz"))
-            .arg("-initrd")
-            .arg(self.cfg.dir.join("initramfs.cpio"))
-            .arg("-append")
-            .arg(&append)
-            .arg("-serial")
-            .arg(format!("file:{}", dir.join("console.log").display()))
-            .arg("-drive")
-            .arg(format!(
-                "id=root,file={},format=qcow2,if=none,discard=unmap",
-                disk.display()
-            ))
-            .args(["-device", "virtio-blk-pci,drive=root,serial=root"])
-            .args(["-device", "virtio-rng-pci"])
-            .args(["-device", "virtio-serial-pci"])
-            .arg("-chardev")
-            .arg(super::qemu::chardev_on_fd("agent", AGENT_FD))
-            .arg("-device")
-            .arg(format!("virtserialport,chardev=agent,name={AGENT_PORT}"))
-            .args([
-                "-sandbox",
-                "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
-            ]);
-        let jail = self
-            .cfg
-            .uids
-            .jail(Some(uid), accel, &[(AGENT_SOCK, AGENT_FD)]);
-        let (pid, starttime) = spawn_logged(&mut cmd, &dir, cg, false, &jail)?;
+        args.extend(accel_args.map(String::from));
+        args.extend([
+            "-smp".into(),
+            smp.to_string(),
+            "-m".into(),
+            format!("{memory_mib}M"),
+            "-kernel".into(),
+            p(&self.cfg.kit_dir.join("vmlinuz")),
+            "-initrd".into(),
+            p(&self.cfg.dir.join("initramfs.cpio")),
+            "-append".into(),
+            append.clone(),
+            "-serial".into(),
+            format!("file:{}", p(&dir.join(CONSOLE_LOG))),
+            DRIVE_FLAG.into(),
+            drive_arg(&dir, &active),
+            "-device".into(),
+            "virtio-blk-pci,drive=root,serial=root".into(),
+            "-device".into(),
+            "virtio-rng-pci".into(),
+            "-device".into(),
+            "virtio-serial-pci".into(),
+            // Both sockets are bound by the node (`dir/agent.sock`, `dir/qmp.sock`) and
+            // inherited listening (see `super::qemu::Jail`).
+            "-chardev".into(),
+            super::qemu::chardev_on_fd("agent", AGENT_FD),
+            "-device".into(),
+            format!("virtserialport,chardev=agent,name={AGENT_PORT}"),
+            // Checkpoints install disk layers, pause saves memory, through QMP.
+            "-chardev".into(),
+            super::qemu::chardev_on_fd("qmp", QMP_FD),
+            "-mon".into(),
+            "chardev=qmp,mode=control".into(),
+            "-sandbox".into(),
+            "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny".into(),
+        ]);
+        let jail = vm_jail(&self.cfg.uids, Some(uid), accel);
+        let (pid, starttime) = spawn_qemu(&self.qemu, &args, &dir, cg, false, &jail)?;
         let state = VmState {
             id: spec.id.clone(),
             image: image.name.clone(),
@@ -476,15 +548,17 @@ impl VmBackend {
                 pids_max: spec.pids_max,
                 env: spec.env.clone(),
             },
-            // The q35 backend pauses by cgroup freeze (no memory snapshots yet).
-            qemu_args: Vec::new(),
+            // A resume restarts QEMU with these (the drive's layer brought up to date at
+            // pause, see `pause`).
+            qemu_args: args,
             memory_saved: false,
             started_from: "cold".into(),
             qemu_uid: Some(uid),
         };
         // Written before readiness so that a failed boot is cleaned up by pid too.
         write_json(&dir.join("boot.json"), &state)?;
-        let agent = AgentClient::new(&sock);
+        let relay = Relay::new(sock.clone());
+        let agent = AgentClient::with_connector(&sock, relay.connector());
         let timeout = match accel {
             Accel::Kvm => READY_TIMEOUT_KVM,
             Accel::Tcg => READY_TIMEOUT_TCG,
@@ -505,7 +579,7 @@ impl VmBackend {
         agent.set_identity(&fresh_identity(&spec.id)).await?;
         tracing::info!(sandbox = %spec.id, backend = "vm", accel = accel.as_str(), ms = started.elapsed().as_millis() as u64, "VM agent ready");
         write_json(&dir.join("state.json"), &state)?;
-        Ok((state, agent))
+        Ok((state, (agent, relay)))
     }
 
     /// One exec through the VM's agent ([`super::agent_exec`]); `oom_killed` stays false
@@ -529,8 +603,8 @@ impl VmBackend {
         let mut plan = ExecPlan::build(&vm.state.image_env, &vm.state.spec, req)?;
         plan.spec.own_pid_ns = true;
         plan.spec.landlock = false;
-        let (pid, start) = (vm.state.qemu_pid, vm.state.qemu_starttime);
-        let died = move || proc_starttime(pid) != Some(start);
+        let cell = vm.proc_.clone();
+        let died = move || !cell.lock().unwrap().exists();
         let target = super::agent_exec::Target {
             id,
             kind: "VM",
@@ -546,19 +620,32 @@ impl VmBackend {
         self.vms.lock().unwrap().get(id).map(|v| v.state.accel)
     }
 
-    /// Registers a running VM; `agent`: the connected client of its create (a new one
-    /// would be a second connection on the guest's one stream).
-    fn adopt(&self, state: VmState, agent: Option<AgentClient>) -> Arc<Vm> {
+    /// Registers a running (or paused with memory) VM; `agent`: the connected client and
+    /// relay of its create (a new one would be a second connection on the guest's one
+    /// stream).
+    fn adopt(&self, state: VmState, agent: Option<(AgentClient, Arc<Relay>)>) -> Arc<Vm> {
         if let Some(uid) = state.qemu_uid {
             self.cfg.uids.keep(&state.id, uid);
         }
+        let sock = self.vm_dir(&state.id).join(AGENT_SOCK);
+        let (agent, relay) = agent.unwrap_or_else(|| {
+            let relay = Relay::new(sock.clone());
+            (AgentClient::with_connector(&sock, relay.connector()), relay)
+        });
         let vm = Arc::new(Vm {
             cgroup: self.cgroups.sandbox(&state.id),
-            agent: agent
-                .unwrap_or_else(|| AgentClient::new(self.vm_dir(&state.id).join("agent.sock"))),
+            proc_: Arc::new(Mutex::new(QemuProc {
+                pid: state.qemu_pid,
+                start: state.qemu_starttime,
+                saved: state.memory_saved,
+            })),
+            relay,
+            args: Mutex::new(state.qemu_args.clone()),
+            agent,
             deleting: RwLock::new(false),
             killed: watch::channel(false).0,
-            paused: AtomicBool::new(false),
+            paused: AtomicBool::new(state.memory_saved),
+            lifecycle: tokio::sync::Mutex::new(()),
             state,
         });
         self.vms
@@ -577,17 +664,119 @@ impl VmBackend {
             )));
         }
         check_not_paused(&vm.paused, id)?;
-        if proc_starttime(vm.state.qemu_pid) != Some(vm.state.qemu_starttime) {
+        let cur = *vm.proc_.lock().unwrap();
+        if !cur.exists() {
             return Err(NodeError::Conflict(format!(
                 "sandbox {id} is not running (its QEMU {} is gone)",
-                vm.state.qemu_pid
+                cur.pid
             )));
         }
         Ok(vm)
     }
 
+    /// Creates `spec`, its disk a new layer on `seed`'s chain when given (a fork).
+    async fn create_with(
+        &self,
+        spec: &SandboxSpec,
+        image: &Image,
+        seed: Option<&Checkpoint>,
+    ) -> NodeResult<()> {
+        check_id(&spec.id)?;
+        let dir = self.vm_dir(&spec.id);
+        match std::fs::create_dir(&dir) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                return Err(NodeError::Conflict(format!(
+                    "sandbox {} already exists",
+                    spec.id
+                )))
+            }
+            Err(e) => return Err(NodeError::io(format!("create {}", dir.display()), e)),
+        }
+        let cg = self.cgroups.sandbox(&spec.id);
+        match self.create_inner(spec, image, &cg, seed).await {
+            Ok((state, agent)) => {
+                self.adopt(state, Some(agent));
+                tracing::info!(sandbox = %spec.id, backend = "vm", "sandbox created");
+                Ok(())
+            }
+            Err(e) => {
+                if let Err(c) = self.destroy(&spec.id).await {
+                    tracing::warn!(sandbox = %spec.id, error = %c, "cleanup after a failed create");
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// A checkpoint of VM `id` (see [`chain`]): `sync` in the guest (its page cache reaches
+    /// the disk), then the active qcow2 layer is frozen under a new one (QMP
+    /// `blockdev-snapshot`) and its chain linked into `dest`.
+    async fn checkpoint_disk(&self, id: &str, dest: &Path) -> NodeResult<Captured> {
+        let vm = self.get(id)?;
+        let _life = vm.lifecycle.lock().await;
+        if vm.paused.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(NodeError::Conflict(format!(
+                "sandbox {id} is paused; resume it before a checkpoint (the guest must flush its disk first)"
+            )));
+        }
+        let mut req = ExecRequest::new(sandlot_api::Cmd::Argv(vec!["sync".into()]));
+        req.timeout_s = Some(60.0);
+        let r = self.run_exec(id, &req, None, None).await?;
+        if r.exit_code != 0 {
+            return Err(NodeError::io(
+                format!("sync in VM {id}: exit {}: {}", r.exit_code, r.stderr),
+                std::io::Error::other("guest sync failed"),
+            ));
+        }
+        // No delete while the layers change.
+        let guard = vm.deleting.read().await;
+        if *guard {
+            return Err(NodeError::NotFound(format!(
+                "sandbox {id} is being deleted"
+            )));
+        }
+        let (qemu_img, dir, dest) = (self.qemu_img.clone(), self.vm_dir(id), dest.to_path_buf());
+        let owners = chain::Owners {
+            qemu: vm.state.qemu_uid,
+            group: self.cfg.uids.group(),
+        };
+        let started = Instant::now();
+        spawn_blocking(move || chain::snapshot(&qemu_img, &dir, &dest, owners)).await?;
+        drop(guard);
+        tracing::info!(sandbox = %id, backend = "vm", ms = started.elapsed().as_millis() as u64, "disk layer frozen for a checkpoint");
+        Ok(Captured {
+            backend: Backend::Vm,
+            image: vm.state.image.clone(),
+            runtime: None,
+            uid_base: None,
+            disk_mib: vm.state.spec.disk_mib.max(16),
+        })
+    }
+
+    /// The pause/resume [`snapshot::Target`] of `vm`.
+    fn target<'a>(&'a self, vm: &'a Vm) -> snapshot::Target<'a> {
+        snapshot::Target {
+            backend: "vm",
+            dir: self.vm_dir(&vm.state.id),
+            qemu: &self.qemu,
+            cgroup: &vm.cgroup,
+            state: VmState {
+                qemu_args: vm.args.lock().unwrap().clone(),
+                ..vm.state.clone()
+            },
+            deleting: &vm.deleting,
+            paused: &vm.paused,
+            relay: &vm.relay,
+            proc_: &vm.proc_,
+            // The same uid as before the pause (`qemu_uid`, held by the sandbox).
+            jail: vm_jail(&self.cfg.uids, vm.state.qemu_uid, vm.state.accel),
+        }
+    }
+
     /// Kills the QEMU of `id` (from `state.json` or `boot.json`), removes its cgroup and
-    /// directory (its qcow2 overlay with it; the shared base stays).
+    /// directory (its qcow2 layers' links with it; the shared base stays), gives its uid
+    /// back.
     async fn destroy(&self, id: &str) -> NodeResult<()> {
         let dir = self.vm_dir(id);
         let cg = self.cgroups.sandbox(id);
@@ -614,6 +803,7 @@ impl VmBackend {
             }
             // Kills anything left in the group (a QEMU whose state file was lost) too.
             cg.group().destroy(Duration::from_secs(10))?;
+            // No process of the uid is left: it may go to another sandbox.
             uids.release(&id_);
             match std::fs::remove_dir_all(&dir) {
                 Ok(()) => Ok(()),
@@ -632,32 +822,20 @@ impl SandboxBackend for VmBackend {
     }
 
     async fn create(&self, spec: &SandboxSpec, image: &Image) -> NodeResult<()> {
-        check_id(&spec.id)?;
-        let dir = self.vm_dir(&spec.id);
-        match std::fs::create_dir(&dir) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
-                return Err(NodeError::Conflict(format!(
-                    "sandbox {} already exists",
-                    spec.id
-                )))
-            }
-            Err(e) => return Err(NodeError::io(format!("create {}", dir.display()), e)),
-        }
-        let cg = self.cgroups.sandbox(&spec.id);
-        match self.create_inner(spec, image, &cg).await {
-            Ok((state, agent)) => {
-                self.adopt(state, Some(agent));
-                tracing::info!(sandbox = %spec.id, backend = "vm", "sandbox created");
-                Ok(())
-            }
-            Err(e) => {
-                if let Err(c) = self.destroy(&spec.id).await {
-                    tracing::warn!(sandbox = %spec.id, error = %c, "cleanup after a failed create");
-                }
-                Err(e)
-            }
-        }
+        self.create_with(spec, image, None).await
+    }
+
+    async fn create_from(
+        &self,
+        spec: &SandboxSpec,
+        image: &Image,
+        checkpoint: &Checkpoint,
+    ) -> NodeResult<()> {
+        self.create_with(spec, image, Some(checkpoint)).await
+    }
+
+    async fn checkpoint(&self, id: &str, dest: &Path) -> NodeResult<Captured> {
+        self.checkpoint_disk(id, dest).await
     }
 
     fn has(&self, id: &str) -> bool {
@@ -729,14 +907,39 @@ impl SandboxBackend for VmBackend {
         vm.agent.mkdir(path, parents).await.map_err(node_error)
     }
 
+    /// Saves memory and device state to `memory.state` and stops QEMU (the `microvm`
+    /// backend's steps, [`snapshot`]); a VM without QEMU arguments on record (created by
+    /// an older node, no QMP socket) is frozen in its cgroup instead.
     async fn pause(&self, id: &str) -> NodeResult<()> {
         let vm = self.get(id)?;
-        freeze(id, "vm", &vm.deleting, &vm.paused, vm.cgroup.group()).await
+        let _life = vm.lifecycle.lock().await;
+        if vm.state.qemu_args.is_empty() {
+            return freeze(id, "vm", &vm.deleting, &vm.paused, vm.cgroup.group()).await;
+        }
+        if !vm.paused.load(std::sync::atomic::Ordering::SeqCst) && vm.proc_.lock().unwrap().exists()
+        {
+            // Checkpoints may have moved the disk to a newer layer: the restored QEMU must
+            // open the one QEMU writes to now.
+            let dir = self.vm_dir(id);
+            let active = spawn_blocking(move || chain::active_layer(&dir)).await?;
+            let drive = drive_arg(&self.vm_dir(id), &active);
+            let mut args = vm.args.lock().unwrap();
+            if let Some(i) = args.iter().position(|a| a == DRIVE_FLAG) {
+                if let Some(v) = args.get_mut(i + 1) {
+                    *v = drive;
+                }
+            }
+        }
+        snapshot::pause(&self.target(&vm)).await
     }
 
     async fn resume(&self, id: &str) -> NodeResult<()> {
         let vm = self.get(id)?;
-        thaw(id, "vm", &vm.deleting, &vm.paused, vm.cgroup.group()).await
+        let _life = vm.lifecycle.lock().await;
+        if vm.state.qemu_args.is_empty() {
+            return thaw(id, "vm", &vm.deleting, &vm.paused, vm.cgroup.group()).await;
+        }
+        snapshot::resume(&self.target(&vm)).await
     }
 
     async fn delete(&self, id: &str) -> NodeResult<()> {
@@ -766,7 +969,7 @@ impl SandboxBackend for VmBackend {
             .map(|v| SandboxStatus {
                 id: v.state.id.clone(),
                 backend: Backend::Vm,
-                alive: proc_starttime(v.state.qemu_pid) == Some(v.state.qemu_starttime),
+                alive: v.proc_.lock().unwrap().exists(),
             })
             .collect()
     }
@@ -789,12 +992,40 @@ impl SandboxBackend for VmBackend {
             let state: Option<VmState> = std::fs::read(self.vm_dir(&name).join("state.json"))
                 .ok()
                 .and_then(|s| serde_json::from_slice(&s).ok());
+            let dir = self.vm_dir(&name);
             match state {
                 Some(st)
                     if st.id == name
                         && keep.contains(&name)
+                        && st.memory_saved
+                        && dir.join(snapshot::MEMORY_FILE).is_file() =>
+                {
+                    // Paused with memory: a QEMU left from a pause cut short goes.
+                    let (pid, start) = (st.qemu_pid, st.qemu_starttime);
+                    spawn_blocking(move || {
+                        snapshot::kill_and_wait(pid, start);
+                        Ok(())
+                    })
+                    .await?;
+                    self.adopt(st, None);
+                    tracing::info!(sandbox = %name, backend = "vm", "sandbox re-adopted (paused with memory file)");
+                    adopted.push(name);
+                }
+                Some(st)
+                    if st.id == name
+                        && keep.contains(&name)
+                        && !st.memory_saved
                         && proc_starttime(st.qemu_pid) == Some(st.qemu_starttime) =>
                 {
+                    if !st.qemu_args.is_empty() {
+                        // A pause cut short between `stop` and `state.json`: run it again.
+                        let d = dir.clone();
+                        spawn_blocking(move || {
+                            snapshot::continue_if_stopped(&d);
+                            Ok(())
+                        })
+                        .await?;
+                    }
                     self.adopt(st, None);
                     tracing::info!(sandbox = %name, backend = "vm", "sandbox re-adopted");
                     adopted.push(name);

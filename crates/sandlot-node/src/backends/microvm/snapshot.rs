@@ -1,19 +1,24 @@
-//! Pause with memory for the `microvm` backend: the guest's memory and device state are
-//! saved to `vms/<id>/memory.state` and its QEMU is stopped (the memory is freed); resume
-//! starts QEMU again with the same command line plus `-incoming defer` and restores it.
+//! Pause with memory for the `microvm` and `vm` backends: the guest's memory and device
+//! state are saved to `vms/<id>/memory.state` and its QEMU is stopped (the memory is
+//! freed); resume starts QEMU again with the same command line plus `-incoming defer` and
+//! restores it. Each backend fills in a [`Target`] (its VM's flags, relay, QEMU cell and
+//! command line) and calls [`pause`] / [`resume`] under its lifecycle lock.
 //!
 //! Steps of a pause (QMP, [`crate::qmp`]):
 //!
 //! 1. the node's side of the agent link stops sending ([`Relay::hold`]) and waits until
 //!    QEMU has taken every byte it sent (`SIOCOUTQ` of the socket is 0), so that no byte
 //!    is left in a socket that dies with QEMU;
-//! 2. `stop`; `getfd` passes the file (QEMU's `-sandbox on` forbids `exec:` migration),
+//! 2. `stop`; `getfd` passes the file (QEMU's `-sandbox on` forbids `exec:` migration;
+//!    the file is root's, mode 0600, and QEMU, an unprivileged uid, never opens it by name),
 //!    `migrate` to `fd:`; `query-migrate` until `completed`; fsync, rename;
 //! 3. the link lets go of QEMU's socket ([`Relay::detach`]), `state.json` records
 //!    `memory_saved`, QEMU is killed.
 //!
-//! Resume: QEMU starts with `-incoming defer`; the link connects to its new agent socket
-//! *before* the state is loaded, so the guest's virtio-serial port sees its host still
+//! Resume: QEMU starts with `-incoming defer`, jailed as before the pause
+//! ([`Target::jail`]: the sandbox's `qemu_uid`, its sockets bound anew by the node and
+//! inherited as fds); the link connects to its new agent socket *before* the state is
+//! loaded, so the guest's virtio-serial port sees its host still
 //! connected (its `host_connected` is part of the saved state: a mismatch would tell the
 //! guest agent the host went away, ending the agent connection and with it every running
 //! exec); `migrate-incoming` from `fd:`; `cont`; the link carries on ([`Relay::attach`]).
@@ -27,20 +32,25 @@
 //! cut short by a node crash is killed first).
 use super::{MicrovmBackend, Vm, VmState};
 use crate::backends::function::{proc_starttime, spawn_blocking};
+use crate::backends::qemu::Jail;
+use crate::cgroups::SandboxCgroup;
 use crate::node::{NodeError, NodeResult};
 use crate::qmp::Qmp;
 use serde_json::json;
 use std::os::fd::{AsFd, AsRawFd};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;
+use tokio::sync::RwLock;
 use tokio::sync::{mpsc, oneshot};
 
 /// The saved memory and device state of a paused microVM.
-pub(super) const MEMORY_FILE: &str = "memory.state";
-pub(super) use crate::backends::qemu::QMP_SOCK;
+pub(crate) const MEMORY_FILE: &str = "memory.state";
+pub(crate) use crate::backends::qemu::QMP_SOCK;
 /// How long the agent link may take to hand QEMU its last bytes before a pause gives up.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long saving or loading the state may take.
@@ -53,7 +63,7 @@ const SETTLE_AFTER_RESTART: Duration = Duration::from_millis(500);
 
 /// The QEMU process a microVM runs in now.
 #[derive(Debug, Clone, Copy)]
-pub(super) struct QemuProc {
+pub(crate) struct QemuProc {
     pub pid: i32,
     pub start: u64,
     /// Its state is in [`MEMORY_FILE`] and no QEMU runs.
@@ -68,7 +78,7 @@ impl QemuProc {
 }
 
 /// Shared handle on the current QEMU of one VM.
-pub(super) type ProcCell = Arc<Mutex<QemuProc>>;
+pub(crate) type ProcCell = Arc<Mutex<QemuProc>>;
 
 enum Ctl {
     Hold(oneshot::Sender<Result<(), String>>),
@@ -80,7 +90,7 @@ enum Ctl {
 /// The node's end of one microVM's agent link: every agent connection is a socket pair whose
 /// far end a pump task bridges to QEMU's agent socket; across a pause the pump parks and is
 /// given the new QEMU's socket, so the agent connection (and every exec on it) survives.
-pub(super) struct Relay {
+pub(crate) struct Relay {
     upstream: PathBuf,
     current: Mutex<Option<mpsc::Sender<Ctl>>>,
 }
@@ -290,7 +300,7 @@ async fn pump(mut client: UnixStream, up: UnixStream, mut ctl: mpsc::Receiver<Ct
 
 /// `stop`, then the migration stream to `DIR/memory.state` (via a temp file, fsynced);
 /// its size in bytes. On failure the guest is continued again when QEMU still answers.
-pub(super) fn save_memory(dir: &Path) -> NodeResult<u64> {
+pub(crate) fn save_memory(dir: &Path) -> NodeResult<u64> {
     let mut q = Qmp::connect(
         &dir.join(QMP_SOCK),
         Instant::now() + Duration::from_secs(5),
@@ -300,7 +310,14 @@ pub(super) fn save_memory(dir: &Path) -> NodeResult<u64> {
     let out = dir.join(MEMORY_FILE);
     let res = (|| {
         q.execute("stop", None)?;
-        let f = std::fs::File::create(&tmp)
+        // Root's, mode 0600: QEMU (an unprivileged uid) writes it only through the
+        // descriptor passed below.
+        let _ = std::fs::remove_file(&tmp);
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&tmp)
             .map_err(|e| NodeError::io(format!("create {}", tmp.display()), e))?;
         q.execute(
             "migrate-set-parameters",
@@ -328,7 +345,7 @@ pub(super) fn save_memory(dir: &Path) -> NodeResult<u64> {
 
 /// `migrate-incoming` from the saved state at `path` into the QEMU of `q` (started with
 /// `-incoming defer`), then `cont`.
-pub(super) fn load_memory(q: &mut Qmp, path: &Path) -> NodeResult<()> {
+pub(crate) fn load_memory(q: &mut Qmp, path: &Path) -> NodeResult<()> {
     let f = std::fs::File::open(path)
         .map_err(|e| NodeError::io(format!("open {}", path.display()), e))?;
     q.execute_with_fd("getfd", Some(json!({ "fdname": "sandlot-mem" })), f.as_fd())?;
@@ -340,7 +357,7 @@ pub(super) fn load_memory(q: &mut Qmp, path: &Path) -> NodeResult<()> {
 
 /// Best effort after a node crash: `cont` a QEMU that a pause stopped but did not finish,
 /// and drop a partial or stale memory file.
-pub(super) fn continue_if_stopped(dir: &Path) {
+pub(crate) fn continue_if_stopped(dir: &Path) {
     let _ = std::fs::remove_file(dir.join(format!("{MEMORY_FILE}.tmp")));
     let _ = std::fs::remove_file(dir.join(MEMORY_FILE));
     let Ok(mut q) = Qmp::connect(
@@ -370,7 +387,7 @@ fn starttime_any_state(pid: i32) -> Option<u64> {
 
 /// SIGKILL to QEMU `pid` (when it is still the process started at `start`), waiting up to
 /// 10 s until it is gone entirely (reaped: every thread exited, every descriptor closed).
-pub(super) fn kill_and_wait(pid: i32, start: u64) {
+pub(crate) fn kill_and_wait(pid: i32, start: u64) {
     if starttime_any_state(pid) != Some(start) {
         return;
     }
@@ -384,152 +401,213 @@ pub(super) fn kill_and_wait(pid: i32, start: u64) {
     }
 }
 
-impl MicrovmBackend {
-    /// `state.json` of `vm` with its current QEMU.
-    pub(super) fn write_current_state(&self, vm: &Vm) -> NodeResult<()> {
-        let p = *vm.proc_.lock().unwrap();
+/// One VM whose memory [`pause`] saves and [`resume`] restores: the parts of a `microvm`
+/// or `vm` sandbox these steps use.
+pub(crate) struct Target<'a> {
+    /// Backend name for logs (`microvm`, `vm`).
+    pub backend: &'static str,
+    /// The VM directory (`QMP_SOCK`, `agent.sock`, `MEMORY_FILE`, `state.json`).
+    pub dir: PathBuf,
+    /// The QEMU binary.
+    pub qemu: &'a Path,
+    /// QEMU's cgroup (a resumed QEMU starts in it).
+    pub cgroup: &'a SandboxCgroup,
+    /// Its state as created, `qemu_args` the command line a resume starts (plus
+    /// `-incoming defer`); `state.json` is rewritten from it with the current QEMU.
+    pub state: VmState,
+    /// The sandbox's delete flag (read side held throughout).
+    pub deleting: &'a RwLock<bool>,
+    /// The sandbox's paused flag.
+    pub paused: &'a AtomicBool,
+    /// The agent link that survives.
+    pub relay: &'a Arc<Relay>,
+    /// The QEMU it runs in now.
+    pub proc_: &'a ProcCell,
+    /// How a resumed QEMU is confined: the sandbox's uid (`state.qemu_uid`, the same as
+    /// before the pause) and the sockets the node binds and hands over; they must match
+    /// `state.qemu_args` (fd-based `-chardev`s with a uid, path-based for a root QEMU).
+    pub jail: Jail,
+}
+
+impl Target<'_> {
+    /// `state.json` with the current QEMU.
+    pub fn write_current_state(&self) -> NodeResult<()> {
+        let p = *self.proc_.lock().unwrap();
         let st = VmState {
             qemu_pid: p.pid,
             qemu_starttime: p.start,
             memory_saved: p.saved,
-            ..vm.state.clone()
+            ..self.state.clone()
         };
-        super::write_json(&self.vm_dir(&vm.state.id).join("state.json"), &st)
+        super::write_json(&self.dir.join("state.json"), &st)
+    }
+}
+
+/// Pause with memory (see the module docs). Pausing a paused VM is a no-op. The caller
+/// holds the VM's lifecycle lock (pause, resume and checkpoints one at a time).
+///
+/// # Errors
+/// `NotFound` (being deleted), `Conflict` (QEMU gone), `Unavailable` (the agent link does
+/// not drain), `Internal` (QMP or file failures; the VM keeps running).
+pub(crate) async fn pause(t: &Target<'_>) -> NodeResult<()> {
+    let id = t.state.id.as_str();
+    let guard = t.deleting.read().await;
+    if *guard {
+        return Err(NodeError::NotFound(format!(
+            "sandbox {id} is being deleted"
+        )));
+    }
+    if t.paused.load(std::sync::atomic::Ordering::SeqCst) {
+        return Ok(());
+    }
+    let cur = *t.proc_.lock().unwrap();
+    if !cur.exists() {
+        return Err(NodeError::Conflict(format!(
+            "sandbox {id} is not running (its QEMU {} is gone)",
+            cur.pid
+        )));
+    }
+    t.paused.store(true, std::sync::atomic::Ordering::SeqCst);
+    let started = Instant::now();
+    if let Err(e) = t.relay.hold().await {
+        t.paused.store(false, std::sync::atomic::Ordering::SeqCst);
+        return Err(e);
+    }
+    let dir = t.dir.clone();
+    let size = match spawn_blocking(move || save_memory(&dir)).await {
+        Ok(s) => s,
+        Err(e) => {
+            t.relay.release().await;
+            t.paused.store(false, std::sync::atomic::Ordering::SeqCst);
+            return Err(e);
+        }
+    };
+    let saved_ms = started.elapsed().as_millis() as u64;
+    t.relay.detach().await;
+    t.proc_.lock().unwrap().saved = true;
+    t.write_current_state()?;
+    spawn_blocking(move || {
+        kill_and_wait(cur.pid, cur.start);
+        Ok(())
+    })
+    .await?;
+    tracing::info!(sandbox = %id, backend = t.backend, ms = started.elapsed().as_millis() as u64, save_ms = saved_ms, bytes = size, "sandbox paused (memory saved, QEMU stopped)");
+    Ok(())
+}
+
+/// Resume a VM paused with memory (see the module docs). Resuming a running VM is a
+/// no-op. On failure the VM stays paused with its memory file. The caller holds the VM's
+/// lifecycle lock.
+///
+/// # Errors
+/// `NotFound` (being deleted), `Internal` (QEMU or restore failures).
+pub(crate) async fn resume(t: &Target<'_>) -> NodeResult<()> {
+    let id = t.state.id.as_str();
+    let guard = t.deleting.read().await;
+    if *guard {
+        return Err(NodeError::NotFound(format!(
+            "sandbox {id} is being deleted"
+        )));
+    }
+    if !t.paused.load(std::sync::atomic::Ordering::SeqCst) {
+        return Ok(());
+    }
+    let started = Instant::now();
+    let dir = t.dir.clone();
+    let mut args = t.state.qemu_args.clone();
+    args.extend(["-incoming".to_string(), "defer".to_string()]);
+    // The last QEMU's sockets: a connect must reach the new QEMU's or fail (and retry).
+    for f in [QMP_SOCK, "agent.sock"] {
+        let _ = std::fs::remove_file(dir.join(f));
+    }
+    let (pid, start) = super::spawn_qemu(t.qemu, &args, &dir, t.cgroup, true, &t.jail)?;
+    let res: NodeResult<Option<UnixStream>> = async {
+        let d = dir.clone();
+        let q = spawn_blocking(move || {
+            Qmp::connect(
+                &d.join(QMP_SOCK),
+                Instant::now() + QMP_START_TIMEOUT,
+                Duration::from_secs(30),
+            )
+        })
+        .await?;
+        // QMP answers once QEMU's chardevs exist: the agent socket listens.
+        let up = t.relay.reconnect().await?;
+        let d = dir.clone();
+        let mut q = q;
+        spawn_blocking(move || load_memory(&mut q, &d.join(MEMORY_FILE))).await?;
+        Ok(up)
+    }
+    .await;
+    let up = match res {
+        Ok(up) => up,
+        Err(e) => {
+            spawn_blocking(move || {
+                kill_and_wait(pid, start);
+                Ok(())
+            })
+            .await?;
+            return Err(NodeError::io(
+                format!(
+                    "restore {} {id} from {}: {e}; QEMU said: {}",
+                    t.backend,
+                    MEMORY_FILE,
+                    super::tail_of(&dir.join("qemu.log"), 400)
+                ),
+                std::io::Error::other("restore failed"),
+            ));
+        }
+    };
+    let kept = up.is_some();
+    if let Some(up) = up {
+        t.relay.attach(up).await;
+    }
+    *t.proc_.lock().unwrap() = QemuProc {
+        pid,
+        start,
+        saved: false,
+    };
+    t.write_current_state()?;
+    let _ = std::fs::remove_file(dir.join(MEMORY_FILE));
+    if !kept {
+        tokio::time::sleep(SETTLE_AFTER_RESTART).await;
+    }
+    t.paused.store(false, std::sync::atomic::Ordering::SeqCst);
+    drop(guard);
+    tracing::info!(sandbox = %id, backend = t.backend, ms = started.elapsed().as_millis() as u64, agent_connection_kept = kept, "sandbox resumed (memory restored)");
+    Ok(())
+}
+
+impl MicrovmBackend {
+    /// The [`Target`] of microVM `vm`.
+    fn target<'a>(&'a self, vm: &'a Vm) -> Target<'a> {
+        Target {
+            backend: "microvm",
+            dir: self.vm_dir(&vm.state.id),
+            qemu: &self.qemu,
+            cgroup: &vm.cgroup,
+            state: vm.state.clone(),
+            deleting: &vm.deleting,
+            paused: &vm.paused,
+            relay: &vm.relay,
+            proc_: &vm.proc_,
+            // The same uid as before the pause (`qemu_uid`, held by the sandbox).
+            jail: super::microvm_jail(&self.cfg.uids, vm.state.qemu_uid, vm.state.accel),
+        }
     }
 
-    /// Pause with memory (see the module docs). Pausing a paused VM is a no-op.
-    ///
-    /// # Errors
-    /// `NotFound` (unknown, being deleted), `Conflict` (QEMU gone), `Unavailable` (the
-    /// agent link does not drain), `Internal` (QMP or file failures; the VM keeps running).
+    /// [`pause`] of microVM `id`.
     pub(super) async fn pause_to_memory(&self, id: &str) -> NodeResult<()> {
         let vm = self.get(id)?;
         let _one = vm.lifecycle.lock().await;
-        let guard = vm.deleting.read().await;
-        if *guard {
-            return Err(NodeError::NotFound(format!(
-                "sandbox {id} is being deleted"
-            )));
-        }
-        if vm.paused.load(std::sync::atomic::Ordering::SeqCst) {
-            return Ok(());
-        }
-        let cur = *vm.proc_.lock().unwrap();
-        if !cur.exists() {
-            return Err(NodeError::Conflict(format!(
-                "sandbox {id} is not running (its QEMU {} is gone)",
-                cur.pid
-            )));
-        }
-        vm.paused.store(true, std::sync::atomic::Ordering::SeqCst);
-        let started = Instant::now();
-        if let Err(e) = vm.relay.hold().await {
-            vm.paused.store(false, std::sync::atomic::Ordering::SeqCst);
-            return Err(e);
-        }
-        let dir = self.vm_dir(id);
-        let size = match spawn_blocking(move || save_memory(&dir)).await {
-            Ok(s) => s,
-            Err(e) => {
-                vm.relay.release().await;
-                vm.paused.store(false, std::sync::atomic::Ordering::SeqCst);
-                return Err(e);
-            }
-        };
-        let saved_ms = started.elapsed().as_millis() as u64;
-        vm.relay.detach().await;
-        vm.proc_.lock().unwrap().saved = true;
-        self.write_current_state(&vm)?;
-        spawn_blocking(move || {
-            kill_and_wait(cur.pid, cur.start);
-            Ok(())
-        })
-        .await?;
-        tracing::info!(sandbox = %id, backend = "microvm", ms = started.elapsed().as_millis() as u64, save_ms = saved_ms, bytes = size, "sandbox paused (memory saved, QEMU stopped)");
-        Ok(())
+        pause(&self.target(&vm)).await
     }
 
-    /// Resume a VM paused with memory (see the module docs). Resuming a running VM is a
-    /// no-op. On failure the VM stays paused with its memory file.
-    ///
-    /// # Errors
-    /// `NotFound` (unknown, being deleted), `Internal` (QEMU or restore failures).
+    /// [`resume`] of microVM `id`.
     pub(super) async fn resume_from_memory(&self, id: &str) -> NodeResult<()> {
         let vm = self.get(id)?;
         let _one = vm.lifecycle.lock().await;
-        let guard = vm.deleting.read().await;
-        if *guard {
-            return Err(NodeError::NotFound(format!(
-                "sandbox {id} is being deleted"
-            )));
-        }
-        if !vm.paused.load(std::sync::atomic::Ordering::SeqCst) {
-            return Ok(());
-        }
-        let started = Instant::now();
-        let dir = self.vm_dir(id);
-        let mut args = vm.state.qemu_args.clone();
-        args.extend(["-incoming".to_string(), "defer".to_string()]);
-        // The last QEMU's sockets: a connect must reach the new QEMU's or fail (and retry).
-        for f in [QMP_SOCK, "agent.sock"] {
-            let _ = std::fs::remove_file(dir.join(f));
-        }
-        // The same uid as before the pause (`qemu_uid`, held by the sandbox).
-        let jail = super::microvm_jail(&self.cfg.uids, vm.state.qemu_uid, vm.state.accel);
-        let (pid, start) = self.spawn_qemu(&args, &dir, &self.cgroups.sandbox(id), true, &jail)?;
-        let res: NodeResult<Option<UnixStream>> = async {
-            let d = dir.clone();
-            let q = spawn_blocking(move || {
-                Qmp::connect(
-                    &d.join(QMP_SOCK),
-                    Instant::now() + QMP_START_TIMEOUT,
-                    Duration::from_secs(30),
-                )
-            })
-            .await?;
-            // QMP answers once QEMU's chardevs exist: the agent socket listens.
-            let up = vm.relay.reconnect().await?;
-            let d = dir.clone();
-            let mut q = q;
-            spawn_blocking(move || load_memory(&mut q, &d.join(MEMORY_FILE))).await?;
-            Ok(up)
-        }
-        .await;
-        let up = match res {
-            Ok(up) => up,
-            Err(e) => {
-                spawn_blocking(move || {
-                    kill_and_wait(pid, start);
-                    Ok(())
-                })
-                .await?;
-                return Err(NodeError::io(
-                    format!(
-                        "restore microVM {id} from {}: {e}; QEMU said: {}",
-                        MEMORY_FILE,
-                        super::tail_of(&dir.join("qemu.log"), 400)
-                    ),
-                    std::io::Error::other("restore failed"),
-                ));
-            }
-        };
-        let kept = up.is_some();
-        if let Some(up) = up {
-            vm.relay.attach(up).await;
-        }
-        *vm.proc_.lock().unwrap() = QemuProc {
-            pid,
-            start,
-            saved: false,
-        };
-        self.write_current_state(&vm)?;
-        let _ = std::fs::remove_file(dir.join(MEMORY_FILE));
-        if !kept {
-            tokio::time::sleep(SETTLE_AFTER_RESTART).await;
-        }
-        vm.paused.store(false, std::sync::atomic::Ordering::SeqCst);
-        tracing::info!(sandbox = %id, backend = "microvm", ms = started.elapsed().as_millis() as u64, agent_connection_kept = kept, "sandbox resumed (memory restored)");
-        Ok(())
+        resume(&self.target(&vm)).await
     }
 }
 

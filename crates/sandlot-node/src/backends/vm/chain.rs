@@ -1,0 +1,421 @@
+//! Disk checkpoints and forks of the `vm` backend: qcow2 backing chains held together by
+//! hard links.
+//!
+//! A VM's disk is a chain of qcow2 files (QEMU's `docs/interop/qcow2.txt`: each file's
+//! header names its backing file): the image's shared read-only base, then zero or more
+//! frozen layers, then the one writable **active** layer QEMU writes to.
+//!
+//! **Holders.** Every directory that uses a chain holds a hard link to each file of it
+//! except the shared base, so files live exactly as long as someone uses them, without a
+//! reference count: a sandbox directory (`vms/<id>/`), a checkpoint directory
+//! (`checkpoints/<ck>/`). Layer files are named `disk.qcow2` (a cold-booted VM's first
+//! layer) or `layer-<16 hex>.qcow2` (random, unique in a chain); each names its backing
+//! file by that *relative* name (resolved in the file's own directory, qcow2.txt "backing
+//! file name"), the bottom layer the base by its absolute path. So a chain resolves in any
+//! holder that links the same names, and deleting a checkpoint while forks use it, or its
+//! source while the checkpoint lives, removes only that holder's links.
+//!
+//! **Checkpoint** ([`snapshot`]): after a guest `sync`, a new empty layer is created on
+//! top of the active one (`qemu-img create -u -b <active>`), added to the running QEMU
+//! (QMP `blockdev-add` with `"backing": null`) and installed as the device's new active
+//! layer (QMP `blockdev-snapshot`, which drains in-flight I/O first, so the old layer is
+//! the disk at one instant; QEMU reopens it read-only). The old active layer is now frozen
+//! (mode 0444); its chain is linked into the checkpoint directory, the frozen top as
+//! [`TOP`]. The guest keeps running throughout: vCPUs are not stopped (a node killed
+//! mid-checkpoint can then never leave the guest stopped); the disk is crash-consistent at
+//! the snapshot instant, and everything written before the request is in it (the `sync`).
+//!
+//! **Fork** ([`seed_fork`]): the checkpoint's chain is linked into the fork's directory
+//! (the top under a fresh layer name) and a new active layer is created on top, sized for
+//! the fork's `disk_mib` (a qcow2 layer may be larger than its backing file; the guest
+//! grows its ext4 online at boot).
+//!
+//! **Owners** (QEMU runs as an unprivileged uid per sandbox, see [`crate::backends::qemu`]):
+//! the VM directory is root's (group = the VM's uid, mode 0710), so QEMU cannot create a
+//! layer itself: the node creates it as root and hands it to the uid (owner and group =
+//! uid, mode 0600, [`crate::backends::qemu::give_file`]) before `blockdev-add`. A frozen
+//! layer becomes root's, group = the QEMUs' shared group, mode 0440
+//! ([`crate::backends::qemu::share_read_only`]): its own QEMU and every fork's (other uids,
+//! all in that group) read it as a backing file, none writes it. Hard links share the
+//! inode, so the checkpoint's links (in `DATA/checkpoints/`, root only) and every holder's
+//! have the same owner and mode; a QEMU reaches only the links in its own VM directory.
+//!
+//! QEMU's node names are the layer file stems (`-drive node-name=`, `blockdev-add
+//! node-name`), so `query-block` tells which file is active now, after any number of
+//! checkpoints and node restarts, without extra state on disk.
+use crate::node::{NodeError, NodeResult};
+use crate::qmp::Qmp;
+use serde_json::{json, Value};
+use std::io::{Read, Seek, SeekFrom};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+/// Name of a checkpoint's frozen top layer in its directory.
+pub const TOP: &str = "top.qcow2";
+/// File stem of a cold-booted VM's first layer.
+pub const FIRST: &str = "disk";
+use crate::backends::microvm::snapshot::QMP_SOCK;
+/// How long one QMP answer may take (a `blockdev-snapshot` drains the disk's I/O).
+const QMP_TIMEOUT: Duration = Duration::from_secs(60);
+/// Longest chain followed (a loop in corrupt headers stops here).
+const MAX_CHAIN: usize = 4096;
+
+/// Who gets a chain's files (see the module docs).
+#[derive(Debug, Clone, Copy)]
+pub struct Owners {
+    /// The running VM's QEMU uid (its new active layer is given to it); `None`: QEMU runs
+    /// as root (a VM of an older node).
+    pub qemu: Option<u32>,
+    /// The group of every QEMU (frozen layers' group), [`QemuUids::group`].
+    ///
+    /// [`QemuUids::group`]: crate::backends::qemu::QemuUids::group
+    pub group: Option<u32>,
+}
+
+fn bad(path: &Path, why: impl std::fmt::Display) -> NodeError {
+    NodeError::io(
+        format!("{}: {why}", path.display()),
+        std::io::Error::other("bad qcow2 chain"),
+    )
+}
+
+/// A fresh `layer-<16 hex>` stem.
+pub fn new_layer() -> String {
+    format!("layer-{:016x}", rand::random::<u64>())
+}
+
+/// Whether `stem` is a layer stem this backend makes (`disk`, `layer-<16 hex>`): nothing
+/// else is ever resolved as a sibling file.
+pub fn is_layer(stem: &str) -> bool {
+    stem == FIRST
+        || stem.strip_prefix("layer-").is_some_and(|h| {
+            h.len() == 16 && h.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+        })
+}
+
+/// The backing file name in the header of the qcow2 file `path` (qcow2.txt: header bytes
+/// 8..16 `backing_file_offset`, 16..20 `backing_file_size`, big-endian); `None` when it
+/// has none.
+///
+/// # Errors
+/// `Internal` when the file is unreadable or not qcow2.
+pub fn backing_of(path: &Path) -> NodeResult<Option<String>> {
+    let mut f = std::fs::File::open(path)
+        .map_err(|e| NodeError::io(format!("open {}", path.display()), e))?;
+    let mut hdr = [0u8; 20];
+    f.read_exact(&mut hdr)
+        .map_err(|e| NodeError::io(format!("read {}", path.display()), e))?;
+    if &hdr[..4] != b"QFI\xfb" {
+        return Err(bad(path, "not a qcow2 file"));
+    }
+    let off = u64::from_be_bytes(hdr[8..16].try_into().expect("8 bytes"));
+    let len = u32::from_be_bytes(hdr[16..20].try_into().expect("4 bytes")) as usize;
+    if off == 0 || len == 0 {
+        return Ok(None);
+    }
+    if len > 1023 {
+        return Err(bad(path, "backing file name longer than 1023 bytes"));
+    }
+    let mut name = vec![0u8; len];
+    f.seek(SeekFrom::Start(off))
+        .and_then(|_| f.read_exact(&mut name))
+        .map_err(|e| NodeError::io(format!("read {}", path.display()), e))?;
+    String::from_utf8(name)
+        .map(Some)
+        .map_err(|_| bad(path, "backing file name is not UTF-8"))
+}
+
+/// The sibling layer files below `top` (which lies in `dir`), nearest first, up to the
+/// first absolute backing name (the image's base, not included).
+///
+/// # Errors
+/// `Internal` on an unreadable header, a sibling name this backend never writes, or a
+/// chain longer than [`MAX_CHAIN`].
+pub fn ancestors(dir: &Path, top: &Path) -> NodeResult<Vec<String>> {
+    let mut out = Vec::new();
+    let mut cur = top.to_path_buf();
+    while let Some(name) = backing_of(&cur)? {
+        if name.starts_with('/') {
+            return Ok(out);
+        }
+        let stem = name.strip_suffix(".qcow2").unwrap_or("");
+        if !is_layer(stem) || out.len() >= MAX_CHAIN {
+            return Err(bad(&cur, format!("unexpected backing file {name:?}")));
+        }
+        cur = dir.join(&name);
+        out.push(name);
+    }
+    Ok(out)
+}
+
+/// Hard-links `src` to `dst`, copying (sparse, reflinked where possible) when they lie on
+/// different file systems.
+fn link(src: &Path, dst: &Path) -> NodeResult<()> {
+    match std::fs::hard_link(src, dst) {
+        Ok(()) => Ok(()),
+        Err(e) if e.raw_os_error() == Some(libc::EXDEV) => crate::checkpoints::copy_disk(src, dst),
+        Err(e) => Err(NodeError::io(
+            format!("link {} to {}", src.display(), dst.display()),
+            e,
+        )),
+    }
+}
+
+/// Runs `qemu-img create -q -f qcow2 -u -F qcow2 -b <backing> <out> <size>` (`-u`: the
+/// backing file is not opened, QEMU holds it).
+fn create_layer(qemu_img: &Path, backing: &str, out: &Path, size: u64) -> NodeResult<()> {
+    super::run_tool(
+        std::process::Command::new(qemu_img)
+            .args(["create", "-q", "-f", "qcow2", "-u", "-F", "qcow2", "-b"])
+            .arg(backing)
+            .arg(out)
+            .arg(size.to_string()),
+        "qemu-img create",
+    )
+}
+
+/// The stem of the layer QEMU writes to now: the node name of the device `root`
+/// (`query-block`); an automatic name (`#block…`, a VM started before node names) means
+/// the first layer.
+fn active_stem(q: &mut Qmp) -> NodeResult<String> {
+    let blocks = q.execute("query-block", None)?;
+    let node = blocks
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|b| b.get("device").and_then(Value::as_str) == Some("root"))
+        .and_then(|b| b.pointer("/inserted/node-name"))
+        .and_then(Value::as_str)
+        .unwrap_or("");
+    if node.starts_with('#') || node.is_empty() {
+        return Ok(FIRST.into());
+    }
+    if !is_layer(node) {
+        return Err(NodeError::io(
+            format!("the VM's disk node {node:?} is not a layer of this backend"),
+            std::io::Error::other("unexpected node name"),
+        ));
+    }
+    Ok(node.to_string())
+}
+
+/// The stem of the layer the running VM in `dir` writes to now (QMP `query-block`).
+/// Blocking.
+///
+/// # Errors
+/// `Internal` when QMP fails.
+pub fn active_layer(dir: &Path) -> NodeResult<String> {
+    let mut q = Qmp::connect(
+        &dir.join(QMP_SOCK),
+        Instant::now() + Duration::from_secs(5),
+        QMP_TIMEOUT,
+    )?;
+    active_stem(&mut q)
+}
+
+/// Freezes the active layer of the running VM in `dir` (QMP socket [`QMP_SOCK`]) and links
+/// its chain into the empty directory `dest` (see the module docs); the new active layer
+/// goes to `owners.qemu`, the frozen one to root and `owners.group`. Blocking.
+///
+/// # Errors
+/// `Conflict` when the VM has no QMP socket (started by an older node); `Internal` on QMP
+/// or file failures (a layer that could not be installed is removed again).
+pub fn snapshot(qemu_img: &Path, dir: &Path, dest: &Path, owners: Owners) -> NodeResult<()> {
+    let sock = dir.join(QMP_SOCK);
+    if !sock.exists() {
+        return Err(NodeError::Conflict(
+            "this VM was started by an older node without a QMP socket; it cannot be checkpointed (create it again)".into(),
+        ));
+    }
+    let mut q = Qmp::connect(&sock, Instant::now() + Duration::from_secs(5), QMP_TIMEOUT)?;
+    let active = active_stem(&mut q)?;
+    let frozen = dir.join(format!("{active}.qcow2"));
+    let size = super::qcow2_size(&frozen)?;
+    let next = new_layer();
+    let next_path = dir.join(format!("{next}.qcow2"));
+    create_layer(qemu_img, &format!("{active}.qcow2"), &next_path, size)?;
+    // QEMU opens the new layer by name as its uid (it cannot create files in `dir`).
+    if let Some(uid) = owners.qemu {
+        if let Err(e) = crate::backends::qemu::give_file(&next_path, uid) {
+            let _ = std::fs::remove_file(&next_path);
+            return Err(e);
+        }
+    }
+    let added = q.execute(
+        "blockdev-add",
+        Some(json!({
+            "driver": "qcow2",
+            "node-name": next,
+            "discard": "unmap",
+            "file": {"driver": "file", "filename": next_path.to_string_lossy()},
+            "backing": null,
+        })),
+    );
+    if let Err(e) = added {
+        let _ = std::fs::remove_file(&next_path);
+        return Err(e);
+    }
+    if let Err(e) = q.execute(
+        "blockdev-snapshot",
+        Some(json!({"node": "root", "overlay": next})),
+    ) {
+        let _ = q.execute("blockdev-del", Some(json!({"node-name": next})));
+        let _ = std::fs::remove_file(&next_path);
+        return Err(e);
+    }
+    drop(q);
+    // QEMU reopened it read-only (`blockdev-snapshot`); it must not write it again.
+    crate::backends::qemu::share_read_only(&frozen, owners.group)?;
+    for name in ancestors(dir, &frozen)? {
+        link(&dir.join(&name), &dest.join(&name))?;
+    }
+    link(&frozen, &dest.join(TOP))
+}
+
+/// Links the chain of the checkpoint in `ck_dir` into the new VM directory `dir` and
+/// creates the fork's active layer on it, `grow` bytes larger than the checkpoint's top;
+/// the active layer's stem. Every linked layer is root's, group `group`, mode 0440 (already
+/// so unless a link had to be a copy across file systems); the active layer is root's
+/// until the caller gives it to the fork's uid. Blocking.
+///
+/// # Errors
+/// `Internal` on a damaged checkpoint chain or file failures.
+pub fn seed_fork(
+    qemu_img: &Path,
+    ck_dir: &Path,
+    dir: &Path,
+    grow: u64,
+    group: Option<u32>,
+) -> NodeResult<String> {
+    let top = ck_dir.join(TOP);
+    for name in ancestors(ck_dir, &top)? {
+        link(&ck_dir.join(&name), &dir.join(&name))?;
+        crate::backends::qemu::share_read_only(&dir.join(&name), group)?;
+    }
+    let below = new_layer();
+    link(&top, &dir.join(format!("{below}.qcow2")))?;
+    crate::backends::qemu::share_read_only(&dir.join(format!("{below}.qcow2")), group)?;
+    let size = super::qcow2_size(&top)? + grow;
+    let active = new_layer();
+    create_layer(
+        qemu_img,
+        &format!("{below}.qcow2"),
+        &dir.join(format!("{active}.qcow2")),
+        size,
+    )?;
+    Ok(active)
+}
+
+/// `DIR/<stem>.qcow2`.
+pub fn layer_path(dir: &Path, stem: &str) -> PathBuf {
+    dir.join(format!("{stem}.qcow2"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn qemu_img() -> Option<PathBuf> {
+        crate::backends::microvm::find_binary("qemu-img")
+    }
+
+    #[test]
+    fn layer_names() {
+        assert!(is_layer("disk") && is_layer(&new_layer()));
+        for bad in [
+            "",
+            "layer-",
+            "layer-0123456789ABCDEF",
+            "../disk",
+            "layer-0123456789abcdef0",
+        ] {
+            assert!(!is_layer(bad), "{bad}");
+        }
+    }
+
+    /// A chain base ← disk ← layer-a in one directory, linked into a checkpoint-like
+    /// directory and forked: headers name siblings relatively, ancestors are found in
+    /// order, and each holder's chain resolves on its own (`qemu-img info --backing-chain`).
+    #[test]
+    fn chains_resolve_in_every_holder() {
+        let Some(img) = qemu_img() else {
+            eprintln!("SKIP: qemu-img is not installed");
+            return;
+        };
+        let t = tempfile::tempdir().unwrap();
+        let (vm, ck, fork) = (
+            t.path().join("vm"),
+            t.path().join("ck"),
+            t.path().join("fork"),
+        );
+        for d in [&vm, &ck, &fork] {
+            std::fs::create_dir(d).unwrap();
+        }
+        let base = t.path().join("base.qcow2");
+        super::super::run_tool(
+            std::process::Command::new(&img)
+                .args(["create", "-q", "-f", "qcow2"])
+                .arg(&base)
+                .arg("1M"),
+            "qemu-img create",
+        )
+        .unwrap();
+        create_layer(
+            &img,
+            base.to_str().unwrap(),
+            &vm.join("disk.qcow2"),
+            2 << 20,
+        )
+        .unwrap();
+        let a = new_layer();
+        create_layer(&img, "disk.qcow2", &layer_path(&vm, &a), 2 << 20).unwrap();
+        assert_eq!(backing_of(&base).unwrap(), None);
+        assert_eq!(
+            backing_of(&layer_path(&vm, &a)).unwrap().as_deref(),
+            Some("disk.qcow2")
+        );
+        assert_eq!(
+            ancestors(&vm, &layer_path(&vm, &a)).unwrap(),
+            vec!["disk.qcow2".to_string()]
+        );
+        // What `snapshot` links for a frozen `a`.
+        link(&vm.join("disk.qcow2"), &ck.join("disk.qcow2")).unwrap();
+        link(&layer_path(&vm, &a), &ck.join(TOP)).unwrap();
+        let active = seed_fork(&img, &ck, &fork, 1 << 20, None).unwrap();
+        assert_eq!(
+            super::super::qcow2_size(&layer_path(&fork, &active)).unwrap(),
+            3 << 20
+        );
+        // The source and the checkpoint go; the fork's chain still resolves.
+        std::fs::remove_dir_all(&vm).unwrap();
+        std::fs::remove_dir_all(&ck).unwrap();
+        let out = std::process::Command::new(&img)
+            .args(["info", "--backing-chain"])
+            .arg(layer_path(&fork, &active))
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let s = String::from_utf8_lossy(&out.stdout);
+        assert_eq!(s.matches("image: ").count(), 4, "{s}");
+        assert_eq!(
+            ancestors(&fork, &layer_path(&fork, &active)).unwrap().len(),
+            2
+        );
+    }
+
+    #[test]
+    fn foreign_backing_names_are_refused() {
+        let Some(img) = qemu_img() else {
+            eprintln!("SKIP: qemu-img is not installed");
+            return;
+        };
+        let t = tempfile::tempdir().unwrap();
+        let p = t.path().join("x.qcow2");
+        create_layer(&img, "../etc.qcow2", &p, 1 << 20).unwrap();
+        assert!(ancestors(t.path(), &p).is_err());
+    }
+}
