@@ -8,7 +8,7 @@
 #                        by the `vm` backend (and by `microvm` when there is no vmlinux)
 #     vmlinux            the same kernel uncompressed (an ELF with a PVH entry note), cut out
 #                        of vmlinuz once here; `microvm` boots it directly, which skips the
-#                        bzImage's self-decompression (about 0.5 s under TCG). Absent when the
+#                        bzImage's self-decompression (~0.2 s of CPU under TCG). Absent when the
 #                        kernel lacks CONFIG_PVH or its payload cannot be unpacked.
 #     modules/*.ko       the modules the guest needs (virtio-mmio, virtio-pci, virtio-blk,
 #                        virtio-console, virtio-rng, erofs, overlay) with their dependencies
