@@ -41,6 +41,38 @@ fn log(msg: &str) {
     eprintln!("sandlot-guest vm-init: {msg}");
 }
 
+/// Milliseconds since the guest kernel booted (`CLOCK_BOOTTIME`).
+fn uptime_ms() -> u64 {
+    let mut t = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes one timespec through a pointer to a live local.
+    unsafe { libc::clock_gettime(libc::CLOCK_BOOTTIME, &mut t) };
+    t.tv_sec as u64 * 1000 + t.tv_nsec as u64 / 1_000_000
+}
+
+/// Guest uptime (ms) at each step of a microVM boot, logged once before the agent serves:
+/// the boot breakdown in docs/backends.md. stderr is `/dev/kmsg` ([`stdio_to_kmsg`]), so
+/// the line reaches the console only above `quiet`'s loglevel, e.g. with
+/// `SANDLOT_MICROVM_APPEND="loglevel=5 printk.devkmsg=on"` on the node.
+#[derive(Default)]
+struct Phases(Vec<(&'static str, u64)>);
+
+impl Phases {
+    fn mark(&mut self, what: &'static str) {
+        self.0.push((what, uptime_ms()));
+    }
+
+    fn log(&self) {
+        let parts: Vec<String> = self.0.iter().map(|(w, t)| format!("{w}={t}")).collect();
+        log(&format!(
+            "boot phases (guest uptime, ms): {}",
+            parts.join(" ")
+        ));
+    }
+}
+
 /// Points stdout and stderr at `/dev/kmsg`: the kernel prints those lines on the console
 /// itself (polled), whereas a process writing to the serial tty blocks once its buffer is
 /// full when the UART's transmit interrupt never comes (seen under TCG on `-M microvm`).
@@ -89,6 +121,8 @@ fn mnt(
 }
 
 fn boot() -> Result<(), String> {
+    let mut phases = Phases::default();
+    phases.mark("init");
     let none = MsFlags::empty();
     let nosuid = MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC;
     mnt("proc", "/proc", "proc", nosuid, None)?;
@@ -110,11 +144,13 @@ fn boot() -> Result<(), String> {
         return Ok(());
     }
     load_modules()?;
+    phases.mark("modules");
     if cmdline.split_whitespace().any(|w| w == DISK_ROOT_ARG) {
         return disk_root();
     }
     let image = wait_disk("image")?;
     let scratch = wait_disk("scratch")?;
+    phases.mark("disks");
     mnt(&image, "/mnt/image", "erofs", MsFlags::MS_RDONLY, None)?;
     mnt(&scratch, "/mnt/scratch", "ext4", MsFlags::MS_NOATIME, None)?;
     for (d, mode) in [("/mnt/scratch/upper", 0o755), ("/mnt/scratch/work", 0o700)] {
@@ -128,13 +164,15 @@ fn boot() -> Result<(), String> {
         Some("lowerdir=/mnt/image,upperdir=/mnt/scratch/upper,workdir=/mnt/scratch/work"),
     )?;
     enter_root()?;
-    serve_in_root(&cmdline)
+    phases.mark("root");
+    serve_in_root(&cmdline, Some(phases))
 }
 
 /// The last steps of every guest's pid 1, once `/` is the sandbox's root with `/proc`,
 /// `/sys` and `/dev` in it: `/dev/pts`, `/dev/shm`, the host name, the sandbox cgroup, then
-/// the agent on [`AGENT_PORT`] (never returns on success).
-fn serve_in_root(cmdline: &str) -> Result<(), String> {
+/// the agent on [`AGENT_PORT`] (never returns on success). `phases`: the boot's timings,
+/// logged once the port is found.
+fn serve_in_root(cmdline: &str, phases: Option<Phases>) -> Result<(), String> {
     IN_VM.store(true, std::sync::atomic::Ordering::SeqCst);
     mnt(
         "devpts",
@@ -153,6 +191,10 @@ fn serve_in_root(cmdline: &str) -> Result<(), String> {
     let _ = nix::unistd::sethostname("sandlot");
     sandbox_cgroup(cmdline)?;
     let port = find_port(AGENT_PORT)?;
+    if let Some(mut p) = phases {
+        p.mark("agent");
+        p.log();
+    }
     std::process::exit(crate::agent::serve_vm(&port));
 }
 
@@ -384,7 +426,7 @@ pub fn disk_init() -> i32 {
         Err(e) => log(&format!("grow: {e}")),
     });
     let cmdline = std::fs::read_to_string("/proc/cmdline").unwrap_or_default();
-    if let Err(e) = serve_in_root(&cmdline) {
+    if let Err(e) = serve_in_root(&cmdline, None) {
         log(&format!("boot failed: {e}"));
     }
     power_off();

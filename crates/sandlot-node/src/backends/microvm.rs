@@ -1,12 +1,15 @@
 //! The `microvm` backend: one QEMU `-M microvm` virtual machine per sandbox, with its own
 //! guest kernel (the Debian cloud kernel of the guest kit, see `scripts/guest-kit.sh`),
-//! direct kernel boot, no PCI, no firmware beyond microvm's, no network device.
+//! direct kernel boot of its uncompressed `vmlinux` through the PVH entry (`kit_kernel`),
+//! no PCI, no firmware beyond microvm's, no network device. docs/backends.md ("Cold boot")
+//! has the boot's time breakdown behind the kernel command line.
 //!
 //! Host layout (`DATA/microvm/`):
 //!
 //! * `initramfs.cpio` — built by the node at start (newc format): `/init` = the static
 //!   `sandlot-guest` (pid 1 of the guest, see `sandlot-guest`'s `vm` module), the kit's
-//!   modules and `/modules/order`.
+//!   modules a microVM needs (`VM_ONLY_MODULES` left out), their signatures stripped
+//!   (`strip_module_signature`), and `/modules/order`.
 //! * `images/<key>.erofs` — an image converted once by `mkfs.erofs` (the layers are merged
 //!   through a read-only overlay mount first), shared read-only by every microVM of that
 //!   image; `<key>` hashes the image name, creation time and layer paths.
@@ -104,7 +107,7 @@ impl Accel {
 pub struct MicrovmConfig {
     /// `DATA/microvm`.
     pub dir: PathBuf,
-    /// The guest kit (`vmlinuz`, `modules/`), built by `scripts/guest-kit.sh`.
+    /// The guest kit (`vmlinux`, `vmlinuz`, `modules/`), built by `scripts/guest-kit.sh`.
     pub kit_dir: PathBuf,
     /// The statically linked `sandlot-guest` (the guest's `/init`).
     pub agent_bin: PathBuf,
@@ -183,6 +186,57 @@ pub struct MicrovmBackend {
     templates_enabled: bool,
     /// Template keys being built now.
     templates_building: Arc<Mutex<std::collections::HashSet<String>>>,
+}
+
+/// The kernel `microvm` boots from the guest kit `kit`: `vmlinux`, the uncompressed ELF
+/// with a PVH entry note that `scripts/guest-kit.sh` cuts out of `vmlinuz`, when present
+/// (QEMU jumps straight to its PVH entry, under KVM as under TCG: no self-decompression of
+/// a bzImage, ~0.2 s of CPU per boot under TCG), else `vmlinuz` (an older kit).
+pub(crate) fn kit_kernel(kit: &Path) -> PathBuf {
+    let elf = kit.join("vmlinux");
+    if elf.is_file() {
+        elf
+    } else {
+        kit.join("vmlinuz")
+    }
+}
+
+/// Modules of the kit that only the `vm` backend needs (virtio-pci is q35's bus,
+/// virtio-rng its entropy device): a microVM has neither, so its initramfs leaves them out
+/// (each module load costs 5-50 ms of guest time under TCG).
+const VM_ONLY_MODULES: &[&str] = &[
+    "virtio_pci",
+    "virtio_pci_modern_dev",
+    "virtio_pci_legacy_dev",
+    "virtio-rng",
+    "virtio_rng",
+];
+
+/// Whether the kit module file `name` (e.g. `virtio_blk.ko`) goes into a microVM's
+/// initramfs.
+fn microvm_module(name: &str) -> bool {
+    !VM_ONLY_MODULES.contains(&name.trim_end_matches(".ko"))
+}
+
+/// `module` without its appended signature (`scripts/sign-file` format: the signature,
+/// then a 12-byte `struct module_signature` whose last 4 bytes are the signature's length,
+/// big-endian, then the marker `~Module signature appended~\n`); unchanged when unsigned or
+/// malformed. The guest kernel then skips the check (SHA-256 + RSA under TCG, ~50 ms over a
+/// microVM's modules) and taints itself `E`: Debian's kernel does not enforce signatures
+/// (`CONFIG_MODULE_SIG_FORCE` is off, no lockdown), so the check gates nothing in the guest.
+fn strip_module_signature(module: &[u8]) -> &[u8] {
+    const MARKER: &[u8] = b"~Module signature appended~\n";
+    let Some(body) = module.strip_suffix(MARKER) else {
+        return module;
+    };
+    let Some(info) = body.len().checked_sub(12).map(|i| &body[i..]) else {
+        return module;
+    };
+    let sig_len = u32::from_be_bytes([info[8], info[9], info[10], info[11]]) as usize;
+    match body.len().checked_sub(12 + sig_len) {
+        Some(end) => &module[..end],
+        None => module,
+    }
 }
 
 pub(crate) fn find_binary(name: &str) -> Option<PathBuf> {
@@ -324,7 +378,7 @@ impl MicrovmBackend {
                 )));
             }
         }
-        let kernel = cfg.kit_dir.join("vmlinuz");
+        let kernel = kit_kernel(&cfg.kit_dir);
         if !kernel.is_file() {
             return Err(NodeError::Unavailable(format!(
                 "no guest kernel at {} (run scripts/guest-kit.sh, or set SANDLOT_GUEST_KIT_DIR)",
@@ -358,12 +412,20 @@ impl MicrovmBackend {
         entries.push(("init".into(), 0o755, Some(agent)));
         let mods = cfg.kit_dir.join("modules");
         if let Ok(order) = std::fs::read_to_string(mods.join("order")) {
-            for m in order.lines().map(str::trim).filter(|l| !l.is_empty()) {
+            let mut ours = String::new();
+            for m in order
+                .lines()
+                .map(str::trim)
+                .filter(|l| !l.is_empty() && microvm_module(l))
+            {
                 let data = std::fs::read(mods.join(m))
                     .map_err(|e| NodeError::io(format!("read kit module {m}"), e))?;
+                let data = strip_module_signature(&data).to_vec();
                 entries.push((format!("modules/{m}"), 0o644, Some(data)));
+                ours.push_str(m);
+                ours.push('\n');
             }
-            entries.push(("modules/order".into(), 0o644, Some(order.into_bytes())));
+            entries.push(("modules/order".into(), 0o644, Some(ours.into_bytes())));
         }
         let initrd = cfg.dir.join("initramfs.cpio");
         write_cpio(&initrd, &entries)
@@ -471,7 +533,7 @@ impl MicrovmBackend {
             "-m",
             &format!("{memory_mib}M"),
             "-kernel",
-            &p(&self.cfg.kit_dir.join("vmlinuz")),
+            &p(&kit_kernel(&self.cfg.kit_dir)),
             "-initrd",
             &p(&self.cfg.dir.join("initramfs.cpio")),
             "-append",
@@ -534,11 +596,12 @@ impl MicrovmBackend {
         let smp = (spec.cpu.ceil() as u64).clamp(1, 16);
         let sock = dir.join("agent.sock");
         // The guest agent puts every exec in a guest cgroup with this pids limit.
-        // `init_on_free=1`: freed guest pages are zeroed, and zero pages are not written to a
-        // saved state, so a pause or a template holds what the guest uses, not the leftovers
-        // of kernel and initramfs unpacking (a fresh guest's state: 99 -> 61 MiB here).
+        // `cryptomgr.notests`: the kernel skips the self-tests of its crypto algorithms at
+        // boot (they check the implementations against known answers, ~0.3 s under TCG; the
+        // kernel is Debian's build, the same for every boot). See docs/backends.md for the
+        // boot breakdown behind each choice.
         let mut append = format!(
-            "console=ttyS0 panic=-1 quiet init_on_free=1 sandlot.pids_max={}",
+            "console=ttyS0 panic=-1 quiet cryptomgr.notests sandlot.pids_max={}",
             spec.pids_max
         );
         // Debugging aid: e.g. `loglevel=5` shows the guest agent's messages on the console.
@@ -550,6 +613,12 @@ impl MicrovmBackend {
             // TCG's microvm has no PIT/HPET to calibrate the TSC against; without these
             // the kernel stops at "Marking TSC unstable".
             append.push_str(" tsc_early_khz=2000000 no_timer_check");
+            // Debian's kernel zeroes every kernel allocation (CONFIG_INIT_ON_ALLOC_DEFAULT_ON,
+            // hardening against leaks of stale kernel memory to user space); under TCG that
+            // costs ~50 ms of a boot. Everything in the guest is one sandbox's and its RAM
+            // starts zeroed by QEMU, so a stale page holds nothing of anyone else; under KVM
+            // the zeroing is cheap and stays on.
+            append.push_str(" init_on_alloc=0");
         }
         let args = self.qemu_args(accel, smp, memory_mib, &append, &disk, &dir);
         let mut state = VmState {
@@ -642,7 +711,15 @@ impl MicrovmBackend {
         tracing::info!(sandbox = %spec.id, backend = "microvm", accel = accel.as_str(), start = %state.started_from, ms = started.elapsed().as_millis() as u64, "microVM agent ready");
         write_json(&dir.join("state.json"), &state)?;
         if self.templates_enabled && !from_template {
-            self.build_template_in_background(key, accel, smp, memory_mib, append, disk, mib);
+            // `init_on_free=1` for the template's boot only: freed guest pages are zeroed,
+            // and zero pages are not written to a saved state, so the template holds what
+            // the guest uses, not the leftovers of initramfs unpacking and freed kernel init
+            // memory (58 instead of 67 MiB here; every template start loads it). It costs a
+            // clearing of all guest memory at boot (~0.25 s per 256 MiB under TCG), which a
+            // cold boot does not pay. A template-started guest keeps the template's kernel
+            // command line (its memory is the template's).
+            let tpl_append = format!("{append} init_on_free=1");
+            self.build_template_in_background(key, accel, smp, memory_mib, tpl_append, disk, mib);
         }
         Ok((state, (agent, relay)))
     }
@@ -970,9 +1047,9 @@ fn make_erofs(layers: &[PathBuf], out: &Path) -> NodeResult<()> {
         .map_err(|e| NodeError::io(format!("rename {}", tmp.display()), e))
 }
 
-/// Boots the guest kernel under KVM with `sandlot.probe`, QEMU confined to `jail`'s uid and
-/// groups as every VM's is; KVM when the probe mark appears within [`PROBE_TIMEOUT`], else
-/// TCG. Returns the choice and why.
+/// Boots the guest kernel (`vmlinuz`) under KVM with `sandlot.probe`, QEMU confined to
+/// `jail`'s uid and groups as every VM's is; KVM when the probe mark appears within
+/// [`PROBE_TIMEOUT`], else TCG. Returns the choice and why.
 pub(crate) fn probe_kvm(qemu: &Path, kit: &Path, initrd: &Path, jail: &Jail) -> (Accel, String) {
     use std::io::Read;
     if let Err(e) = std::fs::OpenOptions::new()
@@ -996,6 +1073,10 @@ pub(crate) fn probe_kvm(qemu: &Path, kit: &Path, initrd: &Path, jail: &Jail) -> 
             "-no-reboot",
         ])
         .arg("-kernel")
+        // The bzImage, as the `vm` backend boots it: the decision is shared, and a host whose
+        // KVM runs the PVH entry of `vmlinux` but not a bzImage's real-mode setup (the nested
+        // KVM of ENVIRONMENT.md stops at "Probing EDD", a real-mode step) must not pick KVM
+        // for `vm`.
         .arg(kit.join("vmlinuz"))
         .arg("-initrd")
         .arg(initrd)
@@ -1310,6 +1391,33 @@ mod tests {
         assert!(s.contains("hello"));
         assert!(s.contains("dev/console\0"));
         assert!(s.contains("TRAILER!!!\0"));
+    }
+
+    #[test]
+    fn module_signature_is_stripped() {
+        let mut signed = b"\x7fELF-module-body".to_vec();
+        let body_len = signed.len();
+        signed.extend_from_slice(b"SIGNATURE");
+        // struct module_signature: algo, hash, id_type, signer_len, key_id_len, pad[3], sig_len (BE).
+        signed.extend_from_slice(&[0, 0, 2, 0, 0, 0, 0, 0, 0, 0, 0, 9]);
+        signed.extend_from_slice(b"~Module signature appended~\n");
+        assert_eq!(strip_module_signature(&signed), &signed[..body_len]);
+        let plain = b"\x7fELF-unsigned".to_vec();
+        assert_eq!(strip_module_signature(&plain), &plain[..]);
+        // A marker with a length larger than the file: left as is.
+        let mut bad = vec![0u8; 12];
+        bad[11] = 200;
+        bad.extend_from_slice(b"~Module signature appended~\n");
+        assert_eq!(strip_module_signature(&bad), &bad[..]);
+    }
+
+    #[test]
+    fn microvm_leaves_out_vm_only_modules() {
+        assert!(microvm_module("virtio_blk.ko"));
+        assert!(microvm_module("erofs.ko"));
+        assert!(!microvm_module("virtio_pci.ko"));
+        assert!(!microvm_module("virtio_pci_modern_dev.ko"));
+        assert!(!microvm_module("virtio-rng.ko"));
     }
 
     #[test]

@@ -301,17 +301,27 @@ pub fn prepare_vm_files(dir: &Path, files: &[&Path], uid: u32) -> NodeResult<()>
 }
 
 /// Sets up a QEMU backend's directory `dir` (`DATA/microvm`, `DATA/vm`) for unprivileged
-/// QEMUs: checks that `dir` and the guest `kernel` are reachable ([`check_reachable`]);
+/// QEMUs: checks that `dir` and the guest `kernel` are reachable ([`check_reachable`]) and
+/// the kernel readable by other users;
 /// `dir` and `dir/vms` mode 0711 (open by name, no listing); `dir/images` owner root,
 /// group `group` (every QEMU's, [`QemuUids::group`]), mode 0710 (0711 without a group),
 /// the image disks in it mode 0444; `dir/failed` (kept consoles) 0700.
 ///
 /// # Errors
-/// `Unavailable` when a parent is not searchable by other users; `Internal` on
-/// create/chmod failures.
+/// `Unavailable` when a parent is not searchable or the kernel not readable by other
+/// users; `Internal` on create/chmod failures.
 pub fn prepare_backend_dir(dir: &Path, kernel: &Path, group: Option<u32>) -> NodeResult<()> {
     check_reachable(dir, "the VM files")?;
     check_reachable(kernel, "the guest kernel")?;
+    if let Ok(md) = std::fs::metadata(kernel) {
+        if md.permissions().mode() & 0o004 == 0 {
+            return Err(NodeError::Unavailable(format!(
+                "the guest kernel {} (mode {:o}) is not readable by other users; QEMU runs as an unprivileged host uid (chmod o+r it, or re-run scripts/guest-kit.sh)",
+                kernel.display(),
+                md.permissions().mode() & 0o7777
+            )));
+        }
+    }
     ensure_dir_mode(dir, 0o711)?;
     for (d, mode) in [("vms", 0o711), ("failed", 0o700)] {
         ensure_dir_mode(&dir.join(d), mode)?;

@@ -71,7 +71,7 @@ pub(super) fn key(b: &MicrovmBackend, dir: &Path, args: &[String], scratch_mib: 
     let d = dir.display().to_string();
     let shape: Vec<String> = args.iter().map(|a| a.replace(&d, "VMDIR")).collect();
     let ids = [
-        file_id(&b.cfg.kit_dir.join("vmlinuz")),
+        file_id(&super::kit_kernel(&b.cfg.kit_dir)),
         file_id(&b.cfg.dir.join("initramfs.cpio")),
         file_id(&b.qemu),
         scratch_mib.to_string(),
