@@ -267,6 +267,8 @@ pub fn snapshot(qemu_img: &Path, dir: &Path, dest: &Path, owners: Owners) -> Nod
     // QEMU reopened it read-only (`blockdev-snapshot`); it must not write it again.
     crate::backends::qemu::share_read_only(&frozen, owners.group)?;
     for name in ancestors(dir, &frozen)? {
+        // Already so, unless an earlier checkpoint failed between its switch and its chown.
+        crate::backends::qemu::share_read_only(&dir.join(&name), owners.group)?;
         link(&dir.join(&name), &dest.join(&name))?;
     }
     link(&frozen, &dest.join(TOP))
