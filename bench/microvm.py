@@ -117,7 +117,10 @@ def start_server(binary: Path, images: Path, env: dict) -> R.Server:
 
 def templates_ready(s: R.Server) -> bool:
     d = s.tmp / "data" / "microvm" / "templates"
-    return d.is_dir() and any(d.glob("*/memory.state"))
+    # Finished templates only: a partial one is built in `<key>.tmp/` and renamed when done.
+    return d.is_dir() and any(
+        not p.parent.name.endswith(".tmp") for p in d.glob("*/memory.state")
+    )
 
 
 def qemu_mem(pid: int) -> tuple[int, int]:

@@ -138,8 +138,14 @@ fn read_loop(sock: Socket, drops: Weak<Mutex<HashMap<String, VecDeque<Drop>>>>) 
                 }
                 continue;
             }
-            // ENOBUFS: the kernel dropped messages because we were slow; keep reading.
-            Err(e) if e.raw_os_error() == Some(libc::ENOBUFS) => continue,
+            // EINTR: a signal reached this thread (the node's children exit all the time).
+            // ENOBUFS: the kernel dropped messages because we were slow. Keep reading.
+            Err(e)
+                if e.kind() == std::io::ErrorKind::Interrupted
+                    || e.raw_os_error() == Some(libc::ENOBUFS) =>
+            {
+                continue
+            }
             Err(e) => {
                 tracing::warn!(error = %e, "NFLOG reader stopped: network drops are no longer reported");
                 return;
