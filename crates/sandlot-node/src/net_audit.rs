@@ -214,17 +214,36 @@ fn parse(m: &NetlinkMessage<NetfilterMessage>, now: u64) -> Option<(String, Drop
 }
 
 /// Protocol name and `dst[:port]` of an IPv4 or IPv6 packet (RFC 791, RFC 8200; ports at
-/// bytes 2..4 of the TCP/UDP header). `None` for anything shorter than an IP header.
+/// bytes 2..4 of the TCP/UDP header). A fragment other than the first carries no L4
+/// header, so it has no port (IPv4 fragment offset, bytes 6..8; IPv6 Fragment header,
+/// next header 44, RFC 8200 §4.5). `None` for anything shorter than an IP header or an
+/// IPv4 header length below 5 words.
 pub fn packet_dst(p: &[u8]) -> Option<(String, String)> {
     let (proto, ip, l4): (u8, IpAddr, &[u8]) = match p.first()? >> 4 {
         4 if p.len() >= 20 => {
             let ihl = usize::from(p[0] & 0x0f) * 4;
+            if ihl < 20 {
+                return None;
+            }
             let ip = Ipv4Addr::new(p[16], p[17], p[18], p[19]);
-            (p[9], ip.into(), p.get(ihl..).unwrap_or(&[]))
+            let later_fragment = u16::from_be_bytes([p[6], p[7]]) & 0x1fff != 0;
+            let l4 = if later_fragment {
+                &[][..]
+            } else {
+                p.get(ihl..).unwrap_or(&[])
+            };
+            (p[9], ip.into(), l4)
         }
         6 if p.len() >= 40 => {
             let a: [u8; 16] = p[24..40].try_into().ok()?;
-            (p[6], Ipv6Addr::from(a).into(), &p[40..])
+            match (p[6], p.get(40..48)) {
+                (44, Some(f)) => {
+                    let later_fragment = u16::from_be_bytes([f[2], f[3]]) >> 3 != 0;
+                    let l4 = if later_fragment { &[][..] } else { &p[48..] };
+                    (f[0], Ipv6Addr::from(a).into(), l4)
+                }
+                (next, _) => (next, Ipv6Addr::from(a).into(), &p[40..]),
+            }
         }
         _ => return None,
     };
@@ -275,6 +294,40 @@ mod tests {
         v6[42..44].copy_from_slice(&53u16.to_be_bytes());
         assert_eq!(packet_dst(&v6), Some(("udp".into(), "[::1]:53".into())));
         assert_eq!(packet_dst(&[0x45, 0, 0]), None);
+        assert_eq!(
+            packet_dst(&[0x44; 24]),
+            None,
+            "header length below 20 bytes"
+        );
+    }
+
+    #[test]
+    fn later_fragments_have_no_port() {
+        // IPv4 UDP to 10.0.0.9, fragment offset 185 (x 8 bytes): bytes 22..24 are data.
+        let mut v4 = vec![0u8; 28];
+        v4[0] = 0x45;
+        v4[6..8].copy_from_slice(&185u16.to_be_bytes());
+        v4[9] = 17;
+        v4[16..20].copy_from_slice(&[10, 0, 0, 9]);
+        v4[22..24].copy_from_slice(&0x4142u16.to_be_bytes());
+        assert_eq!(packet_dst(&v4), Some(("udp".into(), "10.0.0.9".into())));
+        // The first fragment (more-fragments flag, offset 0) has the UDP header.
+        v4[6..8].copy_from_slice(&0x2000u16.to_be_bytes());
+        assert_eq!(
+            packet_dst(&v4),
+            Some(("udp".into(), "10.0.0.9:16706".into()))
+        );
+        // IPv6 with a Fragment header (next header 44) in front of UDP to [::1]:53.
+        let mut v6 = vec![0u8; 52];
+        v6[0] = 0x60;
+        v6[6] = 44;
+        v6[39] = 1;
+        v6[40] = 17;
+        v6[42..44].copy_from_slice(&1u16.to_be_bytes()); // offset 0, M flag
+        v6[50..52].copy_from_slice(&53u16.to_be_bytes());
+        assert_eq!(packet_dst(&v6), Some(("udp".into(), "[::1]:53".into())));
+        v6[42..44].copy_from_slice(&(100u16 << 3).to_be_bytes());
+        assert_eq!(packet_dst(&v6), Some(("udp".into(), "::1".into())));
         assert_eq!(packet_dst(&[]), None);
     }
 

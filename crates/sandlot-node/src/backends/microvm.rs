@@ -912,13 +912,9 @@ impl MicrovmBackend {
             }
             // Kills anything left in the group (a QEMU whose state file was lost) too.
             cg.group().destroy(Duration::from_secs(10))?;
-            // No process of the uid is left: it may go to another sandbox.
-            uids.release(&id_);
-            match std::fs::remove_dir_all(&dir) {
-                Ok(()) => Ok(()),
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-                Err(e) => Err(NodeError::io(format!("remove {}", dir.display()), e)),
-            }
+            // No process of the uid is left: once its files are gone it may go to another
+            // sandbox.
+            super::qemu::remove_vm_dir(&uids, &id_, &dir)
         })
         .await
     }

@@ -270,6 +270,24 @@ impl QemuUids {
     }
 }
 
+/// Removes the VM directory `dir` of sandbox `id`, *then* gives `id`'s uid back (call once
+/// no process of the uid is left). The directory is group-owned by the uid and holds the
+/// uid's own files (disk, console): were the uid handed out first, the next sandbox's QEMU
+/// could walk into it. A directory that cannot be removed keeps the uid held (a slot stays
+/// in use; nothing is exposed). Blocking.
+///
+/// # Errors
+/// `Internal` when `dir` cannot be removed (a missing one is fine).
+pub fn remove_vm_dir(uids: &QemuUids, id: &str, dir: &Path) -> NodeResult<()> {
+    match std::fs::remove_dir_all(dir) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(NodeError::io(format!("remove {}", dir.display()), e)),
+    }
+    uids.release(id);
+    Ok(())
+}
+
 /// Makes `dir` the VM directory of a QEMU running as `uid`: owner root, group `uid`, mode
 /// 0710 (it may walk in; it may not list, create, rename or remove), with `console.log`
 /// created for it (owner `uid`, mode 0600; QEMU opens it by path). Blocking.
@@ -646,6 +664,27 @@ mod tests {
         );
         let j = u.jail(Some(b), Accel::Tcg, &[]);
         assert_eq!(j.groups, vec![g]);
+    }
+
+    #[test]
+    fn a_uid_is_given_back_only_once_its_vm_dir_is_gone() {
+        let u = QemuUids::new(UidSlots::new(100_000));
+        let t = tempfile::tempdir().unwrap();
+        let dir = t.path().join("vm-a");
+        std::fs::create_dir(&dir).unwrap();
+        std::fs::write(dir.join("disk.qcow2"), b"x").unwrap();
+        let a = u.take("a").unwrap();
+        remove_vm_dir(&u, "a", &dir).unwrap();
+        assert!(!dir.exists());
+        assert_eq!(u.take("b").unwrap(), a, "the uid is free again");
+        // Not removable (here: not a directory): the uid stays with its sandbox.
+        let f = t.path().join("vm-b");
+        std::fs::write(&f, b"x").unwrap();
+        assert!(remove_vm_dir(&u, "b", &f).is_err());
+        assert_ne!(u.take("c").unwrap(), a, "b still holds it");
+        // A directory already gone is fine.
+        remove_vm_dir(&u, "b", &t.path().join("nothing")).unwrap();
+        assert_eq!(u.take("d").unwrap(), a);
     }
 
     /// Needs root (chown).
