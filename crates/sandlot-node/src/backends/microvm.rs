@@ -757,8 +757,6 @@ pub(crate) fn spawn_qemu(
 }
 
 impl MicrovmBackend {
-    /// Registers a running microVM; `agent`: the connected client of its create (a new one
-    /// would be a second connection on the guest's one stream).
     /// Create `spec`, its scratch disk copied from `seed` when given (a fork).
     async fn create_with(
         &self,
@@ -767,17 +765,7 @@ impl MicrovmBackend {
         seed: Option<&Checkpoint>,
     ) -> NodeResult<()> {
         check_id(&spec.id)?;
-        let dir = self.vm_dir(&spec.id);
-        match std::fs::create_dir(&dir) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
-                return Err(NodeError::Conflict(format!(
-                    "sandbox {} already exists",
-                    spec.id
-                )))
-            }
-            Err(e) => return Err(NodeError::io(format!("create {}", dir.display()), e)),
-        }
+        super::qemu::create_vm_dir(&self.vm_dir(&spec.id), &spec.id)?;
         let cg = self.cgroups.sandbox(&spec.id);
         match self.create_inner(spec, image, &cg, seed).await {
             Ok((state, agent)) => {
@@ -833,6 +821,8 @@ impl MicrovmBackend {
         })
     }
 
+    /// Registers a running microVM; `agent`: the connected client of its create (a new one
+    /// would be a second connection on the guest's one stream).
     fn adopt(&self, state: VmState, agent: Option<(AgentClient, Arc<Relay>)>) -> Arc<Vm> {
         if let Some(uid) = state.qemu_uid {
             self.cfg.uids.keep(&state.id, uid);

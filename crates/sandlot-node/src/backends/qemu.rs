@@ -288,6 +288,20 @@ pub fn remove_vm_dir(uids: &QemuUids, id: &str, dir: &Path) -> NodeResult<()> {
     Ok(())
 }
 
+/// Creates the VM directory `dir` of a new sandbox `id` (its parent must exist).
+///
+/// # Errors
+/// `Conflict` when it exists (the id is taken); `Internal` on other failures.
+pub fn create_vm_dir(dir: &Path, id: &str) -> NodeResult<()> {
+    match std::fs::create_dir(dir) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+            Err(NodeError::Conflict(format!("sandbox {id} already exists")))
+        }
+        Err(e) => Err(NodeError::io(format!("create {}", dir.display()), e)),
+    }
+}
+
 /// Makes `dir` the VM directory of a QEMU running as `uid`: owner root, group `uid`, mode
 /// 0710 (it may walk in; it may not list, create, rename or remove), with `console.log`
 /// created for it (owner `uid`, mode 0600; QEMU opens it by path). Blocking.

@@ -682,17 +682,7 @@ impl VmBackend {
         seed: Option<&Checkpoint>,
     ) -> NodeResult<()> {
         check_id(&spec.id)?;
-        let dir = self.vm_dir(&spec.id);
-        match std::fs::create_dir(&dir) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
-                return Err(NodeError::Conflict(format!(
-                    "sandbox {} already exists",
-                    spec.id
-                )))
-            }
-            Err(e) => return Err(NodeError::io(format!("create {}", dir.display()), e)),
-        }
+        super::qemu::create_vm_dir(&self.vm_dir(&spec.id), &spec.id)?;
         let cg = self.cgroups.sandbox(&spec.id);
         match self.create_inner(spec, image, &cg, seed).await {
             Ok((state, agent)) => {
