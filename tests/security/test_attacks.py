@@ -481,18 +481,24 @@ def test_violation_survives_a_timeout_and_is_counted(backend, target, audit, ser
     assert line and float(line[0].split()[-1]) >= 1, line
 
 
+def allowlisted_box(backend, make, attempt: str, layer: str) -> sandlot.Sandbox:
+    """A sandbox whose network policy allows only ``example.org``; records the attempt as
+    n/a and skips on backends without network policies (or where policies cannot run)."""
+    if backend.backend != "container":
+        record(attempt, backend.name, layer,
+               "n/a: no network policies on this backend (no network at all)", "—")
+        pytest.skip(f"network policies exist on the container backend only, not {backend.name}")
+    try:
+        return make(memory_mib=128, network={"allow": ["example.org"]})
+    except (sandlot.InvalidArgument, sandlot.Unavailable) as e:
+        pytest.skip(f"network policies cannot run here: {e}")
+
+
 def test_dns_exfil_under_an_allowlist_is_refused_and_reported(backend, make, audit):
     """A sandbox allowed one name tries to tunnel data out through the names it asks: the
     node's resolver answers REFUSED without asking upstream, the direct query to a public
     resolver is dropped, and the refusal is a ``violation`` event (``layer: dns``)."""
-    if backend.backend != "container":
-        record("dns_exfil_allowlist", backend.name, "policy resolver (REFUSED) + nft drop",
-               "n/a: no network policies on this backend (no network at all)", "—")
-        pytest.skip(f"network policies exist on the container backend only, not {backend.name}")
-    try:
-        box = make(memory_mib=128, network={"allow": ["example.org"]})
-    except (sandlot.InvalidArgument, sandlot.Unavailable) as e:
-        pytest.skip(f"network policies cannot run here: {e}")
+    box = allowlisted_box(backend, make, "dns_exfil_allowlist", "policy resolver (REFUSED) + nft drop")
     cur = audit.cursor()
     verdict, r = payload(box, "dns_exfil")
     how = assert_blocked(verdict, r)
@@ -566,14 +572,7 @@ def test_egress_past_an_allowlist_is_dropped_and_reported(backend, make, audit, 
     """A sandbox allowed one name connects to cloud metadata and to the Sandlot server
     through its gateway: the node's nft rules drop both, and each drop is a ``violation``
     event (``layer: network``, protocol, destination) of the exec that tried."""
-    if backend.backend != "container":
-        record("egress_past_allowlist", backend.name, "nft policy drop (NFLOG)",
-               "n/a: no network policies on this backend (no network at all)", "—")
-        pytest.skip(f"network policies exist on the container backend only, not {backend.name}")
-    try:
-        box = make(memory_mib=128, network={"allow": ["example.org"]})
-    except (sandlot.InvalidArgument, sandlot.Unavailable) as e:
-        pytest.skip(f"network policies cannot run here: {e}")
+    box = allowlisted_box(backend, make, "egress_past_allowlist", "nft policy drop (NFLOG)")
     # The sandbox's resolver is the host side of its veth: the gateway to the host.
     conf = box.exec(["cat", "/etc/resolv.conf"]).text
     gw = [ln.split()[1] for ln in conf.splitlines() if ln.startswith("nameserver")]
