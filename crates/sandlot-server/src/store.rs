@@ -755,17 +755,19 @@ mod tests {
         }
     }
 
-    fn tmpdb(name: &str) -> PathBuf {
-        let dir =
-            std::env::temp_dir().join(format!("sandlot-store-test-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        dir.join("sandlot.db")
+    /// `(guard, DIR/sandlot.db)` in a fresh temporary directory, removed with the guard.
+    fn tmpdb(name: &str) -> (tempfile::TempDir, PathBuf) {
+        let dir = tempfile::Builder::new()
+            .prefix(&format!("sandlot-store-test-{name}-"))
+            .tempdir()
+            .unwrap();
+        let path = dir.path().join("sandlot.db");
+        (dir, path)
     }
 
     #[test]
     fn records_survive_reopen() {
-        let path = tmpdb("reopen");
+        let (_tmp, path) = tmpdb("reopen");
         {
             let s = Store::open(&path).unwrap();
             assert_eq!(
@@ -786,7 +788,8 @@ mod tests {
 
     #[test]
     fn transition_is_compare_and_set() {
-        let s = Store::open(&tmpdb("cas")).unwrap();
+        let (_tmp, path) = tmpdb("cas");
+        let s = Store::open(&path).unwrap();
         s.insert_with_key(&rec("sb-1", 1, None), None).unwrap();
         assert!(s
             .transition("sb-1", &[SandboxState::Creating], SandboxState::Deleting)
@@ -806,7 +809,8 @@ mod tests {
 
     #[test]
     fn idempotency_keys() {
-        let s = Store::open(&tmpdb("keys")).unwrap();
+        let (_tmp, path) = tmpdb("keys");
+        let s = Store::open(&path).unwrap();
         assert_eq!(
             s.insert_with_key(&rec("sb-1", 100, None), Some(("k", "d1")))
                 .unwrap(),
@@ -840,7 +844,8 @@ mod tests {
 
     #[test]
     fn reaping_and_expiry() {
-        let s = Store::open(&tmpdb("reap")).unwrap();
+        let (_tmp, path) = tmpdb("reap");
+        let s = Store::open(&path).unwrap();
         s.insert_with_key(&rec("sb-a", 1, Some(50)), None).unwrap();
         s.insert_with_key(&rec("sb-b", 2, Some(150)), None).unwrap();
         s.insert_with_key(&rec("sb-c", 3, None), None).unwrap();

@@ -13,21 +13,31 @@ pub(crate) struct T {
     pub(crate) st: SharedState,
     pub(crate) node: Arc<FakeNode>,
     pub(crate) app: Router,
+    /// The test's data directory, removed when the test ends (`None`: the test owns it).
+    pub(crate) _dir: Option<tempfile::TempDir>,
 }
 
-pub(crate) fn data_dir(name: &str) -> std::path::PathBuf {
-    let d = std::env::temp_dir().join(format!("sandlot-router-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    d
+/// A fresh, empty data directory `TMPDIR/sandlot-router-NAME-*`, removed with the guard.
+pub(crate) fn data_dir(name: &str) -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix(&format!("sandlot-router-{name}-"))
+        .tempdir()
+        .expect("create a temporary data directory")
 }
 
 pub(crate) fn setup_with(name: &str, f: impl FnOnce(&mut ServerConfig)) -> T {
-    let mut cfg = ServerConfig::new(data_dir(name));
+    let dir = data_dir(name);
+    let mut cfg = ServerConfig::new(dir.path().to_path_buf());
     f(&mut cfg);
     let node = Arc::new(FakeNode::default());
     let st = AppState::open(cfg, node.clone()).unwrap();
     let app = router(st.clone());
-    T { st, node, app }
+    T {
+        st,
+        node,
+        app,
+        _dir: Some(dir),
+    }
 }
 
 pub(crate) fn setup(name: &str) -> T {

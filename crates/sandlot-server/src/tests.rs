@@ -793,7 +793,8 @@ async fn ttl_reaper_and_keepalive() {
 
 #[tokio::test]
 async fn restart_readopts_running_records() {
-    let dir = data_dir("restart");
+    let tmp = data_dir("restart");
+    let dir = tmp.path().to_path_buf();
     let node = Arc::new(FakeNode::default());
     let (a, b) = {
         let st = AppState::open(ServerConfig::new(dir.clone()), node.clone()).unwrap();
@@ -802,6 +803,7 @@ async fn restart_readopts_running_records() {
             st,
             node: node.clone(),
             app,
+            _dir: None,
         };
         (create(&t, json!({})).await, create(&t, json!({})).await)
     };

@@ -8,11 +8,19 @@ use serde_json::{json, Value};
 use std::sync::Arc;
 use tower::ServiceExt;
 
-fn app(name: &str) -> (Router, crate::SharedState) {
-    let d = std::env::temp_dir().join(format!("sandlot-obs-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    let st = AppState::open(ServerConfig::new(d), Arc::new(FakeNode::default())).unwrap();
-    (router(st.clone()), st)
+/// A router over the fake node, its state, and the guard of its temporary data directory
+/// (removed when the test drops it).
+fn app(name: &str) -> (Router, crate::SharedState, tempfile::TempDir) {
+    let d = tempfile::Builder::new()
+        .prefix(&format!("sandlot-obs-{name}-"))
+        .tempdir()
+        .unwrap();
+    let st = AppState::open(
+        ServerConfig::new(d.path().to_path_buf()),
+        Arc::new(FakeNode::default()),
+    )
+    .unwrap();
+    (router(st.clone()), st, d)
 }
 
 async fn call(
@@ -73,7 +81,7 @@ fn sample(text: &str, prefix: &str) -> Option<f64> {
 
 #[tokio::test]
 async fn metrics_histograms_and_counters_after_execs() {
-    let (app, _st) = app("metrics");
+    let (app, _st, _tmp) = app("metrics");
     let id = create(&app, json!({"trajectory": "m/1"})).await;
     exec(&app, &id, json!({"cmd": ["echo", "hi"], "step": 0})).await;
     exec(&app, &id, json!({"cmd": ["echo", "hi"], "step": 0})).await; // replayed
@@ -140,7 +148,7 @@ async fn metrics_histograms_and_counters_after_execs() {
 
 #[tokio::test]
 async fn events_filter_by_sandbox_kind_and_since() {
-    let (app, _st) = app("events");
+    let (app, _st, _tmp) = app("events");
     let a = create(&app, json!({})).await;
     let b = create(&app, json!({"labels": {"job": "<script>x</script>"}})).await;
     exec(&app, &a, json!({"cmd": ["echo", "a"]})).await;
@@ -224,7 +232,7 @@ async fn events_filter_by_sandbox_kind_and_since() {
 
 #[tokio::test]
 async fn events_pause_resume_expire_and_ring_bound() {
-    let (app, st) = app("events-life");
+    let (app, st, _tmp) = app("events-life");
     let id = create(&app, json!({"labels": {"job": "p"}, "ttl_s": 1})).await;
     let (s, _) = call(
         &app,
@@ -271,10 +279,11 @@ async fn events_pause_resume_expire_and_ring_bound() {
 #[tokio::test]
 async fn events_are_durable_across_reopen_and_beyond_the_ring() {
     use crate::events::{EventLog, Since, RING_CAPACITY};
-    let dir = std::env::temp_dir().join(format!("sandlot-obs-durable-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("events.db");
+    let dir = tempfile::Builder::new()
+        .prefix("sandlot-obs-durable-")
+        .tempdir()
+        .unwrap();
+    let path = dir.path().join("events.db");
     let log = EventLog::open(&path).unwrap();
     log.set_owner("sb-a", Some("tenant-1"));
     let mut f = serde_json::Map::new();
@@ -310,12 +319,11 @@ async fn events_are_durable_across_reopen_and_beyond_the_ring() {
     let ids: Vec<u64> = evs.iter().map(|e| e.id).collect();
     assert_eq!(ids, [last - 1, last]);
     drop(log);
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[tokio::test]
 async fn status_page_escapes_client_data() {
-    let (app, _st) = app("web");
+    let (app, _st, _tmp) = app("web");
     let evil = "<img src=x onerror=alert(1)>";
     let id = create(&app, json!({"labels": {"job": evil}})).await;
     let req = Request::builder().uri("/").body(Body::empty()).unwrap();
@@ -352,7 +360,7 @@ async fn openapi_lists_observability_routes() {
 
 #[tokio::test]
 async fn seccomp_reports_and_files_escapes_become_violation_events() {
-    let (app, _st) = app("violations");
+    let (app, _st, _tmp) = app("violations");
     let id = create(&app, json!({"image": "python"})).await;
     let r = exec(
         &app,

@@ -466,7 +466,8 @@ async fn idempotency_keys_and_trajectories_are_per_tenant() {
 
 #[tokio::test]
 async fn non_loopback_listen_needs_keys() {
-    let dir = data_dir("tenant-bind");
+    let tmp = data_dir("tenant-bind");
+    let dir = tmp.path().to_path_buf();
     let mut cfg = crate::ServerConfig::new(dir.clone());
     cfg.listen = "0.0.0.0:0".parse().unwrap();
     let node = std::sync::Arc::new(crate::fake::FakeNode::default());
@@ -483,7 +484,8 @@ async fn non_loopback_listen_needs_keys() {
     let s = crate::Server::bind(cfg, node).await.expect("keys present");
     assert!(!s.local_addr().unwrap().ip().is_loopback());
     // Loopback without keys stays allowed (the default).
-    let mut cfg = crate::ServerConfig::new(data_dir("tenant-bind-lo"));
+    let lo = data_dir("tenant-bind-lo");
+    let mut cfg = crate::ServerConfig::new(lo.path().to_path_buf());
     cfg.listen = "127.0.0.1:0".parse().unwrap();
     let node = std::sync::Arc::new(crate::fake::FakeNode::default());
     crate::Server::bind(cfg, node)

@@ -837,12 +837,14 @@ mod tests {
     use super::*;
     use sandlot_api::{Cmd, Output};
 
-    fn tmpdb(name: &str) -> PathBuf {
-        let dir =
-            std::env::temp_dir().join(format!("sandlot-traj-test-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        dir.join("trajectories.db")
+    /// `(guard, DIR/trajectories.db)` in a fresh temporary directory, removed with the guard.
+    fn tmpdb(name: &str) -> (tempfile::TempDir, PathBuf) {
+        let dir = tempfile::Builder::new()
+            .prefix(&format!("sandlot-traj-test-{name}-"))
+            .tempdir()
+            .unwrap();
+        let path = dir.path().join("trajectories.db");
+        (dir, path)
     }
 
     fn exec_result(code: i32, out: &[u8]) -> StepResult {
@@ -875,7 +877,7 @@ mod tests {
 
     #[tokio::test]
     async fn entries_survive_reopen_and_blobs_roundtrip() {
-        let path = tmpdb("reopen");
+        let (_tmp, path) = tmpdb("reopen");
         let big: Vec<u8> = (0..5000u32).map(|i| (i % 251) as u8).collect();
         {
             let s = SqliteTrajectoryStore::open(&path, false).unwrap();
@@ -927,7 +929,7 @@ mod tests {
 
     #[tokio::test]
     async fn committed_entry_visible_after_crash() {
-        let path = tmpdb("crash");
+        let (_tmp, path) = tmpdb("crash");
         let s = SqliteTrajectoryStore::open(&path, false).unwrap();
         log_two(&s, "c", b"data").await;
         // Simulated crash: the connection is never closed (no checkpoint, WAL left as is).
