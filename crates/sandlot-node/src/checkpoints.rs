@@ -351,20 +351,60 @@ fn run(cmd: &mut std::process::Command) -> NodeResult<()> {
 /// in `to..`; set-id bits cleared by the kernel's chown are restored. Blocking.
 ///
 /// # Errors
-/// `ResourceExhausted` when `dst`'s file system is full; `Internal` otherwise.
+/// `ResourceExhausted` when `dst`'s file system is full; `Conflict` when the tree holds a
+/// path too long for `cp` to name on either side ([`too_long_path`]); `Internal` otherwise.
 pub fn copy_layer(src: &Path, dst: &Path, shift: Option<(u32, u32)>) -> NodeResult<()> {
     std::fs::create_dir_all(dst)
         .map_err(|e| NodeError::io(format!("create {}", dst.display()), e))?;
     let mut from = src.as_os_str().to_owned();
     from.push("/.");
-    run(std::process::Command::new("cp")
+    let copied = run(std::process::Command::new("cp")
         .args(["-a", "--sparse=always", "--no-target-directory"])
         .arg(&from)
-        .arg(dst))?;
+        .arg(dst));
+    if let Err(NodeError::Internal { .. }) = &copied {
+        // A sandbox may nest directories deeper than any full path can name (PATH_MAX);
+        // `cp` works with full paths. The sandbox's content, not a node fault: say which.
+        let base = from.len().max(dst.as_os_str().len());
+        if let Some(rel) = too_long_path(src, base) {
+            let shown: String = rel.to_string_lossy().chars().take(80).collect();
+            return Err(NodeError::Conflict(format!(
+                "the sandbox holds a path too long to checkpoint (over {} bytes): /{shown}…; \
+                 remove or shorten it and retry",
+                libc::PATH_MAX - 1 - base as i32
+            )));
+        }
+    }
+    copied?;
     if let Some((a, b)) = shift.filter(|(a, b)| a != b) {
         shift_owners(dst, a, b)?;
     }
     Ok(())
+}
+
+/// The first entry under `root` (relative to it) whose path, after a prefix of `base` bytes
+/// (the longer of the copy's two roots), would not fit in `PATH_MAX` (4096 bytes, the
+/// terminating NUL included); `None` when every one fits. Descends only while the
+/// directory's own path fits, so every `read_dir` here is itself nameable. Blocking.
+fn too_long_path(root: &Path, base: usize) -> Option<PathBuf> {
+    let limit = (libc::PATH_MAX as usize).saturating_sub(1 + base);
+    let mut stack = vec![PathBuf::new()];
+    while let Some(rel) = stack.pop() {
+        let Ok(rd) = std::fs::read_dir(root.join(&rel)) else {
+            continue;
+        };
+        for e in rd.flatten() {
+            let child = rel.join(e.file_name());
+            // `/` between the prefix and the relative path.
+            if child.as_os_str().len() + 1 > limit {
+                return Some(child);
+            }
+            if e.file_type().is_ok_and(|t| t.is_dir()) {
+                stack.push(child);
+            }
+        }
+    }
+    None
 }
 
 /// See [`copy_layer`]: re-own the entries under `root` (itself included) from the id range
@@ -612,6 +652,46 @@ mod tests {
         // SAFETY: valid NUL-terminated strings and a buffer of v.len() bytes.
         let r = unsafe { libc::lsetxattr(p.as_ptr(), n.as_ptr(), v.as_ptr().cast(), v.len(), 0) };
         assert_eq!(r, 0, "{}", std::io::Error::last_os_error());
+    }
+
+    /// A directory chain `root/d…/d…/…` of `depth` names of 200 bytes, made with
+    /// mkdirat(2) relative to each parent's descriptor (the full path outgrows PATH_MAX).
+    fn deep_tree(root: &Path, depth: usize) {
+        use nix::fcntl::{open, openat, OFlag};
+        use nix::sys::stat::Mode;
+        let name = "d".repeat(200);
+        let mut fd = open(root, OFlag::O_DIRECTORY, Mode::empty()).unwrap();
+        for _ in 0..depth {
+            nix::sys::stat::mkdirat(&fd, name.as_str(), Mode::from_bits_truncate(0o755)).unwrap();
+            fd = openat(&fd, name.as_str(), OFlag::O_DIRECTORY, Mode::empty()).unwrap();
+        }
+    }
+
+    #[test]
+    fn a_path_too_long_to_copy_is_a_conflict_naming_it() {
+        let t = tempfile::tempdir().unwrap();
+        let src = t.path().join("upper");
+        std::fs::create_dir_all(src.join("etc")).unwrap();
+        std::fs::write(src.join("etc/keep"), b"x").unwrap();
+        // Fits: found by neither the check nor cp.
+        assert_eq!(too_long_path(&src, src.as_os_str().len()), None);
+        copy_layer(&src, &t.path().join("ok"), None).unwrap();
+        assert_eq!(std::fs::read(t.path().join("ok/etc/keep")).unwrap(), b"x");
+        // The prefix counts: after 4090 bytes of it, `etc` fits and `etc/keep` does not.
+        assert_eq!(too_long_path(&src, 4090), Some(PathBuf::from("etc/keep")));
+        // 25 levels of 200 bytes: ~5 KB below the root.
+        deep_tree(&src, 25);
+        match copy_layer(&src, &t.path().join("deep"), None) {
+            Err(NodeError::Conflict(m)) => {
+                assert!(m.contains("path too long to checkpoint"), "{m}");
+                assert!(m.contains(&"d".repeat(80)), "names the path: {m}");
+                assert!(
+                    !m.contains(&*t.path().to_string_lossy()),
+                    "no host path: {m}"
+                );
+            }
+            other => panic!("expected a conflict, got {other:?}"),
+        }
     }
 
     fn get_xattr(p: &Path, name: &str) -> Vec<u8> {
