@@ -55,9 +55,6 @@ struct Shared {
     live: Live,
     handles: Handles,
     spare: Arc<Mutex<Option<Helper>>>,
-    /// Set by [`serve_vm`]: the first spare is started when the first ping is answered,
-    /// not at start (see there).
-    spare_on_ping: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// A started `sandlot-guest exec` waiting for its spec on fd 3.
@@ -314,13 +311,7 @@ pub fn serve_vm(port: &std::path::Path) -> i32 {
     };
     let shared = Shared::default();
     rt.spawn(reap(shared.live.clone()));
-    // The first spare helper waits for the node's first ping (its readiness check): under
-    // TCG a microVM's one vCPU otherwise runs the helper's start (fork, execve, its
-    // namespace and seccomp set-up) before the agent's first answer, and every cold boot
-    // waits for it. Started on the ping, it overlaps the node's next calls instead.
-    shared
-        .spare_on_ping
-        .store(true, std::sync::atomic::Ordering::SeqCst);
+    shared.refill_spare();
     loop {
         // While no host is connected poll answers POLLHUP at once: sleep between checks.
         while port_poll(&file, libc::POLLIN, 100).is_none_or(|r| r & libc::POLLHUP != 0) {
@@ -468,22 +459,14 @@ async fn handle(req: Request<Incoming>, shared: Shared) -> Result<Response<Body>
             .unwrap_or_else(|| text(StatusCode::NOT_FOUND, "no such call")));
     }
     Ok(match (req.method(), req.uri().path()) {
-        (&Method::GET, PATH_PING) => {
-            if shared
-                .spare_on_ping
-                .swap(false, std::sync::atomic::Ordering::SeqCst)
-            {
-                shared.refill_spare();
-            }
-            text(
-                StatusCode::OK,
-                format!(
-                    "{{\"agent\":\"{}\",\"pid\":{}}}",
-                    env!("CARGO_PKG_VERSION"),
-                    std::process::id()
-                ),
-            )
-        }
+        (&Method::GET, PATH_PING) => text(
+            StatusCode::OK,
+            format!(
+                "{{\"agent\":\"{}\",\"pid\":{}}}",
+                env!("CARGO_PKG_VERSION"),
+                std::process::id()
+            ),
+        ),
         (&Method::POST, PATH_EXEC) => match exec(req.into_body(), shared).await {
             Ok(r) => r,
             Err(msg) => text(StatusCode::BAD_REQUEST, msg),

@@ -166,8 +166,9 @@ pub const CONSOLE_LOG: &str = "console.log";
 /// `rep stosb` (memcpy, clear_page, copy_to/from_user), and so does glibc above 2 KiB;
 /// TCG runs a `rep` string instruction one element per iteration of a translated loop, so a
 /// byte-wise `rep` costs several times the kernel's unrolled 8-byte loops it uses without
-/// them. Measured: ~0.1 s less QEMU CPU time per cold microVM boot (docs/backends.md, Cold
-/// boot). KVM keeps `-cpu host`, where the hardware runs `rep movsb` fast.
+/// them. Measured (docs/backends.md, Cold boot): a cold microVM boot's agent answers ~0.1 s
+/// sooner at the QEMU level (within the host's noise through the node). KVM keeps
+/// `-cpu host`, where the hardware runs `rep movsb` fast.
 pub const TCG_CPU: &str = "max,-erms,-fsrm";
 
 /// `-chardev` value of a socket server on the inherited listening socket `fd`.
