@@ -165,8 +165,8 @@ pub const CONSOLE_LOG: &str = "console.log";
 /// `rep movsb`"). With them the guest kernel copies and clears memory with `rep movsb` /
 /// `rep stosb` (memcpy, clear_page, copy_to/from_user), and so does glibc above 2 KiB;
 /// TCG runs a `rep` string instruction one element per iteration of a translated loop, so a
-/// byte-wise `rep` costs several times the kernel's unrolled 8-byte loops it uses without
-/// them. Measured (docs/backends.md, Cold boot): a cold microVM boot's agent answers ~0.1 s
+/// byte-wise `rep` costs several times the `rep movsq`/`stosq` (8 bytes a step) the kernel
+/// uses without them. Measured (docs/backends.md, Cold boot): a cold microVM boot's agent answers ~0.1 s
 /// sooner at the QEMU level (within the host's noise through the node). KVM keeps
 /// `-cpu host`, where the hardware runs `rep movsb` fast.
 pub const TCG_CPU: &str = "max,-erms,-fsrm";
