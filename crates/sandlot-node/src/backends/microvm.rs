@@ -524,7 +524,12 @@ impl MicrovmBackend {
         let mut push = |xs: &[&str]| args.extend(xs.iter().map(|x| x.to_string()));
         match accel {
             Accel::Kvm => push(&["-accel", "kvm", "-cpu", "host"]),
-            Accel::Tcg => push(&["-accel", "tcg,thread=multi,tb-size=64", "-cpu", "max"]),
+            Accel::Tcg => push(&[
+                "-accel",
+                "tcg,thread=multi,tb-size=64",
+                "-cpu",
+                super::qemu::TCG_CPU,
+            ]),
         }
         let p = |x: &Path| x.display().to_string();
         push(&[

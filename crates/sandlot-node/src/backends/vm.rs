@@ -494,7 +494,12 @@ impl VmBackend {
         .to_vec();
         let accel_args = match accel {
             Accel::Kvm => ["-accel", "kvm", "-cpu", "host"],
-            Accel::Tcg => ["-accel", "tcg,thread=multi,tb-size=64", "-cpu", "max"],
+            Accel::Tcg => [
+                "-accel",
+                "tcg,thread=multi,tb-size=64",
+                "-cpu",
+                super::qemu::TCG_CPU,
+            ],
         };
         args.extend(accel_args.map(String::from));
         args.extend([
