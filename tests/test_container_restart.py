@@ -28,7 +28,7 @@ from typing import Dict, Iterator, List, Optional
 import pytest
 
 import sandlot
-from conftest import IMAGES_DIR, Server, count_leaks, wait_no_leaks, wait_until
+from conftest import IMAGES_DIR, Server, count_leaks, pooled_names, wait_no_leaks, wait_until
 
 IMAGE = "python"
 N_CONTAINERS = 20
@@ -50,7 +50,10 @@ def runtime_list(data_dir: Path, runtime: str) -> List[str]:
         r = subprocess.run([bin_, "--root", str(root), "list", "--quiet"],
                            capture_output=True, text=True, timeout=30, check=False)
         if r.returncode == 0:
-            return [line.strip() for line in r.stdout.splitlines() if line.strip()]
+            # Pooled containers (DATA/container-pool/cp-*) are the server's, not leaks.
+            pooled = pooled_names(data_dir)
+            return [line.strip() for line in r.stdout.splitlines()
+                    if line.strip() and line.strip() not in pooled]
         # `runc list` fails when a container's state dir goes while it lists (a delete).
         time.sleep(0.05)
     pytest.fail(f"{runtime} list failed: {r.stderr}")
@@ -76,7 +79,8 @@ def loop_devices_under(data_dir: Path) -> List[str]:
     """``losetup -a`` lines whose backing file lies under ``data_dir``."""
     r = subprocess.run(["losetup", "-a"], capture_output=True, text=True, timeout=30,
                        check=False)
-    return [line for line in r.stdout.splitlines() if str(data_dir) in line]
+    pool = str(data_dir / "container-pool") + "/"
+    return [line for line in r.stdout.splitlines() if str(data_dir) in line and pool not in line]
 
 
 def pid_alive(pid: int) -> bool:
