@@ -209,6 +209,36 @@ def test_other_specs_are_created_cold(node, client, baseline):
     wait_no_leaks(node.data_dir, baseline, what="a cold container's delete")
 
 
+def test_dead_pooled_container_is_destroyed_and_the_create_goes_cold(node, client, baseline):
+    """A hand-over that fails (here: the pooled containers' agents were killed from the
+    host) destroys the pooled container and creates cold; nothing of it is left."""
+    pooled = wait_pool_full(node)
+    for name in pooled:
+        st = json.loads((node.data_dir / "container-pool" / name / "state.json").read_text())
+        os.kill(st["init_pid"], 9)
+    box = client.create(backend="container", runtime="runc", image=IMAGE, env={"X": "1"},
+                        ttl_s=300)
+    try:
+        st = state_of(node, box.id)
+        assert "runtime_id" not in st, st
+        assert sh(box, "echo $X; hostname").split() == ["1", box.id]
+        # The dead pooled container taken by this create is gone entirely.
+        gone = [n for n in pooled if not (node.data_dir / "container-pool" / n).exists()]
+        assert gone, pooled
+        for name in gone:
+            assert name not in runc_ids(node.data_dir)
+            assert not cgroup_exists(node, name)
+    finally:
+        box.delete()
+    # The other dead one goes with the next create that takes it; drain it the same way.
+    box = client.create(backend="container", runtime="runc", image=IMAGE, ttl_s=300)
+    box.delete()
+    wait_until(lambda: not set(pooled) & set(pool_ready(node.data_dir)), 30,
+               what="the dead pooled containers destroyed")
+    wait_no_leaks(node.data_dir, baseline, what="creates after failed hand-overs")
+    wait_pool_full(node)
+
+
 def test_kill9_restart_readopts_handed_over_and_sweeps_pool(node, client, baseline):
     wait_pool_full(node)
     box = client.create(backend="container", runtime="runc", image=IMAGE, env={"K": "v"},
