@@ -44,6 +44,12 @@
 //! joins it; runsc runs with `--ignore-cgroups` and is itself started inside the group, so
 //! its sandbox and gofer are accounted there. Pause freezes that group.
 //!
+//! Warm pool ([`super::container_pool`]): a runc create that the pool can serve takes a
+//! ready container built under `DATA/container-pool/cp-<hex>` and renamed onto
+//! `DATA/containers/<id>`; its runc id and cgroup keep the pooled name, recorded in
+//! [`ContainerState`] (`runtime_id`, `cgroup`), through which every runtime call and cgroup
+//! lookup goes.
+//!
 //! Exit and OOM: the agent reports each exec's status; `oom_killed` is the delta of the
 //! container group's `oom_kill` counter over the exec (an overlapping exec's OOM kill is
 //! counted too).
@@ -492,6 +498,15 @@ impl Core {
     }
 
     #[allow(clippy::too_many_arguments)]
+    /// Build and start container `spec.id` in the claimed bundle directory `dir` with
+    /// cgroup `cg` (named `spec.id`: it is the bundle's `cgroupsPath`) and host uid range
+    /// `uid_base`; its writable layer is seeded from `seed` (a fork). Used by cold creates
+    /// and by the warm pool (`spec.id` = the pooled name). On error whatever was made is
+    /// left for the caller's destroy.
+    ///
+    /// # Errors
+    /// `Unavailable` (network policies), `InvalidArgument` (a seed larger than the disk),
+    /// `Internal` (mounts, cgroups, the runtime, the agent not answering).
     pub(crate) async fn create_inner(
         &self,
         dir: &Path,
