@@ -14,7 +14,10 @@ Sections (--skip takes their names):
   create  container create -> first exec result (`true`) through the API, p50/p99, per
           runtime, vs `RUNTIME run --bundle B ID` of an equivalent bundle to its exit (the
           config.json of a live container of the same run with args `/bin/true`, rootfs an
-          overlay of the same image layers). Concurrency 1; the delete is untimed.
+          overlay of the same image layers). Concurrency 1; the delete is untimed. Two
+          API rows for runc: cold (the main server, `--container-warm-pool 0`) and pooled
+          (a second server with the container warm pool on at its default size, 2; before
+          each timed create the harness waits, untimed, until the pool is full again).
   rate    create+delete cycles/s at concurrency 8 per runtime (create latency p50/p99 too),
           with bare `runc run` at concurrency 8 as reference.
   exec    exec round trip of `true` in a live container through the agent, c1, per runtime,
@@ -336,6 +339,30 @@ def phase_p(vals: list[float], q: float) -> float | None:
 # ----------------------------------------------------------------------------- sections
 
 
+#: `sandlot up --container-warm-pool` default: ready runc containers per pooled image.
+CONTAINER_POOL_SIZE = 2
+
+
+def pool_ready(ctx: Ctx) -> int:
+    """Pooled containers of `ctx`'s server that finished building (DATA/container-pool/
+    cp-*/state.json)."""
+    try:
+        return sum(
+            1 for p in (ctx.data / "container-pool").iterdir() if (p / "state.json").is_file()
+        )
+    except OSError:
+        return 0
+
+
+def wait_pool_full(ctx: Ctx, n: int = CONTAINER_POOL_SIZE, timeout_s: float = 60.0) -> None:
+    """Poll (untimed, 5 ms) until the server's container pool holds `n` ready containers."""
+    end = time.monotonic() + timeout_s
+    while pool_ready(ctx) < n:
+        if time.monotonic() > end or R.STOP.is_set():
+            raise R.BenchError(f"container pool not refilled to {n} within {timeout_s:.0f}s")
+        time.sleep(0.005)
+
+
 def section_create(
     ctx: Ctx,
     runtimes: list[str],
@@ -343,25 +370,40 @@ def section_create(
     n: int,
     rounds: int,
     deadline_s: float,
+    pooled: Ctx | None = None,
 ) -> dict:
-    """Create -> first exec (`true`) through the API vs the bare runtime run, c1."""
+    """Create -> first exec (`true`) through the API vs the bare runtime run, c1. With
+    `pooled` (a server whose container warm pool is on), a second runc row whose every
+    create finds a full pool (waited for, untimed, before the timed window)."""
     phases: dict[str, dict[str, list[float]]] = {}
+    served = {"pool": 0, "cold": 0}
 
-    def make(rt: str) -> Callable[[], float]:
-        ph = phases.setdefault(rt, {"create": [], "exec": [], "delete": []})
+    def make(rt: str, c: Ctx = ctx, key: str | None = None) -> Callable[[], float]:
+        ph = phases.setdefault(key or rt, {"create": [], "exec": [], "delete": []})
 
         def cycle() -> float:
+            if key is not None:
+                wait_pool_full(c)
             t0 = time.perf_counter()
-            sid = ctx.create(rt)
+            sid = c.create(rt)
             t1 = time.perf_counter()
+            if key is not None:
+                # Untimed: was it handed over by the pool (state.json names a cp- runtime id)?
+                try:
+                    st = json.loads((c.containers_dir / sid / "state.json").read_text())
+                    hit = str(st.get("runtime_id", "")).startswith("cp-")
+                except (OSError, ValueError):
+                    hit = False
+                with c.lock:
+                    served["pool" if hit else "cold"] += 1
             try:
-                ctx.exec_true(sid)
+                c.exec_true(sid)
                 t2 = time.perf_counter()
             finally:
                 t3 = time.perf_counter()
-                ctx.api.delete(sid)
+                c.api.delete(sid)
                 t4 = time.perf_counter()
-            with ctx.lock:
+            with c.lock:
                 ph["create"].append(t1 - t0)
                 ph["exec"].append(t2 - t1)
                 ph["delete"].append(t4 - t3)
@@ -373,6 +415,10 @@ def section_create(
     for rt in runtimes:
         subjects.append((f"bare {rt} run", bares[rt].call))
         subjects.append((f"{rt} create+exec", make(rt)))
+        if rt == "runc" and pooled is not None:
+            subjects.append(
+                ("runc pooled create+exec", make(rt, pooled, "runc pooled"))
+            )
     print(
         f"  [create] c1: {n} per subject in {rounds} rounds ({[s for s, _ in subjects]}) ...",
         flush=True,
@@ -385,6 +431,7 @@ def section_create(
             for rt, ph in phases.items()
         },
         "bare_cmd": {rt: b.example for rt, b in bares.items()},
+        "pool_served": served if pooled is not None else None,
     }
 
 
@@ -684,6 +731,8 @@ def render(meta: dict, res: dict, notes: list[str]) -> str:
         f"load average at start {m['loadavg']}; no VM involved (KVM/TCG irrelevant here)"
     )
     L.append(f"- Tree: commit {m['commit']}; server: {meta['server']}")
+    if meta.get("pool_server"):
+        L.append(f"- C1 pooled row: second server {meta['pool_server']} (container warm pool on, default size)")
     L.append(f"- Runtimes: {meta['runtimes']}; image `{meta['image']}`")
     L.append(
         f"- Method: subjects interleaved in {meta['rounds']} rounds (rotated order), warm-up calls discarded; latency = "
@@ -702,6 +751,11 @@ def render(meta: dict, res: dict, notes: list[str]) -> str:
             + "; ".join(f"`{c}`" for c in cr["bare_cmd"].values())
             + " to its exit, with the config.json of a live container of this run (args `/bin/true`) and an overlay "
             "of the same image layers as rootfs (it includes the runtime's own delete; the API figure does not)."
+            " `runc create+exec` is the cold path: a server with `--container-warm-pool 0`, so every create runs "
+            "`runc run`. `runc pooled create+exec` is a second server with the container warm pool on at its "
+            f"default size ({CONTAINER_POOL_SIZE}): before each timed create the harness waits, untimed, until the "
+            "pool is full again (polling DATA/container-pool), so every create is a hand-over of an already-started "
+            "container; its delete is untimed too."
         )
         L.append("")
         L.append(
@@ -711,7 +765,8 @@ def render(meta: dict, res: dict, notes: list[str]) -> str:
         for name, smp in s.items():
             rt = name.split()[0] if not name.startswith("bare") else name.split()[1]
             bare = s.get(f"bare {rt} run")
-            ph = cr["phases"].get(rt, {}) if not name.startswith("bare") else {}
+            key = name.rsplit(" ", 1)[0]
+            ph = cr["phases"].get(key, {}) if not name.startswith("bare") else {}
             ex = (
                 f"{fm(ph['create'][0])} | {fm(ph['exec'][0])} | {fm(ph['delete'][0])}"
                 if ph
@@ -737,6 +792,18 @@ def render(meta: dict, res: dict, notes: list[str]) -> str:
                     else " — the issue's target names runc; applied to runsc vs bare runsc for reference"
                 )
                 + f": {R.verdict(None if r is None else r <= TARGET_CREATE_VS_BARE)})"
+            )
+        pooled_s, bare = s.get("runc pooled create+exec"), s.get("bare runc run")
+        if pooled_s and bare:
+            r = R.ratio(pooled_s.p(50), bare.p(50))
+            sv = cr.get("pool_served") or {}
+            L.append(
+                f"- runc, warm pool on: create→first exec p50 {fm(pooled_s.p(50))} ms vs bare `runc run` "
+                f"{fm(bare.p(50))} ms = {R.fmt_ratio(r)} (target ≤ {TARGET_CREATE_VS_BARE}× of bare runc: "
+                f"{R.verdict(None if r is None else r <= TARGET_CREATE_VS_BARE)}); creates served by the pool: "
+                f"{sv.get('pool', 0)}, cold: {sv.get('cold', 0)} (warm-up included). The cold row above is the "
+                "path of every create the pool cannot serve (runsc, network allow policies, other disk sizes, forks, "
+                "an empty pool)."
             )
         if (
             "runsc" in meta["runtimes"]
@@ -1072,11 +1139,14 @@ def main(argv: list[str] | None = None) -> int:
     server = R.Server(
         Path(args.binary),
         Path(args.images_dir),
-        ["--warm-pool", "0"],
+        ["--warm-pool", "0", "--container-warm-pool", "0"],
         ready_timeout_s=60,
         tmp_parent="/var/tmp",
         env=env,
     )
+    # C1's pooled runc row: a second server with the container warm pool on.
+    pool_server: R.Server | None = None
+    pool_api: R.Api | None = None
     envs = " ".join(f"{k}={v}" for k, v in env.items())
     notes: list[str] = []
     res: dict = {}
@@ -1094,7 +1164,7 @@ def main(argv: list[str] | None = None) -> int:
             server.binary.stat().st_mtime, _dt.UTC
         ).strftime("%Y-%m-%d %H:%M UTC")
         meta["server"] = (
-            f"`{envs + ' ' if envs else ''}{shlex.join(server.cmd)}` (binary built {built}; warm pool off)"
+            f"`{envs + ' ' if envs else ''}{shlex.join(server.cmd)}` (binary built {built}; warm pools off)"
         )
         api = R.Api(server.url, run_id)
         api.prewarm(9)
@@ -1121,9 +1191,55 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 bares[rt].call()  # the bundle works
         if "create" not in skip:
-            res["create"] = section_create(
-                ctx, runtimes, bares, n, rounds, args.deadline
-            )
+            pctx = None
+            if "runc" in runtimes:
+                pool_server = R.Server(
+                    Path(args.binary),
+                    Path(args.images_dir),
+                    [
+                        "--warm-pool",
+                        "0",
+                        "--container-warm-pool",
+                        str(CONTAINER_POOL_SIZE),
+                        "--warm-pool-images",
+                        args.image,
+                    ],
+                    ready_timeout_s=60,
+                    tmp_parent="/var/tmp",
+                    env=env,
+                )
+                pool_server.start()
+                pool_api = R.Api(pool_server.url, run_id)
+                pool_api.prewarm(2)
+                pctx = Ctx(pool_api, pool_server, args.image, run_id)
+                wait_pool_full(pctx, timeout_s=120)
+                meta["pool_server"] = f"`{shlex.join(pool_server.cmd)}`"
+            try:
+                res["create"] = section_create(
+                    ctx, runtimes, bares, n, rounds, args.deadline, pctx
+                )
+            finally:
+                if pool_api is not None:
+                    left = pool_api.delete_all()
+                    if left:
+                        notes.append(f"Pool server: could not delete {left[:5]}")
+                    pool_api.close()
+                    pool_api = None
+                if pool_server is not None:
+                    # A stopped server destroys its pooled containers.
+                    pool_server.stop()
+                    left_mounts = mounts_naming(pool_server.tmp)
+                    if left_mounts:
+                        notes.append(
+                            f"LEFTOVER host mounts of the pool server: {left_mounts[:5]}"
+                        )
+                        rcode = rcode or 1
+                    else:
+                        pool_server.cleanup_dir()
+                        R.remove_empty_cgroup_parent(
+                            R.cgroup_parent_name(pool_server.tmp / "data") + "-ctr"
+                        )
+                    pool_server = None
         if "rate" not in skip:
             res["rate"] = section_rate(
                 ctx, runtimes, bares, rate_n, rounds, args.deadline
@@ -1185,6 +1301,11 @@ def main(argv: list[str] | None = None) -> int:
                 rcode = rcode or 1
             api.close()
         meta.setdefault("server", "(not started)")
+        if pool_api is not None:
+            pool_api.delete_all()
+            pool_api.close()
+        if pool_server is not None:
+            pool_server.stop()
         server.stop()
         try:
             log_text = server.log_path.read_text(errors="replace")

@@ -73,8 +73,9 @@ class Server:
     """One `sandlot up` process on a free port with its own data directory."""
 
     def __init__(self, binary: Path, data_dir: Path, log_path: Path,
-                 port: Optional[int] = None) -> None:
+                 port: Optional[int] = None, args: Optional[List[str]] = None) -> None:
         self.binary = binary
+        self.args = list(args or [])
         self.data_dir = data_dir
         self.log_path = log_path
         self.port = port or free_port()
@@ -87,7 +88,7 @@ class Server:
         log.write(f"\n===== start {time.strftime('%H:%M:%S')} =====\n".encode())
         log.flush()
         cmd = [str(self.binary), "up", "--listen", f"127.0.0.1:{self.port}",
-               "--data-dir", str(self.data_dir), "--images-dir", IMAGES_DIR]
+               "--data-dir", str(self.data_dir), "--images-dir", IMAGES_DIR, *self.args]
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL)
         log.close()
@@ -168,11 +169,14 @@ def count_leaks(data_dir: Path) -> Dict[str, int]:
     server itself left out. ``veths``: veth devices of the host network namespace (host-wide:
     a sandbox's network policy adds one pair per sandbox).
 
-    Ready warm-pool jails (DATA/warm-pool/<name>) are not leaks: the server refills its pool
-    in the background at any moment, so their cgroups and processes are left out.
+    Ready warm-pool jails (DATA/warm-pool/<name>) and pooled runc containers
+    (DATA/container-pool/<name>) are not leaks: the server refills its pools in the
+    background at any moment, so their cgroups, processes and (containers) host mounts are
+    left out. A container handed over by the pool keeps its pooled name for its cgroup, but
+    its directory has left the pool directory, so it is counted like any sandbox.
     """
-    pool_dir = data_dir / "warm-pool"
-    pooled = set(os.listdir(pool_dir)) if pool_dir.is_dir() else set()
+    pooled = pooled_names(data_dir)
+    cpool_prefix = str(data_dir / "container-pool") + "/"
     parent = node_cgroup_parent(data_dir)
     cg = 0
     root = Path("/sys/fs/cgroup")
@@ -186,7 +190,8 @@ def count_leaks(data_dir: Path) -> Dict[str, int]:
     data_s = str(data_dir)
     data_b = os.fsencode(data_s)
     try:
-        mounts = sum(1 for line in open("/proc/self/mountinfo") if data_s in line)
+        mounts = sum(1 for line in open("/proc/self/mountinfo")
+                     if data_s in line and not line.split()[4].startswith(cpool_prefix))
     except OSError:
         mounts = 0
     procs = 0
@@ -204,6 +209,18 @@ def count_leaks(data_dir: Path) -> Dict[str, int]:
             procs += 1
     return {"sandbox_dirs": dirs, "mounts": mounts, "cgroups": cg, "processes": procs,
             "veths": count_veths()}
+
+
+def pooled_names(data_dir: Path) -> set:
+    """Names of the entries of DATA/warm-pool and DATA/container-pool (ready or being
+    built pooled jails and containers: ``wp-<hex>``, ``cp-<hex>``)."""
+    names = set()
+    for d in (data_dir / "warm-pool", data_dir / "container-pool"):
+        try:
+            names.update(os.listdir(d))
+        except OSError:
+            pass
+    return names
 
 
 def count_veths() -> int:

@@ -28,7 +28,7 @@ from typing import Dict, Iterator, List, Optional
 import pytest
 
 import sandlot
-from conftest import IMAGES_DIR, Server, count_leaks, wait_no_leaks, wait_until
+from conftest import IMAGES_DIR, Server, count_leaks, pooled_names, wait_no_leaks, wait_until
 
 IMAGE = "python"
 N_CONTAINERS = 20
@@ -50,7 +50,10 @@ def runtime_list(data_dir: Path, runtime: str) -> List[str]:
         r = subprocess.run([bin_, "--root", str(root), "list", "--quiet"],
                            capture_output=True, text=True, timeout=30, check=False)
         if r.returncode == 0:
-            return [line.strip() for line in r.stdout.splitlines() if line.strip()]
+            # Pooled containers (DATA/container-pool/cp-*) are the server's, not leaks.
+            pooled = pooled_names(data_dir)
+            return [line.strip() for line in r.stdout.splitlines()
+                    if line.strip() and line.strip() not in pooled]
         # `runc list` fails when a container's state dir goes while it lists (a delete).
         time.sleep(0.05)
     pytest.fail(f"{runtime} list failed: {r.stderr}")
@@ -62,6 +65,17 @@ def runtime_dirs(data_dir: Path, runtime: str) -> set:
         return {p.name for p in (data_dir / "runtime" / runtime).iterdir() if p.is_dir()}
     except OSError:
         return set()
+
+
+def runc_id(data_dir: Path, sid: str) -> str:
+    """The OCI runtime's id of sandbox ``sid``: ``runtime_id`` of its state.json (a
+    container handed over by the warm pool keeps its pooled name ``cp-<hex>``), else
+    ``sid``."""
+    try:
+        st = json.loads((data_dir / "containers" / sid / "state.json").read_text())
+    except (OSError, ValueError):
+        return sid
+    return st.get("runtime_id") or sid
 
 
 def runtime_state(data_dir: Path, runtime: str, cid: str) -> dict:
@@ -76,7 +90,8 @@ def loop_devices_under(data_dir: Path) -> List[str]:
     """``losetup -a`` lines whose backing file lies under ``data_dir``."""
     r = subprocess.run(["losetup", "-a"], capture_output=True, text=True, timeout=30,
                        check=False)
-    return [line for line in r.stdout.splitlines() if str(data_dir) in line]
+    pool = str(data_dir / "container-pool") + "/"
+    return [line for line in r.stdout.splitlines() if str(data_dir) in line and pool not in line]
 
 
 def pid_alive(pid: int) -> bool:
@@ -189,19 +204,22 @@ def test_kill9_readopts_20_runc_containers(node, client, baseline):
     assert len(set(ids)) == N_CONTAINERS
     print(f"\n{N_CONTAINERS} containers created in {time.monotonic() - t0:.1f}s")
 
+    # Some are handed over by the container warm pool (runc id cp-<hex>), most are cold.
+    rids = {sid: runc_id(node.data_dir, sid) for sid in ids}
+    print(f"served by the warm pool: {sum(1 for s, r in rids.items() if s != r)}")
     before_pids: Dict[str, int] = {}
     for sid in ids:
-        st = runtime_state(node.data_dir, "runc", sid)
+        st = runtime_state(node.data_dir, "runc", rids[sid])
         assert st["status"] == "running", st
         before_pids[sid] = st["pid"]
 
     node.kill()
     # The containers live on without any server.
     time.sleep(0.5)
-    assert sorted(runtime_list(node.data_dir, "runc")) == sorted(ids)
+    assert sorted(runtime_list(node.data_dir, "runc")) == sorted(rids.values())
     for sid, pid in before_pids.items():
         assert pid_alive(pid), f"init of {sid} (pid {pid}) died with the server"
-        assert runtime_state(node.data_dir, "runc", sid)["status"] == "running"
+        assert runtime_state(node.data_dir, "runc", rids[sid])["status"] == "running"
 
     t1 = time.monotonic()
     node.start()
@@ -216,7 +234,7 @@ def test_kill9_readopts_20_runc_containers(node, client, baseline):
         assert got.state == "running", got.raw
         assert got.labels.get("n") == str(i), got.labels
         # The same container process: re-adopted, not recreated.
-        st = runtime_state(node.data_dir, "runc", box.id)
+        st = runtime_state(node.data_dir, "runc", rids[box.id])
         assert st["pid"] == before_pids[box.id], (box.id, st["pid"], before_pids[box.id])
         r = box.exec(["python3", "-c", f"print({i} * 3)"], timeout_s=60)
         assert (r.exit_code, r.stdout) == (0, f"{i * 3}\n".encode()), r
@@ -291,7 +309,8 @@ def _half_created_seen(data_dir: Path, trigger: str) -> bool:
         return any(str(data_dir / "containers") in line
                    for line in open("/proc/self/mountinfo"))
     d = data_dir / "runtime" / "runc"
-    return d.is_dir() and any(p.is_dir() for p in d.iterdir())
+    pooled = pooled_names(data_dir)
+    return d.is_dir() and any(p.is_dir() and p.name not in pooled for p in d.iterdir())
 
 
 @pytest.mark.parametrize("trigger", ["50ms", "dir", "mount", "runtime"])
@@ -307,8 +326,11 @@ def test_kill9_during_create_leaves_nothing(node, client, baseline, trigger):
     def create() -> None:
         c = sandlot.Client(node.url, timeout=30, retries=0)
         try:
+            # disk_mib 512: the cold path (`runc run` and the mounts under way); the
+            # warm pool serves only the default 1024 (its restart: test_container_pool.py).
             result["box"] = c.create(backend="container", runtime="runc", image=IMAGE,
-                                     memory_mib=64, ttl_s=120, labels={"test": "halfcreate"})
+                                     memory_mib=64, disk_mib=512, ttl_s=120,
+                                     labels={"test": "halfcreate"})
         except Exception as e:  # noqa: BLE001 - the server dies under it
             result["error"] = e
         finally:
@@ -447,6 +469,7 @@ def test_kill9_during_delete_leaves_nothing(node, client, baseline):
     boxes = [client.create(backend="container", runtime="runc", image=IMAGE, memory_mib=64,
                            ttl_s=300, labels={"test": "halfdelete"}) for _ in range(4)]
     ids = {b.id for b in boxes}
+    rids = {runc_id(node.data_dir, sid) for sid in ids}
 
     def delete(b: sandlot.Sandbox) -> None:
         c = sandlot.Client(node.url, timeout=30, retries=0)
@@ -461,7 +484,7 @@ def test_kill9_during_delete_leaves_nothing(node, client, baseline):
     for t in threads:
         t.start()
     deadline = time.monotonic() + 20
-    while runtime_dirs(node.data_dir, "runc") >= ids and time.monotonic() < deadline:
+    while runtime_dirs(node.data_dir, "runc") >= rids and time.monotonic() < deadline:
         time.sleep(0.001)
     node.kill()
     for t in threads:

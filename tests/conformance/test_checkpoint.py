@@ -35,10 +35,12 @@ IDENTITY = ("python3 -c 'import os;print(os.urandom(16).hex())'; "
 
 
 def loop_devices_under(data_dir: Path) -> List[str]:
-    """``losetup -a`` lines whose backing file lies under ``data_dir``."""
+    """``losetup -a`` lines whose backing file lies under ``data_dir``, those of pooled
+    containers (DATA/container-pool/, refilled in the background) left out."""
     r = subprocess.run(["losetup", "-a"], capture_output=True, text=True, timeout=30,
                        check=False)
-    return [line for line in r.stdout.splitlines() if str(data_dir) in line]
+    pool = str(data_dir / "container-pool") + "/"
+    return [line for line in r.stdout.splitlines() if str(data_dir) in line and pool not in line]
 
 
 def host_counts(data_dir: Path) -> Dict[str, int]:

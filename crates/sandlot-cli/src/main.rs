@@ -129,9 +129,14 @@ struct UpArgs {
     /// (0 = no warm pool). Pooled jails are real processes and count toward the host.
     #[arg(long, default_value_t = 4)]
     warm_pool: usize,
-    /// Images the warm pool keeps jails of (comma-separated).
+    /// Images the warm pools keep jails and containers of (comma-separated).
     #[arg(long, value_delimiter = ',', default_value = "python")]
     warm_pool_images: Vec<String>,
+    /// Ready runc `container` sandboxes kept per warm-pool image, so a create (runtime
+    /// runc, network none, disk_mib 1024, not a fork) hands one over instead of running
+    /// `runc run` (0 = no container pool). Pooled containers are real processes.
+    #[arg(long, default_value_t = 2)]
+    container_warm_pool: usize,
     /// OCI runtime of `container` sandboxes created without one: runc, runsc or crun.
     #[arg(long, default_value = "runc", value_parser = ["runc", "runsc", "crun"])]
     default_runtime: String,
@@ -667,6 +672,7 @@ async fn up(a: UpArgs) -> anyhow::Result<u8> {
     }
     ncfg.warm_pool = a.warm_pool;
     ncfg.warm_pool_images = a.warm_pool_images;
+    ncfg.container_warm_pool = a.container_warm_pool;
     ncfg.default_runtime = sandlot_node::backends::container::Runtime::parse(&a.default_runtime)
         .context("--default-runtime")?;
     let images_dir = ncfg.images_dir.clone();

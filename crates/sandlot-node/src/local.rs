@@ -51,8 +51,12 @@ pub struct NodeConfig {
     /// no warm pool). The pool starts after the first [`Node::readopt`]; see
     /// [`crate::backends::pool`].
     pub warm_pool: usize,
-    /// Image names the warm pool keeps jails of (default empty).
+    /// Image names the warm pools keep jails and containers of (default empty).
     pub warm_pool_images: Vec<String>,
+    /// Ready runc containers kept per image in [`NodeConfig::warm_pool_images`] (default 0:
+    /// no container pool; `sandlot up` defaults to 2). The pool starts after the first
+    /// [`Node::readopt`]; see [`crate::backends::container_pool`].
+    pub container_warm_pool: usize,
     /// OCI runtime of `container` sandboxes created without one (default runc).
     pub default_runtime: Runtime,
     /// The microvm guest kit (kernel + modules, built by `scripts/guest-kit.sh`):
@@ -80,6 +84,7 @@ impl NodeConfig {
             uid_base: 100_000,
             warm_pool: 0,
             warm_pool_images: Vec::new(),
+            container_warm_pool: 0,
             default_runtime: Runtime::Runc,
         }
     }
@@ -156,6 +161,7 @@ pub struct LocalNode {
     images: ImageStore,
     backends: Vec<AnyBackend>,
     pool: PoolConfig,
+    container_pool: PoolConfig,
     checkpoints: CheckpointStore,
     /// The accelerator decision of the QEMU backends (`None` when the configuration is bad).
     accel: Option<std::sync::Arc<AccelProbe>>,
@@ -295,6 +301,10 @@ impl LocalNode {
             cgroup_version,
             images,
             backends,
+            container_pool: PoolConfig {
+                per_image: cfg.container_warm_pool,
+                images: cfg.warm_pool_images.clone(),
+            },
             pool: PoolConfig {
                 per_image: cfg.warm_pool,
                 images: cfg.warm_pool_images,
@@ -322,6 +332,31 @@ impl LocalNode {
             .and_then(|f| f.warm_pool())
             .map(|p| p.stats())
             .unwrap_or_default()
+    }
+
+    /// Ready pooled runc containers per image (empty when the container pool is off or not
+    /// started yet).
+    pub fn container_pool_ready(&self) -> std::collections::BTreeMap<String, usize> {
+        self.container()
+            .and_then(|c| c.warm_pool())
+            .map(|p| p.ready())
+            .unwrap_or_default()
+    }
+
+    /// Container-pool hand-overs and creates that found no ready container of their
+    /// image, since start.
+    pub fn container_pool_stats(&self) -> (u64, u64) {
+        self.container()
+            .and_then(|c| c.warm_pool())
+            .map(|p| p.stats())
+            .unwrap_or_default()
+    }
+
+    fn container(&self) -> Option<&ContainerBackend> {
+        self.backends.iter().find_map(|b| match b {
+            AnyBackend::Container(c) => Some(c),
+            _ => None,
+        })
     }
 
     fn function(&self) -> Option<&FunctionBackend> {
@@ -590,6 +625,9 @@ impl Node for LocalNode {
         // The warm pool starts once the previous process's leftovers are gone.
         if let Some(f) = self.function() {
             f.start_warm_pool(self.images.clone(), self.pool.clone())?;
+        }
+        if let Some(c) = self.container() {
+            c.start_warm_pool(self.images.clone(), self.container_pool.clone())?;
         }
         Ok(all)
     }

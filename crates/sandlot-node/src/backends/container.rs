@@ -44,6 +44,12 @@
 //! joins it; runsc runs with `--ignore-cgroups` and is itself started inside the group, so
 //! its sandbox and gofer are accounted there. Pause freezes that group.
 //!
+//! Warm pool ([`super::container_pool`]): a runc create that the pool can serve takes a
+//! ready container built under `DATA/container-pool/cp-<hex>` and renamed onto
+//! `DATA/containers/<id>`; its runc id and cgroup keep the pooled name, recorded in
+//! [`ContainerState`] (`runtime_id`, `cgroup`), through which every runtime call and cgroup
+//! lookup goes.
+//!
 //! Exit and OOM: the agent reports each exec's status; `oom_killed` is the delta of the
 //! container group's `oom_kill` counter over the exec (an overlapping exec's OOM kill is
 //! counted too).
@@ -161,6 +167,43 @@ pub struct ContainerState {
     pub init_starttime: u64,
     /// Limits and environment.
     pub spec: StoredSpec,
+    /// The OCI runtime's container id, where it is not `id`: a container handed over by
+    /// the container pool keeps the id it was started under (`cp-<hex>`, see
+    /// [`super::container_pool`]). Absent (older state files too) = `id`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub runtime_id: Option<String>,
+    /// Name of its cgroup (under the backend's parent), where it is not `id` (handed over
+    /// by the container pool). Absent = `id`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cgroup: Option<String>,
+}
+
+impl ContainerState {
+    /// The OCI runtime's container id (`runtime_id`, else `id`).
+    pub fn runtime_id(&self) -> &str {
+        self.runtime_id.as_deref().unwrap_or(&self.id)
+    }
+
+    /// Its cgroup's name (`cgroup`, else `id`).
+    pub fn cgroup_name(&self) -> &str {
+        self.cgroup.as_deref().unwrap_or(&self.id)
+    }
+}
+
+/// Writes `state` to `dir/state.json` atomically (temp file + rename).
+pub(crate) fn write_state(dir: &Path, state: &ContainerState) -> NodeResult<()> {
+    let json = serde_json::to_vec_pretty(state).expect("ContainerState serialises");
+    let tmp = dir.join("state.json.tmp");
+    std::fs::write(&tmp, json)
+        .and_then(|_| std::fs::rename(&tmp, dir.join("state.json")))
+        .map_err(|e| NodeError::io(format!("write {}/state.json", dir.display()), e))
+}
+
+/// Reads `dir/state.json`; `None` when missing or unreadable.
+pub(crate) fn read_state(dir: &Path) -> Option<ContainerState> {
+    std::fs::read(dir.join("state.json"))
+        .ok()
+        .and_then(|s| serde_json::from_slice(&s).ok())
 }
 
 struct Container {
@@ -181,17 +224,26 @@ impl Container {
     }
 }
 
-/// The container backend: containers by id.
-pub struct ContainerBackend {
-    cfg: ContainerConfig,
+/// What the container backend and its pool share: configuration, cgroups, runtimes and
+/// network policies (the pool's refill thread builds containers with it).
+pub(crate) struct Core {
+    pub(crate) cfg: ContainerConfig,
     /// Network policies (`network: {"allow": ...}`), set up by the first `readopt`; the
     /// error says why allow policies cannot be honoured on this node.
     net: tokio::sync::OnceCell<Result<Arc<NetworkManager>, String>>,
-    cgroups: CgroupRoot,
-    uids: Arc<UidSlots>,
+    pub(crate) cgroups: CgroupRoot,
     /// Each runtime's binary, or why it cannot run here.
     runtimes: Vec<(Runtime, Result<PathBuf, String>)>,
+}
+
+/// The container backend: containers by id.
+pub struct ContainerBackend {
+    core: Arc<Core>,
+    uids: Arc<UidSlots>,
     boxes: Mutex<HashMap<String, Arc<Container>>>,
+    /// The warm pool of ready runc containers, once started
+    /// ([`ContainerBackend::start_warm_pool`]).
+    pool: std::sync::OnceLock<super::container_pool::ContainerPool>,
 }
 
 /// Finds `name` in `PATH` (and the usual sbin directories).
@@ -275,7 +327,7 @@ impl ContainerBackend {
             res.violations.extend(w.finish());
         }
         // What the network policy refused while this exec ran (DNS queries, packets).
-        if let Some(Ok(net)) = self.net.get() {
+        if let Some(Ok(net)) = self.core.net.get() {
             let room =
                 sandlot_guest::spec::MAX_VIOLATIONS_PER_EXEC.saturating_sub(res.violations.len());
             let refused = net.violations(id, started, gvisor_audit::now_ms());
@@ -355,21 +407,35 @@ impl ContainerBackend {
         }
         cgroups.ensure_parent()?;
         Ok(ContainerBackend {
-            net: tokio::sync::OnceCell::new(),
-            cfg,
-            cgroups,
+            core: Arc::new(Core {
+                net: tokio::sync::OnceCell::new(),
+                cfg,
+                cgroups,
+                runtimes,
+            }),
             uids,
-            runtimes,
             boxes: Mutex::new(HashMap::new()),
+            pool: std::sync::OnceLock::new(),
         })
     }
 
     /// Each runtime with its binary or the reason it is unavailable.
     pub fn runtimes(&self) -> &[(Runtime, Result<PathBuf, String>)] {
-        &self.runtimes
+        &self.core.runtimes
     }
 
-    fn runtime_bin(&self, r: Runtime) -> NodeResult<PathBuf> {
+    fn get(&self, id: &str) -> NodeResult<Arc<Container>> {
+        self.boxes
+            .lock()
+            .unwrap()
+            .get(id)
+            .cloned()
+            .ok_or_else(|| NodeError::NotFound(format!("sandbox {id} not found")))
+    }
+}
+
+impl Core {
+    pub(crate) fn runtime_bin(&self, r: Runtime) -> NodeResult<PathBuf> {
         match self.runtimes.iter().find(|(k, _)| *k == r) {
             Some((_, Ok(p))) => Ok(p.clone()),
             Some((_, Err(why))) => Err(NodeError::Unavailable(why.clone())),
@@ -403,17 +469,8 @@ impl ContainerBackend {
         })
     }
 
-    fn dir_of(&self, id: &str) -> PathBuf {
+    pub(crate) fn dir_of(&self, id: &str) -> PathBuf {
         self.cfg.dir.join(id)
-    }
-
-    fn get(&self, id: &str) -> NodeResult<Arc<Container>> {
-        self.boxes
-            .lock()
-            .unwrap()
-            .get(id)
-            .cloned()
-            .ok_or_else(|| NodeError::NotFound(format!("sandbox {id} not found")))
     }
 
     /// The runtime command line with its global flags.
@@ -441,8 +498,18 @@ impl ContainerBackend {
     }
 
     #[allow(clippy::too_many_arguments)]
-    async fn create_inner(
+    /// Build and start container `spec.id` in the claimed bundle directory `dir` with
+    /// cgroup `cg` (named `spec.id`: it is the bundle's `cgroupsPath`) and host uid range
+    /// `uid_base`; its writable layer is seeded from `seed` (a fork). Used by cold creates
+    /// and by the warm pool (`spec.id` = the pooled name). On error whatever was made is
+    /// left for the caller's destroy.
+    ///
+    /// # Errors
+    /// `Unavailable` (network policies), `InvalidArgument` (a seed larger than the disk),
+    /// `Internal` (mounts, cgroups, the runtime, the agent not answering).
+    pub(crate) async fn create_inner(
         &self,
+        dir: &Path,
         spec: &SandboxSpec,
         image: &Image,
         runtime: Runtime,
@@ -451,7 +518,7 @@ impl ContainerBackend {
         cg: &SandboxCgroup,
         seed: Option<&Checkpoint>,
     ) -> NodeResult<ContainerState> {
-        let dir = self.dir_of(&spec.id);
+        let dir = dir.to_path_buf();
         // Phase timings for the debug log (where a create's time goes).
         let t0 = Instant::now();
         // runsc: gVisor's own processes and threads (sentry, gofer, one stub process per
@@ -708,15 +775,61 @@ impl ContainerBackend {
                 pids_max: spec.pids_max,
                 env: spec.env.clone(),
             },
+            runtime_id: None,
+            cgroup: None,
         };
-        let json = serde_json::to_vec_pretty(&state).expect("ContainerState serialises");
-        let tmp = dir.join("state.json.tmp");
-        std::fs::write(&tmp, json)
-            .and_then(|_| std::fs::rename(&tmp, dir.join("state.json")))
-            .map_err(|e| NodeError::io(format!("write {}/state.json", dir.display()), e))?;
+        write_state(&dir, &state)?;
         Ok(state)
     }
 
+    /// Runtime delete of container `runtime_id` (every runtime when `runtime` is unknown),
+    /// removal of network `net_id` (when given), then the host resources: the mounts under
+    /// `dir`, cgroup `cgroup` and `dir` itself.
+    pub(crate) async fn destroy_at(
+        &self,
+        dir: &Path,
+        runtime_id: &str,
+        cgroup: &str,
+        runtime: Option<Runtime>,
+        net_id: Option<&str>,
+    ) -> NodeResult<()> {
+        let dir = dir.to_path_buf();
+        let cg = self.cgroups.sandbox(cgroup);
+        // Thaw first: a frozen container cannot be killed on cgroup v1.
+        let _ = cg.group().thaw();
+        let candidates: Vec<Runtime> = match runtime {
+            Some(r) => vec![r],
+            None => Runtime::ALL.to_vec(),
+        };
+        for r in candidates {
+            if let Ok(bin) = self.runtime_bin(r) {
+                let mut cmd = self.runtime_cmd(r, &bin);
+                cmd.args(["delete", "--force", runtime_id])
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::null());
+                let _ = run_with_timeout(cmd, RUNTIME_TIMEOUT).await;
+            }
+        }
+        gvisor_audit::forget(&dir);
+        let net = match (self.net.get(), net_id) {
+            (Some(Ok(net)), Some(id)) => net.teardown(id).await,
+            _ => Ok(()),
+        };
+        let host = spawn_blocking(move || {
+            // The rootfs overlay and the scratch disk are this backend's own host mounts
+            // (expected, so no warning); anything else left is reported by the shared
+            // cleanup. Detached: a runtime process may still hold them for a moment.
+            for m in ["rootfs", "scratch"] {
+                let _ = nix::mount::umount2(&dir.join(m), nix::mount::MntFlags::MNT_DETACH);
+            }
+            destroy_blocking(&cg, &dir)
+        })
+        .await;
+        host.and(net)
+    }
+}
+
+impl ContainerBackend {
     /// Create `spec`, its writable layer seeded from `seed` when given (a fork).
     async fn create_with(
         &self,
@@ -726,15 +839,15 @@ impl ContainerBackend {
     ) -> NodeResult<()> {
         check_id(&spec.id)?;
         let runtime = match spec.runtime.as_deref() {
-            None => self.cfg.default_runtime,
+            None => self.core.cfg.default_runtime,
             Some(name) => Runtime::parse(name).ok_or_else(|| {
                 NodeError::InvalidArgument(format!(
                     "unknown runtime {name:?}: expected runc, crun or runsc"
                 ))
             })?,
         };
-        let bin = self.runtime_bin(runtime)?;
-        let dir = self.dir_of(&spec.id);
+        let bin = self.core.runtime_bin(runtime)?;
+        let dir = self.core.dir_of(&spec.id);
         match std::fs::create_dir(&dir) {
             Ok(()) => {}
             Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
@@ -745,6 +858,25 @@ impl ContainerBackend {
             }
             Err(e) => return Err(NodeError::io(format!("create {}", dir.display()), e)),
         }
+        // Warm pool: hand a ready container over; on any failure fall through to a cold
+        // create in the same (still empty) claimed directory.
+        if let Some(pool) = self.pool.get().filter(|_| seed.is_none()) {
+            if let Some(p) = pool.take(spec, image, runtime).await {
+                let name = p.name.clone();
+                match pool.hand_over(p, spec, image, &dir).await {
+                    Ok((state, uids)) => {
+                        self.adopt(state, uids);
+                        pool.release(&name);
+                        tracing::info!(sandbox = %spec.id, backend = "container", runtime = runtime.name(), pooled = %name, "sandbox created from the container pool");
+                        return Ok(());
+                    }
+                    Err(e) => {
+                        pool.release(&name);
+                        tracing::warn!(sandbox = %spec.id, pooled = %name, error = %e, "pooled container unusable; creating cold");
+                    }
+                }
+            }
+        }
         let uids = match self.uids.allocate() {
             Ok(u) => u,
             Err(e) => {
@@ -752,9 +884,10 @@ impl ContainerBackend {
                 return Err(e);
             }
         };
-        let cg = self.cgroups.sandbox(&spec.id);
+        let cg = self.core.cgroups.sandbox(&spec.id);
         match self
-            .create_inner(spec, image, runtime, &bin, uids.base(), &cg, seed)
+            .core
+            .create_inner(&dir, spec, image, runtime, &bin, uids.base(), &cg, seed)
             .await
         {
             Ok(state) => {
@@ -771,16 +904,63 @@ impl ContainerBackend {
         }
     }
 
+    /// Whether cgroup `name` belongs to a known container (under another name: handed
+    /// over by the pool) or to the container pool itself.
+    fn cgroup_in_use(&self, name: &str) -> bool {
+        self.boxes
+            .lock()
+            .unwrap()
+            .values()
+            .any(|c| c.state.cgroup_name() == name)
+            || self.pool.get().is_some_and(|p| p.owns(name))
+    }
+
+    /// Start the warm pool of ready runc containers (see [`super::container_pool`]); a
+    /// second call does nothing, nor does a pool of size 0, no image, or no runc. Call it
+    /// after `readopt`, which clears the previous process's cgroups first.
+    ///
+    /// # Errors
+    /// `Internal` when the pool directory or its thread cannot be created.
+    pub fn start_warm_pool(
+        &self,
+        images: crate::images::ImageStore,
+        cfg: super::pool::PoolConfig,
+    ) -> NodeResult<()> {
+        // Serialised: a second pool starting in parallel would sweep the first one's.
+        static START: Mutex<()> = Mutex::new(());
+        let _once = START.lock().unwrap_or_else(|e| e.into_inner());
+        if self.pool.get().is_some() || cfg.per_image == 0 || cfg.images.is_empty() {
+            return Ok(());
+        }
+        if let Err(e) = self.core.runtime_bin(Runtime::Runc) {
+            tracing::info!(error = %e, "container pool off: it keeps runc containers only");
+            return Ok(());
+        }
+        let pool = super::container_pool::ContainerPool::start(
+            self.core.clone(),
+            self.uids.clone(),
+            images,
+            cfg,
+        )?;
+        let _ = self.pool.set(pool);
+        Ok(())
+    }
+
+    /// The container pool, when started.
+    pub fn warm_pool(&self) -> Option<&super::container_pool::ContainerPool> {
+        self.pool.get()
+    }
+
     fn adopt(&self, state: ContainerState, uids: UidLease) -> Arc<Container> {
         let c = Arc::new(Container {
-            cgroup: self.cgroups.sandbox(&state.id),
-            agent: AgentClient::new(agent_socket(&self.dir_of(&state.id), state.runtime)),
+            cgroup: self.core.cgroups.sandbox(state.cgroup_name()),
+            agent: AgentClient::new(agent_socket(&self.core.dir_of(&state.id), state.runtime)),
             _uids: uids,
             deleting: RwLock::new(false),
             killed: watch::channel(false).0,
             paused: AtomicBool::new(false),
             sentry: match state.runtime {
-                Runtime::Runsc => gvisor_audit::attach(&self.dir_of(&state.id)),
+                Runtime::Runsc => gvisor_audit::attach(&self.core.dir_of(&state.id)),
                 _ => None,
             },
             state,
@@ -794,47 +974,23 @@ impl ContainerBackend {
         c
     }
 
-    /// Runtime delete (kills and forgets the container), then the host resources.
+    /// Runtime delete (kills and forgets the container), then the host resources. The
+    /// runtime id and cgroup come from the known container or its `state.json` (a container
+    /// handed over by the pool keeps its pooled names), else they are `id`.
     async fn destroy(&self, id: &str, runtime: Option<Runtime>) -> NodeResult<()> {
-        let dir = self.dir_of(id);
-        let runtime = runtime.or_else(|| {
-            std::fs::read(dir.join("state.json"))
-                .ok()
-                .and_then(|s| serde_json::from_slice::<ContainerState>(&s).ok())
-                .map(|s| s.runtime)
-        });
-        let cg = self.cgroups.sandbox(id);
-        // Thaw first: a frozen container cannot be killed on cgroup v1.
-        let _ = cg.group().thaw();
-        let candidates: Vec<Runtime> = match runtime {
-            Some(r) => vec![r],
-            None => Runtime::ALL.to_vec(),
-        };
-        for r in candidates {
-            if let Ok(bin) = self.runtime_bin(r) {
-                let mut cmd = self.runtime_cmd(r, &bin);
-                cmd.args(["delete", "--force", id])
-                    .stdout(Stdio::null())
-                    .stderr(Stdio::null());
-                let _ = run_with_timeout(cmd, RUNTIME_TIMEOUT).await;
-            }
-        }
-        gvisor_audit::forget(&dir);
-        let net = match self.net.get() {
-            Some(Ok(net)) => net.teardown(id).await,
-            _ => Ok(()),
-        };
-        let host = spawn_blocking(move || {
-            // The rootfs overlay and the scratch disk are this backend's own host mounts
-            // (expected, so no warning); anything else left is reported by the shared
-            // cleanup. Detached: a runtime process may still hold them for a moment.
-            for m in ["rootfs", "scratch"] {
-                let _ = nix::mount::umount2(&dir.join(m), nix::mount::MntFlags::MNT_DETACH);
-            }
-            destroy_blocking(&cg, &dir)
-        })
-        .await;
-        host.and(net)
+        let dir = self.core.dir_of(id);
+        let known = self
+            .boxes
+            .lock()
+            .unwrap()
+            .get(id)
+            .map(|c| c.state.clone())
+            .or_else(|| read_state(&dir));
+        let runtime = runtime.or(known.as_ref().map(|s| s.runtime));
+        let (rid, cg) = known
+            .as_ref()
+            .map_or((id, id), |s| (s.runtime_id(), s.cgroup_name()));
+        self.core.destroy_at(&dir, rid, cg, runtime, Some(id)).await
     }
 }
 
@@ -1282,7 +1438,7 @@ impl SandboxBackend for ContainerBackend {
 
     async fn checkpoint(&self, id: &str, dest: &Path) -> NodeResult<Captured> {
         let c = self.get(id)?;
-        let upper = self.dir_of(id).join("scratch/upper");
+        let upper = self.core.dir_of(id).join("scratch/upper");
         let layer = dest.join("layer");
         crate::checkpoints::frozen_copy(
             id,
@@ -1407,8 +1563,8 @@ impl SandboxBackend for ContainerBackend {
     async fn readopt(&self, keep: &[String]) -> NodeResult<Vec<String>> {
         let mut adopted = Vec::new();
         let mut errors = Vec::new();
-        let names: Vec<String> = std::fs::read_dir(&self.cfg.dir)
-            .map_err(|e| NodeError::io(format!("read {}", self.cfg.dir.display()), e))?
+        let names: Vec<String> = std::fs::read_dir(&self.core.cfg.dir)
+            .map_err(|e| NodeError::io(format!("read {}", self.core.cfg.dir.display()), e))?
             .flatten()
             .map(|e| e.file_name().to_string_lossy().into_owned())
             .filter(|n| check_id(n).is_ok())
@@ -1419,7 +1575,7 @@ impl SandboxBackend for ContainerBackend {
                 continue;
             }
             let state: Option<ContainerState> =
-                std::fs::read(self.dir_of(&name).join("state.json"))
+                std::fs::read(self.core.dir_of(&name).join("state.json"))
                     .ok()
                     .and_then(|s| serde_json::from_slice(&s).ok());
             let alive = state.as_ref().is_some_and(|s| {
@@ -1443,6 +1599,7 @@ impl SandboxBackend for ContainerBackend {
         // Networks of re-adopted containers come back (resolver restarted); every other
         // leftover (veth, nft chains, netns file) goes.
         let net_state = self
+            .core
             .cfg
             .state_root
             .parent()
@@ -1452,7 +1609,7 @@ impl SandboxBackend for ContainerBackend {
         // Only when a previous process set networks up: a node that never used an allow
         // policy changes nothing on the host (no nft table, no ip_forward).
         match if any_net {
-            self.net().await.map(Some)
+            self.core.net().await.map(Some)
         } else {
             Ok(None)
         } {
@@ -1466,9 +1623,9 @@ impl SandboxBackend for ContainerBackend {
                 tracing::warn!(backend = "container", error = %e, "no network policies on this node")
             }
         }
-        for id in self.cgroups.list_sandboxes() {
-            if !self.has(&id) {
-                let cg = self.cgroups.sandbox(&id);
+        for id in self.core.cgroups.list_sandboxes() {
+            if !self.cgroup_in_use(&id) {
+                let cg = self.core.cgroups.sandbox(&id);
                 if let Err(e) = spawn_blocking(move || cg.group().destroy(KILL_TIMEOUT)).await {
                     errors.push(e.to_string());
                 }
@@ -1513,10 +1670,12 @@ impl Drop for ContainerBackend {
     /// Removes the backend's parent cgroup where it is empty: the hierarchies the node
     /// manages, and (v1) the others runc created it in (net_cls, perf_event, ...).
     fn drop(&mut self) {
-        let _ = self.cgroups.remove_parent();
+        // The pool destroys its containers first (they hold groups under the parent).
+        drop(self.pool.take());
+        let _ = self.core.cgroups.remove_parent();
         if let Ok(rd) = std::fs::read_dir("/sys/fs/cgroup") {
             for e in rd.flatten() {
-                let _ = std::fs::remove_dir(e.path().join(self.cgroups.parent()));
+                let _ = std::fs::remove_dir(e.path().join(self.core.cgroups.parent()));
             }
         }
     }

@@ -6,6 +6,7 @@
 //! `NodeError::Unavailable` and the reason, instead of vanishing.
 mod agent_exec;
 pub mod container;
+pub mod container_pool;
 pub mod function;
 pub mod gvisor_audit;
 pub mod microvm;

@@ -404,7 +404,7 @@ impl Shared {
     }
 
     async fn build_one(&self, image: &Image) -> NodeResult<Pooled> {
-        let name = new_name();
+        let name = new_name(POOL_PREFIX);
         let dir = self.dir.join(&name);
         // Registered before its cgroup exists: readopt's sweep never takes it for a leftover.
         self.owned.lock().unwrap().insert(name.clone());
@@ -525,14 +525,15 @@ async fn refill_loop(s: &Shared) {
     }
 }
 
-fn new_name() -> String {
+/// A fresh pooled name: `prefix` + hex digits of the time, the process id and a counter.
+pub(crate) fn new_name(prefix: &str) -> String {
     static N: AtomicU64 = AtomicU64::new(0);
     let t = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_nanos() as u64)
         .unwrap_or(0);
     format!(
-        "{POOL_PREFIX}{:x}{:06x}",
+        "{prefix}{:x}{:06x}",
         t ^ (u64::from(std::process::id()) << 40),
         N.fetch_add(1, Ordering::Relaxed) & 0xff_ffff
     )
@@ -544,7 +545,7 @@ fn new_name() -> String {
 /// namespace), calls sethostname(2) and exits; it touches nothing of the sandbox's files
 /// and its namespace membership dies with it. Host root holds CAP_SYS_ADMIN over the
 /// sandbox's user namespace, which owns that UTS namespace.
-fn set_hostname(pid: i32, name: &str) -> NodeResult<()> {
+pub(crate) fn set_hostname(pid: i32, name: &str) -> NodeResult<()> {
     let path = format!("/proc/{pid}/ns/uts");
     let f = std::fs::File::open(&path).map_err(|e| NodeError::io(format!("open {path}"), e))?;
     let name = name.to_string();
