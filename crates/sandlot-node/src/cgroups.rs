@@ -589,8 +589,20 @@ impl Cgroup {
                 io::Error::from(io::ErrorKind::Unsupported),
             )
         })?;
-        write_file(&f, on)?;
+        // v1 only tries to freeze each task once per write: a task that was running in the
+        // kernel or being ptraced (gVisor's sentry ptraces its stubs) can keep the group in
+        // `FREEZING`. Like runc's v1 freezer, write `FROZEN` again on every poll and thaw
+        // for a moment every 50 polls so that stuck tasks get another chance.
+        let mut i = 0u32;
         loop {
+            i = i.wrapping_add(1);
+            if i % 50 == 0 && self.version == CgroupVersion::V1 {
+                let _ = write_file(&f, "THAWED");
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            if i == 1 || self.version == CgroupVersion::V1 {
+                write_file(&f, on)?;
+            }
             if self.is_frozen() {
                 return Ok(());
             }
