@@ -768,13 +768,7 @@ impl Core {
             uid_base,
             init_pid: pid,
             init_starttime: starttime,
-            spec: StoredSpec {
-                cpu: spec.cpu,
-                memory_mib: spec.memory_mib,
-                disk_mib: spec.disk_mib,
-                pids_max: spec.pids_max,
-                env: spec.env.clone(),
-            },
+            spec: StoredSpec::from(spec),
             runtime_id: None,
             cgroup: None,
         };

@@ -147,6 +147,19 @@ pub struct StoredSpec {
     pub env: BTreeMap<String, String>,
 }
 
+/// The stored part of a spec (limits and environment).
+impl From<&SandboxSpec> for StoredSpec {
+    fn from(spec: &SandboxSpec) -> StoredSpec {
+        StoredSpec {
+            cpu: spec.cpu,
+            memory_mib: spec.memory_mib,
+            disk_mib: spec.disk_mib,
+            pids_max: spec.pids_max,
+            env: spec.env.clone(),
+        }
+    }
+}
+
 /// On-disk state of a running sandbox: `DATA/sandboxes/<id>/state.json`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct JailState {
@@ -870,13 +883,7 @@ pub(crate) async fn build_jail(
         init_starttime: r.starttime,
         uid_base: uid,
         cgroup: None,
-        spec: StoredSpec {
-            cpu: spec.cpu,
-            memory_mib: spec.memory_mib,
-            disk_mib: spec.disk_mib,
-            pids_max: spec.pids_max,
-            env: spec.env.clone(),
-        },
+        spec: StoredSpec::from(spec),
     };
     let st = state.clone();
     let d = dir.to_path_buf();

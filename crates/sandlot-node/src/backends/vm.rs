@@ -546,13 +546,7 @@ impl VmBackend {
             accel,
             qemu_pid: pid,
             qemu_starttime: starttime,
-            spec: StoredSpec {
-                cpu: spec.cpu,
-                memory_mib: spec.memory_mib,
-                disk_mib: spec.disk_mib,
-                pids_max: spec.pids_max,
-                env: spec.env.clone(),
-            },
+            spec: StoredSpec::from(spec),
             // A resume restarts QEMU with these (the drive's layer brought up to date at
             // pause, see `pause`).
             qemu_args: args,
