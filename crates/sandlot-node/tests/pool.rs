@@ -8,7 +8,7 @@
 //! latency.
 use sandlot_api::{Backend, Cmd, ExecRequest};
 use sandlot_node::backends::function::{proc_starttime, read_state};
-use sandlot_node::backends::pool::POOL_PREFIX;
+use sandlot_node::backends::function_pool::POOL_PREFIX;
 use sandlot_node::cgroups::CgroupRoot;
 use sandlot_node::{LocalNode, Node, NodeConfig, SandboxSpec};
 use std::path::PathBuf;

@@ -54,11 +54,13 @@
 //! container group's `oom_kill` counter over the exec (an overlapping exec's OOM kill is
 //! counted too).
 use super::agent_exec;
+use super::container_pool::{pool_dir, spec_compatible, ContainerPool, Containers};
 use super::function::{
     check_id, check_not_paused, destroy_blocking, freeze, make_layer_dirs, own_dir, proc_starttime,
     spawn_blocking, thaw, ExecPlan, StoredSpec,
 };
 use super::gvisor_audit;
+use super::pool::WarmPool;
 use super::uids::{UidLease, UidSlots};
 use super::SandboxBackend;
 use crate::agent_client::AgentClient;
@@ -243,7 +245,7 @@ pub struct ContainerBackend {
     boxes: Mutex<HashMap<String, Arc<Container>>>,
     /// The warm pool of ready runc containers, once started
     /// ([`ContainerBackend::start_warm_pool`]).
-    pool: std::sync::OnceLock<super::container_pool::ContainerPool>,
+    pool: std::sync::OnceLock<ContainerPool>,
 }
 
 /// Finds `name` in `PATH` (and the usual sbin directories).
@@ -854,21 +856,14 @@ impl ContainerBackend {
         }
         // Warm pool: hand a ready container over; on any failure fall through to a cold
         // create in the same (still empty) claimed directory.
-        if let Some(pool) = self.pool.get().filter(|_| seed.is_none()) {
-            if let Some(p) = pool.take(spec, image, runtime).await {
-                let name = p.name.clone();
-                match pool.hand_over(p, spec, image, &dir).await {
-                    Ok((state, uids)) => {
-                        self.adopt(state, uids);
-                        pool.release(&name);
-                        tracing::info!(sandbox = %spec.id, backend = "container", runtime = runtime.name(), pooled = %name, "sandbox created from the container pool");
-                        return Ok(());
-                    }
-                    Err(e) => {
-                        pool.release(&name);
-                        tracing::warn!(sandbox = %spec.id, pooled = %name, error = %e, "pooled container unusable; creating cold");
-                    }
-                }
+        if let Some(pool) = self
+            .pool
+            .get()
+            .filter(|_| seed.is_none() && spec_compatible(spec, runtime))
+        {
+            let adopt = |state, uids| drop(self.adopt(state, uids));
+            if pool.create(spec, image, &dir, adopt).await {
+                return Ok(());
             }
         }
         let uids = match self.uids.allocate() {
@@ -920,28 +915,21 @@ impl ContainerBackend {
         images: crate::images::ImageStore,
         cfg: super::pool::PoolConfig,
     ) -> NodeResult<()> {
-        // Serialised: a second pool starting in parallel would sweep the first one's.
-        static START: Mutex<()> = Mutex::new(());
-        let _once = START.lock().unwrap_or_else(|e| e.into_inner());
-        if self.pool.get().is_some() || cfg.per_image == 0 || cfg.images.is_empty() {
-            return Ok(());
+        if cfg.per_image > 0 && !cfg.images.is_empty() {
+            if let Err(e) = self.core.runtime_bin(Runtime::Runc) {
+                tracing::info!(error = %e, "container pool off: it keeps runc containers only");
+                return Ok(());
+            }
         }
-        if let Err(e) = self.core.runtime_bin(Runtime::Runc) {
-            tracing::info!(error = %e, "container pool off: it keeps runc containers only");
-            return Ok(());
-        }
-        let pool = super::container_pool::ContainerPool::start(
-            self.core.clone(),
-            self.uids.clone(),
-            images,
-            cfg,
-        )?;
-        let _ = self.pool.set(pool);
-        Ok(())
+        let containers = Containers {
+            core: self.core.clone(),
+        };
+        let dir = pool_dir(&self.core.cfg.dir);
+        WarmPool::start_once(&self.pool, containers, dir, self.uids.clone(), images, cfg)
     }
 
     /// The container pool, when started.
-    pub fn warm_pool(&self) -> Option<&super::container_pool::ContainerPool> {
+    pub fn warm_pool(&self) -> Option<&ContainerPool> {
         self.pool.get()
     }
 

@@ -65,6 +65,8 @@
 //! * the sandbox's init is re-parented to the host's init when `sandlot-guest init` exits,
 //!   so after a delete the host's init reaps it (a host init that reaps lazily shows it as
 //!   a zombie for a while; it holds no memory, cgroup or mount).
+use super::function_pool::{pool_dir, tmp_compatible, FunctionPool, Jails};
+use super::pool::WarmPool;
 use super::uids::{UidLease, UidSlots};
 use super::SandboxBackend;
 use crate::cgroups::{Cgroup, CgroupRoot, Limits, SandboxCgroup};
@@ -181,7 +183,7 @@ pub struct JailState {
     /// Limits and environment.
     pub spec: StoredSpec,
     /// Name of the sandbox's cgroup when it is not the id: a sandbox handed over by the
-    /// warm pool keeps the cgroup it was built in (`wp-<hex>`; see [`super::pool`]).
+    /// warm pool keeps the cgroup it was built in (`wp-<hex>`; see [`super::function_pool`]).
     /// Absent in older files and for cold-created sandboxes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cgroup: Option<String>,
@@ -299,7 +301,7 @@ pub struct FunctionBackend {
     /// Host uid ranges of live jails, shared with the warm pool.
     uids: Arc<UidSlots>,
     /// The warm pool, once started ([`FunctionBackend::start_warm_pool`]).
-    pool: std::sync::OnceLock<super::pool::WarmPool>,
+    pool: std::sync::OnceLock<FunctionPool>,
     /// Whether sandboxes get a standby exec helper ([`Standby`]; `SANDLOT_EXEC_STANDBY=1`).
     exec_standby: bool,
 }
@@ -437,8 +439,9 @@ impl FunctionBackend {
         self.uids.clone()
     }
 
-    /// Start the warm pool (see [`super::pool`]); a second call does nothing. Call it after
-    /// `readopt`, which clears the previous process's cgroups first.
+    /// Start the warm pool (see [`super::function_pool`]); a second call does nothing, nor
+    /// does a pool of size 0 or no image. Call it after `readopt`, which clears the
+    /// previous process's cgroups first.
     ///
     /// # Errors
     /// `Internal` when the pool directory or its thread cannot be created.
@@ -447,25 +450,16 @@ impl FunctionBackend {
         images: crate::images::ImageStore,
         cfg: super::pool::PoolConfig,
     ) -> NodeResult<()> {
-        // Serialised: a second pool starting in parallel would sweep the first one's jails.
-        static START: Mutex<()> = Mutex::new(());
-        let _once = START.lock().unwrap_or_else(|e| e.into_inner());
-        if self.pool.get().is_some() || cfg.per_image == 0 || cfg.images.is_empty() {
-            return Ok(());
-        }
-        let pool = super::pool::WarmPool::start(
-            self.cfg.clone(),
-            self.cgroups.clone(),
-            self.uids.clone(),
-            images,
-            cfg,
-        )?;
-        let _ = self.pool.set(pool);
-        Ok(())
+        let jails = Jails {
+            cfg: self.cfg.clone(),
+            cgroups: self.cgroups.clone(),
+        };
+        let dir = pool_dir(&self.cfg.sandboxes_dir);
+        WarmPool::start_once(&self.pool, jails, dir, self.uids.clone(), images, cfg)
     }
 
     /// The warm pool, when started.
-    pub fn warm_pool(&self) -> Option<&super::pool::WarmPool> {
+    pub fn warm_pool(&self) -> Option<&FunctionPool> {
         self.pool.get()
     }
 
@@ -503,22 +497,14 @@ impl FunctionBackend {
         }
         // Warm pool: hand a ready jail over; on any failure fall through to a cold create
         // in the same (still empty) claimed directory.
-        if let Some(pool) = self.pool.get().filter(|_| seed.is_none()) {
-            if let Some(p) = pool.take(spec, image).await {
-                let name = p.name.clone();
-                let res = pool.hand_over(p, spec, image, &dir).await;
-                match res {
-                    Ok((state, uids)) => {
-                        self.adopt(state, uids);
-                        pool.release(&name);
-                        tracing::info!(sandbox = %spec.id, backend = "function", image = %image.name, pooled = %name, "sandbox created from the warm pool");
-                        return Ok(());
-                    }
-                    Err(e) => {
-                        pool.release(&name);
-                        tracing::warn!(sandbox = %spec.id, pooled = %name, error = %e, "pooled jail unusable; creating cold");
-                    }
-                }
+        if let Some(pool) = self
+            .pool
+            .get()
+            .filter(|_| seed.is_none() && tmp_compatible(spec))
+        {
+            let adopt = |state, uids| drop(self.adopt(state, uids));
+            if pool.create(spec, image, &dir, adopt).await {
+                return Ok(());
             }
         }
         let cg = self.cgroups.sandbox(&spec.id);

@@ -1,117 +1,171 @@
-//! Warm pool of ready `function` jails, so that `create` only has to hand one over.
+//! Warm pools: ready sandboxes built ahead of time, so that a create only has to hand one
+//! over. One generic pool ([`WarmPool`]) serves the `function` backend
+//! ([`super::function_pool`]: jails `wp-<hex>`) and the `container` backend
+//! ([`super::container_pool`]: runc containers `cp-<hex>`); a small trait,
+//! [`PoolMember`], supplies what differs (build, destroy, the state file, the state after
+//! hand-over).
 //!
-//! A pooled jail is an ordinary function jail (same `sandlot-guest init`, same namespaces,
-//! seccomp, landlock and cgroups) built ahead of time with the pool's own limits
-//! ([`POOL_CPU`] core, [`POOL_MEMORY_MIB`] MiB, [`POOL_PIDS_MAX`] tasks, no environment,
-//! a [`POOL_TMP_MIB`] MiB /tmp) under an internal name `wp-<hex>`:
+//! A member is an ordinary sandbox of its backend built with the pool's own limits
+//! ([`POOL_CPU`] core, [`POOL_MEMORY_MIB`] MiB, [`POOL_PIDS_MAX`] tasks, no environment)
+//! under an internal name `<prefix><hex>` ([`PoolMember::PREFIX`]), its directory and
+//! cgroup name:
 //!
-//! * directory `DATA/warm-pool/<name>/` (sibling of `DATA/sandboxes`, same file system),
-//!   so pooled jails never show up as sandboxes: `list()` does not see them, `readopt`
-//!   never adopts them, and a node restart removes every leftover of the pool before it
-//!   refills;
-//! * cgroup `<parent>/<name>` in every hierarchy;
-//! * a host uid range of its own from the backend's table ([`super::uids`]), like any
-//!   jail; the hand-over passes it on to the sandbox unchanged (the jail's files and user
-//!   namespace already belong to it). Ranges of a previous process's leftovers stay taken
-//!   until the start-up sweep has killed them.
+//! * its directory lies in the pool's own directory next to the backend's sandboxes (same
+//!   file system), so members never show up as sandboxes: `list()` does not see them,
+//!   `readopt` never adopts them, and a node restart removes every leftover of the pool
+//!   before it refills;
+//! * a host uid range of its own from the node's table ([`super::uids`]), passed on to the
+//!   sandbox unchanged at hand-over. Ranges of a previous process's leftovers stay taken
+//!   until the start-up sweep has removed them.
 //!
-//! Hand-over ([`WarmPool::hand_over`]), for a create whose image has a ready jail built
-//! from the same layers and whose /tmp bound matches (see [`tmp_compatible`]): the spec's
-//! limits are written to the jail's cgroup (lowering memory below the jail's usage is
+//! Hand-over ([`WarmPool::create`]), for a create whose image has a ready member built from
+//! the same layers (the backend decides beforehand which specs a member can serve): the
+//! spec's limits are written to the member's cgroup (a memory limit below its usage is
 //! checked: the init must still be alive afterwards), the host name inside is set to the
-//! sandbox id (setns(2) into the jail's UTS namespace from a short-lived thread), the real
-//! `state.json` is written into the pooled directory, and the directory is renamed onto the
-//! sandbox's claimed (empty) directory `DATA/sandboxes/<id>` (rename(2) replaces an empty
-//! directory atomically). Any failure destroys the pooled jail and the caller falls back
-//! to a cold create.
+//! sandbox id ([`set_hostname`]), the real `state.json` is written into the pooled
+//! directory, and the directory is renamed onto the sandbox's claimed (empty) directory
+//! (rename(2) replaces an empty directory atomically). Any failure destroys the member and
+//! the caller falls back to a cold create in the same directory.
 //!
 //! The cgroup keeps the pooled name, recorded in `state.json` (`cgroup`): cgroup v2 does not
 //! implement rename(2) of cgroup directories (the kernel's v2 `kernfs_syscall_ops` has no
-//! `rename`; v1 has `cgroup1_rename`), so one path that works on both is used. Nothing else
-//! of a jail depends on its birth name: exec and files reach the sandbox through its init
-//! pid (`/proc/PID/ns/*`, `/proc/PID/root`); the overlay mount inside the sandbox's mount
-//! namespace holds the upper/work directories by reference, so renaming them on the host
-//! does not disturb it.
+//! `rename`; v1 has `cgroup1_rename`), so one path that works on both is used.
 //!
-//! Refill: one thread of its own (a current-thread tokio runtime) keeps `per_image` ready
-//! jails for each listed image, building one jail at a time so that it never takes more
-//! than one core away from real creates; it is woken by every hand-over, backs off on
+//! Refill: one thread per pool (a current-thread tokio runtime) keeps `per_image` ready
+//! members for each listed image, building one at a time so that it never takes more than
+//! about one core away from real creates; it is woken by every hand-over, backs off on
 //! failures (a missing image: up to a minute between tries), and on drop of the pool stops,
-//! finishes the build in flight and destroys every jail it holds. Pooled jails are real
+//! finishes the build in flight and destroys every member it holds. Members are real
 //! processes, cgroups and directories and count toward the host's resources.
-use super::function::{
-    build_jail, destroy_blocking, proc_starttime, write_state, FunctionConfig, JailState,
-    StoredSpec,
-};
+use super::function::{proc_starttime, spawn_blocking};
 use super::uids::{UidLease, UidSlots};
 use crate::cgroups::{CgroupRoot, Limits};
 use crate::images::{Image, ImageStore};
 use crate::node::{NodeError, NodeResult, SandboxSpec};
 use sandlot_api::Backend;
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
-/// Prefix of pooled jails' names (directory and cgroup).
-pub const POOL_PREFIX: &str = "wp-";
-/// CPU quota of a pooled jail before hand-over, cores.
+/// CPU quota of a pooled member before hand-over, cores.
 pub const POOL_CPU: f64 = 1.0;
-/// Memory limit of a pooled jail before hand-over, MiB.
+/// Memory limit of a pooled member before hand-over, MiB.
 pub const POOL_MEMORY_MIB: u64 = 512;
-/// Task limit of a pooled jail before hand-over.
+/// Task limit of a pooled member before hand-over.
 pub const POOL_PIDS_MAX: u64 = 256;
-/// Size of a pooled jail's /tmp and /dev/shm tmpfs, MiB (fixed at init; see
-/// [`tmp_compatible`]).
-pub const POOL_TMP_MIB: u64 = 1024;
 /// Longest back-off between failed builds of one image.
 const MAX_BACKOFF: Duration = Duration::from_secs(60);
 
-/// What the pool keeps ready.
+/// What a pool keeps ready.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PoolConfig {
-    /// Ready jails kept per image (0 = no pool).
+    /// Ready members kept per image (0 = no pool).
     pub per_image: usize,
-    /// Image names to keep jails of (names in the node's image store).
+    /// Image names to keep members of (names in the node's image store).
     pub images: Vec<String>,
 }
 
-/// Whether a pooled jail (tmpfs of [`POOL_TMP_MIB`] MiB) can serve `spec` with the same
-/// effective /tmp bound as a cold create. A cold create sizes /tmp at
-/// `min(disk_mib, memory_mib)`; tmpfs pages are charged to the sandbox's memory cgroup, so
-/// the effective bound is the smaller of the tmpfs size and the memory limit. The pooled
-/// jail fits when `min(POOL_TMP_MIB, memory) == min(disk, memory)`.
-pub fn tmp_compatible(spec: &SandboxSpec) -> bool {
-    POOL_TMP_MIB.min(spec.memory_mib) == spec.disk_mib.min(spec.memory_mib)
+/// What a [`WarmPool`] needs of its backend: how to build, destroy and hand over one
+/// member.
+pub trait PoolMember: Send + Sync + 'static {
+    /// The backend's `state.json` contents.
+    type State: Clone + Send + 'static;
+    /// Prefix of the members' names (directory and cgroup; `wp-`, `cp-`).
+    const PREFIX: &'static str;
+    /// What one member is, for logs (`jail`, `container`).
+    const WHAT: &'static str;
+    /// The pool's name, for logs and its thread (`warm pool`, `container pool`).
+    const NAME: &'static str;
+
+    /// The node's cgroups: a member's group is `sandbox(name)`.
+    fn cgroups(&self) -> &CgroupRoot;
+
+    /// Build member `name` (spec: [`pool_spec`]) from `image` in the empty directory `dir`,
+    /// as host uid range `uid_base`.
+    ///
+    /// # Errors
+    /// Those of the backend's create; whatever was made is left to [`PoolMember::destroy`].
+    fn build(
+        &self,
+        name: &str,
+        image: &Image,
+        dir: &Path,
+        uid_base: u32,
+    ) -> impl Future<Output = NodeResult<Self::State>> + Send;
+
+    /// Remove member `name` in `dir` entirely (processes, mounts, cgroups, directory).
+    ///
+    /// # Errors
+    /// What could not be removed.
+    fn destroy(&self, name: &str, dir: &Path) -> impl Future<Output = NodeResult<()>> + Send;
+
+    /// The state of sandbox `spec` made of member `name`, built as `built`.
+    fn handed_over(
+        &self,
+        name: &str,
+        built: &Self::State,
+        spec: &SandboxSpec,
+        image: &Image,
+    ) -> Self::State;
+
+    /// Host pid and start time (field 22 of `/proc/PID/stat`) of the member's init.
+    fn init(state: &Self::State) -> (i32, u64);
+
+    /// The host uid base recorded in `dir/state.json`, if readable (leftovers at start).
+    fn read_uid_base(dir: &Path) -> Option<u32>;
+
+    /// Write `state` to `dir/state.json` atomically.
+    ///
+    /// # Errors
+    /// `Internal` (with the path) when the file cannot be written.
+    fn write_state(dir: &Path, state: &Self::State) -> NodeResult<()>;
 }
 
-/// One ready pooled jail.
-pub(crate) struct Pooled {
-    /// `wp-<hex>`: directory and cgroup name.
-    pub name: String,
-    /// `DATA/warm-pool/<name>`.
-    pub dir: PathBuf,
+/// The spec a member `name` of `backend` is built with: the pool's limits, no environment,
+/// network `none`, a `disk_mib` MiB disk (or /tmp).
+pub(crate) fn pool_spec(name: &str, backend: Backend, image: &Image, disk_mib: u64) -> SandboxSpec {
+    SandboxSpec {
+        id: name.to_string(),
+        backend,
+        image: image.name.clone(),
+        cpu: POOL_CPU,
+        memory_mib: POOL_MEMORY_MIB,
+        disk_mib,
+        pids_max: POOL_PIDS_MAX,
+        env: BTreeMap::new(),
+        network: sandlot_api::NetworkPolicy::None,
+        runtime: None,
+    }
+}
+
+/// One ready member.
+struct Pooled<M: PoolMember> {
+    /// `<prefix><hex>`: directory and cgroup name.
+    name: String,
+    /// `<pool dir>/<name>`.
+    dir: PathBuf,
     /// Its state as built (id = name).
-    pub state: JailState,
+    state: M::State,
     /// Image layers it was built from.
-    pub layers: Vec<PathBuf>,
-    /// Its host uid range (`state.uid_base`); handed over with the jail.
-    pub uids: UidLease,
+    layers: Vec<PathBuf>,
+    /// Its host uid range; handed over with the member.
+    uids: UidLease,
 }
 
-struct Shared {
-    cfg: FunctionConfig,
-    cgroups: CgroupRoot,
-    /// The backend's uid ranges: pooled jails hold theirs like sandboxes do.
+struct Shared<M: PoolMember> {
+    member: M,
+    /// The node's uid ranges: members hold theirs like sandboxes do.
     uids: Arc<UidSlots>,
-    /// Ranges of a previous process's pooled jails, held until the start-up sweep has
-    /// killed them (so that no new jail shares a range with a still-running leftover).
+    /// Ranges of a previous process's members, held until the start-up sweep has removed
+    /// them (so that no new member shares a range with a still-running leftover).
     leftover_uids: Mutex<HashMap<String, UidLease>>,
     images: ImageStore,
     pool: PoolConfig,
     dir: PathBuf,
-    ready: Mutex<HashMap<String, VecDeque<Pooled>>>,
+    ready: Mutex<HashMap<String, VecDeque<Pooled<M>>>>,
     /// Names whose directory or cgroup belongs to the pool (building, ready, or being
     /// handed over): `readopt`'s sweep of unknown cgroups leaves them alone.
     owned: Mutex<HashSet<String>>,
@@ -121,51 +175,50 @@ struct Shared {
     misses: AtomicU64,
 }
 
-/// The warm pool of one function backend (see the module docs).
-pub struct WarmPool {
-    shared: Arc<Shared>,
+/// The warm pool of one backend (see the module docs).
+pub struct WarmPool<M: PoolMember> {
+    shared: Arc<Shared<M>>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
-/// `DATA/warm-pool`, next to `DATA/sandboxes`.
-pub fn pool_dir(sandboxes_dir: &Path) -> PathBuf {
-    sandboxes_dir
-        .parent()
-        .map(|p| p.join("warm-pool"))
-        .unwrap_or_else(|| sandboxes_dir.join("..warm-pool"))
-}
-
-impl WarmPool {
-    /// Start the refill thread. It first removes every leftover under `DATA/warm-pool`
-    /// (jails of a previous process), then builds.
+impl<M: PoolMember> WarmPool<M> {
+    /// Start the pool of `member` in directory `dir` into `slot`, unless one runs there
+    /// already or `pool` keeps nothing. Its refill thread first removes every leftover in
+    /// `dir` (members of a previous process), then builds. Call it after the backend's
+    /// `readopt`, which clears the previous process's cgroups first.
     ///
     /// # Errors
     /// `Internal` when the pool directory or the thread cannot be created.
-    pub(crate) fn start(
-        cfg: FunctionConfig,
-        cgroups: CgroupRoot,
+    pub(crate) fn start_once(
+        slot: &OnceLock<Self>,
+        member: M,
+        dir: PathBuf,
         uids: Arc<UidSlots>,
         images: ImageStore,
         pool: PoolConfig,
-    ) -> NodeResult<WarmPool> {
-        let dir = pool_dir(&cfg.sandboxes_dir);
+    ) -> NodeResult<()> {
+        // Serialised: a second pool starting in parallel would sweep the first one's members.
+        static START: Mutex<()> = Mutex::new(());
+        let _once = START.lock().unwrap_or_else(|e| e.into_inner());
+        if slot.get().is_some() || pool.per_image == 0 || pool.images.is_empty() {
+            return Ok(());
+        }
         std::fs::create_dir_all(&dir)
             .map_err(|e| NodeError::io(format!("create {}", dir.display()), e))?;
+        // As the sandboxes' directory: a sandbox's root must traverse to its files.
+        std::fs::set_permissions(&dir, std::os::unix::fs::PermissionsExt::from_mode(0o711))
+            .map_err(|e| NodeError::io(format!("chmod {}", dir.display()), e))?;
         let leftover_uids = std::fs::read_dir(&dir)
             .into_iter()
             .flatten()
             .flatten()
             .filter_map(|e| {
                 let name = e.file_name().to_string_lossy().into_owned();
-                let st = super::function::read_state(&e.path())?;
-                Some((name, uids.reserve(st.uid_base)))
+                Some((name, uids.reserve(M::read_uid_base(&e.path())?)))
             })
             .collect();
-        // Same as DATA/sandboxes: the sandbox uid must traverse to its upper dir.
-        let _ = std::fs::set_permissions(&dir, std::os::unix::fs::PermissionsExt::from_mode(0o711));
         let shared = Arc::new(Shared {
-            cfg,
-            cgroups,
+            member,
             uids,
             leftover_uids: Mutex::new(leftover_uids),
             images,
@@ -180,7 +233,7 @@ impl WarmPool {
         });
         let s = shared.clone();
         let thread = std::thread::Builder::new()
-            .name("sandlot-warm-pool".into())
+            .name(format!("sandlot-{}", M::NAME.replace(' ', "-")))
             .spawn(move || {
                 let rt = match tokio::runtime::Builder::new_current_thread()
                     .enable_all()
@@ -188,23 +241,27 @@ impl WarmPool {
                 {
                     Ok(rt) => rt,
                     Err(e) => {
-                        tracing::error!(error = %e, "warm pool: no runtime; pool disabled");
+                        tracing::error!(error = %e, "{}: no runtime; pool disabled", M::NAME);
                         return;
                     }
                 };
-                rt.block_on(refill_loop(&s));
-                s.drain();
+                rt.block_on(async {
+                    s.refill_loop().await;
+                    s.drain().await;
+                });
             })
-            .map_err(|e| NodeError::io("spawn the warm-pool thread", e))?;
+            .map_err(|e| NodeError::io(format!("spawn the {} thread", M::NAME), e))?;
         tracing::info!(
             per_image = shared.pool.per_image,
             images = ?shared.pool.images,
-            "warm pool started"
+            "{} started",
+            M::NAME
         );
-        Ok(WarmPool {
+        let _ = slot.set(WarmPool {
             shared,
             thread: Some(thread),
-        })
+        });
+        Ok(())
     }
 
     /// Whether `cgroup_name` belongs to the pool (building, ready or being handed over).
@@ -212,7 +269,7 @@ impl WarmPool {
         self.shared.owned.lock().unwrap().contains(cgroup_name)
     }
 
-    /// Ready jails per image.
+    /// Ready members per image.
     pub fn ready(&self) -> BTreeMap<String, usize> {
         let r = self.shared.ready.lock().unwrap();
         self.shared
@@ -223,7 +280,7 @@ impl WarmPool {
             .collect()
     }
 
-    /// Hand-overs done and creates that found no usable pooled jail, since start.
+    /// Hand-overs done and creates that found no ready member of their image, since start.
     pub fn stats(&self) -> (u64, u64) {
         (
             self.shared.hits.load(Ordering::Relaxed),
@@ -231,10 +288,43 @@ impl WarmPool {
         )
     }
 
-    /// A ready jail for `spec` (built from `image`'s current layers, /tmp compatible), or
-    /// `None` (the caller creates cold). A pooled jail of stale layers is destroyed.
-    pub(crate) async fn take(&self, spec: &SandboxSpec, image: &Image) -> Option<Pooled> {
-        if !self.shared.pool.images.contains(&image.name) || !tmp_compatible(spec) {
+    /// Create sandbox `spec.id` from a ready member of `image` in the claimed empty
+    /// directory `dst` (see the module docs), passing its state and uid range to `adopt`
+    /// (the backend's table of sandboxes). The caller has checked that a member can serve
+    /// `spec`. Returns `false` when there is no usable member (none ready, or the
+    /// hand-over failed: the member is destroyed); `dst` is then still empty, for a cold
+    /// create.
+    pub(crate) async fn create(
+        &self,
+        spec: &SandboxSpec,
+        image: &Image,
+        dst: &Path,
+        adopt: impl FnOnce(M::State, UidLease),
+    ) -> bool {
+        let Some(p) = self.take(image).await else {
+            return false;
+        };
+        let name = p.name.clone();
+        let done = match self.hand_over(p, spec, image, dst).await {
+            Ok((state, uids)) => {
+                adopt(state, uids);
+                tracing::info!(sandbox = %spec.id, backend = %spec.backend, image = %image.name, pooled = %name, "sandbox created from the {}", M::NAME);
+                true
+            }
+            Err(e) => {
+                tracing::warn!(sandbox = %spec.id, pooled = %name, error = %e, "pooled {} unusable; creating cold", M::WHAT);
+                false
+            }
+        };
+        // After adopt: the cgroup belongs to the sandbox now (or is gone).
+        self.shared.owned.lock().unwrap().remove(&name);
+        done
+    }
+
+    /// A ready member built from `image`'s current layers, or `None`. A member of stale
+    /// layers is destroyed.
+    async fn take(&self, image: &Image) -> Option<Pooled<M>> {
+        if !self.shared.pool.images.contains(&image.name) {
             return None;
         }
         loop {
@@ -253,122 +343,94 @@ impl WarmPool {
             if p.layers == image.layers {
                 return Some(p);
             }
-            tracing::info!(pooled = %p.name, image = %image.name, "pooled jail of an older image build: destroyed");
-            self.discard(p).await;
+            tracing::info!(pooled = %p.name, image = %image.name, "pooled {} of an older image build: destroyed", M::WHAT);
+            self.shared.destroy(&p.name, &p.dir).await;
         }
     }
 
-    /// Turn pooled jail `p` into sandbox `spec.id` in the claimed empty directory `dst`
-    /// (see the module docs). On error the pooled jail is destroyed; `dst` is left as it
-    /// was (empty), for a cold create.
-    pub(crate) async fn hand_over(
+    /// Turn member `p` into sandbox `spec.id` in `dst`. On error the member is destroyed.
+    async fn hand_over(
         &self,
-        p: Pooled,
+        p: Pooled<M>,
         spec: &SandboxSpec,
         image: &Image,
         dst: &Path,
-    ) -> NodeResult<(JailState, UidLease)> {
-        let cg = self.shared.cgroups.sandbox(&p.name);
-        let state = JailState {
-            id: spec.id.clone(),
-            backend: Backend::Function,
-            image: image.name.clone(),
-            image_env: image.env.clone(),
-            init_pid: p.state.init_pid,
-            init_starttime: p.state.init_starttime,
-            uid_base: p.state.uid_base,
-            cgroup: Some(p.name.clone()),
-            spec: StoredSpec {
-                cpu: spec.cpu,
-                memory_mib: spec.memory_mib,
-                disk_mib: spec.disk_mib,
-                pids_max: spec.pids_max,
-                env: spec.env.clone(),
-            },
-        };
+    ) -> NodeResult<(M::State, UidLease)> {
+        let cg = self.shared.member.cgroups().sandbox(&p.name);
+        let state = self
+            .shared
+            .member
+            .handed_over(&p.name, &p.state, spec, image);
         let limits = Limits {
             memory_bytes: spec.memory_mib.saturating_mul(1 << 20),
             cpu: spec.cpu,
             pids_max: spec.pids_max,
         };
-        let (src, dst2, st, name) = (
+        let (init_pid, init_starttime) = M::init(&p.state);
+        let (src, dst, st, name, id) = (
             p.dir.clone(),
             dst.to_path_buf(),
             state.clone(),
             p.name.clone(),
+            spec.id.clone(),
         );
-        let res = tokio::task::spawn_blocking(move || -> NodeResult<()> {
+        let res = spawn_blocking(move || {
             cg.apply(&limits)?;
-            // A memory limit below the jail's usage may have OOM-killed its init (v2
+            // A memory limit below the member's usage may have OOM-killed its init (v2
             // reclaims, then OOM-kills; v1 refuses the write with EBUSY).
-            if proc_starttime(st.init_pid) != Some(st.init_starttime) {
+            if proc_starttime(init_pid) != Some(init_starttime) {
                 return Err(NodeError::io(
-                    format!("pooled jail {name}: init gone after applying the limits"),
-                    std::io::Error::other("pooled jail died"),
+                    format!(
+                        "pooled {} {name}: init gone after applying the limits",
+                        M::WHAT
+                    ),
+                    std::io::Error::other(format!("pooled {} died", M::WHAT)),
                 ));
             }
-            set_hostname(st.init_pid, &st.id)?;
-            write_state(&src, &st)?;
-            std::fs::rename(&src, &dst2).map_err(|e| {
-                NodeError::io(format!("rename {} to {}", src.display(), dst2.display()), e)
+            set_hostname(init_pid, &id)?;
+            M::write_state(&src, &st)?;
+            std::fs::rename(&src, &dst).map_err(|e| {
+                NodeError::io(format!("rename {} to {}", src.display(), dst.display()), e)
             })
         })
-        .await
-        .unwrap_or_else(|e| {
-            Err(NodeError::io(
-                "hand-over task",
-                std::io::Error::other(e.to_string()),
-            ))
-        });
+        .await;
         match res {
             Ok(()) => {
                 self.shared.hits.fetch_add(1, Ordering::Relaxed);
                 Ok((state, p.uids))
             }
             Err(e) => {
-                self.discard(p).await;
+                self.shared.destroy(&p.name, &p.dir).await;
                 Err(e)
             }
         }
     }
-
-    /// Forget `name` once its hand-over ended (the sandbox now owns the cgroup, or the
-    /// jail was destroyed).
-    pub(crate) fn release(&self, name: &str) {
-        self.shared.owned.lock().unwrap().remove(name);
-    }
-
-    async fn discard(&self, p: Pooled) {
-        let s = self.shared.clone();
-        let _ = tokio::task::spawn_blocking(move || s.destroy(&p.name, &p.dir)).await;
-    }
 }
 
-impl Drop for WarmPool {
+impl<M: PoolMember> Drop for WarmPool<M> {
     fn drop(&mut self) {
         self.shared.stop.store(true, Ordering::SeqCst);
         self.shared.wake.notify_one();
         if let Some(t) = self.thread.take() {
-            // Finishes the build in flight (bounded by the init timeout), then destroys
-            // every pooled jail.
+            // Finishes the build in flight (bounded by the backend's timeouts), then
+            // destroys every member.
             let _ = t.join();
         }
     }
 }
 
-impl Shared {
-    fn destroy(&self, name: &str, dir: &Path) {
-        let cg = self.cgroups.sandbox(name);
-        if let Err(e) = destroy_blocking(&cg, dir) {
-            tracing::warn!(pooled = %name, error = %e, "removing a pooled jail failed");
+impl<M: PoolMember> Shared<M> {
+    async fn destroy(&self, name: &str, dir: &Path) {
+        if let Err(e) = self.member.destroy(name, dir).await {
+            tracing::warn!(pooled = %name, error = %e, "removing a pooled {} failed", M::WHAT);
         }
         self.owned.lock().unwrap().remove(name);
     }
 
-    /// Destroy every ready jail of this pool. Leftovers of other processes are swept only
-    /// at start: a pool that stops must not touch the jails of a newer process.
-    fn drain(&self) {
-        let all: Vec<Pooled> = self
+    /// Destroy every ready member of this pool. Leftovers of other processes are swept only
+    /// at start: a pool that stops must not touch the members of a newer process.
+    async fn drain(&self) {
+        let all: Vec<Pooled<M>> = self
             .ready
             .lock()
             .unwrap()
@@ -376,23 +438,23 @@ impl Shared {
             .flat_map(|(_, q)| q)
             .collect();
         for p in all {
-            self.destroy(&p.name, &p.dir);
+            self.destroy(&p.name, &p.dir).await;
         }
     }
 
     /// Remove every entry of the pool directory that no hand-over holds.
-    fn sweep_dir(&self) {
+    async fn sweep_dir(&self) {
         let Ok(rd) = std::fs::read_dir(&self.dir) else {
             return;
         };
         for e in rd.flatten() {
             let name = e.file_name().to_string_lossy().into_owned();
-            if !name.starts_with(POOL_PREFIX) || self.owned.lock().unwrap().contains(&name) {
+            if !name.starts_with(M::PREFIX) || self.owned.lock().unwrap().contains(&name) {
                 continue;
             }
-            tracing::info!(pooled = %name, "removing a leftover pooled jail");
-            self.destroy(&name, &e.path());
-            // Dead now (or failed to die: then it keeps its range until the next start).
+            tracing::info!(pooled = %name, "removing a leftover pooled {}", M::WHAT);
+            self.destroy(&name, &e.path()).await;
+            // Gone now (or failed to go: then it keeps its range until the next start).
             if !e.path().exists() {
                 self.leftover_uids.lock().unwrap().remove(&name);
             }
@@ -403,8 +465,8 @@ impl Shared {
         self.ready.lock().unwrap().get(image).map_or(0, |q| q.len())
     }
 
-    async fn build_one(&self, image: &Image) -> NodeResult<Pooled> {
-        let name = new_name(POOL_PREFIX);
+    async fn build_one(&self, image: &Image) -> NodeResult<Pooled<M>> {
+        let name = new_name(M::PREFIX);
         let dir = self.dir.join(&name);
         // Registered before its cgroup exists: readopt's sweep never takes it for a leftover.
         self.owned.lock().unwrap().insert(name.clone());
@@ -412,121 +474,88 @@ impl Shared {
             self.owned.lock().unwrap().remove(&name);
             return Err(NodeError::io(format!("create {}", dir.display()), e));
         }
-        let spec = SandboxSpec {
-            id: name.clone(),
-            backend: Backend::Function,
-            image: image.name.clone(),
-            cpu: POOL_CPU,
-            memory_mib: POOL_MEMORY_MIB,
-            disk_mib: POOL_TMP_MIB,
-            pids_max: POOL_PIDS_MAX,
-            env: BTreeMap::new(),
-            network: sandlot_api::NetworkPolicy::None,
-            runtime: None,
-        };
-        let cg = self.cgroups.sandbox(&name);
-        let mut ready = None;
-        // On failure the lease is dropped only after the half-built jail is destroyed.
+        // On failure the lease is dropped only after the half-built member is gone.
         let mut uids = None;
         let built = match self.uids.allocate() {
             Ok(u) => {
                 let base = uids.insert(u).base();
-                build_jail(
-                    &self.cfg,
-                    &spec,
-                    image,
-                    &dir,
-                    &cg,
-                    POOL_TMP_MIB,
-                    base,
-                    &mut ready,
-                )
-                .await
+                self.member.build(&name, image, &dir, base).await
             }
             Err(e) => Err(e),
         };
         match built {
-            Ok(mut state) => {
-                let uids = uids.expect("allocated above");
-                state.cgroup = Some(name.clone());
-                Ok(Pooled {
-                    name,
-                    dir,
-                    state,
-                    layers: image.layers.clone(),
-                    uids,
-                })
-            }
+            Ok(state) => Ok(Pooled {
+                name,
+                dir,
+                state,
+                layers: image.layers.clone(),
+                uids: uids.expect("allocated above"),
+            }),
             Err(e) => {
-                // build_jail leaves its half-built jail to the caller (as create does).
-                let (d, cg) = (dir.clone(), self.cgroups.sandbox(&name));
-                let _ = tokio::task::spawn_blocking(move || destroy_blocking(&cg, &d)).await;
+                self.destroy(&name, &dir).await;
                 drop(uids);
-                self.owned.lock().unwrap().remove(&name);
                 Err(e)
             }
         }
     }
-}
 
-async fn refill_loop(s: &Shared) {
-    {
-        // Leftovers of a previous process (the node's readopt already removed their
-        // cgroups when it ran first; destroy covers both anyway).
-        s.sweep_dir();
-    }
-    let mut backoff: HashMap<String, (tokio::time::Instant, Duration)> = HashMap::new();
-    while !s.stop.load(Ordering::SeqCst) {
-        let now = tokio::time::Instant::now();
-        let next = s.pool.images.iter().find(|i| {
-            s.ready_count(i) < s.pool.per_image
-                && backoff.get(*i).is_none_or(|(until, _)| *until <= now)
-        });
-        let Some(name) = next.cloned() else {
-            // Nothing to do: wait for a hand-over, or for the earliest back-off to end.
-            let wait = backoff
-                .values()
-                .map(|(u, _)| u.saturating_duration_since(now))
-                .filter(|d| !d.is_zero())
-                .min()
-                .unwrap_or(Duration::from_secs(5));
-            tokio::select! {
-                _ = s.wake.notified() => {}
-                _ = tokio::time::sleep(wait) => {}
-            }
-            continue;
-        };
-        let built = match s.images.get(&name) {
-            Ok(image) => s.build_one(&image).await,
-            Err(e) => Err(e),
-        };
-        match built {
-            Ok(p) => {
-                backoff.remove(&name);
-                if s.stop.load(Ordering::SeqCst) {
-                    s.destroy(&p.name, &p.dir);
-                    break;
+    async fn refill_loop(&self) {
+        // Leftovers of a previous process (the node's readopt already removed their cgroups
+        // when it ran first; destroy covers both anyway).
+        self.sweep_dir().await;
+        let mut backoff: HashMap<String, (tokio::time::Instant, Duration)> = HashMap::new();
+        while !self.stop.load(Ordering::SeqCst) {
+            let now = tokio::time::Instant::now();
+            let next = self.pool.images.iter().find(|i| {
+                self.ready_count(i) < self.pool.per_image
+                    && backoff.get(*i).is_none_or(|(until, _)| *until <= now)
+            });
+            let Some(name) = next.cloned() else {
+                // Nothing to do: wait for a hand-over, or for the earliest back-off to end.
+                let wait = backoff
+                    .values()
+                    .map(|(u, _)| u.saturating_duration_since(now))
+                    .filter(|d| !d.is_zero())
+                    .min()
+                    .unwrap_or(Duration::from_secs(5));
+                tokio::select! {
+                    _ = self.wake.notified() => {}
+                    _ = tokio::time::sleep(wait) => {}
                 }
-                s.ready
-                    .lock()
-                    .unwrap()
-                    .entry(name)
-                    .or_default()
-                    .push_back(p);
-            }
-            Err(e) => {
-                let d = backoff
-                    .get(&name)
-                    .map_or(Duration::from_secs(1), |(_, d)| (*d * 2).min(MAX_BACKOFF));
-                tracing::warn!(image = %name, error = %e, retry_in_s = d.as_secs(), "warm pool: building a jail failed");
-                backoff.insert(name, (tokio::time::Instant::now() + d, d));
+                continue;
+            };
+            let built = match self.images.get(&name) {
+                Ok(image) => self.build_one(&image).await,
+                Err(e) => Err(e),
+            };
+            match built {
+                Ok(p) => {
+                    backoff.remove(&name);
+                    if self.stop.load(Ordering::SeqCst) {
+                        self.destroy(&p.name, &p.dir).await;
+                        break;
+                    }
+                    self.ready
+                        .lock()
+                        .unwrap()
+                        .entry(name)
+                        .or_default()
+                        .push_back(p);
+                }
+                Err(e) => {
+                    let d = backoff
+                        .get(&name)
+                        .map_or(Duration::from_secs(1), |(_, d)| (*d * 2).min(MAX_BACKOFF));
+                    tracing::warn!(image = %name, error = %e, retry_in_s = d.as_secs(), "{}: building a {} failed", M::NAME, M::WHAT);
+                    backoff.insert(name, (tokio::time::Instant::now() + d, d));
+                }
             }
         }
     }
 }
 
 /// A fresh pooled name: `prefix` + hex digits of the time, the process id and a counter.
-pub(crate) fn new_name(prefix: &str) -> String {
+fn new_name(prefix: &str) -> String {
     static N: AtomicU64 = AtomicU64::new(0);
     let t = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -545,7 +574,7 @@ pub(crate) fn new_name(prefix: &str) -> String {
 /// namespace), calls sethostname(2) and exits; it touches nothing of the sandbox's files
 /// and its namespace membership dies with it. Host root holds CAP_SYS_ADMIN over the
 /// sandbox's user namespace, which owns that UTS namespace.
-pub(crate) fn set_hostname(pid: i32, name: &str) -> NodeResult<()> {
+fn set_hostname(pid: i32, name: &str) -> NodeResult<()> {
     let path = format!("/proc/{pid}/ns/uts");
     let f = std::fs::File::open(&path).map_err(|e| NodeError::io(format!("open {path}"), e))?;
     let name = name.to_string();

@@ -1,0 +1,146 @@
+//! The `function` backend's member of the warm pool ([`super::pool`]): ready jails, so that
+//! `create` only has to hand one over.
+//!
+//! A pooled jail is an ordinary function jail (same `sandlot-guest init`, same namespaces,
+//! seccomp, landlock and cgroups) built ahead of time with the pool's limits and a
+//! [`POOL_TMP_MIB`] MiB /tmp under an internal name `wp-<hex>`:
+//!
+//! * directory `DATA/warm-pool/<name>/` (sibling of `DATA/sandboxes`, same file system);
+//! * cgroup `<parent>/<name>` in every hierarchy;
+//! * a host uid range of its own from the backend's table; the hand-over passes it on to
+//!   the sandbox unchanged (the jail's files and user namespace already belong to it).
+//!
+//! Hand-over, for a create whose image has a ready jail built from the same layers and
+//! whose /tmp bound matches (see [`tmp_compatible`]): as the pool describes. Nothing of a
+//! jail depends on its birth name but the cgroup (kept, recorded in `state.json`): exec and
+//! files reach the sandbox through its init pid (`/proc/PID/ns/*`, `/proc/PID/root`); the
+//! overlay mount inside the sandbox's mount namespace holds the upper/work directories by
+//! reference, so renaming them on the host does not disturb it.
+use super::function::{
+    build_jail, destroy_blocking, read_state, spawn_blocking, write_state, FunctionConfig,
+    JailState, StoredSpec,
+};
+use super::pool::{pool_spec, PoolMember, WarmPool};
+use crate::cgroups::CgroupRoot;
+use crate::images::Image;
+use crate::node::{NodeResult, SandboxSpec};
+use sandlot_api::Backend;
+use std::future::Future;
+use std::path::{Path, PathBuf};
+
+/// Prefix of pooled jails' names (directory and cgroup).
+pub const POOL_PREFIX: &str = "wp-";
+/// Size of a pooled jail's /tmp and /dev/shm tmpfs, MiB (fixed at init; see
+/// [`tmp_compatible`]).
+pub const POOL_TMP_MIB: u64 = 1024;
+
+/// The warm pool of the function backend.
+pub type FunctionPool = WarmPool<Jails>;
+
+/// Pooled function jails: the [`PoolMember`] of the function backend.
+pub struct Jails {
+    pub(crate) cfg: FunctionConfig,
+    pub(crate) cgroups: CgroupRoot,
+}
+
+/// `DATA/warm-pool`, next to `DATA/sandboxes`.
+pub fn pool_dir(sandboxes_dir: &Path) -> PathBuf {
+    sandboxes_dir
+        .parent()
+        .map(|p| p.join("warm-pool"))
+        .unwrap_or_else(|| sandboxes_dir.join("..warm-pool"))
+}
+
+/// Whether a pooled jail (tmpfs of [`POOL_TMP_MIB`] MiB) can serve `spec` with the same
+/// effective /tmp bound as a cold create. A cold create sizes /tmp at
+/// `min(disk_mib, memory_mib)`; tmpfs pages are charged to the sandbox's memory cgroup, so
+/// the effective bound is the smaller of the tmpfs size and the memory limit. The pooled
+/// jail fits when `min(POOL_TMP_MIB, memory) == min(disk, memory)`.
+pub fn tmp_compatible(spec: &SandboxSpec) -> bool {
+    POOL_TMP_MIB.min(spec.memory_mib) == spec.disk_mib.min(spec.memory_mib)
+}
+
+impl PoolMember for Jails {
+    type State = JailState;
+    const PREFIX: &'static str = POOL_PREFIX;
+    const WHAT: &'static str = "jail";
+    const NAME: &'static str = "warm pool";
+
+    fn cgroups(&self) -> &CgroupRoot {
+        &self.cgroups
+    }
+
+    async fn build(
+        &self,
+        name: &str,
+        image: &Image,
+        dir: &Path,
+        uid_base: u32,
+    ) -> NodeResult<JailState> {
+        let spec = pool_spec(name, Backend::Function, image, POOL_TMP_MIB);
+        let cg = self.cgroups.sandbox(name);
+        let mut state = build_jail(
+            &self.cfg,
+            &spec,
+            image,
+            dir,
+            &cg,
+            POOL_TMP_MIB,
+            uid_base,
+            &mut None,
+        )
+        .await?;
+        state.cgroup = Some(name.to_string());
+        Ok(state)
+    }
+
+    fn destroy(&self, name: &str, dir: &Path) -> impl Future<Output = NodeResult<()>> + Send {
+        let (cg, dir) = (self.cgroups.sandbox(name), dir.to_path_buf());
+        spawn_blocking(move || destroy_blocking(&cg, &dir))
+    }
+
+    fn handed_over(
+        &self,
+        name: &str,
+        built: &JailState,
+        spec: &SandboxSpec,
+        image: &Image,
+    ) -> JailState {
+        JailState {
+            id: spec.id.clone(),
+            backend: Backend::Function,
+            image: image.name.clone(),
+            image_env: image.env.clone(),
+            init_pid: built.init_pid,
+            init_starttime: built.init_starttime,
+            uid_base: built.uid_base,
+            cgroup: Some(name.to_string()),
+            spec: StoredSpec::from(spec),
+        }
+    }
+
+    fn init(state: &JailState) -> (i32, u64) {
+        (state.init_pid, state.init_starttime)
+    }
+
+    fn read_uid_base(dir: &Path) -> Option<u32> {
+        read_state(dir).map(|s| s.uid_base)
+    }
+
+    fn write_state(dir: &Path, state: &JailState) -> NodeResult<()> {
+        write_state(dir, state)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pool_dir_is_a_sibling_of_the_sandboxes_dir() {
+        assert_eq!(
+            pool_dir(Path::new("/d/sandboxes")),
+            PathBuf::from("/d/warm-pool")
+        );
+    }
+}
