@@ -18,11 +18,11 @@
 //!   sandbox unchanged at hand-over. Ranges of a previous process's leftovers stay taken
 //!   until the start-up sweep has removed them.
 //!
-//! Hand-over ([`WarmPool::create`]), for a create whose image has a ready member built from
+//! Hand-over (`WarmPool::create`), for a create whose image has a ready member built from
 //! the same layers (the backend decides beforehand which specs a member can serve): the
 //! spec's limits are written to the member's cgroup (a memory limit below its usage is
 //! checked: the init must still be alive afterwards), the host name inside is set to the
-//! sandbox id ([`set_hostname`]), the real `state.json` is written into the pooled
+//! sandbox id (`set_hostname`), the real `state.json` is written into the pooled
 //! directory, and the directory is renamed onto the sandbox's claimed (empty) directory
 //! (rename(2) replaces an empty directory atomically). Any failure destroys the member and
 //! the caller falls back to a cold create in the same directory.
@@ -83,7 +83,7 @@ pub trait PoolMember: Send + Sync + 'static {
     /// The node's cgroups: a member's group is `sandbox(name)`.
     fn cgroups(&self) -> &CgroupRoot;
 
-    /// Build member `name` (spec: [`pool_spec`]) from `image` in the empty directory `dir`,
+    /// Build member `name` (spec: `pool_spec`) from `image` in the empty directory `dir`,
     /// as host uid range `uid_base`.
     ///
     /// # Errors
