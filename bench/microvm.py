@@ -13,7 +13,8 @@ everything it created):
 
 Sections:
   M1  cold boot: `POST /v1/sandboxes` (the node answers once the guest agent answered a
-      ping) + first exec `true`, on a server with SANDLOT_MICROVM_TEMPLATES=0.
+      ping: "agent ready") and then the first exec `true` ("first exec result"), both
+      reported, on a server with SANDLOT_MICROVM_TEMPLATES=0.
   M2  template start: the same on a server with templates on, after the first create made
       the template snapshot (waited for); every timed create is checked to have started
       from the template (`state.json` `started_from`).
@@ -183,15 +184,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         sid, _ = b.create()  # EROFS conversion + accelerator probe: untimed
         b.delete(sid)
-        cold = []
+        cold, cold_ready = [], []
         for _ in range(n_cold):
             t = time.monotonic()
-            sid, _ = b.create()
+            sid, ready = b.create()
             b.exec(sid, ["true"])
             cold.append(time.monotonic() - t)
+            cold_ready.append(ready)
             b.delete(sid)
         res["accel"] = b.accel()
         res["cold_s"] = cold
+        res["cold_ready_s"] = cold_ready
     finally:
         b.close()
         s.stop()
@@ -209,15 +212,17 @@ def main(argv: list[str] | None = None) -> int:
             raise R.BenchError(f"no template snapshot within 300 s:\n{s.tail()}")
         res["template_build_wait_s"] = time.monotonic() - t0
         b.delete(sid)
-        tpl, froms = [], []
+        tpl, tpl_ready, froms = [], [], []
         for _ in range(n_tpl):
             t = time.monotonic()
-            sid, _ = b.create()
+            sid, ready = b.create()
             b.exec(sid, ["true"])
             tpl.append(time.monotonic() - t)
+            tpl_ready.append(ready)
             froms.append(b.vm_state(sid)["started_from"])
             b.delete(sid)
         res["template_s"] = tpl
+        res["template_ready_s"] = tpl_ready
         res["template_started_from"] = froms
 
         # M3: pause / resume of a guest that touched memory.
@@ -289,10 +294,14 @@ def main(argv: list[str] | None = None) -> int:
             f" | ≤ {target * 1000:.0f} ms: {R.verdict(p50 is not None and p50 <= target)}")
         return f"| {name} | {len(v)} | {ms(p50)} ({A}) | {ms(p99)} ({A}){t} |"
 
-    L += ["### M1/M2. Create → first exec result (`true`), concurrency 1", "",
+    L += ["### M1/M2. Create → agent ready (the create's answer) and → first exec result (`true`), concurrency 1", "",
+          "Issue 5's targets are for boot → agent ready; the stricter create + first exec is "
+          "held to the same figure.", "",
           "| subject | n | p50 | p99 | target (p50) |", "|---|---|---|---|---|",
-          row("cold boot (templates off)", res["cold_s"], TARGET_COLD_S),
-          row("template start", res["template_s"], TARGET_TEMPLATE_S), "",
+          row("cold boot (templates off) → agent ready", res["cold_ready_s"], TARGET_COLD_S),
+          row("cold boot → first exec result", res["cold_s"], TARGET_COLD_S),
+          row("template start → agent ready", res["template_ready_s"], TARGET_TEMPLATE_S),
+          row("template start → first exec result", res["template_s"], TARGET_TEMPLATE_S), "",
           f"Template starts checked: started_from = {sorted(set(res['template_started_from']))}; "
           f"the template snapshot was ready {res['template_build_wait_s']:.1f} s after the first "
           "create returned (one more cold boot in the background, then the save).", ""]

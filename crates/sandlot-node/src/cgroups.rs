@@ -596,7 +596,7 @@ impl Cgroup {
         let mut i = 0u32;
         loop {
             i = i.wrapping_add(1);
-            if i % 50 == 0 && self.version == CgroupVersion::V1 {
+            if i.is_multiple_of(50) && self.version == CgroupVersion::V1 {
                 let _ = write_file(&f, "THAWED");
                 std::thread::sleep(Duration::from_millis(10));
             }

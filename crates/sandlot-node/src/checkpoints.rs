@@ -352,7 +352,7 @@ fn run(cmd: &mut std::process::Command) -> NodeResult<()> {
 ///
 /// # Errors
 /// `ResourceExhausted` when `dst`'s file system is full; `Conflict` when the tree holds a
-/// path too long for `cp` to name on either side ([`too_long_path`]); `Internal` otherwise.
+/// path too long for `cp` to name on either side (`too_long_path`); `Internal` otherwise.
 pub fn copy_layer(src: &Path, dst: &Path, shift: Option<(u32, u32)>) -> NodeResult<()> {
     std::fs::create_dir_all(dst)
         .map_err(|e| NodeError::io(format!("create {}", dst.display()), e))?;

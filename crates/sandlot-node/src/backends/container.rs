@@ -31,7 +31,7 @@
 //! runc's default masked and read-only paths; a seccomp profile over the calls the agent
 //! never needs (kernel modules, kexec, bpf, perf, keyrings, reboot, swap, handle-based
 //! opens, userfaultfd, io_uring, clock setting, ...): ERRNO for those the exec filter does
-//! not cover, LOG for those it refuses and reports ([`REPORTED_BY_EXEC`]: an ERRNO would
+//! not cover, LOG for those it refuses and reports (`REPORTED_BY_EXEC`: an ERRNO would
 //! pre-empt the report); the agent keeps Docker's default
 //! capability set plus `CAP_SYS_ADMIN` (inside the user namespace only) so it can give each
 //! exec a pid namespace; every exec then runs `sandlot-guest exec` in `own_pid_ns` mode,

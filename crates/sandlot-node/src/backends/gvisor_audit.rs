@@ -20,7 +20,7 @@
 //! ([`runsc_run_args`]): only the sandbox process (`boot`, the sentry) writes debug lines,
 //! JSON-escaped (a file name the sandbox chooses cannot forge a line), into a FIFO that the
 //! node holds open read-write (so the open never blocks and nothing lands on disk). A tokio
-//! task drains it as it fills and keeps the refusals of the exec deny list ([`reported_name`]);
+//! task drains it as it fills and keeps the refusals of the exec deny list (`reported_name`);
 //! everything else (the sentry's other debug output, mostly systrap patching) is dropped
 //! unparsed.
 //!

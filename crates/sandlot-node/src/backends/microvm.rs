@@ -1217,7 +1217,7 @@ impl SandboxBackend for MicrovmBackend {
     }
 
     /// Saves memory and device state to `memory.state` and stops QEMU (see
-    /// [`snapshot`]); a VM without a QMP socket (created by an older node) is frozen in its
+    /// `snapshot`); a VM without a QMP socket (created by an older node) is frozen in its
     /// cgroup instead.
     async fn pause(&self, id: &str) -> NodeResult<()> {
         let vm = self.get(id)?;

@@ -65,7 +65,7 @@ pub fn accel_from_env() -> Result<Option<Accel>, String> {
 }
 
 /// The node's accelerator, decided once per node process: forced by configuration, or by
-/// a probe boot ([`probe_kvm`]) that runs in a background thread started by the first QEMU
+/// a probe boot (`probe_kvm`) that runs in a background thread started by the first QEMU
 /// backend built (node start is not held up). Logged once.
 #[derive(Debug)]
 pub struct AccelProbe {

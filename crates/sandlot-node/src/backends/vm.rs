@@ -16,10 +16,10 @@
 //! * `vms/<id>/` — one sandbox: `disk.qcow2` (`qemu-img create -f qcow2 -b <base> -F
 //!   qcow2`, virtual size = the base's + `disk_mib` MiB; the guest grows its ext4 to it
 //!   online), after checkpoints or in a fork more qcow2 layers (`layer-<hex>.qcow2`, see
-//!   [`chain`]), `agent.sock`, `qmp.sock`, `console.log`, `qemu.log`, `boot.json` /
+//!   `chain`), `agent.sock`, `qmp.sock`, `console.log`, `qemu.log`, `boot.json` /
 //!   `state.json` — as for `microvm`, owners included (QEMU runs as the sandbox's
 //!   unprivileged uid and owns only its active layer and `console.log`; frozen layers are
-//!   root's, readable by the QEMUs' shared group: see [`chain`] and [`super::qemu`]).
+//!   root's, readable by the QEMUs' shared group: see `chain` and [`super::qemu`]).
 //! * `failed/<id>.console.log` — the console of a VM that did not become ready (last 20).
 //!
 //! Boot: direct kernel boot (`-kernel` = the kit's kernel, `-initrd` = the initramfs,
@@ -33,12 +33,12 @@
 //!
 //! Accelerator, jailing (own cgroup with limits, `-sandbox on`, own session, re-adoption
 //! after a node restart), readiness deadline, failed-boot consoles, pause with memory
-//! (the agent relay and the save/restore steps of [`snapshot`]; the `-drive` of the resume's
+//! (the agent relay and the save/restore steps of `snapshot`; the `-drive` of the resume's
 //! command line is brought up to the active disk layer at each pause) and delete are the
 //! `microvm` backend's ([`super::microvm`], [`super::qemu`]).
 //!
 //! Disk checkpoints and forks: live external qcow2 snapshots over QMP; a fork's disk is a
-//! new layer on the checkpoint's chain, shared by hard links, not copied ([`chain`]).
+//! new layer on the checkpoint's chain, shared by hard links, not copied (`chain`).
 mod chain;
 
 use super::function::{
@@ -893,7 +893,7 @@ impl SandboxBackend for VmBackend {
     }
 
     /// Saves memory and device state to `memory.state` and stops QEMU (the `microvm`
-    /// backend's steps, [`snapshot`]); a VM without QEMU arguments on record (created by
+    /// backend's steps, `snapshot`); a VM without QEMU arguments on record (created by
     /// an older node, no QMP socket) is frozen in its cgroup instead.
     async fn pause(&self, id: &str) -> NodeResult<()> {
         let vm = self.get(id)?;

@@ -303,7 +303,7 @@ async fn build(
 impl Drop for MicrovmBackend {
     /// Stops the template builds under way: their QEMU (cgroup `tpl-<key>`) would outlive
     /// the node, and a partial template is worth nothing. (After a kill -9 the next start's
-    /// re-adoption destroys the leftover group and [`sweep_partial`] the directory.) Then
+    /// re-adoption destroys the leftover group and `sweep_partial` the directory.) Then
     /// removes the backend's parent cgroups if no microVM is left in them (running ones
     /// stay for re-adoption: EBUSY).
     fn drop(&mut self) {
