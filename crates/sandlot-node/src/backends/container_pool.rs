@@ -54,6 +54,7 @@
 //! every container it holds.
 use super::container::{read_state, write_state, ContainerState, Core, Runtime};
 use super::function::{proc_starttime, StoredSpec};
+use super::pool::LayerStamp;
 pub use super::pool::{PoolConfig, POOL_CPU, POOL_MEMORY_MIB, POOL_PIDS_MAX};
 use super::uids::{UidLease, UidSlots};
 use crate::cgroups::Limits;
@@ -82,8 +83,8 @@ pub(crate) struct Pooled {
     pub dir: PathBuf,
     /// Its state as built (id = name).
     pub state: ContainerState,
-    /// Image layers it was built from.
-    pub layers: Vec<PathBuf>,
+    /// Image layers it was built from (paths and directory identities).
+    pub layers: LayerStamp,
     /// Its host uid range (`state.uid_base`); handed over with the container.
     pub uids: UidLease,
 }
@@ -252,7 +253,7 @@ impl ContainerPool {
                 self.shared.misses.fetch_add(1, Ordering::Relaxed);
                 return None;
             };
-            if p.layers == image.layers {
+            if p.layers.matches(&image.layers) {
                 return Some(p);
             }
             tracing::info!(pooled = %p.name, image = %image.name, "pooled container of an older image build: destroyed");
@@ -430,6 +431,8 @@ impl Shared {
             network: sandlot_api::NetworkPolicy::None,
             runtime: Some(Runtime::Runc.name().into()),
         };
+        // Before the build: a layer replaced meanwhile makes the container stale, never current.
+        let layers = LayerStamp::of(&image.layers);
         let cg = self.core.cgroups.sandbox(&name);
         // On failure the lease is dropped only after the half-built container is gone.
         let mut uids = None;
@@ -447,7 +450,7 @@ impl Shared {
                 name,
                 dir,
                 state,
-                layers: image.layers.clone(),
+                layers,
                 uids: uids.expect("allocated above"),
             }),
             Err(e) => {

@@ -54,6 +54,42 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+/// The image layers a pooled sandbox was built from: each layer directory's path with its
+/// device, inode and change time (ns). Equal paths alone do not prove a pooled sandbox is
+/// current: a built-in image's layer is a directory inside the image (`busybox/rootfs`),
+/// which `sandlot image rm` and `sandlot image build --force` delete and re-create under
+/// the same path, while a pooled sandbox's overlay still holds the deleted one (an empty
+/// tree once removed). Shared by this pool and the container pool.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct LayerStamp(Vec<(PathBuf, Option<DirId>)>);
+
+/// A directory's device, inode and change time (seconds, nanoseconds).
+type DirId = (u64, u64, i64, i64);
+
+impl LayerStamp {
+    /// Stamp `layers` as they are now on disk (`None` for a layer that cannot be read).
+    pub(crate) fn of(layers: &[PathBuf]) -> LayerStamp {
+        use std::os::unix::fs::MetadataExt;
+        LayerStamp(
+            layers
+                .iter()
+                .map(|l| {
+                    let id = std::fs::metadata(l)
+                        .ok()
+                        .map(|m| (m.dev(), m.ino(), m.ctime(), m.ctime_nsec()));
+                    (l.clone(), id)
+                })
+                .collect(),
+        )
+    }
+
+    /// Whether `layers` are still the very directories this stamp was taken of (a layer
+    /// that could not be read then or now never matches).
+    pub(crate) fn matches(&self, layers: &[PathBuf]) -> bool {
+        self.0.iter().all(|(_, id)| id.is_some()) && *self == LayerStamp::of(layers)
+    }
+}
+
 /// Prefix of pooled jails' names (directory and cgroup).
 pub const POOL_PREFIX: &str = "wp-";
 /// CPU quota of a pooled jail before hand-over, cores.
@@ -94,8 +130,8 @@ pub(crate) struct Pooled {
     pub dir: PathBuf,
     /// Its state as built (id = name).
     pub state: JailState,
-    /// Image layers it was built from.
-    pub layers: Vec<PathBuf>,
+    /// Image layers it was built from (paths and directory identities).
+    pub layers: LayerStamp,
     /// Its host uid range (`state.uid_base`); handed over with the jail.
     pub uids: UidLease,
 }
@@ -250,7 +286,7 @@ impl WarmPool {
                 self.shared.misses.fetch_add(1, Ordering::Relaxed);
                 return None;
             };
-            if p.layers == image.layers {
+            if p.layers.matches(&image.layers) {
                 return Some(p);
             }
             tracing::info!(pooled = %p.name, image = %image.name, "pooled jail of an older image build: destroyed");
@@ -424,6 +460,8 @@ impl Shared {
             network: sandlot_api::NetworkPolicy::None,
             runtime: None,
         };
+        // Before the build: a layer replaced meanwhile makes the jail stale, never current.
+        let layers = LayerStamp::of(&image.layers);
         let cg = self.cgroups.sandbox(&name);
         let mut ready = None;
         // On failure the lease is dropped only after the half-built jail is destroyed.
@@ -453,7 +491,7 @@ impl Shared {
                     name,
                     dir,
                     state,
-                    layers: image.layers.clone(),
+                    layers,
                     uids,
                 })
             }
@@ -564,4 +602,30 @@ pub(crate) fn set_hostname(pid: i32, name: &str) -> NodeResult<()> {
             ))
         })
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::LayerStamp;
+
+    #[test]
+    fn a_layer_recreated_under_the_same_path_is_stale() {
+        let tmp = tempfile::tempdir().unwrap();
+        let layer = tmp.path().join("busybox/rootfs");
+        std::fs::create_dir_all(layer.join("bin")).unwrap();
+        let layers = vec![layer.clone()];
+        let stamp = LayerStamp::of(&layers);
+        assert!(stamp.matches(&layers));
+        // Reading it, or another stamp of the same tree, changes nothing.
+        let _ = std::fs::read_dir(&layer).unwrap().count();
+        assert!(LayerStamp::of(&layers).matches(&layers));
+        // `image rm` + `image build`: the same path, another directory.
+        std::fs::remove_dir_all(&layer).unwrap();
+        assert!(!stamp.matches(&layers), "a removed layer must not match");
+        std::fs::create_dir_all(layer.join("bin")).unwrap();
+        assert!(!stamp.matches(&layers), "a re-created layer must not match");
+        // A layer that could not be read when stamped never matches.
+        let missing = vec![tmp.path().join("nope")];
+        assert!(!LayerStamp::of(&missing).matches(&missing));
+    }
 }
