@@ -19,6 +19,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 from typing import Dict, Iterator, List
 
@@ -273,6 +274,27 @@ def test_kill9_restart_readopts_handed_over_and_sweeps_pool(node, client, baseli
         client.get(box.id).delete()
     wait_no_leaks(node.data_dir, baseline, what="delete after kill -9 + restart")
     assert st["runtime_id"] not in runc_ids(node.data_dir)
+
+
+def test_each_delete_reaches_the_node_once(node, client, baseline):
+    """A DELETE runs one node delete. The reaper retries the deletes of records left
+    `deleting`; it must not start a second delete of a container whose first one is still
+    running (two `runc delete --force` of one container at once race, and once left its
+    runc-made cgroups — blkio, devices, systemd, unified — behind). Handed-over and cold
+    containers alike: the node logs one `sandbox deleted` per sandbox."""
+    wait_pool_full(node)
+    ids = []
+    for i in range(30):
+        box = client.create(backend="container", runtime="runc", image=IMAGE,
+                            disk_mib=1024 if i % 2 else 64, ttl_s=300)
+        box.delete()
+        ids.append(box.id)
+    time.sleep(1.5)  # one more reaper pass
+    log = node.log_path.read_text(errors="replace")
+    twice = {i: n for i in ids
+             if (n := log.count(f"backends::container: sandbox deleted sandbox={i} ")) != 1}
+    assert not twice, f"node deletes per sandbox (want 1 each): {twice}"
+    wait_no_leaks(node.data_dir, baseline, what="30 creates and deletes")
 
 
 @pytest.fixture(scope="module")
