@@ -8,7 +8,8 @@ the sandbox's state.json (runtime id and cgroup keep the pooled name ``cp-<hex>`
 name is the sandbox id, the spec's limits are in the group, env reaches execs, the files API
 works, two hand-overs differ in machine-id and host name, delete leaves nothing, kill -9 +
 restart re-adopts a handed-over container and sweeps the pooled leftovers, other specs fall
-back to a cold create, and a pool of 0 creates cold.
+back to a cold create, a container pooled before its (built-in) image was removed and built
+again is never handed over, and a pool of 0 creates cold.
 """
 
 from __future__ import annotations
@@ -18,11 +19,13 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 from typing import Dict, Iterator, List
 
 import pytest
 
+import conftest
 import sandlot
 from conftest import Server, count_leaks, node_cgroup_parent, wait_no_leaks, wait_until
 
@@ -273,6 +276,27 @@ def test_kill9_restart_readopts_handed_over_and_sweeps_pool(node, client, baseli
     assert st["runtime_id"] not in runc_ids(node.data_dir)
 
 
+def test_each_delete_reaches_the_node_once(node, client, baseline):
+    """A DELETE runs one node delete. The reaper retries the deletes of records left
+    `deleting`; it must not start a second delete of a container whose first one is still
+    running (two `runc delete --force` of one container at once race, and once left its
+    runc-made cgroups — blkio, devices, systemd, unified — behind). Handed-over and cold
+    containers alike: the node logs one `sandbox deleted` per sandbox."""
+    wait_pool_full(node)
+    ids = []
+    for i in range(30):
+        box = client.create(backend="container", runtime="runc", image=IMAGE,
+                            disk_mib=1024 if i % 2 else 64, ttl_s=300)
+        box.delete()
+        ids.append(box.id)
+    time.sleep(1.5)  # one more reaper pass
+    log = node.log_path.read_text(errors="replace")
+    twice = {i: n for i in ids
+             if (n := log.count(f"backends::container: sandbox deleted sandbox={i} ")) != 1}
+    assert not twice, f"node deletes per sandbox (want 1 each): {twice}"
+    wait_no_leaks(node.data_dir, baseline, what="30 creates and deletes")
+
+
 @pytest.fixture(scope="module")
 def node_off(binary, log_dir) -> Iterator[Server]:
     srv = private_server(binary, log_dir, "container-pool-off", 0)
@@ -294,3 +318,53 @@ def test_pool_off_creates_cold(node_off):
         finally:
             box.delete()
     wait_no_leaks(node_off.data_dir, baseline, what="delete with the pool off")
+
+
+def test_pooled_container_of_a_rebuilt_image_is_not_handed_over(binary, log_dir, monkeypatch):
+    """`sandlot image rm` + `sandlot image build` of a built-in image re-create its layer
+    directory (`busybox/rootfs`) under the same path, while the containers pooled before
+    still mount the deleted one (no /bin left). A create must not get one of them: they are
+    destroyed when taken and the create goes cold (or gets one the refill built from the new
+    build meanwhile); the refilled pool serves the new build."""
+    base = Path(tempfile.mkdtemp(prefix="sandlot-pool-rebuild-", dir="/var/tmp"))
+    os.chmod(base, 0o711)
+    images = base / "images"
+
+    def image(*args: str) -> None:
+        subprocess.run([str(binary), "image", *args, "--data-dir", str(base / "image-data"),
+                        "--images-dir", str(images)], check=True, capture_output=True,
+                       timeout=120)
+
+    image("build", IMAGE)
+    # This node's own image store: the shared one is never changed by tests.
+    monkeypatch.setattr(conftest, "IMAGES_DIR", str(images))
+    srv = private_server(binary, log_dir, "container-pool-rebuild", POOL)
+    try:
+        baseline = count_leaks(srv.data_dir)
+        with sandlot.Client(srv.url, timeout=120) as c:
+            old = wait_pool_full(srv)
+            image("rm", IMAGE)
+            image("build", IMAGE)
+            box = c.create(backend="container", runtime="runc", image=IMAGE, ttl_s=300)
+            try:
+                # Cold, or a container the refill built from the new build meanwhile.
+                assert state_of(srv, box.id).get("runtime_id") not in old, "stale hand-over"
+                assert sh(box, "ls /bin/sh >/dev/null && hostname").strip() == box.id
+            finally:
+                box.delete()
+            wait_until(lambda: not set(old) & set(pool_ready(srv.data_dir)), 30,
+                       what="the stale pooled containers destroyed")
+            for name in old:
+                assert name not in runc_ids(srv.data_dir), name
+            # The pool refills from the new build, and those are handed over again.
+            wait_pool_full(srv)
+            box = c.create(backend="container", runtime="runc", image=IMAGE, ttl_s=300)
+            try:
+                assert state_of(srv, box.id).get("runtime_id", "").startswith("cp-")
+                assert sh(box, "ls /bin/sh >/dev/null && hostname").strip() == box.id
+            finally:
+                box.delete()
+        wait_no_leaks(srv.data_dir, baseline, what="creates after an image rebuild")
+    finally:
+        finish(srv)
+        shutil.rmtree(base, ignore_errors=True)

@@ -171,6 +171,10 @@ pub struct AppState {
     /// Ids whose `node.create` is in flight in this process; the reaper leaves them to
     /// their creator, which rolls them back itself.
     pub creating: std::sync::Mutex<std::collections::HashSet<String>>,
+    /// Ids whose `node.delete` is in flight in this process; the reaper, which retries
+    /// deletes that failed, leaves them alone (two deletes of one container at once race
+    /// in the OCI runtime and can leave its cgroups behind).
+    pub deleting: std::sync::Mutex<std::collections::HashSet<String>>,
     /// The trajectory log.
     pub trajectories: Arc<dyn trajectory_store::TrajectoryStore>,
     /// Per-trajectory locks serialising the calls of one trajectory.
@@ -224,6 +228,7 @@ impl AppState {
             node_name,
             run_code_gate,
             creating: Default::default(),
+            deleting: Default::default(),
             trajectories,
             traj_locks: Default::default(),
             last_traj_gc_ms: std::sync::atomic::AtomicI64::new(now_ms()),
@@ -240,6 +245,12 @@ impl AppState {
         &self,
     ) -> std::sync::MutexGuard<'_, std::collections::HashSet<String>> {
         self.creating.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub(crate) fn deleting_set(
+        &self,
+    ) -> std::sync::MutexGuard<'_, std::collections::HashSet<String>> {
+        self.deleting.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
 

@@ -86,6 +86,9 @@ pub async fn reap_once(st: &SharedState) -> Vec<String> {
         if st.creating_set().contains(&r.id) {
             continue; // its creator rolls it back
         }
+        if st.deleting_set().contains(&r.id) {
+            continue; // a DELETE of it is running now; retried here only if that one fails
+        }
         if r.state != SandboxState::Deleting && r.expires_at_ms.is_some_and(|t| t <= now) {
             let f = serde_json::Map::new();
             crate::events::record(st, "expired", Some(&r.id), Some(r.backend), f);

@@ -336,15 +336,24 @@ pub async fn delete_sandbox(st: &SharedState, id: &str) -> ApiResult<()> {
         SandboxState::Deleted,
         SandboxState::Paused,
     ];
-    st.store.transition(id, &all, SandboxState::Deleting)?;
     if rec.state == SandboxState::Creating {
+        st.store.transition(id, &all, SandboxState::Deleting)?;
         return Ok(());
+    }
+    // In flight from before the record says `deleting`: the reaper must not start a second
+    // node delete of it meanwhile.
+    st.deleting_set().insert(id.to_owned());
+    if let Err(e) = st.store.transition(id, &all, SandboxState::Deleting) {
+        st.deleting_set().remove(id);
+        return Err(e.into());
     }
     let st2 = st.clone();
     let id2 = id.to_owned();
     let backend = rec.backend;
     tokio::spawn(async move {
-        if let Err(e) = st2.node.delete(&id2).await {
+        let deleted = st2.node.delete(&id2).await;
+        st2.deleting_set().remove(&id2);
+        if let Err(e) = deleted {
             let e = ServerError::from(e);
             crate::events::record_error(&st2, "delete", Some(&id2), Some(backend), &e);
             return Err(e);

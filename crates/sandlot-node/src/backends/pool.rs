@@ -141,6 +141,42 @@ pub(crate) fn pool_spec(name: &str, backend: Backend, image: &Image, disk_mib: u
     }
 }
 
+/// The image layers a pooled sandbox was built from: each layer directory's path with its
+/// device, inode and change time (ns). Equal paths alone do not prove a pooled sandbox is
+/// current: a built-in image's layer is a directory inside the image (`busybox/rootfs`),
+/// which `sandlot image rm` and `sandlot image build --force` delete and re-create under
+/// the same path, while a pooled sandbox's overlay still holds the deleted one (an empty
+/// tree once removed).
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct LayerStamp(Vec<(PathBuf, Option<DirId>)>);
+
+/// A directory's device, inode and change time (seconds, nanoseconds).
+type DirId = (u64, u64, i64, i64);
+
+impl LayerStamp {
+    /// Stamp `layers` as they are now on disk (`None` for a layer that cannot be read).
+    fn of(layers: &[PathBuf]) -> LayerStamp {
+        use std::os::unix::fs::MetadataExt;
+        LayerStamp(
+            layers
+                .iter()
+                .map(|l| {
+                    let id = std::fs::metadata(l)
+                        .ok()
+                        .map(|m| (m.dev(), m.ino(), m.ctime(), m.ctime_nsec()));
+                    (l.clone(), id)
+                })
+                .collect(),
+        )
+    }
+
+    /// Whether `layers` are still the very directories this stamp was taken of (a layer
+    /// that could not be read then or now never matches).
+    fn matches(&self, layers: &[PathBuf]) -> bool {
+        self.0.iter().all(|(_, id)| id.is_some()) && *self == LayerStamp::of(layers)
+    }
+}
+
 /// One ready member.
 struct Pooled<M: PoolMember> {
     /// `<prefix><hex>`: directory and cgroup name.
@@ -149,8 +185,8 @@ struct Pooled<M: PoolMember> {
     dir: PathBuf,
     /// Its state as built (id = name).
     state: M::State,
-    /// Image layers it was built from.
-    layers: Vec<PathBuf>,
+    /// Image layers it was built from (paths and directory identities).
+    layers: LayerStamp,
     /// Its host uid range; handed over with the member.
     uids: UidLease,
 }
@@ -340,7 +376,7 @@ impl<M: PoolMember> WarmPool<M> {
                 self.shared.misses.fetch_add(1, Ordering::Relaxed);
                 return None;
             };
-            if p.layers == image.layers {
+            if p.layers.matches(&image.layers) {
                 return Some(p);
             }
             tracing::info!(pooled = %p.name, image = %image.name, "pooled {} of an older image build: destroyed", M::WHAT);
@@ -474,6 +510,8 @@ impl<M: PoolMember> Shared<M> {
             self.owned.lock().unwrap().remove(&name);
             return Err(NodeError::io(format!("create {}", dir.display()), e));
         }
+        // Before the build: a layer replaced meanwhile makes the member stale, never current.
+        let layers = LayerStamp::of(&image.layers);
         // On failure the lease is dropped only after the half-built member is gone.
         let mut uids = None;
         let built = match self.uids.allocate() {
@@ -488,7 +526,7 @@ impl<M: PoolMember> Shared<M> {
                 name,
                 dir,
                 state,
-                layers: image.layers.clone(),
+                layers,
                 uids: uids.expect("allocated above"),
             }),
             Err(e) => {
@@ -593,4 +631,30 @@ fn set_hostname(pid: i32, name: &str) -> NodeResult<()> {
             ))
         })
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::LayerStamp;
+
+    #[test]
+    fn a_layer_recreated_under_the_same_path_is_stale() {
+        let tmp = tempfile::tempdir().unwrap();
+        let layer = tmp.path().join("busybox/rootfs");
+        std::fs::create_dir_all(layer.join("bin")).unwrap();
+        let layers = vec![layer.clone()];
+        let stamp = LayerStamp::of(&layers);
+        assert!(stamp.matches(&layers));
+        // Reading it, or another stamp of the same tree, changes nothing.
+        let _ = std::fs::read_dir(&layer).unwrap().count();
+        assert!(LayerStamp::of(&layers).matches(&layers));
+        // `image rm` + `image build`: the same path, another directory.
+        std::fs::remove_dir_all(&layer).unwrap();
+        assert!(!stamp.matches(&layers), "a removed layer must not match");
+        std::fs::create_dir_all(layer.join("bin")).unwrap();
+        assert!(!stamp.matches(&layers), "a re-created layer must not match");
+        // A layer that could not be read when stamped never matches.
+        let missing = vec![tmp.path().join("nope")];
+        assert!(!LayerStamp::of(&missing).matches(&missing));
+    }
 }
