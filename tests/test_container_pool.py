@@ -323,7 +323,7 @@ def test_pool_off_creates_cold(node_off):
 def test_pooled_container_of_a_rebuilt_image_is_not_handed_over(binary, log_dir, monkeypatch):
     """`sandlot image rm` + `sandlot image build` of a built-in image re-create its layer
     directory (`busybox/rootfs`) under the same path, while the containers pooled before
-    still mount the deleted one (no /bin left). A create must not get one of them: they are
+    still mount the old one (retired, see the next test). A create must not get one of them: they are
     destroyed when taken and the create goes cold (or gets one the refill built from the new
     build meanwhile); the refilled pool serves the new build."""
     base = Path(tempfile.mkdtemp(prefix="sandlot-pool-rebuild-", dir="/var/tmp"))
@@ -365,6 +365,53 @@ def test_pooled_container_of_a_rebuilt_image_is_not_handed_over(binary, log_dir,
             finally:
                 box.delete()
         wait_no_leaks(srv.data_dir, baseline, what="creates after an image rebuild")
+    finally:
+        finish(srv)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_image_rm_and_forced_build_keep_a_running_sandboxs_rootfs(binary, log_dir, monkeypatch):
+    """A built-in image's rootfs is its only layer and lives in the image's directory.
+    `sandlot image rm` and `sandlot image build --force` while sandboxes (container and
+    function) run on it must not delete it under them: the old directory is retired, the
+    sandboxes keep working, `gc` keeps it while mounted and deletes it after the last
+    sandbox is gone."""
+    base = Path(tempfile.mkdtemp(prefix="sandlot-image-retire-", dir="/var/tmp"))
+    os.chmod(base, 0o711)
+    images = base / "images"
+
+    def image(*args: str) -> str:
+        return subprocess.run([str(binary), "image", *args, "--data-dir", str(base / "image-data"),
+                               "--images-dir", str(images)], check=True, capture_output=True,
+                              text=True, timeout=120).stdout
+
+    image("build", IMAGE)
+    monkeypatch.setattr(conftest, "IMAGES_DIR", str(images))
+    srv = private_server(binary, log_dir, "image-retire", 0)
+    retired = images / "retired"
+    try:
+        baseline = count_leaks(srv.data_dir)
+        with sandlot.Client(srv.url, timeout=120) as c:
+            boxes = [c.create(backend="container", runtime="runc", image=IMAGE, ttl_s=300),
+                     c.create(backend="function", image=IMAGE, ttl_s=300)]
+            try:
+                image("build", "--force", IMAGE)
+                assert len(list(retired.iterdir())) == 1, list(retired.iterdir())
+                # The rebuilt image has the same path, which the running sandboxes' mounts
+                # name: it is retired too (kept too long rather than deleted under them).
+                image("rm", IMAGE)
+                assert len(list(retired.iterdir())) == 2, list(retired.iterdir())
+                for box in boxes:
+                    assert sh(box, "ls /bin/sh && echo ok").strip().endswith("ok"), box.id
+                out = image("gc")
+                assert "kept 2 " in out, out
+                assert len(list(retired.iterdir())) == 2, out
+            finally:
+                for box in boxes:
+                    box.delete()
+            out = image("gc")
+            assert not any(retired.iterdir()), (out, list(retired.iterdir()))
+        wait_no_leaks(srv.data_dir, baseline, what="sandboxes on a retired image")
     finally:
         finish(srv)
         shutil.rmtree(base, ignore_errors=True)

@@ -968,7 +968,7 @@ async fn image(cmd: ImageCmd) -> anyhow::Result<u8> {
         ImageCmd::Gc { dirs } => {
             let r = dirs.open()?.gc().context("image gc")?;
             println!(
-                "removed {} blobs and {} layers, {} bytes; kept {} unreferenced layers still mounted",
+                "removed {} blobs and {} layers, {} bytes; kept {} unreferenced layers or retired images still mounted",
                 r.blobs, r.layers, r.bytes, r.in_use
             );
         }

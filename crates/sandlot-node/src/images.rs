@@ -168,7 +168,13 @@ struct ImageJson {
 }
 
 /// Store directories that cannot be image names.
-pub const RESERVED: &[&str] = &["refs", "blobs", "layers"];
+pub const RESERVED: &[&str] = &["refs", "blobs", "layers", RETIRED_DIR];
+
+/// Directory (under the store) of removed or replaced built-in images whose `rootfs` a
+/// running sandbox still has mounted: `retired/<name>.<ns>/` with the image's files and an
+/// `origin` file naming the rootfs path the mounts refer to. [`ImageStore::gc`] deletes an
+/// entry once no mount names that path.
+pub const RETIRED_DIR: &str = "retired";
 
 /// Check a short image name: `[a-z0-9][a-z0-9._-]{0,63}`, not one of [`RESERVED`].
 ///
@@ -337,11 +343,12 @@ impl PullPolicy {
 pub struct GcReport {
     /// Blobs removed.
     pub blobs: u64,
-    /// Layer directories removed.
+    /// Layer directories removed (and retired built-in images, see [`RETIRED_DIR`]).
     pub layers: u64,
     /// Bytes freed (apparent sizes).
     pub bytes: u64,
-    /// Layers no image references that were kept because a mount still uses them.
+    /// Layers no image references, and retired built-in images, kept because a mount
+    /// still uses them.
     pub in_use: u64,
 }
 
@@ -547,8 +554,34 @@ impl ImageStore {
         let doomed = self.tmp_path(&parsed, "rm");
         fs::rename(&path, &doomed)
             .map_err(|e| NodeError::io(format!("rename {}", path.display()), e))?;
-        fs::remove_dir_all(&doomed)
-            .map_err(|e| NodeError::io(format!("remove {}", doomed.display()), e))
+        self.discard(&doomed, &path)
+    }
+
+    /// Delete `old`, a removed or replaced image directory that was at `origin`. A built-in
+    /// image's directory holds its `rootfs`, which running sandboxes mount as a lower
+    /// layer by the path `origin/rootfs`: while any mount names that path, the directory is
+    /// moved to [`RETIRED_DIR`] instead, for `gc` to delete later (the rename keeps the
+    /// mounts intact). A path reused by a newer image keeps its retired predecessors until
+    /// neither is mounted: kept too long, never deleted under a sandbox.
+    fn discard(&self, old: &Path, origin: &Path) -> NodeResult<()> {
+        let rootfs = origin.join(ROOTFS_DIR);
+        if old.join(ROOTFS_DIR).is_dir() && path_mounted(&rootfs) {
+            let retired = self.dir.join(RETIRED_DIR);
+            fs::create_dir_all(&retired)
+                .map_err(|e| NodeError::io(format!("create {}", retired.display()), e))?;
+            let base = origin.file_name().unwrap_or_default().to_string_lossy();
+            let nanos = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap_or_default()
+                .as_nanos();
+            let to = retired.join(format!("{base}.{nanos}"));
+            write_atomic(&old.join("origin"), rootfs.as_os_str().as_encoded_bytes())?;
+            fs::rename(old, &to)
+                .map_err(|e| NodeError::io(format!("rename {}", old.display()), e))?;
+            tracing::info!(image = %origin.display(), kept = %to.display(), "image removed while sandboxes use its rootfs: kept until gc finds it unused");
+            return Ok(());
+        }
+        fs::remove_dir_all(old).map_err(|e| NodeError::io(format!("remove {}", old.display()), e))
     }
 
     /// Remove every blob and unpacked layer that no image's `image.json` references, and
@@ -603,6 +636,19 @@ impl ImageStore {
             }
         }
         let mut report = GcReport::default();
+        let retired = self.dir.join(RETIRED_DIR);
+        for ent in fs::read_dir(&retired).into_iter().flatten().flatten() {
+            let p = ent.path();
+            let origin = fs::read(p.join("origin")).unwrap_or_default();
+            if !origin.is_empty() && path_mounted(Path::new(&*String::from_utf8_lossy(&origin))) {
+                report.in_use += 1;
+                continue;
+            }
+            report.bytes += tree_size(&p).unwrap_or(0);
+            report.layers += 1;
+            fs::remove_dir_all(&p)
+                .map_err(|e| NodeError::io(format!("remove {}", p.display()), e))?;
+        }
         let in_use = layers_mounted();
         for h in in_use {
             if keep_layers.insert(h) {
@@ -841,8 +887,7 @@ impl ImageStore {
                 .map_err(|e| {
                     NodeError::io(format!("swap {} into place", dst.display()), e.into())
                 })?;
-                fs::remove_dir_all(tmp)
-                    .map_err(|e| NodeError::io(format!("remove old image {}", tmp.display()), e))?;
+                self.discard(tmp, &dst)?;
             }
             Err(e) => return Err(NodeError::io(format!("rename to {}", dst.display()), e)),
         }
@@ -934,9 +979,43 @@ static PULLS: std::sync::LazyLock<
 fn layers_mounted() -> HashSet<String> {
     let mut out = HashSet::new();
     let needle = format!("/{}/", oci::LAYERS_DIR);
+    each_mountinfo(|info| {
+        let mut rest = info;
+        while let Some(i) = rest.find(&needle) {
+            rest = &rest[i + needle.len()..];
+            let hex: String = rest.chars().take(64).collect();
+            if hex.len() == 64 && hex.bytes().all(|c| c.is_ascii_hexdigit()) {
+                out.insert(hex);
+            }
+        }
+        false
+    });
+    out
+}
+
+/// Whether any mount of any mount namespace names `path` (as a source, mount point or an
+/// option such as overlay's `lowerdir=`), followed by a separator (`,` `:` space, line end).
+fn path_mounted(path: &Path) -> bool {
+    let needle = path.to_string_lossy().into_owned();
+    let mut found = false;
+    each_mountinfo(|info| {
+        found = info.match_indices(&needle).any(|(i, _)| {
+            matches!(
+                info.as_bytes().get(i + needle.len()),
+                None | Some(b',' | b':' | b' ' | b'\n')
+            )
+        });
+        found
+    });
+    found
+}
+
+/// Calls `f` with the `/proc/PID/mountinfo` text of one process per mount namespace, until
+/// `f` answers true.
+fn each_mountinfo(mut f: impl FnMut(&str) -> bool) {
     let mut seen_ns = HashSet::new();
     let Ok(rd) = fs::read_dir("/proc") else {
-        return out;
+        return;
     };
     for ent in rd.flatten() {
         let name = ent.file_name();
@@ -955,16 +1034,10 @@ fn layers_mounted() -> HashSet<String> {
         let Ok(info) = fs::read_to_string(format!("/proc/{pid}/mountinfo")) else {
             continue;
         };
-        let mut rest = info.as_str();
-        while let Some(i) = rest.find(&needle) {
-            rest = &rest[i + needle.len()..];
-            let hex: String = rest.chars().take(64).collect();
-            if hex.len() == 64 && hex.bytes().all(|c| c.is_ascii_hexdigit()) {
-                out.insert(hex);
-            }
+        if f(&info) {
+            return;
         }
     }
-    out
 }
 
 /// Directory name of a reference image: lowercase hex SHA-256 of the normalised reference.
