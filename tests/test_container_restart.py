@@ -269,6 +269,33 @@ def test_kill9_readopts_20_runc_containers(node, client, baseline):
     print(f"total {time.monotonic() - t0:.1f}s")
 
 
+def test_restart_sweeps_runc_groups_in_other_hierarchies(node, client, baseline):
+    """runc makes a container's cgroup in every mounted v1 hierarchy, also those the node
+    does not use (blkio, devices, ...); a runc delete that fails half-way leaves them. The
+    restart's sweep removes such leftovers under the node's parent and keeps the groups of
+    the containers it re-adopts."""
+    cg = Path("/sys/fs/cgroup")
+    if (cg / "cgroup.controllers").exists():
+        pytest.skip("cgroup v2 host: one hierarchy, nothing outside the node's own groups")
+    box = client.create(backend="container", runtime="runc", image=IMAGE, memory_mib=64,
+                        ttl_s=300)
+    try:
+        rid = runc_id(node.data_dir, box.id)
+        live = [p for h in ("blkio", "devices") for p in (cg / h).glob(f"*/{rid}")]
+        if not live:
+            pytest.skip("no blkio/devices v1 hierarchy with the container's group on this host")
+        node.kill()
+        leftovers = [p.parent / "sb-leftover0000000000000" for p in live]
+        for p in leftovers:
+            p.mkdir()
+        node.start()
+        assert not [p for p in leftovers if p.exists()], "leftover groups survived the restart"
+        assert all(p.exists() for p in live), "a re-adopted container's group was removed"
+        assert box.exec(["true"], timeout_s=60).exit_code == 0
+    finally:
+        box.delete()
+
+
 def test_ttl_expiry_after_kill9(node, client, baseline):
     """TTLs of re-adopted containers still run out: one with an 8 s TTL survives kill -9 +
     restart and is then reaped by the restarted server on time; one whose 3 s TTL ran out

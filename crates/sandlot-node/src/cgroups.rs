@@ -233,6 +233,44 @@ impl CgroupRoot {
         ids
     }
 
+    /// v1 only: remove the groups `<hierarchy>/<parent>/<id>` that something else (runc
+    /// makes its container's group in every mounted hierarchy, also blkio, devices,
+    /// `systemd`, `unified`, …) left in the hierarchies this root does not use itself, for
+    /// each `id` where `in_use(id)` is false. `rmdir` only: a group with processes stays.
+    /// Returns the groups that could not be removed.
+    pub fn sweep_other_hierarchies(&self, in_use: impl Fn(&str) -> bool) -> Vec<PathBuf> {
+        let mut failed = Vec::new();
+        if self.version != CgroupVersion::V1 {
+            return failed;
+        }
+        let Some(mount_root) = self.hierarchies.first().and_then(|(_, h)| h.parent()) else {
+            return failed;
+        };
+        let ours: Vec<PathBuf> = self.hierarchies.iter().map(|(_, h)| h.clone()).collect();
+        for h in fs::read_dir(mount_root).into_iter().flatten().flatten() {
+            let Ok(h) = fs::canonicalize(h.path()) else {
+                continue;
+            };
+            if ours.contains(&h) {
+                continue;
+            }
+            for g in fs::read_dir(h.join(&self.parent))
+                .into_iter()
+                .flatten()
+                .flatten()
+            {
+                let id = g.file_name().to_string_lossy().into_owned();
+                if g.file_type().is_ok_and(|t| t.is_dir()) && !in_use(&id) {
+                    if let Err(e) = fs::remove_dir(g.path()) {
+                        tracing::warn!(group = %g.path().display(), error = %e, "cannot remove a leftover cgroup");
+                        failed.push(g.path());
+                    }
+                }
+            }
+        }
+        failed
+    }
+
     /// Create the `sandlot` parent groups (v2: and enable the controllers for children).
     ///
     /// # Errors

@@ -254,7 +254,8 @@ pub trait Node: Send + Sync + 'static {
 
     /// After a restart: find sandboxes left running by the previous process from on-disk
     /// state, adopt those whose id is in `keep` and alive, and delete every other one
-    /// (half-created or unknown leftovers). Returns the ids adopted.
+    /// (half-created or unknown leftovers). Returns the ids adopted. A leftover that cannot
+    /// be removed is logged and left for the next start, not an error.
     async fn readopt(&self, keep: &[String]) -> NodeResult<Vec<String>>;
 
     /// Checkpoint sandbox `id`'s writable layer as checkpoint `checkpoint_id` (`ck-` + 20

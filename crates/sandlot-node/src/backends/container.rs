@@ -1613,14 +1613,15 @@ impl SandboxBackend for ContainerBackend {
                 }
             }
         }
-        if errors.is_empty() {
-            Ok(adopted)
-        } else {
-            Err(NodeError::io(
-                format!("container readopt: {}", errors.join("; ")),
-                std::io::Error::other("cleanup"),
-            ))
+        // runc's groups in the other hierarchies, left by a runc delete that failed half-way.
+        for g in self
+            .core
+            .cgroups
+            .sweep_other_hierarchies(|id| self.cgroup_in_use(id))
+        {
+            errors.push(format!("cannot remove cgroup {}", g.display()));
         }
+        Ok(super::readopt_done("container", adopted, &errors))
     }
 }
 

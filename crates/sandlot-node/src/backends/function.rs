@@ -792,17 +792,7 @@ impl SandboxBackend for FunctionBackend {
             }
         }
         adopted.sort();
-        if errors.is_empty() {
-            Ok(adopted)
-        } else {
-            Err(NodeError::io(
-                format!(
-                    "readopt: cleanup of leftovers failed: {}",
-                    errors.join("; ")
-                ),
-                std::io::Error::other("cleanup failed"),
-            ))
-        }
+        Ok(super::readopt_done("function", adopted, &errors))
     }
 }
 

@@ -1341,14 +1341,7 @@ impl SandboxBackend for MicrovmBackend {
                 }
             }
         }
-        if errors.is_empty() {
-            Ok(adopted)
-        } else {
-            Err(NodeError::io(
-                format!("microvm readopt: {}", errors.join("; ")),
-                std::io::Error::other("cleanup"),
-            ))
-        }
+        Ok(super::readopt_done("microvm", adopted, &errors))
     }
 }
 

@@ -200,3 +200,18 @@ pub fn violations_from_guest(
         })
         .collect()
 }
+
+/// The end of a backend's `readopt`: leftovers that could not be removed (a process stuck
+/// in the kernel, a busy mount) are logged at error level and tried again at the next
+/// start, never returned as an error: one stuck leftover must not keep the node from
+/// starting or make it forget the sandboxes it did re-adopt. Returns `adopted`.
+pub(crate) fn readopt_done(backend: &str, adopted: Vec<String>, errors: &[String]) -> Vec<String> {
+    if !errors.is_empty() {
+        tracing::error!(
+            backend,
+            errors = %errors.join("; "),
+            "re-adoption: leftovers not removed (retried at the next start)"
+        );
+    }
+    adopted
+}

@@ -1033,14 +1033,7 @@ impl SandboxBackend for VmBackend {
                 }
             }
         }
-        if errors.is_empty() {
-            Ok(adopted)
-        } else {
-            Err(NodeError::io(
-                format!("vm readopt: {}", errors.join("; ")),
-                std::io::Error::other("cleanup"),
-            ))
-        }
+        Ok(super::readopt_done("vm", adopted, &errors))
     }
 }
 
