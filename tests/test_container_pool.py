@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Dict, Iterator, List
 
+import httpx
 import pytest
 
 import conftest
@@ -274,6 +275,32 @@ def test_kill9_restart_readopts_handed_over_and_sweeps_pool(node, client, baseli
         client.get(box.id).delete()
     wait_no_leaks(node.data_dir, baseline, what="delete after kill -9 + restart")
     assert st["runtime_id"] not in runc_ids(node.data_dir)
+
+
+def test_metrics_show_the_pool(node, client, baseline):
+    """`/metrics` has the pool's ready members per image and its hand-overs and misses: a
+    create served by the pool adds one hand-over; one the pool cannot serve (another disk
+    size) is no miss, it was never the pool's."""
+    def sample(name: str, **labels: str) -> float:
+        text = httpx.get(f"{node.url}/metrics", timeout=30).text
+        want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+        for line in text.splitlines():
+            if line.startswith(name + "{") and line.split("}")[0].split("{")[1] == want:
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
+    wait_pool_full(node)
+    assert sample("sandlot_warm_pool_ready", backend="container", image=IMAGE) == POOL
+    before = sample("sandlot_warm_pool_handovers_total", backend="container")
+    misses = sample("sandlot_warm_pool_misses_total", backend="container")
+    with client.create(backend="container", runtime="runc", image=IMAGE, ttl_s=300) as box:
+        assert state_of(node, box.id).get("runtime_id", "").startswith("cp-")
+    with client.create(backend="container", runtime="runc", image=IMAGE, disk_mib=64,
+                       ttl_s=300):
+        pass
+    assert sample("sandlot_warm_pool_handovers_total", backend="container") == before + 1
+    assert sample("sandlot_warm_pool_misses_total", backend="container") == misses
+    wait_no_leaks(node.data_dir, baseline, what="two creates")
 
 
 def test_each_delete_reaches_the_node_once(node, client, baseline):

@@ -30,4 +30,5 @@ pub use images::validate_ref as validate_image_ref;
 pub use local::{default_agent_bin, default_guest_bin, LocalNode, NodeConfig};
 pub use node::{
     ExecControl, ExecSink, Node, NodeError, NodeInfo, NodeResult, SandboxSpec, SandboxStatus,
+    WarmPoolInfo,
 };

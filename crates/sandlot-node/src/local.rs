@@ -19,6 +19,7 @@ use crate::checkpoints::{CheckpointMeta, CheckpointStore};
 use crate::images::ImageStore;
 use crate::node::{
     ExecControl, ExecSink, Node, NodeError, NodeInfo, NodeResult, SandboxSpec, SandboxStatus,
+    WarmPoolInfo,
 };
 use async_trait::async_trait;
 use sandlot_api::{Backend, ExecRequest, ExecResult, FileEntry};
@@ -352,6 +353,28 @@ impl LocalNode {
             .unwrap_or_default()
     }
 
+    /// [`NodeInfo::warm_pools`]: the function and container pools that were started.
+    fn warm_pools(&self) -> Vec<WarmPoolInfo> {
+        let function = self.function().and_then(|f| f.warm_pool()).map(|p| {
+            let (handovers, misses) = p.stats();
+            (Backend::Function, p.ready(), handovers, misses)
+        });
+        let container = self.container().and_then(|c| c.warm_pool()).map(|p| {
+            let (handovers, misses) = p.stats();
+            (Backend::Container, p.ready(), handovers, misses)
+        });
+        [function, container]
+            .into_iter()
+            .flatten()
+            .map(|(backend, ready, handovers, misses)| WarmPoolInfo {
+                backend,
+                ready,
+                handovers,
+                misses,
+            })
+            .collect()
+    }
+
     fn container(&self) -> Option<&ContainerBackend> {
         self.backends.iter().find_map(|b| match b {
             AnyBackend::Container(c) => Some(c),
@@ -435,6 +458,7 @@ impl Node for LocalNode {
                     )
                 })
                 .collect(),
+            warm_pools: self.warm_pools(),
         }
     }
 

@@ -62,6 +62,21 @@ pub struct NodeInfo {
     /// The accelerator of the QEMU backends (`microvm`, `vm`): `(Some("kvm"|"tcg"), why)`,
     /// `(None, "probing")` while the start-up probe runs; `None` without a QEMU backend.
     pub accel: Option<(Option<String>, String)>,
+    /// The warm pools that run (function jails, runc containers); empty when none does.
+    pub warm_pools: Vec<WarmPoolInfo>,
+}
+
+/// A warm pool's figures since the node started.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WarmPoolInfo {
+    /// The backend whose creates it serves (`function` or `container`).
+    pub backend: Backend,
+    /// Ready members per image of the pool's image list.
+    pub ready: std::collections::BTreeMap<String, usize>,
+    /// Creates served by a hand-over of a ready member.
+    pub handovers: u64,
+    /// Creates the pool could serve that found no usable member and went cold.
+    pub misses: u64,
 }
 
 /// Errors of node operations. Each maps to exactly one wire [`ErrorCode`].

@@ -139,6 +139,7 @@ impl Node for FakeNode {
             cgroup_version: "v1".into(),
             runtimes: Vec::new(),
             accel: None,
+            warm_pools: Vec::new(),
         }
     }
 

@@ -12,6 +12,8 @@
 //! | `sandlot_run_code_total` | counter | `status` = `Success`\|`Failed`\|`SandboxError`\|`Rejected` | `/run_code` calls (`Rejected`: 429/504 from admission) |
 //! | `sandlot_run_code_running`, `sandlot_run_code_waiting` | gauge | | `run_code` admission, at scrape |
 //! | `sandlot_image_count` | gauge | | complete images in the image store, at scrape |
+//! | `sandlot_warm_pool_ready` | gauge | `backend`, `image` | ready members of the node's warm pools (function jails, runc containers), at scrape |
+//! | `sandlot_warm_pool_handovers_total`, `sandlot_warm_pool_misses_total` | counter | `backend` | creates served by a pooled member / creates the pool could serve that went cold, since the node started (the node's counts, copied at scrape) |
 //! | `sandlot_events_total` | counter | `kind` | audit events recorded ([`crate::events`]) |
 //! | `sandlot_violations_total` | counter | `backend`, `layer` = `seccomp`\|`files_api`, `what` (syscall name or files API operation) | refused attempts recorded as `violation` events |
 //!
@@ -43,6 +45,15 @@ pub struct BackendState {
     pub backend: String,
     /// Sandbox state.
     pub state: String,
+}
+
+/// Labels `backend`, `image`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PoolLabels {
+    /// Backend name.
+    pub backend: String,
+    /// Image name.
+    pub image: String,
 }
 
 /// Label `backend`.
@@ -122,6 +133,9 @@ pub struct Metrics {
     run_code_running: Gauge,
     run_code_waiting: Gauge,
     image_count: Gauge,
+    pool_ready: Family<PoolLabels, Gauge>,
+    pool_handovers: Family<BackendLabel, Counter>,
+    pool_misses: Family<BackendLabel, Counter>,
     events: Family<KindLabel, Counter>,
     violations: Family<ViolationLabels, Counter>,
 }
@@ -195,6 +209,24 @@ impl Metrics {
             "Complete images in the image store",
             image_count.clone(),
         );
+        let pool_ready = Family::<PoolLabels, Gauge>::default();
+        registry.register(
+            "sandlot_warm_pool_ready",
+            "Ready members of the node's warm pools, by backend and image",
+            pool_ready.clone(),
+        );
+        let pool_handovers = Family::<BackendLabel, Counter>::default();
+        registry.register(
+            "sandlot_warm_pool_handovers",
+            "Creates served by a hand-over of a pooled member",
+            pool_handovers.clone(),
+        );
+        let pool_misses = Family::<BackendLabel, Counter>::default();
+        registry.register(
+            "sandlot_warm_pool_misses",
+            "Creates a warm pool could serve that found no usable member and went cold",
+            pool_misses.clone(),
+        );
         let events = Family::<KindLabel, Counter>::default();
         registry.register(
             "sandlot_events",
@@ -220,6 +252,9 @@ impl Metrics {
             run_code_running,
             run_code_waiting,
             image_count,
+            pool_ready,
+            pool_handovers,
+            pool_misses,
             events,
         }
     }
@@ -280,7 +315,27 @@ impl Metrics {
         running: usize,
         waiting: usize,
         images: Option<i64>,
+        pools: &[sandlot_node::WarmPoolInfo],
     ) -> String {
+        for p in pools {
+            let backend = p.backend.as_str().to_owned();
+            for (image, n) in &p.ready {
+                let l = PoolLabels {
+                    backend: backend.clone(),
+                    image: image.clone(),
+                };
+                self.pool_ready.get_or_create(&l).set(*n as i64);
+            }
+            // The node counts; these counters follow it (only this function adds to them).
+            let l = BackendLabel { backend };
+            for (c, n) in [
+                (&self.pool_handovers, p.handovers),
+                (&self.pool_misses, p.misses),
+            ] {
+                let c = c.get_or_create(&l);
+                c.inc_by(n.saturating_sub(c.get()));
+            }
+        }
         {
             let mut seen = self.seen.lock().unwrap_or_else(|p| p.into_inner());
             for l in seen.iter() {
@@ -354,6 +409,7 @@ pub async fn metrics(State(st): State<SharedState>) -> ApiResult<impl IntoRespon
             .flatten(),
     };
     let (running, waiting) = st.run_code_gate.load();
-    let text = st.metrics.render(counts, running, waiting, images);
+    let pools = st.node.info().warm_pools;
+    let text = st.metrics.render(counts, running, waiting, images, &pools);
     Ok(([(header::CONTENT_TYPE, CONTENT_TYPE)], text))
 }
