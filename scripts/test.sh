@@ -11,6 +11,14 @@ export SANDLOT_IMAGES_DIR
 export SANDLOT_BIN="$PWD/target/release/sandlot"
 export SANDLOT_GUEST_BIN="$PWD/target/release/sandlot-guest"
 
+printf '\n==> cargo fmt --check, clippy -D warnings, rustdoc -D warnings\n'
+if cargo fmt --version >/dev/null 2>&1; then cargo fmt --all -- --check
+else echo "SKIPPED: cargo fmt --check (rustfmt is not installed: rustup component add rustfmt)"; fi
+if cargo clippy --version >/dev/null 2>&1; then
+  cargo clippy --release --locked --workspace --all-targets -- -D warnings
+else echo "SKIPPED: cargo clippy (not installed: rustup component add clippy)"; fi
+RUSTDOCFLAGS="-D warnings" cargo doc --release --locked --no-deps --workspace
+
 printf '\n==> cargo test (release profile: shares the build with setup)\n'
 cargo test --release --locked --workspace -- --test-threads=2
 
