@@ -492,7 +492,8 @@ enum ImageCmd {
         #[command(flatten)]
         dirs: ImageDirs,
     },
-    /// Remove an image name (its blobs and layers stay until `gc`).
+    /// Remove an image name (its blobs and layers stay until `gc`; a built-in image whose
+    /// rootfs running sandboxes use is kept in `retired/` until `gc` finds it unused).
     Rm {
         /// Image name or reference.
         name: String,
