@@ -2,7 +2,7 @@
 # Installs QEMU and builds the guest kit of the `microvm` backend, as root, idempotently:
 #   Debian packages qemu-system-x86 (the VMM), qemu-utils, erofs-utils (mkfs.erofs: the
 #   read-only image disks), e2fsprogs (mkfs.ext4: the per-sandbox scratch disks), kmod
-#   (modinfo), lz4/xz-utils/zstd (to unpack the kernel image), and the kit (shared by `microvm` and `vm`) in $SANDLOT_GUEST_KIT_DIR (default: guest-kit/ beside the images
+#   (modinfo), lz4/xz-utils/zstd (to unpack the kernel image), binutils (objcopy), and the kit (shared by `microvm` and `vm`) in $SANDLOT_GUEST_KIT_DIR (default: guest-kit/ beside the images
 #   directory, /var/lib/sandlot/guest-kit):
 #     vmlinuz            the Debian cloud kernel (linux-image-*-cloud-amd64), direct-booted
 #                        by the `vm` backend (and by `microvm` when there is no vmlinux)
@@ -11,7 +11,12 @@
 #                        bzImage's self-decompression (~0.2 s of CPU under TCG). Absent when the
 #                        kernel lacks CONFIG_PVH or its payload cannot be unpacked.
 #     modules/*.ko       the modules the guest needs (virtio-mmio, virtio-pci, virtio-blk,
-#                        virtio-console, virtio-rng, erofs, overlay) with their dependencies
+#                        virtio-console, virtio-rng, erofs, overlay) with their dependencies,
+#                        without their `.BTF` section (type information for BPF; the guest
+#                        kernel parses all of vmlinux's BTF, ~50-65 ms under TCG, the first
+#                        time a module carrying BTF loads) and so without their signatures
+#                        (objcopy drops the appended signature; the kernel does not enforce
+#                        module signatures and the node strips them anyway)
 #     modules/order      their file names in load order (dependencies first)
 #     kernel-version     the kernel's release string (the kit is rebuilt when it changes)
 #     modules/wanted     the module list asked for (the kit is rebuilt when it changes)
@@ -25,7 +30,7 @@ set -euo pipefail
 : "${SANDLOT_CACHE_DIR:=/var/cache/sandlot}"
 : "${SANDLOT_GUEST_KIT_DIR:=$(dirname "$SANDLOT_IMAGES_DIR")/guest-kit}"
 
-pkgs=(qemu-system-x86 qemu-utils erofs-utils e2fsprogs kmod lz4 xz-utils zstd)
+pkgs=(qemu-system-x86 qemu-utils erofs-utils e2fsprogs kmod lz4 xz-utils zstd binutils)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -45,8 +50,8 @@ release=${pkg#linux-image-}
 kit=$SANDLOT_GUEST_KIT_DIR
 # virtio_mmio: microvm's bus; virtio_pci: q35's (the vm backend); virtio_rng: the vm's entropy.
 wanted="virtio_mmio virtio_pci virtio_blk virtio_console virtio_rng erofs overlay"
-# 2: vmlinux added.
-format=2
+# 2: vmlinux added. 3: modules without .BTF.
+format=3
 if [ -f "$kit/kernel-version" ] && [ "$(cat "$kit/kernel-version")" = "$release" ] \
    && [ -f "$kit/vmlinuz" ] && [ -f "$kit/modules/order" ] \
    && [ "$(cat "$kit/modules/wanted" 2>/dev/null)" = "$wanted" ] \
@@ -116,7 +121,7 @@ if grep -q '^CONFIG_PVH=y' "$tmp/x/boot/config-$release" 2>/dev/null; then
 fi
 : > "$new/modules/order"
 for f in "${order[@]}"; do
-  cp "$f" "$new/modules/"
+  objcopy --remove-section=.BTF "$f" "$new/modules/$(basename "$f")"
   basename "$f" >> "$new/modules/order"
 done
 echo "$release" > "$new/kernel-version"

@@ -32,7 +32,8 @@
 //! info; `SANDLOT_VM_ACCEL=kvm|tcg` (or the older `SANDLOT_MICROVM_ACCEL`) forces it.
 //!
 //! Jailing: every QEMU runs in its own cgroup (memory = the guest's plus
-//! [`QEMU_OVERHEAD_MIB`], the sandbox's CPU quota, [`QEMU_PIDS`] tasks) with `-sandbox on`
+//! [`QEMU_OVERHEAD_MIB`]; its vCPU threads held to the sandbox's CPU, QEMU as a whole to
+//! that plus [`super::qemu::VMM_CPU_HEADROOM`] on cgroup v1; [`QEMU_PIDS`] tasks) with `-sandbox on`
 //! (QEMU's seccomp filter: no spawning, no privilege changes, no obsolete calls, no
 //! resource control calls), in a session of its own, so it outlives a node restart and
 //! is re-adopted, and as an unprivileged host uid of its own that reaches only its own
@@ -43,7 +44,7 @@ use super::function::{
 use super::qemu::{Jail, QemuUids, AGENT_FD, AGENT_SOCK, CONSOLE_LOG, QMP_FD, QMP_SOCK};
 use super::SandboxBackend;
 use crate::agent_client::AgentClient;
-use crate::cgroups::{CgroupRoot, Limits, SandboxCgroup};
+use crate::cgroups::{CgroupRoot, SandboxCgroup};
 use crate::checkpoints::{Captured, Checkpoint};
 use crate::files::{file_entry, node_error};
 use crate::images::Image;
@@ -73,6 +74,29 @@ const READY_TIMEOUT_TCG: Duration = Duration::from_secs(120);
 /// Host memory allowed to QEMU on top of the guest's RAM (device emulation, TCG's
 /// translation cache of `tb-size=64` MiB).
 pub const QEMU_OVERHEAD_MIB: u64 = 192;
+
+/// Built-in kernel initcalls a microVM's kernel skips (`initcall_blacklist=`): each costs
+/// 5-70 ms under TCG and serves nothing a sandbox's guest uses. Self-tests
+/// (`crypto_kdf108_init`, `blake2s_mod_init`: they run despite `cryptomgr.notests`), kprobe
+/// events in tracefs (`init_kprobe_trace`), the built-in X.509 certificates
+/// (`load_system_certificate_list`: they verify module signatures, which this kernel does not
+/// enforce and the node strips), and the registrations of BPF kernel functions, the first of
+/// which parses all of vmlinux's BTF (~50 ms): BPF programs in the guest cannot call those
+/// kfuncs, and TCP in the guest uses Reno instead of CUBIC (`cubictcp_register` is one of
+/// them). The kit's modules carry no BTF either (`scripts/guest-kit.sh`), so no boot parses
+/// it. Names are Linux 6.1's (Debian 12's cloud kernel); an unknown name is ignored.
+pub const SKIPPED_INITCALLS: &[&str] = &[
+    "init_kprobe_trace",
+    "crypto_kdf108_init",
+    "blake2s_mod_init",
+    "load_system_certificate_list",
+    "cubictcp_register",
+    "bpf_rstat_kfunc_init",
+    "bpf_key_sig_kfuncs_init",
+    "kfunc_init",
+    "bpf_prog_test_run_init",
+    "bpf_tcp_ca_kfunc_init",
+];
 /// Tasks (threads) allowed to one QEMU.
 pub const QEMU_PIDS: u64 = 64;
 /// Failed-boot console logs kept.
@@ -511,8 +535,13 @@ impl MicrovmBackend {
         dir: &Path,
     ) -> Vec<String> {
         let mut args: Vec<String> = [
+            // `rtc=on`: the CMOS RTC is the guest's wall clock at boot. `pit=off`: no i8254
+            // timer, whose presence makes the kernel time its CPU clock against it at boot
+            // (~50 ms under TCG); the TSC and the local APIC timer are the guest's clocks.
             "-M",
-            "microvm,rtc=on",
+            "microvm,rtc=on,pit=off",
+            "-name",
+            super::qemu::QEMU_NAME,
             "-nodefaults",
             "-no-user-config",
             "-display",
@@ -593,11 +622,7 @@ impl MicrovmBackend {
             let d = dir.clone();
             spawn_blocking(move || super::qemu::prepare_vm_dir(&d, uid)).await?;
         }
-        cg.create(&Limits {
-            memory_bytes: (memory_mib + QEMU_OVERHEAD_MIB) << 20,
-            cpu: spec.cpu,
-            pids_max: QEMU_PIDS,
-        })?;
+        super::qemu::create_vmm_cgroup(cg, memory_mib, spec.cpu, QEMU_PIDS)?;
         let smp = (spec.cpu.ceil() as u64).clamp(1, 16);
         let sock = dir.join("agent.sock");
         // The guest agent puts every exec in a guest cgroup with this pids limit.
@@ -606,7 +631,8 @@ impl MicrovmBackend {
         // kernel is Debian's build, the same for every boot). See docs/backends.md for the
         // boot breakdown behind each choice.
         let mut append = format!(
-            "console=ttyS0 panic=-1 quiet cryptomgr.notests sandlot.pids_max={}",
+            "console=ttyS0 panic=-1 quiet cryptomgr.notests initcall_blacklist={} sandlot.pids_max={}",
+            SKIPPED_INITCALLS.join(","),
             spec.pids_max
         );
         // Debugging aid: e.g. `loglevel=5` shows the guest agent's messages on the console.
@@ -616,14 +642,25 @@ impl MicrovmBackend {
         }
         if accel == Accel::Tcg {
             // TCG's microvm has no PIT/HPET to calibrate the TSC against; without these
-            // the kernel stops at "Marking TSC unstable".
-            append.push_str(" tsc_early_khz=2000000 no_timer_check");
+            // the kernel stops at "Marking TSC unstable". The guest's TSC is the host's
+            // (TCG's `rdtsc` reads the host counter), so its rate is the host's: a fixed
+            // guess (2 GHz) made the guest's clocks run 1.3x fast on a 2.6 GHz host.
+            let khz = spawn_blocking(|| Ok(super::qemu::host_tsc_khz())).await?;
+            append.push_str(&format!(" tsc_early_khz={khz} no_timer_check"));
             // Debian's kernel zeroes every kernel allocation (CONFIG_INIT_ON_ALLOC_DEFAULT_ON,
             // hardening against leaks of stale kernel memory to user space); under TCG that
             // costs ~50 ms of a boot. Everything in the guest is one sandbox's and its RAM
             // starts zeroed by QEMU, so a stale page holds nothing of anyone else; under KVM
             // the zeroing is cheap and stays on.
             append.push_str(" init_on_alloc=0");
+            if smp == 1 {
+                // A single vCPU under TCG: the kernel would rewrite every LOCK prefix of its
+                // text for a uniprocessor, one `text_poke` (a page-table switch and TLB flush,
+                // slow under TCG) per site, ~0.1 s of a boot; `noreplace-smp` keeps them.
+                // (Not taken: `nolapic_timer`, which would skip the APIC timer's 100 ms
+                // calibration, leaves microvm's guest without timer interrupts.)
+                append.push_str(" noreplace-smp");
+            }
         }
         let args = self.qemu_args(accel, smp, memory_mib, &append, &disk, &dir);
         let mut state = VmState {

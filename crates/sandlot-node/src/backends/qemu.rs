@@ -33,7 +33,7 @@
 //! the uid between fork and exec instead.
 use super::microvm::{probe_kvm, Accel};
 use super::uids::{UidLease, UidSlots};
-use crate::cgroups::SandboxCgroup;
+use crate::cgroups::{Limits, SandboxCgroup};
 use crate::node::{NodeError, NodeResult};
 use sandlot_guest::agent_proto::IdentityRequest;
 use std::collections::HashMap;
@@ -170,6 +170,117 @@ pub const CONSOLE_LOG: &str = "console.log";
 /// sooner at the QEMU level (within the host's noise through the node). KVM keeps
 /// `-cpu host`, where the hardware runs `rep movsb` fast.
 pub const TCG_CPU: &str = "max,-erms,-fsrm";
+
+/// CPU cores a VMM's own threads may use on top of its guest's `cpu` (cgroup v1; see
+/// [`SandboxCgroup::create_vmm`]): QEMU's main loop and I/O emulate the guest's devices
+/// beside its vCPUs instead of taking their time. Under TCG a cold microVM boot reads its
+/// disks and console through them while the vCPU thread translates; sharing one quota and
+/// one CPU with the vCPU cost ~0.2 s of a 1.7 s boot (docs/backends.md, Cold boot).
+pub const VMM_CPU_HEADROOM: f64 = 0.5;
+
+/// `-name` of every QEMU the node starts: `debug-threads=on` names the vCPU threads
+/// `CPU <n>/TCG` or `CPU <n>/KVM`, which is how [`spawn_logged`] finds them to move them into
+/// the sandbox's vCPU group.
+pub const QEMU_NAME: &str = "sandlot,debug-threads=on";
+
+/// Create the cgroup of a QEMU whose guest has `memory_mib` MiB and `cpu` cores: the
+/// memory limit adds [`QEMU_OVERHEAD_MIB`](super::microvm::QEMU_OVERHEAD_MIB), the vCPU
+/// threads are held to `cpu` and QEMU as a whole to `cpu` + [`VMM_CPU_HEADROOM`] (cgroup
+/// v1; on v2 all of QEMU to `cpu`), at most `pids_max` tasks.
+///
+/// # Errors
+/// `Internal` with the cgroup path that could not be created or written.
+pub fn create_vmm_cgroup(
+    cg: &SandboxCgroup,
+    memory_mib: u64,
+    cpu: f64,
+    pids_max: u64,
+) -> NodeResult<()> {
+    let limits = Limits {
+        memory_bytes: (memory_mib + super::microvm::QEMU_OVERHEAD_MIB) << 20,
+        cpu,
+        pids_max,
+    };
+    cg.create_vmm(&limits, VMM_CPU_HEADROOM).map(|_| ())
+}
+
+/// The vCPU threads of QEMU process `pid` (named by [`QEMU_NAME`]'s `debug-threads=on`).
+fn vcpu_threads(pid: i32) -> Vec<i32> {
+    let Ok(rd) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return Vec::new();
+    };
+    rd.flatten()
+        .filter_map(|e| {
+            let tid = e.file_name().to_str()?.parse::<i32>().ok()?;
+            let comm = std::fs::read_to_string(e.path().join("comm")).ok()?;
+            comm.starts_with("CPU ").then_some(tid)
+        })
+        .collect()
+}
+
+/// Moves the `n` vCPU threads of QEMU `pid` into `cg`'s vCPU group once they exist (QEMU
+/// creates them while it sets the machine up, before the guest runs). Gives up after
+/// 5 s (a QEMU started without [`QEMU_NAME`], e.g. a sandbox from an older node whose
+/// stored command line lacks it, or one that exited): its vCPUs stay in the group itself,
+/// limited with QEMU's headroom.
+fn confine_vcpus(cg: &SandboxCgroup, pid: i32, n: usize) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    loop {
+        let tids = vcpu_threads(pid);
+        if tids.len() >= n.max(1) {
+            for tid in tids {
+                if let Err(e) = cg.move_vcpu_thread(tid) {
+                    tracing::warn!(pid, tid, error = %e, "vCPU thread not moved to its cgroup");
+                }
+            }
+            return;
+        }
+        if std::time::Instant::now() >= deadline {
+            tracing::debug!(
+                pid,
+                found = tids.len(),
+                "vCPU threads not found; left in the VMM's group"
+            );
+            return;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+}
+
+/// The host's TSC rate in kHz, rounded to whole MHz (so that a guest's kernel command line,
+/// and with it the key of its template snapshot, is the same at every node start): counted
+/// once per process against `CLOCK_MONOTONIC_RAW` over 50 ms. Under TCG a guest's `rdtsc`
+/// reads the host's counter (QEMU 7.2 `cpu_get_ticks` without `-icount`), so this is the
+/// rate its kernel must be told (`tsc_early_khz=`) for its clocks to keep time. 2 GHz when
+/// the host has no TSC (not x86_64).
+pub fn host_tsc_khz() -> u64 {
+    static KHZ: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *KHZ.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let now = || {
+                let mut ts = libc::timespec {
+                    tv_sec: 0,
+                    tv_nsec: 0,
+                };
+                // SAFETY: clock_gettime with a valid clock id and a valid out-pointer.
+                unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC_RAW, &mut ts) };
+                ts.tv_sec as u128 * 1_000_000_000 + ts.tv_nsec as u128
+            };
+            // SAFETY: `rdtsc` has no preconditions on x86_64.
+            let tsc = || unsafe { core::arch::x86_64::_rdtsc() } as u128;
+            let (t0, c0) = (now(), tsc());
+            std::thread::sleep(std::time::Duration::from_millis(50));
+            let (t1, c1) = (now(), tsc());
+            let khz = (c1 - c0) * 1_000_000 / (t1 - t0).max(1);
+            let mhz = ((khz + 500) / 1000) as u64;
+            if mhz > 0 {
+                return mhz * 1000;
+            }
+        }
+        2_000_000
+    })
+}
 
 /// `-chardev` value of a socket server on the inherited listening socket `fd`.
 pub fn chardev_on_fd(id: &str, fd: RawFd) -> String {
@@ -596,13 +707,32 @@ pub fn spawn_logged(
     cmd.stdin(std::process::Stdio::null())
         .stdout(log)
         .stderr(log2);
+    let vcpus = smp_of(cmd);
     let mut child = spawn_in_cgroup(cmd, cg, dir, jail)?;
     let pid = child.id() as i32;
+    let cg = cg.clone();
     // QEMU is our child until this process ends: reap it when it exits.
     std::thread::spawn(move || {
+        confine_vcpus(&cg, pid, vcpus);
         let _ = child.wait();
     });
     Ok((pid, super::function::proc_starttime(pid).unwrap_or(0)))
+}
+
+/// The vCPU count of a QEMU command line (`-smp N[,…]`; 1 without `-smp`).
+fn smp_of(cmd: &std::process::Command) -> usize {
+    let args: Vec<_> = cmd.get_args().collect();
+    args.iter()
+        .position(|a| *a == "-smp")
+        .and_then(|i| args.get(i + 1)?.to_str())
+        .and_then(|v| {
+            v.split(',')
+                .next()?
+                .trim_start_matches("cpus=")
+                .parse()
+                .ok()
+        })
+        .unwrap_or(1)
 }
 
 /// Hostname = `id`, a random machine id and 64 random bytes of entropy.
@@ -654,6 +784,28 @@ pub fn boot_failure(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn vcpu_count_from_a_command_line() {
+        let cmd = |args: &[&str]| {
+            let mut c = std::process::Command::new("qemu");
+            c.args(args);
+            c
+        };
+        assert_eq!(smp_of(&cmd(&["-m", "256M", "-smp", "4"])), 4);
+        assert_eq!(smp_of(&cmd(&["-smp", "cpus=2,maxcpus=2"])), 2);
+        assert_eq!(smp_of(&cmd(&["-smp", "3,sockets=1"])), 3);
+        assert_eq!(smp_of(&cmd(&["-m", "256M"])), 1);
+        assert_eq!(smp_of(&cmd(&["-smp"])), 1);
+    }
+
+    #[test]
+    fn host_tsc_rate_is_whole_mhz() {
+        let khz = host_tsc_khz();
+        assert_eq!(khz % 1000, 0);
+        assert!((100_000..=10_000_000).contains(&khz), "{khz} kHz");
+        assert_eq!(host_tsc_khz(), khz, "counted once");
+    }
 
     #[test]
     fn chardev_on_an_inherited_listening_socket() {

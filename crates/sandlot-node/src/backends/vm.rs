@@ -45,16 +45,14 @@ use super::function::{
     check_id, check_not_paused, freeze, proc_starttime, spawn_blocking, thaw, ExecPlan, StoredSpec,
 };
 use super::microvm::snapshot::{self, ProcCell, QemuProc, Relay, QMP_SOCK};
-use super::microvm::{
-    find_binary, fnv, spawn_qemu, write_cpio, write_json, Accel, VmState, QEMU_OVERHEAD_MIB,
-};
+use super::microvm::{find_binary, fnv, spawn_qemu, write_cpio, write_json, Accel, VmState};
 use super::qemu::{
     boot_failure, fresh_identity, AccelProbe, Jail, QemuUids, AGENT_FD, AGENT_SOCK, CONSOLE_LOG,
     QMP_FD,
 };
 use super::SandboxBackend;
 use crate::agent_client::AgentClient;
-use crate::cgroups::{CgroupRoot, Limits, SandboxCgroup};
+use crate::cgroups::{CgroupRoot, SandboxCgroup};
 use crate::checkpoints::{Captured, Checkpoint};
 use crate::files::{file_entry, node_error};
 use crate::images::Image;
@@ -465,11 +463,7 @@ impl VmBackend {
             spawn_blocking(move || super::qemu::prepare_vm_files(&d, &[&disk], uid)).await?;
         }
         let memory_mib = spec.memory_mib.max(128);
-        cg.create(&Limits {
-            memory_bytes: (memory_mib + QEMU_OVERHEAD_MIB) << 20,
-            cpu: spec.cpu,
-            pids_max: QEMU_PIDS,
-        })?;
+        super::qemu::create_vmm_cgroup(cg, memory_mib, spec.cpu, QEMU_PIDS)?;
         let smp = (spec.cpu.ceil() as u64).clamp(1, 16);
         let sock = dir.join(AGENT_SOCK);
         let mut append = format!(
@@ -484,6 +478,8 @@ impl VmBackend {
         let mut args: Vec<String> = [
             "-M",
             "q35",
+            "-name",
+            super::qemu::QEMU_NAME,
             "-nodefaults",
             "-no-user-config",
             "-display",

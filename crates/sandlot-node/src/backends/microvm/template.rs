@@ -21,13 +21,11 @@
 //! cold instead. Templates are kept until the data directory goes; partial ones
 //! (`*.tmp`) are removed at node start.
 use super::snapshot::{kill_and_wait, load_memory, save_memory, Relay, MEMORY_FILE, QMP_SOCK};
-use super::{
-    make_scratch, spawn_qemu, Accel, MicrovmBackend, VmState, QEMU_OVERHEAD_MIB, QEMU_PIDS,
-};
+use super::{make_scratch, spawn_qemu, Accel, MicrovmBackend, VmState, QEMU_PIDS};
 use crate::agent_client::AgentClient;
 use crate::backends::function::spawn_blocking;
 use crate::backends::qemu::{self, Jail};
-use crate::cgroups::{Limits, SandboxCgroup};
+use crate::cgroups::SandboxCgroup;
 use crate::node::{NodeError, NodeResult};
 use crate::qmp::Qmp;
 use std::path::{Path, PathBuf};
@@ -258,11 +256,7 @@ async fn build(
         Ok(())
     })
     .await?;
-    cg.create(&Limits {
-        memory_bytes: (memory_mib + QEMU_OVERHEAD_MIB) << 20,
-        cpu: 1.0,
-        pids_max: QEMU_PIDS,
-    })?;
+    qemu::create_vmm_cgroup(cg, memory_mib, 1.0, QEMU_PIDS)?;
     let (pid, start) = spawn_qemu(qemu, args, tmp, cg, false, jail)?;
     let res: NodeResult<u64> = async {
         let relay = Relay::new(tmp.join("agent.sock"));
