@@ -878,20 +878,18 @@ impl SandboxCgroup {
     /// is a fraction of a core; a whole number of cores is the bound the VMM's vCPU count,
     /// at most `limits.cpu`, already sets). The guest stays at its limit;
     /// QEMU's own threads (device emulation, I/O, the main loop) run beside it instead of
-    /// sharing its quota and its CPU. `Ok(false)` on cgroup v2, where the threads of one
-    /// process can only be split in a threaded subtree (not done): the whole group gets
-    /// `limits`.
+    /// sharing its quota and its CPU. On cgroup v2, where the threads of one process can
+    /// only be split in a threaded subtree (not done), the whole group gets `limits`.
     ///
     /// # Errors
     /// `Internal` with the path that could not be created or written.
-    pub fn create_vmm(&self, limits: &Limits, headroom: f64) -> NodeResult<bool> {
+    pub fn create_vmm(&self, limits: &Limits, headroom: f64) -> NodeResult<()> {
         let cpu_dir = match self.group.version {
             CgroupVersion::V1 => self.group.dir("cpu").map(Path::to_path_buf),
             CgroupVersion::V2 => None,
         };
         let Some(cpu_dir) = cpu_dir else {
-            self.create(limits)?;
-            return Ok(false);
+            return self.create(limits);
         };
         self.create(&Limits {
             cpu: limits.cpu + headroom,
@@ -908,7 +906,7 @@ impl SandboxCgroup {
             write_file(&vcpu.join("cpu.cfs_period_us"), &period.to_string())?;
             write_file(&vcpu.join("cpu.cfs_quota_us"), &quota.to_string())?;
         }
-        Ok(true)
+        Ok(())
     }
 
     /// Move the thread `tid` (a VMM's vCPU thread) into the group's [`VCPU_GROUP`] made by
