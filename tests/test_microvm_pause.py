@@ -157,6 +157,40 @@ def test_template_start_gives_each_guest_a_fresh_identity(node):
     c.close()
 
 
+def test_templates_outlive_a_restart_and_stale_ones_are_collected(node):
+    """A restart of `sandlot up` keeps its templates usable (the key follows the initramfs's
+    content, which the node writes anew at each start, not its mtime) and removes at start
+    the templates of other boot files and partial ones."""
+    c = sandlot.Client(node.url, timeout=120)
+    c.create(backend="microvm", image=IMAGE, memory_mib=192, ttl_s=600).delete()
+    wait_until(lambda: _templates(node), 120, interval=0.5,
+               what="a template snapshot under DATA/microvm/templates")
+    before = sorted(t.parent.name for t in _templates(node))
+    d = node.data_dir / "microvm" / "templates"
+    stale = d / "00000000000000ff"  # as made by another kernel or guest agent
+    stale.mkdir()
+    (stale / "memory.state").write_bytes(b"x" * 4096)
+    (stale / "inputs").write_text("kernel /old/vmlinux:1:1\n")
+    partial = d / "00000000000000fe.tmp"  # a build a crash interrupted
+    partial.mkdir()
+    (partial / "scratch.img").write_bytes(b"")
+    c.close()
+
+    node.restart(signal.SIGKILL)
+    assert not stale.exists() and not partial.exists()
+    assert sorted(t.parent.name for t in _templates(node)) == before
+    c = sandlot.Client(node.url, timeout=120)
+    box = c.create(backend="microvm", image=IMAGE, memory_mib=192, ttl_s=600)
+    st = json.loads((node.data_dir / "microvm" / "vms" / box.id / "state.json").read_text())
+    assert st["started_from"] == "template", st
+    assert any((d / n / "used").is_file() for n in before), "no template marked used"
+    assert box.exec("true").exit_code == 0
+    box.delete()
+    # No new template for the same shape after the restart.
+    assert sorted(t.parent.name for t in _templates(node)) == before
+    c.close()
+
+
 def _cpu_group(box_id: str) -> Path | None:
     """The sandbox's group in the cgroup v1 `cpu` hierarchy (None on cgroup v2)."""
     found = list(Path("/sys/fs/cgroup/cpu").glob(f"*/{box_id}")) \

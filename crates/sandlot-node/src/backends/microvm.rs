@@ -210,6 +210,10 @@ pub struct MicrovmBackend {
     templates_enabled: bool,
     /// Template keys being built now.
     templates_building: Arc<Mutex<std::collections::HashSet<String>>>,
+    /// The boot files templates depend on (kernel and QEMU `path:size:mtime`, a hash of the
+    /// initramfs's content): part of every template key, and kept in each template's
+    /// `inputs` file so that templates of other files are collected (`template::sweep`).
+    template_inputs: String,
 }
 
 /// The kernel `microvm` boots from the guest kit `kit`: `vmlinux`, the uncompressed ELF
@@ -418,7 +422,6 @@ impl MicrovmBackend {
                 cfg.agent_bin.display()
             )));
         }
-        template::sweep_partial(&cfg.dir.join("templates"));
         // QEMU runs as an unprivileged uid per sandbox: it walks down to its own VM
         // directory (0710, group = its uid) and opens the shared read-only files by name
         // (0711 directories: nobody lists them). Failed consoles stay root's.
@@ -460,6 +463,33 @@ impl MicrovmBackend {
                 )
             })
             .map_err(|e| NodeError::io(format!("write {}", initrd.display()), e))?;
+        let initramfs_hash = {
+            let mut parts: Vec<&[u8]> = Vec::new();
+            let modes: Vec<String> = entries.iter().map(|(_, m, _)| m.to_string()).collect();
+            for ((path, _, data), mode) in entries.iter().zip(&modes) {
+                parts.extend([
+                    path.as_bytes(),
+                    mode.as_bytes(),
+                    data.as_deref().unwrap_or(b""),
+                ]);
+            }
+            fnv(&parts)
+        };
+        let template_inputs = format!(
+            "kernel {}\ninitramfs {initramfs_hash:016x}\nqemu {}\n",
+            template::file_id(&kernel),
+            template::file_id(&qemu)
+        );
+        let swept = template::sweep(
+            &cfg.dir.join("templates"),
+            &template_inputs,
+            template::UNUSED_TTL,
+            std::time::SystemTime::now(),
+            true,
+        );
+        if !swept.is_empty() {
+            tracing::info!(backend = "microvm", removed = ?swept, "stale template snapshots removed");
+        }
         cgroups.ensure_parent()?;
         cfg.probe.start(&qemu, &cfg.kit_dir, &initrd);
         Ok(MicrovmBackend {
@@ -470,6 +500,7 @@ impl MicrovmBackend {
             vms: Mutex::new(HashMap::new()),
             templates_enabled: template::enabled_from_env(),
             templates_building: Arc::new(Mutex::new(Default::default())),
+            template_inputs,
         })
     }
 

@@ -18,8 +18,15 @@
 //!
 //! A template start that fails (missing or stale files, QEMU refusing the state, no agent
 //! answer within [`TEMPLATE_READY_TIMEOUT`]) is logged with the reason and the create boots
-//! cold instead. Templates are kept until the data directory goes; partial ones
-//! (`*.tmp`) are removed at node start.
+//! cold instead.
+//!
+//! Collection ([`sweep`], at node start and after each new template): partial templates
+//! (`*.tmp`, start only); templates made from other boot files than the node's now (their
+//! `inputs` file differs from [`MicrovmBackend`]'s: another kernel, guest agent/initramfs or
+//! QEMU binary, so no create can ever hit them again); templates no create has started from
+//! for [`UNUSED_TTL`] (the `used` file's mtime, else the build's), which also collects the
+//! shapes of an older QEMU command line. Each holds about the guest's touched RAM plus its
+//! scratch disk (~60-100 MiB).
 use super::snapshot::{kill_and_wait, load_memory, save_memory, Relay, MEMORY_FILE, QMP_SOCK};
 use super::{make_scratch, spawn_qemu, Accel, MicrovmBackend, VmState, QEMU_PIDS};
 use crate::agent_client::AgentClient;
@@ -29,12 +36,19 @@ use crate::cgroups::SandboxCgroup;
 use crate::node::{NodeError, NodeResult};
 use crate::qmp::Qmp;
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 /// How long the template's guest gets to notice the node disconnected before it is saved.
 const SETTLE: Duration = Duration::from_millis(500);
 /// How long a restored guest may take to answer before the create boots cold instead.
 const TEMPLATE_READY_TIMEOUT: Duration = Duration::from_secs(30);
+/// A template no create started from for this long is removed by [`sweep`].
+pub(super) const UNUSED_TTL: Duration = Duration::from_secs(7 * 24 * 3600);
+/// In a template's directory: the boot files it was made from ([`MicrovmBackend`]'s
+/// `template_inputs`, text).
+const INPUTS_FILE: &str = "inputs";
+/// In a template's directory: an empty file whose mtime is the last start from it.
+const USED_FILE: &str = "used";
 
 /// Whether templates are on: `SANDLOT_MICROVM_TEMPLATES` unset, `1`, `on` or `true`.
 pub(super) fn enabled_from_env() -> bool {
@@ -44,16 +58,41 @@ pub(super) fn enabled_from_env() -> bool {
     )
 }
 
-/// Removes partial templates (`templates/*.tmp`) a crash left.
-pub(super) fn sweep_partial(dir: &Path) {
+/// Removes from the template directory `dir` what no create can use (see the module docs):
+/// templates whose `inputs` file is not `inputs`, those last used (or made) more than
+/// `ttl` before `now`, and with `partial` the unfinished `*.tmp` ones (only at node start:
+/// later they are builds under way). Returns the names removed.
+pub(super) fn sweep(
+    dir: &Path,
+    inputs: &str,
+    ttl: Duration,
+    now: SystemTime,
+    partial: bool,
+) -> Vec<String> {
+    let mut removed = Vec::new();
     for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
-        if e.file_name().to_string_lossy().ends_with(".tmp") {
-            let _ = std::fs::remove_dir_all(e.path());
+        let name = e.file_name().to_string_lossy().into_owned();
+        let p = e.path();
+        let gone = if name.ends_with(".tmp") {
+            partial
+        } else {
+            let stale =
+                std::fs::read_to_string(p.join(INPUTS_FILE)).ok().as_deref() != Some(inputs);
+            let last = std::fs::metadata(p.join(USED_FILE))
+                .or_else(|_| std::fs::metadata(p.join(INPUTS_FILE)))
+                .and_then(|m| m.modified())
+                .ok();
+            stale || last.is_none_or(|t| now.duration_since(t).unwrap_or_default() > ttl)
+        };
+        if gone && std::fs::remove_dir_all(&p).is_ok() {
+            removed.push(name);
         }
     }
+    removed
 }
 
-fn file_id(p: &Path) -> String {
+/// `path:size:mtime` of `p` (empty when it cannot be read).
+pub(super) fn file_id(p: &Path) -> String {
     std::fs::metadata(p)
         .map(|m| {
             use std::os::unix::fs::MetadataExt;
@@ -63,19 +102,15 @@ fn file_id(p: &Path) -> String {
 }
 
 /// The template key of a VM with QEMU arguments `args` whose files live in `dir`: a hash of
-/// the arguments with `dir` taken out, the scratch size and the identity (size, mtime) of
-/// the kernel, initramfs and QEMU binary.
+/// the arguments with `dir` taken out, the scratch size and the node's boot files
+/// (`template_inputs`: the kernel's and QEMU's size and mtime, the initramfs's content,
+/// which the node writes anew at each start).
 pub(super) fn key(b: &MicrovmBackend, dir: &Path, args: &[String], scratch_mib: u64) -> String {
     let d = dir.display().to_string();
     let shape: Vec<String> = args.iter().map(|a| a.replace(&d, "VMDIR")).collect();
-    let ids = [
-        file_id(&super::kit_kernel(&b.cfg.kit_dir)),
-        file_id(&b.cfg.dir.join("initramfs.cpio")),
-        file_id(&b.qemu),
-        scratch_mib.to_string(),
-    ];
+    let scratch = scratch_mib.to_string();
     let mut parts: Vec<&[u8]> = shape.iter().map(|s| s.as_bytes()).collect();
-    parts.extend(ids.iter().map(|s| s.as_bytes()));
+    parts.extend([b.template_inputs.as_bytes(), scratch.as_bytes()]);
     format!("{:016x}", super::fnv(&parts))
 }
 
@@ -162,6 +197,8 @@ impl MicrovmBackend {
                 std::io::Error::other("template start failed"),
             ));
         }
+        // The last use, for `sweep` (a failure here only ages the template sooner).
+        let _ = std::fs::File::create(tpl.join(USED_FILE));
         tracing::info!(sandbox = %state.id, backend = "microvm", template = %key, copy_ms, qmp_ms, load_ms, ready_ms = t0.elapsed().as_millis() as u64 - copy_ms - qmp_ms - load_ms, "microVM restored from template");
         Ok(true)
     }
@@ -189,6 +226,8 @@ impl MicrovmBackend {
         let cg = self.cgroups.sandbox(&format!("tpl-{key}"));
         let building = self.templates_building.clone();
         let uids = self.cfg.uids.clone();
+        let inputs = self.template_inputs.clone();
+        let templates = self.cfg.dir.join("templates");
         let timeout = match accel {
             Accel::Kvm => super::READY_TIMEOUT_KVM,
             Accel::Tcg => super::READY_TIMEOUT_TCG,
@@ -210,6 +249,7 @@ impl MicrovmBackend {
                         memory_mib,
                         timeout,
                         &jail,
+                        &inputs,
                     )
                     .await
                 }
@@ -218,7 +258,21 @@ impl MicrovmBackend {
             uids.release(&owner);
             match res {
                 Ok(bytes) => {
-                    tracing::info!(backend = "microvm", template = %key, ms = started.elapsed().as_millis() as u64, bytes, "template snapshot made")
+                    tracing::info!(backend = "microvm", template = %key, ms = started.elapsed().as_millis() as u64, bytes, "template snapshot made");
+                    let swept = spawn_blocking(move || {
+                        Ok(sweep(
+                            &templates,
+                            &inputs,
+                            UNUSED_TTL,
+                            SystemTime::now(),
+                            false,
+                        ))
+                    })
+                    .await
+                    .unwrap_or_default();
+                    if !swept.is_empty() {
+                        tracing::info!(backend = "microvm", removed = ?swept, "unused template snapshots removed");
+                    }
                 }
                 Err(e) => {
                     let _ = std::fs::remove_dir_all(&tmp);
@@ -241,6 +295,7 @@ async fn build(
     memory_mib: u64,
     timeout: Duration,
     jail: &Jail,
+    inputs: &str,
 ) -> NodeResult<u64> {
     let _ = std::fs::remove_dir_all(tmp);
     std::fs::create_dir_all(tmp)
@@ -285,7 +340,8 @@ async fn build(
         let p = tmp.join(f);
         let _ = std::os::unix::fs::lchown(&p, Some(0), Some(0));
     }
-    std::os::unix::fs::chown(tmp, Some(0), Some(0))
+    std::fs::write(tmp.join(INPUTS_FILE), inputs)
+        .and_then(|_| std::os::unix::fs::chown(tmp, Some(0), Some(0)))
         .and_then(|_| {
             std::fs::set_permissions(tmp, std::os::unix::fs::PermissionsExt::from_mode(0o700))
         })
@@ -311,5 +367,60 @@ impl Drop for MicrovmBackend {
                 std::fs::remove_dir_all(self.cfg.dir.join("templates").join(format!("{key}.tmp")));
         }
         let _ = self.cgroups.remove_parent();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A finished template `name` in `dir` made from `inputs`, last used `age` ago (no
+    /// `used` file when `None`).
+    fn template(dir: &Path, name: &str, inputs: &str, used_age: Option<Duration>) {
+        let t = dir.join(name);
+        std::fs::create_dir_all(&t).unwrap();
+        std::fs::write(t.join("memory.state"), b"m").unwrap();
+        std::fs::write(t.join(INPUTS_FILE), inputs).unwrap();
+        if let Some(age) = used_age {
+            let f = std::fs::File::create(t.join(USED_FILE)).unwrap();
+            f.set_modified(SystemTime::now() - age).unwrap();
+        }
+    }
+
+    #[test]
+    fn sweep_removes_stale_unused_and_partial_templates() {
+        let d = tempfile::tempdir().unwrap();
+        let dir = d.path();
+        let day = Duration::from_secs(24 * 3600);
+        template(dir, "fresh", "now", None);
+        template(dir, "used-lately", "now", Some(day));
+        template(dir, "unused", "now", Some(8 * day));
+        template(dir, "other-kernel", "before", Some(Duration::ZERO));
+        std::fs::create_dir_all(dir.join("old-format")).unwrap(); // no `inputs` file
+        std::fs::create_dir_all(dir.join("building.tmp")).unwrap();
+        let names = |mut v: Vec<String>| {
+            v.sort();
+            v
+        };
+        // While the node runs, a `.tmp` is a build under way and stays.
+        let removed = sweep(dir, "now", UNUSED_TTL, SystemTime::now(), false);
+        assert_eq!(names(removed), ["old-format", "other-kernel", "unused"]);
+        assert!(dir.join("building.tmp").is_dir());
+        // At start it is a crash's leftover.
+        let removed = sweep(dir, "now", UNUSED_TTL, SystemTime::now(), true);
+        assert_eq!(removed, ["building.tmp"]);
+        let mut left: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        left.sort();
+        assert_eq!(left, ["fresh", "used-lately"]);
+        // A week later without use the fresh one goes too; a missing directory is no error.
+        let later = SystemTime::now() + 8 * day;
+        assert_eq!(
+            names(sweep(dir, "now", UNUSED_TTL, later, true)),
+            ["fresh", "used-lately"]
+        );
+        assert!(sweep(&dir.join("none"), "now", UNUSED_TTL, later, true).is_empty());
     }
 }
