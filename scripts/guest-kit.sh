@@ -31,13 +31,26 @@ set -euo pipefail
 : "${SANDLOT_GUEST_KIT_DIR:=$(dirname "$SANDLOT_IMAGES_DIR")/guest-kit}"
 
 pkgs=(qemu-system-x86 qemu-utils erofs-utils e2fsprogs kmod lz4 xz-utils zstd binutils)
-missing=()
-for p in "${pkgs[@]}"; do
-  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
-done
-if [ ${#missing[@]} -gt 0 ]; then
-  apt-get update -qq
+missing_pkgs() {
+  missing=()
+  for p in "${pkgs[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+  done
+}
+# Two passes: an install may remove a listed package it conflicts with (seen on a machine
+# image with qemu-utils 10.0 from bookworm-backports: installing Debian 12's
+# qemu-system-x86 7.2 removed it, and the vm backend then lacked qemu-img); the second pass
+# installs it again at the version that matches.
+for pass in 1 2; do
+  missing_pkgs
+  [ ${#missing[@]} -eq 0 ] && break
+  [ "$pass" = 1 ] && apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}"
+done
+missing_pkgs
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "guest-kit.sh: still not installed after apt-get install: ${missing[*]}" >&2
+  exit 1
 fi
 
 # The concrete kernel package behind the cloud meta-package (e.g. linux-image-6.1.0-57-cloud-amd64).
