@@ -65,6 +65,7 @@ pub fn main() -> i32 {
         let (n, fds) = match sys::recv_fds(&sock, &mut buf) {
             Ok((0, _)) => return 0,
             Ok(r) => r,
+            Err(e) if agent_gone(&e) => return 0,
             Err(e) => {
                 eprintln!("sandlot-guest exec --zygote: recvmsg: {e}");
                 return 1;
@@ -85,11 +86,20 @@ pub fn main() -> i32 {
         // The helper's descriptors are the helper's alone (its stdout must reach EOF when
         // it ends).
         drop(fds);
-        if let Err(e) = sys::send_fds(&sock, &answer.to_ne_bytes(), &[]) {
-            eprintln!("sandlot-guest exec --zygote: send: {e}");
-            return 1;
+        match sys::send_fds(&sock, &answer.to_ne_bytes(), &[]) {
+            Ok(()) => {}
+            Err(e) if agent_gone(&e) => return 0,
+            Err(e) => {
+                eprintln!("sandlot-guest exec --zygote: send: {e}");
+                return 1;
+            }
         }
     }
+}
+
+/// The errors of a socket whose peer (the agent) is gone.
+fn agent_gone(e: &std::io::Error) -> bool {
+    matches!(e.raw_os_error(), Some(libc::EPIPE | libc::ECONNRESET))
 }
 
 /// The cloned helper: `fds` onto 0-4, nothing else open, then a pre-started exec helper.
