@@ -168,6 +168,8 @@ struct ZygoteSlot {
     /// No new zygote before this (set after a failure, so a zygote that keeps dying costs
     /// one start per second at most).
     not_before: Option<Instant>,
+    /// The zygote cannot work here (gVisor: `CLONE_PARENT` not honoured): never start one.
+    unsupported: bool,
 }
 
 /// How long after a zygote failed the next one may be started.
@@ -197,6 +199,7 @@ impl Shared {
         let mut slot = self.zygote.lock().unwrap();
         if start_zygote
             && slot.zygote.is_none()
+            && !slot.unsupported
             && slot.not_before.is_none_or(|t| Instant::now() >= t)
         {
             // SAFETY: `helper_setup` is async-signal-safe.
@@ -205,10 +208,16 @@ impl Shared {
                     self.live.lock().unwrap().insert(z.pid());
                     slot.zygote = Some(z);
                 }
+                Err(e) if e.raw_os_error() == Some(libc::EAGAIN) => return Err(e),
+                Err(e) if e.raw_os_error() == Some(libc::ENOTSUP) => {
+                    eprintln!(
+                        "sandlot-guest agent: no exec zygote here (clone with CLONE_PARENT \
+                         does not make the agent the parent): helpers start directly"
+                    );
+                    slot.unsupported = true;
+                }
                 Err(e) => {
-                    if e.raw_os_error() == Some(libc::EAGAIN) {
-                        return Err(e);
-                    }
+                    eprintln!("sandlot-guest agent: starting the exec zygote: {e}");
                     slot.not_before = Some(Instant::now() + ZYGOTE_RESTART_DELAY);
                 }
             }

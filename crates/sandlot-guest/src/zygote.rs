@@ -60,6 +60,15 @@ pub fn main() -> i32 {
     };
     // A failure here is reported by each helper, which then builds them itself.
     let filters = seccomp::build().ok();
+    // The greeting: 0, or -errno and exit (ENOTSUP: `CLONE_PARENT` is not honoured).
+    let hello = match clone_parent_works() {
+        Ok(true) => 0,
+        Ok(false) => -libc::ENOTSUP,
+        Err(e) => -e.raw_os_error().unwrap_or(libc::EIO),
+    };
+    if sys::send_fds(&sock, &hello.to_ne_bytes(), &[]).is_err() || hello != 0 {
+        return 0;
+    }
     let mut buf = [0u8; 16];
     loop {
         let (n, fds) = match sys::recv_fds(&sock, &mut buf) {
@@ -94,6 +103,24 @@ pub fn main() -> i32 {
                 return 1;
             }
         }
+    }
+}
+
+/// Whether a `CLONE_PARENT` clone really is the parent's child: gVisor (seen with runsc
+/// 0.0~20240729.0, Debian's) accepts the flag but makes the caller the parent; the agent
+/// would never reap those helpers (each exec left a zombie). The probe clone exits at once: when it is ours,
+/// waitpid reaps it; when it is the agent's, waitpid answers ECHILD (the agent reaps it).
+fn clone_parent_works() -> std::io::Result<bool> {
+    match sys::clone_parent()? {
+        Forked::Child => sys::exit_now(0),
+        Forked::Parent(pid) => loop {
+            match nix::sys::wait::waitpid(pid, None) {
+                Ok(_) => return Ok(false),
+                Err(nix::errno::Errno::ECHILD) => return Ok(true),
+                Err(nix::errno::Errno::EINTR) => continue,
+                Err(e) => return Err(e.into()),
+            }
+        },
     }
 }
 
@@ -163,7 +190,12 @@ pub struct Made {
 
 impl Zygote {
     /// Starts `/proc/self/exe exec --zygote` with its request socket on fd 3; `setup` runs
-    /// in the forked child before execve (the helpers' set-up: cgroup, signal mask).
+    /// in the forked child before execve (the helpers' set-up: cgroup, signal mask). Waits
+    /// for its greeting (up to a second).
+    ///
+    /// # Errors
+    /// ENOTSUP where the zygote cannot work (`CLONE_PARENT` not honoured, see
+    /// [`clone_parent_works`]): do not start another. Else the spawn's or the greeting's.
     ///
     /// # Safety
     /// `setup` runs between fork and execve: async-signal-safe calls only.
@@ -194,10 +226,26 @@ impl Zygote {
             });
         }
         let child = cmd.spawn()?;
-        Ok(Zygote {
+        drop(theirs);
+        let z = Zygote {
             sock: ours,
             pid: child.id() as i32,
-        })
+        };
+        match z.answer()? {
+            0 => Ok(z),
+            n if n < 0 => Err(std::io::Error::from_raw_os_error(-n)),
+            _ => Err(std::io::Error::from_raw_os_error(libc::EPROTO)),
+        }
+    }
+
+    /// The next 4-byte answer on the socket (EPIPE: the zygote is gone).
+    fn answer(&self) -> std::io::Result<i32> {
+        let mut buf = [0u8; 8];
+        match sys::recv_fds(&self.sock, &mut buf)? {
+            (4, fds) if fds.is_empty() => Ok(i32::from_ne_bytes([buf[0], buf[1], buf[2], buf[3]])),
+            (0, _) => Err(std::io::Error::from_raw_os_error(libc::EPIPE)),
+            _ => Err(std::io::Error::from_raw_os_error(libc::EPROTO)),
+        }
     }
 
     /// The zygote's pid (a child of the agent).
@@ -228,21 +276,7 @@ impl Zygote {
         sys::send_fds(&self.sock, &[REQUEST], &far).map_err(RequestError::Gone)?;
         // Our copies of the far ends go now: the helper holds the only ones.
         drop((stdin_r, stdout_w, stderr_w, spec_r, status_w));
-        let mut buf = [0u8; 8];
-        let answer = match sys::recv_fds(&self.sock, &mut buf) {
-            Ok((4, fds)) if fds.is_empty() => i32::from_ne_bytes([buf[0], buf[1], buf[2], buf[3]]),
-            Ok((0, _)) => {
-                return Err(RequestError::Gone(std::io::Error::from_raw_os_error(
-                    libc::EPIPE,
-                )))
-            }
-            Ok(_) => {
-                return Err(RequestError::Gone(std::io::Error::from_raw_os_error(
-                    libc::EPROTO,
-                )))
-            }
-            Err(e) => return Err(RequestError::Gone(e)),
-        };
+        let answer = self.answer().map_err(RequestError::Gone)?;
         if answer <= 0 {
             return Err(RequestError::Refused(std::io::Error::from_raw_os_error(
                 -answer,
