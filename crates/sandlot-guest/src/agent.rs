@@ -6,8 +6,9 @@
 //! container can neither replace nor redirect it) or `--listen PATH` (bind a unix socket).
 //!
 //! Duties as pid 1: reap every child (orphans are re-parented here), bring up `lo`. Each exec runs `sandlot-guest exec` in `own_pid_ns` mode (this
-//! same binary via `/proc/self/exe`), so set-up, privilege drop, seccomp and the whole-tree
-//! kill are the code the function backend uses. The runtime is single-threaded (tokio
+//! same binary, cloned from the exec-helper zygote [`crate::zygote`] or started via
+//! `/proc/self/exe`), so set-up, privilege drop, seccomp and the whole-tree kill are the
+//! code the function backend uses. The runtime is single-threaded (tokio
 //! current-thread) to keep the agent small: it only shuffles bytes.
 use std::collections::HashSet;
 use std::convert::Infallible;
@@ -255,8 +256,9 @@ impl Shared {
         Helper::spawn_direct(&self.live)
     }
 
-    /// Starts a spare helper on a short-lived thread (the fork and execve stay off the
-    /// runtime's thread) unless a live one is there or a refill is under way. A failure,
+    /// Starts a spare helper on a short-lived thread (the request to the zygote, or the
+    /// fork and execve, and a zygote's start stay off the runtime's thread) unless a live
+    /// one is there or a refill is under way. A failure,
     /// e.g. at the pids limit, leaves none: the next exec starts its own.
     fn refill_spare(&self) {
         let shared = self.clone();
