@@ -372,13 +372,14 @@ async fn a_zygote_makes_the_helpers_and_a_killed_one_is_replaced() {
     let c = loop {
         let (out, _, x) = run(&a, &echo, None).await;
         assert_eq!(out, b"ok\n", "{x:?}");
+        // The refill after the exec has started the next spare by then.
+        tokio::time::sleep(Duration::from_millis(100)).await;
         let c = agent_children(agent);
         direct |= c.iter().any(|(_, cmd, _)| cmd.contains("--own-pid-ns"));
         if zygotes(&c).iter().any(|p| *p != zygote) && from_zygote(&c) {
             break c;
         }
         assert!(Instant::now() < deadline, "no new zygote: {c:?}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
     };
     assert!(
         direct,
