@@ -6,8 +6,9 @@
 //! container can neither replace nor redirect it) or `--listen PATH` (bind a unix socket).
 //!
 //! Duties as pid 1: reap every child (orphans are re-parented here), bring up `lo`. Each exec runs `sandlot-guest exec` in `own_pid_ns` mode (this
-//! same binary via `/proc/self/exe`), so set-up, privilege drop, seccomp and the whole-tree
-//! kill are the code the function backend uses. The runtime is single-threaded (tokio
+//! same binary, cloned from the exec-helper zygote [`crate::zygote`] or started via
+//! `/proc/self/exe`), so set-up, privilege drop, seccomp and the whole-tree kill are the
+//! code the function backend uses. The runtime is single-threaded (tokio
 //! current-thread) to keep the agent small: it only shuffles bytes.
 use std::collections::HashSet;
 use std::convert::Infallible;
@@ -55,6 +56,8 @@ struct Shared {
     live: Live,
     handles: Handles,
     spare: Arc<Mutex<Option<Helper>>>,
+    /// The exec-helper zygote (see [`crate::zygote`]) that makes the helpers.
+    zygote: Arc<Mutex<ZygoteSlot>>,
     /// Set by [`serve_vm`]: the first spare is started by the first ping instead of at
     /// start, so that on a microVM's single vCPU the boot's readiness ping is not answered
     /// after the spare's fork + execve (~40 ms sooner under TCG; the first exec waits for
@@ -65,23 +68,59 @@ struct Shared {
 /// A started `sandlot-guest exec` waiting for its spec on fd 3.
 ///
 /// The agent keeps one started ahead of the next exec (the "spare", see [`Shared::spare`];
-/// `sandlot-guest exec --own-pid-ns`): the fork and execve of the helper and its
-/// spec-independent set-up (the exec's pid namespace and exec init, the seccomp filters)
-/// then happen off the exec's critical path. A spare costs two processes of the sandbox
-/// (its pids limit) and about 0.3 MiB private memory; one that died meanwhile (OOM killer,
-/// kill from the node) is noticed and replaced by a fresh helper.
+/// `sandlot-guest exec --own-pid-ns`): the helper's creation and its spec-independent
+/// set-up (the exec's pid namespace and exec init, the seccomp filters) then happen off the
+/// exec's critical path. A spare costs two processes of the sandbox (its pids limit) and
+/// about 0.3 MiB private memory; one that died meanwhile (OOM killer, kill from the node)
+/// is noticed and replaced by a fresh helper.
+///
+/// Helpers are made by the zygote (one more long-lived process, see [`crate::zygote`]),
+/// which saves each the fork of the agent, the execve and the start-up of the binary and
+/// the building of the filters; while there is none (not started yet, killed, failing)
+/// the agent starts them itself with fork + execve of `/proc/self/exe`. Either way the
+/// helper is the agent's child.
 struct Helper {
-    child: std::process::Child,
     pid: i32,
+    /// Write end of the helper's stdin.
+    stdin: OwnedFd,
+    /// Read end of the helper's stdout.
+    stdout: OwnedFd,
+    /// Read end of the helper's stderr.
+    stderr: OwnedFd,
     /// Write end of the helper's fd 3 (the spec).
     spec_w: OwnedFd,
     /// Read end of the helper's fd 4 (violations, then the status).
     status_r: OwnedFd,
 }
 
+/// For `pre_exec` of a helper or the zygote: in a microVM every exec joins the guest's
+/// `sandbox` cgroup (its pids limit), and signals for the command wait in the helper until
+/// it can forward them. The returned closure is async-signal-safe (open, write, close,
+/// sigprocmask; the path is made here, before the fork).
+fn helper_setup() -> impl FnMut() -> std::io::Result<()> + Send + Sync + 'static {
+    let procs = std::path::Path::new(crate::vm::SANDBOX_CGROUP_PROCS)
+        .exists()
+        .then(|| std::ffi::CString::new(crate::vm::SANDBOX_CGROUP_PROCS).expect("no NUL"));
+    move || {
+        if let Some(p) = &procs {
+            // SAFETY: a NUL-terminated path; open, write and close are async-signal-safe.
+            unsafe {
+                let fd = libc::open(p.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
+                if fd >= 0 {
+                    // "0" moves the writing process itself.
+                    libc::write(fd, b"0".as_ptr().cast(), 1);
+                    libc::close(fd);
+                }
+            }
+        }
+        sys::block_forwarded_raw()
+    }
+}
+
 impl Helper {
-    /// Starts a helper (stdin, stdout and stderr are pipes) and registers it in `live`.
-    fn spawn(live: &Live) -> std::io::Result<Helper> {
+    /// Starts a helper with fork + execve (stdin, stdout and stderr are pipes) and
+    /// registers it in `live`.
+    fn spawn_direct(live: &Live) -> std::io::Result<Helper> {
         let (spec_r, spec_w) = pipe()?;
         let (status_r, status_w) = pipe()?;
         let spec_r = high(spec_r)?;
@@ -93,44 +132,53 @@ impl Helper {
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .env_clear();
-        // In a microVM every exec joins the guest's `sandbox` cgroup (its pids limit).
-        let procs = std::path::Path::new(crate::vm::SANDBOX_CGROUP_PROCS)
-            .exists()
-            .then(|| std::ffi::CString::new(crate::vm::SANDBOX_CGROUP_PROCS).expect("no NUL"));
-        // SAFETY: runs in the forked child before execve; dup2, open, write and close are
-        // async-signal-safe, the sources are CLOEXEC fds >= 10, the path was made before fork.
+        let mut setup = helper_setup();
+        // SAFETY: runs in the forked child before execve; dup2 and `setup` are
+        // async-signal-safe, the sources are CLOEXEC fds >= 10.
         unsafe {
             cmd.pre_exec(move || {
                 if libc::dup2(sfd, 3) < 0 || libc::dup2(wfd, 4) < 0 {
                     return Err(std::io::Error::last_os_error());
                 }
-                if let Some(p) = &procs {
-                    let fd = libc::open(p.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
-                    if fd >= 0 {
-                        // "0" moves the writing process itself.
-                        libc::write(fd, b"0".as_ptr().cast(), 1);
-                        libc::close(fd);
-                    }
-                }
-                // Signals for the command wait in the helper until it can forward them.
-                sys::block_forwarded_raw()
+                setup()
             });
         }
-        let child = cmd.spawn()?;
+        let mut child = cmd.spawn()?;
         let pid = child.id() as i32;
         live.lock().unwrap().insert(pid);
+        let (Some(stdin), Some(stdout), Some(stderr)) =
+            (child.stdin.take(), child.stdout.take(), child.stderr.take())
+        else {
+            unreachable!("stdin, stdout and stderr are piped");
+        };
         Ok(Helper {
-            child,
             pid,
+            stdin: stdin.into(),
+            stdout: stdout.into(),
+            stderr: stderr.into(),
             spec_w,
             status_r,
         })
     }
 }
 
+/// The zygote, if one runs, and when the next may be started.
+#[derive(Default)]
+struct ZygoteSlot {
+    zygote: Option<crate::zygote::Zygote>,
+    /// No new zygote before this (set after a failure, so a zygote that keeps dying costs
+    /// one start per second at most).
+    not_before: Option<Instant>,
+    /// The zygote cannot work here (gVisor: `CLONE_PARENT` not honoured): never start one.
+    unsupported: bool,
+}
+
+/// How long after a zygote failed the next one may be started.
+const ZYGOTE_RESTART_DELAY: Duration = Duration::from_secs(1);
+
 impl Shared {
     /// The spare helper if it is still alive (not yet reaped), else a freshly started one.
-    /// A refill under way is waited for (it holds the lock until its helper has exec'd,
+    /// A refill under way is waited for (it holds the lock until its helper has started,
     /// well under a millisecond): starting a second helper next to it costs more.
     fn take_helper(&self) -> std::io::Result<Helper> {
         let spare = self.spare.lock().unwrap().take();
@@ -139,11 +187,78 @@ impl Shared {
                 return Ok(h);
             }
         }
-        Helper::spawn(&self.live)
+        self.new_helper(false)
     }
 
-    /// Starts a spare helper on a short-lived thread (the fork and execve stay off the
-    /// runtime's thread) unless a live one is there or a refill is under way. A failure,
+    /// A new helper from the zygote, else (none running, gone, failing) started directly.
+    /// `start_zygote`: start a zygote first if none runs and the restart delay is over
+    /// (only off the exec's critical path: the refill thread).
+    ///
+    /// EAGAIN (the pids limit) from the zygote is the answer: a direct start would be
+    /// refused too.
+    fn new_helper(&self, start_zygote: bool) -> std::io::Result<Helper> {
+        let mut slot = self.zygote.lock().unwrap();
+        if start_zygote
+            && slot.zygote.is_none()
+            && !slot.unsupported
+            && slot.not_before.is_none_or(|t| Instant::now() >= t)
+        {
+            // SAFETY: `helper_setup` is async-signal-safe.
+            match unsafe { crate::zygote::Zygote::spawn(helper_setup()) } {
+                Ok(z) => {
+                    self.live.lock().unwrap().insert(z.pid());
+                    slot.zygote = Some(z);
+                }
+                Err(e) if e.raw_os_error() == Some(libc::EAGAIN) => return Err(e),
+                Err(e) if e.raw_os_error() == Some(libc::ENOTSUP) => {
+                    eprintln!(
+                        "sandlot-guest agent: no exec zygote here (clone with CLONE_PARENT \
+                         does not make the agent the parent): helpers start directly"
+                    );
+                    slot.unsupported = true;
+                }
+                Err(e) => {
+                    eprintln!("sandlot-guest agent: starting the exec zygote: {e}");
+                    slot.not_before = Some(Instant::now() + ZYGOTE_RESTART_DELAY);
+                }
+            }
+        }
+        if let Some(z) = &slot.zygote {
+            match z.helper() {
+                Ok(m) => {
+                    self.live.lock().unwrap().insert(m.pid);
+                    return Ok(Helper {
+                        pid: m.pid,
+                        stdin: m.stdin,
+                        stdout: m.stdout,
+                        stderr: m.stderr,
+                        spec_w: m.spec_w,
+                        status_r: m.status_r,
+                    });
+                }
+                Err(crate::zygote::RequestError::Refused(e))
+                    if e.raw_os_error() == Some(libc::EAGAIN) =>
+                {
+                    return Err(e)
+                }
+                Err(crate::zygote::RequestError::Refused(_)) => {}
+                Err(crate::zygote::RequestError::Gone(e)) => {
+                    eprintln!("sandlot-guest agent: exec zygote gone ({e}): helpers start directly until a new one runs");
+                    let z = slot.zygote.take().expect("checked above");
+                    if self.live.lock().unwrap().contains(&z.pid()) {
+                        let _ = kill(Pid::from_raw(z.pid()), Signal::SIGKILL);
+                    }
+                    slot.not_before = Some(Instant::now() + ZYGOTE_RESTART_DELAY);
+                }
+            }
+        }
+        drop(slot);
+        Helper::spawn_direct(&self.live)
+    }
+
+    /// Starts a spare helper on a short-lived thread (the request to the zygote, or the
+    /// fork and execve, and a zygote's start stay off the runtime's thread) unless a live
+    /// one is there or a refill is under way. A failure,
     /// e.g. at the pids limit, leaves none: the next exec starts its own.
     fn refill_spare(&self) {
         let shared = self.clone();
@@ -158,7 +273,7 @@ impl Shared {
                     .as_ref()
                     .is_some_and(|h| shared.live.lock().unwrap().contains(&h.pid));
                 if !alive {
-                    *spare = Helper::spawn(&shared.live).ok();
+                    *spare = shared.new_helper(true).ok();
                 }
             });
     }
@@ -700,8 +815,10 @@ async fn exec(mut body: Incoming, shared: Shared) -> Result<Response<Body>, Stri
         Err(e) => return Err(format!("spawn exec helper: {e}")),
     };
     let Started {
-        mut child,
         pid,
+        stdin,
+        stdout,
+        stderr,
         status_r,
     } = helper;
     let killer = KillOnDrop(pid, live.clone());
@@ -710,9 +827,8 @@ async fn exec(mut body: Incoming, shared: Shared) -> Result<Response<Body>, Stri
         shared.handles.lock().unwrap().insert(h.clone(), pid);
     }
     // Without stdin the helper swaps in /dev/null (`stdin_null`); our end just closes.
-    let stdin = child.stdin.take().filter(|_| req.stdin);
-    if let Some(stdin) = stdin {
-        let fd = OwnedFd::from(stdin);
+    let stdin = Some(stdin).filter(|_| req.stdin);
+    if let Some(fd) = stdin {
         let mut w = tokio::net::unix::pipe::Sender::from_owned_fd(fd)
             .map_err(|e| format!("stdin pipe: {e}"))?;
         tokio::spawn(async move {
@@ -734,16 +850,8 @@ async fn exec(mut body: Incoming, shared: Shared) -> Result<Response<Body>, Stri
         });
     }
     let (tx, rx) = mpsc::channel::<Bytes>(16);
-    let out = pump(
-        child.stdout.take().map(OwnedFd::from),
-        FrameKind::Stdout,
-        tx.clone(),
-    );
-    let err = pump(
-        child.stderr.take().map(OwnedFd::from),
-        FrameKind::Stderr,
-        tx.clone(),
-    );
+    let out = pump(Some(stdout), FrameKind::Stdout, tx.clone());
+    let err = pump(Some(stderr), FrameKind::Stderr, tx.clone());
     let status_rx = tokio::net::unix::pipe::Receiver::from_owned_fd(status_r)
         .map_err(|e| format!("status pipe: {e}"))?;
     let timeout = Duration::from_millis(req.timeout_ms.max(1));
@@ -787,7 +895,6 @@ async fn exec(mut body: Incoming, shared: Shared) -> Result<Response<Body>, Stri
         };
         let json = serde_json::to_vec(&exit).expect("ExecExit serialises");
         let _ = tx.send(Bytes::from(encode(FrameKind::Exit, &json))).await;
-        drop(child);
         // The next exec's helper, started now that this one's answer is on its way.
         spare_after.refill_spare();
     });
@@ -801,8 +908,10 @@ async fn exec(mut body: Incoming, shared: Shared) -> Result<Response<Body>, Stri
 
 /// A helper that has its spec: what the exec keeps of it.
 struct Started {
-    child: std::process::Child,
     pid: i32,
+    stdin: OwnedFd,
+    stdout: OwnedFd,
+    stderr: OwnedFd,
     status_r: OwnedFd,
 }
 
@@ -814,8 +923,10 @@ async fn send_spec(shared: &Shared, spec_json: &[u8]) -> std::io::Result<Started
     let mut retried = false;
     loop {
         let Helper {
-            child,
             pid,
+            stdin,
+            stdout,
+            stderr,
             spec_w,
             status_r,
         } = helper;
@@ -823,8 +934,10 @@ async fn send_spec(shared: &Shared, spec_json: &[u8]) -> std::io::Result<Started
         match w.write_all(spec_json).await {
             Ok(()) => {
                 return Ok(Started {
-                    child,
                     pid,
+                    stdin,
+                    stdout,
+                    stderr,
                     status_r,
                 })
             }
@@ -835,7 +948,7 @@ async fn send_spec(shared: &Shared, spec_json: &[u8]) -> std::io::Result<Started
                     return Err(e);
                 }
                 retried = true;
-                helper = Helper::spawn(&shared.live)?;
+                helper = shared.new_helper(false)?;
             }
         }
     }

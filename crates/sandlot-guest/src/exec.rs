@@ -95,6 +95,17 @@ impl From<SetupError> for ExecStatus {
 /// `prestart` (`sandlot-guest exec --own-pid-ns`, the guest agent's helpers): see
 /// [`run_prestarted`].
 pub fn main(prestart: bool) -> i32 {
+    main_with(prestart, None)
+}
+
+/// [`main`] of a pre-started helper made by the guest agent's zygote (`crate::zygote`),
+/// which built the filters once for all its helpers: the same steps, from a fork of the
+/// zygote instead of a fresh execve.
+pub fn main_prestarted(filters: seccomp::Filters) -> i32 {
+    main_with(true, Some(filters))
+}
+
+fn main_with(prestart: bool, filters: Option<seccomp::Filters>) -> i32 {
     // Signals for the command stay pending until it exists (see `sys::start_forwarding`);
     // without the handler they would only be lost, so a failure here is not fatal.
     if let Err(e) = sys::start_forwarding() {
@@ -122,8 +133,11 @@ pub fn main(prestart: bool) -> i32 {
             return 1;
         }
     };
-    let run = if prestart { run_prestarted } else { run };
-    let status = match run(sup_out) {
+    let status = match if prestart {
+        run_prestarted(sup_out, filters)
+    } else {
+        run(sup_out)
+    } {
         Ok(s) => s,
         Err(e) => e.into(),
     };
@@ -393,8 +407,16 @@ fn run_in_own_pid_ns(
 /// them first changes nothing it can do, and the exec's critical path loses a fork, the
 /// unshare and the filter installation. The process limit still bites at the exec: the
 /// command's fork is the one refused.
-fn run_prestarted(sup_out: std::fs::File) -> Result<ExecStatus, SetupError> {
-    let filters = seccomp::build()?;
+///
+/// `filters`: already built (by the zygote), else built here.
+fn run_prestarted(
+    sup_out: std::fs::File,
+    filters: Option<seccomp::Filters>,
+) -> Result<ExecStatus, SetupError> {
+    let filters = match filters {
+        Some(f) => f,
+        None => seccomp::build()?,
+    };
     let chan = listener_channel()?;
     nix::sched::unshare(CloneFlags::CLONE_NEWPID).context("unshare(CLONE_NEWPID)")?;
     let (err_r, err_w) = pipe2(OFlag::O_CLOEXEC).context("pipe2")?;

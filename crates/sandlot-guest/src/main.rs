@@ -14,6 +14,7 @@ mod init;
 mod seccomp;
 mod sys;
 mod vm;
+mod zygote;
 
 fn main() {
     // pid 1 of a microVM: the kernel runs the initramfs's /init with no arguments.
@@ -22,7 +23,10 @@ fn main() {
     }
     let code = match std::env::args().nth(1).as_deref() {
         Some("init") => init::main(),
-        Some("exec") => exec::main(std::env::args().nth(2).as_deref() == Some("--own-pid-ns")),
+        Some("exec") => match std::env::args().nth(2).as_deref() {
+            Some("--zygote") => zygote::main(),
+            flag => exec::main(flag == Some("--own-pid-ns")),
+        },
         Some("vm-disk-init") => vm::disk_init(),
         Some("agent") => agent::main(&std::env::args().skip(2).collect::<Vec<_>>()),
         _ => {

@@ -69,6 +69,7 @@ fn cond(arg: u8, len: SeccompCmpArgLen, op: SeccompCmpOp, value: u64) -> Result<
 }
 
 /// The exec filters, built before the fork ([`build`]).
+#[derive(Clone)]
 pub struct Filters {
     /// The deny list, verdict `SECCOMP_RET_USER_NOTIF`.
     notify: BpfProgram,

@@ -628,3 +628,157 @@ pub fn notif_send_errno(listener: &OwnedFd, id: u64, errno: i32) -> io::Result<(
     })
     .map(drop)
 }
+
+/// clone(2) with `CLONE_PARENT`, otherwise like fork(2): the child's parent is the
+/// caller's parent, not the caller (the guest agent's zygote makes exec helpers that are
+/// the agent's children, see `crate::zygote`). The exit signal is the caller's own
+/// (SIGCHLD for a forked caller; clone(2): "CLONE_PARENT ... the exit signal of the
+/// calling process"). The kernel refuses it (EINVAL) to the init of a pid namespace.
+///
+/// Same contract as [`fork`]: the caller must be single-threaded. Unlike glibc's fork this
+/// runs no atfork handlers and leaves glibc's cached thread id of the child at the
+/// caller's value; neither matters to a single-threaded caller that holds no lock (glibc
+/// ≥ 2.34 asks the kernel for the thread id in raise/abort, and its next fork stores the
+/// right one again).
+pub fn clone_parent() -> io::Result<Forked> {
+    // SAFETY: clone without CLONE_VM and with a null stack duplicates the caller like
+    // fork(2): the child continues on its own copy of the stack, returning 0 from the
+    // syscall wrapper. The caller is single-threaded (see above).
+    let ret = unsafe {
+        libc::syscall(
+            libc::SYS_clone,
+            (libc::CLONE_PARENT | libc::SIGCHLD) as libc::c_ulong,
+            0 as libc::c_ulong,
+            0 as libc::c_ulong,
+            0 as libc::c_ulong,
+            0 as libc::c_ulong,
+        )
+    };
+    match ret {
+        r if r < 0 => Err(io::Error::last_os_error()),
+        0 => Ok(Forked::Child),
+        pid => Ok(Forked::Parent(Pid::from_raw(pid as i32))),
+    }
+}
+
+/// A unix `SOCK_SEQPACKET` socket pair (message boundaries kept, EOF when the peer is
+/// gone), both ends close-on-exec.
+pub fn seqpacket_pair() -> io::Result<(OwnedFd, OwnedFd)> {
+    let mut fds = [0 as RawFd; 2];
+    // SAFETY: `fds` is a valid out array of two ints.
+    cvt(unsafe {
+        libc::socketpair(
+            libc::AF_UNIX,
+            libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC,
+            0,
+            fds.as_mut_ptr(),
+        )
+    })?;
+    // SAFETY: two new descriptors owned by nothing else.
+    Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
+}
+
+/// Most descriptors [`send_fds`] / [`recv_fds`] carry in one message.
+pub const MAX_FDS: usize = 8;
+const FDS_CMSG_SPACE: usize = 128;
+
+/// Sends `data` with `fds` (SCM_RIGHTS, unix(7)) as one message over `sock`; never raises
+/// SIGPIPE (EPIPE when the peer is gone).
+pub fn send_fds(sock: &OwnedFd, data: &[u8], fds: &[RawFd]) -> io::Result<()> {
+    if fds.len() > MAX_FDS || data.is_empty() {
+        return Err(io::Error::from_raw_os_error(libc::EINVAL));
+    }
+    let mut iov = libc::iovec {
+        iov_base: data.as_ptr() as *mut libc::c_void,
+        iov_len: data.len(),
+    };
+    let mut cbuf = [0u64; FDS_CMSG_SPACE / 8];
+    let bytes = std::mem::size_of_val(fds) as u32;
+    // SAFETY: msghdr is plain data; every pointer set below refers to live locals (the
+    // kernel only reads `data` through the iovec); CMSG_SPACE(4 * MAX_FDS) = 48 <= 128
+    // bytes, so the CMSG_* macros and the copy stay within `cbuf`.
+    unsafe {
+        let mut msg: libc::msghdr = std::mem::zeroed();
+        msg.msg_iov = &mut iov;
+        msg.msg_iovlen = 1;
+        if !fds.is_empty() {
+            msg.msg_control = cbuf.as_mut_ptr().cast();
+            msg.msg_controllen = libc::CMSG_SPACE(bytes) as _;
+            let c = libc::CMSG_FIRSTHDR(&msg);
+            (*c).cmsg_level = libc::SOL_SOCKET;
+            (*c).cmsg_type = libc::SCM_RIGHTS;
+            (*c).cmsg_len = libc::CMSG_LEN(bytes) as _;
+            std::ptr::copy_nonoverlapping(
+                fds.as_ptr(),
+                libc::CMSG_DATA(c).cast::<RawFd>(),
+                fds.len(),
+            );
+        }
+        loop {
+            if libc::sendmsg(sock.as_raw_fd(), &msg, libc::MSG_NOSIGNAL) >= 0 {
+                return Ok(());
+            }
+            let e = io::Error::last_os_error();
+            if e.raw_os_error() != Some(libc::EINTR) {
+                return Err(e);
+            }
+        }
+    }
+}
+
+/// Receives one message of [`send_fds`] into `buf`: its length (0 on EOF) and the
+/// descriptors it carried (close-on-exec). EINTR is retried.
+pub fn recv_fds(sock: &OwnedFd, buf: &mut [u8]) -> io::Result<(usize, Vec<OwnedFd>)> {
+    let mut iov = libc::iovec {
+        iov_base: buf.as_mut_ptr().cast(),
+        iov_len: buf.len(),
+    };
+    let mut cbuf = [0u64; FDS_CMSG_SPACE / 8];
+    // SAFETY: as in send_fds; the kernel writes at most msg_controllen bytes into `cbuf`
+    // and at most `buf.len()` into `buf`; received descriptors are owned by nothing else
+    // yet, and each is taken exactly once from the control message.
+    unsafe {
+        let mut msg: libc::msghdr;
+        let n = loop {
+            msg = std::mem::zeroed();
+            msg.msg_iov = &mut iov;
+            msg.msg_iovlen = 1;
+            msg.msg_control = cbuf.as_mut_ptr().cast();
+            msg.msg_controllen = FDS_CMSG_SPACE as _;
+            let n = libc::recvmsg(sock.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC);
+            if n >= 0 {
+                break n as usize;
+            }
+            let e = io::Error::last_os_error();
+            if e.raw_os_error() != Some(libc::EINTR) {
+                return Err(e);
+            }
+        };
+        let mut fds = Vec::new();
+        let mut c = libc::CMSG_FIRSTHDR(&msg);
+        while !c.is_null() {
+            if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
+                let data = libc::CMSG_DATA(c);
+                let len = (*c).cmsg_len as usize - (data as usize - c as usize);
+                for i in 0..len / std::mem::size_of::<RawFd>() {
+                    let fd = std::ptr::read_unaligned(data.cast::<RawFd>().add(i));
+                    fds.push(OwnedFd::from_raw_fd(fd));
+                }
+            }
+            c = libc::CMSG_NXTHDR(&msg, c);
+        }
+        if msg.msg_flags & libc::MSG_CTRUNC != 0 {
+            // More descriptors than fit: the ones received are closed on drop.
+            return Err(io::Error::from_raw_os_error(libc::EMSGSIZE));
+        }
+        Ok((n, fds))
+    }
+}
+
+/// F_DUPFD_CLOEXEC: a close-on-exec copy of `fd` numbered `min` or higher.
+pub fn dup_at_least(fd: RawFd, min: RawFd) -> io::Result<OwnedFd> {
+    // SAFETY: fcntl with integer arguments; a new descriptor is owned by nothing else.
+    let n = cvt(unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, min) })?;
+    // SAFETY: as above.
+    Ok(unsafe { OwnedFd::from_raw_fd(n) })
+}

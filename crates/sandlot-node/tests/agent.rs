@@ -284,3 +284,115 @@ async fn handles_take_signals_and_streamed_stdin() {
     };
     assert_eq!(x.status, ExecStatus::Signaled { signal: 9 });
 }
+
+/// The agent's live children: (pid, command line, whether it made its own pid namespace
+/// — the exec helpers do, the zygote does not).
+fn agent_children(agent: i32) -> Vec<(i32, String, bool)> {
+    let own_ns = std::fs::read_link(format!("/proc/{agent}/ns/pid_for_children")).ok();
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|p| {
+            let stat = std::fs::read_to_string(format!("/proc/{p}/stat")).unwrap_or_default();
+            // pid (comm) state ppid ...: the fields after the last ')'.
+            let rest = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
+            rest.split_whitespace().nth(1) == Some(&agent.to_string()) && alive(*p)
+        })
+        .filter_map(|p| {
+            let cmd = std::fs::read(format!("/proc/{p}/cmdline")).ok()?;
+            let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
+            let ns = std::fs::read_link(format!("/proc/{p}/ns/pid_for_children")).ok();
+            Some((p, cmd.trim().to_string(), ns != own_ns))
+        })
+        .collect()
+}
+
+/// Waits up to 10 s for `pred` over the agent's children; returns the last list.
+async fn wait_children(
+    agent: i32,
+    what: &str,
+    pred: impl Fn(&[(i32, String, bool)]) -> bool,
+) -> Vec<(i32, String, bool)> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let c = agent_children(agent);
+        if pred(&c) {
+            return c;
+        }
+        assert!(Instant::now() < deadline, "{what}: agent's children {c:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test]
+async fn a_zygote_makes_the_helpers_and_a_killed_one_is_replaced() {
+    let Some(a) = start("a_zygote_makes_the_helpers_and_a_killed_one_is_replaced").await else {
+        return;
+    };
+    let agent = a.child.id() as i32;
+    let zygotes = |c: &[(i32, String, bool)]| -> Vec<i32> {
+        c.iter()
+            .filter(|(_, cmd, own_ns)| !own_ns && cmd.ends_with("exec --zygote"))
+            .map(|(p, _, _)| *p)
+            .collect()
+    };
+    // A spare made by the zygote is a clone of it (its command line, no execve), in a pid
+    // namespace of its own, and a child of the agent (CLONE_PARENT).
+    let from_zygote = |c: &[(i32, String, bool)]| {
+        c.iter()
+            .any(|(_, cmd, own_ns)| *own_ns && cmd.ends_with("exec --zygote"))
+    };
+    let echo = request("echo ok", 10_000, false);
+    let (out, _, _) = run(&a, &echo, None).await;
+    assert_eq!(out, b"ok\n");
+    let c = wait_children(agent, "one zygote and a spare it made", |c| {
+        zygotes(c).len() == 1 && from_zygote(c)
+    })
+    .await;
+    let zygote = zygotes(&c)[0];
+    assert!(
+        !c.iter().any(|(_, cmd, _)| cmd.contains("--own-pid-ns")),
+        "a helper was started with execve while the zygote runs: {c:?}"
+    );
+
+    // Killed: every exec still runs (the spare it made, then helpers the agent starts
+    // itself), and a new zygote takes over after the restart delay (1 s).
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(zygote),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    wait_children(agent, "the killed zygote reaped", |c| {
+        !c.iter().any(|(p, _, _)| *p == zygote)
+    })
+    .await;
+    let mut direct = false;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let c = loop {
+        let (out, _, x) = run(&a, &echo, None).await;
+        assert_eq!(out, b"ok\n", "{x:?}");
+        // The refill after the exec has started the next spare by then.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let c = agent_children(agent);
+        direct |= c.iter().any(|(_, cmd, _)| cmd.contains("--own-pid-ns"));
+        if zygotes(&c).iter().any(|p| *p != zygote) && from_zygote(&c) {
+            break c;
+        }
+        assert!(Instant::now() < deadline, "no new zygote: {c:?}");
+    };
+    assert!(
+        direct,
+        "no helper started directly while the zygote was gone"
+    );
+    assert_eq!(zygotes(&c).len(), 1, "{c:?}");
+
+    // The zygote ends with the agent (EOF on its socket).
+    let zygote = zygotes(&c)[0];
+    drop(a);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while alive(zygote) {
+        assert!(Instant::now() < deadline, "the zygote outlived the agent");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
