@@ -678,101 +678,61 @@ pub fn seqpacket_pair() -> io::Result<(OwnedFd, OwnedFd)> {
     Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
 }
 
-/// Most descriptors [`send_fds`] / [`recv_fds`] carry in one message.
+/// Most descriptors [`recv_fds`] takes in one message.
 pub const MAX_FDS: usize = 8;
-const FDS_CMSG_SPACE: usize = 128;
 
 /// Sends `data` with `fds` (SCM_RIGHTS, unix(7)) as one message over `sock`; never raises
-/// SIGPIPE (EPIPE when the peer is gone).
+/// SIGPIPE (EPIPE when the peer is gone). EINTR is retried.
 pub fn send_fds(sock: &OwnedFd, data: &[u8], fds: &[RawFd]) -> io::Result<()> {
+    use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags};
     if fds.len() > MAX_FDS || data.is_empty() {
         return Err(io::Error::from_raw_os_error(libc::EINVAL));
     }
-    let mut iov = libc::iovec {
-        iov_base: data.as_ptr() as *mut libc::c_void,
-        iov_len: data.len(),
-    };
-    let mut cbuf = [0u64; FDS_CMSG_SPACE / 8];
-    let bytes = std::mem::size_of_val(fds) as u32;
-    // SAFETY: msghdr is plain data; every pointer set below refers to live locals (the
-    // kernel only reads `data` through the iovec); CMSG_SPACE(4 * MAX_FDS) = 48 <= 128
-    // bytes, so the CMSG_* macros and the copy stay within `cbuf`.
-    unsafe {
-        let mut msg: libc::msghdr = std::mem::zeroed();
-        msg.msg_iov = &mut iov;
-        msg.msg_iovlen = 1;
-        if !fds.is_empty() {
-            msg.msg_control = cbuf.as_mut_ptr().cast();
-            msg.msg_controllen = libc::CMSG_SPACE(bytes) as _;
-            let c = libc::CMSG_FIRSTHDR(&msg);
-            (*c).cmsg_level = libc::SOL_SOCKET;
-            (*c).cmsg_type = libc::SCM_RIGHTS;
-            (*c).cmsg_len = libc::CMSG_LEN(bytes) as _;
-            std::ptr::copy_nonoverlapping(
-                fds.as_ptr(),
-                libc::CMSG_DATA(c).cast::<RawFd>(),
-                fds.len(),
-            );
-        }
-        loop {
-            if libc::sendmsg(sock.as_raw_fd(), &msg, libc::MSG_NOSIGNAL) >= 0 {
-                return Ok(());
-            }
-            let e = io::Error::last_os_error();
-            if e.raw_os_error() != Some(libc::EINTR) {
-                return Err(e);
-            }
+    let iov = [io::IoSlice::new(data)];
+    let rights = [ControlMessage::ScmRights(fds)];
+    let cmsgs: &[ControlMessage] = if fds.is_empty() { &[] } else { &rights };
+    loop {
+        match sendmsg::<()>(sock.as_raw_fd(), &iov, cmsgs, MsgFlags::MSG_NOSIGNAL, None) {
+            Ok(_) => return Ok(()),
+            Err(nix::errno::Errno::EINTR) => continue,
+            Err(e) => return Err(e.into()),
         }
     }
 }
 
 /// Receives one message of [`send_fds`] into `buf`: its length (0 on EOF) and the
-/// descriptors it carried (close-on-exec). EINTR is retried.
+/// descriptors it carried (close-on-exec). EINTR is retried; EMSGSIZE when it carried more
+/// than [`MAX_FDS`] (those received are closed).
 pub fn recv_fds(sock: &OwnedFd, buf: &mut [u8]) -> io::Result<(usize, Vec<OwnedFd>)> {
-    let mut iov = libc::iovec {
-        iov_base: buf.as_mut_ptr().cast(),
-        iov_len: buf.len(),
+    use nix::sys::socket::{recvmsg, ControlMessageOwned, MsgFlags};
+    let mut cbuf = nix::cmsg_space!([RawFd; MAX_FDS]);
+    let mut iov = [io::IoSliceMut::new(buf)];
+    let msg = loop {
+        match recvmsg::<()>(
+            sock.as_raw_fd(),
+            &mut iov,
+            Some(&mut cbuf),
+            MsgFlags::MSG_CMSG_CLOEXEC,
+        ) {
+            Ok(m) => break m,
+            Err(nix::errno::Errno::EINTR) => continue,
+            Err(e) => return Err(e.into()),
+        }
     };
-    let mut cbuf = [0u64; FDS_CMSG_SPACE / 8];
-    // SAFETY: as in send_fds; the kernel writes at most msg_controllen bytes into `cbuf`
-    // and at most `buf.len()` into `buf`; received descriptors are owned by nothing else
-    // yet, and each is taken exactly once from the control message.
-    unsafe {
-        let mut msg: libc::msghdr;
-        let n = loop {
-            msg = std::mem::zeroed();
-            msg.msg_iov = &mut iov;
-            msg.msg_iovlen = 1;
-            msg.msg_control = cbuf.as_mut_ptr().cast();
-            msg.msg_controllen = FDS_CMSG_SPACE as _;
-            let n = libc::recvmsg(sock.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC);
-            if n >= 0 {
-                break n as usize;
-            }
-            let e = io::Error::last_os_error();
-            if e.raw_os_error() != Some(libc::EINTR) {
-                return Err(e);
-            }
-        };
-        let mut fds = Vec::new();
-        let mut c = libc::CMSG_FIRSTHDR(&msg);
-        while !c.is_null() {
-            if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
-                let data = libc::CMSG_DATA(c);
-                let len = (*c).cmsg_len as usize - (data as usize - c as usize);
-                for i in 0..len / std::mem::size_of::<RawFd>() {
-                    let fd = std::ptr::read_unaligned(data.cast::<RawFd>().add(i));
-                    fds.push(OwnedFd::from_raw_fd(fd));
-                }
-            }
-            c = libc::CMSG_NXTHDR(&msg, c);
+    let mut fds = Vec::new();
+    for c in msg.cmsgs()? {
+        if let ControlMessageOwned::ScmRights(raw) = c {
+            // SAFETY: descriptors the kernel just installed for us, owned by nothing else.
+            fds.extend(
+                raw.into_iter()
+                    .map(|fd| unsafe { OwnedFd::from_raw_fd(fd) }),
+            );
         }
-        if msg.msg_flags & libc::MSG_CTRUNC != 0 {
-            // More descriptors than fit: the ones received are closed on drop.
-            return Err(io::Error::from_raw_os_error(libc::EMSGSIZE));
-        }
-        Ok((n, fds))
     }
+    if msg.flags.contains(MsgFlags::MSG_CTRUNC) {
+        return Err(io::Error::from_raw_os_error(libc::EMSGSIZE));
+    }
+    Ok((msg.bytes, fds))
 }
 
 /// F_DUPFD_CLOEXEC: a close-on-exec copy of `fd` numbered `min` or higher.
