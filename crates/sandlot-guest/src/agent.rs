@@ -145,7 +145,7 @@ impl Helper {
         }
         let mut child = cmd.spawn()?;
         let pid = child.id() as i32;
-        live.lock().unwrap().insert(pid);
+        register(live, pid);
         let (Some(stdin), Some(stdout), Some(stderr)) =
             (child.stdin.take(), child.stdout.take(), child.stderr.take())
         else {
@@ -171,62 +171,100 @@ struct ZygoteSlot {
     not_before: Option<Instant>,
     /// The zygote cannot work here (gVisor: `CLONE_PARENT` not honoured): never start one.
     unsupported: bool,
+    /// A refill thread is starting one (outside the lock).
+    starting: bool,
 }
 
 /// How long after a zygote failed the next one may be started.
 const ZYGOTE_RESTART_DELAY: Duration = Duration::from_secs(1);
 
+/// Locks `m` even if a thread panicked while holding it (the slots hold no invariant a
+/// panic could break: at worst a helper or zygote that is gone, which the users check).
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Adds the child `pid` to `live` unless the reaper already collected it (a helper may
+/// end before its pid reaches us: at the pids limit its fork fails and it exits at once);
+/// a pid left in `live` after its reaping would be killed later, perhaps reused by then.
+fn register(live: &Live, pid: i32) {
+    let mut l = live.lock().unwrap();
+    l.insert(pid);
+    // WNOWAIT: only look; the reaper, which takes the lock above before it removes a pid,
+    // collects it. ECHILD: reaped before the insert.
+    let gone = nix::sys::wait::waitid(
+        nix::sys::wait::Id::Pid(Pid::from_raw(pid)),
+        WaitPidFlag::WEXITED | WaitPidFlag::WNOHANG | WaitPidFlag::WNOWAIT,
+    ) == Err(nix::errno::Errno::ECHILD);
+    if gone {
+        l.remove(&pid);
+    }
+}
+
 impl Shared {
     /// The spare helper if it is still alive (not yet reaped), else a freshly started one.
-    /// A refill under way is waited for (it holds the lock until its helper has started,
-    /// well under a millisecond): starting a second helper next to it costs more.
+    /// A refill under way is waited for (it holds the lock while it asks the zygote for a
+    /// helper, or forks and execs one: about a millisecond; a zygote's own start happens
+    /// before the refill takes the lock): starting a second helper next to it costs more.
     fn take_helper(&self) -> std::io::Result<Helper> {
-        let spare = self.spare.lock().unwrap().take();
+        let spare = lock(&self.spare).take();
         if let Some(h) = spare {
             if self.live.lock().unwrap().contains(&h.pid) {
                 return Ok(h);
             }
         }
-        self.new_helper(false)
+        self.new_helper()
+    }
+
+    /// Starts the zygote unless one runs, is starting, cannot work here, or failed less
+    /// than [`ZYGOTE_RESTART_DELAY`] ago. Only off the exec's critical path (the refill
+    /// thread), and without holding a lock an exec waits for: the start (fork, execve, the
+    /// binary's start-up, the filters, its probe clone) takes milliseconds, under TCG more.
+    fn ensure_zygote(&self) {
+        {
+            let mut slot = lock(&self.zygote);
+            if slot.zygote.is_some()
+                || slot.unsupported
+                || slot.starting
+                || slot.not_before.is_some_and(|t| Instant::now() < t)
+            {
+                return;
+            }
+            slot.starting = true;
+        }
+        // SAFETY: `helper_setup` is async-signal-safe.
+        let started = unsafe { crate::zygote::Zygote::spawn(helper_setup()) };
+        let mut slot = lock(&self.zygote);
+        slot.starting = false;
+        match started {
+            Ok(z) => {
+                register(&self.live, z.pid());
+                slot.zygote = Some(z);
+            }
+            Err(e) if e.raw_os_error() == Some(libc::ENOTSUP) => {
+                eprintln!(
+                    "sandlot-guest agent: no exec zygote here (clone with CLONE_PARENT \
+                     does not make the agent the parent): helpers start directly"
+                );
+                slot.unsupported = true;
+            }
+            Err(e) => {
+                eprintln!("sandlot-guest agent: starting the exec zygote: {e}");
+                slot.not_before = Some(Instant::now() + ZYGOTE_RESTART_DELAY);
+            }
+        }
     }
 
     /// A new helper from the zygote, else (none running, gone, failing) started directly.
-    /// `start_zygote`: start a zygote first if none runs and the restart delay is over
-    /// (only off the exec's critical path: the refill thread).
     ///
     /// EAGAIN (the pids limit) from the zygote is the answer: a direct start would be
     /// refused too.
-    fn new_helper(&self, start_zygote: bool) -> std::io::Result<Helper> {
-        let mut slot = self.zygote.lock().unwrap();
-        if start_zygote
-            && slot.zygote.is_none()
-            && !slot.unsupported
-            && slot.not_before.is_none_or(|t| Instant::now() >= t)
-        {
-            // SAFETY: `helper_setup` is async-signal-safe.
-            match unsafe { crate::zygote::Zygote::spawn(helper_setup()) } {
-                Ok(z) => {
-                    self.live.lock().unwrap().insert(z.pid());
-                    slot.zygote = Some(z);
-                }
-                Err(e) if e.raw_os_error() == Some(libc::EAGAIN) => return Err(e),
-                Err(e) if e.raw_os_error() == Some(libc::ENOTSUP) => {
-                    eprintln!(
-                        "sandlot-guest agent: no exec zygote here (clone with CLONE_PARENT \
-                         does not make the agent the parent): helpers start directly"
-                    );
-                    slot.unsupported = true;
-                }
-                Err(e) => {
-                    eprintln!("sandlot-guest agent: starting the exec zygote: {e}");
-                    slot.not_before = Some(Instant::now() + ZYGOTE_RESTART_DELAY);
-                }
-            }
-        }
+    fn new_helper(&self) -> std::io::Result<Helper> {
+        let mut slot = lock(&self.zygote);
         if let Some(z) = &slot.zygote {
             match z.helper() {
                 Ok(m) => {
-                    self.live.lock().unwrap().insert(m.pid);
+                    register(&self.live, m.pid);
                     return Ok(Helper {
                         pid: m.pid,
                         stdin: m.stdin,
@@ -256,24 +294,27 @@ impl Shared {
         Helper::spawn_direct(&self.live)
     }
 
-    /// Starts a spare helper on a short-lived thread (the request to the zygote, or the
-    /// fork and execve, and a zygote's start stay off the runtime's thread) unless a live
-    /// one is there or a refill is under way. A failure,
-    /// e.g. at the pids limit, leaves none: the next exec starts its own.
+    /// Starts a spare helper on a short-lived thread (a zygote's start, the request to the
+    /// zygote, or the fork and execve stay off the runtime's thread) unless a live one is
+    /// there or a refill is under way. A failure, e.g. at the pids limit, leaves none: the
+    /// next exec starts its own.
     fn refill_spare(&self) {
         let shared = self.clone();
         let _ = std::thread::Builder::new()
             .name("spare".into())
             .stack_size(64 * 1024)
             .spawn(move || {
-                let Ok(mut spare) = shared.spare.try_lock() else {
-                    return;
+                shared.ensure_zygote();
+                let mut spare = match shared.spare.try_lock() {
+                    Ok(g) => g,
+                    Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+                    Err(std::sync::TryLockError::WouldBlock) => return,
                 };
                 let alive = spare
                     .as_ref()
                     .is_some_and(|h| shared.live.lock().unwrap().contains(&h.pid));
                 if !alive {
-                    *spare = shared.new_helper(true).ok();
+                    *spare = shared.new_helper().ok();
                 }
             });
     }
@@ -489,10 +530,14 @@ const PORT_POLL_IDLE_MS: i32 = 100;
 fn bridge(port: &Arc<std::fs::File>, b: std::os::unix::net::UnixStream) {
     use std::io::{Read, Write};
     let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    // Milliseconds since `t0` at the last bytes either way (the host's answer to the
+    // guest's bytes is traffic to expect as well).
+    let t0 = Instant::now();
+    let last_data = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let Ok(mut b_in) = b.try_clone() else { return };
     let _ = b_in.set_read_timeout(Some(Duration::from_millis(100)));
     let down = {
-        let (port, done) = (port.clone(), done.clone());
+        let (port, done, last_data) = (port.clone(), done.clone(), last_data.clone());
         std::thread::spawn(move || {
             let mut buf = vec![0u8; 64 * 1024];
             while !done.load(std::sync::atomic::Ordering::Relaxed) {
@@ -508,6 +553,10 @@ fn bridge(port: &Arc<std::fs::File>, b: std::os::unix::net::UnixStream) {
                     }
                     Err(_) => break,
                 };
+                last_data.store(
+                    t0.elapsed().as_millis() as u64,
+                    std::sync::atomic::Ordering::Relaxed,
+                );
                 let mut off = 0;
                 while off < n && !done.load(std::sync::atomic::Ordering::Relaxed) {
                     match (&*port).write(&buf[off..n]) {
@@ -524,12 +573,13 @@ fn bridge(port: &Arc<std::fs::File>, b: std::os::unix::net::UnixStream) {
     };
     let mut b_out = b;
     let mut buf = vec![0u8; 64 * 1024];
-    let mut last_data = Instant::now();
     while !done.load(std::sync::atomic::Ordering::Relaxed) {
         // The port's POLLIN wake-up does not always come (the host's next bytes then waited
         // for the timeout: ~0.1 s of every microVM exec round trip under TCG, measured):
         // while the connection is busy, poll in short steps; idle, in long ones.
-        let busy = last_data.elapsed() < PORT_BUSY_FOR;
+        let since = (t0.elapsed().as_millis() as u64)
+            .saturating_sub(last_data.load(std::sync::atomic::Ordering::Relaxed));
+        let busy = since < PORT_BUSY_FOR.as_millis() as u64;
         let ms = if busy {
             PORT_POLL_BUSY_MS
         } else {
@@ -549,7 +599,10 @@ fn bridge(port: &Arc<std::fs::File>, b: std::os::unix::net::UnixStream) {
                 std::thread::sleep(Duration::from_millis(5));
             }
             Ok(n) => {
-                last_data = Instant::now();
+                last_data.store(
+                    t0.elapsed().as_millis() as u64,
+                    std::sync::atomic::Ordering::Relaxed,
+                );
                 if b_out.write_all(&buf[..n]).is_err() {
                     break;
                 }
@@ -967,7 +1020,7 @@ async fn send_spec(shared: &Shared, spec_json: &[u8]) -> std::io::Result<Started
                     return Err(e);
                 }
                 retried = true;
-                helper = shared.new_helper(false)?;
+                helper = shared.new_helper()?;
             }
         }
     }

@@ -702,7 +702,8 @@ pub fn send_fds(sock: &OwnedFd, data: &[u8], fds: &[RawFd]) -> io::Result<()> {
 
 /// Receives one message of [`send_fds`] into `buf`: its length (0 on EOF) and the
 /// descriptors it carried (close-on-exec). EINTR is retried; EMSGSIZE when it carried more
-/// than [`MAX_FDS`] (those received are closed).
+/// than [`MAX_FDS`] (the descriptors that did arrive then stay open: only a peer that
+/// breaks the protocol sends that many, and a helper closes all but its 0-4).
 pub fn recv_fds(sock: &OwnedFd, buf: &mut [u8]) -> io::Result<(usize, Vec<OwnedFd>)> {
     use nix::sys::socket::{recvmsg, ControlMessageOwned, MsgFlags};
     let mut cbuf = nix::cmsg_space!([RawFd; MAX_FDS]);
@@ -719,6 +720,9 @@ pub fn recv_fds(sock: &OwnedFd, buf: &mut [u8]) -> io::Result<(usize, Vec<OwnedF
             Err(e) => return Err(e.into()),
         }
     };
+    if msg.flags.contains(MsgFlags::MSG_CTRUNC) {
+        return Err(io::Error::from_raw_os_error(libc::EMSGSIZE));
+    }
     let mut fds = Vec::new();
     for c in msg.cmsgs()? {
         if let ControlMessageOwned::ScmRights(raw) = c {
@@ -728,9 +732,6 @@ pub fn recv_fds(sock: &OwnedFd, buf: &mut [u8]) -> io::Result<(usize, Vec<OwnedF
                     .map(|fd| unsafe { OwnedFd::from_raw_fd(fd) }),
             );
         }
-    }
-    if msg.flags.contains(MsgFlags::MSG_CTRUNC) {
-        return Err(io::Error::from_raw_os_error(libc::EMSGSIZE));
     }
     Ok((msg.bytes, fds))
 }

@@ -238,10 +238,19 @@ impl Zygote {
         }
     }
 
-    /// The next 4-byte answer on the socket (EPIPE: the zygote is gone).
+    /// The next 4-byte answer on the socket (EPIPE: the zygote is gone; ETIMEDOUT: no
+    /// answer within the socket's one-second timeout, which recvmsg reports as EAGAIN, an
+    /// errno the agent reserves for the pids limit).
     fn answer(&self) -> std::io::Result<i32> {
         let mut buf = [0u8; 8];
-        match sys::recv_fds(&self.sock, &mut buf)? {
+        let got = sys::recv_fds(&self.sock, &mut buf).map_err(|e| {
+            if e.kind() == std::io::ErrorKind::WouldBlock {
+                std::io::Error::from_raw_os_error(libc::ETIMEDOUT)
+            } else {
+                e
+            }
+        })?;
+        match got {
             (4, fds) if fds.is_empty() => Ok(i32::from_ne_bytes([buf[0], buf[1], buf[2], buf[3]])),
             (0, _) => Err(std::io::Error::from_raw_os_error(libc::EPIPE)),
             _ => Err(std::io::Error::from_raw_os_error(libc::EPROTO)),

@@ -47,7 +47,7 @@ pub(super) const UNUSED_TTL: Duration = Duration::from_secs(7 * 24 * 3600);
 /// In a template's directory: the boot files it was made from ([`MicrovmBackend`]'s
 /// `template_inputs`, text).
 const INPUTS_FILE: &str = "inputs";
-/// In a template's directory: an empty file whose mtime is the last start from it.
+/// In a template's directory: an empty file whose mtime is the last start (or attempt) from it.
 const USED_FILE: &str = "used";
 
 /// Whether templates are on: `SANDLOT_MICROVM_TEMPLATES` unset, `1`, `on` or `true`.
@@ -140,6 +140,9 @@ impl MicrovmBackend {
             return Ok(false);
         }
         let t0 = Instant::now();
+        // The last use, for `sweep`, marked first: a sweep after another template's build
+        // must not take this one from under the copy below.
+        let _ = std::fs::File::create(tpl.join(USED_FILE));
         let (src, dst) = (tpl.join("scratch.img"), dir.join("scratch.img"));
         let uid = state.qemu_uid;
         spawn_blocking(move || {
@@ -197,8 +200,6 @@ impl MicrovmBackend {
                 std::io::Error::other("template start failed"),
             ));
         }
-        // The last use, for `sweep` (a failure here only ages the template sooner).
-        let _ = std::fs::File::create(tpl.join(USED_FILE));
         tracing::info!(sandbox = %state.id, backend = "microvm", template = %key, copy_ms, qmp_ms, load_ms, ready_ms = t0.elapsed().as_millis() as u64 - copy_ms - qmp_ms - load_ms, "microVM restored from template");
         Ok(true)
     }
@@ -353,7 +354,7 @@ async fn build(
 impl Drop for MicrovmBackend {
     /// Stops the template builds under way: their QEMU (cgroup `tpl-<key>`) would outlive
     /// the node, and a partial template is worth nothing. (After a kill -9 the next start's
-    /// re-adoption destroys the leftover group and `sweep_partial` the directory.) Then
+    /// re-adoption destroys the leftover group and `sweep` the directory.) Then
     /// removes the backend's parent cgroups if no microVM is left in them (running ones
     /// stay for re-adoption: EBUSY).
     fn drop(&mut self) {
