@@ -233,27 +233,51 @@ impl CgroupRoot {
         ids
     }
 
-    /// v1 only: remove the groups `<hierarchy>/<parent>/<id>` that something else (runc
-    /// makes its container's group in every mounted hierarchy, also blkio, devices,
-    /// `systemd`, `unified`, …) left in the hierarchies this root does not use itself, for
-    /// each `id` where `in_use(id)` is false. `rmdir` only: a group with processes stays.
-    /// Returns the groups that could not be removed.
-    pub fn sweep_other_hierarchies(&self, in_use: impl Fn(&str) -> bool) -> Vec<PathBuf> {
-        let mut failed = Vec::new();
+    /// v1 only: the mounted hierarchies this root does not use itself (blkio, devices,
+    /// `systemd`, `unified`, …), where an OCI runtime also makes its container's group
+    /// (runc makes one in every mounted hierarchy). Empty on v2.
+    fn other_hierarchies(&self) -> Vec<PathBuf> {
         if self.version != CgroupVersion::V1 {
-            return failed;
+            return Vec::new();
         }
         let Some(mount_root) = self.hierarchies.first().and_then(|(_, h)| h.parent()) else {
-            return failed;
+            return Vec::new();
         };
-        let ours: Vec<PathBuf> = self.hierarchies.iter().map(|(_, h)| h.clone()).collect();
+        let mut other: Vec<PathBuf> = Vec::new();
         for h in fs::read_dir(mount_root).into_iter().flatten().flatten() {
             let Ok(h) = fs::canonicalize(h.path()) else {
                 continue;
             };
-            if ours.contains(&h) {
-                continue;
+            if !self.hierarchies.iter().any(|(_, o)| *o == h) && !other.contains(&h) {
+                other.push(h);
             }
+        }
+        other
+    }
+
+    /// v1 only: the groups `<hierarchy>/<parent>/<id>` an OCI runtime made for container
+    /// `id` in the hierarchies this root does not use ([`CgroupRoot::sandbox`] covers the
+    /// others). runc removes them at `runc delete`, but gives up after a few hundred ms of
+    /// `EBUSY` while the container's processes are still exiting; [`Cgroup::remove`] on
+    /// this group waits for them. No directories (nothing to do) on v2.
+    pub fn runtime_groups(&self, id: &str) -> Cgroup {
+        Cgroup {
+            version: self.version,
+            dirs: self
+                .other_hierarchies()
+                .into_iter()
+                .map(|h| ("other", h.join(&self.parent).join(id)))
+                .collect(),
+        }
+    }
+
+    /// v1 only: remove the groups `<hierarchy>/<parent>/<id>` an OCI runtime left in the
+    /// hierarchies this root does not use (see [`CgroupRoot::runtime_groups`]) for each
+    /// `id` where `in_use(id)` is false. `rmdir` only: a group with processes stays.
+    /// Returns the groups that could not be removed.
+    pub fn sweep_other_hierarchies(&self, in_use: impl Fn(&str) -> bool) -> Vec<PathBuf> {
+        let mut failed = Vec::new();
+        for h in self.other_hierarchies() {
             for g in fs::read_dir(h.join(&self.parent))
                 .into_iter()
                 .flatten()

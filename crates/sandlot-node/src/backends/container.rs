@@ -791,6 +791,7 @@ impl Core {
     ) -> NodeResult<()> {
         let dir = dir.to_path_buf();
         let cg = self.cgroups.sandbox(cgroup);
+        let runtime_cg = self.cgroups.runtime_groups(cgroup);
         // Thaw first: a frozen container cannot be killed on cgroup v1.
         let _ = cg.group().thaw();
         let candidates: Vec<Runtime> = match runtime {
@@ -818,7 +819,10 @@ impl Core {
             for m in ["rootfs", "scratch"] {
                 let _ = nix::mount::umount2(&dir.join(m), nix::mount::MntFlags::MNT_DETACH);
             }
-            destroy_blocking(&cg, &dir)
+            let host = destroy_blocking(&cg, &dir);
+            // After the processes are gone (destroy_blocking waited for them in `cg`).
+            let runtime = runtime_cg.remove(Instant::now() + KILL_TIMEOUT);
+            host.and(runtime)
         })
         .await;
         host.and(net)
