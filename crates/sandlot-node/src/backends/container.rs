@@ -42,7 +42,10 @@
 //! Cgroups: the node creates the sandbox's group (`<parent>-ctr/<id>`, limits from the
 //! spec, the same code as the function backend) and names it as `cgroupsPath`, so runc
 //! joins it; runsc runs with `--ignore-cgroups` and is itself started inside the group, so
-//! its sandbox and gofer are accounted there. Pause freezes that group.
+//! its sandbox and gofer are accounted there. Pause freezes that group. runc also makes the
+//! container's group in the v1 hierarchies the node does not use (blkio, devices, ...);
+//! delete removes those too ([`CgroupRoot::runtime_groups`]), as runc gives up on them while
+//! exiting processes still hold them.
 //!
 //! Warm pool ([`super::container_pool`]): a runc create that the pool can serve takes a
 //! ready container built under `DATA/container-pool/cp-<hex>` and renamed onto
