@@ -156,6 +156,24 @@ def node_cgroup_parent(data_dir: Path) -> str:
     return f"sandlot-{h & 0xFFFFFFFFFFFF:012x}"
 
 
+# Python source run inside a sandbox (`python3 -c`): defines `zombies()`, the number of
+# processes in state Z in the sandbox's /proc. Used by the tests that check its reaper.
+ZOMBIES_PY = r"""
+import glob
+
+def zombies():
+    z = 0
+    for p in glob.glob('/proc/[0-9]*/stat'):
+        try:
+            s = open(p).read()
+        except OSError:
+            continue
+        if s[s.rindex(')') + 2] == 'Z':
+            z += 1
+    return z
+"""
+
+
 def count_leaks(data_dir: Path) -> Dict[str, int]:
     """Host resources of the node with data dir ``data_dir`` that outlive its sandboxes if
     cleanup is broken. Every backend is counted the same way:

@@ -21,7 +21,7 @@ from typing import List, Optional, Tuple
 import pytest
 
 import sandlot
-from conftest import host_processes_matching, wait_until
+from conftest import ZOMBIES_PY, host_processes_matching, wait_until
 
 IMAGE = "python"
 
@@ -117,18 +117,7 @@ def test_helpers_come_from_the_zygote_and_a_killed_zygote_is_replaced(runc_box):
     assert len(_zygotes(kids)) == 1, kids
 
 
-ZOMBIES = r"""
-import glob
-z = 0
-for p in glob.glob('/proc/[0-9]*/stat'):
-    try:
-        s = open(p).read()
-    except OSError:
-        continue
-    if s[s.rindex(')') + 2] == 'Z':
-        z += 1
-print(z)
-"""
+ZOMBIES = ZOMBIES_PY + "print(zombies())\n"
 
 
 def test_runsc_runs_no_zygote_and_leaves_no_zombie_helper(client, python_image):

@@ -11,7 +11,7 @@ import uuid
 import pytest
 
 import sandlot
-from conftest import host_processes_matching, wait_until
+from conftest import ZOMBIES_PY, host_processes_matching, wait_until
 
 MIB = 1 << 20
 
@@ -136,7 +136,7 @@ def test_killed_by_signal_is_128_plus_n(sb, sig):
     assert r.signal == sig and r.exit_code == 128 + sig and not r.timed_out
 
 
-ORPHANS = r"""
+ORPHANS = ZOMBIES_PY + r"""
 import glob, os, time
 
 def others():
@@ -152,17 +152,6 @@ for i in range(50):
             os._exit(0)
         os._exit(0)
     os.waitpid(pid, 0)
-
-def zombies():
-    z = 0
-    for p in glob.glob('/proc/[0-9]*/stat'):
-        try:
-            s = open(p).read()
-        except OSError:
-            continue
-        if s[s.rindex(')') + 2] == 'Z':
-            z += 1
-    return z
 
 # Poll (no fixed sleep): the orphans exit after 50 ms and the sandbox's init must reap
 # every one of them; wait up to 20 s for them to be gone (alive or zombie), then count zombies.
