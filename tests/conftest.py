@@ -273,6 +273,26 @@ def wait_no_leaks(data_dir: Path, before: Dict[str, int], timeout: float = 30.0,
 ERROR_STATUS = {"invalid_argument": 400, "not_found": 404, "payload_too_large": 413}
 
 
+def private_base(prefix: str) -> Path:
+    """A fresh directory under /var/tmp (mode 0711) for a private node's data dir: not
+    under pytest's private temp dir (0700), because containers run as unprivileged host
+    uids that must walk down to DATA/containers/<id>/rootfs. Remove it with
+    `remove_private_base`."""
+    base = Path(tempfile.mkdtemp(prefix=prefix, dir="/var/tmp"))
+    os.chmod(base, 0o711)
+    return base
+
+
+def remove_private_base(base: Path) -> None:
+    """Removes `base` unless something is still mounted below it (a leak is reported by
+    the tests that count leaks, never deleted through)."""
+    with open("/proc/self/mountinfo") as f:
+        if any(str(base) in line for line in f):
+            print(f"{base} kept: something is still mounted below it")
+            return
+    shutil.rmtree(base, ignore_errors=True)
+
+
 def assert_error(resp, code: str) -> dict:
     """``resp`` (an httpx.Response) is ``{"error": {"code": code, "message": non-empty}}``
     with code's HTTP status; returns the error object."""
@@ -317,10 +337,7 @@ def server(binary, tmp_path_factory, log_dir) -> Iterator[Server]:
     """The shared `sandlot up` of the session (SIGTERM at the end; log tail on failure)."""
     if os.geteuid() != 0:
         pytest.skip("end-to-end tests need root (namespaces, cgroups, overlay mounts)")
-    # Not under pytest's private temp dir (0700): containers run as unprivileged host uids
-    # that must walk down to DATA/containers/<id>/rootfs.
-    data = Path(tempfile.mkdtemp(prefix="sandlot-e2e-", dir="/var/tmp"))
-    os.chmod(data, 0o711)
+    data = private_base("sandlot-e2e-")
     srv = Server(binary, data / "data", log_dir / "sandlot-up.log")
     try:
         srv.start()
@@ -332,9 +349,7 @@ def server(binary, tmp_path_factory, log_dir) -> Iterator[Server]:
         print(f"\n`sandlot up` exited with {code}; log: {srv.log_path}")
     except RuntimeError as e:
         print(e)
-    # Removed only when nothing is mounted below it (a leak is reported, never deleted through).
-    if not any(str(data) in line for line in open("/proc/self/mountinfo")):
-        shutil.rmtree(data, ignore_errors=True)
+    remove_private_base(data)
 
 
 @pytest.fixture(scope="session")

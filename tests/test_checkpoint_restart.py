@@ -8,26 +8,24 @@ from __future__ import annotations
 
 import os
 import signal
-import tempfile
-from pathlib import Path
 from typing import Iterator
 
 import pytest
 
 import sandlot
-from conftest import Server, count_leaks, wait_no_leaks
+from conftest import Server, count_leaks, private_base, remove_private_base, wait_no_leaks
 
 
 @pytest.fixture(scope="module")
 def node(binary, log_dir) -> Iterator[Server]:
     if os.geteuid() != 0:
         pytest.skip("the function backend needs root (namespaces, cgroups, overlay)")
-    base = Path(tempfile.mkdtemp(prefix="sandlot-ck-restart-", dir="/var/tmp"))
-    os.chmod(base, 0o711)
+    base = private_base("sandlot-ck-restart-")
     srv = Server(binary, base / "data", log_dir / "checkpoint-restart.log")
     srv.start()
     yield srv
     srv.stop()
+    remove_private_base(base)
 
 
 def test_checkpoints_survive_restarts(node):

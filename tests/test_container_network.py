@@ -29,7 +29,6 @@ import random
 import shutil
 import socket
 import subprocess
-import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +37,10 @@ from typing import Dict, Iterator, List
 import pytest
 
 import sandlot
-from conftest import IMAGES_DIR, Server, count_leaks, node_cgroup_parent, pooled_names, wait_until
+from conftest import (
+    IMAGES_DIR, Server, count_leaks, node_cgroup_parent, pooled_names, private_base,
+    remove_private_base, wait_until,
+)
 
 IMAGE = "python"
 HTTP_PORT = 8080
@@ -215,8 +217,7 @@ def node(binary, log_dir, inet, tmp_path_factory) -> Iterator[Server]:
     server, listening on 0.0.0.0."""
     if shutil.which("runc") is None:
         pytest.skip("runc is not installed")
-    base = Path(tempfile.mkdtemp(prefix="sandlot-net-", dir="/var/tmp"))
-    os.chmod(base, 0o711)
+    base = private_base("sandlot-net-")
     resolv = base / "resolv.conf"
     resolv.write_text(f"nameserver {inet.ip}\n")
     wrapper = base / "sandlot-in-ns"
@@ -263,7 +264,7 @@ def node(binary, log_dir, inet, tmp_path_factory) -> Iterator[Server]:
         srv.stop()
     except RuntimeError as e:
         print(e)
-    shutil.rmtree(base, ignore_errors=True)
+    remove_private_base(base)
 
 
 @pytest.fixture(scope="module")

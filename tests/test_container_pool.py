@@ -18,7 +18,6 @@ import json
 import os
 import shutil
 import subprocess
-import tempfile
 import time
 from pathlib import Path
 from typing import Dict, Iterator, List
@@ -28,7 +27,10 @@ import pytest
 
 import conftest
 import sandlot
-from conftest import Server, count_leaks, node_cgroup_parent, wait_no_leaks, wait_until
+from conftest import (
+    Server, count_leaks, node_cgroup_parent, private_base, remove_private_base, wait_no_leaks,
+    wait_until,
+)
 
 IMAGE = "busybox"
 POOL = 2
@@ -87,8 +89,7 @@ def private_server(binary: Path, log_dir: Path, name: str, pool: int) -> Server:
         pytest.skip("container tests need root (runc, overlay and loop mounts, cgroups)")
     if shutil.which("runc") is None:
         pytest.skip("runc is not installed")
-    base = Path(tempfile.mkdtemp(prefix=f"sandlot-{name}-", dir="/var/tmp"))
-    os.chmod(base, 0o711)
+    base = private_base(f"sandlot-{name}-")
     srv = Server(binary, base / "data", log_dir / f"{name}.log",
                  args=["--warm-pool", "0", "--warm-pool-images", IMAGE,
                        "--container-warm-pool", str(pool)])
@@ -123,8 +124,7 @@ def finish(srv: Server) -> None:
     left = count_leaks(srv.data_dir)
     pool_left = list((srv.data_dir / "container-pool").glob("cp-*"))
     base = srv.data_dir.parent
-    if not any(str(base) in line for line in open("/proc/self/mountinfo")):
-        shutil.rmtree(base, ignore_errors=True)
+    remove_private_base(base)
     assert not pool_left, f"pooled containers left after stop: {pool_left}"
     assert left["mounts"] == 0 and left["cgroups"] == 0, f"left after stop: {left}"
 
@@ -353,8 +353,7 @@ def test_pooled_container_of_a_rebuilt_image_is_not_handed_over(binary, log_dir,
     still mount the old one (retired, see the next test). A create must not get one of them: they are
     destroyed when taken and the create goes cold (or gets one the refill built from the new
     build meanwhile); the refilled pool serves the new build."""
-    base = Path(tempfile.mkdtemp(prefix="sandlot-pool-rebuild-", dir="/var/tmp"))
-    os.chmod(base, 0o711)
+    base = private_base("sandlot-pool-rebuild-")
     images = base / "images"
 
     def image(*args: str) -> None:
@@ -394,7 +393,7 @@ def test_pooled_container_of_a_rebuilt_image_is_not_handed_over(binary, log_dir,
         wait_no_leaks(srv.data_dir, baseline, what="creates after an image rebuild")
     finally:
         finish(srv)
-        shutil.rmtree(base, ignore_errors=True)
+        remove_private_base(base)
 
 
 def test_image_rm_and_forced_build_keep_a_running_sandboxs_rootfs(binary, log_dir, monkeypatch):
@@ -403,8 +402,7 @@ def test_image_rm_and_forced_build_keep_a_running_sandboxs_rootfs(binary, log_di
     function) run on it must not delete it under them: the old directory is retired, the
     sandboxes keep working, `gc` keeps it while mounted and deletes it after the last
     sandbox is gone."""
-    base = Path(tempfile.mkdtemp(prefix="sandlot-image-retire-", dir="/var/tmp"))
-    os.chmod(base, 0o711)
+    base = private_base("sandlot-image-retire-")
     images = base / "images"
 
     def image(*args: str) -> str:
@@ -441,4 +439,4 @@ def test_image_rm_and_forced_build_keep_a_running_sandboxs_rootfs(binary, log_di
         wait_no_leaks(srv.data_dir, baseline, what="sandboxes on a retired image")
     finally:
         finish(srv)
-        shutil.rmtree(base, ignore_errors=True)
+        remove_private_base(base)

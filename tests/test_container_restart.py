@@ -17,7 +17,6 @@ import json
 import os
 import shutil
 import subprocess
-import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -28,7 +27,10 @@ from typing import Dict, Iterator, List, Optional
 import pytest
 
 import sandlot
-from conftest import IMAGES_DIR, Server, count_leaks, pooled_names, wait_no_leaks, wait_until
+from conftest import (
+    IMAGES_DIR, Server, count_leaks, pooled_names, private_base, remove_private_base,
+    wait_no_leaks, wait_until,
+)
 
 IMAGE = "python"
 N_CONTAINERS = 20
@@ -131,8 +133,7 @@ def node(binary, log_dir) -> Iterator[Server]:
         pytest.skip("container tests need root (runc, overlay and loop mounts, cgroups)")
     if _runtime_bin("runc") is None:
         pytest.skip("runc is not installed")
-    base = Path(tempfile.mkdtemp(prefix="sandlot-restart-", dir="/var/tmp"))
-    os.chmod(base, 0o711)
+    base = private_base("sandlot-restart-")
     srv = Server(binary, base / "data", log_dir / "container-restart.log")
     try:
         srv.start()
@@ -162,8 +163,7 @@ def node(binary, log_dir) -> Iterator[Server]:
         srv.stop()
     except RuntimeError as e:
         print(e)
-    if not any(str(base) in line for line in open("/proc/self/mountinfo")):
-        shutil.rmtree(base, ignore_errors=True)
+    remove_private_base(base)
 
 
 @pytest.fixture

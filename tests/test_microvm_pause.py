@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
-import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -22,7 +20,7 @@ from typing import Iterator
 import pytest
 
 import sandlot
-from conftest import Server, wait_until
+from conftest import Server, private_base, remove_private_base, wait_until
 
 IMAGE = "python"
 
@@ -39,8 +37,7 @@ def pid_alive(pid: int) -> bool:
 def node(binary, log_dir) -> Iterator[Server]:
     if os.geteuid() != 0:
         pytest.skip("microVM tests need root (cgroups, QEMU)")
-    base = Path(tempfile.mkdtemp(prefix="sandlot-mvpause-", dir="/var/tmp"))
-    os.chmod(base, 0o711)
+    base = private_base("sandlot-mvpause-")
     srv = Server(binary, base / "data", log_dir / "microvm-pause.log")
     try:
         srv.start()
@@ -60,8 +57,7 @@ def node(binary, log_dir) -> Iterator[Server]:
                 b.delete()
         srv.stop()
     finally:
-        if not any(str(base) in line for line in open("/proc/self/mountinfo")):
-            shutil.rmtree(base, ignore_errors=True)
+        remove_private_base(base)
 
 
 def qemu_uid(pid: int) -> int:

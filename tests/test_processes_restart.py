@@ -4,25 +4,19 @@ memory), and their handles answer 404 (docs/api.md, "Background processes")."""
 
 from __future__ import annotations
 
-import os
-import shutil
 import signal
-import tempfile
 import time
 import uuid
-from pathlib import Path
 
 import pytest
 
 import sandlot
-from conftest import Server, host_processes_matching, wait_until
+from conftest import Server, host_processes_matching, private_base, remove_private_base, wait_until
 
 
 @pytest.mark.parametrize("backend", ["function", "container"])
 def test_restart_ends_background_processes(binary, tmp_path, python_image, backend):
-    # Containers run as unprivileged host uids: the data directory's parents must be o+x.
-    base = Path(tempfile.mkdtemp(prefix="sandlot-procs-", dir="/var/tmp"))
-    os.chmod(base, 0o711)
+    base = private_base("sandlot-procs-")
     srv = Server(binary, base / "data", tmp_path / "restart.log")
     srv.start()
     try:
@@ -61,5 +55,4 @@ def test_restart_ends_background_processes(binary, tmp_path, python_image, backe
         raise
     finally:
         srv.stop()
-        if not any(str(base) in line for line in open("/proc/self/mountinfo")):
-            shutil.rmtree(base, ignore_errors=True)
+        remove_private_base(base)

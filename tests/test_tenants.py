@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import tempfile
 from pathlib import Path
 from typing import Dict, Iterator, List
 
@@ -18,7 +17,7 @@ import httpx
 import pytest
 
 import sandlot
-from conftest import Server, free_port, wait_until
+from conftest import Server, free_port, private_base, remove_private_base, wait_until
 
 EXEC = ["python3", "-c", "print(6*7)"]
 
@@ -49,8 +48,7 @@ def tenants(binary, log_dir, python_image) -> Iterator[Dict[str, object]]:
     ops (admin), and gone (revoked)."""
     if os.geteuid() != 0:
         pytest.skip("end-to-end tests need root")
-    root = Path(tempfile.mkdtemp(prefix="sandlot-tenants-", dir="/var/tmp"))
-    os.chmod(root, 0o711)
+    root = private_base("sandlot-tenants-")
     data = root / "data"
     keys = {
         "a": key_create(binary, data, "a", "--max-sandboxes", "2", "--max-cpu", "2",
@@ -70,9 +68,7 @@ def tenants(binary, log_dir, python_image) -> Iterator[Dict[str, object]]:
     for c in clients.values():
         c.close()
     srv.stop()
-    if not any(str(root) in line for line in open("/proc/self/mountinfo")):
-        import shutil
-        shutil.rmtree(root, ignore_errors=True)
+    remove_private_base(root)
 
 
 def events(url: str, key: str, **params: str) -> List[dict]:

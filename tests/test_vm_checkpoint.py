@@ -23,17 +23,15 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
-import tempfile
 from pathlib import Path
 from typing import Iterator
 
 import pytest
 
 import sandlot
-from conftest import Server, count_leaks, wait_no_leaks
+from conftest import Server, count_leaks, private_base, remove_private_base, wait_no_leaks
 
 IMAGE = "python"
 
@@ -42,8 +40,7 @@ IMAGE = "python"
 def node(binary, log_dir) -> Iterator[Server]:
     if os.geteuid() != 0:
         pytest.skip("vm tests need root (cgroups, QEMU)")
-    base = Path(tempfile.mkdtemp(prefix="sandlot-vmck-", dir="/var/tmp"))
-    os.chmod(base, 0o711)
+    base = private_base("sandlot-vmck-")
     srv = Server(binary, base / "data", log_dir / "vm-checkpoint.log")
     try:
         srv.start()
@@ -53,7 +50,7 @@ def node(binary, log_dir) -> Iterator[Server]:
         status = c._request("GET", "/healthz").json().get("backends", {}).get("vm")
     if status != "ok":
         srv.stop()
-        shutil.rmtree(base, ignore_errors=True)
+        remove_private_base(base)
         pytest.skip(f"backend vm is not available here: {status}")
     yield srv
     try:
@@ -66,7 +63,7 @@ def node(binary, log_dir) -> Iterator[Server]:
                 c.delete_checkpoint(k)
         srv.stop()
     finally:
-        shutil.rmtree(base, ignore_errors=True)
+        remove_private_base(base)
 
 
 def sh(box: sandlot.Sandbox, script: str) -> str:
