@@ -243,6 +243,7 @@ impl LocalNode {
                     agent_bin: cfg.agent_bin.clone(),
                     probe: probe.clone()?,
                     uids: qemu_uids.clone(),
+                    images: images.clone(),
                 },
                 cg,
             )
@@ -264,6 +265,8 @@ impl LocalNode {
                     agent_bin: cfg.agent_bin.clone(),
                     probe: probe.clone()?,
                     uids: qemu_uids.clone(),
+                    images: images.clone(),
+                    checkpoints_dir: cfg.data_dir.join("checkpoints"),
                 },
                 cg,
             )

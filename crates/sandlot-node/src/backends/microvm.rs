@@ -12,7 +12,8 @@
 //!   (`strip_module_signature`), and `/modules/order`.
 //! * `images/<key>.erofs` — an image converted once by `mkfs.erofs` (the layers are merged
 //!   through a read-only overlay mount first), shared read-only by every microVM of that
-//!   image; `<key>` hashes the image name, creation time and layer paths.
+//!   image; `<key>` hashes the image name, creation time and layer paths. Removed once no
+//!   image in the store maps to it and no microVM names it (`collect_disks`).
 //! * `vms/<id>/` — one sandbox (owner root, group = its QEMU's uid, mode 0710):
 //!   `scratch.img` (owned by its QEMU's uid, mode 0600; a sparse ext4 file of `disk_mib` MiB made
 //!   with `mkfs.ext4`: the overlay's writable layer inside the guest), `agent.sock` (the
@@ -47,13 +48,13 @@ use crate::agent_client::AgentClient;
 use crate::cgroups::{CgroupRoot, SandboxCgroup};
 use crate::checkpoints::{Captured, Checkpoint};
 use crate::files::{file_entry, node_error};
-use crate::images::Image;
+use crate::images::{Image, ImageStore};
 use crate::node::{ExecControl, ExecSink, NodeError, NodeResult, SandboxSpec, SandboxStatus};
 use async_trait::async_trait;
 use sandlot_api::{Backend, ExecRequest, ExecResult, FileEntry};
 use serde::{Deserialize, Serialize};
 use snapshot::{ProcCell, QemuProc, Relay};
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -139,6 +140,9 @@ pub struct MicrovmConfig {
     pub probe: Arc<super::qemu::AccelProbe>,
     /// Host uids of the QEMUs (one per sandbox), shared with the `vm` backend.
     pub uids: Arc<QemuUids>,
+    /// The node's image store: which image disks a create may still ask for (collection of
+    /// the others, [`super::qemu::collect_image_disks`]).
+    pub images: ImageStore,
 }
 
 /// On-disk state of a running microVM: `vms/<id>/state.json`.
@@ -526,17 +530,23 @@ impl MicrovmBackend {
             .ok_or_else(|| NodeError::NotFound(format!("sandbox {id} not found")))
     }
 
-    /// The image's EROFS disk, made once.
-    async fn image_disk(&self, image: &Image) -> NodeResult<PathBuf> {
-        let layers: Vec<&[u8]> = image
-            .layers
-            .iter()
-            .map(|l| l.as_os_str().as_encoded_bytes())
-            .collect();
+    /// Where the image's EROFS disk is (or will be): `images/<key>.erofs`.
+    fn disk_path(&self, image: &Image) -> PathBuf {
         let mut parts: Vec<&[u8]> = vec![image.name.as_bytes(), image.created_at.as_bytes()];
-        parts.extend(layers);
+        parts.extend(
+            image
+                .layers
+                .iter()
+                .map(|l| l.as_os_str().as_encoded_bytes()),
+        );
         let key = format!("{:016x}", fnv(&parts));
-        let out = self.cfg.dir.join("images").join(format!("{key}.erofs"));
+        self.cfg.dir.join("images").join(format!("{key}.erofs"))
+    }
+
+    /// The image's EROFS disk, made once; each new one is followed by a collection of the
+    /// disks nothing needs any more ([`Self::collect_disks`]).
+    async fn image_disk(&self, image: &Image) -> NodeResult<PathBuf> {
+        let out = self.disk_path(image);
         if out.is_file() {
             return Ok(out);
         }
@@ -549,7 +559,44 @@ impl MicrovmBackend {
         let started = Instant::now();
         spawn_blocking(move || make_erofs(&layers, &o)).await?;
         tracing::info!(backend = "microvm", image = %image.name, ms = started.elapsed().as_millis() as u64, "image converted to EROFS");
+        self.collect_disks(false);
         Ok(out)
+    }
+
+    /// Removes the EROFS disks of images no longer in the store that no microVM uses
+    /// (running or paused: the `-drive file=` of its QEMU arguments in `state.json` or
+    /// `boot.json`); with `partial`, also conversions cut short. Nothing is removed while a
+    /// VM's state names no QEMU arguments (written by a node before pause with memory).
+    fn collect_disks(&self, partial: bool) {
+        let mut used = Ok(HashSet::new());
+        for e in std::fs::read_dir(self.cfg.dir.join("vms"))
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            let state: Option<VmState> = ["state.json", "boot.json"].iter().find_map(|f| {
+                let s = std::fs::read(e.path().join(f)).ok()?;
+                serde_json::from_slice(&s).ok()
+            });
+            match (state, &mut used) {
+                (Some(st), Ok(_)) if st.qemu_args.is_empty() => {
+                    used = Err(format!("sandbox {}'s state names no QEMU arguments", st.id));
+                }
+                (Some(st), Ok(u)) => u.extend(super::qemu::drive_files(&st.qemu_args)),
+                _ => {}
+            }
+        }
+        let images = self.cfg.dir.join("images");
+        let path = |i: &Image| self.disk_path(i);
+        super::qemu::collect_image_disks(
+            "microvm",
+            &images,
+            "erofs",
+            &self.cfg.images,
+            path,
+            used,
+            partial,
+        );
     }
 
     /// QEMU's command line for a VM whose files are in `dir` (`scratch.img`,
@@ -1409,6 +1456,7 @@ impl SandboxBackend for MicrovmBackend {
                 }
             }
         }
+        self.collect_disks(true);
         Ok(super::readopt_done("microvm", adopted, &errors))
     }
 }

@@ -34,13 +34,14 @@
 use super::microvm::{probe_kvm, Accel};
 use super::uids::{UidLease, UidSlots};
 use crate::cgroups::{Limits, SandboxCgroup};
+use crate::images::{Image, ImageStore};
 use crate::node::{NodeError, NodeResult};
 use sandlot_guest::agent_proto::IdentityRequest;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::os::unix::process::CommandExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use tokio::sync::watch;
@@ -531,6 +532,83 @@ pub fn ensure_dir_mode(dir: &Path, mode: u32) -> NodeResult<()> {
         .map_err(|e| NodeError::io(format!("chmod {}", dir.display()), e))
 }
 
+/// The files of QEMU arguments' `-drive` values (`file=PATH`).
+pub fn drive_files(args: &[String]) -> impl Iterator<Item = PathBuf> + '_ {
+    args.windows(2)
+        .filter(|w| w[0] == "-drive")
+        .filter_map(|w| w[1].split(',').find_map(|kv| kv.strip_prefix("file=")))
+        .map(PathBuf::from)
+}
+
+/// Collects a QEMU backend's image disks `images_dir/<key>.<ext>`: removes those that no
+/// create will ask for and no sandbox or checkpoint uses — neither the disk of an image in
+/// `images` now (`disk_path`: a create may boot it) nor in `used` (named by a VM's state or
+/// a qcow2 backing chain; `Err(why)` when that cannot be told, which collects nothing).
+/// With `partial`, also `*.tmp` leftovers of conversions cut short (only when none can be
+/// running: at node start or under the backend's conversion lock). Each removal is logged.
+pub fn collect_image_disks(
+    backend: &str,
+    images_dir: &Path,
+    ext: &str,
+    images: &ImageStore,
+    disk_path: impl Fn(&Image) -> PathBuf,
+    used: Result<HashSet<PathBuf>, String>,
+    partial: bool,
+) {
+    let (wanted, used): (HashSet<PathBuf>, _) = match (images.list(), used) {
+        (Ok(list), Ok(used)) => (list.iter().map(disk_path).collect(), used),
+        (Err(e), _) => {
+            tracing::warn!(backend, error = %e, "image disks not collected: the image store cannot be listed");
+            return;
+        }
+        (_, Err(why)) => {
+            tracing::info!(backend, %why, "image disks not collected");
+            return;
+        }
+    };
+    for (disk, bytes) in remove_unneeded_disks(images_dir, ext, &wanted, &used, partial) {
+        tracing::info!(backend, %disk, bytes, "unused image disk removed");
+    }
+}
+
+/// The removals of [`collect_image_disks`]: `(file name, bytes)` per file removed; a file
+/// that cannot be removed is logged and kept.
+fn remove_unneeded_disks(
+    images_dir: &Path,
+    ext: &str,
+    wanted: &HashSet<PathBuf>,
+    used: &HashSet<PathBuf>,
+    partial: bool,
+) -> Vec<(String, u64)> {
+    let mut removed = Vec::new();
+    let suffix = format!(".{ext}");
+    let tmp_suffix = format!(".{ext}.tmp");
+    for e in std::fs::read_dir(images_dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let p = e.path();
+        let gone = if name.ends_with(&tmp_suffix) {
+            partial
+        } else {
+            name.ends_with(&suffix) && !wanted.contains(&p) && !used.contains(&p)
+        };
+        if !gone {
+            continue;
+        }
+        let bytes = e.metadata().map(|m| m.len()).unwrap_or(0);
+        match std::fs::remove_file(&p) {
+            Ok(()) => removed.push((name, bytes)),
+            Err(err) => {
+                tracing::warn!(disk = %p.display(), error = %err, "unused image disk not removed")
+            }
+        }
+    }
+    removed
+}
+
 /// Checks that every parent of `path` is searchable by other users (`o+x`): unprivileged
 /// QEMUs must walk down to it.
 ///
@@ -784,6 +862,55 @@ pub fn boot_failure(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn drive_files_are_the_file_values_of_drive_arguments() {
+        let args: Vec<String> = [
+            "-M",
+            "microvm",
+            "-drive",
+            "id=image,file=/d/images/ab.erofs,format=raw,if=none,readonly=on",
+            "-append",
+            "file=/not/a/drive",
+            "-drive",
+            "id=scratch,file=/d/vms/x/scratch.img,format=raw",
+        ]
+        .map(String::from)
+        .to_vec();
+        let files: Vec<PathBuf> = drive_files(&args).collect();
+        assert_eq!(
+            files,
+            [
+                PathBuf::from("/d/images/ab.erofs"),
+                PathBuf::from("/d/vms/x/scratch.img")
+            ]
+        );
+    }
+
+    #[test]
+    fn collection_keeps_wanted_and_used_disks_and_partial_builds_only_when_asked() {
+        let d = tempfile::tempdir().unwrap();
+        let p = |n: &str| d.path().join(n);
+        for n in [
+            "wanted.erofs",
+            "used.erofs",
+            "stale.erofs",
+            "cut.erofs.tmp",
+            "other.qcow2",
+        ] {
+            std::fs::write(p(n), b"disk").unwrap();
+        }
+        let wanted = HashSet::from([p("wanted.erofs")]);
+        let used = HashSet::from([p("used.erofs")]);
+        let removed = remove_unneeded_disks(d.path(), "erofs", &wanted, &used, false);
+        assert_eq!(removed, [("stale.erofs".to_string(), 4)]);
+        assert!(p("cut.erofs.tmp").exists() && p("other.qcow2").exists());
+        let removed = remove_unneeded_disks(d.path(), "erofs", &wanted, &used, true);
+        assert_eq!(removed, [("cut.erofs.tmp".to_string(), 4)]);
+        for n in ["wanted.erofs", "used.erofs", "other.qcow2"] {
+            assert!(p(n).exists(), "{n} removed");
+        }
+    }
 
     #[test]
     fn vcpu_count_from_a_command_line() {

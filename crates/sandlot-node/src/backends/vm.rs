@@ -12,7 +12,8 @@
 //!   `mkfs.ext4 -d` (no mount, no loop device) into a raw file sized for the content plus
 //!   slack, then `qemu-img convert`ed to qcow2; read-only (mode 0444), shared as the backing
 //!   file of every VM of that image. `<key>` hashes the image name, creation time, layer
-//!   paths and the agent binary.
+//!   paths and the agent binary. Removed once no image in the store maps to it and no
+//!   chain of a VM or checkpoint backs onto it (`collect_disks`).
 //! * `vms/<id>/` — one sandbox: `disk.qcow2` (`qemu-img create -f qcow2 -b <base> -F
 //!   qcow2`, virtual size = the base's + `disk_mib` MiB; the guest grows its ext4 to it
 //!   online), after checkpoints or in a fork more qcow2 layers (`layer-<hex>.qcow2`, see
@@ -55,7 +56,7 @@ use crate::agent_client::AgentClient;
 use crate::cgroups::{CgroupRoot, SandboxCgroup};
 use crate::checkpoints::{Captured, Checkpoint};
 use crate::files::{file_entry, node_error};
-use crate::images::Image;
+use crate::images::{Image, ImageStore};
 use crate::node::{ExecControl, ExecSink, NodeError, NodeResult, SandboxSpec, SandboxStatus};
 use async_trait::async_trait;
 use sandlot_api::{Backend, ExecRequest, ExecResult, FileEntry};
@@ -95,6 +96,11 @@ pub struct VmConfig {
     pub probe: Arc<AccelProbe>,
     /// Host uids of the QEMUs (one per sandbox), shared with the `microvm` backend.
     pub uids: Arc<QemuUids>,
+    /// The node's image store: which image disks a create may still ask for (collection of
+    /// the others, [`super::qemu::collect_image_disks`]).
+    pub images: ImageStore,
+    /// `DATA/checkpoints`: a checkpoint's qcow2 chain keeps its image disk.
+    pub checkpoints_dir: PathBuf,
 }
 
 /// The jail of a VM's QEMU running as `uid` (agent and QMP sockets bound by the node and
@@ -380,8 +386,8 @@ impl VmBackend {
             .ok_or_else(|| NodeError::NotFound(format!("sandbox {id} not found")))
     }
 
-    /// The image's qcow2 base disk, built once.
-    async fn image_disk(&self, image: &Image) -> NodeResult<PathBuf> {
+    /// Where the image's qcow2 base disk is (or will be): `images/<key>.qcow2`.
+    fn disk_path(&self, image: &Image) -> PathBuf {
         let agent_key = self.agent_key.to_le_bytes();
         let mut parts: Vec<&[u8]> = vec![
             image.name.as_bytes(),
@@ -395,7 +401,13 @@ impl VmBackend {
                 .map(|l| l.as_os_str().as_encoded_bytes()),
         );
         let key = format!("{:016x}", fnv(&parts));
-        let out = self.cfg.dir.join("images").join(format!("{key}.qcow2"));
+        self.cfg.dir.join("images").join(format!("{key}.qcow2"))
+    }
+
+    /// The image's qcow2 base disk, built once; each new one is followed by a collection of
+    /// the disks nothing needs any more ([`Self::collect_disks`]).
+    async fn image_disk(&self, image: &Image) -> NodeResult<PathBuf> {
+        let out = self.disk_path(image);
         if out.is_file() {
             return Ok(out);
         }
@@ -412,7 +424,44 @@ impl VmBackend {
         let started = Instant::now();
         spawn_blocking(move || make_disk(&qemu_img, &layers, &agent, &o)).await?;
         tracing::info!(backend = "vm", image = %image.name, ms = started.elapsed().as_millis() as u64, "image disk built (qcow2)");
+        self.collect_disks(false);
         Ok(out)
+    }
+
+    /// Removes the base disks of images no longer in the store (or built for another guest
+    /// agent) that no chain uses: the absolute backing file of any qcow2 layer in a VM's
+    /// directory (running or paused) or a checkpoint's; with `partial`, also builds cut
+    /// short. A layer whose header cannot be read stops the collection (logged).
+    fn collect_disks(&self, partial: bool) {
+        let holders = [self.cfg.dir.join("vms"), self.cfg.checkpoints_dir.clone()];
+        let used = holders
+            .iter()
+            .flat_map(|d| std::fs::read_dir(d).into_iter().flatten().flatten())
+            .flat_map(|holder| {
+                std::fs::read_dir(holder.path())
+                    .into_iter()
+                    .flatten()
+                    .flatten()
+            })
+            .map(|e| e.path())
+            .filter(|p| p.extension().is_some_and(|x| x == "qcow2"))
+            .filter_map(|layer| match chain::backing_of(&layer) {
+                Ok(Some(b)) if b.starts_with('/') => Some(Ok(PathBuf::from(b))),
+                Ok(_) => None,
+                Err(e) => Some(Err(e.to_string())),
+            })
+            .collect();
+        let images = self.cfg.dir.join("images");
+        let path = |i: &Image| self.disk_path(i);
+        super::qemu::collect_image_disks(
+            "vm",
+            &images,
+            "qcow2",
+            &self.cfg.images,
+            path,
+            used,
+            partial,
+        );
     }
 
     async fn create_inner(
@@ -1029,6 +1078,7 @@ impl SandboxBackend for VmBackend {
                 }
             }
         }
+        self.collect_disks(true);
         Ok(super::readopt_done("vm", adopted, &errors))
     }
 }
