@@ -42,7 +42,9 @@
 use super::function::{
     check_id, check_not_paused, freeze, proc_starttime, spawn_blocking, thaw, ExecPlan, StoredSpec,
 };
-use super::qemu::{Jail, QemuUids, AGENT_FD, AGENT_SOCK, CONSOLE_LOG, QMP_FD, QMP_SOCK};
+use super::qemu::{
+    DiskHold, DiskHolds, Jail, QemuUids, AGENT_FD, AGENT_SOCK, CONSOLE_LOG, QMP_FD, QMP_SOCK,
+};
 use super::SandboxBackend;
 use crate::agent_client::AgentClient;
 use crate::cgroups::{CgroupRoot, SandboxCgroup};
@@ -209,6 +211,8 @@ pub struct MicrovmBackend {
     cgroups: CgroupRoot,
     /// Serialises image conversions (one `mkfs.erofs` at a time).
     convert: tokio::sync::Mutex<()>,
+    /// Image disks picked by creates in flight (kept by collections).
+    disk_holds: DiskHolds,
     vms: Mutex<HashMap<String, Arc<Vm>>>,
     /// Template snapshots in use (`SANDLOT_MICROVM_TEMPLATES`, default on).
     templates_enabled: bool,
@@ -501,6 +505,7 @@ impl MicrovmBackend {
             qemu,
             cgroups,
             convert: tokio::sync::Mutex::new(()),
+            disk_holds: DiskHolds::default(),
             vms: Mutex::new(HashMap::new()),
             templates_enabled: template::enabled_from_env(),
             templates_building: Arc::new(Mutex::new(Default::default())),
@@ -543,16 +548,18 @@ impl MicrovmBackend {
         self.cfg.dir.join("images").join(format!("{key}.erofs"))
     }
 
-    /// The image's EROFS disk, made once; each new one is followed by a collection of the
+    /// The image's EROFS disk, made once, and the create's hold on it (kept until the
+    /// sandbox's `boot.json` names it); each new disk is followed by a collection of the
     /// disks nothing needs any more ([`Self::collect_disks`]).
-    async fn image_disk(&self, image: &Image) -> NodeResult<PathBuf> {
+    async fn image_disk(&self, image: &Image) -> NodeResult<(PathBuf, DiskHold)> {
         let out = self.disk_path(image);
+        let hold = self.disk_holds.hold(&out);
         if out.is_file() {
-            return Ok(out);
+            return Ok((out, hold));
         }
         let _g = self.convert.lock().await;
         if out.is_file() {
-            return Ok(out);
+            return Ok((out, hold));
         }
         let layers = image.layers.clone();
         let o = out.clone();
@@ -560,40 +567,41 @@ impl MicrovmBackend {
         spawn_blocking(move || make_erofs(&layers, &o)).await?;
         tracing::info!(backend = "microvm", image = %image.name, ms = started.elapsed().as_millis() as u64, "image converted to EROFS");
         self.collect_disks(false);
-        Ok(out)
+        Ok((out, hold))
     }
 
     /// Removes the EROFS disks of images no longer in the store that no microVM uses
     /// (running or paused: the `-drive file=` of its QEMU arguments in `state.json` or
-    /// `boot.json`); with `partial`, also conversions cut short. Nothing is removed while a
-    /// VM's state names no QEMU arguments (written by a node before pause with memory).
+    /// `boot.json`) and no create in flight holds; with `partial`, also conversions cut
+    /// short. Nothing is removed while a VM's state names no QEMU arguments (written by a
+    /// node before pause with memory).
     fn collect_disks(&self, partial: bool) {
-        let mut used = Ok(HashSet::new());
-        for e in std::fs::read_dir(self.cfg.dir.join("vms"))
-            .into_iter()
-            .flatten()
-            .flatten()
-        {
-            let state: Option<VmState> = ["state.json", "boot.json"].iter().find_map(|f| {
-                let s = std::fs::read(e.path().join(f)).ok()?;
-                serde_json::from_slice(&s).ok()
-            });
-            match (state, &mut used) {
-                (Some(st), Ok(_)) if st.qemu_args.is_empty() => {
-                    used = Err(format!("sandbox {}'s state names no QEMU arguments", st.id));
+        let used = || {
+            let mut used = HashSet::new();
+            for e in std::fs::read_dir(self.cfg.dir.join("vms"))
+                .into_iter()
+                .flatten()
+                .flatten()
+            {
+                let state: Option<VmState> = ["state.json", "boot.json"].iter().find_map(|f| {
+                    let s = std::fs::read(e.path().join(f)).ok()?;
+                    serde_json::from_slice(&s).ok()
+                });
+                let Some(st) = state else { continue };
+                if st.qemu_args.is_empty() {
+                    return Err(format!("sandbox {}'s state names no QEMU arguments", st.id));
                 }
-                (Some(st), Ok(u)) => u.extend(super::qemu::drive_files(&st.qemu_args)),
-                _ => {}
+                used.extend(super::qemu::drive_files(&st.qemu_args));
             }
-        }
-        let images = self.cfg.dir.join("images");
-        let path = |i: &Image| self.disk_path(i);
+            Ok(used)
+        };
         super::qemu::collect_image_disks(
             "microvm",
-            &images,
+            &self.cfg.dir.join("images"),
             "erofs",
             &self.cfg.images,
-            path,
+            |i| self.disk_path(i),
+            &self.disk_holds,
             used,
             partial,
         );
@@ -690,7 +698,8 @@ impl MicrovmBackend {
         seed: Option<&Checkpoint>,
     ) -> NodeResult<(VmState, (AgentClient, Arc<Relay>))> {
         let accel = self.resolve_accel().await;
-        let disk = self.image_disk(image).await?;
+        // Held until `boot.json` / `state.json` name the disk (see `collect_disks`).
+        let (disk, _hold) = self.image_disk(image).await?;
         let dir = self.vm_dir(&spec.id);
         let scratch = dir.join("scratch.img");
         let mib = spec.disk_mib.max(16);
@@ -757,7 +766,7 @@ impl MicrovmBackend {
         let relay = Relay::new(sock.clone());
         let agent = AgentClient::with_connector(&sock, relay.connector());
         let started = Instant::now();
-        let key = template::key(self, &dir, &args, mib);
+        let key = template::key(self, &dir, &args, &disk, mib);
         let mut from_template = false;
         // A fork boots on its checkpoint's disk, never from a template.
         if self.templates_enabled && seed.is_none() {

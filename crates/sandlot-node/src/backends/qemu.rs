@@ -540,49 +540,105 @@ pub fn drive_files(args: &[String]) -> impl Iterator<Item = PathBuf> + '_ {
         .map(PathBuf::from)
 }
 
+/// The image disks that creates in flight have picked (`image_disk`) but not yet recorded
+/// on disk (`boot.json`, a qcow2 layer): a collection keeps them. Taking a hold and a whole
+/// collection exclude each other, so a disk is either held before the collection looks or
+/// looked up again (and made anew if it was removed) after it.
+#[derive(Clone, Default)]
+pub struct DiskHolds(Arc<Mutex<HashMap<PathBuf, usize>>>);
+
+/// One create's hold on an image disk ([`DiskHolds`]); released on drop.
+pub struct DiskHold {
+    holds: DiskHolds,
+    path: PathBuf,
+}
+
+impl DiskHolds {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<PathBuf, usize>> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Holds `path` until the returned guard is dropped (waits for a running collection).
+    pub fn hold(&self, path: &Path) -> DiskHold {
+        *self.lock().entry(path.to_path_buf()).or_default() += 1;
+        DiskHold {
+            holds: self.clone(),
+            path: path.to_path_buf(),
+        }
+    }
+}
+
+impl Drop for DiskHold {
+    fn drop(&mut self) {
+        let mut m = self.holds.lock();
+        if let Some(n) = m.get_mut(&self.path) {
+            *n -= 1;
+            if *n == 0 {
+                m.remove(&self.path);
+            }
+        }
+    }
+}
+
 /// Collects a QEMU backend's image disks `images_dir/<key>.<ext>`: removes those that no
-/// create will ask for and no sandbox or checkpoint uses — neither the disk of an image in
-/// `images` now (`disk_path`: a create may boot it) nor in `used` (named by a VM's state or
-/// a qcow2 backing chain; `Err(why)` when that cannot be told, which collects nothing).
-/// With `partial`, also `*.tmp` leftovers of conversions cut short (only when none can be
-/// running: at node start or under the backend's conversion lock). Each removal is logged.
+/// create will ask for and nothing uses — neither the disk of an image in `images` now
+/// (`disk_path`: a create may boot it), nor held by a create in flight (`holds`), nor in
+/// what `used` returns (the files named by VMs' states or qcow2 backing chains; `Err(why)`
+/// when that cannot be told, which collects nothing). Files are compared by device and
+/// inode, so another spelling of the data directory (a symlink, a relative path) in older
+/// records still counts. With `partial`, also the leftovers of disk builds cut short
+/// (`*.tmp` files, `*.merge` mount points, `*.kit` directories: only when no build can be
+/// running, at node start). Each removal is logged.
+#[allow(clippy::too_many_arguments)]
 pub fn collect_image_disks(
     backend: &str,
     images_dir: &Path,
     ext: &str,
     images: &ImageStore,
     disk_path: impl Fn(&Image) -> PathBuf,
-    used: Result<HashSet<PathBuf>, String>,
+    holds: &DiskHolds,
+    used: impl FnOnce() -> Result<HashSet<PathBuf>, String>,
     partial: bool,
 ) {
-    let (wanted, used): (HashSet<PathBuf>, _) = match (images.list(), used) {
-        (Ok(list), Ok(used)) => (list.iter().map(disk_path).collect(), used),
+    let held = holds.lock();
+    let keep = match (images.list(), used()) {
+        (Ok(list), Ok(used)) => list
+            .iter()
+            .map(disk_path)
+            .chain(used)
+            .chain(held.keys().cloned())
+            .collect::<Vec<_>>(),
         (Err(e), _) => {
             tracing::warn!(backend, error = %e, "image disks not collected: the image store cannot be listed");
             return;
         }
         (_, Err(why)) => {
-            tracing::info!(backend, %why, "image disks not collected");
+            tracing::warn!(backend, %why, "image disks not collected");
             return;
         }
     };
-    for (disk, bytes) in remove_unneeded_disks(images_dir, ext, &wanted, &used, partial) {
+    for (disk, bytes) in remove_unneeded_disks(images_dir, ext, &keep, partial) {
         tracing::info!(backend, %disk, bytes, "unused image disk removed");
     }
 }
 
-/// The removals of [`collect_image_disks`]: `(file name, bytes)` per file removed; a file
-/// that cannot be removed is logged and kept.
+/// The removals of [`collect_image_disks`]: every `*.<ext>` file in `images_dir` that is
+/// none of the files `keep` names (by device and inode), and with `partial` the build
+/// leftovers. Returns `(file name, bytes)` per entry removed; one that cannot be removed is
+/// logged and kept.
 fn remove_unneeded_disks(
     images_dir: &Path,
     ext: &str,
-    wanted: &HashSet<PathBuf>,
-    used: &HashSet<PathBuf>,
+    keep: &[PathBuf],
     partial: bool,
 ) -> Vec<(String, u64)> {
-    let mut removed = Vec::new();
+    let kept: HashSet<(u64, u64)> = keep
+        .iter()
+        .filter_map(|p| std::fs::metadata(p).ok())
+        .map(|m| (m.dev(), m.ino()))
+        .collect();
     let suffix = format!(".{ext}");
-    let tmp_suffix = format!(".{ext}.tmp");
+    let mut removed = Vec::new();
     for e in std::fs::read_dir(images_dir)
         .into_iter()
         .flatten()
@@ -590,17 +646,29 @@ fn remove_unneeded_disks(
     {
         let name = e.file_name().to_string_lossy().into_owned();
         let p = e.path();
-        let gone = if name.ends_with(&tmp_suffix) {
-            partial
-        } else {
-            name.ends_with(&suffix) && !wanted.contains(&p) && !used.contains(&p)
-        };
-        if !gone {
+        let Ok(meta) = std::fs::symlink_metadata(&p) else {
             continue;
-        }
-        let bytes = e.metadata().map(|m| m.len()).unwrap_or(0);
-        match std::fs::remove_file(&p) {
-            Ok(()) => removed.push((name, bytes)),
+        };
+        let leftover = [".tmp", ".merge", ".kit"].iter().any(|s| name.ends_with(s));
+        let res = if leftover && partial {
+            // A build's overlay mount point first: never delete through a mount.
+            let _ = nix::mount::umount2(&p, nix::mount::MntFlags::MNT_DETACH);
+            if meta.is_dir() {
+                std::fs::remove_dir_all(&p)
+            } else {
+                std::fs::remove_file(&p)
+            }
+        } else if !leftover
+            && name.ends_with(&suffix)
+            && meta.is_file()
+            && !kept.contains(&(meta.dev(), meta.ino()))
+        {
+            std::fs::remove_file(&p)
+        } else {
+            continue;
+        };
+        match res {
+            Ok(()) => removed.push((name, meta.len())),
             Err(err) => {
                 tracing::warn!(disk = %p.display(), error = %err, "unused image disk not removed")
             }
@@ -888,28 +956,59 @@ mod tests {
     }
 
     #[test]
-    fn collection_keeps_wanted_and_used_disks_and_partial_builds_only_when_asked() {
+    fn collection_keeps_named_disks_by_inode_and_build_leftovers_only_when_asked() {
         let d = tempfile::tempdir().unwrap();
         let p = |n: &str| d.path().join(n);
-        for n in [
-            "wanted.erofs",
-            "used.erofs",
-            "stale.erofs",
-            "cut.erofs.tmp",
-            "other.qcow2",
-        ] {
+        for n in ["kept.erofs", "stale.erofs", "cut.erofs.tmp", "other.qcow2"] {
             std::fs::write(p(n), b"disk").unwrap();
         }
-        let wanted = HashSet::from([p("wanted.erofs")]);
-        let used = HashSet::from([p("used.erofs")]);
-        let removed = remove_unneeded_disks(d.path(), "erofs", &wanted, &used, false);
+        std::fs::create_dir_all(p("cut.merge")).unwrap();
+        // Named through another spelling of the directory: still the same file.
+        let alias = tempfile::tempdir().unwrap();
+        let link = alias.path().join("data");
+        std::os::unix::fs::symlink(d.path(), &link).unwrap();
+        let keep = [link.join("kept.erofs"), p("absent.erofs")];
+        let removed = remove_unneeded_disks(d.path(), "erofs", &keep, false);
         assert_eq!(removed, [("stale.erofs".to_string(), 4)]);
-        assert!(p("cut.erofs.tmp").exists() && p("other.qcow2").exists());
-        let removed = remove_unneeded_disks(d.path(), "erofs", &wanted, &used, true);
-        assert_eq!(removed, [("cut.erofs.tmp".to_string(), 4)]);
-        for n in ["wanted.erofs", "used.erofs", "other.qcow2"] {
-            assert!(p(n).exists(), "{n} removed");
-        }
+        assert!(p("cut.erofs.tmp").exists() && p("cut.merge").exists());
+        let mut removed = remove_unneeded_disks(d.path(), "erofs", &keep, true);
+        removed.sort();
+        let names: Vec<&str> = removed.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(names, ["cut.erofs.tmp", "cut.merge"]);
+        assert!(p("kept.erofs").exists() && p("other.qcow2").exists());
+    }
+
+    #[test]
+    fn a_disk_held_by_a_create_outlives_collections_until_released() {
+        let d = tempfile::tempdir().unwrap();
+        let store = ImageStore::open(d.path().join("store")).unwrap();
+        let images = d.path().join("images");
+        std::fs::create_dir_all(&images).unwrap();
+        let disk = images.join("old.erofs");
+        std::fs::write(&disk, b"disk").unwrap();
+        let holds = DiskHolds::default();
+        let collect = || {
+            let used = || Ok(HashSet::new());
+            collect_image_disks(
+                "t",
+                &images,
+                "erofs",
+                &store,
+                |_| PathBuf::new(),
+                &holds,
+                used,
+                false,
+            )
+        };
+        let (a, b) = (holds.hold(&disk), holds.hold(&disk));
+        collect();
+        drop(a);
+        collect();
+        assert!(disk.exists(), "removed while a create held it");
+        drop(b);
+        assert!(holds.lock().is_empty());
+        collect();
+        assert!(!disk.exists(), "kept with no image, user or hold");
     }
 
     #[test]

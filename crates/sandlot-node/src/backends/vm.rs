@@ -48,8 +48,8 @@ use super::function::{
 use super::microvm::snapshot::{self, ProcCell, QemuProc, Relay, QMP_SOCK};
 use super::microvm::{find_binary, fnv, spawn_qemu, write_cpio, write_json, Accel, VmState};
 use super::qemu::{
-    boot_failure, fresh_identity, AccelProbe, Jail, QemuUids, AGENT_FD, AGENT_SOCK, CONSOLE_LOG,
-    QMP_FD,
+    boot_failure, fresh_identity, AccelProbe, DiskHold, DiskHolds, Jail, QemuUids, AGENT_FD,
+    AGENT_SOCK, CONSOLE_LOG, QMP_FD,
 };
 use super::SandboxBackend;
 use crate::agent_client::AgentClient;
@@ -140,6 +140,8 @@ pub struct VmBackend {
     agent_key: u64,
     /// Serialises disk builds (one `mkfs.ext4 -d` at a time).
     convert: tokio::sync::Mutex<()>,
+    /// Image disks picked by creates in flight (kept by collections).
+    disk_holds: DiskHolds,
     vms: Mutex<HashMap<String, Arc<Vm>>>,
 }
 
@@ -369,6 +371,7 @@ impl VmBackend {
             cgroups,
             agent_key,
             convert: tokio::sync::Mutex::new(()),
+            disk_holds: DiskHolds::default(),
             vms: Mutex::new(HashMap::new()),
         })
     }
@@ -404,16 +407,18 @@ impl VmBackend {
         self.cfg.dir.join("images").join(format!("{key}.qcow2"))
     }
 
-    /// The image's qcow2 base disk, built once; each new one is followed by a collection of
-    /// the disks nothing needs any more ([`Self::collect_disks`]).
-    async fn image_disk(&self, image: &Image) -> NodeResult<PathBuf> {
+    /// The image's qcow2 base disk, built once, and the create's hold on it (kept until the
+    /// sandbox's first layer names it); each new disk is followed by a collection of the
+    /// disks nothing needs any more ([`Self::collect_disks`]).
+    async fn image_disk(&self, image: &Image) -> NodeResult<(PathBuf, DiskHold)> {
         let out = self.disk_path(image);
+        let hold = self.disk_holds.hold(&out);
         if out.is_file() {
-            return Ok(out);
+            return Ok((out, hold));
         }
         let _g = self.convert.lock().await;
         if out.is_file() {
-            return Ok(out);
+            return Ok((out, hold));
         }
         let (layers, agent, qemu_img, o) = (
             image.layers.clone(),
@@ -425,7 +430,7 @@ impl VmBackend {
         spawn_blocking(move || make_disk(&qemu_img, &layers, &agent, &o)).await?;
         tracing::info!(backend = "vm", image = %image.name, ms = started.elapsed().as_millis() as u64, "image disk built (qcow2)");
         self.collect_disks(false);
-        Ok(out)
+        Ok((out, hold))
     }
 
     /// Removes the base disks of images no longer in the store (or built for another guest
@@ -433,32 +438,28 @@ impl VmBackend {
     /// directory (running or paused) or a checkpoint's; with `partial`, also builds cut
     /// short. A layer whose header cannot be read stops the collection (logged).
     fn collect_disks(&self, partial: bool) {
-        let holders = [self.cfg.dir.join("vms"), self.cfg.checkpoints_dir.clone()];
-        let used = holders
-            .iter()
-            .flat_map(|d| std::fs::read_dir(d).into_iter().flatten().flatten())
-            .flat_map(|holder| {
-                std::fs::read_dir(holder.path())
-                    .into_iter()
-                    .flatten()
-                    .flatten()
-            })
-            .map(|e| e.path())
-            .filter(|p| p.extension().is_some_and(|x| x == "qcow2"))
-            .filter_map(|layer| match chain::backing_of(&layer) {
-                Ok(Some(b)) if b.starts_with('/') => Some(Ok(PathBuf::from(b))),
-                Ok(_) => None,
-                Err(e) => Some(Err(e.to_string())),
-            })
-            .collect();
-        let images = self.cfg.dir.join("images");
-        let path = |i: &Image| self.disk_path(i);
+        let used = || {
+            let holders = [self.cfg.dir.join("vms"), self.cfg.checkpoints_dir.clone()];
+            holders
+                .iter()
+                .flat_map(|d| std::fs::read_dir(d).into_iter().flatten().flatten())
+                .flat_map(|h| std::fs::read_dir(h.path()).into_iter().flatten().flatten())
+                .map(|e| e.path())
+                .filter(|p| p.extension().is_some_and(|x| x == "qcow2"))
+                .filter_map(|layer| match chain::backing_of(&layer) {
+                    Ok(Some(b)) if b.starts_with('/') => Some(Ok(PathBuf::from(b))),
+                    Ok(_) => None,
+                    Err(e) => Some(Err(e.to_string())),
+                })
+                .collect()
+        };
         super::qemu::collect_image_disks(
             "vm",
-            &images,
+            &self.cfg.dir.join("images"),
             "qcow2",
             &self.cfg.images,
-            path,
+            |i| self.disk_path(i),
+            &self.disk_holds,
             used,
             partial,
         );
@@ -487,7 +488,8 @@ impl VmBackend {
             let group = self.cfg.uids.group();
             spawn_blocking(move || chain::seed_fork(&qemu_img, &ck_dir, &d, grow, group)).await?
         } else {
-            let base = self.image_disk(image).await?;
+            // Held until the first layer (made next) names it (see `collect_disks`).
+            let (base, _hold) = self.image_disk(image).await?;
             let (disk, qemu_img) = (chain::layer_path(&dir, chain::FIRST), self.qemu_img.clone());
             let extra = mib << 20;
             spawn_blocking(move || {

@@ -102,15 +102,27 @@ pub(super) fn file_id(p: &Path) -> String {
 }
 
 /// The template key of a VM with QEMU arguments `args` whose files live in `dir`: a hash of
-/// the arguments with `dir` taken out, the scratch size and the node's boot files
+/// the arguments with `dir` taken out, the image disk's size and mtime (a disk collected
+/// and made again under the same name is another disk: a guest restored over it would
+/// read stale cached blocks), the scratch size and the node's boot files
 /// (`template_inputs`: the kernel's and QEMU's size and mtime, the initramfs's content,
 /// which the node writes anew at each start).
-pub(super) fn key(b: &MicrovmBackend, dir: &Path, args: &[String], scratch_mib: u64) -> String {
+pub(super) fn key(
+    b: &MicrovmBackend,
+    dir: &Path,
+    args: &[String],
+    disk: &Path,
+    scratch_mib: u64,
+) -> String {
     let d = dir.display().to_string();
     let shape: Vec<String> = args.iter().map(|a| a.replace(&d, "VMDIR")).collect();
-    let scratch = scratch_mib.to_string();
+    let (disk, scratch) = (file_id(disk), scratch_mib.to_string());
     let mut parts: Vec<&[u8]> = shape.iter().map(|s| s.as_bytes()).collect();
-    parts.extend([b.template_inputs.as_bytes(), scratch.as_bytes()]);
+    parts.extend([
+        disk.as_bytes(),
+        b.template_inputs.as_bytes(),
+        scratch.as_bytes(),
+    ]);
     format!("{:016x}", super::fnv(&parts))
 }
 
