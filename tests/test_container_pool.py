@@ -28,8 +28,8 @@ import pytest
 import conftest
 import sandlot
 from conftest import (
-    Server, count_leaks, node_cgroup_parent, private_base, remove_private_base, wait_no_leaks,
-    wait_until,
+    Server, count_leaks, image_cli, node_cgroup_parent, private_base, remove_private_base,
+    wait_no_leaks, wait_until,
 )
 
 IMAGE = "busybox"
@@ -109,11 +109,7 @@ def private_server(binary: Path, log_dir: Path, name: str, pool: int) -> Server:
 
 def finish(srv: Server) -> None:
     try:
-        if srv.proc is None or srv.proc.poll() is not None:
-            srv.start()
-        with sandlot.Client(srv.url, timeout=60) as c:
-            for b in c.list():
-                b.delete()
+        srv.delete_all()
     except Exception as e:  # noqa: BLE001 - best-effort cleanup
         print(f"cleanup of the private node failed: {e}")
     try:
@@ -355,11 +351,7 @@ def test_pooled_container_of_a_rebuilt_image_is_not_handed_over(binary, log_dir,
     build meanwhile); the refilled pool serves the new build."""
     base = private_base("sandlot-pool-rebuild-")
     images = base / "images"
-
-    def image(*args: str) -> None:
-        subprocess.run([str(binary), "image", *args, "--data-dir", str(base / "image-data"),
-                        "--images-dir", str(images)], check=True, capture_output=True,
-                       timeout=120)
+    image = image_cli(binary, base)
 
     image("build", IMAGE)
     # This node's own image store: the shared one is never changed by tests.
@@ -404,11 +396,7 @@ def test_image_rm_and_forced_build_keep_a_running_sandboxs_rootfs(binary, log_di
     sandbox is gone."""
     base = private_base("sandlot-image-retire-")
     images = base / "images"
-
-    def image(*args: str) -> str:
-        return subprocess.run([str(binary), "image", *args, "--data-dir", str(base / "image-data"),
-                               "--images-dir", str(images)], check=True, capture_output=True,
-                              text=True, timeout=120).stdout
+    image = image_cli(binary, base)
 
     image("build", IMAGE)
     monkeypatch.setattr(conftest, "IMAGES_DIR", str(images))

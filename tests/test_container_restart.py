@@ -152,11 +152,7 @@ def node(binary, log_dir) -> Iterator[Server]:
     # Whatever a failed test left: delete it through the server (a SIGTERM'd server leaves
     # its containers running, by design).
     try:
-        if srv.proc is None or srv.proc.poll() is not None:
-            srv.start()
-        with sandlot.Client(srv.url, timeout=60) as c:
-            for b in c.list():
-                b.delete()
+        srv.delete_all()
     except Exception as e:  # noqa: BLE001 - best-effort cleanup
         print(f"cleanup of the private node failed: {e}")
     try:

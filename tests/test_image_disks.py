@@ -12,7 +12,6 @@ that the test rebuilds (`sandlot image build --force`); two boots per backend.
 from __future__ import annotations
 
 import os
-import subprocess
 import uuid
 from pathlib import Path
 from typing import Callable, Iterator, List, Tuple
@@ -21,31 +20,25 @@ import pytest
 
 import conftest
 import sandlot
-from conftest import Server, private_base, remove_private_base
+from conftest import Server, image_cli, private_base, remove_private_base
 
 IMAGE = "busybox"
 EXT = {"microvm": "erofs", "vm": "qcow2"}
 
 
 @pytest.fixture(params=["microvm", "vm"])
-def node(request, binary, log_dir, monkeypatch) -> Iterator[Tuple[Server, str, Callable[..., None]]]:
+def node(request, binary, log_dir, monkeypatch) -> Iterator[Tuple[Server, str, Callable[..., str]]]:
     backend = request.param
     if os.geteuid() != 0:
         pytest.skip(f"{backend} tests need root (cgroups, QEMU)")
     base = private_base(f"sandlot-disks-{backend}-")
-    images = base / "images"
-
-    def image(*args: str) -> None:
-        subprocess.run([str(binary), "image", *args, "--data-dir", str(base / "image-data"),
-                        "--images-dir", str(images)], check=True, capture_output=True,
-                       timeout=120)
-
+    image = image_cli(binary, base)
     image("build", IMAGE)
     # This node's own image store: the shared one is never changed by tests. The guest kit
     # stays the shared one (by default it lies beside the image store).
     monkeypatch.setenv("SANDLOT_GUEST_KIT_DIR", os.environ.get(
         "SANDLOT_GUEST_KIT_DIR", str(Path(conftest.IMAGES_DIR).parent / "guest-kit")))
-    monkeypatch.setattr(conftest, "IMAGES_DIR", str(images))
+    monkeypatch.setattr(conftest, "IMAGES_DIR", str(base / "images"))
     # No template boots in the background (each would be one more boot on this host).
     monkeypatch.setenv("SANDLOT_MICROVM_TEMPLATES", "0")
     srv = Server(binary, base / "data", log_dir / f"image-disks-{backend}.log")
@@ -56,13 +49,7 @@ def node(request, binary, log_dir, monkeypatch) -> Iterator[Tuple[Server, str, C
         if status != "ok":
             pytest.skip(f"backend {backend} is not available here: {status}")
         yield srv, backend, image
-        if srv.proc is None or srv.proc.poll() is not None:
-            srv.start()
-        with sandlot.Client(srv.url, timeout=60) as c:
-            for b in c.list():
-                b.delete()
-            for k in c.checkpoints():
-                c.delete_checkpoint(k)
+        srv.delete_all()
     finally:
         srv.stop()
         remove_private_base(base)

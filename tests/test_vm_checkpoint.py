@@ -54,13 +54,7 @@ def node(binary, log_dir) -> Iterator[Server]:
         pytest.skip(f"backend vm is not available here: {status}")
     yield srv
     try:
-        if srv.proc is None or srv.proc.poll() is not None:
-            srv.start()
-        with sandlot.Client(srv.url, timeout=60) as c:
-            for b in c.list():
-                b.delete()
-            for k in c.checkpoints():
-                c.delete_checkpoint(k)
+        srv.delete_all()
         srv.stop()
     finally:
         remove_private_base(base)
