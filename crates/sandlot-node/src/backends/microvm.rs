@@ -43,7 +43,7 @@ use super::function::{
     check_id, check_not_paused, freeze, proc_starttime, spawn_blocking, thaw, ExecPlan, StoredSpec,
 };
 use super::qemu::{
-    DiskHold, DiskHolds, Jail, QemuUids, AGENT_FD, AGENT_SOCK, CONSOLE_LOG, QMP_FD, QMP_SOCK,
+    DiskHold, ImageDisks, Jail, QemuUids, AGENT_FD, AGENT_SOCK, CONSOLE_LOG, QMP_FD, QMP_SOCK,
 };
 use super::SandboxBackend;
 use crate::agent_client::AgentClient;
@@ -210,9 +210,8 @@ pub struct MicrovmBackend {
     qemu: PathBuf,
     cgroups: CgroupRoot,
     /// Serialises image conversions (one `mkfs.erofs` at a time).
-    convert: tokio::sync::Mutex<()>,
-    /// Image disks picked by creates in flight (kept by collections).
-    disk_holds: DiskHolds,
+    /// Image disk conversions (one at a time) and the disks creates in flight hold.
+    disks: ImageDisks,
     vms: Mutex<HashMap<String, Arc<Vm>>>,
     /// Template snapshots in use (`SANDLOT_MICROVM_TEMPLATES`, default on).
     templates_enabled: bool,
@@ -504,8 +503,7 @@ impl MicrovmBackend {
             cfg,
             qemu,
             cgroups,
-            convert: tokio::sync::Mutex::new(()),
-            disk_holds: DiskHolds::default(),
+            disks: ImageDisks::default(),
             vms: Mutex::new(HashMap::new()),
             templates_enabled: template::enabled_from_env(),
             templates_building: Arc::new(Mutex::new(Default::default())),
@@ -553,20 +551,17 @@ impl MicrovmBackend {
     /// disks nothing needs any more ([`Self::collect_disks`]).
     async fn image_disk(&self, image: &Image) -> NodeResult<(PathBuf, DiskHold)> {
         let out = self.disk_path(image);
-        let hold = self.disk_holds.hold(&out);
-        if out.is_file() {
-            return Ok((out, hold));
+        let (layers, o) = (image.layers.clone(), out.clone());
+        let build = async {
+            let started = Instant::now();
+            spawn_blocking(move || make_erofs(&layers, &o)).await?;
+            tracing::info!(backend = "microvm", image = %image.name, ms = started.elapsed().as_millis() as u64, "image converted to EROFS");
+            Ok(())
+        };
+        let (out, hold, made) = self.disks.get(out, build).await?;
+        if made {
+            self.collect_disks(false);
         }
-        let _g = self.convert.lock().await;
-        if out.is_file() {
-            return Ok((out, hold));
-        }
-        let layers = image.layers.clone();
-        let o = out.clone();
-        let started = Instant::now();
-        spawn_blocking(move || make_erofs(&layers, &o)).await?;
-        tracing::info!(backend = "microvm", image = %image.name, ms = started.elapsed().as_millis() as u64, "image converted to EROFS");
-        self.collect_disks(false);
         Ok((out, hold))
     }
 
@@ -601,7 +596,7 @@ impl MicrovmBackend {
             "erofs",
             &self.cfg.images,
             |i| self.disk_path(i),
-            &self.disk_holds,
+            &self.disks,
             used,
             partial,
         );

@@ -547,6 +547,39 @@ pub fn drive_files(args: &[String]) -> impl Iterator<Item = PathBuf> + '_ {
 #[derive(Clone, Default)]
 pub struct DiskHolds(Arc<Mutex<HashMap<PathBuf, usize>>>);
 
+/// A QEMU backend's image disks in use: one build at a time, and the holds of creates in
+/// flight ([`DiskHolds`]).
+#[derive(Default)]
+pub struct ImageDisks {
+    build: tokio::sync::Mutex<()>,
+    holds: DiskHolds,
+}
+
+impl ImageDisks {
+    /// The image disk `out` with a create's hold on it, made by `build` first when it is
+    /// missing (one build at a time per backend; the hold is taken before the disk is looked
+    /// for, see [`DiskHolds`]). The flag is `true` when this call made it.
+    ///
+    /// # Errors
+    /// `build`'s.
+    pub async fn get(
+        &self,
+        out: PathBuf,
+        build: impl std::future::Future<Output = NodeResult<()>>,
+    ) -> NodeResult<(PathBuf, DiskHold, bool)> {
+        let hold = self.holds.hold(&out);
+        if out.is_file() {
+            return Ok((out, hold, false));
+        }
+        let _one_build = self.build.lock().await;
+        if out.is_file() {
+            return Ok((out, hold, false));
+        }
+        build.await?;
+        Ok((out, hold, true))
+    }
+}
+
 /// One create's hold on an image disk ([`DiskHolds`]); released on drop.
 pub struct DiskHold {
     holds: DiskHolds,
@@ -559,7 +592,7 @@ impl DiskHolds {
     }
 
     /// Holds `path` until the returned guard is dropped (waits for a running collection).
-    pub fn hold(&self, path: &Path) -> DiskHold {
+    fn hold(&self, path: &Path) -> DiskHold {
         *self.lock().entry(path.to_path_buf()).or_default() += 1;
         DiskHold {
             holds: self.clone(),
@@ -582,7 +615,7 @@ impl Drop for DiskHold {
 
 /// Collects a QEMU backend's image disks `images_dir/<key>.<ext>`: removes those that no
 /// create will ask for and nothing uses — neither the disk of an image in `images` now
-/// (`disk_path`: a create may boot it), nor held by a create in flight (`holds`), nor in
+/// (`disk_path`: a create may boot it), nor held by a create in flight (`disks`), nor in
 /// what `used` returns (the files named by VMs' states or qcow2 backing chains; `Err(why)`
 /// when that cannot be told, which collects nothing). Files are compared by device and
 /// inode, so another spelling of the data directory (a symlink, a relative path) in older
@@ -596,11 +629,11 @@ pub fn collect_image_disks(
     ext: &str,
     images: &ImageStore,
     disk_path: impl Fn(&Image) -> PathBuf,
-    holds: &DiskHolds,
+    disks: &ImageDisks,
     used: impl FnOnce() -> Result<HashSet<PathBuf>, String>,
     partial: bool,
 ) {
-    let held = holds.lock();
+    let held = disks.holds.lock();
     let keep = match (images.list(), used()) {
         (Ok(list), Ok(used)) => list
             .iter()
@@ -986,7 +1019,7 @@ mod tests {
         std::fs::create_dir_all(&images).unwrap();
         let disk = images.join("old.erofs");
         std::fs::write(&disk, b"disk").unwrap();
-        let holds = DiskHolds::default();
+        let disks = ImageDisks::default();
         let collect = || {
             let used = || Ok(HashSet::new());
             collect_image_disks(
@@ -995,18 +1028,18 @@ mod tests {
                 "erofs",
                 &store,
                 |_| PathBuf::new(),
-                &holds,
+                &disks,
                 used,
                 false,
             )
         };
-        let (a, b) = (holds.hold(&disk), holds.hold(&disk));
+        let (a, b) = (disks.holds.hold(&disk), disks.holds.hold(&disk));
         collect();
         drop(a);
         collect();
         assert!(disk.exists(), "removed while a create held it");
         drop(b);
-        assert!(holds.lock().is_empty());
+        assert!(disks.holds.lock().is_empty());
         collect();
         assert!(!disk.exists(), "kept with no image, user or hold");
     }

@@ -48,7 +48,7 @@ use super::function::{
 use super::microvm::snapshot::{self, ProcCell, QemuProc, Relay, QMP_SOCK};
 use super::microvm::{find_binary, fnv, spawn_qemu, write_cpio, write_json, Accel, VmState};
 use super::qemu::{
-    boot_failure, fresh_identity, AccelProbe, DiskHold, DiskHolds, Jail, QemuUids, AGENT_FD,
+    boot_failure, fresh_identity, AccelProbe, DiskHold, ImageDisks, Jail, QemuUids, AGENT_FD,
     AGENT_SOCK, CONSOLE_LOG, QMP_FD,
 };
 use super::SandboxBackend;
@@ -139,9 +139,8 @@ pub struct VmBackend {
     /// Hash of the agent binary (part of every disk's key: a new agent means new disks).
     agent_key: u64,
     /// Serialises disk builds (one `mkfs.ext4 -d` at a time).
-    convert: tokio::sync::Mutex<()>,
-    /// Image disks picked by creates in flight (kept by collections).
-    disk_holds: DiskHolds,
+    /// Image disk builds (one at a time) and the disks creates in flight hold.
+    disks: ImageDisks,
     vms: Mutex<HashMap<String, Arc<Vm>>>,
 }
 
@@ -370,8 +369,7 @@ impl VmBackend {
             qemu_img,
             cgroups,
             agent_key,
-            convert: tokio::sync::Mutex::new(()),
-            disk_holds: DiskHolds::default(),
+            disks: ImageDisks::default(),
             vms: Mutex::new(HashMap::new()),
         })
     }
@@ -412,24 +410,22 @@ impl VmBackend {
     /// disks nothing needs any more ([`Self::collect_disks`]).
     async fn image_disk(&self, image: &Image) -> NodeResult<(PathBuf, DiskHold)> {
         let out = self.disk_path(image);
-        let hold = self.disk_holds.hold(&out);
-        if out.is_file() {
-            return Ok((out, hold));
-        }
-        let _g = self.convert.lock().await;
-        if out.is_file() {
-            return Ok((out, hold));
-        }
         let (layers, agent, qemu_img, o) = (
             image.layers.clone(),
             self.cfg.agent_bin.clone(),
             self.qemu_img.clone(),
             out.clone(),
         );
-        let started = Instant::now();
-        spawn_blocking(move || make_disk(&qemu_img, &layers, &agent, &o)).await?;
-        tracing::info!(backend = "vm", image = %image.name, ms = started.elapsed().as_millis() as u64, "image disk built (qcow2)");
-        self.collect_disks(false);
+        let build = async {
+            let started = Instant::now();
+            spawn_blocking(move || make_disk(&qemu_img, &layers, &agent, &o)).await?;
+            tracing::info!(backend = "vm", image = %image.name, ms = started.elapsed().as_millis() as u64, "image disk built (qcow2)");
+            Ok(())
+        };
+        let (out, hold, made) = self.disks.get(out, build).await?;
+        if made {
+            self.collect_disks(false);
+        }
         Ok((out, hold))
     }
 
@@ -459,7 +455,7 @@ impl VmBackend {
             "qcow2",
             &self.cfg.images,
             |i| self.disk_path(i),
-            &self.disk_holds,
+            &self.disks,
             used,
             partial,
         );
