@@ -17,6 +17,7 @@ with the reason, so `pytest -rs` lists every skip and why.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -26,7 +27,7 @@ import tempfile
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import pytest
 
@@ -302,6 +303,32 @@ def image_cli(binary: Path, base: Path) -> Callable[..., str]:
                                "--images-dir", str(base / "images")], check=True,
                               capture_output=True, text=True, timeout=120).stdout
     return run
+
+
+@contextlib.contextmanager
+def private_image_node(binary: Path, log_path: Path, monkeypatch,
+                       prefix: str) -> Iterator[Tuple[Server, Callable[..., str]]]:
+    """A private `sandlot up` on its own image store (`image_cli`), with a built-in
+    `busybox` built there: for tests that rebuild or remove images, which must never change
+    the shared store. The guest kit stays the shared one (by default it lies beside the
+    image store). Yields the started server and its `image_cli`; afterwards deletes every
+    sandbox and checkpoint, stops the node and removes its directory."""
+    base = private_base(prefix)
+    image = image_cli(binary, base)
+    try:
+        image("build", "busybox")
+        monkeypatch.setenv("SANDLOT_GUEST_KIT_DIR", os.environ.get(
+            "SANDLOT_GUEST_KIT_DIR", str(Path(IMAGES_DIR).parent / "guest-kit")))
+        monkeypatch.setattr(sys.modules[__name__], "IMAGES_DIR", str(base / "images"))
+        srv = Server(binary, base / "data", log_path)
+        try:
+            srv.start()
+            yield srv, image
+            srv.delete_all()
+        finally:
+            srv.stop()
+    finally:
+        remove_private_base(base)
 
 
 def remove_private_base(base: Path) -> None:

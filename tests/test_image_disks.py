@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import os
 import uuid
-from pathlib import Path
 from typing import Callable, Iterator, List, Tuple
 
 import pytest
 
-import conftest
 import sandlot
-from conftest import Server, image_cli, private_base, remove_private_base
+from conftest import Server, private_image_node
 
 IMAGE = "busybox"
 EXT = {"microvm": "erofs", "vm": "qcow2"}
@@ -31,28 +29,15 @@ def node(request, binary, log_dir, monkeypatch) -> Iterator[Tuple[Server, str, C
     backend = request.param
     if os.geteuid() != 0:
         pytest.skip(f"{backend} tests need root (cgroups, QEMU)")
-    base = private_base(f"sandlot-disks-{backend}-")
-    image = image_cli(binary, base)
-    image("build", IMAGE)
-    # This node's own image store: the shared one is never changed by tests. The guest kit
-    # stays the shared one (by default it lies beside the image store).
-    monkeypatch.setenv("SANDLOT_GUEST_KIT_DIR", os.environ.get(
-        "SANDLOT_GUEST_KIT_DIR", str(Path(conftest.IMAGES_DIR).parent / "guest-kit")))
-    monkeypatch.setattr(conftest, "IMAGES_DIR", str(base / "images"))
     # No template boots in the background (each would be one more boot on this host).
     monkeypatch.setenv("SANDLOT_MICROVM_TEMPLATES", "0")
-    srv = Server(binary, base / "data", log_dir / f"image-disks-{backend}.log")
-    try:
-        srv.start()
+    with private_image_node(binary, log_dir / f"image-disks-{backend}.log", monkeypatch,
+                            f"sandlot-disks-{backend}-") as (srv, image):
         with sandlot.Client(srv.url, timeout=60) as c:
             status = c._request("GET", "/healthz").json().get("backends", {}).get(backend)
         if status != "ok":
             pytest.skip(f"backend {backend} is not available here: {status}")
         yield srv, backend, image
-        srv.delete_all()
-    finally:
-        srv.stop()
-        remove_private_base(base)
 
 
 def disks(srv: Server, backend: str) -> List[str]:
@@ -87,8 +72,14 @@ def test_an_old_image_disk_lives_as_long_as_its_last_user(node):
     if backend == "microvm":
         assert c.resume({"disks": tag}) == [old_box.id]
         assert old_box.exec("echo resumed").stdout == b"resumed\n"
+        # Its checkpoint records the old version: a fork would lay it over the new disk.
+        old_ck = old_box.checkpoint()
+        with pytest.raises(sandlot.Conflict, match="take a new checkpoint"):
+            c.create(checkpoint=old_ck, ttl_s=900)
+        c.delete_checkpoint(old_ck)
         old_box.delete()
     else:
+        # A vm fork reads the parent's own base (its chain), so the rebuild does not matter.
         fork = c.create(checkpoint=ck, ttl_s=900)
         assert fork.read_file("/workspace/kept.txt") == b"old image"
         fork.delete()

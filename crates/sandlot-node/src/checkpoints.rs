@@ -64,6 +64,12 @@ pub struct CheckpointMeta {
     pub uid_base: Option<u32>,
     /// The parent's writable-layer size in MiB.
     pub disk_mib: u64,
+    /// [`Image::version`](crate::images::Image::version) the parent was created on, where
+    /// its forks lay the checkpoint over the image's files (function, container, microvm):
+    /// a fork is refused (`Conflict`) once the image has another version. Absent for `vm`
+    /// (its forks read the parent's own base disk) and in checkpoints of older nodes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image_version: Option<String>,
     /// Bytes the checkpoint occupies on the node's disk (allocated blocks).
     pub size_bytes: u64,
     /// Creation time, Unix milliseconds.
@@ -83,6 +89,8 @@ pub struct Captured {
     pub uid_base: Option<u32>,
     /// Parent's disk size in MiB.
     pub disk_mib: u64,
+    /// See [`CheckpointMeta::image_version`].
+    pub image_version: Option<String>,
 }
 
 /// A checkpoint a create copies from: its directory and facts.

@@ -84,6 +84,30 @@ pub struct Image {
     pub source: ImageSource,
 }
 
+impl Image {
+    /// This version of the image, 16 lowercase hex digits: a hash of its name, creation
+    /// time and layer paths. A rebuild (`image build --force`), a moved tag pulled again or
+    /// a re-import gives a new version. Names the microVM backend's image disk, and a
+    /// checkpoint records its parent's ([`crate::checkpoints::CheckpointMeta::image_version`]).
+    pub fn version(&self) -> String {
+        let mut parts: Vec<&[u8]> = vec![self.name.as_bytes(), self.created_at.as_bytes()];
+        parts.extend(self.layers.iter().map(|l| l.as_os_str().as_encoded_bytes()));
+        format!("{:016x}", fnv(&parts))
+    }
+}
+
+/// FNV-1a (64-bit) over `parts`, each followed by a NUL byte. For keys of files the node
+/// makes itself (image disks, templates), not for anything an attacker chooses.
+pub fn fnv(parts: &[&[u8]]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for p in parts {
+        for b in p.iter().chain(&[0u8]) {
+            h = (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+    h
+}
+
 /// How an image came to be (recorded in `image.json` as `{"kind": ..., ...}`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
@@ -814,7 +838,8 @@ impl ImageStore {
                 env,
                 workdir,
                 user: None,
-                created_at: chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
+                // Milliseconds: two builds within a second are still two versions.
+                created_at: chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
                 size_bytes: tree_size(&rootfs)?,
                 source,
                 layers: vec![format!("{name}/{ROOTFS_DIR}")],
@@ -1561,5 +1586,43 @@ mod tests {
         let back: ImageJson = serde_json::from_str(&s).unwrap();
         assert_eq!(back.source, j.source);
         assert_eq!(back.env, j.env);
+    }
+
+    #[test]
+    fn version_changes_with_a_rebuild_only() {
+        let img = Image {
+            name: "busybox".into(),
+            layers: vec![PathBuf::from("/i/busybox/rootfs")],
+            env: vec![],
+            workdir: None,
+            user: None,
+            size_bytes: 1,
+            created_at: "2026-12-01T10:00:00.000Z".into(),
+            source: ImageSource::Busybox {
+                binary: HOST_BUSYBOX.into(),
+            },
+        };
+        let v = img.version();
+        assert!(
+            v.len() == 16 && v.bytes().all(|b| b.is_ascii_hexdigit()),
+            "{v}"
+        );
+        // Env and size are not part of it; a new build time or other layers are.
+        let same = Image {
+            env: vec![("A".into(), "b".into())],
+            size_bytes: 2,
+            ..img.clone()
+        };
+        assert_eq!(same.version(), v);
+        let rebuilt = Image {
+            created_at: "2026-12-01T10:00:00.001Z".into(),
+            ..img.clone()
+        };
+        assert_ne!(rebuilt.version(), v);
+        let repulled = Image {
+            layers: vec![PathBuf::from("/i/layers/sha256/ab")],
+            ..img
+        };
+        assert_ne!(repulled.version(), v);
     }
 }

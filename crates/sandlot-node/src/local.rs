@@ -520,6 +520,7 @@ impl Node for LocalNode {
             runtime: captured.runtime,
             uid_base: captured.uid_base,
             disk_mib: captured.disk_mib,
+            image_version: captured.image_version,
             size_bytes,
             created_at_ms: chrono::Utc::now().timestamp_millis(),
         };
@@ -554,6 +555,13 @@ impl Node for LocalNode {
             )));
         }
         let image = self.images.resolve(&spec.image).await?;
+        let now = image.version();
+        if let Some(v) = ck.meta.image_version.as_ref().filter(|v| **v != now) {
+            return Err(NodeError::Conflict(format!(
+                "checkpoint {checkpoint_id} was taken on version {v} of image {:?}, which is now version {now} (rebuilt, re-pulled or re-imported since); a fork would lay the checkpoint's files over the other version's, so take a new checkpoint",
+                spec.image
+            )));
+        }
         backend.create_from(spec, &image, &ck).await
     }
 

@@ -427,6 +427,7 @@ impl Node for FakeNode {
             runtime: spec.runtime.clone(),
             uid_base: None,
             disk_mib: spec.disk_mib,
+            image_version: None,
             size_bytes: files.values().map(|v| v.len() as u64).sum(),
             created_at_ms: 1,
         };

@@ -162,6 +162,10 @@ pub struct ContainerState {
     pub image: String,
     /// Environment of the image (applied before the sandbox's).
     pub image_env: Vec<(String, String)>,
+    /// [`Image::version`](crate::images::Image::version) of the image it was created on
+    /// (recorded in its checkpoints); absent in state of older nodes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image_version: Option<String>,
     /// Which runtime runs it.
     pub runtime: Runtime,
     /// Host uid/gid of root inside (start of its range of 65536 ids).
@@ -769,6 +773,7 @@ impl Core {
             id: spec.id.clone(),
             image: image.name.clone(),
             image_env: image.env.clone(),
+            image_version: Some(image.version()),
             runtime,
             uid_base,
             init_pid: pid,
@@ -1444,6 +1449,7 @@ impl SandboxBackend for ContainerBackend {
             runtime: Some(c.state.runtime.name().to_string()),
             uid_base: Some(c.state.uid_base),
             disk_mib: c.state.spec.disk_mib,
+            image_version: c.state.image_version.clone(),
         })
     }
 

@@ -173,6 +173,10 @@ pub struct JailState {
     pub image: String,
     /// Environment of the image (applied before the sandbox's).
     pub image_env: Vec<(String, String)>,
+    /// [`Image::version`](crate::images::Image::version) of the image it was created on
+    /// (recorded in its checkpoints); absent in state of older nodes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image_version: Option<String>,
     /// Host pid of the sandbox's pid 1.
     pub init_pid: i32,
     /// Its start time (field 22 of `/proc/PID/stat`).
@@ -590,6 +594,7 @@ impl SandboxBackend for FunctionBackend {
             runtime: None,
             uid_base: Some(jail.state.uid_base),
             disk_mib: jail.state.spec.disk_mib,
+            image_version: jail.state.image_version.clone(),
         })
     }
 
@@ -855,6 +860,7 @@ pub(crate) async fn build_jail(
         backend: Backend::Function,
         image: image.name.clone(),
         image_env: image.env.clone(),
+        image_version: Some(image.version()),
         init_pid: r.pid,
         init_starttime: r.starttime,
         uid_base: uid,
@@ -1978,6 +1984,7 @@ mod tests {
             backend: Backend::Function,
             image: "busybox".into(),
             image_env: vec![("A".into(), "img".into()), ("PATH".into(), "/img".into())],
+            image_version: None,
             init_pid: 1,
             init_starttime: 1,
             uid_base: 100000,

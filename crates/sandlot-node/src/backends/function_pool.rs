@@ -111,6 +111,8 @@ impl PoolMember for Jails {
             backend: Backend::Function,
             image: image.name.clone(),
             image_env: image.env.clone(),
+            // The version the pooled sandbox was built on.
+            image_version: built.image_version.clone(),
             init_pid: built.init_pid,
             init_starttime: built.init_starttime,
             uid_base: built.uid_base,

@@ -50,7 +50,7 @@ use crate::agent_client::AgentClient;
 use crate::cgroups::{CgroupRoot, SandboxCgroup};
 use crate::checkpoints::{Captured, Checkpoint};
 use crate::files::{file_entry, node_error};
-use crate::images::{Image, ImageStore};
+use crate::images::{fnv, Image, ImageStore};
 use crate::node::{ExecControl, ExecSink, NodeError, NodeResult, SandboxSpec, SandboxStatus};
 use async_trait::async_trait;
 use sandlot_api::{Backend, ExecRequest, ExecResult, FileEntry};
@@ -156,6 +156,10 @@ pub struct VmState {
     pub image: String,
     /// Environment of the image (applied before the sandbox's).
     pub image_env: Vec<(String, String)>,
+    /// [`Image::version`](crate::images::Image::version) of the image it was created on
+    /// (recorded in its checkpoints); absent in state of older nodes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image_version: Option<String>,
     /// Accelerator it runs with.
     pub accel: Accel,
     /// Host pid of its QEMU.
@@ -345,16 +349,6 @@ pub(crate) fn write_cpio(
     std::fs::rename(&tmp, out)
 }
 
-pub(crate) fn fnv(parts: &[&[u8]]) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for p in parts {
-        for b in p.iter().chain(&[0u8]) {
-            h = (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3);
-        }
-    }
-    h
-}
-
 pub(crate) fn tail_of(path: &Path, n: usize) -> String {
     let s = std::fs::read(path).unwrap_or_default();
     let s = String::from_utf8_lossy(&s[s.len().saturating_sub(n)..]).into_owned();
@@ -535,15 +529,10 @@ impl MicrovmBackend {
 
     /// Where the image's EROFS disk is (or will be): `images/<key>.erofs`.
     fn disk_path(&self, image: &Image) -> PathBuf {
-        let mut parts: Vec<&[u8]> = vec![image.name.as_bytes(), image.created_at.as_bytes()];
-        parts.extend(
-            image
-                .layers
-                .iter()
-                .map(|l| l.as_os_str().as_encoded_bytes()),
-        );
-        let key = format!("{:016x}", fnv(&parts));
-        self.cfg.dir.join("images").join(format!("{key}.erofs"))
+        self.cfg
+            .dir
+            .join("images")
+            .join(format!("{}.erofs", image.version()))
     }
 
     /// The image's EROFS disk, made once, and the create's hold on it (kept until the
@@ -749,6 +738,7 @@ impl MicrovmBackend {
             id: spec.id.clone(),
             image: image.name.clone(),
             image_env: image.env.clone(),
+            image_version: Some(image.version()),
             accel,
             qemu_pid: 0,
             qemu_starttime: 0,
@@ -936,6 +926,7 @@ impl MicrovmBackend {
             runtime: None,
             uid_base: None,
             disk_mib: vm.state.spec.disk_mib.max(16),
+            image_version: vm.state.image_version.clone(),
         })
     }
 

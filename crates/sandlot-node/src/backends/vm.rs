@@ -46,7 +46,7 @@ use super::function::{
     check_id, check_not_paused, freeze, proc_starttime, spawn_blocking, thaw, ExecPlan, StoredSpec,
 };
 use super::microvm::snapshot::{self, ProcCell, QemuProc, Relay, QMP_SOCK};
-use super::microvm::{find_binary, fnv, spawn_qemu, write_cpio, write_json, Accel, VmState};
+use super::microvm::{find_binary, spawn_qemu, write_cpio, write_json, Accel, VmState};
 use super::qemu::{
     boot_failure, fresh_identity, AccelProbe, DiskHold, ImageDisks, Jail, QemuUids, AGENT_FD,
     AGENT_SOCK, CONSOLE_LOG, QMP_FD,
@@ -56,7 +56,7 @@ use crate::agent_client::AgentClient;
 use crate::cgroups::{CgroupRoot, SandboxCgroup};
 use crate::checkpoints::{Captured, Checkpoint};
 use crate::files::{file_entry, node_error};
-use crate::images::{Image, ImageStore};
+use crate::images::{fnv, Image, ImageStore};
 use crate::node::{ExecControl, ExecSink, NodeError, NodeResult, SandboxSpec, SandboxStatus};
 use async_trait::async_trait;
 use sandlot_api::{Backend, ExecRequest, ExecResult, FileEntry};
@@ -586,6 +586,7 @@ impl VmBackend {
             id: spec.id.clone(),
             image: image.name.clone(),
             image_env: image.env.clone(),
+            image_version: Some(image.version()),
             accel,
             qemu_pid: pid,
             qemu_starttime: starttime,
@@ -783,6 +784,8 @@ impl VmBackend {
             runtime: None,
             uid_base: None,
             disk_mib: vm.state.spec.disk_mib.max(16),
+            // A fork reads the parent's own base disk (its layers' backing file).
+            image_version: None,
         })
     }
 

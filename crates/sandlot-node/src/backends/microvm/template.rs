@@ -123,7 +123,7 @@ pub(super) fn key(
         b.template_inputs.as_bytes(),
         scratch.as_bytes(),
     ]);
-    format!("{:016x}", super::fnv(&parts))
+    format!("{:016x}", crate::images::fnv(&parts))
 }
 
 impl MicrovmBackend {
