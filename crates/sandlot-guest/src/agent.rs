@@ -15,6 +15,7 @@ use std::convert::Infallible;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::process::CommandExt;
 use std::process::{Command, Stdio};
+use std::sync::atomic::Ordering::SeqCst;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -58,11 +59,12 @@ struct Shared {
     spare: Arc<Mutex<Option<Helper>>>,
     /// The exec-helper zygote (see [`crate::zygote`]) that makes the helpers.
     zygote: Arc<Mutex<ZygoteSlot>>,
-    /// Set by [`serve_vm`]: the first spare is started by the first ping instead of at
-    /// start, so that on a microVM's single vCPU the boot's readiness ping is not answered
-    /// after the spare's fork + execve (~40 ms sooner under TCG; the first exec waits for
-    /// the spare either way).
-    spare_on_first_ping: Arc<std::sync::atomic::AtomicBool>,
+    /// Set by [`serve_vm`]: the first spare is started just after the answer to the
+    /// node's identity call (the last call of a create) instead of at start, so that on a
+    /// microVM's single vCPU neither the boot's readiness ping nor the identity call waits
+    /// for the zygote's and the spare's fork + execve (~40 ms of a cold boot under TCG).
+    /// Cleared by the first exec, which starts its own helper and the spare after it.
+    spare_pending: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// A started `sandlot-guest exec` waiting for its spec on fd 3.
@@ -207,6 +209,7 @@ impl Shared {
     /// helper, or forks and execs one: about a millisecond; a zygote's own start happens
     /// before the refill takes the lock): starting a second helper next to it costs more.
     fn take_helper(&self) -> std::io::Result<Helper> {
+        self.spare_pending.store(false, SeqCst);
         let spare = lock(&self.spare).take();
         if let Some(h) = spare {
             if self.live.lock().unwrap().contains(&h.pid) {
@@ -472,9 +475,7 @@ pub fn serve_vm(port: &std::path::Path) -> i32 {
     };
     let shared = Shared::default();
     rt.spawn(reap(shared.live.clone()));
-    shared
-        .spare_on_first_ping
-        .store(true, std::sync::atomic::Ordering::SeqCst);
+    shared.spare_pending.store(true, SeqCst);
     loop {
         // While no host is connected poll answers POLLHUP at once: sleep between checks.
         while port_poll(&file, libc::POLLIN, 100).is_none_or(|r| r & libc::POLLHUP != 0) {
@@ -653,28 +654,33 @@ async fn handle(req: Request<Incoming>, shared: Shared) -> Result<Response<Body>
             .unwrap_or_else(|| text(StatusCode::NOT_FOUND, "no such call")));
     }
     Ok(match (req.method(), req.uri().path()) {
-        (&Method::GET, PATH_PING) => {
-            if shared
-                .spare_on_first_ping
-                .swap(false, std::sync::atomic::Ordering::SeqCst)
-            {
-                shared.refill_spare();
-            }
-            text(
-                StatusCode::OK,
-                format!(
-                    "{{\"agent\":\"{}\",\"pid\":{}}}",
-                    env!("CARGO_PKG_VERSION"),
-                    std::process::id()
-                ),
-            )
-        }
+        (&Method::GET, PATH_PING) => text(
+            StatusCode::OK,
+            format!(
+                "{{\"agent\":\"{}\",\"pid\":{}}}",
+                env!("CARGO_PKG_VERSION"),
+                std::process::id()
+            ),
+        ),
         (&Method::POST, PATH_EXEC) => match exec(req.into_body(), shared).await {
             Ok(r) => r,
             Err(msg) => text(StatusCode::BAD_REQUEST, msg),
         },
         (&Method::POST, PATH_SIGNAL) => signal(req.into_body(), &shared).await,
-        (&Method::POST, PATH_IDENTITY) => identity(req.into_body()).await,
+        (&Method::POST, PATH_IDENTITY) => {
+            let answer = identity(req.into_body()).await;
+            if shared.spare_pending.load(SeqCst) {
+                // Once the answer is on its way to the node (through the port's bridge
+                // thread, which the spare's fork + execve would otherwise hold up).
+                tokio::spawn(async move {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    if shared.spare_pending.swap(false, SeqCst) {
+                        shared.refill_spare();
+                    }
+                });
+            }
+            answer
+        }
         _ => text(StatusCode::NOT_FOUND, "no such call"),
     })
 }

@@ -681,6 +681,7 @@ impl MicrovmBackend {
         cg: &SandboxCgroup,
         seed: Option<&Checkpoint>,
     ) -> NodeResult<(VmState, (AgentClient, Arc<Relay>))> {
+        let t0 = Instant::now();
         let accel = self.resolve_accel().await;
         // Held until `boot.json` / `state.json` name the disk (see `collect_disks`).
         let (disk, _hold) = self.image_disk(image).await?;
@@ -775,6 +776,8 @@ impl MicrovmBackend {
                 }
             }
         }
+        // Cold boots: QEMU started (after the directory, cgroup and scratch disk).
+        let mut t_spawn = started;
         if !from_template {
             if let Some(ck) = seed {
                 seed_scratch(ck, &scratch, mib).await?;
@@ -790,6 +793,7 @@ impl MicrovmBackend {
                 false,
                 &microvm_jail(&self.cfg.uids, Some(uid), accel),
             )?;
+            t_spawn = Instant::now();
             state.qemu_pid = pid;
             state.qemu_starttime = starttime;
             state.started_from = "cold".into();
@@ -813,10 +817,16 @@ impl MicrovmBackend {
                 ));
             }
         }
+        let t_ready = Instant::now();
         agent
             .set_identity(&super::qemu::fresh_identity(&spec.id))
             .await?;
-        tracing::info!(sandbox = %spec.id, backend = "microvm", accel = accel.as_str(), start = %state.started_from, ms = started.elapsed().as_millis() as u64, "microVM agent ready");
+        let ms = |a: Instant, b: Instant| b.saturating_duration_since(a).as_secs_f64() * 1e3;
+        let now = Instant::now();
+        // Phases of a cold boot: `prep` (disk, directory, cgroup, scratch disk, QEMU
+        // spawned), `boot` (QEMU to the agent's first answer), `identity` (one agent call).
+        tracing::info!(sandbox = %spec.id, backend = "microvm", accel = accel.as_str(), start = %state.started_from, ms = started.elapsed().as_millis() as u64,
+            prep_ms = ms(t0, t_spawn), boot_ms = ms(t_spawn, t_ready), identity_ms = ms(t_ready, now), "microVM agent ready");
         write_json(&dir.join("state.json"), &state)?;
         if self.templates_enabled && !from_template {
             // `init_on_free=1` for the template's boot only: freed guest pages are zeroed,

@@ -330,6 +330,13 @@ async fn build(
         let relay = Relay::new(tmp.join("agent.sock"));
         let agent = AgentClient::with_connector(tmp.join("agent.sock"), relay.connector());
         agent.wait_ready_single(Instant::now() + timeout).await?;
+        // The guest agent starts its exec-helper zygote and spare helper just after its
+        // first identity call (see sandlot-guest's `Shared::spare_pending`): made here,
+        // they are in the template's memory (within SETTLE), so a start from it has them
+        // at once. Each start sets its own identity over this one.
+        agent
+            .set_identity(&qemu::fresh_identity("template"))
+            .await?;
         relay.detach().await;
         drop(agent);
         tokio::time::sleep(SETTLE).await;
