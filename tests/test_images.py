@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -127,6 +128,12 @@ def test_cli_pull_ls_rm_gc(binary, registry, tmp_path):
     blobs = store / "blobs" / "sha256"
     assert len(list(layers.iterdir())) == 1
     assert oct(layers.stat().st_mode & 0o777) == oct(0o700), "layers are root-only"
+    # Pulled again unchanged: it keeps its creation time and so its version (a checkpoint
+    # of a sandbox on it stays forkable, its microVM disk stays in use).
+    listed = cli(binary, "image", "ls", *d).stdout
+    time.sleep(1.1)
+    cli(binary, "image", "pull", BB_REF, *d)
+    assert cli(binary, "image", "ls", *d).stdout == listed
     # A second name for the same image: no new blob, no new layer.
     n_blobs = len(list(blobs.iterdir()))
     out = cli(binary, "image", "pull", BB_REF, "--name", "bb", *d)

@@ -940,7 +940,7 @@ async fn image(cmd: ImageCmd) -> anyhow::Result<u8> {
         }
         ImageCmd::Ls { dirs } => {
             println!(
-                "{:<44} {:>12} {:>6} {:<20} SOURCE",
+                "{:<44} {:>12} {:>6} {:<24} SOURCE",
                 "NAME", "SIZE", "LAYERS", "CREATED"
             );
             for img in dirs.open()?.list()? {
@@ -952,7 +952,7 @@ async fn image(cmd: ImageCmd) -> anyhow::Result<u8> {
                     S::Archive { path, .. } => format!("import {}", path.display()),
                 };
                 println!(
-                    "{:<44} {:>12} {:>6} {:<20} {}",
+                    "{:<44} {:>12} {:>6} {:<24} {}",
                     img.name,
                     img.size_bytes,
                     img.layers.len(),

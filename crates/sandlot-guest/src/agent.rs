@@ -669,7 +669,7 @@ async fn handle(req: Request<Incoming>, shared: Shared) -> Result<Response<Body>
         (&Method::POST, PATH_SIGNAL) => signal(req.into_body(), &shared).await,
         (&Method::POST, PATH_IDENTITY) => {
             let answer = identity(req.into_body()).await;
-            if shared.spare_pending.load(SeqCst) {
+            if answer.status().is_success() && shared.spare_pending.load(SeqCst) {
                 // Once the answer is on its way to the node (through the port's bridge
                 // thread, which the spare's fork + execve would otherwise hold up).
                 tokio::spawn(async move {

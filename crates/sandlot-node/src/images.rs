@@ -139,6 +139,18 @@ pub enum ImageSource {
     },
 }
 
+impl ImageSource {
+    /// Digest of the image config (registry and archive images); `None` for built-ins.
+    pub fn config_digest(&self) -> Option<&str> {
+        match self {
+            ImageSource::Registry { config, .. } | ImageSource::Archive { config, .. } => {
+                Some(config)
+            }
+            ImageSource::Busybox { .. } | ImageSource::Debootstrap(_) => None,
+        }
+    }
+}
+
 /// What `debootstrap` builds; also the identity of a cache directory.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DebootstrapSpec {

@@ -555,14 +555,29 @@ impl Node for LocalNode {
             )));
         }
         let image = self.images.resolve(&spec.image).await?;
-        let now = image.version();
-        if let Some(v) = ck.meta.image_version.as_ref().filter(|v| **v != now) {
-            return Err(NodeError::Conflict(format!(
-                "checkpoint {checkpoint_id} was taken on version {v} of image {:?}, which is now version {now} (rebuilt, re-pulled or re-imported since); a fork would lay the checkpoint's files over the other version's, so take a new checkpoint",
+        let Some(taken_on) = ck.meta.image_version.clone() else {
+            return backend.create_from(spec, &image, &ck).await;
+        };
+        let changed = |now: &str| {
+            NodeError::Conflict(format!(
+                "checkpoint {checkpoint_id} was taken on version {taken_on} of image {:?}, which is now version {now} (rebuilt, re-pulled or re-imported since); a fork would lay the checkpoint's files over the other version's, so take a new checkpoint",
                 spec.image
-            )));
+            ))
+        };
+        if image.version() != taken_on {
+            return Err(changed(&image.version()));
         }
-        backend.create_from(spec, &image, &ck).await
+        backend.create_from(spec, &image, &ck).await?;
+        // A built-in image is mounted by its path: a rebuild between the check and the
+        // fork's mount shows as a newer version now (versions never come back).
+        let now = self.images.get(&spec.image).map(|i| i.version());
+        if now.as_deref().is_ok_and(|v| *v == taken_on) {
+            return Ok(());
+        }
+        if let Err(e) = backend.delete(&spec.id).await {
+            tracing::warn!(sandbox = %spec.id, error = %e, "removing a fork whose image changed during its create");
+        }
+        Err(changed(now.as_deref().unwrap_or("gone")))
     }
 
     async fn delete_checkpoint(&self, checkpoint_id: &str) -> NodeResult<()> {

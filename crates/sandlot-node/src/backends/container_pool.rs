@@ -125,8 +125,8 @@ impl PoolMember for Containers {
             id: spec.id.clone(),
             image: image.name.clone(),
             image_env: image.env.clone(),
-            // The version the pooled container was built on.
-            image_version: built.image_version.clone(),
+            // Handed over only while its layer stamp matches the image's lower dirs.
+            image_version: Some(image.version()),
             runtime: Runtime::Runc,
             uid_base: built.uid_base,
             init_pid: built.init_pid,

@@ -111,8 +111,8 @@ impl PoolMember for Jails {
             backend: Backend::Function,
             image: image.name.clone(),
             image_env: image.env.clone(),
-            // The version the pooled sandbox was built on.
-            image_version: built.image_version.clone(),
+            // Handed over only while its layer stamp matches the image's lower dirs.
+            image_version: Some(image.version()),
             init_pid: built.init_pid,
             init_starttime: built.init_starttime,
             uid_base: built.uid_base,

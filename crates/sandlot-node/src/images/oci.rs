@@ -706,12 +706,28 @@ impl ImageStore {
                     .map(|(k, v)| (k.to_string(), v.to_string()))
             })
             .collect();
+        // The same image again (same config, same layers) keeps its creation time and so
+        // its `Image::version`: pulling or importing it once more leaves its checkpoints
+        // forkable and its microVM disk in use.
+        let unchanged = |old: &super::Image| {
+            old.source.config_digest() == Some(config_digest)
+                && old.layers.len() == rels.len()
+                && old
+                    .layers
+                    .iter()
+                    .zip(&rels)
+                    .all(|(l, r)| *l == self.dir.join(r))
+        };
+        let created_at = match self.get(name) {
+            Ok(old) if unchanged(&old) => old.created_at,
+            _ => chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
+        };
         let meta = ImageJson {
             name: name.to_string(),
             env,
             workdir: exec.working_dir.filter(|w| !w.is_empty()),
             user: exec.user.filter(|u| !u.is_empty()),
-            created_at: chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
+            created_at,
             size_bytes: size,
             source,
             layers: rels,
