@@ -5,7 +5,8 @@ re-pulled tag or a re-import, the files under the checkpoint are not the parent'
 more, so the fork is refused with `409 conflict` ("take a new checkpoint") and nothing of
 it is left behind. The version that counts is the one the parent was *created* on: a
 parent still running on the old version checkpoints the old version. A `vm` fork reads the
-parent's own base disk and is not affected.
+parent's own base disk and is not affected. Pulling or importing the same image again
+(same config, same layers) keeps its version.
 
 One private `sandlot up` per backend on a private image store (conftest
 `private_image_node`).
@@ -14,6 +15,9 @@ One private `sandlot up` per backend on a private image store (conftest
 from __future__ import annotations
 
 import os
+import time
+import urllib.error
+import urllib.request
 from typing import Callable, Iterator, Tuple
 
 import pytest
@@ -69,3 +73,22 @@ def test_a_fork_is_refused_once_the_image_changed(node):
     fork = c.create(checkpoint=fresh.checkpoint(), ttl_s=600)
     assert fork.read_file("/workspace/kept.txt") == b"v2"
     c.close()
+
+
+def test_an_unchanged_re_pull_keeps_checkpoints_forkable(node):
+    srv, backend, image = node
+    registry = os.environ.get("SANDLOT_REGISTRY_ADDR", "127.0.0.1:5000")
+    ref = f"{registry}/sandlot/busybox:latest"
+    try:
+        urllib.request.urlopen(f"http://{registry}/v2/sandlot/busybox/tags/list", timeout=5).close()
+    except (urllib.error.URLError, OSError) as e:
+        pytest.skip(f"no {ref} in a registry here ({e}); scripts/registry.sh start && push")
+    image("pull", ref)
+    with sandlot.Client(srv.url, timeout=120) as c:
+        parent = c.create(backend=backend, image=ref, ttl_s=600)
+        parent.write_file("/workspace/kept.txt", b"pulled")
+        ck = parent.checkpoint()
+        time.sleep(1.1)  # a new pull would get a later creation time
+        image("pull", ref)
+        fork = c.create(checkpoint=ck, ttl_s=600)
+        assert fork.read_file("/workspace/kept.txt") == b"pulled"
