@@ -9,7 +9,8 @@ cd "$(dirname "$0")/.."
 : "${SANDLOT_IMAGES_DIR:=/var/lib/sandlot/images}"
 export SANDLOT_IMAGES_DIR
 export SANDLOT_BIN="$PWD/target/release/sandlot"
-export SANDLOT_GUEST_BIN="$PWD/target/release/sandlot-guest"
+# The static build of sandlot-guest (setup.sh makes it), as `sandlot up` picks by default.
+export SANDLOT_GUEST_BIN="$PWD/target/x86_64-unknown-linux-gnu/release/sandlot-guest"
 
 printf '\n==> cargo fmt --check, clippy -D warnings, rustdoc -D warnings\n'
 if cargo fmt --version >/dev/null 2>&1; then cargo fmt --all -- --check

@@ -117,42 +117,62 @@ pub fn default_guest_kit_dir(images_dir: &std::path::Path) -> PathBuf {
         .join("guest-kit")
 }
 
-/// `$SANDLOT_GUEST_BIN`, or `sandlot-guest` next to the running executable.
+/// `$SANDLOT_GUEST_BIN`; else the statically linked `sandlot-guest` when there is one
+/// (`static_guest_bin`); else `sandlot-guest` next to the running executable.
+///
+/// The static build is preferred because the function backend starts one `sandlot-guest
+/// exec` per exec: without a dynamic loader to run it starts faster (function exec of
+/// `true`, round trip p50 29.2 → 26.0 ms on the 2-core dev host under load, A/B of two
+/// servers, 80 interleaved calls each); the code is the same.
 pub fn default_guest_bin() -> PathBuf {
     if let Some(p) = std::env::var_os("SANDLOT_GUEST_BIN") {
         return PathBuf::from(p);
     }
-    std::env::current_exe()
-        .ok()
-        .and_then(|e| e.parent().map(|d| d.join("sandlot-guest")))
-        .unwrap_or_else(|| PathBuf::from("sandlot-guest"))
+    static_guest_bin().unwrap_or_else(guest_beside_exe)
 }
 
-/// `$SANDLOT_AGENT_BIN`; else `sandlot-guest` next to the running executable when it is
-/// statically linked; else the static build cargo leaves beside a release/debug directory
-/// (`target/x86_64-unknown-linux-gnu/<profile>/sandlot-guest`, made by scripts/setup.sh with
-/// `-C target-feature=+crt-static`).
+/// `$SANDLOT_AGENT_BIN`; else the statically linked `sandlot-guest` (`static_guest_bin`);
+/// else [`default_guest_bin`] (the container backend then reports that it needs a static
+/// build).
 pub fn default_agent_bin() -> PathBuf {
     if let Some(p) = std::env::var_os("SANDLOT_AGENT_BIN") {
         return PathBuf::from(p);
     }
-    let guest = default_guest_bin();
-    if crate::backends::container::is_static_elf(&guest) {
-        return guest;
-    }
-    let exe = std::env::current_exe().ok();
-    let dir = exe.as_deref().and_then(|e| e.parent());
-    if let (Some(dir), Some(profile)) = (dir, dir.and_then(|d| d.file_name())) {
-        let cand = dir.parent().map(|t| {
-            t.join("x86_64-unknown-linux-gnu")
-                .join(profile)
-                .join("sandlot-guest")
-        });
-        if let Some(c) = cand.filter(|c| c.is_file()) {
-            return c;
+    static_guest_bin().unwrap_or_else(default_guest_bin)
+}
+
+/// A statically linked `sandlot-guest`: `$SANDLOT_GUEST_BIN` when static, else the one next
+/// to the running executable when static, else the static build cargo leaves beside a
+/// release/debug directory (`target/x86_64-unknown-linux-gnu/<profile>/sandlot-guest`, made
+/// by scripts/setup.sh with `-C target-feature=+crt-static`) when it exists.
+fn static_guest_bin() -> Option<PathBuf> {
+    use crate::backends::container::is_static_elf;
+    if let Some(p) = std::env::var_os("SANDLOT_GUEST_BIN").map(PathBuf::from) {
+        if is_static_elf(&p) {
+            return Some(p);
         }
     }
-    guest
+    let beside = guest_beside_exe();
+    if is_static_elf(&beside) {
+        return Some(beside);
+    }
+    let exe = std::env::current_exe().ok()?;
+    let dir = exe.parent()?;
+    let profile = dir.file_name()?;
+    let cand = dir
+        .parent()?
+        .join("x86_64-unknown-linux-gnu")
+        .join(profile)
+        .join("sandlot-guest");
+    cand.is_file().then_some(cand)
+}
+
+/// `sandlot-guest` next to the running executable.
+fn guest_beside_exe() -> PathBuf {
+    std::env::current_exe()
+        .ok()
+        .and_then(|e| e.parent().map(|d| d.join("sandlot-guest")))
+        .unwrap_or_else(|| PathBuf::from("sandlot-guest"))
 }
 
 /// A node running sandboxes on this host.

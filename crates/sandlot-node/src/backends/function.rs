@@ -67,6 +67,7 @@
 //!   a zombie for a while; it holds no memory, cgroup or mount).
 use super::function_pool::{pool_dir, tmp_compatible, FunctionPool, Jails};
 use super::pool::WarmPool;
+use super::spawn::{cloexec_pipe, dup_high, SpawnedChild};
 use super::uids::{UidLease, UidSlots};
 use super::SandboxBackend;
 use crate::cgroups::{Cgroup, CgroupRoot, Limits, SandboxCgroup};
@@ -82,7 +83,7 @@ use sandlot_guest::spec::{ExecSpec, ExecStatus, InitReady, InitSpec, Rlimit, Rli
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};
 use std::io::Write as _;
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -1043,57 +1044,30 @@ enum Ending {
 /// A running `sandlot-guest exec` helper: the node's ends of its spec (fd 3) and status
 /// (fd 4) pipes.
 struct Helper {
-    child: tokio::process::Child,
+    child: SpawnedChild,
     spec_w: OwnedFd,
     status_r: OwnedFd,
 }
 
-/// Start `sandlot-guest exec`; it reads its spec from fd 3 (blocking until the node writes
-/// it). stdin is a pipe when `stdin_piped`, else /dev/null.
+/// Start `sandlot-guest exec` (with `posix_spawn`: see [`super::spawn`]); it reads its spec
+/// from fd 3 (blocking until the node writes it) and writes its status to fd 4. stdin is a
+/// pipe when `stdin_piped`, else /dev/null. Signals for the command are blocked in it
+/// until it can forward them (`sandlot_guest::spec::FORWARDED_SIGNALS`).
 fn spawn_helper(guest_bin: &Path, stdin_piped: bool) -> NodeResult<Helper> {
-    let (spec_r, spec_w) = cloexec_pipe()?;
-    let (status_r, status_w) = cloexec_pipe()?;
-    // Move the child's ends above the low fds, so that dup2 onto 3 and 4 in the child can
-    // never clobber one of them.
-    let spec_r = dup_high(&spec_r)?;
-    let status_w = dup_high(&status_w)?;
-    let (spec_fd, status_fd) = (spec_r.as_raw_fd(), status_w.as_raw_fd());
-
-    let mut cmd = tokio::process::Command::new(guest_bin);
-    cmd.arg("exec")
-        .stdin(if stdin_piped {
-            Stdio::piped()
-        } else {
-            Stdio::null()
-        })
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .env_clear()
-        .kill_on_drop(true);
-    // SAFETY: the closure runs in the forked child before execve and only calls dup2(2),
-    // which is async-signal-safe; it touches no allocator or lock. The source fds are
-    // CLOEXEC and >= 10; dup2 gives the copies on 3 and 4 without CLOEXEC.
-    unsafe {
-        cmd.pre_exec(move || {
-            if libc::dup2(spec_fd, 3) < 0 || libc::dup2(status_fd, 4) < 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            // Signals for the command wait in the helper until it can forward them
-            // (`sandlot_guest::spec::FORWARDED_SIGNALS`); sigprocmask is async-signal-safe.
-            let mut set: libc::sigset_t = std::mem::zeroed();
-            libc::sigemptyset(&mut set);
-            for s in sandlot_guest::spec::FORWARDED_SIGNALS {
-                libc::sigaddset(&mut set, s);
-            }
-            if libc::sigprocmask(libc::SIG_BLOCK, &set, std::ptr::null_mut()) < 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(())
-        });
-    }
-    let child = cmd
-        .spawn()
-        .map_err(|e| NodeError::io(format!("spawn {} exec", guest_bin.display()), e))?;
+    let io = |what: &str, e: std::io::Error| NodeError::io(what.to_string(), e);
+    let (spec_r, spec_w) = cloexec_pipe().map_err(|e| io("pipe2", e))?;
+    let (status_r, status_w) = cloexec_pipe().map_err(|e| io("pipe2", e))?;
+    // Above the target numbers (see `SpawnedChild::spawn`).
+    let spec_r = dup_high(&spec_r).map_err(|e| io("fcntl(F_DUPFD_CLOEXEC)", e))?;
+    let status_w = dup_high(&status_w).map_err(|e| io("fcntl(F_DUPFD_CLOEXEC)", e))?;
+    let child = SpawnedChild::spawn(
+        guest_bin,
+        &["exec"],
+        stdin_piped,
+        &[(&spec_r, 3), (&status_w, 4)],
+        &sandlot_guest::spec::FORWARDED_SIGNALS,
+    )
+    .map_err(|e| io(&format!("spawn {} exec", guest_bin.display()), e))?;
     // The parent's copies of the child's ends must go (here, as they drop), or EOF never
     // comes.
     drop(spec_r);
@@ -1170,12 +1144,9 @@ async fn prepare_standby(guest_bin: &Path, jail: &Arc<Jail>) -> NodeResult<()> {
     spawn_blocking(move || x.create()).await?;
     let joined = match spawn_helper(guest_bin, false) {
         Ok(helper) => {
-            let pid = helper.child.id().map(|p| p.to_string());
+            let pid = helper.child.id().to_string();
             let procs = xcg.group().procs_files();
             let res = spawn_blocking(move || {
-                let pid = pid.ok_or_else(|| {
-                    NodeError::io("standby helper", std::io::Error::other("exited at once"))
-                })?;
                 for f in &procs {
                     crate::cgroups::write_file(f, &pid)?;
                 }
@@ -1323,7 +1294,7 @@ async fn run_exec(
         &violations
     ));
     let group = xcg.group().clone();
-    let helper_pid = child.id().map(|p| p as i32).unwrap_or(-1);
+    let helper_pid = child.id();
     let timeout = tokio::time::sleep(plan.timeout);
     tokio::pin!(timeout);
     let ending = loop {
@@ -1367,10 +1338,33 @@ async fn run_exec(
             _ => false,
         },
     };
-    // Always end the exec's processes and remove its cgroup.
-    kill_tree(&group, helper_pid, &mut child).await;
+    // Always end the exec's processes and remove its cgroup. The usual end: the helper
+    // exits right after its status, its command reaped, and the group is empty; then the
+    // answer need not wait for the removal of the group's directories (a few ms of cgroupfs
+    // work), which goes on in the background. Otherwise kill first, and wait for it.
+    let helper_gone = matches!(ending, Ending::Status(_))
+        && matches!(
+            tokio::time::timeout(PIPE_GRACE, child.wait()).await,
+            Ok(Ok(_))
+        );
     let g = group.clone();
-    let cleanup = spawn_blocking(move || g.destroy(KILL_TIMEOUT)).await;
+    let empty = helper_gone
+        && spawn_blocking(move || Ok(g.is_empty()))
+            .await
+            .unwrap_or(false);
+    let cleanup = if empty {
+        let (g, id) = (group.clone(), id.clone());
+        tokio::task::spawn_blocking(move || {
+            if let Err(e) = g.remove(Instant::now() + KILL_TIMEOUT) {
+                tracing::warn!(sandbox = %id, error = %e, "exec cgroup cleanup failed");
+            }
+        });
+        Ok(())
+    } else {
+        kill_tree(&group, helper_pid, &mut child).await;
+        let g = group.clone();
+        spawn_blocking(move || g.destroy(KILL_TIMEOUT)).await
+    };
     guard.group = None;
     let _ = child.start_kill();
     let _ = child.wait().await;
@@ -1458,7 +1452,7 @@ async fn deliver_signal(group: &Cgroup, helper_pid: i32, sig: i32) {
 
 /// Kill every process of the exec group but the helper, give the helper a moment to reap
 /// its child and exit by itself, then kill whatever is left (the helper included).
-async fn kill_tree(group: &Cgroup, helper_pid: i32, child: &mut tokio::process::Child) {
+async fn kill_tree(group: &Cgroup, helper_pid: i32, child: &mut SpawnedChild) {
     let g = group.clone();
     let _ = spawn_blocking(move || g.kill_except(helper_pid, Instant::now() + KILL_TIMEOUT)).await;
     let _ = tokio::time::timeout(Duration::from_millis(200), child.wait()).await;
@@ -1742,20 +1736,6 @@ fn with_cleanup_error(orig: NodeError, cleanup: NodeError) -> NodeError {
     }
 }
 
-fn cloexec_pipe() -> NodeResult<(OwnedFd, OwnedFd)> {
-    nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)
-        .map_err(|e| NodeError::io("pipe2", std::io::Error::from(e)))
-}
-
-fn dup_high(fd: &OwnedFd) -> NodeResult<OwnedFd> {
-    nix::fcntl::fcntl(fd, nix::fcntl::FcntlArg::F_DUPFD_CLOEXEC(10))
-        .map(|raw| {
-            // SAFETY: F_DUPFD_CLOEXEC returned a new fd that nothing else owns.
-            unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(raw) }
-        })
-        .map_err(|e| NodeError::io("fcntl(F_DUPFD_CLOEXEC)", std::io::Error::from(e)))
-}
-
 pub(crate) async fn spawn_blocking<T: Send + 'static>(
     f: impl FnOnce() -> NodeResult<T> + Send + 'static,
 ) -> NodeResult<T> {
@@ -1786,7 +1766,7 @@ mod tests {
         let end = Instant::now() + Duration::from_secs(10);
         loop {
             if let Some(s) = jail.standby.lock().unwrap().as_ref() {
-                let pid = s.helper.child.id().expect("standby alive") as i32;
+                let pid = s.helper.child.id();
                 return (pid, s.xcg.group().dirs().map(Path::to_path_buf).collect());
             }
             assert!(Instant::now() < end, "no standby helper within 10 s");

@@ -13,6 +13,7 @@ pub mod gvisor_audit;
 pub mod microvm;
 pub mod pool;
 pub mod qemu;
+mod spawn;
 pub mod uids;
 pub mod vm;
 
