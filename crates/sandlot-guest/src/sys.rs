@@ -284,6 +284,36 @@ pub fn reset_signals() -> io::Result<()> {
             libc::signal(sig, libc::SIG_DFL);
         }
     }
+    // glibc refuses its own internal signals (SIGCANCEL and SIGSETXID, 32 and 33: signal(2)
+    // answers EINVAL), but its posix_spawn(3) leaves them ignored in the child, and an
+    // ignored signal stays ignored across execve: the kernel's rt_sigaction resets them
+    // (the kernel's `struct sigaction`: handler, flags, restorer, mask; all zero = SIG_DFL).
+    #[repr(C)]
+    struct KernelSigaction {
+        handler: usize,
+        flags: libc::c_ulong,
+        restorer: usize,
+        mask: u64,
+    }
+    let dfl = KernelSigaction {
+        handler: libc::SIG_DFL,
+        flags: 0,
+        restorer: 0,
+        mask: 0,
+    };
+    for sig in 32..libc::SIGRTMIN() {
+        // SAFETY: the kernel reads `dfl` (valid for the call) and writes nothing (null old
+        // action); SIG_DFL runs no code.
+        unsafe {
+            libc::syscall(
+                libc::SYS_rt_sigaction,
+                sig,
+                &dfl as *const KernelSigaction,
+                std::ptr::null_mut::<KernelSigaction>(),
+                std::mem::size_of::<u64>(),
+            );
+        }
+    }
     unblock_all_signals()
 }
 

@@ -24,7 +24,7 @@ use crate::node::{
 use async_trait::async_trait;
 use sandlot_api::{Backend, ExecRequest, ExecResult, FileEntry};
 use std::os::unix::fs::PermissionsExt;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 /// Configuration of a [`LocalNode`].
 #[derive(Debug, Clone)]
@@ -128,7 +128,7 @@ pub fn default_guest_bin() -> PathBuf {
     if let Some(p) = std::env::var_os("SANDLOT_GUEST_BIN") {
         return PathBuf::from(p);
     }
-    static_guest_bin().unwrap_or_else(guest_beside_exe)
+    static_guest_bin(true).unwrap_or_else(guest_beside_exe)
 }
 
 /// `$SANDLOT_AGENT_BIN`; else the statically linked `sandlot-guest` (`static_guest_bin`);
@@ -138,14 +138,17 @@ pub fn default_agent_bin() -> PathBuf {
     if let Some(p) = std::env::var_os("SANDLOT_AGENT_BIN") {
         return PathBuf::from(p);
     }
-    static_guest_bin().unwrap_or_else(default_guest_bin)
+    static_guest_bin(false).unwrap_or_else(default_guest_bin)
 }
 
 /// A statically linked `sandlot-guest`: `$SANDLOT_GUEST_BIN` when static, else the one next
 /// to the running executable when static, else the static build cargo leaves beside a
 /// release/debug directory (`target/x86_64-unknown-linux-gnu/<profile>/sandlot-guest`, made
-/// by scripts/setup.sh with `-C target-feature=+crt-static`) when it exists.
-fn static_guest_bin() -> Option<PathBuf> {
+/// by scripts/setup.sh with `-C target-feature=+crt-static`) when it exists — with `fresh`,
+/// only when it is not older than the `sandlot-guest` next to the executable (a plain
+/// `cargo build` remakes that one, not the static build: a stale guest would ignore new
+/// spec fields).
+fn static_guest_bin(fresh: bool) -> Option<PathBuf> {
     use crate::backends::container::is_static_elf;
     if let Some(p) = std::env::var_os("SANDLOT_GUEST_BIN").map(PathBuf::from) {
         if is_static_elf(&p) {
@@ -164,7 +167,9 @@ fn static_guest_bin() -> Option<PathBuf> {
         .join("x86_64-unknown-linux-gnu")
         .join(profile)
         .join("sandlot-guest");
-    cand.is_file().then_some(cand)
+    let mtime = |p: &Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
+    let stale = fresh && matches!((mtime(&beside), mtime(&cand)), (Some(b), Some(c)) if b > c);
+    (cand.is_file() && !stale).then_some(cand)
 }
 
 /// `sandlot-guest` next to the running executable.
@@ -200,6 +205,7 @@ impl LocalNode {
         std::fs::create_dir_all(&cfg.data_dir)
             .map_err(|e| NodeError::io(format!("create {}", cfg.data_dir.display()), e))?;
         let images = ImageStore::open(cfg.images_dir.clone())?;
+        tracing::info!(guest = %cfg.guest_bin.display(), agent = %cfg.agent_bin.display(), "sandlot-guest binaries (function backend; agent of containers and VMs)");
         let cgroups = CgroupRoot::detect().map(|c| c.with_parent(&cfg.cgroup_parent));
         let cgroup_version = match &cgroups {
             Ok(c) => c.version().as_str().to_string(),

@@ -171,6 +171,16 @@ async fn exec_basics_codes_stdin_env_bytes() {
     let r = n.exec("sb-basic", &req, None).await.unwrap();
     assert_eq!(r.stdout, "/root from-sandbox from-exec\n/workspace\n");
 
+    // a clean signal state: nothing blocked, nothing ignored (the helper is started with
+    // posix_spawn, which leaves glibc's internal signals 32 and 33 ignored in it)
+    let argv = ["grep", "-E", "^Sig(Blk|Ign)", "/proc/self/status"];
+    let req = ExecRequest::new(Cmd::Argv(argv.iter().map(|a| a.to_string()).collect()));
+    let r = n.exec("sb-basic", &req, None).await.unwrap();
+    assert_eq!(
+        r.stdout, "SigBlk:\t0000000000000000\nSigIgn:\t0000000000000000\n",
+        "{r:?}"
+    );
+
     // non-UTF-8 bytes come back exactly
     let r = sh(n, "sb-basic", r"printf '\377\376ok\200'").await;
     assert_eq!(r.stdout_raw(), b"\xff\xfeok\x80");
