@@ -274,9 +274,16 @@ fn find_binary(name: &str) -> Option<PathBuf> {
 /// True when the ELF file at `p` has no program interpreter (statically linked): it must
 /// run in images without a libc.
 pub fn is_static_elf(p: &Path) -> bool {
-    let Ok(data) = std::fs::read(p) else {
+    // The ELF header and the program headers sit at the file's start (read at node start,
+    // several times: not the whole multi-MiB binary).
+    use std::io::Read as _;
+    let mut data = Vec::new();
+    let Ok(f) = std::fs::File::open(p) else {
         return false;
     };
+    if f.take(64 * 1024).read_to_end(&mut data).is_err() {
+        return false;
+    }
     // ELF64 little-endian: e_phoff at 0x20, e_phentsize at 0x36, e_phnum at 0x38; PT_INTERP = 3.
     if data.len() < 0x40 || &data[..4] != b"\x7fELF" || data[4] != 2 {
         return false;
