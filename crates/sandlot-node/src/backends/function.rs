@@ -1774,6 +1774,21 @@ mod tests {
         }
     }
 
+    /// Kills and removes a test sandbox's cgroup and the test's parent group when dropped,
+    /// so that a failed assertion midway leaves nothing behind.
+    struct CgroupCleanup(CgroupRoot, &'static str);
+
+    impl Drop for CgroupCleanup {
+        fn drop(&mut self) {
+            let _ = self
+                .0
+                .sandbox(self.1)
+                .group()
+                .destroy(Duration::from_secs(5));
+            let _ = self.0.remove_parent();
+        }
+    }
+
     /// Standby exec helpers (`SANDLOT_EXEC_STANDBY=1`): the next exec without stdin takes
     /// the pre-joined helper, with unchanged results (exit code, output, background
     /// children killed, timeout, OOM); an exec with stdin leaves it alone; delete kills it.
@@ -1808,6 +1823,7 @@ mod tests {
             }
         };
         let cgroups = cgroups.with_parent(&format!("sandlot-unit-standby-{}", std::process::id()));
+        let _cleanup = CgroupCleanup(cgroups.clone(), "sb-standby");
         let mut be = FunctionBackend::new(
             FunctionConfig {
                 sandboxes_dir: tmp.path().join("sandboxes"),
