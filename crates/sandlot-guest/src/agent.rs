@@ -520,8 +520,8 @@ fn port_poll(f: &std::fs::File, events: libc::c_short, ms: i32) -> Option<libc::
 /// How long after the host's last bytes [`bridge`] polls the port in short steps.
 const PORT_BUSY_FOR: Duration = Duration::from_secs(2);
 /// [`bridge`]'s poll timeout on the port while busy (ms). Not shorter: with the guest's
-/// high-resolution timers each wake-up reprograms the APIC timer, which costs under TCG;
-/// 2 ms made microVM execs ~15 % slower than 4 (docs/backends.md "Agent channel").
+/// high-resolution timers each wake-up reprograms the APIC timer, which costs under TCG
+/// (docs/backends.md "Agent channel").
 const PORT_POLL_BUSY_MS: i32 = 4;
 /// [`bridge`]'s poll timeout on the port while idle (ms): an idle guest wakes 10 times a
 /// second.

@@ -1796,6 +1796,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn standby_helper_serves_execs_with_unchanged_semantics() {
         let test = "standby_helper_serves_execs_with_unchanged_semantics";
+        const ID: &str = "sb-standby";
         if !nix::unistd::Uid::effective().is_root() {
             eprintln!("SKIP {test}: needs root (namespaces, cgroups)");
             return;
@@ -1823,7 +1824,7 @@ mod tests {
             }
         };
         let cgroups = cgroups.with_parent(&format!("sandlot-unit-standby-{}", std::process::id()));
-        let _cleanup = CgroupCleanup(cgroups.clone(), "sb-standby");
+        let _cleanup = CgroupCleanup(cgroups.clone(), ID);
         let mut be = FunctionBackend::new(
             FunctionConfig {
                 sandboxes_dir: tmp.path().join("sandboxes"),
@@ -1835,7 +1836,7 @@ mod tests {
         .unwrap();
         be.exec_standby = true;
         let spec = SandboxSpec {
-            id: "sb-standby".into(),
+            id: ID.into(),
             backend: Backend::Function,
             image: "busybox".into(),
             cpu: 1.0,
@@ -1852,14 +1853,11 @@ mod tests {
             r.timeout_s = Some(timeout_s);
             r
         };
-        let jail = be.jail("sb-standby").unwrap();
+        let jail = be.jail(ID).unwrap();
         // No standby before the second exec.
         for _ in 0..STANDBY_AFTER_EXECS {
             assert!(jail.standby.lock().unwrap().is_none());
-            let r = be
-                .exec("sb-standby", &sh("true", 10.0), None)
-                .await
-                .unwrap();
+            let r = be.exec(ID, &sh("true", 10.0), None).await.unwrap();
             assert_eq!(r.exit_code, 0, "{r:?}");
         }
 
@@ -1868,7 +1866,7 @@ mod tests {
         assert!(dirs.iter().all(|d| d.exists()));
         let r = be
             .exec(
-                "sb-standby",
+                ID,
                 &sh("sleep 100 & echo out; echo err >&2; exit 7", 10.0),
                 None,
             )
@@ -1892,35 +1890,25 @@ mod tests {
             dirs.iter().all(|d| !d.exists()),
             "its exec group is removed"
         );
-        let ps = be
-            .exec("sb-standby", &sh("ps -o comm", 10.0), None)
-            .await
-            .unwrap();
+        let ps = be.exec(ID, &sh("ps -o comm", 10.0), None).await.unwrap();
         assert!(!ps.stdout.contains("sleep"), "{ps:?}");
 
         // An exec with stdin spawns its own helper and leaves the standby alone.
         let (pid, _) = wait_standby(&jail).await;
         let mut req = ExecRequest::new(sandlot_api::Cmd::Argv(vec!["cat".into()]));
         req.stdin_b64 = Some(base64::engine::general_purpose::STANDARD.encode("piped"));
-        let r = be.exec("sb-standby", &req, None).await.unwrap();
+        let r = be.exec(ID, &req, None).await.unwrap();
         assert_eq!((r.exit_code, r.stdout.as_str()), (0, "piped"));
         assert!(proc_starttime(pid).is_some(), "standby kept");
         // And a standby exec's stdin is /dev/null.
-        let r = be
-            .exec("sb-standby", &sh("cat; echo end", 10.0), None)
-            .await
-            .unwrap();
+        let r = be.exec(ID, &sh("cat; echo end", 10.0), None).await.unwrap();
         assert_eq!((r.exit_code, r.stdout.as_str()), (0, "end\n"));
         assert!(proc_starttime(pid).is_none());
 
         // Timeout kills the whole tree.
         wait_standby(&jail).await;
         let r = be
-            .exec(
-                "sb-standby",
-                &sh("echo before; sleep 100 & sleep 100", 1.0),
-                None,
-            )
+            .exec(ID, &sh("echo before; sleep 100 & sleep 100", 1.0), None)
             .await
             .unwrap();
         assert!(r.timed_out, "{r:?}");
@@ -1932,25 +1920,18 @@ mod tests {
         // OOM is reported from the exec group's own counter, and only for that exec.
         wait_standby(&jail).await;
         let r = be
-            .exec(
-                "sb-standby",
-                &sh("head -c 200m /dev/zero | tail", 30.0),
-                None,
-            )
+            .exec(ID, &sh("head -c 200m /dev/zero | tail", 30.0), None)
             .await
             .unwrap();
         assert!(r.oom_killed && r.exit_code != 0, "{r:?}");
         wait_standby(&jail).await;
-        let r = be
-            .exec("sb-standby", &sh("echo fine", 10.0), None)
-            .await
-            .unwrap();
+        let r = be.exec(ID, &sh("echo fine", 10.0), None).await.unwrap();
         assert!(!r.oom_killed && r.exit_code == 0, "{r:?}");
 
         // Delete kills a waiting standby and removes its group.
         let (pid, dirs) = wait_standby(&jail).await;
         drop(jail);
-        be.delete("sb-standby").await.unwrap();
+        be.delete(ID).await.unwrap();
         let end = Instant::now() + Duration::from_secs(5);
         while proc_starttime(pid).is_some() && Instant::now() < end {
             tokio::time::sleep(Duration::from_millis(10)).await;

@@ -717,16 +717,21 @@ impl MicrovmBackend {
             // the kernel stops at "Marking TSC unstable". The guest's TSC is the host's
             // (TCG's `rdtsc` reads the host counter), so its rate is the host's: a fixed
             // guess (2 GHz) made the guest's clocks run 1.3x fast on a 2.6 GHz host.
-            let khz = spawn_blocking(|| Ok(super::qemu::host_tsc_khz())).await?;
+            let (khz, invariant) = spawn_blocking(|| {
+                Ok((
+                    super::qemu::host_tsc_khz(),
+                    super::qemu::host_tsc_invariant(),
+                ))
+            })
+            .await?;
             append.push_str(&format!(" tsc_early_khz={khz} no_timer_check"));
-            // `tsc=reliable`: no clocksource watchdog on the TSC. Its only reference here is
-            // jiffies, which fall behind whenever the vCPU thread is held off the host CPU (a
-            // loaded host, the cgroup's CPU quota); the watchdog then marks the TSC unstable
-            // and the guest falls back to `refined-jiffies`: a 4 ms clock, no high-resolution
-            // timers, a periodic 250 Hz tick even when idle (idle QEMU CPU 8.2 -> 3.5 % of a
-            // core on this project's hosts), and a clock that drifts with every lost tick. The
-            // counter is the host's invariant TSC, which is what makes it reliable.
-            append.push_str(" tsc=reliable");
+            if invariant {
+                // No clocksource watchdog on the TSC: its only reference here is jiffies,
+                // which lose ticks whenever the vCPU thread waits for the host CPU, and the
+                // guest would fall back to a 4 ms jiffies clock (docs/backends.md
+                // "Accelerator").
+                append.push_str(" tsc=reliable");
+            }
             // Debian's kernel zeroes every kernel allocation (CONFIG_INIT_ON_ALLOC_DEFAULT_ON,
             // hardening against leaks of stale kernel memory to user space); under TCG that
             // costs ~50 ms of a boot. Everything in the guest is one sandbox's and its RAM

@@ -283,6 +283,27 @@ pub fn host_tsc_khz() -> u64 {
     })
 }
 
+/// Whether the host's TSC is invariant: `constant_tsc` and `nonstop_tsc` among the flags of
+/// `/proc/cpuinfo` (read once per process). A TCG guest reads that counter, so its kernel
+/// may then be told to trust it (`tsc=reliable`, see the microvm backend).
+pub fn host_tsc_invariant() -> bool {
+    static INVARIANT: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *INVARIANT.get_or_init(|| {
+        std::fs::read_to_string("/proc/cpuinfo").is_ok_and(|s| tsc_invariant_in(&s))
+    })
+}
+
+/// [`host_tsc_invariant`] for the text of `/proc/cpuinfo` (its first `flags` line).
+fn tsc_invariant_in(cpuinfo: &str) -> bool {
+    cpuinfo
+        .lines()
+        .find_map(|l| l.strip_prefix("flags"))
+        .is_some_and(|l| {
+            let flags: Vec<&str> = l.split_whitespace().collect();
+            flags.contains(&"constant_tsc") && flags.contains(&"nonstop_tsc")
+        })
+}
+
 /// `-chardev` value of a socket server on the inherited listening socket `fd`.
 pub fn chardev_on_fd(id: &str, fd: RawFd) -> String {
     format!("socket,id={id},fd={fd},server=on,wait=off")
@@ -963,6 +984,17 @@ pub fn boot_failure(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn tsc_is_invariant_only_with_both_flags() {
+        let info = |flags: &str| format!("processor\t: 0\nflags\t\t: fpu tsc {flags} msr\n");
+        assert!(tsc_invariant_in(&info("constant_tsc nonstop_tsc")));
+        assert!(!tsc_invariant_in(&info("constant_tsc")));
+        assert!(!tsc_invariant_in(&info("nonstop_tsc")));
+        assert!(!tsc_invariant_in("processor\t: 0\n"));
+        // Only whole words count.
+        assert!(!tsc_invariant_in(&info("constant_tsc_x nonstop_tsc")));
+    }
 
     #[test]
     fn drive_files_are_the_file_values_of_drive_arguments() {
