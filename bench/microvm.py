@@ -23,7 +23,8 @@ Sections:
       microVM whose guest touched `--touch-mib` MiB; the saved file's size, pause time per
       GiB saved.
   M4  host memory per idle microVM: PSS and RSS of each QEMU (/proc/PID/smaps_rollup) of
-      `--idle` template-started microVMs (memory_mib 256).
+      `--idle` template-started microVMs (memory_mib 256); and their host CPU while idle:
+      each QEMU's user + system time (/proc/PID/stat) over IDLE_CPU_S seconds without execs.
   M5  exec round trip of `true` in a live microVM, concurrency 1.
 
 The accelerator (KVM or TCG) the node chose is read from its log and printed next to every
@@ -133,6 +134,17 @@ def qemu_mem(pid: int) -> tuple[int, int]:
             elif line.startswith("Rss:"):
                 rss = int(line.split()[1]) * 1024
     return pss, rss
+
+
+#: Seconds over which M4 counts the idle QEMUs' host CPU time.
+IDLE_CPU_S = 10.0
+
+
+def qemu_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process `pid` so far (/proc/PID/stat fields 14, 15)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -258,6 +270,10 @@ def main(argv: list[str] | None = None) -> int:
         mems = [qemu_mem(b.vm_state(i)["qemu_pid"]) for i in ids]
         res["idle_pss"] = [m[0] for m in mems]
         res["idle_rss"] = [m[1] for m in mems]
+        pids = [b.vm_state(i)["qemu_pid"] for i in ids]
+        cpu0 = [qemu_cpu_s(p) for p in pids]
+        time.sleep(IDLE_CPU_S)
+        res["idle_cpu"] = [(qemu_cpu_s(p) - c) / IDLE_CPU_S for p, c in zip(pids, cpu0)]
         ex = []
         for i in range(n_exec + 3):
             t = time.monotonic()
@@ -316,7 +332,9 @@ def main(argv: list[str] | None = None) -> int:
     L += [f"### M4. Host memory per idle microVM ({len(res['idle_pss'])} template-started, memory_mib 256)", "",
           f"- QEMU PSS: mean {sum(res['idle_pss']) / len(res['idle_pss']) / 2**20:.0f} MiB, "
           f"RSS: mean {sum(res['idle_rss']) / len(res['idle_rss']) / 2**20:.0f} MiB per microVM ({A}; "
-          "guest RAM the guest touched + QEMU + TCG translation cache).", ""]
+          "guest RAM the guest touched + QEMU + TCG translation cache).",
+          f"- QEMU CPU while idle: mean {100 * sum(res['idle_cpu']) / len(res['idle_cpu']):.1f} % "
+          f"of a host core per microVM over {IDLE_CPU_S:.0f} s ({A}; no exec meanwhile).", ""]
     L += ["### M5. Exec round trip (`true` in a live microVM), concurrency 1", "",
           "| subject | n | p50 | p99 |", "|---|---|---|---|",
           row("exec true", res["exec_s"], cols=4), ""]
