@@ -537,8 +537,9 @@ fn bridge(port: &Arc<std::fs::File>, b: std::os::unix::net::UnixStream) {
     // guest's bytes is traffic to expect as well).
     let t0 = Instant::now();
     let last_data = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    // Blocking reads without a timeout: the end of the port side (below) shuts `b` down,
+    // which ends this read at once; a timeout would only wake an idle guest for nothing.
     let Ok(mut b_in) = b.try_clone() else { return };
-    let _ = b_in.set_read_timeout(Some(Duration::from_millis(100)));
     let down = {
         let (port, done, last_data) = (port.clone(), done.clone(), last_data.clone());
         std::thread::spawn(move || {
