@@ -113,13 +113,25 @@ def _templates(node) -> list:
             if d.is_dir() else [])
 
 
+def _wall_clock_skew(box) -> tuple[float, float]:
+    """(guest's wall-clock time minus the host's, in s; half the exec's round trip): the
+    guest's reading lies somewhere within the round trip."""
+    t0 = time.time()
+    r = box.exec(["date", "+%s.%N"])
+    t1 = time.time()
+    assert r.exit_code == 0, r
+    return float(r.stdout) - (t0 + t1) / 2, (t1 - t0) / 2
+
+
 def test_template_start_gives_each_guest_a_fresh_identity(node):
     """Item 7: the first cold boot of a shape makes a template snapshot in the background;
-    later creates restore it and each gets its own hostname, machine id and entropy."""
+    later creates restore it and each gets its own hostname, machine id and entropy, and
+    the host's wall-clock time (not the template's)."""
     c = sandlot.Client(node.url, timeout=120)
     first = c.create(backend="microvm", image=IMAGE, memory_mib=192, ttl_s=600)
     wait_until(lambda: _templates(node), 120, interval=0.5,
                what="a template snapshot under DATA/microvm/templates")
+    time.sleep(3)  # the template's clock is now >= 3 s behind the host's
     boxes = [c.create(backend="microvm", image=IMAGE, memory_mib=192, ttl_s=600)
              for _ in range(2)]
     seen = []
@@ -133,6 +145,8 @@ def test_template_start_gives_each_guest_a_fresh_identity(node):
         host, mid, rnd = r.stdout.decode().split()
         assert host == b.id
         seen.append((mid, rnd))
+        skew, half = _wall_clock_skew(b)
+        assert abs(skew) <= half + 0.5, f"guest wall clock {skew:+.2f} s off the host's"
         b.write_file("/tmp/mine", b.id.encode())
     assert seen[0][0] != seen[1][0] and seen[0][1] != seen[1][1], seen
     # Each got its own copy of the template's scratch disk.
@@ -239,7 +253,7 @@ def test_vcpus_are_held_to_the_sandbox_cpu(node):
 
 def test_the_guest_clock_keeps_time_on_the_tsc(node):
     """A guest held to half a core keeps time across a pause with memory and a resume: its
-    clock runs at the host's rate (under TCG its kernel is told the host's TSC rate) and
+    wall clock is the host's again after the resume, its clock runs at the host's rate (under TCG its kernel is told the host's TSC rate) and
     stays on the TSC (under TCG the clocksource watchdog's only reference is jiffies, which
     lose ticks while the vCPU waits for the host CPU; the kernel is told `tsc=reliable`)."""
     c = sandlot.Client(node.url, timeout=120)
@@ -248,7 +262,11 @@ def test_the_guest_clock_keeps_time_on_the_tsc(node):
                    labels={"clock": tag})
     try:
         assert c.pause({"clock": tag}) == [box.id]
+        time.sleep(3)
         assert c.resume({"clock": tag}) == [box.id]
+        # The wall clock is the host's again, not 3 s behind.
+        skew, half = _wall_clock_skew(box)
+        assert abs(skew) <= half + 0.5, f"guest wall clock {skew:+.2f} s off the host's"
 
         def uptime() -> tuple[float, float, float]:
             t0 = time.monotonic()

@@ -28,8 +28,8 @@ use nix::sys::signal::{kill, Signal};
 use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
 use nix::unistd::Pid;
 use sandlot_guest::agent_proto::{
-    encode, ExecExit, ExecRequest, FrameDecoder, FrameKind, IdentityRequest, SignalRequest,
-    PATH_EXEC, PATH_IDENTITY, PATH_PING, PATH_SIGNAL,
+    encode, ClockRequest, ExecExit, ExecRequest, FrameDecoder, FrameKind, IdentityRequest,
+    SignalRequest, PATH_CLOCK, PATH_EXEC, PATH_IDENTITY, PATH_PING, PATH_SIGNAL,
 };
 use sandlot_guest::spec::ExecStatus;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -684,8 +684,45 @@ async fn handle(req: Request<Incoming>, shared: Shared) -> Result<Response<Body>
             }
             answer
         }
+        (&Method::POST, PATH_CLOCK) => clock(req.into_body()).await,
         _ => text(StatusCode::NOT_FOUND, "no such call"),
     })
+}
+
+/// `POST /v1/clock` (see [`sandlot_guest::agent_proto::PATH_CLOCK`]): sets the guest's
+/// wall clock to the host's.
+async fn clock(body: Incoming) -> Response<Body> {
+    if std::process::id() != 1 {
+        return text(
+            StatusCode::NOT_FOUND,
+            "the clock is set only by a VM's init",
+        );
+    }
+    let limited = http_body_util::Limited::new(body, 1 << 10);
+    let bytes = match limited.collect().await {
+        Ok(b) => b.to_bytes(),
+        Err(e) => return text(StatusCode::BAD_REQUEST, format!("request body: {e}")),
+    };
+    let req: ClockRequest = match serde_json::from_slice(&bytes) {
+        Ok(r) => r,
+        Err(e) => return text(StatusCode::BAD_REQUEST, format!("clock JSON: {e}")),
+    };
+    let ts = libc::timespec {
+        tv_sec: (req.unix_ns / 1_000_000_000) as libc::time_t,
+        tv_nsec: (req.unix_ns % 1_000_000_000) as libc::c_long,
+    };
+    // SAFETY: clock_settime reads one timespec through a pointer to a live local.
+    if unsafe { libc::clock_settime(libc::CLOCK_REALTIME, &ts) } != 0 {
+        let e = std::io::Error::last_os_error();
+        return text(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("clock_settime: {e}"),
+        );
+    }
+    Response::builder()
+        .status(StatusCode::NO_CONTENT)
+        .body(Full::new(Bytes::new()).boxed())
+        .expect("valid response")
 }
 
 /// Reads frames from the request body until the spec frame; returns it with the decoder

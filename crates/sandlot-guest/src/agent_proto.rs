@@ -344,6 +344,21 @@ pub struct IdentityRequest {
     pub entropy: Vec<u8>,
 }
 
+/// Path of the clock call (microVM and vm guests only: the agent is pid 1).
+///
+/// `POST /v1/clock`, body [`ClockRequest`] JSON → 204 once the guest's `CLOCK_REALTIME` is
+/// set to it (clock_settime(2)); 400 for a bad body; 404 from an agent that is not pid 1.
+/// The node calls it after every start and every resume: a guest restored from a template
+/// or from a pause would otherwise go on from the wall-clock time of the save.
+pub const PATH_CLOCK: &str = "/v1/clock";
+
+/// `POST /v1/clock` body.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ClockRequest {
+    /// The host's wall-clock time: nanoseconds since the Unix epoch (UTC).
+    pub unix_ns: u64,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

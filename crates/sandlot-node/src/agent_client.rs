@@ -9,8 +9,9 @@ use hyper::client::conn::http2::SendRequest;
 use hyper::{Method, Request, StatusCode};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use sandlot_guest::agent_proto::{
-    encode, ExecExit, ExecRequest, FileInfo, Frame, FrameDecoder, FrameKind, FsCode, FsError,
-    IdentityRequest, SignalRequest, PATH_EXEC, PATH_IDENTITY, PATH_PING, PATH_SIGNAL,
+    encode, ClockRequest, ExecExit, ExecRequest, FileInfo, Frame, FrameDecoder, FrameKind, FsCode,
+    FsError, IdentityRequest, SignalRequest, PATH_CLOCK, PATH_EXEC, PATH_IDENTITY, PATH_PING,
+    PATH_SIGNAL,
 };
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -444,21 +445,42 @@ impl AgentClient {
     pub async fn set_identity(&self, req: &IdentityRequest) -> NodeResult<()> {
         let body = serde_json::to_vec(req).expect("IdentityRequest serialises");
         let resp = self.call(Method::POST, PATH_IDENTITY, body.into()).await?;
-        if resp.status() == StatusCode::NO_CONTENT {
+        self.no_content(resp, "identity", false).await
+    }
+
+    /// Sets a VM guest's wall clock to this host's
+    /// ([`sandlot_guest::agent_proto::PATH_CLOCK`]). An agent without the call (a guest
+    /// started by an older node, re-adopted) answers 404 and keeps its clock.
+    ///
+    /// # Errors
+    /// `Internal` when the agent cannot be reached or refuses (its message).
+    pub async fn set_clock(&self) -> NodeResult<()> {
+        let unix_ns = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+        let body = serde_json::to_vec(&ClockRequest { unix_ns }).expect("ClockRequest serialises");
+        let resp = self.call(Method::POST, PATH_CLOCK, body.into()).await?;
+        self.no_content(resp, "clock", true).await
+    }
+
+    /// `Ok` for a 204 answer (and for a 404 when `missing_ok`), else the agent's message.
+    async fn no_content(
+        &self,
+        resp: hyper::Response<Incoming>,
+        what: &str,
+        missing_ok: bool,
+    ) -> NodeResult<()> {
+        let status = resp.status();
+        if status == StatusCode::NO_CONTENT || (missing_ok && status == StatusCode::NOT_FOUND) {
             return Ok(());
         }
-        let status = resp.status();
         let text = resp
             .into_body()
             .collect()
             .await
             .map(|b| String::from_utf8_lossy(&b.to_bytes()).into_owned())
             .unwrap_or_default();
-        Err(agent_err(
-            &self.socket,
-            "identity",
-            format!("{status}: {text}"),
-        ))
+        Err(agent_err(&self.socket, what, format!("{status}: {text}")))
     }
 
     /// Delivers `signal` to the running exec started with `handle` (see

@@ -834,10 +834,12 @@ impl MicrovmBackend {
         agent
             .set_identity(&super::qemu::fresh_identity(&spec.id))
             .await?;
+        super::qemu::sync_clock(&agent, &spec.id, "microvm").await;
         let ms = |a: Instant, b: Instant| b.saturating_duration_since(a).as_secs_f64() * 1e3;
         let now = Instant::now();
         // Phases of a cold boot: `prep` (disk, directory, cgroup, scratch disk, QEMU
-        // spawned), `boot` (QEMU to the agent's first answer), `identity` (one agent call).
+        // spawned), `boot` (QEMU to the agent's first answer), `identity` (the identity and
+        // clock calls).
         tracing::info!(sandbox = %spec.id, backend = "microvm", accel = accel.as_str(), start = %state.started_from, ms = started.elapsed().as_millis() as u64,
             prep_ms = ms(t0, t_spawn), boot_ms = ms(t_spawn, t_ready), identity_ms = ms(t_ready, now), "microVM agent ready");
         write_json(&dir.join("state.json"), &state)?;

@@ -33,6 +33,7 @@
 //! the uid between fork and exec instead.
 use super::microvm::{probe_kvm, Accel};
 use super::uids::{UidLease, UidSlots};
+use crate::agent_client::AgentClient;
 use crate::cgroups::{Limits, SandboxCgroup};
 use crate::images::{Image, ImageStore};
 use crate::node::{NodeError, NodeResult};
@@ -933,6 +934,14 @@ fn smp_of(cmd: &std::process::Command) -> usize {
                 .ok()
         })
         .unwrap_or(1)
+}
+
+/// Sets the guest's wall clock to the host's ([`AgentClient::set_clock`]) after a start or
+/// a resume; a failure is logged, not fatal: the guest keeps the clock it had.
+pub async fn sync_clock(agent: &AgentClient, id: &str, backend: &str) {
+    if let Err(e) = agent.set_clock().await {
+        tracing::warn!(sandbox = %id, backend, error = %e, "guest clock not set");
+    }
 }
 
 /// Hostname = `id`, a random machine id and 64 random bytes of entropy.

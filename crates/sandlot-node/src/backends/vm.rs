@@ -620,6 +620,7 @@ impl VmBackend {
             ));
         }
         agent.set_identity(&fresh_identity(&spec.id)).await?;
+        super::qemu::sync_clock(&agent, &spec.id, "vm").await;
         tracing::info!(sandbox = %spec.id, backend = "vm", accel = accel.as_str(), ms = started.elapsed().as_millis() as u64, "VM agent ready");
         write_json(&dir.join("state.json"), &state)?;
         Ok((state, (agent, relay)))
@@ -803,6 +804,7 @@ impl VmBackend {
             deleting: &vm.deleting,
             paused: &vm.paused,
             relay: &vm.relay,
+            agent: &vm.agent,
             proc_: &vm.proc_,
             // The same uid as before the pause (`qemu_uid`, held by the sandbox).
             jail: vm_jail(&self.cfg.uids, vm.state.qemu_uid, vm.state.accel),

@@ -31,6 +31,7 @@
 //! [`super::MicrovmBackend::readopt`] adopts it as paused (a QEMU still alive from a pause
 //! cut short by a node crash is killed first).
 use super::{MicrovmBackend, Vm, VmState};
+use crate::agent_client::AgentClient;
 use crate::backends::function::{proc_starttime, spawn_blocking};
 use crate::backends::qemu::Jail;
 use crate::cgroups::SandboxCgroup;
@@ -421,6 +422,8 @@ pub(crate) struct Target<'a> {
     pub paused: &'a AtomicBool,
     /// The agent link that survives.
     pub relay: &'a Arc<Relay>,
+    /// The guest's agent (its clock is set after a resume).
+    pub agent: &'a AgentClient,
     /// The QEMU it runs in now.
     pub proc_: &'a ProcCell,
     /// How a resumed QEMU is confined: the sandbox's uid (`state.qemu_uid`, the same as
@@ -572,6 +575,8 @@ pub(crate) async fn resume(t: &Target<'_>) -> NodeResult<()> {
     if !kept {
         tokio::time::sleep(SETTLE_AFTER_RESTART).await;
     }
+    // The guest's wall clock went on from the time of the pause.
+    crate::backends::qemu::sync_clock(t.agent, id, t.backend).await;
     t.paused.store(false, std::sync::atomic::Ordering::SeqCst);
     drop(guard);
     tracing::info!(sandbox = %id, backend = t.backend, ms = started.elapsed().as_millis() as u64, agent_connection_kept = kept, "sandbox resumed (memory restored)");
@@ -590,6 +595,7 @@ impl MicrovmBackend {
             deleting: &vm.deleting,
             paused: &vm.paused,
             relay: &vm.relay,
+            agent: &vm.agent,
             proc_: &vm.proc_,
             // The same uid as before the pause (`qemu_uid`, held by the sandbox).
             jail: super::microvm_jail(&self.cfg.uids, vm.state.qemu_uid, vm.state.accel),
