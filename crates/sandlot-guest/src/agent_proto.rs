@@ -344,10 +344,11 @@ pub struct IdentityRequest {
     pub entropy: Vec<u8>,
 }
 
-/// Path of the clock call (microVM and vm guests only: the agent is pid 1).
+/// Path of the clock call (microVM and vm guests only: the agent is the VM's init).
 ///
 /// `POST /v1/clock`, body [`ClockRequest`] JSON → 204 once the guest's `CLOCK_REALTIME` is
-/// set to it (clock_settime(2)); 400 for a bad body; 404 from an agent that is not pid 1.
+/// set to it (clock_settime(2)); 400 for a bad body; 404 from an agent that is not a VM's
+/// init (a container's).
 /// The node calls it after every start and every resume: a guest restored from a template
 /// or from a pause would otherwise go on from the wall-clock time of the save.
 pub const PATH_CLOCK: &str = "/v1/clock";

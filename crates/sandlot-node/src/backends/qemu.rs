@@ -937,11 +937,16 @@ fn smp_of(cmd: &std::process::Command) -> usize {
 }
 
 /// Sets the guest's wall clock to the host's ([`AgentClient::set_clock`]) after a start or
-/// a resume; a failure is logged, not fatal: the guest keeps the clock it had.
+/// a resume, waiting at most 10 s; a failure is logged, not fatal: the guest keeps the
+/// clock it had.
 pub async fn sync_clock(agent: &AgentClient, id: &str, backend: &str) {
-    if let Err(e) = agent.set_clock().await {
-        tracing::warn!(sandbox = %id, backend, error = %e, "guest clock not set");
-    }
+    let wait = std::time::Duration::from_secs(10);
+    let error = match tokio::time::timeout(wait, agent.set_clock()).await {
+        Ok(Ok(())) => return,
+        Ok(Err(e)) => e.to_string(),
+        Err(_) => "no answer within 10 s".to_string(),
+    };
+    tracing::warn!(sandbox = %id, backend, error = %error, "guest clock not set");
 }
 
 /// Hostname = `id`, a random machine id and 64 random bytes of entropy.
