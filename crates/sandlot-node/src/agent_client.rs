@@ -455,9 +455,11 @@ impl AgentClient {
     /// # Errors
     /// `Internal` when the agent cannot be reached or refuses (its message).
     pub async fn set_clock(&self) -> NodeResult<()> {
-        let unix_ns = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos() as u64);
+        let Ok(since_epoch) = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)
+        else {
+            return Ok(()); // a host clock before 1970 is nothing to copy
+        };
+        let unix_ns = since_epoch.as_nanos() as u64;
         let body = serde_json::to_vec(&ClockRequest { unix_ns }).expect("ClockRequest serialises");
         let resp = self.call(Method::POST, PATH_CLOCK, body.into()).await?;
         self.no_content(resp, "clock", true).await

@@ -481,6 +481,8 @@ pub(crate) async fn pause(t: &Target<'_>) -> NodeResult<()> {
         Ok(s) => s,
         Err(e) => {
             t.relay.release().await;
+            // The guest ran on (`cont`) after standing still for the failed save.
+            crate::backends::qemu::sync_clock(t.agent, id, t.backend).await;
             t.paused.store(false, std::sync::atomic::Ordering::SeqCst);
             return Err(e);
         }
