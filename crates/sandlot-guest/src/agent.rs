@@ -689,6 +689,21 @@ async fn handle(req: Request<Incoming>, shared: Shared) -> Result<Response<Body>
     })
 }
 
+/// The JSON body of a request, at most `limit` bytes; otherwise the 400 answer to give
+/// (`what` names the call in its message).
+async fn json_body<T: serde::de::DeserializeOwned>(
+    body: Incoming,
+    limit: usize,
+    what: &str,
+) -> Result<T, Response<Body>> {
+    let bytes = match http_body_util::Limited::new(body, limit).collect().await {
+        Ok(b) => b.to_bytes(),
+        Err(e) => return Err(text(StatusCode::BAD_REQUEST, format!("request body: {e}"))),
+    };
+    serde_json::from_slice(&bytes)
+        .map_err(|e| text(StatusCode::BAD_REQUEST, format!("{what} JSON: {e}")))
+}
+
 /// `POST /v1/clock` (see [`sandlot_guest::agent_proto::PATH_CLOCK`]): sets the guest's
 /// wall clock to the host's.
 async fn clock(body: Incoming) -> Response<Body> {
@@ -699,14 +714,9 @@ async fn clock(body: Incoming) -> Response<Body> {
             "the clock is set only by a VM's init",
         );
     }
-    let limited = http_body_util::Limited::new(body, 1 << 10);
-    let bytes = match limited.collect().await {
-        Ok(b) => b.to_bytes(),
-        Err(e) => return text(StatusCode::BAD_REQUEST, format!("request body: {e}")),
-    };
-    let req: ClockRequest = match serde_json::from_slice(&bytes) {
+    let req: ClockRequest = match json_body(body, 1 << 10, "clock").await {
         Ok(r) => r,
-        Err(e) => return text(StatusCode::BAD_REQUEST, format!("clock JSON: {e}")),
+        Err(answer) => return answer,
     };
     let ts = libc::timespec {
         tv_sec: (req.unix_ns / 1_000_000_000) as libc::time_t,
@@ -771,14 +781,9 @@ async fn identity(body: Incoming) -> Response<Body> {
             "identity is set only by a microVM's init",
         );
     }
-    let limited = http_body_util::Limited::new(body, 16 << 10);
-    let bytes = match limited.collect().await {
-        Ok(b) => b.to_bytes(),
-        Err(e) => return text(StatusCode::BAD_REQUEST, format!("request body: {e}")),
-    };
-    let req: IdentityRequest = match serde_json::from_slice(&bytes) {
+    let req: IdentityRequest = match json_body(body, 16 << 10, "identity").await {
         Ok(r) => r,
-        Err(e) => return text(StatusCode::BAD_REQUEST, format!("identity JSON: {e}")),
+        Err(answer) => return answer,
     };
     if req.hostname.is_empty() || req.hostname.len() > 64 || req.entropy.len() > 512 {
         return text(
@@ -856,14 +861,9 @@ fn add_entropy(data: &[u8]) -> std::io::Result<()> {
 /// [`sandlot_guest::agent_proto::PATH_SIGNAL`]).
 async fn signal(body: Incoming, shared: &Shared) -> Response<Body> {
     // A signal request is a few bytes; anything larger is not one.
-    let limited = http_body_util::Limited::new(body, 4096);
-    let bytes = match limited.collect().await {
-        Ok(b) => b.to_bytes(),
-        Err(e) => return text(StatusCode::BAD_REQUEST, format!("request body: {e}")),
-    };
-    let req: SignalRequest = match serde_json::from_slice(&bytes) {
+    let req: SignalRequest = match json_body(body, 4096, "signal").await {
         Ok(r) => r,
-        Err(e) => return text(StatusCode::BAD_REQUEST, format!("signal JSON: {e}")),
+        Err(answer) => return answer,
     };
     if req.signal != libc::SIGKILL && !sys::FORWARDED.contains(&req.signal) {
         return text(
