@@ -16,6 +16,7 @@ pub mod disk;
 pub mod dns;
 pub mod files;
 pub mod images;
+pub mod liveness;
 pub mod local;
 pub mod mountinfo;
 pub mod net;
@@ -27,6 +28,7 @@ pub mod qmp;
 
 pub use images::validate_name as validate_image_name;
 pub use images::validate_ref as validate_image_ref;
+pub use liveness::Liveness;
 pub use local::{default_agent_bin, default_guest_bin, LocalNode, NodeConfig};
 pub use node::{
     ExecControl, ExecSink, Node, NodeError, NodeInfo, NodeResult, SandboxSpec, SandboxStatus,

@@ -43,8 +43,9 @@ pub struct SandboxStatus {
     pub id: String,
     /// Isolation level.
     pub backend: Backend,
-    /// True when its processes are alive and it can serve calls.
-    pub alive: bool,
+    /// Whether its processes are alive: [`crate::Liveness::Dead`] only on evidence they are
+    /// gone, [`crate::Liveness::Unknown`] when the node could not tell (an error of its own).
+    pub liveness: crate::Liveness,
 }
 
 /// Node facts shown by the server.

@@ -566,7 +566,7 @@ async fn readopt_after_restart() {
     );
     let list = node.list().await.unwrap();
     assert_eq!(list.len(), 1);
-    assert!(list[0].alive);
+    assert!(list[0].liveness.is_alive());
     for gone in ["sb-drop", "sb-half", "sb-stray"] {
         assert!(!env.sandbox_dir(gone).exists(), "{gone} dir left");
         assert!(

@@ -24,6 +24,8 @@ pub struct FakeNode {
     pub paused: Mutex<std::collections::HashSet<String>>,
     /// Ids whose processes "died": `list` reports them not alive.
     pub dead: Mutex<std::collections::HashSet<String>>,
+    /// Ids whose liveness the node "cannot tell" (an error of its own), with the reason.
+    pub unknown: Mutex<HashMap<String, String>>,
     /// Every exec that reached the node, as (sandbox id, argv).
     pub execs: Mutex<Vec<(String, Vec<String>)>>,
     /// Checkpoints: the parent's spec and a copy of its files.
@@ -390,7 +392,13 @@ impl Node for FakeNode {
             .ids()
             .into_iter()
             .map(|id| SandboxStatus {
-                alive: !self.dead.lock().unwrap().contains(&id),
+                liveness: if self.dead.lock().unwrap().contains(&id) {
+                    sandlot_node::Liveness::Dead
+                } else if let Some(r) = self.unknown.lock().unwrap().get(&id) {
+                    sandlot_node::Liveness::Unknown(r.clone())
+                } else {
+                    sandlot_node::Liveness::Alive
+                },
                 id,
                 backend: Backend::Function,
             })

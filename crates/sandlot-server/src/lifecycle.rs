@@ -56,11 +56,21 @@ pub async fn reaper(st: SharedState, mut stop: tokio::sync::watch::Receiver<bool
 /// Records `running` or `paused` whose sandbox the node reports dead (its processes ended
 /// under it: e.g. a runsc sandbox killed as a whole by the host's OOM killer) become `lost`,
 /// so clients see it and only delete remains valid; each gets a `lost` event.
+///
+/// Only [`sandlot_node::Liveness::Dead`] (evidence the processes are gone) counts; a node
+/// that cannot tell ([`sandlot_node::Liveness::Unknown`]: an error of its own such as
+/// `EMFILE` while reading `/proc`) leaves the record alone, with a log line — `lost` is
+/// final, so it is never concluded from the node's own trouble.
 async fn mark_lost(st: &SharedState) {
     let Ok(statuses) = st.node.list().await else {
         return;
     };
-    for s in statuses.into_iter().filter(|s| !s.alive) {
+    for s in &statuses {
+        if let sandlot_node::Liveness::Unknown(why) = &s.liveness {
+            tracing::warn!(sandbox_id = %s.id, reason = %why, "liveness unknown; not marked lost");
+        }
+    }
+    for s in statuses.into_iter().filter(|s| s.liveness.is_dead()) {
         let from = [SandboxState::Running, SandboxState::Paused];
         if let Ok(true) = st.store.transition(&s.id, &from, SandboxState::Lost) {
             tracing::warn!(sandbox_id = %s.id, "sandbox died under its node; marked lost");

@@ -687,6 +687,39 @@ async fn delete_during_create_rolls_back() {
 }
 
 #[tokio::test]
+async fn a_sandbox_whose_liveness_is_unknown_is_not_marked_lost() {
+    // The node's own error (EMFILE reading /proc) proves nothing: the sandbox stays running.
+    let t = setup("unknown-liveness");
+    let r = call(&t.app, Method::POST, "/v1/sandboxes", Some(json!({}))).await;
+    let id = r.json()["id"].as_str().unwrap().to_owned();
+    t.node.unknown.lock().unwrap().insert(
+        id.clone(),
+        "read /proc/42/stat: Too many open files (os error 24)".into(),
+    );
+    for _ in 0..3 {
+        lifecycle::reap_once(&t.st).await;
+    }
+    let r = call(&t.app, Method::GET, &format!("/v1/sandboxes/{id}"), None).await;
+    assert_eq!(r.json()["state"], "running");
+    let r = call(
+        &t.app,
+        Method::GET,
+        &format!("/v1/events?sandbox={id}&kind=lost"),
+        None,
+    )
+    .await;
+    assert!(r.json()["events"].as_array().unwrap().is_empty());
+    let r = call(
+        &t.app,
+        Method::POST,
+        &format!("/v1/sandboxes/{id}/exec"),
+        Some(json!({"cmd": ["true"]})),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::OK);
+}
+
+#[tokio::test]
 async fn a_sandbox_that_died_under_its_node_is_marked_lost() {
     let t = setup("lost");
     let r = call(&t.app, Method::POST, "/v1/sandboxes", Some(json!({}))).await;

@@ -1557,7 +1557,7 @@ impl SandboxBackend for ContainerBackend {
             .map(|c| SandboxStatus {
                 id: c.state.id.clone(),
                 backend: Backend::Container,
-                alive: proc_starttime(c.state.init_pid) == Some(c.state.init_starttime),
+                liveness: crate::liveness::proc_liveness(c.state.init_pid, c.state.init_starttime),
             })
             .collect()
     }

@@ -711,7 +711,7 @@ impl SandboxBackend for FunctionBackend {
             .map(|j| SandboxStatus {
                 id: j.state.id.clone(),
                 backend: Backend::Function,
-                alive: proc_starttime(j.state.init_pid) == Some(j.state.init_starttime),
+                liveness: crate::liveness::proc_liveness(j.state.init_pid, j.state.init_starttime),
             })
             .collect();
         v.sort_by(|a, b| a.id.cmp(&b.id));

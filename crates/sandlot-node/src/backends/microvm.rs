@@ -1397,7 +1397,7 @@ impl SandboxBackend for MicrovmBackend {
             .map(|v| SandboxStatus {
                 id: v.state.id.clone(),
                 backend: Backend::Microvm,
-                alive: v.proc_.lock().unwrap().exists(),
+                liveness: v.proc_.lock().unwrap().liveness(),
             })
             .collect()
     }

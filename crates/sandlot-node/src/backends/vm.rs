@@ -1002,7 +1002,7 @@ impl SandboxBackend for VmBackend {
             .map(|v| SandboxStatus {
                 id: v.state.id.clone(),
                 backend: Backend::Vm,
-                alive: v.proc_.lock().unwrap().exists(),
+                liveness: v.proc_.lock().unwrap().liveness(),
             })
             .collect()
     }

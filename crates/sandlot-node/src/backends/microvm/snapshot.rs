@@ -76,6 +76,14 @@ impl QemuProc {
     pub fn exists(&self) -> bool {
         self.saved || proc_starttime(self.pid) == Some(self.start)
     }
+
+    /// As [`QemuProc::exists`], told only from evidence ([`crate::liveness`]).
+    pub fn liveness(&self) -> crate::Liveness {
+        if self.saved {
+            return crate::Liveness::Alive;
+        }
+        crate::liveness::proc_liveness(self.pid, self.start)
+    }
 }
 
 /// Shared handle on the current QEMU of one VM.
