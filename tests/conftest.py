@@ -74,8 +74,10 @@ class Server:
     """One `sandlot up` process on a free port with its own data directory."""
 
     def __init__(self, binary: Path, data_dir: Path, log_path: Path,
-                 port: Optional[int] = None, args: Optional[List[str]] = None) -> None:
+                 port: Optional[int] = None, args: Optional[List[str]] = None,
+                 preexec: Optional[Callable[[], None]] = None) -> None:
         self.binary = binary
+        self.preexec = preexec  # run in the child before exec (e.g. a lower RLIMIT_NOFILE)
         self.args = list(args or [])
         self.data_dir = data_dir
         self.log_path = log_path
@@ -91,7 +93,7 @@ class Server:
         cmd = [str(self.binary), "up", "--listen", f"127.0.0.1:{self.port}",
                "--data-dir", str(self.data_dir), "--images-dir", IMAGES_DIR, *self.args]
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL)
+                                     stdin=subprocess.DEVNULL, preexec_fn=self.preexec)
         log.close()
         client = sandlot.Client(self.url, timeout=2, retries=0)
         deadline = time.monotonic() + READY_DEADLINE_S

@@ -140,6 +140,25 @@ struct UpArgs {
     /// OCI runtime of `container` sandboxes created without one: runc, runsc or crun.
     #[arg(long, default_value = "runc", value_parser = ["runc", "runsc", "crun"])]
     default_runtime: String,
+    /// Open API connections at most; at the limit the oldest idle connection is closed to
+    /// make room (none idle: the new one is closed). Held at or below half the file
+    /// descriptor limit (the soft limit is raised to the hard one at start).
+    #[arg(long, default_value_t = 16384)]
+    max_connections: usize,
+    /// Open API connections per client IP address at most (at the limit that address's
+    /// oldest idle connection makes room).
+    #[arg(long, default_value_t = 1024)]
+    max_connections_per_ip: usize,
+    /// Seconds a connection has to send a complete request head (from its opening or from
+    /// the first byte of its next request).
+    #[arg(long, default_value_t = 10)]
+    header_read_timeout_s: u64,
+    /// Seconds a keep-alive connection with no request in flight may stay quiet.
+    #[arg(long, default_value_t = 60)]
+    idle_timeout_s: u64,
+    /// Requests in flight server-wide at most; more are answered 503 with Retry-After.
+    #[arg(long, default_value_t = 4096)]
+    max_requests_in_flight: usize,
 }
 
 #[derive(Args, Clone)]
@@ -663,6 +682,10 @@ async fn shutdown_signal() {
 
 async fn up(a: UpArgs) -> anyhow::Result<u8> {
     init_logs(a.log_format);
+    match sandlot_server::conn::raise_nofile_limit() {
+        Ok(n) => tracing::info!(nofile = n, "file descriptor limit"),
+        Err(e) => tracing::warn!(error = %e, "cannot raise the file descriptor limit"),
+    }
     let mut ncfg = sandlot_node::NodeConfig::new(a.data_dir.clone());
     if let Some(d) = a.images_dir {
         ncfg.guest_kit_dir = sandlot_node::local::default_guest_kit_dir(&d);
@@ -685,6 +708,13 @@ async fn up(a: UpArgs) -> anyhow::Result<u8> {
     cfg.max_file_bytes = a.max_file_mib << 20;
     cfg.trajectory_retention = std::time::Duration::from_secs(a.trajectory_retention_h * 3600);
     cfg.trajectory_fsync = a.trajectory_fsync;
+    cfg.conn = sandlot_server::conn::ConnLimits {
+        max_connections: a.max_connections.max(1),
+        max_connections_per_ip: a.max_connections_per_ip.max(1),
+        header_read_timeout: std::time::Duration::from_secs(a.header_read_timeout_s.max(1)),
+        idle_timeout: std::time::Duration::from_secs(a.idle_timeout_s.max(1)),
+        max_requests_in_flight: a.max_requests_in_flight.max(1),
+    };
     let server = sandlot_server::Server::bind(cfg, Arc::new(node)).await?;
     let addr = server.local_addr()?;
     println!("sandlot listening on http://{addr}");

@@ -30,6 +30,7 @@
 pub mod auth;
 pub mod budget;
 pub mod checkpoints;
+pub mod conn;
 pub mod error;
 pub mod events;
 pub mod exec;
@@ -117,6 +118,8 @@ pub struct ServerConfig {
     /// `synchronous=FULL` for the trajectory log: a logged step also survives power loss, at
     /// one fsync per step (default false: `NORMAL`, survives a crash of the server process).
     pub trajectory_fsync: bool,
+    /// Connection limits and timeouts ([`conn`]).
+    pub conn: conn::ConnLimits,
     /// Image store directory, read at scrape for `sandlot_image_count` (default none: the
     /// gauge stays 0; `sandlot up` sets the node's).
     pub images_dir: Option<PathBuf>,
@@ -147,6 +150,7 @@ impl ServerConfig {
             trajectory_gc_interval: Duration::from_secs(60),
             trajectory_fsync: false,
             images_dir: None,
+            conn: conn::ConnLimits::default(),
         }
     }
 }
@@ -187,6 +191,8 @@ pub struct AppState {
     pub events: events::EventLog,
     /// Background processes ([`processes`]), over the same node.
     pub processes: std::sync::Arc<sandlot_node::processes::ProcessTable>,
+    /// Open connections and their limits ([`conn`]).
+    pub conns: Arc<conn::ConnTable>,
     /// Authentication required (latched once the store showed an API key; [`auth`]).
     pub auth_on: std::sync::atomic::AtomicBool,
 }
@@ -219,7 +225,9 @@ impl AppState {
         let processes =
             sandlot_node::processes::ProcessTable::new(node.clone(), Default::default());
         let events = events::EventLog::open(&cfg.data_dir.join("events.db"))?;
+        let conns = Arc::new(conn::ConnTable::new(cfg.conn.clone()));
         Ok(Arc::new(AppState {
+            conns,
             cfg,
             node,
             file_budget,
@@ -401,7 +409,8 @@ impl Server {
     /// re-adopt (sandboxes outlive processes).
     ///
     /// # Errors
-    /// Accept-loop failures.
+    /// None at present: accept failures (`EMFILE` …) are backed off and counted
+    /// ([`conn`]), not returned.
     pub async fn run(
         self,
         shutdown: impl Future<Output = ()> + Send + 'static,
@@ -410,15 +419,21 @@ impl Server {
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
         let reaper = tokio::spawn(lifecycle::reaper(state.clone(), stop_rx.clone()));
         let grace = state.cfg.shutdown_grace;
-        let app = router(state);
+        tracing::info!(
+            max_connections = state.conns.max_total(),
+            limits = ?state.cfg.conn,
+            "connection limits"
+        );
+        let app = router(state.clone());
         let mut stopped = stop_rx.clone();
-        let serve = axum::serve(self.listener, app).with_graceful_shutdown(async move {
+        tokio::spawn(async move {
             shutdown.await;
             tracing::info!("shutting down: no new connections, finishing in-flight requests");
             let _ = stop_tx.send(true);
         });
+        let serve = conn::serve(self.listener, app, state, stop_rx);
         let out = tokio::select! {
-            r = serve => r.context("http server"),
+            _ = serve => Ok(()),
             _ = async {
                 let _ = stopped.wait_for(|s| *s).await;
                 tokio::time::sleep(grace).await;

@@ -15,6 +15,11 @@
 //! | `sandlot_warm_pool_ready` | gauge | `backend`, `image` | ready members of the node's warm pools (function jails, runc containers), at scrape |
 //! | `sandlot_warm_pool_handovers_total`, `sandlot_warm_pool_misses_total` | counter | `backend` | creates served by a pooled member / creates the pool could serve that went cold, since the node started (the node's counts, copied at scrape) |
 //! | `sandlot_events_total` | counter | `kind` | audit events recorded ([`crate::events`]) |
+//! | `sandlot_connections` | gauge | | open API connections, at scrape ([`crate::conn`]) |
+//! | `sandlot_connections_refused_total` | counter | `reason` = `total`\|`per_ip` | connections closed at accept: limit reached and none idle to make room |
+//! | `sandlot_connections_closed_total` | counter | `reason` = `evicted`\|`header_timeout`\|`idle_timeout` | connections the server closed |
+//! | `sandlot_requests_shed_total` | counter | | requests answered 503 over the in-flight limit |
+//! | `sandlot_accept_errors_total` | counter | `error` (errno name, e.g. `EMFILE`) | failed `accept` calls (each followed by a back-off) |
 //! | `sandlot_violations_total` | counter | `backend`, `layer` = `seccomp`\|`files_api`, `what` (syscall name or files API operation) | refused attempts recorded as `violation` events |
 //!
 //! Hot paths only touch the crate's atomics (a read lock on a label family to find the
@@ -90,6 +95,20 @@ pub struct ViolationLabels {
     pub what: String,
 }
 
+/// Label `reason`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReasonLabel {
+    /// Why.
+    pub reason: String,
+}
+
+/// Label `error`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ErrorLabel {
+    /// Errno name.
+    pub error: String,
+}
+
 /// Label `kind`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct KindLabel {
@@ -138,6 +157,11 @@ pub struct Metrics {
     pool_misses: Family<BackendLabel, Counter>,
     events: Family<KindLabel, Counter>,
     violations: Family<ViolationLabels, Counter>,
+    connections: Gauge,
+    conn_refused: Family<ReasonLabel, Counter>,
+    conn_closed: Family<ReasonLabel, Counter>,
+    requests_shed: Counter,
+    accept_errors: Family<ErrorLabel, Counter>,
 }
 
 impl Default for Metrics {
@@ -239,7 +263,42 @@ impl Metrics {
             "Refused dangerous attempts (seccomp reports, files API path escapes)",
             violations.clone(),
         );
+        let connections = Gauge::default();
+        registry.register(
+            "sandlot_connections",
+            "Open API connections",
+            connections.clone(),
+        );
+        let conn_refused = Family::<ReasonLabel, Counter>::default();
+        registry.register(
+            "sandlot_connections_refused",
+            "Connections closed at accept: limit reached (total or per_ip) and none idle",
+            conn_refused.clone(),
+        );
+        let conn_closed = Family::<ReasonLabel, Counter>::default();
+        registry.register(
+            "sandlot_connections_closed",
+            "Connections the server closed (evicted, header_timeout, idle_timeout)",
+            conn_closed.clone(),
+        );
+        let requests_shed = Counter::default();
+        registry.register(
+            "sandlot_requests_shed",
+            "Requests answered 503 over the in-flight request limit",
+            requests_shed.clone(),
+        );
+        let accept_errors = Family::<ErrorLabel, Counter>::default();
+        registry.register(
+            "sandlot_accept_errors",
+            "Failed accept calls by errno (each followed by a back-off)",
+            accept_errors.clone(),
+        );
         Metrics {
+            connections,
+            conn_refused,
+            conn_closed,
+            requests_shed,
+            accept_errors,
             violations,
             registry,
             sandboxes,
@@ -299,6 +358,39 @@ impl Metrics {
             .inc();
     }
 
+    /// Count one connection refused at accept (`reason` `total` or `per_ip`).
+    pub fn conn_refused(&self, reason: &str) {
+        self.conn_refused
+            .get_or_create(&ReasonLabel {
+                reason: reason.to_owned(),
+            })
+            .inc();
+    }
+
+    /// Count one connection closed by the server (`evicted`, `header_timeout`,
+    /// `idle_timeout`).
+    pub fn conn_closed(&self, reason: &str) {
+        self.conn_closed
+            .get_or_create(&ReasonLabel {
+                reason: reason.to_owned(),
+            })
+            .inc();
+    }
+
+    /// Count one request shed over the in-flight limit.
+    pub fn request_shed(&self) {
+        self.requests_shed.inc();
+    }
+
+    /// Count one failed `accept` (`error`: errno name).
+    pub fn accept_error(&self, error: &str) {
+        self.accept_errors
+            .get_or_create(&ErrorLabel {
+                error: error.to_owned(),
+            })
+            .inc();
+    }
+
     /// Count one audit event.
     pub fn event(&self, kind: &str) {
         self.events
@@ -316,7 +408,9 @@ impl Metrics {
         waiting: usize,
         images: Option<i64>,
         pools: &[sandlot_node::WarmPoolInfo],
+        connections: usize,
     ) -> String {
+        self.connections.set(connections as i64);
         for p in pools {
             let backend = p.backend.as_str().to_owned();
             for (image, n) in &p.ready {
@@ -410,6 +504,8 @@ pub async fn metrics(State(st): State<SharedState>) -> ApiResult<impl IntoRespon
     };
     let (running, waiting) = st.run_code_gate.load();
     let pools = st.node.info().warm_pools;
-    let text = st.metrics.render(counts, running, waiting, images, &pools);
+    let text = st
+        .metrics
+        .render(counts, running, waiting, images, &pools, st.conns.open());
     Ok(([(header::CONTENT_TYPE, CONTENT_TYPE)], text))
 }

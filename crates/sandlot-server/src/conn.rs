@@ -1,0 +1,658 @@
+//! Connection handling that idle or slow clients cannot starve.
+//!
+//! Before this module the server ran `axum::serve`: no limit on connections, no timeout on a
+//! connection that never sends a request, and an accept loop that sleeps a second on every
+//! `EMFILE`. About 20,000 idle TCP connections (no API key needed: keys are checked per
+//! request) used up the process's file descriptors; `accept` failed, `/v1/ping` hung, and the
+//! node's `/proc` reads failed too (issue 25, item 1). Here, per connection and server-wide:
+//!
+//! - **Total and per-peer limits** ([`ConnLimits::max_connections`],
+//!   [`ConnLimits::max_connections_per_ip`]). At a limit the oldest *idle* connection (no
+//!   request in flight) of that scope is closed to make room, so a new client is served while
+//!   connections that do nothing are the ones that go; when every connection of the scope is
+//!   busy the new one is closed at once. The total limit is also held below half of the
+//!   process's file-descriptor limit, so the node keeps descriptors for its own work.
+//! - **Header-read timeout** ([`ConnLimits::header_read_timeout`]): a connection must deliver
+//!   a complete request head within it, counted from its opening or from the first byte of
+//!   its next request (slow-loris).
+//! - **Idle timeout** ([`ConnLimits::idle_timeout`]): a keep-alive connection with no request
+//!   in flight and no byte in either direction for that long is closed.
+//! - **In-flight requests** ([`ConnLimits::max_requests_in_flight`]): over it a request is
+//!   answered `503 unavailable` with `Retry-After: 1` at once (load shedding) instead of
+//!   queueing; a streamed response holds its slot until its body ends.
+//! - **Accept errors** (`EMFILE`, `ENFILE`, `ENOBUFS`, `ENOMEM`): counted in
+//!   `sandlot_accept_errors_total{error}`, the oldest idle connection is closed to free a
+//!   descriptor, and accepting backs off (10 ms doubling to 1 s) instead of spinning.
+//!
+//! [`raise_nofile_limit`] lifts the soft `RLIMIT_NOFILE` to the hard one at start.
+//! Metrics: `sandlot_connections` (open), `sandlot_connections_refused_total{reason}`,
+//! `sandlot_connections_closed_total{reason}` (`evicted`, `header_timeout`, `idle_timeout`),
+//! `sandlot_requests_shed_total`, `sandlot_accept_errors_total{error}`.
+use crate::SharedState;
+use axum::body::Body;
+use axum::http::{header, HeaderValue, Request, Response, StatusCode};
+use axum::Router;
+use bytes::Bytes;
+use hyper::body::Incoming;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::server::conn::auto::Builder;
+use std::collections::{BTreeMap, HashMap};
+use std::io;
+use std::net::{IpAddr, SocketAddr};
+use std::pin::{pin, Pin};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{watch, Notify, OwnedSemaphorePermit, Semaphore};
+use tower::ServiceExt;
+
+/// Connection limits and timeouts (`sandlot up --max-connections …`).
+#[derive(Debug, Clone)]
+pub struct ConnLimits {
+    /// Open connections at most (default 16384; held below half the `RLIMIT_NOFILE` soft
+    /// limit).
+    pub max_connections: usize,
+    /// Open connections per peer IP address at most (default 1024).
+    pub max_connections_per_ip: usize,
+    /// Longest time to receive a complete request head (default 10 s).
+    pub header_read_timeout: Duration,
+    /// Longest quiet time of a connection with no request in flight (default 60 s).
+    pub idle_timeout: Duration,
+    /// Requests in flight server-wide at most (default 4096); more → 503 at once.
+    pub max_requests_in_flight: usize,
+}
+
+impl Default for ConnLimits {
+    fn default() -> Self {
+        ConnLimits {
+            max_connections: 16384,
+            max_connections_per_ip: 1024,
+            header_read_timeout: Duration::from_secs(10),
+            idle_timeout: Duration::from_secs(60),
+            max_requests_in_flight: 4096,
+        }
+    }
+}
+
+/// Raise the soft `RLIMIT_NOFILE` of this process to its hard limit; returns the soft limit
+/// now in force.
+///
+/// # Errors
+/// `getrlimit`/`setrlimit` failures.
+pub fn raise_nofile_limit() -> io::Result<u64> {
+    use nix::sys::resource::{getrlimit, setrlimit, Resource};
+    let (soft, hard) = getrlimit(Resource::RLIMIT_NOFILE).map_err(io::Error::from)?;
+    if soft < hard {
+        setrlimit(Resource::RLIMIT_NOFILE, hard, hard).map_err(io::Error::from)?;
+    }
+    Ok(hard.max(soft))
+}
+
+/// The soft `RLIMIT_NOFILE` now (None when it cannot be read).
+fn nofile_soft() -> Option<u64> {
+    nix::sys::resource::getrlimit(nix::sys::resource::Resource::RLIMIT_NOFILE)
+        .ok()
+        .map(|(s, _)| s)
+}
+
+/// The total connection limit in force: the configured one, held at or below half of the
+/// descriptor limit (the rest stays for SQLite, sandboxes, pipes and `/proc` reads).
+pub fn effective_max_connections(configured: usize, nofile: Option<u64>) -> usize {
+    let cap = nofile.map_or(usize::MAX, |n| (n / 2).max(16) as usize);
+    configured.min(cap).max(1)
+}
+
+/// Milliseconds since a process-wide start instant (monotonic).
+fn now_ms() -> u64 {
+    static START: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    START.get_or_init(Instant::now).elapsed().as_millis() as u64 + 1
+}
+
+/// What the registry knows of one open connection.
+#[derive(Debug)]
+struct Conn {
+    ip: IpAddr,
+    /// Requests in flight on it (their response bodies included).
+    in_flight: AtomicUsize,
+    /// Last byte read or written, [`now_ms`].
+    last_io: AtomicU64,
+    /// Waiting for a request head since ([`now_ms`]; 0 = not waiting: idle before any byte
+    /// of the next request, or a request in flight).
+    head_since: AtomicU64,
+    /// Notified when it is evicted.
+    close: Notify,
+}
+
+impl Conn {
+    fn idle(&self) -> bool {
+        self.in_flight.load(Ordering::Acquire) == 0
+    }
+}
+
+#[derive(Default)]
+struct Table {
+    next_id: u64,
+    conns: BTreeMap<u64, Arc<Conn>>,
+    per_ip: HashMap<IpAddr, usize>,
+}
+
+impl Table {
+    fn remove(&mut self, id: u64) -> Option<Arc<Conn>> {
+        let c = self.conns.remove(&id)?;
+        if let Some(n) = self.per_ip.get_mut(&c.ip) {
+            *n -= 1;
+            if *n == 0 {
+                self.per_ip.remove(&c.ip);
+            }
+        }
+        Some(c)
+    }
+
+    /// Close the oldest idle connection (of `ip` when given); true when one was found.
+    fn evict_oldest_idle(&mut self, ip: Option<IpAddr>) -> bool {
+        let victim = self
+            .conns
+            .iter()
+            .find(|(_, c)| ip.is_none_or(|ip| c.ip == ip) && c.idle())
+            .map(|(id, _)| *id);
+        match victim.and_then(|id| self.remove(id)) {
+            Some(c) => {
+                c.close.notify_one();
+                true
+            }
+            None => false,
+        }
+    }
+}
+
+/// Why a connection was not admitted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Refused {
+    PerIp,
+    Total,
+}
+
+/// Open connections, their limits and the in-flight request slots.
+pub struct ConnTable {
+    limits: ConnLimits,
+    max_total: usize,
+    table: Mutex<Table>,
+    slots: Arc<Semaphore>,
+}
+
+impl ConnTable {
+    /// A table enforcing `limits` (the total limit as [`effective_max_connections`]).
+    pub fn new(limits: ConnLimits) -> Self {
+        let max_total = effective_max_connections(limits.max_connections, nofile_soft());
+        let slots = Arc::new(Semaphore::new(limits.max_requests_in_flight.max(1)));
+        ConnTable {
+            limits,
+            max_total,
+            table: Mutex::new(Table::default()),
+            slots,
+        }
+    }
+
+    /// The total connection limit in force.
+    pub fn max_total(&self) -> usize {
+        self.max_total
+    }
+
+    /// Open connections now.
+    pub fn open(&self) -> usize {
+        self.lock().conns.len()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Table> {
+        self.table.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Admit a connection from `ip`, evicting the oldest idle one of the same peer (at the
+    /// per-peer limit) or of all (at the total limit); returns its id and its record.
+    fn admit(&self, ip: IpAddr) -> Result<(u64, Arc<Conn>), Refused> {
+        let mut t = self.lock();
+        if t.per_ip.get(&ip).copied().unwrap_or(0) >= self.limits.max_connections_per_ip
+            && !t.evict_oldest_idle(Some(ip))
+        {
+            return Err(Refused::PerIp);
+        }
+        if t.conns.len() >= self.max_total && !t.evict_oldest_idle(None) {
+            return Err(Refused::Total);
+        }
+        t.next_id += 1;
+        let id = t.next_id;
+        let now = now_ms();
+        let c = Arc::new(Conn {
+            ip,
+            in_flight: AtomicUsize::new(0),
+            last_io: AtomicU64::new(now),
+            head_since: AtomicU64::new(now),
+            close: Notify::new(),
+        });
+        t.conns.insert(id, c.clone());
+        *t.per_ip.entry(ip).or_default() += 1;
+        Ok((id, c))
+    }
+
+    fn release(&self, id: u64) {
+        self.lock().remove(id);
+    }
+
+    /// Close the oldest idle connection (frees a descriptor after `EMFILE`).
+    fn evict_one(&self) -> bool {
+        self.lock().evict_oldest_idle(None)
+    }
+}
+
+/// The peer's address, IPv4-mapped IPv6 as IPv4 (one peer, one count).
+fn peer_ip(peer: SocketAddr) -> IpAddr {
+    match peer.ip() {
+        IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(IpAddr::V6(v6), IpAddr::V4),
+        ip => ip,
+    }
+}
+
+/// Errors of `accept` that concern only the connection being accepted (try again at once).
+fn is_connection_error(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::ConnectionRefused
+            | io::ErrorKind::ConnectionAborted
+            | io::ErrorKind::ConnectionReset
+    )
+}
+
+/// Label of an accept error (`EMFILE`, …).
+fn errno_name(e: &io::Error) -> String {
+    match e.raw_os_error() {
+        Some(n) => format!("{:?}", nix::errno::Errno::from_raw(n)),
+        None => format!("{:?}", e.kind()),
+    }
+}
+
+/// Accept and serve connections on `listener` with `app` until `stop` turns true; then stop
+/// accepting, ask every connection to finish its requests and close, and return once all
+/// are closed (the caller bounds that wait).
+pub async fn serve(
+    listener: TcpListener,
+    app: Router,
+    st: SharedState,
+    mut stop: watch::Receiver<bool>,
+) {
+    let conns = st.conns.clone();
+    let (done_tx, mut done_rx) = watch::channel(());
+    let mut backoff = Duration::from_millis(10);
+    loop {
+        let accepted = tokio::select! {
+            a = listener.accept() => a,
+            _ = stop.wait_for(|s| *s) => break,
+        };
+        let (stream, peer) = match accepted {
+            Ok(a) => {
+                backoff = Duration::from_millis(10);
+                a
+            }
+            Err(e) if is_connection_error(&e) => continue,
+            Err(e) => {
+                // EMFILE and kin: free a descriptor (the oldest idle connection) and back
+                // off rather than spin on a listener that stays readable.
+                let name = errno_name(&e);
+                st.metrics.accept_error(&name);
+                let freed = conns.evict_one();
+                tracing::warn!(error = %e, freed, ?backoff, "accept failed; backing off");
+                tokio::select! {
+                    _ = tokio::time::sleep(backoff) => {}
+                    _ = stop.wait_for(|s| *s) => break,
+                }
+                backoff = (backoff * 2).min(Duration::from_secs(1));
+                continue;
+            }
+        };
+        let ip = peer_ip(peer);
+        let (id, conn) = match conns.admit(ip) {
+            Ok(a) => a,
+            Err(r) => {
+                let reason = match r {
+                    Refused::PerIp => "per_ip",
+                    Refused::Total => "total",
+                };
+                st.metrics.conn_refused(reason);
+                tracing::debug!(%peer, reason, "connection refused: limit reached, none idle");
+                drop(stream);
+                continue;
+            }
+        };
+        let task = ConnTask {
+            id,
+            conn,
+            conns: conns.clone(),
+            st: st.clone(),
+            app: app.clone(),
+            stop: stop.clone(),
+            _done: done_tx.clone(),
+        };
+        tokio::spawn(task.run(stream));
+    }
+    drop(done_tx);
+    // Every task holds a clone of `done_tx`: this returns once the last one ended.
+    let _ = done_rx.changed().await;
+}
+
+/// One connection being served.
+struct ConnTask {
+    id: u64,
+    conn: Arc<Conn>,
+    conns: Arc<ConnTable>,
+    st: SharedState,
+    app: Router,
+    stop: watch::Receiver<bool>,
+    _done: watch::Sender<()>,
+}
+
+impl ConnTask {
+    async fn run(mut self, stream: TcpStream) {
+        let io = TokioIo::new(Tracked {
+            inner: stream,
+            conn: self.conn.clone(),
+        });
+        let svc = {
+            let conn = self.conn.clone();
+            let app = self.app.clone();
+            let slots = self.conns.slots.clone();
+            let st = self.st.clone();
+            hyper::service::service_fn(move |req: Request<Incoming>| {
+                let guard = InFlight::start(conn.clone());
+                let permit = slots.clone().try_acquire_owned().ok();
+                let app = app.clone();
+                let st = st.clone();
+                async move {
+                    let Some(permit) = permit else {
+                        st.metrics.request_shed();
+                        return Ok::<_, std::convert::Infallible>(overloaded());
+                    };
+                    let resp = app
+                        .oneshot(req.map(Body::new))
+                        .await
+                        .unwrap_or_else(|e| match e {});
+                    Ok(resp.map(|b| {
+                        Body::new(Guarded {
+                            inner: b,
+                            _guard: guard,
+                            _permit: permit,
+                        })
+                    }))
+                }
+            })
+        };
+        // The connection (and its descriptor) is dropped before it leaves the table.
+        let closing = {
+            let builder = Builder::new(TokioExecutor::new());
+            let mut served = pin!(builder.serve_connection(io, svc));
+            let header_ms = self.conns.limits.header_read_timeout.as_millis() as u64;
+            let idle_ms = self.conns.limits.idle_timeout.as_millis() as u64;
+            let mut closing = None;
+            loop {
+                let now = now_ms();
+                let mut wake = now + idle_ms.max(1);
+                if self.conn.idle() && !*self.stop.borrow() {
+                    let head = self.conn.head_since.load(Ordering::Acquire);
+                    let last = self.conn.last_io.load(Ordering::Acquire);
+                    if head != 0 && now >= head + header_ms {
+                        closing = Some("header_timeout");
+                        break;
+                    }
+                    if now >= last + idle_ms {
+                        closing = Some("idle_timeout");
+                        break;
+                    }
+                    wake = last + idle_ms;
+                    if head != 0 {
+                        wake = wake.min(head + header_ms);
+                    }
+                }
+                let sleep = tokio::time::sleep(Duration::from_millis(wake.saturating_sub(now)));
+                tokio::select! {
+                    r = served.as_mut() => {
+                        if let Err(e) = r {
+                            tracing::trace!(error = %e, "connection ended with an error");
+                        }
+                        break;
+                    }
+                    _ = sleep => {}
+                    _ = self.conn.close.notified() => {
+                        closing = Some("evicted");
+                        break;
+                    }
+                    _ = self.stop.wait_for(|s| *s), if !*self.stop.borrow() => {
+                        served.as_mut().graceful_shutdown();
+                    }
+                }
+            }
+            closing
+        };
+        if let Some(reason) = closing {
+            self.st.metrics.conn_closed(reason);
+            tracing::debug!(reason, "connection closed");
+        }
+        self.conns.release(self.id);
+    }
+}
+
+/// `503 unavailable` with `Retry-After: 1`: too many requests in flight.
+fn overloaded() -> Response<Body> {
+    let body = serde_json::json!({"error": {
+        "code": "unavailable",
+        "message": "server overloaded: too many requests in flight; retry later",
+    }});
+    let mut r = Response::new(Body::from(body.to_string()));
+    *r.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    r.headers_mut()
+        .insert(header::RETRY_AFTER, HeaderValue::from(1u64));
+    r
+}
+
+/// A request in flight on a connection, until its response body ends or is dropped.
+struct InFlight(Arc<Conn>);
+
+impl InFlight {
+    fn start(conn: Arc<Conn>) -> Self {
+        conn.in_flight.fetch_add(1, Ordering::AcqRel);
+        conn.head_since.store(0, Ordering::Release);
+        InFlight(conn)
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.last_io.store(now_ms(), Ordering::Release);
+        self.0.in_flight.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// A response body that keeps its request counted in flight (and its slot) until it ends.
+struct Guarded {
+    inner: Body,
+    _guard: InFlight,
+    _permit: OwnedSemaphorePermit,
+}
+
+impl http_body::Body for Guarded {
+    type Data = Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Bytes>, axum::Error>>> {
+        Pin::new(&mut self.inner).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// The TCP stream of a connection, noting its activity in the registry.
+struct Tracked {
+    inner: TcpStream,
+    conn: Arc<Conn>,
+}
+
+impl AsyncRead for Tracked {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let before = buf.filled().len();
+        let r = Pin::new(&mut self.inner).poll_read(cx, buf);
+        if matches!(r, Poll::Ready(Ok(()))) && buf.filled().len() > before {
+            let now = now_ms();
+            self.conn.last_io.store(now, Ordering::Release);
+            // The first byte of a request head starts its header-read clock.
+            if self.conn.idle() {
+                let _ = self.conn.head_since.compare_exchange(
+                    0,
+                    now,
+                    Ordering::AcqRel,
+                    Ordering::Acquire,
+                );
+            }
+        }
+        r
+    }
+}
+
+impl AsyncWrite for Tracked {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let r = Pin::new(&mut self.inner).poll_write(cx, buf);
+        if matches!(r, Poll::Ready(Ok(n)) if n > 0) {
+            self.conn.last_io.store(now_ms(), Ordering::Release);
+        }
+        r
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let r = Pin::new(&mut self.inner).poll_write_vectored(cx, bufs);
+        if matches!(r, Poll::Ready(Ok(n)) if n > 0) {
+            self.conn.last_io.store(now_ms(), Ordering::Release);
+        }
+        r
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn table(total: usize, per_ip: usize) -> ConnTable {
+        let t = ConnTable::new(ConnLimits {
+            max_connections: total,
+            max_connections_per_ip: per_ip,
+            ..Default::default()
+        });
+        assert_eq!(t.max_total(), total, "test limits below the fd cap");
+        t
+    }
+
+    fn ip(n: u8) -> IpAddr {
+        IpAddr::from([127, 0, 0, n])
+    }
+
+    fn is_open(t: &ConnTable, id: u64) -> bool {
+        t.lock().conns.contains_key(&id)
+    }
+
+    #[test]
+    fn at_the_total_limit_the_oldest_idle_connection_makes_room() {
+        let t = table(3, 10);
+        let (first, _) = t.admit(ip(2)).unwrap();
+        let (busy_id, busy) = t.admit(ip(3)).unwrap();
+        busy.in_flight.store(1, Ordering::Release);
+        t.admit(ip(4)).unwrap();
+        t.admit(ip(5)).unwrap();
+        assert!(!is_open(&t, first), "oldest idle evicted");
+        assert!(is_open(&t, busy_id), "busy one kept");
+        assert_eq!(t.open(), 3);
+    }
+
+    #[test]
+    fn when_every_connection_is_busy_the_new_one_is_refused() {
+        let t = table(2, 10);
+        for n in 2..4 {
+            let (_, c) = t.admit(ip(n)).unwrap();
+            c.in_flight.store(1, Ordering::Release);
+        }
+        assert_eq!(t.admit(ip(9)).unwrap_err(), Refused::Total);
+    }
+
+    #[test]
+    fn per_peer_limit_evicts_that_peers_idle_connection_only() {
+        let t = table(100, 2);
+        let (other, _) = t.admit(ip(1)).unwrap();
+        let (a, _) = t.admit(ip(2)).unwrap();
+        let (_, b) = t.admit(ip(2)).unwrap();
+        b.in_flight.store(1, Ordering::Release);
+        t.admit(ip(2)).unwrap();
+        assert!(!is_open(&t, a), "that peer's oldest idle one evicted");
+        assert!(is_open(&t, other), "other peers untouched");
+        for c in t.lock().conns.values() {
+            c.in_flight.store(1, Ordering::Release);
+        }
+        assert_eq!(t.admit(ip(2)).unwrap_err(), Refused::PerIp);
+        assert!(t.admit(ip(3)).is_ok(), "other peers unaffected");
+    }
+
+    #[test]
+    fn release_frees_the_peer_count() {
+        let t = table(10, 1);
+        let (id, _) = t.admit(ip(2)).unwrap();
+        t.release(id);
+        assert!(t.lock().per_ip.is_empty());
+        assert_eq!(t.open(), 0);
+    }
+
+    #[test]
+    fn total_limit_is_held_below_half_the_descriptor_limit() {
+        assert_eq!(effective_max_connections(16384, Some(1024)), 512);
+        assert_eq!(effective_max_connections(100, Some(1 << 20)), 100);
+        assert_eq!(effective_max_connections(100, None), 100);
+    }
+
+    #[test]
+    fn ipv4_mapped_peers_count_as_ipv4() {
+        let a: SocketAddr = "[::ffff:10.0.0.1]:5".parse().unwrap();
+        assert_eq!(peer_ip(a), IpAddr::from([10, 0, 0, 1]));
+    }
+}
