@@ -159,6 +159,11 @@ struct UpArgs {
     /// Requests in flight server-wide at most; more are answered 503 with Retry-After.
     #[arg(long, default_value_t = 4096)]
     max_requests_in_flight: usize,
+    /// MiB of free space kept on the data directory's file system: below it creates,
+    /// run_code, checkpoints and uploads answer 429 resource_exhausted (reads, execs and
+    /// deletes still work). 0 = no check.
+    #[arg(long, default_value_t = 256)]
+    disk_reserve_mib: u64,
 }
 
 #[derive(Args, Clone)]
@@ -715,6 +720,7 @@ async fn up(a: UpArgs) -> anyhow::Result<u8> {
         idle_timeout: std::time::Duration::from_secs(a.idle_timeout_s.max(1)),
         max_requests_in_flight: a.max_requests_in_flight.max(1),
     };
+    cfg.disk_reserve_bytes = a.disk_reserve_mib << 20;
     let server = sandlot_server::Server::bind(cfg, Arc::new(node)).await?;
     let addr = server.local_addr()?;
     println!("sandlot listening on http://{addr}");

@@ -211,6 +211,8 @@ pub async fn create(
             format!("sandbox {id} is {}, not running", rec.state.as_str()),
         ));
     }
+    crate::disk_reserve::check(&st)?;
+    st.events.ready()?;
     let ck = new_id();
     // Own task: a client that disconnects must not leave files without a record.
     let st2 = st.clone();
@@ -235,7 +237,13 @@ pub async fn create(
         let mut f = serde_json::Map::new();
         f.insert("checkpoint_id".into(), ck.clone().into());
         f.insert("size_bytes".into(), row.size_bytes.into());
-        crate::events::record(&st2, "checkpointed", Some(&id), Some(row.backend), f);
+        if let Err(e) = crate::events::record(&st2, "checkpointed", Some(&id), Some(row.backend), f)
+        {
+            // No checkpoint without its audit event: roll it back, fail the call.
+            let _ = st2.store.remove_checkpoint(&ck);
+            let _ = st2.node.delete_checkpoint(&ck).await;
+            return Err(ServerError::from(e));
+        }
         Ok::<_, ServerError>(row)
     })
     .await
@@ -281,7 +289,8 @@ pub async fn delete(
     st.store.remove_checkpoint(&c.id)?;
     let mut f = serde_json::Map::new();
     f.insert("checkpoint_id".into(), c.id.clone().into());
-    crate::events::record(
+    // Deletes never fail for their event (deleting frees space); it waits in the queue.
+    crate::events::record_queued(
         &st,
         "checkpoint_deleted",
         Some(&c.sandbox_id),

@@ -4,10 +4,24 @@
 //!
 //! **Durable**: each event is inserted (WAL, `synchronous=NORMAL`: it survives a crash of
 //! the server process; a power loss may lose the last transactions) before [`EventLog::push`]
-//! returns, so ids keep increasing across restarts and a cursor taken before a restart stays
-//! valid. The log keeps the newest [`RETENTION`] events (older rows are pruned). Queries the
-//! ring can answer never touch the database; older ones read it. An insert that fails (disk
-//! full) is logged at ERROR and the event is still kept in the ring.
+//! returns. An event gets its id only when its insert commits (the next after the highest
+//! id ever stored: the table is `AUTOINCREMENT`, so an id is never reused, not even after
+//! the newest rows are gone), and only committed events are visible, so ids keep increasing
+//! across restarts and a cursor taken before a restart stays valid. The log keeps the newest
+//! [`RETENTION`] events (older rows are pruned). Queries the ring can answer never touch the
+//! database; older ones read it.
+//!
+//! **Not durable → not silent** (issue 25): an insert that fails (disk full) puts the event,
+//! still without an id, in a bounded queue of [`PENDING_CAPACITY`] events that is written
+//! first, in order, before every later event and on every reaper pass; while it is not
+//! empty every later event joins it. [`EventLog::push`] then answers
+//! [`EventNotDurable`], and the call that caused the event fails with `503 unavailable`
+//! (a create is rolled back first; an exec has run). Deletes and events with no caller (the
+//! reaper's, start-up re-adoption, background process exits) keep their event in the
+//! queue and do not fail: deleting is how space comes back. [`EventLog::ready`] (checked
+//! before creates and execs) refuses new work while the queue cannot be written.
+//! Gauges/counters: `sandlot_events_pending`, `sandlot_events_dropped_total` (queue full:
+//! the newest event is dropped, logged at ERROR).
 //!
 //! Event (JSON): `{"id": N, "time": RFC 3339 UTC with ms, "kind": K, "sandbox": ID|null,
 //! "backend": B|null, ...fields of the kind}`. Kinds and their fields:
@@ -57,6 +71,37 @@ pub const RETENTION: u64 = 1_000_000;
 const PRUNE_EVERY: u64 = 1_000;
 /// Largest `limit`.
 pub const MAX_LIMIT: usize = 1000;
+/// Events waiting for a durable write at most (see module docs).
+pub const PENDING_CAPACITY: usize = 10_000;
+
+/// An event could not be written to the events database; it waits in the queue of events
+/// to write (see module docs).
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "audit event {kind:?} not written to the events database (queued, {pending} waiting): {source}"
+)]
+pub struct EventNotDurable {
+    /// Event kind.
+    pub kind: String,
+    /// Events waiting now.
+    pub pending: usize,
+    /// The failed insert (e.g. `database or disk is full`), or the failure that keeps the
+    /// queue from draining.
+    #[source]
+    pub source: rusqlite::Error,
+}
+
+impl From<EventNotDurable> for ServerError {
+    fn from(e: EventNotDurable) -> Self {
+        ServerError::RetryAfter {
+            error: ApiError::new(
+                sandlot_api::ErrorCode::Unavailable,
+                format!("{e}; retry once the data directory has space"),
+            ),
+            seconds: 5,
+        }
+    }
+}
 
 /// One audit event.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -91,8 +136,13 @@ pub struct EventLog {
 
 #[derive(Default)]
 struct Ring {
-    next_id: u64,
+    /// Highest id committed (or ever stored).
+    last_id: u64,
     events: VecDeque<Event>,
+    /// Events whose insert failed, oldest first, without ids yet.
+    pending: VecDeque<Event>,
+    /// Events dropped because `pending` was full.
+    dropped: u64,
     db: Option<Connection>,
     /// Lowest id still in the database (ids below it were pruned or never existed).
     db_first_id: u64,
@@ -138,22 +188,66 @@ impl Ring {
         self.covers_after(0)
     }
 
-    fn insert(&mut self, e: &Event) {
-        let Some(db) = &self.db else { return };
-        let body = serde_json::to_string(e).expect("event serializes");
-        let r = db
-            .prepare_cached(
-                "INSERT INTO events (id, time_ms, kind, sandbox, tenant, body) \
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
-            )
-            .and_then(|mut st| {
-                st.execute(params![e.id, e.time_ms, e.kind, e.sandbox, e.tenant, body])
-            });
-        if let Err(err) = r {
-            tracing::error!(event_id = e.id, error = %err, "audit event not written to the events database; kept in memory only");
+    /// Write `e`; SQLite gives it its id (`AUTOINCREMENT`: above every id ever stored, also
+    /// by another writer of the file), set on success, and the ring gets it. On failure
+    /// nothing changes and no id is used. The `id` column is authoritative; the JSON body is
+    /// written with id 0.
+    fn insert(&mut self, mut e: Event) -> Result<(), Box<(Event, rusqlite::Error)>> {
+        e.id = 0;
+        match &self.db {
+            None => e.id = self.last_id + 1,
+            Some(db) => {
+                let body = serde_json::to_string(&e).expect("event serializes");
+                let r = db
+                    .prepare_cached(
+                        "INSERT INTO events (time_ms, kind, sandbox, tenant, body) \
+                         VALUES (?1, ?2, ?3, ?4, ?5)",
+                    )
+                    .and_then(|mut st| {
+                        st.execute(params![e.time_ms, e.kind, e.sandbox, e.tenant, body])
+                    });
+                if let Err(err) = r {
+                    return Err(Box::new((e, err)));
+                }
+                e.id = db.last_insert_rowid() as u64;
+            }
         }
-        if e.id.is_multiple_of(PRUNE_EVERY) && e.id > RETENTION {
-            let first = e.id - RETENTION + 1;
+        self.last_id = e.id;
+        self.prune(e.id);
+        if self.events.len() >= RING_CAPACITY {
+            self.events.pop_front();
+        }
+        self.events.push_back(e);
+        Ok(())
+    }
+
+    /// Write the queued events in order; the first failure stops (and is returned).
+    fn flush(&mut self) -> Result<(), rusqlite::Error> {
+        while let Some(e) = self.pending.pop_front() {
+            if let Err(failed) = self.insert(e) {
+                let (e, err) = *failed;
+                self.pending.push_front(e);
+                return Err(err);
+            }
+        }
+        Ok(())
+    }
+
+    /// Queue `e` for a later write (the newest is dropped when the queue is full).
+    fn queue(&mut self, e: Event) {
+        if self.pending.len() >= PENDING_CAPACITY {
+            self.dropped += 1;
+            tracing::error!(kind = %e.kind, sandbox = ?e.sandbox, "audit event dropped: the queue of events waiting for the events database is full");
+            return;
+        }
+        self.pending.push_back(e);
+    }
+
+    fn prune(&mut self, id: u64) {
+        let Some(db) = &self.db else { return };
+        let e_id = id;
+        if e_id.is_multiple_of(PRUNE_EVERY) && e_id > RETENTION {
+            let first = e_id - RETENTION + 1;
             match db.execute("DELETE FROM events WHERE id < ?1", params![first]) {
                 Ok(_) => self.db_first_id = first,
                 Err(err) => tracing::warn!(error = %err, "pruning the events database failed"),
@@ -181,7 +275,7 @@ impl Ring {
             return Vec::new();
         };
         let sql = format!(
-            "SELECT body, time_ms, tenant FROM events WHERE (?1 IS NULL OR sandbox = ?1) \
+            "SELECT body, time_ms, tenant, id FROM events WHERE (?1 IS NULL OR sandbox = ?1) \
              AND (?2 IS NULL OR kind = ?2) AND id > ?3 AND time_ms >= ?4 AND id < ?5 \
              AND (?7 IS NULL OR tenant = ?7) ORDER BY id {} LIMIT ?6",
             if newest_first { "DESC" } else { "ASC" }
@@ -202,6 +296,7 @@ impl Ring {
                         r.get::<_, String>(0)?,
                         r.get::<_, i64>(1)?,
                         r.get::<_, Option<String>>(2)?,
+                        r.get::<_, i64>(3)?,
                     ))
                 },
             )?
@@ -210,8 +305,9 @@ impl Ring {
         match rows {
             Ok(rows) => rows
                 .into_iter()
-                .filter_map(|(body, ms, tenant)| match serde_json::from_str::<Event>(&body) {
+                .filter_map(|(body, ms, tenant, id)| match serde_json::from_str::<Event>(&body) {
                     Ok(mut e) => {
+                        e.id = id as u64;
                         e.time_ms = ms;
                         e.tenant = tenant;
                         Some(e)
@@ -242,6 +338,30 @@ pub fn command_digest(req: &ExecRequest) -> String {
         .collect()
 }
 
+/// Rebuild an `events` table of an older version (`id INTEGER PRIMARY KEY` without
+/// `AUTOINCREMENT`) as `AUTOINCREMENT`, rows kept, in one transaction.
+fn migrate_autoincrement(c: &Connection) -> rusqlite::Result<()> {
+    let sql: String = c.query_row(
+        "SELECT sql FROM sqlite_master WHERE type = 'table' AND name = 'events'",
+        [],
+        |r| r.get(0),
+    )?;
+    if sql.to_ascii_uppercase().contains("AUTOINCREMENT") {
+        return Ok(());
+    }
+    c.execute_batch(
+        "BEGIN IMMEDIATE;
+         CREATE TABLE events_v2 (
+            id INTEGER PRIMARY KEY AUTOINCREMENT, time_ms INTEGER NOT NULL,
+            kind TEXT NOT NULL, sandbox TEXT, tenant TEXT, body TEXT NOT NULL);
+         INSERT INTO events_v2 (id, time_ms, kind, sandbox, tenant, body)
+            SELECT id, time_ms, kind, sandbox, tenant, body FROM events;
+         DROP TABLE events;
+         ALTER TABLE events_v2 RENAME TO events;
+         COMMIT;",
+    )
+}
+
 impl EventLog {
     /// Open (creating if needed) the events database at `path` and load its newest
     /// [`RING_CAPACITY`] events into the ring; ids continue after the highest stored one.
@@ -258,9 +378,12 @@ impl EventLog {
                      PRAGMA synchronous=NORMAL;
                      PRAGMA busy_timeout=5000;
                      CREATE TABLE IF NOT EXISTS events (
-                        id INTEGER PRIMARY KEY, time_ms INTEGER NOT NULL, kind TEXT NOT NULL,
-                        sandbox TEXT, tenant TEXT, body TEXT NOT NULL);
-                     CREATE INDEX IF NOT EXISTS events_sandbox ON events(sandbox, id);
+                        id INTEGER PRIMARY KEY AUTOINCREMENT, time_ms INTEGER NOT NULL,
+                        kind TEXT NOT NULL, sandbox TEXT, tenant TEXT, body TEXT NOT NULL);",
+                )?;
+                migrate_autoincrement(&c)?;
+                c.execute_batch(
+                    "CREATE INDEX IF NOT EXISTS events_sandbox ON events(sandbox, id);
                      CREATE INDEX IF NOT EXISTS events_kind ON events(kind, id);
                      CREATE INDEX IF NOT EXISTS events_time ON events(time_ms);",
                 )?;
@@ -274,8 +397,17 @@ impl EventLog {
             .optional()
             .with_context(|| format!("read events database {}", path.display()))?
             .unwrap_or((None, None));
+        // The highest id ever stored: AUTOINCREMENT keeps it even when those rows are gone.
+        let seq: Option<u64> = db
+            .query_row(
+                "SELECT seq FROM sqlite_sequence WHERE name = 'events'",
+                [],
+                |r| r.get(0),
+            )
+            .optional()
+            .with_context(|| format!("read events database {}", path.display()))?;
         let mut ring = Ring {
-            next_id: last.unwrap_or(0),
+            last_id: last.unwrap_or(0).max(seq.unwrap_or(0)),
             db_first_id: first.unwrap_or(1),
             db: Some(db),
             ..Ring::default()
@@ -302,28 +434,27 @@ impl EventLog {
         ring.owners.remove(sandbox);
     }
 
-    /// Record an event (durably, see module docs); returns its id.
+    /// Record an event durably (see module docs); returns its id.
+    ///
+    /// # Errors
+    /// [`EventNotDurable`]: the event (or an earlier one still queued) could not be
+    /// written; it waits in the queue.
     pub fn push(
         &self,
         kind: &str,
         sandbox: Option<&str>,
         backend: Option<Backend>,
         fields: Map<String, Value>,
-    ) -> u64 {
+    ) -> Result<u64, EventNotDurable> {
         let now = chrono::Utc::now();
         let mut ring = self.inner.lock().unwrap_or_else(|p| p.into_inner());
-        ring.next_id += 1;
-        let id = ring.next_id;
         let tenant = match sandbox {
             Some(s) if FINAL_KINDS.contains(&kind) => ring.owners.remove(s),
             Some(s) => ring.owners.get(s).cloned(),
             None => None,
         };
-        if ring.events.len() >= RING_CAPACITY {
-            ring.events.pop_front();
-        }
         let e = Event {
-            id,
+            id: 0,
             time: now.to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
             time_ms: now.timestamp_millis(),
             kind: kind.to_owned(),
@@ -332,9 +463,55 @@ impl EventLog {
             tenant,
             fields,
         };
-        ring.insert(&e);
-        ring.events.push_back(e);
-        id
+        let failed = match ring.flush() {
+            Err(err) => Some((e, err)),
+            Ok(()) => ring.insert(e).err().map(|b| *b),
+        };
+        match failed {
+            None => Ok(ring.last_id),
+            Some((e, source)) => {
+                tracing::error!(kind, error = %source, pending = ring.pending.len() + 1, "audit event not written to the events database; queued for retry");
+                ring.queue(e);
+                Err(EventNotDurable {
+                    kind: kind.to_owned(),
+                    pending: ring.pending.len(),
+                    source,
+                })
+            }
+        }
+    }
+
+    /// Write the queued events now; Ok when none is left waiting.
+    ///
+    /// # Errors
+    /// [`EventNotDurable`] (kind `"queued"`) when the queue still cannot be written.
+    pub fn ready(&self) -> Result<(), EventNotDurable> {
+        let mut ring = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        if ring.pending.is_empty() {
+            return Ok(());
+        }
+        ring.flush().map_err(|source| EventNotDurable {
+            kind: "queued".into(),
+            pending: ring.pending.len(),
+            source,
+        })?;
+        tracing::info!("queued audit events written to the events database");
+        Ok(())
+    }
+
+    /// Make the database refuse writes (`PRAGMA query_only`, a real SQLite refusal), as a
+    /// full disk would: for tests of the not-durable path.
+    #[cfg(test)]
+    pub(crate) fn refuse_writes_for_test(&self, on: bool) {
+        let ring = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        let db = ring.db.as_ref().expect("a database");
+        db.pragma_update(None, "query_only", on).unwrap();
+    }
+
+    /// (events waiting in the queue, events dropped because it was full).
+    pub fn pending(&self) -> (usize, u64) {
+        let ring = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        (ring.pending.len(), ring.dropped)
     }
 
     /// Events matching the filters (see module docs) and the `next` cursor; with
@@ -348,7 +525,7 @@ impl EventLog {
         limit: usize,
     ) -> (Vec<Event>, u64) {
         let ring = self.inner.lock().unwrap_or_else(|p| p.into_inner());
-        let newest = ring.next_id;
+        let newest = ring.last_id;
         let keep = |e: &&Event| {
             only_tenant.is_none_or(|t| e.tenant.as_deref() == Some(t))
                 && sandbox.is_none_or(|s| e.sandbox.as_deref() == Some(s))
@@ -417,7 +594,16 @@ impl EventLog {
     }
 
     /// Record a failed node operation.
-    pub fn error(&self, op: &str, sandbox: Option<&str>, backend: Option<Backend>, e: ApiError) {
+    ///
+    /// # Errors
+    /// As [`EventLog::push`].
+    pub fn error(
+        &self,
+        op: &str,
+        sandbox: Option<&str>,
+        backend: Option<Backend>,
+        e: ApiError,
+    ) -> Result<u64, EventNotDurable> {
         let mut f = Map::new();
         f.insert("op".into(), op.into());
         f.insert(
@@ -425,7 +611,7 @@ impl EventLog {
             serde_json::to_value(e.code).unwrap_or(Value::Null),
         );
         f.insert("message".into(), e.message.into());
-        self.push("error", sandbox, backend, f);
+        self.push("error", sandbox, backend, f)
     }
 }
 
@@ -492,8 +678,8 @@ impl<'a> ExecInfo<'a> {
     }
 }
 
-/// Record the summary of an exec and, when it ran on the node (not replayed), observe
-/// `secs` in `sandlot_exec_seconds`.
+/// [`exec_event_checked`] for callers that answer their own way when the event is not
+/// durable (`run_code` reports the exec's outcome; the event waits in the queue).
 pub fn exec_event(
     st: &SharedState,
     info: ExecInfo<'_>,
@@ -501,6 +687,21 @@ pub fn exec_event(
     replayed: bool,
     secs: f64,
 ) {
+    let _ = exec_event_checked(st, info, out, replayed, secs);
+}
+
+/// Record the summary of an exec (after its `violation` events) and, when it ran on the
+/// node (not replayed), observe `secs` in `sandlot_exec_seconds`.
+///
+/// # Errors
+/// [`EventNotDurable`]: one of its events waits in the queue (module docs).
+pub fn exec_event_checked(
+    st: &SharedState,
+    info: ExecInfo<'_>,
+    out: Result<&ExecResult, ApiError>,
+    replayed: bool,
+    secs: f64,
+) -> Result<(), EventNotDurable> {
     let ExecInfo {
         sandbox,
         backend,
@@ -514,9 +715,12 @@ pub fn exec_event(
     }
     match out {
         Ok(r) => {
+            let mut first_err = None;
             if !replayed {
                 for v in &r.violations {
-                    seccomp_violation(st, sandbox, backend, &digest, v);
+                    if let Err(e) = seccomp_violation(st, sandbox, backend, &digest, v) {
+                        first_err.get_or_insert(e);
+                    }
                 }
             }
             let mut f = Map::new();
@@ -533,11 +737,17 @@ pub fn exec_event(
             f.insert("replayed".into(), replayed.into());
             f.insert("step".into(), step.into());
             f.insert("source".into(), source.into());
-            record(st, "exec", Some(sandbox), Some(backend), f);
+            let r = record(st, "exec", Some(sandbox), Some(backend), f);
+            match first_err {
+                Some(e) => Err(e),
+                None => r,
+            }
         }
         Err(e) => {
             st.metrics.event("error");
-            st.events.error("exec", Some(sandbox), Some(backend), e);
+            st.events
+                .error("exec", Some(sandbox), Some(backend), e)
+                .map(|_| ())
         }
     }
 }
@@ -550,7 +760,7 @@ fn seccomp_violation(
     backend: Backend,
     digest: &str,
     v: &sandlot_api::Violation,
-) {
+) -> Result<(), EventNotDurable> {
     let at = chrono::DateTime::from_timestamp_millis(v.time_unix_ms as i64)
         .map(|t| t.to_rfc3339_opts(chrono::SecondsFormat::Millis, true));
     let mut f = Map::new();
@@ -563,8 +773,7 @@ fn seccomp_violation(
         f.insert("at".into(), at.into());
         f.insert("command_digest".into(), digest.into());
         f.insert("action".into(), "REFUSED".into());
-        record(st, "violation", Some(sandbox), Some(backend), f);
-        return;
+        return record(st, "violation", Some(sandbox), Some(backend), f);
     }
     if v.layer == "network" {
         // A packet the network policy's nft rules dropped (logged at most 10/s).
@@ -575,8 +784,7 @@ fn seccomp_violation(
         f.insert("at".into(), at.into());
         f.insert("command_digest".into(), digest.into());
         f.insert("action".into(), "DROP".into());
-        record(st, "violation", Some(sandbox), Some(backend), f);
-        return;
+        return record(st, "violation", Some(sandbox), Some(backend), f);
     }
     st.metrics.violation(backend, &v.layer, &v.syscall);
     f.insert("syscall".into(), v.syscall.clone().into());
@@ -585,7 +793,7 @@ fn seccomp_violation(
     f.insert("at".into(), at.into());
     f.insert("command_digest".into(), digest.into());
     f.insert("action".into(), "EPERM".into());
-    record(st, "violation", Some(sandbox), Some(backend), f);
+    record(st, "violation", Some(sandbox), Some(backend), f)
 }
 
 /// Record a `violation` event of a files API call refused because its path would leave the
@@ -609,22 +817,40 @@ pub fn files_violation(
         serde_json::to_value(e.code).unwrap_or(Value::Null),
     );
     f.insert("message".into(), e.message.clone().into());
-    record(st, "violation", Some(sandbox), Some(backend), f);
+    // The call is refused anyway; a non-durable event waits in the queue.
+    let _ = record(st, "violation", Some(sandbox), Some(backend), f);
 }
 
 /// Record an event and count it in `sandlot_events_total`.
+///
+/// # Errors
+/// [`EventNotDurable`]: the event waits in the queue (module docs); a caller that has a
+/// client fails its call with it, one that has none (the reaper) leaves it there.
 pub fn record(
     st: &SharedState,
     kind: &str,
     sandbox: Option<&str>,
     backend: Option<Backend>,
     fields: Map<String, Value>,
-) {
+) -> Result<(), EventNotDurable> {
     st.metrics.event(kind);
-    st.events.push(kind, sandbox, backend, fields);
+    st.events.push(kind, sandbox, backend, fields).map(|_| ())
 }
 
-/// Record an `error` event of a failed node operation.
+/// [`record`] for events with no caller to fail (the reaper's, start-up, background
+/// process exits, deletes): a non-durable event waits in the queue (logged there).
+pub fn record_queued(
+    st: &SharedState,
+    kind: &str,
+    sandbox: Option<&str>,
+    backend: Option<Backend>,
+    fields: Map<String, Value>,
+) {
+    let _ = record(st, kind, sandbox, backend, fields);
+}
+
+/// Record an `error` event of a failed node operation (the call fails with that error
+/// anyway; a non-durable event waits in the queue).
 pub fn record_error(
     st: &SharedState,
     op: &str,
@@ -633,7 +859,7 @@ pub fn record_error(
     err: &ServerError,
 ) {
     st.metrics.event("error");
-    st.events.error(op, sandbox, backend, err.api_error());
+    let _ = st.events.error(op, sandbox, backend, err.api_error());
 }
 
 /// Query of `GET /v1/events`.
@@ -674,4 +900,94 @@ pub async fn list(
         "events": events,
         "next": next.to_string(),
     })))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn push(log: &EventLog, kind: &str) -> Result<u64, EventNotDurable> {
+        log.push(kind, Some("sb-1"), None, Map::new())
+    }
+
+    fn ids_and_kinds(log: &EventLog) -> Vec<(u64, String)> {
+        let (evs, _) = log.query(None, None, None, &Since::All, 1000);
+        evs.into_iter().map(|e| (e.id, e.kind)).collect()
+    }
+
+    #[test]
+    fn an_event_that_cannot_be_written_is_queued_not_shown_and_gets_its_id_on_commit() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("events.db");
+        let log = EventLog::open(&path).unwrap();
+        assert_eq!(push(&log, "a").unwrap(), 1);
+        assert_eq!(push(&log, "b").unwrap(), 2);
+        log.refuse_writes_for_test(true);
+        let e = push(&log, "c").unwrap_err();
+        assert_eq!(e.pending, 1);
+        assert!(push(&log, "d").is_err());
+        assert!(log.ready().is_err());
+        assert_eq!(log.pending(), (2, 0));
+        // Nothing memory-only is visible, and no id was handed out.
+        assert_eq!(ids_and_kinds(&log), [(1, "a".into()), (2, "b".into())]);
+        log.refuse_writes_for_test(false);
+        log.ready().unwrap();
+        assert_eq!(log.pending(), (0, 0));
+        assert_eq!(
+            ids_and_kinds(&log),
+            [
+                (1, "a".into()),
+                (2, "b".into()),
+                (3, "c".into()),
+                (4, "d".into())
+            ]
+        );
+        drop(log);
+        let log = EventLog::open(&path).unwrap();
+        assert_eq!(push(&log, "e").unwrap(), 5, "ids continue after a restart");
+    }
+
+    #[test]
+    fn ids_are_never_reused_even_when_the_newest_rows_are_gone() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("events.db");
+        let log = EventLog::open(&path).unwrap();
+        for k in ["a", "b", "c"] {
+            push(&log, k).unwrap();
+        }
+        drop(log);
+        let c = Connection::open(&path).unwrap();
+        c.execute("DELETE FROM events WHERE id >= 2", []).unwrap();
+        drop(c);
+        let log = EventLog::open(&path).unwrap();
+        assert_eq!(push(&log, "d").unwrap(), 4);
+    }
+
+    #[test]
+    fn a_database_of_the_previous_schema_is_migrated_with_its_rows() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("events.db");
+        let c = Connection::open(&path).unwrap();
+        c.execute_batch(
+            "CREATE TABLE events (id INTEGER PRIMARY KEY, time_ms INTEGER NOT NULL,
+               kind TEXT NOT NULL, sandbox TEXT, tenant TEXT, body TEXT NOT NULL);
+             INSERT INTO events VALUES (7, 0, 'old', NULL, NULL,
+               '{\"id\":7,\"time\":\"1970-01-01T00:00:00.000Z\",\"kind\":\"old\",\"sandbox\":null,\"backend\":null}');",
+        )
+        .unwrap();
+        drop(c);
+        let log = EventLog::open(&path).unwrap();
+        assert_eq!(push(&log, "new").unwrap(), 8);
+        assert_eq!(ids_and_kinds(&log), [(7, "old".into()), (8, "new".into())]);
+        drop(log);
+        let c = Connection::open(&path).unwrap();
+        let sql: String = c
+            .query_row(
+                "SELECT sql FROM sqlite_master WHERE name = 'events'",
+                [],
+                |r| r.get(0),
+            )
+            .unwrap();
+        assert!(sql.contains("AUTOINCREMENT"), "{sql}");
+    }
 }

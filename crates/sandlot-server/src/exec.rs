@@ -13,7 +13,7 @@
 //! chunk each and then the `exit` line. An executed step is logged before the `exit` line
 //! is sent (a failure to log becomes the `error` line).
 use crate::error::{ApiResult, Json, Path, Query, ServerError};
-use crate::events::{exec_event, ExecInfo};
+use crate::events::{exec_event, exec_event_checked, ExecInfo};
 use crate::sandboxes::running;
 use crate::trajectory::{self, Begin, Pending};
 use crate::trajectory_store::{StepRequest, StepResult};
@@ -147,15 +147,21 @@ fn stream(
         }
         let info = ExecInfo::new(&id, backend, &req, "api");
         let secs = started.elapsed().as_secs_f64();
-        match &result {
-            Ok(r) => exec_event(&st, info, Ok(r), false, secs),
-            Err(e) => exec_event(
+        let durable = match &result {
+            Ok(r) => exec_event_checked(&st, info, Ok(r), false, secs),
+            Err(e) => exec_event_checked(
                 &st,
                 info,
                 Err(ApiError::new(e.code(), e.to_string())),
                 false,
                 secs,
             ),
+        };
+        if let Err(e) = durable {
+            // The exec ran, but its audit event is not durable: the call fails.
+            let error = ServerError::from(e).api_error();
+            let _ = out_tx.send(line(&ExecEvent::Error { error })).await;
+            return;
         }
         let result = match (result, &pending) {
             (Ok(r), Some(p)) => {
@@ -207,6 +213,8 @@ pub async fn exec(
 ) -> ApiResult<Response> {
     validate(&req)?;
     let rec = running(&st, &id)?;
+    // No exec while its audit event could not be written (events module docs).
+    st.events.ready()?;
     if q.stream {
         let pending = match req.step {
             None => None,
@@ -232,7 +240,7 @@ pub async fn exec(
     match out {
         Ok((StepResult::Exec(mut r), replayed)) => {
             r.replayed = replayed;
-            exec_event(&st, info, Ok(&r), replayed, secs);
+            exec_event_checked(&st, info, Ok(&r), replayed, secs)?;
             Ok(Json(r).into_response())
         }
         Ok(_) => Err(wrong_kind(step.unwrap_or(0))),

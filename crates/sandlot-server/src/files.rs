@@ -143,6 +143,7 @@ pub async fn write(
     let path = q.get()?;
     let data = body?;
     let rec = running(&st, &id)?;
+    crate::disk_reserve::check(&st)?;
     let r = call(
         &st,
         &rec,

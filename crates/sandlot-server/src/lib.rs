@@ -18,7 +18,7 @@
 //! | `POST /run_code` (SandboxFusion-compatible) | [`run_code`] |
 //! | `GET /v1/ping`, `/healthz`, `/openapi.json` | [`health`] |
 //! | `GET /metrics` | [`metrics`] |
-//! | `GET /v1/events` (audit events, in memory) | [`events`] |
+//! | `GET /v1/events` (audit events, durable in `events.db`) | [`events`] |
 //! | `GET /` (status page) | [`web`] |
 //!
 //! Authentication and tenant scoping of every route: [`auth`] (one layer over the router).
@@ -31,6 +31,7 @@ pub mod auth;
 pub mod budget;
 pub mod checkpoints;
 pub mod conn;
+pub mod disk_reserve;
 pub mod error;
 pub mod events;
 pub mod exec;
@@ -120,6 +121,9 @@ pub struct ServerConfig {
     pub trajectory_fsync: bool,
     /// Connection limits and timeouts ([`conn`]).
     pub conn: conn::ConnLimits,
+    /// Free space of the data directory's file system below which creates, checkpoints and
+    /// uploads are refused (default 256 MiB; 0 = no check; [`disk_reserve`]).
+    pub disk_reserve_bytes: u64,
     /// Image store directory, read at scrape for `sandlot_image_count` (default none: the
     /// gauge stays 0; `sandlot up` sets the node's).
     pub images_dir: Option<PathBuf>,
@@ -151,6 +155,7 @@ impl ServerConfig {
             trajectory_fsync: false,
             images_dir: None,
             conn: conn::ConnLimits::default(),
+            disk_reserve_bytes: 256 << 20,
         }
     }
 }

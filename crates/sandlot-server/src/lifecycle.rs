@@ -26,13 +26,13 @@ pub async fn recover(st: &SharedState) -> anyhow::Result<()> {
         if adopted.contains(&r.id) {
             tracing::info!(sandbox_id = %r.id, "re-adopted running sandbox");
             let f = serde_json::Map::new();
-            crate::events::record(st, "readopted", Some(&r.id), Some(r.backend), f);
+            crate::events::record_queued(st, "readopted", Some(&r.id), Some(r.backend), f);
         } else {
             tracing::warn!(sandbox_id = %r.id, state = r.state.as_str(), "sandbox not re-adopted; record removed");
             st.store.remove(&r.id)?;
             let mut f = serde_json::Map::new();
             f.insert("state".into(), r.state.as_str().into());
-            crate::events::record(st, "lost", Some(&r.id), Some(r.backend), f);
+            crate::events::record_queued(st, "lost", Some(&r.id), Some(r.backend), f);
         }
     }
     crate::checkpoints::recover(st).await
@@ -76,13 +76,15 @@ async fn mark_lost(st: &SharedState) {
             tracing::warn!(sandbox_id = %s.id, "sandbox died under its node; marked lost");
             let mut f = serde_json::Map::new();
             f.insert("reason".into(), "processes ended".into());
-            crate::events::record(st, "lost", Some(&s.id), Some(s.backend), f);
+            crate::events::record_queued(st, "lost", Some(&s.id), Some(s.backend), f);
         }
     }
 }
 
 /// One reaper pass (see [`reaper`]). Returns the ids it deleted.
 pub async fn reap_once(st: &SharedState) -> Vec<String> {
+    // Audit events queued while the disk was full are written as soon as it can take them.
+    let _ = st.events.ready();
     let now = now_ms();
     let due = match st.store.due_for_reaping(now) {
         Ok(d) => d,
@@ -101,7 +103,7 @@ pub async fn reap_once(st: &SharedState) -> Vec<String> {
         }
         if r.state != SandboxState::Deleting && r.expires_at_ms.is_some_and(|t| t <= now) {
             let f = serde_json::Map::new();
-            crate::events::record(st, "expired", Some(&r.id), Some(r.backend), f);
+            crate::events::record_queued(st, "expired", Some(&r.id), Some(r.backend), f);
         }
         match delete_sandbox(st, &r.id).await {
             Ok(()) => {

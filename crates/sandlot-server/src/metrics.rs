@@ -20,6 +20,9 @@
 //! | `sandlot_connections_closed_total` | counter | `reason` = `evicted`\|`header_timeout`\|`idle_timeout` | connections the server closed |
 //! | `sandlot_requests_shed_total` | counter | | requests answered 503 over the in-flight limit |
 //! | `sandlot_accept_errors_total` | counter | `error` (errno name, e.g. `EMFILE`) | failed `accept` calls (each followed by a back-off) |
+//! | `sandlot_events_pending` | gauge | | audit events waiting for a durable write (disk full), at scrape ([`crate::events`]) |
+//! | `sandlot_events_dropped_total` | counter | | audit events dropped because that queue was full |
+//! | `sandlot_data_dir_free_bytes`, `sandlot_data_dir_reserve_bytes` | gauge | | free space of the data directory's file system and its reserve, at scrape ([`crate::disk_reserve`]) |
 //! | `sandlot_violations_total` | counter | `backend`, `layer` = `seccomp`\|`files_api`, `what` (syscall name or files API operation) | refused attempts recorded as `violation` events |
 //!
 //! Hot paths only touch the crate's atomics (a read lock on a label family to find the
@@ -136,6 +139,20 @@ pub fn exec_outcome(r: Option<&sandlot_api::ExecResult>) -> &'static str {
     }
 }
 
+/// Figures read at scrape for the gauges of the audit queue and the data directory.
+pub struct ScrapeExtra {
+    /// Open API connections.
+    pub connections: usize,
+    /// Audit events waiting for a durable write.
+    pub events_pending: usize,
+    /// Audit events dropped since start.
+    pub events_dropped: u64,
+    /// Free bytes of the data directory's file system (None: unreadable).
+    pub data_dir_free: Option<u64>,
+    /// Its reserve in bytes.
+    pub data_dir_reserve: u64,
+}
+
 /// Every metric of the server and its registry.
 pub struct Metrics {
     registry: Registry,
@@ -162,6 +179,10 @@ pub struct Metrics {
     conn_closed: Family<ReasonLabel, Counter>,
     requests_shed: Counter,
     accept_errors: Family<ErrorLabel, Counter>,
+    events_pending: Gauge,
+    events_dropped: Counter,
+    data_dir_free: Gauge,
+    data_dir_reserve: Gauge,
 }
 
 impl Default for Metrics {
@@ -293,7 +314,35 @@ impl Metrics {
             "Failed accept calls by errno (each followed by a back-off)",
             accept_errors.clone(),
         );
+        let events_pending = Gauge::default();
+        registry.register(
+            "sandlot_events_pending",
+            "Audit events waiting for a durable write",
+            events_pending.clone(),
+        );
+        let events_dropped = Counter::default();
+        registry.register(
+            "sandlot_events_dropped",
+            "Audit events dropped because the queue of events waiting for a write was full",
+            events_dropped.clone(),
+        );
+        let data_dir_free = Gauge::default();
+        registry.register(
+            "sandlot_data_dir_free_bytes",
+            "Bytes available on the data directory's file system",
+            data_dir_free.clone(),
+        );
+        let data_dir_reserve = Gauge::default();
+        registry.register(
+            "sandlot_data_dir_reserve_bytes",
+            "Free-space reserve of the data directory (creates refused below it)",
+            data_dir_reserve.clone(),
+        );
         Metrics {
+            events_pending,
+            events_dropped,
+            data_dir_free,
+            data_dir_reserve,
             connections,
             conn_refused,
             conn_closed,
@@ -408,9 +457,19 @@ impl Metrics {
         waiting: usize,
         images: Option<i64>,
         pools: &[sandlot_node::WarmPoolInfo],
-        connections: usize,
+        extra: &ScrapeExtra,
     ) -> String {
-        self.connections.set(connections as i64);
+        self.connections.set(extra.connections as i64);
+        self.events_pending.set(extra.events_pending as i64);
+        self.events_dropped.inc_by(
+            extra
+                .events_dropped
+                .saturating_sub(self.events_dropped.get()),
+        );
+        if let Some(free) = extra.data_dir_free {
+            self.data_dir_free.set(free as i64);
+        }
+        self.data_dir_reserve.set(extra.data_dir_reserve as i64);
         for p in pools {
             let backend = p.backend.as_str().to_owned();
             for (image, n) in &p.ready {
@@ -504,8 +563,18 @@ pub async fn metrics(State(st): State<SharedState>) -> ApiResult<impl IntoRespon
     };
     let (running, waiting) = st.run_code_gate.load();
     let pools = st.node.info().warm_pools;
+    let (events_pending, events_dropped) = st.events.pending();
+    let extra = ScrapeExtra {
+        connections: st.conns.open(),
+        events_pending,
+        events_dropped,
+        data_dir_free: crate::disk_reserve::free_bytes(&st.cfg.data_dir)
+            .ok()
+            .map(|(a, _)| a),
+        data_dir_reserve: st.cfg.disk_reserve_bytes,
+    };
     let text = st
         .metrics
-        .render(counts, running, waiting, images, &pools, st.conns.open());
+        .render(counts, running, waiting, images, &pools, &extra);
     Ok(([(header::CONTENT_TYPE, CONTENT_TYPE)], text))
 }

@@ -80,7 +80,8 @@ async fn pause_one(st: SharedState, id: String) -> Result<Option<String>, PauseF
         Some(&id),
         backend_of(&st, &id),
         Default::default(),
-    );
+    )
+    .map_err(|e| fail(e.into()))?;
     Ok(Some(id))
 }
 
@@ -102,7 +103,8 @@ async fn resume_one(st: SharedState, id: String) -> Result<Option<String>, Pause
         Ok(true) => {
             tracing::info!(sandbox_id = %id, "sandbox resumed");
             let b = backend_of(&st, &id);
-            crate::events::record(&st, "resumed", Some(&id), b, Default::default());
+            crate::events::record(&st, "resumed", Some(&id), b, Default::default())
+                .map_err(|e| fail(e.into()))?;
             Ok(Some(id))
         }
         Ok(false) => Ok(None), // deleted meanwhile

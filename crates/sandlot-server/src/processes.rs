@@ -73,8 +73,8 @@ pub async fn spawn(
     };
     let mut f = serde_json::Map::new();
     f.insert("process".into(), p.id.clone().into());
-    crate::events::record(&st, "process_spawned", Some(&id), Some(rec.backend), f);
     watch_exit(&st, &id, rec.backend, &p.id);
+    crate::events::record(&st, "process_spawned", Some(&id), Some(rec.backend), f)?;
     Ok((StatusCode::CREATED, Json(p)).into_response())
 }
 
@@ -98,7 +98,7 @@ fn watch_exit(st: &SharedState, id: &str, backend: sandlot_api::Backend, pid: &s
                 if let Some(e) = &p.error {
                     f.insert("error".into(), e.code.as_str().into());
                 }
-                crate::events::record(&st, "process_exited", Some(&id), Some(backend), f);
+                crate::events::record_queued(&st, "process_exited", Some(&id), Some(backend), f);
                 return;
             }
         }

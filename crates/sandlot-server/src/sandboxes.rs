@@ -193,6 +193,10 @@ pub async fn create_sandbox(
     idempotency_key: Option<String>,
 ) -> ApiResult<(Record, bool)> {
     let mut v = validate(&req)?;
+    // Refused before anything is written: below the data directory's free-space reserve,
+    // or while audit events cannot be written (disk_reserve and events module docs).
+    crate::disk_reserve::check(st)?;
+    st.events.ready()?;
     if req.backend == Backend::Container && v.spec.runtime.is_none() {
         v.spec.runtime = Some(st.cfg.default_runtime.clone());
     }
@@ -300,7 +304,14 @@ async fn finish_create(st: &SharedState, mut rec: Record) -> ApiResult<(Record, 
         tracing::info!(sandbox_id = %id, backend = %rec.backend, image = %rec.image, "sandbox running");
         let mut f = serde_json::Map::new();
         f.insert("image".into(), rec.image.clone().into());
-        crate::events::record(st, "created", Some(&id), Some(rec.backend), f);
+        if let Err(e) = crate::events::record(st, "created", Some(&id), Some(rec.backend), f) {
+            // No sandbox without its audit event: roll the create back, fail the call.
+            tracing::warn!(sandbox_id = %id, error = %e, "create rolled back: its event is not durable");
+            if let Err(de) = delete_sandbox(st, &id).await {
+                tracing::error!(sandbox_id = %id, error = %crate::error::chain(&de), "rollback delete failed; the reaper retries");
+            }
+            return Err(e.into());
+        }
         rec.state = SandboxState::Running;
         return Ok((rec, true));
     }
@@ -363,7 +374,8 @@ pub async fn delete_sandbox(st: &SharedState, id: &str) -> ApiResult<()> {
         st2.store.remove(&id2)?;
         tracing::info!(sandbox_id = %id2, "sandbox deleted");
         let f = serde_json::Map::new();
-        crate::events::record(&st2, "deleted", Some(&id2), Some(backend), f);
+        // Deletes never fail for their event (deleting frees space); it waits in the queue.
+        crate::events::record_queued(&st2, "deleted", Some(&id2), Some(backend), f);
         Ok::<(), ServerError>(())
     })
     .await

@@ -240,3 +240,75 @@ async fn run_code_fetch_total_is_capped() {
         "{msg}"
     );
 }
+
+#[tokio::test]
+async fn below_the_disk_reserve_creates_and_run_code_are_refused_reads_and_deletes_work() {
+    // A reserve no file system can keep: every create is below it.
+    let t = setup_with("reserve", |c| c.disk_reserve_bytes = u64::MAX);
+    let r = call(&t.app, Method::POST, "/v1/sandboxes", Some(json!({}))).await;
+    assert_eq!(
+        (r.status, r.code()),
+        (StatusCode::TOO_MANY_REQUESTS, "resource_exhausted".into())
+    );
+    assert!(r.headers.contains_key("retry-after"));
+    assert!(r.json()["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("below its reserve"));
+    let r = call(
+        &t.app,
+        Method::POST,
+        "/run_code",
+        Some(json!({"code": "print(1)", "language": "python"})),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::TOO_MANY_REQUESTS, "{:?}", r.json());
+    assert!(t.node.ids().is_empty(), "no sandbox made");
+    let r = call(&t.app, Method::GET, "/v1/sandboxes", None).await;
+    assert_eq!(r.status, StatusCode::OK);
+    let r = call(
+        &t.app,
+        Method::DELETE,
+        "/v1/sandboxes/sb-0123456789abcdef0123",
+        None,
+    )
+    .await;
+    assert!(r.status.is_success(), "{}", r.status);
+}
+
+#[tokio::test]
+async fn calls_fail_while_their_audit_event_cannot_be_written_and_deletes_still_work() {
+    let t = setup("events-full");
+    let id = create(&t).await;
+    t.st.events.refuse_writes_for_test(true);
+    let exec = format!("/v1/sandboxes/{id}/exec");
+    let r = call(&t.app, Method::POST, &exec, Some(json!({"cmd": ["true"]}))).await;
+    assert_eq!(
+        (r.status, r.code()),
+        (StatusCode::SERVICE_UNAVAILABLE, "unavailable".into()),
+        "the exec ran but its event is not durable"
+    );
+    let r = call(&t.app, Method::POST, "/v1/sandboxes", Some(json!({}))).await;
+    assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(t.node.ids(), std::slice::from_ref(&id), "no second sandbox");
+    let r = call(&t.app, Method::DELETE, &format!("/v1/sandboxes/{id}"), None).await;
+    assert!(r.status.is_success(), "{}", r.status);
+    assert_eq!(t.st.events.pending().0, 2, "exec and deleted queued");
+    t.st.events.refuse_writes_for_test(false);
+    crate::lifecycle::reap_once(&t.st).await;
+    assert_eq!(t.st.events.pending().0, 0);
+    let r = call(
+        &t.app,
+        Method::GET,
+        &format!("/v1/events?sandbox={id}"),
+        None,
+    )
+    .await;
+    let kinds: Vec<String> = r.json()["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["kind"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(kinds, ["created", "exec", "deleted"]);
+}

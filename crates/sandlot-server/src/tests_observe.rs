@@ -268,7 +268,7 @@ async fn events_pause_resume_expire_and_ring_bound() {
     // Memory-only log (unit-test default): the ring drops the oldest.
     let mem = crate::events::EventLog::default();
     for _ in 0..crate::events::RING_CAPACITY + 5 {
-        mem.push("test", None, None, Default::default());
+        mem.push("test", None, None, Default::default()).unwrap();
     }
     let (evs, next) = mem.query(None, None, None, &crate::events::Since::After(0), 1000);
     assert_eq!(evs[0].id, 6, "oldest kept after the ring wrapped");
@@ -288,9 +288,9 @@ async fn events_are_durable_across_reopen_and_beyond_the_ring() {
     log.set_owner("sb-a", Some("tenant-1"));
     let mut f = serde_json::Map::new();
     f.insert("image".into(), "python".into());
-    assert_eq!(log.push("created", Some("sb-a"), None, f), 1);
+    assert_eq!(log.push("created", Some("sb-a"), None, f).unwrap(), 1);
     for _ in 0..RING_CAPACITY + 5 {
-        log.push("test", None, None, Default::default());
+        log.push("test", None, None, Default::default()).unwrap();
     }
     // Older than the ring: read back from the database, fields and tenant intact.
     let (evs, next) = log.query(None, None, None, &Since::After(0), 3);
@@ -309,7 +309,9 @@ async fn events_are_durable_across_reopen_and_beyond_the_ring() {
     let log = EventLog::open(&path).unwrap();
     log.set_owner("sb-a", Some("tenant-1"));
     let last = (RING_CAPACITY + 6) as u64;
-    let id = log.push("deleted", Some("sb-a"), None, Default::default());
+    let id = log
+        .push("deleted", Some("sb-a"), None, Default::default())
+        .unwrap();
     assert_eq!(id, last + 1);
     let (evs, next) = log.query(Some("tenant-1"), Some("sb-a"), None, &Since::After(0), 10);
     let kinds: Vec<&str> = evs.iter().map(|e| e.kind.as_str()).collect();
