@@ -164,6 +164,11 @@ struct UpArgs {
     /// deletes still work). 0 = no check.
     #[arg(long, default_value_t = 256)]
     disk_reserve_mib: u64,
+    /// MiB of exec output that foreground execs may hold in server memory at once; each
+    /// reserves 8 × its max_output_bytes (default 1 MiB) and waits up to 2 s for it, else
+    /// 429 resource_exhausted with Retry-After.
+    #[arg(long, default_value_t = 1024)]
+    exec_output_budget_mib: u64,
 }
 
 #[derive(Args, Clone)]
@@ -721,6 +726,7 @@ async fn up(a: UpArgs) -> anyhow::Result<u8> {
         max_requests_in_flight: a.max_requests_in_flight.max(1),
     };
     cfg.disk_reserve_bytes = a.disk_reserve_mib << 20;
+    cfg.exec_output_budget_bytes = a.exec_output_budget_mib.max(1) << 20;
     let server = sandlot_server::Server::bind(cfg, Arc::new(node)).await?;
     let addr = server.local_addr()?;
     println!("sandlot listening on http://{addr}");

@@ -13,12 +13,30 @@
 //! [`Node::read_file`] goes through it. A plain `GET …/files` and `run_code` keep the share
 //! until their answer is sent ([`BudgetNode::read_file_held`]); a read logged as a
 //! trajectory step holds it for the read only.
+//!
+//! **Exec output** (issue 25, item 4): a foreground exec (`POST …/exec`, streamed or not,
+//! trajectory steps, `run_code`) keeps up to `max_output_bytes` per stream (up to 64 MiB
+//! each) in server memory; 8 such execs took the server from 85 MB to 2.7 GB. Each one
+//! therefore first reserves [`EXEC_SHARE_FACTOR`] (8) × its `max_output_bytes` (default
+//! 1 MiB; two streams, each kept and then encoded in the answer) from a second
+//! budget, `ServerConfig::exec_output_budget_bytes` (default 1 GiB, `sandlot up
+//! --exec-output-budget-mib`), waiting at most `file_read_budget_wait`, else 429
+//! `resource_exhausted` with `Retry-After`; the share goes back when the node's exec
+//! returns (the answer is encoded and sent right after). Background processes
+//! ([`Node::exec_controlled`]) are not covered: their retained output is capped per
+//! process by the node.
 use async_trait::async_trait;
 use sandlot_api::{ExecRequest, ExecResult, FileEntry};
 use sandlot_node::{ExecSink, Node, NodeError, NodeInfo, NodeResult, SandboxSpec, SandboxStatus};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+/// Bytes a foreground exec reserves per byte of its `max_output_bytes`: two streams, each
+/// held as kept output and again, larger, in the JSON answer (UTF-8 text ~1×, base64
+/// 1.33×, control bytes escaped as `\u00XX` up to 6×). Measured: 8 execs printing 64 MiB
+/// of NUL bytes each took ~600 MiB of server memory apiece.
+pub const EXEC_SHARE_FACTOR: u64 = 8;
 
 /// Budget unit in bytes (64 KiB).
 pub const UNIT: u64 = 64 << 10;
@@ -29,17 +47,25 @@ pub struct FileBudget {
     sem: Arc<Semaphore>,
     units: u32,
     wait: Duration,
+    /// What the budget holds, for messages (`file read`, `exec output`).
+    what: &'static str,
 }
 
 impl FileBudget {
     /// A budget of `total_bytes` (rounded up to [`UNIT`]s, at least one), waiting at most
     /// `wait` for a share.
     pub fn new(total_bytes: u64, wait: Duration) -> Self {
+        Self::named("file read", total_bytes, wait)
+    }
+
+    /// As [`FileBudget::new`], naming what it holds in its messages.
+    pub fn named(what: &'static str, total_bytes: u64, wait: Duration) -> Self {
         let units = total_bytes.div_ceil(UNIT).clamp(1, u32::MAX as u64 >> 3) as u32;
         FileBudget {
             sem: Arc::new(Semaphore::new(units as usize)),
             units,
             wait,
+            what,
         }
     }
 
@@ -57,7 +83,8 @@ impl FileBudget {
         let units = bytes.div_ceil(UNIT).clamp(1, self.units as u64) as u32;
         let exhausted = || {
             NodeError::ResourceExhausted(format!(
-                "file read budget exhausted: {bytes} bytes not free within {:?} (server-wide budget {} bytes); retry later",
+                "{} budget exhausted: {bytes} bytes not free within {:?} (server-wide budget {} bytes); retry later",
+                self.what,
                 self.wait,
                 self.units as u64 * UNIT
             ))
@@ -74,12 +101,24 @@ impl FileBudget {
 pub struct BudgetNode {
     inner: Arc<dyn Node>,
     budget: Arc<FileBudget>,
+    exec_budget: Option<Arc<FileBudget>>,
 }
 
 impl BudgetNode {
-    /// Wrap `inner`.
+    /// Wrap `inner` (file reads take from `budget`; execs take nothing).
     pub fn new(inner: Arc<dyn Node>, budget: Arc<FileBudget>) -> Self {
-        BudgetNode { inner, budget }
+        BudgetNode {
+            inner,
+            budget,
+            exec_budget: None,
+        }
+    }
+
+    /// Foreground execs also reserve [`EXEC_SHARE_FACTOR`] × their `max_output_bytes` from
+    /// `exec_budget`.
+    pub fn with_exec_budget(mut self, exec_budget: Arc<FileBudget>) -> Self {
+        self.exec_budget = Some(exec_budget);
+        self
     }
 }
 
@@ -135,6 +174,19 @@ impl Node for BudgetNode {
         req: &ExecRequest,
         sink: Option<ExecSink>,
     ) -> NodeResult<ExecResult> {
+        let _share = match &self.exec_budget {
+            None => None,
+            Some(b) => {
+                let per_stream = req
+                    .max_output_bytes
+                    .unwrap_or(sandlot_node::backends::function::DEFAULT_MAX_OUTPUT);
+                Some(
+                    b.reserve(per_stream.saturating_mul(EXEC_SHARE_FACTOR))
+                        .await?
+                        .0,
+                )
+            }
+        };
         self.inner.exec(id, req, sink).await
     }
 

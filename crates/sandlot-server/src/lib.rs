@@ -94,8 +94,12 @@ pub struct ServerConfig {
     /// Server-wide bytes of file data that reads may hold in memory at once (default
     /// 1 GiB; [`budget`]).
     pub file_read_budget_bytes: u64,
-    /// Longest wait for a share of that budget (default 2 s); then 429 `resource_exhausted`.
+    /// Longest wait for a share of that budget or of the exec output budget (default 2 s);
+    /// then 429 `resource_exhausted`.
     pub file_read_budget_wait: Duration,
+    /// Server-wide bytes of exec output that foreground execs may hold at once, each
+    /// reserving 8 × its `max_output_bytes` (default 1 GiB; [`budget`]).
+    pub exec_output_budget_bytes: u64,
     /// Total bytes `run_code` returns in `files` per call (default 64 MiB); files past it
     /// are left out and named in `message`.
     pub run_code_fetch_bytes: u64,
@@ -143,6 +147,7 @@ impl ServerConfig {
             max_file_bytes: 256 << 20,
             file_read_budget_bytes: 1 << 30,
             file_read_budget_wait: Duration::from_secs(2),
+            exec_output_budget_bytes: 1 << 30,
             run_code_fetch_bytes: 64 << 20,
             run_code_concurrency: (4 * cores).max(4),
             run_code_queue: 256,
@@ -224,7 +229,14 @@ impl AppState {
             cfg.file_read_budget_bytes,
             cfg.file_read_budget_wait,
         ));
-        let budget_node = Arc::new(budget::BudgetNode::new(node, file_budget.clone()));
+        let exec_budget = Arc::new(budget::FileBudget::named(
+            "exec output",
+            cfg.exec_output_budget_bytes,
+            cfg.file_read_budget_wait,
+        ));
+        let budget_node = Arc::new(
+            budget::BudgetNode::new(node, file_budget.clone()).with_exec_budget(exec_budget),
+        );
         let node: Arc<dyn Node> = budget_node.clone();
         let run_code_gate = run_code::Gate::new(cfg.run_code_concurrency, cfg.run_code_queue);
         let processes =

@@ -312,3 +312,69 @@ async fn calls_fail_while_their_audit_event_cannot_be_written_and_deletes_still_
         .collect();
     assert_eq!(kinds, ["created", "exec", "deleted"]);
 }
+
+#[tokio::test]
+async fn exec_output_budget_exhausted_is_429_and_frees_when_the_exec_ends() {
+    // Room for one exec of max_output_bytes 1 MiB (8 MiB reserved), not two.
+    let t = setup_with("exec-budget", |c| {
+        c.exec_output_budget_bytes = 12 << 20;
+        c.file_read_budget_wait = std::time::Duration::from_millis(100);
+    });
+    let id = create(&t).await;
+    let exec = format!("/v1/sandboxes/{id}/exec");
+    let slow = {
+        let app = t.app.clone();
+        let exec = exec.clone();
+        tokio::spawn(async move {
+            call(
+                &app,
+                Method::POST,
+                &exec,
+                Some(json!({"cmd": ["sleep", "1"], "max_output_bytes": 1048576})),
+            )
+            .await
+        })
+    };
+    // Wait until the slow exec reached the node (it holds its share from then on).
+    while !node_ran_sleep(&t) {
+        tokio::task::yield_now().await;
+    }
+    let r = call(
+        &t.app,
+        Method::POST,
+        &exec,
+        Some(json!({"cmd": ["echo", "hi"], "max_output_bytes": 1048576})),
+    )
+    .await;
+    assert_eq!(
+        (r.status, r.code()),
+        (StatusCode::TOO_MANY_REQUESTS, "resource_exhausted".into())
+    );
+    assert!(r.headers.contains_key("retry-after"));
+    assert!(r.json()["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("exec output budget"));
+    assert_eq!(slow.await.unwrap().status, StatusCode::OK);
+    let r = call(
+        &t.app,
+        Method::POST,
+        &exec,
+        Some(json!({"cmd": ["echo", "hi"]})),
+    )
+    .await;
+    assert_eq!(
+        r.status,
+        StatusCode::OK,
+        "share returned when the exec ended"
+    );
+}
+
+fn node_ran_sleep(t: &T) -> bool {
+    t.node
+        .execs
+        .lock()
+        .unwrap()
+        .iter()
+        .any(|(_, argv)| argv.first().map(String::as_str) == Some("sleep"))
+}
