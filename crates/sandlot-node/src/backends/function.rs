@@ -852,6 +852,7 @@ pub(crate) async fn build_jail(
             .map(|p| p.display().to_string())
             .collect(),
         tmp_mib,
+        proc_views: proc_views(spec)?,
     };
     let r = run_init(&cfg.guest_bin, &init).await?;
     *ready = Some(r.clone());
@@ -872,6 +873,54 @@ pub(crate) async fn build_jail(
     let d = dir.to_path_buf();
     spawn_blocking(move || write_state(&d, &st)).await?;
     Ok(state)
+}
+
+/// The stand-ins of `/proc/meminfo`, `cpuinfo`, `stat` and `loadavg` for `spec`'s limits
+/// ([`sandlot_guest::procview`]), as `(name, content)`.
+///
+/// # Errors
+/// `Internal` when the host's `/proc/cpuinfo` or `/proc/stat` cannot be read.
+pub(crate) fn proc_views(spec: &SandboxSpec) -> NodeResult<Vec<(String, String)>> {
+    use sandlot_guest::procview::{render_host, ViewLimits};
+    let host_cpus = std::thread::available_parallelism().map_or(0, |n| n.get() as u32);
+    let limits = ViewLimits::new(spec.memory_mib, spec.cpu, host_cpus);
+    Ok(render_host(limits)
+        .map_err(|e| {
+            NodeError::io(
+                "read /proc/cpuinfo and /proc/stat for the sandbox's views",
+                e,
+            )
+        })?
+        .into_iter()
+        .map(|(n, c)| (n.to_string(), c))
+        .collect())
+}
+
+/// Rewrites the `/proc` stand-ins of the running jail whose init is `init_pid` for `spec`
+/// (a pooled jail built with the pool's limits, handed over to a sandbox with its own).
+///
+/// Security: written in place (the bind mounts inside hold the files' inodes) through
+/// `/proc/<init_pid>/root/proc/<name>`: `/proc` inside is a procfs mount and the names
+/// are bind mounts of the jail's private tmpfs, which the sandbox cannot unmount, rename
+/// or replace (its mounts are locked: mount_namespaces(7)); `O_NOFOLLOW` refuses a symlink
+/// in the last component all the same.
+///
+/// # Errors
+/// `Internal` when a file cannot be opened or written.
+pub(crate) fn rewrite_proc_views(init_pid: i32, spec: &SandboxSpec) -> NodeResult<()> {
+    use std::io::Write as _;
+    use std::os::unix::fs::OpenOptionsExt as _;
+    for (name, content) in proc_views(spec)? {
+        let path = format!("/proc/{init_pid}/root/proc/{name}");
+        std::fs::OpenOptions::new()
+            .write(true)
+            .truncate(true)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(&path)
+            .and_then(|mut f| f.write_all(content.as_bytes()))
+            .map_err(|e| NodeError::io(format!("rewrite {path}"), e))?;
+    }
+    Ok(())
 }
 
 /// A validated exec, ready to hand to `sandlot-guest exec` (directly, or through the guest

@@ -17,8 +17,8 @@
 //! overlay mount inside the sandbox's mount namespace holds the upper/work directories by
 //! reference, so renaming them on the host does not disturb it.
 use super::function::{
-    build_jail, destroy_blocking, read_state, spawn_blocking, write_state, FunctionConfig,
-    JailState, StoredSpec,
+    build_jail, destroy_blocking, read_state, rewrite_proc_views, spawn_blocking, write_state,
+    FunctionConfig, JailState, StoredSpec,
 };
 use super::pool::{pool_spec, PoolMember, WarmPool};
 use crate::cgroups::CgroupRoot;
@@ -131,6 +131,10 @@ impl PoolMember for Jails {
 
     fn write_state(dir: &Path, state: &JailState) -> NodeResult<()> {
         write_state(dir, state)
+    }
+
+    fn write_proc_views(_dir: &Path, state: &JailState, spec: &SandboxSpec) -> NodeResult<()> {
+        rewrite_proc_views(state.init_pid, spec)
     }
 }
 
