@@ -215,36 +215,16 @@ fn mkdir_p(p: &Path) -> Result<()> {
 
 /// Mounts the overlay of the image layers and the sandbox's upper dir at `root`.
 ///
-/// Security: the options name every layer as `/proc/self/fd/N` of an `O_PATH` descriptor
-/// opened just before, never by its host path. overlayfs keeps the option strings as given
-/// and shows them in `/proc/self/mountinfo` and `/proc/mounts` to every process that sees
-/// the mount, the sandbox included; host paths there (`upperdir=DATA/warm-pool/wp-…/upper`)
-/// told a sandbox the node's data directory, its own pool name and the image layer paths
-/// (issue 25). The kernel resolves each `/proc/self/fd/N` when it parses the option
-/// (procfs magic link: the descriptor's own directory), so the layers are the same; the
-/// descriptors are closed once the mount exists (the overlay holds its own references).
+/// Security: the options name the upper and work dirs through `/proc/self/fd/N`
+/// descriptors ([`sandlot_guest::layers`]), not by their data-directory paths: the sandbox
+/// reads its own mountinfo.
 fn mount_overlay(spec: &InitSpec, root: &Path) -> Result<()> {
-    let open_dir = |p: &str| -> Result<OwnedFd> {
-        open(
-            p,
-            OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
-            Mode::empty(),
-        )
-        .with_context(|| format!("opening layer directory {p}"))
-    };
-    let lowers = spec
-        .lowerdirs
-        .iter()
-        .map(|p| open_dir(p))
-        .collect::<Result<Vec<_>>>()?;
-    let (upper, work) = (open_dir(&spec.upperdir)?, open_dir(&spec.workdir)?);
-    let fd_path = |fd: &OwnedFd| format!("/proc/self/fd/{}", fd.as_raw_fd());
-    let overlay = format!(
-        "lowerdir={},upperdir={},workdir={}",
-        lowers.iter().map(fd_path).collect::<Vec<_>>().join(":"),
-        fd_path(&upper),
-        fd_path(&work)
-    );
+    let opts = sandlot_guest::layers::layer_options(
+        &spec.lowerdirs,
+        Path::new(&spec.upperdir),
+        Path::new(&spec.workdir),
+    )
+    .context("opening the overlay's layer directories")?;
     // nosuid: setuid binaries of an image never grant anything (no_new_privs also
     // blocks them; belt and braces). nodev: device nodes from an image are inert.
     mnt(
@@ -252,7 +232,7 @@ fn mount_overlay(spec: &InitSpec, root: &Path) -> Result<()> {
         root,
         Some("overlay"),
         MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
-        Some(&overlay),
+        Some(&opts.options),
     )
     .with_context(|| {
         format!(

@@ -1063,34 +1063,16 @@ pub(crate) fn write_proc_views(dir: &Path, views: &[(String, String)]) -> NodeRe
 
 /// Mounts the overlay of `lowers` (top-most first) + `dir/scratch/upper` at `dir/rootfs`.
 ///
-/// Security: the options name every layer as `/proc/self/fd/N` of an `O_PATH` descriptor
-/// opened just before, never by its host path: overlayfs shows its option strings as given
-/// in the container's `/proc/self/mountinfo`, and host paths there told every runc sandbox
-/// the node's data directory and its own pool name (issue 25). The kernel resolves each
-/// `/proc/self/fd/N` while parsing the option; the descriptors close after the mount.
+/// Security: the options name the upper and work dirs through `/proc/self/fd/N`
+/// descriptors ([`sandlot_guest::layers`]), not by their data-directory paths: the
+/// container reads its mountinfo.
 fn mount_overlay(dir: &Path, lowers: &[PathBuf]) -> NodeResult<()> {
-    use nix::fcntl::OFlag;
-    let open_dir = |p: &Path| {
-        nix::fcntl::open(
-            p,
-            OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
-            nix::sys::stat::Mode::empty(),
-        )
-        .map_err(|e| NodeError::io(format!("open {}", p.display()), e.into()))
-    };
-    let lower_fds = lowers
-        .iter()
-        .map(|p| open_dir(p))
-        .collect::<NodeResult<Vec<_>>>()?;
-    let upper = open_dir(&dir.join("scratch/upper"))?;
-    let work = open_dir(&dir.join("scratch/work"))?;
-    let fd_path = |fd: &std::os::fd::OwnedFd| format!("/proc/self/fd/{}", fd.as_raw_fd());
-    let opts = format!(
-        "lowerdir={},upperdir={},workdir={}",
-        lower_fds.iter().map(fd_path).collect::<Vec<_>>().join(":"),
-        fd_path(&upper),
-        fd_path(&work)
-    );
+    let opts = sandlot_guest::layers::layer_options(
+        lowers,
+        &dir.join("scratch/upper"),
+        &dir.join("scratch/work"),
+    )
+    .map_err(|e| NodeError::io(format!("open the layers of {}/rootfs", dir.display()), e))?;
     nix::mount::mount(
         Some("overlay"),
         &dir.join("rootfs"),
@@ -1098,7 +1080,7 @@ fn mount_overlay(dir: &Path, lowers: &[PathBuf]) -> NodeResult<()> {
         // nosuid: the mount is on the host, where a setuid file of the image or of the
         // sandbox must never run with its owner's rights.
         nix::mount::MsFlags::MS_NODEV | nix::mount::MsFlags::MS_NOSUID,
-        Some(opts.as_str()),
+        Some(opts.options.as_str()),
     )
     .map_err(|e| {
         NodeError::io(

@@ -28,8 +28,8 @@
 //!   (delete, destroy, readopt, pause, OOM counting, checkpoint) goes through them.
 //! * the host mounts (rootfs overlay, scratch disk) move with their parent directory (a
 //!   mount hangs on its dentry); the container's own mount namespace holds them by
-//!   reference. The overlay's options name its layers by `/proc/self/fd/N` (no path to
-//!   go stale, none shown to the container).
+//!   reference. The overlay's options name its upper and work dirs by `/proc/self/fd/N`
+//!   (no path to go stale, none shown to the container).
 //! * the agent socket: a unix socket is reached through its inode, so the node connects to
 //!   `DATA/containers/<id>/agent.sock` after the rename; the listening socket the agent
 //!   accepts on is the same.
