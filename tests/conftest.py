@@ -203,12 +203,12 @@ def count_leaks(data_dir: Path) -> Dict[str, int]:
 
     Ready warm-pool jails (DATA/warm-pool/<name>) and pooled runc containers
     (DATA/container-pool/<name>) are not leaks: the server refills its pools in the
-    background at any moment, so their cgroups, processes and (containers) host mounts are
-    left out. A container handed over by the pool keeps its pooled name for its cgroup, but
+    background at any moment, so their cgroups, processes and host mounts (a container's
+    rootfs and scratch disk, a jail's scratch disk) are left out. A container handed over by the pool keeps its pooled name for its cgroup, but
     its directory has left the pool directory, so it is counted like any sandbox.
     """
     pooled = pooled_names(data_dir)
-    cpool_prefix = str(data_dir / "container-pool") + "/"
+    pool_prefixes = (str(data_dir / "container-pool") + "/", str(data_dir / "warm-pool") + "/")
     parent = node_cgroup_parent(data_dir)
     cg = 0
     root = Path("/sys/fs/cgroup")
@@ -223,7 +223,7 @@ def count_leaks(data_dir: Path) -> Dict[str, int]:
     data_b = os.fsencode(data_s)
     try:
         mounts = sum(1 for line in open("/proc/self/mountinfo")
-                     if data_s in line and not line.split()[4].startswith(cpool_prefix))
+                     if data_s in line and not line.split()[4].startswith(pool_prefixes))
     except OSError:
         mounts = 0
     procs = 0

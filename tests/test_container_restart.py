@@ -92,8 +92,9 @@ def loop_devices_under(data_dir: Path) -> List[str]:
     """``losetup -a`` lines whose backing file lies under ``data_dir``."""
     r = subprocess.run(["losetup", "-a"], capture_output=True, text=True, timeout=30,
                        check=False)
-    pool = str(data_dir / "container-pool") + "/"
-    return [line for line in r.stdout.splitlines() if str(data_dir) in line and pool not in line]
+    pools = (str(data_dir / "container-pool") + "/", str(data_dir / "warm-pool") + "/")
+    return [line for line in r.stdout.splitlines()
+            if str(data_dir) in line and not any(p in line for p in pools)]
 
 
 def pid_alive(pid: int) -> bool:

@@ -36,11 +36,13 @@ IDENTITY = ("python3 -c 'import os;print(os.urandom(16).hex())'; "
 
 def loop_devices_under(data_dir: Path) -> List[str]:
     """``losetup -a`` lines whose backing file lies under ``data_dir``, those of pooled
-    containers (DATA/container-pool/, refilled in the background) left out."""
+    containers and jails (DATA/container-pool/, DATA/warm-pool/, refilled in the background)
+    left out."""
     r = subprocess.run(["losetup", "-a"], capture_output=True, text=True, timeout=30,
                        check=False)
-    pool = str(data_dir / "container-pool") + "/"
-    return [line for line in r.stdout.splitlines() if str(data_dir) in line and pool not in line]
+    pools = (str(data_dir / "container-pool") + "/", str(data_dir / "warm-pool") + "/")
+    return [line for line in r.stdout.splitlines()
+            if str(data_dir) in line and not any(p in line for p in pools)]
 
 
 def host_counts(data_dir: Path) -> Dict[str, int]:
@@ -140,7 +142,7 @@ def test_checkpoint_bad_input(backend, make, client):
 def test_fork_smaller_than_its_checkpoint_is_the_callers_error(backend, make, client):
     """A fork whose ``disk_mib`` cannot hold the checkpoint's writable layer is refused with
     400 (the caller's size choice), not 429 (the node is not out of anything)."""
-    if backend.backend not in ("container", "microvm"):
+    if backend.backend not in ("container", "microvm", "function"):
         pytest.skip(f"{backend.name}: the fork's disk_mib is not a quota that the copy fills")
     box = make(memory_mib=128, disk_mib=128)
     sh(box, "head -c 48M /dev/urandom > /root/big && sync")

@@ -286,7 +286,7 @@ def test_another_sandboxs_files_stay_out_of_reach(backend, target, make, audit, 
     verdict, r = payload(target, "other_sandbox", secret)
     how = assert_blocked(verdict, r)
     # Through the files API, with the host path of the other sandbox's upper layer.
-    host_path = f"/../../../../..{server.data_dir}/sandboxes/{other.id}/upper/workspace/{secret}"
+    host_path = f"/../../../../..{server.data_dir}/sandboxes/{other.id}/scratch/upper/workspace/{secret}"
     with pytest.raises(sandlot.NotFound):
         target.read_file(host_path)
     v = files_violations(audit, cur, target)
@@ -394,6 +394,34 @@ def test_disk_fill_is_contained(backend, make, audit):
     record("disk_fill", backend.name, "disk_mib: sized tmpfs / upper-layer quota; RLIMIT_FSIZE",
            "contained (" + ("ENOSPC" if enospc else "SIGXFSZ: RLIMIT_FSIZE") + ")",
            exec_event_text(ev[0]))
+
+
+def test_writable_layer_fill_is_contained(backend, make, audit, server):
+    """Many files, each below RLIMIT_FSIZE, written past ``disk_mib`` into the writable layer
+    (/workspace, not the /tmp tmpfs): ENOSPC inside, the sandbox stays usable, and on the
+    host the sandbox's directory holds no more than its disk (issue 25: a ``function``
+    sandbox had no quota on its upper dir and could fill the node's data directory)."""
+    if backend.name in VM_CASES:
+        pytest.skip(f"{backend.name}: a virtual disk of its own (test_disk_fill_is_contained)")
+    box = make(memory_mib=128, disk_mib=32, ttl_s=120)
+    cur = audit.cursor()
+    r = box.exec("for i in 1 2 3 4 5 6 7 8; do head -c 8M /dev/zero > /workspace/fill$i "
+                 "|| exit 1; done", timeout_s=60)
+    assert r.exit_code != 0 and b"space" in r.stderr.lower(), r
+    host_dir = next(d for d in (server.data_dir / "sandboxes" / box.id,
+                                server.data_dir / "containers" / box.id) if d.exists())
+    # -x: one file system (the sandbox's own disk image counts as allocated; what is
+    # written through its mount is inside it).
+    used_kib = int(subprocess.run(["du", "-sxk", str(host_dir)], capture_output=True,
+                                  text=True, check=True).stdout.split()[0])
+    assert used_kib <= (32 + 8) * 1024, f"{host_dir}: {used_kib} KiB on the host disk"
+    ok = box.exec("rm -f /workspace/fill* && echo ok > /workspace/after && cat /workspace/after")
+    assert ok.exit_code == 0 and ok.stdout.strip() == b"ok", ok
+    ev = exec_events(audit, cur, box)
+    assert ev
+    record("writable_layer_fill", backend.name,
+           "disk_mib: the writable layer's ext4 image (quota)",
+           f"contained (ENOSPC; host dir {used_kib // 1024} MiB)", exec_event_text(ev[0]))
 
 
 def test_inode_exhaustion_is_contained(backend, make, audit):

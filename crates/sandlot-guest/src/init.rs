@@ -42,6 +42,7 @@ use nix::sys::wait::{waitpid, WaitPidFlag};
 use nix::unistd::{
     chdir, pipe2, pivot_root, setgroups, sethostname, setresgid, setresuid, Gid, Pid, Uid,
 };
+use sandlot_guest::procview;
 use sandlot_guest::spec::{InitReady, InitSpec};
 
 use crate::host;
@@ -95,6 +96,13 @@ fn validate(spec: &InitSpec) -> Result<()> {
     );
     ensure!(spec.uid_count > 0, "InitSpec: uid_count is 0");
     ensure!(spec.tmp_mib > 0, "InitSpec: tmp_mib is 0");
+    for (name, _) in &spec.proc_views {
+        ensure!(
+            procview::VIEW_FILES.contains(&name.as_str()),
+            "InitSpec: proc_views names {name:?}, not one of {:?}",
+            procview::VIEW_FILES
+        );
+    }
     Ok(())
 }
 
@@ -205,6 +213,35 @@ fn mkdir_p(p: &Path) -> Result<()> {
     std::fs::create_dir_all(p).with_context(|| format!("creating directory {}", p.display()))
 }
 
+/// Mounts the overlay of the image layers and the sandbox's upper dir at `root`.
+///
+/// Security: the options name the upper and work dirs through `/proc/self/fd/N`
+/// descriptors ([`sandlot_guest::layers`]), not by their data-directory paths: the sandbox
+/// reads its own mountinfo.
+fn mount_overlay(spec: &InitSpec, root: &Path) -> Result<()> {
+    let opts = sandlot_guest::layers::layer_options(
+        &spec.lowerdirs,
+        Path::new(&spec.upperdir),
+        Path::new(&spec.workdir),
+    )
+    .context("opening the overlay's layer directories")?;
+    // nosuid: setuid binaries of an image never grant anything (no_new_privs also
+    // blocks them; belt and braces). nodev: device nodes from an image are inert.
+    mnt(
+        Some("overlay"),
+        root,
+        Some("overlay"),
+        MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
+        Some(&opts.options),
+    )
+    .with_context(|| {
+        format!(
+            "overlay of lowerdirs {:?}, upperdir {}, workdir {}",
+            spec.lowerdirs, spec.upperdir, spec.workdir
+        )
+    })
+}
+
 /// Runs as pid 1 of the new pid namespace; returns only on error.
 fn init(spec: &InitSpec, go: OwnedFd, report: &OwnedFd) -> Result<std::convert::Infallible> {
     unshare(
@@ -226,21 +263,7 @@ fn init(spec: &InitSpec, go: OwnedFd, report: &OwnedFd) -> Result<std::convert::
     )?;
 
     let root = PathBuf::from(&spec.rootfs);
-    let overlay = format!(
-        "lowerdir={},upperdir={},workdir={}",
-        spec.lowerdirs.join(":"),
-        spec.upperdir,
-        spec.workdir
-    );
-    // nosuid: setuid binaries of an image never grant anything (no_new_privs also
-    // blocks them; belt and braces). nodev: device nodes from an image are inert.
-    mnt(
-        Some("overlay"),
-        &root,
-        Some("overlay"),
-        MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
-        Some(&overlay),
-    )?;
+    mount_overlay(spec, &root)?;
 
     let owner = format!("uid={0},gid={0}", spec.uid_base);
     for d in ["proc", "tmp", "dev", "workspace"] {
@@ -267,7 +290,7 @@ fn init(spec: &InitSpec, go: OwnedFd, report: &OwnedFd) -> Result<std::convert::
         Some(&format!("mode=1777,size={}m,{owner}", spec.tmp_mib)),
     )?;
     setup_dev(&root, spec, &owner)?;
-    mask_proc(&proc_dir)?;
+    mask_proc(&proc_dir, &root.join("dev"), &spec.proc_views)?;
 
     sys::loopback_up().context("bringing up lo (SIOCSIFFLAGS IFF_UP)")?;
     sethostname(&spec.hostname).with_context(|| format!("sethostname({:?})", spec.hostname))?;
@@ -443,14 +466,23 @@ fn setup_dev(root: &Path, spec: &InitSpec, owner: &str) -> Result<()> {
     Ok(())
 }
 
-/// Like runc's default `readonlyPaths` and `maskedPaths`. The proc mount shows the
-/// sandbox's own pid namespace, but some of its files are global, not namespaced:
+/// Like runc's default `readonlyPaths` and `maskedPaths`, and more. The proc mount shows
+/// the sandbox's own pid namespace, but some of its files are global, not namespaced:
 /// /proc/sys (kernel tunables; writes are already refused to a non-host root, read-only
 /// makes it certain), /proc/sysrq-trigger (host-wide SysRq), /proc/irq and /proc/bus
-/// (hardware), and /proc/kcore (kernel memory), /proc/keys (keyrings), /proc/timer_list
-/// and /proc/sched_debug (host tasks and kernel addresses: an information leak across
-/// namespaces). Missing entries are skipped (sched_debug moved to debugfs in 5.13).
-fn mask_proc(proc_dir: &Path) -> Result<()> {
+/// (hardware) are bound read-only; the files of [`procview::MASKED_PROC_FILES`] (the host
+/// kernel command line, block devices, kernel memory and keyrings, host tasks and kernel
+/// addresses: information leaks across namespaces) read as empty (`/dev/null` over them);
+/// the directories of [`procview::MASKED_PROC_DIRS`] (/proc/pressure: host-wide PSI) are
+/// an empty read-only tmpfs; `views` (the sandbox's own meminfo, cpuinfo, stat, loadavg,
+/// see [`procview`]) are written to a private tmpfs staged under `dev_dir` and bound over
+/// their /proc files; the staging mount is then detached, so only the binds remain (their
+/// mountinfo root is `/<name>` on that tmpfs, no host path). The stand-ins are owned by
+/// host root, mode 0444: the sandbox's root (whose user namespace does not map host uid 0)
+/// cannot write them; the node rewrites them through `/proc/<init>/root/proc/<name>` when
+/// a pooled jail is handed over. Missing entries are skipped (sched_debug moved to debugfs
+/// in 5.13; /proc/pressure needs CONFIG_PSI).
+fn mask_proc(proc_dir: &Path, dev_dir: &Path, views: &[(String, String)]) -> Result<()> {
     for name in ["sys", "sysrq-trigger", "irq", "bus"] {
         let p = proc_dir.join(name);
         if !p.exists() {
@@ -471,10 +503,50 @@ fn mask_proc(proc_dir: &Path) -> Result<()> {
             None,
         )?;
     }
-    for name in ["kcore", "keys", "timer_list", "sched_debug"] {
+    if !views.is_empty() {
+        let stage = dev_dir.join(".sandlot-views");
+        mkdir_p(&stage)?;
+        mnt(
+            Some("sandlot-views"),
+            &stage,
+            Some("tmpfs"),
+            MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
+            Some("mode=0755,size=1m"),
+        )?;
+        for (name, content) in views {
+            let (file, target) = (stage.join(name), proc_dir.join(name));
+            std::fs::write(&file, content)
+                .with_context(|| format!("writing {}", file.display()))?;
+            std::fs::set_permissions(&file, std::os::unix::fs::PermissionsExt::from_mode(0o444))
+                .with_context(|| format!("chmod 0444 {}", file.display()))?;
+            mnt(
+                Some(file.to_str().context("non-UTF-8 rootfs path")?),
+                &target,
+                None,
+                MsFlags::MS_BIND,
+                None,
+            )?;
+        }
+        umount2(&stage, MntFlags::MNT_DETACH)
+            .with_context(|| format!("detaching {}", stage.display()))?;
+        std::fs::remove_dir(&stage).with_context(|| format!("removing {}", stage.display()))?;
+    }
+    for name in procview::MASKED_PROC_FILES {
         let p = proc_dir.join(name);
-        if p.exists() {
+        if p.exists() && !views.iter().any(|(v, _)| v == name) {
             mnt(Some("/dev/null"), &p, None, MsFlags::MS_BIND, None)?;
+        }
+    }
+    for name in procview::MASKED_PROC_DIRS {
+        let p = proc_dir.join(name);
+        if p.is_dir() {
+            mnt(
+                Some("tmpfs"),
+                &p,
+                Some("tmpfs"),
+                MsFlags::MS_RDONLY | MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
+                Some("size=0"),
+            )?;
         }
     }
     Ok(())

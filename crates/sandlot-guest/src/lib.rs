@@ -7,6 +7,8 @@
 #![deny(missing_docs)]
 
 pub mod agent_proto;
+pub mod layers;
+pub mod procview;
 pub mod sandbox_fs;
 pub mod spec;
 pub mod syscalls;

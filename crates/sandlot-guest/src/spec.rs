@@ -37,6 +37,11 @@ pub struct InitSpec {
     pub cgroup_procs: Vec<String>,
     /// Size of the tmpfs on /tmp (and /dev/shm), MiB.
     pub tmp_mib: u64,
+    /// Per-sandbox stand-ins of `/proc` files, `(name, content)` (names from
+    /// [`crate::procview::VIEW_FILES`]; see [`crate::procview::render`]): each is written
+    /// to a private tmpfs and bound over `/proc/<name>`. Empty: the host's files show.
+    #[serde(default)]
+    pub proc_views: Vec<(String, String)>,
 }
 
 /// Printed by `sandlot-guest init` on success.

@@ -182,10 +182,11 @@ async fn each_sandbox_has_its_own_host_uid_range() {
             .unwrap();
         run(n, id, &["sh", "-c", "echo y > /workspace/cmd.txt; id -u"]).await;
         for f in ["api.txt", "cmd.txt"] {
-            let md = std::fs::metadata(env.dir(id).join("upper/workspace").join(f)).unwrap();
+            let md =
+                std::fs::metadata(env.dir(id).join("scratch/upper/workspace").join(f)).unwrap();
             assert_eq!((md.uid(), md.gid()), (base, base), "{id} {f}");
         }
-        let md = std::fs::metadata(env.dir(id).join("upper")).unwrap();
+        let md = std::fs::metadata(env.dir(id).join("scratch/upper")).unwrap();
         assert_eq!(md.uid(), base, "{id} upper dir owner");
     }
 

@@ -207,6 +207,7 @@ impl Sandbox {
             uid_count: UID_COUNT,
             cgroup_procs: cgroup.procs_files(),
             tmp_mib: 64,
+            proc_views: Vec::new(),
         };
         let mut child = Command::new(BIN)
             .arg("init")

@@ -555,6 +555,11 @@ impl Core {
             let templates = self.cfg.disk_templates.clone();
             // A fork: the checkpoint's layer, re-owned from the parent's id range to ours.
             let seed = seed.map(|ck| (ck.layer(), ck.meta.uid_base.map(|f| (f, uid_base))));
+            // gVisor shows a /proc and /sys of its own (no host facts): runc and crun only.
+            let views = match runtime {
+                Runtime::Runsc => None,
+                _ => Some(super::function::proc_views(spec)?),
+            };
             // The cgroup does not depend on the disk: made at the same time (on a failure
             // the caller's destroy removes whatever of both exists).
             let cgroup = spawn_blocking(move || cg.create(&limits));
@@ -579,6 +584,9 @@ impl Core {
                         })?;
                 }
                 make_layer_dirs(&dir.join("scratch"), uid_base)?;
+                if let Some(views) = &views {
+                    write_proc_views(&dir, views)?;
+                }
                 // A machine-id(5) of its own (a fork's replaces its checkpoint's).
                 crate::checkpoints::write_machine_id(&dir.join("scratch/upper"), uid_base)?;
                 own_dir(&dir.join("rootfs"), uid_base, 0o755)?;
@@ -1022,15 +1030,49 @@ fn mount_scratch(templates: &Path, dir: &Path, disk_mib: u64) -> NodeResult<()> 
     )
 }
 
-/// Mounts the overlay of `lowers` (top-most first) + `dir/upper` at `dir/rootfs`.
+/// Writes the sandbox's `/proc` stand-ins ([`sandlot_guest::procview`], `(name, content)`)
+/// to `dir/scratch/procview/<name>`, in place when they exist (the container's bind mounts
+/// hold their inodes: a warm-pool hand-over rewrites them for the sandbox's limits).
+///
+/// They live on the scratch disk, a file system of its own, so the binds' root in the
+/// container's mountinfo is `/procview/<name>`, not a host path. Owned by host root, mode
+/// 0444, outside the overlay's upper dir: the container cannot reach or change them.
+pub(crate) fn write_proc_views(dir: &Path, views: &[(String, String)]) -> NodeResult<()> {
+    use std::io::Write as _;
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let d = dir.join("scratch/procview");
+    match std::fs::create_dir(&d) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(NodeError::io(format!("create {}", d.display()), e)),
+    }
+    for (name, content) in views {
+        let p = d.join(name);
+        std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o444)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(&p)
+            .and_then(|mut f| f.write_all(content.as_bytes()))
+            .map_err(|e| NodeError::io(format!("write {}", p.display()), e))?;
+    }
+    Ok(())
+}
+
+/// Mounts the overlay of `lowers` (top-most first) + `dir/scratch/upper` at `dir/rootfs`.
+///
+/// Security: the options name the upper and work dirs through `/proc/self/fd/N`
+/// descriptors ([`sandlot_guest::layers`]), not by their data-directory paths: the
+/// container reads its mountinfo.
 fn mount_overlay(dir: &Path, lowers: &[PathBuf]) -> NodeResult<()> {
-    let lower: Vec<String> = lowers.iter().map(|p| p.display().to_string()).collect();
-    let opts = format!(
-        "lowerdir={},upperdir={},workdir={}",
-        lower.join(":"),
-        dir.join("scratch/upper").display(),
-        dir.join("scratch/work").display()
-    );
+    let opts = sandlot_guest::layers::layer_options(
+        lowers,
+        &dir.join("scratch/upper"),
+        &dir.join("scratch/work"),
+    )
+    .map_err(|e| NodeError::io(format!("open the layers of {}/rootfs", dir.display()), e))?;
     nix::mount::mount(
         Some("overlay"),
         &dir.join("rootfs"),
@@ -1038,7 +1080,7 @@ fn mount_overlay(dir: &Path, lowers: &[PathBuf]) -> NodeResult<()> {
         // nosuid: the mount is on the host, where a setuid file of the image or of the
         // sandbox must never run with its owner's rights.
         nix::mount::MsFlags::MS_NODEV | nix::mount::MsFlags::MS_NOSUID,
-        Some(opts.as_str()),
+        Some(opts.options.as_str()),
     )
     .map_err(|e| {
         NodeError::io(
@@ -1326,6 +1368,27 @@ fn bundle_spec(
             .build()
             .map_err(bad)?,
     );
+    if runtime != Runtime::Runsc {
+        // The sandbox's own meminfo, cpuinfo, stat and loadavg (`write_proc_views`); runc
+        // allows binds onto exactly such /proc files (its `checkProcMount` list).
+        for name in sandlot_guest::procview::VIEW_FILES {
+            mounts.push(
+                MountBuilder::default()
+                    .destination(format!("/proc/{name}"))
+                    .typ("bind")
+                    .source(bundle_dir.join("scratch/procview").join(name))
+                    .options(vec![
+                        "bind".into(),
+                        "ro".into(),
+                        "nosuid".into(),
+                        "nodev".into(),
+                        "noexec".into(),
+                    ])
+                    .build()
+                    .map_err(bad)?,
+            );
+        }
+    }
     spec.set_mounts(Some(mounts));
     let map = LinuxIdMappingBuilder::default()
         .container_id(0u32)
@@ -1364,6 +1427,23 @@ fn bundle_spec(
         );
     }
     linux.set_namespaces(Some(namespaces));
+    if runtime != Runtime::Runsc {
+        // Host facts (`sandlot_guest::procview`): runc binds /dev/null over a masked file
+        // and an empty read-only tmpfs over a masked directory, after every mount; entries
+        // missing on this kernel are skipped. gVisor's /proc and /sys are its own.
+        use sandlot_guest::procview::{MASKED_PROC_DIRS, MASKED_PROC_FILES, MASKED_SYS_DIRS};
+        let mut masked = linux.masked_paths().clone().unwrap_or_default();
+        masked.extend(
+            MASKED_PROC_FILES
+                .iter()
+                .chain(MASKED_PROC_DIRS)
+                .map(|n| format!("/proc/{n}"))
+                .chain(MASKED_SYS_DIRS.iter().map(|n| format!("/sys/{n}"))),
+        );
+        masked.sort();
+        masked.dedup();
+        linux.set_masked_paths(Some(masked));
+    }
     linux.set_uid_mappings(Some(vec![map]));
     linux.set_gid_mappings(Some(vec![map]));
     if runtime != Runtime::Runsc {

@@ -28,7 +28,8 @@
 //!   (delete, destroy, readopt, pause, OOM counting, checkpoint) goes through them.
 //! * the host mounts (rootfs overlay, scratch disk) move with their parent directory (a
 //!   mount hangs on its dentry); the container's own mount namespace holds them by
-//!   reference. The overlay's `upperdir=` option text in mountinfo keeps the old path.
+//!   reference. The overlay's options name its upper and work dirs by `/proc/self/fd/N`
+//!   (no path to go stale, none shown to the container).
 //! * the agent socket: a unix socket is reached through its inode, so the node connects to
 //!   `DATA/containers/<id>/agent.sock` after the rename; the listening socket the agent
 //!   accepts on is the same.
@@ -39,7 +40,7 @@
 //!
 //! Everything else (runsc, crun, a network allow policy, another disk size, a fork of a
 //! checkpoint, an image outside the pool list) is created cold as before.
-use super::container::{read_state, write_state, ContainerState, Core, Runtime};
+use super::container::{read_state, write_proc_views, write_state, ContainerState, Core, Runtime};
 use super::function::StoredSpec;
 use super::pool::{pool_spec, PoolMember, WarmPool};
 use crate::cgroups::CgroupRoot;
@@ -147,6 +148,10 @@ impl PoolMember for Containers {
 
     fn write_state(dir: &Path, state: &ContainerState) -> NodeResult<()> {
         write_state(dir, state)
+    }
+
+    fn write_proc_views(dir: &Path, _state: &ContainerState, spec: &SandboxSpec) -> NodeResult<()> {
+        write_proc_views(dir, &super::function::proc_views(spec)?)
     }
 }
 

@@ -2,15 +2,23 @@
 //!
 //! Host layout of one sandbox (`DATA/sandboxes/<id>/`):
 //!
-//! * `upper/` — overlayfs upper dir, the sandbox's only writable layer. Owned by the jail's
-//!   `uid_base` (the host uid of root inside the sandbox), mode 0755; `upper/workspace` (0755) and
-//!   `upper/root` (0700) are pre-created with the same owner so the sandbox's root can write
-//!   its home and workspace. Everything else of the rootfs comes from the image's lower dirs,
-//!   which are owned by host root: inside the user namespace they show up as owned by
-//!   `nobody`, so they are read-only to the sandbox (security: an image layer shared by every
-//!   sandbox can never be modified by one of them; writes go to the upper dir by copy-up only
-//!   where the directory is writable, i.e. `/workspace`, `/root`, and the tmpfs mounts).
-//! * `work/` — overlayfs work dir (same file system as `upper/`), owned by `uid_base`.
+//! * `disk.img` + `scratch/` — the writable layer's file system and its **disk quota**: a
+//!   sparse ext4 image of `disk_mib` MiB ([`crate::disk`], the container backend's code)
+//!   loop-mounted on the host at `scratch/` (`nosuid,nodev,noatime`); writing past it gives
+//!   ENOSPC inside, the sandbox stays usable and deleting files frees space.
+//! * `scratch/upper/` — overlayfs upper dir, the sandbox's only writable layer. Owned by the
+//!   jail's `uid_base` (the host uid of root inside the sandbox), mode 0755;
+//!   `upper/workspace` (0755) and `upper/root` (0700) are pre-created with the same owner so
+//!   the sandbox's root can write its home and workspace. Everything else of the rootfs
+//!   comes from the image's lower dirs, which are owned by host root: inside the user
+//!   namespace they show up as owned by `nobody`, so they are read-only to the sandbox
+//!   (security: an image layer shared by every sandbox can never be modified by one of them;
+//!   writes go to the upper dir by copy-up only where the directory is writable, i.e.
+//!   `/workspace`, `/root`, and the tmpfs mounts). Sandboxes re-adopted from a version
+//!   before the disk have `upper/` and `work/` directly in the sandbox directory
+//!   ([`upper_dir`]).
+//! * `scratch/work/` — overlayfs work dir (same file system as `upper/`), owned by
+//!   `uid_base`.
 //! * `rootfs/` — empty mount point for the overlay. The overlay is mounted only inside the
 //!   sandbox's own mount namespace, so nothing is mounted in the host's namespace and the
 //!   mount disappears with the sandbox's init.
@@ -57,8 +65,9 @@
 //! A re-adopted sandbox whose group is still frozen comes back paused.
 //!
 //! Known approximations:
-//! * disk: `disk_mib` bounds each file (RLIMIT_FSIZE) and the /tmp tmpfs, not the upper
-//!   dir as a whole (a project quota or a size-limited upper file system is a later step);
+//! * disk: `disk_mib` bounds the writable layer (the ext4 image), each file
+//!   (RLIMIT_FSIZE) and the /tmp tmpfs, each on its own: /tmp and /dev/shm are tmpfs of
+//!   `min(disk_mib, memory_mib)` MiB charged to memory, not to the disk image;
 //! * OOM on cgroup v2: exec groups have no memory controller, so `oom_killed` is the delta
 //!   of the sandbox's `oom_kill` counter over the exec, which also counts OOM kills of an
 //!   overlapping exec in the same sandbox (v1 reads the exec group's own counter: exact);
@@ -389,12 +398,27 @@ impl FunctionBackend {
     ) -> NodeResult<JailState> {
         // Held by the caller until its rollback has killed a half-built jail.
         let base = uids.insert(self.uids.allocate()?).base();
+        {
+            let (templates, d, disk_mib) =
+                (disk_templates(&self.cfg), dir.to_path_buf(), spec.disk_mib);
+            spawn_blocking(move || mount_scratch(&templates, &d, disk_mib)).await?;
+        }
         if let Some(ck) = seed {
             // A fork: the checkpoint's layer becomes this jail's upper dir, re-owned from the
-            // parent's id range to this jail's.
-            let (layer, upper) = (ck.layer(), dir.join("upper"));
+            // parent's id range to this jail's. It goes into the fork's own disk: full means
+            // disk_mib is too small for the checkpoint, the caller's choice (400).
+            let (layer, upper) = (ck.layer(), dir.join("scratch/upper"));
             let shift = ck.meta.uid_base.map(|from| (from, base));
-            spawn_blocking(move || crate::checkpoints::copy_layer(&layer, &upper, shift)).await?;
+            let disk_mib = spec.disk_mib;
+            spawn_blocking(move || {
+                crate::checkpoints::copy_layer(&layer, &upper, shift).map_err(|e| match e {
+                    NodeError::ResourceExhausted(m) => {
+                        NodeError::InvalidArgument(format!("disk_mib {disk_mib} is too small: {m}"))
+                    }
+                    e => e,
+                })
+            })
+            .await?;
         }
         // tmpfs pages are charged to the sandbox's memory cgroup, so the memory limit
         // bounds /tmp too; disk_mib bounds it further.
@@ -578,7 +602,7 @@ impl SandboxBackend for FunctionBackend {
 
     async fn checkpoint(&self, id: &str, dest: &Path) -> NodeResult<Captured> {
         let jail = self.jail(id)?;
-        let upper = self.dir_of(id).join("upper");
+        let upper = upper_dir(&self.dir_of(id));
         let layer = dest.join("layer");
         crate::checkpoints::frozen_copy(
             id,
@@ -802,7 +826,8 @@ impl SandboxBackend for FunctionBackend {
     }
 }
 
-/// Build and start a jail for `spec` in the claimed directory `dir` with cgroup `cg`, a
+/// Build and start a jail for `spec` in the claimed directory `dir` (its scratch disk
+/// already mounted: [`mount_scratch`]) with cgroup `cg`, a
 /// /tmp tmpfs of `tmp_mib` MiB and host uid/gid range `uid_base..uid_base+65536` (the
 /// caller holds its [`UidLease`]); writes `state.json`. On error the caller removes what
 /// was left (directory and cgroup). Used by cold creates and by the warm pool.
@@ -828,7 +853,7 @@ pub(crate) async fn build_jail(
     spawn_blocking(move || {
         make_dirs(&d, uid)?;
         // A machine-id(5) of its own (a fork's replaces the one its checkpoint carried).
-        crate::checkpoints::write_machine_id(&d.join("upper"), uid)?;
+        crate::checkpoints::write_machine_id(&d.join("scratch/upper"), uid)?;
         cg2.create(&limits)
     })
     .await?;
@@ -839,8 +864,8 @@ pub(crate) async fn build_jail(
             .iter()
             .map(|p| p.display().to_string())
             .collect(),
-        upperdir: dir.join("upper").display().to_string(),
-        workdir: dir.join("work").display().to_string(),
+        upperdir: dir.join("scratch/upper").display().to_string(),
+        workdir: dir.join("scratch/work").display().to_string(),
         rootfs: dir.join("rootfs").display().to_string(),
         hostname: spec.id.clone(),
         uid_base: uid,
@@ -852,6 +877,7 @@ pub(crate) async fn build_jail(
             .map(|p| p.display().to_string())
             .collect(),
         tmp_mib,
+        proc_views: proc_views(spec)?,
     };
     let r = run_init(&cfg.guest_bin, &init).await?;
     *ready = Some(r.clone());
@@ -872,6 +898,54 @@ pub(crate) async fn build_jail(
     let d = dir.to_path_buf();
     spawn_blocking(move || write_state(&d, &st)).await?;
     Ok(state)
+}
+
+/// The stand-ins of `/proc/meminfo`, `cpuinfo`, `stat` and `loadavg` for `spec`'s limits
+/// ([`sandlot_guest::procview`]), as `(name, content)`.
+///
+/// # Errors
+/// `Internal` when the host's `/proc/cpuinfo` or `/proc/stat` cannot be read.
+pub(crate) fn proc_views(spec: &SandboxSpec) -> NodeResult<Vec<(String, String)>> {
+    use sandlot_guest::procview::{render_host, ViewLimits};
+    let host_cpus = std::thread::available_parallelism().map_or(0, |n| n.get() as u32);
+    let limits = ViewLimits::new(spec.memory_mib, spec.cpu, host_cpus);
+    Ok(render_host(limits)
+        .map_err(|e| {
+            NodeError::io(
+                "read /proc/cpuinfo and /proc/stat for the sandbox's views",
+                e,
+            )
+        })?
+        .into_iter()
+        .map(|(n, c)| (n.to_string(), c))
+        .collect())
+}
+
+/// Rewrites the `/proc` stand-ins of the running jail whose init is `init_pid` for `spec`
+/// (a pooled jail built with the pool's limits, handed over to a sandbox with its own).
+///
+/// Security: written in place (the bind mounts inside hold the files' inodes) through
+/// `/proc/<init_pid>/root/proc/<name>`: `/proc` inside is a procfs mount and the names
+/// are bind mounts of the jail's private tmpfs, which the sandbox cannot unmount, rename
+/// or replace (its mounts are locked: mount_namespaces(7)); `O_NOFOLLOW` refuses a symlink
+/// in the last component all the same.
+///
+/// # Errors
+/// `Internal` when a file cannot be opened or written.
+pub(crate) fn rewrite_proc_views(init_pid: i32, spec: &SandboxSpec) -> NodeResult<()> {
+    use std::io::Write as _;
+    use std::os::unix::fs::OpenOptionsExt as _;
+    for (name, content) in proc_views(spec)? {
+        let path = format!("/proc/{init_pid}/root/proc/{name}");
+        std::fs::OpenOptions::new()
+            .write(true)
+            .truncate(true)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(&path)
+            .and_then(|mut f| f.write_all(content.as_bytes()))
+            .map_err(|e| NodeError::io(format!("rewrite {path}"), e))?;
+    }
+    Ok(())
 }
 
 /// A validated exec, ready to hand to `sandlot-guest exec` (directly, or through the guest
@@ -1589,13 +1663,57 @@ pub(crate) fn check_id(id: &str) -> NodeResult<()> {
     }
 }
 
+/// The sandbox's layer directories: `scratch/upper`, `scratch/work` (on the mounted disk,
+/// see [`mount_scratch`]) and `rootfs/`, owned by `uid`.
 pub(crate) fn make_dirs(dir: &Path, uid: u32) -> NodeResult<()> {
     // The sandbox dir itself stays host-root owned; 0711 lets the sandbox's uid reach its
     // upper dir without listing anything.
     std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o711))
         .map_err(|e| NodeError::io(format!("chmod {}", dir.display()), e))?;
-    make_layer_dirs(dir, uid)?;
+    make_layer_dirs(&dir.join("scratch"), uid)?;
     own_dir(&dir.join("rootfs"), uid, 0o755)
+}
+
+/// `DATA/disk-templates` (shared with the container backend): one formatted image per size.
+pub(crate) fn disk_templates(cfg: &FunctionConfig) -> PathBuf {
+    cfg.sandboxes_dir
+        .parent()
+        .unwrap_or(&cfg.sandboxes_dir)
+        .join("disk-templates")
+}
+
+/// The writable layer's file system and disk quota: `dir/disk.img`, a sparse ext4 image of
+/// `disk_mib` MiB ([`crate::disk`]: cloned from a per-size template), loop-mounted on the
+/// host at `dir/scratch` (`nosuid,nodev,noatime`; the loop device is released with the last
+/// mount). The sandbox's mount namespace, copied from the host's when its init unshares,
+/// holds the mount too; delete unmounts the host's ([`destroy_blocking`]) and the rest goes
+/// with the namespace. The image's inode count (ext4's default ratio) bounds inode
+/// exhaustion as well.
+///
+/// # Errors
+/// `Internal` when the image cannot be made or mounted.
+pub(crate) fn mount_scratch(templates: &Path, dir: &Path, disk_mib: u64) -> NodeResult<()> {
+    use nix::mount::MsFlags;
+    let mnt = dir.join("scratch");
+    std::fs::create_dir(&mnt).map_err(|e| NodeError::io(format!("create {}", mnt.display()), e))?;
+    let img = dir.join("disk.img");
+    crate::disk::make_image(templates, &img, disk_mib)?;
+    crate::disk::mount_image(
+        &img,
+        &mnt,
+        MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOATIME,
+    )
+}
+
+/// The upper dir of the sandbox in `dir`: `scratch/upper`, or `upper` for a sandbox made
+/// before the disk quota (re-adopted after an upgrade).
+pub(crate) fn upper_dir(dir: &Path) -> PathBuf {
+    let old = dir.join("upper");
+    if std::fs::symlink_metadata(&old).is_ok_and(|m| m.is_dir()) {
+        old
+    } else {
+        dir.join("scratch/upper")
+    }
 }
 
 /// The writable layer's directories in `dir`, owned by `uid` (root inside the sandbox):
@@ -1651,7 +1769,7 @@ pub fn read_state(dir: &Path) -> Option<JailState> {
     serde_json::from_slice(&s).ok()
 }
 
-/// Kill, remove cgroups, unmount anything left under `dir` (there should be nothing: the
+/// Kill, remove cgroups, unmount the scratch disk and anything else left under `dir` (the
 /// overlay lives in the sandbox's mount namespace), remove `dir`.
 pub(crate) fn destroy_blocking(cg: &SandboxCgroup, dir: &Path) -> NodeResult<()> {
     let mut errs: Vec<NodeError> = Vec::new();
@@ -1667,8 +1785,11 @@ pub(crate) fn destroy_blocking(cg: &SandboxCgroup, dir: &Path) -> NodeResult<()>
         errs.push(e);
     }
     // Never recurse into a mount: remove_dir_all would then delete through it.
+    let scratch = dir.join("scratch");
     for m in mounts_under(dir) {
-        tracing::warn!(path = %m.display(), "unmounting a leftover host mount of a sandbox");
+        if m != scratch {
+            tracing::warn!(path = %m.display(), "unmounting a leftover host mount of a sandbox");
+        }
         if let Err(e) = nix::mount::umount2(&m, nix::mount::MntFlags::MNT_DETACH) {
             // EINVAL: not a mount point (any more): a concurrent cleanup was first.
             if e == nix::errno::Errno::EINVAL && !mounts_under(dir).contains(&m) {

@@ -17,8 +17,8 @@
 //! overlay mount inside the sandbox's mount namespace holds the upper/work directories by
 //! reference, so renaming them on the host does not disturb it.
 use super::function::{
-    build_jail, destroy_blocking, read_state, spawn_blocking, write_state, FunctionConfig,
-    JailState, StoredSpec,
+    build_jail, destroy_blocking, disk_templates, mount_scratch, read_state, rewrite_proc_views,
+    spawn_blocking, write_state, FunctionConfig, JailState, StoredSpec,
 };
 use super::pool::{pool_spec, PoolMember, WarmPool};
 use crate::cgroups::CgroupRoot;
@@ -30,8 +30,8 @@ use std::path::{Path, PathBuf};
 
 /// Prefix of pooled jails' names (directory and cgroup).
 pub const POOL_PREFIX: &str = "wp-";
-/// Size of a pooled jail's /tmp and /dev/shm tmpfs, MiB (fixed at init; see
-/// [`tmp_compatible`]).
+/// Size of a pooled jail's disk image and of its /tmp and /dev/shm tmpfs, MiB (fixed at
+/// build; see [`tmp_compatible`]).
 pub const POOL_TMP_MIB: u64 = 1024;
 
 /// The warm pool of the function backend.
@@ -56,8 +56,11 @@ pub fn pool_dir(sandboxes_dir: &Path) -> PathBuf {
 /// `min(disk_mib, memory_mib)`; tmpfs pages are charged to the sandbox's memory cgroup, so
 /// the effective bound is the smaller of the tmpfs size and the memory limit. The pooled
 /// jail fits when `min(POOL_TMP_MIB, memory) == min(disk, memory)`.
+/// The jail's disk image has [`POOL_TMP_MIB`] MiB too (its size is fixed at build), so
+/// `disk_mib` must be that size.
 pub fn tmp_compatible(spec: &SandboxSpec) -> bool {
-    POOL_TMP_MIB.min(spec.memory_mib) == spec.disk_mib.min(spec.memory_mib)
+    spec.disk_mib == POOL_TMP_MIB
+        && POOL_TMP_MIB.min(spec.memory_mib) == spec.disk_mib.min(spec.memory_mib)
 }
 
 impl PoolMember for Jails {
@@ -78,6 +81,8 @@ impl PoolMember for Jails {
         uid_base: u32,
     ) -> NodeResult<JailState> {
         let spec = pool_spec(name, Backend::Function, image, POOL_TMP_MIB);
+        let (templates, d) = (disk_templates(&self.cfg), dir.to_path_buf());
+        spawn_blocking(move || mount_scratch(&templates, &d, POOL_TMP_MIB)).await?;
         let cg = self.cgroups.sandbox(name);
         let mut state = build_jail(
             &self.cfg,
@@ -131,6 +136,10 @@ impl PoolMember for Jails {
 
     fn write_state(dir: &Path, state: &JailState) -> NodeResult<()> {
         write_state(dir, state)
+    }
+
+    fn write_proc_views(_dir: &Path, state: &JailState, spec: &SandboxSpec) -> NodeResult<()> {
+        rewrite_proc_views(state.init_pid, spec)
     }
 }
 

@@ -22,7 +22,7 @@
 //! the same layers (the backend decides beforehand which specs a member can serve): the
 //! spec's limits are written to the member's cgroup (a memory limit below its usage is
 //! checked: the init must still be alive afterwards), the host name inside is set to the
-//! sandbox id (`set_hostname`), the real `state.json` is written into the pooled
+//! sandbox id (`set_hostname`), the `/proc` stand-ins are rewritten for the spec's limits, the real `state.json` is written into the pooled
 //! directory, and the directory is renamed onto the sandbox's claimed (empty) directory
 //! (rename(2) replaces an empty directory atomically). Any failure destroys the member and
 //! the caller falls back to a cold create in the same directory.
@@ -122,6 +122,13 @@ pub trait PoolMember: Send + Sync + 'static {
     /// # Errors
     /// `Internal` (with the path) when the file cannot be written.
     fn write_state(dir: &Path, state: &Self::State) -> NodeResult<()>;
+
+    /// Rewrite the member's per-sandbox `/proc` stand-ins (`sandlot_guest::procview`),
+    /// built for the pool's limits, for `spec`'s (the member is still in `dir`).
+    ///
+    /// # Errors
+    /// `Internal` when a stand-in cannot be written.
+    fn write_proc_views(dir: &Path, state: &Self::State, spec: &SandboxSpec) -> NodeResult<()>;
 }
 
 /// The spec a member `name` of `backend` is built with: the pool's limits, no environment,
@@ -403,12 +410,13 @@ impl<M: PoolMember> WarmPool<M> {
             pids_max: spec.pids_max,
         };
         let (init_pid, init_starttime) = M::init(&p.state);
-        let (src, dst, st, name, id) = (
+        let (src, dst, st, name, id, sp) = (
             p.dir.clone(),
             dst.to_path_buf(),
             state.clone(),
             p.name.clone(),
             spec.id.clone(),
+            spec.clone(),
         );
         let res = spawn_blocking(move || {
             cg.apply(&limits)?;
@@ -424,6 +432,7 @@ impl<M: PoolMember> WarmPool<M> {
                 ));
             }
             set_hostname(init_pid, &id)?;
+            M::write_proc_views(&src, &st, &sp)?;
             M::write_state(&src, &st)?;
             std::fs::rename(&src, &dst).map_err(|e| {
                 NodeError::io(format!("rename {} to {}", src.display(), dst.display()), e)
