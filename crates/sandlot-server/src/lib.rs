@@ -16,6 +16,7 @@
 //! | `POST /v1/sandboxes/{id}/checkpoints`, `GET /v1/checkpoints[/{ck}]`, `DELETE /v1/checkpoints/{ck}` | [`checkpoints`] |
 //! | `GET/DELETE /v1/trajectories/{*id}`; step semantics of exec and files | [`trajectory`] |
 //! | `POST /run_code` (SandboxFusion-compatible), `GET /v1/run_code/languages` | [`run_code`] |
+//! | `POST /run_jupyter` (SandboxFusion-compatible) | [`run_code::jupyter`] |
 //! | `GET /v1/ping`, `/healthz`, `/openapi.json` | [`health`] |
 //! | `GET /metrics` | [`metrics`] |
 //! | `GET /v1/events` (audit events, in memory) | [`events`] |
@@ -332,6 +333,7 @@ pub fn router(state: SharedState) -> Router {
         )
         .route("/run_code", post(run_code::run_code))
         .route("/v1/run_code/languages", get(run_code::list_languages))
+        .route("/run_jupyter", post(run_code::jupyter::run_jupyter))
         .route("/v1/ping", get(health::ping))
         .route("/healthz", get(health::healthz))
         .route("/metrics", get(metrics::metrics))

@@ -181,6 +181,7 @@ fn sandbox_error(st: &SharedState, message: String) -> RunCodeResponse {
     }
 }
 
+pub mod jupyter;
 pub mod languages;
 
 use languages::Language;
