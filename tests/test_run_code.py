@@ -114,3 +114,17 @@ def test_64_concurrent_calls(rc):
         assert r.status != "SandboxError", (i, r)
         assert r.run_result.stdout == f"{i * i}\n", (i, r)
         assert r.status == ("Success" if i % 2 == 0 else "Failed"), (i, r)
+
+
+def test_program_writes_outside_workspace(rc):
+    """A program may write /mnt (SandboxFusion's programs write e.g. /mnt/out): the node
+    makes /mnt, /opt, /srv, /media the sandbox root's in its own writable layer, and
+    landlock allows them; before, this was `Permission denied`."""
+    code = ("import os\nos.makedirs('/mnt/out', exist_ok=True)\n"
+            "open('/mnt/out/result.txt', 'w').write(open('/opt/in.txt').read() + '!')\n")
+    r = rc.run_code(code, files={"/opt/in.txt": b"given"}, fetch_files=["/mnt/out/result.txt"])
+    assert r.status == "Success", r
+    assert r.files == {"/mnt/out/result.txt": b"given!"}
+    # The image's own directories stay read-only.
+    r = rc.run_code("open('/usr/x', 'w')\n")
+    assert r.status == "Failed" and "Permission denied" in r.run_result.stderr, r

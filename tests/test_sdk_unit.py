@@ -269,3 +269,48 @@ def test_create_body_with_and_without_checkpoint():
         create_body(*args, None, checkpoint=5)
     with pytest.raises(sandlot.ProtocolError):
         Checkpoint.from_json({"checkpoint_id": "x"})
+
+
+def test_run_jupyter_and_languages_shapes_sync_and_async():
+    png = base64.b64encode(b"\x89PNG").decode()
+    wire = {"status": "Success", "message": "", "executor_pod_name": "n1",
+            "driver": {"status": "Finished", "execution_time": 1.5, "return_code": 0,
+                       "stdout": "", "stderr": ""},
+            "cells": [{"stdout": "1\n", "stderr": "", "display": [{"image/png": png}],
+                       "error": [{"ename": "E", "evalue": "v", "traceback": ["t"]}]}],
+            "files": {"out.txt": base64.b64encode(b"x").decode()}}
+    langs = {"languages": [{"language": "java", "aliases": [], "image": "lang-java",
+                            "file": "Main.java", "compile": ["javac", "Main.java"],
+                            "run": ["java", "Main"], "env": {}, "layout": "program",
+                            "memory_mib": 1024, "installed": False}]}
+
+    def routes(req):
+        return httpx.Response(200, json=wire if req.url.path == "/run_jupyter" else langs)
+
+    c, fake = fake_client(routes)
+    r = c.run_jupyter(["print(1)"], cell_timeout=2, files={"in.txt": b"a"},
+                      fetch_files=["out.txt"])
+    body = json.loads(fake.requests[0].content)
+    assert body == {"cells": ["print(1)"], "cell_timeout": 2, "total_timeout": 45,
+                    "memory_limit_MB": -1, "kernel": "python3",
+                    "files": {"in.txt": base64.b64encode(b"a").decode()},
+                    "fetch_files": ["out.txt"]}
+    assert r.success and r.driver.return_code == 0 and r.files == {"out.txt": b"x"}
+    assert r.cells[0] == sandlot.JupyterCell(stdout="1\n", display=[{"image/png": png}],
+                                             error=[{"ename": "E", "evalue": "v",
+                                                     "traceback": ["t"]}])
+    [java] = c.run_code_languages()
+    assert java.compile == ["javac", "Main.java"] and not java.installed
+    with pytest.raises(TypeError):
+        c.run_jupyter("print(1)")
+
+    async def main():
+        a = sandlot.AsyncClient("http://fake")
+        a._http = httpx.AsyncClient(base_url="http://fake",
+                                    transport=httpx.MockTransport(FakeServer(routes)))
+        ar = await a.run_jupyter(["print(1)"])
+        assert ar == r
+        assert [l.language for l in await a.run_code_languages()] == ["java"]
+        await a.aclose()
+
+    asyncio.run(main())

@@ -197,6 +197,22 @@ def test_quota_refuses_with_429_and_creates_nothing(tenants):
             s.delete()
 
 
+def test_run_code_frees_quota_before_answering(tenants):
+    """A tenant one sandbox below its quota runs code, then creates at once: the run_code
+    sandbox is deleted before the answer arrives, so the create is never a false 429
+    (issue 25 item 7; on main the answer came first and the create got 429 ~0.5 s)."""
+    a = tenants["clients"]["a"]
+    held = a.create(image="python", cpu=0.5, memory_mib=128, ttl_s=300)
+    try:
+        for _ in range(3):
+            res = a.run_code("print(6*7)")
+            assert res.status == "Success", res
+            s = a.create(image="python", cpu=0.5, memory_mib=128, ttl_s=300)
+            s.delete()
+    finally:
+        held.delete()
+
+
 def test_admin_routes(tenants):
     url, keys = tenants["server"].url, tenants["keys"]
     for path in ("/metrics", "/"):

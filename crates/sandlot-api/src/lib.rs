@@ -13,6 +13,7 @@ mod files;
 mod network;
 mod process;
 mod run_code;
+mod run_jupyter;
 mod sandbox;
 mod trajectory;
 
@@ -28,6 +29,7 @@ pub use process::{
 pub use run_code::{
     CommandRunResult, CommandRunStatus, RunCodeRequest, RunCodeResponse, RunStatus,
 };
+pub use run_jupyter::{CellRunResult, RunJupyterRequest, RunJupyterResponse};
 pub use sandbox::{
     Backend, CreateSandboxRequest, KeepaliveRequest, RestoreMismatch, RestoreMode, RestoreReport,
     Sandbox, SandboxList, SandboxState,

@@ -9,7 +9,9 @@ use std::collections::BTreeMap;
 pub struct RunCodeRequest {
     /// Source code.
     pub code: String,
-    /// `python`, `bash` or `cpp` (g++ -O2 -std=c++17).
+    /// A language mode (`python`, `cpp`, `go`, `java`, ...; `GET /v1/run_code/languages`
+    /// lists them); absent → `python`.
+    #[serde(default = "python")]
     pub language: String,
     /// Compile limit in seconds (default 10).
     #[serde(default = "default_timeout")]
@@ -33,6 +35,10 @@ pub struct RunCodeRequest {
 
 fn default_timeout() -> f64 {
     10.0
+}
+
+fn python() -> String {
+    "python".into()
 }
 
 fn minus_one() -> i64 {

@@ -18,7 +18,11 @@ use landlock::{
 
 /// Directories beneath which writing, creating and removing files is allowed (`/dev` is
 /// there for /dev/null, /dev/tty and the pty devices; it holds nothing else writable).
-pub const WRITABLE: [&str; 7] = [
+/// `/mnt`, `/opt`, `/srv` and `/media` are there for programs that write outside
+/// `/workspace` (SandboxFusion's `run_code` lets a program write `/mnt/out`); the node makes
+/// them the sandbox root's directories in the sandbox's own writable layer, so writing there
+/// never reaches a shared image layer.
+pub const WRITABLE: [&str; 11] = [
     "/workspace",
     "/tmp",
     "/root",
@@ -26,6 +30,10 @@ pub const WRITABLE: [&str; 7] = [
     "/var/tmp",
     "/dev/shm",
     "/dev",
+    "/mnt",
+    "/opt",
+    "/srv",
+    "/media",
 ];
 
 /// Newest landlock ABI whose file-system rights this code asks for.

@@ -1,7 +1,7 @@
 //! `FakeNode`: a **unit-test fake** of the [`Node`] trait, in memory, for router tests of
 //! validation, error mapping, idempotency and stream framing. It runs nothing: "exec"
 //! interprets a handful of argv shapes (`echo`, `exit N`, `sleep S`, `chunks N`,
-//! `python3 main.py`, `g++ …`, `./main`) so the server's own logic can be checked. Real
+//! `python3 main.py`, `g++ …`, `./main` or `./test`) so the server's own logic can be checked. Real
 //! behaviour is tested against `LocalNode` end to end.
 use async_trait::async_trait;
 use bytes::Bytes;
@@ -256,7 +256,7 @@ impl Node for FakeNode {
                     result(0, b"", b"", false)
                 }
             }
-            ["./main"] => result(0, b"42\n", b"", false),
+            ["./main"] | ["./test"] => result(0, b"42\n", b"", false),
             // Appends a line to /workspace/log and prints the line count: not idempotent,
             // so running it twice shows.
             ["append", line] => {

@@ -15,7 +15,8 @@
 //! | `POST /v1/sandboxes:pause`, `POST /v1/sandboxes:resume` | [`pause`] |
 //! | `POST /v1/sandboxes/{id}/checkpoints`, `GET /v1/checkpoints[/{ck}]`, `DELETE /v1/checkpoints/{ck}` | [`checkpoints`] |
 //! | `GET/DELETE /v1/trajectories/{*id}`; step semantics of exec and files | [`trajectory`] |
-//! | `POST /run_code` (SandboxFusion-compatible) | [`run_code`] |
+//! | `POST /run_code` (SandboxFusion-compatible), `GET /v1/run_code/languages` | [`run_code`] |
+//! | `POST /run_jupyter` (SandboxFusion-compatible) | [`run_code::jupyter`] |
 //! | `GET /v1/ping`, `/healthz`, `/openapi.json` | [`health`] |
 //! | `GET /metrics` | [`metrics`] |
 //! | `GET /v1/events` (audit events, durable in `events.db`) | [`events`] |
@@ -356,6 +357,8 @@ pub fn router(state: SharedState) -> Router {
             get(trajectory::get).delete(trajectory::delete),
         )
         .route("/run_code", post(run_code::run_code))
+        .route("/v1/run_code/languages", get(run_code::list_languages))
+        .route("/run_jupyter", post(run_code::jupyter::run_jupyter))
         .route("/v1/ping", get(health::ping))
         .route("/healthz", get(health::healthz))
         .route("/metrics", get(metrics::metrics))

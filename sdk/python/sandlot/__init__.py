@@ -42,7 +42,8 @@ from .errors import (Conflict, DeadlineExceeded, InternalError, InvalidArgument,
                      SandlotError, TransportError, Unauthenticated, Unavailable)
 from .process import AsyncProcess, OutputSkipped, Process
 from .models import (AffectedIds, Checkpoint, CommandRunResult, ExecEvent, ExecResult, FileEntry,
-                     RestoreMismatch, RestoreReport, RunCodeResult, StderrChunk, StdoutChunk,
+                     JupyterCell, RestoreMismatch, RestoreReport, RunCodeLanguage, RunCodeResult,
+                     RunJupyterResult, StderrChunk, StdoutChunk,
                      TrajectoryInfo, TrajectoryStep)
 
 __version__ = "0.1.0"
@@ -53,7 +54,7 @@ __all__ = [
     "DeadlineExceeded", "Unavailable", "PermissionDenied", "Unauthenticated",
     "PayloadTooLarge", "InternalError", "TransportError", "ProtocolError",
     "ExecResult", "ExecEvent", "StdoutChunk", "StderrChunk", "FileEntry",
-    "RunCodeResult", "CommandRunResult", "TrajectoryInfo", "TrajectoryStep",
+    "RunCodeResult", "CommandRunResult", "RunJupyterResult", "JupyterCell", "RunCodeLanguage", "TrajectoryInfo", "TrajectoryStep",
     "RestoreReport", "RestoreMismatch", "AffectedIds", "Checkpoint",
     "Process", "AsyncProcess", "OutputSkipped",
 ]

@@ -11,7 +11,8 @@ from . import _base
 from .errors import ProtocolError, SandlotError, TransportError
 from .models import (Checkpoint, Command, checkpoint_id, checkpoints_of, Data, ExecEvent, ExecResult, FileEntry, Network,
                      RunCodeResult, TrajectoryInfo, create_body, exec_body, ids_of, label_params,
-                     parse_exec_event, run_code_body, selector_body, to_bytes)
+                     parse_exec_event, run_code_body, run_jupyter_body,
+                     RunCodeLanguage, RunJupyterResult, selector_body, to_bytes)
 from .process import Process, processes_of, spawn_body
 
 
@@ -241,14 +242,17 @@ class Client:
         """One-shot ``POST /run_code`` (SandboxFusion-compatible) in a fresh sandbox.
 
         Args:
-            code: program source.  language: ``python``, ``bash`` or ``cpp``.
+            code: program source.  language: any mode of :meth:`run_code_languages`
+                (``python``, ``cpp``, ``java``, ``go``, ``rust``, ``nodejs``, ``pytest``,
+                ``junit``, ... 25 in all).
             compile_timeout, run_timeout: seconds.  memory_limit_mb: MB, -1 = default.
             stdin: text fed to the program.  files: path → content written first
-                (relative to the working directory).  fetch_files: paths returned in
+                (relative to ``/workspace``, or absolute).  fetch_files: paths returned in
                 ``result.files`` as bytes.
 
         Returns the verdict; a program failure is ``status == "Failed"`` and a Sandlot
-        failure ``status == "SandboxError"`` (neither raises).
+        failure ``status == "SandboxError"`` (neither raises; a language whose toolchain
+        image is not installed is ``SandboxError``).
 
         Raises:
             InvalidArgument: unknown language or bad limits.  ResourceExhausted /
@@ -259,6 +263,38 @@ class Client:
         resp = self._request("POST", "/run_code", json=body,
                              work_s=float(compile_timeout) + float(run_timeout) + 30)
         return RunCodeResult.from_json(_base.json_of(resp))
+
+    def run_jupyter(self, cells: Sequence[str], cell_timeout: float = 0,
+                    total_timeout: float = 45, memory_limit_mb: int = -1,
+                    files: Optional[Mapping[str, Data]] = None,
+                    fetch_files: Optional[Sequence[str]] = None) -> RunJupyterResult:
+        """One-shot ``POST /run_jupyter`` (SandboxFusion-compatible): ``cells`` run in order in
+        one Python kernel in a fresh sandbox (image ``lang-python``).
+
+        Args:
+            cells: cell sources.  cell_timeout: seconds per cell, 0 = only the total.
+            total_timeout: seconds for all cells.  memory_limit_mb: MB, -1 = default (1024).
+            files: path → content written first (relative to ``/workspace``, or absolute).
+            fetch_files: paths returned in ``result.files`` as bytes.
+
+        Returns a :class:`RunJupyterResult`: per cell ``stdout``, ``stderr``, ``display``
+        (MIME bundles: ``text/plain``, ``image/png`` base64, ``text/html``) and ``error``.
+
+        Raises:
+            InvalidArgument: bad limits or base64.  ResourceExhausted / DeadlineExceeded:
+            server overloaded (after ``retries``).
+        """
+        body = run_jupyter_body(cells, cell_timeout, total_timeout, memory_limit_mb, files,
+                                fetch_files)
+        resp = self._request("POST", "/run_jupyter", json=body,
+                             work_s=float(total_timeout) + 60)
+        return RunJupyterResult.from_json(_base.json_of(resp))
+
+    def run_code_languages(self) -> List[RunCodeLanguage]:
+        """``GET /v1/run_code/languages``: every language mode of ``run_code``, in the
+        server's table order, with its image and whether that image is installed."""
+        resp = self._request("GET", "/v1/run_code/languages")
+        return [RunCodeLanguage.from_json(r) for r in _base.json_of(resp).get("languages", [])]
 
 
 class Sandbox(_base.SandboxFields):

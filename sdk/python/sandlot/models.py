@@ -276,6 +276,120 @@ class RunCodeResult:
 
 
 @dataclass
+class JupyterCell:
+    """What one cell of ``run_jupyter`` produced (SandboxFusion's ``CellRunResult``).
+
+    Attributes:
+        stdout: text the cell wrote to stdout.
+        stderr: text the cell wrote to stderr.
+        display: one MIME bundle per display / execute result, e.g.
+            ``{"text/plain": "...", "image/png": "<base64>", "text/html": "..."}``.
+        error: errors raised, each ``{"ename", "evalue", "traceback": [str]}``; a cell over
+            its time limit gets ``ename == "TimeoutError"``.
+    """
+
+    stdout: str = ""
+    stderr: str = ""
+    display: List[Dict[str, Any]] = field(default_factory=list)
+    error: List[Dict[str, Any]] = field(default_factory=list)
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "JupyterCell":
+        """Parse the wire ``CellRunResult``."""
+        return cls(stdout=str(d.get("stdout") or ""), stderr=str(d.get("stderr") or ""),
+                   display=[dict(x) for x in d.get("display") or []],
+                   error=[dict(x) for x in d.get("error") or []])
+
+
+@dataclass
+class RunJupyterResult:
+    """Answer of ``run_jupyter`` (SandboxFusion's ``RunJupyterResponse``).
+
+    Attributes:
+        status: ``"Success"`` (every cell ran; a cell that raised still ran, see its
+            ``error``), ``"Failed"`` (a cell or the whole run over its time limit) or
+            ``"SandboxError"`` (Sandlot failed, e.g. the ``lang-python`` image is missing).
+        message: explanation for ``Failed``/``SandboxError``; empty on success.
+        driver: the process that ran the kernel (a ``CommandRunResult``), or ``None``.
+        cells: one :class:`JupyterCell` per cell run, in order.
+        executor_pod_name: node that ran it.
+        files: fetched files, path → exact bytes (base64-decoded).
+    """
+
+    status: str
+    message: str = ""
+    driver: Optional[CommandRunResult] = None
+    cells: List[JupyterCell] = field(default_factory=list)
+    executor_pod_name: Optional[str] = None
+    files: Dict[str, bytes] = field(default_factory=dict)
+
+    @property
+    def success(self) -> bool:
+        """True when ``status == "Success"``."""
+        return self.status == "Success"
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "RunJupyterResult":
+        """Parse the wire ``RunJupyterResponse``."""
+        try:
+            return cls(
+                status=str(d["status"]),
+                message=str(d.get("message") or ""),
+                driver=CommandRunResult.from_json(d.get("driver")),
+                cells=[JupyterCell.from_json(c) for c in d.get("cells") or []],
+                executor_pod_name=d.get("executor_pod_name"),
+                files={k: base64.b64decode(v) for k, v in (d.get("files") or {}).items()},
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ProtocolError(f"bad RunJupyterResponse {dict(d)!r:.300}: {e}") from e
+
+
+@dataclass
+class RunCodeLanguage:
+    """One row of ``GET /v1/run_code/languages``: a language mode of ``run_code``.
+
+    Attributes:
+        language: mode name (``python``, ``go_test``, ``R``, ``D_ut``, ...).
+        aliases: other accepted names.
+        image: image a call runs on now.
+        file: source file name in ``/workspace`` (``{class}``: the declared class).
+        compile: compile argv (``{file}``/``{class}`` placeholders) or ``None``.
+        run: run argv.
+        env: environment over the image's.
+        layout: ``"program"`` or ``"tests"`` (Success = every test passes).
+        memory_mib: default memory limit in MiB.
+        installed: whether the toolchain image is on the node (else a call answers
+            ``SandboxError``).
+    """
+
+    language: str
+    image: str
+    file: str
+    run: List[str]
+    compile: Optional[List[str]] = None
+    aliases: List[str] = field(default_factory=list)
+    env: Dict[str, str] = field(default_factory=dict)
+    layout: str = "program"
+    memory_mib: int = 512
+    installed: bool = False
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "RunCodeLanguage":
+        """Parse one wire row."""
+        try:
+            return cls(language=str(d["language"]), image=str(d["image"]), file=str(d["file"]),
+                       run=[str(a) for a in d["run"]],
+                       compile=None if d.get("compile") is None else [str(a) for a in d["compile"]],
+                       aliases=[str(a) for a in d.get("aliases") or []],
+                       env={str(k): str(v) for k, v in (d.get("env") or {}).items()},
+                       layout=str(d.get("layout") or "program"),
+                       memory_mib=int(d.get("memory_mib") or 0),
+                       installed=bool(d.get("installed")))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ProtocolError(f"bad run_code language {dict(d)!r:.300}: {e}") from e
+
+
+@dataclass
 class RestoreMismatch:
     """A replayed exec of a ``restore="replay"`` whose exit code differs from the log.
 
@@ -579,6 +693,27 @@ def run_code_body(
         "memory_limit_MB": memory_limit_mb,
     }
     _put(body, "stdin", stdin)
+    if files:
+        body["files"] = {path: _b64(data) for path, data in files.items()}
+    if fetch_files:
+        body["fetch_files"] = list(fetch_files)
+    return body
+
+
+def run_jupyter_body(
+    cells: Sequence[str], cell_timeout: float, total_timeout: float, memory_limit_mb: int,
+    files: Optional[Mapping[str, Data]], fetch_files: Optional[Sequence[str]],
+) -> Dict[str, Any]:
+    """JSON body of ``POST /run_jupyter`` (SandboxFusion field names)."""
+    if isinstance(cells, str):
+        raise TypeError("cells must be a sequence of cell sources, not one string")
+    body: Dict[str, Any] = {
+        "cells": [str(c) for c in cells],
+        "cell_timeout": cell_timeout,
+        "total_timeout": total_timeout,
+        "memory_limit_MB": memory_limit_mb,
+        "kernel": "python3",
+    }
     if files:
         body["files"] = {path: _b64(data) for path, data in files.items()}
     if fetch_files:

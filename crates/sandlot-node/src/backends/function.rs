@@ -9,12 +9,13 @@
 //! * `scratch/upper/` — overlayfs upper dir, the sandbox's only writable layer. Owned by the
 //!   jail's `uid_base` (the host uid of root inside the sandbox), mode 0755;
 //!   `upper/workspace` (0755) and `upper/root` (0700) are pre-created with the same owner so
-//!   the sandbox's root can write its home and workspace. Everything else of the rootfs
+//!   the sandbox's root can write its home and workspace; so are `upper/{mnt,opt,srv,media}`
+//!   (0755, [`SCRATCH_DIRS`]), scratch directories a program may write. Everything else of the rootfs
 //!   comes from the image's lower dirs, which are owned by host root: inside the user
 //!   namespace they show up as owned by `nobody`, so they are read-only to the sandbox
 //!   (security: an image layer shared by every sandbox can never be modified by one of them;
 //!   writes go to the upper dir by copy-up only where the directory is writable, i.e.
-//!   `/workspace`, `/root`, and the tmpfs mounts). Sandboxes re-adopted from a version
+//!   `/workspace`, `/root`, the scratch directories and the tmpfs mounts). Sandboxes re-adopted from a version
 //!   before the disk have `upper/` and `work/` directly in the sandbox directory
 //!   ([`upper_dir`]).
 //! * `scratch/work/` — overlayfs work dir (same file system as `upper/`), owned by
@@ -1717,13 +1718,25 @@ pub(crate) fn upper_dir(dir: &Path) -> PathBuf {
 }
 
 /// The writable layer's directories in `dir`, owned by `uid` (root inside the sandbox):
-/// `upper/` (0755) with `upper/workspace` (0755) and `upper/root` (0700), and `work/` (0700).
+/// `upper/` (0755) with `upper/workspace` (0755), `upper/root` (0700) and the scratch
+/// mount points [`SCRATCH_DIRS`] (0755), and `work/` (0700).
 pub(crate) fn make_layer_dirs(dir: &Path, uid: u32) -> NodeResult<()> {
     own_dir(&dir.join("upper"), uid, 0o755)?;
     own_dir(&dir.join("upper/workspace"), uid, 0o755)?;
     own_dir(&dir.join("upper/root"), uid, 0o700)?;
+    for d in SCRATCH_DIRS {
+        own_dir(&dir.join("upper").join(d), uid, 0o755)?;
+    }
     own_dir(&dir.join("work"), uid, 0o700)
 }
+
+/// Top-level directories that Debian leaves empty for local use (`/mnt`, `/opt`, `/srv`,
+/// `/media`), made the sandbox root's in its writable layer so a program may write there
+/// (SandboxFusion's `run_code` programs write e.g. `/mnt/out`). The overlay shows an upper
+/// directory's owner and mode over the image's, and the image's own files beneath them
+/// (say `/opt/sandlot/node`) stay owned by host root, so read-only: the shared layer is
+/// never written. `sandlot-guest`'s landlock rules allow writing beneath the same paths.
+pub(crate) const SCRATCH_DIRS: [&str; 4] = ["mnt", "opt", "srv", "media"];
 
 /// Creates `p` as a directory (if missing) owned by `uid:uid` with `mode`. Never follows a
 /// symlink: an entry at `p` that is not a directory (a symlink or file that a sandbox left

@@ -2,20 +2,23 @@
 //! (bytedance/SandboxFusion `sandbox/server/sandbox_api.py`; shapes in
 //! [`sandlot_api::RunCodeRequest`]).
 //!
-//! Each call creates an ephemeral `function` sandbox on image `python` (memory
-//! `memory_limit_MB` clamped to 16–65536 when > 0, else 512 MiB; TTL = compile timeout plus
-//! run timeout plus 120 s, a safety net should this process die mid-call; label
-//! `sandlot.kind=run_code`), writes `files` (base64) and the code to `/workspace`, runs it, fetches `fetch_files`, and
-//! always deletes the sandbox — the work runs in its own task, so a client disconnect still
-//! ends in cleanup.
+//! Each call creates an ephemeral `function` sandbox on the language's toolchain image
+//! (memory `memory_limit_MB` clamped to 16–65536 when > 0, else the language's default; TTL
+//! = compile timeout plus run timeout plus 120 s, a safety net should this process die
+//! mid-call; label `sandlot.kind=run_code`), writes `files` (base64) and the code to
+//! `/workspace`, compiles and runs it, fetches `fetch_files`, deletes the sandbox, and only
+//! then answers — so the caller's quota is free again when the answer arrives. The work runs
+//! in its own task, so a client disconnect still ends in cleanup.
 //!
-//! | language | file | compile | run |
-//! |---|---|---|---|
-//! | `python` (`python3`) | `main.py` | — | `python3 main.py` |
-//! | `bash` | `main.sh` | — | `bash main.sh` (`sh main.sh` when the image has no bash) |
-//! | `cpp` | `main.cpp` | `g++ -O2 -std=c++17 -o main main.cpp` (`compile_timeout`) | `./main` |
+//! Languages are data: [`languages::LANGUAGES`] holds one row per SandboxFusion mode (file,
+//! compile and run argv, image, default memory, test-style layout), listed by
+//! `GET /v1/run_code/languages` ([`list_languages`]). `language` absent → `python`. An
+//! unknown language is HTTP 400; a known one whose image is not installed is HTTP 200
+//! `SandboxError` `toolchain image lang-<x> is not installed (sandlot image build lang-<x>)`.
+//! `python`, `bash`, `cpp` and `perl` fall back to the base `python` image (python3, g++,
+//! bash, perl) when their `lang-*` image is absent.
 //!
-//! Verdicts as SandboxFusion: compile exit ≠ 0 → `Failed`, `compile_result` `Finished`, no
+//! Verdicts as SandboxFusion (test-style modes: the test runner's exit code): compile exit ≠ 0 → `Failed`, `compile_result` `Finished`, no
 //! `run_result`; compile timeout → `Failed`, `compile_result` `TimeLimitExceeded`; run exit 0
 //! → `Success`; exit ≠ 0 → `Failed` (`run_result` `Finished`); run timeout → `Failed`
 //! (`run_result` `TimeLimitExceeded`). `execution_time` is in seconds.
@@ -147,8 +150,8 @@ pub async fn run_code(
     };
     let st2 = st.clone();
     let (tx, rx) = tokio::sync::oneshot::channel();
-    // The task answers through `tx` as soon as the verdict is known and deletes the sandbox
-    // afterwards, still holding the admission permit so deletes cannot pile up unbounded.
+    // The task deletes the sandbox and then answers through `tx`, holding the admission
+    // permit throughout; a client that disconnects does not stop the cleanup.
     tokio::spawn(async move {
         let _permit = permit;
         execute(&st2, &who, req, plan, tx).await
@@ -178,16 +181,91 @@ fn sandbox_error(st: &SharedState, message: String) -> RunCodeResponse {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq)]
-enum Lang {
-    Python,
-    Bash,
-    Cpp,
-}
+pub mod jupyter;
+pub mod languages;
+
+use languages::Language;
 
 struct Plan {
-    lang: Lang,
+    lang: &'static Language,
     files: Vec<(String, Vec<u8>)>,
+}
+
+/// Whether image `name` is in the node's image store (`true` when the server was started
+/// without an image store to look at; the create then reports a missing image itself).
+fn installed(st: &SharedState, name: &str) -> bool {
+    match &st.cfg.images_dir {
+        Some(dir) => dir.join(name).join("image.json").is_file(),
+        None => true,
+    }
+}
+
+/// The image `lang` runs on: its own, else its fallback, else the `SandboxError` message.
+fn image_for(st: &SharedState, lang: &Language) -> Result<&'static str, String> {
+    if st.cfg.images_dir.is_none() {
+        // No store to look at (a node without images, e.g. a test double): the create
+        // reports a missing image itself.
+        return Ok(lang.fallback_image.unwrap_or(lang.image));
+    }
+    if installed(st, lang.image) {
+        return Ok(lang.image);
+    }
+    match lang.fallback_image {
+        Some(f) if installed(st, f) => Ok(f),
+        _ => Err(format!(
+            "toolchain image {0} is not installed (sandlot image build {0})",
+            lang.image
+        )),
+    }
+}
+
+/// One row of `GET /v1/run_code/languages`.
+#[derive(Debug, serde::Serialize)]
+pub struct LanguageInfo {
+    /// Mode name (`python`, `go_test`, ...).
+    pub language: &'static str,
+    /// Other accepted names.
+    pub aliases: &'static [&'static str],
+    /// The image a call runs on now (the fallback when the own image is absent).
+    pub image: &'static str,
+    /// Source file name in `/workspace` for code that declares no class (Java `junit`
+    /// and Scala use the declared class name instead of `Main`).
+    pub file: String,
+    /// Compile argv as run for that file, or null.
+    pub compile: Option<Vec<String>>,
+    /// Run argv as run for that file.
+    pub run: Vec<String>,
+    /// Environment over the image's.
+    pub env: BTreeMap<&'static str, &'static str>,
+    /// `program` or `tests` (Success = every test passes).
+    pub layout: languages::Layout,
+    /// Default memory limit in MiB.
+    pub memory_mib: u64,
+    /// Whether the image is installed on this node.
+    pub installed: bool,
+}
+
+/// `GET /v1/run_code/languages` → `{"languages": [LanguageInfo]}`, in table order.
+pub async fn list_languages(State(st): State<SharedState>) -> Json<serde_json::Value> {
+    let rows: Vec<LanguageInfo> = languages::LANGUAGES
+        .iter()
+        .map(|l| {
+            let image = image_for(&st, l);
+            LanguageInfo {
+                language: l.name,
+                aliases: l.aliases,
+                image: image.as_ref().copied().unwrap_or(l.image),
+                file: l.file_name(""),
+                compile: l.compile.map(|c| l.expand(c, "")),
+                run: l.expand(l.run, ""),
+                env: l.env.iter().copied().collect(),
+                layout: l.layout,
+                memory_mib: l.memory_mib,
+                installed: image.is_ok(),
+            }
+        })
+        .collect();
+    Json(serde_json::json!({ "languages": rows }))
 }
 
 const WORKDIR: &str = "/workspace";
@@ -209,15 +287,12 @@ fn check_timeout(name: &str, t: f64) -> Result<(), String> {
 }
 
 fn plan(req: &RunCodeRequest) -> Result<Plan, String> {
-    let lang = match req.language.as_str() {
-        "python" | "python3" => Lang::Python,
-        "bash" => Lang::Bash,
-        "cpp" => Lang::Cpp,
-        other => {
-            return Err(format!(
-                "unsupported language {other:?}; supported: python, bash, cpp"
-            ))
-        }
+    let Some(lang) = languages::find(&req.language) else {
+        return Err(format!(
+            "unsupported language {:?}; supported: {}",
+            req.language,
+            languages::names().join(", ")
+        ));
     };
     check_timeout("compile_timeout", req.compile_timeout)?;
     check_timeout("run_timeout", req.run_timeout)?;
@@ -229,12 +304,8 @@ fn plan(req: &RunCodeRequest) -> Result<Plan, String> {
             .map_err(|e| format!("files[{path:?}] is not valid base64: {e}"))?;
         files.push((sandbox_path(path), data));
     }
-    let main = match lang {
-        Lang::Python => "main.py",
-        Lang::Bash => "main.sh",
-        Lang::Cpp => "main.cpp",
-    };
-    files.push((sandbox_path(main), req.code.clone().into_bytes()));
+    let main = lang.file_name(&req.code);
+    files.push((sandbox_path(&main), lang.source(&req.code).into_bytes()));
     Ok(Plan { lang, files })
 }
 
@@ -252,8 +323,13 @@ fn command_result(r: &ExecResult) -> CommandRunResult {
     }
 }
 
-fn exec_req(cmd: Cmd, timeout: f64, stdin: Option<&str>) -> ExecRequest {
+fn exec_req(lang: &Language, cmd: Cmd, timeout: f64, stdin: Option<&str>) -> ExecRequest {
     let mut e = ExecRequest::new(cmd);
+    e.env = lang
+        .env
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
     e.cwd = Some(WORKDIR.into());
     e.timeout_s = Some(timeout);
     e.stdin_b64 = stdin.map(|s| B64.encode(s.as_bytes()));
@@ -263,8 +339,9 @@ fn exec_req(cmd: Cmd, timeout: f64, stdin: Option<&str>) -> ExecRequest {
 /// Run one `run_code` request to its response (never an `Err`: infrastructure failures
 /// become `SandboxError`). Creates and always deletes one sandbox.
 ///
-/// The response goes to `answer` before the delete, so the caller does not wait for the
-/// teardown; a failed delete is left to the TTL reaper (the sandbox is `deleting`).
+/// The response goes to `answer` after the delete has finished, so the sandbox no longer
+/// counts against the caller's quota when the answer arrives; a failed delete is left to
+/// the TTL reaper (the sandbox is `deleting`).
 async fn execute(
     st: &SharedState,
     who: &Principal,
@@ -272,14 +349,21 @@ async fn execute(
     plan: Plan,
     answer: tokio::sync::oneshot::Sender<ApiResult<RunCodeResponse>>,
 ) {
+    let image = match image_for(st, plan.lang) {
+        Ok(i) => i,
+        Err(m) => {
+            let _ = answer.send(Ok(sandbox_error(st, m)));
+            return;
+        }
+    };
     let memory_mib = if req.memory_limit_MB > 0 {
         (req.memory_limit_MB as u64).clamp(16, 65536)
     } else {
-        512
+        plan.lang.memory_mib
     };
     let ttl = (req.compile_timeout + req.run_timeout).ceil() as u64 + 120;
     let create = CreateSandboxRequest {
-        image: Some("python".into()),
+        image: Some(image.into()),
         memory_mib: Some(memory_mib),
         ttl_s: Some(ttl.min(crate::sandboxes::MAX_TTL_S)),
         ..Default::default()
@@ -303,14 +387,14 @@ async fn execute(
     // Budget shares of the fetched files, kept until the answer is handed over.
     let mut held = Vec::new();
     let out = run_in(st, &id, &req, plan, &mut held).await;
+    if let Err(e) = delete_sandbox(st, &id).await {
+        tracing::warn!(sandbox_id = %id, error = %crate::error::chain(&e), "run_code: delete failed; the reaper retries");
+    }
     let _ = answer.send(Ok(match out {
         Ok(r) => r,
         Err(e) => sandbox_error(st, e.to_string()),
     }));
     drop(held);
-    if let Err(e) = delete_sandbox(st, &id).await {
-        tracing::warn!(sandbox_id = %id, error = %crate::error::chain(&e), "run_code: delete failed; the reaper retries");
-    }
 }
 
 /// An exec on the node with its audit event and latency observation.
@@ -349,33 +433,26 @@ async fn run_in(
         executor_pod_name: Some(st.node_name.clone()),
         files: BTreeMap::new(),
     };
-    let run_cmd = match plan.lang {
-        Lang::Python => Cmd::Argv(vec!["python3".into(), "main.py".into()]),
-        Lang::Bash => Cmd::Shell(
-            "if command -v bash >/dev/null 2>&1; then exec bash main.sh; else exec sh main.sh; fi"
-                .into(),
-        ),
-        Lang::Cpp => {
-            let argv = ["g++", "-O2", "-std=c++17", "-o", "main", "main.cpp"];
-            let compile = Cmd::Argv(argv.iter().map(|s| s.to_string()).collect());
-            let c = observed_exec(st, id, exec_req(compile, req.compile_timeout, None)).await?;
-            resp.compile_result = Some(command_result(&c));
-            if c.timed_out || c.exit_code != 0 {
-                resp.status = RunStatus::Failed;
-                resp.message = if c.timed_out {
-                    "compile time limit exceeded".into()
-                } else {
-                    format!("compilation failed with exit code {}", c.exit_code)
-                };
-                return Ok(resp);
-            }
-            Cmd::Argv(vec!["./main".into()])
+    let lang = plan.lang;
+    if let Some(compile) = lang.compile {
+        let compile = Cmd::Argv(lang.expand(compile, &req.code));
+        let c = observed_exec(st, id, exec_req(lang, compile, req.compile_timeout, None)).await?;
+        resp.compile_result = Some(command_result(&c));
+        if c.timed_out || c.exit_code != 0 {
+            resp.status = RunStatus::Failed;
+            resp.message = if c.timed_out {
+                "compile time limit exceeded".into()
+            } else {
+                format!("compilation failed with exit code {}", c.exit_code)
+            };
+            return Ok(resp);
         }
-    };
+    }
+    let run_cmd = Cmd::Argv(lang.expand(lang.run, &req.code));
     let r = observed_exec(
         st,
         id,
-        exec_req(run_cmd, req.run_timeout, req.stdin.as_deref()),
+        exec_req(lang, run_cmd, req.run_timeout, req.stdin.as_deref()),
     )
     .await?;
     resp.run_result = Some(command_result(&r));
