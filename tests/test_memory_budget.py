@@ -144,3 +144,37 @@ def test_background_output_is_not_held_in_server_memory(node):
     # Nothing visible on disk: the spill files are unlinked.
     spill = srv.data_dir / "process-output"
     assert spill.is_dir() and list(spill.iterdir()) == []
+
+
+def test_concurrent_uploads_are_charged_to_the_budget(node):
+    """8 concurrent 250 MiB uploads took main to ~2.7 GB (bodies buffered whole). Each upload
+    now reserves 2 x its Content-Length from the 1 GiB file data budget before its body is
+    read: two run at a time, the others wait 2 s and answer 429 with Retry-After."""
+    srv = node
+    pid = srv.proc.pid
+    body = b"\xab" * (250 * MIB)
+    with sandlot.Client(srv.url, timeout=120, retries=0) as c:
+        try:
+            box = c.create(backend="function", image="busybox", memory_mib=128, disk_mib=512, ttl_s=900)
+        except (sandlot.NotFound, sandlot.Unavailable) as e:
+            pytest.skip(f"no usable busybox function sandbox here: {e}")
+        sampler = PeakRss(pid)
+
+        def put(i):
+            r = httpx.put(f"{srv.url}/v1/sandboxes/{box.id}/files",
+                          params={"path": f"/up{i}"}, content=body, timeout=300)
+            return r.status_code, r.headers.get("retry-after"), r.text
+
+        try:
+            with ThreadPoolExecutor(8) as ex:
+                answers = list(ex.map(put, range(8)))
+        finally:
+            peak = sampler.stop()
+            box.delete()
+    print(f"uploads: {[a[0] for a in answers]}, server peak RSS {peak:.0f} MiB")
+    for code, retry, text in answers:
+        assert code in (204, 429), text
+        if code == 429:
+            assert retry and "resource_exhausted" in text, text
+    assert any(a[0] == 204 for a in answers)
+    assert peak < 1536, peak
