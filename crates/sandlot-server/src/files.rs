@@ -133,8 +133,8 @@ fn wrong_kind(q: &PathQuery) -> ServerError {
 }
 
 /// Bytes of server memory an upload reserves per byte of its body: the buffered body and
-/// the node's copies while it writes (measured: 8 concurrent 250 MiB uploads took the server
-/// to 2.7 GB, ~1.35 × each).
+/// the node's copies while it writes (measured: two concurrent 250 MiB uploads take the
+/// server to ~1 GiB RSS, ~2 × each).
 pub const UPLOAD_SHARE_FACTOR: u64 = 2;
 
 /// Middleware of the files route: a `PUT` (upload, buffered whole before the node writes
