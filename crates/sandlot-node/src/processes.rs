@@ -17,7 +17,11 @@
 //!
 //! Bounds: at most [`ProcessLimits::max_running`] running processes per sandbox (more:
 //! `ResourceExhausted`) and [`ProcessLimits::max_kept`] records per sandbox (the oldest
-//! exited ones are forgotten first); retained output per stream up to [`MAX_RETAIN`].
+//! exited ones are forgotten first); retained output per stream up to [`MAX_RETAIN`],
+//! kept in unlinked files under the table's spill directory, not in memory ([`OutputLog`]):
+//! a record costs the server a few KiB of memory whatever its output, and at most
+//! `max_kept` × 2 × `max_output_bytes` (64 × 2 × 16 MiB = 2 GiB) of disk per sandbox,
+//! freed when the records are forgotten.
 //!
 //! Lifetime: processes end with their sandbox (delete, TTL) and are forgotten with
 //! [`ProcessTable::forget_sandbox`]. The table is memory only: after a restart of the
@@ -29,7 +33,7 @@ use sandlot_api::{
     ApiError, Cmd, ExecEvent, ExecRequest, ExecResult, Process, ProcessEvent, ProcessState,
     SpawnRequest, StreamName,
 };
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
@@ -70,57 +74,104 @@ impl Default for ProcessLimits {
 
 /// The last `cap` bytes of one output stream, with absolute offsets: byte `n` of the stream
 /// is retained while `start() <= n < end()`.
-#[derive(Debug, Clone)]
+///
+/// The bytes live in a file, not in memory (issue 25, item 4: 48 processes retaining
+/// 16 MiB each took the server to ~2 GB, and it stayed there after their sandboxes were
+/// deleted): an unlinked temporary file (`O_TMPFILE`) in the table's spill directory, used
+/// as a ring — byte `n` is at file position `n % cap`, so the file never grows past `cap`
+/// bytes. The file is gone (space freed) when the log is dropped, i.e. when the process's
+/// record is forgotten (removed, evicted, or its sandbox deleted), and nothing is left
+/// behind by a crash. A write that fails (disk full) drops those bytes: they read as
+/// skipped (`start()` moves past them), the stream's total still counts them.
+#[derive(Debug)]
 pub struct OutputLog {
-    cap: usize,
-    buf: VecDeque<u8>,
-    start: u64,
+    cap: u64,
+    end: u64,
+    /// No byte before this offset is retained (raised past bytes a failed write lost).
+    floor: u64,
+    file: Option<std::fs::File>,
 }
 
 impl OutputLog {
-    /// An empty log retaining at most `cap` bytes.
-    pub fn new(cap: usize) -> Self {
-        OutputLog {
-            cap,
-            buf: VecDeque::new(),
-            start: 0,
+    /// An empty log retaining at most `cap` bytes in an unlinked file under `dir` (no file
+    /// when `cap` is 0).
+    ///
+    /// # Errors
+    /// The temporary file cannot be created in `dir`.
+    pub fn new(cap: usize, dir: &std::path::Path) -> std::io::Result<Self> {
+        let file = if cap == 0 {
+            None
+        } else {
+            Some(tempfile::tempfile_in(dir)?)
+        };
+        Ok(OutputLog {
+            cap: cap as u64,
+            end: 0,
+            floor: 0,
+            file,
+        })
+    }
+
+    /// Writes `data`, whose first byte has absolute offset `at`, into the ring (`data` is
+    /// at most `cap` bytes).
+    fn write_at(&self, at: u64, data: &[u8]) -> std::io::Result<()> {
+        use std::os::unix::fs::FileExt;
+        let Some(f) = &self.file else { return Ok(()) };
+        let pos = at % self.cap;
+        let first = ((self.cap - pos) as usize).min(data.len());
+        f.write_all_at(&data[..first], pos)?;
+        if first < data.len() {
+            f.write_all_at(&data[first..], 0)?;
         }
+        Ok(())
     }
 
     /// Appends bytes the process wrote; the oldest fall out past the cap.
     pub fn push(&mut self, data: &[u8]) {
-        if data.len() >= self.cap {
-            self.start += (self.buf.len() + data.len() - self.cap) as u64;
-            self.buf.clear();
-            self.buf.extend(&data[data.len() - self.cap..]);
-            return;
+        let len = data.len() as u64;
+        if self.cap > 0 && len > 0 {
+            let skip = len.saturating_sub(self.cap);
+            if let Err(e) = self.write_at(self.end + skip, &data[skip as usize..]) {
+                tracing::warn!(error = %e, "background process output not retained");
+                self.floor = self.end + len;
+            }
         }
-        let overflow = (self.buf.len() + data.len()).saturating_sub(self.cap);
-        self.buf.drain(..overflow);
-        self.start += overflow as u64;
-        self.buf.extend(data);
+        self.end += len;
     }
 
     /// Offset of the oldest retained byte.
     pub fn start(&self) -> u64 {
-        self.start
+        self.end.saturating_sub(self.cap).max(self.floor)
     }
 
     /// Total bytes written (offset of the next byte).
     pub fn end(&self) -> u64 {
-        self.start + self.buf.len() as u64
+        self.end
     }
 
     /// Up to `max` retained bytes from offset `from` (raised to [`OutputLog::start`] when
-    /// older), with the offset they start at. Empty at or past the end.
+    /// older), with the offset they start at. Empty at or past the end, and when the file
+    /// cannot be read (logged).
     pub fn read(&self, from: u64, max: usize) -> (u64, Vec<u8>) {
-        let from = from.max(self.start);
-        if from >= self.end() {
+        use std::os::unix::fs::FileExt;
+        let from = from.max(self.start());
+        let Some(f) = self.file.as_ref().filter(|_| from < self.end) else {
             return (from, Vec::new());
+        };
+        let n = (self.end - from).min(max as u64) as usize;
+        let mut buf = vec![0u8; n];
+        let pos = from % self.cap;
+        let first = ((self.cap - pos) as usize).min(n);
+        let r = f
+            .read_exact_at(&mut buf[..first], pos)
+            .and_then(|()| f.read_exact_at(&mut buf[first..], 0));
+        match r {
+            Ok(()) => (from, buf),
+            Err(e) => {
+                tracing::warn!(error = %e, "background process output unreadable");
+                (from, Vec::new())
+            }
         }
-        let skip = (from - self.start) as usize;
-        let n = (self.buf.len() - skip).min(max);
-        (from, self.buf.range(skip..skip + n).copied().collect())
     }
 }
 
@@ -387,6 +438,7 @@ type ExecFuture = Pin<Box<dyn Future<Output = NodeResult<ExecResult>> + Send>>;
 pub struct ProcessTable {
     node: Arc<dyn Node>,
     limits: ProcessLimits,
+    spill_dir: std::path::PathBuf,
     by_sandbox: Mutex<HashMap<String, Vec<Arc<ProcessHandle>>>>,
 }
 
@@ -401,13 +453,24 @@ fn new_id() -> String {
 }
 
 impl ProcessTable {
-    /// A table running processes on `node`.
-    pub fn new(node: Arc<dyn Node>, limits: ProcessLimits) -> Arc<Self> {
-        Arc::new(ProcessTable {
+    /// A table running processes on `node`, keeping their retained output in unlinked
+    /// files under `spill_dir` (created if missing; on the data directory's file system in
+    /// the server).
+    ///
+    /// # Errors
+    /// `spill_dir` cannot be created.
+    pub fn new(
+        node: Arc<dyn Node>,
+        limits: ProcessLimits,
+        spill_dir: std::path::PathBuf,
+    ) -> std::io::Result<Arc<Self>> {
+        std::fs::create_dir_all(&spill_dir)?;
+        Ok(Arc::new(ProcessTable {
             node,
             limits,
+            spill_dir,
             by_sandbox: Mutex::new(HashMap::new()),
-        })
+        }))
     }
 
     /// Starts `req` in sandbox `sandbox` (the caller checked it exists and runs).
@@ -449,14 +512,23 @@ impl ProcessTable {
             (None, None)
         };
         let (sig_tx, sig_rx) = mpsc::unbounded_channel();
+        let log = || {
+            OutputLog::new(retain as usize, &self.spill_dir).map_err(|e| {
+                NodeError::ResourceExhausted(format!(
+                    "cannot keep the output of a background process in {}: {e}",
+                    self.spill_dir.display()
+                ))
+            })
+        };
+        let (stdout, stderr) = (log()?, log()?);
         let proc = Arc::new(ProcessHandle {
             id: new_id(),
             sandbox_id: sandbox.to_string(),
             cmd: req.cmd,
             started_at: now_rfc3339(),
             state: Mutex::new(State {
-                stdout: OutputLog::new(retain as usize),
-                stderr: OutputLog::new(retain as usize),
+                stdout,
+                stderr,
                 result: None,
                 error: None,
                 ended_at: None,
@@ -646,7 +718,7 @@ mod tests {
     use super::*;
 
     fn log_of(cap: usize, chunks: &[&[u8]]) -> OutputLog {
-        let mut l = OutputLog::new(cap);
+        let mut l = OutputLog::new(cap, &std::env::temp_dir()).unwrap();
         for c in chunks {
             l.push(c);
         }
@@ -663,7 +735,7 @@ mod tests {
         // Byte-at-a-time and one big chunk agree.
         let input: Vec<u8> = (0u8..100).collect();
         let whole = log_of(10, &[&input]);
-        let mut bytewise = OutputLog::new(10);
+        let mut bytewise = OutputLog::new(10, &std::env::temp_dir()).unwrap();
         for b in &input {
             bytewise.push(std::slice::from_ref(b));
         }
@@ -691,5 +763,26 @@ mod tests {
         // Empty pushes change nothing.
         let l = log_of(3, &[b"", b"xy", b""]);
         assert_eq!((l.start(), l.end()), (0, 2));
+    }
+
+    #[test]
+    fn output_log_spills_to_an_unlinked_ring_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut l = OutputLog::new(1000, dir.path()).unwrap();
+        // Nothing visible in the directory: the file is unlinked from the start.
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+        let input: Vec<u8> = (0..10_500u32).map(|i| (i % 251) as u8).collect();
+        for c in input.chunks(333) {
+            l.push(c);
+        }
+        assert_eq!((l.start(), l.end()), (9500, 10_500));
+        // The file never grows past the cap.
+        let len = l.file.as_ref().unwrap().metadata().unwrap().len();
+        assert!(len <= 1000, "ring file is {len} bytes");
+        // Reads across the wrap point give the stream's bytes at their offsets.
+        assert_eq!(l.read(0, 2000), (9500, input[9500..].to_vec()));
+        assert_eq!(l.read(9600, 5), (9600, input[9600..9605].to_vec()));
+        // Byte 10_000 is at file position 0: this read wraps.
+        assert_eq!(l.read(9990, 20), (9990, input[9990..10_010].to_vec()));
     }
 }

@@ -240,8 +240,13 @@ impl AppState {
         );
         let node: Arc<dyn Node> = budget_node.clone();
         let run_code_gate = run_code::Gate::new(cfg.run_code_concurrency, cfg.run_code_queue);
-        let processes =
-            sandlot_node::processes::ProcessTable::new(node.clone(), Default::default());
+        let spill = cfg.data_dir.join("process-output");
+        let processes = sandlot_node::processes::ProcessTable::new(
+            node.clone(),
+            Default::default(),
+            spill.clone(),
+        )
+        .with_context(|| format!("create {}", spill.display()))?;
         let events = events::EventLog::open(&cfg.data_dir.join("events.db"))?;
         let conns = Arc::new(conn::ConnTable::new(cfg.conn.clone()));
         Ok(Arc::new(AppState {
@@ -345,7 +350,12 @@ pub fn router(state: SharedState) -> Router {
                 .put(files::write)
                 .delete(files::remove)
                 // Uploads get their own, larger limit than JSON bodies.
-                .layer(DefaultBodyLimit::max(state.cfg.max_file_bytes)),
+                .layer(DefaultBodyLimit::max(state.cfg.max_file_bytes))
+                // Uploads reserve their size from the file data budget first.
+                .layer(axum::middleware::from_fn_with_state(
+                    state.clone(),
+                    files::upload_share,
+                )),
         )
         .route("/v1/sandboxes/{id}/files/list", get(files::list))
         .route("/v1/sandboxes/{id}/files/stat", get(files::stat))

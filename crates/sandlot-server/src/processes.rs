@@ -63,6 +63,8 @@ pub async fn spawn(
     // The command's own checks (empty argv, blank shell string) are exec's.
     crate::exec::validate(&sandlot_api::ExecRequest::new(req.cmd.clone()))?;
     let rec = running(&st, &id)?;
+    // Its retained output goes to the data directory (unlinked files).
+    crate::disk_reserve::check(&st)?;
     let p = match st.processes.spawn(&id, req).await {
         Ok(p) => p,
         Err(e) => {
