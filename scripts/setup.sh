@@ -2,7 +2,8 @@
 # Sets up everything Sandlot needs on a fresh Debian 12 machine, as root:
 #   Debian packages, the OCI runtimes runc and runsc (scripts/install-runtimes.sh), the
 #   release build (sandlot, sandlot-guest and its static build for containers), the Python
-#   SDK with its test and example dependencies, the two local images (busybox, python), and
+#   SDK with its test and example dependencies, the local images (busybox, python, and the
+#   toolchain images lang-python, lang-go, lang-java, … that run_code's languages use), and
 #   a local OCI registry on 127.0.0.1:5000 holding them as
 #   127.0.0.1:5000/sandlot/{busybox,python}:latest (scripts/registry.sh; tests/test_images.py
 #   pulls from it).
@@ -72,6 +73,17 @@ step "Images (busybox, python) in $SANDLOT_IMAGES_DIR"
 mkdir -p "$SANDLOT_IMAGES_DIR" "$SANDLOT_CACHE_DIR"
 ./target/release/sandlot image build busybox --images-dir "$SANDLOT_IMAGES_DIR"
 ./target/release/sandlot image build python --images-dir "$SANDLOT_IMAGES_DIR" --cache-dir "$SANDLOT_CACHE_DIR"
+# Toolchain images: one layer per toolchain over python's (apt/pip/npm in a chroot; a layer
+# whose recipe is unchanged is reused, so a second run takes seconds). The first build
+# downloads ~1.5 GB; set SANDLOT_TOOLCHAINS to a space-separated subset (e.g. "lang-go")
+# or to "none" to skip.
+toolchains="${SANDLOT_TOOLCHAINS:-lang-all}"
+if [ "$toolchains" != none ]; then
+  step "Toolchain images ($toolchains) in $SANDLOT_IMAGES_DIR"
+  # shellcheck disable=SC2086
+  ./target/release/sandlot image build $toolchains --images-dir "$SANDLOT_IMAGES_DIR" \
+    --cache-dir "$SANDLOT_CACHE_DIR"
+fi
 ./target/release/sandlot image ls --images-dir "$SANDLOT_IMAGES_DIR"
 
 step "Local OCI registry on ${SANDLOT_REGISTRY_ADDR:-127.0.0.1:5000} with the test images"

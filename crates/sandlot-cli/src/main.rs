@@ -470,20 +470,15 @@ fn key(cmd: KeyCmd) -> anyhow::Result<u8> {
     }
 }
 
-#[derive(Clone, Copy, ValueEnum)]
-enum BuiltinImage {
-    /// Static busybox (under a second).
-    Busybox,
-    /// Debian bookworm minbase + python3 + g++ (debootstrap once into the cache, ~1 min).
-    Python,
-}
-
 #[derive(Subcommand)]
 enum ImageCmd {
-    /// Build a built-in image.
+    /// Build built-in images: `busybox`, `python`, a toolchain image `lang-<x>` (`lang-go`,
+    /// `lang-java`, …: `sandlot image toolchains` lists them; each a layer over `python`'s,
+    /// reused while its recipe is unchanged) or `lang-all` for every toolchain image.
     Build {
-        /// Which image.
-        name: BuiltinImage,
+        /// Which images, built in the order given.
+        #[arg(required = true)]
+        names: Vec<String>,
         #[command(flatten)]
         dirs: ImageDirs,
         /// Cache of debootstrap trees (kept between builds).
@@ -520,7 +515,12 @@ enum ImageCmd {
     Ls {
         #[command(flatten)]
         dirs: ImageDirs,
+        /// Also print each image's layers (store-relative path and size, top first).
+        #[arg(long)]
+        layers: bool,
     },
+    /// List the toolchain images `image build lang-<x>` can build: NAME APT PIP NPM LOWER.
+    Toolchains,
     /// Remove an image name (its blobs and layers stay until `gc`; a built-in image whose
     /// rootfs running sandboxes use is kept in `retired/` until `gc` finds it unused).
     Rm {
@@ -946,18 +946,47 @@ async fn rm_checkpoint(a: RmArgs) -> anyhow::Result<u8> {
 async fn image(cmd: ImageCmd) -> anyhow::Result<u8> {
     match cmd {
         ImageCmd::Build {
-            name,
+            names,
             dirs,
             cache_dir,
             force,
         } => {
+            use sandlot_node::images::toolchain::TOOLCHAINS;
             let store = dirs.open()?;
-            let img = match name {
-                BuiltinImage::Busybox => store.build_busybox_with(force),
-                BuiltinImage::Python => store.build_python_with(&cache_dir, force),
+            let mut todo = Vec::new();
+            for n in names {
+                if n == "lang-all" {
+                    todo.extend(TOOLCHAINS.iter().map(|t| format!("lang-{}", t.name)));
+                } else {
+                    todo.push(n);
+                }
             }
-            .context("build image")?;
-            println!("{} {} bytes", img.name, img.size_bytes);
+            for name in todo {
+                let img = match name.as_str() {
+                    "busybox" => store.build_busybox_with(force),
+                    "python" => store.build_python_with(&cache_dir, force),
+                    other => store.build_toolchain(other, &cache_dir, force),
+                }
+                .with_context(|| format!("build image {name}"))?;
+                println!("{} {} bytes", img.name, img.size_bytes);
+            }
+        }
+        ImageCmd::Toolchains => {
+            use sandlot_node::images::toolchain::TOOLCHAINS;
+            println!(
+                "{:<14} {:<44} {:<5} {:<5} LOWER",
+                "NAME", "APT", "PIP", "NPM"
+            );
+            for t in TOOLCHAINS {
+                println!(
+                    "{:<14} {:<44} {:<5} {:<5} {}",
+                    format!("lang-{}", t.name),
+                    t.apt.join(" "),
+                    t.pip.len(),
+                    t.npm.len(),
+                    t.lower.join(" ")
+                );
+            }
         }
         ImageCmd::Pull {
             reference,
@@ -980,18 +1009,20 @@ async fn image(cmd: ImageCmd) -> anyhow::Result<u8> {
                 .with_context(|| format!("import {}", path.display()))?;
             println!("{} {} bytes", img.name, img.size_bytes);
         }
-        ImageCmd::Ls { dirs } => {
+        ImageCmd::Ls { dirs, layers } => {
             println!(
                 "{:<44} {:>12} {:>6} {:<24} SOURCE",
                 "NAME", "SIZE", "LAYERS", "CREATED"
             );
-            for img in dirs.open()?.list()? {
+            let store = dirs.open()?;
+            for img in store.list()? {
                 use sandlot_node::images::ImageSource as S;
                 let source = match &img.source {
                     S::Busybox { .. } => "built-in busybox".to_string(),
                     S::Debootstrap(d) => format!("debootstrap {}", d.suite),
                     S::Registry { reference, .. } => format!("pull {reference}"),
                     S::Archive { path, .. } => format!("import {}", path.display()),
+                    S::Toolchain { toolchain, .. } => format!("toolchain {toolchain}"),
                 };
                 println!(
                     "{:<44} {:>12} {:>6} {:<24} {}",
@@ -1001,6 +1032,13 @@ async fn image(cmd: ImageCmd) -> anyhow::Result<u8> {
                     img.created_at,
                     source
                 );
+                if layers {
+                    for (rel, bytes) in
+                        sandlot_node::images::toolchain::layer_sizes(store.dir(), &img)?
+                    {
+                        println!("    {:>12}  {rel}", bytes);
+                    }
+                }
             }
         }
         ImageCmd::Rm { name, dirs } => {

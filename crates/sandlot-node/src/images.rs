@@ -36,6 +36,7 @@
 //! directories unpacked once and shared; the rest of the node consumes [`Image::layers`] as
 //! an overlay lowerdir list either way.
 pub mod oci;
+pub mod toolchain;
 pub mod unpack;
 
 use crate::node::{NodeError, NodeResult};
@@ -128,6 +129,18 @@ pub enum ImageSource {
         /// Digest of the image config.
         config: String,
     },
+    /// Built by [`ImageStore::build_toolchain`]: one toolchain layer (and those of its
+    /// lowers) over the `python` image's layer.
+    Toolchain {
+        /// Row of [`toolchain::TOOLCHAINS`].
+        toolchain: String,
+        /// Debian packages installed in its layer.
+        apt: Vec<String>,
+        /// PyPI packages installed in its layer.
+        pip: Vec<String>,
+        /// npm packages installed in its layer.
+        npm: Vec<String>,
+    },
     /// Imported from an OCI layout directory or a `docker save` / OCI archive.
     Archive {
         /// Path imported from.
@@ -146,7 +159,9 @@ impl ImageSource {
             ImageSource::Registry { config, .. } | ImageSource::Archive { config, .. } => {
                 Some(config)
             }
-            ImageSource::Busybox { .. } | ImageSource::Debootstrap(_) => None,
+            ImageSource::Busybox { .. }
+            | ImageSource::Debootstrap(_)
+            | ImageSource::Toolchain { .. } => None,
         }
     }
 }
