@@ -263,9 +263,15 @@ pub fn toolchain_for_image(image: &str) -> Option<&'static Toolchain> {
     TOOLCHAINS.iter().find(|t| t.name == name)
 }
 
+/// Version of the build steps (the install script's clean-up, the mounts): part of every
+/// recipe, so a change rebuilds the layers.
+const RECIPE_VERSION: u32 = 2;
+
 /// What a toolchain layer is built from; its SHA-256 names the layer directory.
 #[derive(serde::Serialize)]
 struct Recipe<'a> {
+    /// [`RECIPE_VERSION`]: bumped when the build itself changes.
+    version: u32,
     toolchain: &'a str,
     apt: &'a [&'a str],
     pip: &'a [&'a str],
@@ -374,6 +380,7 @@ impl ImageStore {
             }
         }
         let recipe = Recipe {
+            version: RECIPE_VERSION,
             toolchain: tc.name,
             apt: tc.apt,
             pip: tc.pip,
@@ -471,7 +478,11 @@ fn install_script(tc: &Toolchain) -> String {
             tc.npm.join(" ")
         ));
     }
-    s.push_str("rm -rf /root/.cache /var/log/apt /var/log/dpkg.log /var/cache/debconf/*-old\n");
+    // apt's binary package caches (~70 MiB) are rebuilt on demand: not part of a layer.
+    s.push_str(
+        "rm -rf /root/.cache /var/log/apt /var/log/dpkg.log /var/cache/debconf/*-old \
+         /var/cache/apt/*.bin\n",
+    );
     s
 }
 
