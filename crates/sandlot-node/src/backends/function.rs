@@ -10,14 +10,14 @@
 //!   jail's `uid_base` (the host uid of root inside the sandbox), mode 0755;
 //!   `upper/workspace` (0755) and `upper/root` (0700) are pre-created with the same owner so
 //!   the sandbox's root can write its home and workspace; so are `upper/{mnt,opt,srv,media}`
-//!   (0755, [`SCRATCH_DIRS`]), scratch directories a program may write. Everything else of the rootfs
-//!   comes from the image's lower dirs, which are owned by host root: inside the user
+//!   (0755, `SCRATCH_DIRS`), scratch directories a program may write. Everything else of the
+//!   rootfs comes from the image's lower dirs, which are owned by host root: inside the user
 //!   namespace they show up as owned by `nobody`, so they are read-only to the sandbox
 //!   (security: an image layer shared by every sandbox can never be modified by one of them;
 //!   writes go to the upper dir by copy-up only where the directory is writable, i.e.
-//!   `/workspace`, `/root`, the scratch directories and the tmpfs mounts). Sandboxes re-adopted from a version
-//!   before the disk have `upper/` and `work/` directly in the sandbox directory
-//!   ([`upper_dir`]).
+//!   `/workspace`, `/root`, the scratch directories and the tmpfs mounts). Sandboxes
+//!   re-adopted from a version before the disk have `upper/` and `work/` directly in the
+//!   sandbox directory (`upper_dir`).
 //! * `scratch/work/` — overlayfs work dir (same file system as `upper/`), owned by
 //!   `uid_base`.
 //! * `rootfs/` — empty mount point for the overlay. The overlay is mounted only inside the
