@@ -134,7 +134,7 @@ P: Dict[str, Dict[str, str]] = {
                 'println!("{}", s.trim_end()); }\n',
         "rte": 'fn main() { let v: Vec<i32> = Vec::new(); println!("{}", v[std::env::args().count() + 1]); }\n',
         "cerr": 'fn main() { let x: i32 = "a"; }\n',
-        "loop": "fn main() { let mut x: u64 = 0; loop { x = std::hint::black_box(x + 1); } }\n",
+        "loop": "fn main() { let mut x: u64 = 0; loop { x = x.wrapping_add(1); if x == 0 { println!(\"{}\", x); } } }\n",
         "mem": 'fn main() { let v = vec![1u8; 1536 << 20]; println!("{}", v[v.len() - 1]); }\n',
         "read": f'fn main() {{ println!("{{}}", std::fs::read_to_string("{IN_PATH}").unwrap().trim()); }}\n',
         "write": f'fn main() {{ std::fs::write("out.txt", "{OUT_TEXT}").unwrap(); }}\n',
@@ -191,7 +191,8 @@ P: Dict[str, Dict[str, str]] = {
         "cerr": 'class P { static void Main() { int x = "a"; } }\n',
         "loop": "class P { static void Main() { while (true) {} } }\n",
         "mem": "class P { static void Main() { var b = new byte[1536][]; for (int i = 0; i < b.Length; i++) "
-               "{ b[i] = new byte[1 << 20]; b[i][0] = 1; } System.Console.WriteLine(b.Length); } }\n",
+               "{ b[i] = new byte[1 << 20]; for (int j = 0; j < b[i].Length; j += 4096) b[i][j] = 1; } "
+               "System.Console.WriteLine(b.Length); } }\n",
         "read": f'class P {{ static void Main() {{ System.Console.WriteLine(System.IO.File.ReadAllText("{IN_PATH}").Trim()); }} }}\n',
         "write": f'class P {{ static void Main() {{ System.IO.File.WriteAllText("out.txt", "{OUT_TEXT}"); }} }}\n',
     },

@@ -89,7 +89,7 @@ pub const TOOLCHAINS: &[Toolchain] = &[
         ],
         npm: &[],
         lower: &[],
-        env: &[("MPLBACKEND", "Agg")],
+        env: &[],
         check: &["usr/local/lib/python3.11/dist-packages/numpy"],
     },
     Toolchain {
@@ -318,27 +318,25 @@ impl ImageStore {
         let mut rels = stack.clone();
         rels.push(format!("{}/{ROOTFS_DIR}", base.name));
         let key = ImageName::Short(image.to_string());
-        if !force {
-            // An unreadable image.json (another builder's format) is replaced below.
-            if let Ok(Some(img)) = self.load(&key) {
-                let now: Vec<PathBuf> = rels.iter().map(|r| self.dir.join(r)).collect();
-                if img.layers == now {
-                    return Ok(img);
-                }
-            }
-        }
         let mut env = vec![(
             "PATH".to_string(),
             format!("{NODE_PREFIX}/bin:{DEFAULT_PATH}"),
         )];
         env.extend(base.env.iter().filter(|(k, _)| k != "PATH").cloned());
+        collect_env(tc, &mut env);
+        if !force {
+            // An unreadable image.json (another builder's format) is replaced below.
+            if let Ok(Some(img)) = self.load(&key) {
+                let now: Vec<PathBuf> = rels.iter().map(|r| self.dir.join(r)).collect();
+                if img.layers == now && img.env == env {
+                    return Ok(img);
+                }
+            }
+        }
         let mut size_bytes = 0;
         for r in &rels {
             size_bytes += tree_size(&self.dir.join(r))?;
         }
-        let mut all_env = Vec::new();
-        collect_env(tc, &mut all_env);
-        env.extend(all_env);
         let meta = ImageJson {
             name: image.to_string(),
             env,

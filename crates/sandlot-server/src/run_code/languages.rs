@@ -130,7 +130,13 @@ pub static LANGUAGES: &[Language] = &[
         ..row("typescript", "lang-node", "main.ts")
     },
     Language {
-        run: &["jest", "--ci", "--rootDir", "/workspace", "--cacheDirectory", "/tmp/.jest"],
+        // An inline config: jest refuses a root without package.json or jest.config.*.
+        run: &[
+            "jest",
+            "--ci",
+            "--config",
+            r#"{"rootDir":"/workspace","cacheDirectory":"/tmp/.jest"}"#,
+        ],
         env: HOME_TMP,
         layout: Layout::Tests,
         memory_mib: 1024,
