@@ -244,11 +244,12 @@ fn landlock_confines_writes_even_where_dac_allows_them() {
         return;
     }
     let sb = Sandbox::start("landlock", None);
-    // /opt/owned belongs to the sandbox's root, so only landlock can refuse this.
-    let out = sb.sh("touch /opt/owned/x");
+    // /usr/owned belongs to the sandbox's root, so only landlock can refuse this (/opt is one
+    // of the scratch dirs landlock allows).
+    let out = sb.sh("touch /usr/owned/x");
     assert_ne!(out.code(), Some(0), "{out:?}");
     assert!(out.stderr.contains("Permission denied"), "{out:?}");
-    assert!(!sb.base.path().join("upper/opt/owned/x").exists());
+    assert!(!sb.base.path().join("upper/usr/owned/x").exists());
     // The scratch areas are writable.
     for d in ["/workspace", "/tmp", "/dev/shm", "/root"] {
         let out = sb.sh(&format!("echo ok > {d}/probe && cat {d}/probe"));

@@ -126,7 +126,7 @@ impl Drop for TestCgroup {
 }
 
 /// Builds a busybox root file system in `dir`: /bin/busybox plus one symlink per applet,
-/// and the usual empty directories. `/opt/owned` belongs to the sandbox's root (uid_base)
+/// and the usual empty directories. `/usr/owned` belongs to the sandbox's root (uid_base)
 /// so that only landlock, not DAC, stops writes there.
 pub fn make_busybox_rootfs(dir: &Path) {
     let bb = busybox().unwrap();
@@ -139,12 +139,12 @@ pub fn make_busybox_rootfs(dir: &Path) {
             let _ = std::os::unix::fs::symlink("busybox", bin.join(applet));
         }
     }
-    for d in ["proc", "dev", "tmp", "etc", "root", "opt/owned", "mnt"] {
+    for d in ["proc", "dev", "tmp", "etc", "root", "usr/owned", "mnt"] {
         std::fs::create_dir_all(dir.join(d)).unwrap();
     }
     std::fs::write(dir.join("etc/passwd"), "root:x:0:0:root:/root:/bin/sh\n").unwrap();
     // /root as an id-shifted image would have it (the sandbox's root owns its home).
-    for d in ["opt/owned", "root"] {
+    for d in ["usr/owned", "root"] {
         std::os::unix::fs::chown(dir.join(d), Some(UID_BASE), Some(UID_BASE)).unwrap();
     }
 }
