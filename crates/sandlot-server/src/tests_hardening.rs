@@ -163,12 +163,20 @@ async fn file_read_budget_exhausted_is_429() {
     assert_eq!(r.status, StatusCode::TOO_MANY_REQUESTS, "{:?}", r.body);
     assert_eq!(r.code(), "resource_exhausted");
     assert_eq!(r.headers.get("retry-after").unwrap(), "1");
-    // A small file still fits next to it.
+    // A small file still fits next to it (an upload reserves by its Content-Length; without
+    // one it would reserve max_file_bytes, the whole budget here).
     let small = format!("/v1/sandboxes/{id}/files?path=/workspace/s");
     assert_eq!(
-        raw(&t.app, Method::PUT, &small, None, b"hi".to_vec(), &[])
-            .await
-            .status,
+        raw(
+            &t.app,
+            Method::PUT,
+            &small,
+            None,
+            b"hi".to_vec(),
+            &[("content-length", "2")]
+        )
+        .await
+        .status,
         StatusCode::NO_CONTENT
     );
     let r = raw(&t.app, Method::GET, &small, None, vec![], &[]).await;
