@@ -240,6 +240,29 @@ pub fn mount_image(img: &Path, mnt: &Path, flags: nix::mount::MsFlags) -> NodeRe
     ))
 }
 
+/// The writable layer's file system and disk quota of a `function` or `container` sandbox: `dir/disk.img`, a sparse ext4 image of
+/// `disk_mib` MiB (cloned from a per-size template, [`make_image`]), loop-mounted on the
+/// host at `dir/scratch` (`nosuid,nodev,noatime`; the loop device is released with the last
+/// mount). The sandbox's mount namespace, copied from the host's when its init unshares,
+/// holds the mount too; the backend's delete unmounts the host's and the rest goes
+/// with the namespace. The image's inode count (ext4's default ratio) bounds inode
+/// exhaustion as well.
+///
+/// # Errors
+/// `Internal` when the image cannot be made or mounted.
+pub fn mount_scratch(templates: &Path, dir: &Path, disk_mib: u64) -> NodeResult<()> {
+    use nix::mount::MsFlags;
+    let mnt = dir.join("scratch");
+    std::fs::create_dir(&mnt).map_err(|e| NodeError::io(format!("create {}", mnt.display()), e))?;
+    let img = dir.join("disk.img");
+    make_image(templates, &img, disk_mib)?;
+    mount_image(
+        &img,
+        &mnt,
+        MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOATIME,
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -6,7 +6,7 @@
 //!
 //! * `config.json` — the OCI runtime spec, generated with `oci-spec` (below).
 //! * `disk.img` + `scratch/` — the writable layer's file system: a sparse ext4 image of
-//!   `disk_mib` MiB loop-mounted at `scratch/` (the disk quota, see `mount_scratch`);
+//!   `disk_mib` MiB loop-mounted at `scratch/` (the disk quota, see `crate::disk::mount_scratch`);
 //!   `scratch/upper/`, `scratch/work/` — the overlayfs writable layer, owned by the
 //!   container's root (`uid_base`); `rootfs/` — the overlay of the image layers +
 //!   `scratch/upper/`, mounted on the host by the node (so it survives node restarts with
@@ -571,7 +571,7 @@ impl Core {
                         std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o710))
                     })
                     .map_err(|e| NodeError::io(format!("chmod {}", dir.display()), e))?;
-                mount_scratch(&templates, &dir, disk_mib)?;
+                crate::disk::mount_scratch(&templates, &dir, disk_mib)?;
                 if let Some((layer, shift)) = &seed {
                     // The copy goes into the fork's own disk: full means disk_mib is too
                     // small for the checkpoint, the caller's choice (400), not the node's.
@@ -1009,25 +1009,6 @@ fn agent_socket(dir: &Path, runtime: Runtime) -> PathBuf {
         Runtime::Runsc => dir.join("run").join("agent.sock"),
         _ => dir.join("agent.sock"),
     }
-}
-
-/// The container's writable layer with its disk quota: `dir/disk.img`, a sparse ext4 image
-/// of `disk_mib` MiB ([`crate::disk`]: cloned from a per-size template), loop-mounted at
-/// `dir/scratch` (`nosuid,nodev,noatime`; the loop device is released with the mount).
-/// Writing past it gives ENOSPC inside the sandbox, which stays usable, and deleting files
-/// frees space. The image's own inode count (ext4's default ratio) also bounds inode
-/// exhaustion.
-fn mount_scratch(templates: &Path, dir: &Path, disk_mib: u64) -> NodeResult<()> {
-    let mnt = dir.join("scratch");
-    std::fs::create_dir(&mnt).map_err(|e| NodeError::io(format!("create {}", mnt.display()), e))?;
-    let img = dir.join("disk.img");
-    crate::disk::make_image(templates, &img, disk_mib)?;
-    use nix::mount::MsFlags;
-    crate::disk::mount_image(
-        &img,
-        &mnt,
-        MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOATIME,
-    )
 }
 
 /// Writes the sandbox's `/proc` stand-ins ([`sandlot_guest::procview`], `(name, content)`)

@@ -402,7 +402,7 @@ impl FunctionBackend {
         {
             let (templates, d, disk_mib) =
                 (disk_templates(&self.cfg), dir.to_path_buf(), spec.disk_mib);
-            spawn_blocking(move || mount_scratch(&templates, &d, disk_mib)).await?;
+            spawn_blocking(move || crate::disk::mount_scratch(&templates, &d, disk_mib)).await?;
         }
         if let Some(ck) = seed {
             // A fork: the checkpoint's layer becomes this jail's upper dir, re-owned from the
@@ -828,7 +828,7 @@ impl SandboxBackend for FunctionBackend {
 }
 
 /// Build and start a jail for `spec` in the claimed directory `dir` (its scratch disk
-/// already mounted: [`mount_scratch`]) with cgroup `cg`, a
+/// already mounted: [`crate::disk::mount_scratch`]) with cgroup `cg`, a
 /// /tmp tmpfs of `tmp_mib` MiB and host uid/gid range `uid_base..uid_base+65536` (the
 /// caller holds its [`UidLease`]); writes `state.json`. On error the caller removes what
 /// was left (directory and cgroup). Used by cold creates and by the warm pool.
@@ -1665,7 +1665,7 @@ pub(crate) fn check_id(id: &str) -> NodeResult<()> {
 }
 
 /// The sandbox's layer directories: `scratch/upper`, `scratch/work` (on the mounted disk,
-/// see [`mount_scratch`]) and `rootfs/`, owned by `uid`.
+/// see [`crate::disk::mount_scratch`]) and `rootfs/`, owned by `uid`.
 pub(crate) fn make_dirs(dir: &Path, uid: u32) -> NodeResult<()> {
     // The sandbox dir itself stays host-root owned; 0711 lets the sandbox's uid reach its
     // upper dir without listing anything.
@@ -1681,29 +1681,6 @@ pub(crate) fn disk_templates(cfg: &FunctionConfig) -> PathBuf {
         .parent()
         .unwrap_or(&cfg.sandboxes_dir)
         .join("disk-templates")
-}
-
-/// The writable layer's file system and disk quota: `dir/disk.img`, a sparse ext4 image of
-/// `disk_mib` MiB ([`crate::disk`]: cloned from a per-size template), loop-mounted on the
-/// host at `dir/scratch` (`nosuid,nodev,noatime`; the loop device is released with the last
-/// mount). The sandbox's mount namespace, copied from the host's when its init unshares,
-/// holds the mount too; delete unmounts the host's ([`destroy_blocking`]) and the rest goes
-/// with the namespace. The image's inode count (ext4's default ratio) bounds inode
-/// exhaustion as well.
-///
-/// # Errors
-/// `Internal` when the image cannot be made or mounted.
-pub(crate) fn mount_scratch(templates: &Path, dir: &Path, disk_mib: u64) -> NodeResult<()> {
-    use nix::mount::MsFlags;
-    let mnt = dir.join("scratch");
-    std::fs::create_dir(&mnt).map_err(|e| NodeError::io(format!("create {}", mnt.display()), e))?;
-    let img = dir.join("disk.img");
-    crate::disk::make_image(templates, &img, disk_mib)?;
-    crate::disk::mount_image(
-        &img,
-        &mnt,
-        MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOATIME,
-    )
 }
 
 /// The upper dir of the sandbox in `dir`: `scratch/upper`, or `upper` for a sandbox made

@@ -17,8 +17,8 @@
 //! overlay mount inside the sandbox's mount namespace holds the upper/work directories by
 //! reference, so renaming them on the host does not disturb it.
 use super::function::{
-    build_jail, destroy_blocking, disk_templates, mount_scratch, read_state, rewrite_proc_views,
-    spawn_blocking, write_state, FunctionConfig, JailState, StoredSpec,
+    build_jail, destroy_blocking, disk_templates, read_state, rewrite_proc_views, spawn_blocking,
+    write_state, FunctionConfig, JailState, StoredSpec,
 };
 use super::pool::{pool_spec, PoolMember, WarmPool};
 use crate::cgroups::CgroupRoot;
@@ -82,7 +82,7 @@ impl PoolMember for Jails {
     ) -> NodeResult<JailState> {
         let spec = pool_spec(name, Backend::Function, image, POOL_TMP_MIB);
         let (templates, d) = (disk_templates(&self.cfg), dir.to_path_buf());
-        spawn_blocking(move || mount_scratch(&templates, &d, POOL_TMP_MIB)).await?;
+        spawn_blocking(move || crate::disk::mount_scratch(&templates, &d, POOL_TMP_MIB)).await?;
         let cg = self.cgroups.sandbox(name);
         let mut state = build_jail(
             &self.cfg,
