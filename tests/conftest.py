@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shutil
 import signal
 import socket
@@ -51,7 +52,31 @@ def find_binary() -> Optional[Path]:
     return None
 
 
+def _ephemeral_ports() -> Tuple[int, int]:
+    try:
+        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(lo), int(hi)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port() -> int:
+    """A TCP port free on every address, chosen below the kernel's ephemeral range.
+
+    A port the kernel hands out itself (bind to 0) lies in the ephemeral range, where any
+    outgoing connection of the test run may take it before `sandlot up` binds it (CI saw
+    `Address already in use`). Ports below the range are never given to connect()."""
+    lo, _ = _ephemeral_ports()
+    first = 20000 if lo > 21000 else 1024
+    rng = random.Random(os.getpid() ^ time.monotonic_ns())
+    for _ in range(200):
+        port = rng.randrange(first, max(first + 1, lo))
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -81,11 +106,24 @@ class Server:
         self.args = list(args or [])
         self.data_dir = data_dir
         self.log_path = log_path
+        self.auto_port = port is None
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: Optional[subprocess.Popen] = None
 
     def start(self) -> None:
+        """Start and wait for `/v1/ping`; a port taken meanwhile by another process is
+        replaced by a fresh one (up to 3 times) when this server chose its own port."""
+        for attempt in range(3):
+            try:
+                return self._start_once()
+            except RuntimeError as e:
+                if not (self.auto_port and "Address already in use" in str(e)) or attempt == 2:
+                    raise
+                self.port = free_port()
+                self.url = f"http://127.0.0.1:{self.port}"
+
+    def _start_once(self) -> None:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")
         log.write(f"\n===== start {time.strftime('%H:%M:%S')} =====\n".encode())
