@@ -108,24 +108,49 @@ pub const TOOLCHAINS: &[Toolchain] = &[
         npm: &["typescript@5", "tsx@4", "jest@29"],
         lower: &[],
         env: &[("NODE_PATH", "/opt/sandlot/node/lib/node_modules")],
+        // run_code's jest config names babel-jest and Debian's babel presets by path.
         check: &[
             "usr/bin/node",
             "opt/sandlot/node/bin/tsc",
             "opt/sandlot/node/bin/jest",
+            "opt/sandlot/node/lib/node_modules/jest/node_modules/babel-jest",
+            "usr/share/nodejs/@babel/preset-env",
+            "usr/share/nodejs/@babel/preset-typescript",
         ],
     },
     Toolchain {
         name: "go",
-        apt: &["golang-go"],
+        // Debian's Go source packages (under /usr/share/gocode, on run_code's GOPATH) of
+        // the modules SandboxFusion's runtime/go/go.mod requires, where Debian 12 has them.
+        apt: &[
+            "golang-go",
+            "golang-github-stretchr-testify-dev",
+            "golang-github-sirupsen-logrus-dev",
+            "golang-github-spf13-cobra-dev",
+            "golang-github-spf13-pflag-dev",
+            "golang-github-google-uuid-dev",
+            "golang-github-opentracing-opentracing-go-dev",
+            "golang-github-go-openapi-inflect-dev",
+            "golang-go.uber-atomic-dev",
+            "golang-go.uber-zap-dev",
+            "golang-gopkg-yaml.v2-dev",
+            "golang-gopkg-yaml.v3-dev",
+            "golang-golang-x-text-dev",
+            "golang-golang-x-exp-dev",
+        ],
         pip: &[],
         npm: &[],
         lower: &[],
         env: &[("GOCACHE", "/tmp/go-cache"), ("GOFLAGS", "-mod=mod")],
-        check: &["usr/bin/go"],
+        check: &[
+            "usr/bin/go",
+            "usr/share/gocode/src/github.com/stretchr/testify/assert",
+        ],
     },
     Toolchain {
         name: "java",
-        apt: &["openjdk-17-jdk-headless", "junit5"],
+        // javatuples: SandboxFusion's java runner has it on the class path.
+        apt: &["openjdk-17-jdk-headless", "junit5", "libjavatuples-java"],
         pip: &[],
         npm: &[],
         lower: &[],
@@ -136,6 +161,7 @@ pub const TOOLCHAINS: &[Toolchain] = &[
         check: &[
             "usr/bin/javac",
             "usr/share/java/junit-platform-console-standalone.jar",
+            "usr/share/java/javatuples.jar",
         ],
     },
     Toolchain {
@@ -167,21 +193,27 @@ pub const TOOLCHAINS: &[Toolchain] = &[
     },
     Toolchain {
         name: "lua",
-        apt: &["lua5.4"],
+        // LuaUnit (`require('luaunit')`), as SandboxFusion's lua tests use.
+        apt: &["lua5.4", "lua-unit"],
         pip: &[],
         npm: &[],
         lower: &[],
         env: &[],
-        check: &["usr/bin/lua5.4"],
+        check: &["usr/bin/lua5.4", "usr/share/lua/5.4/luaunit.lua"],
     },
     Toolchain {
         name: "perl",
-        apt: &["perl"],
+        // Test::Deep and Data::Compare, as SandboxFusion's perl tests use.
+        apt: &["perl", "libtest-deep-perl", "libdata-compare-perl"],
         pip: &[],
         npm: &[],
         lower: &[],
         env: &[],
-        check: &["usr/bin/perl"],
+        check: &[
+            "usr/bin/perl",
+            "usr/share/perl5/Test/Deep.pm",
+            "usr/share/perl5/Data/Compare.pm",
+        ],
     },
     Toolchain {
         name: "r",
@@ -194,12 +226,17 @@ pub const TOOLCHAINS: &[Toolchain] = &[
     },
     Toolchain {
         name: "csharp",
-        apt: &["mono-mcs", "mono-runtime"],
+        // System.Net.Http: run_code's C# prelude has .NET's implicit `using System.Net.Http`.
+        apt: &["mono-mcs", "mono-runtime", "libmono-system-net-http4.0-cil"],
         pip: &[],
         npm: &[],
         lower: &[],
         env: &[],
-        check: &["usr/bin/mcs", "usr/bin/mono"],
+        check: &[
+            "usr/bin/mcs",
+            "usr/bin/mono",
+            "usr/lib/mono/4.5/System.Net.Http.dll",
+        ],
     },
     Toolchain {
         name: "scala",

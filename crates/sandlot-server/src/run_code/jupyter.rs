@@ -59,6 +59,8 @@ static DRIVER: Language = Language {
     class_from: ClassFrom::None,
     memory_mib: 1024,
     php_tag: false,
+    prelude: "",
+    support: &[],
 };
 
 /// Seconds the driver gets beyond `total_timeout` (kernel start and shutdown).
@@ -81,7 +83,11 @@ fn plan(req: &RunJupyterRequest) -> Result<(RunCodeRequest, Plan), String> {
     if req.cell_timeout != 0.0 {
         check_timeout("cell_timeout", req.cell_timeout)?;
     }
-    let mut files = Vec::new();
+    // `/etc/hosts` as every run_code call's (see `super::ETC_HOSTS`).
+    let mut files = vec![(
+        "/etc/hosts".to_owned(),
+        super::ETC_HOSTS.as_bytes().to_vec(),
+    )];
     for (path, content) in &req.files {
         let Some(content) = content else { continue };
         let data = B64

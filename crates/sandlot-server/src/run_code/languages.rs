@@ -62,6 +62,13 @@ pub struct Language {
     /// Prepend `<?php` when the code lacks a PHP open tag (SandboxFusion's
     /// `ensure_php_tag_in_string`).
     pub php_tag: bool,
+    /// Text put before the code in its source file (C#'s implicit `using`s of a `dotnet
+    /// new console` project), on one line so the code's line numbers move by one.
+    pub prelude: &'static str,
+    /// Files written before the compile: `(absolute path, contents)` (C#'s entry point
+    /// with .NET's assert behaviour). Outside `/workspace`, so a program listing its
+    /// working directory sees only its own files.
+    pub support: &'static [(&'static str, &'static str)],
 }
 
 const fn row(name: &'static str, image: &'static str, file: &'static str) -> Language {
@@ -78,16 +85,38 @@ const fn row(name: &'static str, image: &'static str, file: &'static str) -> Lan
         class_from: ClassFrom::None,
         memory_mib: 512,
         php_tag: false,
+        prelude: "",
+        support: &[],
     }
 }
 
-/// Go without a module, caches in the sandbox's writable `/tmp`.
+/// Go without a module, caches in the sandbox's writable `/tmp`; packages resolve from
+/// Debian's Go source packages in `/usr/share/gocode` (testify, logrus, zap, yaml, ... of
+/// SandboxFusion's `runtime/go/go.mod` that Debian 12 ships; `lang-go` installs them).
 const GO_ENV: &[(&str, &str)] = &[
     ("GO111MODULE", "off"),
     ("GOCACHE", "/tmp/.gocache"),
-    ("GOPATH", "/tmp/go"),
+    ("GOPATH", "/tmp/go:/usr/share/gocode"),
     ("HOME", "/tmp"),
 ];
+const HOME_TMP_NO_COLOR: &[(&str, &str)] = &[("HOME", "/tmp"), ("FORCE_COLOR", "0")];
+
+/// Java's class path: the working directory and javatuples (SandboxFusion's
+/// `runtime/java/javatuples-1.2.jar`; Debian's `libjavatuples-java` in `lang-java`).
+const JAVA_CP: &str = ".:/usr/share/java/javatuples.jar";
+
+/// Jest's inline config. SandboxFusion's jest runs in a project whose `babel.config.js`
+/// has `@babel/preset-env` (node current) and `@babel/preset-typescript`, so test files
+/// are TypeScript; here babel-jest (jest's own) gets those presets inline, from Debian's
+/// `node-babel7` (in `lang-node` through npm's dependencies). An inline config also because
+/// jest refuses a root without `package.json` or `jest.config.*`.
+const JEST_CONFIG: &str = r#"{"rootDir":"/workspace","cacheDirectory":"/tmp/.jest","transform":{"\\.[jt]sx?$":["/opt/sandlot/node/lib/node_modules/jest/node_modules/babel-jest",{"presets":[["/usr/share/nodejs/@babel/preset-env",{"targets":{"node":"current"}}],"/usr/share/nodejs/@babel/preset-typescript"]}]}}"#;
+
+/// C#: the implicit `using`s of .NET 6+'s console template (SandboxFusion builds with
+/// `dotnet new console`, so programs may call `Console` without `using System;`).
+const CSHARP_PRELUDE: &str = "using System; using System.IO; using System.Collections.Generic; using System.Linq; using System.Net.Http; using System.Threading; using System.Threading.Tasks;\n";
+/// Where the C# entry point goes in the sandbox.
+const CSHARP_ENTRY: &str = "/opt/sandlot/run_code/SandlotEntry.cs";
 const HOME_TMP: &[(&str, &str)] = &[("HOME", "/tmp")];
 
 /// Every language mode, in SandboxFusion's order.
@@ -130,14 +159,8 @@ pub static LANGUAGES: &[Language] = &[
         ..row("typescript", "lang-node", "main.ts")
     },
     Language {
-        // An inline config: jest refuses a root without package.json or jest.config.*.
-        run: &[
-            "jest",
-            "--ci",
-            "--config",
-            r#"{"rootDir":"/workspace","cacheDirectory":"/tmp/.jest"}"#,
-        ],
-        env: HOME_TMP,
+        run: &["jest", "--ci", "--config", JEST_CONFIG],
+        env: HOME_TMP_NO_COLOR,
         layout: Layout::Tests,
         memory_mib: 1024,
         ..row("jest", "lang-node", "main.test.ts")
@@ -157,17 +180,21 @@ pub static LANGUAGES: &[Language] = &[
         ..row("go_test", "lang-go", "main_test.go")
     },
     Language {
-        compile: Some(&["javac", "-cp", ".", "{file}"]),
-        run: &["java", "-cp", ".", "-ea", "Main"],
+        compile: Some(&["javac", "-cp", JAVA_CP, "{file}"]),
+        run: &["java", "-cp", JAVA_CP, "-ea", "Main"],
         memory_mib: 1024,
         ..row("java", "lang-java", "Main.java")
     },
     Language {
-        compile: Some(&["sh", "-c", "exec javac -cp \".:$SANDLOT_JUNIT_JAR\" *.java"]),
+        compile: Some(&[
+            "sh",
+            "-c",
+            "exec javac -cp \".:/usr/share/java/javatuples.jar:$SANDLOT_JUNIT_JAR\" *.java",
+        ]),
         run: &[
             "sh",
             "-c",
-            "exec java -jar \"$SANDLOT_JUNIT_JAR\" --class-path . --scan-class-path --disable-banner",
+            "exec java -jar \"$SANDLOT_JUNIT_JAR\" --class-path .:/usr/share/java/javatuples.jar --scan-class-path --disable-banner",
         ],
         layout: Layout::Tests,
         class_from: ClassFrom::JavaPublicClass,
@@ -210,8 +237,23 @@ pub static LANGUAGES: &[Language] = &[
     },
     Language {
         aliases: &["cs", "c#"],
-        compile: Some(&["mcs", "-out:main.exe", "{file}"]),
+        // DEBUG and TRACE as `dotnet run`'s Debug build, so Debug.Assert is compiled in;
+        // the entry point wraps the program's Main (see csharp_entry.cs); CS0105: the
+        // prelude's `using`s repeat the program's.
+        compile: Some(&[
+            "mcs",
+            "-d:DEBUG",
+            "-d:TRACE",
+            "-nowarn:105",
+            "-r:System.Net.Http.dll",
+            "-main:SandlotEntry",
+            "-out:main.exe",
+            "{file}",
+            CSHARP_ENTRY,
+        ]),
         run: &["mono", "main.exe"],
+        prelude: CSHARP_PRELUDE,
+        support: &[(CSHARP_ENTRY, include_str!("csharp_entry.cs"))],
         ..row("csharp", "lang-csharp", "main.cs")
     },
     Language {
@@ -307,12 +349,13 @@ impl Language {
             .collect()
     }
 
-    /// The source as written: PHP gets `<?php` when it has no open tag.
+    /// The source as written: the row's prelude, then the code; PHP gets `<?php` when it
+    /// has no open tag.
     pub fn source(&self, code: &str) -> String {
         if self.php_tag && !code.contains("<?php") && !code.contains("<?=") {
             format!("<?php\n{code}")
         } else {
-            code.to_owned()
+            format!("{}{code}", self.prelude)
         }
     }
 }
@@ -351,5 +394,35 @@ mod tests {
         );
         assert_eq!(find("python3").unwrap().name, "python");
         assert!(find("cobol").is_none());
+    }
+
+    #[test]
+    fn csharp_gets_implicit_usings_and_its_entry_point() {
+        let cs = find("csharp").unwrap();
+        let src = cs.source("class P { static void Main() {} }");
+        let (first, rest) = src.split_once('\n').unwrap();
+        assert!(first.starts_with("using System;"), "{first}");
+        assert_eq!(rest, "class P { static void Main() {} }");
+        let compile = cs.expand(cs.compile.unwrap(), "");
+        assert!(compile.contains(&"-d:DEBUG".to_string()));
+        assert!(compile.contains(&"-main:SandlotEntry".to_string()));
+        // The entry file is compiled, written where the compile looks for it.
+        let (path, text) = cs.support[0];
+        assert!(compile.iter().any(|a| a == path));
+        assert!(text.contains("class SandlotEntry") && text.contains("Environment.Exit(134)"));
+        // Rows without a prelude write the code as is.
+        assert_eq!(find("python").unwrap().source("print(1)"), "print(1)");
+    }
+
+    #[test]
+    fn jest_config_is_json_with_a_typescript_transform() {
+        let jest = find("jest").unwrap();
+        let cfg: serde_json::Value = serde_json::from_str(jest.run[3]).unwrap();
+        let t = &cfg["transform"]["\\.[jt]sx?$"];
+        assert!(t[0].as_str().unwrap().ends_with("/babel-jest"));
+        assert!(t[1]["presets"][1]
+            .as_str()
+            .unwrap()
+            .ends_with("@babel/preset-typescript"));
     }
 }

@@ -270,6 +270,10 @@ pub async fn list_languages(State(st): State<SharedState>) -> Json<serde_json::V
 
 const WORKDIR: &str = "/workspace";
 
+/// `/etc/hosts` of every `run_code` sandbox: `localhost` on the loopback addresses, as in
+/// SandboxFusion's runner (its programs reach their own servers at `localhost`).
+const ETC_HOSTS: &str = "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n";
+
 fn sandbox_path(p: &str) -> String {
     if p.starts_with('/') {
         p.to_owned()
@@ -296,7 +300,14 @@ fn plan(req: &RunCodeRequest) -> Result<Plan, String> {
     };
     check_timeout("compile_timeout", req.compile_timeout)?;
     check_timeout("run_timeout", req.run_timeout)?;
-    let mut files = Vec::new();
+    // Per-call setup first, so the request's own `files` may replace it: `/etc/hosts`
+    // (images have none, so `localhost` did not resolve), then the row's support files.
+    let mut files = vec![("/etc/hosts".to_owned(), ETC_HOSTS.as_bytes().to_vec())];
+    files.extend(
+        lang.support
+            .iter()
+            .map(|(p, c)| ((*p).to_owned(), c.as_bytes().to_vec())),
+    );
     for (path, content) in &req.files {
         let Some(content) = content else { continue };
         let data = B64
