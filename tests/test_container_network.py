@@ -1,5 +1,6 @@
-"""Network policies of runc and runsc containers against a small "internet" built on this machine
-(issue 3, "Network policy"): a network namespace ``sl-inet-<rand>`` joined to the host by a
+"""Network policies of runc and runsc containers and of `function` sandboxes (one shared
+``NodeNet`` in crates/sandlot-node/src/net.rs; issue 3 "Network policy", issue 25) against a
+small "internet" built on this machine: a network namespace ``sl-inet-<rand>`` joined to the host by a
 veth pair (host side 10.98.K.1/30, "internet" side 10.98.K.2/30) that runs an HTTP server
 on 10.98.K.2:8080 and a DNS server on 10.98.K.2:53 answering every ``*.test`` name with
 10.98.K.2 and logging the names it was asked.
@@ -26,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import socket
 import subprocess
@@ -357,8 +359,9 @@ def assert_torn_down(node: Server, sid: str, host_if: str) -> None:
     def gone() -> bool:
         return (sh("ip", "link", "show", host_if, check=False).returncode != 0
                 and not (node.data_dir / "net" / f"{sid}.json").exists()
-                and not (node.data_dir / "containers" / sid).exists())
-    wait_until(gone, 30, what=f"veth {host_if}, DATA/net/{sid}.json, DATA/containers/{sid}")
+                and not (node.data_dir / "containers" / sid).exists()
+                and not (node.data_dir / "sandboxes" / sid).exists())
+    wait_until(gone, 30, what=f"veth {host_if}, DATA/net/{sid}.json, the sandbox dir of {sid}")
     table = sh("nft", "list", "table", "inet", "sandlot", check=False).stdout
     assert host_if not in table, f"nft still names {host_if}:\n{table}"
     assert not server_mounts(node, sid), server_mounts(node, sid)
@@ -375,13 +378,18 @@ def _cmdline(p: Path) -> bytes:
 
 
 def make_box(client, network, runtime="runc", **kw) -> sandlot.Sandbox:
+    """A sandbox of ``runtime``: "runc"/"runsc" containers, or "function" (no runtime)."""
+    if runtime == "function":
+        return client.create(backend="function", image=IMAGE, memory_mib=128, ttl_s=300,
+                             network=network, **kw)
     return client.create(backend="container", runtime=runtime, image=IMAGE, memory_mib=128,
                          ttl_s=300, network=network, **kw)
 
 
-#: Allow policies work on both runtimes: runc uses the kernel's stack in the node's network
-#: namespace, gVisor (`--network=sandbox`) its own stack on the same veth.
-RUNTIMES = pytest.mark.parametrize("runtime", ["runc", "runsc"])
+#: Allow policies work on both runtimes and on `function`: runc and function sandboxes use
+#: the kernel's stack in a network namespace made by host root, gVisor its hostinet in the
+#: node's namespace; all three on the same veth + nftables + resolver.
+RUNTIMES = pytest.mark.parametrize("runtime", ["runc", "runsc", "function"])
 
 
 def _attached(node: Server, box: sandlot.Sandbox) -> dict:
@@ -393,7 +401,12 @@ def _attached(node: Server, box: sandlot.Sandbox) -> dict:
     assert sh("ip", "link", "show", host_if, check=False).returncode == 0
     table = sh("nft", "list", "table", "inet", "sandlot").stdout
     assert f"{host_if}_fwd" in table, table
-    assert (node.data_dir / "containers" / box.id / "netns").exists()
+    if box.backend == "function":
+        # The namespace of the jail's init, made by host root before its user namespace.
+        assert re.fullmatch(r"/proc/[0-9]+/ns/net", st["netns"]), st
+        assert Path(st["netns"]).exists(), st
+    else:
+        assert (node.data_dir / "containers" / box.id / "netns").exists()
     resolv = box.exec("cat /etc/resolv.conf").stdout.decode()
     assert f"nameserver {st['host_addr']}" in resolv, resolv
     return st
@@ -473,11 +486,12 @@ def test_allow_names_resolve_only_those(node, client, inet, host_listener, runti
     assert_torn_down(node, box.id, st["host_if"])
 
 
-def test_network_none_has_only_lo(node, client, inet, host_listener):
+@pytest.mark.parametrize("runtime", ["runc", "function"])
+def test_network_none_has_only_lo(node, client, inet, host_listener, runtime):
     """network "none": /proc/net/dev lists only `lo`; nothing outside is reachable and no
     name resolves; no veth, nft chain or net state is created for it."""
     veths_before = set(sh("ip", "-o", "link", "show", "type", "veth").stdout.split())
-    box = make_box(client, "none")
+    box = make_box(client, "none", runtime)
     devs = box.exec("cat /proc/net/dev").stdout.decode().splitlines()[2:]
     assert [d.split(":")[0].strip() for d in devs] == ["lo"], devs
     assert not (node.data_dir / "net" / f"{box.id}.json").exists()
@@ -487,8 +501,9 @@ def test_network_none_has_only_lo(node, client, inet, host_listener):
     assert_unreachable(res, bad)
     assert res["resolve good.test"].startswith("err"), res
     box.delete()
-    wait_until(lambda: not (node.data_dir / "containers" / box.id).exists(), 30,
-               what=f"DATA/containers/{box.id} to go")
+    wait_until(lambda: not (node.data_dir / "containers" / box.id).exists()
+               and not (node.data_dir / "sandboxes" / box.id).exists(), 30,
+               what=f"the sandbox dir of {box.id} to go")
     assert not server_mounts(node, box.id)
     new = set(sh("ip", "-o", "link", "show", "type", "veth").stdout.split()) - veths_before
     assert not [w for w in new if w.startswith("slv")], new

@@ -466,8 +466,10 @@ except Exception as e:
 '''
 
 
-def test_kill9_readopts_network_policy_container(node, client, baseline):
-    """A runc container with an allow policy survives kill -9 + restart with its network:
+@pytest.mark.parametrize("kind", ["runc", "function"])
+def test_kill9_readopts_network_policy_container(node, client, baseline, kind):
+    """A runc container (and a `function` sandbox: the node's one network manager is swept
+    once for every backend) with an allow policy survives kill -9 + restart with its network:
     its veth stays while no server runs, the restarted server answers its DNS again (the
     filtering resolver lives in the server process: a denied name is REFUSED, not a
     timeout), its nft chains are still there, exec and files work; delete then removes the
@@ -475,8 +477,10 @@ def test_kill9_readopts_network_policy_container(node, client, baseline):
     if shutil.which("ip") is None or shutil.which("nft") is None:
         pytest.skip("network policies need `ip` (iproute2) and `nft` (nftables)")
     try:
-        box = client.create(backend="container", runtime="runc", image=IMAGE, memory_mib=64,
-                            ttl_s=600, network={"allow": ["10.97.0.0/24"]})
+        how = ({"backend": "function"} if kind == "function"
+               else {"backend": "container", "runtime": "runc"})
+        box = client.create(image=IMAGE, memory_mib=64, ttl_s=600,
+                            network={"allow": ["10.97.0.0/24"]}, **how)
     except sandlot.Unavailable as e:
         pytest.skip(f"network allow policies unavailable on this server: {e}")
     state_file = node.data_dir / "net" / f"{box.id}.json"
@@ -505,7 +509,8 @@ def test_kill9_readopts_network_policy_container(node, client, baseline):
     assert "eth0:" in devs and "lo:" in devs, devs
     assert link_exists() and f"{host_if}_fwd" in chains()
     assert dns("denied.example") == "rcode:5", "the node's resolver did not come back"
-    assert (node.data_dir / "containers" / box.id / "netns").exists()
+    if kind == "runc":
+        assert (node.data_dir / "containers" / box.id / "netns").exists()
     box.delete()
     wait_until(lambda: not link_exists() and not state_file.exists(), 30,
                what=f"veth {host_if} and DATA/net/{box.id}.json to go")

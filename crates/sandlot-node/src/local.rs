@@ -191,6 +191,30 @@ pub struct LocalNode {
     checkpoints: CheckpointStore,
     /// The accelerator decision of the QEMU backends (`None` when the configuration is bad).
     accel: Option<std::sync::Arc<AccelProbe>>,
+    /// Network policies of every backend that applies them (state in `DATA/net`).
+    net: std::sync::Arc<crate::net::NodeNet>,
+}
+
+/// Backends that apply `network: {"allow": [...]}` (veth, nftables and the filtering
+/// resolver of [`crate::net`]).
+pub const NETWORK_POLICY_BACKENDS: [Backend; 2] = [Backend::Function, Backend::Container];
+
+/// `Ok` when `backend` can honour `network`; otherwise `InvalidArgument` saying so (400,
+/// not 503: the request cannot succeed on this node whatever its state), never a sandbox
+/// silently without its network.
+///
+/// # Errors
+/// `InvalidArgument` for an allow policy on `microvm` or `vm`.
+pub fn check_network_backend(
+    backend: Backend,
+    network: &sandlot_api::NetworkPolicy,
+) -> NodeResult<()> {
+    if *network == sandlot_api::NetworkPolicy::None || NETWORK_POLICY_BACKENDS.contains(&backend) {
+        return Ok(());
+    }
+    Err(NodeError::InvalidArgument(format!(
+        "network allow policies are not enforced by the {backend} backend yet (a VM has no network device); use \"none\", or backend \"function\" or \"container\""
+    )))
 }
 
 impl LocalNode {
@@ -211,6 +235,7 @@ impl LocalNode {
             Ok(c) => c.version().as_str().to_string(),
             Err(_) => "none".to_string(),
         };
+        let net = crate::net::NodeNet::new(cfg.data_dir.join("net"));
         let function = (|| -> Result<FunctionBackend, String> {
             if !nix::unistd::Uid::effective().is_root() {
                 return Err("the function backend needs root (namespaces, cgroups)".into());
@@ -224,6 +249,7 @@ impl LocalNode {
                     uid_base: cfg.uid_base,
                 },
                 cg,
+                net.clone(),
             )
             .map_err(|e| e.to_string())
         })();
@@ -248,6 +274,7 @@ impl LocalNode {
                 },
                 cg,
                 uids.clone(),
+                net.clone(),
             )
             .map_err(|e| e.to_string())
         })();
@@ -340,6 +367,7 @@ impl LocalNode {
                 images: cfg.warm_pool_images,
             },
             accel: probe.ok(),
+            net,
         })
     }
 
@@ -510,15 +538,7 @@ impl Node for LocalNode {
                 spec.id
             )));
         }
-        // Only the container backend applies allow policies so far; say so instead of
-        // silently giving the sandbox no network. 400, not 503: the request cannot succeed
-        // on this node whatever its state.
-        if spec.network != sandlot_api::NetworkPolicy::None && spec.backend != Backend::Container {
-            return Err(NodeError::InvalidArgument(format!(
-                "network allow policies are not enforced by the {} backend yet; use \"none\" or backend \"container\"",
-                spec.backend
-            )));
-        }
+        check_network_backend(spec.backend, &spec.network)?;
         let image = self.images.resolve(&spec.image).await?;
         backend.create(spec, &image).await
     }
@@ -574,12 +594,7 @@ impl Node for LocalNode {
                 spec.id
             )));
         }
-        if spec.network != sandlot_api::NetworkPolicy::None && spec.backend != Backend::Container {
-            return Err(NodeError::InvalidArgument(format!(
-                "network allow policies are not enforced by the {} backend yet; use \"none\" or backend \"container\"",
-                spec.backend
-            )));
-        }
+        check_network_backend(spec.backend, &spec.network)?;
         let image = self.images.resolve(&spec.image).await?;
         let Some(taken_on) = ck.meta.image_version.clone() else {
             return backend.create_from(spec, &image, &ck).await;
@@ -698,6 +713,19 @@ impl Node for LocalNode {
         for b in self.backends.iter().filter_map(|b| b.get().ok()) {
             all.extend(b.readopt(keep).await?);
         }
+        // Networks of the sandboxes every backend kept come back (nft objects re-applied,
+        // resolvers restarted); every other leftover (veth, nft objects, netns file, state
+        // file) goes. Once, after all backends: the pool and table are the node's.
+        if let Err(e) = self.net.sweep(&all).await {
+            match e {
+                NodeError::Unavailable(_) => {
+                    tracing::warn!(error = %e, "no network policies on this node")
+                }
+                e => {
+                    tracing::error!(error = %e, "network sweep: leftovers not removed (retried at the next start)")
+                }
+            }
+        }
         // The warm pool starts once the previous process's leftovers are gone.
         if let Some(f) = self.function() {
             f.start_warm_pool(self.images.clone(), self.pool.clone())?;
@@ -706,5 +734,35 @@ impl Node for LocalNode {
             c.start_warm_pool(self.images.clone(), self.container_pool.clone())?;
         }
         Ok(all)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sandlot_api::NetworkPolicy;
+
+    #[test]
+    fn allow_policies_only_on_backends_that_apply_them() {
+        let allow: NetworkPolicy =
+            serde_json::from_value(serde_json::json!({"allow": ["10.1.2.0/24"]})).unwrap();
+        for b in [Backend::Function, Backend::Container] {
+            assert!(check_network_backend(b, &allow).is_ok(), "{b}");
+        }
+        for b in [Backend::Microvm, Backend::Vm] {
+            assert!(
+                check_network_backend(b, &NetworkPolicy::None).is_ok(),
+                "{b}"
+            );
+            match check_network_backend(b, &allow) {
+                Err(NodeError::InvalidArgument(m)) => {
+                    assert!(
+                        m.contains(&format!("not enforced by the {b} backend")),
+                        "{m}"
+                    )
+                }
+                other => panic!("{b}: {other:?}"),
+            }
+        }
     }
 }

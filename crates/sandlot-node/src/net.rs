@@ -1150,6 +1150,75 @@ pub fn remove_netns(path: &Path) -> NodeResult<()> {
     }
 }
 
+/// The node's one [`NetworkManager`], shared by every backend that applies allow policies
+/// (container and function): one address pool, one nft table, one state directory, so
+/// sandboxes of different backends never get the same slot and one sweep at node start
+/// sees them all. Created on first use, so a node that never gets an allow policy changes
+/// nothing on the host (no nft table, no `ip_forward`).
+#[derive(Debug)]
+pub struct NodeNet {
+    state_dir: PathBuf,
+    cell: tokio::sync::OnceCell<Result<Arc<NetworkManager>, String>>,
+}
+
+impl NodeNet {
+    /// A node network whose per-sandbox state files live in `state_dir` (`DATA/net`).
+    pub fn new(state_dir: impl Into<PathBuf>) -> Arc<Self> {
+        Arc::new(NodeNet {
+            state_dir: state_dir.into(),
+            cell: tokio::sync::OnceCell::new(),
+        })
+    }
+
+    /// The state directory (`DATA/net`).
+    pub fn state_dir(&self) -> &Path {
+        &self.state_dir
+    }
+
+    /// The manager, created on the first call ([`NetConfig::new`] + [`NetworkManager::new`]);
+    /// a failure is remembered and answered again.
+    ///
+    /// # Errors
+    /// `Unavailable` ("network allow policies are unavailable: …") when the host lacks a
+    /// tool, a nameserver or the nft/sysctl setup fails.
+    pub async fn get(&self) -> NodeResult<Arc<NetworkManager>> {
+        let state_dir = self.state_dir.clone();
+        let r = self
+            .cell
+            .get_or_init(|| async move {
+                let cfg = NetConfig::new(state_dir).map_err(|e| e.to_string())?;
+                NetworkManager::new(cfg)
+                    .await
+                    .map(Arc::new)
+                    .map_err(|e| e.to_string())
+            })
+            .await;
+        r.clone().map_err(|why| {
+            NodeError::Unavailable(format!("network allow policies are unavailable: {why}"))
+        })
+    }
+
+    /// The manager when it has been created successfully, without creating it.
+    pub fn started(&self) -> Option<Arc<NetworkManager>> {
+        self.cell.get().and_then(|r| r.as_ref().ok().cloned())
+    }
+
+    /// At node start, after every backend re-adopted its sandboxes: [`NetworkManager::sweep`]
+    /// with `keep` = the ids of every backend. Does nothing (and touches nothing on the
+    /// host) when no previous process left a state file and no manager runs yet.
+    ///
+    /// # Errors
+    /// `Unavailable` when state files exist but the manager cannot start; `Internal` when
+    /// the sweep fails.
+    pub async fn sweep(&self, keep: &[String]) -> NodeResult<Vec<String>> {
+        let any_state = std::fs::read_dir(&self.state_dir).is_ok_and(|mut d| d.next().is_some());
+        if !any_state && self.started().is_none() {
+            return Ok(Vec::new());
+        }
+        self.get().await?.sweep(keep).await
+    }
+}
+
 impl Drop for NetworkManager {
     fn drop(&mut self) {
         if let Ok(inner) = self.inner.get_mut() {

@@ -71,7 +71,7 @@ use crate::cgroups::{CgroupRoot, Limits, SandboxCgroup};
 use crate::checkpoints::{Captured, Checkpoint};
 use crate::files::{file_entry, node_error};
 use crate::images::Image;
-use crate::net::{NetConfig, NetworkManager};
+use crate::net::{NetworkManager, NodeNet};
 use crate::node::{ExecControl, ExecSink, NodeError, NodeResult, SandboxSpec, SandboxStatus};
 use async_trait::async_trait;
 use sandlot_api::{Backend, ExecRequest, ExecResult, FileEntry};
@@ -237,9 +237,9 @@ impl Container {
 /// network policies (the pool's refill thread builds containers with it).
 pub(crate) struct Core {
     pub(crate) cfg: ContainerConfig,
-    /// Network policies (`network: {"allow": ...}`), set up by the first `readopt`; the
-    /// error says why allow policies cannot be honoured on this node.
-    net: tokio::sync::OnceCell<Result<Arc<NetworkManager>, String>>,
+    /// Network policies (`network: {"allow": ...}`): the node's one manager, shared with
+    /// the function backend and swept by [`crate::LocalNode`]'s readopt.
+    net: Arc<NodeNet>,
     pub(crate) cgroups: CgroupRoot,
     /// Each runtime's binary, or why it cannot run here.
     runtimes: Vec<(Runtime, Result<PathBuf, String>)>,
@@ -343,7 +343,7 @@ impl ContainerBackend {
             res.violations.extend(w.finish());
         }
         // What the network policy refused while this exec ran (DNS queries, packets).
-        if let Some(Ok(net)) = self.core.net.get() {
+        if let Some(net) = self.core.net.started() {
             let room =
                 sandlot_guest::spec::MAX_VIOLATIONS_PER_EXEC.saturating_sub(res.violations.len());
             let refused = net.violations(id, started, gvisor_audit::now_ms());
@@ -367,6 +367,7 @@ impl ContainerBackend {
         mut cfg: ContainerConfig,
         cgroups: CgroupRoot,
         uids: Arc<UidSlots>,
+        net: Arc<NodeNet>,
     ) -> NodeResult<Self> {
         // The bundle's bind mount needs an absolute source (runc would resolve a relative
         // one against the bundle).
@@ -424,7 +425,7 @@ impl ContainerBackend {
         cgroups.ensure_parent()?;
         Ok(ContainerBackend {
             core: Arc::new(Core {
-                net: tokio::sync::OnceCell::new(),
+                net,
                 cfg,
                 cgroups,
                 runtimes,
@@ -462,27 +463,9 @@ impl Core {
         }
     }
 
-    /// The network manager, created on first use (state in `DATA/net`).
+    /// The node's network manager, created on first use (state in `DATA/net`).
     async fn net(&self) -> NodeResult<Arc<NetworkManager>> {
-        let state_dir = self
-            .cfg
-            .state_root
-            .parent()
-            .unwrap_or(Path::new("/"))
-            .join("net");
-        let r = self
-            .net
-            .get_or_init(|| async move {
-                let cfg = NetConfig::new(state_dir).map_err(|e| e.to_string())?;
-                NetworkManager::new(cfg)
-                    .await
-                    .map(Arc::new)
-                    .map_err(|e| e.to_string())
-            })
-            .await;
-        r.clone().map_err(|why| {
-            NodeError::Unavailable(format!("network allow policies are unavailable: {why}"))
-        })
+        self.net.get().await
     }
 
     pub(crate) fn dir_of(&self, id: &str) -> PathBuf {
@@ -831,8 +814,8 @@ impl Core {
             }
         }
         gvisor_audit::forget(&dir);
-        let net = match (self.net.get(), net_id) {
-            (Some(Ok(net)), Some(id)) => net.teardown(id).await,
+        let net = match (self.net.started(), net_id) {
+            (Some(net), Some(id)) => net.teardown(id).await,
             _ => Ok(()),
         };
         let host = spawn_blocking(move || {
@@ -1659,33 +1642,8 @@ impl SandboxBackend for ContainerBackend {
                 }
             }
         }
-        // Networks of re-adopted containers come back (resolver restarted); every other
-        // leftover (veth, nft chains, netns file) goes.
-        let net_state = self
-            .core
-            .cfg
-            .state_root
-            .parent()
-            .unwrap_or(Path::new("/"))
-            .join("net");
-        let any_net = std::fs::read_dir(&net_state).is_ok_and(|mut d| d.next().is_some());
-        // Only when a previous process set networks up: a node that never used an allow
-        // policy changes nothing on the host (no nft table, no ip_forward).
-        match if any_net {
-            self.core.net().await.map(Some)
-        } else {
-            Ok(None)
-        } {
-            Ok(None) => {}
-            Ok(Some(net)) => {
-                if let Err(e) = net.sweep(&adopted).await {
-                    errors.push(e.to_string());
-                }
-            }
-            Err(e) => {
-                tracing::warn!(backend = "container", error = %e, "no network policies on this node")
-            }
-        }
+        // Their networks come back in `LocalNode::readopt`, which sweeps `DATA/net` once
+        // with the ids every backend kept.
         for id in self.core.cgroups.list_sandboxes() {
             if !self.cgroup_in_use(&id) {
                 let cg = self.core.cgroups.sandbox(&id);

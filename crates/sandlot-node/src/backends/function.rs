@@ -319,14 +319,22 @@ pub struct FunctionBackend {
     pool: std::sync::OnceLock<FunctionPool>,
     /// Whether sandboxes get a standby exec helper ([`Standby`]; `SANDLOT_EXEC_STANDBY=1`).
     exec_standby: bool,
+    /// Network policies (`network: {"allow": ...}`): the node's one manager, shared with
+    /// the container backend and swept by [`crate::LocalNode`]'s readopt.
+    net: Arc<crate::net::NodeNet>,
 }
 
 impl FunctionBackend {
-    /// A backend storing sandboxes under `cfg.sandboxes_dir` and cgroups under `cgroups`.
+    /// A backend storing sandboxes under `cfg.sandboxes_dir` and cgroups under `cgroups`;
+    /// allow policies go through `net` (the node's one [`crate::net::NodeNet`]).
     ///
     /// # Errors
     /// `Internal` when the sandboxes directory or the `sandlot` cgroups cannot be created.
-    pub fn new(cfg: FunctionConfig, cgroups: CgroupRoot) -> NodeResult<Self> {
+    pub fn new(
+        cfg: FunctionConfig,
+        cgroups: CgroupRoot,
+        net: Arc<crate::net::NodeNet>,
+    ) -> NodeResult<Self> {
         std::fs::create_dir_all(&cfg.sandboxes_dir)
             .map_err(|e| NodeError::io(format!("create {}", cfg.sandboxes_dir.display()), e))?;
         // Sandboxes' uids must traverse to their upper dirs but not list other sandboxes.
@@ -340,6 +348,7 @@ impl FunctionBackend {
             jails: Mutex::new(HashMap::new()),
             pool: std::sync::OnceLock::new(),
             exec_standby: std::env::var_os("SANDLOT_EXEC_STANDBY").is_some_and(|v| v == "1"),
+            net,
         })
     }
 
@@ -534,7 +543,7 @@ impl FunctionBackend {
         {
             let adopt = |state, uids| drop(self.adopt(state, uids));
             if pool.create(spec, image, &dir, adopt).await {
-                return Ok(());
+                return self.attach_network(spec).await;
             }
         }
         let cg = self.cgroups.sandbox(&spec.id);
@@ -548,6 +557,7 @@ impl FunctionBackend {
                 let uid_base = state.uid_base;
                 let uids = uids.expect("create_inner allocated a uid range");
                 self.adopt(state, uids);
+                self.attach_network(spec).await?;
                 tracing::info!(sandbox = %spec.id, backend = "function", image = %image.name, uid_base, "sandbox created");
                 Ok(())
             }
@@ -561,6 +571,70 @@ impl FunctionBackend {
                 })
             }
         }
+    }
+
+    /// Gives the just-created jail of `spec` its network when the policy is an allow list:
+    /// veth, nft rules and resolver on the network namespace of its init (made by host
+    /// root, so the sandbox cannot reconfigure it), then `/etc/resolv.conf` naming its
+    /// resolver. No process of the sandbox runs yet (execs start later), so none sees a
+    /// half-made network. On error the jail is deleted again (network included) and the
+    /// error returned.
+    async fn attach_network(&self, spec: &SandboxSpec) -> NodeResult<()> {
+        let sandlot_api::NetworkPolicy::Allow(policy) = &spec.network else {
+            return Ok(());
+        };
+        let res = async {
+            let jail = self.jail(&spec.id)?;
+            let net = self.net.get().await?;
+            let pid = jail.state.init_pid;
+            let netns = PathBuf::from(format!("/proc/{pid}/ns/net"));
+            let att = net.attach(&spec.id, &netns, policy).await?;
+            // The init must still be the one the namespace path named (pids are reused).
+            if proc_starttime(pid) != Some(jail.state.init_starttime) {
+                return Err(NodeError::io(
+                    format!(
+                        "sandbox {} lost its init {pid} while its network was set up",
+                        spec.id
+                    ),
+                    std::io::Error::other("sandbox init exited"),
+                ));
+            }
+            let uid = jail.state.uid_base;
+            let resolv = att.resolv_conf();
+            spawn_blocking(move || {
+                // Through the init's root: the overlay exists only in its mount namespace.
+                SandboxFs::open(Path::new(&format!("/proc/{pid}/root")), uid, uid)?
+                    .write("/etc/resolv.conf", resolv.as_bytes())
+            })
+            .await
+        }
+        .await;
+        if let Err(err) = res {
+            let cleanup = self.delete(&spec.id).await;
+            return Err(match cleanup {
+                Ok(()) => err,
+                Err(c) => with_cleanup_error(err, c),
+            });
+        }
+        Ok(())
+    }
+
+    /// `res` with what the network policy refused while the exec ran (DNS queries, packets;
+    /// from `started_ms` on), as the container backend reports them.
+    fn with_net_violations(
+        &self,
+        id: &str,
+        started_ms: u64,
+        res: NodeResult<ExecResult>,
+    ) -> NodeResult<ExecResult> {
+        let mut res = res?;
+        if let Some(net) = self.net.started() {
+            let room =
+                sandlot_guest::spec::MAX_VIOLATIONS_PER_EXEC.saturating_sub(res.violations.len());
+            let refused = net.violations(id, started_ms, crate::backends::gvisor_audit::now_ms());
+            res.violations.extend(refused.into_iter().take(room));
+        }
+        Ok(res)
     }
 
     /// Kill everything of sandbox `id` and remove its cgroups and directory.
@@ -578,7 +652,15 @@ impl FunctionBackend {
             .or_else(|| read_state(&dir).and_then(|s| s.cgroup))
             .unwrap_or_else(|| id.to_string());
         let cg = self.cgroups.sandbox(&name);
-        spawn_blocking(move || destroy_blocking(&cg, &dir)).await
+        let host = spawn_blocking(move || destroy_blocking(&cg, &dir)).await;
+        // After the processes (the veth goes with the namespace; nft, resolver and state
+        // file are removed here). Without a running manager there is nothing of this
+        // process's; a previous process's leftovers go in the node's sweep.
+        let net = match self.net.started() {
+            Some(net) => net.teardown(id).await,
+            None => Ok(()),
+        };
+        host.and(net)
     }
 }
 
@@ -638,7 +720,9 @@ impl SandboxBackend for FunctionBackend {
         jail.check_not_paused()?;
         let plan = ExecPlan::new(&jail.state, req)?;
         let standby = self.exec_standby.then_some(self.cfg.guest_bin.as_path());
-        run_exec(&self.cfg.guest_bin, &jail, plan, sink, standby, None).await
+        let started = crate::backends::gvisor_audit::now_ms();
+        let res = run_exec(&self.cfg.guest_bin, &jail, plan, sink, standby, None).await;
+        self.with_net_violations(id, started, res)
     }
 
     async fn exec_controlled(
@@ -652,7 +736,8 @@ impl SandboxBackend for FunctionBackend {
         jail.check_not_paused()?;
         let plan = ExecPlan::new(&jail.state, req)?;
         let standby = self.exec_standby.then_some(self.cfg.guest_bin.as_path());
-        run_exec(
+        let started = crate::backends::gvisor_audit::now_ms();
+        let res = run_exec(
             &self.cfg.guest_bin,
             &jail,
             plan,
@@ -660,7 +745,8 @@ impl SandboxBackend for FunctionBackend {
             standby,
             Some(control),
         )
-        .await
+        .await;
+        self.with_net_violations(id, started, res)
     }
 
     async fn read_file(&self, id: &str, path: &str, max_bytes: u64) -> NodeResult<Vec<u8>> {
@@ -1943,6 +2029,7 @@ mod tests {
                 uid_base: 100_000,
             },
             cgroups,
+            crate::net::NodeNet::new(tmp.path().join("net")),
         )
         .unwrap();
         be.exec_standby = true;
