@@ -178,3 +178,76 @@ def test_concurrent_uploads_are_charged_to_the_budget(node):
             assert retry and "resource_exhausted" in text, text
     assert any(a[0] == 204 for a in answers)
     assert peak < 1536, peak
+
+
+@pytest.fixture
+def small_exec_budget_node(binary, log_dir):
+    if os.geteuid() != 0:
+        pytest.skip("end-to-end tests need root")
+    base = private_base("sandlot-memx-")
+    srv = Server(binary, base / "data", log_dir / "memory-budget-exec.log",
+                 args=["--warm-pool", "0", "--container-warm-pool", "0",
+                       "--exec-output-budget-mib", "256"])
+    try:
+        srv.start()
+        yield srv
+    finally:
+        try:
+            srv.delete_all()
+        finally:
+            srv.stop()
+            subprocess.run(["rm", "-rf", str(base)], check=False)
+
+
+def test_exec_output_stays_charged_until_sent(small_exec_budget_node):
+    """An exec's output budget share used to go back when the node's exec returned, before
+    the answer was encoded and sent: clients that do not read their answers made the server
+    hold every answer's text plus its JSON (6x larger for NUL bytes, `\\u0000`) outside the
+    budget — the issue 25 soak saw 2750 MiB against a 2155 MiB bound. 8 execs of 16 MiB of
+    NUL bytes, each client waiting 5 s before reading: with a 256 MiB exec budget (8 x 16
+    MiB = 128 MiB per exec, two at a time) the server's RSS stays within idle + budget."""
+    import http.client
+    import time
+    from urllib.parse import urlparse
+
+    srv = small_exec_budget_node
+    pid = srv.proc.pid
+    with sandlot.Client(srv.url, timeout=120, retries=0) as c:
+        try:
+            box = c.create(backend="function", image="busybox", memory_mib=128, ttl_s=900)
+        except (sandlot.NotFound, sandlot.Unavailable) as e:
+            pytest.skip(f"no usable busybox function sandbox here: {e}")
+        idle = rss_mib(pid)
+        sampler = PeakRss(pid)
+        u = urlparse(srv.url)
+        body = json.dumps({"cmd": ["head", "-c", str(16 * MIB), "/dev/zero"],
+                           "max_output_bytes": 16 * MIB})
+
+        def slow_reader(i):
+            conn = http.client.HTTPConnection(u.hostname, u.port, timeout=120)
+            conn.request("POST", f"/v1/sandboxes/{box.id}/exec", body=body,
+                         headers={"Content-Type": "application/json"})
+            time.sleep(5)  # the answer waits in the server meanwhile
+            r = conn.getresponse()
+            data = r.read()
+            conn.close()
+            return r.status, r.getheader("retry-after"), data
+
+        try:
+            with ThreadPoolExecutor(8) as ex:
+                answers = list(ex.map(slow_reader, range(8)))
+        finally:
+            peak = sampler.stop()
+            box.delete()
+    codes = [a[0] for a in answers]
+    print(f"exec answers {codes}, server RSS MiB: idle {idle:.0f}, peak {peak:.0f}")
+    for code, retry, data in answers:
+        assert code in (200, 429), data[:300]
+        if code == 429:
+            assert retry and b"resource_exhausted" in data, data[:300]
+        else:
+            r = json.loads(data)
+            assert r["exit_code"] == 0 and r["stdout_bytes"] == 16 * MIB, r["exit_code"]
+            assert len(r["stdout"]) == 16 * MIB and r["stdout"].count("\0") == 16 * MIB
+    assert codes.count(200) >= 2, codes
+    assert peak < idle + 256 + 64, (idle, peak, codes)

@@ -101,6 +101,7 @@ REDUCED: Dict[str, FrozenSet[str]] = {
         "test_delete_during_running_exec",
         "test_env_of_sandbox_and_exec_override",
         "test_fork_bomb_contained_by_pids_limit",
+        "test_memory_limit_oom_killed",
         "test_binary_round_trip",
         "test_list_dir_entries",
         "test_dotdot_read_cannot_escape",
@@ -126,6 +127,7 @@ REDUCED: Dict[str, FrozenSet[str]] = {
         "test_delete_during_running_exec",
         "test_kill_ends_the_whole_tree",
         "test_fork_bomb_contained_by_pids_limit",
+        "test_memory_limit_oom_killed",
         "test_binary_round_trip",
         "test_symlink_escapes_refused",
         # pause (test_pause.py): memory saved to a file, QEMU stopped, restored

@@ -912,6 +912,7 @@ async fn exec(mut body: Incoming, shared: Shared) -> Result<Response<Body>, Stri
     req.spec.stdin_null = !req.stdin;
     let spec_json = serde_json::to_vec(&req.spec).map_err(|e| e.to_string())?;
     let start = Instant::now();
+    let oom_before = sandbox_oom_kills();
     let helper = match send_spec(&shared, &spec_json).await {
         Ok(h) => h,
         // The sandbox's processes hold every pid of its limit: the sandbox's state, not
@@ -926,6 +927,7 @@ async fn exec(mut body: Incoming, shared: Shared) -> Result<Response<Body>, Stri
                 timed_out: false,
                 duration_ms: 0.0,
                 violations: Vec::new(),
+                oom_kills: None,
             };
             let json = serde_json::to_vec(&exit).expect("ExecExit serialises");
             let frame = Bytes::from(encode(FrameKind::Exit, &json));
@@ -1011,6 +1013,9 @@ async fn exec(mut body: Incoming, shared: Shared) -> Result<Response<Body>, Stri
             timed_out,
             duration_ms,
             violations: std::mem::take(&mut *violations.lock().unwrap_or_else(|p| p.into_inner())),
+            oom_kills: oom_before
+                .zip(sandbox_oom_kills())
+                .map(|(a, b)| b.saturating_sub(a)),
         };
         let json = serde_json::to_vec(&exit).expect("ExecExit serialises");
         let _ = tx.send(Bytes::from(encode(FrameKind::Exit, &json))).await;
@@ -1023,6 +1028,18 @@ async fn exec(mut body: Incoming, shared: Shared) -> Result<Response<Body>, Stri
             .map(|b| (Ok::<_, Infallible>(BodyFrame::data(b)), rx))
     });
     Ok(Response::new(StreamBody::new(stream).boxed()))
+}
+
+/// `oom_kill` of the guest's `sandbox` cgroup (`memory.events`, cgroup v2), only in a VM
+/// ([`crate::vm::IN_VM`]); `None` elsewhere or unreadable.
+fn sandbox_oom_kills() -> Option<u64> {
+    if !crate::vm::IN_VM.load(SeqCst) {
+        return None;
+    }
+    let s = std::fs::read_to_string(crate::vm::SANDBOX_MEMORY_EVENTS).ok()?;
+    s.lines()
+        .find_map(|l| l.strip_prefix("oom_kill "))
+        .and_then(|n| n.trim().parse().ok())
 }
 
 /// A helper that has its spec: what the exec keeps of it.

@@ -217,6 +217,14 @@ pub struct ExecExit {
     /// none (and from agents that predate it).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub violations: Vec<crate::spec::Violation>,
+    /// OOM kills in the guest's `sandbox` cgroup during the exec (the delta of `oom_kill`
+    /// in its `memory.events`, which counts the guest kernel's global OOM kills of its
+    /// processes too; cgroup-v2.rst): set by an agent running as a VM's init, absent
+    /// elsewhere (in a container the node reads the container's own cgroup) and from
+    /// agents that predate it. An OOM kill of another exec running at the same time is
+    /// counted too.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub oom_kills: Option<u64>,
 }
 
 /// Path of the streamed file read.

@@ -201,6 +201,9 @@ fn serve_in_root(cmdline: &str, phases: Option<Phases>) -> Result<(), String> {
 /// Path of the guest cgroup every exec joins (made by [`sandbox_cgroup`]).
 pub const SANDBOX_CGROUP_PROCS: &str = "/sys/fs/cgroup/sandbox/cgroup.procs";
 
+/// The `sandbox` group's memory events (`oom_kill N`: its processes the OOM killer ended).
+pub const SANDBOX_MEMORY_EVENTS: &str = "/sys/fs/cgroup/sandbox/memory.events";
+
 /// Mounts cgroup2 and makes the `sandbox` group every exec joins, with `pids.max` from
 /// `sandlot.pids_max=N` on the kernel command line (the sandbox's process limit: kernel
 /// threads and the agent stay outside it).

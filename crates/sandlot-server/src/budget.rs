@@ -21,8 +21,10 @@
 //! 1 MiB; two streams, each kept and then encoded in the answer) from a second
 //! budget, `ServerConfig::exec_output_budget_bytes` (default 1 GiB, `sandlot up
 //! --exec-output-budget-mib`), waiting at most `file_read_budget_wait`, else 429
-//! `resource_exhausted` with `Retry-After`; the share goes back when the node's exec
-//! returns (the answer is encoded and sent right after). Background processes
+//! `resource_exhausted` with `Retry-After`. The share is kept until the answer has been
+//! sent ([`BudgetNode::exec_held`], [`exec_json_body`]; `run_code` keeps it until its
+//! answer is handed over): giving it back when the node's exec returned let clients that
+//! do not read their answers hold any number of encoded answers. Background processes
 //! ([`Node::exec_controlled`]) are not covered: their retained output is capped per
 //! process by the node.
 use async_trait::async_trait;
@@ -154,6 +156,143 @@ impl BudgetNode {
     }
 }
 
+impl BudgetNode {
+    /// [`Node::exec`] that also returns the exec output budget share (none without an exec
+    /// budget), for a caller that keeps the result in memory after the exec — logs it,
+    /// encodes and sends it ([`exec_json_body`]): the share goes back when the permit is
+    /// dropped, so the output is charged for as long as the server holds it.
+    ///
+    /// # Errors
+    /// As [`Node::exec`]; `ResourceExhausted` when the share is not free in time.
+    pub async fn exec_held(
+        &self,
+        id: &str,
+        req: &ExecRequest,
+        sink: Option<ExecSink>,
+    ) -> NodeResult<(ExecResult, Option<OwnedSemaphorePermit>)> {
+        let share = match &self.exec_budget {
+            None => None,
+            Some(b) => {
+                let per_stream = req
+                    .max_output_bytes
+                    .unwrap_or(sandlot_node::backends::function::DEFAULT_MAX_OUTPUT);
+                Some(
+                    b.reserve(per_stream.saturating_mul(EXEC_SHARE_FACTOR))
+                        .await?
+                        .0,
+                )
+            }
+        };
+        let r = self.inner.exec(id, req, sink).await?;
+        Ok((r, share))
+    }
+}
+
+/// Bytes of output text encoded per body chunk by [`exec_json_body`] (256 KiB of text; up
+/// to 6× that once control characters are escaped as `\u00XX`).
+const JSON_TEXT_CHUNK: usize = 256 << 10;
+
+/// The JSON of an [`ExecResult`] (the same object `Json(r)` gives; `stdout` and `stderr`
+/// come first) as a body encoded piece by piece while hyper sends it, keeping `share`
+/// until the last piece was taken or the body dropped.
+///
+/// Encoding the whole answer at once held it twice — the result's text and its JSON, up to
+/// 6× larger for control bytes (`\u0000`), with `Vec` growth on top — outside any budget
+/// once the exec had returned its share: 8 execs printing 64 MiB of NUL bytes took the
+/// server past its documented bound (issue 25 soak: peak RSS 2750 MiB). Now the JSON
+/// exists 256 KiB of text at a time, and the text itself stays charged to the exec's
+/// share until it has been sent.
+pub fn exec_json_body(mut r: ExecResult, share: Option<OwnedSemaphorePermit>) -> axum::body::Body {
+    let mut texts = vec![
+        ("stdout", std::mem::take(&mut r.stdout)),
+        ("stderr", std::mem::take(&mut r.stderr)),
+    ];
+    if let Some(b) = r.stdout_b64.take() {
+        texts.push(("stdout_b64", b));
+    }
+    if let Some(b) = r.stderr_b64.take() {
+        texts.push(("stderr_b64", b));
+    }
+    // The remaining fields (small); the text fields are left out of them.
+    let mut rest = match serde_json::to_value(&r) {
+        Ok(serde_json::Value::Object(m)) => m,
+        _ => serde_json::Map::new(),
+    };
+    rest.remove("stdout");
+    rest.remove("stderr");
+    let rest = serde_json::to_vec(&rest).unwrap_or_else(|_| b"{}".to_vec());
+    let pieces = JsonPieces {
+        texts: texts.into(),
+        at: 0,
+        opened: false,
+        rest: Some(rest),
+        first: true,
+        _share: share,
+    };
+    axum::body::Body::from_stream(futures::stream::iter(
+        pieces.map(Ok::<_, std::convert::Infallible>),
+    ))
+}
+
+/// The pieces of [`exec_json_body`]: `{"k":"` per text field, its escaped text in chunks of
+/// [`JSON_TEXT_CHUNK`], `"`, then the other fields and `}`.
+struct JsonPieces {
+    texts: std::collections::VecDeque<(&'static str, String)>,
+    /// Byte offset into the front text.
+    at: usize,
+    /// The front text's key was written.
+    opened: bool,
+    rest: Option<Vec<u8>>,
+    first: bool,
+    _share: Option<OwnedSemaphorePermit>,
+}
+
+impl Iterator for JsonPieces {
+    type Item = bytes::Bytes;
+
+    fn next(&mut self) -> Option<bytes::Bytes> {
+        if let Some((key, text)) = self.texts.front() {
+            if !self.opened {
+                self.opened = true;
+                let sep = if std::mem::take(&mut self.first) {
+                    "{"
+                } else {
+                    ","
+                };
+                return Some(format!("{sep}\"{key}\":\"").into());
+            }
+            if self.at < text.len() {
+                let mut end = (self.at + JSON_TEXT_CHUNK).min(text.len());
+                while !text.is_char_boundary(end) {
+                    end -= 1;
+                }
+                let enc = bytes::Bytes::from(
+                    serde_json::to_vec(&text[self.at..end]).unwrap_or_else(|_| b"\"\"".to_vec()),
+                );
+                self.at = end;
+                // Without the quotes: each slice is escaped on its own (JSON escapes are per
+                // character, and the slice ends on a character boundary).
+                return Some(enc.slice(1..enc.len() - 1));
+            }
+            self.texts.pop_front();
+            self.at = 0;
+            self.opened = false;
+            return Some(bytes::Bytes::from_static(b"\""));
+        }
+        let rest = self.rest.take()?;
+        let body = rest.strip_prefix(b"{").unwrap_or(&rest);
+        let mut out = Vec::with_capacity(body.len() + 1);
+        if self.first || body == b"}" {
+            // No text fields before (cannot happen: stdout is always there) or no others.
+            out.extend_from_slice(if self.first { b"{" } else { b"" });
+        } else {
+            out.push(b',');
+        }
+        out.extend_from_slice(body);
+        Some(out.into())
+    }
+}
+
 #[async_trait]
 impl Node for BudgetNode {
     fn info(&self) -> NodeInfo {
@@ -174,20 +313,7 @@ impl Node for BudgetNode {
         req: &ExecRequest,
         sink: Option<ExecSink>,
     ) -> NodeResult<ExecResult> {
-        let _share = match &self.exec_budget {
-            None => None,
-            Some(b) => {
-                let per_stream = req
-                    .max_output_bytes
-                    .unwrap_or(sandlot_node::backends::function::DEFAULT_MAX_OUTPUT);
-                Some(
-                    b.reserve(per_stream.saturating_mul(EXEC_SHARE_FACTOR))
-                        .await?
-                        .0,
-                )
-            }
-        };
-        self.inner.exec(id, req, sink).await
+        Ok(self.exec_held(id, req, sink).await?.0)
     }
 
     async fn exec_controlled(
@@ -270,5 +396,46 @@ impl Node for BudgetNode {
 
     async fn list_checkpoints(&self) -> NodeResult<Vec<String>> {
         self.inner.list_checkpoints().await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    async fn body_bytes(b: axum::body::Body) -> Vec<u8> {
+        axum::body::to_bytes(b, usize::MAX).await.unwrap().to_vec()
+    }
+
+    /// The pieced body is the same JSON object `Json(r)` gives, for text with control
+    /// characters, multi-byte characters across chunk edges, and base64 fields.
+    #[tokio::test]
+    async fn exec_json_body_is_the_result_json() {
+        let mut r = ExecResult {
+            exit_code: 3,
+            ..Default::default()
+        };
+        // 'é' is 2 bytes: chunk edges fall inside characters and must move back.
+        r.stdout = "aé\u{0}\"\\\n".repeat(JSON_TEXT_CHUNK / 3);
+        r.stderr = String::new();
+        r.stderr_b64 = Some("AAEC".into());
+        let want = serde_json::to_value(&r).unwrap();
+        let got: serde_json::Value =
+            serde_json::from_slice(&body_bytes(exec_json_body(r.clone(), None)).await).unwrap();
+        assert_eq!(got, want);
+        let back: ExecResult = serde_json::from_value(got).unwrap();
+        assert_eq!(back.stdout, r.stdout);
+    }
+
+    /// The budget share goes back only when the body is dropped or fully taken.
+    #[tokio::test]
+    async fn exec_json_body_keeps_the_share_until_sent() {
+        let b = FileBudget::new(4 * UNIT, Duration::from_millis(10));
+        let (permit, _) = b.reserve(4 * UNIT).await.unwrap();
+        let body = exec_json_body(ExecResult::default(), Some(permit));
+        assert!(b.reserve(UNIT).await.is_err());
+        let v: serde_json::Value = serde_json::from_slice(&body_bytes(body).await).unwrap();
+        assert_eq!(v["exit_code"], 0);
+        assert_eq!(b.available_bytes(), 4 * UNIT);
     }
 }

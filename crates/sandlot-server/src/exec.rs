@@ -235,13 +235,18 @@ pub async fn exec(
     let step = req.step;
     let info = ExecInfo::new(&id, rec.backend, &req, "api");
     let started = std::time::Instant::now();
-    let out = trajectory::call(&st, &rec, step, StepRequest::Exec(req)).await;
+    let out = trajectory::call_held(&st, &rec, step, StepRequest::Exec(req)).await;
     let secs = started.elapsed().as_secs_f64();
     match out {
-        Ok((StepResult::Exec(mut r), replayed)) => {
+        Ok((StepResult::Exec(mut r), replayed, share)) => {
             r.replayed = replayed;
             exec_event_checked(&st, info, Ok(&r), replayed, secs)?;
-            Ok(Json(r).into_response())
+            // The output stays charged to the exec budget until it has been sent.
+            Ok((
+                [(header::CONTENT_TYPE, "application/json")],
+                crate::budget::exec_json_body(r, share),
+            )
+                .into_response())
         }
         Ok(_) => Err(wrong_kind(step.unwrap_or(0))),
         // Only node failures are exec outcomes; a refused step (400/409) never ran.

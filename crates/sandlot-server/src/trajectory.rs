@@ -39,7 +39,7 @@ use sandlot_api::{
 use sandlot_node::Node;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
-use tokio::sync::OwnedMutexGuard;
+use tokio::sync::{OwnedMutexGuard, OwnedSemaphorePermit};
 
 /// Longest trajectory id, characters.
 pub const MAX_ID_LEN: usize = 200;
@@ -222,10 +222,26 @@ pub async fn call(
     step: Option<u64>,
     req: StepRequest,
 ) -> ApiResult<(StepResult, bool)> {
+    let (res, replayed, _share) = call_held(st, rec, step, req).await?;
+    Ok((res, replayed))
+}
+
+/// [`call`] that also returns an executed exec's output budget share
+/// ([`crate::budget::BudgetNode::exec_held`]), for a caller that sends the result: keep
+/// it until the answer is sent. `None` for other calls and for replays.
+///
+/// # Errors
+/// As [`call`].
+pub async fn call_held(
+    st: &SharedState,
+    rec: &Record,
+    step: Option<u64>,
+    req: StepRequest,
+) -> ApiResult<(StepResult, bool, Option<OwnedSemaphorePermit>)> {
     let pending = match step {
         None => None,
         Some(s) => match begin(st, rec, s, &req).await? {
-            Begin::Replayed(r) => return Ok((r, true)),
+            Begin::Replayed(r) => return Ok((r, true, None)),
             Begin::Execute(p) => Some(p),
         },
     };
@@ -233,11 +249,20 @@ pub async fn call(
     let st2 = st.clone();
     let id = rec.id.clone();
     tokio::spawn(async move {
-        let res = execute(&st2.node, &id, &req, st2.cfg.max_file_bytes as u64).await?;
+        let (res, share) = match &req {
+            StepRequest::Exec(r) => {
+                let (r, share) = st2.budget_node.exec_held(&id, r, None).await?;
+                (StepResult::Exec(r), share)
+            }
+            _ => (
+                execute(&st2.node, &id, &req, st2.cfg.max_file_bytes as u64).await?,
+                None,
+            ),
+        };
         if let Some(p) = pending {
             p.commit(&st2, &req, &res).await?;
         }
-        Ok((res, false))
+        Ok((res, false, share))
     })
     .await
     .map_err(|e| ServerError::new(ErrorCode::Internal, format!("call task failed: {e}")))?

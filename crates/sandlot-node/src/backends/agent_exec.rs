@@ -113,6 +113,9 @@ pub(super) async fn run<G>(
         Some(x) => {
             res.duration_ms = x.duration_ms;
             res.timed_out = x.timed_out;
+            // A VM's agent counts its own cgroup's OOM kills (containers: the node's
+            // cgroup counter, set by the caller).
+            res.oom_killed = x.oom_kills.is_some_and(|n| n > 0);
             res.violations = super::violations_from_guest(x.violations);
             match x.status {
                 ExecStatus::Exited { code } => res.exit_code = code,

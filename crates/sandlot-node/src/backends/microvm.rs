@@ -357,7 +357,8 @@ pub(crate) fn tail_of(path: &Path, n: usize) -> String {
 
 impl MicrovmBackend {
     /// One exec through the VM's agent ([`super::agent_exec`]). The guest kernel's OOM
-    /// killer is invisible from the host, so `oom_killed` stays false here.
+    /// kills are invisible from the host: `oom_killed` comes from the agent, which reads
+    /// its `sandbox` cgroup's `oom_kill` counter around the exec.
     async fn run_exec(
         &self,
         id: &str,

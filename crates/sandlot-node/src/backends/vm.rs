@@ -626,8 +626,9 @@ impl VmBackend {
         Ok((state, (agent, relay)))
     }
 
-    /// One exec through the VM's agent ([`super::agent_exec`]); `oom_killed` stays false
-    /// (the guest kernel's OOM killer is invisible from the host).
+    /// One exec through the VM's agent ([`super::agent_exec`]); `oom_killed` comes from
+    /// the agent (its `sandbox` cgroup's `oom_kill` counter around the exec: the guest
+    /// kernel's OOM kills are invisible from the host).
     async fn run_exec(
         &self,
         id: &str,

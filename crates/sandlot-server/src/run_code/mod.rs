@@ -413,10 +413,18 @@ async fn observed_exec(
     st: &SharedState,
     id: &str,
     r: ExecRequest,
+    held: &mut Vec<tokio::sync::OwnedSemaphorePermit>,
 ) -> Result<ExecResult, NodeError> {
     let info = crate::events::ExecInfo::new(id, sandlot_api::Backend::Function, &r, "run_code");
     let started = std::time::Instant::now();
-    let out = st.node.exec(id, &r, None).await;
+    // The output budget share is kept with the answer, as fetched files' shares are.
+    let out = match st.budget_node.exec_held(id, &r, None).await {
+        Ok((res, share)) => {
+            held.extend(share);
+            Ok(res)
+        }
+        Err(e) => Err(e),
+    };
     let secs = started.elapsed().as_secs_f64();
     let ev = match &out {
         Ok(res) => Ok(res),
@@ -447,7 +455,13 @@ async fn run_in(
     let lang = plan.lang;
     if let Some(compile) = lang.compile {
         let compile = Cmd::Argv(lang.expand(compile, &req.code));
-        let c = observed_exec(st, id, exec_req(lang, compile, req.compile_timeout, None)).await?;
+        let c = observed_exec(
+            st,
+            id,
+            exec_req(lang, compile, req.compile_timeout, None),
+            held,
+        )
+        .await?;
         resp.compile_result = Some(command_result(&c));
         if c.timed_out || c.exit_code != 0 {
             resp.status = RunStatus::Failed;
@@ -464,6 +478,7 @@ async fn run_in(
         st,
         id,
         exec_req(lang, run_cmd, req.run_timeout, req.stdin.as_deref()),
+        held,
     )
     .await?;
     resp.run_result = Some(command_result(&r));
