@@ -169,6 +169,14 @@ struct UpArgs {
     /// 429 resource_exhausted with Retry-After.
     #[arg(long, default_value_t = 1024)]
     exec_output_budget_mib: u64,
+    /// Image of E2B's `base` template on the E2B-compatible API (docs/e2b.md); any other
+    /// E2B template id names a Sandlot image directly.
+    #[arg(long, default_value = "python")]
+    e2b_base_image: String,
+    /// Backend of sandboxes created through the E2B-compatible API: function, container,
+    /// microvm or vm.
+    #[arg(long, default_value = "function")]
+    e2b_backend: sandlot_api::Backend,
 }
 
 #[derive(Args, Clone)]
@@ -727,6 +735,12 @@ async fn up(a: UpArgs) -> anyhow::Result<u8> {
     };
     cfg.disk_reserve_bytes = a.disk_reserve_mib << 20;
     cfg.exec_output_budget_bytes = a.exec_output_budget_mib.max(1) << 20;
+    sandlot_node::validate_image_ref(&a.e2b_base_image)
+        .map_err(|e| anyhow::anyhow!("--e2b-base-image: {e}"))?;
+    cfg.e2b = sandlot_server::e2b::E2bConfig {
+        base_image: a.e2b_base_image,
+        backend: a.e2b_backend,
+    };
     let server = sandlot_server::Server::bind(cfg, Arc::new(node)).await?;
     let addr = server.local_addr()?;
     println!("sandlot listening on http://{addr}");

@@ -21,6 +21,7 @@
 //! | `GET /metrics` | [`metrics`] |
 //! | `GET /v1/events` (audit events, durable in `events.db`) | [`events`] |
 //! | `GET /` (status page) | [`web`] |
+//! | E2B's control plane (`/v2/sandboxes`, `/sandboxes/{id}/…`) and envd (`/process.Process/…`, `/health`) | [`e2b`] |
 //!
 //! Authentication and tenant scoping of every route: [`auth`] (one layer over the router).
 //!
@@ -33,6 +34,7 @@ pub mod budget;
 pub mod checkpoints;
 pub mod conn;
 pub mod disk_reserve;
+pub mod e2b;
 pub mod error;
 pub mod events;
 pub mod exec;
@@ -132,6 +134,8 @@ pub struct ServerConfig {
     /// Image store directory, read at scrape for `sandlot_image_count` (default none: the
     /// gauge stays 0; `sandlot up` sets the node's).
     pub images_dir: Option<PathBuf>,
+    /// The E2B-compatible surface: image of the `base` template, backend ([`e2b`]).
+    pub e2b: e2b::E2bConfig,
 }
 
 impl ServerConfig {
@@ -162,6 +166,7 @@ impl ServerConfig {
             images_dir: None,
             conn: conn::ConnLimits::default(),
             disk_reserve_bytes: 256 << 20,
+            e2b: e2b::E2bConfig::default(),
         }
     }
 }
@@ -206,6 +211,8 @@ pub struct AppState {
     pub conns: Arc<conn::ConnTable>,
     /// Authentication required (latched once the store showed an API key; [`auth`]).
     pub auth_on: std::sync::atomic::AtomicBool,
+    /// E2B process ids of the envd surface ([`e2b`]).
+    pub e2b: e2b::E2bState,
 }
 
 /// Handler state: cheap to clone.
@@ -267,6 +274,7 @@ impl AppState {
             events,
             processes,
             auth_on: std::sync::atomic::AtomicBool::new(false),
+            e2b: Default::default(),
         }))
     }
 }
@@ -375,6 +383,8 @@ pub fn router(state: SharedState) -> Router {
         .route("/v1/events", get(events::list))
         .route("/", get(web::index))
         .route("/openapi.json", get(health::openapi))
+        // E2B's control plane and envd protocol (their paths do not collide with /v1).
+        .merge(e2b::routes())
         .fallback(error::not_found_route)
         .method_not_allowed_fallback(error::method_not_allowed)
         // Every route, present and future: credentials, admin scope, tenant of `{id}`.
@@ -382,6 +392,8 @@ pub fn router(state: SharedState) -> Router {
             state.clone(),
             auth::authorize,
         ))
+        // Before auth: E2B's X-API-KEY / X-Access-Token become Bearer credentials.
+        .layer(axum::middleware::from_fn(e2b::credentials))
         .layer(DefaultBodyLimit::max(state.cfg.max_json_bytes))
         .layer(trace)
         .with_state(state)

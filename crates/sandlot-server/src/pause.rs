@@ -51,7 +51,9 @@ fn backend_of(st: &SharedState, id: &str) -> Option<sandlot_api::Backend> {
     st.store.get(id).ok().flatten().map(|r| r.backend)
 }
 
-async fn pause_one(st: SharedState, id: String) -> Result<Option<String>, PauseFailure> {
+/// Pause one `running` sandbox (the protocol of the module docs); `Ok(None)` when it was not
+/// running (gone or paused meanwhile).
+pub(crate) async fn pause_one(st: SharedState, id: String) -> Result<Option<String>, PauseFailure> {
     let fail = |e: ServerError| PauseFailure {
         id: id.clone(),
         error: e.api_error(),
@@ -85,7 +87,11 @@ async fn pause_one(st: SharedState, id: String) -> Result<Option<String>, PauseF
     Ok(Some(id))
 }
 
-async fn resume_one(st: SharedState, id: String) -> Result<Option<String>, PauseFailure> {
+/// Resume one `paused` sandbox; `Ok(None)` when it was deleted meanwhile.
+pub(crate) async fn resume_one(
+    st: SharedState,
+    id: String,
+) -> Result<Option<String>, PauseFailure> {
     let fail = |e: ServerError| PauseFailure {
         id: id.clone(),
         error: e.api_error(),

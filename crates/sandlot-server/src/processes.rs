@@ -81,7 +81,7 @@ pub async fn spawn(
 }
 
 /// Records a `process_exited` audit event when the process ends.
-fn watch_exit(st: &SharedState, id: &str, backend: sandlot_api::Backend, pid: &str) {
+pub(crate) fn watch_exit(st: &SharedState, id: &str, backend: sandlot_api::Backend, pid: &str) {
     let Ok(h) = st.processes.get(id, pid) else {
         return;
     };

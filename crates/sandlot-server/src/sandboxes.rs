@@ -523,14 +523,21 @@ pub async fn keepalive(
             .map_err(|e| ServerError::invalid(format!("keepalive body: {e}")))?
     };
     let rec = running(&st, &id)?;
-    let ttl = range("ttl_s", req.ttl_s.unwrap_or(rec.spec.ttl_s), 0, MAX_TTL_S)?;
-    let expires = (ttl > 0).then(|| now_ms() + ttl as i64 * 1000);
-    if !st.store.set_expiry(&id, expires, ttl)? {
-        running(&st, &id)?; // gone or no longer running meanwhile: answer 404/409
-    }
-    let rec = st
-        .store
-        .get(&id)?
-        .ok_or_else(|| ServerError::no_sandbox(&id))?;
+    let rec = set_ttl(&st, &id, req.ttl_s.unwrap_or(rec.spec.ttl_s))?;
     Ok(Json(rec.to_api()))
+}
+
+/// Set the TTL of a running sandbox: it expires `ttl_s` seconds from now (0 = never).
+/// Shared by keepalive and the E2B surface's `timeout`/`connect`.
+///
+/// # Errors
+/// `invalid_argument` for a TTL over [`MAX_TTL_S`]; 404/409 when the sandbox is gone or
+/// not running.
+pub fn set_ttl(st: &SharedState, id: &str, ttl_s: u64) -> ApiResult<Record> {
+    let ttl = range("ttl_s", ttl_s, 0, MAX_TTL_S)?;
+    let expires = (ttl > 0).then(|| now_ms() + ttl as i64 * 1000);
+    if !st.store.set_expiry(id, expires, ttl)? {
+        running(st, id)?; // gone or no longer running meanwhile: answer 404/409
+    }
+    st.store.get(id)?.ok_or_else(|| ServerError::no_sandbox(id))
 }

@@ -1,0 +1,518 @@
+//! E2B's control plane (`spec/openapi.yml` of `e2b-dev/E2B`) over Sandlot's sandboxes.
+//!
+//! | E2B | Sandlot |
+//! |---|---|
+//! | `POST /v2/sandboxes` `{templateID, timeout, metadata, envVars, autoPause}` → 201 `Sandbox` | create: template → image (`base` → [`super::E2bConfig::base_image`]), `timeout` s → TTL (default 15 s, as E2B), `metadata` → labels, `envVars` → env, backend [`super::E2bConfig::backend`]; `Idempotency-Key` as for `/v1` |
+//! | `GET /v2/sandboxes?metadata=&state=&limit=` → `[ListedSandbox]` | list of the caller's sandboxes, `metadata` = URL-encoded `k=v&…` (all must match), `state` = `running,paused` |
+//! | `GET /sandboxes` → `[ListedSandbox]` | the running ones |
+//! | `GET /sandboxes/{id}` → `SandboxDetail` | get |
+//! | `DELETE /sandboxes/{id}` → 204 (404 unknown) | delete |
+//! | `POST /sandboxes/{id}/timeout {timeout}` → 204 | TTL = now + timeout ([`crate::sandboxes::set_ttl`]) |
+//! | `POST /sandboxes/{id}/refreshes {duration}` → 204 | keepalive |
+//! | `POST /sandboxes/{id}/pause` → 204 (409 when paused) | pause (processes frozen, files kept) |
+//! | `POST /sandboxes/{id}/resume {timeout}` → 201 `Sandbox` (409 when running) | resume |
+//! | `POST /v2/sandboxes/{id}/connect {timeout}` → 200 `Sandbox` (running) or 201 (resumed) | resume when paused, then TTL |
+//!
+//! Errors are E2B's body `{"code": <HTTP status>, "message": "…"}`. Unsupported fields
+//! (`autoPause`, `network`, `mcp`, volume mounts, `secure`) are accepted and ignored;
+//! `docs/e2b.md` lists them.
+use super::{visible, ENVD_VERSION, TEMPLATE_LABEL};
+use crate::auth::Principal;
+use crate::error::ServerError;
+use crate::sandboxes::{create_sandbox, delete_sandbox, set_ttl};
+use crate::store::{rfc3339, Record};
+use crate::SharedState;
+use axum::body::Bytes;
+use axum::extract::{Path, RawQuery, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Extension;
+use sandlot_api::{CreateSandboxRequest, ErrorCode, SandboxState};
+use serde::Deserialize;
+use std::collections::BTreeMap;
+
+/// E2B's default sandbox timeout when `timeout` is absent, seconds (OpenAPI `NewSandbox`).
+pub const DEFAULT_TIMEOUT_S: u64 = 15;
+
+/// An error in E2B's shape: `{"code": <HTTP status>, "message"}` with that status.
+#[derive(Debug)]
+pub struct E2bError(pub ServerError);
+
+impl From<ServerError> for E2bError {
+    fn from(e: ServerError) -> Self {
+        E2bError(e)
+    }
+}
+
+impl From<crate::store::StoreError> for E2bError {
+    fn from(e: crate::store::StoreError) -> Self {
+        E2bError(e.into())
+    }
+}
+
+impl IntoResponse for E2bError {
+    fn into_response(self) -> Response {
+        let api = self.0.api_error();
+        if api.code == ErrorCode::Internal {
+            tracing::error!(error = %crate::error::chain(&self.0), "e2b control plane: internal error");
+        }
+        let status = StatusCode::from_u16(api.code.http_status())
+            .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        let mut r = (
+            status,
+            axum::Json(serde_json::json!({"code": status.as_u16(), "message": api.message})),
+        )
+            .into_response();
+        if let ServerError::RetryAfter { seconds, .. } = self.0 {
+            if let Ok(v) = seconds.to_string().parse() {
+                r.headers_mut().insert("retry-after", v);
+            }
+        }
+        r
+    }
+}
+
+type E2bResult<T> = Result<T, E2bError>;
+
+fn invalid(msg: impl Into<String>) -> E2bError {
+    E2bError(ServerError::invalid(msg))
+}
+
+/// A JSON object body (empty = `{}`) as `T`.
+fn body_of<T: serde::de::DeserializeOwned>(body: &Bytes) -> E2bResult<T> {
+    let v: serde_json::Value = if body.iter().all(|b| b.is_ascii_whitespace()) {
+        serde_json::Value::Object(Default::default())
+    } else {
+        serde_json::from_slice(body).map_err(|e| invalid(format!("request body: {e}")))?
+    };
+    if !v.is_object() {
+        return Err(invalid("request body must be a JSON object"));
+    }
+    serde_json::from_value(v).map_err(|e| invalid(format!("request body: {e}")))
+}
+
+/// `NewSandbox` / `NewSandboxV2` (the fields Sandlot uses; others are ignored).
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct NewSandbox {
+    #[serde(rename = "templateID")]
+    template_id: String,
+    #[serde(default)]
+    timeout: Option<u64>,
+    #[serde(default)]
+    metadata: Option<BTreeMap<String, String>>,
+    #[serde(default)]
+    env_vars: Option<BTreeMap<String, String>>,
+}
+
+/// `ConnectSandbox`, `ResumedSandbox`, `SandboxTimeoutRequest`, `SandboxRefreshRequest`.
+#[derive(Debug, Default, Deserialize)]
+struct TimeoutBody {
+    #[serde(default)]
+    timeout: Option<u64>,
+    #[serde(default)]
+    duration: Option<u64>,
+}
+
+fn image_of(st: &SharedState, template: &str) -> String {
+    if template == "base" {
+        st.cfg.e2b.base_image.clone()
+    } else {
+        template.to_owned()
+    }
+}
+
+fn template_of(rec: &Record) -> String {
+    rec.labels
+        .get(TEMPLATE_LABEL)
+        .cloned()
+        .unwrap_or_else(|| rec.image.clone())
+}
+
+fn metadata_of(rec: &Record) -> BTreeMap<String, String> {
+    rec.labels
+        .iter()
+        .filter(|(k, _)| !k.starts_with("e2b/"))
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect()
+}
+
+fn state_of(rec: &Record) -> &'static str {
+    match rec.state {
+        SandboxState::Paused => "paused",
+        _ => "running",
+    }
+}
+
+/// E2B's `endAt`: the expiry, or far in the future for a sandbox without TTL.
+fn end_at(rec: &Record) -> String {
+    rfc3339(
+        rec.expires_at_ms
+            .unwrap_or(rec.created_at_ms + super::super::sandboxes::MAX_TTL_S as i64 * 1000),
+    )
+}
+
+/// The `Sandbox` answer of create, resume and connect. `envdAccessToken` is the caller's
+/// API key when authentication is on (the envd routes accept it as `X-Access-Token`).
+fn sandbox_json(st: &SharedState, rec: &Record, key: Option<String>) -> serde_json::Value {
+    let mut v = serde_json::json!({
+        "templateID": template_of(rec),
+        "sandboxID": rec.id,
+        "clientID": st.node_name,
+        "alias": template_of(rec),
+        "envdVersion": ENVD_VERSION,
+        "domain": null,
+    });
+    if let Some(k) = key {
+        v["envdAccessToken"] = k.into();
+    }
+    v
+}
+
+fn listed_json(rec: &Record) -> serde_json::Value {
+    serde_json::json!({
+        "templateID": template_of(rec),
+        "alias": template_of(rec),
+        "sandboxID": rec.id,
+        "clientID": rec.node,
+        "startedAt": rfc3339(rec.created_at_ms),
+        "endAt": end_at(rec),
+        "cpuCount": rec.spec.cpu.ceil().max(1.0) as u64,
+        "memoryMB": rec.spec.memory_mib,
+        "diskSizeMB": rec.spec.disk_mib,
+        "metadata": metadata_of(rec),
+        "state": state_of(rec),
+        "envdVersion": ENVD_VERSION,
+    })
+}
+
+fn access_key(st: &SharedState, headers: &HeaderMap) -> Option<String> {
+    if crate::auth::enabled(st).unwrap_or(true) {
+        super::presented_key(headers)
+    } else {
+        None
+    }
+}
+
+/// `POST /v2/sandboxes` → 201 `Sandbox`.
+pub async fn create(
+    State(st): State<SharedState>,
+    Extension(who): Extension<Principal>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> E2bResult<Response> {
+    let req: NewSandbox = body_of(&body)?;
+    if req.template_id.is_empty() {
+        return Err(invalid("templateID must not be empty"));
+    }
+    let image = image_of(&st, &req.template_id);
+    let create = CreateSandboxRequest {
+        backend: st.cfg.e2b.backend,
+        image: Some(image),
+        ttl_s: Some(req.timeout.unwrap_or(DEFAULT_TIMEOUT_S)),
+        env: req.env_vars.unwrap_or_default(),
+        labels: req.metadata.unwrap_or_default(),
+        ..Default::default()
+    };
+    if create.labels.keys().any(|k| k.starts_with("e2b/")) {
+        return Err(invalid("metadata keys starting with \"e2b/\" are reserved"));
+    }
+    let key = match headers.get("idempotency-key") {
+        None => None,
+        Some(v) => Some(
+            v.to_str()
+                .ok()
+                .filter(|k| !k.is_empty() && k.len() <= 256)
+                .ok_or_else(|| invalid("Idempotency-Key must be 1–256 visible ASCII characters"))?
+                .to_owned(),
+        ),
+    };
+    let extra = BTreeMap::from([(TEMPLATE_LABEL.to_owned(), req.template_id.clone())]);
+    let (rec, created) = create_sandbox(&st, &who, create, extra, key).await?;
+    if let Err(e) = super::ensure_home(&st, &rec.id, &super::home_of(None)).await {
+        tracing::warn!(sandbox_id = %rec.id, error = %crate::error::chain(&e), "e2b: could not create /home/user");
+    }
+    let status = if created {
+        StatusCode::CREATED
+    } else {
+        StatusCode::OK
+    };
+    Ok((
+        status,
+        axum::Json(sandbox_json(&st, &rec, access_key(&st, &headers))),
+    )
+        .into_response())
+}
+
+/// Parsed list query.
+#[derive(Debug, Default, PartialEq)]
+struct ListQuery {
+    metadata: Vec<(String, String)>,
+    states: Option<Vec<&'static str>>,
+    limit: Option<usize>,
+}
+
+fn parse_list_query(raw: Option<&str>) -> E2bResult<ListQuery> {
+    let pairs: Vec<(String, String)> = serde_urlencoded::from_str(raw.unwrap_or(""))
+        .map_err(|e| invalid(format!("query: {e}")))?;
+    let mut q = ListQuery::default();
+    for (k, v) in pairs {
+        match k.as_str() {
+            "metadata" => {
+                let m: Vec<(String, String)> = serde_urlencoded::from_str(&v)
+                    .map_err(|e| invalid(format!("metadata filter {v:?}: {e}")))?;
+                q.metadata.extend(m);
+            }
+            "state" => {
+                let mut s = Vec::new();
+                for part in v.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+                    s.push(match part {
+                        "running" => "running",
+                        "paused" => "paused",
+                        other => {
+                            return Err(invalid(format!(
+                                "state {other:?}: expected running or paused"
+                            )))
+                        }
+                    });
+                }
+                q.states = Some(s);
+            }
+            "limit" => {
+                let n: usize = v
+                    .parse()
+                    .map_err(|_| invalid(format!("limit {v:?} must be a number")))?;
+                q.limit = Some(n);
+            }
+            // Pagination: everything fits one page; the token is ignored.
+            "nextToken" | "order" | "startedAfter" | "template" => {}
+            other => return Err(invalid(format!("unknown query parameter {other:?}"))),
+        }
+    }
+    Ok(q)
+}
+
+fn list_with(
+    st: &SharedState,
+    who: &Principal,
+    q: ListQuery,
+    default_states: &[&'static str],
+) -> E2bResult<Response> {
+    let states = q.states.unwrap_or_else(|| default_states.to_vec());
+    let mut out = Vec::new();
+    for rec in st.store.list()? {
+        if !who.sees(rec.tenant.as_deref()) {
+            continue;
+        }
+        if !matches!(rec.state, SandboxState::Running | SandboxState::Paused) {
+            continue;
+        }
+        if !states.contains(&state_of(&rec)) {
+            continue;
+        }
+        if !q
+            .metadata
+            .iter()
+            .all(|(k, v)| rec.labels.get(k).is_some_and(|x| x == v))
+        {
+            continue;
+        }
+        out.push(listed_json(&rec));
+        if q.limit.is_some_and(|l| out.len() >= l) {
+            break;
+        }
+    }
+    Ok(axum::Json(out).into_response())
+}
+
+/// `GET /v2/sandboxes` → `[ListedSandbox]` (running and paused unless `state` says).
+pub async fn list_v2(
+    State(st): State<SharedState>,
+    Extension(who): Extension<Principal>,
+    RawQuery(raw): RawQuery,
+) -> E2bResult<Response> {
+    let q = parse_list_query(raw.as_deref())?;
+    list_with(&st, &who, q, &["running", "paused"])
+}
+
+/// `GET /sandboxes` → `[ListedSandbox]` (running ones unless `state` says).
+pub async fn list_v1(
+    State(st): State<SharedState>,
+    Extension(who): Extension<Principal>,
+    RawQuery(raw): RawQuery,
+) -> E2bResult<Response> {
+    let q = parse_list_query(raw.as_deref())?;
+    list_with(&st, &who, q, &["running"])
+}
+
+/// `GET /sandboxes/{id}` → `SandboxDetail`.
+pub async fn get_one(
+    State(st): State<SharedState>,
+    Extension(who): Extension<Principal>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+) -> E2bResult<Response> {
+    let rec = visible(&st, &who, &id)?;
+    let mut v = listed_json(&rec);
+    if let Some(k) = access_key(&st, &headers) {
+        v["envdAccessToken"] = k.into();
+    }
+    v["domain"] = serde_json::Value::Null;
+    Ok(axum::Json(v).into_response())
+}
+
+/// `DELETE /sandboxes/{id}` → 204; 404 when unknown (the SDK's `kill` then answers
+/// `False`).
+pub async fn kill(
+    State(st): State<SharedState>,
+    Extension(who): Extension<Principal>,
+    Path(id): Path<String>,
+) -> E2bResult<StatusCode> {
+    let rec = visible(&st, &who, &id)?;
+    if rec.state == SandboxState::Deleting {
+        return Err(E2bError(ServerError::no_sandbox(&id)));
+    }
+    delete_sandbox(&st, &id).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// `POST /sandboxes/{id}/timeout {"timeout": s}` → 204.
+pub async fn timeout(
+    State(st): State<SharedState>,
+    Extension(who): Extension<Principal>,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> E2bResult<StatusCode> {
+    let b: TimeoutBody = body_of(&body)?;
+    let t = b.timeout.ok_or_else(|| invalid("timeout is required"))?;
+    visible(&st, &who, &id)?;
+    set_ttl(&st, &id, t)?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// `POST /sandboxes/{id}/refreshes {"duration": s}` → 204 (TTL = now + duration, or the
+/// sandbox's own TTL).
+pub async fn refresh(
+    State(st): State<SharedState>,
+    Extension(who): Extension<Principal>,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> E2bResult<StatusCode> {
+    let b: TimeoutBody = body_of(&body)?;
+    let rec = visible(&st, &who, &id)?;
+    set_ttl(&st, &id, b.duration.unwrap_or(rec.spec.ttl_s))?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+fn conflict(msg: String) -> E2bError {
+    E2bError(ServerError::new(ErrorCode::Conflict, msg))
+}
+
+/// `POST /sandboxes/{id}/pause` → 204; 409 when already paused.
+pub async fn pause(
+    State(st): State<SharedState>,
+    Extension(who): Extension<Principal>,
+    Path(id): Path<String>,
+) -> E2bResult<StatusCode> {
+    let rec = visible(&st, &who, &id)?;
+    if rec.state == SandboxState::Paused {
+        return Err(conflict(format!("sandbox {id} is already paused")));
+    }
+    match crate::pause::pause_one(st.clone(), id.clone()).await {
+        Ok(Some(_)) => Ok(StatusCode::NO_CONTENT),
+        Ok(None) => {
+            let rec = visible(&st, &who, &id)?;
+            Err(conflict(format!(
+                "sandbox {id} is {}, not running",
+                rec.state.as_str()
+            )))
+        }
+        Err(f) => Err(E2bError(ServerError::Api(f.error))),
+    }
+}
+
+/// Resume `rec` when paused; returns whether it was.
+async fn resume_if_paused(st: &SharedState, rec: &Record) -> E2bResult<bool> {
+    match rec.state {
+        SandboxState::Running => Ok(false),
+        SandboxState::Paused => match crate::pause::resume_one(st.clone(), rec.id.clone()).await {
+            Ok(Some(_)) => Ok(true),
+            Ok(None) => Err(E2bError(ServerError::no_sandbox(&rec.id))),
+            Err(f) => Err(E2bError(ServerError::Api(f.error))),
+        },
+        s => Err(conflict(format!("sandbox {} is {}", rec.id, s.as_str()))),
+    }
+}
+
+/// `POST /sandboxes/{id}/resume {"timeout": s}` → 201 `Sandbox`; 409 when running.
+pub async fn resume(
+    State(st): State<SharedState>,
+    Extension(who): Extension<Principal>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> E2bResult<Response> {
+    let b: TimeoutBody = body_of(&body)?;
+    let rec = visible(&st, &who, &id)?;
+    if rec.state == SandboxState::Running {
+        return Err(conflict(format!("sandbox {id} is already running")));
+    }
+    resume_if_paused(&st, &rec).await?;
+    let rec = set_ttl(&st, &id, b.timeout.unwrap_or(rec.spec.ttl_s))?;
+    Ok((
+        StatusCode::CREATED,
+        axum::Json(sandbox_json(&st, &rec, access_key(&st, &headers))),
+    )
+        .into_response())
+}
+
+/// `POST /v2/sandboxes/{id}/connect {"timeout": s}` (and the older `/sandboxes/{id}/
+/// connect`) → 200 `Sandbox` when it was running, 201 when it was paused and is resumed.
+/// `timeout` resets the TTL from now.
+pub async fn connect(
+    State(st): State<SharedState>,
+    Extension(who): Extension<Principal>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> E2bResult<Response> {
+    let b: TimeoutBody = body_of(&body)?;
+    let rec = visible(&st, &who, &id)?;
+    let resumed = resume_if_paused(&st, &rec).await?;
+    let rec = match b.timeout {
+        Some(t) => set_ttl(&st, &id, t)?,
+        None => visible(&st, &who, &id)?,
+    };
+    let status = if resumed {
+        StatusCode::CREATED
+    } else {
+        StatusCode::OK
+    };
+    Ok((
+        status,
+        axum::Json(sandbox_json(&st, &rec, access_key(&st, &headers))),
+    )
+        .into_response())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn list_query() {
+        let q = parse_list_query(Some(
+            "metadata=user%3Dalice%26job%3D7&state=running,paused&limit=5",
+        ))
+        .unwrap();
+        assert_eq!(
+            q.metadata,
+            vec![("user".into(), "alice".into()), ("job".into(), "7".into())]
+        );
+        assert_eq!(q.states, Some(vec!["running", "paused"]));
+        assert_eq!(q.limit, Some(5));
+        assert!(parse_list_query(Some("state=gone")).is_err());
+        assert!(parse_list_query(Some("bogus=1")).is_err());
+        assert_eq!(parse_list_query(None).unwrap(), ListQuery::default());
+    }
+}

@@ -1,0 +1,395 @@
+//! The E2B-compatible API surface: E2B's control plane (REST/JSON) and the envd protocol
+//! (Connect-RPC), served by Sandlot itself on its own listener, so the unmodified `e2b`
+//! SDKs drive Sandlot sandboxes (`docs/e2b.md` says how to point them here).
+//!
+//! Sources of the protocols: E2B's OpenAPI spec `spec/openapi.yml` (control plane) and
+//! the envd proto files `spec/envd/process/process.proto`, `spec/envd/filesystem/
+//! filesystem.proto` in `e2b-dev/E2B`; the Connect protocol (<https://connectrpc.com/docs/
+//! protocol>) for the framing ([`connect`]). The shapes were checked against the `e2b`
+//! Python SDK 2.63.0.
+//!
+//! | route | module |
+//! |---|---|
+//! | `POST/GET /v2/sandboxes`, `GET /sandboxes`, `GET/DELETE /sandboxes/{id}`, `POST /sandboxes/{id}/{timeout,pause,resume,connect,refreshes}`, `POST /v2/sandboxes/{id}/connect` | [`control`] |
+//! | `POST /process.Process/{Start,Connect,List,SendInput,CloseStdin,SendSignal}` | [`process`] |
+//! | `GET /health` (envd) | here |
+//!
+//! **Which sandbox** an envd request is for: the `E2b-Sandbox-Id` header (what the SDK
+//! sends in `E2B_SANDBOX_URL` mode), else a host name `<port>-<sandbox-id>.<domain>`
+//! (`E2B_DOMAIN` mode) ([`sandbox_of`]).
+//!
+//! **Credentials** ([`credentials`], a layer that runs before [`crate::auth`]): on E2B
+//! routes `X-API-KEY` (control plane) and `X-Access-Token` (envd) carry a Sandlot API key
+//! and become `Authorization: Bearer`; the `envdAccessToken` Sandlot hands out is the key
+//! the caller created the sandbox with. On envd routes `Authorization: Basic <user>:`
+//! names E2B's user (not a credential): it is taken out before authentication and kept
+//! as [`E2bUser`]. Tenants: every route checks that the caller sees the sandbox; another
+//! tenant's sandbox answers as an unknown one.
+//!
+//! **Users.** Commands run as the sandbox's own (unprivileged) root, whatever the E2B
+//! user; the user only picks `HOME` and the default working directory (`/home/user` for
+//! `user` and any other name, `/root` for `root`), created on first use.
+pub mod connect;
+pub mod control;
+pub mod process;
+
+use crate::auth::Principal;
+use crate::error::ServerError;
+use crate::store::Record;
+use crate::SharedState;
+use axum::extract::Request;
+use axum::http::{header, HeaderMap, HeaderValue};
+use axum::middleware::Next;
+use axum::response::Response;
+use axum::routing::{get, post};
+use axum::Router;
+use base64::Engine;
+use sandlot_api::{Backend, ErrorCode};
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::Mutex;
+
+/// envd version the sandboxes report (`envdVersion`). The SDK enables features by it:
+/// 0.4.0 (no default-user header), 0.5.2 (close stdin), 0.5.7 (octet-stream uploads).
+pub const ENVD_VERSION: &str = "0.5.7";
+/// envd's port in E2B host names (`49983-<id>.<domain>`).
+pub const ENVD_PORT: u16 = 49983;
+/// Label holding the E2B template a sandbox was created from (left out of `metadata`).
+pub const TEMPLATE_LABEL: &str = "e2b/template";
+
+/// Settings of the E2B surface (`sandlot up --e2b-base-image/--e2b-backend`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct E2bConfig {
+    /// Image of E2B's `base` template (default `python`); any other template id names a
+    /// Sandlot image directly.
+    pub base_image: String,
+    /// Backend of sandboxes created through the E2B API (default `function`).
+    pub backend: Backend,
+}
+
+impl Default for E2bConfig {
+    fn default() -> Self {
+        E2bConfig {
+            base_image: "python".to_owned(),
+            backend: Backend::Function,
+        }
+    }
+}
+
+/// The E2B user an envd request names (`Authorization: Basic <user>:`), if any.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct E2bUser(pub String);
+
+/// E2B's numeric process ids over Sandlot's background processes, per sandbox.
+#[derive(Default)]
+pub struct E2bState {
+    procs: Mutex<HashMap<String, SandboxProcs>>,
+    /// Sandboxes whose home directories exist already.
+    homes: Mutex<HashSet<(String, String)>>,
+}
+
+#[derive(Default)]
+struct SandboxProcs {
+    next_pid: u32,
+    by_pid: BTreeMap<u32, ProcEntry>,
+}
+
+/// One E2B process: its Sandlot handle and what `List` reports.
+#[derive(Debug, Clone)]
+pub struct ProcEntry {
+    /// The background process (`pr-…`) in [`crate::AppState::processes`].
+    pub handle: String,
+    /// `tag` of the start request.
+    pub tag: Option<String>,
+    /// The `ProcessConfig` of the start request, as sent (JSON).
+    pub config: serde_json::Value,
+}
+
+/// Most E2B pids remembered per sandbox; the oldest are forgotten first (the process
+/// table itself keeps at most 64 records per sandbox).
+const MAX_PIDS: usize = 256;
+
+impl E2bState {
+    /// Register a process; returns its E2B pid (from 1000, counting up per sandbox).
+    pub fn add(&self, sandbox: &str, entry: ProcEntry) -> u32 {
+        let mut m = self.procs.lock().unwrap_or_else(|p| p.into_inner());
+        let s = m.entry(sandbox.to_owned()).or_default();
+        if s.next_pid == 0 {
+            s.next_pid = 1000;
+        }
+        let pid = s.next_pid;
+        s.next_pid = s.next_pid.wrapping_add(1).max(1000);
+        s.by_pid.insert(pid, entry);
+        while s.by_pid.len() > MAX_PIDS {
+            let first = *s.by_pid.keys().next().expect("non-empty");
+            s.by_pid.remove(&first);
+        }
+        pid
+    }
+
+    /// The process `pid` of `sandbox`.
+    pub fn get(&self, sandbox: &str, pid: u32) -> Option<ProcEntry> {
+        let m = self.procs.lock().unwrap_or_else(|p| p.into_inner());
+        m.get(sandbox)?.by_pid.get(&pid).cloned()
+    }
+
+    /// The process with `tag` in `sandbox` (the newest when several).
+    pub fn by_tag(&self, sandbox: &str, tag: &str) -> Option<(u32, ProcEntry)> {
+        let m = self.procs.lock().unwrap_or_else(|p| p.into_inner());
+        m.get(sandbox)?
+            .by_pid
+            .iter()
+            .rev()
+            .find(|(_, e)| e.tag.as_deref() == Some(tag))
+            .map(|(p, e)| (*p, e.clone()))
+    }
+
+    /// Every process of `sandbox`, by pid.
+    pub fn all(&self, sandbox: &str) -> Vec<(u32, ProcEntry)> {
+        let m = self.procs.lock().unwrap_or_else(|p| p.into_inner());
+        m.get(sandbox)
+            .map(|s| s.by_pid.iter().map(|(p, e)| (*p, e.clone())).collect())
+            .unwrap_or_default()
+    }
+
+    /// Forget the processes of sandboxes not in `keep` (gone sandboxes).
+    pub fn retain_sandboxes(&self, keep: impl Fn(&str) -> bool) {
+        let mut m = self.procs.lock().unwrap_or_else(|p| p.into_inner());
+        m.retain(|k, _| keep(k));
+        let mut h = self.homes.lock().unwrap_or_else(|p| p.into_inner());
+        h.retain(|(k, _)| keep(k));
+    }
+
+    /// Number of sandboxes with E2B processes.
+    pub fn sandboxes(&self) -> usize {
+        self.procs.lock().unwrap_or_else(|p| p.into_inner()).len()
+    }
+}
+
+/// The E2B routes (mounted by [`crate::router`] next to `/v1`; the paths do not collide).
+pub fn routes() -> Router<SharedState> {
+    Router::new()
+        .route("/v2/sandboxes", post(control::create).get(control::list_v2))
+        .route("/sandboxes", get(control::list_v1))
+        .route(
+            "/sandboxes/{sandbox_id}",
+            get(control::get_one).delete(control::kill),
+        )
+        .route("/sandboxes/{sandbox_id}/timeout", post(control::timeout))
+        .route("/sandboxes/{sandbox_id}/refreshes", post(control::refresh))
+        .route("/sandboxes/{sandbox_id}/pause", post(control::pause))
+        .route("/sandboxes/{sandbox_id}/resume", post(control::resume))
+        .route("/sandboxes/{sandbox_id}/connect", post(control::connect))
+        .route("/v2/sandboxes/{sandbox_id}/connect", post(control::connect))
+        .route("/health", get(health))
+        .route("/process.Process/{method}", post(process::dispatch))
+}
+
+/// Whether `path` belongs to the E2B surface (for [`credentials`]).
+pub fn is_e2b_path(path: &str) -> bool {
+    path == "/sandboxes"
+        || path.starts_with("/sandboxes/")
+        || path == "/v2/sandboxes"
+        || path.starts_with("/v2/sandboxes/")
+        || is_envd_path(path)
+}
+
+/// Whether `path` is one of envd's (served per sandbox).
+pub fn is_envd_path(path: &str) -> bool {
+    path == "/health"
+        || path == "/files"
+        || path.starts_with("/process.Process/")
+        || path.starts_with("/filesystem.Filesystem/")
+}
+
+fn header_str<'a>(h: &'a HeaderMap, name: &str) -> Option<&'a str> {
+    h.get(name)
+        .and_then(|v| v.to_str().ok())
+        .map(str::trim)
+        .filter(|v| !v.is_empty())
+}
+
+/// The credentials layer of the E2B routes (module docs). Runs before [`crate::auth`]
+/// and leaves every other route untouched.
+pub async fn credentials(mut req: Request, next: Next) -> Response {
+    let path = req.uri().path();
+    if !is_e2b_path(path) {
+        return next.run(req).await;
+    }
+    let envd = is_envd_path(path);
+    let headers = req.headers_mut();
+    if envd {
+        let basic_user = header_str(headers, "authorization")
+            .and_then(|v| v.split_once(' '))
+            .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("basic"))
+            .and_then(|(_, b)| {
+                base64::engine::general_purpose::STANDARD
+                    .decode(b.trim())
+                    .ok()
+            })
+            .and_then(|raw| String::from_utf8(raw).ok())
+            .map(|s| s.split_once(':').map(|(u, _)| u.to_owned()).unwrap_or(s));
+        if let Some(user) = basic_user {
+            headers.remove(header::AUTHORIZATION);
+            req.extensions_mut().insert(E2bUser(user));
+        }
+    }
+    let headers = req.headers_mut();
+    let token = ["x-access-token", "x-api-key"]
+        .into_iter()
+        .find_map(|n| header_str(headers, n).map(str::to_owned));
+    if let Some(t) = token {
+        if !headers.contains_key(header::AUTHORIZATION) {
+            if let Ok(v) = HeaderValue::from_str(&format!("Bearer {t}")) {
+                headers.insert(header::AUTHORIZATION, v);
+            }
+        }
+    }
+    next.run(req).await
+}
+
+/// The key a request presented (`X-API-KEY`, `X-Access-Token` or Bearer), for
+/// `envdAccessToken`.
+pub fn presented_key(h: &HeaderMap) -> Option<String> {
+    crate::auth::presented_key(h)
+}
+
+/// The sandbox id an envd request addresses: `E2b-Sandbox-Id`, else the host name
+/// `<port>-<id>.<domain>`.
+///
+/// # Errors
+/// `invalid_argument` when neither names a sandbox.
+pub fn sandbox_of(h: &HeaderMap) -> Result<String, ServerError> {
+    if let Some(id) = header_str(h, "e2b-sandbox-id") {
+        return Ok(id.to_owned());
+    }
+    let host = header_str(h, "host").unwrap_or("");
+    let first = host.split('.').next().unwrap_or("");
+    if let Some((port, id)) = first.split_once('-') {
+        if port.parse::<u16>().is_ok() && !id.is_empty() && host.contains('.') {
+            return Ok(id.to_owned());
+        }
+    }
+    Err(ServerError::invalid(
+        "which sandbox? send the E2b-Sandbox-Id header (E2B_SANDBOX_URL mode) or use the \
+         host name <port>-<sandbox-id>.<domain>",
+    ))
+}
+
+/// The record of sandbox `id` if `who` may see it, else 404 as for an unknown id.
+///
+/// # Errors
+/// 404 `not_found`; store errors.
+pub fn visible(st: &SharedState, who: &Principal, id: &str) -> Result<Record, ServerError> {
+    match st.store.get(id)? {
+        Some(r) if who.sees(r.tenant.as_deref()) => Ok(r),
+        _ => Err(ServerError::new(
+            ErrorCode::NotFound,
+            format!("sandbox {id} not found"),
+        )),
+    }
+}
+
+/// `GET /health` (envd): 204 while the sandbox named by the request runs; 502 when it is
+/// not running (what E2B's proxy answers; the SDK's `is_running` reads 502 as `false`).
+pub async fn health(
+    axum::extract::State(st): axum::extract::State<SharedState>,
+    axum::Extension(who): axum::Extension<Principal>,
+    headers: HeaderMap,
+) -> Response {
+    use axum::response::IntoResponse;
+    let running = sandbox_of(&headers)
+        .and_then(|id| visible(&st, &who, &id))
+        .map(|r| r.state == sandlot_api::SandboxState::Running)
+        .unwrap_or(false);
+    if running {
+        axum::http::StatusCode::NO_CONTENT.into_response()
+    } else {
+        (
+            axum::http::StatusCode::BAD_GATEWAY,
+            axum::Json(serde_json::json!({"code": 502, "message": "sandbox not running"})),
+        )
+            .into_response()
+    }
+}
+
+/// HOME and default working directory of E2B user `user`.
+pub fn home_of(user: Option<&str>) -> String {
+    match user {
+        Some("root") => "/root".to_owned(),
+        _ => "/home/user".to_owned(),
+    }
+}
+
+/// Make sure `home` exists in sandbox `id` (once per sandbox and home).
+///
+/// # Errors
+/// The node's error.
+pub async fn ensure_home(st: &SharedState, id: &str, home: &str) -> Result<(), ServerError> {
+    let key = (id.to_owned(), home.to_owned());
+    if st
+        .e2b
+        .homes
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .contains(&key)
+    {
+        return Ok(());
+    }
+    st.node.make_dir(id, home, true).await?;
+    st.e2b
+        .homes
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .insert(key);
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sandbox_from_header_or_host() {
+        let mut h = HeaderMap::new();
+        h.insert(
+            "host",
+            HeaderValue::from_static("49983-sb-0123.sandlot.test"),
+        );
+        assert_eq!(sandbox_of(&h).unwrap(), "sb-0123");
+        h.insert("e2b-sandbox-id", HeaderValue::from_static("sb-9"));
+        assert_eq!(sandbox_of(&h).unwrap(), "sb-9");
+        let mut h = HeaderMap::new();
+        h.insert("host", HeaderValue::from_static("127.0.0.1:7070"));
+        assert!(sandbox_of(&h).is_err());
+    }
+
+    #[test]
+    fn pids_count_up_and_forget_the_oldest() {
+        let s = E2bState::default();
+        let e = |h: &str| ProcEntry {
+            handle: h.into(),
+            tag: Some(h.into()),
+            config: serde_json::Value::Null,
+        };
+        assert_eq!(s.add("a", e("x")), 1000);
+        assert_eq!(s.add("a", e("y")), 1001);
+        assert_eq!(s.add("b", e("z")), 1000);
+        assert_eq!(s.by_tag("a", "y").unwrap().0, 1001);
+        for i in 0..MAX_PIDS {
+            s.add("a", e(&i.to_string()));
+        }
+        assert!(s.get("a", 1000).is_none());
+        assert_eq!(s.all("a").len(), MAX_PIDS);
+        s.retain_sandboxes(|k| k == "b");
+        assert_eq!(s.sandboxes(), 1);
+    }
+
+    #[test]
+    fn e2b_paths() {
+        assert!(is_e2b_path("/v2/sandboxes"));
+        assert!(is_e2b_path("/sandboxes/sb-1/timeout"));
+        assert!(is_envd_path("/process.Process/Start"));
+        assert!(!is_e2b_path("/v1/sandboxes"));
+        assert!(!is_e2b_path("/healthz"));
+    }
+}

@@ -1,0 +1,590 @@
+//! envd's `process.Process` service (`spec/envd/process/process.proto`) over Sandlot's
+//! background processes ([`crate::AppState::processes`]), so it works on every backend
+//! and in any image.
+//!
+//! | method | kind | Sandlot |
+//! |---|---|---|
+//! | `Start {process: {cmd, args, envs, cwd}, tag, stdin}` | server stream | spawn; events `start {pid}`, `data {stdout\|stderr}` (base64), `keepalive`, then `end {exitCode, exited, status, error}` |
+//! | `Connect {process: {pid\|tag}}` | server stream | follow its output from now on |
+//! | `List {}` | unary | its running processes |
+//! | `SendInput {process, input: {stdin}}` | unary | write stdin (started with `stdin: true`) |
+//! | `CloseStdin {process}` | unary | close stdin |
+//! | `SendSignal {process, signal: SIGNAL_SIGTERM\|SIGNAL_SIGKILL}` | unary | signal (SIGKILL ends the whole tree) |
+//!
+//! `pty` (terminals), `StreamInput` and `Update` answer `unimplemented`. Pids are E2B's
+//! numbers ([`super::E2bState`]), from 1000 per sandbox. The stream's deadline
+//! (`Connect-Timeout-Ms`, the SDK's command `timeout`) is also the process's timeout: when
+//! it passes, the process tree is killed. A stream whose client goes away leaves the
+//! process running (`commands.connect` reattaches). `cmd: "/bin/bash"` (what
+//! `commands.run` sends) falls back to `/bin/sh` in images without bash, dropping `-l`.
+//! Keepalive events are sent every `Keepalive-Ping-Interval` seconds (default 50).
+//! Stdout and stderr keep their own order; their interleaving is not kept exactly.
+use super::connect::{
+    check_kind, end_stream, message, stream_error, stream_request, stream_response, unary_ok,
+    unary_request, CallKind, ConnectError,
+};
+use super::{ensure_home, home_of, sandbox_of, visible, E2bUser, ProcEntry};
+use crate::auth::Principal;
+use crate::SharedState;
+use axum::body::{Body, Bytes};
+use axum::extract::{Path, Request, State};
+use axum::http::HeaderMap;
+use axum::response::{IntoResponse, Response};
+use base64::Engine;
+use futures::StreamExt;
+use sandlot_api::{Cmd, ExecResult, ProcessEvent, SpawnRequest};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::mpsc;
+
+/// Default interval of keepalive events, seconds (the SDK asks for 50).
+pub const KEEPALIVE_S: u64 = 50;
+
+/// `process.ProcessConfig`.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+pub struct ProcessConfig {
+    /// Program.
+    pub cmd: String,
+    /// Its arguments.
+    #[serde(default)]
+    pub args: Vec<String>,
+    /// Extra environment.
+    #[serde(default)]
+    pub envs: BTreeMap<String, String>,
+    /// Working directory (default the user's home).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cwd: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+struct StartRequest {
+    #[serde(default)]
+    process: Option<ProcessConfig>,
+    #[serde(default)]
+    pty: Option<serde_json::Value>,
+    #[serde(default)]
+    tag: Option<String>,
+    #[serde(default)]
+    stdin: Option<bool>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct Selected {
+    #[serde(default)]
+    process: Option<Selector>,
+    #[serde(default)]
+    input: Option<Input>,
+    #[serde(default)]
+    signal: Option<serde_json::Value>,
+    #[serde(default)]
+    pty: Option<serde_json::Value>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct Selector {
+    #[serde(default)]
+    pid: Option<serde_json::Value>,
+    #[serde(default)]
+    tag: Option<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct Input {
+    #[serde(default)]
+    stdin: Option<String>,
+    #[serde(default)]
+    pty: Option<String>,
+}
+
+/// `POST /process.Process/{method}`: the methods of the module docs.
+pub async fn dispatch(
+    State(st): State<SharedState>,
+    Path(method): Path<String>,
+    req: Request,
+) -> Response {
+    let who = req
+        .extensions()
+        .get::<Principal>()
+        .cloned()
+        .unwrap_or_else(Principal::anonymous);
+    let user = req.extensions().get::<E2bUser>().map(|u| u.0.clone());
+    let (parts, body) = req.into_parts();
+    let headers = parts.headers;
+    let streaming = matches!(method.as_str(), "Start" | "Connect");
+    let fail = |e: ConnectError| {
+        if streaming && e.status.is_none() {
+            stream_error(e)
+        } else {
+            e.into_response()
+        }
+    };
+    let kind = if streaming {
+        CallKind::Stream
+    } else {
+        CallKind::Unary
+    };
+    if !matches!(
+        method.as_str(),
+        "Start" | "Connect" | "List" | "SendInput" | "CloseStdin" | "SendSignal"
+    ) {
+        let known = matches!(method.as_str(), "StreamInput" | "Update");
+        let mut e = ConnectError::new(
+            "unimplemented",
+            if known {
+                format!("process.Process/{method} is not implemented by Sandlot")
+            } else {
+                format!("no method process.Process/{method}")
+            },
+        );
+        if !known {
+            e.status = Some(axum::http::StatusCode::NOT_FOUND);
+        }
+        return e.into_response();
+    }
+    if let Err(e) = check_kind(&headers, kind) {
+        return fail(e);
+    }
+    let body = match axum::body::to_bytes(body, st.cfg.max_json_bytes).await {
+        Ok(b) => b,
+        Err(e) => {
+            return fail(ConnectError::new(
+                "resource_exhausted",
+                format!("request body: {e}"),
+            ))
+        }
+    };
+    let id = match sandbox_of(&headers)
+        .and_then(|id| visible(&st, &who, &id).map(|_| id))
+        .and_then(|id| crate::sandboxes::running(&st, &id).map(|_| id))
+    {
+        Ok(id) => id,
+        Err(e) => return fail(e.into()),
+    };
+    let out = match method.as_str() {
+        "Start" => start(&st, &id, user.as_deref(), &headers, &body).await,
+        "Connect" => reconnect(&st, &id, &headers, &body),
+        "List" => list(&st, &id),
+        "SendInput" => send_input(&st, &id, &body).await,
+        "CloseStdin" => close_stdin(&st, &id, &body).await,
+        "SendSignal" => send_signal(&st, &id, &body),
+        _ => unreachable!("checked above"),
+    };
+    out.unwrap_or_else(fail)
+}
+
+/// The argv of a `ProcessConfig`: `/bin/bash` falls back to `/bin/sh` where bash is absent.
+pub fn argv_of(cfg: &ProcessConfig) -> Vec<String> {
+    if cfg.cmd == "/bin/bash" || cfg.cmd == "bash" {
+        let mut v = vec![
+            "/bin/sh".to_owned(),
+            "-c".to_owned(),
+            "if [ -x /bin/bash ]; then exec /bin/bash \"$@\"; fi; \
+             while [ \"$1\" = -l ]; do shift; done; exec /bin/sh \"$@\""
+                .to_owned(),
+            "bash".to_owned(),
+        ];
+        v.extend(cfg.args.iter().cloned());
+        return v;
+    }
+    let mut v = vec![cfg.cmd.clone()];
+    v.extend(cfg.args.iter().cloned());
+    v
+}
+
+/// Seconds of the request's `Connect-Timeout-Ms`, if any.
+fn deadline_s(h: &HeaderMap) -> Result<Option<f64>, ConnectError> {
+    let Some(v) = h.get("connect-timeout-ms") else {
+        return Ok(None);
+    };
+    let ms: u64 = v
+        .to_str()
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .ok_or_else(|| ConnectError::invalid("Connect-Timeout-Ms must be a whole number"))?;
+    if ms == 0 {
+        return Ok(None);
+    }
+    let s = (ms as f64 / 1000.0).min(sandlot_node::processes::MAX_TIMEOUT_S);
+    Ok(Some(s.max(0.001)))
+}
+
+fn keepalive_of(h: &HeaderMap) -> Duration {
+    let s = h
+        .get("keepalive-ping-interval")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .filter(|s| *s > 0)
+        .unwrap_or(KEEPALIVE_S)
+        .clamp(1, 3600);
+    Duration::from_secs(s)
+}
+
+async fn start(
+    st: &SharedState,
+    id: &str,
+    user: Option<&str>,
+    headers: &HeaderMap,
+    body: &Bytes,
+) -> Result<Response, ConnectError> {
+    let req: StartRequest = stream_request(body)?;
+    if req.pty.is_some() {
+        return Err(ConnectError::new(
+            "unimplemented",
+            "PTY sessions are not implemented by Sandlot yet",
+        ));
+    }
+    let cfg = req
+        .process
+        .ok_or_else(|| ConnectError::invalid("process is required"))?;
+    if cfg.cmd.is_empty() {
+        return Err(ConnectError::invalid("process.cmd must not be empty"));
+    }
+    let home = home_of(user);
+    let mut env = BTreeMap::from([
+        ("HOME".to_owned(), home.clone()),
+        ("USER".to_owned(), user.unwrap_or("user").to_owned()),
+    ]);
+    env.extend(cfg.envs.clone());
+    ensure_home(st, id, &home).await?;
+    let cmd = Cmd::Argv(argv_of(&cfg));
+    crate::exec::validate(&sandlot_api::ExecRequest::new(cmd.clone()))?;
+    crate::disk_reserve::check(st)?;
+    let spawn = SpawnRequest {
+        cmd,
+        cwd: Some(cfg.cwd.clone().unwrap_or_else(|| home.clone())),
+        env,
+        stdin_b64: None,
+        stdin: req.stdin.unwrap_or(false),
+        timeout_s: deadline_s(headers)?,
+        max_output_bytes: None,
+        user: None,
+    };
+    let rec = crate::sandboxes::running(st, id)?;
+    let p = match st.processes.spawn(id, spawn).await {
+        Ok(p) => p,
+        Err(e) => {
+            let e = crate::error::ServerError::from(e);
+            crate::events::record_error(st, "spawn", Some(id), Some(rec.backend), &e);
+            return Err(e.into());
+        }
+    };
+    let mut f = serde_json::Map::new();
+    f.insert("process".into(), p.id.clone().into());
+    f.insert("api".into(), "e2b".into());
+    crate::processes::watch_exit(st, id, rec.backend, &p.id);
+    crate::events::record(st, "process_spawned", Some(id), Some(rec.backend), f)
+        .map_err(crate::error::ServerError::from)?;
+    let pid = st.e2b.add(
+        id,
+        ProcEntry {
+            handle: p.id.clone(),
+            tag: req.tag,
+            config: serde_json::to_value(&cfg).unwrap_or_default(),
+        },
+    );
+    let handle = st.processes.get(id, &p.id)?;
+    Ok(follow(handle, pid, 0, 0, keepalive_of(headers)))
+}
+
+fn select(
+    st: &SharedState,
+    id: &str,
+    sel: Option<&Selector>,
+) -> Result<(u32, ProcEntry), ConnectError> {
+    let sel = sel.ok_or_else(|| ConnectError::invalid("process selector is required"))?;
+    let found = match (&sel.pid, &sel.tag) {
+        (Some(p), _) => {
+            let pid = p
+                .as_u64()
+                .or_else(|| p.as_str().and_then(|s| s.parse().ok()))
+                .and_then(|n| u32::try_from(n).ok())
+                .ok_or_else(|| ConnectError::invalid(format!("pid {p} is not a uint32")))?;
+            st.e2b.get(id, pid).map(|e| (pid, e))
+        }
+        (None, Some(t)) => st.e2b.by_tag(id, t),
+        (None, None) => return Err(ConnectError::invalid("process selector needs pid or tag")),
+    };
+    found.ok_or_else(|| ConnectError::new("not_found", "process not found"))
+}
+
+fn handle_of(
+    st: &SharedState,
+    id: &str,
+    entry: &ProcEntry,
+) -> Result<Arc<sandlot_node::processes::ProcessHandle>, ConnectError> {
+    st.processes
+        .get(id, &entry.handle)
+        .map_err(|_| ConnectError::new("not_found", "process not found"))
+}
+
+fn reconnect(
+    st: &SharedState,
+    id: &str,
+    headers: &HeaderMap,
+    body: &Bytes,
+) -> Result<Response, ConnectError> {
+    let req: Selected = stream_request(body)?;
+    let (pid, entry) = select(st, id, req.process.as_ref())?;
+    let h = handle_of(st, id, &entry)?;
+    let info = h.info();
+    Ok(follow(
+        h,
+        pid,
+        info.stdout_bytes,
+        info.stderr_bytes,
+        keepalive_of(headers),
+    ))
+}
+
+fn event(e: serde_json::Value) -> Bytes {
+    message(&serde_json::json!({ "event": e }))
+}
+
+fn data(stream: &str, raw: &[u8]) -> Bytes {
+    let b64 = base64::engine::general_purpose::STANDARD.encode(raw);
+    event(serde_json::json!({"data": {stream: b64}}))
+}
+
+fn raw_of(text: &str, b64: &Option<String>) -> Vec<u8> {
+    match b64 {
+        Some(b) => base64::engine::general_purpose::STANDARD
+            .decode(b)
+            .unwrap_or_else(|_| text.as_bytes().to_vec()),
+        None => text.as_bytes().to_vec(),
+    }
+}
+
+/// envd's `EndEvent` of a Sandlot exit record: a signal death is `exitCode -1`,
+/// `exited: false`, `status "signal: N"` (as Go's `ProcessState` reports it).
+pub fn end_event(r: &ExecResult) -> serde_json::Value {
+    let mut end = match r.signal {
+        Some(sig) => serde_json::json!({
+            "exitCode": -1,
+            "exited": false,
+            "status": format!("signal: {}", signal_name(sig)),
+        }),
+        None => serde_json::json!({
+            "exitCode": r.exit_code,
+            "exited": true,
+            "status": format!("exit status {}", r.exit_code),
+        }),
+    };
+    if r.timed_out {
+        end["error"] = "the command's timeout passed: its process tree was killed".into();
+        end["exitCode"] = (-1).into();
+    } else if r.oom_killed {
+        end["error"] = "out of memory: the process was killed".into();
+    }
+    serde_json::json!({ "end": end })
+}
+
+fn signal_name(sig: i32) -> String {
+    match sig {
+        9 => "killed".into(),
+        15 => "terminated".into(),
+        2 => "interrupt".into(),
+        n => n.to_string(),
+    }
+}
+
+/// The stream of a process: `start {pid}`, its output from the offsets, keepalives, `end`.
+fn follow(
+    h: Arc<sandlot_node::processes::ProcessHandle>,
+    pid: u32,
+    out_off: u64,
+    err_off: u64,
+    keepalive: Duration,
+) -> Response {
+    let (tx, rx) = mpsc::channel::<Bytes>(16);
+    tokio::spawn(async move {
+        if tx
+            .send(event(serde_json::json!({"start": {"pid": pid}})))
+            .await
+            .is_err()
+        {
+            return;
+        }
+        let out = match h.output(out_off, err_off, true) {
+            Ok(o) => o,
+            Err(e) => {
+                let _ = tx.send(end_stream(Some(&e.into()))).await;
+                return;
+            }
+        };
+        tokio::pin!(out);
+        let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + keepalive, keepalive);
+        loop {
+            tokio::select! {
+                ev = out.next() => {
+                    let (msg, last) = match ev {
+                        Some(ProcessEvent::Stdout { data: d, data_b64, .. }) => {
+                            (data("stdout", &raw_of(&d, &data_b64)), false)
+                        }
+                        Some(ProcessEvent::Stderr { data: d, data_b64, .. }) => {
+                            (data("stderr", &raw_of(&d, &data_b64)), false)
+                        }
+                        Some(ProcessEvent::Skipped { .. }) => continue,
+                        Some(ProcessEvent::Exit { result }) => (event(end_event(&result)), true),
+                        Some(ProcessEvent::Error { error }) => {
+                            let e = ConnectError::new(super::connect::code_of(error.code), error.message);
+                            let _ = tx.send(end_stream(Some(&e))).await;
+                            return;
+                        }
+                        None => {
+                            let _ = tx.send(end_stream(None)).await;
+                            return;
+                        }
+                    };
+                    if tx.send(msg).await.is_err() {
+                        return; // client gone; the process runs on
+                    }
+                    if last {
+                        let _ = tx.send(end_stream(None)).await;
+                        return;
+                    }
+                }
+                _ = tick.tick() => {
+                    if tx.send(event(serde_json::json!({"keepalive": {}}))).await.is_err() {
+                        return;
+                    }
+                }
+                _ = tx.closed() => return,
+            }
+        }
+    });
+    let body = futures::stream::unfold(rx, |mut rx| async move {
+        rx.recv()
+            .await
+            .map(|b| (Ok::<Bytes, std::convert::Infallible>(b), rx))
+    });
+    stream_response(Body::from_stream(body))
+}
+
+fn list(st: &SharedState, id: &str) -> Result<Response, ConnectError> {
+    let mut procs = Vec::new();
+    for (pid, e) in st.e2b.all(id) {
+        let Ok(h) = st.processes.get(id, &e.handle) else {
+            continue;
+        };
+        if h.ended() {
+            continue;
+        }
+        let mut p = serde_json::json!({"config": e.config, "pid": pid});
+        if let Some(t) = e.tag {
+            p["tag"] = t.into();
+        }
+        procs.push(p);
+    }
+    Ok(unary_ok(serde_json::json!({ "processes": procs })))
+}
+
+async fn send_input(st: &SharedState, id: &str, body: &Bytes) -> Result<Response, ConnectError> {
+    let req: Selected = unary_request(body)?;
+    let (_, entry) = select(st, id, req.process.as_ref())?;
+    let input = req.input.unwrap_or_default();
+    if input.pty.is_some() {
+        return Err(ConnectError::new(
+            "unimplemented",
+            "PTY input is not implemented by Sandlot yet",
+        ));
+    }
+    let raw = base64::engine::general_purpose::STANDARD
+        .decode(input.stdin.unwrap_or_default())
+        .map_err(|e| ConnectError::invalid(format!("input.stdin is not base64: {e}")))?;
+    let h = handle_of(st, id, &entry)?;
+    h.write_stdin(Bytes::from(raw), false)
+        .await
+        .map_err(ended_is_not_found)?;
+    Ok(unary_ok(serde_json::json!({})))
+}
+
+async fn close_stdin(st: &SharedState, id: &str, body: &Bytes) -> Result<Response, ConnectError> {
+    let req: Selected = unary_request(body)?;
+    let (_, entry) = select(st, id, req.process.as_ref())?;
+    let h = handle_of(st, id, &entry)?;
+    h.write_stdin(Bytes::new(), true)
+        .await
+        .map_err(ended_is_not_found)?;
+    Ok(unary_ok(serde_json::json!({})))
+}
+
+/// A process that already ended is "not found" to envd's clients (the SDK's `kill`
+/// answers `False` for it).
+fn ended_is_not_found(e: sandlot_node::NodeError) -> ConnectError {
+    let c: ConnectError = e.into();
+    if c.code == "failed_precondition" && c.message.contains("exited") {
+        ConnectError::new("not_found", c.message)
+    } else {
+        c
+    }
+}
+
+/// The Linux number of a `process.Signal` (name or number).
+fn signal_of(v: Option<&serde_json::Value>) -> Result<i32, ConnectError> {
+    match v {
+        Some(serde_json::Value::String(s)) if s == "SIGNAL_SIGKILL" => Ok(9),
+        Some(serde_json::Value::String(s)) if s == "SIGNAL_SIGTERM" => Ok(15),
+        Some(serde_json::Value::Number(n)) if n.as_i64() == Some(9) => Ok(9),
+        Some(serde_json::Value::Number(n)) if n.as_i64() == Some(15) => Ok(15),
+        other => Err(ConnectError::invalid(format!(
+            "signal {} is not one of SIGNAL_SIGTERM, SIGNAL_SIGKILL",
+            other
+                .map(|v| v.to_string())
+                .unwrap_or_else(|| "(none)".into())
+        ))),
+    }
+}
+
+fn send_signal(st: &SharedState, id: &str, body: &Bytes) -> Result<Response, ConnectError> {
+    let req: Selected = unary_request(body)?;
+    let sig = signal_of(req.signal.as_ref())?;
+    let _ = &req.pty;
+    let (_, entry) = select(st, id, req.process.as_ref())?;
+    let h = handle_of(st, id, &entry)?;
+    h.signal(sig).map_err(ended_is_not_found)?;
+    Ok(unary_ok(serde_json::json!({})))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bash_falls_back_to_sh() {
+        let cfg = ProcessConfig {
+            cmd: "/bin/bash".into(),
+            args: vec!["-l".into(), "-c".into(), "echo hi".into()],
+            envs: BTreeMap::new(),
+            cwd: None,
+        };
+        let v = argv_of(&cfg);
+        assert_eq!(v[0], "/bin/sh");
+        assert_eq!(&v[3..], ["bash", "-l", "-c", "echo hi"]);
+        let cfg = ProcessConfig {
+            cmd: "/usr/bin/env".into(),
+            ..cfg
+        };
+        assert_eq!(argv_of(&cfg)[0], "/usr/bin/env");
+    }
+
+    #[test]
+    fn end_events() {
+        let r = ExecResult {
+            exit_code: 3,
+            ..Default::default()
+        };
+        assert_eq!(end_event(&r)["end"]["exitCode"], 3);
+        assert_eq!(end_event(&r)["end"]["status"], "exit status 3");
+        let r = ExecResult {
+            exit_code: 137,
+            signal: Some(9),
+            ..Default::default()
+        };
+        assert_eq!(end_event(&r)["end"]["exitCode"], -1);
+        assert_eq!(end_event(&r)["end"]["status"], "signal: killed");
+        assert_eq!(signal_of(Some(&"SIGNAL_SIGKILL".into())).unwrap(), 9);
+        assert!(signal_of(Some(&"SIGNAL_SIGHUP".into())).is_err());
+    }
+}
