@@ -947,6 +947,19 @@ delete element inet {t} in_vmap {{ \"{h}\" }}
         self.drops_map().entry(h.to_owned()).or_default();
     }
 
+    /// Whether sandbox `id` has (or is getting) a network here, or a state file of one
+    /// left by a previous process: when `false`, [`NetworkManager::teardown`] has nothing
+    /// to do and a backend may skip it (and its `nft`/`ip` runs).
+    pub fn knows(&self, id: &str) -> bool {
+        {
+            let inner = self.inner.lock().expect("net lock");
+            if inner.live.contains_key(id) || inner.slots.values().any(|v| v == id) {
+                return true;
+            }
+        }
+        check_id(id).is_ok() && self.state_path(id).exists()
+    }
+
     /// Ids with a live network on this node.
     pub fn attached(&self) -> Vec<String> {
         let inner = self.inner.lock().expect("net lock");

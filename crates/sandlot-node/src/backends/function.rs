@@ -657,8 +657,8 @@ impl FunctionBackend {
         // file are removed here). Without a running manager there is nothing of this
         // process's; a previous process's leftovers go in the node's sweep.
         let net = match self.net.started() {
-            Some(net) => net.teardown(id).await,
-            None => Ok(()),
+            Some(net) if net.knows(id) => net.teardown(id).await,
+            _ => Ok(()),
         };
         host.and(net)
     }
