@@ -700,9 +700,11 @@ impl ImageStore {
             fs::remove_dir_all(&p)
                 .map_err(|e| NodeError::io(format!("remove {}", p.display()), e))?;
         }
-        let in_use = layers_mounted();
-        for h in in_use {
-            if keep_layers.insert(h) {
+        // Mounts name layers of every store on the host (another data dir's, a test's):
+        // only this store's count as kept.
+        let layers_dir = self.layers_dir();
+        for h in layers_mounted() {
+            if layers_dir.join(&h).is_dir() && keep_layers.insert(h) {
                 report.in_use += 1;
             }
         }
