@@ -76,6 +76,8 @@ pub struct WarmPoolInfo {
     pub ready: std::collections::BTreeMap<String, usize>,
     /// Creates served by a hand-over of a ready member.
     pub handovers: u64,
+    /// [`WarmPoolInfo::handovers`] per image (images with none left out).
+    pub handovers_by_image: std::collections::BTreeMap<String, u64>,
     /// Creates the pool could serve that found no usable member and went cold.
     pub misses: u64,
 }
