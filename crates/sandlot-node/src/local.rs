@@ -665,6 +665,14 @@ impl Node for LocalNode {
         self.owner(id)?.write_file(id, path, data).await
     }
 
+    async fn write_files_volatile(
+        &self,
+        id: &str,
+        files: Vec<(String, bytes::Bytes)>,
+    ) -> NodeResult<()> {
+        self.owner(id)?.write_files_volatile(id, files).await
+    }
+
     async fn list_dir(&self, id: &str, path: &str) -> NodeResult<Vec<FileEntry>> {
         self.owner(id)?.list_dir(id, path).await
     }

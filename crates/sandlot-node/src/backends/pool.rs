@@ -310,6 +310,11 @@ impl<M: PoolMember> WarmPool<M> {
         Ok(())
     }
 
+    /// The backend's member implementation.
+    pub(crate) fn member(&self) -> &M {
+        &self.shared.member
+    }
+
     /// Whether `cgroup_name` belongs to the pool (building, ready or being handed over).
     pub(crate) fn owns(&self, cgroup_name: &str) -> bool {
         self.shared.owned.lock().unwrap().contains(cgroup_name)

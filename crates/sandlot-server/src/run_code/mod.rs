@@ -346,7 +346,11 @@ fn exec_req(lang: &Language, cmd: Cmd, timeout: f64, stdin: Option<&str>) -> Exe
         .collect();
     e.cwd = Some(WORKDIR.into());
     e.timeout_s = Some(timeout);
-    e.stdin_b64 = stdin.map(|s| B64.encode(s.as_bytes()));
+    // Empty stdin is sent as none (the program reads EOF from /dev/null instead of an empty
+    // pipe), so the exec may take a pooled jail's standby helper, which has no stdin pipe.
+    e.stdin_b64 = stdin
+        .filter(|s| !s.is_empty())
+        .map(|s| B64.encode(s.as_bytes()));
     e
 }
 
@@ -456,9 +460,9 @@ async fn run_in(
     plan: Plan,
     held: &mut Vec<tokio::sync::OwnedSemaphorePermit>,
 ) -> Result<RunCodeResponse, NodeError> {
-    for (path, data) in plan.files {
-        st.node.write_file(id, &path, data.into()).await?;
-    }
+    // Not fsynced: the sandbox never outlives a crash of this process.
+    let files = plan.files.into_iter().map(|(p, d)| (p, d.into())).collect();
+    st.node.write_files_volatile(id, files).await?;
     let mut resp = RunCodeResponse {
         status: RunStatus::Success,
         message: String::new(),
