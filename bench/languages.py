@@ -201,6 +201,21 @@ def measure(args, api: R.Api, table: list[dict], images_dir: Path) -> list[dict]
     return rows
 
 
+def wait_pools_ready(api: R.Api, deadline_s: float) -> None:
+    """Wait (at most `deadline_s`) until every function warm-pool image has a ready jail
+    (`sandlot_warm_pool_ready` on /metrics), so the first calls do not measure a pool that
+    is still filling at start."""
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        r = api.request("GET", "/metrics")
+        ready = [float(line.rsplit(" ", 1)[1]) for line in r.text.splitlines()
+                 if line.startswith('sandlot_warm_pool_ready{backend="function"')]
+        if r.status_code == 200 and all(n >= 1 for n in ready):
+            return
+        time.sleep(0.5)
+    print("bench: warm pools not all ready; measuring anyway", file=sys.stderr)
+
+
 def image_rows(images_dir: Path, table: list[dict]) -> list[dict]:
     """Each table image's layers with sizes; a layer shared by images is sized once."""
     seen_layers: dict[Path, int] = {}
@@ -228,6 +243,8 @@ def render(meta: dict, rows: list[dict], images: list[dict]) -> str:
         f"load {meta['machine']['loadavg']}; commit {meta['machine']['commit']}.",
         "Hello world per language, concurrency 1, interleaved rounds; bare = the same files and the "
         "table's compile + run argv under `chroot` into an overlay of the same image layers (no isolation). "
+        "run_code on an image of the server's `--run-code-pool-images` hands a warm jail over; the others "
+        "create a jail cold. "
         f"Target: run_code p50 ≤ {TARGET_RATIO} × bare p50 + {TARGET_PLUS_MS:g} ms.",
         "",
         "| language | image | run_code p50 ms | p99 ms | bare p50 ms | p99 ms | p50 ratio | target |",
@@ -273,6 +290,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--timeout", type=float, default=60.0, help="seconds per compile/run (default 60)")
     p.add_argument("--deadline", type=float, default=300.0, help="seconds per language and subject")
+    p.add_argument("--pool-images", default=None,
+                   help="with --start: `sandlot up --run-code-pool-images` (comma list; default: "
+                        "the server's own default, lang-python,lang-cpp,lang-java)")
     p.add_argument("--json", help="write raw results here")
     p.add_argument("--write", help="upsert the section into this BENCHMARKS.md")
     args = p.parse_args(argv)
@@ -285,7 +305,8 @@ def main(argv: list[str] | None = None) -> int:
     images_dir = Path(args.images_dir)
     server = None
     if args.start or not args.url:
-        server = R.Server(Path(args.binary), images_dir, [], ready_timeout_s=60)
+        extra = [] if args.pool_images is None else ["--run-code-pool-images", args.pool_images]
+        server = R.Server(Path(args.binary), images_dir, extra, ready_timeout_s=60)
         server.start()
         url = server.url
     else:
@@ -298,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"bench: GET /v1/run_code/languages: HTTP {r.status_code}", file=sys.stderr)
             return 1
         table = r.json()["languages"]
+        wait_pools_ready(api, deadline_s=120)
         rows = measure(args, api, table, images_dir)
         images = image_rows(images_dir, table)
     finally:

@@ -68,6 +68,10 @@ if ! python3 -c 'import venv, ensurepip' 2>/dev/null; then
 fi
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/python -m pip install -q --disable-pip-version-check -e "sdk/python[test]"
+# verl's SandboxFusion reward client (tests/test_verl_client.py loads its two files on their
+# own): --no-deps, since verl itself pulls torch, ray, vllm, ...; the client needs requests.
+.venv/bin/python -m pip install -q --disable-pip-version-check --no-deps verl==0.9.1
+.venv/bin/python -m pip install -q --disable-pip-version-check requests
 
 step "Images (busybox, python) in $SANDLOT_IMAGES_DIR"
 mkdir -p "$SANDLOT_IMAGES_DIR" "$SANDLOT_CACHE_DIR"

@@ -132,6 +132,15 @@ struct UpArgs {
     /// Images the warm pools keep jails and containers of (comma-separated).
     #[arg(long, value_delimiter = ',', default_value = "python")]
     warm_pool_images: Vec<String>,
+    /// `run_code` toolchain images the function warm pool also keeps `--warm-pool` jails of
+    /// (comma-separated; an image not in the image store is logged and skipped; empty
+    /// string = none), so a `run_code` call on them hands a ready jail over.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "lang-python,lang-cpp,lang-java"
+    )]
+    run_code_pool_images: Vec<String>,
     /// Ready runc `container` sandboxes kept per warm-pool image, so a create (runtime
     /// runc, network none, disk_mib 1024, not a fork) hands one over instead of running
     /// `runc run` (0 = no container pool). Pooled containers are real processes.
@@ -698,6 +707,23 @@ async fn shutdown_signal() {
     }
 }
 
+/// The images of `--run-code-pool-images` that are built in `images_dir` (`image.json`
+/// present); each one that is not is logged and left out, so the pool never retries it.
+fn run_code_pool_images(images_dir: &std::path::Path, wanted: Vec<String>) -> Vec<String> {
+    wanted
+        .into_iter()
+        .map(|i| i.trim().to_owned())
+        .filter(|i| !i.is_empty())
+        .filter(|i| {
+            let built = images_dir.join(i).join("image.json").is_file();
+            if !built {
+                tracing::warn!(image = %i, "run_code pool image is not built; skipped (sandlot image build {i})");
+            }
+            built
+        })
+        .collect()
+}
+
 async fn up(a: UpArgs) -> anyhow::Result<u8> {
     init_logs(a.log_format);
     match sandlot_server::conn::raise_nofile_limit() {
@@ -714,6 +740,7 @@ async fn up(a: UpArgs) -> anyhow::Result<u8> {
     }
     ncfg.warm_pool = a.warm_pool;
     ncfg.warm_pool_images = a.warm_pool_images;
+    ncfg.function_pool_images = run_code_pool_images(&ncfg.images_dir, a.run_code_pool_images);
     ncfg.container_warm_pool = a.container_warm_pool;
     ncfg.default_runtime = sandlot_node::backends::container::Runtime::parse(&a.default_runtime)
         .context("--default-runtime")?;

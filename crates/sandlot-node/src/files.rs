@@ -96,6 +96,14 @@ impl SandboxFs {
         self.0.write(path, data).map_err(node_error)
     }
 
+    /// [`write`](Self::write) without the fsyncs: atomic, not durable.
+    ///
+    /// # Errors
+    /// As [`write`](Self::write).
+    pub fn write_volatile(&self, path: &str, data: &[u8]) -> NodeResult<()> {
+        self.0.write_volatile(path, data).map_err(node_error)
+    }
+
     /// List a directory, sorted by name (entries `lstat`ed).
     ///
     /// # Errors

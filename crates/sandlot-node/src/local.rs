@@ -54,6 +54,10 @@ pub struct NodeConfig {
     pub warm_pool: usize,
     /// Image names the warm pools keep jails and containers of (default empty).
     pub warm_pool_images: Vec<String>,
+    /// More image names the `function` warm pool (only) keeps jails of, [`NodeConfig::warm_pool`]
+    /// each: `run_code`'s toolchain images (`lang-python`, ...), which only `function`
+    /// sandboxes use (default empty).
+    pub function_pool_images: Vec<String>,
     /// Ready runc containers kept per image in [`NodeConfig::warm_pool_images`] (default 0:
     /// no container pool; `sandlot up` defaults to 2). The pool starts after the first
     /// [`Node::readopt`]; see [`crate::backends::container_pool`].
@@ -85,6 +89,7 @@ impl NodeConfig {
             uid_base: 100_000,
             warm_pool: 0,
             warm_pool_images: Vec::new(),
+            function_pool_images: Vec::new(),
             container_warm_pool: 0,
             default_runtime: Runtime::Runc,
         }
@@ -364,7 +369,15 @@ impl LocalNode {
             },
             pool: PoolConfig {
                 per_image: cfg.warm_pool,
-                images: cfg.warm_pool_images,
+                images: {
+                    let mut images = cfg.warm_pool_images;
+                    for i in cfg.function_pool_images {
+                        if !images.contains(&i) {
+                            images.push(i);
+                        }
+                    }
+                    images
+                },
             },
             accel: probe.ok(),
             net,
@@ -414,21 +427,26 @@ impl LocalNode {
     fn warm_pools(&self) -> Vec<WarmPoolInfo> {
         let function = self.function().and_then(|f| f.warm_pool()).map(|p| {
             let (handovers, misses) = p.stats();
-            (Backend::Function, p.ready(), handovers, misses)
+            let by_image = p.handovers_by_image();
+            (Backend::Function, p.ready(), handovers, misses, by_image)
         });
         let container = self.container().and_then(|c| c.warm_pool()).map(|p| {
             let (handovers, misses) = p.stats();
-            (Backend::Container, p.ready(), handovers, misses)
+            let by_image = p.handovers_by_image();
+            (Backend::Container, p.ready(), handovers, misses, by_image)
         });
         [function, container]
             .into_iter()
             .flatten()
-            .map(|(backend, ready, handovers, misses)| WarmPoolInfo {
-                backend,
-                ready,
-                handovers,
-                misses,
-            })
+            .map(
+                |(backend, ready, handovers, misses, handovers_by_image)| WarmPoolInfo {
+                    backend,
+                    ready,
+                    handovers,
+                    handovers_by_image,
+                    misses,
+                },
+            )
             .collect()
     }
 
@@ -660,6 +678,14 @@ impl Node for LocalNode {
 
     async fn write_file(&self, id: &str, path: &str, data: bytes::Bytes) -> NodeResult<()> {
         self.owner(id)?.write_file(id, path, data).await
+    }
+
+    async fn write_files_volatile(
+        &self,
+        id: &str,
+        files: Vec<(String, bytes::Bytes)>,
+    ) -> NodeResult<()> {
+        self.owner(id)?.write_files_volatile(id, files).await
     }
 
     async fn list_dir(&self, id: &str, path: &str) -> NodeResult<Vec<FileEntry>> {

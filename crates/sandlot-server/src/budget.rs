@@ -338,6 +338,14 @@ impl Node for BudgetNode {
         self.inner.write_file(id, path, data).await
     }
 
+    async fn write_files_volatile(
+        &self,
+        id: &str,
+        files: Vec<(String, bytes::Bytes)>,
+    ) -> NodeResult<()> {
+        self.inner.write_files_volatile(id, files).await
+    }
+
     async fn list_dir(&self, id: &str, path: &str) -> NodeResult<Vec<FileEntry>> {
         self.inner.list_dir(id, path).await
     }

@@ -14,6 +14,7 @@
 //! | `sandlot_image_count` | gauge | | complete images in the image store, at scrape |
 //! | `sandlot_warm_pool_ready` | gauge | `backend`, `image` | ready members of the node's warm pools (function jails, runc containers), at scrape |
 //! | `sandlot_warm_pool_handovers_total`, `sandlot_warm_pool_misses_total` | counter | `backend` | creates served by a pooled member / creates the pool could serve that went cold, since the node started (the node's counts, copied at scrape) |
+//! | `sandlot_warm_pool_image_handovers_total` | counter | `backend`, `image` | the hand-overs per image (`run_code` on a pooled `lang-*` image counts here), copied at scrape |
 //! | `sandlot_events_total` | counter | `kind` | audit events recorded ([`crate::events`]) |
 //! | `sandlot_connections` | gauge | | open API connections, at scrape ([`crate::conn`]) |
 //! | `sandlot_connections_refused_total` | counter | `reason` = `total`\|`per_ip` | connections closed at accept: limit reached and none idle to make room |
@@ -171,6 +172,7 @@ pub struct Metrics {
     image_count: Gauge,
     pool_ready: Family<PoolLabels, Gauge>,
     pool_handovers: Family<BackendLabel, Counter>,
+    pool_image_handovers: Family<PoolLabels, Counter>,
     pool_misses: Family<BackendLabel, Counter>,
     events: Family<KindLabel, Counter>,
     violations: Family<ViolationLabels, Counter>,
@@ -265,6 +267,12 @@ impl Metrics {
             "sandlot_warm_pool_handovers",
             "Creates served by a hand-over of a pooled member",
             pool_handovers.clone(),
+        );
+        let pool_image_handovers = Family::<PoolLabels, Counter>::default();
+        registry.register(
+            "sandlot_warm_pool_image_handovers",
+            "Creates served by a hand-over of a pooled member, by backend and image",
+            pool_image_handovers.clone(),
         );
         let pool_misses = Family::<BackendLabel, Counter>::default();
         registry.register(
@@ -362,6 +370,7 @@ impl Metrics {
             image_count,
             pool_ready,
             pool_handovers,
+            pool_image_handovers,
             pool_misses,
             events,
         }
@@ -478,6 +487,14 @@ impl Metrics {
                     image: image.clone(),
                 };
                 self.pool_ready.get_or_create(&l).set(*n as i64);
+            }
+            for (image, n) in &p.handovers_by_image {
+                let l = PoolLabels {
+                    backend: backend.clone(),
+                    image: image.clone(),
+                };
+                let c = self.pool_image_handovers.get_or_create(&l);
+                c.inc_by(n.saturating_sub(c.get()));
             }
             // The node counts; these counters follow it (only this function adds to them).
             let l = BackendLabel { backend };

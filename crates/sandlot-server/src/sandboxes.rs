@@ -329,6 +329,10 @@ async fn finish_create(st: &SharedState, mut rec: Record) -> ApiResult<(Record, 
     ))
 }
 
+/// The node delete of a sandbox already marked `deleting`, running in its own task
+/// ([`start_delete`]); its result is the node's or the store's error.
+pub type DeleteTask = tokio::task::JoinHandle<ApiResult<()>>;
+
 /// Delete a sandbox: mark it `deleting`, kill it on the node, remove the record. Unknown ids
 /// are fine. A sandbox still `creating` is only marked; its creator rolls it back. When the
 /// node fails, the record stays `deleting` and the reaper retries every second.
@@ -336,8 +340,27 @@ async fn finish_create(st: &SharedState, mut rec: Record) -> ApiResult<(Record, 
 /// # Errors
 /// The node's error (the record is kept for the retry), store errors.
 pub async fn delete_sandbox(st: &SharedState, id: &str) -> ApiResult<()> {
+    match start_delete(st, id)? {
+        Some(task) => task.await.map_err(|e| {
+            ServerError::new(ErrorCode::Internal, format!("delete task failed: {e}"))
+        })?,
+        None => Ok(()),
+    }
+}
+
+/// The first half of [`delete_sandbox`]: mark the sandbox `deleting` now (from that mark it
+/// no longer counts against its tenant's quota: [`crate::store::Store::insert_checked`]
+/// skips `deleting` records) and start the node delete in its own task, returned so the
+/// caller may answer first and await it later (`run_code` does). `None`: nothing to wait
+/// for (no record, or still `creating`: its creator rolls it back). Should this process die
+/// between the mark and the node delete, the record stays `deleting` and the reaper deletes
+/// the sandbox after the restart's re-adoption.
+///
+/// # Errors
+/// Store errors (nothing started then).
+pub fn start_delete(st: &SharedState, id: &str) -> ApiResult<Option<DeleteTask>> {
     let Some(rec) = st.store.get(id)? else {
-        return Ok(());
+        return Ok(None);
     };
     let all = [
         SandboxState::Creating,
@@ -349,7 +372,7 @@ pub async fn delete_sandbox(st: &SharedState, id: &str) -> ApiResult<()> {
     ];
     if rec.state == SandboxState::Creating {
         st.store.transition(id, &all, SandboxState::Deleting)?;
-        return Ok(());
+        return Ok(None);
     }
     // In flight from before the record says `deleting`: the reaper must not start a second
     // node delete of it meanwhile.
@@ -361,7 +384,7 @@ pub async fn delete_sandbox(st: &SharedState, id: &str) -> ApiResult<()> {
     let st2 = st.clone();
     let id2 = id.to_owned();
     let backend = rec.backend;
-    tokio::spawn(async move {
+    Ok(Some(tokio::spawn(async move {
         let deleted = st2.node.delete(&id2).await;
         st2.deleting_set().remove(&id2);
         if let Err(e) = deleted {
@@ -377,9 +400,7 @@ pub async fn delete_sandbox(st: &SharedState, id: &str) -> ApiResult<()> {
         // Deletes never fail for their event (deleting frees space); it waits in the queue.
         crate::events::record_queued(&st2, "deleted", Some(&id2), Some(backend), f);
         Ok::<(), ServerError>(())
-    })
-    .await
-    .map_err(|e| ServerError::new(ErrorCode::Internal, format!("delete task failed: {e}")))?
+    })))
 }
 
 /// The record of a sandbox that must be `running` for the call.

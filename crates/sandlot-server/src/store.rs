@@ -275,7 +275,8 @@ impl Store {
     }
 
     /// [`Store::insert_with_key`], and with `quota` also check in the same transaction that
-    /// the sandboxes of `rec.tenant` (any state) plus `rec` stay within it; when not,
+    /// the sandboxes of `rec.tenant` (any state but `deleting`: a delete frees quota at its
+    /// mark, before the node has finished it) plus `rec` stay within it; when not,
     /// nothing is inserted and [`KeyOutcome::OverQuota`] says which limit.
     ///
     /// # Errors
@@ -315,7 +316,7 @@ impl Store {
                 .query_row(
                     "SELECT COUNT(*), COALESCE(SUM(json_extract(spec, '$.cpu')), 0.0),
                         COALESCE(SUM(json_extract(spec, '$.memory_mib')), 0)
-                     FROM sandboxes WHERE tenant IS ?1",
+                     FROM sandboxes WHERE tenant IS ?1 AND state != 'deleting'",
                     [&rec.tenant],
                     |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
                 )

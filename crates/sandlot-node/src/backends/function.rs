@@ -492,6 +492,7 @@ impl FunctionBackend {
         let jails = Jails {
             cfg: self.cfg.clone(),
             cgroups: self.cgroups.clone(),
+            standbys: Default::default(),
         };
         let dir = pool_dir(&self.cfg.sandboxes_dir);
         WarmPool::start_once(&self.pool, jails, dir, self.uids.clone(), images, cfg)
@@ -541,7 +542,13 @@ impl FunctionBackend {
             .get()
             .filter(|_| seed.is_none() && tmp_compatible(spec))
         {
-            let adopt = |state, uids| drop(self.adopt(state, uids));
+            let adopt = |state: JailState, uids| {
+                // The pooled jail's standby helper comes along (its group lies in the
+                // jail's cgroup, which keeps its pooled name).
+                let standby = pool.member().take_standby(state.cgroup_name());
+                let jail = self.adopt(state, uids);
+                *jail.standby.lock().unwrap() = standby;
+            };
             if pool.create(spec, image, &dir, adopt).await {
                 return self.attach_network(spec).await;
             }
@@ -762,6 +769,19 @@ impl SandboxBackend for FunctionBackend {
     async fn write_file(&self, id: &str, path: &str, data: bytes::Bytes) -> NodeResult<()> {
         let path = path.to_string();
         self.with_fs(id, move |fs| fs.write(&path, &data)).await
+    }
+
+    async fn write_files_volatile(
+        &self,
+        id: &str,
+        files: Vec<(String, bytes::Bytes)>,
+    ) -> NodeResult<()> {
+        self.with_fs(id, move |fs| {
+            files
+                .iter()
+                .try_for_each(|(path, data)| fs.write_volatile(path, data))
+        })
+        .await
     }
 
     async fn list_dir(&self, id: &str, path: &str) -> NodeResult<Vec<FileEntry>> {
@@ -1255,9 +1275,57 @@ fn spawn_helper(guest_bin: &Path, stdin_piped: bool) -> NodeResult<Helper> {
 /// the sandbox's cgroups, so it counts as one task against `pids_max` while it waits.
 /// Delete kills it with the rest of the sandbox's cgroup; a node restart leaves it to read
 /// EOF and exit, and `readopt` removes its empty group.
-struct Standby {
+pub(crate) struct Standby {
     helper: Helper,
     xcg: crate::cgroups::ExecCgroup,
+}
+
+/// The exec group number of a pooled jail's standby helper ([`pooled_standby`]): no exec of
+/// the sandbox takes it, theirs start at 1.
+const POOLED_STANDBY_EXEC: u64 = 0;
+
+/// A standby helper for the pooled jail of cgroup `cgroup`, made while the jail waits in
+/// the warm pool, so that the first exec after hand-over (`run_code`'s run, or its compile)
+/// skips the cgroup join too. Handed over with the jail ([`FunctionBackend::create`]).
+///
+/// # Errors
+/// Those of the exec group's creation and the helper's spawn and join (the group is
+/// removed then).
+pub(crate) async fn pooled_standby(
+    guest_bin: &Path,
+    cgroup: &SandboxCgroup,
+) -> NodeResult<Standby> {
+    standby_in(guest_bin, cgroup.exec_child(POOLED_STANDBY_EXEC)).await
+}
+
+/// Create exec group `xcg`, spawn a helper and write its pid into the group.
+async fn standby_in(guest_bin: &Path, xcg: crate::cgroups::ExecCgroup) -> NodeResult<Standby> {
+    let x = xcg.clone();
+    spawn_blocking(move || x.create()).await?;
+    let joined = match spawn_helper(guest_bin, false) {
+        Ok(helper) => {
+            let pid = helper.child.id().to_string();
+            let procs = xcg.group().procs_files();
+            let res = spawn_blocking(move || {
+                for f in &procs {
+                    crate::cgroups::write_file(f, &pid)?;
+                }
+                Ok(())
+            })
+            .await;
+            res.map(|()| helper)
+        }
+        Err(e) => Err(e),
+    };
+    match joined {
+        Ok(helper) => Ok(Standby { helper, xcg }),
+        Err(e) => {
+            // The helper (if any) was killed on drop; remove the group.
+            let g = xcg.group().clone();
+            let _ = spawn_blocking(move || g.destroy(KILL_TIMEOUT)).await;
+            Err(e)
+        }
+    }
 }
 
 impl Jail {
@@ -1300,36 +1368,9 @@ async fn prepare_standby(guest_bin: &Path, jail: &Arc<Jail>) -> NodeResult<()> {
         return Ok(());
     }
     let n = jail.next_exec.fetch_add(1, Ordering::SeqCst);
-    let xcg = jail.cgroup.exec_child(n);
-    let x = xcg.clone();
-    spawn_blocking(move || x.create()).await?;
-    let joined = match spawn_helper(guest_bin, false) {
-        Ok(helper) => {
-            let pid = helper.child.id().to_string();
-            let procs = xcg.group().procs_files();
-            let res = spawn_blocking(move || {
-                for f in &procs {
-                    crate::cgroups::write_file(f, &pid)?;
-                }
-                Ok(())
-            })
-            .await;
-            res.map(|()| helper)
-        }
-        Err(e) => Err(e),
-    };
-    match joined {
-        Ok(helper) => {
-            *jail.standby.lock().unwrap() = Some(Standby { helper, xcg });
-            Ok(())
-        }
-        Err(e) => {
-            // The helper (if any) was killed on drop; remove the group.
-            let g = xcg.group().clone();
-            let _ = spawn_blocking(move || g.destroy(KILL_TIMEOUT)).await;
-            Err(e)
-        }
-    }
+    let standby = standby_in(guest_bin, jail.cgroup.exec_child(n)).await?;
+    *jail.standby.lock().unwrap() = Some(standby);
+    Ok(())
 }
 
 async fn run_exec(

@@ -17,16 +17,18 @@
 //! overlay mount inside the sandbox's mount namespace holds the upper/work directories by
 //! reference, so renaming them on the host does not disturb it.
 use super::function::{
-    build_jail, destroy_blocking, disk_templates, read_state, rewrite_proc_views, spawn_blocking,
-    write_state, FunctionConfig, JailState, StoredSpec,
+    build_jail, destroy_blocking, disk_templates, pooled_standby, read_state, rewrite_proc_views,
+    spawn_blocking, write_state, FunctionConfig, JailState, Standby, StoredSpec,
 };
 use super::pool::{pool_spec, PoolMember, WarmPool};
 use crate::cgroups::CgroupRoot;
 use crate::images::Image;
 use crate::node::{NodeResult, SandboxSpec};
 use sandlot_api::Backend;
+use std::collections::HashMap;
 use std::future::Future;
 use std::path::{Path, PathBuf};
+use std::sync::Mutex;
 
 /// Prefix of pooled jails' names (directory and cgroup).
 pub const POOL_PREFIX: &str = "wp-";
@@ -41,6 +43,16 @@ pub type FunctionPool = WarmPool<Jails>;
 pub struct Jails {
     pub(crate) cfg: FunctionConfig,
     pub(crate) cgroups: CgroupRoot,
+    /// Each ready jail's standby exec helper, by pooled name (see
+    /// [`super::function::pooled_standby`]); handed over with the jail.
+    pub(crate) standbys: Mutex<HashMap<String, Standby>>,
+}
+
+impl Jails {
+    /// The standby helper of pooled jail `name` (its cgroup name), if it has a live one.
+    pub(crate) fn take_standby(&self, name: &str) -> Option<Standby> {
+        self.standbys.lock().unwrap().remove(name)
+    }
 }
 
 /// `DATA/warm-pool`, next to `DATA/sandboxes`.
@@ -96,10 +108,19 @@ impl PoolMember for Jails {
         )
         .await?;
         state.cgroup = Some(name.to_string());
+        // Without a standby the jail still serves; its first exec joins its group itself.
+        match pooled_standby(&self.cfg.guest_bin, &cg).await {
+            Ok(s) => {
+                self.standbys.lock().unwrap().insert(name.to_string(), s);
+            }
+            Err(e) => tracing::debug!(pooled = %name, error = %e, "no standby exec helper"),
+        }
         Ok(state)
     }
 
     fn destroy(&self, name: &str, dir: &Path) -> impl Future<Output = NodeResult<()>> + Send {
+        // Its helper dies with the jail's cgroup below (dropping it kills it first).
+        drop(self.take_standby(name));
         let (cg, dir) = (self.cgroups.sandbox(name), dir.to_path_buf());
         spawn_blocking(move || destroy_blocking(&cg, &dir))
     }

@@ -62,6 +62,18 @@ pub trait SandboxBackend: Send + Sync {
     /// Write a file inside the sandbox.
     async fn write_file(&self, id: &str, path: &str, data: bytes::Bytes) -> NodeResult<()>;
 
+    /// Write files in order, not durably (see [`crate::Node::write_files_volatile`]).
+    async fn write_files_volatile(
+        &self,
+        id: &str,
+        files: Vec<(String, bytes::Bytes)>,
+    ) -> NodeResult<()> {
+        for (path, data) in files {
+            self.write_file(id, &path, data).await?;
+        }
+        Ok(())
+    }
+
     /// List a directory inside the sandbox.
     async fn list_dir(&self, id: &str, path: &str) -> NodeResult<Vec<FileEntry>>;
 

@@ -216,6 +216,8 @@ struct Shared<M: PoolMember> {
     wake: tokio::sync::Notify,
     hits: AtomicU64,
     misses: AtomicU64,
+    /// Hand-overs per image name.
+    hits_by_image: Mutex<BTreeMap<String, u64>>,
 }
 
 /// The warm pool of one backend (see the module docs).
@@ -273,6 +275,7 @@ impl<M: PoolMember> WarmPool<M> {
             wake: tokio::sync::Notify::new(),
             hits: AtomicU64::new(0),
             misses: AtomicU64::new(0),
+            hits_by_image: Mutex::new(BTreeMap::new()),
         });
         let s = shared.clone();
         let thread = std::thread::Builder::new()
@@ -307,6 +310,11 @@ impl<M: PoolMember> WarmPool<M> {
         Ok(())
     }
 
+    /// The backend's member implementation.
+    pub(crate) fn member(&self) -> &M {
+        &self.shared.member
+    }
+
     /// Whether `cgroup_name` belongs to the pool (building, ready or being handed over).
     pub(crate) fn owns(&self, cgroup_name: &str) -> bool {
         self.shared.owned.lock().unwrap().contains(cgroup_name)
@@ -329,6 +337,11 @@ impl<M: PoolMember> WarmPool<M> {
             self.shared.hits.load(Ordering::Relaxed),
             self.shared.misses.load(Ordering::Relaxed),
         )
+    }
+
+    /// Hand-overs done per image since start (images with none left out).
+    pub fn handovers_by_image(&self) -> BTreeMap<String, u64> {
+        self.shared.hits_by_image.lock().unwrap().clone()
     }
 
     /// Create sandbox `spec.id` from a ready member of `image` in the claimed empty
@@ -442,6 +455,13 @@ impl<M: PoolMember> WarmPool<M> {
         match res {
             Ok(()) => {
                 self.shared.hits.fetch_add(1, Ordering::Relaxed);
+                *self
+                    .shared
+                    .hits_by_image
+                    .lock()
+                    .unwrap()
+                    .entry(image.name.clone())
+                    .or_default() += 1;
                 Ok((state, p.uids))
             }
             Err(e) => {

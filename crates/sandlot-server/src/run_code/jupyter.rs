@@ -4,7 +4,7 @@
 //!
 //! One call is one `run_code`-style run on the `lang-python` image (ipykernel and
 //! jupyter_client are in it; there is no fallback image): the same admission gate, quota,
-//! ephemeral sandbox, `files`/`fetch_files` handling and delete-before-answer as
+//! ephemeral sandbox, `files`/`fetch_files` handling and answer-at-delete-mark as
 //! [`super::run_code`]. The program is a driver ([`DRIVER_PY`], written to
 //! `/tmp/.sandlot-jupyter/driver.py`) that starts one kernel in `/workspace`, runs the cells
 //! in order and writes every cell's stdout, stderr, `display` MIME bundles (`text/plain`,

@@ -6,9 +6,12 @@
 //! (memory `memory_limit_MB` clamped to 16–65536 when > 0, else the language's default; TTL
 //! = compile timeout plus run timeout plus 120 s, a safety net should this process die
 //! mid-call; label `sandlot.kind=run_code`), writes `files` (base64) and the code to
-//! `/workspace`, compiles and runs it, fetches `fetch_files`, deletes the sandbox, and only
-//! then answers — so the caller's quota is free again when the answer arrives. The work runs
-//! in its own task, so a client disconnect still ends in cleanup.
+//! `/workspace`, compiles and runs it, fetches `fetch_files`, marks the sandbox `deleting`
+//! (which frees the caller's quota at once) and answers; the node delete finishes after the
+//! answer, with the call's admission slot held until it has. The work runs in its own task,
+//! so a client disconnect still ends in cleanup. The toolchain images of
+//! `sandlot up --run-code-pool-images` (default `lang-python,lang-cpp,lang-java`) have
+//! ready jails in the function warm pool, so such a call only hands one over.
 //!
 //! Languages are data: [`languages::LANGUAGES`] holds one row per SandboxFusion mode (file,
 //! compile and run argv, image, default memory, test-style layout), listed by
@@ -42,7 +45,7 @@
 //! `resource_exhausted` with `Retry-After: 1` (no sandbox made), not a `SandboxError`.
 use crate::auth::Principal;
 use crate::error::{ApiResult, Json, ServerError};
-use crate::sandboxes::{create_sandbox, delete_sandbox};
+use crate::sandboxes::{create_sandbox, start_delete};
 use crate::SharedState;
 use axum::extract::State;
 use axum::Extension;
@@ -343,16 +346,21 @@ fn exec_req(lang: &Language, cmd: Cmd, timeout: f64, stdin: Option<&str>) -> Exe
         .collect();
     e.cwd = Some(WORKDIR.into());
     e.timeout_s = Some(timeout);
-    e.stdin_b64 = stdin.map(|s| B64.encode(s.as_bytes()));
+    // Empty stdin is sent as none (the program reads EOF from /dev/null instead of an empty
+    // pipe), so the exec may take a pooled jail's standby helper, which has no stdin pipe.
+    e.stdin_b64 = stdin
+        .filter(|s| !s.is_empty())
+        .map(|s| B64.encode(s.as_bytes()));
     e
 }
 
 /// Run one `run_code` request to its response (never an `Err`: infrastructure failures
 /// become `SandboxError`). Creates and always deletes one sandbox.
 ///
-/// The response goes to `answer` after the delete has finished, so the sandbox no longer
-/// counts against the caller's quota when the answer arrives; a failed delete is left to
-/// the TTL reaper (the sandbox is `deleting`).
+/// The response goes to `answer` once the sandbox is marked `deleting`, so it no longer
+/// counts against the caller's quota when the answer arrives; the node delete finishes
+/// after the answer (the admission permit is held until then). A failed delete is left to
+/// the reaper (the sandbox is `deleting`).
 async fn execute(
     st: &SharedState,
     who: &Principal,
@@ -398,14 +406,33 @@ async fn execute(
     // Budget shares of the fetched files, kept until the answer is handed over.
     let mut held = Vec::new();
     let out = run_in(st, &id, &req, plan, &mut held).await;
-    if let Err(e) = delete_sandbox(st, &id).await {
-        tracing::warn!(sandbox_id = %id, error = %crate::error::chain(&e), "run_code: delete failed; the reaper retries");
-    }
+    // Answer once the sandbox is marked `deleting` (its quota is free from that mark), and
+    // finish the node delete afterwards, still holding the admission permit so that at most
+    // `run_code_concurrency` sandboxes exist for run_code at once.
+    let task = match start_delete(st, &id) {
+        Ok(t) => t,
+        Err(e) => {
+            tracing::warn!(sandbox_id = %id, error = %crate::error::chain(&e), "run_code: marking for delete failed; the TTL reaper removes it");
+            None
+        }
+    };
     let _ = answer.send(Ok(match out {
         Ok(r) => r,
         Err(e) => sandbox_error(st, e.to_string()),
     }));
     drop(held);
+    let done = match task {
+        Some(t) => t.await.unwrap_or_else(|e| {
+            Err(ServerError::new(
+                ErrorCode::Internal,
+                format!("delete task failed: {e}"),
+            ))
+        }),
+        None => Ok(()),
+    };
+    if let Err(e) = done {
+        tracing::warn!(sandbox_id = %id, error = %crate::error::chain(&e), "run_code: delete failed; the reaper retries");
+    }
 }
 
 /// An exec on the node with its audit event and latency observation.
@@ -441,9 +468,9 @@ async fn run_in(
     plan: Plan,
     held: &mut Vec<tokio::sync::OwnedSemaphorePermit>,
 ) -> Result<RunCodeResponse, NodeError> {
-    for (path, data) in plan.files {
-        st.node.write_file(id, &path, data.into()).await?;
-    }
+    // Not fsynced: the sandbox never outlives a crash of this process.
+    let files = plan.files.into_iter().map(|(p, d)| (p, d.into())).collect();
+    st.node.write_files_volatile(id, files).await?;
     let mut resp = RunCodeResponse {
         status: RunStatus::Success,
         message: String::new(),
