@@ -468,6 +468,70 @@ def run_soak(binary: Path, duration_s: float, log_path: Path, quiet_s: float = 1
     return s.run()
 
 
+def markdown(res: Dict[str, Any], cmd: str, commit: str) -> str:
+    """The BENCHMARKS.md section of one soak result (between `bench:begin soak` markers)."""
+    g, r, h = res["good_exec_ms"], res["rss_mib"], res.get("host", {})
+    k, d = res["faults"].get("kill9", {}), res["faults"].get("disk_full", {})
+    ok = lambda b: "met" if b else "MISSED"  # noqa: E731
+    lb = h.get("loadavg_before")
+    la = h.get("loadavg_after")
+    fmt_load = lambda v: " ".join(f"{x:.1f}" for x in v) if v else "?"  # noqa: E731
+    leaked = {n: v for n, v in res["leaked"].items() if n != "veths"}
+    lines = [
+        "<!-- bench:begin soak -->",
+        f"## {res['started_utc'][:10]} {res['started_utc'][11:16]} UTC — soak under hostile "
+        f"load ({res['duration_s'] / 60:.0f} min)",
+        "",
+        f"Command (release build at {commit}): `{cmd}`. Machine: {h.get('cores')} cores, "
+        f"{h.get('mem_total_mib')} MiB; load average before {fmt_load(lb)}, after "
+        f"{fmt_load(la)} (the host was shared with other test runs). Backends: "
+        f"{', '.join(res['backends'])}; {res['idle_conns']} idle connections and 4 clients "
+        "that never read 8 MiB answers (every 5 s) from 127.0.0.2; the load and faults are "
+        "listed in `bench/soak.py`. Full figures: the `--out` JSON.",
+        "",
+        "| figure | value | target | |",
+        "|---|---|---|---|",
+        f"| well-behaved client `true` exec p50 / p99, quiet ({g['quiet_n']} calls) | "
+        f"{g['quiet_p50']} / {g['quiet_p99']} ms | | |",
+        f"| same, under load ({g['loaded_n']} calls) | {g['loaded_p50']} / "
+        f"{g['loaded_p99']} ms ({g['p99_ratio']}× quiet p99) | ≤ 3× quiet p99 | "
+        f"{ok(g['p99_ratio'] is not None and g['p99_ratio'] <= 3)} |",
+        f"| server RSS first / peak / last | {r['first']} / {r['peak']} / {r['last']} MiB | "
+        f"< {r['bound']} MiB | {ok(r['peak'] is not None and r['peak'] < r['bound'])} |",
+        f"| sandboxes falsely `lost` | {len(res['false_lost'])} | 0 | "
+        f"{ok(not res['false_lost'])} |",
+        f"| kill -9 at {k.get('at_s')} s → `/v1/ping` answers / every long-lived sandbox "
+        f"execs | {k.get('ping_s')} s / {k.get('all_exec_s')} s ({k.get('sandboxes_back')}) "
+        f"| | |",
+        f"| data dir full ({d.get('free_mib')} MiB free) → create | {d.get('create_status')} "
+        f"`{d.get('create_code')}` (Retry-After {d.get('retry_after')}); exec exit "
+        f"{d.get('exec_on_full_disk')} | 429 | {ok(d.get('create_status') == 429)} |",
+        f"| left after deleting everything ({res['cleanup_s']} s) | "
+        f"{leaked or 'nothing'} (before {res['leaks_before']}, after {res['leaks_after']}) "
+        f"| nothing | {ok(not leaked)} |",
+        "",
+        "Server RSS every 10 s (MiB): " + ", ".join(f"{m:.0f}" for m in r["every_10s"]),
+        "",
+        "Calls that succeeded: " + ", ".join(f"{n} {v}" for n, v in sorted(res["ops"].items()))
+        + ". Failed: " + (", ".join(f"{n} {v}" for n, v in sorted(res["errors"].items()))
+                          or "none") + ".",
+        "<!-- bench:end soak -->",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def write_section(path: Path, section: str) -> None:
+    """Replace the soak section of `path` (or insert it before the first section)."""
+    text = path.read_text()
+    b, e = "<!-- bench:begin soak -->", "<!-- bench:end soak -->\n"
+    if b in text and e in text:
+        text = text[:text.index(b)] + section + text[text.index(e) + len(e):]
+    else:
+        i = text.index("<!-- bench:begin")
+        text = text[:i] + section + "\n" + text[i:]
+    path.write_text(text)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--duration", type=float, default=1800, help="seconds of the whole run")
@@ -476,20 +540,36 @@ def main() -> int:
     ap.add_argument("--backends", default="function,container")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--log", type=Path, default=Path("/tmp/sandlot-soak.log"))
+    ap.add_argument("--write", type=Path, help="BENCHMARKS.md: replace its soak section")
+    ap.add_argument("--render", type=Path, help="only render --write from this result JSON")
     args = ap.parse_args()
+    if args.render:
+        res = json.loads(args.render.read_text())
+        write_section(args.write, markdown(res, res.get("command", "?"), res.get("commit", "?")))
+        return 0
     binary = find_binary()
     if binary is None:
         print("no sandlot binary (SANDLOT_BIN or target/release/sandlot)", file=sys.stderr)
         return 2
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    load_before = os.getloadavg()
     res = run_soak(binary, args.duration, args.log, args.quiet_s, args.idle_conns,
                    args.backends.split(","))
-    res["started_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    res["started_utc"] = started
+    res["command"] = "python3 bench/soak.py " + " ".join(sys.argv[1:])
+    res["commit"] = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
+                                   capture_output=True, text=True).stdout.strip()
+    res["host"] = {"cores": os.cpu_count(), "loadavg_before": load_before,
+                   "loadavg_after": os.getloadavg(),
+                   "mem_total_mib": os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // MiB}
     text = json.dumps(res, indent=1)
     print(text)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(text + "\n")
+    if args.write:
+        write_section(args.write, markdown(res, res["command"], res["commit"]))
     return 0
 
 
