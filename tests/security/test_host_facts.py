@@ -1,6 +1,6 @@
 """Host facts a sandbox must not see (issue 25, items 2 and 6; docs/SECURITY.md, "Masked host
 facts"): other sandboxes' disk images through ``/sys/block/loop*/loop/backing_file``, the host
-kernel command line, host paths (the node's data directory: sandbox and pool dirs) in the
+kernel command line, host paths (the node's data directory, image store and build tree) in the
 sandbox's own ``/proc/self/mountinfo``, and host-wide ``/proc`` counters, which are replaced
 by the sandbox's own stand-ins (``/proc/meminfo`` shows its memory limit).
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+from pathlib import Path
 from typing import Any, Dict
 
 import pytest
@@ -120,18 +121,28 @@ def test_mountinfo_names_no_host_path(backend, target, server):
     skip_vm(backend)
     seen = probe(target)
     data = str(server.data_dir)
-    # The image store's paths stay (the lower dirs: the image gc reads them); this server's
-    # store is not under its data dir, so the data dir must not show at all.
+    # The lower dirs are named by alias (/run/sandlot/lower/<h>, links the image gc reads
+    # back), the agent of containers by a content-addressed copy (/run/sandlot/agent/<h>):
+    # neither the image store nor the build tree nor the data dir may show.
     assert not IMAGES_DIR.startswith(data)
+    build = str(server.binary.resolve().parent.parent)  # …/target
+    forbidden = [data, IMAGES_DIR.rstrip("/") + "/", build + "/", "/target/",
+                 "/var/lib/sandlot", "/work/"]
+    agent = os.environ.get("SANDLOT_GUEST_BIN") or os.environ.get("SANDLOT_AGENT_BIN")
+    if agent:
+        forbidden.append(str(Path(agent).resolve()))
     for f in ("self/mountinfo", "mounts"):
         text = seen[f]
         assert not text.startswith("<"), (f, text)
-        assert data not in text, f"/proc/{f} names the data dir {data}:\n{text}"
-        for word in ("warm-pool", "container-pool", "/sandboxes/", "/containers/"):
+        for word in forbidden + ["warm-pool", "container-pool", "/sandboxes/", "/containers/"]:
             assert word not in text, f"/proc/{f} names {word}:\n{text}"
+        if backend.name in ("function", "container-runc"):
+            assert "lowerdir=/run/sandlot/lower/" in text, text
     record("mountinfo_host_paths", backend.name,
-           "upper/work named /proc/self/fd/N; views on private tmpfs / scratch disk",
-           "blocked (no data-dir path in mountinfo)", "none: a read")
+           "upper/work named /proc/self/fd/N, lower dirs by /run/sandlot/lower/<hash> "
+           "aliases, the agent by a content-addressed copy; views on private tmpfs / "
+           "scratch disk",
+           "blocked (no data-dir, image-store or build path in mountinfo)", "none: a read")
 
 
 def test_proc_views_show_the_sandbox_not_the_host(backend, target, make):

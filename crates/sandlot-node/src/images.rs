@@ -1064,8 +1064,8 @@ fn path_mounted(path: &Path) -> bool {
     found
 }
 
-/// Calls `f` with the `/proc/PID/mountinfo` text of one process per mount namespace, until
-/// `f` answers true.
+/// Calls `f` with the `/proc/PID/mountinfo` text of one process per mount namespace (lower
+/// dir aliases expanded to their store paths), until `f` answers true.
 fn each_mountinfo(mut f: impl FnMut(&str) -> bool) {
     let mut seen_ns = HashSet::new();
     let Ok(rd) = fs::read_dir("/proc") else {
@@ -1088,7 +1088,9 @@ fn each_mountinfo(mut f: impl FnMut(&str) -> bool) {
         let Ok(info) = fs::read_to_string(format!("/proc/{pid}/mountinfo")) else {
             continue;
         };
-        if f(&info) {
+        // Sandboxes' overlays name their lower dirs by alias (`/run/sandlot/lower/<h>`,
+        // sandlot_guest::layers): read back as the store paths they link to.
+        if f(&sandlot_guest::layers::expand_aliases(&info)) {
             return;
         }
     }

@@ -471,6 +471,53 @@ fn import_oci_layout_then_rm_and_gc() {
     assert!(matches!(store.get("app"), Err(NodeError::NotFound(_))));
 }
 
+/// A sandbox's overlay names its lower dirs by alias (`/run/sandlot/lower/<h>`, so its
+/// mountinfo shows no store path); gc still sees the layers as in use through the aliases.
+#[test]
+fn gc_keeps_layers_mounted_under_aliases() {
+    if !root_or_skip("gc_keeps_layers_mounted_under_aliases") {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let layout = tmp.path().join("layout");
+    build_layout(&layout, "127.0.0.1:5000/test/alias:v1");
+    let store = ImageStore::open(tmp.path().join("images")).unwrap();
+    let img = store.import(&layout, Some("alias"), &NoProgress).unwrap();
+    for d in ["upper", "work", "mnt"] {
+        fs::create_dir(tmp.path().join(d)).unwrap();
+    }
+    let opts = sandlot_guest::layers::layer_options(
+        &img.layers,
+        &tmp.path().join("upper"),
+        &tmp.path().join("work"),
+    )
+    .unwrap();
+    assert!(
+        opts.options.starts_with("lowerdir=/run/sandlot/lower/")
+            && !opts.options.contains(&tmp.path().display().to_string()),
+        "{}",
+        opts.options
+    );
+    let mnt = tmp.path().join("mnt");
+    nix::mount::mount(
+        Some("overlay"),
+        &mnt,
+        Some("overlay"),
+        nix::mount::MsFlags::empty(),
+        Some(opts.options.as_str()),
+    )
+    .unwrap();
+    drop(opts);
+    store.remove("alias").unwrap();
+    let kept = store.gc();
+    let layers_dir = tmp.path().join("images/layers/sha256");
+    let left = fs::read_dir(&layers_dir).unwrap().count();
+    nix::mount::umount(&mnt).unwrap();
+    assert_eq!(kept.unwrap().layers, 0, "layers under a mount were removed");
+    assert_eq!(left, 2);
+    assert_eq!(store.gc().unwrap().layers, 2, "unmounted: collected");
+}
+
 #[test]
 fn import_rejects_a_tampered_blob() {
     if !root_or_skip("import_rejects_a_tampered_blob") {

@@ -271,6 +271,33 @@ fn find_binary(name: &str) -> Option<PathBuf> {
     found
 }
 
+/// Where [`agent_copy`] puts the agent the containers bind-mount.
+pub const AGENT_COPY_DIR: &str = "/run/sandlot/agent";
+
+/// A copy of the agent binary `bin` named by its content, `dir/<first 32 hex digits of its
+/// SHA-256>` (mode 0555; kept when already there), so that a container's
+/// `/proc/self/mountinfo` names that file rather than the node's build or install path.
+/// Copies of other builds are left (one per agent version a node ran since boot).
+///
+/// # Errors
+/// Reading `bin`, creating `dir` or writing the copy.
+pub fn agent_copy(bin: &Path, dir: &Path) -> std::io::Result<PathBuf> {
+    use sha2::Digest as _;
+    use std::os::unix::fs::PermissionsExt;
+    let data = std::fs::read(bin)?;
+    let hex = crate::images::unpack::hex(&sha2::Sha256::digest(&data));
+    let out = dir.join(&hex[..32]);
+    if std::fs::read(&out).is_ok_and(|d| d == data) {
+        return Ok(out);
+    }
+    std::fs::create_dir_all(dir)?;
+    let tmp = dir.join(format!(".tmp-{}-{}", std::process::id(), &hex[..32]));
+    std::fs::write(&tmp, &data)?;
+    std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o555))?;
+    std::fs::rename(&tmp, &out)?;
+    Ok(out)
+}
+
 /// True when the ELF file at `p` has no program interpreter (statically linked): it must
 /// run in images without a libc.
 pub fn is_static_elf(p: &Path) -> bool {
@@ -379,6 +406,16 @@ impl ContainerBackend {
                 "the container backend needs a statically linked sandlot-guest; {} is missing or dynamic (scripts/setup.sh builds one, or set SANDLOT_AGENT_BIN)",
                 cfg.agent_bin.display()
             )));
+        }
+        // Security: the bind mount's source path shows in the container's mountinfo
+        // (`/work/…/target/…/sandlot-guest` told a sandbox the node's build tree).
+        match agent_copy(&cfg.agent_bin, Path::new(AGENT_COPY_DIR)) {
+            Ok(p) => cfg.agent_bin = p,
+            Err(e) => tracing::warn!(
+                agent = %cfg.agent_bin.display(),
+                error = %e,
+                "no content-addressed copy of the agent under {AGENT_COPY_DIR}; containers bind-mount it from its own path, which their mountinfo shows"
+            ),
         }
         let v2 = cgroups.version() == crate::cgroups::CgroupVersion::V2;
         let runtimes: Vec<(Runtime, Result<PathBuf, String>)> = Runtime::ALL
