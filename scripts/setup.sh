@@ -68,6 +68,9 @@ if ! python3 -c 'import venv, ensurepip' 2>/dev/null; then
 fi
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/python -m pip install -q --disable-pip-version-check -e "sdk/python[test]"
+# E2B's own Python SDK drives tests/test_e2b_sdk.py against Sandlot's E2B API (docs/e2b.md);
+# checked with e2b 2.63.0.
+.venv/bin/python -m pip install -q --disable-pip-version-check "e2b>=2.0,<3"
 
 step "Images (busybox, python) in $SANDLOT_IMAGES_DIR"
 mkdir -p "$SANDLOT_IMAGES_DIR" "$SANDLOT_CACHE_DIR"
