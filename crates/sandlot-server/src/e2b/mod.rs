@@ -3,10 +3,10 @@
 //! SDKs drive Sandlot sandboxes (`docs/e2b.md` says how to point them here).
 //!
 //! Sources of the protocols: E2B's OpenAPI spec `spec/openapi.yml` (control plane) and
-//! the envd proto files `spec/envd/process/process.proto`, `spec/envd/filesystem/
-//! filesystem.proto` in `e2b-dev/E2B`; the Connect protocol (<https://connectrpc.com/docs/
-//! protocol>) for the framing ([`connect`]). The shapes were checked against the `e2b`
-//! Python SDK 2.63.0.
+//! the envd proto files `spec/envd/process/process.proto` and
+//! `spec/envd/filesystem/filesystem.proto` in `e2b-dev/E2B`; the Connect protocol
+//! (<https://connectrpc.com/docs/protocol>) for the framing ([`connect`]). The shapes were
+//! checked against the `e2b` Python SDK 2.63.0.
 //!
 //! | route | module |
 //! |---|---|
