@@ -176,3 +176,76 @@ def test_bad_connect_input_gets_connect_errors(box):
         assert r.status_code == 400 and "E2b-Sandbox-Id" in r.json()["message"]
         r = c.post("/v2/sandboxes", content=b"[]", headers={"Content-Type": "application/json"})
         assert r.status_code == 400 and r.json()["code"] == 400
+
+
+def test_files_read_write_list_stat_move_remove(box):
+    from e2b import FileType
+    from e2b.exceptions import FileNotFoundException
+
+    info = box.files.write("notes/a.txt", "hello files\n")  # relative: the user's home
+    assert info.path == "/home/user/notes/a.txt" and info.name == "a.txt"
+    assert box.files.read("/home/user/notes/a.txt") == "hello files\n"
+    assert box.commands.run("cat ~/notes/a.txt").stdout == "hello files\n"
+    blob = bytes(range(256)) * 64
+    box.files.write("/tmp/blob.bin", blob)
+    assert bytes(box.files.read("/tmp/blob.bin", format="bytes")) == blob
+    many = box.files.write_files([{"path": "/tmp/m/1.txt", "data": "one"},
+                                  {"path": "/tmp/m/2.txt", "data": b"two"}])
+    assert sorted(w.path for w in many) == ["/tmp/m/1.txt", "/tmp/m/2.txt"]
+
+    st = box.files.get_info("/tmp/blob.bin")
+    assert st.type == FileType.FILE and st.size == len(blob) and st.name == "blob.bin"
+    assert st.permissions.startswith("-r") and st.modified_time.year >= 2024
+    assert box.files.exists("/tmp/m/2.txt") and not box.files.exists("/tmp/m/3.txt")
+
+    assert box.files.make_dir("/tmp/m/sub/deeper") is True
+    assert box.files.make_dir("/tmp/m/sub") is False, "exists already"
+    names = {(e.name, e.type) for e in box.files.list("/tmp/m")}
+    assert names == {("1.txt", FileType.FILE), ("2.txt", FileType.FILE), ("sub", FileType.DIR)}
+    deep = {e.path for e in box.files.list("/tmp/m", depth=3)}
+    assert "/tmp/m/sub/deeper" in deep and "/tmp/m/1.txt" in deep
+
+    moved = box.files.rename("/tmp/m/1.txt", "/tmp/n/one.txt")
+    assert moved.path == "/tmp/n/one.txt" and moved.type == FileType.FILE
+    assert box.files.read("/tmp/n/one.txt") == "one"
+    assert not box.files.exists("/tmp/m/1.txt")
+
+    box.files.remove("/tmp/m")
+    assert not box.files.exists("/tmp/m/2.txt")
+    with pytest.raises(FileNotFoundException):
+        box.files.read("/tmp/m/2.txt")
+    with pytest.raises(FileNotFoundException):
+        box.files.get_info("/no/such/file")
+    with pytest.raises(FileNotFoundException):
+        box.files.remove("/no/such/file")
+    with pytest.raises(e2b.InvalidArgumentException):
+        box.files.list("/tmp/n/one.txt")
+
+
+def test_bad_files_input_gets_clear_errors(box):
+    url = box.envd_api_url
+    h = {"E2b-Sandbox-Id": box.sandbox_id}
+    with httpx.Client(base_url=url, timeout=30) as c:
+        r = c.get("/files", headers=h)
+        assert r.status_code == 400 and "path" in r.json()["message"]
+        r = c.post("/files", params={"path": "/tmp/x"}, content=b"x",
+                   headers={**h, "Content-Type": "multipart/form-data"})
+        assert r.status_code == 400 and "boundary" in r.json()["message"]
+        r = c.post("/files", content=b"x",
+                   headers={**h, "Content-Type": "application/octet-stream"})
+        assert r.status_code == 400 and "path" in r.json()["message"]
+        r = c.post("/files", params={"path": "/tmp/x"}, content=b"x",
+                   headers={**h, "Content-Type": "application/octet-stream",
+                            "Content-Encoding": "gzip"})
+        assert r.status_code == 400
+        r = c.post("/filesystem.Filesystem/Stat", content=b'{"path": ""}',
+                   headers={**h, "Content-Type": "application/json"})
+        assert r.status_code == 400 and r.json()["code"] == "invalid_argument"
+        r = c.post("/filesystem.Filesystem/WatchDir", content=b"{}",
+                   headers={**h, "Content-Type": "application/connect+json"})
+        assert r.status_code == 501 and r.json()["code"] == "unimplemented"
+        r = c.post("/filesystem.Filesystem/Nope", content=b"{}",
+                   headers={**h, "Content-Type": "application/json"})
+        assert r.status_code == 404
+        r = c.get("/files", params={"path": "/etc/hostname"})
+        assert r.status_code == 400 and "E2b-Sandbox-Id" in r.json()["message"]
