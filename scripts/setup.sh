@@ -72,6 +72,9 @@ fi
 # own): --no-deps, since verl itself pulls torch, ray, vllm, ...; the client needs requests.
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps verl==0.9.1
 .venv/bin/python -m pip install -q --disable-pip-version-check requests
+# E2B's own Python SDK drives tests/test_e2b_sdk.py against Sandlot's E2B API (docs/e2b.md);
+# checked with e2b 2.63.0.
+.venv/bin/python -m pip install -q --disable-pip-version-check "e2b>=2.0,<3"
 
 step "Images (busybox, python) in $SANDLOT_IMAGES_DIR"
 mkdir -p "$SANDLOT_IMAGES_DIR" "$SANDLOT_CACHE_DIR"

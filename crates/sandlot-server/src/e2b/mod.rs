@@ -3,15 +3,16 @@
 //! SDKs drive Sandlot sandboxes (`docs/e2b.md` says how to point them here).
 //!
 //! Sources of the protocols: E2B's OpenAPI spec `spec/openapi.yml` (control plane) and
-//! the envd proto files `spec/envd/process/process.proto`, `spec/envd/filesystem/
-//! filesystem.proto` in `e2b-dev/E2B`; the Connect protocol
-//! (<https://connectrpc.com/docs/protocol>) for the framing ([`connect`]). The shapes were checked against the `e2b`
-//! Python SDK 2.63.0.
+//! the envd proto files `spec/envd/process/process.proto` and
+//! `spec/envd/filesystem/filesystem.proto` in `e2b-dev/E2B`; the Connect protocol
+//! (<https://connectrpc.com/docs/protocol>) for the framing ([`connect`]). The shapes were
+//! checked against the `e2b` Python SDK 2.63.0.
 //!
 //! | route | module |
 //! |---|---|
 //! | `POST/GET /v2/sandboxes`, `GET /sandboxes`, `GET/DELETE /sandboxes/{id}`, `POST /sandboxes/{id}/{timeout,pause,resume,connect,refreshes}`, `POST /v2/sandboxes/{id}/connect` | [`control`] |
 //! | `POST /process.Process/{Start,Connect,List,SendInput,CloseStdin,SendSignal}` | [`process`] |
+//! | `POST /filesystem.Filesystem/{Stat,ListDir,MakeDir,Move,Remove}`, `GET/POST /files` | [`filesystem`] |
 //! | `GET /health` (envd) | here |
 //!
 //! **Which sandbox** an envd request is for: the `E2b-Sandbox-Id` header (what the SDK
@@ -31,6 +32,7 @@
 //! `user` and any other name, `/root` for `root`), created on first use.
 pub mod connect;
 pub mod control;
+pub mod filesystem;
 pub mod process;
 
 use crate::auth::Principal;
@@ -182,6 +184,11 @@ pub fn routes() -> Router<SharedState> {
         .route("/v2/sandboxes/{sandbox_id}/connect", post(control::connect))
         .route("/health", get(health))
         .route("/process.Process/{method}", post(process::dispatch))
+        .route(
+            "/filesystem.Filesystem/{method}",
+            post(filesystem::dispatch),
+        )
+        .route("/files", get(filesystem::download).post(filesystem::upload))
 }
 
 /// Whether `path` belongs to the E2B surface (for [`credentials`]).

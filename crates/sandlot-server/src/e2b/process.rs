@@ -165,7 +165,7 @@ pub async fn dispatch(
     let out = match method.as_str() {
         "Start" => start(&st, &id, user.as_deref(), &headers, &body).await,
         "Connect" => reconnect(&st, &id, &headers, &body),
-        "List" => list(&st, &id),
+        "List" => list(&st, &id, &body),
         "SendInput" => send_input(&st, &id, &body).await,
         "CloseStdin" => close_stdin(&st, &id, &body).await,
         "SendSignal" => send_signal(&st, &id, &body),
@@ -462,7 +462,9 @@ fn follow(
     stream_response(Body::from_stream(body))
 }
 
-fn list(st: &SharedState, id: &str) -> Result<Response, ConnectError> {
+fn list(st: &SharedState, id: &str, body: &Bytes) -> Result<Response, ConnectError> {
+    // `ListRequest` has no fields; parsing still rejects a body that is not an object.
+    let _: serde_json::Map<String, serde_json::Value> = unary_request(body)?;
     let mut procs = Vec::new();
     for (pid, e) in st.e2b.all(id) {
         let Ok(h) = st.processes.get(id, &e.handle) else {

@@ -1,0 +1,588 @@
+//! envd's `filesystem.Filesystem` service (`spec/envd/filesystem/filesystem.proto`) and its
+//! `/files` HTTP routes (`spec/envd/envd.yaml`), over the node's file calls.
+//!
+//! | method / route | Sandlot |
+//! |---|---|
+//! | `Stat {path}` → `{entry}` | stat (symlinks followed inside the sandbox) |
+//! | `ListDir {path, depth}` → `{entries}` | list, recursing into directories down to `depth` (default 1), at most [`MAX_ENTRIES`] entries |
+//! | `MakeDir {path}` → `{entry}` | `mkdir -p`; `already_exists` when the path exists |
+//! | `Move {source, destination}` → `{entry}` | `mv` in the sandbox (destination's parents created) |
+//! | `Remove {path}` → `{}` | remove (a directory recursively) |
+//! | `GET /files?path=&username=` → the bytes | read, at most `max_file_bytes` |
+//! | `POST /files?path=&username=`, `multipart/form-data` (part `file`, its filename the path when `path` is absent) or `application/octet-stream` → `[{name, type: "file", path}]` | write (parents created), at most `max_file_bytes` per request |
+//!
+//! `EntryInfo` is `{name, type: FILE_TYPE_FILE|FILE_TYPE_DIRECTORY|FILE_TYPE_SYMLINK, path,
+//! size, mode, permissions ("-rw-r--r--"), owner, group, modifiedTime}`; owner and group are
+//! always `root` (the sandbox's own root owns every file). Relative paths and `~` resolve
+//! against the E2B user's home ([`super::home_of`]). The watcher methods (`WatchDir`,
+//! `CreateWatcher`, `GetWatcherEvents`, `RemoveWatcher`) answer `unimplemented`; so do
+//! gzip-encoded uploads and downloads (downloads are never compressed: `Accept-Encoding` is
+//! ignored).
+use super::connect::{check_kind, unary_ok, unary_request, CallKind, ConnectError};
+use super::{ensure_home, home_of, sandbox_of, visible, E2bUser};
+use crate::auth::Principal;
+use crate::error::ServerError;
+use crate::SharedState;
+use axum::body::Bytes;
+use axum::extract::{Path, Request, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use sandlot_api::{Cmd, ErrorCode, ExecRequest, FileEntry, FileType};
+use serde::Deserialize;
+
+/// Most entries one `ListDir` answers.
+pub const MAX_ENTRIES: usize = 10_000;
+
+#[derive(Debug, Default, Deserialize)]
+struct PathReq {
+    #[serde(default)]
+    path: String,
+    #[serde(default)]
+    depth: Option<u32>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct MoveReq {
+    #[serde(default)]
+    source: String,
+    #[serde(default)]
+    destination: String,
+}
+
+/// The absolute path of `p` for E2B user home `home`: `~` and `~/x` and relative paths
+/// resolve against it.
+///
+/// # Errors
+/// `invalid_argument` for an empty path.
+pub fn resolve(p: &str, home: &str) -> Result<String, ConnectError> {
+    if p.is_empty() {
+        return Err(ConnectError::invalid("path is required"));
+    }
+    if p == "~" {
+        return Ok(home.to_owned());
+    }
+    if let Some(rest) = p.strip_prefix("~/") {
+        return Ok(format!("{home}/{rest}"));
+    }
+    if p.starts_with('/') {
+        return Ok(p.to_owned());
+    }
+    Ok(format!("{home}/{p}"))
+}
+
+fn join(dir: &str, name: &str) -> String {
+    if dir.ends_with('/') {
+        format!("{dir}{name}")
+    } else {
+        format!("{dir}/{name}")
+    }
+}
+
+/// `-rwxr-xr-x`-style permissions of `mode` (Go's `FileMode.String()`, which envd sends).
+pub fn permissions(kind: FileType, mode: u32) -> String {
+    let mut s = String::with_capacity(10);
+    s.push(match kind {
+        FileType::Dir => 'd',
+        FileType::Symlink => 'L',
+        _ => '-',
+    });
+    for (i, c) in "rwxrwxrwx".chars().enumerate() {
+        s.push(if mode & (1 << (8 - i)) != 0 { c } else { '-' });
+    }
+    s
+}
+
+/// envd's `EntryInfo` of `e` at `path`.
+pub fn entry_info(e: &FileEntry, path: &str) -> serde_json::Value {
+    let kind = match e.kind {
+        FileType::File => "FILE_TYPE_FILE",
+        FileType::Dir => "FILE_TYPE_DIRECTORY",
+        FileType::Symlink => "FILE_TYPE_SYMLINK",
+        FileType::Other => "FILE_TYPE_UNSPECIFIED",
+    };
+    serde_json::json!({
+        "name": e.name,
+        "type": kind,
+        "path": path,
+        "size": e.size.to_string(),
+        "mode": e.mode,
+        "permissions": permissions(e.kind, e.mode),
+        "owner": "root",
+        "group": "root",
+        "modifiedTime": crate::store::rfc3339(e.mtime.saturating_mul(1000)),
+    })
+}
+
+/// `POST /filesystem.Filesystem/{method}`: the methods of the module docs.
+pub async fn dispatch(
+    State(st): State<SharedState>,
+    Path(method): Path<String>,
+    req: Request,
+) -> Response {
+    let who = req
+        .extensions()
+        .get::<Principal>()
+        .cloned()
+        .unwrap_or_else(Principal::anonymous);
+    let user = req.extensions().get::<E2bUser>().map(|u| u.0.clone());
+    let (parts, body) = req.into_parts();
+    let headers = parts.headers;
+    if !matches!(
+        method.as_str(),
+        "Stat" | "ListDir" | "MakeDir" | "Move" | "Remove"
+    ) {
+        let known = matches!(
+            method.as_str(),
+            "WatchDir" | "CreateWatcher" | "GetWatcherEvents" | "RemoveWatcher"
+        );
+        let mut e = ConnectError::new(
+            "unimplemented",
+            if known {
+                format!("filesystem.Filesystem/{method} is not implemented by Sandlot")
+            } else {
+                format!("no method filesystem.Filesystem/{method}")
+            },
+        );
+        if !known {
+            e.status = Some(StatusCode::NOT_FOUND);
+        }
+        return e.into_response();
+    }
+    if let Err(e) = check_kind(&headers, CallKind::Unary) {
+        return e.into_response();
+    }
+    let body = match axum::body::to_bytes(body, st.cfg.max_json_bytes).await {
+        Ok(b) => b,
+        Err(e) => {
+            return ConnectError::new("resource_exhausted", format!("request body: {e}"))
+                .into_response()
+        }
+    };
+    let out = async {
+        let id = sandbox_of(&headers)
+            .and_then(|id| visible(&st, &who, &id).map(|_| id))
+            .and_then(|id| crate::sandboxes::running(&st, &id).map(|_| id))?;
+        let home = home_of(user.as_deref());
+        ensure_home(&st, &id, &home).await?;
+        match method.as_str() {
+            "Stat" => stat(&st, &id, &home, &body).await,
+            "ListDir" => list_dir(&st, &id, &home, &body).await,
+            "MakeDir" => make_dir(&st, &id, &home, &body).await,
+            "Move" => move_(&st, &id, &home, &body).await,
+            "Remove" => remove(&st, &id, &home, &body).await,
+            _ => unreachable!("checked above"),
+        }
+    };
+    out.await
+        .unwrap_or_else(|e: ConnectError| e.into_response())
+}
+
+async fn stat_at(
+    st: &SharedState,
+    id: &str,
+    path: &str,
+) -> Result<serde_json::Value, ConnectError> {
+    let e = st.node.stat_file(id, path).await?;
+    Ok(entry_info(&e, path))
+}
+
+async fn stat(
+    st: &SharedState,
+    id: &str,
+    home: &str,
+    body: &Bytes,
+) -> Result<Response, ConnectError> {
+    let req: PathReq = unary_request(body)?;
+    let path = resolve(&req.path, home)?;
+    Ok(unary_ok(
+        serde_json::json!({"entry": stat_at(st, id, &path).await?}),
+    ))
+}
+
+async fn list_dir(
+    st: &SharedState,
+    id: &str,
+    home: &str,
+    body: &Bytes,
+) -> Result<Response, ConnectError> {
+    let req: PathReq = unary_request(body)?;
+    let path = resolve(&req.path, home)?;
+    let depth = req.depth.filter(|d| *d > 0).unwrap_or(1);
+    let top = st.node.stat_file(id, &path).await?;
+    if top.kind != FileType::Dir {
+        return Err(ConnectError::invalid(format!("{path} is not a directory")));
+    }
+    let mut out = Vec::new();
+    let mut todo = vec![(path, 1u32)];
+    while let Some((dir, level)) = todo.pop() {
+        for e in st.node.list_dir(id, &dir).await? {
+            let p = join(&dir, &e.name);
+            if e.kind == FileType::Dir && level < depth {
+                todo.push((p.clone(), level + 1));
+            }
+            out.push(entry_info(&e, &p));
+            if out.len() > MAX_ENTRIES {
+                return Err(ConnectError::new(
+                    "resource_exhausted",
+                    format!("more than {MAX_ENTRIES} entries; list with a smaller depth"),
+                ));
+            }
+        }
+    }
+    Ok(unary_ok(serde_json::json!({ "entries": out })))
+}
+
+async fn make_dir(
+    st: &SharedState,
+    id: &str,
+    home: &str,
+    body: &Bytes,
+) -> Result<Response, ConnectError> {
+    let req: PathReq = unary_request(body)?;
+    let path = resolve(&req.path, home)?;
+    match st.node.stat_file(id, &path).await {
+        Ok(_) => {
+            return Err(ConnectError::new(
+                "already_exists",
+                format!("{path} already exists"),
+            ))
+        }
+        Err(sandlot_node::NodeError::NotFound(_)) => {}
+        Err(e) => return Err(e.into()),
+    }
+    st.node.make_dir(id, &path, true).await?;
+    Ok(unary_ok(
+        serde_json::json!({"entry": stat_at(st, id, &path).await?}),
+    ))
+}
+
+fn parent(p: &str) -> Option<&str> {
+    let t = p.trim_end_matches('/');
+    match t.rfind('/') {
+        Some(0) | None => None,
+        Some(i) => Some(&t[..i]),
+    }
+}
+
+async fn move_(
+    st: &SharedState,
+    id: &str,
+    home: &str,
+    body: &Bytes,
+) -> Result<Response, ConnectError> {
+    let req: MoveReq = unary_request(body)?;
+    let src = resolve(&req.source, home)?;
+    let dst = resolve(&req.destination, home)?;
+    st.node.stat_file(id, &src).await?;
+    if let Some(dir) = parent(&dst) {
+        st.node.make_dir(id, dir, true).await?;
+    }
+    let mut ex = ExecRequest::new(Cmd::Argv(vec![
+        "mv".into(),
+        "-f".into(),
+        "--".into(),
+        src.clone(),
+        dst.clone(),
+    ]));
+    ex.timeout_s = Some(60.0);
+    let r = st.node.exec(id, &ex, None).await?;
+    if r.exit_code != 0 {
+        let msg = r.stderr.trim().to_owned();
+        return Err(ConnectError::new(
+            "invalid_argument",
+            format!("cannot move {src} to {dst}: {msg}"),
+        ));
+    }
+    Ok(unary_ok(
+        serde_json::json!({"entry": stat_at(st, id, &dst).await?}),
+    ))
+}
+
+async fn remove(
+    st: &SharedState,
+    id: &str,
+    home: &str,
+    body: &Bytes,
+) -> Result<Response, ConnectError> {
+    let req: PathReq = unary_request(body)?;
+    let path = resolve(&req.path, home)?;
+    st.node.stat_file(id, &path).await?;
+    st.node.remove_file(id, &path).await?;
+    Ok(unary_ok(serde_json::json!({})))
+}
+
+/// An error of the `/files` routes in envd's shape `{"code": <HTTP status>, "message"}`.
+fn files_error(e: ServerError) -> Response {
+    let api = e.api_error();
+    let status = StatusCode::from_u16(api.code.http_status()).unwrap_or(StatusCode::BAD_REQUEST);
+    (
+        status,
+        axum::Json(serde_json::json!({"code": status.as_u16(), "message": api.message})),
+    )
+        .into_response()
+}
+
+#[derive(Debug, Default)]
+struct FilesQuery {
+    path: Option<String>,
+    username: Option<String>,
+}
+
+fn files_query(uri: &axum::http::Uri) -> Result<FilesQuery, ServerError> {
+    let m = axum::extract::Query::<std::collections::HashMap<String, String>>::try_from_uri(uri)
+        .map_err(|e| ServerError::invalid(format!("query string: {e}")))?
+        .0;
+    let get = |k: &str| m.get(k).filter(|s| !s.is_empty()).cloned();
+    Ok(FilesQuery {
+        path: get("path"),
+        username: get("username"),
+    })
+}
+
+struct FilesCtx {
+    id: String,
+    home: String,
+    q: FilesQuery,
+}
+
+async fn files_ctx(
+    st: &SharedState,
+    req: &axum::http::request::Parts,
+) -> Result<FilesCtx, ServerError> {
+    let who = req
+        .extensions
+        .get::<Principal>()
+        .cloned()
+        .unwrap_or_else(Principal::anonymous);
+    let q = files_query(&req.uri)?;
+    let user = q
+        .username
+        .clone()
+        .or_else(|| req.extensions.get::<E2bUser>().map(|u| u.0.clone()));
+    let id = sandbox_of(&req.headers)?;
+    visible(st, &who, &id)?;
+    crate::sandboxes::running(st, &id)?;
+    let home = home_of(user.as_deref());
+    ensure_home(st, &id, &home).await?;
+    Ok(FilesCtx { id, home, q })
+}
+
+fn resolve_files(p: &str, home: &str) -> Result<String, ServerError> {
+    resolve(p, home).map_err(|e| ServerError::invalid(e.message))
+}
+
+fn gzip_refused(h: &HeaderMap) -> Result<(), ServerError> {
+    let gz = h
+        .get(header::CONTENT_ENCODING)
+        .and_then(|v| v.to_str().ok())
+        .map(|v| !v.trim().is_empty() && !v.trim().eq_ignore_ascii_case("identity"))
+        .unwrap_or(false);
+    if gz {
+        return Err(ServerError::invalid(
+            "Content-Encoding of uploads is not supported by Sandlot; send the file uncompressed",
+        ));
+    }
+    Ok(())
+}
+
+/// `GET /files?path=P[&username=U]` → the file's bytes (`application/octet-stream`).
+pub async fn download(State(st): State<SharedState>, req: Request) -> Response {
+    let (req, _) = req.into_parts();
+    let r = async {
+        let ctx = files_ctx(&st, &req).await?;
+        let path = ctx
+            .q
+            .path
+            .as_deref()
+            .ok_or_else(|| ServerError::invalid("missing query parameter `path`"))?;
+        let path = resolve_files(path, &ctx.home)?;
+        let (data, _permit) = st
+            .budget_node
+            .read_file_held(&ctx.id, &path, st.cfg.max_file_bytes as u64)
+            .await?;
+        Ok::<_, ServerError>(
+            ([(header::CONTENT_TYPE, "application/octet-stream")], data).into_response(),
+        )
+    };
+    r.await.unwrap_or_else(files_error)
+}
+
+/// `POST /files?path=P[&username=U]` (module docs) → `[{name, type, path}]`.
+pub async fn upload(State(st): State<SharedState>, req: Request) -> Response {
+    let (req, body) = req.into_parts();
+    let r = async {
+        let ctx = files_ctx(&st, &req).await?;
+        gzip_refused(&req.headers)?;
+        let ct = req
+            .headers
+            .get(header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("")
+            .to_owned();
+        let limit = st.cfg.max_file_bytes;
+        let len = req
+            .headers
+            .get(header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(limit as u64)
+            .min(limit as u64 + 1);
+        let (_share, _) = st
+            .file_budget
+            .reserve(len.saturating_mul(crate::files::UPLOAD_SHARE_FACTOR))
+            .await?;
+        let body = axum::body::to_bytes(body, limit + 64 * 1024)
+            .await
+            .map_err(|e| {
+                ServerError::new(
+                    ErrorCode::PayloadTooLarge,
+                    format!("upload over the limit of {limit} bytes: {e}"),
+                )
+            })?;
+        let files: Vec<(String, Bytes)> = if ct
+            .to_ascii_lowercase()
+            .starts_with("multipart/form-data")
+        {
+            let parts = multipart(&ct, &body).map_err(ServerError::invalid)?;
+            let n = parts.len();
+            parts
+                .into_iter()
+                .map(|(name, data)| {
+                    let p = match (&ctx.q.path, name) {
+                        (Some(p), _) if n == 1 => p.clone(),
+                        (_, Some(f)) => f,
+                        (Some(p), None) => p.clone(),
+                        (None, None) => {
+                            return Err(ServerError::invalid(
+                                "a multipart part has no filename and there is no `path`",
+                            ))
+                        }
+                    };
+                    Ok((p, data))
+                })
+                .collect::<Result<_, _>>()?
+        } else {
+            let p = ctx.q.path.clone().ok_or_else(|| {
+                ServerError::invalid("missing query parameter `path` for an octet-stream upload")
+            })?;
+            vec![(p, body)]
+        };
+        if files.is_empty() {
+            return Err(ServerError::invalid("the upload has no file"));
+        }
+        crate::disk_reserve::check(&st)?;
+        let mut out = Vec::new();
+        for (p, data) in files {
+            let path = resolve_files(&p, &ctx.home)?;
+            if data.len() > limit {
+                return Err(ServerError::new(
+                    ErrorCode::PayloadTooLarge,
+                    format!("{path}: over the limit of {limit} bytes"),
+                ));
+            }
+            st.node.write_file(&ctx.id, &path, data).await?;
+            let name = path.rsplit('/').next().unwrap_or("").to_owned();
+            out.push(serde_json::json!({"name": name, "type": "file", "path": path}));
+        }
+        Ok::<_, ServerError>(axum::Json(out).into_response())
+    };
+    r.await.unwrap_or_else(files_error)
+}
+
+/// The parts of a `multipart/form-data` body (RFC 7578): `(filename, content)` each.
+///
+/// # Errors
+/// A message when the boundary is missing or the body is malformed.
+pub fn multipart(content_type: &str, body: &[u8]) -> Result<Vec<(Option<String>, Bytes)>, String> {
+    let boundary = content_type
+        .split(';')
+        .filter_map(|p| p.trim().split_once('='))
+        .find(|(k, _)| k.trim().eq_ignore_ascii_case("boundary"))
+        .map(|(_, v)| v.trim().trim_matches('"').to_owned())
+        .filter(|b| !b.is_empty())
+        .ok_or("multipart/form-data without a boundary")?;
+    let delim = format!("--{boundary}");
+    let d = delim.as_bytes();
+    let find = |hay: &[u8], from: usize| -> Option<usize> {
+        hay.get(from..)?
+            .windows(d.len())
+            .position(|w| w == d)
+            .map(|i| i + from)
+    };
+    let mut pos = find(body, 0).ok_or("multipart body without its boundary")?;
+    let mut parts = Vec::new();
+    loop {
+        let after = pos + d.len();
+        if body.get(after..after + 2) == Some(b"--") {
+            break;
+        }
+        let start = after
+            + if body.get(after..after + 2) == Some(b"\r\n") {
+                2
+            } else {
+                return Err("malformed multipart delimiter line".into());
+            };
+        let next = find(body, start).ok_or("multipart body without its closing boundary")?;
+        let mut part = &body[start..next];
+        part = part.strip_suffix(b"\r\n").unwrap_or(part);
+        let split = part
+            .windows(4)
+            .position(|w| w == b"\r\n\r\n")
+            .ok_or("multipart part without a header end")?;
+        let head = String::from_utf8_lossy(&part[..split]);
+        let content = Bytes::copy_from_slice(&part[split + 4..]);
+        let filename = head
+            .lines()
+            .find(|l| l.to_ascii_lowercase().starts_with("content-disposition:"))
+            .and_then(|l| {
+                l.split(';').find_map(|kv| {
+                    let (k, v) = kv.trim().split_once('=')?;
+                    (k.trim().eq_ignore_ascii_case("filename"))
+                        .then(|| v.trim().trim_matches('"').to_owned())
+                })
+            })
+            .filter(|f| !f.is_empty());
+        parts.push((filename, content));
+        pos = next;
+    }
+    Ok(parts)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn paths_resolve_against_home() {
+        assert_eq!(resolve("a/b", "/home/user").unwrap(), "/home/user/a/b");
+        assert_eq!(resolve("~", "/root").unwrap(), "/root");
+        assert_eq!(resolve("~/x", "/root").unwrap(), "/root/x");
+        assert_eq!(resolve("/etc", "/root").unwrap(), "/etc");
+        assert!(resolve("", "/root").is_err());
+        assert_eq!(parent("/a/b/c"), Some("/a/b"));
+        assert_eq!(parent("/a"), None);
+    }
+
+    #[test]
+    fn permission_strings() {
+        assert_eq!(permissions(FileType::File, 0o644), "-rw-r--r--");
+        assert_eq!(permissions(FileType::Dir, 0o755), "drwxr-xr-x");
+    }
+
+    #[test]
+    fn multipart_parts() {
+        let body = b"--XyZ\r\nContent-Disposition: form-data; name=\"file\"; filename=\"/tmp/a.txt\"\r\nContent-Type: application/octet-stream\r\n\r\nhello\r\n--XyZ\r\nContent-Disposition: form-data; name=\"file\"; filename=\"b\"\r\n\r\nline\r\n\r\n--XyZ--\r\n";
+        let p = multipart("multipart/form-data; boundary=XyZ", body).unwrap();
+        assert_eq!(p.len(), 2);
+        assert_eq!(p[0].0.as_deref(), Some("/tmp/a.txt"));
+        assert_eq!(&p[0].1[..], b"hello");
+        assert_eq!(&p[1].1[..], b"line\r\n");
+        assert!(multipart("multipart/form-data", body).is_err());
+        assert!(multipart("multipart/form-data; boundary=Q", body).is_err());
+        assert!(multipart(
+            "multipart/form-data; boundary=XyZ",
+            b"--XyZ\r\nno header end"
+        )
+        .is_err());
+    }
+}

@@ -1,0 +1,251 @@
+"""The unmodified `e2b` Python SDK (PyPI, installed by scripts/setup.sh) against `sandlot
+up`: E2B's control plane and envd protocol as Sandlot serves them (docs/e2b.md).
+
+The SDK finds Sandlot through E2B_API_URL and E2B_SANDBOX_URL, both the server's URL;
+E2B_API_KEY is any string while the server runs without keys. Sandboxes are created on
+the server's E2B backend (`--e2b-backend`, default function) from template `base`
+(`--e2b-base-image`, default python).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Iterator
+
+import httpx
+import pytest
+
+from conftest import wait_until
+
+e2b = pytest.importorskip("e2b", reason="the e2b SDK is not installed (scripts/setup.sh)")
+from e2b import CommandExitException, Sandbox, SandboxQuery, SandboxState  # noqa: E402
+
+
+@pytest.fixture
+def e2b_env(server, python_image, monkeypatch) -> str:
+    """Point the e2b SDK at the shared server."""
+    monkeypatch.setenv("E2B_API_URL", server.url)
+    monkeypatch.setenv("E2B_SANDBOX_URL", server.url)
+    monkeypatch.setenv("E2B_API_KEY", "e2b_sandlot_no_auth")
+    monkeypatch.delenv("E2B_DOMAIN", raising=False)
+    monkeypatch.delenv("E2B_DEBUG", raising=False)
+    return server.url
+
+
+@pytest.fixture
+def box(e2b_env, request) -> Iterator[Sandbox]:
+    sb = Sandbox.create(template="base", timeout=300,
+                        metadata={"test": request.node.name[:60]})
+    yield sb
+    try:
+        sb.kill()
+    except Exception as e:  # cleanup only
+        print(f"cleanup of {sb.sandbox_id} failed: {e}")
+
+
+def test_create_run_list_timeout_kill(e2b_env, request):
+    t0 = time.monotonic()
+    sb = Sandbox.create(template="base", timeout=120, metadata={"job": request.node.name},
+                        envs={"GREETING": "hello from envVars"})
+    try:
+        r = sb.commands.run("echo $GREETING; pwd; echo to-stderr >&2; python3 -c 'print(6*7)'")
+        first = time.monotonic() - t0
+        assert r.exit_code == 0
+        assert r.stdout == "hello from envVars\n/home/user\n42\n"
+        assert r.stderr == "to-stderr\n"
+        print(f"create -> first command: {first * 1000:.0f} ms")
+
+        with pytest.raises(CommandExitException) as ei:
+            sb.commands.run("echo partial; exit 3")
+        assert ei.value.exit_code == 3 and ei.value.stdout == "partial\n"
+
+        found = Sandbox.list(query=SandboxQuery(metadata={"job": request.node.name}))
+        ids = [s.sandbox_id for s in found.next_items()]
+        assert ids == [sb.sandbox_id]
+        none = Sandbox.list(query=SandboxQuery(metadata={"job": "no-such-job"}))
+        assert none.next_items() == []
+
+        info = sb.get_info()
+        assert info.template_id == "base" and info.metadata == {"job": request.node.name}
+        sb.set_timeout(30)
+        left = (sb.get_info().end_at.timestamp() - time.time())
+        assert 20 < left <= 31, left
+        assert sb.is_running()
+    finally:
+        assert sb.kill() is True
+    assert Sandbox.kill(sb.sandbox_id) is False, "killing twice answers False"
+    assert not sb.is_running()
+
+
+def test_streaming_callbacks_and_env(box):
+    out, err = [], []
+    r = box.commands.run("for i in 1 2 3; do echo out$i; echo err$i >&2; done",
+                         envs={"X": "y"}, on_stdout=out.append, on_stderr=err.append)
+    assert "".join(out) == "out1\nout2\nout3\n" == r.stdout
+    assert "".join(err) == "err1\nerr2\nerr3\n" == r.stderr
+    assert box.commands.run("echo $X", envs={"X": "per-command"}).stdout == "per-command\n"
+    assert box.commands.run("pwd", cwd="/tmp").stdout == "/tmp\n"
+    assert box.commands.run("echo $HOME", user="root").stdout == "/root\n"
+
+
+def test_background_connect_list_kill_and_stdin(box):
+    h = box.commands.run("echo started; sleep 60", background=True)
+    assert h.pid >= 1000
+    wait_until(lambda: any(p.pid == h.pid for p in box.commands.list()), timeout=10)
+    p = next(p for p in box.commands.list() if p.pid == h.pid)
+    assert p.cmd == "/bin/bash" and p.args[-1] == "echo started; sleep 60"
+    again = box.commands.connect(h.pid)
+    assert box.commands.kill(h.pid) is True
+    with pytest.raises(CommandExitException) as ei:
+        again.wait()
+    assert ei.value.exit_code == -1
+    assert box.commands.kill(h.pid) is False, "an ended process is not found"
+    assert all(p.pid != h.pid for p in box.commands.list())
+
+    cat = box.commands.run("cat; echo done", background=True, stdin=True)
+    box.commands.send_stdin(cat.pid, "line one\n")
+    box.commands.send_stdin(cat.pid, "line two\n")
+    box.commands.close_stdin(cat.pid)
+    assert cat.wait().stdout == "line one\nline two\ndone\n"
+
+
+def test_command_timeout_kills(box):
+    t = time.monotonic()
+    with pytest.raises(e2b.TimeoutException):
+        box.commands.run("sleep 30", timeout=1)
+    assert time.monotonic() - t < 10
+    # The process's deadline was the stream's: nothing of it is left running.
+    wait_until(lambda: box.commands.list() == [], timeout=10)
+
+
+def test_pause_and_connect_keep_files(box):
+    box.commands.run("echo kept > /home/user/f.txt")
+    box.pause()
+    assert box.get_info().state.value == "paused"
+    states = {s.sandbox_id: s.state.value
+              for s in Sandbox.list(query=SandboxQuery(state=[SandboxState.PAUSED])).next_items()}
+    assert states.get(box.sandbox_id) == "paused"
+    same = Sandbox.connect(box.sandbox_id, timeout=120)
+    assert same.get_info().state.value == "running"
+    assert same.commands.run("cat /home/user/f.txt").stdout == "kept\n"
+
+
+def test_timeout_expiry_deletes(e2b_env):
+    sb = Sandbox.create(template="base", timeout=60)
+    sb.set_timeout(1)
+    wait_until(lambda: not sb.is_running(), timeout=20)
+    with pytest.raises(e2b.NotFoundException):
+        sb.get_info()
+
+
+def test_unknown_template_and_sandbox(e2b_env):
+    with pytest.raises(e2b.SandboxException):
+        Sandbox.create(template="no-such-image", timeout=30)
+    with pytest.raises(e2b.NotFoundException):
+        Sandbox.get_info("sb-00000000000000000000")
+    with pytest.raises(e2b.NotFoundException):
+        Sandbox.connect("sb-00000000000000000000")
+
+
+def test_bad_connect_input_gets_connect_errors(box):
+    """Malformed envelopes, wrong codecs and unknown methods: clear Connect errors, no 5xx."""
+    url = box.envd_api_url
+    h = {"E2b-Sandbox-Id": box.sandbox_id}
+    with httpx.Client(base_url=url, timeout=30) as c:
+        def post(path, body, ct):
+            return c.post(path, content=body, headers={**h, "Content-Type": ct})
+
+        r = post("/process.Process/Start", b"\x00\x00", "application/connect+json")
+        assert r.status_code == 200 and r.content[0] == 2, r.content
+        assert b'"invalid_argument"' in r.content
+        r = post("/process.Process/Start", b"\x01\x00\x00\x00\x02{}", "application/connect+json")
+        assert b"compressed" in r.content
+        r = post("/process.Process/Start", b"\x00\xff\xff\xff\xff{}", "application/connect+json")
+        assert b'"resource_exhausted"' in r.content
+        r = post("/process.Process/List", b"\x08\x01", "application/proto")
+        assert r.status_code == 415 and r.json()["code"] == "unimplemented"
+        r = post("/process.Process/List", b"[1]", "application/json")
+        assert r.status_code == 400 and r.json()["code"] == "invalid_argument"
+        r = post("/process.Process/Nope", b"{}", "application/json")
+        assert r.status_code == 404 and r.json()["code"] == "unimplemented"
+        r = post("/process.Process/SendSignal",
+                 b'{"process": {"pid": 999999}, "signal": "SIGNAL_SIGKILL"}', "application/json")
+        assert r.status_code == 404 and r.json()["code"] == "not_found"
+        r = c.post("/process.Process/List", content=b"{}",
+                   headers={"Content-Type": "application/json"})
+        assert r.status_code == 400 and "E2b-Sandbox-Id" in r.json()["message"]
+        r = c.post("/v2/sandboxes", content=b"[]", headers={"Content-Type": "application/json"})
+        assert r.status_code == 400 and r.json()["code"] == 400
+
+
+def test_files_read_write_list_stat_move_remove(box):
+    from e2b import FileType
+    from e2b.exceptions import FileNotFoundException
+
+    info = box.files.write("notes/a.txt", "hello files\n")  # relative: the user's home
+    assert info.path == "/home/user/notes/a.txt" and info.name == "a.txt"
+    assert box.files.read("/home/user/notes/a.txt") == "hello files\n"
+    assert box.commands.run("cat ~/notes/a.txt").stdout == "hello files\n"
+    blob = bytes(range(256)) * 64
+    box.files.write("/tmp/blob.bin", blob)
+    assert bytes(box.files.read("/tmp/blob.bin", format="bytes")) == blob
+    many = box.files.write_files([{"path": "/tmp/m/1.txt", "data": "one"},
+                                  {"path": "/tmp/m/2.txt", "data": b"two"}])
+    assert sorted(w.path for w in many) == ["/tmp/m/1.txt", "/tmp/m/2.txt"]
+
+    st = box.files.get_info("/tmp/blob.bin")
+    assert st.type == FileType.FILE and st.size == len(blob) and st.name == "blob.bin"
+    assert st.permissions.startswith("-r") and st.modified_time.year >= 2024
+    assert box.files.exists("/tmp/m/2.txt") and not box.files.exists("/tmp/m/3.txt")
+
+    assert box.files.make_dir("/tmp/m/sub/deeper") is True
+    assert box.files.make_dir("/tmp/m/sub") is False, "exists already"
+    names = {(e.name, e.type) for e in box.files.list("/tmp/m")}
+    assert names == {("1.txt", FileType.FILE), ("2.txt", FileType.FILE), ("sub", FileType.DIR)}
+    deep = {e.path for e in box.files.list("/tmp/m", depth=3)}
+    assert "/tmp/m/sub/deeper" in deep and "/tmp/m/1.txt" in deep
+
+    moved = box.files.rename("/tmp/m/1.txt", "/tmp/n/one.txt")
+    assert moved.path == "/tmp/n/one.txt" and moved.type == FileType.FILE
+    assert box.files.read("/tmp/n/one.txt") == "one"
+    assert not box.files.exists("/tmp/m/1.txt")
+
+    box.files.remove("/tmp/m")
+    assert not box.files.exists("/tmp/m/2.txt")
+    with pytest.raises(FileNotFoundException):
+        box.files.read("/tmp/m/2.txt")
+    with pytest.raises(FileNotFoundException):
+        box.files.get_info("/no/such/file")
+    with pytest.raises(FileNotFoundException):
+        box.files.remove("/no/such/file")
+    with pytest.raises(e2b.InvalidArgumentException):
+        box.files.list("/tmp/n/one.txt")
+
+
+def test_bad_files_input_gets_clear_errors(box):
+    url = box.envd_api_url
+    h = {"E2b-Sandbox-Id": box.sandbox_id}
+    with httpx.Client(base_url=url, timeout=30) as c:
+        r = c.get("/files", headers=h)
+        assert r.status_code == 400 and "path" in r.json()["message"]
+        r = c.post("/files", params={"path": "/tmp/x"}, content=b"x",
+                   headers={**h, "Content-Type": "multipart/form-data"})
+        assert r.status_code == 400 and "boundary" in r.json()["message"]
+        r = c.post("/files", content=b"x",
+                   headers={**h, "Content-Type": "application/octet-stream"})
+        assert r.status_code == 400 and "path" in r.json()["message"]
+        r = c.post("/files", params={"path": "/tmp/x"}, content=b"x",
+                   headers={**h, "Content-Type": "application/octet-stream",
+                            "Content-Encoding": "gzip"})
+        assert r.status_code == 400
+        r = c.post("/filesystem.Filesystem/Stat", content=b'{"path": ""}',
+                   headers={**h, "Content-Type": "application/json"})
+        assert r.status_code == 400 and r.json()["code"] == "invalid_argument"
+        r = c.post("/filesystem.Filesystem/WatchDir", content=b"{}",
+                   headers={**h, "Content-Type": "application/connect+json"})
+        assert r.status_code == 501 and r.json()["code"] == "unimplemented"
+        r = c.post("/filesystem.Filesystem/Nope", content=b"{}",
+                   headers={**h, "Content-Type": "application/json"})
+        assert r.status_code == 404
+        r = c.get("/files", params={"path": "/etc/hostname"})
+        assert r.status_code == 400 and "E2b-Sandbox-Id" in r.json()["message"]
