@@ -322,7 +322,19 @@ impl World {
 
         // Upstream DNS on the host's loopback.
         let seen = Arc::new(Mutex::new(Vec::new()));
-        let udp = tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap();
+        // One port for DNS over UDP and TCP: a free UDP port may be taken for TCP by
+        // another process (CI: AddrInUse), so pick again until both bind.
+        let (udp, tcp) = {
+            let mut tries = 0;
+            loop {
+                let udp = tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap();
+                match tokio::net::TcpListener::bind(udp.local_addr().unwrap()).await {
+                    Ok(tcp) => break (udp, tcp),
+                    Err(e) if e.kind() == std::io::ErrorKind::AddrInUse && tries < 20 => tries += 1,
+                    Err(e) => panic!("bind the upstream DNS server: {e}"),
+                }
+            }
+        };
         let upstream = udp.local_addr().unwrap();
         let zone: BTreeMap<String, (Ipv4Addr, u32)> = [
             (format!("ok.{tag}.test."), (c, 300)),
@@ -333,7 +345,6 @@ impl World {
             (format!("local.{tag}.test."), (Ipv4Addr::LOCALHOST, 300)),
         ]
         .into();
-        let tcp = tokio::net::TcpListener::bind(upstream).await.unwrap();
         let answer = {
             let seen = seen.clone();
             Arc::new(move |raw: &[u8]| -> Option<Vec<u8>> {
