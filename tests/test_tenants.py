@@ -258,3 +258,28 @@ def test_non_loopback_listen_without_keys_is_refused(binary, tmp_path):
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_refusal_before_the_body_is_read_closes_the_connection(tenants):
+    """A refusal answered without reading the request body (B writing a 256 KiB file into
+    A's sandbox: `404` from the tenant check, before the upload is read) says
+    `Connection: close`, so a client does not send its next request on a connection the
+    server is closing (it did, now and then, and saw "Server disconnected without sending a
+    response": the flake of test_two_tenants_are_isolated_on_every_route). A refusal after
+    the body was read (`400` invalid JSON) keeps the connection."""
+    srv, keys = tenants["server"], tenants["keys"]
+    sa = tenants["clients"]["a"].create(image="python", memory_mib=128, ttl_s=120)
+    try:
+        with httpx.Client(base_url=srv.url, timeout=60,
+                          headers={"authorization": f"Bearer {keys['b']}"}) as h:
+            r = h.put(f"/v1/sandboxes/{sa.id}/files", params={"path": "/workspace/f"},
+                      content=b"x" * (256 << 10))
+            assert r.status_code == 404, r.text
+            assert r.headers.get("connection") == "close", dict(r.headers)
+            r = h.post("/v1/sandboxes", content=b"{not json",
+                       headers={"content-type": "application/json"})
+            assert r.status_code == 400, r.text
+            assert r.headers.get("connection") != "close", dict(r.headers)
+            assert h.get("/v1/ping").status_code == 200
+    finally:
+        sa.delete()

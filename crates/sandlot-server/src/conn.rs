@@ -40,7 +40,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::io;
 use std::net::{IpAddr, SocketAddr};
 use std::pin::{pin, Pin};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
@@ -373,10 +373,18 @@ impl ConnTask {
                         st.metrics.request_shed();
                         return Ok::<_, std::convert::Infallible>(overloaded());
                     };
-                    let resp = app
-                        .oneshot(req.map(Body::new))
-                        .await
-                        .unwrap_or_else(|e| match e {});
+                    let read =
+                        Arc::new(AtomicBool::new(http_body::Body::is_end_stream(req.body())));
+                    let req = req.map(|inner| {
+                        Body::new(ReadToEnd {
+                            inner,
+                            read: read.clone(),
+                        })
+                    });
+                    let mut resp = app.oneshot(req).await.unwrap_or_else(|e| match e {});
+                    if resp.status().is_client_error() || resp.status().is_server_error() {
+                        close_if_unread(&mut resp, &read);
+                    }
                     Ok(resp.map(|b| {
                         Body::new(Guarded {
                             inner: b,
@@ -500,6 +508,48 @@ impl http_body::Body for Guarded {
 
     fn size_hint(&self) -> http_body::SizeHint {
         self.inner.size_hint()
+    }
+}
+
+/// A request body that notes when it has been read to its end.
+struct ReadToEnd {
+    inner: Incoming,
+    read: Arc<AtomicBool>,
+}
+
+impl http_body::Body for ReadToEnd {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Bytes>, hyper::Error>>> {
+        let r = Pin::new(&mut self.inner).poll_frame(cx);
+        if matches!(r, Poll::Ready(None)) || self.inner.is_end_stream() {
+            self.read.store(true, Ordering::Release);
+        }
+        r
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// An error answered before the request body was read (a `404` for another tenant's
+/// sandbox, a `413`, a `429`) ends the HTTP/1.1 connection: hyper does not keep it alive
+/// with unread body bytes in it, and without `Connection: close` a client could send its
+/// next request on it just as it closes and see "server disconnected" (RFC 9112 §9.6).
+/// HTTP/2 streams do not share a body stream; hyper drops the header there.
+fn close_if_unread(resp: &mut Response<Body>, read: &AtomicBool) {
+    if !read.load(Ordering::Acquire) {
+        resp.headers_mut()
+            .insert(header::CONNECTION, HeaderValue::from_static("close"));
     }
 }
 
