@@ -225,7 +225,9 @@ def test_files_read_write_list_stat_move_remove(box):
 def test_bad_files_input_gets_clear_errors(box):
     url = box.envd_api_url
     h = {"E2b-Sandbox-Id": box.sandbox_id}
-    with httpx.Client(base_url=url, timeout=30) as c:
+    # No keep-alive: an upload refused before its body is read ends its connection.
+    with httpx.Client(base_url=url, timeout=30,
+                      limits=httpx.Limits(max_keepalive_connections=0)) as c:
         r = c.get("/files", headers=h)
         assert r.status_code == 400 and "path" in r.json()["message"]
         r = c.post("/files", params={"path": "/tmp/x"}, content=b"x",
