@@ -155,7 +155,7 @@ def test_concurrent_uploads_are_charged_to_the_budget(node):
     body = b"\xab" * (250 * MIB)
     with sandlot.Client(srv.url, timeout=120, retries=0) as c:
         try:
-            box = c.create(backend="function", image="busybox", memory_mib=128, disk_mib=512, ttl_s=900)
+            box = c.create(backend="function", image="busybox", memory_mib=128, disk_mib=2560, ttl_s=900)
         except (sandlot.NotFound, sandlot.Unavailable) as e:
             pytest.skip(f"no usable busybox function sandbox here: {e}")
         sampler = PeakRss(pid)
