@@ -314,3 +314,71 @@ def test_run_jupyter_and_languages_shapes_sync_and_async():
         await a.aclose()
 
     asyncio.run(main())
+
+
+def test_several_urls_fail_over_to_the_next_server():
+    """A server whose connection fails is left for the next one, at once and for the
+    following calls; a comma-separated string is the same as a list."""
+    seen = []
+
+    def routes(req):
+        seen.append(req.url.host)
+        if req.url.host == "a":
+            raise httpx.ConnectError("connection refused")
+        return httpx.Response(200, text="pong")
+
+    for urls in (["http://a", "http://b/"], "http://a, http://b"):
+        seen.clear()
+        c = sandlot.Client(urls, retries=0)
+        assert c.urls == ["http://a", "http://b"] and c.url == "http://a"
+        c._http = httpx.Client(base_url=c.url, transport=httpx.MockTransport(FakeServer(routes)))
+        assert c.ping() and c.ping()
+        assert seen == ["a", "b", "b"] and c.url == "http://b"
+    with pytest.raises(ValueError):
+        sandlot.Client(" , ")
+
+
+def test_every_server_down_is_one_transport_error_after_the_retries():
+    calls = []
+
+    def routes(req):
+        calls.append(req.url.host)
+        raise httpx.ConnectError("connection refused")
+
+    c = sandlot.Client(["http://a", "http://b"], retries=1)
+    c._http = httpx.Client(base_url=c.url, transport=httpx.MockTransport(FakeServer(routes)))
+    with pytest.raises(sandlot.TransportError):
+        c.ping()
+    # Both servers, a pause, both again.
+    assert calls == ["a", "b", "a", "b"]
+
+
+def test_create_carries_its_own_idempotency_key_and_is_resent_after_a_broken_answer():
+    """A create without a caller's key gets the SDK's own; a connection that breaks before
+    the answer (server killed mid-create) sends the same key again, to the next server.
+    An exec (a POST without a key) is never re-sent."""
+    keys = []
+
+    def routes(req):
+        if req.method == "POST" and req.url.path == "/v1/sandboxes":
+            keys.append((req.url.host, req.headers.get("idempotency-key")))
+            if req.url.host == "a":
+                raise httpx.ReadError("connection reset by peer")
+            return httpx.Response(200, json=SB)
+        raise httpx.ReadError("connection reset by peer")
+
+    c = sandlot.Client(["http://a", "http://b"], retries=0)
+    c._http = httpx.Client(base_url=c.url, transport=httpx.MockTransport(FakeServer(routes)))
+    sb = c.create()
+    assert [h for h, _ in keys] == ["a", "b"]
+    assert keys[0][1] == keys[1][1] and keys[0][1].startswith("sdk-")
+    # A 200 replay of the SDK's own key is this call's retry, not a reattach.
+    assert sb.id == SB["id"] and sb.reattached is False
+    keys.clear()
+    c.create(idempotency_key="mine")
+    assert keys == [("b", "mine")]
+    keys.clear()
+    c.create(trajectory="t1")
+    assert keys == [("b", None)]
+    with pytest.raises(sandlot.TransportError):
+        c._request("POST", "/v1/sandboxes/x/exec", json={"cmd": "true"})

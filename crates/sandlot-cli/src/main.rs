@@ -29,7 +29,8 @@ struct Cli {
 
 #[derive(Args, Clone)]
 struct Remote {
-    /// Server URL.
+    /// Server URL; several replicas of one cluster separated by commas (a call whose
+    /// connection fails moves to the next).
     #[arg(long, env = "SANDLOT_URL", default_value = "http://127.0.0.1:7070")]
     url: String,
     /// API key (`sk-…`), sent as `Authorization: Bearer`; needed once the server has keys.

@@ -33,6 +33,8 @@ fn replayed(resp: &reqwest::Response) -> bool {
 }
 use serde::de::DeserializeOwned;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 
 /// Errors of client calls.
 #[derive(Debug, thiserror::Error)]
@@ -78,11 +80,53 @@ pub type Result<T> = std::result::Result<T, ClientError>;
 /// A stream of exec events: chunks, then one `exit` or `error` event.
 pub type ExecStream = Pin<Box<dyn Stream<Item = Result<ExecEvent>> + Send>>;
 
-/// Client of one Sandlot server. Cheap to clone (connection pool shared).
+/// Client of a Sandlot server, or of several replicas of one cluster. Cheap to clone
+/// (connection pool and server list shared).
 #[derive(Debug, Clone)]
 pub struct Client {
-    base: String,
+    servers: Arc<Servers>,
     http: reqwest::Client,
+}
+
+/// The servers a client may send to (cluster mode: stateless `sandlot server` replicas,
+/// each answering every route) and the one it uses now.
+#[derive(Debug)]
+struct Servers {
+    urls: Vec<String>,
+    current: AtomicUsize,
+}
+
+impl Servers {
+    fn current(&self) -> &str {
+        &self.urls[self.current.load(Ordering::Relaxed) % self.urls.len()]
+    }
+
+    /// Move past `failed` (compare-and-set: calls failing together on one server move the
+    /// client one step); the index of the server to use now.
+    fn fail_over(&self, failed: usize) -> usize {
+        let next = (failed + 1) % self.urls.len();
+        match self
+            .current
+            .compare_exchange(failed, next, Ordering::Relaxed, Ordering::Relaxed)
+        {
+            Ok(_) => next,
+            Err(now) => now,
+        }
+    }
+}
+
+/// Whether sending a request again is safe after `e`: nothing reached the server (the
+/// connection could not be set up), or the request is idempotent (GET, HEAD, PUT,
+/// DELETE; RFC 9110 §9.2.2, or carrying an `Idempotency-Key`) and its connection broke
+/// before the answer came. A timeout is not retried: the work may still be running.
+fn resendable(e: &reqwest::Error, idempotent: bool) -> bool {
+    e.is_connect() || (idempotent && e.is_request() && !e.is_timeout())
+}
+
+/// A fresh `Idempotency-Key` for a create the caller gave none, so a create resent after
+/// a lost answer (or through another server) returns the first attempt's sandbox.
+fn auto_idempotency_key() -> String {
+    format!("client-{:032x}", rand::random::<u128>())
 }
 
 fn enc(s: &str) -> String {
@@ -100,17 +144,31 @@ fn enc(s: &str) -> String {
 
 impl Client {
     /// A client of the server at `base_url`, e.g. `http://127.0.0.1:7070` (no trailing
-    /// path). No request timeout is set: execs can last up to their own `timeout_s`.
+    /// path), or of several replicas of one cluster separated by commas
+    /// (`http://a:7070,http://b:7070`): calls go to the first, and a call whose connection
+    /// fails moves to the next (at once, each server tried once per call). No request
+    /// timeout is set: execs can last up to their own `timeout_s`.
     ///
     /// # Errors
-    /// [`ClientError::BadUrl`] when `base_url` is not an `http(s)://` URL.
+    /// [`ClientError::BadUrl`] when an entry is not an `http(s)://` URL or none is given.
     pub fn new(base_url: &str) -> Result<Client> {
-        let base = base_url.trim_end_matches('/').to_owned();
-        if !(base.starts_with("http://") || base.starts_with("https://")) {
+        let urls: Vec<String> = base_url
+            .split(',')
+            .map(|u| u.trim().trim_end_matches('/').to_owned())
+            .filter(|u| !u.is_empty())
+            .collect();
+        if urls.is_empty()
+            || !urls
+                .iter()
+                .all(|u| u.starts_with("http://") || u.starts_with("https://"))
+        {
             return Err(ClientError::BadUrl(base_url.to_owned()));
         }
         Ok(Client {
-            base,
+            servers: Arc::new(Servers {
+                urls,
+                current: AtomicUsize::new(0),
+            }),
             http: reqwest::Client::new(),
         })
     }
@@ -125,7 +183,7 @@ impl Client {
         let mut v =
             reqwest::header::HeaderValue::from_str(&format!("Bearer {key}")).map_err(|_| {
                 ClientError::BadResponse {
-                    url: self.base.clone(),
+                    url: self.base_url().to_owned(),
                     what: "API key holds characters not allowed in an HTTP header".into(),
                 }
             })?;
@@ -135,29 +193,71 @@ impl Client {
             .default_headers(headers)
             .build()
             .map_err(|source| ClientError::Transport {
-                url: self.base.clone(),
+                url: self.base_url().to_owned(),
                 source,
             })?;
         Ok(Client {
-            base: self.base,
+            servers: self.servers,
             http,
         })
     }
 
-    /// The base URL.
+    /// The base URL calls go to now (the first given until one fails).
     pub fn base_url(&self) -> &str {
-        &self.base
+        self.servers.current()
+    }
+
+    /// Every server URL, in the order given.
+    pub fn server_urls(&self) -> &[String] {
+        &self.servers.urls
     }
 
     fn url(&self, path: &str) -> String {
-        format!("{}{}", self.base, path)
+        format!("{}{}", self.servers.current(), path)
     }
 
+    /// Send `rb` (built for `url`, which starts with one of the server URLs); when its
+    /// connection fails and resending is safe ([`resendable`]), send it to the next server.
     async fn send(&self, url: &str, rb: reqwest::RequestBuilder) -> Result<reqwest::Response> {
-        let resp = rb.send().await.map_err(|source| ClientError::Transport {
-            url: url.to_owned(),
-            source,
-        })?;
+        let transport = |url: &str| {
+            let url = url.to_owned();
+            move |source| ClientError::Transport { url, source }
+        };
+        let mut req = rb.build().map_err(transport(url))?;
+        let idempotent = matches!(req.method().as_str(), "GET" | "HEAD" | "PUT" | "DELETE")
+            || req.headers().contains_key("idempotency-key");
+        let urls = &self.servers.urls;
+        // The longest server URL that prefixes `url` (one may prefix another).
+        let mut at = urls
+            .iter()
+            .enumerate()
+            .filter(|(_, b)| url.starts_with(b.as_str()))
+            .max_by_key(|(_, b)| b.len())
+            .map(|(i, _)| i);
+        let path = at.map(|i| url[urls[i].len()..].to_owned());
+        let mut hops = 0;
+        let resp = loop {
+            let again = req.try_clone();
+            let sent_to = req.url().to_string();
+            match self.http.execute(req).await {
+                Ok(resp) => break resp,
+                Err(e) => {
+                    let (Some(i), Some(path), Some(mut next)) = (at, path.as_deref(), again) else {
+                        return Err(transport(&sent_to)(e));
+                    };
+                    if hops + 1 >= urls.len() || !resendable(&e, idempotent) {
+                        return Err(transport(&sent_to)(e));
+                    }
+                    let j = self.servers.fail_over(i);
+                    let to = format!("{}{path}", urls[j]);
+                    *next.url_mut() =
+                        reqwest::Url::parse(&to).map_err(|_| ClientError::BadUrl(to.clone()))?;
+                    at = Some(j);
+                    hops += 1;
+                    req = next;
+                }
+            }
+        };
         if resp.status().is_success() {
             return Ok(resp);
         }
@@ -193,11 +293,16 @@ impl Client {
         })
     }
 
-    /// `POST /v1/sandboxes` → the new [`Sandbox`] (state `running`).
+    /// `POST /v1/sandboxes` → the new [`Sandbox`] (state `running`). Without a
+    /// `trajectory` (whose create reattaches by itself) the call carries an
+    /// `Idempotency-Key` of its own, so resending it after a lost answer never makes two.
     ///
     /// # Errors
     /// `invalid_argument` (ranges), `not_found` (image), `unavailable` (backend), ...
     pub async fn create(&self, req: &CreateSandboxRequest) -> Result<Sandbox> {
+        if req.trajectory.is_none() {
+            return self.create_idempotent(req, &auto_idempotency_key()).await;
+        }
         let url = self.url("/v1/sandboxes");
         self.json(&url, self.http.post(&url).json(req)).await
     }
@@ -575,6 +680,75 @@ mod tests {
         match &evs[2] {
             ExecEvent::Exit { result } => assert_eq!(result.stdout_bytes, 2),
             e => panic!("{e:?}"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod failover_tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// A fake server for this unit test only: answers every connection with one canned
+    /// `GET /v1/sandboxes` body and records the request heads.
+    async fn fake_server() -> (String, tokio::sync::mpsc::UnboundedReceiver<String>) {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", l.local_addr().unwrap());
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        tokio::spawn(async move {
+            while let Ok((mut c, _)) = l.accept().await {
+                let mut buf = vec![0u8; 65536];
+                let n = c.read(&mut buf).await.unwrap_or(0);
+                let _ = tx.send(String::from_utf8_lossy(&buf[..n]).into_owned());
+                let body = r#"{"sandboxes":[]}"#;
+                let resp = format!(
+                    "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+                let _ = c.write_all(resp.as_bytes()).await;
+            }
+        });
+        (url, rx)
+    }
+
+    #[tokio::test]
+    async fn a_refused_connection_moves_to_the_next_server() {
+        let dead = {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            format!("http://{}", l.local_addr().unwrap())
+        };
+        let (live, mut seen) = fake_server().await;
+        let c = Client::new(&format!("{dead}, {live}/")).unwrap();
+        assert_eq!(c.server_urls(), [dead.clone(), live.clone()]);
+        assert_eq!(c.base_url(), dead);
+        assert!(c.list(&[("job", "a")]).await.unwrap().is_empty());
+        assert_eq!(
+            c.base_url(),
+            live,
+            "later calls go straight to the live server"
+        );
+        let head = seen.recv().await.unwrap();
+        assert!(
+            head.starts_with("GET /v1/sandboxes?label=job%3Da "),
+            "{head}"
+        );
+        assert!(c.list(&[]).await.is_ok());
+        assert!(Client::new(" , ").is_err());
+        assert!(Client::new("http://a:1,b:2").is_err());
+    }
+
+    #[tokio::test]
+    async fn every_server_down_is_a_transport_error() {
+        let dead: Vec<String> = (0..2)
+            .map(|_| {
+                let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+                format!("http://{}", l.local_addr().unwrap())
+            })
+            .collect();
+        let c = Client::new(&dead.join(",")).unwrap();
+        match c.list(&[]).await {
+            Err(ClientError::Transport { url, .. }) => assert!(url.starts_with(&dead[1]), "{url}"),
+            other => panic!("{other:?}"),
         }
     }
 }

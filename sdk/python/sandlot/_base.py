@@ -5,12 +5,14 @@ from __future__ import annotations
 import os
 import random
 import threading
-from typing import Any, Dict, Mapping, Optional, Tuple
+import uuid
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 from urllib.parse import quote
 
 import httpx
 
-from .errors import ProtocolError, ResourceExhausted, SandlotError, error_from_response
+from .errors import (ProtocolError, ResourceExhausted, SandlotError, TransportError,
+                     error_from_response)
 from .models import SANDBOX_FIELDS, RestoreReport
 
 #: Used when neither ``url=`` nor ``SANDLOT_URL`` is given (``sandlot up``'s default listen).
@@ -19,9 +21,56 @@ DEFAULT_URL = "http://127.0.0.1:7070"
 DEFAULT_EXEC_TIMEOUT_S = 60.0
 
 
-def resolve_url(url: Optional[str]) -> str:
-    """``url``, else env ``SANDLOT_URL``, else :data:`DEFAULT_URL`; no trailing slash."""
-    return (url or os.environ.get("SANDLOT_URL") or DEFAULT_URL).rstrip("/")
+def resolve_urls(url: Union[None, str, Sequence[str]]) -> List[str]:
+    """The server URLs of a client, in order of preference, without trailing slashes.
+
+    ``url`` is one URL, several separated by commas (``"http://a:7070,http://b:7070"``)
+    or a sequence of URLs; ``None`` takes env ``SANDLOT_URL`` (same forms), else
+    :data:`DEFAULT_URL`.
+
+    Raises:
+        ValueError: no URL is left after dropping empty entries.
+    """
+    raw = url if url else (os.environ.get("SANDLOT_URL") or DEFAULT_URL)
+    parts = raw.split(",") if isinstance(raw, str) else list(raw)
+    urls = [str(u).strip().rstrip("/") for u in parts if str(u).strip()]
+    if not urls:
+        raise ValueError(f"no server URL in {url!r}")
+    return urls
+
+
+class ServerList:
+    """The servers a client may send to (cluster mode: stateless ``sandlot server``
+    replicas, every one answering every route), and which one it uses now.
+
+    A call whose connection fails moves the client to the next server (round robin);
+    :meth:`fail_over` is compare-and-set on the server that failed, so concurrent calls
+    failing on one server move the client one step, not several. Thread-safe.
+    """
+
+    def __init__(self, urls: List[str]) -> None:
+        self.urls = urls
+        self._i = 0
+        self._lock = threading.Lock()
+
+    @property
+    def current(self) -> str:
+        """The URL calls go to now."""
+        return self.urls[self._i]
+
+    def fail_over(self, failed: str) -> str:
+        """Move past ``failed`` when it is still the current server; the new current URL."""
+        with self._lock:
+            if self.urls[self._i] == failed:
+                self._i = (self._i + 1) % len(self.urls)
+            return self.urls[self._i]
+
+
+def auto_idempotency_key() -> str:
+    """A fresh ``Idempotency-Key`` for a create the caller gave none: a create retried
+    after a lost answer (or through another server) then returns the sandbox the first
+    attempt made instead of making a second one."""
+    return f"sdk-{uuid.uuid4().hex}"
 
 
 def resolve_headers(api_key: Optional[str],
@@ -161,20 +210,72 @@ def retry_delay(attempt: int, err: Optional[SandlotError]) -> float:
 IDEMPOTENT_METHODS = frozenset({"GET", "HEAD", "PUT", "DELETE"})
 
 
-def is_retryable(err: BaseException, method: str = "POST") -> bool:
+def is_idempotent(method: str, headers: Optional[Mapping[str, str]]) -> bool:
+    """Whether a request may be sent twice: an idempotent method (GET, HEAD, PUT, DELETE;
+    RFC 9110 §9.2.2) or one carrying an ``Idempotency-Key``."""
+    return method.upper() in IDEMPOTENT_METHODS or any(
+        k.lower() == "idempotency-key" for k in (headers or {}))
+
+
+def is_retryable(err: BaseException, method: str = "POST",
+                 headers: Optional[Mapping[str, str]] = None) -> bool:
     """True for failures where sending again is safe: HTTP 429, any answer with
     ``Retry-After`` (overload is answered before any work, e.g. a ``run_code`` that found
     no free slot: 504 + Retry-After), connection setup failures, and — for idempotent
-    methods (GET, HEAD, PUT, DELETE; RFC 9110 §9.2.2) only — a kept-alive connection that
-    the server closed before answering (``httpx.RemoteProtocolError``, e.g. after it
-    refused an oversize body on that connection)."""
+    requests only (:func:`is_idempotent`) — a connection that broke before the answer
+    came (``httpx.RemoteProtocolError``, e.g. the server refused an oversize body on a
+    kept-alive connection, or ``httpx.ReadError``/``WriteError``, e.g. the server was
+    killed mid-call)."""
     if isinstance(err, ResourceExhausted):
         return True
     if isinstance(err, SandlotError) and err.retry_after is not None:
         return True
-    if isinstance(err, httpx.RemoteProtocolError):
-        return method.upper() in IDEMPOTENT_METHODS
+    if isinstance(err, (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)):
+        return is_idempotent(method, headers)
     return isinstance(err, (httpx.ConnectError, httpx.ConnectTimeout))
+
+
+class Retry:
+    """What follows a failed attempt of one call: give up (raise) or send again, at once
+    to another server or after a pause.
+
+    Connection failures move to the next server of ``servers`` without a pause until
+    every server was tried once; then (and for 429/``Retry-After`` answers) the call
+    waits :func:`retry_delay` and counts one of ``retries``.
+    """
+
+    def __init__(self, servers: ServerList, retries: int, method: str, path: str,
+                 headers: Optional[Mapping[str, str]]) -> None:
+        self.servers, self.retries = servers, retries
+        self.method, self.path, self.headers = method, path, headers
+        self.attempt = 0
+        self.hops = 0
+
+    def after(self, err: BaseException, url: str) -> float:
+        """Seconds to wait before the next attempt (0: send at once) after ``err`` from
+        the attempt sent to ``url``.
+
+        Raises:
+            SandlotError: ``err`` itself, when it is an answer not worth retrying or the
+                retries are spent.
+            TransportError: no answer came and sending again is not safe, or the retries
+                are spent.
+        """
+        transport = isinstance(err, httpx.HTTPError)
+        if is_retryable(err, self.method, self.headers):
+            if transport and self.hops + 1 < len(self.servers.urls):
+                self.servers.fail_over(url)
+                self.hops += 1
+                return 0.0
+            if self.attempt < self.retries:
+                if transport:
+                    self.servers.fail_over(url)
+                self.hops = 0
+                self.attempt += 1
+                return retry_delay(self.attempt - 1, None if transport else err)  # type: ignore[arg-type]
+        if transport:
+            raise TransportError(f"{self.method} {url}{self.path}: {err!r}") from err
+        raise err
 
 
 class SandboxFields:

@@ -19,16 +19,21 @@ from .process import AsyncProcess, processes_of, spawn_body
 
 
 class AsyncClient:
-    """A connection pool to one Sandlot server, for asyncio; share one per event loop.
+    """A connection pool to a Sandlot server (or several of one cluster), for asyncio; share one per event loop.
 
     Args:
         url: base URL, e.g. ``http://127.0.0.1:7070``; default env ``SANDLOT_URL``, else
-            ``http://127.0.0.1:7070``.
+            ``http://127.0.0.1:7070``. Several servers of one cluster (stateless ``sandlot
+            server`` replicas) are a list or one comma-separated string: calls go to the
+            first, and a call whose connection fails moves to the next
+            (:class:`~sandlot._base.ServerList`; ``client.url`` is the one in use).
         timeout: seconds allowed for a plain call; calls that run work (exec, run_code)
             get their own work time on top of it.
         retries: how many times a call answered 429 ``resource_exhausted`` (or whose
-            connection could not be set up) is sent again, after ``Retry-After`` or a
-            backoff. Such calls did nothing on the server, so retrying is safe.
+            connection could not be set up on any server) is sent again, after
+            ``Retry-After`` or a backoff. Such calls did nothing on the server, so
+            retrying is safe; so is resending an idempotent call (GET, DELETE, and every
+            create, which carries an ``Idempotency-Key``) whose connection broke.
         api_key: API key (``sk-…`` from ``sandlot key create``) sent as ``Authorization:
             Bearer``; default env ``SANDLOT_API_KEY``, else none (a server without keys,
             on loopback, needs none).
@@ -38,36 +43,39 @@ class AsyncClient:
     the server's error code, :class:`~sandlot.errors.TransportError` when no answer came.
     """
 
-    def __init__(self, url: Optional[str] = None, timeout: float = 30.0, retries: int = 3,
+    def __init__(self, url: Union[None, str, Sequence[str]] = None, timeout: float = 30.0, retries: int = 3,
                  headers: Optional[Mapping[str, str]] = None,
                  api_key: Optional[str] = None) -> None:
-        self.url = _base.resolve_url(url)
+        self._servers = _base.ServerList(_base.resolve_urls(url))
+        self.urls = self._servers.urls
         self.timeout = float(timeout)
         self.retries = int(retries)
-        self._http = httpx.AsyncClient(base_url=self.url,
+        self._http = httpx.AsyncClient(base_url=self._servers.current,
                                        timeout=_base.call_timeout(self.timeout, 0),
                                        limits=_base.http_limits(),
                                        headers=_base.resolve_headers(api_key, headers))
 
     # -- plumbing ---------------------------------------------------------------------
+    @property
+    def url(self) -> str:
+        """The server URL calls go to now (the first of ``urls`` until one fails)."""
+        return self._servers.current
+
     async def _request(self, method: str, path: str, *, work_s: Optional[float] = None,
-                       **kw: Any) -> httpx.Response:
-        attempt = 0
+                 **kw: Any) -> httpx.Response:
+        retry = _base.Retry(self._servers, self.retries, method, path, kw.get("headers"))
         while True:
+            url = self._servers.current
             try:
-                resp = await self._http.request(method, path,
+                resp = await self._http.request(method, url + path,
                                           timeout=_base.call_timeout(self.timeout, work_s), **kw)
                 return _base.check(resp)
-            except SandlotError as e:
-                if attempt >= self.retries or not _base.is_retryable(e):
-                    raise
-                err: Optional[SandlotError] = e
-            except httpx.HTTPError as e:
-                if attempt >= self.retries or not _base.is_retryable(e, method):
-                    raise TransportError(f"{method} {self.url}{path}: {e!r}") from e
-                err = None
-            await asyncio.sleep(_base.retry_delay(attempt, err))
-            attempt += 1
+            except (SandlotError, httpx.HTTPError) as e:
+                delay = retry.after(e, url)
+            if self._servers.current != url:
+                self._http.base_url = httpx.URL(self._servers.current)
+            if delay:
+                await asyncio.sleep(delay)
 
     async def aclose(self) -> None:
         """Close the connection pool."""
@@ -122,10 +130,13 @@ class AsyncClient:
             ValueError: ``restore`` is neither ``"fail"`` nor ``"replay"``.
             TypeError: ``runtime`` or ``network`` of the wrong type.
         """
-        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else None
         body = create_body(backend, image, cpu, memory_mib, disk_mib, pids_max, ttl_s, env,
                            labels, trajectory, restore, runtime, network, checkpoint)
-        return await self._create(body, headers, restore == "replay")
+        # A trajectory create is itself idempotent (it reattaches); others get a key.
+        auto = not idempotency_key and not trajectory
+        key = _base.auto_idempotency_key() if auto else idempotency_key
+        headers = {"Idempotency-Key": key} if key else None
+        return await self._create(body, headers, restore == "replay", auto)
 
     async def attach(self, trajectory: str) -> "AsyncSandbox":
         """The live sandbox bound to ``trajectory``; as :meth:`sandlot.Client.attach`.
@@ -134,14 +145,15 @@ class AsyncClient:
             Conflict: T has logged steps but its sandbox is gone.
             InvalidArgument: bad trajectory id.
         """
-        return await self._create({"trajectory": trajectory}, None, False)
+        return await self._create({"trajectory": trajectory}, None, False, False)
 
     async def _create(self, body: Dict[str, Any], headers: Optional[Dict[str, str]],
-                      replay: bool) -> "AsyncSandbox":
+                      replay: bool, auto_key: bool) -> "AsyncSandbox":
         resp = await self._request("POST", "/v1/sandboxes", json=body, headers=headers,
                                    work_s=600 if replay else 60)
         sb = AsyncSandbox(self, _base.json_of(resp))
-        sb.reattached = resp.status_code == 200
+        # 200 answers a replay; of the SDK's own key, that is this call's retry.
+        sb.reattached = resp.status_code == 200 and not auto_key
         # An Idempotency-Key replay of a create still in flight answers `creating`.
         deadline = time.monotonic() + 60
         while sb.state == "creating" and time.monotonic() < deadline:
