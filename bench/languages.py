@@ -306,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     server = None
     if args.start or not args.url:
         extra = [] if args.pool_images is None else ["--run-code-pool-images", args.pool_images]
+        extra += os.environ.get("BENCH_SERVER_ARGS", "").split()
         server = R.Server(Path(args.binary), images_dir, extra, ready_timeout_s=60)
         server.start()
         url = server.url

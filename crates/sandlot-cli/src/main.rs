@@ -179,6 +179,11 @@ struct UpArgs {
     /// 429 resource_exhausted with Retry-After.
     #[arg(long, default_value_t = 1024)]
     exec_output_budget_mib: u64,
+    /// CPU limit of each `run_code` sandbox, in cores (0.01–64; default: the host's
+    /// cores, as SandboxFusion runs code without a CPU cap). A caller whose API key has a
+    /// max_cpu quota gets at most 1 core per call.
+    #[arg(long, value_parser = parse_run_code_cpu)]
+    run_code_cpu: Option<f64>,
     /// Image of E2B's `base` template on the E2B-compatible API (docs/e2b.md); any other
     /// E2B template id names a Sandlot image directly.
     #[arg(long, default_value = "python")]
@@ -708,6 +713,14 @@ async fn shutdown_signal() {
     }
 }
 
+/// `--run-code-cpu`: cores, 0.01–64 (the range of a create's `cpu`).
+fn parse_run_code_cpu(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(c) if (0.01..=64.0).contains(&c) => Ok(c),
+        _ => Err(format!("{s:?} is not a number of cores in 0.01..=64")),
+    }
+}
+
 /// The images of `--run-code-pool-images` that are built in `images_dir` (`image.json`
 /// present); each one that is not is logged and left out, so the pool never retries it.
 fn run_code_pool_images(images_dir: &std::path::Path, wanted: Vec<String>) -> Vec<String> {
@@ -763,6 +776,9 @@ async fn up(a: UpArgs) -> anyhow::Result<u8> {
     };
     cfg.disk_reserve_bytes = a.disk_reserve_mib << 20;
     cfg.exec_output_budget_bytes = a.exec_output_budget_mib.max(1) << 20;
+    if let Some(cpu) = a.run_code_cpu {
+        cfg.run_code_cpu = cpu;
+    }
     sandlot_node::validate_image_ref(&a.e2b_base_image)
         .map_err(|e| anyhow::anyhow!("--e2b-base-image: {e}"))?;
     cfg.e2b = sandlot_server::e2b::E2bConfig {

@@ -882,11 +882,32 @@ impl SandboxCgroup {
             .map(|c| c.to_string())
             .collect::<Vec<_>>()
             .join(",");
+        let mut written = write_file(&d.join("cpuset.cpus"), &list);
         if self.group.version == CgroupVersion::V1 {
             // Exec children made later copy the sandbox's CPUs.
             let _ = write_file(&d.join("cgroup.clone_children"), "1");
+            // Those made earlier (a warm-pool member's standby exec group, placed for the
+            // pool's 1 core) keep their own CPUs on v1, and a group's CPUs must cover its
+            // children's: narrow the children first, widen them after.
+            let children: Vec<PathBuf> = self
+                .group
+                .children()
+                .iter()
+                .filter_map(|c| c.cpuset_dir().map(Path::to_path_buf))
+                .collect();
+            if written.is_err() {
+                for c in &children {
+                    let _ = write_file(&c.join("cpuset.cpus"), &list);
+                }
+                written = write_file(&d.join("cpuset.cpus"), &list);
+            }
+            if written.is_ok() {
+                for c in &children {
+                    let _ = write_file(&c.join("cpuset.cpus"), &list);
+                }
+            }
         }
-        match write_file(&d.join("cpuset.cpus"), &list) {
+        match written {
             Ok(()) => spread.hold(d, cpus),
             Err(e) => {
                 tracing::warn!(cgroup = %d.display(), error = %e, "cpuset placement skipped");

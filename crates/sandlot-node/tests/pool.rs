@@ -316,6 +316,40 @@ async fn memory_lower_and_higher_than_the_pool_default() {
     assert_eq!((r.exit_code, r.oom_killed), (0, false), "{r:?}");
 }
 
+/// A pooled jail is made for 1 core, its standby exec group placed on 1 CPU; a sandbox
+/// handed over with 2 cores must run its execs on 2 CPUs (cgroup v1 keeps a child
+/// group's cpuset when the parent's widens: a JVM or compiler held to one CPU ran 1.5x
+/// slower in run_code).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn more_cpu_than_the_pool_default_reaches_every_exec() {
+    let host_cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if host_cpus < 2 {
+        eprintln!("SKIPPED: more_cpu_than_the_pool_default_reaches_every_exec: one CPU here");
+        return;
+    }
+    let Some(env) = setup("more_cpu_than_the_pool_default_reaches_every_exec", 1).await else {
+        return;
+    };
+    let n = env.node();
+    env.wait_ready("busybox", 1).await;
+    let mut s = spec("sb-2cpu");
+    s.cpu = 2.0;
+    n.create(&s).await.unwrap();
+    assert!(pooled(&env, "sb-2cpu"), "did not use the pool");
+    let allowed = sh(n, "sb-2cpu", "grep Cpus_allowed_list /proc/self/status")
+        .await
+        .stdout;
+    let list = allowed.split(':').nth(1).unwrap_or("").trim().to_string();
+    let count: usize = list
+        .split(',')
+        .map(|r| match r.split_once('-') {
+            Some((a, b)) => b.parse::<usize>().unwrap() - a.parse::<usize>().unwrap() + 1,
+            None => 1,
+        })
+        .sum();
+    assert_eq!(count, 2, "execs of a 2-core sandbox run on {list:?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_creates_beyond_the_pool_fall_back_to_cold() {
     let Some(env) = setup("concurrent_creates_beyond_the_pool_fall_back_to_cold", 1).await else {

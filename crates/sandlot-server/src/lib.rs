@@ -108,6 +108,11 @@ pub struct ServerConfig {
     pub run_code_fetch_bytes: u64,
     /// `run_code` calls running at once (default max(4, 4 × cores)).
     pub run_code_concurrency: usize,
+    /// CPU limit of a `run_code` sandbox, in cores (default: the host's cores, at most 64;
+    /// SandboxFusion runs code without a CPU cap, and a JVM or a compiler driver held to 1
+    /// core runs 1.4–1.8× slower). A caller whose API key has a `max_cpu` quota gets at
+    /// most 1 core per call, so that quota counts concurrent calls as before.
+    pub run_code_cpu: f64,
     /// `run_code` calls allowed to wait for a slot (default 256); more → 429 at once.
     pub run_code_queue: usize,
     /// Longest wait for a `run_code` slot (default 10 s); then 504 `deadline_exceeded`.
@@ -155,6 +160,7 @@ impl ServerConfig {
             exec_output_budget_bytes: 1 << 30,
             run_code_fetch_bytes: 64 << 20,
             run_code_concurrency: (4 * cores).max(4),
+            run_code_cpu: cores.min(64) as f64,
             run_code_queue: 256,
             run_code_wait: Duration::from_secs(10),
             reap_interval: Duration::from_secs(1),

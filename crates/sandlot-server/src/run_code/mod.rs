@@ -381,8 +381,13 @@ async fn execute(
         plan.lang.memory_mib
     };
     let ttl = (req.compile_timeout + req.run_timeout).ceil() as u64 + 120;
+    let cpu = match who.quota.as_ref().and_then(|q| q.max_cpu) {
+        Some(_) => st.cfg.run_code_cpu.min(1.0),
+        None => st.cfg.run_code_cpu,
+    };
     let create = CreateSandboxRequest {
         image: Some(image.into()),
+        cpu: Some(cpu),
         memory_mib: Some(memory_mib),
         ttl_s: Some(ttl.min(crate::sandboxes::MAX_TTL_S)),
         ..Default::default()
