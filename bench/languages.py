@@ -282,7 +282,9 @@ def render(meta: dict, rows: list[dict], images: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--url", help="a running server (default: --start one)")
-    p.add_argument("--start", action="store_true", help="start `sandlot up` on a free loopback port")
+    p.add_argument("--start", action="store_true",
+                   help="start `sandlot up` on a free loopback port (more server flags from env "
+                   "BENCH_SERVER_ARGS, e.g. \"--run-code-cpu 1\")")
     p.add_argument("--binary", default=str(R.REPO / "target/release/sandlot"))
     p.add_argument("--images-dir", default=os.environ.get("SANDLOT_IMAGES_DIR", "/var/lib/sandlot/images"))
     p.add_argument("--langs", help="comma list of languages (default: every one with an image)")

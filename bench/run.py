@@ -1340,8 +1340,12 @@ Run it (as root, after `scripts/setup.sh`; takes about a minute, `--quick` about
 
 A rerun on the same day and mode replaces that day's section; other sections stay.
 """
+# A section ends at its own `bench:end` (bench/soak.py writes `bench:end soak`) and never
+# runs into the next section's `bench:begin`.
 SECTION_RE = re.compile(
-    r"<!-- bench:begin (?P<key>[^>]*?) -->\n.*?<!-- bench:end -->\n?", re.DOTALL
+    r"<!-- bench:begin (?P<key>[^>]*?) -->\n(?:(?!<!-- bench:begin ).)*?"
+    r"<!-- bench:end(?: [^>]*)? -->\n?",
+    re.DOTALL,
 )
 
 

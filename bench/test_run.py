@@ -117,6 +117,13 @@ def test_upsert_section_inserts_newest_first_and_replaces_same_key():
     # Hand-written text outside the markers survives.
     t3 = run.upsert_section(t2 + "\nhand notes\n", "2026-01-03 quick", "## three\n")
     assert "hand notes" in t3 and t3.count("<!-- bench:begin") == 3
+    # A section closed by a named end marker (bench/soak.py's `bench:end soak`) neither
+    # swallows the next section nor hides it: the next one is still replaced in place.
+    soak = "<!-- bench:begin soak -->\n## soak\n<!-- bench:end soak -->\n\n"
+    t4 = run.upsert_section(t3.replace("<!-- bench:begin", soak + "<!-- bench:begin", 1),
+                            "2026-01-02 full", "## two again\n")
+    assert t4.count("<!-- bench:begin") == 4 and "## two\nB" not in t4
+    assert "## soak" in t4 and t4.index("## soak") < t4.index("## two again")
 
 
 def test_check_loopback():
