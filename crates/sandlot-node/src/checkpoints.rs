@@ -38,43 +38,13 @@
 //! ([`CheckpointStore::acquire`]).
 use crate::node::{NodeError, NodeResult};
 use sandlot_api::Backend;
-use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
-/// Facts of one checkpoint, `DATA/checkpoints/<ck>/meta.json`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct CheckpointMeta {
-    /// `ck-` + 20 lowercase hex digits.
-    pub id: String,
-    /// The sandbox it was taken from.
-    pub sandbox_id: String,
-    /// Backend of that sandbox (forks must use the same).
-    pub backend: Backend,
-    /// Image of that sandbox (forks must use the same).
-    pub image: String,
-    /// OCI runtime of a container sandbox.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub runtime: Option<String>,
-    /// First host uid of the parent's id range (function, container): owners in
-    /// `uid_base..uid_base+65536` are shifted to the fork's range.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub uid_base: Option<u32>,
-    /// The parent's writable-layer size in MiB.
-    pub disk_mib: u64,
-    /// [`Image::version`](crate::images::Image::version) the parent was created on, where
-    /// its forks lay the checkpoint over the image's files (function, container, microvm):
-    /// a fork is refused (`Conflict`) once the image has another version. Absent for `vm`
-    /// (its forks read the parent's own base disk) and in checkpoints of older nodes.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub image_version: Option<String>,
-    /// Bytes the checkpoint occupies on the node's disk (allocated blocks).
-    pub size_bytes: u64,
-    /// Creation time, Unix milliseconds.
-    pub created_at_ms: i64,
-}
+/// Facts of one checkpoint, kept in `DATA/checkpoints/<ck>/meta.json`.
+pub use sandlot_node_api::CheckpointMeta;
 
 /// What a backend's checkpoint step reports ([`crate::backends::SandboxBackend::checkpoint`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -139,22 +109,7 @@ impl Drop for CheckpointUse {
     }
 }
 
-/// `InvalidArgument` unless `id` is `ck-` + 20 lowercase hex digits (ids reach host paths).
-///
-/// # Errors
-/// `InvalidArgument` with the rule.
-pub fn check_id(id: &str) -> NodeResult<()> {
-    let ok = id.strip_prefix("ck-").is_some_and(|h| {
-        h.len() == 20 && h.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
-    });
-    if ok {
-        Ok(())
-    } else {
-        Err(NodeError::InvalidArgument(format!(
-            "checkpoint id {id:?} is not ck- followed by 20 lowercase hex digits"
-        )))
-    }
-}
+pub use sandlot_node_api::check_checkpoint_id as check_id;
 
 impl CheckpointStore {
     /// Open (create, mode 0700) `dir`, removing half-made `*.tmp` checkpoints (and thawing

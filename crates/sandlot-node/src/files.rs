@@ -145,3 +145,11 @@ impl SandboxFs {
         self.0.remove(path).map_err(node_error)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_contract_names_the_guest_agents_workdir() {
+        assert_eq!(sandlot_node_api::WORKDIR, super::WORKDIR);
+    }
+}

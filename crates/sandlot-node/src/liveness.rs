@@ -14,29 +14,7 @@
 use nix::errno::Errno;
 use std::io;
 
-/// Liveness of a sandbox (of its init process or its QEMU) as far as the node can tell.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Liveness {
-    /// Its process runs (or, for a microVM saved to its memory file, its state is kept).
-    Alive,
-    /// Evidence that its processes are gone.
-    Dead,
-    /// The node could not tell; the reason (an error of the node's own, e.g. `EMFILE`).
-    /// Callers must treat it as "not dead".
-    Unknown(String),
-}
-
-impl Liveness {
-    /// True only for [`Liveness::Alive`].
-    pub fn is_alive(&self) -> bool {
-        matches!(self, Liveness::Alive)
-    }
-
-    /// True only for [`Liveness::Dead`] (evidence the processes are gone).
-    pub fn is_dead(&self) -> bool {
-        matches!(self, Liveness::Dead)
-    }
-}
+pub use sandlot_node_api::Liveness;
 
 /// Liveness of process `pid` that started at `starttime` (clock ticks after boot, field 22
 /// of `/proc/PID/stat`). A `pid` ≤ 0 (none recorded) is [`Liveness::Dead`].

@@ -29,7 +29,9 @@
 //! process by the node.
 use async_trait::async_trait;
 use sandlot_api::{ExecRequest, ExecResult, FileEntry};
-use sandlot_node::{ExecSink, Node, NodeError, NodeInfo, NodeResult, SandboxSpec, SandboxStatus};
+use sandlot_node_api::{
+    ExecSink, Node, NodeError, NodeInfo, NodeResult, SandboxSpec, SandboxStatus,
+};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
@@ -175,7 +177,7 @@ impl BudgetNode {
             Some(b) => {
                 let per_stream = req
                     .max_output_bytes
-                    .unwrap_or(sandlot_node::backends::function::DEFAULT_MAX_OUTPUT);
+                    .unwrap_or(sandlot_node_api::DEFAULT_MAX_OUTPUT);
                 Some(
                     b.reserve(per_stream.saturating_mul(EXEC_SHARE_FACTOR))
                         .await?
@@ -321,7 +323,7 @@ impl Node for BudgetNode {
         id: &str,
         req: &ExecRequest,
         sink: Option<ExecSink>,
-        control: sandlot_node::ExecControl,
+        control: sandlot_node_api::ExecControl,
     ) -> NodeResult<ExecResult> {
         self.inner.exec_controlled(id, req, sink, control).await
     }
@@ -386,7 +388,7 @@ impl Node for BudgetNode {
         &self,
         id: &str,
         checkpoint_id: &str,
-    ) -> NodeResult<sandlot_node::checkpoints::CheckpointMeta> {
+    ) -> NodeResult<sandlot_node_api::CheckpointMeta> {
         self.inner.checkpoint(id, checkpoint_id).await
     }
 

@@ -316,7 +316,7 @@ pub fn fill_from_checkpoint(
     let Some(id) = req.checkpoint.clone() else {
         return Ok(());
     };
-    if sandlot_node::checkpoints::check_id(&id).is_err() {
+    if sandlot_node_api::check_checkpoint_id(&id).is_err() {
         return Err(ServerError::invalid(format!(
             "checkpoint {id:?} is not ck- followed by 20 lowercase hex digits"
         )));

@@ -11,7 +11,7 @@ use axum::extract::rejection::{BytesRejection, JsonRejection, PathRejection, Que
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use sandlot_api::{ApiError, ErrorBody, ErrorCode};
-use sandlot_node::NodeError;
+use sandlot_node_api::NodeError;
 
 /// Any error a handler can answer with.
 #[derive(Debug, thiserror::Error)]

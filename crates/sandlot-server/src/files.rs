@@ -64,7 +64,7 @@ pub fn climbs_above_root(path: &str) -> bool {
     let mut depth: i64 = if path.starts_with('/') {
         0
     } else {
-        // relative paths start in /workspace (sandlot_node::files::WORKDIR)
+        // relative paths start in /workspace (sandlot_node_api::WORKDIR)
         1
     };
     for c in path.split('/') {

@@ -53,8 +53,6 @@ pub mod trajectory_store;
 pub mod web;
 
 #[cfg(test)]
-mod fake;
-#[cfg(test)]
 mod test_support;
 #[cfg(test)]
 mod tests;
@@ -73,7 +71,7 @@ use anyhow::Context;
 use axum::extract::{DefaultBodyLimit, MatchedPath};
 use axum::routing::{get, post};
 use axum::Router;
-use sandlot_node::Node;
+use sandlot_node_api::Node;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::path::PathBuf;

@@ -57,8 +57,8 @@ pub async fn reaper(st: SharedState, mut stop: tokio::sync::watch::Receiver<bool
 /// under it: e.g. a runsc sandbox killed as a whole by the host's OOM killer) become `lost`,
 /// so clients see it and only delete remains valid; each gets a `lost` event.
 ///
-/// Only [`sandlot_node::Liveness::Dead`] (evidence the processes are gone) counts; a node
-/// that cannot tell ([`sandlot_node::Liveness::Unknown`]: an error of its own such as
+/// Only [`sandlot_node_api::Liveness::Dead`] (evidence the processes are gone) counts; a node
+/// that cannot tell ([`sandlot_node_api::Liveness::Unknown`]: an error of its own such as
 /// `EMFILE` while reading `/proc`) leaves the record alone, with a log line — `lost` is
 /// final, so it is never concluded from the node's own trouble.
 async fn mark_lost(st: &SharedState) {
@@ -66,7 +66,7 @@ async fn mark_lost(st: &SharedState) {
         return;
     };
     for s in &statuses {
-        if let sandlot_node::Liveness::Unknown(why) = &s.liveness {
+        if let sandlot_node_api::Liveness::Unknown(why) = &s.liveness {
             tracing::warn!(sandbox_id = %s.id, reason = %why, "liveness unknown; not marked lost");
         }
     }

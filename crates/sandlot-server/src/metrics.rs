@@ -465,7 +465,7 @@ impl Metrics {
         running: usize,
         waiting: usize,
         images: Option<i64>,
-        pools: &[sandlot_node::WarmPoolInfo],
+        pools: &[sandlot_node_api::WarmPoolInfo],
         extra: &ScrapeExtra,
     ) -> String {
         self.connections.set(extra.connections as i64);

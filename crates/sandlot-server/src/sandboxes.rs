@@ -31,7 +31,7 @@ use axum::Extension;
 use sandlot_api::{
     Backend, CreateSandboxRequest, ErrorCode, KeepaliveRequest, Sandbox, SandboxList, SandboxState,
 };
-use sandlot_node::SandboxSpec;
+use sandlot_node_api::SandboxSpec;
 use sha2::{Digest, Sha256};
 use std::collections::BTreeMap;
 

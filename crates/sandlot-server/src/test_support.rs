@@ -1,10 +1,10 @@
 //! Shared helpers of the router-level tests: a server over the unit-test `FakeNode` (no
 //! socket, no root) and one-shot requests through the router.
-use crate::fake::FakeNode;
 use crate::{router, AppState, ServerConfig, SharedState};
 use axum::body::{Body, Bytes};
 use axum::http::{HeaderMap, Method, Request, StatusCode};
 use axum::Router;
+use sandlot_node_api::fake::FakeNode;
 use serde_json::Value;
 use std::sync::Arc;
 use tower::ServiceExt;

@@ -1,8 +1,8 @@
 //! Router-level tests over the unit-test `FakeNode` (no socket, no root).
-use crate::fake::FakeNode;
 use crate::test_support::*;
 use crate::{lifecycle, router, AppState, ServerConfig};
 use axum::http::{Method, StatusCode};
+use sandlot_node_api::fake::FakeNode;
 use serde_json::{json, Value};
 use std::sync::Arc;
 use std::time::Duration;
@@ -717,6 +717,39 @@ async fn a_sandbox_whose_liveness_is_unknown_is_not_marked_lost() {
     )
     .await;
     assert_eq!(r.status, StatusCode::OK);
+}
+
+#[tokio::test]
+async fn a_node_transport_failure_is_unavailable_and_never_lost() {
+    // The link to a (remote) node breaks: its calls' outcome is unknown. Even a sandbox the
+    // node would report dead stays `running` until the node answers; calls answer 503.
+    let t = setup("transport-unknown");
+    let r = call(&t.app, Method::POST, "/v1/sandboxes", Some(json!({}))).await;
+    let id = r.json()["id"].as_str().unwrap().to_owned();
+    t.node.dead.lock().unwrap().insert(id.clone());
+    *t.node.link_down.lock().unwrap() = Some("connection reset by peer".into());
+    for _ in 0..3 {
+        lifecycle::reap_once(&t.st).await;
+    }
+    let r = call(&t.app, Method::GET, &format!("/v1/sandboxes/{id}"), None).await;
+    assert_eq!(r.json()["state"], "running");
+    let r = call(
+        &t.app,
+        Method::POST,
+        &format!("/v1/sandboxes/{id}/exec"),
+        Some(json!({"cmd": ["true"]})),
+    )
+    .await;
+    assert_eq!(
+        (r.status, r.code()),
+        (StatusCode::SERVICE_UNAVAILABLE, "unavailable".into())
+    );
+    assert!(r.message().contains("outcome unknown"), "{}", r.message());
+    // The node answers again and says dead: now it is lost.
+    *t.node.link_down.lock().unwrap() = None;
+    lifecycle::reap_once(&t.st).await;
+    let r = call(&t.app, Method::GET, &format!("/v1/sandboxes/{id}"), None).await;
+    assert_eq!(r.json()["state"], "lost");
 }
 
 #[tokio::test]

@@ -1,9 +1,9 @@
 //! Router tests of `/metrics`, `/v1/events` and `/` over the unit-test `FakeNode`.
-use crate::fake::FakeNode;
 use crate::{router, AppState, ServerConfig};
 use axum::body::Body;
 use axum::http::{Method, Request, StatusCode};
 use axum::Router;
+use sandlot_node_api::fake::FakeNode;
 use serde_json::{json, Value};
 use std::sync::Arc;
 use tower::ServiceExt;

@@ -36,7 +36,7 @@ use sandlot_api::{
     ApiError, CreateSandboxRequest, ErrorCode, RestoreMismatch, RestoreMode, RestoreReport,
     Sandbox, TrajectoryInfo, TrajectoryStep,
 };
-use sandlot_node::Node;
+use sandlot_node_api::Node;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use tokio::sync::{OwnedMutexGuard, OwnedSemaphorePermit};

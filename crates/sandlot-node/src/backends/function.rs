@@ -104,7 +104,7 @@ use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
 use tokio::sync::{watch, RwLock};
 
 /// Default cap on kept bytes per stream (1 MiB).
-pub const DEFAULT_MAX_OUTPUT: u64 = 1 << 20;
+pub use sandlot_node_api::DEFAULT_MAX_OUTPUT;
 /// Largest accepted `max_output_bytes` (64 MiB).
 pub const MAX_MAX_OUTPUT: u64 = 64 << 20;
 /// Default exec timeout (60 s).
@@ -1967,6 +1967,7 @@ fn with_cleanup_error(orig: NodeError, cleanup: NodeError) -> NodeError {
         NodeError::Conflict(m) => NodeError::Conflict(m + &extra),
         NodeError::PermissionDenied(m) => NodeError::PermissionDenied(m + &extra),
         NodeError::DeadlineExceeded(m) => NodeError::DeadlineExceeded(m + &extra),
+        NodeError::Transport(m) => NodeError::Transport(m + &extra),
         NodeError::Internal { context, source } => NodeError::Internal {
             context: context + &extra,
             source,

@@ -65,8 +65,8 @@ impl From<ServerError> for ConnectError {
     }
 }
 
-impl From<sandlot_node::NodeError> for ConnectError {
-    fn from(e: sandlot_node::NodeError) -> Self {
+impl From<sandlot_node_api::NodeError> for ConnectError {
+    fn from(e: sandlot_node_api::NodeError) -> Self {
         ServerError::from(e).into()
     }
 }

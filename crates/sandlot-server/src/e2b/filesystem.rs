@@ -247,7 +247,7 @@ async fn make_dir(
                 format!("{path} already exists"),
             ))
         }
-        Err(sandlot_node::NodeError::NotFound(_)) => {}
+        Err(sandlot_node_api::NodeError::NotFound(_)) => {}
         Err(e) => return Err(e.into()),
     }
     st.node.make_dir(id, &path, true).await?;

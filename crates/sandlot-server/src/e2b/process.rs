@@ -514,7 +514,7 @@ async fn close_stdin(st: &SharedState, id: &str, body: &Bytes) -> Result<Respons
 
 /// A process that already ended is "not found" to envd's clients (the SDK's `kill`
 /// answers `False` for it).
-fn ended_is_not_found(e: sandlot_node::NodeError) -> ConnectError {
+fn ended_is_not_found(e: sandlot_node_api::NodeError) -> ConnectError {
     let c: ConnectError = e.into();
     if c.code == "failed_precondition" && c.message.contains("exited") {
         ConnectError::new("not_found", c.message)

@@ -55,7 +55,7 @@ use sandlot_api::{
     ApiError, Cmd, CommandRunResult, CommandRunStatus, CreateSandboxRequest, ErrorCode,
     ExecRequest, ExecResult, RunCodeRequest, RunCodeResponse, RunStatus,
 };
-use sandlot_node::NodeError;
+use sandlot_node_api::NodeError;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;

@@ -3,10 +3,10 @@
 //! interprets a handful of argv shapes (`echo`, `exit N`, `sleep S`, `chunks N`,
 //! `python3 main.py`, `g++ …`, `./main` or `./test`) so the server's own logic can be checked. Real
 //! behaviour is tested against `LocalNode` end to end.
+use crate::{ExecSink, Node, NodeError, NodeInfo, NodeResult, SandboxSpec, SandboxStatus};
 use async_trait::async_trait;
 use bytes::Bytes;
 use sandlot_api::{Backend, ExecEvent, ExecRequest, ExecResult, FileEntry, FileType, Output};
-use sandlot_node::{ExecSink, Node, NodeError, NodeInfo, NodeResult, SandboxSpec, SandboxStatus};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Mutex;
 use std::time::Duration;
@@ -14,11 +14,16 @@ use std::time::Duration;
 /// A fake checkpoint: the parent's spec and a copy of its files.
 pub type FakeCheckpoint = (SandboxSpec, BTreeMap<String, Vec<u8>>);
 
+/// The fake node; every field is there for tests to read or to steer it.
 #[derive(Default)]
 pub struct FakeNode {
+    /// Live sandboxes and their files (path → content).
     pub sandboxes: Mutex<HashMap<String, BTreeMap<String, Vec<u8>>>>,
+    /// How long each create takes.
     pub create_delay: Mutex<Duration>,
+    /// Ids deleted, in order (also unknown ones).
     pub deleted: Mutex<Vec<String>>,
+    /// Every create's spec, in order.
     pub creates: Mutex<Vec<SandboxSpec>>,
     /// Ids currently paused; exec and file calls on them answer `Conflict`.
     pub paused: Mutex<std::collections::HashSet<String>>,
@@ -30,13 +35,24 @@ pub struct FakeNode {
     pub execs: Mutex<Vec<(String, Vec<String>)>>,
     /// Checkpoints: the parent's spec and a copy of its files.
     pub checkpoints: Mutex<HashMap<String, FakeCheckpoint>>,
+    /// While set, `create`, `exec`, `delete` and `list` fail with
+    /// [`NodeError::Transport`] and this message, as a remote node behind a broken link.
+    pub link_down: Mutex<Option<String>>,
 }
 
 impl FakeNode {
+    /// Ids of the live sandboxes, sorted.
     pub fn ids(&self) -> Vec<String> {
         let mut v: Vec<_> = self.sandboxes.lock().unwrap().keys().cloned().collect();
         v.sort();
         v
+    }
+
+    fn link(&self) -> NodeResult<()> {
+        match &*self.link_down.lock().unwrap() {
+            Some(m) => Err(NodeError::Transport(m.clone())),
+            None => Ok(()),
+        }
     }
 
     fn files<T>(
@@ -80,7 +96,7 @@ impl Node for FakeNode {
         id: &str,
         req: &ExecRequest,
         sink: Option<ExecSink>,
-        mut control: sandlot_node::ExecControl,
+        mut control: crate::ExecControl,
     ) -> NodeResult<ExecResult> {
         self.files(id, |_| ())?;
         let argv = req.cmd.to_argv();
@@ -146,6 +162,7 @@ impl Node for FakeNode {
     }
 
     async fn create(&self, spec: &SandboxSpec) -> NodeResult<()> {
+        self.link()?;
         if !["python", "busybox"].contains(&spec.image.as_str()) {
             return Err(NodeError::NotFound(format!("no image {:?}", spec.image)));
         }
@@ -171,6 +188,7 @@ impl Node for FakeNode {
         req: &ExecRequest,
         sink: Option<ExecSink>,
     ) -> NodeResult<ExecResult> {
+        self.link()?;
         let files = self.files(id, |f| f.clone())?;
         let argv = req.cmd.to_argv();
         self.execs
@@ -381,6 +399,7 @@ impl Node for FakeNode {
     }
 
     async fn delete(&self, id: &str) -> NodeResult<()> {
+        self.link()?;
         self.paused.lock().unwrap().remove(id);
         self.sandboxes.lock().unwrap().remove(id);
         self.deleted.lock().unwrap().push(id.to_owned());
@@ -388,16 +407,17 @@ impl Node for FakeNode {
     }
 
     async fn list(&self) -> NodeResult<Vec<SandboxStatus>> {
+        self.link()?;
         Ok(self
             .ids()
             .into_iter()
             .map(|id| SandboxStatus {
                 liveness: if self.dead.lock().unwrap().contains(&id) {
-                    sandlot_node::Liveness::Dead
+                    crate::Liveness::Dead
                 } else if let Some(r) = self.unknown.lock().unwrap().get(&id) {
-                    sandlot_node::Liveness::Unknown(r.clone())
+                    crate::Liveness::Unknown(r.clone())
                 } else {
-                    sandlot_node::Liveness::Alive
+                    crate::Liveness::Alive
                 },
                 id,
                 backend: Backend::Function,
@@ -405,12 +425,8 @@ impl Node for FakeNode {
             .collect())
     }
 
-    async fn checkpoint(
-        &self,
-        id: &str,
-        checkpoint_id: &str,
-    ) -> NodeResult<sandlot_node::checkpoints::CheckpointMeta> {
-        sandlot_node::checkpoints::check_id(checkpoint_id)?;
+    async fn checkpoint(&self, id: &str, checkpoint_id: &str) -> NodeResult<crate::CheckpointMeta> {
+        crate::check_checkpoint_id(checkpoint_id)?;
         // Unlike file calls, a checkpoint works on a paused sandbox.
         let files = self
             .sandboxes
@@ -427,7 +443,7 @@ impl Node for FakeNode {
             .find(|s| s.id == id)
             .cloned()
             .ok_or_else(|| NodeError::NotFound(format!("no sandbox {id}")))?;
-        let meta = sandlot_node::checkpoints::CheckpointMeta {
+        let meta = crate::CheckpointMeta {
             id: checkpoint_id.into(),
             sandbox_id: id.into(),
             backend: spec.backend,

@@ -1,0 +1,614 @@
+//! The contract between a Sandlot server and a node (DESIGN.md "Components", "Cluster
+//! mode"): the [`Node`] trait with its request and answer types and its typed errors.
+//!
+//! A server drives sandboxes only through [`Node`]: the lifecycle calls (create, delete,
+//! pause, resume, checkpoint, list, readopt) and the I/O calls (exec with streaming and live
+//! stdin/signals, files). Implementations: `sandlot_node::LocalNode` (in-process, the
+//! embedded `sandlot up`), a remote client of a `sandlot node` (cluster mode, in progress),
+//! and `fake::FakeNode` (feature `fake`, a unit-test fake that runs nothing).
+//!
+//! Errors: [`NodeError`], one wire [`ErrorCode`] each. [`NodeError::Transport`] means the
+//! outcome is unknown (the call or its answer was lost between server and node): retryable,
+//! and never a reason to declare a sandbox `lost` — only [`Liveness::Dead`], reported by a
+//! node that answered, is.
+//!
+//! This crate depends on `sandlot-api`, serde and what the trait's signatures need (tokio's
+//! channels, bytes), so a server can be built without the node's backends.
+#![deny(missing_docs)]
+
+use async_trait::async_trait;
+use sandlot_api::{
+    Backend, ErrorCode, ExecEvent, ExecRequest, ExecResult, FileEntry, NetworkPolicy,
+};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use tokio::sync::mpsc;
+
+#[cfg(feature = "fake")]
+pub mod fake;
+
+/// Working directory of execs and of relative file paths inside every sandbox.
+pub const WORKDIR: &str = "/workspace";
+
+/// Default cap on the bytes of each output stream an exec keeps (1 MiB), when the request
+/// gives no `max_output_bytes`.
+pub const DEFAULT_MAX_OUTPUT: u64 = 1 << 20;
+
+/// Liveness of a sandbox (of its init process or its QEMU) as far as the node can tell.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Liveness {
+    /// Its process runs (or, for a microVM saved to its memory file, its state is kept).
+    Alive,
+    /// Evidence that its processes are gone.
+    Dead,
+    /// The node could not tell; the reason (an error of the node's own, e.g. `EMFILE`).
+    /// Callers must treat it as "not dead".
+    Unknown(String),
+}
+
+impl Liveness {
+    /// True only for [`Liveness::Alive`].
+    pub fn is_alive(&self) -> bool {
+        matches!(self, Liveness::Alive)
+    }
+
+    /// True only for [`Liveness::Dead`] (evidence the processes are gone).
+    pub fn is_dead(&self) -> bool {
+        matches!(self, Liveness::Dead)
+    }
+}
+
+/// Facts of one checkpoint (a node keeps them in `DATA/checkpoints/<ck>/meta.json`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CheckpointMeta {
+    /// `ck-` + 20 lowercase hex digits.
+    pub id: String,
+    /// The sandbox it was taken from.
+    pub sandbox_id: String,
+    /// Backend of that sandbox (forks must use the same).
+    pub backend: Backend,
+    /// Image of that sandbox (forks must use the same).
+    pub image: String,
+    /// OCI runtime of a container sandbox.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub runtime: Option<String>,
+    /// First host uid of the parent's id range (function, container): owners in
+    /// `uid_base..uid_base+65536` are shifted to the fork's range.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uid_base: Option<u32>,
+    /// The parent's writable-layer size in MiB.
+    pub disk_mib: u64,
+    /// The image's version (`sandlot_node::images::Image::version`) the parent was created
+    /// on, where its forks lay the checkpoint over the image's files (function, container,
+    /// microvm): a fork is refused (`Conflict`) once the image has another version. Absent
+    /// for `vm` (its forks read the parent's own base disk) and in checkpoints of older
+    /// nodes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image_version: Option<String>,
+    /// Bytes the checkpoint occupies on the node's disk (allocated blocks).
+    pub size_bytes: u64,
+    /// Creation time, Unix milliseconds.
+    pub created_at_ms: i64,
+}
+
+/// Check a checkpoint id: `ck-` + 20 lowercase hex digits.
+///
+/// # Errors
+/// `InvalidArgument` with the rule.
+pub fn check_checkpoint_id(id: &str) -> NodeResult<()> {
+    let ok = id.strip_prefix("ck-").is_some_and(|h| {
+        h.len() == 20 && h.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+    });
+    if ok {
+        Ok(())
+    } else {
+        Err(NodeError::InvalidArgument(format!(
+            "checkpoint id {id:?} is not ck- followed by 20 lowercase hex digits"
+        )))
+    }
+}
+
+/// Everything a node needs to create a sandbox. The server has validated ranges and filled
+/// defaults; the node still refuses what it cannot honour.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SandboxSpec {
+    /// Id chosen by the server (`sb-` + 20 hex digits); unique on the node.
+    pub id: String,
+    /// Isolation level.
+    pub backend: Backend,
+    /// Image name in the node's image store.
+    pub image: String,
+    /// CPU quota in cores.
+    pub cpu: f64,
+    /// Memory limit in MiB.
+    pub memory_mib: u64,
+    /// Writable-layer limit in MiB.
+    pub disk_mib: u64,
+    /// Process/thread limit.
+    pub pids_max: u64,
+    /// Environment for every exec.
+    pub env: BTreeMap<String, String>,
+    /// Network policy (validated by the server). `None`: a network namespace with only
+    /// `lo`. `Allow`: the node sets the sandbox's namespace up (veth, nftables, DNS filter)
+    /// before the sandbox's own processes start.
+    pub network: NetworkPolicy,
+    /// OCI runtime of a `container` sandbox (`runc`, `crun`, `runsc`); `None` = the node's
+    /// default. Ignored by other backends.
+    pub runtime: Option<String>,
+}
+
+/// What the node knows about a sandbox it runs.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SandboxStatus {
+    /// Sandbox id.
+    pub id: String,
+    /// Isolation level.
+    pub backend: Backend,
+    /// Whether its processes are alive: [`Liveness::Dead`] only on evidence they are
+    /// gone, [`Liveness::Unknown`] when the node could not tell (an error of its own).
+    pub liveness: Liveness,
+}
+
+/// Node facts shown by the server.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeInfo {
+    /// Node name (the host name by default).
+    pub name: String,
+    /// Backends this node can run, with the reason for each one it cannot.
+    pub backends: Vec<(Backend, Result<(), String>)>,
+    /// `"v1"` or `"v2"`.
+    pub cgroup_version: String,
+    /// OCI runtimes of the container backend (`runc`, `crun`, `runsc`), with the reason for
+    /// each one this node cannot run; empty when the container backend is unavailable.
+    pub runtimes: Vec<(String, Result<(), String>)>,
+    /// The accelerator of the QEMU backends (`microvm`, `vm`): `(Some("kvm"|"tcg"), why)`,
+    /// `(None, "probing")` while the start-up probe runs; `None` without a QEMU backend.
+    pub accel: Option<(Option<String>, String)>,
+    /// The warm pools that run (function jails, runc containers); empty when none does.
+    pub warm_pools: Vec<WarmPoolInfo>,
+}
+
+/// A warm pool's figures since the node started.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WarmPoolInfo {
+    /// The backend whose creates it serves (`function` or `container`).
+    pub backend: Backend,
+    /// Ready members per image of the pool's image list.
+    pub ready: std::collections::BTreeMap<String, usize>,
+    /// Creates served by a hand-over of a ready member.
+    pub handovers: u64,
+    /// [`WarmPoolInfo::handovers`] per image (images with none left out).
+    pub handovers_by_image: std::collections::BTreeMap<String, u64>,
+    /// Creates the pool could serve that found no usable member and went cold.
+    pub misses: u64,
+}
+
+/// Errors of node operations. Each maps to exactly one wire [`ErrorCode`].
+#[derive(Debug, thiserror::Error)]
+pub enum NodeError {
+    /// No sandbox (or file, or image) of that name on this node.
+    #[error("{0}")]
+    NotFound(String),
+    /// Bad input the server could not catch (bad path, file too large, ...).
+    #[error("{0}")]
+    InvalidArgument(String),
+    /// The backend or a host feature is missing; the message says why.
+    #[error("{0}")]
+    Unavailable(String),
+    /// Node capacity exhausted.
+    #[error("{0}")]
+    ResourceExhausted(String),
+    /// The sandbox is in a state that does not allow the call (e.g. being deleted).
+    #[error("{0}")]
+    Conflict(String),
+    /// The call did not finish in time (a background process that does not read its
+    /// stdin).
+    #[error("{0}")]
+    DeadlineExceeded(String),
+    /// The sandbox's own permissions refuse the call (a file its root may not read or
+    /// write).
+    #[error("{0}")]
+    PermissionDenied(String),
+    /// The call did not reach the node or its answer did not come back (connection
+    /// refused or reset, a remote node's timeout): **the outcome is unknown**. Retryable
+    /// (an idempotent call may be sent again; a create with the same id is answered from
+    /// the node's own state). Never evidence that a sandbox is gone: callers must not turn
+    /// it into `lost` (only [`Liveness::Dead`] from a node that answered does that).
+    #[error("node transport failed, outcome unknown: {0}")]
+    Transport(String),
+    /// Host-side failure (mount, cgroup, spawn), with the path or step in the message.
+    #[error("{context}")]
+    Internal {
+        /// What was being done, with the path.
+        context: String,
+        /// Cause.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl NodeError {
+    /// Wrap an I/O error with what was being done.
+    pub fn io(context: impl Into<String>, source: std::io::Error) -> Self {
+        NodeError::Internal {
+            context: context.into(),
+            source,
+        }
+    }
+
+    /// The wire error code of this error.
+    pub fn code(&self) -> ErrorCode {
+        match self {
+            NodeError::NotFound(_) => ErrorCode::NotFound,
+            NodeError::InvalidArgument(_) => ErrorCode::InvalidArgument,
+            NodeError::Unavailable(_) => ErrorCode::Unavailable,
+            NodeError::ResourceExhausted(_) => ErrorCode::ResourceExhausted,
+            NodeError::Conflict(_) => ErrorCode::Conflict,
+            NodeError::PermissionDenied(_) => ErrorCode::PermissionDenied,
+            NodeError::DeadlineExceeded(_) => ErrorCode::DeadlineExceeded,
+            NodeError::Transport(_) => ErrorCode::Unavailable,
+            NodeError::Internal { .. } => ErrorCode::Internal,
+        }
+    }
+
+    /// Whether sending the call again may succeed without any change by the caller: a
+    /// transport failure, an unavailable node, or a node at capacity.
+    pub fn is_retryable(&self) -> bool {
+        matches!(
+            self,
+            NodeError::Transport(_) | NodeError::Unavailable(_) | NodeError::ResourceExhausted(_)
+        )
+    }
+
+    /// The wire shape of this error, for a remote node API.
+    pub fn to_wire(&self) -> WireError {
+        let kind = match self {
+            NodeError::NotFound(_) => "not_found",
+            NodeError::InvalidArgument(_) => "invalid_argument",
+            NodeError::Unavailable(_) => "unavailable",
+            NodeError::ResourceExhausted(_) => "resource_exhausted",
+            NodeError::Conflict(_) => "conflict",
+            NodeError::DeadlineExceeded(_) => "deadline_exceeded",
+            NodeError::PermissionDenied(_) => "permission_denied",
+            NodeError::Transport(_) => "transport",
+            NodeError::Internal { .. } => "internal",
+        };
+        let message = match self {
+            NodeError::Internal { context, source } => format!("{context}: {source}"),
+            NodeError::Transport(m)
+            | NodeError::NotFound(m)
+            | NodeError::InvalidArgument(m)
+            | NodeError::Unavailable(m)
+            | NodeError::ResourceExhausted(m)
+            | NodeError::Conflict(m)
+            | NodeError::DeadlineExceeded(m)
+            | NodeError::PermissionDenied(m) => m.clone(),
+        };
+        WireError {
+            kind: kind.into(),
+            message,
+        }
+    }
+
+    /// The error a [`WireError`] carries. An unknown `kind` (a newer node) is `Internal`
+    /// with the kind in the message; `internal` comes back as `Internal` whose context is
+    /// the message (the node's context and cause) and whose source says "on the node".
+    pub fn from_wire(w: WireError) -> NodeError {
+        let m = w.message;
+        match w.kind.as_str() {
+            "not_found" => NodeError::NotFound(m),
+            "invalid_argument" => NodeError::InvalidArgument(m),
+            "unavailable" => NodeError::Unavailable(m),
+            "resource_exhausted" => NodeError::ResourceExhausted(m),
+            "conflict" => NodeError::Conflict(m),
+            "deadline_exceeded" => NodeError::DeadlineExceeded(m),
+            "permission_denied" => NodeError::PermissionDenied(m),
+            "transport" => NodeError::Transport(m),
+            "internal" => NodeError::io(m, std::io::Error::other("on the node")),
+            other => NodeError::io(
+                format!("node error of unknown kind {other:?}"),
+                std::io::Error::other(m),
+            ),
+        }
+    }
+}
+
+/// A [`NodeError`] on the wire of a remote node API: `{"kind": "not_found", "message": …}`.
+/// `kind` is the variant in snake case (the [`ErrorCode`] names, plus `transport`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WireError {
+    /// The variant: `not_found`, `invalid_argument`, `unavailable`, `resource_exhausted`,
+    /// `conflict`, `deadline_exceeded`, `permission_denied`, `transport`, `internal`.
+    pub kind: String,
+    /// Human-readable message (for `internal`: the context and its cause).
+    pub message: String,
+}
+
+/// Result of node operations.
+pub type NodeResult<T> = Result<T, NodeError>;
+
+/// Where a streamed exec sends its chunks (stdout/stderr events only; the final result is
+/// the return value of [`Node::exec`]). A closed receiver does not stop the exec.
+pub type ExecSink = mpsc::Sender<ExecEvent>;
+
+/// Live control of a running exec, for background processes (`sandlot_node::processes`): stdin
+/// that stays open and signals.
+#[derive(Debug)]
+pub struct ExecControl {
+    /// Stdin chunks sent after the request's own `stdin_b64`; the command's stdin closes
+    /// (EOF) when every sender is dropped. `None`: stdin is `stdin_b64` alone (or
+    /// `/dev/null`).
+    pub stdin: Option<mpsc::Receiver<bytes::Bytes>>,
+    /// Signals to deliver, Linux numbers: SIGKILL (9) ends the whole process tree; the
+    /// others the guest agent forwards (`sandlot_guest::spec::FORWARDED_SIGNALS`) go to the
+    /// command's process group. Other numbers are ignored (the caller validates).
+    pub signals: mpsc::UnboundedReceiver<i32>,
+    /// A name for the exec, unique on the node (the guest agent's exec handle).
+    pub handle: String,
+}
+
+/// The operations every node honours, whatever backend runs the sandbox.
+///
+/// All paths are paths inside the sandbox; they resolve inside the sandbox root only
+/// (symlinks and `..` cannot escape).
+#[async_trait]
+pub trait Node: Send + Sync + 'static {
+    /// Node facts.
+    fn info(&self) -> NodeInfo;
+
+    /// Create and start a sandbox; on error nothing of it is left behind.
+    async fn create(&self, spec: &SandboxSpec) -> NodeResult<()>;
+
+    /// Run a command to completion (or timeout). With `sink`, output chunks are also sent
+    /// there as they come.
+    async fn exec(
+        &self,
+        id: &str,
+        req: &ExecRequest,
+        sink: Option<ExecSink>,
+    ) -> NodeResult<ExecResult>;
+
+    /// [`Node::exec`] with live control ([`ExecControl`]): stdin streamed while the command
+    /// runs and signals delivered to it. The engine of background processes
+    /// (`sandlot_node::processes::ProcessTable`).
+    ///
+    /// # Errors
+    /// As [`Node::exec`]; `Unavailable` where the node does not support it (the default).
+    async fn exec_controlled(
+        &self,
+        id: &str,
+        req: &ExecRequest,
+        sink: Option<ExecSink>,
+        control: ExecControl,
+    ) -> NodeResult<ExecResult> {
+        let _ = (id, req, sink, control);
+        Err(NodeError::Unavailable(
+            "background processes are not supported by this node".into(),
+        ))
+    }
+
+    /// Read a whole file; files over `max_bytes` give `InvalidArgument`.
+    ///
+    /// Memory grows with the bytes read (never pre-reserved from the file's claimed size);
+    /// callers that hold many reads at once budget them with [`Node::file_size`] first.
+    async fn read_file(&self, id: &str, path: &str, max_bytes: u64) -> NodeResult<Vec<u8>>;
+
+    /// Size in bytes of the regular file at `path` (its `st_size`; symlinks followed inside
+    /// the root), so a caller can reserve memory before [`Node::read_file`]. The sandbox may
+    /// change the file in between: the size is a hint, `read_file`'s `max_bytes` the bound.
+    ///
+    /// # Errors
+    /// As [`Node::read_file`]: `NotFound`, `InvalidArgument` (not a regular file, special
+    /// file system, bad path), `Internal`.
+    async fn file_size(&self, id: &str, path: &str) -> NodeResult<u64>;
+
+    /// Write a file atomically (temp file + fsync + rename), creating parent directories.
+    async fn write_file(&self, id: &str, path: &str, data: bytes::Bytes) -> NodeResult<()>;
+
+    /// Write `files` (path, content) in order, each atomically but not durably (no fsync),
+    /// for a sandbox that never outlives a crash of this node (`run_code`'s). The default
+    /// writes them one by one with [`Node::write_file`]; the `function` backend writes them
+    /// in one pass without fsyncs.
+    ///
+    /// # Errors
+    /// As [`Node::write_file`], for the first file that fails (the later ones are not
+    /// written).
+    async fn write_files_volatile(
+        &self,
+        id: &str,
+        files: Vec<(String, bytes::Bytes)>,
+    ) -> NodeResult<()> {
+        for (path, data) in files {
+            self.write_file(id, &path, data).await?;
+        }
+        Ok(())
+    }
+
+    /// List a directory, sorted by name.
+    async fn list_dir(&self, id: &str, path: &str) -> NodeResult<Vec<FileEntry>>;
+
+    /// Remove a file, or a directory recursively.
+    async fn remove_file(&self, id: &str, path: &str) -> NodeResult<()>;
+
+    /// Facts of the file or directory at `path` (symlinks followed inside the root; `name`
+    /// is the path's last component, `/` for the root).
+    ///
+    /// # Errors
+    /// `NotFound` when missing; `InvalidArgument` (bad path, special file system, refused
+    /// directory); `PermissionDenied`; `Internal`.
+    async fn stat_file(&self, id: &str, path: &str) -> NodeResult<FileEntry>;
+
+    /// Create the directory `path` (owned by the sandbox's root, mode 0755). `parents`:
+    /// create missing ancestors too and accept an existing directory (`mkdir -p`).
+    ///
+    /// # Errors
+    /// `NotFound` (missing parent without `parents`); `Conflict` (exists without
+    /// `parents`, or a non-directory is in the way); `InvalidArgument`; `PermissionDenied`;
+    /// `ResourceExhausted` (the sandbox's space); `Internal`.
+    async fn make_dir(&self, id: &str, path: &str, parents: bool) -> NodeResult<()>;
+
+    /// Pause: freeze every process of the sandbox (cgroup freezer; later backends: the VM's
+    /// vCPUs). A paused sandbox uses no CPU; exec and file calls answer
+    /// [`NodeError::Conflict`] ("sandbox is paused") until [`Node::resume`]; an exec already
+    /// running is frozen with it and continues after resume. Pausing a paused sandbox is a
+    /// no-op. [`Node::delete`] works on a paused sandbox.
+    ///
+    /// # Errors
+    /// `NotFound` for an unknown or deleting sandbox; `Internal` when the freezer fails.
+    async fn pause(&self, id: &str) -> NodeResult<()>;
+
+    /// Resume: thaw a paused sandbox. Resuming a running sandbox is a no-op.
+    ///
+    /// # Errors
+    /// `NotFound` for an unknown or deleting sandbox; `Internal` when the freezer fails.
+    async fn resume(&self, id: &str) -> NodeResult<()>;
+
+    /// Kill every process of the sandbox and remove all its host resources (mounts,
+    /// cgroups, directories). Idempotent: an unknown id is not an error.
+    async fn delete(&self, id: &str) -> NodeResult<()>;
+
+    /// Sandboxes this node has (alive or not).
+    async fn list(&self) -> NodeResult<Vec<SandboxStatus>>;
+
+    /// After a restart: find sandboxes left running by the previous process from on-disk
+    /// state, adopt those whose id is in `keep` and alive, and delete every other one
+    /// (half-created or unknown leftovers). Returns the ids adopted. A leftover that cannot
+    /// be removed is logged and left for the next start, not an error.
+    async fn readopt(&self, keep: &[String]) -> NodeResult<Vec<String>>;
+
+    /// Checkpoint sandbox `id`'s writable layer as checkpoint `checkpoint_id` (`ck-` + 20
+    /// hex digits, chosen by the server) on this node's disk (`sandlot_node::checkpoints`); the
+    /// sandbox keeps running (its processes are frozen during the copy).
+    ///
+    /// # Errors
+    /// `NotFound` (sandbox); `InvalidArgument` (bad checkpoint id); `Conflict` (checkpoint
+    /// exists, or the sandbox's state forbids it); `Unavailable` where the backend or node
+    /// cannot checkpoint (the default); `Internal`.
+    async fn checkpoint(&self, id: &str, checkpoint_id: &str) -> NodeResult<CheckpointMeta> {
+        let _ = (id, checkpoint_id);
+        Err(NodeError::Unavailable(
+            "checkpoints are not supported by this node".into(),
+        ))
+    }
+
+    /// [`Node::create`] a fork of checkpoint `checkpoint_id`: its writable layer starts as
+    /// a copy of the checkpoint's. `spec.backend` and `spec.image` must be the checkpoint's.
+    ///
+    /// # Errors
+    /// As `create`; `NotFound` for an unknown checkpoint; `InvalidArgument` for a backend
+    /// or image other than the checkpoint's or a smaller microVM disk.
+    async fn create_from_checkpoint(
+        &self,
+        spec: &SandboxSpec,
+        checkpoint_id: &str,
+    ) -> NodeResult<()> {
+        let _ = (spec, checkpoint_id);
+        Err(NodeError::Unavailable(
+            "checkpoints are not supported by this node".into(),
+        ))
+    }
+
+    /// Remove checkpoint `checkpoint_id`; an unknown id is fine. Forks never depend on
+    /// their checkpoint (each holds its own copy; a vm fork its own hard links to the
+    /// checkpoint's qcow2 layers), so live forks do not block it.
+    ///
+    /// # Errors
+    /// `Conflict` while a create copies from it; `Internal`.
+    async fn delete_checkpoint(&self, checkpoint_id: &str) -> NodeResult<()> {
+        let _ = checkpoint_id;
+        Ok(())
+    }
+
+    /// Ids of the checkpoints on this node's disk (the server removes those it has no
+    /// record of at start).
+    async fn list_checkpoints(&self) -> NodeResult<Vec<String>> {
+        Ok(Vec::new())
+    }
+
+    /// The accelerator (`"kvm"` or `"tcg"`) microvm and vm sandboxes get on this node,
+    /// waiting for the start-up probe if it is still running; `None` on a node without a
+    /// QEMU backend.
+    async fn accel(&self) -> Option<String> {
+        None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_error_crosses_the_wire_with_its_kind_and_message() {
+        let errors = [
+            NodeError::NotFound("no sandbox sb-1".into()),
+            NodeError::InvalidArgument("bad path".into()),
+            NodeError::Unavailable("backend vm".into()),
+            NodeError::ResourceExhausted("full".into()),
+            NodeError::Conflict("paused".into()),
+            NodeError::DeadlineExceeded("stdin".into()),
+            NodeError::PermissionDenied("read".into()),
+            NodeError::Transport("reset".into()),
+            NodeError::io("mount /x", std::io::Error::other("EBUSY")),
+        ];
+        for e in errors {
+            let json = serde_json::to_string(&e.to_wire()).unwrap();
+            let back = NodeError::from_wire(serde_json::from_str(&json).unwrap());
+            assert_eq!(back.code(), e.code(), "{json}");
+            if matches!(e, NodeError::Internal { .. }) {
+                // The node's context and cause, as one context here.
+                assert_eq!(back.to_string(), "mount /x: EBUSY");
+            } else {
+                assert_eq!(back.to_wire(), e.to_wire(), "{json}");
+            }
+        }
+        let w = NodeError::io("mount /x", std::io::Error::other("EBUSY")).to_wire();
+        assert_eq!(
+            (w.kind.as_str(), w.message.as_str()),
+            ("internal", "mount /x: EBUSY")
+        );
+        let newer = NodeError::from_wire(WireError {
+            kind: "brand_new".into(),
+            message: "m".into(),
+        });
+        assert_eq!(newer.code(), ErrorCode::Internal);
+        assert!(newer.to_string().contains("brand_new"), "{newer}");
+    }
+
+    #[test]
+    fn transport_is_unavailable_and_retryable_but_not_found_is_not() {
+        let t = NodeError::Transport("reset".into());
+        assert_eq!(t.code(), ErrorCode::Unavailable);
+        assert!(t.is_retryable());
+        assert!(t.to_string().contains("outcome unknown"));
+        assert!(!NodeError::NotFound("x".into()).is_retryable());
+    }
+
+    #[test]
+    fn contract_types_round_trip_through_json() {
+        let spec = SandboxSpec {
+            id: "sb-0123456789abcdef0123".into(),
+            backend: Backend::Container,
+            image: "python".into(),
+            cpu: 0.5,
+            memory_mib: 256,
+            disk_mib: 1024,
+            pids_max: 64,
+            env: [("A".to_string(), "1".to_string())].into(),
+            network: NetworkPolicy::None,
+            runtime: Some("runsc".into()),
+        };
+        let back: SandboxSpec =
+            serde_json::from_str(&serde_json::to_string(&spec).unwrap()).unwrap();
+        assert_eq!(back, spec);
+        let st = SandboxStatus {
+            id: spec.id.clone(),
+            backend: Backend::Function,
+            liveness: Liveness::Unknown("EMFILE".into()),
+        };
+        let back: SandboxStatus =
+            serde_json::from_str(&serde_json::to_string(&st).unwrap()).unwrap();
+        assert_eq!(back, st);
+        assert!(check_checkpoint_id("ck-0123456789abcdef0123").is_ok());
+        assert!(check_checkpoint_id("ck-0123456789ABCDEF0123").is_err());
+    }
+}
