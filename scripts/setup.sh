@@ -28,8 +28,11 @@ step "Debian packages"
 # (about 45 s to install here with recommends, less without; the test skips without it).
 # docker-registry, skopeo, umoci: the local OCI registry and the test images pushed into it.
 # libssl-dev, pkg-config: TLS for registry pulls (oci-client through reqwest's native-tls).
+# etcd-server: cluster membership, fencing and leader election (crates/sandlot-cluster;
+# scripts/etcd.sh starts members for tests). protobuf-compiler: `protoc` for etcd-client's
+# build (its gRPC stubs are generated at build time).
 pkgs=(busybox-static debootstrap bubblewrap iproute2 nftables procps curl ca-certificates chromium fonts-liberation
-      docker-registry skopeo umoci libssl-dev pkg-config)
+      docker-registry skopeo umoci libssl-dev pkg-config etcd-server protobuf-compiler)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

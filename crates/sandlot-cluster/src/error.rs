@@ -1,0 +1,108 @@
+//! Errors of the cluster crate, with their stable wire codes.
+use sandlot_api::ErrorCode;
+use std::time::Duration;
+
+/// Why a cluster operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ClusterError {
+    /// An etcd call failed (connection refused, no leader, lease not found, ...).
+    #[error("etcd {op} failed")]
+    Etcd {
+        /// The operation, e.g. `"lease grant"`.
+        op: &'static str,
+        /// The client's error.
+        #[source]
+        source: etcd_client::Error,
+    },
+    /// An etcd call did not answer in time (a partitioned or stopped member).
+    #[error("etcd {op} did not answer within {after:?}")]
+    Timeout {
+        /// The operation, e.g. `"put node record"`.
+        op: &'static str,
+        /// The limit that passed.
+        after: Duration,
+    },
+    /// A value under a Sandlot key is not the JSON this crate writes.
+    #[error("value of etcd key {key} is not valid JSON for its type")]
+    Decode {
+        /// The key whose value did not decode.
+        key: String,
+        /// The decoder's error.
+        #[source]
+        source: serde_json::Error,
+    },
+    /// A node name, election name or lease setting is out of range; the message says which.
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    /// The node's fence is off (its lease could be gone): it must not serve or publish until
+    /// it has re-registered under a new lease.
+    #[error("node {name} is fenced: its etcd lease is not known to be alive")]
+    Fenced {
+        /// The node's name.
+        name: String,
+    },
+}
+
+impl ClusterError {
+    /// The stable wire code of this error: `unavailable` for etcd failures, timeouts and a
+    /// fenced node (retry later), `invalid_argument` for bad input, `internal` for a value
+    /// that does not decode.
+    pub fn code(&self) -> ErrorCode {
+        match self {
+            ClusterError::Etcd { .. }
+            | ClusterError::Timeout { .. }
+            | ClusterError::Fenced { .. } => ErrorCode::Unavailable,
+            ClusterError::InvalidArgument(_) => ErrorCode::InvalidArgument,
+            ClusterError::Decode { .. } => ErrorCode::Internal,
+        }
+    }
+}
+
+/// Runs one etcd call with a deadline, mapping both failure kinds to [`ClusterError`].
+pub(crate) async fn call<T>(
+    op: &'static str,
+    limit: Duration,
+    fut: impl std::future::Future<Output = Result<T, etcd_client::Error>>,
+) -> Result<T, ClusterError> {
+    match tokio::time::timeout(limit, fut).await {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(source)) => Err(ClusterError::Etcd { op, source }),
+        Err(_) => Err(ClusterError::Timeout { op, after: limit }),
+    }
+}
+
+/// Whether a failed call may succeed on another endpoint: the connection failed or the
+/// member answered "unavailable" (stopped, no leader). Everything else is final.
+fn retryable(e: &etcd_client::Error) -> bool {
+    match e {
+        etcd_client::Error::TransportError(_) => true,
+        // gRPC status 14 = UNAVAILABLE (grpc/grpc doc/statuscodes.md).
+        etcd_client::Error::GRpcStatus(s) => s.code() as i32 == 14,
+        _ => false,
+    }
+}
+
+/// [`call`] with up to 3 attempts when the failure is [`retryable`]: with several
+/// endpoints, the client's balancer may route a call to a member that just died; the next
+/// attempt goes elsewhere. `make` builds a fresh call per attempt; each has `limit`.
+pub(crate) async fn call_retry<T, F, Fut>(
+    op: &'static str,
+    limit: Duration,
+    mut make: F,
+) -> Result<T, ClusterError>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, etcd_client::Error>>,
+{
+    let mut attempt = 0;
+    loop {
+        attempt += 1;
+        match call(op, limit, make()).await {
+            Err(ClusterError::Etcd { source, .. }) if attempt < 3 && retryable(&source) => {
+                tracing::debug!(op, attempt, error = %source, "etcd call failed on one endpoint; retrying");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            other => return other,
+        }
+    }
+}
