@@ -28,8 +28,11 @@ step "Debian packages"
 # (about 45 s to install here with recommends, less without; the test skips without it).
 # docker-registry, skopeo, umoci: the local OCI registry and the test images pushed into it.
 # libssl-dev, pkg-config: TLS for registry pulls (oci-client through reqwest's native-tls).
+# postgresql: cluster mode's durable state; the store tests start their own server in a temp
+# dir through scripts/postgres.sh (Debian's postgresql-common also starts a system cluster on
+# 5432, which Sandlot does not use).
 pkgs=(busybox-static debootstrap bubblewrap iproute2 nftables procps curl ca-certificates chromium fonts-liberation
-      docker-registry skopeo umoci libssl-dev pkg-config)
+      docker-registry skopeo umoci libssl-dev pkg-config postgresql)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
