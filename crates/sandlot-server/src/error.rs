@@ -65,6 +65,15 @@ impl ServerError {
             ServerError::Trajectory(e @ TrajectoryStoreError::NotNext { .. }) => {
                 ApiError::new(ErrorCode::Conflict, e.to_string())
             }
+            // The database is down or out of connections: retry later.
+            ServerError::Trajectory(e @ TrajectoryStoreError::Unavailable(_)) => {
+                ApiError::new(ErrorCode::Unavailable, e.to_string())
+            }
+            ServerError::Trajectory(e @ TrajectoryStoreError::Pg { source, .. })
+                if source.is_closed() =>
+            {
+                ApiError::new(ErrorCode::Unavailable, e.to_string())
+            }
             ServerError::Trajectory(e) => ApiError::new(ErrorCode::Internal, e.to_string()),
         }
     }

@@ -43,6 +43,7 @@ pub mod health;
 pub mod lifecycle;
 pub mod metrics;
 pub mod pause;
+pub mod pg;
 pub mod placement;
 pub mod processes;
 pub mod run_code;
