@@ -46,6 +46,7 @@ pub mod pause;
 pub mod pg;
 pub mod placement;
 pub mod processes;
+pub mod registry;
 pub mod run_code;
 pub mod sandboxes;
 pub mod store;
