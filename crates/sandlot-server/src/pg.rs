@@ -26,6 +26,10 @@ pub const MIGRATION_LOCK: i64 = 0x7361_6e64_6c6f_746d;
 /// Connections per pool unless the caller says otherwise.
 pub const DEFAULT_POOL_SIZE: usize = 16;
 
+/// How long a call waits for a free pooled connection, or for a new one to connect, before
+/// failing with `unavailable` (so an outage fails fast instead of hanging).
+pub const POOL_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// Errors of connecting to and migrating PostgreSQL.
 #[derive(Debug, thiserror::Error)]
 pub enum PgError {
@@ -68,7 +72,12 @@ pub async fn connect(url: &str, max_size: usize) -> Result<Pool, PgError> {
             recycling_method: RecyclingMethod::Verified,
         },
     );
-    let pool = Pool::builder(manager).max_size(max_size).build()?;
+    let pool = Pool::builder(manager)
+        .max_size(max_size)
+        .runtime(deadpool_postgres::Runtime::Tokio1)
+        .wait_timeout(Some(POOL_WAIT))
+        .create_timeout(Some(POOL_WAIT))
+        .build()?;
     migrate(&pool).await?;
     Ok(pool)
 }

@@ -4,9 +4,10 @@
 //! `migrations/pg/V2__registry.sql`), shared by every server of a cluster.
 //!
 //! Covered so far: sandbox records, idempotency keys and tenant quotas
-//! ([`Registry::insert_checked`]), and the owner + deadline of `creating` / `deleting`
-//! transitions ([`Registry::set_transition`], [`Registry::stale_transitions`]). API keys,
-//! trajectory owners and checkpoint records are still only on [`Store`].
+//! ([`Registry::insert_checked`]), the owner + deadline of `creating` / `deleting`
+//! transitions ([`Registry::set_transition`], [`Registry::stale_transitions`]), API keys
+//! and trajectory owners (schema: `migrations/pg/V3__keys_and_trajectory_owners.sql`).
+//! Checkpoint records are still only on [`Store`] (`crate::checkpoints`).
 //!
 //! Cross-server semantics on PostgreSQL (READ COMMITTED):
 //! - an Idempotency-Key maps to exactly one sandbox: the key's row is inserted first with
@@ -16,7 +17,7 @@
 //! - quotas: a create that checks a quota first locks its tenant's row in `tenant_locks`
 //!   (`FOR UPDATE`), then sums the tenant's sandboxes; creates of one tenant serialise on
 //!   that lock, so two servers cannot both admit the last slot.
-use crate::store::{KeyOutcome, Quota, Record, SpecJson, Store, StoreError};
+use crate::store::{KeyOutcome, KeyRow, Quota, Record, SpecJson, Store, StoreError};
 use async_trait::async_trait;
 use deadpool_postgres::Pool;
 use sandlot_api::SandboxState;
@@ -116,6 +117,61 @@ pub trait Registry: Send + Sync + 'static {
     /// # Errors
     /// Store failures or an undecodable row.
     async fn stale_transitions(&self, now_ms: i64) -> Result<Vec<StaleTransition>>;
+
+    /// Drop Idempotency-Keys created before `before_ms`. Returns how many.
+    ///
+    /// # Errors
+    /// Store failures.
+    async fn purge_keys(&self, before_ms: i64) -> Result<usize>;
+
+    /// Add an API key row.
+    ///
+    /// # Errors
+    /// Store failures, also for a duplicate id or digest.
+    async fn insert_key(&self, k: &KeyRow) -> Result<()>;
+
+    /// The key row whose digest (SHA-256 hex of the key) is `digest`, revoked or not.
+    ///
+    /// # Errors
+    /// Store failures.
+    async fn key_by_digest(&self, digest: &str) -> Result<Option<KeyRow>>;
+
+    /// Every key row, oldest first.
+    ///
+    /// # Errors
+    /// Store failures.
+    async fn list_keys(&self) -> Result<Vec<KeyRow>>;
+
+    /// Mark key `id` revoked at `now_ms`. Returns whether a not yet revoked key was found.
+    ///
+    /// # Errors
+    /// Store failures.
+    async fn revoke_key(&self, id: &str, now_ms: i64) -> Result<bool>;
+
+    /// Whether any key row exists, revoked ones included.
+    ///
+    /// # Errors
+    /// Store failures.
+    async fn has_keys(&self) -> Result<bool>;
+
+    /// Claim trajectory id `t` for `tenant` unless another tenant holds it. Returns whether
+    /// `tenant` owns it now.
+    ///
+    /// # Errors
+    /// Store failures.
+    async fn claim_trajectory(&self, t: &str, tenant: &str) -> Result<bool>;
+
+    /// The tenant owning trajectory id `t`, if one claimed it.
+    ///
+    /// # Errors
+    /// Store failures.
+    async fn trajectory_owner(&self, t: &str) -> Result<Option<String>>;
+
+    /// Release the claim on trajectory `t`.
+    ///
+    /// # Errors
+    /// Store failures.
+    async fn forget_trajectory_owner(&self, t: &str) -> Result<()>;
 }
 
 #[async_trait]
@@ -165,6 +221,33 @@ impl Registry for Store {
             })
             .collect())
     }
+    async fn purge_keys(&self, before_ms: i64) -> Result<usize> {
+        Store::purge_keys(self, before_ms)
+    }
+    async fn insert_key(&self, k: &KeyRow) -> Result<()> {
+        Store::insert_key(self, k)
+    }
+    async fn key_by_digest(&self, digest: &str) -> Result<Option<KeyRow>> {
+        Store::key_by_digest(self, digest)
+    }
+    async fn list_keys(&self) -> Result<Vec<KeyRow>> {
+        Store::list_keys(self)
+    }
+    async fn revoke_key(&self, id: &str, now_ms: i64) -> Result<bool> {
+        Store::revoke_key(self, id, now_ms)
+    }
+    async fn has_keys(&self) -> Result<bool> {
+        Store::has_keys(self)
+    }
+    async fn claim_trajectory(&self, t: &str, tenant: &str) -> Result<bool> {
+        Store::claim_trajectory(self, t, tenant)
+    }
+    async fn trajectory_owner(&self, t: &str) -> Result<Option<String>> {
+        Store::trajectory_owner(self, t)
+    }
+    async fn forget_trajectory_owner(&self, t: &str) -> Result<()> {
+        Store::forget_trajectory_owner(self, t)
+    }
 }
 
 fn pg(op: &'static str) -> impl FnOnce(tokio_postgres::Error) -> StoreError {
@@ -199,6 +282,25 @@ fn decode(r: &tokio_postgres::Row) -> Result<Record> {
         tenant: r.get(9),
         id,
     })
+}
+
+const KEY_COLS: &str =
+    "id, name, digest, admin, max_sandboxes, max_cpu, max_memory_mib, created_at, revoked_at";
+
+fn key_row(r: &tokio_postgres::Row) -> KeyRow {
+    KeyRow {
+        id: r.get(0),
+        name: r.get(1),
+        digest: r.get(2),
+        admin: r.get(3),
+        quota: Quota {
+            max_sandboxes: r.get::<_, Option<i64>>(4).map(|v| v.max(0) as u64),
+            max_cpu: r.get(5),
+            max_memory_mib: r.get::<_, Option<i64>>(6).map(|v| v.max(0) as u64),
+        },
+        created_at_ms: r.get(7),
+        revoked_at_ms: r.get(8),
+    }
 }
 
 /// PostgreSQL implementation of [`Registry`]. Cheap to share behind an `Arc`.
@@ -446,6 +548,123 @@ impl Registry for PgRegistry {
             })
         })
         .collect()
+    }
+    async fn purge_keys(&self, before_ms: i64) -> Result<usize> {
+        let c = self.conn().await?;
+        Ok(c.execute(
+            "DELETE FROM idempotency WHERE created_at < $1",
+            &[&before_ms],
+        )
+        .await
+        .map_err(pg("purge idempotency keys"))? as usize)
+    }
+
+    async fn insert_key(&self, k: &KeyRow) -> Result<()> {
+        let c = self.conn().await?;
+        c.execute(
+            &format!(
+                "INSERT INTO api_keys ({KEY_COLS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)"
+            ),
+            &[
+                &k.id,
+                &k.name,
+                &k.digest,
+                &k.admin,
+                &k.quota.max_sandboxes.map(|v| v as i64),
+                &k.quota.max_cpu,
+                &k.quota.max_memory_mib.map(|v| v as i64),
+                &k.created_at_ms,
+                &k.revoked_at_ms,
+            ],
+        )
+        .await
+        .map_err(pg("insert api key"))?;
+        Ok(())
+    }
+
+    async fn key_by_digest(&self, digest: &str) -> Result<Option<KeyRow>> {
+        let c = self.conn().await?;
+        Ok(c.query_opt(
+            &format!("SELECT {KEY_COLS} FROM api_keys WHERE digest = $1"),
+            &[&digest],
+        )
+        .await
+        .map_err(pg("select api key"))?
+        .as_ref()
+        .map(key_row))
+    }
+
+    async fn list_keys(&self) -> Result<Vec<KeyRow>> {
+        let c = self.conn().await?;
+        Ok(c.query(
+            &format!("SELECT {KEY_COLS} FROM api_keys ORDER BY created_at, seq"),
+            &[],
+        )
+        .await
+        .map_err(pg("select api keys"))?
+        .iter()
+        .map(key_row)
+        .collect())
+    }
+
+    async fn revoke_key(&self, id: &str, now_ms: i64) -> Result<bool> {
+        let c = self.conn().await?;
+        let n = c
+            .execute(
+                "UPDATE api_keys SET revoked_at = $1 WHERE id = $2 AND revoked_at IS NULL",
+                &[&now_ms, &id],
+            )
+            .await
+            .map_err(pg("revoke api key"))?;
+        Ok(n == 1)
+    }
+
+    async fn has_keys(&self) -> Result<bool> {
+        let c = self.conn().await?;
+        Ok(c.query_opt("SELECT 1 FROM api_keys LIMIT 1", &[])
+            .await
+            .map_err(pg("count api keys"))?
+            .is_some())
+    }
+
+    async fn claim_trajectory(&self, t: &str, tenant: &str) -> Result<bool> {
+        let c = self.conn().await?;
+        // Waits for a concurrent uncommitted claim; then the committed owner is read.
+        c.execute(
+            "INSERT INTO trajectory_owners (trajectory, tenant) VALUES ($1, $2)
+             ON CONFLICT (trajectory) DO NOTHING",
+            &[&t, &tenant],
+        )
+        .await
+        .map_err(pg("claim trajectory"))?;
+        let owner: Option<String> = c
+            .query_opt(
+                "SELECT tenant FROM trajectory_owners WHERE trajectory = $1",
+                &[&t],
+            )
+            .await
+            .map_err(pg("select trajectory owner"))?
+            .map(|r| r.get(0));
+        Ok(owner.as_deref() == Some(tenant))
+    }
+
+    async fn trajectory_owner(&self, t: &str) -> Result<Option<String>> {
+        let c = self.conn().await?;
+        Ok(c.query_opt(
+            "SELECT tenant FROM trajectory_owners WHERE trajectory = $1",
+            &[&t],
+        )
+        .await
+        .map_err(pg("select trajectory owner"))?
+        .map(|r| r.get(0)))
+    }
+
+    async fn forget_trajectory_owner(&self, t: &str) -> Result<()> {
+        let c = self.conn().await?;
+        c.execute("DELETE FROM trajectory_owners WHERE trajectory = $1", &[&t])
+            .await
+            .map_err(pg("forget trajectory owner"))?;
+        Ok(())
     }
 }
 
@@ -733,8 +952,58 @@ mod tests {
         (dir, Arc::new(s))
     }
 
+    async fn contract_keys(r: &dyn Registry) {
+        assert!(!r.has_keys().await.unwrap());
+        let k = |id: &str, digest: &str, at| KeyRow {
+            id: id.into(),
+            name: format!("name-{id}"),
+            digest: digest.into(),
+            admin: id == "key_a",
+            quota: Quota {
+                max_sandboxes: Some(3),
+                max_cpu: Some(1.5),
+                max_memory_mib: None,
+            },
+            created_at_ms: at,
+            revoked_at_ms: None,
+        };
+        r.insert_key(&k("key_a", "da", 1)).await.unwrap();
+        r.insert_key(&k("key_b", "db", 2)).await.unwrap();
+        // Duplicate digest refused.
+        assert!(r.insert_key(&k("key_c", "da", 3)).await.is_err());
+        assert!(r.has_keys().await.unwrap());
+        assert_eq!(
+            r.key_by_digest("db").await.unwrap(),
+            Some(k("key_b", "db", 2))
+        );
+        assert!(r.key_by_digest("zz").await.unwrap().is_none());
+        assert!(r.revoke_key("key_b", 9).await.unwrap());
+        assert!(!r.revoke_key("key_b", 10).await.unwrap());
+        let keys = r.list_keys().await.unwrap();
+        assert_eq!(keys.len(), 2);
+        assert_eq!((keys[0].admin, keys[1].revoked_at_ms), (true, Some(9)));
+        // Trajectory ownership: first claim wins.
+        assert!(r.claim_trajectory("t", "key_a").await.unwrap());
+        assert!(r.claim_trajectory("t", "key_a").await.unwrap());
+        assert!(!r.claim_trajectory("t", "key_b").await.unwrap());
+        assert_eq!(
+            r.trajectory_owner("t").await.unwrap().as_deref(),
+            Some("key_a")
+        );
+        r.forget_trajectory_owner("t").await.unwrap();
+        assert!(r.trajectory_owner("t").await.unwrap().is_none());
+        // Idempotency keys expire by age.
+        r.insert_checked(&rec("sb-p", 100, None), Some(("old", "d")), None)
+            .await
+            .unwrap();
+        assert_eq!(r.purge_keys(100).await.unwrap(), 0);
+        assert_eq!(r.purge_keys(101).await.unwrap(), 1);
+    }
+
     #[tokio::test]
     async fn sqlite_contract() {
+        let (_d, s) = sqlite("keys");
+        contract_keys(&*s).await;
         let (_d, s) = sqlite("records");
         contract_records(&*s).await;
         let (_d, s) = sqlite("quota");
@@ -763,6 +1032,10 @@ mod tests {
 
     #[tokio::test]
     async fn pg_contract() {
+        let Some(r) = pg("pg_contract_keys", 1).await else {
+            return;
+        };
+        contract_keys(&*r[0]).await;
         let Some(r) = pg("pg_contract_records", 1).await else {
             return;
         };
