@@ -31,8 +31,11 @@ step "Debian packages"
 # etcd-server: cluster membership, fencing and leader election (crates/sandlot-cluster;
 # scripts/etcd.sh starts members for tests). protobuf-compiler: `protoc` for etcd-client's
 # build (its gRPC stubs are generated at build time).
+# postgresql: cluster mode's durable state; the store tests start their own server in a temp
+# dir through scripts/postgres.sh (Debian's postgresql-common also starts a system cluster on
+# 5432, which Sandlot does not use).
 pkgs=(busybox-static debootstrap bubblewrap iproute2 nftables procps curl ca-certificates chromium fonts-liberation
-      docker-registry skopeo umoci libssl-dev pkg-config etcd-server protobuf-compiler)
+      docker-registry skopeo umoci libssl-dev pkg-config etcd-server protobuf-compiler postgresql)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

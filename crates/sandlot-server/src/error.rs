@@ -60,10 +60,26 @@ impl ServerError {
         match self {
             ServerError::Api(e) | ServerError::RetryAfter { error: e, .. } => e.clone(),
             ServerError::Node(e) => ApiError::new(e.code(), e.to_string()),
+            // The database is down or out of connections: retry later.
+            ServerError::Store(e @ StoreError::Unavailable(_)) => {
+                ApiError::new(ErrorCode::Unavailable, e.to_string())
+            }
+            ServerError::Store(e @ StoreError::Pg { source, .. }) if source.is_closed() => {
+                ApiError::new(ErrorCode::Unavailable, e.to_string())
+            }
             ServerError::Store(e) => ApiError::new(ErrorCode::Internal, e.to_string()),
             // Another writer logged the step first: the caller's view is stale.
             ServerError::Trajectory(e @ TrajectoryStoreError::NotNext { .. }) => {
                 ApiError::new(ErrorCode::Conflict, e.to_string())
+            }
+            // The database is down or out of connections: retry later.
+            ServerError::Trajectory(e @ TrajectoryStoreError::Unavailable(_)) => {
+                ApiError::new(ErrorCode::Unavailable, e.to_string())
+            }
+            ServerError::Trajectory(e @ TrajectoryStoreError::Pg { source, .. })
+                if source.is_closed() =>
+            {
+                ApiError::new(ErrorCode::Unavailable, e.to_string())
             }
             ServerError::Trajectory(e) => ApiError::new(ErrorCode::Internal, e.to_string()),
         }

@@ -11,6 +11,10 @@
 //!   INTEGER ms, revoked_at INTEGER ms NULL)`: [`KeyRow`]; the key itself is never stored.
 //! - `trajectory_owners(trajectory TEXT PK, tenant TEXT)`: which tenant a trajectory id
 //!   belongs to (claimed by its first create with authentication).
+//! - `sandboxes.owner TEXT NULL, sandboxes.deadline INTEGER ms NULL` (added on open): the
+//!   server running a `creating` / `deleting` transition and when another may take it over
+//!   ([`Store::set_transition`], [`Store::stale_transitions`]; cluster mode's registry,
+//!   [`crate::registry::PgRegistry`], has the same columns).
 //! - `checkpoints(id TEXT PK, sandbox_id, backend, image, runtime NULL, disk_mib, size_bytes,
 //!   created_at INTEGER ms, tenant NULL)`: [`crate::checkpoints::CheckpointRow`].
 //!
@@ -47,6 +51,19 @@ pub enum StoreError {
         #[source]
         source: rusqlite::Error,
     },
+    /// A PostgreSQL statement failed ([`crate::registry::PgRegistry`]).
+    #[error("postgres {op}")]
+    Pg {
+        /// What was being done.
+        op: &'static str,
+        /// Cause.
+        #[source]
+        source: tokio_postgres::Error,
+    },
+    /// No database connection could be had (PostgreSQL down, or the pool exhausted past its
+    /// timeout): the call may be retried later.
+    #[error("registry unavailable: {0}")]
+    Unavailable(String),
     /// A stored row does not decode (corrupt or written by a newer version).
     #[error("bad record {id}: {what}")]
     Corrupt {
@@ -254,6 +271,19 @@ impl Store {
         }
         conn.execute_batch("CREATE INDEX IF NOT EXISTS sandboxes_tenant ON sandboxes(tenant);")
             .map_err(open_err)?;
+        // Owner and deadline of a transition (cluster mode's columns, kept alike here so
+        // both registries pass one contract); older databases lack them.
+        let has_owner = conn
+            .prepare("SELECT 1 FROM pragma_table_info('sandboxes') WHERE name = 'owner'")
+            .and_then(|mut s| s.exists([]))
+            .map_err(open_err)?;
+        if !has_owner {
+            conn.execute_batch(
+                "ALTER TABLE sandboxes ADD COLUMN owner TEXT;
+                 ALTER TABLE sandboxes ADD COLUMN deadline INTEGER;",
+            )
+            .map_err(open_err)?;
+        }
         Ok(Store {
             conn: Mutex::new(conn),
         })
@@ -479,6 +509,47 @@ impl Store {
         Ok(())
     }
 
+    /// Record (`Some((server id, deadline ms))`) or clear (`None`) who runs the record's
+    /// current transition. Returns whether the record exists.
+    ///
+    /// # Errors
+    /// [`StoreError::Sql`].
+    pub fn set_transition(&self, id: &str, owner: Option<(&str, i64)>) -> Result<bool> {
+        let (o, d) = owner.map_or((None, None), |(o, d)| (Some(o), Some(d)));
+        let n = self
+            .conn()
+            .execute(
+                "UPDATE sandboxes SET owner = ?1, deadline = ?2 WHERE id = ?3",
+                params![o, d, id],
+            )
+            .map_err(sql("update transition owner"))?;
+        Ok(n == 1)
+    }
+
+    /// `creating` / `deleting` records with an owner whose deadline is at or before
+    /// `now_ms`, oldest first, as (record, owner, deadline ms).
+    ///
+    /// # Errors
+    /// [`StoreError`] on SQLite failures or an undecodable row.
+    pub fn stale_transitions(&self, now_ms: i64) -> Result<Vec<(Record, String, i64)>> {
+        let conn = self.conn();
+        let mut stmt = conn
+            .prepare_cached(&format!(
+                "SELECT {COLS}, owner, deadline FROM sandboxes
+                 WHERE state IN ('creating', 'deleting') AND owner IS NOT NULL
+                 AND deadline <= ?1 ORDER BY created_at, rowid"
+            ))
+            .map_err(sql("prepare stale transitions"))?;
+        let rows = stmt
+            .query_map([now_ms], |r| Ok((raw_row(r)?, r.get(10)?, r.get(11)?)))
+            .map_err(sql("select stale transitions"))?
+            .collect::<std::result::Result<Vec<(RawRow, String, i64)>, _>>()
+            .map_err(sql("read stale transitions"))?;
+        rows.into_iter()
+            .map(|(raw, o, d)| Ok((decode(raw)?, o, d)))
+            .collect()
+    }
+
     /// Add an API key row.
     ///
     /// # Errors
@@ -639,7 +710,7 @@ fn key_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<KeyRow> {
 
 /// Which limit of `q` a new sandbox of `spec` would pass, given the tenant's current
 /// `n` sandboxes, `cpu` cores and `mem` MiB; `None` when it fits.
-fn over_quota(q: &Quota, n: u64, cpu: f64, mem: u64, spec: &SpecJson) -> Option<String> {
+pub(crate) fn over_quota(q: &Quota, n: u64, cpu: f64, mem: u64, spec: &SpecJson) -> Option<String> {
     if let Some(max) = q.max_sandboxes {
         if n + 1 > max {
             return Some(format!(

@@ -9,6 +9,8 @@
 //! a prepared, cached statement behind one mutex-held connection, so a `spawn_blocking` hop
 //! would cost more than the statement).
 //!
+//! [`PgTrajectoryStore`] (cluster mode) keeps the same tables in PostgreSQL.
+//!
 //! SQLite schema (version 1):
 //! - `trajectories(id TEXT PK, next_step INTEGER, replayed_total INTEGER, created_at INTEGER
 //!   ms, last_activity INTEGER ms)`;
@@ -32,6 +34,10 @@ use sha2::{Digest, Sha256};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
+
+#[path = "trajectory_store_pg.rs"]
+mod pg;
+pub use pg::PgTrajectoryStore;
 
 /// Exec output streams longer than this many bytes go to the `blobs` table.
 pub const INLINE_MAX: usize = 1024;
@@ -57,6 +63,19 @@ pub enum TrajectoryStoreError {
         #[source]
         source: rusqlite::Error,
     },
+    /// A PostgreSQL statement failed ([`PgTrajectoryStore`]).
+    #[error("trajectory log: postgres {op}")]
+    Pg {
+        /// What was being done.
+        op: &'static str,
+        /// Cause.
+        #[source]
+        source: tokio_postgres::Error,
+    },
+    /// No database connection could be had (PostgreSQL down or the pool exhausted past its
+    /// timeout): the call may be retried later.
+    #[error("trajectory log unavailable: {0}")]
+    Unavailable(String),
     /// An append for a step other than the next one (another writer got there first).
     #[error(
         "step {step} of trajectory {trajectory:?} cannot be appended: the next step is {next}"
@@ -836,6 +855,7 @@ impl TrajectoryStore for SqliteTrajectoryStore {
 mod tests {
     use super::*;
     use sandlot_api::{Cmd, Output};
+    use std::sync::Arc;
 
     /// `(guard, DIR/trajectories.db)` in a fresh temporary directory, removed with the guard.
     fn tmpdb(name: &str) -> (tempfile::TempDir, PathBuf) {
@@ -861,7 +881,7 @@ mod tests {
         StepResult::Exec(r)
     }
 
-    async fn log_two(s: &SqliteTrajectoryStore, t: &str, big: &[u8]) {
+    async fn log_two(s: &dyn TrajectoryStore, t: &str, big: &[u8]) {
         let e = StepRequest::Exec(ExecRequest::new(Cmd::Shell("echo hi".into())));
         s.append(t, 0, &e, &e.digest(), &exec_result(0, b"hi\n"), 1)
             .await
@@ -875,29 +895,40 @@ mod tests {
             .unwrap();
     }
 
-    #[tokio::test]
-    async fn entries_survive_reopen_and_blobs_roundtrip() {
-        let (_tmp, path) = tmpdb("reopen");
+    // ---- one suite, run against both backends ----
+
+    /// Writes through `w`, then reads back through `r` (the same log reopened: SQLite after
+    /// a reopen, PostgreSQL through a second pool as another server would).
+    async fn suite_roundtrip(w: &dyn TrajectoryStore, r: &dyn TrajectoryStore) {
         let big: Vec<u8> = (0..5000u32).map(|i| (i % 251) as u8).collect();
-        {
-            let s = SqliteTrajectoryStore::open(&path, false).unwrap();
-            log_two(&s, "t/1", &big).await;
-            // Not the next step: refused inside the transaction.
-            let e = StepRequest::RemoveFile { path: "/x".into() };
-            assert!(matches!(
-                s.append("t/1", 1, &e, &e.digest(), &StepResult::Done, 3)
-                    .await,
-                Err(TrajectoryStoreError::NotNext { next: 2, .. })
-            ));
-            let out = vec![b'y'; 3000];
-            let e = StepRequest::Exec(ExecRequest::new(Cmd::Argv(vec!["big".into()])));
-            s.append("t/1", 2, &e, &e.digest(), &exec_result(1, &out), 4)
-                .await
-                .unwrap();
-        }
-        let s = SqliteTrajectoryStore::open(&path, false).unwrap();
+        log_two(w, "t/1", &big).await;
+        // Not the next step: refused inside the transaction.
+        let e = StepRequest::RemoveFile { path: "/x".into() };
+        assert!(matches!(
+            w.append("t/1", 1, &e, &e.digest(), &StepResult::Done, 3)
+                .await,
+            Err(TrajectoryStoreError::NotNext { next: 2, .. })
+        ));
+        // A refused first append leaves no trajectory behind.
+        assert!(matches!(
+            w.append("t/none", 3, &e, &e.digest(), &StepResult::Done, 3)
+                .await,
+            Err(TrajectoryStoreError::NotNext { next: 0, .. })
+        ));
+        assert!(r.summary("t/none").await.unwrap().is_none());
+        let out = vec![b'y'; 3000];
+        let e = StepRequest::Exec(ExecRequest::new(Cmd::Argv(vec!["big".into()])));
+        w.append("t/1", 2, &e, &e.digest(), &exec_result(1, &out), 4)
+            .await
+            .unwrap();
+
+        let s = r;
         assert_eq!(s.next_step("t/1").await.unwrap(), 3);
         assert_eq!(s.next_step("other").await.unwrap(), 0);
+        assert!(s.get_step("t/1", 7).await.unwrap().is_none());
+        let got = s.get_step("t/1", 0).await.unwrap().unwrap();
+        assert_eq!(got.kind, StepKind::Exec);
+        assert_eq!(got.result, exec_result(0, b"hi\n"));
         match s.get_step("t/1", 2).await.unwrap().unwrap().result {
             StepResult::Exec(r) => {
                 assert_eq!(r.stdout.len(), 3000);
@@ -913,18 +944,119 @@ mod tests {
         }
         s.record_replay("t/1", 0, 9).await.unwrap();
         let sum = s.summary("t/1").await.unwrap().unwrap();
+        assert_eq!(sum.next_step, 3);
         assert_eq!(sum.replayed_total, 1);
         assert_eq!(sum.steps[0].replay_count, 1);
         assert_eq!(sum.steps[1].kind, "write_file");
         assert_eq!(sum.steps[2].exit_code, Some(1));
-        // Delete drops the log and its unused blobs.
+        assert_eq!(sum.steps[2].created_at_ms, 4);
+        // Activity: t/1 last touched at 9.
+        assert_eq!(s.inactive_since(10).await.unwrap(), vec!["t/1".to_string()]);
+        assert!(s.inactive_since(9).await.unwrap().is_empty());
+        // A second trajectory sharing a blob keeps it when the first is deleted.
+        log_two(w, "t/2", &big).await;
         assert!(s.delete("t/1").await.unwrap());
+        assert!(!s.delete("t/1").await.unwrap());
         assert!(s.summary("t/1").await.unwrap().is_none());
+        match &s.mutating_steps("t/2").await.unwrap()[1].1 {
+            StepRequest::WriteFile { data, .. } => assert_eq!(&data[..], &big[..]),
+            other => panic!("{other:?}"),
+        }
+        assert!(s.delete("t/2").await.unwrap());
+    }
+
+    /// `n` writers race to log step 0, then step 1, of one trajectory: exactly one wins each
+    /// step, the others get `NotNext`.
+    async fn suite_racing_writers(stores: Vec<Arc<dyn TrajectoryStore>>) {
+        for step in 0..2u64 {
+            let tasks: Vec<_> = stores
+                .iter()
+                .enumerate()
+                .map(|(i, s)| {
+                    let s = s.clone();
+                    tokio::spawn(async move {
+                        let e =
+                            StepRequest::Exec(ExecRequest::new(Cmd::Shell(format!("echo {i}"))));
+                        s.append("race", step, &e, &e.digest(), &StepResult::Done, 1)
+                            .await
+                    })
+                })
+                .collect();
+            let mut won = 0;
+            for t in tasks {
+                match t.await.unwrap() {
+                    Ok(()) => won += 1,
+                    Err(TrajectoryStoreError::NotNext { next, .. }) => assert_eq!(next, step + 1),
+                    Err(e) => panic!("step {step}: {e}"),
+                }
+            }
+            assert_eq!(won, 1, "step {step}: exactly one writer logs it");
+        }
+        let sum = stores[0].summary("race").await.unwrap().unwrap();
+        assert_eq!(sum.next_step, 2);
+        assert_eq!(sum.steps.len(), 2);
+    }
+
+    #[tokio::test]
+    async fn sqlite_roundtrip() {
+        let (_tmp, path) = tmpdb("reopen");
+        {
+            let w = SqliteTrajectoryStore::open(&path, false).unwrap();
+            let r = SqliteTrajectoryStore::open(&path, false).unwrap();
+            suite_roundtrip(&w, &r).await;
+        }
+        let s = SqliteTrajectoryStore::open(&path, false).unwrap();
+        // Delete dropped the logs and their unused blobs.
         let blobs: i64 = s
             .conn()
             .query_row("SELECT count(*) FROM blobs", [], |r| r.get(0))
             .unwrap();
         assert_eq!(blobs, 0);
+    }
+
+    #[tokio::test]
+    async fn sqlite_racing_writers() {
+        let (_tmp, path) = tmpdb("race");
+        let stores: Vec<Arc<dyn TrajectoryStore>> = (0..4)
+            .map(|_| {
+                Arc::new(SqliteTrajectoryStore::open(&path, false).unwrap())
+                    as Arc<dyn TrajectoryStore>
+            })
+            .collect();
+        suite_racing_writers(stores).await;
+    }
+
+    /// A migrated PostgreSQL store on a fresh database, or `None` (skipped).
+    async fn pg_store(test: &str, pool_size: usize) -> Option<(String, PgTrajectoryStore)> {
+        let url = crate::pg::testing::fresh_database(test).await?;
+        let pool = crate::pg::connect(&url, pool_size).await.unwrap();
+        Some((url, PgTrajectoryStore::new(pool)))
+    }
+
+    #[tokio::test]
+    async fn pg_roundtrip() {
+        let Some((url, w)) = pg_store("pg_roundtrip", 2).await else {
+            return;
+        };
+        // A second pool on the same database: another server.
+        let r = PgTrajectoryStore::new(crate::pg::connect(&url, 2).await.unwrap());
+        suite_roundtrip(&w, &r).await;
+        assert_eq!(w.blob_count().await, 0);
+        // Migrations applied once: connecting again is a no-op.
+        crate::pg::connect(&url, 1).await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn pg_racing_writers() {
+        let Some((url, first)) = pg_store("pg_racing_writers", 1).await else {
+            return;
+        };
+        let mut stores: Vec<Arc<dyn TrajectoryStore>> = vec![Arc::new(first)];
+        for _ in 0..7 {
+            let pool = crate::pg::connect(&url, 1).await.unwrap();
+            stores.push(Arc::new(PgTrajectoryStore::new(pool)));
+        }
+        suite_racing_writers(stores).await;
     }
 
     #[tokio::test]

@@ -1,0 +1,193 @@
+//! PostgreSQL connection pool and schema migrations for cluster mode (issue 21 item 4).
+//!
+//! Client: `tokio-postgres` behind a `deadpool-postgres` pool; migrations: `refinery`, from
+//! the versioned files `crates/sandlot-server/migrations/pg/V{n}__{name}.sql`, embedded in
+//! the binary at compile time and applied by [`connect`] (refinery records them in its
+//! `refinery_schema_history` table and refuses a database whose applied migrations differ
+//! from the embedded ones). Several servers starting at once serialise on a PostgreSQL
+//! advisory lock ([`MIGRATION_LOCK`]) around the migration run, so each migration is applied
+//! exactly once.
+//!
+//! The URL is libpq's URI form, e.g. `postgres://sandlot@127.0.0.1:55432/sandlot`
+//! (<https://www.postgresql.org/docs/15/libpq-connect.html#LIBPQ-CONNSTRING>); TLS is not
+//! used (a cluster's PostgreSQL is reached on a private network or a unix socket).
+
+use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
+use tokio_postgres::NoTls;
+
+mod embedded {
+    refinery::embed_migrations!("migrations/pg");
+}
+
+/// Key of the session-level advisory lock held while migrating (an arbitrary constant,
+/// ASCII "sandlotm").
+pub const MIGRATION_LOCK: i64 = 0x7361_6e64_6c6f_746d;
+
+/// Connections per pool unless the caller says otherwise.
+pub const DEFAULT_POOL_SIZE: usize = 16;
+
+/// How long a call waits for a free pooled connection, or for a new one to connect, before
+/// failing with `unavailable` (so an outage fails fast instead of hanging).
+pub const POOL_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Errors of connecting to and migrating PostgreSQL.
+#[derive(Debug, thiserror::Error)]
+pub enum PgError {
+    /// The URL does not parse as a libpq connection string.
+    #[error("postgres URL: {0}")]
+    Url(#[source] tokio_postgres::Error),
+    /// The pool could not be built.
+    #[error("postgres pool: {0}")]
+    Build(#[from] deadpool_postgres::BuildError),
+    /// No connection could be had (server down, refused, auth failed, pool timeout).
+    #[error("postgres unavailable: {0}")]
+    Unavailable(#[from] deadpool_postgres::PoolError),
+    /// A statement failed.
+    #[error("postgres {op}: {source}")]
+    Sql {
+        /// What was being done.
+        op: &'static str,
+        /// Cause.
+        #[source]
+        source: tokio_postgres::Error,
+    },
+    /// Applying the migrations failed.
+    #[error("postgres migrations: {0}")]
+    Migrate(#[from] refinery::Error),
+}
+
+/// A pool of connections to `url` (at most `max_size`), with the schema migrated to the
+/// newest embedded version. Connections are checked with a cheap query when recycled, so
+/// a restarted PostgreSQL costs failed calls only while it is down.
+///
+/// # Errors
+/// [`PgError::Url`] for a bad URL, [`PgError::Unavailable`] when no connection can be made,
+/// [`PgError::Migrate`] / [`PgError::Sql`] when the migration fails.
+pub async fn connect(url: &str, max_size: usize) -> Result<Pool, PgError> {
+    let config: tokio_postgres::Config = url.parse().map_err(PgError::Url)?;
+    let manager = Manager::from_config(
+        config,
+        NoTls,
+        ManagerConfig {
+            recycling_method: RecyclingMethod::Verified,
+        },
+    );
+    let pool = Pool::builder(manager)
+        .max_size(max_size)
+        .runtime(deadpool_postgres::Runtime::Tokio1)
+        .wait_timeout(Some(POOL_WAIT))
+        .create_timeout(Some(POOL_WAIT))
+        .build()?;
+    migrate(&pool).await?;
+    Ok(pool)
+}
+
+/// Apply the embedded migrations under the advisory lock [`MIGRATION_LOCK`].
+///
+/// # Errors
+/// As [`connect`].
+pub async fn migrate(pool: &Pool) -> Result<(), PgError> {
+    let mut conn = pool.get().await?;
+    let sql = |op| move |source| PgError::Sql { op, source };
+    conn.execute("SELECT pg_advisory_lock($1)", &[&MIGRATION_LOCK])
+        .await
+        .map_err(sql("take migration lock"))?;
+    let client: &mut tokio_postgres::Client = &mut conn;
+    let ran = embedded::migrations::runner().run_async(client).await;
+    conn.execute("SELECT pg_advisory_unlock($1)", &[&MIGRATION_LOCK])
+        .await
+        .map_err(sql("release migration lock"))?;
+    ran?;
+    Ok(())
+}
+
+/// Test support: a PostgreSQL to run store tests against, and a fresh database per test.
+#[cfg(test)]
+pub(crate) mod testing {
+    use std::process::{Command, Stdio};
+    use std::sync::OnceLock;
+
+    /// The server URL for tests: `SANDLOT_TEST_POSTGRES_URL`, else one server per test
+    /// process started by `scripts/postgres.sh` in a temp dir (stopped and removed by a
+    /// watchdog shell when this process exits). `Err(why)` when neither is possible.
+    pub(crate) fn server_url() -> Result<String, String> {
+        static URL: OnceLock<Result<String, String>> = OnceLock::new();
+        URL.get_or_init(|| {
+            if let Ok(u) = std::env::var("SANDLOT_TEST_POSTGRES_URL") {
+                return Ok(u);
+            }
+            let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../../scripts/postgres.sh");
+            let dir = tempfile::Builder::new()
+                .prefix("sandlot-pg-test-")
+                .tempdir()
+                .map_err(|e| format!("temp dir: {e}"))?
+                .keep();
+            let port = std::net::TcpListener::bind("127.0.0.1:0")
+                .and_then(|l| l.local_addr())
+                .map_err(|e| format!("free port: {e}"))?
+                .port();
+            let out = Command::new("bash")
+                .arg(script)
+                .arg("start")
+                .arg(&dir)
+                .arg(port.to_string())
+                .stdin(Stdio::null())
+                .output()
+                .map_err(|e| format!("run scripts/postgres.sh: {e}"))?;
+            if !out.status.success() {
+                let _ = std::fs::remove_dir_all(&dir);
+                return Err(format!(
+                    "scripts/postgres.sh start: {}",
+                    String::from_utf8_lossy(&out.stderr).trim()
+                ));
+            }
+            // Watchdog: stop the server and remove its dir once this test process is gone.
+            let _ = Command::new("bash")
+                .arg("-c")
+                .arg(
+                    "while kill -0 \"$1\" 2>/dev/null; do sleep 0.5; done; \
+                     bash \"$2\" stop \"$3\" >/dev/null 2>&1; rm -rf \"$3\"",
+                )
+                .arg("watchdog")
+                .arg(std::process::id().to_string())
+                .arg(script)
+                .arg(&dir)
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn();
+            let line = String::from_utf8_lossy(&out.stdout);
+            line.lines()
+                .find_map(|l| l.strip_prefix("postgres "))
+                .map(str::to_owned)
+                .ok_or_else(|| format!("scripts/postgres.sh printed no URL: {line:?}"))
+        })
+        .clone()
+    }
+
+    /// URL of a new, empty database on the test server (named `t_<random>`; the server URL
+    /// must be of the form `postgres://USER[:PASS]@HOST:PORT/DB`), or `None`
+    /// after printing `SKIPPED: no PostgreSQL (why)`.
+    pub(crate) async fn fresh_database(test: &str) -> Option<String> {
+        let url = match server_url() {
+            Ok(u) => u,
+            Err(why) => {
+                println!("SKIPPED: no PostgreSQL ({why}) for {test}");
+                return None;
+            }
+        };
+        let name = format!("t_{:016x}", rand::random::<u64>());
+        let (client, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+            .await
+            .expect("connect to the test PostgreSQL");
+        tokio::spawn(conn);
+        client
+            .batch_execute(&format!("CREATE DATABASE {name}"))
+            .await
+            .expect("create test database");
+        // Same server and credentials, other database (the URL's path is its name).
+        let base = url.split('?').next().unwrap_or(&url);
+        let base = base.rsplit_once('/').map_or(base, |(b, _)| b);
+        Some(format!("{base}/{name}"))
+    }
+}

@@ -1,0 +1,1056 @@
+//! The sandbox registry behind an async trait, [`Registry`], with two implementations: the
+//! SQLite [`Store`] of `sandlot up` (its sync calls run inline, as the handlers already do)
+//! and [`PgRegistry`] on PostgreSQL for cluster mode (schema:
+//! `migrations/pg/V2__registry.sql`), shared by every server of a cluster.
+//!
+//! Covered so far: sandbox records, idempotency keys and tenant quotas
+//! ([`Registry::insert_checked`]), the owner + deadline of `creating` / `deleting`
+//! transitions ([`Registry::set_transition`], [`Registry::stale_transitions`]), API keys
+//! and trajectory owners (schema: `migrations/pg/V3__keys_and_trajectory_owners.sql`).
+//! Checkpoint records are still only on [`Store`] (`crate::checkpoints`).
+//!
+//! Cross-server semantics on PostgreSQL (READ COMMITTED):
+//! - an Idempotency-Key maps to exactly one sandbox: the key's row is inserted first with
+//!   `ON CONFLICT DO NOTHING`, which waits for a concurrent uncommitted insert of the same
+//!   key; the loser then reads the winner's committed row and gets
+//!   [`KeyOutcome::Replay`] (or [`KeyOutcome::Mismatch`]);
+//! - quotas: a create that checks a quota first locks its tenant's row in `tenant_locks`
+//!   (`FOR UPDATE`), then sums the tenant's sandboxes; creates of one tenant serialise on
+//!   that lock, so two servers cannot both admit the last slot.
+use crate::store::{KeyOutcome, KeyRow, Quota, Record, SpecJson, Store, StoreError};
+use async_trait::async_trait;
+use deadpool_postgres::Pool;
+use sandlot_api::SandboxState;
+use std::collections::BTreeMap;
+
+type Result<T> = std::result::Result<T, StoreError>;
+
+/// A `creating` / `deleting` record whose owner's deadline has passed.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StaleTransition {
+    /// The record.
+    pub record: Record,
+    /// Server id that started the transition.
+    pub owner: String,
+    /// When it should have finished, Unix milliseconds.
+    pub deadline_ms: i64,
+}
+
+/// The operations the server runs on sandbox records. Every method is one transaction.
+#[async_trait]
+pub trait Registry: Send + Sync + 'static {
+    /// Insert `rec`; with `key = Some((key, request digest))` record the Idempotency-Key in
+    /// the same transaction (an existing key inserts nothing and answers
+    /// [`KeyOutcome::Replay`] with its sandbox id, or [`KeyOutcome::Mismatch`] for another
+    /// digest); with `quota`, admit `rec` only if its tenant's sandboxes (any state but
+    /// `deleting`) plus `rec` stay within it, else [`KeyOutcome::OverQuota`].
+    ///
+    /// # Errors
+    /// Store failures, including a duplicate sandbox id.
+    async fn insert_checked(
+        &self,
+        rec: &Record,
+        key: Option<(&str, &str)>,
+        quota: Option<&Quota>,
+    ) -> Result<KeyOutcome>;
+
+    /// One record by id.
+    ///
+    /// # Errors
+    /// Store failures or an undecodable row.
+    async fn get(&self, id: &str) -> Result<Option<Record>>;
+
+    /// Every record, oldest first.
+    ///
+    /// # Errors
+    /// Store failures or an undecodable row.
+    async fn list(&self) -> Result<Vec<Record>>;
+
+    /// The oldest live (`creating`, `running`, `paused`) record bound to `trajectory`.
+    ///
+    /// # Errors
+    /// Store failures or an undecodable row.
+    async fn live_by_trajectory(&self, trajectory: &str) -> Result<Option<Record>>;
+
+    /// Records whose expiry is at or before `now_ms`, or in `deleting`.
+    ///
+    /// # Errors
+    /// Store failures or an undecodable row.
+    async fn due_for_reaping(&self, now_ms: i64) -> Result<Vec<Record>>;
+
+    /// Compare-and-set of the state: `to` only when the state is one of `from`. Returns
+    /// whether the row changed.
+    ///
+    /// # Errors
+    /// Store failures.
+    async fn transition(&self, id: &str, from: &[SandboxState], to: SandboxState) -> Result<bool>;
+
+    /// New expiry (and `ttl_s` in the spec) of a `running` record. Returns whether it
+    /// changed.
+    ///
+    /// # Errors
+    /// Store failures.
+    async fn set_expiry(&self, id: &str, expires_at_ms: Option<i64>, ttl_s: u64) -> Result<bool>;
+
+    /// Remove a record. Returns whether it existed.
+    ///
+    /// # Errors
+    /// Store failures.
+    async fn remove(&self, id: &str) -> Result<bool>;
+
+    /// Forget the Idempotency-Keys of a sandbox whose create failed.
+    ///
+    /// # Errors
+    /// Store failures.
+    async fn forget_keys_of(&self, id: &str) -> Result<()>;
+
+    /// Record (`Some((server id, deadline ms))`) or clear (`None`) who runs the record's
+    /// current transition. Returns whether the record exists.
+    ///
+    /// # Errors
+    /// Store failures.
+    async fn set_transition(&self, id: &str, owner: Option<(&str, i64)>) -> Result<bool>;
+
+    /// `creating` / `deleting` records with an owner whose deadline is at or before
+    /// `now_ms`, oldest first: another server may finish or roll them back.
+    ///
+    /// # Errors
+    /// Store failures or an undecodable row.
+    async fn stale_transitions(&self, now_ms: i64) -> Result<Vec<StaleTransition>>;
+
+    /// Drop Idempotency-Keys created before `before_ms`. Returns how many.
+    ///
+    /// # Errors
+    /// Store failures.
+    async fn purge_keys(&self, before_ms: i64) -> Result<usize>;
+
+    /// Add an API key row.
+    ///
+    /// # Errors
+    /// Store failures, also for a duplicate id or digest.
+    async fn insert_key(&self, k: &KeyRow) -> Result<()>;
+
+    /// The key row whose digest (SHA-256 hex of the key) is `digest`, revoked or not.
+    ///
+    /// # Errors
+    /// Store failures.
+    async fn key_by_digest(&self, digest: &str) -> Result<Option<KeyRow>>;
+
+    /// Every key row, oldest first.
+    ///
+    /// # Errors
+    /// Store failures.
+    async fn list_keys(&self) -> Result<Vec<KeyRow>>;
+
+    /// Mark key `id` revoked at `now_ms`. Returns whether a not yet revoked key was found.
+    ///
+    /// # Errors
+    /// Store failures.
+    async fn revoke_key(&self, id: &str, now_ms: i64) -> Result<bool>;
+
+    /// Whether any key row exists, revoked ones included.
+    ///
+    /// # Errors
+    /// Store failures.
+    async fn has_keys(&self) -> Result<bool>;
+
+    /// Claim trajectory id `t` for `tenant` unless another tenant holds it. Returns whether
+    /// `tenant` owns it now.
+    ///
+    /// # Errors
+    /// Store failures.
+    async fn claim_trajectory(&self, t: &str, tenant: &str) -> Result<bool>;
+
+    /// The tenant owning trajectory id `t`, if one claimed it.
+    ///
+    /// # Errors
+    /// Store failures.
+    async fn trajectory_owner(&self, t: &str) -> Result<Option<String>>;
+
+    /// Release the claim on trajectory `t`.
+    ///
+    /// # Errors
+    /// Store failures.
+    async fn forget_trajectory_owner(&self, t: &str) -> Result<()>;
+}
+
+#[async_trait]
+impl Registry for Store {
+    async fn insert_checked(
+        &self,
+        rec: &Record,
+        key: Option<(&str, &str)>,
+        quota: Option<&Quota>,
+    ) -> Result<KeyOutcome> {
+        Store::insert_checked(self, rec, key, quota)
+    }
+    async fn get(&self, id: &str) -> Result<Option<Record>> {
+        Store::get(self, id)
+    }
+    async fn list(&self) -> Result<Vec<Record>> {
+        Store::list(self)
+    }
+    async fn live_by_trajectory(&self, trajectory: &str) -> Result<Option<Record>> {
+        Store::live_by_trajectory(self, trajectory)
+    }
+    async fn due_for_reaping(&self, now_ms: i64) -> Result<Vec<Record>> {
+        Store::due_for_reaping(self, now_ms)
+    }
+    async fn transition(&self, id: &str, from: &[SandboxState], to: SandboxState) -> Result<bool> {
+        Store::transition(self, id, from, to)
+    }
+    async fn set_expiry(&self, id: &str, expires_at_ms: Option<i64>, ttl_s: u64) -> Result<bool> {
+        Store::set_expiry(self, id, expires_at_ms, ttl_s)
+    }
+    async fn remove(&self, id: &str) -> Result<bool> {
+        Store::remove(self, id)
+    }
+    async fn forget_keys_of(&self, id: &str) -> Result<()> {
+        Store::forget_keys_of(self, id)
+    }
+    async fn set_transition(&self, id: &str, owner: Option<(&str, i64)>) -> Result<bool> {
+        Store::set_transition(self, id, owner)
+    }
+    async fn stale_transitions(&self, now_ms: i64) -> Result<Vec<StaleTransition>> {
+        Ok(Store::stale_transitions(self, now_ms)?
+            .into_iter()
+            .map(|(record, owner, deadline_ms)| StaleTransition {
+                record,
+                owner,
+                deadline_ms,
+            })
+            .collect())
+    }
+    async fn purge_keys(&self, before_ms: i64) -> Result<usize> {
+        Store::purge_keys(self, before_ms)
+    }
+    async fn insert_key(&self, k: &KeyRow) -> Result<()> {
+        Store::insert_key(self, k)
+    }
+    async fn key_by_digest(&self, digest: &str) -> Result<Option<KeyRow>> {
+        Store::key_by_digest(self, digest)
+    }
+    async fn list_keys(&self) -> Result<Vec<KeyRow>> {
+        Store::list_keys(self)
+    }
+    async fn revoke_key(&self, id: &str, now_ms: i64) -> Result<bool> {
+        Store::revoke_key(self, id, now_ms)
+    }
+    async fn has_keys(&self) -> Result<bool> {
+        Store::has_keys(self)
+    }
+    async fn claim_trajectory(&self, t: &str, tenant: &str) -> Result<bool> {
+        Store::claim_trajectory(self, t, tenant)
+    }
+    async fn trajectory_owner(&self, t: &str) -> Result<Option<String>> {
+        Store::trajectory_owner(self, t)
+    }
+    async fn forget_trajectory_owner(&self, t: &str) -> Result<()> {
+        Store::forget_trajectory_owner(self, t)
+    }
+}
+
+fn pg(op: &'static str) -> impl FnOnce(tokio_postgres::Error) -> StoreError {
+    move |source| StoreError::Pg { op, source }
+}
+
+const COLS: &str =
+    "id, backend, image, state, node, created_at, expires_at, spec::text, labels::text, tenant";
+
+fn decode(r: &tokio_postgres::Row) -> Result<Record> {
+    let id: String = r.get(0);
+    let bad = |what: String| StoreError::Corrupt {
+        id: id.clone(),
+        what,
+    };
+    let backend: String = r.get(1);
+    let state: String = r.get(3);
+    let spec: String = r.get(7);
+    let labels: String = r.get(8);
+    let spec: SpecJson = serde_json::from_str(&spec).map_err(|e| bad(format!("spec: {e}")))?;
+    let labels: BTreeMap<String, String> =
+        serde_json::from_str(&labels).map_err(|e| bad(format!("labels: {e}")))?;
+    Ok(Record {
+        backend: backend.parse().map_err(bad)?,
+        state: state.parse().map_err(bad)?,
+        spec,
+        labels,
+        image: r.get(2),
+        node: r.get(4),
+        created_at_ms: r.get(5),
+        expires_at_ms: r.get(6),
+        tenant: r.get(9),
+        id,
+    })
+}
+
+const KEY_COLS: &str =
+    "id, name, digest, admin, max_sandboxes, max_cpu, max_memory_mib, created_at, revoked_at";
+
+fn key_row(r: &tokio_postgres::Row) -> KeyRow {
+    KeyRow {
+        id: r.get(0),
+        name: r.get(1),
+        digest: r.get(2),
+        admin: r.get(3),
+        quota: Quota {
+            max_sandboxes: r.get::<_, Option<i64>>(4).map(|v| v.max(0) as u64),
+            max_cpu: r.get(5),
+            max_memory_mib: r.get::<_, Option<i64>>(6).map(|v| v.max(0) as u64),
+        },
+        created_at_ms: r.get(7),
+        revoked_at_ms: r.get(8),
+    }
+}
+
+/// PostgreSQL implementation of [`Registry`]. Cheap to share behind an `Arc`.
+pub struct PgRegistry {
+    pool: Pool,
+}
+
+impl PgRegistry {
+    /// A registry on `pool`, whose database [`crate::pg::connect`] has migrated.
+    pub fn new(pool: Pool) -> PgRegistry {
+        PgRegistry { pool }
+    }
+
+    async fn conn(&self) -> Result<deadpool_postgres::Object> {
+        self.pool
+            .get()
+            .await
+            .map_err(|e| StoreError::Unavailable(e.to_string()))
+    }
+
+    async fn select(
+        &self,
+        q: &str,
+        p: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+    ) -> Result<Vec<Record>> {
+        let c = self.conn().await?;
+        c.query(q, p)
+            .await
+            .map_err(pg("select sandboxes"))?
+            .iter()
+            .map(decode)
+            .collect()
+    }
+}
+
+#[async_trait]
+impl Registry for PgRegistry {
+    async fn insert_checked(
+        &self,
+        rec: &Record,
+        key: Option<(&str, &str)>,
+        quota: Option<&Quota>,
+    ) -> Result<KeyOutcome> {
+        let mut c = self.conn().await?;
+        let tx = c.transaction().await.map_err(pg("begin"))?;
+        if let Some((key, digest)) = key {
+            let inserted = tx
+                .execute(
+                    "INSERT INTO idempotency (key, digest, sandbox_id, created_at)
+                     VALUES ($1, $2, $3, $4) ON CONFLICT (key) DO NOTHING",
+                    &[&key, &digest, &rec.id, &rec.created_at_ms],
+                )
+                .await
+                .map_err(pg("insert idempotency key"))?;
+            if inserted == 0 {
+                // Committed by another transaction (this statement waited for it).
+                let row = tx
+                    .query_one(
+                        "SELECT digest, sandbox_id FROM idempotency WHERE key = $1",
+                        &[&key],
+                    )
+                    .await
+                    .map_err(pg("select idempotency key"))?;
+                let (d, sid): (String, String) = (row.get(0), row.get(1));
+                return Ok(if d == digest {
+                    KeyOutcome::Replay(sid)
+                } else {
+                    KeyOutcome::Mismatch
+                });
+            }
+        }
+        if let Some(q) = quota {
+            let tenant = rec.tenant.as_deref().unwrap_or("");
+            tx.execute(
+                "INSERT INTO tenant_locks (tenant) VALUES ($1) ON CONFLICT DO NOTHING",
+                &[&tenant],
+            )
+            .await
+            .map_err(pg("insert tenant lock"))?;
+            tx.execute(
+                "SELECT tenant FROM tenant_locks WHERE tenant = $1 FOR UPDATE",
+                &[&tenant],
+            )
+            .await
+            .map_err(pg("lock tenant"))?;
+            let row = tx
+                .query_one(
+                    "SELECT COUNT(*), COALESCE(SUM((spec->>'cpu')::float8), 0.0),
+                        COALESCE(SUM((spec->>'memory_mib')::bigint), 0)::bigint
+                     FROM sandboxes WHERE tenant IS NOT DISTINCT FROM $1
+                     AND state != 'deleting'",
+                    &[&rec.tenant],
+                )
+                .await
+                .map_err(pg("sum tenant usage"))?;
+            let (n, cpu, mem): (i64, f64, i64) = (row.get(0), row.get(1), row.get(2));
+            if let Some(msg) = crate::store::over_quota(q, n as u64, cpu, mem as u64, &rec.spec) {
+                // Dropping the transaction rolls back the idempotency key.
+                return Ok(KeyOutcome::OverQuota(msg));
+            }
+        }
+        let spec = serde_json::to_string(&rec.spec).expect("spec serializes");
+        let labels = serde_json::to_string(&rec.labels).expect("labels serialize");
+        tx.execute(
+            "INSERT INTO sandboxes (id, backend, image, state, node, created_at, expires_at,
+             spec, labels, tenant)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8::text::jsonb, $9::text::jsonb, $10)",
+            &[
+                &rec.id,
+                &rec.backend.as_str(),
+                &rec.image,
+                &rec.state.as_str(),
+                &rec.node,
+                &rec.created_at_ms,
+                &rec.expires_at_ms,
+                &spec,
+                &labels,
+                &rec.tenant,
+            ],
+        )
+        .await
+        .map_err(pg("insert sandbox"))?;
+        tx.commit().await.map_err(pg("commit"))?;
+        Ok(KeyOutcome::Inserted)
+    }
+
+    async fn get(&self, id: &str) -> Result<Option<Record>> {
+        Ok(self
+            .select(
+                &format!("SELECT {COLS} FROM sandboxes WHERE id = $1"),
+                &[&id],
+            )
+            .await?
+            .pop())
+    }
+
+    async fn list(&self) -> Result<Vec<Record>> {
+        self.select(
+            &format!("SELECT {COLS} FROM sandboxes ORDER BY created_at, seq"),
+            &[],
+        )
+        .await
+    }
+
+    async fn live_by_trajectory(&self, trajectory: &str) -> Result<Option<Record>> {
+        Ok(self
+            .select(
+                &format!(
+                    "SELECT {COLS} FROM sandboxes WHERE spec->>'trajectory' = $1
+                     AND state IN ('creating', 'running', 'paused')
+                     ORDER BY created_at, seq LIMIT 1"
+                ),
+                &[&trajectory],
+            )
+            .await?
+            .pop())
+    }
+
+    async fn due_for_reaping(&self, now_ms: i64) -> Result<Vec<Record>> {
+        self.select(
+            &format!(
+                "SELECT {COLS} FROM sandboxes WHERE (expires_at IS NOT NULL AND expires_at <= $1)
+                 OR state = 'deleting' ORDER BY created_at, seq"
+            ),
+            &[&now_ms],
+        )
+        .await
+    }
+
+    async fn transition(&self, id: &str, from: &[SandboxState], to: SandboxState) -> Result<bool> {
+        let from: Vec<&str> = from.iter().map(|s| s.as_str()).collect();
+        let c = self.conn().await?;
+        let n = c
+            .execute(
+                "UPDATE sandboxes SET state = $1 WHERE id = $2 AND state = ANY($3)",
+                &[&to.as_str(), &id, &from],
+            )
+            .await
+            .map_err(pg("update state"))?;
+        Ok(n == 1)
+    }
+
+    async fn set_expiry(&self, id: &str, expires_at_ms: Option<i64>, ttl_s: u64) -> Result<bool> {
+        let c = self.conn().await?;
+        let n = c
+            .execute(
+                "UPDATE sandboxes SET expires_at = $1,
+                   spec = jsonb_set(spec, '{ttl_s}', to_jsonb($2::bigint))
+                 WHERE id = $3 AND state = 'running'",
+                &[&expires_at_ms, &(ttl_s as i64), &id],
+            )
+            .await
+            .map_err(pg("update expiry"))?;
+        Ok(n == 1)
+    }
+
+    async fn remove(&self, id: &str) -> Result<bool> {
+        let c = self.conn().await?;
+        let n = c
+            .execute("DELETE FROM sandboxes WHERE id = $1", &[&id])
+            .await
+            .map_err(pg("delete sandbox"))?;
+        Ok(n == 1)
+    }
+
+    async fn forget_keys_of(&self, id: &str) -> Result<()> {
+        let c = self.conn().await?;
+        c.execute("DELETE FROM idempotency WHERE sandbox_id = $1", &[&id])
+            .await
+            .map_err(pg("delete idempotency keys"))?;
+        Ok(())
+    }
+
+    async fn set_transition(&self, id: &str, owner: Option<(&str, i64)>) -> Result<bool> {
+        let (o, d) = owner.map_or((None, None), |(o, d)| (Some(o), Some(d)));
+        let c = self.conn().await?;
+        let n = c
+            .execute(
+                "UPDATE sandboxes SET owner = $1, deadline = $2 WHERE id = $3",
+                &[&o, &d, &id],
+            )
+            .await
+            .map_err(pg("update transition owner"))?;
+        Ok(n == 1)
+    }
+
+    async fn stale_transitions(&self, now_ms: i64) -> Result<Vec<StaleTransition>> {
+        let c = self.conn().await?;
+        c.query(
+            &format!(
+                "SELECT {COLS}, owner, deadline FROM sandboxes
+                 WHERE state IN ('creating', 'deleting') AND owner IS NOT NULL
+                 AND deadline <= $1 ORDER BY created_at, seq"
+            ),
+            &[&now_ms],
+        )
+        .await
+        .map_err(pg("select stale transitions"))?
+        .iter()
+        .map(|r| {
+            Ok(StaleTransition {
+                record: decode(r)?,
+                owner: r.get(10),
+                deadline_ms: r.get(11),
+            })
+        })
+        .collect()
+    }
+    async fn purge_keys(&self, before_ms: i64) -> Result<usize> {
+        let c = self.conn().await?;
+        Ok(c.execute(
+            "DELETE FROM idempotency WHERE created_at < $1",
+            &[&before_ms],
+        )
+        .await
+        .map_err(pg("purge idempotency keys"))? as usize)
+    }
+
+    async fn insert_key(&self, k: &KeyRow) -> Result<()> {
+        let c = self.conn().await?;
+        c.execute(
+            &format!(
+                "INSERT INTO api_keys ({KEY_COLS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)"
+            ),
+            &[
+                &k.id,
+                &k.name,
+                &k.digest,
+                &k.admin,
+                &k.quota.max_sandboxes.map(|v| v as i64),
+                &k.quota.max_cpu,
+                &k.quota.max_memory_mib.map(|v| v as i64),
+                &k.created_at_ms,
+                &k.revoked_at_ms,
+            ],
+        )
+        .await
+        .map_err(pg("insert api key"))?;
+        Ok(())
+    }
+
+    async fn key_by_digest(&self, digest: &str) -> Result<Option<KeyRow>> {
+        let c = self.conn().await?;
+        Ok(c.query_opt(
+            &format!("SELECT {KEY_COLS} FROM api_keys WHERE digest = $1"),
+            &[&digest],
+        )
+        .await
+        .map_err(pg("select api key"))?
+        .as_ref()
+        .map(key_row))
+    }
+
+    async fn list_keys(&self) -> Result<Vec<KeyRow>> {
+        let c = self.conn().await?;
+        Ok(c.query(
+            &format!("SELECT {KEY_COLS} FROM api_keys ORDER BY created_at, seq"),
+            &[],
+        )
+        .await
+        .map_err(pg("select api keys"))?
+        .iter()
+        .map(key_row)
+        .collect())
+    }
+
+    async fn revoke_key(&self, id: &str, now_ms: i64) -> Result<bool> {
+        let c = self.conn().await?;
+        let n = c
+            .execute(
+                "UPDATE api_keys SET revoked_at = $1 WHERE id = $2 AND revoked_at IS NULL",
+                &[&now_ms, &id],
+            )
+            .await
+            .map_err(pg("revoke api key"))?;
+        Ok(n == 1)
+    }
+
+    async fn has_keys(&self) -> Result<bool> {
+        let c = self.conn().await?;
+        Ok(c.query_opt("SELECT 1 FROM api_keys LIMIT 1", &[])
+            .await
+            .map_err(pg("count api keys"))?
+            .is_some())
+    }
+
+    async fn claim_trajectory(&self, t: &str, tenant: &str) -> Result<bool> {
+        let c = self.conn().await?;
+        // Waits for a concurrent uncommitted claim; then the committed owner is read.
+        c.execute(
+            "INSERT INTO trajectory_owners (trajectory, tenant) VALUES ($1, $2)
+             ON CONFLICT (trajectory) DO NOTHING",
+            &[&t, &tenant],
+        )
+        .await
+        .map_err(pg("claim trajectory"))?;
+        let owner: Option<String> = c
+            .query_opt(
+                "SELECT tenant FROM trajectory_owners WHERE trajectory = $1",
+                &[&t],
+            )
+            .await
+            .map_err(pg("select trajectory owner"))?
+            .map(|r| r.get(0));
+        Ok(owner.as_deref() == Some(tenant))
+    }
+
+    async fn trajectory_owner(&self, t: &str) -> Result<Option<String>> {
+        let c = self.conn().await?;
+        Ok(c.query_opt(
+            "SELECT tenant FROM trajectory_owners WHERE trajectory = $1",
+            &[&t],
+        )
+        .await
+        .map_err(pg("select trajectory owner"))?
+        .map(|r| r.get(0)))
+    }
+
+    async fn forget_trajectory_owner(&self, t: &str) -> Result<()> {
+        let c = self.conn().await?;
+        c.execute("DELETE FROM trajectory_owners WHERE trajectory = $1", &[&t])
+            .await
+            .map_err(pg("forget trajectory owner"))?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sandlot_api::{Backend, NetworkPolicy};
+    use std::sync::Arc;
+
+    fn rec(id: &str, created: i64, tenant: Option<&str>) -> Record {
+        Record {
+            id: id.into(),
+            backend: Backend::Function,
+            image: "python".into(),
+            state: SandboxState::Creating,
+            node: "n1".into(),
+            created_at_ms: created,
+            expires_at_ms: Some(created + 10_000),
+            spec: SpecJson {
+                cpu: 0.5,
+                memory_mib: 256,
+                disk_mib: 1024,
+                pids_max: 64,
+                ttl_s: 10,
+                env: [("A".to_string(), "b".to_string())].into(),
+                network: NetworkPolicy::None,
+                runtime: None,
+                checkpoint: None,
+                accel: None,
+                trajectory: Some("traj-1".into()),
+            },
+            labels: [("job".to_string(), "x".to_string())].into(),
+            tenant: tenant.map(str::to_owned),
+        }
+    }
+
+    // ---- the contract: one suite, run against both registries ----
+
+    async fn contract_records(r: &dyn Registry) {
+        let a = rec("sb-a", 1, Some("key_t"));
+        let b = rec("sb-b", 2, None);
+        assert_eq!(
+            r.insert_checked(&a, Some(("k1", "d1")), None)
+                .await
+                .unwrap(),
+            KeyOutcome::Inserted
+        );
+        assert_eq!(
+            r.insert_checked(&b, None, None).await.unwrap(),
+            KeyOutcome::Inserted
+        );
+        // Same key: replay with the same digest, mismatch with another; nothing inserted.
+        let c = rec("sb-c", 3, None);
+        assert_eq!(
+            r.insert_checked(&c, Some(("k1", "d1")), None)
+                .await
+                .unwrap(),
+            KeyOutcome::Replay("sb-a".into())
+        );
+        assert_eq!(
+            r.insert_checked(&c, Some(("k1", "d2")), None)
+                .await
+                .unwrap(),
+            KeyOutcome::Mismatch
+        );
+        assert!(r.get("sb-c").await.unwrap().is_none());
+        assert_eq!(r.get("sb-a").await.unwrap().unwrap(), a);
+        let ids: Vec<String> = r.list().await.unwrap().into_iter().map(|x| x.id).collect();
+        assert_eq!(ids, ["sb-a", "sb-b"]);
+        // Trajectory: oldest live record.
+        assert_eq!(
+            r.live_by_trajectory("traj-1").await.unwrap().unwrap().id,
+            "sb-a"
+        );
+        assert!(r.live_by_trajectory("none").await.unwrap().is_none());
+        // Compare-and-set transitions.
+        assert!(r
+            .transition("sb-a", &[SandboxState::Creating], SandboxState::Running)
+            .await
+            .unwrap());
+        assert!(!r
+            .transition("sb-a", &[SandboxState::Creating], SandboxState::Running)
+            .await
+            .unwrap());
+        assert!(!r
+            .transition("sb-x", &[SandboxState::Creating], SandboxState::Running)
+            .await
+            .unwrap());
+        // Expiry: only a running record.
+        assert!(r.set_expiry("sb-a", Some(50_000), 50).await.unwrap());
+        assert!(!r.set_expiry("sb-b", Some(50_000), 50).await.unwrap());
+        let got = r.get("sb-a").await.unwrap().unwrap();
+        assert_eq!((got.expires_at_ms, got.spec.ttl_s), (Some(50_000), 50));
+        // Reaping: sb-b expires at 10_002; sb-a at 50_000.
+        let due: Vec<String> = r
+            .due_for_reaping(20_000)
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|x| x.id)
+            .collect();
+        assert_eq!(due, ["sb-b"]);
+        // Transition owners and deadlines.
+        assert!(r
+            .set_transition("sb-b", Some(("srv-1", 100)))
+            .await
+            .unwrap());
+        assert!(!r
+            .set_transition("sb-x", Some(("srv-1", 100)))
+            .await
+            .unwrap());
+        assert!(r.stale_transitions(99).await.unwrap().is_empty());
+        let stale = r.stale_transitions(100).await.unwrap();
+        assert_eq!(stale.len(), 1);
+        assert_eq!(
+            (
+                stale[0].record.id.as_str(),
+                stale[0].owner.as_str(),
+                stale[0].deadline_ms
+            ),
+            ("sb-b", "srv-1", 100)
+        );
+        // A running record is not a transition, whatever its owner.
+        assert!(r.set_transition("sb-a", Some(("srv-1", 1))).await.unwrap());
+        assert_eq!(r.stale_transitions(1000).await.unwrap().len(), 1);
+        assert!(r.set_transition("sb-b", None).await.unwrap());
+        assert!(r.stale_transitions(1000).await.unwrap().is_empty());
+        // Deleting state is reaped, and frees its quota.
+        assert!(r
+            .transition("sb-b", &[SandboxState::Creating], SandboxState::Deleting)
+            .await
+            .unwrap());
+        assert_eq!(r.due_for_reaping(0).await.unwrap().len(), 1);
+        // A failed create forgets its key: a retry creates again.
+        r.forget_keys_of("sb-a").await.unwrap();
+        assert!(r.remove("sb-a").await.unwrap());
+        assert!(!r.remove("sb-a").await.unwrap());
+        assert_eq!(
+            r.insert_checked(&c, Some(("k1", "d1")), None)
+                .await
+                .unwrap(),
+            KeyOutcome::Inserted
+        );
+    }
+
+    async fn contract_quota(r: &dyn Registry) {
+        let q = Quota {
+            max_sandboxes: Some(2),
+            max_cpu: None,
+            max_memory_mib: None,
+        };
+        let t = Some("key_q");
+        for (i, id) in ["sb-q1", "sb-q2"].iter().enumerate() {
+            assert_eq!(
+                r.insert_checked(&rec(id, i as i64, t), None, Some(&q))
+                    .await
+                    .unwrap(),
+                KeyOutcome::Inserted
+            );
+        }
+        // Full; the refused create's key is rolled back with it.
+        assert!(matches!(
+            r.insert_checked(&rec("sb-q3", 5, t), Some(("kq", "d")), Some(&q))
+                .await
+                .unwrap(),
+            KeyOutcome::OverQuota(_)
+        ));
+        // Other tenants are not counted.
+        assert_eq!(
+            r.insert_checked(&rec("sb-o", 6, Some("key_o")), None, Some(&q))
+                .await
+                .unwrap(),
+            KeyOutcome::Inserted
+        );
+        // A deleting sandbox frees its slot.
+        assert!(r
+            .transition("sb-q1", &[SandboxState::Creating], SandboxState::Deleting)
+            .await
+            .unwrap());
+        assert_eq!(
+            r.insert_checked(&rec("sb-q3", 7, t), Some(("kq", "d")), Some(&q))
+                .await
+                .unwrap(),
+            KeyOutcome::Inserted
+        );
+        // Memory limit.
+        let qm = Quota {
+            max_sandboxes: None,
+            max_cpu: None,
+            max_memory_mib: Some(600),
+        };
+        assert!(matches!(
+            r.insert_checked(&rec("sb-m", 8, t), None, Some(&qm))
+                .await
+                .unwrap(),
+            KeyOutcome::OverQuota(m) if m.contains("memory_mib")
+        ));
+    }
+
+    /// `regs[i]` race for the last quota slot of one tenant, then on one Idempotency-Key:
+    /// exactly one wins each race.
+    async fn contract_races(regs: Vec<Arc<dyn Registry>>) {
+        let q = Quota {
+            max_sandboxes: Some(3),
+            max_cpu: None,
+            max_memory_mib: None,
+        };
+        let t = Some("key_race");
+        for id in ["sb-r1", "sb-r2"] {
+            regs[0]
+                .insert_checked(&rec(id, 0, t), None, Some(&q))
+                .await
+                .unwrap();
+        }
+        let tasks: Vec<_> = regs
+            .iter()
+            .enumerate()
+            .map(|(i, r)| {
+                let r = r.clone();
+                tokio::spawn(async move {
+                    r.insert_checked(&rec(&format!("sb-slot{i}"), 1, t), None, Some(&q))
+                        .await
+                        .unwrap()
+                })
+            })
+            .collect();
+        let mut won = 0;
+        for task in tasks {
+            match task.await.unwrap() {
+                KeyOutcome::Inserted => won += 1,
+                KeyOutcome::OverQuota(_) => {}
+                other => panic!("{other:?}"),
+            }
+        }
+        assert_eq!(won, 1, "exactly one create takes the last slot");
+
+        let tasks: Vec<_> = regs
+            .iter()
+            .enumerate()
+            .map(|(i, r)| {
+                let r = r.clone();
+                tokio::spawn(async move {
+                    let id = format!("sb-key{i}");
+                    let out = r
+                        .insert_checked(&rec(&id, 2, None), Some(("race-key", "d")), None)
+                        .await
+                        .unwrap();
+                    (id, out)
+                })
+            })
+            .collect();
+        let mut winner = None;
+        let mut replays = Vec::new();
+        for task in tasks {
+            match task.await.unwrap() {
+                (id, KeyOutcome::Inserted) => {
+                    assert!(winner.is_none(), "two creates for one key");
+                    winner = Some(id);
+                }
+                (_, KeyOutcome::Replay(sid)) => replays.push(sid),
+                other => panic!("{other:?}"),
+            }
+        }
+        let winner = winner.expect("one create for the key");
+        assert!(
+            replays.iter().all(|s| *s == winner),
+            "{replays:?} vs {winner}"
+        );
+        let keyed = regs[0]
+            .list()
+            .await
+            .unwrap()
+            .into_iter()
+            .filter(|x| x.id.starts_with("sb-key"))
+            .count();
+        assert_eq!(keyed, 1);
+    }
+
+    fn sqlite(name: &str) -> (tempfile::TempDir, Arc<Store>) {
+        let dir = tempfile::Builder::new()
+            .prefix(&format!("sandlot-registry-test-{name}-"))
+            .tempdir()
+            .unwrap();
+        let s = Store::open(&dir.path().join("sandlot.db")).unwrap();
+        (dir, Arc::new(s))
+    }
+
+    async fn contract_keys(r: &dyn Registry) {
+        assert!(!r.has_keys().await.unwrap());
+        let k = |id: &str, digest: &str, at| KeyRow {
+            id: id.into(),
+            name: format!("name-{id}"),
+            digest: digest.into(),
+            admin: id == "key_a",
+            quota: Quota {
+                max_sandboxes: Some(3),
+                max_cpu: Some(1.5),
+                max_memory_mib: None,
+            },
+            created_at_ms: at,
+            revoked_at_ms: None,
+        };
+        r.insert_key(&k("key_a", "da", 1)).await.unwrap();
+        r.insert_key(&k("key_b", "db", 2)).await.unwrap();
+        // Duplicate digest refused.
+        assert!(r.insert_key(&k("key_c", "da", 3)).await.is_err());
+        assert!(r.has_keys().await.unwrap());
+        assert_eq!(
+            r.key_by_digest("db").await.unwrap(),
+            Some(k("key_b", "db", 2))
+        );
+        assert!(r.key_by_digest("zz").await.unwrap().is_none());
+        assert!(r.revoke_key("key_b", 9).await.unwrap());
+        assert!(!r.revoke_key("key_b", 10).await.unwrap());
+        let keys = r.list_keys().await.unwrap();
+        assert_eq!(keys.len(), 2);
+        assert_eq!((keys[0].admin, keys[1].revoked_at_ms), (true, Some(9)));
+        // Trajectory ownership: first claim wins.
+        assert!(r.claim_trajectory("t", "key_a").await.unwrap());
+        assert!(r.claim_trajectory("t", "key_a").await.unwrap());
+        assert!(!r.claim_trajectory("t", "key_b").await.unwrap());
+        assert_eq!(
+            r.trajectory_owner("t").await.unwrap().as_deref(),
+            Some("key_a")
+        );
+        r.forget_trajectory_owner("t").await.unwrap();
+        assert!(r.trajectory_owner("t").await.unwrap().is_none());
+        // Idempotency keys expire by age.
+        r.insert_checked(&rec("sb-p", 100, None), Some(("old", "d")), None)
+            .await
+            .unwrap();
+        assert_eq!(r.purge_keys(100).await.unwrap(), 0);
+        assert_eq!(r.purge_keys(101).await.unwrap(), 1);
+    }
+
+    #[tokio::test]
+    async fn sqlite_contract() {
+        let (_d, s) = sqlite("keys");
+        contract_keys(&*s).await;
+        let (_d, s) = sqlite("records");
+        contract_records(&*s).await;
+        let (_d, s) = sqlite("quota");
+        contract_quota(&*s).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn sqlite_races() {
+        // Embedded mode: one process, one Store shared by every handler.
+        let (_d, s) = sqlite("races");
+        let regs: Vec<Arc<dyn Registry>> = (0..8).map(|_| s.clone() as Arc<dyn Registry>).collect();
+        contract_races(regs).await;
+    }
+
+    /// `n` registries on a fresh PostgreSQL database, each with its own pool of one
+    /// connection (as separate servers), or `None` (skipped).
+    async fn pg(test: &str, n: usize) -> Option<Vec<Arc<dyn Registry>>> {
+        let url = crate::pg::testing::fresh_database(test).await?;
+        let mut v: Vec<Arc<dyn Registry>> = Vec::new();
+        for _ in 0..n {
+            let pool = crate::pg::connect(&url, 1).await.unwrap();
+            v.push(Arc::new(PgRegistry::new(pool)));
+        }
+        Some(v)
+    }
+
+    #[tokio::test]
+    async fn pg_contract() {
+        let Some(r) = pg("pg_contract_keys", 1).await else {
+            return;
+        };
+        contract_keys(&*r[0]).await;
+        let Some(r) = pg("pg_contract_records", 1).await else {
+            return;
+        };
+        contract_records(&*r[0]).await;
+        let Some(r) = pg("pg_contract_quota", 1).await else {
+            return;
+        };
+        contract_quota(&*r[0]).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn pg_races() {
+        let Some(regs) = pg("pg_races", 8).await else {
+            return;
+        };
+        contract_races(regs).await;
+    }
+}
