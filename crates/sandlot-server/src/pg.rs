@@ -191,3 +191,49 @@ pub(crate) mod testing {
         Some(format!("{base}/{name}"))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    /// Several servers starting at once on an empty database: each migration is applied
+    /// once (the advisory lock), and every server gets a working pool.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn concurrent_start_migrates_once() {
+        let Some(url) = super::testing::fresh_database("concurrent_start_migrates_once").await
+        else {
+            return;
+        };
+        let tasks: Vec<_> = (0..6)
+            .map(|_| {
+                let url = url.clone();
+                tokio::spawn(async move { super::connect(&url, 1).await })
+            })
+            .collect();
+        let mut pools = Vec::new();
+        for t in tasks {
+            pools.push(t.await.unwrap().expect("connect and migrate"));
+        }
+        let c = pools[0].get().await.unwrap();
+        let applied: i64 = c
+            .query_one("SELECT count(*) FROM refinery_schema_history", &[])
+            .await
+            .unwrap()
+            .get(0);
+        let files = std::fs::read_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/migrations/pg"))
+            .unwrap()
+            .count() as i64;
+        assert_eq!(applied, files);
+    }
+
+    #[tokio::test]
+    async fn bad_url_and_unreachable_server() {
+        assert!(matches!(
+            super::connect("postgres://u@h:notaport/db", 1).await,
+            Err(super::PgError::Url(_))
+        ));
+        // Nothing listens on port 1: fails (within the pool's create timeout).
+        assert!(matches!(
+            super::connect("postgres://u@127.0.0.1:1/db", 1).await,
+            Err(super::PgError::Unavailable(_))
+        ));
+    }
+}
