@@ -109,7 +109,8 @@ pub(crate) mod testing {
 
     /// The server URL for tests: `SANDLOT_TEST_POSTGRES_URL`, else one server per test
     /// process started by `scripts/postgres.sh` in a temp dir (stopped and removed by a
-    /// watchdog shell when this process exits). `Err(why)` when neither is possible.
+    /// watchdog shell, in its own session, when this process exits, also when killed).
+    /// `Err(why)` when neither is possible.
     pub(crate) fn server_url() -> Result<String, String> {
         static URL: OnceLock<Result<String, String>> = OnceLock::new();
         URL.get_or_init(|| {
@@ -126,6 +127,25 @@ pub(crate) mod testing {
                 .and_then(|l| l.local_addr())
                 .map_err(|e| format!("free port: {e}"))?
                 .port();
+            // Watchdog: stop the server and remove its dir once this test process is gone;
+            // spawned first, so a test killed while the server starts leaves nothing either.
+            // In its own session (setsid), so killing the test's process group (a timeout)
+            // does not take the watchdog with it.
+            let _ = Command::new("setsid")
+                .arg("bash")
+                .arg("-c")
+                .arg(
+                    "while kill -0 \"$1\" 2>/dev/null; do sleep 0.5; done; \
+                     bash \"$2\" stop \"$3\" >/dev/null 2>&1; rm -rf \"$3\"",
+                )
+                .arg("watchdog")
+                .arg(std::process::id().to_string())
+                .arg(script)
+                .arg(&dir)
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn();
             let out = Command::new("bash")
                 .arg(script)
                 .arg("start")
@@ -141,21 +161,6 @@ pub(crate) mod testing {
                     String::from_utf8_lossy(&out.stderr).trim()
                 ));
             }
-            // Watchdog: stop the server and remove its dir once this test process is gone.
-            let _ = Command::new("bash")
-                .arg("-c")
-                .arg(
-                    "while kill -0 \"$1\" 2>/dev/null; do sleep 0.5; done; \
-                     bash \"$2\" stop \"$3\" >/dev/null 2>&1; rm -rf \"$3\"",
-                )
-                .arg("watchdog")
-                .arg(std::process::id().to_string())
-                .arg(script)
-                .arg(&dir)
-                .stdin(Stdio::null())
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn();
             let line = String::from_utf8_lossy(&out.stdout);
             line.lines()
                 .find_map(|l| l.strip_prefix("postgres "))
