@@ -109,7 +109,8 @@ pub(crate) mod testing {
 
     /// The server URL for tests: `SANDLOT_TEST_POSTGRES_URL`, else one server per test
     /// process started by `scripts/postgres.sh` in a temp dir (stopped and removed by a
-    /// watchdog shell when this process exits). `Err(why)` when neither is possible.
+    /// watchdog shell, in its own session, when this process exits, also when killed).
+    /// `Err(why)` when neither is possible.
     pub(crate) fn server_url() -> Result<String, String> {
         static URL: OnceLock<Result<String, String>> = OnceLock::new();
         URL.get_or_init(|| {
@@ -126,6 +127,25 @@ pub(crate) mod testing {
                 .and_then(|l| l.local_addr())
                 .map_err(|e| format!("free port: {e}"))?
                 .port();
+            // Watchdog: stop the server and remove its dir once this test process is gone;
+            // spawned first, so a test killed while the server starts leaves nothing either.
+            // In its own session (setsid), so killing the test's process group (a timeout)
+            // does not take the watchdog with it.
+            let _ = Command::new("setsid")
+                .arg("bash")
+                .arg("-c")
+                .arg(
+                    "while kill -0 \"$1\" 2>/dev/null; do sleep 0.5; done; \
+                     bash \"$2\" stop \"$3\" >/dev/null 2>&1; rm -rf \"$3\"",
+                )
+                .arg("watchdog")
+                .arg(std::process::id().to_string())
+                .arg(script)
+                .arg(&dir)
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn();
             let out = Command::new("bash")
                 .arg(script)
                 .arg("start")
@@ -141,21 +161,6 @@ pub(crate) mod testing {
                     String::from_utf8_lossy(&out.stderr).trim()
                 ));
             }
-            // Watchdog: stop the server and remove its dir once this test process is gone.
-            let _ = Command::new("bash")
-                .arg("-c")
-                .arg(
-                    "while kill -0 \"$1\" 2>/dev/null; do sleep 0.5; done; \
-                     bash \"$2\" stop \"$3\" >/dev/null 2>&1; rm -rf \"$3\"",
-                )
-                .arg("watchdog")
-                .arg(std::process::id().to_string())
-                .arg(script)
-                .arg(&dir)
-                .stdin(Stdio::null())
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn();
             let line = String::from_utf8_lossy(&out.stdout);
             line.lines()
                 .find_map(|l| l.strip_prefix("postgres "))
@@ -189,5 +194,51 @@ pub(crate) mod testing {
         let base = url.split('?').next().unwrap_or(&url);
         let base = base.rsplit_once('/').map_or(base, |(b, _)| b);
         Some(format!("{base}/{name}"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// Several servers starting at once on an empty database: each migration is applied
+    /// once (the advisory lock), and every server gets a working pool.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn concurrent_start_migrates_once() {
+        let Some(url) = super::testing::fresh_database("concurrent_start_migrates_once").await
+        else {
+            return;
+        };
+        let tasks: Vec<_> = (0..6)
+            .map(|_| {
+                let url = url.clone();
+                tokio::spawn(async move { super::connect(&url, 1).await })
+            })
+            .collect();
+        let mut pools = Vec::new();
+        for t in tasks {
+            pools.push(t.await.unwrap().expect("connect and migrate"));
+        }
+        let c = pools[0].get().await.unwrap();
+        let applied: i64 = c
+            .query_one("SELECT count(*) FROM refinery_schema_history", &[])
+            .await
+            .unwrap()
+            .get(0);
+        let files = std::fs::read_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/migrations/pg"))
+            .unwrap()
+            .count() as i64;
+        assert_eq!(applied, files);
+    }
+
+    #[tokio::test]
+    async fn bad_url_and_unreachable_server() {
+        assert!(matches!(
+            super::connect("postgres://u@h:notaport/db", 1).await,
+            Err(super::PgError::Url(_))
+        ));
+        // Nothing listens on port 1: fails (within the pool's create timeout).
+        assert!(matches!(
+            super::connect("postgres://u@127.0.0.1:1/db", 1).await,
+            Err(super::PgError::Unavailable(_))
+        ));
     }
 }

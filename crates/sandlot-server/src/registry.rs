@@ -6,8 +6,8 @@
 //! Covered so far: sandbox records, idempotency keys and tenant quotas
 //! ([`Registry::insert_checked`]), the owner + deadline of `creating` / `deleting`
 //! transitions ([`Registry::set_transition`], [`Registry::stale_transitions`]), API keys
-//! and trajectory owners (schema: `migrations/pg/V3__keys_and_trajectory_owners.sql`).
-//! Checkpoint records are still only on [`Store`] (`crate::checkpoints`).
+//! and trajectory owners (`migrations/pg/V3__keys_and_trajectory_owners.sql`), checkpoint
+//! records (`migrations/pg/V4__checkpoints.sql`).
 //!
 //! Cross-server semantics on PostgreSQL (READ COMMITTED):
 //! - an Idempotency-Key maps to exactly one sandbox: the key's row is inserted first with
@@ -17,6 +17,7 @@
 //! - quotas: a create that checks a quota first locks its tenant's row in `tenant_locks`
 //!   (`FOR UPDATE`), then sums the tenant's sandboxes; creates of one tenant serialise on
 //!   that lock, so two servers cannot both admit the last slot.
+use crate::checkpoints::CheckpointRow;
 use crate::store::{KeyOutcome, KeyRow, Quota, Record, SpecJson, Store, StoreError};
 use async_trait::async_trait;
 use deadpool_postgres::Pool;
@@ -172,6 +173,30 @@ pub trait Registry: Send + Sync + 'static {
     /// # Errors
     /// Store failures.
     async fn forget_trajectory_owner(&self, t: &str) -> Result<()>;
+
+    /// Add a checkpoint record.
+    ///
+    /// # Errors
+    /// Store failures, also for a duplicate id.
+    async fn insert_checkpoint(&self, c: &CheckpointRow) -> Result<()>;
+
+    /// One checkpoint record by id.
+    ///
+    /// # Errors
+    /// Store failures or an undecodable row.
+    async fn get_checkpoint(&self, id: &str) -> Result<Option<CheckpointRow>>;
+
+    /// Every checkpoint record, oldest first.
+    ///
+    /// # Errors
+    /// Store failures or an undecodable row.
+    async fn list_checkpoints(&self) -> Result<Vec<CheckpointRow>>;
+
+    /// Remove a checkpoint record (absent is fine).
+    ///
+    /// # Errors
+    /// Store failures.
+    async fn remove_checkpoint(&self, id: &str) -> Result<()>;
 }
 
 #[async_trait]
@@ -248,6 +273,18 @@ impl Registry for Store {
     async fn forget_trajectory_owner(&self, t: &str) -> Result<()> {
         Store::forget_trajectory_owner(self, t)
     }
+    async fn insert_checkpoint(&self, c: &CheckpointRow) -> Result<()> {
+        Store::insert_checkpoint(self, c)
+    }
+    async fn get_checkpoint(&self, id: &str) -> Result<Option<CheckpointRow>> {
+        Store::get_checkpoint(self, id)
+    }
+    async fn list_checkpoints(&self) -> Result<Vec<CheckpointRow>> {
+        Store::list_checkpoints(self)
+    }
+    async fn remove_checkpoint(&self, id: &str) -> Result<()> {
+        Store::remove_checkpoint(self, id)
+    }
 }
 
 fn pg(op: &'static str) -> impl FnOnce(tokio_postgres::Error) -> StoreError {
@@ -301,6 +338,28 @@ fn key_row(r: &tokio_postgres::Row) -> KeyRow {
         created_at_ms: r.get(7),
         revoked_at_ms: r.get(8),
     }
+}
+
+const CK_COLS: &str =
+    "id, sandbox_id, backend, image, runtime, disk_mib, size_bytes, created_at, tenant";
+
+fn checkpoint_row(r: &tokio_postgres::Row) -> Result<CheckpointRow> {
+    let id: String = r.get(0);
+    let backend: String = r.get(2);
+    Ok(CheckpointRow {
+        backend: backend.parse().map_err(|what| StoreError::Corrupt {
+            id: id.clone(),
+            what,
+        })?,
+        sandbox_id: r.get(1),
+        image: r.get(3),
+        runtime: r.get(4),
+        disk_mib: r.get::<_, i64>(5) as u64,
+        size_bytes: r.get::<_, i64>(6) as u64,
+        created_at_ms: r.get(7),
+        tenant: r.get(8),
+        id,
+    })
 }
 
 /// PostgreSQL implementation of [`Registry`]. Cheap to share behind an `Arc`.
@@ -666,6 +725,63 @@ impl Registry for PgRegistry {
             .map_err(pg("forget trajectory owner"))?;
         Ok(())
     }
+
+    async fn insert_checkpoint(&self, ck: &CheckpointRow) -> Result<()> {
+        let c = self.conn().await?;
+        c.execute(
+            &format!(
+                "INSERT INTO checkpoints ({CK_COLS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)"
+            ),
+            &[
+                &ck.id,
+                &ck.sandbox_id,
+                &ck.backend.as_str(),
+                &ck.image,
+                &ck.runtime,
+                &(ck.disk_mib as i64),
+                &(ck.size_bytes as i64),
+                &ck.created_at_ms,
+                &ck.tenant,
+            ],
+        )
+        .await
+        .map_err(pg("insert checkpoint"))?;
+        Ok(())
+    }
+
+    async fn get_checkpoint(&self, id: &str) -> Result<Option<CheckpointRow>> {
+        let c = self.conn().await?;
+        c.query_opt(
+            &format!("SELECT {CK_COLS} FROM checkpoints WHERE id = $1"),
+            &[&id],
+        )
+        .await
+        .map_err(pg("select checkpoint"))?
+        .as_ref()
+        .map(checkpoint_row)
+        .transpose()
+    }
+
+    async fn list_checkpoints(&self) -> Result<Vec<CheckpointRow>> {
+        let c = self.conn().await?;
+        c.query(
+            &format!("SELECT {CK_COLS} FROM checkpoints ORDER BY created_at, id"),
+            &[],
+        )
+        .await
+        .map_err(pg("list checkpoints"))?
+        .iter()
+        .map(checkpoint_row)
+        .collect()
+    }
+
+    async fn remove_checkpoint(&self, id: &str) -> Result<()> {
+        let c = self.conn().await?;
+        c.execute("DELETE FROM checkpoints WHERE id = $1", &[&id])
+            .await
+            .map_err(pg("delete checkpoint"))?;
+        Ok(())
+    }
 }
 
 #[cfg(test)]
@@ -998,6 +1114,34 @@ mod tests {
             .unwrap();
         assert_eq!(r.purge_keys(100).await.unwrap(), 0);
         assert_eq!(r.purge_keys(101).await.unwrap(), 1);
+        // Checkpoint records.
+        let ck = |id: &str, at| CheckpointRow {
+            id: id.into(),
+            sandbox_id: "sb-1".into(),
+            backend: Backend::Container,
+            image: "python".into(),
+            runtime: Some("runc".into()),
+            disk_mib: 1024,
+            size_bytes: 5 << 20,
+            created_at_ms: at,
+            tenant: Some("key_a".into()),
+        };
+        r.insert_checkpoint(&ck("ck-2", 2)).await.unwrap();
+        r.insert_checkpoint(&ck("ck-1", 1)).await.unwrap();
+        assert!(r.insert_checkpoint(&ck("ck-1", 1)).await.is_err());
+        assert_eq!(r.get_checkpoint("ck-2").await.unwrap(), Some(ck("ck-2", 2)));
+        assert!(r.get_checkpoint("ck-9").await.unwrap().is_none());
+        let ids: Vec<String> = r
+            .list_checkpoints()
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|c| c.id)
+            .collect();
+        assert_eq!(ids, ["ck-1", "ck-2"]);
+        r.remove_checkpoint("ck-1").await.unwrap();
+        r.remove_checkpoint("ck-1").await.unwrap();
+        assert_eq!(r.list_checkpoints().await.unwrap().len(), 1);
     }
 
     #[tokio::test]
