@@ -31,7 +31,7 @@ use axum::Extension;
 use sandlot_api::{
     Backend, CreateSandboxRequest, ErrorCode, KeepaliveRequest, Sandbox, SandboxList, SandboxState,
 };
-use sandlot_node_api::SandboxSpec;
+use sandlot_node_api::{NodeError, SandboxSpec};
 use sha2::{Digest, Sha256};
 use std::collections::BTreeMap;
 
@@ -289,12 +289,23 @@ async fn finish_create(st: &SharedState, mut rec: Record) -> ApiResult<(Record, 
     st.metrics
         .create_done(rec.backend, started.elapsed().as_secs_f64());
     if let Err(e) = created {
-        tracing::info!(sandbox_id = %id, error = %crate::error::chain(&e), "create failed; record removed");
-        st.store.remove(&id)?;
         st.store.forget_keys_of(&id)?;
+        let outcome_unknown = matches!(e, NodeError::Transport(_));
+        if outcome_unknown {
+            // The sandbox may exist on the node: keep the record as `deleting` (no longer
+            // counted against the quota) so the reaper deletes it there, then the record.
+            tracing::warn!(sandbox_id = %id, error = %crate::error::chain(&e), "create's outcome unknown; the reaper deletes it");
+            let all = [SandboxState::Creating, SandboxState::Deleting];
+            st.store.transition(&id, &all, SandboxState::Deleting)?;
+        } else {
+            tracing::info!(sandbox_id = %id, error = %crate::error::chain(&e), "create failed; record removed");
+            st.store.remove(&id)?;
+        }
         let e = ServerError::from(e);
         crate::events::record_error(st, "create", Some(&id), Some(rec.backend), &e);
-        st.events.forget_owner(&id);
+        if !outcome_unknown {
+            st.events.forget_owner(&id); // else the reaper's `deleted` event ends it
+        }
         return Err(e);
     }
     if st

@@ -753,6 +753,36 @@ async fn a_node_transport_failure_is_unavailable_and_never_lost() {
 }
 
 #[tokio::test]
+async fn a_create_whose_outcome_is_unknown_is_deleted_on_the_node_by_the_reaper() {
+    // The link breaks while the node creates: the sandbox may exist there. The call fails
+    // 503, the record waits as `deleting` (not counted, not listed as running) and the
+    // reaper deletes it on the node once the link is back.
+    let t = setup("create-transport");
+    *t.node.link_down.lock().unwrap() = Some("connection reset by peer".into());
+    let r = call(&t.app, Method::POST, "/v1/sandboxes", Some(json!({}))).await;
+    assert_eq!(
+        (r.status, r.code()),
+        (StatusCode::SERVICE_UNAVAILABLE, "unavailable".into())
+    );
+    let recs = t.st.store.list().unwrap();
+    assert_eq!(recs.len(), 1, "{recs:?}");
+    assert_eq!(recs[0].state, sandlot_api::SandboxState::Deleting);
+    let id = recs[0].id.clone();
+    // As if the node had made it before the answer was lost.
+    t.node
+        .sandboxes
+        .lock()
+        .unwrap()
+        .insert(id.clone(), Default::default());
+    lifecycle::reap_once(&t.st).await; // link still down: kept for the next pass
+    assert_eq!(t.st.store.list().unwrap().len(), 1);
+    *t.node.link_down.lock().unwrap() = None;
+    lifecycle::reap_once(&t.st).await;
+    assert!(t.st.store.list().unwrap().is_empty());
+    assert!(t.node.ids().is_empty(), "{:?}", t.node.ids());
+}
+
+#[tokio::test]
 async fn a_sandbox_that_died_under_its_node_is_marked_lost() {
     let t = setup("lost");
     let r = call(&t.app, Method::POST, "/v1/sandboxes", Some(json!({}))).await;
