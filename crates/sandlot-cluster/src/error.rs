@@ -73,18 +73,28 @@ pub(crate) async fn call<T>(
 
 /// Whether a failed call may succeed on another endpoint: the connection failed or the
 /// member answered "unavailable" (stopped, no leader). Everything else is final.
+///
+/// A connection that closes under a request (a member stopping) comes back from tonic as
+/// status CANCELLED with the transport error as its source; that is retryable too, while a
+/// CANCELLED the member itself sent (no source) is not.
 fn retryable(e: &etcd_client::Error) -> bool {
+    use std::error::Error as _;
     match e {
         etcd_client::Error::TransportError(_) => true,
-        // gRPC status 14 = UNAVAILABLE (grpc/grpc doc/statuscodes.md).
-        etcd_client::Error::GRpcStatus(s) => s.code() as i32 == 14,
+        // gRPC status codes (grpc/grpc doc/statuscodes.md): 14 UNAVAILABLE, 1 CANCELLED.
+        etcd_client::Error::GRpcStatus(s) => {
+            s.code() as i32 == 14 || (s.code() as i32 == 1 && s.source().is_some())
+        }
         _ => false,
     }
 }
 
-/// [`call`] with up to 3 attempts when the failure is [`retryable`]: with several
-/// endpoints, the client's balancer may route a call to a member that just died; the next
-/// attempt goes elsewhere. `make` builds a fresh call per attempt; each has `limit`.
+/// [`call`] with up to 10 attempts when the failure is [`retryable`], pausing 50 ms after
+/// the first failure and doubling up to 500 ms (at most ~3 s of pauses). With several
+/// endpoints the client's balancer (tonic's power of two choices on pending requests)
+/// keeps routing calls to a member that has stopped: its connection fails at once, so it
+/// looks idle and is often preferred; three attempts all landed there on a loaded host.
+/// `make` builds a fresh call per attempt; each has `limit`.
 pub(crate) async fn call_retry<T, F, Fut>(
     op: &'static str,
     limit: Duration,
@@ -98,11 +108,31 @@ where
     loop {
         attempt += 1;
         match call(op, limit, make()).await {
-            Err(ClusterError::Etcd { source, .. }) if attempt < 3 && retryable(&source) => {
+            Err(ClusterError::Etcd { source, .. }) if attempt < 10 && retryable(&source) => {
                 tracing::debug!(op, attempt, error = %source, "etcd call failed on one endpoint; retrying");
-                tokio::time::sleep(Duration::from_millis(50)).await;
+                let pause = Duration::from_millis(50) * 2u32.pow(attempt.min(5) - 1);
+                tokio::time::sleep(pause.min(Duration::from_millis(500))).await;
             }
             other => return other,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    #[test]
+    fn a_connection_closed_under_a_call_is_retryable_but_a_members_cancel_is_not() {
+        let mut closed = tonic::Status::cancelled("operation was canceled");
+        closed.set_source(Arc::new(std::io::Error::other("connection closed")));
+        assert!(retryable(&etcd_client::Error::GRpcStatus(closed)));
+        let sent = tonic::Status::cancelled("the member cancelled it");
+        assert!(!retryable(&etcd_client::Error::GRpcStatus(sent)));
+        let down = tonic::Status::unavailable("no leader");
+        assert!(retryable(&etcd_client::Error::GRpcStatus(down)));
+        let final_ = tonic::Status::not_found("lease not found");
+        assert!(!retryable(&etcd_client::Error::GRpcStatus(final_)));
     }
 }

@@ -3,7 +3,7 @@ use crate::error::{call, call_retry, ClusterError};
 use crate::fence::Fence;
 use etcd_client::Client;
 use std::time::Duration;
-use tokio::time::{Instant, MissedTickBehavior};
+use tokio::time::Instant;
 
 /// Timing of an etcd lease and of its fence.
 ///
@@ -11,7 +11,8 @@ use tokio::time::{Instant, MissedTickBehavior};
 /// etcd call limited to the same interval, safety margin `max(ttl/3, 1 s)` but at most
 /// `ttl/2`. With `ttl` = 5 s: a renewal each second, the fence goes off 3.33 s after the
 /// last renewal that was sent and answered, at least 1.67 s before etcd could expire the
-/// lease; about three renewals may fail in a row before the fence goes off.
+/// lease. A failed renewal is tried again after 50 ms, then after doubling pauses
+/// (see `keep_alive_until_lost`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LeaseConfig {
     /// Lease TTL (whole seconds: etcd's unit).
@@ -91,6 +92,13 @@ pub(crate) async fn revoke(client: &Client, lease_id: i64, cfg: &LeaseConfig) {
     }
 }
 
+/// The pause before the next renewal try after `failures` failed tries in a row: 50 ms
+/// after the first, doubling, at most `interval`.
+fn retry_pause(failures: u32, interval: Duration) -> Duration {
+    let first = Duration::from_millis(50);
+    (first * 2u32.pow(failures.clamp(1, 16) - 1)).min(interval)
+}
+
 /// Renews `lease_id` every `keepalive_interval`, moving the fence forward after each
 /// answered renewal, until the lease is lost: etcd answers TTL 0 (lease unknown), or the
 /// fence's deadline passes without an answered renewal. Returns then, with the fence off.
@@ -99,6 +107,12 @@ pub(crate) async fn revoke(client: &Client, lease_id: i64, cfg: &LeaseConfig) {
 /// failed or timed out is dropped and a new one opened for the next renewal, so a late
 /// answer to an old request can never be taken as the answer to a newer one (that would
 /// date the renewal too late and break the fence's timing argument).
+///
+/// After a failed renewal the next try comes 50 ms later, not a whole interval later;
+/// further failures double the pause up to the interval. With several endpoints, the client's
+/// balancer can route a new stream to a member that has just stopped; waiting a full
+/// interval after each such failure left only ~3 tries per fence window, whatever the TTL
+/// (the fence went off with one of three members stopped on a loaded host).
 pub(crate) async fn keep_alive_until_lost(
     client: &Client,
     lease_id: i64,
@@ -107,13 +121,16 @@ pub(crate) async fn keep_alive_until_lost(
 ) {
     let mut lc = client.lease_client();
     let mut stream = None;
-    let mut ticker = tokio::time::interval(cfg.keepalive_interval);
-    ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    let mut wait = Duration::ZERO;
+    let mut failures = 0;
     loop {
         tokio::select! {
-            _ = ticker.tick() => {}
+            _ = tokio::time::sleep(wait) => {}
             _ = fence.fenced() => {}
         }
+        // Until an answered renewal says otherwise, this try failed.
+        failures += 1;
+        wait = retry_pause(failures, cfg.keepalive_interval);
         if !fence.is_serving() {
             tracing::warn!(lease_id, "no answered lease renewal in time: fenced");
             fence.off();
@@ -129,7 +146,7 @@ pub(crate) async fn keep_alive_until_lost(
             {
                 Ok(s) => stream = Some(s),
                 Err(e) => {
-                    tracing::warn!(lease_id, error = %e, "opening a lease keep-alive stream failed");
+                    tracing::warn!(lease_id, error = %e, cause = ?std::error::Error::source(&e), "opening a lease keep-alive stream failed");
                     continue;
                 }
             }
@@ -147,6 +164,8 @@ pub(crate) async fn keep_alive_until_lost(
             Ok(Ok(Some(resp))) if resp.ttl() > 0 => {
                 let granted = Duration::from_secs(u64::try_from(resp.ttl()).unwrap_or(0));
                 fence.extend(cfg.serving_until(sent, granted));
+                failures = 0;
+                wait = cfg.keepalive_interval;
             }
             Ok(Ok(Some(_))) => {
                 tracing::warn!(
@@ -186,6 +205,14 @@ mod tests {
         assert_eq!(c.keepalive_interval, Duration::from_millis(400));
         assert!(LeaseConfig::new(1).is_err());
         assert!(LeaseConfig::new(0).unwrap_err().code() == sandlot_api::ErrorCode::InvalidArgument);
+    }
+
+    #[test]
+    fn a_failed_renewal_is_retried_soon_then_less_often() {
+        let i = Duration::from_millis(600);
+        let seen: Vec<_> = (1..=6).map(|f| retry_pause(f, i).as_millis()).collect();
+        assert_eq!(seen, [50, 100, 200, 400, 600, 600]);
+        assert_eq!(retry_pause(1000, i), i);
     }
 
     #[test]
