@@ -1,0 +1,68 @@
+//! One contract suite (`common::run_all`), three nodes: the unit-test fake `FakeNode`
+//! itself, `RemoteNode` in front of a `FakeNode` (the node API on 127.0.0.1), and
+//! `RemoteNode` in front of a real `LocalNode` with the `function` backend (needs root,
+//! cgroups, the guest binary and the busybox image; prints `SKIPPED: <why>` otherwise).
+use sandlot_node::{LocalNode, Node};
+use sandlot_node_api::fake::FakeNode;
+use sandlot_node_remote::RemoteNode;
+use std::sync::Arc;
+
+mod common;
+#[path = "../../sandlot-node/tests/support/mod.rs"]
+mod support;
+
+#[tokio::test]
+async fn contract_on_the_fake_node() {
+    common::run_all(&FakeNode::default(), &common::Profile::fake()).await;
+}
+
+#[tokio::test]
+async fn contract_on_a_remote_fake_node() {
+    let fake = Arc::new(FakeNode::default());
+    let (url, _server) = common::start(fake.clone(), Some("s3cret".into())).await;
+    let remote = RemoteNode::connect(&url, Some("s3cret".into()))
+        .await
+        .unwrap();
+    assert_eq!(remote.info(), fake.info());
+    common::run_all(&remote, &common::Profile::fake()).await;
+    // The calls went through to the fake.
+    assert!(fake.execs.lock().unwrap().len() >= 3);
+}
+
+/// Deletes what the test left and the test's cgroup parent.
+struct Cleanup {
+    node: Arc<LocalNode>,
+    cfg: sandlot_node::NodeConfig,
+}
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        support::delete_all(&self.node);
+        let _ = support::cgroups(&self.cfg).remove_parent();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn contract_on_a_remote_local_node() {
+    let test = "contract_on_a_remote_local_node";
+    let Some(guest) = support::host_ready(test, support::BUILD_GUEST_HINT) else {
+        println!("SKIPPED: this host cannot run the function backend (see SKIP above)");
+        return;
+    };
+    let (mut cfg, _tmp) = support::node_config(guest);
+    cfg.name = "remote-contract".into();
+    cfg.cgroup_parent = support::unique_cgroup_parent("sandlot-remote-test");
+    let node = Arc::new(LocalNode::open(cfg.clone()).unwrap());
+    let _cleanup = Cleanup {
+        node: node.clone(),
+        cfg,
+    };
+    if !support::build_busybox(test, &node) {
+        println!("SKIPPED: no busybox image (see SKIP above)");
+        return;
+    }
+    let (url, _server) = common::start(node.clone(), Some("tok".into())).await;
+    let remote = RemoteNode::connect(&url, Some("tok".into())).await.unwrap();
+    assert_eq!(remote.info().name, "remote-contract");
+    common::run_all(&remote, &common::Profile::real()).await;
+}
