@@ -55,4 +55,4 @@ mod server;
 pub mod wire;
 
 pub use client::{RemoteNode, RemoteOptions};
-pub use server::{router, serve, status_of, MAX_BODY_BYTES};
+pub use server::{router, serve, status_of, MAX_BODY_BYTES, MAX_STREAMS};

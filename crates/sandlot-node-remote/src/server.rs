@@ -26,6 +26,10 @@ use tokio::sync::mpsc;
 /// Largest request body the node accepts (1 GiB): a whole file of `write_file`.
 pub const MAX_BODY_BYTES: usize = 1 << 30;
 
+/// Concurrent calls (HTTP/2 streams) one connection may carry (10,000: a server sends all
+/// its calls to a node over one connection; hyper's default of 200 would queue the rest).
+pub const MAX_STREAMS: u32 = 10_000;
+
 type Shared = Arc<dyn Node>;
 
 /// HTTP status of a node error on the wire: `not_found` 404, `invalid_argument` 400,
@@ -128,7 +132,9 @@ pub fn router(node: Arc<dyn Node>, token: Option<String>) -> Router {
 
 /// Serve `app` on `listener` until this future is dropped (which also drops every open
 /// connection) or accepting fails. Each connection speaks HTTP/1.1 or, on seeing the
-/// HTTP/2 preface, h2c (hyper-util's auto builder).
+/// HTTP/2 preface, h2c (hyper-util's auto builder), with [`MAX_STREAMS`] calls at once and
+/// a PING every 20 s (a client that does not answer one within 20 s is disconnected; its
+/// execs run on).
 ///
 /// # Errors
 /// The listener's `accept` error.
@@ -147,7 +153,13 @@ pub async fn serve(listener: tokio::net::TcpListener, app: Router) -> std::io::R
                     use tower::ServiceExt;
                     app.clone().oneshot(req.map(Body::new))
                 });
-            let builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+            let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+            builder
+                .http2()
+                .timer(hyper_util::rt::TokioTimer::new())
+                .max_concurrent_streams(Some(MAX_STREAMS))
+                .keep_alive_interval(Some(std::time::Duration::from_secs(20)))
+                .keep_alive_timeout(std::time::Duration::from_secs(20));
             if let Err(e) = builder.serve_connection(TokioIo::new(stream), svc).await {
                 tracing::debug!(%peer, error = %e, "node API connection ended with an error");
             }

@@ -270,3 +270,29 @@ async fn every_error_kind_crosses_the_wire() {
         }
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_concurrent_execs_share_one_connection() {
+    let (fake, id) = fake_with_sandbox().await;
+    let (url, _server) = common::start(fake, None).await;
+    let remote = Arc::new(RemoteNode::connect(&url, None).await.unwrap());
+    let t = Instant::now();
+    let mut tasks = tokio::task::JoinSet::new();
+    for i in 0..1000 {
+        let r = remote.clone();
+        let id = id.clone();
+        tasks.spawn(async move {
+            let out = r
+                .exec(&id, &req(&["sleep", "1"], 30.0), None)
+                .await
+                .map(|r| r.exit_code);
+            (i, out)
+        });
+    }
+    while let Some(j) = tasks.join_next().await {
+        let (i, out) = j.unwrap();
+        assert_eq!(out.unwrap(), 0, "exec {i}");
+    }
+    // All at once, not in batches of the HTTP/2 stream limit.
+    assert!(t.elapsed() < Duration::from_secs(4), "{:?}", t.elapsed());
+}
