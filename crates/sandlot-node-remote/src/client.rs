@@ -54,13 +54,23 @@ impl Default for RemoteOptions {
 /// Every failure to reach the node or to read its whole answer is
 /// [`NodeError::Transport`]; errors the node answered keep their kind
 /// ([`NodeError::from_wire`]); `401` is `PermissionDenied`.
-#[derive(Debug)]
 pub struct RemoteNode {
     base: Url,
     token: Option<String>,
     http: reqwest::Client,
     info: NodeInfo,
     opts: RemoteOptions,
+}
+
+impl std::fmt::Debug for RemoteNode {
+    /// The URL and node name; never the token.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RemoteNode")
+            .field("url", &self.base.as_str())
+            .field("name", &self.info.name)
+            .field("token", &self.token.as_ref().map(|_| "<redacted>"))
+            .finish()
+    }
 }
 
 fn chain(e: &dyn std::error::Error) -> String {

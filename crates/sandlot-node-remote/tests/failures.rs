@@ -296,3 +296,15 @@ async fn many_concurrent_execs_share_one_connection() {
     // All at once, not in batches of the HTTP/2 stream limit.
     assert!(t.elapsed() < Duration::from_secs(4), "{:?}", t.elapsed());
 }
+
+#[tokio::test]
+async fn debug_output_never_shows_the_token() {
+    let (fake, _) = fake_with_sandbox().await;
+    let (url, _server) = common::start(fake, Some("very-secret-token".into())).await;
+    let remote = RemoteNode::connect(&url, Some("very-secret-token".into()))
+        .await
+        .unwrap();
+    let shown = format!("{remote:?}");
+    assert!(!shown.contains("very-secret"), "{shown}");
+    assert!(shown.contains("fake-node"), "{shown}");
+}
