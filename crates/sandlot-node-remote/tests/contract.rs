@@ -66,3 +66,38 @@ async fn contract_on_a_remote_local_node() {
     assert_eq!(remote.info().name, "remote-contract");
     common::run_all(&remote, &common::Profile::real()).await;
 }
+
+/// The calls the contract cases leave out (readopt deletes what it does not keep, so it
+/// does not run on a live `LocalNode` here), and a file over axum's default 2 MiB body.
+#[tokio::test]
+async fn readopt_accel_and_large_files_over_the_wire() {
+    let fake = Arc::new(FakeNode::default());
+    let (url, _server) = common::start(fake.clone(), None).await;
+    let remote = RemoteNode::connect(&url, None).await.unwrap();
+    let (a, b) = (common::new_id(), common::new_id());
+    remote.create(&common::spec(&a)).await.unwrap();
+    remote.create(&common::spec(&b)).await.unwrap();
+    assert_eq!(
+        remote.readopt(std::slice::from_ref(&a)).await.unwrap(),
+        [a.clone()]
+    );
+    assert_eq!(fake.ids(), [a.clone()]);
+    assert_eq!(remote.accel().await, None);
+
+    let big = bytes::Bytes::from(vec![7u8; 9 << 20]);
+    remote
+        .write_file(&a, "/workspace/big", big.clone())
+        .await
+        .unwrap();
+    assert_eq!(
+        remote.file_size(&a, "/workspace/big").await.unwrap(),
+        9 << 20
+    );
+    assert_eq!(
+        remote
+            .read_file(&a, "/workspace/big", 10 << 20)
+            .await
+            .unwrap(),
+        big
+    );
+}

@@ -105,6 +105,7 @@ pub async fn run_all(node: &dyn Node, p: &Profile) {
     controlled(node, &id).await;
     files(node, &id).await;
     pause_resume(node, &id).await;
+    checkpoints(node, &id).await;
     unknown_ids(node).await;
     delete_idempotent(node, &id).await;
 }
@@ -326,4 +327,48 @@ async fn delete_idempotent(node: &dyn Node, id: &str) {
         "not_found",
         "exec after delete",
     );
+}
+
+async fn checkpoints(node: &dyn Node, id: &str) {
+    let file = "/workspace/ck.txt";
+    node.write_file(id, file, Bytes::from_static(b"v1"))
+        .await
+        .unwrap();
+    let ck = format!(
+        "ck-{:020x}",
+        SEQ.fetch_add(1, Ordering::SeqCst) as u64 + 0xc0ffee
+    );
+    let meta = node.checkpoint(id, &ck).await.expect("checkpoint");
+    assert_eq!(
+        (meta.id.as_str(), meta.sandbox_id.as_str(), meta.backend),
+        (ck.as_str(), id, Backend::Function)
+    );
+    assert_eq!(meta.image, "busybox");
+    assert!(node.list_checkpoints().await.unwrap().contains(&ck));
+    assert_kind(
+        node.checkpoint(id, "ck-bad").await,
+        "invalid_argument",
+        "bad ck id",
+    );
+
+    let fork = new_id();
+    node.create_from_checkpoint(&spec(&fork), &ck)
+        .await
+        .expect("fork");
+    assert_eq!(node.read_file(&fork, file, 10).await.unwrap(), b"v1");
+    node.delete(&fork).await.unwrap();
+    let unknown = format!("ck-{:020x}", 0xdead_u64);
+    assert_kind(
+        node.create_from_checkpoint(&spec(&new_id()), &unknown)
+            .await,
+        "not_found",
+        "fork of an unknown checkpoint",
+    );
+    node.delete_checkpoint(&ck)
+        .await
+        .expect("delete checkpoint");
+    node.delete_checkpoint(&ck)
+        .await
+        .expect("delete checkpoint again");
+    assert!(!node.list_checkpoints().await.unwrap().contains(&ck));
 }
