@@ -308,3 +308,39 @@ async fn debug_output_never_shows_the_token() {
     assert!(!shown.contains("very-secret"), "{shown}");
     assert!(shown.contains("fake-node"), "{shown}");
 }
+
+/// Not a pass/fail test: prints the exec round trip through the node API against the same
+/// exec called in-process (both on the fake, so only the API's cost shows). Run with
+/// `cargo test --release -p sandlot-node-remote --test failures -- --ignored --nocapture`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a measurement, printed; run by hand"]
+async fn exec_round_trip_latency() {
+    let (fake, id) = fake_with_sandbox().await;
+    let (url, _server) = common::start(fake.clone(), Some("t".into())).await;
+    let remote = RemoteNode::connect(&url, Some("t".into())).await.unwrap();
+    let r = req(&["echo", "hi"], 10.0);
+    let mut local = Vec::new();
+    let mut over = Vec::new();
+    for i in 0..2200 {
+        let t = Instant::now();
+        fake.exec(&id, &r, None).await.unwrap();
+        let l = t.elapsed();
+        let t = Instant::now();
+        remote.exec(&id, &r, None).await.unwrap();
+        let o = t.elapsed();
+        if i >= 200 {
+            local.push(l);
+            over.push(o);
+        }
+    }
+    local.sort();
+    over.sort();
+    let pct = |v: &[Duration], p: usize| v[v.len() * p / 100].as_secs_f64() * 1e6;
+    println!(
+        "exec round trip, FakeNode: in-process p50 {:.0} us p99 {:.0} us; over the node API (h2c, loopback) p50 {:.0} us p99 {:.0} us",
+        pct(&local, 50),
+        pct(&local, 99),
+        pct(&over, 50),
+        pct(&over, 99)
+    );
+}
