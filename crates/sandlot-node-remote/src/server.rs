@@ -19,6 +19,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use sandlot_api::ExecEvent;
 use sandlot_node_api::{ExecControl, Node, NodeError, SandboxSpec};
 use serde::Deserialize;
+use sha2::{Digest, Sha256};
 use std::sync::Arc;
 use subtle::ConstantTimeEq;
 use tokio::sync::mpsc;
@@ -72,12 +73,14 @@ fn empty() -> Json<serde_json::Value> {
 
 /// Every [`Node`] call of `node` as an HTTP route (the table in the crate docs).
 ///
-/// `token`: when set, every request must carry `Authorization: Bearer <token>` (compared in
-/// constant time for equal lengths); others get `401` with a `permission_denied`
+/// `token`: when set, every request must carry `Authorization: Bearer <token>` (SHA-256
+/// digests compared in constant time); others get `401` with a `permission_denied`
 /// [`sandlot_node_api::WireError`]. `None` serves without authentication (tests, a node
 /// reachable only by its server).
 pub fn router(node: Arc<dyn Node>, token: Option<String>) -> Router {
-    let token: Arc<Option<Vec<u8>>> = Arc::new(token.map(String::into_bytes));
+    // Compared as SHA-256 digests: equal lengths, so the time does not depend on the
+    // token's length either.
+    let token: Arc<Option<[u8; 32]>> = Arc::new(token.map(|t| Sha256::digest(t).into()));
     Router::new()
         .route("/v1/info", get(info))
         .route("/v1/accel", get(accel))
@@ -115,7 +118,8 @@ pub fn router(node: Arc<dyn Node>, token: Option<String>) -> Router {
                             .get(header::AUTHORIZATION)
                             .and_then(|v| v.as_bytes().strip_prefix(b"Bearer "))
                             .unwrap_or_default();
-                        if !bool::from(got.ct_eq(want.as_slice())) {
+                        let got: [u8; 32] = Sha256::digest(got).into();
+                        if !bool::from(got.ct_eq(want)) {
                             let e = NodeError::PermissionDenied(
                                 "missing or wrong node API token".into(),
                             );
