@@ -11,8 +11,9 @@ use std::process::{Child, Command, Stdio};
 
 const BIN: &str = env!("CARGO_BIN_EXE_sandlot");
 
-/// Stops (SIGTERM, then waits for) the node process when the test ends.
-struct Proc(Child);
+/// Stops (SIGTERM, then waits for) the node process when the test ends, then removes the
+/// node's (empty) cgroup parents.
+struct Proc(Child, std::path::PathBuf);
 
 impl Drop for Proc {
     fn drop(&mut self) {
@@ -21,6 +22,15 @@ impl Drop for Proc {
             nix::sys::signal::Signal::SIGTERM,
         );
         let _ = self.0.wait();
+        let parent = sandlot_node::local::default_cgroup_parent(&self.1);
+        if let Ok(root) = sandlot_node::cgroups::CgroupRoot::detect() {
+            for suffix in ["", "-ctr", "-q35", "-vm"] {
+                let _ = root
+                    .clone()
+                    .with_parent(&format!("{parent}{suffix}"))
+                    .remove_parent();
+            }
+        }
     }
 }
 
@@ -57,10 +67,11 @@ async fn sandlot_node_serves_a_local_node_to_remote_node() {
     let why_not = cannot_run(&images);
     let token_file = tmp.path().join("token");
     std::fs::write(&token_file, "n0de-t0ken\n").unwrap();
+    let data = tmp.path().join("data");
     let mut child = Command::new(BIN)
         .args(["node", "--listen", "127.0.0.1:0", "--name", "cli-node"])
         .arg("--data-dir")
-        .arg(tmp.path().join("data"))
+        .arg(&data)
         .arg("--images-dir")
         .arg(&images)
         .arg("--token-file")
@@ -69,7 +80,7 @@ async fn sandlot_node_serves_a_local_node_to_remote_node() {
         .spawn()
         .unwrap();
     let stdout = child.stdout.take().unwrap();
-    let _proc = Proc(child);
+    let _proc = Proc(child, data);
     let line = tokio::task::spawn_blocking(move || {
         let mut l = String::new();
         BufReader::new(stdout).read_line(&mut l).unwrap();

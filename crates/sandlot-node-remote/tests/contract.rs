@@ -38,7 +38,12 @@ struct Cleanup {
 impl Drop for Cleanup {
     fn drop(&mut self) {
         support::delete_all(&self.node);
-        let _ = support::cgroups(&self.cfg).remove_parent();
+        let parent = self.cfg.cgroup_parent.clone();
+        for suffix in ["", "-ctr", "-q35", "-vm"] {
+            let mut cfg = self.cfg.clone();
+            cfg.cgroup_parent = format!("{parent}{suffix}");
+            let _ = support::cgroups(&cfg).remove_parent();
+        }
     }
 }
 
