@@ -57,6 +57,15 @@ enum Command {
     /// running and are re-adopted by the next `sandlot up` on the same data directory
     /// (expired ones are then reaped).
     Up(UpArgs),
+    /// Serve a local node over the node API (cluster mode, in progress: no etcd
+    /// registration yet; a server reaches it with `sandlot_node_remote::RemoteNode`).
+    ///
+    /// HTTP/2 cleartext (h2c) and HTTP/1.1 on `--listen`; every call must carry
+    /// `Authorization: Bearer <token>` (the token file's content, surrounding whitespace
+    /// removed). Prints `sandlot node listening on http://ADDR` on stdout when ready.
+    /// SIGTERM/SIGINT stop it; sandboxes keep running (a server re-adopts them with the
+    /// node API's `readopt`).
+    Node(NodeArgs),
     /// Create a sandbox, run one command, print its output, delete it; exits with the
     /// command's exit code.
     Run(RunArgs),
@@ -97,6 +106,28 @@ enum Command {
 enum LogFormat {
     Text,
     Json,
+}
+
+#[derive(Args)]
+struct NodeArgs {
+    /// Address to listen on (HOST:PORT; port 0 picks a free one).
+    #[arg(long)]
+    listen: SocketAddr,
+    /// Data directory (sandbox state, checkpoints, images).
+    #[arg(long, env = "SANDLOT_DATA_DIR")]
+    data_dir: PathBuf,
+    /// Image store directory [default: DATA/images].
+    #[arg(long, env = "SANDLOT_IMAGES_DIR")]
+    images_dir: Option<PathBuf>,
+    /// File holding the node API token (shared with the servers).
+    #[arg(long)]
+    token_file: PathBuf,
+    /// Node name [default: host name].
+    #[arg(long)]
+    name: Option<String>,
+    /// Log format on stderr (level via RUST_LOG, default info).
+    #[arg(long, value_enum, default_value = "text")]
+    log_format: LogFormat,
 }
 
 #[derive(Args)]
@@ -664,6 +695,7 @@ fn main() -> ExitCode {
 async fn dispatch(cmd: Command) -> anyhow::Result<u8> {
     match cmd {
         Command::Up(a) => up(a).await,
+        Command::Node(a) => node(a).await,
         Command::Run(a) => run(a).await,
         Command::Exec(a) => exec(a).await,
         Command::Create(a) => create(a).await,
@@ -790,6 +822,41 @@ async fn up(a: UpArgs) -> anyhow::Result<u8> {
     println!("sandlot listening on http://{addr}");
     std::io::stdout().flush().ok();
     server.run(shutdown_signal()).await?;
+    tracing::info!("stopped; sandboxes left running for re-adoption");
+    Ok(0)
+}
+
+async fn node(a: NodeArgs) -> anyhow::Result<u8> {
+    init_logs(a.log_format);
+    let token = std::fs::read_to_string(&a.token_file)
+        .with_context(|| format!("read token file {}", a.token_file.display()))?
+        .trim()
+        .to_owned();
+    anyhow::ensure!(
+        !token.is_empty(),
+        "token file {} is empty",
+        a.token_file.display()
+    );
+    let mut ncfg = sandlot_node::NodeConfig::new(a.data_dir);
+    if let Some(d) = a.images_dir {
+        ncfg.guest_kit_dir = sandlot_node::local::default_guest_kit_dir(&d);
+        ncfg.images_dir = d;
+    }
+    if let Some(n) = a.name {
+        ncfg.name = n;
+    }
+    let node = sandlot_node::LocalNode::open(ncfg).context("open local node")?;
+    let listener = tokio::net::TcpListener::bind(a.listen)
+        .await
+        .with_context(|| format!("listen on {}", a.listen))?;
+    let addr = listener.local_addr()?;
+    let app = sandlot_node_remote::router(Arc::new(node), Some(token));
+    println!("sandlot node listening on http://{addr}");
+    std::io::stdout().flush().ok();
+    tokio::select! {
+        r = sandlot_node_remote::serve(listener, app) => r.context("accept")?,
+        () = shutdown_signal() => {}
+    }
     tracing::info!("stopped; sandboxes left running for re-adoption");
     Ok(0)
 }

@@ -1,0 +1,558 @@
+//! The server side: [`RemoteNode`], a [`Node`] whose calls go to a node's [`crate::router`]
+//! over HTTP/2 cleartext (prior knowledge).
+use crate::wire::{
+    line, ControlFrame, ControlStart, ExecCall, ExecFrame, ForkCall, LineBuf, MkdirCall,
+    ReadoptCall, VolatileFiles,
+};
+use async_trait::async_trait;
+use base64::engine::general_purpose::STANDARD as B64;
+use base64::Engine;
+use bytes::Bytes;
+use futures::StreamExt;
+use reqwest::{Method, RequestBuilder, StatusCode, Url};
+use sandlot_api::{ExecRequest, ExecResult, FileEntry};
+use sandlot_node_api::{
+    CheckpointMeta, ExecControl, ExecSink, Node, NodeError, NodeInfo, NodeResult, SandboxSpec,
+    SandboxStatus, WireError,
+};
+use serde::de::DeserializeOwned;
+use std::future::Future;
+use std::time::Duration;
+use tokio::sync::mpsc;
+
+/// Time limits of a [`RemoteNode`].
+#[derive(Debug, Clone)]
+pub struct RemoteOptions {
+    /// Limit on opening the TCP connection (default 5 s).
+    pub connect_timeout: Duration,
+    /// Limit on every call but the two execs, from sending to the whole answer read
+    /// (default 300 s: creates pull and unpack images, deletes unmount).
+    pub call_timeout: Duration,
+    /// An exec's limit is its own `timeout_s` (default 60 s) plus this (default 60 s: the
+    /// node's start-up of the command, the kill at timeout, the answer).
+    pub exec_grace: Duration,
+    /// HTTP/2 PING interval on the connection, also while idle; a PING unanswered for
+    /// twice this closes the connection, so a node gone dark fails an exec that waits on
+    /// it long before the exec's own limit (default 10 s).
+    pub keepalive: Duration,
+}
+
+impl Default for RemoteOptions {
+    fn default() -> Self {
+        RemoteOptions {
+            connect_timeout: Duration::from_secs(5),
+            call_timeout: Duration::from_secs(300),
+            exec_grace: Duration::from_secs(60),
+            keepalive: Duration::from_secs(10),
+        }
+    }
+}
+
+/// A node reached over its HTTP API ([`crate::router`]). Cheap to share (`Arc` it); one
+/// HTTP/2 connection carries all calls (re-opened after it breaks).
+///
+/// Every failure to reach the node or to read its whole answer is
+/// [`NodeError::Transport`]; errors the node answered keep their kind
+/// ([`NodeError::from_wire`]); `401` is `PermissionDenied`.
+pub struct RemoteNode {
+    base: Url,
+    token: Option<String>,
+    http: reqwest::Client,
+    info: NodeInfo,
+    opts: RemoteOptions,
+}
+
+impl std::fmt::Debug for RemoteNode {
+    /// The URL and node name; never the token.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RemoteNode")
+            .field("url", &self.base.as_str())
+            .field("name", &self.info.name)
+            .field("token", &self.token.as_ref().map(|_| "<redacted>"))
+            .finish()
+    }
+}
+
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        let m = c.to_string();
+        if !s.contains(&m) {
+            s.push_str(": ");
+            s.push_str(&m);
+        }
+        cur = c.source();
+    }
+    s
+}
+
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+impl RemoteNode {
+    /// [`RemoteNode::connect_with`] with [`RemoteOptions::default`].
+    ///
+    /// # Errors
+    /// As [`RemoteNode::connect_with`].
+    pub async fn connect(url: &str, token: Option<String>) -> NodeResult<RemoteNode> {
+        Self::connect_with(url, token, RemoteOptions::default()).await
+    }
+
+    /// A client of the node at `url` (`http://host:port`), sending `token` as
+    /// `Authorization: Bearer`; asks the node for its [`NodeInfo`] once (what
+    /// [`Node::info`] answers from then on).
+    ///
+    /// # Errors
+    /// `InvalidArgument` for a URL that is not `http://…`; `Transport` when the node
+    /// cannot be reached or does not answer within `call_timeout`; `PermissionDenied` for a
+    /// refused token.
+    pub async fn connect_with(
+        url: &str,
+        token: Option<String>,
+        opts: RemoteOptions,
+    ) -> NodeResult<RemoteNode> {
+        let base = Url::parse(url)
+            .map_err(|e| NodeError::InvalidArgument(format!("node URL {url:?}: {e}")))?;
+        if base.scheme() != "http" || base.cannot_be_a_base() {
+            return Err(NodeError::InvalidArgument(format!(
+                "node URL {url:?} is not http://host:port (the node API is h2c)"
+            )));
+        }
+        let http = reqwest::Client::builder()
+            .http2_prior_knowledge()
+            .connect_timeout(opts.connect_timeout)
+            .http2_keep_alive_interval(Some(opts.keepalive))
+            .http2_keep_alive_timeout(opts.keepalive * 2)
+            .http2_keep_alive_while_idle(true)
+            .no_proxy()
+            .build()
+            .map_err(|e| NodeError::io("HTTP client", std::io::Error::other(chain(&e))))?;
+        let mut node = RemoteNode {
+            base,
+            token,
+            http,
+            info: NodeInfo {
+                name: String::new(),
+                backends: Vec::new(),
+                cgroup_version: String::new(),
+                runtimes: Vec::new(),
+                accel: None,
+                warm_pools: Vec::new(),
+            },
+            opts,
+        };
+        node.info = node.call(node.req(Method::GET, &["info"])).await?;
+        Ok(node)
+    }
+
+    /// The node's base URL.
+    pub fn url(&self) -> &Url {
+        &self.base
+    }
+
+    fn url_of(&self, segments: &[&str]) -> Url {
+        let mut u = self.base.clone();
+        u.path_segments_mut()
+            .expect("checked: can be a base")
+            .pop_if_empty()
+            .push("v1")
+            .extend(segments);
+        u
+    }
+
+    fn req(&self, method: Method, segments: &[&str]) -> RequestBuilder {
+        let rb = self.http.request(method, self.url_of(segments));
+        match &self.token {
+            Some(t) => rb.bearer_auth(t),
+            None => rb,
+        }
+    }
+
+    fn transport(&self, e: &reqwest::Error) -> NodeError {
+        NodeError::Transport(format!("node {}: {}", self.base, chain(e)))
+    }
+
+    async fn limit<T>(
+        &self,
+        limit: Duration,
+        what: &str,
+        fut: impl Future<Output = NodeResult<T>>,
+    ) -> NodeResult<T> {
+        match tokio::time::timeout(limit, fut).await {
+            Ok(r) => r,
+            Err(_) => Err(NodeError::Transport(format!(
+                "node {}: no whole answer to {what} within {:.1} s",
+                self.base,
+                limit.as_secs_f64()
+            ))),
+        }
+    }
+
+    /// The response when 2xx, else its error.
+    async fn check(&self, resp: reqwest::Response) -> NodeResult<reqwest::Response> {
+        let status = resp.status();
+        if status.is_success() {
+            return Ok(resp);
+        }
+        let body = resp.bytes().await.map_err(|e| self.transport(&e))?;
+        let wire = serde_json::from_slice::<WireError>(&body).ok();
+        if status == StatusCode::UNAUTHORIZED {
+            return Err(NodeError::PermissionDenied(
+                wire.map(|w| w.message)
+                    .unwrap_or_else(|| format!("node {} refused the token (401)", self.base)),
+            ));
+        }
+        match wire {
+            Some(w) => Err(NodeError::from_wire(w)),
+            None => {
+                let text = String::from_utf8_lossy(&body[..body.len().min(200)]).into_owned();
+                let m = format!(
+                    "node {}: HTTP {status} without a node error: {text}",
+                    self.base
+                );
+                // Something between us and the node answered (a proxy): the call may not
+                // have reached the node.
+                if matches!(
+                    status,
+                    StatusCode::BAD_GATEWAY
+                        | StatusCode::SERVICE_UNAVAILABLE
+                        | StatusCode::GATEWAY_TIMEOUT
+                ) {
+                    Err(NodeError::Transport(m))
+                } else {
+                    Err(NodeError::io(m, std::io::Error::other("unexpected answer")))
+                }
+            }
+        }
+    }
+
+    async fn raw(&self, rb: RequestBuilder) -> NodeResult<Bytes> {
+        let fut = async {
+            let resp = rb.send().await.map_err(|e| self.transport(&e))?;
+            let resp = self.check(resp).await?;
+            resp.bytes().await.map_err(|e| self.transport(&e))
+        };
+        self.limit(self.opts.call_timeout, "a node call", fut).await
+    }
+
+    async fn call<T: DeserializeOwned>(&self, rb: RequestBuilder) -> NodeResult<T> {
+        let body = self.raw(rb).await?;
+        serde_json::from_slice(&body).map_err(|e| {
+            NodeError::io(
+                format!("node {}: answer not understood", self.base),
+                std::io::Error::other(e),
+            )
+        })
+    }
+
+    async fn unit(&self, rb: RequestBuilder) -> NodeResult<()> {
+        self.raw(rb).await.map(|_| ())
+    }
+
+    fn exec_limit(&self, req: &ExecRequest) -> Duration {
+        let t = req.timeout_s.unwrap_or(60.0);
+        let t = if t.is_finite() {
+            t.clamp(0.0, 86_400.0)
+        } else {
+            86_400.0
+        };
+        Duration::from_secs_f64(t) + self.opts.exec_grace
+    }
+
+    /// Sends an exec call and reads its NDJSON answer: events to `sink`, then the result.
+    async fn exec_stream(
+        &self,
+        rb: RequestBuilder,
+        sink: Option<ExecSink>,
+        limit: Duration,
+    ) -> NodeResult<ExecResult> {
+        let fut = async {
+            let resp = rb.send().await.map_err(|e| self.transport(&e))?;
+            let resp = self.check(resp).await?;
+            let mut body = resp.bytes_stream();
+            let mut lines = LineBuf::default();
+            while let Some(chunk) = body.next().await {
+                let chunk = chunk.map_err(|e| self.transport(&e))?;
+                let got = lines.push(&chunk).map_err(|m| {
+                    NodeError::io(
+                        format!("node {}: exec answer", self.base),
+                        std::io::Error::other(m),
+                    )
+                })?;
+                for l in got {
+                    let frame = serde_json::from_slice::<ExecFrame>(&l).map_err(|e| {
+                        NodeError::io(
+                            format!("node {}: exec frame not understood", self.base),
+                            std::io::Error::other(e),
+                        )
+                    })?;
+                    match frame {
+                        ExecFrame::Event(ev) => {
+                            if let Some(s) = &sink {
+                                // A closed receiver does not stop the exec.
+                                let _ = s.send(ev).await;
+                            }
+                        }
+                        ExecFrame::Result(r) => return Ok(r),
+                        ExecFrame::Error(w) => return Err(NodeError::from_wire(w)),
+                    }
+                }
+            }
+            Err(NodeError::Transport(format!(
+                "node {}: the exec stream ended without its result",
+                self.base
+            )))
+        };
+        self.limit(limit, "an exec", fut).await
+    }
+}
+
+/// Forwards live stdin and signals as request frames until both are closed (then the
+/// request stream ends) or the request stream is gone.
+async fn forward(tx: mpsc::Sender<Bytes>, control: ExecControl) {
+    let ExecControl {
+        mut stdin,
+        mut signals,
+        ..
+    } = control;
+    let mut signals_open = true;
+    loop {
+        let frame = tokio::select! {
+            c = async { stdin.as_mut().expect("guarded").recv().await }, if stdin.is_some() => match c {
+                Some(b) => ControlFrame::Stdin(B64.encode(&b)),
+                None => {
+                    stdin = None;
+                    ControlFrame::StdinEof
+                }
+            },
+            s = signals.recv(), if signals_open => match s {
+                Some(s) => ControlFrame::Signal(s),
+                None => {
+                    signals_open = false;
+                    continue;
+                }
+            },
+            else => return,
+        };
+        if tx.send(line(&frame)).await.is_err() {
+            return;
+        }
+    }
+}
+
+#[async_trait]
+impl Node for RemoteNode {
+    fn info(&self) -> NodeInfo {
+        self.info.clone()
+    }
+
+    async fn create(&self, spec: &SandboxSpec) -> NodeResult<()> {
+        self.unit(self.req(Method::POST, &["sandboxes"]).json(spec))
+            .await
+    }
+
+    async fn exec(
+        &self,
+        id: &str,
+        req: &ExecRequest,
+        sink: Option<ExecSink>,
+    ) -> NodeResult<ExecResult> {
+        let call = ExecCall {
+            request: req.clone(),
+            stream: sink.is_some(),
+        };
+        let rb = self
+            .req(Method::POST, &["sandboxes", id, "exec"])
+            .json(&call);
+        self.exec_stream(rb, sink, self.exec_limit(req)).await
+    }
+
+    async fn exec_controlled(
+        &self,
+        id: &str,
+        req: &ExecRequest,
+        sink: Option<ExecSink>,
+        control: ExecControl,
+    ) -> NodeResult<ExecResult> {
+        let start = ControlFrame::Start(ControlStart {
+            request: req.clone(),
+            stream: sink.is_some(),
+            stdin: control.stdin.is_some(),
+            handle: control.handle.clone(),
+        });
+        let (tx, rx) = mpsc::channel::<Bytes>(16);
+        tx.try_send(line(&start)).expect("room for the first frame");
+        let _forwarder = AbortOnDrop(tokio::spawn(forward(tx, control)));
+        let body = futures::stream::unfold(rx, |mut rx| async move {
+            rx.recv().await.map(|b| (Ok::<_, std::io::Error>(b), rx))
+        });
+        let rb = self
+            .req(Method::POST, &["sandboxes", id, "exec-controlled"])
+            .header(reqwest::header::CONTENT_TYPE, "application/x-ndjson")
+            .body(reqwest::Body::wrap_stream(body));
+        self.exec_stream(rb, sink, self.exec_limit(req)).await
+    }
+
+    async fn read_file(&self, id: &str, path: &str, max_bytes: u64) -> NodeResult<Vec<u8>> {
+        let rb = self
+            .req(Method::GET, &["sandboxes", id, "files", "content"])
+            .query(&[("path", path), ("max_bytes", &max_bytes.to_string())]);
+        let data = self.raw(rb).await?;
+        if data.len() as u64 > max_bytes {
+            return Err(NodeError::io(
+                format!(
+                    "node {}: read of {path} answered over {max_bytes} bytes",
+                    self.base
+                ),
+                std::io::Error::other("answer too long"),
+            ));
+        }
+        Ok(data.to_vec())
+    }
+
+    async fn file_size(&self, id: &str, path: &str) -> NodeResult<u64> {
+        self.call(
+            self.req(Method::GET, &["sandboxes", id, "files", "size"])
+                .query(&[("path", path)]),
+        )
+        .await
+    }
+
+    async fn write_file(&self, id: &str, path: &str, data: Bytes) -> NodeResult<()> {
+        self.unit(
+            self.req(Method::PUT, &["sandboxes", id, "files", "content"])
+                .query(&[("path", path)])
+                .header(reqwest::header::CONTENT_TYPE, "application/octet-stream")
+                .body(data),
+        )
+        .await
+    }
+
+    async fn write_files_volatile(&self, id: &str, files: Vec<(String, Bytes)>) -> NodeResult<()> {
+        let body = VolatileFiles {
+            files: files
+                .into_iter()
+                .map(|(p, d)| (p, B64.encode(&d)))
+                .collect(),
+        };
+        self.unit(
+            self.req(Method::POST, &["sandboxes", id, "files", "volatile"])
+                .json(&body),
+        )
+        .await
+    }
+
+    async fn list_dir(&self, id: &str, path: &str) -> NodeResult<Vec<FileEntry>> {
+        self.call(
+            self.req(Method::GET, &["sandboxes", id, "files", "list"])
+                .query(&[("path", path)]),
+        )
+        .await
+    }
+
+    async fn remove_file(&self, id: &str, path: &str) -> NodeResult<()> {
+        self.unit(
+            self.req(Method::DELETE, &["sandboxes", id, "files"])
+                .query(&[("path", path)]),
+        )
+        .await
+    }
+
+    async fn stat_file(&self, id: &str, path: &str) -> NodeResult<FileEntry> {
+        self.call(
+            self.req(Method::GET, &["sandboxes", id, "files", "stat"])
+                .query(&[("path", path)]),
+        )
+        .await
+    }
+
+    async fn make_dir(&self, id: &str, path: &str, parents: bool) -> NodeResult<()> {
+        let body = MkdirCall {
+            path: path.to_owned(),
+            parents,
+        };
+        self.unit(
+            self.req(Method::POST, &["sandboxes", id, "files", "mkdir"])
+                .json(&body),
+        )
+        .await
+    }
+
+    async fn pause(&self, id: &str) -> NodeResult<()> {
+        self.unit(self.req(Method::POST, &["sandboxes", id, "pause"]))
+            .await
+    }
+
+    async fn resume(&self, id: &str) -> NodeResult<()> {
+        self.unit(self.req(Method::POST, &["sandboxes", id, "resume"]))
+            .await
+    }
+
+    async fn delete(&self, id: &str) -> NodeResult<()> {
+        self.unit(self.req(Method::DELETE, &["sandboxes", id]))
+            .await
+    }
+
+    async fn list(&self) -> NodeResult<Vec<SandboxStatus>> {
+        self.call(self.req(Method::GET, &["sandboxes"])).await
+    }
+
+    async fn readopt(&self, keep: &[String]) -> NodeResult<Vec<String>> {
+        let body = ReadoptCall {
+            keep: keep.to_vec(),
+        };
+        self.call(self.req(Method::POST, &["readopt"]).json(&body))
+            .await
+    }
+
+    async fn checkpoint(&self, id: &str, checkpoint_id: &str) -> NodeResult<CheckpointMeta> {
+        self.call(self.req(
+            Method::POST,
+            &["sandboxes", id, "checkpoints", checkpoint_id],
+        ))
+        .await
+    }
+
+    async fn create_from_checkpoint(
+        &self,
+        spec: &SandboxSpec,
+        checkpoint_id: &str,
+    ) -> NodeResult<()> {
+        let body = ForkCall {
+            spec: spec.clone(),
+            checkpoint_id: checkpoint_id.to_owned(),
+        };
+        self.unit(
+            self.req(Method::POST, &["sandboxes", "from-checkpoint"])
+                .json(&body),
+        )
+        .await
+    }
+
+    async fn delete_checkpoint(&self, checkpoint_id: &str) -> NodeResult<()> {
+        self.unit(self.req(Method::DELETE, &["checkpoints", checkpoint_id]))
+            .await
+    }
+
+    async fn list_checkpoints(&self) -> NodeResult<Vec<String>> {
+        self.call(self.req(Method::GET, &["checkpoints"])).await
+    }
+
+    /// The node's accelerator; `None` also when the node cannot be asked (this call has no
+    /// error in the trait: the failure is logged).
+    async fn accel(&self) -> Option<String> {
+        match self.call(self.req(Method::GET, &["accel"])).await {
+            Ok(a) => a,
+            Err(e) => {
+                tracing::warn!(node = %self.base, error = %e, "cannot ask the node for its accelerator");
+                None
+            }
+        }
+    }
+}

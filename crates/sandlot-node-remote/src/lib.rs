@@ -1,0 +1,58 @@
+//! The Sandlot node API over HTTP (cluster mode, DESIGN.md "Cluster mode"): [`router`]
+//! serves any [`sandlot_node_api::Node`] (a `LocalNode` in `sandlot node`), and
+//! [`RemoteNode`] is the [`sandlot_node_api::Node`] a server uses to reach it.
+//!
+//! # Transport
+//! HTTP/2 cleartext with prior knowledge (h2c, RFC 9113 §3.3) from [`RemoteNode`]; [`serve`]
+//! also answers HTTP/1.1 (hyper-util's auto builder), which is enough for every call but
+//! [`Node::exec_controlled`](sandlot_node_api::Node::exec_controlled) (full duplex needs
+//! HTTP/2). Every request carries `Authorization: Bearer <token>` when the node has a token;
+//! the node compares it in constant time and answers `401` without it.
+//!
+//! # Wire
+//! Routes (all under `/v1`; `{id}` a sandbox id, `{ck}` a checkpoint id; `?path=` paths are
+//! URL-encoded query parameters):
+//!
+//! | call | route | request body | 2xx answer |
+//! |---|---|---|---|
+//! | info | `GET /v1/info` | - | `NodeInfo` JSON |
+//! | create | `POST /v1/sandboxes` | `SandboxSpec` JSON | `{}` |
+//! | create_from_checkpoint | `POST /v1/sandboxes/from-checkpoint` | [`wire::ForkCall`] | `{}` |
+//! | list | `GET /v1/sandboxes` | - | `[SandboxStatus]` |
+//! | delete | `DELETE /v1/sandboxes/{id}` | - | `{}` |
+//! | pause, resume | `POST /v1/sandboxes/{id}/pause`, `/resume` | - | `{}` |
+//! | exec | `POST /v1/sandboxes/{id}/exec` | [`wire::ExecCall`] | NDJSON [`wire::ExecFrame`]s |
+//! | exec_controlled | `POST /v1/sandboxes/{id}/exec-controlled` | NDJSON [`wire::ControlFrame`]s | NDJSON [`wire::ExecFrame`]s |
+//! | read_file | `GET /v1/sandboxes/{id}/files/content?path=&max_bytes=` | - | the bytes (`application/octet-stream`) |
+//! | write_file | `PUT /v1/sandboxes/{id}/files/content?path=` | the bytes | `{}` |
+//! | write_files_volatile | `POST /v1/sandboxes/{id}/files/volatile` | [`wire::VolatileFiles`] | `{}` |
+//! | file_size | `GET /v1/sandboxes/{id}/files/size?path=` | - | a number (bytes) |
+//! | stat_file | `GET /v1/sandboxes/{id}/files/stat?path=` | - | `FileEntry` |
+//! | list_dir | `GET /v1/sandboxes/{id}/files/list?path=` | - | `[FileEntry]` |
+//! | remove_file | `DELETE /v1/sandboxes/{id}/files?path=` | - | `{}` |
+//! | make_dir | `POST /v1/sandboxes/{id}/files/mkdir` | [`wire::MkdirCall`] | `{}` |
+//! | readopt | `POST /v1/readopt` | `{"keep": [id]}` | `[id]` |
+//! | checkpoint | `POST /v1/sandboxes/{id}/checkpoints/{ck}` | - | `CheckpointMeta` |
+//! | delete_checkpoint | `DELETE /v1/checkpoints/{ck}` | - | `{}` |
+//! | list_checkpoints | `GET /v1/checkpoints` | - | `[ck]` |
+//! | accel | `GET /v1/accel` | - | `"kvm"`, `"tcg"` or `null` |
+//!
+//! A failed call answers a non-2xx status with a [`sandlot_node_api::WireError`] JSON body
+//! (`{"kind": "not_found", "message": …}`; status per kind in [`status_of`]), except the
+//! two exec calls once their stream started: they end it with an `error` frame instead.
+//! Exec streams are NDJSON (one JSON object per line): output events as they come, then
+//! exactly one `result` or `error` frame; a stream that ends without one is a broken call.
+//!
+//! # Failures
+//! [`RemoteNode`] answers [`NodeError::Transport`](sandlot_node_api::NodeError::Transport)
+//! (outcome unknown) when the node cannot be reached, the connection breaks before a
+//! complete answer, or the answer does not come within the call's time limit - never
+//! `NotFound`: only a node that answered can say a sandbox is not there.
+#![deny(missing_docs)]
+
+mod client;
+mod server;
+pub mod wire;
+
+pub use client::{RemoteNode, RemoteOptions};
+pub use server::{router, serve, status_of, MAX_BODY_BYTES, MAX_STREAMS};

@@ -1,0 +1,499 @@
+//! The node side: [`router`] (every `Node` call as an HTTP route) and [`serve`] (h2c and
+//! HTTP/1.1 on one listener).
+use crate::wire::{
+    line, ControlFrame, ExecCall, ExecFrame, ForkCall, LineBuf, MkdirCall, ReadoptCall,
+    VolatileFiles,
+};
+use axum::body::Body;
+use axum::extract::{DefaultBodyLimit, Path, Query, Request, State};
+use axum::http::{header, StatusCode};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{delete, get, post};
+use axum::{Json, Router};
+use base64::engine::general_purpose::STANDARD as B64;
+use base64::Engine;
+use bytes::Bytes;
+use futures::StreamExt;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use sandlot_api::ExecEvent;
+use sandlot_node_api::{ExecControl, Node, NodeError, SandboxSpec};
+use serde::Deserialize;
+use sha2::{Digest, Sha256};
+use std::sync::Arc;
+use subtle::ConstantTimeEq;
+use tokio::sync::mpsc;
+
+/// Largest request body the node accepts (1 GiB): a whole file of `write_file`.
+pub const MAX_BODY_BYTES: usize = 1 << 30;
+
+/// Concurrent calls (HTTP/2 streams) one connection may carry (10,000: a server sends all
+/// its calls to a node over one connection; hyper's default of 200 would queue the rest).
+pub const MAX_STREAMS: u32 = 10_000;
+
+type Shared = Arc<dyn Node>;
+
+/// HTTP status of a node error on the wire: `not_found` 404, `invalid_argument` 400,
+/// `permission_denied` 403, `conflict` 409, `resource_exhausted` 429, `unavailable` 503,
+/// `deadline_exceeded` 504, `transport` 502, `internal` 500. The body's `kind` is what the
+/// client reads; the status is for people and proxies.
+pub fn status_of(e: &NodeError) -> StatusCode {
+    match e {
+        NodeError::NotFound(_) => StatusCode::NOT_FOUND,
+        NodeError::InvalidArgument(_) => StatusCode::BAD_REQUEST,
+        NodeError::PermissionDenied(_) => StatusCode::FORBIDDEN,
+        NodeError::Conflict(_) => StatusCode::CONFLICT,
+        NodeError::ResourceExhausted(_) => StatusCode::TOO_MANY_REQUESTS,
+        NodeError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+        NodeError::DeadlineExceeded(_) => StatusCode::GATEWAY_TIMEOUT,
+        NodeError::Transport(_) => StatusCode::BAD_GATEWAY,
+        NodeError::Internal { .. } => StatusCode::INTERNAL_SERVER_ERROR,
+    }
+}
+
+struct Failed(NodeError);
+
+impl From<NodeError> for Failed {
+    fn from(e: NodeError) -> Self {
+        Failed(e)
+    }
+}
+
+impl IntoResponse for Failed {
+    fn into_response(self) -> Response {
+        (status_of(&self.0), Json(self.0.to_wire())).into_response()
+    }
+}
+
+type Answer<T> = Result<Json<T>, Failed>;
+
+fn empty() -> Json<serde_json::Value> {
+    Json(serde_json::json!({}))
+}
+
+/// Every [`Node`] call of `node` as an HTTP route (the table in the crate docs).
+///
+/// `token`: when set, every request must carry `Authorization: Bearer <token>` (SHA-256
+/// digests compared in constant time); others get `401` with a `permission_denied`
+/// [`sandlot_node_api::WireError`]. `None` serves without authentication (tests, a node
+/// reachable only by its server).
+pub fn router(node: Arc<dyn Node>, token: Option<String>) -> Router {
+    // Compared as SHA-256 digests: equal lengths, so the time does not depend on the
+    // token's length either.
+    let token: Arc<Option<[u8; 32]>> = Arc::new(token.map(|t| Sha256::digest(t).into()));
+    Router::new()
+        .route("/v1/info", get(info))
+        .route("/v1/accel", get(accel))
+        .route("/v1/readopt", post(readopt))
+        .route("/v1/checkpoints", get(list_checkpoints))
+        .route("/v1/checkpoints/{ck}", delete(delete_checkpoint))
+        .route("/v1/sandboxes", get(list).post(create))
+        .route(
+            "/v1/sandboxes/from-checkpoint",
+            post(create_from_checkpoint),
+        )
+        .route("/v1/sandboxes/{id}", delete(delete_sandbox))
+        .route("/v1/sandboxes/{id}/pause", post(pause))
+        .route("/v1/sandboxes/{id}/resume", post(resume))
+        .route("/v1/sandboxes/{id}/exec", post(exec))
+        .route("/v1/sandboxes/{id}/exec-controlled", post(exec_controlled))
+        .route("/v1/sandboxes/{id}/checkpoints/{ck}", post(checkpoint))
+        .route(
+            "/v1/sandboxes/{id}/files/content",
+            get(read_file).put(write_file),
+        )
+        .route("/v1/sandboxes/{id}/files/volatile", post(write_volatile))
+        .route("/v1/sandboxes/{id}/files/size", get(file_size))
+        .route("/v1/sandboxes/{id}/files/stat", get(stat_file))
+        .route("/v1/sandboxes/{id}/files/list", get(list_dir))
+        .route("/v1/sandboxes/{id}/files/mkdir", post(make_dir))
+        .route("/v1/sandboxes/{id}/files", delete(remove_file))
+        .layer(axum::middleware::from_fn(
+            move |req: Request, next: Next| {
+                let token = token.clone();
+                async move {
+                    if let Some(want) = token.as_ref() {
+                        let got = req
+                            .headers()
+                            .get(header::AUTHORIZATION)
+                            .and_then(|v| v.as_bytes().strip_prefix(b"Bearer "))
+                            .unwrap_or_default();
+                        let got: [u8; 32] = Sha256::digest(got).into();
+                        if !bool::from(got.ct_eq(want)) {
+                            let e = NodeError::PermissionDenied(
+                                "missing or wrong node API token".into(),
+                            );
+                            return (StatusCode::UNAUTHORIZED, Json(e.to_wire())).into_response();
+                        }
+                    }
+                    next.run(req).await
+                }
+            },
+        ))
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .with_state(node)
+}
+
+/// Serve `app` on `listener` until this future is dropped (which also drops every open
+/// connection) or accepting fails. Each connection speaks HTTP/1.1 or, on seeing the
+/// HTTP/2 preface, h2c (hyper-util's auto builder), with [`MAX_STREAMS`] calls at once and
+/// a PING every 20 s (a client that does not answer one within 20 s is disconnected; its
+/// execs run on).
+///
+/// # Errors
+/// The listener's `accept` error.
+pub async fn serve(listener: tokio::net::TcpListener, app: Router) -> std::io::Result<()> {
+    let mut conns = tokio::task::JoinSet::new();
+    loop {
+        let (stream, peer) = tokio::select! {
+            r = listener.accept() => r?,
+            Some(_) = conns.join_next(), if !conns.is_empty() => continue,
+        };
+        let _ = stream.set_nodelay(true);
+        let app = app.clone();
+        conns.spawn(async move {
+            let svc =
+                hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
+                    use tower::ServiceExt;
+                    app.clone().oneshot(req.map(Body::new))
+                });
+            let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+            builder
+                .http2()
+                .timer(hyper_util::rt::TokioTimer::new())
+                .max_concurrent_streams(Some(MAX_STREAMS))
+                .keep_alive_interval(Some(std::time::Duration::from_secs(20)))
+                .keep_alive_timeout(std::time::Duration::from_secs(20));
+            if let Err(e) = builder.serve_connection(TokioIo::new(stream), svc).await {
+                tracing::debug!(%peer, error = %e, "node API connection ended with an error");
+            }
+        });
+    }
+}
+
+async fn info(State(n): State<Shared>) -> Json<sandlot_node_api::NodeInfo> {
+    Json(n.info())
+}
+
+async fn accel(State(n): State<Shared>) -> Json<Option<String>> {
+    Json(n.accel().await)
+}
+
+async fn readopt(State(n): State<Shared>, Json(c): Json<ReadoptCall>) -> Answer<Vec<String>> {
+    Ok(Json(n.readopt(&c.keep).await?))
+}
+
+async fn list_checkpoints(State(n): State<Shared>) -> Answer<Vec<String>> {
+    Ok(Json(n.list_checkpoints().await?))
+}
+
+async fn delete_checkpoint(
+    State(n): State<Shared>,
+    Path(ck): Path<String>,
+) -> Answer<serde_json::Value> {
+    n.delete_checkpoint(&ck).await?;
+    Ok(empty())
+}
+
+async fn list(State(n): State<Shared>) -> Answer<Vec<sandlot_node_api::SandboxStatus>> {
+    Ok(Json(n.list().await?))
+}
+
+async fn create(
+    State(n): State<Shared>,
+    Json(spec): Json<SandboxSpec>,
+) -> Answer<serde_json::Value> {
+    // Its own task: a create the caller gave up on still finishes (or rolls back) whole.
+    tokio::spawn(async move { n.create(&spec).await })
+        .await
+        .map_err(joined)??;
+    Ok(empty())
+}
+
+async fn create_from_checkpoint(
+    State(n): State<Shared>,
+    Json(c): Json<ForkCall>,
+) -> Answer<serde_json::Value> {
+    tokio::spawn(async move { n.create_from_checkpoint(&c.spec, &c.checkpoint_id).await })
+        .await
+        .map_err(joined)??;
+    Ok(empty())
+}
+
+fn joined(e: tokio::task::JoinError) -> Failed {
+    Failed(NodeError::io(
+        "node API task",
+        std::io::Error::other(e.to_string()),
+    ))
+}
+
+async fn delete_sandbox(
+    State(n): State<Shared>,
+    Path(id): Path<String>,
+) -> Answer<serde_json::Value> {
+    tokio::spawn(async move { n.delete(&id).await })
+        .await
+        .map_err(joined)??;
+    Ok(empty())
+}
+
+async fn pause(State(n): State<Shared>, Path(id): Path<String>) -> Answer<serde_json::Value> {
+    n.pause(&id).await?;
+    Ok(empty())
+}
+
+async fn resume(State(n): State<Shared>, Path(id): Path<String>) -> Answer<serde_json::Value> {
+    n.resume(&id).await?;
+    Ok(empty())
+}
+
+async fn checkpoint(
+    State(n): State<Shared>,
+    Path((id, ck)): Path<(String, String)>,
+) -> Answer<sandlot_node_api::CheckpointMeta> {
+    let meta = tokio::spawn(async move { n.checkpoint(&id, &ck).await })
+        .await
+        .map_err(joined)??;
+    Ok(Json(meta))
+}
+
+fn ndjson(rx: mpsc::Receiver<Bytes>) -> Response {
+    let body = futures::stream::unfold(rx, |mut rx| async move {
+        rx.recv()
+            .await
+            .map(|b| (Ok::<_, std::convert::Infallible>(b), rx))
+    });
+    (
+        [(header::CONTENT_TYPE, "application/x-ndjson")],
+        Body::from_stream(body),
+    )
+        .into_response()
+}
+
+/// Runs `exec` (given the sink, when streaming) in its own task, forwarding events to
+/// `out` as frames and ending with the result or error frame. A gone caller only makes the
+/// sends fail; the exec itself continues (as the server's own exec does).
+fn pump<F>(out: mpsc::Sender<Bytes>, stream: bool, exec: F)
+where
+    F: FnOnce(
+            Option<mpsc::Sender<ExecEvent>>,
+        ) -> futures::future::BoxFuture<
+            'static,
+            sandlot_node_api::NodeResult<sandlot_api::ExecResult>,
+        > + Send
+        + 'static,
+{
+    tokio::spawn(async move {
+        let (ev_tx, mut ev_rx) = mpsc::channel::<ExecEvent>(64);
+        let run = exec(stream.then_some(ev_tx));
+        tokio::pin!(run);
+        let result = loop {
+            tokio::select! {
+                biased;
+                Some(ev) = ev_rx.recv() => { let _ = out.send(line(&ExecFrame::Event(ev))).await; }
+                r = &mut run => break r,
+            }
+        };
+        while let Ok(ev) = ev_rx.try_recv() {
+            let _ = out.send(line(&ExecFrame::Event(ev))).await;
+        }
+        let last = match result {
+            Ok(r) => ExecFrame::Result(r),
+            Err(e) => ExecFrame::Error(e.to_wire()),
+        };
+        let _ = out.send(line(&last)).await;
+    });
+}
+
+async fn exec(
+    State(n): State<Shared>,
+    Path(id): Path<String>,
+    Json(c): Json<ExecCall>,
+) -> Response {
+    let (out_tx, out_rx) = mpsc::channel::<Bytes>(64);
+    pump(out_tx, c.stream, move |sink| {
+        Box::pin(async move { n.exec(&id, &c.request, sink).await })
+    });
+    ndjson(out_rx)
+}
+
+async fn exec_controlled(
+    State(n): State<Shared>,
+    Path(id): Path<String>,
+    body: Body,
+) -> Result<Response, Failed> {
+    let bad = |m: String| Failed(NodeError::InvalidArgument(m));
+    let mut frames = body.into_data_stream();
+    let mut lines = LineBuf::default();
+    let mut pending = std::collections::VecDeque::new();
+    // The start frame first, before any answer.
+    let start = loop {
+        if let Some(l) = pending.pop_front() {
+            break l;
+        }
+        match frames.next().await {
+            Some(Ok(chunk)) => pending.extend(lines.push(&chunk).map_err(bad)?),
+            Some(Err(e)) => return Err(bad(format!("request stream broke: {e}"))),
+            None => return Err(bad("request stream ended before its start frame".into())),
+        }
+    };
+    let start = match serde_json::from_slice::<ControlFrame>(&start) {
+        Ok(ControlFrame::Start(s)) => s,
+        Ok(_) => return Err(bad("the first frame must be start".into())),
+        Err(e) => return Err(bad(format!("bad start frame: {e}"))),
+    };
+    let (stdin_tx, stdin_rx) = mpsc::channel::<Bytes>(16);
+    let (sig_tx, sig_rx) = mpsc::unbounded_channel::<i32>();
+    let control = ExecControl {
+        stdin: start.stdin.then_some(stdin_rx),
+        signals: sig_rx,
+        handle: start.handle,
+    };
+    // Reads the rest of the request stream into the control channels; it ends (closing
+    // stdin and the signals) when the stream ends or breaks, or at a bad frame.
+    let reader = tokio::spawn(async move {
+        let mut stdin_tx = Some(stdin_tx);
+        loop {
+            while let Some(l) = pending.pop_front() {
+                let frame = match serde_json::from_slice::<ControlFrame>(&l) {
+                    Ok(f) => f,
+                    Err(e) => {
+                        tracing::info!(error = %e, "bad exec-controlled frame; control ends");
+                        return;
+                    }
+                };
+                match frame {
+                    ControlFrame::Stdin(b) => {
+                        let Ok(data) = B64.decode(b) else {
+                            tracing::info!("stdin frame is not base64; control ends");
+                            return;
+                        };
+                        if let Some(tx) = &stdin_tx {
+                            // Bounded: a command that does not read its stdin stalls this
+                            // reader and so, by HTTP/2 flow control, the caller.
+                            let _ = tx.send(Bytes::from(data)).await;
+                        }
+                    }
+                    ControlFrame::StdinEof => stdin_tx = None,
+                    ControlFrame::Signal(s) => {
+                        let _ = sig_tx.send(s);
+                    }
+                    ControlFrame::Start(_) => {
+                        tracing::info!("a second start frame; control ends");
+                        return;
+                    }
+                }
+            }
+            match frames.next().await {
+                Some(Ok(chunk)) => match lines.push(&chunk) {
+                    Ok(ls) => pending.extend(ls),
+                    Err(e) => {
+                        tracing::info!(error = %e, "exec-controlled frame too long; control ends");
+                        return;
+                    }
+                },
+                Some(Err(_)) | None => return,
+            }
+        }
+    });
+    let (out_tx, out_rx) = mpsc::channel::<Bytes>(64);
+    let request = start.request;
+    pump(out_tx, start.stream, move |sink| {
+        Box::pin(async move {
+            let r = n.exec_controlled(&id, &request, sink, control).await;
+            reader.abort();
+            r
+        })
+    });
+    Ok(ndjson(out_rx))
+}
+
+#[derive(Deserialize)]
+struct PathQ {
+    path: String,
+}
+
+#[derive(Deserialize)]
+struct ReadQ {
+    path: String,
+    max_bytes: u64,
+}
+
+async fn read_file(
+    State(n): State<Shared>,
+    Path(id): Path<String>,
+    Query(q): Query<ReadQ>,
+) -> Result<Response, Failed> {
+    let data = n.read_file(&id, &q.path, q.max_bytes).await?;
+    Ok(([(header::CONTENT_TYPE, "application/octet-stream")], data).into_response())
+}
+
+async fn write_file(
+    State(n): State<Shared>,
+    Path(id): Path<String>,
+    Query(q): Query<PathQ>,
+    data: Bytes,
+) -> Answer<serde_json::Value> {
+    n.write_file(&id, &q.path, data).await?;
+    Ok(empty())
+}
+
+async fn write_volatile(
+    State(n): State<Shared>,
+    Path(id): Path<String>,
+    Json(v): Json<VolatileFiles>,
+) -> Answer<serde_json::Value> {
+    let mut files = Vec::with_capacity(v.files.len());
+    for (p, b) in v.files {
+        let data = B64.decode(b).map_err(|e| {
+            Failed(NodeError::InvalidArgument(format!(
+                "content of {p:?} is not base64: {e}"
+            )))
+        })?;
+        files.push((p, Bytes::from(data)));
+    }
+    n.write_files_volatile(&id, files).await?;
+    Ok(empty())
+}
+
+async fn file_size(
+    State(n): State<Shared>,
+    Path(id): Path<String>,
+    Query(q): Query<PathQ>,
+) -> Answer<u64> {
+    Ok(Json(n.file_size(&id, &q.path).await?))
+}
+
+async fn stat_file(
+    State(n): State<Shared>,
+    Path(id): Path<String>,
+    Query(q): Query<PathQ>,
+) -> Answer<sandlot_api::FileEntry> {
+    Ok(Json(n.stat_file(&id, &q.path).await?))
+}
+
+async fn list_dir(
+    State(n): State<Shared>,
+    Path(id): Path<String>,
+    Query(q): Query<PathQ>,
+) -> Answer<Vec<sandlot_api::FileEntry>> {
+    Ok(Json(n.list_dir(&id, &q.path).await?))
+}
+
+async fn remove_file(
+    State(n): State<Shared>,
+    Path(id): Path<String>,
+    Query(q): Query<PathQ>,
+) -> Answer<serde_json::Value> {
+    n.remove_file(&id, &q.path).await?;
+    Ok(empty())
+}
+
+async fn make_dir(
+    State(n): State<Shared>,
+    Path(id): Path<String>,
+    Json(c): Json<MkdirCall>,
+) -> Answer<serde_json::Value> {
+    n.make_dir(&id, &c.path, c.parents).await?;
+    Ok(empty())
+}
