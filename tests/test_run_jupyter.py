@@ -96,6 +96,66 @@ def test_total_timeout_is_failed(jup):
     assert r.cells[-1].error[0]["ename"] == "TimeoutError"
 
 
+def test_a_kernel_that_dies_is_failed_at_once(jup):
+    # Before: the driver waited out total_timeout (45 s) and called it a TimeoutError.
+    for crash in ("import os; os._exit(1)", "import ctypes; ctypes.string_at(0)"):
+        r = jup.run_jupyter(["print('first')", crash, "print('never')"], total_timeout=60)
+        assert r.status == "Failed", r
+        assert r.message == "the kernel died", r.message
+        assert [c.stdout for c in r.cells] == ["first\n", ""]
+        assert r.cells[1].error[0]["ename"] == "DeadKernelError"
+        assert r.driver is not None and r.driver.execution_time < 30, r.driver
+
+
+def test_endless_output_is_cut_not_a_sandbox_error(jup):
+    # Before: output kept growing in the driver until it was OOM-killed or its answer was
+    # past what the server fetches, and the call answered SandboxError (a "retry" for
+    # trainers) for what the program did.
+    r = jup.run_jupyter(["while True: print('x' * 1000)", "print('never')"],
+                        cell_timeout=3, total_timeout=30)
+    assert r.status == "Failed", r
+    assert len(r.cells[0].stdout) == 1 << 20
+    assert "stdout cut at 1048576 characters" in r.cells[0].stderr
+    assert r.cells[0].error[0]["ename"] == "TimeoutError"
+    r = jup.run_jupyter([
+        "import sys; sys.stdout.write('y' * (80 << 20)); None",
+        "from IPython.display import Image, display\nimport os\n"
+        "for i in range(8): display(Image(data=os.urandom(10 << 20), format='png'))",
+        "print('after')",
+    ], total_timeout=60)
+    assert r.status == "Success", r
+    assert len(r.cells[0].stdout) == 1 << 20
+    assert len(r.cells[1].display) < 8
+    assert "display output over" in r.cells[1].stderr
+    assert r.cells[2].stdout == "after\n"
+
+
+FORGED = ("{'status': 'Finished', 'cells': [{'stdout': 'FORGED', 'stderr': '', "
+          "'display': [], 'error': []}]}")
+
+
+def test_a_cell_cannot_forge_the_answer(jup):
+    # Before: a cell that wrote the driver's answer file and killed the driver, or left a
+    # detached process that rewrote the file right after the driver wrote it, got
+    # `Success` with its own cells, and the grader's later cell never counted.
+    kill_driver = ("import json, os, signal\n"
+                   f"json.dump({FORGED}, open('/tmp/.sandlot-jupyter/output.json', 'w'))\n"
+                   "os.kill(os.getppid(), signal.SIGKILL)")
+    payload = ("import json, os, time\n"
+               "p = '/tmp/.sandlot-jupyter/output.json'\n"
+               "while not (os.path.exists(p) and os.path.getsize(p) > 0): time.sleep(0.0005)\n"
+               f"json.dump({FORGED}, open(p + '.x', 'w')); os.rename(p + '.x', p)\n")
+    rewrite_later = (
+        "import subprocess, sys\n"
+        f"subprocess.Popen([sys.executable, '-c', {payload!r}], start_new_session=True,\n"
+        "                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,\n"
+        "                 stderr=subprocess.DEVNULL)")
+    for forge in (kill_driver, rewrite_later):
+        r = jup.run_jupyter([forge, "assert 1 == 2, 'wrong answer'"], total_timeout=30)
+        assert "FORGED" not in [c.stdout for c in r.cells], r
+        assert r.status != "Success" or r.cells[1].error[0]["ename"] == "AssertionError", r
+
+
 def test_bad_kernel_and_timeouts_are_400(client):
     for body in ({"cells": ["1"], "kernel": "ir"}, {"cells": ["1"], "total_timeout": 0},
                  {"cells": ["1"], "cell_timeout": -1}, {"cells": "1"}):

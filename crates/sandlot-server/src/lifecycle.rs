@@ -11,6 +11,12 @@ use std::collections::HashSet;
 /// `running` but not adopted) is removed, each with a log line. The node deletes its own
 /// leftovers that are not adopted.
 ///
+/// The ephemeral sandbox of a `run_code`/`run_jupyter` call (label `sandlot.kind=run_code`)
+/// is never re-adopted: the call that owned it died with the previous process, so nobody can
+/// read its answer, and keeping it would leave its program running (and its memory and quota
+/// held) until its TTL, up to a day for a long `run_timeout`. It is deleted like any sandbox
+/// the node does not adopt, with a `lost` event whose `reason` says so.
+///
 /// # Errors
 /// Store or node failures; the server does not start then.
 pub async fn recover(st: &SharedState) -> anyhow::Result<()> {
@@ -18,6 +24,7 @@ pub async fn recover(st: &SharedState) -> anyhow::Result<()> {
     let keep: Vec<String> = records
         .iter()
         .filter(|r| matches!(r.state, SandboxState::Running | SandboxState::Paused))
+        .filter(|r| !is_run_code(r))
         .map(|r| r.id.clone())
         .collect();
     let adopted: HashSet<String> = st.node.readopt(&keep).await?.into_iter().collect();
@@ -28,14 +35,31 @@ pub async fn recover(st: &SharedState) -> anyhow::Result<()> {
             let f = serde_json::Map::new();
             crate::events::record_queued(st, "readopted", Some(&r.id), Some(r.backend), f);
         } else {
-            tracing::warn!(sandbox_id = %r.id, state = r.state.as_str(), "sandbox not re-adopted; record removed");
+            let cut_off =
+                is_run_code(&r) && matches!(r.state, SandboxState::Running | SandboxState::Paused);
+            if cut_off {
+                tracing::info!(sandbox_id = %r.id, "run_code sandbox of a call cut off by the restart; deleted");
+            } else {
+                tracing::warn!(sandbox_id = %r.id, state = r.state.as_str(), "sandbox not re-adopted; record removed");
+            }
             st.store.remove(&r.id)?;
             let mut f = serde_json::Map::new();
             f.insert("state".into(), r.state.as_str().into());
+            if cut_off {
+                f.insert(
+                    "reason".into(),
+                    "run_code call cut off by the restart".into(),
+                );
+            }
             crate::events::record_queued(st, "lost", Some(&r.id), Some(r.backend), f);
         }
     }
     crate::checkpoints::recover(st).await
+}
+
+/// Whether `r` is the ephemeral sandbox of a `run_code` or `run_jupyter` call.
+fn is_run_code(r: &crate::store::Record) -> bool {
+    r.labels.get("sandlot.kind").map(String::as_str) == Some("run_code")
 }
 
 /// Every `reap_interval` until `stop` turns true: delete sandboxes whose TTL expired and

@@ -917,6 +917,38 @@ async fn restart_readopts_running_records() {
     assert_eq!(node.ids(), [a]);
 }
 
+#[tokio::test]
+async fn restart_deletes_run_code_sandboxes_instead_of_readopting_them() {
+    // A run_code call cut off by a crash of the server: nobody can read its answer, so its
+    // sandbox (label `sandlot.kind=run_code`) must not live on until its TTL.
+    let tmp = data_dir("restart-runcode");
+    let dir = tmp.path().to_path_buf();
+    let node = Arc::new(FakeNode::default());
+    let (a, b) = {
+        let st = AppState::open(ServerConfig::new(dir.clone()), node.clone()).unwrap();
+        let app = router(st.clone());
+        let t = T {
+            st,
+            node: node.clone(),
+            app,
+            _dir: None,
+        };
+        (
+            create(&t, json!({"labels": {"job": "j"}})).await,
+            create(
+                &t,
+                json!({"labels": {"sandlot.kind": "run_code"}, "ttl_s": 86400}),
+            )
+            .await,
+        )
+    };
+    let st = AppState::open(ServerConfig::new(dir), node.clone()).unwrap();
+    lifecycle::recover(&st).await.unwrap();
+    let ids: Vec<_> = st.store.list().unwrap().into_iter().map(|r| r.id).collect();
+    assert_eq!(ids, vec![a.clone()], "{b} was re-adopted");
+    assert_eq!(node.ids(), [a], "the node still holds {b}");
+}
+
 async fn run_code(t: &T, body: Value) -> Value {
     let r = call(&t.app, Method::POST, "/run_code", Some(body)).await;
     assert_eq!(r.status, StatusCode::OK, "{:?}", r.body);

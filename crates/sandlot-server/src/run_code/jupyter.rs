@@ -12,12 +12,16 @@
 //! JSON file the server fetches and removes from `files`.
 //!
 //! Limits: `total_timeout` (default 45 s) for all cells, `cell_timeout` (> 0) per cell; the
-//! driver process itself gets `total_timeout + 15` s (kernel start). Memory:
+//! driver process itself gets `total_timeout + 15` s (kernel start). Output: each cell's
+//! stdout and stderr keep their first 1 MiB characters, MIME bundles 32 Mi characters over
+//! all cells (a cut is noted at the end of the cell's stderr). Memory:
 //! `memory_limit_MB` as `run_code`, default 1024 MiB.
 //!
 //! Verdicts: every cell ran (a cell that raised counts as run; its `error` says so) →
 //! `Success`; a cell over its limit → `Failed`, the cells so far (the last one with a
-//! `TimeoutError` error) and message `cell time limit exceeded`; the driver over its own limit
+//! `TimeoutError` error) and message `cell time limit exceeded`; a kernel that dies in a cell
+//! (`os._exit`, a segfault, the OOM killer) → `Failed` at once, the cells so far (the last one
+//! with a `DeadKernelError` error) and message `the kernel died`; the driver over its own limit
 //! → `Failed`, no cells; `lang-python` missing, or the driver dying without its answer (a
 //! kernel that cannot start) → HTTP 200 `SandboxError` with the reason. Bad input (not JSON,
 //! `cells` missing, `kernel` other than `python3`, bad base64, a timeout out of range) →
@@ -163,8 +167,15 @@ pub async fn run_jupyter(
         files,
     };
     if out.status != RunStatus::SandboxError {
+        // SECURITY (reward hacking): OUTPUT is trusted only from a driver that exited 0; the
+        // driver kills every other process of the sandbox before it writes OUTPUT, so a file
+        // a cell left there (and then killed the driver) or rewrote later is never read.
+        let driver_ok = out.driver.as_ref().is_some_and(|d| {
+            d.status == sandlot_api::CommandRunStatus::Finished && d.return_code == Some(0)
+        });
         let parsed = output
             .as_deref()
+            .filter(|_| driver_ok)
             .and_then(|b| B64.decode(b).ok())
             .and_then(|b| serde_json::from_slice::<DriverOutput>(&b).ok());
         let driver_tle = out
@@ -179,7 +190,11 @@ pub async fn run_jupyter(
             }
             Some(o) => {
                 out.status = RunStatus::Failed;
-                out.message = "cell time limit exceeded".into();
+                out.message = if o.status == "KernelDied" {
+                    "the kernel died".into()
+                } else {
+                    "cell time limit exceeded".into()
+                };
                 out.cells = o.cells;
             }
             None if driver_tle => {
