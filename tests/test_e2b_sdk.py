@@ -362,3 +362,49 @@ def test_watch_dir_sync_and_async(box):
 
     got = asyncio.run(watch_async())
     assert ("async.txt", T.CREATE) in {(e.name, e.type) for e in got}, got
+
+
+def test_stream_input_client_stream(box):
+    """`commands.stream_input` (Connect client stream): input reaches the process as it is
+    sent, before the request ends; async handle too; bad streams get Connect errors."""
+    import asyncio
+
+    from e2b import AsyncSandbox
+
+    h = box.commands.run("while read -r l; do echo \"$l\" >> /tmp/si.txt; done",
+                         background=True, stdin=True)
+
+    def got():
+        return box.files.read("/tmp/si.txt") if box.files.exists("/tmp/si.txt") else ""
+
+    def chunks():
+        yield "first\n"
+        # The second chunk is only sent once the first reached the process: the server
+        # must hand each message to stdin as it arrives, not at the end of the body.
+        wait_until(lambda: got() == "first\n", 15, what="first chunk in the process")
+        yield b"second\n"
+
+    box.commands.stream_input(h.pid, chunks())
+    wait_until(lambda: got() == "first\nsecond\n", 15, what="second chunk")
+
+    async def via_async():
+        sb = await AsyncSandbox.connect(box.sandbox_id)
+        async with sb.commands.stream_input(h.pid) as ih:
+            await ih.send("third\n")
+        with pytest.raises(e2b.NotFoundException):
+            async with sb.commands.stream_input(999999) as bad:
+                await bad.send("x")
+
+    asyncio.run(via_async())
+    wait_until(lambda: got().endswith("third\n"), 15, what="async chunk")
+    box.commands.close_stdin(h.pid)
+    assert h.wait().exit_code == 0
+
+    with httpx.Client(base_url=box.envd_api_url, timeout=30) as c:
+        hd = {"E2b-Sandbox-Id": box.sandbox_id, "Content-Type": "application/connect+json"}
+        r = c.post("/process.Process/StreamInput", content=b"", headers=hd)
+        assert r.status_code == 200 and b"no start message" in r.content, r.content
+        r = c.post("/process.Process/StreamInput", content=b"\x00\x00\x00\x00\x02{}", headers=hd)
+        assert b"exactly one of" in r.content, r.content
+        r = c.post("/process.Process/StreamInput", content=b'\x00\x00\x00\x00\x05{"a"', headers=hd)
+        assert b"invalid_argument" in r.content, r.content

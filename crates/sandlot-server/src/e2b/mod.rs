@@ -11,7 +11,7 @@
 //! | route | module |
 //! |---|---|
 //! | `POST/GET /v2/sandboxes`, `GET /sandboxes`, `GET/DELETE /sandboxes/{id}`, `POST /sandboxes/{id}/{timeout,pause,resume,connect,refreshes}`, `POST /v2/sandboxes/{id}/connect` | [`control`] |
-//! | `POST /process.Process/{Start,Connect,List,SendInput,CloseStdin,SendSignal}` | [`process`] |
+//! | `POST /process.Process/{Start,Connect,List,SendInput,StreamInput,CloseStdin,SendSignal}` | [`process`] |
 //! | `POST /filesystem.Filesystem/{Stat,ListDir,MakeDir,Move,Remove}`, `GET/POST /files` | [`filesystem`] |
 //! | `POST /filesystem.Filesystem/{WatchDir,CreateWatcher,GetWatcherEvents,RemoveWatcher}` | [`watch`] |
 //! | `GET /health` (envd) | here |
