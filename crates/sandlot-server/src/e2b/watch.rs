@@ -304,6 +304,11 @@ pub async fn snapshot(
     Ok(out)
 }
 
+/// The message of the error that ends a watcher whose sandbox is gone.
+fn gone_message(sandbox: &str) -> String {
+    format!("sandbox {sandbox} is gone")
+}
+
 /// What one watcher watches.
 #[derive(Clone)]
 struct Target {
@@ -313,11 +318,12 @@ struct Target {
     include_entry: bool,
 }
 
-/// One poll: `Ok(None)` while the sandbox is not running (paused), else the events since
+/// One poll: `Ok(None)` while the sandbox is paused (or still creating), else the events since
 /// `snap` (which becomes the new listing).
 ///
 /// # Errors
-/// `not_found` when the sandbox or the watched directory is gone; [`snapshot`]'s.
+/// `not_found` when the sandbox (deleting, deleted, lost or unknown) or the watched
+/// directory is gone; [`snapshot`]'s.
 async fn poll_once(
     st: &SharedState,
     t: &Target,
@@ -325,13 +331,11 @@ async fn poll_once(
 ) -> Result<Option<Vec<serde_json::Value>>, ConnectError> {
     match st.store.get(&t.sandbox) {
         Ok(Some(r)) if r.state == SandboxState::Running => {}
-        Ok(Some(_)) => return Ok(None),
-        Ok(None) => {
-            return Err(ConnectError::new(
-                "not_found",
-                format!("sandbox {} is gone", t.sandbox),
-            ))
+        Ok(Some(r)) if matches!(r.state, SandboxState::Paused | SandboxState::Creating) => {
+            return Ok(None)
         }
+        // Deleting, deleted, lost, or no record: the watcher ends with its sandbox.
+        Ok(_) => return Err(ConnectError::new("not_found", gone_message(&t.sandbox))),
         Err(e) => return Err(crate::error::ServerError::from(e).into()),
     }
     let new = snapshot(st, &t.sandbox, &t.root, t.recursive).await?;
@@ -536,7 +540,7 @@ async fn poll_into(
                 g.events.extend(evs);
             }
             Err(e) => {
-                let gone = e.message.starts_with("sandbox ") && e.code == "not_found";
+                let gone = e.message == gone_message(&t.sandbox);
                 g.error = Some(e);
                 drop(g);
                 if gone {
@@ -723,5 +727,72 @@ mod tests {
         w.retain_sandboxes(|s| s != "sb-a");
         assert_eq!(w.count("sb-a"), 0);
         assert_eq!(w.count("sb-b"), 1);
+    }
+
+    /// Over the unit-test `FakeNode`: a `CreateWatcher` watcher sees a write, and is
+    /// dropped when its sandbox is deleted.
+    #[tokio::test]
+    async fn create_watcher_events_and_drop_with_sandbox() {
+        use crate::test_support::{call, raw, setup};
+        use axum::http::Method;
+        let t = setup("e2b-watch");
+        let r = call(
+            &t.app,
+            Method::POST,
+            "/v1/sandboxes",
+            Some(serde_json::json!({})),
+        )
+        .await;
+        let id = r.json()["id"].as_str().unwrap().to_owned();
+        t.st.node
+            .write_file(&id, "/tmp/w/a", Bytes::from_static(b"1"))
+            .await
+            .unwrap();
+        let hdr = [("e2b-sandbox-id", id.as_str())];
+        let ct = Some("application/json");
+        let r = raw(
+            &t.app,
+            Method::POST,
+            "/filesystem.Filesystem/CreateWatcher",
+            ct,
+            br#"{"path": "/tmp/w"}"#.to_vec(),
+            &hdr,
+        )
+        .await;
+        assert_eq!(r.status, axum::http::StatusCode::OK, "{:?}", r.body);
+        let wid = r.json()["watcherId"].as_str().unwrap().to_owned();
+        assert_eq!(t.st.e2b.watchers.count(&id), 1);
+        t.st.node
+            .write_file(&id, "/tmp/w/b", Bytes::from_static(b"22"))
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(3 * POLL_MS)).await;
+        let body = serde_json::to_vec(&serde_json::json!({ "watcherId": wid })).unwrap();
+        let r = raw(
+            &t.app,
+            Method::POST,
+            "/filesystem.Filesystem/GetWatcherEvents",
+            ct,
+            body.clone(),
+            &hdr,
+        )
+        .await;
+        let evs = r.json()["events"].clone();
+        assert_eq!(
+            evs,
+            serde_json::json!([
+                {"name": "b", "type": "EVENT_TYPE_CREATE"},
+                {"name": "b", "type": "EVENT_TYPE_WRITE"}
+            ])
+        );
+        let r = call(&t.app, Method::DELETE, &format!("/v1/sandboxes/{id}"), None).await;
+        assert!(r.status.is_success(), "{:?}", r.body);
+        for _ in 0..50 {
+            if t.st.e2b.watchers.count(&id) == 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(POLL_MS)).await;
+        }
+        assert_eq!(t.st.e2b.watchers.count(&id), 0, "dropped with its sandbox");
     }
 }
