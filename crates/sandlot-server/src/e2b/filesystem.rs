@@ -20,7 +20,9 @@
 //! **gzip** (what the SDK's `gzip=True` sends): an upload with `Content-Encoding: gzip`
 //! (or `x-gzip`) is inflated before it is parsed, at most `max_file_bytes` (+ 64 KiB of
 //! multipart framing) inflated bytes — more is refused with 413 without inflating further
-//! ([`gunzip_bounded`]), data that is not gzip with 400, any other encoding with 400. A
+//! ([`gunzip_bounded`]), data that is not gzip with 400, any other encoding with 400. The
+//! inflated bytes take their share of the server's file data budget as they grow, like a
+//! plain upload of that size (429 when the budget stays full). A
 //! download whose `Accept-Encoding` accepts gzip ([`accepts_gzip`]) is sent gzip-compressed
 //! with `Content-Encoding: gzip`.
 use super::connect::{check_kind, unary_ok, unary_request, CallKind, ConnectError};
@@ -399,26 +401,53 @@ fn body_encoding(h: &HeaderMap) -> Result<BodyEncoding, ServerError> {
 }
 
 /// The decompressed bytes of gzip data `gz` (every member, RFC 1952), at most `limit`
-/// bytes: more is refused without inflating further, so a gzip bomb costs at most
-/// `limit` + 1 bytes of memory.
+/// bytes, inflated 64 KiB at a time: `grow(n)` is called before the output passes `n`
+/// bytes not yet accounted for (first `n` = the size the gzip trailer declares, then
+/// doubling), so the caller reserves memory as it is used; more than `limit` is refused
+/// without inflating further, so a gzip bomb costs at most `limit` + 64 KiB of memory.
 ///
 /// # Errors
 /// `payload_too_large` when the data inflates to more than `limit` bytes;
-/// `invalid_argument` when it is not gzip.
-pub fn gunzip_bounded(gz: &[u8], limit: usize) -> Result<Bytes, ServerError> {
+/// `invalid_argument` when it is not gzip; `grow`'s errors.
+pub fn gunzip_bounded(
+    gz: &[u8],
+    limit: usize,
+    mut grow: impl FnMut(usize) -> Result<(), ServerError>,
+) -> Result<Bytes, ServerError> {
     use std::io::Read;
-    let mut out = Vec::new();
-    let mut dec = flate2::read::MultiGzDecoder::new(gz).take(limit as u64 + 1);
-    dec.read_to_end(&mut out).map_err(|e| {
-        ServerError::invalid(format!(
-            "the upload says Content-Encoding: gzip but is not gzip data: {e}"
-        ))
-    })?;
-    if out.len() > limit {
-        return Err(ServerError::new(
-            ErrorCode::PayloadTooLarge,
-            format!("the gzip upload inflates to more than the limit of {limit} bytes"),
-        ));
+    const STEP: usize = 64 * 1024;
+    // ISIZE (RFC 1952 2.3.1): the last member's size mod 2^32; only a first estimate.
+    let declared = gz
+        .len()
+        .checked_sub(4)
+        .map(|i| u32::from_le_bytes([gz[i], gz[i + 1], gz[i + 2], gz[i + 3]]) as usize)
+        .unwrap_or(0);
+    let mut accounted = declared.clamp(STEP, limit.max(STEP));
+    grow(accounted)?;
+    let mut out: Vec<u8> = Vec::new();
+    let mut dec = flate2::read::MultiGzDecoder::new(gz);
+    let mut buf = vec![0u8; STEP];
+    loop {
+        let n = dec.read(&mut buf).map_err(|e| {
+            ServerError::invalid(format!(
+                "the upload says Content-Encoding: gzip but is not gzip data: {e}"
+            ))
+        })?;
+        if n == 0 {
+            break;
+        }
+        if out.len() + n > limit {
+            return Err(ServerError::new(
+                ErrorCode::PayloadTooLarge,
+                format!("the gzip upload inflates to more than the limit of {limit} bytes"),
+            ));
+        }
+        if out.len() + n > accounted {
+            let more = accounted.min(limit - accounted).max(STEP);
+            grow(more)?;
+            accounted += more;
+        }
+        out.extend_from_slice(&buf[..n]);
     }
     Ok(Bytes::from(out))
 }
@@ -519,12 +548,6 @@ pub async fn upload(State(st): State<SharedState>, req: Request) -> Response {
             .and_then(|v| v.parse::<u64>().ok())
             .unwrap_or(limit as u64)
             .min(limit as u64 + 1);
-        // A gzip body may inflate to the limit whatever its own length: reserve for that
-        // too (the compressed body is held while it inflates).
-        let len = match encoding {
-            BodyEncoding::Identity => len,
-            BodyEncoding::Gzip => len.saturating_add(limit as u64 + 1),
-        };
         let (_share, _) = st
             .file_budget
             .reserve(len.saturating_mul(crate::files::UPLOAD_SHARE_FACTOR))
@@ -537,14 +560,28 @@ pub async fn upload(State(st): State<SharedState>, req: Request) -> Response {
                     format!("upload over the limit of {limit} bytes: {e}"),
                 )
             })?;
+        // The inflated bytes take their own share of the file budget as they grow (held
+        // with `_inflated` until the answer), like a plain upload of that size.
+        let mut _inflated = Vec::new();
         let body = match encoding {
             BodyEncoding::Identity => body,
             BodyEncoding::Gzip => {
-                tokio::task::spawn_blocking(move || gunzip_bounded(&body, limit + 64 * 1024))
-                    .await
-                    .map_err(|e| {
-                        ServerError::new(ErrorCode::Internal, format!("gunzip task: {e}"))
-                    })??
+                let budget = st.file_budget.clone();
+                let rt = tokio::runtime::Handle::current();
+                let (r, permits) = tokio::task::spawn_blocking(move || {
+                    let mut permits = Vec::new();
+                    let r = gunzip_bounded(&body, limit + 64 * 1024, |n| {
+                        let bytes = (n as u64).saturating_mul(crate::files::UPLOAD_SHARE_FACTOR);
+                        let (p, _) = rt.block_on(budget.reserve(bytes))?;
+                        permits.push(p);
+                        Ok(())
+                    });
+                    (r, permits)
+                })
+                .await
+                .map_err(|e| ServerError::new(ErrorCode::Internal, format!("gunzip task: {e}")))?;
+                _inflated = permits;
+                r?
             }
         };
         let files: Vec<(String, Bytes)> = if ct
@@ -676,13 +713,34 @@ mod tests {
         let data = b"hello gzip ".repeat(1000);
         let gz = gzip(&data);
         assert!(gz.len() < data.len() / 10);
-        assert_eq!(&gunzip_bounded(&gz, data.len()).unwrap()[..], &data[..]);
-        let e = gunzip_bounded(&gz, data.len() - 1).unwrap_err();
+        let ok = |_| Ok(());
+        assert_eq!(&gunzip_bounded(&gz, data.len(), ok).unwrap()[..], &data[..]);
+        let e = gunzip_bounded(&gz, data.len() - 1, ok).unwrap_err();
         assert_eq!(e.api_error().code, ErrorCode::PayloadTooLarge);
         let two = [gz.to_vec(), gzip(b"!").to_vec()].concat();
-        assert_eq!(gunzip_bounded(&two, 1 << 20).unwrap().len(), data.len() + 1);
-        let e = gunzip_bounded(b"not gzip", 100).unwrap_err();
+        assert_eq!(
+            gunzip_bounded(&two, 1 << 20, ok).unwrap().len(),
+            data.len() + 1
+        );
+        let e = gunzip_bounded(b"not gzip", 100, ok).unwrap_err();
         assert_eq!(e.api_error().code, ErrorCode::InvalidArgument);
+        // Memory is accounted as it grows: two members whose trailer (the last one's)
+        // declares 1 byte still have every inflated byte accounted before it is kept.
+        let big = vec![7u8; 1 << 20];
+        let members = [gzip(&big).to_vec(), gzip(b"!").to_vec()].concat();
+        let mut total = 0;
+        let out = gunzip_bounded(&members, 4 << 20, |n| {
+            total += n;
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(out.len(), big.len() + 1);
+        assert!(total >= out.len() && total <= 2 * out.len(), "{total}");
+        let e = gunzip_bounded(&gz, 1 << 20, |_| {
+            Err(ServerError::new(ErrorCode::ResourceExhausted, "budget"))
+        })
+        .unwrap_err();
+        assert_eq!(e.api_error().code, ErrorCode::ResourceExhausted);
         let mut h = HeaderMap::new();
         assert!(!accepts_gzip(&h));
         for (v, want) in [
