@@ -363,6 +363,21 @@ def test_watch_dir_sync_and_async(box):
     got = asyncio.run(watch_async())
     assert ("async.txt", T.CREATE) in {(e.name, e.type) for e in got}, got
 
+    # The stopped stream gave its watcher slot back: 16 watchers fit again.
+    def sixteen_fit():
+        hs = []
+        try:
+            for _ in range(16):
+                hs.append(box.files.watch_dir("/tmp/w"))
+            return True
+        except e2b.SandboxException:
+            return False
+        finally:
+            for x in hs:
+                x.stop()
+
+    wait_until(sixteen_fit, 10, what="the stream's watcher slot to be freed")
+
 
 def test_stream_input_client_stream(box):
     """`commands.stream_input` (Connect client stream): input reaches the process as it is
