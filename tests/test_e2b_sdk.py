@@ -239,15 +239,214 @@ def test_bad_files_input_gets_clear_errors(box):
         r = c.post("/files", params={"path": "/tmp/x"}, content=b"x",
                    headers={**h, "Content-Type": "application/octet-stream",
                             "Content-Encoding": "gzip"})
-        assert r.status_code == 400
+        assert r.status_code == 400 and "not gzip" in r.json()["message"]
+        r = c.post("/files", params={"path": "/tmp/x"}, content=b"x",
+                   headers={**h, "Content-Type": "application/octet-stream",
+                            "Content-Encoding": "br"})
+        assert r.status_code == 400 and "br" in r.json()["message"]
         r = c.post("/filesystem.Filesystem/Stat", content=b'{"path": ""}',
                    headers={**h, "Content-Type": "application/json"})
         assert r.status_code == 400 and r.json()["code"] == "invalid_argument"
         r = c.post("/filesystem.Filesystem/WatchDir", content=b"{}",
                    headers={**h, "Content-Type": "application/connect+json"})
-        assert r.status_code == 501 and r.json()["code"] == "unimplemented"
+        assert r.status_code == 200 and r.content[0] == 2 and b"invalid_argument" in r.content
+        r = c.post("/filesystem.Filesystem/GetWatcherEvents", content=b'{"watcherId": "w-x"}',
+                   headers={**h, "Content-Type": "application/json"})
+        assert r.status_code == 404 and r.json()["code"] == "not_found"
         r = c.post("/filesystem.Filesystem/Nope", content=b"{}",
                    headers={**h, "Content-Type": "application/json"})
         assert r.status_code == 404
         r = c.get("/files", params={"path": "/etc/hostname"})
         assert r.status_code == 400 and "E2b-Sandbox-Id" in r.json()["message"]
+
+
+def test_files_gzip_upload_download_and_bomb(box):
+    """`gzip=True` of the SDK both ways; an upload inflating past the limit gets 413."""
+    import gzip
+    import zlib
+
+    data = ("gzip me " * 5000).encode()
+    info = box.files.write("/tmp/gz/a.txt", data, gzip=True)
+    assert info.path == "/tmp/gz/a.txt"
+    assert box.commands.run("wc -c < /tmp/gz/a.txt").stdout.strip() == str(len(data))
+    assert bytes(box.files.read("/tmp/gz/a.txt", format="bytes", gzip=True)) == data
+    assert box.files.read("/tmp/gz/a.txt") == data.decode()
+
+    url = box.envd_api_url
+    h = {"E2b-Sandbox-Id": box.sandbox_id}
+    with httpx.Client(base_url=url, timeout=120,
+                      limits=httpx.Limits(max_keepalive_connections=0)) as c:
+        r = c.get("/files", params={"path": "/tmp/gz/a.txt"},
+                  headers={**h, "Accept-Encoding": "gzip"})
+        assert r.status_code == 200 and r.headers["content-encoding"] == "gzip"
+        assert r.content == data  # httpx inflates
+        assert int(r.headers["content-length"]) < len(data) // 10
+        r = c.get("/files", params={"path": "/tmp/gz/a.txt"},
+                  headers={**h, "Accept-Encoding": "gzip;q=0, identity"})
+        assert "content-encoding" not in r.headers and r.content == data
+        # Multipart inside gzip works too (Content-Encoding covers the whole body).
+        boundary = "b0und"
+        mp = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; "
+              f"filename=\"/tmp/gz/m.txt\"\r\n\r\nmultipart-gz\r\n--{boundary}--\r\n").encode()
+        r = c.post("/files", content=gzip.compress(mp),
+                   headers={**h, "Content-Encoding": "gzip",
+                            "Content-Type": f"multipart/form-data; boundary={boundary}"})
+        assert r.status_code == 200, r.text
+        assert box.files.read("/tmp/gz/m.txt") == "multipart-gz"
+
+        # A gzip bomb: 257 MiB of zeros (the server's limit is 256 MiB) in ~260 KiB.
+        comp = zlib.compressobj(9, zlib.DEFLATED, 31)
+        chunk = bytes(1 << 20)
+        bomb = b"".join(comp.compress(chunk) for _ in range(257)) + comp.flush()
+        assert len(bomb) < 1 << 20
+        r = c.post("/files", params={"path": "/tmp/gz/bomb"}, content=bomb,
+                   headers={**h, "Content-Type": "application/octet-stream",
+                            "Content-Encoding": "gzip"})
+        assert r.status_code == 413 and "inflates" in r.json()["message"], r.text
+    assert not box.files.exists("/tmp/gz/bomb")
+
+
+def test_watch_dir_sync_and_async(box):
+    """`files.watch_dir` (CreateWatcher/GetWatcherEvents) and the async SDK's (WatchDir)."""
+    import asyncio
+
+    from e2b import AsyncSandbox, FilesystemEventType as T
+
+    box.files.make_dir("/tmp/w/sub")
+    h = box.files.watch_dir("/tmp/w")
+    hr = box.files.watch_dir("/tmp/w", recursive=True)
+    box.commands.run("echo hello > /tmp/w/a.txt && echo deep > /tmp/w/sub/d.txt")
+    seen = []
+    wait_until(lambda: bool(seen.extend(h.get_new_events())) or
+               (("a.txt", T.CREATE) in {(e.name, e.type) for e in seen}
+                and ("a.txt", T.WRITE) in {(e.name, e.type) for e in seen}),
+               10, what="create+write of a.txt")
+    box.commands.run("mv /tmp/w/a.txt /tmp/w/b.txt && chmod 600 /tmp/w/b.txt")
+    wait_until(lambda: bool(seen.extend(h.get_new_events())) or
+               {("a.txt", T.REMOVE), ("b.txt", T.CREATE)} <= {(e.name, e.type) for e in seen},
+               10, what="rename as remove+create")
+    assert not any(e.name.startswith("sub/") for e in seen), "not recursive"
+    rec = []
+    wait_until(lambda: bool(rec.extend(hr.get_new_events())) or
+               ("sub/d.txt", T.CREATE) in {(e.name, e.type) for e in rec},
+               10, what="recursive event")
+    box.commands.run("echo more >> /tmp/w/b.txt")
+    wait_until(lambda: bool(seen.extend(h.get_new_events())) or
+               seen[-1].name == "b.txt" and seen[-1].type == T.WRITE, 10, what="append")
+    h.stop()
+    hr.stop()
+    with pytest.raises(e2b.SandboxException):
+        h.get_new_events()
+
+    # At most 16 watchers per sandbox.
+    hs = [box.files.watch_dir("/tmp/w") for _ in range(16)]
+    with pytest.raises(e2b.SandboxException) as ei:
+        box.files.watch_dir("/tmp/w")
+    assert "watchers" in str(ei.value)
+    for x in hs:
+        x.stop()
+    with pytest.raises(e2b.SandboxException):
+        box.files.watch_dir("/tmp/w/b.txt")  # not a directory
+
+    async def watch_async():
+        sb = await AsyncSandbox.connect(box.sandbox_id)
+        got = []
+        wh = await sb.files.watch_dir("/tmp/w", on_event=got.append, timeout=60)
+        await sb.commands.run("echo x > /tmp/w/async.txt")
+        for _ in range(100):
+            if ("async.txt", T.CREATE) in {(e.name, e.type) for e in got}:
+                break
+            await asyncio.sleep(0.1)
+        await wh.stop()
+        return got
+
+    got = asyncio.run(watch_async())
+    assert ("async.txt", T.CREATE) in {(e.name, e.type) for e in got}, got
+
+    # The stopped stream gave its watcher slot back: 16 watchers fit again.
+    def sixteen_fit():
+        hs = []
+        try:
+            for _ in range(16):
+                hs.append(box.files.watch_dir("/tmp/w"))
+            return True
+        except e2b.SandboxException:
+            return False
+        finally:
+            for x in hs:
+                x.stop()
+
+    wait_until(sixteen_fit, 10, what="the stream's watcher slot to be freed")
+
+
+def test_stream_input_client_stream(box):
+    """`commands.stream_input` (Connect client stream): input reaches the process as it is
+    sent, before the request ends; async handle too; bad streams get Connect errors."""
+    import asyncio
+
+    from e2b import AsyncSandbox
+
+    h = box.commands.run("while read -r l; do echo \"$l\" >> /tmp/si.txt; done",
+                         background=True, stdin=True)
+
+    def got():
+        return box.files.read("/tmp/si.txt") if box.files.exists("/tmp/si.txt") else ""
+
+    def chunks():
+        yield "first\n"
+        # The second chunk is only sent once the first reached the process: the server
+        # must hand each message to stdin as it arrives, not at the end of the body.
+        wait_until(lambda: got() == "first\n", 15, what="first chunk in the process")
+        yield b"second\n"
+
+    box.commands.stream_input(h.pid, chunks())
+    wait_until(lambda: got() == "first\nsecond\n", 15, what="second chunk")
+
+    async def via_async():
+        sb = await AsyncSandbox.connect(box.sandbox_id)
+        async with sb.commands.stream_input(h.pid) as ih:
+            await ih.send("third\n")
+        with pytest.raises(e2b.NotFoundException):
+            async with sb.commands.stream_input(999999) as bad:
+                await bad.send("x")
+
+    asyncio.run(via_async())
+    wait_until(lambda: got().endswith("third\n"), 15, what="async chunk")
+    box.commands.close_stdin(h.pid)
+    assert h.wait().exit_code == 0
+
+    with httpx.Client(base_url=box.envd_api_url, timeout=30) as c:
+        hd = {"E2b-Sandbox-Id": box.sandbox_id, "Content-Type": "application/connect+json"}
+        r = c.post("/process.Process/StreamInput", content=b"", headers=hd)
+        assert r.status_code == 200 and b"no start message" in r.content, r.content
+        r = c.post("/process.Process/StreamInput", content=b"\x00\x00\x00\x00\x02{}", headers=hd)
+        assert b"exactly one of" in r.content, r.content
+        r = c.post("/process.Process/StreamInput", content=b'\x00\x00\x00\x00\x05{"a"', headers=hd)
+        assert b"invalid_argument" in r.content, r.content
+
+
+def test_watch_gzip_stream_input_in_busybox(e2b_env):
+    """Nothing in the image serves these: a busybox sandbox has them all the same."""
+    from e2b import FilesystemEventType as T
+
+    try:
+        sb = Sandbox.create(template="busybox", timeout=120)
+    except e2b.SandboxException as e:
+        pytest.skip(f"no busybox image here: {e}")
+    try:
+        sb.files.make_dir("/tmp/bw")
+        h = sb.files.watch_dir("/tmp/bw")
+        sb.commands.run("echo hi > /tmp/bw/f")
+        seen = []
+        wait_until(lambda: bool(seen.extend(h.get_new_events())) or
+                   ("f", T.CREATE) in {(e.name, e.type) for e in seen}, 10, what="event")
+        h.stop()
+        sb.files.write("/tmp/bw/g", "zipped", gzip=True)
+        assert sb.files.read("/tmp/bw/g", gzip=True) == "zipped"
+        p = sb.commands.run("cat > /tmp/bw/in", background=True, stdin=True)
+        sb.commands.stream_input(p.pid, ["a", "b"])
+        sb.commands.close_stdin(p.pid)
+        p.wait()
+        assert sb.files.read("/tmp/bw/in") == "ab"
+    finally:
+        sb.kill()

@@ -11,6 +11,10 @@
 //!   "message"}}`. Errors found before the stream starts are answered the same way (200,
 //!   end-of-stream envelope only), as the spec asks.
 //!
+//! - **Client stream** (`StreamInput`): request `application/connect+json`, body a
+//!   sequence of message envelopes read as they arrive ([`Envelopes`]), ended by the end of
+//!   the body; answer as a server stream with one message.
+//!
 //! The binary protobuf codec (`application/proto`, `application/connect+proto`) is not
 //! served: such calls get 415 with a Connect `unimplemented` error naming the JSON codec.
 use crate::error::ServerError;
@@ -243,6 +247,69 @@ pub fn stream_request<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, 
     parse_object(rest)
 }
 
+/// The messages of a client-stream request body, split as its bytes arrive: push each
+/// chunk, then take the complete messages. Holds at most one partial envelope (a header
+/// announcing more than [`MAX_MESSAGE_BYTES`] is refused before its bytes are read).
+#[derive(Debug, Default)]
+pub struct Envelopes {
+    buf: Vec<u8>,
+}
+
+impl Envelopes {
+    /// Append `chunk` of the body.
+    pub fn push(&mut self, chunk: &[u8]) {
+        self.buf.extend_from_slice(chunk);
+    }
+
+    /// The next complete message, if one has arrived.
+    ///
+    /// # Errors
+    /// `invalid_argument` for a compressed or flagged envelope or a message that is not a
+    /// JSON object of the type; `resource_exhausted` over [`MAX_MESSAGE_BYTES`].
+    pub fn next_message<T: serde::de::DeserializeOwned>(
+        &mut self,
+    ) -> Result<Option<T>, ConnectError> {
+        if self.buf.len() < 5 {
+            return Ok(None);
+        }
+        let flags = self.buf[0];
+        let len = u32::from_be_bytes([self.buf[1], self.buf[2], self.buf[3], self.buf[4]]) as usize;
+        if flags & COMPRESSED != 0 {
+            return Err(ConnectError::invalid(
+                "compressed envelopes are not accepted (send Connect-Content-Encoding identity)",
+            ));
+        }
+        if flags != 0 {
+            return Err(ConnectError::invalid(format!(
+                "unexpected envelope flags {flags:#04x} in a request"
+            )));
+        }
+        if len > MAX_MESSAGE_BYTES {
+            return Err(too_big(len));
+        }
+        if self.buf.len() < 5 + len {
+            return Ok(None);
+        }
+        let msg: Vec<u8> = self.buf.drain(..5 + len).skip(5).collect();
+        parse_object(&msg).map(Some)
+    }
+
+    /// Check that the body ended on an envelope boundary.
+    ///
+    /// # Errors
+    /// `invalid_argument` when a partial envelope is left.
+    pub fn finish(&self) -> Result<(), ConnectError> {
+        if self.buf.is_empty() {
+            Ok(())
+        } else {
+            Err(ConnectError::invalid(format!(
+                "the request body ended inside an envelope ({} bytes left)",
+                self.buf.len()
+            )))
+        }
+    }
+}
+
 /// One envelope.
 pub fn envelope(flags: u8, msg: &[u8]) -> Bytes {
     let mut v = Vec::with_capacity(5 + msg.len());
@@ -318,6 +385,34 @@ mod tests {
         assert!(stream_request::<serde_json::Value>(&envelope(0, b"[1]")).is_err());
         let end = end_stream(Some(&ConnectError::invalid("x")));
         assert_eq!(end[0], END_STREAM);
+    }
+
+    #[test]
+    fn client_stream_envelopes_split_across_chunks() {
+        let mut all = message(&serde_json::json!({"a": 1})).to_vec();
+        all.extend_from_slice(&message(&serde_json::json!({"b": 2})));
+        let mut e = Envelopes::default();
+        let mut got = Vec::new();
+        for b in &all {
+            e.push(std::slice::from_ref(b));
+            while let Some(v) = e.next_message::<serde_json::Value>().unwrap() {
+                got.push(v);
+            }
+        }
+        assert_eq!(
+            got,
+            vec![serde_json::json!({"a": 1}), serde_json::json!({"b": 2})]
+        );
+        assert!(e.finish().is_ok());
+        e.push(&[0, 0, 0]);
+        assert!(e.next_message::<serde_json::Value>().unwrap().is_none());
+        assert!(e.finish().is_err());
+        let mut big = Envelopes::default();
+        big.push(&[0, 0xff, 0xff, 0xff, 0xff]);
+        assert_eq!(
+            big.next_message::<serde_json::Value>().unwrap_err().code,
+            "resource_exhausted"
+        );
     }
 
     #[test]

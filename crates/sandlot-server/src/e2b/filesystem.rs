@@ -15,11 +15,18 @@
 //! size, mode, permissions ("-rw-r--r--"), owner, group, modifiedTime}`; owner and group are
 //! always `root` (the sandbox's own root owns every file). Relative paths and `~` resolve
 //! against the E2B user's home ([`super::home_of`]). The watcher methods (`WatchDir`,
-//! `CreateWatcher`, `GetWatcherEvents`, `RemoveWatcher`) answer `unimplemented`; so do
-//! gzip-encoded uploads and downloads (downloads are never compressed: `Accept-Encoding` is
-//! ignored).
+//! `CreateWatcher`, `GetWatcherEvents`, `RemoveWatcher`) are served by [`super::watch`].
+//!
+//! **gzip** (what the SDK's `gzip=True` sends): an upload with `Content-Encoding: gzip`
+//! (or `x-gzip`) is inflated before it is parsed, at most `max_file_bytes` (+ 64 KiB of
+//! multipart framing) inflated bytes — more is refused with 413 without inflating further
+//! ([`gunzip_bounded`]), data that is not gzip with 400, any other encoding with 400. The
+//! inflated bytes take their share of the server's file data budget as they grow, like a
+//! plain upload of that size (429 when the budget stays full). A
+//! download whose `Accept-Encoding` accepts gzip ([`accepts_gzip`]) is sent gzip-compressed
+//! with `Content-Encoding: gzip`.
 use super::connect::{check_kind, unary_ok, unary_request, CallKind, ConnectError};
-use super::{ensure_home, home_of, sandbox_of, visible, E2bUser};
+use super::{ensure_home, home_of, sandbox_of, visible, watch, E2bUser};
 use crate::auth::Principal;
 use crate::error::ServerError;
 use crate::SharedState;
@@ -127,35 +134,35 @@ pub async fn dispatch(
     let user = req.extensions().get::<E2bUser>().map(|u| u.0.clone());
     let (parts, body) = req.into_parts();
     let headers = parts.headers;
-    if !matches!(
-        method.as_str(),
-        "Stat" | "ListDir" | "MakeDir" | "Move" | "Remove"
-    ) {
-        let known = matches!(
+    let watching = watch::is_watch_method(&method);
+    if !watching
+        && !matches!(
             method.as_str(),
-            "WatchDir" | "CreateWatcher" | "GetWatcherEvents" | "RemoveWatcher"
-        );
+            "Stat" | "ListDir" | "MakeDir" | "Move" | "Remove"
+        )
+    {
         let mut e = ConnectError::new(
             "unimplemented",
-            if known {
-                format!("filesystem.Filesystem/{method} is not implemented by Sandlot")
-            } else {
-                format!("no method filesystem.Filesystem/{method}")
-            },
+            format!("no method filesystem.Filesystem/{method}"),
         );
-        if !known {
-            e.status = Some(StatusCode::NOT_FOUND);
-        }
+        e.status = Some(StatusCode::NOT_FOUND);
         return e.into_response();
     }
-    if let Err(e) = check_kind(&headers, CallKind::Unary) {
-        return e.into_response();
+    let checked = if watching {
+        watch::check(&method, &headers)
+    } else {
+        check_kind(&headers, CallKind::Unary)
+    };
+    if let Err(e) = checked {
+        return watch::fail(&method, e);
     }
     let body = match axum::body::to_bytes(body, st.cfg.max_json_bytes).await {
         Ok(b) => b,
         Err(e) => {
-            return ConnectError::new("resource_exhausted", format!("request body: {e}"))
-                .into_response()
+            return watch::fail(
+                &method,
+                ConnectError::new("resource_exhausted", format!("request body: {e}")),
+            )
         }
     };
     let out = async {
@@ -170,11 +177,11 @@ pub async fn dispatch(
             "MakeDir" => make_dir(&st, &id, &home, &body).await,
             "Move" => move_(&st, &id, &home, &body).await,
             "Remove" => remove(&st, &id, &home, &body).await,
-            _ => unreachable!("checked above"),
+            m => watch::serve(&st, &id, &home, m, &headers, &body).await,
         }
     };
     out.await
-        .unwrap_or_else(|e: ConnectError| e.into_response())
+        .unwrap_or_else(|e: ConnectError| watch::fail(&method, e))
 }
 
 async fn stat_at(
@@ -371,18 +378,109 @@ fn resolve_files(p: &str, home: &str) -> Result<String, ServerError> {
     resolve(p, home).map_err(|e| ServerError::invalid(e.message))
 }
 
-fn gzip_refused(h: &HeaderMap) -> Result<(), ServerError> {
-    let gz = h
+/// How an upload body is encoded (`Content-Encoding`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum BodyEncoding {
+    Identity,
+    Gzip,
+}
+
+fn body_encoding(h: &HeaderMap) -> Result<BodyEncoding, ServerError> {
+    let v = h
         .get(header::CONTENT_ENCODING)
         .and_then(|v| v.to_str().ok())
-        .map(|v| !v.trim().is_empty() && !v.trim().eq_ignore_ascii_case("identity"))
-        .unwrap_or(false);
-    if gz {
-        return Err(ServerError::invalid(
-            "Content-Encoding of uploads is not supported by Sandlot; send the file uncompressed",
-        ));
+        .map(|v| v.trim().to_ascii_lowercase())
+        .unwrap_or_default();
+    match v.as_str() {
+        "" | "identity" => Ok(BodyEncoding::Identity),
+        "gzip" | "x-gzip" => Ok(BodyEncoding::Gzip),
+        other => Err(ServerError::invalid(format!(
+            "Content-Encoding {other:?} of uploads is not supported: send gzip or identity"
+        ))),
     }
-    Ok(())
+}
+
+/// The decompressed bytes of gzip data `gz` (every member, RFC 1952), at most `limit`
+/// bytes, inflated 64 KiB at a time: `grow(n)` is called before the output passes `n`
+/// bytes not yet accounted for (first `n` = the size the gzip trailer declares, then
+/// doubling), so the caller reserves memory as it is used; more than `limit` is refused
+/// without inflating further, so a gzip bomb costs at most `limit` + 64 KiB of memory.
+///
+/// # Errors
+/// `payload_too_large` when the data inflates to more than `limit` bytes;
+/// `invalid_argument` when it is not gzip; `grow`'s errors.
+pub fn gunzip_bounded(
+    gz: &[u8],
+    limit: usize,
+    mut grow: impl FnMut(usize) -> Result<(), ServerError>,
+) -> Result<Bytes, ServerError> {
+    use std::io::Read;
+    const STEP: usize = 64 * 1024;
+    // ISIZE (RFC 1952 2.3.1): the last member's size mod 2^32; only a first estimate.
+    let declared = gz
+        .len()
+        .checked_sub(4)
+        .map(|i| u32::from_le_bytes([gz[i], gz[i + 1], gz[i + 2], gz[i + 3]]) as usize)
+        .unwrap_or(0);
+    let mut accounted = declared.clamp(STEP, limit.max(STEP));
+    grow(accounted)?;
+    let mut out: Vec<u8> = Vec::new();
+    let mut dec = flate2::read::MultiGzDecoder::new(gz);
+    let mut buf = vec![0u8; STEP];
+    loop {
+        let n = dec.read(&mut buf).map_err(|e| {
+            ServerError::invalid(format!(
+                "the upload says Content-Encoding: gzip but is not gzip data: {e}"
+            ))
+        })?;
+        if n == 0 {
+            break;
+        }
+        if out.len() + n > limit {
+            return Err(ServerError::new(
+                ErrorCode::PayloadTooLarge,
+                format!("the gzip upload inflates to more than the limit of {limit} bytes"),
+            ));
+        }
+        if out.len() + n > accounted {
+            let more = accounted.min(limit - accounted).max(STEP);
+            grow(more)?;
+            accounted += more;
+        }
+        out.extend_from_slice(&buf[..n]);
+    }
+    Ok(Bytes::from(out))
+}
+
+/// Whether `Accept-Encoding` accepts gzip (a `gzip` or `x-gzip` coding whose `q` is not
+/// 0; `*` counts too).
+pub fn accepts_gzip(h: &HeaderMap) -> bool {
+    h.get_all(header::ACCEPT_ENCODING)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .any(|item| {
+            let mut it = item.split(';');
+            let coding = it.next().unwrap_or("").trim().to_ascii_lowercase();
+            let q_zero = it.any(|p| {
+                p.trim()
+                    .strip_prefix("q=")
+                    .and_then(|q| q.trim().parse::<f32>().ok())
+                    .is_some_and(|q| q <= 0.0)
+            });
+            matches!(coding.as_str(), "gzip" | "x-gzip" | "*") && !q_zero
+        })
+}
+
+/// `data` gzip-compressed (fast level: downloads are bound by the network, not size).
+pub fn gzip(data: &[u8]) -> Bytes {
+    use std::io::Write;
+    let mut enc = flate2::write::GzEncoder::new(
+        Vec::with_capacity(data.len() / 2 + 64),
+        flate2::Compression::fast(),
+    );
+    enc.write_all(data).expect("writing into a Vec cannot fail");
+    Bytes::from(enc.finish().expect("writing into a Vec cannot fail"))
 }
 
 /// `GET /files?path=P[&username=U]` → the file's bytes (`application/octet-stream`).
@@ -400,8 +498,31 @@ pub async fn download(State(st): State<SharedState>, req: Request) -> Response {
             .budget_node
             .read_file_held(&ctx.id, &path, st.cfg.max_file_bytes as u64)
             .await?;
+        if accepts_gzip(&req.headers) {
+            let gz = tokio::task::spawn_blocking(move || gzip(&data))
+                .await
+                .map_err(|e| ServerError::new(ErrorCode::Internal, format!("gzip task: {e}")))?;
+            return Ok::<_, ServerError>(
+                (
+                    [
+                        (header::CONTENT_TYPE, "application/octet-stream"),
+                        (header::CONTENT_ENCODING, "gzip"),
+                        (header::VARY, "Accept-Encoding"),
+                    ],
+                    gz,
+                )
+                    .into_response(),
+            );
+        }
         Ok::<_, ServerError>(
-            ([(header::CONTENT_TYPE, "application/octet-stream")], data).into_response(),
+            (
+                [
+                    (header::CONTENT_TYPE, "application/octet-stream"),
+                    (header::VARY, "Accept-Encoding"),
+                ],
+                data,
+            )
+                .into_response(),
         )
     };
     r.await.unwrap_or_else(files_error)
@@ -412,7 +533,7 @@ pub async fn upload(State(st): State<SharedState>, req: Request) -> Response {
     let (req, body) = req.into_parts();
     let r = async {
         let ctx = files_ctx(&st, &req).await?;
-        gzip_refused(&req.headers)?;
+        let encoding = body_encoding(&req.headers)?;
         let ct = req
             .headers
             .get(header::CONTENT_TYPE)
@@ -439,6 +560,30 @@ pub async fn upload(State(st): State<SharedState>, req: Request) -> Response {
                     format!("upload over the limit of {limit} bytes: {e}"),
                 )
             })?;
+        // The inflated bytes take their own share of the file budget as they grow (held
+        // with `_inflated` until the answer), like a plain upload of that size.
+        let mut _inflated = Vec::new();
+        let body = match encoding {
+            BodyEncoding::Identity => body,
+            BodyEncoding::Gzip => {
+                let budget = st.file_budget.clone();
+                let rt = tokio::runtime::Handle::current();
+                let (r, permits) = tokio::task::spawn_blocking(move || {
+                    let mut permits = Vec::new();
+                    let r = gunzip_bounded(&body, limit + 64 * 1024, |n| {
+                        let bytes = (n as u64).saturating_mul(crate::files::UPLOAD_SHARE_FACTOR);
+                        let (p, _) = rt.block_on(budget.reserve(bytes))?;
+                        permits.push(p);
+                        Ok(())
+                    });
+                    (r, permits)
+                })
+                .await
+                .map_err(|e| ServerError::new(ErrorCode::Internal, format!("gunzip task: {e}")))?;
+                _inflated = permits;
+                r?
+            }
+        };
         let files: Vec<(String, Bytes)> = if ct
             .to_ascii_lowercase()
             .starts_with("multipart/form-data")
@@ -561,6 +706,57 @@ mod tests {
         assert!(resolve("", "/root").is_err());
         assert_eq!(parent("/a/b/c"), Some("/a/b"));
         assert_eq!(parent("/a"), None);
+    }
+
+    #[test]
+    fn gzip_both_ways_and_bombs_are_bounded() {
+        let data = b"hello gzip ".repeat(1000);
+        let gz = gzip(&data);
+        assert!(gz.len() < data.len() / 10);
+        let ok = |_| Ok(());
+        assert_eq!(&gunzip_bounded(&gz, data.len(), ok).unwrap()[..], &data[..]);
+        let e = gunzip_bounded(&gz, data.len() - 1, ok).unwrap_err();
+        assert_eq!(e.api_error().code, ErrorCode::PayloadTooLarge);
+        let two = [gz.to_vec(), gzip(b"!").to_vec()].concat();
+        assert_eq!(
+            gunzip_bounded(&two, 1 << 20, ok).unwrap().len(),
+            data.len() + 1
+        );
+        let e = gunzip_bounded(b"not gzip", 100, ok).unwrap_err();
+        assert_eq!(e.api_error().code, ErrorCode::InvalidArgument);
+        // Memory is accounted as it grows: two members whose trailer (the last one's)
+        // declares 1 byte still have every inflated byte accounted before it is kept.
+        let big = vec![7u8; 1 << 20];
+        let members = [gzip(&big).to_vec(), gzip(b"!").to_vec()].concat();
+        let mut total = 0;
+        let out = gunzip_bounded(&members, 4 << 20, |n| {
+            total += n;
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(out.len(), big.len() + 1);
+        assert!(total >= out.len() && total <= 2 * out.len(), "{total}");
+        let e = gunzip_bounded(&gz, 1 << 20, |_| {
+            Err(ServerError::new(ErrorCode::ResourceExhausted, "budget"))
+        })
+        .unwrap_err();
+        assert_eq!(e.api_error().code, ErrorCode::ResourceExhausted);
+        let mut h = HeaderMap::new();
+        assert!(!accepts_gzip(&h));
+        for (v, want) in [
+            ("gzip", true),
+            ("br, gzip;q=0.5", true),
+            ("gzip;q=0, identity", false),
+            ("identity", false),
+            ("*", true),
+        ] {
+            h.insert(header::ACCEPT_ENCODING, v.parse().unwrap());
+            assert_eq!(accepts_gzip(&h), want, "{v}");
+        }
+        h.insert(header::CONTENT_ENCODING, "x-gzip".parse().unwrap());
+        assert_eq!(body_encoding(&h).unwrap(), BodyEncoding::Gzip);
+        h.insert(header::CONTENT_ENCODING, "br".parse().unwrap());
+        assert!(body_encoding(&h).is_err());
     }
 
     #[test]

@@ -11,8 +11,9 @@
 //! | route | module |
 //! |---|---|
 //! | `POST/GET /v2/sandboxes`, `GET /sandboxes`, `GET/DELETE /sandboxes/{id}`, `POST /sandboxes/{id}/{timeout,pause,resume,connect,refreshes}`, `POST /v2/sandboxes/{id}/connect` | [`control`] |
-//! | `POST /process.Process/{Start,Connect,List,SendInput,CloseStdin,SendSignal}` | [`process`] |
+//! | `POST /process.Process/{Start,Connect,List,SendInput,StreamInput,CloseStdin,SendSignal}` | [`process`] |
 //! | `POST /filesystem.Filesystem/{Stat,ListDir,MakeDir,Move,Remove}`, `GET/POST /files` | [`filesystem`] |
+//! | `POST /filesystem.Filesystem/{WatchDir,CreateWatcher,GetWatcherEvents,RemoveWatcher}` | [`watch`] |
 //! | `GET /health` (envd) | here |
 //!
 //! **Which sandbox** an envd request is for: the `E2b-Sandbox-Id` header (what the SDK
@@ -34,6 +35,7 @@ pub mod connect;
 pub mod control;
 pub mod filesystem;
 pub mod process;
+pub mod watch;
 
 use crate::auth::Principal;
 use crate::error::ServerError;
@@ -87,6 +89,8 @@ pub struct E2bState {
     procs: Mutex<HashMap<String, SandboxProcs>>,
     /// Sandboxes whose home directories exist already.
     homes: Mutex<HashSet<(String, String)>>,
+    /// File watchers ([`watch`]).
+    pub watchers: watch::Watchers,
 }
 
 #[derive(Default)]
@@ -159,6 +163,8 @@ impl E2bState {
         m.retain(|k, _| keep(k));
         let mut h = self.homes.lock().unwrap_or_else(|p| p.into_inner());
         h.retain(|(k, _)| keep(k));
+        drop(h);
+        self.watchers.retain_sandboxes(keep);
     }
 
     /// Number of sandboxes with E2B processes.

@@ -11,7 +11,11 @@
 //! | `CloseStdin {process}` | unary | close stdin |
 //! | `SendSignal {process, signal: SIGNAL_SIGTERM\|SIGNAL_SIGKILL}` | unary | signal (SIGKILL ends the whole tree) |
 //!
-//! `pty` (terminals), `StreamInput` and `Update` answer `unimplemented`. Pids are E2B's
+//! | `StreamInput` (`start {process}`, then `data {input: {stdin}}` / `keepalive` messages) | client stream | each `data` written to stdin as it arrives; answers `{}` when the body ends (stdin stays open) |
+//!
+//! `StreamInput` waits at most [`STREAM_INPUT_IDLE_S`] s for its next message (and at
+//! most its `Connect-Timeout-Ms` in all). `pty` (terminals) and `Update` answer
+//! `unimplemented`. Pids are E2B's
 //! numbers ([`super::E2bState`]), from 1000 per sandbox. The stream's deadline
 //! (`Connect-Timeout-Ms`, the SDK's command `timeout`) is also the process's timeout: when
 //! it passes, the process tree is killed. A stream whose client goes away leaves the
@@ -41,6 +45,9 @@ use tokio::sync::mpsc;
 
 /// Default interval of keepalive events, seconds (the SDK asks for 50).
 pub const KEEPALIVE_S: u64 = 50;
+/// Longest wait of `StreamInput` for its next message, seconds (clients send keepalives
+/// more often).
+pub const STREAM_INPUT_IDLE_S: u64 = 300;
 
 /// `process.ProcessConfig`.
 #[derive(Debug, Clone, Deserialize, Serialize)]
@@ -112,7 +119,7 @@ pub async fn dispatch(
     let user = req.extensions().get::<E2bUser>().map(|u| u.0.clone());
     let (parts, body) = req.into_parts();
     let headers = parts.headers;
-    let streaming = matches!(method.as_str(), "Start" | "Connect");
+    let streaming = matches!(method.as_str(), "Start" | "Connect" | "StreamInput");
     let fail = |e: ConnectError| {
         if streaming && e.status.is_none() {
             stream_error(e)
@@ -127,9 +134,9 @@ pub async fn dispatch(
     };
     if !matches!(
         method.as_str(),
-        "Start" | "Connect" | "List" | "SendInput" | "CloseStdin" | "SendSignal"
+        "Start" | "Connect" | "List" | "SendInput" | "CloseStdin" | "SendSignal" | "StreamInput"
     ) {
-        let known = matches!(method.as_str(), "StreamInput" | "Update");
+        let known = method == "Update";
         let mut e = ConnectError::new(
             "unimplemented",
             if known {
@@ -145,6 +152,21 @@ pub async fn dispatch(
     }
     if let Err(e) = check_kind(&headers, kind) {
         return fail(e);
+    }
+    if method == "StreamInput" {
+        let id = match sandbox_of(&headers)
+            .and_then(|id| visible(&st, &who, &id).map(|_| id))
+            .and_then(|id| crate::sandboxes::running(&st, &id).map(|_| id))
+        {
+            Ok(id) => id,
+            Err(e) => return fail(e.into()),
+        };
+        return match stream_input(&st, &id, &headers, body).await {
+            Ok(()) => stream_response(Body::from(
+                [message(&serde_json::json!({})), end_stream(None)].concat(),
+            )),
+            Err(e) => stream_error(e),
+        };
     }
     let body = match axum::body::to_bytes(body, st.cfg.max_json_bytes).await {
         Ok(b) => b,
@@ -460,6 +482,95 @@ fn follow(
             .map(|b| (Ok::<Bytes, std::convert::Infallible>(b), rx))
     });
     stream_response(Body::from_stream(body))
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct StreamInputMsg {
+    #[serde(default)]
+    start: Option<Selected>,
+    #[serde(default)]
+    data: Option<Selected>,
+    #[serde(default)]
+    keepalive: Option<serde_json::Value>,
+}
+
+/// `StreamInput`: messages of the request body as they arrive (module docs).
+async fn stream_input(
+    st: &SharedState,
+    id: &str,
+    headers: &HeaderMap,
+    body: Body,
+) -> Result<(), ConnectError> {
+    let deadline =
+        deadline_s(headers)?.map(|s| tokio::time::Instant::now() + Duration::from_secs_f64(s));
+    let idle = Duration::from_secs(STREAM_INPUT_IDLE_S);
+    let mut chunks = body.into_data_stream();
+    let mut env = super::connect::Envelopes::default();
+    let mut target: Option<Arc<sandlot_node::processes::ProcessHandle>> = None;
+    loop {
+        while let Some(m) = env.next_message::<StreamInputMsg>()? {
+            match (m.start, m.data, m.keepalive) {
+                (Some(s), None, None) => {
+                    if target.is_some() {
+                        return Err(ConnectError::invalid("a second start message"));
+                    }
+                    let (_, entry) = select(st, id, s.process.as_ref())?;
+                    target = Some(handle_of(st, id, &entry)?);
+                }
+                (None, Some(d), None) => {
+                    let h = target.as_ref().ok_or_else(|| {
+                        ConnectError::invalid("the first message must be start {process}")
+                    })?;
+                    let input = d.input.unwrap_or_default();
+                    if input.pty.is_some() {
+                        return Err(ConnectError::new(
+                            "unimplemented",
+                            "PTY input is not implemented by Sandlot yet",
+                        ));
+                    }
+                    let raw = base64::engine::general_purpose::STANDARD
+                        .decode(input.stdin.unwrap_or_default())
+                        .map_err(|e| {
+                            ConnectError::invalid(format!("input.stdin is not base64: {e}"))
+                        })?;
+                    h.write_stdin(Bytes::from(raw), false)
+                        .await
+                        .map_err(ended_is_not_found)?;
+                }
+                (None, None, Some(_)) => {}
+                _ => {
+                    return Err(ConnectError::invalid(
+                        "a StreamInput message holds exactly one of start, data, keepalive",
+                    ))
+                }
+            }
+        }
+        let wait = match deadline {
+            Some(d) => (d - tokio::time::Instant::now().min(d)).min(idle),
+            None => idle,
+        };
+        match tokio::time::timeout(wait, chunks.next()).await {
+            Ok(Some(Ok(c))) => env.push(&c),
+            Ok(Some(Err(e))) => {
+                return Err(ConnectError::new(
+                    "canceled",
+                    format!("reading the request body: {e}"),
+                ))
+            }
+            Ok(None) => break,
+            Err(_) => {
+                return Err(ConnectError::new(
+                    "deadline_exceeded",
+                    "no input message within the stream's deadline or the idle limit",
+                ))
+            }
+        }
+    }
+    env.finish()?;
+    if target.is_none() {
+        return Err(ConnectError::invalid("the stream had no start message"));
+    }
+    Ok(())
 }
 
 fn list(st: &SharedState, id: &str, body: &Bytes) -> Result<Response, ConnectError> {
