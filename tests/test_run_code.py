@@ -128,3 +128,16 @@ def test_program_writes_outside_workspace(rc):
     # The image's own directories stay read-only.
     r = rc.run_code("open('/usr/x', 'w')\n")
     assert r.status == "Failed" and "Permission denied" in r.run_result.stderr, r
+
+
+def test_output_past_the_cap_is_named_in_the_message(rc):
+    # 3 MiB to stdout: 1 MiB is kept (first and last 512 KiB) and `message` says so, while
+    # the verdict stays the program's.
+    r = rc.run_code("import sys\nsys.stdout.write('HEAD' + 'x' * (3 << 20) + 'TAIL')")
+    assert r.status == "Success", r
+    out = r.run_result.stdout
+    assert len(out) == 1 << 20 and out.startswith("HEAD") and out.endswith("TAIL")
+    assert f"run stdout truncated: {(3 << 20) + 8} bytes written" in r.message, r.message
+    assert "first and last 512 KiB kept" in r.message
+    small = rc.run_code("print('ok')")
+    assert small.message == "", small.message

@@ -154,6 +154,16 @@ def test_a_cell_cannot_forge_the_answer(jup):
         r = jup.run_jupyter([forge, "assert 1 == 2, 'wrong answer'"], total_timeout=30)
         assert "FORGED" not in [c.stdout for c in r.cells], r
         assert r.status != "Success" or r.cells[1].error[0]["ename"] == "AssertionError", r
+        assert r.status != "SandboxError", r
+
+
+def test_a_cell_that_kills_the_driver_is_failed_not_a_sandbox_error(jup):
+    # A SandboxError is retried by trainers: a program must not turn its own failure into
+    # one by killing the driver once the kernel is up.
+    for kill in ("import os; os.kill(os.getppid(), 9)", "import os; os.kill(-1, 9)"):
+        r = jup.run_jupyter(["print(1)", kill, "assert 1 == 2"], total_timeout=30)
+        assert r.status == "Failed", r
+        assert r.message.startswith("the jupyter driver died while running the cells"), r
 
 
 def test_bad_kernel_and_timeouts_are_400(client):

@@ -22,8 +22,10 @@
 //! `TimeoutError` error) and message `cell time limit exceeded`; a kernel that dies in a cell
 //! (`os._exit`, a segfault, the OOM killer) → `Failed` at once, the cells so far (the last one
 //! with a `DeadKernelError` error) and message `the kernel died`; the driver over its own limit
-//! → `Failed`, no cells; `lang-python` missing, or the driver dying without its answer (a
-//! kernel that cannot start) → HTTP 200 `SandboxError` with the reason. Bad input (not JSON,
+//! → `Failed`, no cells; the driver dying without its answer after its kernel started (a cell
+//! killed it) → `Failed`, no cells, message `the jupyter driver died while running the cells
+//! (exit code N)`; `lang-python` missing, or the driver dying before its kernel answered →
+//! HTTP 200 `SandboxError` with the reason. Bad input (not JSON,
 //! `cells` missing, `kernel` other than `python3`, bad base64, a timeout out of range) →
 //! HTTP 400 `invalid_argument`.
 use super::languages::{ClassFrom, Language, Layout};
@@ -204,6 +206,17 @@ pub async fn run_jupyter(
                     req.total_timeout + DRIVER_SLACK_S
                 );
             }
+            None if driver_saw_kernel_ready(&out) => {
+                // SECURITY (reward hacking): the kernel was up, so the driver died at the
+                // cells' hands (`os.kill(os.getppid(), 9)`): the program's failure, not
+                // SandboxError (which trainers retry).
+                let code = out.driver.as_ref().and_then(|d| d.return_code);
+                out.status = RunStatus::Failed;
+                out.message = format!(
+                    "the jupyter driver died while running the cells (exit code {})",
+                    code.map_or("unknown".into(), |c| c.to_string())
+                );
+            }
             None => {
                 let stderr = out
                     .driver
@@ -223,4 +236,15 @@ pub async fn run_jupyter(
     st.metrics
         .run_code_done(status.as_str().unwrap_or("SandboxError"));
     Ok(Json(out))
+}
+
+/// The line the driver prints once its kernel answers (`jupyter_driver.py` KERNEL_READY).
+const KERNEL_READY: &str = "sandlot-jupyter: kernel ready";
+
+/// Whether the driver got as far as a running kernel (its stdout has [`KERNEL_READY`]).
+fn driver_saw_kernel_ready(out: &RunJupyterResponse) -> bool {
+    out.driver
+        .as_ref()
+        .and_then(|d| d.stdout.as_deref())
+        .is_some_and(|s| s.lines().any(|l| l == KERNEL_READY))
 }

@@ -106,6 +106,10 @@ def note(cell, text):
         cell["_notes"].append(text)
 
 
+# Printed once the kernel answers; the server looks for it (jupyter.rs KERNEL_READY).
+KERNEL_READY = "sandlot-jupyter: kernel ready"
+
+
 async def run(cfg, out_path):
     cells = []
     status = "Finished"
@@ -116,6 +120,10 @@ async def run(cfg, out_path):
     kc.start_channels()
     try:
         await kc.wait_for_ready(timeout=max(cfg["total_timeout"], 1))
+        # From here a driver that dies without its answer was killed by the cells (the
+        # server answers Failed, not SandboxError); a cell can add text to this stream but
+        # cannot take this line back.
+        print(KERNEL_READY, flush=True)
         deadline = time.monotonic() + cfg["total_timeout"]
         for code in cfg["cells"]:
             cell = new_cell()

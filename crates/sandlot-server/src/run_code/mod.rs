@@ -55,7 +55,7 @@ use sandlot_api::{
     ApiError, Cmd, CommandRunResult, CommandRunStatus, CreateSandboxRequest, ErrorCode,
     ExecRequest, ExecResult, RunCodeRequest, RunCodeResponse, RunStatus,
 };
-use sandlot_node_api::NodeError;
+use sandlot_node_api::{NodeError, DEFAULT_MAX_OUTPUT};
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -502,6 +502,7 @@ async fn run_in(
             } else {
                 format!("compilation failed with exit code {}", c.exit_code)
             };
+            add_note(&mut resp.message, truncation_note("compile", &c));
             return Ok(resp);
         }
     }
@@ -521,6 +522,7 @@ async fn run_in(
         resp.status = RunStatus::Failed;
         resp.message = format!("program exited with code {}", r.exit_code);
     }
+    add_note(&mut resp.message, truncation_note("run", &r));
     // SECURITY (reward hacking): the program controls what the fetched paths are — a
     // symlink into /proc, a FIFO, a directory, a huge sparse file. Such a path is the
     // program's doing: it is left out of `files` and the verdict stays what the run decided.
@@ -564,11 +566,36 @@ async fn run_in(
     }
     if !left_out.is_empty() {
         let note = format!("fetch_files left out {}", left_out.join("; "));
-        resp.message = if resp.message.is_empty() {
-            note
-        } else {
-            format!("{}; {note}", resp.message)
-        };
+        add_note(&mut resp.message, Some(note));
     }
     Ok(resp)
+}
+
+/// Appends `note` to a response's `message` (`; ` between parts).
+fn add_note(message: &mut String, note: Option<String>) {
+    if let Some(note) = note {
+        if !message.is_empty() {
+            message.push_str("; ");
+        }
+        message.push_str(&note);
+    }
+}
+
+/// The note that says a stage's output was cut by the exec's head+tail cap
+/// ([`DEFAULT_MAX_OUTPUT`] per stream; the middle is dropped without a marker in the text),
+/// e.g. `run stdout truncated: 3145728 bytes written, the first and last 512 KiB kept`;
+/// `None` when nothing was cut.
+fn truncation_note(stage: &str, r: &ExecResult) -> Option<String> {
+    let cut: Vec<String> = [("stdout", r.stdout_bytes), ("stderr", r.stderr_bytes)]
+        .into_iter()
+        .filter(|&(_, total)| total > DEFAULT_MAX_OUTPUT)
+        .map(|(name, total)| format!("{stage} {name} truncated: {total} bytes written"))
+        .collect();
+    (r.truncated && !cut.is_empty()).then(|| {
+        format!(
+            "{}, the first and last {} KiB kept",
+            cut.join(", "),
+            DEFAULT_MAX_OUTPUT / 2 / 1024
+        )
+    })
 }
