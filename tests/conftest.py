@@ -96,12 +96,14 @@ def wait_until(pred: Callable[[], bool], timeout: float, interval: float = 0.05,
 
 
 class Server:
-    """One `sandlot up` process on a free port with its own data directory."""
+    """One `sandlot up` process on a free port with its own data directory (``mode``
+    ``"server"``: `sandlot server`, whose ``args`` then name its node)."""
 
     def __init__(self, binary: Path, data_dir: Path, log_path: Path,
                  port: Optional[int] = None, args: Optional[List[str]] = None,
-                 preexec: Optional[Callable[[], None]] = None) -> None:
+                 preexec: Optional[Callable[[], None]] = None, mode: str = "up") -> None:
         self.binary = binary
+        self.mode = mode
         self.preexec = preexec  # run in the child before exec (e.g. a lower RLIMIT_NOFILE)
         self.args = list(args or [])
         self.data_dir = data_dir
@@ -128,7 +130,7 @@ class Server:
         log = open(self.log_path, "ab")
         log.write(f"\n===== start {time.strftime('%H:%M:%S')} =====\n".encode())
         log.flush()
-        cmd = [str(self.binary), "up", "--listen", f"127.0.0.1:{self.port}",
+        cmd = [str(self.binary), self.mode, "--listen", f"127.0.0.1:{self.port}",
                "--data-dir", str(self.data_dir), "--images-dir", IMAGES_DIR, *self.args]
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, preexec_fn=self.preexec)

@@ -66,6 +66,14 @@ enum Command {
     /// SIGTERM/SIGINT stop it; sandboxes keep running (a server re-adopts them with the
     /// node API's `readopt`).
     Node(NodeArgs),
+    /// Run the API server against one node served by `sandlot node` (cluster mode, in
+    /// progress: one node, state in DATA/sandlot.db; etcd membership and PostgreSQL are not
+    /// wired yet).
+    ///
+    /// Prints `sandlot listening on http://ADDR` on stdout when ready. A call whose node
+    /// request failed in transport answers 503 `unavailable` (outcome unknown) and never
+    /// marks a sandbox lost; sandboxes are re-adopted through the node API at start.
+    Server(ServerArgs),
     /// Create a sandbox, run one command, print its output, delete it; exits with the
     /// command's exit code.
     Run(RunArgs),
@@ -128,6 +136,34 @@ struct NodeArgs {
     /// Log format on stderr (level via RUST_LOG, default info).
     #[arg(long, value_enum, default_value = "text")]
     log_format: LogFormat,
+    #[command(flatten)]
+    pools: PoolOpts,
+}
+
+#[derive(Args)]
+struct ServerArgs {
+    /// Address to listen on (HOST:PORT; port 0 picks a free one).
+    #[arg(long, default_value = "127.0.0.1:7070")]
+    listen: SocketAddr,
+    /// Data directory of the server's own state (sandlot.db, trajectory log, events).
+    #[arg(long, env = "SANDLOT_DATA_DIR")]
+    data_dir: PathBuf,
+    /// URL of the node (`sandlot node`'s `http://HOST:PORT`).
+    #[arg(long)]
+    node: String,
+    /// File holding the node API token (the node's `--token-file`).
+    #[arg(long)]
+    node_token_file: PathBuf,
+    /// The node's image store, when this host can read it (run_code then answers a missing
+    /// toolchain image itself, and /metrics counts images); without it the node's create
+    /// reports a missing image.
+    #[arg(long, env = "SANDLOT_IMAGES_DIR")]
+    images_dir: Option<PathBuf>,
+    /// Log format on stderr (level via RUST_LOG, default info).
+    #[arg(long, value_enum, default_value = "text")]
+    log_format: LogFormat,
+    #[command(flatten)]
+    server: ServerOpts,
 }
 
 #[derive(Args)]
@@ -147,16 +183,15 @@ struct UpArgs {
     /// Log format on stderr (level via RUST_LOG, default info).
     #[arg(long, value_enum, default_value = "text")]
     log_format: LogFormat,
-    /// Largest file upload in MiB.
-    #[arg(long, default_value_t = 256)]
-    max_file_mib: usize,
-    /// Hours a trajectory log is kept after its last activity once its sandbox is gone.
-    #[arg(long, default_value_t = 168)]
-    trajectory_retention_h: u64,
-    /// fsync the trajectory log on every step (survives power loss, not only a crash of
-    /// this process; one fsync per logged step).
-    #[arg(long)]
-    trajectory_fsync: bool,
+    #[command(flatten)]
+    pools: PoolOpts,
+    #[command(flatten)]
+    server: ServerOpts,
+}
+
+/// Warm-pool flags of a node (`sandlot up`, `sandlot node`).
+#[derive(Args)]
+struct PoolOpts {
     /// Ready `function` jails kept per warm-pool image, so a create only hands one over
     /// (0 = no warm pool). Pooled jails are real processes and count toward the host.
     #[arg(long, default_value_t = 4)]
@@ -178,6 +213,21 @@ struct UpArgs {
     /// `runc run` (0 = no container pool). Pooled containers are real processes.
     #[arg(long, default_value_t = 2)]
     container_warm_pool: usize,
+}
+
+/// API server flags (`sandlot up`, `sandlot server`).
+#[derive(Args)]
+struct ServerOpts {
+    /// Largest file upload in MiB.
+    #[arg(long, default_value_t = 256)]
+    max_file_mib: usize,
+    /// Hours a trajectory log is kept after its last activity once its sandbox is gone.
+    #[arg(long, default_value_t = 168)]
+    trajectory_retention_h: u64,
+    /// fsync the trajectory log on every step (survives power loss, not only a crash of
+    /// this process; one fsync per logged step).
+    #[arg(long)]
+    trajectory_fsync: bool,
     /// OCI runtime of `container` sandboxes created without one: runc, runsc or crun.
     #[arg(long, default_value = "runc", value_parser = ["runc", "runsc", "crun"])]
     default_runtime: String,
@@ -696,6 +746,7 @@ async fn dispatch(cmd: Command) -> anyhow::Result<u8> {
     match cmd {
         Command::Up(a) => up(a).await,
         Command::Node(a) => node(a).await,
+        Command::Server(a) => server(a).await,
         Command::Run(a) => run(a).await,
         Command::Exec(a) => exec(a).await,
         Command::Create(a) => create(a).await,
@@ -772,10 +823,7 @@ fn run_code_pool_images(images_dir: &std::path::Path, wanted: Vec<String>) -> Ve
 
 async fn up(a: UpArgs) -> anyhow::Result<u8> {
     init_logs(a.log_format);
-    match sandlot_server::conn::raise_nofile_limit() {
-        Ok(n) => tracing::info!(nofile = n, "file descriptor limit"),
-        Err(e) => tracing::warn!(error = %e, "cannot raise the file descriptor limit"),
-    }
+    raise_nofile_limit();
     let mut ncfg = sandlot_node::NodeConfig::new(a.data_dir.clone());
     if let Some(d) = a.images_dir {
         ncfg.guest_kit_dir = sandlot_node::local::default_guest_kit_dir(&d);
@@ -784,40 +832,44 @@ async fn up(a: UpArgs) -> anyhow::Result<u8> {
     if let Some(n) = a.node_name {
         ncfg.name = n;
     }
-    ncfg.warm_pool = a.warm_pool;
-    ncfg.warm_pool_images = a.warm_pool_images;
-    ncfg.function_pool_images = run_code_pool_images(&ncfg.images_dir, a.run_code_pool_images);
-    ncfg.container_warm_pool = a.container_warm_pool;
-    ncfg.default_runtime = sandlot_node::backends::container::Runtime::parse(&a.default_runtime)
-        .context("--default-runtime")?;
+    a.pools.apply(&mut ncfg);
+    ncfg.default_runtime =
+        sandlot_node::backends::container::Runtime::parse(&a.server.default_runtime)
+            .context("--default-runtime")?;
     let images_dir = ncfg.images_dir.clone();
     let node = sandlot_node::LocalNode::open(ncfg).context("open local node")?;
-    let mut cfg = sandlot_server::ServerConfig::new(a.data_dir);
+    let mut cfg = a.server.config(a.data_dir, a.listen)?;
     cfg.images_dir = Some(images_dir);
-    cfg.listen = a.listen;
-    cfg.default_runtime = a.default_runtime;
-    cfg.max_file_bytes = a.max_file_mib << 20;
-    cfg.trajectory_retention = std::time::Duration::from_secs(a.trajectory_retention_h * 3600);
-    cfg.trajectory_fsync = a.trajectory_fsync;
-    cfg.conn = sandlot_server::conn::ConnLimits {
-        max_connections: a.max_connections.max(1),
-        max_connections_per_ip: a.max_connections_per_ip.max(1),
-        header_read_timeout: std::time::Duration::from_secs(a.header_read_timeout_s.max(1)),
-        idle_timeout: std::time::Duration::from_secs(a.idle_timeout_s.max(1)),
-        max_requests_in_flight: a.max_requests_in_flight.max(1),
-    };
-    cfg.disk_reserve_bytes = a.disk_reserve_mib << 20;
-    cfg.exec_output_budget_bytes = a.exec_output_budget_mib.max(1) << 20;
-    if let Some(cpu) = a.run_code_cpu {
-        cfg.run_code_cpu = cpu;
+    serve_api(cfg, Arc::new(node)).await
+}
+
+async fn server(a: ServerArgs) -> anyhow::Result<u8> {
+    init_logs(a.log_format);
+    raise_nofile_limit();
+    let token = read_token(&a.node_token_file)?;
+    let node = sandlot_node_remote::RemoteNode::connect(&a.node, Some(token))
+        .await
+        .with_context(|| format!("connect to node {}", a.node))?;
+    let name = sandlot_node_api::Node::info(&node).name;
+    tracing::info!(node = %a.node, %name, "node connected");
+    let mut cfg = a.server.config(a.data_dir, a.listen)?;
+    cfg.images_dir = a.images_dir;
+    serve_api(cfg, Arc::new(node)).await
+}
+
+fn raise_nofile_limit() {
+    match sandlot_server::conn::raise_nofile_limit() {
+        Ok(n) => tracing::info!(nofile = n, "file descriptor limit"),
+        Err(e) => tracing::warn!(error = %e, "cannot raise the file descriptor limit"),
     }
-    sandlot_node::validate_image_ref(&a.e2b_base_image)
-        .map_err(|e| anyhow::anyhow!("--e2b-base-image: {e}"))?;
-    cfg.e2b = sandlot_server::e2b::E2bConfig {
-        base_image: a.e2b_base_image,
-        backend: a.e2b_backend,
-    };
-    let server = sandlot_server::Server::bind(cfg, Arc::new(node)).await?;
+}
+
+/// Serves the API until SIGTERM/SIGINT (`sandlot up`, `sandlot server`).
+async fn serve_api(
+    cfg: sandlot_server::ServerConfig,
+    node: Arc<dyn sandlot_node_api::Node>,
+) -> anyhow::Result<u8> {
+    let server = sandlot_server::Server::bind(cfg, node).await?;
     let addr = server.local_addr()?;
     println!("sandlot listening on http://{addr}");
     std::io::stdout().flush().ok();
@@ -826,17 +878,65 @@ async fn up(a: UpArgs) -> anyhow::Result<u8> {
     Ok(0)
 }
 
-async fn node(a: NodeArgs) -> anyhow::Result<u8> {
-    init_logs(a.log_format);
-    let token = std::fs::read_to_string(&a.token_file)
-        .with_context(|| format!("read token file {}", a.token_file.display()))?
+/// The node API token in `path` (surrounding whitespace removed; empty is an error).
+fn read_token(path: &std::path::Path) -> anyhow::Result<String> {
+    let token = std::fs::read_to_string(path)
+        .with_context(|| format!("read token file {}", path.display()))?
         .trim()
         .to_owned();
-    anyhow::ensure!(
-        !token.is_empty(),
-        "token file {} is empty",
-        a.token_file.display()
-    );
+    anyhow::ensure!(!token.is_empty(), "token file {} is empty", path.display());
+    Ok(token)
+}
+
+impl PoolOpts {
+    fn apply(self, ncfg: &mut sandlot_node::NodeConfig) {
+        ncfg.warm_pool = self.warm_pool;
+        ncfg.warm_pool_images = self.warm_pool_images;
+        ncfg.function_pool_images =
+            run_code_pool_images(&ncfg.images_dir, self.run_code_pool_images);
+        ncfg.container_warm_pool = self.container_warm_pool;
+    }
+}
+
+impl ServerOpts {
+    /// The server configuration these flags give, for state in `data_dir`.
+    fn config(
+        self,
+        data_dir: PathBuf,
+        listen: SocketAddr,
+    ) -> anyhow::Result<sandlot_server::ServerConfig> {
+        let mut cfg = sandlot_server::ServerConfig::new(data_dir);
+        cfg.listen = listen;
+        cfg.default_runtime = self.default_runtime;
+        cfg.max_file_bytes = self.max_file_mib << 20;
+        cfg.trajectory_retention =
+            std::time::Duration::from_secs(self.trajectory_retention_h * 3600);
+        cfg.trajectory_fsync = self.trajectory_fsync;
+        cfg.conn = sandlot_server::conn::ConnLimits {
+            max_connections: self.max_connections.max(1),
+            max_connections_per_ip: self.max_connections_per_ip.max(1),
+            header_read_timeout: std::time::Duration::from_secs(self.header_read_timeout_s.max(1)),
+            idle_timeout: std::time::Duration::from_secs(self.idle_timeout_s.max(1)),
+            max_requests_in_flight: self.max_requests_in_flight.max(1),
+        };
+        cfg.disk_reserve_bytes = self.disk_reserve_mib << 20;
+        cfg.exec_output_budget_bytes = self.exec_output_budget_mib.max(1) << 20;
+        if let Some(cpu) = self.run_code_cpu {
+            cfg.run_code_cpu = cpu;
+        }
+        sandlot_node::validate_image_ref(&self.e2b_base_image)
+            .map_err(|e| anyhow::anyhow!("--e2b-base-image: {e}"))?;
+        cfg.e2b = sandlot_server::e2b::E2bConfig {
+            base_image: self.e2b_base_image,
+            backend: self.e2b_backend,
+        };
+        Ok(cfg)
+    }
+}
+
+async fn node(a: NodeArgs) -> anyhow::Result<u8> {
+    init_logs(a.log_format);
+    let token = read_token(&a.token_file)?;
     let mut ncfg = sandlot_node::NodeConfig::new(a.data_dir);
     if let Some(d) = a.images_dir {
         ncfg.guest_kit_dir = sandlot_node::local::default_guest_kit_dir(&d);
@@ -845,6 +945,7 @@ async fn node(a: NodeArgs) -> anyhow::Result<u8> {
     if let Some(n) = a.name {
         ncfg.name = n;
     }
+    a.pools.apply(&mut ncfg);
     let node = sandlot_node::LocalNode::open(ncfg).context("open local node")?;
     let listener = tokio::net::TcpListener::bind(a.listen)
         .await
