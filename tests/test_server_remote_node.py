@@ -118,10 +118,23 @@ def test_a_node_that_goes_away_is_unavailable_and_loses_nothing(cluster):
         assert "outcome unknown" in str(e.value), e.value
         time.sleep(3)  # reaper passes while the node is down: nothing becomes lost
         assert c.get(sb.id).state == "running"
-        # A restarted node is reconciled when the server starts (per-node reconcile of a
-        # running server is not built yet: docs/operations.md), so restart both, node first.
-        srv.stop()
+        # The node restarted alone re-adopts its live sandboxes: the server (still
+        # running) finds the same sandbox there, running.
         node.start()
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                r = sb.exec(["echo", "back"])
+                break
+            except sandlot.Unavailable:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+        assert r.stdout == b"back\n"
+        time.sleep(3)  # reaper passes against the restarted node
+        assert c.get(sb.id).state == "running"
+        # A server restart reconciles too (its readopt keeps what it has records of).
+        srv.stop()
         srv.start()
         r = sb.exec(["echo", "back"])
         assert r.stdout == b"back\n"

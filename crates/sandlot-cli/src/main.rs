@@ -63,8 +63,9 @@ enum Command {
     /// HTTP/2 cleartext (h2c) and HTTP/1.1 on `--listen`; every call must carry
     /// `Authorization: Bearer <token>` (the token file's content, surrounding whitespace
     /// removed). Prints `sandlot node listening on http://ADDR` on stdout when ready.
-    /// SIGTERM/SIGINT stop it; sandboxes keep running (a server re-adopts them with the
-    /// node API's `readopt`).
+    /// SIGTERM/SIGINT stop it; sandboxes keep running, and the next `sandlot node` on the
+    /// same data directory re-adopts every live one at start (a server's `readopt` then
+    /// removes those it has no record of).
     Node(NodeArgs),
     /// Run the API server against one node served by `sandlot node` (cluster mode, in
     /// progress: one node, state in DATA/sandlot.db; etcd membership and PostgreSQL are not
@@ -947,6 +948,18 @@ async fn node(a: NodeArgs) -> anyhow::Result<u8> {
     }
     a.pools.apply(&mut ncfg);
     let node = sandlot_node::LocalNode::open(ncfg).context("open local node")?;
+    // Keep every live sandbox of a previous process (a restart of this node alone must not
+    // lose a server's sandboxes); this also starts the warm pools. A server's readopt at its
+    // own start then removes what it has no record of.
+    let found = node.sandboxes_on_disk();
+    let adopted = sandlot_node_api::Node::readopt(&node, &found)
+        .await
+        .context("re-adopt sandboxes")?;
+    tracing::info!(
+        found = found.len(),
+        adopted = adopted.len(),
+        "sandboxes of the previous process re-adopted"
+    );
     let listener = tokio::net::TcpListener::bind(a.listen)
         .await
         .with_context(|| format!("listen on {}", a.listen))?;

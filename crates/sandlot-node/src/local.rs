@@ -188,6 +188,7 @@ fn guest_beside_exe() -> PathBuf {
 /// A node running sandboxes on this host.
 pub struct LocalNode {
     name: String,
+    data_dir: std::path::PathBuf,
     cgroup_version: String,
     images: ImageStore,
     backends: Vec<AnyBackend>,
@@ -223,6 +224,29 @@ pub fn check_network_backend(
 }
 
 impl LocalNode {
+    /// Ids of the sandboxes a previous process of this node left in its data directory
+    /// (alive or not; warm-pool members excluded), sorted. `sandlot node` passes them all
+    /// to [`Node::readopt`] at start, so a restarted node keeps every live sandbox until a
+    /// server reconciles it with its records (a server's own `readopt` then deletes the
+    /// ones it has no record of).
+    pub fn sandboxes_on_disk(&self) -> Vec<String> {
+        let pools = [
+            crate::backends::function_pool::POOL_PREFIX,
+            crate::backends::container_pool::POOL_PREFIX,
+        ];
+        let mut ids: Vec<String> = ["sandboxes", "containers", "microvm", "vm"]
+            .iter()
+            .filter_map(|d| std::fs::read_dir(self.data_dir.join(d)).ok())
+            .flat_map(|rd| rd.flatten())
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| crate::backends::function::check_id(n).is_ok())
+            .filter(|n| !pools.iter().any(|p| n.starts_with(p)))
+            .collect();
+        ids.sort();
+        ids.dedup();
+        ids
+    }
+
     /// Open the node: create the data directories, detect cgroups, check the guest binary.
     ///
     /// A missing host feature (no cgroups, no executable guest binary, not root) does not fail
@@ -359,6 +383,7 @@ impl LocalNode {
         let checkpoints = CheckpointStore::open(cfg.data_dir.join("checkpoints"))?;
         Ok(LocalNode {
             checkpoints,
+            data_dir: cfg.data_dir.clone(),
             name: cfg.name,
             cgroup_version,
             images,
