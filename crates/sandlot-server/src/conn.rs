@@ -19,7 +19,14 @@
 //!   in flight and no byte in either direction for that long is closed.
 //! - **In-flight requests** ([`ConnLimits::max_requests_in_flight`]): over it a request is
 //!   answered `503 unavailable` with `Retry-After: 1` at once (load shedding) instead of
-//!   queueing; a streamed response holds its slot until its body ends.
+//!   queueing; a streamed response holds its slot until its body ends. One peer address
+//!   holds at most [`ConnLimits::per_ip_requests`] of them (default a quarter), so it cannot
+//!   take every slot.
+//! - **Request-body pace** ([`ConnLimits::body_read_timeout`], [`ConnLimits::body_min_rate`],
+//!   enforced by [`Paced`] around every request body): a body that sends nothing for the
+//!   read timeout, or averages under the floor once waited on for that long, is answered
+//!   `408 deadline_exceeded` and its connection closed, which frees its slot (a request head
+//!   and then one body byte every 20 s used to hold a slot forever).
 //! - **Accept errors** (`EMFILE`, `ENFILE`, `ENOBUFS`, `ENOMEM`): counted in
 //!   `sandlot_accept_errors_total{error}`, the oldest idle connection is closed to free a
 //!   descriptor, and accepting backs off (10 ms doubling to 1 s) instead of spinning.
@@ -27,7 +34,8 @@
 //! [`raise_nofile_limit`] lifts the soft `RLIMIT_NOFILE` to the hard one at start.
 //! Metrics: `sandlot_connections` (open), `sandlot_connections_refused_total{reason}`,
 //! `sandlot_connections_closed_total{reason}` (`evicted`, `header_timeout`, `idle_timeout`),
-//! `sandlot_requests_shed_total`, `sandlot_accept_errors_total{error}`.
+//! `sandlot_requests_shed_total{reason}` (`total`, `per_ip`),
+//! `sandlot_request_body_timeouts_total`, `sandlot_accept_errors_total{error}`.
 use crate::SharedState;
 use axum::body::Body;
 use axum::http::{header, HeaderValue, Request, Response, StatusCode};
@@ -471,15 +479,17 @@ impl ConnTask {
                     let read =
                         Arc::new(AtomicBool::new(http_body::Body::is_end_stream(req.body())));
                     let too_slow = Arc::new(AtomicBool::new(false));
+                    let paced = is_paced(req.uri().path());
                     let req = req.map(|inner| {
-                        Body::new(Paced::new(
-                            ReadToEnd {
-                                inner,
-                                read: read.clone(),
-                            },
-                            pace,
-                            too_slow.clone(),
-                        ))
+                        let inner = ReadToEnd {
+                            inner,
+                            read: read.clone(),
+                        };
+                        if paced {
+                            Body::new(Paced::new(inner, pace, too_slow.clone()))
+                        } else {
+                            Body::new(inner)
+                        }
                     });
                     let mut resp = app.oneshot(req).await.unwrap_or_else(|e| match e {});
                     if too_slow.load(Ordering::Acquire) {
@@ -739,6 +749,14 @@ impl BodyPace {
             min_rate: l.body_min_rate,
         }
     }
+}
+
+/// Whether a request body on `path` must keep the pace of [`Paced`]: every route but the
+/// E2B `process.Process/StreamInput` client stream, whose body is an interactive stdin that
+/// may be quiet for minutes (its keepalives come every 50 s; the handler bounds its wait
+/// itself, `e2b::process::STREAM_INPUT_IDLE_S`, and the route needs the sandbox owner's key).
+fn is_paced(path: &str) -> bool {
+    path != "/process.Process/StreamInput"
 }
 
 /// The error of a request body that arrived too slowly.
@@ -1114,6 +1132,14 @@ mod tests {
                 Err(e) => return Some(Err(e)),
             }
         }
+    }
+
+    #[test]
+    fn every_body_is_paced_but_the_interactive_stdin_stream() {
+        assert!(is_paced("/v1/sandboxes/sb-1/files"));
+        assert!(is_paced("/process.Process/Start"));
+        assert!(is_paced("/process.Process/SendInput"));
+        assert!(!is_paced("/process.Process/StreamInput"));
     }
 
     #[test]
