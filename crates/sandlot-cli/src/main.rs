@@ -251,6 +251,20 @@ struct ServerOpts {
     /// Requests in flight server-wide at most; more are answered 503 with Retry-After.
     #[arg(long, default_value_t = 4096)]
     max_requests_in_flight: usize,
+    /// Requests in flight from one client IP address at most; more are answered 503 with
+    /// Retry-After [default: a quarter of --max-requests-in-flight].
+    #[arg(long)]
+    max_requests_in_flight_per_ip: Option<usize>,
+    /// Seconds a request body may send nothing; a slower body is answered 408
+    /// deadline_exceeded and its connection closed. Also the grace period of
+    /// --body-min-bytes-per-s.
+    #[arg(long, default_value_t = 10)]
+    body_read_timeout_s: u64,
+    /// Bytes per second a request body must average once it has been waited on for
+    /// --body-read-timeout-s (only time spent waiting for the client counts); below it
+    /// 408 deadline_exceeded. 0 = no rate floor.
+    #[arg(long, default_value_t = 1024)]
+    body_min_bytes_per_s: u64,
     /// MiB of free space kept on the data directory's file system: below it creates,
     /// run_code, checkpoints and uploads answer 429 resource_exhausted (reads, execs and
     /// deletes still work). 0 = no check.
@@ -919,6 +933,9 @@ impl ServerOpts {
             header_read_timeout: std::time::Duration::from_secs(self.header_read_timeout_s.max(1)),
             idle_timeout: std::time::Duration::from_secs(self.idle_timeout_s.max(1)),
             max_requests_in_flight: self.max_requests_in_flight.max(1),
+            max_requests_in_flight_per_ip: self.max_requests_in_flight_per_ip.map(|n| n.max(1)),
+            body_read_timeout: std::time::Duration::from_secs(self.body_read_timeout_s.max(1)),
+            body_min_rate: self.body_min_bytes_per_s,
         };
         cfg.disk_reserve_bytes = self.disk_reserve_mib << 20;
         cfg.exec_output_budget_bytes = self.exec_output_budget_mib.max(1) << 20;

@@ -19,7 +19,14 @@
 //!   in flight and no byte in either direction for that long is closed.
 //! - **In-flight requests** ([`ConnLimits::max_requests_in_flight`]): over it a request is
 //!   answered `503 unavailable` with `Retry-After: 1` at once (load shedding) instead of
-//!   queueing; a streamed response holds its slot until its body ends.
+//!   queueing; a streamed response holds its slot until its body ends. One peer address
+//!   holds at most [`ConnLimits::per_ip_requests`] of them (default a quarter), so it cannot
+//!   take every slot.
+//! - **Request-body pace** ([`ConnLimits::body_read_timeout`], [`ConnLimits::body_min_rate`],
+//!   enforced by [`Paced`] around every request body): a body that sends nothing for the
+//!   read timeout, or averages under the floor once waited on for that long, is answered
+//!   `408 deadline_exceeded` and its connection closed, which frees its slot (a request head
+//!   and then one body byte every 20 s used to hold a slot forever).
 //! - **Accept errors** (`EMFILE`, `ENFILE`, `ENOBUFS`, `ENOMEM`): counted in
 //!   `sandlot_accept_errors_total{error}`, the oldest idle connection is closed to free a
 //!   descriptor, and accepting backs off (10 ms doubling to 1 s) instead of spinning.
@@ -27,7 +34,8 @@
 //! [`raise_nofile_limit`] lifts the soft `RLIMIT_NOFILE` to the hard one at start.
 //! Metrics: `sandlot_connections` (open), `sandlot_connections_refused_total{reason}`,
 //! `sandlot_connections_closed_total{reason}` (`evicted`, `header_timeout`, `idle_timeout`),
-//! `sandlot_requests_shed_total`, `sandlot_accept_errors_total{error}`.
+//! `sandlot_requests_shed_total{reason}` (`total`, `per_ip`),
+//! `sandlot_request_body_timeouts_total`, `sandlot_accept_errors_total{error}`.
 use crate::SharedState;
 use axum::body::Body;
 use axum::http::{header, HeaderValue, Request, Response, StatusCode};
@@ -36,7 +44,9 @@ use bytes::Bytes;
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::conn::auto::Builder;
+use sandlot_api::ErrorCode;
 use std::collections::{BTreeMap, HashMap};
+use std::future::Future;
 use std::io;
 use std::net::{IpAddr, SocketAddr};
 use std::pin::{pin, Pin};
@@ -63,6 +73,27 @@ pub struct ConnLimits {
     pub idle_timeout: Duration,
     /// Requests in flight server-wide at most (default 4096); more → 503 at once.
     pub max_requests_in_flight: usize,
+    /// Requests in flight from one peer IP address at most; more → 503 at once (default
+    /// `None`: a quarter of [`ConnLimits::max_requests_in_flight`], see
+    /// [`ConnLimits::per_ip_requests`]).
+    pub max_requests_in_flight_per_ip: Option<usize>,
+    /// Longest wait for the next bytes of a request body (default 10 s); also the grace
+    /// period before [`ConnLimits::body_min_rate`] applies. See [`Paced`].
+    pub body_read_timeout: Duration,
+    /// Lowest average rate of a request body, bytes per second of waiting for it, once it
+    /// has been waited on for [`ConnLimits::body_read_timeout`] (default 1024; 0 = no rate
+    /// floor).
+    pub body_min_rate: u64,
+}
+
+impl ConnLimits {
+    /// The per-peer in-flight request limit in force: the configured one, or a quarter of
+    /// the total (at least 1).
+    pub fn per_ip_requests(&self) -> usize {
+        self.max_requests_in_flight_per_ip
+            .unwrap_or(self.max_requests_in_flight / 4)
+            .max(1)
+    }
 }
 
 impl Default for ConnLimits {
@@ -73,6 +104,9 @@ impl Default for ConnLimits {
             header_read_timeout: Duration::from_secs(10),
             idle_timeout: Duration::from_secs(60),
             max_requests_in_flight: 4096,
+            max_requests_in_flight_per_ip: None,
+            body_read_timeout: Duration::from_secs(10),
+            body_min_rate: 1024,
         }
     }
 }
@@ -181,6 +215,8 @@ pub struct ConnTable {
     max_total: usize,
     table: Mutex<Table>,
     slots: Arc<Semaphore>,
+    /// Requests in flight per peer IP address (absent: none).
+    requests_per_ip: Mutex<HashMap<IpAddr, usize>>,
 }
 
 impl ConnTable {
@@ -193,7 +229,41 @@ impl ConnTable {
             max_total,
             table: Mutex::new(Table::default()),
             slots,
+            requests_per_ip: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// Take one of `ip`'s in-flight request slots ([`ConnLimits::per_ip_requests`]); `None`
+    /// when that address has all of its slots in flight.
+    fn try_ip_slot(self: &Arc<Self>, ip: IpAddr) -> Option<IpSlot> {
+        let mut m = self
+            .requests_per_ip
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let n = m.entry(ip).or_default();
+        // The limit is at least 1, so an entry is never left at 0 here.
+        if *n >= self.limits.per_ip_requests() {
+            return None;
+        }
+        *n += 1;
+        Some(IpSlot {
+            table: self.clone(),
+            ip,
+        })
+    }
+
+    /// The limits it enforces.
+    pub fn limits(&self) -> &ConnLimits {
+        &self.limits
+    }
+
+    /// Requests in flight from `ip` now.
+    pub fn requests_from(&self, ip: IpAddr) -> usize {
+        let m = self
+            .requests_per_ip
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        m.get(&ip).copied().unwrap_or(0)
     }
 
     /// The total connection limit in force.
@@ -244,6 +314,28 @@ impl ConnTable {
     /// Close the oldest idle connection (frees a descriptor after `EMFILE`).
     fn evict_one(&self) -> bool {
         self.lock().evict_oldest_idle(None)
+    }
+}
+
+/// One in-flight request slot of a peer address, given back when dropped.
+struct IpSlot {
+    table: Arc<ConnTable>,
+    ip: IpAddr,
+}
+
+impl Drop for IpSlot {
+    fn drop(&mut self) {
+        let mut m = self
+            .table
+            .requests_per_ip
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        if let Some(n) = m.get_mut(&self.ip) {
+            *n -= 1;
+            if *n == 0 {
+                m.remove(&self.ip);
+            }
+        }
     }
 }
 
@@ -361,27 +453,51 @@ impl ConnTask {
         let svc = {
             let conn = self.conn.clone();
             let app = self.app.clone();
-            let slots = self.conns.slots.clone();
+            let conns = self.conns.clone();
             let st = self.st.clone();
+            let pace = BodyPace::of(&self.conns.limits);
             hyper::service::service_fn(move |req: Request<Incoming>| {
                 let guard = InFlight::start(conn.clone());
-                let permit = slots.clone().try_acquire_owned().ok();
+                // The peer's own share first, so a peer over it takes no global slot.
+                let admitted = match conns.try_ip_slot(conn.ip) {
+                    None => Err(Shed::PerIp),
+                    Some(ip_slot) => match conns.slots.clone().try_acquire_owned() {
+                        Ok(permit) => Ok((ip_slot, permit)),
+                        Err(_) => Err(Shed::Total),
+                    },
+                };
                 let app = app.clone();
                 let st = st.clone();
                 async move {
-                    let Some(permit) = permit else {
-                        st.metrics.request_shed();
-                        return Ok::<_, std::convert::Infallible>(overloaded());
+                    let (ip_slot, permit) = match admitted {
+                        Ok(a) => a,
+                        Err(shed) => {
+                            st.metrics.request_shed(shed.label());
+                            return Ok::<_, std::convert::Infallible>(overloaded(shed));
+                        }
                     };
                     let read =
                         Arc::new(AtomicBool::new(http_body::Body::is_end_stream(req.body())));
+                    let too_slow = Arc::new(AtomicBool::new(false));
+                    let paced = is_paced(req.uri().path());
                     let req = req.map(|inner| {
-                        Body::new(ReadToEnd {
+                        let inner = ReadToEnd {
                             inner,
                             read: read.clone(),
-                        })
+                        };
+                        if paced {
+                            Body::new(Paced::new(inner, pace, too_slow.clone()))
+                        } else {
+                            Body::new(inner)
+                        }
                     });
                     let mut resp = app.oneshot(req).await.unwrap_or_else(|e| match e {});
+                    if too_slow.load(Ordering::Acquire) {
+                        // Whatever the handler made of the failed body read (a 400 from an
+                        // extractor, a 500), the answer is the same for every route.
+                        st.metrics.body_timeout();
+                        resp = body_too_slow(pace);
+                    }
                     if resp.status().is_client_error() || resp.status().is_server_error() {
                         close_if_unread(&mut resp, &read);
                     }
@@ -390,6 +506,7 @@ impl ConnTask {
                             inner: b,
                             _guard: guard,
                             _permit: permit,
+                            _ip_slot: ip_slot,
                         })
                     }))
                 }
@@ -449,20 +566,80 @@ impl ConnTask {
     }
 }
 
-/// `503 unavailable` with `Retry-After: 1`: too many requests in flight.
-fn overloaded() -> Response<Body> {
-    let body = serde_json::json!({"error": {
-        "code": "unavailable",
-        "message": "server overloaded: too many requests in flight; retry later",
-    }});
+/// Why a request was answered `503` at once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Shed {
+    /// [`ConnLimits::max_requests_in_flight`] reached.
+    Total,
+    /// [`ConnLimits::per_ip_requests`] reached for the peer's address.
+    PerIp,
+}
+
+impl Shed {
+    /// The `reason` label of `sandlot_requests_shed_total`.
+    fn label(self) -> &'static str {
+        match self {
+            Shed::Total => "total",
+            Shed::PerIp => "per_ip",
+        }
+    }
+}
+
+/// A JSON error response `{"error": {"code", "message"}}` with `status`.
+fn error_response(status: StatusCode, code: ErrorCode, message: &str) -> Response<Body> {
+    let body = serde_json::json!({"error": {"code": code.as_str(), "message": message}});
     let mut r = Response::new(Body::from(body.to_string()));
-    *r.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
+    *r.status_mut() = status;
     r.headers_mut().insert(
         header::CONTENT_TYPE,
         HeaderValue::from_static("application/json"),
     );
+    r
+}
+
+/// `503 unavailable` with `Retry-After: 1`: too many requests in flight, server-wide or
+/// from the peer's address.
+fn overloaded(shed: Shed) -> Response<Body> {
+    let message = match shed {
+        Shed::Total => "server overloaded: too many requests in flight; retry later",
+        Shed::PerIp => {
+            "server overloaded: too many requests in flight from your address; retry later"
+        }
+    };
+    let mut r = error_response(
+        StatusCode::SERVICE_UNAVAILABLE,
+        ErrorCode::Unavailable,
+        message,
+    );
     r.headers_mut()
         .insert(header::RETRY_AFTER, HeaderValue::from(1u64));
+    r
+}
+
+/// `408 deadline_exceeded` with `Connection: close`: the request body arrived too slowly
+/// ([`Paced`]). `deadline_exceeded` because the request did not arrive in time (the code's
+/// usual status, 504, is for the server's own timeouts; 408 says it is the client's side).
+fn body_too_slow(pace: BodyPace) -> Response<Body> {
+    let message = if pace.min_rate > 0 {
+        format!(
+            "request body too slow: no bytes for {} s, or under {} bytes/s on average after {} s",
+            pace.read_timeout.as_secs_f64(),
+            pace.min_rate,
+            pace.read_timeout.as_secs_f64()
+        )
+    } else {
+        format!(
+            "request body too slow: no bytes for {} s",
+            pace.read_timeout.as_secs_f64()
+        )
+    };
+    let mut r = error_response(
+        StatusCode::REQUEST_TIMEOUT,
+        ErrorCode::DeadlineExceeded,
+        &message,
+    );
+    r.headers_mut()
+        .insert(header::CONNECTION, HeaderValue::from_static("close"));
     r
 }
 
@@ -489,6 +666,7 @@ struct Guarded {
     inner: Body,
     _guard: InFlight,
     _permit: OwnedSemaphorePermit,
+    _ip_slot: IpSlot,
 }
 
 impl http_body::Body for Guarded {
@@ -550,6 +728,173 @@ fn close_if_unread(resp: &mut Response<Body>, read: &AtomicBool) {
     if !read.load(Ordering::Acquire) {
         resp.headers_mut()
             .insert(header::CONNECTION, HeaderValue::from_static("close"));
+    }
+}
+
+/// How fast a request body must arrive ([`ConnLimits::body_read_timeout`],
+/// [`ConnLimits::body_min_rate`]).
+#[derive(Debug, Clone, Copy)]
+pub struct BodyPace {
+    /// Longest single wait for body bytes; also the grace period of the rate floor.
+    pub read_timeout: Duration,
+    /// Bytes per second of waiting, on average, once the body was waited on for
+    /// `read_timeout` in all (0 = no floor).
+    pub min_rate: u64,
+}
+
+impl BodyPace {
+    fn of(l: &ConnLimits) -> Self {
+        BodyPace {
+            read_timeout: l.body_read_timeout,
+            min_rate: l.body_min_rate,
+        }
+    }
+}
+
+/// Whether a request body on `path` must keep the pace of [`Paced`]: every route but the
+/// E2B `process.Process/StreamInput` client stream, whose body is an interactive stdin that
+/// may be quiet for minutes (its keepalives come every 50 s; the handler bounds its wait
+/// itself, `e2b::process::STREAM_INPUT_IDLE_S`, and the route needs the sandbox owner's key).
+fn is_paced(path: &str) -> bool {
+    path != "/process.Process/StreamInput"
+}
+
+/// The error of a request body that arrived too slowly.
+#[derive(Debug, thiserror::Error)]
+#[error("request body too slow: {0}")]
+pub struct BodyTooSlow(&'static str);
+
+/// A request body that must arrive at a minimum pace (issue 25: a client that sent its
+/// request head and then one body byte every 20 s held an in-flight slot forever).
+///
+/// Only time spent waiting for the client counts: the clock runs while a read of the body
+/// is pending (the handler wants bytes the client has not sent), not while the handler is
+/// busy elsewhere, so a handler that streams an upload to a slow sandbox does not make the
+/// client look slow. The read fails with [`BodyTooSlow`] when
+/// - one wait lasts [`BodyPace::read_timeout`] (`no bytes`), or
+/// - the total wait exceeds `read_timeout` and the bytes received are fewer than
+///   [`BodyPace::min_rate`] × the total wait in seconds (`under the rate floor`).
+///
+/// It then sets `too_slow`, and the connection answers `408` ([`body_too_slow`]) whatever
+/// the handler answered. At 1 KiB/s the floor is far below any real upload: a 256 MiB PUT
+/// may take 73 hours.
+pub struct Paced<B> {
+    inner: B,
+    pace: BodyPace,
+    /// Data bytes received so far.
+    bytes: u64,
+    /// Time spent in earlier, finished waits.
+    waited: Duration,
+    /// Start of the wait in progress (a read returned `Pending`).
+    waiting_since: Option<tokio::time::Instant>,
+    /// Wakes the reader at the deadline of the wait in progress.
+    timer: Pin<Box<tokio::time::Sleep>>,
+    too_slow: Arc<AtomicBool>,
+    failed: Option<&'static str>,
+}
+
+impl<B> Paced<B> {
+    /// Wrap `inner`; `too_slow` turns true when the pace is not kept.
+    pub fn new(inner: B, pace: BodyPace, too_slow: Arc<AtomicBool>) -> Self {
+        Paced {
+            inner,
+            pace,
+            bytes: 0,
+            waited: Duration::ZERO,
+            waiting_since: None,
+            timer: Box::pin(tokio::time::sleep(Duration::ZERO)),
+            too_slow,
+            failed: None,
+        }
+    }
+
+    /// When the wait that began at `since` fails, and why.
+    fn deadline(&self, since: tokio::time::Instant) -> (tokio::time::Instant, &'static str) {
+        let idle = (
+            since + self.pace.read_timeout,
+            "no bytes within the read timeout",
+        );
+        if self.pace.min_rate == 0 {
+            return idle;
+        }
+        // Total wait at which `bytes` falls under the floor (never before the grace period).
+        let allowed = Duration::from_secs_f64(self.bytes as f64 / self.pace.min_rate as f64)
+            .max(self.pace.read_timeout);
+        let rate = (
+            since + allowed.saturating_sub(self.waited),
+            "average rate under the floor",
+        );
+        if rate.0 < idle.0 {
+            rate
+        } else {
+            idle
+        }
+    }
+
+    fn end_wait(&mut self) {
+        if let Some(since) = self.waiting_since.take() {
+            self.waited += since.elapsed();
+        }
+    }
+}
+
+impl<B> http_body::Body for Paced<B>
+where
+    B: http_body::Body<Data = Bytes> + Unpin,
+    B::Error: Into<axum::BoxError>,
+{
+    type Data = Bytes;
+    type Error = axum::BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Bytes>, axum::BoxError>>> {
+        if let Some(why) = self.failed {
+            return Poll::Ready(Some(Err(BodyTooSlow(why).into())));
+        }
+        match Pin::new(&mut self.inner).poll_frame(cx) {
+            Poll::Ready(Some(Ok(frame))) => {
+                self.end_wait();
+                if let Some(d) = frame.data_ref() {
+                    self.bytes += d.len() as u64;
+                }
+                Poll::Ready(Some(Ok(frame)))
+            }
+            Poll::Ready(Some(Err(e))) => {
+                self.end_wait();
+                Poll::Ready(Some(Err(e.into())))
+            }
+            Poll::Ready(None) => {
+                self.end_wait();
+                Poll::Ready(None)
+            }
+            Poll::Pending => {
+                let now = tokio::time::Instant::now();
+                let since = *self.waiting_since.get_or_insert(now);
+                let (at, why) = self.deadline(since);
+                if now < at {
+                    if self.timer.deadline() != at {
+                        self.timer.as_mut().reset(at);
+                    }
+                    if self.timer.as_mut().poll(cx).is_pending() {
+                        return Poll::Pending;
+                    }
+                }
+                self.end_wait();
+                self.failed = Some(why);
+                self.too_slow.store(true, Ordering::Release);
+                Poll::Ready(Some(Err(BodyTooSlow(why).into())))
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.failed.is_none() && self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
     }
 }
 
@@ -698,6 +1043,139 @@ mod tests {
         assert_eq!(effective_max_connections(16384, Some(1024)), 512);
         assert_eq!(effective_max_connections(100, Some(1 << 20)), 100);
         assert_eq!(effective_max_connections(100, None), 100);
+    }
+
+    /// A body fed by a channel (unit test of the pacing logic: no socket).
+    fn channel_body(pace: BodyPace) -> (tokio::sync::mpsc::Sender<Bytes>, Body, Arc<AtomicBool>) {
+        let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(64);
+        let stream = futures::stream::unfold(rx, |mut rx| async move {
+            rx.recv().await.map(|b| (Ok::<_, io::Error>(b), rx))
+        });
+        let too_slow = Arc::new(AtomicBool::new(false));
+        let body = Body::new(Paced::new(
+            Body::from_stream(stream),
+            pace,
+            too_slow.clone(),
+        ));
+        (tx, body, too_slow)
+    }
+
+    const PACE: BodyPace = BodyPace {
+        read_timeout: Duration::from_millis(200),
+        min_rate: 1024,
+    };
+
+    #[tokio::test]
+    async fn a_silent_body_fails_after_the_read_timeout() {
+        let (_tx, body, too_slow) = channel_body(PACE);
+        let t = Instant::now();
+        let err = axum::body::to_bytes(body, usize::MAX).await.unwrap_err();
+        assert!(format!("{err:?}").contains("no bytes"), "{err:?}");
+        assert!(too_slow.load(Ordering::Acquire));
+        assert!(
+            t.elapsed() >= Duration::from_millis(190),
+            "{:?}",
+            t.elapsed()
+        );
+    }
+
+    #[tokio::test]
+    async fn a_trickle_under_the_floor_fails_after_the_grace_period() {
+        let (tx, body, too_slow) = channel_body(PACE);
+        tokio::spawn(async move {
+            while tx.send(Bytes::from_static(b"x")).await.is_ok() {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        });
+        let t = Instant::now();
+        let err = axum::body::to_bytes(body, usize::MAX).await.unwrap_err();
+        assert!(format!("{err:?}").contains("under the floor"), "{err:?}");
+        assert!(too_slow.load(Ordering::Acquire));
+        assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+    }
+
+    #[tokio::test]
+    async fn a_fast_body_and_a_busy_reader_are_not_paced() {
+        let (tx, mut body, too_slow) = channel_body(PACE);
+        tokio::spawn(async move {
+            for _ in 0..20 {
+                tx.send(Bytes::from(vec![0u8; 8192])).await.unwrap();
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        });
+        let mut got = 0;
+        let mut n = 0;
+        while let Some(f) = http_body_util_frame(&mut body).await {
+            got += f.expect("no pacing error").len();
+            n += 1;
+            if n == 3 {
+                // The reader is busy for longer than the read timeout: the client is not
+                // to blame, the clock does not run.
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+        }
+        assert_eq!(got, 20 * 8192);
+        assert!(!too_slow.load(Ordering::Acquire));
+    }
+
+    /// The next data frame of `body` (trailers skipped).
+    async fn http_body_util_frame(body: &mut Body) -> Option<Result<Bytes, axum::Error>> {
+        loop {
+            let f =
+                std::future::poll_fn(|cx| http_body::Body::poll_frame(Pin::new(&mut *body), cx))
+                    .await?;
+            match f {
+                Ok(f) => match f.into_data() {
+                    Ok(d) => return Some(Ok(d)),
+                    Err(_) => continue,
+                },
+                Err(e) => return Some(Err(e)),
+            }
+        }
+    }
+
+    #[test]
+    fn every_body_is_paced_but_the_interactive_stdin_stream() {
+        assert!(is_paced("/v1/sandboxes/sb-1/files"));
+        assert!(is_paced("/process.Process/Start"));
+        assert!(is_paced("/process.Process/SendInput"));
+        assert!(!is_paced("/process.Process/StreamInput"));
+    }
+
+    #[test]
+    fn the_per_peer_request_limit_defaults_to_a_quarter_of_the_total() {
+        let l = ConnLimits {
+            max_requests_in_flight: 4096,
+            ..Default::default()
+        };
+        assert_eq!(l.per_ip_requests(), 1024);
+        let l = ConnLimits {
+            max_requests_in_flight: 2,
+            ..Default::default()
+        };
+        assert_eq!(l.per_ip_requests(), 1, "at least one");
+        let l = ConnLimits {
+            max_requests_in_flight_per_ip: Some(7),
+            ..Default::default()
+        };
+        assert_eq!(l.per_ip_requests(), 7);
+    }
+
+    #[test]
+    fn a_peers_request_slots_are_counted_and_given_back() {
+        let t = Arc::new(ConnTable::new(ConnLimits {
+            max_requests_in_flight: 8,
+            ..Default::default()
+        }));
+        let a = t.try_ip_slot(ip(2)).unwrap();
+        let b = t.try_ip_slot(ip(2)).unwrap();
+        assert!(t.try_ip_slot(ip(2)).is_none(), "a quarter of 8");
+        let c = t.try_ip_slot(ip(3)).expect("other peers unaffected");
+        drop(a);
+        assert_eq!(t.requests_from(ip(2)), 1);
+        let a = t.try_ip_slot(ip(2)).expect("given back");
+        drop((a, b, c));
+        assert!(t.requests_per_ip.lock().unwrap().is_empty());
     }
 
     #[test]

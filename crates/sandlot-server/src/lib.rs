@@ -67,6 +67,8 @@ mod tests_observe;
 #[cfg(test)]
 mod tests_processes;
 #[cfg(test)]
+mod tests_slowbody;
+#[cfg(test)]
 mod tests_tenants;
 
 use anyhow::Context;

@@ -19,7 +19,8 @@
 //! | `sandlot_connections` | gauge | | open API connections, at scrape ([`crate::conn`]) |
 //! | `sandlot_connections_refused_total` | counter | `reason` = `total`\|`per_ip` | connections closed at accept: limit reached and none idle to make room |
 //! | `sandlot_connections_closed_total` | counter | `reason` = `evicted`\|`header_timeout`\|`idle_timeout` | connections the server closed |
-//! | `sandlot_requests_shed_total` | counter | | requests answered 503 over the in-flight limit |
+//! | `sandlot_requests_shed_total` | counter | `reason` = `total`\|`per_ip` | requests answered 503 over the in-flight limit (server-wide / of the peer's address) |
+//! | `sandlot_request_body_timeouts_total` | counter | | requests answered 408: the body arrived too slowly ([`crate::conn::Paced`]) |
 //! | `sandlot_accept_errors_total` | counter | `error` (errno name, e.g. `EMFILE`) | failed `accept` calls (each followed by a back-off) |
 //! | `sandlot_events_pending` | gauge | | audit events waiting for a durable write (disk full), at scrape ([`crate::events`]) |
 //! | `sandlot_events_dropped_total` | counter | | audit events dropped because that queue was full |
@@ -179,7 +180,8 @@ pub struct Metrics {
     connections: Gauge,
     conn_refused: Family<ReasonLabel, Counter>,
     conn_closed: Family<ReasonLabel, Counter>,
-    requests_shed: Counter,
+    requests_shed: Family<ReasonLabel, Counter>,
+    body_timeouts: Counter,
     accept_errors: Family<ErrorLabel, Counter>,
     events_pending: Gauge,
     events_dropped: Counter,
@@ -310,11 +312,17 @@ impl Metrics {
             "Connections the server closed (evicted, header_timeout, idle_timeout)",
             conn_closed.clone(),
         );
-        let requests_shed = Counter::default();
+        let requests_shed = Family::<ReasonLabel, Counter>::default();
         registry.register(
             "sandlot_requests_shed",
-            "Requests answered 503 over the in-flight request limit",
+            "Requests answered 503 over an in-flight request limit (total or per_ip)",
             requests_shed.clone(),
+        );
+        let body_timeouts = Counter::default();
+        registry.register(
+            "sandlot_request_body_timeouts",
+            "Requests answered 408: the request body arrived too slowly",
+            body_timeouts.clone(),
         );
         let accept_errors = Family::<ErrorLabel, Counter>::default();
         registry.register(
@@ -355,6 +363,7 @@ impl Metrics {
             conn_refused,
             conn_closed,
             requests_shed,
+            body_timeouts,
             accept_errors,
             violations,
             registry,
@@ -435,9 +444,18 @@ impl Metrics {
             .inc();
     }
 
-    /// Count one request shed over the in-flight limit.
-    pub fn request_shed(&self) {
-        self.requests_shed.inc();
+    /// Count one request shed over an in-flight limit (`reason` `total` or `per_ip`).
+    pub fn request_shed(&self, reason: &str) {
+        self.requests_shed
+            .get_or_create(&ReasonLabel {
+                reason: reason.to_owned(),
+            })
+            .inc();
+    }
+
+    /// Count one request answered `408`: its body arrived too slowly.
+    pub fn body_timeout(&self) {
+        self.body_timeouts.inc();
     }
 
     /// Count one failed `accept` (`error`: errno name).
