@@ -25,6 +25,19 @@ pub(crate) fn data_dir(name: &str) -> tempfile::TempDir {
         .expect("create a temporary data directory")
 }
 
+/// A server over `node` with its state in `dir`, which the test owns (for a restart:
+/// open a second one on the same directory and node).
+pub(crate) fn open_on(dir: &std::path::Path, node: &Arc<FakeNode>) -> T {
+    let st = AppState::open(ServerConfig::new(dir.to_path_buf()), node.clone()).unwrap();
+    let app = router(st.clone());
+    T {
+        st,
+        node: node.clone(),
+        app,
+        _dir: None,
+    }
+}
+
 pub(crate) fn setup_with(name: &str, f: impl FnOnce(&mut ServerConfig)) -> T {
     let dir = data_dir(name);
     let mut cfg = ServerConfig::new(dir.path().to_path_buf());

@@ -1,6 +1,6 @@
 //! Router-level tests over the unit-test `FakeNode` (no socket, no root).
 use crate::test_support::*;
-use crate::{lifecycle, router, AppState, ServerConfig};
+use crate::{lifecycle, AppState, ServerConfig};
 use axum::http::{Method, StatusCode};
 use sandlot_node_api::fake::FakeNode;
 use serde_json::{json, Value};
@@ -893,14 +893,7 @@ async fn restart_readopts_running_records() {
     let dir = tmp.path().to_path_buf();
     let node = Arc::new(FakeNode::default());
     let (a, b) = {
-        let st = AppState::open(ServerConfig::new(dir.clone()), node.clone()).unwrap();
-        let app = router(st.clone());
-        let t = T {
-            st,
-            node: node.clone(),
-            app,
-            _dir: None,
-        };
+        let t = open_on(&dir, &node);
         (create(&t, json!({})).await, create(&t, json!({})).await)
     };
     // The node lost `b` (e.g. its processes died with the host).
@@ -925,14 +918,7 @@ async fn restart_deletes_run_code_sandboxes_instead_of_readopting_them() {
     let dir = tmp.path().to_path_buf();
     let node = Arc::new(FakeNode::default());
     let (a, b) = {
-        let st = AppState::open(ServerConfig::new(dir.clone()), node.clone()).unwrap();
-        let app = router(st.clone());
-        let t = T {
-            st,
-            node: node.clone(),
-            app,
-            _dir: None,
-        };
+        let t = open_on(&dir, &node);
         (
             create(&t, json!({"labels": {"job": "j"}})).await,
             create(

@@ -202,6 +202,31 @@ pub fn unary_request<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, C
     parse_object(body)
 }
 
+/// The message length in the 5-byte envelope header at the start of `buf` (at least 5
+/// bytes: flags, then the length big-endian), refusing what a request may not send.
+///
+/// # Errors
+/// `invalid_argument` for a compressed or otherwise flagged envelope; `resource_exhausted`
+/// for a length over [`MAX_MESSAGE_BYTES`].
+fn envelope_len(buf: &[u8]) -> Result<usize, ConnectError> {
+    let flags = buf[0];
+    let len = u32::from_be_bytes([buf[1], buf[2], buf[3], buf[4]]) as usize;
+    if flags & COMPRESSED != 0 {
+        return Err(ConnectError::invalid(
+            "compressed envelopes are not accepted (send Connect-Content-Encoding identity)",
+        ));
+    }
+    if flags != 0 {
+        return Err(ConnectError::invalid(format!(
+            "unexpected envelope flags {flags:#04x} in a request"
+        )));
+    }
+    if len > MAX_MESSAGE_BYTES {
+        return Err(too_big(len));
+    }
+    Ok(len)
+}
+
 fn too_big(n: usize) -> ConnectError {
     ConnectError::new(
         "resource_exhausted",
@@ -222,21 +247,7 @@ pub fn stream_request<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, 
             body.len()
         )));
     }
-    let flags = body[0];
-    let len = u32::from_be_bytes([body[1], body[2], body[3], body[4]]) as usize;
-    if flags & COMPRESSED != 0 {
-        return Err(ConnectError::invalid(
-            "compressed envelopes are not accepted (send Connect-Content-Encoding identity)",
-        ));
-    }
-    if flags != 0 {
-        return Err(ConnectError::invalid(format!(
-            "unexpected envelope flags {flags:#04x} in a request"
-        )));
-    }
-    if len > MAX_MESSAGE_BYTES {
-        return Err(too_big(len));
-    }
+    let len = envelope_len(body)?;
     let rest = &body[5..];
     if rest.len() != len {
         return Err(ConnectError::invalid(format!(
@@ -272,21 +283,7 @@ impl Envelopes {
         if self.buf.len() < 5 {
             return Ok(None);
         }
-        let flags = self.buf[0];
-        let len = u32::from_be_bytes([self.buf[1], self.buf[2], self.buf[3], self.buf[4]]) as usize;
-        if flags & COMPRESSED != 0 {
-            return Err(ConnectError::invalid(
-                "compressed envelopes are not accepted (send Connect-Content-Encoding identity)",
-            ));
-        }
-        if flags != 0 {
-            return Err(ConnectError::invalid(format!(
-                "unexpected envelope flags {flags:#04x} in a request"
-            )));
-        }
-        if len > MAX_MESSAGE_BYTES {
-            return Err(too_big(len));
-        }
+        let len = envelope_len(&self.buf)?;
         if self.buf.len() < 5 + len {
             return Ok(None);
         }
@@ -344,6 +341,17 @@ pub fn stream_response(body: Body) -> Response {
         HeaderValue::from_static("application/connect+json"),
     );
     r
+}
+
+/// A server-stream response whose envelopes come from `rx`; it ends when every sender is
+/// dropped (the last envelope sent should be the end-of-stream one).
+pub fn stream_from(rx: tokio::sync::mpsc::Receiver<Bytes>) -> Response {
+    let body = futures::stream::unfold(rx, |mut rx| async move {
+        rx.recv()
+            .await
+            .map(|b| (Ok::<Bytes, std::convert::Infallible>(b), rx))
+    });
+    stream_response(Body::from_stream(body))
 }
 
 /// A server stream that failed before it started: 200 with the end-of-stream envelope.

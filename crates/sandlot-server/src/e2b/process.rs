@@ -24,8 +24,8 @@
 //! Keepalive events are sent every `Keepalive-Ping-Interval` seconds (default 50).
 //! Stdout and stderr keep their own order; their interleaving is not kept exactly.
 use super::connect::{
-    check_kind, end_stream, message, stream_error, stream_request, stream_response, unary_ok,
-    unary_request, CallKind, ConnectError,
+    check_kind, end_stream, message, stream_error, stream_from, stream_request, stream_response,
+    unary_ok, unary_request, CallKind, ConnectError,
 };
 use super::{ensure_home, home_of, sandbox_of, visible, E2bUser, ProcEntry};
 use crate::auth::Principal;
@@ -476,12 +476,7 @@ fn follow(
             }
         }
     });
-    let body = futures::stream::unfold(rx, |mut rx| async move {
-        rx.recv()
-            .await
-            .map(|b| (Ok::<Bytes, std::convert::Infallible>(b), rx))
-    });
-    stream_response(Body::from_stream(body))
+    stream_from(rx)
 }
 
 #[derive(Debug, Default, Deserialize)]

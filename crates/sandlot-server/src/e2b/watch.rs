@@ -35,12 +35,12 @@
 //! polls. A watcher whose directory disappears stops with `not_found`, reported by the next
 //! `GetWatcherEvents` (or the stream's end).
 use super::connect::{
-    check_kind, end_stream, message, stream_error, stream_request, stream_response, unary_ok,
+    check_kind, end_stream, message, stream_error, stream_from, stream_request, unary_ok,
     unary_request, CallKind, ConnectError,
 };
 use super::filesystem::{entry_info, resolve};
 use crate::SharedState;
-use axum::body::{Body, Bytes};
+use axum::body::Bytes;
 use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
 use sandlot_api::{FileEntry, FileType, SandboxState};
@@ -637,12 +637,7 @@ fn watch_stream(
             }
         }
     });
-    let body = futures::stream::unfold(rx, |mut rx| async move {
-        rx.recv()
-            .await
-            .map(|b| (Ok::<Bytes, std::convert::Infallible>(b), rx))
-    });
-    stream_response(Body::from_stream(body))
+    stream_from(rx)
 }
 
 #[cfg(test)]
