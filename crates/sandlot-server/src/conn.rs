@@ -775,7 +775,7 @@ pub struct BodyTooSlow(&'static str);
 /// - the total wait exceeds `read_timeout` and the bytes received are fewer than
 ///   [`BodyPace::min_rate`] × the total wait in seconds (`under the rate floor`).
 ///
-/// It then sets `too_slow`, and the connection answers `408` ([`body_too_slow`]) whatever
+/// It then sets `too_slow`, and the connection answers `408` (`body_too_slow`) whatever
 /// the handler answered. At 1 KiB/s the floor is far below any real upload: a 256 MiB PUT
 /// may take 73 hours.
 pub struct Paced<B> {
