@@ -58,7 +58,7 @@ enum Command {
     /// (expired ones are then reaped).
     Up(UpArgs),
     /// Serve a local node over the node API (cluster mode, in progress: no etcd
-    /// registration yet; a server reaches it with `sandlot_node_remote::RemoteNode`).
+    /// registration yet; `sandlot server --node URL` serves the public API in front of it).
     ///
     /// HTTP/2 cleartext (h2c) and HTTP/1.1 on `--listen`; every call must carry
     /// `Authorization: Bearer <token>` (the token file's content, surrounding whitespace
