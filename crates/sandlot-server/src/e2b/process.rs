@@ -232,7 +232,10 @@ fn deadline_s(h: &HeaderMap) -> Result<Option<f64>, ConnectError> {
     Ok(Some(s.max(0.001)))
 }
 
-fn keepalive_of(h: &HeaderMap) -> Duration {
+/// The interval of a server stream's keepalive events: the request's
+/// `Keepalive-Ping-Interval` header (whole seconds, 1–3600; E2B's SDKs send it), else
+/// [`KEEPALIVE_S`].
+pub(super) fn keepalive_of(h: &HeaderMap) -> Duration {
     let s = h
         .get("keepalive-ping-interval")
         .and_then(|v| v.to_str().ok())
@@ -516,18 +519,7 @@ async fn stream_input(
                     let h = target.as_ref().ok_or_else(|| {
                         ConnectError::invalid("the first message must be start {process}")
                     })?;
-                    let input = d.input.unwrap_or_default();
-                    if input.pty.is_some() {
-                        return Err(ConnectError::new(
-                            "unimplemented",
-                            "PTY input is not implemented by Sandlot yet",
-                        ));
-                    }
-                    let raw = base64::engine::general_purpose::STANDARD
-                        .decode(input.stdin.unwrap_or_default())
-                        .map_err(|e| {
-                            ConnectError::invalid(format!("input.stdin is not base64: {e}"))
-                        })?;
+                    let raw = stdin_bytes(d.input.unwrap_or_default())?;
                     h.write_stdin(Bytes::from(raw), false)
                         .await
                         .map_err(ended_is_not_found)?;
@@ -588,19 +580,26 @@ fn list(st: &SharedState, id: &str, body: &Bytes) -> Result<Response, ConnectErr
     Ok(unary_ok(serde_json::json!({ "processes": procs })))
 }
 
-async fn send_input(st: &SharedState, id: &str, body: &Bytes) -> Result<Response, ConnectError> {
-    let req: Selected = unary_request(body)?;
-    let (_, entry) = select(st, id, req.process.as_ref())?;
-    let input = req.input.unwrap_or_default();
+/// The stdin bytes of a `ProcessInput` (`stdin`, base64).
+///
+/// # Errors
+/// `unimplemented` for PTY input; `invalid_argument` for bad base64.
+fn stdin_bytes(input: Input) -> Result<Vec<u8>, ConnectError> {
     if input.pty.is_some() {
         return Err(ConnectError::new(
             "unimplemented",
             "PTY input is not implemented by Sandlot yet",
         ));
     }
-    let raw = base64::engine::general_purpose::STANDARD
+    base64::engine::general_purpose::STANDARD
         .decode(input.stdin.unwrap_or_default())
-        .map_err(|e| ConnectError::invalid(format!("input.stdin is not base64: {e}")))?;
+        .map_err(|e| ConnectError::invalid(format!("input.stdin is not base64: {e}")))
+}
+
+async fn send_input(st: &SharedState, id: &str, body: &Bytes) -> Result<Response, ConnectError> {
+    let req: Selected = unary_request(body)?;
+    let (_, entry) = select(st, id, req.process.as_ref())?;
+    let raw = stdin_bytes(req.input.unwrap_or_default())?;
     let h = handle_of(st, id, &entry)?;
     h.write_stdin(Bytes::from(raw), false)
         .await

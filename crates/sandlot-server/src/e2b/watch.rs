@@ -552,16 +552,6 @@ async fn poll_into(
     }
 }
 
-fn keepalive_of(h: &HeaderMap) -> Duration {
-    let s = h
-        .get("keepalive-ping-interval")
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.trim().parse::<u64>().ok())
-        .filter(|s| *s > 0)
-        .unwrap_or(super::process::KEEPALIVE_S);
-    Duration::from_secs(s)
-}
-
 fn deadline_of(h: &HeaderMap) -> Option<Duration> {
     h.get("connect-timeout-ms")
         .and_then(|v| v.to_str().ok())
@@ -578,7 +568,7 @@ fn watch_stream(
     mut snap: Snapshot,
     headers: &HeaderMap,
 ) -> Response {
-    let keepalive = keepalive_of(headers);
+    let keepalive = super::process::keepalive_of(headers);
     let deadline = deadline_of(headers).map(|d| tokio::time::Instant::now() + d);
     let (tx, rx) = mpsc::channel::<Bytes>(16);
     tokio::spawn(async move {
