@@ -22,41 +22,17 @@
 //! it performs no I/O.
 use rand::Rng;
 use sandlot_api::Backend;
-use std::collections::BTreeMap;
+use sandlot_cluster::{NodeRecord, Resources};
 
-/// Amounts of a node's resources: its capacity or what its sandboxes hold.
-#[derive(Debug, Clone, Copy, PartialEq, Default)]
-pub struct Resources {
-    /// CPU cores (sum of the sandboxes' `cpu` for usage).
-    pub cpu: f64,
-    /// Memory in MiB.
-    pub memory_mib: u64,
-    /// Number of sandboxes.
-    pub sandboxes: u64,
-}
-
-/// What placement needs to know of one node: a snapshot of its membership record.
+/// What placement needs to know of one node: its membership record (from etcd in cluster
+/// mode) and whether it may take work now.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct Candidate {
-    /// Node name (unique in the cluster).
-    pub name: String,
+    /// The node's record: name, capacity (cpu already multiplied by any overcommit factor
+    /// the operator allows) and usage, backends, runtimes, accelerator, cached layers, jobs.
+    pub record: NodeRecord,
     /// False while the node is `down`, fenced or draining: never picked.
     pub serving: bool,
-    /// What the node offers to sandboxes (cpu already multiplied by any overcommit factor
-    /// the operator allows).
-    pub capacity: Resources,
-    /// What its sandboxes hold now.
-    pub usage: Resources,
-    /// Backends the node can run.
-    pub backends: Vec<Backend>,
-    /// OCI runtimes of its `container` backend (`runc`, `runsc`, `crun`).
-    pub runtimes: Vec<String>,
-    /// Accelerator of its QEMU backends (`kvm`, `tcg`), `None` without one.
-    pub accelerator: Option<String>,
-    /// Digests of the image layers in its image store.
-    pub cached_layers: std::collections::BTreeSet<String>,
-    /// Its live sandboxes per `job` label value.
-    pub jobs: BTreeMap<String, u64>,
 }
 
 /// One layer of the image a sandbox starts from: its digest and size in bytes.
@@ -108,24 +84,24 @@ pub fn unfit(c: &Candidate, r: &Request) -> Option<String> {
     if !c.serving {
         return Some("not serving".into());
     }
-    if !c.backends.contains(&r.backend) {
+    if !c.record.backends.contains(&r.backend) {
         return Some(format!("backend {} unavailable", r.backend.as_str()));
     }
     if let Some(rt) = &r.runtime {
-        if r.backend == Backend::Container && !c.runtimes.iter().any(|x| x == rt) {
+        if r.backend == Backend::Container && !c.record.runtimes.iter().any(|x| x == rt) {
             return Some(format!("runtime {rt} unavailable"));
         }
     }
     if let Some(acc) = &r.accelerator {
         if matches!(r.backend, Backend::Microvm | Backend::Vm)
-            && c.accelerator.as_ref() != Some(acc)
+            && c.record.accelerator.as_ref() != Some(acc)
         {
             return Some(format!("accelerator {acc} unavailable"));
         }
     }
     let free = free(c);
     if free.sandboxes < 1 {
-        return Some(format!("sandboxes full ({})", c.capacity.sandboxes));
+        return Some(format!("sandboxes full ({})", c.record.capacity.sandboxes));
     }
     // Sums of decimal fractions: allow a rounding error of a millicore.
     if r.cpu > free.cpu + 1e-3 {
@@ -142,9 +118,17 @@ pub fn unfit(c: &Candidate, r: &Request) -> Option<String> {
 
 fn free(c: &Candidate) -> Resources {
     Resources {
-        cpu: (c.capacity.cpu - c.usage.cpu).max(0.0),
-        memory_mib: c.capacity.memory_mib.saturating_sub(c.usage.memory_mib),
-        sandboxes: c.capacity.sandboxes.saturating_sub(c.usage.sandboxes),
+        cpu: (c.record.capacity.cpu - c.record.usage.cpu).max(0.0),
+        memory_mib: c
+            .record
+            .capacity
+            .memory_mib
+            .saturating_sub(c.record.usage.memory_mib),
+        sandboxes: c
+            .record
+            .capacity
+            .sandboxes
+            .saturating_sub(c.record.usage.sandboxes),
     }
 }
 
@@ -165,13 +149,13 @@ pub fn score(c: &Candidate, r: &Request) -> f64 {
         let cached: u64 = r
             .layers
             .iter()
-            .filter(|l| c.cached_layers.contains(&l.digest))
+            .filter(|l| c.record.cached_layers.contains(&l.digest))
             .map(|l| l.bytes)
             .sum();
         cached as f64 / total as f64
     };
     let spread = match &r.job {
-        Some(j) => 1.0 / (1.0 + *c.jobs.get(j).unwrap_or(&0) as f64),
+        Some(j) => 1.0 / (1.0 + *c.record.jobs.get(j).unwrap_or(&0) as f64),
         None => 1.0,
     };
     let f = free(c);
@@ -182,12 +166,15 @@ pub fn score(c: &Candidate, r: &Request) -> f64 {
             0.0
         }
     };
-    let free_share = share(f.cpu - r.cpu, c.capacity.cpu)
+    let free_share = share(f.cpu - r.cpu, c.record.capacity.cpu)
         .min(share(
             f.memory_mib as f64 - r.memory_mib as f64,
-            c.capacity.memory_mib as f64,
+            c.record.capacity.memory_mib as f64,
         ))
-        .min(share(f.sandboxes as f64 - 1.0, c.capacity.sandboxes as f64));
+        .min(share(
+            f.sandboxes as f64 - 1.0,
+            c.record.capacity.sandboxes as f64,
+        ));
     4.0 * locality + 2.0 * spread + free_share
 }
 
@@ -206,13 +193,13 @@ pub fn place<'a, R: Rng + ?Sized>(
     if let Some(want) = &r.checkpoint_node {
         let c = nodes
             .iter()
-            .find(|c| &c.name == want)
+            .find(|c| &c.record.name == want)
             .ok_or_else(|| PlacementError::CheckpointNodeGone(want.clone()))?;
         return match unfit(c, r) {
             None => Ok(c),
             Some(why) => Err(PlacementError::NoCapacity(vec![format!(
                 "{}: {why}",
-                c.name
+                c.record.name
             )])),
         };
     }
@@ -221,7 +208,7 @@ pub fn place<'a, R: Rng + ?Sized>(
     for c in nodes {
         match unfit(c, r) {
             None => fit.push(c),
-            Some(w) => why.push(format!("{}: {w}", c.name)),
+            Some(w) => why.push(format!("{}: {w}", c.record.name)),
         }
     }
     match fit.len() {
@@ -252,16 +239,18 @@ mod tests {
 
     fn node(name: &str) -> Candidate {
         Candidate {
-            name: name.into(),
             serving: true,
-            capacity: Resources {
-                cpu: 8.0,
-                memory_mib: 16384,
-                sandboxes: 100,
+            record: NodeRecord {
+                name: name.into(),
+                capacity: Resources {
+                    cpu: 8.0,
+                    memory_mib: 16384,
+                    sandboxes: 100,
+                },
+                backends: vec![Backend::Function, Backend::Container],
+                runtimes: vec!["runc".into()],
+                ..Default::default()
             },
-            backends: vec![Backend::Function, Backend::Container],
-            runtimes: vec!["runc".into()],
-            ..Default::default()
         }
     }
 
@@ -286,15 +275,15 @@ mod tests {
         let mut down = node("down");
         down.serving = false;
         let mut full = node("full");
-        full.usage = Resources {
+        full.record.usage = Resources {
             cpu: 7.5,
             memory_mib: 0,
             sandboxes: 3,
         };
         let mut slots = node("slots");
-        slots.usage.sandboxes = 100;
+        slots.record.usage.sandboxes = 100;
         let mut mem = node("mem");
-        mem.usage.memory_mib = 16000;
+        mem.record.usage.memory_mib = 16000;
         let nodes = [down, full, slots, mem];
         let mut rng = StdRng::seed_from_u64(1);
         let err = place(&nodes, &req(), &mut rng).unwrap_err();
@@ -322,29 +311,29 @@ mod tests {
     #[test]
     fn backend_runtime_and_accelerator_must_be_supported() {
         let mut kvm = node("kvm");
-        kvm.backends.push(Backend::Microvm);
-        kvm.accelerator = Some("kvm".into());
+        kvm.record.backends.push(Backend::Microvm);
+        kvm.record.accelerator = Some("kvm".into());
         let mut tcg = node("tcg");
-        tcg.backends.push(Backend::Microvm);
-        tcg.accelerator = Some("tcg".into());
-        tcg.runtimes.push("runsc".into());
+        tcg.record.backends.push(Backend::Microvm);
+        tcg.record.accelerator = Some("tcg".into());
+        tcg.record.runtimes.push("runsc".into());
         let nodes = [node("plain"), kvm, tcg];
         let mut rng = StdRng::seed_from_u64(2);
         let mut r = req();
         r.backend = Backend::Microvm;
         r.accelerator = Some("kvm".into());
         for _ in 0..20 {
-            assert_eq!(place(&nodes, &r, &mut rng).unwrap().name, "kvm");
+            assert_eq!(place(&nodes, &r, &mut rng).unwrap().record.name, "kvm");
         }
         r.accelerator = None;
         for _ in 0..20 {
-            assert_ne!(place(&nodes, &r, &mut rng).unwrap().name, "plain");
+            assert_ne!(place(&nodes, &r, &mut rng).unwrap().record.name, "plain");
         }
         let mut r = req();
         r.backend = Backend::Container;
         r.runtime = Some("runsc".into());
         for _ in 0..20 {
-            assert_eq!(place(&nodes, &r, &mut rng).unwrap().name, "tcg");
+            assert_eq!(place(&nodes, &r, &mut rng).unwrap().record.name, "tcg");
         }
         r.backend = Backend::Vm;
         let err = place(&nodes, &r, &mut rng).unwrap_err();
@@ -357,8 +346,8 @@ mod tests {
     #[test]
     fn image_locality_wins_over_free_capacity() {
         let mut warm = node("warm");
-        warm.cached_layers = ["sha256:big".to_string()].into();
-        warm.usage = Resources {
+        warm.record.cached_layers = ["sha256:big".to_string()].into();
+        warm.record.usage = Resources {
             cpu: 6.0,
             memory_mib: 8000,
             sandboxes: 50,
@@ -372,25 +361,25 @@ mod tests {
         let mut rng = StdRng::seed_from_u64(3);
         // With two fitting nodes both are drawn every time: the cached one wins.
         for _ in 0..20 {
-            assert_eq!(place(&nodes, &r, &mut rng).unwrap().name, "warm");
+            assert_eq!(place(&nodes, &r, &mut rng).unwrap().record.name, "warm");
         }
         // Without layers to prefer, the idle node wins on free capacity.
         r.layers.clear();
         for _ in 0..20 {
-            assert_eq!(place(&nodes, &r, &mut rng).unwrap().name, "idle");
+            assert_eq!(place(&nodes, &r, &mut rng).unwrap().record.name, "idle");
         }
     }
 
     #[test]
     fn a_job_spreads_over_nodes() {
         let mut busy = node("a");
-        busy.jobs.insert("job-1".into(), 3);
+        busy.record.jobs.insert("job-1".into(), 3);
         let nodes = [busy, node("b")];
         let mut r = req();
         r.job = Some("job-1".into());
         let mut rng = StdRng::seed_from_u64(4);
         for _ in 0..20 {
-            assert_eq!(place(&nodes, &r, &mut rng).unwrap().name, "b");
+            assert_eq!(place(&nodes, &r, &mut rng).unwrap().record.name, "b");
         }
         // Another job has no sandboxes on either: both stay in play.
         r.job = Some("job-2".into());
@@ -409,15 +398,26 @@ mod tests {
             ..req()
         };
         for _ in 0..2000 {
-            let name = place(&nodes, &r, &mut rng).unwrap().name.clone();
-            let c = nodes.iter_mut().find(|c| c.name == name).unwrap();
-            c.usage.sandboxes += 1;
-            c.usage.cpu += r.cpu;
-            c.usage.memory_mib += r.memory_mib;
+            let name = place(&nodes, &r, &mut rng).unwrap().record.name.clone();
+            let c = nodes.iter_mut().find(|c| c.record.name == name).unwrap();
+            c.record.usage.sandboxes += 1;
+            c.record.usage.cpu += r.cpu;
+            c.record.usage.memory_mib += r.memory_mib;
         }
-        let max = nodes.iter().map(|c| c.usage.sandboxes).max().unwrap();
-        let min = nodes.iter().map(|c| c.usage.sandboxes).min().unwrap();
-        assert_eq!(nodes.iter().map(|c| c.usage.sandboxes).sum::<u64>(), 2000);
+        let max = nodes
+            .iter()
+            .map(|c| c.record.usage.sandboxes)
+            .max()
+            .unwrap();
+        let min = nodes
+            .iter()
+            .map(|c| c.record.usage.sandboxes)
+            .min()
+            .unwrap();
+        assert_eq!(
+            nodes.iter().map(|c| c.record.usage.sandboxes).sum::<u64>(),
+            2000
+        );
         assert!(
             max <= 45 && min >= 35,
             "40 per node expected, got {min}..{max}"
@@ -431,7 +431,7 @@ mod tests {
         r.checkpoint_node = Some("b".into());
         let mut rng = StdRng::seed_from_u64(6);
         for _ in 0..10 {
-            assert_eq!(place(&nodes, &r, &mut rng).unwrap().name, "b");
+            assert_eq!(place(&nodes, &r, &mut rng).unwrap().record.name, "b");
         }
         r.checkpoint_node = Some("gone".into());
         assert_eq!(
