@@ -15,6 +15,9 @@
 #                                      connections stay open, nothing answers)
 #   scripts/etcd.sh resume-member DIR I SIGCONT member I
 #
+# ETCD_HOST (default 127.0.0.1): the address the members' client and peer URLs use (e.g. a
+# bridge address that nodes in their own network namespaces reach; scripts/cluster.sh).
+#
 # Layout under DIR: mI/ (data), mI.log, mI.pid, mI.args (the member's command line, so
 # start-member restarts it on the same ports). Needs `etcd` (Debian etcd-server; setup.sh
 # installs it), curl and python3 (to find free ports). Timings are etcd's defaults
@@ -23,18 +26,18 @@ set -euo pipefail
 
 die() { echo "etcd.sh: $*" >&2; exit 1; }
 
-usage() { sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 
 # free_ports K: K distinct TCP ports the kernel considers free now (bound all at once, so
 # they differ; a race with another process grabbing one before etcd does is possible but
 # rare on a test host, and start then fails loudly).
 free_ports() {
-  python3 - "$1" <<'EOF'
+  python3 - "$1" "$host" <<'EOF'
 import socket, sys
 socks = []
 for _ in range(int(sys.argv[1])):
     s = socket.socket()
-    s.bind(("127.0.0.1", 0))
+    s.bind((sys.argv[2], 0))
     socks.append(s)
 print(" ".join(str(s.getsockname()[1]) for s in socks))
 EOF
@@ -81,6 +84,7 @@ members() { # members DIR: the indices of the members under DIR
 }
 
 cmd=${1:-}; dir=${2:-}
+host=${ETCD_HOST:-127.0.0.1}
 [ -n "$cmd" ] && [ -n "$dir" ] || usage
 
 case "$cmd" in
@@ -94,12 +98,12 @@ case "$cmd" in
     read -r -a ports <<<"$(free_ports $((2 * n)))"
     cluster=""
     for ((i = 0; i < n; i++)); do
-      cluster+="${cluster:+,}m$i=http://127.0.0.1:${ports[2 * i + 1]}"
+      cluster+="${cluster:+,}m$i=http://$host:${ports[2 * i + 1]}"
     done
     token="sandlot-$(basename "$dir")-$$"
     for ((i = 0; i < n; i++)); do
-      c="http://127.0.0.1:${ports[2 * i]}"
-      p="http://127.0.0.1:${ports[2 * i + 1]}"
+      c="http://$host:${ports[2 * i]}"
+      p="http://$host:${ports[2 * i + 1]}"
       {
         echo "client=$c"
         for a in --name "m$i" --data-dir "$dir/m$i" \
