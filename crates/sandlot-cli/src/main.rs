@@ -533,7 +533,8 @@ fn key(cmd: KeyCmd) -> anyhow::Result<u8> {
                 max_memory_mib,
             };
             let store = open_store(&dirs)?;
-            let (row, key) = sandlot_server::auth::create_key(&store, &name, admin, quota)?;
+            let (row, key) = sandlot_server::auth::new_key(&name, admin, quota);
+            store.insert_key(&row)?;
             println!("{key}");
             eprintln!(
                 "created API key {} ({name}{}); the key above is shown only once",

@@ -40,7 +40,7 @@
 //! - An admin key sees and acts on every tenant's sandboxes, trajectories and events (an
 //!   operator's key); its own creates are still recorded with its id and its quotas apply.
 use crate::error::ServerError;
-use crate::store::{KeyRow, Quota, Store, StoreError};
+use crate::store::{KeyRow, Quota, StoreError};
 use crate::SharedState;
 use axum::extract::{FromRequestParts, MatchedPath, RawPathParams, Request, State};
 use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode};
@@ -144,18 +144,10 @@ pub fn generate_key() -> String {
     )
 }
 
-/// Create a key named `name` and store its digest. Returns the row and the key, which is
-/// not kept anywhere and must be shown to the operator once.
-///
-/// # Errors
-/// [`StoreError`] on SQLite failures. The caller validates `name` (`sandlot key create`
-/// takes 1–128 characters).
-pub fn create_key(
-    store: &Store,
-    name: &str,
-    admin: bool,
-    quota: Quota,
-) -> Result<(KeyRow, String), StoreError> {
+/// A new key named `name`: its row (id `key_` + 16 hex digits, SHA-256 digest of the key)
+/// and the key itself (`sk-` + 43 base64url characters), which is not kept anywhere and must
+/// be shown to the operator once. Nothing is stored; see [`create_key`].
+pub fn new_key(name: &str, admin: bool, quota: Quota) -> (KeyRow, String) {
     let key = generate_key();
     let id_bytes: [u8; 8] = rand::random();
     let row = KeyRow {
@@ -173,7 +165,22 @@ pub fn create_key(
         created_at_ms: crate::now_ms(),
         revoked_at_ms: None,
     };
-    store.insert_key(&row)?;
+    (row, key)
+}
+
+/// [`new_key`], stored in `store`. Returns the row and the key.
+///
+/// # Errors
+/// [`StoreError`] when the store fails. The caller validates `name` (`sandlot key create`
+/// takes 1–128 characters).
+pub async fn create_key(
+    store: &dyn crate::registry::Registry,
+    name: &str,
+    admin: bool,
+    quota: Quota,
+) -> Result<(KeyRow, String), StoreError> {
+    let (row, key) = new_key(name, admin, quota);
+    store.insert_key(&row).await?;
     Ok((row, key))
 }
 
@@ -215,11 +222,11 @@ fn unauthenticated(message: &str) -> Response {
 ///
 /// # Errors
 /// Store failures.
-pub fn enabled(st: &SharedState) -> Result<bool, StoreError> {
+pub async fn enabled(st: &SharedState) -> Result<bool, StoreError> {
     if st.auth_on.load(Ordering::Relaxed) {
         return Ok(true);
     }
-    let on = st.store.has_keys()?;
+    let on = st.store.has_keys().await?;
     if on {
         st.auth_on.store(true, Ordering::Relaxed);
         tracing::info!("API keys found: authentication is required from now on");
@@ -252,8 +259,8 @@ impl IntoResponse for AuthError {
 /// # Errors
 /// [`AuthError::Unauthenticated`] for a missing, unknown or revoked key;
 /// [`AuthError::Store`] on store failures.
-pub fn authenticate(st: &SharedState, headers: &HeaderMap) -> Result<Principal, AuthError> {
-    if !enabled(st)? {
+pub async fn authenticate(st: &SharedState, headers: &HeaderMap) -> Result<Principal, AuthError> {
+    if !enabled(st).await? {
         return Ok(Principal::anonymous());
     }
     let Some(key) = presented_key(headers) else {
@@ -262,7 +269,7 @@ pub fn authenticate(st: &SharedState, headers: &HeaderMap) -> Result<Principal, 
         ));
     };
     let digest = key_digest(&key);
-    let row = st.store.key_by_digest(&digest)?;
+    let row = st.store.key_by_digest(&digest).await?;
     let Some(row) = row.filter(|r| bool::from(r.digest.as_bytes().ct_eq(digest.as_bytes()))) else {
         return Err(AuthError::Unauthenticated("invalid API key"));
     };
@@ -299,7 +306,7 @@ pub async fn authorize(State(st): State<SharedState>, req: Request, next: Next) 
     if PUBLIC_ROUTES.contains(&route) {
         return next.run(req).await;
     }
-    let principal = match authenticate(&st, req.headers()) {
+    let principal = match authenticate(&st, req.headers()).await {
         Ok(p) => p,
         Err(e) => return e.into_response(),
     };
@@ -324,7 +331,7 @@ pub async fn authorize(State(st): State<SharedState>, req: Request, next: Next) 
                 .into_response();
         };
         match what {
-            Scoped::Trajectory(_) => match st.store.trajectory_owner(id) {
+            Scoped::Trajectory(_) => match st.store.trajectory_owner(id).await {
                 Ok(owner) if principal.sees(owner.as_deref()) => {}
                 Ok(_) if parts.method == Method::DELETE => {
                     return StatusCode::NO_CONTENT.into_response()
@@ -335,7 +342,7 @@ pub async fn authorize(State(st): State<SharedState>, req: Request, next: Next) 
                 }
                 Err(e) => return ServerError::from(e).into_response(),
             },
-            Scoped::Sandbox(_) => match st.store.get(id) {
+            Scoped::Sandbox(_) => match st.store.get(id).await {
                 Ok(Some(rec)) if !principal.sees(rec.tenant.as_deref()) => {
                     return hidden_sandbox(&parts.method, route, id)
                 }

@@ -182,8 +182,8 @@ fn no_checkpoint(id: &str) -> ServerError {
 ///
 /// # Errors
 /// 404 `not_found` when missing or another tenant's; store errors.
-pub fn visible(st: &SharedState, who: &Principal, id: &str) -> ApiResult<CheckpointRow> {
-    match st.store.get_checkpoint(id)? {
+pub async fn visible(st: &SharedState, who: &Principal, id: &str) -> ApiResult<CheckpointRow> {
+    match st.store.get_checkpoint(id).await? {
         Some(c) if who.sees(c.tenant.as_deref()) => Ok(c),
         _ => Err(no_checkpoint(id)),
     }
@@ -203,7 +203,8 @@ pub async fn create(
 ) -> ApiResult<(StatusCode, Json<Checkpoint>)> {
     let rec = st
         .store
-        .get(&id)?
+        .get(&id)
+        .await?
         .ok_or_else(|| ServerError::no_sandbox(&id))?;
     if !matches!(rec.state, SandboxState::Running | SandboxState::Paused) {
         return Err(ServerError::new(
@@ -230,7 +231,7 @@ pub async fn create(
             created_at_ms: meta.created_at_ms,
             tenant,
         };
-        if let Err(e) = st2.store.insert_checkpoint(&row) {
+        if let Err(e) = st2.store.insert_checkpoint(&row).await {
             let _ = st2.node.delete_checkpoint(&ck).await;
             return Err(ServerError::from(e));
         }
@@ -240,7 +241,7 @@ pub async fn create(
         if let Err(e) = crate::events::record(&st2, "checkpointed", Some(&id), Some(row.backend), f)
         {
             // No checkpoint without its audit event: roll it back, fail the call.
-            let _ = st2.store.remove_checkpoint(&ck);
+            let _ = st2.store.remove_checkpoint(&ck).await;
             let _ = st2.node.delete_checkpoint(&ck).await;
             return Err(ServerError::from(e));
         }
@@ -258,7 +259,8 @@ pub async fn list(
 ) -> ApiResult<Json<CheckpointList>> {
     let checkpoints = st
         .store
-        .list_checkpoints()?
+        .list_checkpoints()
+        .await?
         .into_iter()
         .filter(|c| who.sees(c.tenant.as_deref()))
         .map(|c| c.to_api())
@@ -272,7 +274,7 @@ pub async fn get_one(
     Extension(who): Extension<Principal>,
     Path(id): Path<String>,
 ) -> ApiResult<Json<Checkpoint>> {
-    Ok(Json(visible(&st, &who, &id)?.to_api()))
+    Ok(Json(visible(&st, &who, &id).await?.to_api()))
 }
 
 /// `DELETE /v1/checkpoints/{checkpoint_id}` → 204, also when unknown (or another tenant's:
@@ -282,11 +284,11 @@ pub async fn delete(
     Extension(who): Extension<Principal>,
     Path(id): Path<String>,
 ) -> ApiResult<StatusCode> {
-    let Ok(c) = visible(&st, &who, &id) else {
+    let Ok(c) = visible(&st, &who, &id).await else {
         return Ok(StatusCode::NO_CONTENT);
     };
     st.node.delete_checkpoint(&c.id).await?;
-    st.store.remove_checkpoint(&c.id)?;
+    st.store.remove_checkpoint(&c.id).await?;
     let mut f = serde_json::Map::new();
     f.insert("checkpoint_id".into(), c.id.clone().into());
     // Deletes never fail for their event (deleting frees space); it waits in the queue.
@@ -307,7 +309,7 @@ pub async fn delete(
 /// # Errors
 /// 404 for an unknown (or another tenant's) checkpoint; 400 when `backend` or `image`
 /// differ from the checkpoint's.
-pub fn fill_from_checkpoint(
+pub async fn fill_from_checkpoint(
     st: &SharedState,
     who: &Principal,
     req: &mut sandlot_api::CreateSandboxRequest,
@@ -321,7 +323,7 @@ pub fn fill_from_checkpoint(
             "checkpoint {id:?} is not ck- followed by 20 lowercase hex digits"
         )));
     }
-    let c = visible(st, who, &id)?;
+    let c = visible(st, who, &id).await?;
     if backend_given && req.backend != c.backend {
         return Err(ServerError::invalid(format!(
             "backend {} does not match checkpoint {id}'s backend {} (omit it to use the checkpoint's)",
@@ -354,7 +356,7 @@ pub fn fill_from_checkpoint(
 pub async fn recover(st: &SharedState) -> anyhow::Result<()> {
     let on_node: std::collections::HashSet<String> =
         st.node.list_checkpoints().await?.into_iter().collect();
-    let rows = st.store.list_checkpoints()?;
+    let rows = st.store.list_checkpoints().await?;
     let known: std::collections::HashSet<&str> = rows.iter().map(|r| r.id.as_str()).collect();
     for id in on_node.iter().filter(|i| !known.contains(i.as_str())) {
         tracing::warn!(checkpoint = %id, "checkpoint without a record; removed");
@@ -362,7 +364,7 @@ pub async fn recover(st: &SharedState) -> anyhow::Result<()> {
     }
     for r in rows.iter().filter(|r| !on_node.contains(&r.id)) {
         tracing::warn!(checkpoint = %r.id, "checkpoint files are gone; record removed");
-        st.store.remove_checkpoint(&r.id)?;
+        st.store.remove_checkpoint(&r.id).await?;
     }
     Ok(())
 }

@@ -212,7 +212,7 @@ pub async fn exec(
     Json(req): Json<ExecRequest>,
 ) -> ApiResult<Response> {
     validate(&req)?;
-    let rec = running(&st, &id)?;
+    let rec = running(&st, &id).await?;
     // No exec while its audit event could not be written (events module docs).
     st.events.ready()?;
     if q.stream {

@@ -177,7 +177,7 @@ pub async fn write(
 ) -> ApiResult<Response> {
     let path = q.get()?;
     let data = body?;
-    let rec = running(&st, &id)?;
+    let rec = running(&st, &id).await?;
     crate::disk_reserve::check(&st)?;
     let r = call(
         &st,
@@ -204,7 +204,7 @@ pub async fn read(
     Query(q): Query<PathQuery>,
 ) -> ApiResult<Response> {
     let path = q.get()?;
-    let rec = running(&st, &id)?;
+    let rec = running(&st, &id).await?;
     if q.step.is_none() {
         // Unlogged read: the budget share stays with the answer until it is sent.
         let r = st
@@ -265,7 +265,7 @@ pub async fn remove(
     Query(q): Query<PathQuery>,
 ) -> ApiResult<Response> {
     let path = q.get()?;
-    let rec = running(&st, &id)?;
+    let rec = running(&st, &id).await?;
     let r = call(
         &st,
         &rec,
@@ -288,7 +288,7 @@ pub async fn list(
     Query(q): Query<PathQuery>,
 ) -> ApiResult<Response> {
     let path = q.get()?;
-    let rec = running(&st, &id)?;
+    let rec = running(&st, &id).await?;
     let r = call(
         &st,
         &rec,
@@ -325,7 +325,7 @@ pub async fn stat(
         Some(p) if !p.is_empty() => p,
         _ => return Err(ServerError::invalid("missing query parameter `path`")),
     };
-    let rec = running(&st, &id)?;
+    let rec = running(&st, &id).await?;
     let entry = st.node.stat_file(&rec.id, &path).await?;
     Ok(Json(entry).into_response())
 }
@@ -353,7 +353,7 @@ pub async fn mkdir(
         Some(p) if !p.is_empty() => p,
         _ => return Err(ServerError::invalid("missing query parameter `path`")),
     };
-    let rec = running(&st, &id)?;
+    let rec = running(&st, &id).await?;
     st.node.make_dir(&rec.id, &path, q.parents).await?;
     Ok(StatusCode::NO_CONTENT.into_response())
 }

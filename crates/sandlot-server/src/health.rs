@@ -38,7 +38,7 @@ pub async fn healthz(State(st): State<SharedState>) -> ApiResult<Json<serde_json
     let accel = info
         .accel
         .map(|(name, why)| serde_json::json!({"name": name, "why": why}));
-    let n = st.store.list()?.len();
+    let n = st.store.list().await?.len();
     Ok(Json(serde_json::json!({
         "status": "ok",
         "node": info.name,

@@ -191,8 +191,10 @@ pub struct AppState {
     pub file_budget: Arc<budget::FileBudget>,
     /// The same node as [`AppState::node`], for reads that keep their budget share.
     pub budget_node: Arc<budget::BudgetNode>,
-    /// Durable records.
-    pub store: store::Store,
+    /// Durable records: sandboxes, Idempotency-Keys, API keys, trajectory owners and
+    /// checkpoints ([`registry::Registry`]: SQLite [`store::Store`] under `sandlot up` and a
+    /// single server, [`registry::PgRegistry`] when servers share PostgreSQL).
+    pub store: Arc<dyn registry::Registry>,
     /// Name of the node (from [`Node::info`]).
     pub node_name: String,
     /// Admission control of `run_code`.
@@ -236,7 +238,7 @@ impl AppState {
         std::fs::create_dir_all(&cfg.data_dir)
             .with_context(|| format!("create data dir {}", cfg.data_dir.display()))?;
         let db = cfg.data_dir.join("sandlot.db");
-        let store = store::Store::open(&db)?;
+        let store: Arc<dyn registry::Registry> = Arc::new(store::Store::open(&db)?);
         let trajectories = Arc::new(trajectory_store::SqliteTrajectoryStore::open(
             &cfg.data_dir.join("trajectories.db"),
             cfg.trajectory_fsync,
@@ -425,7 +427,7 @@ impl Server {
         let listen = cfg.listen;
         let data_dir = cfg.data_dir.clone();
         let state = AppState::open(cfg, node)?;
-        if !listen.ip().is_loopback() && !state.store.has_keys()? {
+        if !listen.ip().is_loopback() && !state.store.has_keys().await? {
             anyhow::bail!(
                 "refusing to listen on {listen} without authentication: no API keys in {}. \
                  Create one with `sandlot key create --data-dir {} --name NAME --admin`, \
@@ -434,7 +436,7 @@ impl Server {
                 data_dir.display()
             );
         }
-        if auth::enabled(&state)? {
+        if auth::enabled(&state).await? {
             tracing::info!(
                 "API keys present: every request needs one (except ping, healthz, openapi)"
             );

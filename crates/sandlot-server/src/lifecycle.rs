@@ -20,7 +20,7 @@ use std::collections::HashSet;
 /// # Errors
 /// Store or node failures; the server does not start then.
 pub async fn recover(st: &SharedState) -> anyhow::Result<()> {
-    let records = st.store.list()?;
+    let records = st.store.list().await?;
     let keep: Vec<String> = records
         .iter()
         .filter(|r| matches!(r.state, SandboxState::Running | SandboxState::Paused))
@@ -42,7 +42,7 @@ pub async fn recover(st: &SharedState) -> anyhow::Result<()> {
             } else {
                 tracing::warn!(sandbox_id = %r.id, state = r.state.as_str(), "sandbox not re-adopted; record removed");
             }
-            st.store.remove(&r.id)?;
+            st.store.remove(&r.id).await?;
             let mut f = serde_json::Map::new();
             f.insert("state".into(), r.state.as_str().into());
             if cut_off {
@@ -96,7 +96,7 @@ async fn mark_lost(st: &SharedState) {
     }
     for s in statuses.into_iter().filter(|s| s.liveness.is_dead()) {
         let from = [SandboxState::Running, SandboxState::Paused];
-        if let Ok(true) = st.store.transition(&s.id, &from, SandboxState::Lost) {
+        if let Ok(true) = st.store.transition(&s.id, &from, SandboxState::Lost).await {
             tracing::warn!(sandbox_id = %s.id, "sandbox died under its node; marked lost");
             let mut f = serde_json::Map::new();
             f.insert("reason".into(), "processes ended".into());
@@ -110,7 +110,7 @@ pub async fn reap_once(st: &SharedState) -> Vec<String> {
     // Audit events queued while the disk was full are written as soon as it can take them.
     let _ = st.events.ready();
     let now = now_ms();
-    let due = match st.store.due_for_reaping(now) {
+    let due = match st.store.due_for_reaping(now).await {
         Ok(d) => d,
         Err(e) => {
             tracing::error!(error = %chain(&e), "reaper: store");
@@ -141,7 +141,7 @@ pub async fn reap_once(st: &SharedState) -> Vec<String> {
     }
     mark_lost(st).await;
     let cutoff = now - st.cfg.idempotency_ttl.as_millis() as i64;
-    if let Err(e) = st.store.purge_keys(cutoff) {
+    if let Err(e) = st.store.purge_keys(cutoff).await {
         tracing::error!(error = %chain(&e), "reaper: purge idempotency keys");
     }
     let last = st

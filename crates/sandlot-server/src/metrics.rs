@@ -581,7 +581,7 @@ pub fn count_images(dir: &Path) -> std::io::Result<i64> {
 /// `GET /metrics` → the metrics of the module table, OpenMetrics text.
 pub async fn metrics(State(st): State<SharedState>) -> ApiResult<impl IntoResponse> {
     let mut counts: BTreeMap<BackendState, i64> = BTreeMap::new();
-    for r in st.store.list()? {
+    for r in st.store.list().await? {
         *counts
             .entry(BackendState {
                 backend: r.backend.as_str().into(),

@@ -19,7 +19,7 @@ use sandlot_api::{ErrorCode, LabelSelector, PauseFailure, PauseResult, SandboxSt
 
 /// Ids of the sandboxes in `state` matching `sel` that `who` may see (a tenant's label
 /// pause never touches another tenant's sandboxes, whatever their labels).
-fn matching(
+async fn matching(
     st: &SharedState,
     who: &Principal,
     sel: &LabelSelector,
@@ -32,7 +32,8 @@ fn matching(
     }
     Ok(st
         .store
-        .list()?
+        .list()
+        .await?
         .into_iter()
         .filter(|r| {
             r.state == state
@@ -47,8 +48,8 @@ fn matching(
 }
 
 /// Backend of a sandbox for its event (one store read; `None` when gone).
-fn backend_of(st: &SharedState, id: &str) -> Option<sandlot_api::Backend> {
-    st.store.get(id).ok().flatten().map(|r| r.backend)
+async fn backend_of(st: &SharedState, id: &str) -> Option<sandlot_api::Backend> {
+    st.store.get(id).await.ok().flatten().map(|r| r.backend)
 }
 
 /// Pause one `running` sandbox (the protocol of the module docs); `Ok(None)` when it was not
@@ -61,6 +62,7 @@ pub(crate) async fn pause_one(st: SharedState, id: String) -> Result<Option<Stri
     match st
         .store
         .transition(&id, &[SandboxState::Running], SandboxState::Paused)
+        .await
     {
         Ok(true) => {}
         Ok(false) => return Ok(None), // deleted or paused meanwhile
@@ -70,9 +72,10 @@ pub(crate) async fn pause_one(st: SharedState, id: String) -> Result<Option<Stri
         tracing::warn!(sandbox_id = %id, error = %crate::error::chain(&e), "pause failed");
         let _ = st
             .store
-            .transition(&id, &[SandboxState::Paused], SandboxState::Running);
+            .transition(&id, &[SandboxState::Paused], SandboxState::Running)
+            .await;
         let e = ServerError::from(e);
-        crate::events::record_error(&st, "pause", Some(&id), backend_of(&st, &id), &e);
+        crate::events::record_error(&st, "pause", Some(&id), backend_of(&st, &id).await, &e);
         return Err(fail(e));
     }
     tracing::info!(sandbox_id = %id, "sandbox paused");
@@ -80,7 +83,7 @@ pub(crate) async fn pause_one(st: SharedState, id: String) -> Result<Option<Stri
         &st,
         "paused",
         Some(&id),
-        backend_of(&st, &id),
+        backend_of(&st, &id).await,
         Default::default(),
     )
     .map_err(|e| fail(e.into()))?;
@@ -99,16 +102,17 @@ pub(crate) async fn resume_one(
     if let Err(e) = st.node.resume(&id).await {
         tracing::warn!(sandbox_id = %id, error = %crate::error::chain(&e), "resume failed");
         let e = ServerError::from(e);
-        crate::events::record_error(&st, "resume", Some(&id), backend_of(&st, &id), &e);
+        crate::events::record_error(&st, "resume", Some(&id), backend_of(&st, &id).await, &e);
         return Err(fail(e));
     }
     match st
         .store
         .transition(&id, &[SandboxState::Paused], SandboxState::Running)
+        .await
     {
         Ok(true) => {
             tracing::info!(sandbox_id = %id, "sandbox resumed");
-            let b = backend_of(&st, &id);
+            let b = backend_of(&st, &id).await;
             crate::events::record(&st, "resumed", Some(&id), b, Default::default())
                 .map_err(|e| fail(e.into()))?;
             Ok(Some(id))
@@ -145,7 +149,7 @@ pub async fn pause(
     Extension(who): Extension<Principal>,
     Json(sel): Json<LabelSelector>,
 ) -> ApiResult<Json<PauseResult>> {
-    let ids = matching(&st, &who, &sel, SandboxState::Running)?;
+    let ids = matching(&st, &who, &sel, SandboxState::Running).await?;
     Ok(Json(run_all(&st, ids, pause_one).await?))
 }
 
@@ -155,6 +159,6 @@ pub async fn resume(
     Extension(who): Extension<Principal>,
     Json(sel): Json<LabelSelector>,
 ) -> ApiResult<Json<PauseResult>> {
-    let ids = matching(&st, &who, &sel, SandboxState::Paused)?;
+    let ids = matching(&st, &who, &sel, SandboxState::Paused).await?;
     Ok(Json(run_all(&st, ids, resume_one).await?))
 }

@@ -33,8 +33,8 @@ pub const MAX_WAIT_S: f64 = 300.0;
 pub const MAX_STDIN_BYTES: usize = 1 << 20;
 
 /// The sandbox must exist (any state but gone) for the calls on its processes.
-fn known(st: &SharedState, id: &str) -> ApiResult<sandlot_api::Backend> {
-    match st.store.get(id)? {
+async fn known(st: &SharedState, id: &str) -> ApiResult<sandlot_api::Backend> {
+    match st.store.get(id).await? {
         Some(rec) => Ok(rec.backend),
         None => Err(ServerError::no_sandbox(id)),
     }
@@ -42,8 +42,8 @@ fn known(st: &SharedState, id: &str) -> ApiResult<sandlot_api::Backend> {
 
 /// Signals, stdin and kills need the sandbox's processes thawed: a frozen tree cannot act
 /// on them (and a SIGKILL of a frozen cgroup v1 tree waits for the thaw).
-fn not_paused(st: &SharedState, id: &str) -> ApiResult<()> {
-    match st.store.get(id)? {
+async fn not_paused(st: &SharedState, id: &str) -> ApiResult<()> {
+    match st.store.get(id).await? {
         Some(rec) if rec.state == sandlot_api::SandboxState::Paused => Err(ServerError::new(
             ErrorCode::Conflict,
             format!("sandbox is paused: {id} (resume it with POST /v1/sandboxes:resume)"),
@@ -62,7 +62,7 @@ pub async fn spawn(
 ) -> ApiResult<Response> {
     // The command's own checks (empty argv, blank shell string) are exec's.
     crate::exec::validate(&sandlot_api::ExecRequest::new(req.cmd.clone()))?;
-    let rec = running(&st, &id)?;
+    let rec = running(&st, &id).await?;
     // Its retained output goes to the data directory (unlinked files).
     crate::disk_reserve::check(&st)?;
     let p = match st.processes.spawn(&id, req).await {
@@ -112,7 +112,7 @@ pub async fn list(
     State(st): State<SharedState>,
     Path(id): Path<String>,
 ) -> ApiResult<Json<ProcessList>> {
-    known(&st, &id)?;
+    known(&st, &id).await?;
     Ok(Json(ProcessList {
         processes: st.processes.list(&id),
     }))
@@ -123,7 +123,7 @@ pub async fn get_one(
     State(st): State<SharedState>,
     Path((id, pid)): Path<(String, String)>,
 ) -> ApiResult<Json<Process>> {
-    known(&st, &id)?;
+    known(&st, &id).await?;
     Ok(Json(st.processes.get(&id, &pid)?.info()))
 }
 
@@ -148,7 +148,7 @@ pub async fn output(
     Path((id, pid)): Path<(String, String)>,
     Query(q): Query<OutputQuery>,
 ) -> ApiResult<Response> {
-    known(&st, &id)?;
+    known(&st, &id).await?;
     let h = st.processes.get(&id, &pid)?;
     let events = h.output(q.stdout_offset, q.stderr_offset, q.follow)?;
     let lines = futures::StreamExt::map(events, |ev| {
@@ -185,7 +185,7 @@ pub async fn wait(
             "timeout_s = {t} must be in [0, {MAX_WAIT_S}]"
         )));
     }
-    known(&st, &id)?;
+    known(&st, &id).await?;
     let h = st.processes.get(&id, &pid)?;
     Ok(Json(h.wait(Duration::from_secs_f64(t)).await))
 }
@@ -198,7 +198,7 @@ pub async fn signal(
     Json(req): Json<SignalRequest>,
 ) -> ApiResult<StatusCode> {
     let n = req.signal.number().map_err(ServerError::invalid)?;
-    not_paused(&st, &id)?;
+    not_paused(&st, &id).await?;
     st.processes.get(&id, &pid)?.signal(n)?;
     Ok(StatusCode::NO_CONTENT)
 }
@@ -220,7 +220,7 @@ pub async fn stdin(
     Query(q): Query<StdinQuery>,
     body: Bytes,
 ) -> ApiResult<StatusCode> {
-    not_paused(&st, &id)?;
+    not_paused(&st, &id).await?;
     if body.len() > MAX_STDIN_BYTES {
         return Err(ServerError::new(
             ErrorCode::PayloadTooLarge,
@@ -243,7 +243,7 @@ pub async fn delete(
     State(st): State<SharedState>,
     Path((id, pid)): Path<(String, String)>,
 ) -> ApiResult<StatusCode> {
-    not_paused(&st, &id)?;
+    not_paused(&st, &id).await?;
     st.processes.remove(&id, &pid).await?;
     Ok(StatusCode::NO_CONTENT)
 }

@@ -226,7 +226,11 @@ pub async fn create_sandbox(
         None => k,
     });
     let key = scoped_key.as_deref().map(|k| (k, d.as_str()));
-    match st.store.insert_checked(&rec, key, who.quota.as_ref())? {
+    match st
+        .store
+        .insert_checked(&rec, key, who.quota.as_ref())
+        .await?
+    {
         KeyOutcome::Inserted => {}
         KeyOutcome::OverQuota(msg) => {
             // RetryAfter marks it as the caller's own limit (run_code answers it as HTTP
@@ -237,7 +241,7 @@ pub async fn create_sandbox(
             });
         }
         KeyOutcome::Replay(sid) => {
-            return match st.store.get(&sid)? {
+            return match st.store.get(&sid).await? {
                 Some(r) => Ok((r, false)),
                 None => Err(ServerError::new(
                     ErrorCode::NotFound,
@@ -289,17 +293,19 @@ async fn finish_create(st: &SharedState, mut rec: Record) -> ApiResult<(Record, 
     st.metrics
         .create_done(rec.backend, started.elapsed().as_secs_f64());
     if let Err(e) = created {
-        st.store.forget_keys_of(&id)?;
+        st.store.forget_keys_of(&id).await?;
         let outcome_unknown = matches!(e, NodeError::Transport(_));
         if outcome_unknown {
             // The sandbox may exist on the node: keep the record as `deleting` (no longer
             // counted against the quota) so the reaper deletes it there, then the record.
             tracing::warn!(sandbox_id = %id, error = %crate::error::chain(&e), "create's outcome unknown; the reaper deletes it");
             let all = [SandboxState::Creating, SandboxState::Deleting];
-            st.store.transition(&id, &all, SandboxState::Deleting)?;
+            st.store
+                .transition(&id, &all, SandboxState::Deleting)
+                .await?;
         } else {
             tracing::info!(sandbox_id = %id, error = %crate::error::chain(&e), "create failed; record removed");
-            st.store.remove(&id)?;
+            st.store.remove(&id).await?;
         }
         let e = ServerError::from(e);
         crate::events::record_error(st, "create", Some(&id), Some(rec.backend), &e);
@@ -310,7 +316,8 @@ async fn finish_create(st: &SharedState, mut rec: Record) -> ApiResult<(Record, 
     }
     if st
         .store
-        .transition(&id, &[SandboxState::Creating], SandboxState::Running)?
+        .transition(&id, &[SandboxState::Creating], SandboxState::Running)
+        .await?
     {
         tracing::info!(sandbox_id = %id, backend = %rec.backend, image = %rec.image, "sandbox running");
         let mut f = serde_json::Map::new();
@@ -332,7 +339,7 @@ async fn finish_create(st: &SharedState, mut rec: Record) -> ApiResult<(Record, 
         tracing::error!(sandbox_id = %id, error = %crate::error::chain(&e), "rollback delete failed; the reaper retries");
         return Err(e.into());
     }
-    st.store.remove(&id)?;
+    st.store.remove(&id).await?;
     st.events.forget_owner(&id);
     Err(ServerError::new(
         ErrorCode::Conflict,
@@ -351,7 +358,7 @@ pub type DeleteTask = tokio::task::JoinHandle<ApiResult<()>>;
 /// # Errors
 /// The node's error (the record is kept for the retry), store errors.
 pub async fn delete_sandbox(st: &SharedState, id: &str) -> ApiResult<()> {
-    match start_delete(st, id)? {
+    match start_delete(st, id).await? {
         Some(task) => task.await.map_err(|e| {
             ServerError::new(ErrorCode::Internal, format!("delete task failed: {e}"))
         })?,
@@ -369,8 +376,8 @@ pub async fn delete_sandbox(st: &SharedState, id: &str) -> ApiResult<()> {
 ///
 /// # Errors
 /// Store errors (nothing started then).
-pub fn start_delete(st: &SharedState, id: &str) -> ApiResult<Option<DeleteTask>> {
-    let Some(rec) = st.store.get(id)? else {
+pub async fn start_delete(st: &SharedState, id: &str) -> ApiResult<Option<DeleteTask>> {
+    let Some(rec) = st.store.get(id).await? else {
         return Ok(None);
     };
     let all = [
@@ -382,13 +389,15 @@ pub fn start_delete(st: &SharedState, id: &str) -> ApiResult<Option<DeleteTask>>
         SandboxState::Paused,
     ];
     if rec.state == SandboxState::Creating {
-        st.store.transition(id, &all, SandboxState::Deleting)?;
+        st.store
+            .transition(id, &all, SandboxState::Deleting)
+            .await?;
         return Ok(None);
     }
     // In flight from before the record says `deleting`: the reaper must not start a second
     // node delete of it meanwhile.
     st.deleting_set().insert(id.to_owned());
-    if let Err(e) = st.store.transition(id, &all, SandboxState::Deleting) {
+    if let Err(e) = st.store.transition(id, &all, SandboxState::Deleting).await {
         st.deleting_set().remove(id);
         return Err(e.into());
     }
@@ -405,7 +414,7 @@ pub fn start_delete(st: &SharedState, id: &str) -> ApiResult<Option<DeleteTask>>
         }
         // Its background processes died with it; drop their records.
         st2.processes.forget_sandbox(&id2);
-        st2.store.remove(&id2)?;
+        st2.store.remove(&id2).await?;
         tracing::info!(sandbox_id = %id2, "sandbox deleted");
         let f = serde_json::Map::new();
         // Deletes never fail for their event (deleting frees space); it waits in the queue.
@@ -418,10 +427,11 @@ pub fn start_delete(st: &SharedState, id: &str) -> ApiResult<Option<DeleteTask>>
 ///
 /// # Errors
 /// 404 `not_found` without a record; 409 `conflict` in any other state.
-pub fn running(st: &SharedState, id: &str) -> ApiResult<Record> {
+pub async fn running(st: &SharedState, id: &str) -> ApiResult<Record> {
     let rec = st
         .store
-        .get(id)?
+        .get(id)
+        .await?
         .ok_or_else(|| ServerError::no_sandbox(id))?;
     if rec.state == SandboxState::Paused {
         return Err(ServerError::new(
@@ -456,7 +466,7 @@ pub async fn create(
             "Failed to deserialize the JSON body into the target type: {e}"
         ))
     })?;
-    crate::checkpoints::fill_from_checkpoint(&st, &who, &mut req, backend_given)?;
+    crate::checkpoints::fill_from_checkpoint(&st, &who, &mut req, backend_given).await?;
     let key = match headers.get("idempotency-key") {
         None => None,
         Some(v) => {
@@ -504,7 +514,8 @@ pub async fn list(
     }
     let sandboxes = st
         .store
-        .list()?
+        .list()
+        .await?
         .into_iter()
         .filter(|r| {
             who.sees(r.tenant.as_deref())
@@ -524,7 +535,8 @@ pub async fn get_one(
 ) -> ApiResult<Json<Sandbox>> {
     let rec = st
         .store
-        .get(&id)?
+        .get(&id)
+        .await?
         .ok_or_else(|| ServerError::no_sandbox(&id))?;
     Ok(Json(rec.to_api()))
 }
@@ -554,8 +566,8 @@ pub async fn keepalive(
         serde_json::from_slice(&body)
             .map_err(|e| ServerError::invalid(format!("keepalive body: {e}")))?
     };
-    let rec = running(&st, &id)?;
-    let rec = set_ttl(&st, &id, req.ttl_s.unwrap_or(rec.spec.ttl_s))?;
+    let rec = running(&st, &id).await?;
+    let rec = set_ttl(&st, &id, req.ttl_s.unwrap_or(rec.spec.ttl_s)).await?;
     Ok(Json(rec.to_api()))
 }
 
@@ -565,11 +577,14 @@ pub async fn keepalive(
 /// # Errors
 /// `invalid_argument` for a TTL over [`MAX_TTL_S`]; 404/409 when the sandbox is gone or
 /// not running.
-pub fn set_ttl(st: &SharedState, id: &str, ttl_s: u64) -> ApiResult<Record> {
+pub async fn set_ttl(st: &SharedState, id: &str, ttl_s: u64) -> ApiResult<Record> {
     let ttl = range("ttl_s", ttl_s, 0, MAX_TTL_S)?;
     let expires = (ttl > 0).then(|| now_ms() + ttl as i64 * 1000);
-    if !st.store.set_expiry(id, expires, ttl)? {
-        running(st, id)?; // gone or no longer running meanwhile: answer 404/409
+    if !st.store.set_expiry(id, expires, ttl).await? {
+        running(st, id).await?; // gone or no longer running meanwhile: answer 404/409
     }
-    st.store.get(id)?.ok_or_else(|| ServerError::no_sandbox(id))
+    st.store
+        .get(id)
+        .await?
+        .ok_or_else(|| ServerError::no_sandbox(id))
 }

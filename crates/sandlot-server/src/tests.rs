@@ -231,7 +231,7 @@ async fn create_validation_and_rejections_are_json_errors() {
         (StatusCode::SERVICE_UNAVAILABLE, "unavailable".into())
     );
     assert!(
-        t.st.store.list().unwrap().is_empty(),
+        t.st.store.list().await.unwrap().is_empty(),
         "failed creates leave no record"
     );
     assert!(t.node.ids().is_empty());
@@ -486,6 +486,7 @@ async fn exec_plain_and_validation() {
             &[sandlot_api::SandboxState::Running],
             sandlot_api::SandboxState::Lost,
         )
+        .await
         .unwrap();
     let r = call(&t.app, Method::POST, &uri, Some(json!({"cmd": ["echo"]}))).await;
     assert_eq!(
@@ -665,7 +666,7 @@ async fn delete_during_create_rolls_back() {
         );
     // Wait until the record exists in state creating.
     let id = loop {
-        if let Some(r) = t.st.store.list().unwrap().into_iter().next() {
+        if let Some(r) = t.st.store.list().await.unwrap().into_iter().next() {
             break r.id;
         }
         tokio::time::sleep(Duration::from_millis(5)).await;
@@ -683,7 +684,10 @@ async fn delete_during_create_rolls_back() {
     );
     assert!(t.node.ids().is_empty(), "rolled back on the node");
     assert!(t.node.deleted.lock().unwrap().contains(&id));
-    assert!(t.st.store.list().unwrap().is_empty(), "record removed");
+    assert!(
+        t.st.store.list().await.unwrap().is_empty(),
+        "record removed"
+    );
 }
 
 #[tokio::test]
@@ -764,7 +768,7 @@ async fn a_create_whose_outcome_is_unknown_is_deleted_on_the_node_by_the_reaper(
         (r.status, r.code()),
         (StatusCode::SERVICE_UNAVAILABLE, "unavailable".into())
     );
-    let recs = t.st.store.list().unwrap();
+    let recs = t.st.store.list().await.unwrap();
     assert_eq!(recs.len(), 1, "{recs:?}");
     assert_eq!(recs[0].state, sandlot_api::SandboxState::Deleting);
     let id = recs[0].id.clone();
@@ -775,10 +779,10 @@ async fn a_create_whose_outcome_is_unknown_is_deleted_on_the_node_by_the_reaper(
         .unwrap()
         .insert(id.clone(), Default::default());
     lifecycle::reap_once(&t.st).await; // link still down: kept for the next pass
-    assert_eq!(t.st.store.list().unwrap().len(), 1);
+    assert_eq!(t.st.store.list().await.unwrap().len(), 1);
     *t.node.link_down.lock().unwrap() = None;
     lifecycle::reap_once(&t.st).await;
-    assert!(t.st.store.list().unwrap().is_empty());
+    assert!(t.st.store.list().await.unwrap().is_empty());
     assert!(t.node.ids().is_empty(), "{:?}", t.node.ids());
 }
 
@@ -900,12 +904,19 @@ async fn restart_readopts_running_records() {
     node.sandboxes.lock().unwrap().remove(&b);
     let st = AppState::open(ServerConfig::new(dir), node.clone()).unwrap();
     assert_eq!(
-        st.store.list().unwrap().len(),
+        st.store.list().await.unwrap().len(),
         2,
         "records survived the restart"
     );
     lifecycle::recover(&st).await.unwrap();
-    let ids: Vec<_> = st.store.list().unwrap().into_iter().map(|r| r.id).collect();
+    let ids: Vec<_> = st
+        .store
+        .list()
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|r| r.id)
+        .collect();
     assert_eq!(ids, vec![a.clone()]);
     assert_eq!(node.ids(), [a]);
 }
@@ -930,7 +941,14 @@ async fn restart_deletes_run_code_sandboxes_instead_of_readopting_them() {
     };
     let st = AppState::open(ServerConfig::new(dir), node.clone()).unwrap();
     lifecycle::recover(&st).await.unwrap();
-    let ids: Vec<_> = st.store.list().unwrap().into_iter().map(|r| r.id).collect();
+    let ids: Vec<_> = st
+        .store
+        .list()
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|r| r.id)
+        .collect();
     assert_eq!(ids, vec![a.clone()], "{b} was re-adopted");
     assert_eq!(node.ids(), [a], "the node still holds {b}");
 }
@@ -1019,7 +1037,7 @@ async fn run_code_verdicts_and_cleanup() {
         (StatusCode::BAD_REQUEST, "invalid_argument".into())
     );
     assert!(t.node.ids().is_empty(), "every run_code sandbox deleted");
-    assert!(t.st.store.list().unwrap().is_empty());
+    assert!(t.st.store.list().await.unwrap().is_empty());
 }
 
 #[tokio::test]
@@ -1689,7 +1707,10 @@ async fn pause_resume_by_label() {
     // A paused sandbox survives a restart paused.
     let st2 = AppState::open(t.st.cfg.clone(), t.node.clone()).unwrap();
     lifecycle::recover(&st2).await.unwrap();
-    assert_eq!(st2.store.get(&a).unwrap().unwrap().state.as_str(), "paused");
+    assert_eq!(
+        st2.store.get(&a).await.unwrap().unwrap().state.as_str(),
+        "paused"
+    );
     // A paused sandbox bound to a trajectory is reattached, not replaced.
     let tj = create(&t, json!({"trajectory": "P", "labels": {"job": "z"}})).await;
     call(

@@ -199,9 +199,15 @@ async fn bad_input_gets_stable_codes() {
 #[tokio::test]
 async fn checkpoints_belong_to_their_tenant() {
     let t = setup("ck-tenants");
-    let (_, a) = create_key(&t.st.store, "a", false, Quota::default()).unwrap();
-    let (_, b) = create_key(&t.st.store, "b", false, Quota::default()).unwrap();
-    let (_, admin) = create_key(&t.st.store, "root", true, Quota::default()).unwrap();
+    let (_, a) = create_key(&*t.st.store, "a", false, Quota::default())
+        .await
+        .unwrap();
+    let (_, b) = create_key(&*t.st.store, "b", false, Quota::default())
+        .await
+        .unwrap();
+    let (_, admin) = create_key(&*t.st.store, "root", true, Quota::default())
+        .await
+        .unwrap();
     let req = |key: &str, m: Method, uri: &str, body: Option<Value>| {
         let auth = format!("Bearer {key}");
         let app = t.app.clone();
@@ -310,7 +316,7 @@ async fn records_survive_a_restart_and_orphans_are_pruned() {
     // A record whose files are gone is dropped.
     t.node.checkpoints.lock().unwrap().clear();
     crate::checkpoints::recover(&t.st).await.unwrap();
-    assert!(t.st.store.get_checkpoint(&ck).unwrap().is_none());
+    assert!(t.st.store.get_checkpoint(&ck).await.unwrap().is_none());
 }
 
 #[tokio::test]

@@ -29,8 +29,8 @@ async fn as_key(t: &T, key: &str, method: Method, uri: &str, body: Option<Value>
     }
 }
 
-fn key(t: &T, name: &str, admin: bool, quota: Quota) -> (String, String) {
-    let (row, key) = create_key(&t.st.store, name, admin, quota).unwrap();
+async fn key(t: &T, name: &str, admin: bool, quota: Quota) -> (String, String) {
+    let (row, key) = create_key(&*t.st.store, name, admin, quota).await.unwrap();
     (row.id, key)
 }
 
@@ -43,11 +43,15 @@ fn ids(r: &Resp) -> Vec<String> {
         .collect()
 }
 
-#[test]
-fn keys_are_random_and_stored_hashed() {
+#[tokio::test]
+async fn keys_are_random_and_stored_hashed() {
     let t = setup("keys-hashed");
-    let (row, k) = create_key(&t.st.store, "a", false, Quota::default()).unwrap();
-    let (_, k2) = create_key(&t.st.store, "b", false, Quota::default()).unwrap();
+    let (row, k) = create_key(&*t.st.store, "a", false, Quota::default())
+        .await
+        .unwrap();
+    let (_, k2) = create_key(&*t.st.store, "b", false, Quota::default())
+        .await
+        .unwrap();
     assert!(k.starts_with("sk-") && k.len() == 3 + 43, "{k}");
     assert_ne!(k, k2);
     assert!(
@@ -55,16 +59,21 @@ fn keys_are_random_and_stored_hashed() {
         "{}",
         row.id
     );
-    let stored = t.st.store.key_by_digest(&key_digest(&k)).unwrap().unwrap();
+    let stored =
+        t.st.store
+            .key_by_digest(&key_digest(&k))
+            .await
+            .unwrap()
+            .unwrap();
     assert_eq!(stored.id, row.id);
     assert_eq!(stored.digest.len(), 64);
     assert!(!stored.digest.contains(&k[3..]), "only the digest is kept");
-    assert!(t.st.store.revoke_key(&row.id, 5).unwrap());
+    assert!(t.st.store.revoke_key(&row.id, 5).await.unwrap());
     assert!(
-        !t.st.store.revoke_key(&row.id, 6).unwrap(),
+        !t.st.store.revoke_key(&row.id, 6).await.unwrap(),
         "already revoked"
     );
-    assert!(t.st.store.has_keys().unwrap());
+    assert!(t.st.store.has_keys().await.unwrap());
 }
 
 #[test]
@@ -135,7 +144,7 @@ async fn without_keys_everything_is_open() {
 #[tokio::test]
 async fn missing_bad_and_revoked_keys_are_401() {
     let t = setup("tenant-401");
-    let (id, k) = key(&t, "a", false, Quota::default());
+    let (id, k) = key(&t, "a", false, Quota::default()).await;
     for (method, uri) in [
         (Method::GET, "/v1/sandboxes"),
         (Method::POST, "/v1/sandboxes"),
@@ -164,7 +173,7 @@ async fn missing_bad_and_revoked_keys_are_401() {
     }
     let r = as_key(&t, &k, Method::GET, "/v1/sandboxes", None).await;
     assert_eq!(r.status, StatusCode::OK);
-    t.st.store.revoke_key(&id, 1).unwrap();
+    t.st.store.revoke_key(&id, 1).await.unwrap();
     let r = as_key(&t, &k, Method::GET, "/v1/sandboxes", None).await;
     assert_eq!(
         (r.status, r.message().as_str()),
@@ -175,8 +184,8 @@ async fn missing_bad_and_revoked_keys_are_401() {
 #[tokio::test]
 async fn admin_routes_need_an_admin_key() {
     let t = setup("tenant-admin");
-    let (_, user) = key(&t, "u", false, Quota::default());
-    let (_, admin) = key(&t, "ops", true, Quota::default());
+    let (_, user) = key(&t, "u", false, Quota::default()).await;
+    let (_, admin) = key(&t, "ops", true, Quota::default()).await;
     for uri in ["/metrics", "/"] {
         let r = as_key(&t, &user, Method::GET, uri, None).await;
         assert_eq!(r.status, StatusCode::FORBIDDEN, "{uri}");
@@ -204,9 +213,9 @@ async fn admin_routes_need_an_admin_key() {
 #[tokio::test]
 async fn tenants_cannot_touch_each_others_sandboxes() {
     let t = setup("tenant-iso");
-    let (ta, a) = key(&t, "a", false, Quota::default());
-    let (_, b) = key(&t, "b", false, Quota::default());
-    let (_, admin) = key(&t, "ops", true, Quota::default());
+    let (ta, a) = key(&t, "a", false, Quota::default()).await;
+    let (_, b) = key(&t, "b", false, Quota::default()).await;
+    let (_, admin) = key(&t, "ops", true, Quota::default()).await;
     let r = as_key(
         &t,
         &a,
@@ -226,7 +235,7 @@ async fn tenants_cannot_touch_each_others_sandboxes() {
     )
     .await;
     let sb = r.json()["id"].as_str().unwrap().to_owned();
-    assert_eq!(t.st.store.get(&sa).unwrap().unwrap().tenant, Some(ta));
+    assert_eq!(t.st.store.get(&sa).await.unwrap().unwrap().tenant, Some(ta));
 
     // B sees only its own.
     let r = as_key(&t, &b, Method::GET, "/v1/sandboxes", None).await;
@@ -355,8 +364,8 @@ async fn quotas_refuse_with_429_and_create_nothing() {
         max_cpu: Some(1.5),
         max_memory_mib: Some(1024),
     };
-    let (_, a) = key(&t, "a", false, q);
-    let (_, b) = key(&t, "b", false, Quota::default());
+    let (_, a) = key(&t, "a", false, q).await;
+    let (_, b) = key(&t, "b", false, Quota::default()).await;
     let mk = |body: Value| {
         let a = a.clone();
         let t = &t;
@@ -385,7 +394,7 @@ async fn quotas_refuse_with_429_and_create_nothing() {
         r.message()
     );
     assert_eq!(t.node.ids().len(), 2, "refused creates made nothing");
-    assert_eq!(t.st.store.list().unwrap().len(), 2);
+    assert_eq!(t.st.store.list().await.unwrap().len(), 2);
     // Another tenant's quota is its own.
     let r = as_key(&t, &b, Method::POST, "/v1/sandboxes", Some(json!({}))).await;
     assert_eq!(r.status, StatusCode::CREATED);
@@ -405,8 +414,8 @@ async fn quotas_refuse_with_429_and_create_nothing() {
 #[tokio::test]
 async fn idempotency_keys_and_trajectories_are_per_tenant() {
     let t = setup("tenant-scoped");
-    let (_, a) = key(&t, "a", false, Quota::default());
-    let (_, b) = key(&t, "b", false, Quota::default());
+    let (_, a) = key(&t, "a", false, Quota::default()).await;
+    let (_, b) = key(&t, "b", false, Quota::default()).await;
     let post = |k: &str, body: Value| {
         let auth = bearer(k);
         let t = &t;
@@ -479,7 +488,9 @@ async fn non_loopback_listen_needs_keys() {
     assert!(msg.contains("refusing to listen on 0.0.0.0:0"), "{msg}");
     assert!(msg.contains("sandlot key create"), "{msg}");
     let store = crate::store::Store::open(&dir.join("sandlot.db")).unwrap();
-    create_key(&store, "ops", true, Quota::default()).unwrap();
+    create_key(&store, "ops", true, Quota::default())
+        .await
+        .unwrap();
     drop(store);
     let s = crate::Server::bind(cfg, node).await.expect("keys present");
     assert!(!s.local_addr().unwrap().ip().is_loopback());

@@ -292,7 +292,7 @@ pub async fn create_bound(
         let _guard = st.traj_locks.lock(&t).await;
         // Trajectory ids are client-chosen: the first tenant to use one owns it.
         if let Some(tenant) = &who.tenant {
-            if !st.store.claim_trajectory(&t, tenant)? && !who.admin {
+            if !st.store.claim_trajectory(&t, tenant).await? && !who.admin {
                 return Err(ServerError::new(
                     ErrorCode::Conflict,
                     format!("trajectory id {t:?} belongs to another API key; choose another id"),
@@ -301,7 +301,7 @@ pub async fn create_bound(
         }
         if let Some(rec) = st
             .store
-            .live_by_trajectory(&t)?
+            .live_by_trajectory(&t).await?
             .filter(|r| who.sees(r.tenant.as_deref()))
         {
             tracing::info!(sandbox_id = %rec.id, trajectory = %t, "reattach");
@@ -388,7 +388,7 @@ pub async fn get(
     Path(id): Path<String>,
 ) -> ApiResult<crate::error::Json<TrajectoryInfo>> {
     check_id(&id)?;
-    let sandbox_id = st.store.live_by_trajectory(&id)?.map(|r| r.id);
+    let sandbox_id = st.store.live_by_trajectory(&id).await?.map(|r| r.id);
     let log = match st.trajectories.summary(&id).await? {
         Some(log) => log,
         None if sandbox_id.is_some() => crate::trajectory_store::LogSummary {
@@ -432,8 +432,8 @@ pub async fn delete(
     check_id(&id)?;
     let _guard = st.traj_locks.lock(&id).await;
     st.trajectories.delete(&id).await?;
-    if st.store.live_by_trajectory(&id)?.is_none() {
-        st.store.forget_trajectory_owner(&id)?;
+    if st.store.live_by_trajectory(&id).await?.is_none() {
+        st.store.forget_trajectory_owner(&id).await?;
     }
     Ok(StatusCode::NO_CONTENT)
 }
@@ -448,8 +448,8 @@ pub async fn gc(st: &SharedState) -> ApiResult<Vec<String>> {
     let mut done = Vec::new();
     for t in st.trajectories.inactive_since(cutoff).await? {
         let _guard = st.traj_locks.lock(&t).await;
-        if st.store.live_by_trajectory(&t)?.is_none() && st.trajectories.delete(&t).await? {
-            st.store.forget_trajectory_owner(&t)?;
+        if st.store.live_by_trajectory(&t).await?.is_none() && st.trajectories.delete(&t).await? {
+            st.store.forget_trajectory_owner(&t).await?;
             tracing::info!(trajectory = %t, "trajectory log expired (retention); deleted");
             done.push(t);
         }

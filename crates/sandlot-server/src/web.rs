@@ -90,7 +90,7 @@ fn table(out: &mut String, id: &str, head: &[&str], rows: &[Vec<String>]) {
 
 /// `GET /` → the status page (text/html).
 pub async fn index(State(st): State<SharedState>) -> ApiResult<impl IntoResponse> {
-    let records = st.store.list()?;
+    let records = st.store.list().await?;
     let mut by: BTreeMap<(String, String), usize> = BTreeMap::new();
     let mut rows = Vec::new();
     let mut traj = 0;

@@ -186,8 +186,8 @@ fn listed_json(rec: &Record) -> serde_json::Value {
     })
 }
 
-fn access_key(st: &SharedState, headers: &HeaderMap) -> Option<String> {
-    if crate::auth::enabled(st).unwrap_or(true) {
+async fn access_key(st: &SharedState, headers: &HeaderMap) -> Option<String> {
+    if crate::auth::enabled(st).await.unwrap_or(true) {
         super::presented_key(headers)
     } else {
         None
@@ -239,7 +239,7 @@ pub async fn create(
     };
     Ok((
         status,
-        axum::Json(sandbox_json(&st, &rec, access_key(&st, &headers))),
+        axum::Json(sandbox_json(&st, &rec, access_key(&st, &headers).await)),
     )
         .into_response())
 }
@@ -292,7 +292,7 @@ fn parse_list_query(raw: Option<&str>) -> E2bResult<ListQuery> {
     Ok(q)
 }
 
-fn list_with(
+async fn list_with(
     st: &SharedState,
     who: &Principal,
     q: ListQuery,
@@ -300,7 +300,7 @@ fn list_with(
 ) -> E2bResult<Response> {
     let states = q.states.unwrap_or_else(|| default_states.to_vec());
     let mut out = Vec::new();
-    for rec in st.store.list()? {
+    for rec in st.store.list().await? {
         if !who.sees(rec.tenant.as_deref()) {
             continue;
         }
@@ -332,7 +332,7 @@ pub async fn list_v2(
     RawQuery(raw): RawQuery,
 ) -> E2bResult<Response> {
     let q = parse_list_query(raw.as_deref())?;
-    list_with(&st, &who, q, &["running", "paused"])
+    list_with(&st, &who, q, &["running", "paused"]).await
 }
 
 /// `GET /sandboxes` → `[ListedSandbox]` (running ones unless `state` says).
@@ -342,7 +342,7 @@ pub async fn list_v1(
     RawQuery(raw): RawQuery,
 ) -> E2bResult<Response> {
     let q = parse_list_query(raw.as_deref())?;
-    list_with(&st, &who, q, &["running"])
+    list_with(&st, &who, q, &["running"]).await
 }
 
 /// `GET /sandboxes/{id}` → `SandboxDetail`.
@@ -352,9 +352,9 @@ pub async fn get_one(
     Path(id): Path<String>,
     headers: HeaderMap,
 ) -> E2bResult<Response> {
-    let rec = visible(&st, &who, &id)?;
+    let rec = visible(&st, &who, &id).await?;
     let mut v = listed_json(&rec);
-    if let Some(k) = access_key(&st, &headers) {
+    if let Some(k) = access_key(&st, &headers).await {
         v["envdAccessToken"] = k.into();
     }
     v["domain"] = serde_json::Value::Null;
@@ -368,7 +368,7 @@ pub async fn kill(
     Extension(who): Extension<Principal>,
     Path(id): Path<String>,
 ) -> E2bResult<StatusCode> {
-    let rec = visible(&st, &who, &id)?;
+    let rec = visible(&st, &who, &id).await?;
     if rec.state == SandboxState::Deleting {
         return Err(E2bError(ServerError::no_sandbox(&id)));
     }
@@ -385,8 +385,8 @@ pub async fn timeout(
 ) -> E2bResult<StatusCode> {
     let b: TimeoutBody = body_of(&body)?;
     let t = b.timeout.ok_or_else(|| invalid("timeout is required"))?;
-    visible(&st, &who, &id)?;
-    set_ttl(&st, &id, t)?;
+    visible(&st, &who, &id).await?;
+    set_ttl(&st, &id, t).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -399,8 +399,8 @@ pub async fn refresh(
     body: Bytes,
 ) -> E2bResult<StatusCode> {
     let b: TimeoutBody = body_of(&body)?;
-    let rec = visible(&st, &who, &id)?;
-    set_ttl(&st, &id, b.duration.unwrap_or(rec.spec.ttl_s))?;
+    let rec = visible(&st, &who, &id).await?;
+    set_ttl(&st, &id, b.duration.unwrap_or(rec.spec.ttl_s)).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -414,14 +414,14 @@ pub async fn pause(
     Extension(who): Extension<Principal>,
     Path(id): Path<String>,
 ) -> E2bResult<StatusCode> {
-    let rec = visible(&st, &who, &id)?;
+    let rec = visible(&st, &who, &id).await?;
     if rec.state == SandboxState::Paused {
         return Err(conflict(format!("sandbox {id} is already paused")));
     }
     match crate::pause::pause_one(st.clone(), id.clone()).await {
         Ok(Some(_)) => Ok(StatusCode::NO_CONTENT),
         Ok(None) => {
-            let rec = visible(&st, &who, &id)?;
+            let rec = visible(&st, &who, &id).await?;
             Err(conflict(format!(
                 "sandbox {id} is {}, not running",
                 rec.state.as_str()
@@ -453,15 +453,15 @@ pub async fn resume(
     body: Bytes,
 ) -> E2bResult<Response> {
     let b: TimeoutBody = body_of(&body)?;
-    let rec = visible(&st, &who, &id)?;
+    let rec = visible(&st, &who, &id).await?;
     if rec.state == SandboxState::Running {
         return Err(conflict(format!("sandbox {id} is already running")));
     }
     resume_if_paused(&st, &rec).await?;
-    let rec = set_ttl(&st, &id, b.timeout.unwrap_or(rec.spec.ttl_s))?;
+    let rec = set_ttl(&st, &id, b.timeout.unwrap_or(rec.spec.ttl_s)).await?;
     Ok((
         StatusCode::CREATED,
-        axum::Json(sandbox_json(&st, &rec, access_key(&st, &headers))),
+        axum::Json(sandbox_json(&st, &rec, access_key(&st, &headers).await)),
     )
         .into_response())
 }
@@ -477,11 +477,11 @@ pub async fn connect(
     body: Bytes,
 ) -> E2bResult<Response> {
     let b: TimeoutBody = body_of(&body)?;
-    let rec = visible(&st, &who, &id)?;
+    let rec = visible(&st, &who, &id).await?;
     let resumed = resume_if_paused(&st, &rec).await?;
     let rec = match b.timeout {
-        Some(t) => set_ttl(&st, &id, t)?,
-        None => visible(&st, &who, &id)?,
+        Some(t) => set_ttl(&st, &id, t).await?,
+        None => visible(&st, &who, &id).await?,
     };
     let status = if resumed {
         StatusCode::CREATED
@@ -490,7 +490,7 @@ pub async fn connect(
     };
     Ok((
         status,
-        axum::Json(sandbox_json(&st, &rec, access_key(&st, &headers))),
+        axum::Json(sandbox_json(&st, &rec, access_key(&st, &headers).await)),
     )
         .into_response())
 }

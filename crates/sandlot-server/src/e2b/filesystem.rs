@@ -166,9 +166,7 @@ pub async fn dispatch(
         }
     };
     let out = async {
-        let id = sandbox_of(&headers)
-            .and_then(|id| visible(&st, &who, &id).map(|_| id))
-            .and_then(|id| crate::sandboxes::running(&st, &id).map(|_| id))?;
+        let id = super::running_sandbox_of(&st, &who, &headers).await?;
         let home = home_of(user.as_deref());
         ensure_home(&st, &id, &home).await?;
         match method.as_str() {
@@ -367,8 +365,8 @@ async fn files_ctx(
         .clone()
         .or_else(|| req.extensions.get::<E2bUser>().map(|u| u.0.clone()));
     let id = sandbox_of(&req.headers)?;
-    visible(st, &who, &id)?;
-    crate::sandboxes::running(st, &id)?;
+    visible(st, &who, &id).await?;
+    crate::sandboxes::running(st, &id).await?;
     let home = home_of(user.as_deref());
     ensure_home(st, &id, &home).await?;
     Ok(FilesCtx { id, home, q })

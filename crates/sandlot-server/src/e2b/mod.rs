@@ -288,12 +288,29 @@ pub fn sandbox_of(h: &HeaderMap) -> Result<String, ServerError> {
     ))
 }
 
+/// The id of the sandbox the request names ([`sandbox_of`]), when `who` sees it and it is
+/// `running`.
+///
+/// # Errors
+/// As [`sandbox_of`], [`visible`] and [`crate::sandboxes::running`]: 400 without a sandbox
+/// id, 404 for an unknown or hidden one, 409 when it is not running.
+pub async fn running_sandbox_of(
+    st: &SharedState,
+    who: &Principal,
+    h: &HeaderMap,
+) -> Result<String, ServerError> {
+    let id = sandbox_of(h)?;
+    visible(st, who, &id).await?;
+    crate::sandboxes::running(st, &id).await?;
+    Ok(id)
+}
+
 /// The record of sandbox `id` if `who` may see it, else 404 as for an unknown id.
 ///
 /// # Errors
 /// 404 `not_found`; store errors.
-pub fn visible(st: &SharedState, who: &Principal, id: &str) -> Result<Record, ServerError> {
-    match st.store.get(id)? {
+pub async fn visible(st: &SharedState, who: &Principal, id: &str) -> Result<Record, ServerError> {
+    match st.store.get(id).await? {
         Some(r) if who.sees(r.tenant.as_deref()) => Ok(r),
         _ => Err(ServerError::new(
             ErrorCode::NotFound,
@@ -310,10 +327,12 @@ pub async fn health(
     headers: HeaderMap,
 ) -> Response {
     use axum::response::IntoResponse;
-    let running = sandbox_of(&headers)
-        .and_then(|id| visible(&st, &who, &id))
-        .map(|r| r.state == sandlot_api::SandboxState::Running)
-        .unwrap_or(false);
+    let running = match sandbox_of(&headers) {
+        Ok(id) => visible(&st, &who, &id)
+            .await
+            .is_ok_and(|r| r.state == sandlot_api::SandboxState::Running),
+        Err(_) => false,
+    };
     if running {
         axum::http::StatusCode::NO_CONTENT.into_response()
     } else {

@@ -27,7 +27,7 @@ use super::connect::{
     check_kind, end_stream, message, stream_error, stream_from, stream_request, stream_response,
     unary_ok, unary_request, CallKind, ConnectError,
 };
-use super::{ensure_home, home_of, sandbox_of, visible, E2bUser, ProcEntry};
+use super::{ensure_home, home_of, E2bUser, ProcEntry};
 use crate::auth::Principal;
 use crate::SharedState;
 use axum::body::{Body, Bytes};
@@ -154,10 +154,7 @@ pub async fn dispatch(
         return fail(e);
     }
     if method == "StreamInput" {
-        let id = match sandbox_of(&headers)
-            .and_then(|id| visible(&st, &who, &id).map(|_| id))
-            .and_then(|id| crate::sandboxes::running(&st, &id).map(|_| id))
-        {
+        let id = match super::running_sandbox_of(&st, &who, &headers).await {
             Ok(id) => id,
             Err(e) => return fail(e.into()),
         };
@@ -177,10 +174,7 @@ pub async fn dispatch(
             ))
         }
     };
-    let id = match sandbox_of(&headers)
-        .and_then(|id| visible(&st, &who, &id).map(|_| id))
-        .and_then(|id| crate::sandboxes::running(&st, &id).map(|_| id))
-    {
+    let id = match super::running_sandbox_of(&st, &who, &headers).await {
         Ok(id) => id,
         Err(e) => return fail(e.into()),
     };
@@ -286,7 +280,7 @@ async fn start(
         max_output_bytes: None,
         user: None,
     };
-    let rec = crate::sandboxes::running(st, id)?;
+    let rec = crate::sandboxes::running(st, id).await?;
     let p = match st.processes.spawn(id, spawn).await {
         Ok(p) => p,
         Err(e) => {

@@ -329,7 +329,7 @@ async fn poll_once(
     t: &Target,
     snap: &mut Snapshot,
 ) -> Result<Option<Vec<serde_json::Value>>, ConnectError> {
-    match st.store.get(&t.sandbox) {
+    match st.store.get(&t.sandbox).await {
         Ok(Some(r)) if r.state == SandboxState::Running => {}
         Ok(Some(r)) if matches!(r.state, SandboxState::Paused | SandboxState::Creating) => {
             return Ok(None)

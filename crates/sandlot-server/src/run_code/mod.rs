@@ -414,7 +414,7 @@ async fn execute(
     // Answer once the sandbox is marked `deleting` (its quota is free from that mark), and
     // finish the node delete afterwards, still holding the admission permit so that at most
     // `run_code_concurrency` sandboxes exist for run_code at once.
-    let task = match start_delete(st, &id) {
+    let task = match start_delete(st, &id).await {
         Ok(t) => t,
         Err(e) => {
             tracing::warn!(sandbox_id = %id, error = %crate::error::chain(&e), "run_code: marking for delete failed; the TTL reaper removes it");
