@@ -229,6 +229,11 @@ struct ServerOpts {
     /// this process; one fsync per logged step).
     #[arg(long)]
     trajectory_fsync: bool,
+    /// PostgreSQL URL (postgres://USER@HOST:PORT/DB) of the sandbox registry, API keys and
+    /// trajectory log instead of DATA/sandlot.db and DATA/trajectories.db; migrated at
+    /// start. One server per database for now (a second one is refused).
+    #[arg(long, env = "SANDLOT_POSTGRES_URL")]
+    postgres: Option<String>,
     /// OCI runtime of `container` sandboxes created without one: runc, runsc or crun.
     #[arg(long, default_value = "runc", value_parser = ["runc", "runsc", "crun"])]
     default_runtime: String,
@@ -459,6 +464,10 @@ struct DataDir {
     /// Data directory of the server (its store is DATA/sandlot.db).
     #[arg(long, env = "SANDLOT_DATA_DIR", default_value = "/var/lib/sandlot")]
     data_dir: PathBuf,
+    /// PostgreSQL URL of the server's store instead of DATA/sandlot.db (the server's
+    /// `--postgres`).
+    #[arg(long, env = "SANDLOT_POSTGRES_URL")]
+    postgres: Option<String>,
 }
 
 #[derive(Subcommand)]
@@ -503,15 +512,20 @@ enum KeyCmd {
     },
 }
 
-fn open_store(d: &DataDir) -> anyhow::Result<sandlot_server::store::Store> {
+/// The server's store: PostgreSQL with `--postgres`, else DATA/sandlot.db.
+async fn open_store(d: &DataDir) -> anyhow::Result<Box<dyn sandlot_server::registry::Registry>> {
+    if let Some(url) = &d.postgres {
+        let pool = sandlot_server::pg::connect(url, 2).await?;
+        return Ok(Box::new(sandlot_server::registry::PgRegistry::new(pool)));
+    }
     std::fs::create_dir_all(&d.data_dir)
         .with_context(|| format!("create data dir {}", d.data_dir.display()))?;
-    Ok(sandlot_server::store::Store::open(
+    Ok(Box::new(sandlot_server::store::Store::open(
         &d.data_dir.join("sandlot.db"),
-    )?)
+    )?))
 }
 
-fn key(cmd: KeyCmd) -> anyhow::Result<u8> {
+async fn key(cmd: KeyCmd) -> anyhow::Result<u8> {
     match cmd {
         KeyCmd::Create {
             dirs,
@@ -532,9 +546,8 @@ fn key(cmd: KeyCmd) -> anyhow::Result<u8> {
                 max_cpu,
                 max_memory_mib,
             };
-            let store = open_store(&dirs)?;
-            let (row, key) = sandlot_server::auth::new_key(&name, admin, quota);
-            store.insert_key(&row)?;
+            let store = open_store(&dirs).await?;
+            let (row, key) = sandlot_server::auth::create_key(&*store, &name, admin, quota).await?;
             println!("{key}");
             eprintln!(
                 "created API key {} ({name}{}); the key above is shown only once",
@@ -544,7 +557,7 @@ fn key(cmd: KeyCmd) -> anyhow::Result<u8> {
             Ok(0)
         }
         KeyCmd::Ls { dirs, json } => {
-            let keys = open_store(&dirs)?.list_keys()?;
+            let keys = open_store(&dirs).await?.list_keys().await?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&keys)?);
                 return Ok(0);
@@ -575,16 +588,21 @@ fn key(cmd: KeyCmd) -> anyhow::Result<u8> {
             Ok(0)
         }
         KeyCmd::Revoke { dirs, id } => {
-            let store = open_store(&dirs)?;
+            let store = open_store(&dirs).await?;
             let now = chrono::Utc::now().timestamp_millis();
-            if store.revoke_key(&id, now)? {
+            if store.revoke_key(&id, now).await? {
                 eprintln!("revoked API key {id}");
                 Ok(0)
-            } else if store.list_keys()?.iter().any(|k| k.id == id) {
+            } else if store.list_keys().await?.iter().any(|k| k.id == id) {
                 eprintln!("API key {id} was already revoked");
                 Ok(0)
             } else {
-                anyhow::bail!("no API key {id:?} in {}", dirs.data_dir.display())
+                let at = dirs
+                    .postgres
+                    .is_some()
+                    .then(|| "the PostgreSQL store".to_owned());
+                let at = at.unwrap_or_else(|| dirs.data_dir.display().to_string());
+                anyhow::bail!("no API key {id:?} in {at}")
             }
         }
     }
@@ -775,7 +793,7 @@ async fn dispatch(cmd: Command) -> anyhow::Result<u8> {
         Command::Resume(a) => pause_resume(a, false).await,
         Command::Trajectory(a) => trajectory(a).await,
         Command::Image(c) => image(c).await,
-        Command::Key(c) => key(c),
+        Command::Key(c) => key(c).await,
         Command::Version => {
             println!("sandlot {}", env!("CARGO_PKG_VERSION"));
             Ok(0)
@@ -928,6 +946,7 @@ impl ServerOpts {
         cfg.trajectory_retention =
             std::time::Duration::from_secs(self.trajectory_retention_h * 3600);
         cfg.trajectory_fsync = self.trajectory_fsync;
+        cfg.postgres_url = self.postgres;
         cfg.conn = sandlot_server::conn::ConnLimits {
             max_connections: self.max_connections.max(1),
             max_connections_per_ip: self.max_connections_per_ip.max(1),

@@ -90,8 +90,13 @@ pub struct ServerConfig {
     /// OCI runtime of `container` sandboxes created without one (default `runc`; must match
     /// the node's `NodeConfig::default_runtime`).
     pub default_runtime: String,
-    /// Data directory; the store is `DATA/sandlot.db`.
+    /// Data directory; the store is `DATA/sandlot.db` unless [`ServerConfig::postgres_url`]
+    /// is set (audit events and process output spill stay here either way).
     pub data_dir: PathBuf,
+    /// PostgreSQL URL (libpq URI form, [`pg`]) of the sandbox registry and trajectory log
+    /// instead of the SQLite files under `data_dir` (default none). One server per
+    /// database for now ([`pg::SERVER_LOCK`]).
+    pub postgres_url: Option<String>,
     /// Largest JSON request body in bytes (default 16 MiB); larger → 413 `payload_too_large`.
     pub max_json_bytes: usize,
     /// Largest file upload and download in bytes (default 256 MiB); larger → 413 on upload,
@@ -172,6 +177,7 @@ impl ServerConfig {
             trajectory_retention: Duration::from_secs(168 * 3600),
             trajectory_gc_interval: Duration::from_secs(60),
             trajectory_fsync: false,
+            postgres_url: None,
             images_dir: None,
             conn: conn::ConnLimits::default(),
             disk_reserve_bytes: 256 << 20,
@@ -238,11 +244,27 @@ impl AppState {
         std::fs::create_dir_all(&cfg.data_dir)
             .with_context(|| format!("create data dir {}", cfg.data_dir.display()))?;
         let db = cfg.data_dir.join("sandlot.db");
-        let store: Arc<dyn registry::Registry> = Arc::new(store::Store::open(&db)?);
+        let store = Arc::new(store::Store::open(&db)?);
         let trajectories = Arc::new(trajectory_store::SqliteTrajectoryStore::open(
             &cfg.data_dir.join("trajectories.db"),
             cfg.trajectory_fsync,
         )?);
+        AppState::open_with(cfg, node, store, trajectories)
+    }
+
+    /// As [`AppState::open`], with the registry and the trajectory log given (PostgreSQL's,
+    /// [`pg::open_server`]).
+    ///
+    /// # Errors
+    /// The data directory (audit events, process output) cannot be created or opened.
+    pub fn open_with(
+        cfg: ServerConfig,
+        node: Arc<dyn Node>,
+        store: Arc<dyn registry::Registry>,
+        trajectories: Arc<dyn trajectory_store::TrajectoryStore>,
+    ) -> anyhow::Result<SharedState> {
+        std::fs::create_dir_all(&cfg.data_dir)
+            .with_context(|| format!("create data dir {}", cfg.data_dir.display()))?;
         let node_name = node.info().name;
         let file_budget = Arc::new(budget::FileBudget::new(
             cfg.file_read_budget_bytes,
@@ -414,6 +436,9 @@ pub fn router(state: SharedState) -> Router {
 pub struct Server {
     state: SharedState,
     listener: tokio::net::TcpListener,
+    /// With [`ServerConfig::postgres_url`]: the stores and the server lock, held while the
+    /// server lives.
+    _pg: Option<pg::ServerStores>,
 }
 
 impl Server {
@@ -426,14 +451,32 @@ impl Server {
     pub async fn bind(cfg: ServerConfig, node: Arc<dyn Node>) -> anyhow::Result<Server> {
         let listen = cfg.listen;
         let data_dir = cfg.data_dir.clone();
-        let state = AppState::open(cfg, node)?;
+        let on_pg = cfg.postgres_url.is_some();
+        let (state, pg) = match cfg.postgres_url.clone() {
+            None => (AppState::open(cfg, node)?, None),
+            Some(url) => {
+                let pg = pg::open_server(&url)
+                    .await
+                    .context("open the PostgreSQL stores")?;
+                let state =
+                    AppState::open_with(cfg, node, pg.registry.clone(), pg.trajectories.clone())?;
+                (state, Some(pg))
+            }
+        };
         if !listen.ip().is_loopback() && !state.store.has_keys().await? {
+            let (store, flag) = if on_pg {
+                (
+                    "the PostgreSQL store".to_owned(),
+                    "--postgres URL".to_owned(),
+                )
+            } else {
+                let db = data_dir.join("sandlot.db").display().to_string();
+                (db, format!("--data-dir {}", data_dir.display()))
+            };
             anyhow::bail!(
-                "refusing to listen on {listen} without authentication: no API keys in {}. \
-                 Create one with `sandlot key create --data-dir {} --name NAME --admin`, \
-                 or listen on a loopback address (127.0.0.1, ::1)",
-                data_dir.join("sandlot.db").display(),
-                data_dir.display()
+                "refusing to listen on {listen} without authentication: no API keys in \
+                 {store}. Create one with `sandlot key create {flag} --name NAME --admin`, \
+                 or listen on a loopback address (127.0.0.1, ::1)"
             );
         }
         if auth::enabled(&state).await? {
@@ -449,7 +492,11 @@ impl Server {
         let listener = tokio::net::TcpListener::bind(listen)
             .await
             .with_context(|| format!("listen on {listen}"))?;
-        Ok(Server { state, listener })
+        Ok(Server {
+            state,
+            listener,
+            _pg: pg,
+        })
     }
 
     /// The bound address (useful with port 0).
