@@ -3,7 +3,8 @@
 //! follows a create made through `RemoteNode`; with the etcd member paused (SIGSTOP) longer
 //! than the lease TTL the node refuses calls with `unavailable` before the TTL has passed
 //! (fenced), and after the member resumes it serves again under a new lease (higher
-//! epoch) with the earlier `function` sandbox still there; SIGTERM deletes its key.
+//! epoch) with the earlier `function` sandbox still there; SIGTERM deletes its key. TTL 3 s
+//! (`SANDLOT_TEST_LEASE_TTL_S` changes it).
 //!
 //! Without `etcd` on PATH the test prints "SKIPPED: ..." and returns (scripts/setup.sh
 //! installs Debian's etcd-server). The sandbox part needs what `tests/node.rs` needs (root,
@@ -19,7 +20,14 @@ use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const BIN: &str = env!("CARGO_BIN_EXE_sandlot");
-const TTL_S: u64 = 3;
+/// Lease TTL of the node under test: 3 s, or `SANDLOT_TEST_LEASE_TTL_S` (to measure the
+/// fence at other TTLs, e.g. the default 5).
+fn ttl_s() -> u64 {
+    std::env::var("SANDLOT_TEST_LEASE_TTL_S")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(3)
+}
 const TOKEN: &str = "etcd-n0de-t0ken";
 const NAME: &str = "etcd-node-1";
 
@@ -171,6 +179,7 @@ async fn health(addr: &str) -> (u16, serde_json::Value) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sandlot_node_registers_fences_and_comes_back() {
     let Some(etcd) = Etcd::start() else { return };
+    let ttl = ttl_s();
     let tmp = tempfile::tempdir().unwrap();
     let images = tmp.path().join("images");
     let why_not = cannot_run(&images);
@@ -190,7 +199,7 @@ async fn sandlot_node_registers_fences_and_comes_back() {
             "--advertise",
             &url,
         ])
-        .args(["--etcd", &etcd.url, "--lease-ttl-s", &TTL_S.to_string()])
+        .args(["--etcd", &etcd.url, "--lease-ttl-s", &ttl.to_string()])
         .args(["--max-sandboxes", "64", "--warm-pool", "0"])
         .args(["--container-warm-pool", "0", "--run-code-pool-images", ""])
         .arg("--data-dir")
@@ -287,15 +296,15 @@ async fn sandlot_node_registers_fences_and_comes_back() {
             Err(e) => panic!("while etcd is paused: {e:?}"),
         }
         assert!(
-            paused.elapsed() < Duration::from_secs(TTL_S),
-            "node still serving {TTL_S} s (the TTL) after etcd stopped answering"
+            paused.elapsed() < Duration::from_secs(ttl),
+            "node still serving {ttl} s (the TTL) after etcd stopped answering"
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
     println!(
-        "MEASURED: fenced {fenced_after:?} after the etcd member was paused (lease TTL {TTL_S} s)"
+        "MEASURED: fenced {fenced_after:?} after the etcd member was paused (lease TTL {ttl} s)"
     );
-    assert!(fenced_after < Duration::from_secs(TTL_S));
+    assert!(fenced_after < Duration::from_secs(ttl));
     let (status, h) = health(&addr).await;
     assert_eq!((status, h["serving"].as_bool()), (503, Some(false)), "{h}");
     if run_sandbox {
@@ -305,7 +314,7 @@ async fn sandlot_node_registers_fences_and_comes_back() {
         assert!(matches!(r, Err(NodeError::Unavailable(_))), "{r:?}");
     }
     // Still fenced past the TTL.
-    tokio::time::sleep(Duration::from_secs(TTL_S + 1).saturating_sub(paused.elapsed())).await;
+    tokio::time::sleep(Duration::from_secs(ttl + 1).saturating_sub(paused.elapsed())).await;
     assert!(matches!(node.list().await, Err(NodeError::Unavailable(_))));
 
     etcd.member("resume-member");
