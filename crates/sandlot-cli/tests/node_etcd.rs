@@ -358,3 +358,45 @@ async fn sandlot_node_registers_fences_and_comes_back() {
         "key left after SIGTERM"
     );
 }
+
+/// Bad cluster flags fail at start, before anything listens (no etcd needed).
+#[test]
+fn bad_cluster_flags_are_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let token_file = tmp.path().join("token");
+    std::fs::write(&token_file, TOKEN).unwrap();
+    let run = |extra: &[&str]| {
+        Command::new(BIN)
+            .args(["node", "--listen", "127.0.0.1:0", "--warm-pool", "0"])
+            .args(["--container-warm-pool", "0", "--run-code-pool-images", ""])
+            .arg("--data-dir")
+            .arg(tmp.path().join("data"))
+            .arg("--token-file")
+            .arg(&token_file)
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    let out = run(&["--etcd", "http://127.0.0.1:1"]);
+    assert_eq!(out.status.code(), Some(2), "no --advertise: {out:?}");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--advertise"));
+    for (extra, says) in [
+        (&["--lease-ttl-s", "1"][..], "lease ttl"),
+        (&["--advertise", "https://x:1"][..], "not http://"),
+        (
+            &["--advertise", "http://x:1", "--name", "a/b"][..],
+            "--name",
+        ),
+    ] {
+        let mut args = vec!["--etcd", "http://127.0.0.1:1"];
+        if !extra.contains(&"--advertise") {
+            args.extend(["--advertise", "http://127.0.0.1:2"]);
+        }
+        args.extend(extra);
+        let out = run(&args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{extra:?}: {err}");
+        assert!(err.contains(says), "{extra:?}: {err}");
+        assert!(out.stdout.is_empty(), "{extra:?} listened");
+    }
+}
