@@ -4,6 +4,8 @@
 //!
 //! Exit codes: 0 ok; the command's own exit code for `run` and `exec`; 2 usage errors;
 //! 1 any other error (printed as `error: CODE: message`).
+mod cluster;
+
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use futures::StreamExt;
@@ -57,15 +59,16 @@ enum Command {
     /// running and are re-adopted by the next `sandlot up` on the same data directory
     /// (expired ones are then reaped).
     Up(UpArgs),
-    /// Serve a local node over the node API (cluster mode, in progress: no etcd
-    /// registration yet; `sandlot server --node URL` serves the public API in front of it).
+    /// Serve a local node over the node API (cluster mode; `sandlot server --node URL`
+    /// serves the public API in front of it). With --etcd the node registers in the cluster
+    /// and fences itself when it cannot renew its lease.
     ///
     /// HTTP/2 cleartext (h2c) and HTTP/1.1 on `--listen`; every call must carry
     /// `Authorization: Bearer <token>` (the token file's content, surrounding whitespace
     /// removed). Prints `sandlot node listening on http://ADDR` on stdout when ready.
-    /// SIGTERM/SIGINT stop it; sandboxes keep running, and the next `sandlot node` on the
-    /// same data directory re-adopts every live one at start (a server's `readopt` then
-    /// removes those it has no record of).
+    /// SIGTERM/SIGINT stop it (with --etcd: after deleting its etcd record); sandboxes keep
+    /// running, and the next `sandlot node` on the same data directory re-adopts every live
+    /// one at start (a server's `readopt` then removes those it has no record of).
     Node(NodeArgs),
     /// Run the API server against one node served by `sandlot node` (cluster mode, in
     /// progress: one node, state in DATA/sandlot.db; etcd membership and PostgreSQL are not
@@ -131,12 +134,33 @@ struct NodeArgs {
     /// File holding the node API token (shared with the servers).
     #[arg(long)]
     token_file: PathBuf,
-    /// Node name [default: host name].
+    /// Node name [default: host name]; with --etcd its key is `/sandlot/nodes/NAME`
+    /// (ASCII letters, digits, `.`, `_`, `-`).
     #[arg(long)]
     name: Option<String>,
     /// Log format on stderr (level via RUST_LOG, default info).
     #[arg(long, value_enum, default_value = "text")]
     log_format: LogFormat,
+    /// OCI runtime of `container` sandboxes created without one: runc, runsc or crun.
+    #[arg(long, default_value = "runc", value_parser = ["runc", "runsc", "crun"])]
+    default_runtime: String,
+    /// etcd client URLs, comma-separated (`http://HOST:PORT,...`): register this node in
+    /// the cluster under a lease, keep its usage current, and refuse every node API call
+    /// (503 `unavailable`) while the lease is not known to be alive (fencing). Needs
+    /// --advertise.
+    #[arg(long, value_delimiter = ',', requires = "advertise")]
+    etcd: Vec<String>,
+    /// URL at which servers reach this node's API (`http://HOST:PORT`), published in its
+    /// etcd record.
+    #[arg(long)]
+    advertise: Option<String>,
+    /// TTL of the node's etcd lease in seconds (2..=3600): a node that cannot renew it
+    /// fences itself after TTL - max(TTL/3, 1 s) at most; servers see it down after TTL.
+    #[arg(long, default_value_t = 5)]
+    lease_ttl_s: u64,
+    /// Sandboxes this node offers at most (its published capacity; servers place no more).
+    #[arg(long, default_value_t = 1000)]
+    max_sandboxes: u64,
     #[command(flatten)]
     pools: PoolOpts,
 }
@@ -984,6 +1008,26 @@ async fn node(a: NodeArgs) -> anyhow::Result<u8> {
         ncfg.name = n;
     }
     a.pools.apply(&mut ncfg);
+    ncfg.default_runtime = sandlot_node::backends::container::Runtime::parse(&a.default_runtime)
+        .context("--default-runtime")?;
+    let (name, data_dir, images_dir) = (
+        ncfg.name.clone(),
+        ncfg.data_dir.clone(),
+        ncfg.images_dir.clone(),
+    );
+    // Checked before anything starts: a bad TTL, URL or name fails at once.
+    let cluster = if a.etcd.is_empty() {
+        None
+    } else {
+        let advertise = a.advertise.clone().unwrap_or_default();
+        anyhow::ensure!(
+            advertise.starts_with("http://"),
+            "--advertise {advertise:?} is not http://HOST:PORT (the node API is h2c)"
+        );
+        sandlot_cluster::node_key(&name).context("--name")?;
+        let cfg = sandlot_cluster::LeaseConfig::new(a.lease_ttl_s).context("--lease-ttl-s")?;
+        Some((advertise, cfg))
+    };
     let node = sandlot_node::LocalNode::open(ncfg).context("open local node")?;
     // Keep every live sandbox of a previous process (a restart of this node alone must not
     // lose a server's sandboxes); this also starts the warm pools. A server's readopt at its
@@ -1001,13 +1045,74 @@ async fn node(a: NodeArgs) -> anyhow::Result<u8> {
         .await
         .with_context(|| format!("listen on {}", a.listen))?;
     let addr = listener.local_addr()?;
-    let app = sandlot_node_remote::router(Arc::new(node), Some(token));
+    let Some((advertise, lease)) = cluster else {
+        let app = sandlot_node_remote::router(Arc::new(node), Some(token));
+        println!("sandlot node listening on http://{addr}");
+        std::io::stdout().flush().ok();
+        tokio::select! {
+            r = sandlot_node_remote::serve(listener, app) => r.context("accept")?,
+            () = shutdown_signal() => {}
+        }
+        tracing::info!("stopped; sandboxes left running for re-adoption");
+        return Ok(0);
+    };
+    let tracked = Arc::new(cluster::Tracked::new(Arc::new(node)));
+    tracked.learn_readopted(&data_dir, &adopted);
+    let client = sandlot_cluster::connect(&a.etcd)
+        .await
+        .with_context(|| format!("connect to etcd {}", a.etcd.join(",")))?;
+    let mut record = sandlot_cluster::NodeRecord {
+        name: name.clone(),
+        advertise_url: advertise,
+        capacity: cluster::host_capacity(a.max_sandboxes),
+        started_at: chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
+        ..Default::default()
+    };
+    cluster::refresh_info(&mut record, &sandlot_node_api::Node::info(&*tracked));
+    cluster::refresh_images(&mut record, &images_dir);
+    let listed = sandlot_node_api::Node::list(&*tracked)
+        .await
+        .context("list sandboxes")?;
+    record.usage = tracked.usage(&listed, tokio::time::Instant::now());
+    let reg = sandlot_cluster::NodeRegistration::register(&client, record, lease)
+        .await
+        .context("register in etcd")?;
+    let fence = reg.fence();
+    tracing::info!(node = %name, lease_id = fence.lease_id(), epoch = fence.epoch(), ttl_s = a.lease_ttl_s, "registered in etcd; serving");
+    let reg = Arc::new(reg);
+    let updater = tokio::spawn(cluster::keep_record_current(
+        reg.clone(),
+        tracked.clone(),
+        images_dir,
+    ));
+    let transitions = tokio::spawn(cluster::log_transitions(name.clone(), fence.clone()));
+    let gate = Arc::new(cluster::FenceGate {
+        name: name.clone(),
+        fence,
+    });
+    let app = sandlot_node_remote::router_gated(tracked, Some(token), Some(gate));
     println!("sandlot node listening on http://{addr}");
     std::io::stdout().flush().ok();
-    tokio::select! {
-        r = sandlot_node_remote::serve(listener, app) => r.context("accept")?,
-        () = shutdown_signal() => {}
+    let served = tokio::select! {
+        r = sandlot_node_remote::serve(listener, app) => r.context("accept"),
+        () = shutdown_signal() => Ok(()),
+    };
+    // Leave the cluster before exiting: the key goes now, not at the lease's expiry.
+    transitions.abort();
+    updater.abort();
+    let _ = updater.await;
+    match Arc::try_unwrap(reg) {
+        Ok(reg) => match reg.deregister().await {
+            Ok(()) => tracing::info!(node = %name, "deregistered from etcd"),
+            Err(e) => {
+                tracing::warn!(node = %name, error = %e, "deregistering failed; the record goes when the lease expires")
+            }
+        },
+        Err(_) => {
+            tracing::warn!("registration still shared; the record goes when the lease expires")
+        }
     }
+    served?;
     tracing::info!("stopped; sandboxes left running for re-adoption");
     Ok(0)
 }
