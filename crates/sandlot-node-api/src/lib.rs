@@ -355,6 +355,11 @@ pub trait PortStream: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpi
 
 impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin> PortStream for T {}
 
+/// How the message of [`NodeError::Unavailable`] from [`Node::connect_port`] starts when
+/// the sandbox is fine but nothing listens on the port (connection refused inside it, or
+/// no accept in time): the server answers 502 for it instead of 503.
+pub const PORT_NOT_LISTENING: &str = "nothing listens on port";
+
 /// A boxed [`PortStream`].
 pub type PortConn = Box<dyn PortStream>;
 

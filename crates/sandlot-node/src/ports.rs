@@ -9,7 +9,7 @@
 //! node (the tokio workers included) ever leaves the host namespace. The sandbox needs no
 //! network, veth or policy of its own: its loopback is enough (the guest init brings `lo`
 //! up in every sandbox).
-use sandlot_node_api::{NodeError, NodeResult};
+use sandlot_node_api::{NodeError, NodeResult, PORT_NOT_LISTENING};
 use std::net::{Ipv4Addr, SocketAddr, TcpStream};
 use std::os::fd::AsFd;
 use std::time::Duration;
@@ -81,13 +81,13 @@ fn connect_blocking(id: &str, pid: i32, starttime: u64, port: u16) -> NodeResult
             }
             Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => {
                 Err(NodeError::Unavailable(format!(
-                    "nothing listens on port {port} in sandbox {id} (connection to \
+                    "{PORT_NOT_LISTENING} {port} in sandbox {id} (connection to \
                      127.0.0.1:{port} inside it refused)"
                 )))
             }
             Err(e) if e.kind() == std::io::ErrorKind::TimedOut => {
                 Err(NodeError::Unavailable(format!(
-                    "port {port} in sandbox {id} did not accept within {} s",
+                    "{PORT_NOT_LISTENING} {port} in sandbox {id} (no accept within {} s)",
                     CONNECT_TIMEOUT.as_secs()
                 )))
             }
