@@ -101,7 +101,12 @@ async fn connect_port_through_a_remote_local_node() {
         })
         .await
         .expect("echo through the node API finishes");
-        assert!(back == payload, "echoed {} bytes, sent {}", back.len(), payload.len());
+        assert!(
+            back == payload,
+            "echoed {} bytes, sent {}",
+            back.len(),
+            payload.len()
+        );
         let r = tokio::time::timeout(Duration::from_secs(20), server)
             .await
             .expect("nc exits after the echo")
