@@ -330,7 +330,7 @@ async fn connect_port(
 ) -> Result<Response, Failed> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let conn = n.connect_port(&id, port).await?;
-    let (mut rd, mut wr) = tokio::io::split(conn);
+    let (rd, mut wr) = tokio::io::split(conn);
     tokio::spawn(async move {
         let mut frames = body.into_data_stream();
         while let Some(Ok(chunk)) = frames.next().await {

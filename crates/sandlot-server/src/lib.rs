@@ -389,6 +389,7 @@ pub fn router(state: SharedState) -> Router {
         .route("/v1/run_code/languages", get(run_code::list_languages))
         .route("/run_jupyter", post(run_code::jupyter::run_jupyter))
         .route("/v1/sandboxes/{id}/ports/{port}", any(ingress::proxy))
+        .route("/v1/sandboxes/{id}/ports/{port}/", any(ingress::proxy))
         .route(
             "/v1/sandboxes/{id}/ports/{port}/{*path}",
             any(ingress::proxy),
