@@ -450,3 +450,107 @@ def test_watch_gzip_stream_input_in_busybox(e2b_env):
         assert sb.files.read("/tmp/bw/in") == "ab"
     finally:
         sb.kill()
+
+
+UPGRADE_ECHO = r'''
+import socket, threading
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("127.0.0.1", 8002)); s.listen(8)
+def serve(c):
+    head = b""
+    while b"\r\n\r\n" not in head:
+        head += c.recv(4096)
+    assert b"upgrade: echo" in head.lower(), head
+    c.sendall(b"HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: echo\r\n\r\n")
+    while True:
+        d = c.recv(65536)
+        if not d:
+            break
+        c.sendall(d)
+    c.close()
+while True:
+    c, _ = s.accept()
+    threading.Thread(target=serve, args=(c,), daemon=True).start()
+'''
+
+
+def test_get_host_reaches_a_server_in_the_sandbox(box, e2b_env):
+    """Ingress: `get_host(port)` names `<port>-<id>.<domain>`; Sandlot routes that host
+    name (here sent as `Host` to its own listener, as a wildcard DNS name would) and
+    `/v1/sandboxes/{id}/ports/{port}/…` to the port inside the sandbox, which has no
+    network of its own."""
+    box.files.write("/home/user/site/hello.txt", "hello through ingress\n")
+    srv = box.commands.run("cd /home/user/site && exec python3 -m http.server 8000",
+                           background=True)
+    host = box.get_host(8000)
+    assert host.startswith(f"8000-{box.sandbox_id}."), host
+
+    # Nothing on port 8001: 502 with Sandlot's error body.
+    r = httpx.get(f"{e2b_env}/hello.txt", headers={"Host": box.get_host(8001)}, timeout=10)
+    assert r.status_code == 502, r.text
+    assert r.json()["error"]["code"] == "unavailable"
+    assert "nothing listens on port 8001" in r.json()["error"]["message"]
+
+    got = {}
+
+    def fetched() -> bool:
+        r = httpx.get(f"{e2b_env}/hello.txt?x=1", headers={"Host": host}, timeout=10)
+        got["r"] = r
+        return r.status_code != 502
+    wait_until(fetched, timeout=30, what="http.server in the sandbox")
+    r = got["r"]
+    assert r.status_code == 200, r.text
+    assert r.text == "hello through ingress\n"
+
+    by_path = httpx.get(f"{e2b_env}/v1/sandboxes/{box.sandbox_id}/ports/8000/hello.txt",
+                        timeout=10)
+    assert by_path.status_code == 200 and by_path.text == "hello through ingress\n"
+    listing = httpx.get(f"{e2b_env}/v1/sandboxes/{box.sandbox_id}/ports/8000/", timeout=10)
+    assert listing.status_code == 200 and "hello.txt" in listing.text
+
+    # Unknown sandbox: 404 on both forms.
+    unknown = "sb-00000000000000000000"
+    r = httpx.get(f"{e2b_env}/", headers={"Host": f"8000-{unknown}.sandlot.test"}, timeout=10)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+    r = httpx.get(f"{e2b_env}/v1/sandboxes/{unknown}/ports/8000/", timeout=10)
+    assert r.status_code == 404
+
+    # Concurrent requests through ingress.
+    import concurrent.futures
+    with concurrent.futures.ThreadPoolExecutor(16) as ex:
+        codes = list(ex.map(
+            lambda _: httpx.get(f"{e2b_env}/hello.txt", headers={"Host": host},
+                                timeout=30).status_code, range(64)))
+    assert codes == [200] * 64
+
+    # An HTTP upgrade (what a WebSocket does) becomes a byte pipe both ways.
+    box.files.write("/home/user/echo.py", UPGRADE_ECHO)
+    box.commands.run("exec python3 /home/user/echo.py", background=True)
+    import socket
+    from urllib.parse import urlparse
+    u = urlparse(e2b_env)
+
+    def upgraded() -> bool:
+        with socket.create_connection((u.hostname, u.port), timeout=10) as s:
+            s.sendall(f"GET /ws HTTP/1.1\r\nHost: {box.get_host(8002)}\r\n"
+                      "Connection: Upgrade\r\nUpgrade: echo\r\n\r\n".encode())
+            head = b""
+            while b"\r\n\r\n" not in head:
+                d = s.recv(4096)
+                if not d:
+                    break
+                head += d
+            if head.startswith(b"HTTP/1.1 502"):
+                return False
+            assert head.startswith(b"HTTP/1.1 101"), head
+            rest = head.split(b"\r\n\r\n", 1)[1]
+            for msg in (b"ping\n", b"x" * 100_000):
+                s.sendall(msg)
+                back = rest
+                while len(back) < len(msg):
+                    back += s.recv(65536)
+                rest = b""
+                assert back == msg
+            return True
+    wait_until(upgraded, timeout=30, what="the upgrade echo server in the sandbox")
+    srv.kill()

@@ -347,6 +347,22 @@ pub struct ExecControl {
     pub handle: String,
 }
 
+/// A full-duplex byte stream to a TCP port inside a sandbox ([`Node::connect_port`]):
+/// what is written reaches the sandbox's listener as a TCP client's bytes would, and what
+/// it sends comes back. Shutting down the write half half-closes the TCP connection;
+/// dropping the stream closes it.
+pub trait PortStream: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin {}
+
+impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin> PortStream for T {}
+
+/// How the message of [`NodeError::Unavailable`] from [`Node::connect_port`] starts when
+/// the sandbox is fine but nothing listens on the port (connection refused inside it, or
+/// no accept in time): the server answers 502 for it instead of 503.
+pub const PORT_NOT_LISTENING: &str = "nothing listens on port";
+
+/// A boxed [`PortStream`].
+pub type PortConn = Box<dyn PortStream>;
+
 /// The operations every node honours, whatever backend runs the sandbox.
 ///
 /// All paths are paths inside the sandbox; they resolve inside the sandbox root only
@@ -523,6 +539,22 @@ pub trait Node: Send + Sync + 'static {
     /// record of at start).
     async fn list_checkpoints(&self) -> NodeResult<Vec<String>> {
         Ok(Vec::new())
+    }
+
+    /// Open a TCP connection to `127.0.0.1:port` **inside** sandbox `id` (its own network
+    /// namespace: the sandbox needs no network of its own and no policy), for ingress
+    /// (`/v1/sandboxes/{id}/ports/{port}/…`, E2B's `<port>-<id>.<domain>`).
+    ///
+    /// # Errors
+    /// `NotFound` (unknown or deleting sandbox); `Conflict` (paused, or its init is gone);
+    /// `Unavailable` when nothing listens on the port (connection refused: the message
+    /// says so) or the node or backend cannot reach sandbox ports (the default);
+    /// `InvalidArgument` for port 0; `Internal`.
+    async fn connect_port(&self, id: &str, port: u16) -> NodeResult<PortConn> {
+        let _ = (id, port);
+        Err(NodeError::Unavailable(
+            "reaching ports inside sandboxes is not supported by this node".into(),
+        ))
     }
 
     /// The accelerator (`"kvm"` or `"tcg"`) microvm and vm sandboxes get on this node,

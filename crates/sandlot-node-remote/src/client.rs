@@ -399,6 +399,54 @@ impl Node for RemoteNode {
         self.exec_stream(rb, sink, self.exec_limit(req)).await
     }
 
+    async fn connect_port(&self, id: &str, port: u16) -> NodeResult<sandlot_node_api::PortConn> {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        // One full-duplex HTTP/2 stream (the node's `POST …/ports/{port}`): the request
+        // body carries our bytes, the answer body the sandbox's. The caller gets one end of
+        // an in-memory pipe; two tasks move bytes between its other end and the stream.
+        let (tx, rx) = mpsc::channel::<Bytes>(16);
+        let body = futures::stream::unfold(rx, |mut rx| async move {
+            rx.recv().await.map(|b| (Ok::<_, std::io::Error>(b), rx))
+        });
+        let rb = self
+            .req(Method::POST, &["sandboxes", id, "ports", &port.to_string()])
+            .header(reqwest::header::CONTENT_TYPE, "application/octet-stream")
+            .body(reqwest::Body::wrap_stream(body));
+        let fut = async {
+            let resp = rb.send().await.map_err(|e| self.transport(&e))?;
+            self.check(resp).await
+        };
+        let resp = self
+            .limit(self.opts.connect_timeout * 3, "a port connect", fut)
+            .await?;
+        let (ours, theirs) = tokio::io::duplex(64 * 1024);
+        let (mut our_rd, mut our_wr) = tokio::io::split(ours);
+        tokio::spawn(async move {
+            let mut buf = vec![0u8; 64 * 1024];
+            loop {
+                match our_rd.read(&mut buf).await {
+                    Ok(0) | Err(_) => break,
+                    Ok(k) => {
+                        if tx.send(Bytes::copy_from_slice(&buf[..k])).await.is_err() {
+                            break;
+                        }
+                    }
+                }
+            }
+            // Dropping `tx` ends the request body: the node half-closes the connection.
+        });
+        tokio::spawn(async move {
+            let mut stream = resp.bytes_stream();
+            while let Some(Ok(chunk)) = stream.next().await {
+                if our_wr.write_all(&chunk).await.is_err() {
+                    return;
+                }
+            }
+            let _ = our_wr.shutdown().await;
+        });
+        Ok(Box::new(theirs))
+    }
+
     async fn read_file(&self, id: &str, path: &str, max_bytes: u64) -> NodeResult<Vec<u8>> {
         let rb = self
             .req(Method::GET, &["sandboxes", id, "files", "content"])

@@ -143,6 +143,7 @@ pub fn router_gated(
         .route("/v1/sandboxes/{id}/resume", post(resume))
         .route("/v1/sandboxes/{id}/exec", post(exec))
         .route("/v1/sandboxes/{id}/exec-controlled", post(exec_controlled))
+        .route("/v1/sandboxes/{id}/ports/{port}", post(connect_port))
         .route("/v1/sandboxes/{id}/checkpoints/{ck}", post(checkpoint))
         .route(
             "/v1/sandboxes/{id}/files/content",
@@ -374,6 +375,47 @@ async fn exec(
         Box::pin(async move { n.exec(&id, &c.request, sink).await })
     });
     ndjson(out_rx)
+}
+
+/// `POST /v1/sandboxes/{id}/ports/{port}`: [`Node::connect_port`] as one full-duplex
+/// HTTP/2 stream. On success the answer is `200` with an `application/octet-stream` body
+/// carrying what the sandbox's listener sends, and the request body's bytes go to it as
+/// they arrive (its end half-closes the TCP connection); on failure the node error
+/// (status of [`status_of`], [`sandlot_node_api::WireError`] body) before any byte.
+async fn connect_port(
+    State(n): State<Shared>,
+    Path((id, port)): Path<(String, u16)>,
+    body: Body,
+) -> Result<Response, Failed> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let conn = n.connect_port(&id, port).await?;
+    let (rd, mut wr) = tokio::io::split(conn);
+    tokio::spawn(async move {
+        let mut frames = body.into_data_stream();
+        while let Some(Ok(chunk)) = frames.next().await {
+            if wr.write_all(&chunk).await.is_err() {
+                return;
+            }
+        }
+        let _ = wr.shutdown().await;
+    });
+    let out = futures::stream::unfold(Some(rd), |st| async move {
+        let mut rd = st?;
+        let mut buf = vec![0u8; 64 * 1024];
+        match rd.read(&mut buf).await {
+            Ok(0) => None,
+            Ok(k) => {
+                buf.truncate(k);
+                Some((Ok::<_, std::io::Error>(Bytes::from(buf)), Some(rd)))
+            }
+            Err(e) => Some((Err(e), None)),
+        }
+    });
+    Ok((
+        [(header::CONTENT_TYPE, "application/octet-stream")],
+        Body::from_stream(out),
+    )
+        .into_response())
 }
 
 async fn exec_controlled(

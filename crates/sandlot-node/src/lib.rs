@@ -23,6 +23,7 @@ pub mod net;
 pub mod net_audit;
 pub mod node;
 pub mod output;
+pub mod ports;
 pub mod processes;
 pub mod qmp;
 

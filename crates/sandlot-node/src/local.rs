@@ -759,6 +759,10 @@ impl Node for LocalNode {
             .collect())
     }
 
+    async fn connect_port(&self, id: &str, port: u16) -> NodeResult<sandlot_node_api::PortConn> {
+        self.owner(id)?.connect_port(id, port).await
+    }
+
     async fn readopt(&self, keep: &[String]) -> NodeResult<Vec<String>> {
         let mut all = Vec::new();
         for b in self.backends.iter().filter_map(|b| b.get().ok()) {

@@ -328,6 +328,10 @@ impl Node for BudgetNode {
         self.inner.exec_controlled(id, req, sink, control).await
     }
 
+    async fn connect_port(&self, id: &str, port: u16) -> NodeResult<sandlot_node_api::PortConn> {
+        self.inner.connect_port(id, port).await
+    }
+
     async fn read_file(&self, id: &str, path: &str, max_bytes: u64) -> NodeResult<Vec<u8>> {
         Ok(self.read_file_held(id, path, max_bytes).await?.0)
     }

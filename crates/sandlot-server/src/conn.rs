@@ -515,7 +515,7 @@ impl ConnTask {
         // The connection (and its descriptor) is dropped before it leaves the table.
         let closing = {
             let builder = Builder::new(TokioExecutor::new());
-            let mut served = pin!(builder.serve_connection(io, svc));
+            let mut served = pin!(builder.serve_connection_with_upgrades(io, svc));
             let header_ms = self.conns.limits.header_read_timeout.as_millis() as u64;
             let idle_ms = self.conns.limits.idle_timeout.as_millis() as u64;
             let mut closing = None;

@@ -21,6 +21,7 @@
 //! | `GET /metrics` | [`metrics`] |
 //! | `GET /v1/events` (audit events, durable in `events.db`) | [`events`] |
 //! | `GET /` (status page) | [`web`] |
+//! | `ANY /v1/sandboxes/{id}/ports/{port}/…` and host names `<port>-<id>.<domain>` (ingress) | [`ingress`] |
 //! | E2B's control plane (`/v2/sandboxes`, `/sandboxes/{id}/…`) and envd (`/process.Process/…`, `/health`) | [`e2b`] |
 //!
 //! Authentication and tenant scoping of every route: [`auth`] (one layer over the router).
@@ -40,6 +41,7 @@ pub mod events;
 pub mod exec;
 pub mod files;
 pub mod health;
+pub mod ingress;
 pub mod lifecycle;
 pub mod metrics;
 pub mod pause;
@@ -73,7 +75,7 @@ mod tests_tenants;
 
 use anyhow::Context;
 use axum::extract::{DefaultBodyLimit, MatchedPath};
-use axum::routing::{get, post};
+use axum::routing::{any, get, post};
 use axum::Router;
 use sandlot_node_api::Node;
 use std::future::Future;
@@ -344,7 +346,7 @@ pub fn router(state: SharedState) -> Router {
             tracing::info_span!("http", method = %req.method(), route, sandbox_id)
         },
     );
-    Router::new()
+    let app = Router::new()
         .route(
             "/v1/sandboxes",
             post(sandboxes::create).get(sandboxes::list),
@@ -410,6 +412,12 @@ pub fn router(state: SharedState) -> Router {
         .route("/run_code", post(run_code::run_code))
         .route("/v1/run_code/languages", get(run_code::list_languages))
         .route("/run_jupyter", post(run_code::jupyter::run_jupyter))
+        .route("/v1/sandboxes/{id}/ports/{port}", any(ingress::proxy))
+        .route("/v1/sandboxes/{id}/ports/{port}/", any(ingress::proxy))
+        .route(
+            "/v1/sandboxes/{id}/ports/{port}/{*path}",
+            any(ingress::proxy),
+        )
         .route("/v1/ping", get(health::ping))
         .route("/healthz", get(health::healthz))
         .route("/metrics", get(metrics::metrics))
@@ -429,7 +437,10 @@ pub fn router(state: SharedState) -> Router {
         .layer(axum::middleware::from_fn(e2b::credentials))
         .layer(DefaultBodyLimit::max(state.cfg.max_json_bytes))
         .layer(trace)
-        .with_state(state)
+        .with_state(state);
+    // Ingress host names (`<port>-<sandbox-id>.<domain>`) become `/v1/sandboxes/{id}/ports/…`
+    // before routing ([`ingress::rewrite`]).
+    Router::new().fallback_service(tower::ServiceExt::map_request(app, ingress::rewrite))
 }
 
 /// A server bound to its socket, records recovered, not yet serving.

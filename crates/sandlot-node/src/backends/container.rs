@@ -1643,6 +1643,19 @@ impl SandboxBackend for ContainerBackend {
             .collect()
     }
 
+    async fn connect_port(&self, id: &str, port: u16) -> NodeResult<sandlot_node_api::PortConn> {
+        let c = self.fs_target(id).await?;
+        if c.state.runtime == Runtime::Runsc {
+            // gVisor's network stack lives in its sentry, not in the kernel namespace.
+            return Err(NodeError::Unavailable(format!(
+                "sandbox {id} runs on runsc, whose ports cannot be reached yet"
+            )));
+        }
+        let s = crate::ports::connect_in_netns(id, c.state.init_pid, c.state.init_starttime, port)
+            .await?;
+        Ok(Box::new(s))
+    }
+
     async fn readopt(&self, keep: &[String]) -> NodeResult<Vec<String>> {
         let mut adopted = Vec::new();
         let mut errors = Vec::new();

@@ -849,6 +849,24 @@ impl SandboxBackend for FunctionBackend {
         v
     }
 
+    async fn connect_port(&self, id: &str, port: u16) -> NodeResult<sandlot_node_api::PortConn> {
+        let jail = self.jail(id)?;
+        if *jail.deleting.read().await {
+            return Err(NodeError::NotFound(format!(
+                "sandbox {id} is being deleted"
+            )));
+        }
+        jail.check_not_paused()?;
+        let s = crate::ports::connect_in_netns(
+            id,
+            jail.state.init_pid,
+            jail.state.init_starttime,
+            port,
+        )
+        .await?;
+        Ok(Box::new(s))
+    }
+
     async fn readopt(&self, keep: &[String]) -> NodeResult<Vec<String>> {
         let mut adopted = Vec::new();
         let mut errors = Vec::new();

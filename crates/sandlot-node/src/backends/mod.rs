@@ -101,6 +101,20 @@ pub trait SandboxBackend: Send + Sync {
     /// Re-adopt sandboxes in `keep` found alive on disk, clean up every other leftover.
     async fn readopt(&self, keep: &[String]) -> NodeResult<Vec<String>>;
 
+    /// A TCP connection to `127.0.0.1:port` inside sandbox `id` (ingress, see
+    /// [`crate::ports`]).
+    ///
+    /// # Errors
+    /// As [`sandlot_node_api::Node::connect_port`]; `Unavailable` where the backend cannot
+    /// (the default).
+    async fn connect_port(&self, id: &str, port: u16) -> NodeResult<sandlot_node_api::PortConn> {
+        let _ = (id, port);
+        Err(NodeError::Unavailable(format!(
+            "the {} backend cannot reach ports inside its sandboxes yet",
+            self.kind()
+        )))
+    }
+
     /// Copy sandbox `id`'s writable layer into the empty directory `dest` (see
     /// [`crate::checkpoints`] for the layout per backend).
     ///
