@@ -167,7 +167,7 @@ pub async fn proxy(
         ))
         .into_response();
     };
-    let rec = match running(&st, &id) {
+    let rec = match running(&st, &id).await {
         Ok(r) => r,
         Err(e) => return e.into_response(),
     };
