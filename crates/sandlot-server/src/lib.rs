@@ -32,6 +32,7 @@
 pub mod auth;
 pub mod budget;
 pub mod checkpoints;
+pub mod cluster;
 pub mod conn;
 pub mod disk_reserve;
 pub mod e2b;
@@ -224,6 +225,10 @@ pub struct AppState {
     pub auth_on: std::sync::atomic::AtomicBool,
     /// E2B process ids of the envd surface ([`e2b`]).
     pub e2b: e2b::E2bState,
+    /// Cluster mode: the node set behind [`AppState::node`] (placement before a create's
+    /// record is written, the lost-node sweeper); `None` for one node (`sandlot up`,
+    /// `sandlot server --node`).
+    pub cluster: Option<Arc<cluster::ClusterNode>>,
 }
 
 /// Handler state: cheap to clone.
@@ -235,6 +240,25 @@ impl AppState {
     /// # Errors
     /// The data directory cannot be created or the database cannot be opened.
     pub fn open(cfg: ServerConfig, node: Arc<dyn Node>) -> anyhow::Result<SharedState> {
+        Self::open_with(cfg, node, None)
+    }
+
+    /// [`AppState::open`] in cluster mode: the node is `cluster` itself.
+    ///
+    /// # Errors
+    /// As [`AppState::open`].
+    pub fn open_cluster(
+        cfg: ServerConfig,
+        cluster: Arc<cluster::ClusterNode>,
+    ) -> anyhow::Result<SharedState> {
+        Self::open_with(cfg, cluster.clone(), Some(cluster))
+    }
+
+    fn open_with(
+        cfg: ServerConfig,
+        node: Arc<dyn Node>,
+        cluster: Option<Arc<cluster::ClusterNode>>,
+    ) -> anyhow::Result<SharedState> {
         std::fs::create_dir_all(&cfg.data_dir)
             .with_context(|| format!("create data dir {}", cfg.data_dir.display()))?;
         let db = cfg.data_dir.join("sandlot.db");
@@ -286,6 +310,7 @@ impl AppState {
             processes,
             auth_on: std::sync::atomic::AtomicBool::new(false),
             e2b: Default::default(),
+            cluster,
         }))
     }
 }
@@ -424,9 +449,27 @@ impl Server {
     /// Store, bind or re-adoption failures, with context; a non-loopback `cfg.listen` while
     /// the store holds no API key (the server would serve anyone without authentication).
     pub async fn bind(cfg: ServerConfig, node: Arc<dyn Node>) -> anyhow::Result<Server> {
-        let listen = cfg.listen;
-        let data_dir = cfg.data_dir.clone();
         let state = AppState::open(cfg, node)?;
+        Self::bind_state(state).await
+    }
+
+    /// [`Server::bind`] in cluster mode: sandboxes are placed on the nodes of `cluster`;
+    /// start-up reconciles every registered node ([`cluster::recover`]) and
+    /// [`Server::run`] runs the lost-node sweeper ([`cluster::spawn_sweeper`]).
+    ///
+    /// # Errors
+    /// As [`Server::bind`].
+    pub async fn bind_cluster(
+        cfg: ServerConfig,
+        cluster: Arc<cluster::ClusterNode>,
+    ) -> anyhow::Result<Server> {
+        let state = AppState::open_cluster(cfg, cluster)?;
+        Self::bind_state(state).await
+    }
+
+    async fn bind_state(state: SharedState) -> anyhow::Result<Server> {
+        let listen = state.cfg.listen;
+        let data_dir = state.cfg.data_dir.clone();
         if !listen.ip().is_loopback() && !state.store.has_keys().await? {
             anyhow::bail!(
                 "refusing to listen on {listen} without authentication: no API keys in {}. \
@@ -471,6 +514,10 @@ impl Server {
         let state = self.state;
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
         let reaper = tokio::spawn(lifecycle::reaper(state.clone(), stop_rx.clone()));
+        let sweeper = state
+            .cluster
+            .clone()
+            .map(|c| cluster::spawn_sweeper(state.clone(), c, stop_rx.clone()));
         let grace = state.cfg.shutdown_grace;
         tracing::info!(
             max_connections = state.conns.max_total(),
@@ -496,6 +543,9 @@ impl Server {
             }
         };
         reaper.abort();
+        if let Some(s) = sweeper {
+            s.abort();
+        }
         out
     }
 }
