@@ -246,19 +246,24 @@ impl ClusterNode {
     /// # Errors
     /// As [`ClusterNode::remote`] and the node's `list`.
     pub async fn learn(&self, name: &str) -> NodeResult<Vec<SandboxStatus>> {
+        let list = self.learn_sandboxes(name).await?;
         let node = self.remote(name).await?;
-        let list = node.list().await?;
-        {
-            let mut routes = write(&self.routes);
-            for s in &list {
-                routes.insert(s.id.clone(), name.to_owned());
-            }
-        }
         if let Ok(cks) = node.list_checkpoints().await {
             let mut map = write(&self.checkpoints);
             for c in cks {
                 map.insert(c, name.to_owned());
             }
+        }
+        Ok(list)
+    }
+
+    /// Asks node `name` for its sandboxes and routes them to it (no checkpoints: the
+    /// reaper's `list` every pass).
+    async fn learn_sandboxes(&self, name: &str) -> NodeResult<Vec<SandboxStatus>> {
+        let list = self.remote(name).await?.list().await?;
+        let mut routes = write(&self.routes);
+        for s in &list {
+            routes.insert(s.id.clone(), name.to_owned());
         }
         Ok(list)
     }
@@ -270,7 +275,7 @@ impl ClusterNode {
             return Ok(n);
         }
         let names: Vec<String> = self.set.nodes().into_keys().collect();
-        let lookups = names.iter().map(|n| self.learn(n));
+        let lookups = names.iter().map(|n| self.learn_sandboxes(n));
         let results = futures::future::join_all(lookups).await;
         for (n, r) in names.iter().zip(results) {
             if let Err(e) = r {
@@ -484,7 +489,11 @@ impl Node for ClusterNode {
     async fn list(&self) -> NodeResult<Vec<SandboxStatus>> {
         let names: Vec<String> = self.set.nodes().into_keys().collect();
         let n = names.len();
-        let (all, mut failed) = union(names, |name| async move { self.learn(&name).await }).await;
+        let (all, mut failed) = union(
+            names,
+            |name| async move { self.learn_sandboxes(&name).await },
+        )
+        .await;
         for (name, e) in &failed {
             tracing::warn!(node = %name, error = %e, "list: node did not answer");
         }
