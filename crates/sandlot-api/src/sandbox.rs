@@ -82,7 +82,8 @@ pub struct CreateSandboxRequest {
     /// Environment given to every exec (exec `env` overrides per key).
     #[serde(default)]
     pub env: BTreeMap<String, String>,
-    /// Free-form labels for selection (`GET /v1/sandboxes?label=k=v`).
+    /// Free-form labels for selection (`GET /v1/sandboxes?label=k=v`); keys starting with
+    /// `sandlot.` are reserved (the server answers 400 `invalid_argument`).
     #[serde(default)]
     pub labels: BTreeMap<String, String>,
     /// Network policy (default `"none"`).

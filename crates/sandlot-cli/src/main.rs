@@ -4,6 +4,8 @@
 //!
 //! Exit codes: 0 ok; the command's own exit code for `run` and `exec`; 2 usage errors;
 //! 1 any other error (printed as `error: CODE: message`).
+mod cluster;
+
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use futures::StreamExt;
@@ -57,15 +59,16 @@ enum Command {
     /// running and are re-adopted by the next `sandlot up` on the same data directory
     /// (expired ones are then reaped).
     Up(UpArgs),
-    /// Serve a local node over the node API (cluster mode, in progress: no etcd
-    /// registration yet; `sandlot server --node URL` serves the public API in front of it).
+    /// Serve a local node over the node API (cluster mode; `sandlot server --node URL`
+    /// serves the public API in front of it). With --etcd the node registers in the cluster
+    /// and fences itself when it cannot renew its lease.
     ///
     /// HTTP/2 cleartext (h2c) and HTTP/1.1 on `--listen`; every call must carry
     /// `Authorization: Bearer <token>` (the token file's content, surrounding whitespace
     /// removed). Prints `sandlot node listening on http://ADDR` on stdout when ready.
-    /// SIGTERM/SIGINT stop it; sandboxes keep running, and the next `sandlot node` on the
-    /// same data directory re-adopts every live one at start (a server's `readopt` then
-    /// removes those it has no record of).
+    /// SIGTERM/SIGINT stop it (with --etcd: after deleting its etcd record); sandboxes keep
+    /// running, and the next `sandlot node` on the same data directory re-adopts every live
+    /// one at start (a server's `readopt` then removes those it has no record of).
     Node(NodeArgs),
     /// Run the API server against nodes served by `sandlot node` (cluster mode, in
     /// progress): one node (`--node URL`), or every node registered in etcd (`--etcd
@@ -132,12 +135,33 @@ struct NodeArgs {
     /// File holding the node API token (shared with the servers).
     #[arg(long)]
     token_file: PathBuf,
-    /// Node name [default: host name].
+    /// Node name [default: host name]; with --etcd its key is `/sandlot/nodes/NAME`
+    /// (ASCII letters, digits, `.`, `_`, `-`).
     #[arg(long)]
     name: Option<String>,
     /// Log format on stderr (level via RUST_LOG, default info).
     #[arg(long, value_enum, default_value = "text")]
     log_format: LogFormat,
+    /// OCI runtime of `container` sandboxes created without one: runc, runsc or crun.
+    #[arg(long, default_value = "runc", value_parser = ["runc", "runsc", "crun"])]
+    default_runtime: String,
+    /// etcd client URLs, comma-separated (`http://HOST:PORT,...`): register this node in
+    /// the cluster under a lease, keep its usage current, and refuse every node API call
+    /// (503 `unavailable`) while the lease is not known to be alive (fencing). Needs
+    /// --advertise.
+    #[arg(long, value_delimiter = ',', requires = "advertise")]
+    etcd: Vec<String>,
+    /// URL at which servers reach this node's API (`http://HOST:PORT`), published in its
+    /// etcd record.
+    #[arg(long)]
+    advertise: Option<String>,
+    /// TTL of the node's etcd lease in seconds (2..=3600): a node that cannot renew it
+    /// fences itself after TTL - max(TTL/3, 1 s) at most; servers see it down after TTL.
+    #[arg(long, default_value_t = 5)]
+    lease_ttl_s: u64,
+    /// Sandboxes this node offers at most (its published capacity; servers place no more).
+    #[arg(long, default_value_t = 1000)]
+    max_sandboxes: u64,
     #[command(flatten)]
     pools: PoolOpts,
 }
@@ -234,6 +258,11 @@ struct ServerOpts {
     /// this process; one fsync per logged step).
     #[arg(long)]
     trajectory_fsync: bool,
+    /// PostgreSQL URL (postgres://USER@HOST:PORT/DB) of the sandbox registry, API keys and
+    /// trajectory log instead of DATA/sandlot.db and DATA/trajectories.db; migrated at
+    /// start. One server per database for now (a second one is refused).
+    #[arg(long, env = "SANDLOT_POSTGRES_URL")]
+    postgres: Option<String>,
     /// OCI runtime of `container` sandboxes created without one: runc, runsc or crun.
     #[arg(long, default_value = "runc", value_parser = ["runc", "runsc", "crun"])]
     default_runtime: String,
@@ -464,6 +493,10 @@ struct DataDir {
     /// Data directory of the server (its store is DATA/sandlot.db).
     #[arg(long, env = "SANDLOT_DATA_DIR", default_value = "/var/lib/sandlot")]
     data_dir: PathBuf,
+    /// PostgreSQL URL of the server's store instead of DATA/sandlot.db (the server's
+    /// `--postgres`).
+    #[arg(long, env = "SANDLOT_POSTGRES_URL")]
+    postgres: Option<String>,
 }
 
 #[derive(Subcommand)]
@@ -508,15 +541,20 @@ enum KeyCmd {
     },
 }
 
-fn open_store(d: &DataDir) -> anyhow::Result<sandlot_server::store::Store> {
+/// The server's store: PostgreSQL with `--postgres`, else DATA/sandlot.db.
+async fn open_store(d: &DataDir) -> anyhow::Result<Box<dyn sandlot_server::registry::Registry>> {
+    if let Some(url) = &d.postgres {
+        let pool = sandlot_server::pg::connect(url, 2).await?;
+        return Ok(Box::new(sandlot_server::registry::PgRegistry::new(pool)));
+    }
     std::fs::create_dir_all(&d.data_dir)
         .with_context(|| format!("create data dir {}", d.data_dir.display()))?;
-    Ok(sandlot_server::store::Store::open(
+    Ok(Box::new(sandlot_server::store::Store::open(
         &d.data_dir.join("sandlot.db"),
-    )?)
+    )?))
 }
 
-fn key(cmd: KeyCmd) -> anyhow::Result<u8> {
+async fn key(cmd: KeyCmd) -> anyhow::Result<u8> {
     match cmd {
         KeyCmd::Create {
             dirs,
@@ -537,9 +575,8 @@ fn key(cmd: KeyCmd) -> anyhow::Result<u8> {
                 max_cpu,
                 max_memory_mib,
             };
-            let store = open_store(&dirs)?;
-            let (row, key) = sandlot_server::auth::new_key(&name, admin, quota);
-            store.insert_key(&row)?;
+            let store = open_store(&dirs).await?;
+            let (row, key) = sandlot_server::auth::create_key(&*store, &name, admin, quota).await?;
             println!("{key}");
             eprintln!(
                 "created API key {} ({name}{}); the key above is shown only once",
@@ -549,7 +586,7 @@ fn key(cmd: KeyCmd) -> anyhow::Result<u8> {
             Ok(0)
         }
         KeyCmd::Ls { dirs, json } => {
-            let keys = open_store(&dirs)?.list_keys()?;
+            let keys = open_store(&dirs).await?.list_keys().await?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&keys)?);
                 return Ok(0);
@@ -580,16 +617,21 @@ fn key(cmd: KeyCmd) -> anyhow::Result<u8> {
             Ok(0)
         }
         KeyCmd::Revoke { dirs, id } => {
-            let store = open_store(&dirs)?;
+            let store = open_store(&dirs).await?;
             let now = chrono::Utc::now().timestamp_millis();
-            if store.revoke_key(&id, now)? {
+            if store.revoke_key(&id, now).await? {
                 eprintln!("revoked API key {id}");
                 Ok(0)
-            } else if store.list_keys()?.iter().any(|k| k.id == id) {
+            } else if store.list_keys().await?.iter().any(|k| k.id == id) {
                 eprintln!("API key {id} was already revoked");
                 Ok(0)
             } else {
-                anyhow::bail!("no API key {id:?} in {}", dirs.data_dir.display())
+                let at = dirs
+                    .postgres
+                    .is_some()
+                    .then(|| "the PostgreSQL store".to_owned());
+                let at = at.unwrap_or_else(|| dirs.data_dir.display().to_string());
+                anyhow::bail!("no API key {id:?} in {at}")
             }
         }
     }
@@ -780,7 +822,7 @@ async fn dispatch(cmd: Command) -> anyhow::Result<u8> {
         Command::Resume(a) => pause_resume(a, false).await,
         Command::Trajectory(a) => trajectory(a).await,
         Command::Image(c) => image(c).await,
-        Command::Key(c) => key(c),
+        Command::Key(c) => key(c).await,
         Command::Version => {
             println!("sandlot {}", env!("CARGO_PKG_VERSION"));
             Ok(0)
@@ -954,6 +996,7 @@ impl ServerOpts {
         cfg.trajectory_retention =
             std::time::Duration::from_secs(self.trajectory_retention_h * 3600);
         cfg.trajectory_fsync = self.trajectory_fsync;
+        cfg.postgres_url = self.postgres;
         cfg.conn = sandlot_server::conn::ConnLimits {
             max_connections: self.max_connections.max(1),
             max_connections_per_ip: self.max_connections_per_ip.max(1),
@@ -991,6 +1034,26 @@ async fn node(a: NodeArgs) -> anyhow::Result<u8> {
         ncfg.name = n;
     }
     a.pools.apply(&mut ncfg);
+    ncfg.default_runtime = sandlot_node::backends::container::Runtime::parse(&a.default_runtime)
+        .context("--default-runtime")?;
+    let (name, data_dir, images_dir) = (
+        ncfg.name.clone(),
+        ncfg.data_dir.clone(),
+        ncfg.images_dir.clone(),
+    );
+    // Checked before anything starts: a bad TTL, URL or name fails at once.
+    let cluster = if a.etcd.is_empty() {
+        None
+    } else {
+        let advertise = a.advertise.clone().unwrap_or_default();
+        anyhow::ensure!(
+            advertise.starts_with("http://"),
+            "--advertise {advertise:?} is not http://HOST:PORT (the node API is h2c)"
+        );
+        sandlot_cluster::node_key(&name).context("--name")?;
+        let cfg = sandlot_cluster::LeaseConfig::new(a.lease_ttl_s).context("--lease-ttl-s")?;
+        Some((advertise, cfg))
+    };
     let node = sandlot_node::LocalNode::open(ncfg).context("open local node")?;
     // Keep every live sandbox of a previous process (a restart of this node alone must not
     // lose a server's sandboxes); this also starts the warm pools. A server's readopt at its
@@ -1008,13 +1071,74 @@ async fn node(a: NodeArgs) -> anyhow::Result<u8> {
         .await
         .with_context(|| format!("listen on {}", a.listen))?;
     let addr = listener.local_addr()?;
-    let app = sandlot_node_remote::router(Arc::new(node), Some(token));
+    let Some((advertise, lease)) = cluster else {
+        let app = sandlot_node_remote::router(Arc::new(node), Some(token));
+        println!("sandlot node listening on http://{addr}");
+        std::io::stdout().flush().ok();
+        tokio::select! {
+            r = sandlot_node_remote::serve(listener, app) => r.context("accept")?,
+            () = shutdown_signal() => {}
+        }
+        tracing::info!("stopped; sandboxes left running for re-adoption");
+        return Ok(0);
+    };
+    let tracked = Arc::new(cluster::Tracked::new(Arc::new(node)));
+    tracked.learn_readopted(&data_dir, &adopted);
+    let client = sandlot_cluster::connect(&a.etcd)
+        .await
+        .with_context(|| format!("connect to etcd {}", a.etcd.join(",")))?;
+    let mut record = sandlot_cluster::NodeRecord {
+        name: name.clone(),
+        advertise_url: advertise,
+        capacity: cluster::host_capacity(a.max_sandboxes),
+        started_at: chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
+        ..Default::default()
+    };
+    cluster::refresh_info(&mut record, &sandlot_node_api::Node::info(&*tracked));
+    cluster::refresh_images(&mut record, &images_dir);
+    let listed = sandlot_node_api::Node::list(&*tracked)
+        .await
+        .context("list sandboxes")?;
+    record.usage = tracked.usage(&listed, tokio::time::Instant::now());
+    let reg = sandlot_cluster::NodeRegistration::register(&client, record, lease)
+        .await
+        .context("register in etcd")?;
+    let fence = reg.fence();
+    tracing::info!(node = %name, lease_id = fence.lease_id(), epoch = fence.epoch(), ttl_s = a.lease_ttl_s, "registered in etcd; serving");
+    let reg = Arc::new(reg);
+    let updater = tokio::spawn(cluster::keep_record_current(
+        reg.clone(),
+        tracked.clone(),
+        images_dir,
+    ));
+    let transitions = tokio::spawn(cluster::log_transitions(name.clone(), fence.clone()));
+    let gate = Arc::new(cluster::FenceGate {
+        name: name.clone(),
+        fence,
+    });
+    let app = sandlot_node_remote::router_gated(tracked, Some(token), Some(gate));
     println!("sandlot node listening on http://{addr}");
     std::io::stdout().flush().ok();
-    tokio::select! {
-        r = sandlot_node_remote::serve(listener, app) => r.context("accept")?,
-        () = shutdown_signal() => {}
+    let served = tokio::select! {
+        r = sandlot_node_remote::serve(listener, app) => r.context("accept"),
+        () = shutdown_signal() => Ok(()),
+    };
+    // Leave the cluster before exiting: the key goes now, not at the lease's expiry.
+    transitions.abort();
+    updater.abort();
+    let _ = updater.await;
+    match Arc::try_unwrap(reg) {
+        Ok(reg) => match reg.deregister().await {
+            Ok(()) => tracing::info!(node = %name, "deregistered from etcd"),
+            Err(e) => {
+                tracing::warn!(node = %name, error = %e, "deregistering failed; the record goes when the lease expires")
+            }
+        },
+        Err(_) => {
+            tracing::warn!("registration still shared; the record goes when the lease expires")
+        }
     }
+    served?;
     tracing::info!("stopped; sandboxes left running for re-adoption");
     Ok(0)
 }

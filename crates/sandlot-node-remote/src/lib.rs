@@ -36,6 +36,7 @@
 //! | delete_checkpoint | `DELETE /v1/checkpoints/{ck}` | - | `{}` |
 //! | list_checkpoints | `GET /v1/checkpoints` | - | `[ck]` |
 //! | accel | `GET /v1/accel` | - | `"kvm"`, `"tcg"` or `null` |
+//! | (health) | `GET /v1/health` | - | `{"serving": bool, ...}` (503 while fenced; [`router_gated`]) |
 //!
 //! A failed call answers a non-2xx status with a [`sandlot_node_api::WireError`] JSON body
 //! (`{"kind": "not_found", "message": …}`; status per kind in [`status_of`]), except the
@@ -55,4 +56,6 @@ mod server;
 pub mod wire;
 
 pub use client::{RemoteNode, RemoteOptions};
-pub use server::{router, serve, status_of, MAX_BODY_BYTES, MAX_STREAMS};
+pub use server::{
+    router, router_gated, serve, status_of, ServingGate, MAX_BODY_BYTES, MAX_STREAMS,
+};

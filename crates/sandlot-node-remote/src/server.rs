@@ -78,6 +78,52 @@ fn empty() -> Json<serde_json::Value> {
 /// [`sandlot_node_api::WireError`]. `None` serves without authentication (tests, a node
 /// reachable only by its server).
 pub fn router(node: Arc<dyn Node>, token: Option<String>) -> Router {
+    router_gated(node, token, None)
+}
+
+/// Whether a node may serve calls now: the cluster-mode fence of `sandlot node --etcd`
+/// (its etcd lease is certainly alive), behind a small trait so this crate needs no etcd.
+pub trait ServingGate: Send + Sync + 'static {
+    /// `Ok(())` while the node may serve; `Err(why)` while it must refuse every call (the
+    /// text goes into the `unavailable` error's message).
+    fn check(&self) -> Result<(), String>;
+    /// What `GET /v1/health` answers besides `serving` (e.g. the lease id and epoch), a
+    /// JSON object.
+    fn status(&self) -> serde_json::Map<String, serde_json::Value> {
+        serde_json::Map::new()
+    }
+}
+
+/// [`router`] with an optional [`ServingGate`], and `GET /v1/health`.
+///
+/// Every request first passes the token check (401 without it), then the gate: while
+/// [`ServingGate::check`] fails, every route answers `503` with a
+/// [`sandlot_node_api::WireError`] of kind `unavailable` (`RemoteNode` returns
+/// `NodeError::Unavailable`); nothing reaches the node. The gate is checked when a call
+/// arrives: a call (an exec stream) admitted before the gate closed runs to its end.
+///
+/// `GET /v1/health` answers `{"serving": true|false, ...ServingGate::status}`, status 200
+/// while serving and 503 while not (always 200 `{"serving": true}` without a gate).
+pub fn router_gated(
+    node: Arc<dyn Node>,
+    token: Option<String>,
+    gate: Option<Arc<dyn ServingGate>>,
+) -> Router {
+    let health_gate = gate.clone();
+    let health = get(move || {
+        let gate = health_gate.clone();
+        async move {
+            let mut body = gate.as_ref().map(|g| g.status()).unwrap_or_default();
+            let serving = gate.as_ref().is_none_or(|g| g.check().is_ok());
+            body.insert("serving".into(), serving.into());
+            let status = if serving {
+                StatusCode::OK
+            } else {
+                StatusCode::SERVICE_UNAVAILABLE
+            };
+            (status, Json(serde_json::Value::Object(body)))
+        }
+    });
     // Compared as SHA-256 digests: equal lengths, so the time does not depend on the
     // token's length either.
     let token: Arc<Option<[u8; 32]>> = Arc::new(token.map(|t| Sha256::digest(t).into()));
@@ -108,6 +154,19 @@ pub fn router(node: Arc<dyn Node>, token: Option<String>) -> Router {
         .route("/v1/sandboxes/{id}/files/list", get(list_dir))
         .route("/v1/sandboxes/{id}/files/mkdir", post(make_dir))
         .route("/v1/sandboxes/{id}/files", delete(remove_file))
+        .layer(axum::middleware::from_fn(
+            move |req: Request, next: Next| {
+                let gate = gate.clone();
+                async move {
+                    if let Some(Err(why)) = gate.as_ref().map(|g| g.check()) {
+                        let e = NodeError::Unavailable(why);
+                        return (status_of(&e), Json(e.to_wire())).into_response();
+                    }
+                    next.run(req).await
+                }
+            },
+        ))
+        .route("/v1/health", health)
         .layer(axum::middleware::from_fn(
             move |req: Request, next: Next| {
                 let token = token.clone();

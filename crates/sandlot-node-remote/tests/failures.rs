@@ -344,3 +344,65 @@ async fn exec_round_trip_latency() {
         pct(&over, 99)
     );
 }
+
+/// A gate the test opens and closes (a stand-in for the etcd fence of `sandlot node`).
+struct Switch(std::sync::atomic::AtomicBool);
+
+impl sandlot_node_remote::ServingGate for Switch {
+    fn check(&self) -> Result<(), String> {
+        if self.0.load(std::sync::atomic::Ordering::SeqCst) {
+            Ok(())
+        } else {
+            Err("fenced: test switch off".into())
+        }
+    }
+    fn status(&self) -> serde_json::Map<String, serde_json::Value> {
+        let mut m = serde_json::Map::new();
+        m.insert("epoch".into(), 3.into());
+        m
+    }
+}
+
+#[tokio::test]
+async fn a_closed_gate_refuses_every_call_with_unavailable() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let (fake, id) = fake_with_sandbox().await;
+    let gate = Arc::new(Switch(AtomicBool::new(true)));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let app = sandlot_node_remote::router_gated(fake, Some("t".into()), Some(gate.clone()));
+    let _server = tokio::spawn(sandlot_node_remote::serve(listener, app));
+    let node = RemoteNode::connect(&url, Some("t".into())).await.unwrap();
+    assert_eq!(node.list().await.unwrap().len(), 1);
+    let http1 = reqwest::Client::builder().no_proxy().build().unwrap();
+    let health = |token: &'static str| {
+        http1
+            .get(format!("{url}/v1/health"))
+            .bearer_auth(token)
+            .send()
+    };
+    let resp = health("t").await.unwrap();
+    assert_eq!(resp.status(), 200);
+    let body: serde_json::Value = resp.json().await.unwrap();
+    assert_eq!(body, serde_json::json!({"serving": true, "epoch": 3}));
+
+    gate.0.store(false, Ordering::SeqCst);
+    let r = node.list().await;
+    assert!(
+        matches!(r, Err(NodeError::Unavailable(ref m)) if m.contains("fenced")),
+        "{r:?}"
+    );
+    let r = node.exec(&id, &req(&["echo", "x"], 5.0), None).await;
+    assert!(matches!(r, Err(NodeError::Unavailable(_))), "{r:?}");
+    let r = node.delete(&id).await;
+    assert!(matches!(r, Err(NodeError::Unavailable(_))), "{r:?}");
+    let resp = health("t").await.unwrap();
+    assert_eq!(resp.status(), 503);
+    let body: serde_json::Value = resp.json().await.unwrap();
+    assert_eq!(body["serving"], false);
+    // The token is still checked first.
+    assert_eq!(health("wrong").await.unwrap().status(), 401);
+
+    gate.0.store(true, Ordering::SeqCst);
+    assert_eq!(node.list().await.unwrap()[0].id, id);
+}

@@ -147,7 +147,7 @@ pub fn generate_key() -> String {
 /// A new key named `name`: its row (id `key_` + 16 hex digits, SHA-256 digest of the key)
 /// and the key itself (`sk-` + 43 base64url characters), which is not kept anywhere and must
 /// be shown to the operator once. Nothing is stored; see [`create_key`].
-pub fn new_key(name: &str, admin: bool, quota: Quota) -> (KeyRow, String) {
+fn new_key(name: &str, admin: bool, quota: Quota) -> (KeyRow, String) {
     let key = generate_key();
     let id_bytes: [u8; 8] = rand::random();
     let row = KeyRow {

@@ -91,8 +91,13 @@ pub struct ServerConfig {
     /// OCI runtime of `container` sandboxes created without one (default `runc`; must match
     /// the node's `NodeConfig::default_runtime`).
     pub default_runtime: String,
-    /// Data directory; the store is `DATA/sandlot.db`.
+    /// Data directory; the store is `DATA/sandlot.db` unless [`ServerConfig::postgres_url`]
+    /// is set (audit events and process output spill stay here either way).
     pub data_dir: PathBuf,
+    /// PostgreSQL URL (libpq URI form, [`pg`]) of the sandbox registry and trajectory log
+    /// instead of the SQLite files under `data_dir` (default none). One server per
+    /// database for now ([`pg::SERVER_LOCK`]).
+    pub postgres_url: Option<String>,
     /// Largest JSON request body in bytes (default 16 MiB); larger → 413 `payload_too_large`.
     pub max_json_bytes: usize,
     /// Largest file upload and download in bytes (default 256 MiB); larger → 413 on upload,
@@ -173,6 +178,7 @@ impl ServerConfig {
             trajectory_retention: Duration::from_secs(168 * 3600),
             trajectory_gc_interval: Duration::from_secs(60),
             trajectory_fsync: false,
+            postgres_url: None,
             images_dir: None,
             conn: conn::ConnLimits::default(),
             disk_reserve_bytes: 256 << 20,
@@ -228,7 +234,7 @@ pub struct AppState {
     /// Cluster mode: the node set behind [`AppState::node`] (placement before a create's
     /// record is written, the lost-node sweeper); `None` for one node (`sandlot up`,
     /// `sandlot server --node`).
-    pub cluster: Option<Arc<cluster::ClusterNode>>,
+    pub cluster: std::sync::OnceLock<Arc<cluster::ClusterNode>>,
 }
 
 /// Handler state: cheap to clone.
@@ -240,33 +246,30 @@ impl AppState {
     /// # Errors
     /// The data directory cannot be created or the database cannot be opened.
     pub fn open(cfg: ServerConfig, node: Arc<dyn Node>) -> anyhow::Result<SharedState> {
-        Self::open_with(cfg, node, None)
-    }
-
-    /// [`AppState::open`] in cluster mode: the node is `cluster` itself.
-    ///
-    /// # Errors
-    /// As [`AppState::open`].
-    pub fn open_cluster(
-        cfg: ServerConfig,
-        cluster: Arc<cluster::ClusterNode>,
-    ) -> anyhow::Result<SharedState> {
-        Self::open_with(cfg, cluster.clone(), Some(cluster))
-    }
-
-    fn open_with(
-        cfg: ServerConfig,
-        node: Arc<dyn Node>,
-        cluster: Option<Arc<cluster::ClusterNode>>,
-    ) -> anyhow::Result<SharedState> {
         std::fs::create_dir_all(&cfg.data_dir)
             .with_context(|| format!("create data dir {}", cfg.data_dir.display()))?;
         let db = cfg.data_dir.join("sandlot.db");
-        let store: Arc<dyn registry::Registry> = Arc::new(store::Store::open(&db)?);
+        let store = Arc::new(store::Store::open(&db)?);
         let trajectories = Arc::new(trajectory_store::SqliteTrajectoryStore::open(
             &cfg.data_dir.join("trajectories.db"),
             cfg.trajectory_fsync,
         )?);
+        AppState::open_with(cfg, node, store, trajectories)
+    }
+
+    /// As [`AppState::open`], with the registry and the trajectory log given (PostgreSQL's,
+    /// [`pg::open_server`]).
+    ///
+    /// # Errors
+    /// The data directory (audit events, process output) cannot be created or opened.
+    pub fn open_with(
+        cfg: ServerConfig,
+        node: Arc<dyn Node>,
+        store: Arc<dyn registry::Registry>,
+        trajectories: Arc<dyn trajectory_store::TrajectoryStore>,
+    ) -> anyhow::Result<SharedState> {
+        std::fs::create_dir_all(&cfg.data_dir)
+            .with_context(|| format!("create data dir {}", cfg.data_dir.display()))?;
         let node_name = node.info().name;
         let file_budget = Arc::new(budget::FileBudget::new(
             cfg.file_read_budget_bytes,
@@ -310,7 +313,7 @@ impl AppState {
             processes,
             auth_on: std::sync::atomic::AtomicBool::new(false),
             e2b: Default::default(),
-            cluster,
+            cluster: std::sync::OnceLock::new(),
         }))
     }
 }
@@ -439,6 +442,9 @@ pub fn router(state: SharedState) -> Router {
 pub struct Server {
     state: SharedState,
     listener: tokio::net::TcpListener,
+    /// With [`ServerConfig::postgres_url`]: the stores and the server lock, held while the
+    /// server lives.
+    _pg: Option<pg::ServerStores>,
 }
 
 impl Server {
@@ -449,8 +455,7 @@ impl Server {
     /// Store, bind or re-adoption failures, with context; a non-loopback `cfg.listen` while
     /// the store holds no API key (the server would serve anyone without authentication).
     pub async fn bind(cfg: ServerConfig, node: Arc<dyn Node>) -> anyhow::Result<Server> {
-        let state = AppState::open(cfg, node)?;
-        Self::bind_state(state).await
+        Self::bind_with(cfg, node, None).await
     }
 
     /// [`Server::bind`] in cluster mode: sandboxes are placed on the nodes of `cluster`;
@@ -463,20 +468,45 @@ impl Server {
         cfg: ServerConfig,
         cluster: Arc<cluster::ClusterNode>,
     ) -> anyhow::Result<Server> {
-        let state = AppState::open_cluster(cfg, cluster)?;
-        Self::bind_state(state).await
+        Self::bind_with(cfg, cluster.clone(), Some(cluster)).await
     }
 
-    async fn bind_state(state: SharedState) -> anyhow::Result<Server> {
-        let listen = state.cfg.listen;
-        let data_dir = state.cfg.data_dir.clone();
+    async fn bind_with(
+        cfg: ServerConfig,
+        node: Arc<dyn Node>,
+        cluster: Option<Arc<cluster::ClusterNode>>,
+    ) -> anyhow::Result<Server> {
+        let listen = cfg.listen;
+        let data_dir = cfg.data_dir.clone();
+        let on_pg = cfg.postgres_url.is_some();
+        let (state, pg) = match cfg.postgres_url.clone() {
+            None => (AppState::open(cfg, node)?, None),
+            Some(url) => {
+                let pg = pg::open_server(&url)
+                    .await
+                    .context("open the PostgreSQL stores")?;
+                let state =
+                    AppState::open_with(cfg, node, pg.registry.clone(), pg.trajectories.clone())?;
+                (state, Some(pg))
+            }
+        };
+        if let Some(c) = cluster {
+            let _ = state.cluster.set(c);
+        }
         if !listen.ip().is_loopback() && !state.store.has_keys().await? {
+            let (store, flag) = if on_pg {
+                (
+                    "the PostgreSQL store".to_owned(),
+                    "--postgres URL".to_owned(),
+                )
+            } else {
+                let db = data_dir.join("sandlot.db").display().to_string();
+                (db, format!("--data-dir {}", data_dir.display()))
+            };
             anyhow::bail!(
-                "refusing to listen on {listen} without authentication: no API keys in {}. \
-                 Create one with `sandlot key create --data-dir {} --name NAME --admin`, \
-                 or listen on a loopback address (127.0.0.1, ::1)",
-                data_dir.join("sandlot.db").display(),
-                data_dir.display()
+                "refusing to listen on {listen} without authentication: no API keys in \
+                 {store}. Create one with `sandlot key create {flag} --name NAME --admin`, \
+                 or listen on a loopback address (127.0.0.1, ::1)"
             );
         }
         if auth::enabled(&state).await? {
@@ -492,7 +522,11 @@ impl Server {
         let listener = tokio::net::TcpListener::bind(listen)
             .await
             .with_context(|| format!("listen on {listen}"))?;
-        Ok(Server { state, listener })
+        Ok(Server {
+            state,
+            listener,
+            _pg: pg,
+        })
     }
 
     /// The bound address (useful with port 0).
@@ -516,7 +550,8 @@ impl Server {
         let reaper = tokio::spawn(lifecycle::reaper(state.clone(), stop_rx.clone()));
         let sweeper = state
             .cluster
-            .clone()
+            .get()
+            .cloned()
             .map(|c| cluster::spawn_sweeper(state.clone(), c, stop_rx.clone()));
         let grace = state.cfg.shutdown_grace;
         tracing::info!(

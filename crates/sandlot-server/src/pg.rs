@@ -54,6 +54,65 @@ pub enum PgError {
     /// Applying the migrations failed.
     #[error("postgres migrations: {0}")]
     Migrate(#[from] refinery::Error),
+    /// Another server holds [`SERVER_LOCK`] on this database.
+    #[error(
+        "another sandlot server runs on this PostgreSQL database (it holds advisory lock \
+         {SERVER_LOCK:#x}); one server per database for now: stop it first"
+    )]
+    InUse,
+}
+
+/// Key of the session-level advisory lock a server holds on its database while it runs
+/// (ASCII "sandlots"). One server per database for now: several servers at once need the
+/// transition owners and the singleton election of cluster mode, not yet wired (issue 21);
+/// a restarted or replacement server takes over the database as soon as the previous one is
+/// gone (PostgreSQL drops a session's advisory locks when its connection closes, also when
+/// the process is killed).
+pub const SERVER_LOCK: i64 = 0x7361_6e64_6c6f_7473;
+
+/// The stores of a server on PostgreSQL and the connection that holds [`SERVER_LOCK`].
+pub struct ServerStores {
+    /// Sandbox records, keys, trajectory owners, checkpoints.
+    pub registry: std::sync::Arc<crate::registry::PgRegistry>,
+    /// The trajectory log.
+    pub trajectories: std::sync::Arc<crate::trajectory_store::PgTrajectoryStore>,
+    /// Holds [`SERVER_LOCK`] while it lives (its connection task runs beside it).
+    _lock: tokio_postgres::Client,
+}
+
+/// Connect to `url` ([`connect`], [`DEFAULT_POOL_SIZE`] connections), take [`SERVER_LOCK`]
+/// on a connection of its own, and open the registry and the trajectory log on the pool.
+///
+/// # Errors
+/// As [`connect`]; [`PgError::InUse`] when another server holds the lock.
+pub async fn open_server(url: &str) -> Result<ServerStores, PgError> {
+    let pool = connect(url, DEFAULT_POOL_SIZE).await?;
+    let config: tokio_postgres::Config = url.parse().map_err(PgError::Url)?;
+    let (client, conn) = config.connect(NoTls).await.map_err(|source| PgError::Sql {
+        op: "connect for the server lock",
+        source,
+    })?;
+    tokio::spawn(async move {
+        if let Err(e) = conn.await {
+            tracing::error!(error = %e, "PostgreSQL connection holding the server lock closed");
+        }
+    });
+    let got: bool = client
+        .query_one("SELECT pg_try_advisory_lock($1)", &[&SERVER_LOCK])
+        .await
+        .map_err(|source| PgError::Sql {
+            op: "take server lock",
+            source,
+        })?
+        .get(0);
+    if !got {
+        return Err(PgError::InUse);
+    }
+    Ok(ServerStores {
+        registry: std::sync::Arc::new(crate::registry::PgRegistry::new(pool.clone())),
+        trajectories: std::sync::Arc::new(crate::trajectory_store::PgTrajectoryStore::new(pool)),
+        _lock: client,
+    })
 }
 
 /// A pool of connections to `url` (at most `max_size`), with the schema migrated to the

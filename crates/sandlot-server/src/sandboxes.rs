@@ -37,6 +37,10 @@ use std::collections::BTreeMap;
 
 /// Largest TTL: one week, in seconds.
 pub const MAX_TTL_S: u64 = 604_800;
+/// Label keys a client may not set: Sandlot's own (`sandlot.kind=run_code` marks the
+/// ephemeral sandbox of a `run_code` call, which a restart deletes).
+pub const RESERVED_LABEL_PREFIX: &str = "sandlot.";
+
 /// Most entries in `env` or `labels`.
 pub const MAX_MAP_ENTRIES: usize = 256;
 /// Longest key of `env` or `labels`, bytes.
@@ -140,6 +144,16 @@ pub fn validate(req: &CreateSandboxRequest) -> ApiResult<Validated> {
     req.network.check().map_err(ServerError::invalid)?;
     check_map("env", &spec.env, MAX_ENV_VALUE_BYTES)?;
     check_map("labels", &req.labels, MAX_LABEL_VALUE_BYTES)?;
+    if let Some(k) = req
+        .labels
+        .keys()
+        .find(|k| k.starts_with(RESERVED_LABEL_PREFIX))
+    {
+        return Err(ServerError::invalid(format!(
+            "labels key {k:?}: the prefix {RESERVED_LABEL_PREFIX:?} is reserved for labels \
+             Sandlot sets itself"
+        )));
+    }
     Ok(Validated { image, spec })
 }
 
@@ -203,7 +217,7 @@ pub async fn create_sandbox(
     let mut labels = req.labels.clone();
     labels.extend(labels_extra);
     let id = new_id();
-    let node = match &st.cluster {
+    let node = match st.cluster.get() {
         // Cluster mode: pick the node before the record is written, so the record names
         // it; nothing fits → 429 `resource_exhausted` at once.
         Some(c) => {
@@ -222,7 +236,7 @@ pub async fn create_sandbox(
             st.node_name.clone()
         }
     };
-    let mut placed = Unassign(st.cluster.as_deref(), &id);
+    let mut placed = Unassign(st.cluster.get().map(|c| &**c), &id);
     let now = now_ms();
     let rec = Record {
         id: id.clone(),

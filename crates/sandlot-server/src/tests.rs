@@ -136,6 +136,10 @@ async fn create_validation_and_rejections_are_json_errors() {
         (json!({"image": "../etc"}), "image name"),
         (json!({"env": {"A=B": "x"}}), "env key"),
         (json!({"labels": {"k": "v".repeat(2000)}}), "labels value"),
+        (
+            json!({"labels": {"sandlot.kind": "run_code"}}),
+            "prefix \"sandlot.\" is reserved",
+        ),
     ];
     for (body, needle) in cases {
         let r = call(&t.app, Method::POST, "/v1/sandboxes", Some(body.clone())).await;
@@ -932,11 +936,21 @@ async fn restart_deletes_run_code_sandboxes_instead_of_readopting_them() {
         let t = open_on(&dir, &node);
         (
             create(&t, json!({"labels": {"job": "j"}})).await,
-            create(
-                &t,
-                json!({"labels": {"sandlot.kind": "run_code"}, "ttl_s": 86400}),
+            // As run_code makes it: the label is Sandlot's own (a client may not set it).
+            crate::sandboxes::create_sandbox(
+                &t.st,
+                &crate::auth::Principal::anonymous(),
+                sandlot_api::CreateSandboxRequest {
+                    ttl_s: Some(86400),
+                    ..Default::default()
+                },
+                [("sandlot.kind".to_owned(), "run_code".to_owned())].into(),
+                None,
             )
-            .await,
+            .await
+            .unwrap()
+            .0
+            .id,
         )
     };
     let st = AppState::open(ServerConfig::new(dir), node.clone()).unwrap();

@@ -1,0 +1,85 @@
+#!/usr/bin/env python3
+"""Exec round trip in a live `function` sandbox vs bare `chroot` (issue 24 item 5).
+
+Usage (as root): python3 bench/fastexec.py [--binary target/release/sandlot] [--n 60]
+
+Subjects, interleaved in rounds at concurrency 1 (and `--conc` if given), in one run:
+exec `true` and `python3 -c 'print(1)'` in one live function sandbox (POST
+/v1/sandboxes/{id}/exec, keep-alive HTTP), and the same argv under `chroot ROOTFS`.
+Prints p50/p99 per subject and the exec/chroot ratios; `--json` writes the raw figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import run as R  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--binary", default=str(R.REPO / "target/release/sandlot"))
+    p.add_argument("--images-dir", default="/var/lib/sandlot/images")
+    p.add_argument("--url", help="a running server (default: start one)")
+    p.add_argument("--n", type=int, default=60)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--conc", type=int, default=0, help="also measure at this concurrency")
+    p.add_argument("--json")
+    args = p.parse_args(argv)
+    rootfs = R.find_rootfs(None)
+    server = None
+    if args.url:
+        url = args.url
+    else:
+        server = R.Server(Path(args.binary), Path(args.images_dir), [], 60.0)
+        server.start()
+        url = server.url
+    api = R.Api(url, "fastexec")
+    out: dict = {"machine": R.machine(), "load": R.loadavg(), "by_conc": {}}
+    try:
+        sid = api.create("python")
+        py = ["/usr/bin/python3", "-c", "print(1)"]
+
+        def ex(cmd: list[str], want: str):
+            def call() -> float:
+                t0 = R.time.perf_counter()
+                res = api.exec(sid, cmd)
+                lat = R.time.perf_counter() - t0
+                if res.get("exit_code") != 0 or res.get("stdout") != want:
+                    raise R.BenchError(f"exec answered {json.dumps(res)[:300]}")
+                return lat
+            return call
+
+        subjects = [
+            ("chroot true", R.subprocess_call(["chroot", str(rootfs), "/bin/true"], "", 30)),
+            ("exec true", ex(["/bin/true"], "")),
+            ("chroot python", R.subprocess_call(["chroot", str(rootfs), *py], "1\n", 30)),
+            ("exec python", ex(py, "1\n")),
+        ]
+        concs = [1] + ([args.conc] if args.conc > 1 else [])
+        for conc in concs:
+            res = R.interleaved(subjects, args.n, conc, args.rounds, 300.0, warmup=3)
+            out["by_conc"][conc] = {k: v.to_json() for k, v in res.items()}
+            print(f"concurrency {conc} (load {R.loadavg()}):")
+            for k, v in res.items():
+                print(f"  {k:15s} p50 {R.fmt_ms(v.p(50)):>8s} ms  p99 {R.fmt_ms(v.p(99)):>8s} ms  "
+                      f"rate {R.fmt_rate(v.rate):>8s}/s  errors {v.errors} {v.error_msgs[:1]}")
+            for a, b in (("exec true", "chroot true"), ("exec python", "chroot python")):
+                print(f"  {a} / {b}: p50 {R.fmt_ratio(R.ratio(res[a].p(50), res[b].p(50)))}")
+        api.delete(sid)
+    finally:
+        api.close()
+        if server:
+            server.stop()
+            server.cleanup_dir()
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
