@@ -70,9 +70,10 @@ enum Command {
     /// running, and the next `sandlot node` on the same data directory re-adopts every live
     /// one at start (a server's `readopt` then removes those it has no record of).
     Node(NodeArgs),
-    /// Run the API server against one node served by `sandlot node` (cluster mode, in
-    /// progress: one node, state in DATA/sandlot.db; etcd membership and PostgreSQL are not
-    /// wired yet).
+    /// Run the API server against nodes served by `sandlot node` (cluster mode, in
+    /// progress): one node (`--node URL`), or every node registered in etcd (`--etcd
+    /// URLS`: placement over them, routing by sandbox id, lost-node sweep). State stays in
+    /// DATA/sandlot.db (PostgreSQL is not wired yet), so run one server per cluster.
     ///
     /// Prints `sandlot listening on http://ADDR` on stdout when ready. A call whose node
     /// request failed in transport answers 503 `unavailable` (outcome unknown) and never
@@ -173,10 +174,14 @@ struct ServerArgs {
     /// Data directory of the server's own state (sandlot.db, trajectory log, events).
     #[arg(long, env = "SANDLOT_DATA_DIR")]
     data_dir: PathBuf,
-    /// URL of the node (`sandlot node`'s `http://HOST:PORT`).
-    #[arg(long)]
-    node: String,
-    /// File holding the node API token (the node's `--token-file`).
+    /// URL of the node (`sandlot node`'s `http://HOST:PORT`); one node, no etcd.
+    #[arg(long, required_unless_present = "etcd", conflicts_with = "etcd")]
+    node: Option<String>,
+    /// etcd client URLs, comma-separated (`http://HOST:PORT,...`): serve every node
+    /// registered there (cluster mode: placement over the nodes, lost-node sweep).
+    #[arg(long, value_delimiter = ',')]
+    etcd: Vec<String>,
+    /// File holding the node API token (the nodes' `--token-file`).
     #[arg(long)]
     node_token_file: PathBuf,
     /// The node's image store, when this host can read it (run_code then answers a missing
@@ -905,13 +910,29 @@ async fn server(a: ServerArgs) -> anyhow::Result<u8> {
     init_logs(a.log_format);
     raise_nofile_limit();
     let token = read_token(&a.node_token_file)?;
-    let node = sandlot_node_remote::RemoteNode::connect(&a.node, Some(token))
-        .await
-        .with_context(|| format!("connect to node {}", a.node))?;
-    let name = sandlot_node_api::Node::info(&node).name;
-    tracing::info!(node = %a.node, %name, "node connected");
     let mut cfg = a.server.config(a.data_dir, a.listen)?;
     cfg.images_dir = a.images_dir;
+    let Some(url) = a.node else {
+        let etcd = sandlot_cluster::connect(&a.etcd)
+            .await
+            .with_context(|| format!("connect to etcd {}", a.etcd.join(",")))?;
+        let cluster = sandlot_server::cluster::ClusterNode::start(
+            &etcd,
+            Some(token),
+            sandlot_node_remote::RemoteOptions::default(),
+        )
+        .await
+        .context("read the node set from etcd")?;
+        let names: Vec<String> = cluster.nodes().into_keys().collect();
+        tracing::info!(etcd = %a.etcd.join(","), nodes = ?names, "cluster mode: following the nodes registered in etcd");
+        let server = sandlot_server::Server::bind_cluster(cfg, cluster).await?;
+        return run_bound(server).await;
+    };
+    let node = sandlot_node_remote::RemoteNode::connect(&url, Some(token))
+        .await
+        .with_context(|| format!("connect to node {url}"))?;
+    let name = sandlot_node_api::Node::info(&node).name;
+    tracing::info!(node = %url, %name, "node connected");
     serve_api(cfg, Arc::new(node)).await
 }
 
@@ -928,6 +949,11 @@ async fn serve_api(
     node: Arc<dyn sandlot_node_api::Node>,
 ) -> anyhow::Result<u8> {
     let server = sandlot_server::Server::bind(cfg, node).await?;
+    run_bound(server).await
+}
+
+/// Prints the listening line and serves until SIGTERM/SIGINT.
+async fn run_bound(server: sandlot_server::Server) -> anyhow::Result<u8> {
     let addr = server.local_addr()?;
     println!("sandlot listening on http://{addr}");
     std::io::stdout().flush().ok();

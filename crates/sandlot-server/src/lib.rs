@@ -33,6 +33,7 @@
 pub mod auth;
 pub mod budget;
 pub mod checkpoints;
+pub mod cluster;
 pub mod conn;
 pub mod disk_reserve;
 pub mod e2b;
@@ -232,6 +233,10 @@ pub struct AppState {
     pub auth_on: std::sync::atomic::AtomicBool,
     /// E2B process ids of the envd surface ([`e2b`]).
     pub e2b: e2b::E2bState,
+    /// Cluster mode: the node set behind [`AppState::node`] (placement before a create's
+    /// record is written, the lost-node sweeper); `None` for one node (`sandlot up`,
+    /// `sandlot server --node`).
+    pub cluster: std::sync::OnceLock<Arc<cluster::ClusterNode>>,
 }
 
 /// Handler state: cheap to clone.
@@ -310,6 +315,7 @@ impl AppState {
             processes,
             auth_on: std::sync::atomic::AtomicBool::new(false),
             e2b: Default::default(),
+            cluster: std::sync::OnceLock::new(),
         }))
     }
 }
@@ -460,6 +466,27 @@ impl Server {
     /// Store, bind or re-adoption failures, with context; a non-loopback `cfg.listen` while
     /// the store holds no API key (the server would serve anyone without authentication).
     pub async fn bind(cfg: ServerConfig, node: Arc<dyn Node>) -> anyhow::Result<Server> {
+        Self::bind_with(cfg, node, None).await
+    }
+
+    /// [`Server::bind`] in cluster mode: sandboxes are placed on the nodes of `cluster`;
+    /// start-up reconciles every registered node ([`cluster::recover`]) and
+    /// [`Server::run`] runs the lost-node sweeper ([`cluster::spawn_sweeper`]).
+    ///
+    /// # Errors
+    /// As [`Server::bind`].
+    pub async fn bind_cluster(
+        cfg: ServerConfig,
+        cluster: Arc<cluster::ClusterNode>,
+    ) -> anyhow::Result<Server> {
+        Self::bind_with(cfg, cluster.clone(), Some(cluster)).await
+    }
+
+    async fn bind_with(
+        cfg: ServerConfig,
+        node: Arc<dyn Node>,
+        cluster: Option<Arc<cluster::ClusterNode>>,
+    ) -> anyhow::Result<Server> {
         let listen = cfg.listen;
         let data_dir = cfg.data_dir.clone();
         let on_pg = cfg.postgres_url.is_some();
@@ -474,6 +501,9 @@ impl Server {
                 (state, Some(pg))
             }
         };
+        if let Some(c) = cluster {
+            let _ = state.cluster.set(c);
+        }
         if !listen.ip().is_loopback() && !state.store.has_keys().await? {
             let (store, flag) = if on_pg {
                 (
@@ -529,6 +559,11 @@ impl Server {
         let state = self.state;
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
         let reaper = tokio::spawn(lifecycle::reaper(state.clone(), stop_rx.clone()));
+        let sweeper = state
+            .cluster
+            .get()
+            .cloned()
+            .map(|c| cluster::spawn_sweeper(state.clone(), c, stop_rx.clone()));
         let grace = state.cfg.shutdown_grace;
         tracing::info!(
             max_connections = state.conns.max_total(),
@@ -554,6 +589,9 @@ impl Server {
             }
         };
         reaper.abort();
+        if let Some(s) = sweeper {
+            s.abort();
+        }
         out
     }
 }

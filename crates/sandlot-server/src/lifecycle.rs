@@ -20,6 +20,9 @@ use std::collections::HashSet;
 /// # Errors
 /// Store or node failures; the server does not start then.
 pub async fn recover(st: &SharedState) -> anyhow::Result<()> {
+    if let Some(c) = st.cluster.get() {
+        return crate::cluster::recover(st, c).await;
+    }
     let records = st.store.list().await?;
     let keep: Vec<String> = records
         .iter()

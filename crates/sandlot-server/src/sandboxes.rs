@@ -214,19 +214,36 @@ pub async fn create_sandbox(
     if req.backend == Backend::Container && v.spec.runtime.is_none() {
         v.spec.runtime = Some(st.cfg.default_runtime.clone());
     }
-    if matches!(req.backend, Backend::Microvm | Backend::Vm) {
-        // Decided once per node process (a start-up probe); waits for it if still running.
-        v.spec.accel = st.node.accel().await;
-    }
     let mut labels = req.labels.clone();
     labels.extend(labels_extra);
+    let id = new_id();
+    let node = match st.cluster.get() {
+        // Cluster mode: pick the node before the record is written, so the record names
+        // it; nothing fits → 429 `resource_exhausted` at once.
+        Some(c) => {
+            let placed = c.assign(&id, &placement_request(&req, &v, &labels, c).await?)?;
+            if matches!(req.backend, Backend::Microvm | Backend::Vm) {
+                v.spec.accel = placed.accelerator;
+            }
+            placed.node
+        }
+        None => {
+            if matches!(req.backend, Backend::Microvm | Backend::Vm) {
+                // Decided once per node process (a start-up probe); waits for it if still
+                // running.
+                v.spec.accel = st.node.accel().await;
+            }
+            st.node_name.clone()
+        }
+    };
+    let mut placed = Unassign(st.cluster.get().map(|c| &**c), &id);
     let now = now_ms();
     let rec = Record {
-        id: new_id(),
+        id: id.clone(),
         backend: req.backend,
         image: v.image,
         state: SandboxState::Creating,
-        node: st.node_name.clone(),
+        node,
         created_at_ms: now,
         expires_at_ms: (v.spec.ttl_s > 0).then(|| now + v.spec.ttl_s as i64 * 1000),
         spec: v.spec,
@@ -270,6 +287,7 @@ pub async fn create_sandbox(
             ))
         }
     }
+    placed.0 = None; // the create below owns the route now
     st.events.set_owner(&rec.id, rec.tenant.as_deref());
     // Own task: a dropped request future must not stop between the node's create and the
     // record update.
@@ -283,6 +301,42 @@ pub async fn create_sandbox(
     })
     .await
     .map_err(|e| ServerError::new(ErrorCode::Internal, format!("create task failed: {e}")))?
+}
+
+/// Forgets a cluster placement when the create stops before the node is asked (quota,
+/// idempotent replay, store error).
+struct Unassign<'a>(Option<&'a crate::cluster::ClusterNode>, &'a str);
+
+impl Drop for Unassign<'_> {
+    fn drop(&mut self) {
+        if let Some(c) = self.0 {
+            c.unassign(self.1);
+        }
+    }
+}
+
+/// The placement request of a create in cluster mode: backend, runtime, cpu, memory, the
+/// `job` label; a fork is placed on its checkpoint's node.
+async fn placement_request(
+    req: &CreateSandboxRequest,
+    v: &Validated,
+    labels: &BTreeMap<String, String>,
+    c: &crate::cluster::ClusterNode,
+) -> ApiResult<crate::placement::Request> {
+    let checkpoint_node = match &v.spec.checkpoint {
+        Some(ck) => Some(c.checkpoint_node(ck).await?),
+        None => None,
+    };
+    Ok(crate::placement::Request {
+        backend: req.backend,
+        runtime: v.spec.runtime.clone(),
+        accelerator: None,
+        cpu: v.spec.cpu,
+        memory_mib: v.spec.memory_mib,
+        layers: Vec::new(),
+        job: labels.get(crate::cluster::JOB_LABEL).cloned(),
+        checkpoint_node,
+    })
 }
 
 async fn finish_create(st: &SharedState, mut rec: Record) -> ApiResult<(Record, bool)> {

@@ -1,0 +1,819 @@
+//! Cluster mode's router: one server in front of every node registered in etcd
+//! (DESIGN.md "Cluster mode", issue 21 items 3, 5, 6, 8).
+//!
+//! [`ClusterNode`] is a [`Node`] that spreads over the node set: it follows the nodes
+//! registered under `/sandlot/nodes/` ([`sandlot_cluster::NodeSet`]) and holds one
+//! [`RemoteNode`] per node, connected on first use to the record's `advertise_url` with the
+//! shared node API token and dropped when the node leaves (or re-registers under another
+//! URL).
+//!
+//! - **Placement**: a create is placed by [`crate::placement::place`] over the registered
+//!   nodes (backend, runtime, cpu, memory, `job` label spread; power of two choices). When
+//!   no node fits the answer is [`NodeError::ResourceExhausted`] at once (HTTP 429 with
+//!   `Retry-After: 1`). The server places before it writes the record
+//!   ([`ClusterNode::assign`]), so the record's `node` is the real node's name from the
+//!   start. A fork goes to the node that holds its checkpoint.
+//! - **Routing**: sandbox id → node name in memory (filled by creates, at start from every
+//!   node's `list`, and when a node (re)joins); no store query on the hot path. An id not in
+//!   the map is looked up once on every node (`list`) and cached. Every I/O call (exec,
+//!   streaming or controlled, files, pause/resume, checkpoint) goes to the owning node.
+//! - **Lost-node sweep** ([`spawn_sweeper`]): when a node leaves the set (lease expired or
+//!   revoked) every `running`/`paused` record of it becomes `lost` (a `lost` event with
+//!   reason "node NAME left the cluster (lease expired)"); when a node (re)joins, its
+//!   `list` is reconciled against the records ([`reconcile`]).
+//!
+//! State stays in the server's own SQLite store (PostgreSQL is a later slice), so one
+//! server at a time fronts a cluster.
+use crate::placement::{self, Candidate, PlacementError, Request};
+use crate::{events, SharedState};
+use async_trait::async_trait;
+use rand::rngs::StdRng;
+use rand::SeedableRng;
+use sandlot_api::{Backend, ExecRequest, ExecResult, FileEntry, SandboxState};
+use sandlot_cluster::{NodeEvent, NodeRecord, NodeSet};
+use sandlot_node_api::{
+    CheckpointMeta, ExecControl, ExecSink, Liveness, Node, NodeError, NodeInfo, NodeResult,
+    SandboxSpec, SandboxStatus,
+};
+use sandlot_node_remote::{RemoteNode, RemoteOptions};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::{Arc, Mutex, RwLock};
+
+/// The label whose value spreads a job's sandboxes over nodes (placement's `job`).
+pub const JOB_LABEL: &str = "job";
+
+/// A [`Node`] over every node registered in etcd; see the module docs.
+pub struct ClusterNode {
+    set: NodeSet,
+    token: Option<String>,
+    opts: RemoteOptions,
+    /// Node name → (advertise URL it was connected at, client).
+    clients: Mutex<HashMap<String, (String, Arc<RemoteNode>)>>,
+    /// Sandbox id → node name.
+    routes: RwLock<HashMap<String, String>>,
+    /// Checkpoint id → node name.
+    checkpoints: RwLock<HashMap<String, String>>,
+    rng: Mutex<StdRng>,
+}
+
+impl std::fmt::Debug for ClusterNode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClusterNode")
+            .field("nodes", &self.set.nodes().keys().collect::<Vec<_>>())
+            .finish()
+    }
+}
+
+/// What [`ClusterNode::assign`] chose.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Placed {
+    /// The node's name (the record's `node`).
+    pub node: String,
+    /// The node's accelerator (`kvm`, `tcg`) from its membership record.
+    pub accelerator: Option<String>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn read<T>(m: &RwLock<T>) -> std::sync::RwLockReadGuard<'_, T> {
+    m.read().unwrap_or_else(|p| p.into_inner())
+}
+
+fn write<T>(m: &RwLock<T>) -> std::sync::RwLockWriteGuard<'_, T> {
+    m.write().unwrap_or_else(|p| p.into_inner())
+}
+
+impl ClusterNode {
+    /// Follows the node set in etcd (`client`, see [`sandlot_cluster::connect`]) and
+    /// reaches nodes with `token` (the nodes' shared node API token) under `opts`; fills
+    /// the routes from every registered node's `list` and `list_checkpoints` (a node that
+    /// does not answer is logged and looked up later).
+    ///
+    /// # Errors
+    /// `Unavailable` when etcd cannot be read.
+    pub async fn start(
+        client: &sandlot_cluster::Client,
+        token: Option<String>,
+        opts: RemoteOptions,
+    ) -> NodeResult<Arc<ClusterNode>> {
+        let set = NodeSet::start(client)
+            .await
+            .map_err(|e| NodeError::Unavailable(format!("etcd: {e}")))?;
+        let c = Arc::new(ClusterNode {
+            set,
+            token,
+            opts,
+            clients: Mutex::default(),
+            routes: RwLock::default(),
+            checkpoints: RwLock::default(),
+            rng: Mutex::new(StdRng::from_os_rng()),
+        });
+        for name in c.set.nodes().into_keys() {
+            if let Err(e) = c.learn(&name).await {
+                tracing::warn!(node = %name, error = %e, "cannot list the node's sandboxes at start");
+            }
+        }
+        Ok(c)
+    }
+
+    /// The records of the nodes registered now, by name.
+    pub fn nodes(&self) -> BTreeMap<String, NodeRecord> {
+        self.set.nodes()
+    }
+
+    /// The node set now and every change after it ([`NodeSet::subscribe`]).
+    pub fn subscribe(
+        &self,
+    ) -> (
+        BTreeMap<String, NodeRecord>,
+        tokio::sync::broadcast::Receiver<NodeEvent>,
+    ) {
+        self.set.subscribe()
+    }
+
+    /// The node that owns sandbox `id`, if known (no I/O).
+    pub fn route_of(&self, id: &str) -> Option<String> {
+        read(&self.routes).get(id).cloned()
+    }
+
+    /// Records that sandbox `id` lives on node `node` (reconcile).
+    pub fn set_route(&self, id: &str, node: &str) {
+        write(&self.routes).insert(id.to_owned(), node.to_owned());
+    }
+
+    /// Forgets the route of `id` (a create that was not made).
+    pub fn unassign(&self, id: &str) {
+        write(&self.routes).remove(id);
+    }
+
+    /// Places sandbox `id` ([`placement::place`] over the registered nodes) and routes it
+    /// there; its [`Node::create`] then goes to that node.
+    ///
+    /// # Errors
+    /// `ResourceExhausted` with every node's reason when none fits (also with no node
+    /// registered); `Unavailable` for a fork whose checkpoint's node is not registered.
+    pub fn assign(&self, id: &str, req: &Request) -> NodeResult<Placed> {
+        let nodes: Vec<Candidate> = self
+            .set
+            .nodes()
+            .into_values()
+            .map(|record| Candidate {
+                record,
+                serving: true,
+            })
+            .collect();
+        let picked = {
+            let mut rng = lock(&self.rng);
+            placement::place(&nodes, req, &mut *rng)
+        };
+        match picked {
+            Ok(c) => {
+                self.set_route(id, &c.record.name);
+                Ok(Placed {
+                    node: c.record.name.clone(),
+                    accelerator: c.record.accelerator.clone(),
+                })
+            }
+            Err(e @ PlacementError::NoCapacity(_)) => {
+                Err(NodeError::ResourceExhausted(e.to_string()))
+            }
+            Err(e @ PlacementError::CheckpointNodeGone(_)) => {
+                Err(NodeError::Unavailable(e.to_string()))
+            }
+        }
+    }
+
+    /// The node holding checkpoint `ck`, asking every node once when not known.
+    ///
+    /// # Errors
+    /// `NotFound` when no registered node has it.
+    pub async fn checkpoint_node(&self, ck: &str) -> NodeResult<String> {
+        if let Some(n) = read(&self.checkpoints).get(ck) {
+            return Ok(n.clone());
+        }
+        for name in self.set.nodes().into_keys() {
+            let Ok(node) = self.remote(&name).await else {
+                continue;
+            };
+            if let Ok(cks) = node.list_checkpoints().await {
+                let mut map = write(&self.checkpoints);
+                for c in cks {
+                    map.insert(c, name.clone());
+                }
+            }
+        }
+        read(&self.checkpoints)
+            .get(ck)
+            .cloned()
+            .ok_or_else(|| NodeError::NotFound(format!("no checkpoint {ck} on any node")))
+    }
+
+    /// The client of node `name` (connected on first use).
+    ///
+    /// # Errors
+    /// `Unavailable` when the node is not registered; the connect's error
+    /// (`Transport`, `PermissionDenied`).
+    pub async fn remote(&self, name: &str) -> NodeResult<Arc<RemoteNode>> {
+        let Some(rec) = self.set.get(name) else {
+            lock(&self.clients).remove(name);
+            return Err(NodeError::Unavailable(format!(
+                "node {name} is not in the cluster"
+            )));
+        };
+        if let Some((url, n)) = lock(&self.clients).get(name) {
+            if *url == rec.advertise_url {
+                return Ok(n.clone());
+            }
+        }
+        let n = Arc::new(
+            RemoteNode::connect_with(&rec.advertise_url, self.token.clone(), self.opts.clone())
+                .await?,
+        );
+        lock(&self.clients).insert(name.to_owned(), (rec.advertise_url.clone(), n.clone()));
+        Ok(n)
+    }
+
+    /// Drops the client of a node that left.
+    pub fn forget_node(&self, name: &str) {
+        lock(&self.clients).remove(name);
+    }
+
+    /// Asks node `name` for its sandboxes and checkpoints and routes them to it; returns
+    /// its sandboxes.
+    ///
+    /// # Errors
+    /// As [`ClusterNode::remote`] and the node's `list`.
+    pub async fn learn(&self, name: &str) -> NodeResult<Vec<SandboxStatus>> {
+        let list = self.learn_sandboxes(name).await?;
+        let node = self.remote(name).await?;
+        if let Ok(cks) = node.list_checkpoints().await {
+            let mut map = write(&self.checkpoints);
+            for c in cks {
+                map.insert(c, name.to_owned());
+            }
+        }
+        Ok(list)
+    }
+
+    /// Asks node `name` for its sandboxes and routes them to it (no checkpoints: the
+    /// reaper's `list` every pass).
+    async fn learn_sandboxes(&self, name: &str) -> NodeResult<Vec<SandboxStatus>> {
+        let list = self.remote(name).await?.list().await?;
+        let mut routes = write(&self.routes);
+        for s in &list {
+            routes.insert(s.id.clone(), name.to_owned());
+        }
+        Ok(list)
+    }
+
+    /// The node name owning `id`: the route, else a lookup on every node (once; the
+    /// answer is cached).
+    async fn owner_name(&self, id: &str) -> NodeResult<String> {
+        if let Some(n) = self.route_of(id) {
+            return Ok(n);
+        }
+        let names: Vec<String> = self.set.nodes().into_keys().collect();
+        let lookups = names.iter().map(|n| self.learn_sandboxes(n));
+        let results = futures::future::join_all(lookups).await;
+        for (n, r) in names.iter().zip(results) {
+            if let Err(e) = r {
+                tracing::warn!(node = %n, error = %e, "sandbox lookup: node did not answer");
+            }
+        }
+        self.route_of(id)
+            .ok_or_else(|| NodeError::NotFound(format!("no sandbox {id} on any node")))
+    }
+
+    /// The client of the node owning `id`.
+    async fn owner(&self, id: &str) -> NodeResult<Arc<RemoteNode>> {
+        let name = self.owner_name(id).await?;
+        self.remote(&name).await.map_err(|e| match e {
+            NodeError::Unavailable(_) => {
+                NodeError::Unavailable(format!("node {name} of sandbox {id} is not in the cluster"))
+            }
+            e => e,
+        })
+    }
+}
+
+/// Sandbox statuses of many nodes, one list.
+async fn union<F, Fut, T>(names: Vec<String>, f: F) -> (Vec<T>, Vec<(String, NodeError)>)
+where
+    F: Fn(String) -> Fut,
+    Fut: std::future::Future<Output = NodeResult<Vec<T>>>,
+{
+    let results = futures::future::join_all(names.iter().cloned().map(f)).await;
+    let (mut all, mut failed) = (Vec::new(), Vec::new());
+    for (n, r) in names.into_iter().zip(results) {
+        match r {
+            Ok(v) => all.extend(v),
+            Err(e) => failed.push((n, e)),
+        }
+    }
+    (all, failed)
+}
+
+/// A placement request for a create: backend, runtime, cpu, memory, the `job` label, and
+/// for a fork the node of its checkpoint.
+pub fn request_of(
+    spec: &SandboxSpec,
+    job: Option<&str>,
+    checkpoint_node: Option<String>,
+) -> Request {
+    Request {
+        backend: spec.backend,
+        runtime: spec.runtime.clone(),
+        accelerator: None,
+        cpu: spec.cpu,
+        memory_mib: spec.memory_mib,
+        layers: Vec::new(),
+        job: job.map(str::to_owned),
+        checkpoint_node,
+    }
+}
+
+#[async_trait]
+impl Node for ClusterNode {
+    /// The cluster as one node: name `cluster`, the backends and runtimes some registered
+    /// node offers (`Err("no registered node offers it")` for the others), the first
+    /// node's accelerator, no warm pools, `cgroup_version` `"cluster"`.
+    fn info(&self) -> NodeInfo {
+        let nodes = self.set.nodes();
+        let offered: Vec<Backend> = nodes
+            .values()
+            .flat_map(|r| r.backends.iter().copied())
+            .collect();
+        let backends = [
+            Backend::Function,
+            Backend::Container,
+            Backend::Microvm,
+            Backend::Vm,
+        ]
+        .into_iter()
+        .map(|b| {
+            let ok = if offered.contains(&b) {
+                Ok(())
+            } else {
+                Err("no registered node offers it".to_owned())
+            };
+            (b, ok)
+        })
+        .collect();
+        let runtimes: BTreeSet<String> = nodes
+            .values()
+            .flat_map(|r| r.runtimes.iter().cloned())
+            .collect();
+        let accel = nodes.values().find_map(|r| {
+            r.accelerator
+                .clone()
+                .map(|a| (Some(a), format!("node {}", r.name)))
+        });
+        NodeInfo {
+            name: "cluster".into(),
+            backends,
+            cgroup_version: "cluster".into(),
+            runtimes: runtimes.into_iter().map(|r| (r, Ok(()))).collect(),
+            accel,
+            warm_pools: Vec::new(),
+        }
+    }
+
+    async fn create(&self, spec: &SandboxSpec) -> NodeResult<()> {
+        let name = match self.route_of(&spec.id) {
+            Some(n) => n,
+            None => self.assign(&spec.id, &request_of(spec, None, None))?.node,
+        };
+        let out = async { self.remote(&name).await?.create(spec).await }.await;
+        if let Err(e) = &out {
+            // Outcome unknown: keep the route so the reaper's delete reaches the node.
+            if !matches!(e, NodeError::Transport(_)) {
+                self.unassign(&spec.id);
+            }
+        }
+        out
+    }
+
+    async fn exec(
+        &self,
+        id: &str,
+        req: &ExecRequest,
+        sink: Option<ExecSink>,
+    ) -> NodeResult<ExecResult> {
+        self.owner(id).await?.exec(id, req, sink).await
+    }
+
+    async fn exec_controlled(
+        &self,
+        id: &str,
+        req: &ExecRequest,
+        sink: Option<ExecSink>,
+        control: ExecControl,
+    ) -> NodeResult<ExecResult> {
+        self.owner(id)
+            .await?
+            .exec_controlled(id, req, sink, control)
+            .await
+    }
+
+    async fn read_file(&self, id: &str, path: &str, max_bytes: u64) -> NodeResult<Vec<u8>> {
+        self.owner(id).await?.read_file(id, path, max_bytes).await
+    }
+
+    async fn file_size(&self, id: &str, path: &str) -> NodeResult<u64> {
+        self.owner(id).await?.file_size(id, path).await
+    }
+
+    async fn write_file(&self, id: &str, path: &str, data: bytes::Bytes) -> NodeResult<()> {
+        self.owner(id).await?.write_file(id, path, data).await
+    }
+
+    async fn write_files_volatile(
+        &self,
+        id: &str,
+        files: Vec<(String, bytes::Bytes)>,
+    ) -> NodeResult<()> {
+        self.owner(id).await?.write_files_volatile(id, files).await
+    }
+
+    async fn list_dir(&self, id: &str, path: &str) -> NodeResult<Vec<FileEntry>> {
+        self.owner(id).await?.list_dir(id, path).await
+    }
+
+    async fn remove_file(&self, id: &str, path: &str) -> NodeResult<()> {
+        self.owner(id).await?.remove_file(id, path).await
+    }
+
+    async fn stat_file(&self, id: &str, path: &str) -> NodeResult<FileEntry> {
+        self.owner(id).await?.stat_file(id, path).await
+    }
+
+    async fn make_dir(&self, id: &str, path: &str, parents: bool) -> NodeResult<()> {
+        self.owner(id).await?.make_dir(id, path, parents).await
+    }
+
+    async fn pause(&self, id: &str) -> NodeResult<()> {
+        self.owner(id).await?.pause(id).await
+    }
+
+    async fn resume(&self, id: &str) -> NodeResult<()> {
+        self.owner(id).await?.resume(id).await
+    }
+
+    /// Deletes on the owning node. An id no node has, or whose node left the cluster, is
+    /// done (the sandbox went with its node; a node that comes back deletes it as an
+    /// orphan in [`reconcile`]).
+    async fn delete(&self, id: &str) -> NodeResult<()> {
+        let name = match self.owner_name(id).await {
+            Ok(n) => n,
+            Err(NodeError::NotFound(_)) => return Ok(()),
+            Err(e) => return Err(e),
+        };
+        let node = match self.remote(&name).await {
+            Ok(n) => n,
+            Err(NodeError::Unavailable(_)) => {
+                self.unassign(id);
+                return Ok(());
+            }
+            Err(e) => return Err(e),
+        };
+        node.delete(id).await?;
+        self.unassign(id);
+        Ok(())
+    }
+
+    /// The union of every registered node's list. Nodes that do not answer are logged and
+    /// left out (their sandboxes are neither alive nor dead to the caller); all failing is
+    /// the first node's error.
+    async fn list(&self) -> NodeResult<Vec<SandboxStatus>> {
+        let names: Vec<String> = self.set.nodes().into_keys().collect();
+        let n = names.len();
+        let (all, mut failed) = union(
+            names,
+            |name| async move { self.learn_sandboxes(&name).await },
+        )
+        .await;
+        for (name, e) in &failed {
+            tracing::warn!(node = %name, error = %e, "list: node did not answer");
+        }
+        if n > 0 && failed.len() == n {
+            return Err(failed.swap_remove(0).1);
+        }
+        Ok(all)
+    }
+
+    /// Cluster mode reconciles per node ([`reconcile`]) rather than re-adopting: this only
+    /// reports which ids of `keep` some registered node runs (alive or unknown), and
+    /// deletes nothing.
+    async fn readopt(&self, keep: &[String]) -> NodeResult<Vec<String>> {
+        let live: BTreeSet<String> = self
+            .list()
+            .await?
+            .into_iter()
+            .filter(|s| !s.liveness.is_dead())
+            .map(|s| s.id)
+            .collect();
+        Ok(keep.iter().filter(|k| live.contains(*k)).cloned().collect())
+    }
+
+    async fn checkpoint(&self, id: &str, checkpoint_id: &str) -> NodeResult<CheckpointMeta> {
+        let name = self.owner_name(id).await?;
+        let meta = self
+            .remote(&name)
+            .await?
+            .checkpoint(id, checkpoint_id)
+            .await?;
+        write(&self.checkpoints).insert(checkpoint_id.to_owned(), name);
+        Ok(meta)
+    }
+
+    async fn create_from_checkpoint(
+        &self,
+        spec: &SandboxSpec,
+        checkpoint_id: &str,
+    ) -> NodeResult<()> {
+        let name = match self.route_of(&spec.id) {
+            Some(n) => n,
+            None => {
+                let ck = self.checkpoint_node(checkpoint_id).await?;
+                self.assign(&spec.id, &request_of(spec, None, Some(ck)))?
+                    .node
+            }
+        };
+        let out = async {
+            self.remote(&name)
+                .await?
+                .create_from_checkpoint(spec, checkpoint_id)
+                .await
+        }
+        .await;
+        if let Err(e) = &out {
+            if !matches!(e, NodeError::Transport(_)) {
+                self.unassign(&spec.id);
+            }
+        }
+        out
+    }
+
+    /// Deletes on the node holding it; a checkpoint no registered node has is done.
+    async fn delete_checkpoint(&self, checkpoint_id: &str) -> NodeResult<()> {
+        let name = match self.checkpoint_node(checkpoint_id).await {
+            Ok(n) => n,
+            Err(NodeError::NotFound(_)) => return Ok(()),
+            Err(e) => return Err(e),
+        };
+        match self.remote(&name).await {
+            Ok(n) => n.delete_checkpoint(checkpoint_id).await?,
+            Err(NodeError::Unavailable(_)) => {}
+            Err(e) => return Err(e),
+        }
+        write(&self.checkpoints).remove(checkpoint_id);
+        Ok(())
+    }
+
+    /// The union of every registered node's checkpoints.
+    ///
+    /// # Errors
+    /// The first error of a node that did not answer (a partial list would make the
+    /// caller drop records of checkpoints that still exist).
+    async fn list_checkpoints(&self) -> NodeResult<Vec<String>> {
+        let names: Vec<String> = self.set.nodes().into_keys().collect();
+        let (all, mut failed) = union(names, |name| async move {
+            let cks = self.remote(&name).await?.list_checkpoints().await?;
+            let mut map = write(&self.checkpoints);
+            for c in &cks {
+                map.insert(c.clone(), name.clone());
+            }
+            Ok(cks)
+        })
+        .await;
+        if !failed.is_empty() {
+            return Err(failed.swap_remove(0).1);
+        }
+        Ok(all)
+    }
+
+    /// Not answerable for the cluster as a whole: the server takes the accelerator of the
+    /// node a create is placed on from its membership record instead.
+    async fn accel(&self) -> Option<String> {
+        None
+    }
+}
+
+/// The reason of a `lost` event for a node that left.
+pub fn left_reason(node: &str) -> String {
+    format!("node {node} left the cluster (lease expired)")
+}
+
+/// Marks every `running` or `paused` record of node `node` `lost` with `reason` (a `lost`
+/// event each, as [`crate::lifecycle`] does for sandboxes that died). Returns the ids.
+pub async fn mark_node_lost(st: &SharedState, node: &str, reason: &str) -> Vec<String> {
+    let records = match st.store.list().await {
+        Ok(r) => r,
+        Err(e) => {
+            tracing::error!(%node, error = %e, "lost-node sweep: store");
+            return Vec::new();
+        }
+    };
+    let mut lost = Vec::new();
+    for r in records.into_iter().filter(|r| r.node == node) {
+        let from = [SandboxState::Running, SandboxState::Paused];
+        if let Ok(true) = st.store.transition(&r.id, &from, SandboxState::Lost).await {
+            tracing::warn!(sandbox_id = %r.id, %node, reason, "marked lost");
+            let mut f = serde_json::Map::new();
+            f.insert("reason".into(), reason.into());
+            events::record_queued(st, "lost", Some(&r.id), Some(r.backend), f);
+            lost.push(r.id);
+        }
+    }
+    lost
+}
+
+/// What [`reconcile`] did on one node.
+#[derive(Debug, Default, Clone, PartialEq)]
+pub struct Reconciled {
+    /// Sandboxes on the node whose record is live: kept (and routed).
+    pub kept: Vec<String>,
+    /// Sandboxes on the node whose record is `lost` or missing: deleted there (orphans).
+    pub orphans_deleted: Vec<String>,
+    /// `running`/`paused` records of the node it no longer has (or reports dead): now
+    /// `lost`.
+    pub marked_lost: Vec<String>,
+}
+
+/// Reconciles node `node` (at server start and when it rejoins) with the records: its
+/// sandboxes whose record is `lost` or missing are deleted on it (orphans); those with a
+/// live record stay and are routed to it; its `running`/`paused` records it does not have
+/// become `lost` ("not on node NAME after it rejoined").
+///
+/// # Errors
+/// The node's `list` error (nothing changed then); a failed orphan delete is logged and
+/// retried at the next reconcile.
+pub async fn reconcile(
+    st: &SharedState,
+    cluster: &ClusterNode,
+    node: &str,
+) -> NodeResult<Reconciled> {
+    // Records made after the list was taken are not judged by it.
+    let listed_at = crate::now_ms();
+    let on_node = cluster.learn(node).await?;
+    let remote = cluster.remote(node).await?;
+    let mut out = Reconciled::default();
+    let mut present = BTreeSet::new();
+    for s in &on_node {
+        let rec = st.store.get(&s.id).await.unwrap_or_else(|e| {
+            tracing::error!(sandbox_id = %s.id, error = %e, "reconcile: store");
+            None
+        });
+        match rec {
+            Some(r) if r.state != SandboxState::Lost => {
+                if matches!(s.liveness, Liveness::Alive | Liveness::Unknown(_)) {
+                    present.insert(s.id.clone());
+                }
+                if r.node != node {
+                    tracing::warn!(sandbox_id = %s.id, record_node = %r.node, %node, "sandbox found on another node than its record says");
+                }
+                out.kept.push(s.id.clone());
+            }
+            _ => match remote.delete(&s.id).await {
+                Ok(()) => {
+                    tracing::info!(sandbox_id = %s.id, %node, "orphan deleted on the node");
+                    cluster.unassign(&s.id);
+                    out.orphans_deleted.push(s.id.clone());
+                }
+                Err(e) => {
+                    tracing::warn!(sandbox_id = %s.id, %node, error = %e, "orphan delete failed; retried at the next reconcile")
+                }
+            },
+        }
+    }
+    let records = st.store.list().await.unwrap_or_default();
+    let reason = format!("not on node {node} after it rejoined");
+    for r in records.into_iter().filter(|r| r.node == node) {
+        if present.contains(&r.id) || r.created_at_ms >= listed_at {
+            continue;
+        }
+        let from = [SandboxState::Running, SandboxState::Paused];
+        if let Ok(true) = st.store.transition(&r.id, &from, SandboxState::Lost).await {
+            let mut f = serde_json::Map::new();
+            f.insert("reason".into(), reason.clone().into());
+            events::record_queued(st, "lost", Some(&r.id), Some(r.backend), f);
+            out.marked_lost.push(r.id);
+        }
+    }
+    Ok(out)
+}
+
+/// Server start in cluster mode (in place of [`crate::lifecycle::recover`]'s re-adoption):
+/// records of nodes not registered now become `lost` ("node NAME is not in the cluster at
+/// server start"); each registered node is reconciled ([`reconcile`]; one that does not
+/// answer is logged and reconciled when it next re-registers); records left `creating`
+/// by a previous process are removed; then checkpoints are recovered (a failure is
+/// logged: a node that did not answer keeps its checkpoints and their records).
+///
+/// # Errors
+/// Store errors.
+pub async fn recover(st: &SharedState, cluster: &ClusterNode) -> anyhow::Result<()> {
+    let nodes = cluster.nodes();
+    let records = st.store.list().await?;
+    let mut gone: BTreeSet<String> = BTreeSet::new();
+    for r in &records {
+        st.events.set_owner(&r.id, r.tenant.as_deref());
+        if r.state == SandboxState::Creating {
+            // Its creator died with the previous process: the reaper deletes it.
+            st.store
+                .transition(&r.id, &[SandboxState::Creating], SandboxState::Deleting)
+                .await?;
+        } else if !nodes.contains_key(&r.node) {
+            gone.insert(r.node.clone());
+        }
+    }
+    for node in gone {
+        mark_node_lost(
+            st,
+            &node,
+            &format!("node {node} is not in the cluster at server start"),
+        )
+        .await;
+    }
+    for name in nodes.keys() {
+        match reconcile(st, cluster, name).await {
+            Ok(r) => {
+                tracing::info!(node = %name, kept = r.kept.len(), orphans = r.orphans_deleted.len(), lost = r.marked_lost.len(), "node reconciled")
+            }
+            Err(e) => tracing::warn!(node = %name, error = %e, "node did not answer its reconcile"),
+        }
+    }
+    if let Err(e) = crate::checkpoints::recover(st).await {
+        tracing::warn!(error = %crate::error::chain(e.as_ref()), "checkpoint recovery skipped");
+    }
+    Ok(())
+}
+
+/// Starts the lost-node sweeper: follows the node set; a node that leaves gets its
+/// records marked `lost` ([`mark_node_lost`] with [`left_reason`]) and its client dropped;
+/// a node that joins (or re-registers with a new `started_at`, a restart) is reconciled
+/// ([`reconcile`]). Ends when `stop` turns true.
+pub fn spawn_sweeper(
+    st: SharedState,
+    cluster: Arc<ClusterNode>,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let (mut known, mut rx) = cluster.subscribe();
+        loop {
+            let ev = tokio::select! {
+                ev = rx.recv() => ev,
+                _ = stop.wait_for(|s| *s) => return,
+            };
+            match ev {
+                Ok(NodeEvent::Down(r)) => {
+                    known.remove(&r.name);
+                    cluster.forget_node(&r.name);
+                    let lost = mark_node_lost(&st, &r.name, &left_reason(&r.name)).await;
+                    tracing::warn!(node = %r.name, lost = lost.len(), "node left the cluster");
+                }
+                Ok(NodeEvent::Up(r)) => {
+                    known.insert(r.name.clone(), r.clone());
+                    rejoin(&st, &cluster, &r.name).await;
+                }
+                Ok(NodeEvent::Updated(r)) => {
+                    let restarted = known
+                        .get(&r.name)
+                        .is_some_and(|o| o.started_at != r.started_at);
+                    known.insert(r.name.clone(), r.clone());
+                    if restarted {
+                        rejoin(&st, &cluster, &r.name).await;
+                    }
+                }
+                Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {
+                    // Take a new snapshot and treat the difference as events.
+                    let (now, fresh) = cluster.subscribe();
+                    rx = fresh;
+                    for name in known.keys().filter(|n| !now.contains_key(*n)) {
+                        cluster.forget_node(name);
+                        mark_node_lost(&st, name, &left_reason(name)).await;
+                    }
+                    for (name, r) in &now {
+                        if known.get(name).is_none_or(|o| o.started_at != r.started_at) {
+                            rejoin(&st, &cluster, name).await;
+                        }
+                    }
+                    known = now;
+                }
+                Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
+            }
+        }
+    })
+}
+
+async fn rejoin(st: &SharedState, cluster: &ClusterNode, name: &str) {
+    cluster.forget_node(name);
+    match reconcile(st, cluster, name).await {
+        Ok(r) => {
+            tracing::info!(node = %name, kept = r.kept.len(), orphans = r.orphans_deleted.len(), lost = r.marked_lost.len(), "node joined; reconciled")
+        }
+        Err(e) => tracing::warn!(node = %name, error = %e, "node joined but its reconcile failed"),
+    }
+}

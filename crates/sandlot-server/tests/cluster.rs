@@ -1,0 +1,364 @@
+//! Cluster mode end to end: one `sandlot server` (HTTP API over a real socket) in front of
+//! three nodes registered in a real etcd (started by `scripts/etcd.sh` into a temp dir).
+//! Each node is an in-process node API server (`sandlot_node_remote::serve`) over the
+//! unit-test `FakeNode` (no root, no images; the placement, routing, lost-node sweep and
+//! reconcile under test are the real ones, as are etcd, HTTP/2 and the store).
+//! Without `etcd` on PATH the test prints "SKIPPED: ..." and returns.
+use sandlot_cluster::{connect, LeaseConfig, NodeRecord, NodeRegistration, Resources};
+use sandlot_node_api::fake::FakeNode;
+use sandlot_node_remote::RemoteOptions;
+use sandlot_server::cluster::ClusterNode;
+use serde_json::{json, Value};
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+const TOKEN: &str = "cluster-test-token";
+
+/// Local etcd members under a temp dir; stopped on drop.
+struct Etcd {
+    dir: tempfile::TempDir,
+    urls: Vec<String>,
+}
+
+fn script() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../scripts/etcd.sh")
+}
+
+impl Etcd {
+    /// `None` (after printing SKIPPED) when etcd is not installed.
+    fn start(test: &str) -> Option<Etcd> {
+        let found = Command::new("sh")
+            .args(["-c", "command -v etcd"])
+            .output()
+            .map(|o| o.status.success())
+            .unwrap_or(false);
+        if !found {
+            println!("SKIPPED: {test}: `etcd` not installed (Debian etcd-server; scripts/setup.sh installs it)");
+            return None;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let out = Command::new(script())
+            .args(["start", dir.path().to_str().unwrap(), "1"])
+            .output()
+            .expect("run scripts/etcd.sh");
+        assert!(
+            out.status.success(),
+            "etcd.sh start: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let urls = String::from_utf8(out.stdout)
+            .unwrap()
+            .lines()
+            .filter_map(|l| l.strip_prefix("etcd ").map(str::to_owned))
+            .collect::<Vec<_>>();
+        assert_eq!(urls.len(), 1);
+        Some(Etcd { dir, urls })
+    }
+}
+
+impl Drop for Etcd {
+    fn drop(&mut self) {
+        let _ = Command::new(script())
+            .args(["stop", self.dir.path().to_str().unwrap()])
+            .output();
+    }
+}
+
+/// An in-process node: a `FakeNode` behind the node API on 127.0.0.1.
+struct TestNode {
+    name: String,
+    fake: Arc<FakeNode>,
+    url: String,
+}
+
+async fn start_node(name: &str) -> TestNode {
+    let fake = Arc::new(FakeNode::default());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let app = sandlot_node_remote::router(fake.clone(), Some(TOKEN.into()));
+    tokio::spawn(sandlot_node_remote::serve(listener, app));
+    TestNode {
+        name: name.into(),
+        fake,
+        url,
+    }
+}
+
+fn record(n: &TestNode, started_at: &str) -> NodeRecord {
+    NodeRecord {
+        name: n.name.clone(),
+        advertise_url: n.url.clone(),
+        capacity: Resources {
+            cpu: 64.0,
+            memory_mib: 1 << 20,
+            sandboxes: 1000,
+        },
+        backends: vec![sandlot_api::Backend::Function],
+        runtimes: vec!["runc".into()],
+        started_at: started_at.into(),
+        ..Default::default()
+    }
+}
+
+async fn register(
+    etcd: &sandlot_cluster::Client,
+    n: &TestNode,
+    started_at: &str,
+) -> NodeRegistration {
+    NodeRegistration::register(etcd, record(n, started_at), LeaseConfig::new(3).unwrap())
+        .await
+        .unwrap()
+}
+
+struct Api {
+    http: reqwest::Client,
+    base: String,
+}
+
+impl Api {
+    async fn call(&self, method: reqwest::Method, path: &str, body: Option<Value>) -> (u16, Value) {
+        let mut rb = self.http.request(method, format!("{}{path}", self.base));
+        if let Some(b) = body {
+            rb = rb.json(&b);
+        }
+        let resp = rb.send().await.unwrap();
+        let status = resp.status().as_u16();
+        let text = resp.text().await.unwrap();
+        (
+            status,
+            serde_json::from_str(&text).unwrap_or(Value::String(text)),
+        )
+    }
+
+    async fn state(&self, id: &str) -> String {
+        let (s, b) = self
+            .call(reqwest::Method::GET, &format!("/v1/sandboxes/{id}"), None)
+            .await;
+        assert_eq!(s, 200, "{b}");
+        b["state"].as_str().unwrap().to_owned()
+    }
+}
+
+async fn eventually(what: &str, within: Duration, mut f: impl AsyncFnMut() -> bool) {
+    let t0 = Instant::now();
+    while t0.elapsed() < within {
+        if f().await {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("{what}: not within {within:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_server_spreads_routes_and_sweeps_over_etcd_nodes() {
+    let Some(etcd) = Etcd::start("a_server_spreads_routes_and_sweeps_over_etcd_nodes") else {
+        return;
+    };
+    let client = connect(&etcd.urls).await.unwrap();
+    let nodes = [
+        start_node("n1").await,
+        start_node("n2").await,
+        start_node("n3").await,
+    ];
+    let mut regs = Vec::new();
+    for n in &nodes {
+        regs.push(Some(register(&client, n, "2026-12-04T10:00:00Z").await));
+    }
+
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = sandlot_server::ServerConfig::new(dir.path().to_path_buf());
+    cfg.listen = "127.0.0.1:0".parse().unwrap();
+    cfg.disk_reserve_bytes = 0;
+    let cluster = ClusterNode::start(&client, Some(TOKEN.into()), RemoteOptions::default())
+        .await
+        .unwrap();
+    assert_eq!(cluster.nodes().len(), 3);
+    let server = sandlot_server::Server::bind_cluster(cfg, cluster.clone())
+        .await
+        .unwrap();
+    let base = format!("http://{}", server.local_addr().unwrap());
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let serving = tokio::spawn(server.run(async move {
+        let _ = stop_rx.await;
+    }));
+    let api = Api {
+        http: reqwest::Client::new(),
+        base,
+    };
+    let (s, health) = api.call(reqwest::Method::GET, "/healthz", None).await;
+    assert_eq!(s, 200, "{health}");
+    assert_eq!(health["node"], "cluster");
+    assert_eq!(health["backends"]["function"], "ok");
+
+    // 20 creates spread over the three nodes; each record names the node that holds it.
+    let mut ids = Vec::new();
+    for i in 0..20 {
+        let (s, b) = api
+            .call(
+                reqwest::Method::POST,
+                "/v1/sandboxes",
+                Some(json!({"backend": "function", "labels": {"job": "rl-1", "i": i.to_string()}})),
+            )
+            .await;
+        assert_eq!(s, 201, "{b}");
+        ids.push((
+            b["id"].as_str().unwrap().to_owned(),
+            b["node"].as_str().unwrap().to_owned(),
+        ));
+    }
+    for n in &nodes {
+        let held = n.fake.ids();
+        assert!(!held.is_empty(), "node {} got no sandbox", n.name);
+        for id in &held {
+            let (_, node) = ids.iter().find(|(i, _)| i == id).unwrap();
+            assert_eq!(node, &n.name, "record of {id}");
+        }
+    }
+    assert_eq!(nodes.iter().map(|n| n.fake.ids().len()).sum::<usize>(), 20);
+
+    // Exec and files reach the owning node, for a sandbox of each node.
+    for n in &nodes {
+        let id = n.fake.ids()[0].clone();
+        let (s, b) = api
+            .call(
+                reqwest::Method::POST,
+                &format!("/v1/sandboxes/{id}/exec"),
+                Some(json!({"cmd": ["echo", "hello", n.name.as_str()]})),
+            )
+            .await;
+        assert_eq!(s, 200, "{b}");
+        assert_eq!(b["exit_code"], 0, "{b}");
+        let execs = n.fake.execs.lock().unwrap().clone();
+        assert!(
+            execs.iter().any(|(i, _)| i == &id),
+            "exec of {id} not on {}",
+            n.name
+        );
+        let resp = api
+            .http
+            .put(format!(
+                "{}/v1/sandboxes/{id}/files?path=note.txt",
+                api.base
+            ))
+            .body(format!("written on {}", n.name))
+            .send()
+            .await
+            .unwrap();
+        assert!(resp.status().is_success(), "{}", resp.text().await.unwrap());
+        let got = api
+            .http
+            .get(format!(
+                "{}/v1/sandboxes/{id}/files?path=note.txt",
+                api.base
+            ))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(got.status().as_u16(), 200);
+        assert_eq!(got.text().await.unwrap(), format!("written on {}", n.name));
+        let files = n.fake.sandboxes.lock().unwrap()[&id].len();
+        assert_eq!(files, 1, "the file lives on {}", n.name);
+    }
+    let (s, b) = api.call(reqwest::Method::GET, "/v1/sandboxes", None).await;
+    assert_eq!(s, 200);
+    assert_eq!(b["sandboxes"].as_array().map(|a| a.len()), Some(20), "{b}");
+
+    // No node offers the backend: 429 resource_exhausted with Retry-After, at once.
+    let t0 = Instant::now();
+    let resp = api
+        .http
+        .post(format!("{}/v1/sandboxes", api.base))
+        .json(&json!({"backend": "vm"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status().as_u16(), 429);
+    assert!(resp.headers().contains_key("retry-after"));
+    let b: Value = resp.json().await.unwrap();
+    assert_eq!(b["error"]["code"], "resource_exhausted", "{b}");
+    assert!(
+        b["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("n1: backend vm unavailable"),
+        "{b}"
+    );
+    assert!(t0.elapsed() < Duration::from_secs(1), "{:?}", t0.elapsed());
+
+    // n3's registration is revoked: its sandboxes become lost, the others still exec.
+    let lost_ids = nodes[2].fake.ids();
+    regs[2].take().unwrap().deregister().await.unwrap();
+    for id in &lost_ids {
+        eventually("n3's sandboxes lost", Duration::from_secs(10), async || {
+            api.state(id).await == "lost"
+        })
+        .await;
+    }
+    let (s, events) = api
+        .call(reqwest::Method::GET, "/v1/events?kind=lost", None)
+        .await;
+    assert_eq!(s, 200, "{events}");
+    assert!(
+        events
+            .to_string()
+            .contains("node n3 left the cluster (lease expired)"),
+        "{events}"
+    );
+    for n in &nodes[..2] {
+        for id in n.fake.ids() {
+            assert_eq!(api.state(&id).await, "running");
+            let (s, b) = api
+                .call(
+                    reqwest::Method::POST,
+                    &format!("/v1/sandboxes/{id}/exec"),
+                    Some(json!({"cmd": ["echo", "still"]})),
+                )
+                .await;
+            assert_eq!(s, 200, "{b}");
+        }
+    }
+    let (s, b) = api
+        .call(
+            reqwest::Method::POST,
+            &format!("/v1/sandboxes/{}/exec", lost_ids[0]),
+            Some(json!({"cmd": ["echo", "x"]})),
+        )
+        .await;
+    assert_eq!(s, 409, "exec on a lost sandbox: {b}");
+    // New creates go to the two nodes left.
+    for _ in 0..4 {
+        let (s, b) = api
+            .call(
+                reqwest::Method::POST,
+                "/v1/sandboxes",
+                Some(json!({"backend": "function"})),
+            )
+            .await;
+        assert_eq!(s, 201, "{b}");
+        assert_ne!(b["node"], "n3", "{b}");
+    }
+
+    // n3 comes back (a new registration): its sandboxes, whose records are lost, are
+    // orphans and deleted there; a delete of a lost record still works.
+    regs[2] = Some(register(&client, &nodes[2], "2026-12-04T10:05:00Z").await);
+    eventually(
+        "n3's orphans deleted",
+        Duration::from_secs(10),
+        async || nodes[2].fake.ids().is_empty(),
+    )
+    .await;
+    let (s, b) = api
+        .call(
+            reqwest::Method::DELETE,
+            &format!("/v1/sandboxes/{}", lost_ids[0]),
+            None,
+        )
+        .await;
+    assert!(s == 200 || s == 204, "{s} {b}");
+
+    let _ = stop_tx.send(());
+    let _ = tokio::time::timeout(Duration::from_secs(15), serving).await;
+}
