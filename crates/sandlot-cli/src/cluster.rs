@@ -232,10 +232,11 @@ impl ServingGate for FenceGate {
 }
 
 /// The host's capacity: its CPU cores (`available_parallelism`: the affinity mask and
-/// cgroup quota of this process), its memory (`MemTotal` of `/proc/meminfo`, MiB), and
-/// `max_sandboxes`.
-pub fn host_capacity(max_sandboxes: u64) -> Resources {
-    let cpu = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+/// cgroup quota of this process) × `cpu_overcommit`, its memory (`MemTotal` of
+/// `/proc/meminfo`, MiB), and `max_sandboxes`.
+pub fn host_capacity(max_sandboxes: u64, cpu_overcommit: f64) -> Resources {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+    let cpu = cores * cpu_overcommit;
     let memory_mib = std::fs::read_to_string("/proc/meminfo")
         .ok()
         .and_then(|m| {
@@ -401,7 +402,7 @@ mod tests {
 
     #[test]
     fn capacity_reads_the_host() {
-        let c = host_capacity(100);
+        let c = host_capacity(100, 1.0);
         assert!(
             c.cpu >= 1.0 && c.memory_mib > 0 && c.sandboxes == 100,
             "{c:?}"

@@ -162,6 +162,11 @@ struct NodeArgs {
     /// Sandboxes this node offers at most (its published capacity; servers place no more).
     #[arg(long, default_value_t = 1000)]
     max_sandboxes: u64,
+    /// Published cpu capacity = host cores × this (> 0). A sandbox's `cpu` is a ceiling (a
+    /// CFS quota), not a reservation, so a node takes more of them than it has cores, as
+    /// `sandlot up` does; 1 places only what the cores can run at full speed at once.
+    #[arg(long, default_value_t = 8.0)]
+    cpu_overcommit: f64,
     #[command(flatten)]
     pools: PoolOpts,
 }
@@ -1051,6 +1056,11 @@ async fn node(a: NodeArgs) -> anyhow::Result<u8> {
             "--advertise {advertise:?} is not http://HOST:PORT (the node API is h2c)"
         );
         sandlot_cluster::node_key(&name).context("--name")?;
+        anyhow::ensure!(
+            a.cpu_overcommit.is_finite() && a.cpu_overcommit > 0.0,
+            "--cpu-overcommit must be a finite number > 0, got {}",
+            a.cpu_overcommit
+        );
         let cfg = sandlot_cluster::LeaseConfig::new(a.lease_ttl_s).context("--lease-ttl-s")?;
         Some((advertise, cfg))
     };
@@ -1090,7 +1100,7 @@ async fn node(a: NodeArgs) -> anyhow::Result<u8> {
     let mut record = sandlot_cluster::NodeRecord {
         name: name.clone(),
         advertise_url: advertise,
-        capacity: cluster::host_capacity(a.max_sandboxes),
+        capacity: cluster::host_capacity(a.max_sandboxes, a.cpu_overcommit),
         started_at: chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
         ..Default::default()
     };

@@ -146,7 +146,7 @@ pub fn generate_key() -> String {
 
 /// A new key named `name`: its row (id `key_` + 16 hex digits, SHA-256 digest of the key)
 /// and the key itself (`sk-` + 43 base64url characters), which is not kept anywhere and must
-/// be shown to the operator once. Nothing is stored; see [`create_key`].
+/// be shown to the operator once. Nothing is stored.
 fn new_key(name: &str, admin: bool, quota: Quota) -> (KeyRow, String) {
     let key = generate_key();
     let id_bytes: [u8; 8] = rand::random();
@@ -168,7 +168,8 @@ fn new_key(name: &str, admin: bool, quota: Quota) -> (KeyRow, String) {
     (row, key)
 }
 
-/// [`new_key`], stored in `store`. Returns the row and the key.
+/// A new key named `name` (`sk-` + 43 base64url characters), its digest stored in `store`.
+/// Returns the row and the key, which is kept nowhere and must be shown to the operator once.
 ///
 /// # Errors
 /// [`StoreError`] when the store fails. The caller validates `name` (`sandlot key create`
