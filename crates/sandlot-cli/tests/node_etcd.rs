@@ -200,7 +200,14 @@ async fn sandlot_node_registers_fences_and_comes_back() {
             &url,
         ])
         .args(["--etcd", &etcd.url, "--lease-ttl-s", &ttl.to_string()])
-        .args(["--max-sandboxes", "64", "--warm-pool", "0"])
+        .args([
+            "--max-sandboxes",
+            "64",
+            "--cpu-overcommit",
+            "1.5",
+            "--warm-pool",
+            "0",
+        ])
         .args(["--container-warm-pool", "0", "--run-code-pool-images", ""])
         .arg("--data-dir")
         .arg(&data)
@@ -230,7 +237,7 @@ async fn sandlot_node_registers_fences_and_comes_back() {
     assert_eq!(rec.name, NAME);
     assert_eq!(rec.advertise_url, url);
     let cpus = std::thread::available_parallelism().unwrap().get() as f64;
-    assert_eq!((rec.capacity.cpu, rec.capacity.sandboxes), (cpus, 64));
+    assert_eq!((rec.capacity.cpu, rec.capacity.sandboxes), (cpus * 1.5, 64));
     assert!(rec.capacity.memory_mib > 0, "{rec:?}");
     assert_eq!(rec.usage.sandboxes, 0, "{rec:?}");
     assert!(!rec.started_at.is_empty(), "{rec:?}");
@@ -382,6 +389,7 @@ fn bad_cluster_flags_are_refused() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("--advertise"));
     for (extra, says) in [
         (&["--lease-ttl-s", "1"][..], "lease ttl"),
+        (&["--cpu-overcommit", "0"][..], "--cpu-overcommit"),
         (&["--advertise", "https://x:1"][..], "not http://"),
         (
             &["--advertise", "http://x:1", "--name", "a/b"][..],
