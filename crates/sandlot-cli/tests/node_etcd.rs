@@ -31,62 +31,7 @@ fn ttl_s() -> u64 {
 const TOKEN: &str = "etcd-n0de-t0ken";
 const NAME: &str = "etcd-node-1";
 
-fn script() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../scripts/etcd.sh")
-}
-
-fn etcd_sh(args: &[&str]) -> String {
-    let out = Command::new(script())
-        .args(args)
-        .output()
-        .expect("run scripts/etcd.sh");
-    assert!(
-        out.status.success(),
-        "etcd.sh {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).unwrap()
-}
-
-/// One local etcd member under a temp dir; stopped on drop.
-struct Etcd {
-    dir: tempfile::TempDir,
-    url: String,
-}
-
-impl Etcd {
-    fn start() -> Option<Etcd> {
-        let found = Command::new("sh")
-            .args(["-c", "command -v etcd"])
-            .output()
-            .map(|o| o.status.success())
-            .unwrap_or(false);
-        if !found {
-            println!("SKIPPED: sandlot node --etcd: `etcd` not installed (Debian etcd-server; scripts/setup.sh installs it)");
-            return None;
-        }
-        let dir = tempfile::tempdir().unwrap();
-        let out = etcd_sh(&["start", dir.path().to_str().unwrap(), "1"]);
-        let url = out
-            .lines()
-            .find_map(|l| l.strip_prefix("etcd "))
-            .unwrap_or_else(|| panic!("etcd.sh start: {out}"))
-            .to_owned();
-        Some(Etcd { dir, url })
-    }
-
-    fn member(&self, verb: &str) {
-        etcd_sh(&[verb, self.dir.path().to_str().unwrap(), "0"]);
-    }
-}
-
-impl Drop for Etcd {
-    fn drop(&mut self) {
-        let _ = Command::new(script())
-            .args(["stop", self.dir.path().to_str().unwrap()])
-            .output();
-    }
-}
+use sandlot_cluster::testing::LocalEtcd as Etcd;
 
 /// The node process; SIGTERM and wait on drop, then its cgroup parents go.
 struct Proc(Child, PathBuf);
@@ -178,7 +123,9 @@ async fn health(addr: &str) -> (u16, serde_json::Value) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sandlot_node_registers_fences_and_comes_back() {
-    let Some(etcd) = Etcd::start() else { return };
+    let Some(etcd) = Etcd::start("sandlot node --etcd", 1) else {
+        return;
+    };
     let ttl = ttl_s();
     let tmp = tempfile::tempdir().unwrap();
     let images = tmp.path().join("images");
@@ -199,7 +146,7 @@ async fn sandlot_node_registers_fences_and_comes_back() {
             "--advertise",
             &url,
         ])
-        .args(["--etcd", &etcd.url, "--lease-ttl-s", &ttl.to_string()])
+        .args(["--etcd", &etcd.urls[0], "--lease-ttl-s", &ttl.to_string()])
         .args([
             "--max-sandboxes",
             "64",
@@ -230,9 +177,7 @@ async fn sandlot_node_registers_fences_and_comes_back() {
     assert_eq!(line.trim(), format!("sandlot node listening on {url}"));
 
     // Registered before it says it listens: the record is there with what the host has.
-    let client = sandlot_cluster::connect(std::slice::from_ref(&etcd.url))
-        .await
-        .unwrap();
+    let client = sandlot_cluster::connect(&etcd.urls[..1]).await.unwrap();
     let (rec, lease1) = read_record(&client).await.expect("node key after start");
     assert_eq!(rec.name, NAME);
     assert_eq!(rec.advertise_url, url);
@@ -291,7 +236,7 @@ async fn sandlot_node_registers_fences_and_comes_back() {
 
     // Pause the only etcd member (a hung/partitioned etcd) for longer than the TTL: the
     // node must refuse calls before the TTL has passed since the pause.
-    etcd.member("pause-member");
+    etcd.member("pause-member", 0);
     let paused = Instant::now();
     let fenced_after = loop {
         match node.list().await {
@@ -324,7 +269,7 @@ async fn sandlot_node_registers_fences_and_comes_back() {
     tokio::time::sleep(Duration::from_secs(ttl + 1).saturating_sub(paused.elapsed())).await;
     assert!(matches!(node.list().await, Err(NodeError::Unavailable(_))));
 
-    etcd.member("resume-member");
+    etcd.member("resume-member", 0);
     let resumed = Instant::now();
     let deadline = resumed + Duration::from_secs(20);
     while node.list().await.is_err() {

@@ -22,6 +22,8 @@ mod fence;
 mod lease;
 mod membership;
 mod record;
+#[cfg(feature = "testing")]
+pub mod testing;
 
 pub use election::{Election, Leadership, ELECTION_PREFIX};
 pub use error::ClusterError;

@@ -1,75 +1,15 @@
 //! Membership, fencing and election against real etcd members started by
 //! `scripts/etcd.sh` into a temp dir. Without `etcd` on PATH each test prints
 //! "SKIPPED: ..." and returns (scripts/setup.sh installs Debian's etcd-server).
+use sandlot_cluster::testing::LocalEtcd as Etcd;
 use sandlot_cluster::{
     connect, Election, LeaseConfig, NodeEvent, NodeRecord, NodeRegistration, NodeSet, Resources,
 };
-use std::path::PathBuf;
-use std::process::Command;
 use std::time::Duration;
 use tokio::sync::broadcast;
 use tokio::time::{timeout, Instant};
 
 const TTL_S: u64 = 3;
-
-/// Local etcd members under a temp dir; stopped on drop.
-struct Etcd {
-    dir: tempfile::TempDir,
-    urls: Vec<String>,
-}
-
-fn script() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../scripts/etcd.sh")
-}
-
-fn etcd_sh(args: &[&str]) -> String {
-    let out = Command::new(script())
-        .args(args)
-        .output()
-        .expect("run scripts/etcd.sh");
-    assert!(
-        out.status.success(),
-        "etcd.sh {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).unwrap()
-}
-
-impl Etcd {
-    /// `None` (after printing SKIPPED) when etcd is not installed.
-    fn start(test: &str, members: usize) -> Option<Etcd> {
-        let found = Command::new("sh")
-            .args(["-c", "command -v etcd"])
-            .output()
-            .map(|o| o.status.success())
-            .unwrap_or(false);
-        if !found {
-            println!("SKIPPED: {test}: `etcd` not installed (Debian etcd-server; scripts/setup.sh installs it)");
-            return None;
-        }
-        let dir = tempfile::tempdir().unwrap();
-        let d = dir.path().to_str().unwrap().to_owned();
-        let out = etcd_sh(&["start", &d, &members.to_string()]);
-        let urls = out
-            .lines()
-            .filter_map(|l| l.strip_prefix("etcd ").map(str::to_owned))
-            .collect::<Vec<_>>();
-        assert_eq!(urls.len(), members, "{out}");
-        Some(Etcd { dir, urls })
-    }
-
-    fn member(&self, verb: &str, i: usize) {
-        etcd_sh(&[verb, self.dir.path().to_str().unwrap(), &i.to_string()]);
-    }
-}
-
-impl Drop for Etcd {
-    fn drop(&mut self) {
-        let _ = Command::new(script())
-            .args(["stop", self.dir.path().to_str().unwrap()])
-            .output();
-    }
-}
 
 fn record(name: &str) -> NodeRecord {
     NodeRecord {

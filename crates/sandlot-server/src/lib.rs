@@ -234,8 +234,8 @@ pub struct AppState {
     /// E2B process ids of the envd surface ([`e2b`]).
     pub e2b: e2b::E2bState,
     /// Cluster mode: the node set behind [`AppState::node`] (placement before a create's
-    /// record is written, the lost-node sweeper); `None` for one node (`sandlot up`,
-    /// `sandlot server --node`).
+    /// record is written, the lost-node sweeper), set once by [`Server::bind_cluster`]; unset
+    /// for one node (`sandlot up`, `sandlot server --node`).
     pub cluster: std::sync::OnceLock<Arc<cluster::ClusterNode>>,
 }
 

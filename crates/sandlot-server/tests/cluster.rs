@@ -9,62 +9,12 @@ use sandlot_node_api::fake::FakeNode;
 use sandlot_node_remote::RemoteOptions;
 use sandlot_server::cluster::ClusterNode;
 use serde_json::{json, Value};
-use std::path::PathBuf;
-use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 const TOKEN: &str = "cluster-test-token";
 
-/// Local etcd members under a temp dir; stopped on drop.
-struct Etcd {
-    dir: tempfile::TempDir,
-    urls: Vec<String>,
-}
-
-fn script() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../scripts/etcd.sh")
-}
-
-impl Etcd {
-    /// `None` (after printing SKIPPED) when etcd is not installed.
-    fn start(test: &str) -> Option<Etcd> {
-        let found = Command::new("sh")
-            .args(["-c", "command -v etcd"])
-            .output()
-            .map(|o| o.status.success())
-            .unwrap_or(false);
-        if !found {
-            println!("SKIPPED: {test}: `etcd` not installed (Debian etcd-server; scripts/setup.sh installs it)");
-            return None;
-        }
-        let dir = tempfile::tempdir().unwrap();
-        let out = Command::new(script())
-            .args(["start", dir.path().to_str().unwrap(), "1"])
-            .output()
-            .expect("run scripts/etcd.sh");
-        assert!(
-            out.status.success(),
-            "etcd.sh start: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let urls = String::from_utf8(out.stdout)
-            .unwrap()
-            .lines()
-            .filter_map(|l| l.strip_prefix("etcd ").map(str::to_owned))
-            .collect::<Vec<_>>();
-        assert_eq!(urls.len(), 1);
-        Some(Etcd { dir, urls })
-    }
-}
-
-impl Drop for Etcd {
-    fn drop(&mut self) {
-        let _ = Command::new(script())
-            .args(["stop", self.dir.path().to_str().unwrap()])
-            .output();
-    }
-}
+use sandlot_cluster::testing::LocalEtcd as Etcd;
 
 /// An in-process node: a `FakeNode` behind the node API on 127.0.0.1.
 struct TestNode {
@@ -154,7 +104,7 @@ async fn eventually(what: &str, within: Duration, mut f: impl AsyncFnMut() -> bo
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_server_spreads_routes_and_sweeps_over_etcd_nodes() {
-    let Some(etcd) = Etcd::start("a_server_spreads_routes_and_sweeps_over_etcd_nodes") else {
+    let Some(etcd) = Etcd::start("a_server_spreads_routes_and_sweeps_over_etcd_nodes", 1) else {
         return;
     };
     let client = connect(&etcd.urls).await.unwrap();
