@@ -9,58 +9,10 @@ use sandlot_node_api::{Node, NodeError, SandboxSpec};
 use sandlot_node_remote::RemoteNode;
 use std::io::{BufRead, BufReader};
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 
-const BIN: &str = env!("CARGO_BIN_EXE_sandlot");
-
-/// Stops (SIGTERM, then waits for) the node process when the test ends, then removes the
-/// node's (empty) cgroup parents.
-struct Proc(Child, std::path::PathBuf);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = nix::sys::signal::kill(
-            nix::unistd::Pid::from_raw(self.0.id() as i32),
-            nix::sys::signal::Signal::SIGTERM,
-        );
-        let _ = self.0.wait();
-        let parent = sandlot_node::local::default_cgroup_parent(&self.1);
-        if let Ok(root) = sandlot_node::cgroups::CgroupRoot::detect() {
-            for suffix in ["", "-ctr", "-q35", "-vm"] {
-                let _ = root
-                    .clone()
-                    .with_parent(&format!("{parent}{suffix}"))
-                    .remove_parent();
-            }
-        }
-    }
-}
-
-/// Why this host cannot run a `function` sandbox through the node, if it cannot.
-fn cannot_run(images: &Path) -> Option<String> {
-    if !nix::unistd::Uid::effective().is_root() {
-        return Some("needs root (namespaces, cgroups)".into());
-    }
-    let guest = Path::new(BIN).with_file_name("sandlot-guest");
-    if std::env::var_os("SANDLOT_GUEST_BIN").is_none() && !guest.exists() {
-        return Some(format!(
-            "{} missing; run `cargo build -p sandlot-guest`",
-            guest.display()
-        ));
-    }
-    let out = Command::new(BIN)
-        .args(["image", "build", "busybox", "--images-dir"])
-        .arg(images)
-        .output()
-        .unwrap();
-    if !out.status.success() {
-        return Some(format!(
-            "cannot build the busybox image: {}",
-            String::from_utf8_lossy(&out.stderr)
-        ));
-    }
-    None
-}
+mod common;
+use common::{cannot_run, Proc, BIN};
 
 /// Starts `sandlot node` on a free port: the process and its URL.
 async fn start_node(data: &Path, images: &Path, token_file: &Path) -> (Proc, String) {

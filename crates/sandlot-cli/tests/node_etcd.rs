@@ -14,12 +14,12 @@ use sandlot_cluster::{Client, NodeRecord};
 use sandlot_node_api::{Node, NodeError, SandboxSpec};
 use sandlot_node_remote::RemoteNode;
 use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-const BIN: &str = env!("CARGO_BIN_EXE_sandlot");
+mod common;
+use common::{cannot_run, Proc, BIN};
 /// Lease TTL of the node under test: 3 s, or `SANDLOT_TEST_LEASE_TTL_S` (to measure the
 /// fence at other TTLs, e.g. the default 5).
 fn ttl_s() -> u64 {
@@ -32,63 +32,6 @@ const TOKEN: &str = "etcd-n0de-t0ken";
 const NAME: &str = "etcd-node-1";
 
 use sandlot_cluster::testing::LocalEtcd as Etcd;
-
-/// The node process; SIGTERM and wait on drop, then its cgroup parents go.
-struct Proc(Child, PathBuf);
-
-impl Proc {
-    fn term(&mut self) -> std::process::ExitStatus {
-        if let Ok(Some(done)) = self.0.try_wait() {
-            return done;
-        }
-        let _ = nix::sys::signal::kill(
-            nix::unistd::Pid::from_raw(self.0.id() as i32),
-            nix::sys::signal::Signal::SIGTERM,
-        );
-        self.0.wait().unwrap()
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        self.term();
-        let parent = sandlot_node::local::default_cgroup_parent(&self.1);
-        if let Ok(root) = sandlot_node::cgroups::CgroupRoot::detect() {
-            for suffix in ["", "-ctr", "-q35", "-vm"] {
-                let _ = root
-                    .clone()
-                    .with_parent(&format!("{parent}{suffix}"))
-                    .remove_parent();
-            }
-        }
-    }
-}
-
-/// Why this host cannot run a `function` sandbox through the node, if it cannot.
-fn cannot_run(images: &Path) -> Option<String> {
-    if !nix::unistd::Uid::effective().is_root() {
-        return Some("needs root (namespaces, cgroups)".into());
-    }
-    let guest = Path::new(BIN).with_file_name("sandlot-guest");
-    if std::env::var_os("SANDLOT_GUEST_BIN").is_none() && !guest.exists() {
-        return Some(format!(
-            "{} missing; run `cargo build -p sandlot-guest`",
-            guest.display()
-        ));
-    }
-    let out = Command::new(BIN)
-        .args(["image", "build", "busybox", "--images-dir"])
-        .arg(images)
-        .output()
-        .unwrap();
-    if !out.status.success() {
-        return Some(format!(
-            "cannot build the busybox image: {}",
-            String::from_utf8_lossy(&out.stderr)
-        ));
-    }
-    None
-}
 
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
