@@ -22,8 +22,9 @@
 //!   reason "node NAME left the cluster (lease expired)"); when a node (re)joins, its
 //!   `list` is reconciled against the records ([`reconcile`]).
 //!
-//! State stays in the server's own SQLite store (PostgreSQL is a later slice), so one
-//! server at a time fronts a cluster.
+//! State is in the server's SQLite store, or in PostgreSQL (`--postgres`); with an etcd
+//! election several servers share one database and front the same nodes
+//! ([`crate::leader`]): the lost-node sweeper then runs on the leader only.
 use crate::placement::{self, Candidate, PlacementError, Request};
 use crate::{events, SharedState};
 use async_trait::async_trait;
@@ -709,7 +710,8 @@ pub async fn reconcile(
 /// records of nodes not registered now become `lost` ("node NAME is not in the cluster at
 /// server start"); each registered node is reconciled ([`reconcile`]; one that does not
 /// answer is logged and reconciled when it next re-registers); records left `creating`
-/// by a previous process are removed; then checkpoints are recovered (a failure is
+/// by a previous process are removed (with an election: left to the leader's
+/// stale-transition sweep); then checkpoints are recovered (a failure is
 /// logged: a node that did not answer keeps its checkpoints and their records).
 ///
 /// # Errors
@@ -720,8 +722,10 @@ pub async fn recover(st: &SharedState, cluster: &ClusterNode) -> anyhow::Result<
     let mut gone: BTreeSet<String> = BTreeSet::new();
     for r in &records {
         st.events.set_owner(&r.id, r.tenant.as_deref());
-        if r.state == SandboxState::Creating {
-            // Its creator died with the previous process: the reaper deletes it.
+        if r.state == SandboxState::Creating && st.cfg.election.is_none() {
+            // Its creator died with the previous process: the reaper deletes it. (With an
+            // election, other servers may be creating now: the leader's stale-transition
+            // sweep rolls back what a dead one left, [`crate::leader`].)
             st.store
                 .transition(&r.id, &[SandboxState::Creating], SandboxState::Deleting)
                 .await?;
