@@ -755,7 +755,8 @@ pub async fn recover(st: &SharedState, cluster: &ClusterNode) -> anyhow::Result<
     Ok(())
 }
 
-/// Starts the lost-node sweeper: follows the node set; a node that leaves gets its
+/// Starts the lost-node sweeper: first marks `lost` the live records of nodes not
+/// registered now (a new leader catching up); then follows the node set; a node that leaves gets its
 /// records marked `lost` ([`mark_node_lost`] with [`left_reason`]) and its client dropped;
 /// a node that joins (or re-registers with a new `started_at`, a restart) is reconciled
 /// ([`reconcile`]). Ends when `stop` turns true.
@@ -766,6 +767,9 @@ pub fn spawn_sweeper(
 ) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
         let (mut known, mut rx) = cluster.subscribe();
+        // A server that becomes leader catches up on nodes that left while no one swept
+        // (another leader's failover): their live records become `lost` now.
+        catch_up_departed(&st, &known).await;
         loop {
             let ev = tokio::select! {
                 ev = rx.recv() => ev,
@@ -810,6 +814,27 @@ pub fn spawn_sweeper(
             }
         }
     })
+}
+
+/// Marks `lost` the `running`/`paused` records of nodes not in `known` ([`left_reason`]).
+async fn catch_up_departed(st: &SharedState, known: &BTreeMap<String, NodeRecord>) {
+    let records = match st.store.list().await {
+        Ok(r) => r,
+        Err(e) => {
+            tracing::error!(error = %e, "lost-node sweep: store");
+            return;
+        }
+    };
+    let gone: BTreeSet<String> = records
+        .into_iter()
+        .filter(|r| matches!(r.state, SandboxState::Running | SandboxState::Paused))
+        .filter(|r| !known.contains_key(&r.node))
+        .map(|r| r.node)
+        .collect();
+    for node in gone {
+        let lost = mark_node_lost(st, &node, &left_reason(&node)).await;
+        tracing::warn!(%node, lost = lost.len(), "node not in the cluster when the sweep started");
+    }
 }
 
 async fn rejoin(st: &SharedState, cluster: &ClusterNode, name: &str) {
