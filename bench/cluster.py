@@ -13,8 +13,9 @@ interleaved rounds (bench/run.py's driver), `function` backend, image `python`:
   K1. create -> first exec result (`true`), concurrency 1, p50/p99 (delete after the
       timed window). Through the cluster the exec goes server -> node over the node API.
       Target: cluster <= 1.3 x embedded + 2 ms (p50 and p99).
-  K2. exec round trip (`true`) in one live sandbox, concurrency 1, p50/p99.
-      Target: cluster p50 <= embedded p50 + 1 ms.
+  K2. exec round trip (`true`) in one live sandbox, concurrency 1, p50/p99; also the same
+      exec sent by the client straight to the sandbox's node API (HTTP/1.1, bearer token),
+      so cluster - node is the server's hop. Target: cluster p50 <= embedded p50 + 1 ms.
   K3. creates per second at concurrency 32 (create + delete loop; the rate counts both,
       the latency is the create's), and how the cluster's creates spread over the nodes.
 
@@ -130,6 +131,25 @@ def exec_call(api: R.Api, sid: str) -> Callable[[], float]:
     return call
 
 
+def node_exec_call(node_url: str, token: str, sid: str) -> Callable[[], float]:
+    """exec `true` in `sid` straight through its node's API (client -> node, no server):
+    `POST /v1/sandboxes/{id}/exec` with `{"request": ExecRequest, "stream": false}`, answered
+    by one ndjson frame `{"result": ExecResult}` (crates/sandlot-node-remote/src/wire.rs)."""
+    client = R.httpx.Client(base_url=node_url, timeout=60.0,
+                            headers={"Authorization": f"Bearer {token}"})
+    body = {"request": {"cmd": ["/bin/true"], "timeout_s": 30}, "stream": False}
+
+    def call() -> float:
+        t0 = time.perf_counter()
+        r = client.post(f"/v1/sandboxes/{sid}/exec", json=body)
+        lat = time.perf_counter() - t0
+        last = json.loads(r.text.strip().splitlines()[-1]) if r.status_code == 200 else {}
+        if (last.get("result") or {}).get("exit_code") != 0:
+            raise R.BenchError(f"node exec: HTTP {r.status_code} {r.text[:300]}")
+        return lat
+    return call
+
+
 def create_call(api: R.Api) -> Callable[[], float]:
     """create timed; delete after the window (counted in the wall time, so in the rate)."""
     def call() -> float:
@@ -171,6 +191,11 @@ def render(meta: dict, k1: dict, k2: dict, k3: dict, placed: dict, notes: list[s
              f"{R.fmt_ms(c['p50_ms'])} | {R.fmt_ms(c['p99_ms'])} | {R.fmt_ms(e['p50_ms'])} | "
              f"{R.fmt_ms(e['p99_ms'])} | {R.fmt_ratio(R.ratio(c['p50_ms'], e['p50_ms']))} | "
              f"p50 ≤ embedded + 1 ms = {R.fmt_ms(t)} | {R.verdict(c['p50_ms'] <= t)} |")
+    d = k2["node"]
+    L.append(f"| K2'. the same exec straight to the node's API (client → node, no server), "
+             f"n={d['ok']} | {R.fmt_ms(d['p50_ms'])} | {R.fmt_ms(d['p99_ms'])} | | | "
+             f"{R.fmt_ratio(R.ratio(d['p50_ms'], e['p50_ms']))} | server hop = cluster − node "
+             f"p50 = {R.fmt_ms(c['p50_ms'] - d['p50_ms'])} ms | |")
     L.append("")
     c, e = k3["cluster"], k3["embedded"]
     L.append(f"| K3. creates at concurrency {meta['conc']} (create + delete loop) | creates/s | create p50 ms "
@@ -186,7 +211,7 @@ def render(meta: dict, k1: dict, k2: dict, k3: dict, placed: dict, notes: list[s
     L.append("Cluster creates per node (K1 + K3): "
              + ", ".join(f"{k} {v}" for k, v in sorted(placed.items())) + ".")
     for s in (k1, k2, k3):
-        for who in ("cluster", "embedded"):
+        for who in s:
             if s[who]["errors"] or s[who]["aborted"]:
                 L.append(f"Errors ({who}): {s[who]['errors']} {s[who]['error_msgs'][:2]} "
                          f"{s[who]['aborted']}")
@@ -247,8 +272,11 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)
 
         csid, esid = capi.create("python", ttl_s=900), eapi.create("python", ttl_s=900)
+        node = capi.request("GET", f"/v1/sandboxes/{csid}").json()["node"]
+        token = (cluster.dir / "node-token").read_text().strip()
         k2 = R.interleaved([("cluster", exec_call(capi, csid)),
-                            ("embedded", exec_call(eapi, esid))],
+                            ("embedded", exec_call(eapi, esid)),
+                            ("node", node_exec_call(cluster.node_urls()[node], token, csid))],
                            args.n_exec, 1, args.rounds, 600.0, warmup=5)
         capi.delete(csid)
         eapi.delete(esid)
