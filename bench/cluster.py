@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     run_id = f"cluster-{os.getpid()}-{int(time.time())}"
     date = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M")
     meta = {"date": date, "conc": args.conc, "load_before": R.loadavg(), "machine": R.machine(),
-            "command": "python3 bench/cluster.py " + " ".join(
+            "command": ".venv/bin/python bench/cluster.py " + " ".join(
                 shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))}
     cluster = Cluster(binary, Path(args.images_dir), NODES)
     embedded = R.Server(binary, Path(args.images_dir), [], 60.0, tmp_parent="/var/tmp")
