@@ -225,7 +225,11 @@ EOF
       ip netns del "slc-node$i" 2>/dev/null || true
     done
     ip link del "$bridge" 2>/dev/null || true
-    while iptables -t nat -D "${registry_rule[@]}" 2>/dev/null; do :; done
+    # The registry forward on the host, whatever SANDLOT_REGISTRY_ADDR was at `up`.
+    if command -v iptables >/dev/null; then
+      iptables -t nat -S PREROUTING | grep -- '--comment sandlot-cluster' | sed 's/^-A //' |
+        while read -r rule; do eval "iptables -t nat -D $rule" || true; done || true
+    fi
     ;;
   *) usage ;;
 esac
