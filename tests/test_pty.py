@@ -1,7 +1,9 @@
-"""Terminals through the unmodified `e2b` Python SDK (`sandbox.pty`): `pty.create`,
-`send_stdin`, `resize`, `kill`, `wait`, on the function backend (the shared server) and
-on the container backend (a server of this module with `--e2b-backend container`), in a
-busybox image: the pty is allocated inside the sandbox (`tty` names /dev/pts/N there).
+"""Terminals (PTY sessions) in a busybox image on the function and container backends:
+the pty is allocated inside the sandbox (`tty` names /dev/pts/N there, `stty size` prints
+its size). Through Sandlot's SDK (`sb.pty(...)`: write, read, resize, wait, kill) and
+through the unmodified `e2b` Python SDK (`sandbox.pty`: `create`, `send_stdin`, `resize`,
+`kill`, `wait`; on containers through a server of this module with `--e2b-backend
+container`).
 """
 
 from __future__ import annotations
@@ -14,9 +16,64 @@ import pytest
 
 from conftest import Server, private_base, remove_private_base, wait_until
 
-e2b = pytest.importorskip("e2b", reason="the e2b SDK is not installed (scripts/setup.sh)")
-from e2b import CommandExitException, Sandbox  # noqa: E402
-from e2b.sandbox.commands.command_handle import PtySize  # noqa: E402
+import sandlot
+
+try:
+    import e2b
+    from e2b import CommandExitException, Sandbox
+    from e2b.sandbox.commands.command_handle import PtySize
+except ImportError:  # the Sandlot SDK tests still run
+    e2b = None
+
+
+def _need_e2b() -> None:
+    if e2b is None:
+        pytest.skip("the e2b SDK is not installed (scripts/setup.sh)")
+
+
+@pytest.mark.parametrize("backend", ["function", "container"])
+def test_sandlot_sdk_pty(client, backend):
+    try:
+        sb = client.create(backend=backend, image="busybox", memory_mib=128, ttl_s=120)
+    except (sandlot.NotFound, sandlot.Unavailable) as e:
+        pytest.skip(f"no busybox {backend} sandbox here: {e}")
+    try:
+        term = sb.pty(rows=24, cols=80, timeout_s=60)
+        seen = bytearray()
+
+        def got(*needles: str) -> bool:
+            seen.extend(term.read(timeout=0.5))
+            text = seen.decode(errors="replace")
+            return all(n in text for n in needles)
+
+        term.write("tty; stty size\n")
+        wait_until(lambda: got("/dev/pts/", "24 80"), 15,
+                   what=f"tty and stty size in the terminal output: {bytes(seen)!r}")
+        term.resize(50, 132)
+        term.write(b"stty size; echo $TERM; exit 3\n")
+        r = term.wait(timeout=30)
+        assert r is not None and r.exit_code == 3, r
+        out = r.stdout.decode(errors="replace")
+        assert "50 132" in out and "xterm-256color" in out, out
+        assert not r.stderr
+        with pytest.raises(sandlot.Conflict):
+            term.resize(10, 10)
+
+        # Bad sizes, a process without a terminal, kill.
+        with pytest.raises(sandlot.InvalidArgument):
+            sb.spawn(["sh"], pty=(0, 80))
+        plain = sb.spawn(["sleep", "100"])
+        with pytest.raises(sandlot.InvalidArgument):
+            plain.resize(10, 10)
+        plain.kill()
+        term2 = sb.pty(["sh"], rows=5, cols=20)
+        term2.write("sleep 1000\n")
+        time.sleep(0.3)
+        term2.kill()
+        r = term2.wait(timeout=15)
+        assert r is not None and r.signal == 9, r
+    finally:
+        sb.delete()
 
 
 def _point_at(url: str, monkeypatch) -> None:
@@ -103,7 +160,8 @@ def _drive_a_terminal(sb: Sandbox) -> None:
     assert sb.pty.kill(h2.pid) is False
 
 
-def test_pty_on_function(server, e2b_env_shared):
+def test_e2b_pty_on_function(server, e2b_env_shared):
+    _need_e2b()
     sb = _busybox(server.url)
     try:
         _drive_a_terminal(sb)
@@ -111,7 +169,8 @@ def test_pty_on_function(server, e2b_env_shared):
         sb.kill()
 
 
-def test_pty_on_container(container_server, monkeypatch):
+def test_e2b_pty_on_container(container_server, monkeypatch):
+    _need_e2b()
     _point_at(container_server.url, monkeypatch)
     sb = _busybox(container_server.url)
     try:
