@@ -323,3 +323,45 @@ pub async fn read_exec_status(
 /// and SIGSTOP cannot be caught: SIGKILL is delivered by killing the helper (the whole
 /// tree goes), SIGSTOP is not offered.
 pub const FORWARDED_SIGNALS: [i32; 11] = [1, 2, 3, 6, 10, 12, 14, 15, 18, 20, 28];
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pty_frames_round_trip_across_split_reads() {
+        let size = PtySize {
+            rows: 40,
+            cols: 120,
+        };
+        let mut wire = pty_frame_data(b"ls\n");
+        wire.extend(pty_frame_resize(size));
+        wire.extend(pty_frame_data(b""));
+        // Fed one byte at a time: frames come out whole, in order.
+        let mut buf = Vec::new();
+        let mut got = Vec::new();
+        for b in &wire {
+            buf.push(*b);
+            got.extend(pty_frames_take(&mut buf).unwrap());
+        }
+        assert!(buf.is_empty());
+        assert_eq!(
+            got,
+            vec![
+                PtyFrame::Data(b"ls\n".to_vec()),
+                PtyFrame::Resize(size),
+                PtyFrame::Data(Vec::new())
+            ]
+        );
+    }
+
+    #[test]
+    fn bad_pty_frames_are_refused() {
+        let mut bad_kind = vec![b'X', 0, 0, 0, 0];
+        assert!(pty_frames_take(&mut bad_kind).is_err());
+        let mut short_resize = vec![PTY_FRAME_RESIZE, 2, 0, 0, 0, 1, 2];
+        assert!(pty_frames_take(&mut short_resize).is_err());
+        let mut huge = vec![PTY_FRAME_DATA, 0xff, 0xff, 0xff, 0xff];
+        assert!(pty_frames_take(&mut huge).is_err());
+    }
+}
