@@ -1,4 +1,5 @@
-"""Terminals (PTY sessions) in a busybox image on the function and container backends:
+"""Terminals (PTY sessions) in a busybox image on every backend (function, container,
+microvm, vm through Sandlot's SDK; function and container through the e2b SDK):
 the pty is allocated inside the sandbox (`tty` names /dev/pts/N there, `stty size` prints
 its size). Through Sandlot's SDK (`sb.pty(...)`: write, read, resize, wait, kill) and
 through the unmodified `e2b` Python SDK (`sandbox.pty`: `create`, `send_stdin`, `resize`,
@@ -31,7 +32,7 @@ def _need_e2b() -> None:
         pytest.skip("the e2b SDK is not installed (scripts/setup.sh)")
 
 
-@pytest.mark.parametrize("backend", ["function", "container"])
+@pytest.mark.parametrize("backend", ["function", "container", "microvm", "vm"])
 def test_sandlot_sdk_pty(client, backend):
     try:
         sb = client.create(backend=backend, image="busybox", memory_mib=128, ttl_s=120)
