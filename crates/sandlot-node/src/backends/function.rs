@@ -1172,7 +1172,7 @@ impl ExecPlan {
                     })?,
             ),
         };
-        let spec = ExecSpec {
+        let mut spec = ExecSpec {
             init_pid: 0,
             init_starttime: 0,
             cgroup_procs: Vec::new(),
@@ -1198,6 +1198,22 @@ impl ExecPlan {
             own_pid_ns: false,
             landlock: true,
             stdin_null: false,
+            pty: None,
+        };
+        // Terminal mode: the helper's stdin is framed (`pty_frame_data`) and always a pipe.
+        let stdin = match req.pty {
+            None => stdin,
+            Some(size) => {
+                size.validate().map_err(NodeError::InvalidArgument)?;
+                spec.pty = Some(sandlot_guest::spec::PtySize {
+                    rows: size.rows,
+                    cols: size.cols,
+                });
+                Some(match stdin {
+                    Some(d) if !d.is_empty() => sandlot_guest::spec::pty_frame_data(&d),
+                    _ => Vec::new(),
+                })
+            }
         };
         Ok(ExecPlan {
             spec,
