@@ -5,8 +5,10 @@ Usage (as root): python3 bench/fastexec.py [--binary target/release/sandlot] [--
 
 Subjects, interleaved in rounds at concurrency 1 (and `--conc` if given), in one run:
 exec `true` and `python3 -c 'print(1)'` in one live function sandbox (POST
-/v1/sandboxes/{id}/exec, keep-alive HTTP), and the same argv under `chroot ROOTFS`.
-Prints p50/p99 per subject and the exec/chroot ratios; `--json` writes the raw figures.
+/v1/sandboxes/{id}/exec, keep-alive HTTP) of a default `sandlot up` (standby exec helpers
+on), the same in a second `sandlot up` with `SANDLOT_EXEC_STANDBY=0` ("nostandby"), and the
+same argv under `chroot ROOTFS`. Prints p50/p99 per subject and the ratios; `--json` writes
+the raw figures.
 """
 
 from __future__ import annotations
@@ -24,27 +26,27 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--binary", default=str(R.REPO / "target/release/sandlot"))
     p.add_argument("--images-dir", default="/var/lib/sandlot/images")
-    p.add_argument("--url", help="a running server (default: start one)")
     p.add_argument("--n", type=int, default=60)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--conc", type=int, default=0, help="also measure at this concurrency")
     p.add_argument("--json")
     args = p.parse_args(argv)
     rootfs = R.find_rootfs(None)
-    server = None
-    if args.url:
-        url = args.url
-    else:
-        server = R.Server(Path(args.binary), Path(args.images_dir), [], 60.0)
-        server.start()
-        url = server.url
-    api = R.Api(url, "fastexec")
+    servers = {
+        "": R.Server(Path(args.binary), Path(args.images_dir), [], 60.0),
+        "nostandby ": R.Server(Path(args.binary), Path(args.images_dir), [], 60.0,
+                               env={"SANDLOT_EXEC_STANDBY": "0"}),
+    }
+    apis: dict = {}
     out: dict = {"machine": R.machine(), "load": R.loadavg(), "by_conc": {}}
     try:
-        sid = api.create("python")
+        for tag, server in servers.items():
+            server.start()
+            apis[tag] = R.Api(server.url, "fastexec")
+        sids = {tag: api.create("python") for tag, api in apis.items()}
         py = ["/usr/bin/python3", "-c", "print(1)"]
 
-        def ex(cmd: list[str], want: str):
+        def ex(api, sid: str, cmd: list[str], want: str):
             def call() -> float:
                 t0 = R.time.perf_counter()
                 res = api.exec(sid, cmd)
@@ -56,24 +58,32 @@ def main(argv: list[str] | None = None) -> int:
 
         subjects = [
             ("chroot true", R.subprocess_call(["chroot", str(rootfs), "/bin/true"], "", 30)),
-            ("exec true", ex(["/bin/true"], "")),
             ("chroot python", R.subprocess_call(["chroot", str(rootfs), *py], "1\n", 30)),
-            ("exec python", ex(py, "1\n")),
         ]
+        for tag, api in apis.items():
+            subjects += [
+                (f"{tag}exec true", ex(api, sids[tag], ["/bin/true"], "")),
+                (f"{tag}exec python", ex(api, sids[tag], py, "1\n")),
+            ]
         concs = [1] + ([args.conc] if args.conc > 1 else [])
         for conc in concs:
             res = R.interleaved(subjects, args.n, conc, args.rounds, 300.0, warmup=3)
             out["by_conc"][conc] = {k: v.to_json() for k, v in res.items()}
             print(f"concurrency {conc} (load {R.loadavg()}):")
             for k, v in res.items():
-                print(f"  {k:15s} p50 {R.fmt_ms(v.p(50)):>8s} ms  p99 {R.fmt_ms(v.p(99)):>8s} ms  "
+                print(f"  {k:24s} p50 {R.fmt_ms(v.p(50)):>8s} ms  p99 {R.fmt_ms(v.p(99)):>8s} ms  "
                       f"rate {R.fmt_rate(v.rate):>8s}/s  errors {v.errors} {v.error_msgs[:1]}")
-            for a, b in (("exec true", "chroot true"), ("exec python", "chroot python")):
-                print(f"  {a} / {b}: p50 {R.fmt_ratio(R.ratio(res[a].p(50), res[b].p(50)))}")
-        api.delete(sid)
+            for what in ("true", "python"):
+                a, n, b = f"exec {what}", f"nostandby exec {what}", f"chroot {what}"
+                for x, y in ((a, b), (n, b), (a, n)):
+                    print(f"  {x} / {y}: p50 "
+                          f"{R.fmt_ratio(R.ratio(res[x].p(50), res[y].p(50)))}")
+        for tag, api in apis.items():
+            api.delete(sids[tag])
     finally:
-        api.close()
-        if server:
+        for api in apis.values():
+            api.close()
+        for server in servers.values():
             server.stop()
             server.cleanup_dir()
     if args.json:

@@ -330,3 +330,30 @@ def test_containers_tiny_run(tmp_path):
         if m:
             Path(m.group(1)).unlink(missing_ok=True)
     shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def test_cluster_section_states_targets_and_verdicts():
+    """bench/cluster.py's section: the targets are computed from the embedded figures of the
+    same run (K1: 1.3 x + 2 ms on p50 and p99; K2: + 1 ms on p50), verdicts follow."""
+    import cluster
+
+    def s(name, conc, lats, wall=1.0):
+        smp = run.Sample(name, conc, latencies=[x / 1000 for x in lats], wall_s=wall)
+        return smp.to_json()
+
+    k1 = {"cluster": s("cluster", 1, [25.0] * 10), "embedded": s("embedded", 1, [20.0] * 10)}
+    k2 = {"cluster": s("cluster", 1, [12.5] * 10), "embedded": s("embedded", 1, [11.0] * 10),
+          "node": s("node", 1, [11.5] * 10)}
+    k3 = {"cluster": s("cluster", 32, [300.0] * 64, 2.0),
+          "embedded": s("embedded", 32, [300.0] * 64, 4.0)}
+    meta = {"date": "2026-12-04 13:00", "conc": 32, "command": "x", "load_before": "1 1 1",
+            "load_after": "1 1 1", "machine": {"nproc": 2, "cpu": "c", "mem_gib": 1,
+                                               "kernel": "k", "cgroup": "v2", "commit": "abc"}}
+    text = cluster.render(meta, k1, k2, k3, {"node0": 5, "node1": 3}, ["a note"])
+    # K1: 25 <= 1.3 * 20 + 2 = 28 (p50 and p99) -> met; K2: 12.5 > 11 + 1 -> missed.
+    assert "p50 ≤ 28.0, p99 ≤ 28.0 | p50 met, p99 met |" in text, text
+    assert "p50 ≤ embedded + 1 ms = 12.0 | MISSED |" in text, text
+    assert "server hop = cluster − node p50 = 1.00 ms" in text, text
+    assert "| cluster (3 nodes), n=64 | 32.0 |" in text and "| embedded, n=64 | 16.0 |" in text
+    assert "| cluster / embedded | 2.00× |" in text
+    assert "node0 5, node1 3" in text and text.rstrip().endswith("a note")

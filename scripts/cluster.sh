@@ -18,16 +18,25 @@
 # fixed). Processes enter the namespace with `nsenter --net` only (not `ip netns exec`, which
 # also remounts /sys and so hides the cgroup file systems from the node).
 #
+# Registry: the local OCI registry (scripts/registry.sh) listens on the host's loopback
+# (SANDLOT_REGISTRY_ADDR, default 127.0.0.1:5000) and image references name it so
+# (`127.0.0.1:5000/sandlot/python:latest`, pulled over plain HTTP because the host is a
+# loopback address). A node's 127.0.0.1 is its own namespace's, so each node namespace
+# DNATs 127.0.0.1:PORT to SUBNET.1:PORT (with route_localnet and SNAT to its own address),
+# and the host DNATs SUBNET.1:PORT arriving on the bridge to 127.0.0.1:PORT (route_localnet
+# on the bridge; the host rule carries the comment `sandlot-cluster` and `down` removes it).
+#
 # Environment: SANDLOT_BIN (default target/release/sandlot), SANDLOT_IMAGES_DIR (default
 # /var/lib/sandlot/images, shared read-mostly by the nodes), SANDLOT_CLUSTER_SUBNET (first
-# three octets, default 10.213.0). Logs: DIR/server.log, DIR/nodeI.log, DIR/etcd/mI.log.
+# three octets, default 10.213.0), SANDLOT_REGISTRY_ADDR (above). Logs: DIR/server.log,
+# DIR/nodeI.log, DIR/etcd/mI.log.
 #
 # What is not here yet (issue 21): PostgreSQL behind several stateless servers (the server
 # keeps its records in its own SQLite store under DIR/server, so one server runs).
 set -euo pipefail
 
 die() { echo "cluster.sh: $*" >&2; exit 1; }
-usage() { sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '2,35p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 
 root=$(cd "$(dirname "$0")/.." && pwd)
 bin=${SANDLOT_BIN:-$root/target/release/sandlot}
@@ -35,6 +44,10 @@ images=${SANDLOT_IMAGES_DIR:-/var/lib/sandlot/images}
 subnet=${SANDLOT_CLUSTER_SUBNET:-10.213.0}
 bridge=slcbr0
 node_port=7070
+registry=${SANDLOT_REGISTRY_ADDR:-127.0.0.1:5000}
+registry_port=${registry##*:}
+registry_rule=(PREROUTING -i "$bridge" -d "$subnet.1" -p tcp --dport "$registry_port"
+  -m comment --comment sandlot-cluster -j DNAT --to-destination "$registry")
 
 cmd=${1:-}; dir=${2:-}
 [ -n "$cmd" ] && [ -n "$dir" ] || usage
@@ -112,6 +125,9 @@ case "$cmd" in
       die "bridge $bridge exists: another cluster is up (scripts/cluster.sh down ITS_DIR)"
     mkdir -p "$dir"
     dir=$(cd "$dir" && pwd)
+    # Containers run as unprivileged host uids that must walk to DIR/nodeI/containers: o+x
+    # (not o+r) on DIR, as the node requires of every parent of its data dir.
+    chmod o+x "$dir"
     echo "$n" >"$dir/nodes"
     # From here on a failure (or ^C) tears down what was started.
     started=0
@@ -120,6 +136,10 @@ case "$cmd" in
     ip link add "$bridge" type bridge
     ip addr add "$subnet.1/24" dev "$bridge"
     ip link set "$bridge" up
+    if [ "${registry%:*}" = 127.0.0.1 ] && command -v iptables >/dev/null; then
+      sysctl -qw "net.ipv4.conf.$bridge.route_localnet=1"
+      iptables -t nat -A "${registry_rule[@]}"
+    fi
 
     ETCD_HOST="$subnet.1" "$root/scripts/etcd.sh" start "$dir/etcd" 3 >"$dir/etcd.lines"
     etcd_urls=$("$root/scripts/etcd.sh" urls "$dir/etcd")
@@ -137,6 +157,13 @@ case "$cmd" in
       ip -n "$ns" link set lo up
       ip -n "$ns" link set eth0 up
       ip -n "$ns" route add default via "$subnet.1"
+      if [ "${registry%:*}" = 127.0.0.1 ] && command -v iptables >/dev/null; then
+        nsenter --net="/run/netns/$ns" sh -ec "
+          sysctl -qw net.ipv4.conf.all.route_localnet=1 net.ipv4.conf.eth0.route_localnet=1
+          iptables -t nat -A OUTPUT -d 127.0.0.1 -p tcp --dport $registry_port \\
+            -j DNAT --to-destination $subnet.1:$registry_port
+          iptables -t nat -A POSTROUTING -o eth0 -s 127.0.0.1 -j SNAT --to-source $ip_addr"
+      fi
       url="http://$ip_addr:$node_port"
       setsid nsenter --net="/run/netns/$ns" "$bin" node --listen "$ip_addr:$node_port" \
         --advertise "$url" --etcd "$etcd_urls" --name "node$i" \
@@ -198,6 +225,11 @@ EOF
       ip netns del "slc-node$i" 2>/dev/null || true
     done
     ip link del "$bridge" 2>/dev/null || true
+    # The registry forward on the host, whatever SANDLOT_REGISTRY_ADDR was at `up`.
+    if command -v iptables >/dev/null; then
+      iptables -t nat -S PREROUTING | grep -- '--comment sandlot-cluster' | sed 's/^-A //' |
+        while read -r rule; do eval "iptables -t nat -D $rule" || true; done || true
+    fi
     ;;
   *) usage ;;
 esac

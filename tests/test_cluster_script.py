@@ -93,3 +93,41 @@ def test_the_readme_and_humaneval_run_on_a_local_cluster(cluster):
                           "--url", url], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "RESULT: OK (positive 164/164" in out.stdout, out.stdout[-3000:]
+
+
+REGISTRY = os.environ.get("SANDLOT_REGISTRY_ADDR", "127.0.0.1:5000")
+IMAGES_DIR = os.environ.get("SANDLOT_IMAGES_DIR", "/var/lib/sandlot/images")
+
+
+def test_a_node_pulls_from_the_hosts_loopback_registry(cluster, binary):
+    """A node's 127.0.0.1 is its own network namespace's; cluster.sh forwards the registry
+    port to the host's loopback registry (scripts/registry.sh), so a create naming
+    `127.0.0.1:5000/...` pulls on the node, for a container as for a function sandbox."""
+    import urllib.request
+    try:
+        urllib.request.urlopen(f"http://{REGISTRY}/v2/", timeout=5).close()
+    except OSError as e:
+        pytest.skip(f"no registry on {REGISTRY} ({e}); scripts/registry.sh start && push")
+    if shutil.which("skopeo") is None:
+        pytest.skip("no skopeo (scripts/setup.sh installs it)")
+    # A tag of this test's own, dropped from the shared image store first, so the create
+    # has to fetch the manifest and layers from the node's namespace.
+    ref = f"{REGISTRY}/sandlot/busybox:cluster-pull"
+    subprocess.run(["skopeo", "copy", "--src-tls-verify=false", "--dest-tls-verify=false",
+                    f"docker://{REGISTRY}/sandlot/busybox:latest", f"docker://{ref}"],
+                   check=True, capture_output=True, timeout=120)
+    _, lines = cluster
+    url = next(line.split()[1] for line in lines if line.startswith("server "))
+    with sandlot.Client(url, timeout=120) as c:
+        backends = c._request("GET", "/healthz").json()["backends"]
+        todo = ["function"] + (["container"] if backends.get("container") == "ok" else [])
+        for backend in todo:
+            subprocess.run([str(binary), "image", "rm", ref, "--images-dir", IMAGES_DIR],
+                           capture_output=True, timeout=60)
+            with c.create(backend=backend, image=ref, memory_mib=128, ttl_s=120) as sb:
+                r = sb.exec(["sh", "-c", "echo pulled"], timeout_s=30)
+                assert (r.exit_code, r.stdout) == (0, b"pulled\n"), (backend, r)
+    subprocess.run([str(binary), "image", "rm", ref, "--images-dir", IMAGES_DIR],
+                   capture_output=True, timeout=60)
+    if "container" not in todo:
+        pytest.skip(f"function pulled; container backend on the nodes: {backends.get('container')}")

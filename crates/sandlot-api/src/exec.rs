@@ -57,6 +57,37 @@ pub struct ExecRequest {
     /// runs unlogged.
     #[serde(default)]
     pub step: Option<u64>,
+    /// Run the command on a pseudo-terminal of this size inside the sandbox (its stdin,
+    /// stdout and stderr are the terminal; `tty` names a `/dev/pts/N` of the sandbox). The
+    /// terminal's output comes back as `stdout` (stderr stays empty). Absent: pipes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pty: Option<PtySize>,
+}
+
+/// Size of a pseudo-terminal, in character cells.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PtySize {
+    /// Rows (lines), 1..=1000.
+    pub rows: u16,
+    /// Columns, 1..=1000.
+    pub cols: u16,
+}
+
+impl PtySize {
+    /// Checks the range (1..=1000 each).
+    ///
+    /// # Errors
+    /// A message naming the bad value.
+    pub fn validate(&self) -> Result<(), String> {
+        if !(1..=1000).contains(&self.rows) || !(1..=1000).contains(&self.cols) {
+            return Err(format!(
+                "pty size must be 1..=1000 rows and cols, got {}x{}",
+                self.rows, self.cols
+            ));
+        }
+        Ok(())
+    }
 }
 
 impl ExecRequest {
@@ -71,6 +102,7 @@ impl ExecRequest {
             max_output_bytes: None,
             user: None,
             step: None,
+            pty: None,
         }
     }
 }

@@ -19,7 +19,7 @@ mod trajectory;
 
 pub use checkpoint::{Checkpoint, CheckpointList};
 pub use error::{ApiError, ErrorBody, ErrorCode};
-pub use exec::{text_and_b64, Cmd, ExecEvent, ExecRequest, ExecResult, Output, Violation};
+pub use exec::{text_and_b64, Cmd, ExecEvent, ExecRequest, ExecResult, Output, PtySize, Violation};
 pub use files::{FileEntry, FileList, FileType};
 pub use network::{AllowEntry, AllowPolicy, NetworkPolicy, MAX_ALLOW_ENTRIES};
 pub use process::{

@@ -37,6 +37,12 @@ pub struct SpawnRequest {
     /// User inside the sandbox: only `"root"` (the sandbox's own unprivileged root).
     #[serde(default)]
     pub user: Option<String>,
+    /// Run it on a pseudo-terminal of this size inside the sandbox (a terminal session):
+    /// stdin, stdout and stderr are the terminal, its output is the `stdout` stream
+    /// (`stderr` stays empty), stdin stays open (`stdin` is implied) and
+    /// `POST …/processes/{pid}/resize` changes the size.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pty: Option<crate::exec::PtySize>,
 }
 
 /// Where a background process is.

@@ -712,6 +712,10 @@ fn child(
             sys::strerror(e as i32)
         )));
     }
+    if let Some(size) = spec.pty {
+        // Returns in the command's process only (the relay never returns).
+        pty_split(size)?;
+    }
     // Nothing inherited from the node (or opened above) may reach the command; the error
     // pipe stays usable until execve closes it.
     sys::cloexec_from(3).context("close_range(3.., CLOEXEC)")?;
@@ -803,4 +807,201 @@ fn exec_search(p: &Prepared) -> ! {
         let _ = writeln!(stderr, "sandlot: {name}: {}", sys::strerror(err as i32));
         sys::exit_now(126)
     }
+}
+
+/// Terminal mode ([`ExecSpec::pty`]), as the sandbox's user, inside its namespaces and
+/// root: opens a pseudo-terminal on the sandbox's own devpts (`/dev/ptmx`) with `size`,
+/// then forks. The child (the command) starts a session of its own with the slave as its
+/// controlling terminal and its stdin, stdout and stderr, and returns to finish the set-up
+/// and execve. This process becomes the relay ([`pty_relay`]) and never returns: the
+/// process the caller waits for and signals, ending as the command ends.
+fn pty_split(size: sandlot_guest::spec::PtySize) -> Result<(), SetupError> {
+    use nix::pty::{grantpt, posix_openpt, ptsname_r, unlockpt};
+    let master = posix_openpt(OFlag::O_RDWR | OFlag::O_NOCTTY | OFlag::O_CLOEXEC)
+        .map_err(|e| SetupError::user(format!("opening /dev/ptmx in the sandbox: {e}")))?;
+    grantpt(&master).context("grantpt")?;
+    unlockpt(&master).context("unlockpt")?;
+    let slave_path = ptsname_r(&master).context("ptsname")?;
+    set_winsize(master.as_raw_fd(), size).context("TIOCSWINSZ")?;
+    let master: OwnedFd = master.into();
+    let exhausted = |e: std::io::Error| SetupError {
+        message: format!("fork: {e}"),
+        user_error: false,
+        resource_exhausted: true,
+    };
+    match sys::fork().map_err(exhausted)? {
+        Forked::Child => {
+            drop(master);
+            setsid().context("setsid (pty)")?;
+            let slave = open(
+                slave_path.as_str(),
+                OFlag::O_RDWR | OFlag::O_CLOEXEC,
+                Mode::empty(),
+            )
+            .with_context(|| format!("opening {slave_path}"))?;
+            // SAFETY: ioctl with an integer argument on a descriptor we own.
+            if unsafe { libc::ioctl(slave.as_raw_fd(), libc::TIOCSCTTY, 0) } < 0 {
+                return Err(anyhow::Error::from(std::io::Error::last_os_error())
+                    .context("TIOCSCTTY")
+                    .into());
+            }
+            for fd in 0..3 {
+                sys::dup_onto(slave.as_raw_fd(), fd).context("dup2 of the pty slave")?;
+            }
+            Ok(())
+        }
+        Forked::Parent(pid) => pty_relay(master, pid),
+    }
+}
+
+/// TIOCSWINSZ on a terminal descriptor.
+fn set_winsize(fd: std::os::fd::RawFd, size: sandlot_guest::spec::PtySize) -> std::io::Result<()> {
+    let ws = libc::winsize {
+        ws_row: size.rows,
+        ws_col: size.cols,
+        ws_xpixel: 0,
+        ws_ypixel: 0,
+    };
+    // SAFETY: TIOCSWINSZ reads one winsize through a valid pointer.
+    if unsafe { libc::ioctl(fd, libc::TIOCSWINSZ, &ws) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// The relay of terminal mode: framed input on stdin (`sandlot_guest::spec::pty_frames_take`)
+/// goes to the master (bytes) or resizes it; the master's output goes to stdout; forwarded
+/// signals go to the command's process group. Once the command has ended and the output is
+/// drained (EOF/EIO on the master, or nothing more for a moment: a background child may
+/// keep the slave open), it ends the same way: the same exit code, or killed by the same
+/// signal.
+fn pty_relay(master: OwnedFd, cmd: Pid) -> ! {
+    use sandlot_guest::spec::{pty_frames_take, PtyFrame};
+    // Keep only stdin, stdout, stderr and the master: the error pipe, the seccomp
+    // socket and the rest must not be held open by the relay.
+    let m = 3;
+    if master.as_raw_fd() != m {
+        if sys::dup_onto(master.as_raw_fd(), m).is_err() {
+            sys::exit_now(125);
+        }
+        drop(master);
+    } else {
+        std::mem::forget(master);
+    }
+    let _ = sys::close_fds(4, u32::MAX);
+    let _ = sys::forward_to(cmd, true);
+    let mut input = Vec::new();
+    let mut stdin_open = true;
+    let mut master_open = true;
+    let mut status: Option<WaitStatus> = None;
+    let mut buf = vec![0u8; 64 * 1024];
+    let mut quiet_rounds = 0;
+    loop {
+        if status.is_none() {
+            match waitpid(cmd, Some(nix::sys::wait::WaitPidFlag::WNOHANG)) {
+                Ok(WaitStatus::StillAlive) => {}
+                Ok(s @ (WaitStatus::Exited(..) | WaitStatus::Signaled(..))) => status = Some(s),
+                Ok(_) => {}
+                Err(_) => status = Some(WaitStatus::Exited(cmd, 255)),
+            }
+        }
+        if let Some(s) = status {
+            if !master_open || quiet_rounds >= 2 {
+                match s {
+                    WaitStatus::Signaled(_, sig, _) => {
+                        let _ = sys::reset_signals();
+                        // SAFETY: raising a signal on ourselves.
+                        unsafe { libc::kill(libc::getpid(), sig as i32) };
+                        sys::exit_now(128 + sig as i32)
+                    }
+                    WaitStatus::Exited(_, c) => sys::exit_now(c),
+                    _ => sys::exit_now(255),
+                }
+            }
+        }
+        let mut p = [
+            libc::pollfd {
+                fd: if stdin_open && status.is_none() {
+                    0
+                } else {
+                    -1
+                },
+                events: libc::POLLIN,
+                revents: 0,
+            },
+            libc::pollfd {
+                fd: if master_open { m } else { -1 },
+                events: libc::POLLIN,
+                revents: 0,
+            },
+        ];
+        let timeout = if status.is_some() { 50 } else { 100 };
+        // SAFETY: `p` is a valid array of two pollfds.
+        let n = unsafe { libc::poll(p.as_mut_ptr(), 2, timeout) };
+        if n < 0 {
+            continue; // EINTR (a forwarded signal)
+        }
+        if n == 0 {
+            if status.is_some() {
+                quiet_rounds += 1;
+            }
+            continue;
+        }
+        quiet_rounds = 0;
+        if p[1].revents != 0 {
+            // SAFETY: read into a valid buffer of its length.
+            let r = unsafe { libc::read(m, buf.as_mut_ptr().cast(), buf.len()) };
+            if r > 0 {
+                if write_all_fd(1, &buf[..r as usize]).is_err() {
+                    // Nobody reads the output any more: drain silently.
+                }
+            } else if r == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::EINTR)
+            {
+                // EIO: every slave descriptor is closed.
+                master_open = false;
+            }
+        }
+        if p[0].revents != 0 {
+            // SAFETY: read into a valid buffer of its length.
+            let r = unsafe { libc::read(0, buf.as_mut_ptr().cast(), buf.len()) };
+            if r > 0 {
+                input.extend_from_slice(&buf[..r as usize]);
+                match pty_frames_take(&mut input) {
+                    Ok(frames) => {
+                        for f in frames {
+                            match f {
+                                PtyFrame::Data(d) => {
+                                    let _ = write_all_fd(m, &d);
+                                }
+                                PtyFrame::Resize(size) => {
+                                    let _ = set_winsize(m, size);
+                                }
+                            }
+                        }
+                    }
+                    Err(_) => stdin_open = false,
+                }
+            } else if r == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::EINTR)
+            {
+                stdin_open = false;
+            }
+        }
+    }
+}
+
+/// write(2) until all of `data` is written (EINTR retried).
+fn write_all_fd(fd: std::os::fd::RawFd, mut data: &[u8]) -> std::io::Result<()> {
+    while !data.is_empty() {
+        // SAFETY: write from a valid buffer of its length.
+        let r = unsafe { libc::write(fd, data.as_ptr().cast(), data.len()) };
+        if r < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.raw_os_error() == Some(libc::EINTR) {
+                continue;
+            }
+            return Err(e);
+        }
+        data = &data[r as usize..];
+    }
+    Ok(())
 }

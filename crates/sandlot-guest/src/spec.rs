@@ -124,6 +124,90 @@ pub struct ExecSpec {
     /// and sets this for an exec without stdin, so the command still sees `/dev/null`.
     #[serde(default)]
     pub stdin_null: bool,
+    /// Run the command on a pseudo-terminal of this size, allocated inside the sandbox (its
+    /// own devpts): the command's stdin, stdout and stderr are the terminal's slave (its
+    /// controlling terminal, in a session of its own), and this process's stdout carries
+    /// the terminal's output. This process's stdin is then framed ([`pty_frame_data`],
+    /// [`pty_frame_resize`]), not raw. `None` (default): plain pipes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pty: Option<PtySize>,
+}
+
+/// Size of a pseudo-terminal, in character cells.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PtySize {
+    /// Rows (lines), 1..=1000.
+    pub rows: u16,
+    /// Columns, 1..=1000.
+    pub cols: u16,
+}
+
+/// Frame kind of terminal input bytes (see [`pty_frame_data`]).
+pub const PTY_FRAME_DATA: u8 = b'D';
+/// Frame kind of a terminal resize (see [`pty_frame_resize`]).
+pub const PTY_FRAME_RESIZE: u8 = b'R';
+
+/// A frame of the stdin of a PTY exec ([`ExecSpec::pty`]) carrying bytes typed into the
+/// terminal. Format (Sandlot's own, node to helper): one kind byte, the payload length as a
+/// little-endian u32, then the payload.
+pub fn pty_frame_data(data: &[u8]) -> Vec<u8> {
+    let mut v = Vec::with_capacity(5 + data.len());
+    v.push(PTY_FRAME_DATA);
+    v.extend_from_slice(&(data.len() as u32).to_le_bytes());
+    v.extend_from_slice(data);
+    v
+}
+
+/// A frame of the stdin of a PTY exec that resizes the terminal (the command's foreground
+/// process group gets SIGWINCH). Payload: rows then cols, little-endian u16 each.
+pub fn pty_frame_resize(size: PtySize) -> Vec<u8> {
+    let mut v = Vec::with_capacity(9);
+    v.push(PTY_FRAME_RESIZE);
+    v.extend_from_slice(&4u32.to_le_bytes());
+    v.extend_from_slice(&size.rows.to_le_bytes());
+    v.extend_from_slice(&size.cols.to_le_bytes());
+    v
+}
+
+/// One decoded frame of a PTY exec's stdin.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PtyFrame {
+    /// Bytes typed into the terminal.
+    Data(Vec<u8>),
+    /// New terminal size.
+    Resize(PtySize),
+}
+
+/// Takes the complete frames off the front of `buf` (what is left is an incomplete frame).
+///
+/// # Errors
+/// A message for an unknown frame kind, a resize payload that is not 4 bytes, or a frame
+/// over 16 MiB.
+pub fn pty_frames_take(buf: &mut Vec<u8>) -> Result<Vec<PtyFrame>, String> {
+    let mut out = Vec::new();
+    let mut at = 0;
+    while buf.len() - at >= 5 {
+        let kind = buf[at];
+        let len = u32::from_le_bytes(buf[at + 1..at + 5].try_into().expect("4 bytes")) as usize;
+        if len > 16 << 20 {
+            return Err(format!("pty frame of {len} bytes is too large"));
+        }
+        if buf.len() - at - 5 < len {
+            break;
+        }
+        let payload = &buf[at + 5..at + 5 + len];
+        out.push(match kind {
+            PTY_FRAME_DATA => PtyFrame::Data(payload.to_vec()),
+            PTY_FRAME_RESIZE if len == 4 => PtyFrame::Resize(PtySize {
+                rows: u16::from_le_bytes([payload[0], payload[1]]),
+                cols: u16::from_le_bytes([payload[2], payload[3]]),
+            }),
+            k => return Err(format!("bad pty frame kind {k} (length {len})")),
+        });
+        at += 5 + len;
+    }
+    buf.drain(..at);
+    Ok(out)
 }
 
 fn default_true() -> bool {
@@ -239,3 +323,45 @@ pub async fn read_exec_status(
 /// and SIGSTOP cannot be caught: SIGKILL is delivered by killing the helper (the whole
 /// tree goes), SIGSTOP is not offered.
 pub const FORWARDED_SIGNALS: [i32; 11] = [1, 2, 3, 6, 10, 12, 14, 15, 18, 20, 28];
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pty_frames_round_trip_across_split_reads() {
+        let size = PtySize {
+            rows: 40,
+            cols: 120,
+        };
+        let mut wire = pty_frame_data(b"ls\n");
+        wire.extend(pty_frame_resize(size));
+        wire.extend(pty_frame_data(b""));
+        // Fed one byte at a time: frames come out whole, in order.
+        let mut buf = Vec::new();
+        let mut got = Vec::new();
+        for b in &wire {
+            buf.push(*b);
+            got.extend(pty_frames_take(&mut buf).unwrap());
+        }
+        assert!(buf.is_empty());
+        assert_eq!(
+            got,
+            vec![
+                PtyFrame::Data(b"ls\n".to_vec()),
+                PtyFrame::Resize(size),
+                PtyFrame::Data(Vec::new())
+            ]
+        );
+    }
+
+    #[test]
+    fn bad_pty_frames_are_refused() {
+        let mut bad_kind = vec![b'X', 0, 0, 0, 0];
+        assert!(pty_frames_take(&mut bad_kind).is_err());
+        let mut short_resize = vec![PTY_FRAME_RESIZE, 2, 0, 0, 0, 1, 2];
+        assert!(pty_frames_take(&mut short_resize).is_err());
+        let mut huge = vec![PTY_FRAME_DATA, 0xff, 0xff, 0xff, 0xff];
+        assert!(pty_frames_take(&mut huge).is_err());
+    }
+}

@@ -208,6 +208,9 @@ pub struct ProcessHandle {
     stdin: Mutex<Option<mpsc::Sender<Bytes>>>,
     signals: mpsc::UnboundedSender<i32>,
     task: Mutex<Option<tokio::task::AbortHandle>>,
+    /// Runs on a terminal: its stdin channel carries frames
+    /// (`sandlot_guest::spec::pty_frame_data` / `pty_frame_resize`), not raw bytes.
+    pty: bool,
 }
 
 fn now_rfc3339() -> String {
@@ -308,6 +311,11 @@ impl ProcessHandle {
             )));
         };
         if !data.is_empty() {
+            let data = if self.pty {
+                Bytes::from(sandlot_guest::spec::pty_frame_data(&data))
+            } else {
+                data
+            };
             match tokio::time::timeout(STDIN_WAIT, tx.send(data)).await {
                 Ok(Ok(())) => {}
                 Ok(Err(_)) => {
@@ -330,6 +338,49 @@ impl ProcessHandle {
             self.bump();
         }
         Ok(())
+    }
+
+    /// Whether it runs on a terminal (started with `pty`).
+    pub fn is_pty(&self) -> bool {
+        self.pty
+    }
+
+    /// Resizes its terminal (the command's foreground process group gets SIGWINCH).
+    ///
+    /// # Errors
+    /// `InvalidArgument` for a process without a terminal or a size out of range;
+    /// `Conflict` when it has ended; `DeadlineExceeded` as [`ProcessHandle::write_stdin`].
+    pub async fn resize(&self, size: sandlot_api::PtySize) -> NodeResult<()> {
+        if !self.pty {
+            return Err(NodeError::InvalidArgument(format!(
+                "process {} has no terminal (start it with \"pty\")",
+                self.id
+            )));
+        }
+        size.validate().map_err(NodeError::InvalidArgument)?;
+        let tx = self.stdin.lock().unwrap().clone();
+        let Some(tx) = tx.filter(|_| !self.ended()) else {
+            return Err(NodeError::Conflict(format!(
+                "process {} has already exited",
+                self.id
+            )));
+        };
+        let frame = sandlot_guest::spec::pty_frame_resize(sandlot_guest::spec::PtySize {
+            rows: size.rows,
+            cols: size.cols,
+        });
+        match tokio::time::timeout(STDIN_WAIT, tx.send(Bytes::from(frame))).await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(_)) => Err(NodeError::Conflict(format!(
+                "process {} has already exited",
+                self.id
+            ))),
+            Err(_) => Err(NodeError::DeadlineExceeded(format!(
+                "process {} has not read its terminal input for {} s",
+                self.id,
+                STDIN_WAIT.as_secs()
+            ))),
+        }
     }
 
     /// The process's output from byte offsets, as [`ProcessEvent`]s: retained chunks of
@@ -504,8 +555,13 @@ impl ProcessTable {
             max_output_bytes: Some(0),
             user: req.user,
             step: None,
+            pty: req.pty,
         };
-        let (stdin_tx, stdin_rx) = if req.stdin {
+        if let Some(size) = req.pty {
+            size.validate().map_err(NodeError::InvalidArgument)?;
+        }
+        let pty = req.pty.is_some();
+        let (stdin_tx, stdin_rx) = if req.stdin || pty {
             let (tx, rx) = mpsc::channel::<Bytes>(16);
             (Some(tx), Some(rx))
         } else {
@@ -537,6 +593,7 @@ impl ProcessTable {
             stdin: Mutex::new(stdin_tx),
             signals: sig_tx,
             task: Mutex::new(None),
+            pty,
         });
         self.admit(&proc)?;
         let control = ExecControl {

@@ -60,6 +60,7 @@ fn request(script: &str, timeout_ms: u64, stdin: bool) -> ExecRequest {
             own_pid_ns: true,
             landlock: false,
             stdin_null: false,
+            pty: None,
         },
         timeout_ms,
         stdin,

@@ -10,7 +10,7 @@
 //! |---|---|
 //! | `POST/GET /v1/sandboxes`, `GET/DELETE /v1/sandboxes/{id}`, `POST …/keepalive` | [`sandboxes`] |
 //! | `POST /v1/sandboxes/{id}/exec[?stream=true]` | [`exec`] |
-//! | `/v1/sandboxes/{id}/processes[/{pid}[/output\|/wait\|/signal\|/stdin]]` | [`processes`] |
+//! | `/v1/sandboxes/{id}/processes[/{pid}[/output\|/wait\|/signal\|/stdin\|/resize]]` | [`processes`] |
 //! | `PUT/GET/DELETE /v1/sandboxes/{id}/files?path=P`, `GET …/files/list?path=P` | [`files`] |
 //! | `POST /v1/sandboxes:pause`, `POST /v1/sandboxes:resume` | [`pause`] |
 //! | `POST /v1/sandboxes/{id}/checkpoints`, `GET /v1/checkpoints[/{ck}]`, `DELETE /v1/checkpoints/{ck}` | [`checkpoints`] |
@@ -409,6 +409,10 @@ pub fn router(state: SharedState) -> Router {
         .route(
             "/v1/sandboxes/{id}/processes/{pid}/stdin",
             post(processes::stdin),
+        )
+        .route(
+            "/v1/sandboxes/{id}/processes/{pid}/resize",
+            post(processes::resize),
         )
         .route(
             "/v1/sandboxes/{id}/files",

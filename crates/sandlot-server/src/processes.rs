@@ -1,4 +1,4 @@
-//! Background processes: `/v1/sandboxes/{id}/processes[/{pid}[/output|/wait|/signal|/stdin]]`.
+//! Background processes: `/v1/sandboxes/{id}/processes[/{pid}[/output|/wait|/signal|/stdin|/resize]]`.
 //!
 //! | route | answer |
 //! |---|---|
@@ -9,6 +9,7 @@
 //! | `POST …/processes/{pid}/wait?timeout_s=` | [`Process`] (still `running` after the timeout) |
 //! | `POST …/processes/{pid}/signal` ([`SignalRequest`]) | 204 |
 //! | `POST …/processes/{pid}/stdin?eof=` raw body | 204 |
+//! | `POST …/processes/{pid}/resize` ([`sandlot_api::PtySize`]) | 204 (a terminal process: started with `pty`) |
 //! | `DELETE …/processes/{pid}` | 204 (kills the whole tree, forgets the handle) |
 //!
 //! The processes live in [`sandlot_node::processes::ProcessTable`] (semantics, signals and
@@ -234,6 +235,20 @@ pub async fn stdin(
         .get(&id, &pid)?
         .write_stdin(body, q.eof)
         .await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// `POST /v1/sandboxes/{id}/processes/{pid}/resize` ([`sandlot_api::PtySize`]) → 204: the
+/// terminal of a process started with `pty` takes the new size (its foreground process
+/// group gets SIGWINCH). 400 for a process without a terminal or a size out of 1..=1000;
+/// 409 when it already exited or the sandbox is paused.
+pub async fn resize(
+    State(st): State<SharedState>,
+    Path((id, pid)): Path<(String, String)>,
+    Json(size): Json<sandlot_api::PtySize>,
+) -> ApiResult<StatusCode> {
+    not_paused(&st, &id).await?;
+    st.processes.get(&id, &pid)?.resize(size).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 

@@ -288,6 +288,7 @@ async fn bad_requests_and_unknown_ids() {
         "/v1/sandboxes/{id}/processes/{pid}/wait",
         "/v1/sandboxes/{id}/processes/{pid}/signal",
         "/v1/sandboxes/{id}/processes/{pid}/stdin",
+        "/v1/sandboxes/{id}/processes/{pid}/resize",
     ] {
         assert!(
             doc["paths"][route].is_object(),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, AsyncIterator, Dict, List, Mapping, Optional, Sequence, Union
+from typing import Any, AsyncIterator, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import httpx
 
@@ -15,7 +15,7 @@ from .models import (Checkpoint, Command, checkpoint_id, checkpoints_of, Data, E
                      RunCodeResult, TrajectoryInfo, create_body, exec_body, ids_of, label_params,
                      parse_exec_event, run_code_body, run_jupyter_body,
                      RunCodeLanguage, RunJupyterResult, selector_body, to_bytes)
-from .process import AsyncProcess, processes_of, spawn_body
+from .process import DEFAULT_PTY_CMD, AsyncProcess, processes_of, spawn_body
 
 
 class AsyncClient:
@@ -485,11 +485,21 @@ class AsyncSandbox(_base.SandboxFields):
     async def spawn(self, cmd: Command, cwd: Optional[str] = None,
                     env: Optional[Mapping[str, str]] = None, stdin: Optional[Data] = None,
                     stdin_open: bool = False, timeout_s: Optional[float] = None,
-                    max_output_bytes: Optional[int] = None) -> AsyncProcess:
+                    max_output_bytes: Optional[int] = None,
+                    pty: Optional[Tuple[int, int]] = None) -> AsyncProcess:
         """As :meth:`sandlot.Sandbox.spawn`."""
-        body = spawn_body(cmd, cwd, env, stdin, stdin_open, timeout_s, max_output_bytes)
+        body = spawn_body(cmd, cwd, env, stdin, stdin_open, timeout_s, max_output_bytes,
+                          pty)
         resp = await self._client._request("POST", self._path("/processes"), json=body)
         return AsyncProcess(self, _base.json_of(resp))
+
+    async def pty(self, cmd: Optional[Command] = None, rows: int = 24, cols: int = 80,
+                  cwd: Optional[str] = None, env: Optional[Mapping[str, str]] = None,
+                  timeout_s: Optional[float] = None) -> AsyncProcess:
+        """As :meth:`sandlot.Sandbox.pty`."""
+        envs = {"TERM": "xterm-256color", **(env or {})}
+        return await self.spawn(cmd if cmd is not None else list(DEFAULT_PTY_CMD), cwd=cwd,
+                                env=envs, timeout_s=timeout_s, pty=(rows, cols))
 
     async def process(self, pid: str) -> AsyncProcess:
         """As :meth:`sandlot.Sandbox.process`."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Union
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import httpx
 
@@ -13,7 +13,7 @@ from .models import (Checkpoint, Command, checkpoint_id, checkpoints_of, Data, E
                      RunCodeResult, TrajectoryInfo, create_body, exec_body, ids_of, label_params,
                      parse_exec_event, run_code_body, run_jupyter_body,
                      RunCodeLanguage, RunJupyterResult, selector_body, to_bytes)
-from .process import Process, processes_of, spawn_body
+from .process import DEFAULT_PTY_CMD, Process, processes_of, spawn_body
 
 
 class Client:
@@ -512,7 +512,8 @@ class Sandbox(_base.SandboxFields):
     def spawn(self, cmd: Command, cwd: Optional[str] = None,
               env: Optional[Mapping[str, str]] = None, stdin: Optional[Data] = None,
               stdin_open: bool = False, timeout_s: Optional[float] = None,
-              max_output_bytes: Optional[int] = None) -> Process:
+              max_output_bytes: Optional[int] = None,
+              pty: Optional[Tuple[int, int]] = None) -> Process:
         """Start ``cmd`` in the background and return its :class:`~sandlot.Process` handle
         at once. It runs in the server until it exits, is killed, its ``timeout_s`` (default
         and maximum one day) passes, or the sandbox ends; not a trajectory step.
@@ -523,13 +524,31 @@ class Sandbox(_base.SandboxFields):
                 /dev/null).
             max_output_bytes: bytes retained per stream for ``output`` (default 2 MiB,
                 maximum 16 MiB; the last ones are kept).
+            pty: ``(rows, cols)``: run it on a pseudo-terminal of that size inside the
+                sandbox (stdin, stdout and stderr are the terminal; its output is the
+                stdout stream; stdin stays open; :meth:`Process.resize` changes the size).
 
         Raises ResourceExhausted at the sandbox's limit of running processes (16),
         InvalidArgument, NotFound, Conflict (sandbox paused or not running).
         """
-        body = spawn_body(cmd, cwd, env, stdin, stdin_open, timeout_s, max_output_bytes)
+        body = spawn_body(cmd, cwd, env, stdin, stdin_open, timeout_s, max_output_bytes,
+                          pty)
         resp = self._client._request("POST", self._path("/processes"), json=body)
         return Process(self, _base.json_of(resp))
+
+    def pty(self, cmd: Optional[Command] = None, rows: int = 24, cols: int = 80,
+            cwd: Optional[str] = None, env: Optional[Mapping[str, str]] = None,
+            timeout_s: Optional[float] = None) -> Process:
+        """Open a terminal session: ``cmd`` (default an interactive bash, else ``sh``) on a
+        pseudo-terminal of ``rows`` x ``cols`` inside the sandbox. The returned
+        :class:`~sandlot.Process` takes :meth:`~sandlot.Process.write` (keys),
+        :meth:`~sandlot.Process.read` (output since the last read),
+        :meth:`~sandlot.Process.resize`, :meth:`~sandlot.Process.wait` and
+        :meth:`~sandlot.Process.kill`. ``TERM`` defaults to ``xterm-256color``. Raises as
+        :meth:`spawn`."""
+        envs = {"TERM": "xterm-256color", **(env or {})}
+        return self.spawn(cmd if cmd is not None else list(DEFAULT_PTY_CMD), cwd=cwd, env=envs,
+                          timeout_s=timeout_s, pty=(rows, cols))
 
     def process(self, pid: str) -> Process:
         """Reattach to a background process by handle (e.g. from another client or a

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from typing import (TYPE_CHECKING, Any, AsyncIterator, Dict, Iterator, List, Mapping, Optional,
-                    Union)
+                    Tuple, Union)
 
 import httpx
 
@@ -49,12 +49,22 @@ OutputEvent = Union[StdoutChunk, StderrChunk, OutputSkipped, ExecResult]
 
 def spawn_body(cmd: Command, cwd: Optional[str], env: Optional[Mapping[str, str]],
                stdin: Optional[Data], stdin_open: bool, timeout_s: Optional[float],
-               max_output_bytes: Optional[int]) -> Dict[str, Any]:
-    """JSON body of ``POST /v1/sandboxes/{id}/processes``."""
+               max_output_bytes: Optional[int],
+               pty: Optional[Tuple[int, int]] = None) -> Dict[str, Any]:
+    """JSON body of ``POST /v1/sandboxes/{id}/processes``; ``pty`` is ``(rows, cols)``."""
     body = exec_body(cmd, cwd, env, stdin, timeout_s, max_output_bytes)
     if stdin_open:
         body["stdin"] = True
+    if pty is not None:
+        rows, cols = pty
+        body["pty"] = {"rows": int(rows), "cols": int(cols)}
     return body
+
+
+#: The command of :meth:`Sandbox.pty` by default: an interactive bash where the image has
+#: one, else an interactive ``sh``.
+DEFAULT_PTY_CMD = ["/bin/sh", "-c",
+                   "if [ -x /bin/bash ]; then exec /bin/bash -i; fi; exec /bin/sh -i"]
 
 
 def signal_body(sig: Signal) -> Dict[str, Any]:
@@ -275,6 +285,35 @@ class Process(_Fields):
         """Close stdin (the command reads EOF)."""
         self.write_stdin(b"", eof=True)
 
+    def write(self, data: Data) -> None:
+        """Type ``data`` into the terminal (a process started with ``pty``; as
+        :meth:`write_stdin` for the others)."""
+        self.write_stdin(data)
+
+    def resize(self, rows: int, cols: int) -> None:
+        """Resize the terminal of a process started with ``pty`` (its foreground process
+        group gets SIGWINCH). Raises InvalidArgument without a terminal or for a size out
+        of 1..1000, Conflict when it already exited."""
+        self._sb._client._request("POST", self._path("/resize"),
+                                  json={"rows": int(rows), "cols": int(cols)})
+
+    def read(self, timeout: float = 0.0) -> bytes:
+        """The output (a terminal's: its whole output) that came since the last read,
+        waiting up to ``timeout`` seconds for some; ``b""`` when none came (or the process
+        ended and everything was read). Advances :attr:`stdout_offset`."""
+        deadline = time.monotonic() + float(timeout)
+        while True:
+            got = bytearray()
+            for ev in self._events(False, None, None, track=True):
+                if isinstance(ev, StdoutChunk):
+                    got.extend(ev.data)
+            if got or time.monotonic() >= deadline:
+                return bytes(got)
+            self.refresh()
+            if not self.running and self.stdout_offset >= self.stdout_bytes:
+                return b""
+            time.sleep(0.05)
+
     def delete(self) -> None:
         """Kill the whole tree and forget the handle (NotFound afterwards)."""
         self._sb._client._request("DELETE", self._path())
@@ -360,6 +399,11 @@ class AsyncProcess(_Fields):
         await self._sb._client._request("POST", self._path("/stdin"), params=params,
                                         content=to_bytes(data),
                                         headers={"Content-Type": "application/octet-stream"})
+
+    async def resize(self, rows: int, cols: int) -> None:
+        """As :meth:`Process.resize`."""
+        await self._sb._client._request("POST", self._path("/resize"),
+                                        json={"rows": int(rows), "cols": int(cols)})
 
     async def close_stdin(self) -> None:
         """As :meth:`Process.close_stdin`."""

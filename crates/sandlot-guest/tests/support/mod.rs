@@ -256,6 +256,7 @@ impl Sandbox {
             own_pid_ns: false,
             landlock: true,
             stdin_null: false,
+            pty: None,
         }
     }
 

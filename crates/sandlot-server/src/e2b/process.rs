@@ -12,10 +12,13 @@
 //! | `SendSignal {process, signal: SIGNAL_SIGTERM\|SIGNAL_SIGKILL}` | unary | signal (SIGKILL ends the whole tree) |
 //!
 //! | `StreamInput` (`start {process}`, then `data {input: {stdin}}` / `keepalive` messages) | client stream | each `data` written to stdin as it arrives; answers `{}` when the body ends (stdin stays open) |
+//! | `Update {process, pty: {size: {rows, cols}}}` | unary | resize the process's terminal |
 //!
-//! `StreamInput` waits at most [`STREAM_INPUT_IDLE_S`] s for its next message (and at
-//! most its `Connect-Timeout-Ms` in all). `pty` (terminals) and `Update` answer
-//! `unimplemented`. Pids are E2B's
+//! Terminals: `Start` with `pty: {size: {rows, cols}}` runs the command on a
+//! pseudo-terminal allocated inside the sandbox (Sandlot's background process with `pty`);
+//! its output is sent as `data {pty}` events, input (`input: {pty}` or `{stdin}`) goes to
+//! the terminal, `Update` resizes it. `StreamInput` waits at most [`STREAM_INPUT_IDLE_S`]
+//! s for its next message (and at most its `Connect-Timeout-Ms` in all). Pids are E2B's
 //! numbers ([`super::E2bState`]), from 1000 per sandbox. The stream's deadline
 //! (`Connect-Timeout-Ms`, the SDK's command `timeout`) is also the process's timeout: when
 //! it passes, the process tree is killed. A stream whose client goes away leaves the
@@ -70,7 +73,7 @@ struct StartRequest {
     #[serde(default)]
     process: Option<ProcessConfig>,
     #[serde(default)]
-    pty: Option<serde_json::Value>,
+    pty: Option<Pty>,
     #[serde(default)]
     tag: Option<String>,
     #[serde(default)]
@@ -86,7 +89,38 @@ struct Selected {
     #[serde(default)]
     signal: Option<serde_json::Value>,
     #[serde(default)]
-    pty: Option<serde_json::Value>,
+    pty: Option<Pty>,
+}
+
+/// `process.PTY`: `{size: {rows, cols}}` (envd's default 24×80 where `size` is absent).
+#[derive(Debug, Default, Deserialize)]
+struct Pty {
+    #[serde(default)]
+    size: Option<PtySizeMsg>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct PtySizeMsg {
+    #[serde(default)]
+    rows: u32,
+    #[serde(default)]
+    cols: u32,
+}
+
+impl Pty {
+    /// The terminal size, checked (1..=1000 rows and cols).
+    fn size(&self) -> Result<sandlot_api::PtySize, ConnectError> {
+        let (rows, cols) = match &self.size {
+            Some(s) => (s.rows, s.cols),
+            None => (24, 80),
+        };
+        let size = sandlot_api::PtySize {
+            rows: u16::try_from(rows).unwrap_or(0),
+            cols: u16::try_from(cols).unwrap_or(0),
+        };
+        size.validate().map_err(ConnectError::invalid)?;
+        Ok(size)
+    }
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -134,20 +168,20 @@ pub async fn dispatch(
     };
     if !matches!(
         method.as_str(),
-        "Start" | "Connect" | "List" | "SendInput" | "CloseStdin" | "SendSignal" | "StreamInput"
+        "Start"
+            | "Connect"
+            | "List"
+            | "SendInput"
+            | "CloseStdin"
+            | "SendSignal"
+            | "StreamInput"
+            | "Update"
     ) {
-        let known = method == "Update";
         let mut e = ConnectError::new(
             "unimplemented",
-            if known {
-                format!("process.Process/{method} is not implemented by Sandlot")
-            } else {
-                format!("no method process.Process/{method}")
-            },
+            format!("no method process.Process/{method}"),
         );
-        if !known {
-            e.status = Some(axum::http::StatusCode::NOT_FOUND);
-        }
+        e.status = Some(axum::http::StatusCode::NOT_FOUND);
         return e.into_response();
     }
     if let Err(e) = check_kind(&headers, kind) {
@@ -185,6 +219,7 @@ pub async fn dispatch(
         "SendInput" => send_input(&st, &id, &body).await,
         "CloseStdin" => close_stdin(&st, &id, &body).await,
         "SendSignal" => send_signal(&st, &id, &body),
+        "Update" => update(&st, &id, &body).await,
         _ => unreachable!("checked above"),
     };
     out.unwrap_or_else(fail)
@@ -248,12 +283,7 @@ async fn start(
     body: &Bytes,
 ) -> Result<Response, ConnectError> {
     let req: StartRequest = stream_request(body)?;
-    if req.pty.is_some() {
-        return Err(ConnectError::new(
-            "unimplemented",
-            "PTY sessions are not implemented by Sandlot yet",
-        ));
-    }
+    let pty = req.pty.as_ref().map(Pty::size).transpose()?;
     let cfg = req
         .process
         .ok_or_else(|| ConnectError::invalid("process is required"))?;
@@ -279,6 +309,7 @@ async fn start(
         timeout_s: deadline_s(headers)?,
         max_output_bytes: None,
         user: None,
+        pty,
     };
     let rec = crate::sandboxes::running(st, id).await?;
     let p = match st.processes.spawn(id, spawn).await {
@@ -417,6 +448,8 @@ fn follow(
     keepalive: Duration,
 ) -> Response {
     let (tx, rx) = mpsc::channel::<Bytes>(16);
+    // A terminal's output is one stream, envd's `data {pty}`.
+    let out_name = if h.is_pty() { "pty" } else { "stdout" };
     tokio::spawn(async move {
         if tx
             .send(event(serde_json::json!({"start": {"pid": pid}})))
@@ -439,7 +472,7 @@ fn follow(
                 ev = out.next() => {
                     let (msg, last) = match ev {
                         Some(ProcessEvent::Stdout { data: d, data_b64, .. }) => {
-                            (data("stdout", &raw_of(&d, &data_b64)), false)
+                            (data(out_name, &raw_of(&d, &data_b64)), false)
                         }
                         Some(ProcessEvent::Stderr { data: d, data_b64, .. }) => {
                             (data("stderr", &raw_of(&d, &data_b64)), false)
@@ -574,20 +607,38 @@ fn list(st: &SharedState, id: &str, body: &Bytes) -> Result<Response, ConnectErr
     Ok(unary_ok(serde_json::json!({ "processes": procs })))
 }
 
-/// The stdin bytes of a `ProcessInput` (`stdin`, base64).
+/// The input bytes of a `ProcessInput` (`stdin` or `pty`, base64; both go to the process's
+/// input: its stdin pipe, or its terminal).
 ///
 /// # Errors
-/// `unimplemented` for PTY input; `invalid_argument` for bad base64.
+/// `invalid_argument` for bad base64.
 fn stdin_bytes(input: Input) -> Result<Vec<u8>, ConnectError> {
-    if input.pty.is_some() {
+    let (field, b64) = match (input.pty, input.stdin) {
+        (Some(p), _) => ("pty", p),
+        (None, s) => ("stdin", s.unwrap_or_default()),
+    };
+    base64::engine::general_purpose::STANDARD
+        .decode(b64)
+        .map_err(|e| ConnectError::invalid(format!("input.{field} is not base64: {e}")))
+}
+
+/// `Update {process, pty: {size}}`: resizes the process's terminal.
+async fn update(st: &SharedState, id: &str, body: &Bytes) -> Result<Response, ConnectError> {
+    let req: Selected = unary_request(body)?;
+    let (_, entry) = select(st, id, req.process.as_ref())?;
+    let h = handle_of(st, id, &entry)?;
+    let Some(pty) = req.pty.as_ref() else {
+        return Ok(unary_ok(serde_json::json!({})));
+    };
+    let size = pty.size()?;
+    if !h.is_pty() {
         return Err(ConnectError::new(
-            "unimplemented",
-            "PTY input is not implemented by Sandlot yet",
+            "failed_precondition",
+            "the process has no terminal (start it with pty)",
         ));
     }
-    base64::engine::general_purpose::STANDARD
-        .decode(input.stdin.unwrap_or_default())
-        .map_err(|e| ConnectError::invalid(format!("input.stdin is not base64: {e}")))
+    h.resize(size).await.map_err(ended_is_not_found)?;
+    Ok(unary_ok(serde_json::json!({})))
 }
 
 async fn send_input(st: &SharedState, id: &str, body: &Bytes) -> Result<Response, ConnectError> {
