@@ -2,8 +2,9 @@
 API keys, trajectory owners, checkpoints and the trajectory log live in a real PostgreSQL
 (started here by scripts/postgres.sh), so a server keeps nothing of value in its data
 directory: a replacement server with an empty data directory takes over the sandboxes,
-the trajectory log and the keys of one killed with SIGKILL. One server per database for
-now: a second one is refused while the first holds the database's server lock."""
+the trajectory log and the keys of one killed with SIGKILL. Without --etcd, one server per
+database: a second one is refused while the first holds the database's server lock
+(several servers with --etcd: tests/test_server_multi.py)."""
 from __future__ import annotations
 
 import os

@@ -189,6 +189,15 @@ struct ServerArgs {
     /// File holding the node API token (the nodes' `--token-file`).
     #[arg(long)]
     node_token_file: PathBuf,
+    /// Id of this server [default: HOST-PID-RANDOM]: owner of the creates and deletes it
+    /// runs, and its value in the leader election. Unique per running server.
+    #[arg(long)]
+    name: Option<String>,
+    /// With --etcd and --postgres: TTL in seconds (2..=3600) of the leader election's lease.
+    /// Several servers share the database; the elected one runs the TTL reaper, sweeps and
+    /// GC, and another takes over within this TTL when it dies.
+    #[arg(long, default_value_t = 5)]
+    election_ttl_s: u64,
     /// The node's image store, when this host can read it (run_code then answers a missing
     /// toolchain image itself, and /metrics counts images); without it the node's create
     /// reports a missing image.
@@ -265,7 +274,8 @@ struct ServerOpts {
     trajectory_fsync: bool,
     /// PostgreSQL URL (postgres://USER@HOST:PORT/DB) of the sandbox registry, API keys and
     /// trajectory log instead of DATA/sandlot.db and DATA/trajectories.db; migrated at
-    /// start. One server per database for now (a second one is refused).
+    /// start. With `sandlot server --etcd` any number of servers share it (leader
+    /// election); otherwise one server per database (a second one is refused).
     #[arg(long, env = "SANDLOT_POSTGRES_URL")]
     postgres: Option<String>,
     /// OCI runtime of `container` sandboxes created without one: runc, runsc or crun.
@@ -917,10 +927,26 @@ async fn server(a: ServerArgs) -> anyhow::Result<u8> {
     let token = read_token(&a.node_token_file)?;
     let mut cfg = a.server.config(a.data_dir, a.listen)?;
     cfg.images_dir = a.images_dir;
+    if let Some(n) = a.name {
+        anyhow::ensure!(
+            !n.is_empty() && n.len() <= 128,
+            "--name: 1 to 128 characters"
+        );
+        cfg.server_id = n;
+    }
     let Some(url) = a.node else {
         let etcd = sandlot_cluster::connect(&a.etcd)
             .await
             .with_context(|| format!("connect to etcd {}", a.etcd.join(",")))?;
+        if cfg.postgres_url.is_some() {
+            // Several servers on one database: the singletons run on the elected one.
+            cfg.election = Some(sandlot_server::leader::ElectionConfig {
+                client: etcd.clone(),
+                lease: sandlot_cluster::LeaseConfig::new(a.election_ttl_s)
+                    .context("--election-ttl-s")?,
+            });
+            tracing::info!(server_id = %cfg.server_id, "several servers may share this database: leader election in etcd");
+        }
         let cluster = sandlot_server::cluster::ClusterNode::start(
             &etcd,
             Some(token),

@@ -22,8 +22,9 @@
 //!   reason "node NAME left the cluster (lease expired)"); when a node (re)joins, its
 //!   `list` is reconciled against the records ([`reconcile`]).
 //!
-//! State stays in the server's own SQLite store (PostgreSQL is a later slice), so one
-//! server at a time fronts a cluster.
+//! State is in the server's SQLite store, or in PostgreSQL (`--postgres`); with an etcd
+//! election several servers share one database and front the same nodes
+//! ([`crate::leader`]): the lost-node sweeper then runs on the leader only.
 use crate::placement::{self, Candidate, PlacementError, Request};
 use crate::{events, SharedState};
 use async_trait::async_trait;
@@ -709,7 +710,8 @@ pub async fn reconcile(
 /// records of nodes not registered now become `lost` ("node NAME is not in the cluster at
 /// server start"); each registered node is reconciled ([`reconcile`]; one that does not
 /// answer is logged and reconciled when it next re-registers); records left `creating`
-/// by a previous process are removed; then checkpoints are recovered (a failure is
+/// by a previous process are removed (with an election: left to the leader's
+/// stale-transition sweep); then checkpoints are recovered (a failure is
 /// logged: a node that did not answer keeps its checkpoints and their records).
 ///
 /// # Errors
@@ -720,8 +722,10 @@ pub async fn recover(st: &SharedState, cluster: &ClusterNode) -> anyhow::Result<
     let mut gone: BTreeSet<String> = BTreeSet::new();
     for r in &records {
         st.events.set_owner(&r.id, r.tenant.as_deref());
-        if r.state == SandboxState::Creating {
-            // Its creator died with the previous process: the reaper deletes it.
+        if r.state == SandboxState::Creating && st.cfg.election.is_none() {
+            // Its creator died with the previous process: the reaper deletes it. (With an
+            // election, other servers may be creating now: the leader's stale-transition
+            // sweep rolls back what a dead one left, [`crate::leader`].)
             st.store
                 .transition(&r.id, &[SandboxState::Creating], SandboxState::Deleting)
                 .await?;
@@ -751,7 +755,8 @@ pub async fn recover(st: &SharedState, cluster: &ClusterNode) -> anyhow::Result<
     Ok(())
 }
 
-/// Starts the lost-node sweeper: follows the node set; a node that leaves gets its
+/// Starts the lost-node sweeper: first marks `lost` the live records of nodes not
+/// registered now (a new leader catching up); then follows the node set; a node that leaves gets its
 /// records marked `lost` ([`mark_node_lost`] with [`left_reason`]) and its client dropped;
 /// a node that joins (or re-registers with a new `started_at`, a restart) is reconciled
 /// ([`reconcile`]). Ends when `stop` turns true.
@@ -762,6 +767,9 @@ pub fn spawn_sweeper(
 ) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
         let (mut known, mut rx) = cluster.subscribe();
+        // A server that becomes leader catches up on nodes that left while no one swept
+        // (another leader's failover): their live records become `lost` now.
+        catch_up_departed(&st, &known).await;
         loop {
             let ev = tokio::select! {
                 ev = rx.recv() => ev,
@@ -806,6 +814,27 @@ pub fn spawn_sweeper(
             }
         }
     })
+}
+
+/// Marks `lost` the `running`/`paused` records of nodes not in `known` ([`left_reason`]).
+async fn catch_up_departed(st: &SharedState, known: &BTreeMap<String, NodeRecord>) {
+    let records = match st.store.list().await {
+        Ok(r) => r,
+        Err(e) => {
+            tracing::error!(error = %e, "lost-node sweep: store");
+            return;
+        }
+    };
+    let gone: BTreeSet<String> = records
+        .into_iter()
+        .filter(|r| matches!(r.state, SandboxState::Running | SandboxState::Paused))
+        .filter(|r| !known.contains_key(&r.node))
+        .map(|r| r.node)
+        .collect();
+    for node in gone {
+        let lost = mark_node_lost(st, &node, &left_reason(&node)).await;
+        tracing::warn!(%node, lost = lost.len(), "node not in the cluster when the sweep started");
+    }
 }
 
 async fn rejoin(st: &SharedState, cluster: &ClusterNode, name: &str) {

@@ -18,7 +18,9 @@ pub async fn ping() -> &'static str {
 /// "backends":{"function":"ok"|"unavailable: why",...},"runtimes":{"runc":"ok"|"unavailable:
 /// why",...},"accel":{"name":"kvm"|"tcg"|null,"why":TEXT}|null,"sandboxes":N}` (`runtimes`:
 /// the container backend's OCI runtimes; `accel`: the QEMU backends' accelerator, `name`
-/// null while the start-up probe runs, the whole field null without a QEMU backend).
+/// null while the start-up probe runs, the whole field null without a QEMU backend;
+/// `server_id`: this server's id; `leader`: whether it runs the singletons now, see
+/// [`crate::leader`]).
 pub async fn healthz(State(st): State<SharedState>) -> ApiResult<Json<serde_json::Value>> {
     let info = st.node.info();
     let status = |r: &Result<(), String>| match r {
@@ -47,6 +49,8 @@ pub async fn healthz(State(st): State<SharedState>) -> ApiResult<Json<serde_json
         "runtimes": runtimes,
         "accel": accel,
         "sandboxes": n,
+        "server_id": st.cfg.server_id,
+        "leader": st.leader.load(std::sync::atomic::Ordering::SeqCst),
         "version": env!("CARGO_PKG_VERSION"),
     })))
 }

@@ -43,6 +43,7 @@ pub mod exec;
 pub mod files;
 pub mod health;
 pub mod ingress;
+pub mod leader;
 pub mod lifecycle;
 pub mod metrics;
 pub mod pause;
@@ -97,9 +98,19 @@ pub struct ServerConfig {
     /// is set (audit events and process output spill stay here either way).
     pub data_dir: PathBuf,
     /// PostgreSQL URL (libpq URI form, [`pg`]) of the sandbox registry and trajectory log
-    /// instead of the SQLite files under `data_dir` (default none). One server per
-    /// database for now ([`pg::SERVER_LOCK`]).
+    /// instead of the SQLite files under `data_dir` (default none). Without
+    /// [`ServerConfig::election`] one server per database ([`pg::SERVER_LOCK`]); with it
+    /// any number.
     pub postgres_url: Option<String>,
+    /// Id of this server: the owner of the transitions it runs ([`leader`]) and its value
+    /// in the election (default [`leader::default_server_id`]: host, pid, random).
+    pub server_id: String,
+    /// How long a create or delete may go without its heartbeat before another server
+    /// takes it over (default 30 s; renewed every third of it; [`leader`]).
+    pub transition_ttl: Duration,
+    /// The etcd election of the singletons (default none: this server runs them;
+    /// [`leader`]). Lets several servers share one PostgreSQL database.
+    pub election: Option<leader::ElectionConfig>,
     /// Largest JSON request body in bytes (default 16 MiB); larger → 413 `payload_too_large`.
     pub max_json_bytes: usize,
     /// Largest file upload and download in bytes (default 256 MiB); larger → 413 on upload,
@@ -181,6 +192,9 @@ impl ServerConfig {
             trajectory_gc_interval: Duration::from_secs(60),
             trajectory_fsync: false,
             postgres_url: None,
+            server_id: leader::default_server_id(),
+            transition_ttl: leader::DEFAULT_TRANSITION_TTL,
+            election: None,
             images_dir: None,
             conn: conn::ConnLimits::default(),
             disk_reserve_bytes: 256 << 20,
@@ -237,6 +251,8 @@ pub struct AppState {
     /// record is written, the lost-node sweeper), set once by [`Server::bind_cluster`]; unset
     /// for one node (`sandlot up`, `sandlot server --node`).
     pub cluster: std::sync::OnceLock<Arc<cluster::ClusterNode>>,
+    /// Whether this server runs the singletons now ([`leader`]; `/healthz` `leader`).
+    pub leader: std::sync::atomic::AtomicBool,
 }
 
 /// Handler state: cheap to clone.
@@ -316,6 +332,7 @@ impl AppState {
             auth_on: std::sync::atomic::AtomicBool::new(false),
             e2b: Default::default(),
             cluster: std::sync::OnceLock::new(),
+            leader: std::sync::atomic::AtomicBool::new(false),
         }))
     }
 }
@@ -497,7 +514,7 @@ impl Server {
         let (state, pg) = match cfg.postgres_url.clone() {
             None => (AppState::open(cfg, node)?, None),
             Some(url) => {
-                let pg = pg::open_server(&url)
+                let pg = pg::open_server(&url, cfg.election.is_none())
                     .await
                     .context("open the PostgreSQL stores")?;
                 let state =
@@ -562,12 +579,8 @@ impl Server {
     ) -> anyhow::Result<()> {
         let state = self.state;
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-        let reaper = tokio::spawn(lifecycle::reaper(state.clone(), stop_rx.clone()));
-        let sweeper = state
-            .cluster
-            .get()
-            .cloned()
-            .map(|c| cluster::spawn_sweeper(state.clone(), c, stop_rx.clone()));
+        // The reaper, sweeps and GC: here, or on the elected server ([`leader`]).
+        let singletons = tokio::spawn(leader::run(state.clone(), stop_rx.clone()));
         let grace = state.cfg.shutdown_grace;
         tracing::info!(
             max_connections = state.conns.max_total(),
@@ -592,10 +605,8 @@ impl Server {
                 Ok(())
             }
         };
-        reaper.abort();
-        if let Some(s) = sweeper {
-            s.abort();
-        }
+        // Give a leader a moment to resign, so another server takes over at once.
+        let _ = tokio::time::timeout(Duration::from_secs(3), singletons).await;
         out
     }
 }

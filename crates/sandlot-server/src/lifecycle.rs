@@ -1,6 +1,5 @@
 //! Start-up re-adoption and the TTL reaper.
 use crate::error::chain;
-use crate::sandboxes::delete_sandbox;
 use crate::{now_ms, SharedState};
 use sandlot_api::SandboxState;
 use std::collections::HashSet;
@@ -120,8 +119,12 @@ pub async fn reap_once(st: &SharedState) -> Vec<String> {
             return Vec::new();
         }
     };
-    let mut done = Vec::new();
+    // Transitions a dead server left behind (see [`crate::leader`]).
+    let mut done = crate::leader::sweep_stale(st).await;
     for r in due {
+        if done.contains(&r.id) {
+            continue;
+        }
         if st.creating_set().contains(&r.id) {
             continue; // its creator rolls it back
         }
@@ -132,7 +135,17 @@ pub async fn reap_once(st: &SharedState) -> Vec<String> {
             let f = serde_json::Map::new();
             crate::events::record_queued(st, "expired", Some(&r.id), Some(r.backend), f);
         }
-        match delete_sandbox(st, &r.id).await {
+        let started = match crate::sandboxes::start_delete_as(st, &r.id, false).await {
+            Ok(Some(task)) => task.await.unwrap_or_else(|e| {
+                Err(crate::error::ServerError::new(
+                    sandlot_api::ErrorCode::Internal,
+                    format!("delete task failed: {e}"),
+                ))
+            }),
+            Ok(None) => Ok(()),
+            Err(e) => Err(e),
+        };
+        match started {
             Ok(()) => {
                 tracing::info!(sandbox_id = %r.id, "reaper: deleted (TTL expired or delete retried)");
                 done.push(r.id);

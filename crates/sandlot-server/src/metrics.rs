@@ -25,6 +25,7 @@
 //! | `sandlot_events_pending` | gauge | | audit events waiting for a durable write (disk full), at scrape ([`crate::events`]) |
 //! | `sandlot_events_dropped_total` | counter | | audit events dropped because that queue was full |
 //! | `sandlot_data_dir_free_bytes`, `sandlot_data_dir_reserve_bytes` | gauge | | free space of the data directory's file system and its reserve, at scrape ([`crate::disk_reserve`]) |
+//! | `sandlot_server_leader` | gauge | | 1 while this server runs the singletons (TTL reaper, lost-node sweep, trajectory retention, stale-transition sweep): always without `--etcd`, while it holds the etcd election with it ([`crate::leader`]) |
 //! | `sandlot_violations_total` | counter | `backend`, `layer` = `seccomp`\|`files_api`, `what` (syscall name or files API operation) | refused attempts recorded as `violation` events |
 //!
 //! Hot paths only touch the crate's atomics (a read lock on a label family to find the
@@ -187,6 +188,7 @@ pub struct Metrics {
     events_dropped: Counter,
     data_dir_free: Gauge,
     data_dir_reserve: Gauge,
+    leader: Gauge,
 }
 
 impl Default for Metrics {
@@ -196,6 +198,11 @@ impl Default for Metrics {
 }
 
 impl Metrics {
+    /// Sets `sandlot_server_leader` (1 while this server runs the singletons).
+    pub fn set_leader(&self, leader: bool) {
+        self.leader.set(i64::from(leader));
+    }
+
     /// A fresh registry with every metric registered.
     pub fn new() -> Self {
         let mut registry = Registry::default();
@@ -354,7 +361,14 @@ impl Metrics {
             "Free-space reserve of the data directory (creates refused below it)",
             data_dir_reserve.clone(),
         );
+        let leader = Gauge::default();
+        registry.register(
+            "sandlot_server_leader",
+            "1 while this server runs the singletons (TTL reaper, sweeps, GC), else 0",
+            leader.clone(),
+        );
         Metrics {
+            leader,
             events_pending,
             events_dropped,
             data_dir_free,

@@ -57,36 +57,48 @@ pub enum PgError {
     /// Another server holds [`SERVER_LOCK`] on this database.
     #[error(
         "another sandlot server runs on this PostgreSQL database (it holds advisory lock \
-         {SERVER_LOCK:#x}); one server per database for now: stop it first"
+         {SERVER_LOCK:#x}); without --etcd there is no leader election, so one server per \
+         database: stop it first, or run every server with --etcd"
     )]
     InUse,
 }
 
-/// Key of the session-level advisory lock a server holds on its database while it runs
-/// (ASCII "sandlots"). One server per database for now: several servers at once need the
-/// transition owners and the singleton election of cluster mode, not yet wired (issue 21);
+/// Key of the session-level advisory lock a server without an etcd election holds on its
+/// database while it runs (ASCII "sandlots"): such a server runs the singletons itself, so
+/// it must be the only one. Servers with an election ([`crate::leader`]) do not take it;
 /// a restarted or replacement server takes over the database as soon as the previous one is
 /// gone (PostgreSQL drops a session's advisory locks when its connection closes, also when
 /// the process is killed).
 pub const SERVER_LOCK: i64 = 0x7361_6e64_6c6f_7473;
 
-/// The stores of a server on PostgreSQL and the connection that holds [`SERVER_LOCK`].
+/// The stores of a server on PostgreSQL and the connection that holds [`SERVER_LOCK`] (if
+/// taken).
 pub struct ServerStores {
     /// Sandbox records, keys, trajectory owners, checkpoints.
     pub registry: std::sync::Arc<crate::registry::PgRegistry>,
     /// The trajectory log.
     pub trajectories: std::sync::Arc<crate::trajectory_store::PgTrajectoryStore>,
     /// Holds [`SERVER_LOCK`] while it lives (its connection task runs beside it).
-    _lock: tokio_postgres::Client,
+    _lock: Option<tokio_postgres::Client>,
 }
 
-/// Connect to `url` ([`connect`], [`DEFAULT_POOL_SIZE`] connections), take [`SERVER_LOCK`]
-/// on a connection of its own, and open the registry and the trajectory log on the pool.
+/// Connect to `url` ([`connect`], [`DEFAULT_POOL_SIZE`] connections), with `exclusive`
+/// take [`SERVER_LOCK`] on a connection of its own, and open the registry and the
+/// trajectory log on the pool.
 ///
 /// # Errors
-/// As [`connect`]; [`PgError::InUse`] when another server holds the lock.
-pub async fn open_server(url: &str) -> Result<ServerStores, PgError> {
+/// As [`connect`]; [`PgError::InUse`] when `exclusive` and another server holds the lock.
+pub async fn open_server(url: &str, exclusive: bool) -> Result<ServerStores, PgError> {
     let pool = connect(url, DEFAULT_POOL_SIZE).await?;
+    if !exclusive {
+        return Ok(ServerStores {
+            registry: std::sync::Arc::new(crate::registry::PgRegistry::new(pool.clone())),
+            trajectories: std::sync::Arc::new(crate::trajectory_store::PgTrajectoryStore::new(
+                pool,
+            )),
+            _lock: None,
+        });
+    }
     let config: tokio_postgres::Config = url.parse().map_err(PgError::Url)?;
     let (client, conn) = config.connect(NoTls).await.map_err(|source| PgError::Sql {
         op: "connect for the server lock",
@@ -111,7 +123,7 @@ pub async fn open_server(url: &str) -> Result<ServerStores, PgError> {
     Ok(ServerStores {
         registry: std::sync::Arc::new(crate::registry::PgRegistry::new(pool.clone())),
         trajectories: std::sync::Arc::new(crate::trajectory_store::PgTrajectoryStore::new(pool)),
-        _lock: client,
+        _lock: Some(client),
     })
 }
 

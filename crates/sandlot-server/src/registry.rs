@@ -112,6 +112,29 @@ pub trait Registry: Send + Sync + 'static {
     /// Store failures.
     async fn set_transition(&self, id: &str, owner: Option<(&str, i64)>) -> Result<bool>;
 
+    /// Compare-and-set of the transition owner: set `(owner, deadline_ms)` when the record
+    /// has no owner, its owner's deadline is at or before `now_ms` (stale: the owner is
+    /// presumed dead), or `owner` already holds it (a renewal). Returns whether `owner`
+    /// holds the transition now (false also for a missing record). This is how two servers
+    /// agree on who runs a record's node call: only the holder calls the node.
+    ///
+    /// # Errors
+    /// Store failures.
+    async fn claim_transition(
+        &self,
+        id: &str,
+        owner: &str,
+        deadline_ms: i64,
+        now_ms: i64,
+    ) -> Result<bool>;
+
+    /// Clear the transition owner if `owner` holds it (a node call that failed: the reaper
+    /// may retry it). Returns whether it did.
+    ///
+    /// # Errors
+    /// Store failures.
+    async fn release_transition(&self, id: &str, owner: &str) -> Result<bool>;
+
     /// `creating` / `deleting` records with an owner whose deadline is at or before
     /// `now_ms`, oldest first: another server may finish or roll them back.
     ///
@@ -235,6 +258,18 @@ impl Registry for Store {
     }
     async fn set_transition(&self, id: &str, owner: Option<(&str, i64)>) -> Result<bool> {
         Store::set_transition(self, id, owner)
+    }
+    async fn claim_transition(
+        &self,
+        id: &str,
+        owner: &str,
+        deadline_ms: i64,
+        now_ms: i64,
+    ) -> Result<bool> {
+        Store::claim_transition(self, id, owner, deadline_ms, now_ms)
+    }
+    async fn release_transition(&self, id: &str, owner: &str) -> Result<bool> {
+        Store::release_transition(self, id, owner)
     }
     async fn stale_transitions(&self, now_ms: i64) -> Result<Vec<StaleTransition>> {
         Ok(Store::stale_transitions(self, now_ms)?
@@ -586,6 +621,37 @@ impl Registry for PgRegistry {
         Ok(n == 1)
     }
 
+    async fn claim_transition(
+        &self,
+        id: &str,
+        owner: &str,
+        deadline_ms: i64,
+        now_ms: i64,
+    ) -> Result<bool> {
+        let c = self.conn().await?;
+        let n = c
+            .execute(
+                "UPDATE sandboxes SET owner = $1, deadline = $2 WHERE id = $3
+                 AND (owner IS NULL OR deadline IS NULL OR deadline <= $4 OR owner = $1)",
+                &[&owner, &deadline_ms, &id, &now_ms],
+            )
+            .await
+            .map_err(pg("claim transition"))?;
+        Ok(n == 1)
+    }
+
+    async fn release_transition(&self, id: &str, owner: &str) -> Result<bool> {
+        let c = self.conn().await?;
+        let n = c
+            .execute(
+                "UPDATE sandboxes SET owner = NULL, deadline = NULL WHERE id = $1 AND owner = $2",
+                &[&id, &owner],
+            )
+            .await
+            .map_err(pg("release transition"))?;
+        Ok(n == 1)
+    }
+
     async fn stale_transitions(&self, now_ms: i64) -> Result<Vec<StaleTransition>> {
         let c = self.conn().await?;
         c.query(
@@ -908,6 +974,18 @@ mod tests {
         assert_eq!(r.stale_transitions(1000).await.unwrap().len(), 1);
         assert!(r.set_transition("sb-b", None).await.unwrap());
         assert!(r.stale_transitions(1000).await.unwrap().is_empty());
+        // Claims: free → taken; held by a live owner → refused to another, renewed by
+        // itself; stale → taken over; released only by its holder.
+        assert!(r.claim_transition("sb-b", "srv-1", 500, 0).await.unwrap());
+        assert!(!r.claim_transition("sb-b", "srv-2", 600, 100).await.unwrap());
+        assert!(r.claim_transition("sb-b", "srv-1", 700, 100).await.unwrap());
+        assert!(!r.release_transition("sb-b", "srv-2").await.unwrap());
+        assert!(r.claim_transition("sb-b", "srv-2", 900, 700).await.unwrap());
+        assert!(!r.claim_transition("sb-b", "srv-1", 900, 800).await.unwrap());
+        assert!(r.release_transition("sb-b", "srv-2").await.unwrap());
+        assert!(r.claim_transition("sb-b", "srv-1", 900, 800).await.unwrap());
+        assert!(r.release_transition("sb-b", "srv-1").await.unwrap());
+        assert!(!r.claim_transition("sb-x", "srv-1", 900, 800).await.unwrap());
         // Deleting state is reaped, and frees its quota.
         assert!(r
             .transition("sb-b", &[SandboxState::Creating], SandboxState::Deleting)

@@ -295,7 +295,22 @@ pub async fn create_sandbox(
     st.creating_set().insert(rec.id.clone());
     tokio::spawn(async move {
         let id = rec.id.clone();
+        // This server owns the create until it is done ([`crate::leader`]): should it die
+        // mid-call, the leader rolls the record back once the deadline has passed.
+        let held = match crate::leader::hold(&st2, &id).await {
+            Ok(h) => h,
+            Err(e) => {
+                st2.creating_set().remove(&id);
+                let _ = st2.store.forget_keys_of(&id).await;
+                let _ = st2.store.remove(&id).await;
+                st2.events.forget_owner(&id);
+                return Err(e.into());
+            }
+        };
         let out = finish_create(&st2, rec).await;
+        if let Some(h) = held {
+            h.release().await;
+        }
         st2.creating_set().remove(&id);
         out
     })
@@ -445,6 +460,21 @@ pub async fn delete_sandbox(st: &SharedState, id: &str) -> ApiResult<()> {
 /// # Errors
 /// Store errors (nothing started then).
 pub async fn start_delete(st: &SharedState, id: &str) -> ApiResult<Option<DeleteTask>> {
+    start_delete_as(st, id, true).await
+}
+
+/// [`start_delete`]; when another server holds the record's transition (its own delete or
+/// create runs now, [`crate::leader`]), `wait_elsewhere` returns a task that waits until the
+/// record is gone (at most [`crate::ServerConfig::transition_ttl`]), else `None` (the
+/// reaper: it looks again next pass).
+///
+/// # Errors
+/// As [`start_delete`].
+pub(crate) async fn start_delete_as(
+    st: &SharedState,
+    id: &str,
+    wait_elsewhere: bool,
+) -> ApiResult<Option<DeleteTask>> {
     let Some(rec) = st.store.get(id).await? else {
         return Ok(None);
     };
@@ -465,8 +495,38 @@ pub async fn start_delete(st: &SharedState, id: &str) -> ApiResult<Option<Delete
     // In flight from before the record says `deleting`: the reaper must not start a second
     // node delete of it meanwhile.
     st.deleting_set().insert(id.to_owned());
+    // Across servers: only the holder of the record's transition calls the node.
+    let held = match crate::leader::hold(st, id).await {
+        Ok(Some(h)) => h,
+        Ok(None) => {
+            st.deleting_set().remove(id);
+            if !wait_elsewhere {
+                return Ok(None);
+            }
+            tracing::info!(sandbox_id = %id, "another server runs this sandbox's transition; waiting for it");
+            if let Err(e) = st.store.transition(id, &all, SandboxState::Deleting).await {
+                return Err(e.into());
+            }
+            let (st2, id2) = (st.clone(), id.to_owned());
+            return Ok(Some(tokio::spawn(async move {
+                let until = std::time::Instant::now() + st2.cfg.transition_ttl;
+                while std::time::Instant::now() < until {
+                    if st2.store.get(&id2).await?.is_none() {
+                        break;
+                    }
+                    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                }
+                Ok(())
+            })));
+        }
+        Err(e) => {
+            st.deleting_set().remove(id);
+            return Err(e.into());
+        }
+    };
     if let Err(e) = st.store.transition(id, &all, SandboxState::Deleting).await {
         st.deleting_set().remove(id);
+        held.release().await;
         return Err(e.into());
     }
     let st2 = st.clone();
@@ -475,6 +535,12 @@ pub async fn start_delete(st: &SharedState, id: &str) -> ApiResult<Option<Delete
     Ok(Some(tokio::spawn(async move {
         let deleted = st2.node.delete(&id2).await;
         st2.deleting_set().remove(&id2);
+        if deleted.is_err() {
+            // The record stays `deleting` without an owner: the reaper retries.
+            held.release().await;
+        } else {
+            drop(held); // the record goes below
+        }
         if let Err(e) = deleted {
             let e = ServerError::from(e);
             crate::events::record_error(&st2, "delete", Some(&id2), Some(backend), &e);

@@ -526,6 +526,45 @@ impl Store {
         Ok(n == 1)
     }
 
+    /// Compare-and-set of the transition owner: set `(owner, deadline_ms)` when the record
+    /// has no owner, its owner's deadline is at or before `now_ms` (stale), or `owner`
+    /// already holds it (a renewal). Returns whether `owner` holds it now.
+    ///
+    /// # Errors
+    /// [`StoreError::Sql`].
+    pub fn claim_transition(
+        &self,
+        id: &str,
+        owner: &str,
+        deadline_ms: i64,
+        now_ms: i64,
+    ) -> Result<bool> {
+        let n = self
+            .conn()
+            .execute(
+                "UPDATE sandboxes SET owner = ?1, deadline = ?2 WHERE id = ?3
+                 AND (owner IS NULL OR deadline IS NULL OR deadline <= ?4 OR owner = ?1)",
+                params![owner, deadline_ms, id, now_ms],
+            )
+            .map_err(sql("claim transition"))?;
+        Ok(n == 1)
+    }
+
+    /// Clear the transition owner if `owner` holds it. Returns whether it did.
+    ///
+    /// # Errors
+    /// [`StoreError::Sql`].
+    pub fn release_transition(&self, id: &str, owner: &str) -> Result<bool> {
+        let n = self
+            .conn()
+            .execute(
+                "UPDATE sandboxes SET owner = NULL, deadline = NULL WHERE id = ?1 AND owner = ?2",
+                params![id, owner],
+            )
+            .map_err(sql("release transition"))?;
+        Ok(n == 1)
+    }
+
     /// `creating` / `deleting` records with an owner whose deadline is at or before
     /// `now_ms`, oldest first, as (record, owner, deadline ms).
     ///
