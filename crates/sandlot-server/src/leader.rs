@@ -149,7 +149,11 @@ pub async fn sweep_stale(st: &SharedState) -> Vec<String> {
         let Ok(Some(held)) = hold(st, &id).await else {
             continue; // renewed meanwhile, gone, or a store error (next pass)
         };
-        tracing::warn!(sandbox_id = %id, owner = %t.owner, deadline_ms = t.deadline_ms, state = t.record.state.as_str(),
+        let owner = t
+            .owner
+            .as_deref()
+            .unwrap_or("(none: it stopped before claiming)");
+        tracing::warn!(sandbox_id = %id, %owner, deadline_ms = t.deadline_ms, state = t.record.state.as_str(),
             "transition of a server that stopped renewing it; taking over");
         if t.record.state == SandboxState::Creating {
             if let Err(e) = st.store.forget_keys_of(&id).await {
@@ -168,7 +172,7 @@ pub async fn sweep_stale(st: &SharedState) -> Vec<String> {
             let mut f = serde_json::Map::new();
             f.insert(
                 "reason".into(),
-                format!("create rolled back: server {} stopped during it", t.owner).into(),
+                format!("create rolled back: server {owner} stopped during it").into(),
             );
             crate::events::record_queued(st, "lost", Some(&id), Some(t.record.backend), f);
         }

@@ -31,11 +31,18 @@ type Result<T> = std::result::Result<T, StoreError>;
 pub struct StaleTransition {
     /// The record.
     pub record: Record,
-    /// Server id that started the transition.
-    pub owner: String,
-    /// When it should have finished, Unix milliseconds.
+    /// Server id that started the transition; `None` for a `creating` record no server
+    /// ever claimed (its server stopped between the insert and the claim).
+    pub owner: Option<String>,
+    /// When it should have finished, Unix milliseconds (for an unclaimed record: its
+    /// creation time).
     pub deadline_ms: i64,
 }
+
+/// How old a `creating` record without an owner must be (ms since `created_at`) before
+/// [`Registry::stale_transitions`] lists it: a create claims its record right after the
+/// insert, so an unclaimed one this old was left by a server that stopped in between.
+pub const UNOWNED_CREATE_GRACE_MS: i64 = 60_000;
 
 /// The operations the server runs on sandbox records. Every method is one transaction.
 #[async_trait]
@@ -136,7 +143,9 @@ pub trait Registry: Send + Sync + 'static {
     async fn release_transition(&self, id: &str, owner: &str) -> Result<bool>;
 
     /// `creating` / `deleting` records with an owner whose deadline is at or before
-    /// `now_ms`, oldest first: another server may finish or roll them back.
+    /// `now_ms`, and `creating` records no server claimed that are at least
+    /// [`UNOWNED_CREATE_GRACE_MS`] old, oldest first: another server may finish or roll
+    /// them back.
     ///
     /// # Errors
     /// Store failures or an undecodable row.
@@ -656,11 +665,13 @@ impl Registry for PgRegistry {
         let c = self.conn().await?;
         c.query(
             &format!(
-                "SELECT {COLS}, owner, deadline FROM sandboxes
-                 WHERE state IN ('creating', 'deleting') AND owner IS NOT NULL
-                 AND deadline <= $1 ORDER BY created_at, seq"
+                "SELECT {COLS}, owner, COALESCE(deadline, created_at) FROM sandboxes
+                 WHERE (state IN ('creating', 'deleting') AND owner IS NOT NULL
+                        AND deadline <= $1)
+                    OR (state = 'creating' AND owner IS NULL AND created_at <= $2)
+                 ORDER BY created_at, seq"
             ),
-            &[&now_ms],
+            &[&now_ms, &(now_ms - UNOWNED_CREATE_GRACE_MS)],
         )
         .await
         .map_err(pg("select stale transitions"))?
@@ -964,16 +975,35 @@ mod tests {
         assert_eq!(
             (
                 stale[0].record.id.as_str(),
-                stale[0].owner.as_str(),
+                stale[0].owner.as_deref(),
                 stale[0].deadline_ms
             ),
-            ("sb-b", "srv-1", 100)
+            ("sb-b", Some("srv-1"), 100)
         );
         // A running record is not a transition, whatever its owner.
         assert!(r.set_transition("sb-a", Some(("srv-1", 1))).await.unwrap());
         assert_eq!(r.stale_transitions(1000).await.unwrap().len(), 1);
         assert!(r.set_transition("sb-b", None).await.unwrap());
         assert!(r.stale_transitions(1000).await.unwrap().is_empty());
+        // A `creating` record never claimed (its server stopped right after the insert) is
+        // listed once it is older than the grace.
+        let created_b = r.get("sb-b").await.unwrap().unwrap().created_at_ms;
+        assert!(r
+            .stale_transitions(created_b + UNOWNED_CREATE_GRACE_MS - 1)
+            .await
+            .unwrap()
+            .is_empty());
+        let unowned = r
+            .stale_transitions(created_b + UNOWNED_CREATE_GRACE_MS)
+            .await
+            .unwrap();
+        assert_eq!(
+            unowned
+                .iter()
+                .map(|t| (t.record.id.as_str(), t.owner.as_deref(), t.deadline_ms))
+                .collect::<Vec<_>>(),
+            [("sb-b", None, created_b)]
+        );
         // Claims: free → taken; held by a live owner → refused to another, renewed by
         // itself; stale → taken over; released only by its holder.
         assert!(r.claim_transition("sb-b", "srv-1", 500, 0).await.unwrap());

@@ -566,23 +566,30 @@ impl Store {
     }
 
     /// `creating` / `deleting` records with an owner whose deadline is at or before
-    /// `now_ms`, oldest first, as (record, owner, deadline ms).
+    /// `now_ms`, and unclaimed `creating` records at least
+    /// [`crate::registry::UNOWNED_CREATE_GRACE_MS`] old, oldest first, as (record, owner,
+    /// deadline ms; for an unclaimed record: `None`, its creation time).
     ///
     /// # Errors
     /// [`StoreError`] on SQLite failures or an undecodable row.
-    pub fn stale_transitions(&self, now_ms: i64) -> Result<Vec<(Record, String, i64)>> {
+    pub fn stale_transitions(&self, now_ms: i64) -> Result<Vec<(Record, Option<String>, i64)>> {
         let conn = self.conn();
         let mut stmt = conn
             .prepare_cached(&format!(
-                "SELECT {COLS}, owner, deadline FROM sandboxes
-                 WHERE state IN ('creating', 'deleting') AND owner IS NOT NULL
-                 AND deadline <= ?1 ORDER BY created_at, rowid"
+                "SELECT {COLS}, owner, COALESCE(deadline, created_at) FROM sandboxes
+                 WHERE (state IN ('creating', 'deleting') AND owner IS NOT NULL
+                        AND deadline <= ?1)
+                    OR (state = 'creating' AND owner IS NULL AND created_at <= ?2)
+                 ORDER BY created_at, rowid"
             ))
             .map_err(sql("prepare stale transitions"))?;
+        let grace = crate::registry::UNOWNED_CREATE_GRACE_MS;
         let rows = stmt
-            .query_map([now_ms], |r| Ok((raw_row(r)?, r.get(10)?, r.get(11)?)))
+            .query_map([now_ms, now_ms - grace], |r| {
+                Ok((raw_row(r)?, r.get(10)?, r.get(11)?))
+            })
             .map_err(sql("select stale transitions"))?
-            .collect::<std::result::Result<Vec<(RawRow, String, i64)>, _>>()
+            .collect::<std::result::Result<Vec<(RawRow, Option<String>, i64)>, _>>()
             .map_err(sql("read stale transitions"))?;
         rows.into_iter()
             .map(|(raw, o, d)| Ok((decode(raw)?, o, d)))
