@@ -1209,7 +1209,14 @@ async fn node_simulate(a: NodeArgs, n: u32) -> anyhow::Result<u8> {
         Some(u) => {
             let host = u.strip_prefix("http://").map(|h| h.trim_end_matches('/'));
             match host {
-                Some(h) if !h.is_empty() && !h.contains('/') => Some(h.to_owned()),
+                // A host alone: each identity adds `:PORT` (an IPv6 address in brackets).
+                Some(h)
+                    if !h.is_empty()
+                        && !h.contains('/')
+                        && (h.ends_with(']') || !h.contains(':')) =>
+                {
+                    Some(h.to_owned())
+                }
                 _ => anyhow::bail!(
                     "--advertise {u:?} is not http://HOST (with --simulate each identity adds its port; the node API is h2c)"
                 ),
