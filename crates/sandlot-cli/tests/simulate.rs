@@ -256,3 +256,115 @@ fn bad_simulate_flags_are_refused() {
         assert!(out.stdout.is_empty(), "{extra:?} listened");
     }
 }
+
+/// VmRSS of process `pid`, KiB.
+fn rss_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap()
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap()
+}
+
+/// A measurement, not a check (`--ignored`): `SANDLOT_SIM_NODES` simulated nodes (default
+/// 160) behind one server, `SANDLOT_SIM_CREATES` creates (default 20000) at concurrency
+/// `SANDLOT_SIM_CONCURRENCY` (default 64); prints creates/s and the simulation's RSS per
+/// identity and per sandbox.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore]
+async fn measure_creates_into_simulated_nodes() {
+    let env = |k: &str, d: usize| {
+        std::env::var(k)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(d)
+    };
+    let (nodes, creates, conc) = (
+        env("SANDLOT_SIM_NODES", 160),
+        env("SANDLOT_SIM_CREATES", 20000),
+        env("SANDLOT_SIM_CONCURRENCY", 64),
+    );
+    let Some(etcd) = Etcd::start("measure --simulate", 1) else {
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let token_file = tmp.path().join("token");
+    std::fs::write(&token_file, TOKEN).unwrap();
+    let mut sim = Command::new(BIN)
+        .args([
+            "node",
+            "--simulate",
+            &nodes.to_string(),
+            "--etcd",
+            &etcd.urls[0],
+        ])
+        .args(["--max-sandboxes", "2400"])
+        .arg("--token-file")
+        .arg(&token_file)
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t = Instant::now();
+    read_until(&mut sim, "simulated nodes ready").await;
+    let sim = Kill(sim);
+    let pid = sim.0.id();
+    println!(
+        "MEASURED: {nodes} simulated nodes registered in {:.2} s",
+        t.elapsed().as_secs_f64()
+    );
+    let mut server = Command::new(BIN)
+        .args(["server", "--listen", "127.0.0.1:0", "--etcd", &etcd.urls[0]])
+        .arg("--data-dir")
+        .arg(tmp.path().join("server"))
+        .arg("--node-token-file")
+        .arg(&token_file)
+        .env("RUST_LOG", "error")
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let line = read_until(&mut server, "listening on").await;
+    let _server = Kill(server);
+    let url = line
+        .last()
+        .unwrap()
+        .strip_prefix("sandlot listening on ")
+        .unwrap()
+        .to_owned();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let rss0 = rss_kib(pid);
+    let api = Arc::new(sandlot_client::Client::new(&url).unwrap());
+    let req: CreateSandboxRequest =
+        serde_json::from_value(serde_json::json!({"ttl_s": 0})).unwrap();
+    // Two halves: the second one's RSS growth is the records' alone (the server's
+    // connections to every node are open by then).
+    let mut rss = vec![rss0];
+    let mut failed = 0;
+    let t = Instant::now();
+    for half in [creates / 2, creates - creates / 2] {
+        failed += futures::stream::iter(0..half)
+            .map(|_| {
+                let (api, req) = (api.clone(), req.clone());
+                async move { api.create(&req).await.is_err() }
+            })
+            .buffer_unordered(conc)
+            .filter(|f| std::future::ready(*f))
+            .count()
+            .await;
+        rss.push(rss_kib(pid));
+    }
+    let secs = t.elapsed().as_secs_f64();
+    println!(
+        "MEASURED: {creates} creates ({failed} failed) through one server into {nodes} simulated nodes at concurrency {conc}: {secs:.1} s, {:.0} creates/s",
+        creates as f64 / secs
+    );
+    println!(
+        "MEASURED: simulation RSS {rss0} KiB with {nodes} idle identities ({:.1} KiB each); {} KiB after {} creates, {} KiB after {creates}: {:.0} bytes per sandbox (second half)",
+        rss0 as f64 / nodes as f64,
+        rss[1],
+        creates / 2,
+        rss[2],
+        (rss[2].saturating_sub(rss[1])) as f64 * 1024.0 / (creates - creates / 2) as f64
+    );
+}
