@@ -208,6 +208,8 @@ pub struct FenceGate {
     pub name: String,
     /// The fence of the node's registration.
     pub fence: Fence,
+    /// A `sandlot node --simulate` identity: `/v1/health` then says `"simulated": true`.
+    pub simulated: bool,
 }
 
 impl ServingGate for FenceGate {
@@ -227,6 +229,9 @@ impl ServingGate for FenceGate {
         m.insert("etcd".into(), true.into());
         m.insert("lease_id".into(), self.fence.lease_id().into());
         m.insert("epoch".into(), self.fence.epoch().into());
+        if self.simulated {
+            m.insert("simulated".into(), true.into());
+        }
         m
     }
 }

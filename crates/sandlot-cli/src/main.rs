@@ -5,6 +5,7 @@
 //! Exit codes: 0 ok; the command's own exit code for `run` and `exec`; 2 usage errors;
 //! 1 any other error (printed as `error: CODE: message`).
 mod cluster;
+mod sim;
 
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand, ValueEnum};
@@ -124,11 +125,11 @@ enum LogFormat {
 #[derive(Args)]
 struct NodeArgs {
     /// Address to listen on (HOST:PORT; port 0 picks a free one).
-    #[arg(long)]
-    listen: SocketAddr,
+    #[arg(long, required_unless_present = "simulate")]
+    listen: Option<SocketAddr>,
     /// Data directory (sandbox state, checkpoints, images).
-    #[arg(long, env = "SANDLOT_DATA_DIR")]
-    data_dir: PathBuf,
+    #[arg(long, env = "SANDLOT_DATA_DIR", required_unless_present = "simulate")]
+    data_dir: Option<PathBuf>,
     /// Image store directory [default: DATA/images].
     #[arg(long, env = "SANDLOT_IMAGES_DIR")]
     images_dir: Option<PathBuf>,
@@ -136,7 +137,8 @@ struct NodeArgs {
     #[arg(long)]
     token_file: PathBuf,
     /// Node name [default: host name]; with --etcd its key is `/sandlot/nodes/NAME`
-    /// (ASCII letters, digits, `.`, `_`, `-`).
+    /// (ASCII letters, digits, `.`, `_`, `-`). With --simulate: the prefix of the
+    /// identities' names, `NAME-000`, `NAME-001`, ... [default: sim].
     #[arg(long)]
     name: Option<String>,
     /// Log format on stderr (level via RUST_LOG, default info).
@@ -148,13 +150,39 @@ struct NodeArgs {
     /// etcd client URLs, comma-separated (`http://HOST:PORT,...`): register this node in
     /// the cluster under a lease, keep its usage current, and refuse every node API call
     /// (503 `unavailable`) while the lease is not known to be alive (fencing). Needs
-    /// --advertise.
-    #[arg(long, value_delimiter = ',', requires = "advertise")]
+    /// --advertise (but for --simulate).
+    #[arg(long, value_delimiter = ',')]
     etcd: Vec<String>,
     /// URL at which servers reach this node's API (`http://HOST:PORT`), published in its
-    /// etcd record.
+    /// etcd record. With --simulate: `http://HOST` only, each identity's URL is
+    /// `http://HOST:ITS_PORT` [default: the --listen-base IP].
     #[arg(long)]
     advertise: Option<String>,
+    /// SIMULATION, not a sandbox backend (issue 22): run N simulated node identities in
+    /// this process, each with its own etcd lease and record (`simulated: true`) and its
+    /// own node API listener; their sandboxes are in-memory records and exec runs nothing
+    /// (exit 0, stdout names the simulated node). Needs --etcd; --data-dir and --listen
+    /// are not used.
+    #[arg(long, requires = "etcd", value_parser = clap::value_parser!(u32).range(1..=10000))]
+    simulate: Option<u32>,
+    /// With --simulate: identity i listens on this address with port PORT + i (port 0:
+    /// each on a free port).
+    #[arg(long, default_value = "127.0.0.1:0", requires = "simulate")]
+    listen_base: SocketAddr,
+    /// With --simulate: how long a create takes, milliseconds.
+    #[arg(long, default_value_t = 0, requires = "simulate")]
+    sim_create_delay_ms: u64,
+    /// With --simulate: how long an exec takes, milliseconds.
+    #[arg(long, default_value_t = 0, requires = "simulate")]
+    sim_exec_delay_ms: u64,
+    /// With --simulate: published cpu capacity of each identity, cores [default:
+    /// --max-sandboxes × 4].
+    #[arg(long, requires = "simulate")]
+    sim_cpu: Option<f64>,
+    /// With --simulate: published memory of each identity, MiB [default: --max-sandboxes ×
+    /// 8192].
+    #[arg(long, requires = "simulate")]
+    sim_memory_mib: Option<u64>,
     /// TTL of the node's etcd lease in seconds (2..=3600): a node that cannot renew it
     /// fences itself after TTL - max(TTL/3, 1 s) at most; servers see it down after TTL.
     #[arg(long, default_value_t = 5)]
@@ -1054,9 +1082,24 @@ impl ServerOpts {
 }
 
 async fn node(a: NodeArgs) -> anyhow::Result<u8> {
+    if let Some(n) = a.simulate {
+        return node_simulate(a, n).await;
+    }
+    if !a.etcd.is_empty() && a.advertise.is_none() {
+        use clap::CommandFactory;
+        Cli::command()
+            .error(
+                clap::error::ErrorKind::MissingRequiredArgument,
+                "--etcd needs --advertise <ADVERTISE> (the URL servers reach this node at)",
+            )
+            .exit();
+    }
+    let (Some(listen), Some(data_dir)) = (a.listen, a.data_dir.clone()) else {
+        anyhow::bail!("--listen and --data-dir are required without --simulate");
+    };
     init_logs(a.log_format);
     let token = read_token(&a.token_file)?;
-    let mut ncfg = sandlot_node::NodeConfig::new(a.data_dir);
+    let mut ncfg = sandlot_node::NodeConfig::new(data_dir);
     if let Some(d) = a.images_dir {
         ncfg.guest_kit_dir = sandlot_node::local::default_guest_kit_dir(&d);
         ncfg.images_dir = d;
@@ -1103,9 +1146,9 @@ async fn node(a: NodeArgs) -> anyhow::Result<u8> {
         adopted = adopted.len(),
         "sandboxes of the previous process re-adopted"
     );
-    let listener = tokio::net::TcpListener::bind(a.listen)
+    let listener = tokio::net::TcpListener::bind(listen)
         .await
-        .with_context(|| format!("listen on {}", a.listen))?;
+        .with_context(|| format!("listen on {listen}"))?;
     let addr = listener.local_addr()?;
     let Some((advertise, lease)) = cluster else {
         let app = sandlot_node_remote::router(Arc::new(node), Some(token));
@@ -1151,6 +1194,7 @@ async fn node(a: NodeArgs) -> anyhow::Result<u8> {
     let gate = Arc::new(cluster::FenceGate {
         name: name.clone(),
         fence,
+        simulated: false,
     });
     let app = sandlot_node_remote::router_gated(tracked, Some(token), Some(gate));
     println!("sandlot node listening on http://{addr}");
@@ -1176,6 +1220,61 @@ async fn node(a: NodeArgs) -> anyhow::Result<u8> {
     }
     served?;
     tracing::info!("stopped; sandboxes left running for re-adoption");
+    Ok(0)
+}
+
+/// `sandlot node --simulate N`: N simulated node identities ([`sim`]).
+async fn node_simulate(a: NodeArgs, n: u32) -> anyhow::Result<u8> {
+    init_logs(a.log_format);
+    let token = read_token(&a.token_file)?;
+    let prefix = a.name.clone().unwrap_or_else(|| "sim".into());
+    sandlot_cluster::node_key(&sim::identity_name(&prefix, n.saturating_sub(1)))
+        .context("--name")?;
+    let advertise_host = match &a.advertise {
+        None => None,
+        Some(u) => {
+            let host = u.strip_prefix("http://").map(|h| h.trim_end_matches('/'));
+            match host {
+                // A host alone: each identity adds `:PORT` (an IPv6 address in brackets).
+                Some(h)
+                    if !h.is_empty()
+                        && !h.contains('/')
+                        && (h.ends_with(']') || !h.contains(':')) =>
+                {
+                    Some(h.to_owned())
+                }
+                _ => anyhow::bail!(
+                    "--advertise {u:?} is not http://HOST (with --simulate each identity adds its port; the node API is h2c)"
+                ),
+            }
+        }
+    };
+    let lease = sandlot_cluster::LeaseConfig::new(a.lease_ttl_s).context("--lease-ttl-s")?;
+    let cpu = a.sim_cpu.unwrap_or(a.max_sandboxes as f64 * 4.0);
+    anyhow::ensure!(
+        cpu.is_finite() && cpu > 0.0,
+        "--sim-cpu must be a finite number > 0, got {cpu}"
+    );
+    let plan = sim::Plan {
+        count: n,
+        prefix,
+        etcd: a.etcd,
+        listen_base: a.listen_base,
+        advertise_host,
+        lease,
+        token,
+        cfg: sim::SimConfig {
+            create_delay: std::time::Duration::from_millis(a.sim_create_delay_ms),
+            exec_delay: std::time::Duration::from_millis(a.sim_exec_delay_ms),
+            max_sandboxes: a.max_sandboxes,
+            cpu,
+            memory_mib: a
+                .sim_memory_mib
+                .unwrap_or(a.max_sandboxes.saturating_mul(8192)),
+        },
+    };
+    sim::run(plan, shutdown_signal()).await?;
+    tracing::info!(simulated = true, "simulation stopped");
     Ok(0)
 }
 

@@ -25,7 +25,7 @@ pub struct Resources {
 ///  "backends":["function","container"],"runtimes":["runc"],"accelerator":"kvm",
 ///  "cached_images":["127.0.0.1:5000/sandlot/python:latest"],
 ///  "cached_layers":["sha256:ab12..."],"labels":{"zone":"a"},"jobs":{"rl-7":3},
-///  "started_at":"2026-12-04T04:00:00Z"}
+///  "started_at":"2026-12-04T04:00:00Z","simulated":false}
 /// ```
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 #[serde(default)]
@@ -54,4 +54,29 @@ pub struct NodeRecord {
     pub jobs: BTreeMap<String, u64>,
     /// When this node process started, RFC 3339 UTC (a restart shows as a new value).
     pub started_at: String,
+    /// True for a node identity of `sandlot node --simulate` (issue 22): its sandboxes are
+    /// in-memory records, its exec runs nothing. Absent in records of older nodes: `false`.
+    pub simulated: bool,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_record_without_simulated_is_a_real_node() {
+        let old = r#"{"name":"n1","advertise_url":"http://10.0.0.5:7070","started_at":"x"}"#;
+        let r: NodeRecord = serde_json::from_str(old).unwrap();
+        assert!(!r.simulated);
+        let sim = NodeRecord {
+            name: "sim-000".into(),
+            simulated: true,
+            ..Default::default()
+        };
+        let back: NodeRecord = serde_json::from_str(&serde_json::to_string(&sim).unwrap()).unwrap();
+        assert_eq!(back, sim);
+        assert!(serde_json::to_string(&sim)
+            .unwrap()
+            .contains(r#""simulated":true"#));
+    }
 }

@@ -27,8 +27,8 @@
 //! **Scopes** ([`authorize`], applied to the whole router):
 //! - public, no credentials: `GET /v1/ping`, `/healthz`, `/openapi.json` (liveness probes,
 //!   API description);
-//! - admin keys only (else 403 `permission_denied`): `GET /metrics`, `GET /` (host-wide
-//!   figures);
+//! - admin keys only (else 403 `permission_denied`): `GET /metrics`, `GET /`,
+//!   `GET /v1/nodes` (host-wide figures);
 //! - every other route needs a key. Any route whose path template starts with
 //!   `/v1/sandboxes/{…}` (today's and any added later, whatever the parameter is called;
 //!   [`scoped`]) first loads the sandbox record: a
@@ -57,7 +57,7 @@ pub const KEY_PREFIX: &str = "sk-";
 /// Routes answered without credentials.
 pub const PUBLIC_ROUTES: [&str; 3] = ["/v1/ping", "/healthz", "/openapi.json"];
 /// Routes that need an admin key when authentication is on.
-pub const ADMIN_ROUTES: [&str; 2] = ["/metrics", "/"];
+pub const ADMIN_ROUTES: [&str; 3] = ["/metrics", "/", "/v1/nodes"];
 /// Route templates starting with this name a sandbox in their first parameter (whatever the
 /// parameter is called), checked against the caller's tenant.
 pub const SANDBOX_ROUTES: &str = "/v1/sandboxes/{";

@@ -20,6 +20,7 @@
 //! | `GET /v1/ping`, `/healthz`, `/openapi.json` | [`health`] |
 //! | `GET /metrics` | [`metrics`] |
 //! | `GET /v1/events` (audit events, durable in `events.db`) | [`events`] |
+//! | `GET /v1/nodes` (the nodes, `simulated` ones marked) | [`nodes`] |
 //! | `GET /` (status page) | [`web`] |
 //! | `ANY /v1/sandboxes/{id}/ports/{port}/…` and host names `<port>-<id>.<domain>` (ingress) | [`ingress`] |
 //! | E2B's control plane (`/v2/sandboxes`, `/sandboxes/{id}/…`) and envd (`/process.Process/…`, `/health`) | [`e2b`] |
@@ -46,6 +47,7 @@ pub mod ingress;
 pub mod leader;
 pub mod lifecycle;
 pub mod metrics;
+pub mod nodes;
 pub mod pause;
 pub mod pg;
 pub mod placement;
@@ -449,6 +451,7 @@ pub fn router(state: SharedState) -> Router {
         .route("/healthz", get(health::healthz))
         .route("/metrics", get(metrics::metrics))
         .route("/v1/events", get(events::list))
+        .route("/v1/nodes", get(nodes::list))
         .route("/", get(web::index))
         .route("/openapi.json", get(health::openapi))
         // E2B's control plane and envd protocol (their paths do not collide with /v1).

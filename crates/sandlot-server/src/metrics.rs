@@ -26,6 +26,7 @@
 //! | `sandlot_events_dropped_total` | counter | | audit events dropped because that queue was full |
 //! | `sandlot_data_dir_free_bytes`, `sandlot_data_dir_reserve_bytes` | gauge | | free space of the data directory's file system and its reserve, at scrape ([`crate::disk_reserve`]) |
 //! | `sandlot_server_leader` | gauge | | 1 while this server runs the singletons (TTL reaper, lost-node sweep, trajectory retention, stale-transition sweep): always without `--etcd`, while it holds the etcd election with it ([`crate::leader`]) |
+//! | `sandlot_cluster_nodes` | gauge | `simulated` = `true`\|`false` | nodes registered in etcd (cluster mode; `true`: `sandlot node --simulate` identities), at scrape |
 //! | `sandlot_violations_total` | counter | `backend`, `layer` = `seccomp`\|`files_api`, `what` (syscall name or files API operation) | refused attempts recorded as `violation` events |
 //!
 //! Hot paths only touch the crate's atomics (a read lock on a label family to find the
@@ -101,6 +102,13 @@ pub struct ViolationLabels {
     pub what: String,
 }
 
+/// Label `simulated` (`true` for nodes of `sandlot node --simulate`).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct SimulatedLabel {
+    /// `"true"` or `"false"`.
+    pub simulated: String,
+}
+
 /// Label `reason`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ReasonLabel {
@@ -154,6 +162,8 @@ pub struct ScrapeExtra {
     pub data_dir_free: Option<u64>,
     /// Its reserve in bytes.
     pub data_dir_reserve: u64,
+    /// Cluster mode: nodes registered in etcd, `[real, simulated]`; `None` outside it.
+    pub cluster_nodes: Option<[i64; 2]>,
 }
 
 /// Every metric of the server and its registry.
@@ -189,6 +199,7 @@ pub struct Metrics {
     data_dir_free: Gauge,
     data_dir_reserve: Gauge,
     leader: Gauge,
+    cluster_nodes: Family<SimulatedLabel, Gauge>,
 }
 
 impl Default for Metrics {
@@ -367,8 +378,15 @@ impl Metrics {
             "1 while this server runs the singletons (TTL reaper, sweeps, GC), else 0",
             leader.clone(),
         );
+        let cluster_nodes = Family::<SimulatedLabel, Gauge>::default();
+        registry.register(
+            "sandlot_cluster_nodes",
+            "Nodes registered in etcd, by simulated (sandlot node --simulate) or real",
+            cluster_nodes.clone(),
+        );
         Metrics {
             leader,
+            cluster_nodes,
             events_pending,
             events_dropped,
             data_dir_free,
@@ -511,6 +529,15 @@ impl Metrics {
             self.data_dir_free.set(free as i64);
         }
         self.data_dir_reserve.set(extra.data_dir_reserve as i64);
+        if let Some(counts) = extra.cluster_nodes {
+            for (simulated, n) in ["false", "true"].into_iter().zip(counts) {
+                self.cluster_nodes
+                    .get_or_create(&SimulatedLabel {
+                        simulated: simulated.into(),
+                    })
+                    .set(n);
+            }
+        }
         for p in pools {
             let backend = p.backend.as_str().to_owned();
             for (image, n) in &p.ready {
@@ -621,6 +648,13 @@ pub async fn metrics(State(st): State<SharedState>) -> ApiResult<impl IntoRespon
             .ok()
             .map(|(a, _)| a),
         data_dir_reserve: st.cfg.disk_reserve_bytes,
+        cluster_nodes: st.cluster.get().map(|c| {
+            let mut n = [0i64; 2];
+            for r in c.nodes().values() {
+                n[usize::from(r.simulated)] += 1;
+            }
+            n
+        }),
     };
     let text = st
         .metrics
