@@ -42,12 +42,12 @@
 //! cgroup is killed and removed when the exec ends, which also ends background children
 //! (`sleep 100 &`). Long-lived background processes need the (later) background-process API.
 //!
-//! Standby helpers (on by default; `SANDLOT_EXEC_STANDBY=0` in the node's environment turns
-//! them off): joining a cgroup (writing `cgroup.procs`) waits for an RCU grace period on
-//! cgroup v1 (7–15 ms on a loaded 2-core host, most of an exec's own cost), so once a
-//! sandbox has run `STANDBY_AFTER_EXECS` execs the node starts the next exec's helper right
-//! after an exec ends, in the next exec group `x<n>` (the node writes the helper's pid into
-//! it), blocked on its spec. The next exec without stdin hands it its spec (with no `cgroup_procs`) and
+//! Standby helpers (opt-in, `SANDLOT_EXEC_STANDBY=1` in the node's environment): joining a
+//! cgroup (writing `cgroup.procs`) waits for an RCU grace period on cgroup v1 (7–15 ms on a
+//! loaded 2-core host, most of an exec's own cost), so once a sandbox has run
+//! `STANDBY_AFTER_EXECS` execs the node starts the next exec's helper right after an exec
+//! ends, in the next exec group `x<n>` (the node writes the helper's pid into it), blocked
+//! on its spec. The next exec without stdin hands it its spec (with no `cgroup_procs`) and
 //! skips the join. While it waits, the helper is one more task in the sandbox's cgroups
 //! (counted against `pids_max`); delete kills it with the sandbox. See `Standby`.
 //!
@@ -317,8 +317,7 @@ pub struct FunctionBackend {
     uids: Arc<UidSlots>,
     /// The warm pool, once started ([`FunctionBackend::start_warm_pool`]).
     pool: std::sync::OnceLock<FunctionPool>,
-    /// Whether sandboxes get a standby exec helper ([`Standby`]; on unless
-    /// `SANDLOT_EXEC_STANDBY=0`).
+    /// Whether sandboxes get a standby exec helper ([`Standby`]; `SANDLOT_EXEC_STANDBY=1`).
     exec_standby: bool,
     /// Network policies (`network: {"allow": ...}`): the node's one manager, shared with
     /// the container backend and swept by [`crate::LocalNode`]'s readopt.
@@ -348,7 +347,7 @@ impl FunctionBackend {
             cgroups,
             jails: Mutex::new(HashMap::new()),
             pool: std::sync::OnceLock::new(),
-            exec_standby: std::env::var_os("SANDLOT_EXEC_STANDBY").is_none_or(|v| v != "0"),
+            exec_standby: std::env::var_os("SANDLOT_EXEC_STANDBY").is_some_and(|v| v == "1"),
             net,
         })
     }
@@ -2063,7 +2062,7 @@ mod tests {
         }
     }
 
-    /// Standby exec helpers (the default; `SANDLOT_EXEC_STANDBY=0` turns them off): the next exec without stdin takes
+    /// Standby exec helpers (`SANDLOT_EXEC_STANDBY=1`): the next exec without stdin takes
     /// the pre-joined helper, with unchanged results (exit code, output, background
     /// children killed, timeout, OOM); an exec with stdin leaves it alone; delete kills it.
     /// Needs root, cgroups and the guest binary (`SANDLOT_GUEST_BIN` or target/debug).
