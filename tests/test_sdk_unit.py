@@ -353,6 +353,54 @@ def test_every_server_down_is_one_transport_error_after_the_retries():
     assert calls == ["a", "b", "a", "b"]
 
 
+def test_a_replayed_create_that_gets_rolled_back_is_sent_again():
+    """A create answered as the replay of a half-done create (`creating`, another server
+    died during it) that the leader then rolls back (`deleting`, then gone) is sent again
+    with the same key, and returns the new sandbox instead of a dead handle; rolled back on
+    every attempt -> Unavailable. Sync and async."""
+    def script(states, replays=1):
+        """POST answers: `replays` × 200 `creating`, then 201 running; GET answers
+        `states` in order (a state, or 404)."""
+        posts, gets = [], list(states)
+
+        def routes(req):
+            if req.method == "POST":
+                posts.append(req.headers.get("idempotency-key"))
+                if len(posts) <= replays:
+                    return httpx.Response(200, json={**SB, "state": "creating"})
+                return httpx.Response(201, json={**SB, "id": "sb-new0000000000000000"})
+            st = gets.pop(0)
+            if st == 404:
+                return httpx.Response(404, json={"error": {"code": "not_found",
+                                                           "message": "gone"}})
+            return httpx.Response(200, json={**SB, "state": st})
+        return routes, posts
+
+    for states in (["deleting"], [404], ["creating", "lost"]):
+        routes, posts = script(states)
+        c, _ = fake_client(routes)
+        sb = c.create()
+        assert (sb.id, sb.state) == ("sb-new0000000000000000", "running"), states
+        assert len(posts) == 2 and posts[0] == posts[1] and posts[0].startswith("sdk-")
+
+    routes, posts = script(["deleting"] * 3, replays=3)
+    c, _ = fake_client(routes)
+    with pytest.raises(sandlot.Unavailable, match="rolled back 3 times"):
+        c.create(idempotency_key="k")
+    assert posts == ["k"] * 3
+
+    async def main():
+        routes, posts = script([404])
+        a = sandlot.AsyncClient("http://fake")
+        a._http = httpx.AsyncClient(base_url="http://fake",
+                                    transport=httpx.MockTransport(FakeServer(routes)))
+        sb = await a.create()
+        assert (sb.id, sb.state, len(posts)) == ("sb-new0000000000000000", "running", 2)
+        await a.aclose()
+
+    asyncio.run(main())
+
+
 def test_create_carries_its_own_idempotency_key_and_is_resent_after_a_broken_answer():
     """A create without a caller's key gets the SDK's own; a connection that breaks before
     the answer (server killed mid-create) sends the same key again, to the next server.

@@ -85,7 +85,9 @@ def test_two_servers_one_leader_and_failover(binary, log_dir, services):
             time.sleep(0.2)
         time.sleep(1)
         hs = [health(s) for s in servers]
-        assert [h["server_id"] for h in hs] == ["srv-a", "srv-b"]
+        # --name N gives the id N-RANDOM (8 hex digits).
+        assert [h["server_id"][:-9] for h in hs] == ["srv-a", "srv-b"]
+        assert all(len(h["server_id"]) == len("srv-a-") + 8 for h in hs)
         assert sum(h["leader"] for h in hs) == 1, hs
         leader, other = (a, b) if hs[0]["leader"] else (b, a)
         assert metric(leader, "sandlot_server_leader") == "1"

@@ -217,8 +217,9 @@ struct ServerArgs {
     /// File holding the node API token (the nodes' `--token-file`).
     #[arg(long)]
     node_token_file: PathBuf,
-    /// Id of this server [default: HOST-PID-RANDOM]: owner of the creates and deletes it
-    /// runs, and its value in the leader election. Unique per running server.
+    /// Name of this server: its id is NAME-RANDOM [default: HOST-PID-RANDOM], owner of the
+    /// creates and deletes it runs and its value in the leader election (the random part
+    /// keeps two servers started with one name apart).
     #[arg(long)]
     name: Option<String>,
     /// With --etcd and --postgres: TTL in seconds (2..=3600) of the leader election's lease.
@@ -960,7 +961,7 @@ async fn server(a: ServerArgs) -> anyhow::Result<u8> {
             !n.is_empty() && n.len() <= 128,
             "--name: 1 to 128 characters"
         );
-        cfg.server_id = n;
+        cfg.server_id = sandlot_server::leader::unique_server_id(&n);
     }
     let Some(url) = a.node else {
         let etcd = sandlot_cluster::connect(&a.etcd)

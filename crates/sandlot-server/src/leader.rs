@@ -58,11 +58,13 @@ pub fn default_server_id() -> String {
         .ok()
         .and_then(|h| h.into_string().ok())
         .unwrap_or_else(|| "host".into());
-    format!(
-        "{host}-{}-{:08x}",
-        std::process::id(),
-        rand::random::<u32>()
-    )
+    unique_server_id(&format!("{host}-{}", std::process::id()))
+}
+
+/// `NAME-RANDOM` (8 hex digits): two servers started with one name still get two ids, so
+/// neither can renew or release a transition the other holds.
+pub fn unique_server_id(name: &str) -> String {
+    format!("{name}-{:08x}", rand::random::<u32>())
 }
 
 /// A transition held by this server: its heartbeat renews the deadline until

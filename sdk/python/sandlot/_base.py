@@ -12,7 +12,7 @@ from urllib.parse import quote
 import httpx
 
 from .errors import (ProtocolError, ResourceExhausted, SandlotError, TransportError,
-                     error_from_response)
+                     Unavailable, error_from_response)
 from .models import SANDBOX_FIELDS, RestoreReport
 
 #: Used when neither ``url=`` nor ``SANDLOT_URL`` is given (``sandlot up``'s default listen).
@@ -71,6 +71,19 @@ def auto_idempotency_key() -> str:
     after a lost answer (or through another server) then returns the sandbox the first
     attempt made instead of making a second one."""
     return f"sdk-{uuid.uuid4().hex}"
+
+
+# A create whose answer is a replay of a create that another server left half-done can see
+# that create rolled back (the leader's sweep forgets its key, marks it `deleting`, removes
+# it): the SDK then sends it again, at most this many times in all.
+CREATE_ATTEMPTS = 3
+ROLLED_BACK = ("deleting", "deleted", "lost")
+
+
+def rolled_back(sandbox_id: str) -> Unavailable:
+    """The error of a create rolled back on every one of its ``CREATE_ATTEMPTS``."""
+    return Unavailable(f"the create of sandbox {sandbox_id} was rolled back "
+                       f"{CREATE_ATTEMPTS} times (a server stopped during it); try again")
 
 
 def resolve_headers(api_key: Optional[str],

@@ -8,7 +8,7 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 import httpx
 
 from . import _base
-from .errors import ProtocolError, SandlotError, TransportError
+from .errors import NotFound, ProtocolError, SandlotError, TransportError
 from .models import (Checkpoint, Command, checkpoint_id, checkpoints_of, Data, ExecEvent, ExecResult, FileEntry, Network,
                      RunCodeResult, TrajectoryInfo, create_body, exec_body, ids_of, label_params,
                      parse_exec_event, run_code_body, run_jupyter_body,
@@ -129,7 +129,9 @@ class Client:
                 than ``container``, a bad network entry, a value out of range, bad
                 trajectory id.
             NotFound: unknown image.  Unavailable: backend or runtime not available on
-                this host (the message says why).
+                this host (the message says why); or the create was rolled back on each
+                of 3 attempts (an Idempotency-Key replay of a create whose server
+                stopped: the SDK sends it again after a rollback).
             ResourceExhausted: node capacity exhausted (after ``retries``).
             Conflict: T has logged steps, its sandbox is gone and ``restore`` is not
                 ``"replay"``.
@@ -160,18 +162,24 @@ class Client:
 
     def _create(self, body: Dict[str, Any], headers: Optional[Dict[str, str]],
                 replay: bool, auto_key: bool) -> "Sandbox":
-        # A restore re-executes every logged step before answering.
-        resp = self._request("POST", "/v1/sandboxes", json=body, headers=headers,
-                             work_s=600 if replay else 60)
-        sb = Sandbox(self, _base.json_of(resp))
-        # 200 answers a replay; of the SDK's own key, that is this call's retry.
-        sb.reattached = resp.status_code == 200 and not auto_key
-        # An Idempotency-Key replay of a create still in flight answers `creating`.
-        deadline = time.monotonic() + 60
-        while sb.state == "creating" and time.monotonic() < deadline:
-            time.sleep(0.05)
-            sb.refresh()
-        return sb
+        for _ in range(_base.CREATE_ATTEMPTS):
+            # A restore re-executes every logged step before answering.
+            resp = self._request("POST", "/v1/sandboxes", json=body, headers=headers,
+                                 work_s=600 if replay else 60)
+            sb = Sandbox(self, _base.json_of(resp))
+            # 200 answers a replay; of the SDK's own key, that is this call's retry.
+            sb.reattached = resp.status_code == 200 and not auto_key
+            # An Idempotency-Key replay of a create still in flight answers `creating`.
+            deadline = time.monotonic() + 60
+            try:
+                while sb.state == "creating" and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                    sb.refresh()
+            except NotFound:
+                continue  # rolled back and removed meanwhile: its key is free again
+            if sb.state not in _base.ROLLED_BACK:
+                return sb
+        raise _base.rolled_back(sb.id)
 
     def get(self, sandbox_id: str) -> "Sandbox":
         """``GET /v1/sandboxes/{id}``. Raises NotFound for an unknown id."""
