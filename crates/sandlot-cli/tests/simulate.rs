@@ -14,6 +14,7 @@ use sandlot_cluster::testing::LocalEtcd as Etcd;
 use sandlot_cluster::NodeRecord;
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -54,6 +55,29 @@ async fn read_until(child: &mut Child, until: &'static str) -> Vec<String> {
     })
     .await
     .unwrap()
+}
+
+/// `sandlot server --etcd ETCD_URL` on a free loopback port (data in `dir`, logging errors
+/// only: one warning per lost sandbox otherwise): the process and its URL.
+async fn start_server(etcd_url: &str, dir: &Path, token_file: &Path) -> (Kill, String) {
+    let mut server = Command::new(BIN)
+        .args(["server", "--listen", "127.0.0.1:0", "--etcd", etcd_url])
+        .arg("--data-dir")
+        .arg(dir)
+        .arg("--node-token-file")
+        .arg(token_file)
+        .env("RUST_LOG", "error")
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let line = read_until(&mut server, "listening on").await;
+    let url = line
+        .last()
+        .unwrap()
+        .strip_prefix("sandlot listening on ")
+        .unwrap()
+        .to_owned();
+    (Kill(server), url)
 }
 
 /// `GET path` over HTTP/1.1 from the server at `addr`: the status and the body.
@@ -116,25 +140,7 @@ async fn simulated_nodes_take_creates_and_turn_lost_when_killed() {
     }
     assert_eq!((leases.len(), urls.len()), (NODES, NODES));
 
-    let mut server = Command::new(BIN)
-        .args(["server", "--listen", "127.0.0.1:0", "--etcd", &etcd.urls[0]])
-        .arg("--data-dir")
-        .arg(tmp.path().join("server"))
-        .arg("--node-token-file")
-        .arg(&token_file)
-        // One warning per lost sandbox otherwise.
-        .env("RUST_LOG", "error")
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let line = read_until(&mut server, "listening on").await;
-    let _server = Kill(server);
-    let url = line
-        .last()
-        .unwrap()
-        .strip_prefix("sandlot listening on ")
-        .unwrap()
-        .to_owned();
+    let (_server, url) = start_server(&etcd.urls[0], &tmp.path().join("server"), &token_file).await;
     let addr = url.strip_prefix("http://").unwrap().to_owned();
 
     let (status, body) = get(&addr, "/v1/nodes").await;
@@ -314,24 +320,7 @@ async fn measure_creates_into_simulated_nodes() {
         "MEASURED: {nodes} simulated nodes registered in {:.2} s",
         t.elapsed().as_secs_f64()
     );
-    let mut server = Command::new(BIN)
-        .args(["server", "--listen", "127.0.0.1:0", "--etcd", &etcd.urls[0]])
-        .arg("--data-dir")
-        .arg(tmp.path().join("server"))
-        .arg("--node-token-file")
-        .arg(&token_file)
-        .env("RUST_LOG", "error")
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let line = read_until(&mut server, "listening on").await;
-    let _server = Kill(server);
-    let url = line
-        .last()
-        .unwrap()
-        .strip_prefix("sandlot listening on ")
-        .unwrap()
-        .to_owned();
+    let (_server, url) = start_server(&etcd.urls[0], &tmp.path().join("server"), &token_file).await;
     tokio::time::sleep(Duration::from_secs(2)).await;
     let rss0 = rss_kib(pid);
     let api = Arc::new(sandlot_client::Client::new(&url).unwrap());
