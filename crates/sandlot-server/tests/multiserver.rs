@@ -124,6 +124,17 @@ async fn start_node(etcd: &sandlot_cluster::Client) -> (Arc<FakeNode>, NodeRegis
     (fake, reg)
 }
 
+/// One etcd member, a PostgreSQL and one node registered in etcd ([`start_node`]), or
+/// `None` (the reason printed; the test counts as skipped) when etcd or PostgreSQL is
+/// missing.
+async fn start_cluster(test: &str) -> Option<(Etcd, Pg, Arc<FakeNode>, NodeRegistration)> {
+    let etcd = Etcd::start(test, 1)?;
+    let pg = Pg::start(test).await?;
+    let client = connect(&etcd.urls).await.unwrap();
+    let (fake, reg) = start_node(&client).await;
+    Some((etcd, pg, fake, reg))
+}
+
 /// A server on its own runtime and thread (see the module docs).
 struct TestServer {
     base: String,
@@ -239,14 +250,9 @@ async fn eventually(what: &str, within: Duration, mut f: impl AsyncFnMut() -> bo
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn two_servers_share_a_database_and_the_leader_fails_over() {
     let test = "two_servers_share_a_database_and_the_leader_fails_over";
-    let Some(etcd) = Etcd::start(test, 1) else {
+    let Some((etcd, pg, fake, _reg)) = start_cluster(test).await else {
         return;
     };
-    let Some(pg) = Pg::start(test).await else {
-        return;
-    };
-    let client = connect(&etcd.urls).await.unwrap();
-    let (fake, _reg) = start_node(&client).await;
     let mut a = TestServer::start(&pg.url, &etcd.urls, "server-a");
     let http = reqwest::Client::new();
     eventually("A leads", Duration::from_secs(10), async || {
@@ -393,14 +399,9 @@ async fn two_servers_share_a_database_and_the_leader_fails_over() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn quota_holds_across_two_servers() {
     let test = "quota_holds_across_two_servers";
-    let Some(etcd) = Etcd::start(test, 1) else {
+    let Some((etcd, pg, fake, _reg)) = start_cluster(test).await else {
         return;
     };
-    let Some(pg) = Pg::start(test).await else {
-        return;
-    };
-    let client = connect(&etcd.urls).await.unwrap();
-    let (fake, _reg) = start_node(&client).await;
     // The key, written before the servers start (they then require authentication).
     let pool = sandlot_server::pg::connect(&pg.url, 2).await.unwrap();
     let reg = sandlot_server::registry::PgRegistry::new(pool);
