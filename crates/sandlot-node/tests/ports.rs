@@ -3,55 +3,15 @@
 //! on its own loopback. Needs root, cgroups and the guest binary (`SANDLOT_GUEST_BIN`, else
 //! `target/{release,debug}/sandlot-guest` of this build's profile); each test prints why
 //! it skips.
-use sandlot_api::{Backend, Cmd, ExecRequest};
-use sandlot_node::{LocalNode, Node, NodeConfig, NodeError, SandboxSpec};
-use std::sync::Arc;
+use sandlot_api::{Cmd, ExecRequest};
+use sandlot_node::{Node, NodeError};
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 mod support;
 
-struct Env {
-    node: Arc<LocalNode>,
-    _cfg: NodeConfig,
-    _tmp: tempfile::TempDir,
-}
-
-impl Drop for Env {
-    fn drop(&mut self) {
-        support::delete_all(&self.node);
-    }
-}
-
-fn setup(test: &str) -> Option<Env> {
-    let guest = support::host_ready(test, support::BUILD_GUEST_HINT)?;
-    let (mut cfg, tmp) = support::node_config(guest);
-    cfg.name = "test-node".into();
-    cfg.cgroup_parent = support::unique_cgroup_parent("sandlot-test-ports");
-    let node = LocalNode::open(cfg.clone()).unwrap();
-    if !support::build_busybox(test, &node) {
-        return None;
-    }
-    Some(Env {
-        node: Arc::new(node),
-        _cfg: cfg,
-        _tmp: tmp,
-    })
-}
-
-fn spec(id: &str) -> SandboxSpec {
-    SandboxSpec {
-        id: id.into(),
-        backend: Backend::Function,
-        image: "busybox".into(),
-        cpu: 1.0,
-        memory_mib: 128,
-        disk_mib: 64,
-        pids_max: 64,
-        env: Default::default(),
-        network: sandlot_api::NetworkPolicy::None,
-        runtime: None,
-    }
+fn setup(test: &str) -> Option<support::BusyboxNode> {
+    support::BusyboxNode::start(test, "sandlot-test-ports")
 }
 
 fn sh(script: &str, timeout_s: f64) -> ExecRequest {
@@ -68,7 +28,7 @@ async fn connect_port_reaches_a_listener_inside_a_sandbox_without_network() {
     };
     let node = env.node.clone();
     let id = "sb-0000000000000000c001";
-    node.create(&spec(id)).await.unwrap();
+    node.create(&support::function_spec(id)).await.unwrap();
 
     // Nothing listens yet: a clear Unavailable, not a hang.
     let t = Instant::now();

@@ -6,56 +6,16 @@
 //! skips.
 use base64::Engine;
 use bytes::Bytes;
-use sandlot_api::{Backend, Cmd, ExecEvent, ExecRequest, PtySize};
+use sandlot_api::{Cmd, ExecEvent, ExecRequest, PtySize};
 use sandlot_guest::spec::{pty_frame_data, pty_frame_resize};
-use sandlot_node::{ExecControl, LocalNode, Node, NodeConfig, SandboxSpec};
-use std::sync::Arc;
+use sandlot_node::{ExecControl, Node};
 use std::time::Duration;
 use tokio::sync::mpsc;
 
 mod support;
 
-struct Env {
-    node: Arc<LocalNode>,
-    _cfg: NodeConfig,
-    _tmp: tempfile::TempDir,
-}
-
-impl Drop for Env {
-    fn drop(&mut self) {
-        support::delete_all(&self.node);
-    }
-}
-
-fn setup(test: &str) -> Option<Env> {
-    let guest = support::host_ready(test, support::BUILD_GUEST_HINT)?;
-    let (mut cfg, tmp) = support::node_config(guest);
-    cfg.name = "test-node".into();
-    cfg.cgroup_parent = support::unique_cgroup_parent("sandlot-test-pty");
-    let node = LocalNode::open(cfg.clone()).unwrap();
-    if !support::build_busybox(test, &node) {
-        return None;
-    }
-    Some(Env {
-        node: Arc::new(node),
-        _cfg: cfg,
-        _tmp: tmp,
-    })
-}
-
-fn spec(id: &str) -> SandboxSpec {
-    SandboxSpec {
-        id: id.into(),
-        backend: Backend::Function,
-        image: "busybox".into(),
-        cpu: 1.0,
-        memory_mib: 128,
-        disk_mib: 64,
-        pids_max: 64,
-        env: Default::default(),
-        network: sandlot_api::NetworkPolicy::None,
-        runtime: None,
-    }
+fn setup(test: &str) -> Option<support::BusyboxNode> {
+    support::BusyboxNode::start(test, "sandlot-test-pty")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -65,7 +25,7 @@ async fn a_pty_exec_has_a_terminal_of_the_sandbox_with_its_size() {
     };
     let node = env.node.clone();
     let id = "sb-00000000000000007001";
-    node.create(&spec(id)).await.unwrap();
+    node.create(&support::function_spec(id)).await.unwrap();
 
     let mut req = ExecRequest::new(Cmd::Argv(vec!["/bin/sh".into()]));
     req.timeout_s = Some(30.0);
@@ -106,7 +66,7 @@ async fn a_controlled_pty_takes_input_resizes_and_is_signalled() {
     };
     let node = env.node.clone();
     let id = "sb-00000000000000007002";
-    node.create(&spec(id)).await.unwrap();
+    node.create(&support::function_spec(id)).await.unwrap();
 
     let run = |script: Vec<Vec<u8>>, sig: Option<i32>| {
         let node = node.clone();

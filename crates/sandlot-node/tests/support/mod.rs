@@ -1,14 +1,15 @@
 //! Setup shared by the root integration tests of the `function` backend (`function.rs`,
 //! `pool.rs`, `pause.rs`, `uids.rs`): where the guest binary is, the host checks with their
 //! `SKIP <test>: ...` lines, unique cgroup parents, a node config over a temp dir, the
-//! busybox image and the end-of-test sweep. Each test file keeps its own `Env`.
+//! busybox image and the end-of-test sweep. Most test files keep their own `Env`;
+//! [`BusyboxNode`] and [`function_spec`] serve those that need nothing more.
 //!
 //! Used with `mod support;`; each test binary compiles this module on its own and not every
 //! file uses every helper, hence the `dead_code` allowance.
 #![allow(dead_code)]
 
 use sandlot_node::cgroups::CgroupRoot;
-use sandlot_node::{LocalNode, Node, NodeConfig};
+use sandlot_node::{LocalNode, Node, NodeConfig, SandboxSpec};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, Ordering};
 
@@ -104,4 +105,54 @@ pub fn delete_all(node: &LocalNode) {
         .join()
         .unwrap()
     });
+}
+
+/// A node with the busybox image built, its sandboxes deleted on drop.
+pub struct BusyboxNode {
+    pub node: std::sync::Arc<LocalNode>,
+    _cfg: NodeConfig,
+    _tmp: tempfile::TempDir,
+}
+
+impl BusyboxNode {
+    /// A fresh node over a temp data dir under cgroup parent `cgroup_prefix-…`, or `None`
+    /// (the reason printed) when this host cannot run the test.
+    pub fn start(test: &str, cgroup_prefix: &str) -> Option<BusyboxNode> {
+        let guest = host_ready(test, BUILD_GUEST_HINT)?;
+        let (mut cfg, tmp) = node_config(guest);
+        cfg.name = "test-node".into();
+        cfg.cgroup_parent = unique_cgroup_parent(cgroup_prefix);
+        let node = LocalNode::open(cfg.clone()).unwrap();
+        if !build_busybox(test, &node) {
+            return None;
+        }
+        Some(BusyboxNode {
+            node: std::sync::Arc::new(node),
+            _cfg: cfg,
+            _tmp: tmp,
+        })
+    }
+}
+
+impl Drop for BusyboxNode {
+    fn drop(&mut self) {
+        delete_all(&self.node);
+    }
+}
+
+/// A `function` sandbox `id` of the busybox image: 1 cpu, 128 MiB, 64 MiB disk, 64 pids,
+/// no network.
+pub fn function_spec(id: &str) -> SandboxSpec {
+    SandboxSpec {
+        id: id.into(),
+        backend: sandlot_api::Backend::Function,
+        image: "busybox".into(),
+        cpu: 1.0,
+        memory_mib: 128,
+        disk_mib: 64,
+        pids_max: 64,
+        env: Default::default(),
+        network: sandlot_api::NetworkPolicy::None,
+        runtime: None,
+    }
 }
