@@ -12,6 +12,7 @@ export SANDLOT_BIN="$PWD/target/release/sandlot"
 # The static build of sandlot-guest (setup.sh makes it), as `sandlot up` picks by default.
 export SANDLOT_GUEST_BIN="$PWD/target/x86_64-unknown-linux-gnu/release/sandlot-guest"
 
+printf '\n(setup took %s s)\n' "$SECONDS"
 printf '\n==> cargo fmt --check, clippy -D warnings, rustdoc -D warnings\n'
 if cargo fmt --version >/dev/null 2>&1; then cargo fmt --all -- --check
 else echo "SKIPPED: cargo fmt --check (rustfmt is not installed: rustup component add rustfmt)"; fi
@@ -20,7 +21,7 @@ if cargo clippy --version >/dev/null 2>&1; then
 else echo "SKIPPED: cargo clippy (not installed: rustup component add clippy)"; fi
 RUSTDOCFLAGS="-D warnings" cargo doc --release --locked --no-deps --workspace
 
-printf '\n==> cargo test (release profile: shares the build with setup)\n'
+printf '\n==> cargo test at +%s s (release profile: shares the build with setup)\n' "$SECONDS"
 cargo test --release --locked --workspace -- --test-threads=2
 
 # cargo-fuzz targets (guest-agent frame decoder, image layer unpacker), FUZZ_SECONDS each
@@ -36,6 +37,7 @@ printf '\n==> cargo fuzz (fuzz/; %s s per target)\n' "${FUZZ_SECONDS:-60}"
 : "${SANDLOT_REQUIRE_BACKENDS:=function,container-runc,container-runsc,microvm,vm}"
 export SANDLOT_REQUIRE_BACKENDS
 
-printf '\n==> pytest tests/ (end to end, through the Python SDK; required backends: %s) and the bench harness tests\n' \
-  "$SANDLOT_REQUIRE_BACKENDS"
-.venv/bin/python -m pytest -q -rfEs tests/ bench/test_run.py
+printf '\n==> at +%s s: pytest tests/ (end to end, through the Python SDK; required backends: %s) and the bench harness tests\n' \
+  "$SECONDS" "$SANDLOT_REQUIRE_BACKENDS"
+.venv/bin/python -m pytest -q -rfEs --durations=40 tests/ bench/test_run.py
+printf '\n==> all tests passed; %s s in all\n' "$SECONDS"

@@ -4,6 +4,22 @@ use base64::Engine;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
+/// Largest `timeout_s` an exec, a background process or a `run_code` call accepts: one day,
+/// in seconds.
+pub const MAX_TIMEOUT_S: f64 = 86_400.0;
+
+/// Check a timeout in seconds: finite and in (0, [`MAX_TIMEOUT_S`]].
+///
+/// # Errors
+/// A message naming `field`, the value and the range, for an `invalid_argument` error.
+pub fn check_timeout_s(field: &str, t: f64) -> Result<(), String> {
+    if t.is_finite() && t > 0.0 && t <= MAX_TIMEOUT_S {
+        Ok(())
+    } else {
+        Err(format!("{field} = {t} must be in (0, {MAX_TIMEOUT_S}]"))
+    }
+}
+
 /// The command of an exec: an argv list (run directly, `PATH` searched for `argv[0]`) or a
 /// shell string (run as `/bin/sh -c STRING`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -19,7 +19,10 @@ mod trajectory;
 
 pub use checkpoint::{Checkpoint, CheckpointList};
 pub use error::{ApiError, ErrorBody, ErrorCode};
-pub use exec::{text_and_b64, Cmd, ExecEvent, ExecRequest, ExecResult, Output, PtySize, Violation};
+pub use exec::{
+    check_timeout_s, text_and_b64, Cmd, ExecEvent, ExecRequest, ExecResult, Output, PtySize,
+    Violation, MAX_TIMEOUT_S,
+};
 pub use files::{FileEntry, FileList, FileType};
 pub use network::{AllowEntry, AllowPolicy, NetworkPolicy, MAX_ALLOW_ENTRIES};
 pub use process::{

@@ -187,8 +187,8 @@ struct NodeArgs {
     /// fences itself after TTL - max(TTL/3, 1 s) at most; servers see it down after TTL.
     #[arg(long, default_value_t = 5)]
     lease_ttl_s: u64,
-    /// Sandboxes this node offers at most (its published capacity; servers place no more).
-    #[arg(long, default_value_t = 1000)]
+    /// Sandboxes this node offers at most (its published capacity; servers place no more), ≥ 1.
+    #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(1..))]
     max_sandboxes: u64,
     /// Published cpu capacity = host cores × this (> 0). A sandbox's `cpu` is a ceiling (a
     /// CFS quota), not a reservation, so a node takes more of them than it has cores, as

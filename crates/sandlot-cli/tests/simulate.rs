@@ -261,6 +261,11 @@ fn bad_simulate_flags_are_refused() {
         assert!(err.contains(says), "{extra:?}: {err}");
         assert!(out.stdout.is_empty(), "{extra:?} listened");
     }
+    // A node offering no sandboxes is refused by the argument parser, naming the flag.
+    let out = run(&["--etcd", "http://127.0.0.1:1", "--max-sandboxes", "0"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("--max-sandboxes"), "{err}");
 }
 
 /// VmRSS of process `pid`, KiB.

@@ -132,7 +132,8 @@ pub(crate) async fn keep_alive_until_lost(
         failures += 1;
         wait = retry_pause(failures, cfg.keepalive_interval);
         if !fence.is_serving() {
-            tracing::warn!(lease_id, "no answered lease renewal in time: fenced");
+            // The holder (node membership, election) logs the transition in its own terms.
+            tracing::debug!(lease_id, "no answered lease renewal in time: fenced");
             fence.off();
             return;
         }

@@ -211,7 +211,7 @@ async fn keep_registered(
             match put_under_new_lease(&client, &key, &rec, &cfg, &fence).await {
                 Ok(()) => {
                     drop(rec);
-                    tracing::info!(%key, lease_id = fence.lease_id(), epoch = fence.epoch(), "re-registered under a new lease");
+                    tracing::debug!(%key, lease_id = fence.lease_id(), epoch = fence.epoch(), "re-registered under a new lease");
                     let client = client.clone();
                     tokio::spawn(async move { revoke(&client, old, &cfg).await });
                     break;

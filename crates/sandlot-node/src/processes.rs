@@ -44,8 +44,6 @@ use tokio::sync::{mpsc, watch};
 pub const DEFAULT_RETAIN: u64 = 2 << 20;
 /// Largest `max_output_bytes` of a background process (16 MiB per stream).
 pub const MAX_RETAIN: u64 = 16 << 20;
-/// Default and largest timeout of a background process, seconds (one day).
-pub const MAX_TIMEOUT_S: f64 = 86_400.0;
 /// Largest chunk in one output event, bytes.
 const EVENT_CHUNK: usize = 64 << 10;
 /// How long a stdin write waits for a process that does not read its stdin.
@@ -533,12 +531,8 @@ impl ProcessTable {
     /// `Conflict` for a paused sandbox). Set-up failures the node finds later (a missing
     /// `cwd`) end the process with `error` set.
     pub async fn spawn(&self, sandbox: &str, req: SpawnRequest) -> NodeResult<Process> {
-        let timeout_s = req.timeout_s.unwrap_or(MAX_TIMEOUT_S);
-        if !(timeout_s.is_finite() && timeout_s > 0.0 && timeout_s <= MAX_TIMEOUT_S) {
-            return Err(NodeError::InvalidArgument(format!(
-                "timeout_s = {timeout_s} must be in (0, {MAX_TIMEOUT_S}]"
-            )));
-        }
+        let timeout_s = req.timeout_s.unwrap_or(sandlot_api::MAX_TIMEOUT_S);
+        sandlot_api::check_timeout_s("timeout_s", timeout_s).map_err(NodeError::InvalidArgument)?;
         let retain = req.max_output_bytes.unwrap_or(DEFAULT_RETAIN);
         if retain > MAX_RETAIN {
             return Err(NodeError::InvalidArgument(format!(

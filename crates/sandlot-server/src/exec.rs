@@ -26,8 +26,6 @@ use sandlot_api::{ApiError, Backend, ErrorCode, ExecEvent, ExecRequest, ExecResu
 use serde::Deserialize;
 use tokio::sync::mpsc;
 
-/// Longest exec timeout, seconds (one day).
-pub const MAX_TIMEOUT_S: f64 = 86_400.0;
 /// Largest `max_output_bytes` (64 MiB).
 pub const MAX_OUTPUT_BYTES: u64 = 64 << 20;
 
@@ -47,11 +45,7 @@ pub struct ExecQuery {
 /// string.
 pub fn validate(req: &ExecRequest) -> ApiResult<()> {
     if let Some(t) = req.timeout_s {
-        if !(t.is_finite() && t > 0.0 && t <= MAX_TIMEOUT_S) {
-            return Err(ServerError::invalid(format!(
-                "timeout_s = {t} must be in (0, {MAX_TIMEOUT_S}]"
-            )));
-        }
+        sandlot_api::check_timeout_s("timeout_s", t).map_err(ServerError::invalid)?;
     }
     if let Some(m) = req.max_output_bytes {
         if m > MAX_OUTPUT_BYTES {

@@ -109,8 +109,6 @@ pub use sandlot_node_api::DEFAULT_MAX_OUTPUT;
 pub const MAX_MAX_OUTPUT: u64 = 64 << 20;
 /// Default exec timeout (60 s).
 pub const DEFAULT_TIMEOUT_S: f64 = 60.0;
-/// Largest accepted exec timeout (one day).
-pub const MAX_TIMEOUT_S: f64 = 86_400.0;
 /// Number of uids/gids mapped into a sandbox (`0..65536` inside → `uid_base..` outside);
 /// also the size of one slot of [`super::uids::UidSlots`].
 pub const UID_COUNT: u32 = 65_536;
@@ -1101,11 +1099,7 @@ impl ExecPlan {
         req: &ExecRequest,
     ) -> NodeResult<ExecPlan> {
         let timeout_s = req.timeout_s.unwrap_or(DEFAULT_TIMEOUT_S);
-        if !(timeout_s.is_finite() && timeout_s > 0.0 && timeout_s <= MAX_TIMEOUT_S) {
-            return Err(NodeError::InvalidArgument(format!(
-                "timeout_s must be in (0, {MAX_TIMEOUT_S}], got {timeout_s}"
-            )));
-        }
+        sandlot_api::check_timeout_s("timeout_s", timeout_s).map_err(NodeError::InvalidArgument)?;
         let cap = req.max_output_bytes.unwrap_or(DEFAULT_MAX_OUTPUT);
         if cap > MAX_MAX_OUTPUT {
             return Err(NodeError::InvalidArgument(format!(

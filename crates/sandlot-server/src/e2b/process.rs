@@ -257,7 +257,7 @@ fn deadline_s(h: &HeaderMap) -> Result<Option<f64>, ConnectError> {
     if ms == 0 {
         return Ok(None);
     }
-    let s = (ms as f64 / 1000.0).min(sandlot_node::processes::MAX_TIMEOUT_S);
+    let s = (ms as f64 / 1000.0).min(sandlot_api::MAX_TIMEOUT_S);
     Ok(Some(s.max(0.001)))
 }
 

@@ -29,7 +29,7 @@
 //! `cells` missing, `kernel` other than `python3`, bad base64, a timeout out of range) →
 //! HTTP 400 `invalid_argument`.
 use super::languages::{ClassFrom, Language, Layout};
-use super::{check_timeout, execute, sandbox_error, sandbox_path, Plan};
+use super::{execute, sandbox_error, sandbox_path, Plan};
 use crate::auth::Principal;
 use crate::error::{ApiResult, Json, ServerError};
 use crate::SharedState;
@@ -85,9 +85,9 @@ fn plan(req: &RunJupyterRequest) -> Result<(RunCodeRequest, Plan), String> {
             req.kernel
         ));
     }
-    check_timeout("total_timeout", req.total_timeout)?;
+    sandlot_api::check_timeout_s("total_timeout", req.total_timeout)?;
     if req.cell_timeout != 0.0 {
-        check_timeout("cell_timeout", req.cell_timeout)?;
+        sandlot_api::check_timeout_s("cell_timeout", req.cell_timeout)?;
     }
     // `/etc/hosts` as every run_code call's (see `super::ETC_HOSTS`).
     let mut files = vec![(

@@ -285,14 +285,6 @@ fn sandbox_path(p: &str) -> String {
     }
 }
 
-fn check_timeout(name: &str, t: f64) -> Result<(), String> {
-    if t.is_finite() && t > 0.0 && t <= crate::exec::MAX_TIMEOUT_S {
-        Ok(())
-    } else {
-        Err(format!("{name} = {t} must be in (0, 86400]"))
-    }
-}
-
 fn plan(req: &RunCodeRequest) -> Result<Plan, String> {
     let Some(lang) = languages::find(&req.language) else {
         return Err(format!(
@@ -301,8 +293,8 @@ fn plan(req: &RunCodeRequest) -> Result<Plan, String> {
             languages::names().join(", ")
         ));
     };
-    check_timeout("compile_timeout", req.compile_timeout)?;
-    check_timeout("run_timeout", req.run_timeout)?;
+    sandlot_api::check_timeout_s("compile_timeout", req.compile_timeout)?;
+    sandlot_api::check_timeout_s("run_timeout", req.run_timeout)?;
     // Per-call setup first, so the request's own `files` may replace it: `/etc/hosts`
     // (images have none, so `localhost` did not resolve), then the row's support files.
     let mut files = vec![("/etc/hosts".to_owned(), ETC_HOSTS.as_bytes().to_vec())];
