@@ -868,6 +868,8 @@ pub fn spawn_sweeper(
 }
 
 /// What woke [`spawn_sweeper`]'s loop.
+// One short-lived value per wake-up, moved once: boxing the event would buy nothing.
+#[allow(clippy::large_enum_variant)]
 enum Wake {
     /// A node event (or the channel's lag/close).
     Event(Result<NodeEvent, tokio::sync::broadcast::error::RecvError>),
