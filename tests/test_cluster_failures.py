@@ -29,7 +29,6 @@ import shutil
 import subprocess
 import threading
 import time
-import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Dict, List, Tuple
@@ -215,11 +214,10 @@ def test_partitioned_node_fences_and_reconciles_after_healing(cluster):
     try:
         fenced = wait_for(lambda: cluster.node_health_inside("node0") == 503, LEASE_TTL_S + 5,
                           "node0 fences itself")
-        lost = wait_for(lambda: state_of(c, sb.id) == "lost", LEASE_TTL_S + 10,
-                        f"{sb.id} lost after the partition")
+        wait_for(lambda: state_of(c, sb.id) == "lost", LEASE_TTL_S + 10,
+                 f"{sb.id} lost after the partition")
         print(f"partition: node0 fenced after {fenced:.1f} s, sandbox lost "
               f"{time.monotonic() - t0:.1f} s after the partition")
-        assert lost >= 0
         with pytest.raises(sandlot.SandlotError):
             sb.exec("true")
     finally:
