@@ -106,6 +106,19 @@ def wait_for(pred, timeout: float, what: str, interval: float = 0.1) -> float:
         time.sleep(interval)
 
 
+# Nodes publish their usage every second (crates/sandlot-cli/src/cluster.rs USAGE_PERIOD) and
+# placement reads the published usage, so creates within one period may all go to one node.
+USAGE_PERIOD_S = 1.0
+
+
+def spread_create(c: sandlot.Client, before: list) -> sandlot.Sandbox:
+    """A small sandbox, created at least one usage period after the previous one in
+    ``before``, so placement sees the previous one counted."""
+    if before:
+        time.sleep(USAGE_PERIOD_S + 0.3)
+    return c.create(**SMALL)
+
+
 def state_of(c: sandlot.Client, sid: str) -> str:
     return c.get(sid).state
 
@@ -154,7 +167,7 @@ def test_kill_node_lost_then_replay_on_another_node_and_rejoin(cluster):
     others = []
     while not any(o.node != victim for o in others):
         assert len(others) < 6, f"placement put every sandbox on {victim}"
-        others.append(c.create(**SMALL))
+        others.append(spread_create(c, others))
     bystander = next(o for o in others if o.node != victim)
     for o in others:
         if o is not bystander:
@@ -197,10 +210,10 @@ def test_kill_node_lost_then_replay_on_another_node_and_rejoin(cluster):
 def test_partitioned_node_fences_and_reconciles_after_healing(cluster):
     c = cluster.client()
     # Sandboxes until one is on node0 (placement spreads over the two nodes).
-    made = [c.create(**SMALL)]
+    made = [spread_create(c, [])]
     while made[-1].node != "node0":
         assert len(made) < 6, "placement never chose node0"
-        made.append(c.create(**SMALL))
+        made.append(spread_create(c, made))
     sb = made.pop()
     for o in made:
         o.delete()
@@ -232,7 +245,7 @@ def test_partitioned_node_fences_and_reconciles_after_healing(cluster):
     while not any(m.node == "node0" for m in made):
         assert len(made) < 6, ("node0 gets no sandbox after healing", [m.node for m in made],
                                cluster.nodes_seen())
-        made.append(c.create(**SMALL))
+        made.append(spread_create(c, made))
     for m in made:
         assert m.exec("echo ok").stdout == b"ok\n"
         m.delete()
