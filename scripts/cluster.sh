@@ -1,22 +1,33 @@
 #!/usr/bin/env bash
 # A local Sandlot cluster on this host, for tests and demos (docs/operations.md "Cluster mode").
 #
-#   scripts/cluster.sh up DIR [NODES]   start 3 etcd members, NODES `sandlot node`s (default 3),
+#   scripts/cluster.sh up DIR [NODES] [--postgres] [--servers K]
+#                                       start 3 etcd members, NODES `sandlot node`s (default 3),
 #                                       each in its own network namespace with its own data
-#                                       dir, and one `sandlot server` in front of them; wait
-#                                       until each answers; print one line per component:
-#                                         etcd URL
-#                                         server URL
-#                                         node NAME URL
-#   scripts/cluster.sh down DIR         delete every sandbox through the server, stop the
-#                                       server, the nodes and etcd, remove the nodes' mounts,
+#                                       dir, and K `sandlot server`s (default 1) in front of
+#                                       them; wait until each answers; print one line per
+#                                       component, in this order:
+#                                         etcd URL            (3 lines)
+#                                         postgres URL        (with --postgres)
+#                                         server URL          (K lines)
+#                                         node NAME URL       (NODES lines)
+#                                       --postgres: PostgreSQL (scripts/postgres.sh, data in
+#                                       DIR/pg) holds the servers' records (`sandlot server
+#                                       --postgres`) instead of each server's own SQLite store;
+#                                       K > 1 needs it (and implies it): the servers share the
+#                                       database and elect the one that runs the singletons.
+#   scripts/cluster.sh node-start DIR I start node I (0-based) again after it was killed: the
+#                                       same command line (namespace, data dir, name, flags);
+#                                       wait until it answers; print its `node NAME URL` line
+#   scripts/cluster.sh down DIR         delete every sandbox through a server, stop the servers,
+#                                       the nodes, etcd and PostgreSQL, remove the nodes' mounts,
 #                                       cgroups and network namespaces and the bridge
 #
-# Network: a bridge `slcbr0` with SUBNET.1/24 on the host (etcd and the server listen there);
-# node I lives in network namespace `slc-nodeI` at SUBNET.(10+I), reached through a veth pair,
-# and serves its node API on port 7070. One cluster per host at a time (the bridge name is
-# fixed). Processes enter the namespace with `nsenter --net` only (not `ip netns exec`, which
-# also remounts /sys and so hides the cgroup file systems from the node).
+# Network: a bridge `slcbr0` with SUBNET.1/24 on the host (etcd and the servers listen there);
+# node I lives in network namespace `slc-nodeI` at SUBNET.(10+I), reached through a veth pair
+# (host end `slcvI`), and serves its node API on port 7070. One cluster per host at a time
+# (the bridge name is fixed). Processes enter the namespace with `nsenter --net` only (not
+# `ip netns exec`, which also remounts /sys and so hides the cgroup file systems from the node).
 #
 # Registry: the local OCI registry (scripts/registry.sh) listens on the host's loopback
 # (SANDLOT_REGISTRY_ADDR, default 127.0.0.1:5000) and image references name it so
@@ -28,15 +39,18 @@
 #
 # Environment: SANDLOT_BIN (default target/release/sandlot), SANDLOT_IMAGES_DIR (default
 # /var/lib/sandlot/images, shared read-mostly by the nodes), SANDLOT_CLUSTER_SUBNET (first
-# three octets, default 10.213.0), SANDLOT_REGISTRY_ADDR (above). Logs: DIR/server.log,
-# DIR/nodeI.log, DIR/etcd/mI.log.
-#
-# What is not here yet (issue 21): PostgreSQL behind several stateless servers (the server
-# keeps its records in its own SQLite store under DIR/server, so one server runs).
+# three octets, default 10.213.0), SANDLOT_REGISTRY_ADDR (above); SANDLOT_CLUSTER_POSTGRES=1
+# and SANDLOT_CLUSTER_SERVERS=K (same as the flags); SANDLOT_CLUSTER_NODE_ARGS and
+# SANDLOT_CLUSTER_SERVER_ARGS: extra flags, split on spaces, appended to every `sandlot node`
+# and `sandlot server` command line (tests pass short `--lease-ttl-s`/`--election-ttl-s`
+# and `--warm-pool 0` this way). Server I (0-based) is named `srvI` (`--name`), keeps its
+# state in DIR/server (I = 0) or DIR/serverI, and its pid, URL and log in
+# DIR/server.{pid,url,log} (I = 0) or DIR/serverI.{pid,url,log}. Logs: also DIR/nodeI.log,
+# DIR/etcd/mI.log, DIR/pg/postgres.log.
 set -euo pipefail
 
 die() { echo "cluster.sh: $*" >&2; exit 1; }
-usage() { sed -n '2,35p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '2,49p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 
 root=$(cd "$(dirname "$0")/.." && pwd)
 bin=${SANDLOT_BIN:-$root/target/release/sandlot}
@@ -114,9 +128,38 @@ for d in dirs:
 EOF
 }
 
+# start_node DIR I: run node I's command line (DIR/nodeI.cmd, written by `up`) in the
+# background, in its own session, appending to DIR/nodeI.log; its pid goes to DIR/nodeI.pid
+# (nsenter execs the node, so that is the node's pid).
+start_node() {
+  local -a argv
+  mapfile -d '' -t argv <"$1/node$2.cmd"
+  setsid "${argv[@]}" </dev/null >>"$1/node$2.log" 2>&1 &
+  echo $! >"$1/node$2.pid"
+}
+
+# server_stem DIR I: DIR/server for server 0, DIR/serverI for the others (pid, url, log, data).
+server_stem() { if [ "$2" = 0 ]; then echo "$1/server"; else echo "$1/server$2"; fi; }
+
 case "$cmd" in
   up)
-    n=${3:-3}
+    shift 2
+    n=3 postgres=${SANDLOT_CLUSTER_POSTGRES:-0} servers=${SANDLOT_CLUSTER_SERVERS:-1}
+    while [ $# -gt 0 ]; do
+      case "$1" in
+        --postgres) postgres=1 ;;
+        --servers) [ $# -ge 2 ] || die "--servers needs a count"; servers=$2; shift ;;
+        --servers=*) servers=${1#--servers=} ;;
+        -*) die "unknown flag $1" ;;
+        *) n=$1 ;;
+      esac
+      shift
+    done
+    [[ "$servers" =~ ^[1-9]$ ]] || die "--servers must be 1..9, got '$servers'"
+    [ "$servers" = 1 ] || postgres=1
+    [ "$postgres" = 0 ] || [ "$postgres" = 1 ] || die "SANDLOT_CLUSTER_POSTGRES must be 0 or 1"
+    read -r -a node_extra <<<"${SANDLOT_CLUSTER_NODE_ARGS:-}"
+    read -r -a server_extra <<<"${SANDLOT_CLUSTER_SERVER_ARGS:-}"
     [[ "$n" =~ ^[1-9][0-9]?$ ]] && [ "$n" -le 50 ] || die "NODES must be 1..50, got '$n'"
     [ "$(id -u)" = 0 ] || die "needs root (network namespaces, the nodes' jails)"
     [ -x "$bin" ] || die "no sandlot binary at $bin (cargo build --release, or set SANDLOT_BIN)"
@@ -129,6 +172,7 @@ case "$cmd" in
     # (not o+r) on DIR, as the node requires of every parent of its data dir.
     chmod o+x "$dir"
     echo "$n" >"$dir/nodes"
+    echo "$servers" >"$dir/servers"
     # From here on a failure (or ^C) tears down what was started.
     started=0
     trap '[ "$started" = 1 ] || "$0" down "$dir" >/dev/null 2>&1 || true' EXIT
@@ -143,6 +187,13 @@ case "$cmd" in
 
     ETCD_HOST="$subnet.1" "$root/scripts/etcd.sh" start "$dir/etcd" 3 >"$dir/etcd.lines"
     etcd_urls=$("$root/scripts/etcd.sh" urls "$dir/etcd")
+
+    pg_args=()
+    if [ "$postgres" = 1 ]; then
+      pg_port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+      "$root/scripts/postgres.sh" start "$dir/pg" "$pg_port" >"$dir/pg.lines"
+      pg_args=(--postgres "$(sed -n 's/^postgres //p' "$dir/pg.lines")")
+    fi
 
     token_file="$dir/node-token"
     (umask 077 && head -c 32 /dev/urandom | base64 >"$token_file")
@@ -165,11 +216,12 @@ case "$cmd" in
           iptables -t nat -A POSTROUTING -o eth0 -s 127.0.0.1 -j SNAT --to-source $ip_addr"
       fi
       url="http://$ip_addr:$node_port"
-      setsid nsenter --net="/run/netns/$ns" "$bin" node --listen "$ip_addr:$node_port" \
+      # The command line, NUL-separated, so `node-start` runs the same one again.
+      printf '%s\0' nsenter --net="/run/netns/$ns" "$bin" node --listen "$ip_addr:$node_port" \
         --advertise "$url" --etcd "$etcd_urls" --name "node$i" \
         --data-dir "$dir/node$i" --images-dir "$images" --token-file "$token_file" \
-        </dev/null >>"$dir/node$i.log" 2>&1 &
-      echo $! >"$dir/node$i.pid"
+        "${node_extra[@]}" >"$dir/node$i.cmd"
+      start_node "$dir" "$i"
     done
     for ((i = 0; i < n; i++)); do
       url="http://$subnet.$((10 + i)):$node_port"
@@ -177,29 +229,38 @@ case "$cmd" in
         { tail -n 20 "$dir/node$i.log" >&2; die "node$i did not answer at $url"; }
     done
 
-    port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
-    server_url="http://127.0.0.1:$port"
-    setsid "$bin" server --listen "127.0.0.1:$port" --etcd "$etcd_urls" \
-      --node-token-file "$token_file" --data-dir "$dir/server" --images-dir "$images" \
-      </dev/null >>"$dir/server.log" 2>&1 &
-    echo $! >"$dir/server.pid"
-    echo "$server_url" >"$dir/server.url"
-    wait_http "$server_url/v1/ping" "" "$(cat "$dir/server.pid")" ||
-      { tail -n 20 "$dir/server.log" >&2; die "the server did not answer at $server_url"; }
+    for ((i = 0; i < servers; i++)); do
+      stem=$(server_stem "$dir" "$i")
+      port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+      setsid "$bin" server --listen "127.0.0.1:$port" --etcd "$etcd_urls" --name "srv$i" \
+        --node-token-file "$token_file" --data-dir "$stem" --images-dir "$images" \
+        "${pg_args[@]}" "${server_extra[@]}" </dev/null >>"$stem.log" 2>&1 &
+      echo $! >"$stem.pid"
+      echo "http://127.0.0.1:$port" >"$stem.url"
+    done
+    for ((i = 0; i < servers; i++)); do
+      stem=$(server_stem "$dir" "$i")
+      wait_http "$(cat "$stem.url")/v1/ping" "" "$(cat "$stem.pid")" ||
+        { tail -n 20 "$stem.log" >&2; die "server $i did not answer at $(cat "$stem.url")"; }
+    done
 
     started=1
     cat "$dir/etcd.lines"
-    echo "server $server_url"
+    [ "$postgres" = 0 ] || cat "$dir/pg.lines"
+    for ((i = 0; i < servers; i++)); do echo "server $(cat "$(server_stem "$dir" "$i").url")"; done
     for ((i = 0; i < n; i++)); do echo "node node$i http://$subnet.$((10 + i)):$node_port"; done
     ;;
   down)
     [ -d "$dir" ] || exit 0
     dir=$(cd "$dir" && pwd)
     n=$(cat "$dir/nodes" 2>/dev/null || echo 0)
-    # Sandboxes first, while the server and the nodes still run: their jails, mounts and
-    # cgroups go the normal way.
-    if [ -f "$dir/server.pid" ] && kill -0 "$(cat "$dir/server.pid")" 2>/dev/null; then
-      python3 - "$(cat "$dir/server.url")" <<'EOF' || echo "cluster.sh: deleting sandboxes failed; cleaning up below" >&2
+    servers=$(cat "$dir/servers" 2>/dev/null || echo 1)
+    # Sandboxes first, through the first server still running, while the nodes still run:
+    # their jails, mounts and cgroups go the normal way.
+    for ((i = 0; i < servers; i++)); do
+      stem=$(server_stem "$dir" "$i")
+      [ -f "$stem.pid" ] && kill -0 "$(cat "$stem.pid")" 2>/dev/null || continue
+      python3 - "$(cat "$stem.url")" <<'EOF' || echo "cluster.sh: deleting sandboxes failed; cleaning up below" >&2
 import json, sys, urllib.request
 url = sys.argv[1]
 with urllib.request.urlopen(url + "/v1/sandboxes", timeout=30) as r:
@@ -212,10 +273,13 @@ for sb in items:
     except Exception as e:  # one failure must not keep the rest alive
         print(f"cluster.sh: delete {sb['id']}: {e}", file=sys.stderr)
 EOF
-    fi
-    stop_pid "$dir/server.pid"
+      break
+    done
+    for ((i = 0; i < servers; i++)); do stop_pid "$(server_stem "$dir" "$i").pid"; done
     for ((i = 0; i < n; i++)); do stop_pid "$dir/node$i.pid"; done
     [ ! -d "$dir/etcd" ] || "$root/scripts/etcd.sh" stop "$dir/etcd"
+    [ ! -d "$dir/pg/data" ] || "$root/scripts/postgres.sh" stop "$dir/pg" ||
+      echo "cluster.sh: stopping PostgreSQL failed" >&2
     # What a node killed mid-way left behind: mounts under DIR (deepest first) and the
     # cgroups of the nodes' data dirs.
     awk -v d="$dir/" 'index($5, d) == 1 { print $5 }' /proc/self/mountinfo | sort -r |
@@ -230,6 +294,20 @@ EOF
       iptables -t nat -S PREROUTING | grep -- '--comment sandlot-cluster' | sed 's/^-A //' |
         while read -r rule; do eval "iptables -t nat -D $rule" || true; done || true
     fi
+    ;;
+  node-start)
+    # Start node I again (after a kill or a crash) with the command line `up` gave it: same
+    # namespace, data dir and name; wait until it answers.
+    i=${3:-}
+    dir=$(cd "$dir" && pwd)
+    [ -f "$dir/node$i.cmd" ] || die "no node '$i' in $dir"
+    ! { [ -f "$dir/node$i.pid" ] && kill -0 "$(cat "$dir/node$i.pid")" 2>/dev/null; } ||
+      die "node$i is running (pid $(cat "$dir/node$i.pid"))"
+    start_node "$dir" "$i"
+    url="http://$subnet.$((10 + i)):$node_port"
+    wait_http "$url/v1/info" "$(cat "$dir/node-token")" "$(cat "$dir/node$i.pid")" ||
+      { tail -n 20 "$dir/node$i.log" >&2; die "node$i did not answer at $url"; }
+    echo "node node$i $url"
     ;;
   *) usage ;;
 esac

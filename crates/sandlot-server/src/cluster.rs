@@ -608,28 +608,49 @@ pub fn left_reason(node: &str) -> String {
 }
 
 /// Marks every `running` or `paused` record of node `node` `lost` with `reason` (a `lost`
-/// event each, as [`crate::lifecycle`] does for sandboxes that died). Returns the ids.
+/// event each, as [`crate::lifecycle`] does for sandboxes that died). Returns the ids; a
+/// store failure is logged and leaves the rest as they were ([`try_mark_node_lost`] says
+/// whether the pass was complete).
 pub async fn mark_node_lost(st: &SharedState, node: &str, reason: &str) -> Vec<String> {
+    try_mark_node_lost(st, node, reason).await.0
+}
+
+/// [`mark_node_lost`], and whether every record of the node was judged: false when the
+/// store failed (PostgreSQL down), so the caller retries later ([`spawn_sweeper`] does,
+/// every [`SWEEP_RETRY`]) rather than leave them `running` on a node that is gone.
+pub async fn try_mark_node_lost(st: &SharedState, node: &str, reason: &str) -> (Vec<String>, bool) {
     let records = match st.store.list().await {
         Ok(r) => r,
         Err(e) => {
-            tracing::error!(%node, error = %e, "lost-node sweep: store");
-            return Vec::new();
+            tracing::error!(%node, error = %e, "lost-node sweep: store; retried");
+            return (Vec::new(), false);
         }
     };
     let mut lost = Vec::new();
+    let mut complete = true;
     for r in records.into_iter().filter(|r| r.node == node) {
         let from = [SandboxState::Running, SandboxState::Paused];
-        if let Ok(true) = st.store.transition(&r.id, &from, SandboxState::Lost).await {
-            tracing::warn!(sandbox_id = %r.id, %node, reason, "marked lost");
-            let mut f = serde_json::Map::new();
-            f.insert("reason".into(), reason.into());
-            events::record_queued(st, "lost", Some(&r.id), Some(r.backend), f);
-            lost.push(r.id);
+        match st.store.transition(&r.id, &from, SandboxState::Lost).await {
+            Ok(true) => {
+                tracing::warn!(sandbox_id = %r.id, %node, reason, "marked lost");
+                let mut f = serde_json::Map::new();
+                f.insert("reason".into(), reason.into());
+                events::record_queued(st, "lost", Some(&r.id), Some(r.backend), f);
+                lost.push(r.id);
+            }
+            Ok(false) => {}
+            Err(e) => {
+                tracing::error!(sandbox_id = %r.id, %node, error = %e, "lost-node sweep: store; retried");
+                complete = false;
+            }
         }
     }
-    lost
+    (lost, complete)
 }
+
+/// How soon [`spawn_sweeper`] retries marking the records of departed nodes `lost` after
+/// the store failed.
+pub const SWEEP_RETRY: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// What [`reconcile`] did on one node.
 #[derive(Debug, Default, Clone, PartialEq)]
@@ -768,31 +789,58 @@ pub fn spawn_sweeper(
     tokio::spawn(async move {
         let (mut known, mut rx) = cluster.subscribe();
         // A server that becomes leader catches up on nodes that left while no one swept
-        // (another leader's failover): their live records become `lost` now.
-        catch_up_departed(&st, &known).await;
+        // (another leader's failover): their live records become `lost` now. `retry`: a
+        // pass failed on the store (PostgreSQL down); `unreconciled`: nodes whose reconcile
+        // failed (a node seen in etcd a moment before it lifts its fence answers 503). Both
+        // are retried every SWEEP_RETRY until done, so records do not stay `running` on a
+        // node that left and orphans do not stay on a node that came back.
+        let mut retry = !catch_up_departed(&st, &known).await;
+        let mut unreconciled: BTreeSet<String> = BTreeSet::new();
         loop {
-            let ev = tokio::select! {
-                ev = rx.recv() => ev,
-                _ = stop.wait_for(|s| *s) => return,
+            let pending = retry || !unreconciled.is_empty();
+            let wake = tokio::select! {
+                ev = rx.recv() => Wake::Event(ev),
+                _ = stop.wait_for(|s| *s) => Wake::Stop,
+                _ = tokio::time::sleep(SWEEP_RETRY), if pending => Wake::Retry,
+            };
+            let ev = match wake {
+                Wake::Stop => return,
+                Wake::Retry => {
+                    if retry {
+                        retry = !catch_up_departed(&st, &known).await;
+                    }
+                    for name in std::mem::take(&mut unreconciled) {
+                        if known.contains_key(&name) && !rejoin(&st, &cluster, &name).await {
+                            unreconciled.insert(name);
+                        }
+                    }
+                    continue;
+                }
+                Wake::Event(ev) => ev,
             };
             match ev {
                 Ok(NodeEvent::Down(r)) => {
                     known.remove(&r.name);
+                    unreconciled.remove(&r.name);
                     cluster.forget_node(&r.name);
-                    let lost = mark_node_lost(&st, &r.name, &left_reason(&r.name)).await;
+                    let (lost, complete) =
+                        try_mark_node_lost(&st, &r.name, &left_reason(&r.name)).await;
+                    retry |= !complete;
                     tracing::warn!(node = %r.name, lost = lost.len(), "node left the cluster");
                 }
                 Ok(NodeEvent::Up(r)) => {
                     known.insert(r.name.clone(), r.clone());
-                    rejoin(&st, &cluster, &r.name).await;
+                    if !rejoin(&st, &cluster, &r.name).await {
+                        unreconciled.insert(r.name.clone());
+                    }
                 }
                 Ok(NodeEvent::Updated(r)) => {
                     let restarted = known
                         .get(&r.name)
                         .is_some_and(|o| o.started_at != r.started_at);
                     known.insert(r.name.clone(), r.clone());
-                    if restarted {
-                        rejoin(&st, &cluster, &r.name).await;
+                    if restarted && !rejoin(&st, &cluster, &r.name).await {
+                        unreconciled.insert(r.name.clone());
                     }
                 }
                 Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {
@@ -801,11 +849,14 @@ pub fn spawn_sweeper(
                     rx = fresh;
                     for name in known.keys().filter(|n| !now.contains_key(*n)) {
                         cluster.forget_node(name);
-                        mark_node_lost(&st, name, &left_reason(name)).await;
+                        unreconciled.remove(name);
+                        retry |= !try_mark_node_lost(&st, name, &left_reason(name)).await.1;
                     }
                     for (name, r) in &now {
-                        if known.get(name).is_none_or(|o| o.started_at != r.started_at) {
-                            rejoin(&st, &cluster, name).await;
+                        if known.get(name).is_none_or(|o| o.started_at != r.started_at)
+                            && !rejoin(&st, &cluster, name).await
+                        {
+                            unreconciled.insert(name.clone());
                         }
                     }
                     known = now;
@@ -816,13 +867,26 @@ pub fn spawn_sweeper(
     })
 }
 
+/// What woke [`spawn_sweeper`]'s loop.
+// One short-lived value per wake-up, moved once: boxing the event would buy nothing.
+#[allow(clippy::large_enum_variant)]
+enum Wake {
+    /// A node event (or the channel's lag/close).
+    Event(Result<NodeEvent, tokio::sync::broadcast::error::RecvError>),
+    /// `stop` turned true.
+    Stop,
+    /// [`SWEEP_RETRY`] passed with something to retry.
+    Retry,
+}
+
 /// Marks `lost` the `running`/`paused` records of nodes not in `known` ([`left_reason`]).
-async fn catch_up_departed(st: &SharedState, known: &BTreeMap<String, NodeRecord>) {
+/// Returns whether the pass was complete (false: the store failed; retry later).
+async fn catch_up_departed(st: &SharedState, known: &BTreeMap<String, NodeRecord>) -> bool {
     let records = match st.store.list().await {
         Ok(r) => r,
         Err(e) => {
-            tracing::error!(error = %e, "lost-node sweep: store");
-            return;
+            tracing::error!(error = %e, "lost-node sweep: store; retried");
+            return false;
         }
     };
     let gone: BTreeSet<String> = records
@@ -831,18 +895,27 @@ async fn catch_up_departed(st: &SharedState, known: &BTreeMap<String, NodeRecord
         .filter(|r| !known.contains_key(&r.node))
         .map(|r| r.node)
         .collect();
+    let mut complete = true;
     for node in gone {
-        let lost = mark_node_lost(st, &node, &left_reason(&node)).await;
-        tracing::warn!(%node, lost = lost.len(), "node not in the cluster when the sweep started");
+        let (lost, done) = try_mark_node_lost(st, &node, &left_reason(&node)).await;
+        complete &= done;
+        tracing::warn!(%node, lost = lost.len(), "node not in the cluster when the sweep ran");
     }
+    complete
 }
 
-async fn rejoin(st: &SharedState, cluster: &ClusterNode, name: &str) {
+/// Reconciles a node that joined or restarted. Returns false when its reconcile failed
+/// (the caller retries).
+async fn rejoin(st: &SharedState, cluster: &ClusterNode, name: &str) -> bool {
     cluster.forget_node(name);
     match reconcile(st, cluster, name).await {
         Ok(r) => {
-            tracing::info!(node = %name, kept = r.kept.len(), orphans = r.orphans_deleted.len(), lost = r.marked_lost.len(), "node joined; reconciled")
+            tracing::info!(node = %name, kept = r.kept.len(), orphans = r.orphans_deleted.len(), lost = r.marked_lost.len(), "node joined; reconciled");
+            true
         }
-        Err(e) => tracing::warn!(node = %name, error = %e, "node joined but its reconcile failed"),
+        Err(e) => {
+            tracing::warn!(node = %name, error = %e, "node joined but its reconcile failed; retried");
+            false
+        }
     }
 }
