@@ -25,7 +25,7 @@
 //! State is in the server's SQLite store, or in PostgreSQL (`--postgres`); with an etcd
 //! election several servers share one database and front the same nodes
 //! ([`crate::leader`]): the lost-node sweeper then runs on the leader only.
-use crate::placement::{self, Candidate, PlacementError, Request};
+use crate::placement::{self, Candidate, PlacementError, Recent, Request};
 use crate::{events, SharedState};
 use async_trait::async_trait;
 use rand::rngs::StdRng;
@@ -37,11 +37,19 @@ use sandlot_node_api::{
     SandboxSpec, SandboxStatus,
 };
 use sandlot_node_remote::{RemoteNode, RemoteOptions};
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
 
 /// The label whose value spreads a job's sandboxes over nodes (placement's `job`).
 pub const JOB_LABEL: &str = "job";
+
+/// How long a placement counts in [`Candidate::recent`]: a node publishes its usage at most
+/// once a second, and the etcd watch brings it within milliseconds; 2 s covers both.
+pub const RECENT_PLACEMENT: Duration = Duration::from_secs(2);
+
+/// One placement this server made: when, what it asked, its job.
+type Placement = (Instant, f64, u64, Option<String>);
 
 /// A [`Node`] over every node registered in etcd; see the module docs.
 pub struct ClusterNode {
@@ -55,6 +63,8 @@ pub struct ClusterNode {
     /// Checkpoint id → node name.
     checkpoints: RwLock<HashMap<String, String>>,
     rng: Mutex<StdRng>,
+    /// Node name → this server's placements there within [`RECENT_PLACEMENT`], oldest first.
+    recent: Mutex<HashMap<String, VecDeque<Placement>>>,
 }
 
 impl std::fmt::Debug for ClusterNode {
@@ -86,6 +96,38 @@ fn write<T>(m: &RwLock<T>) -> std::sync::RwLockWriteGuard<'_, T> {
     m.write().unwrap_or_else(|p| p.into_inner())
 }
 
+/// The sum of the placements on `node` within [`RECENT_PLACEMENT`] of `now`, dropping
+/// older ones (and the node's entry once empty).
+fn recent_on(
+    recent: &mut HashMap<String, VecDeque<Placement>>,
+    node: &str,
+    now: Instant,
+) -> Recent {
+    let mut sum = Recent::default();
+    let Some(q) = recent.get_mut(node) else {
+        return sum;
+    };
+    while q
+        .front()
+        .is_some_and(|(at, ..)| now.duration_since(*at) > RECENT_PLACEMENT)
+    {
+        q.pop_front();
+    }
+    if q.is_empty() {
+        recent.remove(node);
+        return sum;
+    }
+    for (_, cpu, mem, job) in q.iter() {
+        sum.usage.cpu += cpu;
+        sum.usage.memory_mib += mem;
+        sum.usage.sandboxes += 1;
+        if let Some(j) = job {
+            *sum.jobs.entry(j.clone()).or_default() += 1;
+        }
+    }
+    sum
+}
+
 impl ClusterNode {
     /// Follows the node set in etcd (`client`, see [`sandlot_cluster::connect`]) and
     /// reaches nodes with `token` (the nodes' shared node API token) under `opts`; fills
@@ -110,6 +152,7 @@ impl ClusterNode {
             routes: RwLock::default(),
             checkpoints: RwLock::default(),
             rng: Mutex::new(StdRng::from_os_rng()),
+            recent: Mutex::default(),
         });
         for name in c.set.nodes().into_keys() {
             if let Err(e) = c.learn(&name).await {
@@ -156,13 +199,19 @@ impl ClusterNode {
     /// `ResourceExhausted` with every node's reason when none fits (also with no node
     /// registered); `Unavailable` for a fork whose checkpoint's node is not registered.
     pub fn assign(&self, id: &str, req: &Request) -> NodeResult<Placed> {
+        let now = Instant::now();
+        let mut recent = lock(&self.recent);
         let nodes: Vec<Candidate> = self
             .set
             .nodes()
             .into_values()
-            .map(|record| Candidate {
-                record,
-                serving: true,
+            .map(|record| {
+                let recent = recent_on(&mut recent, &record.name, now);
+                Candidate {
+                    record,
+                    serving: true,
+                    recent,
+                }
             })
             .collect();
         let picked = {
@@ -171,6 +220,13 @@ impl ClusterNode {
         };
         match picked {
             Ok(c) => {
+                recent.entry(c.record.name.clone()).or_default().push_back((
+                    now,
+                    req.cpu,
+                    req.memory_mib,
+                    req.job.clone(),
+                ));
+                drop(recent);
                 self.set_route(id, &c.record.name);
                 Ok(Placed {
                     node: c.record.name.clone(),
@@ -239,6 +295,7 @@ impl ClusterNode {
     /// Drops the client of a node that left.
     pub fn forget_node(&self, name: &str) {
         lock(&self.clients).remove(name);
+        lock(&self.recent).remove(name);
     }
 
     /// Asks node `name` for its sandboxes and checkpoints and routes them to it; returns

@@ -18,6 +18,12 @@
 //! maps it to 429 `resource_exhausted` with `Retry-After` — with the reason of each node,
 //! so an operator can see why (e.g. "node-2: backend vm unavailable").
 //!
+//! Published usage lags (a node publishes it at most once a second), so a burst of creates
+//! would all score one node as emptiest; each server therefore adds what it placed on a node
+//! lately ([`Candidate::recent`]) to that node's usage when it *scores* (never when it
+//! filters: the node enforces its own capacity, and a placement counted twice for a moment
+//! must not refuse a create).
+//!
 //! This module is pure logic over a snapshot of the node set (from etcd in cluster mode);
 //! it performs no I/O.
 use rand::Rng;
@@ -33,6 +39,18 @@ pub struct Candidate {
     pub record: NodeRecord,
     /// False while the node is `down`, fenced or draining: never picked.
     pub serving: bool,
+    /// What this server placed on the node lately, which `record.usage` may not show yet:
+    /// counted by [`score`] (free capacity and job spread), not by [`unfit`].
+    pub recent: Recent,
+}
+
+/// Placements a server made on one node within the usage-publication lag.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Recent {
+    /// Their sum: cpu cores, MiB, sandboxes.
+    pub usage: Resources,
+    /// Their `job` labels and how many of each.
+    pub jobs: std::collections::BTreeMap<String, u64>,
 }
 
 /// One layer of the image a sandbox starts from: its digest and size in bytes.
@@ -140,7 +158,7 @@ fn round3(x: f64) -> f64 {
 /// `4 × locality + 2 × spread + free` where locality is the share of the image's layer
 /// bytes cached on `c` (0–1), spread is `1 / (1 + sandboxes of r's job on c)` (1 without a
 /// job) and free is the smallest free share of cpu, memory and sandbox slots after placing
-/// `r` (0–1). The weights order the goals; any of them breaks ties of the ones before.
+/// `r` (0–1); both count [`Candidate::recent`] on top of the published record. The weights order the goals; any of them breaks ties of the ones before.
 pub fn score(c: &Candidate, r: &Request) -> f64 {
     let total: u64 = r.layers.iter().map(|l| l.bytes).sum();
     let locality = if total == 0 {
@@ -155,10 +173,16 @@ pub fn score(c: &Candidate, r: &Request) -> f64 {
         cached as f64 / total as f64
     };
     let spread = match &r.job {
-        Some(j) => 1.0 / (1.0 + *c.record.jobs.get(j).unwrap_or(&0) as f64),
+        Some(j) => {
+            let on_node = c.record.jobs.get(j).unwrap_or(&0) + c.recent.jobs.get(j).unwrap_or(&0);
+            1.0 / (1.0 + on_node as f64)
+        }
         None => 1.0,
     };
-    let f = free(c);
+    let mut f = free(c);
+    f.cpu = (f.cpu - c.recent.usage.cpu).max(0.0);
+    f.memory_mib = f.memory_mib.saturating_sub(c.recent.usage.memory_mib);
+    f.sandboxes = f.sandboxes.saturating_sub(c.recent.usage.sandboxes);
     let share = |free: f64, cap: f64| {
         if cap > 0.0 {
             (free / cap).clamp(0.0, 1.0)
@@ -240,6 +264,7 @@ mod tests {
     fn node(name: &str) -> Candidate {
         Candidate {
             serving: true,
+            recent: Recent::default(),
             record: NodeRecord {
                 name: name.into(),
                 capacity: Resources {
@@ -422,6 +447,27 @@ mod tests {
             max <= 45 && min >= 35,
             "40 per node expected, got {min}..{max}"
         );
+    }
+
+    #[test]
+    fn recent_placements_count_in_the_score_not_in_the_filter() {
+        // Published usage equal; "a" got 10 sandboxes of job j from this server a moment
+        // ago: "b" scores higher, and "a" still fits though its recent load exceeds capacity.
+        let (mut a, b) = (node("a"), node("b"));
+        a.recent.usage = Resources {
+            cpu: 7.5,
+            memory_mib: 5120,
+            sandboxes: 10,
+        };
+        a.recent.jobs.insert("j".into(), 10);
+        let r = Request {
+            job: Some("j".into()),
+            ..req()
+        };
+        assert!(score(&b, &r) > score(&a, &r) + 1.0);
+        assert_eq!(unfit(&a, &req()), None);
+        let big = Request { cpu: 4.0, ..req() };
+        assert!(score(&b, &big) > score(&a, &big));
     }
 
     #[test]

@@ -159,9 +159,11 @@ async fn a_server_spreads_routes_and_sweeps_over_etcd_nodes() {
             b["node"].as_str().unwrap().to_owned(),
         ));
     }
+    // The nodes' published usage does not move within the burst: the spread comes from the
+    // server counting its own recent placements (placement `Candidate::recent`).
     for n in &nodes {
         let held = n.fake.ids();
-        assert!(!held.is_empty(), "node {} got no sandbox", n.name);
+        assert!(held.len() >= 4, "node {} got {} of 20", n.name, held.len());
         for id in &held {
             let (_, node) = ids.iter().find(|(i, _)| i == id).unwrap();
             assert_eq!(node, &n.name, "record of {id}");
