@@ -150,3 +150,30 @@ def test_batch_over_quota_and_capacity(sim_cluster):
         for s in ops.list():
             per_node[s.node] = per_node.get(s.node, 0) + 1
         assert sorted(per_node.values()) == [5, 5, 5, 5], per_node
+
+
+def test_batch_body_and_result_unit():
+    """SDK only (no server): the body forms and the mapping of per-item results."""
+    from sandlot.models import batch_body, batch_result
+    assert batch_body(2, None, {"cpu": 0.5}) == {
+        "backend": "function", "image": "python", "cpu": 0.5, "count": 2}
+    assert batch_body(None, [{}, {"image": "busybox"}], {"memory_mib": 64}) == {"items": [
+        {"backend": "function", "image": "python", "memory_mib": 64},
+        {"backend": "function", "image": "busybox", "memory_mib": 64}]}
+    for n, items in ((None, None), (1, [{}]), (0, None), (1001, None), (True, None),
+                     (None, [])):
+        with pytest.raises(ValueError):
+            batch_body(n, items, {})
+    for bad in ({"trajectory": "t"}, {"restore": "replay"}, {"nosuch": 1}):
+        with pytest.raises(TypeError):
+            batch_body(1, None, bad)
+    res = batch_result({"results": [
+        {"index": 0, "status": 201, "sandbox": {"id": "sb-1"}},
+        {"index": 1, "status": 429,
+         "error": {"code": "resource_exhausted", "message": "quota"}},
+    ], "created": 1, "failed": 1}, lambda d: d["id"])
+    assert res.sandboxes == ["sb-1"]
+    [(i, e)] = res.errors
+    assert i == 1 and isinstance(e, sandlot.ResourceExhausted) and e.status == 429
+    with pytest.raises(sandlot.ProtocolError):
+        batch_result({"nope": 1}, lambda d: d)
