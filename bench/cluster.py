@@ -420,6 +420,11 @@ def main_simulated(args: argparse.Namespace, argv: list[str] | None) -> int:
     L += [""] + args.note
     text = "\n".join(L).rstrip() + "\n"
     print(text)
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "date": date, "nodes": args.simulate, "single_creates": ns, "single_s": st,
+            "single_per_s": single_rate, "batch_creates": nb, "batch_s": bt,
+            "batch_per_s": batch_rate, "rounds": rows, "live": live}, indent=1))
     if args.write:
         path = Path(args.write)
         old = path.read_text() if path.exists() else ""
