@@ -46,7 +46,7 @@ pub enum BatchCreateRequest {
     Count {
         /// The create request every sandbox gets.
         #[serde(flatten)]
-        spec: CreateSandboxRequest,
+        spec: Box<CreateSandboxRequest>,
         /// How many (1..=[`MAX_BATCH`]).
         count: usize,
     },

@@ -715,6 +715,10 @@ pub async fn set_ttl(st: &SharedState, id: &str, ttl_s: u64) -> ApiResult<Record
 /// each item; [`create_batch`]).
 pub const BATCH_CONCURRENCY: usize = 32;
 
+/// One item of a batch: its create request (or its own error) and whether it named a
+/// backend.
+type BatchEntry = (Result<CreateSandboxRequest, ServerError>, bool);
+
 /// The create requests of a `POST /v1/sandboxes:batch` body: `Ok` per item, or that item's
 /// own error (a bad item fails alone).
 ///
@@ -722,9 +726,7 @@ pub const BATCH_CONCURRENCY: usize = 32;
 /// 400 `invalid_argument` for the batch as a whole: not an object, both or neither of
 /// `count` / `items`, a size outside 1..=[`sandlot_api::MAX_BATCH`], or (with `count`) a
 /// create request that does not parse or validate.
-fn batch_items(
-    mut body: serde_json::Value,
-) -> ApiResult<Vec<(Result<CreateSandboxRequest, ServerError>, bool)>> {
+fn batch_items(mut body: serde_json::Value) -> ApiResult<Vec<BatchEntry>> {
     let max = sandlot_api::MAX_BATCH;
     let obj = body
         .as_object_mut()

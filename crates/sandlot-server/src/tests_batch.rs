@@ -196,3 +196,36 @@ async fn openapi_lists_batch_route() {
     assert!(doc["paths"][BATCH]["post"].is_object());
     assert!(doc["components"]["schemas"]["BatchCreateResponse"].is_object());
 }
+
+#[tokio::test]
+async fn rust_client_body_forms_are_accepted() {
+    let t = setup("batch-client-forms");
+    let spec = sandlot_api::CreateSandboxRequest {
+        memory_mib: Some(64),
+        ..Default::default()
+    };
+    for (req, n) in [
+        (
+            sandlot_api::BatchCreateRequest::Count {
+                spec: Box::new(spec.clone()),
+                count: 2,
+            },
+            2,
+        ),
+        (
+            sandlot_api::BatchCreateRequest::Items {
+                items: vec![spec.clone(), Default::default(), spec],
+            },
+            3,
+        ),
+    ] {
+        let r = post(&t.app, BATCH, serde_json::to_value(&req).unwrap()).await;
+        assert_eq!(r.status, StatusCode::OK, "{:?}", r.body);
+        let v: sandlot_api::BatchCreateResponse = serde_json::from_slice(&r.body).unwrap();
+        assert_eq!((v.created, v.failed, v.results.len()), (n, 0, n));
+        assert!(v
+            .results
+            .iter()
+            .all(|i| i.status == 201 && i.error.is_none()));
+    }
+}
