@@ -794,18 +794,39 @@ fn batch_items(mut body: serde_json::Value) -> ApiResult<Vec<BatchEntry>> {
 /// `resource_exhausted`, a bad item with 400, and the others are created.
 ///
 /// `Idempotency-Key: K` on the batch gives item `i` the key `K#i` (a retried batch replays
-/// the items already created, answered 200, and creates the rest).
+/// the items already created, answered 200, and creates the rest). The items run in a task
+/// of their own, so a client that disconnects mid-batch does not cut the batch short.
 pub async fn create_batch(
     State(st): State<SharedState>,
     Extension(who): Extension<Principal>,
     headers: HeaderMap,
     Json(body): Json<serde_json::Value>,
 ) -> ApiResult<Json<sandlot_api::BatchCreateResponse>> {
-    use futures::StreamExt;
     let key = idempotency_key(&headers)?;
     let items = batch_items(body)?;
+    // Own task: a client that disconnects mid-batch does not stop the items not yet
+    // started (each then ends created or rolled back; a resend with the key tells which).
+    let results = tokio::spawn(run_batch(st, who, key, items))
+        .await
+        .map_err(|e| ServerError::new(ErrorCode::Internal, format!("batch task failed: {e}")))?;
+    let created = results.iter().filter(|r| r.sandbox.is_some()).count();
+    Ok(Json(sandlot_api::BatchCreateResponse {
+        failed: results.len() - created,
+        created,
+        results,
+    }))
+}
+
+/// The items of a batch, [`BATCH_CONCURRENCY`] at a time, answered in request order.
+async fn run_batch(
+    st: SharedState,
+    who: Principal,
+    key: Option<String>,
+    items: Vec<BatchEntry>,
+) -> Vec<sandlot_api::BatchItem> {
+    use futures::StreamExt;
     let (st, who) = (&st, &who);
-    let results: Vec<sandlot_api::BatchItem> = futures::stream::iter(items.into_iter().enumerate())
+    futures::stream::iter(items.into_iter().enumerate())
         .map(|(index, (req, backend_given))| {
             let key = key.as_ref().map(|k| format!("{k}#{index}"));
             async move {
@@ -846,13 +867,7 @@ pub async fn create_batch(
         })
         .buffered(BATCH_CONCURRENCY)
         .collect()
-        .await;
-    let created = results.iter().filter(|r| r.sandbox.is_some()).count();
-    Ok(Json(sandlot_api::BatchCreateResponse {
-        failed: results.len() - created,
-        created,
-        results,
-    }))
+        .await
 }
 
 /// The `Idempotency-Key` header of a create, checked (1–256 visible ASCII characters).
