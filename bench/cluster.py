@@ -19,6 +19,11 @@ interleaved rounds (bench/run.py's driver), `function` backend, image `python`:
   K3. creates per second at concurrency 32 (create + delete loop; the rate counts both,
       the latency is the create's), and how the cluster's creates spread over the nodes.
 
+`--simulate N` (issue 22; no root): instead, one etcd member, `sandlot node --simulate N` and
+one `sandlot server --etcd`; single creates at concurrency 64 vs `POST /v1/sandboxes:batch`
+in the same run (`--rounds` rounds of `--n-single` then `--n-batch`), and with
+`--screenshot PATH` a headless-chromium PNG of the server's web page with the N nodes.
+
 Every sandbox carries `sandlot-bench=<run id>` and a TTL and is deleted at the end (also on
 error, Ctrl-C or SIGTERM); `scripts/cluster.sh down` then removes the cluster. Targets are
 printed next to the figures, never asserted.
@@ -219,6 +224,215 @@ def render(meta: dict, k1: dict, k2: dict, k3: dict, placed: dict, notes: list[s
     return "\n".join(L).rstrip() + "\n"
 
 
+
+# ----------------------------------------------------------------------------- --simulate
+
+SIM_IMG = R.REPO / "docs" / "img" / "cluster-160-simulated.png"
+SIM_CONC_SINGLE = 64
+SIM_BATCH = 1000
+
+
+class SimCluster:
+    """One etcd member (scripts/etcd.sh), `sandlot node --simulate N` and one `sandlot server
+    --etcd` (SQLite registry) in a temporary directory; no root, no images."""
+
+    def __init__(self, binary: Path, nodes: int, cap: int, create_delay_ms: int):
+        self.binary, self.nodes, self.cap, self.delay = binary, nodes, cap, create_delay_ms
+        self.dir = Path(tempfile.mkdtemp(prefix="sandlot-bench-sim."))
+        self.procs: list[subprocess.Popen] = []
+        self.url = ""
+        self.etcd = ""
+
+    def _etcd(self, *a: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", str(R.REPO / "scripts" / "etcd.sh"), *a],
+                              capture_output=True, text=True, timeout=120)
+
+    def up(self) -> None:
+        r = self._etcd("start", str(self.dir / "etcd"), "1")
+        if r.returncode != 0:
+            raise SystemExit(f"bench: etcd.sh start failed:\n{r.stderr[-2000:]}")
+        self.etcd = next(x.split()[1] for x in r.stdout.splitlines() if x.startswith("etcd "))
+        token = self.dir / "node-token"
+        token.write_text("bench-sim-token\n")
+        log = open(self.dir / "sim.log", "ab")
+        sim = subprocess.Popen(
+            [str(self.binary), "node", "--simulate", str(self.nodes), "--name", "sim",
+             "--etcd", self.etcd, "--max-sandboxes", str(self.cap),
+             "--sim-create-delay-ms", str(self.delay), "--token-file", str(token)],
+            stdout=subprocess.PIPE, stderr=log, text=True, env=dict(os.environ, RUST_LOG="error"))
+        self.procs.append(sim)
+        assert sim.stdout is not None
+        for line in sim.stdout:
+            if "simulated nodes ready" in line:
+                break
+        else:
+            raise SystemExit(f"bench: the simulation exited; see {self.dir / 'sim.log'}")
+        slog = open(self.dir / "server.log", "ab")
+        srv = subprocess.Popen(
+            [str(self.binary), "server", "--listen", "127.0.0.1:0", "--etcd", self.etcd,
+             "--data-dir", str(self.dir / "server"), "--node-token-file", str(token)],
+            stdout=subprocess.PIPE, stderr=slog, text=True, env=dict(os.environ, RUST_LOG="error"))
+        self.procs.append(srv)
+        assert srv.stdout is not None
+        for line in srv.stdout:
+            if line.startswith("sandlot listening on "):
+                self.url = line.split()[-1]
+                break
+        else:
+            raise SystemExit(f"bench: the server exited; see {self.dir / 'server.log'}")
+        deadline = time.monotonic() + 60
+        while True:
+            n = R.httpx.get(f"{self.url}/v1/nodes", timeout=10).json()
+            if len(n["nodes"]) >= self.nodes:
+                break
+            if time.monotonic() > deadline:
+                raise SystemExit(f"bench: server sees {len(n['nodes'])} of {self.nodes} nodes")
+            time.sleep(0.2)
+
+    def down(self) -> None:
+        for p in reversed(self.procs):
+            p.kill()
+            p.wait()
+        self._etcd("stop", str(self.dir / "etcd"))
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def sim_single(url: str, n: int, conc: int, labels: dict) -> tuple[float, int]:
+    """`n` single creates (`POST /v1/sandboxes`) from `conc` threads: (seconds, errors)."""
+    import threading
+    left = [n]
+    lock = threading.Lock()
+    errors = [0]
+
+    def worker() -> None:
+        with R.httpx.Client(base_url=url, timeout=120) as c:
+            while True:
+                with lock:
+                    if left[0] == 0:
+                        return
+                    left[0] -= 1
+                r = c.post("/v1/sandboxes", json={"cpu": 0.1, "memory_mib": 64, "ttl_s": 0,
+                                                  "labels": labels})
+                if r.status_code != 201:
+                    with lock:
+                        errors[0] += 1
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=worker) for _ in range(conc)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - t0, errors[0]
+
+
+def sim_batch(url: str, n: int, size: int, labels: dict) -> tuple[float, int]:
+    """`n` creates through `POST /v1/sandboxes:batch` of `size` each, one call at a time:
+    (seconds, failed items)."""
+    failed = 0
+    t0 = time.perf_counter()
+    with R.httpx.Client(base_url=url, timeout=600) as c:
+        left = n
+        while left > 0:
+            k = min(size, left)
+            r = c.post("/v1/sandboxes:batch", json={"count": k, "cpu": 0.1, "memory_mib": 64,
+                                                    "ttl_s": 0, "labels": labels})
+            if r.status_code != 200:
+                raise R.BenchError(f"batch: HTTP {r.status_code} {r.text[:300]}")
+            failed += r.json()["failed"]
+            left -= k
+    return time.perf_counter() - t0, failed
+
+
+def sim_screenshot(url: str, out: Path) -> None:
+    exe = shutil.which("chromium")
+    if exe is None:
+        print("bench: no chromium; screenshot skipped", file=sys.stderr)
+        return
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="sandlot-chromium-") as profile:
+        r = subprocess.run([exe, "--headless", "--no-sandbox", "--disable-gpu",
+                            "--no-first-run", "--disable-background-networking",
+                            "--disable-component-update", "--disable-sync",
+                            f"--user-data-dir={profile}", "--window-size=1400,2200",
+                            "--hide-scrollbars", "--virtual-time-budget=8000",
+                            f"--screenshot={out}", url + "/"],
+                           capture_output=True, text=True, timeout=180)
+    if r.returncode != 0 or not out.is_file():
+        raise R.BenchError(f"chromium screenshot failed: {r.stderr[-1500:]}")
+    print(f"bench: screenshot {out} ({out.stat().st_size} bytes)", flush=True)
+
+
+def main_simulated(args: argparse.Namespace, argv: list[str] | None) -> int:
+    """`--simulate N`: single vs batch creates into N simulated nodes, same run; screenshot."""
+    binary = Path(args.binary)
+    date = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M")
+    command = ".venv/bin/python bench/cluster.py " + " ".join(
+        shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    load_before = R.loadavg()
+    m = R.machine()
+    c = SimCluster(binary, args.simulate, args.sim_capacity, args.sim_create_delay_ms)
+    rows = []
+    try:
+        print(f"bench: etcd + {args.simulate} simulated nodes + a server in {c.dir}", flush=True)
+        c.up()
+        labels = {R.BENCH_LABEL: f"sim-{os.getpid()}"}
+        for rnd in range(args.rounds):
+            s_t, s_err = sim_single(c.url, args.n_single, SIM_CONC_SINGLE, labels)
+            b_t, b_err = sim_batch(c.url, args.n_batch, args.batch_size, labels)
+            rows.append((s_t, s_err, b_t, b_err))
+            print(f"round {rnd}: single {args.n_single / s_t:.1f}/s ({s_err} errors), "
+                  f"batch {args.n_batch / b_t:.1f}/s ({b_err} failed)", flush=True)
+        if args.screenshot:
+            sim_screenshot(c.url, Path(args.screenshot))
+        h = R.httpx.get(f"{c.url}/healthz", timeout=30).json()
+        live = h["sandboxes"]
+    finally:
+        c.down()
+    st = sum(r[0] for r in rows)
+    bt = sum(r[2] for r in rows)
+    ns, nb = args.n_single * len(rows), args.n_batch * len(rows)
+    single_rate, batch_rate = ns / st, nb / bt
+    L = [f"## {date} UTC — batch vs single creates into {args.simulate} simulated nodes", ""]
+    L.append(f"Command: `{command}`. Machine: {m['nproc']} cores ({m['cpu']}), {m['mem_gib']} "
+             f"GiB, kernel {m['kernel']}; load {load_before} before / {R.loadavg()} after; "
+             f"commit {m['commit']}.")
+    L.append(f"One etcd member (scripts/etcd.sh), `sandlot node --simulate {args.simulate} "
+             f"--max-sandboxes {args.sim_capacity} --sim-create-delay-ms "
+             f"{args.sim_create_delay_ms}` (one process; SIMULATED nodes: each sandbox is a "
+             "record, nothing runs) and one `sandlot server --etcd` with its SQLite registry, "
+             "all on this machine. Each round: single creates (`POST /v1/sandboxes`) from "
+             f"{SIM_CONC_SINGLE} client threads, then batch creates (`POST "
+             f"/v1/sandboxes:batch`, {args.batch_size} per call, one call at a time; the "
+             "server runs 32 items of a batch at once). cpu 0.1, 64 MiB, no TTL.")
+    L.append("")
+    L.append("| | creates | seconds | creates/s | errors |")
+    L.append("|---|---:|---:|---:|---:|")
+    L.append(f"| single, concurrency {SIM_CONC_SINGLE} | {ns} | {st:.1f} | "
+             f"{single_rate:.1f} | {sum(r[1] for r in rows)} |")
+    L.append(f"| batch of {args.batch_size} | {nb} | {bt:.1f} | {batch_rate:.1f} | "
+             f"{sum(r[3] for r in rows)} |")
+    L.append(f"| batch / single | | | {batch_rate / single_rate:.2f}× | |")
+    L.append("")
+    L.append(f"Live sandboxes at the end: {live} (in {args.simulate} simulated nodes). "
+             "Per-round figures: " + "; ".join(
+                 f"single {args.n_single / r[0]:.1f}/s, batch {args.n_batch / r[2]:.1f}/s"
+                 for r in rows) + ".")
+    L += [""] + args.note
+    text = "\n".join(L).rstrip() + "\n"
+    print(text)
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "date": date, "nodes": args.simulate, "single_creates": ns, "single_s": st,
+            "single_per_s": single_rate, "batch_creates": nb, "batch_s": bt,
+            "batch_per_s": batch_rate, "rounds": rows, "live": live}, indent=1))
+    if args.write:
+        path = Path(args.write)
+        old = path.read_text() if path.exists() else ""
+        path.write_text(R.upsert_section(old, f"{date[:10]} cluster-sim", text))
+        print(f"bench: wrote the section into {path}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--binary", default=str(R.REPO / "target/release/sandlot"))
@@ -231,7 +445,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="write the raw figures here")
     p.add_argument("--write", help="upsert the section into this BENCHMARKS.md")
     p.add_argument("--note", action="append", default=[], help="a line added to the section")
+    p.add_argument("--simulate", type=int, metavar="N",
+                   help="instead: single vs batch creates into N simulated nodes (no root)")
+    p.add_argument("--sim-capacity", type=int, default=2400, help="sandboxes per simulated node")
+    p.add_argument("--sim-create-delay-ms", type=int, default=0)
+    p.add_argument("--n-single", type=int, default=1000, help="--simulate: single creates per round")
+    p.add_argument("--n-batch", type=int, default=3000, help="--simulate: batch creates per round")
+    p.add_argument("--batch-size", type=int, default=SIM_BATCH)
+    p.add_argument("--screenshot", help="--simulate: keep a PNG of the web page here "
+                   f"(e.g. {SIM_IMG.relative_to(R.REPO)})")
     args = p.parse_args(argv)
+    if args.simulate:
+        if R.httpx is None:
+            raise SystemExit("bench: httpx missing (use .venv/bin/python)")
+        return main_simulated(args, argv)
     if R.httpx is None:
         raise SystemExit("bench: httpx missing (use .venv/bin/python after scripts/setup.sh)")
     if os.geteuid() != 0:

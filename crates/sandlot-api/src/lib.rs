@@ -6,6 +6,7 @@
 //! `/run_code` schema (bytedance/SandboxFusion, `sandbox/server/sandbox_api.py`).
 #![deny(missing_docs)]
 
+mod batch;
 mod checkpoint;
 mod error;
 mod exec;
@@ -17,6 +18,7 @@ mod run_jupyter;
 mod sandbox;
 mod trajectory;
 
+pub use batch::{BatchCreateRequest, BatchCreateResponse, BatchItem, MAX_BATCH};
 pub use checkpoint::{Checkpoint, CheckpointList};
 pub use error::{ApiError, ErrorBody, ErrorCode};
 pub use exec::{

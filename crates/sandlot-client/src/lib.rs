@@ -20,9 +20,10 @@
 use bytes::Bytes;
 use futures::{Stream, StreamExt};
 use sandlot_api::{
-    ApiError, Checkpoint, CheckpointList, CreateSandboxRequest, ErrorBody, ErrorCode, ExecEvent,
-    ExecRequest, ExecResult, FileEntry, FileList, KeepaliveRequest, LabelSelector, PauseResult,
-    RunCodeRequest, RunCodeResponse, Sandbox, SandboxList, TrajectoryInfo,
+    ApiError, BatchCreateRequest, BatchCreateResponse, Checkpoint, CheckpointList,
+    CreateSandboxRequest, ErrorBody, ErrorCode, ExecEvent, ExecRequest, ExecResult, FileEntry,
+    FileList, KeepaliveRequest, LabelSelector, PauseResult, RunCodeRequest, RunCodeResponse,
+    Sandbox, SandboxList, TrajectoryInfo,
 };
 
 /// True when a file answer came from the trajectory log (`Sandlot-Replayed: true`).
@@ -318,6 +319,38 @@ impl Client {
         key: &str,
     ) -> Result<Sandbox> {
         let url = self.url("/v1/sandboxes");
+        let rb = self
+            .http
+            .post(&url)
+            .header("Idempotency-Key", key)
+            .json(req);
+        self.json(&url, rb).await
+    }
+
+    /// `POST /v1/sandboxes:batch`: many creates in one call ([`BatchCreateRequest`]: one
+    /// request times `count`, or a list of requests), with an `Idempotency-Key` of its own
+    /// (item `i` gets `KEY#i`), so resending after a lost answer never makes two of an item.
+    /// The answer has one [`sandlot_api::BatchItem`] per item, in request order; a failed
+    /// item (over quota: 429 `resource_exhausted`) is in the answer, not an `Err`.
+    ///
+    /// # Errors
+    /// `invalid_argument` for the batch as a whole (size outside 1..=1000, a bad `count`
+    /// request), transport errors.
+    pub async fn create_many(&self, req: &BatchCreateRequest) -> Result<BatchCreateResponse> {
+        self.create_many_idempotent(req, &auto_idempotency_key())
+            .await
+    }
+
+    /// [`create_many`](Self::create_many) with the caller's own batch key.
+    ///
+    /// # Errors
+    /// As [`create_many`](Self::create_many).
+    pub async fn create_many_idempotent(
+        &self,
+        req: &BatchCreateRequest,
+        key: &str,
+    ) -> Result<BatchCreateResponse> {
+        let url = self.url("/v1/sandboxes:batch");
         let rb = self
             .http
             .post(&url)

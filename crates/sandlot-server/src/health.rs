@@ -20,7 +20,9 @@ pub async fn ping() -> &'static str {
 /// the container backend's OCI runtimes; `accel`: the QEMU backends' accelerator, `name`
 /// null while the start-up probe runs, the whole field null without a QEMU backend;
 /// `server_id`: this server's id; `leader`: whether it runs the singletons now, see
-/// [`crate::leader`]).
+/// [`crate::leader`]; `nodes`: in cluster mode `{"total": N, "simulated": S, "real": R}`, the
+/// registered nodes with the simulated ones (`sandlot node --simulate`) counted apart, else
+/// null).
 pub async fn healthz(State(st): State<SharedState>) -> ApiResult<Json<serde_json::Value>> {
     let info = st.node.info();
     let status = |r: &Result<(), String>| match r {
@@ -41,6 +43,11 @@ pub async fn healthz(State(st): State<SharedState>) -> ApiResult<Json<serde_json
         .accel
         .map(|(name, why)| serde_json::json!({"name": name, "why": why}));
     let n = st.store.list().await?.len();
+    let nodes = st.cluster.get().map(|c| {
+        let all = c.nodes();
+        let sim = all.values().filter(|r| r.simulated).count();
+        serde_json::json!({"total": all.len(), "simulated": sim, "real": all.len() - sim})
+    });
     Ok(Json(serde_json::json!({
         "status": "ok",
         "node": info.name,
@@ -49,6 +56,7 @@ pub async fn healthz(State(st): State<SharedState>) -> ApiResult<Json<serde_json
         "runtimes": runtimes,
         "accel": accel,
         "sandboxes": n,
+        "nodes": nodes,
         "server_id": st.cfg.server_id,
         "leader": st.leader.load(std::sync::atomic::Ordering::SeqCst),
         "version": env!("CARGO_PKG_VERSION"),

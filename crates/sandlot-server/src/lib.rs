@@ -8,7 +8,7 @@
 //!
 //! | route | module |
 //! |---|---|
-//! | `POST/GET /v1/sandboxes`, `GET/DELETE /v1/sandboxes/{id}`, `POST …/keepalive` | [`sandboxes`] |
+//! | `POST/GET /v1/sandboxes`, `POST /v1/sandboxes:batch`, `GET/DELETE /v1/sandboxes/{id}`, `POST …/keepalive` | [`sandboxes`] |
 //! | `POST /v1/sandboxes/{id}/exec[?stream=true]` | [`exec`] |
 //! | `/v1/sandboxes/{id}/processes[/{pid}[/output\|/wait\|/signal\|/stdin\|/resize]]` | [`processes`] |
 //! | `PUT/GET/DELETE /v1/sandboxes/{id}/files?path=P`, `GET …/files/list?path=P` | [`files`] |
@@ -64,6 +64,8 @@ pub mod web;
 mod test_support;
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_batch;
 #[cfg(test)]
 mod tests_checkpoints;
 #[cfg(test)]
@@ -432,6 +434,7 @@ pub fn router(state: SharedState) -> Router {
         .route("/v1/sandboxes/{id}/files/list", get(files::list))
         .route("/v1/sandboxes/{id}/files/stat", get(files::stat))
         .route("/v1/sandboxes/{id}/files/mkdir", post(files::mkdir))
+        .route("/v1/sandboxes:batch", post(sandboxes::create_batch))
         .route("/v1/sandboxes:pause", post(pause::pause))
         .route("/v1/sandboxes:resume", post(pause::resume))
         .route(

@@ -601,19 +601,7 @@ pub async fn create(
         ))
     })?;
     crate::checkpoints::fill_from_checkpoint(&st, &who, &mut req, backend_given).await?;
-    let key = match headers.get("idempotency-key") {
-        None => None,
-        Some(v) => {
-            let k = v
-                .to_str()
-                .ok()
-                .filter(|k| !k.is_empty() && k.len() <= 256)
-                .ok_or_else(|| {
-                    ServerError::invalid("Idempotency-Key must be 1–256 visible ASCII characters")
-                })?;
-            Some(k.to_owned())
-        }
-    };
+    let key = idempotency_key(&headers)?;
     if req.trajectory.is_some() {
         let (status, sb) = crate::trajectory::create_bound(&st, &who, req, key).await?;
         return Ok((status, Json(sb)));
@@ -721,4 +709,180 @@ pub async fn set_ttl(st: &SharedState, id: &str, ttl_s: u64) -> ApiResult<Record
         .get(id)
         .await?
         .ok_or_else(|| ServerError::no_sandbox(id))
+}
+
+/// How many creates of one batch run at once (placement, record insert and node call of
+/// each item; [`create_batch`]).
+pub const BATCH_CONCURRENCY: usize = 32;
+
+/// One item of a batch: its create request (or its own error) and whether it named a
+/// backend.
+type BatchEntry = (Result<CreateSandboxRequest, ServerError>, bool);
+
+/// The create requests of a `POST /v1/sandboxes:batch` body: `Ok` per item, or that item's
+/// own error (a bad item fails alone).
+///
+/// # Errors
+/// 400 `invalid_argument` for the batch as a whole: not an object, both or neither of
+/// `count` / `items`, a size outside 1..=[`sandlot_api::MAX_BATCH`], or (with `count`) a
+/// create request that does not parse or validate.
+fn batch_items(mut body: serde_json::Value) -> ApiResult<Vec<BatchEntry>> {
+    let max = sandlot_api::MAX_BATCH;
+    let obj = body
+        .as_object_mut()
+        .ok_or_else(|| ServerError::invalid("request body must be a JSON object"))?;
+    let size_err =
+        |n: usize| ServerError::invalid(format!("a batch holds 1..={max} sandboxes, not {n}"));
+    let parse = |v: serde_json::Value| -> Result<(CreateSandboxRequest, bool), ServerError> {
+        if !v.is_object() {
+            return Err(ServerError::invalid(
+                "a create request must be a JSON object",
+            ));
+        }
+        let backend_given = v.get("backend").is_some();
+        let req: CreateSandboxRequest = serde_json::from_value(v)
+            .map_err(|e| ServerError::invalid(format!("create request: {e}")))?;
+        if req.trajectory.is_some() {
+            return Err(ServerError::invalid(
+                "trajectory is not supported in a batch; create bound sandboxes one by one",
+            ));
+        }
+        Ok((req, backend_given))
+    };
+    match (obj.remove("count"), obj.remove("items")) {
+        (Some(count), None) => {
+            let n = count
+                .as_u64()
+                .ok_or_else(|| ServerError::invalid("count must be a positive integer"))?;
+            let n = usize::try_from(n).unwrap_or(usize::MAX);
+            if n == 0 || n > max {
+                return Err(size_err(n));
+            }
+            let (req, backend_given) = parse(body)?;
+            validate(&req)?;
+            Ok((0..n).map(|_| (Ok(req.clone()), backend_given)).collect())
+        }
+        (None, Some(serde_json::Value::Array(items))) => {
+            if items.is_empty() || items.len() > max {
+                return Err(size_err(items.len()));
+            }
+            if !obj.is_empty() {
+                return Err(ServerError::invalid(
+                    "with items, the body holds nothing else; put the fields in each item",
+                ));
+            }
+            Ok(items
+                .into_iter()
+                .map(|v| match parse(v) {
+                    Ok((r, b)) => (Ok(r), b),
+                    Err(e) => (Err(e), false),
+                })
+                .collect())
+        }
+        (None, Some(_)) => Err(ServerError::invalid("items must be an array")),
+        _ => Err(ServerError::invalid(
+            "a batch has exactly one of count (with the create fields) or items",
+        )),
+    }
+}
+
+/// `POST /v1/sandboxes:batch` → 200 [`sandlot_api::BatchCreateResponse`]: every item runs
+/// the single create's protocol ([`create_sandbox`]: placement, quota in the insert's
+/// transaction, node call, rollback on failure, so a failed item leaves nothing behind),
+/// [`BATCH_CONCURRENCY`] at a time, answered per item in request order. Partial success
+/// is normal: over the caller's quota or without node capacity an item fails with 429
+/// `resource_exhausted`, a bad item with 400, and the others are created.
+///
+/// `Idempotency-Key: K` on the batch gives item `i` the key `K#i` (a retried batch replays
+/// the items already created, answered 200, and creates the rest). The items run in a task
+/// of their own, so a client that disconnects mid-batch does not cut the batch short.
+pub async fn create_batch(
+    State(st): State<SharedState>,
+    Extension(who): Extension<Principal>,
+    headers: HeaderMap,
+    Json(body): Json<serde_json::Value>,
+) -> ApiResult<Json<sandlot_api::BatchCreateResponse>> {
+    let key = idempotency_key(&headers)?;
+    let items = batch_items(body)?;
+    // Own task: a client that disconnects mid-batch does not stop the items not yet
+    // started (each then ends created or rolled back; a resend with the key tells which).
+    let results = tokio::spawn(run_batch(st, who, key, items))
+        .await
+        .map_err(|e| ServerError::new(ErrorCode::Internal, format!("batch task failed: {e}")))?;
+    let created = results.iter().filter(|r| r.sandbox.is_some()).count();
+    Ok(Json(sandlot_api::BatchCreateResponse {
+        failed: results.len() - created,
+        created,
+        results,
+    }))
+}
+
+/// The items of a batch, [`BATCH_CONCURRENCY`] at a time, answered in request order.
+async fn run_batch(
+    st: SharedState,
+    who: Principal,
+    key: Option<String>,
+    items: Vec<BatchEntry>,
+) -> Vec<sandlot_api::BatchItem> {
+    use futures::StreamExt;
+    let (st, who) = (&st, &who);
+    futures::stream::iter(items.into_iter().enumerate())
+        .map(|(index, (req, backend_given))| {
+            let key = key.as_ref().map(|k| format!("{k}#{index}"));
+            async move {
+                let out = match req {
+                    Err(e) => Err(e),
+                    Ok(mut req) => {
+                        match crate::checkpoints::fill_from_checkpoint(
+                            st,
+                            who,
+                            &mut req,
+                            backend_given,
+                        )
+                        .await
+                        {
+                            Err(e) => Err(e),
+                            Ok(()) => create_sandbox(st, who, req, BTreeMap::new(), key).await,
+                        }
+                    }
+                };
+                match out {
+                    Ok((rec, created)) => sandlot_api::BatchItem {
+                        index,
+                        status: if created { 201 } else { 200 },
+                        sandbox: Some(rec.to_api()),
+                        error: None,
+                    },
+                    Err(e) => {
+                        let error = e.api_error();
+                        sandlot_api::BatchItem {
+                            index,
+                            status: error.code.http_status(),
+                            sandbox: None,
+                            error: Some(error),
+                        }
+                    }
+                }
+            }
+        })
+        .buffered(BATCH_CONCURRENCY)
+        .collect()
+        .await
+}
+
+/// The `Idempotency-Key` header of a create, checked (1–256 visible ASCII characters).
+fn idempotency_key(headers: &HeaderMap) -> ApiResult<Option<String>> {
+    match headers.get("idempotency-key") {
+        None => Ok(None),
+        Some(v) => {
+            let k = v
+                .to_str()
+                .ok()
+                .filter(|k| !k.is_empty() && k.len() <= 256)
+                .ok_or_else(|| {
+                    ServerError::invalid("Idempotency-Key must be 1–256 visible ASCII characters")
+                })?;
+            Ok(Some(k.to_owned()))
+        }
+    }
 }

@@ -1,8 +1,12 @@
-//! `GET /`: a status page for operators: node (`/healthz`), sandboxes by state and backend,
-//! the sandboxes themselves, and recent audit events ([`crate::events`]).
+//! `GET /`: a status page for operators: node (`/healthz`), in cluster mode the cluster
+//! (every node with its kind — `simulated` or `real` — state, start time, capacity vs usage
+//! bars for sandboxes / cpu / memory, backends, and its sandboxes in this server's
+//! registry; totals above), sandboxes by state and backend, the sandboxes themselves (the
+//! first [`MAX_ROWS`]), and recent audit events ([`crate::events`]).
 //!
 //! The first render is done here (escaped with [`escape`]); a small inline script then
-//! refreshes every 2 s from `/healthz`, `/v1/sandboxes` and `/v1/events`. No build step.
+//! refreshes every 2 s from `/healthz`, `/v1/nodes`, `/v1/sandboxes` and `/v1/events`. No
+//! build step.
 //!
 //! SECURITY: labels, images, trajectory ids and error messages are written by clients
 //! (often model-written code). The server escapes every value it puts in HTML, the script
@@ -41,7 +45,15 @@ const STYLE: &str = "body{font:14px system-ui,sans-serif;margin:1.5em;color:#222
 h1{font-size:1.4em}h2{font-size:1.1em;margin-top:1.5em}\
 table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:3px 8px;text-align:left;\
 font-family:ui-monospace,monospace;font-size:12px;max-width:40em;overflow:hidden;\
-text-overflow:ellipsis;white-space:nowrap}th{background:#f3f3f3}#err{color:#b00}";
+text-overflow:ellipsis;white-space:nowrap}th{background:#f3f3f3}#err{color:#b00}\
+.bar{display:inline-block;width:90px;height:9px;background:#e6e6e6;margin-right:6px;\
+vertical-align:middle}.bar>span{display:block;height:9px;background:#3a7bd5}.bar.full>span{background:#c0392b}\
+.sim{color:#8a5a00;background:#fff4d6;padding:0 4px}.real{color:#1d6b2a;background:#e3f6e6;\
+padding:0 4px}#totals b{margin-right:1.2em}";
+
+/// Most sandboxes listed one per row (the page stays light with thousands of them; the
+/// counts above cover all).
+pub const MAX_ROWS: usize = 500;
 
 // Only textContent and createElement: data never becomes markup.
 const SCRIPT: &str = r#"
@@ -51,18 +63,53 @@ function fill(id, head, rows) {
   const h = document.createElement('tr'); head.forEach(x => cell(h, x, 'th')); t.appendChild(h);
   rows.forEach(r => { const tr = document.createElement('tr'); r.forEach(x => cell(tr, x)); t.appendChild(tr); });
 }
+function bar(td, used, cap, text) {
+  const b = document.createElement('span'); b.className = 'bar' + (cap > 0 && used >= cap ? ' full' : '');
+  const f = document.createElement('span'); f.style.width = (cap > 0 ? Math.min(100, 100 * used / cap) : 0).toFixed(1) + '%';
+  b.appendChild(f); td.appendChild(b); td.appendChild(document.createTextNode(text));
+}
+function kind(td, sim) { const k = document.createElement('span'); k.className = sim ? 'sim' : 'real'; k.textContent = sim ? 'simulated' : 'real'; td.appendChild(k); }
+function cluster(nodes, sandboxes) {
+  const per = {}; sandboxes.forEach(s => { per[s.node] = (per[s.node] || 0) + 1; });
+  const t = document.getElementById('nodes'); t.replaceChildren();
+  const h = document.createElement('tr'); NODE_HEAD.forEach(x => cell(h, x, 'th')); t.appendChild(h);
+  const tot = {n: 0, sim: 0, sb: 0, sbc: 0, cpu: 0, cpuc: 0, mem: 0, memc: 0, reg: 0};
+  nodes.forEach(x => {
+    const c = x.capacity || {}, u = x.usage || {};
+    tot.n++; tot.sim += x.simulated ? 1 : 0; tot.sb += u.sandboxes || 0; tot.sbc += c.sandboxes || 0;
+    tot.cpu += u.cpu || 0; tot.cpuc += c.cpu || 0; tot.mem += u.memory_mib || 0; tot.memc += c.memory_mib || 0; tot.reg += per[x.name] || 0;
+    const tr = document.createElement('tr');
+    cell(tr, x.name);
+    const k = document.createElement('td'); kind(k, x.simulated); tr.appendChild(k);
+    cell(tr, c.sandboxes > 0 && u.sandboxes >= c.sandboxes ? 'full' : 'ready');
+    cell(tr, x.started_at);
+    let td = document.createElement('td'); bar(td, u.sandboxes || 0, c.sandboxes || 0, (u.sandboxes || 0) + ' / ' + (c.sandboxes || 0)); tr.appendChild(td);
+    td = document.createElement('td'); bar(td, u.cpu || 0, c.cpu || 0, (u.cpu || 0).toFixed(1) + ' / ' + (c.cpu || 0).toFixed(1)); tr.appendChild(td);
+    td = document.createElement('td'); bar(td, u.memory_mib || 0, c.memory_mib || 0, Math.round((u.memory_mib || 0) / 1024) + ' / ' + Math.round((c.memory_mib || 0) / 1024) + ' GiB'); tr.appendChild(td);
+    cell(tr, (x.backends || []).join(' '));
+    cell(tr, per[x.name] || 0);
+    t.appendChild(tr);
+  });
+  const T = document.getElementById('totals'); T.replaceChildren();
+  [['nodes', tot.n + ' (' + tot.sim + ' simulated, ' + (tot.n - tot.sim) + ' real)'],
+   ['sandboxes', tot.sb + ' / ' + tot.sbc], ['cpu', tot.cpu.toFixed(1) + ' / ' + tot.cpuc.toFixed(1) + ' cores'],
+   ['memory', Math.round(tot.mem / 1024) + ' / ' + Math.round(tot.memc / 1024) + ' GiB'], ['in this registry', tot.reg]
+  ].forEach(([k, v]) => { const b = document.createElement('b'); b.textContent = k + ': ' + v; T.appendChild(b); });
+}
 async function j(u) { const r = await fetch(u, {cache: 'no-store'}); if (!r.ok) throw new Error(u + ': HTTP ' + r.status); return r.json(); }
 async function refresh() {
   try {
-    const [h, l, e] = await Promise.all([j('/healthz'), j('/v1/sandboxes'), j('/v1/events?limit=50')]);
+    const [h, l, e, n] = await Promise.all([j('/healthz'), j('/v1/sandboxes'), j('/v1/events?limit=50'), j('/v1/nodes')]);
+    if (n.cluster) cluster(n.nodes, l.sandboxes);
     document.getElementById('node').textContent = h.node + ' · cgroup ' + h.cgroup_version + ' · v' + h.version;
     fill('backends', ['backend', 'status'], Object.entries(h.backends));
     const by = {}; let traj = 0;
     l.sandboxes.forEach(s => { const k = s.backend + '\u0000' + s.state; by[k] = (by[k] || 0) + 1; if (s.trajectory) traj++; });
     fill('bystate', ['backend', 'state', 'count'], Object.entries(by).sort().map(([k, n]) => k.split('\u0000').concat([n])));
     document.getElementById('traj').textContent = String(traj);
-    fill('sandboxes', ['id', 'backend', 'state', 'image', 'labels', 'expires'],
-      l.sandboxes.map(s => [s.id, s.backend, s.state, s.image, JSON.stringify(s.labels || {}), s.expires_at]));
+    fill('sandboxes', ['id', 'backend', 'state', 'node', 'image', 'labels', 'expires'],
+      l.sandboxes.slice(0, MAX_ROWS).map(s => [s.id, s.backend, s.state, s.node, s.image, JSON.stringify(s.labels || {}), s.expires_at]));
+    document.getElementById('shown').textContent = l.sandboxes.length > MAX_ROWS ? ('first ' + MAX_ROWS + ' of ' + l.sandboxes.length) : ('all ' + l.sandboxes.length);
     fill('events', ['id', 'time', 'kind', 'sandbox', 'backend', 'detail'],
       e.events.slice().reverse().map(v => { const {id, time, kind, sandbox, backend, ...rest} = v; return [id, time, kind, sandbox, backend, JSON.stringify(rest)]; }));
     document.getElementById('err').textContent = '';
@@ -88,21 +135,131 @@ fn table(out: &mut String, id: &str, head: &[&str], rows: &[Vec<String>]) {
     out.push_str("</table>");
 }
 
+/// Column heads of the cluster's node table (server render and script).
+const NODE_HEAD: [&str; 9] = [
+    "node",
+    "kind",
+    "state",
+    "started",
+    "sandboxes (usage / capacity)",
+    "cpu",
+    "memory",
+    "backends",
+    "in this registry",
+];
+
+/// A usage bar (`used` of `cap`, full in red) and its text, as cell HTML.
+fn bar(used: f64, cap: f64, text: &str) -> String {
+    let pct = if cap > 0.0 {
+        (100.0 * used / cap).clamp(0.0, 100.0)
+    } else {
+        0.0
+    };
+    let full = if cap > 0.0 && used >= cap {
+        " full"
+    } else {
+        ""
+    };
+    format!(
+        "<span class=\"bar{full}\"><span style=\"width:{pct:.1}%\"></span></span>{}",
+        escape(text)
+    )
+}
+
+/// The cluster section: totals and one row per node, `simulated` or `real` labelled.
+fn cluster_html(
+    out: &mut String,
+    nodes: &BTreeMap<String, sandlot_cluster::NodeRecord>,
+    per_node: &BTreeMap<&str, usize>,
+) {
+    let sim = nodes.values().filter(|n| n.simulated).count();
+    let (mut sb, mut sbc, mut cpu, mut cpuc, mut mem, mut memc) =
+        (0u64, 0u64, 0.0, 0.0, 0u64, 0u64);
+    for n in nodes.values() {
+        sb += n.usage.sandboxes;
+        sbc += n.capacity.sandboxes;
+        cpu += n.usage.cpu;
+        cpuc += n.capacity.cpu;
+        mem += n.usage.memory_mib;
+        memc += n.capacity.memory_mib;
+    }
+    let reg: usize = nodes
+        .keys()
+        .map(|k| per_node.get(k.as_str()).copied().unwrap_or(0))
+        .sum();
+    let _ = write!(
+        out,
+        "<h2>Cluster</h2><p id=\"totals\"><b>nodes: {} ({sim} simulated, {} real)</b>\
+         <b>sandboxes: {sb} / {sbc}</b><b>cpu: {cpu:.1} / {cpuc:.1} cores</b>\
+         <b>memory: {} / {} GiB</b><b>in this registry: {reg}</b></p>\
+         <table id=\"nodes\"><tr>",
+        nodes.len(),
+        nodes.len() - sim,
+        mem / 1024,
+        memc / 1024,
+    );
+    for h in NODE_HEAD {
+        let _ = write!(out, "<th>{}</th>", escape(h));
+    }
+    out.push_str("</tr>");
+    for n in nodes.values() {
+        let (u, c) = (&n.usage, &n.capacity);
+        let state = if c.sandboxes > 0 && u.sandboxes >= c.sandboxes {
+            "full"
+        } else {
+            "ready"
+        };
+        let kind = if n.simulated {
+            "<span class=\"sim\">simulated</span>"
+        } else {
+            "<span class=\"real\">real</span>"
+        };
+        let backends: Vec<&str> = n.backends.iter().map(|b| b.as_str()).collect();
+        let _ = write!(
+            out,
+            "<tr><td>{}</td><td>{kind}</td><td>{state}</td><td>{}</td><td>{}</td><td>{}</td>\
+             <td>{}</td><td>{}</td><td>{}</td></tr>",
+            escape(&n.name),
+            escape(&n.started_at),
+            bar(
+                u.sandboxes as f64,
+                c.sandboxes as f64,
+                &format!("{} / {}", u.sandboxes, c.sandboxes)
+            ),
+            bar(u.cpu, c.cpu, &format!("{:.1} / {:.1}", u.cpu, c.cpu)),
+            bar(
+                u.memory_mib as f64,
+                c.memory_mib as f64,
+                &format!("{} / {} GiB", u.memory_mib / 1024, c.memory_mib / 1024)
+            ),
+            escape(&backends.join(" ")),
+            per_node.get(n.name.as_str()).copied().unwrap_or(0),
+        );
+    }
+    out.push_str("</table>");
+}
+
 /// `GET /` → the status page (text/html).
 pub async fn index(State(st): State<SharedState>) -> ApiResult<impl IntoResponse> {
     let records = st.store.list().await?;
     let mut by: BTreeMap<(String, String), usize> = BTreeMap::new();
+    let mut per_node: BTreeMap<&str, usize> = BTreeMap::new();
     let mut rows = Vec::new();
     let mut traj = 0;
     for r in &records {
         *by.entry((r.backend.as_str().into(), r.state.as_str().into()))
             .or_default() += 1;
+        *per_node.entry(r.node.as_str()).or_default() += 1;
         traj += usize::from(r.spec.trajectory.is_some());
+        if rows.len() >= MAX_ROWS {
+            continue;
+        }
         let api = r.to_api();
         rows.push(vec![
             api.id,
             r.backend.as_str().into(),
             r.state.as_str().into(),
+            r.node.clone(),
             api.image,
             serde_json::to_string(&api.labels).unwrap_or_default(),
             api.expires_at.unwrap_or_default(),
@@ -118,9 +275,14 @@ pub async fn index(State(st): State<SharedState>) -> ApiResult<impl IntoResponse
         "<!doctype html><html><head><meta charset=\"utf-8\"><title>Sandlot</title>\
          <style>{STYLE}</style></head><body><h1>Sandlot</h1>\
          <p>Node <b id=\"node\">{}</b> · updated <span id=\"updated\">(server render)</span> \
-         <span id=\"err\"></span></p><h2>Backends</h2><table id=\"backends\"></table>\
-         <h2>Sandboxes by backend and state</h2>",
+         <span id=\"err\"></span></p>",
         escape(&st.node_name)
+    );
+    if let Some(c) = st.cluster.get() {
+        cluster_html(&mut html, &c.nodes(), &per_node);
+    }
+    html.push_str(
+        "<h2>Backends</h2><table id=\"backends\"></table><h2>Sandboxes by backend and state</h2>",
     );
     table(
         &mut html,
@@ -128,18 +290,30 @@ pub async fn index(State(st): State<SharedState>) -> ApiResult<impl IntoResponse
         &["backend", "state", "count"],
         &by_rows,
     );
+    let shown = if records.len() > MAX_ROWS {
+        format!("first {MAX_ROWS} of {}", records.len())
+    } else {
+        format!("all {}", records.len())
+    };
     let _ = write!(
         html,
-        "<p>Sandboxes bound to a trajectory: <b id=\"traj\">{traj}</b></p><h2>Sandboxes</h2>"
+        "<p>Sandboxes bound to a trajectory: <b id=\"traj\">{traj}</b></p>\
+         <h2>Sandboxes (<span id=\"shown\">{shown}</span>)</h2>"
     );
     table(
         &mut html,
         "sandboxes",
-        &["id", "backend", "state", "image", "labels", "expires"],
+        &[
+            "id", "backend", "state", "node", "image", "labels", "expires",
+        ],
         &rows,
     );
     html.push_str("<h2>Recent events (newest first)</h2><table id=\"events\"></table>");
-    let _ = write!(html, "<script>{SCRIPT}</script></body></html>");
+    let head = serde_json::to_string(&NODE_HEAD).unwrap_or_default();
+    let _ = write!(
+        html,
+        "<script>const MAX_ROWS = {MAX_ROWS}; const NODE_HEAD = {head};{SCRIPT}</script></body></html>"
+    );
     Ok((
         [
             (header::CONTENT_TYPE, "text/html; charset=utf-8"),
@@ -149,4 +323,47 @@ pub async fn index(State(st): State<SharedState>) -> ApiResult<impl IntoResponse
         ],
         html,
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sandlot_cluster::{NodeRecord, Resources};
+
+    #[test]
+    fn cluster_section_labels_simulated_nodes_and_escapes() {
+        let evil = "<img src=x onerror=alert(1)>";
+        let mut nodes = BTreeMap::new();
+        for (name, simulated, used) in [("sim-000", true, 5), ("real-1", false, 2)] {
+            nodes.insert(
+                name.to_owned(),
+                NodeRecord {
+                    name: name.into(),
+                    simulated,
+                    started_at: evil.into(),
+                    capacity: Resources {
+                        cpu: 20.0,
+                        memory_mib: 40960,
+                        sandboxes: 5,
+                    },
+                    usage: Resources {
+                        cpu: 0.5,
+                        memory_mib: 320,
+                        sandboxes: used,
+                    },
+                    ..Default::default()
+                },
+            );
+        }
+        let per_node = BTreeMap::from([("sim-000", 5), ("real-1", 2)]);
+        let mut html = String::new();
+        cluster_html(&mut html, &nodes, &per_node);
+        assert!(html.contains("nodes: 2 (1 simulated, 1 real)"), "{html}");
+        assert!(html.contains("<span class=\"sim\">simulated</span>"));
+        assert!(html.contains("<span class=\"real\">real</span>"));
+        assert!(html.contains("sandboxes: 7 / 10"));
+        assert!(html.contains("<td>full</td>") && html.contains("<td>ready</td>"));
+        assert!(html.contains("class=\"bar full\"><span style=\"width:100.0%\">"));
+        assert!(!html.contains(evil) && html.contains("&lt;img src=x"));
+    }
 }

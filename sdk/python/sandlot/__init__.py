@@ -41,7 +41,7 @@ from .errors import (Conflict, DeadlineExceeded, InternalError, InvalidArgument,
                      PayloadTooLarge, PermissionDenied, ProtocolError, ResourceExhausted,
                      SandlotError, TransportError, Unauthenticated, Unavailable)
 from .process import AsyncProcess, OutputSkipped, Process
-from .models import (AffectedIds, Checkpoint, CommandRunResult, ExecEvent, ExecResult, FileEntry,
+from .models import (AffectedIds, BatchResult, Checkpoint, CommandRunResult, ExecEvent, ExecResult, FileEntry,
                      JupyterCell, RestoreMismatch, RestoreReport, RunCodeLanguage, RunCodeResult,
                      RunJupyterResult, StderrChunk, StdoutChunk,
                      TrajectoryInfo, TrajectoryStep)
@@ -55,6 +55,6 @@ __all__ = [
     "PayloadTooLarge", "InternalError", "TransportError", "ProtocolError",
     "ExecResult", "ExecEvent", "StdoutChunk", "StderrChunk", "FileEntry",
     "RunCodeResult", "CommandRunResult", "RunJupyterResult", "JupyterCell", "RunCodeLanguage", "TrajectoryInfo", "TrajectoryStep",
-    "RestoreReport", "RestoreMismatch", "AffectedIds", "Checkpoint",
+    "RestoreReport", "RestoreMismatch", "AffectedIds", "BatchResult", "Checkpoint",
     "Process", "AsyncProcess", "OutputSkipped",
 ]

@@ -10,7 +10,7 @@ import httpx
 from . import _base
 from .errors import NotFound, ProtocolError, SandlotError, TransportError
 from .models import (Checkpoint, Command, checkpoint_id, checkpoints_of, Data, ExecEvent, ExecResult, FileEntry, Network,
-                     RunCodeResult, TrajectoryInfo, create_body, exec_body, ids_of, label_params,
+                     RunCodeResult, TrajectoryInfo, BatchResult, batch_body, batch_result, create_body, exec_body, ids_of, label_params,
                      parse_exec_event, run_code_body, run_jupyter_body,
                      RunCodeLanguage, RunJupyterResult, selector_body, to_bytes)
 from .process import DEFAULT_PTY_CMD, Process, processes_of, spawn_body
@@ -146,6 +146,31 @@ class Client:
         key = _base.auto_idempotency_key() if auto else idempotency_key
         headers = {"Idempotency-Key": key} if key else None
         return self._create(body, headers, restore == "replay", auto)
+
+    def create_many(self, n: Optional[int] = None, *, items: Optional[Sequence[Mapping[str, Any]]] = None,
+                idempotency_key: Optional[str] = None, **create_kw: Any) -> BatchResult["Sandbox"]:
+        """Create many sandboxes in one call (``POST /v1/sandboxes:batch``): ``n`` alike
+        (the keyword arguments as in :meth:`create`), or one per entry of ``items`` (each a
+        mapping of :meth:`create`'s keyword arguments, over the common ones). At most
+        1000 per call. The server runs each item's create as a single create (placement,
+        quota, rollback on failure), many at once, and answers per item.
+
+        Partial success is normal: the result lists, in request order, a sandbox handle or
+        the error of each item (:class:`~sandlot.errors.ResourceExhausted` over the API
+        key's quota or without node capacity; a failed item left nothing behind). The
+        call carries an ``Idempotency-Key`` (``idempotency_key`` or one of the SDK's), so
+        a retry after a lost answer returns the sandboxes already made (item i's key is
+        ``KEY#i``). ``trajectory`` is not accepted in a batch.
+
+        Raises:
+            InvalidArgument: the batch as a whole is bad (a bad request with ``n``).
+            ValueError: both or neither of ``n`` and ``items``, or a size outside 1..1000.
+        """
+        body = batch_body(n, items, create_kw)
+        key = idempotency_key or _base.auto_idempotency_key()
+        resp = self._request("POST", "/v1/sandboxes:batch", json=body,
+                                   headers={"Idempotency-Key": key}, work_s=600)
+        return batch_result(_base.json_of(resp), lambda d: Sandbox(self, d))
 
     def attach(self, trajectory: str) -> "Sandbox":
         """The live sandbox bound to ``trajectory`` (a create that carries only the

@@ -10,7 +10,7 @@ from __future__ import annotations
 import base64
 import json
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
+from typing import Any, Dict, Generic, List, Mapping, Optional, Sequence, Tuple, TypeVar, Union
 
 from .errors import ERROR_CLASSES, ProtocolError, SandlotError
 
@@ -763,3 +763,89 @@ def ids_of(body: Any) -> AffectedIds:
 def label_params(labels: Optional[Mapping[str, str]]) -> List[tuple]:
     """Query parameters of ``GET /v1/sandboxes?label=k=v`` (one per label, all must match)."""
     return [("label", f"{k}={v}") for k, v in (labels or {}).items()]
+
+
+#: Keyword arguments of ``create`` that a ``create_many`` item may carry.
+_CREATE_FIELDS = ("backend", "image", "cpu", "memory_mib", "disk_mib", "pids_max", "ttl_s",
+                  "env", "labels", "runtime", "network", "checkpoint")
+
+#: Most sandboxes one ``create_many`` call may ask for (the server's limit).
+MAX_BATCH = 1000
+
+_SB = TypeVar("_SB")
+
+
+@dataclass
+class BatchResult(Generic[_SB]):
+    """Answer of ``create_many`` (``POST /v1/sandboxes:batch``): one entry per requested
+    sandbox, in request order — the sandbox handle, or the :class:`SandlotError` (with its
+    stable ``code`` and HTTP ``status``) of an item that failed and left nothing behind,
+    e.g. :class:`~sandlot.errors.ResourceExhausted` over the API key's quota or without
+    node capacity, :class:`~sandlot.errors.InvalidArgument` for a bad item."""
+
+    results: List[Union[_SB, SandlotError]]
+
+    @property
+    def sandboxes(self) -> List[_SB]:
+        """The items that have a sandbox, in request order."""
+        return [r for r in self.results if not isinstance(r, SandlotError)]
+
+    @property
+    def errors(self) -> List[Tuple[int, SandlotError]]:
+        """``(index, error)`` of the failed items, in request order."""
+        return [(i, r) for i, r in enumerate(self.results) if isinstance(r, SandlotError)]
+
+
+def batch_body(n: Optional[int], items: Optional[Sequence[Mapping[str, Any]]],
+               common: Mapping[str, Any]) -> Dict[str, Any]:
+    """JSON body of ``POST /v1/sandboxes:batch``: ``n`` copies of the create request made of
+    ``common`` (the keyword arguments of ``create``), or ``items``, one create request per
+    entry (each a mapping of ``create``'s keyword arguments, over ``common``).
+
+    Raises:
+        ValueError: both or neither of ``n`` and ``items``, or a size outside
+            1..=:data:`MAX_BATCH`.
+        TypeError: as :func:`create_body`; an unknown keyword, ``trajectory`` or
+            ``restore``.
+    """
+    if (n is None) == (items is None):
+        raise ValueError("give exactly one of n or items")
+
+    def one(kw: Mapping[str, Any]) -> Dict[str, Any]:
+        if "trajectory" in kw or "restore" in kw:
+            raise TypeError("trajectory/restore are not accepted in a batch")
+        args: Dict[str, Any] = {k: None for k in _CREATE_FIELDS}
+        for k, v in kw.items():
+            if k not in args:
+                raise TypeError(f"unknown create argument {k!r}")
+            args[k] = v
+        return create_body(**args)
+
+    if n is not None:
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_BATCH:
+            raise ValueError(f"n must be an int in 1..{MAX_BATCH}, got {n!r}")
+        return {**one(common), "count": n}
+    assert items is not None
+    if not 1 <= len(items) <= MAX_BATCH:
+        raise ValueError(f"items must hold 1..{MAX_BATCH} entries, got {len(items)}")
+    return {"items": [one({**common, **dict(it)}) for it in items]}
+
+
+def batch_result(body: Any, make: Any) -> "BatchResult[Any]":
+    """A :class:`BatchResult` from the JSON answer; ``make(dict)`` builds a sandbox handle.
+
+    Raises:
+        ProtocolError: the answer does not have the documented shape.
+    """
+    from .errors import error_from_response
+    try:
+        out: List[Any] = []
+        for item in body["results"]:
+            if item.get("sandbox") is not None:
+                out.append(make(item["sandbox"]))
+            else:
+                raw = json.dumps({"error": item["error"]}).encode()
+                out.append(error_from_response(int(item["status"]), raw))
+        return BatchResult(out)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ProtocolError(f"bad batch answer {body!r:.300}") from e
