@@ -513,14 +513,13 @@ enum MountState {
 /// Is a FUSE file system mounted at `mp`, and does its daemon answer?
 fn fuse_mount_state(mp: &Path) -> MountState {
     let want = mp.to_string_lossy().to_string();
-    let mut found = false;
-    super::each_mountinfo(|line| {
-        let mut f = line.split(' ');
-        let point = f.nth(4).unwrap_or("");
-        if point == want && line.contains(" - fuse") {
-            found = true;
-        }
-        !found
+    let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    // Fields (proc(5)): id parent major:minor root MOUNTPOINT options ... - FSTYPE source ...
+    let found = info.lines().any(|line| {
+        line.split(' ').nth(4) == Some(want.as_str())
+            && line
+                .split_once(" - ")
+                .is_some_and(|(_, rest)| rest.starts_with("fuse"))
     });
     if !found {
         return MountState::None;
