@@ -18,14 +18,13 @@ import io
 import json
 import os
 import re
-import shutil
 import subprocess
 import tarfile
 import time
 from pathlib import Path
 
-import pytest
 
+import sandlot
 from conftest import REPO, free_port, private_image_node
 
 MIB = 1 << 20
@@ -97,6 +96,85 @@ def local_bytes(image, ref: str) -> tuple:
     raise AssertionError(f"{ref} not in `image ls`")
 
 
+def lazy_checks(binary, srv, image, tmp_path: Path, addr: str, rdir: Path) -> None:
+    """The checks of the module docstring on a private node `srv` (store base/images)."""
+    base = srv.data_dir.parent
+    store = base / "images"
+    # The test image: busybox rootfs + 32 x 4 MiB random files + `dup`, one chunk
+    # equal to f00's second MiB (same digest, another inode).
+    rnd = {f"f{i:02}": os.urandom(FILE_MIB * MIB) for i in range(N_FILES)}
+    rnd["dup"] = rnd["f00"][MIB:2 * MIB]
+    oci = tmp_path / "oci"
+    oci_layout(oci, [tar_dir(store / "busybox" / "rootfs"), tar_files(rnd)])
+    ref = f"{addr}/sandlot-test/big:v1"
+    src = base / "src-images"
+    subprocess.run([str(binary), "image", "import", str(oci), "--name", ref,
+                    "--data-dir", str(base / "image-data"), "--images-dir", str(src)],
+                   check=True, capture_output=True, timeout=120)
+    out = subprocess.run([str(binary), "image", "convert", ref,
+                          "--data-dir", str(base / "image-data"),
+                          "--images-dir", str(src)],
+                         check=True, capture_output=True, text=True, timeout=120).stdout
+    assert f"{ref}-lazy" in out, out
+
+    # Lazy pull into the node's (fresh) store: metadata only.
+    assert "(lazy)" in image("pull", ref)
+    cached, total = local_bytes(image, ref)
+    assert cached == 0 and total >= N_FILES * FILE_MIB * MIB, (cached, total)
+
+
+    c = sandlot.Client(srv.url)
+    want = {f"f{i:02}": sha(rnd[f"f{i:02}"][MIB:2 * MIB]) for i in range(N_FILES)}
+    read = "dd if=/data/{f} bs=1M skip=1 count=1 2>/dev/null | sha256sum"
+    with c.create(backend="function", image=ref, memory_mib=128, ttl_s=300) as box:
+        r = box.exec(["sh", "-c", read.format(f="f01")], timeout_s=60)
+        assert r.exit_code == 0 and r.stdout.decode().split()[0] == want["f01"], r
+        r = box.exec(["sh", "-c", "ls -ln /data/f02 && stat -c %s /data/f03"],
+                     timeout_s=30)
+        assert r.exit_code == 0 and str(FILE_MIB * MIB) in r.stdout.decode(), r
+    with c.create(backend="container", image=ref, memory_mib=128, ttl_s=300) as box:
+        r = box.exec(["sh", "-c", read.format(f="f02")], timeout_s=60)
+        assert r.exit_code == 0 and r.stdout.decode().split()[0] == want["f02"], r
+
+        # Corrupt the cached chunk f00[1 MiB..2 MiB) after reading it; `dup` has the
+        # same chunk: it is read from the disk cache, fails its digest, is refetched.
+        r = box.exec(["sh", "-c", read.format(f="f00")], timeout_s=60)
+        assert r.stdout.decode().split()[0] == want["f00"], r
+        chunk = store / "chunks" / "sha256" / want["f00"]
+        assert chunk.is_file()
+        chunk.write_bytes(b"x" * MIB)
+        r = box.exec(["sh", "-c", "sha256sum /data/dup"], timeout_s=60)
+        assert r.exit_code == 0 and r.stdout.decode().split()[0] == want["f00"], r
+        assert sha(chunk.read_bytes()) == want["f00"]
+
+        cached, total = local_bytes(image, ref)
+        assert 0 < cached <= total // 10, (cached, total)
+
+        # Registry down: a read of an unfetched chunk fails with EIO within its
+        # timeout; the sandbox still answers; reads work again after a restart.
+        registry_sh(addr, rdir, "stop")
+        t = time.monotonic()
+        r = box.exec(["dd", "if=/data/f05", "of=/dev/null", "bs=1M", "skip=1",
+                          "count=1"], timeout_s=60)
+        assert time.monotonic() - t < 30
+        assert r.exit_code != 0 and b"Input/output error" in r.stderr, r
+        r = box.exec(["sh", "-c", "echo alive"], timeout_s=30)
+        assert r.stdout == b"alive\n", r
+        registry_sh(addr, rdir, "start")
+        r = box.exec(["sh", "-c", read.format(f="f05")], timeout_s=60)
+        assert r.exit_code == 0 and r.stdout.decode().split()[0] == want["f05"], r
+    c.close()
+
+
+def unmount_lazy(base: Path) -> None:
+    """The lazy daemons outlive the node by design: unmount the mounts under `base`
+    (their daemons then exit)."""
+    with open("/proc/self/mountinfo") as f:
+        mps = [ln.split()[4] for ln in f if f" {base}/images/lazy/mnt/" in ln]
+    for mp in mps:
+        subprocess.run(["umount", "-l", mp], check=False)
+
+
 def test_lazy_pull_reads_on_demand(binary, tmp_path, log_dir, monkeypatch):
     t0 = time.monotonic()
     addr = f"127.0.0.1:{free_port()}"
@@ -108,80 +186,11 @@ def test_lazy_pull_reads_on_demand(binary, tmp_path, log_dir, monkeypatch):
     try:
         with private_image_node(binary, log_dir / "lazy-node.log", monkeypatch,
                                 "sandlot-lazy-") as (srv, image):
-          base = srv.data_dir.parent
-          try:
-            store = base / "images"
-            # The test image: busybox rootfs + 32 x 4 MiB random files + `dup`, one chunk
-            # equal to f00's second MiB (same digest, another inode).
-            rnd = {f"f{i:02}": os.urandom(FILE_MIB * MIB) for i in range(N_FILES)}
-            rnd["dup"] = rnd["f00"][MIB:2 * MIB]
-            oci = tmp_path / "oci"
-            oci_layout(oci, [tar_dir(store / "busybox" / "rootfs"), tar_files(rnd)])
-            ref = f"{addr}/sandlot-test/big:v1"
-            src = base / "src-images"
-            subprocess.run([str(binary), "image", "import", str(oci), "--name", ref,
-                            "--data-dir", str(base / "image-data"), "--images-dir", str(src)],
-                           check=True, capture_output=True, timeout=120)
-            out = subprocess.run([str(binary), "image", "convert", ref,
-                                  "--data-dir", str(base / "image-data"),
-                                  "--images-dir", str(src)],
-                                 check=True, capture_output=True, text=True, timeout=120).stdout
-            assert f"{ref}-lazy" in out, out
-
-            # Lazy pull into the node's (fresh) store: metadata only.
-            assert "(lazy)" in image("pull", ref)
-            cached, total = local_bytes(image, ref)
-            assert cached == 0 and total >= N_FILES * FILE_MIB * MIB, (cached, total)
-
-            import sandlot
-            c = sandlot.Client(srv.url)
-            want = {f"f{i:02}": sha(rnd[f"f{i:02}"][MIB:2 * MIB]) for i in range(N_FILES)}
-            read = "dd if=/data/{f} bs=1M skip=1 count=1 2>/dev/null | sha256sum"
-            with c.create(backend="function", image=ref, memory_mib=128, ttl_s=300) as box:
-                r = box.exec(["sh", "-c", read.format(f="f01")], timeout_s=60)
-                assert r.exit_code == 0 and r.stdout.decode().split()[0] == want["f01"], r
-                r = box.exec(["sh", "-c", "ls -ln /data/f02 && stat -c %s /data/f03"],
-                             timeout_s=30)
-                assert r.exit_code == 0 and str(FILE_MIB * MIB) in r.stdout.decode(), r
-            with c.create(backend="container", image=ref, memory_mib=128, ttl_s=300) as box:
-                r = box.exec(["sh", "-c", read.format(f="f02")], timeout_s=60)
-                assert r.exit_code == 0 and r.stdout.decode().split()[0] == want["f02"], r
-
-                # Corrupt the cached chunk f00[1 MiB..2 MiB) after reading it; `dup` has the
-                # same chunk: it is read from the disk cache, fails its digest, is refetched.
-                r = box.exec(["sh", "-c", read.format(f="f00")], timeout_s=60)
-                assert r.stdout.decode().split()[0] == want["f00"], r
-                chunk = store / "chunks" / "sha256" / want["f00"]
-                assert chunk.is_file()
-                chunk.write_bytes(b"x" * MIB)
-                r = box.exec(["sh", "-c", "sha256sum /data/dup"], timeout_s=60)
-                assert r.exit_code == 0 and r.stdout.decode().split()[0] == want["f00"], r
-                assert sha(chunk.read_bytes()) == want["f00"]
-
-                cached, total = local_bytes(image, ref)
-                assert 0 < cached <= total // 10, (cached, total)
-
-                # Registry down: a read of an unfetched chunk fails with EIO within its
-                # timeout; the sandbox still answers; reads work again after a restart.
-                registry_sh(addr, rdir, "stop")
-                t = time.monotonic()
-                r = box.exec(["dd", "if=/data/f05", "of=/dev/null", "bs=1M", "skip=1",
-                                  "count=1"], timeout_s=60)
-                assert time.monotonic() - t < 30
-                assert r.exit_code != 0 and b"Input/output error" in r.stderr, r
-                r = box.exec(["sh", "-c", "echo alive"], timeout_s=30)
-                assert r.stdout == b"alive\n", r
-                registry_sh(addr, rdir, "start")
-                r = box.exec(["sh", "-c", read.format(f="f05")], timeout_s=60)
-                assert r.exit_code == 0 and r.stdout.decode().split()[0] == want["f05"], r
-            c.close()
-          finally:
-            srv.delete_all()
-            # The lazy daemons outlive the node by design; unmount ours (they then exit).
-            with open("/proc/self/mountinfo") as f:
-                mps = [ln.split()[4] for ln in f if f" {base}/images/lazy/mnt/" in ln]
-            for mp in mps:
-                subprocess.run(["umount", "-l", mp], check=False)
+            try:
+                lazy_checks(binary, srv, image, tmp_path, addr, rdir)
+            finally:
+                srv.delete_all()
+                unmount_lazy(srv.data_dir.parent)
     finally:
         registry_sh(addr, rdir, "stop")
     print(f"lazy test took {time.monotonic() - t0:.1f} s")
