@@ -5,7 +5,8 @@ function and a container sandbox read ~5 % of it: the bytes fetched stay under 1
 image and the bytes read equal the originals. The registry stopped mid-read fails the
 reading command with an I/O error within its timeout (the sandbox stays usable, reads work
 again once the registry is back); a corrupted chunk of the disk cache is detected by its
-digest and fetched again.
+digest and fetched again; after a kill -9 of the node the re-adopted sandbox keeps
+reading.
 
 A registry of its own (scripts/registry.sh on a free port, storage in a temp dir), so
 stopping it never disturbs the shared one on :5000.
@@ -22,7 +23,6 @@ import subprocess
 import tarfile
 import time
 from pathlib import Path
-
 
 import sandlot
 from conftest import REPO, free_port, private_image_node
@@ -163,6 +163,13 @@ def lazy_checks(binary, srv, image, tmp_path: Path, addr: str, rdir: Path) -> No
         registry_sh(addr, rdir, "start")
         r = box.exec(["sh", "-c", read.format(f="f05")], timeout_s=60)
         assert r.exit_code == 0 and r.stdout.decode().split()[0] == want["f05"], r
+
+        # kill -9 of the node: the lazy daemons run in sessions of their own, so the
+        # re-adopted sandbox keeps reading chunks it never read before.
+        srv.kill()
+        srv.start()
+        r = box.exec(["sh", "-c", read.format(f="f06")], timeout_s=60)
+        assert r.exit_code == 0 and r.stdout.decode().split()[0] == want["f06"], r
     c.close()
 
 
