@@ -359,3 +359,40 @@ pub fn cached_bytes<'a>(images_dir: &Path, chunks: impl Iterator<Item = &'a Chun
         .map(|c| c.len)
         .sum()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chunk(data: &[u8]) -> ChunkRef {
+        ChunkRef {
+            digest: chunk_digest(data),
+            offset: 0,
+            len: data.len() as u64,
+        }
+    }
+
+    #[tokio::test]
+    async fn cache_serves_intact_chunks_and_drops_corrupt_ones() {
+        let d = tempfile::tempdir().unwrap();
+        // No registry: a miss is Unavailable, never wrong bytes.
+        let s = ChunkStore::new(d.path(), None, FetchConfig::default()).unwrap();
+        let good = chunk(b"hello chunk");
+        fs::write(s.chunk_path(&good.digest).unwrap(), b"hello chunk").unwrap();
+        assert_eq!(s.get("sha256:x", &good).await.unwrap(), b"hello chunk");
+        assert_eq!(s.stats.hits.load(Ordering::Relaxed), 1);
+        assert_eq!(cached_bytes(d.path(), [&good].into_iter()), 11);
+
+        let bad = chunk(b"other chunk");
+        let p = s.chunk_path(&bad.digest).unwrap();
+        fs::write(&p, b"OTHER CHUNK").unwrap();
+        let err = s.get("sha256:x", &bad).await.unwrap_err();
+        assert!(matches!(err, NodeError::Unavailable(_)), "{err}");
+        assert_eq!(s.stats.corrupt.load(Ordering::Relaxed), 1);
+        assert!(!p.exists(), "a corrupt chunk is removed");
+        assert!(s
+            .stats
+            .prometheus()
+            .contains("sandlot_image_chunk_corrupt_total 1"));
+    }
+}

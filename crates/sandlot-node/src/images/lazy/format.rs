@@ -168,13 +168,11 @@ impl LazyIndex {
                 Kind::File => {
                     files.insert(e.path.as_str());
                 }
-                Kind::Hardlink => {
-                    if !e.target.as_deref().is_some_and(|t| files.contains(t)) {
-                        return Err(NodeError::InvalidArgument(format!(
-                            "bad lazy index: hard link {:?} names no earlier file",
-                            e.path
-                        )));
-                    }
+                Kind::Hardlink if !e.target.as_deref().is_some_and(|t| files.contains(t)) => {
+                    return Err(NodeError::InvalidArgument(format!(
+                        "bad lazy index: hard link {:?} names no earlier file",
+                        e.path
+                    )));
                 }
                 _ => {}
             }
