@@ -74,7 +74,9 @@ fn client_for(
 fn reg_err(what: &str, e: oci_client::errors::OciDistributionError) -> NodeError {
     use oci_client::errors::OciDistributionError as E;
     match e {
-        E::ImageManifestNotFoundError(_) => NodeError::NotFound(format!("{what}: {e}")),
+        E::ImageManifestNotFoundError(_) | E::RegistryError { .. } => {
+            NodeError::NotFound(format!("{what}: {e}"))
+        }
         E::ServerError { code: 404, .. } => NodeError::NotFound(format!("{what}: {e}")),
         e => NodeError::Unavailable(format!("{what}: {e}")),
     }
