@@ -449,6 +449,9 @@ impl ImageStore {
         }
         std::fs::create_dir_all(&mp)
             .map_err(|e| NodeError::io(format!("create {}", mp.display()), e))?;
+        // SECURITY: like layers/, only root may walk to the mounts: they show image files
+        // with the image's owners and setuid bits (mounted nosuid all the same).
+        super::set_mode(&self.lazy_dir(), 0o700)?;
         let log = self.lazy_dir().join(format!("{}.log", digest_hex(index)?));
         let logf = std::fs::OpenOptions::new()
             .create(true)
