@@ -701,12 +701,31 @@ enum ImageCmd {
     },
     /// Pull an image from a registry (OCI distribution API; plain HTTP only for loopback
     /// registries such as 127.0.0.1:5000). A multi-platform index resolves to linux/amd64.
+    ///
+    /// By default the lazy form (`REPO:TAG-lazy`, made by `image convert`) is pulled when
+    /// the registry has it: only file metadata is fetched now, file data chunk by chunk when
+    /// sandboxes read it; otherwise the image is pulled and unpacked whole.
     Pull {
         /// Reference, e.g. `127.0.0.1:5000/sandlot/python:latest` (tag `latest` by default).
         reference: String,
         /// Store it under this name (short name or reference) [default: the reference].
         #[arg(long)]
         name: Option<String>,
+        /// Pull the lazy form only (fail when the registry has none).
+        #[arg(long, conflicts_with = "eager")]
+        lazy: bool,
+        /// Pull and unpack the whole image, even when a lazy form exists.
+        #[arg(long)]
+        eager: bool,
+        #[command(flatten)]
+        dirs: ImageDirs,
+    },
+    /// Convert an image of the store (pulled or imported) into the lazy format (file tree
+    /// index + 1 MiB content-addressed chunks per layer; docs/images.md) and push it to its
+    /// registry as `REPO:TAG-lazy`.
+    Convert {
+        /// Reference of the image, e.g. `127.0.0.1:5000/sandlot/big:latest`.
+        reference: String,
         #[command(flatten)]
         dirs: ImageDirs,
     },
@@ -829,6 +848,22 @@ fn parse_kv(s: &str) -> Result<(String, String), String> {
 }
 
 fn main() -> ExitCode {
+    // The lazy-image FUSE daemon the node starts (`sandlot __lazy-mount ...`, one per lazy
+    // layer; see sandlot_node::images::lazy::serve_main): not a user command.
+    let argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    if argv
+        .get(1)
+        .is_some_and(|a| a == sandlot_node::images::lazy::DAEMON_ARG)
+    {
+        init_logs(LogFormat::Text);
+        return match sandlot_node::images::lazy::serve_main(&argv[2..]) {
+            Ok(()) => ExitCode::from(0),
+            Err(e) => {
+                eprintln!("error: lazy mount: {e}");
+                ExitCode::from(1)
+            }
+        };
+    }
     let cli = Cli::parse();
     let rt = match tokio::runtime::Runtime::new() {
         Ok(rt) => rt,
@@ -1534,15 +1569,42 @@ async fn image(cmd: ImageCmd) -> anyhow::Result<u8> {
         ImageCmd::Pull {
             reference,
             name,
+            lazy,
+            eager,
             dirs,
         } => {
             let store = dirs.open()?;
+            if !eager {
+                match store.pull_lazy(&reference, name.as_deref()).await {
+                    Ok(img) => {
+                        println!("{} {} bytes (lazy)", img.name, img.size_bytes);
+                        return Ok(0);
+                    }
+                    Err(e) if lazy => {
+                        return Err(
+                            anyhow::Error::new(e).context(format!("pull --lazy {reference}"))
+                        )
+                    }
+                    Err(e) => tracing::debug!(error = %e, "no lazy form; pulling whole"),
+                }
+            }
             let p = CliProgress::new();
             let img = store
                 .pull(&reference, name.as_deref(), &p)
                 .await
                 .with_context(|| format!("pull {reference}"))?;
             println!("{} {} bytes", img.name, img.size_bytes);
+        }
+        ImageCmd::Convert { reference, dirs } => {
+            let store = dirs.open()?;
+            let r = store
+                .convert_lazy(&reference)
+                .await
+                .with_context(|| format!("convert {reference}"))?;
+            println!(
+                "{} {} files bytes, {} data bytes, manifest {}",
+                r.reference, r.files_bytes, r.data_bytes, r.manifest
+            );
         }
         ImageCmd::Import { path, name, dirs } => {
             let store = dirs.open()?;
@@ -1564,6 +1626,12 @@ async fn image(cmd: ImageCmd) -> anyhow::Result<u8> {
                     S::Busybox { .. } => "built-in busybox".to_string(),
                     S::Debootstrap(d) => format!("debootstrap {}", d.suite),
                     S::Registry { reference, .. } => format!("pull {reference}"),
+                    S::Lazy { reference, .. } => match store.lazy_local_bytes(&img) {
+                        Some(l) => {
+                            format!("lazy {reference} (local {}/{} bytes)", l.cached, l.total)
+                        }
+                        None => format!("lazy {reference}"),
+                    },
                     S::Archive { path, .. } => format!("import {}", path.display()),
                     S::Toolchain { toolchain, .. } => format!("toolchain {toolchain}"),
                 };

@@ -35,6 +35,7 @@
 //! ([`ImageSource::Registry`], [`ImageSource::Archive`]) whose layers are content-addressed
 //! directories unpacked once and shared; the rest of the node consumes [`Image::layers`] as
 //! an overlay lowerdir list either way.
+pub mod lazy;
 pub mod oci;
 pub mod toolchain;
 pub mod unpack;
@@ -141,6 +142,21 @@ pub enum ImageSource {
         /// npm packages installed in its layer.
         npm: Vec<String>,
     },
+    /// Pulled in lazy form ([`lazy`]): layers are FUSE mounts of lazy indexes whose file
+    /// data is fetched chunk by chunk when read.
+    Lazy {
+        /// Normalised reference asked for, e.g. `127.0.0.1:5000/sandlot/big:latest`.
+        reference: String,
+        /// Reference of the lazy form pulled (`...:latest-lazy`); chunks are fetched from
+        /// its repository.
+        lazy_reference: String,
+        /// Digest of the lazy manifest.
+        manifest: String,
+        /// Digest of the image config (the original image's).
+        config: String,
+        /// Index blobs of the layers, bottom-most first.
+        indexes: Vec<String>,
+    },
     /// Imported from an OCI layout directory or a `docker save` / OCI archive.
     Archive {
         /// Path imported from.
@@ -156,9 +172,9 @@ impl ImageSource {
     /// Digest of the image config (registry and archive images); `None` for built-ins.
     pub fn config_digest(&self) -> Option<&str> {
         match self {
-            ImageSource::Registry { config, .. } | ImageSource::Archive { config, .. } => {
-                Some(config)
-            }
+            ImageSource::Registry { config, .. }
+            | ImageSource::Archive { config, .. }
+            | ImageSource::Lazy { config, .. } => Some(config),
             ImageSource::Busybox { .. }
             | ImageSource::Debootstrap(_)
             | ImageSource::Toolchain { .. } => None,
@@ -219,7 +235,14 @@ struct ImageJson {
 }
 
 /// Store directories that cannot be image names.
-pub const RESERVED: &[&str] = &["refs", "blobs", "layers", RETIRED_DIR];
+pub const RESERVED: &[&str] = &[
+    "refs",
+    "blobs",
+    "layers",
+    RETIRED_DIR,
+    lazy::LAZY_DIR,
+    "chunks",
+];
 
 /// Directory (under the store) of removed or replaced built-in images whose `rootfs` a
 /// running sandbox still has mounted: `retired/<name>.<ns>/` with the image's files and an
@@ -513,6 +536,13 @@ impl ImageStore {
             return self.get(name);
         };
         if let Some(img) = self.load(&parsed)? {
+            if matches!(img.source, ImageSource::Lazy { .. }) {
+                let this = self.clone();
+                let i2 = img.clone();
+                tokio::task::spawn_blocking(move || this.mount_lazy(&i2))
+                    .await
+                    .map_err(|e| NodeError::Unavailable(format!("lazy mount task: {e}")))??;
+            }
             return Ok(img);
         }
         let registry = r.resolve_registry().to_string();

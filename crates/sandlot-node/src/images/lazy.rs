@@ -1,0 +1,578 @@
+//! Lazy images (issue 23, first slice): layers converted once into a chunked,
+//! content-addressed form ([`format`]), pushed to an OCI registry next to the image, and
+//! served on demand on the node: chunks are fetched on first read ([`fetch`]) and cached on
+//! the node's disk.
+pub mod fetch;
+pub mod format;
+pub mod fs;
+
+use super::oci::{digest_hex, is_loopback, sha256_digest, NoProgress, MAX_JSON_BYTES};
+use super::{ImageJson, ImageSource, ImageStore};
+use crate::node::{NodeError, NodeResult};
+use format::{LazyIndex, DATA_MEDIA_TYPE, INDEX_MEDIA_TYPE};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+/// Directory of lazy mounts and their daemons' logs, relative to the store:
+/// `lazy/mnt/<index hex>/` (a FUSE mount point), `lazy/<index hex>.log`.
+pub const LAZY_DIR: &str = "lazy";
+/// Tag suffix of the lazy form of `REPO:TAG`: it is pushed as `REPO:TAG-lazy`.
+pub const TAG_SUFFIX: &str = "-lazy";
+/// Annotation on a lazy manifest (value: format version) and on each index layer
+/// (`org.sandlot.lazy.diff_id`: the DiffID of the layer it was made from).
+pub const ANNOTATION: &str = "org.sandlot.lazy";
+/// First argument that makes the `sandlot` binary run [`serve_main`] (a FUSE daemon).
+pub const DAEMON_ARG: &str = "__lazy-mount";
+/// OCI image manifest media type.
+const MANIFEST_MT: &str = "application/vnd.oci.image.manifest.v1+json";
+
+/// The reference of the lazy form of `reference`: same repository, tag + [`TAG_SUFFIX`]
+/// (`127.0.0.1:5000/x/big:1` → `127.0.0.1:5000/x/big:1-lazy`).
+///
+/// # Errors
+/// `InvalidArgument` for a bad reference or one by digest only.
+pub fn lazy_reference(reference: &str) -> NodeResult<String> {
+    let r = super::parse_reference(reference)?;
+    if r.digest().is_some() && r.tag().is_none() {
+        return Err(NodeError::InvalidArgument(format!(
+            "{reference}: a lazy form is found by tag; give REPO:TAG"
+        )));
+    }
+    Ok(format!(
+        "{}/{}:{}{TAG_SUFFIX}",
+        r.resolve_registry(),
+        r.repository(),
+        r.tag().unwrap_or("latest")
+    ))
+}
+
+fn client_for(
+    r: &oci_client::Reference,
+) -> (oci_client::Client, oci_client::secrets::RegistryAuth) {
+    let registry = r.resolve_registry().to_string();
+    let protocol = if is_loopback(&registry) {
+        oci_client::client::ClientProtocol::HttpsExcept(vec![registry])
+    } else {
+        oci_client::client::ClientProtocol::Https
+    };
+    let client = oci_client::Client::new(oci_client::client::ClientConfig {
+        protocol,
+        connect_timeout: Some(Duration::from_secs(10)),
+        read_timeout: Some(Duration::from_secs(120)),
+        ..Default::default()
+    });
+    let auth = match (
+        std::env::var("SANDLOT_REGISTRY_USERNAME"),
+        std::env::var("SANDLOT_REGISTRY_PASSWORD"),
+    ) {
+        (Ok(u), Ok(p)) => oci_client::secrets::RegistryAuth::Basic(u, p),
+        _ => oci_client::secrets::RegistryAuth::Anonymous,
+    };
+    (client, auth)
+}
+
+fn reg_err(what: &str, e: oci_client::errors::OciDistributionError) -> NodeError {
+    use oci_client::errors::OciDistributionError as E;
+    match e {
+        E::ImageManifestNotFoundError(_) | E::RegistryError { .. } => {
+            NodeError::NotFound(format!("{what}: {e}"))
+        }
+        E::ServerError { code: 404, .. } => NodeError::NotFound(format!("{what}: {e}")),
+        e => NodeError::Unavailable(format!("{what}: {e}")),
+    }
+}
+
+/// What [`ImageStore::convert_lazy`] pushed.
+#[derive(Debug, Clone)]
+pub struct ConvertReport {
+    /// Reference of the lazy form (`REPO:TAG-lazy`).
+    pub reference: String,
+    /// Digest of its manifest.
+    pub manifest: String,
+    /// Sum of the layers' regular file bytes.
+    pub files_bytes: u64,
+    /// Sum of the data blobs' bytes (after chunk deduplication).
+    pub data_bytes: u64,
+}
+
+/// How much of a lazy image is on this node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LocalBytes {
+    /// Bytes of its distinct chunks in the node's chunk cache.
+    pub cached: u64,
+    /// Bytes of all its distinct chunks.
+    pub total: u64,
+}
+
+impl ImageStore {
+    fn lazy_dir(&self) -> PathBuf {
+        self.dir.join(LAZY_DIR)
+    }
+
+    /// Mount point of the lazy layer with index blob `index` (whether mounted or not).
+    ///
+    /// # Errors
+    /// `InvalidArgument` for a malformed digest.
+    pub fn lazy_mount_point(&self, index: &str) -> NodeResult<PathBuf> {
+        Ok(self.lazy_dir().join("mnt").join(digest_hex(index)?))
+    }
+
+    /// Read and check index blob `digest` from the blob store.
+    ///
+    /// # Errors
+    /// `Internal` when it cannot be read; `InvalidArgument` when it is not a valid index.
+    pub fn lazy_index(&self, digest: &str) -> NodeResult<LazyIndex> {
+        let p = self.blob_path(digest)?;
+        let b = std::fs::read(&p).map_err(|e| NodeError::io(format!("read {}", p.display()), e))?;
+        LazyIndex::parse(&b)
+    }
+
+    /// Convert each layer of image `reference` (pulled or imported into this store) into
+    /// the lazy format ([`format`]) and push the result to `REPO:TAG-lazy` in the image's
+    /// registry: an OCI image manifest whose config is the image's own config blob and
+    /// whose layers are, bottom-most first, `(index, data)` pairs of media types
+    /// [`INDEX_MEDIA_TYPE`] and [`DATA_MEDIA_TYPE`], annotated [`ANNOTATION`]. Converting
+    /// again reuses blobs already made (content-addressed).
+    ///
+    /// A tag, not the referrers API, links the two forms: the Debian registry (distribution
+    /// 2.8) has no referrers API, and a tag suffix is how eStargz and Nydus images are
+    /// published next to their originals.
+    ///
+    /// # Errors
+    /// `NotFound` when the image is not in the store; `InvalidArgument` when it is a
+    /// built-in image (no config blob) or a layer cannot be represented (non-UTF-8 names);
+    /// `Unavailable` when the registry fails; `Internal` on local I/O.
+    pub async fn convert_lazy(&self, reference: &str) -> NodeResult<ConvertReport> {
+        let img = self.get(reference)?;
+        let config = img
+            .source
+            .config_digest()
+            .map(str::to_string)
+            .ok_or_else(|| {
+                NodeError::InvalidArgument(format!(
+                    "{reference} is a built-in image; only registry or archive images convert"
+                ))
+            })?;
+        let lazy_ref = lazy_reference(reference)?;
+        let r = super::parse_reference(&lazy_ref)?;
+        // Layers bottom-most first, as a manifest lists them.
+        let mut pairs = Vec::new();
+        let mut files_bytes = 0;
+        let mut data_bytes = 0;
+        for dir in img.layers.iter().rev() {
+            let diff_id = dir
+                .strip_prefix(self.dir.join(super::oci::LAYERS_DIR))
+                .ok()
+                .map(|h| format!("sha256:{}", h.display()));
+            let (idx_digest, idx_size, idx) = {
+                let this = self.clone();
+                let dir2 = dir.clone();
+                tokio::task::spawn_blocking(move || this.convert_layer(&dir2, diff_id))
+                    .await
+                    .map_err(|e| NodeError::Unavailable(format!("convert task failed: {e}")))??
+            };
+            files_bytes += idx.files_bytes;
+            data_bytes += idx.data_size;
+            pairs.push((idx_digest, idx_size, idx));
+        }
+        let (client, auth) = client_for(&r);
+        client
+            .store_auth_if_needed(r.resolve_registry(), &auth)
+            .await;
+        let lazy_ref_s = lazy_ref.as_str();
+        let push = |digest: String| {
+            let client = &client;
+            let r = &r;
+            async move {
+                if client.blob_exists(r, &digest).await.unwrap_or(false) {
+                    return Ok(());
+                }
+                let p = self.blob_path(&digest)?;
+                let data = tokio::fs::read(&p)
+                    .await
+                    .map_err(|e| NodeError::io(format!("read {}", p.display()), e))?;
+                client
+                    .push_blob(r, data, &digest)
+                    .await
+                    .map(|_| ())
+                    .map_err(|e| reg_err(&format!("push blob {digest} to {lazy_ref_s}"), e))
+            }
+        };
+        let mut layers = Vec::new();
+        for (idx_digest, idx_size, idx) in &pairs {
+            push(idx_digest.clone()).await?;
+            push(idx.data_digest.clone()).await?;
+            let mut ann = serde_json::Map::new();
+            ann.insert(ANNOTATION.into(), "1".into());
+            if let Some(d) = &idx.diff_id {
+                ann.insert(format!("{ANNOTATION}.diff_id"), d.clone().into());
+            }
+            layers.push(serde_json::json!({
+                "mediaType": INDEX_MEDIA_TYPE, "digest": idx_digest, "size": idx_size,
+                "annotations": ann,
+            }));
+            layers.push(serde_json::json!({
+                "mediaType": DATA_MEDIA_TYPE, "digest": idx.data_digest, "size": idx.data_size,
+            }));
+        }
+        push(config.clone()).await?;
+        let config_size = std::fs::metadata(self.blob_path(&config)?)
+            .map(|m| m.len())
+            .unwrap_or(0);
+        let manifest = serde_json::json!({
+            "schemaVersion": 2,
+            "mediaType": MANIFEST_MT,
+            "config": {
+                "mediaType": "application/vnd.oci.image.config.v1+json",
+                "digest": config, "size": config_size,
+            },
+            "layers": layers,
+            "annotations": { ANNOTATION: "1", "org.opencontainers.image.ref.name": reference },
+        });
+        let body = serde_json::to_vec(&manifest).expect("manifest serializes");
+        let digest = sha256_digest(&body);
+        client
+            .push_manifest_raw(&r, body, hyper::http::HeaderValue::from_static(MANIFEST_MT))
+            .await
+            .map_err(|e| reg_err(&format!("push manifest {lazy_ref}"), e))?;
+        Ok(ConvertReport {
+            reference: lazy_ref,
+            manifest: digest,
+            files_bytes,
+            data_bytes,
+        })
+    }
+
+    /// Convert one unpacked layer directory: data blob and index blob into the blob store.
+    /// Returns the index's digest, size and contents.
+    fn convert_layer(
+        &self,
+        dir: &Path,
+        diff_id: Option<String>,
+    ) -> NodeResult<(String, u64, LazyIndex)> {
+        struct W(super::oci::BlobWriter);
+        impl std::io::Write for W {
+            fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+                self.0
+                    .write(b)
+                    .map_err(|e| std::io::Error::other(e.to_string()))?;
+                Ok(b.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let mut w = std::io::BufWriter::with_capacity(1 << 20, W(self.blob_writer(None)?));
+        let mut idx = format::convert_dir(dir, &mut w)?;
+        let W(bw) = w
+            .into_inner()
+            .map_err(|e| NodeError::io("flush lazy data blob", e.into_error()))?;
+        bw.commit(Some(&idx.data_digest))?;
+        idx.diff_id = diff_id;
+        let json = serde_json::to_vec(&idx).expect("index serializes");
+        let (digest, size) = self.put_blob(
+            &json[..],
+            None,
+            Some(json.len() as u64),
+            &NoProgress,
+            "index",
+        )?;
+        Ok((digest, size, idx))
+    }
+
+    /// Pull the lazy form of `reference` (`REPO:TAG-lazy`, see [`convert_lazy`]) and store it
+    /// as `name` (default: the normalised `reference`): only the manifest, config and index
+    /// blobs are fetched; file data comes chunk by chunk when read. The image's layers are
+    /// the lazy mount points, mounted on [`resolve`](Self::resolve) (or [`mount_lazy`]).
+    ///
+    /// [`convert_lazy`]: Self::convert_lazy
+    /// [`mount_lazy`]: Self::mount_lazy
+    ///
+    /// # Errors
+    /// `NotFound` when the registry has no lazy form; `InvalidArgument` for a bad manifest
+    /// or index; `Unavailable` when the registry fails; `Internal` on local I/O.
+    pub async fn pull_lazy(&self, reference: &str, name: Option<&str>) -> NodeResult<super::Image> {
+        let whole = super::parse_reference(reference)?.whole();
+        let name = match name {
+            Some(n) => {
+                super::parse_image_name(n)?;
+                n.to_string()
+            }
+            None => whole.clone(),
+        };
+        let lazy_ref = lazy_reference(reference)?;
+        let r = super::parse_reference(&lazy_ref)?;
+        let (client, auth) = client_for(&r);
+        let (bytes, _) = client
+            .pull_manifest_raw(&r, &auth, &[MANIFEST_MT])
+            .await
+            .map_err(|e| reg_err(&format!("pull {lazy_ref}"), e))?;
+        if bytes.len() as u64 > MAX_JSON_BYTES {
+            return Err(NodeError::InvalidArgument(format!(
+                "{lazy_ref}: manifest too large"
+            )));
+        }
+        let manifest_digest = sha256_digest(&bytes);
+        let m: serde_json::Value = serde_json::from_slice(&bytes)
+            .map_err(|e| NodeError::InvalidArgument(format!("{lazy_ref}: bad manifest: {e}")))?;
+        if m["annotations"][ANNOTATION].as_str() != Some("1") {
+            return Err(NodeError::InvalidArgument(format!(
+                "{lazy_ref} is not a Sandlot lazy image (no {ANNOTATION} annotation)"
+            )));
+        }
+        let config = m["config"]["digest"].as_str().unwrap_or("").to_string();
+        let mut indexes = Vec::new();
+        for l in m["layers"].as_array().into_iter().flatten() {
+            if l["mediaType"].as_str() == Some(INDEX_MEDIA_TYPE) {
+                indexes.push(l["digest"].as_str().unwrap_or("").to_string());
+            }
+        }
+        let _lock = self.lock(false)?;
+        self.put_blob(
+            &bytes[..],
+            Some(&manifest_digest),
+            None,
+            &NoProgress,
+            "manifest",
+        )?;
+        let mut size = 0;
+        let mut rels = Vec::new();
+        for d in indexes.iter().chain(std::iter::once(&config)) {
+            digest_hex(d)?;
+            if !self.blob_path(d)?.is_file() {
+                let mut buf = Vec::new();
+                let desc = oci_client::manifest::OciDescriptor {
+                    digest: d.clone(),
+                    ..Default::default()
+                };
+                client
+                    .pull_blob(&r, &desc, &mut buf)
+                    .await
+                    .map_err(|e| reg_err(&format!("pull blob {d} of {lazy_ref}"), e))?;
+                self.put_blob(&buf[..], Some(d), None, &NoProgress, d)?;
+            }
+        }
+        for d in &indexes {
+            let idx = self.lazy_index(d)?;
+            size += idx.files_bytes;
+            rels.push(format!("{LAZY_DIR}/mnt/{}", digest_hex(d)?));
+        }
+        rels.reverse();
+        let cfg: super::oci::ImageConfig = serde_json::from_slice(
+            &std::fs::read(self.blob_path(&config)?)
+                .map_err(|e| NodeError::io(format!("read config {config}"), e))?,
+        )
+        .map_err(|e| NodeError::InvalidArgument(format!("{lazy_ref}: bad config: {e}")))?;
+        let exec = cfg.config.unwrap_or_default();
+        let mut blobs = indexes.clone();
+        blobs.push(config.clone());
+        blobs.push(manifest_digest.clone());
+        let meta = ImageJson {
+            name: name.clone(),
+            env: exec
+                .env
+                .unwrap_or_default()
+                .into_iter()
+                .filter_map(|kv| {
+                    kv.split_once('=')
+                        .map(|(k, v)| (k.to_string(), v.to_string()))
+                })
+                .collect(),
+            workdir: exec.working_dir.filter(|w| !w.is_empty()),
+            user: exec.user.filter(|u| !u.is_empty()),
+            created_at: chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
+            size_bytes: size,
+            source: ImageSource::Lazy {
+                reference: whole,
+                lazy_reference: lazy_ref,
+                manifest: manifest_digest,
+                config,
+                indexes,
+            },
+            layers: rels,
+            blobs,
+        };
+        self.install_meta(&name, &meta)
+    }
+
+    /// Mount every lazy layer of `img` not mounted yet (one FUSE daemon per layer, shared by
+    /// every image and sandbox using it). A no-op for other images.
+    ///
+    /// # Errors
+    /// `Unavailable` when a daemon does not mount within 10 s (its log is quoted).
+    pub fn mount_lazy(&self, img: &super::Image) -> NodeResult<()> {
+        let ImageSource::Lazy {
+            lazy_reference,
+            indexes,
+            ..
+        } = &img.source
+        else {
+            return Ok(());
+        };
+        for d in indexes {
+            self.ensure_mounted(d, lazy_reference)?;
+        }
+        Ok(())
+    }
+
+    /// How much of lazy image `img` is in the chunk cache; `None` for other images.
+    pub fn lazy_local_bytes(&self, img: &super::Image) -> Option<LocalBytes> {
+        let ImageSource::Lazy { indexes, .. } = &img.source else {
+            return None;
+        };
+        let mut all = Vec::new();
+        for d in indexes {
+            let idx = self.lazy_index(d).ok()?;
+            all.extend(idx.entries.into_iter().flat_map(|e| e.chunks));
+        }
+        let mut seen = std::collections::HashSet::new();
+        let total = all
+            .iter()
+            .filter(|c| seen.insert(c.digest.clone()))
+            .map(|c| c.len)
+            .sum();
+        Some(LocalBytes {
+            cached: fetch::cached_bytes(&self.dir, all.iter()),
+            total,
+        })
+    }
+
+    fn ensure_mounted(&self, index: &str, reference: &str) -> NodeResult<PathBuf> {
+        let mp = self.lazy_mount_point(index)?;
+        match fuse_mount_state(&mp) {
+            MountState::Live => return Ok(mp),
+            MountState::Dead => {
+                tracing::warn!(mount = %mp.display(), "lazy mount's daemon is gone; remounting");
+                let _ = nix::mount::umount2(&mp, nix::mount::MntFlags::MNT_DETACH);
+            }
+            MountState::None => {}
+        }
+        std::fs::create_dir_all(&mp)
+            .map_err(|e| NodeError::io(format!("create {}", mp.display()), e))?;
+        // SECURITY: like layers/, only root may walk to the mounts: they show image files
+        // with the image's owners and setuid bits (mounted nosuid all the same).
+        super::set_mode(&self.lazy_dir(), 0o700)?;
+        let log = self.lazy_dir().join(format!("{}.log", digest_hex(index)?));
+        let logf = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log)
+            .map_err(|e| NodeError::io(format!("open {}", log.display()), e))?;
+        let exe = std::env::var_os("SANDLOT_LAZY_EXE")
+            .map(PathBuf::from)
+            .or_else(|| std::env::current_exe().ok())
+            .ok_or_else(|| NodeError::Unavailable("cannot find the sandlot binary".into()))?;
+        let mut cmd = std::process::Command::new(&exe);
+        cmd.arg(DAEMON_ARG)
+            .arg(&self.dir)
+            .arg(index)
+            .arg(reference)
+            .arg(&mp)
+            .stdin(std::process::Stdio::null())
+            .stdout(logf.try_clone().map_err(|e| NodeError::io("dup log", e))?)
+            .stderr(logf);
+        use std::os::unix::process::CommandExt;
+        // SAFETY: setsid is async-signal-safe; the daemon leaves the node's session and
+        // process group, so it outlives a kill -9 (or a Ctrl-C) of the node.
+        unsafe {
+            cmd.pre_exec(|| {
+                nix::unistd::setsid().map_err(std::io::Error::from)?;
+                Ok(())
+            });
+        }
+        let mut child = cmd
+            .spawn()
+            .map_err(|e| NodeError::io(format!("start {}", exe.display()), e))?;
+        let t0 = Instant::now();
+        while t0.elapsed() < Duration::from_secs(10) {
+            if fuse_mount_state(&mp) == MountState::Live {
+                // Reap it when it ends, so no zombie stays behind.
+                std::thread::spawn(move || child.wait());
+                tracing::info!(mount = %mp.display(), index, "lazy layer mounted");
+                return Ok(mp);
+            }
+            if let Ok(Some(st)) = child.try_wait() {
+                let tail = std::fs::read_to_string(&log).unwrap_or_default();
+                let tail: String = tail.lines().rev().take(5).collect::<Vec<_>>().join(" | ");
+                return Err(NodeError::Unavailable(format!(
+                    "lazy mount of {index} failed ({st}): {tail}"
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = child.kill();
+        Err(NodeError::Unavailable(format!(
+            "lazy mount of {index} did not come up within 10 s (log {})",
+            log.display()
+        )))
+    }
+}
+
+#[derive(Debug, PartialEq, Eq)]
+enum MountState {
+    None,
+    Live,
+    Dead,
+}
+
+/// Is a FUSE file system mounted at `mp`, and does its daemon answer?
+fn fuse_mount_state(mp: &Path) -> MountState {
+    let want = mp.to_string_lossy().to_string();
+    let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    // Fields (proc(5)): id parent major:minor root MOUNTPOINT options ... - FSTYPE source ...
+    let found = info.lines().any(|line| {
+        line.split(' ').nth(4) == Some(want.as_str())
+            && line
+                .split_once(" - ")
+                .is_some_and(|(_, rest)| rest.starts_with("fuse"))
+    });
+    if !found {
+        return MountState::None;
+    }
+    match std::fs::metadata(mp) {
+        Err(e) if e.raw_os_error() == Some(libc::ENOTCONN) => MountState::Dead,
+        _ => MountState::Live,
+    }
+}
+
+/// Body of the FUSE daemon (`sandlot __lazy-mount STORE INDEX REFERENCE MOUNTPOINT`):
+/// serve lazy layer `INDEX` of store `STORE` at `MOUNTPOINT`, fetching misses from the
+/// registry of `REFERENCE`. Returns when the file system is unmounted.
+///
+/// # Errors
+/// `InvalidArgument` for bad arguments or index; `Internal` when mounting fails.
+pub fn serve_main(args: &[std::ffi::OsString]) -> NodeResult<()> {
+    let [store, index, reference, mp] = args else {
+        return Err(NodeError::InvalidArgument(format!(
+            "usage: sandlot {DAEMON_ARG} STORE INDEX REFERENCE MOUNTPOINT"
+        )));
+    };
+    let index = index.to_string_lossy().to_string();
+    let reference = reference.to_string_lossy().to_string();
+    let store = ImageStore::open(PathBuf::from(store))?;
+    let idx = store.lazy_index(&index)?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| NodeError::io("start runtime", e))?;
+    let remote = fetch::Remote::new(&reference)?;
+    let chunks = std::sync::Arc::new(fetch::ChunkStore::new(
+        store.dir(),
+        Some(remote),
+        fetch::FetchConfig::default(),
+    )?);
+    let lazy = fs::LazyFs::new(idx, chunks, rt.handle().clone())?;
+    let mut cfg = fuser::Config::default();
+    cfg.mount_options = vec![
+        fuser::MountOption::FSName(format!("sandlot-lazy-{}", super::oci::short(&index))),
+        fuser::MountOption::RO,
+        fuser::MountOption::NoSuid,
+        fuser::MountOption::NoDev,
+        fuser::MountOption::DefaultPermissions,
+    ];
+    cfg.acl = fuser::SessionACL::All;
+    cfg.n_threads = Some(4);
+    tracing::info!(index, mount = %Path::new(mp).display(), "serving lazy layer");
+    fuser::mount(lazy, mp, &cfg).map_err(|e| NodeError::io(format!("fuse mount {:?}", mp), e))
+}

@@ -1,0 +1,327 @@
+//! The lazy mount: a read-only FUSE file system (`fuser`, kernel FUSE protocol) presenting
+//! one lazy layer's [`LazyIndex`] as the directory tree [`crate::images::unpack`] would
+//! have written, so overlayfs can stack it as a lower dir: same owners (not remapped), modes,
+//! mtimes, symlinks, hard links (one inode), whiteouts (character device 0/0) and opaque
+//! directories (`trusted.overlay.opaque=y` through `getxattr`). Metadata is answered from
+//! memory; file data is read chunk by chunk through [`ChunkStore`] (disk cache, then the
+//! registry). A chunk that cannot be had fails the read with `EIO`.
+//!
+//! Mounted with `allow_other` (sandboxes' processes reach it through overlay) and
+//! `default_permissions` (the kernel checks modes), `ro,nosuid,nodev`; opened files keep
+//! their page cache (`FOPEN_KEEP_CACHE`: the index is immutable), so all sandboxes of a
+//! node share one cached copy.
+use super::fetch::ChunkStore;
+use super::format::{Kind, LazyIndex, CHUNK_SIZE};
+use fuser::{
+    Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo, LockOwner,
+    OpenFlags, ReplyAttr, ReplyData, ReplyDirectory, ReplyEntry, ReplyOpen, ReplyXattr, Request,
+};
+use std::collections::HashMap;
+use std::ffi::OsStr;
+use std::os::unix::ffi::OsStrExt;
+use std::sync::Arc;
+use std::time::{Duration, UNIX_EPOCH};
+
+/// Attribute/entry cache time given to the kernel: the tree never changes.
+const TTL: Duration = Duration::from_secs(3600);
+
+struct Node {
+    /// Index of the entry holding the metadata (the first path of a hard-linked file).
+    entry: usize,
+    parent: u64,
+    /// Children by name → inode (directories only), in index order.
+    children: Vec<(Vec<u8>, u64)>,
+    nlink: u32,
+}
+
+/// A FUSE file system serving one lazy layer.
+pub struct LazyFs {
+    index: LazyIndex,
+    /// Inode `i` is `nodes[i - 1]`; inode 1 is the root.
+    nodes: Vec<Node>,
+    names: Vec<HashMap<Vec<u8>, u64>>,
+    chunks: Arc<ChunkStore>,
+    rt: tokio::runtime::Handle,
+}
+
+impl LazyFs {
+    /// Build the inode table of `index` (checked with [`LazyIndex::parse`]); reads go
+    /// through `chunks` on runtime `rt`.
+    ///
+    /// # Errors
+    /// `InvalidArgument` when the index has no root directory first, or a path whose parent
+    /// is missing or not a directory.
+    pub fn new(
+        index: LazyIndex,
+        chunks: Arc<ChunkStore>,
+        rt: tokio::runtime::Handle,
+    ) -> crate::node::NodeResult<LazyFs> {
+        let bad =
+            |why: String| crate::node::NodeError::InvalidArgument(format!("lazy index: {why}"));
+        if index
+            .entries
+            .first()
+            .is_none_or(|e| e.path.is_empty() && e.kind != Kind::Dir)
+            || index.entries.first().is_some_and(|e| !e.path.is_empty())
+        {
+            return Err(bad("the first entry is not the root directory".into()));
+        }
+        let mut nodes: Vec<Node> = Vec::new();
+        let mut by_path: HashMap<&str, u64> = HashMap::new();
+        for (i, e) in index.entries.iter().enumerate() {
+            let (parent_path, name) = match e.path.rsplit_once('/') {
+                Some((p, n)) => (p, n),
+                None => ("", e.path.as_str()),
+            };
+            if i == 0 {
+                nodes.push(Node {
+                    entry: 0,
+                    parent: 1,
+                    children: Vec::new(),
+                    nlink: 2,
+                });
+                by_path.insert("", 1);
+                continue;
+            }
+            let Some(&parent) = by_path.get(parent_path) else {
+                return Err(bad(format!("{:?} has no parent directory", e.path)));
+            };
+            if index.entries[nodes[parent as usize - 1].entry].kind != Kind::Dir {
+                return Err(bad(format!("parent of {:?} is not a directory", e.path)));
+            }
+            let ino = if e.kind == Kind::Hardlink {
+                let t = e.target.as_deref().unwrap_or("");
+                let Some(&ino) = by_path.get(t) else {
+                    return Err(bad(format!("hard link {:?} names no file", e.path)));
+                };
+                nodes[ino as usize - 1].nlink += 1;
+                ino
+            } else {
+                nodes.push(Node {
+                    entry: i,
+                    parent,
+                    children: Vec::new(),
+                    nlink: if e.kind == Kind::Dir { 2 } else { 1 },
+                });
+                let ino = nodes.len() as u64;
+                by_path.insert(e.path.as_str(), ino);
+                if e.kind == Kind::Dir {
+                    nodes[parent as usize - 1].nlink += 1;
+                }
+                ino
+            };
+            nodes[parent as usize - 1]
+                .children
+                .push((name.as_bytes().to_vec(), ino));
+        }
+        let names = nodes
+            .iter()
+            .map(|n| n.children.iter().cloned().collect())
+            .collect();
+        Ok(LazyFs {
+            index,
+            nodes,
+            names,
+            chunks,
+            rt,
+        })
+    }
+
+    fn node(&self, ino: INodeNo) -> Option<&Node> {
+        self.nodes.get((ino.0 as usize).checked_sub(1)?)
+    }
+
+    fn attr(&self, ino: u64) -> Option<FileAttr> {
+        let n = self.nodes.get(ino as usize - 1)?;
+        let e = &self.index.entries[n.entry];
+        let (kind, size) = match e.kind {
+            Kind::Dir => (FileType::Directory, 4096),
+            Kind::File | Kind::Hardlink => (FileType::RegularFile, e.size),
+            Kind::Symlink => (FileType::Symlink, e.size),
+            Kind::Fifo => (FileType::NamedPipe, 0),
+            Kind::Whiteout => (FileType::CharDevice, 0),
+        };
+        let t = if e.mtime >= 0 {
+            UNIX_EPOCH + Duration::new(e.mtime as u64, e.mtime_nsec)
+        } else {
+            UNIX_EPOCH
+        };
+        Some(FileAttr {
+            ino: INodeNo(ino),
+            size,
+            blocks: size.div_ceil(512),
+            atime: t,
+            mtime: t,
+            ctime: t,
+            crtime: t,
+            kind,
+            perm: (e.mode & 0o7777) as u16,
+            nlink: n.nlink,
+            uid: e.uid,
+            gid: e.gid,
+            rdev: 0,
+            blksize: 4096,
+            flags: 0,
+        })
+    }
+
+    /// Bytes `[offset, offset + size)` of regular file `ino` (clipped at its end).
+    fn read_range(&self, ino: INodeNo, offset: u64, size: u32) -> Result<Vec<u8>, Errno> {
+        let n = self.node(ino).ok_or(Errno::from_i32(libc::ENOENT))?;
+        let e = &self.index.entries[n.entry];
+        if e.kind != Kind::File {
+            return Err(Errno::from_i32(libc::EINVAL));
+        }
+        let end = offset.saturating_add(size as u64).min(e.size);
+        let mut out = Vec::with_capacity(end.saturating_sub(offset) as usize);
+        let mut pos = offset;
+        while pos < end {
+            let i = (pos / CHUNK_SIZE) as usize;
+            let c = e.chunks.get(i).ok_or(Errno::from_i32(libc::EIO))?;
+            let bytes = self
+                .rt
+                .block_on(self.chunks.get(&self.index.data_digest, c))
+                .map_err(|err| {
+                    tracing::error!(path = %e.path, chunk = %c.digest, error = %err, "lazy read failed: EIO");
+                    Errno::from_i32(libc::EIO)
+                })?;
+            let from = (pos - i as u64 * CHUNK_SIZE) as usize;
+            let to = ((end - i as u64 * CHUNK_SIZE) as usize).min(bytes.len());
+            out.extend_from_slice(&bytes[from..to]);
+            pos = i as u64 * CHUNK_SIZE + to as u64;
+        }
+        Ok(out)
+    }
+}
+
+fn file_type(k: Kind) -> FileType {
+    match k {
+        Kind::Dir => FileType::Directory,
+        Kind::File | Kind::Hardlink => FileType::RegularFile,
+        Kind::Symlink => FileType::Symlink,
+        Kind::Fifo => FileType::NamedPipe,
+        Kind::Whiteout => FileType::CharDevice,
+    }
+}
+
+impl Filesystem for LazyFs {
+    fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
+        let found = self
+            .names
+            .get((parent.0 as usize).wrapping_sub(1))
+            .and_then(|m| m.get(name.as_bytes()))
+            .and_then(|&ino| self.attr(ino));
+        match found {
+            Some(a) => reply.entry(&TTL, &a, Generation(0)),
+            None => reply.error(Errno::from_i32(libc::ENOENT)),
+        }
+    }
+
+    fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
+        match self.node(ino).and_then(|_| self.attr(ino.0)) {
+            Some(a) => reply.attr(&TTL, &a),
+            None => reply.error(Errno::from_i32(libc::ENOENT)),
+        }
+    }
+
+    fn readlink(&self, _req: &Request, ino: INodeNo, reply: ReplyData) {
+        match self.node(ino).map(|n| &self.index.entries[n.entry]) {
+            Some(e) if e.kind == Kind::Symlink => {
+                reply.data(e.target.as_deref().unwrap_or("").as_bytes())
+            }
+            _ => reply.error(Errno::from_i32(libc::EINVAL)),
+        }
+    }
+
+    fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
+        if flags.0 & libc::O_ACCMODE != libc::O_RDONLY {
+            return reply.error(Errno::from_i32(libc::EROFS));
+        }
+        match self.node(ino) {
+            Some(_) => reply.opened(FileHandle(0), FopenFlags::FOPEN_KEEP_CACHE),
+            None => reply.error(Errno::from_i32(libc::ENOENT)),
+        }
+    }
+
+    fn read(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
+        size: u32,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        reply: ReplyData,
+    ) {
+        match self.read_range(ino, offset, size) {
+            Ok(b) => reply.data(&b),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn readdir(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
+        mut reply: ReplyDirectory,
+    ) {
+        let Some(n) = self.node(ino) else {
+            return reply.error(Errno::from_i32(libc::ENOENT));
+        };
+        let mut all: Vec<(u64, FileType, &[u8])> = vec![
+            (ino.0, FileType::Directory, b"."),
+            (n.parent, FileType::Directory, b".."),
+        ];
+        for (name, child) in &n.children {
+            let k = self.index.entries[self.nodes[*child as usize - 1].entry].kind;
+            all.push((*child, file_type(k), name));
+        }
+        for (i, (child, kind, name)) in all.iter().enumerate().skip(offset as usize) {
+            if reply.add(
+                INodeNo(*child),
+                i as u64 + 1,
+                *kind,
+                OsStr::from_bytes(name),
+            ) {
+                break;
+            }
+        }
+        reply.ok();
+    }
+
+    fn getxattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, size: u32, reply: ReplyXattr) {
+        let opaque = self
+            .node(ino)
+            .is_some_and(|n| self.index.entries[n.entry].opaque);
+        if opaque && name.as_bytes() == crate::images::unpack::OPAQUE_XATTR.as_bytes() {
+            if size == 0 {
+                reply.size(1);
+            } else {
+                reply.data(b"y");
+            }
+        } else {
+            reply.error(Errno::from_i32(libc::ENODATA));
+        }
+    }
+
+    fn listxattr(&self, _req: &Request, ino: INodeNo, size: u32, reply: ReplyXattr) {
+        let opaque = self
+            .node(ino)
+            .is_some_and(|n| self.index.entries[n.entry].opaque);
+        let mut v = Vec::new();
+        if opaque {
+            v.extend_from_slice(crate::images::unpack::OPAQUE_XATTR.as_bytes());
+            v.push(0);
+        }
+        if size == 0 {
+            reply.size(v.len() as u32);
+        } else if (size as usize) < v.len() {
+            reply.error(Errno::from_i32(libc::ERANGE));
+        } else {
+            reply.data(&v);
+        }
+    }
+}
