@@ -81,6 +81,8 @@ fi
 # E2B's own Python SDK drives tests/test_e2b_sdk.py against Sandlot's E2B API (docs/e2b.md);
 # checked with e2b 2.63.0.
 .venv/bin/python -m pip install -q --disable-pip-version-check "e2b>=2.0,<3"
+# E2B's code-interpreter SDK drives tests/test_e2b_code_interpreter.py (checked with 2.11.5).
+.venv/bin/python -m pip install -q --disable-pip-version-check "e2b-code-interpreter>=2.0,<3"
 # deploy/kubernetes/*.yaml are checked against Kubernetes' OpenAPI schemas by
 # tests/test_deploy.py (checked with kubernetes-validate 1.37.0).
 .venv/bin/python -m pip install -q --disable-pip-version-check "kubernetes-validate==1.37.0"

@@ -7,8 +7,8 @@
 //! - **Path**: `ANY /v1/sandboxes/{id}/ports/{port}/{path…}` (and `…/ports/{port}` for
 //!   `/`) reaches `/{path…}?{query}` on `127.0.0.1:{port}` inside sandbox `{id}`.
 //! - **Host name** (E2B's `sandbox.get_host(port)`, `<port>-<sandbox-id>.<domain>`): a
-//!   request whose `Host` is such a name, for any port but envd's 49983 (which the E2B
-//!   surface serves, [`crate::e2b`]), is rewritten to the path form before routing
+//!   request whose `Host` is such a name, for any port but envd's 49983 and the code
+//!   interpreter's 49999 (which the E2B surface serves, [`crate::e2b`]), is rewritten to the path form before routing
 //!   ([`rewrite`]), so every path of the app in the sandbox is reachable and the same
 //!   authentication and tenant checks apply.
 //!
@@ -57,7 +57,8 @@ const HOP_BY_HOP: [&str; 8] = [
 const KEY_HEADERS: [&str; 3] = ["x-access-token", "e2b-traffic-access-token", "x-api-key"];
 
 /// `(port, sandbox id)` of an ingress host name `<port>-<sandbox-id>.<domain>[:port]`
-/// (E2B's `get_host`), `None` for any other host and for envd's port 49983.
+/// (E2B's `get_host`), `None` for any other host and for envd's port 49983 and the code
+/// interpreter's 49999 (both served by Sandlot itself, [`crate::e2b`]).
 pub fn ingress_host(host: &str) -> Option<(u16, String)> {
     let name = host.split(':').next().unwrap_or("");
     let (first, rest) = name.split_once('.')?;
@@ -68,7 +69,8 @@ pub fn ingress_host(host: &str) -> Option<(u16, String)> {
     let port: u16 = port.parse().ok()?;
     let id_ok =
         id.len() > 3 && id.starts_with("sb-") && id[3..].bytes().all(|b| b.is_ascii_alphanumeric());
-    (port != 0 && port != crate::e2b::ENVD_PORT && id_ok).then(|| (port, id.to_owned()))
+    let served = port == crate::e2b::ENVD_PORT || port == crate::e2b::interpreter::JUPYTER_PORT;
+    (port != 0 && !served && id_ok).then(|| (port, id.to_owned()))
 }
 
 /// Runs before routing: a request for an ingress host name ([`ingress_host`]) becomes a

@@ -117,6 +117,8 @@ struct TimeoutBody {
 fn image_of(st: &SharedState, template: &str) -> String {
     if template == "base" {
         st.cfg.e2b.base_image.clone()
+    } else if super::interpreter::TEMPLATES.contains(&template) {
+        super::interpreter::IMAGE.to_owned()
     } else {
         template.to_owned()
     }
@@ -164,6 +166,8 @@ fn sandbox_json(st: &SharedState, rec: &Record, key: Option<String>) -> serde_js
         "domain": null,
     });
     if let Some(k) = key {
+        // The code interpreter's `*_code_context` calls send only the traffic token.
+        v["trafficAccessToken"] = k.clone().into();
         v["envdAccessToken"] = k.into();
     }
     v
@@ -355,6 +359,7 @@ pub async fn get_one(
     let rec = visible(&st, &who, &id).await?;
     let mut v = listed_json(&rec);
     if let Some(k) = access_key(&st, &headers).await {
+        v["trafficAccessToken"] = k.clone().into();
         v["envdAccessToken"] = k.into();
     }
     v["domain"] = serde_json::Value::Null;

@@ -15,6 +15,7 @@
 //! | `POST /filesystem.Filesystem/{Stat,ListDir,MakeDir,Move,Remove}`, `GET/POST /files` | [`filesystem`] |
 //! | `POST /filesystem.Filesystem/{WatchDir,CreateWatcher,GetWatcherEvents,RemoveWatcher}` | [`watch`] |
 //! | `GET /health` (envd) | here |
+//! | `POST /execute`, `GET/POST /contexts`, `DELETE /contexts/{id}`, `POST /contexts/{id}/restart` (code interpreter, port 49999) | [`interpreter`] |
 //!
 //! **Which sandbox** an envd request is for: the `E2b-Sandbox-Id` header (what the SDK
 //! sends in `E2B_SANDBOX_URL` mode), else a host name `<port>-<sandbox-id>.<domain>`
@@ -34,6 +35,7 @@
 pub mod connect;
 pub mod control;
 pub mod filesystem;
+pub mod interpreter;
 pub mod process;
 pub mod watch;
 
@@ -91,6 +93,8 @@ pub struct E2bState {
     homes: Mutex<HashSet<(String, String)>>,
     /// File watchers ([`watch`]).
     pub watchers: watch::Watchers,
+    /// Code-interpreter contexts ([`interpreter`]).
+    pub interpreters: interpreter::Interpreters,
 }
 
 #[derive(Default)]
@@ -164,7 +168,8 @@ impl E2bState {
         let mut h = self.homes.lock().unwrap_or_else(|p| p.into_inner());
         h.retain(|(k, _)| keep(k));
         drop(h);
-        self.watchers.retain_sandboxes(keep);
+        self.watchers.retain_sandboxes(&keep);
+        self.interpreters.retain_sandboxes(keep);
     }
 
     /// Number of sandboxes with E2B processes.
@@ -195,6 +200,19 @@ pub fn routes() -> Router<SharedState> {
             post(filesystem::dispatch),
         )
         .route("/files", get(filesystem::download).post(filesystem::upload))
+        .route("/execute", post(interpreter::execute))
+        .route(
+            "/contexts",
+            post(interpreter::create_context).get(interpreter::list_contexts),
+        )
+        .route(
+            "/contexts/{context_id}",
+            axum::routing::delete(interpreter::remove_context),
+        )
+        .route(
+            "/contexts/{context_id}/restart",
+            post(interpreter::restart_context),
+        )
 }
 
 /// Whether `path` belongs to the E2B surface (for [`credentials`]).
@@ -206,10 +224,13 @@ pub fn is_e2b_path(path: &str) -> bool {
         || is_envd_path(path)
 }
 
-/// Whether `path` is one of envd's (served per sandbox).
+/// Whether `path` is one of envd's or the code interpreter's (served per sandbox).
 pub fn is_envd_path(path: &str) -> bool {
     path == "/health"
         || path == "/files"
+        || path == "/execute"
+        || path == "/contexts"
+        || path.starts_with("/contexts/")
         || path.starts_with("/process.Process/")
         || path.starts_with("/filesystem.Filesystem/")
 }
@@ -247,7 +268,7 @@ pub async fn credentials(mut req: Request, next: Next) -> Response {
         }
     }
     let headers = req.headers_mut();
-    let token = ["x-access-token", "x-api-key"]
+    let token = ["x-access-token", "x-api-key", "e2b-traffic-access-token"]
         .into_iter()
         .find_map(|n| header_str(headers, n).map(str::to_owned));
     if let Some(t) = token {

@@ -1,0 +1,66 @@
+"""The unmodified `e2b-code-interpreter` SDK (PyPI, installed by scripts/setup.sh) against
+`sandlot up`: `run_code` on a stateful kernel served by Sandlot (docs/e2b.md, "Code
+interpreter"). Needs the lang-python image (ipykernel, jupyter_client, matplotlib)."""
+from __future__ import annotations
+
+import base64
+import os
+
+import httpx
+import pytest
+
+ci = pytest.importorskip("e2b_code_interpreter",
+                         reason="e2b-code-interpreter is not installed (scripts/setup.sh)")
+from e2b_code_interpreter import Sandbox  # noqa: E402
+
+from conftest import IMAGES_DIR  # noqa: E402
+
+
+@pytest.fixture
+def sbx(server, monkeypatch):
+    if not os.path.isdir(os.path.join(IMAGES_DIR, "lang-python")):
+        pytest.skip("image lang-python is not installed (sandlot image build lang-python)")
+    for k in ("E2B_API_URL", "E2B_SANDBOX_URL"):
+        monkeypatch.setenv(k, server.url)
+    monkeypatch.setenv("E2B_API_KEY", "e2b_sandlot_no_auth")
+    monkeypatch.delenv("E2B_DOMAIN", raising=False)
+    monkeypatch.delenv("E2B_DEBUG", raising=False)
+    sb = Sandbox.create(timeout=120)
+    yield sb
+    sb.kill()
+
+
+def test_state_streams_error_png_files_contexts(sbx, server):
+    out = []
+    e = sbx.run_code("x = 41\nimport sys\nprint('hi'); print('oops', file=sys.stderr)",
+                     on_stdout=lambda m: out.append(m.line), on_stderr=lambda m: out.append(m.line))
+    assert e.logs.stdout == ["hi\n"] and e.logs.stderr == ["oops\n"] and out == ["hi\n", "oops\n"]
+    assert sbx.run_code("x + 1").text == "42"
+    e = sbx.run_code("1/0")
+    assert e.error.name == "ZeroDivisionError" and "division" in e.error.value
+    assert "ZeroDivisionError" in e.error.traceback
+    e = sbx.run_code("import matplotlib.pyplot as plt\nplt.plot([1, 2, 3])\nplt.show()")
+    png = base64.b64decode([r.png for r in e.results if r.png][0])
+    assert png.startswith(b"\x89PNG")
+    sbx.files.write("/home/user/a.txt", "data")
+    assert sbx.run_code("open('a.txt').read()").text == "data"
+    assert sbx.commands.run("echo cmd").stdout == "cmd\n"
+    assert sbx.run_code("import os; os.environ.get('K')", envs={"K": "v"}).text == "v"
+    c = sbx.create_code_context()
+    assert sbx.run_code("'x' in dir()", context=c).text == "False"
+    assert c.id in [k.id for k in sbx.list_code_contexts()]
+    sbx.remove_code_context(c)
+
+
+def test_bad_input_is_a_clear_error(sbx, server):
+    h = {"E2b-Sandbox-Id": sbx.sandbox_id}
+    r = httpx.post(f"{server.url}/execute", json={"code": "1", "language": "cobol"}, headers=h)
+    assert r.status_code == 400 and "cobol" in r.text
+    r = httpx.post(f"{server.url}/execute", json={"code": "1", "context_id": "ctx-nope"},
+                   headers=h)
+    assert r.status_code == 404
+    r = httpx.post(f"{server.url}/execute", content=b"{not json", headers=h)
+    assert r.status_code == 400
+    r = httpx.post(f"{server.url}/execute", json={"code": "1"},
+                   headers={"E2b-Sandbox-Id": "sb-00000000000000000000"})
+    assert r.status_code == 404
