@@ -1,5 +1,5 @@
 //! Lazy images (issue 23, first slice): layers converted once into a chunked,
-//! content-addressed form ([`format`]), pushed to an OCI registry next to the image, and
+//! content-addressed form ([`mod@format`]), pushed to an OCI registry next to the image, and
 //! served on demand on the node: chunks are fetched on first read ([`fetch`]) and cached on
 //! the node's disk.
 pub mod fetch;
@@ -128,7 +128,7 @@ impl ImageStore {
     }
 
     /// Convert each layer of image `reference` (pulled or imported into this store) into
-    /// the lazy format ([`format`]) and push the result to `REPO:TAG-lazy` in the image's
+    /// the lazy format ([`mod@format`]) and push the result to `REPO:TAG-lazy` in the image's
     /// registry: an OCI image manifest whose config is the image's own config blob and
     /// whose layers are, bottom-most first, `(index, data)` pairs of media types
     /// [`INDEX_MEDIA_TYPE`] and [`DATA_MEDIA_TYPE`], annotated [`ANNOTATION`]. Converting

@@ -192,7 +192,7 @@ async fn start_context(
         env,
         stdin_b64: None,
         stdin: true,
-        timeout_s: Some(sandlot_node::processes::MAX_TIMEOUT_S),
+        timeout_s: Some(sandlot_api::MAX_TIMEOUT_S),
         max_output_bytes: Some(sandlot_node::processes::MAX_RETAIN),
         user: None,
         pty: None,
