@@ -6,7 +6,7 @@ pub mod fetch;
 pub mod format;
 pub mod fs;
 
-use super::oci::{digest_hex, is_loopback, sha256_digest, NoProgress, MAX_JSON_BYTES};
+use super::oci::{digest_hex, registry_client, sha256_digest, NoProgress, MAX_JSON_BYTES};
 use super::{ImageJson, ImageSource, ImageStore};
 use crate::node::{NodeError, NodeResult};
 use format::{LazyIndex, DATA_MEDIA_TYPE, INDEX_MEDIA_TYPE};
@@ -44,31 +44,6 @@ pub fn lazy_reference(reference: &str) -> NodeResult<String> {
         r.repository(),
         r.tag().unwrap_or("latest")
     ))
-}
-
-fn client_for(
-    r: &oci_client::Reference,
-) -> (oci_client::Client, oci_client::secrets::RegistryAuth) {
-    let registry = r.resolve_registry().to_string();
-    let protocol = if is_loopback(&registry) {
-        oci_client::client::ClientProtocol::HttpsExcept(vec![registry])
-    } else {
-        oci_client::client::ClientProtocol::Https
-    };
-    let client = oci_client::Client::new(oci_client::client::ClientConfig {
-        protocol,
-        connect_timeout: Some(Duration::from_secs(10)),
-        read_timeout: Some(Duration::from_secs(120)),
-        ..Default::default()
-    });
-    let auth = match (
-        std::env::var("SANDLOT_REGISTRY_USERNAME"),
-        std::env::var("SANDLOT_REGISTRY_PASSWORD"),
-    ) {
-        (Ok(u), Ok(p)) => oci_client::secrets::RegistryAuth::Basic(u, p),
-        _ => oci_client::secrets::RegistryAuth::Anonymous,
-    };
-    (client, auth)
 }
 
 fn reg_err(what: &str, e: oci_client::errors::OciDistributionError) -> NodeError {
@@ -175,7 +150,7 @@ impl ImageStore {
             data_bytes += idx.data_size;
             pairs.push((idx_digest, idx_size, idx));
         }
-        let (client, auth) = client_for(&r);
+        let (client, auth) = registry_client(&r, Duration::from_secs(10));
         client
             .store_auth_if_needed(r.resolve_registry(), &auth)
             .await;
@@ -302,7 +277,7 @@ impl ImageStore {
         };
         let lazy_ref = lazy_reference(reference)?;
         let r = super::parse_reference(&lazy_ref)?;
-        let (client, auth) = client_for(&r);
+        let (client, auth) = registry_client(&r, Duration::from_secs(10));
         let (bytes, _) = client
             .pull_manifest_raw(&r, &auth, &[MANIFEST_MT])
             .await

@@ -764,24 +764,7 @@ impl ImageStore {
         };
         let _lock = self.lock(false)?;
         let registry = r.resolve_registry().to_string();
-        let protocol = if is_loopback(&registry) {
-            oci_client::client::ClientProtocol::HttpsExcept(vec![registry.clone()])
-        } else {
-            oci_client::client::ClientProtocol::Https
-        };
-        let client = oci_client::Client::new(oci_client::client::ClientConfig {
-            protocol,
-            connect_timeout: Some(std::time::Duration::from_secs(10)),
-            read_timeout: Some(std::time::Duration::from_secs(120)),
-            ..Default::default()
-        });
-        let auth = match (
-            std::env::var("SANDLOT_REGISTRY_USERNAME"),
-            std::env::var("SANDLOT_REGISTRY_PASSWORD"),
-        ) {
-            (Ok(u), Ok(p)) => oci_client::secrets::RegistryAuth::Basic(u, p),
-            _ => oci_client::secrets::RegistryAuth::Anonymous,
-        };
+        let (client, auth) = registry_client(&r, std::time::Duration::from_secs(10));
         let whole = r.whole();
         let map = |e: oci_client::errors::OciDistributionError| pull_error(&whole, &registry, e);
 
@@ -1176,6 +1159,35 @@ fn layer_plan(
             })
         })
         .collect()
+}
+
+/// An OCI distribution client for `r`'s registry: plain HTTP for loopback registries,
+/// HTTPS otherwise; `connect` connect timeout, 120 s read timeout; anonymous, or HTTP Basic
+/// from `$SANDLOT_REGISTRY_USERNAME` / `$SANDLOT_REGISTRY_PASSWORD` when both are set.
+pub(crate) fn registry_client(
+    r: &oci_client::Reference,
+    connect: std::time::Duration,
+) -> (oci_client::Client, oci_client::secrets::RegistryAuth) {
+    let registry = r.resolve_registry().to_string();
+    let protocol = if is_loopback(&registry) {
+        oci_client::client::ClientProtocol::HttpsExcept(vec![registry])
+    } else {
+        oci_client::client::ClientProtocol::Https
+    };
+    let client = oci_client::Client::new(oci_client::client::ClientConfig {
+        protocol,
+        connect_timeout: Some(connect),
+        read_timeout: Some(std::time::Duration::from_secs(120)),
+        ..Default::default()
+    });
+    let auth = match (
+        std::env::var("SANDLOT_REGISTRY_USERNAME"),
+        std::env::var("SANDLOT_REGISTRY_PASSWORD"),
+    ) {
+        (Ok(u), Ok(p)) => oci_client::secrets::RegistryAuth::Basic(u, p),
+        _ => oci_client::secrets::RegistryAuth::Anonymous,
+    };
+    (client, auth)
 }
 
 /// `sha256:0123456789ab` (first 12 hex digits), for progress lines.

@@ -14,7 +14,7 @@
 //! attempts ([`FetchConfig`]); when all fail the caller gets `Unavailable` (the FUSE layer
 //! answers `EIO`), never wrong bytes and never an unbounded wait.
 use super::format::{chunk_digest, ChunkRef};
-use crate::images::oci::{digest_hex, is_loopback};
+use crate::images::oci::{digest_hex, registry_client};
 use crate::node::{NodeError, NodeResult};
 use futures::StreamExt as _;
 use std::collections::HashMap;
@@ -124,24 +124,7 @@ impl Remote {
     /// `InvalidArgument` for a bad reference.
     pub fn new(reference: &str) -> NodeResult<Remote> {
         let reference = crate::images::parse_reference(reference)?;
-        let registry = reference.resolve_registry().to_string();
-        let protocol = if is_loopback(&registry) {
-            oci_client::client::ClientProtocol::HttpsExcept(vec![registry])
-        } else {
-            oci_client::client::ClientProtocol::Https
-        };
-        let client = oci_client::Client::new(oci_client::client::ClientConfig {
-            protocol,
-            connect_timeout: Some(Duration::from_secs(5)),
-            ..Default::default()
-        });
-        let auth = match (
-            std::env::var("SANDLOT_REGISTRY_USERNAME"),
-            std::env::var("SANDLOT_REGISTRY_PASSWORD"),
-        ) {
-            (Ok(u), Ok(p)) => oci_client::secrets::RegistryAuth::Basic(u, p),
-            _ => oci_client::secrets::RegistryAuth::Anonymous,
-        };
+        let (client, auth) = registry_client(&reference, Duration::from_secs(5));
         Ok(Remote {
             client,
             reference,
