@@ -533,27 +533,33 @@ pub(crate) async fn start_delete_as(
     let id2 = id.to_owned();
     let backend = rec.backend;
     Ok(Some(tokio::spawn(async move {
-        let deleted = st2.node.delete(&id2).await;
+        let finished = async {
+            let deleted = st2.node.delete(&id2).await;
+            if deleted.is_err() {
+                // The record stays `deleting` without an owner: the reaper retries.
+                held.release().await;
+            } else {
+                drop(held); // the record goes below
+            }
+            if let Err(e) = deleted {
+                let e = ServerError::from(e);
+                crate::events::record_error(&st2, "delete", Some(&id2), Some(backend), &e);
+                return Err(e);
+            }
+            // Its background processes died with it; drop their records.
+            st2.processes.forget_sandbox(&id2);
+            st2.store.remove(&id2).await?;
+            tracing::info!(sandbox_id = %id2, "sandbox deleted");
+            let f = serde_json::Map::new();
+            // Deletes never fail for their event (deleting frees space); it waits in the queue.
+            crate::events::record_queued(&st2, "deleted", Some(&id2), Some(backend), f);
+            Ok::<(), ServerError>(())
+        }
+        .await;
+        // Only now: until the record is gone, a reaper pass that listed it as `deleting`
+        // must still see this delete in flight (else it starts a second node delete).
         st2.deleting_set().remove(&id2);
-        if deleted.is_err() {
-            // The record stays `deleting` without an owner: the reaper retries.
-            held.release().await;
-        } else {
-            drop(held); // the record goes below
-        }
-        if let Err(e) = deleted {
-            let e = ServerError::from(e);
-            crate::events::record_error(&st2, "delete", Some(&id2), Some(backend), &e);
-            return Err(e);
-        }
-        // Its background processes died with it; drop their records.
-        st2.processes.forget_sandbox(&id2);
-        st2.store.remove(&id2).await?;
-        tracing::info!(sandbox_id = %id2, "sandbox deleted");
-        let f = serde_json::Map::new();
-        // Deletes never fail for their event (deleting frees space); it waits in the queue.
-        crate::events::record_queued(&st2, "deleted", Some(&id2), Some(backend), f);
-        Ok::<(), ServerError>(())
+        finished
     })))
 }
 
