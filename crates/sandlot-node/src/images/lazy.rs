@@ -6,7 +6,9 @@ pub mod fetch;
 pub mod format;
 pub mod fs;
 
-use super::oci::{digest_hex, registry_client, sha256_digest, NoProgress, MAX_JSON_BYTES};
+use super::oci::{
+    digest_hex, env_pairs, registry_client, sha256_digest, NoProgress, MAX_JSON_BYTES,
+};
 use super::{ImageJson, ImageSource, ImageStore};
 use crate::node::{NodeError, NodeResult};
 use format::{LazyIndex, DATA_MEDIA_TYPE, INDEX_MEDIA_TYPE};
@@ -344,15 +346,7 @@ impl ImageStore {
         blobs.push(manifest_digest.clone());
         let meta = ImageJson {
             name: name.clone(),
-            env: exec
-                .env
-                .unwrap_or_default()
-                .into_iter()
-                .filter_map(|kv| {
-                    kv.split_once('=')
-                        .map(|(k, v)| (k.to_string(), v.to_string()))
-                })
-                .collect(),
+            env: env_pairs(exec.env),
             workdir: exec.working_dir.filter(|w| !w.is_empty()),
             user: exec.user.filter(|u| !u.is_empty()),
             created_at: chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true),

@@ -697,15 +697,7 @@ impl ImageStore {
         // Overlay lowerdir order: top-most first; the config lists bottom-most first.
         rels.reverse();
         let exec = cfg.config.unwrap_or_default();
-        let env = exec
-            .env
-            .unwrap_or_default()
-            .into_iter()
-            .filter_map(|kv| {
-                kv.split_once('=')
-                    .map(|(k, v)| (k.to_string(), v.to_string()))
-            })
-            .collect();
+        let env = env_pairs(exec.env);
         // The same image again (same config, same layers) keeps its creation time and so
         // its `Image::version`: pulling or importing it once more leaves its checkpoints
         // forkable and its microVM disk in use.
@@ -1157,6 +1149,18 @@ fn layer_plan(
                 media_type: l.media_type.clone(),
                 diff_id: d.clone(),
             })
+        })
+        .collect()
+}
+
+/// An image config's `Env` (`["K=V", …]`, OCI image spec "config") as (K, V) pairs; an
+/// entry without `=` is dropped.
+pub(crate) fn env_pairs(env: Option<Vec<String>>) -> Vec<(String, String)> {
+    env.unwrap_or_default()
+        .into_iter()
+        .filter_map(|kv| {
+            kv.split_once('=')
+                .map(|(k, v)| (k.to_string(), v.to_string()))
         })
         .collect()
 }
