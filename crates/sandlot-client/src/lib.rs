@@ -23,7 +23,7 @@ use sandlot_api::{
     ApiError, BatchCreateRequest, BatchCreateResponse, Checkpoint, CheckpointList,
     CreateSandboxRequest, ErrorBody, ErrorCode, ExecEvent, ExecRequest, ExecResult, FileEntry,
     FileList, KeepaliveRequest, LabelSelector, PauseResult, RunCodeRequest, RunCodeResponse,
-    Sandbox, SandboxList, TrajectoryInfo,
+    Sandbox, SandboxList, SandboxState, TrajectoryInfo,
 };
 
 /// True when a file answer came from the trajectory log (`Sandlot-Replayed: true`).
@@ -36,6 +36,14 @@ use serde::de::DeserializeOwned;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
+
+/// Sends of one create whose `Idempotency-Key` replay was rolled back before it finished
+/// (see [`Client::create_idempotent`]); the Python SDK's `CREATE_ATTEMPTS`.
+pub const CREATE_ATTEMPTS: usize = 3;
+/// How long a create waits for a replayed `creating` sandbox to finish.
+const CREATE_WAIT: std::time::Duration = std::time::Duration::from_secs(60);
+/// Poll interval of that wait.
+const CREATE_POLL: std::time::Duration = std::time::Duration::from_millis(50);
 
 /// Errors of client calls.
 #[derive(Debug, thiserror::Error)]
@@ -311,20 +319,56 @@ impl Client {
     /// `POST /v1/sandboxes` with an `Idempotency-Key`: retrying with the same key and
     /// request returns the same sandbox instead of creating another.
     ///
+    /// A replay of a create still in flight (the first try went to a server that stopped
+    /// during it) answers `creating`: this waits for it (polling `GET`, at most 60 s). When
+    /// that create is rolled back meanwhile (`deleting`, `deleted`, `lost`, or gone: the
+    /// rollback frees its key), the request is sent again with the same key, at most
+    /// [`CREATE_ATTEMPTS`] times in all — as the Python SDK does.
+    ///
     /// # Errors
-    /// As [`create`](Self::create); `conflict` when the key was used with another request.
+    /// As [`create`](Self::create); `conflict` when the key was used with another request;
+    /// `unavailable` when the create was rolled back on every attempt.
     pub async fn create_idempotent(
         &self,
         req: &CreateSandboxRequest,
         key: &str,
     ) -> Result<Sandbox> {
-        let url = self.url("/v1/sandboxes");
-        let rb = self
-            .http
-            .post(&url)
-            .header("Idempotency-Key", key)
-            .json(req);
-        self.json(&url, rb).await
+        let mut rolled_back = String::new();
+        'attempt: for _ in 0..CREATE_ATTEMPTS {
+            let url = self.url("/v1/sandboxes");
+            let rb = self
+                .http
+                .post(&url)
+                .header("Idempotency-Key", key)
+                .json(req);
+            let mut sb: Sandbox = self.json(&url, rb).await?;
+            let deadline = tokio::time::Instant::now() + CREATE_WAIT;
+            while sb.state == SandboxState::Creating && tokio::time::Instant::now() < deadline {
+                tokio::time::sleep(CREATE_POLL).await;
+                match self.get(&sb.id).await {
+                    Ok(now) => sb = now,
+                    Err(e) if e.code() == Some(ErrorCode::NotFound) => {
+                        rolled_back = sb.id;
+                        continue 'attempt;
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+            if !matches!(
+                sb.state,
+                SandboxState::Deleting | SandboxState::Deleted | SandboxState::Lost
+            ) {
+                return Ok(sb);
+            }
+            rolled_back = sb.id;
+        }
+        Err(ClientError::Api(ApiError::new(
+            ErrorCode::Unavailable,
+            format!(
+                "the create of sandbox {rolled_back} was rolled back {CREATE_ATTEMPTS} times \
+                 (a server stopped during it); try again"
+            ),
+        )))
     }
 
     /// `POST /v1/sandboxes:batch`: many creates in one call ([`BatchCreateRequest`]: one
@@ -768,6 +812,99 @@ mod failover_tests {
         assert!(c.list(&[]).await.is_ok());
         assert!(Client::new(" , ").is_err());
         assert!(Client::new("http://a:1,b:2").is_err());
+    }
+
+    /// A fake server for this unit test only: answers the `i`-th connection with
+    /// `answers[i]` (status, JSON body) and records the request heads.
+    async fn scripted_server(
+        answers: Vec<(u16, String)>,
+    ) -> (String, tokio::sync::mpsc::UnboundedReceiver<String>) {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", l.local_addr().unwrap());
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        tokio::spawn(async move {
+            for (status, body) in answers {
+                let Ok((mut c, _)) = l.accept().await else {
+                    return;
+                };
+                let mut buf = vec![0u8; 65536];
+                let n = c.read(&mut buf).await.unwrap_or(0);
+                let _ = tx.send(String::from_utf8_lossy(&buf[..n]).into_owned());
+                let resp = format!(
+                    "HTTP/1.1 {status} X\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+                let _ = c.write_all(resp.as_bytes()).await;
+            }
+        });
+        (url, rx)
+    }
+
+    fn sandbox_json(id: &str, state: SandboxState) -> String {
+        serde_json::to_string(&Sandbox {
+            id: id.into(),
+            backend: Default::default(),
+            image: "python".into(),
+            state,
+            node: "n".into(),
+            created_at: "2026-12-04T00:00:00Z".into(),
+            expires_at: None,
+            cpu: 1.0,
+            memory_mib: 64,
+            disk_mib: 0,
+            pids_max: 64,
+            ttl_s: 60,
+            labels: Default::default(),
+            network: Default::default(),
+            runtime: None,
+            accel: None,
+            trajectory: None,
+            restore: None,
+        })
+        .unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_replayed_create_that_gets_rolled_back_is_sent_again() {
+        let not_found = r#"{"error":{"code":"not_found","message":"no sandbox"}}"#;
+        let (url, mut seen) = scripted_server(vec![
+            // A replay of a create in flight on a server that then stopped ...
+            (200, sandbox_json("sb-a", SandboxState::Creating)),
+            (200, sandbox_json("sb-a", SandboxState::Creating)),
+            // ... rolled back and removed by the leader's sweep: the key is free again.
+            (404, not_found.into()),
+            (200, sandbox_json("sb-b", SandboxState::Deleting)),
+            (201, sandbox_json("sb-c", SandboxState::Running)),
+        ])
+        .await;
+        let c = Client::new(&url).unwrap();
+        let sb = c
+            .create_idempotent(&CreateSandboxRequest::default(), "k-1")
+            .await
+            .unwrap();
+        assert_eq!((sb.id.as_str(), sb.state), ("sb-c", SandboxState::Running));
+        let mut heads = Vec::new();
+        while let Ok(h) = seen.try_recv() {
+            heads.push(h);
+        }
+        let posts: Vec<&String> = heads.iter().filter(|h| h.starts_with("POST ")).collect();
+        assert_eq!(posts.len(), 3, "{heads:?}");
+        for p in posts {
+            assert!(
+                p.to_ascii_lowercase().contains("idempotency-key: k-1"),
+                "{p}"
+            );
+        }
+
+        // Rolled back on every attempt: `unavailable`, not a dead handle.
+        let gone = || (200, sandbox_json("sb-x", SandboxState::Deleted));
+        let (url, _seen) = scripted_server(vec![gone(), gone(), gone()]).await;
+        let e = Client::new(&url)
+            .unwrap()
+            .create_idempotent(&CreateSandboxRequest::default(), "k-2")
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), Some(ErrorCode::Unavailable), "{e}");
     }
 
     #[tokio::test]
