@@ -373,8 +373,8 @@ where
     (all, failed)
 }
 
-/// A placement request for a create: backend, runtime, cpu, memory, the `job` label, and
-/// for a fork the node of its checkpoint.
+/// A placement request for a create: backend, runtime, cpu, memory, image (locality), the
+/// `job` label, and for a fork the node of its checkpoint.
 pub fn request_of(
     spec: &SandboxSpec,
     job: Option<&str>,
@@ -386,6 +386,7 @@ pub fn request_of(
         accelerator: None,
         cpu: spec.cpu,
         memory_mib: spec.memory_mib,
+        image: Some(spec.image.clone()),
         layers: Vec::new(),
         job: job.map(str::to_owned),
         checkpoint_node,

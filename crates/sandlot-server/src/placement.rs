@@ -76,7 +76,11 @@ pub struct Request {
     pub cpu: f64,
     /// Memory in MiB.
     pub memory_mib: u64,
-    /// Layers of the image, for locality; empty = no preference.
+    /// The image reference as the create names it (e.g. `python`), for locality when
+    /// `layers` is empty: a node listing it in its `cached_images` counts as holding all of
+    /// it. `None` = no preference.
+    pub image: Option<String>,
+    /// Layers of the image, for locality by cached bytes; empty = by `image` name.
     pub layers: Vec<Layer>,
     /// The `job` label of the sandbox, for spread.
     pub job: Option<String>,
@@ -156,13 +160,17 @@ fn round3(x: f64) -> f64 {
 
 /// How good a node `c` is for `r` (higher is better), for nodes that fit:
 /// `4 × locality + 2 × spread + free` where locality is the share of the image's layer
-/// bytes cached on `c` (0–1), spread is `1 / (1 + sandboxes of r's job on c)` (1 without a
+/// bytes cached on `c` (0–1; without layers in `r`, 1 when `c` lists `r.image` among its
+/// cached images, else 0), spread is `1 / (1 + sandboxes of r's job on c)` (1 without a
 /// job) and free is the smallest free share of cpu, memory and sandbox slots after placing
 /// `r` (0–1); both count [`Candidate::recent`] on top of the published record. The weights order the goals; any of them breaks ties of the ones before.
 pub fn score(c: &Candidate, r: &Request) -> f64 {
     let total: u64 = r.layers.iter().map(|l| l.bytes).sum();
     let locality = if total == 0 {
-        0.0
+        match &r.image {
+            Some(i) if c.record.cached_images.contains(i) => 1.0,
+            _ => 0.0,
+        }
     } else {
         let cached: u64 = r
             .layers
@@ -390,6 +398,29 @@ mod tests {
         }
         // Without layers to prefer, the idle node wins on free capacity.
         r.layers.clear();
+        for _ in 0..20 {
+            assert_eq!(place(&nodes, &r, &mut rng).unwrap().record.name, "idle");
+        }
+    }
+
+    #[test]
+    fn a_node_listing_the_image_by_name_wins_without_layers() {
+        let mut warm = node("warm");
+        warm.record.cached_images = vec!["python".into()];
+        warm.record.usage = Resources {
+            cpu: 6.0,
+            memory_mib: 8000,
+            sandboxes: 50,
+        };
+        let nodes = [warm, node("idle")];
+        let mut r = req();
+        r.image = Some("python".into());
+        let mut rng = StdRng::seed_from_u64(5);
+        for _ in 0..20 {
+            assert_eq!(place(&nodes, &r, &mut rng).unwrap().record.name, "warm");
+        }
+        // Another image: neither holds it, free capacity decides.
+        r.image = Some("node".into());
         for _ in 0..20 {
             assert_eq!(place(&nodes, &r, &mut rng).unwrap().record.name, "idle");
         }

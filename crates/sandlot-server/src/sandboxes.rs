@@ -330,8 +330,8 @@ impl Drop for Unassign<'_> {
     }
 }
 
-/// The placement request of a create in cluster mode: backend, runtime, cpu, memory, the
-/// `job` label; a fork is placed on its checkpoint's node.
+/// The placement request of a create in cluster mode: backend, runtime, cpu, memory, image
+/// (locality), the `job` label; a fork is placed on its checkpoint's node.
 async fn placement_request(
     req: &CreateSandboxRequest,
     v: &Validated,
@@ -348,6 +348,7 @@ async fn placement_request(
         accelerator: None,
         cpu: v.spec.cpu,
         memory_mib: v.spec.memory_mib,
+        image: Some(v.image.clone()),
         layers: Vec::new(),
         job: labels.get(crate::cluster::JOB_LABEL).cloned(),
         checkpoint_node,
