@@ -9,6 +9,9 @@ container`).
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
 import threading
 import time
 from typing import Iterator
@@ -184,3 +187,34 @@ def test_e2b_pty_on_container(container_server, monkeypatch):
 def e2b_env_shared(server, monkeypatch) -> str:
     _point_at(server.url, monkeypatch)
     return server.url
+
+
+def test_sandlot_shell_cli(client, server, binary):
+    """`sandlot shell ID`: piped input typed into a login shell (end of input = Ctrl-D) and,
+    under `script` (a real local terminal: raw mode, the local window size), the command's
+    exit code and the sandbox's terminal of that size."""
+    sb = client.create(image="busybox", memory_mib=64, ttl_s=120)
+    env = {**os.environ, "SANDLOT_URL": server.url}
+    try:
+        r = subprocess.run([str(binary), "shell", sb.id], input=b"tty; echo hi-$((6*7)); exit 7\n",
+                           capture_output=True, timeout=60, env=env)
+        out = r.stdout.decode(errors="replace")
+        assert r.returncode == 7, (r.returncode, out, r.stderr)
+        assert "hi-42" in out and "/dev/pts/" in out, out
+        # No `exit`: the end of input (Ctrl-D) ends `cat` and the shell's exit code is its.
+        r = subprocess.run([str(binary), "shell", sb.id, "--", "cat"], input=b"abc\n",
+                           capture_output=True, timeout=60, env=env)
+        assert r.returncode == 0 and b"abc" in r.stdout, (r.returncode, r.stdout, r.stderr)
+
+        script = shutil.which("script")
+        if script is None:
+            pytest.skip("no `script` (util-linux) to give the CLI a local terminal")
+        line = f"stty rows 30 cols 100; {binary} shell {sb.id}; echo shell-rc=$?"
+        p = subprocess.Popen([script, "-qec", line, "/dev/null"], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+        time.sleep(3)  # raw mode on before the keys: in raw mode `\r` is Enter
+        out, _ = p.communicate(b"stty size; exit 5\r", timeout=60)
+        text = out.decode(errors="replace")
+        assert "30 100" in text and "shell-rc=5" in text, text
+    finally:
+        sb.delete()

@@ -5,6 +5,7 @@
 //! Exit codes: 0 ok; the command's own exit code for `run` and `exec`; 2 usage errors;
 //! 1 any other error (printed as `error: CODE: message`).
 mod cluster;
+mod shell;
 mod sim;
 
 use anyhow::Context;
@@ -85,6 +86,11 @@ enum Command {
     Run(RunArgs),
     /// Run a command in an existing sandbox; exits with the command's exit code.
     Exec(ExecArgs),
+    /// Open an interactive terminal in a sandbox (a login shell, or `-- CMD…`): raw mode,
+    /// the window size follows SIGWINCH; exits with the command's exit code. With stdin not
+    /// a terminal, its bytes are typed in and its end is typed as Ctrl-D (each second until
+    /// the command exits).
+    Shell(ShellArgs),
     /// Create a sandbox and print its id (for scripts).
     Create(CreateArgs),
     /// List sandboxes (oldest first).
@@ -436,6 +442,17 @@ struct ExecArgs {
     cwd: Option<String>,
     /// Command and arguments (argv).
     #[arg(last = true, required = true)]
+    cmd: Vec<String>,
+}
+
+#[derive(Args)]
+struct ShellArgs {
+    #[command(flatten)]
+    remote: Remote,
+    /// Sandbox id (sb-…).
+    id: String,
+    /// Command and arguments [default: `bash -l` where the image has bash, else `sh -l`].
+    #[arg(last = true)]
     cmd: Vec<String>,
 }
 
@@ -891,6 +908,7 @@ async fn dispatch(cmd: Command) -> anyhow::Result<u8> {
         Command::Server(a) => server(a).await,
         Command::Run(a) => run(a).await,
         Command::Exec(a) => exec(a).await,
+        Command::Shell(a) => shell::shell(&a.remote.client()?, &a.id, a.cmd).await,
         Command::Create(a) => create(a).await,
         Command::Ls(a) => ls(a).await,
         Command::Rm(a) => rm(a).await,

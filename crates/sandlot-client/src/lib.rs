@@ -22,8 +22,9 @@ use futures::{Stream, StreamExt};
 use sandlot_api::{
     ApiError, BatchCreateRequest, BatchCreateResponse, Checkpoint, CheckpointList,
     CreateSandboxRequest, ErrorBody, ErrorCode, ExecEvent, ExecRequest, ExecResult, FileEntry,
-    FileList, KeepaliveRequest, LabelSelector, PauseResult, RunCodeRequest, RunCodeResponse,
-    Sandbox, SandboxList, SandboxState, TrajectoryInfo,
+    FileList, KeepaliveRequest, LabelSelector, PauseResult, Process, ProcessEvent, PtySize,
+    RunCodeRequest, RunCodeResponse, Sandbox, SandboxList, SandboxState, SpawnRequest,
+    TrajectoryInfo,
 };
 
 /// True when a file answer came from the trajectory log (`Sandlot-Replayed: true`).
@@ -88,6 +89,10 @@ pub type Result<T> = std::result::Result<T, ClientError>;
 
 /// A stream of exec events: chunks, then one `exit` or `error` event.
 pub type ExecStream = Pin<Box<dyn Stream<Item = Result<ExecEvent>> + Send>>;
+
+/// A stream of a background process's output events (`GET …/processes/{pid}/output`):
+/// chunks with their byte offsets, `skipped` gaps, then `exit` or `error` once it ended.
+pub type ProcessStream = Pin<Box<dyn Stream<Item = Result<ProcessEvent>> + Send>>;
 
 /// Client of a Sandlot server, or of several replicas of one cluster. Cheap to clone
 /// (connection pool and server list shared).
@@ -511,6 +516,91 @@ impl Client {
         Ok(ndjson(url, resp.bytes_stream()))
     }
 
+    fn process_url(&self, id: &str, pid: &str, suffix: &str) -> String {
+        self.url(&format!(
+            "/v1/sandboxes/{}/processes/{}{suffix}",
+            enc(id),
+            enc(pid)
+        ))
+    }
+
+    /// `POST /v1/sandboxes/{id}/processes`: start a background process (a terminal
+    /// session when `req.pty` is set) → its [`Process`] handle, state `running`.
+    ///
+    /// # Errors
+    /// `invalid_argument` (command, sizes), `not_found`, `conflict` (sandbox paused or not
+    /// running), `resource_exhausted` (16 processes already run, or `pids_max`).
+    pub async fn spawn(&self, id: &str, req: &SpawnRequest) -> Result<Process> {
+        let url = self.url(&format!("/v1/sandboxes/{}/processes", enc(id)));
+        self.json(&url, self.http.post(&url).json(req)).await
+    }
+
+    /// `GET …/processes/{pid}/output?stdout_offset=O&stderr_offset=E&follow=F`: the output
+    /// from those byte offsets; with `follow` the stream lasts until the process ends.
+    ///
+    /// # Errors
+    /// `not_found` (sandbox or process), `invalid_argument` for an offset past the bytes
+    /// written so far; transport errors (also mid-stream, as items).
+    pub async fn process_output(
+        &self,
+        id: &str,
+        pid: &str,
+        (stdout_offset, stderr_offset): (u64, u64),
+        follow: bool,
+    ) -> Result<ProcessStream> {
+        let url = self.process_url(
+            id,
+            pid,
+            &format!(
+                "/output?stdout_offset={stdout_offset}&stderr_offset={stderr_offset}&follow={follow}"
+            ),
+        );
+        let resp = self.send(&url, self.http.get(&url)).await?;
+        Ok(ndjson(url, resp.bytes_stream()))
+    }
+
+    /// `POST …/processes/{pid}/stdin[?eof=true]`: queue `data` (at most 1 MiB) for the
+    /// process's stdin (keys typed into a terminal session); `eof` closes it after.
+    ///
+    /// # Errors
+    /// `conflict` when stdin is not open, `deadline_exceeded` when the process has not
+    /// read its stdin for 10 s, `payload_too_large` over 1 MiB.
+    pub async fn process_stdin(
+        &self,
+        id: &str,
+        pid: &str,
+        data: impl Into<Bytes>,
+        eof: bool,
+    ) -> Result<()> {
+        let url = self.process_url(id, pid, if eof { "/stdin?eof=true" } else { "/stdin" });
+        self.send(&url, self.http.post(&url).body(data.into()))
+            .await
+            .map(drop)
+    }
+
+    /// `POST …/processes/{pid}/resize`: the terminal session's new size (its foreground
+    /// process group gets SIGWINCH).
+    ///
+    /// # Errors
+    /// `invalid_argument` for a process without a terminal or a size outside 1..=1000,
+    /// `conflict` once it exited.
+    pub async fn process_resize(&self, id: &str, pid: &str, size: PtySize) -> Result<()> {
+        let url = self.process_url(id, pid, "/resize");
+        self.send(&url, self.http.post(&url).json(&size))
+            .await
+            .map(drop)
+    }
+
+    /// `DELETE …/processes/{pid}`: SIGKILL to the whole process tree, then the handle is
+    /// forgotten.
+    ///
+    /// # Errors
+    /// `not_found` for an unknown sandbox or process.
+    pub async fn delete_process(&self, id: &str, pid: &str) -> Result<()> {
+        let url = self.process_url(id, pid, "");
+        self.send(&url, self.http.delete(&url)).await.map(drop)
+    }
+
     fn file_url(&self, id: &str, suffix: &str, path: &str) -> String {
         self.url(&format!(
             "/v1/sandboxes/{}/files{suffix}?path={}",
@@ -675,11 +765,12 @@ impl Client {
     }
 }
 
-/// Split a byte stream into NDJSON lines and decode each as an [`ExecEvent`].
-fn ndjson(
+/// Split a byte stream into NDJSON lines and decode each as a `T` ([`ExecEvent`],
+/// [`ProcessEvent`]).
+fn ndjson<T: DeserializeOwned + Send + 'static>(
     url: String,
     body: impl Stream<Item = reqwest::Result<Bytes>> + Send + 'static,
-) -> ExecStream {
+) -> Pin<Box<dyn Stream<Item = Result<T>> + Send>> {
     struct St<S> {
         body: Pin<Box<S>>,
         buf: Vec<u8>,
@@ -700,12 +791,11 @@ fn ndjson(
                 if line.iter().all(|b| b.is_ascii_whitespace()) {
                     continue;
                 }
-                let item = serde_json::from_slice::<ExecEvent>(line).map_err(|e| {
-                    ClientError::BadResponse {
+                let item =
+                    serde_json::from_slice::<T>(line).map_err(|e| ClientError::BadResponse {
                         url: st.url.clone(),
                         what: format!("bad NDJSON line: {e}"),
-                    }
-                });
+                    });
                 return Some((item, st));
             }
             if st.done {
