@@ -48,8 +48,8 @@
 # SANDLOT_CLUSTER_SERVER_ARGS: extra flags, split on spaces, appended to every `sandlot node`
 # and `sandlot server` command line (tests pass short `--lease-ttl-s`/`--election-ttl-s`
 # and `--warm-pool 0` this way). Server I (0-based) is named `srvI` (`--name`), keeps its
-# state in DIR/server (I = 0) or DIR/serverI, and its pid, URL and log in
-# DIR/server.{pid,url,log} (I = 0) or DIR/serverI.{pid,url,log}. Logs: also DIR/nodeI.log,
+# state in DIR/server (I = 0) or DIR/serverI, and its pid, URL, command line and log in
+# DIR/server.{pid,url,cmd,log} (I = 0) or DIR/serverI.{pid,url,cmd,log}. Logs: also DIR/nodeI.log,
 # DIR/etcd/mI.log, DIR/pg/postgres.log.
 set -euo pipefail
 
