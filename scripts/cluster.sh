@@ -19,6 +19,10 @@
 #   scripts/cluster.sh node-start DIR I start node I (0-based) again after it was killed: the
 #                                       same command line (namespace, data dir, name, flags);
 #                                       wait until it answers; print its `node NAME URL` line
+#   scripts/cluster.sh server-start DIR I
+#                                       start server I (0-based) again after it was killed:
+#                                       the same command line (port, name, data dir, flags);
+#                                       wait until it answers; print its `server URL` line
 #   scripts/cluster.sh down DIR         delete every sandbox through a server, stop the servers,
 #                                       the nodes, etcd and PostgreSQL, remove the nodes' mounts,
 #                                       cgroups and network namespaces and the bridge
@@ -44,13 +48,13 @@
 # SANDLOT_CLUSTER_SERVER_ARGS: extra flags, split on spaces, appended to every `sandlot node`
 # and `sandlot server` command line (tests pass short `--lease-ttl-s`/`--election-ttl-s`
 # and `--warm-pool 0` this way). Server I (0-based) is named `srvI` (`--name`), keeps its
-# state in DIR/server (I = 0) or DIR/serverI, and its pid, URL and log in
-# DIR/server.{pid,url,log} (I = 0) or DIR/serverI.{pid,url,log}. Logs: also DIR/nodeI.log,
+# state in DIR/server (I = 0) or DIR/serverI, and its pid, URL, command line and log in
+# DIR/server.{pid,url,cmd,log} (I = 0) or DIR/serverI.{pid,url,cmd,log}. Logs: also DIR/nodeI.log,
 # DIR/etcd/mI.log, DIR/pg/postgres.log.
 set -euo pipefail
 
 die() { echo "cluster.sh: $*" >&2; exit 1; }
-usage() { sed -n '2,49p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '2,53p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 
 root=$(cd "$(dirname "$0")/.." && pwd)
 bin=${SANDLOT_BIN:-$root/target/release/sandlot}
@@ -140,6 +144,15 @@ start_node() {
 
 # server_stem DIR I: DIR/server for server 0, DIR/serverI for the others (pid, url, log, data).
 server_stem() { if [ "$2" = 0 ]; then echo "$1/server"; else echo "$1/server$2"; fi; }
+
+# start_server STEM: run the server command line STEM.cmd (written by `up`) in the
+# background, in its own session, appending to STEM.log; its pid goes to STEM.pid.
+start_server() {
+  local -a argv
+  mapfile -d '' -t argv <"$1.cmd"
+  setsid "${argv[@]}" </dev/null >>"$1.log" 2>&1 &
+  echo $! >"$1.pid"
+}
 
 case "$cmd" in
   up)
@@ -232,10 +245,11 @@ case "$cmd" in
     for ((i = 0; i < servers; i++)); do
       stem=$(server_stem "$dir" "$i")
       port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
-      setsid "$bin" server --listen "127.0.0.1:$port" --etcd "$etcd_urls" --name "srv$i" \
+      # The command line, NUL-separated, so `server-start` runs the same one again.
+      printf '%s\0' "$bin" server --listen "127.0.0.1:$port" --etcd "$etcd_urls" --name "srv$i" \
         --node-token-file "$token_file" --data-dir "$stem" --images-dir "$images" \
-        "${pg_args[@]}" "${server_extra[@]}" </dev/null >>"$stem.log" 2>&1 &
-      echo $! >"$stem.pid"
+        "${pg_args[@]}" "${server_extra[@]}" >"$stem.cmd"
+      start_server "$stem"
       echo "http://127.0.0.1:$port" >"$stem.url"
     done
     for ((i = 0; i < servers; i++)); do
@@ -308,6 +322,21 @@ EOF
     wait_http "$url/v1/info" "$(cat "$dir/node-token")" "$(cat "$dir/node$i.pid")" ||
       { tail -n 20 "$dir/node$i.log" >&2; die "node$i did not answer at $url"; }
     echo "node node$i $url"
+    ;;
+  server-start)
+    # Start server I again (after a kill) with the command line `up` gave it: same port,
+    # name, data dir and flags; wait until it answers.
+    i=${3:-}
+    dir=$(cd "$dir" && pwd)
+    [[ "$i" =~ ^[0-9]$ ]] || die "server-start needs a server index, got '$i'"
+    stem=$(server_stem "$dir" "$i")
+    [ -f "$stem.cmd" ] || die "no server '$i' in $dir"
+    ! { [ -f "$stem.pid" ] && kill -0 "$(cat "$stem.pid")" 2>/dev/null; } ||
+      die "server $i is running (pid $(cat "$stem.pid"))"
+    start_server "$stem"
+    wait_http "$(cat "$stem.url")/v1/ping" "" "$(cat "$stem.pid")" ||
+      { tail -n 20 "$stem.log" >&2; die "server $i did not answer at $(cat "$stem.url")"; }
+    echo "server $(cat "$stem.url")"
     ;;
   *) usage ;;
 esac

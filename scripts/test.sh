@@ -40,4 +40,11 @@ export SANDLOT_REQUIRE_BACKENDS
 printf '\n==> at +%s s: pytest tests/ (end to end, through the Python SDK; required backends: %s) and the bench harness tests\n' \
   "$SECONDS" "$SANDLOT_REQUIRE_BACKENDS"
 .venv/bin/python -m pytest -q -rfEs --durations=40 tests/ bench/test_run.py
+
+# The conformance suite again, against a local cluster (scripts/cluster.sh up DIR 1 --postgres
+# --servers 2): creates and deletes through one server, everything else through the other;
+# function and container-runc, a subset of each category (tests/conformance/conftest.py
+# CLUSTER_CASES, CLUSTER_SUBSET).
+printf '\n==> at +%s s: the conformance suite against a cluster (scripts/conformance-cluster.sh)\n' "$SECONDS"
+./scripts/conformance-cluster.sh
 printf '\n==> all tests passed; %s s in all\n' "$SECONDS"

@@ -233,6 +233,13 @@ struct ServerArgs {
     /// GC, and another takes over within this TTL when it dies.
     #[arg(long, default_value_t = 5)]
     election_ttl_s: u64,
+    /// With --postgres: seconds (2..=3600) a create or delete holds its record's transition
+    /// without a heartbeat (renewed every third of it while the node call runs). When this
+    /// server dies mid-call, the elected server rolls its `creating` records back (or
+    /// finishes its `deleting` ones) once this has passed; a retry with the same
+    /// Idempotency-Key through another server waits that long at most.
+    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(2..=3600))]
+    transition_ttl_s: u64,
     /// The node's image store, when this host can read it (run_code then answers a missing
     /// toolchain image itself, and /metrics counts images); without it the node's create
     /// reports a missing image.
@@ -1009,6 +1016,7 @@ async fn server(a: ServerArgs) -> anyhow::Result<u8> {
     let token = read_token(&a.node_token_file)?;
     let mut cfg = a.server.config(a.data_dir, a.listen)?;
     cfg.images_dir = a.images_dir;
+    cfg.transition_ttl = std::time::Duration::from_secs(a.transition_ttl_s);
     if let Some(n) = a.name {
         anyhow::ensure!(
             !n.is_empty() && n.len() <= 128,

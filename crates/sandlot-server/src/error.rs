@@ -64,7 +64,7 @@ impl ServerError {
             ServerError::Store(e @ StoreError::Unavailable(_)) => {
                 ApiError::new(ErrorCode::Unavailable, e.to_string())
             }
-            ServerError::Store(e @ StoreError::Pg { source, .. }) if source.is_closed() => {
+            ServerError::Store(e @ StoreError::Pg { source, .. }) if pg_unavailable(source) => {
                 ApiError::new(ErrorCode::Unavailable, e.to_string())
             }
             ServerError::Store(e) => ApiError::new(ErrorCode::Internal, e.to_string()),
@@ -77,12 +77,33 @@ impl ServerError {
                 ApiError::new(ErrorCode::Unavailable, e.to_string())
             }
             ServerError::Trajectory(e @ TrajectoryStoreError::Pg { source, .. })
-                if source.is_closed() =>
+                if pg_unavailable(source) =>
             {
                 ApiError::new(ErrorCode::Unavailable, e.to_string())
             }
             ServerError::Trajectory(e) => ApiError::new(ErrorCode::Internal, e.to_string()),
         }
+    }
+}
+
+/// Whether a PostgreSQL error means "the database cannot answer now, retry later"
+/// (answered `503 unavailable`, not `500 internal`): the connection is closed or broke
+/// (an I/O error, no server error code), the server is shutting down or starting
+/// (SQLSTATE 57P01 `admin_shutdown` — what a `pg_ctl stop` sends to every open connection
+/// —, 57P02 `crash_shutdown`, 57P03 `cannot_connect_now`), or any class 08 connection
+/// exception. SQLSTATE codes: PostgreSQL manual, appendix A "PostgreSQL Error Codes".
+pub fn pg_unavailable(e: &tokio_postgres::Error) -> bool {
+    if e.is_closed() {
+        return true;
+    }
+    match e.code() {
+        Some(c) => {
+            let c = c.code();
+            matches!(c, "57P01" | "57P02" | "57P03") || c.starts_with("08")
+        }
+        // No server answer at all: the connection failed under the query.
+        None => std::error::Error::source(e)
+            .is_some_and(|s| s.downcast_ref::<std::io::Error>().is_some()),
     }
 }
 
