@@ -16,7 +16,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=${PYTHON:-.venv/bin/python}
-pg_bin=${PG_BIN:-/usr/lib/postgresql/15/bin}
+# The same search as scripts/postgres.sh: $PG_BIN, else the newest Debian PostgreSQL.
+pg_bin=${PG_BIN:-$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -1)}
 if [ "$(id -u)" != 0 ]; then echo "SKIPPED: conformance against a cluster needs root"; exit 0; fi
 if ! command -v etcd >/dev/null; then echo "SKIPPED: conformance against a cluster: no etcd"; exit 0; fi
 if [ ! -x "$pg_bin/postgres" ]; then echo "SKIPPED: conformance against a cluster: no PostgreSQL at $pg_bin"; exit 0; fi
