@@ -487,3 +487,105 @@ def pytest_runtest_makereport(item, call):
         srv = item.funcargs.get("server") if hasattr(item, "funcargs") else None
         if isinstance(srv, Server):
             rep.sections.append(("sandlot up log", srv.log_tail()))
+
+
+# --- The E2B SDK tests on three backends (tests/test_e2b_sdk.py, test_e2b_code_interpreter.py)
+
+#: Backends the E2B SDK tests run on, each through a `sandlot up` whose E2B sandboxes are of
+#: that backend (`--e2b-backend`): `function` is the shared session server (its default),
+#: `container` (runc) and `microvm` get a private server each.
+E2B_BACKENDS = ("function", "container", "microvm")
+
+
+class E2bTarget:
+    """One backend case of the E2B SDK tests: ``backend`` and the ``server`` whose E2B API
+    creates sandboxes of it (``url``)."""
+
+    def __init__(self, backend: str, server: Server) -> None:
+        self.backend = backend
+        self.server = server
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def __repr__(self) -> str:
+        return f"E2bTarget({self.backend}, {self.url})"
+
+
+def e2b_backend_required(backend: str) -> bool:
+    """Whether ``SANDLOT_REQUIRE_BACKENDS`` (the conformance suite's comma list) names
+    ``backend``: ``container`` counts when it names ``container`` or ``container-runc``."""
+    names = {n.strip() for n in os.environ.get("SANDLOT_REQUIRE_BACKENDS", "").split(",")}
+    if backend == "container":
+        return bool(names & {"container", "container-runc"})
+    return backend in names
+
+
+def pytest_configure(config) -> None:
+    config.addinivalue_line(
+        "markers", "e2b_only(*backends, why): an E2B SDK test that runs only on these of "
+        "E2B_BACKENDS (the others skip with `why`)")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Skips the E2B backend cases a test's `e2b_only` marker leaves out, with its reason
+    (before any fixture runs, so a left-out case costs nothing)."""
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        backend = params.get("e2b_target")
+        mark = item.get_closest_marker("e2b_only")
+        if backend is None or mark is None or backend in mark.args:
+            continue
+        why = mark.kwargs.get("why", "not run on this backend")
+        item.add_marker(pytest.mark.skip(reason=f"e2b on {backend}: {why} "
+                                                f"(runs on {', '.join(mark.args)})"))
+
+
+@pytest.fixture(scope="session", params=E2B_BACKENDS)
+def e2b_target(request, binary, server, log_dir) -> Iterator[E2bTarget]:
+    """The backend case of an E2B SDK test (session scope, parametrised over
+    :data:`E2B_BACKENDS`). A backend the host cannot run (its ``/healthz`` entry is not
+    ``ok``) skips with the reason, or fails when ``SANDLOT_REQUIRE_BACKENDS`` names it."""
+    backend = request.param
+    if backend == "function":
+        yield E2bTarget(backend, server)
+        return
+    data = private_base(f"sandlot-e2b-{backend}-")
+    # No function warm pools on these servers (their E2B sandboxes are not functions); the
+    # container server keeps the default container pool of `python` (E2B's `base`).
+    args = ["--e2b-backend", backend, "--warm-pool", "0", "--run-code-pool-images", ""]
+    if backend != "container":
+        args += ["--container-warm-pool", "0"]
+    srv = Server(binary, data / "data", log_dir / f"sandlot-up-e2b-{backend}.log", args=args)
+    try:
+        try:
+            srv.start()
+        except RuntimeError as e:
+            pytest.fail(f"could not start `sandlot up --e2b-backend {backend}`: {e}")
+        with sandlot.Client(srv.url, timeout=30) as c:
+            status = c._request("GET", "/healthz").json().get("backends", {}).get(backend)
+        if status != "ok":
+            why = f"e2b on {backend}: /healthz says {status!r}"
+            if e2b_backend_required(backend):
+                pytest.fail(f"{why}, but SANDLOT_REQUIRE_BACKENDS names it", pytrace=False)
+            pytest.skip(why)
+        yield E2bTarget(backend, srv)
+        srv.delete_all()
+    finally:
+        try:
+            srv.stop()
+        finally:
+            remove_private_base(data)
+
+
+@pytest.fixture
+def e2b_env(e2b_target, monkeypatch) -> str:
+    """Points the e2b SDKs at ``e2b_target``'s server (E2B_API_URL and E2B_SANDBOX_URL both
+    its URL, any API key: it runs without keys); returns the URL."""
+    monkeypatch.setenv("E2B_API_URL", e2b_target.url)
+    monkeypatch.setenv("E2B_SANDBOX_URL", e2b_target.url)
+    monkeypatch.setenv("E2B_API_KEY", "e2b_sandlot_no_auth")
+    monkeypatch.delenv("E2B_DOMAIN", raising=False)
+    monkeypatch.delenv("E2B_DEBUG", raising=False)
+    return e2b_target.url

@@ -221,6 +221,20 @@ def test_mkdir_with_and_without_parents(sb):
     sb.remove("mk")
 
 
+def test_home_is_the_sandbox_roots(sb):
+    """`/home` is the sandbox root's, like `/mnt`, `/opt`, `/srv`, `/media`: the files API
+    and commands can make a user's home there (E2B's `/home/user`). Before, the image's
+    `/home` refused both on `container`, whose file calls run as the sandbox's root."""
+    home = f"/home/u-{uuid.uuid4().hex[:8]}"
+    sb.mkdir(f"{home}/sub", parents=True)
+    sb.write_file(f"{home}/sub/f", "x")
+    r = sb.exec(f"cat {home}/sub/f && mkdir {home}-cmd && touch {home}-cmd/g && echo ok")
+    assert r.exit_code == 0 and r.stdout == b"xok\n", r
+    sb.remove(home)
+    sb.remove(f"{home}-cmd")
+    assert sb.exec(f"ls -d {home} {home}-cmd").exit_code != 0
+
+
 def test_mkdir_dotdot_stays_inside(sb):
     name = f"sandlot-escape-{uuid.uuid4().hex}"
     sb.mkdir(f"../../../../../tmp/{name}", parents=True)

@@ -18,10 +18,10 @@ use landlock::{
 
 /// Directories beneath which writing, creating and removing files is allowed (`/dev` is
 /// there for /dev/null, /dev/tty and the pty devices; it holds nothing else writable).
-/// `/mnt`, `/opt`, `/srv` and `/media` are there for programs that write outside
-/// `/workspace` (SandboxFusion's `run_code` lets a program write `/mnt/out`); the node makes
-/// them the sandbox root's directories in the sandbox's own writable layer, so writing there
-/// never reaches a shared image layer.
+/// `/mnt`, `/opt`, `/srv`, `/media` and `/home` are there for programs that write outside
+/// `/workspace` (SandboxFusion's `run_code` lets a program write `/mnt/out`; E2B's SDK works
+/// in `/home/user`); the node makes them the sandbox root's directories in the sandbox's own
+/// writable layer, so writing there never reaches a shared image layer.
 pub const WRITABLE: [&str; 11] = [
     "/workspace",
     "/tmp",

@@ -9,10 +9,12 @@
 //! * `scratch/upper/` — overlayfs upper dir, the sandbox's only writable layer. Owned by the
 //!   jail's `uid_base` (the host uid of root inside the sandbox), mode 0755;
 //!   `upper/workspace` (0755) and `upper/root` (0700) are pre-created with the same owner so
-//!   the sandbox's root can write its home and workspace; so are `upper/{mnt,opt,srv,media}`
-//!   (0755, `SCRATCH_DIRS`), scratch directories a program may write. Everything else of the
-//!   rootfs comes from the image's lower dirs, which are owned by host root: inside the user
-//!   namespace they show up as owned by `nobody`, so they are read-only to the sandbox
+//!   the sandbox's root can write its home and workspace; so are
+//!   `upper/{mnt,opt,srv,media,home}` (0755, `SCRATCH_DIRS`), directories a program may
+//!   write (`/home` so that users' homes, such as E2B's `/home/user`, can be made).
+//!   Everything else of the rootfs comes from the image's lower dirs, which are owned by
+//!   host root: inside the user namespace they show up as owned by `nobody`, so they are
+//!   read-only to the sandbox
 //!   (security: an image layer shared by every sandbox can never be modified by one of them;
 //!   writes go to the upper dir by copy-up only where the directory is writable, i.e.
 //!   `/workspace`, `/root`, the scratch directories and the tmpfs mounts). Sandboxes
@@ -1863,12 +1865,14 @@ pub(crate) fn make_layer_dirs(dir: &Path, uid: u32) -> NodeResult<()> {
 }
 
 /// Top-level directories that Debian leaves empty for local use (`/mnt`, `/opt`, `/srv`,
-/// `/media`), made the sandbox root's in its writable layer so a program may write there
-/// (SandboxFusion's `run_code` programs write e.g. `/mnt/out`). The overlay shows an upper
+/// `/media`, `/home`), made the sandbox root's in its writable layer so a program may write
+/// there (SandboxFusion's `run_code` programs write e.g. `/mnt/out`; E2B's SDK works in
+/// `/home/user`, which the node makes through the files API: on `container` that runs as
+/// the sandbox's root, so it needs a writable `/home`). The overlay shows an upper
 /// directory's owner and mode over the image's, and the image's own files beneath them
 /// (say `/opt/sandlot/node`) stay owned by host root, so read-only: the shared layer is
 /// never written. `sandlot-guest`'s landlock rules allow writing beneath the same paths.
-pub(crate) const SCRATCH_DIRS: [&str; 4] = ["mnt", "opt", "srv", "media"];
+pub(crate) const SCRATCH_DIRS: [&str; 5] = ["mnt", "opt", "srv", "media", "home"];
 
 /// Creates `p` as a directory (if missing) owned by `uid:uid` with `mode`. Never follows a
 /// symlink: an entry at `p` that is not a directory (a symlink or file that a sandbox left

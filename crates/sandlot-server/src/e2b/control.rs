@@ -263,9 +263,14 @@ fn parse_list_query(raw: Option<&str>) -> E2bResult<ListQuery> {
     for (k, v) in pairs {
         match k.as_str() {
             "metadata" => {
+                // The SDK percent-encodes each key and value (`urllib.parse.quote`) before
+                // it form-encodes the pairs (e2b `sandbox_sync/paginator.py`), so both are
+                // decoded once more after the pairs are split.
                 let m: Vec<(String, String)> = serde_urlencoded::from_str(&v)
                     .map_err(|e| invalid(format!("metadata filter {v:?}: {e}")))?;
-                q.metadata.extend(m);
+                for (k, v) in m {
+                    q.metadata.push((unquote(&k)?, unquote(&v)?));
+                }
             }
             "state" => {
                 let mut s = Vec::new();
@@ -294,6 +299,17 @@ fn parse_list_query(raw: Option<&str>) -> E2bResult<ListQuery> {
         }
     }
     Ok(q)
+}
+
+/// `s` percent-decoded (one level of `%XX`; `+` stays `+`).
+///
+/// # Errors
+/// `invalid_argument` when the bytes are not UTF-8.
+fn unquote(s: &str) -> E2bResult<String> {
+    percent_encoding::percent_decode_str(s)
+        .decode_utf8()
+        .map(|c| c.into_owned())
+        .map_err(|e| invalid(format!("metadata filter {s:?}: {e}")))
 }
 
 async fn list_with(
@@ -516,6 +532,16 @@ mod tests {
         );
         assert_eq!(q.states, Some(vec!["running", "paused"]));
         assert_eq!(q.limit, Some(5));
+        // What the e2b SDK 2.63.0 sends for {"job": "test_x[function] a&b=c/d%"}: each key
+        // and value quoted, the pairs form-encoded, then the whole value form-encoded.
+        let q = parse_list_query(Some(
+            "metadata=job%3Dtest_x%25255Bfunction%25255D%252520a%252526b%25253Dc%252Fd%252525",
+        ))
+        .unwrap();
+        assert_eq!(
+            q.metadata,
+            vec![("job".into(), "test_x[function] a&b=c/d%".into())]
+        );
         assert!(parse_list_query(Some("state=gone")).is_err());
         assert!(parse_list_query(Some("bogus=1")).is_err());
         assert_eq!(parse_list_query(None).unwrap(), ListQuery::default());
