@@ -6,8 +6,8 @@ Usage (as root): python3 bench/fastexec.py [--binary target/release/sandlot] [--
 Subjects, interleaved in rounds at concurrency 1 (and `--conc` if given), in one run:
 exec `true` and `python3 -c 'print(1)'` in one live function sandbox (POST
 /v1/sandboxes/{id}/exec, keep-alive HTTP) of a default `sandlot up`, the same in a second
-`sandlot up` with standby exec helpers on (`SANDLOT_EXEC_STANDBY=1`, "standby"), and the
-same argv under `chroot ROOTFS`. Prints p50/p99 per subject and the ratios; `--json` writes
+`sandlot up` whose execs go through the guest agent inside the jail
+(`SANDLOT_FUNCTION_AGENT=1`, "agent"), and the same argv under `chroot ROOTFS`. Prints p50/p99 per subject and the ratios; `--json` writes
 the raw figures.
 """
 
@@ -34,8 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     rootfs = R.find_rootfs(None)
     servers = {
         "": R.Server(Path(args.binary), Path(args.images_dir), [], 60.0),
-        "standby ": R.Server(Path(args.binary), Path(args.images_dir), [], 60.0,
-                             env={"SANDLOT_EXEC_STANDBY": "1"}),
+        "agent ": R.Server(Path(args.binary), Path(args.images_dir), [], 60.0,
+                           env={"SANDLOT_FUNCTION_AGENT": "1"}),
     }
     apis: dict = {}
     out: dict = {"machine": R.machine(), "load": R.loadavg(), "by_conc": {}}
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {k:24s} p50 {R.fmt_ms(v.p(50)):>8s} ms  p99 {R.fmt_ms(v.p(99)):>8s} ms  "
                       f"rate {R.fmt_rate(v.rate):>8s}/s  errors {v.errors} {v.error_msgs[:1]}")
             for what in ("true", "python"):
-                a, s, b = f"exec {what}", f"standby exec {what}", f"chroot {what}"
+                a, s, b = f"exec {what}", f"agent exec {what}", f"chroot {what}"
                 for x, y in ((a, b), (s, b), (s, a)):
                     print(f"  {x} / {y}: p50 "
                           f"{R.fmt_ratio(R.ratio(res[x].p(50), res[y].p(50)))}")
