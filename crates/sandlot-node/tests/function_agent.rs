@@ -196,6 +196,7 @@ async fn agent_path_keeps_exec_semantics_and_survives_restart() {
 
     // A killed agent is replaced; execs meanwhile take the helper path.
     let (pid, _) = before;
+    // SAFETY: kill(2) on a pid this test owns (the sandbox's agent, checked alive above).
     unsafe { libc::kill(pid, libc::SIGKILL) };
     let end = Instant::now() + Duration::from_secs(5);
     while proc_starttime(pid).is_some() {

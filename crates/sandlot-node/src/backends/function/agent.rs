@@ -110,6 +110,10 @@ async fn attach_now(guest_bin: &Path, dir: &Path, jail: &Arc<Jail>) {
             *jail.agent.agent.lock().unwrap() = Some(Arc::new(agent));
         }
         Ok(None) => {}
+        // Deleted meanwhile: the agent went with the sandbox.
+        Err(e) if *jail.killed.borrow() => {
+            tracing::debug!(sandbox = %jail.state.id, error = %e, "guest agent start cut short by a delete")
+        }
         Err(e) => {
             tracing::warn!(sandbox = %jail.state.id, error = %e, "no guest agent in the function sandbox; execs take the helper path")
         }
