@@ -6,8 +6,9 @@ Usage (as root): python3 bench/fastexec.py [--binary target/release/sandlot] [--
 Subjects, interleaved in rounds at concurrency 1 (and `--conc` if given), in one run:
 exec `true` and `python3 -c 'print(1)'` in one live function sandbox (POST
 /v1/sandboxes/{id}/exec, keep-alive HTTP) of a default `sandlot up`, the same in a second
-`sandlot up` with standby exec helpers on (`SANDLOT_EXEC_STANDBY=1`, "standby"), and the
-same argv under `chroot ROOTFS`. Prints p50/p99 per subject and the ratios; `--json` writes
+`sandlot up` whose execs go through the guest agent inside the jail
+(`SANDLOT_FUNCTION_AGENT=1`, "agent"), and the same argv under `chroot ROOTFS`; plus
+`run_code` python `print(1)` on each server (create, run, delete; warm pool as configured). Prints p50/p99 per subject and the ratios; `--json` writes
 the raw figures.
 """
 
@@ -34,8 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     rootfs = R.find_rootfs(None)
     servers = {
         "": R.Server(Path(args.binary), Path(args.images_dir), [], 60.0),
-        "standby ": R.Server(Path(args.binary), Path(args.images_dir), [], 60.0,
-                             env={"SANDLOT_EXEC_STANDBY": "1"}),
+        "agent ": R.Server(Path(args.binary), Path(args.images_dir), [], 60.0,
+                           env={"SANDLOT_FUNCTION_AGENT": "1"}),
     }
     apis: dict = {}
     out: dict = {"machine": R.machine(), "load": R.loadavg(), "by_conc": {}}
@@ -60,10 +61,22 @@ def main(argv: list[str] | None = None) -> int:
             ("chroot true", R.subprocess_call(["chroot", str(rootfs), "/bin/true"], "", 30)),
             ("chroot python", R.subprocess_call(["chroot", str(rootfs), *py], "1\n", 30)),
         ]
+        def rc(api):
+            def call() -> float:
+                t0 = R.time.perf_counter()
+                res = api.run_code("print(1)")
+                lat = R.time.perf_counter() - t0
+                rr = res.get("run_result") or {}
+                if res.get("status") != "Success" or rr.get("stdout") != "1\n":
+                    raise R.BenchError(f"run_code answered {json.dumps(res)[:300]}")
+                return lat
+            return call
+
         for tag, api in apis.items():
             subjects += [
                 (f"{tag}exec true", ex(api, sids[tag], ["/bin/true"], "")),
                 (f"{tag}exec python", ex(api, sids[tag], py, "1\n")),
+                (f"{tag}run_code python", rc(api)),
             ]
         concs = [1] + ([args.conc] if args.conc > 1 else [])
         for conc in concs:
@@ -73,8 +86,10 @@ def main(argv: list[str] | None = None) -> int:
             for k, v in res.items():
                 print(f"  {k:24s} p50 {R.fmt_ms(v.p(50)):>8s} ms  p99 {R.fmt_ms(v.p(99)):>8s} ms  "
                       f"rate {R.fmt_rate(v.rate):>8s}/s  errors {v.errors} {v.error_msgs[:1]}")
-            for what in ("true", "python"):
-                a, s, b = f"exec {what}", f"standby exec {what}", f"chroot {what}"
+            for what in ("true", "python", "run_code"):
+                a, s = (f"exec {what}", f"agent exec {what}") if what != "run_code" else (
+                    "run_code python", "agent run_code python")
+                b = f"chroot {what}" if what != "run_code" else "chroot python"
                 for x, y in ((a, b), (s, b), (s, a)):
                     print(f"  {x} / {y}: p50 "
                           f"{R.fmt_ratio(R.ratio(res[x].p(50), res[y].p(50)))}")

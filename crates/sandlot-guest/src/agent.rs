@@ -325,6 +325,28 @@ impl Shared {
 
 /// Entry point; returns the process exit code.
 pub fn main(args: &[String]) -> i32 {
+    let args = match jail_from_args(args) {
+        Ok((None, rest)) => rest,
+        Ok((Some(j), rest)) => {
+            match crate::exec::enter_jail(j.init_pid, j.init_starttime, &j.cgroup_procs) {
+                Ok(None) => rest,
+                // The launcher: the agent runs on in the sandbox (see `enter_jail`); its host
+                // pid goes to the node on stdout.
+                Ok(Some(pid)) => {
+                    println!("{pid}");
+                    return 0;
+                }
+                Err(e) => {
+                    eprintln!("sandlot-guest agent: entering the sandbox: {e:#}");
+                    return 1;
+                }
+            }
+        }
+        Err(e) => {
+            eprintln!("sandlot-guest agent: {e}");
+            return 2;
+        }
+    };
     let listener = match listener_from_args(args) {
         Ok(l) => l,
         Err(e) => {
@@ -347,6 +369,36 @@ pub fn main(args: &[String]) -> i32 {
         }
     };
     rt.block_on(serve(listener))
+}
+
+/// The function sandbox an agent is to enter first (`--jail PID STARTTIME` followed by
+/// any number of `--cgroup-procs FILE`, ahead of the listener flags; see
+/// [`crate::exec::enter_jail`]).
+struct Jail {
+    init_pid: i32,
+    init_starttime: u64,
+    cgroup_procs: Vec<String>,
+}
+
+/// Splits the `--jail` prefix (if any) off `args`.
+fn jail_from_args(args: &[String]) -> Result<(Option<Jail>, &[String]), String> {
+    if args.len() < 3 || args[0] != "--jail" {
+        return Ok((None, args));
+    }
+    let (pid, start) = (&args[1], &args[2]);
+    let mut jail = Jail {
+        init_pid: pid.parse().map_err(|_| format!("bad pid {pid:?}"))?,
+        init_starttime: start
+            .parse()
+            .map_err(|_| format!("bad start time {start:?}"))?,
+        cgroup_procs: Vec::new(),
+    };
+    let mut rest = &args[3..];
+    while rest.len() >= 2 && rest[0] == "--cgroup-procs" {
+        jail.cgroup_procs.push(rest[1].clone());
+        rest = &rest[2..];
+    }
+    Ok((Some(jail), rest))
 }
 
 fn listener_from_args(args: &[String]) -> Result<std::os::unix::net::UnixListener, String> {

@@ -233,7 +233,11 @@ struct Target {
 }
 
 fn open_target(spec: &ExecSpec) -> Result<Target, SetupError> {
-    let what = format!("/proc/{}", spec.init_pid);
+    open_target_of(spec.init_pid, spec.init_starttime)
+}
+
+fn open_target_of(init_pid: i32, init_starttime: u64) -> Result<Target, SetupError> {
+    let what = format!("/proc/{init_pid}");
     let dir = open(
         what.as_str(),
         OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
@@ -241,10 +245,9 @@ fn open_target(spec: &ExecSpec) -> Result<Target, SetupError> {
     )
     .map_err(|e| SetupError::from(anyhow::anyhow!("sandbox gone: opening {what}: {e}")))?;
     let t = host::starttime_at(&dir, &what).context("sandbox gone")?;
-    if t != spec.init_starttime {
+    if t != init_starttime {
         return Err(anyhow::anyhow!(
-            "sandbox gone: {what} has starttime {t}, expected {} (pid reused)",
-            spec.init_starttime
+            "sandbox gone: {what} has starttime {t}, expected {init_starttime} (pid reused)"
         )
         .into());
     }
@@ -280,6 +283,61 @@ fn open_target(spec: &ExecSpec) -> Result<Target, SetupError> {
     )
     .with_context(|| format!("opening {what}/root"))?;
     Ok(Target { ns, user, root })
+}
+
+/// Moves the calling process into a function sandbox to become its long-lived guest agent
+/// (`sandlot-guest agent --jail ...`): joins the cgroups whose `cgroup.procs` files are
+/// `cgroup_procs` (host root), every namespace of the sandbox's init `init_pid` (checked
+/// against `init_starttime`) but the user namespace, and its root (like `exec`); then
+/// forks, because a pid namespace is entered only by children. The parent returns
+/// `Ok(Some(host pid of the child))` (it reports the pid and exits; the child is
+/// reparented to the sandbox's init, which reaps it).
+/// The child joins the user namespace, becomes root there (the sandbox's own unprivileged
+/// root, holding capabilities only over that namespace, which the exec helpers need to
+/// unshare their pid namespaces), starts a session of its own, turns non-dumpable (no
+/// ptrace or `/proc` access by commands) and returns `Ok(None)`: it then serves.
+///
+/// Must run single-threaded (setns into a user namespace).
+///
+/// # Errors
+/// The step that failed (sandbox gone, cgroup write, setns, chroot, fork, uid change).
+pub fn enter_jail(
+    init_pid: i32,
+    init_starttime: u64,
+    cgroup_procs: &[String],
+) -> anyhow::Result<Option<i32>> {
+    let as_anyhow = |e: SetupError| anyhow::anyhow!(e.message);
+    host::join_cgroups(cgroup_procs)?;
+    let target = open_target_of(init_pid, init_starttime).map_err(as_anyhow)?;
+    for (fd, flag, name) in &target.ns {
+        setns(fd, *flag)
+            .with_context(|| format!("setns({name}) into /proc/{init_pid}/ns/{name}"))?;
+    }
+    fchdir(&target.root).context("fchdir to the init's root")?;
+    chroot(".").context("chroot to the init's root")?;
+    match sys::fork().context("fork")? {
+        Forked::Parent(pid) => Ok(Some(pid.as_raw())),
+        Forked::Child => {
+            // stdout carries the launcher's report to the node, which reads it to EOF: the
+            // agent's own messages go to stderr only.
+            // SAFETY: plain dup2 of two open descriptors.
+            if unsafe { libc::dup2(2, 1) } < 0 {
+                return Err(std::io::Error::last_os_error()).context("dup2(2, 1)");
+            }
+            setns(target.user.as_fd(), CloneFlags::CLONE_NEWUSER)
+                .with_context(|| format!("setns(user) into /proc/{init_pid}/ns/user"))?;
+            drop(target);
+            setgroups(&[]).context("setgroups([])")?;
+            let root_gid = Gid::from_raw(0);
+            let root_uid = Uid::from_raw(0);
+            setresgid(root_gid, root_gid, root_gid).context("setresgid(0)")?;
+            setresuid(root_uid, root_uid, root_uid).context("setresuid(0)")?;
+            setsid().context("setsid")?;
+            chdir("/").context("chdir /")?;
+            sys::set_non_dumpable().context("prctl(PR_SET_DUMPABLE, 0)")?;
+            Ok(None)
+        }
+    }
 }
 
 /// The two ends of the socket pair that carries the command's seccomp listener from the

@@ -33,7 +33,7 @@ fn main() {
             eprintln!(
                 "usage: sandlot-guest init   (InitSpec JSON on stdin, InitReady JSON on stdout)\n       \
                  sandlot-guest exec [--own-pid-ns]   (ExecSpec JSON on fd 3, ExecStatus JSON on fd 4)\n       \
-                 sandlot-guest agent --listen-fd N | --listen PATH   (guest agent, HTTP/2)"
+                 sandlot-guest agent [--jail PID STARTTIME [--cgroup-procs FILE]...] --listen-fd N | --listen PATH   (guest agent, HTTP/2)"
             );
             2
         }

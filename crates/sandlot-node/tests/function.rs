@@ -30,13 +30,45 @@ impl Env {
         self.cfg.data_dir.join("sandboxes").join(id)
     }
 
-    /// Host pids in the sandbox's cgroup and its exec children.
+    /// Host pids in the sandbox's cgroup and its exec children, without the standing
+    /// processes of its guest agent when execs go through one (`SANDLOT_FUNCTION_AGENT=1`):
+    /// the agent (`agent.pid`) and what sits at most two levels below it (its zygote, its
+    /// spare helper and that helper's exec init). A command runs three levels below (agent,
+    /// helper, exec init, command), so anything an exec leaves behind still counts.
     fn procs(&self, id: &str) -> Vec<i32> {
         let sb = self.cgroups().sandbox(id);
         let mut v = sb.group().pids();
         for c in sb.exec_children() {
             v.extend(c.pids());
         }
+        let agent = std::fs::read_to_string(self.sandbox_dir(id).join("agent.pid"))
+            .ok()
+            .and_then(|s| s.split_ascii_whitespace().next()?.parse::<i32>().ok());
+        let Some(agent) = agent else {
+            return v;
+        };
+        let ppid = |p: i32| -> Option<i32> {
+            let stat = std::fs::read_to_string(format!("/proc/{p}/stat")).ok()?;
+            stat[stat.rfind(')')? + 1..]
+                .split_ascii_whitespace()
+                .nth(1)?
+                .parse()
+                .ok()
+        };
+        let standing = |p: i32| -> bool {
+            let mut cur = p;
+            for _ in 0..3 {
+                if cur == agent {
+                    return true;
+                }
+                match ppid(cur) {
+                    Some(pp) => cur = pp,
+                    None => return false,
+                }
+            }
+            false
+        };
+        v.retain(|p| !standing(*p));
         v
     }
 

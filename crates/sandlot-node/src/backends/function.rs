@@ -77,6 +77,9 @@
 //! * the sandbox's init is re-parented to the host's init when `sandlot-guest init` exits,
 //!   so after a delete the host's init reaps it (a host init that reaps lazily shows it as
 //!   a zombie for a while; it holds no memory, cgroup or mount).
+mod agent;
+pub(crate) use agent::launch as launch_agent;
+
 use super::function_pool::{pool_dir, tmp_compatible, FunctionPool, Jails};
 use super::pool::WarmPool;
 use super::spawn::{cloexec_pipe, dup_high, SpawnedChild};
@@ -234,6 +237,8 @@ struct Jail {
     /// `true` while the sandbox's cgroup is frozen ([`SandboxBackend::pause`]); exec and
     /// file calls answer `Conflict` then.
     paused: std::sync::atomic::AtomicBool,
+    /// The guest agent inside the jail (`SANDLOT_FUNCTION_AGENT=1`; see [`agent`]).
+    agent: agent::AgentSlot,
 }
 
 impl Jail {
@@ -319,6 +324,9 @@ pub struct FunctionBackend {
     pool: std::sync::OnceLock<FunctionPool>,
     /// Whether sandboxes get a standby exec helper ([`Standby`]; `SANDLOT_EXEC_STANDBY=1`).
     exec_standby: bool,
+    /// Whether execs go through a guest agent inside the jail ([`agent`];
+    /// `SANDLOT_FUNCTION_AGENT=1`).
+    exec_agent: bool,
     /// Network policies (`network: {"allow": ...}`): the node's one manager, shared with
     /// the container backend and swept by [`crate::LocalNode`]'s readopt.
     net: Arc<crate::net::NodeNet>,
@@ -348,6 +356,7 @@ impl FunctionBackend {
             jails: Mutex::new(HashMap::new()),
             pool: std::sync::OnceLock::new(),
             exec_standby: std::env::var_os("SANDLOT_EXEC_STANDBY").is_some_and(|v| v == "1"),
+            exec_agent: std::env::var_os("SANDLOT_FUNCTION_AGENT").is_some_and(|v| v == "1"),
             net,
         })
     }
@@ -363,6 +372,29 @@ impl FunctionBackend {
 
     fn dir_of(&self, id: &str) -> PathBuf {
         self.cfg.sandboxes_dir.join(id)
+    }
+
+    /// `jail`'s guest agent when execs go through one and it answers; otherwise `None`,
+    /// and (with the agent path on) a start is kicked off for the next exec.
+    fn agent_of(&self, jail: &Arc<Jail>) -> Option<Arc<agent::Agent>> {
+        if !self.exec_agent {
+            return None;
+        }
+        let a = jail.agent.ready();
+        if a.is_none() {
+            agent::kick(&self.cfg.guest_bin, &self.dir_of(&jail.state.id), jail);
+        }
+        a
+    }
+
+    /// Starts the guest agent of sandbox `id` in the background (agent path on only).
+    fn kick_agent(&self, id: &str) {
+        if !self.exec_agent {
+            return;
+        }
+        if let Ok(jail) = self.jail(id) {
+            agent::kick(&self.cfg.guest_bin, &self.dir_of(id), &jail);
+        }
     }
 
     /// Open the sandbox root for the files module, on a blocking thread.
@@ -453,6 +485,7 @@ impl FunctionBackend {
             execs_done: AtomicU64::new(0),
             standby: Mutex::new(None),
             standby_busy: std::sync::atomic::AtomicBool::new(false),
+            agent: agent::AgentSlot::default(),
         });
         self.jails
             .lock()
@@ -493,6 +526,7 @@ impl FunctionBackend {
             cfg: self.cfg.clone(),
             cgroups: self.cgroups.clone(),
             standbys: Default::default(),
+            exec_agent: self.exec_agent,
         };
         let dir = pool_dir(&self.cfg.sandboxes_dir);
         WarmPool::start_once(&self.pool, jails, dir, self.uids.clone(), images, cfg)
@@ -550,7 +584,15 @@ impl FunctionBackend {
                 *jail.standby.lock().unwrap() = standby;
             };
             if pool.create(spec, image, &dir, adopt).await {
-                return self.attach_network(spec).await;
+                self.attach_network(spec).await?;
+                if self.exec_agent {
+                    // The pooled jail's agent came along (its files moved with the
+                    // directory): connect before answering, so the first exec uses it.
+                    if let Ok(jail) = self.jail(&spec.id) {
+                        agent::attach(&self.cfg.guest_bin, &dir, &jail).await;
+                    }
+                }
+                return Ok(());
             }
         }
         let cg = self.cgroups.sandbox(&spec.id);
@@ -565,6 +607,7 @@ impl FunctionBackend {
                 let uids = uids.expect("create_inner allocated a uid range");
                 self.adopt(state, uids);
                 self.attach_network(spec).await?;
+                self.kick_agent(&spec.id);
                 tracing::info!(sandbox = %spec.id, backend = "function", image = %image.name, uid_base, "sandbox created");
                 Ok(())
             }
@@ -726,8 +769,12 @@ impl SandboxBackend for FunctionBackend {
         let jail = self.jail(id)?;
         jail.check_not_paused()?;
         let plan = ExecPlan::new(&jail.state, req)?;
-        let standby = self.exec_standby.then_some(self.cfg.guest_bin.as_path());
         let started = crate::backends::gvisor_audit::now_ms();
+        if let Some(a) = self.agent_of(&jail) {
+            let res = agent::exec(&jail, &a.client, plan, sink, None).await;
+            return self.with_net_violations(id, started, res);
+        }
+        let standby = self.exec_standby.then_some(self.cfg.guest_bin.as_path());
         let res = run_exec(&self.cfg.guest_bin, &jail, plan, sink, standby, None).await;
         self.with_net_violations(id, started, res)
     }
@@ -742,8 +789,12 @@ impl SandboxBackend for FunctionBackend {
         let jail = self.jail(id)?;
         jail.check_not_paused()?;
         let plan = ExecPlan::new(&jail.state, req)?;
-        let standby = self.exec_standby.then_some(self.cfg.guest_bin.as_path());
         let started = crate::backends::gvisor_audit::now_ms();
+        if let Some(a) = self.agent_of(&jail) {
+            let res = agent::exec(&jail, &a.client, plan, sink, Some(control)).await;
+            return self.with_net_violations(id, started, res);
+        }
+        let standby = self.exec_standby.then_some(self.cfg.guest_bin.as_path());
         let res = run_exec(
             &self.cfg.guest_bin,
             &jail,
@@ -929,6 +980,10 @@ impl SandboxBackend for FunctionBackend {
                     Err(e) => errors.push(e.to_string()),
                 }
                 tracing::info!(sandbox = %name, backend = "function", "sandbox re-adopted");
+                if !jail.paused.load(Ordering::SeqCst) {
+                    // Reconnects to the agent the previous process started, if it lives.
+                    self.kick_agent(&name);
+                }
                 adopted.push(name);
             } else {
                 tracing::info!(sandbox = %name, backend = "function", "removing leftover sandbox");

@@ -46,6 +46,9 @@ pub struct Jails {
     /// Each ready jail's standby exec helper, by pooled name (see
     /// [`super::function::pooled_standby`]); handed over with the jail.
     pub(crate) standbys: Mutex<HashMap<String, Standby>>,
+    /// Whether each jail gets its guest agent while it waits (`SANDLOT_FUNCTION_AGENT=1`;
+    /// see `function::agent`): it moves with the directory at hand-over.
+    pub(crate) exec_agent: bool,
 }
 
 impl Jails {
@@ -114,6 +117,21 @@ impl PoolMember for Jails {
                 self.standbys.lock().unwrap().insert(name.to_string(), s);
             }
             Err(e) => tracing::debug!(pooled = %name, error = %e, "no standby exec helper"),
+        }
+        if self.exec_agent {
+            // Without one the sandbox starts its own after the hand-over.
+            let (bin, d, procs) = (
+                self.cfg.guest_bin.clone(),
+                dir.to_path_buf(),
+                cg.group().procs_files(),
+            );
+            let (pid, start) = (state.init_pid, state.init_starttime);
+            if let Err(e) =
+                spawn_blocking(move || super::function::launch_agent(&bin, &d, pid, start, &procs))
+                    .await
+            {
+                tracing::debug!(pooled = %name, error = %e, "no guest agent");
+            }
         }
         Ok(state)
     }
