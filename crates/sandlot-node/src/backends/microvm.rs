@@ -39,6 +39,7 @@
 //! resource control calls), in a session of its own, so it outlives a node restart and
 //! is re-adopted, and as an unprivileged host uid of its own that reaches only its own
 //! files and the shared read-only ones (see [`super::qemu`]).
+use super::agent_files::{AgentFiles, HoldsAgent};
 use super::function::{
     check_id, check_not_paused, freeze, proc_starttime, spawn_blocking, thaw, ExecPlan, StoredSpec,
 };
@@ -49,11 +50,10 @@ use super::SandboxBackend;
 use crate::agent_client::AgentClient;
 use crate::cgroups::{CgroupRoot, SandboxCgroup};
 use crate::checkpoints::{Captured, Checkpoint};
-use crate::files::{file_entry, node_error};
 use crate::images::{fnv, Image, ImageStore};
 use crate::node::{ExecControl, ExecSink, NodeError, NodeResult, SandboxSpec, SandboxStatus};
 use async_trait::async_trait;
-use sandlot_api::{Backend, ExecRequest, ExecResult, FileEntry};
+use sandlot_api::{Backend, ExecRequest, ExecResult};
 use serde::{Deserialize, Serialize};
 use snapshot::{ProcCell, QemuProc, Relay};
 use std::collections::{HashMap, HashSet};
@@ -1261,6 +1261,19 @@ pub(crate) fn probe_kvm(qemu: &Path, kit: &Path, initrd: &Path, jail: &Jail) -> 
 }
 
 #[async_trait]
+impl AgentFiles for MicrovmBackend {
+    async fn file_agent(&self, id: &str) -> NodeResult<Arc<dyn HoldsAgent>> {
+        Ok(self.fs_target(id).await?)
+    }
+}
+
+impl HoldsAgent for Vm {
+    fn agent(&self) -> &AgentClient {
+        &self.agent
+    }
+}
+
+#[async_trait]
 impl SandboxBackend for MicrovmBackend {
     fn kind(&self) -> Backend {
         Backend::Microvm
@@ -1306,50 +1319,8 @@ impl SandboxBackend for MicrovmBackend {
         self.run_exec(id, req, sink, Some(control)).await
     }
 
-    async fn read_file(&self, id: &str, path: &str, max_bytes: u64) -> NodeResult<Vec<u8>> {
-        let vm = self.fs_target(id).await?;
-        vm.agent
-            .read_file(path, max_bytes)
-            .await
-            .map_err(node_error)
-    }
-
-    async fn file_size(&self, id: &str, path: &str) -> NodeResult<u64> {
-        let vm = self.fs_target(id).await?;
-        super::agent_exec::file_size(&vm.agent, path).await
-    }
-
-    async fn write_file(&self, id: &str, path: &str, data: bytes::Bytes) -> NodeResult<()> {
-        let vm = self.fs_target(id).await?;
-        vm.agent
-            .write_file(path, &data, u64::MAX)
-            .await
-            .map_err(node_error)
-    }
-
-    async fn list_dir(&self, id: &str, path: &str) -> NodeResult<Vec<FileEntry>> {
-        let vm = self.fs_target(id).await?;
-        let v = vm.agent.list_dir(path).await.map_err(node_error)?;
-        Ok(v.into_iter().map(file_entry).collect())
-    }
-
-    async fn remove_file(&self, id: &str, path: &str) -> NodeResult<()> {
-        let vm = self.fs_target(id).await?;
-        vm.agent.remove(path).await.map_err(node_error)
-    }
-
-    async fn stat_file(&self, id: &str, path: &str) -> NodeResult<FileEntry> {
-        let vm = self.fs_target(id).await?;
-        vm.agent
-            .stat(path)
-            .await
-            .map(file_entry)
-            .map_err(node_error)
-    }
-
-    async fn make_dir(&self, id: &str, path: &str, parents: bool) -> NodeResult<()> {
-        let vm = self.fs_target(id).await?;
-        vm.agent.mkdir(path, parents).await.map_err(node_error)
+    fn agent_files(&self) -> Option<&dyn AgentFiles> {
+        Some(self)
     }
 
     /// Saves memory and device state to `memory.state` and stops QEMU (see

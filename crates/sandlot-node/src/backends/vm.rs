@@ -42,6 +42,7 @@
 //! new layer on the checkpoint's chain, shared by hard links, not copied (`chain`).
 mod chain;
 
+use super::agent_files::{AgentFiles, HoldsAgent};
 use super::function::{
     check_id, check_not_paused, freeze, proc_starttime, spawn_blocking, thaw, ExecPlan, StoredSpec,
 };
@@ -55,11 +56,10 @@ use super::SandboxBackend;
 use crate::agent_client::AgentClient;
 use crate::cgroups::{CgroupRoot, SandboxCgroup};
 use crate::checkpoints::{Captured, Checkpoint};
-use crate::files::{file_entry, node_error};
 use crate::images::{fnv, Image, ImageStore};
 use crate::node::{ExecControl, ExecSink, NodeError, NodeResult, SandboxSpec, SandboxStatus};
 use async_trait::async_trait;
-use sandlot_api::{Backend, ExecRequest, ExecResult, FileEntry};
+use sandlot_api::{Backend, ExecRequest, ExecResult};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicBool;
@@ -850,6 +850,19 @@ impl VmBackend {
 }
 
 #[async_trait]
+impl AgentFiles for VmBackend {
+    async fn file_agent(&self, id: &str) -> NodeResult<Arc<dyn HoldsAgent>> {
+        Ok(self.fs_target(id).await?)
+    }
+}
+
+impl HoldsAgent for Vm {
+    fn agent(&self) -> &AgentClient {
+        &self.agent
+    }
+}
+
+#[async_trait]
 impl SandboxBackend for VmBackend {
     fn kind(&self) -> Backend {
         Backend::Vm
@@ -895,50 +908,8 @@ impl SandboxBackend for VmBackend {
         self.run_exec(id, req, sink, Some(control)).await
     }
 
-    async fn read_file(&self, id: &str, path: &str, max_bytes: u64) -> NodeResult<Vec<u8>> {
-        let vm = self.fs_target(id).await?;
-        vm.agent
-            .read_file(path, max_bytes)
-            .await
-            .map_err(node_error)
-    }
-
-    async fn file_size(&self, id: &str, path: &str) -> NodeResult<u64> {
-        let vm = self.fs_target(id).await?;
-        super::agent_exec::file_size(&vm.agent, path).await
-    }
-
-    async fn write_file(&self, id: &str, path: &str, data: bytes::Bytes) -> NodeResult<()> {
-        let vm = self.fs_target(id).await?;
-        vm.agent
-            .write_file(path, &data, u64::MAX)
-            .await
-            .map_err(node_error)
-    }
-
-    async fn list_dir(&self, id: &str, path: &str) -> NodeResult<Vec<FileEntry>> {
-        let vm = self.fs_target(id).await?;
-        let v = vm.agent.list_dir(path).await.map_err(node_error)?;
-        Ok(v.into_iter().map(file_entry).collect())
-    }
-
-    async fn remove_file(&self, id: &str, path: &str) -> NodeResult<()> {
-        let vm = self.fs_target(id).await?;
-        vm.agent.remove(path).await.map_err(node_error)
-    }
-
-    async fn stat_file(&self, id: &str, path: &str) -> NodeResult<FileEntry> {
-        let vm = self.fs_target(id).await?;
-        vm.agent
-            .stat(path)
-            .await
-            .map(file_entry)
-            .map_err(node_error)
-    }
-
-    async fn make_dir(&self, id: &str, path: &str, parents: bool) -> NodeResult<()> {
-        let vm = self.fs_target(id).await?;
-        vm.agent.mkdir(path, parents).await.map_err(node_error)
+    fn agent_files(&self) -> Option<&dyn AgentFiles> {
+        Some(self)
     }
 
     /// Saves memory and device state to `memory.state` and stops QEMU (the `microvm`
