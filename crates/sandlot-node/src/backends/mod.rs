@@ -14,6 +14,7 @@ pub mod gvisor_audit;
 pub mod microvm;
 pub mod pool;
 pub mod qemu;
+pub mod qemu_sandbox;
 mod spawn;
 pub mod uids;
 pub mod vm;
