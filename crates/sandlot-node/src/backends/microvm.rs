@@ -739,23 +739,10 @@ impl MicrovmBackend {
             state.started_from = "cold".into();
             // Written before readiness so that a failed boot is cleaned up by pid too.
             write_json(&dir.join("boot.json"), &state)?;
-            let timeout = match accel {
-                Accel::Kvm => READY_TIMEOUT_KVM,
-                Accel::Tcg => READY_TIMEOUT_TCG,
-            };
-            let ready = agent.wait_ready_single(Instant::now() + timeout).await;
-            if let Err(e) = ready {
-                return Err(super::qemu::boot_failure(
-                    &self.cfg.dir,
-                    &dir,
-                    &format!("microVM {}", spec.id),
-                    &spec.id,
-                    timeout,
-                    accel,
-                    (pid, starttime),
-                    &e,
-                ));
-            }
+            let timeouts = (READY_TIMEOUT_KVM, READY_TIMEOUT_TCG);
+            self.core
+                .wait_booted(&agent, &spec.id, accel, timeouts, (pid, starttime))
+                .await?;
         }
         let t_ready = Instant::now();
         agent

@@ -242,6 +242,39 @@ impl QemuCore {
         super::agent_exec::run(target, plan, guard, &mut killed, sink, control).await
     }
 
+    /// Waits until the agent of the VM being created as `id` (its QEMU `proc_`) answers,
+    /// within `timeouts.0` under KVM or `timeouts.1` under TCG.
+    ///
+    /// # Errors
+    /// `Internal` naming the boot's failure with the console's tail (see
+    /// [`super::qemu::boot_failure`]; the console is kept under `failed/`).
+    pub(super) async fn wait_booted(
+        &self,
+        agent: &AgentClient,
+        id: &str,
+        accel: Accel,
+        timeouts: (Duration, Duration),
+        proc_: (i32, u64),
+    ) -> NodeResult<()> {
+        let timeout = match accel {
+            Accel::Kvm => timeouts.0,
+            Accel::Tcg => timeouts.1,
+        };
+        match agent.wait_ready_single(Instant::now() + timeout).await {
+            Ok(_) => Ok(()),
+            Err(e) => Err(super::qemu::boot_failure(
+                &self.dir,
+                &self.vm_dir(id),
+                &format!("{} {id}", self.label),
+                id,
+                timeout,
+                accel,
+                proc_,
+                &e,
+            )),
+        }
+    }
+
     /// `sync` in the guest of VM `id` before a checkpoint (its page cache reaches the
     /// disk).
     ///

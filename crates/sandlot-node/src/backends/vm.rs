@@ -46,8 +46,8 @@ use super::function::{spawn_blocking, StoredSpec};
 use super::microvm::snapshot::Relay;
 use super::microvm::{find_binary, spawn_qemu, write_cpio, write_json, Accel, VmState};
 use super::qemu::{
-    boot_failure, fresh_identity, AccelProbe, DiskHold, ImageDisks, QemuUids, AGENT_FD, AGENT_SOCK,
-    CONSOLE_LOG, QMP_FD,
+    fresh_identity, AccelProbe, DiskHold, ImageDisks, QemuUids, AGENT_FD, AGENT_SOCK, CONSOLE_LOG,
+    QMP_FD,
 };
 use super::qemu_sandbox::{Machine, QemuCore, QemuVm};
 use crate::agent_client::AgentClient;
@@ -562,23 +562,11 @@ impl VmBackend {
         write_json(&dir.join("boot.json"), &state)?;
         let relay = Relay::new(sock.clone());
         let agent = AgentClient::with_connector(&sock, relay.connector());
-        let timeout = match accel {
-            Accel::Kvm => READY_TIMEOUT_KVM,
-            Accel::Tcg => READY_TIMEOUT_TCG,
-        };
         let started = Instant::now();
-        if let Err(e) = agent.wait_ready_single(Instant::now() + timeout).await {
-            return Err(boot_failure(
-                &self.cfg.dir,
-                &dir,
-                &format!("VM {}", spec.id),
-                &spec.id,
-                timeout,
-                accel,
-                (pid, starttime),
-                &e,
-            ));
-        }
+        let timeouts = (READY_TIMEOUT_KVM, READY_TIMEOUT_TCG);
+        self.core
+            .wait_booted(&agent, &spec.id, accel, timeouts, (pid, starttime))
+            .await?;
         agent.set_identity(&fresh_identity(&spec.id)).await?;
         super::qemu::sync_clock(&agent, &spec.id, "vm").await;
         tracing::info!(sandbox = %spec.id, backend = "vm", accel = accel.as_str(), ms = started.elapsed().as_millis() as u64, "VM agent ready");
