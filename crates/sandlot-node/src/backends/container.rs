@@ -57,6 +57,7 @@
 //! container group's `oom_kill` counter over the exec (an overlapping exec's OOM kill is
 //! counted too).
 use super::agent_exec;
+use super::agent_files::{AgentFiles, HoldsAgent};
 use super::container_pool::{pool_dir, spec_compatible, ContainerPool, Containers};
 use super::function::{
     check_id, check_not_paused, destroy_blocking, freeze, make_layer_dirs, own_dir, proc_starttime,
@@ -69,12 +70,11 @@ use super::SandboxBackend;
 use crate::agent_client::AgentClient;
 use crate::cgroups::{CgroupRoot, Limits, SandboxCgroup};
 use crate::checkpoints::{Captured, Checkpoint};
-use crate::files::{file_entry, node_error};
 use crate::images::Image;
 use crate::net::{NetworkManager, NodeNet};
 use crate::node::{ExecControl, ExecSink, NodeError, NodeResult, SandboxSpec, SandboxStatus};
 use async_trait::async_trait;
-use sandlot_api::{Backend, ExecRequest, ExecResult, FileEntry};
+use sandlot_api::{Backend, ExecRequest, ExecResult};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::os::fd::AsRawFd;
@@ -1500,6 +1500,19 @@ fn bundle_spec(
 }
 
 #[async_trait]
+impl AgentFiles for ContainerBackend {
+    async fn file_agent(&self, id: &str) -> NodeResult<Arc<dyn HoldsAgent>> {
+        Ok(self.fs_target(id).await?)
+    }
+}
+
+impl HoldsAgent for Container {
+    fn agent(&self) -> &AgentClient {
+        &self.agent
+    }
+}
+
+#[async_trait]
 impl SandboxBackend for ContainerBackend {
     fn kind(&self) -> Backend {
         Backend::Container
@@ -1564,43 +1577,8 @@ impl SandboxBackend for ContainerBackend {
         self.run_exec(id, req, sink, Some(control)).await
     }
 
-    async fn read_file(&self, id: &str, path: &str, max_bytes: u64) -> NodeResult<Vec<u8>> {
-        let c = self.fs_target(id).await?;
-        c.agent.read_file(path, max_bytes).await.map_err(node_error)
-    }
-
-    async fn file_size(&self, id: &str, path: &str) -> NodeResult<u64> {
-        let c = self.fs_target(id).await?;
-        super::agent_exec::file_size(&c.agent, path).await
-    }
-
-    async fn write_file(&self, id: &str, path: &str, data: bytes::Bytes) -> NodeResult<()> {
-        let c = self.fs_target(id).await?;
-        c.agent
-            .write_file(path, &data, u64::MAX)
-            .await
-            .map_err(node_error)
-    }
-
-    async fn list_dir(&self, id: &str, path: &str) -> NodeResult<Vec<FileEntry>> {
-        let c = self.fs_target(id).await?;
-        let v = c.agent.list_dir(path).await.map_err(node_error)?;
-        Ok(v.into_iter().map(file_entry).collect())
-    }
-
-    async fn stat_file(&self, id: &str, path: &str) -> NodeResult<FileEntry> {
-        let c = self.fs_target(id).await?;
-        c.agent.stat(path).await.map(file_entry).map_err(node_error)
-    }
-
-    async fn make_dir(&self, id: &str, path: &str, parents: bool) -> NodeResult<()> {
-        let c = self.fs_target(id).await?;
-        c.agent.mkdir(path, parents).await.map_err(node_error)
-    }
-
-    async fn remove_file(&self, id: &str, path: &str) -> NodeResult<()> {
-        let c = self.fs_target(id).await?;
-        c.agent.remove(path).await.map_err(node_error)
+    fn agent_files(&self) -> Option<&dyn AgentFiles> {
+        Some(self)
     }
 
     async fn pause(&self, id: &str) -> NodeResult<()> {

@@ -39,31 +39,24 @@
 //! resource control calls), in a session of its own, so it outlives a node restart and
 //! is re-adopted, and as an unprivileged host uid of its own that reaches only its own
 //! files and the shared read-only ones (see [`super::qemu`]).
-use super::function::{
-    check_id, check_not_paused, freeze, proc_starttime, spawn_blocking, thaw, ExecPlan, StoredSpec,
-};
-use super::qemu::{
-    DiskHold, ImageDisks, Jail, QemuUids, AGENT_FD, AGENT_SOCK, CONSOLE_LOG, QMP_FD, QMP_SOCK,
-};
-use super::SandboxBackend;
+use super::function::{spawn_blocking, StoredSpec};
+use super::qemu::{DiskHold, ImageDisks, Jail, QemuUids, AGENT_FD, CONSOLE_LOG, QMP_FD};
+use super::qemu_sandbox::{Machine, QemuCore, QemuVm};
 use crate::agent_client::AgentClient;
 use crate::cgroups::{CgroupRoot, SandboxCgroup};
 use crate::checkpoints::{Captured, Checkpoint};
-use crate::files::{file_entry, node_error};
 use crate::images::{fnv, Image, ImageStore};
-use crate::node::{ExecControl, ExecSink, NodeError, NodeResult, SandboxSpec, SandboxStatus};
+use crate::node::{NodeError, NodeResult, SandboxSpec};
 use async_trait::async_trait;
-use sandlot_api::{Backend, ExecRequest, ExecResult, FileEntry};
+use sandlot_api::Backend;
 use serde::{Deserialize, Serialize};
-use snapshot::{ProcCell, QemuProc, Relay};
-use std::collections::{HashMap, HashSet};
+use snapshot::Relay;
+use std::collections::HashSet;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
-use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use tokio::sync::{watch, RwLock};
 
 pub(crate) mod snapshot;
 mod template;
@@ -187,36 +180,14 @@ pub struct VmState {
     pub qemu_uid: Option<u32>,
 }
 
-/// The jail of a microVM's QEMU (agent and QMP sockets handed over as fds).
-pub(crate) fn microvm_jail(uids: &QemuUids, uid: Option<u32>, accel: Accel) -> Jail {
-    uids.jail(uid, accel, &[(AGENT_SOCK, AGENT_FD), (QMP_SOCK, QMP_FD)])
-}
-
-struct Vm {
-    /// As created (its `qemu_pid` is the first QEMU's: see `proc_`).
-    state: VmState,
-    /// The QEMU it runs in now (a resume starts a new one).
-    proc_: ProcCell,
-    /// The agent link that survives pause and resume.
-    relay: Arc<Relay>,
-    /// Serialises pause and resume.
-    lifecycle: tokio::sync::Mutex<()>,
-    cgroup: SandboxCgroup,
-    agent: AgentClient,
-    deleting: RwLock<bool>,
-    killed: watch::Sender<bool>,
-    paused: AtomicBool,
-}
-
 /// The microvm backend: microVMs by id.
 pub struct MicrovmBackend {
     cfg: MicrovmConfig,
-    qemu: PathBuf,
-    cgroups: CgroupRoot,
+    /// Directory, QEMU, cgroups, uids and the table of microVMs.
+    core: QemuCore,
     /// Serialises image conversions (one `mkfs.erofs` at a time).
     /// Image disk conversions (one at a time) and the disks creates in flight hold.
     disks: ImageDisks,
-    vms: Mutex<HashMap<String, Arc<Vm>>>,
     /// Template snapshots in use (`SANDLOT_MICROVM_TEMPLATES`, default on).
     templates_enabled: bool,
     /// Template keys being built now.
@@ -356,40 +327,6 @@ pub(crate) fn tail_of(path: &Path, n: usize) -> String {
 }
 
 impl MicrovmBackend {
-    /// One exec through the VM's agent ([`super::agent_exec`]). The guest kernel's OOM
-    /// kills are invisible from the host: `oom_killed` comes from the agent, which reads
-    /// its `sandbox` cgroup's `oom_kill` counter around the exec.
-    async fn run_exec(
-        &self,
-        id: &str,
-        req: &ExecRequest,
-        sink: Option<ExecSink>,
-        control: Option<ExecControl>,
-    ) -> NodeResult<ExecResult> {
-        let vm = self.get(id)?;
-        let mut killed = vm.killed.subscribe();
-        let guard = vm.deleting.read().await;
-        if *guard || *killed.borrow() {
-            return Err(NodeError::NotFound(format!(
-                "sandbox {id} is being deleted"
-            )));
-        }
-        check_not_paused(&vm.paused, id)?;
-        let mut plan = ExecPlan::build(&vm.state.image_env, &vm.state.spec, req)?;
-        plan.spec.own_pid_ns = true;
-        plan.spec.landlock = false;
-        let cell = vm.proc_.clone();
-        let died = move || !cell.lock().unwrap().exists();
-        let target = super::agent_exec::Target {
-            id,
-            kind: "microVM",
-            agent: &vm.agent,
-            pids_max: vm.state.spec.pids_max,
-            died: &died,
-        };
-        super::agent_exec::run(target, plan, guard, &mut killed, sink, control).await
-    }
-
     /// A backend storing its files under `cfg.dir`, its QEMU cgroups under `cgroups`.
     ///
     /// # Errors
@@ -494,12 +431,18 @@ impl MicrovmBackend {
         }
         cgroups.ensure_parent()?;
         cfg.probe.start(&qemu, &cfg.kit_dir, &initrd);
-        Ok(MicrovmBackend {
-            cfg,
+        let core = QemuCore::new(
+            Backend::Microvm,
+            ("microvm", "microVM"),
+            cfg.dir.clone(),
             qemu,
             cgroups,
+            cfg.uids.clone(),
+        );
+        Ok(MicrovmBackend {
+            cfg,
+            core,
             disks: ImageDisks::default(),
-            vms: Mutex::new(HashMap::new()),
             templates_enabled: template::enabled_from_env(),
             templates_building: Arc::new(Mutex::new(Default::default())),
             template_inputs,
@@ -513,19 +456,6 @@ impl MicrovmBackend {
 
     async fn resolve_accel(&self) -> Accel {
         self.cfg.probe.wait().await
-    }
-
-    fn vm_dir(&self, id: &str) -> PathBuf {
-        self.cfg.dir.join("vms").join(id)
-    }
-
-    fn get(&self, id: &str) -> NodeResult<Arc<Vm>> {
-        self.vms
-            .lock()
-            .unwrap()
-            .get(id)
-            .cloned()
-            .ok_or_else(|| NodeError::NotFound(format!("sandbox {id} not found")))
     }
 
     /// Where the image's EROFS disk is (or will be): `images/<key>.erofs`.
@@ -675,7 +605,8 @@ impl MicrovmBackend {
         args
     }
 
-    async fn create_inner(
+    /// [`Machine::boot`] of a microVM.
+    async fn boot_microvm(
         &self,
         spec: &SandboxSpec,
         image: &Image,
@@ -686,7 +617,7 @@ impl MicrovmBackend {
         let accel = self.resolve_accel().await;
         // Held until `boot.json` / `state.json` name the disk (see `collect_disks`).
         let (disk, _hold) = self.image_disk(image).await?;
-        let dir = self.vm_dir(&spec.id);
+        let dir = self.core.vm_dir(&spec.id);
         let scratch = dir.join("scratch.img");
         let mib = spec.disk_mib.max(16);
         let memory_mib = spec.memory_mib.max(128);
@@ -800,36 +731,18 @@ impl MicrovmBackend {
                 spawn_blocking(move || make_scratch(&s, mib)).await?;
             }
             super::qemu::give_file(&scratch, uid)?;
-            let (pid, starttime) = self.spawn_qemu(
-                &args,
-                &dir,
-                cg,
-                false,
-                &microvm_jail(&self.cfg.uids, Some(uid), accel),
-            )?;
+            let (pid, starttime) =
+                self.spawn_qemu(&args, &dir, cg, false, &self.core.jail(Some(uid), accel))?;
             t_spawn = Instant::now();
             state.qemu_pid = pid;
             state.qemu_starttime = starttime;
             state.started_from = "cold".into();
             // Written before readiness so that a failed boot is cleaned up by pid too.
             write_json(&dir.join("boot.json"), &state)?;
-            let timeout = match accel {
-                Accel::Kvm => READY_TIMEOUT_KVM,
-                Accel::Tcg => READY_TIMEOUT_TCG,
-            };
-            let ready = agent.wait_ready_single(Instant::now() + timeout).await;
-            if let Err(e) = ready {
-                return Err(super::qemu::boot_failure(
-                    &self.cfg.dir,
-                    &dir,
-                    &format!("microVM {}", spec.id),
-                    &spec.id,
-                    timeout,
-                    accel,
-                    (pid, starttime),
-                    &e,
-                ));
-            }
+            let timeouts = (READY_TIMEOUT_KVM, READY_TIMEOUT_TCG);
+            self.core
+                .wait_booted(&agent, &spec.id, accel, timeouts, (pid, starttime))
+                .await?;
         }
         let t_ready = Instant::now();
         agent
@@ -872,7 +785,7 @@ impl MicrovmBackend {
         append: bool,
         jail: &Jail,
     ) -> NodeResult<(i32, u64)> {
-        spawn_qemu(&self.qemu, args, dir, cg, append, jail)
+        spawn_qemu(&self.core.qemu, args, dir, cg, append, jail)
     }
 }
 
@@ -891,51 +804,17 @@ pub(crate) fn spawn_qemu(
 }
 
 impl MicrovmBackend {
-    /// Create `spec`, its scratch disk copied from `seed` when given (a fork).
-    async fn create_with(
-        &self,
-        spec: &SandboxSpec,
-        image: &Image,
-        seed: Option<&Checkpoint>,
-    ) -> NodeResult<()> {
-        check_id(&spec.id)?;
-        super::qemu::create_vm_dir(&self.vm_dir(&spec.id), &spec.id)?;
-        let cg = self.cgroups.sandbox(&spec.id);
-        match self.create_inner(spec, image, &cg, seed).await {
-            Ok((state, agent)) => {
-                self.adopt(state, Some(agent));
-                tracing::info!(sandbox = %spec.id, backend = "microvm", "sandbox created");
-                Ok(())
-            }
-            Err(e) => {
-                if let Err(c) = self.destroy(&spec.id).await {
-                    tracing::warn!(sandbox = %spec.id, error = %c, "cleanup after a failed create");
-                }
-                Err(e)
-            }
-        }
-    }
-
     /// A checkpoint of microVM `id` (see [`crate::checkpoints`]): `sync` in the guest (its
     /// page cache reaches the scratch disk), then a sparse copy of `scratch.img` to
     /// `dest/disk.img` while QEMU's cgroup is frozen (no guest write lands mid-copy).
-    async fn checkpoint_scratch(&self, id: &str, dest: &Path) -> NodeResult<Captured> {
-        let vm = self.get(id)?;
-        if vm.paused.load(std::sync::atomic::Ordering::SeqCst) {
-            return Err(NodeError::Conflict(format!(
-                "sandbox {id} is paused; resume it before a checkpoint (the guest must flush its disk first)"
-            )));
-        }
-        let mut req = ExecRequest::new(sandlot_api::Cmd::Argv(vec!["sync".into()]));
-        req.timeout_s = Some(60.0);
-        let r = self.run_exec(id, &req, None, None).await?;
-        if r.exit_code != 0 {
-            return Err(NodeError::io(
-                format!("sync in microVM {id}: exit {}: {}", r.exit_code, r.stderr),
-                std::io::Error::other("guest sync failed"),
-            ));
-        }
-        let scratch = self.vm_dir(id).join("scratch.img");
+    async fn checkpoint_scratch(
+        &self,
+        vm: Arc<QemuVm>,
+        id: &str,
+        dest: &Path,
+    ) -> NodeResult<Captured> {
+        self.core.sync_guest(&vm, id).await?;
+        let scratch = self.core.vm_dir(id).join("scratch.img");
         let disk = dest.join("disk.img");
         crate::checkpoints::frozen_copy(
             id,
@@ -954,94 +833,6 @@ impl MicrovmBackend {
             disk_mib: vm.state.spec.disk_mib.max(16),
             image_version: vm.state.image_version.clone(),
         })
-    }
-
-    /// Registers a running microVM; `agent`: the connected client of its create (a new one
-    /// would be a second connection on the guest's one stream).
-    fn adopt(&self, state: VmState, agent: Option<(AgentClient, Arc<Relay>)>) -> Arc<Vm> {
-        if let Some(uid) = state.qemu_uid {
-            self.cfg.uids.keep(&state.id, uid);
-        }
-        let sock = self.vm_dir(&state.id).join(AGENT_SOCK);
-        let (agent, relay) = agent.unwrap_or_else(|| {
-            let relay = Relay::new(sock.clone());
-            (AgentClient::with_connector(&sock, relay.connector()), relay)
-        });
-        let vm = Arc::new(Vm {
-            cgroup: self.cgroups.sandbox(&state.id),
-            proc_: Arc::new(Mutex::new(QemuProc {
-                pid: state.qemu_pid,
-                start: state.qemu_starttime,
-                saved: state.memory_saved,
-            })),
-            relay,
-            lifecycle: tokio::sync::Mutex::new(()),
-            agent,
-            deleting: RwLock::new(false),
-            killed: watch::channel(false).0,
-            paused: AtomicBool::new(state.memory_saved),
-            state,
-        });
-        self.vms
-            .lock()
-            .unwrap()
-            .insert(vm.state.id.clone(), vm.clone());
-        vm
-    }
-
-    /// The microVM of a file call: known, not being deleted, not paused, QEMU alive.
-    async fn fs_target(&self, id: &str) -> NodeResult<Arc<Vm>> {
-        let vm = self.get(id)?;
-        if *vm.deleting.read().await {
-            return Err(NodeError::NotFound(format!(
-                "sandbox {id} is being deleted"
-            )));
-        }
-        check_not_paused(&vm.paused, id)?;
-        let cur = *vm.proc_.lock().unwrap();
-        if !cur.exists() {
-            return Err(NodeError::Conflict(format!(
-                "sandbox {id} is not running (its QEMU {} is gone)",
-                cur.pid
-            )));
-        }
-        Ok(vm)
-    }
-
-    /// Kills the QEMU of `id` (from `state.json` or `boot.json`), removes its cgroup and
-    /// directory, gives its uid back.
-    async fn destroy(&self, id: &str) -> NodeResult<()> {
-        let dir = self.vm_dir(id);
-        let cg = self.cgroups.sandbox(id);
-        let uids = self.cfg.uids.clone();
-        let id_ = id.to_string();
-        spawn_blocking(move || {
-            let st: Option<VmState> = ["state.json", "boot.json"].iter().find_map(|f| {
-                std::fs::read(dir.join(f))
-                    .ok()
-                    .and_then(|s| serde_json::from_slice(&s).ok())
-            });
-            if let Some(st) = st {
-                if proc_starttime(st.qemu_pid) == Some(st.qemu_starttime) {
-                    let _ = nix::sys::signal::kill(
-                        nix::unistd::Pid::from_raw(st.qemu_pid),
-                        nix::sys::signal::Signal::SIGKILL,
-                    );
-                    let deadline = Instant::now() + Duration::from_secs(10);
-                    while proc_starttime(st.qemu_pid) == Some(st.qemu_starttime)
-                        && Instant::now() < deadline
-                    {
-                        std::thread::sleep(Duration::from_millis(10));
-                    }
-                }
-            }
-            // Kills anything left in the group (a QEMU whose state file was lost) too.
-            cg.group().destroy(Duration::from_secs(10))?;
-            // No process of the uid is left: once its files are gone it may go to another
-            // sandbox.
-            super::qemu::remove_vm_dir(&uids, &id_, &dir)
-        })
-        .await
     }
 }
 
@@ -1261,224 +1052,27 @@ pub(crate) fn probe_kvm(qemu: &Path, kit: &Path, initrd: &Path, jail: &Jail) -> 
 }
 
 #[async_trait]
-impl SandboxBackend for MicrovmBackend {
-    fn kind(&self) -> Backend {
-        Backend::Microvm
+impl Machine for MicrovmBackend {
+    fn core(&self) -> &QemuCore {
+        &self.core
     }
 
-    async fn create(&self, spec: &SandboxSpec, image: &Image) -> NodeResult<()> {
-        self.create_with(spec, image, None).await
-    }
-
-    async fn create_from(
+    async fn boot(
         &self,
         spec: &SandboxSpec,
         image: &Image,
-        checkpoint: &Checkpoint,
-    ) -> NodeResult<()> {
-        self.create_with(spec, image, Some(checkpoint)).await
+        cg: &SandboxCgroup,
+        seed: Option<&Checkpoint>,
+    ) -> NodeResult<(VmState, (AgentClient, Arc<Relay>))> {
+        self.boot_microvm(spec, image, cg, seed).await
     }
 
-    async fn checkpoint(&self, id: &str, dest: &Path) -> NodeResult<Captured> {
-        self.checkpoint_scratch(id, dest).await
+    async fn capture(&self, vm: Arc<QemuVm>, id: &str, dest: &Path) -> NodeResult<Captured> {
+        self.checkpoint_scratch(vm, id, dest).await
     }
 
-    fn has(&self, id: &str) -> bool {
-        self.vms.lock().unwrap().contains_key(id)
-    }
-
-    async fn exec(
-        &self,
-        id: &str,
-        req: &ExecRequest,
-        sink: Option<ExecSink>,
-    ) -> NodeResult<ExecResult> {
-        self.run_exec(id, req, sink, None).await
-    }
-
-    async fn exec_controlled(
-        &self,
-        id: &str,
-        req: &ExecRequest,
-        sink: Option<ExecSink>,
-        control: ExecControl,
-    ) -> NodeResult<ExecResult> {
-        self.run_exec(id, req, sink, Some(control)).await
-    }
-
-    async fn read_file(&self, id: &str, path: &str, max_bytes: u64) -> NodeResult<Vec<u8>> {
-        let vm = self.fs_target(id).await?;
-        vm.agent
-            .read_file(path, max_bytes)
-            .await
-            .map_err(node_error)
-    }
-
-    async fn file_size(&self, id: &str, path: &str) -> NodeResult<u64> {
-        let vm = self.fs_target(id).await?;
-        super::agent_exec::file_size(&vm.agent, path).await
-    }
-
-    async fn write_file(&self, id: &str, path: &str, data: bytes::Bytes) -> NodeResult<()> {
-        let vm = self.fs_target(id).await?;
-        vm.agent
-            .write_file(path, &data, u64::MAX)
-            .await
-            .map_err(node_error)
-    }
-
-    async fn list_dir(&self, id: &str, path: &str) -> NodeResult<Vec<FileEntry>> {
-        let vm = self.fs_target(id).await?;
-        let v = vm.agent.list_dir(path).await.map_err(node_error)?;
-        Ok(v.into_iter().map(file_entry).collect())
-    }
-
-    async fn remove_file(&self, id: &str, path: &str) -> NodeResult<()> {
-        let vm = self.fs_target(id).await?;
-        vm.agent.remove(path).await.map_err(node_error)
-    }
-
-    async fn stat_file(&self, id: &str, path: &str) -> NodeResult<FileEntry> {
-        let vm = self.fs_target(id).await?;
-        vm.agent
-            .stat(path)
-            .await
-            .map(file_entry)
-            .map_err(node_error)
-    }
-
-    async fn make_dir(&self, id: &str, path: &str, parents: bool) -> NodeResult<()> {
-        let vm = self.fs_target(id).await?;
-        vm.agent.mkdir(path, parents).await.map_err(node_error)
-    }
-
-    /// Saves memory and device state to `memory.state` and stops QEMU (see
-    /// `snapshot`); a VM without a QMP socket (created by an older node) is frozen in its
-    /// cgroup instead.
-    async fn pause(&self, id: &str) -> NodeResult<()> {
-        let vm = self.get(id)?;
-        if vm.state.qemu_args.is_empty() {
-            return freeze(id, "microvm", &vm.deleting, &vm.paused, vm.cgroup.group()).await;
-        }
-        self.pause_to_memory(id).await
-    }
-
-    async fn resume(&self, id: &str) -> NodeResult<()> {
-        let vm = self.get(id)?;
-        if vm.state.qemu_args.is_empty() {
-            return thaw(id, "microvm", &vm.deleting, &vm.paused, vm.cgroup.group()).await;
-        }
-        self.resume_from_memory(id).await
-    }
-
-    async fn delete(&self, id: &str) -> NodeResult<()> {
-        if check_id(id).is_err() {
-            return Ok(());
-        }
-        let vm = self.vms.lock().unwrap().get(id).cloned();
-        if let Some(vm) = &vm {
-            *vm.deleting.write().await = true;
-            let _ = vm.killed.send(true);
-        }
-        let res = self.destroy(id).await;
-        if res.is_ok() {
-            self.vms.lock().unwrap().remove(id);
-            if vm.is_some() {
-                tracing::info!(sandbox = %id, backend = "microvm", "sandbox deleted");
-            }
-        }
-        res
-    }
-
-    fn list(&self) -> Vec<SandboxStatus> {
-        self.vms
-            .lock()
-            .unwrap()
-            .values()
-            .map(|v| SandboxStatus {
-                id: v.state.id.clone(),
-                backend: Backend::Microvm,
-                liveness: v.proc_.lock().unwrap().liveness(),
-            })
-            .collect()
-    }
-
-    async fn readopt(&self, keep: &[String]) -> NodeResult<Vec<String>> {
-        let mut adopted = Vec::new();
-        let mut errors = Vec::new();
-        let vms = self.cfg.dir.join("vms");
-        let names: Vec<String> = std::fs::read_dir(&vms)
-            .map_err(|e| NodeError::io(format!("read {}", vms.display()), e))?
-            .flatten()
-            .map(|e| e.file_name().to_string_lossy().into_owned())
-            .filter(|n| check_id(n).is_ok())
-            .collect();
-        for name in names {
-            if self.has(&name) {
-                adopted.push(name);
-                continue;
-            }
-            let state: Option<VmState> = std::fs::read(self.vm_dir(&name).join("state.json"))
-                .ok()
-                .and_then(|s| serde_json::from_slice(&s).ok());
-            let dir = self.vm_dir(&name);
-            match state {
-                Some(st)
-                    if st.id == name
-                        && keep.contains(&name)
-                        && st.memory_saved
-                        && dir.join(snapshot::MEMORY_FILE).is_file() =>
-                {
-                    // Paused with memory: a QEMU left from a pause cut short goes.
-                    let (pid, start) = (st.qemu_pid, st.qemu_starttime);
-                    spawn_blocking(move || {
-                        snapshot::kill_and_wait(pid, start);
-                        Ok(())
-                    })
-                    .await?;
-                    self.adopt(st, None);
-                    tracing::info!(sandbox = %name, backend = "microvm", "sandbox re-adopted (paused with memory file)");
-                    adopted.push(name);
-                }
-                Some(st)
-                    if st.id == name
-                        && keep.contains(&name)
-                        && !st.memory_saved
-                        && proc_starttime(st.qemu_pid) == Some(st.qemu_starttime) =>
-                {
-                    if !st.qemu_args.is_empty() {
-                        // A pause cut short between `stop` and `state.json`: run it again.
-                        let d = dir.clone();
-                        spawn_blocking(move || {
-                            snapshot::continue_if_stopped(&d);
-                            Ok(())
-                        })
-                        .await?;
-                    }
-                    self.adopt(st, None);
-                    tracing::info!(sandbox = %name, backend = "microvm", "sandbox re-adopted");
-                    adopted.push(name);
-                }
-                _ => {
-                    tracing::info!(sandbox = %name, backend = "microvm", "removing leftover sandbox");
-                    if let Err(e) = self.destroy(&name).await {
-                        errors.push(e.to_string());
-                    }
-                }
-            }
-        }
-        for id in self.cgroups.list_sandboxes() {
-            if !self.has(&id) {
-                let cg = self.cgroups.sandbox(&id);
-                if let Err(e) =
-                    spawn_blocking(move || cg.group().destroy(Duration::from_secs(10))).await
-                {
-                    errors.push(e.to_string());
-                }
-            }
-        }
-        self.collect_disks(true);
-        Ok(super::readopt_done("microvm", adopted, &errors))
+    fn collect_disks(&self, partial: bool) {
+        MicrovmBackend::collect_disks(self, partial)
     }
 }
 

@@ -5,6 +5,7 @@
 //! host cannot run, is still listed ([`AnyBackend::Unavailable`]) and answers every call with
 //! `NodeError::Unavailable` and the reason, instead of vanishing.
 mod agent_exec;
+pub mod agent_files;
 pub mod container;
 pub mod container_pool;
 pub mod function;
@@ -13,6 +14,7 @@ pub mod gvisor_audit;
 pub mod microvm;
 pub mod pool;
 pub mod qemu;
+pub mod qemu_sandbox;
 mod spawn;
 pub mod uids;
 pub mod vm;
@@ -20,6 +22,7 @@ pub mod vm;
 use crate::checkpoints::{Captured, Checkpoint};
 use crate::images::Image;
 use crate::node::{ExecControl, ExecSink, NodeError, NodeResult, SandboxSpec, SandboxStatus};
+use agent_files::AgentFiles;
 use async_trait::async_trait;
 use sandlot_api::{Backend, ExecRequest, ExecResult, FileEntry};
 use std::path::Path;
@@ -53,14 +56,27 @@ pub trait SandboxBackend: Send + Sync {
         control: ExecControl,
     ) -> NodeResult<ExecResult>;
 
+    /// The agent-backed file operations of this backend, where its sandboxes' files are
+    /// served by their guest agents: the seven file methods below default to them. `None`
+    /// (the default) for a backend that implements those methods itself.
+    fn agent_files(&self) -> Option<&dyn AgentFiles> {
+        None
+    }
+
     /// Read a file inside the sandbox (`max_bytes` cap).
-    async fn read_file(&self, id: &str, path: &str, max_bytes: u64) -> NodeResult<Vec<u8>>;
+    async fn read_file(&self, id: &str, path: &str, max_bytes: u64) -> NodeResult<Vec<u8>> {
+        files_of(self)?.read_file(id, path, max_bytes).await
+    }
 
     /// Size of a regular file inside the sandbox (see [`crate::Node::file_size`]).
-    async fn file_size(&self, id: &str, path: &str) -> NodeResult<u64>;
+    async fn file_size(&self, id: &str, path: &str) -> NodeResult<u64> {
+        files_of(self)?.file_size(id, path).await
+    }
 
     /// Write a file inside the sandbox.
-    async fn write_file(&self, id: &str, path: &str, data: bytes::Bytes) -> NodeResult<()>;
+    async fn write_file(&self, id: &str, path: &str, data: bytes::Bytes) -> NodeResult<()> {
+        files_of(self)?.write_file(id, path, data).await
+    }
 
     /// Write files in order, not durably (see [`crate::Node::write_files_volatile`]).
     async fn write_files_volatile(
@@ -75,16 +91,24 @@ pub trait SandboxBackend: Send + Sync {
     }
 
     /// List a directory inside the sandbox.
-    async fn list_dir(&self, id: &str, path: &str) -> NodeResult<Vec<FileEntry>>;
+    async fn list_dir(&self, id: &str, path: &str) -> NodeResult<Vec<FileEntry>> {
+        files_of(self)?.list_dir(id, path).await
+    }
 
     /// Remove a file or directory inside the sandbox.
-    async fn remove_file(&self, id: &str, path: &str) -> NodeResult<()>;
+    async fn remove_file(&self, id: &str, path: &str) -> NodeResult<()> {
+        files_of(self)?.remove_file(id, path).await
+    }
 
     /// Facts of one path inside the sandbox (see [`crate::Node::stat_file`]).
-    async fn stat_file(&self, id: &str, path: &str) -> NodeResult<FileEntry>;
+    async fn stat_file(&self, id: &str, path: &str) -> NodeResult<FileEntry> {
+        files_of(self)?.stat_file(id, path).await
+    }
 
     /// Create a directory inside the sandbox (see [`crate::Node::make_dir`]).
-    async fn make_dir(&self, id: &str, path: &str, parents: bool) -> NodeResult<()>;
+    async fn make_dir(&self, id: &str, path: &str, parents: bool) -> NodeResult<()> {
+        files_of(self)?.make_dir(id, path, parents).await
+    }
 
     /// Freeze every process of the sandbox (see [`crate::Node::pause`]).
     async fn pause(&self, id: &str) -> NodeResult<()>;
@@ -146,6 +170,16 @@ pub trait SandboxBackend: Send + Sync {
             self.kind()
         )))
     }
+}
+
+/// `b`'s agent-backed file operations ([`SandboxBackend::agent_files`]).
+///
+/// # Errors
+/// `Unavailable` for a backend without them that did not implement its file methods.
+fn files_of<B: SandboxBackend + ?Sized>(b: &B) -> NodeResult<&dyn AgentFiles> {
+    b.agent_files().ok_or_else(|| {
+        NodeError::Unavailable(format!("the {} backend has no file operations", b.kind()))
+    })
 }
 
 /// The backends compiled into this node.

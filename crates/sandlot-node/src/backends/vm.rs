@@ -42,30 +42,24 @@
 //! new layer on the checkpoint's chain, shared by hard links, not copied (`chain`).
 mod chain;
 
-use super::function::{
-    check_id, check_not_paused, freeze, proc_starttime, spawn_blocking, thaw, ExecPlan, StoredSpec,
-};
-use super::microvm::snapshot::{self, ProcCell, QemuProc, Relay, QMP_SOCK};
+use super::function::{spawn_blocking, StoredSpec};
+use super::microvm::snapshot::Relay;
 use super::microvm::{find_binary, spawn_qemu, write_cpio, write_json, Accel, VmState};
 use super::qemu::{
-    boot_failure, fresh_identity, AccelProbe, DiskHold, ImageDisks, Jail, QemuUids, AGENT_FD,
-    AGENT_SOCK, CONSOLE_LOG, QMP_FD,
+    fresh_identity, AccelProbe, DiskHold, ImageDisks, QemuUids, AGENT_FD, AGENT_SOCK, CONSOLE_LOG,
+    QMP_FD,
 };
-use super::SandboxBackend;
+use super::qemu_sandbox::{Machine, QemuCore, QemuVm};
 use crate::agent_client::AgentClient;
 use crate::cgroups::{CgroupRoot, SandboxCgroup};
 use crate::checkpoints::{Captured, Checkpoint};
-use crate::files::{file_entry, node_error};
 use crate::images::{fnv, Image, ImageStore};
-use crate::node::{ExecControl, ExecSink, NodeError, NodeResult, SandboxSpec, SandboxStatus};
+use crate::node::{NodeError, NodeResult, SandboxSpec};
 use async_trait::async_trait;
-use sandlot_api::{Backend, ExecRequest, ExecResult, FileEntry};
-use std::collections::HashMap;
+use sandlot_api::Backend;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::AtomicBool;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tokio::sync::{watch, RwLock};
 
 /// Boot → agent ready deadline under KVM.
 const READY_TIMEOUT_KVM: Duration = Duration::from_secs(60);
@@ -103,45 +97,17 @@ pub struct VmConfig {
     pub checkpoints_dir: PathBuf,
 }
 
-/// The jail of a VM's QEMU running as `uid` (agent and QMP sockets bound by the node and
-/// handed over as fds; none for a root QEMU of an older node, whose command line opens
-/// them by path).
-fn vm_jail(uids: &QemuUids, uid: Option<u32>, accel: Accel) -> Jail {
-    uids.jail(uid, accel, &[(AGENT_SOCK, AGENT_FD), (QMP_SOCK, QMP_FD)])
-}
-
-struct Vm {
-    /// As created (`qemu_pid`: the first QEMU's, see `proc_`; `qemu_args`: see `args`).
-    state: VmState,
-    /// The QEMU it runs in now (a resume starts a new one).
-    proc_: ProcCell,
-    /// The agent link that survives pause and resume.
-    relay: Arc<Relay>,
-    /// QEMU's command line for the next resume (`-drive` names the active disk layer as of
-    /// the last pause).
-    args: Mutex<Vec<String>>,
-    cgroup: SandboxCgroup,
-    agent: AgentClient,
-    deleting: RwLock<bool>,
-    killed: watch::Sender<bool>,
-    paused: AtomicBool,
-    /// Serialises pause, resume and checkpoints (a checkpoint's QMP calls would stall on a
-    /// frozen QEMU).
-    lifecycle: tokio::sync::Mutex<()>,
-}
-
 /// The vm backend: q35 VMs by id.
 pub struct VmBackend {
     cfg: VmConfig,
-    qemu: PathBuf,
+    /// Directory, QEMU, cgroups, uids and the table of VMs.
+    core: QemuCore,
     qemu_img: PathBuf,
-    cgroups: CgroupRoot,
     /// Hash of the agent binary (part of every disk's key: a new agent means new disks).
     agent_key: u64,
     /// Serialises disk builds (one `mkfs.ext4 -d` at a time).
     /// Image disk builds (one at a time) and the disks creates in flight hold.
     disks: ImageDisks,
-    vms: Mutex<HashMap<String, Arc<Vm>>>,
 }
 
 /// The `-drive` value of the root disk whose active layer is `DIR/<stem>.qcow2`; the node
@@ -363,28 +329,21 @@ impl VmBackend {
             .map_err(|e| NodeError::io(format!("write {}", initrd.display()), e))?;
         cgroups.ensure_parent()?;
         cfg.probe.start(&qemu, &cfg.kit_dir, &initrd);
+        let core = QemuCore::new(
+            Backend::Vm,
+            ("vm", "VM"),
+            cfg.dir.clone(),
+            qemu,
+            cgroups,
+            cfg.uids.clone(),
+        );
         Ok(VmBackend {
             cfg,
-            qemu,
+            core,
             qemu_img,
-            cgroups,
             agent_key,
             disks: ImageDisks::default(),
-            vms: Mutex::new(HashMap::new()),
         })
-    }
-
-    fn vm_dir(&self, id: &str) -> PathBuf {
-        self.cfg.dir.join("vms").join(id)
-    }
-
-    fn get(&self, id: &str) -> NodeResult<Arc<Vm>> {
-        self.vms
-            .lock()
-            .unwrap()
-            .get(id)
-            .cloned()
-            .ok_or_else(|| NodeError::NotFound(format!("sandbox {id} not found")))
     }
 
     /// Where the image's qcow2 base disk is (or will be): `images/<key>.qcow2`.
@@ -461,7 +420,8 @@ impl VmBackend {
         );
     }
 
-    async fn create_inner(
+    /// [`Machine::boot`] of a q35 VM.
+    async fn boot_vm(
         &self,
         spec: &SandboxSpec,
         image: &Image,
@@ -469,7 +429,7 @@ impl VmBackend {
         seed: Option<&Checkpoint>,
     ) -> NodeResult<(VmState, (AgentClient, Arc<Relay>))> {
         let accel = self.cfg.probe.wait().await;
-        let dir = self.vm_dir(&spec.id);
+        let dir = self.core.vm_dir(&spec.id);
         let mib = spec.disk_mib.max(16);
         let active = if let Some(ck) = seed {
             // A fork: a new layer on the checkpoint's chain (its disk can only grow).
@@ -580,8 +540,8 @@ impl VmBackend {
             "-sandbox".into(),
             "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny".into(),
         ]);
-        let jail = vm_jail(&self.cfg.uids, Some(uid), accel);
-        let (pid, starttime) = spawn_qemu(&self.qemu, &args, &dir, cg, false, &jail)?;
+        let jail = self.core.jail(Some(uid), accel);
+        let (pid, starttime) = spawn_qemu(&self.core.qemu, &args, &dir, cg, false, &jail)?;
         let state = VmState {
             id: spec.id.clone(),
             image: image.name.clone(),
@@ -602,23 +562,11 @@ impl VmBackend {
         write_json(&dir.join("boot.json"), &state)?;
         let relay = Relay::new(sock.clone());
         let agent = AgentClient::with_connector(&sock, relay.connector());
-        let timeout = match accel {
-            Accel::Kvm => READY_TIMEOUT_KVM,
-            Accel::Tcg => READY_TIMEOUT_TCG,
-        };
         let started = Instant::now();
-        if let Err(e) = agent.wait_ready_single(Instant::now() + timeout).await {
-            return Err(boot_failure(
-                &self.cfg.dir,
-                &dir,
-                &format!("VM {}", spec.id),
-                &spec.id,
-                timeout,
-                accel,
-                (pid, starttime),
-                &e,
-            ));
-        }
+        let timeouts = (READY_TIMEOUT_KVM, READY_TIMEOUT_TCG);
+        self.core
+            .wait_booted(&agent, &spec.id, accel, timeouts, (pid, starttime))
+            .await?;
         agent.set_identity(&fresh_identity(&spec.id)).await?;
         super::qemu::sync_clock(&agent, &spec.id, "vm").await;
         tracing::info!(sandbox = %spec.id, backend = "vm", accel = accel.as_str(), ms = started.elapsed().as_millis() as u64, "VM agent ready");
@@ -626,144 +574,22 @@ impl VmBackend {
         Ok((state, (agent, relay)))
     }
 
-    /// One exec through the VM's agent ([`super::agent_exec`]); `oom_killed` comes from
-    /// the agent (its `sandbox` cgroup's `oom_kill` counter around the exec: the guest
-    /// kernel's OOM kills are invisible from the host).
-    async fn run_exec(
-        &self,
-        id: &str,
-        req: &ExecRequest,
-        sink: Option<ExecSink>,
-        control: Option<ExecControl>,
-    ) -> NodeResult<ExecResult> {
-        let vm = self.get(id)?;
-        let mut killed = vm.killed.subscribe();
-        let guard = vm.deleting.read().await;
-        if *guard || *killed.borrow() {
-            return Err(NodeError::NotFound(format!(
-                "sandbox {id} is being deleted"
-            )));
-        }
-        check_not_paused(&vm.paused, id)?;
-        let mut plan = ExecPlan::build(&vm.state.image_env, &vm.state.spec, req)?;
-        plan.spec.own_pid_ns = true;
-        plan.spec.landlock = false;
-        let cell = vm.proc_.clone();
-        let died = move || !cell.lock().unwrap().exists();
-        let target = super::agent_exec::Target {
-            id,
-            kind: "VM",
-            agent: &vm.agent,
-            pids_max: vm.state.spec.pids_max,
-            died: &died,
-        };
-        super::agent_exec::run(target, plan, guard, &mut killed, sink, control).await
-    }
-
     /// The accelerator sandbox `id` runs with.
     pub fn accel_of(&self, id: &str) -> Option<Accel> {
-        self.vms.lock().unwrap().get(id).map(|v| v.state.accel)
-    }
-
-    /// Registers a running (or paused with memory) VM; `agent`: the connected client and
-    /// relay of its create (a new one would be a second connection on the guest's one
-    /// stream).
-    fn adopt(&self, state: VmState, agent: Option<(AgentClient, Arc<Relay>)>) -> Arc<Vm> {
-        if let Some(uid) = state.qemu_uid {
-            self.cfg.uids.keep(&state.id, uid);
-        }
-        let sock = self.vm_dir(&state.id).join(AGENT_SOCK);
-        let (agent, relay) = agent.unwrap_or_else(|| {
-            let relay = Relay::new(sock.clone());
-            (AgentClient::with_connector(&sock, relay.connector()), relay)
-        });
-        let vm = Arc::new(Vm {
-            cgroup: self.cgroups.sandbox(&state.id),
-            proc_: Arc::new(Mutex::new(QemuProc {
-                pid: state.qemu_pid,
-                start: state.qemu_starttime,
-                saved: state.memory_saved,
-            })),
-            relay,
-            args: Mutex::new(state.qemu_args.clone()),
-            agent,
-            deleting: RwLock::new(false),
-            killed: watch::channel(false).0,
-            paused: AtomicBool::new(state.memory_saved),
-            lifecycle: tokio::sync::Mutex::new(()),
-            state,
-        });
-        self.vms
-            .lock()
-            .unwrap()
-            .insert(vm.state.id.clone(), vm.clone());
-        vm
-    }
-
-    /// The VM of a file call: known, not being deleted, not paused, QEMU alive.
-    async fn fs_target(&self, id: &str) -> NodeResult<Arc<Vm>> {
-        let vm = self.get(id)?;
-        if *vm.deleting.read().await {
-            return Err(NodeError::NotFound(format!(
-                "sandbox {id} is being deleted"
-            )));
-        }
-        check_not_paused(&vm.paused, id)?;
-        let cur = *vm.proc_.lock().unwrap();
-        if !cur.exists() {
-            return Err(NodeError::Conflict(format!(
-                "sandbox {id} is not running (its QEMU {} is gone)",
-                cur.pid
-            )));
-        }
-        Ok(vm)
-    }
-
-    /// Creates `spec`, its disk a new layer on `seed`'s chain when given (a fork).
-    async fn create_with(
-        &self,
-        spec: &SandboxSpec,
-        image: &Image,
-        seed: Option<&Checkpoint>,
-    ) -> NodeResult<()> {
-        check_id(&spec.id)?;
-        super::qemu::create_vm_dir(&self.vm_dir(&spec.id), &spec.id)?;
-        let cg = self.cgroups.sandbox(&spec.id);
-        match self.create_inner(spec, image, &cg, seed).await {
-            Ok((state, agent)) => {
-                self.adopt(state, Some(agent));
-                tracing::info!(sandbox = %spec.id, backend = "vm", "sandbox created");
-                Ok(())
-            }
-            Err(e) => {
-                if let Err(c) = self.destroy(&spec.id).await {
-                    tracing::warn!(sandbox = %spec.id, error = %c, "cleanup after a failed create");
-                }
-                Err(e)
-            }
-        }
+        self.core.get(id).ok().map(|v| v.state.accel)
     }
 
     /// A checkpoint of VM `id` (see [`chain`]): `sync` in the guest (its page cache reaches
     /// the disk), then the active qcow2 layer is frozen under a new one (QMP
     /// `blockdev-snapshot`) and its chain linked into `dest`.
-    async fn checkpoint_disk(&self, id: &str, dest: &Path) -> NodeResult<Captured> {
-        let vm = self.get(id)?;
+    async fn checkpoint_disk(
+        &self,
+        vm: Arc<QemuVm>,
+        id: &str,
+        dest: &Path,
+    ) -> NodeResult<Captured> {
         let _life = vm.lifecycle.lock().await;
-        if vm.paused.load(std::sync::atomic::Ordering::SeqCst) {
-            return Err(NodeError::Conflict(format!(
-                "sandbox {id} is paused; resume it before a checkpoint (the guest must flush its disk first)"
-            )));
-        }
-        let mut req = ExecRequest::new(sandlot_api::Cmd::Argv(vec!["sync".into()]));
-        req.timeout_s = Some(60.0);
-        let r = self.run_exec(id, &req, None, None).await?;
-        if r.exit_code != 0 {
-            return Err(NodeError::io(
-                format!("sync in VM {id}: exit {}: {}", r.exit_code, r.stderr),
-                std::io::Error::other("guest sync failed"),
-            ));
-        }
+        self.core.sync_guest(&vm, id).await?;
         // No delete while the layers change.
         let guard = vm.deleting.read().await;
         if *guard {
@@ -771,7 +597,11 @@ impl VmBackend {
                 "sandbox {id} is being deleted"
             )));
         }
-        let (qemu_img, dir, dest) = (self.qemu_img.clone(), self.vm_dir(id), dest.to_path_buf());
+        let (qemu_img, dir, dest) = (
+            self.qemu_img.clone(),
+            self.core.vm_dir(id),
+            dest.to_path_buf(),
+        );
         let owners = chain::Owners {
             qemu: vm.state.qemu_uid,
             group: self.cfg.uids.group(),
@@ -790,300 +620,46 @@ impl VmBackend {
             image_version: None,
         })
     }
-
-    /// The pause/resume [`snapshot::Target`] of `vm`.
-    fn target<'a>(&'a self, vm: &'a Vm) -> snapshot::Target<'a> {
-        snapshot::Target {
-            backend: "vm",
-            dir: self.vm_dir(&vm.state.id),
-            qemu: &self.qemu,
-            cgroup: &vm.cgroup,
-            state: VmState {
-                qemu_args: vm.args.lock().unwrap().clone(),
-                ..vm.state.clone()
-            },
-            deleting: &vm.deleting,
-            paused: &vm.paused,
-            relay: &vm.relay,
-            agent: &vm.agent,
-            proc_: &vm.proc_,
-            // The same uid as before the pause (`qemu_uid`, held by the sandbox).
-            jail: vm_jail(&self.cfg.uids, vm.state.qemu_uid, vm.state.accel),
-        }
-    }
-
-    /// Kills the QEMU of `id` (from `state.json` or `boot.json`), removes its cgroup and
-    /// directory (its qcow2 layers' links with it; the shared base stays), gives its uid
-    /// back.
-    async fn destroy(&self, id: &str) -> NodeResult<()> {
-        let dir = self.vm_dir(id);
-        let cg = self.cgroups.sandbox(id);
-        let (uids, id_) = (self.cfg.uids.clone(), id.to_string());
-        spawn_blocking(move || {
-            let st: Option<VmState> = ["state.json", "boot.json"].iter().find_map(|f| {
-                std::fs::read(dir.join(f))
-                    .ok()
-                    .and_then(|s| serde_json::from_slice(&s).ok())
-            });
-            if let Some(st) = st {
-                if proc_starttime(st.qemu_pid) == Some(st.qemu_starttime) {
-                    let _ = nix::sys::signal::kill(
-                        nix::unistd::Pid::from_raw(st.qemu_pid),
-                        nix::sys::signal::Signal::SIGKILL,
-                    );
-                    let deadline = Instant::now() + Duration::from_secs(10);
-                    while proc_starttime(st.qemu_pid) == Some(st.qemu_starttime)
-                        && Instant::now() < deadline
-                    {
-                        std::thread::sleep(Duration::from_millis(10));
-                    }
-                }
-            }
-            // Kills anything left in the group (a QEMU whose state file was lost) too.
-            cg.group().destroy(Duration::from_secs(10))?;
-            // No process of the uid is left: once its files are gone it may go to another
-            // sandbox.
-            super::qemu::remove_vm_dir(&uids, &id_, &dir)
-        })
-        .await
-    }
 }
 
 #[async_trait]
-impl SandboxBackend for VmBackend {
-    fn kind(&self) -> Backend {
-        Backend::Vm
+impl Machine for VmBackend {
+    fn core(&self) -> &QemuCore {
+        &self.core
     }
 
-    async fn create(&self, spec: &SandboxSpec, image: &Image) -> NodeResult<()> {
-        self.create_with(spec, image, None).await
-    }
-
-    async fn create_from(
+    async fn boot(
         &self,
         spec: &SandboxSpec,
         image: &Image,
-        checkpoint: &Checkpoint,
-    ) -> NodeResult<()> {
-        self.create_with(spec, image, Some(checkpoint)).await
+        cg: &SandboxCgroup,
+        seed: Option<&Checkpoint>,
+    ) -> NodeResult<(VmState, (AgentClient, Arc<Relay>))> {
+        self.boot_vm(spec, image, cg, seed).await
     }
 
-    async fn checkpoint(&self, id: &str, dest: &Path) -> NodeResult<Captured> {
-        self.checkpoint_disk(id, dest).await
+    async fn capture(&self, vm: Arc<QemuVm>, id: &str, dest: &Path) -> NodeResult<Captured> {
+        self.checkpoint_disk(vm, id, dest).await
     }
 
-    fn has(&self, id: &str) -> bool {
-        self.vms.lock().unwrap().contains_key(id)
-    }
-
-    async fn exec(
-        &self,
-        id: &str,
-        req: &ExecRequest,
-        sink: Option<ExecSink>,
-    ) -> NodeResult<ExecResult> {
-        self.run_exec(id, req, sink, None).await
-    }
-
-    async fn exec_controlled(
-        &self,
-        id: &str,
-        req: &ExecRequest,
-        sink: Option<ExecSink>,
-        control: ExecControl,
-    ) -> NodeResult<ExecResult> {
-        self.run_exec(id, req, sink, Some(control)).await
-    }
-
-    async fn read_file(&self, id: &str, path: &str, max_bytes: u64) -> NodeResult<Vec<u8>> {
-        let vm = self.fs_target(id).await?;
-        vm.agent
-            .read_file(path, max_bytes)
-            .await
-            .map_err(node_error)
-    }
-
-    async fn file_size(&self, id: &str, path: &str) -> NodeResult<u64> {
-        let vm = self.fs_target(id).await?;
-        super::agent_exec::file_size(&vm.agent, path).await
-    }
-
-    async fn write_file(&self, id: &str, path: &str, data: bytes::Bytes) -> NodeResult<()> {
-        let vm = self.fs_target(id).await?;
-        vm.agent
-            .write_file(path, &data, u64::MAX)
-            .await
-            .map_err(node_error)
-    }
-
-    async fn list_dir(&self, id: &str, path: &str) -> NodeResult<Vec<FileEntry>> {
-        let vm = self.fs_target(id).await?;
-        let v = vm.agent.list_dir(path).await.map_err(node_error)?;
-        Ok(v.into_iter().map(file_entry).collect())
-    }
-
-    async fn remove_file(&self, id: &str, path: &str) -> NodeResult<()> {
-        let vm = self.fs_target(id).await?;
-        vm.agent.remove(path).await.map_err(node_error)
-    }
-
-    async fn stat_file(&self, id: &str, path: &str) -> NodeResult<FileEntry> {
-        let vm = self.fs_target(id).await?;
-        vm.agent
-            .stat(path)
-            .await
-            .map(file_entry)
-            .map_err(node_error)
-    }
-
-    async fn make_dir(&self, id: &str, path: &str, parents: bool) -> NodeResult<()> {
-        let vm = self.fs_target(id).await?;
-        vm.agent.mkdir(path, parents).await.map_err(node_error)
-    }
-
-    /// Saves memory and device state to `memory.state` and stops QEMU (the `microvm`
-    /// backend's steps, `snapshot`); a VM without QEMU arguments on record (created by
-    /// an older node, no QMP socket) is frozen in its cgroup instead.
-    async fn pause(&self, id: &str) -> NodeResult<()> {
-        let vm = self.get(id)?;
-        let _life = vm.lifecycle.lock().await;
-        if vm.state.qemu_args.is_empty() {
-            return freeze(id, "vm", &vm.deleting, &vm.paused, vm.cgroup.group()).await;
-        }
-        if !vm.paused.load(std::sync::atomic::Ordering::SeqCst) && vm.proc_.lock().unwrap().exists()
-        {
-            // Checkpoints may have moved the disk to a newer layer: the restored QEMU must
-            // open the one QEMU writes to now.
-            let dir = self.vm_dir(id);
-            let active = spawn_blocking(move || chain::active_layer(&dir)).await?;
-            let drive = drive_arg(&self.vm_dir(id), &active);
-            let mut args = vm.args.lock().unwrap();
-            if let Some(i) = args.iter().position(|a| a == DRIVE_FLAG) {
-                if let Some(v) = args.get_mut(i + 1) {
-                    *v = drive;
-                }
+    /// Checkpoints may have moved the disk to a newer layer: the restored QEMU must open
+    /// the one QEMU writes to now.
+    async fn before_pause(&self, vm: &QemuVm) -> NodeResult<()> {
+        let dir = self.core.vm_dir(&vm.state.id);
+        let d = dir.clone();
+        let active = spawn_blocking(move || chain::active_layer(&d)).await?;
+        let drive = drive_arg(&dir, &active);
+        let mut args = vm.args.lock().unwrap();
+        if let Some(i) = args.iter().position(|a| a == DRIVE_FLAG) {
+            if let Some(v) = args.get_mut(i + 1) {
+                *v = drive;
             }
         }
-        snapshot::pause(&self.target(&vm)).await
+        Ok(())
     }
 
-    async fn resume(&self, id: &str) -> NodeResult<()> {
-        let vm = self.get(id)?;
-        let _life = vm.lifecycle.lock().await;
-        if vm.state.qemu_args.is_empty() {
-            return thaw(id, "vm", &vm.deleting, &vm.paused, vm.cgroup.group()).await;
-        }
-        snapshot::resume(&self.target(&vm)).await
-    }
-
-    async fn delete(&self, id: &str) -> NodeResult<()> {
-        if check_id(id).is_err() {
-            return Ok(());
-        }
-        let vm = self.vms.lock().unwrap().get(id).cloned();
-        if let Some(vm) = &vm {
-            *vm.deleting.write().await = true;
-            let _ = vm.killed.send(true);
-        }
-        let res = self.destroy(id).await;
-        if res.is_ok() {
-            self.vms.lock().unwrap().remove(id);
-            if vm.is_some() {
-                tracing::info!(sandbox = %id, backend = "vm", "sandbox deleted");
-            }
-        }
-        res
-    }
-
-    fn list(&self) -> Vec<SandboxStatus> {
-        self.vms
-            .lock()
-            .unwrap()
-            .values()
-            .map(|v| SandboxStatus {
-                id: v.state.id.clone(),
-                backend: Backend::Vm,
-                liveness: v.proc_.lock().unwrap().liveness(),
-            })
-            .collect()
-    }
-
-    async fn readopt(&self, keep: &[String]) -> NodeResult<Vec<String>> {
-        let mut adopted = Vec::new();
-        let mut errors = Vec::new();
-        let vms = self.cfg.dir.join("vms");
-        let names: Vec<String> = std::fs::read_dir(&vms)
-            .map_err(|e| NodeError::io(format!("read {}", vms.display()), e))?
-            .flatten()
-            .map(|e| e.file_name().to_string_lossy().into_owned())
-            .filter(|n| check_id(n).is_ok())
-            .collect();
-        for name in names {
-            if self.has(&name) {
-                adopted.push(name);
-                continue;
-            }
-            let state: Option<VmState> = std::fs::read(self.vm_dir(&name).join("state.json"))
-                .ok()
-                .and_then(|s| serde_json::from_slice(&s).ok());
-            let dir = self.vm_dir(&name);
-            match state {
-                Some(st)
-                    if st.id == name
-                        && keep.contains(&name)
-                        && st.memory_saved
-                        && dir.join(snapshot::MEMORY_FILE).is_file() =>
-                {
-                    // Paused with memory: a QEMU left from a pause cut short goes.
-                    let (pid, start) = (st.qemu_pid, st.qemu_starttime);
-                    spawn_blocking(move || {
-                        snapshot::kill_and_wait(pid, start);
-                        Ok(())
-                    })
-                    .await?;
-                    self.adopt(st, None);
-                    tracing::info!(sandbox = %name, backend = "vm", "sandbox re-adopted (paused with memory file)");
-                    adopted.push(name);
-                }
-                Some(st)
-                    if st.id == name
-                        && keep.contains(&name)
-                        && !st.memory_saved
-                        && proc_starttime(st.qemu_pid) == Some(st.qemu_starttime) =>
-                {
-                    if !st.qemu_args.is_empty() {
-                        // A pause cut short between `stop` and `state.json`: run it again.
-                        let d = dir.clone();
-                        spawn_blocking(move || {
-                            snapshot::continue_if_stopped(&d);
-                            Ok(())
-                        })
-                        .await?;
-                    }
-                    self.adopt(st, None);
-                    tracing::info!(sandbox = %name, backend = "vm", "sandbox re-adopted");
-                    adopted.push(name);
-                }
-                _ => {
-                    tracing::info!(sandbox = %name, backend = "vm", "removing leftover sandbox");
-                    if let Err(e) = self.destroy(&name).await {
-                        errors.push(e.to_string());
-                    }
-                }
-            }
-        }
-        for id in self.cgroups.list_sandboxes() {
-            if !self.has(&id) {
-                let cg = self.cgroups.sandbox(&id);
-                if let Err(e) =
-                    spawn_blocking(move || cg.group().destroy(Duration::from_secs(10))).await
-                {
-                    errors.push(e.to_string());
-                }
-            }
-        }
-        self.collect_disks(true);
-        Ok(super::readopt_done("vm", adopted, &errors))
+    fn collect_disks(&self, partial: bool) {
+        VmBackend::collect_disks(self, partial)
     }
 }
 
@@ -1091,7 +667,7 @@ impl Drop for VmBackend {
     /// Removes the backend's parent cgroups if no VM is left in them (running VMs keep them
     /// busy, EBUSY, and stay for re-adoption).
     fn drop(&mut self) {
-        let _ = self.cgroups.remove_parent();
+        let _ = self.core.cgroups.remove_parent();
     }
 }
 

@@ -30,7 +30,7 @@
 //! On disk a paused microVM is `state.json` with `memory_saved: true` plus `memory.state`;
 //! [`super::MicrovmBackend::readopt`] adopts it as paused (a QEMU still alive from a pause
 //! cut short by a node crash is killed first).
-use super::{MicrovmBackend, Vm, VmState};
+use super::VmState;
 use crate::agent_client::AgentClient;
 use crate::backends::function::{proc_starttime, spawn_blocking};
 use crate::backends::qemu::Jail;
@@ -591,40 +591,6 @@ pub(crate) async fn resume(t: &Target<'_>) -> NodeResult<()> {
     drop(guard);
     tracing::info!(sandbox = %id, backend = t.backend, ms = started.elapsed().as_millis() as u64, agent_connection_kept = kept, "sandbox resumed (memory restored)");
     Ok(())
-}
-
-impl MicrovmBackend {
-    /// The [`Target`] of microVM `vm`.
-    fn target<'a>(&'a self, vm: &'a Vm) -> Target<'a> {
-        Target {
-            backend: "microvm",
-            dir: self.vm_dir(&vm.state.id),
-            qemu: &self.qemu,
-            cgroup: &vm.cgroup,
-            state: vm.state.clone(),
-            deleting: &vm.deleting,
-            paused: &vm.paused,
-            relay: &vm.relay,
-            agent: &vm.agent,
-            proc_: &vm.proc_,
-            // The same uid as before the pause (`qemu_uid`, held by the sandbox).
-            jail: super::microvm_jail(&self.cfg.uids, vm.state.qemu_uid, vm.state.accel),
-        }
-    }
-
-    /// [`pause`] of microVM `id`.
-    pub(super) async fn pause_to_memory(&self, id: &str) -> NodeResult<()> {
-        let vm = self.get(id)?;
-        let _one = vm.lifecycle.lock().await;
-        pause(&self.target(&vm)).await
-    }
-
-    /// [`resume`] of microVM `id`.
-    pub(super) async fn resume_from_memory(&self, id: &str) -> NodeResult<()> {
-        let vm = self.get(id)?;
-        let _one = vm.lifecycle.lock().await;
-        resume(&self.target(&vm)).await
-    }
 }
 
 #[cfg(test)]

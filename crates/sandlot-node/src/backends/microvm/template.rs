@@ -168,7 +168,7 @@ impl MicrovmBackend {
         let copy_ms = t0.elapsed().as_millis() as u64;
         let mut a = args.to_vec();
         a.extend(["-incoming".to_string(), "defer".to_string()]);
-        let jail = super::microvm_jail(&self.cfg.uids, state.qemu_uid, state.accel);
+        let jail = self.core.jail(state.qemu_uid, state.accel);
         let (pid, start) = self.spawn_qemu(&a, dir, cg, false, &jail)?;
         state.qemu_pid = pid;
         state.qemu_starttime = start;
@@ -235,8 +235,8 @@ impl MicrovmBackend {
         }
         let tmp = self.cfg.dir.join("templates").join(format!("{key}.tmp"));
         let args = self.qemu_args(accel, smp, memory_mib, &append, &disk, &tmp);
-        let qemu = self.qemu.clone();
-        let cg = self.cgroups.sandbox(&format!("tpl-{key}"));
+        let qemu = self.core.qemu.clone();
+        let cg = self.core.cgroups.sandbox(&format!("tpl-{key}"));
         let building = self.templates_building.clone();
         let uids = self.cfg.uids.clone();
         let inputs = self.template_inputs.clone();
@@ -251,7 +251,7 @@ impl MicrovmBackend {
             let owner = format!("tpl-{key}");
             let res = match uids.take(&owner) {
                 Ok(uid) => {
-                    let jail = super::microvm_jail(&uids, Some(uid), accel);
+                    let jail = crate::backends::qemu_sandbox::qemu_jail(&uids, Some(uid), accel);
                     build(
                         &qemu,
                         &cg,
@@ -379,14 +379,14 @@ impl Drop for MicrovmBackend {
     fn drop(&mut self) {
         let keys: Vec<String> = self.templates_building.lock().unwrap().drain().collect();
         for key in keys {
-            let cg = self.cgroups.sandbox(&format!("tpl-{key}"));
+            let cg = self.core.cgroups.sandbox(&format!("tpl-{key}"));
             if let Err(e) = cg.group().destroy(Duration::from_secs(10)) {
                 tracing::warn!(backend = "microvm", template = %key, error = %e, "could not stop a template build");
             }
             let _ =
                 std::fs::remove_dir_all(self.cfg.dir.join("templates").join(format!("{key}.tmp")));
         }
-        let _ = self.cgroups.remove_parent();
+        let _ = self.core.cgroups.remove_parent();
     }
 }
 

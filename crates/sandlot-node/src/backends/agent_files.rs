@@ -1,0 +1,107 @@
+//! The file operations of every sandbox whose files are served by its guest agent
+//! (`sandlot-guest agent`: `container`, `microvm`, `vm`), written once.
+//!
+//! A backend says which sandbox a call goes to and checks that it may be served now
+//! ([`AgentFiles::file_agent`]: known, not being deleted, not paused, its init or VMM
+//! alive); the seven operations ([`AgentFiles::read_file`] … [`AgentFiles::make_dir`]) are
+//! the agent's calls of the container agent protocol (`crate::agent_client`), their errors
+//! mapped by [`crate::files::node_error`]. [`super::SandboxBackend`]'s file methods call
+//! them through [`super::SandboxBackend::agent_files`].
+use crate::agent_client::AgentClient;
+use crate::files::{file_entry, node_error};
+use crate::node::NodeResult;
+use async_trait::async_trait;
+use sandlot_api::FileEntry;
+use std::sync::Arc;
+
+/// One sandbox that holds a connected guest agent.
+pub trait HoldsAgent: Send + Sync {
+    /// Its agent (one connection, shared by every call on the sandbox).
+    fn agent(&self) -> &AgentClient;
+}
+
+/// A backend whose sandboxes' files are served by their guest agents.
+#[async_trait]
+pub trait AgentFiles: Send + Sync {
+    /// The sandbox a file call on `id` goes to, held for the call.
+    ///
+    /// # Errors
+    /// `NotFound` (unknown or being deleted), `Conflict` (paused, or its init / VMM is gone).
+    async fn file_agent(&self, id: &str) -> NodeResult<Arc<dyn HoldsAgent>>;
+
+    /// The bytes of the file at `path` (absolute, or relative to `/workspace`), at most
+    /// `max_bytes` of them.
+    ///
+    /// # Errors
+    /// As [`Self::file_agent`]; the agent's (`NotFound`, `InvalidArgument` for a file over
+    /// `max_bytes` or a bad path, `Internal`).
+    async fn read_file(&self, id: &str, path: &str, max_bytes: u64) -> NodeResult<Vec<u8>> {
+        let s = self.file_agent(id).await?;
+        s.agent()
+            .read_file(path, max_bytes)
+            .await
+            .map_err(node_error)
+    }
+
+    /// The size in bytes of the regular file at `path`.
+    ///
+    /// # Errors
+    /// As [`Self::read_file`]; `InvalidArgument` for anything but a regular file.
+    async fn file_size(&self, id: &str, path: &str) -> NodeResult<u64> {
+        let s = self.file_agent(id).await?;
+        super::agent_exec::file_size(s.agent(), path).await
+    }
+
+    /// Writes `data` to the file at `path` (created or replaced).
+    ///
+    /// # Errors
+    /// As [`Self::read_file`].
+    async fn write_file(&self, id: &str, path: &str, data: bytes::Bytes) -> NodeResult<()> {
+        let s = self.file_agent(id).await?;
+        s.agent()
+            .write_file(path, &data, u64::MAX)
+            .await
+            .map_err(node_error)
+    }
+
+    /// The entries of the directory at `path`.
+    ///
+    /// # Errors
+    /// As [`Self::read_file`].
+    async fn list_dir(&self, id: &str, path: &str) -> NodeResult<Vec<FileEntry>> {
+        let s = self.file_agent(id).await?;
+        let v = s.agent().list_dir(path).await.map_err(node_error)?;
+        Ok(v.into_iter().map(file_entry).collect())
+    }
+
+    /// Removes the file or directory tree at `path`.
+    ///
+    /// # Errors
+    /// As [`Self::read_file`].
+    async fn remove_file(&self, id: &str, path: &str) -> NodeResult<()> {
+        let s = self.file_agent(id).await?;
+        s.agent().remove(path).await.map_err(node_error)
+    }
+
+    /// The facts of `path`.
+    ///
+    /// # Errors
+    /// As [`Self::read_file`].
+    async fn stat_file(&self, id: &str, path: &str) -> NodeResult<FileEntry> {
+        let s = self.file_agent(id).await?;
+        s.agent()
+            .stat(path)
+            .await
+            .map(file_entry)
+            .map_err(node_error)
+    }
+
+    /// Creates the directory `path` (its missing parents too with `parents`).
+    ///
+    /// # Errors
+    /// As [`Self::read_file`].
+    async fn make_dir(&self, id: &str, path: &str, parents: bool) -> NodeResult<()> {
+        let s = self.file_agent(id).await?;
+        s.agent().mkdir(path, parents).await.map_err(node_error)
+    }
+}

@@ -1,0 +1,640 @@
+//! One QEMU sandbox, written once for the `microvm` and `vm` backends.
+//!
+//! What the two backends share lives here: the table of running VMs ([`QemuCore`]), one
+//! VM's handles ([`QemuVm`]: its state as created, its current QEMU, the agent link that
+//! survives pause and resume, its lifecycle flags), create-with-rollback, exec, delete,
+//! list, pause/resume with memory (the steps of [`super::microvm::snapshot`]) and
+//! re-adoption after a node restart. What differs is a [`Machine`]: how a VM boots (`-M
+//! microvm` + an EROFS image disk + a scratch disk, optionally from a template snapshot;
+//! or `-M q35` + a qcow2 chain), how a checkpoint captures its disk, what a pause must bring
+//! up to date first, and which image disks are still in use. Every [`Machine`] is a
+//! [`SandboxBackend`] and an [`AgentFiles`] through the blanket impls below.
+//!
+//! On-disk state is unchanged: `vms/<id>/state.json` / `boot.json` hold a
+//! [`VmState`]; a node upgraded in place re-adopts the VMs of the previous one.
+use super::agent_files::{AgentFiles, HoldsAgent};
+use super::function::ExecPlan;
+use super::function::{check_id, check_not_paused, freeze, proc_starttime, spawn_blocking, thaw};
+use super::microvm::snapshot::{self, ProcCell, QemuProc, Relay};
+use super::microvm::{Accel, VmState};
+use super::qemu::{Jail, QemuUids, AGENT_FD, AGENT_SOCK, QMP_FD, QMP_SOCK};
+use super::SandboxBackend;
+use crate::agent_client::AgentClient;
+use crate::cgroups::{CgroupRoot, SandboxCgroup};
+use crate::checkpoints::{Captured, Checkpoint};
+use crate::images::Image;
+use crate::node::{ExecControl, ExecSink, NodeError, NodeResult, SandboxSpec, SandboxStatus};
+use async_trait::async_trait;
+use sandlot_api::{Backend, ExecRequest, ExecResult};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio::sync::{watch, RwLock};
+
+/// The jail of a QEMU running as `uid` under `uids` (agent and QMP sockets bound by the
+/// node and handed over as fds; none for a root QEMU of an older node, whose command line
+/// opens them by path).
+pub(super) fn qemu_jail(uids: &QemuUids, uid: Option<u32>, accel: Accel) -> Jail {
+    uids.jail(uid, accel, &[(AGENT_SOCK, AGENT_FD), (QMP_SOCK, QMP_FD)])
+}
+
+/// One running (or paused with memory) VM.
+pub struct QemuVm {
+    /// As created (`qemu_pid`: the first QEMU's, see `proc_`; `qemu_args`: see `args`).
+    pub(super) state: VmState,
+    /// The QEMU it runs in now (a resume starts a new one).
+    pub(super) proc_: ProcCell,
+    /// The agent link that survives pause and resume.
+    pub(super) relay: Arc<Relay>,
+    /// QEMU's command line for the next resume (`vm`: its `-drive` names the active disk
+    /// layer as of the last pause; `microvm`: `state.qemu_args`, never changed).
+    pub(super) args: Mutex<Vec<String>>,
+    /// Its QEMU's cgroup.
+    pub(super) cgroup: SandboxCgroup,
+    /// Its guest agent (one connection, shared by every call).
+    pub(super) agent: AgentClient,
+    /// Set (write side) by a delete; execs and file calls hold the read side.
+    pub(super) deleting: RwLock<bool>,
+    /// Sent `true` by a delete: running execs end.
+    pub(super) killed: watch::Sender<bool>,
+    /// Paused (with memory, or frozen for a VM of an older node).
+    pub(super) paused: AtomicBool,
+    /// Serialises pause, resume and (`vm`) checkpoints.
+    pub(super) lifecycle: tokio::sync::Mutex<()>,
+}
+
+impl HoldsAgent for QemuVm {
+    fn agent(&self) -> &AgentClient {
+        &self.agent
+    }
+}
+
+/// The part of a QEMU backend that does not depend on the machine: its directory, QEMU
+/// binary, cgroups, host uids and the table of its VMs.
+pub struct QemuCore {
+    /// Backend name in logs and errors (`"microvm"`, `"vm"`).
+    name: &'static str,
+    /// What a VM is called in messages (`"microVM"`, `"VM"`).
+    label: &'static str,
+    /// Which backend this is.
+    backend: Backend,
+    /// `DATA/<name>`: `vms/<id>/` holds each VM's files.
+    pub(super) dir: PathBuf,
+    /// `qemu-system-x86_64`.
+    pub(super) qemu: PathBuf,
+    /// The backend's QEMU cgroups.
+    pub(super) cgroups: CgroupRoot,
+    /// Host uids of the QEMUs (one per sandbox).
+    pub(super) uids: Arc<QemuUids>,
+    vms: Mutex<HashMap<String, Arc<QemuVm>>>,
+}
+
+impl QemuCore {
+    /// An empty table of backend `backend` (`name`: `"microvm"` or `"vm"`; `label`: a VM's
+    /// name in messages) with its files under `dir`.
+    pub(super) fn new(
+        backend: Backend,
+        (name, label): (&'static str, &'static str),
+        dir: PathBuf,
+        qemu: PathBuf,
+        cgroups: CgroupRoot,
+        uids: Arc<QemuUids>,
+    ) -> Self {
+        QemuCore {
+            name,
+            label,
+            backend,
+            dir,
+            qemu,
+            cgroups,
+            uids,
+            vms: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// `DIR/vms/<id>`.
+    pub(super) fn vm_dir(&self, id: &str) -> PathBuf {
+        self.dir.join("vms").join(id)
+    }
+
+    /// VM `id`.
+    ///
+    /// # Errors
+    /// `NotFound` when this backend does not run it.
+    pub(super) fn get(&self, id: &str) -> NodeResult<Arc<QemuVm>> {
+        self.vms
+            .lock()
+            .unwrap()
+            .get(id)
+            .cloned()
+            .ok_or_else(|| NodeError::NotFound(format!("sandbox {id} not found")))
+    }
+
+    /// True when this backend runs `id`.
+    pub(super) fn has(&self, id: &str) -> bool {
+        self.vms.lock().unwrap().contains_key(id)
+    }
+
+    /// The jail of a QEMU of this backend running as `uid` (agent and QMP sockets bound by
+    /// the node and handed over as fds; none for a root QEMU of an older node, whose
+    /// command line opens them by path).
+    pub(super) fn jail(&self, uid: Option<u32>, accel: Accel) -> Jail {
+        qemu_jail(&self.uids, uid, accel)
+    }
+
+    /// Registers a running (or paused with memory) VM; `agent`: the connected client and
+    /// relay of its create (a new one would be a second connection on the guest's one
+    /// stream).
+    pub(super) fn adopt(
+        &self,
+        state: VmState,
+        agent: Option<(AgentClient, Arc<Relay>)>,
+    ) -> Arc<QemuVm> {
+        if let Some(uid) = state.qemu_uid {
+            self.uids.keep(&state.id, uid);
+        }
+        let sock = self.vm_dir(&state.id).join(AGENT_SOCK);
+        let (agent, relay) = agent.unwrap_or_else(|| {
+            let relay = Relay::new(sock.clone());
+            (AgentClient::with_connector(&sock, relay.connector()), relay)
+        });
+        let vm = Arc::new(QemuVm {
+            cgroup: self.cgroups.sandbox(&state.id),
+            proc_: Arc::new(Mutex::new(QemuProc {
+                pid: state.qemu_pid,
+                start: state.qemu_starttime,
+                saved: state.memory_saved,
+            })),
+            relay,
+            args: Mutex::new(state.qemu_args.clone()),
+            agent,
+            deleting: RwLock::new(false),
+            killed: watch::channel(false).0,
+            paused: AtomicBool::new(state.memory_saved),
+            lifecycle: tokio::sync::Mutex::new(()),
+            state,
+        });
+        self.vms
+            .lock()
+            .unwrap()
+            .insert(vm.state.id.clone(), vm.clone());
+        vm
+    }
+
+    /// The VM of a file call: known, not being deleted, not paused, QEMU alive.
+    ///
+    /// # Errors
+    /// `NotFound` (unknown or being deleted), `Conflict` (paused, or its QEMU is gone).
+    pub(super) async fn fs_target(&self, id: &str) -> NodeResult<Arc<QemuVm>> {
+        let vm = self.get(id)?;
+        if *vm.deleting.read().await {
+            return Err(NodeError::NotFound(format!(
+                "sandbox {id} is being deleted"
+            )));
+        }
+        check_not_paused(&vm.paused, id)?;
+        let cur = *vm.proc_.lock().unwrap();
+        if !cur.exists() {
+            return Err(NodeError::Conflict(format!(
+                "sandbox {id} is not running (its QEMU {} is gone)",
+                cur.pid
+            )));
+        }
+        Ok(vm)
+    }
+
+    /// One exec through the VM's agent ([`super::agent_exec`]). The guest kernel's OOM
+    /// kills are invisible from the host: `oom_killed` comes from the agent, which reads
+    /// its `sandbox` cgroup's `oom_kill` counter around the exec.
+    ///
+    /// # Errors
+    /// `NotFound` (unknown or being deleted), `Conflict` (paused), the exec's own.
+    pub(super) async fn run_exec(
+        &self,
+        id: &str,
+        req: &ExecRequest,
+        sink: Option<ExecSink>,
+        control: Option<ExecControl>,
+    ) -> NodeResult<ExecResult> {
+        let vm = self.get(id)?;
+        let mut killed = vm.killed.subscribe();
+        let guard = vm.deleting.read().await;
+        if *guard || *killed.borrow() {
+            return Err(NodeError::NotFound(format!(
+                "sandbox {id} is being deleted"
+            )));
+        }
+        check_not_paused(&vm.paused, id)?;
+        let mut plan = ExecPlan::build(&vm.state.image_env, &vm.state.spec, req)?;
+        plan.spec.own_pid_ns = true;
+        plan.spec.landlock = false;
+        let cell = vm.proc_.clone();
+        let died = move || !cell.lock().unwrap().exists();
+        let target = super::agent_exec::Target {
+            id,
+            kind: self.label,
+            agent: &vm.agent,
+            pids_max: vm.state.spec.pids_max,
+            died: &died,
+        };
+        super::agent_exec::run(target, plan, guard, &mut killed, sink, control).await
+    }
+
+    /// Waits until the agent of the VM being created as `id` (its QEMU `proc_`) answers,
+    /// within `timeouts.0` under KVM or `timeouts.1` under TCG.
+    ///
+    /// # Errors
+    /// `Internal` naming the boot's failure with the console's tail (see
+    /// [`super::qemu::boot_failure`]; the console is kept under `failed/`).
+    pub(super) async fn wait_booted(
+        &self,
+        agent: &AgentClient,
+        id: &str,
+        accel: Accel,
+        timeouts: (Duration, Duration),
+        proc_: (i32, u64),
+    ) -> NodeResult<()> {
+        let timeout = match accel {
+            Accel::Kvm => timeouts.0,
+            Accel::Tcg => timeouts.1,
+        };
+        match agent.wait_ready_single(Instant::now() + timeout).await {
+            Ok(_) => Ok(()),
+            Err(e) => Err(super::qemu::boot_failure(
+                &self.dir,
+                &self.vm_dir(id),
+                &format!("{} {id}", self.label),
+                id,
+                timeout,
+                accel,
+                proc_,
+                &e,
+            )),
+        }
+    }
+
+    /// `sync` in the guest of VM `id` before a checkpoint (its page cache reaches the
+    /// disk).
+    ///
+    /// # Errors
+    /// `Conflict` when the VM is paused; the exec's errors; `Internal` when `sync` fails.
+    pub(super) async fn sync_guest(&self, vm: &QemuVm, id: &str) -> NodeResult<()> {
+        if vm.paused.load(Ordering::SeqCst) {
+            return Err(NodeError::Conflict(format!(
+                "sandbox {id} is paused; resume it before a checkpoint (the guest must flush its disk first)"
+            )));
+        }
+        let mut req = ExecRequest::new(sandlot_api::Cmd::Argv(vec!["sync".into()]));
+        req.timeout_s = Some(60.0);
+        let r = self.run_exec(id, &req, None, None).await?;
+        if r.exit_code != 0 {
+            return Err(NodeError::io(
+                format!(
+                    "sync in {} {id}: exit {}: {}",
+                    self.label, r.exit_code, r.stderr
+                ),
+                std::io::Error::other("guest sync failed"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The pause/resume [`snapshot::Target`] of `vm` (its QEMU restarted with `vm.args`).
+    pub(super) fn target<'a>(&'a self, vm: &'a QemuVm) -> snapshot::Target<'a> {
+        snapshot::Target {
+            backend: self.name,
+            dir: self.vm_dir(&vm.state.id),
+            qemu: &self.qemu,
+            cgroup: &vm.cgroup,
+            state: VmState {
+                qemu_args: vm.args.lock().unwrap().clone(),
+                ..vm.state.clone()
+            },
+            deleting: &vm.deleting,
+            paused: &vm.paused,
+            relay: &vm.relay,
+            agent: &vm.agent,
+            proc_: &vm.proc_,
+            // The same uid as before the pause (`qemu_uid`, held by the sandbox).
+            jail: self.jail(vm.state.qemu_uid, vm.state.accel),
+        }
+    }
+
+    /// Kills the QEMU of `id` (from `state.json` or `boot.json`), removes its cgroup and
+    /// directory (for `vm` its qcow2 layers' links with it; shared image disks stay),
+    /// gives its uid back.
+    ///
+    /// # Errors
+    /// `Internal` when the cgroup or the directory cannot be removed.
+    pub(super) async fn destroy(&self, id: &str) -> NodeResult<()> {
+        let dir = self.vm_dir(id);
+        let cg = self.cgroups.sandbox(id);
+        let (uids, id_) = (self.uids.clone(), id.to_string());
+        spawn_blocking(move || {
+            let st: Option<VmState> = ["state.json", "boot.json"].iter().find_map(|f| {
+                std::fs::read(dir.join(f))
+                    .ok()
+                    .and_then(|s| serde_json::from_slice(&s).ok())
+            });
+            if let Some(st) = st {
+                if proc_starttime(st.qemu_pid) == Some(st.qemu_starttime) {
+                    let _ = nix::sys::signal::kill(
+                        nix::unistd::Pid::from_raw(st.qemu_pid),
+                        nix::sys::signal::Signal::SIGKILL,
+                    );
+                    let deadline = Instant::now() + Duration::from_secs(10);
+                    while proc_starttime(st.qemu_pid) == Some(st.qemu_starttime)
+                        && Instant::now() < deadline
+                    {
+                        std::thread::sleep(Duration::from_millis(10));
+                    }
+                }
+            }
+            // Kills anything left in the group (a QEMU whose state file was lost) too.
+            cg.group().destroy(Duration::from_secs(10))?;
+            // No process of the uid is left: once its files are gone it may go to another
+            // sandbox.
+            super::qemu::remove_vm_dir(&uids, &id_, &dir)
+        })
+        .await
+    }
+
+    /// Re-adopts the VMs of `DIR/vms/` named in `keep` whose QEMU still runs (or that are
+    /// paused with their memory file), removes every other VM directory and the cgroups of
+    /// VMs not adopted. The ids adopted, and the errors of removals.
+    async fn readopt_vms(&self, keep: &[String]) -> NodeResult<(Vec<String>, Vec<String>)> {
+        let mut adopted = Vec::new();
+        let mut errors = Vec::new();
+        let vms = self.dir.join("vms");
+        let names: Vec<String> = std::fs::read_dir(&vms)
+            .map_err(|e| NodeError::io(format!("read {}", vms.display()), e))?
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| check_id(n).is_ok())
+            .collect();
+        let backend = self.name;
+        for name in names {
+            if self.has(&name) {
+                adopted.push(name);
+                continue;
+            }
+            let dir = self.vm_dir(&name);
+            let state: Option<VmState> = std::fs::read(dir.join("state.json"))
+                .ok()
+                .and_then(|s| serde_json::from_slice(&s).ok());
+            match state {
+                Some(st)
+                    if st.id == name
+                        && keep.contains(&name)
+                        && st.memory_saved
+                        && dir.join(snapshot::MEMORY_FILE).is_file() =>
+                {
+                    // Paused with memory: a QEMU left from a pause cut short goes.
+                    let (pid, start) = (st.qemu_pid, st.qemu_starttime);
+                    spawn_blocking(move || {
+                        snapshot::kill_and_wait(pid, start);
+                        Ok(())
+                    })
+                    .await?;
+                    self.adopt(st, None);
+                    tracing::info!(sandbox = %name, backend, "sandbox re-adopted (paused with memory file)");
+                    adopted.push(name);
+                }
+                Some(st)
+                    if st.id == name
+                        && keep.contains(&name)
+                        && !st.memory_saved
+                        && proc_starttime(st.qemu_pid) == Some(st.qemu_starttime) =>
+                {
+                    if !st.qemu_args.is_empty() {
+                        // A pause cut short between `stop` and `state.json`: run it again.
+                        let d = dir.clone();
+                        spawn_blocking(move || {
+                            snapshot::continue_if_stopped(&d);
+                            Ok(())
+                        })
+                        .await?;
+                    }
+                    self.adopt(st, None);
+                    tracing::info!(sandbox = %name, backend, "sandbox re-adopted");
+                    adopted.push(name);
+                }
+                _ => {
+                    tracing::info!(sandbox = %name, backend, "removing leftover sandbox");
+                    if let Err(e) = self.destroy(&name).await {
+                        errors.push(e.to_string());
+                    }
+                }
+            }
+        }
+        for id in self.cgroups.list_sandboxes() {
+            if !self.has(&id) {
+                let cg = self.cgroups.sandbox(&id);
+                if let Err(e) =
+                    spawn_blocking(move || cg.group().destroy(Duration::from_secs(10))).await
+                {
+                    errors.push(e.to_string());
+                }
+            }
+        }
+        Ok((adopted, errors))
+    }
+}
+
+/// What differs between the QEMU backends; every `Machine` is a [`SandboxBackend`]
+/// (create with rollback, exec, files, pause/resume, delete, list, re-adoption written once
+/// here) whose machine-specific steps are these.
+#[async_trait]
+pub(crate) trait Machine: Send + Sync {
+    /// The shared part: directory, QEMU, cgroups, uids, the VM table.
+    fn core(&self) -> &QemuCore;
+
+    /// Boots VM `spec` of `image` in cgroup `cg` (a fork of `seed` when given) in its
+    /// directory (already made, empty); its state (`state.json` written) and its connected
+    /// agent. On error the caller destroys what is left.
+    ///
+    /// # Errors
+    /// `InvalidArgument` (e.g. a disk smaller than the checkpoint's), `Unavailable`, the
+    /// boot's failures (`Internal`, with the console's tail).
+    async fn boot(
+        &self,
+        spec: &SandboxSpec,
+        image: &Image,
+        cg: &SandboxCgroup,
+        seed: Option<&Checkpoint>,
+    ) -> NodeResult<(VmState, (AgentClient, Arc<Relay>))>;
+
+    /// A checkpoint of VM `vm` (id `id`) into `dest` (see [`crate::checkpoints`]).
+    ///
+    /// # Errors
+    /// `Conflict` (paused), `NotFound` (being deleted), copy / QMP failures.
+    async fn capture(&self, vm: Arc<QemuVm>, id: &str, dest: &Path) -> NodeResult<Captured>;
+
+    /// Brings `vm.args` up to date before a pause with memory (the `vm` backend's
+    /// `-drive`: checkpoints may have moved the disk to a newer layer). Nothing by
+    /// default.
+    ///
+    /// # Errors
+    /// Whatever reading the VM's files fails with.
+    async fn before_pause(&self, _vm: &QemuVm) -> NodeResult<()> {
+        Ok(())
+    }
+
+    /// Removes the image disks no VM, checkpoint or create in flight uses (with `partial`,
+    /// also builds cut short); failures are logged.
+    fn collect_disks(&self, partial: bool);
+}
+
+/// Creates `spec` on `m` (see [`Machine::boot`]); on error everything made is removed
+/// (a failed removal is logged).
+async fn create_with<M: Machine + ?Sized>(
+    m: &M,
+    spec: &SandboxSpec,
+    image: &Image,
+    seed: Option<&Checkpoint>,
+) -> NodeResult<()> {
+    let core = m.core();
+    check_id(&spec.id)?;
+    super::qemu::create_vm_dir(&core.vm_dir(&spec.id), &spec.id)?;
+    let cg = core.cgroups.sandbox(&spec.id);
+    match m.boot(spec, image, &cg, seed).await {
+        Ok((state, agent)) => {
+            core.adopt(state, Some(agent));
+            tracing::info!(sandbox = %spec.id, backend = core.name, "sandbox created");
+            Ok(())
+        }
+        Err(e) => {
+            if let Err(c) = core.destroy(&spec.id).await {
+                tracing::warn!(sandbox = %spec.id, error = %c, "cleanup after a failed create");
+            }
+            Err(e)
+        }
+    }
+}
+
+#[async_trait]
+impl<M: Machine> AgentFiles for M {
+    async fn file_agent(&self, id: &str) -> NodeResult<Arc<dyn HoldsAgent>> {
+        Ok(self.core().fs_target(id).await?)
+    }
+}
+
+#[async_trait]
+impl<M: Machine> SandboxBackend for M {
+    fn kind(&self) -> Backend {
+        self.core().backend
+    }
+
+    async fn create(&self, spec: &SandboxSpec, image: &Image) -> NodeResult<()> {
+        create_with(self, spec, image, None).await
+    }
+
+    async fn create_from(
+        &self,
+        spec: &SandboxSpec,
+        image: &Image,
+        checkpoint: &Checkpoint,
+    ) -> NodeResult<()> {
+        create_with(self, spec, image, Some(checkpoint)).await
+    }
+
+    async fn checkpoint(&self, id: &str, dest: &Path) -> NodeResult<Captured> {
+        let vm = self.core().get(id)?;
+        self.capture(vm, id, dest).await
+    }
+
+    fn has(&self, id: &str) -> bool {
+        self.core().has(id)
+    }
+
+    async fn exec(
+        &self,
+        id: &str,
+        req: &ExecRequest,
+        sink: Option<ExecSink>,
+    ) -> NodeResult<ExecResult> {
+        self.core().run_exec(id, req, sink, None).await
+    }
+
+    async fn exec_controlled(
+        &self,
+        id: &str,
+        req: &ExecRequest,
+        sink: Option<ExecSink>,
+        control: ExecControl,
+    ) -> NodeResult<ExecResult> {
+        self.core().run_exec(id, req, sink, Some(control)).await
+    }
+
+    fn agent_files(&self) -> Option<&dyn AgentFiles> {
+        Some(self)
+    }
+
+    /// Saves memory and device state to `memory.state` and stops QEMU (see
+    /// [`snapshot`]); a VM without QEMU arguments on record (created by an older node, no
+    /// QMP socket) is frozen in its cgroup instead.
+    async fn pause(&self, id: &str) -> NodeResult<()> {
+        let core = self.core();
+        let vm = core.get(id)?;
+        let _life = vm.lifecycle.lock().await;
+        if vm.state.qemu_args.is_empty() {
+            return freeze(id, core.name, &vm.deleting, &vm.paused, vm.cgroup.group()).await;
+        }
+        if !vm.paused.load(Ordering::SeqCst) && vm.proc_.lock().unwrap().exists() {
+            self.before_pause(&vm).await?;
+        }
+        snapshot::pause(&core.target(&vm)).await
+    }
+
+    async fn resume(&self, id: &str) -> NodeResult<()> {
+        let core = self.core();
+        let vm = core.get(id)?;
+        let _life = vm.lifecycle.lock().await;
+        if vm.state.qemu_args.is_empty() {
+            return thaw(id, core.name, &vm.deleting, &vm.paused, vm.cgroup.group()).await;
+        }
+        snapshot::resume(&core.target(&vm)).await
+    }
+
+    async fn delete(&self, id: &str) -> NodeResult<()> {
+        let core = self.core();
+        if check_id(id).is_err() {
+            return Ok(());
+        }
+        let vm = core.vms.lock().unwrap().get(id).cloned();
+        if let Some(vm) = &vm {
+            *vm.deleting.write().await = true;
+            let _ = vm.killed.send(true);
+        }
+        let res = core.destroy(id).await;
+        if res.is_ok() {
+            core.vms.lock().unwrap().remove(id);
+            if vm.is_some() {
+                tracing::info!(sandbox = %id, backend = core.name, "sandbox deleted");
+            }
+        }
+        res
+    }
+
+    fn list(&self) -> Vec<SandboxStatus> {
+        let core = self.core();
+        core.vms
+            .lock()
+            .unwrap()
+            .values()
+            .map(|v| SandboxStatus {
+                id: v.state.id.clone(),
+                backend: core.backend,
+                liveness: v.proc_.lock().unwrap().liveness(),
+            })
+            .collect()
+    }
+
+    async fn readopt(&self, keep: &[String]) -> NodeResult<Vec<String>> {
+        let (adopted, errors) = self.core().readopt_vms(keep).await?;
+        self.collect_disks(true);
+        Ok(super::readopt_done(self.core().name, adopted, &errors))
+    }
+}
