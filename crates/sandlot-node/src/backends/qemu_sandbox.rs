@@ -3,11 +3,11 @@
 //! What the two backends share lives here: the table of running VMs ([`QemuCore`]), one
 //! VM's handles ([`QemuVm`]: its state as created, its current QEMU, the agent link that
 //! survives pause and resume, its lifecycle flags), create-with-rollback, exec, delete,
-//! list, pause/resume with memory (the steps of [`super::microvm::snapshot`]) and
-//! re-adoption after a node restart. What differs is a [`Machine`]: how a VM boots (`-M
+//! list, pause/resume with memory (the steps of `microvm::snapshot`) and
+//! re-adoption after a node restart. What differs is a `Machine`: how a VM boots (`-M
 //! microvm` + an EROFS image disk + a scratch disk, optionally from a template snapshot;
 //! or `-M q35` + a qcow2 chain), how a checkpoint captures its disk, what a pause must bring
-//! up to date first, and which image disks are still in use. Every [`Machine`] is a
+//! up to date first, and which image disks are still in use. Every `Machine` is a
 //! [`SandboxBackend`] and an [`AgentFiles`] through the blanket impls below.
 //!
 //! On-disk state is unchanged: `vms/<id>/state.json` / `boot.json` hold a
@@ -573,7 +573,7 @@ impl<M: Machine> SandboxBackend for M {
     }
 
     /// Saves memory and device state to `memory.state` and stops QEMU (see
-    /// [`snapshot`]); a VM without QEMU arguments on record (created by an older node, no
+    /// `microvm::snapshot`); a VM without QEMU arguments on record (created by an older node, no
     /// QMP socket) is frozen in its cgroup instead.
     async fn pause(&self, id: &str) -> NodeResult<()> {
         let core = self.core();
