@@ -2,14 +2,15 @@
 //! image built by `ImageStore::build_busybox`. Needs root, cgroups and the guest binary
 //! (`SANDLOT_GUEST_BIN`, else `target/{release,debug}/sandlot-guest` of this build's
 //! profile); each test prints why it skips.
-use sandlot_api::{Backend, Cmd, ExecEvent, ExecRequest, ExecResult};
+use sandlot_api::{Backend, Cmd, ExecEvent, ExecRequest};
 use sandlot_node::backends::function::{mounts_under, proc_starttime, read_state};
 use sandlot_node::cgroups::CgroupRoot;
-use sandlot_node::{LocalNode, Node, NodeConfig, NodeError, SandboxSpec};
+use sandlot_node::{LocalNode, Node, NodeConfig, NodeError};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 mod support;
+use support::{function_spec_with_env as spec, sh, sh_req};
 
 struct Env {
     node: Option<LocalNode>,
@@ -111,35 +112,6 @@ fn setup(test: &str) -> Option<Env> {
         cfg,
         _tmp: tmp,
     })
-}
-
-fn spec(id: &str) -> SandboxSpec {
-    SandboxSpec {
-        id: id.into(),
-        backend: Backend::Function,
-        image: "busybox".into(),
-        cpu: 1.0,
-        memory_mib: 256,
-        disk_mib: 64,
-        pids_max: 128,
-        env: [("SB_VAR".to_string(), "from-sandbox".to_string())]
-            .into_iter()
-            .collect(),
-        network: sandlot_api::NetworkPolicy::None,
-        runtime: None,
-    }
-}
-
-fn sh_req(script: &str, timeout_s: f64) -> ExecRequest {
-    let mut r = ExecRequest::new(Cmd::Shell(script.into()));
-    r.timeout_s = Some(timeout_s);
-    r
-}
-
-async fn sh(node: &LocalNode, id: &str, script: &str) -> ExecResult {
-    node.exec(id, &sh_req(script, 30.0), None)
-        .await
-        .unwrap_or_else(|e| panic!("exec {script:?}: {e}"))
 }
 
 /// Poll `f` until true or `within` passes.

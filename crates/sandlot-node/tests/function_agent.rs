@@ -3,7 +3,7 @@
 //! image. One test in a binary of its own, because the switch is an environment variable
 //! read when the node opens (setting it while other tests' threads read the environment
 //! would race). Needs root, cgroups and the guest binary; prints why it skips.
-use sandlot_api::{Backend, Cmd, ExecRequest, ExecResult};
+use sandlot_api::{Cmd, ExecRequest};
 use sandlot_node::backends::function::{proc_starttime, read_state};
 use sandlot_node::cgroups::CgroupRoot;
 use sandlot_node::{LocalNode, Node, NodeConfig, SandboxSpec};
@@ -11,35 +11,7 @@ use sandlot_node::{LocalNode, Node, NodeConfig, SandboxSpec};
 use std::time::{Duration, Instant};
 
 mod support;
-
-fn spec(id: &str, memory_mib: u64) -> SandboxSpec {
-    SandboxSpec {
-        id: id.into(),
-        backend: Backend::Function,
-        image: "busybox".into(),
-        cpu: 1.0,
-        memory_mib,
-        disk_mib: 64,
-        pids_max: 128,
-        env: [("SB_VAR".to_string(), "from-sandbox".to_string())]
-            .into_iter()
-            .collect(),
-        network: sandlot_api::NetworkPolicy::None,
-        runtime: None,
-    }
-}
-
-fn sh_req(script: &str, timeout_s: f64) -> ExecRequest {
-    let mut r = ExecRequest::new(Cmd::Shell(script.into()));
-    r.timeout_s = Some(timeout_s);
-    r
-}
-
-async fn sh(node: &LocalNode, id: &str, script: &str) -> ExecResult {
-    node.exec(id, &sh_req(script, 30.0), None)
-        .await
-        .unwrap_or_else(|e| panic!("exec {script:?}: {e}"))
-}
+use support::{sh, sh_req};
 
 /// Until an exec runs through the agent: there each command has a pid namespace of its
 /// own, nested in the sandbox's (two pids on its `NSpid` line; the helper path runs it in
@@ -110,7 +82,9 @@ async fn agent_path_keeps_exec_semantics_and_survives_restart() {
         return;
     }
     let id = "sb-agent";
-    node.create(&spec(id, 256)).await.unwrap();
+    node.create(&support::function_spec_with_env(id))
+        .await
+        .unwrap();
     wait_agent(&node, &cfg, id).await;
 
     // Exit codes, signals, env, cwd, stdin, identity and lock-down as on the helper path.
@@ -178,7 +152,12 @@ async fn agent_path_keeps_exec_semantics_and_survives_restart() {
     assert_eq!(cg.sandbox(id).exec_children().len(), 0);
 
     // OOM: attributed to the exec, and not to the next one.
-    node.create(&spec("sb-agent-oom", 64)).await.unwrap();
+    node.create(&SandboxSpec {
+        memory_mib: 64,
+        ..support::function_spec_with_env("sb-agent-oom")
+    })
+    .await
+    .unwrap();
     wait_agent(&node, &cfg, "sb-agent-oom").await;
     let r = sh(&node, "sb-agent-oom", "head -c 200m /dev/zero | tail").await;
     assert!(r.oom_killed && r.exit_code != 0, "{r:?}");

@@ -156,3 +156,30 @@ pub fn function_spec(id: &str) -> SandboxSpec {
         runtime: None,
     }
 }
+
+/// A `function` sandbox `id` of the busybox image as `function.rs` and `function_agent.rs`
+/// check it: 1 cpu, 256 MiB, 64 MiB disk, 128 pids, env `SB_VAR=from-sandbox`, no network.
+pub fn function_spec_with_env(id: &str) -> SandboxSpec {
+    SandboxSpec {
+        memory_mib: 256,
+        pids_max: 128,
+        env: [("SB_VAR".to_string(), "from-sandbox".to_string())]
+            .into_iter()
+            .collect(),
+        ..function_spec(id)
+    }
+}
+
+/// An exec of shell `script` with a timeout of `timeout_s` seconds.
+pub fn sh_req(script: &str, timeout_s: f64) -> sandlot_api::ExecRequest {
+    let mut r = sandlot_api::ExecRequest::new(sandlot_api::Cmd::Shell(script.into()));
+    r.timeout_s = Some(timeout_s);
+    r
+}
+
+/// Runs shell `script` in sandbox `id` (30 s timeout); panics when the exec call fails.
+pub async fn sh(node: &LocalNode, id: &str, script: &str) -> sandlot_api::ExecResult {
+    node.exec(id, &sh_req(script, 30.0), None)
+        .await
+        .unwrap_or_else(|e| panic!("exec {script:?}: {e}"))
+}
