@@ -1044,7 +1044,7 @@ async fn server(a: ServerArgs) -> anyhow::Result<u8> {
         )
         .await
         .context("read the node set from etcd")?;
-        let names: Vec<String> = cluster.nodes().into_keys().collect();
+        let names: Vec<String> = cluster.nodes().keys().cloned().collect();
         tracing::info!(etcd = %a.etcd.join(","), nodes = ?names, "cluster mode: following the nodes registered in etcd");
         let server = sandlot_server::Server::bind_cluster(cfg, cluster).await?;
         return run_bound(server).await;

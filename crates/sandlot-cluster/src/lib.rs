@@ -30,7 +30,7 @@ pub use error::ClusterError;
 pub use etcd_client::Client;
 pub use fence::Fence;
 pub use lease::LeaseConfig;
-pub use membership::{node_key, NodeEvent, NodeRegistration, NodeSet, NODES_PREFIX};
+pub use membership::{node_key, NodeEvent, NodeRegistration, NodeSet, Nodes, NODES_PREFIX};
 pub use record::{NodeRecord, Resources};
 
 use std::time::Duration;

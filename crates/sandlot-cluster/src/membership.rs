@@ -234,7 +234,9 @@ pub enum NodeEvent {
     Down(NodeRecord),
 }
 
-type Nodes = BTreeMap<String, NodeRecord>;
+/// The node set by name. Shared as an `Arc` snapshot: readers (placement runs on every
+/// create) take it without copying a record; a change copies the map of `Arc`s once.
+pub type Nodes = BTreeMap<String, Arc<NodeRecord>>;
 
 /// A server's live view of the nodes: an initial read of `/sandlot/nodes/` and a watch of
 /// that prefix from the read's revision, so no change is missed between the two.
@@ -243,7 +245,7 @@ type Nodes = BTreeMap<String, NodeRecord>;
 /// reports the difference as events, and watches from the new revision.
 #[derive(Debug)]
 pub struct NodeSet {
-    nodes: Arc<RwLock<Nodes>>,
+    nodes: Arc<RwLock<Arc<Nodes>>>,
     events: broadcast::Sender<NodeEvent>,
     task: JoinHandle<()>,
 }
@@ -255,7 +257,7 @@ impl NodeSet {
     /// [`ClusterError::Etcd`] / [`ClusterError::Timeout`] when the initial read fails.
     pub async fn start(client: &Client) -> Result<Self, ClusterError> {
         let (nodes, revision) = read_all(client).await?;
-        let nodes = Arc::new(RwLock::new(nodes));
+        let nodes = Arc::new(RwLock::new(Arc::new(nodes)));
         let (events, _) = broadcast::channel(1024);
         let task = tokio::spawn(watch_nodes(
             client.clone(),
@@ -270,8 +272,8 @@ impl NodeSet {
         })
     }
 
-    /// The records of all nodes now up, by name.
-    pub fn nodes(&self) -> Nodes {
+    /// The records of all nodes now up, by name: a snapshot (an `Arc` clone, no copy).
+    pub fn nodes(&self) -> Arc<Nodes> {
         self.nodes.read().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
@@ -281,13 +283,13 @@ impl NodeSet {
             .read()
             .unwrap_or_else(|e| e.into_inner())
             .get(name)
-            .cloned()
+            .map(|r| NodeRecord::clone(r))
     }
 
     /// The current set and a stream of every change after it (taken atomically: no event
     /// is lost or counted twice). A receiver that falls more than 1024 events behind gets
     /// `Lagged` and should take a new snapshot.
-    pub fn subscribe(&self) -> (Nodes, broadcast::Receiver<NodeEvent>) {
+    pub fn subscribe(&self) -> (Arc<Nodes>, broadcast::Receiver<NodeEvent>) {
         let nodes = self.nodes.read().unwrap_or_else(|e| e.into_inner());
         (nodes.clone(), self.events.subscribe())
     }
@@ -329,35 +331,40 @@ async fn read_all(client: &Client) -> Result<(Nodes, i64), ClusterError> {
     let nodes = resp
         .kvs()
         .iter()
-        .filter_map(|kv| decode(kv).map(|r| (name_of(kv.key()), r)))
+        .filter_map(|kv| decode(kv).map(|r| (name_of(kv.key()), Arc::new(r))))
         .collect();
     Ok((nodes, revision))
 }
 
 /// Applies one change under the write lock and broadcasts its event.
 fn apply(
-    nodes: &RwLock<Nodes>,
+    nodes: &RwLock<Arc<Nodes>>,
     events: &broadcast::Sender<NodeEvent>,
     name: String,
     record: Option<NodeRecord>,
 ) {
-    let mut map = nodes.write().unwrap_or_else(|e| e.into_inner());
-    let event = match record {
-        Some(r) => match map.insert(name, r.clone()) {
-            None => Some(NodeEvent::Up(r)),
-            Some(old) if old != r => Some(NodeEvent::Updated(r)),
-            Some(_) => None,
-        },
-        None => map.remove(&name).map(NodeEvent::Down),
-    };
-    if let Some(event) = event {
-        let _ = events.send(event);
+    let mut guard = nodes.write().unwrap_or_else(|e| e.into_inner());
+    if guard.get(&name).map(|old| &**old) == record.as_ref() {
+        return; // unchanged (also: gone and still gone): no copy, no event
     }
+    // Copy-on-write: snapshots handed out keep the old map.
+    let map = Arc::make_mut(&mut guard);
+    let event = match record {
+        Some(r) => match map.insert(name, Arc::new(r.clone())) {
+            None => NodeEvent::Up(r),
+            Some(_) => NodeEvent::Updated(r),
+        },
+        None => match map.remove(&name) {
+            Some(old) => NodeEvent::Down(Arc::unwrap_or_clone(old)),
+            None => return,
+        },
+    };
+    let _ = events.send(event);
 }
 
 async fn watch_nodes(
     client: Client,
-    nodes: Arc<RwLock<Nodes>>,
+    nodes: Arc<RwLock<Arc<Nodes>>>,
     events: broadcast::Sender<NodeEvent>,
     mut revision: i64,
 ) {
@@ -425,7 +432,7 @@ async fn watch_nodes(
                         apply(&nodes, &events, name, None);
                     }
                     for (name, r) in fresh {
-                        apply(&nodes, &events, name, Some(r));
+                        apply(&nodes, &events, name, Some(Arc::unwrap_or_clone(r)));
                     }
                     revision = rev;
                     break;
@@ -450,7 +457,7 @@ mod tests {
 
     #[test]
     fn apply_reports_up_updated_down_once() {
-        let nodes = RwLock::new(Nodes::new());
+        let nodes = RwLock::new(Arc::new(Nodes::new()));
         let (tx, mut rx) = broadcast::channel(8);
         let r = NodeRecord {
             name: "a".into(),

@@ -31,13 +31,13 @@ use async_trait::async_trait;
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 use sandlot_api::{Backend, ExecRequest, ExecResult, FileEntry, SandboxState};
-use sandlot_cluster::{NodeEvent, NodeRecord, NodeSet};
+use sandlot_cluster::{NodeEvent, NodeSet};
 use sandlot_node_api::{
     CheckpointMeta, ExecControl, ExecSink, Liveness, Node, NodeError, NodeInfo, NodeResult,
     SandboxSpec, SandboxStatus,
 };
 use sandlot_node_remote::{RemoteNode, RemoteOptions};
-use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
@@ -50,6 +50,52 @@ pub const RECENT_PLACEMENT: Duration = Duration::from_secs(2);
 
 /// One placement this server made: when, what it asked, its job.
 type Placement = (Instant, f64, u64, Option<String>);
+
+/// This server's placements on one node within [`RECENT_PLACEMENT`], oldest first, and
+/// their running sum (kept as they come and go, so a placement costs O(1) per node, not a
+/// pass over every recent placement).
+#[derive(Default)]
+struct RecentQueue {
+    placed: VecDeque<Placement>,
+    sum: Recent,
+}
+
+impl RecentQueue {
+    fn push(&mut self, p: Placement) {
+        self.sum.usage.cpu += p.1;
+        self.sum.usage.memory_mib += p.2;
+        self.sum.usage.sandboxes += 1;
+        if let Some(j) = &p.3 {
+            *self.sum.jobs.entry(j.clone()).or_default() += 1;
+        }
+        self.placed.push_back(p);
+    }
+
+    /// Drops the placements older than [`RECENT_PLACEMENT`] at `now` from the queue and
+    /// the sum.
+    fn expire(&mut self, now: Instant) {
+        while let Some((at, cpu, mem, job)) = self.placed.front() {
+            if now.duration_since(*at) <= RECENT_PLACEMENT {
+                break;
+            }
+            self.sum.usage.cpu = (self.sum.usage.cpu - cpu).max(0.0);
+            self.sum.usage.memory_mib -= mem;
+            self.sum.usage.sandboxes -= 1;
+            if let Some(j) = job {
+                if let Some(n) = self.sum.jobs.get_mut(j) {
+                    *n -= 1;
+                    if *n == 0 {
+                        self.sum.jobs.remove(j);
+                    }
+                }
+            }
+            self.placed.pop_front();
+        }
+        if self.placed.is_empty() {
+            self.sum = Recent::default(); // no float residue
+        }
+    }
+}
 
 /// A [`Node`] over every node registered in etcd; see the module docs.
 pub struct ClusterNode {
@@ -64,7 +110,7 @@ pub struct ClusterNode {
     checkpoints: RwLock<HashMap<String, String>>,
     rng: Mutex<StdRng>,
     /// Node name → this server's placements there within [`RECENT_PLACEMENT`], oldest first.
-    recent: Mutex<HashMap<String, VecDeque<Placement>>>,
+    recent: Mutex<HashMap<String, RecentQueue>>,
 }
 
 impl std::fmt::Debug for ClusterNode {
@@ -98,34 +144,16 @@ fn write<T>(m: &RwLock<T>) -> std::sync::RwLockWriteGuard<'_, T> {
 
 /// The sum of the placements on `node` within [`RECENT_PLACEMENT`] of `now`, dropping
 /// older ones (and the node's entry once empty).
-fn recent_on(
-    recent: &mut HashMap<String, VecDeque<Placement>>,
-    node: &str,
-    now: Instant,
-) -> Recent {
-    let mut sum = Recent::default();
+fn recent_on(recent: &mut HashMap<String, RecentQueue>, node: &str, now: Instant) -> Recent {
     let Some(q) = recent.get_mut(node) else {
-        return sum;
+        return Recent::default();
     };
-    while q
-        .front()
-        .is_some_and(|(at, ..)| now.duration_since(*at) > RECENT_PLACEMENT)
-    {
-        q.pop_front();
-    }
-    if q.is_empty() {
+    q.expire(now);
+    if q.placed.is_empty() {
         recent.remove(node);
-        return sum;
+        return Recent::default();
     }
-    for (_, cpu, mem, job) in q.iter() {
-        sum.usage.cpu += cpu;
-        sum.usage.memory_mib += mem;
-        sum.usage.sandboxes += 1;
-        if let Some(j) = job {
-            *sum.jobs.entry(j.clone()).or_default() += 1;
-        }
-    }
-    sum
+    q.sum.clone()
 }
 
 impl ClusterNode {
@@ -154,8 +182,8 @@ impl ClusterNode {
             rng: Mutex::new(StdRng::from_os_rng()),
             recent: Mutex::default(),
         });
-        for name in c.set.nodes().into_keys() {
-            if let Err(e) = c.learn(&name).await {
+        for name in c.set.nodes().keys() {
+            if let Err(e) = c.learn(name).await {
                 tracing::warn!(node = %name, error = %e, "cannot list the node's sandboxes at start");
             }
         }
@@ -163,7 +191,7 @@ impl ClusterNode {
     }
 
     /// The records of the nodes registered now, by name.
-    pub fn nodes(&self) -> BTreeMap<String, NodeRecord> {
+    pub fn nodes(&self) -> Arc<sandlot_cluster::Nodes> {
         self.set.nodes()
     }
 
@@ -171,7 +199,7 @@ impl ClusterNode {
     pub fn subscribe(
         &self,
     ) -> (
-        BTreeMap<String, NodeRecord>,
+        Arc<sandlot_cluster::Nodes>,
         tokio::sync::broadcast::Receiver<NodeEvent>,
     ) {
         self.set.subscribe()
@@ -204,11 +232,11 @@ impl ClusterNode {
         let nodes: Vec<Candidate> = self
             .set
             .nodes()
-            .into_values()
+            .values()
             .map(|record| {
                 let recent = recent_on(&mut recent, &record.name, now);
                 Candidate {
-                    record,
+                    record: record.clone(),
                     serving: true,
                     recent,
                 }
@@ -220,7 +248,7 @@ impl ClusterNode {
         };
         match picked {
             Ok(c) => {
-                recent.entry(c.record.name.clone()).or_default().push_back((
+                recent.entry(c.record.name.clone()).or_default().push((
                     now,
                     req.cpu,
                     req.memory_mib,
@@ -250,8 +278,8 @@ impl ClusterNode {
         if let Some(n) = read(&self.checkpoints).get(ck) {
             return Ok(n.clone());
         }
-        for name in self.set.nodes().into_keys() {
-            let Ok(node) = self.remote(&name).await else {
+        for name in self.set.nodes().keys() {
+            let Ok(node) = self.remote(name).await else {
                 continue;
             };
             if let Ok(cks) = node.list_checkpoints().await {
@@ -332,7 +360,7 @@ impl ClusterNode {
         if let Some(n) = self.route_of(id) {
             return Ok(n);
         }
-        let names: Vec<String> = self.set.nodes().into_keys().collect();
+        let names: Vec<String> = self.set.nodes().keys().cloned().collect();
         let lookups = names.iter().map(|n| self.learn_sandboxes(n));
         let results = futures::future::join_all(lookups).await;
         for (n, r) in names.iter().zip(results) {
@@ -546,7 +574,7 @@ impl Node for ClusterNode {
     /// left out (their sandboxes are neither alive nor dead to the caller); all failing is
     /// the first node's error.
     async fn list(&self) -> NodeResult<Vec<SandboxStatus>> {
-        let names: Vec<String> = self.set.nodes().into_keys().collect();
+        let names: Vec<String> = self.set.nodes().keys().cloned().collect();
         let n = names.len();
         let (all, mut failed) = union(
             names,
@@ -637,7 +665,7 @@ impl Node for ClusterNode {
     /// The first error of a node that did not answer (a partial list would make the
     /// caller drop records of checkpoints that still exist).
     async fn list_checkpoints(&self) -> NodeResult<Vec<String>> {
-        let names: Vec<String> = self.set.nodes().into_keys().collect();
+        let names: Vec<String> = self.set.nodes().keys().cloned().collect();
         let (all, mut failed) = union(names, |name| async move {
             let cks = self.remote(&name).await?.list_checkpoints().await?;
             let mut map = write(&self.checkpoints);
@@ -845,7 +873,8 @@ pub fn spawn_sweeper(
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
-        let (mut known, mut rx) = cluster.subscribe();
+        let (known, mut rx) = cluster.subscribe();
+        let mut known = Arc::unwrap_or_clone(known);
         // A server that becomes leader catches up on nodes that left while no one swept
         // (another leader's failover): their live records become `lost` now. `retry`: a
         // pass failed on the store (PostgreSQL down); `unreconciled`: nodes whose reconcile
@@ -887,7 +916,7 @@ pub fn spawn_sweeper(
                     tracing::warn!(node = %r.name, lost = lost.len(), "node left the cluster");
                 }
                 Ok(NodeEvent::Up(r)) => {
-                    known.insert(r.name.clone(), r.clone());
+                    known.insert(r.name.clone(), Arc::new(r.clone()));
                     if !rejoin(&st, &cluster, &r.name).await {
                         unreconciled.insert(r.name.clone());
                     }
@@ -896,7 +925,7 @@ pub fn spawn_sweeper(
                     let restarted = known
                         .get(&r.name)
                         .is_some_and(|o| o.started_at != r.started_at);
-                    known.insert(r.name.clone(), r.clone());
+                    known.insert(r.name.clone(), Arc::new(r.clone()));
                     if restarted && !rejoin(&st, &cluster, &r.name).await {
                         unreconciled.insert(r.name.clone());
                     }
@@ -910,14 +939,14 @@ pub fn spawn_sweeper(
                         unreconciled.remove(name);
                         retry |= !try_mark_node_lost(&st, name, &left_reason(name)).await.1;
                     }
-                    for (name, r) in &now {
+                    for (name, r) in now.iter() {
                         if known.get(name).is_none_or(|o| o.started_at != r.started_at)
                             && !rejoin(&st, &cluster, name).await
                         {
                             unreconciled.insert(name.clone());
                         }
                     }
-                    known = now;
+                    known = Arc::unwrap_or_clone(now);
                 }
                 Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
             }
@@ -939,7 +968,7 @@ enum Wake {
 
 /// Marks `lost` the `running`/`paused` records of nodes not in `known` ([`left_reason`]).
 /// Returns whether the pass was complete (false: the store failed; retry later).
-async fn catch_up_departed(st: &SharedState, known: &BTreeMap<String, NodeRecord>) -> bool {
+async fn catch_up_departed(st: &SharedState, known: &sandlot_cluster::Nodes) -> bool {
     let records = match st.store.list().await {
         Ok(r) => r,
         Err(e) => {
@@ -975,5 +1004,39 @@ async fn rejoin(st: &SharedState, cluster: &ClusterNode, name: &str) -> bool {
             tracing::warn!(node = %name, error = %e, "node joined but its reconcile failed; retried");
             false
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn recent_sum_follows_placements_in_and_out_of_the_window() {
+        let mut recent = HashMap::new();
+        let t0 = Instant::now();
+        let q: &mut RecentQueue = recent.entry("n1".to_owned()).or_default();
+        q.push((t0, 0.5, 256, Some("job-a".into())));
+        q.push((t0 + Duration::from_secs(1), 0.25, 128, Some("job-a".into())));
+        q.push((t0 + Duration::from_secs(1), 1.0, 64, None));
+        let all = recent_on(&mut recent, "n1", t0 + Duration::from_millis(1500));
+        assert_eq!(all.usage.sandboxes, 3);
+        assert_eq!(all.usage.memory_mib, 448);
+        assert!((all.usage.cpu - 1.75).abs() < 1e-9);
+        assert_eq!(all.jobs.get("job-a"), Some(&2));
+        // The first placement leaves the window: its share leaves the sum.
+        let later = recent_on(
+            &mut recent,
+            "n1",
+            t0 + RECENT_PLACEMENT + Duration::from_millis(500),
+        );
+        assert_eq!(later.usage.sandboxes, 2);
+        assert_eq!(later.usage.memory_mib, 192);
+        assert_eq!(later.jobs.get("job-a"), Some(&1));
+        // All gone: an empty sum, and the node's entry dropped.
+        let none = recent_on(&mut recent, "n1", t0 + RECENT_PLACEMENT * 3);
+        assert_eq!(none, Recent::default());
+        assert!(recent.is_empty());
+        assert_eq!(recent_on(&mut recent, "other", t0), Recent::default());
     }
 }

@@ -21,10 +21,10 @@ pub async fn list(State(st): State<SharedState>) -> ApiResult<Json<serde_json::V
             let mut sim = 0;
             let nodes: Vec<serde_json::Value> = c
                 .nodes()
-                .into_values()
+                .values()
                 .map(|n| {
                     sim += usize::from(n.simulated);
-                    let mut v = serde_json::to_value(&n).unwrap_or_default();
+                    let mut v = serde_json::to_value(&**n).unwrap_or_default();
                     v["kind"] = kind(n.simulated).into();
                     v
                 })

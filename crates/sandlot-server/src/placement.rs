@@ -36,7 +36,7 @@ use sandlot_cluster::{NodeRecord, Resources};
 pub struct Candidate {
     /// The node's record: name, capacity (cpu already multiplied by any overcommit factor
     /// the operator allows) and usage, backends, runtimes, accelerator, cached layers, jobs.
-    pub record: NodeRecord,
+    pub record: std::sync::Arc<NodeRecord>,
     /// False while the node is `down`, fenced or draining: never picked.
     pub serving: bool,
     /// What this server placed on the node lately, which `record.usage` may not show yet:
@@ -273,7 +273,7 @@ mod tests {
         Candidate {
             serving: true,
             recent: Recent::default(),
-            record: NodeRecord {
+            record: std::sync::Arc::new(NodeRecord {
                 name: name.into(),
                 capacity: Resources {
                     cpu: 8.0,
@@ -283,8 +283,13 @@ mod tests {
                 backends: vec![Backend::Function, Backend::Container],
                 runtimes: vec!["runc".into()],
                 ..Default::default()
-            },
+            }),
         }
+    }
+
+    /// The record of a test candidate, to change (copied out of its `Arc` if shared).
+    fn rec(c: &mut Candidate) -> &mut NodeRecord {
+        std::sync::Arc::make_mut(&mut c.record)
     }
 
     fn req() -> Request {
@@ -308,15 +313,15 @@ mod tests {
         let mut down = node("down");
         down.serving = false;
         let mut full = node("full");
-        full.record.usage = Resources {
+        rec(&mut full).usage = Resources {
             cpu: 7.5,
             memory_mib: 0,
             sandboxes: 3,
         };
         let mut slots = node("slots");
-        slots.record.usage.sandboxes = 100;
+        rec(&mut slots).usage.sandboxes = 100;
         let mut mem = node("mem");
-        mem.record.usage.memory_mib = 16000;
+        rec(&mut mem).usage.memory_mib = 16000;
         let nodes = [down, full, slots, mem];
         let mut rng = StdRng::seed_from_u64(1);
         let err = place(&nodes, &req(), &mut rng).unwrap_err();
@@ -344,12 +349,12 @@ mod tests {
     #[test]
     fn backend_runtime_and_accelerator_must_be_supported() {
         let mut kvm = node("kvm");
-        kvm.record.backends.push(Backend::Microvm);
-        kvm.record.accelerator = Some("kvm".into());
+        rec(&mut kvm).backends.push(Backend::Microvm);
+        rec(&mut kvm).accelerator = Some("kvm".into());
         let mut tcg = node("tcg");
-        tcg.record.backends.push(Backend::Microvm);
-        tcg.record.accelerator = Some("tcg".into());
-        tcg.record.runtimes.push("runsc".into());
+        rec(&mut tcg).backends.push(Backend::Microvm);
+        rec(&mut tcg).accelerator = Some("tcg".into());
+        rec(&mut tcg).runtimes.push("runsc".into());
         let nodes = [node("plain"), kvm, tcg];
         let mut rng = StdRng::seed_from_u64(2);
         let mut r = req();
@@ -379,8 +384,8 @@ mod tests {
     #[test]
     fn image_locality_wins_over_free_capacity() {
         let mut warm = node("warm");
-        warm.record.cached_layers = ["sha256:big".to_string()].into();
-        warm.record.usage = Resources {
+        rec(&mut warm).cached_layers = ["sha256:big".to_string()].into();
+        rec(&mut warm).usage = Resources {
             cpu: 6.0,
             memory_mib: 8000,
             sandboxes: 50,
@@ -406,8 +411,8 @@ mod tests {
     #[test]
     fn a_node_listing_the_image_by_name_wins_without_layers() {
         let mut warm = node("warm");
-        warm.record.cached_images = vec!["python".into()];
-        warm.record.usage = Resources {
+        rec(&mut warm).cached_images = vec!["python".into()];
+        rec(&mut warm).usage = Resources {
             cpu: 6.0,
             memory_mib: 8000,
             sandboxes: 50,
@@ -429,7 +434,7 @@ mod tests {
     #[test]
     fn a_job_spreads_over_nodes() {
         let mut busy = node("a");
-        busy.record.jobs.insert("job-1".into(), 3);
+        rec(&mut busy).jobs.insert("job-1".into(), 3);
         let nodes = [busy, node("b")];
         let mut r = req();
         r.job = Some("job-1".into());
@@ -456,9 +461,9 @@ mod tests {
         for _ in 0..2000 {
             let name = place(&nodes, &r, &mut rng).unwrap().record.name.clone();
             let c = nodes.iter_mut().find(|c| c.record.name == name).unwrap();
-            c.record.usage.sandboxes += 1;
-            c.record.usage.cpu += r.cpu;
-            c.record.usage.memory_mib += r.memory_mib;
+            rec(c).usage.sandboxes += 1;
+            rec(c).usage.cpu += r.cpu;
+            rec(c).usage.memory_mib += r.memory_mib;
         }
         let max = nodes
             .iter()

@@ -169,7 +169,7 @@ fn bar(used: f64, cap: f64, text: &str) -> String {
 /// The cluster section: totals and one row per node, `simulated` or `real` labelled.
 fn cluster_html(
     out: &mut String,
-    nodes: &BTreeMap<String, sandlot_cluster::NodeRecord>,
+    nodes: &sandlot_cluster::Nodes,
     per_node: &BTreeMap<&str, usize>,
 ) {
     let sim = nodes.values().filter(|n| n.simulated).count();
@@ -337,7 +337,7 @@ mod tests {
         for (name, simulated, used) in [("sim-000", true, 5), ("real-1", false, 2)] {
             nodes.insert(
                 name.to_owned(),
-                NodeRecord {
+                std::sync::Arc::new(NodeRecord {
                     name: name.into(),
                     simulated,
                     started_at: evil.into(),
@@ -352,7 +352,7 @@ mod tests {
                         sandboxes: used,
                     },
                     ..Default::default()
-                },
+                }),
             );
         }
         let per_node = BTreeMap::from([("sim-000", 5), ("real-1", 2)]);
