@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -76,6 +77,10 @@ def test_status_page_in_chromium(client, python_image, server):
         # Rendered by the script (the server render leaves the events table empty).
         assert 'id="events"' in html and "exec" in html, html[-3000:]
         assert '<span id="err"></span>' in html, html[:3000]  # no "refresh failed: ..."
+        # The charts of the last 10 minutes drew this create and exec (GET /v1/timeline).
+        for chart in ("chart-creates", "chart-exec"):
+            svg = re.search(rf'<svg id="{chart}"[^>]*>(.*?)</svg>', html, re.S)
+            assert svg and "<rect" in svg.group(1), (chart, html[:3000])
         # The label stays text: escaped in the DOM, no element made from it, script not run.
         assert "&lt;img src=x" in html
         assert "<img" not in html

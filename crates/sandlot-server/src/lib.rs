@@ -21,6 +21,7 @@
 //! | `GET /metrics` | [`metrics`] |
 //! | `GET /v1/events` (audit events, durable in `events.db`) | [`events`] |
 //! | `GET /v1/nodes` (the nodes, `simulated` ones marked) | [`nodes`] |
+//! | `GET /v1/timeline` (creates/s and exec latency, last 10 min) | [`timeline`] |
 //! | `GET /` (status page) | [`web`] |
 //! | `ANY /v1/sandboxes/{id}/ports/{port}/…` and host names `<port>-<id>.<domain>` (ingress) | [`ingress`] |
 //! | E2B's control plane (`/v2/sandboxes`, `/sandboxes/{id}/…`) and envd (`/process.Process/…`, `/health`) | [`e2b`] |
@@ -56,6 +57,7 @@ pub mod registry;
 pub mod run_code;
 pub mod sandboxes;
 pub mod store;
+pub mod timeline;
 pub mod trajectory;
 pub mod trajectory_store;
 pub mod web;
@@ -455,6 +457,7 @@ pub fn router(state: SharedState) -> Router {
         .route("/metrics", get(metrics::metrics))
         .route("/v1/events", get(events::list))
         .route("/v1/nodes", get(nodes::list))
+        .route("/v1/timeline", get(timeline::get))
         .route("/", get(web::index))
         .route("/openapi.json", get(health::openapi))
         // E2B's control plane and envd protocol (their paths do not collide with /v1).

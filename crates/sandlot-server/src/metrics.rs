@@ -200,6 +200,8 @@ pub struct Metrics {
     data_dir_reserve: Gauge,
     leader: Gauge,
     cluster_nodes: Family<SimulatedLabel, Gauge>,
+    /// The last minutes in 10 s buckets, for the status page's charts.
+    pub timeline: crate::timeline::Timeline,
 }
 
 impl Default for Metrics {
@@ -414,6 +416,7 @@ impl Metrics {
             pool_image_handovers,
             pool_misses,
             events,
+            timeline: Default::default(),
         }
     }
 
@@ -424,6 +427,7 @@ impl Metrics {
                 backend: backend.as_str().to_owned(),
             })
             .observe(secs);
+        self.timeline.create_at(crate::timeline::now_s());
     }
 
     /// Observe one exec run on the node (`outcome` from [`exec_outcome`]).
@@ -434,6 +438,7 @@ impl Metrics {
                 outcome: outcome.to_owned(),
             })
             .observe(secs);
+        self.timeline.exec_at(crate::timeline::now_s(), secs);
     }
 
     /// Count one `run_code` call with its final status.

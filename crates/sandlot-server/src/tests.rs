@@ -1141,6 +1141,7 @@ async fn health_routes() {
         "/v1/sandboxes:pause",
         "/v1/sandboxes:resume",
         "/v1/trajectories/{id}",
+        "/v1/timeline",
     ] {
         assert!(
             doc["paths"][route].is_object(),
@@ -1154,6 +1155,17 @@ async fn health_routes() {
         text.contains("sandlot_sandboxes{backend=\"function\",state=\"running\"} 1"),
         "{text}"
     );
+    // The create above is in one of the two newest buckets of the timeline (a bucket may
+    // have begun between the create and this call).
+    let tl = call(&t.app, Method::GET, "/v1/timeline", None).await.json();
+    assert_eq!(tl["bucket_s"], 10);
+    let points = tl["points"].as_array().unwrap();
+    assert_eq!(points.len(), crate::timeline::BUCKETS);
+    let recent: f64 = points[points.len() - 2..]
+        .iter()
+        .map(|p| p["creates_per_s"].as_f64().unwrap())
+        .sum();
+    assert!(recent >= 0.1, "{tl}");
 }
 
 // ---- trajectory log and pause/resume (issue 4) ----

@@ -25,6 +25,14 @@ use std::fmt::Write;
 pub const CSP: &str = "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; \
 connect-src 'self'; img-src 'none'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'";
 
+/// The charts of the last 10 minutes ([`crate::timeline`]), drawn by the script.
+const CHARTS: &str = "<h2>Last 10 minutes (this server, 10 s buckets, now at the right)</h2>\
+<figure><figcaption>node creates/s · <span id=\"chart-creates-max\"></span></figcaption>\
+<svg id=\"chart-creates\" class=\"chart\" width=\"600\" height=\"80\"></svg></figure>\
+<figure><figcaption>exec latency ms, <span class=\"p50\">p50</span> / <span class=\"p99\">p99</span> · \
+<span id=\"chart-exec-max\"></span></figcaption>\
+<svg id=\"chart-exec\" class=\"chart\" width=\"600\" height=\"80\"></svg></figure>";
+
 /// HTML-escape text for element content and quoted attribute values.
 pub fn escape(s: &str) -> String {
     let mut o = String::with_capacity(s.len());
@@ -49,7 +57,9 @@ text-overflow:ellipsis;white-space:nowrap}th{background:#f3f3f3}#err{color:#b00}
 .bar{display:inline-block;width:90px;height:9px;background:#e6e6e6;margin-right:6px;\
 vertical-align:middle}.bar>span{display:block;height:9px;background:#3a7bd5}.bar.full>span{background:#c0392b}\
 .sim{color:#8a5a00;background:#fff4d6;padding:0 4px}.real{color:#1d6b2a;background:#e3f6e6;\
-padding:0 4px}#totals b{margin-right:1.2em}";
+padding:0 4px}#totals b{margin-right:1.2em}\
+.chart{background:#f7f7f7;border:1px solid #ddd}figure{margin:0.5em 0}figcaption{font-size:12px;color:#555}\
+.p50{color:#37b}.p99{color:#b53}";
 
 /// Most sandboxes listed one per row (the page stays light with thousands of them; the
 /// counts above cover all).
@@ -96,11 +106,29 @@ function cluster(nodes, sandboxes) {
    ['memory', Math.round(tot.mem / 1024) + ' / ' + Math.round(tot.memc / 1024) + ' GiB'], ['in this registry', tot.reg]
   ].forEach(([k, v]) => { const b = document.createElement('b'); b.textContent = k + ': ' + v; T.appendChild(b); });
 }
+function chart(id, pts, series) {
+  // Bars per 10 s bucket, one colour per series, scaled to the largest value shown.
+  const svg = document.getElementById(id), NS = 'http://www.w3.org/2000/svg';
+  while (svg.firstChild) svg.removeChild(svg.firstChild);
+  const W = 600, H = 80, w = W / Math.max(pts.length, 1);
+  let max = 0; pts.forEach(p => series.forEach(([k]) => { max = Math.max(max, p[k] || 0); }));
+  series.forEach(([k, colour], si) => pts.forEach((p, i) => {
+    const v = p[k] || 0; if (!v) return;
+    const r = document.createElementNS(NS, 'rect'), h = Math.max(1, v / max * (H - 2));
+    r.setAttribute('x', String(i * w + si * w / series.length)); r.setAttribute('width', String(Math.max(1, w / series.length - 1)));
+    r.setAttribute('y', String(H - h)); r.setAttribute('height', String(h)); r.setAttribute('fill', colour);
+    const t = document.createElementNS(NS, 'title'); t.textContent = new Date(p.t * 1000).toISOString() + ' ' + k + ' ' + v; r.appendChild(t);
+    svg.appendChild(r);
+  }));
+  document.getElementById(id + '-max').textContent = 'max ' + (Math.round(max * 10) / 10);
+}
 async function j(u) { const r = await fetch(u, {cache: 'no-store'}); if (!r.ok) throw new Error(u + ': HTTP ' + r.status); return r.json(); }
 async function refresh() {
   try {
-    const [h, l, e, n] = await Promise.all([j('/healthz'), j('/v1/sandboxes'), j('/v1/events?limit=50'), j('/v1/nodes')]);
+    const [h, l, e, n, tl] = await Promise.all([j('/healthz'), j('/v1/sandboxes'), j('/v1/events?limit=50'), j('/v1/nodes'), j('/v1/timeline')]);
     if (n.cluster) cluster(n.nodes, l.sandboxes);
+    chart('chart-creates', tl.points, [['creates_per_s', '#3b7']]);
+    chart('chart-exec', tl.points, [['exec_p50_ms', '#37b'], ['exec_p99_ms', '#b53']]);
     document.getElementById('node').textContent = h.node + ' · cgroup ' + h.cgroup_version + ' · v' + h.version;
     fill('backends', ['backend', 'status'], Object.entries(h.backends));
     const by = {}; let traj = 0;
@@ -275,7 +303,7 @@ pub async fn index(State(st): State<SharedState>) -> ApiResult<impl IntoResponse
         "<!doctype html><html><head><meta charset=\"utf-8\"><title>Sandlot</title>\
          <style>{STYLE}</style></head><body><h1>Sandlot</h1>\
          <p>Node <b id=\"node\">{}</b> · updated <span id=\"updated\">(server render)</span> \
-         <span id=\"err\"></span></p>",
+         <span id=\"err\"></span></p>{CHARTS}",
         escape(&st.node_name)
     );
     if let Some(c) = st.cluster.get() {
