@@ -42,7 +42,7 @@ pub async fn healthz(State(st): State<SharedState>) -> ApiResult<Json<serde_json
     let accel = info
         .accel
         .map(|(name, why)| serde_json::json!({"name": name, "why": why}));
-    let n = st.store.list().await?.len();
+    let n: u64 = st.store.count_by_state().await?.iter().map(|c| c.2).sum();
     let nodes = st.cluster.get().map(|c| {
         let all = c.nodes();
         let sim = all.values().filter(|r| r.simulated).count();

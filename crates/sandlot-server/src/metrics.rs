@@ -627,13 +627,8 @@ pub fn count_images(dir: &Path) -> std::io::Result<i64> {
 /// `GET /metrics` → the metrics of the module table, OpenMetrics text.
 pub async fn metrics(State(st): State<SharedState>) -> ApiResult<impl IntoResponse> {
     let mut counts: BTreeMap<BackendState, i64> = BTreeMap::new();
-    for r in st.store.list().await? {
-        *counts
-            .entry(BackendState {
-                backend: r.backend.as_str().into(),
-                state: r.state.as_str().into(),
-            })
-            .or_default() += 1;
+    for (backend, state, n) in st.store.count_by_state().await? {
+        *counts.entry(BackendState { backend, state }).or_default() += n as i64;
     }
     let images = match st.cfg.images_dir.clone() {
         None => None,

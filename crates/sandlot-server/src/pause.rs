@@ -32,17 +32,10 @@ async fn matching(
     }
     Ok(st
         .store
-        .list()
+        .list_labeled(&sel.labels)
         .await?
         .into_iter()
-        .filter(|r| {
-            r.state == state
-                && who.sees(r.tenant.as_deref())
-                && sel
-                    .labels
-                    .iter()
-                    .all(|(k, v)| r.labels.get(k).is_some_and(|x| x == v))
-        })
+        .filter(|r| r.state == state && who.sees(r.tenant.as_deref()))
         .map(|r| r.id)
         .collect())
 }

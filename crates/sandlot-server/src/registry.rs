@@ -74,6 +74,19 @@ pub trait Registry: Send + Sync + 'static {
     /// Store failures or an undecodable row.
     async fn list(&self) -> Result<Vec<Record>>;
 
+    /// The records carrying every pair of `labels` (AND; empty: every record), oldest
+    /// first, matched in the database (an index serves the `job` label).
+    ///
+    /// # Errors
+    /// Store failures or an undecodable row.
+    async fn list_labeled(&self, labels: &BTreeMap<String, String>) -> Result<Vec<Record>>;
+
+    /// How many records there are per (backend, state), as stored strings.
+    ///
+    /// # Errors
+    /// Store failures.
+    async fn count_by_state(&self) -> Result<Vec<(String, String, u64)>>;
+
     /// The oldest live (`creating`, `running`, `paused`) record bound to `trajectory`.
     ///
     /// # Errors
@@ -246,6 +259,12 @@ impl Registry for Store {
     }
     async fn list(&self) -> Result<Vec<Record>> {
         Store::list(self)
+    }
+    async fn list_labeled(&self, labels: &BTreeMap<String, String>) -> Result<Vec<Record>> {
+        Store::list_labeled(self, labels)
+    }
+    async fn count_by_state(&self) -> Result<Vec<(String, String, u64)>> {
+        Store::count_by_state(self)
     }
     async fn live_by_trajectory(&self, trajectory: &str) -> Result<Option<Record>> {
         Store::live_by_trajectory(self, trajectory)
@@ -546,6 +565,35 @@ impl Registry for PgRegistry {
             &[],
         )
         .await
+    }
+
+    async fn list_labeled(&self, labels: &BTreeMap<String, String>) -> Result<Vec<Record>> {
+        if labels.is_empty() {
+            return self.list().await;
+        }
+        // Containment (`@>`), served by the GIN index of migration V5.
+        let want = serde_json::to_string(labels).expect("labels serialize");
+        self.select(
+            &format!(
+                "SELECT {COLS} FROM sandboxes WHERE labels @> $1::text::jsonb
+                 ORDER BY created_at, seq"
+            ),
+            &[&want],
+        )
+        .await
+    }
+
+    async fn count_by_state(&self) -> Result<Vec<(String, String, u64)>> {
+        let c = self.conn().await?;
+        Ok(c.query(
+            "SELECT backend, state, COUNT(*) FROM sandboxes GROUP BY backend, state",
+            &[],
+        )
+        .await
+        .map_err(pg("count sandboxes"))?
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get::<_, i64>(2) as u64))
+        .collect())
     }
 
     async fn live_by_trajectory(&self, trajectory: &str) -> Result<Option<Record>> {
@@ -927,6 +975,37 @@ mod tests {
         assert_eq!(r.get("sb-a").await.unwrap().unwrap(), a);
         let ids: Vec<String> = r.list().await.unwrap().into_iter().map(|x| x.id).collect();
         assert_eq!(ids, ["sb-a", "sb-b"]);
+        // List by labels, matched in the database (AND of the pairs), and counts.
+        let mut d = rec("sb-d", 4, None);
+        d.labels = [("job", "y"), ("team", "a\"b")]
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .into();
+        r.insert_checked(&d, None, None).await.unwrap();
+        let by = |pairs: &[(&str, &str)]| {
+            let want: BTreeMap<String, String> = pairs
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect();
+            async move {
+                r.list_labeled(&want)
+                    .await
+                    .unwrap()
+                    .into_iter()
+                    .map(|x| x.id)
+                    .collect::<Vec<_>>()
+            }
+        };
+        assert_eq!(by(&[("job", "x")]).await, ["sb-a", "sb-b"]);
+        assert_eq!(by(&[("job", "y"), ("team", "a\"b")]).await, ["sb-d"]);
+        assert_eq!(by(&[("team", "a\"b")]).await, ["sb-d"]);
+        assert!(by(&[("job", "x"), ("team", "a\"b")]).await.is_empty());
+        assert!(by(&[("nope", "x")]).await.is_empty());
+        assert_eq!(by(&[]).await, ["sb-a", "sb-b", "sb-d"]);
+        assert_eq!(
+            r.count_by_state().await.unwrap(),
+            [("function".to_string(), "creating".to_string(), 3)]
+        );
+        assert!(r.remove("sb-d").await.unwrap());
         // Trajectory: oldest live record.
         assert_eq!(
             r.live_by_trajectory("traj-1").await.unwrap().unwrap().id,

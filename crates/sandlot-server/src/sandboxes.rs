@@ -629,7 +629,7 @@ pub async fn list(
     Extension(who): Extension<Principal>,
     Query(params): Query<Vec<(String, String)>>,
 ) -> ApiResult<Json<SandboxList>> {
-    let mut want = Vec::new();
+    let mut want = BTreeMap::new();
     for (k, v) in params {
         if k != "label" {
             return Err(ServerError::invalid(format!(
@@ -639,19 +639,22 @@ pub async fn list(
         let (lk, lv) = v
             .split_once('=')
             .ok_or_else(|| ServerError::invalid(format!("label filter {v:?} must be k=v")))?;
-        want.push((lk.to_owned(), lv.to_owned()));
+        if want
+            .insert(lk.to_owned(), lv.to_owned())
+            .is_some_and(|old| old != lv)
+        {
+            // Two values for one key: nothing can match (a record has one value per key).
+            return Ok(Json(SandboxList {
+                sandboxes: Vec::new(),
+            }));
+        }
     }
     let sandboxes = st
         .store
-        .list()
+        .list_labeled(&want)
         .await?
         .into_iter()
-        .filter(|r| {
-            who.sees(r.tenant.as_deref())
-                && want
-                    .iter()
-                    .all(|(k, v)| r.labels.get(k).is_some_and(|x| x == v))
-        })
+        .filter(|r| who.sees(r.tenant.as_deref()))
         .map(|r| r.to_api())
         .collect();
     Ok(Json(SandboxList { sandboxes }))

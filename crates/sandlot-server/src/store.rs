@@ -245,6 +245,8 @@ impl Store {
              CREATE INDEX IF NOT EXISTS sandboxes_expires ON sandboxes(expires_at);
              CREATE INDEX IF NOT EXISTS sandboxes_trajectory
                 ON sandboxes(json_extract(spec, '$.trajectory'));
+             CREATE INDEX IF NOT EXISTS sandboxes_job
+                ON sandboxes(json_extract(labels, '$.job'));
              CREATE TABLE IF NOT EXISTS idempotency (
                 key TEXT PRIMARY KEY, digest TEXT NOT NULL, sandbox_id TEXT NOT NULL,
                 created_at INTEGER NOT NULL);
@@ -403,6 +405,54 @@ impl Store {
             &format!("SELECT {COLS} FROM sandboxes ORDER BY created_at, rowid"),
             [],
         )
+    }
+
+    /// The records carrying every `labels` pair (AND; empty: all), oldest first. Matched in
+    /// SQLite, not after decoding every row; a `job` pair uses the `sandboxes_job` index.
+    ///
+    /// # Errors
+    /// [`StoreError`] on SQLite failures or an undecodable row.
+    pub fn list_labeled(&self, labels: &BTreeMap<String, String>) -> Result<Vec<Record>> {
+        if labels.is_empty() {
+            return self.list();
+        }
+        let want = serde_json::to_string(labels).expect("labels serialize");
+        let job = if labels.contains_key("job") {
+            "json_extract(labels, '$.job') = ?2 AND"
+        } else {
+            "?2 IS NULL AND" // keeps the parameter count fixed
+        };
+        self.select(
+            &format!(
+                "SELECT {COLS} FROM sandboxes WHERE {job} NOT EXISTS (
+                   SELECT 1 FROM json_each(?1) AS w WHERE NOT EXISTS (
+                     SELECT 1 FROM json_each(sandboxes.labels) AS l
+                     WHERE l.key = w.key AND l.value = w.value))
+                 ORDER BY created_at, rowid"
+            ),
+            params![want, labels.get("job")],
+        )
+    }
+
+    /// How many records there are per (backend, state), as stored strings.
+    ///
+    /// # Errors
+    /// [`StoreError::Sql`].
+    pub fn count_by_state(&self) -> Result<Vec<(String, String, u64)>> {
+        let conn = self.conn();
+        let mut stmt = conn
+            .prepare_cached(
+                "SELECT backend, state, COUNT(*) FROM sandboxes GROUP BY backend, state",
+            )
+            .map_err(sql("prepare count"))?;
+        let rows = stmt
+            .query_map([], |r| {
+                Ok((r.get(0)?, r.get(1)?, r.get::<_, i64>(2)? as u64))
+            })
+            .map_err(sql("count sandboxes"))?
+            .collect::<std::result::Result<Vec<_>, _>>()
+            .map_err(sql("read counts"))?;
+        Ok(rows)
     }
 
     /// The live (`creating`, `running` or `paused`) record bound to `trajectory`, if any
