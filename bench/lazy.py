@@ -65,7 +65,7 @@ def sh(*cmd, env=None, timeout=3600) -> str:
 def du(p: Path) -> int:
     if not p.exists():
         return 0
-    return int(sh("du", "-sb", "--apparent-size", p).split()[0])
+    return int(sh("du", "-sbx", "--apparent-size", p).split()[0])
 
 
 def build_image(tmp: Path, gib: float, busybox_rootfs: Path) -> tuple[Path, int]:
@@ -160,7 +160,7 @@ def run_mode(binary: Path, tmp: Path, backend: str, mode: str, ref: str) -> dict
         out["pull_s"] = time.monotonic() - t
         took, box, digest = one_start(c, backend, ref)
         out["cold_s"] = out["pull_s"] + took
-        out["digest"] = digest
+        out["digest"] = digest.decode().strip()
         out["disk_bytes"] = du(images) - before
         time.sleep(1.5)  # the lazy daemons write their counters each second
         out["fetched"] = registry_bytes(srv.url) if mode == "lazy" else du(images / "blobs")
@@ -203,7 +203,7 @@ def render(meta: dict, rows: list[dict], image_bytes: int, cmd: str, gib: float)
              f"({100 * N_FILES * READ_MIB * MIB / image_bytes:.1f} %) and hashes it. Registry: "
              "`docker-registry` on loopback. Cold = `sandlot image pull` + create + first exec "
              "result; warm = create + first exec result on the same node afterwards (median of "
-             "3); disk = growth of the node's image store after the cold start; read = `cat` of a "
+             "3); disk = growth of the node's image store after the cold start (`du -sbx`: FUSE mounts not counted); read = `cat` of a "
              "whole file after `drop_caches`, its chunks/layer on the node's disk.",
              "",
              "| backend | mode | cold start | warm start | disk written | bytes fetched | read once cached |",

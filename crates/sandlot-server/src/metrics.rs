@@ -193,7 +193,9 @@ impl prometheus_client::collector::Collector for LazyCollector {
             return Ok(());
         };
         let s = &m.stats;
-        let counters: [(&str, &str, &[(&str, u64)]); 6] = [
+        // (name, help, series by `tier` label; "" = no label)
+        type Series<'a> = &'a [(&'a str, u64)];
+        let counters: [(&str, &str, Series); 6] = [
             (
                 "sandlot_image_bytes_fetched",
                 "Bytes of lazy-image chunks loaded, by tier (registry: remote; disk: node cache)",

@@ -536,7 +536,7 @@ impl ChunkStore {
     /// attempts failed or timed out, or the registry's bytes do not match the digest);
     /// `InvalidArgument` for a malformed digest.
     pub async fn get(&self, data_blob: &str, c: &ChunkRef) -> NodeResult<Arc<Vec<u8>>> {
-        if let Some(b) = self.from_memory(&c.digest) {
+        if let Some(b) = self.in_memory(&c.digest) {
             return Ok(b);
         }
         let path = self.chunk_path(&c.digest)?;
@@ -548,7 +548,7 @@ impl ChunkStore {
             g.entry(c.digest.clone()).or_default().clone()
         };
         let held = gate.lock().await;
-        let out = match self.from_memory(&c.digest) {
+        let out = match self.in_memory(&c.digest) {
             Some(b) => Ok(b),
             None => match self.cached(&path, c) {
                 Some(b) => Ok(self.remember(c, b)),
@@ -566,7 +566,7 @@ impl ChunkStore {
         out
     }
 
-    fn from_memory(&self, digest: &str) -> Option<Arc<Vec<u8>>> {
+    fn in_memory(&self, digest: &str) -> Option<Arc<Vec<u8>>> {
         let mut m = self.memory.lock().unwrap_or_else(|p| p.into_inner());
         let i = m.iter().position(|(d, _)| d == digest)?;
         let e = m.remove(i)?;
