@@ -1,13 +1,18 @@
-//! The chunk fetcher: tiers node disk cache → OCI registry.
+//! The chunk fetcher: tiers memory → node disk cache → OCI registry.
 //!
+//! - **Memory**: each daemon keeps its last few verified chunks (a FUSE read asks for at most
+//!   128 KiB, so a 1 MiB chunk is asked for several times in a row).
 //! - **Disk cache** `<images dir>/chunks/sha256/<hex>`: one file per chunk, named by the
 //!   SHA-256 of its bytes, written to a temp file and renamed into place, so it survives
 //!   node restarts and is never half-written. Every chunk read from it is hashed before it
 //!   is served; a mismatch (a corrupted file) deletes it, counts in
-//!   [`Stats::corrupt`], and the chunk is fetched again.
+//!   [`StatsSnapshot::corrupt_disk`], and the chunk is fetched again. With a size cap
+//!   ([`LIMIT_FILE`]) the least recently used chunks not being read are evicted
+//!   ([`evict`]); the daemons sharing the cache account for it under one `flock`.
 //! - **Registry**: a byte range of the layer's data blob (HTTP `Range` on the blob GET of the
 //!   OCI distribution API, through `oci-client`'s `pull_blob_stream_partial`, so the same
-//!   auth as a pull), verified by digest before it is stored or served.
+//!   auth as a pull), verified by digest before it is stored or served (a mismatch counts
+//!   in [`StatsSnapshot::corrupt_registry`] and is retried like a failed attempt).
 //!
 //! Concurrent readers of one chunk cause one fetch (a per-chunk async mutex: the others wait
 //! and then find it in the cache). A fetch has a per-attempt timeout and a bounded number of
