@@ -264,7 +264,7 @@ def main() -> int:
         subprocess.run(["bash", REPO / "scripts" / "registry.sh", "stop"],
                        env={**os.environ, **renv}, capture_output=True)
         shutil.rmtree(tmp, ignore_errors=True)
-    cmd = "python bench/lazy.py " + " ".join(sys.argv[1:])
+    cmd = ".venv/bin/python bench/lazy.py " + " ".join(sys.argv[1:])
     body = render({}, rows, image_bytes, cmd.strip(), a.gib)
     print(body)
     if a.write:
