@@ -193,6 +193,8 @@ def test_lazy_pull_reads_on_demand(binary, tmp_path, log_dir, monkeypatch):
     # Short fetch timeouts so the registry-down case ends fast (the daemons inherit them).
     monkeypatch.setenv("SANDLOT_LAZY_FETCH_TIMEOUT_MS", "1500")
     monkeypatch.setenv("SANDLOT_LAZY_FETCH_ATTEMPTS", "2")
+    # No memory tier: the corrupted-cache check needs the chunk read from disk again.
+    monkeypatch.setenv("SANDLOT_LAZY_MEMORY_CHUNKS", "0")
     try:
         with private_image_node(binary, log_dir / "lazy-node.log", monkeypatch,
                                 "sandlot-lazy-") as (srv, image):
@@ -204,3 +206,209 @@ def test_lazy_pull_reads_on_demand(binary, tmp_path, log_dir, monkeypatch):
     finally:
         registry_sh(addr, rdir, "stop")
     print(f"lazy test took {time.monotonic() - t0:.1f} s")
+
+
+class RangeProxy:
+    """A small HTTP proxy in front of the test registry (GET/HEAD only: pulls and chunk
+    fetches go through it, pushes go to the registry itself). It counts the ranged blob
+    GETs (the chunk fetches) per (blob, Range), and corrupts answers on request: a body
+    whose SHA-256 is in `corrupt` (hex → how many more times) goes out with one byte
+    flipped, as a broken shared store would serve it."""
+
+    def __init__(self, upstream: str):
+        import http.client
+        import http.server
+        import threading
+        self.ranges: dict = {}
+        self.corrupt: dict = {}
+        self.lock = threading.Lock()
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *a):
+                pass
+
+            def forward(self, body: bool):
+                host, port = upstream.rsplit(":", 1)
+                conn = http.client.HTTPConnection(host, int(port), timeout=30)
+                hdrs = {k: v for k, v in self.headers.items()
+                        if k.lower() in ("range", "accept", "authorization")}
+                try:
+                    conn.request(self.command, self.path, headers=hdrs)
+                    resp = conn.getresponse()
+                    data = resp.read()
+                except OSError:
+                    self.send_error(502)
+                    return
+                finally:
+                    conn.close()
+                rng = self.headers.get("Range")
+                if rng and "/blobs/" in self.path:
+                    with proxy.lock:
+                        k = (self.path.rsplit("/", 1)[-1], rng)
+                        proxy.ranges[k] = proxy.ranges.get(k, 0) + 1
+                        h = sha(data)
+                        if proxy.corrupt.get(h, 0) > 0:
+                            proxy.corrupt[h] -= 1
+                            data = bytes([data[0] ^ 0xFF]) + data[1:]
+                self.send_response(resp.status)
+                for k, v in resp.getheaders():
+                    if k.lower() not in ("content-length", "connection",
+                                         "transfer-encoding"):
+                        self.send_header(k, v)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if body:
+                    self.wfile.write(data)
+
+            def do_GET(self):
+                self.forward(True)
+
+            def do_HEAD(self):
+                self.forward(False)
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.addr = f"127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def scrape(url: str) -> dict:
+    """`/metrics` as {series: value} (series with labels as written)."""
+    import httpx
+    out = {}
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line and not line.startswith("#"):
+            k, _, v = line.rpartition(" ")
+            out[k] = float(v)
+    return out
+
+
+def scale_checks(binary, srv, image, tmp_path: Path, addr: str, n_boxes: int) -> None:
+    """Steps 2-4 of the issue's second slice on a private node `srv` whose disk chunk
+    cache is capped at CAP_MIB: `n_boxes` sandboxes of one cold lazy image created at once
+    read the same files, every chunk is fetched once; corrupted registry answers are never
+    served; the cache stays under its cap, evicting, with every read still correct."""
+    import concurrent.futures
+    base = srv.data_dir.parent
+    store = base / "images"
+    rnd = {f"g{i:02}": os.urandom(2 * MIB) for i in range(12)}
+    oci = tmp_path / "oci-scale"
+    oci_layout(oci, [tar_dir(store / "busybox" / "rootfs"), tar_files(rnd)])
+    ref = f"{addr}/sandlot-test/scale:v1"
+    src = base / "src-images"
+    for cmd in (["import", str(oci), "--name", ref], ["convert", ref]):
+        subprocess.run([str(binary), "image", *cmd, "--data-dir", str(base / "image-data"),
+                        "--images-dir", str(src)], check=True, capture_output=True,
+                       timeout=120)
+    proxy = RangeProxy(addr)
+    try:
+        pref = f"{proxy.addr}/sandlot-test/scale:v1"
+        c = sandlot.Client(srv.url)
+        want = {k: sha(v) for k, v in rnd.items()}
+
+        # n_boxes sandboxes at once of an image the node has not pulled (one batch: the
+        # server creates them concurrently; the first pulls the lazy form, the mounts
+        # race), then all read g00 and g01 at once.
+        t = time.monotonic()
+        res = c.create_many(n_boxes, backend="function", image=pref, memory_mib=64,
+                            ttl_s=300)
+        assert not res.errors, res.errors[:3]
+        boxes = res.sandboxes
+        cmd = ["sh", "-c", "sha256sum /data/g00 /data/g01"]
+        with concurrent.futures.ThreadPoolExecutor(16) as ex:
+            outs = list(ex.map(lambda b: b.exec(cmd, timeout_s=120), boxes))
+        print(f"{n_boxes} cold creates + reads: {time.monotonic() - t:.1f} s")
+        assert f"lazy {pref}" in image("ls"), image("ls")
+        for r in outs:
+            got = dict(reversed(l.split()) for l in r.stdout.decode().splitlines())
+            assert r.exit_code == 0 and got == {"/data/g00": want["g00"],
+                                                "/data/g01": want["g01"]}, r
+        counts = dict(proxy.ranges)
+        assert counts and all(n == 1 for n in counts.values()), counts
+        fetched = sum(int(r.split("-")[1]) - int(r.split("=")[1].split("-")[0]) + 1
+                      for (_, r) in counts)
+        # The daemons' counters agree (written to their stats files each second).
+        deadline = time.monotonic() + 10
+        while True:
+            m = scrape(srv.url)
+            if m.get("sandlot_image_chunk_cache_misses_total") == len(counts) \
+                    or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert m["sandlot_image_chunk_cache_misses_total"] == len(counts), m
+        assert m['sandlot_image_bytes_fetched_total{tier="registry"}'] == fetched, m
+        assert m["sandlot_image_chunk_fetch_seconds_count"] == len(counts), m
+        assert 0 < m["sandlot_image_chunk_cache_hit_ratio"] <= 1, m
+        for b in boxes[1:]:
+            b.delete()
+        box = boxes[0]
+
+        # A corrupted answer of the shared store: once → refetched, right bytes; always
+        # → EIO, never wrong bytes, and the sandbox stays usable.
+        read = "dd if=/data/{f} bs=1M skip=1 count=1 2>/dev/null | sha256sum"
+        proxy.corrupt[sha(rnd["g02"][MIB:])] = 1
+        r = box.exec(["sh", "-c", read.format(f="g02")], timeout_s=60)
+        assert r.stdout.decode().split()[0] == sha(rnd["g02"][MIB:]), r
+        proxy.corrupt[sha(rnd["g03"][MIB:])] = 1000
+        r = box.exec(["dd", "if=/data/g03", "of=/dev/null", "bs=1M", "skip=1", "count=1"],
+                     timeout_s=60)
+        assert r.exit_code != 0 and b"Input/output error" in r.stderr, r
+        assert not (store / "chunks" / "sha256" / sha(rnd["g03"][MIB:])).exists()
+        proxy.corrupt.clear()
+        r = box.exec(["sh", "-c", read.format(f="g03")], timeout_s=60)
+        assert r.stdout.decode().split()[0] == sha(rnd["g03"][MIB:]), r
+
+        # Read everything: 24 MiB through a cache capped at CAP_MIB: evictions, the
+        # cache stays under its cap, every byte right.
+        r = box.exec(["sh", "-c", "sha256sum /data/g*"], timeout_s=120)
+        got = {l.split()[1][len("/data/"):]: l.split()[0]
+               for l in r.stdout.decode().splitlines()}
+        assert r.exit_code == 0 and got == want, r
+        chunks = store / "chunks" / "sha256"
+        on_disk = sum(p.stat().st_size for p in chunks.iterdir() if len(p.name) == 64)
+        assert on_disk <= CAP_MIB * MIB, on_disk
+        time.sleep(1.5)
+        m = scrape(srv.url)
+        assert m["sandlot_image_chunk_evictions_total"] > 0, m
+        assert m['sandlot_image_chunk_corrupt_total{tier="registry"}'] >= 2, m
+        assert m["sandlot_image_chunk_fetch_failures_total"] >= 1, m
+        assert m["sandlot_image_cache_limit_bytes"] == CAP_MIB * MIB, m
+        assert m["sandlot_image_cache_bytes"] == on_disk, (m, on_disk)
+        cached, total = local_bytes(image, pref)
+        assert 0 < cached <= CAP_MIB * MIB and total >= 24 * MIB, (cached, total)
+        box.delete()
+        c.close()
+    finally:
+        proxy.close()
+
+
+CAP_MIB = 12
+
+
+def test_lazy_scale_corruption_and_cache_cap(binary, tmp_path, log_dir, monkeypatch):
+    t0 = time.monotonic()
+    n_boxes = int(os.environ.get("SANDLOT_TEST_LAZY_BOXES", "64"))
+    addr = f"127.0.0.1:{free_port()}"
+    rdir = tmp_path / "registry"
+    registry_sh(addr, rdir, "start")
+    monkeypatch.setenv("SANDLOT_LAZY_FETCH_TIMEOUT_MS", "3000")
+    monkeypatch.setenv("SANDLOT_LAZY_FETCH_ATTEMPTS", "2")
+    monkeypatch.setenv("SANDLOT_IMAGE_CACHE_MIB", str(CAP_MIB))
+    try:
+        with private_image_node(binary, log_dir / "lazy-scale-node.log", monkeypatch,
+                                "sandlot-lazy-scale-") as (srv, image):
+            try:
+                scale_checks(binary, srv, image, tmp_path, addr, n_boxes)
+            finally:
+                srv.delete_all()
+                unmount_lazy(srv.data_dir.parent)
+    finally:
+        registry_sh(addr, rdir, "stop")
+    print(f"lazy scale test ({n_boxes} sandboxes) took {time.monotonic() - t0:.1f} s")

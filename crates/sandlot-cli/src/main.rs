@@ -139,6 +139,11 @@ struct NodeArgs {
     /// Image store directory [default: DATA/images].
     #[arg(long, env = "SANDLOT_IMAGES_DIR")]
     images_dir: Option<PathBuf>,
+    /// Size cap of the lazy-image chunk cache on this node's disk (`IMAGES/chunks`), MiB:
+    /// over it the least recently used chunks not being read are evicted (they are
+    /// fetched again when read). 0: no cap [default: 0].
+    #[arg(long, env = "SANDLOT_IMAGE_CACHE_MIB")]
+    image_cache_mib: Option<u64>,
     /// File holding the node API token (shared with the servers).
     #[arg(long)]
     token_file: PathBuf,
@@ -263,6 +268,11 @@ struct UpArgs {
     /// Image store directory [default: DATA/images].
     #[arg(long, env = "SANDLOT_IMAGES_DIR")]
     images_dir: Option<PathBuf>,
+    /// Size cap of the lazy-image chunk cache on this node's disk (`IMAGES/chunks`), MiB:
+    /// over it the least recently used chunks not being read are evicted (they are
+    /// fetched again when read). 0: no cap [default: 0].
+    #[arg(long, env = "SANDLOT_IMAGE_CACHE_MIB")]
+    image_cache_mib: Option<u64>,
     /// Node name shown in sandboxes and /healthz [default: host name].
     #[arg(long)]
     node_name: Option<String>,
@@ -988,6 +998,15 @@ fn run_code_pool_images(images_dir: &std::path::Path, wanted: Vec<String>) -> Ve
         .collect()
 }
 
+/// Record `--image-cache-mib` in the image store, where the lazy mount daemons read it
+/// (absent or 0: no cap).
+fn set_image_cache_limit(images_dir: &std::path::Path, mib: Option<u64>) -> anyhow::Result<()> {
+    let bytes = mib.filter(|&m| m > 0).map(|m| m.saturating_mul(1 << 20));
+    sandlot_node::images::lazy::fetch::set_cache_limit(images_dir, bytes)
+        .context("--image-cache-mib")?;
+    Ok(())
+}
+
 async fn up(a: UpArgs) -> anyhow::Result<u8> {
     init_logs(a.log_format);
     raise_nofile_limit();
@@ -1004,6 +1023,7 @@ async fn up(a: UpArgs) -> anyhow::Result<u8> {
         sandlot_node::backends::container::Runtime::parse(&a.server.default_runtime)
             .context("--default-runtime")?;
     let images_dir = ncfg.images_dir.clone();
+    set_image_cache_limit(&images_dir, a.image_cache_mib)?;
     let node = sandlot_node::LocalNode::open(ncfg).context("open local node")?;
     let mut cfg = a.server.config(a.data_dir, a.listen)?;
     cfg.images_dir = Some(images_dir);
@@ -1177,6 +1197,7 @@ async fn node(a: NodeArgs) -> anyhow::Result<u8> {
         ncfg.data_dir.clone(),
         ncfg.images_dir.clone(),
     );
+    set_image_cache_limit(&images_dir, a.image_cache_mib)?;
     // Checked before anything starts: a bad TTL, URL or name fails at once.
     let cluster = if a.etcd.is_empty() {
         None

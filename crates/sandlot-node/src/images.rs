@@ -524,8 +524,10 @@ impl ImageStore {
     }
 
     /// The create path's one call: [`get`](Self::get), and when `name` is a reference that
-    /// is not in the store and the [`PullPolicy`] allows its registry, pull it first (then it
-    /// is cached). Concurrent resolves of the same reference in this process pull once.
+    /// is not in the store and the [`PullPolicy`] allows its registry, pull it first (its lazy
+    /// form when the registry has one; then it is cached). Concurrent resolves of the same
+    /// reference in this process pull once. A lazy image's layers are mounted before it is
+    /// returned.
     ///
     /// # Errors
     /// As [`get`](Self::get); a disallowed registry is `NotFound` with a hint to pull first;
@@ -564,13 +566,40 @@ impl ImageStore {
         let _held = gate.lock().await;
         let out = match self.load(&parsed)? {
             Some(img) => Ok(img),
-            None => {
-                tracing::info!(image = %r.whole(), "pulling image on first use");
-                self.pull(&r.whole(), None, &oci::NoProgress).await
-            }
+            None => self.pull_on_create(&r.whole()).await,
         };
         PULLS.lock().unwrap_or_else(|p| p.into_inner()).remove(&key);
-        out
+        match out {
+            Ok(img) if matches!(img.source, ImageSource::Lazy { .. }) => {
+                let this = self.clone();
+                let i2 = img.clone();
+                tokio::task::spawn_blocking(move || this.mount_lazy(&i2))
+                    .await
+                    .map_err(|e| NodeError::Unavailable(format!("lazy mount task: {e}")))??;
+                Ok(img)
+            }
+            out => out,
+        }
+    }
+
+    /// A create's pull of `reference`: its lazy form (`REF-lazy`, see [`lazy`]) when the
+    /// registry has one (the caller mounts it), so the sandbox starts from metadata alone;
+    /// otherwise the whole image ([`pull`](Self::pull)). `$SANDLOT_PULL_LAZY=0` always pulls
+    /// the whole image.
+    async fn pull_on_create(&self, reference: &str) -> NodeResult<Image> {
+        if std::env::var("SANDLOT_PULL_LAZY").as_deref() != Ok("0") {
+            match self.pull_lazy(reference, None).await {
+                Ok(img) => {
+                    tracing::info!(image = %reference, "pulled the lazy form on first use");
+                    return Ok(img);
+                }
+                Err(e) => {
+                    tracing::debug!(image = %reference, error = %e, "no lazy form; pulling whole")
+                }
+            }
+        }
+        tracing::info!(image = %reference, "pulling image on first use");
+        self.pull(reference, None, &oci::NoProgress).await
     }
 
     /// All complete images (short-named and by reference), sorted by name. Broken entries

@@ -12,6 +12,15 @@
 //! | `sandlot_run_code_total` | counter | `status` = `Success`\|`Failed`\|`SandboxError`\|`Rejected` | `/run_code` calls (`Rejected`: 429/504 from admission) |
 //! | `sandlot_run_code_running`, `sandlot_run_code_waiting` | gauge | | `run_code` admission, at scrape |
 //! | `sandlot_image_count` | gauge | | complete images in the image store, at scrape |
+//! | `sandlot_image_bytes_fetched_total` | counter | `tier` = `registry`\|`disk` | bytes of lazy-image chunks loaded from the registry / the node's disk cache (verified), summed over the lazy mount daemons' stats files at scrape ([`sandlot_node::images::lazy::fetch`]) |
+//! | `sandlot_image_chunk_cache_hits_total` | counter | `tier` = `memory`\|`disk` | chunk lookups answered by a daemon's memory tier / the disk cache |
+//! | `sandlot_image_chunk_cache_misses_total` | counter | | chunk lookups that went to the registry |
+//! | `sandlot_image_chunk_cache_hit_ratio` | gauge | | hits / (hits + misses), since the store was made (0 before any lookup) |
+//! | `sandlot_image_chunk_corrupt_total` | counter | `tier` = `disk`\|`registry` | chunks that failed their digest check (never served) |
+//! | `sandlot_image_chunk_fetch_failures_total` | counter | | chunk fetches that failed every attempt (readers got `EIO`) |
+//! | `sandlot_image_chunk_fetch_seconds` | histogram | | latency of successful registry chunk fetches |
+//! | `sandlot_image_chunk_evictions_total`, `sandlot_image_chunk_evicted_bytes_total` | counter | | chunks evicted from the disk cache by its cap |
+//! | `sandlot_image_cache_bytes`, `sandlot_image_cache_limit_bytes` | gauge | | the disk chunk cache's size and cap (`--image-cache-mib`; 0: none) |
 //! | `sandlot_warm_pool_ready` | gauge | `backend`, `image` | ready members of the node's warm pools (function jails, runc containers), at scrape |
 //! | `sandlot_warm_pool_handovers_total`, `sandlot_warm_pool_misses_total` | counter | `backend` | creates served by a pooled member / creates the pool could serve that went cold, since the node started (the node's counts, copied at scrape) |
 //! | `sandlot_warm_pool_image_handovers_total` | counter | `backend`, `image` | the hand-overs per image (`run_code` on a pooled `lang-*` image counts here), copied at scrape |
@@ -164,6 +173,124 @@ pub struct ScrapeExtra {
     pub data_dir_reserve: u64,
     /// Cluster mode: nodes registered in etcd, `[real, simulated]`; `None` outside it.
     pub cluster_nodes: Option<[i64; 2]>,
+    /// The lazy image tiers of the image store (`None`: no image store configured).
+    pub lazy: Option<sandlot_node::images::lazy::fetch::LazyMetrics>,
+}
+
+/// The `sandlot_image_*` lazy-image metrics: counts summed from the daemons' stats files at
+/// scrape (the daemons are processes of their own), encoded as constant metrics.
+#[derive(Debug, Default)]
+struct LazyCollector(std::sync::Arc<Mutex<Option<sandlot_node::images::lazy::fetch::LazyMetrics>>>);
+
+impl prometheus_client::collector::Collector for LazyCollector {
+    fn encode(
+        &self,
+        mut enc: prometheus_client::encoding::DescriptorEncoder,
+    ) -> Result<(), std::fmt::Error> {
+        use prometheus_client::encoding::NoLabelSet;
+        use prometheus_client::metrics::MetricType;
+        let Some(m) = self.0.lock().unwrap_or_else(|p| p.into_inner()).clone() else {
+            return Ok(());
+        };
+        let s = &m.stats;
+        // (name, help, series by `tier` label; "" = no label)
+        type Series<'a> = &'a [(&'a str, u64)];
+        let counters: [(&str, &str, Series); 6] = [
+            (
+                "sandlot_image_bytes_fetched",
+                "Bytes of lazy-image chunks loaded, by tier (registry: remote; disk: node cache)",
+                &[("registry", s.registry_bytes), ("disk", s.disk_bytes)],
+            ),
+            (
+                "sandlot_image_chunk_cache_hits",
+                "Lazy-image chunk lookups answered by a cache tier",
+                &[("memory", s.memory_hits), ("disk", s.disk_hits)],
+            ),
+            (
+                "sandlot_image_chunk_corrupt",
+                "Lazy-image chunks that failed their digest check, by tier (never served)",
+                &[("disk", s.corrupt_disk), ("registry", s.corrupt_registry)],
+            ),
+            (
+                "sandlot_image_chunk_cache_misses",
+                "Lazy-image chunk lookups that went to the registry",
+                &[("", s.misses)],
+            ),
+            (
+                "sandlot_image_chunk_fetch_failures",
+                "Lazy-image chunk fetches that failed every attempt (readers got EIO)",
+                &[("", s.failures)],
+            ),
+            (
+                "sandlot_image_chunk_evictions",
+                "Chunks evicted from the node's disk cache by its size cap",
+                &[("", s.evictions)],
+            ),
+        ];
+        for (name, help, series) in counters {
+            let mut d = enc.encode_descriptor(name, help, None, MetricType::Counter)?;
+            for (tier, v) in series {
+                if tier.is_empty() {
+                    d.encode_counter::<NoLabelSet, _, u64>(v, None)?;
+                } else {
+                    d.encode_family(&[("tier", *tier)])?
+                        .encode_counter::<NoLabelSet, _, u64>(v, None)?;
+                }
+            }
+        }
+        enc.encode_descriptor(
+            "sandlot_image_chunk_evicted_bytes",
+            "Bytes of the chunks evicted from the node's disk cache",
+            None,
+            MetricType::Counter,
+        )?
+        .encode_counter::<NoLabelSet, _, u64>(&s.evicted_bytes, None)?;
+        let hits = s.memory_hits + s.disk_hits;
+        let ratio = if hits + s.misses == 0 {
+            0.0
+        } else {
+            hits as f64 / (hits + s.misses) as f64
+        };
+        for (name, help, v) in [
+            (
+                "sandlot_image_chunk_cache_hit_ratio",
+                "Lazy-image chunk lookups answered by a cache tier / all lookups",
+                ratio,
+            ),
+            (
+                "sandlot_image_cache_bytes",
+                "Bytes in the node's lazy-image chunk cache",
+                m.cache_bytes as f64,
+            ),
+            (
+                "sandlot_image_cache_limit_bytes",
+                "Size cap of the node's lazy-image chunk cache (0: none)",
+                m.cache_limit.unwrap_or(0) as f64,
+            ),
+        ] {
+            enc.encode_descriptor(name, help, None, MetricType::Gauge)?
+                .encode_gauge(&v)?;
+        }
+        let mut buckets: Vec<(f64, u64)> = sandlot_node::images::lazy::fetch::FETCH_BUCKETS
+            .iter()
+            .copied()
+            .chain(std::iter::once(f64::MAX))
+            .zip(s.fetch_buckets.iter().copied().chain(std::iter::repeat(0)))
+            .collect();
+        buckets.truncate(sandlot_node::images::lazy::fetch::FETCH_BUCKETS.len() + 1);
+        enc.encode_descriptor(
+            "sandlot_image_chunk_fetch_seconds",
+            "Latency of successful lazy-image chunk fetches from the registry, seconds",
+            None,
+            MetricType::Histogram,
+        )?
+        .encode_histogram::<NoLabelSet>(
+            s.fetch_us_sum as f64 / 1e6,
+            s.fetches,
+            &buckets,
+            None,
+        )
+    }
 }
 
 /// Every metric of the server and its registry.
@@ -200,6 +327,7 @@ pub struct Metrics {
     data_dir_reserve: Gauge,
     leader: Gauge,
     cluster_nodes: Family<SimulatedLabel, Gauge>,
+    lazy: std::sync::Arc<Mutex<Option<sandlot_node::images::lazy::fetch::LazyMetrics>>>,
     /// The last minutes in 10 s buckets, for the status page's charts.
     pub timeline: crate::timeline::Timeline,
 }
@@ -386,7 +514,11 @@ impl Metrics {
             "Nodes registered in etcd, by simulated (sandlot node --simulate) or real",
             cluster_nodes.clone(),
         );
+        let lazy = LazyCollector::default();
+        let lazy_slot = lazy.0.clone();
+        registry.register_collector(Box::new(lazy));
         Metrics {
+            lazy: lazy_slot,
             leader,
             cluster_nodes,
             events_pending,
@@ -534,6 +666,7 @@ impl Metrics {
             self.data_dir_free.set(free as i64);
         }
         self.data_dir_reserve.set(extra.data_dir_reserve as i64);
+        *self.lazy.lock().unwrap_or_else(|p| p.into_inner()) = extra.lazy.clone();
         if let Some(counts) = extra.cluster_nodes {
             for (simulated, n) in ["false", "true"].into_iter().zip(counts) {
                 self.cluster_nodes
@@ -630,12 +763,16 @@ pub async fn metrics(State(st): State<SharedState>) -> ApiResult<impl IntoRespon
     for (backend, state, n) in st.store.count_by_state().await? {
         *counts.entry(BackendState { backend, state }).or_default() += n as i64;
     }
-    let images = match st.cfg.images_dir.clone() {
-        None => None,
-        Some(dir) => tokio::task::spawn_blocking(move || count_images(&dir).ok())
-            .await
-            .ok()
-            .flatten(),
+    let (images, lazy) = match st.cfg.images_dir.clone() {
+        None => (None, None),
+        Some(dir) => tokio::task::spawn_blocking(move || {
+            (
+                count_images(&dir).ok(),
+                Some(sandlot_node::images::lazy::fetch::read_metrics(&dir)),
+            )
+        })
+        .await
+        .unwrap_or((None, None)),
     };
     let (running, waiting) = st.run_code_gate.load();
     let pools = st.node.info().warm_pools;
@@ -655,6 +792,7 @@ pub async fn metrics(State(st): State<SharedState>) -> ApiResult<impl IntoRespon
             }
             n
         }),
+        lazy,
     };
     let text = st
         .metrics

@@ -408,6 +408,21 @@ impl ImageStore {
 
     fn ensure_mounted(&self, index: &str, reference: &str) -> NodeResult<PathBuf> {
         let mp = self.lazy_mount_point(index)?;
+        // One mounter at a time per layer (creates of one image run at once, in this
+        // process and others): the others wait, then find the mount live.
+        let lock_path = mp.with_extension("lock");
+        if let Some(d) = lock_path.parent() {
+            std::fs::create_dir_all(d)
+                .map_err(|e| NodeError::io(format!("create {}", d.display()), e))?;
+        }
+        let lock_file = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&lock_path)
+            .map_err(|e| NodeError::io(format!("open {}", lock_path.display()), e))?;
+        let _held = nix::fcntl::Flock::lock(lock_file, nix::fcntl::FlockArg::LockExclusive)
+            .map_err(|(_, e)| NodeError::io(format!("flock {}", lock_path.display()), e.into()))?;
         match fuse_mount_state(&mp) {
             MountState::Live => return Ok(mp),
             MountState::Dead => {
@@ -531,6 +546,14 @@ pub fn serve_main(args: &[std::ffi::OsString]) -> NodeResult<()> {
         Some(remote),
         fetch::FetchConfig::default(),
     )?);
+    // Counters for /metrics, continued across restarts of this layer's daemon.
+    let _stats = chunks.persist_stats(
+        store
+            .dir()
+            .join(fetch::STATS_DIR)
+            .join(format!("{}.json", digest_hex(&index)?)),
+        rt.handle(),
+    );
     let lazy = fs::LazyFs::new(idx, chunks, rt.handle().clone())?;
     let mut cfg = fuser::Config::default();
     cfg.mount_options = vec![

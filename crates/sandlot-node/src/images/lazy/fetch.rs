@@ -1,13 +1,18 @@
-//! The chunk fetcher: tiers node disk cache → OCI registry.
+//! The chunk fetcher: tiers memory → node disk cache → OCI registry.
 //!
+//! - **Memory**: each daemon keeps its last few verified chunks (a FUSE read asks for at most
+//!   128 KiB, so a 1 MiB chunk is asked for several times in a row).
 //! - **Disk cache** `<images dir>/chunks/sha256/<hex>`: one file per chunk, named by the
 //!   SHA-256 of its bytes, written to a temp file and renamed into place, so it survives
 //!   node restarts and is never half-written. Every chunk read from it is hashed before it
 //!   is served; a mismatch (a corrupted file) deletes it, counts in
-//!   [`Stats::corrupt`], and the chunk is fetched again.
+//!   [`StatsSnapshot::corrupt_disk`], and the chunk is fetched again. With a size cap
+//!   ([`LIMIT_FILE`]) the least recently used chunks not being read are evicted
+//!   ([`evict`]); the daemons sharing the cache account for it under one `flock`.
 //! - **Registry**: a byte range of the layer's data blob (HTTP `Range` on the blob GET of the
 //!   OCI distribution API, through `oci-client`'s `pull_blob_stream_partial`, so the same
-//!   auth as a pull), verified by digest before it is stored or served.
+//!   auth as a pull), verified by digest before it is stored or served (a mismatch counts
+//!   in [`StatsSnapshot::corrupt_registry`] and is retried like a failed attempt).
 //!
 //! Concurrent readers of one chunk cause one fetch (a per-chunk async mutex: the others wait
 //! and then find it in the cache). A fetch has a per-attempt timeout and a bounded number of
@@ -56,56 +61,351 @@ impl Default for FetchConfig {
     }
 }
 
-/// Counters of one process's chunk traffic (all monotonic).
+/// Upper bounds (seconds) of the buckets of the registry fetch latency histogram
+/// (`sandlot_image_chunk_fetch_seconds`); a last bucket `+Inf` follows.
+pub const FETCH_BUCKETS: [f64; 10] = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0];
+
+/// Counters of one daemon's chunk traffic (all monotonic; see [`StatsSnapshot`] for what each
+/// one counts).
 #[derive(Debug, Default)]
 pub struct Stats {
-    /// Bytes fetched from the registry tier (`sandlot_image_bytes_fetched_total{tier="registry"}`).
-    pub registry_bytes: AtomicU64,
-    /// Bytes served from the disk cache (`sandlot_image_bytes_fetched_total{tier="disk"}`).
-    pub disk_bytes: AtomicU64,
-    /// Chunk reads answered by the disk cache.
-    pub hits: AtomicU64,
-    /// Chunk reads that had to fetch from the registry.
-    pub misses: AtomicU64,
-    /// Cached chunks that failed their digest check (deleted and refetched).
-    pub corrupt: AtomicU64,
-    /// Registry fetches that failed all attempts.
-    pub failures: AtomicU64,
+    registry_bytes: AtomicU64,
+    disk_bytes: AtomicU64,
+    memory_hits: AtomicU64,
+    disk_hits: AtomicU64,
+    misses: AtomicU64,
+    corrupt_disk: AtomicU64,
+    corrupt_registry: AtomicU64,
+    failures: AtomicU64,
+    evictions: AtomicU64,
+    evicted_bytes: AtomicU64,
+    fetch_us_sum: AtomicU64,
+    fetches: AtomicU64,
+    fetch_buckets: [AtomicU64; FETCH_BUCKETS.len() + 1],
+}
+
+/// A copy of [`Stats`], summable across daemons, stored as JSON in
+/// `<images>/lazy/stats/<index hex>.json` by each lazy mount daemon (so the server can read
+/// them at scrape, and a restarted daemon continues its counts).
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(default)]
+pub struct StatsSnapshot {
+    /// Bytes fetched from the registry tier (verified), `sandlot_image_bytes_fetched_total{tier="registry"}`.
+    pub registry_bytes: u64,
+    /// Bytes read from the node's disk cache (verified), `{tier="disk"}`.
+    pub disk_bytes: u64,
+    /// Chunk lookups answered by the daemon's memory tier (recently used chunks).
+    pub memory_hits: u64,
+    /// Chunk lookups answered by the disk cache.
+    pub disk_hits: u64,
+    /// Chunk lookups that went to the registry.
+    pub misses: u64,
+    /// Cached chunk files that failed their digest check (deleted, fetched again).
+    pub corrupt_disk: u64,
+    /// Registry answers whose bytes did not match the chunk digest (never served; retried).
+    pub corrupt_registry: u64,
+    /// Chunk fetches that failed every attempt (the readers got `EIO`).
+    pub failures: u64,
+    /// Chunk files evicted from the disk cache by its size cap.
+    pub evictions: u64,
+    /// Bytes of those files.
+    pub evicted_bytes: u64,
     /// Sum of successful registry fetch latencies, microseconds.
-    pub fetch_us_sum: AtomicU64,
+    pub fetch_us_sum: u64,
     /// Successful registry fetches.
-    pub fetches: AtomicU64,
+    pub fetches: u64,
+    /// Successful fetches per latency bucket of [`FETCH_BUCKETS`] (not cumulative; the last
+    /// one is `+Inf`).
+    pub fetch_buckets: Vec<u64>,
+}
+
+impl StatsSnapshot {
+    /// Add `o`'s counts to these.
+    pub fn add(&mut self, o: &StatsSnapshot) {
+        self.registry_bytes += o.registry_bytes;
+        self.disk_bytes += o.disk_bytes;
+        self.memory_hits += o.memory_hits;
+        self.disk_hits += o.disk_hits;
+        self.misses += o.misses;
+        self.corrupt_disk += o.corrupt_disk;
+        self.corrupt_registry += o.corrupt_registry;
+        self.failures += o.failures;
+        self.evictions += o.evictions;
+        self.evicted_bytes += o.evicted_bytes;
+        self.fetch_us_sum += o.fetch_us_sum;
+        self.fetches += o.fetches;
+        self.fetch_buckets.resize(FETCH_BUCKETS.len() + 1, 0);
+        for (a, b) in self.fetch_buckets.iter_mut().zip(&o.fetch_buckets) {
+            *a += b;
+        }
+    }
 }
 
 impl Stats {
-    /// Prometheus text exposition (format 0.0.4) of these counters.
-    pub fn prometheus(&self) -> String {
-        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        format!(
-            "# TYPE sandlot_image_bytes_fetched_total counter\n\
-             sandlot_image_bytes_fetched_total{{tier=\"registry\"}} {}\n\
-             sandlot_image_bytes_fetched_total{{tier=\"disk\"}} {}\n\
-             # TYPE sandlot_image_chunk_cache_hits_total counter\n\
-             sandlot_image_chunk_cache_hits_total {}\n\
-             # TYPE sandlot_image_chunk_cache_misses_total counter\n\
-             sandlot_image_chunk_cache_misses_total {}\n\
-             # TYPE sandlot_image_chunk_corrupt_total counter\n\
-             sandlot_image_chunk_corrupt_total {}\n\
-             # TYPE sandlot_image_chunk_fetch_failures_total counter\n\
-             sandlot_image_chunk_fetch_failures_total {}\n\
-             # TYPE sandlot_image_chunk_fetch_seconds summary\n\
-             sandlot_image_chunk_fetch_seconds_sum {}\n\
-             sandlot_image_chunk_fetch_seconds_count {}\n",
-            g(&self.registry_bytes),
-            g(&self.disk_bytes),
-            g(&self.hits),
-            g(&self.misses),
-            g(&self.corrupt),
-            g(&self.failures),
-            g(&self.fetch_us_sum) as f64 / 1e6,
-            g(&self.fetches),
-        )
+    fn fields(&self) -> [&AtomicU64; 12] {
+        [
+            &self.registry_bytes,
+            &self.disk_bytes,
+            &self.memory_hits,
+            &self.disk_hits,
+            &self.misses,
+            &self.corrupt_disk,
+            &self.corrupt_registry,
+            &self.failures,
+            &self.evictions,
+            &self.evicted_bytes,
+            &self.fetch_us_sum,
+            &self.fetches,
+        ]
     }
+
+    /// The current counts.
+    pub fn snapshot(&self) -> StatsSnapshot {
+        let v: Vec<u64> = self
+            .fields()
+            .iter()
+            .map(|a| a.load(Ordering::Relaxed))
+            .collect();
+        StatsSnapshot {
+            registry_bytes: v[0],
+            disk_bytes: v[1],
+            memory_hits: v[2],
+            disk_hits: v[3],
+            misses: v[4],
+            corrupt_disk: v[5],
+            corrupt_registry: v[6],
+            failures: v[7],
+            evictions: v[8],
+            evicted_bytes: v[9],
+            fetch_us_sum: v[10],
+            fetches: v[11],
+            fetch_buckets: self
+                .fetch_buckets
+                .iter()
+                .map(|a| a.load(Ordering::Relaxed))
+                .collect(),
+        }
+    }
+
+    /// Add `s`'s counts (a restarted daemon continues from its stats file).
+    pub fn seed(&self, s: &StatsSnapshot) {
+        let v = [
+            s.registry_bytes,
+            s.disk_bytes,
+            s.memory_hits,
+            s.disk_hits,
+            s.misses,
+            s.corrupt_disk,
+            s.corrupt_registry,
+            s.failures,
+            s.evictions,
+            s.evicted_bytes,
+            s.fetch_us_sum,
+            s.fetches,
+        ];
+        for (a, n) in self.fields().iter().zip(v) {
+            a.fetch_add(n, Ordering::Relaxed);
+        }
+        for (a, n) in self.fetch_buckets.iter().zip(&s.fetch_buckets) {
+            a.fetch_add(*n, Ordering::Relaxed);
+        }
+    }
+
+    fn fetched(&self, bytes: u64, took: Duration) {
+        self.registry_bytes.fetch_add(bytes, Ordering::Relaxed);
+        self.fetches.fetch_add(1, Ordering::Relaxed);
+        self.fetch_us_sum
+            .fetch_add(took.as_micros() as u64, Ordering::Relaxed);
+        let secs = took.as_secs_f64();
+        let i = FETCH_BUCKETS
+            .iter()
+            .position(|&b| secs <= b)
+            .unwrap_or(FETCH_BUCKETS.len());
+        self.fetch_buckets[i].fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// Directory of the daemons' stats files, relative to the image store.
+pub const STATS_DIR: &str = "lazy/stats";
+
+/// What `/metrics` shows of the lazy image tiers of one image store (see
+/// [`read_metrics`]).
+#[derive(Debug, Clone, Default)]
+pub struct LazyMetrics {
+    /// The daemons' counters, summed.
+    pub stats: StatsSnapshot,
+    /// Bytes in the disk cache (its accounting file; see [`cache_usage`]).
+    pub cache_bytes: u64,
+    /// The disk cache's size cap, bytes (`None`: uncapped).
+    pub cache_limit: Option<u64>,
+}
+
+/// Sum the stats files of every lazy mount daemon of image store `images_dir` (those
+/// running and those gone: the counts are since the store was made) and read the disk
+/// cache's size and cap. Unreadable files are skipped.
+pub fn read_metrics(images_dir: &Path) -> LazyMetrics {
+    let mut out = LazyMetrics {
+        cache_limit: cache_limit(images_dir),
+        ..Default::default()
+    };
+    out.stats.fetch_buckets = vec![0; FETCH_BUCKETS.len() + 1];
+    if let Ok(rd) = fs::read_dir(images_dir.join(STATS_DIR)) {
+        for e in rd.flatten() {
+            if e.path().extension().is_some_and(|x| x == "json") {
+                if let Some(s) = fs::read(e.path())
+                    .ok()
+                    .and_then(|b| serde_json::from_slice::<StatsSnapshot>(&b).ok())
+                {
+                    out.stats.add(&s);
+                }
+            }
+        }
+    }
+    out.cache_bytes = fs::read_to_string(images_dir.join(USAGE_FILE))
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(0);
+    out
+}
+
+/// File holding the disk cache's size cap in bytes (decimal text), relative to the image
+/// store; absent: no cap. Written by the node at start ([`set_cache_limit`]), read by the
+/// daemons each time they add a chunk, so a node restarted with another cap applies it to
+/// running daemons too.
+pub const LIMIT_FILE: &str = "chunks/limit";
+/// File holding the disk cache's accounted size in bytes (decimal text), updated under
+/// [`LOCK_FILE`]; recomputed from the directory when missing and at each eviction.
+pub const USAGE_FILE: &str = "chunks/usage";
+/// `flock` serializing the accounting and eviction of the daemons sharing a cache.
+pub const LOCK_FILE: &str = "chunks/lock";
+
+/// Set (or with `None` remove) the disk cache's size cap of image store `images_dir`
+/// (`sandlot up|node --image-cache-mib`). The cap applies at the next chunk a daemon adds.
+///
+/// # Errors
+/// `Internal` when the file cannot be written.
+pub fn set_cache_limit(images_dir: &Path, limit: Option<u64>) -> NodeResult<()> {
+    let p = images_dir.join(LIMIT_FILE);
+    match limit {
+        None => match fs::remove_file(&p) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                Err(NodeError::io(format!("remove {}", p.display()), e))
+            }
+            _ => Ok(()),
+        },
+        Some(n) => {
+            let dir = images_dir.join(CHUNKS_DIR);
+            fs::create_dir_all(&dir)
+                .map_err(|e| NodeError::io(format!("create {}", dir.display()), e))?;
+            fs::write(&p, format!("{n}\n"))
+                .map_err(|e| NodeError::io(format!("write {}", p.display()), e))
+        }
+    }
+}
+
+/// The disk cache's size cap of image store `images_dir`, bytes (`None`: uncapped).
+pub fn cache_limit(images_dir: &Path) -> Option<u64> {
+    fs::read_to_string(images_dir.join(LIMIT_FILE))
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+}
+
+/// One chunk file of the disk cache, as the eviction sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CacheEntry {
+    /// File name (the chunk digest's hex).
+    pub name: String,
+    /// Size in bytes.
+    pub size: u64,
+    /// Last use: the file's mtime, nanoseconds since the epoch (set when the chunk is
+    /// stored and, at most once a second, when it is read).
+    pub used_ns: i128,
+}
+
+/// Chunk files of cache directory `dir` (names of 64 hex digits; temp files are not
+/// counted).
+fn scan(dir: &Path) -> Vec<CacheEntry> {
+    use std::os::unix::fs::MetadataExt;
+    let mut out = Vec::new();
+    for e in fs::read_dir(dir).into_iter().flatten().flatten() {
+        let Some(name) = e.file_name().to_str().map(str::to_string) else {
+            continue;
+        };
+        if name.len() != 64 || !name.bytes().all(|c| c.is_ascii_hexdigit()) {
+            continue;
+        }
+        if let Ok(m) = e.metadata() {
+            out.push(CacheEntry {
+                name,
+                size: m.len(),
+                used_ns: m.mtime() as i128 * 1_000_000_000 + m.mtime_nsec() as i128,
+            });
+        }
+    }
+    out
+}
+
+/// Least recently used first (ties by name, so the order is total).
+pub fn eviction_order(entries: &mut [CacheEntry]) {
+    entries.sort_by(|a, b| a.used_ns.cmp(&b.used_ns).then_with(|| a.name.cmp(&b.name)));
+}
+
+/// Evict least recently used chunk files of cache directory `dir` until the files total at
+/// most `target` bytes, skipping chunks in use (a reader holds a shared `flock` on the
+/// file while it reads it; eviction takes an exclusive one without waiting, so a chunk
+/// being read is never removed under its reader). Returns the bytes left and the
+/// (files, bytes) evicted.
+pub fn evict(dir: &Path, target: u64) -> (u64, u64, u64) {
+    let mut entries = scan(dir);
+    let mut total: u64 = entries.iter().map(|e| e.size).sum();
+    eviction_order(&mut entries);
+    let (mut n, mut bytes) = (0, 0);
+    for e in entries {
+        if total <= target {
+            break;
+        }
+        let p = dir.join(&e.name);
+        let Ok(f) = fs::File::open(&p) else {
+            total = total.saturating_sub(e.size);
+            continue;
+        };
+        let Ok(held) = nix::fcntl::Flock::lock(f, nix::fcntl::FlockArg::LockExclusiveNonblock)
+        else {
+            continue; // in use
+        };
+        if fs::remove_file(&p).is_ok() {
+            total = total.saturating_sub(e.size);
+            n += 1;
+            bytes += e.size;
+        }
+        drop(held);
+    }
+    (total, n, bytes)
+}
+
+/// The exclusive accounting lock of image store `images_dir`'s chunk cache.
+fn lock_cache(images_dir: &Path) -> Option<nix::fcntl::Flock<fs::File>> {
+    let f = fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(images_dir.join(LOCK_FILE))
+        .ok()?;
+    nix::fcntl::Flock::lock(f, nix::fcntl::FlockArg::LockExclusive).ok()
+}
+
+/// Bytes of chunk files in the disk cache of `images_dir`: the accounting file, or a scan
+/// when it is missing or unreadable.
+pub fn cache_usage(images_dir: &Path) -> u64 {
+    fs::read_to_string(images_dir.join(USAGE_FILE))
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or_else(|| {
+            scan(&images_dir.join(CHUNKS_DIR))
+                .iter()
+                .map(|e| e.size)
+                .sum()
+        })
 }
 
 /// A registry repository to fetch data-blob ranges from.
@@ -171,14 +471,29 @@ impl Remote {
     }
 }
 
-/// Chunks of lazy layers for one process: the disk cache and, when set, a registry.
+/// Chunks of lazy layers for one process: a small memory tier of recently used chunks, the
+/// disk cache and, when set, a registry.
 pub struct ChunkStore {
+    images_dir: PathBuf,
     dir: PathBuf,
     remote: Option<Remote>,
     config: FetchConfig,
     gates: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// Recently used verified chunks, most recent last (a FUSE read asks for at most
+    /// 128 KiB, so one 1 MiB chunk is asked for several times in a row).
+    memory: Mutex<std::collections::VecDeque<(String, Arc<Vec<u8>>)>>,
+    memory_chunks: usize,
     /// Traffic counters.
     pub stats: Stats,
+}
+
+/// Chunks the memory tier of one daemon keeps, default 16 (`$SANDLOT_LAZY_MEMORY_CHUNKS`,
+/// 0 turns it off).
+fn memory_chunks() -> usize {
+    std::env::var("SANDLOT_LAZY_MEMORY_CHUNKS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(16)
 }
 
 impl ChunkStore {
@@ -198,10 +513,13 @@ impl ChunkStore {
         use std::os::unix::fs::PermissionsExt;
         let _ = fs::set_permissions(images_dir.join("chunks"), fs::Permissions::from_mode(0o700));
         Ok(ChunkStore {
+            images_dir: images_dir.to_path_buf(),
             dir,
             remote,
             config,
             gates: Mutex::new(HashMap::new()),
+            memory: Mutex::new(Default::default()),
+            memory_chunks: memory_chunks(),
             stats: Stats::default(),
         })
     }
@@ -214,27 +532,36 @@ impl ChunkStore {
         Ok(self.dir.join(digest_hex(digest)?))
     }
 
-    /// The bytes of chunk `c` of data blob `data_blob`: from the disk cache when present
-    /// and intact, else fetched (one fetch however many callers ask at once), verified,
-    /// stored, and returned.
+    /// The bytes of chunk `c` of data blob `data_blob`: from the memory tier, else from the
+    /// disk cache when present and intact, else fetched (one fetch however many callers of
+    /// this process ask at once), verified, stored, and returned.
     ///
     /// # Errors
     /// `Unavailable` when the chunk is not cached and cannot be fetched (no registry, all
     /// attempts failed or timed out, or the registry's bytes do not match the digest);
     /// `InvalidArgument` for a malformed digest.
-    pub async fn get(&self, data_blob: &str, c: &ChunkRef) -> NodeResult<Vec<u8>> {
+    pub async fn get(&self, data_blob: &str, c: &ChunkRef) -> NodeResult<Arc<Vec<u8>>> {
+        if let Some(b) = self.in_memory(&c.digest) {
+            return Ok(b);
+        }
         let path = self.chunk_path(&c.digest)?;
         if let Some(b) = self.cached(&path, c) {
-            return Ok(b);
+            return Ok(self.remember(c, b));
         }
         let gate = {
             let mut g = self.gates.lock().unwrap_or_else(|p| p.into_inner());
             g.entry(c.digest.clone()).or_default().clone()
         };
         let held = gate.lock().await;
-        let out = match self.cached(&path, c) {
+        let out = match self.in_memory(&c.digest) {
             Some(b) => Ok(b),
-            None => self.fetch(data_blob, c, &path).await,
+            None => match self.cached(&path, c) {
+                Some(b) => Ok(self.remember(c, b)),
+                None => self
+                    .fetch(data_blob, c, &path)
+                    .await
+                    .map(|b| self.remember(c, b)),
+            },
         };
         drop(held);
         let mut g = self.gates.lock().unwrap_or_else(|p| p.into_inner());
@@ -244,19 +571,60 @@ impl ChunkStore {
         out
     }
 
-    /// The cached chunk when present and its digest matches; a corrupt file is removed.
+    fn in_memory(&self, digest: &str) -> Option<Arc<Vec<u8>>> {
+        let mut m = self.memory.lock().unwrap_or_else(|p| p.into_inner());
+        let i = m.iter().position(|(d, _)| d == digest)?;
+        let e = m.remove(i)?;
+        let b = e.1.clone();
+        m.push_back(e);
+        self.stats.memory_hits.fetch_add(1, Ordering::Relaxed);
+        Some(b)
+    }
+
+    fn remember(&self, c: &ChunkRef, b: Vec<u8>) -> Arc<Vec<u8>> {
+        let b = Arc::new(b);
+        if self.memory_chunks > 0 {
+            let mut m = self.memory.lock().unwrap_or_else(|p| p.into_inner());
+            if !m.iter().any(|(d, _)| *d == c.digest) {
+                if m.len() >= self.memory_chunks {
+                    m.pop_front();
+                }
+                m.push_back((c.digest.clone(), b.clone()));
+            }
+        }
+        b
+    }
+
+    /// The cached chunk when present and its digest matches (read under a shared `flock`,
+    /// so eviction leaves it alone meanwhile; its mtime, the LRU clock, is refreshed); a
+    /// corrupt file is removed.
     fn cached(&self, path: &Path, c: &ChunkRef) -> Option<Vec<u8>> {
-        let b = fs::read(path).ok()?;
+        use std::io::Read as _;
+        use std::os::unix::fs::MetadataExt;
+        let f = fs::File::open(path).ok()?;
+        let mut f = nix::fcntl::Flock::lock(f, nix::fcntl::FlockArg::LockShared).ok()?;
+        let mut b = Vec::with_capacity(c.len as usize);
+        f.read_to_end(&mut b).ok()?;
         if b.len() as u64 == c.len && chunk_digest(&b) == c.digest {
-            self.stats.hits.fetch_add(1, Ordering::Relaxed);
+            self.stats.disk_hits.fetch_add(1, Ordering::Relaxed);
             self.stats
                 .disk_bytes
                 .fetch_add(b.len() as u64, Ordering::Relaxed);
+            let now = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_secs() as i64)
+                .unwrap_or(0);
+            if f.metadata().is_ok_and(|m| m.mtime() < now - 1) {
+                use nix::sys::time::TimeSpec;
+                let _ = nix::sys::stat::futimens(&*f, &TimeSpec::UTIME_OMIT, &TimeSpec::UTIME_NOW);
+            }
             return Some(b);
         }
-        self.stats.corrupt.fetch_add(1, Ordering::Relaxed);
+        self.stats.corrupt_disk.fetch_add(1, Ordering::Relaxed);
         tracing::warn!(chunk = %c.digest, path = %path.display(), "cached chunk failed its digest check; removed, fetching again");
-        let _ = fs::remove_file(path);
+        if fs::remove_file(path).is_ok() {
+            self.account(-(b.len() as i64));
+        }
         None
     }
 
@@ -281,17 +649,12 @@ impl ChunkStore {
             .await;
             match r {
                 Ok(Ok(b)) if b.len() as u64 == c.len && chunk_digest(&b) == c.digest => {
-                    self.stats
-                        .fetch_us_sum
-                        .fetch_add(t0.elapsed().as_micros() as u64, Ordering::Relaxed);
-                    self.stats.fetches.fetch_add(1, Ordering::Relaxed);
-                    self.stats
-                        .registry_bytes
-                        .fetch_add(b.len() as u64, Ordering::Relaxed);
+                    self.stats.fetched(b.len() as u64, t0.elapsed());
                     self.store(path, &b);
                     return Ok(b);
                 }
                 Ok(Ok(b)) => {
+                    self.stats.corrupt_registry.fetch_add(1, Ordering::Relaxed);
                     last = format!(
                         "registry sent {} bytes that do not match chunk digest {}",
                         b.len(),
@@ -311,8 +674,8 @@ impl ChunkStore {
         )))
     }
 
-    /// Write a verified chunk into the cache (temp file + rename); failures only log: the
-    /// bytes are still served.
+    /// Write a verified chunk into the cache (temp file + rename) and account for it;
+    /// failures only log: the bytes are still served.
     fn store(&self, path: &Path, b: &[u8]) {
         let tmp = path.with_extension(format!("tmp{}", std::process::id()));
         let r = (|| {
@@ -320,10 +683,113 @@ impl ChunkStore {
             f.write_all(b)?;
             fs::rename(&tmp, path)
         })();
-        if let Err(e) = r {
-            let _ = fs::remove_file(&tmp);
-            tracing::warn!(path = %path.display(), error = %e, "cannot cache chunk");
+        match r {
+            Ok(()) => self.account(b.len() as i64),
+            Err(e) => {
+                let _ = fs::remove_file(&tmp);
+                tracing::warn!(path = %path.display(), error = %e, "cannot cache chunk");
+            }
         }
+    }
+
+    /// Add `delta` bytes to the cache's accounted size and, when it is over the cap,
+    /// evict least recently used chunks down to 90 % of the cap (under the cache's
+    /// `flock`, so the daemons sharing the cache account and evict one at a time).
+    fn account(&self, delta: i64) {
+        let Some(_lock) = lock_cache(&self.images_dir) else {
+            return;
+        };
+        let usage_path = self.images_dir.join(USAGE_FILE);
+        let mut usage = match fs::read_to_string(&usage_path)
+            .ok()
+            .and_then(|s| s.trim().parse::<u64>().ok())
+        {
+            Some(u) => u.saturating_add_signed(delta),
+            // Missing (first use, or a store from before the accounting): count the files,
+            // the one just stored included.
+            None => scan(&self.dir).iter().map(|e| e.size).sum(),
+        };
+        if let Some(limit) = cache_limit(&self.images_dir) {
+            if usage > limit {
+                let (left, n, bytes) = evict(&self.dir, limit - limit / 10);
+                self.stats.evictions.fetch_add(n, Ordering::Relaxed);
+                self.stats.evicted_bytes.fetch_add(bytes, Ordering::Relaxed);
+                tracing::info!(
+                    evicted = n,
+                    bytes,
+                    left,
+                    limit,
+                    "chunk cache over its cap: evicted least recently used chunks"
+                );
+                usage = left;
+            }
+        }
+        let _ = fs::write(&usage_path, format!("{usage}\n"));
+    }
+
+    /// Keep this store's counters in `path` (a JSON [`StatsSnapshot`]): load what a previous
+    /// daemon of the same layer counted into them, then write them every second while they
+    /// change, on runtime `rt`. Returns a handle that writes them once more when dropped.
+    pub fn persist_stats(
+        self: &Arc<Self>,
+        path: PathBuf,
+        rt: &tokio::runtime::Handle,
+    ) -> StatsWriter {
+        if let Some(prev) = fs::read(&path)
+            .ok()
+            .and_then(|b| serde_json::from_slice::<StatsSnapshot>(&b).ok())
+        {
+            self.stats.seed(&prev);
+        }
+        if let Some(d) = path.parent() {
+            let _ = fs::create_dir_all(d);
+        }
+        let w = StatsWriter {
+            store: self.clone(),
+            path,
+        };
+        let w2 = StatsWriter {
+            store: self.clone(),
+            path: w.path.clone(),
+        };
+        rt.spawn(async move {
+            let mut last = StatsSnapshot::default();
+            loop {
+                let now = w2.store.stats.snapshot();
+                if now != last {
+                    w2.write_now(&now);
+                    last = now;
+                }
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        });
+        w
+    }
+}
+
+/// Writes a [`ChunkStore`]'s counters to its stats file (see [`ChunkStore::persist_stats`]).
+pub struct StatsWriter {
+    store: Arc<ChunkStore>,
+    path: PathBuf,
+}
+
+impl StatsWriter {
+    fn write_now(&self, s: &StatsSnapshot) {
+        let tmp = self.path.with_extension("tmp");
+        let body = serde_json::to_vec(s).expect("stats serialize");
+        if fs::write(&tmp, body)
+            .and_then(|_| fs::rename(&tmp, &self.path))
+            .is_err()
+        {
+            tracing::warn!(path = %self.path.display(), "cannot write lazy stats");
+        }
+    }
+}
+
+impl Drop for StatsWriter {
+    fn drop(&mut self) {
+        let s = self.store.stats.snapshot();
+        self.write_now(&s);
     }
 }
 
@@ -362,8 +828,11 @@ mod tests {
         let s = ChunkStore::new(d.path(), None, FetchConfig::default()).unwrap();
         let good = chunk(b"hello chunk");
         fs::write(s.chunk_path(&good.digest).unwrap(), b"hello chunk").unwrap();
-        assert_eq!(s.get("sha256:x", &good).await.unwrap(), b"hello chunk");
-        assert_eq!(s.stats.hits.load(Ordering::Relaxed), 1);
+        assert_eq!(&**s.get("sha256:x", &good).await.unwrap(), b"hello chunk");
+        assert_eq!(s.stats.snapshot().disk_hits, 1);
+        // The second read comes from the memory tier.
+        assert_eq!(&**s.get("sha256:x", &good).await.unwrap(), b"hello chunk");
+        assert_eq!(s.stats.snapshot().memory_hits, 1);
         assert_eq!(cached_bytes(d.path(), [&good].into_iter()), 11);
 
         let bad = chunk(b"other chunk");
@@ -371,11 +840,90 @@ mod tests {
         fs::write(&p, b"OTHER CHUNK").unwrap();
         let err = s.get("sha256:x", &bad).await.unwrap_err();
         assert!(matches!(err, NodeError::Unavailable(_)), "{err}");
-        assert_eq!(s.stats.corrupt.load(Ordering::Relaxed), 1);
+        let snap = s.stats.snapshot();
+        assert_eq!((snap.corrupt_disk, snap.misses), (1, 1));
         assert!(!p.exists(), "a corrupt chunk is removed");
-        assert!(s
-            .stats
-            .prometheus()
-            .contains("sandlot_image_chunk_corrupt_total 1"));
+    }
+
+    fn set_age(p: &Path, secs_ago: u64) {
+        let t = std::time::SystemTime::now() - Duration::from_secs(secs_ago);
+        fs::File::options()
+            .write(true)
+            .open(p)
+            .unwrap()
+            .set_modified(t)
+            .unwrap();
+    }
+
+    #[test]
+    fn eviction_takes_least_recently_used_and_skips_chunks_in_use() {
+        let d = tempfile::tempdir().unwrap();
+        let names: Vec<String> = (0..5).map(|i| format!("{i:064x}")).collect();
+        for (i, n) in names.iter().enumerate() {
+            let p = d.path().join(n);
+            fs::write(&p, [i as u8; 100]).unwrap();
+            set_age(&p, 100 - 10 * i as u64); // names[0] oldest
+        }
+        fs::write(d.path().join("x.tmp1"), [0u8; 1000]).unwrap(); // not a chunk
+                                                                  // The oldest is being read: a shared flock, as ChunkStore::cached holds.
+        let reader = nix::fcntl::Flock::lock(
+            fs::File::open(d.path().join(&names[0])).unwrap(),
+            nix::fcntl::FlockArg::LockShared,
+        )
+        .unwrap();
+        let mut all = scan(d.path());
+        eviction_order(&mut all);
+        let order: Vec<&str> = all.iter().map(|e| e.name.as_str()).collect();
+        assert_eq!(order, names.iter().map(String::as_str).collect::<Vec<_>>());
+        let (left, n, bytes) = evict(d.path(), 250);
+        assert_eq!((left, n, bytes), (200, 3, 300));
+        let kept: Vec<bool> = names.iter().map(|n| d.path().join(n).exists()).collect();
+        assert_eq!(kept, [true, false, false, false, true]);
+        drop(reader);
+        // Nothing to do under the target.
+        assert_eq!(evict(d.path(), 250), (200, 0, 0));
+    }
+
+    #[tokio::test]
+    async fn capped_cache_keeps_recently_read_chunks_and_its_accounting() {
+        let d = tempfile::tempdir().unwrap();
+        set_cache_limit(d.path(), Some(350)).unwrap();
+        let mut s = ChunkStore::new(d.path(), None, FetchConfig::default()).unwrap();
+        s.memory_chunks = 0;
+        let data: Vec<Vec<u8>> = (0..5u8).map(|i| vec![i; 100]).collect();
+        let refs: Vec<ChunkRef> = data.iter().map(|b| chunk(b)).collect();
+        for (i, (b, c)) in data.iter().zip(&refs).take(3).enumerate() {
+            let p = s.chunk_path(&c.digest).unwrap();
+            s.store(&p, b);
+            set_age(&p, 100 - 10 * i as u64);
+        }
+        assert_eq!(cache_usage(d.path()), 300);
+        // Reading the oldest makes it the most recently used.
+        assert_eq!(&**s.get("sha256:x", &refs[0]).await.unwrap(), &data[0][..]);
+        // Two more: 500 > 350, down to <= 315: the two least recently used go.
+        for (b, c) in data.iter().zip(&refs).skip(3) {
+            s.store(&s.chunk_path(&c.digest).unwrap(), b);
+        }
+        let kept: Vec<bool> = refs
+            .iter()
+            .map(|c| s.chunk_path(&c.digest).unwrap().exists())
+            .collect();
+        assert_eq!(kept, [true, false, false, true, true]);
+        assert_eq!(cache_usage(d.path()), 300);
+        let m = read_metrics(d.path());
+        assert_eq!((m.cache_bytes, m.cache_limit), (300, Some(350)));
+        let snap = s.stats.snapshot();
+        assert_eq!((snap.evictions, snap.evicted_bytes), (2, 200));
+        // The counters survive a daemon restart through the stats file.
+        let s = Arc::new(s);
+        let rt = tokio::runtime::Handle::current();
+        let stats = d.path().join(STATS_DIR).join("a.json");
+        drop(s.persist_stats(stats.clone(), &rt));
+        let s2 = Arc::new(ChunkStore::new(d.path(), None, FetchConfig::default()).unwrap());
+        let _w = s2.persist_stats(stats, &rt);
+        assert_eq!(s2.stats.snapshot().evictions, 2);
+        assert_eq!(read_metrics(d.path()).stats.evictions, 2);
+        set_cache_limit(d.path(), None).unwrap();
+        assert_eq!(cache_limit(d.path()), None);
     }
 }
