@@ -375,7 +375,7 @@ fn too_long_path(root: &Path, base: usize) -> Option<PathBuf> {
 pub fn shift_owners(root: &Path, from: u32, to: u32) -> NodeResult<()> {
     use std::os::unix::fs::lchown;
     let map = |id: u32| {
-        if id >= from && id - from < crate::backends::function::UID_COUNT {
+        if id >= from && id - from < crate::backends::uids::UID_COUNT {
             Some(id - from + to)
         } else {
             None
@@ -527,7 +527,7 @@ pub(crate) async fn frozen_copy<T: Send + 'static>(
     group: &crate::cgroups::Cgroup,
     copy: impl FnOnce() -> NodeResult<T> + Send + 'static,
 ) -> NodeResult<T> {
-    use crate::backends::function::spawn_blocking;
+    use crate::sys::spawn_blocking;
     use std::sync::atomic::Ordering::SeqCst;
     let guard = deleting.read().await;
     if *guard {

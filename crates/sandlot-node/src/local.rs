@@ -239,7 +239,7 @@ impl LocalNode {
             .filter_map(|d| std::fs::read_dir(self.data_dir.join(d)).ok())
             .flat_map(|rd| rd.flatten())
             .map(|e| e.file_name().to_string_lossy().into_owned())
-            .filter(|n| crate::backends::function::check_id(n).is_ok())
+            .filter(|n| crate::backends::check_id(n).is_ok())
             .filter(|n| !pools.iter().any(|p| n.starts_with(p)))
             .collect();
         ids.sort();
@@ -597,10 +597,8 @@ impl Node for LocalNode {
             }
         };
         let t = tmp.clone();
-        let size_bytes = crate::backends::function::spawn_blocking(move || {
-            Ok(crate::checkpoints::disk_usage(&t))
-        })
-        .await?;
+        let size_bytes =
+            crate::sys::spawn_blocking(move || Ok(crate::checkpoints::disk_usage(&t))).await?;
         let meta = CheckpointMeta {
             id: checkpoint_id.to_string(),
             sandbox_id: id.to_string(),

@@ -58,12 +58,11 @@
 //! counted too).
 use super::agent_exec;
 use super::agent_files::{AgentFiles, HoldsAgent};
+use super::check_id;
 use super::container_pool::{pool_dir, spec_compatible, ContainerPool, Containers};
-use super::function::{
-    check_id, check_not_paused, destroy_blocking, freeze, make_layer_dirs, own_dir, proc_starttime,
-    spawn_blocking, thaw, ExecPlan, StoredSpec,
-};
+use super::function::{destroy_blocking, make_layer_dirs, own_dir, ExecPlan, StoredSpec};
 use super::gvisor_audit;
+use super::pause::{check_not_paused, freeze, thaw};
 use super::pool::WarmPool;
 use super::uids::{UidLease, UidSlots};
 use super::SandboxBackend;
@@ -73,6 +72,7 @@ use crate::checkpoints::{Captured, Checkpoint};
 use crate::images::Image;
 use crate::net::{NetworkManager, NodeNet};
 use crate::node::{ExecControl, ExecSink, NodeError, NodeResult, SandboxSpec, SandboxStatus};
+use crate::sys::{proc_starttime, spawn_blocking};
 use async_trait::async_trait;
 use sandlot_api::{Backend, ExecRequest, ExecResult};
 use serde::{Deserialize, Serialize};
@@ -1394,7 +1394,7 @@ fn bundle_spec(
     let map = LinuxIdMappingBuilder::default()
         .container_id(0u32)
         .host_id(uid_base)
-        .size(super::function::UID_COUNT)
+        .size(super::uids::UID_COUNT)
         .build()
         .map_err(bad)?;
     let mut linux = Linux::default();

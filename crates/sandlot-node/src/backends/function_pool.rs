@@ -18,12 +18,13 @@
 //! reference, so renaming them on the host does not disturb it.
 use super::function::{
     build_jail, destroy_blocking, disk_templates, pooled_standby, read_state, rewrite_proc_views,
-    spawn_blocking, write_state, FunctionConfig, JailState, Standby, StoredSpec,
+    write_state, FunctionConfig, JailState, Standby, StoredSpec,
 };
 use super::pool::{pool_spec, PoolMember, WarmPool};
 use crate::cgroups::CgroupRoot;
 use crate::images::Image;
 use crate::node::{NodeResult, SandboxSpec};
+use crate::sys::spawn_blocking;
 use sandlot_api::Backend;
 use std::collections::HashMap;
 use std::future::Future;

@@ -39,7 +39,7 @@
 //! resource control calls), in a session of its own, so it outlives a node restart and
 //! is re-adopted, and as an unprivileged host uid of its own that reaches only its own
 //! files and the shared read-only ones (see [`super::qemu`]).
-use super::function::{spawn_blocking, StoredSpec};
+use super::function::StoredSpec;
 use super::qemu::{DiskHold, ImageDisks, Jail, QemuUids, AGENT_FD, CONSOLE_LOG, QMP_FD};
 use super::qemu_sandbox::{Machine, QemuCore, QemuVm};
 use crate::agent_client::AgentClient;
@@ -47,6 +47,7 @@ use crate::cgroups::{CgroupRoot, SandboxCgroup};
 use crate::checkpoints::{Captured, Checkpoint};
 use crate::images::{fnv, Image, ImageStore};
 use crate::node::{NodeError, NodeResult, SandboxSpec};
+use crate::sys::spawn_blocking;
 use async_trait::async_trait;
 use sandlot_api::Backend;
 use serde::{Deserialize, Serialize};

@@ -37,11 +37,11 @@
 //! failures (a missing image: up to a minute between tries), and on drop of the pool stops,
 //! finishes the build in flight and destroys every member it holds. Members are real
 //! processes, cgroups and directories and count toward the host's resources.
-use super::function::{proc_starttime, spawn_blocking};
 use super::uids::{UidLease, UidSlots};
 use crate::cgroups::{CgroupRoot, Limits};
 use crate::images::{Image, ImageStore};
 use crate::node::{NodeError, NodeResult, SandboxSpec};
+use crate::sys::{proc_starttime, spawn_blocking};
 use sandlot_api::Backend;
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::future::Future;

@@ -917,7 +917,7 @@ pub fn spawn_logged(
         confine_vcpus(&cg, pid, vcpus);
         let _ = child.wait();
     });
-    Ok((pid, super::function::proc_starttime(pid).unwrap_or(0)))
+    Ok((pid, crate::sys::proc_starttime(pid).unwrap_or(0)))
 }
 
 /// The vCPU count of a QEMU command line (`-smp N[,…]`; 1 without `-smp`).
@@ -980,7 +980,7 @@ pub fn boot_failure(
     let keep = failed.join(format!("{id}.console.log"));
     let _ = std::fs::copy(&console, &keep);
     super::microvm::prune_failed(&failed);
-    let alive = super::function::proc_starttime(pid) == Some(starttime);
+    let alive = crate::sys::proc_starttime(pid) == Some(starttime);
     NodeError::io(
         format!(
             "{what} did not become ready within {}s ({}; QEMU {}; {err}): console kept at {}; QEMU said: {}; console tail: {}",

@@ -13,10 +13,11 @@
 //! On-disk state is unchanged: `vms/<id>/state.json` / `boot.json` hold a
 //! [`VmState`]; a node upgraded in place re-adopts the VMs of the previous one.
 use super::agent_files::{AgentFiles, HoldsAgent};
+use super::check_id;
 use super::function::ExecPlan;
-use super::function::{check_id, check_not_paused, freeze, proc_starttime, spawn_blocking, thaw};
 use super::microvm::snapshot::{self, ProcCell, QemuProc, Relay};
 use super::microvm::{Accel, VmState};
+use super::pause::{check_not_paused, freeze, thaw};
 use super::qemu::{Jail, QemuUids, AGENT_FD, AGENT_SOCK, QMP_FD, QMP_SOCK};
 use super::SandboxBackend;
 use crate::agent_client::AgentClient;
@@ -24,6 +25,7 @@ use crate::cgroups::{CgroupRoot, SandboxCgroup};
 use crate::checkpoints::{Captured, Checkpoint};
 use crate::images::Image;
 use crate::node::{ExecControl, ExecSink, NodeError, NodeResult, SandboxSpec, SandboxStatus};
+use crate::sys::{proc_starttime, spawn_blocking};
 use async_trait::async_trait;
 use sandlot_api::{Backend, ExecRequest, ExecResult};
 use std::collections::HashMap;

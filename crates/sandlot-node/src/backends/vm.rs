@@ -42,7 +42,7 @@
 //! new layer on the checkpoint's chain, shared by hard links, not copied (`chain`).
 mod chain;
 
-use super::function::{spawn_blocking, StoredSpec};
+use super::function::StoredSpec;
 use super::microvm::snapshot::Relay;
 use super::microvm::{find_binary, spawn_qemu, write_cpio, write_json, Accel, VmState};
 use super::qemu::{
@@ -55,6 +55,7 @@ use crate::cgroups::{CgroupRoot, SandboxCgroup};
 use crate::checkpoints::{Captured, Checkpoint};
 use crate::images::{fnv, Image, ImageStore};
 use crate::node::{NodeError, NodeResult, SandboxSpec};
+use crate::sys::spawn_blocking;
 use async_trait::async_trait;
 use sandlot_api::Backend;
 use std::path::{Path, PathBuf};

@@ -32,11 +32,11 @@
 //! cut short by a node crash is killed first).
 use super::VmState;
 use crate::agent_client::AgentClient;
-use crate::backends::function::{proc_starttime, spawn_blocking};
 use crate::backends::qemu::Jail;
 use crate::cgroups::SandboxCgroup;
 use crate::node::{NodeError, NodeResult};
 use crate::qmp::Qmp;
+use crate::sys::{proc_starttime, spawn_blocking};
 use serde_json::json;
 use std::os::fd::{AsFd, AsRawFd};
 use std::os::unix::fs::OpenOptionsExt;

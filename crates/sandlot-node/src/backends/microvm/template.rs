@@ -30,11 +30,11 @@
 use super::snapshot::{kill_and_wait, load_memory, save_memory, Relay, MEMORY_FILE, QMP_SOCK};
 use super::{make_scratch, spawn_qemu, Accel, MicrovmBackend, VmState, QEMU_PIDS};
 use crate::agent_client::AgentClient;
-use crate::backends::function::spawn_blocking;
 use crate::backends::qemu::{self, Jail};
 use crate::cgroups::SandboxCgroup;
 use crate::node::{NodeError, NodeResult};
 use crate::qmp::Qmp;
+use crate::sys::spawn_blocking;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant, SystemTime};
 
