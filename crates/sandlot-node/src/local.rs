@@ -60,7 +60,7 @@ pub struct NodeConfig {
     pub function_pool_images: Vec<String>,
     /// Ready runc containers kept per image in [`NodeConfig::warm_pool_images`] (default 0:
     /// no container pool; `sandlot up` defaults to 2). The pool starts after the first
-    /// [`Node::readopt`]; see [`crate::backends::container_pool`].
+    /// [`Node::readopt`]; see [`crate::backends::container::pool`].
     pub container_warm_pool: usize,
     /// OCI runtime of `container` sandboxes created without one (default runc).
     pub default_runtime: Runtime,
@@ -231,8 +231,8 @@ impl LocalNode {
     /// ones it has no record of).
     pub fn sandboxes_on_disk(&self) -> Vec<String> {
         let pools = [
-            crate::backends::function_pool::POOL_PREFIX,
-            crate::backends::container_pool::POOL_PREFIX,
+            crate::backends::function::pool::POOL_PREFIX,
+            crate::backends::container::pool::POOL_PREFIX,
         ];
         let mut ids: Vec<String> = ["sandboxes", "containers", "microvm", "vm"]
             .iter()

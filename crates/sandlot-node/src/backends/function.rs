@@ -79,9 +79,9 @@
 //!   a zombie for a while; it holds no memory, cgroup or mount).
 mod agent;
 pub(crate) use agent::launch as launch_agent;
+pub mod pool;
 
 use super::check_id;
-use super::function_pool::{pool_dir, tmp_compatible, FunctionPool, Jails};
 use super::pause::{check_not_paused, freeze, thaw, FREEZE_TIMEOUT};
 use super::pool::WarmPool;
 use super::spawn::{cloexec_pipe, dup_high, SpawnedChild};
@@ -96,6 +96,7 @@ use crate::output::Capture;
 use crate::sys::{proc_starttime, spawn_blocking};
 use async_trait::async_trait;
 use base64::Engine as _;
+use pool::{pool_dir, tmp_compatible, FunctionPool, Jails};
 use sandlot_api::{Backend, ExecEvent, ExecRequest, ExecResult, FileEntry};
 use sandlot_guest::spec::{ExecSpec, ExecStatus, InitReady, InitSpec, Rlimit, RlimitResource};
 use serde::{Deserialize, Serialize};
@@ -199,7 +200,7 @@ pub struct JailState {
     /// Limits and environment.
     pub spec: StoredSpec,
     /// Name of the sandbox's cgroup when it is not the id: a sandbox handed over by the
-    /// warm pool keeps the cgroup it was built in (`wp-<hex>`; see [`super::function_pool`]).
+    /// warm pool keeps the cgroup it was built in (`wp-<hex>`; see [`pool`]).
     /// Absent in older files and for cold-created sandboxes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cgroup: Option<String>,
@@ -443,7 +444,7 @@ impl FunctionBackend {
         self.uids.clone()
     }
 
-    /// Start the warm pool (see [`super::function_pool`]); a second call does nothing, nor
+    /// Start the warm pool (see [`pool`]); a second call does nothing, nor
     /// does a pool of size 0 or no image. Call it after `readopt`, which clears the
     /// previous process's cgroups first.
     ///

@@ -7,9 +7,7 @@
 mod agent_exec;
 pub mod agent_files;
 pub mod container;
-pub mod container_pool;
 pub mod function;
-pub mod function_pool;
 pub mod gvisor_audit;
 pub mod microvm;
 mod pause;

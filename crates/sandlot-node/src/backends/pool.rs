@@ -1,7 +1,7 @@
 //! Warm pools: ready sandboxes built ahead of time, so that a create only has to hand one
 //! over. One generic pool ([`WarmPool`]) serves the `function` backend
-//! ([`super::function_pool`]: jails `wp-<hex>`) and the `container` backend
-//! ([`super::container_pool`]: runc containers `cp-<hex>`); a small trait,
+//! ([`super::function::pool`]: jails `wp-<hex>`) and the `container` backend
+//! ([`super::container::pool`]: runc containers `cp-<hex>`); a small trait,
 //! [`PoolMember`], supplies what differs (build, destroy, the state file, the state after
 //! hand-over).
 //!
