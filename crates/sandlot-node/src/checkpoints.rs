@@ -13,7 +13,7 @@
 //!   as `DATA/checkpoints/<ck>/disk.img`.
 //! * `vm`: hard links to the VM's frozen qcow2 layers (`top.qcow2` and the layers below
 //!   it), frozen by a live external snapshot; forks are new layers on that chain, sharing
-//!   it by hard links instead of copying (`backends/vm/chain.rs`).
+//!   it by hard links instead of copying (`backends/qemu/vm/chain.rs`).
 //!
 //! `meta.json` ([`CheckpointMeta`]) sits next to the content; a checkpoint is built in
 //! `<ck>.tmp/` and renamed into place, so a crash leaves no half-made checkpoint (leftover

@@ -9,10 +9,10 @@
 //! ```
 use crate::backends::container::{ContainerBackend, ContainerConfig, Runtime};
 use crate::backends::function::{FunctionBackend, FunctionConfig};
-use crate::backends::microvm::{MicrovmBackend, MicrovmConfig};
 use crate::backends::pool::PoolConfig;
+use crate::backends::qemu::microvm::{MicrovmBackend, MicrovmConfig};
+use crate::backends::qemu::vm::{VmBackend, VmConfig};
 use crate::backends::qemu::AccelProbe;
-use crate::backends::vm::{VmBackend, VmConfig};
 use crate::backends::AnyBackend;
 use crate::cgroups::CgroupRoot;
 use crate::checkpoints::{CheckpointMeta, CheckpointStore};

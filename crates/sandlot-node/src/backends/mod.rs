@@ -9,14 +9,11 @@ pub mod agent_files;
 pub mod container;
 pub mod function;
 pub mod gvisor_audit;
-pub mod microvm;
 mod pause;
 pub mod pool;
 pub mod qemu;
-pub mod qemu_sandbox;
 mod spawn;
 pub mod uids;
-pub mod vm;
 
 use crate::checkpoints::{Captured, Checkpoint};
 use crate::images::Image;
@@ -204,9 +201,9 @@ pub enum AnyBackend {
     /// OCI containers (`backend=container`).
     Container(container::ContainerBackend),
     /// QEMU microVMs (`backend=microvm`).
-    Microvm(microvm::MicrovmBackend),
+    Microvm(qemu::microvm::MicrovmBackend),
     /// QEMU q35 VMs (`backend=vm`).
-    Vm(vm::VmBackend),
+    Vm(qemu::vm::VmBackend),
     /// A backend this node cannot run, with the reason.
     Unavailable {
         /// Which backend.

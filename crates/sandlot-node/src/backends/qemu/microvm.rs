@@ -29,20 +29,20 @@
 //! Accelerator: KVM when `/dev/kvm` opens and a probe boot of the guest kernel reaches init
 //! within [`PROBE_TIMEOUT`] (some hosts' nested KVM cannot boot a stock kernel), else TCG;
 //! decided once per node process (in the background from node start, shared with the `vm`
-//! backend: [`super::qemu::AccelProbe`]), logged, shown in node info and each sandbox's
+//! backend: [`super::AccelProbe`]), logged, shown in node info and each sandbox's
 //! info; `SANDLOT_VM_ACCEL=kvm|tcg` (or the older `SANDLOT_MICROVM_ACCEL`) forces it.
 //!
 //! Jailing: every QEMU runs in its own cgroup (memory = the guest's plus
 //! [`QEMU_OVERHEAD_MIB`]; its vCPU threads held to the sandbox's CPU, QEMU as a whole to
-//! that plus [`super::qemu::VMM_CPU_HEADROOM`] on cgroup v1; [`QEMU_PIDS`] tasks) with `-sandbox on`
+//! that plus [`super::VMM_CPU_HEADROOM`] on cgroup v1; [`QEMU_PIDS`] tasks) with `-sandbox on`
 //! (QEMU's seccomp filter: no spawning, no privilege changes, no obsolete calls, no
 //! resource control calls), in a session of its own, so it outlives a node restart and
 //! is re-adopted, and as an unprivileged host uid of its own that reaches only its own
 //! files and the shared read-only ones (see [`super::qemu`]).
-use super::function::StoredSpec;
-use super::qemu::{DiskHold, ImageDisks, Jail, QemuUids, AGENT_FD, CONSOLE_LOG, QMP_FD};
-use super::qemu_sandbox::{Machine, QemuCore, QemuVm};
+use super::sandbox::{Machine, QemuCore, QemuVm};
+use super::{DiskHold, ImageDisks, Jail, QemuUids, AGENT_FD, CONSOLE_LOG, QMP_FD};
 use crate::agent_client::AgentClient;
+use crate::backends::function::StoredSpec;
 use crate::cgroups::{CgroupRoot, SandboxCgroup};
 use crate::checkpoints::{Captured, Checkpoint};
 use crate::images::{fnv, Image, ImageStore};
@@ -133,11 +133,11 @@ pub struct MicrovmConfig {
     /// The statically linked `sandlot-guest` (the guest's `/init`).
     pub agent_bin: PathBuf,
     /// The node's accelerator decision (forced or probed), shared with the `vm` backend.
-    pub probe: Arc<super::qemu::AccelProbe>,
+    pub probe: Arc<super::AccelProbe>,
     /// Host uids of the QEMUs (one per sandbox), shared with the `vm` backend.
     pub uids: Arc<QemuUids>,
     /// The node's image store: which image disks a create may still ask for (collection of
-    /// the others, [`super::qemu::collect_image_disks`]).
+    /// the others, [`super::collect_image_disks`]).
     pub images: ImageStore,
 }
 
@@ -356,7 +356,7 @@ impl MicrovmBackend {
         if let Ok(abs) = std::fs::canonicalize(&cfg.agent_bin) {
             cfg.agent_bin = abs;
         }
-        if !super::container::is_static_elf(&cfg.agent_bin) {
+        if !crate::backends::container::is_static_elf(&cfg.agent_bin) {
             return Err(NodeError::Unavailable(format!(
                 "the microvm backend needs a statically linked sandlot-guest as the guest's init; {} is missing or dynamic",
                 cfg.agent_bin.display()
@@ -365,8 +365,8 @@ impl MicrovmBackend {
         // QEMU runs as an unprivileged uid per sandbox: it walks down to its own VM
         // directory (0710, group = its uid) and opens the shared read-only files by name
         // (0711 directories: nobody lists them). Failed consoles stay root's.
-        super::qemu::prepare_backend_dir(&cfg.dir, &kernel, cfg.uids.group())?;
-        super::qemu::ensure_dir_mode(&cfg.dir.join("templates"), 0o711)?;
+        super::prepare_backend_dir(&cfg.dir, &kernel, cfg.uids.group())?;
+        super::ensure_dir_mode(&cfg.dir.join("templates"), 0o711)?;
         let mut entries: Vec<(String, u32, Option<Vec<u8>>)> = vec![
             ("dev".into(), 0o755, None),
             ("proc".into(), 0o555, None),
@@ -507,11 +507,11 @@ impl MicrovmBackend {
                 if st.qemu_args.is_empty() {
                     return Err(format!("sandbox {}'s state names no QEMU arguments", st.id));
                 }
-                used.extend(super::qemu::drive_files(&st.qemu_args));
+                used.extend(super::drive_files(&st.qemu_args));
             }
             Ok(used)
         };
-        super::qemu::collect_image_disks(
+        super::collect_image_disks(
             "microvm",
             &self.cfg.dir.join("images"),
             "erofs",
@@ -543,7 +543,7 @@ impl MicrovmBackend {
             "-M",
             "microvm,rtc=on,pit=off",
             "-name",
-            super::qemu::QEMU_NAME,
+            super::QEMU_NAME,
             "-nodefaults",
             "-no-user-config",
             "-display",
@@ -559,7 +559,7 @@ impl MicrovmBackend {
                 "-accel",
                 "tcg,thread=multi,tb-size=64",
                 "-cpu",
-                super::qemu::TCG_CPU,
+                super::TCG_CPU,
             ]),
         }
         let p = |x: &Path| x.display().to_string();
@@ -590,14 +590,14 @@ impl MicrovmBackend {
             "-device",
             "virtio-serial-device",
             // Both sockets are bound by the node (`dir/agent.sock`, `dir/qmp.sock`) and
-            // inherited listening (see `super::qemu::Jail`).
+            // inherited listening (see `super::Jail`).
             "-chardev",
-            &super::qemu::chardev_on_fd("agent", AGENT_FD),
+            &super::chardev_on_fd("agent", AGENT_FD),
             "-device",
             &format!("virtserialport,chardev=agent,name={AGENT_PORT}"),
             // Pause with memory and template starts drive QEMU through QMP.
             "-chardev",
-            &super::qemu::chardev_on_fd("qmp", QMP_FD),
+            &super::chardev_on_fd("qmp", QMP_FD),
             "-mon",
             "chardev=qmp,mode=control",
             "-sandbox",
@@ -625,9 +625,9 @@ impl MicrovmBackend {
         let uid = self.cfg.uids.take(&spec.id)?;
         {
             let d = dir.clone();
-            spawn_blocking(move || super::qemu::prepare_vm_dir(&d, uid)).await?;
+            spawn_blocking(move || super::prepare_vm_dir(&d, uid)).await?;
         }
-        super::qemu::create_vmm_cgroup(cg, memory_mib, spec.cpu, QEMU_PIDS)?;
+        super::create_vmm_cgroup(cg, memory_mib, spec.cpu, QEMU_PIDS)?;
         let smp = (spec.cpu.ceil() as u64).clamp(1, 16);
         let sock = dir.join("agent.sock");
         // The guest agent puts every exec in a guest cgroup with this pids limit.
@@ -650,13 +650,8 @@ impl MicrovmBackend {
             // the kernel stops at "Marking TSC unstable". The guest's TSC is the host's
             // (TCG's `rdtsc` reads the host counter), so its rate is the host's: a fixed
             // guess (2 GHz) made the guest's clocks run 1.3x fast on a 2.6 GHz host.
-            let (khz, invariant) = spawn_blocking(|| {
-                Ok((
-                    super::qemu::host_tsc_khz(),
-                    super::qemu::host_tsc_invariant(),
-                ))
-            })
-            .await?;
+            let (khz, invariant) =
+                spawn_blocking(|| Ok((super::host_tsc_khz(), super::host_tsc_invariant()))).await?;
             append.push_str(&format!(" tsc_early_khz={khz} no_timer_check"));
             if invariant {
                 // No clocksource watchdog on the TSC: its only reference here is jiffies,
@@ -716,7 +711,7 @@ impl MicrovmBackend {
                     let d = dir.clone();
                     spawn_blocking(move || {
                         let _ = std::fs::remove_file(d.join(CONSOLE_LOG));
-                        super::qemu::prepare_vm_dir(&d, uid)
+                        super::prepare_vm_dir(&d, uid)
                     })
                     .await?;
                 }
@@ -731,7 +726,7 @@ impl MicrovmBackend {
                 let s = scratch.clone();
                 spawn_blocking(move || make_scratch(&s, mib)).await?;
             }
-            super::qemu::give_file(&scratch, uid)?;
+            super::give_file(&scratch, uid)?;
             let (pid, starttime) =
                 self.spawn_qemu(&args, &dir, cg, false, &self.core.jail(Some(uid), accel))?;
             t_spawn = Instant::now();
@@ -746,10 +741,8 @@ impl MicrovmBackend {
                 .await?;
         }
         let t_ready = Instant::now();
-        agent
-            .set_identity(&super::qemu::fresh_identity(&spec.id))
-            .await?;
-        super::qemu::sync_clock(&agent, &spec.id, "microvm").await;
+        agent.set_identity(&super::fresh_identity(&spec.id)).await?;
+        super::sync_clock(&agent, &spec.id, "microvm").await;
         let ms = |a: Instant, b: Instant| b.saturating_duration_since(a).as_secs_f64() * 1e3;
         let now = Instant::now();
         // Phases of a cold boot: `prep` (disk, directory, cgroup, scratch disk, QEMU
@@ -801,7 +794,7 @@ pub(crate) fn spawn_qemu(
 ) -> NodeResult<(i32, u64)> {
     let mut cmd = std::process::Command::new(qemu);
     cmd.args(args);
-    super::qemu::spawn_logged(&mut cmd, dir, cg, append, jail)
+    super::spawn_logged(&mut cmd, dir, cg, append, jail)
 }
 
 impl MicrovmBackend {
@@ -973,7 +966,7 @@ pub(crate) fn probe_kvm(qemu: &Path, kit: &Path, initrd: &Path, jail: &Jail) -> 
         return (Accel::Tcg, format!("/dev/kvm: {e}"));
     }
     let mut cmd = std::process::Command::new(qemu);
-    super::qemu::run_as(&mut cmd, jail);
+    super::run_as(&mut cmd, jail);
     let child = cmd
         .args([
             "-M", "microvm", "-accel", "kvm", "-cpu", "host", "-m", "256M", "-smp", "1",

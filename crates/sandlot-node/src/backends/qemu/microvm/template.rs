@@ -251,7 +251,7 @@ impl MicrovmBackend {
             let owner = format!("tpl-{key}");
             let res = match uids.take(&owner) {
                 Ok(uid) => {
-                    let jail = crate::backends::qemu_sandbox::qemu_jail(&uids, Some(uid), accel);
+                    let jail = crate::backends::qemu::sandbox::qemu_jail(&uids, Some(uid), accel);
                     build(
                         &qemu,
                         &cg,

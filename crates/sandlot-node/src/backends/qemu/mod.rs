@@ -31,12 +31,16 @@
 //! QEMU's own `-runas` cannot be used: it calls setgid/setuid after `-sandbox
 //! elevateprivileges=deny` is in force and dies of SIGSYS (QEMU 7.2), so the node drops to
 //! the uid between fork and exec instead.
-use super::microvm::{probe_kvm, Accel};
-use super::uids::{UidLease, UidSlots};
+pub mod microvm;
+pub mod sandbox;
+pub mod vm;
+
 use crate::agent_client::AgentClient;
+use crate::backends::uids::{UidLease, UidSlots};
 use crate::cgroups::{Limits, SandboxCgroup};
 use crate::images::{Image, ImageStore};
 use crate::node::{NodeError, NodeResult};
+use microvm::{probe_kvm, Accel};
 use sandlot_guest::agent_proto::IdentityRequest;
 use std::collections::{HashMap, HashSet};
 use std::os::fd::{AsRawFd, RawFd};
@@ -186,7 +190,7 @@ pub const VMM_CPU_HEADROOM: f64 = 0.5;
 pub const QEMU_NAME: &str = "sandlot,debug-threads=on";
 
 /// Create the cgroup of a QEMU whose guest has `memory_mib` MiB and `cpu` cores: the
-/// memory limit adds [`QEMU_OVERHEAD_MIB`](super::microvm::QEMU_OVERHEAD_MIB), the vCPU
+/// memory limit adds [`QEMU_OVERHEAD_MIB`](microvm::QEMU_OVERHEAD_MIB), the vCPU
 /// threads are held to `cpu` and QEMU as a whole to `cpu` + [`VMM_CPU_HEADROOM`] (cgroup
 /// v1; on v2 all of QEMU to `cpu`), at most `pids_max` tasks.
 ///
@@ -199,7 +203,7 @@ pub fn create_vmm_cgroup(
     pids_max: u64,
 ) -> NodeResult<()> {
     let limits = Limits {
-        memory_bytes: (memory_mib + super::microvm::QEMU_OVERHEAD_MIB) << 20,
+        memory_bytes: (memory_mib + microvm::QEMU_OVERHEAD_MIB) << 20,
         cpu,
         pids_max,
     };
@@ -979,7 +983,7 @@ pub fn boot_failure(
     let failed = data_dir.join("failed");
     let keep = failed.join(format!("{id}.console.log"));
     let _ = std::fs::copy(&console, &keep);
-    super::microvm::prune_failed(&failed);
+    microvm::prune_failed(&failed);
     let alive = crate::sys::proc_starttime(pid) == Some(starttime);
     NodeError::io(
         format!(
@@ -988,8 +992,8 @@ pub fn boot_failure(
             accel.as_str(),
             if alive { "still running" } else { "exited" },
             keep.display(),
-            super::microvm::tail_of(&dir.join("qemu.log"), 400),
-            super::microvm::tail_of(&console, 800)
+            microvm::tail_of(&dir.join("qemu.log"), 400),
+            microvm::tail_of(&console, 800)
         ),
         std::io::Error::other("boot failed"),
     )

@@ -42,15 +42,15 @@
 //! new layer on the checkpoint's chain, shared by hard links, not copied (`chain`).
 mod chain;
 
-use super::function::StoredSpec;
 use super::microvm::snapshot::Relay;
 use super::microvm::{find_binary, spawn_qemu, write_cpio, write_json, Accel, VmState};
-use super::qemu::{
+use super::sandbox::{Machine, QemuCore, QemuVm};
+use super::{
     fresh_identity, AccelProbe, DiskHold, ImageDisks, QemuUids, AGENT_FD, AGENT_SOCK, CONSOLE_LOG,
     QMP_FD,
 };
-use super::qemu_sandbox::{Machine, QemuCore, QemuVm};
 use crate::agent_client::AgentClient;
+use crate::backends::function::StoredSpec;
 use crate::cgroups::{CgroupRoot, SandboxCgroup};
 use crate::checkpoints::{Captured, Checkpoint};
 use crate::images::{fnv, Image, ImageStore};
@@ -92,7 +92,7 @@ pub struct VmConfig {
     /// Host uids of the QEMUs (one per sandbox), shared with the `microvm` backend.
     pub uids: Arc<QemuUids>,
     /// The node's image store: which image disks a create may still ask for (collection of
-    /// the others, [`super::qemu::collect_image_disks`]).
+    /// the others, [`super::collect_image_disks`]).
     pub images: ImageStore,
     /// `DATA/checkpoints`: a checkpoint's qcow2 chain keeps its image disk.
     pub checkpoints_dir: PathBuf,
@@ -292,7 +292,7 @@ impl VmBackend {
         if let Ok(abs) = std::fs::canonicalize(&cfg.agent_bin) {
             cfg.agent_bin = abs;
         }
-        if !super::container::is_static_elf(&cfg.agent_bin) {
+        if !crate::backends::container::is_static_elf(&cfg.agent_bin) {
             return Err(NodeError::Unavailable(format!(
                 "the vm backend needs a statically linked sandlot-guest as the guest's init; {} is missing or dynamic",
                 cfg.agent_bin.display()
@@ -300,7 +300,7 @@ impl VmBackend {
         }
         // Unprivileged QEMUs reach their VM directory and the shared read-only files only
         // (see `super::qemu`).
-        super::qemu::prepare_backend_dir(&cfg.dir, &kernel, cfg.uids.group())?;
+        super::prepare_backend_dir(&cfg.dir, &kernel, cfg.uids.group())?;
         let agent = std::fs::read(&cfg.agent_bin)
             .map_err(|e| NodeError::io(format!("read {}", cfg.agent_bin.display()), e))?;
         let agent_key = fnv(&[&agent]);
@@ -409,7 +409,7 @@ impl VmBackend {
                 })
                 .collect()
         };
-        super::qemu::collect_image_disks(
+        super::collect_image_disks(
             "vm",
             &self.cfg.dir.join("images"),
             "qcow2",
@@ -468,10 +468,10 @@ impl VmBackend {
         let uid = self.cfg.uids.take(&spec.id)?;
         {
             let (d, disk) = (dir.clone(), chain::layer_path(&dir, &active));
-            spawn_blocking(move || super::qemu::prepare_vm_files(&d, &[&disk], uid)).await?;
+            spawn_blocking(move || super::prepare_vm_files(&d, &[&disk], uid)).await?;
         }
         let memory_mib = spec.memory_mib.max(128);
-        super::qemu::create_vmm_cgroup(cg, memory_mib, spec.cpu, QEMU_PIDS)?;
+        super::create_vmm_cgroup(cg, memory_mib, spec.cpu, QEMU_PIDS)?;
         let smp = (spec.cpu.ceil() as u64).clamp(1, 16);
         let sock = dir.join(AGENT_SOCK);
         let mut append = format!(
@@ -487,7 +487,7 @@ impl VmBackend {
             "-M",
             "q35",
             "-name",
-            super::qemu::QEMU_NAME,
+            super::QEMU_NAME,
             "-nodefaults",
             "-no-user-config",
             "-display",
@@ -502,7 +502,7 @@ impl VmBackend {
                 "-accel",
                 "tcg,thread=multi,tb-size=64",
                 "-cpu",
-                super::qemu::TCG_CPU,
+                super::TCG_CPU,
             ],
         };
         args.extend(accel_args.map(String::from));
@@ -528,14 +528,14 @@ impl VmBackend {
             "-device".into(),
             "virtio-serial-pci".into(),
             // Both sockets are bound by the node (`dir/agent.sock`, `dir/qmp.sock`) and
-            // inherited listening (see `super::qemu::Jail`).
+            // inherited listening (see `super::Jail`).
             "-chardev".into(),
-            super::qemu::chardev_on_fd("agent", AGENT_FD),
+            super::chardev_on_fd("agent", AGENT_FD),
             "-device".into(),
             format!("virtserialport,chardev=agent,name={AGENT_PORT}"),
             // Checkpoints install disk layers, pause saves memory, through QMP.
             "-chardev".into(),
-            super::qemu::chardev_on_fd("qmp", QMP_FD),
+            super::chardev_on_fd("qmp", QMP_FD),
             "-mon".into(),
             "chardev=qmp,mode=control".into(),
             "-sandbox".into(),
@@ -569,7 +569,7 @@ impl VmBackend {
             .wait_booted(&agent, &spec.id, accel, timeouts, (pid, starttime))
             .await?;
         agent.set_identity(&fresh_identity(&spec.id)).await?;
-        super::qemu::sync_clock(&agent, &spec.id, "vm").await;
+        super::sync_clock(&agent, &spec.id, "vm").await;
         tracing::info!(sandbox = %spec.id, backend = "vm", accel = accel.as_str(), ms = started.elapsed().as_millis() as u64, "VM agent ready");
         write_json(&dir.join("state.json"), &state)?;
         Ok((state, (agent, relay)))
