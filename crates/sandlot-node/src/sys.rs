@@ -1,5 +1,5 @@
 //! Host helpers shared by the backends and the node's other modules: running blocking work
-//! off the async runtime ([`spawn_blocking`]) and a process's start time
+//! off the async runtime (`spawn_blocking`) and a process's start time
 //! ([`proc_starttime`]), which together with its pid names one process for good (a pid is
 //! reused, a (pid, start time) pair is not).
 use crate::node::{NodeError, NodeResult};

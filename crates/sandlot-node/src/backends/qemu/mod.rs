@@ -31,8 +31,11 @@
 //! QEMU's own `-runas` cannot be used: it calls setgid/setuid after `-sandbox
 //! elevateprivileges=deny` is in force and dies of SIGSYS (QEMU 7.2), so the node drops to
 //! the uid between fork and exec instead.
+pub mod accel;
 pub mod microvm;
 pub mod sandbox;
+pub(crate) mod snapshot;
+pub mod state;
 pub mod vm;
 
 use crate::agent_client::AgentClient;
@@ -40,7 +43,8 @@ use crate::backends::uids::{UidLease, UidSlots};
 use crate::cgroups::{Limits, SandboxCgroup};
 use crate::images::{Image, ImageStore};
 use crate::node::{NodeError, NodeResult};
-use microvm::{probe_kvm, Accel};
+use accel::probe_kvm;
+pub use accel::Accel;
 use sandlot_guest::agent_proto::IdentityRequest;
 use std::collections::{HashMap, HashSet};
 use std::os::fd::{AsRawFd, RawFd};
@@ -190,7 +194,7 @@ pub const VMM_CPU_HEADROOM: f64 = 0.5;
 pub const QEMU_NAME: &str = "sandlot,debug-threads=on";
 
 /// Create the cgroup of a QEMU whose guest has `memory_mib` MiB and `cpu` cores: the
-/// memory limit adds [`QEMU_OVERHEAD_MIB`](microvm::QEMU_OVERHEAD_MIB), the vCPU
+/// memory limit adds [`QEMU_OVERHEAD_MIB`], the vCPU
 /// threads are held to `cpu` and QEMU as a whole to `cpu` + [`VMM_CPU_HEADROOM`] (cgroup
 /// v1; on v2 all of QEMU to `cpu`), at most `pids_max` tasks.
 ///
@@ -203,7 +207,7 @@ pub fn create_vmm_cgroup(
     pids_max: u64,
 ) -> NodeResult<()> {
     let limits = Limits {
-        memory_bytes: (memory_mib + microvm::QEMU_OVERHEAD_MIB) << 20,
+        memory_bytes: (memory_mib + QEMU_OVERHEAD_MIB) << 20,
         cpu,
         pids_max,
     };
@@ -983,7 +987,7 @@ pub fn boot_failure(
     let failed = data_dir.join("failed");
     let keep = failed.join(format!("{id}.console.log"));
     let _ = std::fs::copy(&console, &keep);
-    microvm::prune_failed(&failed);
+    prune_failed(&failed);
     let alive = crate::sys::proc_starttime(pid) == Some(starttime);
     NodeError::io(
         format!(
@@ -992,11 +996,134 @@ pub fn boot_failure(
             accel.as_str(),
             if alive { "still running" } else { "exited" },
             keep.display(),
-            microvm::tail_of(&dir.join("qemu.log"), 400),
-            microvm::tail_of(&console, 800)
+            tail_of(&dir.join("qemu.log"), 400),
+            tail_of(&console, 800)
         ),
         std::io::Error::other("boot failed"),
     )
+}
+
+/// Host memory allowed to QEMU on top of the guest's RAM (device emulation, TCG's
+/// translation cache of `tb-size=64` MiB).
+pub const QEMU_OVERHEAD_MIB: u64 = 192;
+
+/// Failed-boot console logs kept.
+const FAILED_KEPT: usize = 20;
+
+/// The first `name` found in `PATH` or the usual system directories (`/usr/local/sbin`,
+/// `/usr/local/bin`, `/usr/sbin`, `/usr/bin`, `/sbin`).
+pub(crate) fn find_binary(name: &str) -> Option<PathBuf> {
+    let path = std::env::var("PATH").unwrap_or_default();
+    let found = path
+        .split(':')
+        .chain([
+            "/usr/local/sbin",
+            "/usr/local/bin",
+            "/usr/sbin",
+            "/usr/bin",
+            "/sbin",
+        ])
+        .filter(|d| !d.is_empty())
+        .map(|d| Path::new(d).join(name))
+        .find(|p| p.is_file());
+    found
+}
+
+/// Writes a newc cpio archive: `(path in archive, mode, contents)`; directories have
+/// `None` contents; `dev/console` is added as a character device (5, 1).
+pub(crate) fn write_cpio(
+    out: &Path,
+    entries: &[(String, u32, Option<Vec<u8>>)],
+) -> std::io::Result<()> {
+    use std::io::Write as _;
+    let tmp = out.with_extension("tmp");
+    let mut w = std::io::BufWriter::new(std::fs::File::create(&tmp)?);
+    let mut ino = 1u32;
+    let mut put = |w: &mut std::io::BufWriter<std::fs::File>,
+                   name: &str,
+                   mode: u32,
+                   data: &[u8],
+                   rdev: (u32, u32)|
+     -> std::io::Result<()> {
+        let nlink = if mode & 0o040000 != 0 { 2 } else { 1 };
+        let hdr = format!(
+            "070701{:08x}{:08x}{:08x}{:08x}{:08x}{:08x}{:08x}{:08x}{:08x}{:08x}{:08x}{:08x}{:08x}",
+            ino,
+            mode,
+            0,
+            0,
+            nlink,
+            0,
+            data.len(),
+            0,
+            0,
+            rdev.0,
+            rdev.1,
+            name.len() + 1,
+            0
+        );
+        ino += 1;
+        w.write_all(hdr.as_bytes())?;
+        w.write_all(name.as_bytes())?;
+        w.write_all(&[0])?;
+        let pad = (4 - (110 + name.len() + 1) % 4) % 4;
+        w.write_all(&[0u8; 4][..pad])?;
+        w.write_all(data)?;
+        w.write_all(&[0u8; 4][..(4 - data.len() % 4) % 4])?;
+        Ok(())
+    };
+    for (name, mode, data) in entries {
+        match data {
+            None => put(&mut w, name, 0o040000 | mode, &[], (0, 0))?,
+            Some(d) => put(&mut w, name, 0o100000 | mode, d, (0, 0))?,
+        }
+    }
+    put(&mut w, "dev/console", 0o020600, &[], (5, 1))?;
+    put(&mut w, "TRAILER!!!", 0, &[], (0, 0))?;
+    w.into_inner().map_err(|e| e.into_error())?.sync_all()?;
+    std::fs::rename(&tmp, out)
+}
+
+/// The last `n` bytes of the file at `path` (lossy UTF-8, trimmed); empty when unreadable.
+pub(crate) fn tail_of(path: &Path, n: usize) -> String {
+    let s = std::fs::read(path).unwrap_or_default();
+    let s = String::from_utf8_lossy(&s[s.len().saturating_sub(n)..]).into_owned();
+    s.trim().to_string()
+}
+
+/// Starts the QEMU binary `qemu` with `args` in `dir` ([`spawn_logged`]: its log in
+/// `dir/qemu.log`, appended to when `append`), in cgroup `cg`, jailed by `jail`; returns
+/// its pid and start time.
+///
+/// # Errors
+/// `Internal` when the log cannot be opened or QEMU cannot be started.
+pub(crate) fn spawn_qemu(
+    qemu: &Path,
+    args: &[String],
+    dir: &Path,
+    cg: &SandboxCgroup,
+    append: bool,
+    jail: &Jail,
+) -> NodeResult<(i32, u64)> {
+    let mut cmd = std::process::Command::new(qemu);
+    cmd.args(args);
+    spawn_logged(&mut cmd, dir, cg, append, jail)
+}
+
+/// Removes the oldest files of `dir` (by modification time) beyond the newest
+/// [`FAILED_KEPT`].
+pub(crate) fn prune_failed(dir: &Path) {
+    let mut files: Vec<(std::time::SystemTime, PathBuf)> = std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| Some((e.metadata().ok()?.modified().ok()?, e.path())))
+        .collect();
+    files.sort();
+    let excess = files.len().saturating_sub(FAILED_KEPT);
+    for (_, p) in files.into_iter().take(excess) {
+        let _ = std::fs::remove_file(p);
+    }
 }
 
 #[cfg(test)]

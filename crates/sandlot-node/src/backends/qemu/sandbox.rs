@@ -12,8 +12,9 @@
 //!
 //! On-disk state is unchanged: `vms/<id>/state.json` / `boot.json` hold a
 //! [`VmState`]; a node upgraded in place re-adopts the VMs of the previous one.
-use super::microvm::snapshot::{self, ProcCell, QemuProc, Relay};
-use super::microvm::{Accel, VmState};
+use super::snapshot::{self, ProcCell, QemuProc, Relay};
+use super::state::VmState;
+use super::Accel;
 use super::{Jail, QemuUids, AGENT_FD, AGENT_SOCK, QMP_FD, QMP_SOCK};
 use crate::agent_client::AgentClient;
 use crate::backends::agent_files::{AgentFiles, HoldsAgent};

@@ -20,7 +20,7 @@
 //!   `chain`), `agent.sock`, `qmp.sock`, `console.log`, `qemu.log`, `boot.json` /
 //!   `state.json` — as for `microvm`, owners included (QEMU runs as the sandbox's
 //!   unprivileged uid and owns only its active layer and `console.log`; frozen layers are
-//!   root's, readable by the QEMUs' shared group: see `chain` and [`super::qemu`]).
+//!   root's, readable by the QEMUs' shared group: see `chain` and [`super`]).
 //! * `failed/<id>.console.log` — the console of a VM that did not become ready (last 20).
 //!
 //! Boot: direct kernel boot (`-kernel` = the kit's kernel, `-initrd` = the initramfs,
@@ -36,15 +36,16 @@
 //! after a node restart), readiness deadline, failed-boot consoles, pause with memory
 //! (the agent relay and the save/restore steps of `snapshot`; the `-drive` of the resume's
 //! command line is brought up to the active disk layer at each pause) and delete are the
-//! `microvm` backend's ([`super::microvm`], [`super::qemu`]).
+//! `microvm` backend's ([`super::microvm`], [`super`]).
 //!
 //! Disk checkpoints and forks: live external qcow2 snapshots over QMP; a fork's disk is a
 //! new layer on the checkpoint's chain, shared by hard links, not copied (`chain`).
 mod chain;
 
-use super::microvm::snapshot::Relay;
-use super::microvm::{find_binary, spawn_qemu, write_cpio, write_json, Accel, VmState};
 use super::sandbox::{Machine, QemuCore, QemuVm};
+use super::snapshot::Relay;
+use super::state::{write_json, VmState};
+use super::{find_binary, spawn_qemu, write_cpio, Accel};
 use super::{
     fresh_identity, AccelProbe, DiskHold, ImageDisks, QemuUids, AGENT_FD, AGENT_SOCK, CONSOLE_LOG,
     QMP_FD,
