@@ -43,7 +43,7 @@ use super::sandbox::{Machine, QemuCore, QemuVm};
 use super::snapshot::Relay;
 use super::state::{write_json, VmState};
 use super::{find_binary, spawn_qemu, write_cpio, Accel};
-use super::{DiskHold, ImageDisks, Jail, QemuUids, AGENT_FD, CONSOLE_LOG, QMP_FD};
+use super::{DiskHold, ImageDisks, Jail, QemuUids, CONSOLE_LOG};
 use crate::agent_client::AgentClient;
 use crate::backends::function::StoredSpec;
 use crate::cgroups::{CgroupRoot, SandboxCgroup};
@@ -89,8 +89,6 @@ pub const SKIPPED_INITCALLS: &[&str] = &[
 ];
 /// Tasks (threads) allowed to one QEMU.
 pub const QEMU_PIDS: u64 = 64;
-/// Name of the guest's agent port.
-const AGENT_PORT: &str = "org.sandlot.agent";
 
 /// Static configuration of the microvm backend.
 #[derive(Debug, Clone)]
@@ -388,73 +386,33 @@ impl MicrovmBackend {
         disk: &Path,
         dir: &Path,
     ) -> Vec<String> {
-        let mut args: Vec<String> = [
-            // `rtc=on`: the CMOS RTC is the guest's wall clock at boot. `pit=off`: no i8254
-            // timer, whose presence makes the kernel time its CPU clock against it at boot
-            // (~50 ms under TCG); the TSC and the local APIC timer are the guest's clocks.
-            "-M",
-            "microvm,rtc=on,pit=off",
-            "-name",
-            super::QEMU_NAME,
-            "-nodefaults",
-            "-no-user-config",
-            "-display",
-            "none",
-            "-no-reboot",
-        ]
-        .map(String::from)
-        .to_vec();
-        let mut push = |xs: &[&str]| args.extend(xs.iter().map(|x| x.to_string()));
-        match accel {
-            Accel::Kvm => push(&["-accel", "kvm", "-cpu", "host"]),
-            Accel::Tcg => push(&[
-                "-accel",
-                "tcg,thread=multi,tb-size=64",
-                "-cpu",
-                super::TCG_CPU,
-            ]),
-        }
-        let p = |x: &Path| x.display().to_string();
-        push(&[
-            "-smp",
-            &smp.to_string(),
-            "-m",
-            &format!("{memory_mib}M"),
-            "-kernel",
-            &p(&kit_kernel(&self.cfg.kit_dir)),
-            "-initrd",
-            &p(&self.cfg.dir.join("initramfs.cpio")),
-            "-append",
+        // `rtc=on`: the CMOS RTC is the guest's wall clock at boot. `pit=off`: no i8254
+        // timer, whose presence makes the kernel time its CPU clock against it at boot
+        // (~50 ms under TCG); the TSC and the local APIC timer are the guest's clocks.
+        let mut args = super::machine_args("microvm,rtc=on,pit=off", accel);
+        args.extend(super::boot_args(
+            smp,
+            memory_mib,
+            &kit_kernel(&self.cfg.kit_dir),
+            &self.cfg.dir.join("initramfs.cpio"),
             append,
-            "-serial",
-            &format!("file:{}", p(&dir.join(CONSOLE_LOG))),
-            "-drive",
-            &format!("id=image,file={},format=raw,if=none,readonly=on", p(disk)),
-            "-device",
-            "virtio-blk-device,drive=image,serial=image",
-            "-drive",
-            &format!(
+            &dir.join(CONSOLE_LOG),
+        ));
+        let p = |x: &Path| x.display().to_string();
+        args.extend([
+            "-drive".into(),
+            format!("id=image,file={},format=raw,if=none,readonly=on", p(disk)),
+            "-device".into(),
+            "virtio-blk-device,drive=image,serial=image".into(),
+            "-drive".into(),
+            format!(
                 "id=scratch,file={},format=raw,if=none",
                 p(&dir.join("scratch.img"))
             ),
-            "-device",
-            "virtio-blk-device,drive=scratch,serial=scratch",
-            "-device",
-            "virtio-serial-device",
-            // Both sockets are bound by the node (`dir/agent.sock`, `dir/qmp.sock`) and
-            // inherited listening (see `super::Jail`).
-            "-chardev",
-            &super::chardev_on_fd("agent", AGENT_FD),
-            "-device",
-            &format!("virtserialport,chardev=agent,name={AGENT_PORT}"),
-            // Pause with memory and template starts drive QEMU through QMP.
-            "-chardev",
-            &super::chardev_on_fd("qmp", QMP_FD),
-            "-mon",
-            "chardev=qmp,mode=control",
-            "-sandbox",
-            "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
+            "-device".into(),
+            "virtio-blk-device,drive=scratch,serial=scratch".into(),
         ]);
+        args.extend(super::control_args("virtio-serial-device"));
         args
     }
 

@@ -1010,6 +1010,84 @@ pub const QEMU_OVERHEAD_MIB: u64 = 192;
 /// Failed-boot console logs kept.
 const FAILED_KEPT: usize = 20;
 
+/// Name of the guest's agent port (virtio-serial), the same in every QEMU backend.
+pub const AGENT_PORT: &str = "org.sandlot.agent";
+
+/// The start of every sandbox QEMU's command line: machine `machine` (`-M`), the process
+/// name [`QEMU_NAME`], no default devices, no user config, no display, exit instead of
+/// reboot, and the accelerator: `-accel kvm -cpu host`, or multi-threaded TCG with a
+/// 64 MiB translation cache and [`TCG_CPU`].
+pub(crate) fn machine_args(machine: &str, accel: Accel) -> Vec<String> {
+    let accel: [&str; 4] = match accel {
+        Accel::Kvm => ["-accel", "kvm", "-cpu", "host"],
+        Accel::Tcg => ["-accel", "tcg,thread=multi,tb-size=64", "-cpu", TCG_CPU],
+    };
+    [
+        "-M",
+        machine,
+        "-name",
+        QEMU_NAME,
+        "-nodefaults",
+        "-no-user-config",
+        "-display",
+        "none",
+        "-no-reboot",
+    ]
+    .into_iter()
+    .chain(accel)
+    .map(String::from)
+    .collect()
+}
+
+/// A direct kernel boot: `smp` vCPUs, `memory_mib` MiB of guest RAM, `kernel` and `initrd`
+/// with command line `append`, the serial console written to the file `console`.
+pub(crate) fn boot_args(
+    smp: u64,
+    memory_mib: u64,
+    kernel: &Path,
+    initrd: &Path,
+    append: &str,
+    console: &Path,
+) -> Vec<String> {
+    vec![
+        "-smp".into(),
+        smp.to_string(),
+        "-m".into(),
+        format!("{memory_mib}M"),
+        "-kernel".into(),
+        kernel.display().to_string(),
+        "-initrd".into(),
+        initrd.display().to_string(),
+        "-append".into(),
+        append.into(),
+        "-serial".into(),
+        format!("file:{}", console.display()),
+    ]
+}
+
+/// The end of every sandbox QEMU's command line: the agent port [`AGENT_PORT`] on the
+/// inherited socket [`AGENT_FD`] and QMP on [`QMP_FD`] (both bound by the node, see
+/// [`Jail`]; pause with memory, templates and checkpoints drive QEMU through QMP), and
+/// QEMU's seccomp filter (`-sandbox on`, no obsolete calls, privilege changes, spawning or
+/// resource control). `serial_bus` is the virtio-serial controller of the machine
+/// (`virtio-serial-device` on microvm, `virtio-serial-pci` on q35).
+pub(crate) fn control_args(serial_bus: &str) -> Vec<String> {
+    vec![
+        "-device".into(),
+        serial_bus.into(),
+        "-chardev".into(),
+        chardev_on_fd("agent", AGENT_FD),
+        "-device".into(),
+        format!("virtserialport,chardev=agent,name={AGENT_PORT}"),
+        "-chardev".into(),
+        chardev_on_fd("qmp", QMP_FD),
+        "-mon".into(),
+        "chardev=qmp,mode=control".into(),
+        "-sandbox".into(),
+        "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny".into(),
+    ]
+}
+
 /// The first `name` found in `PATH` or the usual system directories (`/usr/local/sbin`,
 /// `/usr/local/bin`, `/usr/sbin`, `/usr/bin`, `/sbin`).
 pub(crate) fn find_binary(name: &str) -> Option<PathBuf> {
@@ -1129,6 +1207,58 @@ pub(crate) fn prune_failed(dir: &Path) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn command_line_pieces_keep_their_order() {
+        let m = machine_args("q35", Accel::Tcg);
+        assert_eq!(
+            m,
+            [
+                "-M",
+                "q35",
+                "-name",
+                QEMU_NAME,
+                "-nodefaults",
+                "-no-user-config",
+                "-display",
+                "none",
+                "-no-reboot",
+                "-accel",
+                "tcg,thread=multi,tb-size=64",
+                "-cpu",
+                TCG_CPU
+            ]
+        );
+        assert_eq!(
+            machine_args("q35", Accel::Kvm)[9..],
+            ["-accel", "kvm", "-cpu", "host"]
+        );
+        let b = boot_args(
+            2,
+            512,
+            Path::new("/k"),
+            Path::new("/i"),
+            "quiet",
+            Path::new("/c"),
+        );
+        assert_eq!(
+            b,
+            [
+                "-smp", "2", "-m", "512M", "-kernel", "/k", "-initrd", "/i", "-append", "quiet",
+                "-serial", "file:/c"
+            ]
+        );
+        let c = control_args("virtio-serial-pci");
+        assert_eq!(c[..2], ["-device", "virtio-serial-pci"]);
+        assert_eq!(
+            c[4..6],
+            [
+                "-device",
+                "virtserialport,chardev=agent,name=org.sandlot.agent"
+            ]
+        );
+        assert_eq!(c[c.len() - 2], "-sandbox");
+    }
 
     #[test]
     fn tsc_is_invariant_only_with_both_flags() {

@@ -46,10 +46,7 @@ use super::sandbox::{Machine, QemuCore, QemuVm};
 use super::snapshot::Relay;
 use super::state::{write_json, VmState};
 use super::{find_binary, spawn_qemu, write_cpio, Accel};
-use super::{
-    fresh_identity, AccelProbe, DiskHold, ImageDisks, QemuUids, AGENT_FD, AGENT_SOCK, CONSOLE_LOG,
-    QMP_FD,
-};
+use super::{fresh_identity, AccelProbe, DiskHold, ImageDisks, QemuUids, AGENT_SOCK, CONSOLE_LOG};
 use crate::agent_client::AgentClient;
 use crate::backends::function::StoredSpec;
 use crate::cgroups::{CgroupRoot, SandboxCgroup};
@@ -71,8 +68,6 @@ const READY_TIMEOUT_TCG: Duration = Duration::from_secs(180);
 /// pool (up to 64 threads per AioContext under heavy disk I/O, e.g. the guest's online
 /// resize; at the limit QEMU aborts in `qemu_thread_create`).
 const QEMU_PIDS: u64 = 160;
-/// Name of the guest's agent port.
-const AGENT_PORT: &str = "org.sandlot.agent";
 /// QEMU's option whose value names the root disk (rewritten at pause: see `pause`).
 const DRIVE_FLAG: &str = "-drive";
 /// Where the agent lives inside the disk (`sandlot-guest`'s `vm::DISK_AGENT`).
@@ -483,65 +478,24 @@ impl VmBackend {
             append.push(' ');
             append.push_str(&extra);
         }
-        let p = |p: &Path| p.display().to_string();
-        let mut args: Vec<String> = [
-            "-M",
-            "q35",
-            "-name",
-            super::QEMU_NAME,
-            "-nodefaults",
-            "-no-user-config",
-            "-display",
-            "none",
-            "-no-reboot",
-        ]
-        .map(String::from)
-        .to_vec();
-        let accel_args = match accel {
-            Accel::Kvm => ["-accel", "kvm", "-cpu", "host"],
-            Accel::Tcg => [
-                "-accel",
-                "tcg,thread=multi,tb-size=64",
-                "-cpu",
-                super::TCG_CPU,
-            ],
-        };
-        args.extend(accel_args.map(String::from));
+        let mut args = super::machine_args("q35", accel);
+        args.extend(super::boot_args(
+            smp,
+            memory_mib,
+            &self.cfg.kit_dir.join("vmlinuz"),
+            &self.cfg.dir.join("initramfs.cpio"),
+            &append,
+            &dir.join(CONSOLE_LOG),
+        ));
         args.extend([
-            "-smp".into(),
-            smp.to_string(),
-            "-m".into(),
-            format!("{memory_mib}M"),
-            "-kernel".into(),
-            p(&self.cfg.kit_dir.join("vmlinuz")),
-            "-initrd".into(),
-            p(&self.cfg.dir.join("initramfs.cpio")),
-            "-append".into(),
-            append.clone(),
-            "-serial".into(),
-            format!("file:{}", p(&dir.join(CONSOLE_LOG))),
             DRIVE_FLAG.into(),
             drive_arg(&dir, &active),
             "-device".into(),
             "virtio-blk-pci,drive=root,serial=root".into(),
             "-device".into(),
             "virtio-rng-pci".into(),
-            "-device".into(),
-            "virtio-serial-pci".into(),
-            // Both sockets are bound by the node (`dir/agent.sock`, `dir/qmp.sock`) and
-            // inherited listening (see `super::Jail`).
-            "-chardev".into(),
-            super::chardev_on_fd("agent", AGENT_FD),
-            "-device".into(),
-            format!("virtserialport,chardev=agent,name={AGENT_PORT}"),
-            // Checkpoints install disk layers, pause saves memory, through QMP.
-            "-chardev".into(),
-            super::chardev_on_fd("qmp", QMP_FD),
-            "-mon".into(),
-            "chardev=qmp,mode=control".into(),
-            "-sandbox".into(),
-            "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny".into(),
         ]);
+        args.extend(super::control_args("virtio-serial-pci"));
         let jail = self.core.jail(Some(uid), accel);
         let (pid, starttime) = spawn_qemu(&self.core.qemu, &args, &dir, cg, false, &jail)?;
         let state = VmState {
