@@ -1,6 +1,6 @@
 """The warm pool of ready runc containers (`sandlot up --container-warm-pool N`): a create
 with runtime runc, network none, the default disk and no checkpoint is served by handing
-over an already-started container (crates/sandlot-node/src/backends/container_pool.rs).
+over an already-started container (crates/sandlot-node/src/backends/container/pool.rs).
 
 Real runc, real cgroups, a private `sandlot up` per module (data dir under /var/tmp: the
 containers' host uids must walk down to their rootfs). Checked: the hand-over is visible in

@@ -1,5 +1,5 @@
 //! pid 1 of a microVM: `/init` of the initramfs the node builds (see the node's
-//! `backends::microvm`). Steps, each failure printed to the console (the node keeps the
+//! `backends::qemu::microvm`). Steps, each failure printed to the console (the node keeps the
 //! console log of a failed boot):
 //!
 //! 1. mount `/proc`, `/sys`, `/dev` (devtmpfs) in the initramfs;

@@ -13,7 +13,7 @@
 //!   as `DATA/checkpoints/<ck>/disk.img`.
 //! * `vm`: hard links to the VM's frozen qcow2 layers (`top.qcow2` and the layers below
 //!   it), frozen by a live external snapshot; forks are new layers on that chain, sharing
-//!   it by hard links instead of copying (`backends/vm/chain.rs`).
+//!   it by hard links instead of copying (`backends/qemu/vm/chain.rs`).
 //!
 //! `meta.json` ([`CheckpointMeta`]) sits next to the content; a checkpoint is built in
 //! `<ck>.tmp/` and renamed into place, so a crash leaves no half-made checkpoint (leftover
@@ -375,7 +375,7 @@ fn too_long_path(root: &Path, base: usize) -> Option<PathBuf> {
 pub fn shift_owners(root: &Path, from: u32, to: u32) -> NodeResult<()> {
     use std::os::unix::fs::lchown;
     let map = |id: u32| {
-        if id >= from && id - from < crate::backends::function::UID_COUNT {
+        if id >= from && id - from < crate::backends::uids::UID_COUNT {
             Some(id - from + to)
         } else {
             None
@@ -527,7 +527,7 @@ pub(crate) async fn frozen_copy<T: Send + 'static>(
     group: &crate::cgroups::Cgroup,
     copy: impl FnOnce() -> NodeResult<T> + Send + 'static,
 ) -> NodeResult<T> {
-    use crate::backends::function::spawn_blocking;
+    use crate::sys::spawn_blocking;
     use std::sync::atomic::Ordering::SeqCst;
     let guard = deleting.read().await;
     if *guard {

@@ -6,11 +6,10 @@
 //! id, only that question, nothing from the sandbox's additional section) to the upstream
 //! server, over the transport the sandbox used; it hands the A records of the answer section
 //! to a callback (which puts them into the sandbox's nft set) and only then answers, with
-//! TTLs capped at [`crate::net::MAX_DNS_TTL`]. Every other query is answered REFUSED
+//! TTLs capped at [`MAX_DNS_TTL`]. Every other query is answered REFUSED
 //! (RFC 1035 §4.1.1, "for policy reasons") without contacting the upstream, so a name
 //! cannot carry data out; malformed messages are dropped. Messages are parsed and encoded
 //! with `hickory-proto`.
-use crate::net::MAX_DNS_TTL;
 use hickory_proto::op::{Message, MessageType, OpCode, ResponseCode};
 use hickory_proto::rr::RData;
 use sandlot_api::AllowPolicy;
@@ -25,6 +24,11 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream, UdpSocket};
 use tokio::sync::Semaphore;
 use tokio::task::JoinHandle;
+
+/// Largest TTL passed to the sandbox (answers with longer TTLs are rewritten to this), and
+/// so the longest nft set element timeout in [`crate::net`]: a client never caches an
+/// address longer than the node allows it.
+pub const MAX_DNS_TTL: Duration = Duration::from_secs(3600);
 
 /// Upstream answer deadline per attempt (UDP is tried twice).
 const UPSTREAM_TIMEOUT: Duration = Duration::from_secs(2);

@@ -26,6 +26,7 @@ pub mod output;
 pub mod ports;
 pub mod processes;
 pub mod qmp;
+pub mod sys;
 
 pub use images::validate_name as validate_image_name;
 pub use images::validate_ref as validate_image_ref;

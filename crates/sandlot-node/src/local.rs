@@ -9,10 +9,10 @@
 //! ```
 use crate::backends::container::{ContainerBackend, ContainerConfig, Runtime};
 use crate::backends::function::{FunctionBackend, FunctionConfig};
-use crate::backends::microvm::{MicrovmBackend, MicrovmConfig};
 use crate::backends::pool::PoolConfig;
+use crate::backends::qemu::microvm::{MicrovmBackend, MicrovmConfig};
+use crate::backends::qemu::vm::{VmBackend, VmConfig};
 use crate::backends::qemu::AccelProbe;
-use crate::backends::vm::{VmBackend, VmConfig};
 use crate::backends::AnyBackend;
 use crate::cgroups::CgroupRoot;
 use crate::checkpoints::{CheckpointMeta, CheckpointStore};
@@ -60,7 +60,7 @@ pub struct NodeConfig {
     pub function_pool_images: Vec<String>,
     /// Ready runc containers kept per image in [`NodeConfig::warm_pool_images`] (default 0:
     /// no container pool; `sandlot up` defaults to 2). The pool starts after the first
-    /// [`Node::readopt`]; see [`crate::backends::container_pool`].
+    /// [`Node::readopt`]; see [`crate::backends::container::pool`].
     pub container_warm_pool: usize,
     /// OCI runtime of `container` sandboxes created without one (default runc).
     pub default_runtime: Runtime,
@@ -231,15 +231,15 @@ impl LocalNode {
     /// ones it has no record of).
     pub fn sandboxes_on_disk(&self) -> Vec<String> {
         let pools = [
-            crate::backends::function_pool::POOL_PREFIX,
-            crate::backends::container_pool::POOL_PREFIX,
+            crate::backends::function::pool::POOL_PREFIX,
+            crate::backends::container::pool::POOL_PREFIX,
         ];
         let mut ids: Vec<String> = ["sandboxes", "containers", "microvm", "vm"]
             .iter()
             .filter_map(|d| std::fs::read_dir(self.data_dir.join(d)).ok())
             .flat_map(|rd| rd.flatten())
             .map(|e| e.file_name().to_string_lossy().into_owned())
-            .filter(|n| crate::backends::function::check_id(n).is_ok())
+            .filter(|n| crate::backends::check_id(n).is_ok())
             .filter(|n| !pools.iter().any(|p| n.starts_with(p)))
             .collect();
         ids.sort();
@@ -597,10 +597,8 @@ impl Node for LocalNode {
             }
         };
         let t = tmp.clone();
-        let size_bytes = crate::backends::function::spawn_blocking(move || {
-            Ok(crate::checkpoints::disk_usage(&t))
-        })
-        .await?;
+        let size_bytes =
+            crate::sys::spawn_blocking(move || Ok(crate::checkpoints::disk_usage(&t))).await?;
         let meta = CheckpointMeta {
             id: checkpoint_id.to_string(),
             sandbox_id: id.to_string(),

@@ -78,10 +78,8 @@ use tokio::process::Command;
 /// Shortest nft set element timeout for a resolved address; a DNS TTL below it (down to 0)
 /// is lengthened to it so a client that connects right after resolving is not refused.
 pub const MIN_DNS_TIMEOUT: Duration = Duration::from_secs(60);
-/// Largest TTL passed to the sandbox (answers with longer TTLs are rewritten to this), and
-/// so the longest element timeout: a client never caches an address longer than the node
-/// allows it.
-pub const MAX_DNS_TTL: Duration = Duration::from_secs(3600);
+/// Largest TTL passed to the sandbox; defined by the resolver, which applies it.
+pub use crate::dns::MAX_DNS_TTL;
 
 /// Most addresses in one sandbox's resolved-address set; answers past it make the
 /// resolver answer SERVFAIL until elements expire.

@@ -60,7 +60,7 @@ fn connect_blocking(id: &str, pid: i32, starttime: u64, port: u16) -> NodeResult
         std::io::ErrorKind::NotFound => gone(),
         _ => NodeError::io(format!("open {ns_path}"), e),
     })?;
-    if crate::backends::function::proc_starttime(pid) != Some(starttime) {
+    if crate::sys::proc_starttime(pid) != Some(starttime) {
         return Err(gone());
     }
     let id = id.to_owned();

@@ -3,8 +3,9 @@
 //! (`SANDLOT_GUEST_BIN`, else `target/{release,debug}/sandlot-guest` of this build's
 //! profile); each test prints why it skips.
 use sandlot_api::{Backend, Cmd, ExecEvent, ExecRequest};
-use sandlot_node::backends::function::{mounts_under, proc_starttime, read_state};
+use sandlot_node::backends::function::{mounts_under, read_state};
 use sandlot_node::cgroups::CgroupRoot;
+use sandlot_node::sys::proc_starttime;
 use sandlot_node::{LocalNode, Node, NodeConfig, NodeError};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};

@@ -4,8 +4,9 @@
 //! read when the node opens (setting it while other tests' threads read the environment
 //! would race). Needs root, cgroups and the guest binary; prints why it skips.
 use sandlot_api::{Cmd, ExecRequest};
-use sandlot_node::backends::function::{proc_starttime, read_state};
+use sandlot_node::backends::function::read_state;
 use sandlot_node::cgroups::CgroupRoot;
+use sandlot_node::sys::proc_starttime;
 use sandlot_node::{LocalNode, Node, NodeConfig, SandboxSpec};
 
 use std::time::{Duration, Instant};

@@ -7,9 +7,10 @@
 //! `cargo test -p sandlot-node --test pool -- --nocapture` prints cold vs pooled create
 //! latency.
 use sandlot_api::{Backend, Cmd, ExecRequest};
-use sandlot_node::backends::function::{proc_starttime, read_state};
-use sandlot_node::backends::function_pool::POOL_PREFIX;
+use sandlot_node::backends::function::pool::POOL_PREFIX;
+use sandlot_node::backends::function::read_state;
 use sandlot_node::cgroups::CgroupRoot;
+use sandlot_node::sys::proc_starttime;
 use sandlot_node::{LocalNode, Node, NodeConfig, SandboxSpec};
 use std::path::PathBuf;
 use std::sync::Arc;

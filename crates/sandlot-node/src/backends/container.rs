@@ -47,7 +47,7 @@
 //! delete removes those too ([`CgroupRoot::runtime_groups`]), as runc gives up on them while
 //! exiting processes still hold them.
 //!
-//! Warm pool ([`super::container_pool`]): a runc create that the pool can serve takes a
+//! Warm pool ([`pool`]): a runc create that the pool can serve takes a
 //! ready container built under `DATA/container-pool/cp-<hex>` and renamed onto
 //! `DATA/containers/<id>`; its runc id and cgroup keep the pooled name, recorded in
 //! [`ContainerState`] (`runtime_id`, `cgroup`), through which every runtime call and cgroup
@@ -56,14 +56,14 @@
 //! Exit and OOM: the agent reports each exec's status; `oom_killed` is the delta of the
 //! container group's `oom_kill` counter over the exec (an overlapping exec's OOM kill is
 //! counted too).
+pub mod pool;
+
 use super::agent_exec;
 use super::agent_files::{AgentFiles, HoldsAgent};
-use super::container_pool::{pool_dir, spec_compatible, ContainerPool, Containers};
-use super::function::{
-    check_id, check_not_paused, destroy_blocking, freeze, make_layer_dirs, own_dir, proc_starttime,
-    spawn_blocking, thaw, ExecPlan, StoredSpec,
-};
+use super::check_id;
+use super::function::{destroy_blocking, make_layer_dirs, own_dir, ExecPlan, StoredSpec};
 use super::gvisor_audit;
+use super::pause::{check_not_paused, freeze, thaw};
 use super::pool::WarmPool;
 use super::uids::{UidLease, UidSlots};
 use super::SandboxBackend;
@@ -73,7 +73,9 @@ use crate::checkpoints::{Captured, Checkpoint};
 use crate::images::Image;
 use crate::net::{NetworkManager, NodeNet};
 use crate::node::{ExecControl, ExecSink, NodeError, NodeResult, SandboxSpec, SandboxStatus};
+use crate::sys::{proc_starttime, spawn_blocking};
 use async_trait::async_trait;
+use pool::{pool_dir, spec_compatible, ContainerPool, Containers};
 use sandlot_api::{Backend, ExecRequest, ExecResult};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
@@ -178,7 +180,7 @@ pub struct ContainerState {
     pub spec: StoredSpec,
     /// The OCI runtime's container id, where it is not `id`: a container handed over by
     /// the container pool keeps the id it was started under (`cp-<hex>`, see
-    /// [`super::container_pool`]). Absent (older state files too) = `id`.
+    /// [`pool`]). Absent (older state files too) = `id`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub runtime_id: Option<String>,
     /// Name of its cgroup (under the backend's parent), where it is not `id` (handed over
@@ -951,7 +953,7 @@ impl ContainerBackend {
             || self.pool.get().is_some_and(|p| p.owns(name))
     }
 
-    /// Start the warm pool of ready runc containers (see [`super::container_pool`]); a
+    /// Start the warm pool of ready runc containers (see [`pool`]); a
     /// second call does nothing, nor does a pool of size 0, no image, or no runc. Call it
     /// after `readopt`, which clears the previous process's cgroups first.
     ///
@@ -1394,7 +1396,7 @@ fn bundle_spec(
     let map = LinuxIdMappingBuilder::default()
         .container_id(0u32)
         .host_id(uid_base)
-        .size(super::function::UID_COUNT)
+        .size(super::uids::UID_COUNT)
         .build()
         .map_err(bad)?;
     let mut linux = Linux::default();

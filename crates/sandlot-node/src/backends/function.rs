@@ -79,11 +79,13 @@
 //!   a zombie for a while; it holds no memory, cgroup or mount).
 mod agent;
 pub(crate) use agent::launch as launch_agent;
+pub mod pool;
 
-use super::function_pool::{pool_dir, tmp_compatible, FunctionPool, Jails};
+use super::check_id;
+use super::pause::{check_not_paused, freeze, thaw, FREEZE_TIMEOUT};
 use super::pool::WarmPool;
 use super::spawn::{cloexec_pipe, dup_high, SpawnedChild};
-use super::uids::{UidLease, UidSlots};
+use super::uids::{UidLease, UidSlots, UID_COUNT};
 use super::SandboxBackend;
 use crate::cgroups::{Cgroup, CgroupRoot, Limits, SandboxCgroup};
 use crate::checkpoints::{Captured, Checkpoint};
@@ -91,8 +93,10 @@ use crate::files::SandboxFs;
 use crate::images::Image;
 use crate::node::{ExecControl, ExecSink, NodeError, NodeResult, SandboxSpec, SandboxStatus};
 use crate::output::Capture;
+use crate::sys::{proc_starttime, spawn_blocking};
 use async_trait::async_trait;
 use base64::Engine as _;
+use pool::{pool_dir, tmp_compatible, FunctionPool, Jails};
 use sandlot_api::{Backend, ExecEvent, ExecRequest, ExecResult, FileEntry};
 use sandlot_guest::spec::{ExecSpec, ExecStatus, InitReady, InitSpec, Rlimit, RlimitResource};
 use serde::{Deserialize, Serialize};
@@ -114,9 +118,6 @@ pub use sandlot_node_api::DEFAULT_MAX_OUTPUT;
 pub const MAX_MAX_OUTPUT: u64 = 64 << 20;
 /// Default exec timeout (60 s).
 pub const DEFAULT_TIMEOUT_S: f64 = 60.0;
-/// Number of uids/gids mapped into a sandbox (`0..65536` inside → `uid_base..` outside);
-/// also the size of one slot of [`super::uids::UidSlots`].
-pub const UID_COUNT: u32 = 65_536;
 /// Limit on open files of every exec.
 pub const NOFILE: u64 = 1024;
 
@@ -124,8 +125,6 @@ pub const NOFILE: u64 = 1024;
 const INIT_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long killing and removing cgroups may take.
 const KILL_TIMEOUT: Duration = Duration::from_secs(10);
-/// How long freezing a sandbox's cgroup may take (pause).
-const FREEZE_TIMEOUT: Duration = Duration::from_secs(10);
 /// After the command ended: how long to wait for the output pipes to reach EOF before the
 /// exec cgroup is killed (it holds background children that keep the pipes open).
 const PIPE_GRACE: Duration = Duration::from_millis(50);
@@ -201,7 +200,7 @@ pub struct JailState {
     /// Limits and environment.
     pub spec: StoredSpec,
     /// Name of the sandbox's cgroup when it is not the id: a sandbox handed over by the
-    /// warm pool keeps the cgroup it was built in (`wp-<hex>`; see [`super::function_pool`]).
+    /// warm pool keeps the cgroup it was built in (`wp-<hex>`; see [`pool`]).
     /// Absent in older files and for cold-created sandboxes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cgroup: Option<String>,
@@ -245,72 +244,6 @@ impl Jail {
     fn check_not_paused(&self) -> NodeResult<()> {
         check_not_paused(&self.paused, &self.state.id)
     }
-}
-
-/// `Conflict` ("sandbox is paused") while `paused` is set: exec and file calls of every
-/// backend that pauses by freezing its cgroup.
-pub(crate) fn check_not_paused(paused: &std::sync::atomic::AtomicBool, id: &str) -> NodeResult<()> {
-    if paused.load(Ordering::SeqCst) {
-        return Err(NodeError::Conflict(format!("sandbox is paused: {id}")));
-    }
-    Ok(())
-}
-
-/// Pause by freezing `group` (see [`SandboxBackend::pause`]), under the read side of the
-/// sandbox's lifecycle lock `deleting` (no delete runs meanwhile). `paused` is set first,
-/// so no new exec starts while the freeze is in progress, and cleared again if it fails.
-pub(crate) async fn freeze(
-    id: &str,
-    backend: &str,
-    deleting: &RwLock<bool>,
-    paused: &std::sync::atomic::AtomicBool,
-    group: &Cgroup,
-) -> NodeResult<()> {
-    let guard = deleting.read().await;
-    if *guard {
-        return Err(NodeError::NotFound(format!(
-            "sandbox {id} is being deleted"
-        )));
-    }
-    let _freezer = crate::checkpoints::FREEZER.lock().await;
-    paused.store(true, Ordering::SeqCst);
-    let g = group.clone();
-    let res = spawn_blocking(move || g.freeze(Instant::now() + FREEZE_TIMEOUT)).await;
-    if res.is_err() {
-        paused.store(false, Ordering::SeqCst);
-    } else {
-        tracing::info!(sandbox = %id, backend, "sandbox paused (cgroup frozen)");
-    }
-    res
-}
-
-/// Resume by thawing `group` (see [`SandboxBackend::resume`]); the counterpart of
-/// [`freeze`].
-pub(crate) async fn thaw(
-    id: &str,
-    backend: &str,
-    deleting: &RwLock<bool>,
-    paused: &std::sync::atomic::AtomicBool,
-    group: &Cgroup,
-) -> NodeResult<()> {
-    let guard = deleting.read().await;
-    if *guard {
-        return Err(NodeError::NotFound(format!(
-            "sandbox {id} is being deleted"
-        )));
-    }
-    let freezer = crate::checkpoints::FREEZER.lock().await;
-    if crate::checkpoints::copying(&freezer, id) {
-        // A checkpoint copy holds the group frozen; its end thaws it (not paused any more).
-        paused.store(false, Ordering::SeqCst);
-        tracing::info!(sandbox = %id, backend, "sandbox resumed (thawed when the checkpoint copy ends)");
-        return Ok(());
-    }
-    let g = group.clone();
-    spawn_blocking(move || g.thaw()).await?;
-    paused.store(false, Ordering::SeqCst);
-    tracing::info!(sandbox = %id, backend, "sandbox resumed (cgroup thawed)");
-    Ok(())
 }
 
 /// The function backend: sandboxes by id.
@@ -511,7 +444,7 @@ impl FunctionBackend {
         self.uids.clone()
     }
 
-    /// Start the warm pool (see [`super::function_pool`]); a second call does nothing, nor
+    /// Start the warm pool (see [`pool`]); a second call does nothing, nor
     /// does a pool of size 0 or no image. Call it after `readopt`, which clears the
     /// previous process's cgroups first.
     ///
@@ -1860,22 +1793,6 @@ async fn run_init(guest_bin: &Path, spec: &InitSpec) -> NodeResult<InitReady> {
     })
 }
 
-/// Ids become path components and cgroup names: only `[A-Za-z0-9_-]`, 1–64 chars.
-pub(crate) fn check_id(id: &str) -> NodeResult<()> {
-    let ok = !id.is_empty()
-        && id.len() <= 64
-        && id
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
-    if ok {
-        Ok(())
-    } else {
-        Err(NodeError::InvalidArgument(format!(
-            "bad sandbox id {id:?}: expected 1-64 of [A-Za-z0-9_-]"
-        )))
-    }
-}
-
 /// The sandbox's layer directories: `scratch/upper`, `scratch/work` (on the mounted disk,
 /// see [`crate::disk::mount_scratch`]) and `rootfs/`, owned by `uid`.
 pub(crate) fn make_dirs(dir: &Path, uid: u32) -> NodeResult<()> {
@@ -2028,22 +1945,6 @@ pub(crate) fn destroy_blocking(cg: &SandboxCgroup, dir: &Path) -> NodeResult<()>
 
 pub use crate::mountinfo::mounts_under;
 
-/// Start time of `pid` (field 22 of `/proc/PID/stat`, clock ticks since boot; proc(5)),
-/// `None` when there is no such process or it is a zombie.
-pub fn proc_starttime(pid: i32) -> Option<u64> {
-    if pid <= 0 {
-        return None;
-    }
-    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // comm (field 2) may contain spaces and ')': fields after the last ')' start at 3.
-    let rest = &s[s.rfind(')')? + 1..];
-    let fields: Vec<&str> = rest.split_whitespace().collect();
-    if fields.first() == Some(&"Z") || fields.first() == Some(&"X") {
-        return None;
-    }
-    fields.get(22 - 3)?.parse().ok()
-}
-
 fn with_cleanup_error(orig: NodeError, cleanup: NodeError) -> NodeError {
     let extra = format!("; cleanup also failed: {cleanup}");
     match orig {
@@ -2060,14 +1961,6 @@ fn with_cleanup_error(orig: NodeError, cleanup: NodeError) -> NodeError {
             source,
         },
     }
-}
-
-pub(crate) async fn spawn_blocking<T: Send + 'static>(
-    f: impl FnOnce() -> NodeResult<T> + Send + 'static,
-) -> NodeResult<T> {
-    tokio::task::spawn_blocking(f)
-        .await
-        .map_err(|e| NodeError::io("blocking task", std::io::Error::other(e.to_string())))?
 }
 
 impl Drop for FunctionBackend {

@@ -7,17 +7,13 @@
 mod agent_exec;
 pub mod agent_files;
 pub mod container;
-pub mod container_pool;
 pub mod function;
-pub mod function_pool;
 pub mod gvisor_audit;
-pub mod microvm;
+mod pause;
 pub mod pool;
 pub mod qemu;
-pub mod qemu_sandbox;
 mod spawn;
 pub mod uids;
-pub mod vm;
 
 use crate::checkpoints::{Captured, Checkpoint};
 use crate::images::Image;
@@ -26,6 +22,22 @@ use agent_files::AgentFiles;
 use async_trait::async_trait;
 use sandlot_api::{Backend, ExecRequest, ExecResult, FileEntry};
 use std::path::Path;
+
+/// Ids become path components and cgroup names: only `[A-Za-z0-9_-]`, 1–64 chars.
+pub(crate) fn check_id(id: &str) -> NodeResult<()> {
+    let ok = !id.is_empty()
+        && id.len() <= 64
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
+    if ok {
+        Ok(())
+    } else {
+        Err(NodeError::InvalidArgument(format!(
+            "bad sandbox id {id:?}: expected 1-64 of [A-Za-z0-9_-]"
+        )))
+    }
+}
 
 /// Operations of one backend. Every sandbox id belongs to exactly one backend.
 #[async_trait]
@@ -189,9 +201,9 @@ pub enum AnyBackend {
     /// OCI containers (`backend=container`).
     Container(container::ContainerBackend),
     /// QEMU microVMs (`backend=microvm`).
-    Microvm(microvm::MicrovmBackend),
+    Microvm(qemu::microvm::MicrovmBackend),
     /// QEMU q35 VMs (`backend=vm`).
-    Vm(vm::VmBackend),
+    Vm(qemu::vm::VmBackend),
     /// A backend this node cannot run, with the reason.
     Unavailable {
         /// Which backend.

@@ -1,7 +1,7 @@
 //! Warm pools: ready sandboxes built ahead of time, so that a create only has to hand one
 //! over. One generic pool ([`WarmPool`]) serves the `function` backend
-//! ([`super::function_pool`]: jails `wp-<hex>`) and the `container` backend
-//! ([`super::container_pool`]: runc containers `cp-<hex>`); a small trait,
+//! ([`super::function::pool`]: jails `wp-<hex>`) and the `container` backend
+//! ([`super::container::pool`]: runc containers `cp-<hex>`); a small trait,
 //! [`PoolMember`], supplies what differs (build, destroy, the state file, the state after
 //! hand-over).
 //!
@@ -37,11 +37,11 @@
 //! failures (a missing image: up to a minute between tries), and on drop of the pool stops,
 //! finishes the build in flight and destroys every member it holds. Members are real
 //! processes, cgroups and directories and count toward the host's resources.
-use super::function::{proc_starttime, spawn_blocking};
 use super::uids::{UidLease, UidSlots};
 use crate::cgroups::{CgroupRoot, Limits};
 use crate::images::{Image, ImageStore};
 use crate::node::{NodeError, NodeResult, SandboxSpec};
+use crate::sys::{proc_starttime, spawn_blocking};
 use sandlot_api::Backend;
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::future::Future;

@@ -22,8 +22,11 @@ use crate::node::{NodeError, NodeResult};
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
-/// Ids per slot (`0..65536` inside a sandbox).
-pub const SLOT_SIZE: u32 = super::function::UID_COUNT;
+/// Number of uids/gids mapped into a sandbox (`0..65536` inside → `uid_base..` outside).
+pub const UID_COUNT: u32 = 65_536;
+
+/// Ids per slot (`0..65536` inside a sandbox): one sandbox's [`UID_COUNT`].
+pub const SLOT_SIZE: u32 = UID_COUNT;
 
 /// Highest host id + 1 that a slot may reach.
 const LIMIT: u64 = u32::MAX as u64 - SLOT_SIZE as u64;

@@ -27,10 +27,11 @@
 //!
 //! Until an agent answers, execs take the old path (a helper entering from outside), so
 //! nothing depends on the agent being up.
-use super::{proc_starttime, spawn_blocking, Jail};
+use super::Jail;
 use crate::agent_client::AgentClient;
 use crate::backends::agent_exec;
 use crate::node::{ExecControl, ExecSink, NodeError, NodeResult};
+use crate::sys::{proc_starttime, spawn_blocking};
 use sandlot_api::ExecResult;
 use std::os::fd::AsRawFd;
 use std::os::unix::process::CommandExt;

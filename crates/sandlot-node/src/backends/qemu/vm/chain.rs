@@ -54,7 +54,7 @@ use std::time::{Duration, Instant};
 pub const TOP: &str = "top.qcow2";
 /// File stem of a cold-booted VM's first layer.
 pub const FIRST: &str = "disk";
-use crate::backends::microvm::snapshot::QMP_SOCK;
+use crate::backends::qemu::QMP_SOCK;
 /// How long one QMP answer may take (a `blockdev-snapshot` drains the disk's I/O).
 const QMP_TIMEOUT: Duration = Duration::from_secs(60);
 /// Longest chain followed (a loop in corrupt headers stops here).
@@ -318,7 +318,7 @@ mod tests {
     use super::*;
 
     fn qemu_img() -> Option<PathBuf> {
-        crate::backends::microvm::find_binary("qemu-img")
+        crate::backends::qemu::find_binary("qemu-img")
     }
 
     #[test]

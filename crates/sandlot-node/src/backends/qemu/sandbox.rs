@@ -12,18 +12,21 @@
 //!
 //! On-disk state is unchanged: `vms/<id>/state.json` / `boot.json` hold a
 //! [`VmState`]; a node upgraded in place re-adopts the VMs of the previous one.
-use super::agent_files::{AgentFiles, HoldsAgent};
-use super::function::ExecPlan;
-use super::function::{check_id, check_not_paused, freeze, proc_starttime, spawn_blocking, thaw};
-use super::microvm::snapshot::{self, ProcCell, QemuProc, Relay};
-use super::microvm::{Accel, VmState};
-use super::qemu::{Jail, QemuUids, AGENT_FD, AGENT_SOCK, QMP_FD, QMP_SOCK};
-use super::SandboxBackend;
+use super::snapshot::{self, ProcCell, QemuProc, Relay};
+use super::state::VmState;
+use super::Accel;
+use super::{Jail, QemuUids, AGENT_FD, AGENT_SOCK, QMP_FD, QMP_SOCK};
 use crate::agent_client::AgentClient;
+use crate::backends::agent_files::{AgentFiles, HoldsAgent};
+use crate::backends::check_id;
+use crate::backends::function::ExecPlan;
+use crate::backends::pause::{check_not_paused, freeze, thaw};
+use crate::backends::SandboxBackend;
 use crate::cgroups::{CgroupRoot, SandboxCgroup};
 use crate::checkpoints::{Captured, Checkpoint};
 use crate::images::Image;
 use crate::node::{ExecControl, ExecSink, NodeError, NodeResult, SandboxSpec, SandboxStatus};
+use crate::sys::{proc_starttime, spawn_blocking};
 use async_trait::async_trait;
 use sandlot_api::{Backend, ExecRequest, ExecResult};
 use std::collections::HashMap;
@@ -205,7 +208,7 @@ impl QemuCore {
         Ok(vm)
     }
 
-    /// One exec through the VM's agent ([`super::agent_exec`]). The guest kernel's OOM
+    /// One exec through the VM's agent ([`crate::backends::agent_exec`]). The guest kernel's OOM
     /// kills are invisible from the host: `oom_killed` comes from the agent, which reads
     /// its `sandbox` cgroup's `oom_kill` counter around the exec.
     ///
@@ -232,14 +235,14 @@ impl QemuCore {
         plan.spec.landlock = false;
         let cell = vm.proc_.clone();
         let died = move || !cell.lock().unwrap().exists();
-        let target = super::agent_exec::Target {
+        let target = crate::backends::agent_exec::Target {
             id,
             kind: self.label,
             agent: &vm.agent,
             pids_max: vm.state.spec.pids_max,
             died: &died,
         };
-        super::agent_exec::run(target, plan, guard, &mut killed, sink, control).await
+        crate::backends::agent_exec::run(target, plan, guard, &mut killed, sink, control).await
     }
 
     /// Waits until the agent of the VM being created as `id` (its QEMU `proc_`) answers,
@@ -247,7 +250,7 @@ impl QemuCore {
     ///
     /// # Errors
     /// `Internal` naming the boot's failure with the console's tail (see
-    /// [`super::qemu::boot_failure`]; the console is kept under `failed/`).
+    /// [`super::boot_failure`]; the console is kept under `failed/`).
     pub(super) async fn wait_booted(
         &self,
         agent: &AgentClient,
@@ -262,7 +265,7 @@ impl QemuCore {
         };
         match agent.wait_ready_single(Instant::now() + timeout).await {
             Ok(_) => Ok(()),
-            Err(e) => Err(super::qemu::boot_failure(
+            Err(e) => Err(super::boot_failure(
                 &self.dir,
                 &self.vm_dir(id),
                 &format!("{} {id}", self.label),
@@ -356,7 +359,7 @@ impl QemuCore {
             cg.group().destroy(Duration::from_secs(10))?;
             // No process of the uid is left: once its files are gone it may go to another
             // sandbox.
-            super::qemu::remove_vm_dir(&uids, &id_, &dir)
+            super::remove_vm_dir(&uids, &id_, &dir)
         })
         .await
     }
@@ -497,7 +500,7 @@ async fn create_with<M: Machine + ?Sized>(
 ) -> NodeResult<()> {
     let core = m.core();
     check_id(&spec.id)?;
-    super::qemu::create_vm_dir(&core.vm_dir(&spec.id), &spec.id)?;
+    super::create_vm_dir(&core.vm_dir(&spec.id), &spec.id)?;
     let cg = core.cgroups.sandbox(&spec.id);
     match m.boot(spec, image, &cg, seed).await {
         Ok((state, agent)) => {
@@ -635,6 +638,10 @@ impl<M: Machine> SandboxBackend for M {
     async fn readopt(&self, keep: &[String]) -> NodeResult<Vec<String>> {
         let (adopted, errors) = self.core().readopt_vms(keep).await?;
         self.collect_disks(true);
-        Ok(super::readopt_done(self.core().name, adopted, &errors))
+        Ok(crate::backends::readopt_done(
+            self.core().name,
+            adopted,
+            &errors,
+        ))
     }
 }

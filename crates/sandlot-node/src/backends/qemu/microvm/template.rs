@@ -27,14 +27,18 @@
 //! for [`UNUSED_TTL`] (the `used` file's mtime, else the build's), which also collects the
 //! shapes of an older QEMU command line. Each holds about the guest's touched RAM plus its
 //! scratch disk (~60-100 MiB).
-use super::snapshot::{kill_and_wait, load_memory, save_memory, Relay, MEMORY_FILE, QMP_SOCK};
-use super::{make_scratch, spawn_qemu, Accel, MicrovmBackend, VmState, QEMU_PIDS};
+use super::{make_scratch, MicrovmBackend, QEMU_PIDS};
 use crate::agent_client::AgentClient;
-use crate::backends::function::spawn_blocking;
+use crate::backends::qemu::snapshot::{
+    kill_and_wait, load_memory, save_memory, Relay, MEMORY_FILE, QMP_SOCK,
+};
+use crate::backends::qemu::state::{write_json, VmState};
 use crate::backends::qemu::{self, Jail};
+use crate::backends::qemu::{spawn_qemu, tail_of, Accel};
 use crate::cgroups::SandboxCgroup;
 use crate::node::{NodeError, NodeResult};
 use crate::qmp::Qmp;
+use crate::sys::spawn_blocking;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant, SystemTime};
 
@@ -173,7 +177,7 @@ impl MicrovmBackend {
         state.qemu_pid = pid;
         state.qemu_starttime = start;
         state.started_from = "template".into();
-        super::write_json(&dir.join("boot.json"), state)?;
+        write_json(&dir.join("boot.json"), state)?;
         let mut qmp_ms = 0;
         let mut load_ms = 0;
         let res: NodeResult<()> = async {
@@ -207,7 +211,7 @@ impl MicrovmBackend {
             return Err(NodeError::io(
                 format!(
                     "template {key}: {e}; QEMU said: {}",
-                    super::tail_of(&dir.join("qemu.log"), 400)
+                    tail_of(&dir.join("qemu.log"), 400)
                 ),
                 std::io::Error::other("template start failed"),
             ));
@@ -251,7 +255,7 @@ impl MicrovmBackend {
             let owner = format!("tpl-{key}");
             let res = match uids.take(&owner) {
                 Ok(uid) => {
-                    let jail = crate::backends::qemu_sandbox::qemu_jail(&uids, Some(uid), accel);
+                    let jail = crate::backends::qemu::sandbox::qemu_jail(&uids, Some(uid), accel);
                     build(
                         &qemu,
                         &cg,

@@ -31,12 +31,20 @@
 //! QEMU's own `-runas` cannot be used: it calls setgid/setuid after `-sandbox
 //! elevateprivileges=deny` is in force and dies of SIGSYS (QEMU 7.2), so the node drops to
 //! the uid between fork and exec instead.
-use super::microvm::{probe_kvm, Accel};
-use super::uids::{UidLease, UidSlots};
+pub mod accel;
+pub mod microvm;
+pub mod sandbox;
+pub(crate) mod snapshot;
+pub mod state;
+pub mod vm;
+
 use crate::agent_client::AgentClient;
+use crate::backends::uids::{UidLease, UidSlots};
 use crate::cgroups::{Limits, SandboxCgroup};
 use crate::images::{Image, ImageStore};
 use crate::node::{NodeError, NodeResult};
+use accel::probe_kvm;
+pub use accel::Accel;
 use sandlot_guest::agent_proto::IdentityRequest;
 use std::collections::{HashMap, HashSet};
 use std::os::fd::{AsRawFd, RawFd};
@@ -186,7 +194,7 @@ pub const VMM_CPU_HEADROOM: f64 = 0.5;
 pub const QEMU_NAME: &str = "sandlot,debug-threads=on";
 
 /// Create the cgroup of a QEMU whose guest has `memory_mib` MiB and `cpu` cores: the
-/// memory limit adds [`QEMU_OVERHEAD_MIB`](super::microvm::QEMU_OVERHEAD_MIB), the vCPU
+/// memory limit adds [`QEMU_OVERHEAD_MIB`], the vCPU
 /// threads are held to `cpu` and QEMU as a whole to `cpu` + [`VMM_CPU_HEADROOM`] (cgroup
 /// v1; on v2 all of QEMU to `cpu`), at most `pids_max` tasks.
 ///
@@ -199,7 +207,7 @@ pub fn create_vmm_cgroup(
     pids_max: u64,
 ) -> NodeResult<()> {
     let limits = Limits {
-        memory_bytes: (memory_mib + super::microvm::QEMU_OVERHEAD_MIB) << 20,
+        memory_bytes: (memory_mib + QEMU_OVERHEAD_MIB) << 20,
         cpu,
         pids_max,
     };
@@ -917,7 +925,7 @@ pub fn spawn_logged(
         confine_vcpus(&cg, pid, vcpus);
         let _ = child.wait();
     });
-    Ok((pid, super::function::proc_starttime(pid).unwrap_or(0)))
+    Ok((pid, crate::sys::proc_starttime(pid).unwrap_or(0)))
 }
 
 /// The vCPU count of a QEMU command line (`-smp N[,…]`; 1 without `-smp`).
@@ -979,8 +987,8 @@ pub fn boot_failure(
     let failed = data_dir.join("failed");
     let keep = failed.join(format!("{id}.console.log"));
     let _ = std::fs::copy(&console, &keep);
-    super::microvm::prune_failed(&failed);
-    let alive = super::function::proc_starttime(pid) == Some(starttime);
+    prune_failed(&failed);
+    let alive = crate::sys::proc_starttime(pid) == Some(starttime);
     NodeError::io(
         format!(
             "{what} did not become ready within {}s ({}; QEMU {}; {err}): console kept at {}; QEMU said: {}; console tail: {}",
@@ -988,16 +996,269 @@ pub fn boot_failure(
             accel.as_str(),
             if alive { "still running" } else { "exited" },
             keep.display(),
-            super::microvm::tail_of(&dir.join("qemu.log"), 400),
-            super::microvm::tail_of(&console, 800)
+            tail_of(&dir.join("qemu.log"), 400),
+            tail_of(&console, 800)
         ),
         std::io::Error::other("boot failed"),
     )
 }
 
+/// Host memory allowed to QEMU on top of the guest's RAM (device emulation, TCG's
+/// translation cache of `tb-size=64` MiB).
+pub const QEMU_OVERHEAD_MIB: u64 = 192;
+
+/// Failed-boot console logs kept.
+const FAILED_KEPT: usize = 20;
+
+/// Name of the guest's agent port (virtio-serial), the same in every QEMU backend.
+pub const AGENT_PORT: &str = "org.sandlot.agent";
+
+/// The start of every sandbox QEMU's command line: machine `machine` (`-M`), the process
+/// name [`QEMU_NAME`], no default devices, no user config, no display, exit instead of
+/// reboot, and the accelerator: `-accel kvm -cpu host`, or multi-threaded TCG with a
+/// 64 MiB translation cache and [`TCG_CPU`].
+pub(crate) fn machine_args(machine: &str, accel: Accel) -> Vec<String> {
+    let accel: [&str; 4] = match accel {
+        Accel::Kvm => ["-accel", "kvm", "-cpu", "host"],
+        Accel::Tcg => ["-accel", "tcg,thread=multi,tb-size=64", "-cpu", TCG_CPU],
+    };
+    [
+        "-M",
+        machine,
+        "-name",
+        QEMU_NAME,
+        "-nodefaults",
+        "-no-user-config",
+        "-display",
+        "none",
+        "-no-reboot",
+    ]
+    .into_iter()
+    .chain(accel)
+    .map(String::from)
+    .collect()
+}
+
+/// A direct kernel boot: `smp` vCPUs, `memory_mib` MiB of guest RAM, `kernel` and `initrd`
+/// with command line `append`, the serial console written to the file `console`.
+pub(crate) fn boot_args(
+    smp: u64,
+    memory_mib: u64,
+    kernel: &Path,
+    initrd: &Path,
+    append: &str,
+    console: &Path,
+) -> Vec<String> {
+    vec![
+        "-smp".into(),
+        smp.to_string(),
+        "-m".into(),
+        format!("{memory_mib}M"),
+        "-kernel".into(),
+        kernel.display().to_string(),
+        "-initrd".into(),
+        initrd.display().to_string(),
+        "-append".into(),
+        append.into(),
+        "-serial".into(),
+        format!("file:{}", console.display()),
+    ]
+}
+
+/// The end of every sandbox QEMU's command line: the agent port [`AGENT_PORT`] on the
+/// inherited socket [`AGENT_FD`] and QMP on [`QMP_FD`] (both bound by the node, see
+/// [`Jail`]; pause with memory, templates and checkpoints drive QEMU through QMP), and
+/// QEMU's seccomp filter (`-sandbox on`, no obsolete calls, privilege changes, spawning or
+/// resource control). `serial_bus` is the virtio-serial controller of the machine
+/// (`virtio-serial-device` on microvm, `virtio-serial-pci` on q35).
+pub(crate) fn control_args(serial_bus: &str) -> Vec<String> {
+    vec![
+        "-device".into(),
+        serial_bus.into(),
+        "-chardev".into(),
+        chardev_on_fd("agent", AGENT_FD),
+        "-device".into(),
+        format!("virtserialport,chardev=agent,name={AGENT_PORT}"),
+        "-chardev".into(),
+        chardev_on_fd("qmp", QMP_FD),
+        "-mon".into(),
+        "chardev=qmp,mode=control".into(),
+        "-sandbox".into(),
+        "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny".into(),
+    ]
+}
+
+/// The first `name` found in `PATH` or the usual system directories (`/usr/local/sbin`,
+/// `/usr/local/bin`, `/usr/sbin`, `/usr/bin`, `/sbin`).
+pub(crate) fn find_binary(name: &str) -> Option<PathBuf> {
+    let path = std::env::var("PATH").unwrap_or_default();
+    let found = path
+        .split(':')
+        .chain([
+            "/usr/local/sbin",
+            "/usr/local/bin",
+            "/usr/sbin",
+            "/usr/bin",
+            "/sbin",
+        ])
+        .filter(|d| !d.is_empty())
+        .map(|d| Path::new(d).join(name))
+        .find(|p| p.is_file());
+    found
+}
+
+/// Writes a newc cpio archive: `(path in archive, mode, contents)`; directories have
+/// `None` contents; `dev/console` is added as a character device (5, 1).
+pub(crate) fn write_cpio(
+    out: &Path,
+    entries: &[(String, u32, Option<Vec<u8>>)],
+) -> std::io::Result<()> {
+    use std::io::Write as _;
+    let tmp = out.with_extension("tmp");
+    let mut w = std::io::BufWriter::new(std::fs::File::create(&tmp)?);
+    let mut ino = 1u32;
+    let mut put = |w: &mut std::io::BufWriter<std::fs::File>,
+                   name: &str,
+                   mode: u32,
+                   data: &[u8],
+                   rdev: (u32, u32)|
+     -> std::io::Result<()> {
+        let nlink = if mode & 0o040000 != 0 { 2 } else { 1 };
+        let hdr = format!(
+            "070701{:08x}{:08x}{:08x}{:08x}{:08x}{:08x}{:08x}{:08x}{:08x}{:08x}{:08x}{:08x}{:08x}",
+            ino,
+            mode,
+            0,
+            0,
+            nlink,
+            0,
+            data.len(),
+            0,
+            0,
+            rdev.0,
+            rdev.1,
+            name.len() + 1,
+            0
+        );
+        ino += 1;
+        w.write_all(hdr.as_bytes())?;
+        w.write_all(name.as_bytes())?;
+        w.write_all(&[0])?;
+        let pad = (4 - (110 + name.len() + 1) % 4) % 4;
+        w.write_all(&[0u8; 4][..pad])?;
+        w.write_all(data)?;
+        w.write_all(&[0u8; 4][..(4 - data.len() % 4) % 4])?;
+        Ok(())
+    };
+    for (name, mode, data) in entries {
+        match data {
+            None => put(&mut w, name, 0o040000 | mode, &[], (0, 0))?,
+            Some(d) => put(&mut w, name, 0o100000 | mode, d, (0, 0))?,
+        }
+    }
+    put(&mut w, "dev/console", 0o020600, &[], (5, 1))?;
+    put(&mut w, "TRAILER!!!", 0, &[], (0, 0))?;
+    w.into_inner().map_err(|e| e.into_error())?.sync_all()?;
+    std::fs::rename(&tmp, out)
+}
+
+/// The last `n` bytes of the file at `path` (lossy UTF-8, trimmed); empty when unreadable.
+pub(crate) fn tail_of(path: &Path, n: usize) -> String {
+    let s = std::fs::read(path).unwrap_or_default();
+    let s = String::from_utf8_lossy(&s[s.len().saturating_sub(n)..]).into_owned();
+    s.trim().to_string()
+}
+
+/// Starts the QEMU binary `qemu` with `args` in `dir` ([`spawn_logged`]: its log in
+/// `dir/qemu.log`, appended to when `append`), in cgroup `cg`, jailed by `jail`; returns
+/// its pid and start time.
+///
+/// # Errors
+/// `Internal` when the log cannot be opened or QEMU cannot be started.
+pub(crate) fn spawn_qemu(
+    qemu: &Path,
+    args: &[String],
+    dir: &Path,
+    cg: &SandboxCgroup,
+    append: bool,
+    jail: &Jail,
+) -> NodeResult<(i32, u64)> {
+    let mut cmd = std::process::Command::new(qemu);
+    cmd.args(args);
+    spawn_logged(&mut cmd, dir, cg, append, jail)
+}
+
+/// Removes the oldest files of `dir` (by modification time) beyond the newest
+/// [`FAILED_KEPT`].
+pub(crate) fn prune_failed(dir: &Path) {
+    let mut files: Vec<(std::time::SystemTime, PathBuf)> = std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| Some((e.metadata().ok()?.modified().ok()?, e.path())))
+        .collect();
+    files.sort();
+    let excess = files.len().saturating_sub(FAILED_KEPT);
+    for (_, p) in files.into_iter().take(excess) {
+        let _ = std::fs::remove_file(p);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn command_line_pieces_keep_their_order() {
+        let m = machine_args("q35", Accel::Tcg);
+        assert_eq!(
+            m,
+            [
+                "-M",
+                "q35",
+                "-name",
+                QEMU_NAME,
+                "-nodefaults",
+                "-no-user-config",
+                "-display",
+                "none",
+                "-no-reboot",
+                "-accel",
+                "tcg,thread=multi,tb-size=64",
+                "-cpu",
+                TCG_CPU
+            ]
+        );
+        assert_eq!(
+            machine_args("q35", Accel::Kvm)[9..],
+            ["-accel", "kvm", "-cpu", "host"]
+        );
+        let b = boot_args(
+            2,
+            512,
+            Path::new("/k"),
+            Path::new("/i"),
+            "quiet",
+            Path::new("/c"),
+        );
+        assert_eq!(
+            b,
+            [
+                "-smp", "2", "-m", "512M", "-kernel", "/k", "-initrd", "/i", "-append", "quiet",
+                "-serial", "file:/c"
+            ]
+        );
+        let c = control_args("virtio-serial-pci");
+        assert_eq!(c[..2], ["-device", "virtio-serial-pci"]);
+        assert_eq!(
+            c[4..6],
+            [
+                "-device",
+                "virtserialport,chardev=agent,name=org.sandlot.agent"
+            ]
+        );
+        assert_eq!(c[c.len() - 2], "-sandbox");
+    }
 
     #[test]
     fn tsc_is_invariant_only_with_both_flags() {

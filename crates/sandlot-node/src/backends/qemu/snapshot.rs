@@ -28,15 +28,15 @@
 //! agent connection (execs of the old one were lost with the node's process anyway).
 //!
 //! On disk a paused microVM is `state.json` with `memory_saved: true` plus `memory.state`;
-//! [`super::MicrovmBackend::readopt`] adopts it as paused (a QEMU still alive from a pause
+//! [`super::microvm::MicrovmBackend`]'s `readopt` adopts it as paused (a QEMU still alive from a pause
 //! cut short by a node crash is killed first).
-use super::VmState;
+use super::state::{write_json, VmState};
+use super::{spawn_qemu, tail_of, Jail};
 use crate::agent_client::AgentClient;
-use crate::backends::function::{proc_starttime, spawn_blocking};
-use crate::backends::qemu::Jail;
 use crate::cgroups::SandboxCgroup;
 use crate::node::{NodeError, NodeResult};
 use crate::qmp::Qmp;
+use crate::sys::{proc_starttime, spawn_blocking};
 use serde_json::json;
 use std::os::fd::{AsFd, AsRawFd};
 use std::os::unix::fs::OpenOptionsExt;
@@ -450,7 +450,7 @@ impl Target<'_> {
             memory_saved: p.saved,
             ..self.state.clone()
         };
-        super::write_json(&self.dir.join("state.json"), &st)
+        write_json(&self.dir.join("state.json"), &st)
     }
 }
 
@@ -533,7 +533,7 @@ pub(crate) async fn resume(t: &Target<'_>) -> NodeResult<()> {
     for f in [QMP_SOCK, "agent.sock"] {
         let _ = std::fs::remove_file(dir.join(f));
     }
-    let (pid, start) = super::spawn_qemu(t.qemu, &args, &dir, t.cgroup, true, &t.jail)?;
+    let (pid, start) = spawn_qemu(t.qemu, &args, &dir, t.cgroup, true, &t.jail)?;
     let res: NodeResult<Option<UnixStream>> = async {
         let d = dir.clone();
         let q = spawn_blocking(move || {
@@ -565,7 +565,7 @@ pub(crate) async fn resume(t: &Target<'_>) -> NodeResult<()> {
                     "restore {} {id} from {}: {e}; QEMU said: {}",
                     t.backend,
                     MEMORY_FILE,
-                    super::tail_of(&dir.join("qemu.log"), 400)
+                    tail_of(&dir.join("qemu.log"), 400)
                 ),
                 std::io::Error::other("restore failed"),
             ));

@@ -27,49 +27,43 @@
 //!   last 20 are kept).
 //!
 //! Accelerator: KVM when `/dev/kvm` opens and a probe boot of the guest kernel reaches init
-//! within [`PROBE_TIMEOUT`] (some hosts' nested KVM cannot boot a stock kernel), else TCG;
+//! within [`super::accel::PROBE_TIMEOUT`] (some hosts' nested KVM cannot boot a stock kernel), else TCG;
 //! decided once per node process (in the background from node start, shared with the `vm`
-//! backend: [`super::qemu::AccelProbe`]), logged, shown in node info and each sandbox's
+//! backend: [`super::AccelProbe`]), logged, shown in node info and each sandbox's
 //! info; `SANDLOT_VM_ACCEL=kvm|tcg` (or the older `SANDLOT_MICROVM_ACCEL`) forces it.
 //!
 //! Jailing: every QEMU runs in its own cgroup (memory = the guest's plus
-//! [`QEMU_OVERHEAD_MIB`]; its vCPU threads held to the sandbox's CPU, QEMU as a whole to
-//! that plus [`super::qemu::VMM_CPU_HEADROOM`] on cgroup v1; [`QEMU_PIDS`] tasks) with `-sandbox on`
+//! [`QEMU_OVERHEAD_MIB`](super::QEMU_OVERHEAD_MIB); its vCPU threads held to the sandbox's CPU, QEMU as a whole to
+//! that plus [`super::VMM_CPU_HEADROOM`] on cgroup v1; [`QEMU_PIDS`] tasks) with `-sandbox on`
 //! (QEMU's seccomp filter: no spawning, no privilege changes, no obsolete calls, no
 //! resource control calls), in a session of its own, so it outlives a node restart and
 //! is re-adopted, and as an unprivileged host uid of its own that reaches only its own
-//! files and the shared read-only ones (see [`super::qemu`]).
-use super::function::{spawn_blocking, StoredSpec};
-use super::qemu::{DiskHold, ImageDisks, Jail, QemuUids, AGENT_FD, CONSOLE_LOG, QMP_FD};
-use super::qemu_sandbox::{Machine, QemuCore, QemuVm};
+//! files and the shared read-only ones (see [`super`]).
+use super::sandbox::{Machine, QemuCore, QemuVm};
+use super::snapshot::Relay;
+use super::state::{write_json, VmState};
+use super::{find_binary, spawn_qemu, write_cpio, Accel};
+use super::{DiskHold, ImageDisks, Jail, QemuUids, CONSOLE_LOG};
 use crate::agent_client::AgentClient;
+use crate::backends::function::StoredSpec;
 use crate::cgroups::{CgroupRoot, SandboxCgroup};
 use crate::checkpoints::{Captured, Checkpoint};
 use crate::images::{fnv, Image, ImageStore};
 use crate::node::{NodeError, NodeResult, SandboxSpec};
+use crate::sys::spawn_blocking;
 use async_trait::async_trait;
 use sandlot_api::Backend;
-use serde::{Deserialize, Serialize};
-use snapshot::Relay;
 use std::collections::HashSet;
-use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-pub(crate) mod snapshot;
 mod template;
 
-/// How long a KVM probe boot may take to reach init before the node falls back to TCG.
-pub const PROBE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Boot → agent ready deadline under KVM.
 const READY_TIMEOUT_KVM: Duration = Duration::from_secs(30);
 /// Boot → agent ready deadline under TCG (slow, and slower on a loaded host).
 const READY_TIMEOUT_TCG: Duration = Duration::from_secs(120);
-/// Host memory allowed to QEMU on top of the guest's RAM (device emulation, TCG's
-/// translation cache of `tb-size=64` MiB).
-pub const QEMU_OVERHEAD_MIB: u64 = 192;
 
 /// Built-in kernel initcalls a microVM's kernel skips (`initcall_blacklist=`): each costs
 /// 5-70 ms under TCG and serves nothing a sandbox's guest uses. Self-tests
@@ -95,32 +89,6 @@ pub const SKIPPED_INITCALLS: &[&str] = &[
 ];
 /// Tasks (threads) allowed to one QEMU.
 pub const QEMU_PIDS: u64 = 64;
-/// Failed-boot console logs kept.
-const FAILED_KEPT: usize = 20;
-/// Name of the guest's agent port.
-const AGENT_PORT: &str = "org.sandlot.agent";
-/// Marker a probe boot prints (see `sandlot-guest`'s `vm::PROBE_MARK`).
-const PROBE_MARK: &str = "SANDLOT-PROBE-OK";
-
-/// The accelerator QEMU runs guests with.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Accel {
-    /// Hardware virtualisation through `/dev/kvm`.
-    Kvm,
-    /// QEMU's binary translator (slow, needs no host support).
-    Tcg,
-}
-
-impl Accel {
-    /// `"kvm"` or `"tcg"`.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Accel::Kvm => "kvm",
-            Accel::Tcg => "tcg",
-        }
-    }
-}
 
 /// Static configuration of the microvm backend.
 #[derive(Debug, Clone)]
@@ -132,52 +100,12 @@ pub struct MicrovmConfig {
     /// The statically linked `sandlot-guest` (the guest's `/init`).
     pub agent_bin: PathBuf,
     /// The node's accelerator decision (forced or probed), shared with the `vm` backend.
-    pub probe: Arc<super::qemu::AccelProbe>,
+    pub probe: Arc<super::AccelProbe>,
     /// Host uids of the QEMUs (one per sandbox), shared with the `vm` backend.
     pub uids: Arc<QemuUids>,
     /// The node's image store: which image disks a create may still ask for (collection of
-    /// the others, [`super::qemu::collect_image_disks`]).
+    /// the others, [`super::collect_image_disks`]).
     pub images: ImageStore,
-}
-
-/// On-disk state of a running microVM: `vms/<id>/state.json`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct VmState {
-    /// Sandbox id.
-    pub id: String,
-    /// Image name.
-    pub image: String,
-    /// Environment of the image (applied before the sandbox's).
-    pub image_env: Vec<(String, String)>,
-    /// [`Image::version`](crate::images::Image::version) of the image it was created on
-    /// (recorded in its checkpoints); absent in state of older nodes.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub image_version: Option<String>,
-    /// Accelerator it runs with.
-    pub accel: Accel,
-    /// Host pid of its QEMU.
-    pub qemu_pid: i32,
-    /// Its start time (field 22 of `/proc/PID/stat`).
-    pub qemu_starttime: u64,
-    /// Limits and environment.
-    pub spec: StoredSpec,
-    /// QEMU's arguments (a restore runs the same plus `-incoming defer`); empty in state
-    /// written before pause with memory existed.
-    #[serde(default)]
-    pub qemu_args: Vec<String>,
-    /// Paused with memory: the state is in `memory.state`, no QEMU runs (`qemu_pid` is the
-    /// last one).
-    #[serde(default)]
-    pub memory_saved: bool,
-    /// How it started: `cold` (kernel boot) or `template` (restored from the image's
-    /// template snapshot, see `template`).
-    #[serde(default)]
-    pub started_from: String,
-    /// Host uid (= gid) its QEMU runs as (every QEMU of this sandbox: after a pause, a
-    /// template start, a node restart); `None` in state of a node version that ran QEMU as
-    /// root (such a VM keeps running as root).
-    #[serde(default)]
-    pub qemu_uid: Option<u32>,
 }
 
 /// The microvm backend: microVMs by id.
@@ -249,83 +177,6 @@ fn strip_module_signature(module: &[u8]) -> &[u8] {
     }
 }
 
-pub(crate) fn find_binary(name: &str) -> Option<PathBuf> {
-    let path = std::env::var("PATH").unwrap_or_default();
-    let found = path
-        .split(':')
-        .chain([
-            "/usr/local/sbin",
-            "/usr/local/bin",
-            "/usr/sbin",
-            "/usr/bin",
-            "/sbin",
-        ])
-        .filter(|d| !d.is_empty())
-        .map(|d| Path::new(d).join(name))
-        .find(|p| p.is_file());
-    found
-}
-
-/// Writes a newc cpio archive: `(path in archive, mode, contents)`; directories have
-/// `None` contents; `dev/console` is added as a character device (5, 1).
-pub(crate) fn write_cpio(
-    out: &Path,
-    entries: &[(String, u32, Option<Vec<u8>>)],
-) -> std::io::Result<()> {
-    let tmp = out.with_extension("tmp");
-    let mut w = std::io::BufWriter::new(std::fs::File::create(&tmp)?);
-    let mut ino = 1u32;
-    let mut put = |w: &mut std::io::BufWriter<std::fs::File>,
-                   name: &str,
-                   mode: u32,
-                   data: &[u8],
-                   rdev: (u32, u32)|
-     -> std::io::Result<()> {
-        let nlink = if mode & 0o040000 != 0 { 2 } else { 1 };
-        let hdr = format!(
-            "070701{:08x}{:08x}{:08x}{:08x}{:08x}{:08x}{:08x}{:08x}{:08x}{:08x}{:08x}{:08x}{:08x}",
-            ino,
-            mode,
-            0,
-            0,
-            nlink,
-            0,
-            data.len(),
-            0,
-            0,
-            rdev.0,
-            rdev.1,
-            name.len() + 1,
-            0
-        );
-        ino += 1;
-        w.write_all(hdr.as_bytes())?;
-        w.write_all(name.as_bytes())?;
-        w.write_all(&[0])?;
-        let pad = (4 - (110 + name.len() + 1) % 4) % 4;
-        w.write_all(&[0u8; 4][..pad])?;
-        w.write_all(data)?;
-        w.write_all(&[0u8; 4][..(4 - data.len() % 4) % 4])?;
-        Ok(())
-    };
-    for (name, mode, data) in entries {
-        match data {
-            None => put(&mut w, name, 0o040000 | mode, &[], (0, 0))?,
-            Some(d) => put(&mut w, name, 0o100000 | mode, d, (0, 0))?,
-        }
-    }
-    put(&mut w, "dev/console", 0o020600, &[], (5, 1))?;
-    put(&mut w, "TRAILER!!!", 0, &[], (0, 0))?;
-    w.into_inner().map_err(|e| e.into_error())?.sync_all()?;
-    std::fs::rename(&tmp, out)
-}
-
-pub(crate) fn tail_of(path: &Path, n: usize) -> String {
-    let s = std::fs::read(path).unwrap_or_default();
-    let s = String::from_utf8_lossy(&s[s.len().saturating_sub(n)..]).into_owned();
-    s.trim().to_string()
-}
-
 impl MicrovmBackend {
     /// A backend storing its files under `cfg.dir`, its QEMU cgroups under `cgroups`.
     ///
@@ -355,7 +206,7 @@ impl MicrovmBackend {
         if let Ok(abs) = std::fs::canonicalize(&cfg.agent_bin) {
             cfg.agent_bin = abs;
         }
-        if !super::container::is_static_elf(&cfg.agent_bin) {
+        if !crate::backends::container::is_static_elf(&cfg.agent_bin) {
             return Err(NodeError::Unavailable(format!(
                 "the microvm backend needs a statically linked sandlot-guest as the guest's init; {} is missing or dynamic",
                 cfg.agent_bin.display()
@@ -364,8 +215,8 @@ impl MicrovmBackend {
         // QEMU runs as an unprivileged uid per sandbox: it walks down to its own VM
         // directory (0710, group = its uid) and opens the shared read-only files by name
         // (0711 directories: nobody lists them). Failed consoles stay root's.
-        super::qemu::prepare_backend_dir(&cfg.dir, &kernel, cfg.uids.group())?;
-        super::qemu::ensure_dir_mode(&cfg.dir.join("templates"), 0o711)?;
+        super::prepare_backend_dir(&cfg.dir, &kernel, cfg.uids.group())?;
+        super::ensure_dir_mode(&cfg.dir.join("templates"), 0o711)?;
         let mut entries: Vec<(String, u32, Option<Vec<u8>>)> = vec![
             ("dev".into(), 0o755, None),
             ("proc".into(), 0o555, None),
@@ -506,11 +357,11 @@ impl MicrovmBackend {
                 if st.qemu_args.is_empty() {
                     return Err(format!("sandbox {}'s state names no QEMU arguments", st.id));
                 }
-                used.extend(super::qemu::drive_files(&st.qemu_args));
+                used.extend(super::drive_files(&st.qemu_args));
             }
             Ok(used)
         };
-        super::qemu::collect_image_disks(
+        super::collect_image_disks(
             "microvm",
             &self.cfg.dir.join("images"),
             "erofs",
@@ -535,73 +386,33 @@ impl MicrovmBackend {
         disk: &Path,
         dir: &Path,
     ) -> Vec<String> {
-        let mut args: Vec<String> = [
-            // `rtc=on`: the CMOS RTC is the guest's wall clock at boot. `pit=off`: no i8254
-            // timer, whose presence makes the kernel time its CPU clock against it at boot
-            // (~50 ms under TCG); the TSC and the local APIC timer are the guest's clocks.
-            "-M",
-            "microvm,rtc=on,pit=off",
-            "-name",
-            super::qemu::QEMU_NAME,
-            "-nodefaults",
-            "-no-user-config",
-            "-display",
-            "none",
-            "-no-reboot",
-        ]
-        .map(String::from)
-        .to_vec();
-        let mut push = |xs: &[&str]| args.extend(xs.iter().map(|x| x.to_string()));
-        match accel {
-            Accel::Kvm => push(&["-accel", "kvm", "-cpu", "host"]),
-            Accel::Tcg => push(&[
-                "-accel",
-                "tcg,thread=multi,tb-size=64",
-                "-cpu",
-                super::qemu::TCG_CPU,
-            ]),
-        }
-        let p = |x: &Path| x.display().to_string();
-        push(&[
-            "-smp",
-            &smp.to_string(),
-            "-m",
-            &format!("{memory_mib}M"),
-            "-kernel",
-            &p(&kit_kernel(&self.cfg.kit_dir)),
-            "-initrd",
-            &p(&self.cfg.dir.join("initramfs.cpio")),
-            "-append",
+        // `rtc=on`: the CMOS RTC is the guest's wall clock at boot. `pit=off`: no i8254
+        // timer, whose presence makes the kernel time its CPU clock against it at boot
+        // (~50 ms under TCG); the TSC and the local APIC timer are the guest's clocks.
+        let mut args = super::machine_args("microvm,rtc=on,pit=off", accel);
+        args.extend(super::boot_args(
+            smp,
+            memory_mib,
+            &kit_kernel(&self.cfg.kit_dir),
+            &self.cfg.dir.join("initramfs.cpio"),
             append,
-            "-serial",
-            &format!("file:{}", p(&dir.join(CONSOLE_LOG))),
-            "-drive",
-            &format!("id=image,file={},format=raw,if=none,readonly=on", p(disk)),
-            "-device",
-            "virtio-blk-device,drive=image,serial=image",
-            "-drive",
-            &format!(
+            &dir.join(CONSOLE_LOG),
+        ));
+        let p = |x: &Path| x.display().to_string();
+        args.extend([
+            "-drive".into(),
+            format!("id=image,file={},format=raw,if=none,readonly=on", p(disk)),
+            "-device".into(),
+            "virtio-blk-device,drive=image,serial=image".into(),
+            "-drive".into(),
+            format!(
                 "id=scratch,file={},format=raw,if=none",
                 p(&dir.join("scratch.img"))
             ),
-            "-device",
-            "virtio-blk-device,drive=scratch,serial=scratch",
-            "-device",
-            "virtio-serial-device",
-            // Both sockets are bound by the node (`dir/agent.sock`, `dir/qmp.sock`) and
-            // inherited listening (see `super::qemu::Jail`).
-            "-chardev",
-            &super::qemu::chardev_on_fd("agent", AGENT_FD),
-            "-device",
-            &format!("virtserialport,chardev=agent,name={AGENT_PORT}"),
-            // Pause with memory and template starts drive QEMU through QMP.
-            "-chardev",
-            &super::qemu::chardev_on_fd("qmp", QMP_FD),
-            "-mon",
-            "chardev=qmp,mode=control",
-            "-sandbox",
-            "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
+            "-device".into(),
+            "virtio-blk-device,drive=scratch,serial=scratch".into(),
         ]);
+        args.extend(super::control_args("virtio-serial-device"));
         args
     }
 
@@ -624,9 +435,9 @@ impl MicrovmBackend {
         let uid = self.cfg.uids.take(&spec.id)?;
         {
             let d = dir.clone();
-            spawn_blocking(move || super::qemu::prepare_vm_dir(&d, uid)).await?;
+            spawn_blocking(move || super::prepare_vm_dir(&d, uid)).await?;
         }
-        super::qemu::create_vmm_cgroup(cg, memory_mib, spec.cpu, QEMU_PIDS)?;
+        super::create_vmm_cgroup(cg, memory_mib, spec.cpu, QEMU_PIDS)?;
         let smp = (spec.cpu.ceil() as u64).clamp(1, 16);
         let sock = dir.join("agent.sock");
         // The guest agent puts every exec in a guest cgroup with this pids limit.
@@ -649,13 +460,8 @@ impl MicrovmBackend {
             // the kernel stops at "Marking TSC unstable". The guest's TSC is the host's
             // (TCG's `rdtsc` reads the host counter), so its rate is the host's: a fixed
             // guess (2 GHz) made the guest's clocks run 1.3x fast on a 2.6 GHz host.
-            let (khz, invariant) = spawn_blocking(|| {
-                Ok((
-                    super::qemu::host_tsc_khz(),
-                    super::qemu::host_tsc_invariant(),
-                ))
-            })
-            .await?;
+            let (khz, invariant) =
+                spawn_blocking(|| Ok((super::host_tsc_khz(), super::host_tsc_invariant()))).await?;
             append.push_str(&format!(" tsc_early_khz={khz} no_timer_check"));
             if invariant {
                 // No clocksource watchdog on the TSC: its only reference here is jiffies,
@@ -715,7 +521,7 @@ impl MicrovmBackend {
                     let d = dir.clone();
                     spawn_blocking(move || {
                         let _ = std::fs::remove_file(d.join(CONSOLE_LOG));
-                        super::qemu::prepare_vm_dir(&d, uid)
+                        super::prepare_vm_dir(&d, uid)
                     })
                     .await?;
                 }
@@ -730,7 +536,7 @@ impl MicrovmBackend {
                 let s = scratch.clone();
                 spawn_blocking(move || make_scratch(&s, mib)).await?;
             }
-            super::qemu::give_file(&scratch, uid)?;
+            super::give_file(&scratch, uid)?;
             let (pid, starttime) =
                 self.spawn_qemu(&args, &dir, cg, false, &self.core.jail(Some(uid), accel))?;
             t_spawn = Instant::now();
@@ -745,10 +551,8 @@ impl MicrovmBackend {
                 .await?;
         }
         let t_ready = Instant::now();
-        agent
-            .set_identity(&super::qemu::fresh_identity(&spec.id))
-            .await?;
-        super::qemu::sync_clock(&agent, &spec.id, "microvm").await;
+        agent.set_identity(&super::fresh_identity(&spec.id)).await?;
+        super::sync_clock(&agent, &spec.id, "microvm").await;
         let ms = |a: Instant, b: Instant| b.saturating_duration_since(a).as_secs_f64() * 1e3;
         let now = Instant::now();
         // Phases of a cold boot: `prep` (disk, directory, cgroup, scratch disk, QEMU
@@ -787,20 +591,6 @@ impl MicrovmBackend {
     ) -> NodeResult<(i32, u64)> {
         spawn_qemu(&self.core.qemu, args, dir, cg, append, jail)
     }
-}
-
-/// [`MicrovmBackend::spawn_qemu`] of the binary `qemu`.
-pub(crate) fn spawn_qemu(
-    qemu: &Path,
-    args: &[String],
-    dir: &Path,
-    cg: &SandboxCgroup,
-    append: bool,
-    jail: &Jail,
-) -> NodeResult<(i32, u64)> {
-    let mut cmd = std::process::Command::new(qemu);
-    cmd.args(args);
-    super::qemu::spawn_logged(&mut cmd, dir, cg, append, jail)
 }
 
 impl MicrovmBackend {
@@ -879,30 +669,6 @@ async fn seed_scratch(ck: &Checkpoint, scratch: &Path, mib: u64) -> NodeResult<(
     .await
 }
 
-pub(crate) fn write_json(path: &Path, st: &VmState) -> NodeResult<()> {
-    let tmp = path.with_extension("tmp");
-    std::fs::write(
-        &tmp,
-        serde_json::to_vec_pretty(st).expect("VmState serialises"),
-    )
-    .and_then(|_| std::fs::rename(&tmp, path))
-    .map_err(|e| NodeError::io(format!("write {}", path.display()), e))
-}
-
-pub(crate) fn prune_failed(dir: &Path) {
-    let mut files: Vec<(std::time::SystemTime, PathBuf)> = std::fs::read_dir(dir)
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter_map(|e| Some((e.metadata().ok()?.modified().ok()?, e.path())))
-        .collect();
-    files.sort();
-    let excess = files.len().saturating_sub(FAILED_KEPT);
-    for (_, p) in files.into_iter().take(excess) {
-        let _ = std::fs::remove_file(p);
-    }
-}
-
 /// `mkfs.erofs` of the image's merged layers into `out` (via a temp file).
 fn make_erofs(layers: &[PathBuf], out: &Path) -> NodeResult<()> {
     let tmp = out.with_extension("erofs.tmp");
@@ -957,98 +723,6 @@ fn make_erofs(layers: &[PathBuf], out: &Path) -> NodeResult<()> {
     std::fs::set_permissions(&tmp, std::os::unix::fs::PermissionsExt::from_mode(0o444))
         .and_then(|_| std::fs::rename(&tmp, out))
         .map_err(|e| NodeError::io(format!("rename {}", tmp.display()), e))
-}
-
-/// Boots the guest kernel (`vmlinuz`) under KVM with `sandlot.probe`, QEMU confined to
-/// `jail`'s uid and groups as every VM's is; KVM when the probe mark appears within
-/// [`PROBE_TIMEOUT`], else TCG. Returns the choice and why.
-pub(crate) fn probe_kvm(qemu: &Path, kit: &Path, initrd: &Path, jail: &Jail) -> (Accel, String) {
-    use std::io::Read;
-    if let Err(e) = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open("/dev/kvm")
-    {
-        return (Accel::Tcg, format!("/dev/kvm: {e}"));
-    }
-    let mut cmd = std::process::Command::new(qemu);
-    super::qemu::run_as(&mut cmd, jail);
-    let child = cmd
-        .args([
-            "-M", "microvm", "-accel", "kvm", "-cpu", "host", "-m", "256M", "-smp", "1",
-        ])
-        .args([
-            "-nodefaults",
-            "-no-user-config",
-            "-display",
-            "none",
-            "-no-reboot",
-        ])
-        .arg("-kernel")
-        // The bzImage, as the `vm` backend boots it: the decision is shared, and a host whose
-        // KVM runs the PVH entry of `vmlinux` but not a bzImage's real-mode setup (the nested
-        // KVM of ENVIRONMENT.md stops at "Probing EDD", a real-mode step) must not pick KVM
-        // for `vm`.
-        .arg(kit.join("vmlinuz"))
-        .arg("-initrd")
-        .arg(initrd)
-        .args([
-            "-append",
-            "console=ttyS0 panic=-1 quiet sandlot.probe",
-            "-serial",
-            "stdio",
-        ])
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn();
-    let mut child = match child {
-        Ok(c) => c,
-        Err(e) => return (Accel::Tcg, format!("probe: start QEMU: {e}")),
-    };
-    let mut out = child.stdout.take().expect("piped");
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let mut all = Vec::new();
-        let mut buf = [0u8; 4096];
-        while let Ok(n) = out.read(&mut buf) {
-            if n == 0 {
-                break;
-            }
-            all.extend_from_slice(&buf[..n]);
-            if String::from_utf8_lossy(&all).contains(PROBE_MARK) {
-                let _ = tx.send(true);
-                return;
-            }
-        }
-        let _ = tx.send(false);
-    });
-    let started = Instant::now();
-    let ok = rx.recv_timeout(PROBE_TIMEOUT).unwrap_or(false);
-    let _ = child.kill();
-    let _ = child.wait();
-    if ok {
-        (
-            Accel::Kvm,
-            format!(
-                "probe boot reached init in {} ms",
-                started.elapsed().as_millis()
-            ),
-        )
-    } else {
-        let mut err = String::new();
-        if let Some(mut e) = child.stderr.take() {
-            let _ = e.read_to_string(&mut err);
-        }
-        (
-            Accel::Tcg,
-            format!(
-                "a KVM probe boot of the guest kernel did not reach init within {}s (nested or paravirtual KVM?){}",
-                PROBE_TIMEOUT.as_secs(),
-                if err.trim().is_empty() { String::new() } else { format!(": {}", err.trim()) }
-            ),
-        )
-    }
 }
 
 #[async_trait]

@@ -1,4 +1,4 @@
-//! The `function` backend's member of the warm pool ([`super::pool`]): ready jails, so that
+//! The `function` backend's member of the warm pool ([`crate::backends::pool`]): ready jails, so that
 //! `create` only has to hand one over.
 //!
 //! A pooled jail is an ordinary function jail (same `sandlot-guest init`, same namespaces,
@@ -16,14 +16,15 @@
 //! files reach the sandbox through its init pid (`/proc/PID/ns/*`, `/proc/PID/root`); the
 //! overlay mount inside the sandbox's mount namespace holds the upper/work directories by
 //! reference, so renaming them on the host does not disturb it.
-use super::function::{
+use super::{
     build_jail, destroy_blocking, disk_templates, pooled_standby, read_state, rewrite_proc_views,
-    spawn_blocking, write_state, FunctionConfig, JailState, Standby, StoredSpec,
+    write_state, FunctionConfig, JailState, Standby, StoredSpec,
 };
-use super::pool::{pool_spec, PoolMember, WarmPool};
+use crate::backends::pool::{pool_spec, PoolMember, WarmPool};
 use crate::cgroups::CgroupRoot;
 use crate::images::Image;
 use crate::node::{NodeResult, SandboxSpec};
+use crate::sys::spawn_blocking;
 use sandlot_api::Backend;
 use std::collections::HashMap;
 use std::future::Future;
@@ -44,7 +45,7 @@ pub struct Jails {
     pub(crate) cfg: FunctionConfig,
     pub(crate) cgroups: CgroupRoot,
     /// Each ready jail's standby exec helper, by pooled name (see
-    /// [`super::function::pooled_standby`]); handed over with the jail.
+    /// [`super::pooled_standby`]); handed over with the jail.
     pub(crate) standbys: Mutex<HashMap<String, Standby>>,
     /// Whether each jail gets its guest agent while it waits (`SANDLOT_FUNCTION_AGENT=1`;
     /// see `function::agent`): it moves with the directory at hand-over.
@@ -127,8 +128,7 @@ impl PoolMember for Jails {
             );
             let (pid, start) = (state.init_pid, state.init_starttime);
             if let Err(e) =
-                spawn_blocking(move || super::function::launch_agent(&bin, &d, pid, start, &procs))
-                    .await
+                spawn_blocking(move || super::launch_agent(&bin, &d, pid, start, &procs)).await
             {
                 tracing::debug!(pooled = %name, error = %e, "no guest agent");
             }

@@ -1,4 +1,4 @@
-//! The `container` backend's member of the warm pool ([`super::pool`]): ready runc
+//! The `container` backend's member of the warm pool ([`crate::backends::pool`]): ready runc
 //! containers, so that a create only has to hand one over instead of running `runc run` in
 //! the request.
 //!
@@ -40,9 +40,9 @@
 //!
 //! Everything else (runsc, crun, a network allow policy, another disk size, a fork of a
 //! checkpoint, an image outside the pool list) is created cold as before.
-use super::container::{read_state, write_proc_views, write_state, ContainerState, Core, Runtime};
-use super::function::StoredSpec;
-use super::pool::{pool_spec, PoolMember, WarmPool};
+use super::{read_state, write_proc_views, write_state, ContainerState, Core, Runtime};
+use crate::backends::function::StoredSpec;
+use crate::backends::pool::{pool_spec, PoolMember, WarmPool};
 use crate::cgroups::CgroupRoot;
 use crate::images::Image;
 use crate::node::{NodeResult, SandboxSpec};
@@ -151,7 +151,7 @@ impl PoolMember for Containers {
     }
 
     fn write_proc_views(dir: &Path, _state: &ContainerState, spec: &SandboxSpec) -> NodeResult<()> {
-        write_proc_views(dir, &super::function::proc_views(spec)?)
+        write_proc_views(dir, &crate::backends::function::proc_views(spec)?)
     }
 }
 

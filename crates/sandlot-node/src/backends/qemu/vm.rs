@@ -20,7 +20,7 @@
 //!   `chain`), `agent.sock`, `qmp.sock`, `console.log`, `qemu.log`, `boot.json` /
 //!   `state.json` — as for `microvm`, owners included (QEMU runs as the sandbox's
 //!   unprivileged uid and owns only its active layer and `console.log`; frozen layers are
-//!   root's, readable by the QEMUs' shared group: see `chain` and [`super::qemu`]).
+//!   root's, readable by the QEMUs' shared group: see `chain` and [`super`]).
 //! * `failed/<id>.console.log` — the console of a VM that did not become ready (last 20).
 //!
 //! Boot: direct kernel boot (`-kernel` = the kit's kernel, `-initrd` = the initramfs,
@@ -36,25 +36,24 @@
 //! after a node restart), readiness deadline, failed-boot consoles, pause with memory
 //! (the agent relay and the save/restore steps of `snapshot`; the `-drive` of the resume's
 //! command line is brought up to the active disk layer at each pause) and delete are the
-//! `microvm` backend's ([`super::microvm`], [`super::qemu`]).
+//! `microvm` backend's ([`super::microvm`], [`super`]).
 //!
 //! Disk checkpoints and forks: live external qcow2 snapshots over QMP; a fork's disk is a
 //! new layer on the checkpoint's chain, shared by hard links, not copied (`chain`).
 mod chain;
 
-use super::function::{spawn_blocking, StoredSpec};
-use super::microvm::snapshot::Relay;
-use super::microvm::{find_binary, spawn_qemu, write_cpio, write_json, Accel, VmState};
-use super::qemu::{
-    fresh_identity, AccelProbe, DiskHold, ImageDisks, QemuUids, AGENT_FD, AGENT_SOCK, CONSOLE_LOG,
-    QMP_FD,
-};
-use super::qemu_sandbox::{Machine, QemuCore, QemuVm};
+use super::sandbox::{Machine, QemuCore, QemuVm};
+use super::snapshot::Relay;
+use super::state::{write_json, VmState};
+use super::{find_binary, spawn_qemu, write_cpio, Accel};
+use super::{fresh_identity, AccelProbe, DiskHold, ImageDisks, QemuUids, AGENT_SOCK, CONSOLE_LOG};
 use crate::agent_client::AgentClient;
+use crate::backends::function::StoredSpec;
 use crate::cgroups::{CgroupRoot, SandboxCgroup};
 use crate::checkpoints::{Captured, Checkpoint};
 use crate::images::{fnv, Image, ImageStore};
 use crate::node::{NodeError, NodeResult, SandboxSpec};
+use crate::sys::spawn_blocking;
 use async_trait::async_trait;
 use sandlot_api::Backend;
 use std::path::{Path, PathBuf};
@@ -69,8 +68,6 @@ const READY_TIMEOUT_TCG: Duration = Duration::from_secs(180);
 /// pool (up to 64 threads per AioContext under heavy disk I/O, e.g. the guest's online
 /// resize; at the limit QEMU aborts in `qemu_thread_create`).
 const QEMU_PIDS: u64 = 160;
-/// Name of the guest's agent port.
-const AGENT_PORT: &str = "org.sandlot.agent";
 /// QEMU's option whose value names the root disk (rewritten at pause: see `pause`).
 const DRIVE_FLAG: &str = "-drive";
 /// Where the agent lives inside the disk (`sandlot-guest`'s `vm::DISK_AGENT`).
@@ -91,7 +88,7 @@ pub struct VmConfig {
     /// Host uids of the QEMUs (one per sandbox), shared with the `microvm` backend.
     pub uids: Arc<QemuUids>,
     /// The node's image store: which image disks a create may still ask for (collection of
-    /// the others, [`super::qemu::collect_image_disks`]).
+    /// the others, [`super::collect_image_disks`]).
     pub images: ImageStore,
     /// `DATA/checkpoints`: a checkpoint's qcow2 chain keeps its image disk.
     pub checkpoints_dir: PathBuf,
@@ -291,7 +288,7 @@ impl VmBackend {
         if let Ok(abs) = std::fs::canonicalize(&cfg.agent_bin) {
             cfg.agent_bin = abs;
         }
-        if !super::container::is_static_elf(&cfg.agent_bin) {
+        if !crate::backends::container::is_static_elf(&cfg.agent_bin) {
             return Err(NodeError::Unavailable(format!(
                 "the vm backend needs a statically linked sandlot-guest as the guest's init; {} is missing or dynamic",
                 cfg.agent_bin.display()
@@ -299,7 +296,7 @@ impl VmBackend {
         }
         // Unprivileged QEMUs reach their VM directory and the shared read-only files only
         // (see `super::qemu`).
-        super::qemu::prepare_backend_dir(&cfg.dir, &kernel, cfg.uids.group())?;
+        super::prepare_backend_dir(&cfg.dir, &kernel, cfg.uids.group())?;
         let agent = std::fs::read(&cfg.agent_bin)
             .map_err(|e| NodeError::io(format!("read {}", cfg.agent_bin.display()), e))?;
         let agent_key = fnv(&[&agent]);
@@ -408,7 +405,7 @@ impl VmBackend {
                 })
                 .collect()
         };
-        super::qemu::collect_image_disks(
+        super::collect_image_disks(
             "vm",
             &self.cfg.dir.join("images"),
             "qcow2",
@@ -467,10 +464,10 @@ impl VmBackend {
         let uid = self.cfg.uids.take(&spec.id)?;
         {
             let (d, disk) = (dir.clone(), chain::layer_path(&dir, &active));
-            spawn_blocking(move || super::qemu::prepare_vm_files(&d, &[&disk], uid)).await?;
+            spawn_blocking(move || super::prepare_vm_files(&d, &[&disk], uid)).await?;
         }
         let memory_mib = spec.memory_mib.max(128);
-        super::qemu::create_vmm_cgroup(cg, memory_mib, spec.cpu, QEMU_PIDS)?;
+        super::create_vmm_cgroup(cg, memory_mib, spec.cpu, QEMU_PIDS)?;
         let smp = (spec.cpu.ceil() as u64).clamp(1, 16);
         let sock = dir.join(AGENT_SOCK);
         let mut append = format!(
@@ -481,65 +478,24 @@ impl VmBackend {
             append.push(' ');
             append.push_str(&extra);
         }
-        let p = |p: &Path| p.display().to_string();
-        let mut args: Vec<String> = [
-            "-M",
-            "q35",
-            "-name",
-            super::qemu::QEMU_NAME,
-            "-nodefaults",
-            "-no-user-config",
-            "-display",
-            "none",
-            "-no-reboot",
-        ]
-        .map(String::from)
-        .to_vec();
-        let accel_args = match accel {
-            Accel::Kvm => ["-accel", "kvm", "-cpu", "host"],
-            Accel::Tcg => [
-                "-accel",
-                "tcg,thread=multi,tb-size=64",
-                "-cpu",
-                super::qemu::TCG_CPU,
-            ],
-        };
-        args.extend(accel_args.map(String::from));
+        let mut args = super::machine_args("q35", accel);
+        args.extend(super::boot_args(
+            smp,
+            memory_mib,
+            &self.cfg.kit_dir.join("vmlinuz"),
+            &self.cfg.dir.join("initramfs.cpio"),
+            &append,
+            &dir.join(CONSOLE_LOG),
+        ));
         args.extend([
-            "-smp".into(),
-            smp.to_string(),
-            "-m".into(),
-            format!("{memory_mib}M"),
-            "-kernel".into(),
-            p(&self.cfg.kit_dir.join("vmlinuz")),
-            "-initrd".into(),
-            p(&self.cfg.dir.join("initramfs.cpio")),
-            "-append".into(),
-            append.clone(),
-            "-serial".into(),
-            format!("file:{}", p(&dir.join(CONSOLE_LOG))),
             DRIVE_FLAG.into(),
             drive_arg(&dir, &active),
             "-device".into(),
             "virtio-blk-pci,drive=root,serial=root".into(),
             "-device".into(),
             "virtio-rng-pci".into(),
-            "-device".into(),
-            "virtio-serial-pci".into(),
-            // Both sockets are bound by the node (`dir/agent.sock`, `dir/qmp.sock`) and
-            // inherited listening (see `super::qemu::Jail`).
-            "-chardev".into(),
-            super::qemu::chardev_on_fd("agent", AGENT_FD),
-            "-device".into(),
-            format!("virtserialport,chardev=agent,name={AGENT_PORT}"),
-            // Checkpoints install disk layers, pause saves memory, through QMP.
-            "-chardev".into(),
-            super::qemu::chardev_on_fd("qmp", QMP_FD),
-            "-mon".into(),
-            "chardev=qmp,mode=control".into(),
-            "-sandbox".into(),
-            "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny".into(),
         ]);
+        args.extend(super::control_args("virtio-serial-pci"));
         let jail = self.core.jail(Some(uid), accel);
         let (pid, starttime) = spawn_qemu(&self.core.qemu, &args, &dir, cg, false, &jail)?;
         let state = VmState {
@@ -568,7 +524,7 @@ impl VmBackend {
             .wait_booted(&agent, &spec.id, accel, timeouts, (pid, starttime))
             .await?;
         agent.set_identity(&fresh_identity(&spec.id)).await?;
-        super::qemu::sync_clock(&agent, &spec.id, "vm").await;
+        super::sync_clock(&agent, &spec.id, "vm").await;
         tracing::info!(sandbox = %spec.id, backend = "vm", accel = accel.as_str(), ms = started.elapsed().as_millis() as u64, "VM agent ready");
         write_json(&dir.join("state.json"), &state)?;
         Ok((state, (agent, relay)))

@@ -1,0 +1,81 @@
+//! Pause and resume by freezing a sandbox's cgroup: the shared code of every backend whose
+//! `pause` is a cgroup freeze (function, container, and the QEMU backends without a memory
+//! snapshot). A sandbox keeps a `paused` flag, checked by exec and file calls
+//! ([`check_not_paused`]), and a lifecycle lock `deleting` whose read side these calls hold.
+//! Freezes of the whole node are serialised by [`crate::checkpoints::FREEZER`], which a
+//! checkpoint copy also holds while it keeps a group frozen.
+use crate::cgroups::Cgroup;
+use crate::node::{NodeError, NodeResult};
+use crate::sys::spawn_blocking;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+use tokio::sync::RwLock;
+
+/// How long freezing a sandbox's cgroup may take (pause).
+pub(crate) const FREEZE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// `Conflict` ("sandbox is paused") while `paused` is set: exec and file calls of every
+/// backend that pauses by freezing its cgroup.
+pub(crate) fn check_not_paused(paused: &AtomicBool, id: &str) -> NodeResult<()> {
+    if paused.load(Ordering::SeqCst) {
+        return Err(NodeError::Conflict(format!("sandbox is paused: {id}")));
+    }
+    Ok(())
+}
+
+/// Pause by freezing `group` (see [`super::SandboxBackend::pause`]), under the read side of the
+/// sandbox's lifecycle lock `deleting` (no delete runs meanwhile). `paused` is set first,
+/// so no new exec starts while the freeze is in progress, and cleared again if it fails.
+pub(crate) async fn freeze(
+    id: &str,
+    backend: &str,
+    deleting: &RwLock<bool>,
+    paused: &AtomicBool,
+    group: &Cgroup,
+) -> NodeResult<()> {
+    let guard = deleting.read().await;
+    if *guard {
+        return Err(NodeError::NotFound(format!(
+            "sandbox {id} is being deleted"
+        )));
+    }
+    let _freezer = crate::checkpoints::FREEZER.lock().await;
+    paused.store(true, Ordering::SeqCst);
+    let g = group.clone();
+    let res = spawn_blocking(move || g.freeze(Instant::now() + FREEZE_TIMEOUT)).await;
+    if res.is_err() {
+        paused.store(false, Ordering::SeqCst);
+    } else {
+        tracing::info!(sandbox = %id, backend, "sandbox paused (cgroup frozen)");
+    }
+    res
+}
+
+/// Resume by thawing `group` (see [`super::SandboxBackend::resume`]); the counterpart of
+/// [`freeze`].
+pub(crate) async fn thaw(
+    id: &str,
+    backend: &str,
+    deleting: &RwLock<bool>,
+    paused: &AtomicBool,
+    group: &Cgroup,
+) -> NodeResult<()> {
+    let guard = deleting.read().await;
+    if *guard {
+        return Err(NodeError::NotFound(format!(
+            "sandbox {id} is being deleted"
+        )));
+    }
+    let freezer = crate::checkpoints::FREEZER.lock().await;
+    if crate::checkpoints::copying(&freezer, id) {
+        // A checkpoint copy holds the group frozen; its end thaws it (not paused any more).
+        paused.store(false, Ordering::SeqCst);
+        tracing::info!(sandbox = %id, backend, "sandbox resumed (thawed when the checkpoint copy ends)");
+        return Ok(());
+    }
+    let g = group.clone();
+    spawn_blocking(move || g.thaw()).await?;
+    paused.store(false, Ordering::SeqCst);
+    tracing::info!(sandbox = %id, backend, "sandbox resumed (cgroup thawed)");
+    Ok(())
+}
