@@ -205,7 +205,7 @@ def test_bad_connect_input_gets_connect_errors(box):
         assert b"compressed" in r.content
         r = post("/process.Process/Start", b"\x00\xff\xff\xff\xff{}", "application/connect+json")
         assert b'"resource_exhausted"' in r.content
-        r = post("/process.Process/List", b"\x08\x01", "application/proto")
+        r = post("/process.Process/List", b"{}", "application/xml")
         assert r.status_code == 415 and r.json()["code"] == "unimplemented"
         r = post("/process.Process/List", b"[1]", "application/json")
         assert r.status_code == 400 and r.json()["code"] == "invalid_argument"
