@@ -64,20 +64,20 @@ def test_connect_proto_start_list_stat_listdir(box):
         assert [p.config.cmd for p in listed.processes if p.tag == "pb-sleeper"] == ["/bin/sh"]
         proc.send_signal(process_pb.SendSignalRequest(
             process=process_pb.ProcessSelector(selector=Oneof("tag", "pb-sleeper")),
-            signal=process_pb.Signal.SIGNAL_SIGKILL), headers=h)
+            signal=process_pb.Signal.SIGKILL), headers=h)
         rest = list(bg)
         last = rest[-1].event.event
         assert last.field == "end" and last.value.status == "signal: killed"
 
     with filesystem_connect.FilesystemClientSync(url, send_compression=None) as fs:
         st = fs.stat(filesystem_pb.StatRequest(path="/tmp/pb/f"), headers=h).entry
-        assert st.name == "f" and st.size == 1 and st.type == filesystem_pb.FileType.FILE_TYPE_FILE
+        assert st.name == "f" and st.size == 1 and st.type == filesystem_pb.FileType.FILE
         assert st.owner == "root" and st.modified_time.seconds > 1_700_000_000
         entries = fs.list_dir(filesystem_pb.ListDirRequest(path="/tmp/pb", depth=1),
                               headers=h).entries
         assert {(e.name, e.type) for e in entries} == {
-            ("d", filesystem_pb.FileType.FILE_TYPE_DIRECTORY),
-            ("f", filesystem_pb.FileType.FILE_TYPE_FILE)}
+            ("d", filesystem_pb.FileType.DIRECTORY),
+            ("f", filesystem_pb.FileType.FILE)}
         with pytest.raises(ConnectError) as ei:
             fs.stat(filesystem_pb.StatRequest(path="/tmp/pb/none"), headers=h)
         assert ei.value.code.value == "not_found"
