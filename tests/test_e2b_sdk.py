@@ -205,7 +205,7 @@ def test_bad_connect_input_gets_connect_errors(box):
         assert b"compressed" in r.content
         r = post("/process.Process/Start", b"\x00\xff\xff\xff\xff{}", "application/connect+json")
         assert b'"resource_exhausted"' in r.content
-        r = post("/process.Process/List", b"\x08\x01", "application/proto")
+        r = post("/process.Process/List", b"{}", "application/xml")
         assert r.status_code == 415 and r.json()["code"] == "unimplemented"
         r = post("/process.Process/List", b"[1]", "application/json")
         assert r.status_code == 400 and r.json()["code"] == "invalid_argument"
@@ -219,6 +219,34 @@ def test_bad_connect_input_gets_connect_errors(box):
         assert r.status_code == 400 and "E2b-Sandbox-Id" in r.json()["message"]
         r = c.post("/v2/sandboxes", content=b"[]", headers={"Content-Type": "application/json"})
         assert r.status_code == 400 and r.json()["code"] == 400
+
+
+def _rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(l.split()[1]) for l in f if l.startswith("VmRSS:"))
+
+
+@pytest.mark.e2b_only("function", "container",
+                      why="50 MB each way: TCG makes it slow and the path is the same node call")
+def test_files_50mb_bytes_round_trip(box, e2b_target):
+    """50 MB through `files.write`/`files.read(format="bytes")`: byte-identical, and the
+    server's RSS grows by a bounded amount (uploads are buffered whole, within the file
+    budget: docs/e2b.md)."""
+    import hashlib
+    import os
+
+    blob = os.urandom(1 << 20) * 50  # 50 MiB; random 1 MiB repeated (cheap to make)
+    pid = e2b_target.server.proc.pid
+    before = _rss_kib(pid)
+    box.files.write("/tmp/big.bin", blob)
+    assert box.commands.run("wc -c < /tmp/big.bin").stdout.strip() == str(len(blob))
+    got = bytes(box.files.read("/tmp/big.bin", format="bytes"))
+    assert len(got) == len(blob)
+    assert hashlib.sha256(got).digest() == hashlib.sha256(blob).digest()
+    grown_mib = (_rss_kib(pid) - before) / 1024
+    print(f"server RSS grew {grown_mib:.0f} MiB over a 50 MiB upload + download")
+    assert grown_mib < 400, f"server RSS grew {grown_mib:.0f} MiB"
+    box.files.remove("/tmp/big.bin")
 
 
 def test_files_read_write_list_stat_move_remove(box):

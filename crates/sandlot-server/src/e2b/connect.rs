@@ -15,14 +15,19 @@
 //!   sequence of message envelopes read as they arrive ([`Envelopes`]), ended by the end of
 //!   the body; answer as a server stream with one message.
 //!
-//! The binary protobuf codec (`application/proto`, `application/connect+proto`) is not
-//! served: such calls get 415 with a Connect `unimplemented` error naming the JSON codec.
+//! The binary protobuf codec (`application/proto`, `application/connect+proto`) is served
+//! by [`super::proto::codec`], a layer that transcodes such calls to and from this JSON
+//! codec (the handlers speak only JSON). Any other content type gets 415 with a Connect
+//! `unimplemented` error naming the served codecs.
 use crate::error::ServerError;
 use axum::body::{Body, Bytes};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use sandlot_api::ErrorCode;
 
+/// Prefix of the JSON string [`super::proto::codec`] puts in place of a client-stream
+/// message it could not decode; the handler answers `invalid_argument` with the rest.
+pub const TRANSCODE_ERROR: &str = "\u{0}sandlot-transcode-error:";
 /// Largest request message, bytes (envd's requests are small; file data goes over `/files`).
 pub const MAX_MESSAGE_BYTES: usize = 4 << 20;
 /// End-of-stream flag of an envelope.
@@ -129,8 +134,9 @@ fn wrong_codec(ct: &str) -> ConnectError {
     ConnectError {
         code: "unimplemented",
         message: format!(
-            "content type {ct:?} is not served: use the Connect JSON codec \
-             (application/json for unary calls, application/connect+json for streams)"
+            "content type {ct:?} is not served: use the Connect JSON or protobuf codec \
+             (application/json or application/proto for unary calls, \
+             application/connect+json or application/connect+proto for streams)"
         ),
         status: Some(StatusCode::UNSUPPORTED_MEDIA_TYPE),
     }
@@ -182,6 +188,10 @@ fn parse_object<T: serde::de::DeserializeOwned>(raw: &[u8]) -> Result<T, Connect
         serde_json::from_slice(raw)
             .map_err(|e| ConnectError::invalid(format!("request is not valid JSON: {e}")))?
     };
+    if let Some(why) = v.as_str().and_then(|s| s.strip_prefix(TRANSCODE_ERROR)) {
+        // A client-stream message the binary codec could not decode (`super::proto`).
+        return Err(ConnectError::invalid(why.to_owned()));
+    }
     if !v.is_object() {
         return Err(ConnectError::invalid(
             "request message must be a JSON object",

@@ -37,6 +37,7 @@ pub mod control;
 pub mod filesystem;
 pub mod interpreter;
 pub mod process;
+pub mod proto;
 pub mod watch;
 
 use crate::auth::Principal;
@@ -180,7 +181,17 @@ impl E2bState {
 
 /// The E2B routes (mounted by [`crate::router`] next to `/v1`; the paths do not collide).
 pub fn routes() -> Router<SharedState> {
+    // The Connect routes, in both codecs: [`proto::codec`] turns binary protobuf calls
+    // into JSON ones and their answers back.
+    let connect = Router::new()
+        .route("/process.Process/{method}", post(process::dispatch))
+        .route(
+            "/filesystem.Filesystem/{method}",
+            post(filesystem::dispatch),
+        )
+        .route_layer(axum::middleware::from_fn(proto::codec));
     Router::new()
+        .merge(connect)
         .route("/v2/sandboxes", post(control::create).get(control::list_v2))
         .route("/sandboxes", get(control::list_v1))
         .route(
@@ -194,11 +205,6 @@ pub fn routes() -> Router<SharedState> {
         .route("/sandboxes/{sandbox_id}/connect", post(control::connect))
         .route("/v2/sandboxes/{sandbox_id}/connect", post(control::connect))
         .route("/health", get(health))
-        .route("/process.Process/{method}", post(process::dispatch))
-        .route(
-            "/filesystem.Filesystem/{method}",
-            post(filesystem::dispatch),
-        )
         .route("/files", get(filesystem::download).post(filesystem::upload))
         .route("/execute", post(interpreter::execute))
         .route(
