@@ -30,12 +30,14 @@ step "Debian packages"
 # libssl-dev, pkg-config: TLS for registry pulls (oci-client through reqwest's native-tls).
 # etcd-server: cluster membership, fencing and leader election (crates/sandlot-cluster;
 # scripts/etcd.sh starts members for tests). protobuf-compiler: `protoc` for etcd-client's
-# build (its gRPC stubs are generated at build time).
+# build (its gRPC stubs are generated at build time); libprotobuf-dev: the well-known types
+# (google/protobuf/descriptor.proto, struct.proto) etcd's protos import — only a recommend of
+# protobuf-compiler, so --no-install-recommends leaves it out and etcd-client's build fails.
 # postgresql: cluster mode's durable state; the store tests start their own server in a temp
 # dir through scripts/postgres.sh (Debian's postgresql-common also starts a system cluster on
 # 5432, which Sandlot does not use).
 pkgs=(busybox-static debootstrap bubblewrap iproute2 nftables procps curl ca-certificates chromium fonts-liberation
-      docker-registry skopeo umoci libssl-dev pkg-config etcd-server protobuf-compiler postgresql)
+      docker-registry skopeo umoci libssl-dev pkg-config etcd-server protobuf-compiler libprotobuf-dev postgresql)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
