@@ -519,6 +519,45 @@ fn fuse_mount_state(mp: &Path) -> MountState {
     }
 }
 
+/// Kernel read-ahead of a lazy mount, KiB, default 1024 (one chunk;
+/// `$SANDLOT_LAZY_READ_AHEAD_KIB`, 0 leaves the kernel's default, 128 KiB): FUSE's INIT
+/// can only lower it, so the daemon writes it into the mount's
+/// `/sys/class/bdi/MAJOR:MINOR/read_ahead_kb` once the mount answers.
+pub const READ_AHEAD_KIB_ENV: &str = "SANDLOT_LAZY_READ_AHEAD_KIB";
+
+/// Wait (up to 10 s) until `mp` is a mount of its own that answers, then set its
+/// read-ahead (see [`READ_AHEAD_KIB_ENV`]). Failures only log: reads work without it.
+fn raise_read_ahead(mp: &Path) {
+    use std::os::unix::fs::MetadataExt;
+    let kib: u64 = std::env::var(READ_AHEAD_KIB_ENV)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1024);
+    if kib == 0 {
+        return;
+    }
+    let parent = mp.parent().and_then(|p| std::fs::metadata(p).ok());
+    for _ in 0..200 {
+        // A stat of the mount root waits for FUSE's INIT, after which the value sticks.
+        match (std::fs::metadata(mp), &parent) {
+            (Ok(m), Some(pm)) if m.dev() != pm.dev() => {
+                let dev = m.dev();
+                let p = format!(
+                    "/sys/class/bdi/{}:{}/read_ahead_kb",
+                    libc::major(dev),
+                    libc::minor(dev)
+                );
+                if let Err(e) = std::fs::write(&p, format!("{kib}\n")) {
+                    tracing::warn!(path = p, error = %e, "cannot raise the lazy mount's read-ahead");
+                }
+                return;
+            }
+            _ => std::thread::sleep(Duration::from_millis(50)),
+        }
+    }
+    tracing::warn!(mount = %mp.display(), "lazy mount did not answer: read-ahead left as is");
+}
+
 /// Body of the FUSE daemon (`sandlot __lazy-mount STORE INDEX REFERENCE MOUNTPOINT`):
 /// serve lazy layer `INDEX` of store `STORE` at `MOUNTPOINT`, fetching misses from the
 /// registry of `REFERENCE`. Returns when the file system is unmounted.
@@ -566,5 +605,7 @@ pub fn serve_main(args: &[std::ffi::OsString]) -> NodeResult<()> {
     cfg.acl = fuser::SessionACL::All;
     cfg.n_threads = Some(4);
     tracing::info!(index, mount = %Path::new(mp).display(), "serving lazy layer");
+    let mp2 = PathBuf::from(mp);
+    std::thread::spawn(move || raise_read_ahead(&mp2));
     fuser::mount(lazy, mp, &cfg).map_err(|e| NodeError::io(format!("fuse mount {:?}", mp), e))
 }

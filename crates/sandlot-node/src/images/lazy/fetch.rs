@@ -1,12 +1,19 @@
 //! The chunk fetcher: tiers memory → node disk cache → OCI registry.
 //!
-//! - **Memory**: each daemon keeps its last few verified chunks (a FUSE read asks for at most
-//!   128 KiB, so a 1 MiB chunk is asked for several times in a row).
+//! - **Memory**: each daemon keeps its last few chunks it fetched or verified (so a chunk
+//!   that cannot be stored on disk is not fetched again for every FUSE read of it).
 //! - **Disk cache** `<images dir>/chunks/sha256/<hex>`: one file per chunk, named by the
 //!   SHA-256 of its bytes, written to a temp file and renamed into place, so it survives
-//!   node restarts and is never half-written. Every chunk read from it is hashed before it
-//!   is served; a mismatch (a corrupted file) deletes it, counts in
-//!   [`StatsSnapshot::corrupt_disk`], and the chunk is fetched again. With a size cap
+//!   node restarts and is never half-written. A daemon hashes a chunk file the first time
+//!   it reads it (or writes it, after the registry's bytes matched the digest) and remembers
+//!   the file's identity then (device, inode, size, ctime); later reads of that file `pread`
+//!   only the requested range without hashing, as long as the identity is unchanged. Any
+//!   write, truncate, rename over or `utimes` of the file through the file system changes
+//!   its ctime, so such a file is hashed again before it is served; a mismatch (a corrupted
+//!   file) deletes it, counts in [`StatsSnapshot::corrupt_disk`], and the chunk is fetched
+//!   again. What this trusts: the node's own disk below the file system (a bit flipped on
+//!   the device after the check, with no write through the kernel, is not noticed by a
+//!   daemon that already checked the file). With a size cap
 //!   ([`LIMIT_FILE`]) the least recently used chunks not being read are evicted
 //!   ([`evict`]); the daemons sharing the cache account for it under one `flock`.
 //! - **Registry**: a byte range of the layer's data blob (HTTP `Range` on the blob GET of the
@@ -479,12 +486,30 @@ pub struct ChunkStore {
     remote: Option<Remote>,
     config: FetchConfig,
     gates: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
-    /// Recently used verified chunks, most recent last (a FUSE read asks for at most
-    /// 128 KiB, so one 1 MiB chunk is asked for several times in a row).
+    /// Recently fetched or verified chunks, most recent last.
     memory: Mutex<std::collections::VecDeque<(String, Arc<Vec<u8>>)>>,
     memory_chunks: usize,
+    /// Chunk files this process hashed and found intact, by chunk digest → the file's
+    /// identity at that time; at most [`MAX_VERIFIED`] entries (then it starts over).
+    verified: Mutex<HashMap<String, FileId>>,
     /// Traffic counters.
     pub stats: Stats,
+}
+
+/// Entries of a [`ChunkStore`]'s verified-file table before it is cleared (about 100 bytes
+/// each; a cleared entry only costs one more hash of that chunk file).
+pub const MAX_VERIFIED: usize = 1 << 18;
+
+/// Identity of a chunk file when it was hashed: device, inode, size, ctime (seconds,
+/// nanoseconds). A write, truncate, rename over or `utimes` changes at least one of them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct FileId(u64, u64, u64, i64, i64);
+
+impl FileId {
+    fn of(m: &fs::Metadata) -> FileId {
+        use std::os::unix::fs::MetadataExt;
+        FileId(m.dev(), m.ino(), m.len(), m.ctime(), m.ctime_nsec())
+    }
 }
 
 /// Chunks the memory tier of one daemon keeps, default 16 (`$SANDLOT_LAZY_MEMORY_CHUNKS`,
@@ -520,6 +545,7 @@ impl ChunkStore {
             gates: Mutex::new(HashMap::new()),
             memory: Mutex::new(Default::default()),
             memory_chunks: memory_chunks(),
+            verified: Mutex::new(HashMap::new()),
             stats: Stats::default(),
         })
     }
@@ -530,6 +556,110 @@ impl ChunkStore {
     /// `InvalidArgument` for a malformed digest.
     pub fn chunk_path(&self, digest: &str) -> NodeResult<PathBuf> {
         Ok(self.dir.join(digest_hex(digest)?))
+    }
+
+    /// Bytes `[from, to)` of chunk `c` of data blob `data_blob` (clipped to the chunk's
+    /// length): from the memory tier, else a `pread` of just that range from the disk cache
+    /// when this process already verified the chunk file and it is unchanged since, else as
+    /// [`get`](Self::get) (verify or fetch the whole chunk).
+    ///
+    /// # Errors
+    /// As [`get`](Self::get).
+    pub async fn read(
+        &self,
+        data_blob: &str,
+        c: &ChunkRef,
+        from: u64,
+        to: u64,
+    ) -> NodeResult<Vec<u8>> {
+        let to = to.min(c.len);
+        let from = from.min(to);
+        if let Some(b) = self.in_memory(&c.digest) {
+            return Ok(b.get(from as usize..to as usize).unwrap_or(&[]).to_vec());
+        }
+        let path = self.chunk_path(&c.digest)?;
+        if let Some(v) = self.cached_range(&path, c, from, to) {
+            return Ok(v);
+        }
+        let b = self.get(data_blob, c).await?;
+        Ok(b.get(from as usize..to as usize).unwrap_or(&[]).to_vec())
+    }
+
+    /// Warm chunk `c` for a coming read (read-ahead): a verified, unchanged cache file is
+    /// only advised into the page cache (`POSIX_FADV_WILLNEED`); otherwise the chunk is
+    /// verified or fetched as [`get`](Self::get) does (one fetch however many ask). Errors
+    /// are dropped: the real read reports them.
+    pub async fn prefetch(&self, data_blob: &str, c: &ChunkRef) {
+        let Ok(path) = self.chunk_path(&c.digest) else {
+            return;
+        };
+        if let Ok(f) = fs::File::open(&path) {
+            if f.metadata()
+                .is_ok_and(|m| m.len() == c.len && self.is_verified(&c.digest, FileId::of(&m)))
+            {
+                let _ = nix::fcntl::posix_fadvise(
+                    &f,
+                    0,
+                    c.len as i64,
+                    nix::fcntl::PosixFadviseAdvice::POSIX_FADV_WILLNEED,
+                );
+                return;
+            }
+        }
+        let _ = self.get(data_blob, c).await;
+    }
+
+    fn is_verified(&self, digest: &str, id: FileId) -> bool {
+        let v = self.verified.lock().unwrap_or_else(|p| p.into_inner());
+        v.get(digest) == Some(&id)
+    }
+
+    fn mark_verified(&self, digest: &str, id: FileId) {
+        let mut v = self.verified.lock().unwrap_or_else(|p| p.into_inner());
+        if v.len() >= MAX_VERIFIED && !v.contains_key(digest) {
+            v.clear();
+        }
+        v.insert(digest.to_string(), id);
+    }
+
+    /// Refresh the LRU clock (mtime) of open chunk file `f` at most once a second; when the
+    /// file was verified as `id`, its new identity (the ctime moved) stays verified.
+    fn touch(&self, f: &fs::File, digest: &str, m: &fs::Metadata, verified: bool) {
+        use std::os::unix::fs::MetadataExt;
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs() as i64)
+            .unwrap_or(0);
+        if m.mtime() < now - 1 {
+            use nix::sys::time::TimeSpec;
+            let _ = nix::sys::stat::futimens(f, &TimeSpec::UTIME_OMIT, &TimeSpec::UTIME_NOW);
+            if verified {
+                if let Ok(m2) = f.metadata() {
+                    self.mark_verified(digest, FileId::of(&m2));
+                }
+            }
+        }
+    }
+
+    /// Bytes `[from, to)` of the cached chunk file when this process verified it and it is
+    /// unchanged since (read under a shared `flock`, so eviction leaves it alone meanwhile);
+    /// `None` otherwise (absent, never verified here, or changed: the caller verifies it).
+    fn cached_range(&self, path: &Path, c: &ChunkRef, from: u64, to: u64) -> Option<Vec<u8>> {
+        use std::os::unix::fs::FileExt as _;
+        let f = fs::File::open(path).ok()?;
+        let f = nix::fcntl::Flock::lock(f, nix::fcntl::FlockArg::LockShared).ok()?;
+        let m = f.metadata().ok()?;
+        if m.len() != c.len || !self.is_verified(&c.digest, FileId::of(&m)) {
+            return None;
+        }
+        let mut b = vec![0u8; (to - from) as usize];
+        f.read_exact_at(&mut b, from).ok()?;
+        self.stats.disk_hits.fetch_add(1, Ordering::Relaxed);
+        self.stats
+            .disk_bytes
+            .fetch_add(b.len() as u64, Ordering::Relaxed);
+        self.touch(&f, &c.digest, &m, true);
+        Some(b)
     }
 
     /// The bytes of chunk `c` of data blob `data_blob`: from the memory tier, else from the
@@ -595,29 +725,27 @@ impl ChunkStore {
         b
     }
 
-    /// The cached chunk when present and its digest matches (read under a shared `flock`,
-    /// so eviction leaves it alone meanwhile; its mtime, the LRU clock, is refreshed); a
-    /// corrupt file is removed.
+    /// The cached chunk when present and intact (read under a shared `flock`, so eviction
+    /// leaves it alone meanwhile; its mtime, the LRU clock, is refreshed): hashed unless this
+    /// process verified the same unchanged file before; a corrupt file is removed.
     fn cached(&self, path: &Path, c: &ChunkRef) -> Option<Vec<u8>> {
         use std::io::Read as _;
-        use std::os::unix::fs::MetadataExt;
         let f = fs::File::open(path).ok()?;
         let mut f = nix::fcntl::Flock::lock(f, nix::fcntl::FlockArg::LockShared).ok()?;
+        let m = f.metadata().ok()?;
+        let id = FileId::of(&m);
         let mut b = Vec::with_capacity(c.len as usize);
         f.read_to_end(&mut b).ok()?;
-        if b.len() as u64 == c.len && chunk_digest(&b) == c.digest {
+        let known = self.is_verified(&c.digest, id);
+        if b.len() as u64 == c.len && (known || chunk_digest(&b) == c.digest) {
+            if !known {
+                self.mark_verified(&c.digest, id);
+            }
             self.stats.disk_hits.fetch_add(1, Ordering::Relaxed);
             self.stats
                 .disk_bytes
                 .fetch_add(b.len() as u64, Ordering::Relaxed);
-            let now = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map(|d| d.as_secs() as i64)
-                .unwrap_or(0);
-            if f.metadata().is_ok_and(|m| m.mtime() < now - 1) {
-                use nix::sys::time::TimeSpec;
-                let _ = nix::sys::stat::futimens(&*f, &TimeSpec::UTIME_OMIT, &TimeSpec::UTIME_NOW);
-            }
+            self.touch(&f, &c.digest, &m, true);
             return Some(b);
         }
         self.stats.corrupt_disk.fetch_add(1, Ordering::Relaxed);
@@ -650,7 +778,7 @@ impl ChunkStore {
             match r {
                 Ok(Ok(b)) if b.len() as u64 == c.len && chunk_digest(&b) == c.digest => {
                     self.stats.fetched(b.len() as u64, t0.elapsed());
-                    self.store(path, &b);
+                    self.store(path, &b, &c.digest);
                     return Ok(b);
                 }
                 Ok(Ok(b)) => {
@@ -674,17 +802,22 @@ impl ChunkStore {
         )))
     }
 
-    /// Write a verified chunk into the cache (temp file + rename) and account for it;
-    /// failures only log: the bytes are still served.
-    fn store(&self, path: &Path, b: &[u8]) {
+    /// Write verified chunk `digest` into the cache (temp file + rename), remember the file
+    /// as verified, and account for it; failures only log: the bytes are still served.
+    fn store(&self, path: &Path, b: &[u8], digest: &str) {
         let tmp = path.with_extension(format!("tmp{}", std::process::id()));
         let r = (|| {
             let mut f = fs::File::create(&tmp)?;
             f.write_all(b)?;
-            fs::rename(&tmp, path)
+            fs::rename(&tmp, path)?;
+            // The same inode, after the rename (which moves its ctime).
+            f.metadata()
         })();
         match r {
-            Ok(()) => self.account(b.len() as i64),
+            Ok(m) => {
+                self.mark_verified(digest, FileId::of(&m));
+                self.account(b.len() as i64)
+            }
             Err(e) => {
                 let _ = fs::remove_file(&tmp);
                 tracing::warn!(path = %path.display(), error = %e, "cannot cache chunk");
@@ -845,6 +978,48 @@ mod tests {
         assert!(!p.exists(), "a corrupt chunk is removed");
     }
 
+    #[tokio::test]
+    async fn verified_chunk_files_are_read_by_range_and_rechecked_when_changed() {
+        let d = tempfile::tempdir().unwrap();
+        let mut s = ChunkStore::new(d.path(), None, FetchConfig::default()).unwrap();
+        s.memory_chunks = 0;
+        let data: Vec<u8> = (0..4096u32).map(|i| (i % 251) as u8).collect();
+        let c = chunk(&data);
+        let p = s.chunk_path(&c.digest).unwrap();
+        fs::write(&p, &data).unwrap();
+        // Never checked by this store: a range read hashes the whole file first.
+        assert!(s.cached_range(&p, &c, 0, 10).is_none());
+        assert_eq!(
+            s.read("sha256:x", &c, 100, 200).await.unwrap(),
+            &data[100..200]
+        );
+        // Checked and unchanged: ranges are read straight from the file, clipped at its end.
+        assert_eq!(
+            s.cached_range(&p, &c, 1000, 1010).unwrap(),
+            &data[1000..1010]
+        );
+        assert_eq!(
+            s.read("sha256:x", &c, 4000, 9000).await.unwrap(),
+            &data[4000..]
+        );
+        let snap = s.stats.snapshot();
+        assert_eq!((snap.disk_hits, snap.corrupt_disk, snap.misses), (3, 0, 0));
+        // Corrupted in place through the file system (same size, same inode): its ctime
+        // moves, so the next read hashes it again, drops it and (no registry) fails.
+        // The pause keeps a coarse ctime clock from giving the write the check's tick.
+        std::thread::sleep(Duration::from_millis(20));
+        let mut bad = data.clone();
+        bad[150] ^= 1;
+        fs::write(&p, &bad).unwrap();
+        let err = s.read("sha256:x", &c, 100, 200).await.unwrap_err();
+        assert!(matches!(err, NodeError::Unavailable(_)), "{err}");
+        assert_eq!(s.stats.snapshot().corrupt_disk, 1);
+        assert!(!p.exists(), "a corrupt chunk is removed");
+        // A chunk this store wrote after a (simulated) verified fetch is trusted at once.
+        s.store(&p, &data, &c.digest);
+        assert_eq!(s.cached_range(&p, &c, 0, 4).unwrap(), &data[..4]);
+    }
+
     fn set_age(p: &Path, secs_ago: u64) {
         let t = std::time::SystemTime::now() - Duration::from_secs(secs_ago);
         fs::File::options()
@@ -894,7 +1069,7 @@ mod tests {
         let refs: Vec<ChunkRef> = data.iter().map(|b| chunk(b)).collect();
         for (i, (b, c)) in data.iter().zip(&refs).take(3).enumerate() {
             let p = s.chunk_path(&c.digest).unwrap();
-            s.store(&p, b);
+            s.store(&p, b, &c.digest);
             set_age(&p, 100 - 10 * i as u64);
         }
         assert_eq!(cache_usage(d.path()), 300);
@@ -902,7 +1077,7 @@ mod tests {
         assert_eq!(&**s.get("sha256:x", &refs[0]).await.unwrap(), &data[0][..]);
         // Two more: 500 > 350, down to <= 315: the two least recently used go.
         for (b, c) in data.iter().zip(&refs).skip(3) {
-            s.store(&s.chunk_path(&c.digest).unwrap(), b);
+            s.store(&s.chunk_path(&c.digest).unwrap(), b, &c.digest);
         }
         let kept: Vec<bool> = refs
             .iter()

@@ -8,8 +8,14 @@
 //!
 //! Mounted with `allow_other` (sandboxes' processes reach it through overlay) and
 //! `default_permissions` (the kernel checks modes), `ro,nosuid,nodev`; opened files keep
-//! their page cache (`FOPEN_KEEP_CACHE`: the index is immutable), so all sandboxes of a
-//! node share one cached copy.
+//! their page cache (`FOPEN_KEEP_CACHE`: the index is immutable, and only bytes that
+//! matched their chunk digest are ever answered, so the page cache never holds a corrupted
+//! chunk), so all sandboxes of a node share one cached copy. FUSE requests carry up to
+//! 1 MiB ([`MAX_REQUEST`], one chunk) and the daemon raises the mount's kernel read-ahead
+//! (see [`super::READ_AHEAD_KIB_ENV`]). On top of the kernel's read-ahead, a sequential
+//! reader reaching the second half of a chunk makes the daemon warm the next
+//! [`read_ahead_chunks`] chunks in the background (a cached one is advised into the page
+//! cache, a missing one fetched), at most [`MAX_PREFETCHES`] at a time.
 use super::fetch::ChunkStore;
 use super::format::{Kind, LazyIndex, CHUNK_SIZE};
 use fuser::{
@@ -19,11 +25,31 @@ use fuser::{
 use std::collections::HashMap;
 use std::ffi::OsStr;
 use std::os::unix::ffi::OsStrExt;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, UNIX_EPOCH};
 
 /// Attribute/entry cache time given to the kernel: the tree never changes.
 const TTL: Duration = Duration::from_secs(3600);
+
+/// Largest FUSE read/write request asked of the kernel, bytes (one chunk).
+pub const MAX_REQUEST: u32 = CHUNK_SIZE as u32;
+
+/// Background prefetches of one daemon in flight at most (more are skipped, not queued).
+pub const MAX_PREFETCHES: usize = 4;
+
+/// Inodes whose last read end a daemon remembers for read-ahead (then it starts over).
+const MAX_TRACKED: usize = 4096;
+
+/// Chunks warmed ahead of a sequential reader, default 1
+/// (`$SANDLOT_LAZY_READ_AHEAD_CHUNKS`, 0 turns the daemon's read-ahead off, at most 8).
+pub fn read_ahead_chunks() -> u64 {
+    std::env::var("SANDLOT_LAZY_READ_AHEAD_CHUNKS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1u64)
+        .min(8)
+}
 
 struct Node {
     /// Index of the entry holding the metadata (the first path of a hard-linked file).
@@ -42,6 +68,10 @@ pub struct LazyFs {
     names: Vec<HashMap<Vec<u8>, u64>>,
     chunks: Arc<ChunkStore>,
     rt: tokio::runtime::Handle,
+    /// End offset of the last read, by inode (read-ahead only follows sequential readers).
+    last_end: Mutex<HashMap<u64, u64>>,
+    prefetching: Arc<AtomicUsize>,
+    ahead_chunks: u64,
 }
 
 impl LazyFs {
@@ -124,6 +154,9 @@ impl LazyFs {
             names,
             chunks,
             rt,
+            last_end: Mutex::new(HashMap::new()),
+            prefetching: Arc::new(AtomicUsize::new(0)),
+            ahead_chunks: read_ahead_chunks(),
         })
     }
 
@@ -178,19 +211,60 @@ impl LazyFs {
         while pos < end {
             let i = (pos / CHUNK_SIZE) as usize;
             let c = e.chunks.get(i).ok_or(Errno::from_i32(libc::EIO))?;
+            let base = i as u64 * CHUNK_SIZE;
+            let to = (end - base).min(c.len);
             let bytes = self
                 .rt
-                .block_on(self.chunks.get(&self.index.data_digest, c))
+                .block_on(self.chunks.read(&self.index.data_digest, c, pos - base, to))
                 .map_err(|err| {
                     tracing::error!(path = %e.path, chunk = %c.digest, error = %err, "lazy read failed: EIO");
                     Errno::from_i32(libc::EIO)
                 })?;
-            let from = (pos - i as u64 * CHUNK_SIZE) as usize;
-            let to = ((end - i as u64 * CHUNK_SIZE) as usize).min(bytes.len());
-            out.extend_from_slice(&bytes[from..to]);
-            pos = i as u64 * CHUNK_SIZE + to as u64;
+            if bytes.len() as u64 != to - (pos - base) {
+                tracing::error!(path = %e.path, chunk = %c.digest, "chunk shorter than its index entry: EIO");
+                return Err(Errno::from_i32(libc::EIO));
+            }
+            out.extend_from_slice(&bytes);
+            pos = base + to;
         }
+        self.read_ahead(ino.0, offset, end, &e.chunks);
         Ok(out)
+    }
+
+    /// After a read of `[offset, end)` of `ino`: when it continues the previous read of that
+    /// inode (within one chunk) and reaches the second half of its chunk, warm the next
+    /// [`read_ahead_chunks`] chunks in the background.
+    fn read_ahead(&self, ino: u64, offset: u64, end: u64, chunks: &[super::format::ChunkRef]) {
+        if self.ahead_chunks == 0 || end <= offset {
+            return;
+        }
+        let sequential = {
+            let mut m = self.last_end.lock().unwrap_or_else(|p| p.into_inner());
+            if m.len() >= MAX_TRACKED && !m.contains_key(&ino) {
+                m.clear();
+            }
+            let prev = m.insert(ino, end);
+            offset == 0 || prev.is_some_and(|p| p.abs_diff(offset) <= CHUNK_SIZE)
+        };
+        let last = (end - 1) / CHUNK_SIZE;
+        if !sequential || (end - 1) % CHUNK_SIZE < CHUNK_SIZE / 2 {
+            return;
+        }
+        for j in last + 1..=last + self.ahead_chunks {
+            let Some(c) = chunks.get(j as usize) else {
+                break;
+            };
+            if self.prefetching.fetch_add(1, Ordering::AcqRel) >= MAX_PREFETCHES {
+                self.prefetching.fetch_sub(1, Ordering::AcqRel);
+                break;
+            }
+            let (store, busy, c) = (self.chunks.clone(), self.prefetching.clone(), c.clone());
+            let blob = self.index.data_digest.clone();
+            self.rt.spawn(async move {
+                store.prefetch(&blob, &c).await;
+                busy.fetch_sub(1, Ordering::AcqRel);
+            });
+        }
     }
 }
 
@@ -205,6 +279,15 @@ fn file_type(k: Kind) -> FileType {
 }
 
 impl Filesystem for LazyFs {
+    fn init(&mut self, _req: &Request, config: &mut fuser::KernelConfig) -> std::io::Result<()> {
+        // Requests of up to one chunk (the kernel caps them at its own maximum), and room
+        // for the kernel's read-ahead requests in flight.
+        let _ = config.set_max_write(MAX_REQUEST);
+        let _ = config.set_max_background(64);
+        let _ = config.set_congestion_threshold(48);
+        Ok(())
+    }
+
     fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
         let found = self
             .names
