@@ -365,10 +365,12 @@ impl ImageStore {
     }
 
     /// Mount every lazy layer of `img` not mounted yet (one FUSE daemon per layer, shared by
-    /// every image and sandbox using it). A no-op for other images.
+    /// every image and sandbox using it; the layers' daemons start at the same time). A
+    /// no-op for other images.
     ///
     /// # Errors
-    /// `Unavailable` when a daemon does not mount within 10 s (its log is quoted).
+    /// `Unavailable` when a daemon does not mount within 10 s (its log is quoted; the first
+    /// failing layer's error is returned, the other layers stay mounted for the next try).
     pub fn mount_lazy(&self, img: &super::Image) -> NodeResult<()> {
         let ImageSource::Lazy {
             lazy_reference,
@@ -378,9 +380,20 @@ impl ImageStore {
         else {
             return Ok(());
         };
-        for d in indexes {
-            self.ensure_mounted(d, lazy_reference)?;
-        }
+        std::thread::scope(|s| {
+            let started: Vec<_> = indexes
+                .iter()
+                .map(|d| s.spawn(move || self.ensure_mounted(d, lazy_reference)))
+                .collect();
+            started
+                .into_iter()
+                .map(|h| {
+                    h.join().unwrap_or_else(|_| {
+                        Err(NodeError::Unavailable("lazy mount thread panicked".into()))
+                    })
+                })
+                .collect::<NodeResult<Vec<_>>>()
+        })?;
         Ok(())
     }
 

@@ -585,27 +585,27 @@ impl ChunkStore {
         Ok(b.get(from as usize..to as usize).unwrap_or(&[]).to_vec())
     }
 
-    /// Warm chunk `c` for a coming read (read-ahead): a verified, unchanged cache file is
-    /// only advised into the page cache (`POSIX_FADV_WILLNEED`); otherwise the chunk is
-    /// verified or fetched as [`get`](Self::get) does (one fetch however many ask). Errors
-    /// are dropped: the real read reports them.
-    pub async fn prefetch(&self, data_blob: &str, c: &ChunkRef) {
-        let Ok(path) = self.chunk_path(&c.digest) else {
-            return;
+    /// Ask the kernel to read chunk `c`'s cache file into the page cache in the
+    /// background (`POSIX_FADV_WILLNEED`; read-ahead of a sequential reader). Returns
+    /// whether the file is there (nothing is verified or fetched here).
+    pub fn advise(&self, c: &ChunkRef) -> bool {
+        let Ok(f) = self.chunk_path(&c.digest).and_then(|p| {
+            fs::File::open(&p).map_err(|e| NodeError::io(format!("open {}", p.display()), e))
+        }) else {
+            return false;
         };
-        if let Ok(f) = fs::File::open(&path) {
-            if f.metadata()
-                .is_ok_and(|m| m.len() == c.len && self.is_verified(&c.digest, FileId::of(&m)))
-            {
-                let _ = nix::fcntl::posix_fadvise(
-                    &f,
-                    0,
-                    c.len as i64,
-                    nix::fcntl::PosixFadviseAdvice::POSIX_FADV_WILLNEED,
-                );
-                return;
-            }
-        }
+        let _ = nix::fcntl::posix_fadvise(
+            &f,
+            0,
+            c.len as i64,
+            nix::fcntl::PosixFadviseAdvice::POSIX_FADV_WILLNEED,
+        );
+        true
+    }
+
+    /// Fetch (or verify) chunk `c` ahead of its read, as [`get`](Self::get) does (one fetch
+    /// however many ask). Errors are dropped: the real read reports them.
+    pub async fn prefetch(&self, data_blob: &str, c: &ChunkRef) {
         let _ = self.get(data_blob, c).await;
     }
 

@@ -13,9 +13,12 @@
 //! chunk), so all sandboxes of a node share one cached copy. FUSE requests carry up to
 //! 1 MiB ([`MAX_REQUEST`], one chunk) and the daemon raises the mount's kernel read-ahead
 //! (see [`super::READ_AHEAD_KIB_ENV`]). On top of the kernel's read-ahead, a sequential
-//! reader reaching the second half of a chunk makes the daemon warm the next
-//! [`read_ahead_chunks`] chunks in the background (a cached one is advised into the page
-//! cache, a missing one fetched), at most [`MAX_PREFETCHES`] at a time.
+//! reader reaching the second half of a chunk makes the daemon advise the cache files of
+//! the next [`read_ahead_chunks`] chunks into the page cache (`POSIX_FADV_WILLNEED`: the
+//! disk reads them in parallel, nothing is fetched), and fetch the next
+//! [`fetch_ahead_chunks`] of them that are not cached yet, in the background (at most
+//! [`MAX_PREFETCHES`] read-ahead steps at a time, more are skipped; off by default: it costs registry bytes a reader may never
+//! read).
 use super::fetch::ChunkStore;
 use super::format::{Kind, LazyIndex, CHUNK_SIZE};
 use fuser::{
@@ -41,14 +44,24 @@ pub const MAX_PREFETCHES: usize = 4;
 /// Inodes whose last read end a daemon remembers for read-ahead (then it starts over).
 const MAX_TRACKED: usize = 4096;
 
-/// Chunks warmed ahead of a sequential reader, default 1
-/// (`$SANDLOT_LAZY_READ_AHEAD_CHUNKS`, 0 turns the daemon's read-ahead off, at most 8).
-pub fn read_ahead_chunks() -> u64 {
-    std::env::var("SANDLOT_LAZY_READ_AHEAD_CHUNKS")
+fn env_chunks(key: &str, default: u64) -> u64 {
+    std::env::var(key)
         .ok()
         .and_then(|v| v.parse().ok())
-        .unwrap_or(1u64)
-        .min(8)
+        .unwrap_or(default)
+        .min(64)
+}
+
+/// Cached chunks advised into the page cache ahead of a sequential reader, default 8
+/// (`$SANDLOT_LAZY_READ_AHEAD_CHUNKS`, 0 off, at most 64).
+pub fn read_ahead_chunks() -> u64 {
+    env_chunks("SANDLOT_LAZY_READ_AHEAD_CHUNKS", 8)
+}
+
+/// Missing chunks fetched ahead of a sequential reader, default 0
+/// (`$SANDLOT_LAZY_FETCH_AHEAD_CHUNKS`; at most [`read_ahead_chunks`]).
+pub fn fetch_ahead_chunks() -> u64 {
+    env_chunks("SANDLOT_LAZY_FETCH_AHEAD_CHUNKS", 0).min(read_ahead_chunks())
 }
 
 struct Node {
@@ -68,10 +81,12 @@ pub struct LazyFs {
     names: Vec<HashMap<Vec<u8>, u64>>,
     chunks: Arc<ChunkStore>,
     rt: tokio::runtime::Handle,
-    /// End offset of the last read, by inode (read-ahead only follows sequential readers).
-    last_end: Mutex<HashMap<u64, u64>>,
+    /// End offset of the last read and the first chunk not yet read ahead, by inode
+    /// (read-ahead only follows sequential readers).
+    last_end: Mutex<HashMap<u64, (u64, u64)>>,
     prefetching: Arc<AtomicUsize>,
     ahead_chunks: u64,
+    fetch_ahead: u64,
 }
 
 impl LazyFs {
@@ -157,6 +172,7 @@ impl LazyFs {
             last_end: Mutex::new(HashMap::new()),
             prefetching: Arc::new(AtomicUsize::new(0)),
             ahead_chunks: read_ahead_chunks(),
+            fetch_ahead: fetch_ahead_chunks(),
         })
     }
 
@@ -232,39 +248,69 @@ impl LazyFs {
     }
 
     /// After a read of `[offset, end)` of `ino`: when it continues the previous read of that
-    /// inode (within one chunk) and reaches the second half of its chunk, warm the next
-    /// [`read_ahead_chunks`] chunks in the background.
+    /// inode (within one chunk) and reaches the second half of its chunk, advise the next
+    /// [`read_ahead_chunks`] chunk files not advised yet, and fetch the missing ones among
+    /// the next [`fetch_ahead_chunks`] in the background.
     fn read_ahead(&self, ino: u64, offset: u64, end: u64, chunks: &[super::format::ChunkRef]) {
         if self.ahead_chunks == 0 || end <= offset {
             return;
         }
-        let sequential = {
+        let last = (end - 1) / CHUNK_SIZE;
+        let past_half = (end - 1) % CHUNK_SIZE >= CHUNK_SIZE / 2;
+        let first = {
             let mut m = self.last_end.lock().unwrap_or_else(|p| p.into_inner());
             if m.len() >= MAX_TRACKED && !m.contains_key(&ino) {
                 m.clear();
             }
-            let prev = m.insert(ino, end);
-            offset == 0 || prev.is_some_and(|p| p.abs_diff(offset) <= CHUNK_SIZE)
+            let prev = m.get(&ino).copied();
+            let sequential =
+                offset == 0 || prev.is_some_and(|(p, _)| p.abs_diff(offset) <= CHUNK_SIZE);
+            let done = if sequential {
+                prev.map_or(0, |(_, d)| d)
+            } else {
+                0
+            };
+            let upto = last + 1 + self.ahead_chunks;
+            m.insert(
+                ino,
+                (end, if sequential && past_half { upto } else { done }),
+            );
+            if !(sequential && past_half) {
+                return;
+            }
+            done.max(last + 1)
         };
-        let last = (end - 1) / CHUNK_SIZE;
-        if !sequential || (end - 1) % CHUNK_SIZE < CHUNK_SIZE / 2 {
+        // Opening a chunk file may itself wait for the disk (its inode), so the advice is
+        // given off the reader's path, by one background task per read-ahead step.
+        let todo: Vec<(u64, super::format::ChunkRef)> = (first..last + 1 + self.ahead_chunks)
+            .map_while(|j| chunks.get(j as usize).map(|c| (j, c.clone())))
+            .collect();
+        if todo.is_empty() || self.prefetching.fetch_add(1, Ordering::AcqRel) >= MAX_PREFETCHES {
+            if !todo.is_empty() {
+                self.prefetching.fetch_sub(1, Ordering::AcqRel);
+            }
             return;
         }
-        for j in last + 1..=last + self.ahead_chunks {
-            let Some(c) = chunks.get(j as usize) else {
-                break;
+        let (store, busy) = (self.chunks.clone(), self.prefetching.clone());
+        let blob = self.index.data_digest.clone();
+        let fetch_upto = last + self.fetch_ahead;
+        self.rt.spawn(async move {
+            let missing: Vec<_> = {
+                let store = store.clone();
+                tokio::task::spawn_blocking(move || {
+                    todo.into_iter()
+                        .filter(|(j, c)| !store.advise(c) && *j <= fetch_upto)
+                        .map(|(_, c)| c)
+                        .collect()
+                })
+                .await
+                .unwrap_or_default()
             };
-            if self.prefetching.fetch_add(1, Ordering::AcqRel) >= MAX_PREFETCHES {
-                self.prefetching.fetch_sub(1, Ordering::AcqRel);
-                break;
-            }
-            let (store, busy, c) = (self.chunks.clone(), self.prefetching.clone(), c.clone());
-            let blob = self.index.data_digest.clone();
-            self.rt.spawn(async move {
+            for c in missing {
                 store.prefetch(&blob, &c).await;
-                busy.fetch_sub(1, Ordering::AcqRel);
-            });
-        }
+            }
+            busy.fetch_sub(1, Ordering::AcqRel);
+        });
     }
 }
 
