@@ -282,7 +282,11 @@ impl LazyFs {
         };
         // Opening a chunk file may itself wait for the disk (its inode), so the advice is
         // given off the reader's path, by one background task per read-ahead step.
-        let todo: Vec<(u64, super::format::ChunkRef)> = (first..last + 1 + self.ahead_chunks)
+        // Chunks not advised yet, and those in the fetch window even when advised before
+        // (a chunk that was missing then is fetched once the reader comes close).
+        let fetch_upto = last + self.fetch_ahead;
+        let todo: Vec<(u64, super::format::ChunkRef)> = (last + 1..last + 1 + self.ahead_chunks)
+            .filter(|j| *j >= first || *j <= fetch_upto)
             .map_while(|j| chunks.get(j as usize).map(|c| (j, c.clone())))
             .collect();
         if todo.is_empty() || self.prefetching.fetch_add(1, Ordering::AcqRel) >= MAX_PREFETCHES {
@@ -293,7 +297,6 @@ impl LazyFs {
         }
         let (store, busy) = (self.chunks.clone(), self.prefetching.clone());
         let blob = self.index.data_digest.clone();
-        let fetch_upto = last + self.fetch_ahead;
         self.rt.spawn(async move {
             let missing: Vec<_> = {
                 let store = store.clone();
