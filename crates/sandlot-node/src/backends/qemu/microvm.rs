@@ -290,10 +290,16 @@ impl MicrovmBackend {
             cgroups,
             cfg.uids.clone(),
         );
+        let disks = ImageDisks::new(
+            "microvm",
+            cfg.dir.join("images"),
+            "erofs",
+            cfg.images.clone(),
+        );
         Ok(MicrovmBackend {
             cfg,
             core,
-            disks: ImageDisks::default(),
+            disks,
             templates_enabled: template::enabled_from_env(),
             templates_building: Arc::new(Mutex::new(Default::default())),
             template_inputs,
@@ -311,66 +317,18 @@ impl MicrovmBackend {
 
     /// Where the image's EROFS disk is (or will be): `images/<key>.erofs`.
     fn disk_path(&self, image: &Image) -> PathBuf {
-        self.cfg
-            .dir
-            .join("images")
-            .join(format!("{}.erofs", image.version()))
+        self.disks.path(&image.version())
     }
 
     /// The image's EROFS disk, made once, and the create's hold on it (kept until the
-    /// sandbox's `boot.json` names it); each new disk is followed by a collection of the
-    /// disks nothing needs any more ([`Self::collect_disks`]).
+    /// sandbox's `boot.json` names it; see [`ImageDisks::image_disk`]).
     async fn image_disk(&self, image: &Image) -> NodeResult<(PathBuf, DiskHold)> {
-        let out = self.disk_path(image);
-        let (layers, o) = (image.layers.clone(), out.clone());
-        let build = async {
-            let started = Instant::now();
-            spawn_blocking(move || make_erofs(&layers, &o)).await?;
-            tracing::info!(backend = "microvm", image = %image.name, ms = started.elapsed().as_millis() as u64, "image converted to EROFS");
-            Ok(())
-        };
-        let (out, hold, made) = self.disks.get(out, build).await?;
-        if made {
-            self.collect_disks(false);
-        }
-        Ok((out, hold))
-    }
-
-    /// Removes the EROFS disks of images no longer in the store that no microVM uses
-    /// (running or paused: the `-drive file=` of its QEMU arguments in `state.json` or
-    /// `boot.json`) and no create in flight holds; with `partial`, also conversions cut
-    /// short. Nothing is removed while a VM's state names no QEMU arguments (written by a
-    /// node before pause with memory).
-    fn collect_disks(&self, partial: bool) {
-        let used = || {
-            let mut used = HashSet::new();
-            for e in std::fs::read_dir(self.cfg.dir.join("vms"))
-                .into_iter()
-                .flatten()
-                .flatten()
-            {
-                let state: Option<VmState> = ["state.json", "boot.json"].iter().find_map(|f| {
-                    let s = std::fs::read(e.path().join(f)).ok()?;
-                    serde_json::from_slice(&s).ok()
-                });
-                let Some(st) = state else { continue };
-                if st.qemu_args.is_empty() {
-                    return Err(format!("sandbox {}'s state names no QEMU arguments", st.id));
-                }
-                used.extend(super::drive_files(&st.qemu_args));
-            }
-            Ok(used)
-        };
-        super::collect_image_disks(
-            "microvm",
-            &self.cfg.dir.join("images"),
-            "erofs",
-            &self.cfg.images,
-            |i| self.disk_path(i),
-            &self.disks,
-            used,
-            partial,
-        );
+        let layers = image.layers.clone();
+        let make = move |out: &Path| make_erofs(&layers, out);
+        let (out, collect) = (self.disk_path(image), || self.collect_disks(false));
+        (self.disks)
+            .image_disk(image, out, "image converted to EROFS", make, collect)
+            .await
     }
 
     /// QEMU's command line for a VM whose files are in `dir` (`scratch.img`,
@@ -745,8 +703,32 @@ impl Machine for MicrovmBackend {
         self.checkpoint_scratch(vm, id, dest).await
     }
 
+    /// Removes the EROFS disks of images no longer in the store that no microVM uses
+    /// (running or paused: the `-drive file=` of its QEMU arguments in `state.json` or
+    /// `boot.json`) and no create in flight holds; with `partial`, also conversions cut
+    /// short. Nothing is removed while a VM's state names no QEMU arguments (written by a
+    /// node before pause with memory).
     fn collect_disks(&self, partial: bool) {
-        MicrovmBackend::collect_disks(self, partial)
+        let used = || {
+            let mut used = HashSet::new();
+            for e in std::fs::read_dir(self.cfg.dir.join("vms"))
+                .into_iter()
+                .flatten()
+                .flatten()
+            {
+                let state: Option<VmState> = ["state.json", "boot.json"].iter().find_map(|f| {
+                    let s = std::fs::read(e.path().join(f)).ok()?;
+                    serde_json::from_slice(&s).ok()
+                });
+                let Some(st) = state else { continue };
+                if st.qemu_args.is_empty() {
+                    return Err(format!("sandbox {}'s state names no QEMU arguments", st.id));
+                }
+                used.extend(super::drive_files(&st.qemu_args));
+            }
+            Ok(used)
+        };
+        self.disks.collect(|i| self.disk_path(i), used, partial);
     }
 }
 

@@ -577,15 +577,90 @@ pub fn drive_files(args: &[String]) -> impl Iterator<Item = PathBuf> + '_ {
 #[derive(Clone, Default)]
 pub struct DiskHolds(Arc<Mutex<HashMap<PathBuf, usize>>>);
 
-/// A QEMU backend's image disks in use: one build at a time, and the holds of creates in
-/// flight ([`DiskHolds`]).
-#[derive(Default)]
+/// A QEMU backend's image disks `dir/<key>.<ext>` (`DATA/microvm/images/*.erofs`,
+/// `DATA/vm/images/*.qcow2`): made once per image, one build at a time, held by creates in
+/// flight ([`DiskHolds`]) and collected when nothing needs them ([`Self::collect`]).
 pub struct ImageDisks {
+    /// The backend's name in logs (`microvm`, `vm`).
+    backend: &'static str,
+    /// `DATA/<backend>/images`.
+    dir: PathBuf,
+    /// The disks' file extension (`erofs`, `qcow2`).
+    ext: &'static str,
+    /// The node's image store: which images a create may still ask a disk for.
+    images: ImageStore,
     build: tokio::sync::Mutex<()>,
     holds: DiskHolds,
 }
 
 impl ImageDisks {
+    /// The disks of `backend` in `dir` (`<key>.<ext>`) for the images of `images`.
+    pub fn new(backend: &'static str, dir: PathBuf, ext: &'static str, images: ImageStore) -> Self {
+        ImageDisks {
+            backend,
+            dir,
+            ext,
+            images,
+            build: Default::default(),
+            holds: Default::default(),
+        }
+    }
+
+    /// Where the disk of key `key` is (or will be): `dir/<key>.<ext>`.
+    pub fn path(&self, key: &str) -> PathBuf {
+        self.dir.join(format!("{key}.{}", self.ext))
+    }
+
+    /// The image disk `out` of `image` and a create's hold on it (kept until the sandbox's
+    /// files name it), made first by `make(out)` on a blocking thread when missing (logged
+    /// as `made` with its milliseconds); each new disk is followed by `collect` (a
+    /// collection of the disks nothing needs any more, [`Self::collect`]).
+    ///
+    /// # Errors
+    /// `make`'s.
+    pub async fn image_disk(
+        &self,
+        image: &Image,
+        out: PathBuf,
+        made: &str,
+        make: impl FnOnce(&Path) -> NodeResult<()> + Send + 'static,
+        collect: impl FnOnce(),
+    ) -> NodeResult<(PathBuf, DiskHold)> {
+        let o = out.clone();
+        let build = async {
+            let started = std::time::Instant::now();
+            crate::sys::spawn_blocking(move || make(&o)).await?;
+            let ms = started.elapsed().as_millis() as u64;
+            tracing::info!(backend = self.backend, image = %image.name, ms, "{made}");
+            Ok(())
+        };
+        let (out, hold, made) = self.get(out, build).await?;
+        if made {
+            collect();
+        }
+        Ok((out, hold))
+    }
+
+    /// [`collect_image_disks`] of these disks: `disk_path` names the disk of an image of the
+    /// store, `used` the disks sandboxes or checkpoints use.
+    pub fn collect(
+        &self,
+        disk_path: impl Fn(&Image) -> PathBuf,
+        used: impl FnOnce() -> Result<HashSet<PathBuf>, String>,
+        partial: bool,
+    ) {
+        collect_image_disks(
+            self.backend,
+            &self.dir,
+            self.ext,
+            &self.images,
+            disk_path,
+            self,
+            used,
+            partial,
+        );
+    }
+
     /// The image disk `out` with a create's hold on it, made by `build` first when it is
     /// missing (one build at a time per backend; the hold is taken before the disk is looked
     /// for, see [`DiskHolds`]). The flag is `true` when this call made it.
@@ -1326,7 +1401,7 @@ mod tests {
         std::fs::create_dir_all(&images).unwrap();
         let disk = images.join("old.erofs");
         std::fs::write(&disk, b"disk").unwrap();
-        let disks = ImageDisks::default();
+        let disks = ImageDisks::new("t", images.clone(), "erofs", store.clone());
         let collect = || {
             let used = || Ok(HashSet::new());
             collect_image_disks(

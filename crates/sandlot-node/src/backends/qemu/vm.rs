@@ -334,12 +334,13 @@ impl VmBackend {
             cgroups,
             cfg.uids.clone(),
         );
+        let disks = ImageDisks::new("vm", cfg.dir.join("images"), "qcow2", cfg.images.clone());
         Ok(VmBackend {
             cfg,
             core,
             qemu_img,
             agent_key,
-            disks: ImageDisks::default(),
+            disks,
         })
     }
 
@@ -357,64 +358,19 @@ impl VmBackend {
                 .iter()
                 .map(|l| l.as_os_str().as_encoded_bytes()),
         );
-        let key = format!("{:016x}", fnv(&parts));
-        self.cfg.dir.join("images").join(format!("{key}.qcow2"))
+        self.disks.path(&format!("{:016x}", fnv(&parts)))
     }
 
     /// The image's qcow2 base disk, built once, and the create's hold on it (kept until the
-    /// sandbox's first layer names it); each new disk is followed by a collection of the
-    /// disks nothing needs any more ([`Self::collect_disks`]).
+    /// sandbox's first layer names it; see [`ImageDisks::image_disk`]).
     async fn image_disk(&self, image: &Image) -> NodeResult<(PathBuf, DiskHold)> {
-        let out = self.disk_path(image);
-        let (layers, agent, qemu_img, o) = (
-            image.layers.clone(),
-            self.cfg.agent_bin.clone(),
-            self.qemu_img.clone(),
-            out.clone(),
-        );
-        let build = async {
-            let started = Instant::now();
-            spawn_blocking(move || make_disk(&qemu_img, &layers, &agent, &o)).await?;
-            tracing::info!(backend = "vm", image = %image.name, ms = started.elapsed().as_millis() as u64, "image disk built (qcow2)");
-            Ok(())
-        };
-        let (out, hold, made) = self.disks.get(out, build).await?;
-        if made {
-            self.collect_disks(false);
-        }
-        Ok((out, hold))
-    }
-
-    /// Removes the base disks of images no longer in the store (or built for another guest
-    /// agent) that no chain uses: the absolute backing file of any qcow2 layer in a VM's
-    /// directory (running or paused) or a checkpoint's; with `partial`, also builds cut
-    /// short. A layer whose header cannot be read stops the collection (logged).
-    fn collect_disks(&self, partial: bool) {
-        let used = || {
-            let holders = [self.cfg.dir.join("vms"), self.cfg.checkpoints_dir.clone()];
-            holders
-                .iter()
-                .flat_map(|d| std::fs::read_dir(d).into_iter().flatten().flatten())
-                .flat_map(|h| std::fs::read_dir(h.path()).into_iter().flatten().flatten())
-                .map(|e| e.path())
-                .filter(|p| p.extension().is_some_and(|x| x == "qcow2"))
-                .filter_map(|layer| match chain::backing_of(&layer) {
-                    Ok(Some(b)) if b.starts_with('/') => Some(Ok(PathBuf::from(b))),
-                    Ok(_) => None,
-                    Err(e) => Some(Err(e.to_string())),
-                })
-                .collect()
-        };
-        super::collect_image_disks(
-            "vm",
-            &self.cfg.dir.join("images"),
-            "qcow2",
-            &self.cfg.images,
-            |i| self.disk_path(i),
-            &self.disks,
-            used,
-            partial,
-        );
+        let (layers, agent) = (image.layers.clone(), self.cfg.agent_bin.clone());
+        let qemu_img = self.qemu_img.clone();
+        let make = move |out: &Path| make_disk(&qemu_img, &layers, &agent, out);
+        let (out, collect) = (self.disk_path(image), || self.collect_disks(false));
+        (self.disks)
+            .image_disk(image, out, "image disk built (qcow2)", make, collect)
+            .await
     }
 
     /// [`Machine::boot`] of a q35 VM.
@@ -614,8 +570,27 @@ impl Machine for VmBackend {
         Ok(())
     }
 
+    /// Removes the base disks of images no longer in the store (or built for another guest
+    /// agent) that no chain uses: the absolute backing file of any qcow2 layer in a VM's
+    /// directory (running or paused) or a checkpoint's; with `partial`, also builds cut
+    /// short. A layer whose header cannot be read stops the collection (logged).
     fn collect_disks(&self, partial: bool) {
-        VmBackend::collect_disks(self, partial)
+        let used = || {
+            let holders = [self.cfg.dir.join("vms"), self.cfg.checkpoints_dir.clone()];
+            holders
+                .iter()
+                .flat_map(|d| std::fs::read_dir(d).into_iter().flatten().flatten())
+                .flat_map(|h| std::fs::read_dir(h.path()).into_iter().flatten().flatten())
+                .map(|e| e.path())
+                .filter(|p| p.extension().is_some_and(|x| x == "qcow2"))
+                .filter_map(|layer| match chain::backing_of(&layer) {
+                    Ok(Some(b)) if b.starts_with('/') => Some(Ok(PathBuf::from(b))),
+                    Ok(_) => None,
+                    Err(e) => Some(Err(e.to_string())),
+                })
+                .collect()
+        };
+        self.disks.collect(|i| self.disk_path(i), used, partial);
     }
 }
 
