@@ -39,7 +39,7 @@
 //! resource control calls), in a session of its own, so it outlives a node restart and
 //! is re-adopted, and as an unprivileged host uid of its own that reaches only its own
 //! files and the shared read-only ones (see [`super`]).
-use super::sandbox::{Machine, QemuCore, QemuVm};
+use super::sandbox::{Boot, Booted, Machine, QemuCore, QemuVm};
 use super::snapshot::Relay;
 use super::state::{write_json, VmState};
 use super::{find_binary, spawn_qemu, write_cpio, Accel};
@@ -49,7 +49,7 @@ use crate::backends::function::StoredSpec;
 use crate::cgroups::{CgroupRoot, SandboxCgroup};
 use crate::checkpoints::{Captured, Checkpoint};
 use crate::images::{fnv, Image, ImageStore};
-use crate::node::{NodeError, NodeResult, SandboxSpec};
+use crate::node::{NodeError, NodeResult};
 use crate::sys::spawn_blocking;
 use async_trait::async_trait;
 use sandlot_api::Backend;
@@ -374,14 +374,137 @@ impl MicrovmBackend {
         args
     }
 
-    /// [`Machine::boot`] of a microVM.
-    async fn boot_microvm(
+    /// Starts QEMU with `args` in the cgroup `cg`, a session of its own and `jail`, its
+    /// output to `DIR/qemu.log` (appended to when `append`); its pid and start time. A
+    /// thread reaps it when it exits (it is this process's child until the process ends).
+    ///
+    /// # Errors
+    /// `Internal` when the log cannot be opened or QEMU cannot be started.
+    fn spawn_qemu(
         &self,
-        spec: &SandboxSpec,
-        image: &Image,
+        args: &[String],
+        dir: &Path,
         cg: &SandboxCgroup,
-        seed: Option<&Checkpoint>,
-    ) -> NodeResult<(VmState, (AgentClient, Arc<Relay>))> {
+        append: bool,
+        jail: &Jail,
+    ) -> NodeResult<(i32, u64)> {
+        spawn_qemu(&self.core.qemu, args, dir, cg, append, jail)
+    }
+}
+
+/// A sparse ext4 file of `mib` MiB at `s` (the guest's writable layer).
+fn make_scratch(s: &Path, mib: u64) -> NodeResult<()> {
+    let f = std::fs::File::create(s)
+        .map_err(|e| NodeError::io(format!("create {}", s.display()), e))?;
+    f.set_len(mib << 20)
+        .map_err(|e| NodeError::io(format!("size {}", s.display()), e))?;
+    let out = std::process::Command::new("mkfs.ext4")
+        .args(["-q", "-F", "-O", "^has_journal", "-E", "root_owner=0:0"])
+        .arg(s)
+        .output()
+        .map_err(|e| NodeError::io("run mkfs.ext4", e))?;
+    if !out.status.success() {
+        return Err(NodeError::io(
+            format!(
+                "mkfs.ext4 {}: {}",
+                s.display(),
+                String::from_utf8_lossy(&out.stderr)
+            ),
+            std::io::Error::other("mkfs.ext4 failed"),
+        ));
+    }
+    Ok(())
+}
+
+/// A fork's scratch disk: a sparse copy of the checkpoint's, grown to `mib` MiB.
+///
+/// # Errors
+/// `InvalidArgument` when `mib` is below the checkpoint's disk; copy or resize failures.
+async fn seed_scratch(ck: &Checkpoint, scratch: &Path, mib: u64) -> NodeResult<()> {
+    if mib < ck.meta.disk_mib {
+        return Err(NodeError::InvalidArgument(format!(
+            "disk_mib {mib} is smaller than checkpoint {}'s disk ({} MiB)",
+            ck.meta.id, ck.meta.disk_mib
+        )));
+    }
+    let (src, dst) = (ck.disk(), scratch.to_path_buf());
+    spawn_blocking(move || {
+        crate::checkpoints::copy_disk(&src, &dst)?;
+        crate::checkpoints::grow_ext4(&dst, mib)
+    })
+    .await
+}
+
+/// `mkfs.erofs` of the image's merged layers into `out` (via a temp file).
+fn make_erofs(layers: &[PathBuf], out: &Path) -> NodeResult<()> {
+    let tmp = out.with_extension("erofs.tmp");
+    let merged_dir = out.with_extension("merge");
+    let src = if layers.len() == 1 {
+        layers[0].clone()
+    } else {
+        std::fs::create_dir_all(&merged_dir)
+            .map_err(|e| NodeError::io(format!("create {}", merged_dir.display()), e))?;
+        let lower = layers
+            .iter()
+            .map(|l| l.display().to_string())
+            .collect::<Vec<_>>()
+            .join(":");
+        nix::mount::mount(
+            Some("overlay"),
+            &merged_dir,
+            Some("overlay"),
+            nix::mount::MsFlags::MS_RDONLY,
+            Some(format!("lowerdir={lower}").as_str()),
+        )
+        .map_err(|e| {
+            NodeError::io(
+                format!("overlay mount of {} layers", layers.len()),
+                e.into(),
+            )
+        })?;
+        merged_dir.clone()
+    };
+    let res = std::process::Command::new("mkfs.erofs")
+        .arg("--quiet")
+        .arg(&tmp)
+        .arg(&src)
+        .output();
+    if layers.len() != 1 {
+        let _ = nix::mount::umount2(&merged_dir, nix::mount::MntFlags::MNT_DETACH);
+        let _ = std::fs::remove_dir(&merged_dir);
+    }
+    let out_ = res.map_err(|e| NodeError::io("run mkfs.erofs", e))?;
+    if !out_.status.success() {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(NodeError::io(
+            format!(
+                "mkfs.erofs {}: {}",
+                src.display(),
+                String::from_utf8_lossy(&out_.stderr)
+            ),
+            std::io::Error::other("mkfs.erofs failed"),
+        ));
+    }
+    // Read by every microVM's QEMU (unprivileged uids), written by nobody.
+    std::fs::set_permissions(&tmp, std::os::unix::fs::PermissionsExt::from_mode(0o444))
+        .and_then(|_| std::fs::rename(&tmp, out))
+        .map_err(|e| NodeError::io(format!("rename {}", tmp.display()), e))
+}
+
+#[async_trait]
+impl Machine for MicrovmBackend {
+    fn core(&self) -> &QemuCore {
+        &self.core
+    }
+
+    /// [`Machine::boot`] of a microVM.
+    async fn boot(&self, b: Boot<'_>) -> NodeResult<Booted> {
+        let Boot {
+            spec,
+            image,
+            cg,
+            seed,
+        } = b;
         let t0 = Instant::now();
         let accel = self.resolve_accel().await;
         // Held until `boot.json` / `state.json` name the disk (see `collect_disks`).
@@ -533,34 +656,10 @@ impl MicrovmBackend {
         Ok((state, (agent, relay)))
     }
 
-    /// Starts QEMU with `args` in the cgroup `cg`, a session of its own and `jail`, its
-    /// output to `DIR/qemu.log` (appended to when `append`); its pid and start time. A
-    /// thread reaps it when it exits (it is this process's child until the process ends).
-    ///
-    /// # Errors
-    /// `Internal` when the log cannot be opened or QEMU cannot be started.
-    fn spawn_qemu(
-        &self,
-        args: &[String],
-        dir: &Path,
-        cg: &SandboxCgroup,
-        append: bool,
-        jail: &Jail,
-    ) -> NodeResult<(i32, u64)> {
-        spawn_qemu(&self.core.qemu, args, dir, cg, append, jail)
-    }
-}
-
-impl MicrovmBackend {
     /// A checkpoint of microVM `id` (see [`crate::checkpoints`]): `sync` in the guest (its
     /// page cache reaches the scratch disk), then a sparse copy of `scratch.img` to
     /// `dest/disk.img` while QEMU's cgroup is frozen (no guest write lands mid-copy).
-    async fn checkpoint_scratch(
-        &self,
-        vm: Arc<QemuVm>,
-        id: &str,
-        dest: &Path,
-    ) -> NodeResult<Captured> {
+    async fn capture(&self, vm: Arc<QemuVm>, id: &str, dest: &Path) -> NodeResult<Captured> {
         self.core.sync_guest(&vm, id).await?;
         let scratch = self.core.vm_dir(id).join("scratch.img");
         let disk = dest.join("disk.img");
@@ -581,126 +680,6 @@ impl MicrovmBackend {
             disk_mib: vm.state.spec.disk_mib.max(16),
             image_version: vm.state.image_version.clone(),
         })
-    }
-}
-
-/// A sparse ext4 file of `mib` MiB at `s` (the guest's writable layer).
-fn make_scratch(s: &Path, mib: u64) -> NodeResult<()> {
-    let f = std::fs::File::create(s)
-        .map_err(|e| NodeError::io(format!("create {}", s.display()), e))?;
-    f.set_len(mib << 20)
-        .map_err(|e| NodeError::io(format!("size {}", s.display()), e))?;
-    let out = std::process::Command::new("mkfs.ext4")
-        .args(["-q", "-F", "-O", "^has_journal", "-E", "root_owner=0:0"])
-        .arg(s)
-        .output()
-        .map_err(|e| NodeError::io("run mkfs.ext4", e))?;
-    if !out.status.success() {
-        return Err(NodeError::io(
-            format!(
-                "mkfs.ext4 {}: {}",
-                s.display(),
-                String::from_utf8_lossy(&out.stderr)
-            ),
-            std::io::Error::other("mkfs.ext4 failed"),
-        ));
-    }
-    Ok(())
-}
-
-/// A fork's scratch disk: a sparse copy of the checkpoint's, grown to `mib` MiB.
-///
-/// # Errors
-/// `InvalidArgument` when `mib` is below the checkpoint's disk; copy or resize failures.
-async fn seed_scratch(ck: &Checkpoint, scratch: &Path, mib: u64) -> NodeResult<()> {
-    if mib < ck.meta.disk_mib {
-        return Err(NodeError::InvalidArgument(format!(
-            "disk_mib {mib} is smaller than checkpoint {}'s disk ({} MiB)",
-            ck.meta.id, ck.meta.disk_mib
-        )));
-    }
-    let (src, dst) = (ck.disk(), scratch.to_path_buf());
-    spawn_blocking(move || {
-        crate::checkpoints::copy_disk(&src, &dst)?;
-        crate::checkpoints::grow_ext4(&dst, mib)
-    })
-    .await
-}
-
-/// `mkfs.erofs` of the image's merged layers into `out` (via a temp file).
-fn make_erofs(layers: &[PathBuf], out: &Path) -> NodeResult<()> {
-    let tmp = out.with_extension("erofs.tmp");
-    let merged_dir = out.with_extension("merge");
-    let src = if layers.len() == 1 {
-        layers[0].clone()
-    } else {
-        std::fs::create_dir_all(&merged_dir)
-            .map_err(|e| NodeError::io(format!("create {}", merged_dir.display()), e))?;
-        let lower = layers
-            .iter()
-            .map(|l| l.display().to_string())
-            .collect::<Vec<_>>()
-            .join(":");
-        nix::mount::mount(
-            Some("overlay"),
-            &merged_dir,
-            Some("overlay"),
-            nix::mount::MsFlags::MS_RDONLY,
-            Some(format!("lowerdir={lower}").as_str()),
-        )
-        .map_err(|e| {
-            NodeError::io(
-                format!("overlay mount of {} layers", layers.len()),
-                e.into(),
-            )
-        })?;
-        merged_dir.clone()
-    };
-    let res = std::process::Command::new("mkfs.erofs")
-        .arg("--quiet")
-        .arg(&tmp)
-        .arg(&src)
-        .output();
-    if layers.len() != 1 {
-        let _ = nix::mount::umount2(&merged_dir, nix::mount::MntFlags::MNT_DETACH);
-        let _ = std::fs::remove_dir(&merged_dir);
-    }
-    let out_ = res.map_err(|e| NodeError::io("run mkfs.erofs", e))?;
-    if !out_.status.success() {
-        let _ = std::fs::remove_file(&tmp);
-        return Err(NodeError::io(
-            format!(
-                "mkfs.erofs {}: {}",
-                src.display(),
-                String::from_utf8_lossy(&out_.stderr)
-            ),
-            std::io::Error::other("mkfs.erofs failed"),
-        ));
-    }
-    // Read by every microVM's QEMU (unprivileged uids), written by nobody.
-    std::fs::set_permissions(&tmp, std::os::unix::fs::PermissionsExt::from_mode(0o444))
-        .and_then(|_| std::fs::rename(&tmp, out))
-        .map_err(|e| NodeError::io(format!("rename {}", tmp.display()), e))
-}
-
-#[async_trait]
-impl Machine for MicrovmBackend {
-    fn core(&self) -> &QemuCore {
-        &self.core
-    }
-
-    async fn boot(
-        &self,
-        spec: &SandboxSpec,
-        image: &Image,
-        cg: &SandboxCgroup,
-        seed: Option<&Checkpoint>,
-    ) -> NodeResult<(VmState, (AgentClient, Arc<Relay>))> {
-        self.boot_microvm(spec, image, cg, seed).await
-    }
-
-    async fn capture(&self, vm: Arc<QemuVm>, id: &str, dest: &Path) -> NodeResult<Captured> {
-        self.checkpoint_scratch(vm, id, dest).await
     }
 
     /// Removes the EROFS disks of images no longer in the store that no microVM uses

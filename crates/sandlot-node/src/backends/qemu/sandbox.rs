@@ -446,6 +446,19 @@ impl QemuCore {
     }
 }
 
+/// One create's boot ([`Machine::boot`]): VM `spec` of `image` in cgroup `cg`, a fork of
+/// `seed` when given.
+pub(crate) struct Boot<'a> {
+    pub spec: &'a SandboxSpec,
+    pub image: &'a Image,
+    pub cg: &'a SandboxCgroup,
+    pub seed: Option<&'a Checkpoint>,
+}
+
+/// A booted VM: its state (`state.json` written) and its connected agent with the relay
+/// behind it.
+pub(crate) type Booted = (VmState, (AgentClient, Arc<Relay>));
+
 /// What differs between the QEMU backends; every `Machine` is a [`SandboxBackend`]
 /// (create with rollback, exec, files, pause/resume, delete, list, re-adoption written once
 /// here) whose machine-specific steps are these.
@@ -461,13 +474,7 @@ pub(crate) trait Machine: Send + Sync {
     /// # Errors
     /// `InvalidArgument` (e.g. a disk smaller than the checkpoint's), `Unavailable`, the
     /// boot's failures (`Internal`, with the console's tail).
-    async fn boot(
-        &self,
-        spec: &SandboxSpec,
-        image: &Image,
-        cg: &SandboxCgroup,
-        seed: Option<&Checkpoint>,
-    ) -> NodeResult<(VmState, (AgentClient, Arc<Relay>))>;
+    async fn boot(&self, b: Boot<'_>) -> NodeResult<Booted>;
 
     /// A checkpoint of VM `vm` (id `id`) into `dest` (see [`crate::checkpoints`]).
     ///
@@ -502,7 +509,16 @@ async fn create_with<M: Machine + ?Sized>(
     check_id(&spec.id)?;
     super::create_vm_dir(&core.vm_dir(&spec.id), &spec.id)?;
     let cg = core.cgroups.sandbox(&spec.id);
-    match m.boot(spec, image, &cg, seed).await {
+    let cg = &cg;
+    match m
+        .boot(Boot {
+            spec,
+            image,
+            cg,
+            seed,
+        })
+        .await
+    {
         Ok((state, agent)) => {
             core.adopt(state, Some(agent));
             tracing::info!(sandbox = %spec.id, backend = core.name, "sandbox created");

@@ -42,17 +42,17 @@
 //! new layer on the checkpoint's chain, shared by hard links, not copied (`chain`).
 mod chain;
 
-use super::sandbox::{Machine, QemuCore, QemuVm};
+use super::sandbox::{Boot, Booted, Machine, QemuCore, QemuVm};
 use super::snapshot::Relay;
 use super::state::{write_json, VmState};
 use super::{find_binary, spawn_qemu, write_cpio, Accel};
 use super::{fresh_identity, AccelProbe, DiskHold, ImageDisks, QemuUids, AGENT_SOCK, CONSOLE_LOG};
 use crate::agent_client::AgentClient;
 use crate::backends::function::StoredSpec;
-use crate::cgroups::{CgroupRoot, SandboxCgroup};
-use crate::checkpoints::{Captured, Checkpoint};
+use crate::cgroups::CgroupRoot;
+use crate::checkpoints::Captured;
 use crate::images::{fnv, Image, ImageStore};
-use crate::node::{NodeError, NodeResult, SandboxSpec};
+use crate::node::{NodeError, NodeResult};
 use crate::sys::spawn_blocking;
 use async_trait::async_trait;
 use sandlot_api::Backend;
@@ -373,15 +373,75 @@ impl VmBackend {
             .await
     }
 
+    /// The accelerator sandbox `id` runs with.
+    pub fn accel_of(&self, id: &str) -> Option<Accel> {
+        self.core.get(id).ok().map(|v| v.state.accel)
+    }
+}
+
+#[async_trait]
+impl Machine for VmBackend {
+    fn core(&self) -> &QemuCore {
+        &self.core
+    }
+
+    /// A checkpoint of VM `id` (see [`chain`]): `sync` in the guest (its page cache reaches
+    /// the disk), then the active qcow2 layer is frozen under a new one (QMP
+    /// `blockdev-snapshot`) and its chain linked into `dest`.
+    async fn capture(&self, vm: Arc<QemuVm>, id: &str, dest: &Path) -> NodeResult<Captured> {
+        let _life = vm.lifecycle.lock().await;
+        self.core.sync_guest(&vm, id).await?;
+        // No delete while the layers change.
+        let guard = vm.deleting.read().await;
+        if *guard {
+            return Err(NodeError::NotFound(format!(
+                "sandbox {id} is being deleted"
+            )));
+        }
+        let (qemu_img, dir, dest) = (
+            self.qemu_img.clone(),
+            self.core.vm_dir(id),
+            dest.to_path_buf(),
+        );
+        let owners = chain::Owners {
+            qemu: vm.state.qemu_uid,
+            group: self.cfg.uids.group(),
+        };
+        let started = Instant::now();
+        spawn_blocking(move || chain::snapshot(&qemu_img, &dir, &dest, owners)).await?;
+        drop(guard);
+        tracing::info!(sandbox = %id, backend = "vm", ms = started.elapsed().as_millis() as u64, "disk layer frozen for a checkpoint");
+        Ok(Captured {
+            backend: Backend::Vm,
+            image: vm.state.image.clone(),
+            runtime: None,
+            uid_base: None,
+            disk_mib: vm.state.spec.disk_mib.max(16),
+            // A fork reads the parent's own base disk (its layers' backing file).
+            image_version: None,
+        })
+    }
+
+    /// Checkpoints may have moved the disk to a newer layer: the restored QEMU must open
+    /// the one QEMU writes to now.
+    async fn before_pause(&self, vm: &QemuVm) -> NodeResult<()> {
+        let dir = self.core.vm_dir(&vm.state.id);
+        let d = dir.clone();
+        let active = spawn_blocking(move || chain::active_layer(&d)).await?;
+        let drive = drive_arg(&dir, &active);
+        let mut args = vm.args.lock().unwrap();
+        if let Some(i) = args.iter().position(|a| a == DRIVE_FLAG) {
+            if let Some(v) = args.get_mut(i + 1) {
+                *v = drive;
+            }
+        }
+        Ok(())
+    }
+
     /// [`Machine::boot`] of a q35 VM.
-    async fn boot_vm(
-        &self,
-        spec: &SandboxSpec,
-        image: &Image,
-        cg: &SandboxCgroup,
-        seed: Option<&Checkpoint>,
-    ) -> NodeResult<(VmState, (AgentClient, Arc<Relay>))> {
+    async fn boot(&self, b: Boot<'_>) -> NodeResult<Booted> {
         let accel = self.cfg.probe.wait().await;
+        let (spec, image, cg, seed) = (b.spec, b.image, b.cg, b.seed);
         let dir = self.core.vm_dir(&spec.id);
         let mib = spec.disk_mib.max(16);
         let active = if let Some(ck) = seed {
@@ -484,90 +544,6 @@ impl VmBackend {
         tracing::info!(sandbox = %spec.id, backend = "vm", accel = accel.as_str(), ms = started.elapsed().as_millis() as u64, "VM agent ready");
         write_json(&dir.join("state.json"), &state)?;
         Ok((state, (agent, relay)))
-    }
-
-    /// The accelerator sandbox `id` runs with.
-    pub fn accel_of(&self, id: &str) -> Option<Accel> {
-        self.core.get(id).ok().map(|v| v.state.accel)
-    }
-
-    /// A checkpoint of VM `id` (see [`chain`]): `sync` in the guest (its page cache reaches
-    /// the disk), then the active qcow2 layer is frozen under a new one (QMP
-    /// `blockdev-snapshot`) and its chain linked into `dest`.
-    async fn checkpoint_disk(
-        &self,
-        vm: Arc<QemuVm>,
-        id: &str,
-        dest: &Path,
-    ) -> NodeResult<Captured> {
-        let _life = vm.lifecycle.lock().await;
-        self.core.sync_guest(&vm, id).await?;
-        // No delete while the layers change.
-        let guard = vm.deleting.read().await;
-        if *guard {
-            return Err(NodeError::NotFound(format!(
-                "sandbox {id} is being deleted"
-            )));
-        }
-        let (qemu_img, dir, dest) = (
-            self.qemu_img.clone(),
-            self.core.vm_dir(id),
-            dest.to_path_buf(),
-        );
-        let owners = chain::Owners {
-            qemu: vm.state.qemu_uid,
-            group: self.cfg.uids.group(),
-        };
-        let started = Instant::now();
-        spawn_blocking(move || chain::snapshot(&qemu_img, &dir, &dest, owners)).await?;
-        drop(guard);
-        tracing::info!(sandbox = %id, backend = "vm", ms = started.elapsed().as_millis() as u64, "disk layer frozen for a checkpoint");
-        Ok(Captured {
-            backend: Backend::Vm,
-            image: vm.state.image.clone(),
-            runtime: None,
-            uid_base: None,
-            disk_mib: vm.state.spec.disk_mib.max(16),
-            // A fork reads the parent's own base disk (its layers' backing file).
-            image_version: None,
-        })
-    }
-}
-
-#[async_trait]
-impl Machine for VmBackend {
-    fn core(&self) -> &QemuCore {
-        &self.core
-    }
-
-    async fn boot(
-        &self,
-        spec: &SandboxSpec,
-        image: &Image,
-        cg: &SandboxCgroup,
-        seed: Option<&Checkpoint>,
-    ) -> NodeResult<(VmState, (AgentClient, Arc<Relay>))> {
-        self.boot_vm(spec, image, cg, seed).await
-    }
-
-    async fn capture(&self, vm: Arc<QemuVm>, id: &str, dest: &Path) -> NodeResult<Captured> {
-        self.checkpoint_disk(vm, id, dest).await
-    }
-
-    /// Checkpoints may have moved the disk to a newer layer: the restored QEMU must open
-    /// the one QEMU writes to now.
-    async fn before_pause(&self, vm: &QemuVm) -> NodeResult<()> {
-        let dir = self.core.vm_dir(&vm.state.id);
-        let d = dir.clone();
-        let active = spawn_blocking(move || chain::active_layer(&d)).await?;
-        let drive = drive_arg(&dir, &active);
-        let mut args = vm.args.lock().unwrap();
-        if let Some(i) = args.iter().position(|a| a == DRIVE_FLAG) {
-            if let Some(v) = args.get_mut(i + 1) {
-                *v = drive;
-            }
-        }
-        Ok(())
     }
 
     /// Removes the base disks of images no longer in the store (or built for another guest
