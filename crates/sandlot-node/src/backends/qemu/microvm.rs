@@ -42,7 +42,7 @@
 use super::sandbox::{Boot, Booted, Machine, QemuCore, QemuVm};
 use super::snapshot::Relay;
 use super::state::{write_json, VmState};
-use super::{find_binary, spawn_qemu, write_cpio, Accel};
+use super::{find_binary, spawn_qemu, Accel};
 use super::{DiskHold, ImageDisks, Jail, QemuUids, CONSOLE_LOG};
 use crate::agent_client::AgentClient;
 use crate::backends::function::StoredSpec;
@@ -197,36 +197,15 @@ impl MicrovmBackend {
             }
         }
         let kernel = kit_kernel(&cfg.kit_dir);
-        if !kernel.is_file() {
-            return Err(NodeError::Unavailable(format!(
-                "no guest kernel at {} (run scripts/guest-kit.sh, or set SANDLOT_GUEST_KIT_DIR)",
-                kernel.display()
-            )));
-        }
-        if let Ok(abs) = std::fs::canonicalize(&cfg.agent_bin) {
-            cfg.agent_bin = abs;
-        }
-        if !crate::backends::container::is_static_elf(&cfg.agent_bin) {
-            return Err(NodeError::Unavailable(format!(
-                "the microvm backend needs a statically linked sandlot-guest as the guest's init; {} is missing or dynamic",
-                cfg.agent_bin.display()
-            )));
-        }
+        super::check_guest("microvm", &kernel, &mut cfg.agent_bin)?;
         // QEMU runs as an unprivileged uid per sandbox: it walks down to its own VM
         // directory (0710, group = its uid) and opens the shared read-only files by name
         // (0711 directories: nobody lists them). Failed consoles stay root's.
         super::prepare_backend_dir(&cfg.dir, &kernel, cfg.uids.group())?;
         super::ensure_dir_mode(&cfg.dir.join("templates"), 0o711)?;
-        let mut entries: Vec<(String, u32, Option<Vec<u8>>)> = vec![
-            ("dev".into(), 0o755, None),
-            ("proc".into(), 0o555, None),
-            ("sys".into(), 0o555, None),
-            ("mnt".into(), 0o755, None),
-            ("modules".into(), 0o755, None),
-        ];
         let agent = std::fs::read(&cfg.agent_bin)
             .map_err(|e| NodeError::io(format!("read {}", cfg.agent_bin.display()), e))?;
-        entries.push(("init".into(), 0o755, Some(agent)));
+        let mut entries = super::initramfs_entries(agent);
         let mods = cfg.kit_dir.join("modules");
         if let Ok(order) = std::fs::read_to_string(mods.join("order")) {
             let mut ours = String::new();
@@ -245,14 +224,7 @@ impl MicrovmBackend {
             entries.push(("modules/order".into(), 0o644, Some(ours.into_bytes())));
         }
         let initrd = cfg.dir.join("initramfs.cpio");
-        write_cpio(&initrd, &entries)
-            .and_then(|_| {
-                std::fs::set_permissions(
-                    &initrd,
-                    std::os::unix::fs::PermissionsExt::from_mode(0o444),
-                )
-            })
-            .map_err(|e| NodeError::io(format!("write {}", initrd.display()), e))?;
+        super::write_initramfs(&initrd, &entries)?;
         let initramfs_hash = {
             let mut parts: Vec<&[u8]> = Vec::new();
             let modes: Vec<String> = entries.iter().map(|(_, m, _)| m.to_string()).collect();
@@ -280,16 +252,8 @@ impl MicrovmBackend {
         if !swept.is_empty() {
             tracing::info!(backend = "microvm", removed = ?swept, "stale template snapshots removed");
         }
-        cgroups.ensure_parent()?;
-        cfg.probe.start(&qemu, &cfg.kit_dir, &initrd);
-        let core = QemuCore::new(
-            Backend::Microvm,
-            ("microvm", "microVM"),
-            cfg.dir.clone(),
-            qemu,
-            cgroups,
-            cfg.uids.clone(),
-        );
+        let core = QemuCore::new(Backend::Microvm, &cfg.dir, qemu, cgroups, &cfg.uids)?;
+        cfg.probe.start(&core.qemu, &cfg.kit_dir, &initrd);
         let disks = ImageDisks::new(
             "microvm",
             cfg.dir.join("images"),
@@ -719,7 +683,7 @@ mod tests {
     fn cpio_is_newc_with_trailer() {
         let d = tempfile::tempdir().unwrap();
         let out = d.path().join("x.cpio");
-        write_cpio(
+        super::super::write_cpio(
             &out,
             &[
                 ("a".into(), 0o755, None),

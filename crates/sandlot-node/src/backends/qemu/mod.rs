@@ -1182,12 +1182,62 @@ pub(crate) fn find_binary(name: &str) -> Option<PathBuf> {
     found
 }
 
+/// One initramfs entry for [`write_cpio`]: path, mode, content (`None`: a directory).
+pub(crate) type CpioEntry = (String, u32, Option<Vec<u8>>);
+
+/// The entries every QEMU backend's initramfs starts with: the mount points of the guest's
+/// init (`dev`, `proc`, `sys`, `mnt`, `modules`) and `/init` = `agent` (the static
+/// `sandlot-guest`); the kit's modules and `modules/order` follow.
+pub(crate) fn initramfs_entries(agent: Vec<u8>) -> Vec<CpioEntry> {
+    let dir = |name: &str, mode| (name.to_string(), mode, None);
+    vec![
+        dir("dev", 0o755),
+        dir("proc", 0o555),
+        dir("sys", 0o555),
+        dir("mnt", 0o755),
+        dir("modules", 0o755),
+        ("init".into(), 0o755, Some(agent)),
+    ]
+}
+
+/// Writes the initramfs `path` from `entries` ([`write_cpio`]), read-only (mode 0444: the
+/// QEMUs of every sandbox read it).
+///
+/// # Errors
+/// `Internal` when it cannot be written.
+pub(crate) fn write_initramfs(path: &Path, entries: &[CpioEntry]) -> NodeResult<()> {
+    write_cpio(path, entries)
+        .and_then(|_| std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o444)))
+        .map_err(|e| NodeError::io(format!("write {}", path.display()), e))
+}
+
+/// Checks what a QEMU backend's guest boots: the kit's kernel `kernel` is there and
+/// `agent_bin` (made absolute when it can be) is a statically linked `sandlot-guest`.
+///
+/// # Errors
+/// `Unavailable` naming what is missing and how to get it.
+pub(crate) fn check_guest(backend: &str, kernel: &Path, agent_bin: &mut PathBuf) -> NodeResult<()> {
+    if !kernel.is_file() {
+        return Err(NodeError::Unavailable(format!(
+            "no guest kernel at {} (run scripts/guest-kit.sh, or set SANDLOT_GUEST_KIT_DIR)",
+            kernel.display()
+        )));
+    }
+    if let Ok(abs) = std::fs::canonicalize(&*agent_bin) {
+        *agent_bin = abs;
+    }
+    if !crate::backends::container::is_static_elf(agent_bin) {
+        return Err(NodeError::Unavailable(format!(
+            "the {backend} backend needs a statically linked sandlot-guest as the guest's init; {} is missing or dynamic",
+            agent_bin.display()
+        )));
+    }
+    Ok(())
+}
+
 /// Writes a newc cpio archive: `(path in archive, mode, contents)`; directories have
 /// `None` contents; `dev/console` is added as a character device (5, 1).
-pub(crate) fn write_cpio(
-    out: &Path,
-    entries: &[(String, u32, Option<Vec<u8>>)],
-) -> std::io::Result<()> {
+pub(crate) fn write_cpio(out: &Path, entries: &[CpioEntry]) -> std::io::Result<()> {
     use std::io::Write as _;
     let tmp = out.with_extension("tmp");
     let mut w = std::io::BufWriter::new(std::fs::File::create(&tmp)?);

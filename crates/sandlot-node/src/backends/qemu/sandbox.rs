@@ -95,26 +95,33 @@ pub struct QemuCore {
 }
 
 impl QemuCore {
-    /// An empty table of backend `backend` (`name`: `"microvm"` or `"vm"`; `label`: a VM's
-    /// name in messages) with its files under `dir`.
+    /// An empty table of backend `backend` (`microvm` or `vm`) with its files under `dir`,
+    /// its QEMU cgroups' parents made under `cgroups`.
+    ///
+    /// # Errors
+    /// `Internal` when the parent cgroups cannot be made.
     pub(super) fn new(
         backend: Backend,
-        (name, label): (&'static str, &'static str),
-        dir: PathBuf,
+        dir: &Path,
         qemu: PathBuf,
         cgroups: CgroupRoot,
-        uids: Arc<QemuUids>,
-    ) -> Self {
-        QemuCore {
+        uids: &Arc<QemuUids>,
+    ) -> NodeResult<Self> {
+        let (name, label) = match backend {
+            Backend::Microvm => ("microvm", "microVM"),
+            _ => ("vm", "VM"),
+        };
+        cgroups.ensure_parent()?;
+        Ok(QemuCore {
             name,
             label,
             backend,
-            dir,
+            dir: dir.to_path_buf(),
             qemu,
             cgroups,
-            uids,
+            uids: uids.clone(),
             vms: Mutex::new(HashMap::new()),
-        }
+        })
     }
 
     /// `DIR/vms/<id>`.

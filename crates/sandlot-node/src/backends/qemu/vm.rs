@@ -45,7 +45,7 @@ mod chain;
 use super::sandbox::{Boot, Booted, Machine, QemuCore, QemuVm};
 use super::snapshot::Relay;
 use super::state::{write_json, VmState};
-use super::{find_binary, spawn_qemu, write_cpio, Accel};
+use super::{find_binary, spawn_qemu, Accel};
 use super::{fresh_identity, AccelProbe, DiskHold, ImageDisks, QemuUids, AGENT_SOCK, CONSOLE_LOG};
 use crate::agent_client::AgentClient;
 use crate::backends::function::StoredSpec;
@@ -272,26 +272,12 @@ impl VmBackend {
             return Err(missing("mkfs.ext4"));
         }
         let kernel = cfg.kit_dir.join("vmlinuz");
-        if !kernel.is_file() {
-            return Err(NodeError::Unavailable(format!(
-                "no guest kernel at {} (run scripts/guest-kit.sh, or set SANDLOT_GUEST_KIT_DIR)",
-                kernel.display()
-            )));
-        }
+        super::check_guest("vm", &kernel, &mut cfg.agent_bin)?;
         let order = std::fs::read_to_string(cfg.kit_dir.join("modules/order")).unwrap_or_default();
         if !order.lines().any(|l| l.trim() == "virtio_pci.ko") {
             return Err(NodeError::Unavailable(format!(
                 "the guest kit in {} has no virtio_pci module (re-run scripts/guest-kit.sh)",
                 cfg.kit_dir.display()
-            )));
-        }
-        if let Ok(abs) = std::fs::canonicalize(&cfg.agent_bin) {
-            cfg.agent_bin = abs;
-        }
-        if !crate::backends::container::is_static_elf(&cfg.agent_bin) {
-            return Err(NodeError::Unavailable(format!(
-                "the vm backend needs a statically linked sandlot-guest as the guest's init; {} is missing or dynamic",
-                cfg.agent_bin.display()
             )));
         }
         // Unprivileged QEMUs reach their VM directory and the shared read-only files only
@@ -300,14 +286,7 @@ impl VmBackend {
         let agent = std::fs::read(&cfg.agent_bin)
             .map_err(|e| NodeError::io(format!("read {}", cfg.agent_bin.display()), e))?;
         let agent_key = fnv(&[&agent]);
-        let mut entries: Vec<(String, u32, Option<Vec<u8>>)> = vec![
-            ("dev".into(), 0o755, None),
-            ("proc".into(), 0o555, None),
-            ("sys".into(), 0o555, None),
-            ("mnt".into(), 0o755, None),
-            ("modules".into(), 0o755, None),
-            ("init".into(), 0o755, Some(agent)),
-        ];
+        let mut entries = super::initramfs_entries(agent);
         let mods = cfg.kit_dir.join("modules");
         for m in order.lines().map(str::trim).filter(|l| !l.is_empty()) {
             let data = std::fs::read(mods.join(m))
@@ -316,24 +295,9 @@ impl VmBackend {
         }
         entries.push(("modules/order".into(), 0o644, Some(order.into_bytes())));
         let initrd = cfg.dir.join("initramfs.cpio");
-        write_cpio(&initrd, &entries)
-            .and_then(|_| {
-                std::fs::set_permissions(
-                    &initrd,
-                    std::os::unix::fs::PermissionsExt::from_mode(0o444),
-                )
-            })
-            .map_err(|e| NodeError::io(format!("write {}", initrd.display()), e))?;
-        cgroups.ensure_parent()?;
-        cfg.probe.start(&qemu, &cfg.kit_dir, &initrd);
-        let core = QemuCore::new(
-            Backend::Vm,
-            ("vm", "VM"),
-            cfg.dir.clone(),
-            qemu,
-            cgroups,
-            cfg.uids.clone(),
-        );
+        super::write_initramfs(&initrd, &entries)?;
+        let core = QemuCore::new(Backend::Vm, &cfg.dir, qemu, cgroups, &cfg.uids)?;
+        cfg.probe.start(&core.qemu, &cfg.kit_dir, &initrd);
         let disks = ImageDisks::new("vm", cfg.dir.join("images"), "qcow2", cfg.images.clone());
         Ok(VmBackend {
             cfg,
