@@ -408,24 +408,7 @@ fn make_erofs(layers: &[PathBuf], out: &Path) -> NodeResult<()> {
     } else {
         std::fs::create_dir_all(&merged_dir)
             .map_err(|e| NodeError::io(format!("create {}", merged_dir.display()), e))?;
-        let lower = layers
-            .iter()
-            .map(|l| l.display().to_string())
-            .collect::<Vec<_>>()
-            .join(":");
-        nix::mount::mount(
-            Some("overlay"),
-            &merged_dir,
-            Some("overlay"),
-            nix::mount::MsFlags::MS_RDONLY,
-            Some(format!("lowerdir={lower}").as_str()),
-        )
-        .map_err(|e| {
-            NodeError::io(
-                format!("overlay mount of {} layers", layers.len()),
-                e.into(),
-            )
-        })?;
+        super::mount_layers(layers, &merged_dir)?;
         merged_dir.clone()
     };
     let res = std::process::Command::new("mkfs.erofs")
@@ -678,28 +661,6 @@ impl Machine for MicrovmBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn cpio_is_newc_with_trailer() {
-        let d = tempfile::tempdir().unwrap();
-        let out = d.path().join("x.cpio");
-        super::super::write_cpio(
-            &out,
-            &[
-                ("a".into(), 0o755, None),
-                ("a/b".into(), 0o644, Some(b"hello".to_vec())),
-            ],
-        )
-        .unwrap();
-        let data = std::fs::read(&out).unwrap();
-        assert!(data.starts_with(b"070701"));
-        assert_eq!(data.len() % 4, 0);
-        let s = String::from_utf8_lossy(&data);
-        assert!(s.contains("a/b\0"));
-        assert!(s.contains("hello"));
-        assert!(s.contains("dev/console\0"));
-        assert!(s.contains("TRAILER!!!\0"));
-    }
 
     #[test]
     fn module_signature_is_stripped() {

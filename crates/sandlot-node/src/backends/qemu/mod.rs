@@ -1182,6 +1182,29 @@ pub(crate) fn find_binary(name: &str) -> Option<PathBuf> {
     found
 }
 
+/// Mounts the read-only overlay of `layers` (the first on top) at the existing directory
+/// `at` (unmounted by the caller with `MNT_DETACH`).
+///
+/// # Errors
+/// `Internal` naming the number of layers when the mount fails.
+pub(crate) fn mount_layers<'a>(
+    layers: impl IntoIterator<Item = &'a PathBuf>,
+    at: &Path,
+) -> NodeResult<()> {
+    let lower: Vec<String> = layers
+        .into_iter()
+        .map(|l| l.display().to_string())
+        .collect();
+    nix::mount::mount(
+        Some("overlay"),
+        at,
+        Some("overlay"),
+        nix::mount::MsFlags::MS_RDONLY,
+        Some(format!("lowerdir={}", lower.join(":")).as_str()),
+    )
+    .map_err(|e| NodeError::io(format!("overlay mount of {} layers", lower.len()), e.into()))
+}
+
 /// One initramfs entry for [`write_cpio`]: path, mode, content (`None`: a directory).
 pub(crate) type CpioEntry = (String, u32, Option<Vec<u8>>);
 
@@ -1332,6 +1355,28 @@ pub(crate) fn prune_failed(dir: &Path) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn cpio_is_newc_with_trailer() {
+        let d = tempfile::tempdir().unwrap();
+        let out = d.path().join("x.cpio");
+        write_cpio(
+            &out,
+            &[
+                ("a".into(), 0o755, None),
+                ("a/b".into(), 0o644, Some(b"hello".to_vec())),
+            ],
+        )
+        .unwrap();
+        let data = std::fs::read(&out).unwrap();
+        assert!(data.starts_with(b"070701"));
+        assert_eq!(data.len() % 4, 0);
+        let s = String::from_utf8_lossy(&data);
+        assert!(s.contains("a/b\0"));
+        assert!(s.contains("hello"));
+        assert!(s.contains("dev/console\0"));
+        assert!(s.contains("TRAILER!!!\0"));
+    }
 
     #[test]
     fn command_line_pieces_keep_their_order() {

@@ -194,24 +194,7 @@ fn make_disk(qemu_img: &Path, layers: &[PathBuf], agent: &Path, out: &Path) -> N
             std::fs::set_permissions(&dst, std::fs::Permissions::from_mode(0o755))
                 .map_err(|e| NodeError::io(format!("chmod {}", dst.display()), e))?;
         }
-        let lower = std::iter::once(&kit)
-            .chain(layers)
-            .map(|l| l.display().to_string())
-            .collect::<Vec<_>>()
-            .join(":");
-        nix::mount::mount(
-            Some("overlay"),
-            &merged,
-            Some("overlay"),
-            nix::mount::MsFlags::MS_RDONLY,
-            Some(format!("lowerdir={lower}").as_str()),
-        )
-        .map_err(|e| {
-            NodeError::io(
-                format!("overlay mount of {} layers", layers.len() + 1),
-                e.into(),
-            )
-        })?;
+        super::mount_layers(std::iter::once(&kit).chain(layers), &merged)?;
         let (bytes, entries) = tree_usage(&merged);
         // Content + 25 % + 64 MiB: the ext4 metadata, and room so that a sandbox with a
         // small disk_mib still has the base's own slack.
