@@ -61,7 +61,7 @@ pub mod pool;
 use super::agent_exec;
 use super::agent_files::{AgentFiles, HoldsAgent};
 use super::check_id;
-use super::function::{destroy_blocking, make_layer_dirs, own_dir, ExecPlan, StoredSpec};
+use super::function::{destroy_blocking, make_layer_dirs, own_dir, StoredSpec};
 use super::gvisor_audit;
 use super::pause::{check_not_paused, freeze, thaw};
 use super::pool::WarmPool;
@@ -336,17 +336,9 @@ impl ContainerBackend {
         control: Option<ExecControl>,
     ) -> NodeResult<ExecResult> {
         let c = self.get(id)?;
-        let mut killed = c.killed.subscribe();
-        let guard = c.deleting.read().await;
-        if *guard || *killed.borrow() {
-            return Err(NodeError::NotFound(format!(
-                "sandbox {id} is being deleted"
-            )));
-        }
-        c.check_not_paused()?;
-        let mut plan = ExecPlan::build(&c.state.image_env, &c.state.spec, req)?;
-        plan.spec.own_pid_ns = true;
-        plan.spec.landlock = false;
+        let life = (&c.deleting, &c.killed, &c.paused);
+        let (guard, mut killed, mut plan) =
+            agent_exec::begin(id, life, &c.state.image_env, &c.state.spec, req).await?;
         if c.state.runtime == Runtime::Runsc {
             // gVisor's processes are invisible to the host pids cgroup (which also holds
             // gVisor itself): its own RLIMIT_NPROC bounds the sandbox's processes instead.

@@ -17,9 +17,9 @@ use super::state::VmState;
 use super::Accel;
 use super::{Jail, QemuUids, AGENT_FD, AGENT_SOCK, QMP_FD, QMP_SOCK};
 use crate::agent_client::AgentClient;
+use crate::backends::agent_exec;
 use crate::backends::agent_files::{AgentFiles, HoldsAgent};
 use crate::backends::check_id;
-use crate::backends::function::ExecPlan;
 use crate::backends::pause::{check_not_paused, freeze, thaw};
 use crate::backends::SandboxBackend;
 use crate::cgroups::{CgroupRoot, SandboxCgroup};
@@ -229,27 +229,19 @@ impl QemuCore {
         control: Option<ExecControl>,
     ) -> NodeResult<ExecResult> {
         let vm = self.get(id)?;
-        let mut killed = vm.killed.subscribe();
-        let guard = vm.deleting.read().await;
-        if *guard || *killed.borrow() {
-            return Err(NodeError::NotFound(format!(
-                "sandbox {id} is being deleted"
-            )));
-        }
-        check_not_paused(&vm.paused, id)?;
-        let mut plan = ExecPlan::build(&vm.state.image_env, &vm.state.spec, req)?;
-        plan.spec.own_pid_ns = true;
-        plan.spec.landlock = false;
+        let life = (&vm.deleting, &vm.killed, &vm.paused);
+        let (spec, env) = (&vm.state.spec, &vm.state.image_env);
+        let (guard, mut killed, plan) = agent_exec::begin(id, life, env, spec, req).await?;
         let cell = vm.proc_.clone();
         let died = move || !cell.lock().unwrap().exists();
-        let target = crate::backends::agent_exec::Target {
+        let target = agent_exec::Target {
             id,
             kind: self.label,
             agent: &vm.agent,
             pids_max: vm.state.spec.pids_max,
             died: &died,
         };
-        crate::backends::agent_exec::run(target, plan, guard, &mut killed, sink, control).await
+        agent_exec::run(target, plan, guard, &mut killed, sink, control).await
     }
 
     /// Waits until the agent of the VM being created as `id` (its QEMU `proc_`) answers,
