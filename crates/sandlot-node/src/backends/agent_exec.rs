@@ -5,7 +5,7 @@
 //! [`ExecResult`]; and the one file call that needs more than a call of the agent's
 //! ([`file_size`]).
 use super::function::{ExecPlan, StoredSpec};
-use super::pause::check_not_paused;
+use super::pause::check_live;
 use crate::agent_client::{AgentClient, ExecChunk};
 use crate::node::{ExecControl, ExecSink, NodeError, NodeResult};
 use crate::output::Capture;
@@ -40,12 +40,7 @@ pub(super) async fn begin<'a>(
 ) -> NodeResult<(RwLockReadGuard<'a, bool>, watch::Receiver<bool>, ExecPlan)> {
     let killed = killed.subscribe();
     let guard = deleting.read().await;
-    if *guard || *killed.borrow() {
-        return Err(NodeError::NotFound(format!(
-            "sandbox {id} is being deleted"
-        )));
-    }
-    check_not_paused(paused, id)?;
+    check_live(id, *guard || *killed.borrow(), paused)?;
     let mut plan = ExecPlan::build(image_env, spec, req)?;
     plan.spec.own_pid_ns = true;
     plan.spec.landlock = false;

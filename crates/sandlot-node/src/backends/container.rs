@@ -63,7 +63,7 @@ use super::agent_files::{AgentFiles, HoldsAgent};
 use super::check_id;
 use super::function::{destroy_blocking, make_layer_dirs, own_dir, StoredSpec};
 use super::gvisor_audit;
-use super::pause::{check_not_paused, freeze, thaw};
+use super::pause::{check_live, freeze, thaw};
 use super::pool::WarmPool;
 use super::uids::{UidLease, UidSlots};
 use super::SandboxBackend;
@@ -227,12 +227,6 @@ struct Container {
     paused: AtomicBool,
     /// runsc: gVisor's debug log, where the sentry reports the exec filter's refusals.
     sentry: Option<Arc<gvisor_audit::SentryLog>>,
-}
-
-impl Container {
-    fn check_not_paused(&self) -> NodeResult<()> {
-        check_not_paused(&self.paused, &self.state.id)
-    }
 }
 
 /// What the container backend and its pool share: configuration, cgroups, runtimes and
@@ -1694,12 +1688,7 @@ impl ContainerBackend {
     /// `NotFound` (unknown or being deleted), `Conflict` (paused, or its init is gone).
     async fn fs_target(&self, id: &str) -> NodeResult<Arc<Container>> {
         let c = self.get(id)?;
-        if *c.deleting.read().await {
-            return Err(NodeError::NotFound(format!(
-                "sandbox {id} is being deleted"
-            )));
-        }
-        c.check_not_paused()?;
+        check_live(id, *c.deleting.read().await, &c.paused)?;
         if proc_starttime(c.state.init_pid) != Some(c.state.init_starttime) {
             return Err(NodeError::Conflict(format!(
                 "sandbox {id} is not running (its init {} is gone)",

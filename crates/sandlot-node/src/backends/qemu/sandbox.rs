@@ -20,7 +20,7 @@ use crate::agent_client::AgentClient;
 use crate::backends::agent_exec;
 use crate::backends::agent_files::{AgentFiles, HoldsAgent};
 use crate::backends::check_id;
-use crate::backends::pause::{check_not_paused, freeze, thaw};
+use crate::backends::pause::{check_live, freeze, thaw};
 use crate::backends::SandboxBackend;
 use crate::cgroups::{CgroupRoot, SandboxCgroup};
 use crate::checkpoints::{Captured, Checkpoint};
@@ -199,12 +199,7 @@ impl QemuCore {
     /// `NotFound` (unknown or being deleted), `Conflict` (paused, or its QEMU is gone).
     pub(super) async fn fs_target(&self, id: &str) -> NodeResult<Arc<QemuVm>> {
         let vm = self.get(id)?;
-        if *vm.deleting.read().await {
-            return Err(NodeError::NotFound(format!(
-                "sandbox {id} is being deleted"
-            )));
-        }
-        check_not_paused(&vm.paused, id)?;
+        check_live(id, *vm.deleting.read().await, &vm.paused)?;
         let cur = *vm.proc_.lock().unwrap();
         if !cur.exists() {
             return Err(NodeError::Conflict(format!(
