@@ -1,22 +1,51 @@
 //! One exec through a guest agent, shared by the backends whose commands run behind
-//! `sandlot-guest agent` (`container`, `microvm`): send the request
+//! `sandlot-guest agent` (`container`, `microvm`, `vm`): send the request
 //! ([`sandlot_guest::agent_proto::ExecRequest`]), relay output to the capture and the
 //! caller's sink, pass signals to the agent's `/v1/signal`, and turn the exit frame into an
 //! [`ExecResult`]; and the one file call that needs more than a call of the agent's
 //! ([`file_size`]).
-use super::function::ExecPlan;
+use super::function::{ExecPlan, StoredSpec};
+use super::pause::check_live;
 use crate::agent_client::{AgentClient, ExecChunk};
 use crate::node::{ExecControl, ExecSink, NodeError, NodeResult};
 use crate::output::Capture;
-use sandlot_api::{ExecEvent, ExecResult};
+use sandlot_api::{ExecEvent, ExecRequest, ExecResult};
 use sandlot_guest::agent_proto;
 use sandlot_guest::spec::ExecStatus;
+use std::sync::atomic::AtomicBool;
 use std::time::Duration;
-use tokio::sync::watch;
+use tokio::sync::{watch, RwLock, RwLockReadGuard};
 
 /// Past an exec's own timeout: how long the node waits for the agent's exit frame before it
 /// gives up on the exec (the agent kills at the timeout itself).
 const EXEC_GRACE: Duration = Duration::from_secs(10);
+
+/// A sandbox's lifecycle as an exec checks it: its delete lock, kill signal and paused flag.
+pub(super) type Life<'a> = (&'a RwLock<bool>, &'a watch::Sender<bool>, &'a AtomicBool);
+
+/// What every exec through an agent starts with, after the checks every agent-backed
+/// backend makes: the sandbox's delete lock held for reading (a delete waits for the exec),
+/// its kill signal watched, and the exec's plan (its own pid namespace, no landlock: the
+/// agent runs inside the sandbox already). `image_env` and `spec` are the sandbox's.
+///
+/// # Errors
+/// `NotFound` (being deleted or killed), `Conflict` (paused), `InvalidArgument` (the
+/// request's, see [`ExecPlan::build`]).
+pub(super) async fn begin<'a>(
+    id: &str,
+    (deleting, killed, paused): Life<'a>,
+    image_env: &[(String, String)],
+    spec: &StoredSpec,
+    req: &ExecRequest,
+) -> NodeResult<(RwLockReadGuard<'a, bool>, watch::Receiver<bool>, ExecPlan)> {
+    let killed = killed.subscribe();
+    let guard = deleting.read().await;
+    check_live(id, *guard || *killed.borrow(), paused)?;
+    let mut plan = ExecPlan::build(image_env, spec, req)?;
+    plan.spec.own_pid_ns = true;
+    plan.spec.landlock = false;
+    Ok((guard, killed, plan))
+}
 
 /// The sandbox an exec runs in, as the shared loop needs it.
 pub(super) struct Target<'a> {

@@ -61,9 +61,9 @@ pub mod pool;
 use super::agent_exec;
 use super::agent_files::{AgentFiles, HoldsAgent};
 use super::check_id;
-use super::function::{destroy_blocking, make_layer_dirs, own_dir, ExecPlan, StoredSpec};
+use super::function::{destroy_blocking, make_layer_dirs, own_dir, StoredSpec};
 use super::gvisor_audit;
-use super::pause::{check_not_paused, freeze, thaw};
+use super::pause::{check_live, freeze, thaw};
 use super::pool::WarmPool;
 use super::uids::{UidLease, UidSlots};
 use super::SandboxBackend;
@@ -229,12 +229,6 @@ struct Container {
     sentry: Option<Arc<gvisor_audit::SentryLog>>,
 }
 
-impl Container {
-    fn check_not_paused(&self) -> NodeResult<()> {
-        check_not_paused(&self.paused, &self.state.id)
-    }
-}
-
 /// What the container backend and its pool share: configuration, cgroups, runtimes and
 /// network policies (the pool's refill thread builds containers with it).
 pub(crate) struct Core {
@@ -336,17 +330,9 @@ impl ContainerBackend {
         control: Option<ExecControl>,
     ) -> NodeResult<ExecResult> {
         let c = self.get(id)?;
-        let mut killed = c.killed.subscribe();
-        let guard = c.deleting.read().await;
-        if *guard || *killed.borrow() {
-            return Err(NodeError::NotFound(format!(
-                "sandbox {id} is being deleted"
-            )));
-        }
-        c.check_not_paused()?;
-        let mut plan = ExecPlan::build(&c.state.image_env, &c.state.spec, req)?;
-        plan.spec.own_pid_ns = true;
-        plan.spec.landlock = false;
+        let life = (&c.deleting, &c.killed, &c.paused);
+        let (guard, mut killed, mut plan) =
+            agent_exec::begin(id, life, &c.state.image_env, &c.state.spec, req).await?;
         if c.state.runtime == Runtime::Runsc {
             // gVisor's processes are invisible to the host pids cgroup (which also holds
             // gVisor itself): its own RLIMIT_NPROC bounds the sandbox's processes instead.
@@ -1702,12 +1688,7 @@ impl ContainerBackend {
     /// `NotFound` (unknown or being deleted), `Conflict` (paused, or its init is gone).
     async fn fs_target(&self, id: &str) -> NodeResult<Arc<Container>> {
         let c = self.get(id)?;
-        if *c.deleting.read().await {
-            return Err(NodeError::NotFound(format!(
-                "sandbox {id} is being deleted"
-            )));
-        }
-        c.check_not_paused()?;
+        check_live(id, *c.deleting.read().await, &c.paused)?;
         if proc_starttime(c.state.init_pid) != Some(c.state.init_starttime) {
             return Err(NodeError::Conflict(format!(
                 "sandbox {id} is not running (its init {} is gone)",

@@ -23,6 +23,18 @@ pub(crate) fn check_not_paused(paused: &AtomicBool, id: &str) -> NodeResult<()> 
     Ok(())
 }
 
+/// The checks of an exec or file call on sandbox `id` before it reaches the sandbox:
+/// `NotFound` ("being deleted") when `deleting` (the read side of its lifecycle lock, or its
+/// kill signal) says so, else [`check_not_paused`].
+pub(crate) fn check_live(id: &str, deleting: bool, paused: &AtomicBool) -> NodeResult<()> {
+    if deleting {
+        return Err(NodeError::NotFound(format!(
+            "sandbox {id} is being deleted"
+        )));
+    }
+    check_not_paused(paused, id)
+}
+
 /// Pause by freezing `group` (see [`super::SandboxBackend::pause`]), under the read side of the
 /// sandbox's lifecycle lock `deleting` (no delete runs meanwhile). `paused` is set first,
 /// so no new exec starts while the freeze is in progress, and cleared again if it fails.

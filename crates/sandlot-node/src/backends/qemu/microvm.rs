@@ -39,17 +39,17 @@
 //! resource control calls), in a session of its own, so it outlives a node restart and
 //! is re-adopted, and as an unprivileged host uid of its own that reaches only its own
 //! files and the shared read-only ones (see [`super`]).
-use super::sandbox::{Machine, QemuCore, QemuVm};
+use super::sandbox::{Boot, Booted, Machine, QemuCore, QemuVm};
 use super::snapshot::Relay;
 use super::state::{write_json, VmState};
-use super::{find_binary, spawn_qemu, write_cpio, Accel};
+use super::{find_binary, spawn_qemu, Accel};
 use super::{DiskHold, ImageDisks, Jail, QemuUids, CONSOLE_LOG};
 use crate::agent_client::AgentClient;
 use crate::backends::function::StoredSpec;
 use crate::cgroups::{CgroupRoot, SandboxCgroup};
 use crate::checkpoints::{Captured, Checkpoint};
 use crate::images::{fnv, Image, ImageStore};
-use crate::node::{NodeError, NodeResult, SandboxSpec};
+use crate::node::{NodeError, NodeResult};
 use crate::sys::spawn_blocking;
 use async_trait::async_trait;
 use sandlot_api::Backend;
@@ -197,36 +197,15 @@ impl MicrovmBackend {
             }
         }
         let kernel = kit_kernel(&cfg.kit_dir);
-        if !kernel.is_file() {
-            return Err(NodeError::Unavailable(format!(
-                "no guest kernel at {} (run scripts/guest-kit.sh, or set SANDLOT_GUEST_KIT_DIR)",
-                kernel.display()
-            )));
-        }
-        if let Ok(abs) = std::fs::canonicalize(&cfg.agent_bin) {
-            cfg.agent_bin = abs;
-        }
-        if !crate::backends::container::is_static_elf(&cfg.agent_bin) {
-            return Err(NodeError::Unavailable(format!(
-                "the microvm backend needs a statically linked sandlot-guest as the guest's init; {} is missing or dynamic",
-                cfg.agent_bin.display()
-            )));
-        }
+        super::check_guest("microvm", &kernel, &mut cfg.agent_bin)?;
         // QEMU runs as an unprivileged uid per sandbox: it walks down to its own VM
         // directory (0710, group = its uid) and opens the shared read-only files by name
         // (0711 directories: nobody lists them). Failed consoles stay root's.
         super::prepare_backend_dir(&cfg.dir, &kernel, cfg.uids.group())?;
         super::ensure_dir_mode(&cfg.dir.join("templates"), 0o711)?;
-        let mut entries: Vec<(String, u32, Option<Vec<u8>>)> = vec![
-            ("dev".into(), 0o755, None),
-            ("proc".into(), 0o555, None),
-            ("sys".into(), 0o555, None),
-            ("mnt".into(), 0o755, None),
-            ("modules".into(), 0o755, None),
-        ];
         let agent = std::fs::read(&cfg.agent_bin)
             .map_err(|e| NodeError::io(format!("read {}", cfg.agent_bin.display()), e))?;
-        entries.push(("init".into(), 0o755, Some(agent)));
+        let mut entries = super::initramfs_entries(agent);
         let mods = cfg.kit_dir.join("modules");
         if let Ok(order) = std::fs::read_to_string(mods.join("order")) {
             let mut ours = String::new();
@@ -245,14 +224,7 @@ impl MicrovmBackend {
             entries.push(("modules/order".into(), 0o644, Some(ours.into_bytes())));
         }
         let initrd = cfg.dir.join("initramfs.cpio");
-        write_cpio(&initrd, &entries)
-            .and_then(|_| {
-                std::fs::set_permissions(
-                    &initrd,
-                    std::os::unix::fs::PermissionsExt::from_mode(0o444),
-                )
-            })
-            .map_err(|e| NodeError::io(format!("write {}", initrd.display()), e))?;
+        super::write_initramfs(&initrd, &entries)?;
         let initramfs_hash = {
             let mut parts: Vec<&[u8]> = Vec::new();
             let modes: Vec<String> = entries.iter().map(|(_, m, _)| m.to_string()).collect();
@@ -280,20 +252,18 @@ impl MicrovmBackend {
         if !swept.is_empty() {
             tracing::info!(backend = "microvm", removed = ?swept, "stale template snapshots removed");
         }
-        cgroups.ensure_parent()?;
-        cfg.probe.start(&qemu, &cfg.kit_dir, &initrd);
-        let core = QemuCore::new(
-            Backend::Microvm,
-            ("microvm", "microVM"),
-            cfg.dir.clone(),
-            qemu,
-            cgroups,
-            cfg.uids.clone(),
+        let core = QemuCore::new(Backend::Microvm, &cfg.dir, qemu, cgroups, &cfg.uids)?;
+        cfg.probe.start(&core.qemu, &cfg.kit_dir, &initrd);
+        let disks = ImageDisks::new(
+            "microvm",
+            cfg.dir.join("images"),
+            "erofs",
+            cfg.images.clone(),
         );
         Ok(MicrovmBackend {
             cfg,
             core,
-            disks: ImageDisks::default(),
+            disks,
             templates_enabled: template::enabled_from_env(),
             templates_building: Arc::new(Mutex::new(Default::default())),
             template_inputs,
@@ -311,66 +281,18 @@ impl MicrovmBackend {
 
     /// Where the image's EROFS disk is (or will be): `images/<key>.erofs`.
     fn disk_path(&self, image: &Image) -> PathBuf {
-        self.cfg
-            .dir
-            .join("images")
-            .join(format!("{}.erofs", image.version()))
+        self.disks.path(&image.version())
     }
 
     /// The image's EROFS disk, made once, and the create's hold on it (kept until the
-    /// sandbox's `boot.json` names it); each new disk is followed by a collection of the
-    /// disks nothing needs any more ([`Self::collect_disks`]).
+    /// sandbox's `boot.json` names it; see [`ImageDisks::image_disk`]).
     async fn image_disk(&self, image: &Image) -> NodeResult<(PathBuf, DiskHold)> {
-        let out = self.disk_path(image);
-        let (layers, o) = (image.layers.clone(), out.clone());
-        let build = async {
-            let started = Instant::now();
-            spawn_blocking(move || make_erofs(&layers, &o)).await?;
-            tracing::info!(backend = "microvm", image = %image.name, ms = started.elapsed().as_millis() as u64, "image converted to EROFS");
-            Ok(())
-        };
-        let (out, hold, made) = self.disks.get(out, build).await?;
-        if made {
-            self.collect_disks(false);
-        }
-        Ok((out, hold))
-    }
-
-    /// Removes the EROFS disks of images no longer in the store that no microVM uses
-    /// (running or paused: the `-drive file=` of its QEMU arguments in `state.json` or
-    /// `boot.json`) and no create in flight holds; with `partial`, also conversions cut
-    /// short. Nothing is removed while a VM's state names no QEMU arguments (written by a
-    /// node before pause with memory).
-    fn collect_disks(&self, partial: bool) {
-        let used = || {
-            let mut used = HashSet::new();
-            for e in std::fs::read_dir(self.cfg.dir.join("vms"))
-                .into_iter()
-                .flatten()
-                .flatten()
-            {
-                let state: Option<VmState> = ["state.json", "boot.json"].iter().find_map(|f| {
-                    let s = std::fs::read(e.path().join(f)).ok()?;
-                    serde_json::from_slice(&s).ok()
-                });
-                let Some(st) = state else { continue };
-                if st.qemu_args.is_empty() {
-                    return Err(format!("sandbox {}'s state names no QEMU arguments", st.id));
-                }
-                used.extend(super::drive_files(&st.qemu_args));
-            }
-            Ok(used)
-        };
-        super::collect_image_disks(
-            "microvm",
-            &self.cfg.dir.join("images"),
-            "erofs",
-            &self.cfg.images,
-            |i| self.disk_path(i),
-            &self.disks,
-            used,
-            partial,
-        );
+        let layers = image.layers.clone();
+        let make = move |out: &Path| make_erofs(&layers, out);
+        let (out, collect) = (self.disk_path(image), || self.collect_disks(false));
+        (self.disks)
+            .image_disk(image, out, "image converted to EROFS", make, collect)
+            .await
     }
 
     /// QEMU's command line for a VM whose files are in `dir` (`scratch.img`,
@@ -416,14 +338,120 @@ impl MicrovmBackend {
         args
     }
 
-    /// [`Machine::boot`] of a microVM.
-    async fn boot_microvm(
+    /// Starts QEMU with `args` in the cgroup `cg`, a session of its own and `jail`, its
+    /// output to `DIR/qemu.log` (appended to when `append`); its pid and start time. A
+    /// thread reaps it when it exits (it is this process's child until the process ends).
+    ///
+    /// # Errors
+    /// `Internal` when the log cannot be opened or QEMU cannot be started.
+    fn spawn_qemu(
         &self,
-        spec: &SandboxSpec,
-        image: &Image,
+        args: &[String],
+        dir: &Path,
         cg: &SandboxCgroup,
-        seed: Option<&Checkpoint>,
-    ) -> NodeResult<(VmState, (AgentClient, Arc<Relay>))> {
+        append: bool,
+        jail: &Jail,
+    ) -> NodeResult<(i32, u64)> {
+        spawn_qemu(&self.core.qemu, args, dir, cg, append, jail)
+    }
+}
+
+/// A sparse ext4 file of `mib` MiB at `s` (the guest's writable layer).
+fn make_scratch(s: &Path, mib: u64) -> NodeResult<()> {
+    let f = std::fs::File::create(s)
+        .map_err(|e| NodeError::io(format!("create {}", s.display()), e))?;
+    f.set_len(mib << 20)
+        .map_err(|e| NodeError::io(format!("size {}", s.display()), e))?;
+    let out = std::process::Command::new("mkfs.ext4")
+        .args(["-q", "-F", "-O", "^has_journal", "-E", "root_owner=0:0"])
+        .arg(s)
+        .output()
+        .map_err(|e| NodeError::io("run mkfs.ext4", e))?;
+    if !out.status.success() {
+        return Err(NodeError::io(
+            format!(
+                "mkfs.ext4 {}: {}",
+                s.display(),
+                String::from_utf8_lossy(&out.stderr)
+            ),
+            std::io::Error::other("mkfs.ext4 failed"),
+        ));
+    }
+    Ok(())
+}
+
+/// A fork's scratch disk: a sparse copy of the checkpoint's, grown to `mib` MiB.
+///
+/// # Errors
+/// `InvalidArgument` when `mib` is below the checkpoint's disk; copy or resize failures.
+async fn seed_scratch(ck: &Checkpoint, scratch: &Path, mib: u64) -> NodeResult<()> {
+    if mib < ck.meta.disk_mib {
+        return Err(NodeError::InvalidArgument(format!(
+            "disk_mib {mib} is smaller than checkpoint {}'s disk ({} MiB)",
+            ck.meta.id, ck.meta.disk_mib
+        )));
+    }
+    let (src, dst) = (ck.disk(), scratch.to_path_buf());
+    spawn_blocking(move || {
+        crate::checkpoints::copy_disk(&src, &dst)?;
+        crate::checkpoints::grow_ext4(&dst, mib)
+    })
+    .await
+}
+
+/// `mkfs.erofs` of the image's merged layers into `out` (via a temp file).
+fn make_erofs(layers: &[PathBuf], out: &Path) -> NodeResult<()> {
+    let tmp = out.with_extension("erofs.tmp");
+    let merged_dir = out.with_extension("merge");
+    let src = if layers.len() == 1 {
+        layers[0].clone()
+    } else {
+        std::fs::create_dir_all(&merged_dir)
+            .map_err(|e| NodeError::io(format!("create {}", merged_dir.display()), e))?;
+        super::mount_layers(layers, &merged_dir)?;
+        merged_dir.clone()
+    };
+    let res = std::process::Command::new("mkfs.erofs")
+        .arg("--quiet")
+        .arg(&tmp)
+        .arg(&src)
+        .output();
+    if layers.len() != 1 {
+        let _ = nix::mount::umount2(&merged_dir, nix::mount::MntFlags::MNT_DETACH);
+        let _ = std::fs::remove_dir(&merged_dir);
+    }
+    let out_ = res.map_err(|e| NodeError::io("run mkfs.erofs", e))?;
+    if !out_.status.success() {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(NodeError::io(
+            format!(
+                "mkfs.erofs {}: {}",
+                src.display(),
+                String::from_utf8_lossy(&out_.stderr)
+            ),
+            std::io::Error::other("mkfs.erofs failed"),
+        ));
+    }
+    // Read by every microVM's QEMU (unprivileged uids), written by nobody.
+    std::fs::set_permissions(&tmp, std::os::unix::fs::PermissionsExt::from_mode(0o444))
+        .and_then(|_| std::fs::rename(&tmp, out))
+        .map_err(|e| NodeError::io(format!("rename {}", tmp.display()), e))
+}
+
+#[async_trait]
+impl Machine for MicrovmBackend {
+    fn core(&self) -> &QemuCore {
+        &self.core
+    }
+
+    /// [`Machine::boot`] of a microVM.
+    async fn boot(&self, b: Boot<'_>) -> NodeResult<Booted> {
+        let Boot {
+            spec,
+            image,
+            cg,
+            seed,
+        } = b;
         let t0 = Instant::now();
         let accel = self.resolve_accel().await;
         // Held until `boot.json` / `state.json` name the disk (see `collect_disks`).
@@ -575,34 +603,10 @@ impl MicrovmBackend {
         Ok((state, (agent, relay)))
     }
 
-    /// Starts QEMU with `args` in the cgroup `cg`, a session of its own and `jail`, its
-    /// output to `DIR/qemu.log` (appended to when `append`); its pid and start time. A
-    /// thread reaps it when it exits (it is this process's child until the process ends).
-    ///
-    /// # Errors
-    /// `Internal` when the log cannot be opened or QEMU cannot be started.
-    fn spawn_qemu(
-        &self,
-        args: &[String],
-        dir: &Path,
-        cg: &SandboxCgroup,
-        append: bool,
-        jail: &Jail,
-    ) -> NodeResult<(i32, u64)> {
-        spawn_qemu(&self.core.qemu, args, dir, cg, append, jail)
-    }
-}
-
-impl MicrovmBackend {
     /// A checkpoint of microVM `id` (see [`crate::checkpoints`]): `sync` in the guest (its
     /// page cache reaches the scratch disk), then a sparse copy of `scratch.img` to
     /// `dest/disk.img` while QEMU's cgroup is frozen (no guest write lands mid-copy).
-    async fn checkpoint_scratch(
-        &self,
-        vm: Arc<QemuVm>,
-        id: &str,
-        dest: &Path,
-    ) -> NodeResult<Captured> {
+    async fn capture(&self, vm: Arc<QemuVm>, id: &str, dest: &Path) -> NodeResult<Captured> {
         self.core.sync_guest(&vm, id).await?;
         let scratch = self.core.vm_dir(id).join("scratch.img");
         let disk = dest.join("disk.img");
@@ -624,157 +628,39 @@ impl MicrovmBackend {
             image_version: vm.state.image_version.clone(),
         })
     }
-}
 
-/// A sparse ext4 file of `mib` MiB at `s` (the guest's writable layer).
-fn make_scratch(s: &Path, mib: u64) -> NodeResult<()> {
-    let f = std::fs::File::create(s)
-        .map_err(|e| NodeError::io(format!("create {}", s.display()), e))?;
-    f.set_len(mib << 20)
-        .map_err(|e| NodeError::io(format!("size {}", s.display()), e))?;
-    let out = std::process::Command::new("mkfs.ext4")
-        .args(["-q", "-F", "-O", "^has_journal", "-E", "root_owner=0:0"])
-        .arg(s)
-        .output()
-        .map_err(|e| NodeError::io("run mkfs.ext4", e))?;
-    if !out.status.success() {
-        return Err(NodeError::io(
-            format!(
-                "mkfs.ext4 {}: {}",
-                s.display(),
-                String::from_utf8_lossy(&out.stderr)
-            ),
-            std::io::Error::other("mkfs.ext4 failed"),
-        ));
-    }
-    Ok(())
-}
-
-/// A fork's scratch disk: a sparse copy of the checkpoint's, grown to `mib` MiB.
-///
-/// # Errors
-/// `InvalidArgument` when `mib` is below the checkpoint's disk; copy or resize failures.
-async fn seed_scratch(ck: &Checkpoint, scratch: &Path, mib: u64) -> NodeResult<()> {
-    if mib < ck.meta.disk_mib {
-        return Err(NodeError::InvalidArgument(format!(
-            "disk_mib {mib} is smaller than checkpoint {}'s disk ({} MiB)",
-            ck.meta.id, ck.meta.disk_mib
-        )));
-    }
-    let (src, dst) = (ck.disk(), scratch.to_path_buf());
-    spawn_blocking(move || {
-        crate::checkpoints::copy_disk(&src, &dst)?;
-        crate::checkpoints::grow_ext4(&dst, mib)
-    })
-    .await
-}
-
-/// `mkfs.erofs` of the image's merged layers into `out` (via a temp file).
-fn make_erofs(layers: &[PathBuf], out: &Path) -> NodeResult<()> {
-    let tmp = out.with_extension("erofs.tmp");
-    let merged_dir = out.with_extension("merge");
-    let src = if layers.len() == 1 {
-        layers[0].clone()
-    } else {
-        std::fs::create_dir_all(&merged_dir)
-            .map_err(|e| NodeError::io(format!("create {}", merged_dir.display()), e))?;
-        let lower = layers
-            .iter()
-            .map(|l| l.display().to_string())
-            .collect::<Vec<_>>()
-            .join(":");
-        nix::mount::mount(
-            Some("overlay"),
-            &merged_dir,
-            Some("overlay"),
-            nix::mount::MsFlags::MS_RDONLY,
-            Some(format!("lowerdir={lower}").as_str()),
-        )
-        .map_err(|e| {
-            NodeError::io(
-                format!("overlay mount of {} layers", layers.len()),
-                e.into(),
-            )
-        })?;
-        merged_dir.clone()
-    };
-    let res = std::process::Command::new("mkfs.erofs")
-        .arg("--quiet")
-        .arg(&tmp)
-        .arg(&src)
-        .output();
-    if layers.len() != 1 {
-        let _ = nix::mount::umount2(&merged_dir, nix::mount::MntFlags::MNT_DETACH);
-        let _ = std::fs::remove_dir(&merged_dir);
-    }
-    let out_ = res.map_err(|e| NodeError::io("run mkfs.erofs", e))?;
-    if !out_.status.success() {
-        let _ = std::fs::remove_file(&tmp);
-        return Err(NodeError::io(
-            format!(
-                "mkfs.erofs {}: {}",
-                src.display(),
-                String::from_utf8_lossy(&out_.stderr)
-            ),
-            std::io::Error::other("mkfs.erofs failed"),
-        ));
-    }
-    // Read by every microVM's QEMU (unprivileged uids), written by nobody.
-    std::fs::set_permissions(&tmp, std::os::unix::fs::PermissionsExt::from_mode(0o444))
-        .and_then(|_| std::fs::rename(&tmp, out))
-        .map_err(|e| NodeError::io(format!("rename {}", tmp.display()), e))
-}
-
-#[async_trait]
-impl Machine for MicrovmBackend {
-    fn core(&self) -> &QemuCore {
-        &self.core
-    }
-
-    async fn boot(
-        &self,
-        spec: &SandboxSpec,
-        image: &Image,
-        cg: &SandboxCgroup,
-        seed: Option<&Checkpoint>,
-    ) -> NodeResult<(VmState, (AgentClient, Arc<Relay>))> {
-        self.boot_microvm(spec, image, cg, seed).await
-    }
-
-    async fn capture(&self, vm: Arc<QemuVm>, id: &str, dest: &Path) -> NodeResult<Captured> {
-        self.checkpoint_scratch(vm, id, dest).await
-    }
-
+    /// Removes the EROFS disks of images no longer in the store that no microVM uses
+    /// (running or paused: the `-drive file=` of its QEMU arguments in `state.json` or
+    /// `boot.json`) and no create in flight holds; with `partial`, also conversions cut
+    /// short. Nothing is removed while a VM's state names no QEMU arguments (written by a
+    /// node before pause with memory).
     fn collect_disks(&self, partial: bool) {
-        MicrovmBackend::collect_disks(self, partial)
+        let used = || {
+            let mut used = HashSet::new();
+            for e in std::fs::read_dir(self.cfg.dir.join("vms"))
+                .into_iter()
+                .flatten()
+                .flatten()
+            {
+                let state: Option<VmState> = ["state.json", "boot.json"].iter().find_map(|f| {
+                    let s = std::fs::read(e.path().join(f)).ok()?;
+                    serde_json::from_slice(&s).ok()
+                });
+                let Some(st) = state else { continue };
+                if st.qemu_args.is_empty() {
+                    return Err(format!("sandbox {}'s state names no QEMU arguments", st.id));
+                }
+                used.extend(super::drive_files(&st.qemu_args));
+            }
+            Ok(used)
+        };
+        self.disks.collect(|i| self.disk_path(i), used, partial);
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn cpio_is_newc_with_trailer() {
-        let d = tempfile::tempdir().unwrap();
-        let out = d.path().join("x.cpio");
-        write_cpio(
-            &out,
-            &[
-                ("a".into(), 0o755, None),
-                ("a/b".into(), 0o644, Some(b"hello".to_vec())),
-            ],
-        )
-        .unwrap();
-        let data = std::fs::read(&out).unwrap();
-        assert!(data.starts_with(b"070701"));
-        assert_eq!(data.len() % 4, 0);
-        let s = String::from_utf8_lossy(&data);
-        assert!(s.contains("a/b\0"));
-        assert!(s.contains("hello"));
-        assert!(s.contains("dev/console\0"));
-        assert!(s.contains("TRAILER!!!\0"));
-    }
 
     #[test]
     fn module_signature_is_stripped() {

@@ -577,15 +577,90 @@ pub fn drive_files(args: &[String]) -> impl Iterator<Item = PathBuf> + '_ {
 #[derive(Clone, Default)]
 pub struct DiskHolds(Arc<Mutex<HashMap<PathBuf, usize>>>);
 
-/// A QEMU backend's image disks in use: one build at a time, and the holds of creates in
-/// flight ([`DiskHolds`]).
-#[derive(Default)]
+/// A QEMU backend's image disks `dir/<key>.<ext>` (`DATA/microvm/images/*.erofs`,
+/// `DATA/vm/images/*.qcow2`): made once per image, one build at a time, held by creates in
+/// flight ([`DiskHolds`]) and collected when nothing needs them ([`Self::collect`]).
 pub struct ImageDisks {
+    /// The backend's name in logs (`microvm`, `vm`).
+    backend: &'static str,
+    /// `DATA/<backend>/images`.
+    dir: PathBuf,
+    /// The disks' file extension (`erofs`, `qcow2`).
+    ext: &'static str,
+    /// The node's image store: which images a create may still ask a disk for.
+    images: ImageStore,
     build: tokio::sync::Mutex<()>,
     holds: DiskHolds,
 }
 
 impl ImageDisks {
+    /// The disks of `backend` in `dir` (`<key>.<ext>`) for the images of `images`.
+    pub fn new(backend: &'static str, dir: PathBuf, ext: &'static str, images: ImageStore) -> Self {
+        ImageDisks {
+            backend,
+            dir,
+            ext,
+            images,
+            build: Default::default(),
+            holds: Default::default(),
+        }
+    }
+
+    /// Where the disk of key `key` is (or will be): `dir/<key>.<ext>`.
+    pub fn path(&self, key: &str) -> PathBuf {
+        self.dir.join(format!("{key}.{}", self.ext))
+    }
+
+    /// The image disk `out` of `image` and a create's hold on it (kept until the sandbox's
+    /// files name it), made first by `make(out)` on a blocking thread when missing (logged
+    /// as `made` with its milliseconds); each new disk is followed by `collect` (a
+    /// collection of the disks nothing needs any more, [`Self::collect`]).
+    ///
+    /// # Errors
+    /// `make`'s.
+    pub async fn image_disk(
+        &self,
+        image: &Image,
+        out: PathBuf,
+        made: &str,
+        make: impl FnOnce(&Path) -> NodeResult<()> + Send + 'static,
+        collect: impl FnOnce(),
+    ) -> NodeResult<(PathBuf, DiskHold)> {
+        let o = out.clone();
+        let build = async {
+            let started = std::time::Instant::now();
+            crate::sys::spawn_blocking(move || make(&o)).await?;
+            let ms = started.elapsed().as_millis() as u64;
+            tracing::info!(backend = self.backend, image = %image.name, ms, "{made}");
+            Ok(())
+        };
+        let (out, hold, made) = self.get(out, build).await?;
+        if made {
+            collect();
+        }
+        Ok((out, hold))
+    }
+
+    /// [`collect_image_disks`] of these disks: `disk_path` names the disk of an image of the
+    /// store, `used` the disks sandboxes or checkpoints use.
+    pub fn collect(
+        &self,
+        disk_path: impl Fn(&Image) -> PathBuf,
+        used: impl FnOnce() -> Result<HashSet<PathBuf>, String>,
+        partial: bool,
+    ) {
+        collect_image_disks(
+            self.backend,
+            &self.dir,
+            self.ext,
+            &self.images,
+            disk_path,
+            self,
+            used,
+            partial,
+        );
+    }
+
     /// The image disk `out` with a create's hold on it, made by `build` first when it is
     /// missing (one build at a time per backend; the hold is taken before the disk is looked
     /// for, see [`DiskHolds`]). The flag is `true` when this call made it.
@@ -1107,12 +1182,85 @@ pub(crate) fn find_binary(name: &str) -> Option<PathBuf> {
     found
 }
 
+/// Mounts the read-only overlay of `layers` (the first on top) at the existing directory
+/// `at` (unmounted by the caller with `MNT_DETACH`).
+///
+/// # Errors
+/// `Internal` naming the number of layers when the mount fails.
+pub(crate) fn mount_layers<'a>(
+    layers: impl IntoIterator<Item = &'a PathBuf>,
+    at: &Path,
+) -> NodeResult<()> {
+    let lower: Vec<String> = layers
+        .into_iter()
+        .map(|l| l.display().to_string())
+        .collect();
+    nix::mount::mount(
+        Some("overlay"),
+        at,
+        Some("overlay"),
+        nix::mount::MsFlags::MS_RDONLY,
+        Some(format!("lowerdir={}", lower.join(":")).as_str()),
+    )
+    .map_err(|e| NodeError::io(format!("overlay mount of {} layers", lower.len()), e.into()))
+}
+
+/// One initramfs entry for [`write_cpio`]: path, mode, content (`None`: a directory).
+pub(crate) type CpioEntry = (String, u32, Option<Vec<u8>>);
+
+/// The entries every QEMU backend's initramfs starts with: the mount points of the guest's
+/// init (`dev`, `proc`, `sys`, `mnt`, `modules`) and `/init` = `agent` (the static
+/// `sandlot-guest`); the kit's modules and `modules/order` follow.
+pub(crate) fn initramfs_entries(agent: Vec<u8>) -> Vec<CpioEntry> {
+    let dir = |name: &str, mode| (name.to_string(), mode, None);
+    vec![
+        dir("dev", 0o755),
+        dir("proc", 0o555),
+        dir("sys", 0o555),
+        dir("mnt", 0o755),
+        dir("modules", 0o755),
+        ("init".into(), 0o755, Some(agent)),
+    ]
+}
+
+/// Writes the initramfs `path` from `entries` ([`write_cpio`]), read-only (mode 0444: the
+/// QEMUs of every sandbox read it).
+///
+/// # Errors
+/// `Internal` when it cannot be written.
+pub(crate) fn write_initramfs(path: &Path, entries: &[CpioEntry]) -> NodeResult<()> {
+    write_cpio(path, entries)
+        .and_then(|_| std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o444)))
+        .map_err(|e| NodeError::io(format!("write {}", path.display()), e))
+}
+
+/// Checks what a QEMU backend's guest boots: the kit's kernel `kernel` is there and
+/// `agent_bin` (made absolute when it can be) is a statically linked `sandlot-guest`.
+///
+/// # Errors
+/// `Unavailable` naming what is missing and how to get it.
+pub(crate) fn check_guest(backend: &str, kernel: &Path, agent_bin: &mut PathBuf) -> NodeResult<()> {
+    if !kernel.is_file() {
+        return Err(NodeError::Unavailable(format!(
+            "no guest kernel at {} (run scripts/guest-kit.sh, or set SANDLOT_GUEST_KIT_DIR)",
+            kernel.display()
+        )));
+    }
+    if let Ok(abs) = std::fs::canonicalize(&*agent_bin) {
+        *agent_bin = abs;
+    }
+    if !crate::backends::container::is_static_elf(agent_bin) {
+        return Err(NodeError::Unavailable(format!(
+            "the {backend} backend needs a statically linked sandlot-guest as the guest's init; {} is missing or dynamic",
+            agent_bin.display()
+        )));
+    }
+    Ok(())
+}
+
 /// Writes a newc cpio archive: `(path in archive, mode, contents)`; directories have
 /// `None` contents; `dev/console` is added as a character device (5, 1).
-pub(crate) fn write_cpio(
-    out: &Path,
-    entries: &[(String, u32, Option<Vec<u8>>)],
-) -> std::io::Result<()> {
+pub(crate) fn write_cpio(out: &Path, entries: &[CpioEntry]) -> std::io::Result<()> {
     use std::io::Write as _;
     let tmp = out.with_extension("tmp");
     let mut w = std::io::BufWriter::new(std::fs::File::create(&tmp)?);
@@ -1207,6 +1355,28 @@ pub(crate) fn prune_failed(dir: &Path) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn cpio_is_newc_with_trailer() {
+        let d = tempfile::tempdir().unwrap();
+        let out = d.path().join("x.cpio");
+        write_cpio(
+            &out,
+            &[
+                ("a".into(), 0o755, None),
+                ("a/b".into(), 0o644, Some(b"hello".to_vec())),
+            ],
+        )
+        .unwrap();
+        let data = std::fs::read(&out).unwrap();
+        assert!(data.starts_with(b"070701"));
+        assert_eq!(data.len() % 4, 0);
+        let s = String::from_utf8_lossy(&data);
+        assert!(s.contains("a/b\0"));
+        assert!(s.contains("hello"));
+        assert!(s.contains("dev/console\0"));
+        assert!(s.contains("TRAILER!!!\0"));
+    }
 
     #[test]
     fn command_line_pieces_keep_their_order() {
@@ -1326,7 +1496,7 @@ mod tests {
         std::fs::create_dir_all(&images).unwrap();
         let disk = images.join("old.erofs");
         std::fs::write(&disk, b"disk").unwrap();
-        let disks = ImageDisks::default();
+        let disks = ImageDisks::new("t", images.clone(), "erofs", store.clone());
         let collect = || {
             let used = || Ok(HashSet::new());
             collect_image_disks(

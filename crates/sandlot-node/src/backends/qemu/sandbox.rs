@@ -17,10 +17,10 @@ use super::state::VmState;
 use super::Accel;
 use super::{Jail, QemuUids, AGENT_FD, AGENT_SOCK, QMP_FD, QMP_SOCK};
 use crate::agent_client::AgentClient;
+use crate::backends::agent_exec;
 use crate::backends::agent_files::{AgentFiles, HoldsAgent};
 use crate::backends::check_id;
-use crate::backends::function::ExecPlan;
-use crate::backends::pause::{check_not_paused, freeze, thaw};
+use crate::backends::pause::{check_live, freeze, thaw};
 use crate::backends::SandboxBackend;
 use crate::cgroups::{CgroupRoot, SandboxCgroup};
 use crate::checkpoints::{Captured, Checkpoint};
@@ -95,26 +95,33 @@ pub struct QemuCore {
 }
 
 impl QemuCore {
-    /// An empty table of backend `backend` (`name`: `"microvm"` or `"vm"`; `label`: a VM's
-    /// name in messages) with its files under `dir`.
+    /// An empty table of backend `backend` (`microvm` or `vm`) with its files under `dir`,
+    /// its QEMU cgroups' parents made under `cgroups`.
+    ///
+    /// # Errors
+    /// `Internal` when the parent cgroups cannot be made.
     pub(super) fn new(
         backend: Backend,
-        (name, label): (&'static str, &'static str),
-        dir: PathBuf,
+        dir: &Path,
         qemu: PathBuf,
         cgroups: CgroupRoot,
-        uids: Arc<QemuUids>,
-    ) -> Self {
-        QemuCore {
+        uids: &Arc<QemuUids>,
+    ) -> NodeResult<Self> {
+        let (name, label) = match backend {
+            Backend::Microvm => ("microvm", "microVM"),
+            _ => ("vm", "VM"),
+        };
+        cgroups.ensure_parent()?;
+        Ok(QemuCore {
             name,
             label,
             backend,
-            dir,
+            dir: dir.to_path_buf(),
             qemu,
             cgroups,
-            uids,
+            uids: uids.clone(),
             vms: Mutex::new(HashMap::new()),
-        }
+        })
     }
 
     /// `DIR/vms/<id>`.
@@ -192,12 +199,7 @@ impl QemuCore {
     /// `NotFound` (unknown or being deleted), `Conflict` (paused, or its QEMU is gone).
     pub(super) async fn fs_target(&self, id: &str) -> NodeResult<Arc<QemuVm>> {
         let vm = self.get(id)?;
-        if *vm.deleting.read().await {
-            return Err(NodeError::NotFound(format!(
-                "sandbox {id} is being deleted"
-            )));
-        }
-        check_not_paused(&vm.paused, id)?;
+        check_live(id, *vm.deleting.read().await, &vm.paused)?;
         let cur = *vm.proc_.lock().unwrap();
         if !cur.exists() {
             return Err(NodeError::Conflict(format!(
@@ -222,27 +224,19 @@ impl QemuCore {
         control: Option<ExecControl>,
     ) -> NodeResult<ExecResult> {
         let vm = self.get(id)?;
-        let mut killed = vm.killed.subscribe();
-        let guard = vm.deleting.read().await;
-        if *guard || *killed.borrow() {
-            return Err(NodeError::NotFound(format!(
-                "sandbox {id} is being deleted"
-            )));
-        }
-        check_not_paused(&vm.paused, id)?;
-        let mut plan = ExecPlan::build(&vm.state.image_env, &vm.state.spec, req)?;
-        plan.spec.own_pid_ns = true;
-        plan.spec.landlock = false;
+        let life = (&vm.deleting, &vm.killed, &vm.paused);
+        let (spec, env) = (&vm.state.spec, &vm.state.image_env);
+        let (guard, mut killed, plan) = agent_exec::begin(id, life, env, spec, req).await?;
         let cell = vm.proc_.clone();
         let died = move || !cell.lock().unwrap().exists();
-        let target = crate::backends::agent_exec::Target {
+        let target = agent_exec::Target {
             id,
             kind: self.label,
             agent: &vm.agent,
             pids_max: vm.state.spec.pids_max,
             died: &died,
         };
-        crate::backends::agent_exec::run(target, plan, guard, &mut killed, sink, control).await
+        agent_exec::run(target, plan, guard, &mut killed, sink, control).await
     }
 
     /// Waits until the agent of the VM being created as `id` (its QEMU `proc_`) answers,
@@ -446,6 +440,19 @@ impl QemuCore {
     }
 }
 
+/// One create's boot ([`Machine::boot`]): VM `spec` of `image` in cgroup `cg`, a fork of
+/// `seed` when given.
+pub(crate) struct Boot<'a> {
+    pub spec: &'a SandboxSpec,
+    pub image: &'a Image,
+    pub cg: &'a SandboxCgroup,
+    pub seed: Option<&'a Checkpoint>,
+}
+
+/// A booted VM: its state (`state.json` written) and its connected agent with the relay
+/// behind it.
+pub(crate) type Booted = (VmState, (AgentClient, Arc<Relay>));
+
 /// What differs between the QEMU backends; every `Machine` is a [`SandboxBackend`]
 /// (create with rollback, exec, files, pause/resume, delete, list, re-adoption written once
 /// here) whose machine-specific steps are these.
@@ -461,13 +468,7 @@ pub(crate) trait Machine: Send + Sync {
     /// # Errors
     /// `InvalidArgument` (e.g. a disk smaller than the checkpoint's), `Unavailable`, the
     /// boot's failures (`Internal`, with the console's tail).
-    async fn boot(
-        &self,
-        spec: &SandboxSpec,
-        image: &Image,
-        cg: &SandboxCgroup,
-        seed: Option<&Checkpoint>,
-    ) -> NodeResult<(VmState, (AgentClient, Arc<Relay>))>;
+    async fn boot(&self, b: Boot<'_>) -> NodeResult<Booted>;
 
     /// A checkpoint of VM `vm` (id `id`) into `dest` (see [`crate::checkpoints`]).
     ///
@@ -502,7 +503,16 @@ async fn create_with<M: Machine + ?Sized>(
     check_id(&spec.id)?;
     super::create_vm_dir(&core.vm_dir(&spec.id), &spec.id)?;
     let cg = core.cgroups.sandbox(&spec.id);
-    match m.boot(spec, image, &cg, seed).await {
+    let cg = &cg;
+    match m
+        .boot(Boot {
+            spec,
+            image,
+            cg,
+            seed,
+        })
+        .await
+    {
         Ok((state, agent)) => {
             core.adopt(state, Some(agent));
             tracing::info!(sandbox = %spec.id, backend = core.name, "sandbox created");

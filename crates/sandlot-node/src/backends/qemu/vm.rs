@@ -42,17 +42,17 @@
 //! new layer on the checkpoint's chain, shared by hard links, not copied (`chain`).
 mod chain;
 
-use super::sandbox::{Machine, QemuCore, QemuVm};
+use super::sandbox::{Boot, Booted, Machine, QemuCore, QemuVm};
 use super::snapshot::Relay;
 use super::state::{write_json, VmState};
-use super::{find_binary, spawn_qemu, write_cpio, Accel};
+use super::{find_binary, spawn_qemu, Accel};
 use super::{fresh_identity, AccelProbe, DiskHold, ImageDisks, QemuUids, AGENT_SOCK, CONSOLE_LOG};
 use crate::agent_client::AgentClient;
 use crate::backends::function::StoredSpec;
-use crate::cgroups::{CgroupRoot, SandboxCgroup};
-use crate::checkpoints::{Captured, Checkpoint};
+use crate::cgroups::CgroupRoot;
+use crate::checkpoints::Captured;
 use crate::images::{fnv, Image, ImageStore};
-use crate::node::{NodeError, NodeResult, SandboxSpec};
+use crate::node::{NodeError, NodeResult};
 use crate::sys::spawn_blocking;
 use async_trait::async_trait;
 use sandlot_api::Backend;
@@ -194,24 +194,7 @@ fn make_disk(qemu_img: &Path, layers: &[PathBuf], agent: &Path, out: &Path) -> N
             std::fs::set_permissions(&dst, std::fs::Permissions::from_mode(0o755))
                 .map_err(|e| NodeError::io(format!("chmod {}", dst.display()), e))?;
         }
-        let lower = std::iter::once(&kit)
-            .chain(layers)
-            .map(|l| l.display().to_string())
-            .collect::<Vec<_>>()
-            .join(":");
-        nix::mount::mount(
-            Some("overlay"),
-            &merged,
-            Some("overlay"),
-            nix::mount::MsFlags::MS_RDONLY,
-            Some(format!("lowerdir={lower}").as_str()),
-        )
-        .map_err(|e| {
-            NodeError::io(
-                format!("overlay mount of {} layers", layers.len() + 1),
-                e.into(),
-            )
-        })?;
+        super::mount_layers(std::iter::once(&kit).chain(layers), &merged)?;
         let (bytes, entries) = tree_usage(&merged);
         // Content + 25 % + 64 MiB: the ext4 metadata, and room so that a sandbox with a
         // small disk_mib still has the base's own slack.
@@ -272,26 +255,12 @@ impl VmBackend {
             return Err(missing("mkfs.ext4"));
         }
         let kernel = cfg.kit_dir.join("vmlinuz");
-        if !kernel.is_file() {
-            return Err(NodeError::Unavailable(format!(
-                "no guest kernel at {} (run scripts/guest-kit.sh, or set SANDLOT_GUEST_KIT_DIR)",
-                kernel.display()
-            )));
-        }
+        super::check_guest("vm", &kernel, &mut cfg.agent_bin)?;
         let order = std::fs::read_to_string(cfg.kit_dir.join("modules/order")).unwrap_or_default();
         if !order.lines().any(|l| l.trim() == "virtio_pci.ko") {
             return Err(NodeError::Unavailable(format!(
                 "the guest kit in {} has no virtio_pci module (re-run scripts/guest-kit.sh)",
                 cfg.kit_dir.display()
-            )));
-        }
-        if let Ok(abs) = std::fs::canonicalize(&cfg.agent_bin) {
-            cfg.agent_bin = abs;
-        }
-        if !crate::backends::container::is_static_elf(&cfg.agent_bin) {
-            return Err(NodeError::Unavailable(format!(
-                "the vm backend needs a statically linked sandlot-guest as the guest's init; {} is missing or dynamic",
-                cfg.agent_bin.display()
             )));
         }
         // Unprivileged QEMUs reach their VM directory and the shared read-only files only
@@ -300,14 +269,7 @@ impl VmBackend {
         let agent = std::fs::read(&cfg.agent_bin)
             .map_err(|e| NodeError::io(format!("read {}", cfg.agent_bin.display()), e))?;
         let agent_key = fnv(&[&agent]);
-        let mut entries: Vec<(String, u32, Option<Vec<u8>>)> = vec![
-            ("dev".into(), 0o755, None),
-            ("proc".into(), 0o555, None),
-            ("sys".into(), 0o555, None),
-            ("mnt".into(), 0o755, None),
-            ("modules".into(), 0o755, None),
-            ("init".into(), 0o755, Some(agent)),
-        ];
+        let mut entries = super::initramfs_entries(agent);
         let mods = cfg.kit_dir.join("modules");
         for m in order.lines().map(str::trim).filter(|l| !l.is_empty()) {
             let data = std::fs::read(mods.join(m))
@@ -316,30 +278,16 @@ impl VmBackend {
         }
         entries.push(("modules/order".into(), 0o644, Some(order.into_bytes())));
         let initrd = cfg.dir.join("initramfs.cpio");
-        write_cpio(&initrd, &entries)
-            .and_then(|_| {
-                std::fs::set_permissions(
-                    &initrd,
-                    std::os::unix::fs::PermissionsExt::from_mode(0o444),
-                )
-            })
-            .map_err(|e| NodeError::io(format!("write {}", initrd.display()), e))?;
-        cgroups.ensure_parent()?;
-        cfg.probe.start(&qemu, &cfg.kit_dir, &initrd);
-        let core = QemuCore::new(
-            Backend::Vm,
-            ("vm", "VM"),
-            cfg.dir.clone(),
-            qemu,
-            cgroups,
-            cfg.uids.clone(),
-        );
+        super::write_initramfs(&initrd, &entries)?;
+        let core = QemuCore::new(Backend::Vm, &cfg.dir, qemu, cgroups, &cfg.uids)?;
+        cfg.probe.start(&core.qemu, &cfg.kit_dir, &initrd);
+        let disks = ImageDisks::new("vm", cfg.dir.join("images"), "qcow2", cfg.images.clone());
         Ok(VmBackend {
             cfg,
             core,
             qemu_img,
             agent_key,
-            disks: ImageDisks::default(),
+            disks,
         })
     }
 
@@ -357,75 +305,90 @@ impl VmBackend {
                 .iter()
                 .map(|l| l.as_os_str().as_encoded_bytes()),
         );
-        let key = format!("{:016x}", fnv(&parts));
-        self.cfg.dir.join("images").join(format!("{key}.qcow2"))
+        self.disks.path(&format!("{:016x}", fnv(&parts)))
     }
 
     /// The image's qcow2 base disk, built once, and the create's hold on it (kept until the
-    /// sandbox's first layer names it); each new disk is followed by a collection of the
-    /// disks nothing needs any more ([`Self::collect_disks`]).
+    /// sandbox's first layer names it; see [`ImageDisks::image_disk`]).
     async fn image_disk(&self, image: &Image) -> NodeResult<(PathBuf, DiskHold)> {
-        let out = self.disk_path(image);
-        let (layers, agent, qemu_img, o) = (
-            image.layers.clone(),
-            self.cfg.agent_bin.clone(),
-            self.qemu_img.clone(),
-            out.clone(),
-        );
-        let build = async {
-            let started = Instant::now();
-            spawn_blocking(move || make_disk(&qemu_img, &layers, &agent, &o)).await?;
-            tracing::info!(backend = "vm", image = %image.name, ms = started.elapsed().as_millis() as u64, "image disk built (qcow2)");
-            Ok(())
-        };
-        let (out, hold, made) = self.disks.get(out, build).await?;
-        if made {
-            self.collect_disks(false);
-        }
-        Ok((out, hold))
+        let (layers, agent) = (image.layers.clone(), self.cfg.agent_bin.clone());
+        let qemu_img = self.qemu_img.clone();
+        let make = move |out: &Path| make_disk(&qemu_img, &layers, &agent, out);
+        let (out, collect) = (self.disk_path(image), || self.collect_disks(false));
+        (self.disks)
+            .image_disk(image, out, "image disk built (qcow2)", make, collect)
+            .await
     }
 
-    /// Removes the base disks of images no longer in the store (or built for another guest
-    /// agent) that no chain uses: the absolute backing file of any qcow2 layer in a VM's
-    /// directory (running or paused) or a checkpoint's; with `partial`, also builds cut
-    /// short. A layer whose header cannot be read stops the collection (logged).
-    fn collect_disks(&self, partial: bool) {
-        let used = || {
-            let holders = [self.cfg.dir.join("vms"), self.cfg.checkpoints_dir.clone()];
-            holders
-                .iter()
-                .flat_map(|d| std::fs::read_dir(d).into_iter().flatten().flatten())
-                .flat_map(|h| std::fs::read_dir(h.path()).into_iter().flatten().flatten())
-                .map(|e| e.path())
-                .filter(|p| p.extension().is_some_and(|x| x == "qcow2"))
-                .filter_map(|layer| match chain::backing_of(&layer) {
-                    Ok(Some(b)) if b.starts_with('/') => Some(Ok(PathBuf::from(b))),
-                    Ok(_) => None,
-                    Err(e) => Some(Err(e.to_string())),
-                })
-                .collect()
-        };
-        super::collect_image_disks(
-            "vm",
-            &self.cfg.dir.join("images"),
-            "qcow2",
-            &self.cfg.images,
-            |i| self.disk_path(i),
-            &self.disks,
-            used,
-            partial,
+    /// The accelerator sandbox `id` runs with.
+    pub fn accel_of(&self, id: &str) -> Option<Accel> {
+        self.core.get(id).ok().map(|v| v.state.accel)
+    }
+}
+
+#[async_trait]
+impl Machine for VmBackend {
+    fn core(&self) -> &QemuCore {
+        &self.core
+    }
+
+    /// A checkpoint of VM `id` (see [`chain`]): `sync` in the guest (its page cache reaches
+    /// the disk), then the active qcow2 layer is frozen under a new one (QMP
+    /// `blockdev-snapshot`) and its chain linked into `dest`.
+    async fn capture(&self, vm: Arc<QemuVm>, id: &str, dest: &Path) -> NodeResult<Captured> {
+        let _life = vm.lifecycle.lock().await;
+        self.core.sync_guest(&vm, id).await?;
+        // No delete while the layers change.
+        let guard = vm.deleting.read().await;
+        if *guard {
+            return Err(NodeError::NotFound(format!(
+                "sandbox {id} is being deleted"
+            )));
+        }
+        let (qemu_img, dir, dest) = (
+            self.qemu_img.clone(),
+            self.core.vm_dir(id),
+            dest.to_path_buf(),
         );
+        let owners = chain::Owners {
+            qemu: vm.state.qemu_uid,
+            group: self.cfg.uids.group(),
+        };
+        let started = Instant::now();
+        spawn_blocking(move || chain::snapshot(&qemu_img, &dir, &dest, owners)).await?;
+        drop(guard);
+        tracing::info!(sandbox = %id, backend = "vm", ms = started.elapsed().as_millis() as u64, "disk layer frozen for a checkpoint");
+        Ok(Captured {
+            backend: Backend::Vm,
+            image: vm.state.image.clone(),
+            runtime: None,
+            uid_base: None,
+            disk_mib: vm.state.spec.disk_mib.max(16),
+            // A fork reads the parent's own base disk (its layers' backing file).
+            image_version: None,
+        })
+    }
+
+    /// Checkpoints may have moved the disk to a newer layer: the restored QEMU must open
+    /// the one QEMU writes to now.
+    async fn before_pause(&self, vm: &QemuVm) -> NodeResult<()> {
+        let dir = self.core.vm_dir(&vm.state.id);
+        let d = dir.clone();
+        let active = spawn_blocking(move || chain::active_layer(&d)).await?;
+        let drive = drive_arg(&dir, &active);
+        let mut args = vm.args.lock().unwrap();
+        if let Some(i) = args.iter().position(|a| a == DRIVE_FLAG) {
+            if let Some(v) = args.get_mut(i + 1) {
+                *v = drive;
+            }
+        }
+        Ok(())
     }
 
     /// [`Machine::boot`] of a q35 VM.
-    async fn boot_vm(
-        &self,
-        spec: &SandboxSpec,
-        image: &Image,
-        cg: &SandboxCgroup,
-        seed: Option<&Checkpoint>,
-    ) -> NodeResult<(VmState, (AgentClient, Arc<Relay>))> {
+    async fn boot(&self, b: Boot<'_>) -> NodeResult<Booted> {
         let accel = self.cfg.probe.wait().await;
+        let (spec, image, cg, seed) = (b.spec, b.image, b.cg, b.seed);
         let dir = self.core.vm_dir(&spec.id);
         let mib = spec.disk_mib.max(16);
         let active = if let Some(ck) = seed {
@@ -530,92 +493,27 @@ impl VmBackend {
         Ok((state, (agent, relay)))
     }
 
-    /// The accelerator sandbox `id` runs with.
-    pub fn accel_of(&self, id: &str) -> Option<Accel> {
-        self.core.get(id).ok().map(|v| v.state.accel)
-    }
-
-    /// A checkpoint of VM `id` (see [`chain`]): `sync` in the guest (its page cache reaches
-    /// the disk), then the active qcow2 layer is frozen under a new one (QMP
-    /// `blockdev-snapshot`) and its chain linked into `dest`.
-    async fn checkpoint_disk(
-        &self,
-        vm: Arc<QemuVm>,
-        id: &str,
-        dest: &Path,
-    ) -> NodeResult<Captured> {
-        let _life = vm.lifecycle.lock().await;
-        self.core.sync_guest(&vm, id).await?;
-        // No delete while the layers change.
-        let guard = vm.deleting.read().await;
-        if *guard {
-            return Err(NodeError::NotFound(format!(
-                "sandbox {id} is being deleted"
-            )));
-        }
-        let (qemu_img, dir, dest) = (
-            self.qemu_img.clone(),
-            self.core.vm_dir(id),
-            dest.to_path_buf(),
-        );
-        let owners = chain::Owners {
-            qemu: vm.state.qemu_uid,
-            group: self.cfg.uids.group(),
-        };
-        let started = Instant::now();
-        spawn_blocking(move || chain::snapshot(&qemu_img, &dir, &dest, owners)).await?;
-        drop(guard);
-        tracing::info!(sandbox = %id, backend = "vm", ms = started.elapsed().as_millis() as u64, "disk layer frozen for a checkpoint");
-        Ok(Captured {
-            backend: Backend::Vm,
-            image: vm.state.image.clone(),
-            runtime: None,
-            uid_base: None,
-            disk_mib: vm.state.spec.disk_mib.max(16),
-            // A fork reads the parent's own base disk (its layers' backing file).
-            image_version: None,
-        })
-    }
-}
-
-#[async_trait]
-impl Machine for VmBackend {
-    fn core(&self) -> &QemuCore {
-        &self.core
-    }
-
-    async fn boot(
-        &self,
-        spec: &SandboxSpec,
-        image: &Image,
-        cg: &SandboxCgroup,
-        seed: Option<&Checkpoint>,
-    ) -> NodeResult<(VmState, (AgentClient, Arc<Relay>))> {
-        self.boot_vm(spec, image, cg, seed).await
-    }
-
-    async fn capture(&self, vm: Arc<QemuVm>, id: &str, dest: &Path) -> NodeResult<Captured> {
-        self.checkpoint_disk(vm, id, dest).await
-    }
-
-    /// Checkpoints may have moved the disk to a newer layer: the restored QEMU must open
-    /// the one QEMU writes to now.
-    async fn before_pause(&self, vm: &QemuVm) -> NodeResult<()> {
-        let dir = self.core.vm_dir(&vm.state.id);
-        let d = dir.clone();
-        let active = spawn_blocking(move || chain::active_layer(&d)).await?;
-        let drive = drive_arg(&dir, &active);
-        let mut args = vm.args.lock().unwrap();
-        if let Some(i) = args.iter().position(|a| a == DRIVE_FLAG) {
-            if let Some(v) = args.get_mut(i + 1) {
-                *v = drive;
-            }
-        }
-        Ok(())
-    }
-
+    /// Removes the base disks of images no longer in the store (or built for another guest
+    /// agent) that no chain uses: the absolute backing file of any qcow2 layer in a VM's
+    /// directory (running or paused) or a checkpoint's; with `partial`, also builds cut
+    /// short. A layer whose header cannot be read stops the collection (logged).
     fn collect_disks(&self, partial: bool) {
-        VmBackend::collect_disks(self, partial)
+        let used = || {
+            let holders = [self.cfg.dir.join("vms"), self.cfg.checkpoints_dir.clone()];
+            holders
+                .iter()
+                .flat_map(|d| std::fs::read_dir(d).into_iter().flatten().flatten())
+                .flat_map(|h| std::fs::read_dir(h.path()).into_iter().flatten().flatten())
+                .map(|e| e.path())
+                .filter(|p| p.extension().is_some_and(|x| x == "qcow2"))
+                .filter_map(|layer| match chain::backing_of(&layer) {
+                    Ok(Some(b)) if b.starts_with('/') => Some(Ok(PathBuf::from(b))),
+                    Ok(_) => None,
+                    Err(e) => Some(Err(e.to_string())),
+                })
+                .collect()
+        };
+        self.disks.collect(|i| self.disk_path(i), used, partial);
     }
 }
 
