@@ -1,6 +1,6 @@
 //! envd's `process.Process` service (`spec/envd/process/process.proto`) over Sandlot's
-//! background processes ([`crate::AppState::processes`]), so it works on every backend
-//! and in any image.
+//! background processes (on the sandbox's node, [`crate::processes::ProcRef`]), so it works
+//! on every backend and in any image.
 //!
 //! | method | kind | Sandlot |
 //! |---|---|---|
