@@ -163,12 +163,7 @@ CLUSTER_SUBSET: FrozenSet[str] = REDUCED["microvm"] | {"test_nothing_left_after_
 
 #: Known failures against a cluster, by test name (strict: a pass fails the run, so the
 #: entry goes when the cause is fixed).
-CLUSTER_XFAIL: Dict[str, str] = {
-    "test_output_later_and_reconnect_with_a_new_client":
-        "background processes live in the server that spawned them (AppState.processes, "
-        "a sandlot_node ProcessTable per server), not on the node: another server answers "
-        "404 for them (issue 21 item 1: the process table belongs on the node)",
-}
+CLUSTER_XFAIL: Dict[str, str] = {}
 
 
 def cluster_dir() -> Optional[Path]:

@@ -1024,10 +1024,13 @@ async fn up(a: UpArgs) -> anyhow::Result<u8> {
             .context("--default-runtime")?;
     let images_dir = ncfg.images_dir.clone();
     set_image_cache_limit(&images_dir, a.image_cache_mib)?;
+    let spill = ncfg.data_dir.join("process-output");
     let node = sandlot_node::LocalNode::open(ncfg).context("open local node")?;
+    // Background processes live on the node (output spilled under DATA/process-output).
+    let node = sandlot_node::WithProcesses::new(Arc::new(node), spill)?;
     let mut cfg = a.server.config(a.data_dir, a.listen)?;
     cfg.images_dir = Some(images_dir);
-    serve_api(cfg, Arc::new(node)).await
+    serve_api(cfg, node).await
 }
 
 async fn server(a: ServerArgs) -> anyhow::Result<u8> {
@@ -1216,6 +1219,7 @@ async fn node(a: NodeArgs) -> anyhow::Result<u8> {
         let cfg = sandlot_cluster::LeaseConfig::new(a.lease_ttl_s).context("--lease-ttl-s")?;
         Some((advertise, cfg))
     };
+    let spill = ncfg.data_dir.join("process-output");
     let node = sandlot_node::LocalNode::open(ncfg).context("open local node")?;
     // Keep every live sandbox of a previous process (a restart of this node alone must not
     // lose a server's sandboxes); this also starts the warm pools. A server's readopt at its
@@ -1229,12 +1233,15 @@ async fn node(a: NodeArgs) -> anyhow::Result<u8> {
         adopted = adopted.len(),
         "sandboxes of the previous process re-adopted"
     );
+    // Background processes live on the node, for every server (output spilled under
+    // DATA/process-output).
+    let node = sandlot_node::WithProcesses::new(Arc::new(node), spill)?;
     let listener = tokio::net::TcpListener::bind(listen)
         .await
         .with_context(|| format!("listen on {listen}"))?;
     let addr = listener.local_addr()?;
     let Some((advertise, lease)) = cluster else {
-        let app = sandlot_node_remote::router(Arc::new(node), Some(token));
+        let app = sandlot_node_remote::router(node, Some(token));
         println!("sandlot node listening on http://{addr}");
         std::io::stdout().flush().ok();
         tokio::select! {
@@ -1244,7 +1251,7 @@ async fn node(a: NodeArgs) -> anyhow::Result<u8> {
         tracing::info!("stopped; sandboxes left running for re-adoption");
         return Ok(0);
     };
-    let tracked = Arc::new(cluster::Tracked::new(Arc::new(node)));
+    let tracked = Arc::new(cluster::Tracked::new(node));
     tracked.learn_readopted(&data_dir, &adopted);
     let client = sandlot_cluster::connect(&a.etcd)
         .await

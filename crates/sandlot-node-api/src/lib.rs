@@ -3,7 +3,8 @@
 //!
 //! A server drives sandboxes only through [`Node`]: the lifecycle calls (create, delete,
 //! pause, resume, checkpoint, list, readopt) and the I/O calls (exec with streaming and live
-//! stdin/signals, files). Implementations: `sandlot_node::LocalNode` (in-process, the
+//! stdin/signals, files) and background processes (`process_*`: they live on the node, so
+//! every server reaching it sees them). Implementations: `sandlot_node::LocalNode` (in-process, the
 //! embedded `sandlot up`), a remote client of a `sandlot node` (cluster mode, in progress),
 //! and `fake::FakeNode` (feature `fake`, a unit-test fake that runs nothing).
 //!
@@ -18,7 +19,8 @@
 
 use async_trait::async_trait;
 use sandlot_api::{
-    Backend, ErrorCode, ExecEvent, ExecRequest, ExecResult, FileEntry, NetworkPolicy,
+    Backend, ErrorCode, ExecEvent, ExecRequest, ExecResult, FileEntry, NetworkPolicy, Process,
+    ProcessEvent, PtySize, SpawnRequest,
 };
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -363,6 +365,34 @@ pub const PORT_NOT_LISTENING: &str = "nothing listens on port";
 /// A boxed [`PortStream`].
 pub type PortConn = Box<dyn PortStream>;
 
+/// The output of a background process as [`ProcessEvent`]s ([`Node::process_output`]):
+/// chunks from the cursor's offsets, `skipped` where output fell out of what is retained,
+/// then `exit` (or `error`) once it ended. Dropping it stops the reading, not the process.
+pub type ProcessEvents =
+    std::pin::Pin<Box<dyn futures_core::Stream<Item = ProcessEvent> + Send + 'static>>;
+
+/// Where a reader of a background process's output starts ([`Node::process_output`]):
+/// byte offsets into each stream (a reconnecting client passes the offsets it reached, so
+/// it reads on from there), and whether to keep streaming until the process ends.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OutputCursor {
+    /// First stdout byte wanted (absolute offset in the stream; default 0).
+    #[serde(default)]
+    pub stdout_offset: u64,
+    /// First stderr byte wanted (absolute offset in the stream; default 0).
+    #[serde(default)]
+    pub stderr_offset: u64,
+    /// Keep streaming until the process ends (default false: what is retained now).
+    #[serde(default)]
+    pub follow: bool,
+}
+
+fn no_processes<T>() -> NodeResult<T> {
+    Err(NodeError::Unavailable(
+        "background processes are not supported by this node".into(),
+    ))
+}
+
 /// The operations every node honours, whatever backend runs the sandbox.
 ///
 /// All paths are paths inside the sandbox; they resolve inside the sandbox root only
@@ -555,6 +585,121 @@ pub trait Node: Send + Sync + 'static {
         Err(NodeError::Unavailable(
             "reaching ports inside sandboxes is not supported by this node".into(),
         ))
+    }
+
+    /// Start a background process in sandbox `id` (the caller checked the sandbox runs):
+    /// it lives on the node, not in the call, so any server reaching this node can read its
+    /// output, wait for, signal, feed and remove it by its handle (`pr-` + 20 hex digits).
+    /// Semantics, signals and bounds: `sandlot_node::processes`.
+    ///
+    /// # Errors
+    /// `InvalidArgument` for a bad request (the exec's checks, `timeout_s`,
+    /// `max_output_bytes` over 16 MiB, a bad `pty` size); `ResourceExhausted` at the
+    /// per-sandbox limit of running processes or when the output cannot be kept; the
+    /// exec's own refusal (`NotFound`, `Conflict` for a paused sandbox); `Unavailable` where
+    /// the node has no process table (the default).
+    async fn process_spawn(&self, id: &str, req: SpawnRequest) -> NodeResult<Process> {
+        let _ = (id, req);
+        no_processes()
+    }
+
+    /// The background processes of sandbox `id`, oldest first (empty for a sandbox with
+    /// none, known or not).
+    ///
+    /// # Errors
+    /// `Unavailable` where the node has no process table (the default).
+    async fn process_list(&self, id: &str) -> NodeResult<Vec<Process>> {
+        let _ = id;
+        no_processes()
+    }
+
+    /// The record of process `pid` of sandbox `id`.
+    ///
+    /// # Errors
+    /// `NotFound` for an unknown handle (or one of another sandbox); `Unavailable` (the
+    /// default).
+    async fn process_get(&self, id: &str, pid: &str) -> NodeResult<Process> {
+        let _ = (id, pid);
+        no_processes()
+    }
+
+    /// The output of process `pid` from `cursor`'s offsets ([`ProcessEvents`]): without
+    /// `follow` what is retained now (and `exit` if it ended), with `follow` until it ends.
+    ///
+    /// # Errors
+    /// `NotFound` (unknown handle); `InvalidArgument` for an offset past the bytes written
+    /// so far; `Unavailable` (the default).
+    async fn process_output(
+        &self,
+        id: &str,
+        pid: &str,
+        cursor: OutputCursor,
+    ) -> NodeResult<ProcessEvents> {
+        let _ = (id, pid, cursor);
+        no_processes()
+    }
+
+    /// Waits until process `pid` ends or `timeout` passes, then answers its record (still
+    /// `running` after a timeout, which is not an error).
+    ///
+    /// # Errors
+    /// `NotFound` (unknown handle); `Unavailable` (the default).
+    async fn process_wait(
+        &self,
+        id: &str,
+        pid: &str,
+        timeout: std::time::Duration,
+    ) -> NodeResult<Process> {
+        let _ = (id, pid, timeout);
+        no_processes()
+    }
+
+    /// Sends Linux signal number `signal` (validated by the caller) to process `pid`:
+    /// SIGKILL ends its whole tree, others go to its process group.
+    ///
+    /// # Errors
+    /// `NotFound` (unknown handle); `Conflict` when it already ended; `Unavailable` (the
+    /// default).
+    async fn process_signal(&self, id: &str, pid: &str, signal: i32) -> NodeResult<()> {
+        let _ = (id, pid, signal);
+        no_processes()
+    }
+
+    /// Writes `data` to the stdin of process `pid`, then closes its stdin when `eof`.
+    ///
+    /// # Errors
+    /// `NotFound` (unknown handle); `Conflict` when its stdin is not open;
+    /// `DeadlineExceeded` when it has not read its stdin for 10 s; `Unavailable` (the
+    /// default).
+    async fn process_stdin(
+        &self,
+        id: &str,
+        pid: &str,
+        data: bytes::Bytes,
+        eof: bool,
+    ) -> NodeResult<()> {
+        let _ = (id, pid, data, eof);
+        no_processes()
+    }
+
+    /// Resizes the terminal of process `pid` (started with `pty`).
+    ///
+    /// # Errors
+    /// `NotFound` (unknown handle); `InvalidArgument` (no terminal, size out of range);
+    /// `Conflict` when it ended; `DeadlineExceeded`; `Unavailable` (the default).
+    async fn process_resize(&self, id: &str, pid: &str, size: PtySize) -> NodeResult<()> {
+        let _ = (id, pid, size);
+        no_processes()
+    }
+
+    /// Kills the whole tree of process `pid` (SIGKILL), waits a few seconds at most for it
+    /// to end, and forgets its handle.
+    ///
+    /// # Errors
+    /// `NotFound` (unknown handle); `Unavailable` (the default).
+    async fn process_remove(&self, id: &str, pid: &str) -> NodeResult<()> {
+        let _ = (id, pid);
+        no_processes()
     }
 
     /// The accelerator (`"kvm"` or `"tcg"`) microvm and vm sandboxes get on this node,

@@ -594,6 +594,151 @@ impl Node for RemoteNode {
 
     /// The node's accelerator; `None` also when the node cannot be asked (this call has no
     /// error in the trait: the failure is logged).
+    async fn process_spawn(
+        &self,
+        id: &str,
+        req: sandlot_api::SpawnRequest,
+    ) -> NodeResult<sandlot_api::Process> {
+        self.call(
+            self.req(Method::POST, &["sandboxes", id, "processes"])
+                .json(&req),
+        )
+        .await
+    }
+
+    async fn process_list(&self, id: &str) -> NodeResult<Vec<sandlot_api::Process>> {
+        self.call(self.req(Method::GET, &["sandboxes", id, "processes"]))
+            .await
+    }
+
+    async fn process_get(&self, id: &str, pid: &str) -> NodeResult<sandlot_api::Process> {
+        self.call(self.req(Method::GET, &["sandboxes", id, "processes", pid]))
+            .await
+    }
+
+    /// The events as the node streams them; a connection that breaks mid-stream ends the
+    /// stream without the `exit` event (logged): the caller reads on from its offsets.
+    async fn process_output(
+        &self,
+        id: &str,
+        pid: &str,
+        cursor: sandlot_node_api::OutputCursor,
+    ) -> NodeResult<sandlot_node_api::ProcessEvents> {
+        let rb = self
+            .req(Method::GET, &["sandboxes", id, "processes", pid, "output"])
+            .query(&[
+                ("stdout_offset", cursor.stdout_offset.to_string()),
+                ("stderr_offset", cursor.stderr_offset.to_string()),
+                ("follow", cursor.follow.to_string()),
+            ]);
+        let resp = self
+            .limit(self.opts.call_timeout, "a process output call", async {
+                let resp = rb.send().await.map_err(|e| self.transport(&e))?;
+                self.check(resp).await
+            })
+            .await?;
+        let base = self.base.to_string();
+        let ready: std::collections::VecDeque<Vec<u8>> = Default::default();
+        let state = (resp.bytes_stream(), LineBuf::default(), ready);
+        Ok(Box::pin(futures::stream::unfold(
+            state,
+            move |(mut body, mut lines, mut ready)| {
+                let base = base.clone();
+                async move {
+                    loop {
+                        if let Some(l) = ready.pop_front() {
+                            match serde_json::from_slice::<sandlot_api::ProcessEvent>(&l) {
+                                Ok(ev) => return Some((ev, (body, lines, ready))),
+                                Err(e) => {
+                                    tracing::warn!(node = %base, error = %e, "process output event not understood");
+                                    return None;
+                                }
+                            }
+                        }
+                        match body.next().await {
+                            Some(Ok(chunk)) => match lines.push(&chunk) {
+                                Ok(got) => ready.extend(got),
+                                Err(m) => {
+                                    tracing::warn!(node = %base, error = %m, "process output");
+                                    return None;
+                                }
+                            },
+                            Some(Err(e)) => {
+                                tracing::warn!(node = %base, error = %chain(&e), "process output stream broke");
+                                return None;
+                            }
+                            None => return None,
+                        }
+                    }
+                }
+            },
+        )))
+    }
+
+    async fn process_wait(
+        &self,
+        id: &str,
+        pid: &str,
+        timeout: Duration,
+    ) -> NodeResult<sandlot_api::Process> {
+        let rb = self
+            .req(Method::POST, &["sandboxes", id, "processes", pid, "wait"])
+            .query(&[("timeout_ms", timeout.as_millis().to_string())]);
+        let fut = async {
+            let resp = rb.send().await.map_err(|e| self.transport(&e))?;
+            let body = self
+                .check(resp)
+                .await?
+                .bytes()
+                .await
+                .map_err(|e| self.transport(&e))?;
+            serde_json::from_slice(&body).map_err(|e| {
+                NodeError::io(
+                    format!("node {}: answer not understood", self.base),
+                    std::io::Error::other(e),
+                )
+            })
+        };
+        self.limit(timeout + self.opts.exec_grace, "a process wait", fut)
+            .await
+    }
+
+    async fn process_signal(&self, id: &str, pid: &str, signal: i32) -> NodeResult<()> {
+        self.unit(
+            self.req(Method::POST, &["sandboxes", id, "processes", pid, "signal"])
+                .json(&crate::wire::SignalCall { signal }),
+        )
+        .await
+    }
+
+    async fn process_stdin(&self, id: &str, pid: &str, data: Bytes, eof: bool) -> NodeResult<()> {
+        self.unit(
+            self.req(Method::POST, &["sandboxes", id, "processes", pid, "stdin"])
+                .query(&[("eof", eof.to_string())])
+                .header(reqwest::header::CONTENT_TYPE, "application/octet-stream")
+                .body(data),
+        )
+        .await
+    }
+
+    async fn process_resize(
+        &self,
+        id: &str,
+        pid: &str,
+        size: sandlot_api::PtySize,
+    ) -> NodeResult<()> {
+        self.unit(
+            self.req(Method::POST, &["sandboxes", id, "processes", pid, "resize"])
+                .json(&size),
+        )
+        .await
+    }
+
+    async fn process_remove(&self, id: &str, pid: &str) -> NodeResult<()> {
+        self.unit(self.req(Method::DELETE, &["sandboxes", id, "processes", pid]))
+            .await
+    }
+
     async fn accel(&self) -> Option<String> {
         match self.call(self.req(Method::GET, &["accel"])).await {
             Ok(a) => a,

@@ -36,11 +36,23 @@
 //! | delete_checkpoint | `DELETE /v1/checkpoints/{ck}` | - | `{}` |
 //! | list_checkpoints | `GET /v1/checkpoints` | - | `[ck]` |
 //! | accel | `GET /v1/accel` | - | `"kvm"`, `"tcg"` or `null` |
+//! | process_spawn | `POST /v1/sandboxes/{id}/processes` | `SpawnRequest` JSON | `Process` |
+//! | process_list | `GET /v1/sandboxes/{id}/processes` | - | `[Process]` |
+//! | process_get | `GET /v1/sandboxes/{id}/processes/{pid}` | - | `Process` |
+//! | process_output | `GET /v1/sandboxes/{id}/processes/{pid}/output?stdout_offset=&stderr_offset=&follow=` | - | NDJSON `ProcessEvent`s, streamed |
+//! | process_wait | `POST /v1/sandboxes/{id}/processes/{pid}/wait?timeout_ms=` | - | `Process` |
+//! | process_signal | `POST /v1/sandboxes/{id}/processes/{pid}/signal` | [`wire::SignalCall`] | `{}` |
+//! | process_stdin | `POST /v1/sandboxes/{id}/processes/{pid}/stdin?eof=` | the bytes | `{}` |
+//! | process_resize | `POST /v1/sandboxes/{id}/processes/{pid}/resize` | `PtySize` JSON | `{}` |
+//! | process_remove | `DELETE /v1/sandboxes/{id}/processes/{pid}` | - | `{}` |
 //! | (health) | `GET /v1/health` | - | `{"serving": bool, ...}` (503 while fenced; [`router_gated`]) |
 //!
 //! A failed call answers a non-2xx status with a [`sandlot_node_api::WireError`] JSON body
 //! (`{"kind": "not_found", "message": …}`; status per kind in [`status_of`]), except the
 //! two exec calls once their stream started: they end it with an `error` frame instead.
+//! A process output stream ends with the process's `exit` (or `error`) event when it
+//! ended; one that ends without it (a broken connection, or `follow=false`) is read on
+//! from the offsets reached.
 //! Exec streams are NDJSON (one JSON object per line): output events as they come, then
 //! exactly one `result` or `error` frame; a stream that ends without one is a broken call.
 //!

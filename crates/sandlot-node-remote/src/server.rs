@@ -155,6 +155,34 @@ pub fn router_gated(
         .route("/v1/sandboxes/{id}/files/list", get(list_dir))
         .route("/v1/sandboxes/{id}/files/mkdir", post(make_dir))
         .route("/v1/sandboxes/{id}/files", delete(remove_file))
+        .route(
+            "/v1/sandboxes/{id}/processes",
+            get(process_list).post(process_spawn),
+        )
+        .route(
+            "/v1/sandboxes/{id}/processes/{pid}",
+            get(process_get).delete(process_remove),
+        )
+        .route(
+            "/v1/sandboxes/{id}/processes/{pid}/output",
+            get(process_output),
+        )
+        .route(
+            "/v1/sandboxes/{id}/processes/{pid}/wait",
+            post(process_wait),
+        )
+        .route(
+            "/v1/sandboxes/{id}/processes/{pid}/signal",
+            post(process_signal),
+        )
+        .route(
+            "/v1/sandboxes/{id}/processes/{pid}/stdin",
+            post(process_stdin),
+        )
+        .route(
+            "/v1/sandboxes/{id}/processes/{pid}/resize",
+            post(process_resize),
+        )
         .layer(axum::middleware::from_fn(
             move |req: Request, next: Next| {
                 let gate = gate.clone();
@@ -596,5 +624,103 @@ async fn make_dir(
     Json(c): Json<MkdirCall>,
 ) -> Answer<serde_json::Value> {
     n.make_dir(&id, &c.path, c.parents).await?;
+    Ok(empty())
+}
+
+async fn process_spawn(
+    State(n): State<Shared>,
+    Path(id): Path<String>,
+    Json(req): Json<sandlot_api::SpawnRequest>,
+) -> Answer<sandlot_api::Process> {
+    Ok(Json(n.process_spawn(&id, req).await?))
+}
+
+async fn process_list(
+    State(n): State<Shared>,
+    Path(id): Path<String>,
+) -> Answer<Vec<sandlot_api::Process>> {
+    Ok(Json(n.process_list(&id).await?))
+}
+
+async fn process_get(
+    State(n): State<Shared>,
+    Path((id, pid)): Path<(String, String)>,
+) -> Answer<sandlot_api::Process> {
+    Ok(Json(n.process_get(&id, &pid).await?))
+}
+
+/// `GET …/processes/{pid}/output?stdout_offset=&stderr_offset=&follow=`: NDJSON
+/// [`sandlot_api::ProcessEvent`] lines, streamed as the process writes (with `follow`);
+/// an error before the first event is a [`sandlot_node_api::WireError`] answer.
+async fn process_output(
+    State(n): State<Shared>,
+    Path((id, pid)): Path<(String, String)>,
+    Query(c): Query<sandlot_node_api::OutputCursor>,
+) -> Result<Response, Failed> {
+    let events = n.process_output(&id, &pid, c).await?;
+    let body = events.map(|ev| Ok::<_, std::convert::Infallible>(line(&ev)));
+    Ok((
+        [(header::CONTENT_TYPE, "application/x-ndjson")],
+        Body::from_stream(body),
+    )
+        .into_response())
+}
+
+#[derive(Deserialize)]
+struct WaitQ {
+    /// Longest wait, milliseconds.
+    timeout_ms: u64,
+}
+
+async fn process_wait(
+    State(n): State<Shared>,
+    Path((id, pid)): Path<(String, String)>,
+    Query(q): Query<WaitQ>,
+) -> Answer<sandlot_api::Process> {
+    let t = std::time::Duration::from_millis(q.timeout_ms);
+    Ok(Json(n.process_wait(&id, &pid, t).await?))
+}
+
+async fn process_signal(
+    State(n): State<Shared>,
+    Path((id, pid)): Path<(String, String)>,
+    Json(c): Json<crate::wire::SignalCall>,
+) -> Answer<serde_json::Value> {
+    n.process_signal(&id, &pid, c.signal).await?;
+    Ok(empty())
+}
+
+#[derive(Deserialize)]
+struct StdinQ {
+    #[serde(default)]
+    eof: bool,
+}
+
+async fn process_stdin(
+    State(n): State<Shared>,
+    Path((id, pid)): Path<(String, String)>,
+    Query(q): Query<StdinQ>,
+    body: Bytes,
+) -> Answer<serde_json::Value> {
+    n.process_stdin(&id, &pid, body, q.eof).await?;
+    Ok(empty())
+}
+
+async fn process_resize(
+    State(n): State<Shared>,
+    Path((id, pid)): Path<(String, String)>,
+    Json(size): Json<sandlot_api::PtySize>,
+) -> Answer<serde_json::Value> {
+    n.process_resize(&id, &pid, size).await?;
+    Ok(empty())
+}
+
+async fn process_remove(
+    State(n): State<Shared>,
+    Path((id, pid)): Path<(String, String)>,
+) -> Answer<serde_json::Value> {
+    tokio::spawn(async move { n.process_remove(&id, &pid).await })
+        .await
+        .map_err(joined)??;
     Ok(empty())
 }

@@ -89,6 +89,13 @@ pub struct MkdirCall {
     pub parents: bool,
 }
 
+/// `POST /v1/sandboxes/{id}/processes/{pid}/signal` body.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SignalCall {
+    /// Linux signal number (validated by the server).
+    pub signal: i32,
+}
+
 /// `POST /v1/readopt` body.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ReadoptCall {

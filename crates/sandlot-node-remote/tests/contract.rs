@@ -8,18 +8,26 @@ use sandlot_node_remote::RemoteNode;
 use std::sync::Arc;
 
 mod common;
+
+/// `node` serving background processes, as `sandlot node` serves its `LocalNode` (output
+/// spilled under a temporary directory that lives as long as the test process).
+fn with_processes(node: Arc<dyn Node>) -> Arc<sandlot_node::WithProcesses> {
+    let dir = tempfile::tempdir().unwrap().keep();
+    sandlot_node::WithProcesses::new(node, dir.join("process-output")).unwrap()
+}
 #[path = "../../sandlot-node/tests/support/mod.rs"]
 mod support;
 
 #[tokio::test]
 async fn contract_on_the_fake_node() {
-    common::run_all(&FakeNode::default(), &common::Profile::fake()).await;
+    let node = with_processes(Arc::new(FakeNode::default()));
+    common::run_all(&*node, &common::Profile::fake()).await;
 }
 
 #[tokio::test]
 async fn contract_on_a_remote_fake_node() {
     let fake = Arc::new(FakeNode::default());
-    let (url, _server) = common::start(fake.clone(), Some("s3cret".into())).await;
+    let (url, _server) = common::start(with_processes(fake.clone()), Some("s3cret".into())).await;
     let remote = RemoteNode::connect(&url, Some("s3cret".into()))
         .await
         .unwrap();
@@ -66,7 +74,7 @@ async fn contract_on_a_remote_local_node() {
         println!("SKIPPED: no busybox image (see SKIP above)");
         return;
     }
-    let (url, _server) = common::start(node.clone(), Some("tok".into())).await;
+    let (url, _server) = common::start(with_processes(node.clone()), Some("tok".into())).await;
     let remote = RemoteNode::connect(&url, Some("tok".into())).await.unwrap();
     assert_eq!(remote.info().name, "remote-contract");
     common::run_all(&remote, &common::Profile::real()).await;

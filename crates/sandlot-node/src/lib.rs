@@ -36,3 +36,4 @@ pub use node::{
     ExecControl, ExecSink, Node, NodeError, NodeInfo, NodeResult, SandboxSpec, SandboxStatus,
     WarmPoolInfo,
 };
+pub use processes::WithProcesses;

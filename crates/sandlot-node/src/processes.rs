@@ -1,5 +1,7 @@
 //! Background processes: commands started with a handle that live in the node, not in the
-//! request or the client that started them.
+//! request, the client or the server that started them. A node serves them through the
+//! `process_*` calls of [`Node`] with [`WithProcesses`] around it, so every server
+//! reaching the node (in process, or as a `RemoteNode`) sees the same processes.
 //!
 //! [`ProcessTable::spawn`] runs the command through [`Node::exec_controlled`] in a task of
 //! its own and keeps, per process, the last `max_output_bytes` of stdout and of stderr in an
@@ -18,8 +20,8 @@
 //! Bounds: at most [`ProcessLimits::max_running`] running processes per sandbox (more:
 //! `ResourceExhausted`) and [`ProcessLimits::max_kept`] records per sandbox (the oldest
 //! exited ones are forgotten first); retained output per stream up to [`MAX_RETAIN`],
-//! kept in unlinked files under the table's spill directory, not in memory ([`OutputLog`]):
-//! a record costs the server a few KiB of memory whatever its output, and at most
+//! kept in unlinked files under the table's spill directory (`DATA/process-output`), not in memory ([`OutputLog`]):
+//! a record costs the node a few KiB of memory whatever its output, and at most
 //! `max_kept` × 2 × `max_output_bytes` (64 × 2 × 16 MiB = 2 GiB) of disk per sandbox,
 //! freed when the records are forgotten.
 //!
@@ -669,7 +671,7 @@ impl ProcessTable {
             .cloned()
             .ok_or_else(|| {
                 NodeError::NotFound(format!(
-                    "no process {pid} in sandbox {sandbox} (background processes do not survive a restart of the server)"
+                    "no process {pid} in sandbox {sandbox} (background processes do not survive a restart of their node)"
                 ))
             })
     }
@@ -693,6 +695,17 @@ impl ProcessTable {
             if !p.ended() {
                 tokio::spawn(kill_and_drop(p));
             }
+        }
+    }
+
+    /// Forgets the processes of every sandbox not in `keep` (killing those still running).
+    pub fn retain_sandboxes(&self, keep: &[String]) {
+        let gone: Vec<String> = {
+            let map = self.by_sandbox.lock().unwrap();
+            map.keys().filter(|k| !keep.contains(k)).cloned().collect()
+        };
+        for id in gone {
+            self.forget_sandbox(&id);
         }
     }
 
@@ -762,6 +775,190 @@ async fn collect(
     }
     proc.stdin.lock().unwrap().take();
     proc.bump();
+}
+
+/// A node that owns a [`ProcessTable`]: every [`Node`] call goes to `inner`, and the
+/// `process_*` calls to the table, which runs the processes on `inner` (so they live on the
+/// node, and every server reaching it, locally or through `sandlot-node-remote`, sees the
+/// same processes). Deleting a sandbox forgets its processes (killing those still running);
+/// so does a [`Node::readopt`] that does not keep it.
+///
+/// `sandlot up` and `sandlot node` serve a `LocalNode` through it; unit tests wrap their
+/// fake node in it.
+pub struct WithProcesses {
+    inner: Arc<dyn Node>,
+    table: Arc<ProcessTable>,
+}
+
+impl WithProcesses {
+    /// `inner` with a process table of default [`ProcessLimits`] keeping retained output in
+    /// unlinked files under `spill_dir` (`DATA/process-output` on a node).
+    ///
+    /// # Errors
+    /// `Internal` when `spill_dir` cannot be created.
+    pub fn new(inner: Arc<dyn Node>, spill_dir: std::path::PathBuf) -> NodeResult<Arc<Self>> {
+        Self::with_limits(inner, ProcessLimits::default(), spill_dir)
+    }
+
+    /// As [`WithProcesses::new`] with other limits.
+    ///
+    /// # Errors
+    /// `Internal` when `spill_dir` cannot be created.
+    pub fn with_limits(
+        inner: Arc<dyn Node>,
+        limits: ProcessLimits,
+        spill_dir: std::path::PathBuf,
+    ) -> NodeResult<Arc<Self>> {
+        let table = ProcessTable::new(inner.clone(), limits, spill_dir.clone())
+            .map_err(|e| NodeError::io(format!("create {}", spill_dir.display()), e))?;
+        Ok(Arc::new(WithProcesses { inner, table }))
+    }
+
+    /// The process table.
+    pub fn table(&self) -> &Arc<ProcessTable> {
+        &self.table
+    }
+}
+
+#[async_trait::async_trait]
+impl Node for WithProcesses {
+    fn info(&self) -> sandlot_node_api::NodeInfo {
+        self.inner.info()
+    }
+    async fn create(&self, spec: &sandlot_node_api::SandboxSpec) -> NodeResult<()> {
+        self.inner.create(spec).await
+    }
+    async fn exec(
+        &self,
+        id: &str,
+        req: &ExecRequest,
+        sink: Option<sandlot_node_api::ExecSink>,
+    ) -> NodeResult<ExecResult> {
+        self.inner.exec(id, req, sink).await
+    }
+    async fn exec_controlled(
+        &self,
+        id: &str,
+        req: &ExecRequest,
+        sink: Option<sandlot_node_api::ExecSink>,
+        control: ExecControl,
+    ) -> NodeResult<ExecResult> {
+        self.inner.exec_controlled(id, req, sink, control).await
+    }
+    async fn read_file(&self, id: &str, path: &str, max_bytes: u64) -> NodeResult<Vec<u8>> {
+        self.inner.read_file(id, path, max_bytes).await
+    }
+    async fn file_size(&self, id: &str, path: &str) -> NodeResult<u64> {
+        self.inner.file_size(id, path).await
+    }
+    async fn write_file(&self, id: &str, path: &str, data: Bytes) -> NodeResult<()> {
+        self.inner.write_file(id, path, data).await
+    }
+    async fn write_files_volatile(&self, id: &str, files: Vec<(String, Bytes)>) -> NodeResult<()> {
+        self.inner.write_files_volatile(id, files).await
+    }
+    async fn list_dir(&self, id: &str, path: &str) -> NodeResult<Vec<sandlot_api::FileEntry>> {
+        self.inner.list_dir(id, path).await
+    }
+    async fn remove_file(&self, id: &str, path: &str) -> NodeResult<()> {
+        self.inner.remove_file(id, path).await
+    }
+    async fn stat_file(&self, id: &str, path: &str) -> NodeResult<sandlot_api::FileEntry> {
+        self.inner.stat_file(id, path).await
+    }
+    async fn make_dir(&self, id: &str, path: &str, parents: bool) -> NodeResult<()> {
+        self.inner.make_dir(id, path, parents).await
+    }
+    async fn pause(&self, id: &str) -> NodeResult<()> {
+        self.inner.pause(id).await
+    }
+    async fn resume(&self, id: &str) -> NodeResult<()> {
+        self.inner.resume(id).await
+    }
+    async fn delete(&self, id: &str) -> NodeResult<()> {
+        let r = self.inner.delete(id).await;
+        if r.is_ok() {
+            self.table.forget_sandbox(id);
+        }
+        r
+    }
+    async fn list(&self) -> NodeResult<Vec<sandlot_node_api::SandboxStatus>> {
+        self.inner.list().await
+    }
+    async fn readopt(&self, keep: &[String]) -> NodeResult<Vec<String>> {
+        let adopted = self.inner.readopt(keep).await?;
+        self.table.retain_sandboxes(&adopted);
+        Ok(adopted)
+    }
+    async fn checkpoint(
+        &self,
+        id: &str,
+        checkpoint_id: &str,
+    ) -> NodeResult<sandlot_node_api::CheckpointMeta> {
+        self.inner.checkpoint(id, checkpoint_id).await
+    }
+    async fn create_from_checkpoint(
+        &self,
+        spec: &sandlot_node_api::SandboxSpec,
+        checkpoint_id: &str,
+    ) -> NodeResult<()> {
+        self.inner.create_from_checkpoint(spec, checkpoint_id).await
+    }
+    async fn delete_checkpoint(&self, checkpoint_id: &str) -> NodeResult<()> {
+        self.inner.delete_checkpoint(checkpoint_id).await
+    }
+    async fn list_checkpoints(&self) -> NodeResult<Vec<String>> {
+        self.inner.list_checkpoints().await
+    }
+    async fn connect_port(&self, id: &str, port: u16) -> NodeResult<sandlot_node_api::PortConn> {
+        self.inner.connect_port(id, port).await
+    }
+    async fn accel(&self) -> Option<String> {
+        self.inner.accel().await
+    }
+    async fn process_spawn(&self, id: &str, req: SpawnRequest) -> NodeResult<Process> {
+        self.table.spawn(id, req).await
+    }
+    async fn process_list(&self, id: &str) -> NodeResult<Vec<Process>> {
+        Ok(self.table.list(id))
+    }
+    async fn process_get(&self, id: &str, pid: &str) -> NodeResult<Process> {
+        Ok(self.table.get(id, pid)?.info())
+    }
+    async fn process_output(
+        &self,
+        id: &str,
+        pid: &str,
+        cursor: sandlot_node_api::OutputCursor,
+    ) -> NodeResult<sandlot_node_api::ProcessEvents> {
+        let h = self.table.get(id, pid)?;
+        Ok(Box::pin(h.output(
+            cursor.stdout_offset,
+            cursor.stderr_offset,
+            cursor.follow,
+        )?))
+    }
+    async fn process_wait(&self, id: &str, pid: &str, timeout: Duration) -> NodeResult<Process> {
+        let h = self.table.get(id, pid)?;
+        Ok(h.wait(timeout).await)
+    }
+    async fn process_signal(&self, id: &str, pid: &str, signal: i32) -> NodeResult<()> {
+        self.table.get(id, pid)?.signal(signal)
+    }
+    async fn process_stdin(&self, id: &str, pid: &str, data: Bytes, eof: bool) -> NodeResult<()> {
+        self.table.get(id, pid)?.write_stdin(data, eof).await
+    }
+    async fn process_resize(
+        &self,
+        id: &str,
+        pid: &str,
+        size: sandlot_api::PtySize,
+    ) -> NodeResult<()> {
+        self.table.get(id, pid)?.resize(size).await
+    }
+    async fn process_remove(&self, id: &str, pid: &str) -> NodeResult<()> {
+        self.table.remove(id, pid).await
+    }
 }
 
 #[cfg(test)]
@@ -835,5 +1032,90 @@ mod tests {
         assert_eq!(l.read(9600, 5), (9600, input[9600..9605].to_vec()));
         // Byte 10_000 is at file position 0: this read wraps.
         assert_eq!(l.read(9990, 20), (9990, input[9990..10_010].to_vec()));
+    }
+
+    #[tokio::test]
+    async fn with_processes_serves_the_process_calls_and_forgets_deleted_sandboxes() {
+        use sandlot_node_api::fake::FakeNode;
+        use sandlot_node_api::{OutputCursor, SandboxSpec};
+        let dir = tempfile::tempdir().unwrap();
+        let node =
+            WithProcesses::new(Arc::new(FakeNode::default()), dir.path().join("spill")).unwrap();
+        let id = "sb-0123456789abcdef0123";
+        node.create(&SandboxSpec {
+            id: id.into(),
+            backend: sandlot_api::Backend::Function,
+            image: "python".into(),
+            cpu: 1.0,
+            memory_mib: 256,
+            disk_mib: 256,
+            pids_max: 64,
+            env: Default::default(),
+            network: sandlot_api::NetworkPolicy::None,
+            runtime: None,
+        })
+        .await
+        .unwrap();
+        let spawn = |argv: &[&str]| SpawnRequest {
+            cmd: Cmd::Argv(argv.iter().map(|s| s.to_string()).collect()),
+            ..serde_json::from_str("{\"cmd\": \"x\"}").unwrap()
+        };
+        let p = node
+            .process_spawn(id, spawn(&["echo", "hi"]))
+            .await
+            .unwrap();
+        let done = node
+            .process_wait(id, &p.id, Duration::from_secs(5))
+            .await
+            .unwrap();
+        assert_eq!(done.state, ProcessState::Exited);
+        let events: Vec<ProcessEvent> = futures::StreamExt::collect(
+            node.process_output(id, &p.id, OutputCursor::default())
+                .await
+                .unwrap(),
+        )
+        .await;
+        assert!(
+            matches!(events.last(), Some(ProcessEvent::Exit { .. })),
+            "{events:?}"
+        );
+        // A reader that reached offset 3 gets nothing more of stdout.
+        let later: Vec<ProcessEvent> = futures::StreamExt::collect(
+            node.process_output(
+                id,
+                &p.id,
+                OutputCursor {
+                    stdout_offset: 3,
+                    ..Default::default()
+                },
+            )
+            .await
+            .unwrap(),
+        )
+        .await;
+        assert_eq!(later.len(), 1, "{later:?}");
+        let s = node
+            .process_spawn(id, spawn(&["sleep", "30"]))
+            .await
+            .unwrap();
+        assert_eq!(node.process_list(id).await.unwrap().len(), 2);
+        assert_eq!(
+            node.process_get(id, "pr-00000000000000000000")
+                .await
+                .unwrap_err()
+                .code(),
+            sandlot_api::ErrorCode::NotFound
+        );
+        node.process_signal(id, &s.id, libc::SIGTERM).await.unwrap();
+        let s = node
+            .process_wait(id, &s.id, Duration::from_secs(5))
+            .await
+            .unwrap();
+        assert_eq!(s.result.unwrap().signal, Some(libc::SIGTERM));
+        node.process_remove(id, &s.id).await.unwrap();
+        assert_eq!(node.process_list(id).await.unwrap().len(), 1);
+        node.delete(id).await.unwrap();
+        assert!(node.process_list(id).await.unwrap().is_empty());
+        assert_eq!(node.table().running(), 0);
     }
 }

@@ -686,6 +686,62 @@ impl Node for ClusterNode {
     async fn accel(&self) -> Option<String> {
         None
     }
+
+    async fn process_spawn(
+        &self,
+        id: &str,
+        req: sandlot_api::SpawnRequest,
+    ) -> NodeResult<sandlot_api::Process> {
+        self.owner(id).await?.process_spawn(id, req).await
+    }
+    async fn process_list(&self, id: &str) -> NodeResult<Vec<sandlot_api::Process>> {
+        self.owner(id).await?.process_list(id).await
+    }
+    async fn process_get(&self, id: &str, pid: &str) -> NodeResult<sandlot_api::Process> {
+        self.owner(id).await?.process_get(id, pid).await
+    }
+    async fn process_output(
+        &self,
+        id: &str,
+        pid: &str,
+        cursor: sandlot_node_api::OutputCursor,
+    ) -> NodeResult<sandlot_node_api::ProcessEvents> {
+        self.owner(id).await?.process_output(id, pid, cursor).await
+    }
+    async fn process_wait(
+        &self,
+        id: &str,
+        pid: &str,
+        timeout: std::time::Duration,
+    ) -> NodeResult<sandlot_api::Process> {
+        self.owner(id).await?.process_wait(id, pid, timeout).await
+    }
+    async fn process_signal(&self, id: &str, pid: &str, signal: i32) -> NodeResult<()> {
+        self.owner(id).await?.process_signal(id, pid, signal).await
+    }
+    async fn process_stdin(
+        &self,
+        id: &str,
+        pid: &str,
+        data: bytes::Bytes,
+        eof: bool,
+    ) -> NodeResult<()> {
+        self.owner(id)
+            .await?
+            .process_stdin(id, pid, data, eof)
+            .await
+    }
+    async fn process_resize(
+        &self,
+        id: &str,
+        pid: &str,
+        size: sandlot_api::PtySize,
+    ) -> NodeResult<()> {
+        self.owner(id).await?.process_resize(id, pid, size).await
+    }
+    async fn process_remove(&self, id: &str, pid: &str) -> NodeResult<()> {
+        self.owner(id).await?.process_remove(id, pid).await
+    }
 }
 
 /// The reason of a `lost` event for a node that left.

@@ -245,8 +245,6 @@ pub struct AppState {
     pub metrics: metrics::Metrics,
     /// Audit events, durable in `events.db` ([`events`]).
     pub events: events::EventLog,
-    /// Background processes ([`processes`]), over the same node.
-    pub processes: std::sync::Arc<sandlot_node::processes::ProcessTable>,
     /// Open connections and their limits ([`conn`]).
     pub conns: Arc<conn::ConnTable>,
     /// Authentication required (latched once the store showed an API key; [`auth`]).
@@ -285,7 +283,7 @@ impl AppState {
     /// [`pg::open_server`]).
     ///
     /// # Errors
-    /// The data directory (audit events, process output) cannot be created or opened.
+    /// The data directory (audit events) cannot be created or opened.
     pub fn open_with(
         cfg: ServerConfig,
         node: Arc<dyn Node>,
@@ -309,13 +307,6 @@ impl AppState {
         );
         let node: Arc<dyn Node> = budget_node.clone();
         let run_code_gate = run_code::Gate::new(cfg.run_code_concurrency, cfg.run_code_queue);
-        let spill = cfg.data_dir.join("process-output");
-        let processes = sandlot_node::processes::ProcessTable::new(
-            node.clone(),
-            Default::default(),
-            spill.clone(),
-        )
-        .with_context(|| format!("create {}", spill.display()))?;
         let events = events::EventLog::open(&cfg.data_dir.join("events.db"))?;
         let conns = Arc::new(conn::ConnTable::new(cfg.conn.clone()));
         Ok(Arc::new(AppState {
@@ -334,7 +325,6 @@ impl AppState {
             last_traj_gc_ms: std::sync::atomic::AtomicI64::new(now_ms()),
             metrics: metrics::Metrics::new(),
             events,
-            processes,
             auth_on: std::sync::atomic::AtomicBool::new(false),
             e2b: Default::default(),
             cluster: std::sync::OnceLock::new(),

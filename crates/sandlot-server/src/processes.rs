@@ -12,11 +12,13 @@
 //! | `POST …/processes/{pid}/resize` ([`sandlot_api::PtySize`]) | 204 (a terminal process: started with `pty`) |
 //! | `DELETE …/processes/{pid}` | 204 (kills the whole tree, forgets the handle) |
 //!
-//! The processes live in [`sandlot_node::processes::ProcessTable`] (semantics, signals and
-//! bounds there), not in the request: a client may go away and a new one pick them up by
-//! handle. They are not trajectory steps (a spawn carries no `step` and is never logged or
-//! replayed). They end with their sandbox, and a restart of `sandlot up` ends them all:
-//! their handles then answer 404.
+//! The processes live on the sandbox's node (the `process_*` calls of
+//! [`sandlot_node_api::Node`]; semantics, signals and bounds in `sandlot_node::processes`),
+//! not in the request or in this server: a client may go away and a new one pick them up
+//! by handle, through any server that reaches the node (cluster mode). They are not
+//! trajectory steps (a spawn carries no `step` and is never logged or replayed). They end
+//! with their sandbox, and a restart of the node's process (`sandlot up`, `sandlot node`)
+//! ends them all: their handles then answer 404.
 use crate::error::{ApiResult, Json, Path, Query, ServerError};
 use crate::sandboxes::running;
 use crate::SharedState;
@@ -24,7 +26,8 @@ use axum::body::{Body, Bytes};
 use axum::extract::State;
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
-use sandlot_api::{ErrorCode, Process, ProcessList, SignalRequest, SpawnRequest};
+use sandlot_api::{ErrorCode, Process, ProcessEvent, ProcessList, SignalRequest, SpawnRequest};
+use sandlot_node_api::{NodeError, NodeResult, OutputCursor};
 use serde::Deserialize;
 use std::time::Duration;
 
@@ -66,7 +69,7 @@ pub async fn spawn(
     let rec = running(&st, &id).await?;
     // Its retained output goes to the data directory (unlinked files).
     crate::disk_reserve::check(&st)?;
-    let p = match st.processes.spawn(&id, req).await {
+    let p = match st.node.process_spawn(&id, req).await {
         Ok(p) => p,
         Err(e) => {
             let e = ServerError::from(e);
@@ -81,16 +84,36 @@ pub async fn spawn(
     Ok((StatusCode::CREATED, Json(p)).into_response())
 }
 
-/// Records a `process_exited` audit event when the process ends.
+/// Longest wait of one node call of [`watch_exit`] (it calls again while the process runs).
+const WATCH_WAIT: Duration = Duration::from_secs(60);
+/// Failed node calls in a row (transport, node unavailable, one second apart) after which
+/// [`watch_exit`] gives up.
+const WATCH_TRIES: u32 = 300;
+
+/// Records a `process_exited` audit event when the process ends (waiting on its node; a
+/// process removed or gone with its sandbox first records none).
 pub(crate) fn watch_exit(st: &SharedState, id: &str, backend: sandlot_api::Backend, pid: &str) {
-    let Ok(h) = st.processes.get(id, pid) else {
-        return;
-    };
     let st = st.clone();
     let id = id.to_owned();
+    let pid = pid.to_owned();
     tokio::spawn(async move {
+        let mut failed = 0;
         loop {
-            let p = h.wait(Duration::from_secs(3600)).await;
+            let p = match st.node.process_wait(&id, &pid, WATCH_WAIT).await {
+                Ok(p) => {
+                    failed = 0;
+                    p
+                }
+                Err(e @ (NodeError::Transport(_) | NodeError::Unavailable(_)))
+                    if failed < WATCH_TRIES =>
+                {
+                    failed += 1;
+                    tracing::debug!(sandbox_id = %id, process = %pid, error = %e, "waiting for a process");
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                    continue;
+                }
+                Err(_) => return,
+            };
             if p.state == sandlot_api::ProcessState::Exited {
                 let mut f = serde_json::Map::new();
                 f.insert("process".into(), p.id.clone().into());
@@ -115,7 +138,7 @@ pub async fn list(
 ) -> ApiResult<Json<ProcessList>> {
     known(&st, &id).await?;
     Ok(Json(ProcessList {
-        processes: st.processes.list(&id),
+        processes: st.node.process_list(&id).await?,
     }))
 }
 
@@ -125,7 +148,7 @@ pub async fn get_one(
     Path((id, pid)): Path<(String, String)>,
 ) -> ApiResult<Json<Process>> {
     known(&st, &id).await?;
-    Ok(Json(st.processes.get(&id, &pid)?.info()))
+    Ok(Json(st.node.process_get(&id, &pid).await?))
 }
 
 /// Query of the output route.
@@ -150,8 +173,12 @@ pub async fn output(
     Query(q): Query<OutputQuery>,
 ) -> ApiResult<Response> {
     known(&st, &id).await?;
-    let h = st.processes.get(&id, &pid)?;
-    let events = h.output(q.stdout_offset, q.stderr_offset, q.follow)?;
+    let cursor = OutputCursor {
+        stdout_offset: q.stdout_offset,
+        stderr_offset: q.stderr_offset,
+        follow: q.follow,
+    };
+    let events = st.node.process_output(&id, &pid, cursor).await?;
     let lines = futures::StreamExt::map(events, |ev| {
         let mut v = serde_json::to_vec(&ev).expect("event serializes");
         v.push(b'\n');
@@ -187,8 +214,8 @@ pub async fn wait(
         )));
     }
     known(&st, &id).await?;
-    let h = st.processes.get(&id, &pid)?;
-    Ok(Json(h.wait(Duration::from_secs_f64(t)).await))
+    let t = Duration::from_secs_f64(t);
+    Ok(Json(st.node.process_wait(&id, &pid, t).await?))
 }
 
 /// `POST /v1/sandboxes/{id}/processes/{pid}/signal` → 204. 409 when it already exited or
@@ -200,7 +227,7 @@ pub async fn signal(
 ) -> ApiResult<StatusCode> {
     let n = req.signal.number().map_err(ServerError::invalid)?;
     not_paused(&st, &id).await?;
-    st.processes.get(&id, &pid)?.signal(n)?;
+    st.node.process_signal(&id, &pid, n).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -231,10 +258,7 @@ pub async fn stdin(
             ),
         ));
     }
-    st.processes
-        .get(&id, &pid)?
-        .write_stdin(body, q.eof)
-        .await?;
+    st.node.process_stdin(&id, &pid, body, q.eof).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -248,7 +272,7 @@ pub async fn resize(
     Json(size): Json<sandlot_api::PtySize>,
 ) -> ApiResult<StatusCode> {
     not_paused(&st, &id).await?;
-    st.processes.get(&id, &pid)?.resize(size).await?;
+    st.node.process_resize(&id, &pid, size).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -259,6 +283,143 @@ pub async fn delete(
     Path((id, pid)): Path<(String, String)>,
 ) -> ApiResult<StatusCode> {
     not_paused(&st, &id).await?;
-    st.processes.remove(&id, &pid).await?;
+    st.node.process_remove(&id, &pid).await?;
     Ok(StatusCode::NO_CONTENT)
+}
+
+/// How often [`ProcRef::follow`] reconnects to a node whose output stream broke before the
+/// process's end, at most, before it gives up.
+const FOLLOW_RECONNECTS: u32 = 20;
+
+/// A background process on its sandbox's node, by handle: the `process_*` calls of
+/// [`crate::AppState::node`] for it (no copy of its state is kept here). For the E2B
+/// surface, which holds processes across requests.
+#[derive(Clone)]
+pub struct ProcRef {
+    node: std::sync::Arc<dyn sandlot_node_api::Node>,
+    sandbox: String,
+    id: String,
+}
+
+impl ProcRef {
+    /// Process `id` (`pr-…`) of `sandbox`.
+    pub fn new(st: &SharedState, sandbox: &str, id: &str) -> Self {
+        ProcRef {
+            node: st.node.clone(),
+            sandbox: sandbox.to_owned(),
+            id: id.to_owned(),
+        }
+    }
+
+    /// Its handle.
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// Its record. Errors as [`sandlot_node_api::Node::process_get`].
+    pub async fn info(&self) -> NodeResult<Process> {
+        self.node.process_get(&self.sandbox, &self.id).await
+    }
+
+    /// Writes stdin. Errors as [`sandlot_node_api::Node::process_stdin`].
+    pub async fn write_stdin(&self, data: Bytes, eof: bool) -> NodeResult<()> {
+        self.node
+            .process_stdin(&self.sandbox, &self.id, data, eof)
+            .await
+    }
+
+    /// Kills and forgets it. Errors as [`sandlot_node_api::Node::process_remove`].
+    pub async fn remove(&self) -> NodeResult<()> {
+        self.node.process_remove(&self.sandbox, &self.id).await
+    }
+
+    /// Its output from the offsets until it ends (`follow`), as
+    /// [`sandlot_node_api::Node::process_output`]; a node stream that breaks before the
+    /// `exit` (or `error`) event is opened again from the offsets reached (up to 20 times,
+    /// one second apart), so a reader sees every retained byte once.
+    ///
+    /// # Errors
+    /// The first call's error (`NotFound`, `InvalidArgument` for an offset past the end).
+    pub async fn follow(
+        &self,
+        stdout_offset: u64,
+        stderr_offset: u64,
+    ) -> NodeResult<impl futures::Stream<Item = ProcessEvent> + Send + 'static> {
+        let cursor = OutputCursor {
+            stdout_offset,
+            stderr_offset,
+            follow: true,
+        };
+        let first = self
+            .node
+            .process_output(&self.sandbox, &self.id, cursor)
+            .await?;
+        let state = (self.clone(), cursor, Some(first), 0u32);
+        Ok(futures::stream::unfold(
+            state,
+            |(me, mut cursor, mut events, mut tries)| async move {
+                loop {
+                    if let Some(ev_stream) = events.as_mut() {
+                        match futures::StreamExt::next(ev_stream).await {
+                            Some(ev) => {
+                                let last = matches!(
+                                    ev,
+                                    ProcessEvent::Exit { .. } | ProcessEvent::Error { .. }
+                                );
+                                advance(&mut cursor, &ev);
+                                let events = if last { None } else { events };
+                                tries = if last { FOLLOW_RECONNECTS } else { 0 };
+                                return Some((ev, (me, cursor, events, tries)));
+                            }
+                            None => events = None,
+                        }
+                    }
+                    if tries >= FOLLOW_RECONNECTS {
+                        return None;
+                    }
+                    tries += 1;
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                    match me.node.process_output(&me.sandbox, &me.id, cursor).await {
+                        Ok(s) => events = Some(s),
+                        Err(NodeError::Transport(_) | NodeError::Unavailable(_)) => {}
+                        Err(e) => {
+                            tracing::debug!(process = %me.id, error = %e, "process output ended");
+                            return None;
+                        }
+                    }
+                }
+            },
+        ))
+    }
+}
+
+/// Moves `cursor` past the bytes of `ev`.
+fn advance(cursor: &mut OutputCursor, ev: &ProcessEvent) {
+    let len = |data: &str, b64: &Option<String>| -> u64 {
+        use base64::Engine as _;
+        match b64 {
+            Some(b) => base64::engine::general_purpose::STANDARD
+                .decode(b)
+                .map(|v| v.len() as u64)
+                .unwrap_or(data.len() as u64),
+            None => data.len() as u64,
+        }
+    };
+    match ev {
+        ProcessEvent::Stdout {
+            data,
+            data_b64,
+            offset,
+        } => cursor.stdout_offset = offset + len(data, data_b64),
+        ProcessEvent::Stderr {
+            data,
+            data_b64,
+            offset,
+        } => cursor.stderr_offset = offset + len(data, data_b64),
+        ProcessEvent::Skipped { stream, to, .. } => match stream {
+            sandlot_api::StreamName::Stdout => cursor.stdout_offset = *to,
+            sandlot_api::StreamName::Stderr => cursor.stderr_offset = *to,
+        },
+        ProcessEvent::Exit { .. } | ProcessEvent::Error { .. } => {}
+    }
 }

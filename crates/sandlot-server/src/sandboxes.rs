@@ -547,8 +547,6 @@ pub(crate) async fn start_delete_as(
                 crate::events::record_error(&st2, "delete", Some(&id2), Some(backend), &e);
                 return Err(e);
             }
-            // Its background processes died with it; drop their records.
-            st2.processes.forget_sandbox(&id2);
             st2.store.remove(&id2).await?;
             tracing::info!(sandbox_id = %id2, "sandbox deleted");
             let f = serde_json::Map::new();

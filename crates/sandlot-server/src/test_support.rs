@@ -28,7 +28,11 @@ pub(crate) fn data_dir(name: &str) -> tempfile::TempDir {
 /// A server over `node` with its state in `dir`, which the test owns (for a restart:
 /// open a second one on the same directory and node).
 pub(crate) fn open_on(dir: &std::path::Path, node: &Arc<FakeNode>) -> T {
-    let st = AppState::open(ServerConfig::new(dir.to_path_buf()), node.clone()).unwrap();
+    let st = AppState::open(
+        ServerConfig::new(dir.to_path_buf()),
+        with_processes(dir, node),
+    )
+    .unwrap();
     let app = router(st.clone());
     T {
         st,
@@ -38,12 +42,21 @@ pub(crate) fn open_on(dir: &std::path::Path, node: &Arc<FakeNode>) -> T {
     }
 }
 
+/// `node` with a process table (as `sandlot up` serves its `LocalNode`), its output
+/// spilled under `dir`.
+pub(crate) fn with_processes(
+    dir: &std::path::Path,
+    node: &Arc<FakeNode>,
+) -> Arc<sandlot_node::WithProcesses> {
+    sandlot_node::WithProcesses::new(node.clone(), dir.join("process-output")).unwrap()
+}
+
 pub(crate) fn setup_with(name: &str, f: impl FnOnce(&mut ServerConfig)) -> T {
     let dir = data_dir(name);
     let mut cfg = ServerConfig::new(dir.path().to_path_buf());
     f(&mut cfg);
     let node = Arc::new(FakeNode::default());
-    let st = AppState::open(cfg, node.clone()).unwrap();
+    let st = AppState::open(cfg, with_processes(dir.path(), &node)).unwrap();
     let app = router(st.clone());
     T {
         st,

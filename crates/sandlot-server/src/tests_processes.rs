@@ -197,8 +197,8 @@ async fn stdin_cap_and_sandbox_delete() {
     // Deleting the sandbox forgets its processes.
     let r = call(&t.app, Method::DELETE, &format!("/v1/sandboxes/{id}"), None).await;
     assert_eq!(r.status, StatusCode::NO_CONTENT);
-    assert!(t.st.processes.list(&id).is_empty());
-    assert_eq!(t.st.processes.running(), 0);
+    // The node (the fake's process table) forgot them.
+    assert!(t.st.node.process_list(&id).await.unwrap().is_empty());
     let r = call(&t.app, Method::GET, &base, None).await;
     assert_eq!(r.status, StatusCode::NOT_FOUND);
 }

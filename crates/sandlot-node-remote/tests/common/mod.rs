@@ -5,7 +5,8 @@
 
 use bytes::Bytes;
 use sandlot_api::{Backend, Cmd, ExecEvent, ExecRequest, FileType, NetworkPolicy};
-use sandlot_node_api::{ExecControl, Node, NodeError, SandboxSpec};
+use sandlot_api::{ProcessEvent, ProcessState, SpawnRequest};
+use sandlot_node_api::{ExecControl, Node, NodeError, OutputCursor, SandboxSpec};
 use sandlot_node_remote::{router, serve};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
@@ -107,7 +108,165 @@ pub async fn run_all(node: &dyn Node, p: &Profile) {
     pause_resume(node, &id).await;
     checkpoints(node, &id).await;
     unknown_ids(node).await;
+    processes(node, &id).await;
     delete_idempotent(node, &id).await;
+    // Deleting the sandbox forgot its processes.
+    assert!(node.process_list(&id).await.unwrap().is_empty());
+}
+
+fn spawn_of(v: &[&str], stdin: bool) -> SpawnRequest {
+    SpawnRequest {
+        cmd: Cmd::Argv(v.iter().map(|s| s.to_string()).collect()),
+        cwd: None,
+        env: Default::default(),
+        stdin_b64: None,
+        stdin,
+        timeout_s: Some(60.0),
+        max_output_bytes: None,
+        user: None,
+        pty: None,
+    }
+}
+
+/// The stdout bytes and the last event of a process's output from `cursor`.
+async fn read_output(
+    node: &dyn Node,
+    id: &str,
+    pid: &str,
+    cursor: OutputCursor,
+) -> (Vec<u8>, Option<ProcessEvent>) {
+    use futures::StreamExt;
+    let mut events = node.process_output(id, pid, cursor).await.expect("output");
+    let (mut out, mut last) = (Vec::new(), None);
+    while let Some(ev) = events.next().await {
+        if let ProcessEvent::Stdout { data, data_b64, .. } = &ev {
+            out.extend(raw(data.clone(), data_b64.clone()));
+        }
+        last = Some(ev);
+    }
+    (out, last)
+}
+
+/// Background processes live on the node: spawn, output from offsets (a reader that
+/// comes back later reads on from where it was), stdin, signals, wait, list, remove.
+async fn processes(node: &dyn Node, id: &str) {
+    let wait = Duration::from_secs(20);
+    let p = node
+        .process_spawn(id, spawn_of(&["echo", "hi"], false))
+        .await
+        .expect("spawn echo");
+    assert!(p.id.starts_with("pr-"), "{p:?}");
+    let done = node.process_wait(id, &p.id, wait).await.unwrap();
+    assert_eq!(done.state, ProcessState::Exited, "{done:?}");
+    assert_eq!(done.result.as_ref().unwrap().exit_code, 0, "{done:?}");
+    assert_eq!(done.stdout_bytes, 3);
+    let (out, last) = read_output(node, id, &p.id, OutputCursor::default()).await;
+    assert_eq!(out, b"hi\n");
+    assert!(matches!(last, Some(ProcessEvent::Exit { .. })), "{last:?}");
+    // A reader that reached offset 3 gets only the end.
+    let cursor = OutputCursor {
+        stdout_offset: 3,
+        ..Default::default()
+    };
+    let (out, last) = read_output(node, id, &p.id, cursor).await;
+    assert!(out.is_empty());
+    assert!(matches!(last, Some(ProcessEvent::Exit { .. })), "{last:?}");
+    let past = OutputCursor {
+        stdout_offset: 4,
+        ..Default::default()
+    };
+    assert_kind(
+        node.process_output(id, &p.id, past).await.map(|_| ()),
+        "invalid_argument",
+        "offset past the end",
+    );
+
+    // Live stdin; a following reader sees the first chunk before the second is sent.
+    let cat = node
+        .process_spawn(id, spawn_of(&["cat"], true))
+        .await
+        .expect("spawn cat");
+    node.process_stdin(id, &cat.id, Bytes::from_static(b"ab"), false)
+        .await
+        .unwrap();
+    {
+        use futures::StreamExt;
+        let follow = OutputCursor {
+            follow: true,
+            ..Default::default()
+        };
+        let mut events = node.process_output(id, &cat.id, follow).await.unwrap();
+        let first = tokio::time::timeout(wait, events.next())
+            .await
+            .expect("cat echoed the first chunk")
+            .unwrap();
+        match first {
+            ProcessEvent::Stdout { data, data_b64, .. } => {
+                assert_eq!(raw(data, data_b64), b"ab")
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    node.process_stdin(id, &cat.id, Bytes::from_static(b"cd"), true)
+        .await
+        .unwrap();
+    let done = node.process_wait(id, &cat.id, wait).await.unwrap();
+    assert_eq!(
+        done.result.as_ref().map(|r| r.exit_code),
+        Some(0),
+        "{done:?}"
+    );
+    assert!(!done.stdin_open);
+    let cursor = OutputCursor {
+        stdout_offset: 2,
+        ..Default::default()
+    };
+    let (out, _) = read_output(node, id, &cat.id, cursor).await;
+    assert_eq!(out, b"cd");
+    assert_kind(
+        node.process_stdin(id, &cat.id, Bytes::from_static(b"x"), false)
+            .await,
+        "conflict",
+        "stdin after exit",
+    );
+
+    // A signal ends a command that would run for 60 s; remove forgets it.
+    let sleep = node
+        .process_spawn(id, spawn_of(&["sleep", "60"], false))
+        .await
+        .expect("spawn sleep");
+    let listed = node.process_list(id).await.unwrap();
+    let ids: Vec<&str> = listed.iter().map(|p| p.id.as_str()).collect();
+    assert_eq!(ids, [p.id.as_str(), cat.id.as_str(), sleep.id.as_str()]);
+    let running = node
+        .process_wait(id, &sleep.id, Duration::from_millis(300))
+        .await
+        .unwrap();
+    assert_eq!(running.state, ProcessState::Running);
+    node.process_signal(id, &sleep.id, 15).await.unwrap();
+    let done = node.process_wait(id, &sleep.id, wait).await.unwrap();
+    assert_eq!(
+        done.result.as_ref().and_then(|r| r.signal),
+        Some(15),
+        "{done:?}"
+    );
+    assert_kind(
+        node.process_signal(id, &sleep.id, 15).await,
+        "conflict",
+        "signal after exit",
+    );
+    node.process_remove(id, &sleep.id).await.unwrap();
+    assert_kind(
+        node.process_get(id, &sleep.id).await.map(|_| ()),
+        "not_found",
+        "get after remove",
+    );
+    assert_eq!(node.process_get(id, &p.id).await.unwrap().id, p.id);
+    assert_kind(
+        node.process_remove(id, "pr-00000000000000000000").await,
+        "not_found",
+        "remove unknown",
+    );
 }
 
 async fn lifecycle_and_exec(node: &dyn Node, p: &Profile, id: &str) {

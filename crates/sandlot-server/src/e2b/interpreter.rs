@@ -35,6 +35,7 @@
 use super::{ensure_home, home_of, running_sandbox_of, E2bUser};
 use crate::auth::Principal;
 use crate::error::{ApiResult, Json, ServerError};
+use crate::processes::ProcRef;
 use crate::SharedState;
 use axum::body::{Body, Bytes};
 use axum::extract::{Path, State};
@@ -43,7 +44,6 @@ use axum::response::{IntoResponse, Response};
 use axum::Extension;
 use futures::StreamExt;
 use sandlot_api::{Cmd, ErrorCode, ProcessEvent, SpawnRequest};
-use sandlot_node::processes::ProcessHandle;
 use serde::Deserialize;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -67,6 +67,9 @@ pub const MAX_CONTEXTS: usize = 8;
 pub const MAX_LINE: usize = 32 << 20;
 /// How long a new context may take to answer (kernel start).
 const READY_WAIT: Duration = Duration::from_secs(60);
+/// Output the bridge process keeps per stream: the node's largest for a background
+/// process (16 MiB, `sandlot_node::processes::MAX_RETAIN`).
+const MAX_RETAIN: u64 = 16 << 20;
 
 /// What a context's reader hands the cell waiting for it.
 enum Msg {
@@ -86,7 +89,7 @@ pub struct Context {
     pub language: String,
     /// Working directory of the kernel.
     pub cwd: String,
-    proc: Arc<ProcessHandle>,
+    proc: ProcRef,
     /// Held by the running cell: cells of a context run one at a time.
     run_lock: tokio::sync::Mutex<()>,
     next: AtomicU64,
@@ -193,17 +196,17 @@ async fn start_context(
         stdin_b64: None,
         stdin: true,
         timeout_s: Some(sandlot_api::MAX_TIMEOUT_S),
-        max_output_bytes: Some(sandlot_node::processes::MAX_RETAIN),
+        max_output_bytes: Some(MAX_RETAIN),
         user: None,
         pty: None,
     };
     let p = st
-        .processes
-        .spawn(sandbox, spawn)
+        .node
+        .process_spawn(sandbox, spawn)
         .await
         .map_err(ServerError::from)?;
     crate::processes::watch_exit(st, sandbox, rec.backend, &p.id);
-    let proc = st.processes.get(sandbox, &p.id)?;
+    let proc = ProcRef::new(st, sandbox, &p.id);
     let ctx = Arc::new(Context {
         id: id.unwrap_or_else(new_context_id),
         language: "python".into(),
@@ -228,12 +231,12 @@ async fn start_context(
     match tokio::time::timeout(READY_WAIT, ready_rx).await {
         Ok(Ok(Ok(()))) => Ok(ctx),
         Ok(Ok(Err(why))) => {
-            let _ = st.processes.remove(sandbox, proc.id()).await;
+            let _ = proc.remove().await;
             Err(fail(why))
         }
         Ok(Err(_)) => Err(fail("the bridge ended".into())),
         Err(_) => {
-            let _ = st.processes.remove(sandbox, proc.id()).await;
+            let _ = proc.remove().await;
             Err(fail(format!("no answer within {} s", READY_WAIT.as_secs())))
         }
     }
@@ -246,7 +249,7 @@ async fn read_bridge(ctx: Arc<Context>, ready: tokio::sync::oneshot::Sender<Resu
     let mut stderr_tail: Vec<u8> = Vec::new();
     let mut buf: Vec<u8> = Vec::new();
     let mut overlong = false;
-    let reason = match ctx.proc.clone().output(0, 0, true) {
+    let reason = match ctx.proc.follow(0, 0).await {
         Err(e) => format!("{e}"),
         Ok(stream) => {
             let mut stream = Box::pin(stream);
@@ -605,7 +608,7 @@ pub async fn remove_context(
         c.default = None;
     }
     drop(c);
-    let _ = st.processes.remove(&sandbox, ctx.proc.id()).await;
+    let _ = ctx.proc.remove().await;
     Ok(StatusCode::NO_CONTENT.into_response())
 }
 
@@ -627,7 +630,7 @@ pub async fn restart_context(
             format!("context {context_id} not found"),
         ));
     };
-    let _ = st.processes.remove(&sandbox, old.proc.id()).await;
+    let _ = old.proc.remove().await;
     c.by_id.remove(&context_id);
     let fresh = start_context(
         &st,

@@ -107,8 +107,10 @@ struct SandboxProcs {
 /// One E2B process: its Sandlot handle and what `List` reports.
 #[derive(Debug, Clone)]
 pub struct ProcEntry {
-    /// The background process (`pr-…`) in [`crate::AppState::processes`].
+    /// The background process (`pr-…`) on the sandbox's node.
     pub handle: String,
+    /// Whether it runs on a terminal (started with `pty`: its output is envd's `pty`).
+    pub pty: bool,
     /// `tag` of the start request.
     pub tag: Option<String>,
     /// The `ProcessConfig` of the start request, as sent (JSON).
@@ -429,6 +431,7 @@ mod tests {
             handle: h.into(),
             tag: Some(h.into()),
             config: serde_json::Value::Null,
+            pty: false,
         };
         assert_eq!(s.add("a", e("x")), 1000);
         assert_eq!(s.add("a", e("y")), 1001);

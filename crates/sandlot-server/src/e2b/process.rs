@@ -1,6 +1,6 @@
 //! envd's `process.Process` service (`spec/envd/process/process.proto`) over Sandlot's
-//! background processes ([`crate::AppState::processes`]), so it works on every backend
-//! and in any image.
+//! background processes (on the sandbox's node, [`crate::processes::ProcRef`]), so it works
+//! on every backend and in any image.
 //!
 //! | method | kind | Sandlot |
 //! |---|---|---|
@@ -32,6 +32,7 @@ use super::connect::{
 };
 use super::{ensure_home, home_of, E2bUser, ProcEntry};
 use crate::auth::Principal;
+use crate::processes::ProcRef;
 use crate::SharedState;
 use axum::body::{Body, Bytes};
 use axum::extract::{Path, Request, State};
@@ -42,7 +43,6 @@ use futures::StreamExt;
 use sandlot_api::{Cmd, ExecResult, ProcessEvent, SpawnRequest};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
-use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::mpsc;
 
@@ -214,11 +214,11 @@ pub async fn dispatch(
     };
     let out = match method.as_str() {
         "Start" => start(&st, &id, user.as_deref(), &headers, &body).await,
-        "Connect" => reconnect(&st, &id, &headers, &body),
-        "List" => list(&st, &id, &body),
+        "Connect" => reconnect(&st, &id, &headers, &body).await,
+        "List" => list(&st, &id, &body).await,
         "SendInput" => send_input(&st, &id, &body).await,
         "CloseStdin" => close_stdin(&st, &id, &body).await,
-        "SendSignal" => send_signal(&st, &id, &body),
+        "SendSignal" => send_signal(&st, &id, &body).await,
         "Update" => update(&st, &id, &body).await,
         _ => unreachable!("checked above"),
     };
@@ -312,7 +312,8 @@ async fn start(
         pty,
     };
     let rec = crate::sandboxes::running(st, id).await?;
-    let p = match st.processes.spawn(id, spawn).await {
+    let is_pty = spawn.pty.is_some();
+    let p = match st.node.process_spawn(id, spawn).await {
         Ok(p) => p,
         Err(e) => {
             let e = crate::error::ServerError::from(e);
@@ -332,10 +333,11 @@ async fn start(
             handle: p.id.clone(),
             tag: req.tag,
             config: serde_json::to_value(&cfg).unwrap_or_default(),
+            pty: is_pty,
         },
     );
-    let handle = st.processes.get(id, &p.id)?;
-    Ok(follow(handle, pid, 0, 0, keepalive_of(headers)))
+    let handle = ProcRef::new(st, id, &p.id);
+    Ok(follow(handle, is_pty, pid, 0, 0, keepalive_of(headers)))
 }
 
 fn select(
@@ -359,17 +361,22 @@ fn select(
     found.ok_or_else(|| ConnectError::new("not_found", "process not found"))
 }
 
-fn handle_of(
-    st: &SharedState,
-    id: &str,
-    entry: &ProcEntry,
-) -> Result<Arc<sandlot_node::processes::ProcessHandle>, ConnectError> {
-    st.processes
-        .get(id, &entry.handle)
-        .map_err(|_| ConnectError::new("not_found", "process not found"))
+/// The process of `entry` on the sandbox's node (only a handle: its calls go to the node).
+fn handle_of(st: &SharedState, id: &str, entry: &ProcEntry) -> ProcRef {
+    ProcRef::new(st, id, &entry.handle)
 }
 
-fn reconnect(
+/// A node error of a process call; an unknown handle is envd's "process not found".
+fn node_error(e: sandlot_node_api::NodeError) -> ConnectError {
+    match e {
+        sandlot_node_api::NodeError::NotFound(_) => {
+            ConnectError::new("not_found", "process not found")
+        }
+        e => crate::error::ServerError::from(e).into(),
+    }
+}
+
+async fn reconnect(
     st: &SharedState,
     id: &str,
     headers: &HeaderMap,
@@ -377,10 +384,11 @@ fn reconnect(
 ) -> Result<Response, ConnectError> {
     let req: Selected = stream_request(body)?;
     let (pid, entry) = select(st, id, req.process.as_ref())?;
-    let h = handle_of(st, id, &entry)?;
-    let info = h.info();
+    let h = handle_of(st, id, &entry);
+    let info = h.info().await.map_err(node_error)?;
     Ok(follow(
         h,
+        entry.pty,
         pid,
         info.stdout_bytes,
         info.stderr_bytes,
@@ -441,7 +449,8 @@ fn signal_name(sig: i32) -> String {
 
 /// The stream of a process: `start {pid}`, its output from the offsets, keepalives, `end`.
 fn follow(
-    h: Arc<sandlot_node::processes::ProcessHandle>,
+    h: ProcRef,
+    pty: bool,
     pid: u32,
     out_off: u64,
     err_off: u64,
@@ -449,7 +458,7 @@ fn follow(
 ) -> Response {
     let (tx, rx) = mpsc::channel::<Bytes>(16);
     // A terminal's output is one stream, envd's `data {pty}`.
-    let out_name = if h.is_pty() { "pty" } else { "stdout" };
+    let out_name = if pty { "pty" } else { "stdout" };
     tokio::spawn(async move {
         if tx
             .send(event(serde_json::json!({"start": {"pid": pid}})))
@@ -458,10 +467,10 @@ fn follow(
         {
             return;
         }
-        let out = match h.output(out_off, err_off, true) {
+        let out = match h.follow(out_off, err_off).await {
             Ok(o) => o,
             Err(e) => {
-                let _ = tx.send(end_stream(Some(&e.into()))).await;
+                let _ = tx.send(end_stream(Some(&node_error(e)))).await;
                 return;
             }
         };
@@ -531,7 +540,7 @@ async fn stream_input(
     let idle = Duration::from_secs(STREAM_INPUT_IDLE_S);
     let mut chunks = body.into_data_stream();
     let mut env = super::connect::Envelopes::default();
-    let mut target: Option<Arc<sandlot_node::processes::ProcessHandle>> = None;
+    let mut target: Option<ProcRef> = None;
     loop {
         while let Some(m) = env.next_message::<StreamInputMsg>()? {
             match (m.start, m.data, m.keepalive) {
@@ -540,7 +549,9 @@ async fn stream_input(
                         return Err(ConnectError::invalid("a second start message"));
                     }
                     let (_, entry) = select(st, id, s.process.as_ref())?;
-                    target = Some(handle_of(st, id, &entry)?);
+                    let h = handle_of(st, id, &entry);
+                    h.info().await.map_err(node_error)?;
+                    target = Some(h);
                 }
                 (None, Some(d), None) => {
                     let h = target.as_ref().ok_or_else(|| {
@@ -587,15 +598,21 @@ async fn stream_input(
     Ok(())
 }
 
-fn list(st: &SharedState, id: &str, body: &Bytes) -> Result<Response, ConnectError> {
+async fn list(st: &SharedState, id: &str, body: &Bytes) -> Result<Response, ConnectError> {
     // `ListRequest` has no fields; parsing still rejects a body that is not an object.
     let _: serde_json::Map<String, serde_json::Value> = unary_request(body)?;
+    let running: std::collections::HashSet<String> = st
+        .node
+        .process_list(id)
+        .await
+        .map_err(node_error)?
+        .into_iter()
+        .filter(|p| p.state == sandlot_api::ProcessState::Running)
+        .map(|p| p.id)
+        .collect();
     let mut procs = Vec::new();
     for (pid, e) in st.e2b.all(id) {
-        let Ok(h) = st.processes.get(id, &e.handle) else {
-            continue;
-        };
-        if h.ended() {
+        if !running.contains(&e.handle) {
             continue;
         }
         let mut p = serde_json::json!({"config": e.config, "pid": pid});
@@ -626,18 +643,22 @@ fn stdin_bytes(input: Input) -> Result<Vec<u8>, ConnectError> {
 async fn update(st: &SharedState, id: &str, body: &Bytes) -> Result<Response, ConnectError> {
     let req: Selected = unary_request(body)?;
     let (_, entry) = select(st, id, req.process.as_ref())?;
-    let h = handle_of(st, id, &entry)?;
+    let h = handle_of(st, id, &entry);
     let Some(pty) = req.pty.as_ref() else {
+        h.info().await.map_err(node_error)?;
         return Ok(unary_ok(serde_json::json!({})));
     };
     let size = pty.size()?;
-    if !h.is_pty() {
+    if !entry.pty {
         return Err(ConnectError::new(
             "failed_precondition",
             "the process has no terminal (start it with pty)",
         ));
     }
-    h.resize(size).await.map_err(ended_is_not_found)?;
+    st.node
+        .process_resize(id, h.id(), size)
+        .await
+        .map_err(ended_is_not_found)?;
     Ok(unary_ok(serde_json::json!({})))
 }
 
@@ -645,7 +666,7 @@ async fn send_input(st: &SharedState, id: &str, body: &Bytes) -> Result<Response
     let req: Selected = unary_request(body)?;
     let (_, entry) = select(st, id, req.process.as_ref())?;
     let raw = stdin_bytes(req.input.unwrap_or_default())?;
-    let h = handle_of(st, id, &entry)?;
+    let h = handle_of(st, id, &entry);
     h.write_stdin(Bytes::from(raw), false)
         .await
         .map_err(ended_is_not_found)?;
@@ -655,7 +676,7 @@ async fn send_input(st: &SharedState, id: &str, body: &Bytes) -> Result<Response
 async fn close_stdin(st: &SharedState, id: &str, body: &Bytes) -> Result<Response, ConnectError> {
     let req: Selected = unary_request(body)?;
     let (_, entry) = select(st, id, req.process.as_ref())?;
-    let h = handle_of(st, id, &entry)?;
+    let h = handle_of(st, id, &entry);
     h.write_stdin(Bytes::new(), true)
         .await
         .map_err(ended_is_not_found)?;
@@ -665,6 +686,9 @@ async fn close_stdin(st: &SharedState, id: &str, body: &Bytes) -> Result<Respons
 /// A process that already ended is "not found" to envd's clients (the SDK's `kill`
 /// answers `False` for it).
 fn ended_is_not_found(e: sandlot_node_api::NodeError) -> ConnectError {
+    if matches!(e, sandlot_node_api::NodeError::NotFound(_)) {
+        return node_error(e);
+    }
     let c: ConnectError = e.into();
     if c.code == "failed_precondition" && c.message.contains("exited") {
         ConnectError::new("not_found", c.message)
@@ -689,13 +713,15 @@ fn signal_of(v: Option<&serde_json::Value>) -> Result<i32, ConnectError> {
     }
 }
 
-fn send_signal(st: &SharedState, id: &str, body: &Bytes) -> Result<Response, ConnectError> {
+async fn send_signal(st: &SharedState, id: &str, body: &Bytes) -> Result<Response, ConnectError> {
     let req: Selected = unary_request(body)?;
     let sig = signal_of(req.signal.as_ref())?;
     let _ = &req.pty;
     let (_, entry) = select(st, id, req.process.as_ref())?;
-    let h = handle_of(st, id, &entry)?;
-    h.signal(sig).map_err(ended_is_not_found)?;
+    st.node
+        .process_signal(id, &entry.handle, sig)
+        .await
+        .map_err(ended_is_not_found)?;
     Ok(unary_ok(serde_json::json!({})))
 }
 
