@@ -16,9 +16,12 @@ use std::sync::atomic::{AtomicU32, Ordering};
 /// Hint printed after `<guest> missing;` by most files.
 pub const BUILD_GUEST_HINT: &str = "run `cargo build -p sandlot-guest` or set SANDLOT_GUEST_BIN";
 
-/// The `sandlot-guest` binary: `SANDLOT_GUEST_BIN` if set, else
-/// `target/{release,debug}/sandlot-guest` of the same build profile as this test binary, so
-/// `cargo test --release` never silently runs a stale debug guest.
+/// The `sandlot-guest` binary: `SANDLOT_GUEST_BIN` if set, else the static build
+/// `target/x86_64-unknown-linux-gnu/{profile}/sandlot-guest` (setup.sh makes it; `sandlot up`
+/// picks it too) when it exists, else `target/{profile}/sandlot-guest`, with `{profile}` the
+/// build profile of this test binary, so `cargo test --release` never silently runs a stale
+/// debug guest. A dynamically linked guest cannot start inside a busybox rootfs (no dynamic
+/// loader there: "No such file or directory").
 pub fn guest_bin() -> PathBuf {
     if let Some(p) = std::env::var_os("SANDLOT_GUEST_BIN") {
         return PathBuf::from(p);
@@ -28,7 +31,12 @@ pub fn guest_bin() -> PathBuf {
     } else {
         "release"
     };
-    Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("../../target/{profile}/sandlot-guest"))
+    let target = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target");
+    let fixed = target.join(format!("x86_64-unknown-linux-gnu/{profile}/sandlot-guest"));
+    if fixed.exists() {
+        return fixed;
+    }
+    target.join(format!("{profile}/sandlot-guest"))
 }
 
 /// Root, usable cgroups and an existing guest binary: the guest's path, or `None` after
