@@ -12,6 +12,9 @@
 //! | `POST /sandboxes/{id}/pause` → 204 (409 when paused) | pause (processes frozen, files kept) |
 //! | `POST /sandboxes/{id}/resume {timeout}` → 201 `Sandbox` (409 when running) | resume |
 //! | `POST /v2/sandboxes/{id}/connect {timeout}` → 200 `Sandbox` (running) or 201 (resumed) | resume when paused, then TTL |
+//! | `POST /sandboxes/{id}/snapshots {name}` → 201 `SnapshotInfo`; `GET /snapshots`; `DELETE /templates/{snapshotID}` | disk checkpoint ([`crate::checkpoints`]); `templateID` = snapshot id forks from it |
+//! | `POST /sandboxes/{id}/fork {timeout, count}` → 201 `[SandboxForkResult]` | checkpoint, `count` creates from it, checkpoint deleted |
+//! | other E2B control routes (metrics, logs, templates, volumes, network) | 501 in E2B's error shape |
 //!
 //! Errors are E2B's body `{"code": <HTTP status>, "message": "…"}`. Unsupported fields
 //! (`autoPause`, `network`, `mcp`, volume mounts, `secure`) are accepted and ignored;
@@ -198,7 +201,46 @@ async fn access_key(st: &SharedState, headers: &HeaderMap) -> Option<String> {
     }
 }
 
-/// `POST /v2/sandboxes` → 201 `Sandbox`.
+/// Create one E2B sandbox: `template` is an E2B template (image) or a snapshot id
+/// (`ck-…`, a Sandlot checkpoint: the sandbox is forked from it).
+async fn create_one(
+    st: &SharedState,
+    who: &Principal,
+    template: &str,
+    ttl_s: u64,
+    env: BTreeMap<String, String>,
+    labels: BTreeMap<String, String>,
+    key: Option<String>,
+) -> Result<(Record, bool), ServerError> {
+    if labels.keys().any(|k| k.starts_with("e2b/")) {
+        return Err(ServerError::invalid(
+            "metadata keys starting with \"e2b/\" are reserved",
+        ));
+    }
+    let mut create = CreateSandboxRequest {
+        backend: st.cfg.e2b.backend,
+        ttl_s: Some(ttl_s),
+        env,
+        labels,
+        ..Default::default()
+    };
+    if sandlot_node_api::check_checkpoint_id(template).is_ok() {
+        create.checkpoint = Some(template.to_owned());
+        crate::checkpoints::fill_from_checkpoint(st, who, &mut create, false).await?;
+    } else {
+        create.image = Some(image_of(st, template));
+    }
+    let extra = BTreeMap::from([(TEMPLATE_LABEL.to_owned(), template.to_owned())]);
+    let (rec, created) = create_sandbox(st, who, create, extra, key).await?;
+    if let Err(e) = super::ensure_home(st, &rec.id, &super::home_of(None)).await {
+        tracing::warn!(sandbox_id = %rec.id, error = %crate::error::chain(&e), "e2b: could not create /home/user");
+    }
+    Ok((rec, created))
+}
+
+/// `POST /v2/sandboxes` (and the older `POST /sandboxes`) → 201 `Sandbox`. A
+/// `templateID` that is a snapshot id (`ck-…`, from `POST /sandboxes/{id}/snapshots`)
+/// starts the sandbox from that snapshot's files.
 pub async fn create(
     State(st): State<SharedState>,
     Extension(who): Extension<Principal>,
@@ -208,18 +250,6 @@ pub async fn create(
     let req: NewSandbox = body_of(&body)?;
     if req.template_id.is_empty() {
         return Err(invalid("templateID must not be empty"));
-    }
-    let image = image_of(&st, &req.template_id);
-    let create = CreateSandboxRequest {
-        backend: st.cfg.e2b.backend,
-        image: Some(image),
-        ttl_s: Some(req.timeout.unwrap_or(DEFAULT_TIMEOUT_S)),
-        env: req.env_vars.unwrap_or_default(),
-        labels: req.metadata.unwrap_or_default(),
-        ..Default::default()
-    };
-    if create.labels.keys().any(|k| k.starts_with("e2b/")) {
-        return Err(invalid("metadata keys starting with \"e2b/\" are reserved"));
     }
     let key = match headers.get("idempotency-key") {
         None => None,
@@ -231,11 +261,16 @@ pub async fn create(
                 .to_owned(),
         ),
     };
-    let extra = BTreeMap::from([(TEMPLATE_LABEL.to_owned(), req.template_id.clone())]);
-    let (rec, created) = create_sandbox(&st, &who, create, extra, key).await?;
-    if let Err(e) = super::ensure_home(&st, &rec.id, &super::home_of(None)).await {
-        tracing::warn!(sandbox_id = %rec.id, error = %crate::error::chain(&e), "e2b: could not create /home/user");
-    }
+    let (rec, created) = create_one(
+        &st,
+        &who,
+        &req.template_id,
+        req.timeout.unwrap_or(DEFAULT_TIMEOUT_S),
+        req.env_vars.unwrap_or_default(),
+        req.metadata.unwrap_or_default(),
+        key,
+    )
+    .await?;
     let status = if created {
         StatusCode::CREATED
     } else {
@@ -246,6 +281,225 @@ pub async fn create(
         axum::Json(sandbox_json(&st, &rec, access_key(&st, &headers).await)),
     )
         .into_response())
+}
+
+/// Names given to snapshots (`SandboxSnapshotRequest.name`), by snapshot id. Kept in
+/// memory only: after a server restart a snapshot lists with no names.
+static SNAPSHOT_NAMES: std::sync::LazyLock<std::sync::Mutex<BTreeMap<String, String>>> =
+    std::sync::LazyLock::new(Default::default);
+
+fn snapshot_name(id: &str) -> Option<String> {
+    SNAPSHOT_NAMES
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .get(id)
+        .cloned()
+}
+
+fn snapshot_json(id: &str) -> serde_json::Value {
+    serde_json::json!({"snapshotID": id, "names": snapshot_name(id).into_iter().collect::<Vec<_>>()})
+}
+
+/// Checkpoint `id` (visible to `who`, running or paused) → the checkpoint id.
+async fn checkpoint_of(st: &SharedState, who: &Principal, id: &str) -> E2bResult<String> {
+    let rec = visible(st, who, id).await?;
+    if !matches!(rec.state, SandboxState::Running | SandboxState::Paused) {
+        return Err(E2bError(ServerError::no_sandbox(id)));
+    }
+    let (_, axum::Json(ck)) = crate::checkpoints::create(
+        State(st.clone()),
+        Extension(who.clone()),
+        crate::error::Path(id.to_owned()),
+    )
+    .await
+    .map(|(s, crate::error::Json(c))| (s, axum::Json(c)))?;
+    Ok(ck.checkpoint_id)
+}
+
+/// `POST /sandboxes/{id}/snapshots {"name"?}` → 201 `SnapshotInfo`: a Sandlot checkpoint of
+/// the sandbox's files (processes and memory are not saved); its id is the `snapshotID`,
+/// usable as `templateID` of a create.
+pub async fn create_snapshot(
+    State(st): State<SharedState>,
+    Extension(who): Extension<Principal>,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> E2bResult<Response> {
+    #[derive(Deserialize)]
+    struct Req {
+        #[serde(default)]
+        name: Option<String>,
+    }
+    let req: Req = body_of(&body)?;
+    let ck = checkpoint_of(&st, &who, &id).await?;
+    if let Some(n) = req.name.filter(|n| !n.is_empty()) {
+        SNAPSHOT_NAMES
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(ck.clone(), n);
+    }
+    Ok((StatusCode::CREATED, axum::Json(snapshot_json(&ck))).into_response())
+}
+
+/// `GET /snapshots?sandboxID=&name=&limit=&nextToken=` → 200 `[SnapshotInfo]`, oldest
+/// first; `X-Next-Token` (an offset) when more follow.
+pub async fn list_snapshots(
+    State(st): State<SharedState>,
+    Extension(who): Extension<Principal>,
+    RawQuery(raw): RawQuery,
+) -> E2bResult<Response> {
+    let pairs: Vec<(String, String)> = serde_urlencoded::from_str(raw.as_deref().unwrap_or(""))
+        .map_err(|e| invalid(format!("query: {e}")))?;
+    let (mut sandbox, mut name, mut limit, mut from) = (None, None, 100usize, 0usize);
+    for (k, v) in pairs {
+        match k.as_str() {
+            "sandboxID" => sandbox = Some(v),
+            "name" => name = Some(v),
+            "limit" => {
+                limit = v
+                    .parse()
+                    .ok()
+                    .filter(|l| (1..=100).contains(l))
+                    .ok_or_else(|| invalid(format!("limit {v:?} must be 1–100")))?
+            }
+            "nextToken" => {
+                from = v
+                    .parse()
+                    .map_err(|_| invalid(format!("nextToken {v:?} is not one this server gave")))?
+            }
+            other => return Err(invalid(format!("unknown query parameter {other:?}"))),
+        }
+    }
+    let all: Vec<String> = st
+        .store
+        .list_checkpoints()
+        .await?
+        .into_iter()
+        .filter(|c| who.sees(c.tenant.as_deref()))
+        .filter(|c| sandbox.as_ref().is_none_or(|s| *s == c.sandbox_id))
+        .filter(|c| {
+            name.as_ref()
+                .is_none_or(|n| *n == c.id || snapshot_name(&c.id).as_ref() == Some(n))
+        })
+        .map(|c| c.id)
+        .collect();
+    let page: Vec<serde_json::Value> = all
+        .iter()
+        .skip(from)
+        .take(limit)
+        .map(|id| snapshot_json(id))
+        .collect();
+    let mut r = axum::Json(page).into_response();
+    if from.saturating_add(limit) < all.len() {
+        if let Ok(v) = (from + limit).to_string().parse() {
+            r.headers_mut().insert("x-next-token", v);
+        }
+    }
+    Ok(r)
+}
+
+/// `DELETE /templates/{id}` → 204 for a snapshot (a Sandlot checkpoint) the caller sees,
+/// 404 otherwise (templates are images in Sandlot and are not deleted here).
+pub async fn delete_template(
+    State(st): State<SharedState>,
+    Extension(who): Extension<Principal>,
+    Path(id): Path<String>,
+) -> E2bResult<StatusCode> {
+    if crate::checkpoints::visible(&st, &who, &id).await.is_err() {
+        return Err(E2bError(ServerError::new(
+            ErrorCode::NotFound,
+            format!("snapshot {id} not found"),
+        )));
+    }
+    crate::checkpoints::delete(
+        State(st.clone()),
+        Extension(who.clone()),
+        crate::error::Path(id.clone()),
+    )
+    .await?;
+    SNAPSHOT_NAMES
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .remove(&id);
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// `POST /sandboxes/{id}/fork {"timeout"?, "count"?}` → 201 `[SandboxForkResult]`: one
+/// checkpoint of the sandbox's files, `count` (1–100) sandboxes created from it (each
+/// `{"sandbox"}` or `{"error": {code, message}}`), then the checkpoint deleted. The
+/// forks keep the parent's template, metadata and environment; memory and processes are
+/// not carried (Sandlot checkpoints are disk only).
+pub async fn fork(
+    State(st): State<SharedState>,
+    Extension(who): Extension<Principal>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> E2bResult<Response> {
+    #[derive(Deserialize)]
+    struct Req {
+        #[serde(default)]
+        timeout: Option<u64>,
+        #[serde(default)]
+        count: Option<u64>,
+    }
+    let req: Req = body_of(&body)?;
+    let count = req.count.unwrap_or(1);
+    if !(1..=100).contains(&count) {
+        return Err(invalid(format!("count {count} must be 1–100")));
+    }
+    let parent = visible(&st, &who, &id).await?;
+    let ck = checkpoint_of(&st, &who, &id).await?;
+    let key = access_key(&st, &headers).await;
+    let mut out = Vec::new();
+    for _ in 0..count {
+        let made = create_one(
+            &st,
+            &who,
+            &ck,
+            req.timeout.unwrap_or(DEFAULT_TIMEOUT_S),
+            parent.spec.env.clone(),
+            metadata_of(&parent),
+            None,
+        )
+        .await;
+        out.push(match made {
+            Ok((mut rec, _)) => {
+                rec.labels
+                    .insert(TEMPLATE_LABEL.to_owned(), template_of(&parent));
+                serde_json::json!({"sandbox": sandbox_json(&st, &rec, key.clone())})
+            }
+            Err(e) => {
+                let api = e.api_error();
+                serde_json::json!({"error": {"code": api.code.http_status(), "message": api.message}})
+            }
+        });
+    }
+    if let Err(e) = crate::checkpoints::delete(
+        State(st.clone()),
+        Extension(who.clone()),
+        crate::error::Path(ck.clone()),
+    )
+    .await
+    {
+        tracing::warn!(checkpoint_id = %ck, error = %crate::error::chain(&e), "e2b fork: could not delete its checkpoint");
+    }
+    Ok((StatusCode::CREATED, axum::Json(out)).into_response())
+}
+
+/// Any E2B control route Sandlot does not serve (templates, volumes, secrets, metrics,
+/// logs, network updates…) → 501 in E2B's error shape.
+pub async fn unsupported(uri: axum::http::Uri, method: axum::http::Method) -> Response {
+    let status = StatusCode::NOT_IMPLEMENTED;
+    let message = format!(
+        "{method} {} is not supported by Sandlot's E2B surface (docs/e2b.md)",
+        uri.path()
+    );
+    (
+        status,
+        axum::Json(serde_json::json!({"code": status.as_u16(), "message": message})),
+    )
+        .into_response()
 }
 
 /// Parsed list query.
