@@ -11,7 +11,7 @@
 //! | `POST /sandboxes/{id}/refreshes {duration}` → 204 | keepalive |
 //! | `POST /sandboxes/{id}/pause` → 204 (409 when paused) | pause (processes frozen, files kept) |
 //! | `POST /sandboxes/{id}/resume {timeout}` → 201 `Sandbox` (409 when running) | resume |
-//! | `POST /v2/sandboxes/{id}/connect {timeout}` → 200 `Sandbox` (running) or 201 (resumed) | resume when paused, then TTL |
+//! | `POST /v2/sandboxes/{id}/connect {timeout}` → 200 `Sandbox` (running) or 201 (resumed) | resume when paused, then TTL (never shortened for a running one) |
 //! | `POST /sandboxes/{id}/snapshots {name}` → 201 `SnapshotInfo`; `GET /snapshots`; `DELETE /templates/{snapshotID}` | disk checkpoint ([`crate::checkpoints`]); `templateID` = snapshot id forks from it |
 //! | `POST /sandboxes/{id}/fork {timeout, count}` → 201 `[SandboxForkResult]` | checkpoint, `count` creates from it, checkpoint deleted |
 //! | other E2B control routes (metrics, logs, templates, volumes, network) | 501 in E2B's error shape |
@@ -743,7 +743,8 @@ pub async fn resume(
 
 /// `POST /v2/sandboxes/{id}/connect {"timeout": s}` (and the older `/sandboxes/{id}/
 /// connect`) → 200 `Sandbox` when it was running, 201 when it was paused and is resumed.
-/// `timeout` resets the TTL from now.
+/// `timeout` sets the end to now + timeout, unless that would make a running sandbox's
+/// end earlier (then the end stays).
 pub async fn connect(
     State(st): State<SharedState>,
     Extension(who): Extension<Principal>,
@@ -754,9 +755,17 @@ pub async fn connect(
     let b: TimeoutBody = body_of(&body)?;
     let rec = visible(&st, &who, &id).await?;
     let resumed = resume_if_paused(&st, &rec).await?;
+    // A running sandbox's end is only ever moved later (E2B's
+    // `test_resume_does_not_shorten_timeout_on_running_sandbox`).
+    let later = |t: u64| {
+        resumed
+            || rec
+                .expires_at_ms
+                .is_some_and(|e| e < crate::now_ms() + t as i64 * 1000)
+    };
     let rec = match b.timeout {
-        Some(t) => set_ttl(&st, &id, t).await?,
-        None => visible(&st, &who, &id).await?,
+        Some(t) if later(t) => set_ttl(&st, &id, t).await?,
+        _ => visible(&st, &who, &id).await?,
     };
     let status = if resumed {
         StatusCode::CREATED

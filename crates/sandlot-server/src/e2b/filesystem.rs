@@ -7,7 +7,7 @@
 //! | `ListDir {path, depth}` → `{entries}` | list, recursing into directories down to `depth` (default 1), at most [`MAX_ENTRIES`] entries |
 //! | `MakeDir {path}` → `{entry}` | `mkdir -p`; `already_exists` when the path exists |
 //! | `Move {source, destination}` → `{entry}` | `mv` in the sandbox (destination's parents created) |
-//! | `Remove {path}` → `{}` | remove (a directory recursively) |
+//! | `Remove {path}` → `{}` | remove (a directory recursively); a missing path is not an error (envd's `os.RemoveAll`) |
 //! | `GET /files?path=&username=` → the bytes | read, at most `max_file_bytes` |
 //! | `POST /files?path=&username=`, `multipart/form-data` (part `file`, its filename the path when `path` is absent) or `application/octet-stream` → `[{name, type: "file", path}]` | write (parents created), at most `max_file_bytes` per request |
 //!
@@ -311,7 +311,14 @@ async fn remove(
 ) -> Result<Response, ConnectError> {
     let req: PathReq = unary_request(body)?;
     let path = resolve(&req.path, home)?;
-    st.node.stat_file(id, &path).await?;
+    // envd removes with `os.RemoveAll`: a missing path is not an error (E2B's
+    // `test_remove_non_existing_file`).
+    match st.node.stat_file(id, &path).await {
+        Err(sandlot_node_api::NodeError::NotFound(_)) => {
+            return Ok(unary_ok(serde_json::json!({})))
+        }
+        r => r?,
+    };
     st.node.remove_file(id, &path).await?;
     Ok(unary_ok(serde_json::json!({})))
 }
