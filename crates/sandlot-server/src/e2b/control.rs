@@ -3,7 +3,7 @@
 //! | E2B | Sandlot |
 //! |---|---|
 //! | `POST /v2/sandboxes` `{templateID, timeout, metadata, envVars, autoPause}` → 201 `Sandbox` | create: template → image (`base` → [`super::E2bConfig::base_image`]), `timeout` s → TTL (default 15 s, as E2B), `metadata` → labels, `envVars` → env, backend [`super::E2bConfig::backend`]; `Idempotency-Key` as for `/v1` |
-//! | `GET /v2/sandboxes?metadata=&state=&limit=` → `[ListedSandbox]` | list of the caller's sandboxes, `metadata` = URL-encoded `k=v&…` (all must match), `state` = `running,paused` |
+//! | `GET /v2/sandboxes?metadata=&state=&template=&startedAfter=&order=&limit=&nextToken=` → `[ListedSandbox]`, `X-Next-Token` when more follow | list of the caller's sandboxes, `metadata` = URL-encoded `k=v&…` (all must match), `state` = `running,paused`, `order` by start (default `desc`), `limit` 1–100 (default 100) |
 //! | `GET /sandboxes` → `[ListedSandbox]` | the running ones |
 //! | `GET /sandboxes/{id}` → `SandboxDetail` | get |
 //! | `DELETE /sandboxes/{id}` → 204 (404 unknown) | delete |
@@ -508,7 +508,17 @@ struct ListQuery {
     metadata: Vec<(String, String)>,
     states: Option<Vec<&'static str>>,
     limit: Option<usize>,
+    /// Oldest first (`order=asc`); default newest first, as E2B.
+    asc: bool,
+    /// `startedAfter`, Unix ms: sandboxes started at or after it.
+    started_after_ms: Option<i64>,
+    template: Option<String>,
+    /// `nextToken`: the (start ms, id) of the previous page's last sandbox.
+    after: Option<(i64, String)>,
 }
+
+/// Most sandboxes on one page of `GET /v2/sandboxes` (E2B's `limit` maximum and default).
+pub const MAX_PAGE: usize = 100;
 
 fn parse_list_query(raw: Option<&str>) -> E2bResult<ListQuery> {
     let pairs: Vec<(String, String)> = serde_urlencoded::from_str(raw.unwrap_or(""))
@@ -544,11 +554,29 @@ fn parse_list_query(raw: Option<&str>) -> E2bResult<ListQuery> {
             "limit" => {
                 let n: usize = v
                     .parse()
-                    .map_err(|_| invalid(format!("limit {v:?} must be a number")))?;
+                    .ok()
+                    .filter(|n| (1..=MAX_PAGE).contains(n))
+                    .ok_or_else(|| invalid(format!("limit {v:?} must be 1–{MAX_PAGE}")))?;
                 q.limit = Some(n);
             }
-            // Pagination: everything fits one page; the token is ignored.
-            "nextToken" | "order" | "startedAfter" | "template" => {}
+            "order" => {
+                q.asc = match v.as_str() {
+                    "asc" => true,
+                    "desc" => false,
+                    _ => return Err(invalid(format!("order {v:?}: expected asc or desc"))),
+                }
+            }
+            "startedAfter" => {
+                let t = chrono::DateTime::parse_from_rfc3339(&v)
+                    .map_err(|e| invalid(format!("startedAfter {v:?}: {e}")))?;
+                q.started_after_ms = Some(t.timestamp_millis());
+            }
+            "template" => q.template = Some(v),
+            "nextToken" => {
+                let bad = || invalid(format!("nextToken {v:?} is not one this server gave"));
+                let (ms, id) = v.split_once('.').ok_or_else(bad)?;
+                q.after = Some((ms.parse().map_err(|_| bad())?, id.to_owned()));
+            }
             other => return Err(invalid(format!("unknown query parameter {other:?}"))),
         }
     }
@@ -571,32 +599,51 @@ async fn list_with(
     who: &Principal,
     q: ListQuery,
     default_states: &[&'static str],
+    default_limit: Option<usize>,
 ) -> E2bResult<Response> {
     let states = q.states.unwrap_or_else(|| default_states.to_vec());
-    let mut out = Vec::new();
+    let mut recs: Vec<Record> = Vec::new();
     for rec in st.store.list().await? {
-        if !who.sees(rec.tenant.as_deref()) {
-            continue;
-        }
-        if !matches!(rec.state, SandboxState::Running | SandboxState::Paused) {
-            continue;
-        }
-        if !states.contains(&state_of(&rec)) {
-            continue;
-        }
-        if !q
-            .metadata
-            .iter()
-            .all(|(k, v)| rec.labels.get(k).is_some_and(|x| x == v))
+        if !who.sees(rec.tenant.as_deref())
+            || !matches!(rec.state, SandboxState::Running | SandboxState::Paused)
+            || !states.contains(&state_of(&rec))
+            || q.started_after_ms.is_some_and(|t| rec.created_at_ms < t)
+            || q.template.as_ref().is_some_and(|t| *t != template_of(&rec))
+            || !q
+                .metadata
+                .iter()
+                .all(|(k, v)| rec.labels.get(k).is_some_and(|x| x == v))
         {
             continue;
         }
-        out.push(listed_json(&rec));
-        if q.limit.is_some_and(|l| out.len() >= l) {
-            break;
+        recs.push(rec);
+    }
+    // Start time, then id: a total order, so a page's last (start, id) is the cursor.
+    recs.sort_by(|a, b| (a.created_at_ms, &a.id).cmp(&(b.created_at_ms, &b.id)));
+    if !q.asc {
+        recs.reverse();
+    }
+    if let Some((ms, id)) = &q.after {
+        let cur = (*ms, id);
+        recs.retain(|r| {
+            let k = (r.created_at_ms, &r.id);
+            if q.asc {
+                k > cur
+            } else {
+                k < cur
+            }
+        });
+    }
+    let limit = q.limit.or(default_limit).unwrap_or(usize::MAX);
+    let more = recs.len() > limit;
+    recs.truncate(limit);
+    let mut r = axum::Json(recs.iter().map(listed_json).collect::<Vec<_>>()).into_response();
+    if let (true, Some(last)) = (more, recs.last()) {
+        if let Ok(v) = format!("{}.{}", last.created_at_ms, last.id).parse() {
+            r.headers_mut().insert("x-next-token", v);
         }
     }
-    Ok(axum::Json(out).into_response())
+    Ok(r)
 }
 
 /// `GET /v2/sandboxes` → `[ListedSandbox]` (running and paused unless `state` says).
@@ -606,7 +653,7 @@ pub async fn list_v2(
     RawQuery(raw): RawQuery,
 ) -> E2bResult<Response> {
     let q = parse_list_query(raw.as_deref())?;
-    list_with(&st, &who, q, &["running", "paused"]).await
+    list_with(&st, &who, q, &["running", "paused"], Some(MAX_PAGE)).await
 }
 
 /// `GET /sandboxes` → `[ListedSandbox]` (running ones unless `state` says).
@@ -616,7 +663,7 @@ pub async fn list_v1(
     RawQuery(raw): RawQuery,
 ) -> E2bResult<Response> {
     let q = parse_list_query(raw.as_deref())?;
-    list_with(&st, &who, q, &["running"]).await
+    list_with(&st, &who, q, &["running"], None).await
 }
 
 /// `GET /sandboxes/{id}` → `SandboxDetail`.
@@ -805,6 +852,23 @@ mod tests {
             q.metadata,
             vec![("job".into(), "test_x[function] a&b=c/d%".into())]
         );
+        let q = parse_list_query(Some(
+            "order=asc&startedAfter=2026-12-05T12%3A00%3A00.5%2B00%3A00&template=base&nextToken=7.sb-1",
+        ))
+        .unwrap();
+        assert!(q.asc);
+        assert_eq!(q.started_after_ms, Some(1_796_472_000_500));
+        assert_eq!(q.template.as_deref(), Some("base"));
+        assert_eq!(q.after, Some((7, "sb-1".into())));
+        for bad in [
+            "order=up",
+            "limit=0",
+            "limit=101",
+            "nextToken=x",
+            "startedAfter=today",
+        ] {
+            assert!(parse_list_query(Some(bad)).is_err(), "{bad}");
+        }
         assert!(parse_list_query(Some("state=gone")).is_err());
         assert!(parse_list_query(Some("bogus=1")).is_err());
         assert_eq!(parse_list_query(None).unwrap(), ListQuery::default());
