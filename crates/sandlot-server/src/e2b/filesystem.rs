@@ -4,7 +4,7 @@
 //! | method / route | Sandlot |
 //! |---|---|
 //! | `Stat {path}` → `{entry}` | stat (symlinks followed inside the sandbox) |
-//! | `ListDir {path, depth}` → `{entries}` | list, recursing into directories down to `depth` (default 1), at most [`MAX_ENTRIES`] entries |
+//! | `ListDir {path, depth}` → `{entries}` | list, recursing into directories down to `depth` (default 1), at most [`MAX_ENTRIES`] entries, in envd's order (depth first, by name) |
 //! | `MakeDir {path}` → `{entry}` | `mkdir -p`; `already_exists` when the path exists |
 //! | `Move {source, destination}` → `{entry}` | `mv` in the sandbox (destination's parents created) |
 //! | `Remove {path}` → `{}` | remove (a directory recursively); a missing path is not an error (envd's `os.RemoveAll`) |
@@ -225,7 +225,7 @@ async fn list_dir(
             if e.kind == FileType::Dir && level < depth {
                 todo.push((p.clone(), level + 1));
             }
-            out.push(entry_info(&e, &p));
+            out.push((p.clone(), entry_info(&e, &p)));
             if out.len() > MAX_ENTRIES {
                 return Err(ConnectError::new(
                     "resource_exhausted",
@@ -234,7 +234,11 @@ async fn list_dir(
             }
         }
     }
-    Ok(unary_ok(serde_json::json!({ "entries": out })))
+    // envd's order (`filepath.WalkDir`): depth first, each directory's entries by name,
+    // a directory followed by what is in it.
+    out.sort_by(|(a, _), (b, _)| a.split('/').cmp(b.split('/')));
+    let entries: Vec<serde_json::Value> = out.into_iter().map(|(_, e)| e).collect();
+    Ok(unary_ok(serde_json::json!({ "entries": entries })))
 }
 
 async fn make_dir(
