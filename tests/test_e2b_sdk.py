@@ -204,6 +204,7 @@ def test_snapshots_fork_paging_and_unsupported_routes(box, request):
     try:
         assert len({f.sandbox_id for f in forks} | {box.sandbox_id}) == 3
         assert all(f.files.read("/home/user/state.txt") == "before" for f in forks)
+        assert all(f.get_info().template_id == "base" for f in forks), "the parent's template"
     finally:
         for f in forks:
             f.kill()

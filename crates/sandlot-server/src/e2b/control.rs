@@ -202,11 +202,14 @@ async fn access_key(st: &SharedState, headers: &HeaderMap) -> Option<String> {
 }
 
 /// Create one E2B sandbox: `template` is an E2B template (image) or a snapshot id
-/// (`ck-…`, a Sandlot checkpoint: the sandbox is forked from it).
+/// (`ck-…`, a Sandlot checkpoint: the sandbox is forked from it); `shown` is the template
+/// it reports (`template` when `None`).
+#[allow(clippy::too_many_arguments)]
 async fn create_one(
     st: &SharedState,
     who: &Principal,
     template: &str,
+    shown: Option<String>,
     ttl_s: u64,
     env: BTreeMap<String, String>,
     labels: BTreeMap<String, String>,
@@ -230,7 +233,8 @@ async fn create_one(
     } else {
         create.image = Some(image_of(st, template));
     }
-    let extra = BTreeMap::from([(TEMPLATE_LABEL.to_owned(), template.to_owned())]);
+    let shown = shown.unwrap_or_else(|| template.to_owned());
+    let extra = BTreeMap::from([(TEMPLATE_LABEL.to_owned(), shown)]);
     let (rec, created) = create_sandbox(st, who, create, extra, key).await?;
     if let Err(e) = super::ensure_home(st, &rec.id, &super::home_of(None)).await {
         tracing::warn!(sandbox_id = %rec.id, error = %crate::error::chain(&e), "e2b: could not create /home/user");
@@ -265,6 +269,7 @@ pub async fn create(
         &st,
         &who,
         &req.template_id,
+        None,
         req.timeout.unwrap_or(DEFAULT_TIMEOUT_S),
         req.env_vars.unwrap_or_default(),
         req.metadata.unwrap_or_default(),
@@ -284,8 +289,10 @@ pub async fn create(
 }
 
 /// Names given to snapshots (`SandboxSnapshotRequest.name`), by snapshot id. Kept in
-/// memory only: after a server restart a snapshot lists with no names.
-static SNAPSHOT_NAMES: std::sync::LazyLock<std::sync::Mutex<BTreeMap<String, String>>> =
+/// memory only: after a server restart a snapshot lists with no names. With each name,
+/// when it was set (for pruning, in [`list_snapshots`]).
+type Names = BTreeMap<String, (String, std::time::Instant)>;
+static SNAPSHOT_NAMES: std::sync::LazyLock<std::sync::Mutex<Names>> =
     std::sync::LazyLock::new(Default::default);
 
 fn snapshot_name(id: &str) -> Option<String> {
@@ -293,7 +300,7 @@ fn snapshot_name(id: &str) -> Option<String> {
         .lock()
         .unwrap_or_else(|p| p.into_inner())
         .get(id)
-        .cloned()
+        .map(|(n, _)| n.clone())
 }
 
 fn snapshot_json(id: &str) -> serde_json::Value {
@@ -336,7 +343,7 @@ pub async fn create_snapshot(
         SNAPSHOT_NAMES
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .insert(ck.clone(), n);
+            .insert(ck.clone(), (n, std::time::Instant::now()));
     }
     Ok((StatusCode::CREATED, axum::Json(snapshot_json(&ck))).into_response())
 }
@@ -370,10 +377,15 @@ pub async fn list_snapshots(
             other => return Err(invalid(format!("unknown query parameter {other:?}"))),
         }
     }
-    let all: Vec<String> = st
-        .store
-        .list_checkpoints()
-        .await?
+    let listed_at = std::time::Instant::now();
+    let checkpoints = st.store.list_checkpoints().await?;
+    // Forget the names of checkpoints deleted another way (`DELETE /v1/checkpoints`); a
+    // name set after the listing began may belong to a checkpoint it does not show yet.
+    SNAPSHOT_NAMES
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .retain(|id, (_, at)| *at >= listed_at || checkpoints.iter().any(|c| c.id == *id));
+    let all: Vec<String> = checkpoints
         .into_iter()
         .filter(|c| who.sees(c.tenant.as_deref()))
         .filter(|c| sandbox.as_ref().is_none_or(|s| *s == c.sandbox_id))
@@ -457,6 +469,7 @@ pub async fn fork(
             &st,
             &who,
             &ck,
+            Some(template_of(&parent)),
             req.timeout.unwrap_or(DEFAULT_TIMEOUT_S),
             parent.spec.env.clone(),
             metadata_of(&parent),
@@ -464,11 +477,7 @@ pub async fn fork(
         )
         .await;
         out.push(match made {
-            Ok((mut rec, _)) => {
-                rec.labels
-                    .insert(TEMPLATE_LABEL.to_owned(), template_of(&parent));
-                serde_json::json!({"sandbox": sandbox_json(&st, &rec, key.clone())})
-            }
+            Ok((rec, _)) => serde_json::json!({"sandbox": sandbox_json(&st, &rec, key.clone())}),
             Err(e) => {
                 let api = e.api_error();
                 serde_json::json!({"error": {"code": api.code.http_status(), "message": api.message}})
