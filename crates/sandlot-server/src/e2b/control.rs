@@ -3,7 +3,7 @@
 //! | E2B | Sandlot |
 //! |---|---|
 //! | `POST /v2/sandboxes` `{templateID, timeout, metadata, envVars, autoPause}` → 201 `Sandbox` | create: template → image (`base` → [`super::E2bConfig::base_image`]), `timeout` s → TTL (default 15 s, as E2B), `metadata` → labels, `envVars` → env, backend [`super::E2bConfig::backend`]; `Idempotency-Key` as for `/v1` |
-//! | `GET /v2/sandboxes?metadata=&state=&limit=` → `[ListedSandbox]` | list of the caller's sandboxes, `metadata` = URL-encoded `k=v&…` (all must match), `state` = `running,paused` |
+//! | `GET /v2/sandboxes?metadata=&state=&template=&startedAfter=&order=&limit=&nextToken=` → `[ListedSandbox]`, `X-Next-Token` when more follow | list of the caller's sandboxes, `metadata` = URL-encoded `k=v&…` (all must match), `state` = `running,paused`, `order` by start (default `desc`), `limit` 1–100 (default 100) |
 //! | `GET /sandboxes` → `[ListedSandbox]` | the running ones |
 //! | `GET /sandboxes/{id}` → `SandboxDetail` | get |
 //! | `DELETE /sandboxes/{id}` → 204 (404 unknown) | delete |
@@ -11,7 +11,10 @@
 //! | `POST /sandboxes/{id}/refreshes {duration}` → 204 | keepalive |
 //! | `POST /sandboxes/{id}/pause` → 204 (409 when paused) | pause (processes frozen, files kept) |
 //! | `POST /sandboxes/{id}/resume {timeout}` → 201 `Sandbox` (409 when running) | resume |
-//! | `POST /v2/sandboxes/{id}/connect {timeout}` → 200 `Sandbox` (running) or 201 (resumed) | resume when paused, then TTL |
+//! | `POST /v2/sandboxes/{id}/connect {timeout}` → 200 `Sandbox` (running) or 201 (resumed) | resume when paused, then TTL (never shortened for a running one) |
+//! | `POST /sandboxes/{id}/snapshots {name}` → 201 `SnapshotInfo`; `GET /snapshots`; `DELETE /templates/{snapshotID}` | disk checkpoint ([`crate::checkpoints`]); `templateID` = snapshot id forks from it |
+//! | `POST /sandboxes/{id}/fork {timeout, count}` → 201 `[SandboxForkResult]` | checkpoint, `count` creates from it, checkpoint deleted |
+//! | other E2B control routes (metrics, logs, templates, volumes, network) | 501 in E2B's error shape |
 //!
 //! Errors are E2B's body `{"code": <HTTP status>, "message": "…"}`. Unsupported fields
 //! (`autoPause`, `network`, `mcp`, volume mounts, `secure`) are accepted and ignored;
@@ -198,7 +201,50 @@ async fn access_key(st: &SharedState, headers: &HeaderMap) -> Option<String> {
     }
 }
 
-/// `POST /v2/sandboxes` → 201 `Sandbox`.
+/// Create one E2B sandbox: `template` is an E2B template (image) or a snapshot id
+/// (`ck-…`, a Sandlot checkpoint: the sandbox is forked from it); `shown` is the template
+/// it reports (`template` when `None`).
+#[allow(clippy::too_many_arguments)]
+async fn create_one(
+    st: &SharedState,
+    who: &Principal,
+    template: &str,
+    shown: Option<String>,
+    ttl_s: u64,
+    env: BTreeMap<String, String>,
+    labels: BTreeMap<String, String>,
+    key: Option<String>,
+) -> Result<(Record, bool), ServerError> {
+    if labels.keys().any(|k| k.starts_with("e2b/")) {
+        return Err(ServerError::invalid(
+            "metadata keys starting with \"e2b/\" are reserved",
+        ));
+    }
+    let mut create = CreateSandboxRequest {
+        backend: st.cfg.e2b.backend,
+        ttl_s: Some(ttl_s),
+        env,
+        labels,
+        ..Default::default()
+    };
+    if sandlot_node_api::check_checkpoint_id(template).is_ok() {
+        create.checkpoint = Some(template.to_owned());
+        crate::checkpoints::fill_from_checkpoint(st, who, &mut create, false).await?;
+    } else {
+        create.image = Some(image_of(st, template));
+    }
+    let shown = shown.unwrap_or_else(|| template.to_owned());
+    let extra = BTreeMap::from([(TEMPLATE_LABEL.to_owned(), shown)]);
+    let (rec, created) = create_sandbox(st, who, create, extra, key).await?;
+    if let Err(e) = super::ensure_home(st, &rec.id, &super::home_of(None)).await {
+        tracing::warn!(sandbox_id = %rec.id, error = %crate::error::chain(&e), "e2b: could not create /home/user");
+    }
+    Ok((rec, created))
+}
+
+/// `POST /v2/sandboxes` (and the older `POST /sandboxes`) → 201 `Sandbox`. A
+/// `templateID` that is a snapshot id (`ck-…`, from `POST /sandboxes/{id}/snapshots`)
+/// starts the sandbox from that snapshot's files.
 pub async fn create(
     State(st): State<SharedState>,
     Extension(who): Extension<Principal>,
@@ -208,18 +254,6 @@ pub async fn create(
     let req: NewSandbox = body_of(&body)?;
     if req.template_id.is_empty() {
         return Err(invalid("templateID must not be empty"));
-    }
-    let image = image_of(&st, &req.template_id);
-    let create = CreateSandboxRequest {
-        backend: st.cfg.e2b.backend,
-        image: Some(image),
-        ttl_s: Some(req.timeout.unwrap_or(DEFAULT_TIMEOUT_S)),
-        env: req.env_vars.unwrap_or_default(),
-        labels: req.metadata.unwrap_or_default(),
-        ..Default::default()
-    };
-    if create.labels.keys().any(|k| k.starts_with("e2b/")) {
-        return Err(invalid("metadata keys starting with \"e2b/\" are reserved"));
     }
     let key = match headers.get("idempotency-key") {
         None => None,
@@ -231,11 +265,17 @@ pub async fn create(
                 .to_owned(),
         ),
     };
-    let extra = BTreeMap::from([(TEMPLATE_LABEL.to_owned(), req.template_id.clone())]);
-    let (rec, created) = create_sandbox(&st, &who, create, extra, key).await?;
-    if let Err(e) = super::ensure_home(&st, &rec.id, &super::home_of(None)).await {
-        tracing::warn!(sandbox_id = %rec.id, error = %crate::error::chain(&e), "e2b: could not create /home/user");
-    }
+    let (rec, created) = create_one(
+        &st,
+        &who,
+        &req.template_id,
+        None,
+        req.timeout.unwrap_or(DEFAULT_TIMEOUT_S),
+        req.env_vars.unwrap_or_default(),
+        req.metadata.unwrap_or_default(),
+        key,
+    )
+    .await?;
     let status = if created {
         StatusCode::CREATED
     } else {
@@ -248,13 +288,246 @@ pub async fn create(
         .into_response())
 }
 
+/// Names given to snapshots (`SandboxSnapshotRequest.name`), by snapshot id. Kept in
+/// memory only: after a server restart a snapshot lists with no names. With each name,
+/// when it was set (for pruning, in [`list_snapshots`]).
+type Names = BTreeMap<String, (String, std::time::Instant)>;
+static SNAPSHOT_NAMES: std::sync::LazyLock<std::sync::Mutex<Names>> =
+    std::sync::LazyLock::new(Default::default);
+
+fn snapshot_name(id: &str) -> Option<String> {
+    SNAPSHOT_NAMES
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .get(id)
+        .map(|(n, _)| n.clone())
+}
+
+fn snapshot_json(id: &str) -> serde_json::Value {
+    serde_json::json!({"snapshotID": id, "names": snapshot_name(id).into_iter().collect::<Vec<_>>()})
+}
+
+/// Checkpoint `id` (visible to `who`, running or paused) → the checkpoint id.
+async fn checkpoint_of(st: &SharedState, who: &Principal, id: &str) -> E2bResult<String> {
+    let rec = visible(st, who, id).await?;
+    if !matches!(rec.state, SandboxState::Running | SandboxState::Paused) {
+        return Err(E2bError(ServerError::no_sandbox(id)));
+    }
+    let (_, axum::Json(ck)) = crate::checkpoints::create(
+        State(st.clone()),
+        Extension(who.clone()),
+        crate::error::Path(id.to_owned()),
+    )
+    .await
+    .map(|(s, crate::error::Json(c))| (s, axum::Json(c)))?;
+    Ok(ck.checkpoint_id)
+}
+
+/// `POST /sandboxes/{id}/snapshots {"name"?}` → 201 `SnapshotInfo`: a Sandlot checkpoint of
+/// the sandbox's files (processes and memory are not saved); its id is the `snapshotID`,
+/// usable as `templateID` of a create.
+pub async fn create_snapshot(
+    State(st): State<SharedState>,
+    Extension(who): Extension<Principal>,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> E2bResult<Response> {
+    #[derive(Deserialize)]
+    struct Req {
+        #[serde(default)]
+        name: Option<String>,
+    }
+    let req: Req = body_of(&body)?;
+    let ck = checkpoint_of(&st, &who, &id).await?;
+    if let Some(n) = req.name.filter(|n| !n.is_empty()) {
+        SNAPSHOT_NAMES
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(ck.clone(), (n, std::time::Instant::now()));
+    }
+    Ok((StatusCode::CREATED, axum::Json(snapshot_json(&ck))).into_response())
+}
+
+/// `GET /snapshots?sandboxID=&name=&limit=&nextToken=` → 200 `[SnapshotInfo]`, oldest
+/// first; `X-Next-Token` (an offset) when more follow.
+pub async fn list_snapshots(
+    State(st): State<SharedState>,
+    Extension(who): Extension<Principal>,
+    RawQuery(raw): RawQuery,
+) -> E2bResult<Response> {
+    let pairs: Vec<(String, String)> = serde_urlencoded::from_str(raw.as_deref().unwrap_or(""))
+        .map_err(|e| invalid(format!("query: {e}")))?;
+    let (mut sandbox, mut name, mut limit, mut from) = (None, None, 100usize, 0usize);
+    for (k, v) in pairs {
+        match k.as_str() {
+            "sandboxID" => sandbox = Some(v),
+            "name" => name = Some(v),
+            "limit" => {
+                limit = v
+                    .parse()
+                    .ok()
+                    .filter(|l| (1..=100).contains(l))
+                    .ok_or_else(|| invalid(format!("limit {v:?} must be 1–100")))?
+            }
+            "nextToken" => {
+                from = v
+                    .parse()
+                    .map_err(|_| invalid(format!("nextToken {v:?} is not one this server gave")))?
+            }
+            other => return Err(invalid(format!("unknown query parameter {other:?}"))),
+        }
+    }
+    let listed_at = std::time::Instant::now();
+    let checkpoints = st.store.list_checkpoints().await?;
+    // Forget the names of checkpoints deleted another way (`DELETE /v1/checkpoints`); a
+    // name set after the listing began may belong to a checkpoint it does not show yet.
+    SNAPSHOT_NAMES
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .retain(|id, (_, at)| *at >= listed_at || checkpoints.iter().any(|c| c.id == *id));
+    let all: Vec<String> = checkpoints
+        .into_iter()
+        .filter(|c| who.sees(c.tenant.as_deref()))
+        .filter(|c| sandbox.as_ref().is_none_or(|s| *s == c.sandbox_id))
+        .filter(|c| {
+            name.as_ref()
+                .is_none_or(|n| *n == c.id || snapshot_name(&c.id).as_ref() == Some(n))
+        })
+        .map(|c| c.id)
+        .collect();
+    let page: Vec<serde_json::Value> = all
+        .iter()
+        .skip(from)
+        .take(limit)
+        .map(|id| snapshot_json(id))
+        .collect();
+    let mut r = axum::Json(page).into_response();
+    if from.saturating_add(limit) < all.len() {
+        if let Ok(v) = (from + limit).to_string().parse() {
+            r.headers_mut().insert("x-next-token", v);
+        }
+    }
+    Ok(r)
+}
+
+/// `DELETE /templates/{id}` → 204 for a snapshot (a Sandlot checkpoint) the caller sees,
+/// 404 otherwise (templates are images in Sandlot and are not deleted here).
+pub async fn delete_template(
+    State(st): State<SharedState>,
+    Extension(who): Extension<Principal>,
+    Path(id): Path<String>,
+) -> E2bResult<StatusCode> {
+    if crate::checkpoints::visible(&st, &who, &id).await.is_err() {
+        return Err(E2bError(ServerError::new(
+            ErrorCode::NotFound,
+            format!("snapshot {id} not found"),
+        )));
+    }
+    crate::checkpoints::delete(
+        State(st.clone()),
+        Extension(who.clone()),
+        crate::error::Path(id.clone()),
+    )
+    .await?;
+    SNAPSHOT_NAMES
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .remove(&id);
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// `POST /sandboxes/{id}/fork {"timeout"?, "count"?}` → 201 `[SandboxForkResult]`: one
+/// checkpoint of the sandbox's files, `count` (1–100) sandboxes created from it (each
+/// `{"sandbox"}` or `{"error": {code, message}}`), then the checkpoint deleted. The
+/// forks keep the parent's template, metadata and environment; memory and processes are
+/// not carried (Sandlot checkpoints are disk only).
+pub async fn fork(
+    State(st): State<SharedState>,
+    Extension(who): Extension<Principal>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> E2bResult<Response> {
+    #[derive(Deserialize)]
+    struct Req {
+        #[serde(default)]
+        timeout: Option<u64>,
+        #[serde(default)]
+        count: Option<u64>,
+    }
+    let req: Req = body_of(&body)?;
+    let count = req.count.unwrap_or(1);
+    if !(1..=100).contains(&count) {
+        return Err(invalid(format!("count {count} must be 1–100")));
+    }
+    let parent = visible(&st, &who, &id).await?;
+    let ck = checkpoint_of(&st, &who, &id).await?;
+    let key = access_key(&st, &headers).await;
+    let mut out = Vec::new();
+    for _ in 0..count {
+        let made = create_one(
+            &st,
+            &who,
+            &ck,
+            Some(template_of(&parent)),
+            req.timeout.unwrap_or(DEFAULT_TIMEOUT_S),
+            parent.spec.env.clone(),
+            metadata_of(&parent),
+            None,
+        )
+        .await;
+        out.push(match made {
+            Ok((rec, _)) => serde_json::json!({"sandbox": sandbox_json(&st, &rec, key.clone())}),
+            Err(e) => {
+                let api = e.api_error();
+                serde_json::json!({"error": {"code": api.code.http_status(), "message": api.message}})
+            }
+        });
+    }
+    if let Err(e) = crate::checkpoints::delete(
+        State(st.clone()),
+        Extension(who.clone()),
+        crate::error::Path(ck.clone()),
+    )
+    .await
+    {
+        tracing::warn!(checkpoint_id = %ck, error = %crate::error::chain(&e), "e2b fork: could not delete its checkpoint");
+    }
+    Ok((StatusCode::CREATED, axum::Json(out)).into_response())
+}
+
+/// Any E2B control route Sandlot does not serve (templates, volumes, secrets, metrics,
+/// logs, network updates…) → 501 in E2B's error shape.
+pub async fn unsupported(uri: axum::http::Uri, method: axum::http::Method) -> Response {
+    let status = StatusCode::NOT_IMPLEMENTED;
+    let message = format!(
+        "{method} {} is not supported by Sandlot's E2B surface (docs/e2b.md)",
+        uri.path()
+    );
+    (
+        status,
+        axum::Json(serde_json::json!({"code": status.as_u16(), "message": message})),
+    )
+        .into_response()
+}
+
 /// Parsed list query.
 #[derive(Debug, Default, PartialEq)]
 struct ListQuery {
     metadata: Vec<(String, String)>,
     states: Option<Vec<&'static str>>,
     limit: Option<usize>,
+    /// Oldest first (`order=asc`); default newest first, as E2B.
+    asc: bool,
+    /// `startedAfter`, Unix ms: sandboxes started at or after it.
+    started_after_ms: Option<i64>,
+    template: Option<String>,
+    /// `nextToken`: the (start ms, id) of the previous page's last sandbox.
+    after: Option<(i64, String)>,
 }
+
+/// Most sandboxes on one page of `GET /v2/sandboxes` (E2B's `limit` maximum and default).
+pub const MAX_PAGE: usize = 100;
 
 fn parse_list_query(raw: Option<&str>) -> E2bResult<ListQuery> {
     let pairs: Vec<(String, String)> = serde_urlencoded::from_str(raw.unwrap_or(""))
@@ -290,11 +563,29 @@ fn parse_list_query(raw: Option<&str>) -> E2bResult<ListQuery> {
             "limit" => {
                 let n: usize = v
                     .parse()
-                    .map_err(|_| invalid(format!("limit {v:?} must be a number")))?;
+                    .ok()
+                    .filter(|n| (1..=MAX_PAGE).contains(n))
+                    .ok_or_else(|| invalid(format!("limit {v:?} must be 1–{MAX_PAGE}")))?;
                 q.limit = Some(n);
             }
-            // Pagination: everything fits one page; the token is ignored.
-            "nextToken" | "order" | "startedAfter" | "template" => {}
+            "order" => {
+                q.asc = match v.as_str() {
+                    "asc" => true,
+                    "desc" => false,
+                    _ => return Err(invalid(format!("order {v:?}: expected asc or desc"))),
+                }
+            }
+            "startedAfter" => {
+                let t = chrono::DateTime::parse_from_rfc3339(&v)
+                    .map_err(|e| invalid(format!("startedAfter {v:?}: {e}")))?;
+                q.started_after_ms = Some(t.timestamp_millis());
+            }
+            "template" => q.template = Some(v),
+            "nextToken" => {
+                let bad = || invalid(format!("nextToken {v:?} is not one this server gave"));
+                let (ms, id) = v.split_once('.').ok_or_else(bad)?;
+                q.after = Some((ms.parse().map_err(|_| bad())?, id.to_owned()));
+            }
             other => return Err(invalid(format!("unknown query parameter {other:?}"))),
         }
     }
@@ -317,32 +608,51 @@ async fn list_with(
     who: &Principal,
     q: ListQuery,
     default_states: &[&'static str],
+    default_limit: Option<usize>,
 ) -> E2bResult<Response> {
     let states = q.states.unwrap_or_else(|| default_states.to_vec());
-    let mut out = Vec::new();
+    let mut recs: Vec<Record> = Vec::new();
     for rec in st.store.list().await? {
-        if !who.sees(rec.tenant.as_deref()) {
-            continue;
-        }
-        if !matches!(rec.state, SandboxState::Running | SandboxState::Paused) {
-            continue;
-        }
-        if !states.contains(&state_of(&rec)) {
-            continue;
-        }
-        if !q
-            .metadata
-            .iter()
-            .all(|(k, v)| rec.labels.get(k).is_some_and(|x| x == v))
+        if !who.sees(rec.tenant.as_deref())
+            || !matches!(rec.state, SandboxState::Running | SandboxState::Paused)
+            || !states.contains(&state_of(&rec))
+            || q.started_after_ms.is_some_and(|t| rec.created_at_ms < t)
+            || q.template.as_ref().is_some_and(|t| *t != template_of(&rec))
+            || !q
+                .metadata
+                .iter()
+                .all(|(k, v)| rec.labels.get(k).is_some_and(|x| x == v))
         {
             continue;
         }
-        out.push(listed_json(&rec));
-        if q.limit.is_some_and(|l| out.len() >= l) {
-            break;
+        recs.push(rec);
+    }
+    // Start time, then id: a total order, so a page's last (start, id) is the cursor.
+    recs.sort_by(|a, b| (a.created_at_ms, &a.id).cmp(&(b.created_at_ms, &b.id)));
+    if !q.asc {
+        recs.reverse();
+    }
+    if let Some((ms, id)) = &q.after {
+        let cur = (*ms, id);
+        recs.retain(|r| {
+            let k = (r.created_at_ms, &r.id);
+            if q.asc {
+                k > cur
+            } else {
+                k < cur
+            }
+        });
+    }
+    let limit = q.limit.or(default_limit).unwrap_or(usize::MAX);
+    let more = recs.len() > limit;
+    recs.truncate(limit);
+    let mut r = axum::Json(recs.iter().map(listed_json).collect::<Vec<_>>()).into_response();
+    if let (true, Some(last)) = (more, recs.last()) {
+        if let Ok(v) = format!("{}.{}", last.created_at_ms, last.id).parse() {
+            r.headers_mut().insert("x-next-token", v);
         }
     }
-    Ok(axum::Json(out).into_response())
+    Ok(r)
 }
 
 /// `GET /v2/sandboxes` → `[ListedSandbox]` (running and paused unless `state` says).
@@ -352,7 +662,7 @@ pub async fn list_v2(
     RawQuery(raw): RawQuery,
 ) -> E2bResult<Response> {
     let q = parse_list_query(raw.as_deref())?;
-    list_with(&st, &who, q, &["running", "paused"]).await
+    list_with(&st, &who, q, &["running", "paused"], Some(MAX_PAGE)).await
 }
 
 /// `GET /sandboxes` → `[ListedSandbox]` (running ones unless `state` says).
@@ -362,7 +672,7 @@ pub async fn list_v1(
     RawQuery(raw): RawQuery,
 ) -> E2bResult<Response> {
     let q = parse_list_query(raw.as_deref())?;
-    list_with(&st, &who, q, &["running"]).await
+    list_with(&st, &who, q, &["running"], None).await
 }
 
 /// `GET /sandboxes/{id}` → `SandboxDetail`.
@@ -489,7 +799,8 @@ pub async fn resume(
 
 /// `POST /v2/sandboxes/{id}/connect {"timeout": s}` (and the older `/sandboxes/{id}/
 /// connect`) → 200 `Sandbox` when it was running, 201 when it was paused and is resumed.
-/// `timeout` resets the TTL from now.
+/// `timeout` sets the end to now + timeout, unless that would make a running sandbox's
+/// end earlier (then the end stays).
 pub async fn connect(
     State(st): State<SharedState>,
     Extension(who): Extension<Principal>,
@@ -500,9 +811,17 @@ pub async fn connect(
     let b: TimeoutBody = body_of(&body)?;
     let rec = visible(&st, &who, &id).await?;
     let resumed = resume_if_paused(&st, &rec).await?;
+    // A running sandbox's end is only ever moved later (E2B's
+    // `test_resume_does_not_shorten_timeout_on_running_sandbox`).
+    let later = |t: u64| {
+        resumed
+            || rec
+                .expires_at_ms
+                .is_some_and(|e| e < crate::now_ms() + t as i64 * 1000)
+    };
     let rec = match b.timeout {
-        Some(t) => set_ttl(&st, &id, t).await?,
-        None => visible(&st, &who, &id).await?,
+        Some(t) if later(t) => set_ttl(&st, &id, t).await?,
+        _ => visible(&st, &who, &id).await?,
     };
     let status = if resumed {
         StatusCode::CREATED
@@ -542,6 +861,23 @@ mod tests {
             q.metadata,
             vec![("job".into(), "test_x[function] a&b=c/d%".into())]
         );
+        let q = parse_list_query(Some(
+            "order=asc&startedAfter=2026-12-05T12%3A00%3A00.5%2B00%3A00&template=base&nextToken=7.sb-1",
+        ))
+        .unwrap();
+        assert!(q.asc);
+        assert_eq!(q.started_after_ms, Some(1_796_472_000_500));
+        assert_eq!(q.template.as_deref(), Some("base"));
+        assert_eq!(q.after, Some((7, "sb-1".into())));
+        for bad in [
+            "order=up",
+            "limit=0",
+            "limit=101",
+            "nextToken=x",
+            "startedAfter=today",
+        ] {
+            assert!(parse_list_query(Some(bad)).is_err(), "{bad}");
+        }
         assert!(parse_list_query(Some("state=gone")).is_err());
         assert!(parse_list_query(Some("bogus=1")).is_err());
         assert_eq!(parse_list_query(None).unwrap(), ListQuery::default());

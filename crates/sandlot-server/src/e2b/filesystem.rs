@@ -4,10 +4,10 @@
 //! | method / route | Sandlot |
 //! |---|---|
 //! | `Stat {path}` → `{entry}` | stat (symlinks followed inside the sandbox) |
-//! | `ListDir {path, depth}` → `{entries}` | list, recursing into directories down to `depth` (default 1), at most [`MAX_ENTRIES`] entries |
+//! | `ListDir {path, depth}` → `{entries}` | list, recursing into directories down to `depth` (default 1), at most [`MAX_ENTRIES`] entries, in envd's order (depth first, by name) |
 //! | `MakeDir {path}` → `{entry}` | `mkdir -p`; `already_exists` when the path exists |
 //! | `Move {source, destination}` → `{entry}` | `mv` in the sandbox (destination's parents created) |
-//! | `Remove {path}` → `{}` | remove (a directory recursively) |
+//! | `Remove {path}` → `{}` | remove (a directory recursively); a missing path is not an error (envd's `os.RemoveAll`) |
 //! | `GET /files?path=&username=` → the bytes | read, at most `max_file_bytes` |
 //! | `POST /files?path=&username=`, `multipart/form-data` (part `file`, its filename the path when `path` is absent) or `application/octet-stream` → `[{name, type: "file", path}]` | write (parents created), at most `max_file_bytes` per request |
 //!
@@ -225,7 +225,7 @@ async fn list_dir(
             if e.kind == FileType::Dir && level < depth {
                 todo.push((p.clone(), level + 1));
             }
-            out.push(entry_info(&e, &p));
+            out.push((p.clone(), entry_info(&e, &p)));
             if out.len() > MAX_ENTRIES {
                 return Err(ConnectError::new(
                     "resource_exhausted",
@@ -234,7 +234,11 @@ async fn list_dir(
             }
         }
     }
-    Ok(unary_ok(serde_json::json!({ "entries": out })))
+    // envd's order (`filepath.WalkDir`): depth first, each directory's entries by name,
+    // a directory followed by what is in it.
+    out.sort_by(|(a, _), (b, _)| a.split('/').cmp(b.split('/')));
+    let entries: Vec<serde_json::Value> = out.into_iter().map(|(_, e)| e).collect();
+    Ok(unary_ok(serde_json::json!({ "entries": entries })))
 }
 
 async fn make_dir(
@@ -311,7 +315,14 @@ async fn remove(
 ) -> Result<Response, ConnectError> {
     let req: PathReq = unary_request(body)?;
     let path = resolve(&req.path, home)?;
-    st.node.stat_file(id, &path).await?;
+    // envd removes with `os.RemoveAll`: a missing path is not an error (E2B's
+    // `test_remove_non_existing_file`).
+    match st.node.stat_file(id, &path).await {
+        Err(sandlot_node_api::NodeError::NotFound(_)) => {
+            return Ok(unary_ok(serde_json::json!({})))
+        }
+        r => r?,
+    };
     st.node.remove_file(id, &path).await?;
     Ok(unary_ok(serde_json::json!({})))
 }

@@ -48,7 +48,7 @@ use axum::extract::Request;
 use axum::http::{header, HeaderMap, HeaderValue};
 use axum::middleware::Next;
 use axum::response::Response;
-use axum::routing::{get, post};
+use axum::routing::{any, get, post};
 use axum::Router;
 use base64::Engine;
 use sandlot_api::{Backend, ErrorCode};
@@ -195,7 +195,7 @@ pub fn routes() -> Router<SharedState> {
     Router::new()
         .merge(connect)
         .route("/v2/sandboxes", post(control::create).get(control::list_v2))
-        .route("/sandboxes", get(control::list_v1))
+        .route("/sandboxes", get(control::list_v1).post(control::create))
         .route(
             "/sandboxes/{sandbox_id}",
             get(control::get_one).delete(control::kill),
@@ -206,6 +206,24 @@ pub fn routes() -> Router<SharedState> {
         .route("/sandboxes/{sandbox_id}/resume", post(control::resume))
         .route("/sandboxes/{sandbox_id}/connect", post(control::connect))
         .route("/v2/sandboxes/{sandbox_id}/connect", post(control::connect))
+        .route("/sandboxes/{sandbox_id}/fork", post(control::fork))
+        .route(
+            "/sandboxes/{sandbox_id}/snapshots",
+            post(control::create_snapshot),
+        )
+        .route("/snapshots", get(control::list_snapshots))
+        .route(
+            "/templates/{template_id}",
+            axum::routing::delete(control::delete_template).fallback(control::unsupported),
+        )
+        .route("/sandboxes/{sandbox_id}/{*rest}", any(control::unsupported))
+        .route(
+            "/v2/sandboxes/{sandbox_id}/{*rest}",
+            any(control::unsupported),
+        )
+        .route("/templates", any(control::unsupported))
+        .route("/volumes", any(control::unsupported))
+        .route("/volumes/{*rest}", any(control::unsupported))
         .route("/health", get(health))
         .route("/files", get(filesystem::download).post(filesystem::upload))
         .route("/execute", post(interpreter::execute))
@@ -227,6 +245,11 @@ pub fn routes() -> Router<SharedState> {
 pub fn is_e2b_path(path: &str) -> bool {
     path == "/sandboxes"
         || path.starts_with("/sandboxes/")
+        || path == "/snapshots"
+        || path == "/templates"
+        || path.starts_with("/templates/")
+        || path == "/volumes"
+        || path.starts_with("/volumes/")
         || path == "/v2/sandboxes"
         || path.starts_with("/v2/sandboxes/")
         || is_envd_path(path)

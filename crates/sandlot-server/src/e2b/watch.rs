@@ -3,7 +3,8 @@
 //! **polling**: nothing runs inside the sandbox, so it works on every backend and in any
 //! image. Every [`POLL_MS`] ms the watcher lists the directory through the node's file calls
 //! (`list_dir`, recursing when `recursive`) and diffs the listing with the previous one
-//! ([`diff`]).
+//! ([`diff`]); `GetWatcherEvents` also polls once before it answers, so what changed
+//! before the call is in its answer (E2B's tests read events right after a write).
 //!
 //! | method | kind | answer |
 //! |---|---|---|
@@ -77,6 +78,16 @@ struct Pending {
     events: VecDeque<serde_json::Value>,
     error: Option<ConnectError>,
     last_read: Option<Instant>,
+    /// What it watches and its last listing (`None` only before its first poll is set up).
+    poller: Option<Arc<Poller>>,
+}
+
+/// A `CreateWatcher` watcher's target and last listing, shared by its poll task and
+/// `GetWatcherEvents` (which polls once more before it answers, so a change made before
+/// the call is in the answer, as with envd's inotify). The async lock keeps polls in order.
+struct Poller {
+    t: Target,
+    snap: tokio::sync::Mutex<Snapshot>,
 }
 
 /// The live watchers of every sandbox, by watcher id.
@@ -430,12 +441,17 @@ pub async fn serve(
             let req: WatchReq = unary_request(body)?;
             let t = target(st, id, home, &req).await?;
             let snap = snapshot(st, id, &t.root, t.recursive).await?;
+            let poller = Arc::new(Poller {
+                t,
+                snap: tokio::sync::Mutex::new(snap),
+            });
             let pending = Arc::new(Mutex::new(Pending {
                 last_read: Some(Instant::now()),
+                poller: Some(poller.clone()),
                 ..Default::default()
             }));
             let wid = st.e2b.watchers.add(id, Some(pending.clone()))?;
-            let task = tokio::spawn(poll_into(st.clone(), wid.clone(), t, snap, pending));
+            let task = tokio::spawn(poll_into(st.clone(), wid.clone(), poller, pending));
             st.e2b.watchers.set_task(&wid, task.abort_handle());
             Ok(unary_ok(serde_json::json!({ "watcherId": wid })))
         }
@@ -446,6 +462,10 @@ pub async fn serve(
                 .watchers
                 .pending_of(id, &req.watcher_id)
                 .ok_or_else(|| unknown_watcher(&req.watcher_id))?;
+            let poller = p.lock().unwrap_or_else(|e| e.into_inner()).poller.clone();
+            if let Some(poller) = poller {
+                poll_step(st, &req.watcher_id, &poller, &p).await;
+            }
             let (events, error) = {
                 let mut g = p.lock().unwrap_or_else(|e| e.into_inner());
                 g.last_read = Some(Instant::now());
@@ -504,8 +524,7 @@ async fn target(
 async fn poll_into(
     st: SharedState,
     wid: String,
-    t: Target,
-    mut snap: Snapshot,
+    poller: Arc<Poller>,
     pending: Arc<Mutex<Pending>>,
 ) {
     let mut tick = tokio::time::interval(Duration::from_millis(POLL_MS));
@@ -522,32 +541,50 @@ async fn poll_into(
             st.e2b.watchers.remove(&wid);
             return;
         }
-        let r = poll_once(&st, &t, &mut snap).await;
-        let mut g = pending.lock().unwrap_or_else(|e| e.into_inner());
-        match r {
-            Ok(None) => {}
-            Ok(Some(evs)) => {
-                if g.events.len() + evs.len() > MAX_PENDING_EVENTS {
-                    g.error = Some(ConnectError::new(
-                        "resource_exhausted",
-                        format!(
-                            "more than {MAX_PENDING_EVENTS} events not fetched: the watcher \
-                             stopped; fetch events more often"
-                        ),
-                    ));
-                    return;
-                }
-                g.events.extend(evs);
+        if !poll_step(&st, &wid, &poller, &pending).await {
+            return;
+        }
+    }
+}
+
+/// One poll of watcher `wid` into `pending`; false once the watcher has stopped (its
+/// error is then in `pending`, and no further poll adds anything).
+async fn poll_step(st: &SharedState, wid: &str, poller: &Poller, pending: &Mutex<Pending>) -> bool {
+    let mut snap = poller.snap.lock().await;
+    if pending
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .error
+        .is_some()
+    {
+        return false;
+    }
+    let r = poll_once(st, &poller.t, &mut snap).await;
+    let mut g = pending.lock().unwrap_or_else(|e| e.into_inner());
+    match r {
+        Ok(None) => true,
+        Ok(Some(evs)) => {
+            if g.events.len() + evs.len() > MAX_PENDING_EVENTS {
+                g.error = Some(ConnectError::new(
+                    "resource_exhausted",
+                    format!(
+                        "more than {MAX_PENDING_EVENTS} events not fetched: the watcher \
+                         stopped; fetch events more often"
+                    ),
+                ));
+                return false;
             }
-            Err(e) => {
-                let gone = e.message == gone_message(&t.sandbox);
-                g.error = Some(e);
-                drop(g);
-                if gone {
-                    st.e2b.watchers.remove(&wid);
-                }
-                return;
+            g.events.extend(evs);
+            true
+        }
+        Err(e) => {
+            let gone = e.message == gone_message(&poller.t.sandbox);
+            g.error = Some(e);
+            drop(g);
+            if gone {
+                st.e2b.watchers.remove(wid);
             }
+            false
         }
     }
 }
