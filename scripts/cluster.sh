@@ -50,11 +50,13 @@
 # and `--warm-pool 0` this way). Server I (0-based) is named `srvI` (`--name`), keeps its
 # state in DIR/server (I = 0) or DIR/serverI, and its pid, URL, command line and log in
 # DIR/server.{pid,url,cmd,log} (I = 0) or DIR/serverI.{pid,url,cmd,log}. Logs: also DIR/nodeI.log,
-# DIR/etcd/mI.log, DIR/pg/postgres.log.
+# DIR/etcd/mI.log, DIR/pg/postgres.log. Every node gets `--snapshot-dir DIR/snapshots`, the
+# shared snapshot store (one directory of this host, as an NFS mount would be on several),
+# so a paused microVM resumes on another node when its own is gone.
 set -euo pipefail
 
 die() { echo "cluster.sh: $*" >&2; exit 1; }
-usage() { sed -n '2,53p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '2,56p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 
 root=$(cd "$(dirname "$0")/.." && pwd)
 bin=${SANDLOT_BIN:-$root/target/release/sandlot}
@@ -233,6 +235,7 @@ case "$cmd" in
       printf '%s\0' nsenter --net="/run/netns/$ns" "$bin" node --listen "$ip_addr:$node_port" \
         --advertise "$url" --etcd "$etcd_urls" --name "node$i" \
         --data-dir "$dir/node$i" --images-dir "$images" --token-file "$token_file" \
+        --snapshot-dir "$dir/snapshots" \
         "${node_extra[@]}" >"$dir/node$i.cmd"
       start_node "$dir" "$i"
     done

@@ -29,6 +29,9 @@ type Limits = (f64, u64, Instant);
 pub struct Tracked {
     inner: Arc<dyn Node>,
     limits: Mutex<HashMap<String, Limits>>,
+    /// The node's data directory, from [`Tracked::learn_readopted`] (for sandboxes taken
+    /// over from the shared snapshot store later).
+    data_dir: std::sync::OnceLock<PathBuf>,
 }
 
 impl Tracked {
@@ -37,6 +40,7 @@ impl Tracked {
         Tracked {
             inner,
             limits: Mutex::new(HashMap::new()),
+            data_dir: std::sync::OnceLock::new(),
         }
     }
 
@@ -56,11 +60,13 @@ impl Tracked {
 
     /// Learns the limits of re-adopted sandboxes `ids` from their state files under
     /// `data_dir` (`sandboxes/<id>/state.json` of `function`, `containers/<id>/state.json`
-    /// of `container`: the `spec.cpu` and `spec.memory_mib` fields). Sandboxes of other
-    /// backends, or without a readable file, count as sandboxes with no cpu or memory.
+    /// of `container`, `microvm/vms/<id>/state.json` and `vm/vms/<id>/state.json` of the
+    /// QEMU backends: the `spec.cpu` and `spec.memory_mib` fields). Sandboxes without a
+    /// readable file count as sandboxes with no cpu or memory.
     pub fn learn_readopted(&self, data_dir: &Path, ids: &[String]) {
+        let _ = self.data_dir.set(data_dir.to_path_buf());
         for id in ids {
-            for sub in ["sandboxes", "containers"] {
+            for sub in ["sandboxes", "containers", "microvm/vms", "vm/vms"] {
                 let f: PathBuf = data_dir.join(sub).join(id).join("state.json");
                 let Ok(raw) = std::fs::read(&f) else { continue };
                 let Ok(v) = serde_json::from_slice::<serde_json::Value>(&raw) else {
@@ -162,6 +168,13 @@ impl Node for Tracked {
     }
     async fn resume(&self, id: &str) -> NodeResult<()> {
         self.inner.resume(id).await
+    }
+    async fn adopt_snapshot(&self, id: &str) -> NodeResult<()> {
+        self.inner.adopt_snapshot(id).await?;
+        if let Some(d) = self.data_dir.get() {
+            self.learn_readopted(d, &[id.to_owned()]);
+        }
+        Ok(())
     }
     async fn delete(&self, id: &str) -> NodeResult<()> {
         let r = self.inner.delete(id).await;

@@ -139,6 +139,12 @@ struct NodeArgs {
     /// Image store directory [default: DATA/images].
     #[arg(long, env = "SANDLOT_IMAGES_DIR")]
     images_dir: Option<PathBuf>,
+    /// Shared snapshot store: a directory every node of the cluster mounts at the same
+    /// absolute path (NFS, 3FS, ...). A microVM's pause writes its memory, disk and image
+    /// disk there, so another node resumes it when this one is gone (docs/operations.md
+    /// "Cross-node resume"). Unset: pauses stay on this node's disk.
+    #[arg(long, env = "SANDLOT_SNAPSHOT_DIR")]
+    snapshot_dir: Option<PathBuf>,
     /// Size cap of the lazy-image chunk cache on this node's disk (`IMAGES/chunks`), MiB:
     /// over it the least recently used chunks not being read are evicted (they are
     /// fetched again when read). 0: no cap [default: 0].
@@ -1191,6 +1197,9 @@ async fn node(a: NodeArgs) -> anyhow::Result<u8> {
     }
     if let Some(n) = a.name {
         ncfg.name = n;
+    }
+    if let Some(d) = a.snapshot_dir {
+        ncfg.snapshot_dir = Some(std::path::absolute(&d).context("--snapshot-dir")?);
     }
     a.pools.apply(&mut ncfg);
     ncfg.default_runtime = sandlot_node::backends::container::Runtime::parse(&a.default_runtime)

@@ -65,6 +65,12 @@ struct Shared {
     /// for the zygote's and the spare's fork + execve (~40 ms of a cold boot under TCG).
     /// Cleared by the first exec, which starts its own helper and the spare after it.
     spare_pending: Arc<std::sync::atomic::AtomicBool>,
+    /// Set by [`bridge`] when the host closed the microVM's port (its node went away: a
+    /// node restart, or the VM was resumed on another node from a shared snapshot): the
+    /// execs of that connection then run on until they end or time out, their output
+    /// discarded, instead of being killed as for a caller that cancelled. One flag per
+    /// connection (a fresh one for each in [`serve_vm`]).
+    host_gone: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// A started `sandlot-guest exec` waiting for its spec on fd 3.
@@ -548,8 +554,11 @@ pub fn serve_vm(port: &std::path::Path) -> i32 {
                 .and_then(|_| tokio::net::UnixStream::from_std(a).ok())
         };
         let Some(conn) = conn else { continue };
-        rt.spawn(serve_conn(conn, shared.clone()));
-        bridge(&file, b);
+        let mut per_conn = shared.clone();
+        per_conn.host_gone = Arc::default();
+        let host_gone = per_conn.host_gone.clone();
+        rt.spawn(serve_conn(conn, per_conn));
+        bridge(&file, b, &host_gone);
     }
 }
 
@@ -582,7 +591,11 @@ const PORT_POLL_IDLE_MS: i32 = 100;
 /// Copies bytes between the port and `b` (the agent's end of one HTTP/2 connection) until
 /// the host disconnects (a read of 0 with `POLLHUP`) or the connection ends; then shuts `b`
 /// down so the HTTP/2 connection ends too.
-fn bridge(port: &Arc<std::fs::File>, b: std::os::unix::net::UnixStream) {
+fn bridge(
+    port: &Arc<std::fs::File>,
+    b: std::os::unix::net::UnixStream,
+    host_gone: &std::sync::atomic::AtomicBool,
+) {
     use std::io::{Read, Write};
     let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
     // Milliseconds since `t0` at the last bytes either way (the host's answer to the
@@ -650,6 +663,8 @@ fn bridge(port: &Arc<std::fs::File>, b: std::os::unix::net::UnixStream) {
                 // A read of 0 is the host's close only when poll agrees (the port can also
                 // yield empty reads).
                 if port_poll(port, libc::POLLIN, 0).is_some_and(|r| r & libc::POLLHUP != 0) {
+                    // Before the connection ends (below): its execs see the flag.
+                    host_gone.store(true, SeqCst);
                     break;
                 }
                 std::thread::sleep(Duration::from_millis(5));
@@ -1029,6 +1044,7 @@ async fn exec(mut body: Incoming, shared: Shared) -> Result<Response<Body>, Stri
         .map_err(|e| format!("status pipe: {e}"))?;
     let timeout = Duration::from_millis(req.timeout_ms.max(1));
     let spare_after = shared.clone();
+    let host_gone = shared.host_gone.clone();
     tokio::spawn(async move {
         let _killer = killer;
         let _named = named;
@@ -1037,10 +1053,23 @@ async fn exec(mut body: Incoming, shared: Shared) -> Result<Response<Body>, Stri
             status_rx,
             &violations
         ));
-        let (status, timed_out, read_done) = tokio::select! {
-            s = status_fut.as_mut() => (s, false, true),
-            _ = tokio::time::sleep(timeout) => (None, true, false),
-            _ = tx.closed() => (None, false, false),
+        let deadline = std::pin::pin!(tokio::time::sleep(timeout));
+        let mut deadline = deadline;
+        let mut orphaned = false;
+        let (status, timed_out, read_done) = loop {
+            tokio::select! {
+                s = status_fut.as_mut() => break (s, false, true),
+                _ = deadline.as_mut() => break (None, true, false),
+                _ = tx.closed(), if !orphaned => {
+                    if host_gone.load(SeqCst) {
+                        // The host went away, not the caller: run on to the end or the
+                        // timeout (see `Shared::host_gone`).
+                        orphaned = true;
+                        continue;
+                    }
+                    break (None, false, false);
+                }
+            }
         };
         if status.is_none() {
             // Timeout, caller gone, or helper killed: SIGKILL to the helper takes its exec
@@ -1168,8 +1197,10 @@ fn pump(
             match r.read(&mut buf).await {
                 Ok(0) | Err(_) => return,
                 Ok(n) => {
-                    if tx.send(Bytes::from(encode(kind, &buf[..n]))).await.is_err() {
-                        return;
+                    // With no one to send to, keep draining (an exec that outlives its
+                    // host's connection must not die of SIGPIPE).
+                    if !tx.is_closed() {
+                        let _ = tx.send(Bytes::from(encode(kind, &buf[..n]))).await;
                     }
                 }
             }

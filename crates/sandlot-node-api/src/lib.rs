@@ -509,6 +509,24 @@ pub trait Node: Send + Sync + 'static {
     /// `NotFound` for an unknown or deleting sandbox; `Internal` when the freezer fails.
     async fn resume(&self, id: &str) -> NodeResult<()>;
 
+    /// Takes over sandbox `id` from the node's shared snapshot store (cluster mode's
+    /// cross-node resume, `sandlot node --snapshot-dir`): the snapshot a pause with memory
+    /// wrote there on another node (memory and device state, the writable disk, the image
+    /// disk it was running on) is claimed, restored here and resumed with the same id; the
+    /// snapshot is removed from the store once the sandbox runs. Only for a sandbox whose
+    /// own node is gone (or cannot take it back): the caller must not resume it there too.
+    ///
+    /// # Errors
+    /// `NotFound` when the store holds no snapshot of `id` (or this node has no store: the
+    /// default); `Conflict` when another node claimed it first or `id` already runs here;
+    /// `Unavailable` when this node cannot run it (backend, accelerator); `Internal` for a
+    /// restore that failed (the snapshot is put back for another try).
+    async fn adopt_snapshot(&self, id: &str) -> NodeResult<()> {
+        Err(NodeError::NotFound(format!(
+            "no shared snapshot of sandbox {id}: this node has no snapshot store"
+        )))
+    }
+
     /// Kill every process of the sandbox and remove all its host resources (mounts,
     /// cgroups, directories). Idempotent: an unknown id is not an error.
     async fn delete(&self, id: &str) -> NodeResult<()>;

@@ -542,6 +542,11 @@ impl Node for RemoteNode {
             .await
     }
 
+    async fn adopt_snapshot(&self, id: &str) -> NodeResult<()> {
+        self.unit(self.req(Method::POST, &["sandboxes", id, "adopt-snapshot"]))
+            .await
+    }
+
     async fn delete(&self, id: &str) -> NodeResult<()> {
         self.unit(self.req(Method::DELETE, &["sandboxes", id]))
             .await

@@ -21,6 +21,7 @@
 //! | list | `GET /v1/sandboxes` | - | `[SandboxStatus]` |
 //! | delete | `DELETE /v1/sandboxes/{id}` | - | `{}` |
 //! | pause, resume | `POST /v1/sandboxes/{id}/pause`, `/resume` | - | `{}` |
+//! | adopt_snapshot | `POST /v1/sandboxes/{id}/adopt-snapshot` | - | `{}` |
 //! | exec | `POST /v1/sandboxes/{id}/exec` | [`wire::ExecCall`] | NDJSON [`wire::ExecFrame`]s |
 //! | exec_controlled | `POST /v1/sandboxes/{id}/exec-controlled` | NDJSON [`wire::ControlFrame`]s | NDJSON [`wire::ExecFrame`]s |
 //! | read_file | `GET /v1/sandboxes/{id}/files/content?path=&max_bytes=` | - | the bytes (`application/octet-stream`) |

@@ -141,6 +141,7 @@ pub fn router_gated(
         .route("/v1/sandboxes/{id}", delete(delete_sandbox))
         .route("/v1/sandboxes/{id}/pause", post(pause))
         .route("/v1/sandboxes/{id}/resume", post(resume))
+        .route("/v1/sandboxes/{id}/adopt-snapshot", post(adopt_snapshot))
         .route("/v1/sandboxes/{id}/exec", post(exec))
         .route("/v1/sandboxes/{id}/exec-controlled", post(exec_controlled))
         .route("/v1/sandboxes/{id}/ports/{port}", post(connect_port))
@@ -332,6 +333,14 @@ async fn pause(State(n): State<Shared>, Path(id): Path<String>) -> Answer<serde_
 
 async fn resume(State(n): State<Shared>, Path(id): Path<String>) -> Answer<serde_json::Value> {
     n.resume(&id).await?;
+    Ok(empty())
+}
+
+async fn adopt_snapshot(
+    State(n): State<Shared>,
+    Path(id): Path<String>,
+) -> Answer<serde_json::Value> {
+    n.adopt_snapshot(&id).await?;
     Ok(empty())
 }
 

@@ -67,6 +67,11 @@ pub struct NodeConfig {
     /// The microvm guest kit (kernel + modules, built by `scripts/guest-kit.sh`):
     /// `$SANDLOT_GUEST_KIT_DIR`, else `guest-kit/` beside the images directory.
     pub guest_kit_dir: PathBuf,
+    /// The shared snapshot store (`--snapshot-dir`, default `$SANDLOT_SNAPSHOT_DIR`): a
+    /// directory every node of the cluster mounts at the same absolute path, where a
+    /// microVM's pause with memory writes its snapshot so another node can resume it
+    /// ([`crate::backends::qemu::store`]). `None`: pauses stay on this node's disk.
+    pub snapshot_dir: Option<PathBuf>,
 }
 
 impl NodeConfig {
@@ -92,6 +97,9 @@ impl NodeConfig {
             function_pool_images: Vec::new(),
             container_warm_pool: 0,
             default_runtime: Runtime::Runc,
+            snapshot_dir: std::env::var_os("SANDLOT_SNAPSHOT_DIR")
+                .filter(|v| !v.is_empty())
+                .map(PathBuf::from),
         }
     }
 }
@@ -326,6 +334,13 @@ impl LocalNode {
                     probe: probe.clone()?,
                     uids: qemu_uids.clone(),
                     images: images.clone(),
+                    snapshot_store: match &cfg.snapshot_dir {
+                        Some(d) => Some(
+                            crate::backends::qemu::store::SnapshotStore::open(d, &cfg.name)
+                                .map_err(|e| format!("snapshot dir: {e}"))?,
+                        ),
+                        None => None,
+                    },
                 },
                 cg,
             )
@@ -733,6 +748,15 @@ impl Node for LocalNode {
 
     async fn resume(&self, id: &str) -> NodeResult<()> {
         self.owner(id)?.resume(id).await
+    }
+
+    async fn adopt_snapshot(&self, id: &str) -> NodeResult<()> {
+        match self.backend(Backend::Microvm) {
+            Ok(b) => b.adopt_snapshot(id).await,
+            Err(e) => Err(NodeError::NotFound(format!(
+                "no shared snapshot of sandbox {id} can be taken here: {e}"
+            ))),
+        }
     }
 
     async fn delete(&self, id: &str) -> NodeResult<()> {

@@ -875,6 +875,9 @@ impl Node for WithProcesses {
     async fn resume(&self, id: &str) -> NodeResult<()> {
         self.inner.resume(id).await
     }
+    async fn adopt_snapshot(&self, id: &str) -> NodeResult<()> {
+        self.inner.adopt_snapshot(id).await
+    }
     async fn delete(&self, id: &str) -> NodeResult<()> {
         let r = self.inner.delete(id).await;
         if r.is_ok() {

@@ -428,6 +428,10 @@ impl Node for BudgetNode {
         self.inner.resume(id).await
     }
 
+    async fn adopt_snapshot(&self, id: &str) -> NodeResult<()> {
+        self.inner.adopt_snapshot(id).await
+    }
+
     async fn delete(&self, id: &str) -> NodeResult<()> {
         self.inner.delete(id).await
     }

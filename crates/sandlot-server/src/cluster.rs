@@ -320,6 +320,55 @@ impl ClusterNode {
         Ok(n)
     }
 
+    /// Cross-node resume: asks the registered nodes that run `microvm` (all but `exclude`,
+    /// the sandbox's own node) in turn to take sandbox `id` over from the shared snapshot
+    /// store ([`Node::adopt_snapshot`]); the first that does becomes its route. Returns
+    /// that node's name.
+    ///
+    /// # Errors
+    /// `NotFound` when no node holds or sees a snapshot of it (no shared store, or it was
+    /// not paused with memory); `Conflict` when a node says another claimed it; else the
+    /// last node's error.
+    pub async fn resume_elsewhere(&self, id: &str, exclude: Option<&str>) -> NodeResult<String> {
+        let mut names: Vec<(u64, String)> = self
+            .set
+            .nodes()
+            .values()
+            .filter(|r| Some(r.name.as_str()) != exclude && r.backends.contains(&Backend::Microvm))
+            .map(|r| (r.usage.sandboxes, r.name.clone()))
+            .collect();
+        names.sort();
+        let mut last = NodeError::NotFound(format!(
+            "sandbox {id}: its node is gone and no other node can resume it (no node with the shared snapshot store runs microvm)"
+        ));
+        for (_, name) in names {
+            let node = match self.remote(&name).await {
+                Ok(n) => n,
+                Err(e) => {
+                    last = e;
+                    continue;
+                }
+            };
+            match node.adopt_snapshot(id).await {
+                Ok(()) => {
+                    tracing::info!(sandbox_id = %id, from = ?exclude, to = %name, "sandbox resumed on another node from the shared snapshot store");
+                    self.set_route(id, &name);
+                    return Ok(name);
+                }
+                Err(e @ NodeError::Conflict(_)) => return Err(e),
+                Err(e) => {
+                    tracing::info!(sandbox_id = %id, node = %name, error = %e, "node did not take the snapshot over");
+                    if !matches!(last, NodeError::NotFound(_))
+                        || !matches!(e, NodeError::NotFound(_))
+                    {
+                        last = e;
+                    }
+                }
+            }
+        }
+        Err(last)
+    }
+
     /// Drops the client of a node that left.
     pub fn forget_node(&self, name: &str) {
         lock(&self.clients).remove(name);
@@ -544,8 +593,38 @@ impl Node for ClusterNode {
         self.owner(id).await?.pause(id).await
     }
 
+    /// Resumes on the owning node (the fast path). When that node is gone (not
+    /// registered, or no node knows the id) or answers `ResourceExhausted`, the sandbox is
+    /// taken over by another node from the shared snapshot store
+    /// ([`ClusterNode::resume_elsewhere`]); a full owner then deletes its paused copy.
     async fn resume(&self, id: &str) -> NodeResult<()> {
-        self.owner(id).await?.resume(id).await
+        let name = match self.owner_name(id).await {
+            Ok(n) => n,
+            Err(NodeError::NotFound(_)) => return self.resume_elsewhere(id, None).await.map(drop),
+            Err(e) => return Err(e),
+        };
+        let node = match self.remote(&name).await {
+            Ok(n) => n,
+            Err(NodeError::Unavailable(_)) => {
+                return self.resume_elsewhere(id, Some(&name)).await.map(drop)
+            }
+            Err(e) => return Err(e),
+        };
+        match node.resume(id).await {
+            Err(NodeError::ResourceExhausted(why)) => {
+                tracing::info!(sandbox_id = %id, node = %name, %why, "owner full; resuming on another node");
+                self.resume_elsewhere(id, Some(&name)).await?;
+                if let Err(e) = node.delete(id).await {
+                    tracing::warn!(sandbox_id = %id, node = %name, error = %e, "stale paused copy not deleted; the next reconcile does");
+                }
+                Ok(())
+            }
+            r => r,
+        }
+    }
+
+    async fn adopt_snapshot(&self, id: &str) -> NodeResult<()> {
+        self.resume_elsewhere(id, None).await.map(drop)
     }
 
     /// Deletes on the owning node. An id no node has, or whose node left the cluster, is
@@ -771,6 +850,12 @@ pub async fn try_mark_node_lost(st: &SharedState, node: &str, reason: &str) -> (
     let mut lost = Vec::new();
     let mut complete = true;
     for r in records.into_iter().filter(|r| r.node == node) {
+        if r.state == SandboxState::Paused && r.backend == Backend::Microvm {
+            // Paused with memory: with a shared snapshot store another node resumes it
+            // (cluster `resume`); without one that resume marks it `lost`.
+            tracing::info!(sandbox_id = %r.id, %node, "node left; paused microVM kept paused (resumable from the shared snapshot store)");
+            continue;
+        }
         let from = [SandboxState::Running, SandboxState::Paused];
         match st.store.transition(&r.id, &from, SandboxState::Lost).await {
             Ok(true) => {
@@ -831,12 +916,12 @@ pub async fn reconcile(
             None
         });
         match rec {
-            Some(r) if r.state != SandboxState::Lost => {
+            // On another node than its record says: a paused microVM resumed elsewhere
+            // from the shared snapshot store while this node was away; this copy is an
+            // orphan.
+            Some(r) if r.state != SandboxState::Lost && r.node == node => {
                 if matches!(s.liveness, Liveness::Alive | Liveness::Unknown(_)) {
                     present.insert(s.id.clone());
-                }
-                if r.node != node {
-                    tracing::warn!(sandbox_id = %s.id, record_node = %r.node, %node, "sandbox found on another node than its record says");
                 }
                 out.kept.push(s.id.clone());
             }

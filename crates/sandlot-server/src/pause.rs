@@ -94,10 +94,14 @@ pub(crate) async fn resume_one(
     };
     if let Err(e) = st.node.resume(&id).await {
         tracing::warn!(sandbox_id = %id, error = %crate::error::chain(&e), "resume failed");
+        if matches!(e, sandlot_node_api::NodeError::NotFound(_)) {
+            mark_lost_if_node_gone(&st, &id, &e.to_string()).await;
+        }
         let e = ServerError::from(e);
         crate::events::record_error(&st, "resume", Some(&id), backend_of(&st, &id).await, &e);
         return Err(fail(e));
     }
+    moved(&st, &id).await;
     match st
         .store
         .transition(&id, &[SandboxState::Paused], SandboxState::Running)
@@ -112,6 +116,60 @@ pub(crate) async fn resume_one(
         }
         Ok(false) => Ok(None), // deleted meanwhile
         Err(e) => Err(fail(e.into())),
+    }
+}
+
+/// Cluster mode: after a resume, when the sandbox now runs on another node than its record
+/// says (taken over from the shared snapshot store), the record follows it (a `moved`
+/// event with `from` and `to`).
+async fn moved(st: &SharedState, id: &str) {
+    let Some(cluster) = st.cluster.get() else {
+        return;
+    };
+    let Some(to) = cluster.route_of(id) else {
+        return;
+    };
+    let Ok(Some(rec)) = st.store.get(id).await else {
+        return;
+    };
+    if rec.node == to {
+        return;
+    }
+    match st.store.set_node(id, &to).await {
+        Ok(true) => {
+            tracing::info!(sandbox_id = %id, from = %rec.node, %to, "sandbox moved to another node");
+            let mut f = serde_json::Map::new();
+            f.insert("from".into(), rec.node.clone().into());
+            f.insert("to".into(), to.clone().into());
+            crate::events::record_queued(st, "moved", Some(id), Some(rec.backend), f);
+        }
+        Ok(false) => {}
+        Err(e) => {
+            tracing::error!(sandbox_id = %id, error = %e, "record's node not updated after a move")
+        }
+    }
+}
+
+/// Cluster mode: a paused sandbox whose node left the cluster and that no node could take
+/// over from the shared snapshot store becomes `lost` (with `reason`).
+async fn mark_lost_if_node_gone(st: &SharedState, id: &str, reason: &str) {
+    let Some(cluster) = st.cluster.get() else {
+        return;
+    };
+    let Ok(Some(rec)) = st.store.get(id).await else {
+        return;
+    };
+    if cluster.nodes().contains_key(&rec.node) {
+        return;
+    }
+    if let Ok(true) = st
+        .store
+        .transition(id, &[SandboxState::Paused], SandboxState::Lost)
+        .await
+    {
+        let mut f = serde_json::Map::new();
+        f.insert("reason".into(), reason.into());
+        crate::events::record_queued(st, "lost", Some(id), Some(rec.backend), f);
     }
 }
 

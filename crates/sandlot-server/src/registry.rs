@@ -106,6 +106,13 @@ pub trait Registry: Send + Sync + 'static {
     /// Store failures.
     async fn transition(&self, id: &str, from: &[SandboxState], to: SandboxState) -> Result<bool>;
 
+    /// Moves a `paused` record to node `node` (cluster mode: a paused microVM resumed on
+    /// another node from the shared snapshot store). Returns whether the row changed.
+    ///
+    /// # Errors
+    /// Store failures.
+    async fn set_node(&self, id: &str, node: &str) -> Result<bool>;
+
     /// New expiry (and `ttl_s` in the spec) of a `running` record. Returns whether it
     /// changed.
     ///
@@ -274,6 +281,9 @@ impl Registry for Store {
     }
     async fn transition(&self, id: &str, from: &[SandboxState], to: SandboxState) -> Result<bool> {
         Store::transition(self, id, from, to)
+    }
+    async fn set_node(&self, id: &str, node: &str) -> Result<bool> {
+        Store::set_node(self, id, node)
     }
     async fn set_expiry(&self, id: &str, expires_at_ms: Option<i64>, ttl_s: u64) -> Result<bool> {
         Store::set_expiry(self, id, expires_at_ms, ttl_s)
@@ -631,6 +641,18 @@ impl Registry for PgRegistry {
             )
             .await
             .map_err(pg("update state"))?;
+        Ok(n == 1)
+    }
+
+    async fn set_node(&self, id: &str, node: &str) -> Result<bool> {
+        let c = self.conn().await?;
+        let n = c
+            .execute(
+                "UPDATE sandboxes SET node = $1 WHERE id = $2 AND state = 'paused'",
+                &[&node, &id],
+            )
+            .await
+            .map_err(pg("update node"))?;
         Ok(n == 1)
     }
 

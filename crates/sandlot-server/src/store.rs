@@ -516,6 +516,21 @@ impl Store {
         Ok(n == 1)
     }
 
+    /// Moves a `paused` record to node `node` (see `Registry::set_node`).
+    ///
+    /// # Errors
+    /// [`StoreError::Sql`].
+    pub fn set_node(&self, id: &str, node: &str) -> Result<bool> {
+        let n = self
+            .conn()
+            .execute(
+                "UPDATE sandboxes SET node = ?1 WHERE id = ?2 AND state = 'paused'",
+                params![node, id],
+            )
+            .map_err(sql("update node"))?;
+        Ok(n == 1)
+    }
+
     /// Set a new expiry for a `running` record. Returns whether it changed.
     ///
     /// # Errors

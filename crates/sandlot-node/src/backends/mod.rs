@@ -128,6 +128,15 @@ pub trait SandboxBackend: Send + Sync {
     /// Thaw a paused sandbox (see [`crate::Node::resume`]).
     async fn resume(&self, id: &str) -> NodeResult<()>;
 
+    /// Take sandbox `id` over from the shared snapshot store (see
+    /// [`crate::Node::adopt_snapshot`]); `NotFound` for backends that do not use it.
+    async fn adopt_snapshot(&self, id: &str) -> NodeResult<()> {
+        Err(NodeError::NotFound(format!(
+            "no shared snapshot of sandbox {id} for the {} backend",
+            self.kind()
+        )))
+    }
+
     /// Kill and remove a sandbox and every host resource of it; unknown ids are fine.
     async fn delete(&self, id: &str) -> NodeResult<()>;
 

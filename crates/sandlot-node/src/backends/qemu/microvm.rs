@@ -40,8 +40,9 @@
 //! is re-adopted, and as an unprivileged host uid of its own that reaches only its own
 //! files and the shared read-only ones (see [`super`]).
 use super::sandbox::{Boot, Booted, Machine, QemuCore, QemuVm};
-use super::snapshot::Relay;
+use super::snapshot::{self, Relay};
 use super::state::{write_json, VmState};
+use super::store;
 use super::{find_binary, spawn_qemu, Accel};
 use super::{DiskHold, ImageDisks, Jail, QemuUids, CONSOLE_LOG};
 use crate::agent_client::AgentClient;
@@ -106,6 +107,9 @@ pub struct MicrovmConfig {
     /// The node's image store: which image disks a create may still ask for (collection of
     /// the others, [`super::collect_image_disks`]).
     pub images: ImageStore,
+    /// The shared snapshot store pauses write to (`--snapshot-dir`; [`super::store`]), so
+    /// another node can resume a paused microVM; `None`: pauses stay on this node's disk.
+    pub snapshot_store: Option<super::store::SnapshotStore>,
 }
 
 /// The microvm backend: microVMs by id.
@@ -252,7 +256,8 @@ impl MicrovmBackend {
         if !swept.is_empty() {
             tracing::info!(backend = "microvm", removed = ?swept, "stale template snapshots removed");
         }
-        let core = QemuCore::new(Backend::Microvm, &cfg.dir, qemu, cgroups, &cfg.uids)?;
+        let mut core = QemuCore::new(Backend::Microvm, &cfg.dir, qemu, cgroups, &cfg.uids)?;
+        core.store = cfg.snapshot_store.clone();
         cfg.probe.start(&core.qemu, &cfg.kit_dir, &initrd);
         let disks = ImageDisks::new(
             "microvm",
@@ -353,6 +358,53 @@ impl MicrovmBackend {
         jail: &Jail,
     ) -> NodeResult<(i32, u64)> {
         spawn_qemu(&self.core.qemu, args, dir, cg, append, jail)
+    }
+
+    /// The steps of [`Machine::adopt_from_store`] after the claim: VM directory, uid,
+    /// cgroup, disk copy, `state.json`, then the resume from `claimed/memory.state`. On
+    /// error the caller removes what was made and gives the claim back.
+    async fn restore_claimed(
+        &self,
+        id: &str,
+        claimed: &Path,
+        m: store::Manifest,
+    ) -> NodeResult<()> {
+        let dir = self.core.vm_dir(id);
+        super::create_vm_dir(&dir, id)?;
+        let uid = self.cfg.uids.take(id)?;
+        {
+            let d = dir.clone();
+            spawn_blocking(move || super::prepare_vm_dir(&d, uid)).await?;
+        }
+        let cg = self.core.cgroups.sandbox(id);
+        let memory_mib = m.state.spec.memory_mib.max(128);
+        super::create_vmm_cgroup(&cg, memory_mib, m.state.spec.cpu, QEMU_PIDS)?;
+        let scratch = dir.join("scratch.img");
+        {
+            let (src, dst) = (claimed.join(store::DISK), scratch.clone());
+            spawn_blocking(move || crate::checkpoints::copy_disk(&src, &dst)).await?;
+        }
+        super::give_file(&scratch, uid)?;
+        let args = store::rebase_args(
+            &m.state.qemu_args,
+            &[
+                (m.vm_dir.as_path(), dir.as_path()),
+                (m.backend_dir.as_path(), self.cfg.dir.as_path()),
+                (m.kit_dir.as_path(), self.cfg.kit_dir.as_path()),
+            ],
+        );
+        let state = VmState {
+            qemu_args: args,
+            qemu_uid: Some(uid),
+            memory_saved: true,
+            ..m.state
+        };
+        write_json(&dir.join("state.json"), &state)?;
+        let vm = self.core.adopt(state, None);
+        let _life = vm.lifecycle.lock().await;
+        let mut target = self.core.target(&vm);
+        target.snapshot = Some(claimed.to_path_buf());
+        snapshot::resume(&target).await
     }
 }
 
@@ -627,6 +679,106 @@ impl Machine for MicrovmBackend {
             disk_mib: vm.state.spec.disk_mib.max(16),
             image_version: vm.state.image_version.clone(),
         })
+    }
+
+    /// The shared store's copy of what another node needs besides the memory file: the
+    /// scratch disk (`disk.img`, sparse), the image's EROFS disk (`DIR/images/<node>/`) and
+    /// the manifest (QEMU's command line reading that copy).
+    async fn publish(&self, vm: &QemuVm, dir: &Path) -> NodeResult<()> {
+        let Some(store) = self.core.store.clone() else {
+            return Ok(());
+        };
+        let id = vm.state.id.clone();
+        let vm_dir = self.core.vm_dir(&id);
+        let (d, backend_dir, kit_dir) = (
+            dir.to_path_buf(),
+            self.cfg.dir.clone(),
+            self.cfg.kit_dir.clone(),
+        );
+        let mut state = vm.state.clone();
+        state.memory_saved = true;
+        spawn_blocking(move || {
+            crate::checkpoints::copy_disk(&vm_dir.join("scratch.img"), &d.join(store::DISK))?;
+            let images = backend_dir.join("images");
+            for f in super::drive_files(&state.qemu_args.clone()) {
+                if f.starts_with(&images) {
+                    let copy = store.put_image(&f)?;
+                    state.qemu_args =
+                        store::rebase_args(&state.qemu_args, &[(f.as_path(), copy.as_path())]);
+                }
+            }
+            let m = store::Manifest {
+                version: 1,
+                node: store.node().to_owned(),
+                backend: "microvm".into(),
+                state,
+                backend_dir,
+                kit_dir,
+                vm_dir,
+                saved_at_ms: std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map(|d| d.as_millis() as i64)
+                    .unwrap_or(0),
+            };
+            store.finish(&d, &m)
+        })
+        .await
+    }
+
+    /// Claims the snapshot of `id` in the shared store, rebuilds its VM directory here
+    /// (this node's uid, cgroup, a copy of its disk) and resumes it from the snapshot's
+    /// memory file (see [`super::store`]).
+    async fn adopt_from_store(&self, id: &str) -> NodeResult<()> {
+        let Some(store) = self.core.store.clone() else {
+            return Err(NodeError::NotFound(format!(
+                "no shared snapshot of sandbox {id}: node has no --snapshot-dir"
+            )));
+        };
+        crate::backends::check_id(id)?;
+        if self.core.has(id) {
+            return Err(NodeError::Conflict(format!(
+                "sandbox {id} already runs on this node"
+            )));
+        }
+        let t0 = Instant::now();
+        let (claimed, m) = {
+            let (s, i) = (store.clone(), id.to_owned());
+            spawn_blocking(move || s.claim(&i)).await?
+        };
+        let accel = self.resolve_accel().await;
+        let refuse = if m.backend != "microvm" || m.state.id != id {
+            Some(NodeError::InvalidArgument(format!(
+                "the snapshot of {id} is of backend {} / sandbox {}",
+                m.backend, m.state.id
+            )))
+        } else if m.state.accel != accel {
+            Some(NodeError::Unavailable(format!(
+                "the snapshot of {id} was taken under {}; this node runs {}",
+                m.state.accel.as_str(),
+                accel.as_str()
+            )))
+        } else {
+            None
+        };
+        if let Some(e) = refuse {
+            store.unclaim(id);
+            return Err(e);
+        }
+        let res = self.restore_claimed(id, &claimed, m).await;
+        match res {
+            Ok(()) => {
+                tracing::info!(sandbox = %id, ms = t0.elapsed().as_millis() as u64, "sandbox taken over from the shared snapshot store and resumed");
+                Ok(())
+            }
+            Err(e) => {
+                self.core.forget(id);
+                if let Err(c) = self.core.destroy(id).await {
+                    tracing::warn!(sandbox = %id, error = %c, "cleanup after a failed takeover");
+                }
+                store.unclaim(id);
+                Err(e)
+            }
+        }
     }
 
     /// Removes the EROFS disks of images no longer in the store that no microVM uses

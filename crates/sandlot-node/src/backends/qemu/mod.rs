@@ -36,6 +36,7 @@ pub mod microvm;
 pub mod sandbox;
 pub(crate) mod snapshot;
 pub mod state;
+pub mod store;
 pub mod vm;
 
 use crate::agent_client::AgentClient;

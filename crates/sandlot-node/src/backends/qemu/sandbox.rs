@@ -91,6 +91,8 @@ pub struct QemuCore {
     pub(super) cgroups: CgroupRoot,
     /// Host uids of the QEMUs (one per sandbox).
     pub(super) uids: Arc<QemuUids>,
+    /// The shared snapshot store pauses write to (`microvm` with `--snapshot-dir`).
+    pub(super) store: Option<super::store::SnapshotStore>,
     vms: Mutex<HashMap<String, Arc<QemuVm>>>,
 }
 
@@ -120,8 +122,14 @@ impl QemuCore {
             qemu,
             cgroups,
             uids: uids.clone(),
+            store: None,
             vms: Mutex::new(HashMap::new()),
         })
+    }
+
+    /// The snapshot directory of `id` in the shared store, when there is one.
+    pub(super) fn snapshot_dir(&self, id: &str) -> Option<PathBuf> {
+        self.store.as_ref().map(|s| s.sandbox_dir(id))
     }
 
     /// `DIR/vms/<id>`.
@@ -140,6 +148,11 @@ impl QemuCore {
             .get(id)
             .cloned()
             .ok_or_else(|| NodeError::NotFound(format!("sandbox {id} not found")))
+    }
+
+    /// Drops `id` from the table (a takeover that failed; its files go with `destroy`).
+    pub(super) fn forget(&self, id: &str) {
+        self.vms.lock().unwrap().remove(id);
     }
 
     /// True when this backend runs `id`.
@@ -316,6 +329,7 @@ impl QemuCore {
             proc_: &vm.proc_,
             // The same uid as before the pause (`qemu_uid`, held by the sandbox).
             jail: self.jail(vm.state.qemu_uid, vm.state.accel),
+            snapshot: self.snapshot_dir(&vm.state.id),
         }
     }
 
@@ -355,7 +369,12 @@ impl QemuCore {
             // sandbox.
             super::remove_vm_dir(&uids, &id_, &dir)
         })
-        .await
+        .await?;
+        if let Some(store) = &self.store {
+            // Its paused state in the shared store (not one another node has claimed).
+            store.remove(id);
+        }
+        Ok(())
     }
 
     /// Re-adopts the VMs of `DIR/vms/` named in `keep` whose QEMU still runs (or that are
@@ -386,7 +405,10 @@ impl QemuCore {
                     if st.id == name
                         && keep.contains(&name)
                         && st.memory_saved
-                        && dir.join(snapshot::MEMORY_FILE).is_file() =>
+                        && (dir.join(snapshot::MEMORY_FILE).is_file()
+                            || self
+                                .snapshot_dir(&name)
+                                .is_some_and(|d| d.join(snapshot::MEMORY_FILE).is_file())) =>
                 {
                     // Paused with memory: a QEMU left from a pause cut short goes.
                     let (pid, start) = (st.qemu_pid, st.qemu_starttime);
@@ -489,6 +511,27 @@ pub(crate) trait Machine: Send + Sync {
     /// Removes the image disks no VM, checkpoint or create in flight uses (with `partial`,
     /// also builds cut short); failures are logged.
     fn collect_disks(&self, partial: bool);
+
+    /// After a pause with memory into the shared store's directory `dir` (QEMU stopped):
+    /// adds what another node needs (disks, manifest). Nothing by default (the `vm`
+    /// backend does not use the store).
+    ///
+    /// # Errors
+    /// Copy failures.
+    async fn publish(&self, _vm: &QemuVm, _dir: &Path) -> NodeResult<()> {
+        Ok(())
+    }
+
+    /// [`crate::Node::adopt_snapshot`] on this backend (`NotFound` by default).
+    ///
+    /// # Errors
+    /// See [`crate::Node::adopt_snapshot`].
+    async fn adopt_from_store(&self, id: &str) -> NodeResult<()> {
+        Err(NodeError::NotFound(format!(
+            "no shared snapshot of sandbox {id} for the {} backend",
+            self.core().name
+        )))
+    }
 }
 
 /// Creates `spec` on `m` (see [`Machine::boot`]); on error everything made is removed
@@ -595,10 +638,44 @@ impl<M: Machine> SandboxBackend for M {
         if vm.state.qemu_args.is_empty() {
             return freeze(id, core.name, &vm.deleting, &vm.paused, vm.cgroup.group()).await;
         }
-        if !vm.paused.load(Ordering::SeqCst) && vm.proc_.lock().unwrap().exists() {
+        let running = !vm.paused.load(Ordering::SeqCst) && vm.proc_.lock().unwrap().exists();
+        if running {
             self.before_pause(&vm).await?;
         }
-        snapshot::pause(&core.target(&vm)).await
+        let mut target = core.target(&vm);
+        if !running {
+            return snapshot::pause(&target).await;
+        }
+        let shared = match &core.store {
+            Some(store) => match store.begin(id) {
+                Ok(d) => Some(d),
+                Err(e) => {
+                    tracing::warn!(sandbox = %id, error = %e, "shared snapshot store unusable; pausing to the node's disk");
+                    None
+                }
+            },
+            None => None,
+        };
+        target.snapshot = shared.clone();
+        if let Err(e) = snapshot::pause(&target).await {
+            if let Some(store) = &core.store {
+                store.remove(id);
+            }
+            return Err(e);
+        }
+        if let Some(d) = shared {
+            let t0 = Instant::now();
+            match self.publish(&vm, &d).await {
+                Ok(()) => {
+                    tracing::info!(sandbox = %id, ms = t0.elapsed().as_millis() as u64, dir = %d.display(), "snapshot published to the shared store")
+                }
+                // Still paused (its memory is there); only another node cannot take it.
+                Err(e) => {
+                    tracing::warn!(sandbox = %id, error = %e, "snapshot not published to the shared store; it resumes on this node only")
+                }
+            }
+        }
+        Ok(())
     }
 
     async fn resume(&self, id: &str) -> NodeResult<()> {
@@ -643,6 +720,10 @@ impl<M: Machine> SandboxBackend for M {
                 liveness: v.proc_.lock().unwrap().liveness(),
             })
             .collect()
+    }
+
+    async fn adopt_snapshot(&self, id: &str) -> NodeResult<()> {
+        self.adopt_from_store(id).await
     }
 
     async fn readopt(&self, keep: &[String]) -> NodeResult<Vec<String>> {

@@ -307,16 +307,17 @@ async fn pump(mut client: UnixStream, up: UnixStream, mut ctl: mpsc::Receiver<Ct
     }
 }
 
-/// `stop`, then the migration stream to `DIR/memory.state` (via a temp file, fsynced);
-/// its size in bytes. On failure the guest is continued again when QEMU still answers.
-pub(crate) fn save_memory(dir: &Path) -> NodeResult<u64> {
+/// `stop`, then the migration stream of the QEMU whose QMP socket is in `dir` to
+/// `OUT/memory.state` (via a temp file, fsynced); its size in bytes. On failure the guest
+/// is continued again when QEMU still answers.
+pub(crate) fn save_memory(dir: &Path, out_dir: &Path) -> NodeResult<u64> {
     let mut q = Qmp::connect(
         &dir.join(QMP_SOCK),
         Instant::now() + Duration::from_secs(5),
         Duration::from_secs(30),
     )?;
-    let tmp = dir.join(format!("{MEMORY_FILE}.tmp"));
-    let out = dir.join(MEMORY_FILE);
+    let tmp = out_dir.join(format!("{MEMORY_FILE}.tmp"));
+    let out = out_dir.join(MEMORY_FILE);
     let res = (|| {
         q.execute("stop", None)?;
         // Root's, mode 0600: QEMU (an unprivileged uid) writes it only through the
@@ -340,7 +341,7 @@ pub(crate) fn save_memory(dir: &Path) -> NodeResult<u64> {
         let size = f.metadata().map(|m| m.len()).unwrap_or(0);
         std::fs::rename(&tmp, &out)
             .map_err(|e| NodeError::io(format!("rename {}", tmp.display()), e))?;
-        if let Ok(d) = std::fs::File::open(dir) {
+        if let Ok(d) = std::fs::File::open(out_dir) {
             let _ = d.sync_all();
         }
         Ok(size)
@@ -438,6 +439,23 @@ pub(crate) struct Target<'a> {
     /// before the pause) and the sockets the node binds and hands over; they must match
     /// `state.qemu_args` (fd-based `-chardev`s with a uid, path-based for a root QEMU).
     pub jail: Jail,
+    /// The snapshot directory in the shared store ([`super::store`]) where a pause writes
+    /// the memory file instead of `dir`, and where a resume finds it when `dir` has none;
+    /// a resume removes it once the VM runs. `None`: no shared store (or a backend that
+    /// does not use one).
+    pub snapshot: Option<PathBuf>,
+}
+
+impl Target<'_> {
+    /// Where the saved memory of this VM is: its own directory's, else the snapshot
+    /// directory's.
+    pub fn memory_file(&self) -> PathBuf {
+        let local = self.dir.join(MEMORY_FILE);
+        match &self.snapshot {
+            Some(s) if !local.is_file() => s.join(MEMORY_FILE),
+            _ => local,
+        }
+    }
 }
 
 impl Target<'_> {
@@ -485,7 +503,8 @@ pub(crate) async fn pause(t: &Target<'_>) -> NodeResult<()> {
         return Err(e);
     }
     let dir = t.dir.clone();
-    let size = match spawn_blocking(move || save_memory(&dir)).await {
+    let out_dir = t.snapshot.clone().unwrap_or_else(|| dir.clone());
+    let size = match spawn_blocking(move || save_memory(&dir, &out_dir)).await {
         Ok(s) => s,
         Err(e) => {
             t.relay.release().await;
@@ -546,9 +565,9 @@ pub(crate) async fn resume(t: &Target<'_>) -> NodeResult<()> {
         .await?;
         // QMP answers once QEMU's chardevs exist: the agent socket listens.
         let up = t.relay.reconnect().await?;
-        let d = dir.clone();
         let mut q = q;
-        spawn_blocking(move || load_memory(&mut q, &d.join(MEMORY_FILE))).await?;
+        let mem = t.memory_file();
+        spawn_blocking(move || load_memory(&mut q, &mem)).await?;
         Ok(up)
     }
     .await;
@@ -582,6 +601,10 @@ pub(crate) async fn resume(t: &Target<'_>) -> NodeResult<()> {
     };
     t.write_current_state()?;
     let _ = std::fs::remove_file(dir.join(MEMORY_FILE));
+    if let Some(s) = &t.snapshot {
+        // The guest runs on from here: the snapshot is stale.
+        let _ = std::fs::remove_dir_all(s);
+    }
     if !kept {
         tokio::time::sleep(SETTLE_AFTER_RESTART).await;
     }

@@ -345,7 +345,7 @@ async fn build(
         drop(agent);
         tokio::time::sleep(SETTLE).await;
         let d = tmp.to_path_buf();
-        spawn_blocking(move || save_memory(&d)).await
+        spawn_blocking(move || save_memory(&d, &d)).await
     }
     .await;
     spawn_blocking(move || {

@@ -1,0 +1,332 @@
+//! The shared snapshot store (`sandlot node --snapshot-dir DIR`, `SANDLOT_SNAPSHOT_DIR`):
+//! a directory every node of a cluster mounts at the same path (NFS, 3FS, CephFS; in tests
+//! one local directory shared by the namespaced nodes of `scripts/cluster.sh`), where a
+//! pause with memory of a `microvm` writes what another node needs to resume it:
+//!
+//! ```text
+//! DIR/sandboxes/<id>/memory.state   QEMU's migration stream (memory + device state)
+//! DIR/sandboxes/<id>/disk.img       sparse copy of the writable disk (ext4 scratch.img)
+//! DIR/sandboxes/<id>/snapshot.json  [`Manifest`], written last: the snapshot is complete
+//! DIR/images/<node>/<file>.erofs    the image disk the guest ran on, byte for byte (a guest's
+//!                                   page cache holds blocks of it; another node's conversion
+//!                                   of the same image differs in its UUID and build time),
+//!                                   copied once per node and image version, mode 0444
+//! ```
+//!
+//! A resume on the same node reads `memory.state` there (the fast path: no copy, its own
+//! disk). A resume on another node ([`crate::Node::adopt_snapshot`]) first **claims** the
+//! snapshot by renaming `DIR/sandboxes/<id>` to `DIR/sandboxes/.claimed-<id>` (an atomic
+//! rename: of two nodes only one wins), copies `disk.img` into its own VM directory, runs
+//! QEMU with the manifest's command line with the source node's directories replaced by
+//! its own and the image disk read from `DIR/images/`, restores the memory and removes the
+//! claimed directory. A failed restore renames it back. Image disks in `DIR/images/` are
+//! never removed by a node (a resumed guest keeps reading them); an operator removes those
+//! of image versions no sandbox runs any more.
+//!
+//! Directories are mode 0711 (QEMU, an unprivileged uid, opens image disks by path;
+//! nobody lists), files root's: memory states 0600 (passed to QEMU as descriptors).
+use super::state::VmState;
+use crate::node::{NodeError, NodeResult};
+use serde::{Deserialize, Serialize};
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+
+/// The manifest of one snapshot: `DIR/sandboxes/<id>/snapshot.json`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Manifest {
+    /// Format version (1).
+    pub version: u32,
+    /// The node that paused it (its `--name`).
+    pub node: String,
+    /// Backend (`microvm`).
+    pub backend: String,
+    /// The VM's state at the pause; `qemu_args` name the image disk in `DIR/images/` and
+    /// the source node's directories below.
+    pub state: VmState,
+    /// The source node's backend directory (`DATA/microvm`).
+    pub backend_dir: PathBuf,
+    /// The source node's guest kit directory.
+    pub kit_dir: PathBuf,
+    /// The source node's VM directory (`DATA/microvm/vms/<id>`).
+    pub vm_dir: PathBuf,
+    /// When the pause finished, Unix milliseconds.
+    pub saved_at_ms: i64,
+}
+
+/// File names inside a snapshot directory.
+pub const MANIFEST: &str = "snapshot.json";
+/// The writable disk's copy in a snapshot directory.
+pub const DISK: &str = "disk.img";
+
+/// One node's handle on the shared store.
+#[derive(Debug, Clone)]
+pub struct SnapshotStore {
+    root: PathBuf,
+    node: String,
+}
+
+fn mkdir_0711(d: &Path) -> NodeResult<()> {
+    std::fs::create_dir_all(d)
+        .and_then(|_| std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o711)))
+        .map_err(|e| NodeError::io(format!("create {}", d.display()), e))
+}
+
+impl SnapshotStore {
+    /// The store at `root` (absolute; created with its `sandboxes/` and `images/` when
+    /// missing) as node `node` sees it.
+    ///
+    /// # Errors
+    /// `InvalidArgument` for a relative path; `Internal` when the directories cannot be
+    /// made.
+    pub fn open(root: &Path, node: &str) -> NodeResult<Self> {
+        if !root.is_absolute() {
+            return Err(NodeError::InvalidArgument(format!(
+                "snapshot dir {} must be an absolute path (every node mounts it at the same one)",
+                root.display()
+            )));
+        }
+        for d in [
+            root.to_path_buf(),
+            root.join("sandboxes"),
+            root.join("images"),
+        ] {
+            mkdir_0711(&d)?;
+        }
+        Ok(SnapshotStore {
+            root: root.to_path_buf(),
+            node: node.to_owned(),
+        })
+    }
+
+    /// The store's root.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// This node's name.
+    pub fn node(&self) -> &str {
+        &self.node
+    }
+
+    /// `DIR/sandboxes/<id>`: where a pause of `id` writes.
+    pub fn sandbox_dir(&self, id: &str) -> PathBuf {
+        self.root.join("sandboxes").join(id)
+    }
+
+    fn claimed_dir(&self, id: &str) -> PathBuf {
+        self.root.join("sandboxes").join(format!(".claimed-{id}"))
+    }
+
+    /// Makes `DIR/sandboxes/<id>` (empty) for a pause: a leftover of an earlier one goes.
+    ///
+    /// # Errors
+    /// `Internal` on file-system failures.
+    pub fn begin(&self, id: &str) -> NodeResult<PathBuf> {
+        let d = self.sandbox_dir(id);
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir(&d)
+            .and_then(|_| std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o700)))
+            .map_err(|e| NodeError::io(format!("create {}", d.display()), e))?;
+        Ok(d)
+    }
+
+    /// The copy of image disk `src` in `DIR/images/<node>/` (made once: an existing copy of
+    /// the same size is taken as it is). A disk already in the store is its own copy.
+    ///
+    /// # Errors
+    /// `Internal` when the copy fails.
+    pub fn put_image(&self, src: &Path) -> NodeResult<PathBuf> {
+        if src.starts_with(&self.root) {
+            return Ok(src.to_path_buf());
+        }
+        let dir = self.root.join("images").join(&self.node);
+        mkdir_0711(&dir)?;
+        let name = src
+            .file_name()
+            .ok_or_else(|| NodeError::InvalidArgument(format!("image disk {}", src.display())))?;
+        let dst = dir.join(name);
+        let size = |p: &Path| std::fs::metadata(p).map(|m| m.len()).ok();
+        if size(&dst).is_some() && size(&dst) == size(src) {
+            return Ok(dst);
+        }
+        let tmp = dir.join(format!(".{}.tmp", name.to_string_lossy()));
+        let _ = std::fs::remove_file(&tmp);
+        std::fs::copy(src, &tmp)
+            .and_then(|_| std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o444)))
+            .and_then(|_| std::fs::rename(&tmp, &dst))
+            .map_err(|e| {
+                NodeError::io(format!("copy {} to {}", src.display(), dst.display()), e)
+            })?;
+        Ok(dst)
+    }
+
+    /// Writes the manifest into snapshot directory `dir` (last step of a pause).
+    ///
+    /// # Errors
+    /// `Internal` when it cannot be written.
+    pub fn finish(&self, dir: &Path, m: &Manifest) -> NodeResult<()> {
+        let p = dir.join(MANIFEST);
+        let tmp = dir.join(format!("{MANIFEST}.tmp"));
+        std::fs::write(
+            &tmp,
+            serde_json::to_vec_pretty(m).expect("Manifest serialises"),
+        )
+        .and_then(|_| std::fs::File::open(&tmp)?.sync_all())
+        .and_then(|_| std::fs::rename(&tmp, &p))
+        .map_err(|e| NodeError::io(format!("write {}", p.display()), e))?;
+        if let Ok(d) = std::fs::File::open(dir) {
+            let _ = d.sync_all();
+        }
+        Ok(())
+    }
+
+    /// Claims the snapshot of `id` for this node (see the module docs): its claimed
+    /// directory and manifest.
+    ///
+    /// # Errors
+    /// `NotFound` when the store holds no complete snapshot of `id`; `Conflict` when another
+    /// node holds the claim.
+    pub fn claim(&self, id: &str) -> NodeResult<(PathBuf, Manifest)> {
+        let (from, to) = (self.sandbox_dir(id), self.claimed_dir(id));
+        if !from.join(MANIFEST).is_file() {
+            if to.exists() {
+                return Err(NodeError::Conflict(format!(
+                    "the snapshot of sandbox {id} is being restored by another node"
+                )));
+            }
+            return Err(NodeError::NotFound(format!(
+                "no complete snapshot of sandbox {id} in the shared store {}",
+                self.root.display()
+            )));
+        }
+        match std::fs::rename(&from, &to) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Err(NodeError::Conflict(format!(
+                    "the snapshot of sandbox {id} was claimed by another node"
+                )))
+            }
+            Err(e) => return Err(NodeError::io(format!("claim {}", from.display()), e)),
+        }
+        let m = std::fs::read(to.join(MANIFEST))
+            .map_err(|e| NodeError::io(format!("read {}", to.join(MANIFEST).display()), e))
+            .and_then(|b| {
+                serde_json::from_slice::<Manifest>(&b).map_err(|e| {
+                    NodeError::io(
+                        format!("parse {}", to.join(MANIFEST).display()),
+                        std::io::Error::other(e),
+                    )
+                })
+            });
+        match m {
+            Ok(m) => Ok((to, m)),
+            Err(e) => {
+                self.unclaim(id);
+                Err(e)
+            }
+        }
+    }
+
+    /// Gives a claim back (a restore that failed).
+    pub fn unclaim(&self, id: &str) {
+        if let Err(e) = std::fs::rename(self.claimed_dir(id), self.sandbox_dir(id)) {
+            tracing::warn!(sandbox = %id, error = %e, "could not give the snapshot claim back");
+        }
+    }
+
+    /// Removes the snapshot of `id` (not one claimed by a node restoring it).
+    pub fn remove(&self, id: &str) {
+        let d = self.sandbox_dir(id);
+        match std::fs::remove_dir_all(&d) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => {
+                tracing::warn!(sandbox = %id, error = %e, dir = %d.display(), "could not remove a snapshot")
+            }
+        }
+    }
+}
+
+/// `args` with every occurrence of each `(from, to)` path prefix replaced, in order (give
+/// longer, more specific paths first).
+pub fn rebase_args(args: &[String], map: &[(&Path, &Path)]) -> Vec<String> {
+    args.iter()
+        .map(|a| {
+            let mut a = a.clone();
+            for (from, to) in map {
+                let (f, t) = (from.to_string_lossy(), to.to_string_lossy());
+                if !f.is_empty() && a.contains(f.as_ref()) {
+                    a = a.replace(f.as_ref(), t.as_ref());
+                }
+            }
+            a
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rebase_replaces_the_source_dirs() {
+        let args = vec![
+            "-kernel".to_string(),
+            "/a/kit/vmlinuz".into(),
+            "id=scratch,file=/a/n0/microvm/vms/sb-1/scratch.img,format=raw".into(),
+            "/a/n0/microvm/initramfs.cpio".into(),
+        ];
+        let out = rebase_args(
+            &args,
+            &[
+                (
+                    Path::new("/a/n0/microvm/vms/sb-1"),
+                    Path::new("/b/vms/sb-1"),
+                ),
+                (Path::new("/a/n0/microvm"), Path::new("/b")),
+                (Path::new("/a/kit"), Path::new("/k")),
+            ],
+        );
+        assert_eq!(out[1], "/k/vmlinuz");
+        assert_eq!(out[2], "id=scratch,file=/b/vms/sb-1/scratch.img,format=raw");
+        assert_eq!(out[3], "/b/initramfs.cpio");
+    }
+
+    #[test]
+    fn claim_is_exclusive_and_can_be_given_back() {
+        let d = tempfile::tempdir().unwrap();
+        let s = SnapshotStore::open(d.path(), "n0").unwrap();
+        let id = "sb-0123456789abcdef0123";
+        assert!(matches!(s.claim(id), Err(NodeError::NotFound(_))));
+        let dir = s.begin(id).unwrap();
+        // Not complete yet: no manifest.
+        assert!(matches!(s.claim(id), Err(NodeError::NotFound(_))));
+        std::fs::write(dir.join(MANIFEST), b"{not json").unwrap();
+        assert!(s.claim(id).is_err());
+        assert!(dir.join(MANIFEST).is_file(), "a bad claim is given back");
+        std::fs::remove_file(dir.join(MANIFEST)).unwrap();
+        let st: VmState = serde_json::from_value(serde_json::json!({
+            "id": id, "image": "python", "image_env": [], "accel": "tcg",
+            "qemu_pid": 1, "qemu_starttime": 1,
+            "spec": {"cpu": 1.0, "memory_mib": 256, "disk_mib": 64, "pids_max": 64, "env": {}}
+        }))
+        .unwrap_or_else(|e| panic!("VmState fixture: {e}"));
+        let m = Manifest {
+            version: 1,
+            node: "n0".into(),
+            backend: "microvm".into(),
+            state: st,
+            backend_dir: "/x".into(),
+            kit_dir: "/k".into(),
+            vm_dir: "/x/vms/id".into(),
+            saved_at_ms: 0,
+        };
+        s.finish(&dir, &m).unwrap();
+        let (claimed, got) = s.claim(id).unwrap();
+        assert_eq!(got.node, "n0");
+        assert!(matches!(s.claim(id), Err(NodeError::Conflict(_))));
+        s.unclaim(id);
+        assert!(!claimed.exists());
+        s.claim(id).unwrap();
+    }
+}
