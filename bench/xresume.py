@@ -34,6 +34,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "sdk" / "python"))
+sys.path.insert(0, str(ROOT / "bench"))
 import sandlot  # noqa: E402
 
 SCRIPT = str(ROOT / "scripts" / "cluster.sh")
@@ -104,11 +105,11 @@ def main() -> None:
            f"Ratio cross / same (medians): **{ratio:.2f}x**.\n")
     print(out)
     if a.write:
-        p = Path(a.write)
-        text = p.read_text()
-        i = text.index("\n## ")
-        p.write_text(text[:i] + "\n" + out.rstrip("\n") + "\n" + text[i:])
+        import run as R  # bench/run.py: sections between `bench:begin`/`bench:end` markers
 
+        p = Path(a.write)
+        key = f"{time.strftime('%Y-%m-%d', time.gmtime())} xresume"
+        p.write_text(R.upsert_section(p.read_text() if p.exists() else "", key, out.strip()))
 
 if __name__ == "__main__":
     main()
