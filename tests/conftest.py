@@ -589,3 +589,18 @@ def e2b_env(e2b_target, monkeypatch) -> str:
     monkeypatch.delenv("E2B_DOMAIN", raising=False)
     monkeypatch.delenv("E2B_DEBUG", raising=False)
     return e2b_target.url
+
+
+def wait_for(pred, timeout: float, what: str, interval: float = 0.1) -> float:
+    """Poll ``pred`` every ``interval`` seconds (exceptions count as false) until it is true;
+    the seconds it took. Fails the test after ``timeout`` seconds, naming ``what``."""
+    t0 = time.monotonic()
+    while True:
+        try:
+            if pred():
+                return time.monotonic() - t0
+        except Exception:
+            pass
+        if time.monotonic() - t0 > timeout:
+            pytest.fail(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)

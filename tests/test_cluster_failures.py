@@ -44,7 +44,7 @@ import httpx
 import pytest
 
 import sandlot
-from conftest import IMAGES_DIR
+from conftest import IMAGES_DIR, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = str(ROOT / "scripts" / "cluster.sh")
@@ -120,20 +120,6 @@ class Cluster:
                              env=self.env)
         assert out.returncode == 0, f"{args}: {out.stderr}"
         return out.stdout
-
-
-def wait_for(pred, timeout: float, what: str, interval: float = 0.1) -> float:
-    """Poll ``pred`` (exceptions count as false); the seconds it took."""
-    t0 = time.monotonic()
-    while True:
-        try:
-            if pred():
-                return time.monotonic() - t0
-        except Exception:
-            pass
-        if time.monotonic() - t0 > timeout:
-            pytest.fail(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
 
 
 # Nodes publish their usage every second (crates/sandlot-cli/src/cluster.rs USAGE_PERIOD) and

@@ -24,25 +24,12 @@ from pathlib import Path
 import pytest
 
 import sandlot
-from conftest import IMAGES_DIR
+from conftest import IMAGES_DIR, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = str(ROOT / "scripts" / "cluster.sh")
 LEASE_TTL_S = 3
 LOOP = ("i=0; while :; do i=$((i+1)); echo $i >> /workspace/ticks; sleep 0.2; done")
-
-
-def wait_for(pred, timeout: float, what: str, interval: float = 0.2) -> float:
-    t0 = time.monotonic()
-    while True:
-        try:
-            if pred():
-                return time.monotonic() - t0
-        except Exception:
-            pass
-        if time.monotonic() - t0 > timeout:
-            pytest.fail(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
 
 
 @pytest.fixture(scope="module")
