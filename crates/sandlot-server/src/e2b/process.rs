@@ -77,8 +77,7 @@ impl E2bMeta {
     fn bounded(mut config: ProcessConfig, pty: bool) -> serde_json::Value {
         loop {
             let v = serde_json::json!({ "e2b": E2bMeta { config: config.clone(), pty } });
-            let fits =
-                serde_json::to_vec(&v).map_or(false, |b| b.len() <= sandlot_api::MAX_META_BYTES);
+            let fits = serde_json::to_vec(&v).is_ok_and(|b| b.len() <= sandlot_api::MAX_META_BYTES);
             if fits {
                 return v;
             }
@@ -828,6 +827,42 @@ mod tests {
             ..cfg
         };
         assert_eq!(argv_of(&cfg)[0], "/usr/bin/env");
+    }
+
+    #[test]
+    fn meta_keeps_the_config_within_the_limit() {
+        let cfg = ProcessConfig {
+            cmd: "/bin/bash".into(),
+            args: vec!["-c".into(), "echo hi".into()],
+            envs: BTreeMap::from([("A".into(), "1".into())]),
+            cwd: Some("/tmp".into()),
+        };
+        let rec = |meta: serde_json::Value| sandlot_api::Process {
+            meta: Some(meta),
+            ..serde_json::from_value(serde_json::json!({
+                "id": "pr-00000000000000000000", "sandbox_id": "sb-1", "cmd": "x",
+                "state": "running", "started_at": "", "ended_at": null, "stdin_open": false,
+                "stdout_bytes": 0, "stderr_bytes": 0, "result": null
+            }))
+            .unwrap()
+        };
+        let m = E2bMeta::of(&rec(E2bMeta::bounded(cfg.clone(), true))).unwrap();
+        assert!(m.pty);
+        assert_eq!((m.config.args, m.config.envs.len()), (cfg.args.clone(), 1));
+        // Big envs are left out first, then big args; the flag stays.
+        let big = "x".repeat(sandlot_api::MAX_META_BYTES);
+        let mut env_heavy = cfg.clone();
+        env_heavy.envs.insert("BIG".into(), big.clone());
+        let m = E2bMeta::of(&rec(E2bMeta::bounded(env_heavy, false))).unwrap();
+        assert!(m.config.envs.is_empty() && m.config.args == cfg.args);
+        let mut arg_heavy = cfg;
+        arg_heavy.args.push(big);
+        let v = E2bMeta::bounded(arg_heavy, true);
+        assert!(serde_json::to_vec(&v).unwrap().len() <= sandlot_api::MAX_META_BYTES);
+        let m = E2bMeta::of(&rec(v)).unwrap();
+        assert!(m.config.args.is_empty() && m.pty);
+        // A record without E2B meta (REST, interpreter) is not E2B's.
+        assert!(E2bMeta::of(&rec(serde_json::json!({"other": 1}))).is_none());
     }
 
     #[test]
