@@ -158,8 +158,10 @@ CLUSTER_CASES = frozenset({"function", "container-runc"})
 #: The tests run against a cluster, for each of ``CLUSTER_CASES``: the microvm subset (one or
 #: more per category: errors, exec, files, lifecycle, limits, processes, pause, checkpoint),
 #: so both cases fit CI's budget (the whole suite on `function` alone takes ~60 s there),
-#: and the per-case check that nothing is left behind on the node.
-CLUSTER_SUBSET: FrozenSet[str] = REDUCED["microvm"] | {"test_nothing_left_after_the_case"}
+#: the per-case check that nothing is left behind on the node, and E2B pids across servers
+#: (test_e2b_cluster.py; cluster-only, on the E2B backend's case).
+CLUSTER_SUBSET: FrozenSet[str] = REDUCED["microvm"] | {
+    "test_nothing_left_after_the_case", "test_e2b_pids_and_tags_reach_across_servers"}
 
 #: Known failures against a cluster, by test name (strict: a pass fails the run, so the
 #: entry goes when the cause is fixed).

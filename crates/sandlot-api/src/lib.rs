@@ -29,7 +29,7 @@ pub use files::{FileEntry, FileList, FileType};
 pub use network::{AllowEntry, AllowPolicy, NetworkPolicy, MAX_ALLOW_ENTRIES};
 pub use process::{
     Process, ProcessEvent, ProcessList, ProcessState, SignalName, SignalRequest, SpawnRequest,
-    StreamName, SIGNALS,
+    StreamName, FIRST_PROCESS_NUMBER, MAX_META_BYTES, MAX_TAG_BYTES, SIGNALS,
 };
 pub use run_code::{
     CommandRunResult, CommandRunStatus, RunCodeRequest, RunCodeResponse, RunStatus,

@@ -43,6 +43,46 @@ pub struct SpawnRequest {
     /// `POST …/processes/{pid}/resize` changes the size.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pty: Option<crate::exec::PtySize>,
+    /// A label of the caller's choice (at most [`MAX_TAG_BYTES`] bytes), kept in the
+    /// process's record: any client finds the process again by it through the list.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tag: Option<String>,
+    /// JSON of the caller's choice (at most [`MAX_META_BYTES`] bytes serialized), kept in
+    /// the process's record and answered as given (the E2B surface keeps envd's
+    /// `ProcessConfig` there).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub meta: Option<serde_json::Value>,
+}
+
+/// Longest `tag` of a background process, bytes.
+pub const MAX_TAG_BYTES: usize = 256;
+/// Longest `meta` of a background process, bytes of its compact JSON.
+pub const MAX_META_BYTES: usize = 4096;
+
+impl SpawnRequest {
+    /// Checks `tag` and `meta` against [`MAX_TAG_BYTES`] and [`MAX_META_BYTES`].
+    ///
+    /// # Errors
+    /// A message naming the field and its limit.
+    pub fn check_labels(&self) -> Result<(), String> {
+        if let Some(t) = &self.tag {
+            if t.len() > MAX_TAG_BYTES {
+                return Err(format!(
+                    "tag is {} bytes, over the limit of {MAX_TAG_BYTES}",
+                    t.len()
+                ));
+            }
+        }
+        if let Some(m) = &self.meta {
+            let n = serde_json::to_vec(m).map(|v| v.len()).unwrap_or(usize::MAX);
+            if n > MAX_META_BYTES {
+                return Err(format!(
+                    "meta is {n} bytes of JSON, over the limit of {MAX_META_BYTES}"
+                ));
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Where a background process is.
@@ -60,6 +100,11 @@ pub enum ProcessState {
 pub struct Process {
     /// Handle, `pr-` followed by 20 lowercase hex digits.
     pub id: String,
+    /// Its number within the sandbox, given by the sandbox's node: counting up from
+    /// [`FIRST_PROCESS_NUMBER`] per sandbox, never reused while the sandbox lives on that
+    /// node (E2B's `pid`). 0 from a node that does not number its processes.
+    #[serde(default)]
+    pub number: u32,
     /// Sandbox it runs in.
     pub sandbox_id: String,
     /// The command as given.
@@ -83,7 +128,16 @@ pub struct Process {
     /// error, with the code the exec call would have answered.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<ApiError>,
+    /// The `tag` it was started with.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tag: Option<String>,
+    /// The `meta` it was started with.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub meta: Option<serde_json::Value>,
 }
+
+/// The [`Process::number`] of a sandbox's first background process.
+pub const FIRST_PROCESS_NUMBER: u32 = 1000;
 
 /// `GET /v1/sandboxes/{id}/processes` answer.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

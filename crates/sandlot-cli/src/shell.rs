@@ -56,6 +56,8 @@ pub async fn shell(c: &Client, id: &str, cmd: Vec<String>) -> anyhow::Result<u8>
         max_output_bytes: None,
         user: None,
         pty: Some(size.unwrap_or(DEFAULT_SIZE)),
+        tag: None,
+        meta: None,
     };
     let p = c.spawn(id, &req).await?;
     let raw = if tty { Some(RawMode::enter()?) } else { None };

@@ -22,6 +22,7 @@ mod support;
 async fn contract_on_the_fake_node() {
     let node = with_processes(Arc::new(FakeNode::default()));
     common::run_all(&*node, &common::Profile::fake()).await;
+    common::numbers_across_clients(&*node, &*node).await;
 }
 
 #[tokio::test]
@@ -33,6 +34,11 @@ async fn contract_on_a_remote_fake_node() {
         .unwrap();
     assert_eq!(remote.info(), fake.info());
     common::run_all(&remote, &common::Profile::fake()).await;
+    // A second client (another server of a cluster) resolves the first one's processes.
+    let other = RemoteNode::connect(&url, Some("s3cret".into()))
+        .await
+        .unwrap();
+    common::numbers_across_clients(&remote, &other).await;
     // The calls went through to the fake.
     assert!(fake.execs.lock().unwrap().len() >= 3);
 }
@@ -78,6 +84,8 @@ async fn contract_on_a_remote_local_node() {
     let remote = RemoteNode::connect(&url, Some("tok".into())).await.unwrap();
     assert_eq!(remote.info().name, "remote-contract");
     common::run_all(&remote, &common::Profile::real()).await;
+    let other = RemoteNode::connect(&url, Some("tok".into())).await.unwrap();
+    common::numbers_across_clients(&remote, &other).await;
 }
 
 /// The calls the contract cases leave out (readopt deletes what it does not keep, so it

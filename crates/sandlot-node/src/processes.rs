@@ -25,6 +25,13 @@
 //! `max_kept` × 2 × `max_output_bytes` (64 × 2 × 16 MiB = 2 GiB) of disk per sandbox,
 //! freed when the records are forgotten.
 //!
+//! Numbers: the table numbers each sandbox's processes from
+//! [`sandlot_api::FIRST_PROCESS_NUMBER`] up ([`Process::number`], E2B's `pid`), never
+//! reusing one while the sandbox's entry lives (until the sandbox is forgotten), so any
+//! server can resolve a number through `process_list` alone. A process's `tag` and `meta`
+//! (bounded by [`sandlot_api::MAX_TAG_BYTES`] / [`sandlot_api::MAX_META_BYTES`]) are kept
+//! in its record.
+//!
 //! Lifetime: processes end with their sandbox (delete, TTL) and are forgotten with
 //! [`ProcessTable::forget_sandbox`]. The table is memory only: after a restart of the
 //! node's process its background processes are gone (their exec helpers die with the
@@ -199,6 +206,10 @@ impl State {
 /// One background process. Cheap to share (`Arc`); the table and its task hold it.
 pub struct ProcessHandle {
     id: String,
+    /// Its number within the sandbox ([`Process::number`]).
+    number: u32,
+    tag: Option<String>,
+    meta: Option<serde_json::Value>,
     sandbox_id: String,
     cmd: Cmd,
     started_at: String,
@@ -243,6 +254,9 @@ impl ProcessHandle {
         let st = self.state.lock().unwrap();
         Process {
             id: self.id.clone(),
+            number: self.number,
+            tag: self.tag.clone(),
+            meta: self.meta.clone(),
             sandbox_id: self.sandbox_id.clone(),
             cmd: self.cmd.clone(),
             state: if st.ended() {
@@ -490,7 +504,16 @@ pub struct ProcessTable {
     node: Arc<dyn Node>,
     limits: ProcessLimits,
     spill_dir: std::path::PathBuf,
-    by_sandbox: Mutex<HashMap<String, Vec<Arc<ProcessHandle>>>>,
+    by_sandbox: Mutex<HashMap<String, SandboxProcs>>,
+}
+
+/// The processes of one sandbox and the number its next one gets.
+#[derive(Default)]
+struct SandboxProcs {
+    /// Oldest first.
+    list: Vec<Arc<ProcessHandle>>,
+    /// 0 until its first process (then [`sandlot_api::FIRST_PROCESS_NUMBER`] and up).
+    next_number: u32,
 }
 
 /// A fresh handle: `pr-` + 20 lowercase hex digits (80 random bits).
@@ -535,6 +558,7 @@ impl ProcessTable {
     pub async fn spawn(&self, sandbox: &str, req: SpawnRequest) -> NodeResult<Process> {
         let timeout_s = req.timeout_s.unwrap_or(sandlot_api::MAX_TIMEOUT_S);
         sandlot_api::check_timeout_s("timeout_s", timeout_s).map_err(NodeError::InvalidArgument)?;
+        req.check_labels().map_err(NodeError::InvalidArgument)?;
         let retain = req.max_output_bytes.unwrap_or(DEFAULT_RETAIN);
         if retain > MAX_RETAIN {
             return Err(NodeError::InvalidArgument(format!(
@@ -573,9 +597,13 @@ impl ProcessTable {
             })
         };
         let (stdout, stderr) = (log()?, log()?);
-        let proc = Arc::new(ProcessHandle {
+        let sandbox_id = sandbox.to_string();
+        let proc = self.admit(sandbox, |number| ProcessHandle {
             id: new_id(),
-            sandbox_id: sandbox.to_string(),
+            number,
+            tag: req.tag,
+            meta: req.meta,
+            sandbox_id,
             cmd: req.cmd,
             started_at: now_rfc3339(),
             state: Mutex::new(State {
@@ -590,8 +618,7 @@ impl ProcessTable {
             signals: sig_tx,
             task: Mutex::new(None),
             pty,
-        });
-        self.admit(&proc)?;
+        })?;
         let control = ExecControl {
             stdin: stdin_rx,
             signals: sig_rx,
@@ -608,7 +635,7 @@ impl ProcessTable {
         // paused or deleting sandbox) is this call's error, not a process.
         if let std::task::Poll::Ready(r) = futures::poll!(exec.as_mut()) {
             if let Err(e) = r {
-                self.remove_record(sandbox, &proc.id);
+                self.unadmit(sandbox, &proc.id);
                 return Err(e);
             }
             exec = Box::pin(futures::future::ready(r));
@@ -618,15 +645,21 @@ impl ProcessTable {
         Ok(proc.info())
     }
 
-    /// Adds `proc` under its sandbox, within the limits.
-    fn admit(&self, proc: &Arc<ProcessHandle>) -> NodeResult<()> {
+    /// Adds `proc` under its sandbox, within the limits, numbering it
+    /// ([`Process::number`]).
+    fn admit(
+        &self,
+        sandbox: &str,
+        make: impl FnOnce(u32) -> ProcessHandle,
+    ) -> NodeResult<Arc<ProcessHandle>> {
         let mut map = self.by_sandbox.lock().unwrap();
-        let list = map.entry(proc.sandbox_id.clone()).or_default();
+        let sb = map.entry(sandbox.to_string()).or_default();
+        let list = &mut sb.list;
         let running = list.iter().filter(|p| !p.ended()).count();
         if running >= self.limits.max_running {
             return Err(NodeError::ResourceExhausted(format!(
                 "sandbox {} already runs {running} background processes (limit {}); wait for or delete one",
-                proc.sandbox_id, self.limits.max_running
+                sandbox, self.limits.max_running
             )));
         }
         while list.len() >= self.limits.max_kept {
@@ -637,26 +670,49 @@ impl ProcessTable {
                 None => break,
             }
         }
-        list.push(proc.clone());
-        Ok(())
+        if sb.next_number == 0 {
+            sb.next_number = sandlot_api::FIRST_PROCESS_NUMBER;
+        }
+        let p = Arc::new(make(sb.next_number));
+        // u32 numbers last 4 billion spawns; after that they wrap to the first again.
+        sb.next_number = sb
+            .next_number
+            .checked_add(1)
+            .unwrap_or(sandlot_api::FIRST_PROCESS_NUMBER);
+        sb.list.push(p.clone());
+        Ok(p)
     }
 
+    /// Forgets the record `pid`. The sandbox's entry (its next number) stays, so numbers
+    /// are not reused, except after a failed first spawn (an unknown sandbox leaves
+    /// nothing behind).
     fn remove_record(&self, sandbox: &str, pid: &str) -> Option<Arc<ProcessHandle>> {
         let mut map = self.by_sandbox.lock().unwrap();
-        let list = map.get_mut(sandbox)?;
-        let i = list.iter().position(|p| p.id == pid)?;
-        let p = list.remove(i);
-        if list.is_empty() {
-            map.remove(sandbox);
-        }
+        let sb = map.get_mut(sandbox)?;
+        let i = sb.list.iter().position(|p| p.id == pid)?;
+        let p = sb.list.remove(i);
         Some(p)
+    }
+
+    /// Forgets a process whose spawn failed; drops the sandbox's entry when it was its
+    /// first process.
+    fn unadmit(&self, sandbox: &str, pid: &str) {
+        let Some(p) = self.remove_record(sandbox, pid) else {
+            return;
+        };
+        let mut map = self.by_sandbox.lock().unwrap();
+        if let Some(sb) = map.get(sandbox) {
+            if sb.list.is_empty() && p.number == sandlot_api::FIRST_PROCESS_NUMBER {
+                map.remove(sandbox);
+            }
+        }
     }
 
     /// The processes of a sandbox, oldest first.
     pub fn list(&self, sandbox: &str) -> Vec<Process> {
         let map = self.by_sandbox.lock().unwrap();
         map.get(sandbox)
-            .map(|l| l.iter().map(|p| p.info()).collect())
+            .map(|sb| sb.list.iter().map(|p| p.info()).collect())
             .unwrap_or_default()
     }
 
@@ -667,7 +723,7 @@ impl ProcessTable {
     pub fn get(&self, sandbox: &str, pid: &str) -> NodeResult<Arc<ProcessHandle>> {
         let map = self.by_sandbox.lock().unwrap();
         map.get(sandbox)
-            .and_then(|l| l.iter().find(|p| p.id == pid))
+            .and_then(|sb| sb.list.iter().find(|p| p.id == pid))
             .cloned()
             .ok_or_else(|| {
                 NodeError::NotFound(format!(
@@ -690,8 +746,8 @@ impl ProcessTable {
 
     /// Forgets every process of a sandbox (deleted or expired), killing those still running.
     pub fn forget_sandbox(&self, sandbox: &str) {
-        let list = self.by_sandbox.lock().unwrap().remove(sandbox);
-        for p in list.unwrap_or_default() {
+        let sb = self.by_sandbox.lock().unwrap().remove(sandbox);
+        for p in sb.map(|sb| sb.list).unwrap_or_default() {
             if !p.ended() {
                 tokio::spawn(kill_and_drop(p));
             }
@@ -712,7 +768,10 @@ impl ProcessTable {
     /// Running processes on this node, all sandboxes (for metrics).
     pub fn running(&self) -> usize {
         let map = self.by_sandbox.lock().unwrap();
-        map.values().flatten().filter(|p| !p.ended()).count()
+        map.values()
+            .flat_map(|sb| &sb.list)
+            .filter(|p| !p.ended())
+            .count()
     }
 }
 
@@ -1117,6 +1176,34 @@ mod tests {
         assert_eq!(s.result.unwrap().signal, Some(libc::SIGTERM));
         node.process_remove(id, &s.id).await.unwrap();
         assert_eq!(node.process_list(id).await.unwrap().len(), 1);
+        // Numbers count up per sandbox and are not reused after a remove; tag and meta are
+        // kept in the record.
+        assert_eq!((p.number, s.number), (1000, 1001));
+        let mut req = spawn(&["echo", "x"]);
+        req.tag = Some("t".into());
+        req.meta = Some(serde_json::json!({"k": [1, 2]}));
+        let t = node.process_spawn(id, req.clone()).await.unwrap();
+        assert_eq!(t.number, 1002);
+        let got = node.process_get(id, &t.id).await.unwrap();
+        assert_eq!((got.tag, got.meta), (req.tag.clone(), req.meta.clone()));
+        req.tag = Some("x".repeat(sandlot_api::MAX_TAG_BYTES + 1));
+        let e = node.process_spawn(id, req.clone()).await.unwrap_err();
+        assert_eq!(e.code(), sandlot_api::ErrorCode::InvalidArgument, "{e}");
+        req.tag = None;
+        req.meta = Some("x".repeat(sandlot_api::MAX_META_BYTES).into());
+        let e = node.process_spawn(id, req).await.unwrap_err();
+        assert_eq!(e.code(), sandlot_api::ErrorCode::InvalidArgument, "{e}");
+        // A spawn in an unknown sandbox leaves no entry behind.
+        assert!(node
+            .process_spawn("sb-ffffffffffffffffffff", spawn(&["echo"]))
+            .await
+            .is_err());
+        assert!(!node
+            .table()
+            .by_sandbox
+            .lock()
+            .unwrap()
+            .contains_key("sb-ffffffffffffffffffff"));
         node.delete(id).await.unwrap();
         assert!(node.process_list(id).await.unwrap().is_empty());
         assert_eq!(node.table().running(), 0);

@@ -125,6 +125,8 @@ fn spawn_of(v: &[&str], stdin: bool) -> SpawnRequest {
         max_output_bytes: None,
         user: None,
         pty: None,
+        tag: None,
+        meta: None,
     }
 }
 
@@ -238,6 +240,11 @@ async fn processes(node: &dyn Node, id: &str) {
     let listed = node.process_list(id).await.unwrap();
     let ids: Vec<&str> = listed.iter().map(|p| p.id.as_str()).collect();
     assert_eq!(ids, [p.id.as_str(), cat.id.as_str(), sleep.id.as_str()]);
+    // The node numbers a sandbox's processes, counting up; list and get answer the numbers.
+    let numbers: Vec<u32> = listed.iter().map(|p| p.number).collect();
+    assert!(p.number >= sandlot_api::FIRST_PROCESS_NUMBER, "{p:?}");
+    assert_eq!(numbers, [p.number, p.number + 1, p.number + 2]);
+    assert_eq!(sleep.number, p.number + 2);
     let running = node
         .process_wait(id, &sleep.id, Duration::from_millis(300))
         .await
@@ -267,6 +274,68 @@ async fn processes(node: &dyn Node, id: &str) {
         "not_found",
         "remove unknown",
     );
+}
+
+/// A process started through client `a` is found by its number and by its tag through
+/// client `b` of the same node (another server of a cluster), with its `meta`, and driven
+/// from there: stdin, signal, wait. The numbers of a fresh sandbox start at
+/// [`sandlot_api::FIRST_PROCESS_NUMBER`] and are not reused after a remove.
+pub async fn numbers_across_clients(a: &dyn Node, b: &dyn Node) {
+    let wait = Duration::from_secs(20);
+    let id = new_id();
+    a.create(&spec(&id)).await.expect("create");
+    let first = a
+        .process_spawn(&id, spawn_of(&["echo", "one"], false))
+        .await
+        .unwrap();
+    assert_eq!(first.number, sandlot_api::FIRST_PROCESS_NUMBER, "{first:?}");
+    a.process_wait(&id, &first.id, wait).await.unwrap();
+    a.process_remove(&id, &first.id).await.unwrap();
+    let meta = serde_json::json!({"e2b": {"config": {"cmd": "cat"}, "pty": false}});
+    let req = SpawnRequest {
+        tag: Some("svc".into()),
+        meta: Some(meta.clone()),
+        ..spawn_of(&["cat"], true)
+    };
+    let cat = a.process_spawn(&id, req).await.unwrap();
+    assert_eq!(cat.number, first.number + 1, "numbers are not reused");
+    let listed = b.process_list(&id).await.unwrap();
+    let by_number = listed.iter().find(|p| p.number == cat.number).unwrap();
+    assert_eq!(by_number.id, cat.id);
+    assert_eq!(by_number.tag.as_deref(), Some("svc"));
+    assert_eq!(by_number.meta.as_ref(), Some(&meta));
+    let by_tag = listed
+        .iter()
+        .rev()
+        .find(|p| p.tag.as_deref() == Some("svc"))
+        .unwrap();
+    assert_eq!(by_tag.id, cat.id);
+    b.process_stdin(&id, &by_number.id, Bytes::from_static(b"from b"), true)
+        .await
+        .unwrap();
+    let done = a.process_wait(&id, &cat.id, wait).await.unwrap();
+    assert_eq!(
+        done.result.as_ref().map(|r| r.exit_code),
+        Some(0),
+        "{done:?}"
+    );
+    assert_eq!(done.stdout_bytes, 6);
+    assert_eq!(
+        b.process_get(&id, &cat.id).await.unwrap().number,
+        cat.number
+    );
+    // Over the limits: refused, nothing created.
+    let long = SpawnRequest {
+        tag: Some("t".repeat(sandlot_api::MAX_TAG_BYTES + 1)),
+        ..spawn_of(&["echo"], false)
+    };
+    assert_kind(
+        a.process_spawn(&id, long).await,
+        "invalid_argument",
+        "long tag",
+    );
+    assert_eq!(b.process_list(&id).await.unwrap().len(), 1);
+    a.delete(&id).await.unwrap();
 }
 
 async fn lifecycle_and_exec(node: &dyn Node, p: &Profile, id: &str) {

@@ -199,6 +199,8 @@ async fn start_context(
         max_output_bytes: Some(MAX_RETAIN),
         user: None,
         pty: None,
+        tag: None,
+        meta: None,
     };
     let p = st
         .node

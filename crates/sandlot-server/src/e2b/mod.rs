@@ -52,7 +52,7 @@ use axum::routing::{any, get, post};
 use axum::Router;
 use base64::Engine;
 use sandlot_api::{Backend, ErrorCode};
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::HashSet;
 use std::sync::Mutex;
 
 /// envd version the sandboxes report (`envdVersion`). The SDK enables features by it:
@@ -86,10 +86,10 @@ impl Default for E2bConfig {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct E2bUser(pub String);
 
-/// E2B's numeric process ids over Sandlot's background processes, per sandbox.
+/// The E2B surface's state held by one server: caches and per-connection objects only
+/// (process pids live on the node: [`process`]).
 #[derive(Default)]
 pub struct E2bState {
-    procs: Mutex<HashMap<String, SandboxProcs>>,
     /// Sandboxes whose home directories exist already.
     homes: Mutex<HashSet<(String, String)>>,
     /// File watchers ([`watch`]).
@@ -98,86 +98,14 @@ pub struct E2bState {
     pub interpreters: interpreter::Interpreters,
 }
 
-#[derive(Default)]
-struct SandboxProcs {
-    next_pid: u32,
-    by_pid: BTreeMap<u32, ProcEntry>,
-}
-
-/// One E2B process: its Sandlot handle and what `List` reports.
-#[derive(Debug, Clone)]
-pub struct ProcEntry {
-    /// The background process (`pr-…`) on the sandbox's node.
-    pub handle: String,
-    /// Whether it runs on a terminal (started with `pty`: its output is envd's `pty`).
-    pub pty: bool,
-    /// `tag` of the start request.
-    pub tag: Option<String>,
-    /// The `ProcessConfig` of the start request, as sent (JSON).
-    pub config: serde_json::Value,
-}
-
-/// Most E2B pids remembered per sandbox; the oldest are forgotten first (the process
-/// table itself keeps at most 64 records per sandbox).
-const MAX_PIDS: usize = 256;
-
 impl E2bState {
-    /// Register a process; returns its E2B pid (from 1000, counting up per sandbox).
-    pub fn add(&self, sandbox: &str, entry: ProcEntry) -> u32 {
-        let mut m = self.procs.lock().unwrap_or_else(|p| p.into_inner());
-        let s = m.entry(sandbox.to_owned()).or_default();
-        if s.next_pid == 0 {
-            s.next_pid = 1000;
-        }
-        let pid = s.next_pid;
-        s.next_pid = s.next_pid.wrapping_add(1).max(1000);
-        s.by_pid.insert(pid, entry);
-        while s.by_pid.len() > MAX_PIDS {
-            let first = *s.by_pid.keys().next().expect("non-empty");
-            s.by_pid.remove(&first);
-        }
-        pid
-    }
-
-    /// The process `pid` of `sandbox`.
-    pub fn get(&self, sandbox: &str, pid: u32) -> Option<ProcEntry> {
-        let m = self.procs.lock().unwrap_or_else(|p| p.into_inner());
-        m.get(sandbox)?.by_pid.get(&pid).cloned()
-    }
-
-    /// The process with `tag` in `sandbox` (the newest when several).
-    pub fn by_tag(&self, sandbox: &str, tag: &str) -> Option<(u32, ProcEntry)> {
-        let m = self.procs.lock().unwrap_or_else(|p| p.into_inner());
-        m.get(sandbox)?
-            .by_pid
-            .iter()
-            .rev()
-            .find(|(_, e)| e.tag.as_deref() == Some(tag))
-            .map(|(p, e)| (*p, e.clone()))
-    }
-
-    /// Every process of `sandbox`, by pid.
-    pub fn all(&self, sandbox: &str) -> Vec<(u32, ProcEntry)> {
-        let m = self.procs.lock().unwrap_or_else(|p| p.into_inner());
-        m.get(sandbox)
-            .map(|s| s.by_pid.iter().map(|(p, e)| (*p, e.clone())).collect())
-            .unwrap_or_default()
-    }
-
-    /// Forget the processes of sandboxes not in `keep` (gone sandboxes).
+    /// Forget the state of sandboxes not in `keep` (gone sandboxes).
     pub fn retain_sandboxes(&self, keep: impl Fn(&str) -> bool) {
-        let mut m = self.procs.lock().unwrap_or_else(|p| p.into_inner());
-        m.retain(|k, _| keep(k));
         let mut h = self.homes.lock().unwrap_or_else(|p| p.into_inner());
         h.retain(|(k, _)| keep(k));
         drop(h);
         self.watchers.retain_sandboxes(&keep);
         self.interpreters.retain_sandboxes(keep);
-    }
-
-    /// Number of sandboxes with E2B processes.
-    pub fn sandboxes(&self) -> usize {
-        self.procs.lock().unwrap_or_else(|p| p.into_inner()).len()
     }
 }
 
@@ -445,28 +373,6 @@ mod tests {
         let mut h = HeaderMap::new();
         h.insert("host", HeaderValue::from_static("127.0.0.1:7070"));
         assert!(sandbox_of(&h).is_err());
-    }
-
-    #[test]
-    fn pids_count_up_and_forget_the_oldest() {
-        let s = E2bState::default();
-        let e = |h: &str| ProcEntry {
-            handle: h.into(),
-            tag: Some(h.into()),
-            config: serde_json::Value::Null,
-            pty: false,
-        };
-        assert_eq!(s.add("a", e("x")), 1000);
-        assert_eq!(s.add("a", e("y")), 1001);
-        assert_eq!(s.add("b", e("z")), 1000);
-        assert_eq!(s.by_tag("a", "y").unwrap().0, 1001);
-        for i in 0..MAX_PIDS {
-            s.add("a", e(&i.to_string()));
-        }
-        assert!(s.get("a", 1000).is_none());
-        assert_eq!(s.all("a").len(), MAX_PIDS);
-        s.retain_sandboxes(|k| k == "b");
-        assert_eq!(s.sandboxes(), 1);
     }
 
     #[test]

@@ -18,8 +18,14 @@
 //! pseudo-terminal allocated inside the sandbox (Sandlot's background process with `pty`);
 //! its output is sent as `data {pty}` events, input (`input: {pty}` or `{stdin}`) goes to
 //! the terminal, `Update` resizes it. `StreamInput` waits at most [`STREAM_INPUT_IDLE_S`]
-//! s for its next message (and at most its `Connect-Timeout-Ms` in all). Pids are E2B's
-//! numbers ([`super::E2bState`]), from 1000 per sandbox. The stream's deadline
+//! s for its next message (and at most its `Connect-Timeout-Ms` in all).
+//!
+//! **Pids** are the numbers the sandbox's node gives its processes
+//! ([`sandlot_api::Process::number`], from 1000 per sandbox); a start's `tag`, its
+//! `ProcessConfig` and whether it runs on a terminal are kept in the node's process record
+//! (`tag`, `meta` = [`E2bMeta`]). Every call resolves its pid or tag by listing the
+//! node's processes of the sandbox, so a process started through one server of a cluster
+//! is reached through any other: no server keeps a table of its own. The stream's deadline
 //! (`Connect-Timeout-Ms`, the SDK's command `timeout`) is also the process's timeout: when
 //! it passes, the process tree is killed. A stream whose client goes away leaves the
 //! process running (`commands.connect` reattaches). `cmd: "/bin/bash"` (what
@@ -30,7 +36,7 @@ use super::connect::{
     check_kind, end_stream, message, stream_error, stream_from, stream_request, stream_response,
     unary_ok, unary_request, CallKind, ConnectError,
 };
-use super::{ensure_home, home_of, E2bUser, ProcEntry};
+use super::{ensure_home, home_of, E2bUser};
 use crate::auth::Principal;
 use crate::processes::ProcRef;
 use crate::SharedState;
@@ -51,6 +57,59 @@ pub const KEEPALIVE_S: u64 = 50;
 /// Longest wait of `StreamInput` for its next message, seconds (clients send keepalives
 /// more often).
 pub const STREAM_INPUT_IDLE_S: u64 = 300;
+
+/// What a process started through `Start` keeps in its record's `meta` on the node
+/// (`{"e2b": {"config": …, "pty": …}}`): what `List` reports and whether its output is
+/// envd's `pty` stream.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+pub struct E2bMeta {
+    /// The start request's `ProcessConfig`, as sent.
+    pub config: ProcessConfig,
+    /// Started with `pty`.
+    #[serde(default)]
+    pub pty: bool,
+}
+
+impl E2bMeta {
+    /// The `meta` JSON of a process started with `config`, within
+    /// [`sandlot_api::MAX_META_BYTES`]: where the whole config does not fit, its `envs` are
+    /// left out, then its `args` (`List` then reports them empty; the process gets them all).
+    fn bounded(mut config: ProcessConfig, pty: bool) -> serde_json::Value {
+        loop {
+            let v = serde_json::json!({ "e2b": E2bMeta { config: config.clone(), pty } });
+            let fits = serde_json::to_vec(&v).is_ok_and(|b| b.len() <= sandlot_api::MAX_META_BYTES);
+            if fits {
+                return v;
+            }
+            if !config.envs.is_empty() {
+                config.envs.clear();
+            } else if !config.args.is_empty() {
+                config.args.clear();
+            } else {
+                // Only a huge `cmd` or `cwd` is left: keep the terminal flag.
+                config.cmd = String::new();
+                config.cwd = None;
+                return serde_json::json!({ "e2b": E2bMeta { config, pty } });
+            }
+        }
+    }
+
+    /// The E2B part of a record's `meta`; `None` for a process not started through `Start`.
+    fn of(p: &sandlot_api::Process) -> Option<E2bMeta> {
+        let v = p.meta.as_ref()?.get("e2b")?;
+        serde_json::from_value(v.clone()).ok()
+    }
+}
+
+/// A process a selector named, as its node's record tells it.
+struct Found {
+    /// E2B's pid (the record's `number`).
+    pid: u32,
+    /// The record on the node.
+    rec: sandlot_api::Process,
+    /// Runs on a terminal.
+    pty: bool,
+}
 
 /// `process.ProcessConfig`.
 #[derive(Debug, Clone, Deserialize, Serialize)]
@@ -290,6 +349,17 @@ async fn start(
     if cfg.cmd.is_empty() {
         return Err(ConnectError::invalid("process.cmd must not be empty"));
     }
+    let is_pty = pty.is_some();
+    let meta = E2bMeta::bounded(cfg.clone(), is_pty);
+    if let Some(t) = &req.tag {
+        if t.len() > sandlot_api::MAX_TAG_BYTES {
+            return Err(ConnectError::invalid(format!(
+                "tag is {} bytes, over the limit of {}",
+                t.len(),
+                sandlot_api::MAX_TAG_BYTES
+            )));
+        }
+    }
     let home = home_of(user);
     let mut env = BTreeMap::from([
         ("HOME".to_owned(), home.clone()),
@@ -310,9 +380,10 @@ async fn start(
         max_output_bytes: None,
         user: None,
         pty,
+        tag: req.tag,
+        meta: Some(meta),
     };
     let rec = crate::sandboxes::running(st, id).await?;
-    let is_pty = spawn.pty.is_some();
     let p = match st.node.process_spawn(id, spawn).await {
         Ok(p) => p,
         Err(e) => {
@@ -327,43 +398,59 @@ async fn start(
     crate::processes::watch_exit(st, id, rec.backend, &p.id);
     crate::events::record(st, "process_spawned", Some(id), Some(rec.backend), f)
         .map_err(crate::error::ServerError::from)?;
-    let pid = st.e2b.add(
-        id,
-        ProcEntry {
-            handle: p.id.clone(),
-            tag: req.tag,
-            config: serde_json::to_value(&cfg).unwrap_or_default(),
-            pty: is_pty,
-        },
-    );
+    if p.number == 0 {
+        // A node that does not number its processes: no pid could reach this one again.
+        return Err(ConnectError::new(
+            "unimplemented",
+            "the sandbox's node does not number its processes (upgrade it)",
+        ));
+    }
     let handle = ProcRef::new(st, id, &p.id);
-    Ok(follow(handle, is_pty, pid, 0, 0, keepalive_of(headers)))
+    Ok(follow(
+        handle,
+        is_pty,
+        p.number,
+        0,
+        0,
+        keepalive_of(headers),
+    ))
 }
 
-fn select(
-    st: &SharedState,
-    id: &str,
-    sel: Option<&Selector>,
-) -> Result<(u32, ProcEntry), ConnectError> {
+/// The process a selector names (`pid`: the record's number; `tag`: the newest record
+/// with that tag), from the node's records of the sandbox.
+async fn select(st: &SharedState, id: &str, sel: Option<&Selector>) -> Result<Found, ConnectError> {
     let sel = sel.ok_or_else(|| ConnectError::invalid("process selector is required"))?;
-    let found = match (&sel.pid, &sel.tag) {
-        (Some(p), _) => {
-            let pid = p
-                .as_u64()
+    let pid = match (&sel.pid, &sel.tag) {
+        (Some(p), _) => Some(
+            p.as_u64()
                 .or_else(|| p.as_str().and_then(|s| s.parse().ok()))
                 .and_then(|n| u32::try_from(n).ok())
-                .ok_or_else(|| ConnectError::invalid(format!("pid {p} is not a uint32")))?;
-            st.e2b.get(id, pid).map(|e| (pid, e))
-        }
-        (None, Some(t)) => st.e2b.by_tag(id, t),
+                .ok_or_else(|| ConnectError::invalid(format!("pid {p} is not a uint32")))?,
+        ),
+        (None, Some(_)) => None,
         (None, None) => return Err(ConnectError::invalid("process selector needs pid or tag")),
     };
-    found.ok_or_else(|| ConnectError::new("not_found", "process not found"))
+    let procs = st.node.process_list(id).await.map_err(node_error)?;
+    let rec = match (pid, &sel.tag) {
+        (Some(0), _) => None,
+        (Some(pid), _) => procs.into_iter().find(|p| p.number == pid),
+        (None, Some(t)) => procs
+            .into_iter()
+            .rev()
+            .find(|p| p.tag.as_deref() == Some(t.as_str())),
+        (None, None) => None,
+    };
+    let rec = rec.ok_or_else(|| ConnectError::new("not_found", "process not found"))?;
+    Ok(Found {
+        pid: rec.number,
+        pty: E2bMeta::of(&rec).is_some_and(|m| m.pty),
+        rec,
+    })
 }
 
-/// The process of `entry` on the sandbox's node (only a handle: its calls go to the node).
-fn handle_of(st: &SharedState, id: &str, entry: &ProcEntry) -> ProcRef {
-    ProcRef::new(st, id, &entry.handle)
+/// The process `found` on the sandbox's node (only a handle: its calls go to the node).
+fn handle_of(st: &SharedState, id: &str, found: &Found) -> ProcRef {
+    ProcRef::new(st, id, &found.rec.id)
 }
 
 /// A node error of a process call; an unknown handle is envd's "process not found".
@@ -383,13 +470,13 @@ async fn reconnect(
     body: &Bytes,
 ) -> Result<Response, ConnectError> {
     let req: Selected = stream_request(body)?;
-    let (pid, entry) = select(st, id, req.process.as_ref())?;
-    let h = handle_of(st, id, &entry);
+    let found = select(st, id, req.process.as_ref()).await?;
+    let h = handle_of(st, id, &found);
     let info = h.info().await.map_err(node_error)?;
     Ok(follow(
         h,
-        entry.pty,
-        pid,
+        found.pty,
+        found.pid,
         info.stdout_bytes,
         info.stderr_bytes,
         keepalive_of(headers),
@@ -548,8 +635,8 @@ async fn stream_input(
                     if target.is_some() {
                         return Err(ConnectError::invalid("a second start message"));
                     }
-                    let (_, entry) = select(st, id, s.process.as_ref())?;
-                    let h = handle_of(st, id, &entry);
+                    let found = select(st, id, s.process.as_ref()).await?;
+                    let h = handle_of(st, id, &found);
                     h.info().await.map_err(node_error)?;
                     target = Some(h);
                 }
@@ -601,22 +688,17 @@ async fn stream_input(
 async fn list(st: &SharedState, id: &str, body: &Bytes) -> Result<Response, ConnectError> {
     // `ListRequest` has no fields; parsing still rejects a body that is not an object.
     let _: serde_json::Map<String, serde_json::Value> = unary_request(body)?;
-    let running: std::collections::HashSet<String> = st
-        .node
-        .process_list(id)
-        .await
-        .map_err(node_error)?
-        .into_iter()
-        .filter(|p| p.state == sandlot_api::ProcessState::Running)
-        .map(|p| p.id)
-        .collect();
     let mut procs = Vec::new();
-    for (pid, e) in st.e2b.all(id) {
-        if !running.contains(&e.handle) {
+    for rec in st.node.process_list(id).await.map_err(node_error)? {
+        if rec.state != sandlot_api::ProcessState::Running || rec.number == 0 {
             continue;
         }
-        let mut p = serde_json::json!({"config": e.config, "pid": pid});
-        if let Some(t) = e.tag {
+        // Only what `Start` started (not the REST API's or the interpreter's processes).
+        let Some(m) = E2bMeta::of(&rec) else {
+            continue;
+        };
+        let mut p = serde_json::json!({"config": m.config, "pid": rec.number});
+        if let Some(t) = rec.tag {
             p["tag"] = t.into();
         }
         procs.push(p);
@@ -642,14 +724,14 @@ fn stdin_bytes(input: Input) -> Result<Vec<u8>, ConnectError> {
 /// `Update {process, pty: {size}}`: resizes the process's terminal.
 async fn update(st: &SharedState, id: &str, body: &Bytes) -> Result<Response, ConnectError> {
     let req: Selected = unary_request(body)?;
-    let (_, entry) = select(st, id, req.process.as_ref())?;
-    let h = handle_of(st, id, &entry);
+    let found = select(st, id, req.process.as_ref()).await?;
+    let h = handle_of(st, id, &found);
     let Some(pty) = req.pty.as_ref() else {
         h.info().await.map_err(node_error)?;
         return Ok(unary_ok(serde_json::json!({})));
     };
     let size = pty.size()?;
-    if !entry.pty {
+    if !found.pty {
         return Err(ConnectError::new(
             "failed_precondition",
             "the process has no terminal (start it with pty)",
@@ -664,9 +746,9 @@ async fn update(st: &SharedState, id: &str, body: &Bytes) -> Result<Response, Co
 
 async fn send_input(st: &SharedState, id: &str, body: &Bytes) -> Result<Response, ConnectError> {
     let req: Selected = unary_request(body)?;
-    let (_, entry) = select(st, id, req.process.as_ref())?;
     let raw = stdin_bytes(req.input.unwrap_or_default())?;
-    let h = handle_of(st, id, &entry);
+    let found = select(st, id, req.process.as_ref()).await?;
+    let h = handle_of(st, id, &found);
     h.write_stdin(Bytes::from(raw), false)
         .await
         .map_err(ended_is_not_found)?;
@@ -675,8 +757,8 @@ async fn send_input(st: &SharedState, id: &str, body: &Bytes) -> Result<Response
 
 async fn close_stdin(st: &SharedState, id: &str, body: &Bytes) -> Result<Response, ConnectError> {
     let req: Selected = unary_request(body)?;
-    let (_, entry) = select(st, id, req.process.as_ref())?;
-    let h = handle_of(st, id, &entry);
+    let found = select(st, id, req.process.as_ref()).await?;
+    let h = handle_of(st, id, &found);
     h.write_stdin(Bytes::new(), true)
         .await
         .map_err(ended_is_not_found)?;
@@ -717,9 +799,9 @@ async fn send_signal(st: &SharedState, id: &str, body: &Bytes) -> Result<Respons
     let req: Selected = unary_request(body)?;
     let sig = signal_of(req.signal.as_ref())?;
     let _ = &req.pty;
-    let (_, entry) = select(st, id, req.process.as_ref())?;
+    let found = select(st, id, req.process.as_ref()).await?;
     st.node
-        .process_signal(id, &entry.handle, sig)
+        .process_signal(id, &found.rec.id, sig)
         .await
         .map_err(ended_is_not_found)?;
     Ok(unary_ok(serde_json::json!({})))
@@ -745,6 +827,42 @@ mod tests {
             ..cfg
         };
         assert_eq!(argv_of(&cfg)[0], "/usr/bin/env");
+    }
+
+    #[test]
+    fn meta_keeps_the_config_within_the_limit() {
+        let cfg = ProcessConfig {
+            cmd: "/bin/bash".into(),
+            args: vec!["-c".into(), "echo hi".into()],
+            envs: BTreeMap::from([("A".into(), "1".into())]),
+            cwd: Some("/tmp".into()),
+        };
+        let rec = |meta: serde_json::Value| sandlot_api::Process {
+            meta: Some(meta),
+            ..serde_json::from_value(serde_json::json!({
+                "id": "pr-00000000000000000000", "sandbox_id": "sb-1", "cmd": "x",
+                "state": "running", "started_at": "", "ended_at": null, "stdin_open": false,
+                "stdout_bytes": 0, "stderr_bytes": 0, "result": null
+            }))
+            .unwrap()
+        };
+        let m = E2bMeta::of(&rec(E2bMeta::bounded(cfg.clone(), true))).unwrap();
+        assert!(m.pty);
+        assert_eq!((m.config.args, m.config.envs.len()), (cfg.args.clone(), 1));
+        // Big envs are left out first, then big args; the flag stays.
+        let big = "x".repeat(sandlot_api::MAX_META_BYTES);
+        let mut env_heavy = cfg.clone();
+        env_heavy.envs.insert("BIG".into(), big.clone());
+        let m = E2bMeta::of(&rec(E2bMeta::bounded(env_heavy, false))).unwrap();
+        assert!(m.config.envs.is_empty() && m.config.args == cfg.args);
+        let mut arg_heavy = cfg;
+        arg_heavy.args.push(big);
+        let v = E2bMeta::bounded(arg_heavy, true);
+        assert!(serde_json::to_vec(&v).unwrap().len() <= sandlot_api::MAX_META_BYTES);
+        let m = E2bMeta::of(&rec(v)).unwrap();
+        assert!(m.config.args.is_empty() && m.pty);
+        // A record without E2B meta (REST, interpreter) is not E2B's.
+        assert!(E2bMeta::of(&rec(serde_json::json!({"other": 1}))).is_none());
     }
 
     #[test]
