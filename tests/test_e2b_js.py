@@ -19,12 +19,13 @@ from pathlib import Path
 import pytest
 
 JS_DIR = Path(__file__).resolve().parent / "e2b_js"
+NODE = shutil.which("node")
+
+pytestmark = pytest.mark.skipif(
+    NODE is None, reason="node is not installed (scripts/setup.sh installs nodejs and npm)")
 
 
 def test_e2b_js_sdk_create_commands_files(server, python_image, request):
-    node = shutil.which("node")
-    if node is None:
-        pytest.skip("node is not installed (scripts/setup.sh installs Debian's nodejs and npm)")
     if not (JS_DIR / "node_modules" / "e2b" / "package.json").is_file():
         pytest.fail(f"{JS_DIR}/node_modules has no `e2b`: run `npm ci` there "
                     "(scripts/setup.sh does)", pytrace=False)
@@ -33,7 +34,7 @@ def test_e2b_js_sdk_create_commands_files(server, python_image, request):
                E2B_API_KEY="e2b_sandlot_no_auth")
     tag = f"{request.node.name}-{os.getpid()}"
     try:
-        p = subprocess.run([node, "e2b_sdk.mjs", tag], cwd=JS_DIR, env=env,
+        p = subprocess.run([NODE, "e2b_sdk.mjs", tag], cwd=JS_DIR, env=env,
                            capture_output=True, text=True, timeout=60)
     except subprocess.TimeoutExpired as e:
         err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else e.stderr
