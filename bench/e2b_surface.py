@@ -137,7 +137,8 @@ def ingress_subjects(url: str, sid: str, host_url: str) -> list:
         return timed(fn)
 
     return [
-        ("ingress /v1/.../ports/8000/", get(via_path, f"{url}/v1/sandboxes/{sid}/ports/8000/hello.txt")),
+        ("ingress /v1/.../ports/8000/",
+         get(via_path, f"{url}/v1/sandboxes/{sid}/ports/8000/hello.txt")),
         ("ingress Host: 8000-<id>", get(via_host, f"{url}/hello.txt",
                                         headers={"Host": f"8000-{sid}.e2b.app"})),
         ("direct loopback", get(direct, f"{host_url}/hello.txt")),
@@ -156,7 +157,7 @@ def wait_http(u: str, what: str, **kw) -> None:
     raise SystemExit(f"bench: {what} did not answer within 30 s")
 
 
-def run_backend(backend: str, a, site: Path, host_url: str) -> dict:
+def run_backend(backend: str, a, host_url: str) -> dict:
     server = R.Server(Path(a.binary), Path(a.images_dir),
                       ["--e2b-backend", backend, "--warm-pool-images", "python",
                        "--run-code-pool-images", ""], 60.0, tmp_parent="/var/tmp")
@@ -165,7 +166,6 @@ def run_backend(backend: str, a, site: Path, host_url: str) -> dict:
     try:
         server.start()
         client = sandlot.Client(server.url, timeout=60, retries=0)
-        time.sleep(2)  # let the warm pools fill
         live_e2b = Sandbox.create(template="base", timeout=900, api_url=server.url,
                                   sandbox_url=server.url, api_key=KEY)
         live_own = client.create(backend=backend, image="python", ttl_s=900)
@@ -213,20 +213,24 @@ def render(results: list[dict], a, meta: dict, started: str) -> str:
         b = res["backend"]
         lines += [f"**{b}** (load average before / after: {res['load_before']} / "
                   f"{res['load_after']})", "",
-                  "| measurement | e2b p50 | e2b p99 | sandlot p50 | sandlot p99 | e2b / sandlot (p50) | target |",
+                  "| measurement | e2b p50 | e2b p99 | sandlot p50 | sandlot p99 "
+                  "| e2b / sandlot (p50) | target |",
                   "|---|---|---|---|---|---|---|"]
         for label, e, s in PAIRS:
             r = R.ratio(p(res, e), p(res, s))
-            target = f"≤ {TARGET_E2B_VS_OWN}×: {R.verdict(None if r is None else r <= TARGET_E2B_VS_OWN)}"
+            ok = None if r is None else r <= TARGET_E2B_VS_OWN
+            target = f"≤ {TARGET_E2B_VS_OWN}×: {R.verdict(ok)}"
             if label.startswith("create") and b == "container":
                 e50 = p(res, e)
                 target += (f"; e2b p50 ≤ {TARGET_CREATE_FIRST_P50_MS:.0f} ms: "
                            f"{R.verdict(None if e50 is None else e50 <= TARGET_CREATE_FIRST_P50_MS)}")
-            lines.append(f"| {label} | {R.fmt_ms(p(res, e))} ms | {R.fmt_ms(p(res, e, 'p99_ms'))} ms "
+            lines.append(f"| {label} | {R.fmt_ms(p(res, e))} ms "
+                         f"| {R.fmt_ms(p(res, e, 'p99_ms'))} ms "
                          f"| {R.fmt_ms(p(res, s))} ms | {R.fmt_ms(p(res, s, 'p99_ms'))} ms "
                          f"| {R.fmt_ratio(r)} | {target} |")
         d = p(res, "direct loopback")
-        lines += ["", "| ingress GET (13 B, `python3 -m http.server`) | p50 | p99 | vs direct loopback (p50) |",
+        lines += ["", "| ingress GET (13 B, `python3 -m http.server`) | p50 | p99 "
+                  "| vs direct loopback (p50) |",
                   "|---|---|---|---|"]
         for name in ("ingress /v1/.../ports/8000/", "ingress Host: 8000-<id>", "direct loopback"):
             lines.append(f"| {name} | {R.fmt_ms(p(res, name))} ms | "
@@ -263,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             host_url = f"http://127.0.0.1:{port}"
             wait_http(f"{host_url}/hello.txt", "http.server on the host")
-            results = [run_backend(b, a, Path(site), host_url) for b in a.backends.split(",")]
+            results = [run_backend(b, a, host_url) for b in a.backends.split(",")]
         finally:
             host_srv.terminate()
             host_srv.wait(timeout=10)
