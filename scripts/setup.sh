@@ -89,6 +89,16 @@ fi
 # tests/test_deploy.py (checked with kubernetes-validate 1.37.0).
 .venv/bin/python -m pip install -q --disable-pip-version-check "kubernetes-validate==1.37.0"
 
+step "E2B's JavaScript SDK for tests/test_e2b_js.py (npm ci in tests/e2b_js)"
+# The exact `e2b` version is pinned in tests/e2b_js/package-lock.json (node_modules is
+# git-ignored). node and npm from Debian when missing (Debian 12's nodejs is 18; the SDK
+# asks for node >= 20.18.1, which these machines have: checked with node 20.20 and npm 11).
+if ! command -v npm >/dev/null 2>&1; then
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends nodejs npm
+fi
+(cd tests/e2b_js && npm ci --prefer-offline --no-audit --no-fund --loglevel=error)
+
 step "Images (busybox, python) in $SANDLOT_IMAGES_DIR"
 mkdir -p "$SANDLOT_IMAGES_DIR" "$SANDLOT_CACHE_DIR"
 ./target/release/sandlot image build busybox --images-dir "$SANDLOT_IMAGES_DIR"
