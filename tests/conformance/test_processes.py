@@ -134,6 +134,18 @@ def test_signal_right_after_spawn_is_not_lost(sb):
     assert (r.exit_code, r.signal) == (130, 2), r
 
 
+def test_kill_right_after_spawn_ends_it(sb):
+    # SIGKILL while the command is still being set up. On `function` the helper had not
+    # joined the exec cgroup yet, the group kill missed it and `sleep` ran on: 19 of 20 before
+    # the fix (the E2B JS SDK's `commands.kill` right after a start found it).
+    for _ in range(5):
+        p = sb.spawn(["sleep", "60"])
+        p.kill()
+        r = p.wait(timeout=20)
+        assert r is not None, "the killed process still runs"
+        assert (r.exit_code, r.signal) == (137, 9), r
+
+
 def test_kill_ends_the_whole_tree(sb):
     tag = f"{uuid.uuid4().int % 900000 + 100000}"
     p = _start_heartbeat(sb, tag)

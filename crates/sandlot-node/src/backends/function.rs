@@ -1656,8 +1656,20 @@ async fn run_exec(
 /// A signal for a running exec: SIGKILL kills its whole exec cgroup (helper included, so
 /// the exec ends as killed by signal 9); a forwarded signal goes to the helper, which
 /// passes it to the command's process group (`sandlot-guest exec`); others are ignored.
+///
+/// SIGKILL goes to the helper itself first: a helper still setting up has not joined the
+/// exec cgroup yet, so killing the group alone missed it and the command started after the
+/// kill was acknowledged (a kill right after a spawn: 19 of 20 kept running). A dead helper
+/// forks nothing more; whatever it forked is in the group, which is killed next.
 async fn deliver_signal(group: &Cgroup, helper_pid: i32, sig: i32) {
     if sig == libc::SIGKILL {
+        if helper_pid > 0 {
+            // Our child, not yet reaped: the pid cannot have been reused.
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(helper_pid),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+        }
         let g = group.clone();
         let _ = spawn_blocking(move || g.kill(Instant::now() + KILL_TIMEOUT)).await;
     } else if helper_pid > 0 && sandlot_guest::spec::FORWARDED_SIGNALS.contains(&sig) {
