@@ -403,6 +403,10 @@ pub async fn serve(
                 continue;
             }
         };
+        // Small writes go out at once: without TCP_NODELAY a streamed response's first frame
+        // on a reused connection waited ~40 ms for the client's delayed ACK (Nagle), e.g.
+        // every envd `Start` of the E2B SDK (BENCHMARKS.md "e2b").
+        let _ = stream.set_nodelay(true);
         let ip = peer_ip(peer);
         let (id, conn) = match conns.admit(ip) {
             Ok(a) => a,
