@@ -61,8 +61,8 @@ try {
     if (!out.background.listed) await new Promise((res) => setTimeout(res, 100))
   }
   step('kill the background command')
-  // Killed once its output has come: a kill sent before the shell ran answered true
-  // but left `sleep` running (about 1 in 2 here, Sandlot at 6a450b2).
+  // Killed once its output has come, so that the output checked below is all there (a kill
+  // right after a start ends the command too: tests/conformance/test_processes.py).
   await started
   out.background.killed = await h.kill()
   try {
