@@ -153,3 +153,35 @@ def test_e2b_code_contexts_reach_across_servers(server, backend):
     finally:
         on_a.kill()
 
+
+def test_e2b_snapshot_names_reach_across_servers(server, backend):
+    """A snapshot made with a name through server A is listed by that name, and sandboxes
+    are created from it, through server B: names are kept in the shared registry."""
+    a, b = _cluster_urls(server, backend)
+    on_a = Sandbox.create(template=TEMPLATE, timeout=120, api_url=a, sandbox_url=a, api_key=KEY,
+                          metadata={"test": "e2b-cluster-snapshots"})
+    snap = None
+    try:
+        on_a.files.write("/home/user/mark.txt", "snapped")
+        name = f"snap-{on_a.sandbox_id}"
+        snap = on_a.create_snapshot(name=name)
+        assert snap.names == [name]
+        listed = Sandbox.list_snapshots(name=name, api_url=b, api_key=KEY).next_items()
+        assert [(s.snapshot_id, s.names) for s in listed] == [(snap.snapshot_id, [name])], \
+            "B does not know the name A gave"
+        by_box = Sandbox.list_snapshots(sandbox_id=on_a.sandbox_id, api_url=b,
+                                        api_key=KEY).next_items()
+        assert [s.names for s in by_box] == [[name]]
+        child = Sandbox.create(template=snap.snapshot_id, timeout=60, api_url=b, sandbox_url=b,
+                               api_key=KEY)
+        try:
+            assert child.files.read("/home/user/mark.txt") == "snapped"
+        finally:
+            child.kill()
+        assert Sandbox.delete_snapshot(snap.snapshot_id, api_url=b, api_key=KEY) is True
+        snap = None
+        assert Sandbox.list_snapshots(name=name, api_url=a, api_key=KEY).next_items() == []
+    finally:
+        if snap is not None:
+            Sandbox.delete_snapshot(snap.snapshot_id, api_url=a, api_key=KEY)
+        on_a.kill()
