@@ -170,7 +170,7 @@ impl Store {
     }
 
     /// Set the E2B snapshot name of checkpoint `id`, replacing any (table
-    /// `checkpoint_names`, [`create_name_table`]).
+    /// `checkpoint_names`, created at the store's open).
     ///
     /// # Errors
     /// [`StoreError::Sql`].

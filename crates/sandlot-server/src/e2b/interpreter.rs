@@ -184,7 +184,7 @@ impl Context {
 }
 
 /// This server's attachments to contexts' bridge processes, by sandbox and process handle:
-/// a cache only (what contexts exist is the node's process list, [`node_contexts`]);
+/// a cache only (what contexts exist is the node's process list, `node_contexts`);
 /// entries of ended processes are dropped when next seen.
 #[derive(Default)]
 pub struct Interpreters {
@@ -416,50 +416,48 @@ async fn read_bridge(
     let mut buf: Vec<u8> = Vec::new();
     let mut overlong = false;
     let reason = {
-        {
-            let mut stream = Box::pin(stream);
-            let mut reason = "the code interpreter process ended".to_owned();
-            while let Some(ev) = stream.next().await {
-                match ev {
-                    ProcessEvent::Stdout { data, data_b64, .. } => {
-                        let bytes = chunk_bytes(data, data_b64);
-                        for &b in &bytes {
-                            if b == b'\n' {
-                                if overlong {
-                                    overlong = false;
-                                    route_overlong(&ctx);
-                                } else {
-                                    route_line(&ctx, &buf, &mut ready);
-                                }
-                                buf.clear();
-                            } else if buf.len() < MAX_LINE {
-                                buf.push(b);
+        let mut stream = Box::pin(stream);
+        let mut reason = "the code interpreter process ended".to_owned();
+        while let Some(ev) = stream.next().await {
+            match ev {
+                ProcessEvent::Stdout { data, data_b64, .. } => {
+                    let bytes = chunk_bytes(data, data_b64);
+                    for &b in &bytes {
+                        if b == b'\n' {
+                            if overlong {
+                                overlong = false;
+                                route_overlong(&ctx);
                             } else {
-                                overlong = true;
+                                route_line(&ctx, &buf, &mut ready);
                             }
+                            buf.clear();
+                        } else if buf.len() < MAX_LINE {
+                            buf.push(b);
+                        } else {
+                            overlong = true;
                         }
                     }
-                    ProcessEvent::Stderr { data, data_b64, .. } => {
-                        stderr_tail.extend(chunk_bytes(data, data_b64));
-                        let cut = stderr_tail.len().saturating_sub(2000);
-                        stderr_tail.drain(..cut);
-                    }
-                    ProcessEvent::Skipped { .. } => {
-                        buf.clear();
-                    }
-                    ProcessEvent::Exit { result } => {
-                        reason = format!(
-                            "the code interpreter process ended (exit code {})",
-                            result.exit_code
-                        );
-                    }
-                    ProcessEvent::Error { error } => {
-                        reason = format!("the code interpreter process failed: {}", error.message);
-                    }
+                }
+                ProcessEvent::Stderr { data, data_b64, .. } => {
+                    stderr_tail.extend(chunk_bytes(data, data_b64));
+                    let cut = stderr_tail.len().saturating_sub(2000);
+                    stderr_tail.drain(..cut);
+                }
+                ProcessEvent::Skipped { .. } => {
+                    buf.clear();
+                }
+                ProcessEvent::Exit { result } => {
+                    reason = format!(
+                        "the code interpreter process ended (exit code {})",
+                        result.exit_code
+                    );
+                }
+                ProcessEvent::Error { error } => {
+                    reason = format!("the code interpreter process failed: {}", error.message);
                 }
             }
-            reason
         }
+        reason
     };
     let tail = String::from_utf8_lossy(&stderr_tail).trim().to_owned();
     let reason = if tail.is_empty() {
