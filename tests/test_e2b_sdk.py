@@ -181,7 +181,7 @@ def test_timeout_expiry_deletes(e2b_env):
 
 @pytest.mark.e2b_only("function", why="backend-independent (checkpoints have their own "
                       "per-backend tests in test_checkpoints*.py)")
-def test_snapshots_fork_paging_and_unsupported_routes(box, request):
+def test_snapshots_fork_paging_and_unsupported_routes(box, e2b_target, request):
     """E2B's snapshot, fork and list-paging calls over Sandlot checkpoints (docs/e2b.md)."""
     box.files.write("/home/user/state.txt", "before")
     snap = box.create_snapshot(name=f"snap-{box.sandbox_id}")
@@ -199,6 +199,12 @@ def test_snapshots_fork_paging_and_unsupported_routes(box, request):
         child.kill()
     assert Sandbox.delete_snapshot(snap.snapshot_id) is True
     assert Sandbox.delete_snapshot(snap.snapshot_id) is False
+    assert Sandbox.list_snapshots(name=f"snap-{box.sandbox_id}").next_items() == []
+    long = httpx.post(f"{e2b_target.url}/sandboxes/{box.sandbox_id}/snapshots",
+                      json={"name": "n" * 257}, headers={"X-API-KEY": "k"}, timeout=30)
+    assert long.status_code == 400 and "256" in long.text, long.text
+    assert Sandbox.list_snapshots(sandbox_id=box.sandbox_id).next_items() == [], \
+        "a refused name leaves no snapshot"
 
     forks = box.fork(count=2, timeout=60)
     try:

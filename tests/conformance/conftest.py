@@ -161,7 +161,9 @@ CLUSTER_CASES = frozenset({"function", "container-runc"})
 #: the per-case check that nothing is left behind on the node, and E2B pids across servers
 #: (test_e2b_cluster.py; cluster-only, on the E2B backend's case).
 CLUSTER_SUBSET: FrozenSet[str] = REDUCED["microvm"] | {
-    "test_nothing_left_after_the_case", "test_e2b_pids_and_tags_reach_across_servers"}
+    "test_nothing_left_after_the_case", "test_e2b_pids_and_tags_reach_across_servers",
+    "test_e2b_code_contexts_reach_across_servers",
+    "test_e2b_snapshot_names_reach_across_servers"}
 
 #: Known failures against a cluster, by test name (strict: a pass fails the run, so the
 #: entry goes when the cause is fixed).

@@ -22,6 +22,7 @@ use axum::http::StatusCode;
 use axum::Extension;
 use rusqlite::{params, OptionalExtension};
 use sandlot_api::{Backend, Checkpoint, CheckpointList, ErrorCode, SandboxState};
+use std::collections::BTreeMap;
 
 /// One row of `checkpoints`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -157,11 +158,62 @@ impl Store {
     /// # Errors
     /// [`StoreError::Sql`].
     pub fn remove_checkpoint(&self, id: &str) -> Result<(), StoreError> {
-        self.conn()
-            .execute("DELETE FROM checkpoints WHERE id = ?1", [id])
+        let conn = self.conn();
+        conn.execute("DELETE FROM checkpoints WHERE id = ?1", [id])
             .map_err(sql("delete checkpoint"))?;
+        conn.execute(
+            "DELETE FROM checkpoint_names WHERE checkpoint_id = ?1",
+            [id],
+        )
+        .map_err(sql("delete checkpoint name"))?;
         Ok(())
     }
+
+    /// Set the E2B snapshot name of checkpoint `id`, replacing any (table
+    /// `checkpoint_names`, created at the store's open).
+    ///
+    /// # Errors
+    /// [`StoreError::Sql`].
+    pub fn set_checkpoint_name(&self, id: &str, name: &str) -> Result<(), StoreError> {
+        self.conn()
+            .execute(
+                "INSERT INTO checkpoint_names (checkpoint_id, name) VALUES (?1, ?2)
+                 ON CONFLICT (checkpoint_id) DO UPDATE SET name = excluded.name",
+                [id, name],
+            )
+            .map_err(sql("set checkpoint name"))?;
+        Ok(())
+    }
+
+    /// The E2B snapshot names of the named checkpoints, by checkpoint id.
+    ///
+    /// # Errors
+    /// [`StoreError::Sql`].
+    pub fn checkpoint_names(&self) -> Result<BTreeMap<String, String>, StoreError> {
+        let conn = self.conn();
+        let mut stmt = conn
+            .prepare("SELECT checkpoint_id, name FROM checkpoint_names")
+            .map_err(sql("list checkpoint names"))?;
+        let rows = stmt
+            .query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?)))
+            .map_err(sql("list checkpoint names"))?
+            .collect::<Result<BTreeMap<_, _>, _>>()
+            .map_err(sql("list checkpoint names"))?;
+        Ok(rows)
+    }
+}
+
+/// Creates the SQLite table of E2B snapshot names, `checkpoint_names(checkpoint_id TEXT PK,
+/// name TEXT)`, if missing (at [`Store`] open; PostgreSQL's is
+/// `migrations/pg/V6__checkpoint_names.sql`).
+///
+/// # Errors
+/// The SQL error.
+pub(crate) fn create_name_table(conn: &rusqlite::Connection) -> rusqlite::Result<()> {
+    conn.execute_batch(
+        "CREATE TABLE IF NOT EXISTS checkpoint_names (
+            checkpoint_id TEXT PRIMARY KEY, name TEXT NOT NULL);",
+    )
 }
 
 /// A fresh checkpoint id: `ck-` + 20 lowercase hex digits (80 random bits).

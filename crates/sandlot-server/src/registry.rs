@@ -249,6 +249,19 @@ pub trait Registry: Send + Sync + 'static {
     /// # Errors
     /// Store failures.
     async fn remove_checkpoint(&self, id: &str) -> Result<()>;
+
+    /// Set the E2B snapshot name of checkpoint `id`, replacing any (removed with the
+    /// checkpoint by [`Registry::remove_checkpoint`]).
+    ///
+    /// # Errors
+    /// Store failures.
+    async fn set_checkpoint_name(&self, id: &str, name: &str) -> Result<()>;
+
+    /// The E2B snapshot names of the named checkpoints, by checkpoint id.
+    ///
+    /// # Errors
+    /// Store failures.
+    async fn checkpoint_names(&self) -> Result<BTreeMap<String, String>>;
 }
 
 #[async_trait]
@@ -357,6 +370,12 @@ impl Registry for Store {
     }
     async fn remove_checkpoint(&self, id: &str) -> Result<()> {
         Store::remove_checkpoint(self, id)
+    }
+    async fn set_checkpoint_name(&self, id: &str, name: &str) -> Result<()> {
+        Store::set_checkpoint_name(self, id, name)
+    }
+    async fn checkpoint_names(&self) -> Result<BTreeMap<String, String>> {
+        Store::checkpoint_names(self)
     }
 }
 
@@ -927,7 +946,37 @@ impl Registry for PgRegistry {
         c.execute("DELETE FROM checkpoints WHERE id = $1", &[&id])
             .await
             .map_err(pg("delete checkpoint"))?;
+        c.execute(
+            "DELETE FROM checkpoint_names WHERE checkpoint_id = $1",
+            &[&id],
+        )
+        .await
+        .map_err(pg("delete checkpoint name"))?;
         Ok(())
+    }
+
+    async fn set_checkpoint_name(&self, id: &str, name: &str) -> Result<()> {
+        let c = self.conn().await?;
+        c.execute(
+            "INSERT INTO checkpoint_names (checkpoint_id, name) VALUES ($1, $2)
+             ON CONFLICT (checkpoint_id) DO UPDATE SET name = EXCLUDED.name",
+            &[&id, &name],
+        )
+        .await
+        .map_err(pg("set checkpoint name"))?;
+        Ok(())
+    }
+
+    async fn checkpoint_names(&self) -> Result<BTreeMap<String, String>> {
+        let c = self.conn().await?;
+        let rows = c
+            .query("SELECT checkpoint_id, name FROM checkpoint_names", &[])
+            .await
+            .map_err(pg("list checkpoint names"))?;
+        Ok(rows
+            .iter()
+            .map(|r| (r.get::<_, String>(0), r.get::<_, String>(1)))
+            .collect())
     }
 }
 
@@ -1348,9 +1397,24 @@ mod tests {
             .map(|c| c.id)
             .collect();
         assert_eq!(ids, ["ck-1", "ck-2"]);
+        // E2B snapshot names: set, replaced, and removed with their checkpoint.
+        assert!(r.checkpoint_names().await.unwrap().is_empty());
+        r.set_checkpoint_name("ck-1", "first").await.unwrap();
+        r.set_checkpoint_name("ck-2", "two").await.unwrap();
+        r.set_checkpoint_name("ck-2", "second").await.unwrap();
+        let names = r.checkpoint_names().await.unwrap();
+        assert_eq!(
+            names,
+            BTreeMap::from([
+                ("ck-1".to_owned(), "first".to_owned()),
+                ("ck-2".to_owned(), "second".to_owned())
+            ])
+        );
         r.remove_checkpoint("ck-1").await.unwrap();
         r.remove_checkpoint("ck-1").await.unwrap();
         assert_eq!(r.list_checkpoints().await.unwrap().len(), 1);
+        let names = r.checkpoint_names().await.unwrap();
+        assert_eq!(names.keys().collect::<Vec<_>>(), ["ck-2"]);
     }
 
     #[tokio::test]

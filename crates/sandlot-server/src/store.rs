@@ -273,6 +273,7 @@ impl Store {
         }
         conn.execute_batch("CREATE INDEX IF NOT EXISTS sandboxes_tenant ON sandboxes(tenant);")
             .map_err(open_err)?;
+        crate::checkpoints::create_name_table(&conn).map_err(open_err)?;
         // Owner and deadline of a transition (cluster mode's columns, kept alike here so
         // both registries pass one contract); older databases lack them.
         let has_owner = conn

@@ -288,23 +288,15 @@ pub async fn create(
         .into_response())
 }
 
-/// Names given to snapshots (`SandboxSnapshotRequest.name`), by snapshot id. Kept in
-/// memory only: after a server restart a snapshot lists with no names. With each name,
-/// when it was set (for pruning, in [`list_snapshots`]).
-type Names = BTreeMap<String, (String, std::time::Instant)>;
-static SNAPSHOT_NAMES: std::sync::LazyLock<std::sync::Mutex<Names>> =
-    std::sync::LazyLock::new(Default::default);
+/// Longest snapshot name, bytes.
+pub const MAX_SNAPSHOT_NAME: usize = 256;
 
-fn snapshot_name(id: &str) -> Option<String> {
-    SNAPSHOT_NAMES
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .get(id)
-        .map(|(n, _)| n.clone())
-}
-
-fn snapshot_json(id: &str) -> serde_json::Value {
-    serde_json::json!({"snapshotID": id, "names": snapshot_name(id).into_iter().collect::<Vec<_>>()})
+/// A `SnapshotInfo`: the checkpoint id and its name, if it has one. Names
+/// (`SandboxSnapshotRequest.name`) are kept in the registry store
+/// ([`crate::registry::Registry::set_checkpoint_name`]: SQLite under `sandlot up`,
+/// PostgreSQL in a cluster), so every server lists them and they survive restarts.
+fn snapshot_json(id: &str, name: Option<&String>) -> serde_json::Value {
+    serde_json::json!({"snapshotID": id, "names": name.into_iter().collect::<Vec<_>>()})
 }
 
 /// Checkpoint `id` (visible to `who`, running or paused) → the checkpoint id.
@@ -338,14 +330,33 @@ pub async fn create_snapshot(
         name: Option<String>,
     }
     let req: Req = body_of(&body)?;
-    let ck = checkpoint_of(&st, &who, &id).await?;
-    if let Some(n) = req.name.filter(|n| !n.is_empty()) {
-        SNAPSHOT_NAMES
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(ck.clone(), (n, std::time::Instant::now()));
+    let name = req.name.filter(|n| !n.is_empty());
+    if let Some(n) = &name {
+        if n.len() > MAX_SNAPSHOT_NAME {
+            return Err(invalid(format!(
+                "name is {} bytes, over the limit of {MAX_SNAPSHOT_NAME}",
+                n.len()
+            )));
+        }
     }
-    Ok((StatusCode::CREATED, axum::Json(snapshot_json(&ck))).into_response())
+    let ck = checkpoint_of(&st, &who, &id).await?;
+    if let Some(n) = &name {
+        if let Err(e) = st.store.set_checkpoint_name(&ck, n).await {
+            // Nothing half-made: the snapshot goes when its name cannot be kept.
+            let _ = crate::checkpoints::delete(
+                State(st.clone()),
+                Extension(who.clone()),
+                crate::error::Path(ck.clone()),
+            )
+            .await;
+            return Err(e.into());
+        }
+    }
+    Ok((
+        StatusCode::CREATED,
+        axum::Json(snapshot_json(&ck, name.as_ref())),
+    )
+        .into_response())
 }
 
 /// `GET /snapshots?sandboxID=&name=&limit=&nextToken=` → 200 `[SnapshotInfo]`, oldest
@@ -377,21 +388,15 @@ pub async fn list_snapshots(
             other => return Err(invalid(format!("unknown query parameter {other:?}"))),
         }
     }
-    let listed_at = std::time::Instant::now();
     let checkpoints = st.store.list_checkpoints().await?;
-    // Forget the names of checkpoints deleted another way (`DELETE /v1/checkpoints`); a
-    // name set after the listing began may belong to a checkpoint it does not show yet.
-    SNAPSHOT_NAMES
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .retain(|id, (_, at)| *at >= listed_at || checkpoints.iter().any(|c| c.id == *id));
+    let names = st.store.checkpoint_names().await?;
     let all: Vec<String> = checkpoints
         .into_iter()
         .filter(|c| who.sees(c.tenant.as_deref()))
         .filter(|c| sandbox.as_ref().is_none_or(|s| *s == c.sandbox_id))
         .filter(|c| {
             name.as_ref()
-                .is_none_or(|n| *n == c.id || snapshot_name(&c.id).as_ref() == Some(n))
+                .is_none_or(|n| *n == c.id || names.get(&c.id) == Some(n))
         })
         .map(|c| c.id)
         .collect();
@@ -399,7 +404,7 @@ pub async fn list_snapshots(
         .iter()
         .skip(from)
         .take(limit)
-        .map(|id| snapshot_json(id))
+        .map(|id| snapshot_json(id, names.get(id)))
         .collect();
     let mut r = axum::Json(page).into_response();
     if from.saturating_add(limit) < all.len() {
@@ -429,10 +434,6 @@ pub async fn delete_template(
         crate::error::Path(id.clone()),
     )
     .await?;
-    SNAPSHOT_NAMES
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .remove(&id);
     Ok(StatusCode::NO_CONTENT)
 }
 

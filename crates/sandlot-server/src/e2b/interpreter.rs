@@ -22,15 +22,26 @@
 //! name `49999-<id>.<domain>`); credentials a Sandlot key as `X-Access-Token` or
 //! `E2B-Traffic-Access-Token` (what the SDK sends), tenants as every E2B route.
 //!
+//! **Where contexts live**: on the sandbox's node, not in a server. A context is its bridge
+//! process, tagged `e2b-context:<id>` with `{"e2b_context": {language, cwd, default}}` as
+//! its `meta` ([`CONTEXT_TAG_PREFIX`], [`ContextMeta`]); every call finds it by listing the
+//! sandbox's processes, so in a cluster a context made through one server is listed, run
+//! in, restarted and removed through any other. A server keeps only its attachment to a
+//! bridge (a reader following its output from where it joined; [`Interpreters`]). Cell ids
+//! are random, so the outputs of cells sent through two servers never mix; the bridge runs
+//! the cells of every server in arrival order.
+//!
 //! Semantics: without `context_id`, the sandbox's default python context (made on first
-//! use, cwd `/home/user`). Cells of one context run one at a time, in arrival order; state
+//! use, cwd `/home/user`; when two servers make it at once, the older one wins and the
+//! other is removed). Cells of one context run one at a time, in arrival order; state
 //! (variables, imports) persists between them. `env_vars` are set for that cell only. A
 //! client that goes away mid-cell (the SDK's `timeout`) interrupts the kernel
 //! (`KeyboardInterrupt`). A kernel that dies in a cell gets the cell a `DeadKernelError`
 //! and is restarted. Errors (Sandlot's `{"error": {code, message}}`): bad JSON or a
 //! language other than `python` 400, unknown context 404, sandbox not running 409, a kernel
 //! that cannot start (no ipykernel in the image) 503 `unavailable` with the bridge's reason.
-//! Bounds: [`MAX_CONTEXTS`] contexts per sandbox (429), one output line at most
+//! Bounds: [`MAX_CONTEXTS`] contexts per sandbox (429; checked by each server under its own
+//! lock, so two servers creating at once may pass it by one each), one output line at most
 //! [`MAX_LINE`] bytes (a longer one is replaced by an error line).
 use super::{ensure_home, home_of, running_sandbox_of, E2bUser};
 use crate::auth::Principal;
@@ -46,7 +57,6 @@ use futures::StreamExt;
 use sandlot_api::{Cmd, ErrorCode, ProcessEvent, SpawnRequest};
 use serde::Deserialize;
 use std::collections::{BTreeMap, HashMap};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::mpsc;
@@ -81,47 +91,138 @@ enum Msg {
     Dead(String),
 }
 
-/// One context: a bridge process and the cells waiting for its output.
-pub struct Context {
-    /// Context id (`ctx-…`).
-    pub id: String,
+/// Tag prefix of a context's bridge process on the node: the tag is
+/// `e2b-context:<context id>`, and the record's `meta` is `{"e2b_context": {"language",
+/// "cwd", "default"}}` ([`ContextMeta`]). Contexts are found by listing the sandbox's
+/// processes, so any server of a cluster reaches a context another server made.
+pub const CONTEXT_TAG_PREFIX: &str = "e2b-context:";
+
+/// What a context's bridge process record keeps in its `meta` (under `e2b_context`).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, Deserialize)]
+pub struct ContextMeta {
     /// Always `python`.
     pub language: String,
     /// Working directory of the kernel.
     pub cwd: String,
+    /// Whether it is the sandbox's default context (the one `POST /execute` without
+    /// `context_id` uses).
+    #[serde(default)]
+    pub default: bool,
+}
+
+/// A context as its node's process record tells it.
+#[derive(Debug, Clone, PartialEq)]
+struct Found {
+    /// Context id (`ctx-…`).
+    id: String,
+    meta: ContextMeta,
+    /// Handle of the bridge process.
+    proc_id: String,
+    /// The node's number of the process (orders the contexts, oldest first).
+    number: u32,
+    stdout_bytes: u64,
+    stderr_bytes: u64,
+}
+
+impl Found {
+    fn of(p: &sandlot_api::Process) -> Option<Found> {
+        if p.state != sandlot_api::ProcessState::Running {
+            return None;
+        }
+        let id = p.tag.as_deref()?.strip_prefix(CONTEXT_TAG_PREFIX)?;
+        let meta: ContextMeta =
+            serde_json::from_value(p.meta.as_ref()?.get("e2b_context")?.clone()).ok()?;
+        Some(Found {
+            id: id.to_owned(),
+            meta,
+            proc_id: p.id.clone(),
+            number: p.number,
+            stdout_bytes: p.stdout_bytes,
+            stderr_bytes: p.stderr_bytes,
+        })
+    }
+
+    fn json(&self) -> serde_json::Value {
+        serde_json::json!({"id": self.id, "language": self.meta.language, "cwd": self.meta.cwd})
+    }
+}
+
+/// The live contexts of `sandbox`, from its node's process records, oldest first.
+///
+/// # Errors
+/// The node's error.
+async fn node_contexts(st: &SharedState, sandbox: &str) -> ApiResult<Vec<Found>> {
+    let mut v: Vec<Found> = st
+        .node
+        .process_list(sandbox)
+        .await
+        .map_err(ServerError::from)?
+        .iter()
+        .filter_map(Found::of)
+        .collect();
+    v.sort_by_key(|f| (f.number, f.proc_id.clone()));
+    Ok(v)
+}
+
+/// One context as this server reaches it: the bridge process, followed by a reader, and
+/// the cells this server waits for.
+pub struct Context {
+    /// Context id (`ctx-…`).
+    pub id: String,
     proc: ProcRef,
-    /// Held by the running cell: cells of a context run one at a time.
+    /// Held by the running cell: cells sent through one server run one at a time (the
+    /// bridge queues cells of every server in arrival order).
     run_lock: tokio::sync::Mutex<()>,
-    next: AtomicU64,
     waiters: Mutex<HashMap<u64, mpsc::UnboundedSender<Msg>>>,
     dead: Mutex<Option<String>>,
 }
 
 impl Context {
-    fn json(&self) -> serde_json::Value {
-        serde_json::json!({"id": self.id, "language": self.language, "cwd": self.cwd})
-    }
-
     fn dead(&self) -> Option<String> {
         self.dead.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 }
 
-#[derive(Default)]
-struct Contexts {
-    default: Option<String>,
-    by_id: BTreeMap<String, Arc<Context>>,
-}
-
-/// The code-interpreter contexts of every sandbox.
+/// This server's attachments to contexts' bridge processes, by sandbox and process handle:
+/// a cache only (what contexts exist is the node's process list, `node_contexts`);
+/// entries of ended processes are dropped when next seen.
 #[derive(Default)]
 pub struct Interpreters {
-    sandboxes: Mutex<HashMap<String, Arc<tokio::sync::Mutex<Contexts>>>>,
+    sandboxes: Mutex<HashMap<String, HashMap<String, Arc<Context>>>>,
+    /// Per sandbox: held while this server creates a context there.
+    creating: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
 }
 
 impl Interpreters {
-    fn of(&self, sandbox: &str) -> Arc<tokio::sync::Mutex<Contexts>> {
+    fn cached(&self, sandbox: &str, proc_id: &str) -> Option<Arc<Context>> {
+        let mut m = self.sandboxes.lock().unwrap_or_else(|p| p.into_inner());
+        let s = m.get_mut(sandbox)?;
+        s.retain(|_, c| c.dead().is_none());
+        s.get(proc_id).cloned()
+    }
+
+    fn insert(&self, sandbox: &str, ctx: Arc<Context>) {
         self.sandboxes
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(sandbox.to_owned())
+            .or_default()
+            .insert(ctx.proc.id().to_owned(), ctx);
+    }
+
+    fn forget(&self, sandbox: &str, proc_id: &str) {
+        if let Some(s) = self
+            .sandboxes
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get_mut(sandbox)
+        {
+            s.remove(proc_id);
+        }
+    }
+
+    fn creation_lock(&self, sandbox: &str) -> Arc<tokio::sync::Mutex<()>> {
+        self.creating
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .entry(sandbox.to_owned())
@@ -129,9 +230,13 @@ impl Interpreters {
             .clone()
     }
 
-    /// Forget the contexts of sandboxes not in `keep` (their processes end with them).
+    /// Forget the attachments of sandboxes not in `keep` (their processes end with them).
     pub fn retain_sandboxes(&self, keep: impl Fn(&str) -> bool) {
         self.sandboxes
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .retain(|k, _| keep(k));
+        self.creating
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .retain(|k, _| keep(k));
@@ -147,6 +252,11 @@ fn new_context_id() -> String {
     s
 }
 
+/// A cell id no other server picks (random, below 2^53 so every JSON reader keeps it).
+fn new_cell_id() -> u64 {
+    rand::random::<u64>() >> 11
+}
+
 fn check_language(language: Option<&str>) -> ApiResult<()> {
     match language {
         None | Some("python") | Some("python3") | Some("") => Ok(()),
@@ -156,15 +266,45 @@ fn check_language(language: Option<&str>) -> ApiResult<()> {
     }
 }
 
-/// Starts a bridge in `sandbox` with `cwd` (context id `id`, else a new one) and waits
-/// until its kernel answers.
+fn new_context(st: &SharedState, sandbox: &str, id: &str, proc_id: &str) -> Arc<Context> {
+    Arc::new(Context {
+        id: id.to_owned(),
+        proc: ProcRef::new(st, sandbox, proc_id),
+        run_lock: tokio::sync::Mutex::new(()),
+        waiters: Mutex::new(HashMap::new()),
+        dead: Mutex::new(None),
+    })
+}
+
+/// This server's attachment to context `f` of `sandbox`: the cached one, else a reader
+/// that follows the bridge's output from the offsets the listing saw (earlier output is
+/// other cells').
+async fn attach(st: &SharedState, sandbox: &str, f: &Found) -> ApiResult<Arc<Context>> {
+    if let Some(c) = st.e2b.interpreters.cached(sandbox, &f.proc_id) {
+        return Ok(c);
+    }
+    let ctx = new_context(st, sandbox, &f.id, &f.proc_id);
+    let stream = ctx
+        .proc
+        .follow(f.stdout_bytes, f.stderr_bytes)
+        .await
+        .map_err(ServerError::from)?;
+    let (ready_tx, _) = tokio::sync::oneshot::channel();
+    tokio::spawn(read_bridge(ctx.clone(), stream, ready_tx));
+    st.e2b.interpreters.insert(sandbox, ctx.clone());
+    Ok(ctx)
+}
+
+/// Starts a bridge in `sandbox` with `cwd` (context id `id`, else a new one), tagged and
+/// described on the node ([`CONTEXT_TAG_PREFIX`]), and waits until its kernel answers.
 async fn start_context(
     st: &SharedState,
     sandbox: &str,
     cwd: &str,
     user: Option<&str>,
     id: Option<String>,
-) -> ApiResult<Arc<Context>> {
+    default: bool,
+) -> ApiResult<(Arc<Context>, Found)> {
     let home = home_of(user);
     ensure_home(st, sandbox, &home).await?;
     if cwd != home {
@@ -189,6 +329,12 @@ async fn start_context(
     ]);
     crate::disk_reserve::check(st)?;
     let rec = crate::sandboxes::running(st, sandbox).await?;
+    let id = id.unwrap_or_else(new_context_id);
+    let meta = ContextMeta {
+        language: "python".into(),
+        cwd: cwd.to_owned(),
+        default,
+    };
     let spawn = SpawnRequest {
         cmd: Cmd::Argv(vec!["python3".into(), BRIDGE_PATH.into()]),
         cwd: Some(cwd.to_owned()),
@@ -199,28 +345,39 @@ async fn start_context(
         max_output_bytes: Some(MAX_RETAIN),
         user: None,
         pty: None,
-        tag: None,
-        meta: None,
+        tag: Some(format!("{CONTEXT_TAG_PREFIX}{id}")),
+        meta: Some(serde_json::json!({ "e2b_context": meta })),
     };
+    if let Err(e) = spawn.check_labels() {
+        return Err(ServerError::invalid(format!(
+            "context working directory: {e}"
+        )));
+    }
     let p = st
         .node
         .process_spawn(sandbox, spawn)
         .await
         .map_err(ServerError::from)?;
     crate::processes::watch_exit(st, sandbox, rec.backend, &p.id);
-    let proc = ProcRef::new(st, sandbox, &p.id);
-    let ctx = Arc::new(Context {
-        id: id.unwrap_or_else(new_context_id),
-        language: "python".into(),
-        cwd: cwd.to_owned(),
-        proc: proc.clone(),
-        run_lock: tokio::sync::Mutex::new(()),
-        next: AtomicU64::new(1),
-        waiters: Mutex::new(HashMap::new()),
-        dead: Mutex::new(None),
-    });
+    let ctx = new_context(st, sandbox, &id, &p.id);
+    let found = Found {
+        id,
+        meta,
+        proc_id: p.id.clone(),
+        number: p.number,
+        stdout_bytes: 0,
+        stderr_bytes: 0,
+    };
     let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
-    tokio::spawn(read_bridge(ctx.clone(), ready_tx));
+    match ctx.proc.follow(0, 0).await {
+        Ok(stream) => {
+            tokio::spawn(read_bridge(ctx.clone(), stream, ready_tx));
+        }
+        Err(e) => {
+            let _ = ctx.proc.remove().await;
+            return Err(ServerError::from(e));
+        }
+    }
     let fail = |why: String| {
         ServerError::new(
             ErrorCode::Unavailable,
@@ -231,14 +388,17 @@ async fn start_context(
         )
     };
     match tokio::time::timeout(READY_WAIT, ready_rx).await {
-        Ok(Ok(Ok(()))) => Ok(ctx),
+        Ok(Ok(Ok(()))) => {
+            st.e2b.interpreters.insert(sandbox, ctx.clone());
+            Ok((ctx, found))
+        }
         Ok(Ok(Err(why))) => {
-            let _ = proc.remove().await;
+            let _ = ctx.proc.remove().await;
             Err(fail(why))
         }
         Ok(Err(_)) => Err(fail("the bridge ended".into())),
         Err(_) => {
-            let _ = proc.remove().await;
+            let _ = ctx.proc.remove().await;
             Err(fail(format!("no answer within {} s", READY_WAIT.as_secs())))
         }
     }
@@ -246,57 +406,58 @@ async fn start_context(
 
 /// Reads the bridge's stdout for the life of the process: the ready line, then the output
 /// of cells, handed to their waiters; at the end every waiter learns that it died.
-async fn read_bridge(ctx: Arc<Context>, ready: tokio::sync::oneshot::Sender<Result<(), String>>) {
+async fn read_bridge(
+    ctx: Arc<Context>,
+    stream: impl futures::Stream<Item = ProcessEvent> + Send + 'static,
+    ready: tokio::sync::oneshot::Sender<Result<(), String>>,
+) {
     let mut ready = Some(ready);
     let mut stderr_tail: Vec<u8> = Vec::new();
     let mut buf: Vec<u8> = Vec::new();
     let mut overlong = false;
-    let reason = match ctx.proc.follow(0, 0).await {
-        Err(e) => format!("{e}"),
-        Ok(stream) => {
-            let mut stream = Box::pin(stream);
-            let mut reason = "the code interpreter process ended".to_owned();
-            while let Some(ev) = stream.next().await {
-                match ev {
-                    ProcessEvent::Stdout { data, data_b64, .. } => {
-                        let bytes = chunk_bytes(data, data_b64);
-                        for &b in &bytes {
-                            if b == b'\n' {
-                                if overlong {
-                                    overlong = false;
-                                    route_overlong(&ctx);
-                                } else {
-                                    route_line(&ctx, &buf, &mut ready);
-                                }
-                                buf.clear();
-                            } else if buf.len() < MAX_LINE {
-                                buf.push(b);
+    let reason = {
+        let mut stream = Box::pin(stream);
+        let mut reason = "the code interpreter process ended".to_owned();
+        while let Some(ev) = stream.next().await {
+            match ev {
+                ProcessEvent::Stdout { data, data_b64, .. } => {
+                    let bytes = chunk_bytes(data, data_b64);
+                    for &b in &bytes {
+                        if b == b'\n' {
+                            if overlong {
+                                overlong = false;
+                                route_overlong(&ctx);
                             } else {
-                                overlong = true;
+                                route_line(&ctx, &buf, &mut ready);
                             }
+                            buf.clear();
+                        } else if buf.len() < MAX_LINE {
+                            buf.push(b);
+                        } else {
+                            overlong = true;
                         }
                     }
-                    ProcessEvent::Stderr { data, data_b64, .. } => {
-                        stderr_tail.extend(chunk_bytes(data, data_b64));
-                        let cut = stderr_tail.len().saturating_sub(2000);
-                        stderr_tail.drain(..cut);
-                    }
-                    ProcessEvent::Skipped { .. } => {
-                        buf.clear();
-                    }
-                    ProcessEvent::Exit { result } => {
-                        reason = format!(
-                            "the code interpreter process ended (exit code {})",
-                            result.exit_code
-                        );
-                    }
-                    ProcessEvent::Error { error } => {
-                        reason = format!("the code interpreter process failed: {}", error.message);
-                    }
+                }
+                ProcessEvent::Stderr { data, data_b64, .. } => {
+                    stderr_tail.extend(chunk_bytes(data, data_b64));
+                    let cut = stderr_tail.len().saturating_sub(2000);
+                    stderr_tail.drain(..cut);
+                }
+                ProcessEvent::Skipped { .. } => {
+                    buf.clear();
+                }
+                ProcessEvent::Exit { result } => {
+                    reason = format!(
+                        "the code interpreter process ended (exit code {})",
+                        result.exit_code
+                    );
+                }
+                ProcessEvent::Error { error } => {
+                    reason = format!("the code interpreter process failed: {}", error.message);
                 }
             }
-            reason
         }
+        reason
     };
     let tail = String::from_utf8_lossy(&stderr_tail).trim().to_owned();
     let reason = if tail.is_empty() {
@@ -377,33 +538,62 @@ fn route_line(
     }
 }
 
+fn not_found(id: &str) -> ServerError {
+    ServerError::new(ErrorCode::NotFound, format!("context {id} not found"))
+}
+
+/// Context `id` of `sandbox`, from its node's records.
+///
+/// # Errors
+/// 404 for an unknown (or ended) context; the node's error.
+async fn find(st: &SharedState, sandbox: &str, id: &str) -> ApiResult<Found> {
+    node_contexts(st, sandbox)
+        .await?
+        .into_iter()
+        .find(|f| f.id == id)
+        .ok_or_else(|| not_found(id))
+}
+
+/// The sandbox's default context: the oldest live one marked `default`.
+fn default_of(list: &[Found]) -> Option<&Found> {
+    list.iter().find(|f| f.meta.default)
+}
+
 /// The context `id` of `sandbox`, or its default one (made now when missing or dead).
+/// When two servers make the default at once, the oldest wins and the other's kernel is
+/// removed.
 async fn context_of(
     st: &SharedState,
     sandbox: &str,
     id: Option<&str>,
     user: Option<&str>,
 ) -> ApiResult<Arc<Context>> {
-    let cell = st.e2b.interpreters.of(sandbox);
-    let mut c = cell.lock().await;
     if let Some(id) = id {
-        return c.by_id.get(id).cloned().ok_or_else(|| {
-            ServerError::new(ErrorCode::NotFound, format!("context {id} not found"))
-        });
+        let f = find(st, sandbox, id).await?;
+        return attach(st, sandbox, &f).await;
     }
-    if let Some(d) = c.default.clone().and_then(|d| c.by_id.get(&d).cloned()) {
-        if d.dead().is_none() {
-            return Ok(d);
-        }
-        c.by_id.remove(&d.id);
+    if let Some(d) = default_of(&node_contexts(st, sandbox).await?) {
+        return attach(st, sandbox, d).await;
     }
-    if c.by_id.len() >= MAX_CONTEXTS {
+    let lock = st.e2b.interpreters.creation_lock(sandbox);
+    let _creating = lock.lock().await;
+    let list = node_contexts(st, sandbox).await?;
+    if let Some(d) = default_of(&list) {
+        return attach(st, sandbox, d).await;
+    }
+    if list.len() >= MAX_CONTEXTS {
         return Err(too_many());
     }
-    let ctx = start_context(st, sandbox, &home_of(user), user, None).await?;
-    c.default = Some(ctx.id.clone());
-    c.by_id.insert(ctx.id.clone(), ctx.clone());
-    Ok(ctx)
+    let (ctx, mine) = start_context(st, sandbox, &home_of(user), user, None, true).await?;
+    let list = node_contexts(st, sandbox).await?;
+    match default_of(&list) {
+        Some(d) if d.proc_id != mine.proc_id => {
+            let _ = ctx.proc.remove().await;
+            st.e2b.interpreters.forget(sandbox, &mine.proc_id);
+            attach(st, sandbox, d).await
+        }
+        _ => Ok(ctx),
+    }
 }
 
 fn too_many() -> ServerError {
@@ -485,7 +675,7 @@ async fn run_cell(
         let _ = out.send(line(&error("ContextGone", &why))).await;
         return;
     }
-    let id = ctx.next.fetch_add(1, Ordering::Relaxed);
+    let id = new_cell_id();
     let (tx, mut rx) = mpsc::unbounded_channel();
     ctx.waiters
         .lock()
@@ -561,31 +751,27 @@ pub async fn create_context(
         Some(p) if p.starts_with('/') => p.to_owned(),
         Some(p) => format!("{}/{}", home_of(user), p.trim_start_matches("~/")),
     };
-    let cell = st.e2b.interpreters.of(&sandbox);
-    let mut c = cell.lock().await;
-    c.by_id.retain(|_, x| x.dead().is_none());
-    if c.by_id.len() >= MAX_CONTEXTS {
+    let lock = st.e2b.interpreters.creation_lock(&sandbox);
+    let _creating = lock.lock().await;
+    if node_contexts(&st, &sandbox).await?.len() >= MAX_CONTEXTS {
         return Err(too_many());
     }
-    let ctx = start_context(&st, &sandbox, &cwd, user, None).await?;
-    c.by_id.insert(ctx.id.clone(), ctx.clone());
-    Ok(axum::Json(ctx.json()).into_response())
+    let (_, found) = start_context(&st, &sandbox, &cwd, user, None, false).await?;
+    Ok(axum::Json(found.json()).into_response())
 }
 
-/// `GET /contexts` → the sandbox's live contexts.
+/// `GET /contexts` → the sandbox's live contexts (from its node: every server lists the
+/// same ones), oldest first.
 pub async fn list_contexts(
     State(st): State<SharedState>,
     Extension(who): Extension<Principal>,
     headers: HeaderMap,
 ) -> ApiResult<Response> {
     let sandbox = running_sandbox_of(&st, &who, &headers).await?;
-    let cell = st.e2b.interpreters.of(&sandbox);
-    let c = cell.lock().await;
-    let list: Vec<_> = c
-        .by_id
-        .values()
-        .filter(|x| x.dead().is_none())
-        .map(|x| x.json())
+    let list: Vec<_> = node_contexts(&st, &sandbox)
+        .await?
+        .iter()
+        .map(Found::json)
         .collect();
     Ok(axum::Json(list).into_response())
 }
@@ -598,24 +784,14 @@ pub async fn remove_context(
     Path(context_id): Path<String>,
 ) -> ApiResult<Response> {
     let sandbox = running_sandbox_of(&st, &who, &headers).await?;
-    let cell = st.e2b.interpreters.of(&sandbox);
-    let mut c = cell.lock().await;
-    let Some(ctx) = c.by_id.remove(&context_id) else {
-        return Err(ServerError::new(
-            ErrorCode::NotFound,
-            format!("context {context_id} not found"),
-        ));
-    };
-    if c.default.as_deref() == Some(context_id.as_str()) {
-        c.default = None;
-    }
-    drop(c);
-    let _ = ctx.proc.remove().await;
+    let f = find(&st, &sandbox, &context_id).await?;
+    st.e2b.interpreters.forget(&sandbox, &f.proc_id);
+    let _ = ProcRef::new(&st, &sandbox, &f.proc_id).remove().await;
     Ok(StatusCode::NO_CONTENT.into_response())
 }
 
-/// `POST /contexts/{id}/restart` → 204: the context keeps its id and cwd, with a fresh
-/// kernel (a new bridge process).
+/// `POST /contexts/{id}/restart` → 204: the context keeps its id, cwd and being the
+/// default or not, with a fresh kernel (a new bridge process).
 pub async fn restart_context(
     State(st): State<SharedState>,
     Extension(who): Extension<Principal>,
@@ -624,24 +800,17 @@ pub async fn restart_context(
     Path(context_id): Path<String>,
 ) -> ApiResult<Response> {
     let sandbox = running_sandbox_of(&st, &who, &headers).await?;
-    let cell = st.e2b.interpreters.of(&sandbox);
-    let mut c = cell.lock().await;
-    let Some(old) = c.by_id.get(&context_id).cloned() else {
-        return Err(ServerError::new(
-            ErrorCode::NotFound,
-            format!("context {context_id} not found"),
-        ));
-    };
-    let _ = old.proc.remove().await;
-    c.by_id.remove(&context_id);
-    let fresh = start_context(
+    let old = find(&st, &sandbox, &context_id).await?;
+    st.e2b.interpreters.forget(&sandbox, &old.proc_id);
+    let _ = ProcRef::new(&st, &sandbox, &old.proc_id).remove().await;
+    start_context(
         &st,
         &sandbox,
-        &old.cwd,
+        &old.meta.cwd,
         user_of(&user),
         Some(old.id.clone()),
+        old.meta.default,
     )
     .await?;
-    c.by_id.insert(old.id.clone(), fresh);
     Ok(StatusCode::NO_CONTENT.into_response())
 }

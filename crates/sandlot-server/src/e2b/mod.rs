@@ -87,14 +87,15 @@ impl Default for E2bConfig {
 pub struct E2bUser(pub String);
 
 /// The E2B surface's state held by one server: caches and per-connection objects only
-/// (process pids live on the node: [`process`]).
+/// (process pids and code-interpreter contexts live on the node: [`process`],
+/// [`interpreter`]; snapshot names in the registry store: [`control`]).
 #[derive(Default)]
 pub struct E2bState {
     /// Sandboxes whose home directories exist already.
     homes: Mutex<HashSet<(String, String)>>,
     /// File watchers ([`watch`]).
     pub watchers: watch::Watchers,
-    /// Code-interpreter contexts ([`interpreter`]).
+    /// This server's attachments to code-interpreter contexts ([`interpreter`]).
     pub interpreters: interpreter::Interpreters,
 }
 
