@@ -1189,6 +1189,7 @@ async fn node(a: NodeArgs) -> anyhow::Result<u8> {
         anyhow::bail!("--listen and --data-dir are required without --simulate");
     };
     init_logs(a.log_format);
+    raise_nofile_limit();
     let token = read_token(&a.token_file)?;
     let mut ncfg = sandlot_node::NodeConfig::new(data_dir);
     if let Some(d) = a.images_dir {
