@@ -1261,7 +1261,10 @@ async fn node(a: NodeArgs) -> anyhow::Result<u8> {
         tracing::info!("stopped; sandboxes left running for re-adoption");
         return Ok(0);
     };
-    let tracked = Arc::new(cluster::Tracked::new(node));
+    let tracked = Arc::new(
+        cluster::Tracked::new(node)
+            .with_capacity(cluster::host_capacity(a.max_sandboxes, a.cpu_overcommit)),
+    );
     tracked.learn_readopted(&data_dir, &adopted);
     let client = sandlot_cluster::connect(&a.etcd)
         .await
