@@ -32,6 +32,8 @@ pub struct Tracked {
     /// The node's data directory, from [`Tracked::learn_readopted`] (for sandboxes taken
     /// over from the shared snapshot store later).
     data_dir: std::sync::OnceLock<PathBuf>,
+    /// The capacity this node publishes ([`Tracked::with_capacity`]), enforced at create.
+    capacity: Option<Resources>,
 }
 
 impl Tracked {
@@ -41,7 +43,53 @@ impl Tracked {
             inner,
             limits: Mutex::new(HashMap::new()),
             data_dir: std::sync::OnceLock::new(),
+            capacity: None,
         }
+    }
+
+    /// Enforces `capacity` (the one published in etcd) at create: a create that would
+    /// take the sandboxes the node knows of (live, and creates in flight) over its
+    /// sandbox count, cpu or memory answers `ResourceExhausted`. Servers filter nodes on
+    /// the usage published once a second, so a burst of creates (a batch) placed within
+    /// that second would otherwise all land on one node, far past what it offers.
+    #[must_use]
+    pub fn with_capacity(mut self, capacity: Resources) -> Self {
+        self.capacity = Some(capacity);
+        self
+    }
+
+    /// Counts `spec` in before its create runs, if it fits the capacity; `Ok(false)` when
+    /// the id is already known (a create of an existing id: the node answers it).
+    fn admit(&self, spec: &SandboxSpec) -> NodeResult<bool> {
+        let mut limits = self.limits.lock().unwrap_or_else(|e| e.into_inner());
+        if limits.contains_key(&spec.id) {
+            return Ok(false);
+        }
+        if let Some(cap) = &self.capacity {
+            let n = limits.len() as u64;
+            let cpu: f64 = limits.values().map(|l| l.0).sum();
+            let mem: u64 = limits.values().map(|l| l.1).sum();
+            let full = if n + 1 > cap.sandboxes {
+                Some(format!("{n} of {} sandboxes", cap.sandboxes))
+            } else if cpu + spec.cpu > cap.cpu + 1e-9 {
+                Some(format!(
+                    "cpu {cpu} of {} taken, {} asked",
+                    cap.cpu, spec.cpu
+                ))
+            } else if mem + spec.memory_mib > cap.memory_mib {
+                Some(format!(
+                    "memory {mem} of {} MiB taken, {} asked",
+                    cap.memory_mib, spec.memory_mib
+                ))
+            } else {
+                None
+            };
+            if let Some(why) = full {
+                return Err(NodeError::ResourceExhausted(format!("node full: {why}")));
+            }
+        }
+        limits.insert(spec.id.clone(), (spec.cpu, spec.memory_mib, Instant::now()));
+        Ok(true)
     }
 
     fn remember(&self, spec: &SandboxSpec) {
@@ -118,7 +166,13 @@ impl Node for Tracked {
         self.inner.info()
     }
     async fn create(&self, spec: &SandboxSpec) -> NodeResult<()> {
-        self.inner.create(spec).await?;
+        let admitted = self.admit(spec)?;
+        if let Err(e) = self.inner.create(spec).await {
+            if admitted {
+                self.forget(&spec.id);
+            }
+            return Err(e);
+        }
         self.remember(spec);
         Ok(())
     }
@@ -197,9 +251,13 @@ impl Node for Tracked {
         spec: &SandboxSpec,
         checkpoint_id: &str,
     ) -> NodeResult<()> {
-        self.inner
-            .create_from_checkpoint(spec, checkpoint_id)
-            .await?;
+        let admitted = self.admit(spec)?;
+        if let Err(e) = self.inner.create_from_checkpoint(spec, checkpoint_id).await {
+            if admitted {
+                self.forget(&spec.id);
+            }
+            return Err(e);
+        }
         self.remember(spec);
         Ok(())
     }
@@ -422,6 +480,43 @@ mod tests {
             backend: Backend::Function,
             liveness,
         }
+    }
+
+    #[tokio::test]
+    async fn creates_past_the_published_capacity_are_refused() {
+        let cap = Resources {
+            cpu: 2.5,
+            memory_mib: 1024,
+            sandboxes: 3,
+        };
+        let t =
+            Tracked::new(Arc::new(sandlot_node_api::fake::FakeNode::default())).with_capacity(cap);
+        let spec = |id: &str, cpu: f64, mem: u64| SandboxSpec {
+            id: id.into(),
+            backend: Backend::Function,
+            image: "busybox".into(),
+            cpu,
+            memory_mib: mem,
+            disk_mib: 64,
+            pids_max: 64,
+            env: Default::default(),
+            network: Default::default(),
+            runtime: None,
+        };
+        t.create(&spec("a", 1.0, 256)).await.unwrap();
+        t.create(&spec("b", 1.0, 256)).await.unwrap();
+        let full = |r: NodeResult<()>| matches!(r, Err(NodeError::ResourceExhausted(_)));
+        assert!(full(t.create(&spec("cpu", 1.0, 64)).await), "cpu 3 > 2.5");
+        assert!(
+            full(t.create(&spec("mem", 0.5, 600)).await),
+            "memory 1112 > 1024"
+        );
+        t.create(&spec("c", 0.5, 512)).await.unwrap();
+        assert!(full(t.create(&spec("n", 0.0, 0)).await), "4 sandboxes > 3");
+        // A refused create left nothing counted; a delete frees its place.
+        assert_eq!(t.limits.lock().unwrap().len(), 3);
+        t.delete("a").await.unwrap();
+        t.create(&spec("d", 1.0, 256)).await.unwrap();
     }
 
     #[tokio::test]

@@ -1189,6 +1189,7 @@ async fn node(a: NodeArgs) -> anyhow::Result<u8> {
         anyhow::bail!("--listen and --data-dir are required without --simulate");
     };
     init_logs(a.log_format);
+    raise_nofile_limit();
     let token = read_token(&a.token_file)?;
     let mut ncfg = sandlot_node::NodeConfig::new(data_dir);
     if let Some(d) = a.images_dir {
@@ -1260,7 +1261,10 @@ async fn node(a: NodeArgs) -> anyhow::Result<u8> {
         tracing::info!("stopped; sandboxes left running for re-adoption");
         return Ok(0);
     };
-    let tracked = Arc::new(cluster::Tracked::new(node));
+    let tracked = Arc::new(
+        cluster::Tracked::new(node)
+            .with_capacity(cluster::host_capacity(a.max_sandboxes, a.cpu_overcommit)),
+    );
     tracked.learn_readopted(&data_dir, &adopted);
     let client = sandlot_cluster::connect(&a.etcd)
         .await

@@ -70,5 +70,6 @@ pub mod wire;
 
 pub use client::{RemoteNode, RemoteOptions};
 pub use server::{
-    router, router_gated, serve, status_of, ServingGate, MAX_BODY_BYTES, MAX_STREAMS,
+    router, router_gated, serve, status_of, ServingGate, AUTH_DEADLINE, MAX_BODY_BYTES,
+    MAX_CONNECTIONS, MAX_STREAMS,
 };

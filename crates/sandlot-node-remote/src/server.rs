@@ -31,6 +31,34 @@ pub const MAX_BODY_BYTES: usize = 1 << 30;
 /// its calls to a node over one connection; hyper's default of 200 would queue the rest).
 pub const MAX_STREAMS: u32 = 10_000;
 
+/// Connections a node serves at once (4,096; a server needs one, reconnects add a few):
+/// a new connection over the limit is closed at once, so idle or hostile connections
+/// cannot take the file descriptors the node's sandboxes need.
+pub const MAX_CONNECTIONS: usize = 4096;
+
+/// Time a new connection has to make its first authenticated call (10 s; a call that
+/// passes the token check, or any call when the router has no token); a connection that
+/// has not is closed, so connections that send nothing, half a request or only calls
+/// with a wrong token do not stay open.
+pub const AUTH_DEADLINE: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Pause after an `accept` that failed for want of resources (out of file descriptors,
+/// memory or buffers) or because the peer went away first, before accepting again.
+const ACCEPT_BACKOFF: std::time::Duration = std::time::Duration::from_millis(100);
+
+/// Set in a request's extensions by [`serve`]: the request's connection made an
+/// authenticated call (set by the router's token check, see [`AUTH_DEADLINE`]).
+#[derive(Clone)]
+struct ConnAuthed(Arc<std::sync::atomic::AtomicBool>);
+
+impl ConnAuthed {
+    fn mark(req: &Request) {
+        if let Some(c) = req.extensions().get::<ConnAuthed>() {
+            c.0.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+}
+
 type Shared = Arc<dyn Node>;
 
 /// HTTP status of a node error on the wire: `not_found` 404, `invalid_argument` 400,
@@ -215,6 +243,7 @@ pub fn router_gated(
                             return (StatusCode::UNAUTHORIZED, Json(e.to_wire())).into_response();
                         }
                     }
+                    ConnAuthed::mark(&req);
                     next.run(req).await
                 }
             },
@@ -224,40 +253,104 @@ pub fn router_gated(
 }
 
 /// Serve `app` on `listener` until this future is dropped (which also drops every open
-/// connection) or accepting fails. Each connection speaks HTTP/1.1 or, on seeing the
-/// HTTP/2 preface, h2c (hyper-util's auto builder), with [`MAX_STREAMS`] calls at once and
-/// a PING every 20 s (a client that does not answer one within 20 s is disconnected; its
-/// execs run on).
+/// connection) or accepting fails for good. Each connection speaks HTTP/1.1 or, on seeing
+/// the HTTP/2 preface, h2c (hyper-util's auto builder), with [`MAX_STREAMS`] calls at once
+/// and a PING every 20 s (a client that does not answer one within 20 s is disconnected;
+/// its execs run on).
+///
+/// Hostile clients (the port is reachable before the token is checked): at most
+/// [`MAX_CONNECTIONS`] connections at once (a new one over it is closed at once); a
+/// connection that has made no authenticated call within [`AUTH_DEADLINE`] is closed (an
+/// HTTP/1.1 request head must also arrive within it); an `accept` that fails for want of
+/// file descriptors, memory or buffers, or because the peer already left, is retried after
+/// 100 ms instead of ending the node.
 ///
 /// # Errors
-/// The listener's `accept` error.
+/// The listener's `accept` error, other than those retried.
 pub async fn serve(listener: tokio::net::TcpListener, app: Router) -> std::io::Result<()> {
     let mut conns = tokio::task::JoinSet::new();
+    let mut refused: u64 = 0;
     loop {
         let (stream, peer) = tokio::select! {
-            r = listener.accept() => r?,
+            r = listener.accept() => match r {
+                Ok(c) => c,
+                Err(e) if accept_error_is_transient(&e) => {
+                    tracing::warn!(error = %e, open = conns.len(), "node API accept failed; retrying in 100 ms");
+                    tokio::time::sleep(ACCEPT_BACKOFF).await;
+                    continue;
+                }
+                Err(e) => return Err(e),
+            },
             Some(_) = conns.join_next(), if !conns.is_empty() => continue,
         };
+        if conns.len() >= MAX_CONNECTIONS {
+            refused += 1;
+            if refused.is_power_of_two() {
+                tracing::warn!(%peer, refused, limit = MAX_CONNECTIONS, "node API connection limit reached; new connections are closed");
+            }
+            drop(stream);
+            continue;
+        }
         let _ = stream.set_nodelay(true);
         let app = app.clone();
         conns.spawn(async move {
+            let authed = ConnAuthed(Arc::new(std::sync::atomic::AtomicBool::new(false)));
+            let seen = authed.0.clone();
             let svc =
                 hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
                     use tower::ServiceExt;
-                    app.clone().oneshot(req.map(Body::new))
+                    let mut req = req.map(Body::new);
+                    req.extensions_mut().insert(authed.clone());
+                    app.clone().oneshot(req)
                 });
             let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+            builder
+                .http1()
+                .timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(AUTH_DEADLINE);
             builder
                 .http2()
                 .timer(hyper_util::rt::TokioTimer::new())
                 .max_concurrent_streams(Some(MAX_STREAMS))
                 .keep_alive_interval(Some(std::time::Duration::from_secs(20)))
                 .keep_alive_timeout(std::time::Duration::from_secs(20));
-            if let Err(e) = builder.serve_connection(TokioIo::new(stream), svc).await {
+            let conn = builder.serve_connection(TokioIo::new(stream), svc);
+            tokio::pin!(conn);
+            let ended = match tokio::time::timeout(AUTH_DEADLINE, conn.as_mut()).await {
+                Ok(r) => r,
+                Err(_) if seen.load(std::sync::atomic::Ordering::Relaxed) => conn.await,
+                Err(_) => {
+                    tracing::debug!(%peer, "node API connection closed: no authenticated call in time");
+                    return;
+                }
+            };
+            if let Err(e) = ended {
                 tracing::debug!(%peer, error = %e, "node API connection ended with an error");
             }
         });
     }
+}
+
+/// Whether a failed `accept` concerns one connection or a passing shortage (the listener
+/// still works): out of file descriptors (`EMFILE`, `ENFILE`), memory or buffers, or a
+/// peer that left before it was accepted.
+fn accept_error_is_transient(e: &std::io::Error) -> bool {
+    use std::io::ErrorKind as K;
+    matches!(
+        e.kind(),
+        K::ConnectionAborted | K::ConnectionReset | K::Interrupted | K::OutOfMemory
+    ) || matches!(
+        e.raw_os_error(),
+        Some(
+            libc::EMFILE
+                | libc::ENFILE
+                | libc::ENOBUFS
+                | libc::ENOMEM
+                | libc::ECONNABORTED
+                | libc::EPROTO
+                | libc::EPERM
+        )
+    )
 }
 
 async fn info(State(n): State<Shared>) -> Json<sandlot_node_api::NodeInfo> {

@@ -126,6 +126,13 @@ pub trait Registry: Send + Sync + 'static {
     /// Store failures.
     async fn remove(&self, id: &str) -> Result<bool>;
 
+    /// The request digest and sandbox id recorded under an Idempotency-Key, if any (a
+    /// read only: [`Registry::insert_checked`] is what claims a key).
+    ///
+    /// # Errors
+    /// Store failures.
+    async fn key_sandbox(&self, key: &str) -> Result<Option<(String, String)>>;
+
     /// Forget the Idempotency-Keys of a sandbox whose create failed.
     ///
     /// # Errors
@@ -303,6 +310,9 @@ impl Registry for Store {
     }
     async fn remove(&self, id: &str) -> Result<bool> {
         Store::remove(self, id)
+    }
+    async fn key_sandbox(&self, key: &str) -> Result<Option<(String, String)>> {
+        Store::key_sandbox(self, key)
     }
     async fn forget_keys_of(&self, id: &str) -> Result<()> {
         Store::forget_keys_of(self, id)
@@ -696,6 +706,18 @@ impl Registry for PgRegistry {
             .await
             .map_err(pg("delete sandbox"))?;
         Ok(n == 1)
+    }
+
+    async fn key_sandbox(&self, key: &str) -> Result<Option<(String, String)>> {
+        let c = self.conn().await?;
+        let row = c
+            .query_opt(
+                "SELECT digest, sandbox_id FROM idempotency WHERE key = $1",
+                &[&key],
+            )
+            .await
+            .map_err(pg("select idempotency key"))?;
+        Ok(row.map(|r| (r.get(0), r.get(1))))
     }
 
     async fn forget_keys_of(&self, id: &str) -> Result<()> {

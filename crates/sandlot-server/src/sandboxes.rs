@@ -217,11 +217,37 @@ pub async fn create_sandbox(
     let mut labels = req.labels.clone();
     labels.extend(labels_extra);
     let id = new_id();
+    let d = digest(&req);
+    // Per-tenant key space: another tenant's key must neither replay nor block this create.
+    let scoped_key = idempotency_key.map(|k| match &who.tenant {
+        Some(t) => format!("{t}/{k}"),
+        None => k,
+    });
     let node = match st.cluster.get() {
         // Cluster mode: pick the node before the record is written, so the record names
-        // it; nothing fits → 429 `resource_exhausted` at once.
+        // it; nothing fits → 429 `resource_exhausted` at once — unless the request carries
+        // an Idempotency-Key that already made a sandbox: a retry of a create that was
+        // made answers its sandbox even while no node could take a new one.
         Some(c) => {
-            let placed = c.assign(&id, &placement_request(&req, &v, &labels, c).await?)?;
+            let placed = match c.assign(&id, &placement_request(&req, &v, &labels, c).await?) {
+                Ok(p) => p,
+                Err(e) => {
+                    if let Some(k) = scoped_key.as_deref() {
+                        if let Some((kd, sid)) = st.store.key_sandbox(k).await? {
+                            if kd != d {
+                                return Err(ServerError::new(
+                                    ErrorCode::Conflict,
+                                    "Idempotency-Key was already used with a different request body",
+                                ));
+                            }
+                            if let Some(r) = st.store.get(&sid).await? {
+                                return Ok((r, false));
+                            }
+                        }
+                    }
+                    return Err(e.into());
+                }
+            };
             if matches!(req.backend, Backend::Microvm | Backend::Vm) {
                 v.spec.accel = placed.accelerator;
             }
@@ -250,12 +276,6 @@ pub async fn create_sandbox(
         labels,
         tenant: who.tenant.clone(),
     };
-    let d = digest(&req);
-    // Per-tenant key space: another tenant's key must neither replay nor block this create.
-    let scoped_key = idempotency_key.map(|k| match &who.tenant {
-        Some(t) => format!("{t}/{k}"),
-        None => k,
-    });
     let key = scoped_key.as_deref().map(|k| (k, d.as_str()));
     match st
         .store

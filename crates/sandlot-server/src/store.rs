@@ -563,6 +563,21 @@ impl Store {
         Ok(n == 1)
     }
 
+    /// The request digest and sandbox id recorded under an Idempotency-Key, if any.
+    ///
+    /// # Errors
+    /// [`StoreError::Sql`].
+    pub fn key_sandbox(&self, key: &str) -> Result<Option<(String, String)>> {
+        self.conn()
+            .query_row(
+                "SELECT digest, sandbox_id FROM idempotency WHERE key = ?1",
+                [key],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )
+            .optional()
+            .map_err(sql("select idempotency key"))
+    }
+
     /// Forget the idempotency keys of a sandbox whose create failed, so a retry with the
     /// same key creates again.
     ///

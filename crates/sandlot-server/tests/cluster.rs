@@ -314,3 +314,86 @@ async fn a_server_spreads_routes_and_sweeps_over_etcd_nodes() {
     let _ = stop_tx.send(());
     let _ = tokio::time::timeout(Duration::from_secs(15), serving).await;
 }
+
+/// A retry with the Idempotency-Key of a create that was made answers that sandbox (200)
+/// even when no node has room for a new one: placement used to run before the key was
+/// looked at, so the retry of an acknowledged create got 429 `resource_exhausted` (seen
+/// by a client retrying through another server after the first died, once the cluster
+/// had filled up).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_idempotent_retry_replays_when_no_node_has_room() {
+    let Some(etcd) = Etcd::start("an_idempotent_retry_replays_when_no_node_has_room", 1) else {
+        return;
+    };
+    let client = connect(&etcd.urls).await.unwrap();
+    let node = start_node("full1").await;
+    let mut rec = record(&node, "2026-12-05T10:00:00Z");
+    rec.capacity.sandboxes = 1;
+    let reg = NodeRegistration::register(&client, rec, LeaseConfig::new(3).unwrap())
+        .await
+        .unwrap();
+
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = sandlot_server::ServerConfig::new(dir.path().to_path_buf());
+    cfg.listen = "127.0.0.1:0".parse().unwrap();
+    cfg.disk_reserve_bytes = 0;
+    let cluster = ClusterNode::start(&client, Some(TOKEN.into()), RemoteOptions::default())
+        .await
+        .unwrap();
+    let server = sandlot_server::Server::bind_cluster(cfg, cluster.clone())
+        .await
+        .unwrap();
+    let base = format!("http://{}", server.local_addr().unwrap());
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let serving = tokio::spawn(server.run(async move {
+        let _ = stop_rx.await;
+    }));
+    let http = reqwest::Client::new();
+    let create = |key: &'static str, body: Value| {
+        let http = http.clone();
+        let base = base.clone();
+        async move {
+            let r = http
+                .post(format!("{base}/v1/sandboxes"))
+                .header("Idempotency-Key", key)
+                .json(&body)
+                .send()
+                .await
+                .unwrap();
+            let s = r.status().as_u16();
+            (s, r.json::<Value>().await.unwrap())
+        }
+    };
+    let body = json!({"backend": "function", "labels": {"k": "1"}});
+    let (s, made) = create("retry-1", body.clone()).await;
+    assert_eq!(s, 201, "{made}");
+
+    // The node publishes that it is full; a new create is refused.
+    reg.update(|r| r.usage.sandboxes = 1).await.unwrap();
+    eventually(
+        "the server sees the node full",
+        Duration::from_secs(10),
+        async || cluster.nodes().get("full1").map(|r| r.usage.sandboxes) == Some(1),
+    )
+    .await;
+    let r = http
+        .post(format!("{base}/v1/sandboxes"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 429, "{:?}", r.text().await);
+
+    // The retry of the acknowledged create answers its sandbox; another body under the
+    // same key is a conflict, as without a full cluster.
+    let (s, again) = create("retry-1", body.clone()).await;
+    assert_eq!(s, 200, "{again}");
+    assert_eq!(again["id"], made["id"]);
+    let (s, b) = create("retry-1", json!({"backend": "function"})).await;
+    assert_eq!(s, 409, "{b}");
+    assert_eq!(node.fake.ids().len(), 1);
+
+    let _ = stop_tx.send(());
+    let _ = tokio::time::timeout(Duration::from_secs(15), serving).await;
+    reg.deregister().await.unwrap();
+}
