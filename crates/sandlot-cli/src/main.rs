@@ -72,10 +72,12 @@ enum Command {
     /// running, and the next `sandlot node` on the same data directory re-adopts every live
     /// one at start (a server's `readopt` then removes those it has no record of).
     Node(NodeArgs),
-    /// Run the API server against nodes served by `sandlot node` (cluster mode, in
-    /// progress): one node (`--node URL`), or every node registered in etcd (`--etcd
-    /// URLS`: placement over them, routing by sandbox id, lost-node sweep). State stays in
-    /// DATA/sandlot.db (PostgreSQL is not wired yet), so run one server per cluster.
+    /// Run the API server against nodes served by `sandlot node` (cluster mode): one node
+    /// (`--node URL`), or every node registered in etcd (`--etcd URLS`: placement over
+    /// them, routing by sandbox id, lost-node sweep). State in DATA/sandlot.db, or in
+    /// PostgreSQL with `--postgres URL`; with `--etcd` and `--postgres` any number of
+    /// servers share one database and elect the one that runs the singletons
+    /// (docs/operations.md "Cluster mode").
     ///
     /// Prints `sandlot listening on http://ADDR` on stdout when ready. A call whose node
     /// request failed in transport answers 503 `unavailable` (outcome unknown) and never
