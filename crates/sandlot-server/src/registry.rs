@@ -162,6 +162,25 @@ pub trait Registry: Send + Sync + 'static {
     /// Store failures.
     async fn release_transition(&self, id: &str, owner: &str) -> Result<bool>;
 
+    /// [`Registry::transition`] and [`Registry::release_transition`] as one write: set
+    /// `state = to` when the state is one of `from`, and clear the transition owner if
+    /// `owner` holds it. Returns whether the state changed. The default runs the two
+    /// methods (two writes); both stores override it with one statement.
+    ///
+    /// # Errors
+    /// Store failures.
+    async fn transition_release(
+        &self,
+        id: &str,
+        from: &[SandboxState],
+        to: SandboxState,
+        owner: &str,
+    ) -> Result<bool> {
+        let changed = self.transition(id, from, to).await?;
+        self.release_transition(id, owner).await?;
+        Ok(changed)
+    }
+
     /// `creating` / `deleting` records with an owner whose deadline is at or before
     /// `now_ms`, and `creating` records no server claimed that are at least
     /// [`UNOWNED_CREATE_GRACE_MS`] old, oldest first: another server may finish or roll
@@ -308,6 +327,15 @@ impl Registry for Store {
     }
     async fn release_transition(&self, id: &str, owner: &str) -> Result<bool> {
         Store::release_transition(self, id, owner)
+    }
+    async fn transition_release(
+        &self,
+        id: &str,
+        from: &[SandboxState],
+        to: SandboxState,
+        owner: &str,
+    ) -> Result<bool> {
+        Store::transition_release(self, id, from, to, owner)
     }
     async fn stale_transitions(&self, now_ms: i64) -> Result<Vec<StaleTransition>> {
         Ok(Store::stale_transitions(self, now_ms)?
@@ -728,6 +756,29 @@ impl Registry for PgRegistry {
             )
             .await
             .map_err(pg("release transition"))?;
+        Ok(n == 1)
+    }
+
+    async fn transition_release(
+        &self,
+        id: &str,
+        from: &[SandboxState],
+        to: SandboxState,
+        owner: &str,
+    ) -> Result<bool> {
+        let from: Vec<&str> = from.iter().map(|s| s.as_str()).collect();
+        let c = self.conn().await?;
+        // SET expressions read the row's old values, so both CASEs test the old owner.
+        let n = c
+            .execute(
+                "UPDATE sandboxes SET state = $1,
+                   deadline = CASE WHEN owner = $4 THEN NULL ELSE deadline END,
+                   owner = CASE WHEN owner = $4 THEN NULL ELSE owner END
+                 WHERE id = $2 AND state = ANY($3)",
+                &[&to.as_str(), &id, &from, &owner],
+            )
+            .await
+            .map_err(pg("update state and release"))?;
         Ok(n == 1)
     }
 
