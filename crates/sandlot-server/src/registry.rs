@@ -278,7 +278,8 @@ impl Registry for Store {
         key: Option<(&str, &str)>,
         quota: Option<&Quota>,
     ) -> Result<KeyOutcome> {
-        Store::insert_checked(self, rec, key, quota)
+        // Group commit: concurrent creates share one SQLite commit.
+        self.insert_grouped(rec, key, quota).await
     }
     async fn get(&self, id: &str) -> Result<Option<Record>> {
         Store::get(self, id)
@@ -323,7 +324,7 @@ impl Registry for Store {
         deadline_ms: i64,
         now_ms: i64,
     ) -> Result<bool> {
-        Store::claim_transition(self, id, owner, deadline_ms, now_ms)
+        self.claim_grouped(id, owner, deadline_ms, now_ms).await
     }
     async fn release_transition(&self, id: &str, owner: &str) -> Result<bool> {
         Store::release_transition(self, id, owner)
@@ -335,7 +336,7 @@ impl Registry for Store {
         to: SandboxState,
         owner: &str,
     ) -> Result<bool> {
-        Store::transition_release(self, id, from, to, owner)
+        self.transition_release_grouped(id, from, to, owner).await
     }
     async fn stale_transitions(&self, now_ms: i64) -> Result<Vec<StaleTransition>> {
         Ok(Store::stale_transitions(self, now_ms)?
