@@ -952,7 +952,7 @@ impl Store {
     /// before it. Returns once the group is committed (durable as any single write).
     ///
     /// `f` must keep its own failure to itself (one statement, or a savepoint as
-    /// [`insert_on`]), since the others commit regardless.
+    /// [`Store::insert_checked`] does in a group), since the others commit regardless.
     ///
     /// # Errors
     /// `f`'s error; [`StoreError::Unavailable`] when the group's COMMIT failed (nothing of
