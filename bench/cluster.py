@@ -23,6 +23,8 @@ interleaved rounds (bench/run.py's driver), `function` backend, image `python`:
 one `sandlot server --etcd`; single creates at concurrency 64 vs `POST /v1/sandboxes:batch`
 in the same run (`--rounds` rounds of `--n-single` then `--n-batch`), and with
 `--screenshot PATH` a headless-chromium PNG of the server's web page with the N nodes.
+With `--baseline B` it runs B's binary and `--binary` alternately (`--alternate` sessions
+each, B first, same load) and reports both binaries' creates/s and the ratio.
 
 Every sandbox carries `sandlot-bench=<run id>` and a TTL and is deleted at the end (also on
 error, Ctrl-C or SIGTERM); `scripts/cluster.sh down` then removes the cluster. Targets are
@@ -362,18 +364,15 @@ def sim_screenshot(url: str, out: Path) -> None:
     print(f"bench: screenshot {out} ({out.stat().st_size} bytes)", flush=True)
 
 
-def main_simulated(args: argparse.Namespace, argv: list[str] | None) -> int:
-    """`--simulate N`: single vs batch creates into N simulated nodes, same run; screenshot."""
-    binary = Path(args.binary)
-    date = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M")
-    command = ".venv/bin/python bench/cluster.py " + " ".join(
-        shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
-    load_before = R.loadavg()
-    m = R.machine()
+def sim_session(binary: Path, args: argparse.Namespace,
+                screenshot: str | None = None) -> tuple[list[tuple], int]:
+    """One simulated cluster on `binary`: `args.rounds` rounds of single then batch creates;
+    (per-round (single s, errors, batch s, failed), live sandboxes at the end)."""
     c = SimCluster(binary, args.simulate, args.sim_capacity, args.sim_create_delay_ms)
     rows = []
     try:
-        print(f"bench: etcd + {args.simulate} simulated nodes + a server in {c.dir}", flush=True)
+        print(f"bench: etcd + {args.simulate} simulated nodes + a server ({binary}) in {c.dir}",
+              flush=True)
         c.up()
         labels = {R.BENCH_LABEL: f"sim-{os.getpid()}"}
         for rnd in range(args.rounds):
@@ -382,12 +381,80 @@ def main_simulated(args: argparse.Namespace, argv: list[str] | None) -> int:
             rows.append((s_t, s_err, b_t, b_err))
             print(f"round {rnd}: single {args.n_single / s_t:.1f}/s ({s_err} errors), "
                   f"batch {args.n_batch / b_t:.1f}/s ({b_err} failed)", flush=True)
-        if args.screenshot:
-            sim_screenshot(c.url, Path(args.screenshot))
-        h = R.httpx.get(f"{c.url}/healthz", timeout=30).json()
-        live = h["sandboxes"]
+        if screenshot:
+            sim_screenshot(c.url, Path(screenshot))
+        live = R.httpx.get(f"{c.url}/healthz", timeout=30).json()["sandboxes"]
     finally:
         c.down()
+    return rows, live
+
+
+def sim_rates(rows: list[tuple], args: argparse.Namespace) -> tuple[float, float]:
+    """(single creates/s, batch creates/s) over `rows` (total creates / total seconds)."""
+    return (args.n_single * len(rows) / sum(r[0] for r in rows),
+            args.n_batch * len(rows) / sum(r[2] for r in rows))
+
+
+def main_sim_baseline(args: argparse.Namespace, argv: list[str] | None) -> int:
+    """`--simulate N --baseline B`: B's binary and `--binary`, alternating (`--alternate`
+    sessions each, B first), same load; creates/s of each and the ratio."""
+    date = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M")
+    command = ".venv/bin/python bench/cluster.py " + " ".join(
+        shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    load_before = R.loadavg()
+    m = R.machine()
+    subjects = {"baseline": Path(args.baseline), "candidate": Path(args.binary)}
+    rows: dict[str, list[tuple]] = {k: [] for k in subjects}
+    for i in range(args.alternate):
+        for name, binary in subjects.items():
+            print(f"bench: session {i + 1}/{args.alternate}: {name}", flush=True)
+            rows[name] += sim_session(binary, args)[0]
+    rates = {k: sim_rates(v, args) for k, v in rows.items()}
+    L = [f"## {date} UTC — creates into {args.simulate} simulated nodes, candidate vs baseline",
+         ""]
+    L.append(f"Command: `{command}`. Machine: {m['nproc']} cores ({m['cpu']}), {m['mem_gib']} "
+             f"GiB, kernel {m['kernel']}; load {load_before} before / {R.loadavg()} after; "
+             f"commit {m['commit']}. Baseline `{subjects['baseline']}`, candidate "
+             f"`{subjects['candidate']}`, {args.alternate} sessions each, alternating "
+             f"(baseline first); each session: one etcd member, `sandlot node --simulate "
+             f"{args.simulate}` (SIMULATED nodes) and one `sandlot server --etcd` (SQLite "
+             f"registry), {args.rounds} rounds of {args.n_single} single creates (concurrency "
+             f"{SIM_CONC_SINGLE}) then {args.n_batch} batch creates ({args.batch_size} per call).")
+    L.append("")
+    L.append("| | single creates/s | batch creates/s | errors |")
+    L.append("|---|---:|---:|---:|")
+    for k in subjects:
+        err = sum(r[1] + r[3] for r in rows[k])
+        L.append(f"| {k} | {rates[k][0]:.1f} | {rates[k][1]:.1f} | {err} |")
+    L.append(f"| candidate / baseline | {rates['candidate'][0] / rates['baseline'][0]:.2f}× | "
+             f"{rates['candidate'][1] / rates['baseline'][1]:.2f}× | |")
+    L += [""] + args.note
+    text = "\n".join(L).rstrip() + "\n"
+    print(text)
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "date": date, "nodes": args.simulate, "subjects": {k: str(v) for k, v in subjects.items()},
+            "rows": rows, "single_per_s": {k: v[0] for k, v in rates.items()},
+            "batch_per_s": {k: v[1] for k, v in rates.items()}}, indent=1))
+    if args.write:
+        path = Path(args.write)
+        old = path.read_text() if path.exists() else ""
+        path.write_text(R.upsert_section(old, f"{date[:10]} cluster-sim-ab", text))
+        print(f"bench: wrote the section into {path}")
+    return 0
+
+
+def main_simulated(args: argparse.Namespace, argv: list[str] | None) -> int:
+    """`--simulate N`: single vs batch creates into N simulated nodes, same run; screenshot."""
+    if args.baseline:
+        return main_sim_baseline(args, argv)
+    binary = Path(args.binary)
+    date = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M")
+    command = ".venv/bin/python bench/cluster.py " + " ".join(
+        shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    load_before = R.loadavg()
+    m = R.machine()
+    rows, live = sim_session(binary, args, args.screenshot)
     st = sum(r[0] for r in rows)
     bt = sum(r[2] for r in rows)
     ns, nb = args.n_single * len(rows), args.n_batch * len(rows)
@@ -452,6 +519,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n-single", type=int, default=1000, help="--simulate: single creates per round")
     p.add_argument("--n-batch", type=int, default=3000, help="--simulate: batch creates per round")
     p.add_argument("--batch-size", type=int, default=SIM_BATCH)
+    p.add_argument("--baseline", help="--simulate: also run this binary, alternating with "
+                   "--binary (same load), and report both and the ratio")
+    p.add_argument("--alternate", type=int, default=2,
+                   help="--baseline: sessions per binary (default 2)")
     p.add_argument("--screenshot", help="--simulate: keep a PNG of the web page here "
                    f"(e.g. {SIM_IMG.relative_to(R.REPO)})")
     args = p.parse_args(argv)

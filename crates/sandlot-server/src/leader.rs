@@ -112,6 +112,22 @@ pub async fn hold(st: &SharedState, id: &str) -> Result<Option<Hold>, crate::sto
 }
 
 impl Hold {
+    /// Stops the heartbeat, leaving the owner in the record (the caller clears it in its
+    /// own write, e.g. [`crate::registry::Registry::transition_release`]).
+    pub fn stop_beat(&self) {
+        self.beat.abort();
+    }
+
+    /// Whose claim this is: this server's id, the owner to clear.
+    pub fn owner(&self) -> &str {
+        self.st.cfg.server_id.as_str()
+    }
+
+    /// Ends the hold without a write: the caller has cleared the owner already.
+    pub fn disarm(self) {
+        self.beat.abort();
+    }
+
     /// Stops the heartbeat and clears the owner (a no-op when the record is gone).
     pub async fn release(self) {
         self.beat.abort();

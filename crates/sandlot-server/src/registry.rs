@@ -169,6 +169,25 @@ pub trait Registry: Send + Sync + 'static {
     /// Store failures.
     async fn release_transition(&self, id: &str, owner: &str) -> Result<bool>;
 
+    /// [`Registry::transition`] and [`Registry::release_transition`] as one write: set
+    /// `state = to` when the state is one of `from`, and clear the transition owner if
+    /// `owner` holds it. Returns whether the state changed. The default runs the two
+    /// methods (two writes); both stores override it with one statement.
+    ///
+    /// # Errors
+    /// Store failures.
+    async fn transition_release(
+        &self,
+        id: &str,
+        from: &[SandboxState],
+        to: SandboxState,
+        owner: &str,
+    ) -> Result<bool> {
+        let changed = self.transition(id, from, to).await?;
+        self.release_transition(id, owner).await?;
+        Ok(changed)
+    }
+
     /// `creating` / `deleting` records with an owner whose deadline is at or before
     /// `now_ms`, and `creating` records no server claimed that are at least
     /// [`UNOWNED_CREATE_GRACE_MS`] old, oldest first: another server may finish or roll
@@ -279,7 +298,8 @@ impl Registry for Store {
         key: Option<(&str, &str)>,
         quota: Option<&Quota>,
     ) -> Result<KeyOutcome> {
-        Store::insert_checked(self, rec, key, quota)
+        // Group commit: concurrent creates share one SQLite commit.
+        self.insert_grouped(rec, key, quota).await
     }
     async fn get(&self, id: &str) -> Result<Option<Record>> {
         Store::get(self, id)
@@ -327,10 +347,19 @@ impl Registry for Store {
         deadline_ms: i64,
         now_ms: i64,
     ) -> Result<bool> {
-        Store::claim_transition(self, id, owner, deadline_ms, now_ms)
+        self.claim_grouped(id, owner, deadline_ms, now_ms).await
     }
     async fn release_transition(&self, id: &str, owner: &str) -> Result<bool> {
         Store::release_transition(self, id, owner)
+    }
+    async fn transition_release(
+        &self,
+        id: &str,
+        from: &[SandboxState],
+        to: SandboxState,
+        owner: &str,
+    ) -> Result<bool> {
+        self.transition_release_grouped(id, from, to, owner).await
     }
     async fn stale_transitions(&self, now_ms: i64) -> Result<Vec<StaleTransition>> {
         Ok(Store::stale_transitions(self, now_ms)?
@@ -769,6 +798,29 @@ impl Registry for PgRegistry {
             )
             .await
             .map_err(pg("release transition"))?;
+        Ok(n == 1)
+    }
+
+    async fn transition_release(
+        &self,
+        id: &str,
+        from: &[SandboxState],
+        to: SandboxState,
+        owner: &str,
+    ) -> Result<bool> {
+        let from: Vec<&str> = from.iter().map(|s| s.as_str()).collect();
+        let c = self.conn().await?;
+        // SET expressions read the row's old values, so both CASEs test the old owner.
+        let n = c
+            .execute(
+                "UPDATE sandboxes SET state = $1,
+                   deadline = CASE WHEN owner = $4 THEN NULL ELSE deadline END,
+                   owner = CASE WHEN owner = $4 THEN NULL ELSE owner END
+                 WHERE id = $2 AND state = ANY($3)",
+                &[&to.as_str(), &id, &from, &owner],
+            )
+            .await
+            .map_err(pg("update state and release"))?;
         Ok(n == 1)
     }
 

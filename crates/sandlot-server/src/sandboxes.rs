@@ -327,7 +327,8 @@ pub async fn create_sandbox(
                 return Err(e.into());
             }
         };
-        let out = finish_create(&st2, rec).await;
+        let mut held = held;
+        let out = finish_create(&st2, rec, &mut held).await;
         if let Some(h) = held {
             h.release().await;
         }
@@ -375,7 +376,14 @@ async fn placement_request(
     })
 }
 
-async fn finish_create(st: &SharedState, mut rec: Record) -> ApiResult<(Record, bool)> {
+/// Runs the node's create and settles the record. With `held`, the success path marks the
+/// record `running` and clears this server's claim in one write, taking `held` (disarmed);
+/// on every other path `held` stays for the caller to release.
+async fn finish_create(
+    st: &SharedState,
+    mut rec: Record,
+    held: &mut Option<crate::leader::Hold>,
+) -> ApiResult<(Record, bool)> {
     let spec = SandboxSpec {
         id: rec.id.clone(),
         backend: rec.backend,
@@ -418,11 +426,30 @@ async fn finish_create(st: &SharedState, mut rec: Record) -> ApiResult<(Record, 
         }
         return Err(e);
     }
-    if st
-        .store
-        .transition(&id, &[SandboxState::Creating], SandboxState::Running)
-        .await?
-    {
+    let creating = [SandboxState::Creating];
+    let running = match held.as_ref() {
+        Some(h) => {
+            // No heartbeat may re-claim the record after the write below clears the owner.
+            h.stop_beat();
+            let owner = h.owner().to_owned();
+            let changed = st
+                .store
+                .transition_release(&id, &creating, SandboxState::Running, &owner)
+                .await?;
+            if changed {
+                if let Some(h) = held.take() {
+                    h.disarm();
+                }
+            }
+            changed
+        }
+        None => {
+            st.store
+                .transition(&id, &creating, SandboxState::Running)
+                .await?
+        }
+    };
+    if running {
         tracing::info!(sandbox_id = %id, backend = %rec.backend, image = %rec.image, "sandbox running");
         let mut f = serde_json::Map::new();
         f.insert("image".into(), rec.image.clone().into());

@@ -28,7 +28,7 @@ use sandlot_api::{Backend, NetworkPolicy, Sandbox, SandboxState};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex, OnceLock};
 
 /// Errors of the store.
 #[derive(Debug, thiserror::Error)]
@@ -215,7 +215,9 @@ pub struct KeyRow {
 
 /// The SQLite store. Cheap to share behind an `Arc`.
 pub struct Store {
-    conn: Mutex<Connection>,
+    conn: Arc<Mutex<Connection>>,
+    /// The group-commit writer's queue ([`Store::grouped`]), started on first use.
+    group: OnceLock<std::sync::mpsc::Sender<GroupJob>>,
 }
 
 const COLS: &str = "id, backend, image, state, node, created_at, expires_at, spec, labels, tenant";
@@ -288,14 +290,13 @@ impl Store {
             .map_err(open_err)?;
         }
         Ok(Store {
-            conn: Mutex::new(conn),
+            conn: Arc::new(Mutex::new(conn)),
+            group: OnceLock::new(),
         })
     }
 
     pub(crate) fn conn(&self) -> std::sync::MutexGuard<'_, Connection> {
-        // A panic while holding the lock cannot leave SQLite inconsistent (each statement
-        // is atomic), so a poisoned lock is still usable.
-        self.conn.lock().unwrap_or_else(|p| p.into_inner())
+        lock(&self.conn)
     }
 
     /// Insert a new record; with `key = Some((key, digest))` also record the idempotency key
@@ -320,67 +321,7 @@ impl Store {
         key: Option<(&str, &str)>,
         quota: Option<&Quota>,
     ) -> Result<KeyOutcome> {
-        let mut conn = self.conn();
-        let tx = conn.transaction().map_err(sql("begin"))?;
-        if let Some((key, digest)) = key {
-            let found: Option<(String, String)> = tx
-                .query_row(
-                    "SELECT digest, sandbox_id FROM idempotency WHERE key = ?1",
-                    [key],
-                    |r| Ok((r.get(0)?, r.get(1)?)),
-                )
-                .optional()
-                .map_err(sql("select idempotency key"))?;
-            if let Some((d, sid)) = found {
-                return Ok(if d == digest {
-                    KeyOutcome::Replay(sid)
-                } else {
-                    KeyOutcome::Mismatch
-                });
-            }
-            tx.execute(
-                "INSERT INTO idempotency (key, digest, sandbox_id, created_at) VALUES (?1, ?2, ?3, ?4)",
-                params![key, digest, rec.id, rec.created_at_ms],
-            )
-            .map_err(sql("insert idempotency key"))?;
-        }
-        if let Some(q) = quota {
-            let (n, cpu, mem): (i64, f64, i64) = tx
-                .query_row(
-                    "SELECT COUNT(*), COALESCE(SUM(json_extract(spec, '$.cpu')), 0.0),
-                        COALESCE(SUM(json_extract(spec, '$.memory_mib')), 0)
-                     FROM sandboxes WHERE tenant IS ?1 AND state != 'deleting'",
-                    [&rec.tenant],
-                    |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
-                )
-                .map_err(sql("sum tenant usage"))?;
-            if let Some(msg) = over_quota(q, n as u64, cpu, mem as u64, &rec.spec) {
-                // Dropping the transaction rolls back the idempotency key.
-                return Ok(KeyOutcome::OverQuota(msg));
-            }
-        }
-        let spec = serde_json::to_string(&rec.spec).expect("spec serializes");
-        let labels = serde_json::to_string(&rec.labels).expect("labels serialize");
-        tx.execute(
-            &format!(
-                "INSERT INTO sandboxes ({COLS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)"
-            ),
-            params![
-                rec.id,
-                rec.backend.as_str(),
-                rec.image,
-                rec.state.as_str(),
-                rec.node,
-                rec.created_at_ms,
-                rec.expires_at_ms,
-                spec,
-                labels,
-                rec.tenant
-            ],
-        )
-        .map_err(sql("insert sandbox"))?;
-        tx.commit().map_err(sql("commit"))?;
-        Ok(KeyOutcome::Inserted)
+        insert_on(&self.conn(), rec, key, quota)
     }
 
     /// One record by id.
@@ -532,6 +473,23 @@ impl Store {
         Ok(n == 1)
     }
 
+    /// [`Store::transition`] and [`Store::release_transition`] in one statement: set
+    /// `state = to` when the state is one of `from`, and clear the transition owner and
+    /// deadline if `owner` holds them (another owner's claim stays). Returns whether the
+    /// state changed. One write instead of two on every create's success path.
+    ///
+    /// # Errors
+    /// [`StoreError::Sql`].
+    pub fn transition_release(
+        &self,
+        id: &str,
+        from: &[SandboxState],
+        to: SandboxState,
+        owner: &str,
+    ) -> Result<bool> {
+        transition_release_on(&self.conn(), id, from, to, owner)
+    }
+
     /// Set a new expiry for a `running` record. Returns whether it changed.
     ///
     /// # Errors
@@ -620,15 +578,7 @@ impl Store {
         deadline_ms: i64,
         now_ms: i64,
     ) -> Result<bool> {
-        let n = self
-            .conn()
-            .execute(
-                "UPDATE sandboxes SET owner = ?1, deadline = ?2 WHERE id = ?3
-                 AND (owner IS NULL OR deadline IS NULL OR deadline <= ?4 OR owner = ?1)",
-                params![owner, deadline_ms, id, now_ms],
-            )
-            .map_err(sql("claim transition"))?;
-        Ok(n == 1)
+        claim_on(&self.conn(), id, owner, deadline_ms, now_ms)
     }
 
     /// Clear the transition owner if `owner` holds it. Returns whether it did.
@@ -923,6 +873,300 @@ pub(crate) fn owner_only(path: &std::path::Path) {
     }
 }
 
+/// [`Store::claim_transition`] on `c`.
+fn claim_on(c: &Connection, id: &str, owner: &str, deadline_ms: i64, now_ms: i64) -> Result<bool> {
+    let n = c
+        .prepare_cached(
+            "UPDATE sandboxes SET owner = ?1, deadline = ?2 WHERE id = ?3
+             AND (owner IS NULL OR deadline IS NULL OR deadline <= ?4 OR owner = ?1)",
+        )
+        .and_then(|mut st| st.execute(params![owner, deadline_ms, id, now_ms]))
+        .map_err(sql("claim transition"))?;
+    Ok(n == 1)
+}
+
+/// [`Store::transition_release`] on `c`.
+fn transition_release_on(
+    c: &Connection,
+    id: &str,
+    from: &[SandboxState],
+    to: SandboxState,
+    owner: &str,
+) -> Result<bool> {
+    let from: Vec<&str> = from.iter().map(|s| s.as_str()).collect();
+    let from_json = serde_json::to_string(&from).expect("strings serialize");
+    // SET expressions read the row's old values, so both CASEs test the old owner.
+    let n = c
+        .prepare_cached(
+            "UPDATE sandboxes SET state = ?1,
+                   deadline = CASE WHEN owner = ?4 THEN NULL ELSE deadline END,
+                   owner = CASE WHEN owner = ?4 THEN NULL ELSE owner END
+                 WHERE id = ?2 AND state IN (SELECT value FROM json_each(?3))",
+        )
+        .and_then(|mut st| st.execute(params![to.as_str(), id, from_json, owner]))
+        .map_err(sql("update state and release"))?;
+    Ok(n == 1)
+}
+
+fn lock(conn: &Mutex<Connection>) -> std::sync::MutexGuard<'_, Connection> {
+    // A panic while holding the lock cannot leave SQLite inconsistent (each statement
+    // is atomic), so a poisoned lock is still usable.
+    conn.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// One create of [`Store::insert_many`]: the record, its `(Idempotency-Key, request digest)`
+/// and its tenant's quota, as [`Store::insert_checked`] takes them.
+pub type InsertItem<'a> = (&'a Record, Option<(&'a str, &'a str)>, Option<&'a Quota>);
+
+/// Most writes one group commit takes ([`Store::grouped`]).
+pub const GROUP_MAX: usize = 512;
+
+/// Hands a write's result to its waiter once its group's COMMIT is done: `None` when it
+/// committed, else the COMMIT's error (then nothing of the group was written).
+type GroupDeliver = Box<dyn FnOnce(Option<&str>) + Send>;
+/// One write of a group: runs on the writer's connection inside the group's transaction.
+type GroupJob = Box<dyn FnOnce(&Connection) -> GroupDeliver + Send>;
+
+/// The group-commit writer: takes the first queued write, then every write queued behind it
+/// (up to [`GROUP_MAX`]), runs them in one `BEGIN IMMEDIATE … COMMIT` (one WAL commit for
+/// all), then answers each. Ends when the [`Store`] is dropped.
+fn group_writer(conn: Arc<Mutex<Connection>>, rx: std::sync::mpsc::Receiver<GroupJob>) {
+    while let Ok(first) = rx.recv() {
+        let mut jobs = vec![first];
+        while jobs.len() < GROUP_MAX {
+            match rx.try_recv() {
+                Ok(j) => jobs.push(j),
+                Err(_) => break,
+            }
+        }
+        let c = lock(&conn);
+        // Should BEGIN fail, each write commits on its own (autocommit, or its savepoint).
+        let grouped = c.execute_batch("BEGIN IMMEDIATE").is_ok();
+        let delivers: Vec<GroupDeliver> = jobs.into_iter().map(|j| j(&c)).collect();
+        let failed = match grouped {
+            false => None,
+            true => match c.execute_batch("COMMIT") {
+                Ok(()) => None,
+                Err(e) => {
+                    let _ = c.execute_batch("ROLLBACK");
+                    Some(format!("group commit failed: {e}"))
+                }
+            },
+        };
+        drop(c);
+        for d in delivers {
+            d(failed.as_deref());
+        }
+    }
+}
+
+impl Store {
+    /// Runs `f` in the next group commit: writes that arrive while one group commits are
+    /// committed together in the next one (one SQLite transaction, one WAL commit), so
+    /// concurrent creates share commits. `f` sees the transaction's earlier writes, in
+    /// arrival order; a quota check inside it therefore counts every record admitted
+    /// before it. Returns once the group is committed (durable as any single write).
+    ///
+    /// `f` must keep its own failure to itself (one statement, or a savepoint as
+    /// [`Store::insert_checked`] does in a group), since the others commit regardless.
+    ///
+    /// # Errors
+    /// `f`'s error; [`StoreError::Unavailable`] when the group's COMMIT failed (nothing of
+    /// `f` was written) or the writer thread is gone.
+    pub async fn grouped<T, F>(&self, f: F) -> Result<T>
+    where
+        T: Send + 'static,
+        F: FnOnce(&Connection) -> Result<T> + Send + 'static,
+    {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let job: GroupJob = Box::new(move |c| {
+            let out = f(c);
+            Box::new(move |failed: Option<&str>| {
+                let out = match failed {
+                    None => out,
+                    Some(m) => Err(StoreError::Unavailable(m.to_owned())),
+                };
+                let _ = tx.send(out);
+            })
+        });
+        let gone = || StoreError::Unavailable("registry writer thread stopped".into());
+        self.group
+            .get_or_init(|| {
+                let (tx, rx) = std::sync::mpsc::channel();
+                let conn = self.conn.clone();
+                std::thread::Builder::new()
+                    .name("sandlot-registry-writer".into())
+                    .spawn(move || group_writer(conn, rx))
+                    .expect("spawn the registry writer thread");
+                tx
+            })
+            .send(job)
+            .map_err(|_| gone())?;
+        rx.await.map_err(|_| gone())?
+    }
+
+    /// [`Store::insert_checked`] in a group commit ([`Store::grouped`]).
+    ///
+    /// # Errors
+    /// As [`Store::insert_checked`] and [`Store::grouped`].
+    pub async fn insert_grouped(
+        &self,
+        rec: &Record,
+        key: Option<(&str, &str)>,
+        quota: Option<&Quota>,
+    ) -> Result<KeyOutcome> {
+        let rec = rec.clone();
+        let key = key.map(|(k, d)| (k.to_owned(), d.to_owned()));
+        let quota = quota.cloned();
+        self.grouped(move |c| {
+            insert_on(
+                c,
+                &rec,
+                key.as_ref().map(|(k, d)| (k.as_str(), d.as_str())),
+                quota.as_ref(),
+            )
+        })
+        .await
+    }
+
+    /// [`Store::insert_checked`] of every item in ONE transaction (one commit), each in its
+    /// own savepoint: the outcomes, in order, are per item (a quota refusal, replay or
+    /// failure of one leaves the others inserted); quotas count the items admitted before.
+    ///
+    /// # Errors
+    /// [`StoreError::Sql`] when the transaction cannot begin or commit (nothing inserted).
+    pub fn insert_many(&self, items: &[InsertItem<'_>]) -> Result<Vec<Result<KeyOutcome>>> {
+        let mut conn = self.conn();
+        let tx = conn
+            .transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)
+            .map_err(sql("begin"))?;
+        let out = items
+            .iter()
+            .map(|(rec, key, quota)| insert_on(&tx, rec, *key, *quota))
+            .collect();
+        tx.commit().map_err(sql("commit"))?;
+        Ok(out)
+    }
+
+    /// [`Store::claim_transition`] in a group commit.
+    ///
+    /// # Errors
+    /// As [`Store::grouped`].
+    pub async fn claim_grouped(
+        &self,
+        id: &str,
+        owner: &str,
+        deadline_ms: i64,
+        now_ms: i64,
+    ) -> Result<bool> {
+        let (id, owner) = (id.to_owned(), owner.to_owned());
+        self.grouped(move |c| claim_on(c, &id, &owner, deadline_ms, now_ms))
+            .await
+    }
+
+    /// [`Store::transition_release`] in a group commit.
+    ///
+    /// # Errors
+    /// As [`Store::grouped`].
+    pub async fn transition_release_grouped(
+        &self,
+        id: &str,
+        from: &[SandboxState],
+        to: SandboxState,
+        owner: &str,
+    ) -> Result<bool> {
+        let (id, owner, from) = (id.to_owned(), owner.to_owned(), from.to_vec());
+        self.grouped(move |c| transition_release_on(c, &id, &from, to, &owner))
+            .await
+    }
+}
+
+/// [`Store::insert_checked`] on `c` inside a savepoint of its own: an outcome other than
+/// [`KeyOutcome::Inserted`], or an error, rolls back this record's writes only (an
+/// enclosing transaction, e.g. a group commit's, keeps the others). Outside a transaction
+/// the savepoint is the transaction.
+fn insert_on(
+    c: &Connection,
+    rec: &Record,
+    key: Option<(&str, &str)>,
+    quota: Option<&Quota>,
+) -> Result<KeyOutcome> {
+    c.execute_batch("SAVEPOINT sandlot_insert")
+        .map_err(sql("savepoint"))?;
+    let out = insert_body(c, rec, key, quota);
+    let end = match out {
+        Ok(KeyOutcome::Inserted) => "RELEASE sandlot_insert",
+        _ => "ROLLBACK TO sandlot_insert; RELEASE sandlot_insert",
+    };
+    c.execute_batch(end).map_err(sql("end savepoint"))?;
+    out
+}
+
+fn insert_body(
+    tx: &Connection,
+    rec: &Record,
+    key: Option<(&str, &str)>,
+    quota: Option<&Quota>,
+) -> Result<KeyOutcome> {
+    if let Some((key, digest)) = key {
+        let found: Option<(String, String)> = tx
+            .query_row(
+                "SELECT digest, sandbox_id FROM idempotency WHERE key = ?1",
+                [key],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )
+            .optional()
+            .map_err(sql("select idempotency key"))?;
+        if let Some((d, sid)) = found {
+            return Ok(if d == digest {
+                KeyOutcome::Replay(sid)
+            } else {
+                KeyOutcome::Mismatch
+            });
+        }
+        tx.execute(
+            "INSERT INTO idempotency (key, digest, sandbox_id, created_at) VALUES (?1, ?2, ?3, ?4)",
+            params![key, digest, rec.id, rec.created_at_ms],
+        )
+        .map_err(sql("insert idempotency key"))?;
+    }
+    if let Some(q) = quota {
+        let (n, cpu, mem): (i64, f64, i64) = tx
+            .query_row(
+                "SELECT COUNT(*), COALESCE(SUM(json_extract(spec, '$.cpu')), 0.0),
+                    COALESCE(SUM(json_extract(spec, '$.memory_mib')), 0)
+                 FROM sandboxes WHERE tenant IS ?1 AND state != 'deleting'",
+                [&rec.tenant],
+                |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+            )
+            .map_err(sql("sum tenant usage"))?;
+        if let Some(msg) = over_quota(q, n as u64, cpu, mem as u64, &rec.spec) {
+            return Ok(KeyOutcome::OverQuota(msg));
+        }
+    }
+    let spec = serde_json::to_string(&rec.spec).expect("spec serializes");
+    let labels = serde_json::to_string(&rec.labels).expect("labels serialize");
+    tx.prepare_cached(&format!(
+        "INSERT INTO sandboxes ({COLS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)"
+    ))
+    .and_then(|mut st| {
+        st.execute(params![
+            rec.id,
+            rec.backend.as_str(),
+            rec.image,
+            rec.state.as_str(),
+            rec.node,
+            rec.created_at_ms,
+            rec.expires_at_ms,
+            spec,
+            labels,
+            rec.tenant
+        ])
+    })
+    .map_err(sql("insert sandbox"))?;
+    Ok(KeyOutcome::Inserted)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1075,5 +1319,142 @@ mod tests {
         assert_eq!(ids, ["sb-a", "sb-b", "sb-c"]);
         assert!(s.remove("sb-a").unwrap());
         assert!(!s.remove("sb-a").unwrap());
+    }
+
+    fn tenant_rec(id: &str, tenant: &str) -> Record {
+        let mut r = rec(id, 1, None);
+        r.tenant = Some(tenant.into());
+        r
+    }
+
+    fn key_count(s: &Store) -> i64 {
+        s.conn()
+            .query_row("SELECT COUNT(*) FROM idempotency", [], |r| r.get(0))
+            .unwrap()
+    }
+
+    #[test]
+    fn insert_many_answers_per_item_in_one_transaction() {
+        let (_tmp, path) = tmpdb("many");
+        let s = Store::open(&path).unwrap();
+        // A record of the tenant exists already: quota 3 leaves room for 2.
+        s.insert_checked(&tenant_rec("sb-0", "t"), None, None)
+            .unwrap();
+        s.insert_with_key(&rec("sb-k", 1, None), Some(("k1", "d1")))
+            .unwrap();
+        let q = Quota {
+            max_sandboxes: Some(3),
+            ..Quota::default()
+        };
+        let (a, b, c, d) = (
+            tenant_rec("sb-a", "t"),
+            tenant_rec("sb-b", "t"),
+            tenant_rec("sb-c", "t"),
+            tenant_rec("sb-0", "other"), // duplicate id: fails alone
+        );
+        let (e, f, g) = (
+            rec("sb-e", 1, None),
+            rec("sb-f", 1, None),
+            rec("sb-g", 1, None),
+        );
+        let out = s
+            .insert_many(&[
+                (&a, Some(("ka", "da")), Some(&q)),
+                (&b, None, Some(&q)),
+                (&c, Some(("kc", "dc")), Some(&q)), // 4th of the tenant: over, key rolled back
+                (&d, None, None),
+                (&e, Some(("k1", "d1")), None),    // replay of sb-k
+                (&f, Some(("k1", "other")), None), // same key, other body
+                (&g, Some(("kg", "dg")), None),
+            ])
+            .unwrap();
+        assert_eq!(out[0].as_ref().unwrap(), &KeyOutcome::Inserted);
+        assert_eq!(out[1].as_ref().unwrap(), &KeyOutcome::Inserted);
+        assert!(
+            matches!(out[2], Ok(KeyOutcome::OverQuota(ref m)) if m.contains("at most 3")),
+            "{:?}",
+            out[2]
+        );
+        assert!(
+            matches!(out[3], Err(StoreError::Sql { .. })),
+            "{:?}",
+            out[3]
+        );
+        assert_eq!(out[4].as_ref().unwrap(), &KeyOutcome::Replay("sb-k".into()));
+        assert_eq!(out[5].as_ref().unwrap(), &KeyOutcome::Mismatch);
+        assert_eq!(out[6].as_ref().unwrap(), &KeyOutcome::Inserted);
+        // Nothing half-created: the refused and failed items left no record and no key.
+        let ids: Vec<String> = s.list().unwrap().into_iter().map(|r| r.id).collect();
+        assert_eq!(ids, ["sb-0", "sb-k", "sb-a", "sb-b", "sb-g"]);
+        assert_eq!(s.get("sb-0").unwrap().unwrap().tenant.as_deref(), Some("t"));
+        assert_eq!(key_count(&s), 3, "k1, ka, kg; kc was rolled back");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn grouped_writes_share_commits_and_keep_the_quota() {
+        let (_tmp, path) = tmpdb("group");
+        let s = std::sync::Arc::new(Store::open(&path).unwrap());
+        let q = Quota {
+            max_sandboxes: Some(50),
+            ..Quota::default()
+        };
+        // 80 concurrent creates of one tenant against a quota of 50, plus the claim and
+        // the running + release write of each admitted one, all through the group writer.
+        let tasks: Vec<_> = (0..80)
+            .map(|i| {
+                let s = s.clone();
+                tokio::spawn(async move {
+                    let r = tenant_rec(&format!("sb-{i:03}"), "t");
+                    let key = format!("key-{i}");
+                    let out = s
+                        .insert_grouped(&r, Some((&key, "d")), Some(&q))
+                        .await
+                        .unwrap();
+                    if out != KeyOutcome::Inserted {
+                        return false;
+                    }
+                    assert!(s.claim_grouped(&r.id, "srv", 10, 1).await.unwrap());
+                    assert!(s
+                        .transition_release_grouped(
+                            &r.id,
+                            &[SandboxState::Creating],
+                            SandboxState::Running,
+                            "srv",
+                        )
+                        .await
+                        .unwrap());
+                    true
+                })
+            })
+            .collect();
+        let mut admitted = 0;
+        for t in tasks {
+            admitted += usize::from(t.await.unwrap());
+        }
+        assert_eq!(admitted, 50, "exactly the quota admitted");
+        let all = s.list().unwrap();
+        assert_eq!(all.len(), 50);
+        assert!(all.iter().all(|r| r.state == SandboxState::Running));
+        assert_eq!(key_count(&s), 50, "refused creates left no key");
+        let owners: i64 = s
+            .conn()
+            .query_row(
+                "SELECT COUNT(*) FROM sandboxes WHERE owner IS NOT NULL",
+                [],
+                |r| r.get(0),
+            )
+            .unwrap();
+        assert_eq!(owners, 0, "every claim released");
+        // A duplicate id fails alone; the group keeps working afterwards.
+        let dup = s.insert_grouped(&all[0], None, None).await;
+        assert!(matches!(dup, Err(StoreError::Sql { .. })), "{dup:?}");
+        let r = rec("sb-after", 1, None);
+        assert_eq!(
+            s.insert_grouped(&r, None, None).await.unwrap(),
+            KeyOutcome::Inserted
+        );
+        // Durable: a fresh connection sees every committed write.
+        drop(s);
+        assert_eq!(Store::open(&path).unwrap().list().unwrap().len(), 51);
     }
 }
