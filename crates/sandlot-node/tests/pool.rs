@@ -204,10 +204,26 @@ async fn pooled_create_is_used_works_and_deletes_clean() {
     assert_eq!(n.warm_pool_stats().0, 1);
     eprintln!("pooled create took {took:?}");
 
-    // It works like any sandbox: exec, env, host name, files, limits.
-    let r = sh(n, "sb-pooled", "echo hi; echo $SB_VAR; hostname; pwd").await;
+    // It works like any sandbox: exec, env, host name, files, limits. Its first exec (as
+    // run_code's one exec) reaches the pooled jail's guest agent when execs go through one:
+    // the command then runs in a pid namespace of its own below the sandbox's (`NSpid`
+    // has two levels as the jail's /proc sees it; one on the helper path).
+    let r = sh(
+        n,
+        "sb-pooled",
+        "echo hi; echo $SB_VAR; hostname; pwd; grep NSpid /proc/self/status",
+    )
+    .await;
     assert_eq!(r.exit_code, 0, "{r:?}");
-    assert_eq!(r.stdout, "hi\nfrom-sandbox\nsb-pooled\n/workspace\n");
+    let (out, nspid) = r.stdout.trim_end().rsplit_once('\n').unwrap_or_default();
+    assert_eq!(out, "hi\nfrom-sandbox\nsb-pooled\n/workspace", "{r:?}");
+    let levels = nspid.split_ascii_whitespace().count() - 1;
+    let want = if sandlot_node::backends::function::agent_enabled() {
+        2
+    } else {
+        1
+    };
+    assert_eq!(levels, want, "exec path not as expected: {r:?}");
     n.write_file("sb-pooled", "/workspace/a.txt", "data".into())
         .await
         .unwrap();
@@ -231,7 +247,16 @@ async fn pooled_create_is_used_works_and_deletes_clean() {
         env.cgroup_file(&cg, "memory.limit_in_bytes", "memory.max"),
         (512u64 << 20).to_string()
     );
-    assert_eq!(env.cgroup_file(&cg, "pids.max", "pids.max"), "64");
+    // Room for the guest agent's standing processes on top (default exec path).
+    let extra = if sandlot_node::backends::function::agent_enabled() {
+        sandlot_node::backends::function::AGENT_EXTRA_PIDS
+    } else {
+        0
+    };
+    assert_eq!(
+        env.cgroup_file(&cg, "pids.max", "pids.max"),
+        (64 + extra).to_string()
+    );
     let cpu = env.cgroup_file(&cg, "cpu.cfs_quota_us", "cpu.max");
     // 0.5 CPU: 5 ms per 10 ms period (v2: "5000 10000").
     assert!(cpu == "5000" || cpu == "5000 10000", "cpu quota {cpu}");

@@ -79,6 +79,7 @@
 //!   a zombie for a while; it holds no memory, cgroup or mount).
 mod agent;
 pub(crate) use agent::launch as launch_agent;
+pub use agent::{enabled as agent_enabled, EXTRA_PIDS as AGENT_EXTRA_PIDS};
 pub mod pool;
 
 use super::check_id;
@@ -236,7 +237,8 @@ struct Jail {
     /// `true` while the sandbox's cgroup is frozen ([`SandboxBackend::pause`]); exec and
     /// file calls answer `Conflict` then.
     paused: std::sync::atomic::AtomicBool,
-    /// The guest agent inside the jail (`SANDLOT_FUNCTION_AGENT=1`; see [`agent`]).
+    /// The guest agent inside the jail (default; `SANDLOT_FUNCTION_AGENT=0` turns it off;
+    /// see [`agent`]).
     agent: agent::AgentSlot,
 }
 
@@ -257,8 +259,8 @@ pub struct FunctionBackend {
     pool: std::sync::OnceLock<FunctionPool>,
     /// Whether sandboxes get a standby exec helper ([`Standby`]; `SANDLOT_EXEC_STANDBY=1`).
     exec_standby: bool,
-    /// Whether execs go through a guest agent inside the jail ([`agent`];
-    /// `SANDLOT_FUNCTION_AGENT=1`).
+    /// Whether execs go through a guest agent inside the jail ([`agent`]; default, off
+    /// with `SANDLOT_FUNCTION_AGENT=0`).
     exec_agent: bool,
     /// Network policies (`network: {"allow": ...}`): the node's one manager, shared with
     /// the container backend and swept by [`crate::LocalNode`]'s readopt.
@@ -289,7 +291,7 @@ impl FunctionBackend {
             jails: Mutex::new(HashMap::new()),
             pool: std::sync::OnceLock::new(),
             exec_standby: std::env::var_os("SANDLOT_EXEC_STANDBY").is_some_and(|v| v == "1"),
-            exec_agent: std::env::var_os("SANDLOT_FUNCTION_AGENT").is_some_and(|v| v == "1"),
+            exec_agent: agent_enabled(),
             net,
         })
     }
@@ -398,7 +400,11 @@ impl FunctionBackend {
         // tmpfs pages are charged to the sandbox's memory cgroup, so the memory limit
         // bounds /tmp too; disk_mib bounds it further.
         let tmp_mib = spec.disk_mib.min(spec.memory_mib).max(1);
-        build_jail(&self.cfg, spec, image, dir, cg, tmp_mib, base, ready).await
+        let extra_pids = if self.exec_agent { AGENT_EXTRA_PIDS } else { 0 };
+        build_jail(
+            &self.cfg, spec, image, dir, cg, tmp_mib, base, extra_pids, ready,
+        )
+        .await
     }
 
     /// Register a running jail; `uids` holds its host uid range (`state.uid_base`).
@@ -942,7 +948,8 @@ impl SandboxBackend for FunctionBackend {
 /// Build and start a jail for `spec` in the claimed directory `dir` (its scratch disk
 /// already mounted: [`crate::disk::mount_scratch`]) with cgroup `cg`, a
 /// /tmp tmpfs of `tmp_mib` MiB and host uid/gid range `uid_base..uid_base+65536` (the
-/// caller holds its [`UidLease`]); writes `state.json`. On error the caller removes what
+/// caller holds its [`UidLease`]), its pids limit `spec.pids_max + extra_pids` (room for
+/// the guest agent: [`AGENT_EXTRA_PIDS`]); writes `state.json`. On error the caller removes what
 /// was left (directory and cgroup). Used by cold creates and by the warm pool.
 #[allow(clippy::too_many_arguments)]
 pub(crate) async fn build_jail(
@@ -953,6 +960,7 @@ pub(crate) async fn build_jail(
     cg: &SandboxCgroup,
     tmp_mib: u64,
     uid_base: u32,
+    extra_pids: u64,
     ready: &mut Option<InitReady>,
 ) -> NodeResult<JailState> {
     let uid = uid_base;
@@ -960,7 +968,7 @@ pub(crate) async fn build_jail(
     let limits = Limits {
         memory_bytes: spec.memory_mib.saturating_mul(1 << 20),
         cpu: spec.cpu,
-        pids_max: spec.pids_max,
+        pids_max: spec.pids_max + extra_pids,
     };
     let cg2 = cg.clone();
     spawn_blocking(move || {
@@ -2054,7 +2062,9 @@ mod tests {
             crate::net::NodeNet::new(tmp.path().join("net")),
         )
         .unwrap();
+        // The standby belongs to the helper path (no guest agent).
         be.exec_standby = true;
+        be.exec_agent = false;
         let spec = SandboxSpec {
             id: ID.into(),
             backend: Backend::Function,

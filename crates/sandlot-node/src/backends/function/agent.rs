@@ -1,6 +1,7 @@
 //! The function backend's fast exec path: a guest agent living inside the jail.
 //!
-//! Opt-in with `SANDLOT_FUNCTION_AGENT=1` (see [`super::FunctionBackend::new`]). After a
+//! On by default; `SANDLOT_FUNCTION_AGENT=0` turns it off (see [`enabled`] and
+//! [`super::FunctionBackend::new`]): execs then always take the helper path. After a
 //! create (and on the first exec of a sandbox without one: adopted from an older node,
 //! or whose agent died) the node starts `sandlot-guest agent --jail PID STARTTIME
 //! --cgroup-procs FILE... --listen-fd 3` in the background. That launcher joins the
@@ -39,6 +40,18 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+
+/// Tasks a sandbox's cgroup gets on top of its `pids_max` while execs go through the
+/// agent: the agent's standing processes in the group (the agent, its zygote, its spare
+/// helper and that helper's exec init), so that the sandbox's commands keep the budget
+/// the spec gives them.
+pub const EXTRA_PIDS: u64 = 4;
+
+/// Whether `function` execs go through a guest agent in the jail: yes unless the
+/// environment has `SANDLOT_FUNCTION_AGENT=0` (read once per backend, at its start).
+pub fn enabled() -> bool {
+    std::env::var_os("SANDLOT_FUNCTION_AGENT").is_none_or(|v| v != "0")
+}
 
 /// How long a new agent may take to answer its first ping.
 const READY_TIMEOUT: Duration = Duration::from_secs(10);

@@ -47,8 +47,8 @@ pub struct Jails {
     /// Each ready jail's standby exec helper, by pooled name (see
     /// [`super::pooled_standby`]); handed over with the jail.
     pub(crate) standbys: Mutex<HashMap<String, Standby>>,
-    /// Whether each jail gets its guest agent while it waits (`SANDLOT_FUNCTION_AGENT=1`;
-    /// see `function::agent`): it moves with the directory at hand-over.
+    /// Whether each jail gets its guest agent while it waits (default; off with
+    /// `SANDLOT_FUNCTION_AGENT=0`; see `function::agent`): it moves with the directory at hand-over.
     pub(crate) exec_agent: bool,
 }
 
@@ -108,18 +108,22 @@ impl PoolMember for Jails {
             &cg,
             POOL_TMP_MIB,
             uid_base,
+            self.extra_pids(),
             &mut None,
         )
         .await?;
         state.cgroup = Some(name.to_string());
         // Without a standby the jail still serves; its first exec joins its group itself.
-        match pooled_standby(&self.cfg.guest_bin, &cg).await {
-            Ok(s) => {
-                self.standbys.lock().unwrap().insert(name.to_string(), s);
+        // With the guest agent, execs go through the agent: no standby (it would only
+        // take one of the sandbox's pids).
+        if !self.exec_agent {
+            match pooled_standby(&self.cfg.guest_bin, &cg).await {
+                Ok(s) => {
+                    self.standbys.lock().unwrap().insert(name.to_string(), s);
+                }
+                Err(e) => tracing::debug!(pooled = %name, error = %e, "no standby exec helper"),
             }
-            Err(e) => tracing::debug!(pooled = %name, error = %e, "no standby exec helper"),
-        }
-        if self.exec_agent {
+        } else {
             // Without one the sandbox starts its own after the hand-over.
             let (bin, d, procs) = (
                 self.cfg.guest_bin.clone(),
@@ -175,6 +179,14 @@ impl PoolMember for Jails {
 
     fn write_state(dir: &Path, state: &JailState) -> NodeResult<()> {
         write_state(dir, state)
+    }
+
+    fn extra_pids(&self) -> u64 {
+        if self.exec_agent {
+            super::agent::EXTRA_PIDS
+        } else {
+            0
+        }
     }
 
     fn write_proc_views(_dir: &Path, state: &JailState, spec: &SandboxSpec) -> NodeResult<()> {
