@@ -310,13 +310,18 @@ impl FunctionBackend {
     }
 
     /// `jail`'s guest agent when execs go through one and it answers; otherwise `None`,
-    /// and (with the agent path on) a start is kicked off for the next exec.
+    /// and (with the agent path on) a start is kicked off for the next exec — from the
+    /// sandbox's second exec on: a cold-created sandbox's first exec takes the helper path
+    /// without an agent starting next to it (a `run_code` sandbox that missed the warm
+    /// pool runs one exec and is deleted; its agent would only cost CPU and a delete
+    /// that waits for the launch). Pooled and re-adopted sandboxes bring theirs.
     fn agent_of(&self, jail: &Arc<Jail>) -> Option<Arc<agent::Agent>> {
         if !self.exec_agent {
             return None;
         }
         let a = jail.agent.ready();
-        if a.is_none() {
+        // `next_exec` counts the helper path's execs (from 1).
+        if a.is_none() && jail.next_exec.load(Ordering::SeqCst) > 1 {
             agent::kick(&self.cfg.guest_bin, &self.dir_of(&jail.state.id), jail);
         }
         a
@@ -546,7 +551,7 @@ impl FunctionBackend {
                 let uids = uids.expect("create_inner allocated a uid range");
                 self.adopt(state, uids);
                 self.attach_network(spec).await?;
-                self.kick_agent(&spec.id);
+                // No agent yet: it starts at the second exec ([`Self::agent_of`]).
                 tracing::info!(sandbox = %spec.id, backend = "function", image = %image.name, uid_base, "sandbox created");
                 Ok(())
             }

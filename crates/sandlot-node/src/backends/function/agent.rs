@@ -1,9 +1,10 @@
 //! The function backend's fast exec path: a guest agent living inside the jail.
 //!
 //! On by default; `SANDLOT_FUNCTION_AGENT=0` turns it off (see [`enabled`] and
-//! [`super::FunctionBackend::new`]): execs then always take the helper path. After a
-//! create (and on the first exec of a sandbox without one: adopted from an older node,
-//! or whose agent died) the node starts `sandlot-guest agent --jail PID STARTTIME
+//! [`super::FunctionBackend::new`]): execs then always take the helper path. While a
+//! warm-pool jail waits, at a re-adoption, and at the second exec of a sandbox without a
+//! live agent (cold-created: its first exec takes the helper path, so a one-exec sandbox
+//! never pays for an agent; adopted from an older node; whose agent died) the node starts `sandlot-guest agent --jail PID STARTTIME
 //! --cgroup-procs FILE... --listen-fd 3` in the background. That launcher joins the
 //! sandbox's cgroups and namespaces and its root, forks into its pid namespace and becomes
 //! root of its user namespace (`sandlot-guest`'s `exec::enter_jail`): the agent then sits
