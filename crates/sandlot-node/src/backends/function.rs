@@ -78,7 +78,6 @@
 //!   so after a delete the host's init reaps it (a host init that reaps lazily shows it as
 //!   a zombie for a while; it holds no memory, cgroup or mount).
 mod agent;
-pub(crate) use agent::launch as launch_agent;
 pub use agent::{enabled as agent_enabled, EXTRA_PIDS as AGENT_EXTRA_PIDS};
 pub mod pool;
 
@@ -240,6 +239,9 @@ struct Jail {
     /// The guest agent inside the jail (default; `SANDLOT_FUNCTION_AGENT=0` turns it off;
     /// see [`agent`]).
     agent: agent::AgentSlot,
+    /// Execs asked of this sandbox on any path (counted by [`FunctionBackend::agent_of`]):
+    /// its agent starts from the second one.
+    execs_asked: AtomicU64,
 }
 
 impl Jail {
@@ -311,17 +313,18 @@ impl FunctionBackend {
 
     /// `jail`'s guest agent when execs go through one and it answers; otherwise `None`,
     /// and (with the agent path on) a start is kicked off for the next exec — from the
-    /// sandbox's second exec on: a cold-created sandbox's first exec takes the helper path
-    /// without an agent starting next to it (a `run_code` sandbox that missed the warm
-    /// pool runs one exec and is deleted; its agent would only cost CPU and a delete
-    /// that waits for the launch). Pooled and re-adopted sandboxes bring theirs.
+    /// sandbox's second exec on: a sandbox's first exec (cold-created or handed over by
+    /// the warm pool, which keeps its standby helper) takes the helper path without an
+    /// agent starting next to it (a `run_code` sandbox runs one exec and is deleted; its
+    /// agent would only cost CPU and a delete that waits for the launch). Re-adopted
+    /// sandboxes reconnect to theirs at adoption.
     fn agent_of(&self, jail: &Arc<Jail>) -> Option<Arc<agent::Agent>> {
         if !self.exec_agent {
             return None;
         }
+        let asked_before = jail.execs_asked.fetch_add(1, Ordering::SeqCst);
         let a = jail.agent.ready();
-        // `next_exec` counts the helper path's execs (from 1).
-        if a.is_none() && jail.next_exec.load(Ordering::SeqCst) > 1 {
+        if a.is_none() && asked_before >= 1 {
             agent::kick(&self.cfg.guest_bin, &self.dir_of(&jail.state.id), jail);
         }
         a
@@ -430,6 +433,7 @@ impl FunctionBackend {
             standby: Mutex::new(None),
             standby_busy: std::sync::atomic::AtomicBool::new(false),
             agent: agent::AgentSlot::default(),
+            execs_asked: AtomicU64::new(0),
         });
         self.jails
             .lock()
@@ -529,13 +533,8 @@ impl FunctionBackend {
             };
             if pool.create(spec, image, &dir, adopt).await {
                 self.attach_network(spec).await?;
-                if self.exec_agent {
-                    // The pooled jail's agent came along (its files moved with the
-                    // directory): connect before answering, so the first exec uses it.
-                    if let Ok(jail) = self.jail(&spec.id) {
-                        agent::attach(&self.cfg.guest_bin, &dir, &jail).await;
-                    }
-                }
+                // No agent yet (pooled jails wait without one): like a cold-created
+                // sandbox's, it starts at the second exec ([`Self::agent_of`]).
                 return Ok(());
             }
         }

@@ -1,10 +1,11 @@
 //! The function backend's fast exec path: a guest agent living inside the jail.
 //!
 //! On by default; `SANDLOT_FUNCTION_AGENT=0` turns it off (see [`enabled`] and
-//! [`super::FunctionBackend::new`]): execs then always take the helper path. While a
-//! warm-pool jail waits, at a re-adoption, and at the second exec of a sandbox without a
-//! live agent (cold-created: its first exec takes the helper path, so a one-exec sandbox
-//! never pays for an agent; adopted from an older node; whose agent died) the node starts `sandlot-guest agent --jail PID STARTTIME
+//! [`super::FunctionBackend::new`]): execs then always take the helper path. At a
+//! re-adoption, and from the second exec of a sandbox without a live agent (cold-created
+//! or handed over by the warm pool: its first exec takes the helper path, a pooled jail's
+//! through its standby helper, so a one-exec sandbox such as `run_code`'s never pays for
+//! an agent; adopted from an older node; whose agent died) the node starts `sandlot-guest agent --jail PID STARTTIME
 //! --cgroup-procs FILE... --listen-fd 3` in the background. That launcher joins the
 //! sandbox's cgroups and namespaces and its root, forks into its pid namespace and becomes
 //! root of its user namespace (`sandlot-guest`'s `exec::enter_jail`): the agent then sits
@@ -108,15 +109,6 @@ pub(super) fn kick(guest_bin: &Path, dir: &Path, jail: &Arc<Jail>) {
         attach_now(&bin, &dir, &jail).await;
         jail.agent.starting.store(false, Ordering::SeqCst);
     });
-}
-
-/// Like [`kick`], but waits until the agent answers (or failed, which is logged).
-pub(super) async fn attach(guest_bin: &Path, dir: &Path, jail: &Arc<Jail>) {
-    if jail.agent.ready().is_some() || jail.agent.starting.swap(true, Ordering::SeqCst) {
-        return;
-    }
-    attach_now(guest_bin, dir, jail).await;
-    jail.agent.starting.store(false, Ordering::SeqCst);
 }
 
 async fn attach_now(guest_bin: &Path, dir: &Path, jail: &Arc<Jail>) {
