@@ -473,23 +473,6 @@ impl Store {
         Ok(n == 1)
     }
 
-    /// [`Store::transition`] and [`Store::release_transition`] in one statement: set
-    /// `state = to` when the state is one of `from`, and clear the transition owner and
-    /// deadline if `owner` holds them (another owner's claim stays). Returns whether the
-    /// state changed. One write instead of two on every create's success path.
-    ///
-    /// # Errors
-    /// [`StoreError::Sql`].
-    pub fn transition_release(
-        &self,
-        id: &str,
-        from: &[SandboxState],
-        to: SandboxState,
-        owner: &str,
-    ) -> Result<bool> {
-        transition_release_on(&self.conn(), id, from, to, owner)
-    }
-
     /// Set a new expiry for a `running` record. Returns whether it changed.
     ///
     /// # Errors
@@ -885,7 +868,10 @@ fn claim_on(c: &Connection, id: &str, owner: &str, deadline_ms: i64, now_ms: i64
     Ok(n == 1)
 }
 
-/// [`Store::transition_release`] on `c`.
+/// [`Store::transition`] and [`Store::release_transition`] in one statement on `c`: set
+/// `state = to` when the state is one of `from`, and clear the transition owner and
+/// deadline if `owner` holds them (another owner's claim stays). Returns whether the state
+/// changed. One write instead of two on every create's success path.
 fn transition_release_on(
     c: &Connection,
     id: &str,
@@ -1064,7 +1050,8 @@ impl Store {
             .await
     }
 
-    /// [`Store::transition_release`] in a group commit.
+    /// `transition_release_on` (state change + release of `owner`'s claim in one
+    /// statement) in a group commit.
     ///
     /// # Errors
     /// As [`Store::grouped`].
