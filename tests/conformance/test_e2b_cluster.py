@@ -64,14 +64,7 @@ def _unary(url: str, sandbox_id: str, method: str, msg: Dict[str, Any]) -> httpx
 
 
 def test_e2b_pids_and_tags_reach_across_servers(server, backend):
-    urls = getattr(server, "urls", None)
-    if not urls or len(urls) < 2:
-        pytest.skip("needs a cluster of two servers (SANDLOT_CONFORMANCE_CLUSTER: "
-                    "scripts/conformance-cluster.sh)")
-    if backend.name != "function":
-        pytest.skip(f"{backend.name}: E2B sandboxes are made on the E2B backend "
-                    "(`--e2b-backend`, default function): runs in the function case")
-    a, b = urls[0], urls[1]
+    a, b = _cluster_urls(server, backend)
     on_a = Sandbox.create(template=TEMPLATE, timeout=120, api_url=a, sandbox_url=a, api_key=KEY,
                           metadata={"test": "e2b-cluster-pids"})
     try:

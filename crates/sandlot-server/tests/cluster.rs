@@ -91,6 +91,52 @@ impl Api {
     }
 }
 
+/// One `sandlot server` over the nodes registered in etcd (`ClusterNode`), serving on
+/// 127.0.0.1 with its store in a temp dir, until [`TestServer::stop`].
+struct TestServer {
+    _dir: tempfile::TempDir,
+    cluster: Arc<ClusterNode>,
+    base: String,
+    stop: tokio::sync::oneshot::Sender<()>,
+    serving: tokio::task::JoinHandle<()>,
+}
+
+impl TestServer {
+    async fn start(client: &sandlot_cluster::Client) -> TestServer {
+        let dir = tempfile::tempdir().unwrap();
+        let mut cfg = sandlot_server::ServerConfig::new(dir.path().to_path_buf());
+        cfg.listen = "127.0.0.1:0".parse().unwrap();
+        cfg.disk_reserve_bytes = 0;
+        let cluster = ClusterNode::start(client, Some(TOKEN.into()), RemoteOptions::default())
+            .await
+            .unwrap();
+        let server = sandlot_server::Server::bind_cluster(cfg, cluster.clone())
+            .await
+            .unwrap();
+        let base = format!("http://{}", server.local_addr().unwrap());
+        let (stop, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let serving = tokio::spawn(async move {
+            let _ = server
+                .run(async move {
+                    let _ = stop_rx.await;
+                })
+                .await;
+        });
+        TestServer {
+            _dir: dir,
+            cluster,
+            base,
+            stop,
+            serving,
+        }
+    }
+
+    async fn stop(self) {
+        let _ = self.stop.send(());
+        let _ = tokio::time::timeout(Duration::from_secs(15), self.serving).await;
+    }
+}
+
 async fn eventually(what: &str, within: Duration, mut f: impl AsyncFnMut() -> bool) {
     let t0 = Instant::now();
     while t0.elapsed() < within {
@@ -118,22 +164,10 @@ async fn a_server_spreads_routes_and_sweeps_over_etcd_nodes() {
         regs.push(Some(register(&client, n, "2026-12-04T10:00:00Z").await));
     }
 
-    let dir = tempfile::tempdir().unwrap();
-    let mut cfg = sandlot_server::ServerConfig::new(dir.path().to_path_buf());
-    cfg.listen = "127.0.0.1:0".parse().unwrap();
-    cfg.disk_reserve_bytes = 0;
-    let cluster = ClusterNode::start(&client, Some(TOKEN.into()), RemoteOptions::default())
-        .await
-        .unwrap();
+    let srv = TestServer::start(&client).await;
+    let cluster = srv.cluster.clone();
     assert_eq!(cluster.nodes().len(), 3);
-    let server = sandlot_server::Server::bind_cluster(cfg, cluster.clone())
-        .await
-        .unwrap();
-    let base = format!("http://{}", server.local_addr().unwrap());
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let serving = tokio::spawn(server.run(async move {
-        let _ = stop_rx.await;
-    }));
+    let base = srv.base.clone();
     let api = Api {
         http: reqwest::Client::new(),
         base,
@@ -311,8 +345,7 @@ async fn a_server_spreads_routes_and_sweeps_over_etcd_nodes() {
         .await;
     assert!(s == 200 || s == 204, "{s} {b}");
 
-    let _ = stop_tx.send(());
-    let _ = tokio::time::timeout(Duration::from_secs(15), serving).await;
+    srv.stop().await;
 }
 
 /// A retry with the Idempotency-Key of a create that was made answers that sandbox (200)
@@ -333,21 +366,9 @@ async fn an_idempotent_retry_replays_when_no_node_has_room() {
         .await
         .unwrap();
 
-    let dir = tempfile::tempdir().unwrap();
-    let mut cfg = sandlot_server::ServerConfig::new(dir.path().to_path_buf());
-    cfg.listen = "127.0.0.1:0".parse().unwrap();
-    cfg.disk_reserve_bytes = 0;
-    let cluster = ClusterNode::start(&client, Some(TOKEN.into()), RemoteOptions::default())
-        .await
-        .unwrap();
-    let server = sandlot_server::Server::bind_cluster(cfg, cluster.clone())
-        .await
-        .unwrap();
-    let base = format!("http://{}", server.local_addr().unwrap());
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let serving = tokio::spawn(server.run(async move {
-        let _ = stop_rx.await;
-    }));
+    let srv = TestServer::start(&client).await;
+    let cluster = srv.cluster.clone();
+    let base = srv.base.clone();
     let http = reqwest::Client::new();
     let create = |key: &'static str, body: Value| {
         let http = http.clone();
@@ -393,7 +414,6 @@ async fn an_idempotent_retry_replays_when_no_node_has_room() {
     assert_eq!(s, 409, "{b}");
     assert_eq!(node.fake.ids().len(), 1);
 
-    let _ = stop_tx.send(());
-    let _ = tokio::time::timeout(Duration::from_secs(15), serving).await;
+    srv.stop().await;
     reg.deregister().await.unwrap();
 }
