@@ -1,4 +1,5 @@
-//! The `function` backend's guest-agent exec path (`SANDLOT_FUNCTION_AGENT=1`; see
+//! The `function` backend's guest-agent exec path (the default; `SANDLOT_FUNCTION_AGENT=0`
+//! turns it off; see
 //! `backends/function/agent.rs`): a real `LocalNode`, the real `sandlot-guest`, a busybox
 //! image. One test in a binary of its own, because the switch is an environment variable
 //! read when the node opens (setting it while other tests' threads read the environment
@@ -73,6 +74,7 @@ async fn agent_path_keeps_exec_semantics_and_survives_restart() {
         return;
     };
     // The only test of this binary: no other thread reads the environment yet.
+    // (Set explicitly: the suite may run with `SANDLOT_FUNCTION_AGENT=0` for the helper path.)
     std::env::set_var("SANDLOT_FUNCTION_AGENT", "1");
     let (mut cfg, _tmp) = support::node_config(guest);
     cfg.name = "test-node".into();

@@ -204,10 +204,21 @@ async fn pooled_create_is_used_works_and_deletes_clean() {
     assert_eq!(n.warm_pool_stats().0, 1);
     eprintln!("pooled create took {took:?}");
 
-    // It works like any sandbox: exec, env, host name, files, limits.
-    let r = sh(n, "sb-pooled", "echo hi; echo $SB_VAR; hostname; pwd").await;
+    // It works like any sandbox: exec, env, host name, files, limits. Its first exec (as
+    // run_code's one exec) takes the helper path (through the jail's standby helper) on
+    // both exec paths: the command sees the sandbox's pid namespace (`NSpid` has one level
+    // as the jail's /proc sees it; two through the guest agent, checked below).
+    let r = sh(
+        n,
+        "sb-pooled",
+        "echo hi; echo $SB_VAR; hostname; pwd; grep NSpid /proc/self/status",
+    )
+    .await;
     assert_eq!(r.exit_code, 0, "{r:?}");
-    assert_eq!(r.stdout, "hi\nfrom-sandbox\nsb-pooled\n/workspace\n");
+    let (out, nspid) = r.stdout.trim_end().rsplit_once('\n').unwrap_or_default();
+    assert_eq!(out, "hi\nfrom-sandbox\nsb-pooled\n/workspace", "{r:?}");
+    let levels = nspid.split_ascii_whitespace().count() - 1;
+    assert_eq!(levels, 1, "first exec did not take the helper path: {r:?}");
     n.write_file("sb-pooled", "/workspace/a.txt", "data".into())
         .await
         .unwrap();
@@ -218,6 +229,27 @@ async fn pooled_create_is_used_works_and_deletes_clean() {
         b"data"
     );
     assert_eq!(sh(n, "sb-pooled", "cat a.txt").await.stdout, "data");
+    // From its second exec on, the sandbox starts its guest agent in the background (when
+    // execs go through one): a later exec reaches it (its own pid namespace: two levels).
+    let want = if sandlot_node::backends::function::agent_enabled() {
+        2
+    } else {
+        1
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let r = sh(n, "sb-pooled", "grep NSpid /proc/self/status").await;
+        assert_eq!(r.exit_code, 0, "{r:?}");
+        let levels = r.stdout.split_ascii_whitespace().count() - 1;
+        if levels == want {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no exec reached the guest agent within 10 s: {r:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     let names: Vec<String> = n
         .list_dir("sb-pooled", "/workspace")
         .await
@@ -231,7 +263,16 @@ async fn pooled_create_is_used_works_and_deletes_clean() {
         env.cgroup_file(&cg, "memory.limit_in_bytes", "memory.max"),
         (512u64 << 20).to_string()
     );
-    assert_eq!(env.cgroup_file(&cg, "pids.max", "pids.max"), "64");
+    // Room for the guest agent's standing processes on top (default exec path).
+    let extra = if sandlot_node::backends::function::agent_enabled() {
+        sandlot_node::backends::function::AGENT_EXTRA_PIDS
+    } else {
+        0
+    };
+    assert_eq!(
+        env.cgroup_file(&cg, "pids.max", "pids.max"),
+        (64 + extra).to_string()
+    );
     let cpu = env.cgroup_file(&cg, "cpu.cfs_quota_us", "cpu.max");
     // 0.5 CPU: 5 ms per 10 ms period (v2: "5000 10000").
     assert!(cpu == "5000" || cpu == "5000 10000", "cpu quota {cpu}");

@@ -250,7 +250,7 @@ async fn inotify_instances_are_charged_to_the_sandbox_not_host_root() {
         // Its processes run as the sandbox's host uid (the exec helper itself stays host
         // root outside the namespaces and holds no inotify instance).
         // (Exec cgroups on the helper path; the sandbox's own group when execs go through
-        // the guest agent in the jail, `SANDLOT_FUNCTION_AGENT=1`.)
+        // the guest agent in the jail, the default.)
         let cg = env.cgroups().sandbox("sb-hold");
         let mut uids = Vec::new();
         for g in cg.exec_children().iter().chain([cg.group()]) {

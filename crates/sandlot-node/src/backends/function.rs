@@ -78,7 +78,7 @@
 //!   so after a delete the host's init reaps it (a host init that reaps lazily shows it as
 //!   a zombie for a while; it holds no memory, cgroup or mount).
 mod agent;
-pub(crate) use agent::launch as launch_agent;
+pub use agent::{enabled as agent_enabled, EXTRA_PIDS as AGENT_EXTRA_PIDS};
 pub mod pool;
 
 use super::check_id;
@@ -236,8 +236,12 @@ struct Jail {
     /// `true` while the sandbox's cgroup is frozen ([`SandboxBackend::pause`]); exec and
     /// file calls answer `Conflict` then.
     paused: std::sync::atomic::AtomicBool,
-    /// The guest agent inside the jail (`SANDLOT_FUNCTION_AGENT=1`; see [`agent`]).
+    /// The guest agent inside the jail (default; `SANDLOT_FUNCTION_AGENT=0` turns it off;
+    /// see [`agent`]).
     agent: agent::AgentSlot,
+    /// Execs asked of this sandbox on any path (counted by [`FunctionBackend::agent_of`]):
+    /// its agent starts from the second one.
+    execs_asked: AtomicU64,
 }
 
 impl Jail {
@@ -257,8 +261,8 @@ pub struct FunctionBackend {
     pool: std::sync::OnceLock<FunctionPool>,
     /// Whether sandboxes get a standby exec helper ([`Standby`]; `SANDLOT_EXEC_STANDBY=1`).
     exec_standby: bool,
-    /// Whether execs go through a guest agent inside the jail ([`agent`];
-    /// `SANDLOT_FUNCTION_AGENT=1`).
+    /// Whether execs go through a guest agent inside the jail ([`agent`]; default, off
+    /// with `SANDLOT_FUNCTION_AGENT=0`).
     exec_agent: bool,
     /// Network policies (`network: {"allow": ...}`): the node's one manager, shared with
     /// the container backend and swept by [`crate::LocalNode`]'s readopt.
@@ -289,7 +293,7 @@ impl FunctionBackend {
             jails: Mutex::new(HashMap::new()),
             pool: std::sync::OnceLock::new(),
             exec_standby: std::env::var_os("SANDLOT_EXEC_STANDBY").is_some_and(|v| v == "1"),
-            exec_agent: std::env::var_os("SANDLOT_FUNCTION_AGENT").is_some_and(|v| v == "1"),
+            exec_agent: agent_enabled(),
             net,
         })
     }
@@ -308,13 +312,19 @@ impl FunctionBackend {
     }
 
     /// `jail`'s guest agent when execs go through one and it answers; otherwise `None`,
-    /// and (with the agent path on) a start is kicked off for the next exec.
+    /// and (with the agent path on) a start is kicked off for the next exec — from the
+    /// sandbox's second exec on: a sandbox's first exec (cold-created or handed over by
+    /// the warm pool, which keeps its standby helper) takes the helper path without an
+    /// agent starting next to it (a `run_code` sandbox runs one exec and is deleted; its
+    /// agent would only cost CPU and a delete that waits for the launch). Re-adopted
+    /// sandboxes reconnect to theirs at adoption.
     fn agent_of(&self, jail: &Arc<Jail>) -> Option<Arc<agent::Agent>> {
         if !self.exec_agent {
             return None;
         }
+        let asked_before = jail.execs_asked.fetch_add(1, Ordering::SeqCst);
         let a = jail.agent.ready();
-        if a.is_none() {
+        if a.is_none() && asked_before >= 1 {
             agent::kick(&self.cfg.guest_bin, &self.dir_of(&jail.state.id), jail);
         }
         a
@@ -398,7 +408,11 @@ impl FunctionBackend {
         // tmpfs pages are charged to the sandbox's memory cgroup, so the memory limit
         // bounds /tmp too; disk_mib bounds it further.
         let tmp_mib = spec.disk_mib.min(spec.memory_mib).max(1);
-        build_jail(&self.cfg, spec, image, dir, cg, tmp_mib, base, ready).await
+        let extra_pids = if self.exec_agent { AGENT_EXTRA_PIDS } else { 0 };
+        build_jail(
+            &self.cfg, spec, image, dir, cg, tmp_mib, base, extra_pids, ready,
+        )
+        .await
     }
 
     /// Register a running jail; `uids` holds its host uid range (`state.uid_base`).
@@ -419,6 +433,7 @@ impl FunctionBackend {
             standby: Mutex::new(None),
             standby_busy: std::sync::atomic::AtomicBool::new(false),
             agent: agent::AgentSlot::default(),
+            execs_asked: AtomicU64::new(0),
         });
         self.jails
             .lock()
@@ -518,13 +533,8 @@ impl FunctionBackend {
             };
             if pool.create(spec, image, &dir, adopt).await {
                 self.attach_network(spec).await?;
-                if self.exec_agent {
-                    // The pooled jail's agent came along (its files moved with the
-                    // directory): connect before answering, so the first exec uses it.
-                    if let Ok(jail) = self.jail(&spec.id) {
-                        agent::attach(&self.cfg.guest_bin, &dir, &jail).await;
-                    }
-                }
+                // No agent yet (pooled jails wait without one): like a cold-created
+                // sandbox's, it starts at the second exec ([`Self::agent_of`]).
                 return Ok(());
             }
         }
@@ -540,7 +550,7 @@ impl FunctionBackend {
                 let uids = uids.expect("create_inner allocated a uid range");
                 self.adopt(state, uids);
                 self.attach_network(spec).await?;
-                self.kick_agent(&spec.id);
+                // No agent yet: it starts at the second exec ([`Self::agent_of`]).
                 tracing::info!(sandbox = %spec.id, backend = "function", image = %image.name, uid_base, "sandbox created");
                 Ok(())
             }
@@ -942,7 +952,8 @@ impl SandboxBackend for FunctionBackend {
 /// Build and start a jail for `spec` in the claimed directory `dir` (its scratch disk
 /// already mounted: [`crate::disk::mount_scratch`]) with cgroup `cg`, a
 /// /tmp tmpfs of `tmp_mib` MiB and host uid/gid range `uid_base..uid_base+65536` (the
-/// caller holds its [`UidLease`]); writes `state.json`. On error the caller removes what
+/// caller holds its [`UidLease`]), its pids limit `spec.pids_max + extra_pids` (room for
+/// the guest agent: [`AGENT_EXTRA_PIDS`]); writes `state.json`. On error the caller removes what
 /// was left (directory and cgroup). Used by cold creates and by the warm pool.
 #[allow(clippy::too_many_arguments)]
 pub(crate) async fn build_jail(
@@ -953,6 +964,7 @@ pub(crate) async fn build_jail(
     cg: &SandboxCgroup,
     tmp_mib: u64,
     uid_base: u32,
+    extra_pids: u64,
     ready: &mut Option<InitReady>,
 ) -> NodeResult<JailState> {
     let uid = uid_base;
@@ -960,7 +972,7 @@ pub(crate) async fn build_jail(
     let limits = Limits {
         memory_bytes: spec.memory_mib.saturating_mul(1 << 20),
         cpu: spec.cpu,
-        pids_max: spec.pids_max,
+        pids_max: spec.pids_max + extra_pids,
     };
     let cg2 = cg.clone();
     spawn_blocking(move || {
@@ -2066,7 +2078,9 @@ mod tests {
             crate::net::NodeNet::new(tmp.path().join("net")),
         )
         .unwrap();
+        // The standby belongs to the helper path (no guest agent).
         be.exec_standby = true;
+        be.exec_agent = false;
         let spec = SandboxSpec {
             id: ID.into(),
             backend: Backend::Function,

@@ -1,8 +1,11 @@
 //! The function backend's fast exec path: a guest agent living inside the jail.
 //!
-//! Opt-in with `SANDLOT_FUNCTION_AGENT=1` (see [`super::FunctionBackend::new`]). After a
-//! create (and on the first exec of a sandbox without one: adopted from an older node,
-//! or whose agent died) the node starts `sandlot-guest agent --jail PID STARTTIME
+//! On by default; `SANDLOT_FUNCTION_AGENT=0` turns it off (see [`enabled`] and
+//! [`super::FunctionBackend::new`]): execs then always take the helper path. At a
+//! re-adoption, and from the second exec of a sandbox without a live agent (cold-created
+//! or handed over by the warm pool: its first exec takes the helper path, a pooled jail's
+//! through its standby helper, so a one-exec sandbox such as `run_code`'s never pays for
+//! an agent; adopted from an older node; whose agent died) the node starts `sandlot-guest agent --jail PID STARTTIME
 //! --cgroup-procs FILE... --listen-fd 3` in the background. That launcher joins the
 //! sandbox's cgroups and namespaces and its root, forks into its pid namespace and becomes
 //! root of its user namespace (`sandlot-guest`'s `exec::enter_jail`): the agent then sits
@@ -39,6 +42,18 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+
+/// Tasks a sandbox's cgroup gets on top of its `pids_max` while execs go through the
+/// agent: the agent's standing processes in the group (the agent, its zygote, its spare
+/// helper and that helper's exec init), so that the sandbox's commands keep the budget
+/// the spec gives them.
+pub const EXTRA_PIDS: u64 = 4;
+
+/// Whether `function` execs go through a guest agent in the jail: yes unless the
+/// environment has `SANDLOT_FUNCTION_AGENT=0` (read once per backend, at its start).
+pub fn enabled() -> bool {
+    std::env::var_os("SANDLOT_FUNCTION_AGENT").is_none_or(|v| v != "0")
+}
 
 /// How long a new agent may take to answer its first ping.
 const READY_TIMEOUT: Duration = Duration::from_secs(10);
@@ -94,15 +109,6 @@ pub(super) fn kick(guest_bin: &Path, dir: &Path, jail: &Arc<Jail>) {
         attach_now(&bin, &dir, &jail).await;
         jail.agent.starting.store(false, Ordering::SeqCst);
     });
-}
-
-/// Like [`kick`], but waits until the agent answers (or failed, which is logged).
-pub(super) async fn attach(guest_bin: &Path, dir: &Path, jail: &Arc<Jail>) {
-    if jail.agent.ready().is_some() || jail.agent.starting.swap(true, Ordering::SeqCst) {
-        return;
-    }
-    attach_now(guest_bin, dir, jail).await;
-    jail.agent.starting.store(false, Ordering::SeqCst);
 }
 
 async fn attach_now(guest_bin: &Path, dir: &Path, jail: &Arc<Jail>) {

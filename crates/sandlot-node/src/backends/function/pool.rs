@@ -47,8 +47,10 @@ pub struct Jails {
     /// Each ready jail's standby exec helper, by pooled name (see
     /// [`super::pooled_standby`]); handed over with the jail.
     pub(crate) standbys: Mutex<HashMap<String, Standby>>,
-    /// Whether each jail gets its guest agent while it waits (`SANDLOT_FUNCTION_AGENT=1`;
-    /// see `function::agent`): it moves with the directory at hand-over.
+    /// Whether handed-over sandboxes may start a guest agent (default; off with
+    /// `SANDLOT_FUNCTION_AGENT=0`; see `function::agent`): jails are built with room for
+    /// its standing processes in `pids.max` ([`PoolMember::extra_pids`]). None starts
+    /// while a jail waits.
     pub(crate) exec_agent: bool,
 }
 
@@ -108,30 +110,19 @@ impl PoolMember for Jails {
             &cg,
             POOL_TMP_MIB,
             uid_base,
+            self.extra_pids(),
             &mut None,
         )
         .await?;
         state.cgroup = Some(name.to_string());
         // Without a standby the jail still serves; its first exec joins its group itself.
+        // The standby serves the first exec on both exec paths: no guest agent starts while
+        // the jail waits; the handed-over sandbox starts one at its second exec.
         match pooled_standby(&self.cfg.guest_bin, &cg).await {
             Ok(s) => {
                 self.standbys.lock().unwrap().insert(name.to_string(), s);
             }
             Err(e) => tracing::debug!(pooled = %name, error = %e, "no standby exec helper"),
-        }
-        if self.exec_agent {
-            // Without one the sandbox starts its own after the hand-over.
-            let (bin, d, procs) = (
-                self.cfg.guest_bin.clone(),
-                dir.to_path_buf(),
-                cg.group().procs_files(),
-            );
-            let (pid, start) = (state.init_pid, state.init_starttime);
-            if let Err(e) =
-                spawn_blocking(move || super::launch_agent(&bin, &d, pid, start, &procs)).await
-            {
-                tracing::debug!(pooled = %name, error = %e, "no guest agent");
-            }
         }
         Ok(state)
     }
@@ -175,6 +166,14 @@ impl PoolMember for Jails {
 
     fn write_state(dir: &Path, state: &JailState) -> NodeResult<()> {
         write_state(dir, state)
+    }
+
+    fn extra_pids(&self) -> u64 {
+        if self.exec_agent {
+            super::agent::EXTRA_PIDS
+        } else {
+            0
+        }
     }
 
     fn write_proc_views(_dir: &Path, state: &JailState, spec: &SandboxSpec) -> NodeResult<()> {
