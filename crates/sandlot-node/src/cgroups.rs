@@ -854,6 +854,21 @@ impl SandboxCgroup {
         Ok(())
     }
 
+    /// Set only the group's `pids.max` to `n` tasks (the function backend's guest agent
+    /// adds its standing processes when it starts; see `backends::function::agent`). A
+    /// value below the current count is allowed: it only refuses new forks.
+    ///
+    /// # Errors
+    /// `Internal` with the file that could not be written.
+    pub fn set_pids_max(&self, n: u64) -> NodeResult<()> {
+        let g = &self.group;
+        let dir = match g.version {
+            CgroupVersion::V1 => g.dir("pids").expect("pids hierarchy"),
+            CgroupVersion::V2 => g.dir("unified").expect("v2 dir"),
+        };
+        write_file(&dir.join("pids.max"), &n.to_string())
+    }
+
     /// Narrow the group's cpuset to the `ceil(cpu)` allowed CPUs that hold the fewest
     /// sandbox groups ([`CpuSpread`]). Best effort: placement is a latency policy, not a
     /// limit (the CFS quota is), so a host without a cpuset controller, or a write the

@@ -19,16 +19,6 @@ struct Env {
     _tmp: tempfile::TempDir,
 }
 
-/// Tasks the sandbox cgroup gets on top of `pids_max` on this run's exec path (the guest
-/// agent's standing processes; none on the helper path, `SANDLOT_FUNCTION_AGENT=0`).
-fn extra_pids() -> u64 {
-    if sandlot_node::backends::function::agent_enabled() {
-        sandlot_node::backends::function::AGENT_EXTRA_PIDS
-    } else {
-        0
-    }
-}
-
 impl Env {
     fn node(&self) -> &LocalNode {
         self.node.as_ref().unwrap()
@@ -385,7 +375,7 @@ async fn fork_bomb_is_contained_by_pids_max() {
         .dirs()
         .find_map(|d| std::fs::read_to_string(d.join("pids.current")).ok());
     if let Some(cur) = pids_current {
-        assert!(cur.trim().parse::<u64>().unwrap() <= 32 + extra_pids());
+        assert!(cur.trim().parse::<u64>().unwrap() <= 32);
     }
     assert!(eventually(Duration::from_secs(5), || env.procs("sb-bomb").len() == 1).await);
     assert_eq!(sh(n, "sb-bomb", "echo ok").await.stdout, "ok\n");
@@ -671,8 +661,8 @@ async fn limits_are_written_and_concurrent_execs_are_separate() {
             assert_eq!(read("cpu.max").unwrap(), "5000 10000");
         }
     }
-    // Room for the guest agent's standing processes on top, when execs go through it.
-    assert_eq!(read("pids.max").unwrap(), (40 + extra_pids()).to_string());
+    // Exactly the spec's: the guest agent's room is added only when an agent starts.
+    assert_eq!(read("pids.max").unwrap(), "40");
 
     // Four execs at once: each gets its own output and exit code.
     let reqs: Vec<ExecRequest> = (0..4)

@@ -85,10 +85,22 @@ async fn agent_path_keeps_exec_semantics_and_survives_restart() {
         return;
     }
     let id = "sb-agent";
-    node.create(&support::function_spec_with_env(id))
-        .await
-        .unwrap();
+    let spec = support::function_spec_with_env(id);
+    node.create(&spec).await.unwrap();
+    // `pids.max` is the spec's until the agent starts, then has room for its processes.
+    let pids_max = || {
+        cg.sandbox(id)
+            .group()
+            .dirs()
+            .find_map(|d| std::fs::read_to_string(d.join("pids.max")).ok())
+            .map(|s| s.trim().to_string())
+    };
+    assert_eq!(pids_max(), Some(spec.pids_max.to_string()));
     wait_agent(&node, &cfg, id).await;
+    assert_eq!(
+        pids_max(),
+        Some((spec.pids_max + sandlot_node::backends::function::AGENT_EXTRA_PIDS).to_string())
+    );
 
     // Exit codes, signals, env, cwd, stdin, identity and lock-down as on the helper path.
     let r = sh(&node, id, "echo out; echo err >&2; exit 3").await;

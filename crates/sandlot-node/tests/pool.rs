@@ -203,6 +203,9 @@ async fn pooled_create_is_used_works_and_deletes_clean() {
     assert!(pooled(&env, "sb-pooled"), "the create did not use the pool");
     assert_eq!(n.warm_pool_stats().0, 1);
     eprintln!("pooled create took {took:?}");
+    // Exactly the spec's pids limit at hand-over: no guest agent runs in a pooled jail.
+    let cg = cgroup_of(&env, "sb-pooled");
+    assert_eq!(env.cgroup_file(&cg, "pids.max", "pids.max"), "64");
 
     // It works like any sandbox: exec, env, host name, files, limits. Its first exec (as
     // run_code's one exec) takes the helper path (through the jail's standby helper) on
@@ -258,12 +261,12 @@ async fn pooled_create_is_used_works_and_deletes_clean() {
         .map(|e| e.name)
         .collect();
     assert!(names.contains(&"a.txt".to_string()), "{names:?}");
-    let cg = cgroup_of(&env, "sb-pooled");
     assert_eq!(
         env.cgroup_file(&cg, "memory.limit_in_bytes", "memory.max"),
         (512u64 << 20).to_string()
     );
-    // Room for the guest agent's standing processes on top (default exec path).
+    // The agent started above (default exec path) and added room for its standing
+    // processes; without one the spec's limit stands as it was at hand-over.
     let extra = if sandlot_node::backends::function::agent_enabled() {
         sandlot_node::backends::function::AGENT_EXTRA_PIDS
     } else {

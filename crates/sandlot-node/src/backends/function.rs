@@ -408,11 +408,7 @@ impl FunctionBackend {
         // tmpfs pages are charged to the sandbox's memory cgroup, so the memory limit
         // bounds /tmp too; disk_mib bounds it further.
         let tmp_mib = spec.disk_mib.min(spec.memory_mib).max(1);
-        let extra_pids = if self.exec_agent { AGENT_EXTRA_PIDS } else { 0 };
-        build_jail(
-            &self.cfg, spec, image, dir, cg, tmp_mib, base, extra_pids, ready,
-        )
-        .await
+        build_jail(&self.cfg, spec, image, dir, cg, tmp_mib, base, ready).await
     }
 
     /// Register a running jail; `uids` holds its host uid range (`state.uid_base`).
@@ -474,7 +470,6 @@ impl FunctionBackend {
             cfg: self.cfg.clone(),
             cgroups: self.cgroups.clone(),
             standbys: Default::default(),
-            exec_agent: self.exec_agent,
         };
         let dir = pool_dir(&self.cfg.sandboxes_dir);
         WarmPool::start_once(&self.pool, jails, dir, self.uids.clone(), images, cfg)
@@ -952,8 +947,7 @@ impl SandboxBackend for FunctionBackend {
 /// Build and start a jail for `spec` in the claimed directory `dir` (its scratch disk
 /// already mounted: [`crate::disk::mount_scratch`]) with cgroup `cg`, a
 /// /tmp tmpfs of `tmp_mib` MiB and host uid/gid range `uid_base..uid_base+65536` (the
-/// caller holds its [`UidLease`]), its pids limit `spec.pids_max + extra_pids` (room for
-/// the guest agent: [`AGENT_EXTRA_PIDS`]); writes `state.json`. On error the caller removes what
+/// caller holds its [`UidLease`]); writes `state.json`. On error the caller removes what
 /// was left (directory and cgroup). Used by cold creates and by the warm pool.
 #[allow(clippy::too_many_arguments)]
 pub(crate) async fn build_jail(
@@ -964,7 +958,6 @@ pub(crate) async fn build_jail(
     cg: &SandboxCgroup,
     tmp_mib: u64,
     uid_base: u32,
-    extra_pids: u64,
     ready: &mut Option<InitReady>,
 ) -> NodeResult<JailState> {
     let uid = uid_base;
@@ -972,7 +965,7 @@ pub(crate) async fn build_jail(
     let limits = Limits {
         memory_bytes: spec.memory_mib.saturating_mul(1 << 20),
         cpu: spec.cpu,
-        pids_max: spec.pids_max + extra_pids,
+        pids_max: spec.pids_max,
     };
     let cg2 = cg.clone();
     spawn_blocking(move || {

@@ -129,13 +129,6 @@ pub trait PoolMember: Send + Sync + 'static {
     /// # Errors
     /// `Internal` when a stand-in cannot be written.
     fn write_proc_views(dir: &Path, state: &Self::State, spec: &SandboxSpec) -> NodeResult<()>;
-
-    /// Tasks the member's cgroup gets on top of the spec's `pids_max` at hand-over (the
-    /// backend's own standing processes in the group, e.g. the function backend's guest
-    /// agent). Default 0.
-    fn extra_pids(&self) -> u64 {
-        0
-    }
 }
 
 /// The spec a member `name` of `backend` is built with: the pool's limits, no environment,
@@ -427,7 +420,7 @@ impl<M: PoolMember> WarmPool<M> {
         let limits = Limits {
             memory_bytes: spec.memory_mib.saturating_mul(1 << 20),
             cpu: spec.cpu,
-            pids_max: spec.pids_max + self.shared.member.extra_pids(),
+            pids_max: spec.pids_max,
         };
         let (init_pid, init_starttime) = M::init(&p.state);
         let (src, dst, st, name, id, sp) = (

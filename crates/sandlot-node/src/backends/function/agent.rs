@@ -162,11 +162,22 @@ async fn start(guest_bin: &Path, dir: &Path, jail: &Arc<Jail>) -> NodeResult<Opt
     let (init, init_start) = (jail.state.init_pid, jail.state.init_starttime);
     let procs: Vec<PathBuf> = jail.cgroup.group().procs_files();
     let (bin, d) = (guest_bin.to_path_buf(), dir.to_path_buf());
-    let (pid, starttime) =
-        spawn_blocking(move || launch(&bin, &d, init, init_start, &procs)).await?;
+    // Room for the agent's standing processes, granted only now that it starts (a jail
+    // without an agent keeps exactly the spec's `pids_max`), and taken back if it fails.
+    let (cg, pids_max) = (jail.cgroup.clone(), jail.state.spec.pids_max);
+    let (pid, starttime) = spawn_blocking(move || {
+        cg.set_pids_max(pids_max + EXTRA_PIDS)?;
+        launch(&bin, &d, init, init_start, &procs).inspect_err(|_| {
+            let _ = cg.set_pids_max(pids_max);
+        })
+    })
+    .await?;
     drop(lock);
     let client = AgentClient::new(&sock);
-    client.wait_ready(Instant::now() + READY_TIMEOUT).await?;
+    if let Err(e) = client.wait_ready(Instant::now() + READY_TIMEOUT).await {
+        let _ = jail.cgroup.set_pids_max(jail.state.spec.pids_max);
+        return Err(e);
+    }
     tracing::debug!(sandbox = %jail.state.id, agent_pid = pid, "guest agent ready in the function sandbox");
     Ok(Some(Agent {
         client,

@@ -47,11 +47,6 @@ pub struct Jails {
     /// Each ready jail's standby exec helper, by pooled name (see
     /// [`super::pooled_standby`]); handed over with the jail.
     pub(crate) standbys: Mutex<HashMap<String, Standby>>,
-    /// Whether handed-over sandboxes may start a guest agent (default; off with
-    /// `SANDLOT_FUNCTION_AGENT=0`; see `function::agent`): jails are built with room for
-    /// its standing processes in `pids.max` ([`PoolMember::extra_pids`]). None starts
-    /// while a jail waits.
-    pub(crate) exec_agent: bool,
 }
 
 impl Jails {
@@ -110,7 +105,6 @@ impl PoolMember for Jails {
             &cg,
             POOL_TMP_MIB,
             uid_base,
-            self.extra_pids(),
             &mut None,
         )
         .await?;
@@ -166,14 +160,6 @@ impl PoolMember for Jails {
 
     fn write_state(dir: &Path, state: &JailState) -> NodeResult<()> {
         write_state(dir, state)
-    }
-
-    fn extra_pids(&self) -> u64 {
-        if self.exec_agent {
-            super::agent::EXTRA_PIDS
-        } else {
-            0
-        }
     }
 
     fn write_proc_views(_dir: &Path, state: &JailState, spec: &SandboxSpec) -> NodeResult<()> {
