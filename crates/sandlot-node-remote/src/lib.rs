@@ -49,7 +49,8 @@
 //! | (health) | `GET /v1/health` | - | `{"serving": bool, ...}` (503 while fenced; [`router_gated`]) |
 //!
 //! A failed call answers a non-2xx status with a [`sandlot_node_api::WireError`] JSON body
-//! (`{"kind": "not_found", "message": …}`; status per kind in [`status_of`]), except the
+//! (`{"kind": "not_found", "message": …}`; status per kind in [`status_of`]; a body or query
+//! that does not parse is `invalid_argument` under 400, 413, 415 or 422), except the
 //! two exec calls once their stream started: they end it with an `error` frame instead.
 //! A process output stream ends with the process's `exit` (or `error`) event when it
 //! ended; one that ends without it (a broken connection, or `follow=false`) is read on

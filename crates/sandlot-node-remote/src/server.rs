@@ -95,6 +95,47 @@ impl IntoResponse for Failed {
 
 type Answer<T> = Result<Json<T>, Failed>;
 
+/// A request's JSON body or query string that does not parse (or a body over the limit, or
+/// the wrong content type) answers like every other node error: a
+/// [`sandlot_node_api::WireError`] of kind `invalid_argument` with axum's message, under the
+/// rejection's own status (400, 413 or 415), so a client always gets a stable code.
+fn rejected(status: StatusCode, message: String) -> Response {
+    (status, Json(NodeError::InvalidArgument(message).to_wire())).into_response()
+}
+
+/// [`Json`] as an argument whose rejection is a wire error ([`rejected`]).
+struct JsonArg<T>(T);
+
+impl<S: Send + Sync, T: serde::de::DeserializeOwned> axum::extract::FromRequest<S> for JsonArg<T> {
+    type Rejection = Response;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, Response> {
+        match Json::<T>::from_request(req, state).await {
+            Ok(Json(v)) => Ok(JsonArg(v)),
+            Err(r) => Err(rejected(r.status(), r.body_text())),
+        }
+    }
+}
+
+/// [`Query`] as an argument whose rejection is a wire error ([`rejected`]).
+struct QueryArg<T>(T);
+
+impl<S: Send + Sync, T: serde::de::DeserializeOwned> axum::extract::FromRequestParts<S>
+    for QueryArg<T>
+{
+    type Rejection = Response;
+
+    async fn from_request_parts(
+        parts: &mut axum::http::request::Parts,
+        state: &S,
+    ) -> Result<Self, Response> {
+        match Query::<T>::from_request_parts(parts, state).await {
+            Ok(Query(v)) => Ok(QueryArg(v)),
+            Err(r) => Err(rejected(r.status(), r.body_text())),
+        }
+    }
+}
+
 fn empty() -> Json<serde_json::Value> {
     Json(serde_json::json!({}))
 }
@@ -361,7 +402,7 @@ async fn accel(State(n): State<Shared>) -> Json<Option<String>> {
     Json(n.accel().await)
 }
 
-async fn readopt(State(n): State<Shared>, Json(c): Json<ReadoptCall>) -> Answer<Vec<String>> {
+async fn readopt(State(n): State<Shared>, JsonArg(c): JsonArg<ReadoptCall>) -> Answer<Vec<String>> {
     Ok(Json(n.readopt(&c.keep).await?))
 }
 
@@ -383,7 +424,7 @@ async fn list(State(n): State<Shared>) -> Answer<Vec<sandlot_node_api::SandboxSt
 
 async fn create(
     State(n): State<Shared>,
-    Json(spec): Json<SandboxSpec>,
+    JsonArg(spec): JsonArg<SandboxSpec>,
 ) -> Answer<serde_json::Value> {
     // Its own task: a create the caller gave up on still finishes (or rolls back) whole.
     tokio::spawn(async move { n.create(&spec).await })
@@ -394,7 +435,7 @@ async fn create(
 
 async fn create_from_checkpoint(
     State(n): State<Shared>,
-    Json(c): Json<ForkCall>,
+    JsonArg(c): JsonArg<ForkCall>,
 ) -> Answer<serde_json::Value> {
     tokio::spawn(async move { n.create_from_checkpoint(&c.spec, &c.checkpoint_id).await })
         .await
@@ -498,7 +539,7 @@ where
 async fn exec(
     State(n): State<Shared>,
     Path(id): Path<String>,
-    Json(c): Json<ExecCall>,
+    JsonArg(c): JsonArg<ExecCall>,
 ) -> Response {
     let (out_tx, out_rx) = mpsc::channel::<Bytes>(64);
     pump(out_tx, c.stream, move |sink| {
@@ -653,7 +694,7 @@ struct ReadQ {
 async fn read_file(
     State(n): State<Shared>,
     Path(id): Path<String>,
-    Query(q): Query<ReadQ>,
+    QueryArg(q): QueryArg<ReadQ>,
 ) -> Result<Response, Failed> {
     let data = n.read_file(&id, &q.path, q.max_bytes).await?;
     Ok(([(header::CONTENT_TYPE, "application/octet-stream")], data).into_response())
@@ -662,7 +703,7 @@ async fn read_file(
 async fn write_file(
     State(n): State<Shared>,
     Path(id): Path<String>,
-    Query(q): Query<PathQ>,
+    QueryArg(q): QueryArg<PathQ>,
     data: Bytes,
 ) -> Answer<serde_json::Value> {
     n.write_file(&id, &q.path, data).await?;
@@ -672,7 +713,7 @@ async fn write_file(
 async fn write_volatile(
     State(n): State<Shared>,
     Path(id): Path<String>,
-    Json(v): Json<VolatileFiles>,
+    JsonArg(v): JsonArg<VolatileFiles>,
 ) -> Answer<serde_json::Value> {
     let mut files = Vec::with_capacity(v.files.len());
     for (p, b) in v.files {
@@ -690,7 +731,7 @@ async fn write_volatile(
 async fn file_size(
     State(n): State<Shared>,
     Path(id): Path<String>,
-    Query(q): Query<PathQ>,
+    QueryArg(q): QueryArg<PathQ>,
 ) -> Answer<u64> {
     Ok(Json(n.file_size(&id, &q.path).await?))
 }
@@ -698,7 +739,7 @@ async fn file_size(
 async fn stat_file(
     State(n): State<Shared>,
     Path(id): Path<String>,
-    Query(q): Query<PathQ>,
+    QueryArg(q): QueryArg<PathQ>,
 ) -> Answer<sandlot_api::FileEntry> {
     Ok(Json(n.stat_file(&id, &q.path).await?))
 }
@@ -706,7 +747,7 @@ async fn stat_file(
 async fn list_dir(
     State(n): State<Shared>,
     Path(id): Path<String>,
-    Query(q): Query<PathQ>,
+    QueryArg(q): QueryArg<PathQ>,
 ) -> Answer<Vec<sandlot_api::FileEntry>> {
     Ok(Json(n.list_dir(&id, &q.path).await?))
 }
@@ -714,7 +755,7 @@ async fn list_dir(
 async fn remove_file(
     State(n): State<Shared>,
     Path(id): Path<String>,
-    Query(q): Query<PathQ>,
+    QueryArg(q): QueryArg<PathQ>,
 ) -> Answer<serde_json::Value> {
     n.remove_file(&id, &q.path).await?;
     Ok(empty())
@@ -723,7 +764,7 @@ async fn remove_file(
 async fn make_dir(
     State(n): State<Shared>,
     Path(id): Path<String>,
-    Json(c): Json<MkdirCall>,
+    JsonArg(c): JsonArg<MkdirCall>,
 ) -> Answer<serde_json::Value> {
     n.make_dir(&id, &c.path, c.parents).await?;
     Ok(empty())
@@ -732,7 +773,7 @@ async fn make_dir(
 async fn process_spawn(
     State(n): State<Shared>,
     Path(id): Path<String>,
-    Json(req): Json<sandlot_api::SpawnRequest>,
+    JsonArg(req): JsonArg<sandlot_api::SpawnRequest>,
 ) -> Answer<sandlot_api::Process> {
     Ok(Json(n.process_spawn(&id, req).await?))
 }
@@ -757,7 +798,7 @@ async fn process_get(
 async fn process_output(
     State(n): State<Shared>,
     Path((id, pid)): Path<(String, String)>,
-    Query(c): Query<sandlot_node_api::OutputCursor>,
+    QueryArg(c): QueryArg<sandlot_node_api::OutputCursor>,
 ) -> Result<Response, Failed> {
     let events = n.process_output(&id, &pid, c).await?;
     let body = events.map(|ev| Ok::<_, std::convert::Infallible>(line(&ev)));
@@ -777,7 +818,7 @@ struct WaitQ {
 async fn process_wait(
     State(n): State<Shared>,
     Path((id, pid)): Path<(String, String)>,
-    Query(q): Query<WaitQ>,
+    QueryArg(q): QueryArg<WaitQ>,
 ) -> Answer<sandlot_api::Process> {
     let t = std::time::Duration::from_millis(q.timeout_ms);
     Ok(Json(n.process_wait(&id, &pid, t).await?))
@@ -786,7 +827,7 @@ async fn process_wait(
 async fn process_signal(
     State(n): State<Shared>,
     Path((id, pid)): Path<(String, String)>,
-    Json(c): Json<crate::wire::SignalCall>,
+    JsonArg(c): JsonArg<crate::wire::SignalCall>,
 ) -> Answer<serde_json::Value> {
     n.process_signal(&id, &pid, c.signal).await?;
     Ok(empty())
@@ -801,7 +842,7 @@ struct StdinQ {
 async fn process_stdin(
     State(n): State<Shared>,
     Path((id, pid)): Path<(String, String)>,
-    Query(q): Query<StdinQ>,
+    QueryArg(q): QueryArg<StdinQ>,
     body: Bytes,
 ) -> Answer<serde_json::Value> {
     n.process_stdin(&id, &pid, body, q.eof).await?;
@@ -811,7 +852,7 @@ async fn process_stdin(
 async fn process_resize(
     State(n): State<Shared>,
     Path((id, pid)): Path<(String, String)>,
-    Json(size): Json<sandlot_api::PtySize>,
+    JsonArg(size): JsonArg<sandlot_api::PtySize>,
 ) -> Answer<serde_json::Value> {
     n.process_resize(&id, &pid, size).await?;
     Ok(empty())

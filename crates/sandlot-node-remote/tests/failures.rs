@@ -406,3 +406,53 @@ async fn a_closed_gate_refuses_every_call_with_unavailable() {
     gate.0.store(true, Ordering::SeqCst);
     assert_eq!(node.list().await.unwrap()[0].id, id);
 }
+
+/// A body or query the router cannot parse answers a `WireError` (`kind`, `message`) like
+/// every node error, under the rejection's status — not axum's plain-text rejection.
+#[tokio::test]
+async fn unparsable_calls_answer_wire_errors() {
+    use axum::body::Body;
+    use axum::http::{Request, StatusCode};
+    use tower::ServiceExt;
+    let (fake, id) = fake_with_sandbox().await;
+    let app = sandlot_node_remote::router(fake, None);
+    let calls = [
+        // Not JSON.
+        Request::post("/v1/sandboxes")
+            .header("content-type", "application/json")
+            .body(Body::from("{not json"))
+            .unwrap(),
+        // JSON of the wrong shape.
+        Request::post("/v1/sandboxes")
+            .header("content-type", "application/json")
+            .body(Body::from(r#"{"id": 7}"#))
+            .unwrap(),
+        // No JSON content type.
+        Request::post(format!("/v1/sandboxes/{id}/exec"))
+            .body(Body::from("{}"))
+            .unwrap(),
+        // A query without its `path`.
+        Request::get(format!("/v1/sandboxes/{id}/files/stat"))
+            .body(Body::empty())
+            .unwrap(),
+    ];
+    for call in calls {
+        let what = format!("{} {}", call.method(), call.uri());
+        let r = app.clone().oneshot(call).await.unwrap();
+        let status = r.status();
+        assert!(
+            [
+                StatusCode::BAD_REQUEST,
+                StatusCode::UNPROCESSABLE_ENTITY,
+                StatusCode::UNSUPPORTED_MEDIA_TYPE
+            ]
+            .contains(&status),
+            "{what}: {status}"
+        );
+        let body = axum::body::to_bytes(r.into_body(), 1 << 20).await.unwrap();
+        let e: sandlot_node_api::WireError = serde_json::from_slice(&body)
+            .unwrap_or_else(|e| panic!("{what}: not a WireError ({e}): {body:?}"));
+        assert_eq!(e.kind, "invalid_argument", "{what}: {e:?}");
+        assert!(!e.message.is_empty(), "{what}");
+    }
+}
