@@ -409,12 +409,13 @@ def test_unit_render_states_every_target_and_verdict():
     assert "5.0 / 12.0 s" in text
     assert "38,400 of 38,400; 1000 of 1000 | exact; all | met" in text
     assert text.rstrip().endswith("a note")
-    # Costs: batch phase deltas over 10,000 creates.
+    # Costs: whole-fill deltas (pg[0] -> pg[3]) over the 384,000 live sandboxes.
     c = unit.costs(_unit_result())
-    assert c["pg_commits_per_create"] == pytest.approx(7.0)
-    assert c["pg_rows_per_create"] == pytest.approx(4.0)
-    assert c["etcd_puts_per_create"] == pytest.approx(0.01)
+    assert c["pg_commits_per_create"] == pytest.approx(79997 / 384000)
+    assert c["pg_rows_per_create"] == pytest.approx(50000 / 384000)
+    assert c["etcd_puts_per_create"] == pytest.approx(300 / 384000)
     assert c["server_mib_per_1k"] == pytest.approx(1.0)
+    assert c["server_cores"] == 0.5
 
 
 def test_unit_render_says_when_the_lost_sweep_did_not_finish():

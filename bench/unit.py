@@ -257,6 +257,7 @@ class Sampler(threading.Thread):
             pk = self.peak.setdefault(self.cur, {})
             for k, v in mem.items():
                 pk[k] = max(pk.get(k, 0), v)
+            pk["load1"] = max(pk.get("load1", 0), int(os.getloadavg()[0] * 1024))
 
     def cpu_totals(self) -> dict[str, float]:
         tot: Counter = Counter()
@@ -524,9 +525,7 @@ def run_unit(args: argparse.Namespace) -> dict:
                 raise R.BenchError(f"get: HTTP {r.status_code} {r.text[:200]}")
         lat, err, msgs = timed_calls(get_one, args.n_route)
         res["get"] = {**pcts(lat), "errors": err, "msgs": msgs}
-        big = {sid for sid, _ in led.ids[-j_made:]} if j_made else set()
-        ex_ids = [x for x in (rng.choice(ids) for _ in range(args.n_route * 2)) if x not in big]
-        it2 = iter(ex_ids)
+        it2 = iter([rng.choice(ids) for _ in range(args.n_route)])
 
         def exec_one() -> None:
             r = cl.post(f"/v1/sandboxes/{next(it2)}/exec", json={"cmd": ["/bin/true"]})
@@ -551,8 +550,10 @@ def run_unit(args: argparse.Namespace) -> dict:
             r = cl.post(f"/v1/sandboxes:{verb}", json={"labels": {"job": "big"}})
             d = time.perf_counter() - t
             j = r.json() if r.status_code == 200 else {}
+            why = Counter((f.get("error") or {}).get("message", "")[:160]
+                          for f in j.get("failed", []))
             res[verb] = {"s": d, "status": r.status_code, "changed": len(j.get("sandboxes", [])),
-                         "failed": len(j.get("failed", []))}
+                         "failed": len(j.get("failed", [])), "why": why.most_common(3)}
             print(f"U3 {verb} by label: {res[verb]}", flush=True)
         print(f"U3 list by label: {res['list']}", flush=True)
 
@@ -638,32 +639,34 @@ def _f(v, fmt="{:.1f}", none="—"):
 
 
 def costs(res: dict) -> dict:
-    """Per-create costs from the batch phase's counters (deltas pg[1]->pg[2], etcd[1]->[2])
-    and the whole fill's memory growth."""
-    n = res["batch"]["made"] or 1
-    p1, p2 = res["pg"][1], res["pg"][2]
-    e1, e2 = res["etcd"][1], res["etcd"][2]
-    live = res.get("live") or 1
+    """Per-create and per-sandbox costs over the whole fill (single + batch + job creates:
+    counters pg[0] -> pg[3], etcd[0] -> etcd[3]; memory growth from idle to full); CPU cores
+    of the batch phase (or of the job phase when there was no batch phase)."""
+    n = max(res.get("live") or 1, 1)
+    p0, p3 = res["pg"][0], res["pg"][3]
+    e0, e3 = res["etcd"][0], res["etcd"][3]
+    wall = max(res["fill_wall_s"], 1e-9)
     m0, m1 = res["mem0_kib"], res["mem_full_kib"]
     ph = {p["phase"]: p for p in res["phases"]}
-    bp = ph.get("fill: batches", {})
+    bp = ph.get("fill: batches", {}) if res["batch"]["made"] else next(
+        (p for p in res["phases"] if p["phase"].startswith("job:")), {})
+    rows = (p3["inserted"] - p0["inserted"]) + (p3["updated"] - p0["updated"]) + (
+        p3["deleted"] - p0["deleted"])
     return {
-        "pg_commits_per_create": (p2["commits"] - p1["commits"]) / n,
-        "pg_rows_per_create": ((p2["inserted"] - p1["inserted"]) + (p2["updated"] - p1["updated"])
-                               + (p2["deleted"] - p1["deleted"])) / n,
-        "pg_bytes_per_sandbox": (res["pg"][3]["bytes"] - res["pg"][0]["bytes"]) / live,
-        "etcd_puts_per_create": (e2.get("puts", 0) - e1.get("puts", 0)) / n,
-        "etcd_db_mib": res["etcd"][3].get("bytes", 0) / 2**20,
-        "server_mib_per_1k": (m1.get("server", 0) - m0.get("server", 0)) / 1024 / (live / 1000),
-        "pg_mib_per_1k": (m1.get("postgres", 0) - m0.get("postgres", 0)) / 1024 / (live / 1000),
-        "sim_mib_per_1k": (m1.get("sim", 0) - m0.get("sim", 0)) / 1024 / (live / 1000),
-        "batch_server_cores": bp.get("cores", {}).get("server"),
-        "batch_pg_cores": bp.get("cores", {}).get("postgres"),
-        "batch_etcd_cores": bp.get("cores", {}).get("etcd"),
-        "batch_per_s": res["batch"]["per_s"],
-        "pg_commits_per_s": (p2["commits"] - p1["commits"]) / max(res["batch"]["s"], 1e-9),
-        "pg_rows_per_s": ((p2["inserted"] - p1["inserted"]) + (p2["updated"] - p1["updated"])
-                          + (p2["deleted"] - p1["deleted"])) / max(res["batch"]["s"], 1e-9),
+        "pg_commits_per_create": (p3["commits"] - p0["commits"]) / n,
+        "pg_rows_per_create": rows / n,
+        "pg_bytes_per_sandbox": (p3["bytes"] - p0["bytes"]) / n,
+        "etcd_puts_per_create": (e3.get("puts", 0) - e0.get("puts", 0)) / n,
+        "etcd_db_mib": e3.get("bytes", 0) / 2**20,
+        "server_mib_per_1k": (m1.get("server", 0) - m0.get("server", 0)) / 1024 / (n / 1000),
+        "pg_mib_per_1k": (m1.get("postgres", 0) - m0.get("postgres", 0)) / 1024 / (n / 1000),
+        "sim_mib_per_1k": (m1.get("sim", 0) - m0.get("sim", 0)) / 1024 / (n / 1000),
+        "server_cores": bp.get("cores", {}).get("server"),
+        "pg_cores": bp.get("cores", {}).get("postgres"),
+        "etcd_cores": bp.get("cores", {}).get("etcd"),
+        "pg_commits_per_s": (p3["commits"] - p0["commits"]) / wall,
+        "pg_rows_per_s": rows / wall,
+        "creates_per_s": n / wall,
     }
 
 
@@ -734,24 +737,30 @@ def render(meta: dict, res: dict) -> str:
     L.append(f"| U4. afterwards: lost = killed nodes' sandboxes; others sampled `running` | "
              f"{k['lost']:,} of {k['sandboxes']:,}; {k['checked_running']} of {k['checked']} | "
              f"exact; all | {R.verdict(k['lost'] == k['sandboxes'] and k['checked_running'] == k['checked'])} |")
+    for verb in ("pause", "resume"):
+        if res[verb]["failed"]:
+            L.append("")
+            L.append(f"{verb.capitalize()} failures by message (count): " + "; ".join(
+                f"{n} × {m!r}" for m, n in res[verb].get("why", [])) + ".")
     L.append("")
     L.append("Resources per phase (CPU: cores used on average over the phase, from "
              "/proc/PID/stat; memory: peak PSS, MiB; PostgreSQL = postmaster + backends):")
     L.append("")
     L.append("| phase | wall s | server cores | MiB | PostgreSQL cores | MiB | etcd cores | MiB "
-             "| simulation cores | MiB |")
-    L.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+             "| simulation cores | MiB | peak 1-min load |")
+    L.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for p in res["phases"]:
         c, pk = p["cores"], p["peak_mib"]
         L.append(f"| {p['phase']} | {p['wall_s']:.0f} | " + " | ".join(
             f"{c.get(x, 0):.2f} | {pk.get(x, 0):.0f}" for x in ("server", "postgres", "etcd", "sim"))
-            + " |")
+            + f" | {pk.get('load1', 0):.1f} |")
     L.append("")
     L.append("Costs for an extrapolation (docs/operations.md \"Extrapolation to a real DSec-size "
-             "unit\"), batch phase: "
+             "unit\"), over the whole fill: "
              f"{cs['pg_commits_per_create']:.2f} PostgreSQL commits and "
              f"{cs['pg_rows_per_create']:.2f} rows written (inserted + updated + deleted) per "
-             f"create ({cs['pg_commits_per_s']:.0f} commits/s, {cs['pg_rows_per_s']:.0f} rows/s); "
+             f"create ({cs['pg_commits_per_s']:.0f} commits/s, {cs['pg_rows_per_s']:.0f} rows/s at "
+             f"{cs['creates_per_s']:.0f} creates/s); "
              f"{cs['pg_bytes_per_sandbox']:.0f} bytes of database per live sandbox; "
              f"{cs['etcd_puts_per_create']:.3f} etcd puts per create (etcd database "
              f"{cs['etcd_db_mib']:.1f} MiB); memory per 1,000 live sandboxes: server "
