@@ -7,6 +7,7 @@ PostgreSQL installed, scripts/setup.sh):
 
     .venv/bin/python bench/unit.py [--fill 384000] [--write BENCHMARKS.md]
     .venv/bin/python bench/unit.py --fill 40000             # a quick smaller run
+    .venv/bin/python bench/unit.py --from-json RUN.json --write BENCHMARKS.md  # re-render
 
 Starts, all on this machine, in a temporary directory: one etcd member (scripts/etcd.sh),
 PostgreSQL (scripts/postgres.sh), `--procs` processes of `sandlot node --simulate
@@ -297,8 +298,10 @@ class Sampler(threading.Thread):
 def pg_stats(c: UnitCluster) -> dict:
     """Cumulative counters of database `sandlot` (pg_stat_database) and its size, bytes."""
     v = c.psql("SELECT xact_commit, tup_inserted, tup_updated, tup_deleted, "
-               "pg_database_size('sandlot') FROM pg_stat_database WHERE datname = 'sandlot'")
-    return dict(zip(("commits", "inserted", "updated", "deleted", "bytes"), map(int, v)))
+               "pg_database_size('sandlot'), w.wal_records, w.wal_bytes, w.wal_sync "
+               "FROM pg_stat_database, pg_stat_wal w WHERE datname = 'sandlot'")
+    return dict(zip(("commits", "inserted", "updated", "deleted", "bytes", "wal_records",
+                     "wal_bytes", "wal_syncs"), map(int, v)))
 
 
 def etcd_stats(url: str) -> dict:
@@ -594,7 +597,9 @@ def run_unit(args: argparse.Namespace) -> dict:
                 first = now
             if seen - lost_before >= len(on_victim):
                 break
-            time.sleep(0.25)
+            # /metrics counts every record (a GROUP BY over the table): poll gently so the
+            # poll does not compete with the sweep it measures.
+            time.sleep(1.0)
         all_lost = time.monotonic() - t_kill if seen - lost_before >= len(on_victim) else None
         stop.set()
         ex.join()
@@ -652,7 +657,11 @@ def costs(res: dict) -> dict:
         (p for p in res["phases"] if p["phase"].startswith("job:")), {})
     rows = (p3["inserted"] - p0["inserted"]) + (p3["updated"] - p0["updated"]) + (
         p3["deleted"] - p0["deleted"])
+    wal = {k: (p3.get(k, 0) - p0.get(k, 0)) for k in ("wal_records", "wal_bytes", "wal_syncs")}
     return {
+        "pg_wal_bytes_per_create": wal["wal_bytes"] / n,
+        "pg_wal_syncs_per_s": wal["wal_syncs"] / wall,
+        "pg_wal_syncs_per_create": wal["wal_syncs"] / n,
         "pg_commits_per_create": (p3["commits"] - p0["commits"]) / n,
         "pg_rows_per_create": rows / n,
         "pg_bytes_per_sandbox": (p3["bytes"] - p0["bytes"]) / n,
@@ -674,6 +683,7 @@ def render(meta: dict, res: dict) -> str:
     m = meta["machine"]
     k = res["kill"]
     cs = costs(res)
+    has_wal = "wal_syncs" in res["pg"][0]
     per = res["nodes"] // res["procs"]
     L = [f"## {meta['date']} UTC — a simulated unit: {res['live']:,} sandboxes in "
          f"{res['nodes']} SIMULATED nodes, PostgreSQL + etcd (issue 22)", ""]
@@ -729,6 +739,11 @@ def render(meta: dict, res: dict) -> str:
              f"{k['sandboxes']:,} sandboxes; lease TTL 5 s): first `lost` / all `lost` | "
              f"{_f(k['first_lost_s'])} / {_f(k['all_lost_s'], none=not_all)} s | "
              "(no target) | |")
+    if k["first_lost_s"] is not None and k["lost_when_stopped"]:
+        end = k["all_lost_s"] or k["timeout_s"]
+        L.append(f"| U4. lost-node sweep rate (first → last `lost`) | "
+                 f"{k['lost_when_stopped'] / max(end - k['first_lost_s'], 1e-9):.0f} "
+                 "sandboxes/s | | |")
     ed = k["exec_during"]
     L.append(f"| U4. the rest: exec on other nodes during that window, n={ed['n']}, "
              f"{k['exec_during_errors']} errors: p50 / p99 | {_f(ed['p50_ms'], '{:.2f}')} / "
@@ -757,9 +772,15 @@ def render(meta: dict, res: dict) -> str:
     L.append("")
     L.append("Costs for an extrapolation (docs/operations.md \"Extrapolation to a real DSec-size "
              "unit\"), over the whole fill: "
-             f"{cs['pg_commits_per_create']:.2f} PostgreSQL commits and "
-             f"{cs['pg_rows_per_create']:.2f} rows written (inserted + updated + deleted) per "
-             f"create ({cs['pg_commits_per_s']:.0f} commits/s, {cs['pg_rows_per_s']:.0f} rows/s at "
+             f"{cs['pg_commits_per_create']:.2f} PostgreSQL transactions (xact_commit, "
+             f"read-only ones included), {cs['pg_rows_per_create']:.2f} rows written "
+             f"(inserted + updated + deleted)"
+             + (f", {cs['pg_wal_bytes_per_create']:.0f} bytes of WAL and "
+                f"{cs['pg_wal_syncs_per_create']:.3f} WAL fsyncs" if has_wal else "")
+             + f" per create ({cs['pg_commits_per_s']:.0f} transactions/s, "
+             f"{cs['pg_rows_per_s']:.0f} rows/s"
+             + (f", {cs['pg_wal_syncs_per_s']:.0f} WAL fsyncs/s" if has_wal else "")
+             + " at "
              f"{cs['creates_per_s']:.0f} creates/s); "
              f"{cs['pg_bytes_per_sandbox']:.0f} bytes of database per live sandbox; "
              f"{cs['etcd_puts_per_create']:.3f} etcd puts per create (etcd database "
@@ -793,7 +814,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--write", help="upsert the section into this BENCHMARKS.md")
     p.add_argument("--keep", action="store_true", help="leave the cluster up (debugging)")
     p.add_argument("--note", action="append", default=[], help="a line added to the section")
+    p.add_argument("--from-json", help="render the section of an earlier run's --json file "
+                   "(its command, date and figures; --note lines are added) instead of running")
     args = p.parse_args(argv)
+    if args.from_json:
+        saved = json.loads(Path(args.from_json).read_text())
+        meta, res = saved["meta"], saved["res"]
+        meta["notes"] = meta.get("notes", []) + args.note
+        text = render(meta, res)
+        print(text)
+        if args.write:
+            path = Path(args.write)
+            old = path.read_text() if path.exists() else ""
+            path.write_text(R.upsert_section(old, f"{meta['date'][:10]} unit", text))
+            print(f"bench: wrote the section into {path}")
+        return 0
     if R.httpx is None:
         raise SystemExit("bench: httpx missing (use .venv/bin/python)")
     if not shutil.which("etcd"):
