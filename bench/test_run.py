@@ -357,3 +357,70 @@ def test_cluster_section_states_targets_and_verdicts():
     assert "| cluster (3 nodes), n=64 | 32.0 |" in text and "| embedded, n=64 | 16.0 |" in text
     assert "| cluster / embedded | 2.00× |" in text
     assert "node0 5, node1 3" in text and text.rstrip().endswith("a note")
+
+
+def _unit_result(live=384000, batch_per_s=6000.0, lost=38400, all_lost_s=12.0):
+    """A bench/unit.py result as run_unit returns it (figures made up for the test)."""
+    pg = [{"commits": c, "inserted": i, "updated": i, "deleted": 0, "bytes": b}
+          for c, i, b in ((3, 0, 8 << 20), (10, 5, 9 << 20), (70010, 20005, 60 << 20),
+                          (80000, 25000, 300 << 20), (90000, 30000, 300 << 20))]
+    et = [{"puts": p, "bytes": 1 << 20} for p in (100, 200, 300, 400, 500)]
+    lat = {"n": 500, "p50_ms": 2.0, "p99_ms": 20.0, "max_ms": 30.0, "errors": 0, "msgs": []}
+    phase = {"phase": "fill: batches", "wall_s": 10.0,
+             "cores": {"server": 0.5, "postgres": 0.7, "etcd": 0.05, "sim": 0.1},
+             "peak_mib": {"server": 100.0, "postgres": 200.0, "etcd": 40.0, "sim": 60.0}}
+    return {
+        "nodes": 160, "procs": 10, "capacity": 2560, "live": live, "fill_wall_s": 100.0,
+        "single": {"n": 10000, "s": 10.0, "errors": 0, "per_s": 1000.0},
+        "batch": {"n": 10000, "made": 10000, "s": 10000 / batch_per_s, "failed_items": 0,
+                  "per_s": batch_per_s, "last_quarter_per_s": batch_per_s},
+        "job": {"n": 32768, "made": 32768, "failed_items": 0, "s": 20.0, "running": 32768},
+        "get": lat, "exec": dict(lat, p99_ms=60.0), "list": dict(lat, n=10, size=32768),
+        "pause": {"s": 3.0, "status": 200, "changed": 32768, "failed": 0},
+        "resume": {"s": 3.0, "status": 200, "changed": 32768, "failed": 0},
+        "kill": {"nodes": 16, "sandboxes": 38400, "first_lost_s": 5.0,
+                 "all_lost_s": all_lost_s, "lost": lost, "lost_when_stopped": lost,
+                 "timeout_s": 600.0, "checked": 1000, "checked_running": 1000,
+                 "exec_during": {"n": 100, "p50_ms": 2.0, "p99_ms": 9.0, "max_ms": 9.0},
+                 "exec_during_errors": 0},
+        "phases": [phase], "pg": pg, "etcd": et,
+        "mem0_kib": {"server": 1024, "postgres": 1024, "sim": 0},
+        "mem_full_kib": {"server": 1024 + 384 * 1024, "postgres": 2048, "sim": 0},
+        "pg_settings": ["on", "on", "128MB"], "rows_by_state": ["sandboxes=384000"]}
+
+
+def _unit_meta():
+    return {"date": "2026-12-05 20:00", "command": "bench/unit.py", "load_before": "1 1 1",
+            "load_after": "2 2 2", "batch_conc": 4, "notes": ["a note"],
+            "machine": {"nproc": 2, "cpu": "x", "mem_gib": 23.5, "kernel": "k", "commit": "c"}}
+
+
+def test_unit_render_states_every_target_and_verdict():
+    import unit
+
+    text = unit.render(_unit_meta(), _unit_result())
+    row = {line.split("|")[1].strip()[:12]: line for line in text.splitlines()
+           if line.startswith("| U")}
+    assert "≥ 1,000/s | met" in row["U1. single c"]
+    assert "≥ 5,000/s | met" in row["U1. batch cre"[:12]]
+    assert "≤ 15 s | MISSED" in row["U2. one job "]  # 20 s
+    assert "p99 ≤ 50 ms | MISSED" in text  # exec p99 60 ms
+    assert "p99 ≤ 50 ms | met" in text  # get p99 20 ms
+    assert "5.0 / 12.0 s" in text
+    assert "38,400 of 38,400; 1000 of 1000 | exact; all | met" in text
+    assert text.rstrip().endswith("a note")
+    # Costs: whole-fill deltas (pg[0] -> pg[3]) over the 384,000 live sandboxes.
+    c = unit.costs(_unit_result())
+    assert c["pg_commits_per_create"] == pytest.approx(79997 / 384000)
+    assert c["pg_rows_per_create"] == pytest.approx(50000 / 384000)
+    assert c["etcd_puts_per_create"] == pytest.approx(300 / 384000)
+    assert c["server_mib_per_1k"] == pytest.approx(1.0)
+    assert c["server_cores"] == 0.5
+
+
+def test_unit_render_says_when_the_lost_sweep_did_not_finish():
+    import unit
+
+    text = unit.render(_unit_meta(), _unit_result(lost=1000, all_lost_s=None))
+    assert "not within 600 s (1,000 lost by then)" in text
+    assert "1,000 of 38,400" in text and "| MISSED |" in text
