@@ -138,6 +138,20 @@ def test_background_connect_list_kill_and_stdin(box):
     assert cat.wait().stdout == "line one\nline two\ndone\n"
 
 
+@pytest.mark.e2b_only("function", why="backend-independent (the stream's end when the "
+                      "sandbox record goes)")
+def test_sandbox_killed_during_run_ends_the_stream(e2b_env):
+    """As E2B's `test_sandbox_killed_during_run.py`: a command whose sandbox is killed
+    ends its stream with `unavailable`; the SDK's health probe then says the sandbox is
+    gone."""
+    sb = Sandbox.create(template="base", timeout=120)
+    cmd = sb.commands.run("sleep 60", background=True)
+    sb.kill()
+    with pytest.raises(e2b.TimeoutException) as ei:
+        cmd.wait()
+    assert "sandbox was killed or reached its end of life" in str(ei.value)
+
+
 def test_command_timeout_kills(box):
     t = time.monotonic()
     with pytest.raises(e2b.TimeoutException):
