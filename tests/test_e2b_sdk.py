@@ -316,8 +316,8 @@ def _rss_kib(pid: int) -> int:
                       why="50 MB each way: TCG makes it slow and the path is the same node call")
 def test_files_50mb_bytes_round_trip(box, e2b_target):
     """50 MB through `files.write`/`files.read(format="bytes")`: byte-identical, and the
-XX
-    budget: docs/e2b.md)."""
+    server's RSS grows by a bounded amount (a multipart upload is parsed as it arrives and
+    held once, within the file budget: docs/e2b.md)."""
     import hashlib
     import os
 

@@ -563,8 +563,8 @@ pub fn gzip(data: &[u8]) -> Bytes {
 }
 
 /// `GET /files?path=P[&username=U]` → the file's bytes (`application/octet-stream`), sent
-/// in chunks while the file's budget share is held ([`crate::files::held_body`]); gzip-
-/// compressed as it is sent ([`gzip_body`], chunked, no `Content-Length`) when the client
+/// in chunks while the file's budget share is held (`files::held_body`); gzip-
+/// compressed as it is sent (`gzip_body`, chunked, no `Content-Length`) when the client
 /// accepts gzip ([`accepts_gzip`]) and the data is [`compressible`] — else as it is, with
 /// its `Content-Length` (HTTP lets a server answer identity whatever `Accept-Encoding`
 /// says; httpx, under the `e2b` SDK, accepts gzip on every request).
