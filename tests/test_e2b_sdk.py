@@ -110,6 +110,10 @@ def test_streaming_callbacks_and_env(box):
     assert "".join(err) == "err1\nerr2\nerr3\n" == r.stderr
     assert box.commands.run("echo $X", envs={"X": "per-command"}).stdout == "per-command\n"
     assert box.commands.run("pwd", cwd="/tmp").stdout == "/tmp\n"
+    # A relative cwd resolves against the user's home, `~` too (envd's ExpandAndResolve).
+    box.files.make_dir("/home/user/rel/sub")
+    assert box.commands.run("pwd", cwd="rel/sub").stdout == "/home/user/rel/sub\n"
+    assert box.commands.run("pwd", cwd="~/rel/../rel").stdout == "/home/user/rel\n"
     assert box.commands.run("echo $HOME", user="root").stdout == "/root\n"
 
 
@@ -132,6 +136,20 @@ def test_background_connect_list_kill_and_stdin(box):
     box.commands.send_stdin(cat.pid, "line two\n")
     box.commands.close_stdin(cat.pid)
     assert cat.wait().stdout == "line one\nline two\ndone\n"
+
+
+@pytest.mark.e2b_only("function", why="backend-independent (the stream's end when the "
+                      "sandbox record goes)")
+def test_sandbox_killed_during_run_ends_the_stream(e2b_env):
+    """As E2B's `test_sandbox_killed_during_run.py`: a command whose sandbox is killed
+    ends its stream with `unavailable`; the SDK's health probe then says the sandbox is
+    gone."""
+    sb = Sandbox.create(template="base", timeout=120)
+    cmd = sb.commands.run("sleep 60", background=True)
+    sb.kill()
+    with pytest.raises(e2b.TimeoutException) as ei:
+        cmd.wait()
+    assert "sandbox was killed or reached its end of life" in str(ei.value)
 
 
 def test_command_timeout_kills(box):
@@ -298,8 +316,8 @@ def _rss_kib(pid: int) -> int:
                       why="50 MB each way: TCG makes it slow and the path is the same node call")
 def test_files_50mb_bytes_round_trip(box, e2b_target):
     """50 MB through `files.write`/`files.read(format="bytes")`: byte-identical, and the
-    server's RSS grows by a bounded amount (uploads are buffered whole, within the file
-    budget: docs/e2b.md)."""
+    server's RSS grows by a bounded amount (a multipart upload is parsed as it arrives and
+    held once, within the file budget: docs/e2b.md)."""
     import hashlib
     import os
 
@@ -403,6 +421,7 @@ def test_bad_files_input_gets_clear_errors(box):
 def test_files_gzip_upload_download_and_bomb(box):
     """`gzip=True` of the SDK both ways; an upload inflating past the limit gets 413."""
     import gzip
+    import os
     import zlib
 
     data = ("gzip me " * 5000).encode()
@@ -420,7 +439,15 @@ def test_files_gzip_upload_download_and_bomb(box):
                   headers={**h, "Accept-Encoding": "gzip"})
         assert r.status_code == 200 and r.headers["content-encoding"] == "gzip"
         assert r.content == data  # httpx inflates
-        assert int(r.headers["content-length"]) < len(data) // 10
+        assert r.num_bytes_downloaded < len(data) // 10  # streamed, no Content-Length
+        # Incompressible data goes out as it is, whatever Accept-Encoding says (httpx
+        # under the SDK accepts gzip on every request).
+        noise = os.urandom(256 * 1024)
+        box.files.write("/tmp/gz/noise.bin", noise)
+        r = c.get("/files", params={"path": "/tmp/gz/noise.bin"},
+                  headers={**h, "Accept-Encoding": "gzip"})
+        assert "content-encoding" not in r.headers and r.content == noise
+        assert int(r.headers["content-length"]) == len(noise)
         r = c.get("/files", params={"path": "/tmp/gz/a.txt"},
                   headers={**h, "Accept-Encoding": "gzip;q=0, identity"})
         assert "content-encoding" not in r.headers and r.content == data

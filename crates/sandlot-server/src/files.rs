@@ -241,8 +241,11 @@ pub async fn read(
 
 /// A body of `data` in 1 MiB chunks that keeps `permit` until the last chunk was taken:
 /// hyper asks for the next chunk only once the previous ones are mostly written, so the
-/// budget share lives about as long as the bytes do.
-fn held_body(data: Vec<u8>, permit: tokio::sync::OwnedSemaphorePermit) -> axum::body::Body {
+/// budget share lives about as long as the bytes do. (Also the E2B `GET /files` body.)
+pub(crate) fn held_body(
+    data: Vec<u8>,
+    permit: tokio::sync::OwnedSemaphorePermit,
+) -> axum::body::Body {
     use futures::StreamExt;
     const CHUNK: usize = 1 << 20;
     let data = Bytes::from(data);

@@ -24,7 +24,10 @@
 //! inflated bytes take their share of the server's file data budget as they grow, like a
 //! plain upload of that size (429 when the budget stays full). A
 //! download whose `Accept-Encoding` accepts gzip ([`accepts_gzip`]) is sent gzip-compressed
-//! with `Content-Encoding: gzip`.
+//! as it goes out, with `Content-Encoding: gzip`, when its data is [`compressible`]; random,
+//! encrypted or already compressed data and files under 1 KiB go out as they are (httpx,
+//! under the `e2b` SDK, accepts gzip on every request: deflating 1 MiB of random bytes
+//! cost ~10 ms on the server and again on the client, for no smaller body).
 use super::connect::{check_kind, unary_ok, unary_request, CallKind, ConnectError};
 use super::{ensure_home, home_of, sandbox_of, visible, watch, E2bUser};
 use crate::auth::Principal;
@@ -481,7 +484,74 @@ pub fn accepts_gzip(h: &HeaderMap) -> bool {
         })
 }
 
-/// `data` gzip-compressed (fast level: downloads are bound by the network, not size).
+/// Whether gzip is worth its CPU for `data`: false under [`MIN_GZIP_BYTES`] (the gzip
+/// framing eats what it saves) and when a sample (the first [`SAMPLE_BYTES`]) looks
+/// incompressible — an order-0 entropy of at least
+/// [`INCOMPRESSIBLE_BITS`] bits per byte, what random, encrypted and already compressed
+/// data (zip, png, jpeg, gz) have. Costs one pass over the sample (~20 µs), where
+/// deflating 1 MiB of random bytes costs ~10 ms on each side for nothing.
+pub fn compressible(data: &[u8]) -> bool {
+    if data.len() < MIN_GZIP_BYTES {
+        return false;
+    }
+    let sample = &data[..data.len().min(SAMPLE_BYTES)];
+    let mut counts = [0u32; 256];
+    for b in sample {
+        counts[*b as usize] += 1;
+    }
+    let n = sample.len() as f64;
+    let bits: f64 = counts
+        .iter()
+        .filter(|c| **c > 0)
+        .map(|c| {
+            let p = f64::from(*c) / n;
+            -p * p.log2()
+        })
+        .sum();
+    bits < INCOMPRESSIBLE_BITS
+}
+
+/// Smallest download [`compressible`] gzips.
+pub const MIN_GZIP_BYTES: usize = 1024;
+/// Bytes of a download [`compressible`] samples.
+pub const SAMPLE_BYTES: usize = 64 * 1024;
+/// Order-0 entropy (bits per byte) from which [`compressible`] says no.
+pub const INCOMPRESSIBLE_BITS: f64 = 7.5;
+/// Input bytes the streamed gzip of a download compresses per chunk it sends.
+const GZIP_CHUNK: usize = 256 * 1024;
+
+/// A body of `data` gzip-compressed as it is sent (fast level: downloads are bound by the
+/// network, not size): a blocking task deflates [`GZIP_CHUNK`] bytes at a time into a
+/// channel of 2 chunks, so besides `data` (whose budget share `permit` stays with the body
+/// until the last chunk was taken) at most ~3 compressed chunks are in memory. A client
+/// that goes away stops the task at its next chunk.
+fn gzip_body(data: Vec<u8>, permit: tokio::sync::OwnedSemaphorePermit) -> axum::body::Body {
+    use std::io::Write;
+    let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(2);
+    tokio::task::spawn_blocking(move || {
+        let mut enc = flate2::write::GzEncoder::new(
+            Vec::with_capacity(GZIP_CHUNK / 2),
+            flate2::Compression::fast(),
+        );
+        for chunk in data.chunks(GZIP_CHUNK) {
+            enc.write_all(chunk)
+                .expect("writing into a Vec cannot fail");
+            let out = std::mem::take(enc.get_mut());
+            if !out.is_empty() && tx.blocking_send(Bytes::from(out)).is_err() {
+                return;
+            }
+        }
+        let out = enc.finish().expect("writing into a Vec cannot fail");
+        let _ = tx.blocking_send(Bytes::from(out));
+    });
+    let stream = futures::stream::unfold((rx, permit), |(mut rx, permit)| async move {
+        let c = rx.recv().await?;
+        Some((Ok::<_, std::convert::Infallible>(c), (rx, permit)))
+    });
+    axum::body::Body::from_stream(stream)
+}
+
+/// `data` gzip-compressed in one piece (fast level).
 pub fn gzip(data: &[u8]) -> Bytes {
     use std::io::Write;
     let mut enc = flate2::write::GzEncoder::new(
@@ -492,7 +562,12 @@ pub fn gzip(data: &[u8]) -> Bytes {
     Bytes::from(enc.finish().expect("writing into a Vec cannot fail"))
 }
 
-/// `GET /files?path=P[&username=U]` → the file's bytes (`application/octet-stream`).
+/// `GET /files?path=P[&username=U]` → the file's bytes (`application/octet-stream`), sent
+/// in chunks while the file's budget share is held (`files::held_body`); gzip-
+/// compressed as it is sent (`gzip_body`, chunked, no `Content-Length`) when the client
+/// accepts gzip ([`accepts_gzip`]) and the data is [`compressible`] — else as it is, with
+/// its `Content-Length` (HTTP lets a server answer identity whatever `Accept-Encoding`
+/// says; httpx, under the `e2b` SDK, accepts gzip on every request).
 pub async fn download(State(st): State<SharedState>, req: Request) -> Response {
     let (req, _) = req.into_parts();
     let r = async {
@@ -503,14 +578,11 @@ pub async fn download(State(st): State<SharedState>, req: Request) -> Response {
             .as_deref()
             .ok_or_else(|| ServerError::invalid("missing query parameter `path`"))?;
         let path = resolve_files(path, &ctx.home)?;
-        let (data, _permit) = st
+        let (data, permit) = st
             .budget_node
             .read_file_held(&ctx.id, &path, st.cfg.max_file_bytes as u64)
             .await?;
-        if accepts_gzip(&req.headers) {
-            let gz = tokio::task::spawn_blocking(move || gzip(&data))
-                .await
-                .map_err(|e| ServerError::new(ErrorCode::Internal, format!("gzip task: {e}")))?;
+        if accepts_gzip(&req.headers) && compressible(&data) {
             return Ok::<_, ServerError>(
                 (
                     [
@@ -518,18 +590,20 @@ pub async fn download(State(st): State<SharedState>, req: Request) -> Response {
                         (header::CONTENT_ENCODING, "gzip"),
                         (header::VARY, "Accept-Encoding"),
                     ],
-                    gz,
+                    gzip_body(data, permit),
                 )
                     .into_response(),
             );
         }
+        let len = data.len().to_string();
         Ok::<_, ServerError>(
             (
                 [
-                    (header::CONTENT_TYPE, "application/octet-stream"),
-                    (header::VARY, "Accept-Encoding"),
+                    (header::CONTENT_TYPE, "application/octet-stream".to_owned()),
+                    (header::CONTENT_LENGTH, len),
+                    (header::VARY, "Accept-Encoding".to_owned()),
                 ],
-                data,
+                crate::files::held_body(data, permit),
             )
                 .into_response(),
         )
@@ -537,7 +611,18 @@ pub async fn download(State(st): State<SharedState>, req: Request) -> Response {
     r.await.unwrap_or_else(files_error)
 }
 
+/// Bytes of multipart framing (boundaries, part headers) an upload may carry beyond
+/// `max_file_bytes`.
+pub const MULTIPART_FRAMING: usize = 64 * 1024;
+
 /// `POST /files?path=P[&username=U]` (module docs) → `[{name, type, path}]`.
+///
+/// A `multipart/form-data` body is parsed as it arrives ([`multipart_files`]): each
+/// part's content is gathered in one buffer, sized from `Content-Length`, and the body's
+/// own chunks are let go as they are parsed — the upload is in memory once, not as the
+/// body and again as its parts. The server's file budget holds
+/// [`crate::files::UPLOAD_SHARE_FACTOR`] × `Content-Length` until the answer. Nothing is
+/// written before the whole body parsed (a malformed second part leaves no first file).
 pub async fn upload(State(st): State<SharedState>, req: Request) -> Response {
     let (req, body) = req.into_parts();
     let r = async {
@@ -547,8 +632,20 @@ pub async fn upload(State(st): State<SharedState>, req: Request) -> Response {
             .headers
             .get(header::CONTENT_TYPE)
             .and_then(|v| v.to_str().ok())
-            .unwrap_or("")
-            .to_owned();
+            .unwrap_or("");
+        let boundary = if ct.to_ascii_lowercase().starts_with("multipart/form-data") {
+            Some(
+                multer::parse_boundary(ct)
+                    .map_err(|_| ServerError::invalid("multipart/form-data without a boundary"))?,
+            )
+        } else {
+            if ctx.q.path.is_none() {
+                return Err(ServerError::invalid(
+                    "missing query parameter `path` for an octet-stream upload",
+                ));
+            }
+            None
+        };
         let limit = st.cfg.max_file_bytes;
         let len = req
             .headers
@@ -561,25 +658,32 @@ pub async fn upload(State(st): State<SharedState>, req: Request) -> Response {
             .file_budget
             .reserve(len.saturating_mul(crate::files::UPLOAD_SHARE_FACTOR))
             .await?;
-        let body = axum::body::to_bytes(body, limit + 64 * 1024)
-            .await
-            .map_err(|e| {
-                ServerError::new(
-                    ErrorCode::PayloadTooLarge,
-                    format!("upload over the limit of {limit} bytes: {e}"),
-                )
-            })?;
+        let too_large = |e: axum::Error| {
+            ServerError::new(
+                ErrorCode::PayloadTooLarge,
+                format!("upload over the limit of {limit} bytes: {e}"),
+            )
+        };
         // The inflated bytes take their own share of the file budget as they grow (held
         // with `_inflated` until the answer), like a plain upload of that size.
         let mut _inflated = Vec::new();
-        let body = match encoding {
-            BodyEncoding::Identity => body,
+        let parts: Vec<(Option<String>, Bytes)> = match encoding {
+            BodyEncoding::Identity => match boundary {
+                Some(b) => multipart_files(body.into_data_stream(), b, limit, len as usize).await?,
+                None => vec![(
+                    None,
+                    axum::body::to_bytes(body, limit).await.map_err(too_large)?,
+                )],
+            },
             BodyEncoding::Gzip => {
+                let gz = axum::body::to_bytes(body, limit + MULTIPART_FRAMING)
+                    .await
+                    .map_err(too_large)?;
                 let budget = st.file_budget.clone();
                 let rt = tokio::runtime::Handle::current();
                 let (r, permits) = tokio::task::spawn_blocking(move || {
                     let mut permits = Vec::new();
-                    let r = gunzip_bounded(&body, limit + 64 * 1024, |n| {
+                    let r = gunzip_bounded(&gz, limit + MULTIPART_FRAMING, |n| {
                         let bytes = (n as u64).saturating_mul(crate::files::UPLOAD_SHARE_FACTOR);
                         let (p, _) = rt.block_on(budget.reserve(bytes))?;
                         permits.push(p);
@@ -590,44 +694,42 @@ pub async fn upload(State(st): State<SharedState>, req: Request) -> Response {
                 .await
                 .map_err(|e| ServerError::new(ErrorCode::Internal, format!("gunzip task: {e}")))?;
                 _inflated = permits;
-                r?
+                let inflated = r?;
+                match boundary {
+                    Some(b) => {
+                        let n = inflated.len();
+                        let one = futures::stream::once(async move {
+                            Ok::<_, std::convert::Infallible>(inflated)
+                        });
+                        multipart_files(one, b, limit, n).await?
+                    }
+                    None => vec![(None, inflated)],
+                }
             }
         };
-        let files: Vec<(String, Bytes)> = if ct
-            .to_ascii_lowercase()
-            .starts_with("multipart/form-data")
-        {
-            let parts = multipart(&ct, &body).map_err(ServerError::invalid)?;
-            let n = parts.len();
-            parts
-                .into_iter()
-                .map(|(name, data)| {
-                    let p = match (&ctx.q.path, name) {
-                        (Some(p), _) if n == 1 => p.clone(),
-                        (_, Some(f)) => f,
-                        (Some(p), None) => p.clone(),
-                        (None, None) => {
-                            return Err(ServerError::invalid(
-                                "a multipart part has no filename and there is no `path`",
-                            ))
-                        }
-                    };
-                    Ok((p, data))
-                })
-                .collect::<Result<_, _>>()?
-        } else {
-            let p = ctx.q.path.clone().ok_or_else(|| {
-                ServerError::invalid("missing query parameter `path` for an octet-stream upload")
-            })?;
-            vec![(p, body)]
-        };
+        let n = parts.len();
+        let files = parts
+            .into_iter()
+            .map(|(name, data)| {
+                let p = match (&ctx.q.path, name) {
+                    (Some(p), _) if n == 1 => p.clone(),
+                    (_, Some(f)) => f,
+                    (Some(p), None) => p.clone(),
+                    (None, None) => {
+                        return Err(ServerError::invalid(
+                            "a multipart part has no filename and there is no `path`",
+                        ))
+                    }
+                };
+                Ok((resolve_files(&p, &ctx.home)?, data))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
         if files.is_empty() {
             return Err(ServerError::invalid("the upload has no file"));
         }
         crate::disk_reserve::check(&st)?;
         let mut out = Vec::new();
-        for (p, data) in files {
-            let path = resolve_files(&p, &ctx.home)?;
+        for (path, data) in files {
             if data.len() > limit {
                 return Err(ServerError::new(
                     ErrorCode::PayloadTooLarge,
@@ -643,61 +745,57 @@ pub async fn upload(State(st): State<SharedState>, req: Request) -> Response {
     r.await.unwrap_or_else(files_error)
 }
 
-/// The parts of a `multipart/form-data` body (RFC 7578): `(filename, content)` each.
+/// The parts of a `multipart/form-data` body (RFC 7578) with boundary `boundary`, parsed
+/// by `multer` as `body` arrives: `(filename, content)` each, the content of each part
+/// gathered into one buffer (the first sized `size_hint` bytes, the body's length), at
+/// most `limit` bytes per part and `limit` + [`MULTIPART_FRAMING`] in all.
 ///
 /// # Errors
-/// A message when the boundary is missing or the body is malformed.
-pub fn multipart(content_type: &str, body: &[u8]) -> Result<Vec<(Option<String>, Bytes)>, String> {
-    let boundary = content_type
-        .split(';')
-        .filter_map(|p| p.trim().split_once('='))
-        .find(|(k, _)| k.trim().eq_ignore_ascii_case("boundary"))
-        .map(|(_, v)| v.trim().trim_matches('"').to_owned())
-        .filter(|b| !b.is_empty())
-        .ok_or("multipart/form-data without a boundary")?;
-    let delim = format!("--{boundary}");
-    let d = delim.as_bytes();
-    let find = |hay: &[u8], from: usize| -> Option<usize> {
-        hay.get(from..)?
-            .windows(d.len())
-            .position(|w| w == d)
-            .map(|i| i + from)
-    };
-    let mut pos = find(body, 0).ok_or("multipart body without its boundary")?;
-    let mut parts = Vec::new();
-    loop {
-        let after = pos + d.len();
-        if body.get(after..after + 2) == Some(b"--") {
-            break;
+/// `payload_too_large` over the limits; `invalid_argument` for a malformed body or one
+/// that could not be read.
+pub async fn multipart_files<S, E>(
+    body: S,
+    boundary: String,
+    limit: usize,
+    size_hint: usize,
+) -> Result<Vec<(Option<String>, Bytes)>, ServerError>
+where
+    S: futures::Stream<Item = Result<Bytes, E>> + Send + 'static,
+    E: Into<Box<dyn std::error::Error + Send + Sync>> + 'static,
+{
+    let constraints = multer::Constraints::new().size_limit(
+        multer::SizeLimit::new()
+            .whole_stream((limit + MULTIPART_FRAMING) as u64)
+            .per_field(limit as u64),
+    );
+    let err = |e: multer::Error| match e {
+        multer::Error::StreamSizeExceeded { .. } | multer::Error::FieldSizeExceeded { .. } => {
+            ServerError::new(
+                ErrorCode::PayloadTooLarge,
+                format!("upload over the limit of {limit} bytes: {e}"),
+            )
         }
-        let start = after
-            + if body.get(after..after + 2) == Some(b"\r\n") {
-                2
-            } else {
-                return Err("malformed multipart delimiter line".into());
-            };
-        let next = find(body, start).ok_or("multipart body without its closing boundary")?;
-        let mut part = &body[start..next];
-        part = part.strip_suffix(b"\r\n").unwrap_or(part);
-        let split = part
-            .windows(4)
-            .position(|w| w == b"\r\n\r\n")
-            .ok_or("multipart part without a header end")?;
-        let head = String::from_utf8_lossy(&part[..split]);
-        let content = Bytes::copy_from_slice(&part[split + 4..]);
-        let filename = head
-            .lines()
-            .find(|l| l.to_ascii_lowercase().starts_with("content-disposition:"))
-            .and_then(|l| {
-                l.split(';').find_map(|kv| {
-                    let (k, v) = kv.trim().split_once('=')?;
-                    (k.trim().eq_ignore_ascii_case("filename"))
-                        .then(|| v.trim().trim_matches('"').to_owned())
-                })
-            })
-            .filter(|f| !f.is_empty());
-        parts.push((filename, content));
-        pos = next;
+        multer::Error::StreamReadFailed(e) => {
+            ServerError::invalid(format!("reading the upload: {e}"))
+        }
+        e => ServerError::invalid(format!("malformed multipart body: {e}")),
+    };
+    let mut mp = multer::Multipart::with_constraints(body, boundary, constraints);
+    let mut parts = Vec::new();
+    while let Some(mut field) = mp.next_field().await.map_err(err)? {
+        let name = field
+            .file_name()
+            .filter(|f| !f.is_empty())
+            .map(str::to_owned);
+        let mut buf = bytes::BytesMut::with_capacity(if parts.is_empty() {
+            size_hint.min(limit)
+        } else {
+            0
+        });
+        while let Some(chunk) = field.chunk().await.map_err(err)? {
+            buf.extend_from_slice(&chunk);
+        }
+        parts.push((name, buf.freeze()));
     }
     Ok(parts)
 }
@@ -774,20 +872,52 @@ mod tests {
         assert_eq!(permissions(FileType::Dir, 0o755), "drwxr-xr-x");
     }
 
-    #[test]
-    fn multipart_parts() {
-        let body = b"--XyZ\r\nContent-Disposition: form-data; name=\"file\"; filename=\"/tmp/a.txt\"\r\nContent-Type: application/octet-stream\r\n\r\nhello\r\n--XyZ\r\nContent-Disposition: form-data; name=\"file\"; filename=\"b\"\r\n\r\nline\r\n\r\n--XyZ--\r\n";
-        let p = multipart("multipart/form-data; boundary=XyZ", body).unwrap();
+    #[tokio::test]
+    async fn multipart_parts() {
+        let body: &'static [u8] = b"--XyZ\r\nContent-Disposition: form-data; name=\"file\"; filename=\"/tmp/a.txt\"\r\nContent-Type: application/octet-stream\r\n\r\nhello\r\n--XyZ\r\nContent-Disposition: form-data; name=\"file\"; filename=\"b\"\r\n\r\nline\r\n\r\n--XyZ--\r\n";
+        // Chunks split anywhere, a boundary included.
+        let parse = |b: &'static [u8], boundary: &str, limit: usize| {
+            let chunks: Vec<Result<Bytes, std::convert::Infallible>> =
+                b.chunks(7).map(|c| Ok(Bytes::from_static(c))).collect();
+            multipart_files(
+                futures::stream::iter(chunks),
+                boundary.into(),
+                limit,
+                b.len(),
+            )
+        };
+        let p = parse(body, "XyZ", 1 << 20).await.unwrap();
         assert_eq!(p.len(), 2);
         assert_eq!(p[0].0.as_deref(), Some("/tmp/a.txt"));
         assert_eq!(&p[0].1[..], b"hello");
+        assert_eq!(p[1].0.as_deref(), Some("b"));
         assert_eq!(&p[1].1[..], b"line\r\n");
-        assert!(multipart("multipart/form-data", body).is_err());
-        assert!(multipart("multipart/form-data; boundary=Q", body).is_err());
-        assert!(multipart(
-            "multipart/form-data; boundary=XyZ",
-            b"--XyZ\r\nno header end"
-        )
-        .is_err());
+        let e = parse(body, "Q", 1 << 20).await.unwrap_err();
+        assert_eq!(e.api_error().code, ErrorCode::InvalidArgument);
+        let e = parse(b"--XyZ\r\nno header end", "XyZ", 1 << 20)
+            .await
+            .unwrap_err();
+        assert_eq!(e.api_error().code, ErrorCode::InvalidArgument);
+        let e = parse(body, "XyZ", 4).await.unwrap_err();
+        assert_eq!(e.api_error().code, ErrorCode::PayloadTooLarge);
+        assert!(multer::parse_boundary("multipart/form-data").is_err());
+    }
+
+    #[test]
+    fn incompressible_downloads_are_not_gzipped() {
+        let text = b"hello gzip, hello world ".repeat(1000);
+        assert!(compressible(&text));
+        assert!(!compressible(&text[..MIN_GZIP_BYTES - 1]));
+        // Pseudo-random bytes (xorshift): what random, encrypted and compressed data look like.
+        let mut x = 0x2545_f491_4f6c_dd1du64;
+        let random: Vec<u8> = (0..1 << 20)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                (x >> 32) as u8
+            })
+            .collect();
+        assert!(!compressible(&random));
     }
 }

@@ -301,25 +301,32 @@ pub async fn visible(st: &SharedState, who: &Principal, id: &str) -> Result<Reco
 }
 
 /// `GET /health` (envd): 204 while the sandbox named by the request runs; 502 when it is
-/// not running (what E2B's proxy answers; the SDK's `is_running` reads 502 as `false`).
+/// not running, with E2B's proxy's message `The sandbox <id> was not found` (the SDK's
+/// `is_running` reads any 502 as `false`; its health probe after a broken stream needs
+/// "was not found" to call the sandbox gone, [`process`]).
 pub async fn health(
     axum::extract::State(st): axum::extract::State<SharedState>,
     axum::Extension(who): axum::Extension<Principal>,
     headers: HeaderMap,
 ) -> Response {
     use axum::response::IntoResponse;
-    let running = match sandbox_of(&headers) {
-        Ok(id) => visible(&st, &who, &id)
+    let id = sandbox_of(&headers).ok();
+    let running = match &id {
+        Some(id) => visible(&st, &who, id)
             .await
             .is_ok_and(|r| r.state == sandlot_api::SandboxState::Running),
-        Err(_) => false,
+        None => false,
     };
     if running {
         axum::http::StatusCode::NO_CONTENT.into_response()
     } else {
+        let message = format!(
+            "The sandbox {} was not found (not running)",
+            id.as_deref().unwrap_or("(no id)")
+        );
         (
             axum::http::StatusCode::BAD_GATEWAY,
-            axum::Json(serde_json::json!({"code": 502, "message": "sandbox not running"})),
+            axum::Json(serde_json::json!({"code": 502, "message": message})),
         )
             .into_response()
     }

@@ -31,6 +31,7 @@
 //! process running (`commands.connect` reattaches). `cmd: "/bin/bash"` (what
 //! `commands.run` sends) falls back to `/bin/sh` in images without bash, dropping `-l`.
 //! Keepalive events are sent every `Keepalive-Ping-Interval` seconds (default 50).
+//! `cwd` resolves as envd resolves it ([`cwd_of`]): relative to the user's home, `~` expanded.
 //! Stdout and stderr keep their own order; their interleaving is not kept exactly.
 use super::connect::{
     check_kind, end_stream, message, stream_error, stream_from, stream_request, stream_response,
@@ -334,6 +335,36 @@ pub(super) fn keepalive_of(h: &HeaderMap) -> Duration {
     Duration::from_secs(s)
 }
 
+/// The working directory of a `Start` as envd resolves it (`ExpandAndResolve`): none or
+/// empty → the user's home; `~` and `~/x` → in the home; a relative path → joined to the
+/// home; the result made absolute and lexically clean (`.` and `..` folded, `..` stopping
+/// at `/`).
+///
+/// # Errors
+/// `invalid_argument` for `~other` (another user's home, which envd cannot expand either).
+pub fn cwd_of(cwd: Option<&str>, home: &str) -> Result<String, ConnectError> {
+    let raw = match cwd {
+        None | Some("") => return Ok(home.to_owned()),
+        Some(c) if c.starts_with('~') && c != "~" && !c.starts_with("~/") => {
+            return Err(ConnectError::invalid(format!(
+                "cwd {c:?}: cannot expand another user's home directory"
+            )))
+        }
+        Some(c) => super::filesystem::resolve(c, home)?,
+    };
+    let mut parts: Vec<&str> = Vec::new();
+    for c in raw.split('/') {
+        match c {
+            "" | "." => {}
+            ".." => {
+                parts.pop();
+            }
+            c => parts.push(c),
+        }
+    }
+    Ok(format!("/{}", parts.join("/")))
+}
+
 async fn start(
     st: &SharedState,
     id: &str,
@@ -372,7 +403,7 @@ async fn start(
     crate::disk_reserve::check(st)?;
     let spawn = SpawnRequest {
         cmd,
-        cwd: Some(cfg.cwd.clone().unwrap_or_else(|| home.clone())),
+        cwd: Some(cwd_of(cfg.cwd.as_deref(), &home)?),
         env,
         stdin_b64: None,
         stdin: req.stdin.unwrap_or(false),
@@ -407,6 +438,8 @@ async fn start(
     }
     let handle = ProcRef::new(st, id, &p.id);
     Ok(follow(
+        st,
+        id,
         handle,
         is_pty,
         p.number,
@@ -474,6 +507,8 @@ async fn reconnect(
     let h = handle_of(st, id, &found);
     let info = h.info().await.map_err(node_error)?;
     Ok(follow(
+        st,
+        id,
         h,
         found.pty,
         found.pid,
@@ -535,7 +570,32 @@ fn signal_name(sig: i32) -> String {
 }
 
 /// The stream of a process: `start {pid}`, its output from the offsets, keepalives, `end`.
+/// Whether sandbox `id` is gone or going (no record, or `deleting`/`deleted`/`lost`): a
+/// stream whose process ended for that reason ends as envd's does when its sandbox is
+/// killed mid-command — an `unavailable` error, which the SDK answers with a health probe
+/// (502 then) and `SandboxNotRunningException` ("killed or reached its end of life"),
+/// not with the process's end.
+async fn sandbox_gone(st: &SharedState, id: &str) -> bool {
+    use sandlot_api::SandboxState as S;
+    match st.store.get(id).await {
+        Ok(None) => true,
+        Ok(Some(r)) => matches!(r.state, S::Deleting | S::Deleted | S::Lost),
+        Err(_) => false,
+    }
+}
+
+/// The error a stream ends with when its sandbox went away under it ([`sandbox_gone`]).
+fn sandbox_gone_error(id: &str) -> ConnectError {
+    ConnectError::new(
+        "unavailable",
+        format!("the connection to sandbox {id} ended before the stream completed: the sandbox is being deleted"),
+    )
+}
+
+#[allow(clippy::too_many_arguments)]
 fn follow(
+    st: &SharedState,
+    id: &str,
     h: ProcRef,
     pty: bool,
     pid: u32,
@@ -546,6 +606,7 @@ fn follow(
     let (tx, rx) = mpsc::channel::<Bytes>(16);
     // A terminal's output is one stream, envd's `data {pty}`.
     let out_name = if pty { "pty" } else { "stdout" };
+    let (st, id) = (st.clone(), id.to_owned());
     tokio::spawn(async move {
         if tx
             .send(event(serde_json::json!({"start": {"pid": pid}})))
@@ -574,6 +635,10 @@ fn follow(
                             (data("stderr", &raw_of(&d, &data_b64)), false)
                         }
                         Some(ProcessEvent::Skipped { .. }) => continue,
+                        _ if sandbox_gone(&st, &id).await => {
+                            let _ = tx.send(end_stream(Some(&sandbox_gone_error(&id)))).await;
+                            return;
+                        }
                         Some(ProcessEvent::Exit { result }) => (event(end_event(&result)), true),
                         Some(ProcessEvent::Error { error }) => {
                             let e = ConnectError::new(super::connect::code_of(error.code), error.message);
@@ -863,6 +928,20 @@ mod tests {
         assert!(m.config.args.is_empty() && m.pty);
         // A record without E2B meta (REST, interpreter) is not E2B's.
         assert!(E2bMeta::of(&rec(serde_json::json!({"other": 1}))).is_none());
+    }
+
+    #[test]
+    fn cwd_resolves_like_envd() {
+        let h = "/home/user";
+        assert_eq!(cwd_of(None, h).unwrap(), h);
+        assert_eq!(cwd_of(Some(""), h).unwrap(), h);
+        assert_eq!(cwd_of(Some("~"), h).unwrap(), h);
+        assert_eq!(cwd_of(Some("~/a/b"), h).unwrap(), "/home/user/a/b");
+        assert_eq!(cwd_of(Some("sub/dir"), h).unwrap(), "/home/user/sub/dir");
+        assert_eq!(cwd_of(Some("./x/../y/"), h).unwrap(), "/home/user/y");
+        assert_eq!(cwd_of(Some("../../../.."), h).unwrap(), "/");
+        assert_eq!(cwd_of(Some("/tmp//a/./b/.."), h).unwrap(), "/tmp/a");
+        assert!(cwd_of(Some("~root/x"), h).is_err());
     }
 
     #[test]
