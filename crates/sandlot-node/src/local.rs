@@ -14,6 +14,7 @@ use crate::backends::qemu::microvm::{MicrovmBackend, MicrovmConfig};
 use crate::backends::qemu::vm::{VmBackend, VmConfig};
 use crate::backends::qemu::AccelProbe;
 use crate::backends::AnyBackend;
+use crate::backends::ExecIo;
 use crate::cgroups::CgroupRoot;
 use crate::checkpoints::{CheckpointMeta, CheckpointStore};
 use crate::images::ImageStore;
@@ -691,7 +692,11 @@ impl Node for LocalNode {
         req: &ExecRequest,
         sink: Option<ExecSink>,
     ) -> NodeResult<ExecResult> {
-        self.owner(id)?.exec(id, req, sink).await
+        let io = ExecIo {
+            sink,
+            control: None,
+        };
+        self.owner(id)?.exec(id, req, io).await
     }
 
     async fn exec_controlled(
@@ -701,9 +706,11 @@ impl Node for LocalNode {
         sink: Option<ExecSink>,
         control: ExecControl,
     ) -> NodeResult<ExecResult> {
-        self.owner(id)?
-            .exec_controlled(id, req, sink, control)
-            .await
+        let io = ExecIo {
+            sink,
+            control: Some(control),
+        };
+        self.owner(id)?.exec(id, req, io).await
     }
 
     async fn read_file(&self, id: &str, path: &str, max_bytes: u64) -> NodeResult<Vec<u8>> {

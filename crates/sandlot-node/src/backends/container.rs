@@ -66,13 +66,13 @@ use super::gvisor_audit;
 use super::pause::{check_live, freeze, thaw};
 use super::pool::WarmPool;
 use super::uids::{UidLease, UidSlots};
-use super::SandboxBackend;
+use super::{ExecIo, SandboxBackend};
 use crate::agent_client::AgentClient;
 use crate::cgroups::{CgroupRoot, Limits, SandboxCgroup};
 use crate::checkpoints::{Captured, Checkpoint};
 use crate::images::Image;
 use crate::net::{NetworkManager, NodeNet};
-use crate::node::{ExecControl, ExecSink, NodeError, NodeResult, SandboxSpec, SandboxStatus};
+use crate::node::{NodeError, NodeResult, SandboxSpec, SandboxStatus};
 use crate::sys::{proc_starttime, spawn_blocking};
 use async_trait::async_trait;
 use pool::{pool_dir, spec_compatible, ContainerPool, Containers};
@@ -322,13 +322,7 @@ pub fn is_static_elf(p: &Path) -> bool {
 
 impl ContainerBackend {
     /// An exec through the agent; with `control`, stdin streams and signals reach it.
-    async fn run_exec(
-        &self,
-        id: &str,
-        req: &ExecRequest,
-        sink: Option<ExecSink>,
-        control: Option<ExecControl>,
-    ) -> NodeResult<ExecResult> {
+    async fn run_exec(&self, id: &str, req: &ExecRequest, io: ExecIo) -> NodeResult<ExecResult> {
         let c = self.get(id)?;
         let life = (&c.deleting, &c.killed, &c.paused);
         let (guard, mut killed, mut plan) =
@@ -353,7 +347,8 @@ impl ContainerBackend {
         };
         let window = c.sentry.as_ref().map(|s| s.begin());
         let started = gvisor_audit::now_ms();
-        let mut res = agent_exec::run(target, plan, guard, &mut killed, sink, control).await?;
+        let mut res =
+            agent_exec::run(target, plan, guard, &mut killed, io.sink, io.control).await?;
         if let Some(w) = window {
             res.violations.extend(w.finish());
         }
@@ -1546,23 +1541,8 @@ impl SandboxBackend for ContainerBackend {
         self.boxes.lock().unwrap().contains_key(id)
     }
 
-    async fn exec(
-        &self,
-        id: &str,
-        req: &ExecRequest,
-        sink: Option<ExecSink>,
-    ) -> NodeResult<ExecResult> {
-        self.run_exec(id, req, sink, None).await
-    }
-
-    async fn exec_controlled(
-        &self,
-        id: &str,
-        req: &ExecRequest,
-        sink: Option<ExecSink>,
-        control: ExecControl,
-    ) -> NodeResult<ExecResult> {
-        self.run_exec(id, req, sink, Some(control)).await
+    async fn exec(&self, id: &str, req: &ExecRequest, io: ExecIo) -> NodeResult<ExecResult> {
+        self.run_exec(id, req, io).await
     }
 
     fn agent_files(&self) -> Option<&dyn AgentFiles> {

@@ -86,7 +86,7 @@ use super::pause::{check_not_paused, freeze, thaw, FREEZE_TIMEOUT};
 use super::pool::WarmPool;
 use super::spawn::{cloexec_pipe, dup_high, SpawnedChild};
 use super::uids::{UidLease, UidSlots, UID_COUNT};
-use super::SandboxBackend;
+use super::{ExecIo, SandboxBackend};
 use crate::cgroups::{Cgroup, CgroupRoot, Limits, SandboxCgroup};
 use crate::checkpoints::{Captured, Checkpoint};
 use crate::files::SandboxFs;
@@ -698,50 +698,18 @@ impl SandboxBackend for FunctionBackend {
         self.jails.lock().unwrap().contains_key(id)
     }
 
-    async fn exec(
-        &self,
-        id: &str,
-        req: &ExecRequest,
-        sink: Option<ExecSink>,
-    ) -> NodeResult<ExecResult> {
+    async fn exec(&self, id: &str, req: &ExecRequest, io: ExecIo) -> NodeResult<ExecResult> {
         let jail = self.jail(id)?;
         jail.check_not_paused()?;
         let plan = ExecPlan::new(&jail.state, req)?;
         let started = crate::backends::gvisor_audit::now_ms();
+        let ExecIo { sink, control } = io;
         if let Some(a) = self.agent_of(&jail) {
-            let res = agent::exec(&jail, &a.client, plan, sink, None).await;
+            let res = agent::exec(&jail, &a.client, plan, sink, control).await;
             return self.with_net_violations(id, started, res);
         }
         let standby = self.exec_standby.then_some(self.cfg.guest_bin.as_path());
-        let res = run_exec(&self.cfg.guest_bin, &jail, plan, sink, standby, None).await;
-        self.with_net_violations(id, started, res)
-    }
-
-    async fn exec_controlled(
-        &self,
-        id: &str,
-        req: &ExecRequest,
-        sink: Option<ExecSink>,
-        control: ExecControl,
-    ) -> NodeResult<ExecResult> {
-        let jail = self.jail(id)?;
-        jail.check_not_paused()?;
-        let plan = ExecPlan::new(&jail.state, req)?;
-        let started = crate::backends::gvisor_audit::now_ms();
-        if let Some(a) = self.agent_of(&jail) {
-            let res = agent::exec(&jail, &a.client, plan, sink, Some(control)).await;
-            return self.with_net_violations(id, started, res);
-        }
-        let standby = self.exec_standby.then_some(self.cfg.guest_bin.as_path());
-        let res = run_exec(
-            &self.cfg.guest_bin,
-            &jail,
-            plan,
-            sink,
-            standby,
-            Some(control),
-        )
-        .await;
+        let res = run_exec(&self.cfg.guest_bin, &jail, plan, sink, standby, control).await;
         self.with_net_violations(id, started, res)
     }
 
@@ -2096,7 +2064,10 @@ mod tests {
         // No standby before the second exec.
         for _ in 0..STANDBY_AFTER_EXECS {
             assert!(jail.standby.lock().unwrap().is_none());
-            let r = be.exec(ID, &sh("true", 10.0), None).await.unwrap();
+            let r = be
+                .exec(ID, &sh("true", 10.0), ExecIo::default())
+                .await
+                .unwrap();
             assert_eq!(r.exit_code, 0, "{r:?}");
         }
 
@@ -2107,7 +2078,7 @@ mod tests {
             .exec(
                 ID,
                 &sh("sleep 100 & echo out; echo err >&2; exit 7", 10.0),
-                None,
+                ExecIo::default(),
             )
             .await
             .unwrap();
@@ -2129,25 +2100,35 @@ mod tests {
             dirs.iter().all(|d| !d.exists()),
             "its exec group is removed"
         );
-        let ps = be.exec(ID, &sh("ps -o comm", 10.0), None).await.unwrap();
+        let ps = be
+            .exec(ID, &sh("ps -o comm", 10.0), ExecIo::default())
+            .await
+            .unwrap();
         assert!(!ps.stdout.contains("sleep"), "{ps:?}");
 
         // An exec with stdin spawns its own helper and leaves the standby alone.
         let (pid, _) = wait_standby(&jail).await;
         let mut req = ExecRequest::new(sandlot_api::Cmd::Argv(vec!["cat".into()]));
         req.stdin_b64 = Some(base64::engine::general_purpose::STANDARD.encode("piped"));
-        let r = be.exec(ID, &req, None).await.unwrap();
+        let r = be.exec(ID, &req, ExecIo::default()).await.unwrap();
         assert_eq!((r.exit_code, r.stdout.as_str()), (0, "piped"));
         assert!(proc_starttime(pid).is_some(), "standby kept");
         // And a standby exec's stdin is /dev/null.
-        let r = be.exec(ID, &sh("cat; echo end", 10.0), None).await.unwrap();
+        let r = be
+            .exec(ID, &sh("cat; echo end", 10.0), ExecIo::default())
+            .await
+            .unwrap();
         assert_eq!((r.exit_code, r.stdout.as_str()), (0, "end\n"));
         assert!(proc_starttime(pid).is_none());
 
         // Timeout kills the whole tree.
         wait_standby(&jail).await;
         let r = be
-            .exec(ID, &sh("echo before; sleep 100 & sleep 100", 1.0), None)
+            .exec(
+                ID,
+                &sh("echo before; sleep 100 & sleep 100", 1.0),
+                ExecIo::default(),
+            )
             .await
             .unwrap();
         assert!(r.timed_out, "{r:?}");
@@ -2159,12 +2140,19 @@ mod tests {
         // OOM is reported from the exec group's own counter, and only for that exec.
         wait_standby(&jail).await;
         let r = be
-            .exec(ID, &sh("head -c 200m /dev/zero | tail", 30.0), None)
+            .exec(
+                ID,
+                &sh("head -c 200m /dev/zero | tail", 30.0),
+                ExecIo::default(),
+            )
             .await
             .unwrap();
         assert!(r.oom_killed && r.exit_code != 0, "{r:?}");
         wait_standby(&jail).await;
-        let r = be.exec(ID, &sh("echo fine", 10.0), None).await.unwrap();
+        let r = be
+            .exec(ID, &sh("echo fine", 10.0), ExecIo::default())
+            .await
+            .unwrap();
         assert!(!r.oom_killed && r.exit_code == 0, "{r:?}");
 
         // Delete kills a waiting standby and removes its group.

@@ -39,6 +39,17 @@ pub(crate) fn check_id(id: &str) -> NodeResult<()> {
     }
 }
 
+/// Where one exec's output goes ([`ExecSink`], `None`: only the result) and, for
+/// [`crate::Node::exec_controlled`], what steers it while it runs ([`ExecControl`]: stdin,
+/// signals). `ExecIo::default()`: neither.
+#[derive(Default)]
+pub struct ExecIo {
+    /// Receives the output as it comes.
+    pub sink: Option<ExecSink>,
+    /// Stdin and signals while the command runs.
+    pub control: Option<ExecControl>,
+}
+
 /// Operations of one backend. Every sandbox id belongs to exactly one backend.
 #[async_trait]
 pub trait SandboxBackend: Send + Sync {
@@ -51,22 +62,9 @@ pub trait SandboxBackend: Send + Sync {
     /// True when this backend runs sandbox `id`.
     fn has(&self, id: &str) -> bool;
 
-    /// Run a command (see [`crate::Node::exec`]).
-    async fn exec(
-        &self,
-        id: &str,
-        req: &ExecRequest,
-        sink: Option<ExecSink>,
-    ) -> NodeResult<ExecResult>;
-
-    /// Run a command with live control (see [`crate::Node::exec_controlled`]).
-    async fn exec_controlled(
-        &self,
-        id: &str,
-        req: &ExecRequest,
-        sink: Option<ExecSink>,
-        control: ExecControl,
-    ) -> NodeResult<ExecResult>;
+    /// Run a command (see [`crate::Node::exec`]); with `io.control`, stdin streams and
+    /// signals reach it (see [`crate::Node::exec_controlled`]).
+    async fn exec(&self, id: &str, req: &ExecRequest, io: ExecIo) -> NodeResult<ExecResult>;
 
     /// The agent-backed file operations of this backend, where its sandboxes' files are
     /// served by their guest agents: the seven file methods below default to them. `None`
