@@ -599,7 +599,7 @@ impl Node for LocalNode {
         }
         check_network_backend(spec.backend, &spec.network)?;
         let image = self.images.resolve(&spec.image).await?;
-        backend.create(spec, &image).await
+        backend.create(spec, &image, None).await
     }
 
     async fn checkpoint(&self, id: &str, checkpoint_id: &str) -> NodeResult<CheckpointMeta> {
@@ -654,7 +654,7 @@ impl Node for LocalNode {
         check_network_backend(spec.backend, &spec.network)?;
         let image = self.images.resolve(&spec.image).await?;
         let Some(taken_on) = ck.meta.image_version.clone() else {
-            return backend.create_from(spec, &image, &ck).await;
+            return backend.create(spec, &image, Some(&ck)).await;
         };
         let changed = |now: &str| {
             NodeError::Conflict(format!(
@@ -665,7 +665,7 @@ impl Node for LocalNode {
         if image.version() != taken_on {
             return Err(changed(&image.version()));
         }
-        backend.create_from(spec, &image, &ck).await?;
+        backend.create(spec, &image, Some(&ck)).await?;
         // A built-in image is mounted by its path: a rebuild between the check and the
         // fork's mount shows as a newer version now (versions never come back).
         let now = self.images.get(&spec.image).map(|i| i.version());

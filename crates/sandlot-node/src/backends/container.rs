@@ -856,73 +856,6 @@ impl Core {
 }
 
 impl ContainerBackend {
-    /// Create `spec`, its writable layer seeded from `seed` when given (a fork).
-    async fn create_with(
-        &self,
-        spec: &SandboxSpec,
-        image: &Image,
-        seed: Option<&Checkpoint>,
-    ) -> NodeResult<()> {
-        check_id(&spec.id)?;
-        let runtime = match spec.runtime.as_deref() {
-            None => self.core.cfg.default_runtime,
-            Some(name) => Runtime::parse(name).ok_or_else(|| {
-                NodeError::InvalidArgument(format!(
-                    "unknown runtime {name:?}: expected runc, crun or runsc"
-                ))
-            })?,
-        };
-        let bin = self.core.runtime_bin(runtime)?;
-        let dir = self.core.dir_of(&spec.id);
-        match std::fs::create_dir(&dir) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
-                return Err(NodeError::Conflict(format!(
-                    "sandbox {} already exists",
-                    spec.id
-                )))
-            }
-            Err(e) => return Err(NodeError::io(format!("create {}", dir.display()), e)),
-        }
-        // Warm pool: hand a ready container over; on any failure fall through to a cold
-        // create in the same (still empty) claimed directory.
-        if let Some(pool) = self
-            .pool
-            .get()
-            .filter(|_| seed.is_none() && spec_compatible(spec, runtime))
-        {
-            let adopt = |state, uids| drop(self.adopt(state, uids));
-            if pool.create(spec, image, &dir, adopt).await {
-                return Ok(());
-            }
-        }
-        let uids = match self.uids.allocate() {
-            Ok(u) => u,
-            Err(e) => {
-                let _ = std::fs::remove_dir(&dir);
-                return Err(e);
-            }
-        };
-        let cg = self.core.cgroups.sandbox(&spec.id);
-        match self
-            .core
-            .create_inner(&dir, spec, image, runtime, &bin, uids.base(), &cg, seed)
-            .await
-        {
-            Ok(state) => {
-                self.adopt(state, uids);
-                tracing::info!(sandbox = %spec.id, backend = "container", runtime = runtime.name(), "sandbox created");
-                Ok(())
-            }
-            Err(e) => {
-                if let Err(c) = self.destroy(&spec.id, Some(runtime)).await {
-                    tracing::warn!(sandbox = %spec.id, error = %c, "cleanup after a failed create");
-                }
-                Err(e)
-            }
-        }
-    }
-
     /// Whether cgroup `name` belongs to a known container (under another name: handed
     /// over by the pool) or to the container pool itself.
     fn cgroup_in_use(&self, name: &str) -> bool {
@@ -1501,17 +1434,70 @@ impl SandboxBackend for ContainerBackend {
         Backend::Container
     }
 
-    async fn create(&self, spec: &SandboxSpec, image: &Image) -> NodeResult<()> {
-        self.create_with(spec, image, None).await
-    }
-
-    async fn create_from(
+    async fn create(
         &self,
         spec: &SandboxSpec,
         image: &Image,
-        checkpoint: &Checkpoint,
+        seed: Option<&Checkpoint>,
     ) -> NodeResult<()> {
-        self.create_with(spec, image, Some(checkpoint)).await
+        check_id(&spec.id)?;
+        let runtime = match spec.runtime.as_deref() {
+            None => self.core.cfg.default_runtime,
+            Some(name) => Runtime::parse(name).ok_or_else(|| {
+                NodeError::InvalidArgument(format!(
+                    "unknown runtime {name:?}: expected runc, crun or runsc"
+                ))
+            })?,
+        };
+        let bin = self.core.runtime_bin(runtime)?;
+        let dir = self.core.dir_of(&spec.id);
+        match std::fs::create_dir(&dir) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                return Err(NodeError::Conflict(format!(
+                    "sandbox {} already exists",
+                    spec.id
+                )))
+            }
+            Err(e) => return Err(NodeError::io(format!("create {}", dir.display()), e)),
+        }
+        // Warm pool: hand a ready container over; on any failure fall through to a cold
+        // create in the same (still empty) claimed directory.
+        if let Some(pool) = self
+            .pool
+            .get()
+            .filter(|_| seed.is_none() && spec_compatible(spec, runtime))
+        {
+            let adopt = |state, uids| drop(self.adopt(state, uids));
+            if pool.create(spec, image, &dir, adopt).await {
+                return Ok(());
+            }
+        }
+        let uids = match self.uids.allocate() {
+            Ok(u) => u,
+            Err(e) => {
+                let _ = std::fs::remove_dir(&dir);
+                return Err(e);
+            }
+        };
+        let cg = self.core.cgroups.sandbox(&spec.id);
+        match self
+            .core
+            .create_inner(&dir, spec, image, runtime, &bin, uids.base(), &cg, seed)
+            .await
+        {
+            Ok(state) => {
+                self.adopt(state, uids);
+                tracing::info!(sandbox = %spec.id, backend = "container", runtime = runtime.name(), "sandbox created");
+                Ok(())
+            }
+            Err(e) => {
+                if let Err(c) = self.destroy(&spec.id, Some(runtime)).await {
+                    tracing::warn!(sandbox = %spec.id, error = %c, "cleanup after a failed create");
+                }
+                Err(e)
+            }
+        }
     }
 
     async fn checkpoint(&self, id: &str, dest: &Path) -> NodeResult<Captured> {

@@ -480,87 +480,6 @@ impl FunctionBackend {
         self.pool.get()
     }
 
-    /// Create `spec`, its writable layer seeded from `seed` when given (a fork).
-    async fn create_with(
-        &self,
-        spec: &SandboxSpec,
-        image: &Image,
-        seed: Option<&Checkpoint>,
-    ) -> NodeResult<()> {
-        check_id(&spec.id)?;
-        if spec.backend != Backend::Function {
-            return Err(NodeError::InvalidArgument(format!(
-                "the function backend cannot create a {} sandbox",
-                spec.backend
-            )));
-        }
-        if !(spec.cpu.is_finite() && spec.cpu > 0.0) || spec.memory_mib == 0 || spec.pids_max == 0 {
-            return Err(NodeError::InvalidArgument(format!(
-                "cpu ({}), memory_mib ({}) and pids_max ({}) must be positive",
-                spec.cpu, spec.memory_mib, spec.pids_max
-            )));
-        }
-        let dir = self.dir_of(&spec.id);
-        // create_dir (not create_dir_all) is the atomic claim of the id on this node.
-        match std::fs::create_dir(&dir) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
-                return Err(NodeError::Conflict(format!(
-                    "sandbox {} already exists on this node",
-                    spec.id
-                )))
-            }
-            Err(e) => return Err(NodeError::io(format!("create {}", dir.display()), e)),
-        }
-        // Warm pool: hand a ready jail over; on any failure fall through to a cold create
-        // in the same (still empty) claimed directory.
-        if let Some(pool) = self
-            .pool
-            .get()
-            .filter(|_| seed.is_none() && tmp_compatible(spec))
-        {
-            let adopt = |state: JailState, uids| {
-                // The pooled jail's standby helper comes along (its group lies in the
-                // jail's cgroup, which keeps its pooled name).
-                let standby = pool.member().take_standby(state.cgroup_name());
-                let jail = self.adopt(state, uids);
-                *jail.standby.lock().unwrap() = standby;
-            };
-            if pool.create(spec, image, &dir, adopt).await {
-                self.attach_network(spec).await?;
-                // No agent yet (pooled jails wait without one): like a cold-created
-                // sandbox's, it starts at the second exec ([`Self::agent_of`]).
-                return Ok(());
-            }
-        }
-        let cg = self.cgroups.sandbox(&spec.id);
-        let mut ready = None;
-        let mut uids = None;
-        match self
-            .create_inner(spec, image, &dir, &cg, &mut uids, &mut ready, seed)
-            .await
-        {
-            Ok(state) => {
-                let uid_base = state.uid_base;
-                let uids = uids.expect("create_inner allocated a uid range");
-                self.adopt(state, uids);
-                self.attach_network(spec).await?;
-                // No agent yet: it starts at the second exec ([`Self::agent_of`]).
-                tracing::info!(sandbox = %spec.id, backend = "function", image = %image.name, uid_base, "sandbox created");
-                Ok(())
-            }
-            Err(err) => {
-                // Rollback: kill whatever started (the init is in the sandbox cgroup), remove
-                // cgroups and directories; keep both errors when the cleanup fails too.
-                let cleanup = self.destroy(&spec.id).await;
-                Err(match cleanup {
-                    Ok(()) => err,
-                    Err(c) => with_cleanup_error(err, c),
-                })
-            }
-        }
-    }
-
     /// Gives the just-created jail of `spec` its network when the policy is an allow list:
     /// veth, nft rules and resolver on the network namespace of its init (made by host
     /// root, so the sandbox cannot reconfigure it), then `/etc/resolv.conf` naming its
@@ -658,17 +577,84 @@ impl SandboxBackend for FunctionBackend {
         Backend::Function
     }
 
-    async fn create(&self, spec: &SandboxSpec, image: &Image) -> NodeResult<()> {
-        self.create_with(spec, image, None).await
-    }
-
-    async fn create_from(
+    async fn create(
         &self,
         spec: &SandboxSpec,
         image: &Image,
-        checkpoint: &Checkpoint,
+        seed: Option<&Checkpoint>,
     ) -> NodeResult<()> {
-        self.create_with(spec, image, Some(checkpoint)).await
+        check_id(&spec.id)?;
+        if spec.backend != Backend::Function {
+            return Err(NodeError::InvalidArgument(format!(
+                "the function backend cannot create a {} sandbox",
+                spec.backend
+            )));
+        }
+        if !(spec.cpu.is_finite() && spec.cpu > 0.0) || spec.memory_mib == 0 || spec.pids_max == 0 {
+            return Err(NodeError::InvalidArgument(format!(
+                "cpu ({}), memory_mib ({}) and pids_max ({}) must be positive",
+                spec.cpu, spec.memory_mib, spec.pids_max
+            )));
+        }
+        let dir = self.dir_of(&spec.id);
+        // create_dir (not create_dir_all) is the atomic claim of the id on this node.
+        match std::fs::create_dir(&dir) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                return Err(NodeError::Conflict(format!(
+                    "sandbox {} already exists on this node",
+                    spec.id
+                )))
+            }
+            Err(e) => return Err(NodeError::io(format!("create {}", dir.display()), e)),
+        }
+        // Warm pool: hand a ready jail over; on any failure fall through to a cold create
+        // in the same (still empty) claimed directory.
+        if let Some(pool) = self
+            .pool
+            .get()
+            .filter(|_| seed.is_none() && tmp_compatible(spec))
+        {
+            let adopt = |state: JailState, uids| {
+                // The pooled jail's standby helper comes along (its group lies in the
+                // jail's cgroup, which keeps its pooled name).
+                let standby = pool.member().take_standby(state.cgroup_name());
+                let jail = self.adopt(state, uids);
+                *jail.standby.lock().unwrap() = standby;
+            };
+            if pool.create(spec, image, &dir, adopt).await {
+                self.attach_network(spec).await?;
+                // No agent yet (pooled jails wait without one): like a cold-created
+                // sandbox's, it starts at the second exec ([`Self::agent_of`]).
+                return Ok(());
+            }
+        }
+        let cg = self.cgroups.sandbox(&spec.id);
+        let mut ready = None;
+        let mut uids = None;
+        match self
+            .create_inner(spec, image, &dir, &cg, &mut uids, &mut ready, seed)
+            .await
+        {
+            Ok(state) => {
+                let uid_base = state.uid_base;
+                let uids = uids.expect("create_inner allocated a uid range");
+                self.adopt(state, uids);
+                self.attach_network(spec).await?;
+                // No agent yet: it starts at the second exec ([`Self::agent_of`]).
+                tracing::info!(sandbox = %spec.id, backend = "function", image = %image.name, uid_base, "sandbox created");
+                Ok(())
+            }
+            Err(err) => {
+                // Rollback: kill whatever started (the init is in the sandbox cgroup), remove
+                // cgroups and directories; keep both errors when the cleanup fails too.
+                let cleanup = self.destroy(&spec.id).await;
+                Err(match cleanup {
+                    Ok(()) => err,
+                    Err(c) => with_cleanup_error(err, c),
+                })
+            }
+        }
     }
 
     async fn checkpoint(&self, id: &str, dest: &Path) -> NodeResult<Captured> {
@@ -2054,7 +2040,7 @@ mod tests {
             network: sandlot_api::NetworkPolicy::None,
             runtime: None,
         };
-        be.create(&spec, &image).await.unwrap();
+        be.create(&spec, &image, None).await.unwrap();
         let sh = |script: &str, timeout_s: f64| {
             let mut r = ExecRequest::new(sandlot_api::Cmd::Shell(script.into()));
             r.timeout_s = Some(timeout_s);

@@ -56,8 +56,14 @@ pub trait SandboxBackend: Send + Sync {
     /// Which backend this is.
     fn kind(&self) -> Backend;
 
-    /// Create and start a sandbox from `image`; on error nothing is left behind.
-    async fn create(&self, spec: &SandboxSpec, image: &Image) -> NodeResult<()>;
+    /// Create and start sandbox `spec` from `image`, its writable layer seeded from `seed`
+    /// when given (a fork of a checkpoint); on error nothing is left behind.
+    async fn create(
+        &self,
+        spec: &SandboxSpec,
+        image: &Image,
+        seed: Option<&Checkpoint>,
+    ) -> NodeResult<()>;
 
     /// True when this backend runs sandbox `id`.
     fn has(&self, id: &str) -> bool;
@@ -169,23 +175,6 @@ pub trait SandboxBackend: Send + Sync {
         let _ = (id, dest);
         Err(NodeError::InvalidArgument(format!(
             "the {} backend cannot checkpoint sandboxes",
-            self.kind()
-        )))
-    }
-
-    /// [`SandboxBackend::create`] with the writable layer seeded from `checkpoint` (a fork).
-    ///
-    /// # Errors
-    /// As `create`; `Unavailable` where the backend cannot fork (the default).
-    async fn create_from(
-        &self,
-        spec: &SandboxSpec,
-        image: &Image,
-        checkpoint: &Checkpoint,
-    ) -> NodeResult<()> {
-        let _ = (spec, image, checkpoint);
-        Err(NodeError::Unavailable(format!(
-            "the {} backend cannot create sandboxes from checkpoints",
             self.kind()
         )))
     }

@@ -582,17 +582,13 @@ impl<M: Machine> SandboxBackend for M {
         self.core().backend
     }
 
-    async fn create(&self, spec: &SandboxSpec, image: &Image) -> NodeResult<()> {
-        create_with(self, spec, image, None).await
-    }
-
-    async fn create_from(
+    async fn create(
         &self,
         spec: &SandboxSpec,
         image: &Image,
-        checkpoint: &Checkpoint,
+        seed: Option<&Checkpoint>,
     ) -> NodeResult<()> {
-        create_with(self, spec, image, Some(checkpoint)).await
+        create_with(self, spec, image, seed).await
     }
 
     async fn checkpoint(&self, id: &str, dest: &Path) -> NodeResult<Captured> {
