@@ -1546,20 +1546,14 @@ impl SandboxBackend for ContainerBackend {
     }
 
     async fn delete(&self, id: &str) -> NodeResult<()> {
-        if check_id(id).is_err() {
-            return Ok(());
-        }
-        let c = self.boxes.lock().unwrap().get(id).cloned();
-        if let Some(c) = &c {
-            *c.deleting.write().await = true;
-            let _ = c.killed.send(true);
-        }
-        let res = self.destroy(id, c.as_ref().map(|c| c.state.runtime)).await;
-        if res.is_ok() {
-            self.boxes.lock().unwrap().remove(id);
-            tracing::info!(sandbox = %id, backend = "container", "sandbox deleted");
-        }
-        res
+        super::delete_from(
+            id,
+            "container",
+            &self.boxes,
+            |c| (&c.deleting, &c.killed),
+            |c| self.destroy(id, c.map(|c| c.state.runtime)),
+        )
+        .await
     }
 
     fn list(&self) -> Vec<SandboxStatus> {

@@ -748,22 +748,14 @@ impl SandboxBackend for FunctionBackend {
     }
 
     async fn delete(&self, id: &str) -> NodeResult<()> {
-        if check_id(id).is_err() {
-            // Such an id can never have been created: nothing to delete.
-            return Ok(());
-        }
-        let jail = self.jails.lock().unwrap().get(id).cloned();
-        if let Some(jail) = &jail {
-            // Wait for execs that are setting up, then stop every running exec.
-            *jail.deleting.write().await = true;
-            let _ = jail.killed.send(true);
-        }
-        let res = self.destroy(id).await;
-        if res.is_ok() {
-            self.jails.lock().unwrap().remove(id);
-            tracing::info!(sandbox = %id, backend = "function", "sandbox deleted");
-        }
-        res
+        super::delete_from(
+            id,
+            "function",
+            &self.jails,
+            |j| (&j.deleting, &j.killed),
+            |_| self.destroy(id),
+        )
+        .await
     }
 
     async fn pause(&self, id: &str) -> NodeResult<()> {

@@ -21,7 +21,11 @@ use crate::node::{ExecControl, ExecSink, NodeError, NodeResult, SandboxSpec, San
 use agent_files::AgentFiles;
 use async_trait::async_trait;
 use sandlot_api::{Backend, ExecRequest, ExecResult, FileEntry};
+use std::collections::HashMap;
+use std::future::Future;
 use std::path::Path;
+use std::sync::{Arc, Mutex};
+use tokio::sync::{watch, RwLock};
 
 /// Ids become path components and cgroup names: only `[A-Za-z0-9_-]`, 1–64 chars.
 pub(crate) fn check_id(id: &str) -> NodeResult<()> {
@@ -178,6 +182,46 @@ pub trait SandboxBackend: Send + Sync {
             self.kind()
         )))
     }
+}
+
+/// The delete of every backend ([`SandboxBackend::delete`]) on its table of sandboxes
+/// `table`: an id that can never have been created has nothing to delete (`Ok`); a sandbox
+/// this process knows is marked being deleted (`deleting`'s write side: after the execs
+/// that are setting up) and its running execs are stopped (`killed`, both from `flags`);
+/// then `destroy` (given the sandbox, if known) removes what it has on the host, and only
+/// when that succeeded does `id` leave `table` (a failed delete can be tried again). `kind`
+/// names the backend in the log line of a deleted known sandbox.
+///
+/// # Errors
+/// `destroy`'s.
+pub(crate) async fn delete_from<T, F>(
+    id: &str,
+    kind: &str,
+    table: &Mutex<HashMap<String, Arc<T>>>,
+    flags: impl Fn(&T) -> (&RwLock<bool>, &watch::Sender<bool>),
+    destroy: impl FnOnce(Option<Arc<T>>) -> F,
+) -> NodeResult<()>
+where
+    F: Future<Output = NodeResult<()>>,
+{
+    if check_id(id).is_err() {
+        return Ok(());
+    }
+    let known = table.lock().unwrap().get(id).cloned();
+    if let Some(sb) = &known {
+        let (deleting, killed) = flags(sb);
+        *deleting.write().await = true;
+        let _ = killed.send(true);
+    }
+    let was_known = known.is_some();
+    let res = destroy(known).await;
+    if res.is_ok() {
+        table.lock().unwrap().remove(id);
+        if was_known {
+            tracing::info!(sandbox = %id, backend = kind, "sandbox deleted");
+        }
+    }
+    res
 }
 
 /// `b`'s agent-backed file operations ([`SandboxBackend::agent_files`]).

@@ -670,22 +670,14 @@ impl<M: Machine> SandboxBackend for M {
 
     async fn delete(&self, id: &str) -> NodeResult<()> {
         let core = self.core();
-        if check_id(id).is_err() {
-            return Ok(());
-        }
-        let vm = core.vms.lock().unwrap().get(id).cloned();
-        if let Some(vm) = &vm {
-            *vm.deleting.write().await = true;
-            let _ = vm.killed.send(true);
-        }
-        let res = core.destroy(id).await;
-        if res.is_ok() {
-            core.vms.lock().unwrap().remove(id);
-            if vm.is_some() {
-                tracing::info!(sandbox = %id, backend = core.name, "sandbox deleted");
-            }
-        }
-        res
+        crate::backends::delete_from(
+            id,
+            core.name,
+            &core.vms,
+            |vm| (&vm.deleting, &vm.killed),
+            |_| core.destroy(id),
+        )
+        .await
     }
 
     fn list(&self) -> Vec<SandboxStatus> {
