@@ -14,6 +14,7 @@ use crate::backends::qemu::microvm::{MicrovmBackend, MicrovmConfig};
 use crate::backends::qemu::vm::{VmBackend, VmConfig};
 use crate::backends::qemu::AccelProbe;
 use crate::backends::AnyBackend;
+use crate::backends::ExecIo;
 use crate::cgroups::CgroupRoot;
 use crate::checkpoints::{CheckpointMeta, CheckpointStore};
 use crate::images::ImageStore;
@@ -598,7 +599,7 @@ impl Node for LocalNode {
         }
         check_network_backend(spec.backend, &spec.network)?;
         let image = self.images.resolve(&spec.image).await?;
-        backend.create(spec, &image).await
+        backend.create(spec, &image, None).await
     }
 
     async fn checkpoint(&self, id: &str, checkpoint_id: &str) -> NodeResult<CheckpointMeta> {
@@ -653,7 +654,7 @@ impl Node for LocalNode {
         check_network_backend(spec.backend, &spec.network)?;
         let image = self.images.resolve(&spec.image).await?;
         let Some(taken_on) = ck.meta.image_version.clone() else {
-            return backend.create_from(spec, &image, &ck).await;
+            return backend.create(spec, &image, Some(&ck)).await;
         };
         let changed = |now: &str| {
             NodeError::Conflict(format!(
@@ -664,7 +665,7 @@ impl Node for LocalNode {
         if image.version() != taken_on {
             return Err(changed(&image.version()));
         }
-        backend.create_from(spec, &image, &ck).await?;
+        backend.create(spec, &image, Some(&ck)).await?;
         // A built-in image is mounted by its path: a rebuild between the check and the
         // fork's mount shows as a newer version now (versions never come back).
         let now = self.images.get(&spec.image).map(|i| i.version());
@@ -691,7 +692,11 @@ impl Node for LocalNode {
         req: &ExecRequest,
         sink: Option<ExecSink>,
     ) -> NodeResult<ExecResult> {
-        self.owner(id)?.exec(id, req, sink).await
+        let io = ExecIo {
+            sink,
+            control: None,
+        };
+        self.owner(id)?.exec(id, req, io).await
     }
 
     async fn exec_controlled(
@@ -701,9 +706,11 @@ impl Node for LocalNode {
         sink: Option<ExecSink>,
         control: ExecControl,
     ) -> NodeResult<ExecResult> {
-        self.owner(id)?
-            .exec_controlled(id, req, sink, control)
-            .await
+        let io = ExecIo {
+            sink,
+            control: Some(control),
+        };
+        self.owner(id)?.exec(id, req, io).await
     }
 
     async fn read_file(&self, id: &str, path: &str, max_bytes: u64) -> NodeResult<Vec<u8>> {

@@ -66,13 +66,13 @@ use super::gvisor_audit;
 use super::pause::{check_live, freeze, thaw};
 use super::pool::WarmPool;
 use super::uids::{UidLease, UidSlots};
-use super::SandboxBackend;
+use super::{ExecIo, SandboxBackend};
 use crate::agent_client::AgentClient;
 use crate::cgroups::{CgroupRoot, Limits, SandboxCgroup};
 use crate::checkpoints::{Captured, Checkpoint};
 use crate::images::Image;
 use crate::net::{NetworkManager, NodeNet};
-use crate::node::{ExecControl, ExecSink, NodeError, NodeResult, SandboxSpec, SandboxStatus};
+use crate::node::{NodeError, NodeResult, SandboxSpec, SandboxStatus};
 use crate::sys::{proc_starttime, spawn_blocking};
 use async_trait::async_trait;
 use pool::{pool_dir, spec_compatible, ContainerPool, Containers};
@@ -322,13 +322,7 @@ pub fn is_static_elf(p: &Path) -> bool {
 
 impl ContainerBackend {
     /// An exec through the agent; with `control`, stdin streams and signals reach it.
-    async fn run_exec(
-        &self,
-        id: &str,
-        req: &ExecRequest,
-        sink: Option<ExecSink>,
-        control: Option<ExecControl>,
-    ) -> NodeResult<ExecResult> {
+    async fn run_exec(&self, id: &str, req: &ExecRequest, io: ExecIo) -> NodeResult<ExecResult> {
         let c = self.get(id)?;
         let life = (&c.deleting, &c.killed, &c.paused);
         let (guard, mut killed, mut plan) =
@@ -353,7 +347,8 @@ impl ContainerBackend {
         };
         let window = c.sentry.as_ref().map(|s| s.begin());
         let started = gvisor_audit::now_ms();
-        let mut res = agent_exec::run(target, plan, guard, &mut killed, sink, control).await?;
+        let mut res =
+            agent_exec::run(target, plan, guard, &mut killed, io.sink, io.control).await?;
         if let Some(w) = window {
             res.violations.extend(w.finish());
         }
@@ -861,73 +856,6 @@ impl Core {
 }
 
 impl ContainerBackend {
-    /// Create `spec`, its writable layer seeded from `seed` when given (a fork).
-    async fn create_with(
-        &self,
-        spec: &SandboxSpec,
-        image: &Image,
-        seed: Option<&Checkpoint>,
-    ) -> NodeResult<()> {
-        check_id(&spec.id)?;
-        let runtime = match spec.runtime.as_deref() {
-            None => self.core.cfg.default_runtime,
-            Some(name) => Runtime::parse(name).ok_or_else(|| {
-                NodeError::InvalidArgument(format!(
-                    "unknown runtime {name:?}: expected runc, crun or runsc"
-                ))
-            })?,
-        };
-        let bin = self.core.runtime_bin(runtime)?;
-        let dir = self.core.dir_of(&spec.id);
-        match std::fs::create_dir(&dir) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
-                return Err(NodeError::Conflict(format!(
-                    "sandbox {} already exists",
-                    spec.id
-                )))
-            }
-            Err(e) => return Err(NodeError::io(format!("create {}", dir.display()), e)),
-        }
-        // Warm pool: hand a ready container over; on any failure fall through to a cold
-        // create in the same (still empty) claimed directory.
-        if let Some(pool) = self
-            .pool
-            .get()
-            .filter(|_| seed.is_none() && spec_compatible(spec, runtime))
-        {
-            let adopt = |state, uids| drop(self.adopt(state, uids));
-            if pool.create(spec, image, &dir, adopt).await {
-                return Ok(());
-            }
-        }
-        let uids = match self.uids.allocate() {
-            Ok(u) => u,
-            Err(e) => {
-                let _ = std::fs::remove_dir(&dir);
-                return Err(e);
-            }
-        };
-        let cg = self.core.cgroups.sandbox(&spec.id);
-        match self
-            .core
-            .create_inner(&dir, spec, image, runtime, &bin, uids.base(), &cg, seed)
-            .await
-        {
-            Ok(state) => {
-                self.adopt(state, uids);
-                tracing::info!(sandbox = %spec.id, backend = "container", runtime = runtime.name(), "sandbox created");
-                Ok(())
-            }
-            Err(e) => {
-                if let Err(c) = self.destroy(&spec.id, Some(runtime)).await {
-                    tracing::warn!(sandbox = %spec.id, error = %c, "cleanup after a failed create");
-                }
-                Err(e)
-            }
-        }
-    }
-
     /// Whether cgroup `name` belongs to a known container (under another name: handed
     /// over by the pool) or to the container pool itself.
     fn cgroup_in_use(&self, name: &str) -> bool {
@@ -1506,17 +1434,70 @@ impl SandboxBackend for ContainerBackend {
         Backend::Container
     }
 
-    async fn create(&self, spec: &SandboxSpec, image: &Image) -> NodeResult<()> {
-        self.create_with(spec, image, None).await
-    }
-
-    async fn create_from(
+    async fn create(
         &self,
         spec: &SandboxSpec,
         image: &Image,
-        checkpoint: &Checkpoint,
+        seed: Option<&Checkpoint>,
     ) -> NodeResult<()> {
-        self.create_with(spec, image, Some(checkpoint)).await
+        check_id(&spec.id)?;
+        let runtime = match spec.runtime.as_deref() {
+            None => self.core.cfg.default_runtime,
+            Some(name) => Runtime::parse(name).ok_or_else(|| {
+                NodeError::InvalidArgument(format!(
+                    "unknown runtime {name:?}: expected runc, crun or runsc"
+                ))
+            })?,
+        };
+        let bin = self.core.runtime_bin(runtime)?;
+        let dir = self.core.dir_of(&spec.id);
+        match std::fs::create_dir(&dir) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                return Err(NodeError::Conflict(format!(
+                    "sandbox {} already exists",
+                    spec.id
+                )))
+            }
+            Err(e) => return Err(NodeError::io(format!("create {}", dir.display()), e)),
+        }
+        // Warm pool: hand a ready container over; on any failure fall through to a cold
+        // create in the same (still empty) claimed directory.
+        if let Some(pool) = self
+            .pool
+            .get()
+            .filter(|_| seed.is_none() && spec_compatible(spec, runtime))
+        {
+            let adopt = |state, uids| drop(self.adopt(state, uids));
+            if pool.create(spec, image, &dir, adopt).await {
+                return Ok(());
+            }
+        }
+        let uids = match self.uids.allocate() {
+            Ok(u) => u,
+            Err(e) => {
+                let _ = std::fs::remove_dir(&dir);
+                return Err(e);
+            }
+        };
+        let cg = self.core.cgroups.sandbox(&spec.id);
+        match self
+            .core
+            .create_inner(&dir, spec, image, runtime, &bin, uids.base(), &cg, seed)
+            .await
+        {
+            Ok(state) => {
+                self.adopt(state, uids);
+                tracing::info!(sandbox = %spec.id, backend = "container", runtime = runtime.name(), "sandbox created");
+                Ok(())
+            }
+            Err(e) => {
+                if let Err(c) = self.destroy(&spec.id, Some(runtime)).await {
+                    tracing::warn!(sandbox = %spec.id, error = %c, "cleanup after a failed create");
+                }
+                Err(e)
+            }
+        }
     }
 
     async fn checkpoint(&self, id: &str, dest: &Path) -> NodeResult<Captured> {
@@ -1546,23 +1527,8 @@ impl SandboxBackend for ContainerBackend {
         self.boxes.lock().unwrap().contains_key(id)
     }
 
-    async fn exec(
-        &self,
-        id: &str,
-        req: &ExecRequest,
-        sink: Option<ExecSink>,
-    ) -> NodeResult<ExecResult> {
-        self.run_exec(id, req, sink, None).await
-    }
-
-    async fn exec_controlled(
-        &self,
-        id: &str,
-        req: &ExecRequest,
-        sink: Option<ExecSink>,
-        control: ExecControl,
-    ) -> NodeResult<ExecResult> {
-        self.run_exec(id, req, sink, Some(control)).await
+    async fn exec(&self, id: &str, req: &ExecRequest, io: ExecIo) -> NodeResult<ExecResult> {
+        self.run_exec(id, req, io).await
     }
 
     fn agent_files(&self) -> Option<&dyn AgentFiles> {
@@ -1580,20 +1546,14 @@ impl SandboxBackend for ContainerBackend {
     }
 
     async fn delete(&self, id: &str) -> NodeResult<()> {
-        if check_id(id).is_err() {
-            return Ok(());
-        }
-        let c = self.boxes.lock().unwrap().get(id).cloned();
-        if let Some(c) = &c {
-            *c.deleting.write().await = true;
-            let _ = c.killed.send(true);
-        }
-        let res = self.destroy(id, c.as_ref().map(|c| c.state.runtime)).await;
-        if res.is_ok() {
-            self.boxes.lock().unwrap().remove(id);
-            tracing::info!(sandbox = %id, backend = "container", "sandbox deleted");
-        }
-        res
+        super::delete_from(
+            id,
+            "container",
+            &self.boxes,
+            |c| (&c.deleting, &c.killed),
+            |c| self.destroy(id, c.map(|c| c.state.runtime)),
+        )
+        .await
     }
 
     fn list(&self) -> Vec<SandboxStatus> {

@@ -86,7 +86,7 @@ use super::pause::{check_not_paused, freeze, thaw, FREEZE_TIMEOUT};
 use super::pool::WarmPool;
 use super::spawn::{cloexec_pipe, dup_high, SpawnedChild};
 use super::uids::{UidLease, UidSlots, UID_COUNT};
-use super::SandboxBackend;
+use super::{ExecIo, SandboxBackend};
 use crate::cgroups::{Cgroup, CgroupRoot, Limits, SandboxCgroup};
 use crate::checkpoints::{Captured, Checkpoint};
 use crate::files::SandboxFs;
@@ -480,87 +480,6 @@ impl FunctionBackend {
         self.pool.get()
     }
 
-    /// Create `spec`, its writable layer seeded from `seed` when given (a fork).
-    async fn create_with(
-        &self,
-        spec: &SandboxSpec,
-        image: &Image,
-        seed: Option<&Checkpoint>,
-    ) -> NodeResult<()> {
-        check_id(&spec.id)?;
-        if spec.backend != Backend::Function {
-            return Err(NodeError::InvalidArgument(format!(
-                "the function backend cannot create a {} sandbox",
-                spec.backend
-            )));
-        }
-        if !(spec.cpu.is_finite() && spec.cpu > 0.0) || spec.memory_mib == 0 || spec.pids_max == 0 {
-            return Err(NodeError::InvalidArgument(format!(
-                "cpu ({}), memory_mib ({}) and pids_max ({}) must be positive",
-                spec.cpu, spec.memory_mib, spec.pids_max
-            )));
-        }
-        let dir = self.dir_of(&spec.id);
-        // create_dir (not create_dir_all) is the atomic claim of the id on this node.
-        match std::fs::create_dir(&dir) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
-                return Err(NodeError::Conflict(format!(
-                    "sandbox {} already exists on this node",
-                    spec.id
-                )))
-            }
-            Err(e) => return Err(NodeError::io(format!("create {}", dir.display()), e)),
-        }
-        // Warm pool: hand a ready jail over; on any failure fall through to a cold create
-        // in the same (still empty) claimed directory.
-        if let Some(pool) = self
-            .pool
-            .get()
-            .filter(|_| seed.is_none() && tmp_compatible(spec))
-        {
-            let adopt = |state: JailState, uids| {
-                // The pooled jail's standby helper comes along (its group lies in the
-                // jail's cgroup, which keeps its pooled name).
-                let standby = pool.member().take_standby(state.cgroup_name());
-                let jail = self.adopt(state, uids);
-                *jail.standby.lock().unwrap() = standby;
-            };
-            if pool.create(spec, image, &dir, adopt).await {
-                self.attach_network(spec).await?;
-                // No agent yet (pooled jails wait without one): like a cold-created
-                // sandbox's, it starts at the second exec ([`Self::agent_of`]).
-                return Ok(());
-            }
-        }
-        let cg = self.cgroups.sandbox(&spec.id);
-        let mut ready = None;
-        let mut uids = None;
-        match self
-            .create_inner(spec, image, &dir, &cg, &mut uids, &mut ready, seed)
-            .await
-        {
-            Ok(state) => {
-                let uid_base = state.uid_base;
-                let uids = uids.expect("create_inner allocated a uid range");
-                self.adopt(state, uids);
-                self.attach_network(spec).await?;
-                // No agent yet: it starts at the second exec ([`Self::agent_of`]).
-                tracing::info!(sandbox = %spec.id, backend = "function", image = %image.name, uid_base, "sandbox created");
-                Ok(())
-            }
-            Err(err) => {
-                // Rollback: kill whatever started (the init is in the sandbox cgroup), remove
-                // cgroups and directories; keep both errors when the cleanup fails too.
-                let cleanup = self.destroy(&spec.id).await;
-                Err(match cleanup {
-                    Ok(()) => err,
-                    Err(c) => with_cleanup_error(err, c),
-                })
-            }
-        }
-    }
-
     /// Gives the just-created jail of `spec` its network when the policy is an allow list:
     /// veth, nft rules and resolver on the network namespace of its init (made by host
     /// root, so the sandbox cannot reconfigure it), then `/etc/resolv.conf` naming its
@@ -658,17 +577,84 @@ impl SandboxBackend for FunctionBackend {
         Backend::Function
     }
 
-    async fn create(&self, spec: &SandboxSpec, image: &Image) -> NodeResult<()> {
-        self.create_with(spec, image, None).await
-    }
-
-    async fn create_from(
+    async fn create(
         &self,
         spec: &SandboxSpec,
         image: &Image,
-        checkpoint: &Checkpoint,
+        seed: Option<&Checkpoint>,
     ) -> NodeResult<()> {
-        self.create_with(spec, image, Some(checkpoint)).await
+        check_id(&spec.id)?;
+        if spec.backend != Backend::Function {
+            return Err(NodeError::InvalidArgument(format!(
+                "the function backend cannot create a {} sandbox",
+                spec.backend
+            )));
+        }
+        if !(spec.cpu.is_finite() && spec.cpu > 0.0) || spec.memory_mib == 0 || spec.pids_max == 0 {
+            return Err(NodeError::InvalidArgument(format!(
+                "cpu ({}), memory_mib ({}) and pids_max ({}) must be positive",
+                spec.cpu, spec.memory_mib, spec.pids_max
+            )));
+        }
+        let dir = self.dir_of(&spec.id);
+        // create_dir (not create_dir_all) is the atomic claim of the id on this node.
+        match std::fs::create_dir(&dir) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                return Err(NodeError::Conflict(format!(
+                    "sandbox {} already exists on this node",
+                    spec.id
+                )))
+            }
+            Err(e) => return Err(NodeError::io(format!("create {}", dir.display()), e)),
+        }
+        // Warm pool: hand a ready jail over; on any failure fall through to a cold create
+        // in the same (still empty) claimed directory.
+        if let Some(pool) = self
+            .pool
+            .get()
+            .filter(|_| seed.is_none() && tmp_compatible(spec))
+        {
+            let adopt = |state: JailState, uids| {
+                // The pooled jail's standby helper comes along (its group lies in the
+                // jail's cgroup, which keeps its pooled name).
+                let standby = pool.member().take_standby(state.cgroup_name());
+                let jail = self.adopt(state, uids);
+                *jail.standby.lock().unwrap() = standby;
+            };
+            if pool.create(spec, image, &dir, adopt).await {
+                self.attach_network(spec).await?;
+                // No agent yet (pooled jails wait without one): like a cold-created
+                // sandbox's, it starts at the second exec ([`Self::agent_of`]).
+                return Ok(());
+            }
+        }
+        let cg = self.cgroups.sandbox(&spec.id);
+        let mut ready = None;
+        let mut uids = None;
+        match self
+            .create_inner(spec, image, &dir, &cg, &mut uids, &mut ready, seed)
+            .await
+        {
+            Ok(state) => {
+                let uid_base = state.uid_base;
+                let uids = uids.expect("create_inner allocated a uid range");
+                self.adopt(state, uids);
+                self.attach_network(spec).await?;
+                // No agent yet: it starts at the second exec ([`Self::agent_of`]).
+                tracing::info!(sandbox = %spec.id, backend = "function", image = %image.name, uid_base, "sandbox created");
+                Ok(())
+            }
+            Err(err) => {
+                // Rollback: kill whatever started (the init is in the sandbox cgroup), remove
+                // cgroups and directories; keep both errors when the cleanup fails too.
+                let cleanup = self.destroy(&spec.id).await;
+                Err(match cleanup {
+                    Ok(()) => err,
+                    Err(c) => with_cleanup_error(err, c),
+                })
+            }
+        }
     }
 
     async fn checkpoint(&self, id: &str, dest: &Path) -> NodeResult<Captured> {
@@ -698,50 +684,18 @@ impl SandboxBackend for FunctionBackend {
         self.jails.lock().unwrap().contains_key(id)
     }
 
-    async fn exec(
-        &self,
-        id: &str,
-        req: &ExecRequest,
-        sink: Option<ExecSink>,
-    ) -> NodeResult<ExecResult> {
+    async fn exec(&self, id: &str, req: &ExecRequest, io: ExecIo) -> NodeResult<ExecResult> {
         let jail = self.jail(id)?;
         jail.check_not_paused()?;
         let plan = ExecPlan::new(&jail.state, req)?;
         let started = crate::backends::gvisor_audit::now_ms();
+        let ExecIo { sink, control } = io;
         if let Some(a) = self.agent_of(&jail) {
-            let res = agent::exec(&jail, &a.client, plan, sink, None).await;
+            let res = agent::exec(&jail, &a.client, plan, sink, control).await;
             return self.with_net_violations(id, started, res);
         }
         let standby = self.exec_standby.then_some(self.cfg.guest_bin.as_path());
-        let res = run_exec(&self.cfg.guest_bin, &jail, plan, sink, standby, None).await;
-        self.with_net_violations(id, started, res)
-    }
-
-    async fn exec_controlled(
-        &self,
-        id: &str,
-        req: &ExecRequest,
-        sink: Option<ExecSink>,
-        control: ExecControl,
-    ) -> NodeResult<ExecResult> {
-        let jail = self.jail(id)?;
-        jail.check_not_paused()?;
-        let plan = ExecPlan::new(&jail.state, req)?;
-        let started = crate::backends::gvisor_audit::now_ms();
-        if let Some(a) = self.agent_of(&jail) {
-            let res = agent::exec(&jail, &a.client, plan, sink, Some(control)).await;
-            return self.with_net_violations(id, started, res);
-        }
-        let standby = self.exec_standby.then_some(self.cfg.guest_bin.as_path());
-        let res = run_exec(
-            &self.cfg.guest_bin,
-            &jail,
-            plan,
-            sink,
-            standby,
-            Some(control),
-        )
-        .await;
+        let res = run_exec(&self.cfg.guest_bin, &jail, plan, sink, standby, control).await;
         self.with_net_violations(id, started, res)
     }
 
@@ -794,22 +748,14 @@ impl SandboxBackend for FunctionBackend {
     }
 
     async fn delete(&self, id: &str) -> NodeResult<()> {
-        if check_id(id).is_err() {
-            // Such an id can never have been created: nothing to delete.
-            return Ok(());
-        }
-        let jail = self.jails.lock().unwrap().get(id).cloned();
-        if let Some(jail) = &jail {
-            // Wait for execs that are setting up, then stop every running exec.
-            *jail.deleting.write().await = true;
-            let _ = jail.killed.send(true);
-        }
-        let res = self.destroy(id).await;
-        if res.is_ok() {
-            self.jails.lock().unwrap().remove(id);
-            tracing::info!(sandbox = %id, backend = "function", "sandbox deleted");
-        }
-        res
+        super::delete_from(
+            id,
+            "function",
+            &self.jails,
+            |j| (&j.deleting, &j.killed),
+            |_| self.destroy(id),
+        )
+        .await
     }
 
     async fn pause(&self, id: &str) -> NodeResult<()> {
@@ -2086,7 +2032,7 @@ mod tests {
             network: sandlot_api::NetworkPolicy::None,
             runtime: None,
         };
-        be.create(&spec, &image).await.unwrap();
+        be.create(&spec, &image, None).await.unwrap();
         let sh = |script: &str, timeout_s: f64| {
             let mut r = ExecRequest::new(sandlot_api::Cmd::Shell(script.into()));
             r.timeout_s = Some(timeout_s);
@@ -2096,7 +2042,10 @@ mod tests {
         // No standby before the second exec.
         for _ in 0..STANDBY_AFTER_EXECS {
             assert!(jail.standby.lock().unwrap().is_none());
-            let r = be.exec(ID, &sh("true", 10.0), None).await.unwrap();
+            let r = be
+                .exec(ID, &sh("true", 10.0), ExecIo::default())
+                .await
+                .unwrap();
             assert_eq!(r.exit_code, 0, "{r:?}");
         }
 
@@ -2107,7 +2056,7 @@ mod tests {
             .exec(
                 ID,
                 &sh("sleep 100 & echo out; echo err >&2; exit 7", 10.0),
-                None,
+                ExecIo::default(),
             )
             .await
             .unwrap();
@@ -2129,25 +2078,35 @@ mod tests {
             dirs.iter().all(|d| !d.exists()),
             "its exec group is removed"
         );
-        let ps = be.exec(ID, &sh("ps -o comm", 10.0), None).await.unwrap();
+        let ps = be
+            .exec(ID, &sh("ps -o comm", 10.0), ExecIo::default())
+            .await
+            .unwrap();
         assert!(!ps.stdout.contains("sleep"), "{ps:?}");
 
         // An exec with stdin spawns its own helper and leaves the standby alone.
         let (pid, _) = wait_standby(&jail).await;
         let mut req = ExecRequest::new(sandlot_api::Cmd::Argv(vec!["cat".into()]));
         req.stdin_b64 = Some(base64::engine::general_purpose::STANDARD.encode("piped"));
-        let r = be.exec(ID, &req, None).await.unwrap();
+        let r = be.exec(ID, &req, ExecIo::default()).await.unwrap();
         assert_eq!((r.exit_code, r.stdout.as_str()), (0, "piped"));
         assert!(proc_starttime(pid).is_some(), "standby kept");
         // And a standby exec's stdin is /dev/null.
-        let r = be.exec(ID, &sh("cat; echo end", 10.0), None).await.unwrap();
+        let r = be
+            .exec(ID, &sh("cat; echo end", 10.0), ExecIo::default())
+            .await
+            .unwrap();
         assert_eq!((r.exit_code, r.stdout.as_str()), (0, "end\n"));
         assert!(proc_starttime(pid).is_none());
 
         // Timeout kills the whole tree.
         wait_standby(&jail).await;
         let r = be
-            .exec(ID, &sh("echo before; sleep 100 & sleep 100", 1.0), None)
+            .exec(
+                ID,
+                &sh("echo before; sleep 100 & sleep 100", 1.0),
+                ExecIo::default(),
+            )
             .await
             .unwrap();
         assert!(r.timed_out, "{r:?}");
@@ -2159,12 +2118,19 @@ mod tests {
         // OOM is reported from the exec group's own counter, and only for that exec.
         wait_standby(&jail).await;
         let r = be
-            .exec(ID, &sh("head -c 200m /dev/zero | tail", 30.0), None)
+            .exec(
+                ID,
+                &sh("head -c 200m /dev/zero | tail", 30.0),
+                ExecIo::default(),
+            )
             .await
             .unwrap();
         assert!(r.oom_killed && r.exit_code != 0, "{r:?}");
         wait_standby(&jail).await;
-        let r = be.exec(ID, &sh("echo fine", 10.0), None).await.unwrap();
+        let r = be
+            .exec(ID, &sh("echo fine", 10.0), ExecIo::default())
+            .await
+            .unwrap();
         assert!(!r.oom_killed && r.exit_code == 0, "{r:?}");
 
         // Delete kills a waiting standby and removes its group.

@@ -21,7 +21,11 @@ use crate::node::{ExecControl, ExecSink, NodeError, NodeResult, SandboxSpec, San
 use agent_files::AgentFiles;
 use async_trait::async_trait;
 use sandlot_api::{Backend, ExecRequest, ExecResult, FileEntry};
+use std::collections::HashMap;
+use std::future::Future;
 use std::path::Path;
+use std::sync::{Arc, Mutex};
+use tokio::sync::{watch, RwLock};
 
 /// Ids become path components and cgroup names: only `[A-Za-z0-9_-]`, 1–64 chars.
 pub(crate) fn check_id(id: &str) -> NodeResult<()> {
@@ -39,34 +43,38 @@ pub(crate) fn check_id(id: &str) -> NodeResult<()> {
     }
 }
 
+/// Where one exec's output goes ([`ExecSink`], `None`: only the result) and, for
+/// [`crate::Node::exec_controlled`], what steers it while it runs ([`ExecControl`]: stdin,
+/// signals). `ExecIo::default()`: neither.
+#[derive(Default)]
+pub struct ExecIo {
+    /// Receives the output as it comes.
+    pub sink: Option<ExecSink>,
+    /// Stdin and signals while the command runs.
+    pub control: Option<ExecControl>,
+}
+
 /// Operations of one backend. Every sandbox id belongs to exactly one backend.
 #[async_trait]
 pub trait SandboxBackend: Send + Sync {
     /// Which backend this is.
     fn kind(&self) -> Backend;
 
-    /// Create and start a sandbox from `image`; on error nothing is left behind.
-    async fn create(&self, spec: &SandboxSpec, image: &Image) -> NodeResult<()>;
+    /// Create and start sandbox `spec` from `image`, its writable layer seeded from `seed`
+    /// when given (a fork of a checkpoint); on error nothing is left behind.
+    async fn create(
+        &self,
+        spec: &SandboxSpec,
+        image: &Image,
+        seed: Option<&Checkpoint>,
+    ) -> NodeResult<()>;
 
     /// True when this backend runs sandbox `id`.
     fn has(&self, id: &str) -> bool;
 
-    /// Run a command (see [`crate::Node::exec`]).
-    async fn exec(
-        &self,
-        id: &str,
-        req: &ExecRequest,
-        sink: Option<ExecSink>,
-    ) -> NodeResult<ExecResult>;
-
-    /// Run a command with live control (see [`crate::Node::exec_controlled`]).
-    async fn exec_controlled(
-        &self,
-        id: &str,
-        req: &ExecRequest,
-        sink: Option<ExecSink>,
-        control: ExecControl,
-    ) -> NodeResult<ExecResult>;
+    /// Run a command (see [`crate::Node::exec`]); with `io.control`, stdin streams and
+    /// signals reach it (see [`crate::Node::exec_controlled`]).
+    async fn exec(&self, id: &str, req: &ExecRequest, io: ExecIo) -> NodeResult<ExecResult>;
 
     /// The agent-backed file operations of this backend, where its sandboxes' files are
     /// served by their guest agents: the seven file methods below default to them. `None`
@@ -174,23 +182,46 @@ pub trait SandboxBackend: Send + Sync {
             self.kind()
         )))
     }
+}
 
-    /// [`SandboxBackend::create`] with the writable layer seeded from `checkpoint` (a fork).
-    ///
-    /// # Errors
-    /// As `create`; `Unavailable` where the backend cannot fork (the default).
-    async fn create_from(
-        &self,
-        spec: &SandboxSpec,
-        image: &Image,
-        checkpoint: &Checkpoint,
-    ) -> NodeResult<()> {
-        let _ = (spec, image, checkpoint);
-        Err(NodeError::Unavailable(format!(
-            "the {} backend cannot create sandboxes from checkpoints",
-            self.kind()
-        )))
+/// The delete of every backend ([`SandboxBackend::delete`]) on its table of sandboxes
+/// `table`: an id that can never have been created has nothing to delete (`Ok`); a sandbox
+/// this process knows is marked being deleted (`deleting`'s write side: after the execs
+/// that are setting up) and its running execs are stopped (`killed`, both from `flags`);
+/// then `destroy` (given the sandbox, if known) removes what it has on the host, and only
+/// when that succeeded does `id` leave `table` (a failed delete can be tried again). `kind`
+/// names the backend in the log line of a deleted known sandbox.
+///
+/// # Errors
+/// `destroy`'s.
+pub(crate) async fn delete_from<T, F>(
+    id: &str,
+    kind: &str,
+    table: &Mutex<HashMap<String, Arc<T>>>,
+    flags: impl Fn(&T) -> (&RwLock<bool>, &watch::Sender<bool>),
+    destroy: impl FnOnce(Option<Arc<T>>) -> F,
+) -> NodeResult<()>
+where
+    F: Future<Output = NodeResult<()>>,
+{
+    if check_id(id).is_err() {
+        return Ok(());
     }
+    let known = table.lock().unwrap().get(id).cloned();
+    if let Some(sb) = &known {
+        let (deleting, killed) = flags(sb);
+        *deleting.write().await = true;
+        let _ = killed.send(true);
+    }
+    let was_known = known.is_some();
+    let res = destroy(known).await;
+    if res.is_ok() {
+        table.lock().unwrap().remove(id);
+        if was_known {
+            tracing::info!(sandbox = %id, backend = kind, "sandbox deleted");
+        }
+    }
+    res
 }
 
 /// `b`'s agent-backed file operations ([`SandboxBackend::agent_files`]).

@@ -44,10 +44,10 @@ use super::snapshot::{self, Relay};
 use super::state::{write_json, VmState};
 use super::store;
 use super::{find_binary, spawn_qemu, Accel};
-use super::{DiskHold, ImageDisks, Jail, QemuUids, CONSOLE_LOG};
+use super::{DiskHold, ImageDisks, QemuUids, CONSOLE_LOG};
 use crate::agent_client::AgentClient;
 use crate::backends::function::StoredSpec;
-use crate::cgroups::{CgroupRoot, SandboxCgroup};
+use crate::cgroups::CgroupRoot;
 use crate::checkpoints::{Captured, Checkpoint};
 use crate::images::{fnv, Image, ImageStore};
 use crate::node::{NodeError, NodeResult};
@@ -343,23 +343,6 @@ impl MicrovmBackend {
         args
     }
 
-    /// Starts QEMU with `args` in the cgroup `cg`, a session of its own and `jail`, its
-    /// output to `DIR/qemu.log` (appended to when `append`); its pid and start time. A
-    /// thread reaps it when it exits (it is this process's child until the process ends).
-    ///
-    /// # Errors
-    /// `Internal` when the log cannot be opened or QEMU cannot be started.
-    fn spawn_qemu(
-        &self,
-        args: &[String],
-        dir: &Path,
-        cg: &SandboxCgroup,
-        append: bool,
-        jail: &Jail,
-    ) -> NodeResult<(i32, u64)> {
-        spawn_qemu(&self.core.qemu, args, dir, cg, append, jail)
-    }
-
     /// The steps of [`Machine::adopt_from_store`] after the claim: VM directory, uid,
     /// cgroup, disk copy, `state.json`, then the resume from `claimed/memory.state`. On
     /// error the caller removes what was made and gives the claim back.
@@ -617,8 +600,14 @@ impl Machine for MicrovmBackend {
                 spawn_blocking(move || make_scratch(&s, mib)).await?;
             }
             super::give_file(&scratch, uid)?;
-            let (pid, starttime) =
-                self.spawn_qemu(&args, &dir, cg, false, &self.core.jail(Some(uid), accel))?;
+            let (pid, starttime) = spawn_qemu(
+                &self.core.qemu,
+                &args,
+                &dir,
+                cg,
+                false,
+                &self.core.jail(Some(uid), accel),
+            )?;
             t_spawn = Instant::now();
             state.qemu_pid = pid;
             state.qemu_starttime = starttime;

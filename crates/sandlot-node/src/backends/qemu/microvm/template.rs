@@ -173,7 +173,7 @@ impl MicrovmBackend {
         let mut a = args.to_vec();
         a.extend(["-incoming".to_string(), "defer".to_string()]);
         let jail = self.core.jail(state.qemu_uid, state.accel);
-        let (pid, start) = self.spawn_qemu(&a, dir, cg, false, &jail)?;
+        let (pid, start) = spawn_qemu(&self.core.qemu, &a, dir, cg, false, &jail)?;
         state.qemu_pid = pid;
         state.qemu_starttime = start;
         state.started_from = "template".into();
