@@ -61,6 +61,16 @@ def test_create_many_live(client, python_image):
             client.create_many(0)
         with pytest.raises(sandlot.InvalidArgument):
             client.create_many(2, image=python_image, cpu=999)
+
+        # The whole job goes with one call: delete by label (paused ones too).
+        assert client.pause({"batch": tag}) != []
+        fresh = client.create(**common)
+        made.append(fresh)
+        deleted = client.delete_labeled({"batch": tag})
+        assert sorted(deleted) == sorted(s.id for s in made) and not deleted.failed
+        assert client.list(labels={"batch": tag}) == []
+        with pytest.raises(ValueError):
+            client.delete_labeled({})
     finally:
         for s in made:
             s.delete()

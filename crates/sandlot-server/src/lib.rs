@@ -12,7 +12,7 @@
 //! | `POST /v1/sandboxes/{id}/exec[?stream=true]` | [`exec`] |
 //! | `/v1/sandboxes/{id}/processes[/{pid}[/output\|/wait\|/signal\|/stdin\|/resize]]` | [`processes`] |
 //! | `PUT/GET/DELETE /v1/sandboxes/{id}/files?path=P`, `GET …/files/list?path=P` | [`files`] |
-//! | `POST /v1/sandboxes:pause`, `POST /v1/sandboxes:resume` | [`pause`] |
+//! | `POST /v1/sandboxes:pause`, `:resume`, `:delete` | [`pause`] |
 //! | `POST /v1/sandboxes/{id}/checkpoints`, `GET /v1/checkpoints[/{ck}]`, `DELETE /v1/checkpoints/{ck}` | [`checkpoints`] |
 //! | `GET/DELETE /v1/trajectories/{*id}`; step semantics of exec and files | [`trajectory`] |
 //! | `POST /run_code` (SandboxFusion-compatible), `GET /v1/run_code/languages` | [`run_code`] |
@@ -429,6 +429,7 @@ pub fn router(state: SharedState) -> Router {
         .route("/v1/sandboxes:batch", post(sandboxes::create_batch))
         .route("/v1/sandboxes:pause", post(pause::pause))
         .route("/v1/sandboxes:resume", post(pause::resume))
+        .route("/v1/sandboxes:delete", post(pause::delete))
         .route(
             "/v1/trajectories/{*id}",
             get(trajectory::get).delete(trajectory::delete),

@@ -1,5 +1,5 @@
-//! `POST /v1/sandboxes:pause` and `POST /v1/sandboxes:resume`: job-level freeze and thaw by
-//! label selector.
+//! `POST /v1/sandboxes:pause`, `POST /v1/sandboxes:resume` and `POST /v1/sandboxes:delete`:
+//! job-level freeze, thaw and delete by label selector.
 //!
 //! Body `{"labels": {"k": "v", …}}` (AND of all pairs, at least one) → `{"sandboxes": [ids
 //! affected], "failed": [{"id", "error"}]}` (`failed` only when non-empty). Pause takes
@@ -8,8 +8,12 @@
 //! the record goes back to `running` and the sandbox is listed in `failed`. Resume thaws
 //! every matching `paused` sandbox on the node first, then sets `running`. Sandboxes in other
 //! states are not touched (and not listed), nor are other tenants' sandboxes ([`crate::auth`]). The sandboxes of one call are handled
-//! concurrently, in a task of their own (a client that goes away does not leave a record
-//! `paused` over a running sandbox). The TTL keeps counting while paused; delete works.
+//! concurrently ([`LABEL_CONCURRENCY`] at a time, so a 32k job never asks the registry for
+//! 32k connections at once), in a task of their own (a client that goes away does not leave
+//! a record `paused` over a running sandbox). The TTL keeps counting while paused; delete
+//! works. Delete takes every matching sandbox in any state but `deleting` through the
+//! one-sandbox delete (`DELETE /v1/sandboxes/{id}`); a node failure lists it in `failed`
+//! (its record stays `deleting` and the reaper retries, as for a single delete).
 use crate::auth::Principal;
 use crate::error::{ApiResult, Json, ServerError};
 use crate::SharedState;
@@ -17,13 +21,17 @@ use axum::extract::State;
 use axum::Extension;
 use sandlot_api::{ErrorCode, LabelSelector, PauseFailure, PauseResult, SandboxState};
 
-/// Ids of the sandboxes in `state` matching `sel` that `who` may see (a tenant's label
-/// pause never touches another tenant's sandboxes, whatever their labels).
+/// Sandboxes of one label call handled at once (each holds a registry connection and a node
+/// call while it runs).
+pub const LABEL_CONCURRENCY: usize = 64;
+
+/// Ids of the sandboxes whose state passes `state` matching `sel` that `who` may see (a
+/// tenant's label call never touches another tenant's sandboxes, whatever their labels).
 async fn matching(
     st: &SharedState,
     who: &Principal,
     sel: &LabelSelector,
-    state: SandboxState,
+    state: impl Fn(SandboxState) -> bool,
 ) -> ApiResult<Vec<String>> {
     if sel.labels.is_empty() {
         return Err(ServerError::invalid(
@@ -35,7 +43,7 @@ async fn matching(
         .list_labeled(&sel.labels)
         .await?
         .into_iter()
-        .filter(|r| r.state == state && who.sees(r.tenant.as_deref()))
+        .filter(|r| state(r.state) && who.sees(r.tenant.as_deref()))
         .map(|r| r.id)
         .collect())
 }
@@ -175,11 +183,16 @@ async fn mark_lost_if_node_gone(st: &SharedState, id: &str, reason: &str) {
 
 async fn run_all<F, Fut>(st: &SharedState, ids: Vec<String>, f: F) -> ApiResult<PauseResult>
 where
-    F: Fn(SharedState, String) -> Fut,
+    F: Fn(SharedState, String) -> Fut + Send + 'static,
     Fut: std::future::Future<Output = Result<Option<String>, PauseFailure>> + Send + 'static,
 {
-    let futs: Vec<Fut> = ids.into_iter().map(|id| f(st.clone(), id)).collect();
-    let outs = tokio::spawn(futures::future::join_all(futs))
+    use futures::StreamExt;
+    let st = st.clone();
+    let runs = futures::stream::iter(ids)
+        .map(move |id| f(st.clone(), id))
+        .buffer_unordered(LABEL_CONCURRENCY)
+        .collect::<Vec<_>>();
+    let outs = tokio::spawn(runs)
         .await
         .map_err(|e| ServerError::new(ErrorCode::Internal, format!("pause task failed: {e}")))?;
     let mut res = PauseResult::default();
@@ -200,7 +213,7 @@ pub async fn pause(
     Extension(who): Extension<Principal>,
     Json(sel): Json<LabelSelector>,
 ) -> ApiResult<Json<PauseResult>> {
-    let ids = matching(&st, &who, &sel, SandboxState::Running).await?;
+    let ids = matching(&st, &who, &sel, |s| s == SandboxState::Running).await?;
     Ok(Json(run_all(&st, ids, pause_one).await?))
 }
 
@@ -210,6 +223,29 @@ pub async fn resume(
     Extension(who): Extension<Principal>,
     Json(sel): Json<LabelSelector>,
 ) -> ApiResult<Json<PauseResult>> {
-    let ids = matching(&st, &who, &sel, SandboxState::Paused).await?;
+    let ids = matching(&st, &who, &sel, |s| s == SandboxState::Paused).await?;
     Ok(Json(run_all(&st, ids, resume_one).await?))
+}
+
+/// Delete one sandbox for [`delete`] (one gone meanwhile counts as deleted, as for
+/// `DELETE /v1/sandboxes/{id}`).
+async fn delete_one(st: SharedState, id: String) -> Result<Option<String>, PauseFailure> {
+    match crate::sandboxes::delete_sandbox(&st, &id).await {
+        Ok(()) => Ok(Some(id)),
+        Err(e) => Err(PauseFailure {
+            id,
+            error: e.api_error(),
+        }),
+    }
+}
+
+/// `POST /v1/sandboxes:delete` → `PauseResult`: the ids deleted, and `failed` (see module
+/// docs).
+pub async fn delete(
+    State(st): State<SharedState>,
+    Extension(who): Extension<Principal>,
+    Json(sel): Json<LabelSelector>,
+) -> ApiResult<Json<PauseResult>> {
+    let ids = matching(&st, &who, &sel, |s| s != SandboxState::Deleting).await?;
+    Ok(Json(run_all(&st, ids, delete_one).await?))
 }

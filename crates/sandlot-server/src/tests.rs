@@ -1730,6 +1730,41 @@ async fn pause_resume_by_label() {
     assert!(!t.node.ids().contains(&b));
     let r = call(&t.app, Method::GET, &format!("/v1/sandboxes/{b}"), None).await;
     assert_eq!(r.status, StatusCode::NOT_FOUND);
+    // Delete by label: every state but `deleting`, only the matching ones.
+    let d1 = create(&t, json!({"labels": {"job": "del"}})).await;
+    call(
+        &t.app,
+        Method::POST,
+        "/v1/sandboxes:pause",
+        Some(json!({"labels": {"job": "del"}})),
+    )
+    .await;
+    let d2 = create(&t, json!({"labels": {"job": "del"}})).await;
+    let r = call(
+        &t.app,
+        Method::POST,
+        "/v1/sandboxes:delete",
+        Some(json!({"labels": {}})),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST);
+    let r = call(
+        &t.app,
+        Method::POST,
+        "/v1/sandboxes:delete",
+        Some(json!({"labels": {"job": "del"}})),
+    )
+    .await;
+    let mut want = vec![d1.clone(), d2.clone()];
+    want.sort();
+    assert_eq!(r.json(), json!({"sandboxes": want}));
+    for d in [&d1, &d2] {
+        assert!(!t.node.ids().contains(d));
+        let r = call(&t.app, Method::GET, &format!("/v1/sandboxes/{d}"), None).await;
+        assert_eq!(r.status, StatusCode::NOT_FOUND);
+    }
+    let r = call(&t.app, Method::GET, &format!("/v1/sandboxes/{c}"), None).await;
+    assert_eq!(r.json()["state"], "running");
     // A paused sandbox survives a restart paused.
     let st2 = AppState::open(t.st.cfg.clone(), t.node.clone()).unwrap();
     lifecycle::recover(&st2).await.unwrap();

@@ -254,6 +254,12 @@ class AsyncClient:
                                    work_s=60)
         return ids_of(_base.json_of(resp))
 
+    async def delete_labeled(self, labels: Mapping[str, str]) -> List[str]:
+        """``POST /v1/sandboxes:delete``; as :meth:`sandlot.Client.delete_labeled`."""
+        resp = await self._request("POST", "/v1/sandboxes:delete", json=selector_body(labels),
+                                   work_s=60)
+        return ids_of(_base.json_of(resp))
+
     async def run_code(self, code: str, language: str = "python", compile_timeout: float = 10,
                        run_timeout: float = 10, memory_limit_mb: int = -1,
                        stdin: Optional[str] = None, files: Optional[Mapping[str, Data]] = None,
