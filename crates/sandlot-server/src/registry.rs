@@ -18,7 +18,7 @@
 //!   (`FOR UPDATE`), then sums the tenant's sandboxes; creates of one tenant serialise on
 //!   that lock, so two servers cannot both admit the last slot.
 use crate::checkpoints::CheckpointRow;
-use crate::store::{KeyOutcome, KeyRow, Quota, Record, SpecJson, Store, StoreError};
+use crate::store::{InsertItem, KeyOutcome, KeyRow, Quota, Record, SpecJson, Store, StoreError};
 use async_trait::async_trait;
 use deadpool_postgres::Pool;
 use sandlot_api::SandboxState;
@@ -61,6 +61,24 @@ pub trait Registry: Send + Sync + 'static {
         key: Option<(&str, &str)>,
         quota: Option<&Quota>,
     ) -> Result<KeyOutcome>;
+
+    /// [`Registry::insert_checked`] of every item in one store call (a batch create's
+    /// chunk): the outcomes, in order, are per item, as `insert_checked` would answer each
+    /// (an item refused by its quota, replayed, or failing, e.g. on a duplicate id, leaves
+    /// nothing of itself and does not stop the others); a quota check counts the items
+    /// admitted before it. The default calls `insert_checked` per item; both stores
+    /// override it with one transaction.
+    ///
+    /// # Errors
+    /// The call as a whole: the store is unavailable, or the transaction could not begin or
+    /// commit (then none of the items was written).
+    async fn insert_many(&self, items: &[InsertItem<'_>]) -> Result<Vec<Result<KeyOutcome>>> {
+        let mut out = Vec::with_capacity(items.len());
+        for (rec, key, quota) in items {
+            out.push(self.insert_checked(rec, *key, *quota).await);
+        }
+        Ok(out)
+    }
 
     /// One record by id.
     ///
@@ -300,6 +318,11 @@ impl Registry for Store {
     ) -> Result<KeyOutcome> {
         // Group commit: concurrent creates share one SQLite commit.
         self.insert_grouped(rec, key, quota).await
+    }
+    async fn insert_many(&self, items: &[InsertItem<'_>]) -> Result<Vec<Result<KeyOutcome>>> {
+        // One job of the group writer: the items' savepoints in one commit (shared with
+        // the concurrent single writes), without blocking the async runtime.
+        self.insert_many_grouped(items).await
     }
     async fn get(&self, id: &str) -> Result<Option<Record>> {
         Store::get(self, id)
@@ -1312,6 +1335,76 @@ mod tests {
         ));
     }
 
+    /// [`Registry::insert_many`]: per-item outcomes in order (quota counting the items
+    /// admitted before, replay, mismatch, a duplicate id failing alone), nothing of a
+    /// refused or failed item left behind, the rest inserted.
+    async fn contract_insert_many(r: &dyn Registry) {
+        let t = Some("key_t");
+        r.insert_checked(&rec("sb-0", 0, t), None, None)
+            .await
+            .unwrap();
+        r.insert_checked(&rec("sb-k", 1, None), Some(("k1", "d1")), None)
+            .await
+            .unwrap();
+        // Quota 3: one record of the tenant exists, room for two more.
+        let q = Quota {
+            max_sandboxes: Some(3),
+            max_cpu: None,
+            max_memory_mib: None,
+        };
+        let (a, b, c) = (rec("sb-a", 2, t), rec("sb-b", 3, t), rec("sb-c", 4, t));
+        let dup = rec("sb-0", 5, Some("key_other"));
+        let (e, f, g) = (
+            rec("sb-e", 6, None),
+            rec("sb-f", 7, None),
+            rec("sb-g", 8, None),
+        );
+        let out = r
+            .insert_many(&[
+                (&a, Some(("ka", "da")), Some(&q)),
+                (&b, None, Some(&q)),
+                (&c, Some(("kc", "dc")), Some(&q)), // 4th of the tenant: refused, key too
+                (&dup, None, None),                 // duplicate id: fails alone
+                (&e, Some(("k1", "d1")), None),     // replay of sb-k
+                (&f, Some(("k1", "other")), None),  // same key, other body
+                (&g, Some(("kg", "dg")), None),
+            ])
+            .await
+            .unwrap();
+        assert_eq!(out.len(), 7);
+        assert_eq!(out[0].as_ref().unwrap(), &KeyOutcome::Inserted);
+        assert_eq!(out[1].as_ref().unwrap(), &KeyOutcome::Inserted);
+        assert!(
+            matches!(out[2], Ok(KeyOutcome::OverQuota(ref m)) if m.contains("at most 3")),
+            "{:?}",
+            out[2]
+        );
+        assert!(out[3].is_err(), "{:?}", out[3]);
+        assert_eq!(out[4].as_ref().unwrap(), &KeyOutcome::Replay("sb-k".into()));
+        assert_eq!(out[5].as_ref().unwrap(), &KeyOutcome::Mismatch);
+        assert_eq!(out[6].as_ref().unwrap(), &KeyOutcome::Inserted);
+        let ids: Vec<String> = r.list().await.unwrap().into_iter().map(|x| x.id).collect();
+        assert_eq!(ids, ["sb-0", "sb-k", "sb-a", "sb-b", "sb-g"]);
+        assert_eq!(r.get("sb-0").await.unwrap().unwrap().tenant.as_deref(), t);
+        // Keys: ka and kg recorded, kc rolled back with its refused item.
+        assert_eq!(r.key_sandbox("ka").await.unwrap().unwrap().1, "sb-a");
+        assert_eq!(r.key_sandbox("kg").await.unwrap().unwrap().1, "sb-g");
+        assert!(r.key_sandbox("kc").await.unwrap().is_none());
+        // A batch whose every item is refused or replayed writes nothing.
+        let h = rec("sb-h", 9, t);
+        let out = r
+            .insert_many(&[(&h, Some(("k1", "d1")), Some(&q)), (&h, None, Some(&q))])
+            .await
+            .unwrap();
+        assert_eq!(out[0].as_ref().unwrap(), &KeyOutcome::Replay("sb-k".into()));
+        assert!(
+            matches!(out[1], Ok(KeyOutcome::OverQuota(_))),
+            "{:?}",
+            out[1]
+        );
+        assert_eq!(r.list().await.unwrap().len(), 5);
+    }
+
     /// `regs[i]` race for the last quota slot of one tenant, then on one Idempotency-Key:
     /// exactly one wins each race.
     async fn contract_races(regs: Vec<Arc<dyn Registry>>) {
@@ -1499,6 +1592,8 @@ mod tests {
         contract_records(&*s).await;
         let (_d, s) = sqlite("quota");
         contract_quota(&*s).await;
+        let (_d, s) = sqlite("many");
+        contract_insert_many(&*s).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -1535,6 +1630,10 @@ mod tests {
             return;
         };
         contract_quota(&*r[0]).await;
+        let Some(r) = pg("pg_contract_many", 1).await else {
+            return;
+        };
+        contract_insert_many(&*r[0]).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
