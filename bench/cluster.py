@@ -274,6 +274,7 @@ class SimCluster:
         pg_args = []
         if self.postgres:  # as scripts/cluster.sh --postgres does
             import socket
+            os.chmod(self.dir, 0o755)  # as root the server runs as `postgres`: let it in
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]
@@ -436,7 +437,8 @@ def main_sim_baseline(args: argparse.Namespace, argv: list[str] | None) -> int:
              f"commit {m['commit']}. Baseline `{subjects['baseline']}`, candidate "
              f"`{subjects['candidate']}`, {args.alternate} sessions each, alternating "
              f"(baseline first); each session: one etcd member, `sandlot node --simulate "
-             f"{args.simulate}` (SIMULATED nodes) and one `sandlot server --etcd` (SQLite "
+             f"{args.simulate}` (SIMULATED nodes) and one `sandlot server --etcd` ("
+             f"{'PostgreSQL' if args.postgres else 'SQLite'} "
              f"registry), {args.rounds} rounds of {args.n_single} single creates (concurrency "
              f"{SIM_CONC_SINGLE}) then {args.n_batch} batch creates ({args.batch_size} per call).")
     L.append("")
