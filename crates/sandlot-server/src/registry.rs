@@ -607,7 +607,7 @@ pub const PG_GROUP_MAX: usize = 512;
 enum Op {
     /// `Registry::insert_checked`.
     Insert {
-        rec: Record,
+        rec: Box<Record>,
         key: Option<(String, String)>,
         quota: Option<Quota>,
     },
@@ -645,7 +645,7 @@ enum Raw {
 impl Op {
     fn insert(rec: &Record, key: Option<(&str, &str)>, quota: Option<&Quota>) -> Op {
         Op::Insert {
-            rec: rec.clone(),
+            rec: Box::new(rec.clone()),
             key: key.map(|(k, d)| (k.to_owned(), d.to_owned())),
             quota: quota.cloned(),
         }
