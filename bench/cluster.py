@@ -244,6 +244,7 @@ class SimCluster:
         self.procs: list[subprocess.Popen] = []
         self.url = ""
         self.etcd = ""
+        self.postgres = False  # --postgres: the server's registry on scripts/postgres.sh
 
     def _etcd(self, *a: str) -> subprocess.CompletedProcess:
         return subprocess.run(["bash", str(R.REPO / "scripts" / "etcd.sh"), *a],
@@ -270,9 +271,24 @@ class SimCluster:
         else:
             raise SystemExit(f"bench: the simulation exited; see {self.dir / 'sim.log'}")
         slog = open(self.dir / "server.log", "ab")
+        pg_args = []
+        if self.postgres:  # as scripts/cluster.sh --postgres does
+            import socket
+            os.chmod(self.dir, 0o755)  # as root the server runs as `postgres`: let it in
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            r = subprocess.run(["bash", str(R.REPO / "scripts" / "postgres.sh"), "start",
+                                str(self.dir / "pg"), str(port)],
+                               capture_output=True, text=True, timeout=120)
+            if r.returncode != 0:
+                raise SystemExit(f"bench: postgres.sh start failed:\n{r.stderr[-2000:]}")
+            pg_args = ["--postgres", next(x.split()[1] for x in r.stdout.splitlines()
+                                          if x.startswith("postgres "))]
         srv = subprocess.Popen(
             [str(self.binary), "server", "--listen", "127.0.0.1:0", "--etcd", self.etcd,
-             "--data-dir", str(self.dir / "server"), "--node-token-file", str(token)],
+             "--data-dir", str(self.dir / "server"), "--node-token-file", str(token),
+             *pg_args],
             stdout=subprocess.PIPE, stderr=slog, text=True, env=dict(os.environ, RUST_LOG="error"))
         self.procs.append(srv)
         assert srv.stdout is not None
@@ -296,6 +312,9 @@ class SimCluster:
             p.kill()
             p.wait()
         self._etcd("stop", str(self.dir / "etcd"))
+        if self.postgres:
+            subprocess.run(["bash", str(R.REPO / "scripts" / "postgres.sh"), "stop",
+                            str(self.dir / "pg")], capture_output=True, timeout=120)
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
@@ -369,6 +388,7 @@ def sim_session(binary: Path, args: argparse.Namespace,
     """One simulated cluster on `binary`: `args.rounds` rounds of single then batch creates;
     (per-round (single s, errors, batch s, failed), live sandboxes at the end)."""
     c = SimCluster(binary, args.simulate, args.sim_capacity, args.sim_create_delay_ms)
+    c.postgres = args.postgres
     rows = []
     try:
         print(f"bench: etcd + {args.simulate} simulated nodes + a server ({binary}) in {c.dir}",
@@ -417,7 +437,8 @@ def main_sim_baseline(args: argparse.Namespace, argv: list[str] | None) -> int:
              f"commit {m['commit']}. Baseline `{subjects['baseline']}`, candidate "
              f"`{subjects['candidate']}`, {args.alternate} sessions each, alternating "
              f"(baseline first); each session: one etcd member, `sandlot node --simulate "
-             f"{args.simulate}` (SIMULATED nodes) and one `sandlot server --etcd` (SQLite "
+             f"{args.simulate}` (SIMULATED nodes) and one `sandlot server --etcd` ("
+             f"{'PostgreSQL' if args.postgres else 'SQLite'} "
              f"registry), {args.rounds} rounds of {args.n_single} single creates (concurrency "
              f"{SIM_CONC_SINGLE}) then {args.n_batch} batch creates ({args.batch_size} per call).")
     L.append("")
@@ -523,6 +544,9 @@ def main(argv: list[str] | None = None) -> int:
                    "--binary (same load), and report both and the ratio")
     p.add_argument("--alternate", type=int, default=2,
                    help="--baseline: sessions per binary (default 2)")
+    p.add_argument("--postgres", action="store_true",
+                   help="--simulate: the server's registry on a PostgreSQL started by "
+                   "scripts/postgres.sh (as scripts/cluster.sh --postgres)")
     p.add_argument("--screenshot", help="--simulate: keep a PNG of the web page here "
                    f"(e.g. {SIM_IMG.relative_to(R.REPO)})")
     args = p.parse_args(argv)

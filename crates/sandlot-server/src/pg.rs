@@ -24,7 +24,7 @@ mod embedded {
 pub const MIGRATION_LOCK: i64 = 0x7361_6e64_6c6f_746d;
 
 /// Connections per pool unless the caller says otherwise.
-pub const DEFAULT_POOL_SIZE: usize = 16;
+pub const DEFAULT_POOL_SIZE: usize = 32;
 
 /// How long a call waits for a free pooled connection, or for a new one to connect, before
 /// failing with `unavailable` (so an outage fails fast instead of hanging).

@@ -18,7 +18,7 @@
 //!   (`FOR UPDATE`), then sums the tenant's sandboxes; creates of one tenant serialise on
 //!   that lock, so two servers cannot both admit the last slot.
 use crate::checkpoints::CheckpointRow;
-use crate::store::{KeyOutcome, KeyRow, Quota, Record, SpecJson, Store, StoreError};
+use crate::store::{InsertItem, KeyOutcome, KeyRow, Quota, Record, SpecJson, Store, StoreError};
 use async_trait::async_trait;
 use deadpool_postgres::Pool;
 use sandlot_api::SandboxState;
@@ -61,6 +61,24 @@ pub trait Registry: Send + Sync + 'static {
         key: Option<(&str, &str)>,
         quota: Option<&Quota>,
     ) -> Result<KeyOutcome>;
+
+    /// [`Registry::insert_checked`] of every item in one store call (a batch create's
+    /// chunk): the outcomes, in order, are per item, as `insert_checked` would answer each
+    /// (an item refused by its quota, replayed, or failing, e.g. on a duplicate id, leaves
+    /// nothing of itself and does not stop the others); a quota check counts the items
+    /// admitted before it. The default calls `insert_checked` per item; both stores
+    /// override it with one transaction.
+    ///
+    /// # Errors
+    /// The call as a whole: the store is unavailable, or the transaction could not begin or
+    /// commit (then none of the items was written).
+    async fn insert_many(&self, items: &[InsertItem<'_>]) -> Result<Vec<Result<KeyOutcome>>> {
+        let mut out = Vec::with_capacity(items.len());
+        for (rec, key, quota) in items {
+            out.push(self.insert_checked(rec, *key, *quota).await);
+        }
+        Ok(out)
+    }
 
     /// One record by id.
     ///
@@ -301,6 +319,11 @@ impl Registry for Store {
         // Group commit: concurrent creates share one SQLite commit.
         self.insert_grouped(rec, key, quota).await
     }
+    async fn insert_many(&self, items: &[InsertItem<'_>]) -> Result<Vec<Result<KeyOutcome>>> {
+        // One job of the group writer: the items' savepoints in one commit (shared with
+        // the concurrent single writes), without blocking the async runtime.
+        self.insert_many_grouped(items).await
+    }
     async fn get(&self, id: &str) -> Result<Option<Record>> {
         Store::get(self, id)
     }
@@ -493,15 +516,437 @@ fn checkpoint_row(r: &tokio_postgres::Row) -> Result<CheckpointRow> {
     })
 }
 
+/// The outcome of an insert from its statement's answer `raw` and, when it inserted
+/// nothing and carried a key (`digest`: the request's), the key's committed row `found`
+/// (`(digest, sandbox id)`): a key already used answers a replay (or mismatch) before a
+/// quota refusal, as the single insert always did.
+fn insert_outcome(
+    rec: &Record,
+    digest: Option<&str>,
+    quota: Option<&Quota>,
+    raw: Raw,
+    found: Option<(String, String)>,
+) -> Result<KeyOutcome> {
+    let Raw::Insert {
+        n,
+        cpu,
+        mem,
+        inserted,
+    } = raw
+    else {
+        return Err(StoreError::Unavailable(
+            "unexpected answer to an insert".into(),
+        ));
+    };
+    if inserted {
+        return Ok(KeyOutcome::Inserted);
+    }
+    if let (Some(d), Some((kd, sid))) = (digest, found) {
+        return Ok(if kd == d {
+            KeyOutcome::Replay(sid)
+        } else {
+            KeyOutcome::Mismatch
+        });
+    }
+    if let Some(msg) = quota.and_then(|q| {
+        crate::store::over_quota(q, n.max(0) as u64, cpu, mem.max(0) as u64, &rec.spec)
+    }) {
+        return Ok(KeyOutcome::OverQuota(msg));
+    }
+    // The key conflicted with a create whose key row is gone again (purged or forgotten
+    // after a failed create) by the time it was read: the caller may simply retry.
+    Err(StoreError::Unavailable(
+        "the Idempotency-Key changed hands during the create; retry".into(),
+    ))
+}
+
+/// The insert of [`PgRegistry`] as one statement (so a group can pipeline it): with
+/// `$13` (check the quota) the tenant's usage `u` (any state but `deleting`) decides `ok`
+/// (the same limits as [`crate::store::over_quota`]); the Idempotency-Key `$11` is
+/// recorded only when `ok`, `ON CONFLICT DO NOTHING` (waiting for a concurrent
+/// uncommitted insert of the key), and the record only when `ok` and the key (if any) was
+/// recorded now. Answers the usage, whether `ok`, and whether the record was inserted.
+const INSERT_SQL: &str = "
+WITH u AS (
+  SELECT COUNT(*) AS n, COALESCE(SUM((spec->>'cpu')::float8), 0.0)::float8 AS cpu,
+         COALESCE(SUM((spec->>'memory_mib')::bigint), 0)::bigint AS mem
+  FROM sandboxes WHERE $13::bool AND tenant IS NOT DISTINCT FROM $10::text
+  AND state != 'deleting'
+), ok AS (
+  SELECT 1 FROM u WHERE NOT $13::bool OR (
+    ($14::bigint IS NULL OR u.n + 1 <= $14::bigint)
+    AND ($15::float8 IS NULL OR u.cpu + $17::float8 <= $15::float8 + 0.001::float8)
+    AND ($16::bigint IS NULL OR u.mem + $18::bigint <= $16::bigint))
+), k AS (
+  INSERT INTO idempotency (key, digest, sandbox_id, created_at)
+  SELECT $11::text, $12::text, $1::text, $6::bigint FROM ok WHERE $11::text IS NOT NULL
+  ON CONFLICT (key) DO NOTHING RETURNING 1
+), s AS (
+  INSERT INTO sandboxes (id, backend, image, state, node, created_at, expires_at, spec,
+    labels, tenant)
+  SELECT $1::text, $2::text, $3::text, $4::text, $5::text, $6::bigint, $7::bigint,
+    $8::text::jsonb, $9::text::jsonb, $10::text
+  FROM ok WHERE $11::text IS NULL OR EXISTS (SELECT 1 FROM k)
+  RETURNING 1
+)
+SELECT u.n, u.cpu, u.mem, (SELECT COUNT(*) FROM s) > 0 FROM u";
+
+const CLAIM_SQL: &str = "UPDATE sandboxes SET owner = $1, deadline = $2 WHERE id = $3
+     AND (owner IS NULL OR deadline IS NULL OR deadline <= $4 OR owner = $1)";
+
+// SET expressions read the row's old values, so both CASEs test the old owner.
+const TRANSITION_RELEASE_SQL: &str = "UPDATE sandboxes SET state = $1,
+       deadline = CASE WHEN owner = $4 THEN NULL ELSE deadline END,
+       owner = CASE WHEN owner = $4 THEN NULL ELSE owner END
+     WHERE id = $2 AND state = ANY($3)";
+
+/// Most writes one PostgreSQL group transaction takes ([`PgRegistry`]'s group writer).
+pub const PG_GROUP_MAX: usize = 512;
+
+/// One write of [`PgRegistry`]'s group writer, owned.
+enum Op {
+    /// `Registry::insert_checked`.
+    Insert {
+        rec: Box<Record>,
+        key: Option<(String, String)>,
+        quota: Option<Quota>,
+    },
+    /// `Registry::claim_transition`.
+    Claim {
+        id: String,
+        owner: String,
+        deadline_ms: i64,
+        now_ms: i64,
+    },
+    /// `Registry::transition_release`.
+    TransitionRelease {
+        id: String,
+        from: Vec<&'static str>,
+        to: &'static str,
+        owner: String,
+    },
+}
+
+/// What an [`Op`]'s statement answered.
+#[derive(Debug, Clone, Copy)]
+enum Raw {
+    /// The tenant's usage before the insert (zero without a quota) and whether the record
+    /// was inserted.
+    Insert {
+        n: i64,
+        cpu: f64,
+        mem: i64,
+        inserted: bool,
+    },
+    /// Rows an UPDATE changed.
+    Rows(u64),
+}
+
+impl Op {
+    fn insert(rec: &Record, key: Option<(&str, &str)>, quota: Option<&Quota>) -> Op {
+        Op::Insert {
+            rec: Box::new(rec.clone()),
+            key: key.map(|(k, d)| (k.to_owned(), d.to_owned())),
+            quota: quota.cloned(),
+        }
+    }
+
+    /// What a failure of this op alone is called.
+    fn what(&self) -> &'static str {
+        match self {
+            Op::Insert { .. } => "insert sandbox",
+            Op::Claim { .. } => "claim transition",
+            Op::TransitionRelease { .. } => "update state and release",
+        }
+    }
+}
+
+/// A queued group job: its ops and where their answers go (`Err`: no connection, nothing
+/// written).
+type GroupJob = (
+    Vec<Op>,
+    tokio::sync::oneshot::Sender<Result<Vec<Result<Raw>>>>,
+);
+
+/// Runs `ops` in ONE transaction on `c`, their statements pipelined (sent without waiting
+/// for each answer): first the tenant locks of the quota'd inserts (sorted, so groups of
+/// several servers lock in one order), then every op in order (each statement sees the
+/// writes of those before it, so a quota counts the inserts admitted earlier in the
+/// group), then COMMIT. Any statement's failure fails the whole (rolled back).
+async fn run_pipelined(
+    c: &mut deadpool_postgres::Object,
+    ops: &[Op],
+) -> std::result::Result<Vec<Raw>, tokio_postgres::Error> {
+    use tokio_postgres::types::ToSql;
+    let ins = c.prepare_cached(INSERT_SQL).await?;
+    let claim = c.prepare_cached(CLAIM_SQL).await?;
+    let tr = c.prepare_cached(TRANSITION_RELEASE_SQL).await?;
+    let mut tenants: Vec<&str> = ops
+        .iter()
+        .filter_map(|o| match o {
+            Op::Insert {
+                rec,
+                quota: Some(_),
+                ..
+            } => Some(rec.tenant.as_deref().unwrap_or("")),
+            _ => None,
+        })
+        .collect();
+    tenants.sort_unstable();
+    tenants.dedup();
+    // Owned parameter values the pipelined statements borrow.
+    struct InsertVals {
+        spec: String,
+        labels: String,
+        check: bool,
+        max_n: Option<i64>,
+        max_cpu: Option<f64>,
+        max_mem: Option<i64>,
+        mem: i64,
+    }
+    let vals: Vec<Option<InsertVals>> = ops
+        .iter()
+        .map(|o| match o {
+            Op::Insert { rec, quota, .. } => Some(InsertVals {
+                spec: serde_json::to_string(&rec.spec).expect("spec serializes"),
+                labels: serde_json::to_string(&rec.labels).expect("labels serialize"),
+                check: quota.is_some(),
+                max_n: quota
+                    .and_then(|q| q.max_sandboxes)
+                    .map(|v| v.min(i64::MAX as u64) as i64),
+                max_cpu: quota.and_then(|q| q.max_cpu),
+                max_mem: quota
+                    .and_then(|q| q.max_memory_mib)
+                    .map(|v| v.min(i64::MAX as u64) as i64),
+                mem: rec.spec.memory_mib.min(i64::MAX as u64) as i64,
+            }),
+            _ => None,
+        })
+        .collect();
+    let tx = c.transaction().await?;
+    if !tenants.is_empty() {
+        // Two statements: the lock must be held before the usage is read (a statement's
+        // snapshot is taken when it starts).
+        tx.execute(
+            "INSERT INTO tenant_locks (tenant) SELECT unnest($1::text[]) ORDER BY 1
+             ON CONFLICT DO NOTHING",
+            &[&tenants],
+        )
+        .await?;
+        tx.execute(
+            "SELECT tenant FROM tenant_locks WHERE tenant = ANY($1) ORDER BY tenant FOR UPDATE",
+            &[&tenants],
+        )
+        .await?;
+    }
+    let calls = ops.iter().zip(&vals).map(|(o, v)| {
+        let tx = &tx;
+        let (ins, claim, tr) = (&ins, &claim, &tr);
+        async move {
+            match (o, v) {
+                (Op::Insert { rec, key, .. }, Some(v)) => {
+                    let (k, d) = match key {
+                        Some((k, d)) => (Some(k.as_str()), Some(d.as_str())),
+                        None => (None, None),
+                    };
+                    let p: [&(dyn ToSql + Sync); 18] = [
+                        &rec.id,
+                        &rec.backend.as_str(),
+                        &rec.image,
+                        &rec.state.as_str(),
+                        &rec.node,
+                        &rec.created_at_ms,
+                        &rec.expires_at_ms,
+                        &v.spec,
+                        &v.labels,
+                        &rec.tenant,
+                        &k,
+                        &d,
+                        &v.check,
+                        &v.max_n,
+                        &v.max_cpu,
+                        &v.max_mem,
+                        &rec.spec.cpu,
+                        &v.mem,
+                    ];
+                    let r = tx.query_one(ins, &p).await?;
+                    Ok(Raw::Insert {
+                        n: r.get(0),
+                        cpu: r.get(1),
+                        mem: r.get(2),
+                        inserted: r.get(3),
+                    })
+                }
+                (
+                    Op::Claim {
+                        id,
+                        owner,
+                        deadline_ms,
+                        now_ms,
+                    },
+                    _,
+                ) => Ok(Raw::Rows(
+                    tx.execute(claim, &[owner, deadline_ms, id, now_ms]).await?,
+                )),
+                (
+                    Op::TransitionRelease {
+                        id,
+                        from,
+                        to,
+                        owner,
+                    },
+                    _,
+                ) => Ok(Raw::Rows(tx.execute(tr, &[to, id, from, owner]).await?)),
+                (Op::Insert { .. }, None) => unreachable!("insert values are built per insert"),
+            }
+        }
+    });
+    // join_all polls (and so sends) the statements in order; their answers come back in
+    // order too.
+    let out: std::result::Result<Vec<Raw>, tokio_postgres::Error> =
+        futures::future::join_all(calls).await.into_iter().collect();
+    let out = out?;
+    tx.commit().await?;
+    Ok(out)
+}
+
+/// Runs a group: all ops in one pipelined transaction ([`run_pipelined`]); should that fail
+/// (one op's error such as a duplicate id, a deadlock with another server's group, a
+/// broken connection), each op again in a transaction of its own, so a failure stays with
+/// its op.
+async fn run_group(pool: &Pool, ops: &[Op]) -> Result<Vec<Result<Raw>>> {
+    let mut c = pool
+        .get()
+        .await
+        .map_err(|e| StoreError::Unavailable(e.to_string()))?;
+    let first = run_pipelined(&mut c, ops).await;
+    let e = match first {
+        Ok(v) => return Ok(v.into_iter().map(Ok).collect()),
+        Err(e) => e,
+    };
+    if ops.len() == 1 {
+        return Ok(vec![Err(StoreError::Pg {
+            op: ops[0].what(),
+            source: e,
+        })]);
+    }
+    if e.is_closed() {
+        // The connection broke: a new one for the retries.
+        drop(c);
+        c = pool
+            .get()
+            .await
+            .map_err(|e| StoreError::Unavailable(e.to_string()))?;
+    }
+    let mut out = Vec::with_capacity(ops.len());
+    for op in ops {
+        let one = run_pipelined(&mut c, std::slice::from_ref(op)).await;
+        out.push(match one {
+            Ok(mut v) => Ok(v.pop().expect("one answer per op")),
+            Err(source) => {
+                let broken = source.is_closed();
+                let r = Err(StoreError::Pg {
+                    op: op.what(),
+                    source,
+                });
+                if broken {
+                    if let Ok(n) = pool.get().await {
+                        c = n;
+                    }
+                }
+                r
+            }
+        });
+    }
+    Ok(out)
+}
+
+/// The group writer of a [`PgRegistry`]: takes the first queued job and every job queued
+/// behind it (up to [`PG_GROUP_MAX`] ops), runs them as one group ([`run_group`]), answers
+/// each. Ends when the registry (the queue's sender) is dropped.
+async fn pg_group_writer(pool: Pool, mut rx: tokio::sync::mpsc::UnboundedReceiver<GroupJob>) {
+    while let Some(first) = rx.recv().await {
+        let mut jobs = vec![first];
+        let mut n = jobs[0].0.len();
+        while n < PG_GROUP_MAX {
+            match rx.try_recv() {
+                Ok(j) => {
+                    n += j.0.len();
+                    jobs.push(j);
+                }
+                Err(_) => break,
+            }
+        }
+        let mut ops = Vec::with_capacity(n);
+        let mut sizes = Vec::with_capacity(jobs.len());
+        let mut answers = Vec::with_capacity(jobs.len());
+        for (o, tx) in jobs {
+            sizes.push(o.len());
+            ops.extend(o);
+            answers.push(tx);
+        }
+        match run_group(&pool, &ops).await {
+            Ok(results) => {
+                let mut results = results.into_iter();
+                for (size, tx) in sizes.into_iter().zip(answers) {
+                    let _ = tx.send(Ok(results.by_ref().take(size).collect()));
+                }
+            }
+            Err(e) => {
+                let msg = e.to_string();
+                for tx in answers {
+                    let _ = tx.send(Err(StoreError::Unavailable(msg.clone())));
+                }
+            }
+        }
+    }
+}
+
 /// PostgreSQL implementation of [`Registry`]. Cheap to share behind an `Arc`.
+///
+/// Group commit: the writes of the create path (inserts, [`Registry::insert_many`],
+/// transition claims, `transition_release`) go through one writer task that runs every
+/// write queued while the previous group ran as ONE transaction on one connection, their
+/// prepared statements pipelined (one round trip and one WAL flush for the group); should
+/// the group fail, each write is retried in a transaction of its own, so a failure (e.g.
+/// a duplicate id) stays with its write. Other calls use the pool with prepared
+/// statements.
 pub struct PgRegistry {
     pool: Pool,
+    /// The group writer's queue, started on first use (needs a Tokio runtime).
+    group: std::sync::OnceLock<tokio::sync::mpsc::UnboundedSender<GroupJob>>,
 }
 
 impl PgRegistry {
     /// A registry on `pool`, whose database [`crate::pg::connect`] has migrated.
     pub fn new(pool: Pool) -> PgRegistry {
-        PgRegistry { pool }
+        PgRegistry {
+            pool,
+            group: std::sync::OnceLock::new(),
+        }
+    }
+
+    /// Runs `ops` in the next group transaction ([`PgRegistry`]); answers per op.
+    async fn grouped(&self, ops: Vec<Op>) -> Result<Vec<Result<Raw>>> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let gone = || StoreError::Unavailable("registry writer task stopped".into());
+        self.group
+            .get_or_init(|| {
+                let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+                tokio::spawn(pg_group_writer(self.pool.clone(), rx));
+                tx
+            })
+            .send((ops, tx))
+            .map_err(|_| gone())?;
+        rx.await.map_err(|_| gone())?
+    }
+
+    /// One op in the next group transaction.
+    async fn grouped_one(&self, op: Op) -> Result<Raw> {
+        self.grouped(vec![op])
+            .await?
+            .pop()
+            .unwrap_or_else(|| Err(StoreError::Unavailable("no answer from the writer".into())))
     }
 
     async fn conn(&self) -> Result<deadpool_postgres::Object> {
@@ -517,7 +962,8 @@ impl PgRegistry {
         p: &[&(dyn tokio_postgres::types::ToSql + Sync)],
     ) -> Result<Vec<Record>> {
         let c = self.conn().await?;
-        c.query(q, p)
+        let st = c.prepare_cached(q).await.map_err(pg("prepare"))?;
+        c.query(&st, p)
             .await
             .map_err(pg("select sandboxes"))?
             .iter()
@@ -534,87 +980,65 @@ impl Registry for PgRegistry {
         key: Option<(&str, &str)>,
         quota: Option<&Quota>,
     ) -> Result<KeyOutcome> {
-        let mut c = self.conn().await?;
-        let tx = c.transaction().await.map_err(pg("begin"))?;
-        if let Some((key, digest)) = key {
-            let inserted = tx
-                .execute(
-                    "INSERT INTO idempotency (key, digest, sandbox_id, created_at)
-                     VALUES ($1, $2, $3, $4) ON CONFLICT (key) DO NOTHING",
-                    &[&key, &digest, &rec.id, &rec.created_at_ms],
+        let raw = self.grouped_one(Op::insert(rec, key, quota)).await?;
+        let found = match (raw, key) {
+            (
+                Raw::Insert {
+                    inserted: false, ..
+                },
+                Some((k, _)),
+            ) => self.key_sandbox(k).await?,
+            _ => None,
+        };
+        insert_outcome(rec, key.map(|(_, d)| d), quota, raw, found)
+    }
+
+    async fn insert_many(&self, items: &[InsertItem<'_>]) -> Result<Vec<Result<KeyOutcome>>> {
+        let ops = items
+            .iter()
+            .map(|(rec, key, quota)| Op::insert(rec, *key, *quota))
+            .collect();
+        let raws = self.grouped(ops).await?;
+        // The keys of items not inserted, read in one query (after the commit: a key
+        // that conflicted belongs to a committed create).
+        let keys: Vec<&str> = items
+            .iter()
+            .zip(&raws)
+            .filter_map(|((_, key, _), raw)| match (raw, key) {
+                (
+                    Ok(Raw::Insert {
+                        inserted: false, ..
+                    }),
+                    Some((k, _)),
+                ) => Some(*k),
+                _ => None,
+            })
+            .collect();
+        let mut found: BTreeMap<String, (String, String)> = BTreeMap::new();
+        if !keys.is_empty() {
+            let c = self.conn().await?;
+            let st = c
+                .prepare_cached(
+                    "SELECT key, digest, sandbox_id FROM idempotency WHERE key = ANY($1)",
                 )
                 .await
-                .map_err(pg("insert idempotency key"))?;
-            if inserted == 0 {
-                // Committed by another transaction (this statement waited for it).
-                let row = tx
-                    .query_one(
-                        "SELECT digest, sandbox_id FROM idempotency WHERE key = $1",
-                        &[&key],
-                    )
-                    .await
-                    .map_err(pg("select idempotency key"))?;
-                let (d, sid): (String, String) = (row.get(0), row.get(1));
-                return Ok(if d == digest {
-                    KeyOutcome::Replay(sid)
-                } else {
-                    KeyOutcome::Mismatch
-                });
-            }
-        }
-        if let Some(q) = quota {
-            let tenant = rec.tenant.as_deref().unwrap_or("");
-            tx.execute(
-                "INSERT INTO tenant_locks (tenant) VALUES ($1) ON CONFLICT DO NOTHING",
-                &[&tenant],
-            )
-            .await
-            .map_err(pg("insert tenant lock"))?;
-            tx.execute(
-                "SELECT tenant FROM tenant_locks WHERE tenant = $1 FOR UPDATE",
-                &[&tenant],
-            )
-            .await
-            .map_err(pg("lock tenant"))?;
-            let row = tx
-                .query_one(
-                    "SELECT COUNT(*), COALESCE(SUM((spec->>'cpu')::float8), 0.0),
-                        COALESCE(SUM((spec->>'memory_mib')::bigint), 0)::bigint
-                     FROM sandboxes WHERE tenant IS NOT DISTINCT FROM $1
-                     AND state != 'deleting'",
-                    &[&rec.tenant],
-                )
+                .map_err(pg("prepare"))?;
+            for r in c
+                .query(&st, &[&keys])
                 .await
-                .map_err(pg("sum tenant usage"))?;
-            let (n, cpu, mem): (i64, f64, i64) = (row.get(0), row.get(1), row.get(2));
-            if let Some(msg) = crate::store::over_quota(q, n as u64, cpu, mem as u64, &rec.spec) {
-                // Dropping the transaction rolls back the idempotency key.
-                return Ok(KeyOutcome::OverQuota(msg));
+                .map_err(pg("select idempotency keys"))?
+            {
+                found.insert(r.get(0), (r.get(1), r.get(2)));
             }
         }
-        let spec = serde_json::to_string(&rec.spec).expect("spec serializes");
-        let labels = serde_json::to_string(&rec.labels).expect("labels serialize");
-        tx.execute(
-            "INSERT INTO sandboxes (id, backend, image, state, node, created_at, expires_at,
-             spec, labels, tenant)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8::text::jsonb, $9::text::jsonb, $10)",
-            &[
-                &rec.id,
-                &rec.backend.as_str(),
-                &rec.image,
-                &rec.state.as_str(),
-                &rec.node,
-                &rec.created_at_ms,
-                &rec.expires_at_ms,
-                &spec,
-                &labels,
-                &rec.tenant,
-            ],
-        )
-        .await
-        .map_err(pg("insert sandbox"))?;
-        tx.commit().await.map_err(pg("commit"))?;
-        Ok(KeyOutcome::Inserted)
+        Ok(items
+            .iter()
+            .zip(raws)
+            .map(|((rec, key, quota), raw)| {
+                let f = key.and_then(|(k, _)| found.get(k).cloned());
+                insert_outcome(rec, key.map(|(_, d)| d), *quota, raw?, f)
+            })
+            .collect())
     }
 
     async fn get(&self, id: &str) -> Result<Option<Record>> {
@@ -654,7 +1078,11 @@ impl Registry for PgRegistry {
     async fn count_by_state(&self) -> Result<Vec<(String, String, u64)>> {
         let c = self.conn().await?;
         Ok(c.query(
-            "SELECT backend, state, COUNT(*) FROM sandboxes GROUP BY backend, state",
+            &c.prepare_cached(
+                "SELECT backend, state, COUNT(*) FROM sandboxes GROUP BY backend, state",
+            )
+            .await
+            .map_err(pg("prepare"))?,
             &[],
         )
         .await
@@ -694,7 +1122,11 @@ impl Registry for PgRegistry {
         let c = self.conn().await?;
         let n = c
             .execute(
-                "UPDATE sandboxes SET state = $1 WHERE id = $2 AND state = ANY($3)",
+                &c.prepare_cached(
+                    "UPDATE sandboxes SET state = $1 WHERE id = $2 AND state = ANY($3)",
+                )
+                .await
+                .map_err(pg("prepare"))?,
                 &[&to.as_str(), &id, &from],
             )
             .await
@@ -706,7 +1138,11 @@ impl Registry for PgRegistry {
         let c = self.conn().await?;
         let n = c
             .execute(
-                "UPDATE sandboxes SET node = $1 WHERE id = $2 AND state = 'paused'",
+                &c.prepare_cached(
+                    "UPDATE sandboxes SET node = $1 WHERE id = $2 AND state = 'paused'",
+                )
+                .await
+                .map_err(pg("prepare"))?,
                 &[&node, &id],
             )
             .await
@@ -718,9 +1154,13 @@ impl Registry for PgRegistry {
         let c = self.conn().await?;
         let n = c
             .execute(
-                "UPDATE sandboxes SET expires_at = $1,
+                &c.prepare_cached(
+                    "UPDATE sandboxes SET expires_at = $1,
                    spec = jsonb_set(spec, '{ttl_s}', to_jsonb($2::bigint))
                  WHERE id = $3 AND state = 'running'",
+                )
+                .await
+                .map_err(pg("prepare"))?,
                 &[&expires_at_ms, &(ttl_s as i64), &id],
             )
             .await
@@ -731,7 +1171,12 @@ impl Registry for PgRegistry {
     async fn remove(&self, id: &str) -> Result<bool> {
         let c = self.conn().await?;
         let n = c
-            .execute("DELETE FROM sandboxes WHERE id = $1", &[&id])
+            .execute(
+                &c.prepare_cached("DELETE FROM sandboxes WHERE id = $1")
+                    .await
+                    .map_err(pg("prepare"))?,
+                &[&id],
+            )
             .await
             .map_err(pg("delete sandbox"))?;
         Ok(n == 1)
@@ -741,7 +1186,9 @@ impl Registry for PgRegistry {
         let c = self.conn().await?;
         let row = c
             .query_opt(
-                "SELECT digest, sandbox_id FROM idempotency WHERE key = $1",
+                &c.prepare_cached("SELECT digest, sandbox_id FROM idempotency WHERE key = $1")
+                    .await
+                    .map_err(pg("prepare"))?,
                 &[&key],
             )
             .await
@@ -751,9 +1198,14 @@ impl Registry for PgRegistry {
 
     async fn forget_keys_of(&self, id: &str) -> Result<()> {
         let c = self.conn().await?;
-        c.execute("DELETE FROM idempotency WHERE sandbox_id = $1", &[&id])
-            .await
-            .map_err(pg("delete idempotency keys"))?;
+        c.execute(
+            &c.prepare_cached("DELETE FROM idempotency WHERE sandbox_id = $1")
+                .await
+                .map_err(pg("prepare"))?,
+            &[&id],
+        )
+        .await
+        .map_err(pg("delete idempotency keys"))?;
         Ok(())
     }
 
@@ -762,7 +1214,9 @@ impl Registry for PgRegistry {
         let c = self.conn().await?;
         let n = c
             .execute(
-                "UPDATE sandboxes SET owner = $1, deadline = $2 WHERE id = $3",
+                &c.prepare_cached("UPDATE sandboxes SET owner = $1, deadline = $2 WHERE id = $3")
+                    .await
+                    .map_err(pg("prepare"))?,
                 &[&o, &d, &id],
             )
             .await
@@ -777,23 +1231,22 @@ impl Registry for PgRegistry {
         deadline_ms: i64,
         now_ms: i64,
     ) -> Result<bool> {
-        let c = self.conn().await?;
-        let n = c
-            .execute(
-                "UPDATE sandboxes SET owner = $1, deadline = $2 WHERE id = $3
-                 AND (owner IS NULL OR deadline IS NULL OR deadline <= $4 OR owner = $1)",
-                &[&owner, &deadline_ms, &id, &now_ms],
-            )
-            .await
-            .map_err(pg("claim transition"))?;
-        Ok(n == 1)
+        let raw = self
+            .grouped_one(Op::Claim {
+                id: id.to_owned(),
+                owner: owner.to_owned(),
+                deadline_ms,
+                now_ms,
+            })
+            .await?;
+        Ok(matches!(raw, Raw::Rows(1)))
     }
 
     async fn release_transition(&self, id: &str, owner: &str) -> Result<bool> {
         let c = self.conn().await?;
         let n = c
             .execute(
-                "UPDATE sandboxes SET owner = NULL, deadline = NULL WHERE id = $1 AND owner = $2",
+                &c.prepare_cached("UPDATE sandboxes SET owner = NULL, deadline = NULL WHERE id = $1 AND owner = $2").await.map_err(pg("prepare"))?,
                 &[&id, &owner],
             )
             .await
@@ -808,20 +1261,15 @@ impl Registry for PgRegistry {
         to: SandboxState,
         owner: &str,
     ) -> Result<bool> {
-        let from: Vec<&str> = from.iter().map(|s| s.as_str()).collect();
-        let c = self.conn().await?;
-        // SET expressions read the row's old values, so both CASEs test the old owner.
-        let n = c
-            .execute(
-                "UPDATE sandboxes SET state = $1,
-                   deadline = CASE WHEN owner = $4 THEN NULL ELSE deadline END,
-                   owner = CASE WHEN owner = $4 THEN NULL ELSE owner END
-                 WHERE id = $2 AND state = ANY($3)",
-                &[&to.as_str(), &id, &from, &owner],
-            )
-            .await
-            .map_err(pg("update state and release"))?;
-        Ok(n == 1)
+        let raw = self
+            .grouped_one(Op::TransitionRelease {
+                id: id.to_owned(),
+                from: from.iter().map(|s| s.as_str()).collect(),
+                to: to.as_str(),
+                owner: owner.to_owned(),
+            })
+            .await?;
+        Ok(matches!(raw, Raw::Rows(1)))
     }
 
     async fn stale_transitions(&self, now_ms: i64) -> Result<Vec<StaleTransition>> {
@@ -851,7 +1299,9 @@ impl Registry for PgRegistry {
     async fn purge_keys(&self, before_ms: i64) -> Result<usize> {
         let c = self.conn().await?;
         Ok(c.execute(
-            "DELETE FROM idempotency WHERE created_at < $1",
+            &c.prepare_cached("DELETE FROM idempotency WHERE created_at < $1")
+                .await
+                .map_err(pg("prepare"))?,
             &[&before_ms],
         )
         .await
@@ -910,7 +1360,11 @@ impl Registry for PgRegistry {
         let c = self.conn().await?;
         let n = c
             .execute(
-                "UPDATE api_keys SET revoked_at = $1 WHERE id = $2 AND revoked_at IS NULL",
+                &c.prepare_cached(
+                    "UPDATE api_keys SET revoked_at = $1 WHERE id = $2 AND revoked_at IS NULL",
+                )
+                .await
+                .map_err(pg("prepare"))?,
                 &[&now_ms, &id],
             )
             .await
@@ -920,25 +1374,36 @@ impl Registry for PgRegistry {
 
     async fn has_keys(&self) -> Result<bool> {
         let c = self.conn().await?;
-        Ok(c.query_opt("SELECT 1 FROM api_keys LIMIT 1", &[])
-            .await
-            .map_err(pg("count api keys"))?
-            .is_some())
+        Ok(c.query_opt(
+            &c.prepare_cached("SELECT 1 FROM api_keys LIMIT 1")
+                .await
+                .map_err(pg("prepare"))?,
+            &[],
+        )
+        .await
+        .map_err(pg("count api keys"))?
+        .is_some())
     }
 
     async fn claim_trajectory(&self, t: &str, tenant: &str) -> Result<bool> {
         let c = self.conn().await?;
         // Waits for a concurrent uncommitted claim; then the committed owner is read.
         c.execute(
-            "INSERT INTO trajectory_owners (trajectory, tenant) VALUES ($1, $2)
+            &c.prepare_cached(
+                "INSERT INTO trajectory_owners (trajectory, tenant) VALUES ($1, $2)
              ON CONFLICT (trajectory) DO NOTHING",
+            )
+            .await
+            .map_err(pg("prepare"))?,
             &[&t, &tenant],
         )
         .await
         .map_err(pg("claim trajectory"))?;
         let owner: Option<String> = c
             .query_opt(
-                "SELECT tenant FROM trajectory_owners WHERE trajectory = $1",
+                &c.prepare_cached("SELECT tenant FROM trajectory_owners WHERE trajectory = $1")
+                    .await
+                    .map_err(pg("prepare"))?,
                 &[&t],
             )
             .await
@@ -950,7 +1415,9 @@ impl Registry for PgRegistry {
     async fn trajectory_owner(&self, t: &str) -> Result<Option<String>> {
         let c = self.conn().await?;
         Ok(c.query_opt(
-            "SELECT tenant FROM trajectory_owners WHERE trajectory = $1",
+            &c.prepare_cached("SELECT tenant FROM trajectory_owners WHERE trajectory = $1")
+                .await
+                .map_err(pg("prepare"))?,
             &[&t],
         )
         .await
@@ -960,9 +1427,14 @@ impl Registry for PgRegistry {
 
     async fn forget_trajectory_owner(&self, t: &str) -> Result<()> {
         let c = self.conn().await?;
-        c.execute("DELETE FROM trajectory_owners WHERE trajectory = $1", &[&t])
-            .await
-            .map_err(pg("forget trajectory owner"))?;
+        c.execute(
+            &c.prepare_cached("DELETE FROM trajectory_owners WHERE trajectory = $1")
+                .await
+                .map_err(pg("prepare"))?,
+            &[&t],
+        )
+        .await
+        .map_err(pg("forget trajectory owner"))?;
         Ok(())
     }
 
@@ -1017,11 +1489,18 @@ impl Registry for PgRegistry {
 
     async fn remove_checkpoint(&self, id: &str) -> Result<()> {
         let c = self.conn().await?;
-        c.execute("DELETE FROM checkpoints WHERE id = $1", &[&id])
-            .await
-            .map_err(pg("delete checkpoint"))?;
         c.execute(
-            "DELETE FROM checkpoint_names WHERE checkpoint_id = $1",
+            &c.prepare_cached("DELETE FROM checkpoints WHERE id = $1")
+                .await
+                .map_err(pg("prepare"))?,
+            &[&id],
+        )
+        .await
+        .map_err(pg("delete checkpoint"))?;
+        c.execute(
+            &c.prepare_cached("DELETE FROM checkpoint_names WHERE checkpoint_id = $1")
+                .await
+                .map_err(pg("prepare"))?,
             &[&id],
         )
         .await
@@ -1032,8 +1511,12 @@ impl Registry for PgRegistry {
     async fn set_checkpoint_name(&self, id: &str, name: &str) -> Result<()> {
         let c = self.conn().await?;
         c.execute(
-            "INSERT INTO checkpoint_names (checkpoint_id, name) VALUES ($1, $2)
+            &c.prepare_cached(
+                "INSERT INTO checkpoint_names (checkpoint_id, name) VALUES ($1, $2)
              ON CONFLICT (checkpoint_id) DO UPDATE SET name = EXCLUDED.name",
+            )
+            .await
+            .map_err(pg("prepare"))?,
             &[&id, &name],
         )
         .await
@@ -1044,7 +1527,12 @@ impl Registry for PgRegistry {
     async fn checkpoint_names(&self) -> Result<BTreeMap<String, String>> {
         let c = self.conn().await?;
         let rows = c
-            .query("SELECT checkpoint_id, name FROM checkpoint_names", &[])
+            .query(
+                &c.prepare_cached("SELECT checkpoint_id, name FROM checkpoint_names")
+                    .await
+                    .map_err(pg("prepare"))?,
+                &[],
+            )
             .await
             .map_err(pg("list checkpoint names"))?;
         Ok(rows
@@ -1312,6 +1800,150 @@ mod tests {
         ));
     }
 
+    /// [`Registry::insert_many`]: per-item outcomes in order (quota counting the items
+    /// admitted before, replay, mismatch, a duplicate id failing alone), nothing of a
+    /// refused or failed item left behind, the rest inserted.
+    async fn contract_insert_many(r: &dyn Registry) {
+        let t = Some("key_t");
+        r.insert_checked(&rec("sb-0", 0, t), None, None)
+            .await
+            .unwrap();
+        r.insert_checked(&rec("sb-k", 1, None), Some(("k1", "d1")), None)
+            .await
+            .unwrap();
+        // Quota 3: one record of the tenant exists, room for two more.
+        let q = Quota {
+            max_sandboxes: Some(3),
+            max_cpu: None,
+            max_memory_mib: None,
+        };
+        let (a, b, c) = (rec("sb-a", 2, t), rec("sb-b", 3, t), rec("sb-c", 4, t));
+        let dup = rec("sb-0", 5, Some("key_other"));
+        let (e, f, g) = (
+            rec("sb-e", 6, None),
+            rec("sb-f", 7, None),
+            rec("sb-g", 8, None),
+        );
+        let out = r
+            .insert_many(&[
+                (&a, Some(("ka", "da")), Some(&q)),
+                (&b, None, Some(&q)),
+                (&c, Some(("kc", "dc")), Some(&q)), // 4th of the tenant: refused, key too
+                (&dup, None, None),                 // duplicate id: fails alone
+                (&e, Some(("k1", "d1")), None),     // replay of sb-k
+                (&f, Some(("k1", "other")), None),  // same key, other body
+                (&g, Some(("kg", "dg")), None),
+            ])
+            .await
+            .unwrap();
+        assert_eq!(out.len(), 7);
+        assert_eq!(out[0].as_ref().unwrap(), &KeyOutcome::Inserted);
+        assert_eq!(out[1].as_ref().unwrap(), &KeyOutcome::Inserted);
+        assert!(
+            matches!(out[2], Ok(KeyOutcome::OverQuota(ref m)) if m.contains("at most 3")),
+            "{:?}",
+            out[2]
+        );
+        assert!(out[3].is_err(), "{:?}", out[3]);
+        assert_eq!(out[4].as_ref().unwrap(), &KeyOutcome::Replay("sb-k".into()));
+        assert_eq!(out[5].as_ref().unwrap(), &KeyOutcome::Mismatch);
+        assert_eq!(out[6].as_ref().unwrap(), &KeyOutcome::Inserted);
+        let ids: Vec<String> = r.list().await.unwrap().into_iter().map(|x| x.id).collect();
+        assert_eq!(ids, ["sb-0", "sb-k", "sb-a", "sb-b", "sb-g"]);
+        assert_eq!(r.get("sb-0").await.unwrap().unwrap().tenant.as_deref(), t);
+        // Keys: ka and kg recorded, kc rolled back with its refused item.
+        assert_eq!(r.key_sandbox("ka").await.unwrap().unwrap().1, "sb-a");
+        assert_eq!(r.key_sandbox("kg").await.unwrap().unwrap().1, "sb-g");
+        assert!(r.key_sandbox("kc").await.unwrap().is_none());
+        // A batch whose every item is refused or replayed writes nothing.
+        let h = rec("sb-h", 9, t);
+        let out = r
+            .insert_many(&[(&h, Some(("k1", "d1")), Some(&q)), (&h, None, Some(&q))])
+            .await
+            .unwrap();
+        assert_eq!(out[0].as_ref().unwrap(), &KeyOutcome::Replay("sb-k".into()));
+        assert!(
+            matches!(out[1], Ok(KeyOutcome::OverQuota(_))),
+            "{:?}",
+            out[1]
+        );
+        assert_eq!(r.list().await.unwrap().len(), 5);
+    }
+
+    /// Concurrent creates on ONE registry (the group writers of both stores): 80 creates of
+    /// one tenant against a quota of 50, each admitted one claimed and then marked running
+    /// with its claim released; exactly the quota admitted, every write applied, and a
+    /// duplicate id failing alone without stopping the writes grouped with it.
+    async fn contract_concurrent(r: Arc<dyn Registry>) {
+        let q = Quota {
+            max_sandboxes: Some(50),
+            max_cpu: None,
+            max_memory_mib: None,
+        };
+        let tasks: Vec<_> = (0..80)
+            .map(|i| {
+                let r = r.clone();
+                tokio::spawn(async move {
+                    let x = rec(&format!("sb-{i:03}"), i, Some("key_c"));
+                    let key = format!("key-{i}");
+                    let out = r
+                        .insert_checked(&x, Some((&key, "d")), Some(&q))
+                        .await
+                        .unwrap();
+                    if out != KeyOutcome::Inserted {
+                        assert!(matches!(out, KeyOutcome::OverQuota(_)), "{out:?}");
+                        return false;
+                    }
+                    assert!(r.claim_transition(&x.id, "srv", 10, 1).await.unwrap());
+                    assert!(r
+                        .transition_release(
+                            &x.id,
+                            &[SandboxState::Creating],
+                            SandboxState::Running,
+                            "srv"
+                        )
+                        .await
+                        .unwrap());
+                    true
+                })
+            })
+            .collect();
+        let mut admitted = 0;
+        for t in tasks {
+            admitted += usize::from(t.await.unwrap());
+        }
+        assert_eq!(admitted, 50, "exactly the quota admitted");
+        let all = r.list().await.unwrap();
+        assert_eq!(all.len(), 50);
+        assert!(all.iter().all(|x| x.state == SandboxState::Running));
+        // Claims were released: a stale-transition scan far in the future sees none.
+        assert!(r.stale_transitions(i64::MAX / 2).await.unwrap().is_empty());
+        // A duplicate id among concurrent creates fails alone.
+        let tasks: Vec<_> = (0..20)
+            .map(|i| {
+                let r = r.clone();
+                let id = if i == 7 {
+                    all[0].id.clone()
+                } else {
+                    format!("sb-new{i}")
+                };
+                tokio::spawn(
+                    async move { r.insert_checked(&rec(&id, 100, None), None, None).await },
+                )
+            })
+            .collect();
+        let mut failed = 0;
+        for t in tasks {
+            match t.await.unwrap() {
+                Ok(KeyOutcome::Inserted) => {}
+                Err(_) => failed += 1,
+                Ok(other) => panic!("{other:?}"),
+            }
+        }
+        assert_eq!(failed, 1);
+        assert_eq!(r.list().await.unwrap().len(), 69);
+    }
+
     /// `regs[i]` race for the last quota slot of one tenant, then on one Idempotency-Key:
     /// exactly one wins each race.
     async fn contract_races(regs: Vec<Arc<dyn Registry>>) {
@@ -1499,6 +2131,8 @@ mod tests {
         contract_records(&*s).await;
         let (_d, s) = sqlite("quota");
         contract_quota(&*s).await;
+        let (_d, s) = sqlite("many");
+        contract_insert_many(&*s).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -1535,6 +2169,26 @@ mod tests {
             return;
         };
         contract_quota(&*r[0]).await;
+        let Some(r) = pg("pg_contract_many", 1).await else {
+            return;
+        };
+        contract_insert_many(&*r[0]).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn sqlite_concurrent() {
+        let (_d, s) = sqlite("concurrent");
+        contract_concurrent(s).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn pg_concurrent() {
+        // One registry on a pool of several connections, as one server.
+        let Some(url) = crate::pg::testing::fresh_database("pg_concurrent").await else {
+            return;
+        };
+        let pool = crate::pg::connect(&url, 8).await.unwrap();
+        contract_concurrent(Arc::new(PgRegistry::new(pool))).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -206,6 +206,50 @@ pub async fn create_sandbox(
     labels_extra: BTreeMap<String, String>,
     idempotency_key: Option<String>,
 ) -> ApiResult<(Record, bool)> {
+    let p = match prepare_create(st, who, req, labels_extra, idempotency_key).await? {
+        Prep::Ready(p) => p,
+        Prep::Done(answer) => return Ok(answer),
+    };
+    let key = p.key.as_ref().map(|(k, d)| (k.as_str(), d.as_str()));
+    let inserted = st
+        .store
+        .insert_checked(&p.rec, key, who.quota.as_ref())
+        .await;
+    settle_create(st, p, inserted.map_err(ServerError::from)).await
+}
+
+/// A create that passed validation and placement (steps 1 and the node's choice), its
+/// record not written yet.
+struct Prepared {
+    /// The record to insert, state `creating`.
+    rec: Record,
+    /// `(per-tenant Idempotency-Key, request digest)`.
+    key: Option<(String, String)>,
+    /// The cluster placement, forgotten when the create stops before the node is asked.
+    placed: Unassign,
+}
+
+/// What [`prepare_create`] ends with.
+enum Prep {
+    /// Ready for the insert.
+    Ready(Prepared),
+    /// Answered without a write: a retry under an Idempotency-Key whose sandbox exists,
+    /// while no node could take a new one.
+    Done((Record, bool)),
+}
+
+/// Step 1 of a create and its placement: validate, fill defaults, refuse below the disk
+/// reserve, pick the node (cluster mode) and build the record.
+///
+/// # Errors
+/// As [`create_sandbox`] before its insert.
+async fn prepare_create(
+    st: &SharedState,
+    who: &Principal,
+    req: CreateSandboxRequest,
+    labels_extra: BTreeMap<String, String>,
+    idempotency_key: Option<String>,
+) -> ApiResult<Prep> {
     let mut v = validate(&req)?;
     // Refused before anything is written: below the data directory's free-space reserve,
     // or while audit events cannot be written (disk_reserve and events module docs).
@@ -241,7 +285,7 @@ pub async fn create_sandbox(
                                 ));
                             }
                             if let Some(r) = st.store.get(&sid).await? {
-                                return Ok((r, false));
+                                return Ok(Prep::Done((r, false)));
                             }
                         }
                     }
@@ -262,10 +306,10 @@ pub async fn create_sandbox(
             st.node_name.clone()
         }
     };
-    let mut placed = Unassign(st.cluster.get().map(|c| &**c), &id);
+    let placed = Unassign(st.cluster.get().cloned(), id.clone());
     let now = now_ms();
     let rec = Record {
-        id: id.clone(),
+        id,
         backend: req.backend,
         image: v.image,
         state: SandboxState::Creating,
@@ -276,12 +320,29 @@ pub async fn create_sandbox(
         labels,
         tenant: who.tenant.clone(),
     };
-    let key = scoped_key.as_deref().map(|k| (k, d.as_str()));
-    match st
-        .store
-        .insert_checked(&rec, key, who.quota.as_ref())
-        .await?
-    {
+    Ok(Prep::Ready(Prepared {
+        rec,
+        key: scoped_key.map(|k| (k, d)),
+        placed,
+    }))
+}
+
+/// Everything of a create after its insert (`inserted`: the insert's outcome): answer a
+/// quota refusal, replay or key mismatch, else run the node's create and settle the record
+/// in a task of its own (a dropped request future must not stop between the node's create
+/// and the record update).
+///
+/// # Errors
+/// As [`create_sandbox`] from its insert on.
+async fn settle_create(
+    st: &SharedState,
+    p: Prepared,
+    inserted: ApiResult<KeyOutcome>,
+) -> ApiResult<(Record, bool)> {
+    let Prepared {
+        rec, mut placed, ..
+    } = p;
+    match inserted? {
         KeyOutcome::Inserted => {}
         KeyOutcome::OverQuota(msg) => {
             // RetryAfter marks it as the caller's own limit (run_code answers it as HTTP
@@ -339,14 +400,14 @@ pub async fn create_sandbox(
     .map_err(|e| ServerError::new(ErrorCode::Internal, format!("create task failed: {e}")))?
 }
 
-/// Forgets a cluster placement when the create stops before the node is asked (quota,
-/// idempotent replay, store error).
-struct Unassign<'a>(Option<&'a crate::cluster::ClusterNode>, &'a str);
+/// Forgets a cluster placement (of the sandbox id) when the create stops before the node
+/// is asked (quota, idempotent replay, store error).
+struct Unassign(Option<std::sync::Arc<crate::cluster::ClusterNode>>, String);
 
-impl Drop for Unassign<'_> {
+impl Drop for Unassign {
     fn drop(&mut self) {
-        if let Some(c) = self.0 {
-            c.unassign(self.1);
+        if let Some(c) = &self.0 {
+            c.unassign(&self.1);
         }
     }
 }
@@ -770,6 +831,10 @@ pub async fn set_ttl(st: &SharedState, id: &str, ttl_s: u64) -> ApiResult<Record
 /// each item; [`create_batch`]).
 pub const BATCH_CONCURRENCY: usize = 32;
 
+/// Items of a batch whose records one registry write inserts
+/// ([`crate::registry::Registry::insert_many`], one transaction).
+pub const BATCH_CHUNK: usize = 64;
+
 /// One item of a batch: its create request (or its own error) and whether it named a
 /// backend.
 type BatchEntry = (Result<CreateSandboxRequest, ServerError>, bool);
@@ -872,7 +937,10 @@ pub async fn create_batch(
     }))
 }
 
-/// The items of a batch, [`BATCH_CONCURRENCY`] at a time, answered in request order.
+/// The items of a batch, answered in request order: [`BATCH_CHUNK`] at a time are prepared
+/// (validated, placed) and their records written with one store call
+/// ([`crate::registry::Registry::insert_many`]); the node creates run
+/// [`BATCH_CONCURRENCY`] at a time.
 async fn run_batch(
     st: SharedState,
     who: Principal,
@@ -880,49 +948,142 @@ async fn run_batch(
     items: Vec<BatchEntry>,
 ) -> Vec<sandlot_api::BatchItem> {
     use futures::StreamExt;
-    let (st, who) = (&st, &who);
-    futures::stream::iter(items.into_iter().enumerate())
-        .map(|(index, (req, backend_given))| {
+    let who = std::sync::Arc::new(who);
+    let mut chunks: Vec<Vec<(usize, BatchEntry)>> = Vec::new();
+    for (index, entry) in items.into_iter().enumerate() {
+        match chunks.last_mut() {
+            Some(c) if c.len() < BATCH_CHUNK => c.push((index, entry)),
+            _ => chunks.push(vec![(index, entry)]),
+        }
+    }
+    // The next chunk is placed and inserted only when fewer than BATCH_CONCURRENCY items
+    // are in flight, so at most about one chunk waits unclaimed. (A plain loop: the
+    // stream combinators' closures trip the compiler's Send check under tokio::spawn.)
+    let n = chunks.iter().map(Vec::len).sum();
+    let mut chunks = chunks.into_iter();
+    let mut ready: std::collections::VecDeque<BatchFuture> = Default::default();
+    let mut running = futures::stream::FuturesOrdered::new();
+    let mut out = Vec::with_capacity(n);
+    loop {
+        while running.len() < BATCH_CONCURRENCY {
+            if let Some(f) = ready.pop_front() {
+                running.push_back(f);
+                continue;
+            }
+            match chunks.next() {
+                Some(c) => ready.extend(batch_chunk(st.clone(), who.clone(), key.clone(), c).await),
+                None => break,
+            }
+        }
+        match running.next().await {
+            Some(item) => out.push(item),
+            None => break,
+        }
+    }
+    out
+}
+
+/// The answer of one batch item, still to run.
+type BatchFuture = futures::future::BoxFuture<'static, sandlot_api::BatchItem>;
+
+/// One chunk of a batch: prepare every item, insert the records of those ready with one
+/// [`crate::registry::Registry::insert_many`], and return per item the future that answers
+/// it (the node create and the settling of its record for an inserted one).
+async fn batch_chunk(
+    st: SharedState,
+    who: std::sync::Arc<Principal>,
+    key: Option<String>,
+    chunk: Vec<(usize, BatchEntry)>,
+) -> Vec<BatchFuture> {
+    use futures::FutureExt;
+    let (st, who, key) = (&st, &*who, &key);
+    let preps = futures::future::join_all(chunk.into_iter().map(
+        |(index, (req, backend_given))| async move {
             let key = key.as_ref().map(|k| format!("{k}#{index}"));
-            async move {
-                let out = match req {
-                    Err(e) => Err(e),
-                    Ok(mut req) => {
-                        match crate::checkpoints::fill_from_checkpoint(
-                            st,
-                            who,
-                            &mut req,
-                            backend_given,
-                        )
+            let prep = match req {
+                Err(e) => Err(e),
+                Ok(mut req) => {
+                    match crate::checkpoints::fill_from_checkpoint(st, who, &mut req, backend_given)
                         .await
-                        {
-                            Err(e) => Err(e),
-                            Ok(()) => create_sandbox(st, who, req, BTreeMap::new(), key).await,
-                        }
-                    }
-                };
-                match out {
-                    Ok((rec, created)) => sandlot_api::BatchItem {
-                        index,
-                        status: if created { 201 } else { 200 },
-                        sandbox: Some(rec.to_api()),
-                        error: None,
-                    },
-                    Err(e) => {
-                        let error = e.api_error();
-                        sandlot_api::BatchItem {
-                            index,
-                            status: error.code.http_status(),
-                            sandbox: None,
-                            error: Some(error),
-                        }
+                    {
+                        Err(e) => Err(e),
+                        Ok(()) => prepare_create(st, who, req, BTreeMap::new(), key).await,
                     }
                 }
-            }
+            };
+            (index, prep)
+        },
+    ))
+    .await;
+    let inserts: Vec<crate::store::InsertItem<'_>> = preps
+        .iter()
+        .filter_map(|(_, p)| match p {
+            Ok(Prep::Ready(p)) => Some((
+                &p.rec,
+                p.key.as_ref().map(|(k, d)| (k.as_str(), d.as_str())),
+                who.quota.as_ref(),
+            )),
+            _ => None,
         })
-        .buffered(BATCH_CONCURRENCY)
+        .collect();
+    let outcomes: Vec<ApiResult<KeyOutcome>> = if inserts.is_empty() {
+        Vec::new()
+    } else {
+        match st.store.insert_many(&inserts).await {
+            Ok(v) => v
+                .into_iter()
+                .map(|r| r.map_err(ServerError::from))
+                .collect(),
+            // Nothing of the chunk was written: each of its items fails with the cause.
+            Err(e) => {
+                let e = ServerError::from(e).api_error();
+                inserts
+                    .iter()
+                    .map(|_| Err(ServerError::Api(e.clone())))
+                    .collect()
+            }
+        }
+    };
+    drop(inserts);
+    let mut outcomes = outcomes.into_iter();
+    preps
+        .into_iter()
+        .map(|(index, prep)| match prep {
+            Ok(Prep::Ready(p)) => {
+                let inserted = outcomes.next().unwrap_or_else(|| {
+                    Err(ServerError::new(
+                        ErrorCode::Internal,
+                        "registry answered fewer items than it was given",
+                    ))
+                });
+                let st = st.clone();
+                async move { batch_item(index, settle_create(&st, p, inserted).await) }.boxed()
+            }
+            Ok(Prep::Done(answer)) => futures::future::ready(batch_item(index, Ok(answer))).boxed(),
+            Err(e) => futures::future::ready(batch_item(index, Err(e))).boxed(),
+        })
         .collect()
-        .await
+}
+
+/// The answer of batch item `index`.
+fn batch_item(index: usize, out: ApiResult<(Record, bool)>) -> sandlot_api::BatchItem {
+    match out {
+        Ok((rec, created)) => sandlot_api::BatchItem {
+            index,
+            status: if created { 201 } else { 200 },
+            sandbox: Some(rec.to_api()),
+            error: None,
+        },
+        Err(e) => {
+            let error = e.api_error();
+            sandlot_api::BatchItem {
+                index,
+                status: error.code.http_status(),
+                sandbox: None,
+                error: Some(error),
+            }
+        }
+    }
 }
 
 /// The `Idempotency-Key` header of a create, checked (1–256 visible ASCII characters).

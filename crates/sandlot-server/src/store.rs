@@ -1034,6 +1034,44 @@ impl Store {
         Ok(out)
     }
 
+    /// [`Store::insert_many`] as one job of the group writer ([`Store::grouped`]): the
+    /// items, each in its own savepoint, are committed with the group (one commit for the
+    /// batch and the concurrent single writes), and the caller's thread never waits on the
+    /// connection lock.
+    ///
+    /// # Errors
+    /// As [`Store::grouped`] (the group's COMMIT failed: none of the items was written).
+    pub async fn insert_many_grouped(
+        &self,
+        items: &[InsertItem<'_>],
+    ) -> Result<Vec<Result<KeyOutcome>>> {
+        type Owned = (Record, Option<(String, String)>, Option<Quota>);
+        let owned: Vec<Owned> = items
+            .iter()
+            .map(|(r, k, q)| {
+                (
+                    (*r).clone(),
+                    k.map(|(k, d)| (k.to_owned(), d.to_owned())),
+                    q.cloned(),
+                )
+            })
+            .collect();
+        self.grouped(move |c| {
+            Ok(owned
+                .iter()
+                .map(|(r, k, q)| {
+                    insert_on(
+                        c,
+                        r,
+                        k.as_ref().map(|(k, d)| (k.as_str(), d.as_str())),
+                        q.as_ref(),
+                    )
+                })
+                .collect())
+        })
+        .await
+    }
+
     /// [`Store::claim_transition`] in a group commit.
     ///
     /// # Errors
