@@ -236,61 +236,83 @@ SIM_BATCH = 1000
 
 class SimCluster:
     """One etcd member (scripts/etcd.sh), `sandlot node --simulate N` and one `sandlot server
-    --etcd` (SQLite registry) in a temporary directory; no root, no images."""
+    --etcd` in a temporary directory; no root, no images. Set before `up()`: `postgres`
+    (the server's registry on scripts/postgres.sh instead of SQLite), `nprocs` (the
+    simulation split over that many processes, `--name {sim_name}P`, so that one can be
+    killed; N must be a multiple)."""
 
     def __init__(self, binary: Path, nodes: int, cap: int, create_delay_ms: int):
         self.binary, self.nodes, self.cap, self.delay = binary, nodes, cap, create_delay_ms
         self.dir = Path(tempfile.mkdtemp(prefix="sandlot-bench-sim."))
         self.procs: list[subprocess.Popen] = []
+        self.sims: list[subprocess.Popen] = []
+        self.server: subprocess.Popen | None = None
         self.url = ""
         self.etcd = ""
-        self.postgres = False  # --postgres: the server's registry on scripts/postgres.sh
+        self.postgres = False
+        self.pg = ""
+        self.pg_dir = self.dir / "pg"
+        self.nprocs = 1
+        self.sim_name = "sim"
 
     def _etcd(self, *a: str) -> subprocess.CompletedProcess:
         return subprocess.run(["bash", str(R.REPO / "scripts" / "etcd.sh"), *a],
                               capture_output=True, text=True, timeout=120)
 
+    def _start_postgres(self) -> None:
+        """As scripts/cluster.sh --postgres does; sets `self.pg` (its URL)."""
+        import socket
+        if os.geteuid() == 0:
+            os.chmod(self.dir, 0o755)  # postgres.sh runs the server as `postgres`: let it in
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        r = subprocess.run(["bash", str(R.REPO / "scripts" / "postgres.sh"), "start",
+                            str(self.pg_dir), str(port)],
+                           capture_output=True, text=True, timeout=180)
+        if r.returncode != 0:
+            raise SystemExit(f"bench: postgres.sh start failed:\n{r.stderr[-2000:]}")
+        self.pg = next(x.split()[1] for x in r.stdout.splitlines() if x.startswith("postgres "))
+
     def up(self) -> None:
+        if self.nodes % self.nprocs:
+            raise SystemExit(f"bench: {self.nodes} nodes is not a multiple of {self.nprocs} "
+                             "simulation processes")
         r = self._etcd("start", str(self.dir / "etcd"), "1")
         if r.returncode != 0:
             raise SystemExit(f"bench: etcd.sh start failed:\n{r.stderr[-2000:]}")
         self.etcd = next(x.split()[1] for x in r.stdout.splitlines() if x.startswith("etcd "))
+        if self.postgres:
+            self._start_postgres()
         token = self.dir / "node-token"
         token.write_text("bench-sim-token\n")
-        log = open(self.dir / "sim.log", "ab")
-        sim = subprocess.Popen(
-            [str(self.binary), "node", "--simulate", str(self.nodes), "--name", "sim",
-             "--etcd", self.etcd, "--max-sandboxes", str(self.cap),
-             "--sim-create-delay-ms", str(self.delay), "--token-file", str(token)],
-            stdout=subprocess.PIPE, stderr=log, text=True, env=dict(os.environ, RUST_LOG="error"))
-        self.procs.append(sim)
-        assert sim.stdout is not None
-        for line in sim.stdout:
-            if "simulated nodes ready" in line:
-                break
-        else:
-            raise SystemExit(f"bench: the simulation exited; see {self.dir / 'sim.log'}")
+        env = dict(os.environ, RUST_LOG="error")
+        per = self.nodes // self.nprocs
+        for p in range(self.nprocs):
+            name = self.sim_name if self.nprocs == 1 else f"{self.sim_name}{p}"
+            log = open(self.dir / f"{name}.log", "ab")
+            sim = subprocess.Popen(
+                [str(self.binary), "node", "--simulate", str(per), "--name", name,
+                 "--etcd", self.etcd, "--max-sandboxes", str(self.cap),
+                 "--sim-create-delay-ms", str(self.delay), "--token-file", str(token)],
+                stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+            self.procs.append(sim)
+            self.sims.append(sim)
+            assert sim.stdout is not None
+            for line in sim.stdout:
+                if "simulated nodes ready" in line:
+                    break
+            else:
+                raise SystemExit(f"bench: the simulation exited; see {self.dir / name}.log")
         slog = open(self.dir / "server.log", "ab")
-        pg_args = []
-        if self.postgres:  # as scripts/cluster.sh --postgres does
-            import socket
-            os.chmod(self.dir, 0o755)  # as root the server runs as `postgres`: let it in
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            r = subprocess.run(["bash", str(R.REPO / "scripts" / "postgres.sh"), "start",
-                                str(self.dir / "pg"), str(port)],
-                               capture_output=True, text=True, timeout=120)
-            if r.returncode != 0:
-                raise SystemExit(f"bench: postgres.sh start failed:\n{r.stderr[-2000:]}")
-            pg_args = ["--postgres", next(x.split()[1] for x in r.stdout.splitlines()
-                                          if x.startswith("postgres "))]
+        pg_args = ["--postgres", self.pg] if self.postgres else []
         srv = subprocess.Popen(
             [str(self.binary), "server", "--listen", "127.0.0.1:0", "--etcd", self.etcd,
              "--data-dir", str(self.dir / "server"), "--node-token-file", str(token),
              *pg_args],
-            stdout=subprocess.PIPE, stderr=slog, text=True, env=dict(os.environ, RUST_LOG="error"))
+            stdout=subprocess.PIPE, stderr=slog, text=True, env=env)
         self.procs.append(srv)
+        self.server = srv
         assert srv.stdout is not None
         for line in srv.stdout:
             if line.startswith("sandlot listening on "):
@@ -298,9 +320,9 @@ class SimCluster:
                 break
         else:
             raise SystemExit(f"bench: the server exited; see {self.dir / 'server.log'}")
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 120
         while True:
-            n = R.httpx.get(f"{self.url}/v1/nodes", timeout=10).json()
+            n = R.httpx.get(f"{self.url}/v1/nodes", timeout=30).json()
             if len(n["nodes"]) >= self.nodes:
                 break
             if time.monotonic() > deadline:
@@ -309,12 +331,13 @@ class SimCluster:
 
     def down(self) -> None:
         for p in reversed(self.procs):
-            p.kill()
+            if p.poll() is None:
+                p.kill()
             p.wait()
         self._etcd("stop", str(self.dir / "etcd"))
         if self.postgres:
             subprocess.run(["bash", str(R.REPO / "scripts" / "postgres.sh"), "stop",
-                            str(self.dir / "pg")], capture_output=True, timeout=120)
+                            str(self.pg_dir)], capture_output=True, timeout=120)
         shutil.rmtree(self.dir, ignore_errors=True)
 
 

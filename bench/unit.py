@@ -48,7 +48,6 @@ import random
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -71,85 +70,16 @@ BATCH = 1000  # sandlot_api::MAX_BATCH
 BODY = {"cpu": 0.1, "memory_mib": 64, "ttl_s": 0}
 
 
-def _free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
-
-
 class UnitCluster(C.SimCluster):
     """SimCluster with PostgreSQL for the server's registry and the simulation split over
     `procs` processes (`sandlot node --simulate nodes/procs --name uP`, identities `uP-000`
-    ...), so that one process can be killed. Reuses SimCluster's etcd start and teardown."""
+    ...), so that one process can be killed."""
 
     def __init__(self, binary: Path, nodes: int, cap: int, create_delay_ms: int, procs: int):
         super().__init__(binary, nodes, cap, create_delay_ms)
-        if nodes % procs:
-            raise SystemExit(f"bench: --nodes {nodes} is not a multiple of --procs {procs}")
+        self.postgres = True
         self.nprocs = procs
-        self.sims: list[subprocess.Popen] = []
-        self.server: subprocess.Popen | None = None
-        self.pg = ""
-        self.pg_dir = self.dir / "pg"
-
-    def up(self) -> None:
-        r = self._etcd("start", str(self.dir / "etcd"), "1")
-        if r.returncode != 0:
-            raise SystemExit(f"bench: etcd.sh start failed:\n{r.stderr[-2000:]}")
-        self.etcd = next(x.split()[1] for x in r.stdout.splitlines() if x.startswith("etcd "))
-        if os.geteuid() == 0:
-            # postgres.sh runs the server as `postgres`; it must reach DIR/pg.
-            os.chmod(self.dir, 0o755)
-        r = subprocess.run(["bash", str(R.REPO / "scripts" / "postgres.sh"), "start",
-                            str(self.pg_dir), str(_free_port())],
-                           capture_output=True, text=True, timeout=180)
-        if r.returncode != 0:
-            raise SystemExit(f"bench: postgres.sh start failed:\n{r.stderr[-2000:]}")
-        self.pg = next(x.split()[1] for x in r.stdout.splitlines() if x.startswith("postgres "))
-        token = self.dir / "node-token"
-        token.write_text("bench-unit-token\n")
-        per = self.nodes // self.nprocs
-        for p in range(self.nprocs):
-            log = open(self.dir / f"sim{p}.log", "ab")
-            sim = subprocess.Popen(
-                [str(self.binary), "node", "--simulate", str(per), "--name", f"u{p}",
-                 "--etcd", self.etcd, "--max-sandboxes", str(self.cap),
-                 "--sim-create-delay-ms", str(self.delay), "--token-file", str(token)],
-                stdout=subprocess.PIPE, stderr=log, text=True,
-                env=dict(os.environ, RUST_LOG="error"))
-            self.procs.append(sim)
-            self.sims.append(sim)
-            assert sim.stdout is not None
-            for line in sim.stdout:
-                if "simulated nodes ready" in line:
-                    break
-            else:
-                raise SystemExit(f"bench: simulation {p} exited; see {self.dir}/sim{p}.log")
-        slog = open(self.dir / "server.log", "ab")
-        srv = subprocess.Popen(
-            [str(self.binary), "server", "--listen", "127.0.0.1:0", "--etcd", self.etcd,
-             "--postgres", self.pg, "--data-dir", str(self.dir / "server"),
-             "--node-token-file", str(token)],
-            stdout=subprocess.PIPE, stderr=slog, text=True, env=dict(os.environ, RUST_LOG="error"))
-        self.procs.append(srv)
-        self.server = srv
-        assert srv.stdout is not None
-        for line in srv.stdout:
-            if line.startswith("sandlot listening on "):
-                self.url = line.split()[-1]
-                break
-        else:
-            raise SystemExit(f"bench: the server exited; see {self.dir / 'server.log'}")
-        deadline = time.monotonic() + 120
-        while True:
-            n = R.httpx.get(f"{self.url}/v1/nodes", timeout=30).json()
-            if len(n["nodes"]) >= self.nodes:
-                break
-            if time.monotonic() > deadline:
-                raise SystemExit(f"bench: server sees {len(n['nodes'])} of {self.nodes} nodes")
-            time.sleep(0.5)
+        self.sim_name = "u"
 
     def pids(self) -> dict[str, list[int]]:
         """Live pids by component (PostgreSQL: the postmaster and its children)."""
@@ -179,15 +109,6 @@ class UnitCluster(C.SimCluster):
         if r.returncode != 0:
             raise R.BenchError(f"psql: {r.stderr[-500:]}")
         return r.stdout.strip().split("|")
-
-    def down(self) -> None:
-        for p in reversed(self.procs):
-            if p.poll() is None:
-                p.kill()
-            p.wait()
-        subprocess.run(["bash", str(R.REPO / "scripts" / "postgres.sh"), "stop",
-                        str(self.pg_dir)], capture_output=True, timeout=120)
-        super().down()  # etcd stop, remove the directory (procs already reaped)
 
 
 # ----------------------------------------------------------------------------- sampling
