@@ -829,9 +829,9 @@ pub fn left_reason(node: &str) -> String {
 }
 
 /// Marks every `running` or `paused` record of node `node` `lost` with `reason` (a `lost`
-/// event each, as [`crate::lifecycle`] does for sandboxes that died). Returns the ids; a
-/// store failure is logged and leaves the rest as they were ([`try_mark_node_lost`] says
-/// whether the pass was complete).
+/// event each, as [`crate::lifecycle`] does for sandboxes that died), in one registry write
+/// (`Registry::mark_node_lost`). Returns the ids; a store failure is logged and changes
+/// nothing ([`try_mark_node_lost`] says whether the pass was done).
 pub async fn mark_node_lost(st: &SharedState, node: &str, reason: &str) -> Vec<String> {
     try_mark_node_lost(st, node, reason).await.0
 }
@@ -840,39 +840,26 @@ pub async fn mark_node_lost(st: &SharedState, node: &str, reason: &str) -> Vec<S
 /// store failed (PostgreSQL down), so the caller retries later ([`spawn_sweeper`] does,
 /// every [`SWEEP_RETRY`]) rather than leave them `running` on a node that is gone.
 pub async fn try_mark_node_lost(st: &SharedState, node: &str, reason: &str) -> (Vec<String>, bool) {
-    let records = match st.store.list().await {
-        Ok(r) => r,
+    // One indexed update for the whole node (paused microVMs stay paused: with a shared
+    // snapshot store another node resumes them; without one that resume marks them `lost`).
+    let changed = match st.store.mark_node_lost(node).await {
+        Ok(c) => c,
         Err(e) => {
             tracing::error!(%node, error = %e, "lost-node sweep: store; retried");
             return (Vec::new(), false);
         }
     };
-    let mut lost = Vec::new();
-    let mut complete = true;
-    for r in records.into_iter().filter(|r| r.node == node) {
-        if r.state == SandboxState::Paused && r.backend == Backend::Microvm {
-            // Paused with memory: with a shared snapshot store another node resumes it
-            // (cluster `resume`); without one that resume marks it `lost`.
-            tracing::info!(sandbox_id = %r.id, %node, "node left; paused microVM kept paused (resumable from the shared snapshot store)");
-            continue;
-        }
-        let from = [SandboxState::Running, SandboxState::Paused];
-        match st.store.transition(&r.id, &from, SandboxState::Lost).await {
-            Ok(true) => {
-                tracing::warn!(sandbox_id = %r.id, %node, reason, "marked lost");
-                let mut f = serde_json::Map::new();
-                f.insert("reason".into(), reason.into());
-                events::record_queued(st, "lost", Some(&r.id), Some(r.backend), f);
-                lost.push(r.id);
-            }
-            Ok(false) => {}
-            Err(e) => {
-                tracing::error!(sandbox_id = %r.id, %node, error = %e, "lost-node sweep: store; retried");
-                complete = false;
-            }
-        }
+    if !changed.is_empty() {
+        tracing::warn!(%node, reason, sandboxes = changed.len(), "marked lost");
     }
-    (lost, complete)
+    let mut lost = Vec::with_capacity(changed.len());
+    for (id, backend) in changed {
+        let mut f = serde_json::Map::new();
+        f.insert("reason".into(), reason.into());
+        events::record_queued(st, "lost", Some(&id), Some(backend), f);
+        lost.push(id);
+    }
+    (lost, true)
 }
 
 /// How soon [`spawn_sweeper`] retries marking the records of departed nodes `lost` after

@@ -21,7 +21,7 @@ use crate::checkpoints::CheckpointRow;
 use crate::store::{InsertItem, KeyOutcome, KeyRow, Quota, Record, SpecJson, Store, StoreError};
 use async_trait::async_trait;
 use deadpool_postgres::Pool;
-use sandlot_api::SandboxState;
+use sandlot_api::{Backend, SandboxState};
 use std::collections::BTreeMap;
 
 type Result<T> = std::result::Result<T, StoreError>;
@@ -123,6 +123,15 @@ pub trait Registry: Send + Sync + 'static {
     /// # Errors
     /// Store failures.
     async fn transition(&self, id: &str, from: &[SandboxState], to: SandboxState) -> Result<bool>;
+
+    /// Cluster mode, a node left: every `running` or `paused` record on `node` becomes
+    /// `lost` in one write, except a paused `microvm` (its memory is in the shared snapshot
+    /// store and another node may resume it). Returns the ids and backends changed (one
+    /// indexed update, not a scan of every record).
+    ///
+    /// # Errors
+    /// Store failures (nothing changed then).
+    async fn mark_node_lost(&self, node: &str) -> Result<Vec<(String, Backend)>>;
 
     /// Moves a `paused` record to node `node` (cluster mode: a paused microVM resumed on
     /// another node from the shared snapshot store). Returns whether the row changed.
@@ -344,6 +353,9 @@ impl Registry for Store {
     }
     async fn transition(&self, id: &str, from: &[SandboxState], to: SandboxState) -> Result<bool> {
         Store::transition(self, id, from, to)
+    }
+    async fn mark_node_lost(&self, node: &str) -> Result<Vec<(String, Backend)>> {
+        Store::mark_node_lost(self, node)
     }
     async fn set_node(&self, id: &str, node: &str) -> Result<bool> {
         Store::set_node(self, id, node)
@@ -1134,6 +1146,32 @@ impl Registry for PgRegistry {
         Ok(n == 1)
     }
 
+    async fn mark_node_lost(&self, node: &str) -> Result<Vec<(String, Backend)>> {
+        let c = self.conn().await?;
+        let rows = c
+            .query(
+                &c.prepare_cached(
+                    "UPDATE sandboxes SET state = 'lost' WHERE node = $1
+                     AND (state = 'running' OR (state = 'paused' AND backend <> 'microvm'))
+                     RETURNING id, backend",
+                )
+                .await
+                .map_err(pg("prepare"))?,
+                &[&node],
+            )
+            .await
+            .map_err(pg("mark node lost"))?;
+        rows.iter()
+            .map(|r| {
+                let (id, b): (String, String) = (r.get(0), r.get(1));
+                match b.parse() {
+                    Ok(backend) => Ok((id, backend)),
+                    Err(what) => Err(StoreError::Corrupt { id, what }),
+                }
+            })
+            .collect()
+    }
+
     async fn set_node(&self, id: &str, node: &str) -> Result<bool> {
         let c = self.conn().await?;
         let n = c
@@ -1576,6 +1614,51 @@ mod tests {
     }
 
     // ---- the contract: one suite, run against both registries ----
+
+    /// A departed node's `running` and `paused` records become `lost` in one write, but a
+    /// paused microVM's; other nodes' and other states' records are untouched.
+    async fn contract_mark_node_lost(r: &dyn Registry) {
+        let mk = |id: &str, node: &str, backend: Backend, state: SandboxState| {
+            let mut x = rec(id, 1, None);
+            x.spec.trajectory = None;
+            (x.node, x.backend, x.state) = (node.into(), backend, state);
+            x
+        };
+        let rows = [
+            mk("sb-run", "gone", Backend::Function, SandboxState::Running),
+            mk("sb-pau", "gone", Backend::Container, SandboxState::Paused),
+            mk("sb-vm", "gone", Backend::Microvm, SandboxState::Paused),
+            mk("sb-vmrun", "gone", Backend::Microvm, SandboxState::Running),
+            mk("sb-mk", "gone", Backend::Function, SandboxState::Creating),
+            mk("sb-del", "gone", Backend::Function, SandboxState::Deleting),
+            mk("sb-other", "here", Backend::Function, SandboxState::Running),
+        ];
+        for x in &rows {
+            r.insert_checked(x, None, None).await.unwrap();
+        }
+        let mut got = r.mark_node_lost("gone").await.unwrap();
+        got.sort_by(|a, b| a.0.cmp(&b.0));
+        assert_eq!(
+            got,
+            [
+                ("sb-pau".to_string(), Backend::Container),
+                ("sb-run".to_string(), Backend::Function),
+                ("sb-vmrun".to_string(), Backend::Microvm),
+            ]
+        );
+        for x in &rows {
+            let want = if ["sb-pau", "sb-run", "sb-vmrun"].contains(&x.id.as_str()) {
+                SandboxState::Lost
+            } else {
+                x.state
+            };
+            assert_eq!(r.get(&x.id).await.unwrap().unwrap().state, want, "{}", x.id);
+        }
+        assert!(
+            r.mark_node_lost("gone").await.unwrap().is_empty(),
+            "done once"
+        );
+    }
 
     async fn contract_records(r: &dyn Registry) {
         let a = rec("sb-a", 1, Some("key_t"));
@@ -2133,6 +2216,8 @@ mod tests {
         contract_quota(&*s).await;
         let (_d, s) = sqlite("many");
         contract_insert_many(&*s).await;
+        let (_d, s) = sqlite("lost");
+        contract_mark_node_lost(&*s).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -2173,6 +2258,10 @@ mod tests {
             return;
         };
         contract_insert_many(&*r[0]).await;
+        let Some(r) = pg("pg_contract_lost", 1).await else {
+            return;
+        };
+        contract_mark_node_lost(&*r[0]).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

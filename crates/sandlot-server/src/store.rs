@@ -245,6 +245,7 @@ impl Store {
                 state TEXT NOT NULL, node TEXT NOT NULL, created_at INTEGER NOT NULL,
                 expires_at INTEGER, spec TEXT NOT NULL, labels TEXT NOT NULL);
              CREATE INDEX IF NOT EXISTS sandboxes_expires ON sandboxes(expires_at);
+             CREATE INDEX IF NOT EXISTS sandboxes_node ON sandboxes(node);
              CREATE INDEX IF NOT EXISTS sandboxes_trajectory
                 ON sandboxes(json_extract(spec, '$.trajectory'));
              CREATE INDEX IF NOT EXISTS sandboxes_job
@@ -456,6 +457,36 @@ impl Store {
             )
             .map_err(sql("update state"))?;
         Ok(n == 1)
+    }
+
+    /// The `running`/`paused` records on `node` become `lost`, but a paused `microvm`'s
+    /// (see `Registry::mark_node_lost`); returns the ids and backends changed.
+    ///
+    /// # Errors
+    /// [`StoreError::Sql`], [`StoreError::Corrupt`].
+    pub fn mark_node_lost(&self, node: &str) -> Result<Vec<(String, Backend)>> {
+        let conn = self.conn();
+        let mut stmt = conn
+            .prepare_cached(
+                "UPDATE sandboxes SET state = 'lost' WHERE node = ?1
+                 AND (state = 'running' OR (state = 'paused' AND backend <> 'microvm'))
+                 RETURNING id, backend",
+            )
+            .map_err(sql("mark node lost"))?;
+        let rows = stmt
+            .query_map(params![node], |r| {
+                Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?))
+            })
+            .map_err(sql("mark node lost"))?;
+        let mut out = Vec::new();
+        for row in rows {
+            let (id, b) = row.map_err(sql("mark node lost"))?;
+            match b.parse() {
+                Ok(backend) => out.push((id, backend)),
+                Err(what) => return Err(StoreError::Corrupt { id, what }),
+            }
+        }
+        Ok(out)
     }
 
     /// Moves a `paused` record to node `node` (see `Registry::set_node`).
