@@ -341,8 +341,10 @@ class SimCluster:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def sim_single(url: str, n: int, conc: int, labels: dict) -> tuple[float, int]:
-    """`n` single creates (`POST /v1/sandboxes`) from `conc` threads: (seconds, errors)."""
+def sim_single(url: str, n: int, conc: int, labels: dict,
+               on_created=None) -> tuple[float, int]:
+    """`n` single creates (`POST /v1/sandboxes`, cpu 0.1, 64 MiB, no TTL) from `conc`
+    threads: (seconds, errors). `on_created(sandbox_json)` is called for each 201."""
     import threading
     left = [n]
     lock = threading.Lock()
@@ -357,7 +359,10 @@ def sim_single(url: str, n: int, conc: int, labels: dict) -> tuple[float, int]:
                     left[0] -= 1
                 r = c.post("/v1/sandboxes", json={"cpu": 0.1, "memory_mib": 64, "ttl_s": 0,
                                                   "labels": labels})
-                if r.status_code != 201:
+                if r.status_code == 201:
+                    if on_created is not None:
+                        on_created(r.json())
+                else:
                     with lock:
                         errors[0] += 1
     t0 = time.perf_counter()

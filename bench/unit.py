@@ -272,31 +272,8 @@ class Ledger:
 
 def fill_single(url: str, n: int, labels: dict, led: Ledger) -> tuple[float, int]:
     """`n` single creates from CONC_SINGLE threads: (seconds, errors)."""
-    left = [n]
-    lock = threading.Lock()
-    errors = [0]
-
-    def worker() -> None:
-        with R.httpx.Client(base_url=url, timeout=120) as cl:
-            while True:
-                with lock:
-                    if left[0] == 0:
-                        return
-                    left[0] -= 1
-                r = cl.post("/v1/sandboxes", json={**BODY, "labels": labels})
-                if r.status_code == 201:
-                    j = r.json()
-                    led.add(j["id"], j.get("node") or "")
-                else:
-                    with lock:
-                        errors[0] += 1
-    t0 = time.perf_counter()
-    ts = [threading.Thread(target=worker) for _ in range(CONC_SINGLE)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    return time.perf_counter() - t0, errors[0]
+    return C.sim_single(url, n, CONC_SINGLE, labels,
+                        on_created=lambda j: led.add(j["id"], j.get("node") or ""))
 
 
 def fill_batches(url: str, n: int, conc: int, label_of, led: Ledger,
@@ -662,9 +639,11 @@ def render(meta: dict, res: dict) -> str:
              "(no target) | |")
     if k["first_lost_s"] is not None and k["lost_when_stopped"]:
         end = k["all_lost_s"] or k["timeout_s"]
-        L.append(f"| U4. lost-node sweep rate (first → last `lost`) | "
-                 f"{k['lost_when_stopped'] / max(end - k['first_lost_s'], 1e-9):.0f} "
-                 "sandboxes/s | | |")
+        # Polled once a second: a sweep within one poll has no rate to show.
+        rate = ("all at the first poll that saw any (one sweep, under the 1 s poll period)"
+                if end - k["first_lost_s"] < 1.0 else
+                f"{k['lost_when_stopped'] / (end - k['first_lost_s']):.0f} sandboxes/s")
+        L.append(f"| U4. lost-node sweep rate (first → last `lost`) | {rate} | | |")
     ed = k["exec_during"]
     L.append(f"| U4. the rest: exec on other nodes during that window, n={ed['n']}, "
              f"{k['exec_during_errors']} errors: p50 / p99 | {_f(ed['p50_ms'], '{:.2f}')} / "
@@ -742,14 +721,7 @@ def main(argv: list[str] | None = None) -> int:
         saved = json.loads(Path(args.from_json).read_text())
         meta, res = saved["meta"], saved["res"]
         meta["notes"] = meta.get("notes", []) + args.note
-        text = render(meta, res)
-        print(text)
-        if args.write:
-            path = Path(args.write)
-            old = path.read_text() if path.exists() else ""
-            path.write_text(R.upsert_section(old, f"{meta['date'][:10]} unit", text))
-            print(f"bench: wrote the section into {path}")
-        return 0
+        return _emit(meta, res, args.write)
     if R.httpx is None:
         raise SystemExit("bench: httpx missing (use .venv/bin/python)")
     if not shutil.which("etcd"):
@@ -767,10 +739,15 @@ def main(argv: list[str] | None = None) -> int:
     meta["load_after"] = R.loadavg()
     if args.json:
         Path(args.json).write_text(json.dumps({"meta": meta, "res": res}, indent=1))
+    return _emit(meta, res, args.write)
+
+
+def _emit(meta: dict, res: dict, write: str | None) -> int:
+    """Print the section of one run and, with `--write FILE`, put it into FILE."""
     text = render(meta, res)
     print(text)
-    if args.write:
-        path = Path(args.write)
+    if write:
+        path = Path(write)
         old = path.read_text() if path.exists() else ""
         path.write_text(R.upsert_section(old, f"{meta['date'][:10]} unit", text))
         print(f"bench: wrote the section into {path}")
