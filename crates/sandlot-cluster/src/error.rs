@@ -75,15 +75,17 @@ pub(crate) async fn call<T>(
 /// member answered "unavailable" (stopped, no leader). Everything else is final.
 ///
 /// A connection that closes under a request (a member stopping) comes back from tonic as
-/// status CANCELLED with the transport error as its source; that is retryable too, while a
-/// CANCELLED the member itself sent (no source) is not.
+/// status CANCELLED, or UNKNOWN "transport error" (a broken pipe on a connection the
+/// balancer still held), with the transport error as its source; that is retryable too,
+/// while a CANCELLED or UNKNOWN the member itself sent (no source) is not.
 fn retryable(e: &etcd_client::Error) -> bool {
     use std::error::Error as _;
     match e {
         etcd_client::Error::TransportError(_) => true,
-        // gRPC status codes (grpc/grpc doc/statuscodes.md): 14 UNAVAILABLE, 1 CANCELLED.
+        // gRPC status codes (grpc/grpc doc/statuscodes.md): 14 UNAVAILABLE, 1 CANCELLED,
+        // 2 UNKNOWN.
         etcd_client::Error::GRpcStatus(s) => {
-            s.code() as i32 == 14 || (s.code() as i32 == 1 && s.source().is_some())
+            s.code() as i32 == 14 || (matches!(s.code() as i32, 1 | 2) && s.source().is_some())
         }
         _ => false,
     }
@@ -124,7 +126,7 @@ mod tests {
     use std::sync::Arc;
 
     #[test]
-    fn a_connection_closed_under_a_call_is_retryable_but_a_members_cancel_is_not() {
+    fn a_connection_closed_under_a_call_is_retryable_but_a_members_own_status_is_not() {
         let mut closed = tonic::Status::cancelled("operation was canceled");
         closed.set_source(Arc::new(std::io::Error::other("connection closed")));
         assert!(retryable(&etcd_client::Error::GRpcStatus(closed)));
@@ -132,6 +134,14 @@ mod tests {
         assert!(!retryable(&etcd_client::Error::GRpcStatus(sent)));
         let down = tonic::Status::unavailable("no leader");
         assert!(retryable(&etcd_client::Error::GRpcStatus(down)));
+        // A broken pipe under a put (CI, a member stopped): UNKNOWN with the transport
+        // error as its source.
+        let mut piped = tonic::Status::unknown("transport error");
+        piped.set_source(Arc::new(std::io::Error::other("broken pipe")));
+        assert!(retryable(&etcd_client::Error::GRpcStatus(piped)));
+        assert!(!retryable(&etcd_client::Error::GRpcStatus(
+            tonic::Status::unknown("the member failed it")
+        )));
         let final_ = tonic::Status::not_found("lease not found");
         assert!(!retryable(&etcd_client::Error::GRpcStatus(final_)));
     }
