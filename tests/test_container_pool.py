@@ -315,7 +315,7 @@ def test_each_delete_reaches_the_node_once(node, client, baseline):
     time.sleep(1.5)  # one more reaper pass
     log = node.log_path.read_text(errors="replace")
     twice = {i: n for i in ids
-             if (n := log.count(f"backends::container: sandbox deleted sandbox={i} ")) != 1}
+             if (n := log.count(f"backends: sandbox deleted sandbox={i} backend=\"container\"")) != 1}
     assert not twice, f"node deletes per sandbox (want 1 each): {twice}"
     wait_no_leaks(node.data_dir, baseline, what="30 creates and deletes")
 
