@@ -96,6 +96,33 @@ def test_stream_events_parse_and_error_event_raises():
         parse_exec_event("not json")
 
 
+def test_list_follows_pages_until_no_token():
+    # Fake transport (unit test of the SDK's paging only): three pages, the last without
+    # a token; every call carries limit and, after the first, the previous token.
+    pages = {None: (["sb-1", "sb-2"], "t1"), "t1": (["sb-3", "sb-4"], "t2"), "t2": (["sb-5"], None)}
+
+    def routes(req):
+        token = req.url.params.get("page_token")
+        ids, nxt = pages[token]
+        body = {"sandboxes": [{**SB, "id": i} for i in ids]}
+        if nxt:
+            body["next_page_token"] = nxt
+        return httpx.Response(200, json=body)
+
+    c, fake = fake_client(routes)
+    assert [s.id for s in c.list(labels={"job": "j"})] == ["sb-1", "sb-2", "sb-3", "sb-4", "sb-5"]
+    assert [r.url.params.get("page_token") for r in fake.requests] == [None, "t1", "t2"]
+    assert all(r.url.params["limit"] == "1000" and r.url.params["label"] == "job=j"
+               for r in fake.requests)
+
+    def bad(req):
+        return httpx.Response(200, json={"sandboxes": [], "next_page_token": 7})
+
+    c, _ = fake_client(bad)
+    with pytest.raises(sandlot.ProtocolError):
+        c.list()
+
+
 def test_request_shapes_match_the_wire_types():
     def routes(req):
         if req.url.path == "/v1/sandboxes" and req.method == "POST":

@@ -37,6 +37,6 @@ pub use run_code::{
 pub use run_jupyter::{CellRunResult, RunJupyterRequest, RunJupyterResponse};
 pub use sandbox::{
     Backend, CreateSandboxRequest, KeepaliveRequest, RestoreMismatch, RestoreMode, RestoreReport,
-    Sandbox, SandboxList, SandboxState,
+    Sandbox, SandboxList, SandboxState, SandboxSummary, StateCount,
 };
 pub use trajectory::{LabelSelector, PauseFailure, PauseResult, TrajectoryInfo, TrajectoryStep};

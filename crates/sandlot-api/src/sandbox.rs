@@ -237,8 +237,37 @@ pub struct Sandbox {
 /// `GET /v1/sandboxes` body.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct SandboxList {
-    /// Matching sandboxes, oldest first.
+    /// Matching sandboxes, oldest first (ties in creation time by id when paged).
     pub sandboxes: Vec<Sandbox>,
+    /// Paged calls (`limit` given) only: pass it as `page_token` to get the next page;
+    /// absent when this page is the last. Opaque.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub next_page_token: Option<String>,
+}
+
+/// `GET /v1/sandboxes:summary` body: counts over every sandbox in the registry (an
+/// operator's view; admin only).
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct SandboxSummary {
+    /// All sandboxes.
+    pub total: u64,
+    /// Per backend and state (only pairs with at least one sandbox).
+    pub by_state: Vec<StateCount>,
+    /// Per node name (only nodes with at least one sandbox in the registry).
+    pub by_node: BTreeMap<String, u64>,
+    /// Sandboxes bound to a trajectory.
+    pub with_trajectory: u64,
+}
+
+/// One row of [`SandboxSummary::by_state`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StateCount {
+    /// Backend name (`function`, `container`, `microvm`, `vm`).
+    pub backend: String,
+    /// Sandbox state (`creating`, `running`, ...).
+    pub state: String,
+    /// Sandboxes in it.
+    pub count: u64,
 }
 
 /// `POST /v1/sandboxes/{id}/keepalive` body.

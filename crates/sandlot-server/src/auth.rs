@@ -57,7 +57,13 @@ pub const KEY_PREFIX: &str = "sk-";
 /// Routes answered without credentials.
 pub const PUBLIC_ROUTES: [&str; 3] = ["/v1/ping", "/healthz", "/openapi.json"];
 /// Routes that need an admin key when authentication is on.
-pub const ADMIN_ROUTES: [&str; 4] = ["/metrics", "/", "/v1/nodes", "/v1/timeline"];
+pub const ADMIN_ROUTES: [&str; 5] = [
+    "/metrics",
+    "/",
+    "/v1/nodes",
+    "/v1/timeline",
+    "/v1/sandboxes:summary",
+];
 /// Route templates starting with this name a sandbox in their first parameter (whatever the
 /// parameter is called), checked against the caller's tenant.
 pub const SANDBOX_ROUTES: &str = "/v1/sandboxes/{";

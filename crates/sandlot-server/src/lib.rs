@@ -8,7 +8,7 @@
 //!
 //! | route | module |
 //! |---|---|
-//! | `POST/GET /v1/sandboxes`, `POST /v1/sandboxes:batch`, `GET/DELETE /v1/sandboxes/{id}`, `POST …/keepalive` | [`sandboxes`] |
+//! | `POST/GET /v1/sandboxes`, `POST /v1/sandboxes:batch`, `GET /v1/sandboxes:summary`, `GET/DELETE /v1/sandboxes/{id}`, `POST …/keepalive` | [`sandboxes`] |
 //! | `POST /v1/sandboxes/{id}/exec[?stream=true]` | [`exec`] |
 //! | `/v1/sandboxes/{id}/processes[/{pid}[/output\|/wait\|/signal\|/stdin\|/resize]]` | [`processes`] |
 //! | `PUT/GET/DELETE /v1/sandboxes/{id}/files?path=P`, `GET …/files/list?path=P` | [`files`] |
@@ -430,6 +430,7 @@ pub fn router(state: SharedState) -> Router {
         .route("/v1/sandboxes:pause", post(pause::pause))
         .route("/v1/sandboxes:resume", post(pause::resume))
         .route("/v1/sandboxes:delete", post(pause::delete))
+        .route("/v1/sandboxes:summary", get(sandboxes::summary))
         .route(
             "/v1/trajectories/{*id}",
             get(trajectory::get).delete(trajectory::delete),

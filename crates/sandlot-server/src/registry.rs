@@ -105,6 +105,29 @@ pub trait Registry: Send + Sync + 'static {
     /// Store failures.
     async fn count_by_state(&self) -> Result<Vec<(String, String, u64)>>;
 
+    /// One page of [`Registry::list_labeled`]: the records of `tenant` (`None`: every
+    /// tenant's) carrying every pair of `labels`, in (`created_at`, id) order, strictly
+    /// after the cursor `after` (the last record of the previous page), at most `limit`.
+    /// Served by an index on (`created_at`, id): a page costs its own rows, not the
+    /// registry's size.
+    ///
+    /// # Errors
+    /// Store failures or an undecodable row.
+    async fn list_page(
+        &self,
+        labels: &BTreeMap<String, String>,
+        tenant: Option<&str>,
+        after: Option<(i64, &str)>,
+        limit: usize,
+    ) -> Result<Vec<Record>>;
+
+    /// Counts for the operator's view: per (backend, state), per node, and records bound
+    /// to a trajectory — each one indexed `COUNT(*)`, no record decoded.
+    ///
+    /// # Errors
+    /// Store failures.
+    async fn summary(&self) -> Result<Summary>;
+
     /// The oldest live (`creating`, `running`, `paused`) record bound to `trajectory`.
     ///
     /// # Errors
@@ -317,6 +340,17 @@ pub trait Registry: Send + Sync + 'static {
     async fn checkpoint_names(&self) -> Result<BTreeMap<String, String>>;
 }
 
+/// [`Registry::summary`]'s counts.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Summary {
+    /// (backend, state, records), as stored strings.
+    pub by_state: Vec<(String, String, u64)>,
+    /// (node, records).
+    pub by_node: Vec<(String, u64)>,
+    /// Records whose spec names a trajectory.
+    pub with_trajectory: u64,
+}
+
 #[async_trait]
 impl Registry for Store {
     async fn insert_checked(
@@ -344,6 +378,18 @@ impl Registry for Store {
     }
     async fn count_by_state(&self) -> Result<Vec<(String, String, u64)>> {
         Store::count_by_state(self)
+    }
+    async fn list_page(
+        &self,
+        labels: &BTreeMap<String, String>,
+        tenant: Option<&str>,
+        after: Option<(i64, &str)>,
+        limit: usize,
+    ) -> Result<Vec<Record>> {
+        Store::list_page(self, labels, tenant, after, limit)
+    }
+    async fn summary(&self) -> Result<Summary> {
+        Store::summary(self)
     }
     async fn live_by_trajectory(&self, trajectory: &str) -> Result<Option<Record>> {
         Store::live_by_trajectory(self, trajectory)
@@ -1087,6 +1133,65 @@ impl Registry for PgRegistry {
         .await
     }
 
+    async fn list_page(
+        &self,
+        labels: &BTreeMap<String, String>,
+        tenant: Option<&str>,
+        after: Option<(i64, &str)>,
+        limit: usize,
+    ) -> Result<Vec<Record>> {
+        let want = serde_json::to_string(labels).expect("labels serialize");
+        let (after_at, after_id) = after.unzip();
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        // `labels @> '{}'` holds for every row; the `sandboxes_created` index (migration
+        // V8) serves order and cursor, the GIN index of V5 a selective label.
+        self.select(
+            &format!(
+                "SELECT {COLS} FROM sandboxes
+                 WHERE ($2::bigint IS NULL OR (created_at, id) > ($2, $3::text))
+                   AND ($4::text IS NULL OR tenant = $4)
+                   AND labels @> $1::text::jsonb
+                 ORDER BY created_at, id LIMIT $5"
+            ),
+            &[&want, &after_at, &after_id, &tenant, &limit],
+        )
+        .await
+    }
+
+    async fn summary(&self) -> Result<Summary> {
+        let by_state = self.count_by_state().await?;
+        let c = self.conn().await?;
+        let by_node = c
+            .query(
+                &c.prepare_cached("SELECT node, COUNT(*) FROM sandboxes GROUP BY node")
+                    .await
+                    .map_err(pg("prepare"))?,
+                &[],
+            )
+            .await
+            .map_err(pg("count by node"))?
+            .iter()
+            .map(|r| (r.get(0), r.get::<_, i64>(1) as u64))
+            .collect();
+        let with_trajectory: i64 = c
+            .query_one(
+                &c.prepare_cached(
+                    "SELECT COUNT(*) FROM sandboxes WHERE spec ->> 'trajectory' IS NOT NULL",
+                )
+                .await
+                .map_err(pg("prepare"))?,
+                &[],
+            )
+            .await
+            .map_err(pg("count with trajectory"))?
+            .get(0);
+        Ok(Summary {
+            by_state,
+            by_node,
+            with_trajectory: with_trajectory as u64,
+        })
+    }
+
     async fn count_by_state(&self) -> Result<Vec<(String, String, u64)>> {
         let c = self.conn().await?;
         Ok(c.query(
@@ -1614,6 +1719,78 @@ mod tests {
     }
 
     // ---- the contract: one suite, run against both registries ----
+
+    /// Pages walk the registry in (created_at, id) order, each record once, filtered by
+    /// labels and tenant in the store; the summary counts without reading records.
+    async fn contract_list_page_and_summary(r: &dyn Registry) {
+        // Three share created_at 5 (ties broken by id), one has another job, two another
+        // tenant, one another node, two no trajectory.
+        let mk = |id: &str, at: i64, job: &str, tenant: Option<&str>, node: &str| {
+            let mut x = rec(id, at, tenant);
+            x.labels = [("job".to_string(), job.to_string())].into();
+            x.node = node.into();
+            x
+        };
+        let mut rows = vec![
+            mk("sb-c", 5, "x", None, "n1"),
+            mk("sb-a", 5, "x", None, "n1"),
+            mk("sb-b", 5, "x", Some("t1"), "n1"),
+            mk("sb-d", 2, "x", None, "n2"),
+            mk("sb-e", 9, "y", None, "n1"),
+            mk("sb-f", 7, "x", Some("t1"), "n1"),
+            mk("sb-g", 8, "x", None, "n1"),
+        ];
+        rows[4].spec.trajectory = None;
+        rows[6].spec.trajectory = None;
+        for x in &rows {
+            r.insert_checked(x, None, None).await.unwrap();
+        }
+        let all = BTreeMap::new();
+        let walk = |labels: BTreeMap<String, String>, tenant: Option<&'static str>| async move {
+            let mut seen = Vec::new();
+            let mut after: Option<(i64, String)> = None;
+            loop {
+                let page = r
+                    .list_page(
+                        &labels,
+                        tenant,
+                        after.as_ref().map(|(t, i)| (*t, i.as_str())),
+                        3,
+                    )
+                    .await
+                    .unwrap();
+                assert!(page.len() <= 3);
+                seen.extend(page.iter().map(|x| x.id.clone()));
+                match page.last() {
+                    Some(last) if page.len() == 3 => {
+                        after = Some((last.created_at_ms, last.id.clone()))
+                    }
+                    _ => return seen,
+                }
+            }
+        };
+        assert_eq!(
+            walk(all.clone(), None).await,
+            ["sb-d", "sb-a", "sb-b", "sb-c", "sb-f", "sb-g", "sb-e"]
+        );
+        let job_x: BTreeMap<String, String> = [("job".to_string(), "x".to_string())].into();
+        assert_eq!(
+            walk(job_x, None).await,
+            ["sb-d", "sb-a", "sb-b", "sb-c", "sb-f", "sb-g"]
+        );
+        assert_eq!(walk(all.clone(), Some("t1")).await, ["sb-b", "sb-f"]);
+        assert!(walk(all, Some("nobody")).await.is_empty());
+
+        let mut s = r.summary().await.unwrap();
+        s.by_state.sort();
+        s.by_node.sort();
+        assert_eq!(
+            s.by_state,
+            [("function".to_string(), "creating".to_string(), 7)]
+        );
+        assert_eq!(s.by_node, [("n1".to_string(), 6), ("n2".to_string(), 1)]);
+        assert_eq!(s.with_trajectory, 5);
+    }
 
     /// A departed node's `running` and `paused` records become `lost` in one write, but a
     /// paused microVM's; other nodes' and other states' records are untouched.
@@ -2218,6 +2395,8 @@ mod tests {
         contract_insert_many(&*s).await;
         let (_d, s) = sqlite("lost");
         contract_mark_node_lost(&*s).await;
+        let (_d, s) = sqlite("page");
+        contract_list_page_and_summary(&*s).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -2262,6 +2441,10 @@ mod tests {
             return;
         };
         contract_mark_node_lost(&*r[0]).await;
+        let Some(r) = pg("pg_contract_page", 1).await else {
+            return;
+        };
+        contract_list_page_and_summary(&*r[0]).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

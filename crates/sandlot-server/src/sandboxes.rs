@@ -30,6 +30,7 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::Extension;
 use sandlot_api::{
     Backend, CreateSandboxRequest, ErrorCode, KeepaliveRequest, Sandbox, SandboxList, SandboxState,
+    SandboxSummary, StateCount,
 };
 use sandlot_node_api::{NodeError, SandboxSpec};
 use sha2::{Digest, Sha256};
@@ -728,42 +729,144 @@ pub async fn create(
     Ok((status, Json(rec.to_api())))
 }
 
+/// Largest `limit` of a paged `GET /v1/sandboxes`.
+pub const MAX_PAGE: usize = 10_000;
+
 /// `GET /v1/sandboxes?label=k=v` (repeatable, all must match) → `SandboxList`, oldest first;
 /// only the caller's tenant's sandboxes (an admin sees all).
+///
+/// Paged with `limit=N` (1..=[`MAX_PAGE`]) and `page_token` (the previous page's
+/// `next_page_token`): at most N sandboxes in (creation time, id) order, and a
+/// `next_page_token` while more may follow. Without `limit` every match comes in one answer
+/// (a large registry should be paged).
+///
+/// # Errors
+/// 400 `invalid_argument`: an unknown parameter, a label filter not `k=v`, a `limit` out of
+/// range, or a `page_token` this server did not give.
 pub async fn list(
     State(st): State<SharedState>,
     Extension(who): Extension<Principal>,
     Query(params): Query<Vec<(String, String)>>,
 ) -> ApiResult<Json<SandboxList>> {
     let mut want = BTreeMap::new();
+    let (mut limit, mut token) = (None, None);
+    let mut contradictory = false;
     for (k, v) in params {
-        if k != "label" {
-            return Err(ServerError::invalid(format!(
-                "unknown query parameter {k:?}; only label=k=v"
-            )));
+        match k.as_str() {
+            "label" => {}
+            "limit" => {
+                limit = Some(
+                    v.parse::<usize>()
+                        .ok()
+                        .filter(|n| (1..=MAX_PAGE).contains(n))
+                        .ok_or_else(|| {
+                            ServerError::invalid(format!(
+                                "limit {v:?} must be an integer in 1..={MAX_PAGE}"
+                            ))
+                        })?,
+                );
+                continue;
+            }
+            "page_token" => {
+                token = Some(page_cursor(&v)?);
+                continue;
+            }
+            _ => {
+                return Err(ServerError::invalid(format!(
+                    "unknown query parameter {k:?}; only label=k=v, limit, page_token"
+                )))
+            }
         }
         let (lk, lv) = v
             .split_once('=')
             .ok_or_else(|| ServerError::invalid(format!("label filter {v:?} must be k=v")))?;
-        if want
+        // Two values for one key: nothing can match (a record has one value per key).
+        contradictory |= want
             .insert(lk.to_owned(), lv.to_owned())
-            .is_some_and(|old| old != lv)
-        {
-            // Two values for one key: nothing can match (a record has one value per key).
-            return Ok(Json(SandboxList {
-                sandboxes: Vec::new(),
-            }));
-        }
+            .is_some_and(|old| old != lv);
     }
-    let sandboxes = st
+    if token.is_some() && limit.is_none() {
+        return Err(ServerError::invalid("page_token needs limit"));
+    }
+    if contradictory {
+        return Ok(Json(SandboxList {
+            sandboxes: Vec::new(),
+            next_page_token: None,
+        }));
+    }
+    let Some(limit) = limit else {
+        let sandboxes = st
+            .store
+            .list_labeled(&want)
+            .await?
+            .into_iter()
+            .filter(|r| who.sees(r.tenant.as_deref()))
+            .map(|r| r.to_api())
+            .collect();
+        return Ok(Json(SandboxList {
+            sandboxes,
+            next_page_token: None,
+        }));
+    };
+    let after = token.as_ref().map(|(at, id)| (*at, id.as_str()));
+    let page = st
         .store
-        .list_labeled(&want)
-        .await?
+        .list_page(&want, who.only_tenant(), after, limit)
+        .await?;
+    let next_page_token = (page.len() == limit)
+        .then(|| page.last().map(|r| page_token(r.created_at_ms, &r.id)))
+        .flatten();
+    let sandboxes = page
         .into_iter()
         .filter(|r| who.sees(r.tenant.as_deref()))
         .map(|r| r.to_api())
         .collect();
-    Ok(Json(SandboxList { sandboxes }))
+    Ok(Json(SandboxList {
+        sandboxes,
+        next_page_token,
+    }))
+}
+
+/// The opaque `next_page_token` after the record created at `created_at_ms` with `id`:
+/// base64url (no padding) of `"{created_at_ms}.{id}"`.
+fn page_token(created_at_ms: i64, id: &str) -> String {
+    use base64::Engine as _;
+    base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(format!("{created_at_ms}.{id}"))
+}
+
+/// The cursor in a `page_token` made by [`page_token`].
+fn page_cursor(token: &str) -> ApiResult<(i64, String)> {
+    use base64::Engine as _;
+    let bad = || ServerError::invalid("page_token is not one this server gave");
+    let raw = base64::engine::general_purpose::URL_SAFE_NO_PAD
+        .decode(token)
+        .map_err(|_| bad())?;
+    let raw = String::from_utf8(raw).map_err(|_| bad())?;
+    let (at, id) = raw.split_once('.').ok_or_else(bad)?;
+    Ok((at.parse().map_err(|_| bad())?, id.to_owned()))
+}
+
+/// `GET /v1/sandboxes:summary` (admin) → [`SandboxSummary`]: counts over the whole
+/// registry, each an indexed count (the status page reads these, not every record).
+///
+/// # Errors
+/// Registry failures (500).
+pub async fn summary(State(st): State<SharedState>) -> ApiResult<Json<SandboxSummary>> {
+    let s = st.store.summary().await?;
+    Ok(Json(SandboxSummary {
+        total: s.by_state.iter().map(|c| c.2).sum(),
+        by_state: s
+            .by_state
+            .into_iter()
+            .map(|(backend, state, count)| StateCount {
+                backend,
+                state,
+                count,
+            })
+            .collect(),
+        by_node: s.by_node.into_iter().collect(),
+        with_trajectory: s.with_trajectory,
+    }))
 }
 
 /// `GET /v1/sandboxes/{id}` → `Sandbox` or 404.

@@ -246,6 +246,7 @@ impl Store {
                 expires_at INTEGER, spec TEXT NOT NULL, labels TEXT NOT NULL);
              CREATE INDEX IF NOT EXISTS sandboxes_expires ON sandboxes(expires_at);
              CREATE INDEX IF NOT EXISTS sandboxes_node ON sandboxes(node);
+             CREATE INDEX IF NOT EXISTS sandboxes_created ON sandboxes(created_at, id);
              CREATE INDEX IF NOT EXISTS sandboxes_trajectory
                 ON sandboxes(json_extract(spec, '$.trajectory'));
              CREATE INDEX IF NOT EXISTS sandboxes_job
@@ -375,6 +376,80 @@ impl Store {
             ),
             params![want, labels.get("job")],
         )
+    }
+
+    /// One page of [`Store::list_labeled`], restricted to `tenant` when given, in
+    /// (`created_at`, id) order after the cursor `after`, at most `limit` (see
+    /// `Registry::list_page`; the `sandboxes_created` index serves the order).
+    ///
+    /// # Errors
+    /// [`StoreError`] on SQLite failures or an undecodable row.
+    pub fn list_page(
+        &self,
+        labels: &BTreeMap<String, String>,
+        tenant: Option<&str>,
+        after: Option<(i64, &str)>,
+        limit: usize,
+    ) -> Result<Vec<Record>> {
+        let want = serde_json::to_string(labels).expect("labels serialize");
+        let (after_at, after_id) = after.unzip();
+        // As in list_labeled: a `job` pair as a plain equality, so the planner can use the
+        // `sandboxes_job` index; without one, `sandboxes_created` serves order and cursor.
+        let job = if labels.contains_key("job") {
+            "json_extract(labels, '$.job') = ?2"
+        } else {
+            "?2 IS NULL"
+        };
+        self.select(
+            &format!(
+                "SELECT {COLS} FROM sandboxes
+                 WHERE (?3 IS NULL OR (created_at, id) > (?3, ?4))
+                   AND (?5 IS NULL OR tenant = ?5)
+                   AND {job}
+                   AND NOT EXISTS (
+                     SELECT 1 FROM json_each(?1) AS w WHERE NOT EXISTS (
+                       SELECT 1 FROM json_each(sandboxes.labels) AS l
+                       WHERE l.key = w.key AND l.value = w.value))
+                 ORDER BY created_at, id LIMIT ?6"
+            ),
+            params![
+                want,
+                labels.get("job"),
+                after_at,
+                after_id,
+                tenant,
+                i64::try_from(limit).unwrap_or(i64::MAX)
+            ],
+        )
+    }
+
+    /// Counts of `Registry::summary`, each an indexed `COUNT(*)`.
+    ///
+    /// # Errors
+    /// [`StoreError::Sql`].
+    pub fn summary(&self) -> Result<crate::registry::Summary> {
+        let by_state = self.count_by_state()?;
+        let conn = self.conn();
+        let by_node = conn
+            .prepare_cached("SELECT node, COUNT(*) FROM sandboxes GROUP BY node")
+            .map_err(sql("prepare count by node"))?
+            .query_map([], |r| Ok((r.get(0)?, r.get::<_, i64>(1)? as u64)))
+            .map_err(sql("count by node"))?
+            .collect::<std::result::Result<Vec<_>, _>>()
+            .map_err(sql("read counts by node"))?;
+        let with_trajectory: i64 = conn
+            .query_row(
+                "SELECT COUNT(*) FROM sandboxes
+                 WHERE json_extract(spec, '$.trajectory') IS NOT NULL",
+                [],
+                |r| r.get(0),
+            )
+            .map_err(sql("count with trajectory"))?;
+        Ok(crate::registry::Summary {
+            by_state,
+            by_node,
+            with_trajectory: with_trajectory as u64,
+        })
     }
 
     /// How many records there are per (backend, state), as stored strings.

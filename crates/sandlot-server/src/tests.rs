@@ -1825,3 +1825,83 @@ async fn network_policy_reaches_the_node_in_canonical_form() {
         assert_eq!(r.json()["network"], "none");
     }
 }
+
+#[tokio::test]
+async fn paged_list_and_summary() {
+    let t = setup("paged");
+    let mut made = Vec::new();
+    for i in 0..5 {
+        made.push(
+            create(
+                &t,
+                json!({"labels": {"job": if i < 3 { "p" } else { "q" }}}),
+            )
+            .await,
+        );
+    }
+    // limit=2 walks all five, each once, in pages of at most 2; the last has no token.
+    let mut seen = Vec::new();
+    let mut url = "/v1/sandboxes?limit=2".to_owned();
+    let mut pages = 0;
+    loop {
+        let r = call(&t.app, Method::GET, &url, None).await;
+        assert_eq!(r.status, StatusCode::OK, "{:?}", r.body);
+        let body = r.json();
+        let page = body["sandboxes"].as_array().unwrap();
+        assert!(page.len() <= 2);
+        seen.extend(page.iter().map(|s| s["id"].as_str().unwrap().to_owned()));
+        pages += 1;
+        match body["next_page_token"].as_str() {
+            Some(tok) => url = format!("/v1/sandboxes?limit=2&page_token={tok}"),
+            None => break,
+        }
+    }
+    assert_eq!(pages, 3);
+    let mut sorted = seen.clone();
+    sorted.sort();
+    sorted.dedup();
+    let mut want = made.clone();
+    want.sort();
+    assert_eq!(sorted, want, "every sandbox once");
+    // Labels filter pages too.
+    let r = call(
+        &t.app,
+        Method::GET,
+        "/v1/sandboxes?label=job=p&limit=10",
+        None,
+    )
+    .await;
+    let body = r.json();
+    assert_eq!(body["sandboxes"].as_array().unwrap().len(), 3);
+    assert!(body.get("next_page_token").is_none(), "{body}");
+    // Unpaged answers carry no token.
+    let r = call(&t.app, Method::GET, "/v1/sandboxes", None).await;
+    assert!(r.json().get("next_page_token").is_none());
+    for bad in [
+        "/v1/sandboxes?limit=0",
+        "/v1/sandboxes?limit=10001",
+        "/v1/sandboxes?limit=x",
+        "/v1/sandboxes?limit=2&page_token=%21%21",
+        "/v1/sandboxes?limit=2&page_token=bm90LWEtY3Vyc29y",
+        "/v1/sandboxes?page_token=NS5zYi1h",
+        "/v1/sandboxes?offset=2",
+    ] {
+        let r = call(&t.app, Method::GET, bad, None).await;
+        assert_eq!(
+            (r.status, r.code()),
+            (StatusCode::BAD_REQUEST, "invalid_argument".into()),
+            "{bad}"
+        );
+    }
+    let r = call(&t.app, Method::GET, "/v1/sandboxes:summary", None).await;
+    assert_eq!(r.status, StatusCode::OK, "{:?}", r.body);
+    assert_eq!(
+        r.json(),
+        json!({
+            "total": 5,
+            "by_state": [{"backend": "function", "state": "running", "count": 5}],
+            "by_node": {"fake-node": 5},
+            "with_trajectory": 0
+        })
+    );
+}

@@ -5,8 +5,10 @@
 //! first [`MAX_ROWS`]), and recent audit events ([`crate::events`]).
 //!
 //! The first render is done here (escaped with [`escape`]); a small inline script then
-//! refreshes every 2 s from `/healthz`, `/v1/nodes`, `/v1/sandboxes` and `/v1/events`. No
-//! build step.
+//! refreshes every 2 s from `/healthz`, `/v1/nodes`, `/v1/sandboxes:summary` (counts),
+//! the first page of `/v1/sandboxes` and `/v1/events`. No build step. Neither the render
+//! nor a refresh reads every record: at 384,000 sandboxes a refresh is a few indexed counts
+//! and one page.
 //!
 //! SECURITY: labels, images, trajectory ids and error messages are written by clients
 //! (often model-written code). The server escapes every value it puts in HTML, the script
@@ -79,8 +81,7 @@ function bar(td, used, cap, text) {
   b.appendChild(f); td.appendChild(b); td.appendChild(document.createTextNode(text));
 }
 function kind(td, sim) { const k = document.createElement('span'); k.className = sim ? 'sim' : 'real'; k.textContent = sim ? 'simulated' : 'real'; td.appendChild(k); }
-function cluster(nodes, sandboxes) {
-  const per = {}; sandboxes.forEach(s => { per[s.node] = (per[s.node] || 0) + 1; });
+function cluster(nodes, per) {
   const t = document.getElementById('nodes'); t.replaceChildren();
   const h = document.createElement('tr'); NODE_HEAD.forEach(x => cell(h, x, 'th')); t.appendChild(h);
   const tot = {n: 0, sim: 0, sb: 0, sbc: 0, cpu: 0, cpuc: 0, mem: 0, memc: 0, reg: 0};
@@ -125,19 +126,17 @@ function chart(id, pts, series) {
 async function j(u) { const r = await fetch(u, {cache: 'no-store'}); if (!r.ok) throw new Error(u + ': HTTP ' + r.status); return r.json(); }
 async function refresh() {
   try {
-    const [h, l, e, n, tl] = await Promise.all([j('/healthz'), j('/v1/sandboxes'), j('/v1/events?limit=50'), j('/v1/nodes'), j('/v1/timeline')]);
-    if (n.cluster) cluster(n.nodes, l.sandboxes);
+    const [h, sum, l, e, n, tl] = await Promise.all([j('/healthz'), j('/v1/sandboxes:summary'), j('/v1/sandboxes?limit=' + MAX_ROWS), j('/v1/events?limit=50'), j('/v1/nodes'), j('/v1/timeline')]);
+    if (n.cluster) cluster(n.nodes, sum.by_node);
     chart('chart-creates', tl.points, [['creates_per_s', '#3b7']]);
     chart('chart-exec', tl.points, [['exec_p50_ms', '#37b'], ['exec_p99_ms', '#b53']]);
     document.getElementById('node').textContent = h.node + ' · cgroup ' + h.cgroup_version + ' · v' + h.version;
     fill('backends', ['backend', 'status'], Object.entries(h.backends));
-    const by = {}; let traj = 0;
-    l.sandboxes.forEach(s => { const k = s.backend + '\u0000' + s.state; by[k] = (by[k] || 0) + 1; if (s.trajectory) traj++; });
-    fill('bystate', ['backend', 'state', 'count'], Object.entries(by).sort().map(([k, n]) => k.split('\u0000').concat([n])));
-    document.getElementById('traj').textContent = String(traj);
+    fill('bystate', ['backend', 'state', 'count'], sum.by_state.map(c => [c.backend, c.state, c.count]).sort());
+    document.getElementById('traj').textContent = String(sum.with_trajectory);
     fill('sandboxes', ['id', 'backend', 'state', 'node', 'image', 'labels', 'expires'],
-      l.sandboxes.slice(0, MAX_ROWS).map(s => [s.id, s.backend, s.state, s.node, s.image, JSON.stringify(s.labels || {}), s.expires_at]));
-    document.getElementById('shown').textContent = l.sandboxes.length > MAX_ROWS ? ('first ' + MAX_ROWS + ' of ' + l.sandboxes.length) : ('all ' + l.sandboxes.length);
+      l.sandboxes.map(s => [s.id, s.backend, s.state, s.node, s.image, JSON.stringify(s.labels || {}), s.expires_at]));
+    document.getElementById('shown').textContent = sum.total > l.sandboxes.length ? ('first ' + l.sandboxes.length + ' of ' + sum.total) : ('all ' + sum.total);
     fill('events', ['id', 'time', 'kind', 'sandbox', 'backend', 'detail'],
       e.events.slice().reverse().map(v => { const {id, time, kind, sandbox, backend, ...rest} = v; return [id, time, kind, sandbox, backend, JSON.stringify(rest)]; }));
     document.getElementById('err').textContent = '';
@@ -195,11 +194,7 @@ fn bar(used: f64, cap: f64, text: &str) -> String {
 }
 
 /// The cluster section: totals and one row per node, `simulated` or `real` labelled.
-fn cluster_html(
-    out: &mut String,
-    nodes: &sandlot_cluster::Nodes,
-    per_node: &BTreeMap<&str, usize>,
-) {
+fn cluster_html(out: &mut String, nodes: &sandlot_cluster::Nodes, per_node: &BTreeMap<&str, u64>) {
     let sim = nodes.values().filter(|n| n.simulated).count();
     let (mut sb, mut sbc, mut cpu, mut cpuc, mut mem, mut memc) =
         (0u64, 0u64, 0.0, 0.0, 0u64, 0u64);
@@ -211,7 +206,7 @@ fn cluster_html(
         mem += n.usage.memory_mib;
         memc += n.capacity.memory_mib;
     }
-    let reg: usize = nodes
+    let reg: u64 = nodes
         .keys()
         .map(|k| per_node.get(k.as_str()).copied().unwrap_or(0))
         .sum();
@@ -269,19 +264,20 @@ fn cluster_html(
 
 /// `GET /` → the status page (text/html).
 pub async fn index(State(st): State<SharedState>) -> ApiResult<impl IntoResponse> {
-    let records = st.store.list().await?;
-    let mut by: BTreeMap<(String, String), usize> = BTreeMap::new();
-    let mut per_node: BTreeMap<&str, usize> = BTreeMap::new();
+    let summary = st.store.summary().await?;
+    let first = st
+        .store
+        .list_page(&BTreeMap::new(), None, None, MAX_ROWS)
+        .await?;
+    let total: u64 = summary.by_state.iter().map(|c| c.2).sum();
+    let per_node: BTreeMap<&str, u64> = summary
+        .by_node
+        .iter()
+        .map(|(n, c)| (n.as_str(), *c))
+        .collect();
+    let traj = summary.with_trajectory;
     let mut rows = Vec::new();
-    let mut traj = 0;
-    for r in &records {
-        *by.entry((r.backend.as_str().into(), r.state.as_str().into()))
-            .or_default() += 1;
-        *per_node.entry(r.node.as_str()).or_default() += 1;
-        traj += usize::from(r.spec.trajectory.is_some());
-        if rows.len() >= MAX_ROWS {
-            continue;
-        }
+    for r in &first {
         let api = r.to_api();
         rows.push(vec![
             api.id,
@@ -293,10 +289,12 @@ pub async fn index(State(st): State<SharedState>) -> ApiResult<impl IntoResponse
             api.expires_at.unwrap_or_default(),
         ]);
     }
-    let by_rows: Vec<Vec<String>> = by
-        .into_iter()
-        .map(|((b, s), n)| vec![b, s, n.to_string()])
+    let mut by_rows: Vec<Vec<String>> = summary
+        .by_state
+        .iter()
+        .map(|(b, s, n)| vec![b.clone(), s.clone(), n.to_string()])
         .collect();
+    by_rows.sort();
     let mut html = String::new();
     let _ = write!(
         html,
@@ -318,10 +316,10 @@ pub async fn index(State(st): State<SharedState>) -> ApiResult<impl IntoResponse
         &["backend", "state", "count"],
         &by_rows,
     );
-    let shown = if records.len() > MAX_ROWS {
-        format!("first {MAX_ROWS} of {}", records.len())
+    let shown = if total > first.len() as u64 {
+        format!("first {} of {total}", first.len())
     } else {
-        format!("all {}", records.len())
+        format!("all {total}")
     };
     let _ = write!(
         html,

@@ -10,7 +10,7 @@ import httpx
 from . import _base
 from .errors import NotFound, ProtocolError, SandlotError, TransportError
 from .models import (Checkpoint, Command, checkpoint_id, checkpoints_of, Data, ExecEvent, ExecResult, FileEntry, Network,
-                     RunCodeResult, TrajectoryInfo, BatchResult, batch_body, batch_result, create_body, exec_body, ids_of, label_params,
+                     RunCodeResult, TrajectoryInfo, BatchResult, batch_body, batch_result, create_body, exec_body, ids_of, list_page_of, list_page_params,
                      parse_exec_event, run_code_body, run_jupyter_body,
                      RunCodeLanguage, RunJupyterResult, selector_body, to_bytes)
 from .process import DEFAULT_PTY_CMD, Process, processes_of, spawn_body
@@ -211,13 +211,19 @@ class Client:
         return Sandbox(self, _base.json_of(self._request("GET", _base.sandbox_path(sandbox_id))))
 
     def list(self, labels: Optional[Mapping[str, str]] = None) -> List["Sandbox"]:
-        """Sandboxes whose labels include every ``labels`` pair, oldest first."""
-        resp = self._request("GET", "/v1/sandboxes", params=label_params(labels))
-        body = _base.json_of(resp)
-        try:
-            return [Sandbox(self, d) for d in body["sandboxes"]]
-        except (KeyError, TypeError) as e:
-            raise ProtocolError(f"bad sandbox list {body!r:.300}") from e
+        """Sandboxes whose labels include every ``labels`` pair, oldest first (this API
+        key's; an admin key: all). Read in pages of :data:`~sandlot.models.LIST_PAGE`
+        (``GET /v1/sandboxes?limit=…&page_token=…``), so the server never builds one
+        answer of the whole registry."""
+        out: List["Sandbox"] = []
+        token: Optional[str] = None
+        while True:
+            resp = self._request("GET", "/v1/sandboxes",
+                                       params=list_page_params(labels, token))
+            items, token = list_page_of(_base.json_of(resp))
+            out.extend(Sandbox(self, d) for d in items)
+            if not token:
+                return out
 
     def checkpoints(self) -> List[Checkpoint]:
         """``GET /v1/checkpoints``: this API key's checkpoints (an admin key: all), oldest

@@ -765,6 +765,35 @@ def label_params(labels: Optional[Mapping[str, str]]) -> List[tuple]:
     return [("label", f"{k}={v}") for k, v in (labels or {}).items()]
 
 
+#: Sandboxes per ``GET /v1/sandboxes`` page when the SDK lists (the server allows 1..=10000).
+LIST_PAGE = 1000
+
+
+def list_page_params(labels: Optional[Mapping[str, str]], token: Optional[str]) -> List[tuple]:
+    """Query parameters of one page of ``GET /v1/sandboxes``: the label filters, ``limit``
+    :data:`LIST_PAGE` and the previous page's ``next_page_token`` (none for the first)."""
+    params = label_params(labels) + [("limit", str(LIST_PAGE))]
+    if token:
+        params.append(("page_token", token))
+    return params
+
+
+def list_page_of(body: object) -> "tuple[list, Optional[str]]":
+    """(sandbox dicts, next_page_token or None) of a ``GET /v1/sandboxes`` answer.
+
+    Raises:
+        ProtocolError: the body is not a sandbox list.
+    """
+    try:
+        items = body["sandboxes"]  # type: ignore[index]
+        token = body.get("next_page_token")  # type: ignore[union-attr]
+        if not isinstance(items, list) or not (token is None or isinstance(token, str)):
+            raise TypeError("sandboxes not a list or next_page_token not a string")
+    except (KeyError, TypeError, AttributeError) as e:
+        raise ProtocolError(f"bad sandbox list {body!r:.300}") from e
+    return items, token
+
+
 #: Keyword arguments of ``create`` that a ``create_many`` item may carry.
 _CREATE_FIELDS = ("backend", "image", "cpu", "memory_mib", "disk_mib", "pids_max", "ttl_s",
                   "env", "labels", "runtime", "network", "checkpoint")
