@@ -565,7 +565,7 @@ impl Core {
             };
             // The cgroup does not depend on the disk: made at the same time (on a failure
             // the caller's destroy removes whatever of both exists).
-            let cgroup = spawn_blocking(move || cg.create(&limits));
+            let cgroup = spawn_blocking(move || Ok(cg.create(&limits)?));
             let disk = spawn_blocking(move || {
                 // Only root and the container's root (group `uid_base`) may walk in: no other
                 // host user reaches the rootfs, the scratch disk or the socket.
@@ -848,7 +848,7 @@ impl Core {
             let host = destroy_blocking(&cg, &dir);
             // After the processes are gone (destroy_blocking waited for them in `cg`).
             let runtime = runtime_cg.remove(Instant::now() + KILL_TIMEOUT);
-            host.and(runtime)
+            host.and(runtime.map_err(NodeError::from))
         })
         .await;
         host.and(net)
@@ -1623,7 +1623,8 @@ impl SandboxBackend for ContainerBackend {
         for id in self.core.cgroups.list_sandboxes() {
             if !self.cgroup_in_use(&id) {
                 let cg = self.core.cgroups.sandbox(&id);
-                if let Err(e) = spawn_blocking(move || cg.group().destroy(KILL_TIMEOUT)).await {
+                if let Err(e) = spawn_blocking(move || Ok(cg.group().destroy(KILL_TIMEOUT)?)).await
+                {
                     errors.push(e.to_string());
                 }
             }
