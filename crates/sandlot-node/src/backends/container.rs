@@ -1491,12 +1491,9 @@ impl SandboxBackend for ContainerBackend {
                 tracing::info!(sandbox = %spec.id, backend = "container", runtime = runtime.name(), "sandbox created");
                 Ok(())
             }
-            Err(e) => {
-                if let Err(c) = self.destroy(&spec.id, Some(runtime)).await {
-                    tracing::warn!(sandbox = %spec.id, error = %c, "cleanup after a failed create");
-                }
-                Err(e)
-            }
+            // Nothing half-created stays: a failed removal is part of the answer
+            // (`CleanupFailed`, with the create's own code).
+            Err(e) => Err(e.with_cleanup(self.destroy(&spec.id, Some(runtime)).await)),
         }
     }
 

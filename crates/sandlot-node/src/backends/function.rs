@@ -517,11 +517,7 @@ impl FunctionBackend {
         }
         .await;
         if let Err(err) = res {
-            let cleanup = self.delete(&spec.id).await;
-            return Err(match cleanup {
-                Ok(()) => err,
-                Err(c) => with_cleanup_error(err, c),
-            });
+            return Err(err.with_cleanup(self.delete(&spec.id).await));
         }
         Ok(())
     }
@@ -648,11 +644,7 @@ impl SandboxBackend for FunctionBackend {
             Err(err) => {
                 // Rollback: kill whatever started (the init is in the sandbox cgroup), remove
                 // cgroups and directories; keep both errors when the cleanup fails too.
-                let cleanup = self.destroy(&spec.id).await;
-                Err(match cleanup {
-                    Ok(()) => err,
-                    Err(c) => with_cleanup_error(err, c),
-                })
+                Err(err.with_cleanup(self.destroy(&spec.id).await))
             }
         }
     }
@@ -1900,19 +1892,12 @@ pub(crate) fn destroy_blocking(cg: &SandboxCgroup, dir: &Path) -> NodeResult<()>
         _ => {
             let first = errs.remove(0);
             let rest: Vec<String> = errs.iter().map(|e| e.to_string()).collect();
-            Err(with_cleanup_error(
-                first,
-                NodeError::io(rest.join("; "), std::io::Error::other("cleanup")),
-            ))
+            Err(first.with_cleanup(Err(NodeError::internal(rest.join("; "), None))))
         }
     }
 }
 
 pub use crate::mountinfo::mounts_under;
-
-fn with_cleanup_error(orig: NodeError, cleanup: NodeError) -> NodeError {
-    orig.with_cleanup(Err(cleanup))
-}
 
 impl Drop for FunctionBackend {
     /// Stops the warm pool (which destroys its jails), then removes the node's parent
