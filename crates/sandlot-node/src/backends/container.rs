@@ -57,6 +57,7 @@
 //! container group's `oom_kill` counter over the exec (an overlapping exec's OOM kill is
 //! counted too).
 pub mod pool;
+mod runtime;
 
 use super::agent_exec;
 use super::agent_files::{AgentFiles, HoldsAgent};
@@ -76,6 +77,8 @@ use crate::node::{NodeError, NodeResult, SandboxSpec, SandboxStatus};
 use crate::sys::{proc_starttime, spawn_blocking};
 use async_trait::async_trait;
 use pool::{pool_dir, spec_compatible, ContainerPool, Containers};
+pub use runtime::RuntimeError;
+use runtime::{run_with_timeout, tail};
 use sandlot_api::{Backend, ExecRequest, ExecResult};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
@@ -745,34 +748,29 @@ impl Core {
         drop(listener);
         if !status.success() {
             let log = std::fs::read_to_string(dir.join("agent.log")).unwrap_or_default();
-            return Err(NodeError::io(
-                format!(
-                    "{} run {}: {}; {}",
-                    runtime.name(),
-                    spec.id,
-                    status,
-                    tail(&log, 2000)
-                ),
-                std::io::Error::other("OCI runtime failed"),
-            ));
+            return Err(RuntimeError::Failed {
+                runtime: runtime.name(),
+                verb: "run",
+                id: spec.id.clone(),
+                status,
+                log: tail(&log, 2000).to_string(),
+            }
+            .into());
         }
         let pid: i32 = std::fs::read_to_string(dir.join("init.pid"))
             .ok()
             .and_then(|s| s.trim().parse().ok())
-            .ok_or_else(|| {
-                NodeError::io(
-                    format!("{}: no pid file", runtime.name()),
-                    std::io::Error::other("init.pid"),
-                )
+            .ok_or_else(|| RuntimeError::NoPidFile {
+                runtime: runtime.name(),
+                path: dir.join("init.pid"),
             })?;
-        let starttime = proc_starttime(pid).ok_or_else(|| {
-            NodeError::io(
-                format!("container {} died at start", spec.id),
-                std::io::Error::other(tail(
-                    &std::fs::read_to_string(dir.join("agent.log")).unwrap_or_default(),
-                    2000,
-                )),
+        let starttime = proc_starttime(pid).ok_or_else(|| RuntimeError::DiedAtStart {
+            id: spec.id.clone(),
+            log: tail(
+                &std::fs::read_to_string(dir.join("agent.log")).unwrap_or_default(),
+                2000,
             )
+            .to_string(),
         })?;
         let agent = AgentClient::new(agent_socket(&dir, runtime));
         agent
@@ -1005,32 +1003,6 @@ fn mount_overlay(dir: &Path, lowers: &[PathBuf]) -> NodeResult<()> {
             e.into(),
         )
     })
-}
-
-/// Runs `cmd` (whose stdio the caller set: never pipes, which a container would inherit
-/// and hold open) to its end, killing it at `timeout`.
-async fn run_with_timeout(
-    cmd: std::process::Command,
-    timeout: Duration,
-) -> NodeResult<std::process::ExitStatus> {
-    let what = format!("{:?}", cmd.get_program());
-    let mut cmd = tokio::process::Command::from(cmd);
-    cmd.kill_on_drop(true);
-    match tokio::time::timeout(timeout, cmd.status()).await {
-        Ok(r) => r.map_err(|e| NodeError::io(format!("run {what}"), e)),
-        Err(_) => Err(NodeError::io(
-            format!("{what} did not finish in {timeout:?}"),
-            std::io::Error::from(std::io::ErrorKind::TimedOut),
-        )),
-    }
-}
-
-fn tail(s: &str, n: usize) -> &str {
-    let mut start = s.len().saturating_sub(n);
-    while !s.is_char_boundary(start) {
-        start += 1;
-    }
-    s[start..].trim()
 }
 
 /// Syscalls the container's seccomp profile refuses (EPERM) for every process in it, the
