@@ -1880,3 +1880,66 @@ mod fake_tests {
         fs::remove_dir_all(&tmp).unwrap();
     }
 }
+
+/// A real failure on this host's cgroups, seen as the node sees it.
+#[cfg(test)]
+mod host_tests {
+    use super::*;
+
+    #[test]
+    fn a_write_to_a_missing_group_names_the_file_and_the_kernels_answer() {
+        let root = match CgroupRoot::detect() {
+            Ok(r) => r,
+            Err(e) => {
+                eprintln!("SKIP: no usable cgroups on this host: {e}");
+                return;
+            }
+        };
+        let sb = root.sandbox(&format!("sb-missing-{}", std::process::id()));
+        let err = sb.set_pids_max(1).unwrap_err();
+        assert!(
+            matches!(&err, CgroupError::Write { source, .. } if source.raw_os_error() == Some(libc::ENOENT)),
+            "{err:?}"
+        );
+        let node = NodeError::from(err);
+        let chain = sandlot_node_api::chain(&node);
+        eprintln!("{chain}");
+        assert!(
+            chain.contains("pids.max: No such file or directory"),
+            "{chain}"
+        );
+        assert_eq!(node.to_wire().message, chain);
+    }
+
+    #[test]
+    fn a_failed_rollback_keeps_both_real_failures_with_the_original_code() {
+        // Real syscalls on a plain directory: a write into a missing group, then an rmdir
+        // of a group directory that is not empty.
+        let tmp = tempfile::tempdir().unwrap();
+        let root = CgroupRoot::with_fs(
+            CgroupVersion::V2,
+            vec![("unified", tmp.path().to_path_buf())],
+            Arc::new(HostFs),
+        );
+        let sb = root.sandbox("sb-1");
+        let failed = NodeError::from(sb.set_pids_max(1).unwrap_err());
+        fs::create_dir_all(tmp.path().join("sandlot/sb-1")).unwrap();
+        fs::write(tmp.path().join("sandlot/sb-1/left"), "").unwrap();
+        let cleanup = sb.remove(Duration::ZERO).map_err(NodeError::from);
+        let e = failed.with_cleanup(cleanup);
+        assert_eq!(e.code(), sandlot_api::ErrorCode::Internal);
+        let w = e.to_wire();
+        eprintln!("{e}\n{}", w.message);
+        assert!(
+            w.message.contains("pids.max: No such file or directory (os error 2); cleanup also failed: remove cgroup"),
+            "{}",
+            w.message
+        );
+        assert!(
+            w.message
+                .ends_with("sandlot/sb-1: Directory not empty (os error 39)"),
+            "{}",
+            w.message
+        );
+    }
+}
