@@ -221,11 +221,22 @@ pub enum NodeError {
     /// Host-side failure (mount, cgroup, spawn), with the path or step in the message.
     #[error("{context}")]
     Internal {
-        /// What was being done, with the path.
+        /// What failed, with the path (a module error's message: `write "1" to
+        /// /sys/fs/cgroup/…/pids.max`).
         context: String,
-        /// Cause.
+        /// Cause (an `io::Error`, a QMP or OCI runtime answer), when there is one.
         #[source]
-        source: std::io::Error,
+        source: Option<Box<dyn std::error::Error + Send + Sync + 'static>>,
+    },
+    /// An operation failed, and so did the cleanup (rollback) that was to leave nothing
+    /// half-created behind. The wire code is `error`'s; the message names both (so
+    /// neither is a `source`: [`chain`] of each is what [`NodeError::to_wire`] sends).
+    #[error("{error}; cleanup also failed: {cleanup}")]
+    CleanupFailed {
+        /// The original failure.
+        error: Box<NodeError>,
+        /// The failure of the cleanup that followed.
+        cleanup: Box<NodeError>,
     },
 }
 
@@ -234,7 +245,41 @@ impl NodeError {
     pub fn io(context: impl Into<String>, source: std::io::Error) -> Self {
         NodeError::Internal {
             context: context.into(),
+            source: Some(Box::new(source)),
+        }
+    }
+
+    /// An `Internal` error of a module error type (`CgroupError`, `QmpError`, …):
+    /// `context` is its message, `source` its own cause (so a walk of the source chain
+    /// names each step once).
+    pub fn internal(
+        context: impl Into<String>,
+        source: Option<Box<dyn std::error::Error + Send + Sync + 'static>>,
+    ) -> Self {
+        NodeError::Internal {
+            context: context.into(),
             source,
+        }
+    }
+
+    /// `error`, unless `cleanup` failed too: then [`NodeError::CleanupFailed`] with both
+    /// (the wire code stays `error`'s).
+    pub fn with_cleanup(self, cleanup: NodeResult<()>) -> Self {
+        match cleanup {
+            Ok(()) => self,
+            Err(c) => NodeError::CleanupFailed {
+                error: Box::new(self),
+                cleanup: Box::new(c),
+            },
+        }
+    }
+
+    /// The original failure: `self`, or for [`NodeError::CleanupFailed`] the error whose
+    /// cleanup failed.
+    pub fn original(&self) -> &NodeError {
+        match self {
+            NodeError::CleanupFailed { error, .. } => error.original(),
+            e => e,
         }
     }
 
@@ -250,6 +295,7 @@ impl NodeError {
             NodeError::DeadlineExceeded(_) => ErrorCode::DeadlineExceeded,
             NodeError::Transport(_) => ErrorCode::Unavailable,
             NodeError::Internal { .. } => ErrorCode::Internal,
+            NodeError::CleanupFailed { error, .. } => error.code(),
         }
     }
 
@@ -257,14 +303,14 @@ impl NodeError {
     /// transport failure, an unavailable node, or a node at capacity.
     pub fn is_retryable(&self) -> bool {
         matches!(
-            self,
+            self.original(),
             NodeError::Transport(_) | NodeError::Unavailable(_) | NodeError::ResourceExhausted(_)
         )
     }
 
     /// The wire shape of this error, for a remote node API.
     pub fn to_wire(&self) -> WireError {
-        let kind = match self {
+        let kind = match self.original() {
             NodeError::NotFound(_) => "not_found",
             NodeError::InvalidArgument(_) => "invalid_argument",
             NodeError::Unavailable(_) => "unavailable",
@@ -274,9 +320,15 @@ impl NodeError {
             NodeError::PermissionDenied(_) => "permission_denied",
             NodeError::Transport(_) => "transport",
             NodeError::Internal { .. } => "internal",
+            NodeError::CleanupFailed { .. } => unreachable!("original() unwraps it"),
         };
         let message = match self {
-            NodeError::Internal { context, source } => format!("{context}: {source}"),
+            NodeError::Internal { .. } => chain(self),
+            NodeError::CleanupFailed { error, cleanup } => format!(
+                "{}; cleanup also failed: {}",
+                error.to_wire().message,
+                cleanup.to_wire().message
+            ),
             NodeError::Transport(m)
             | NodeError::NotFound(m)
             | NodeError::InvalidArgument(m)
@@ -306,13 +358,26 @@ impl NodeError {
             "deadline_exceeded" => NodeError::DeadlineExceeded(m),
             "permission_denied" => NodeError::PermissionDenied(m),
             "transport" => NodeError::Transport(m),
-            "internal" => NodeError::io(m, std::io::Error::other("on the node")),
-            other => NodeError::io(
+            "internal" => NodeError::internal(m, Some("on the node".into())),
+            other => NodeError::internal(
                 format!("node error of unknown kind {other:?}"),
-                std::io::Error::other(m),
+                Some(m.into()),
             ),
         }
     }
+}
+
+/// `e` and each of its sources, joined by `": "` (what a log line or a remote client
+/// should see of an `Internal` error).
+pub fn chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cur = c.source();
+    }
+    s
 }
 
 /// A [`NodeError`] on the wire of a remote node API: `{"kind": "not_found", "message": …}`.
@@ -767,6 +832,42 @@ mod tests {
         });
         assert_eq!(newer.code(), ErrorCode::Internal);
         assert!(newer.to_string().contains("brand_new"), "{newer}");
+    }
+
+    #[test]
+    fn a_failed_cleanup_keeps_both_errors_and_the_original_code() {
+        let orig = NodeError::ResourceExhausted("disk full".into());
+        assert!(matches!(
+            NodeError::ResourceExhausted("x".into()).with_cleanup(Ok(())),
+            NodeError::ResourceExhausted(_)
+        ));
+        let e = orig.with_cleanup(Err(NodeError::io(
+            "remove cgroup /sys/fs/cgroup/sandlot/sb-1",
+            std::io::Error::from_raw_os_error(libc_ebusy()),
+        )));
+        assert_eq!(e.code(), ErrorCode::ResourceExhausted);
+        assert!(e.is_retryable());
+        assert!(matches!(e.original(), NodeError::ResourceExhausted(_)));
+        let shown = e.to_string();
+        assert!(
+            shown.starts_with("disk full; cleanup also failed: remove cgroup"),
+            "{shown}"
+        );
+        let w = e.to_wire();
+        assert_eq!(w.kind, "resource_exhausted");
+        assert!(
+            w.message
+                .ends_with("sb-1: Device or resource busy (os error 16)"),
+            "{}",
+            w.message
+        );
+        let back = NodeError::from_wire(w.clone());
+        assert_eq!(back.code(), ErrorCode::ResourceExhausted);
+        assert_eq!(back.to_string(), w.message);
+    }
+
+    fn libc_ebusy() -> i32 {
+        16
     }
 
     #[test]

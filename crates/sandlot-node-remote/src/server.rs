@@ -76,6 +76,7 @@ pub fn status_of(e: &NodeError) -> StatusCode {
         NodeError::DeadlineExceeded(_) => StatusCode::GATEWAY_TIMEOUT,
         NodeError::Transport(_) => StatusCode::BAD_GATEWAY,
         NodeError::Internal { .. } => StatusCode::INTERNAL_SERVER_ERROR,
+        NodeError::CleanupFailed { error, .. } => status_of(error),
     }
 }
 

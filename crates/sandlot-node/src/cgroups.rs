@@ -23,11 +23,172 @@
 //! `FROZEN`), sends SIGKILL to every pid of `cgroup.procs`, thaws, and repeats until the
 //! group is empty. Freezing first means no process can fork a new one between our read of
 //! `cgroup.procs` and the kill (a fork bomb cannot outrun the loop).
-use crate::node::{NodeError, NodeResult};
+//!
+//! Every read and write of a control file, and every `mkdir`/`rmdir` of a group, goes
+//! through [`CgroupFs`] (the host in [`HostFs`]; a recording fake in the unit tests), and
+//! fails as a [`CgroupError`] that names the path and keeps the kernel's answer as its
+//! source.
+use crate::node::NodeError;
 use std::fs;
 use std::io;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+/// Failures of cgroup operations. Each names the path; the kernel's answer, when there is
+/// one, is the [`source`](std::error::Error::source).
+#[derive(Debug, thiserror::Error)]
+pub enum CgroupError {
+    /// cgroup v2 is mounted but a controller a sandbox needs is not offered.
+    #[error("cgroup v2 at {} lacks the {controller} controller (has: {have:?})", root.display())]
+    MissingController {
+        /// The mount point.
+        root: PathBuf,
+        /// `memory`, `cpu` or `pids`.
+        controller: &'static str,
+        /// Contents of `cgroup.controllers`.
+        have: String,
+    },
+    /// cgroup v1: a required controller's hierarchy is not mounted.
+    #[error("cgroup v1 controller {controller} is not mounted at {}", path.display())]
+    NotMounted {
+        /// `memory`, `cpu`, `pids` or `freezer`.
+        controller: &'static str,
+        /// Where it was looked for.
+        path: PathBuf,
+    },
+    /// cgroup v1: the directory is not a cgroup hierarchy (no `cgroup.procs`).
+    #[error("{} is not a cgroup v1 hierarchy", path.display())]
+    NotAHierarchy {
+        /// The directory.
+        path: PathBuf,
+    },
+    /// `mkdir` of a group failed.
+    #[error("create cgroup {}", path.display())]
+    Create {
+        /// The group's directory.
+        path: PathBuf,
+        /// The kernel's answer.
+        #[source]
+        source: io::Error,
+    },
+    /// `rmdir` of a group failed (other than "not found", and "busy" past the deadline).
+    #[error("remove cgroup {}", path.display())]
+    Remove {
+        /// The group's directory.
+        path: PathBuf,
+        /// The kernel's answer.
+        #[source]
+        source: io::Error,
+    },
+    /// Writing a control file failed (the kernel refused the value, or the file is gone).
+    #[error("write {value:?} to {}", path.display())]
+    Write {
+        /// The control file.
+        path: PathBuf,
+        /// What was written.
+        value: String,
+        /// The kernel's answer.
+        #[source]
+        source: io::Error,
+    },
+    /// The group has no freezer (v1: no `freezer` hierarchy).
+    #[error("freeze: no freezer hierarchy for this cgroup")]
+    NoFreezer,
+    /// The group was not frozen by the deadline (it was thawed again).
+    #[error("cgroup {} did not freeze before the deadline", path.display())]
+    FreezeTimeout {
+        /// The freezer control file.
+        path: PathBuf,
+    },
+    /// Processes were still in the group at the kill deadline.
+    #[error("processes remain in cgroup {} after the kill deadline", path.display())]
+    KillTimeout {
+        /// The group's directory.
+        path: PathBuf,
+    },
+}
+
+/// Result of cgroup operations.
+pub type CgroupResult<T> = Result<T, CgroupError>;
+
+/// The node's error of a cgroup failure: `Unavailable` when the host lacks cgroups a
+/// sandbox needs (detection), `Internal` otherwise, with the message as context and the
+/// kernel's answer as source.
+impl From<CgroupError> for NodeError {
+    fn from(e: CgroupError) -> Self {
+        // The messages do not repeat the source: context and cause are each named once.
+        let context = e.to_string();
+        match e {
+            CgroupError::MissingController { .. }
+            | CgroupError::NotMounted { .. }
+            | CgroupError::NotAHierarchy { .. } => NodeError::Unavailable(context),
+            CgroupError::Create { source, .. }
+            | CgroupError::Remove { source, .. }
+            | CgroupError::Write { source, .. } => {
+                NodeError::internal(context, Some(Box::new(source)))
+            }
+            CgroupError::NoFreezer
+            | CgroupError::FreezeTimeout { .. }
+            | CgroupError::KillTimeout { .. } => NodeError::internal(context, None),
+        }
+    }
+}
+
+/// The host effects of cgroup management: reading and writing control files, creating
+/// and removing group directories. [`HostFs`] is the real one; unit tests use a recording
+/// fake, so the limit-writing logic (file names of v1 and v2, values, order) is tested
+/// without root.
+pub trait CgroupFs: std::fmt::Debug + Send + Sync {
+    /// Write `value` to the control file `path` (one `write(2)`; the kernel parses it).
+    ///
+    /// # Errors
+    /// The kernel's answer (`EINVAL` for a value it refuses, `ENOENT` for a missing group).
+    fn write(&self, path: &Path, value: &str) -> io::Result<()>;
+    /// The contents of the control file `path`.
+    ///
+    /// # Errors
+    /// The kernel's answer.
+    fn read(&self, path: &Path) -> io::Result<String>;
+    /// Create the group directory `path` (its parent must exist).
+    ///
+    /// # Errors
+    /// The kernel's answer (`EEXIST` when it exists).
+    fn mkdir(&self, path: &Path) -> io::Result<()>;
+    /// Remove the (empty) group directory `path`.
+    ///
+    /// # Errors
+    /// The kernel's answer (`EBUSY` while tasks are in it, `ENOENT`).
+    fn rmdir(&self, path: &Path) -> io::Result<()>;
+    /// Whether `path` (a control file or a group) exists.
+    fn exists(&self, path: &Path) -> bool;
+}
+
+/// [`CgroupFs`] on the host's cgroup file systems.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct HostFs;
+
+impl CgroupFs for HostFs {
+    fn write(&self, path: &Path, value: &str) -> io::Result<()> {
+        fs::write(path, value)
+    }
+    fn read(&self, path: &Path) -> io::Result<String> {
+        fs::read_to_string(path)
+    }
+    fn mkdir(&self, path: &Path) -> io::Result<()> {
+        fs::create_dir(path)
+    }
+    fn rmdir(&self, path: &Path) -> io::Result<()> {
+        fs::remove_dir(path)
+    }
+    fn exists(&self, path: &Path) -> bool {
+        path.exists()
+    }
+}
+
+fn host_fs() -> Arc<dyn CgroupFs> {
+    Arc::new(HostFs)
+}
 
 /// Name of the parent group under which every sandbox group lives.
 pub const PARENT: &str = "sandlot";
@@ -93,6 +254,8 @@ pub struct CgroupRoot {
     hierarchies: Vec<(&'static str, PathBuf)>,
     /// Name of the parent group of every sandbox group ([`PARENT`] by default).
     parent: String,
+    /// Where control files are read and written.
+    fs: Arc<dyn CgroupFs>,
 }
 
 impl CgroupRoot {
@@ -101,6 +264,22 @@ impl CgroupRoot {
     pub fn with_parent(mut self, name: &str) -> Self {
         self.parent = name.to_string();
         self
+    }
+
+    /// A root over given hierarchies whose control files `fs` reads and writes (unit
+    /// tests: a recording fake).
+    #[cfg(test)]
+    pub(crate) fn with_fs(
+        version: CgroupVersion,
+        hierarchies: Vec<(&'static str, PathBuf)>,
+        fs: Arc<dyn CgroupFs>,
+    ) -> CgroupRoot {
+        CgroupRoot {
+            version,
+            hierarchies,
+            parent: PARENT.to_string(),
+            fs,
+        }
     }
 
     /// Name of the parent group.
@@ -113,7 +292,7 @@ impl CgroupRoot {
     /// # Errors
     /// `Unavailable` when neither a v2 mount with controllers nor the v1 controllers
     /// memory, cpu, pids and freezer are present.
-    pub fn detect() -> NodeResult<CgroupRoot> {
+    pub fn detect() -> CgroupResult<CgroupRoot> {
         Self::detect_at(Path::new("/sys/fs/cgroup"))
     }
 
@@ -121,7 +300,7 @@ impl CgroupRoot {
     ///
     /// # Errors
     /// As [`CgroupRoot::detect`].
-    pub fn detect_at(root: &Path) -> NodeResult<CgroupRoot> {
+    pub fn detect_at(root: &Path) -> CgroupResult<CgroupRoot> {
         // v2 = the mount point itself is cgroup2 and offers controllers.
         let is_cgroup2 = nix::sys::statfs::statfs(root)
             .map(|s| s.filesystem_type() == nix::sys::statfs::CGROUP2_SUPER_MAGIC)
@@ -131,16 +310,18 @@ impl CgroupRoot {
             let have: Vec<&str> = ctrls.split_whitespace().collect();
             for need in ["memory", "cpu", "pids"] {
                 if !have.contains(&need) {
-                    return Err(NodeError::Unavailable(format!(
-                        "cgroup v2 at {} lacks the {need} controller (has: {ctrls:?})",
-                        root.display()
-                    )));
+                    return Err(CgroupError::MissingController {
+                        root: root.to_path_buf(),
+                        controller: need,
+                        have: ctrls,
+                    });
                 }
             }
             return Ok(CgroupRoot {
                 version: CgroupVersion::V2,
                 hierarchies: vec![("unified", root.to_path_buf())],
                 parent: PARENT.to_string(),
+                fs: host_fs(),
             });
         }
         let mut hierarchies: Vec<(&'static str, PathBuf)> = Vec::new();
@@ -149,19 +330,16 @@ impl CgroupRoot {
             // `cpu` and `cpuacct` may be links to one `cpu,cpuacct` hierarchy: dedupe.
             let Ok(canon) = fs::canonicalize(&p) else {
                 if V1_REQUIRED.contains(&ctrl) {
-                    return Err(NodeError::Unavailable(format!(
-                        "cgroup v1 controller {ctrl} is not mounted at {}",
-                        p.display()
-                    )));
+                    return Err(CgroupError::NotMounted {
+                        controller: ctrl,
+                        path: p,
+                    });
                 }
                 continue;
             };
             if !canon.join("cgroup.procs").exists() {
                 if V1_REQUIRED.contains(&ctrl) {
-                    return Err(NodeError::Unavailable(format!(
-                        "{} is not a cgroup v1 hierarchy",
-                        canon.display()
-                    )));
+                    return Err(CgroupError::NotAHierarchy { path: canon });
                 }
                 continue;
             }
@@ -173,6 +351,7 @@ impl CgroupRoot {
             version: CgroupVersion::V1,
             hierarchies,
             parent: PARENT.to_string(),
+            fs: host_fs(),
         })
     }
 
@@ -185,15 +364,15 @@ impl CgroupRoot {
     ///
     /// # Errors
     /// `Internal` with the directory, except for "not found" and "busy".
-    pub fn remove_parent(&self) -> NodeResult<()> {
+    pub fn remove_parent(&self) -> CgroupResult<()> {
         for (_, h) in &self.hierarchies {
             let d = h.join(&self.parent);
-            match fs::remove_dir(&d) {
+            match self.fs.rmdir(&d) {
                 Ok(()) => {}
                 Err(e)
                     if e.kind() == io::ErrorKind::NotFound
                         || e.raw_os_error() == Some(libc::EBUSY) => {}
-                Err(e) => return Err(NodeError::io(format!("remove cgroup {}", d.display()), e)),
+                Err(source) => return Err(CgroupError::Remove { path: d, source }),
             }
         }
         Ok(())
@@ -204,6 +383,7 @@ impl CgroupRoot {
         SandboxCgroup {
             group: Cgroup {
                 version: self.version,
+                fs: self.fs.clone(),
                 dirs: self
                     .hierarchies
                     .iter()
@@ -263,6 +443,7 @@ impl CgroupRoot {
     pub fn runtime_groups(&self, id: &str) -> Cgroup {
         Cgroup {
             version: self.version,
+            fs: self.fs.clone(),
             dirs: self
                 .other_hierarchies()
                 .into_iter()
@@ -299,34 +480,47 @@ impl CgroupRoot {
     ///
     /// # Errors
     /// `Internal` with the path that could not be created or written.
-    pub fn ensure_parent(&self) -> NodeResult<()> {
+    pub fn ensure_parent(&self) -> CgroupResult<()> {
         for (ctrl, h) in &self.hierarchies {
             let parent = h.join(&self.parent);
-            mkdir(&parent)?;
+            fs_mkdir(&*self.fs, &parent)?;
             match self.version {
                 CgroupVersion::V1 => {
                     if *ctrl == "memory" {
                         // Children must be charged against their parents' limits. It is the
                         // default on recent kernels (and cannot be changed there).
-                        let _ = write_file(&parent.join("memory.use_hierarchy"), "1");
+                        let _ = fs_write(&*self.fs, &parent.join("memory.use_hierarchy"), "1");
                     }
                     if *ctrl == "cpuset" {
                         // A new v1 cpuset group starts with no CPUs and no memory nodes (no
                         // task may join it) unless its parent has `cgroup.clone_children`.
                         for f in ["cpuset.cpus", "cpuset.mems"] {
-                            if read_trimmed(&parent.join(f)).is_empty() {
-                                write_file(&parent.join(f), &read_trimmed(&h.join(f)))?;
+                            if fs_read_trimmed(&*self.fs, &parent.join(f)).is_empty() {
+                                fs_write(
+                                    &*self.fs,
+                                    &parent.join(f),
+                                    &fs_read_trimmed(&*self.fs, &h.join(f)),
+                                )?;
                             }
                         }
-                        write_file(&parent.join("cgroup.clone_children"), "1")?;
+                        fs_write(&*self.fs, &parent.join("cgroup.clone_children"), "1")?;
                     }
                 }
                 CgroupVersion::V2 => {
-                    write_file(&h.join("cgroup.subtree_control"), "+memory +cpu +pids")?;
-                    write_file(&parent.join("cgroup.subtree_control"), "+memory +cpu +pids")?;
+                    fs_write(
+                        &*self.fs,
+                        &h.join("cgroup.subtree_control"),
+                        "+memory +cpu +pids",
+                    )?;
+                    fs_write(
+                        &*self.fs,
+                        &parent.join("cgroup.subtree_control"),
+                        "+memory +cpu +pids",
+                    )?;
                     // Placement only: a host without the cpuset controller runs unpinned.
-                    if write_file(&h.join("cgroup.subtree_control"), "+cpuset").is_ok() {
-                        let _ = write_file(&parent.join("cgroup.subtree_control"), "+cpuset");
+                    if fs_write(&*self.fs, &h.join("cgroup.subtree_control"), "+cpuset").is_ok() {
+                        let _ =
+                            fs_write(&*self.fs, &parent.join("cgroup.subtree_control"), "+cpuset");
                     }
                 }
             }
@@ -335,7 +529,7 @@ impl CgroupRoot {
         for id in self.list_sandboxes() {
             let g = self.sandbox(&id).group;
             if let Some(d) = g.cpuset_dir() {
-                let cpus = parse_cpu_list(&read_trimmed(&d.join("cpuset.cpus")));
+                let cpus = parse_cpu_list(&fs_read_trimmed(&*self.fs, &d.join("cpuset.cpus")));
                 if !cpus.is_empty() {
                     lock_spread().hold(d, cpus);
                 }
@@ -350,6 +544,7 @@ impl CgroupRoot {
 pub struct Cgroup {
     version: CgroupVersion,
     dirs: Vec<(&'static str, PathBuf)>,
+    fs: Arc<dyn CgroupFs>,
 }
 
 impl Cgroup {
@@ -371,7 +566,7 @@ impl Cgroup {
             CgroupVersion::V1 => self.dir("cpuset"),
             CgroupVersion::V2 => self.dir("unified").filter(|d| {
                 d.parent().is_some_and(|p| {
-                    read_trimmed(&p.join("cgroup.subtree_control"))
+                    fs_read_trimmed(&*self.fs, &p.join("cgroup.subtree_control"))
                         .split_whitespace()
                         .any(|c| c == "cpuset")
                 })
@@ -395,12 +590,12 @@ impl Cgroup {
 
     /// Whether any directory of the group exists.
     pub fn exists(&self) -> bool {
-        self.dirs.iter().any(|(_, d)| d.exists())
+        self.dirs.iter().any(|(_, d)| self.fs.exists(d))
     }
 
-    fn create(&self) -> NodeResult<()> {
+    fn create(&self) -> CgroupResult<()> {
         for (_, d) in &self.dirs {
-            mkdir(d)?;
+            fs_mkdir(&*self.fs, d)?;
         }
         Ok(())
     }
@@ -409,7 +604,7 @@ impl Cgroup {
     pub fn pids(&self) -> Vec<i32> {
         let mut pids = Vec::new();
         for (_, d) in &self.dirs {
-            if let Ok(s) = fs::read_to_string(d.join("cgroup.procs")) {
+            if let Ok(s) = self.fs.read(&d.join("cgroup.procs")) {
                 for p in s.lines().filter_map(|l| l.trim().parse::<i32>().ok()) {
                     if !pids.contains(&p) {
                         pids.push(p);
@@ -424,7 +619,7 @@ impl Cgroup {
     pub fn is_empty(&self) -> bool {
         match self.version {
             CgroupVersion::V2 => match self.dirs.first() {
-                Some((_, d)) => match fs::read_to_string(d.join("cgroup.events")) {
+                Some((_, d)) => match self.fs.read(&d.join("cgroup.events")) {
                     Ok(s) => !s.lines().any(|l| l.trim() == "populated 1"),
                     Err(_) => true,
                 },
@@ -458,6 +653,7 @@ impl Cgroup {
         Cgroup {
             version: self.version,
             dirs: self.dirs.iter().map(|(c, d)| (*c, d.join(name))).collect(),
+            fs: self.fs.clone(),
         }
     }
 
@@ -468,7 +664,7 @@ impl Cgroup {
             CgroupVersion::V1 => (self.dir("memory")?.join("memory.oom_control"), ()),
             CgroupVersion::V2 => (self.dir("unified")?.join("memory.events"), ()),
         };
-        let s = fs::read_to_string(file).ok()?;
+        let s = self.fs.read(&file).ok()?;
         parse_counter(&s, "oom_kill")
     }
 
@@ -477,7 +673,7 @@ impl Cgroup {
     /// # Errors
     /// `Internal` with the path when the group cannot be frozen/killed, or when processes
     /// are still there at `deadline`.
-    pub fn kill(&self, deadline: Instant) -> NodeResult<()> {
+    pub fn kill(&self, deadline: Instant) -> CgroupResult<()> {
         if !self.exists() {
             return Ok(());
         }
@@ -503,7 +699,7 @@ impl Cgroup {
     ///
     /// # Errors
     /// `Internal` with the path when the group cannot be frozen or thawed.
-    pub fn kill_except(&self, spare: i32, deadline: Instant) -> NodeResult<()> {
+    pub fn kill_except(&self, spare: i32, deadline: Instant) -> CgroupResult<()> {
         let freeze = match self.version {
             CgroupVersion::V1 => self
                 .dir("freezer")
@@ -518,10 +714,12 @@ impl Cgroup {
                 return Ok(());
             }
             if let Some((f, on, _)) = &freeze {
-                if f.exists() {
-                    write_file(f, on)?;
+                if self.fs.exists(f) {
+                    fs_write(&*self.fs, f, on)?;
                     if self.version == CgroupVersion::V1 {
-                        while fs::read_to_string(f)
+                        while self
+                            .fs
+                            .read(f)
                             .map(|s| s.trim() != "FROZEN")
                             .unwrap_or(false)
                             && Instant::now() < deadline
@@ -535,8 +733,8 @@ impl Cgroup {
                 sigkill(p);
             }
             if let Some((f, _, off)) = &freeze {
-                if f.exists() {
-                    write_file(f, off)?;
+                if self.fs.exists(f) {
+                    fs_write(&*self.fs, f, off)?;
                 }
             }
             if Instant::now() > deadline {
@@ -546,7 +744,7 @@ impl Cgroup {
         }
     }
 
-    fn kill_v2(&self, deadline: Instant) -> NodeResult<()> {
+    fn kill_v2(&self, deadline: Instant) -> CgroupResult<()> {
         let Some(d) = self.dir("unified") else {
             return Ok(());
         };
@@ -555,19 +753,19 @@ impl Cgroup {
             if self.is_empty() {
                 return Ok(());
             }
-            if kill_file.exists() {
-                match write_file(&kill_file, "1") {
+            if self.fs.exists(&kill_file) {
+                match fs_write(&*self.fs, &kill_file, "1") {
                     Ok(()) => {}
-                    Err(_) if !d.exists() => return Ok(()),
+                    Err(_) if !self.fs.exists(d) => return Ok(()),
                     Err(e) => return Err(e),
                 }
             } else {
                 // Kernels before 5.14 have no cgroup.kill: freeze, kill, thaw.
-                let _ = write_file(&d.join("cgroup.freeze"), "1");
+                let _ = fs_write(&*self.fs, &d.join("cgroup.freeze"), "1");
                 for p in self.pids() {
                     sigkill(p);
                 }
-                let _ = write_file(&d.join("cgroup.freeze"), "0");
+                let _ = fs_write(&*self.fs, &d.join("cgroup.freeze"), "0");
             }
             if Instant::now() > deadline {
                 return Err(still_there(d));
@@ -576,7 +774,7 @@ impl Cgroup {
         }
     }
 
-    fn kill_v1(&self, deadline: Instant) -> NodeResult<()> {
+    fn kill_v1(&self, deadline: Instant) -> CgroupResult<()> {
         let freezer = self.dir("freezer").map(|d| d.join("freezer.state"));
         loop {
             if self.pids().is_empty() {
@@ -585,10 +783,10 @@ impl Cgroup {
             if let Some(f) = &freezer {
                 // A concurrent delete may remove the group between two steps: a vanished
                 // control file means there is nothing left to kill.
-                if write_if_present(f, "FROZEN")? {
+                if fs_write_if_present(&*self.fs, f, "FROZEN")? {
                     // Wait until every task is frozen (FREEZING → FROZEN), with the deadline.
                     loop {
-                        match fs::read_to_string(f) {
+                        match self.fs.read(f) {
                             Ok(s) if s.trim() == "FROZEN" => break,
                             Ok(_) => {}
                             Err(_) => break,
@@ -605,7 +803,7 @@ impl Cgroup {
             }
             if let Some(f) = &freezer {
                 // Frozen tasks die once thawed.
-                write_if_present(f, "THAWED")?;
+                fs_write_if_present(&*self.fs, f, "THAWED")?;
             }
             if self.pids().is_empty() {
                 return Ok(());
@@ -644,13 +842,8 @@ impl Cgroup {
     /// # Errors
     /// `Internal` with the path when the freezer file is missing or cannot be written, or
     /// when the group is not frozen by `deadline` (the group is thawed again then).
-    pub fn freeze(&self, deadline: Instant) -> NodeResult<()> {
-        let (f, on, _) = self.freezer().ok_or_else(|| {
-            NodeError::io(
-                "freeze: no freezer hierarchy for this cgroup",
-                io::Error::from(io::ErrorKind::Unsupported),
-            )
-        })?;
+    pub fn freeze(&self, deadline: Instant) -> CgroupResult<()> {
+        let (f, on, _) = self.freezer().ok_or(CgroupError::NoFreezer)?;
         // v1 only tries to freeze each task once per write: a task that was running in the
         // kernel or being ptraced (gVisor's sentry ptraces its stubs) can keep the group in
         // `FREEZING`. Like runc's v1 freezer, write `FROZEN` again on every poll and thaw
@@ -659,21 +852,18 @@ impl Cgroup {
         loop {
             i = i.wrapping_add(1);
             if i.is_multiple_of(50) && self.version == CgroupVersion::V1 {
-                let _ = write_file(&f, "THAWED");
+                let _ = fs_write(&*self.fs, &f, "THAWED");
                 std::thread::sleep(Duration::from_millis(10));
             }
             if i == 1 || self.version == CgroupVersion::V1 {
-                write_file(&f, on)?;
+                fs_write(&*self.fs, &f, on)?;
             }
             if self.is_frozen() {
                 return Ok(());
             }
             if Instant::now() > deadline {
                 let _ = self.thaw();
-                return Err(NodeError::io(
-                    format!("cgroup {} did not freeze before the deadline", f.display()),
-                    io::Error::from(io::ErrorKind::TimedOut),
-                ));
+                return Err(CgroupError::FreezeTimeout { path: f });
             }
             std::thread::sleep(Duration::from_millis(1));
         }
@@ -683,9 +873,9 @@ impl Cgroup {
     ///
     /// # Errors
     /// `Internal` with the path when the freezer file exists but cannot be written.
-    pub fn thaw(&self) -> NodeResult<()> {
+    pub fn thaw(&self) -> CgroupResult<()> {
         match self.freezer() {
-            Some((f, _, off)) if f.exists() => write_file(&f, off),
+            Some((f, _, off)) if self.fs.exists(&f) => fs_write(&*self.fs, &f, off),
             _ => Ok(()),
         }
     }
@@ -696,11 +886,11 @@ impl Cgroup {
         match self.version {
             CgroupVersion::V1 => self
                 .dir("freezer")
-                .and_then(|d| fs::read_to_string(d.join("freezer.state")).ok())
+                .and_then(|d| self.fs.read(&d.join("freezer.state")).ok())
                 .is_some_and(|s| s.trim() == "FROZEN"),
             CgroupVersion::V2 => self
                 .dir("unified")
-                .and_then(|d| fs::read_to_string(d.join("cgroup.events")).ok())
+                .and_then(|d| self.fs.read(&d.join("cgroup.events")).ok())
                 .is_some_and(|s| parse_counter(&s, "frozen") == Some(1)),
         }
     }
@@ -709,7 +899,7 @@ impl Cgroup {
     /// `FREEZING` or `FROZEN`; v2 `cgroup.freeze` is `1`), even if not complete yet.
     pub fn freeze_requested(&self) -> bool {
         match self.freezer() {
-            Some((f, on, _)) => fs::read_to_string(f).is_ok_and(|s| {
+            Some((f, on, _)) => self.fs.read(&f).is_ok_and(|s| {
                 let s = s.trim();
                 s == on || s == "FREEZING"
             }),
@@ -723,14 +913,15 @@ impl Cgroup {
         match self.version {
             CgroupVersion::V1 => {
                 let d = self.dir("cpuacct").or_else(|| self.dir("cpu"))?;
-                fs::read_to_string(d.join("cpuacct.usage"))
+                self.fs
+                    .read(&d.join("cpuacct.usage"))
                     .ok()?
                     .trim()
                     .parse()
                     .ok()
             }
             CgroupVersion::V2 => {
-                let s = fs::read_to_string(self.dir("unified")?.join("cpu.stat")).ok()?;
+                let s = self.fs.read(&self.dir("unified")?.join("cpu.stat")).ok()?;
                 parse_counter(&s, "usage_usec").map(|us| us * 1000)
             }
         }
@@ -741,7 +932,7 @@ impl Cgroup {
     ///
     /// # Errors
     /// `Internal` with the directory that could not be removed.
-    pub fn remove(&self, deadline: Instant) -> NodeResult<()> {
+    pub fn remove(&self, deadline: Instant) -> CgroupResult<()> {
         for c in self.children() {
             c.remove(deadline)?;
         }
@@ -750,7 +941,7 @@ impl Cgroup {
         }
         for (_, d) in &self.dirs {
             loop {
-                match fs::remove_dir(d) {
+                match self.fs.rmdir(d) {
                     Ok(()) => break,
                     Err(e) if e.kind() == io::ErrorKind::NotFound => break,
                     Err(e)
@@ -758,8 +949,11 @@ impl Cgroup {
                     {
                         std::thread::sleep(Duration::from_millis(5));
                     }
-                    Err(e) => {
-                        return Err(NodeError::io(format!("remove cgroup {}", d.display()), e))
+                    Err(source) => {
+                        return Err(CgroupError::Remove {
+                            path: d.clone(),
+                            source,
+                        })
                     }
                 }
             }
@@ -771,7 +965,7 @@ impl Cgroup {
     ///
     /// # Errors
     /// As those two.
-    pub fn destroy(&self, timeout: Duration) -> NodeResult<()> {
+    pub fn destroy(&self, timeout: Duration) -> CgroupResult<()> {
         let deadline = Instant::now() + timeout;
         self.kill(deadline)?;
         self.remove(deadline)
@@ -798,7 +992,7 @@ impl SandboxCgroup {
     ///
     /// # Errors
     /// `Internal` with the path that could not be created or written.
-    pub fn create(&self, limits: &Limits) -> NodeResult<()> {
+    pub fn create(&self, limits: &Limits) -> CgroupResult<()> {
         self.group.create()?;
         self.apply(limits)
     }
@@ -807,7 +1001,7 @@ impl SandboxCgroup {
     ///
     /// # Errors
     /// `Internal` with the file that could not be written.
-    pub fn apply(&self, limits: &Limits) -> NodeResult<()> {
+    pub fn apply(&self, limits: &Limits) -> CgroupResult<()> {
         let g = &self.group;
         let (period, quota) = cpu_period_quota_us(limits.cpu);
         match g.version {
@@ -820,34 +1014,61 @@ impl SandboxCgroup {
                 // (re-apply, warm-pool hand-over) writes memory+swap first.
                 let memsw = mem.join("memory.memsw.limit_in_bytes");
                 let v = limits.memory_bytes.to_string();
-                let raising = fs::read_to_string(&limit)
+                let raising = self
+                    .group
+                    .fs
+                    .read(&limit)
                     .ok()
                     .and_then(|c| c.trim().parse::<u64>().ok())
                     .is_some_and(|cur| limits.memory_bytes > cur);
-                if raising && memsw.exists() {
-                    write_file(&memsw, &v)?;
-                    write_file(&limit, &v)?;
+                if raising && self.group.fs.exists(&memsw) {
+                    fs_write(&*self.group.fs, &memsw, &v)?;
+                    fs_write(&*self.group.fs, &limit, &v)?;
                 } else {
-                    write_file(&limit, &v)?;
-                    if memsw.exists() {
-                        write_file(&memsw, &v)?;
+                    fs_write(&*self.group.fs, &limit, &v)?;
+                    if self.group.fs.exists(&memsw) {
+                        fs_write(&*self.group.fs, &memsw, &v)?;
                     }
                 }
                 let cpu = g.dir("cpu").expect("cpu hierarchy");
-                write_file(&cpu.join("cpu.cfs_period_us"), &period.to_string())?;
-                write_file(&cpu.join("cpu.cfs_quota_us"), &quota.to_string())?;
+                fs_write(
+                    &*self.group.fs,
+                    &cpu.join("cpu.cfs_period_us"),
+                    &period.to_string(),
+                )?;
+                fs_write(
+                    &*self.group.fs,
+                    &cpu.join("cpu.cfs_quota_us"),
+                    &quota.to_string(),
+                )?;
                 let pids = g.dir("pids").expect("pids hierarchy");
-                write_file(&pids.join("pids.max"), &limits.pids_max.to_string())?;
+                fs_write(
+                    &*self.group.fs,
+                    &pids.join("pids.max"),
+                    &limits.pids_max.to_string(),
+                )?;
             }
             CgroupVersion::V2 => {
                 let d = g.dir("unified").expect("v2 dir");
-                write_file(&d.join("memory.max"), &limits.memory_bytes.to_string())?;
+                fs_write(
+                    &*self.group.fs,
+                    &d.join("memory.max"),
+                    &limits.memory_bytes.to_string(),
+                )?;
                 let swap = d.join("memory.swap.max");
-                if swap.exists() {
-                    write_file(&swap, "0")?;
+                if self.group.fs.exists(&swap) {
+                    fs_write(&*self.group.fs, &swap, "0")?;
                 }
-                write_file(&d.join("cpu.max"), &format!("{quota} {period}"))?;
-                write_file(&d.join("pids.max"), &limits.pids_max.to_string())?;
+                fs_write(
+                    &*self.group.fs,
+                    &d.join("cpu.max"),
+                    &format!("{quota} {period}"),
+                )?;
+                fs_write(
+                    &*self.group.fs,
+                    &d.join("pids.max"),
+                    &limits.pids_max.to_string(),
+                )?;
             }
         }
         self.place(limits.cpu);
@@ -860,13 +1081,13 @@ impl SandboxCgroup {
     ///
     /// # Errors
     /// `Internal` with the file that could not be written.
-    pub fn set_pids_max(&self, n: u64) -> NodeResult<()> {
+    pub fn set_pids_max(&self, n: u64) -> CgroupResult<()> {
         let g = &self.group;
         let dir = match g.version {
             CgroupVersion::V1 => g.dir("pids").expect("pids hierarchy"),
             CgroupVersion::V2 => g.dir("unified").expect("v2 dir"),
         };
-        write_file(&dir.join("pids.max"), &n.to_string())
+        fs_write(&*self.group.fs, &dir.join("pids.max"), &n.to_string())
     }
 
     /// Narrow the group's cpuset to the `ceil(cpu)` allowed CPUs that hold the fewest
@@ -885,7 +1106,7 @@ impl SandboxCgroup {
             CgroupVersion::V1 => "cpuset.effective_cpus",
             CgroupVersion::V2 => "cpuset.cpus.effective",
         };
-        let allowed = parse_cpu_list(&read_trimmed(&parent.join(effective)));
+        let allowed = parse_cpu_list(&fs_read_trimmed(&*self.group.fs, &parent.join(effective)));
         if allowed.is_empty() {
             return;
         }
@@ -897,10 +1118,10 @@ impl SandboxCgroup {
             .map(|c| c.to_string())
             .collect::<Vec<_>>()
             .join(",");
-        let mut written = write_file(&d.join("cpuset.cpus"), &list);
+        let mut written = fs_write(&*self.group.fs, &d.join("cpuset.cpus"), &list);
         if self.group.version == CgroupVersion::V1 {
             // Exec children made later copy the sandbox's CPUs.
-            let _ = write_file(&d.join("cgroup.clone_children"), "1");
+            let _ = fs_write(&*self.group.fs, &d.join("cgroup.clone_children"), "1");
             // Those made earlier (a warm-pool member's standby exec group, placed for the
             // pool's 1 core) keep their own CPUs on v1, and a group's CPUs must cover its
             // children's: narrow the children first, widen them after.
@@ -912,13 +1133,13 @@ impl SandboxCgroup {
                 .collect();
             if written.is_err() {
                 for c in &children {
-                    let _ = write_file(&c.join("cpuset.cpus"), &list);
+                    let _ = fs_write(&*self.group.fs, &c.join("cpuset.cpus"), &list);
                 }
-                written = write_file(&d.join("cpuset.cpus"), &list);
+                written = fs_write(&*self.group.fs, &d.join("cpuset.cpus"), &list);
             }
             if written.is_ok() {
                 for c in &children {
-                    let _ = write_file(&c.join("cpuset.cpus"), &list);
+                    let _ = fs_write(&*self.group.fs, &c.join("cpuset.cpus"), &list);
                 }
             }
         }
@@ -943,7 +1164,7 @@ impl SandboxCgroup {
     ///
     /// # Errors
     /// `Internal` with the path that could not be created or written.
-    pub fn create_vmm(&self, limits: &Limits, headroom: f64) -> NodeResult<()> {
+    pub fn create_vmm(&self, limits: &Limits, headroom: f64) -> CgroupResult<()> {
         let cpu_dir = match self.group.version {
             CgroupVersion::V1 => self.group.dir("cpu").map(Path::to_path_buf),
             CgroupVersion::V2 => None,
@@ -956,15 +1177,23 @@ impl SandboxCgroup {
             ..*limits
         })?;
         let vcpu = cpu_dir.join(VCPU_GROUP);
-        mkdir(&vcpu)?;
+        fs_mkdir(&*self.group.fs, &vcpu)?;
         // A whole number of cores is the guest's vCPU count (`-smp`): its vCPU threads
         // cannot use more, and a quota equal to what they can use only throttles them by
         // the kernel's accounting slack (25-36 throttled 10 ms periods in a 1.7 s TCG
         // boot). A fraction of a core needs the quota.
         if limits.cpu.fract() != 0.0 {
             let (period, quota) = cpu_period_quota_us(limits.cpu);
-            write_file(&vcpu.join("cpu.cfs_period_us"), &period.to_string())?;
-            write_file(&vcpu.join("cpu.cfs_quota_us"), &quota.to_string())?;
+            fs_write(
+                &*self.group.fs,
+                &vcpu.join("cpu.cfs_period_us"),
+                &period.to_string(),
+            )?;
+            fs_write(
+                &*self.group.fs,
+                &vcpu.join("cpu.cfs_quota_us"),
+                &quota.to_string(),
+            )?;
         }
         Ok(())
     }
@@ -974,11 +1203,15 @@ impl SandboxCgroup {
     ///
     /// # Errors
     /// `Internal` with the file when the kernel refuses (no such group, the thread is gone).
-    pub fn move_vcpu_thread(&self, tid: i32) -> NodeResult<()> {
+    pub fn move_vcpu_thread(&self, tid: i32) -> CgroupResult<()> {
         let Some(cpu_dir) = self.group.dir("cpu") else {
             return Ok(());
         };
-        write_file(&cpu_dir.join(VCPU_GROUP).join("tasks"), &tid.to_string())
+        fs_write(
+            &*self.group.fs,
+            &cpu_dir.join(VCPU_GROUP).join("tasks"),
+            &tid.to_string(),
+        )
     }
 
     /// The per-exec child group `x<n>` (not created yet).
@@ -997,7 +1230,7 @@ impl SandboxCgroup {
     ///
     /// # Errors
     /// `Internal` with the path when processes survive.
-    pub fn kill_all(&self, timeout: Duration) -> NodeResult<()> {
+    pub fn kill_all(&self, timeout: Duration) -> CgroupResult<()> {
         self.group.kill(Instant::now() + timeout)
     }
 
@@ -1005,7 +1238,7 @@ impl SandboxCgroup {
     ///
     /// # Errors
     /// `Internal` with the directory that could not be removed.
-    pub fn remove(&self, timeout: Duration) -> NodeResult<()> {
+    pub fn remove(&self, timeout: Duration) -> CgroupResult<()> {
         self.group.remove(Instant::now() + timeout)
     }
 }
@@ -1027,19 +1260,15 @@ impl ExecCgroup {
     ///
     /// # Errors
     /// `Internal` with the directory that could not be created.
-    pub fn create(&self) -> NodeResult<()> {
+    pub fn create(&self) -> CgroupResult<()> {
         self.group.create()
     }
 }
 
-fn still_there(d: &Path) -> NodeError {
-    NodeError::io(
-        format!(
-            "processes remain in cgroup {} after the kill deadline",
-            d.display()
-        ),
-        io::Error::from(io::ErrorKind::TimedOut),
-    )
+fn still_there(d: &Path) -> CgroupError {
+    CgroupError::KillTimeout {
+        path: d.to_path_buf(),
+    }
 }
 
 fn sigkill(pid: i32) {
@@ -1051,34 +1280,54 @@ fn sigkill(pid: i32) {
     }
 }
 
-fn mkdir(d: &Path) -> NodeResult<()> {
-    match fs::create_dir(d) {
+fn fs_mkdir(fs: &dyn CgroupFs, d: &Path) -> CgroupResult<()> {
+    match fs.mkdir(d) {
         Ok(()) => Ok(()),
         Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Ok(()),
-        Err(e) => Err(NodeError::io(format!("create cgroup {}", d.display()), e)),
+        Err(source) => Err(CgroupError::Create {
+            path: d.to_path_buf(),
+            source,
+        }),
     }
 }
 
-/// Write `value` to a cgroup (or any) file; the error carries the path.
+fn fs_write(fs: &dyn CgroupFs, path: &Path, value: &str) -> CgroupResult<()> {
+    fs.write(path, value).map_err(|source| CgroupError::Write {
+        path: path.to_path_buf(),
+        value: value.to_string(),
+        source,
+    })
+}
+
+fn fs_write_if_present(fs: &dyn CgroupFs, path: &Path, value: &str) -> CgroupResult<bool> {
+    match fs_write(fs, path, value) {
+        Ok(()) => Ok(true),
+        Err(CgroupError::Write { source, .. }) if source.kind() == io::ErrorKind::NotFound => {
+            Ok(false)
+        }
+        Err(e) => Err(e),
+    }
+}
+
+fn fs_read_trimmed(fs: &dyn CgroupFs, p: &Path) -> String {
+    fs.read(p).map(|s| s.trim().to_string()).unwrap_or_default()
+}
+
+/// Write `value` to a cgroup (or any) file of the host; the error carries the path.
 ///
 /// # Errors
-/// `Internal` with the path.
-pub fn write_file(path: &Path, value: &str) -> NodeResult<()> {
-    fs::write(path, value)
-        .map_err(|e| NodeError::io(format!("write {value:?} to {}", path.display()), e))
+/// [`CgroupError::Write`] with the path and the kernel's answer.
+pub fn write_file(path: &Path, value: &str) -> CgroupResult<()> {
+    fs_write(&HostFs, path, value)
 }
 
 /// Like [`write_file`], but a control file that does not exist (its group was removed
 /// meanwhile) is `Ok(false)` instead of an error.
-pub fn write_if_present(path: &Path, value: &str) -> NodeResult<bool> {
-    match fs::write(path, value) {
-        Ok(()) => Ok(true),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
-        Err(e) => Err(NodeError::io(
-            format!("write {value:?} to {}", path.display()),
-            e,
-        )),
-    }
+///
+/// # Errors
+/// As [`write_file`].
+pub fn write_if_present(path: &Path, value: &str) -> CgroupResult<bool> {
+    fs_write_if_present(&HostFs, path, value)
 }
 
 /// Which host CPUs each sandbox group was placed on, for the whole node process (CPUs are
@@ -1145,10 +1394,9 @@ pub fn parse_cpu_list(s: &str) -> Vec<usize> {
     out
 }
 
+#[cfg(test)]
 fn read_trimmed(p: &Path) -> String {
-    fs::read_to_string(p)
-        .map(|s| s.trim().to_string())
-        .unwrap_or_default()
+    fs_read_trimmed(&HostFs, p)
 }
 
 /// Value of the line `key N` in a flat-keyed cgroup file (`memory.events`, `oom_control`).
@@ -1295,5 +1543,403 @@ mod tests {
         sb.remove(Duration::from_secs(5)).unwrap();
         assert!(!sb.group().exists());
         assert!(!root.list_sandboxes().contains(&id));
+    }
+}
+
+/// The limit-writing logic on a recording fake of the host's cgroup file systems.
+#[cfg(test)]
+mod fake_tests {
+    use super::*;
+    use std::collections::{BTreeMap, BTreeSet};
+    use std::sync::Mutex;
+
+    /// One host effect the fake saw, in order.
+    #[derive(Debug, Clone, PartialEq, Eq)]
+    enum Op {
+        Write(PathBuf, String),
+        Mkdir(PathBuf),
+        Rmdir(PathBuf),
+    }
+
+    /// A recording fake of [`CgroupFs`] (unit tests only): directories and control files
+    /// in memory, every write/mkdir/rmdir recorded; a write to a file in a missing group is
+    /// `ENOENT` as on the host, and [`FakeCgroupFs::refuse`] makes the kernel refuse a path.
+    #[derive(Debug, Default)]
+    struct FakeCgroupFs {
+        state: Mutex<FakeState>,
+    }
+
+    #[derive(Debug, Default)]
+    struct FakeState {
+        dirs: BTreeSet<PathBuf>,
+        files: BTreeMap<PathBuf, String>,
+        refused: BTreeMap<PathBuf, i32>,
+        ops: Vec<Op>,
+    }
+
+    impl FakeCgroupFs {
+        fn with_dirs(dirs: &[&str]) -> Arc<FakeCgroupFs> {
+            let f = FakeCgroupFs::default();
+            f.state.lock().unwrap().dirs = dirs.iter().map(PathBuf::from).collect();
+            Arc::new(f)
+        }
+        /// A control file the kernel offers (e.g. `memory.swap.max` with swap accounting).
+        fn seed(&self, path: &str, value: &str) {
+            let mut st = self.state.lock().unwrap();
+            st.files.insert(path.into(), value.into());
+        }
+        /// Answer `errno` to every write, mkdir or rmdir of `path`.
+        fn refuse(&self, path: &str, errno: i32) {
+            self.state
+                .lock()
+                .unwrap()
+                .refused
+                .insert(path.into(), errno);
+        }
+        fn ops(&self) -> Vec<Op> {
+            std::mem::take(&mut self.state.lock().unwrap().ops)
+        }
+        fn check(st: &FakeState, path: &Path) -> io::Result<()> {
+            if let Some(e) = st.refused.get(path) {
+                return Err(io::Error::from_raw_os_error(*e));
+            }
+            if !path.parent().is_some_and(|p| st.dirs.contains(p)) {
+                return Err(io::Error::from_raw_os_error(libc::ENOENT));
+            }
+            Ok(())
+        }
+    }
+
+    impl CgroupFs for FakeCgroupFs {
+        fn write(&self, path: &Path, value: &str) -> io::Result<()> {
+            let mut st = self.state.lock().unwrap();
+            Self::check(&st, path)?;
+            st.ops.push(Op::Write(path.into(), value.into()));
+            st.files.insert(path.into(), value.into());
+            Ok(())
+        }
+        fn read(&self, path: &Path) -> io::Result<String> {
+            let st = self.state.lock().unwrap();
+            st.files
+                .get(path)
+                .cloned()
+                .ok_or_else(|| io::Error::from_raw_os_error(libc::ENOENT))
+        }
+        fn mkdir(&self, path: &Path) -> io::Result<()> {
+            let mut st = self.state.lock().unwrap();
+            Self::check(&st, path)?;
+            if !st.dirs.insert(path.into()) {
+                return Err(io::Error::from_raw_os_error(libc::EEXIST));
+            }
+            st.ops.push(Op::Mkdir(path.into()));
+            Ok(())
+        }
+        fn rmdir(&self, path: &Path) -> io::Result<()> {
+            let mut st = self.state.lock().unwrap();
+            if let Some(e) = st.refused.get(path) {
+                return Err(io::Error::from_raw_os_error(*e));
+            }
+            if !st.dirs.remove(path) {
+                return Err(io::Error::from_raw_os_error(libc::ENOENT));
+            }
+            st.ops.push(Op::Rmdir(path.into()));
+            Ok(())
+        }
+        fn exists(&self, path: &Path) -> bool {
+            let st = self.state.lock().unwrap();
+            st.dirs.contains(path) || st.files.contains_key(path)
+        }
+    }
+
+    fn w(path: &str, value: &str) -> Op {
+        Op::Write(path.into(), value.into())
+    }
+
+    const MIB: u64 = 1 << 20;
+
+    fn v2(fs: &Arc<FakeCgroupFs>) -> CgroupRoot {
+        CgroupRoot::with_fs(
+            CgroupVersion::V2,
+            vec![("unified", "/cg".into())],
+            fs.clone(),
+        )
+    }
+
+    fn v1(fs: &Arc<FakeCgroupFs>) -> CgroupRoot {
+        let h = ["memory", "cpu", "pids", "freezer"]
+            .into_iter()
+            .map(|c| (c, PathBuf::from(format!("/cg/{c}"))))
+            .collect();
+        CgroupRoot::with_fs(CgroupVersion::V1, h, fs.clone())
+    }
+
+    #[test]
+    fn v2_create_writes_memory_cpu_and_pids_max_in_the_unified_group() {
+        let fs = FakeCgroupFs::with_dirs(&["/cg", "/cg/sandlot"]);
+        let sb = v2(&fs).sandbox("sb-1");
+        let limits = Limits {
+            memory_bytes: 256 * MIB,
+            cpu: 0.5,
+            pids_max: 64,
+        };
+        sb.create(&limits).unwrap();
+        assert_eq!(
+            fs.ops(),
+            [
+                Op::Mkdir("/cg/sandlot/sb-1".into()),
+                w("/cg/sandlot/sb-1/memory.max", "268435456"),
+                w("/cg/sandlot/sb-1/cpu.max", "5000 10000"),
+                w("/cg/sandlot/sb-1/pids.max", "64"),
+            ]
+        );
+        // With swap accounting the kernel offers memory.swap.max: no swap on top.
+        fs.seed("/cg/sandlot/sb-1/memory.swap.max", "max");
+        sb.apply(&Limits {
+            cpu: 0.005,
+            ..limits
+        })
+        .unwrap();
+        assert_eq!(
+            fs.ops(),
+            [
+                w("/cg/sandlot/sb-1/memory.max", "268435456"),
+                w("/cg/sandlot/sb-1/memory.swap.max", "0"),
+                // 0.005 cores: the period stretches so the quota is the kernel's 1 ms.
+                w("/cg/sandlot/sb-1/cpu.max", "1000 200000"),
+                w("/cg/sandlot/sb-1/pids.max", "64"),
+            ]
+        );
+        sb.set_pids_max(80).unwrap();
+        assert_eq!(fs.ops(), [w("/cg/sandlot/sb-1/pids.max", "80")]);
+    }
+
+    #[test]
+    fn v1_create_uses_each_hierarchy_and_raises_memsw_before_the_limit() {
+        let fs = FakeCgroupFs::with_dirs(&[
+            "/cg/memory/sandlot",
+            "/cg/cpu/sandlot",
+            "/cg/pids/sandlot",
+            "/cg/freezer/sandlot",
+        ]);
+        let sb = v1(&fs).sandbox("sb-2");
+        let limits = Limits {
+            memory_bytes: 128 * MIB,
+            cpu: 2.0,
+            pids_max: 32,
+        };
+        sb.group().create().unwrap();
+        fs.ops();
+        // The kernel's swap accounting file exists: memory+swap gets the same limit.
+        fs.seed("/cg/memory/sandlot/sb-2/memory.memsw.limit_in_bytes", "max");
+        sb.apply(&limits).unwrap();
+        assert_eq!(
+            fs.ops(),
+            [
+                w("/cg/memory/sandlot/sb-2/memory.limit_in_bytes", "134217728"),
+                w(
+                    "/cg/memory/sandlot/sb-2/memory.memsw.limit_in_bytes",
+                    "134217728"
+                ),
+                w("/cg/cpu/sandlot/sb-2/cpu.cfs_period_us", "10000"),
+                w("/cg/cpu/sandlot/sb-2/cpu.cfs_quota_us", "20000"),
+                w("/cg/pids/sandlot/sb-2/pids.max", "32"),
+            ]
+        );
+        // Raising: memory <= memory+swap must hold at every write, so memsw goes first.
+        sb.apply(&Limits {
+            memory_bytes: 512 * MIB,
+            ..limits
+        })
+        .unwrap();
+        let ops = fs.ops();
+        assert_eq!(
+            ops[..2],
+            [
+                w(
+                    "/cg/memory/sandlot/sb-2/memory.memsw.limit_in_bytes",
+                    "536870912"
+                ),
+                w("/cg/memory/sandlot/sb-2/memory.limit_in_bytes", "536870912"),
+            ]
+        );
+        sb.set_pids_max(40).unwrap();
+        assert_eq!(fs.ops(), [w("/cg/pids/sandlot/sb-2/pids.max", "40")]);
+    }
+
+    #[test]
+    fn v1_vmm_group_gets_headroom_and_a_vcpu_child_with_the_guest_quota() {
+        let fs = FakeCgroupFs::with_dirs(&[
+            "/cg/memory/sandlot",
+            "/cg/cpu/sandlot",
+            "/cg/pids/sandlot",
+            "/cg/freezer/sandlot",
+        ]);
+        let sb = v1(&fs).sandbox("sb-3");
+        let limits = Limits {
+            memory_bytes: 64 * MIB,
+            cpu: 0.5,
+            pids_max: 16,
+        };
+        sb.create_vmm(&limits, 0.25).unwrap();
+        let ops = fs.ops();
+        assert!(ops.contains(&w("/cg/cpu/sandlot/sb-3/cpu.cfs_quota_us", "7500")));
+        let tail = &ops[ops.len() - 3..];
+        assert_eq!(
+            tail,
+            [
+                Op::Mkdir("/cg/cpu/sandlot/sb-3/vcpu".into()),
+                w("/cg/cpu/sandlot/sb-3/vcpu/cpu.cfs_period_us", "10000"),
+                w("/cg/cpu/sandlot/sb-3/vcpu/cpu.cfs_quota_us", "5000"),
+            ]
+        );
+        sb.move_vcpu_thread(4242).unwrap();
+        assert_eq!(fs.ops(), [w("/cg/cpu/sandlot/sb-3/vcpu/tasks", "4242")]);
+        // A whole number of cores: the vCPU count bounds the guest, no quota of its own.
+        let sb = v1(&fs).sandbox("sb-4");
+        sb.create_vmm(&Limits { cpu: 1.0, ..limits }, 0.25).unwrap();
+        assert_eq!(
+            fs.ops().last(),
+            Some(&Op::Mkdir("/cg/cpu/sandlot/sb-4/vcpu".into()))
+        );
+    }
+
+    #[test]
+    fn a_refused_write_names_the_file_and_keeps_the_kernels_answer() {
+        let fs = FakeCgroupFs::with_dirs(&["/cg", "/cg/sandlot"]);
+        fs.refuse("/cg/sandlot/sb-5/pids.max", libc::EINVAL);
+        let sb = v2(&fs).sandbox("sb-5");
+        let err = sb
+            .create(&Limits {
+                memory_bytes: MIB,
+                cpu: 1.0,
+                pids_max: 7,
+            })
+            .unwrap_err();
+        let CgroupError::Write {
+            path,
+            value,
+            source,
+        } = &err
+        else {
+            panic!("{err:?}")
+        };
+        assert_eq!(path, Path::new("/cg/sandlot/sb-5/pids.max"));
+        assert_eq!(value, "7");
+        assert_eq!(source.raw_os_error(), Some(libc::EINVAL));
+        let node: NodeError = err.into();
+        assert_eq!(node.code(), sandlot_api::ErrorCode::Internal);
+        assert_eq!(node.to_string(), "write \"7\" to /cg/sandlot/sb-5/pids.max");
+        assert_eq!(
+            sandlot_node_api::chain(&node),
+            "write \"7\" to /cg/sandlot/sb-5/pids.max: Invalid argument (os error 22)"
+        );
+        // A group whose directory is gone: writes fail with the path, `_if_present` not.
+        let gone = v2(&fs).sandbox("sb-6");
+        assert!(matches!(
+            gone.set_pids_max(1),
+            Err(CgroupError::Write { ref source, .. }) if source.raw_os_error() == Some(libc::ENOENT)
+        ));
+    }
+
+    #[test]
+    fn remove_tolerates_a_missing_group_and_reports_a_refused_rmdir() {
+        let fs = FakeCgroupFs::with_dirs(&["/cg", "/cg/sandlot"]);
+        let sb = v2(&fs).sandbox("sb-7");
+        sb.remove(Duration::ZERO).unwrap();
+        sb.group().create().unwrap();
+        fs.refuse("/cg/sandlot/sb-7", libc::EACCES);
+        let err = sb.remove(Duration::ZERO).unwrap_err();
+        assert!(
+            matches!(&err, CgroupError::Remove { path, .. } if path == Path::new("/cg/sandlot/sb-7")),
+            "{err:?}"
+        );
+        fs.state.lock().unwrap().refused.clear();
+        fs.ops();
+        sb.remove(Duration::ZERO).unwrap();
+        assert_eq!(fs.ops(), [Op::Rmdir("/cg/sandlot/sb-7".into())]);
+    }
+
+    #[test]
+    fn a_host_without_cgroups_is_unavailable_with_the_missing_controller() {
+        let tmp = std::env::temp_dir().join(format!("sandlot-cg-none-{}", std::process::id()));
+        fs::create_dir_all(&tmp).unwrap();
+        let err = CgroupRoot::detect_at(&tmp).unwrap_err();
+        assert!(
+            matches!(
+                &err,
+                CgroupError::NotMounted {
+                    controller: "memory",
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
+        let node = NodeError::from(err);
+        assert_eq!(node.code(), sandlot_api::ErrorCode::Unavailable);
+        assert!(node.to_string().contains("memory is not mounted"), "{node}");
+        fs::remove_dir_all(&tmp).unwrap();
+    }
+}
+
+/// A real failure on this host's cgroups, seen as the node sees it.
+#[cfg(test)]
+mod host_tests {
+    use super::*;
+
+    #[test]
+    fn a_write_to_a_missing_group_names_the_file_and_the_kernels_answer() {
+        let root = match CgroupRoot::detect() {
+            Ok(r) => r,
+            Err(e) => {
+                eprintln!("SKIP: no usable cgroups on this host: {e}");
+                return;
+            }
+        };
+        let sb = root.sandbox(&format!("sb-missing-{}", std::process::id()));
+        let err = sb.set_pids_max(1).unwrap_err();
+        assert!(
+            matches!(&err, CgroupError::Write { source, .. } if source.raw_os_error() == Some(libc::ENOENT)),
+            "{err:?}"
+        );
+        let node = NodeError::from(err);
+        let chain = sandlot_node_api::chain(&node);
+        eprintln!("{chain}");
+        assert!(
+            chain.contains("pids.max: No such file or directory"),
+            "{chain}"
+        );
+        assert_eq!(node.to_wire().message, chain);
+    }
+
+    #[test]
+    fn a_failed_rollback_keeps_both_real_failures_with_the_original_code() {
+        // Real syscalls on a plain directory: a write into a missing group, then an rmdir
+        // of a group directory that is not empty.
+        let tmp = tempfile::tempdir().unwrap();
+        let root = CgroupRoot::with_fs(
+            CgroupVersion::V2,
+            vec![("unified", tmp.path().to_path_buf())],
+            Arc::new(HostFs),
+        );
+        let sb = root.sandbox("sb-1");
+        let failed = NodeError::from(sb.set_pids_max(1).unwrap_err());
+        fs::create_dir_all(tmp.path().join("sandlot/sb-1")).unwrap();
+        fs::write(tmp.path().join("sandlot/sb-1/left"), "").unwrap();
+        let cleanup = sb.remove(Duration::ZERO).map_err(NodeError::from);
+        let e = failed.with_cleanup(cleanup);
+        assert_eq!(e.code(), sandlot_api::ErrorCode::Internal);
+        let w = e.to_wire();
+        eprintln!("{e}\n{}", w.message);
+        assert!(
+            w.message.contains("pids.max: No such file or directory (os error 2); cleanup also failed: remove cgroup"),
+            "{}",
+            w.message
+        );
+        assert!(
+            w.message
+                .ends_with("sandlot/sb-1: Directory not empty (os error 39)"),
+            "{}",
+            w.message
+        );
     }
 }

@@ -551,7 +551,8 @@ pub(crate) async fn frozen_copy<T: Send + 'static>(
         if *n == 1 && !paused.load(SeqCst) {
             let g = group.clone();
             let frozen =
-                spawn_blocking(move || g.freeze(std::time::Instant::now() + FREEZE_TIMEOUT)).await;
+                spawn_blocking(move || Ok(g.freeze(std::time::Instant::now() + FREEZE_TIMEOUT)?))
+                    .await;
             if let Err(e) = frozen {
                 release(&mut f, id);
                 return Err(e);
@@ -563,7 +564,7 @@ pub(crate) async fn frozen_copy<T: Send + 'static>(
         let mut f = FREEZER.lock().await;
         if release(&mut f, id) == 0 && !paused.load(SeqCst) {
             let g = group.clone();
-            spawn_blocking(move || g.thaw()).await
+            spawn_blocking(move || Ok(g.thaw()?)).await
         } else {
             Ok(())
         }

@@ -35,12 +35,14 @@
 //! ([`ImageSource::Registry`], [`ImageSource::Archive`]) whose layers are content-addressed
 //! directories unpacked once and shared; the rest of the node consumes [`Image::layers`] as
 //! an overlay lowerdir list either way.
+mod error;
 pub mod lazy;
 pub mod oci;
 pub mod toolchain;
 pub mod unpack;
 
 use crate::node::{NodeError, NodeResult};
+pub use error::ImageError;
 use serde::{Deserialize, Serialize};
 use std::collections::HashSet;
 use std::fs;

@@ -672,10 +672,8 @@ impl Node for LocalNode {
         if now.as_deref().is_ok_and(|v| *v == taken_on) {
             return Ok(());
         }
-        if let Err(e) = backend.delete(&spec.id).await {
-            tracing::warn!(sandbox = %spec.id, error = %e, "removing a fork whose image changed during its create");
-        }
-        Err(changed(now.as_deref().unwrap_or("gone")))
+        let removed = backend.delete(&spec.id).await;
+        Err(changed(now.as_deref().unwrap_or("gone")).with_cleanup(removed))
     }
 
     async fn delete_checkpoint(&self, checkpoint_id: &str) -> NodeResult<()> {

@@ -9,7 +9,7 @@
 //!
 //! Used by the `microvm` backend to save and restore a guest (`stop`, `migrate` to an `fd:`
 //! URI, `migrate-incoming`, `cont`); the `vm` backend can use it the same way.
-use crate::node::{NodeError, NodeResult};
+use crate::node::NodeError;
 use serde_json::{json, Value};
 use std::collections::VecDeque;
 use std::io::{BufRead, BufReader, Write};
@@ -28,12 +28,126 @@ pub struct Qmp {
     timeout: Duration,
 }
 
-fn qmp_err(path: &Path, what: &str, e: impl std::fmt::Display) -> NodeError {
-    let e = e.to_string();
-    NodeError::io(
-        format!("QMP at {}: {what}: {e}", path.display()),
-        std::io::Error::other(e),
-    )
+/// Failures of a QMP session. Each names the socket; an I/O or JSON failure is the
+/// [`source`](std::error::Error::source).
+#[derive(Debug, thiserror::Error)]
+pub enum QmpError {
+    /// Connecting, reading or writing the socket failed (`step`: `connect`, `read`, or the
+    /// command being sent).
+    #[error("QMP at {}: {step}", path.display())]
+    Io {
+        /// The QMP socket.
+        path: PathBuf,
+        /// What was being done.
+        step: String,
+        /// The I/O error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// QEMU closed the connection (it exited).
+    #[error("QMP at {}: QEMU closed the connection", path.display())]
+    Closed {
+        /// The QMP socket.
+        path: PathBuf,
+    },
+    /// A line that is not JSON.
+    #[error("QMP at {}: answer is not JSON: {line}", path.display())]
+    Parse {
+        /// The QMP socket.
+        path: PathBuf,
+        /// The line read.
+        line: String,
+        /// The parser's error.
+        #[source]
+        source: serde_json::Error,
+    },
+    /// The greeting has no `QMP` member: not a QMP socket.
+    #[error("QMP at {}: not QMP: {greeting}", path.display())]
+    NotQmp {
+        /// The QMP socket.
+        path: PathBuf,
+        /// The first object read.
+        greeting: String,
+    },
+    /// QEMU answered a command with `{"error": {"class", "desc"}}`.
+    #[error("QMP at {}: {command}: {class}: {desc}", path.display())]
+    Command {
+        /// The QMP socket.
+        path: PathBuf,
+        /// The command.
+        command: String,
+        /// QEMU's error class (`GenericError`, `DeviceNotFound`, …).
+        class: String,
+        /// QEMU's description.
+        desc: String,
+    },
+    /// An answer that is neither `return`, `error` nor an event.
+    #[error("QMP at {}: {command}: unexpected {answer}", path.display())]
+    Unexpected {
+        /// The QMP socket.
+        path: PathBuf,
+        /// The command.
+        command: String,
+        /// The answer.
+        answer: String,
+    },
+    /// The awaited event did not come before the deadline.
+    #[error("QMP at {}: {event}: event did not come in time", path.display())]
+    EventTimeout {
+        /// The QMP socket.
+        path: PathBuf,
+        /// The event's name.
+        event: String,
+    },
+    /// `query-migrate` reported `failed` or `cancelled`.
+    #[error("QMP at {}: migration {status}: {desc}", path.display())]
+    MigrationFailed {
+        /// The QMP socket.
+        path: PathBuf,
+        /// `failed` or `cancelled`.
+        status: String,
+        /// QEMU's `error-desc`.
+        desc: String,
+    },
+    /// The migration was not done by the deadline.
+    #[error("QMP at {}: migration not done in time: {last}", path.display())]
+    MigrationTimeout {
+        /// The QMP socket.
+        path: PathBuf,
+        /// The last `query-migrate` answer.
+        last: String,
+    },
+}
+
+impl QmpError {
+    /// True for a read that timed out (the socket's read timeout, not a deadline).
+    fn is_read_timeout(&self) -> bool {
+        matches!(self, QmpError::Io { source, .. }
+            if matches!(source.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut))
+    }
+}
+
+/// Every QMP failure is the node's `Internal`: the message as context, an I/O or JSON
+/// failure as source.
+impl From<QmpError> for NodeError {
+    fn from(e: QmpError) -> Self {
+        let context = e.to_string();
+        let source: Option<Box<dyn std::error::Error + Send + Sync>> = match e {
+            QmpError::Io { source, .. } => Some(Box::new(source)),
+            QmpError::Parse { source, .. } => Some(Box::new(source)),
+            _ => None,
+        };
+        NodeError::internal(context, source)
+    }
+}
+
+/// Result of QMP calls.
+pub type QmpResult<T> = Result<T, QmpError>;
+
+fn io_err(path: &Path, step: &str) -> impl FnOnce(std::io::Error) -> QmpError {
+    let path = path.to_path_buf();
+    let step = step.to_string();
+    move |source| QmpError::Io { path, step, source }
 }
 
 impl Qmp {
@@ -44,7 +158,7 @@ impl Qmp {
     /// # Errors
     /// `Internal` when the socket cannot be connected by `deadline`, the greeting is not
     /// QMP, or negotiation fails.
-    pub fn connect(path: &Path, deadline: Instant, timeout: Duration) -> NodeResult<Qmp> {
+    pub fn connect(path: &Path, deadline: Instant, timeout: Duration) -> QmpResult<Qmp> {
         let stream = loop {
             match UnixStream::connect(path) {
                 Ok(s) => break s,
@@ -52,10 +166,10 @@ impl Qmp {
                     let _ = e;
                     std::thread::sleep(Duration::from_millis(5));
                 }
-                Err(e) => return Err(qmp_err(path, "connect", e)),
+                Err(e) => return Err(io_err(path, "connect")(e)),
             }
         };
-        let writer = stream.try_clone().map_err(|e| qmp_err(path, "clone", e))?;
+        let writer = stream.try_clone().map_err(io_err(path, "clone"))?;
         let mut q = Qmp {
             path: path.to_path_buf(),
             reader: BufReader::new(stream),
@@ -65,37 +179,45 @@ impl Qmp {
         };
         let greeting = q.read_value()?;
         if greeting.get("QMP").is_none() {
-            return Err(qmp_err(path, "greeting", format!("not QMP: {greeting}")));
+            return Err(QmpError::NotQmp {
+                path: path.to_path_buf(),
+                greeting: greeting.to_string(),
+            });
         }
         q.execute("qmp_capabilities", None)?;
         Ok(q)
     }
 
-    fn read_value(&mut self) -> NodeResult<Value> {
+    fn read_value(&mut self) -> QmpResult<Value> {
         self.reader
             .get_ref()
             .set_read_timeout(Some(self.timeout))
-            .map_err(|e| qmp_err(&self.path, "set timeout", e))?;
+            .map_err(io_err(&self.path, "set timeout"))?;
         let mut line = String::new();
         loop {
             line.clear();
             let n = self
                 .reader
                 .read_line(&mut line)
-                .map_err(|e| qmp_err(&self.path, "read", e))?;
+                .map_err(io_err(&self.path, "read"))?;
             if n == 0 {
-                return Err(qmp_err(&self.path, "read", "QEMU closed the connection"));
+                return Err(QmpError::Closed {
+                    path: self.path.clone(),
+                });
             }
             if line.trim().is_empty() {
                 continue;
             }
-            return serde_json::from_str(line.trim())
-                .map_err(|e| qmp_err(&self.path, "parse", format!("{e}: {line}")));
+            return serde_json::from_str(line.trim()).map_err(|source| QmpError::Parse {
+                path: self.path.clone(),
+                line: line.trim().to_string(),
+                source,
+            });
         }
     }
 
     /// Reads until the answer to the command just sent, queueing events.
-    fn answer(&mut self, name: &str) -> NodeResult<Value> {
+    fn answer(&mut self, name: &str) -> QmpResult<Value> {
         loop {
             let v = self.read_value()?;
             if v.get("event").is_some() {
@@ -106,17 +228,26 @@ impl Qmp {
                 return Ok(r.clone());
             }
             if let Some(e) = v.get("error") {
-                return Err(qmp_err(
-                    &self.path,
-                    name,
-                    format!(
-                        "{}: {}",
-                        e.get("class").and_then(Value::as_str).unwrap_or("Error"),
-                        e.get("desc").and_then(Value::as_str).unwrap_or("")
-                    ),
-                ));
+                return Err(QmpError::Command {
+                    path: self.path.clone(),
+                    command: name.to_string(),
+                    class: e
+                        .get("class")
+                        .and_then(Value::as_str)
+                        .unwrap_or("Error")
+                        .to_string(),
+                    desc: e
+                        .get("desc")
+                        .and_then(Value::as_str)
+                        .unwrap_or("")
+                        .to_string(),
+                });
             }
-            return Err(qmp_err(&self.path, name, format!("unexpected {v}")));
+            return Err(QmpError::Unexpected {
+                path: self.path.clone(),
+                command: name.to_string(),
+                answer: v.to_string(),
+            });
         }
     }
 
@@ -125,7 +256,7 @@ impl Qmp {
         name: &str,
         args: Option<Value>,
         fd: Option<BorrowedFd<'_>>,
-    ) -> NodeResult<()> {
+    ) -> QmpResult<()> {
         let mut cmd = json!({ "execute": name });
         if let Some(a) = args {
             cmd["arguments"] = a;
@@ -136,7 +267,7 @@ impl Qmp {
             None => self
                 .writer
                 .write_all(&line)
-                .map_err(|e| qmp_err(&self.path, name, e)),
+                .map_err(io_err(&self.path, name)),
             Some(fd) => {
                 use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags};
                 let raw = [fd.as_raw_fd()];
@@ -149,11 +280,11 @@ impl Qmp {
                     MsgFlags::empty(),
                     None,
                 )
-                .map_err(|e| qmp_err(&self.path, name, e))?;
+                .map_err(|e| io_err(&self.path, name)(e.into()))?;
                 if n < line.len() {
                     self.writer
                         .write_all(&line[n..])
-                        .map_err(|e| qmp_err(&self.path, name, e))?;
+                        .map_err(io_err(&self.path, name))?;
                 }
                 Ok(())
             }
@@ -164,7 +295,7 @@ impl Qmp {
     ///
     /// # Errors
     /// `Internal` with QEMU's error class and description, or an I/O failure.
-    pub fn execute(&mut self, name: &str, args: Option<Value>) -> NodeResult<Value> {
+    pub fn execute(&mut self, name: &str, args: Option<Value>) -> QmpResult<Value> {
         self.send(name, args, None)?;
         self.answer(name)
     }
@@ -179,7 +310,7 @@ impl Qmp {
         name: &str,
         args: Option<Value>,
         fd: BorrowedFd<'_>,
-    ) -> NodeResult<Value> {
+    ) -> QmpResult<Value> {
         self.send(name, args, Some(fd))?;
         self.answer(name)
     }
@@ -194,7 +325,7 @@ impl Qmp {
         name: &str,
         deadline: Instant,
         pred: impl Fn(&Value) -> bool,
-    ) -> NodeResult<Value> {
+    ) -> QmpResult<Value> {
         let matches = |v: &Value| {
             v.get("event").and_then(Value::as_str) == Some(name)
                 && pred(v.get("data").unwrap_or(&Value::Null))
@@ -207,7 +338,10 @@ impl Qmp {
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                return Err(qmp_err(&self.path, name, "event did not come in time"));
+                return Err(QmpError::EventTimeout {
+                    path: self.path.clone(),
+                    event: name.to_string(),
+                });
             }
             let saved = self.timeout;
             self.timeout = left.min(saved);
@@ -217,14 +351,9 @@ impl Qmp {
                 Ok(v) if matches(&v) => return Ok(v),
                 Ok(_) => {}
                 Err(e) if Instant::now() >= deadline => return Err(e),
-                Err(e) => {
-                    // A read timeout shorter than the deadline: keep waiting.
-                    if !e.to_string().contains("timed out")
-                        && !e.to_string().contains("Resource temporarily unavailable")
-                    {
-                        return Err(e);
-                    }
-                }
+                // A read timeout shorter than the deadline: keep waiting.
+                Err(e) if e.is_read_timeout() => {}
+                Err(e) => return Err(e),
             }
         }
     }
@@ -234,29 +363,29 @@ impl Qmp {
     ///
     /// # Errors
     /// `Internal` on a failed migration, a timeout or I/O failure.
-    pub fn wait_migration(&mut self, deadline: Instant) -> NodeResult<Value> {
+    pub fn wait_migration(&mut self, deadline: Instant) -> QmpResult<Value> {
         loop {
             let v = self.execute("query-migrate", None)?;
             match v.get("status").and_then(Value::as_str) {
                 Some("completed") => return Ok(v),
                 Some(s @ ("failed" | "cancelled")) => {
-                    return Err(qmp_err(
-                        &self.path,
-                        "migration",
-                        format!(
-                            "{s}: {}",
-                            v.get("error-desc").and_then(Value::as_str).unwrap_or("")
-                        ),
-                    ))
+                    return Err(QmpError::MigrationFailed {
+                        path: self.path.clone(),
+                        status: s.to_string(),
+                        desc: v
+                            .get("error-desc")
+                            .and_then(Value::as_str)
+                            .unwrap_or("")
+                            .to_string(),
+                    })
                 }
                 _ => {}
             }
             if Instant::now() >= deadline {
-                return Err(qmp_err(
-                    &self.path,
-                    "migration",
-                    format!("not done in time: {v}"),
-                ));
+                return Err(QmpError::MigrationTimeout {
+                    path: self.path.clone(),
+                    last: v.to_string(),
+                });
             }
             std::thread::sleep(Duration::from_millis(5));
         }
@@ -316,6 +445,11 @@ mod tests {
         q.execute("stop", None).unwrap();
         let e = q.execute("cont", Some(json!({"x": 1}))).unwrap_err();
         assert!(e.to_string().contains("GenericError: nope"), "{e}");
+        assert!(
+            matches!(&e, QmpError::Command { command, class, desc, .. }
+                if command == "cont" && class == "GenericError" && desc == "nope"),
+            "{e:?}"
+        );
         q.wait_event("STOP", Instant::now() + Duration::from_secs(1), |_| true)
             .unwrap();
         drop(q);
@@ -336,5 +470,45 @@ mod tests {
         .err()
         .unwrap();
         assert!(e.to_string().contains("connect"), "{e}");
+        let QmpError::Io { source, .. } = &e else {
+            panic!("{e:?}")
+        };
+        assert_eq!(source.kind(), std::io::ErrorKind::NotFound);
+        let node = NodeError::from(e);
+        assert_eq!(node.code(), sandlot_api::ErrorCode::Internal);
+        let chain = sandlot_node_api::chain(&node);
+        assert!(
+            chain.ends_with("none: connect: No such file or directory (os error 2)"),
+            "{chain}"
+        );
+    }
+
+    #[test]
+    fn a_line_that_is_not_json_keeps_the_parser_error_and_reads_time_out_as_such() {
+        let (_d, p, h) = fake(vec![r#"{"return": {}}"#, "{oops"]);
+        let mut q = Qmp::connect(
+            &p,
+            Instant::now() + Duration::from_secs(5),
+            Duration::from_millis(50),
+        )
+        .unwrap();
+        // Nothing comes: the read timeout ends the wait at the deadline.
+        let e = q
+            .wait_event("STOP", Instant::now() + Duration::from_millis(120), |_| {
+                true
+            })
+            .unwrap_err();
+        assert!(
+            matches!(e, QmpError::EventTimeout { .. }) || e.is_read_timeout(),
+            "{e:?}"
+        );
+        let e = q.execute("stop", None).unwrap_err();
+        let QmpError::Parse { line, .. } = &e else {
+            panic!("{e:?}")
+        };
+        assert_eq!(line, "{oops");
+        assert!(std::error::Error::source(&e).is_some());
+        drop(q);
+        h.join().unwrap();
     }
 }

@@ -57,6 +57,7 @@
 //! container group's `oom_kill` counter over the exec (an overlapping exec's OOM kill is
 //! counted too).
 pub mod pool;
+mod runtime;
 
 use super::agent_exec;
 use super::agent_files::{AgentFiles, HoldsAgent};
@@ -76,6 +77,8 @@ use crate::node::{NodeError, NodeResult, SandboxSpec, SandboxStatus};
 use crate::sys::{proc_starttime, spawn_blocking};
 use async_trait::async_trait;
 use pool::{pool_dir, spec_compatible, ContainerPool, Containers};
+pub use runtime::RuntimeError;
+use runtime::{run_with_timeout, tail};
 use sandlot_api::{Backend, ExecRequest, ExecResult};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
@@ -565,7 +568,7 @@ impl Core {
             };
             // The cgroup does not depend on the disk: made at the same time (on a failure
             // the caller's destroy removes whatever of both exists).
-            let cgroup = spawn_blocking(move || cg.create(&limits));
+            let cgroup = spawn_blocking(move || Ok(cg.create(&limits)?));
             let disk = spawn_blocking(move || {
                 // Only root and the container's root (group `uid_base`) may walk in: no other
                 // host user reaches the rootfs, the scratch disk or the socket.
@@ -745,34 +748,29 @@ impl Core {
         drop(listener);
         if !status.success() {
             let log = std::fs::read_to_string(dir.join("agent.log")).unwrap_or_default();
-            return Err(NodeError::io(
-                format!(
-                    "{} run {}: {}; {}",
-                    runtime.name(),
-                    spec.id,
-                    status,
-                    tail(&log, 2000)
-                ),
-                std::io::Error::other("OCI runtime failed"),
-            ));
+            return Err(RuntimeError::Failed {
+                runtime: runtime.name(),
+                verb: "run",
+                id: spec.id.clone(),
+                status,
+                log: tail(&log, 2000).to_string(),
+            }
+            .into());
         }
         let pid: i32 = std::fs::read_to_string(dir.join("init.pid"))
             .ok()
             .and_then(|s| s.trim().parse().ok())
-            .ok_or_else(|| {
-                NodeError::io(
-                    format!("{}: no pid file", runtime.name()),
-                    std::io::Error::other("init.pid"),
-                )
+            .ok_or_else(|| RuntimeError::NoPidFile {
+                runtime: runtime.name(),
+                path: dir.join("init.pid"),
             })?;
-        let starttime = proc_starttime(pid).ok_or_else(|| {
-            NodeError::io(
-                format!("container {} died at start", spec.id),
-                std::io::Error::other(tail(
-                    &std::fs::read_to_string(dir.join("agent.log")).unwrap_or_default(),
-                    2000,
-                )),
+        let starttime = proc_starttime(pid).ok_or_else(|| RuntimeError::DiedAtStart {
+            id: spec.id.clone(),
+            log: tail(
+                &std::fs::read_to_string(dir.join("agent.log")).unwrap_or_default(),
+                2000,
             )
+            .to_string(),
         })?;
         let agent = AgentClient::new(agent_socket(&dir, runtime));
         agent
@@ -848,7 +846,7 @@ impl Core {
             let host = destroy_blocking(&cg, &dir);
             // After the processes are gone (destroy_blocking waited for them in `cg`).
             let runtime = runtime_cg.remove(Instant::now() + KILL_TIMEOUT);
-            host.and(runtime)
+            host.and(runtime.map_err(NodeError::from))
         })
         .await;
         host.and(net)
@@ -1005,32 +1003,6 @@ fn mount_overlay(dir: &Path, lowers: &[PathBuf]) -> NodeResult<()> {
             e.into(),
         )
     })
-}
-
-/// Runs `cmd` (whose stdio the caller set: never pipes, which a container would inherit
-/// and hold open) to its end, killing it at `timeout`.
-async fn run_with_timeout(
-    cmd: std::process::Command,
-    timeout: Duration,
-) -> NodeResult<std::process::ExitStatus> {
-    let what = format!("{:?}", cmd.get_program());
-    let mut cmd = tokio::process::Command::from(cmd);
-    cmd.kill_on_drop(true);
-    match tokio::time::timeout(timeout, cmd.status()).await {
-        Ok(r) => r.map_err(|e| NodeError::io(format!("run {what}"), e)),
-        Err(_) => Err(NodeError::io(
-            format!("{what} did not finish in {timeout:?}"),
-            std::io::Error::from(std::io::ErrorKind::TimedOut),
-        )),
-    }
-}
-
-fn tail(s: &str, n: usize) -> &str {
-    let mut start = s.len().saturating_sub(n);
-    while !s.is_char_boundary(start) {
-        start += 1;
-    }
-    s[start..].trim()
 }
 
 /// Syscalls the container's seccomp profile refuses (EPERM) for every process in it, the
@@ -1491,12 +1463,9 @@ impl SandboxBackend for ContainerBackend {
                 tracing::info!(sandbox = %spec.id, backend = "container", runtime = runtime.name(), "sandbox created");
                 Ok(())
             }
-            Err(e) => {
-                if let Err(c) = self.destroy(&spec.id, Some(runtime)).await {
-                    tracing::warn!(sandbox = %spec.id, error = %c, "cleanup after a failed create");
-                }
-                Err(e)
-            }
+            // Nothing half-created stays: a failed removal is part of the answer
+            // (`CleanupFailed`, with the create's own code).
+            Err(e) => Err(e.with_cleanup(self.destroy(&spec.id, Some(runtime)).await)),
         }
     }
 
@@ -1623,7 +1592,8 @@ impl SandboxBackend for ContainerBackend {
         for id in self.core.cgroups.list_sandboxes() {
             if !self.cgroup_in_use(&id) {
                 let cg = self.core.cgroups.sandbox(&id);
-                if let Err(e) = spawn_blocking(move || cg.group().destroy(KILL_TIMEOUT)).await {
+                if let Err(e) = spawn_blocking(move || Ok(cg.group().destroy(KILL_TIMEOUT)?)).await
+                {
                     errors.push(e.to_string());
                 }
             }

@@ -517,11 +517,7 @@ impl FunctionBackend {
         }
         .await;
         if let Err(err) = res {
-            let cleanup = self.delete(&spec.id).await;
-            return Err(match cleanup {
-                Ok(()) => err,
-                Err(c) => with_cleanup_error(err, c),
-            });
+            return Err(err.with_cleanup(self.delete(&spec.id).await));
         }
         Ok(())
     }
@@ -648,11 +644,7 @@ impl SandboxBackend for FunctionBackend {
             Err(err) => {
                 // Rollback: kill whatever started (the init is in the sandbox cgroup), remove
                 // cgroups and directories; keep both errors when the cleanup fails too.
-                let cleanup = self.destroy(&spec.id).await;
-                Err(match cleanup {
-                    Ok(()) => err,
-                    Err(c) => with_cleanup_error(err, c),
-                })
+                Err(err.with_cleanup(self.destroy(&spec.id).await))
             }
         }
     }
@@ -880,7 +872,8 @@ impl SandboxBackend for FunctionBackend {
         for id in self.cgroups.list_sandboxes() {
             if !adopted.contains(&id) && !self.has(&id) && !self.cgroup_in_use(&id) {
                 let cg = self.cgroups.sandbox(&id);
-                if let Err(e) = spawn_blocking(move || cg.group().destroy(KILL_TIMEOUT)).await {
+                if let Err(e) = spawn_blocking(move || Ok(cg.group().destroy(KILL_TIMEOUT)?)).await
+                {
                     errors.push(e.to_string());
                 }
             }
@@ -918,7 +911,7 @@ pub(crate) async fn build_jail(
         make_dirs(&d, uid)?;
         // A machine-id(5) of its own (a fork's replaces the one its checkpoint carried).
         crate::checkpoints::write_machine_id(&d.join("scratch/upper"), uid)?;
-        cg2.create(&limits)
+        Ok(cg2.create(&limits)?)
     })
     .await?;
 
@@ -1270,7 +1263,7 @@ pub(crate) async fn pooled_standby(
 /// Create exec group `xcg`, spawn a helper and write its pid into the group.
 async fn standby_in(guest_bin: &Path, xcg: crate::cgroups::ExecCgroup) -> NodeResult<Standby> {
     let x = xcg.clone();
-    spawn_blocking(move || x.create()).await?;
+    spawn_blocking(move || Ok(x.create()?)).await?;
     let joined = match spawn_helper(guest_bin, false) {
         Ok(helper) => {
             let pid = helper.child.id().to_string();
@@ -1291,7 +1284,7 @@ async fn standby_in(guest_bin: &Path, xcg: crate::cgroups::ExecCgroup) -> NodeRe
         Err(e) => {
             // The helper (if any) was killed on drop; remove the group.
             let g = xcg.group().clone();
-            let _ = spawn_blocking(move || g.destroy(KILL_TIMEOUT)).await;
+            let _ = spawn_blocking(move || Ok(g.destroy(KILL_TIMEOUT)?)).await;
             Err(e)
         }
     }
@@ -1388,7 +1381,7 @@ async fn run_exec(
             guard.group = Some(xcg.group().clone());
             {
                 let x = xcg.clone();
-                spawn_blocking(move || x.create()).await?;
+                spawn_blocking(move || Ok(x.create()?)).await?;
             }
             plan.spec.cgroup_procs = xcg
                 .group()
@@ -1534,7 +1527,7 @@ async fn run_exec(
     } else {
         kill_tree(&group, helper_pid, &mut child).await;
         let g = group.clone();
-        spawn_blocking(move || g.destroy(KILL_TIMEOUT)).await
+        spawn_blocking(move || Ok(g.destroy(KILL_TIMEOUT)?)).await
     };
     guard.group = None;
     let _ = child.start_kill();
@@ -1622,7 +1615,7 @@ async fn deliver_signal(group: &Cgroup, helper_pid: i32, sig: i32) {
             );
         }
         let g = group.clone();
-        let _ = spawn_blocking(move || g.kill(Instant::now() + KILL_TIMEOUT)).await;
+        let _ = spawn_blocking(move || Ok(g.kill(Instant::now() + KILL_TIMEOUT)?)).await;
     } else if helper_pid > 0 && sandlot_guest::spec::FORWARDED_SIGNALS.contains(&sig) {
         // The helper is our child and not yet reaped (`child.wait` runs after the exec
         // ends), so its pid cannot have been reused.
@@ -1637,10 +1630,11 @@ async fn deliver_signal(group: &Cgroup, helper_pid: i32, sig: i32) {
 /// its child and exit by itself, then kill whatever is left (the helper included).
 async fn kill_tree(group: &Cgroup, helper_pid: i32, child: &mut SpawnedChild) {
     let g = group.clone();
-    let _ = spawn_blocking(move || g.kill_except(helper_pid, Instant::now() + KILL_TIMEOUT)).await;
+    let _ =
+        spawn_blocking(move || Ok(g.kill_except(helper_pid, Instant::now() + KILL_TIMEOUT)?)).await;
     let _ = tokio::time::timeout(Duration::from_millis(200), child.wait()).await;
     let g = group.clone();
-    let _ = spawn_blocking(move || g.kill(Instant::now() + KILL_TIMEOUT)).await;
+    let _ = spawn_blocking(move || Ok(g.kill(Instant::now() + KILL_TIMEOUT)?)).await;
     let _ = child.start_kill();
 }
 
@@ -1860,13 +1854,13 @@ pub(crate) fn destroy_blocking(cg: &SandboxCgroup, dir: &Path) -> NodeResult<()>
     // A paused (frozen) sandbox is thawed first: on cgroup v1 frozen tasks do not die of
     // SIGKILL until thawed, and freezing/thawing a child of a frozen parent has no effect.
     if let Err(e) = cg.group().thaw() {
-        errs.push(e);
+        errs.push(e.into());
     }
     if let Err(e) = cg.kill_all(KILL_TIMEOUT) {
-        errs.push(e);
+        errs.push(e.into());
     }
     if let Err(e) = cg.remove(KILL_TIMEOUT) {
-        errs.push(e);
+        errs.push(e.into());
     }
     // Never recurse into a mount: remove_dir_all would then delete through it.
     let scratch = dir.join("scratch");
@@ -1898,33 +1892,12 @@ pub(crate) fn destroy_blocking(cg: &SandboxCgroup, dir: &Path) -> NodeResult<()>
         _ => {
             let first = errs.remove(0);
             let rest: Vec<String> = errs.iter().map(|e| e.to_string()).collect();
-            Err(with_cleanup_error(
-                first,
-                NodeError::io(rest.join("; "), std::io::Error::other("cleanup")),
-            ))
+            Err(first.with_cleanup(Err(NodeError::internal(rest.join("; "), None))))
         }
     }
 }
 
 pub use crate::mountinfo::mounts_under;
-
-fn with_cleanup_error(orig: NodeError, cleanup: NodeError) -> NodeError {
-    let extra = format!("; cleanup also failed: {cleanup}");
-    match orig {
-        NodeError::NotFound(m) => NodeError::NotFound(m + &extra),
-        NodeError::InvalidArgument(m) => NodeError::InvalidArgument(m + &extra),
-        NodeError::Unavailable(m) => NodeError::Unavailable(m + &extra),
-        NodeError::ResourceExhausted(m) => NodeError::ResourceExhausted(m + &extra),
-        NodeError::Conflict(m) => NodeError::Conflict(m + &extra),
-        NodeError::PermissionDenied(m) => NodeError::PermissionDenied(m + &extra),
-        NodeError::DeadlineExceeded(m) => NodeError::DeadlineExceeded(m + &extra),
-        NodeError::Transport(m) => NodeError::Transport(m + &extra),
-        NodeError::Internal { context, source } => NodeError::Internal {
-            context: context + &extra,
-            source,
-        },
-    }
-}
 
 impl Drop for FunctionBackend {
     /// Stops the warm pool (which destroys its jails), then removes the node's parent

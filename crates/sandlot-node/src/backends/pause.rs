@@ -54,7 +54,7 @@ pub(crate) async fn freeze(
     let _freezer = crate::checkpoints::FREEZER.lock().await;
     paused.store(true, Ordering::SeqCst);
     let g = group.clone();
-    let res = spawn_blocking(move || g.freeze(Instant::now() + FREEZE_TIMEOUT)).await;
+    let res = spawn_blocking(move || Ok(g.freeze(Instant::now() + FREEZE_TIMEOUT)?)).await;
     if res.is_err() {
         paused.store(false, Ordering::SeqCst);
     } else {
@@ -86,7 +86,7 @@ pub(crate) async fn thaw(
         return Ok(());
     }
     let g = group.clone();
-    spawn_blocking(move || g.thaw()).await?;
+    spawn_blocking(move || Ok(g.thaw()?)).await?;
     paused.store(false, Ordering::SeqCst);
     tracing::info!(sandbox = %id, backend, "sandbox resumed (cgroup thawed)");
     Ok(())

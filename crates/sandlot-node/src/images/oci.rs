@@ -16,7 +16,7 @@
 //! .lock                      flock: pulls/imports hold it shared, `gc` exclusive
 //! ```
 use super::unpack::{self, hex, Compression};
-use super::{ImageJson, ImageSource, ImageStore};
+use super::{ImageError, ImageJson, ImageSource, ImageStore};
 use crate::node::{NodeError, NodeResult};
 use serde::Deserialize;
 use sha2::{Digest as _, Sha256};
@@ -80,12 +80,15 @@ pub fn digest_hex(digest: &str) -> NodeResult<&str> {
         {
             Ok(h)
         }
-        Some(("sha256", _)) | None => Err(NodeError::InvalidArgument(format!(
-            "malformed digest {digest:?} (expected sha256:<64 lowercase hex>)"
-        ))),
-        Some((algo, _)) => Err(NodeError::InvalidArgument(format!(
-            "unsupported digest algorithm {algo:?} in {digest:?} (only sha256)"
-        ))),
+        Some(("sha256", _)) | None => Err(ImageError::MalformedDigest {
+            digest: digest.to_string(),
+        }
+        .into()),
+        Some((algo, _)) => Err(ImageError::UnsupportedDigest {
+            algorithm: algo.to_string(),
+            digest: digest.to_string(),
+        }
+        .into()),
     }
 }
 
@@ -214,8 +217,12 @@ fn pick_platform<'a>(entries: &'a [Descriptor], what: &str) -> NodeResult<&'a De
 }
 
 fn parse_json<T: for<'de> Deserialize<'de>>(data: &[u8], what: &str) -> NodeResult<T> {
-    serde_json::from_slice(data).map_err(|e| {
-        NodeError::InvalidArgument(format!("{what} is not valid JSON of its kind: {e}"))
+    serde_json::from_slice(data).map_err(|source| {
+        ImageError::Json {
+            what: what.to_string(),
+            source,
+        }
+        .into()
     })
 }
 
@@ -281,9 +288,11 @@ impl BlobWriter {
         let got = format!("sha256:{}", hex(&self.hash.clone().finalize()));
         if let Some(want) = expected {
             if want != got {
-                return Err(NodeError::InvalidArgument(format!(
-                    "blob digest mismatch: expected {want}, got {got}"
-                )));
+                return Err(ImageError::DigestMismatch {
+                    expected: want.to_string(),
+                    got,
+                }
+                .into());
             }
         }
         if let Some(l) = self.limit {
@@ -867,7 +876,10 @@ impl ImageStore {
             )
         })
         .await
-        .map_err(|e| NodeError::io(format!("unpack {whole}"), io::Error::other(e)))??;
+        .map_err(|source| ImageError::UnpackTask {
+            reference: whole.clone(),
+            source,
+        })??;
         for id in &pending {
             progress.finish(id, "unpacked");
         }
@@ -1053,9 +1065,11 @@ impl ImageStore {
         self.put_blob(&b[..], Some(digest), None, &NoProgress, "json")?;
         let got = sha256_digest(&b);
         if got != digest {
-            return Err(NodeError::InvalidArgument(format!(
-                "blob digest mismatch: expected {digest}, got {got}"
-            )));
+            return Err(ImageError::DigestMismatch {
+                expected: digest.to_string(),
+                got,
+            }
+            .into());
         }
         Ok(b)
     }
@@ -1223,23 +1237,33 @@ fn pull_error(
     e: oci_client::errors::OciDistributionError,
 ) -> NodeError {
     use oci_client::errors::OciDistributionError as E;
+    let (reference, registry) = (reference.to_string(), registry.to_string());
     match e {
         E::ImageManifestNotFoundError(_)
         | E::RegistryError { .. }
         | E::AuthenticationFailure(_)
-        | E::UnauthorizedError { .. } => NodeError::NotFound(format!(
-            "pull {reference}: registry {registry} has no such image or refuses access: {e}"
-        )),
-        E::ServerError { code, .. } if (400..500).contains(&code) => NodeError::NotFound(format!(
-            "pull {reference}: registry {registry} answered {code}: {e}"
-        )),
+        | E::UnauthorizedError { .. } => ImageError::NoSuchImage {
+            reference,
+            registry,
+            source: e,
+        },
+        E::ServerError { code, .. } if (400..500).contains(&code) => ImageError::NoSuchImage {
+            reference,
+            registry,
+            source: e,
+        },
         E::DigestError(_) | E::ManifestParsingError(_) | E::SpecViolationError(_) => {
-            NodeError::InvalidArgument(format!(
-                "pull {reference}: bad content from {registry}: {e}"
-            ))
+            ImageError::BadContent {
+                reference,
+                registry,
+                source: e,
+            }
         }
-        e => NodeError::Unavailable(format!(
-            "pull {reference}: registry {registry} cannot be reached or failed: {e}"
-        )),
+        e => ImageError::RegistryUnavailable {
+            reference,
+            registry,
+            source: e,
+        },
     }
+    .into()
 }

@@ -212,7 +212,7 @@ pub fn create_vmm_cgroup(
         cpu,
         pids_max,
     };
-    cg.create_vmm(&limits, VMM_CPU_HEADROOM)
+    Ok(cg.create_vmm(&limits, VMM_CPU_HEADROOM)?)
 }
 
 /// The vCPU threads of QEMU process `pid` (named by [`QEMU_NAME`]'s `debug-threads=on`).

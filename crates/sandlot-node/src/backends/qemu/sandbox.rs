@@ -451,7 +451,7 @@ impl QemuCore {
             if !self.has(&id) {
                 let cg = self.cgroups.sandbox(&id);
                 if let Err(e) =
-                    spawn_blocking(move || cg.group().destroy(Duration::from_secs(10))).await
+                    spawn_blocking(move || Ok(cg.group().destroy(Duration::from_secs(10))?)).await
                 {
                     errors.push(e.to_string());
                 }

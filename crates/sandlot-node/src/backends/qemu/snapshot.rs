@@ -556,11 +556,11 @@ pub(crate) async fn resume(t: &Target<'_>) -> NodeResult<()> {
     let res: NodeResult<Option<UnixStream>> = async {
         let d = dir.clone();
         let q = spawn_blocking(move || {
-            Qmp::connect(
+            Ok(Qmp::connect(
                 &d.join(QMP_SOCK),
                 Instant::now() + QMP_START_TIMEOUT,
                 Duration::from_secs(30),
-            )
+            )?)
         })
         .await?;
         // QMP answers once QEMU's chardevs exist: the agent socket listens.

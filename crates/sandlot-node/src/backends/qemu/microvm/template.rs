@@ -354,7 +354,7 @@ async fn build(
     })
     .await?;
     let g = cg.group().clone();
-    let _ = spawn_blocking(move || g.destroy(Duration::from_secs(10))).await;
+    let _ = spawn_blocking(move || Ok(g.destroy(Duration::from_secs(10))?)).await;
     let size = res?;
     for f in [QMP_SOCK, "agent.sock"] {
         let _ = std::fs::remove_file(tmp.join(f));

@@ -253,7 +253,7 @@ pub fn snapshot(qemu_img: &Path, dir: &Path, dest: &Path, owners: Owners) -> Nod
     );
     if let Err(e) = added {
         let _ = std::fs::remove_file(&next_path);
-        return Err(e);
+        return Err(e.into());
     }
     if let Err(e) = q.execute(
         "blockdev-snapshot",
@@ -261,7 +261,7 @@ pub fn snapshot(qemu_img: &Path, dir: &Path, dest: &Path, owners: Owners) -> Nod
     ) {
         let _ = q.execute("blockdev-del", Some(json!({"node-name": next})));
         let _ = std::fs::remove_file(&next_path);
-        return Err(e);
+        return Err(e.into());
     }
     drop(q);
     // QEMU reopened it read-only (`blockdev-snapshot`); it must not write it again.
