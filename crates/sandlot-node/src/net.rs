@@ -58,6 +58,10 @@
 //!    from [`create_netns`] that the OCI runtime joins through `namespaces[].path`), call
 //!    [`NetworkManager::attach`], write `nameserver <resolver>` into the sandbox's
 //!    `/etc/resolv.conf`, *then* start the sandbox's own processes.
+//!    A VM (`microvm`, `vm`): a namespace from [`create_netns`], [`NetworkManager::attach`],
+//!    then [`bridge_tap`] (the guest takes over the sandbox address on its virtio-net
+//!    device behind the tap; [`open_tap`] gives QEMU the tap) and the guest sets its own
+//!    `/etc/resolv.conf` from its kernel command line.
 //! 3. On delete (any state): [`NetworkManager::teardown`]; idempotent.
 use crate::dns::{self, Resolver};
 use crate::net_audit;

@@ -3,7 +3,7 @@
 //! direct kernel boot of its uncompressed `vmlinux` through the PVH entry (`kit_kernel`),
 //! no PCI, no firmware beyond microvm's, no network device unless the sandbox has a network
 //! allow policy (then one `virtio-net-device` on a tap bridged to the node's veth, see
-//! [`super::sandbox::QemuCore::attach_net`]; such a microVM always boots cold: a template's
+//! `QemuCore::attach_net` in `sandbox.rs`; such a microVM always boots cold: a template's
 //! device set has no network). docs/backends.md ("Cold boot")
 //! has the boot's time breakdown behind the kernel command line.
 //!

@@ -166,7 +166,7 @@ pub const AGENT_FD: RawFd = 3;
 /// File descriptor of the QMP listening socket in QEMU (`-chardev socket,fd=4`).
 pub const QMP_FD: RawFd = 4;
 /// File descriptor of the tap device in the QEMU of a VM with a network allow policy
-/// (`-netdev tap,fd=5`, see [`net_args`]).
+/// (`-netdev tap,fd=5`, [`TAP_IF`] opened by the node).
 pub const TAP_FD: RawFd = 5;
 /// The agent socket's name in a VM directory.
 pub const AGENT_SOCK: &str = "agent.sock";
