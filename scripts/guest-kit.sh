@@ -10,7 +10,7 @@
 #                        of vmlinuz once here; `microvm` boots it directly, which skips the
 #                        bzImage's self-decompression (~0.2 s of CPU under TCG). Absent when the
 #                        kernel lacks CONFIG_PVH or its payload cannot be unpacked.
-#     modules/*.ko       the modules the guest needs (virtio-mmio, virtio-pci, virtio-blk,
+#     modules/*.ko       the modules the guest needs (virtio-mmio, virtio-pci, virtio-blk, virtio-net,
 #                        virtio-console, virtio-rng, erofs, overlay) with their dependencies,
 #                        without their `.BTF` section (type information for BPF; the guest
 #                        kernel parses all of vmlinux's BTF, ~50-65 ms under TCG, the first
@@ -62,7 +62,8 @@ fi
 release=${pkg#linux-image-}
 kit=$SANDLOT_GUEST_KIT_DIR
 # virtio_mmio: microvm's bus; virtio_pci: q35's (the vm backend); virtio_rng: the vm's entropy.
-wanted="virtio_mmio virtio_pci virtio_blk virtio_console virtio_rng erofs overlay"
+# virtio_net: the network of sandboxes with an allow policy (the guest loads it only then).
+wanted="virtio_mmio virtio_pci virtio_blk virtio_console virtio_rng virtio_net erofs overlay"
 # 2: vmlinux added. 3: modules without .BTF.
 format=3
 if [ -f "$kit/kernel-version" ] && [ "$(cat "$kit/kernel-version")" = "$release" ] \

@@ -128,12 +128,8 @@ def make(backend, client, request) -> Iterator[Callable[..., sandlot.Sandbox]]:
     """Factory of fresh sandboxes, deleted after the test. microvm, vm: a VM boots in 7-9 s
     under TCG, so every test gets the module's one :data:`SHARED_VM` instead (the attempts
     that use it cannot harm the next: each is contained and checked, and what they leave
-    in /tmp is removed after the test)."""
-    if backend.name in VM_CASES:
-        vm: sandlot.Sandbox = request.getfixturevalue("shared_vm")
-        yield lambda **kw: vm
-        vm.exec("rm -rf /tmp/fill /tmp/inodes", timeout_s=120)
-        return
+    in /tmp is removed after the test) — except a sandbox with a ``network`` policy, which
+    is fixed at create: that one is a VM of its own (a cold boot)."""
     boxes: List[sandlot.Sandbox] = []
 
     def create(**kw: Any) -> sandlot.Sandbox:
@@ -145,7 +141,12 @@ def make(backend, client, request) -> Iterator[Callable[..., sandlot.Sandbox]]:
                        (HERE / "attack_payload.py").read_bytes())
         return box
 
-    yield create
+    if backend.name in VM_CASES:
+        vm: sandlot.Sandbox = request.getfixturevalue("shared_vm")
+        yield lambda **kw: create(**kw) if "network" in kw else vm
+        vm.exec("rm -rf /tmp/fill /tmp/inodes", timeout_s=120)
+    else:
+        yield create
     for box in boxes:
         try:
             box.delete()

@@ -12,3 +12,4 @@ pub mod procview;
 pub mod sandbox_fs;
 pub mod spec;
 pub mod syscalls;
+pub mod vm_net;

@@ -12,14 +12,17 @@
 //!    `scratch/upper` at `/mnt/root`, with `/workspace`, `/root` and `/tmp` made there;
 //! 4. move `/proc`, `/sys`, `/dev` into it and make it `/` (`mount --move` + chroot, the
 //!    initramfs way: pivot_root cannot leave the initramfs); mount `/dev/pts`, `/dev/shm`;
-//! 5. serve the agent protocol ([`crate::agent`]) over the virtio-serial port named
+//! 5. with `sandlot.net=…` on the command line (a sandbox with a network allow policy),
+//!    configure `eth0`, `lo` and `/etc/resolv.conf` ([`sandlot_guest::vm_net`]; its
+//!    modules are loaded in step 2 only then);
+//! 6. serve the agent protocol ([`crate::agent`]) over the virtio-serial port named
 //!    `org.sandlot.agent`, which QEMU connects to a unix socket on the host.
 //!
 //! With `sandlot.root=disk` on the kernel command line (the `vm` backend: a q35 VM whose
 //! root is a whole ext4 disk, see [`disk_root`]) steps 3–4 are instead: mount the virtio
 //! disk with serial `root` read-write at `/mnt/root`, make it `/`, and exec the disk's own
 //! agent [`DISK_AGENT`] as pid 1 (`sandlot-guest vm-disk-init`, [`disk_init`]), which grows
-//! the file system to the disk's size in a thread and does step 5.
+//! the file system to the disk's size in a thread and does steps 5–6.
 //!
 //! With `sandlot.probe` on the kernel command line it only prints [`PROBE_MARK`] to the
 //! console and powers off: the node's accelerator probe boots that to learn whether KVM can
@@ -143,7 +146,8 @@ fn boot() -> Result<(), String> {
         println!("{PROBE_MARK} slept {:?}", t.elapsed());
         return Ok(());
     }
-    load_modules()?;
+    let net = sandlot_guest::vm_net::NetArg::from_cmdline(&cmdline);
+    load_modules(net.is_some())?;
     phases.mark("modules");
     if cmdline.split_whitespace().any(|w| w == DISK_ROOT_ARG) {
         return disk_root();
@@ -189,6 +193,10 @@ fn serve_in_root(cmdline: &str, phases: Option<Phases>) -> Result<(), String> {
         Some("mode=1777"),
     )?;
     let _ = nix::unistd::sethostname("sandlot");
+    if let Some(net) = sandlot_guest::vm_net::NetArg::from_cmdline(cmdline) {
+        sandlot_guest::vm_net::configure(&net)?;
+        sandlot_guest::vm_net::write_resolv_conf(&net)?;
+    }
     sandbox_cgroup(cmdline)?;
     let port = find_port(AGENT_PORT)?;
     if let Some(mut p) = phases {
@@ -238,12 +246,20 @@ fn mkdir_mode(p: &Path, mode: u32) -> Result<(), String> {
         .map_err(|e| format!("chmod {}: {e}", p.display()))
 }
 
-fn load_modules() -> Result<(), String> {
+/// Loads the modules of `/modules/order`; those of
+/// [`NET_MODULES`](sandlot_guest::vm_net::NET_MODULES) only when `with_net` (each load costs
+/// guest time under TCG; a VM without a network has no virtio-net device).
+fn load_modules(with_net: bool) -> Result<(), String> {
     let order = match std::fs::read_to_string("/modules/order") {
         Ok(s) => s,
         Err(_) => return Ok(()), // a kernel with everything built in
     };
-    for name in order.lines().map(str::trim).filter(|l| !l.is_empty()) {
+    for name in order
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .filter(|l| with_net || !sandlot_guest::vm_net::NET_MODULES.contains(l))
+    {
         let path = format!("/modules/{name}");
         let f = std::fs::File::open(&path).map_err(|e| format!("open {path}: {e}"))?;
         let params = CString::new("").expect("no NUL");

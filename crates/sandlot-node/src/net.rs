@@ -58,6 +58,10 @@
 //!    from [`create_netns`] that the OCI runtime joins through `namespaces[].path`), call
 //!    [`NetworkManager::attach`], write `nameserver <resolver>` into the sandbox's
 //!    `/etc/resolv.conf`, *then* start the sandbox's own processes.
+//!    A VM (`microvm`, `vm`): a namespace from [`create_netns`], [`NetworkManager::attach`],
+//!    then [`bridge_tap`] (the guest takes over the sandbox address on its virtio-net
+//!    device behind the tap; [`open_tap`] gives QEMU the tap) and the guest sets its own
+//!    `/etc/resolv.conf` from its kernel command line.
 //! 3. On delete (any state): [`NetworkManager::teardown`]; idempotent.
 use crate::dns::{self, Resolver};
 use crate::net_audit;
@@ -1085,6 +1089,80 @@ async fn disable_ipv6(netns: Option<&Path>, ifname: &str) -> NodeResult<()> {
     .unwrap_or_else(|e| Err(std::io::Error::other(e)));
     let place = netns.map_or("host".to_owned(), |p| p.display().to_string());
     r.map_err(|e| NodeError::io(format!("write {file} in {place}"), e))
+}
+
+/// Hands the sandbox side of an attached network over to a VM: inside the network
+/// namespace `netns` (given to [`NetworkManager::attach`] before), `eth0` loses its address
+/// and becomes, with a new persistent tap device `tap` owned by host uid (= gid) `uid`, a
+/// port of the bridge `br0` (no STP, no forward delay; IPv6 off on both). The guest then
+/// owns the sandbox address ([`Attachment::sandbox_addr`], prefix 30, gateway
+/// [`Attachment::resolver`]) on its virtio-net device behind `tap`, so its frames leave by
+/// the veth exactly as a container's would: the host-side rules, resolver and drop
+/// accounting apply unchanged. QEMU, started in `netns` as `uid`, gets `tap` opened by the
+/// node ([`open_tap`]).
+/// [`NetworkManager::teardown`] removes it all with the namespace.
+///
+/// # Errors
+/// `Internal` with the `ip` command and its stderr, or the sysctl write that failed.
+pub async fn bridge_tap(netns: &Path, tap: &str, uid: u32) -> NodeResult<()> {
+    let ns = netns
+        .to_str()
+        .ok_or_else(|| NodeError::InvalidArgument(format!("netns path {netns:?} is not UTF-8")))?;
+    // Interfaces made from now on in this namespace start without IPv6.
+    disable_ipv6(Some(netns), "default").await?;
+    let batch = format!(
+        "addr flush dev eth0\n\
+         link add br0 type bridge forward_delay 0 stp_state 0\n\
+         tuntap add dev {tap} mode tap user {uid} group {uid}\n\
+         link set eth0 master br0\n\
+         link set {tap} master br0\n\
+         link set br0 up\n\
+         link set {tap} up\n"
+    );
+    run(
+        "nsenter",
+        &[&format!("--net={ns}"), "ip", "-batch", "-"],
+        Some(&batch),
+    )
+    .await?;
+    Ok(())
+}
+
+/// Opens the tap device `tap` of the network namespace `netns` (made by [`bridge_tap`]):
+/// `/dev/net/tun` + TUNSETIFF (`IFF_TAP | IFF_NO_PI`, no virtio-net header) from a thread
+/// that joined `netns`, as root (the device node may be root's alone, mode 0600 on some
+/// hosts, and QEMU runs as an unprivileged uid). The descriptor is close-on-exec; QEMU gets
+/// it as `-netdev tap,fd=N`.
+///
+/// # Errors
+/// The I/O error of the open, setns(2) or ioctl.
+pub fn open_tap(netns: &Path, tap: &str) -> std::io::Result<std::os::fd::OwnedFd> {
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    let ns = std::fs::File::open(netns)?;
+    let name = tap.as_bytes().to_vec();
+    std::thread::spawn(move || -> std::io::Result<OwnedFd> {
+        nix::sched::setns(ns, nix::sched::CloneFlags::CLONE_NEWNET)
+            .map_err(std::io::Error::from)?;
+        let tun = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open("/dev/net/tun")?;
+        // SAFETY: ifreq is plain old data; all-zero is a valid value.
+        let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
+        for (d, s) in req.ifr_name.iter_mut().zip(name.iter().take(15)) {
+            *d = *s as libc::c_char;
+        }
+        req.ifr_ifru.ifru_flags = (libc::IFF_TAP | libc::IFF_NO_PI) as libc::c_short;
+        // SAFETY: TUNSETIFF reads one ifreq with a NUL-terminated name and flags.
+        if unsafe { libc::ioctl(tun.as_raw_fd(), libc::TUNSETIFF, &req) } < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        let fd = std::os::fd::IntoRawFd::into_raw_fd(tun);
+        // SAFETY: `fd` was just released by `tun`; we own it alone.
+        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    })
+    .join()
+    .unwrap_or_else(|_| Err(std::io::Error::other("tap thread panicked")))
 }
 
 async fn delete_link(name: &str) -> NodeResult<()> {

@@ -1,7 +1,10 @@
 //! The `microvm` backend: one QEMU `-M microvm` virtual machine per sandbox, with its own
 //! guest kernel (the Debian cloud kernel of the guest kit, see `scripts/guest-kit.sh`),
 //! direct kernel boot of its uncompressed `vmlinux` through the PVH entry (`kit_kernel`),
-//! no PCI, no firmware beyond microvm's, no network device. docs/backends.md ("Cold boot")
+//! no PCI, no firmware beyond microvm's, no network device unless the sandbox has a network
+//! allow policy (then one `virtio-net-device` on a tap bridged to the node's veth, see
+//! `QemuCore::attach_net` in `sandbox.rs`; such a microVM always boots cold: a template's
+//! device set has no network). docs/backends.md ("Cold boot")
 //! has the boot's time breakdown behind the kernel command line.
 //!
 //! Host layout (`DATA/microvm/`):
@@ -110,6 +113,9 @@ pub struct MicrovmConfig {
     /// The shared snapshot store pauses write to (`--snapshot-dir`; [`super::store`]), so
     /// another node can resume a paused microVM; `None`: pauses stay on this node's disk.
     pub snapshot_store: Option<super::store::SnapshotStore>,
+    /// The node's network policies (shared with the other backends); `None`: allow
+    /// policies are refused.
+    pub net: Option<Arc<crate::net::NodeNet>>,
 }
 
 /// The microvm backend: microVMs by id.
@@ -258,6 +264,7 @@ impl MicrovmBackend {
         }
         let mut core = QemuCore::new(Backend::Microvm, &cfg.dir, qemu, cgroups, &cfg.uids)?;
         core.store = cfg.snapshot_store.clone();
+        core.net = cfg.net.clone();
         cfg.probe.start(&core.qemu, &cfg.kit_dir, &initrd);
         let disks = ImageDisks::new(
             "microvm",
@@ -501,6 +508,9 @@ impl Machine for MicrovmBackend {
             spawn_blocking(move || super::prepare_vm_dir(&d, uid)).await?;
         }
         super::create_vmm_cgroup(cg, memory_mib, spec.cpu, QEMU_PIDS)?;
+        // An allow policy: the network namespace QEMU starts in, with its tap bridged to
+        // the node's veth, before QEMU starts.
+        let net = self.core.attach_net(spec, uid).await?;
         let smp = (spec.cpu.ceil() as u64).clamp(1, 16);
         let sock = dir.join("agent.sock");
         // The guest agent puts every exec in a guest cgroup with this pids limit.
@@ -548,7 +558,15 @@ impl Machine for MicrovmBackend {
                 append.push_str(" noreplace-smp");
             }
         }
-        let args = self.qemu_args(accel, smp, memory_mib, &append, &disk, &dir);
+        if let Some((_, arg)) = &net {
+            // No IPv6 at all in the guest: the host drops a sandbox's IPv6 anyway.
+            append.push_str(&format!(" {} ipv6.disable=1", arg.to_arg()));
+        }
+        let mut args = self.qemu_args(accel, smp, memory_mib, &append, &disk, &dir);
+        let netns = net.map(|(ns, _)| ns);
+        if netns.is_some() {
+            args.extend(super::net_args("virtio-net-device"));
+        }
         let mut state = VmState {
             id: spec.id.clone(),
             image: image.name.clone(),
@@ -562,14 +580,17 @@ impl Machine for MicrovmBackend {
             memory_saved: false,
             started_from: String::new(),
             qemu_uid: Some(uid),
+            netns: netns.clone(),
         };
         let relay = Relay::new(sock.clone());
         let agent = AgentClient::with_connector(&sock, relay.connector());
         let started = Instant::now();
         let key = template::key(self, &dir, &args, &disk, mib);
         let mut from_template = false;
-        // A fork boots on its checkpoint's disk, never from a template.
-        if self.templates_enabled && seed.is_none() {
+        // A fork boots on its checkpoint's disk, never from a template; a microVM with a
+        // network neither (a template has no network device).
+        let templates = self.templates_enabled && netns.is_none();
+        if templates && seed.is_none() {
             match self
                 .start_from_template(&key, &args, &dir, cg, &agent, &relay, &mut state)
                 .await
@@ -606,7 +627,7 @@ impl Machine for MicrovmBackend {
                 &dir,
                 cg,
                 false,
-                &self.core.jail(Some(uid), accel),
+                &self.core.jail(Some(uid), accel).in_netns(netns.as_deref()),
             )?;
             t_spawn = Instant::now();
             state.qemu_pid = pid;
@@ -630,7 +651,7 @@ impl Machine for MicrovmBackend {
         tracing::info!(sandbox = %spec.id, backend = "microvm", accel = accel.as_str(), start = %state.started_from, ms = started.elapsed().as_millis() as u64,
             prep_ms = ms(t0, t_spawn), boot_ms = ms(t_spawn, t_ready), identity_ms = ms(t_ready, now), "microVM agent ready");
         write_json(&dir.join("state.json"), &state)?;
-        if self.templates_enabled && !from_template {
+        if templates && !from_template {
             // `init_on_free=1` for the template's boot only: freed guest pages are zeroed,
             // and zero pages are not written to a saved state, so the template holds what
             // the guest uses, not the leftovers of initramfs unpacking and freed kernel init
@@ -739,6 +760,12 @@ impl Machine for MicrovmBackend {
             Some(NodeError::InvalidArgument(format!(
                 "the snapshot of {id} is of backend {} / sandbox {}",
                 m.backend, m.state.id
+            )))
+        } else if m.state.netns.is_some() {
+            // Its network (veth, nftables, resolver, address) lives on the node it was
+            // created on.
+            Some(NodeError::Unavailable(format!(
+                "sandbox {id} has a network allow policy: it resumes only on the node that created it"
             )))
         } else if m.state.accel != accel {
             Some(NodeError::Unavailable(format!(

@@ -165,6 +165,9 @@ impl AccelProbe {
 pub const AGENT_FD: RawFd = 3;
 /// File descriptor of the QMP listening socket in QEMU (`-chardev socket,fd=4`).
 pub const QMP_FD: RawFd = 4;
+/// File descriptor of the tap device in the QEMU of a VM with a network allow policy
+/// (`-netdev tap,fd=5`, [`TAP_IF`] opened by the node).
+pub const TAP_FD: RawFd = 5;
 /// The agent socket's name in a VM directory.
 pub const AGENT_SOCK: &str = "agent.sock";
 /// The QMP socket's name in a VM directory.
@@ -330,6 +333,10 @@ pub struct Jail {
     /// Unix sockets the node binds in the VM directory and hands over listening:
     /// (file name, descriptor number in QEMU).
     pub sockets: Vec<(&'static str, RawFd)>,
+    /// The network namespace QEMU starts in (a sandbox with an allow policy: the nsfs file
+    /// of [`crate::net::create_netns`]), whose tap [`TAP_IF`] ([`crate::net::bridge_tap`])
+    /// the node opens and hands over as [`TAP_FD`]; `None`: the node's, no tap.
+    pub netns: Option<std::path::PathBuf>,
 }
 
 impl Jail {
@@ -346,7 +353,14 @@ impl Jail {
             } else {
                 Vec::new()
             },
+            netns: None,
         }
+    }
+
+    /// This jail, its QEMU started in the network namespace `netns` (when given).
+    pub fn in_netns(mut self, netns: Option<&Path>) -> Jail {
+        self.netns = netns.map(Path::to_path_buf);
+        self
     }
 }
 
@@ -861,13 +875,14 @@ pub fn run_as(cmd: &mut std::process::Command, jail: &Jail) {
 /// Starts `cmd` (a QEMU) jailed by `jail` in a session of its own (it outlives the node and
 /// is re-adopted) and, before it runs, in the cgroup `cg` (its limits apply from its first
 /// instruction). Between fork and exec, in this order: new session, cgroup, the node-bound
-/// listening sockets of `jail` moved to their descriptor numbers, supplementary groups,
+/// listening sockets of `jail` moved to their descriptor numbers, `jail`'s network
+/// namespace (setns(2), while still root), supplementary groups,
 /// gid, uid (real, effective and saved: no capabilities are left, see capabilities(7)
 /// "Effect of user ID changes on capabilities"). Returns the child; the caller reaps it.
 ///
 /// # Errors
-/// `Internal` when a socket cannot be bound, or QEMU cannot be started, put in the cgroup
-/// or given its uid.
+/// `Internal` when a socket or the network namespace cannot be opened, or QEMU cannot be
+/// started, put in the cgroup, its namespace or given its uid.
 pub fn spawn_in_cgroup(
     cmd: &mut std::process::Command,
     cg: &SandboxCgroup,
@@ -894,15 +909,32 @@ pub fn spawn_in_cgroup(
             .map_err(|e| NodeError::io(format!("bind {}", path.display()), e))?;
         listeners.push((l, *fd));
     }
+    let tap = match &jail.netns {
+        Some(ns) => Some(
+            crate::net::open_tap(ns, TAP_IF)
+                .map_err(|e| NodeError::io(format!("open tap {TAP_IF} in {}", ns.display()), e))?,
+        ),
+        None => None,
+    };
     let moves: Vec<(RawFd, RawFd)> = listeners
         .iter()
         .map(|(l, fd)| (l.as_raw_fd(), *fd))
+        .chain(tap.as_ref().map(|t| (t.as_raw_fd(), TAP_FD)))
         .collect();
     let user = jail.uid;
     let groups: Vec<libc::gid_t> = jail.groups.clone();
+    // Opened here (close-on-exec), joined in the child.
+    let netns = match &jail.netns {
+        Some(p) => Some(
+            std::fs::File::open(p)
+                .map_err(|e| NodeError::io(format!("open network namespace {}", p.display()), e))?,
+        ),
+        None => None,
+    };
+    let netns_fd = netns.as_ref().map(|f| f.as_raw_fd());
     // SAFETY: after fork, before exec: only async-signal-safe calls (setsid, getpid,
-    // open, write, close, fcntl, dup2, setgroups, setresgid, setresuid) on data prepared
-    // before the fork.
+    // open, write, close, fcntl, dup2, setns, setgroups, setresgid, setresuid) on data
+    // prepared before the fork.
     unsafe {
         cmd.pre_exec(move || {
             libc::setsid();
@@ -945,6 +977,11 @@ pub fn spawn_in_cgroup(
                 }
                 libc::close(*h);
             }
+            if let Some(fd) = netns_fd {
+                if libc::setns(fd, libc::CLONE_NEWNET) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+            }
             if let Some(uid) = user {
                 if libc::setgroups(groups.len(), groups.as_ptr()) != 0
                     || libc::setresgid(uid, uid, uid) != 0
@@ -960,6 +997,8 @@ pub fn spawn_in_cgroup(
         .spawn()
         .map_err(|e| NodeError::io(format!("start {:?}", cmd.get_program()), e));
     drop(listeners);
+    drop(netns);
+    drop(tap);
     child
 }
 
@@ -1161,6 +1200,24 @@ pub(crate) fn control_args(serial_bus: &str) -> Vec<String> {
         "chardev=qmp,mode=control".into(),
         "-sandbox".into(),
         "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny".into(),
+    ]
+}
+
+/// Name of the tap device a VM with a network allow policy gets in its network namespace
+/// ([`crate::net::bridge_tap`]).
+pub const TAP_IF: &str = "tap0";
+
+/// QEMU arguments of the one network device of a VM with an allow policy: the tap
+/// [`TAP_IF`] of its namespace, opened by the node and inherited as [`TAP_FD`] (see
+/// [`Jail::netns`]; no helper scripts: `-sandbox on` forbids spawning) behind the
+/// virtio-net device `device` (`virtio-net-device` on microvm, `virtio-net-pci` on q35).
+/// No vhost: user-space virtio keeps the device in QEMU's jail.
+pub(crate) fn net_args(device: &str) -> Vec<String> {
+    vec![
+        "-netdev".into(),
+        format!("tap,id=net0,fd={TAP_FD},vhost=off"),
+        "-device".into(),
+        format!("{device},netdev=net0"),
     ]
 }
 

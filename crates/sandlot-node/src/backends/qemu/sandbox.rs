@@ -93,6 +93,9 @@ pub struct QemuCore {
     pub(super) uids: Arc<QemuUids>,
     /// The shared snapshot store pauses write to (`microvm` with `--snapshot-dir`).
     pub(super) store: Option<super::store::SnapshotStore>,
+    /// The node's network policies (`network: {"allow": ...}`, shared with the function
+    /// and container backends); `None`: allow policies are refused.
+    pub(super) net: Option<Arc<crate::net::NodeNet>>,
     vms: Mutex<HashMap<String, Arc<QemuVm>>>,
 }
 
@@ -123,6 +126,7 @@ impl QemuCore {
             cgroups,
             uids: uids.clone(),
             store: None,
+            net: None,
             vms: Mutex::new(HashMap::new()),
         })
     }
@@ -248,7 +252,60 @@ impl QemuCore {
             pids_max: vm.state.spec.pids_max,
             died: &died,
         };
-        agent_exec::run(target, plan, guard, &mut killed, io.sink, io.control).await
+        let started = crate::backends::gvisor_audit::now_ms();
+        let mut res =
+            agent_exec::run(target, plan, guard, &mut killed, io.sink, io.control).await?;
+        // What the network policy refused while this exec ran (DNS queries, packets), as
+        // the container backend reports it.
+        if let (Some(_), Some(net)) = (&vm.state.netns, self.net.as_ref().and_then(|n| n.started()))
+        {
+            let room =
+                sandlot_guest::spec::MAX_VIOLATIONS_PER_EXEC.saturating_sub(res.violations.len());
+            let refused = net.violations(id, started, crate::backends::gvisor_audit::now_ms());
+            res.violations.extend(refused.into_iter().take(room));
+        }
+        Ok(res)
+    }
+
+    /// With an allow policy in `spec`: the network of the VM `spec.id` whose QEMU will run
+    /// as host uid `uid`: the namespace file `vms/<id>/netns` ([`crate::net::create_netns`]),
+    /// the node's veth, nftables and resolver on it ([`crate::net::NetworkManager::attach`]),
+    /// and the tap [`super::TAP_IF`] bridged to the veth ([`crate::net::bridge_tap`]).
+    /// Returns the namespace (QEMU starts in it: [`Jail::in_netns`]) and the guest's
+    /// `sandlot.net=` argument; `None` for `network: "none"` (no network device at all).
+    /// What it made is removed by [`QemuCore::destroy`] (the create's rollback).
+    ///
+    /// # Errors
+    /// `InvalidArgument` when this backend has no network manager; the manager's errors
+    /// (`Unavailable` without `ip`/`nft`, `ResourceExhausted` when the pool is full).
+    pub(super) async fn attach_net(
+        &self,
+        spec: &SandboxSpec,
+        uid: u32,
+    ) -> NodeResult<Option<(PathBuf, sandlot_guest::vm_net::NetArg)>> {
+        let sandlot_api::NetworkPolicy::Allow(policy) = &spec.network else {
+            return Ok(None);
+        };
+        let Some(net) = &self.net else {
+            return Err(NodeError::InvalidArgument(format!(
+                "network allow policies are not enforced by the {} backend on this node",
+                self.name
+            )));
+        };
+        let net = net.get().await?;
+        let path = self.vm_dir(&spec.id).join("netns");
+        let p = path.clone();
+        spawn_blocking(move || crate::net::create_netns(&p)).await?;
+        let att = net.attach(&spec.id, &path, policy).await?;
+        crate::net::bridge_tap(&path, super::TAP_IF, uid).await?;
+        Ok(Some((
+            path,
+            sandlot_guest::vm_net::NetArg {
+                addr: att.sandbox_addr,
+                prefix: 30,
+                gateway: att.resolver,
+            },
+        )))
     }
 
     /// Waits until the agent of the VM being created as `id` (its QEMU `proc_`) answers,
@@ -326,22 +383,27 @@ impl QemuCore {
             relay: &vm.relay,
             agent: &vm.agent,
             proc_: &vm.proc_,
-            // The same uid as before the pause (`qemu_uid`, held by the sandbox).
-            jail: self.jail(vm.state.qemu_uid, vm.state.accel),
+            // The same uid as before the pause (`qemu_uid`, held by the sandbox), in the
+            // same network namespace.
+            jail: self
+                .jail(vm.state.qemu_uid, vm.state.accel)
+                .in_netns(vm.state.netns.as_deref()),
             snapshot: self.snapshot_dir(&vm.state.id),
         }
     }
 
-    /// Kills the QEMU of `id` (from `state.json` or `boot.json`), removes its cgroup and
-    /// directory (for `vm` its qcow2 layers' links with it; shared image disks stay),
-    /// gives its uid back.
+    /// Kills the QEMU of `id` (from `state.json` or `boot.json`), removes its network
+    /// (veth, nftables, resolver, the namespace file in its directory; idempotent), its
+    /// cgroup and directory (for `vm` its qcow2 layers' links with it; shared image disks
+    /// stay), gives its uid back.
     ///
     /// # Errors
-    /// `Internal` when the cgroup or the directory cannot be removed.
+    /// `Internal` when the network, the cgroup or the directory cannot be removed.
     pub(super) async fn destroy(&self, id: &str) -> NodeResult<()> {
         let dir = self.vm_dir(id);
         let cg = self.cgroups.sandbox(id);
         let (uids, id_) = (self.uids.clone(), id.to_string());
+        let d = dir.clone();
         spawn_blocking(move || {
             let st: Option<VmState> = ["state.json", "boot.json"].iter().find_map(|f| {
                 std::fs::read(dir.join(f))
@@ -362,8 +424,19 @@ impl QemuCore {
                     }
                 }
             }
+            Ok(())
+        })
+        .await?;
+        // The network goes before the directory: its namespace file is mounted in there.
+        if let Some(net) = self.net.as_ref().and_then(|n| n.started()) {
+            net.teardown(id).await?;
+        }
+        let dir = d;
+        spawn_blocking(move || {
             // Kills anything left in the group (a QEMU whose state file was lost) too.
             cg.group().destroy(Duration::from_secs(10))?;
+            // A namespace file left by a create whose network attach failed half-way.
+            crate::net::remove_netns(&dir.join("netns"))?;
             // No process of the uid is left: once its files are gone it may go to another
             // sandbox.
             super::remove_vm_dir(&uids, &id_, &dir)

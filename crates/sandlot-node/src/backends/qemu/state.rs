@@ -43,6 +43,10 @@ pub struct VmState {
     /// root (such a VM keeps running as root).
     #[serde(default)]
     pub qemu_uid: Option<u32>,
+    /// The network namespace every QEMU of this sandbox runs in (a network allow policy:
+    /// `vms/<id>/netns`, with the tap of [`crate::net::bridge_tap`]); `None`: no network.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub netns: Option<std::path::PathBuf>,
 }
 
 /// Writes `st` as pretty JSON to `path` atomically (a temp file renamed over it).

@@ -92,6 +92,9 @@ pub struct VmConfig {
     pub images: ImageStore,
     /// `DATA/checkpoints`: a checkpoint's qcow2 chain keeps its image disk.
     pub checkpoints_dir: PathBuf,
+    /// The node's network policies (shared with the other backends); `None`: allow
+    /// policies are refused.
+    pub net: Option<Arc<crate::net::NodeNet>>,
 }
 
 /// The vm backend: q35 VMs by id.
@@ -279,7 +282,8 @@ impl VmBackend {
         entries.push(("modules/order".into(), 0o644, Some(order.into_bytes())));
         let initrd = cfg.dir.join("initramfs.cpio");
         super::write_initramfs(&initrd, &entries)?;
-        let core = QemuCore::new(Backend::Vm, &cfg.dir, qemu, cgroups, &cfg.uids)?;
+        let mut core = QemuCore::new(Backend::Vm, &cfg.dir, qemu, cgroups, &cfg.uids)?;
+        core.net = cfg.net.clone();
         cfg.probe.start(&core.qemu, &cfg.kit_dir, &initrd);
         let disks = ImageDisks::new("vm", cfg.dir.join("images"), "qcow2", cfg.images.clone());
         Ok(VmBackend {
@@ -431,6 +435,9 @@ impl Machine for VmBackend {
         }
         let memory_mib = spec.memory_mib.max(128);
         super::create_vmm_cgroup(cg, memory_mib, spec.cpu, QEMU_PIDS)?;
+        // An allow policy: the network namespace QEMU starts in, with its tap bridged to
+        // the node's veth, before QEMU starts.
+        let net = self.core.attach_net(spec, uid).await?;
         let smp = (spec.cpu.ceil() as u64).clamp(1, 16);
         let sock = dir.join(AGENT_SOCK);
         let mut append = format!(
@@ -441,6 +448,11 @@ impl Machine for VmBackend {
             append.push(' ');
             append.push_str(&extra);
         }
+        if let Some((_, arg)) = &net {
+            // No IPv6 at all in the guest: the host drops a sandbox's IPv6 anyway.
+            append.push_str(&format!(" {} ipv6.disable=1", arg.to_arg()));
+        }
+        let netns = net.map(|(ns, _)| ns);
         let mut args = super::machine_args("q35", accel);
         args.extend(super::boot_args(
             smp,
@@ -458,8 +470,11 @@ impl Machine for VmBackend {
             "-device".into(),
             "virtio-rng-pci".into(),
         ]);
+        if netns.is_some() {
+            args.extend(super::net_args("virtio-net-pci"));
+        }
         args.extend(super::control_args("virtio-serial-pci"));
-        let jail = self.core.jail(Some(uid), accel);
+        let jail = self.core.jail(Some(uid), accel).in_netns(netns.as_deref());
         let (pid, starttime) = spawn_qemu(&self.core.qemu, &args, &dir, cg, false, &jail)?;
         let state = VmState {
             id: spec.id.clone(),
@@ -476,6 +491,7 @@ impl Machine for VmBackend {
             memory_saved: false,
             started_from: "cold".into(),
             qemu_uid: Some(uid),
+            netns,
         };
         // Written before readiness so that a failed boot is cleaned up by pid too.
         write_json(&dir.join("boot.json"), &state)?;
