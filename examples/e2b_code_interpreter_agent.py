@@ -7,15 +7,18 @@ Sandlot import, against `sandlot up` (docs/e2b.md, "Code interpreter").
 """
 from e2b_code_interpreter import Sandbox
 
-with Sandbox.create() as sbx:  # template code-interpreter-v1 -> Sandlot's lang-python image
+# template code-interpreter-v1 -> Sandlot's lang-python image. `timeout` (seconds) is the
+# sandbox's TTL: without it E2B's API default, 15 s, applies (the SDK sends none), too short
+# for this script on a microvm under TCG.
+with Sandbox.create(timeout=120) as sbx:
     print("sandbox", sbx.sandbox_id)
     sbx.files.write("/home/user/data.csv", "x,y\n1,2\n2,4\n3,9\n")
     sbx.run_code("import pandas as pd\ndf = pd.read_csv('data.csv')",
                  on_stdout=lambda m: print("stdout:", m.line, end=""))
     print("rows (state kept between calls):", sbx.run_code("len(df)").text)
-    e = sbx.run_code("print('sum of y:', df.y.sum())",
-                     on_stdout=lambda m: print("stdout:", m.line, end=""))
-    e = sbx.run_code("df.y / 0 if False else 1/0")
+    sbx.run_code("print('sum of y:', df.y.sum())",
+                 on_stdout=lambda m: print("stdout:", m.line, end=""))
+    e = sbx.run_code("1 / len(df[df.y > 100])  # no row matches: ZeroDivisionError")
     print("error:", e.error.name, e.error.value)
     e = sbx.run_code("import matplotlib.pyplot as plt\nplt.plot(df.x, df.y)\nplt.show()")
     pngs = [r.png for r in e.results if r.png]

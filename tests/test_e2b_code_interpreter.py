@@ -2,9 +2,9 @@
 `sandlot up`: `run_code` on a stateful kernel served by Sandlot (docs/e2b.md, "Code
 interpreter"). Needs the lang-python image (ipykernel, jupyter_client, matplotlib).
 
-Backend cases as in test_e2b_sdk.py (`e2b_target`, tests/conftest.py): `function` and
-`container` (runc); `microvm` is skipped: under TCG (CI) importing ipykernel alone takes ~15 s
-in the guest, and the kernel does not answer within the interpreter's 60 s start limit."""
+Backend cases as in test_e2b_sdk.py (`e2b_target`, tests/conftest.py): the full test on
+`function` and `container` (runc); on `microvm` (TCG in CI: a boot and the kernel's start take
+seconds) one shorter test of state, streams, an error and a command in the same sandbox."""
 from __future__ import annotations
 
 import base64
@@ -19,8 +19,8 @@ from e2b_code_interpreter import Sandbox  # noqa: E402
 
 from conftest import IMAGES_DIR  # noqa: E402
 
-NO_MICROVM = ("ipykernel's start under TCG takes longer than the interpreter's 60 s limit "
-              "(importing it alone: ~15 s in the guest)")
+NO_MICROVM = ("microvm runs the shorter test_microvm_state_streams_error (TCG: CI time; "
+              "matplotlib's import alone takes ~7 s in the guest)")
 
 
 @pytest.fixture
@@ -53,6 +53,25 @@ def test_state_streams_error_png_files_contexts(sbx):
     assert sbx.run_code("'x' in dir()", context=c).text == "False"
     assert c.id in [k.id for k in sbx.list_code_contexts()]
     sbx.remove_code_context(c)
+
+
+@pytest.mark.e2b_only("microvm", why="the fuller test above covers this backend")
+def test_microvm_state_streams_error(sbx, e2b_target):
+    """The interpreter on a microvm sandbox: the kernel runs in the guest (one bridge + one
+    ipykernel process there), keeps state between cells, streams stdout/stderr and reports
+    an error; files and commands reach the same VM."""
+    out = []
+    e = sbx.run_code("import os, sys\nx = 41\nprint('hi'); print('oops', file=sys.stderr)",
+                     on_stdout=lambda m: out.append(m.line), on_stderr=lambda m: out.append(m.line),
+                     timeout=90)
+    assert e.error is None, e.error
+    assert e.logs.stdout == ["hi\n"] and e.logs.stderr == ["oops\n"] and out == ["hi\n", "oops\n"]
+    assert sbx.run_code("x + 1").text == "42"
+    assert sbx.run_code("1/0").error.name == "ZeroDivisionError"
+    sbx.files.write("/home/user/a.txt", "vm")
+    assert sbx.run_code("open('a.txt').read() + str(os.getpid() > 1)").text == "vmTrue"
+    # the kernel is a process of the guest: the VM's own process table lists it
+    assert "ipykernel" in sbx.commands.run("cat /proc/[0-9]*/cmdline | tr '\\0' ' '").stdout
 
 
 @pytest.mark.e2b_only("function", why="backend-independent (the server alone answers it)")

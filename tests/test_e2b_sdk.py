@@ -13,7 +13,8 @@ Which test runs where (`e2b_only` markers, the reason in each): what the server 
 (parsing Connect envelopes and uploads, TTL expiry, unknown ids) runs on `function` only;
 `microvm` boots under TCG in CI (seconds per boot), so it runs a reduced set — commands,
 files, pause/connect with a live process, create/list/kill — on one sandbox shared by the
-module's `box` tests; `get_host` is not implemented for microvm.
+module's `box` tests, and the e2b pty (tests/test_pty.py has it on the other two);
+`get_host` is not implemented for microvm.
 """
 
 from __future__ import annotations
@@ -594,6 +595,16 @@ def test_stream_input_client_stream(box):
         assert b"exactly one of" in r.content, r.content
         r = c.post("/process.Process/StreamInput", content=b'\x00\x00\x00\x00\x05{"a"', headers=hd)
         assert b"invalid_argument" in r.content, r.content
+
+
+@pytest.mark.e2b_only("microvm", why="tests/test_pty.py drives the e2b SDK's pty on function "
+                                      "and container")
+def test_pty_on_microvm(box):
+    """`sb.pty` on a microvm sandbox (the terminal allocated in the guest): create, type,
+    `tty`/`stty size`, resize, exit code, kill; the same steps as tests/test_pty.py."""
+    from test_pty import _drive_a_terminal
+
+    _drive_a_terminal(box)
 
 
 @pytest.mark.e2b_only("function", "container", why=BUSYBOX_BOOT)

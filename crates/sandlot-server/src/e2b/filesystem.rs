@@ -29,7 +29,7 @@
 //! under the `e2b` SDK, accepts gzip on every request: deflating 1 MiB of random bytes
 //! cost ~10 ms on the server and again on the client, for no smaller body).
 use super::connect::{check_kind, unary_ok, unary_request, CallKind, ConnectError};
-use super::{ensure_home, home_of, sandbox_of, visible, watch, E2bUser};
+use super::{ensure_home, home_of, sandbox_of, visible_running, watch, E2bUser};
 use crate::auth::Principal;
 use crate::error::ServerError;
 use crate::SharedState;
@@ -379,8 +379,7 @@ async fn files_ctx(
         .clone()
         .or_else(|| req.extensions.get::<E2bUser>().map(|u| u.0.clone()));
     let id = sandbox_of(&req.headers)?;
-    visible(st, &who, &id).await?;
-    crate::sandboxes::running(st, &id).await?;
+    visible_running(st, &who, &id).await?;
     let home = home_of(user.as_deref());
     ensure_home(st, &id, &home).await?;
     Ok(FilesCtx { id, home, q })

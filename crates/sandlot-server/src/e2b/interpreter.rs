@@ -394,9 +394,15 @@ async fn start_context(
         }
         Ok(Ok(Err(why))) => {
             let _ = ctx.proc.remove().await;
+            // A sandbox going away (deleted, its TTL reaped) kills the bridge too (exit
+            // 137): say that, not that the image lacks a kernel.
+            crate::sandboxes::running(st, sandbox).await?;
             Err(fail(why))
         }
-        Ok(Err(_)) => Err(fail("the bridge ended".into())),
+        Ok(Err(_)) => {
+            crate::sandboxes::running(st, sandbox).await?;
+            Err(fail("the bridge ended".into()))
+        }
         Err(_) => {
             let _ = ctx.proc.remove().await;
             Err(fail(format!("no answer within {} s", READY_WAIT.as_secs())))

@@ -26,7 +26,9 @@ import asyncio
 import importlib.util
 import json
 import os
+import shutil
 import sys
+import tempfile
 import threading
 import time
 
@@ -109,9 +111,15 @@ class Kernel:
     def __init__(self):
         self.km = None
         self.kc = None
+        self.sockets = None
 
     async def start(self):
-        self.km = AsyncKernelManager(kernel_name="python3")
+        # ZeroMQ over Unix sockets in a private directory, not TCP on 127.0.0.1: a sandbox
+        # need not have a working loopback interface (a microvm guest's `lo` is down), and
+        # no port of the sandbox is taken.
+        self.sockets = tempfile.mkdtemp(prefix="sandlot-kernel-")
+        self.km = AsyncKernelManager(kernel_name="python3", transport="ipc",
+                                     ip=os.path.join(self.sockets, "k"))
         await self.km.start_kernel(cwd=os.getcwd())
         self.kc = self.km.client()
         self.kc.start_channels()
@@ -126,6 +134,8 @@ class Kernel:
                 await self.km.shutdown_kernel(now=True)
             except Exception:
                 pass
+        if self.sockets:
+            shutil.rmtree(self.sockets, ignore_errors=True)
 
     async def run_silent(self, code):
         await self.kc.execute_interactive(code, silent=True, store_history=False,

@@ -281,9 +281,33 @@ pub async fn running_sandbox_of(
     h: &HeaderMap,
 ) -> Result<String, ServerError> {
     let id = sandbox_of(h)?;
-    visible(st, who, &id).await?;
-    crate::sandboxes::running(st, &id).await?;
+    visible_running(st, who, &id).await?;
     Ok(id)
+}
+
+/// The record of sandbox `id` if `who` may see it and it is `running`: [`visible`] and
+/// [`crate::sandboxes::running`] from one store read (every envd call asks this).
+///
+/// # Errors
+/// 404 `not_found` for an unknown or hidden sandbox, 409 `conflict` when it is not running
+/// (the messages of [`crate::sandboxes::running`]); store errors.
+pub async fn visible_running(
+    st: &SharedState,
+    who: &Principal,
+    id: &str,
+) -> Result<Record, ServerError> {
+    let rec = visible(st, who, id).await?;
+    match rec.state {
+        sandlot_api::SandboxState::Running => Ok(rec),
+        sandlot_api::SandboxState::Paused => Err(ServerError::new(
+            ErrorCode::Conflict,
+            format!("sandbox is paused: {id} (resume it with POST /v1/sandboxes:resume)"),
+        )),
+        s => Err(ServerError::new(
+            ErrorCode::Conflict,
+            format!("sandbox {id} is {}, not running", s.as_str()),
+        )),
+    }
 }
 
 /// The record of sandbox `id` if `who` may see it, else 404 as for an unknown id.
