@@ -34,7 +34,7 @@ pub const LABEL_CHUNK: usize = 256;
 
 /// Chunks of one pause or resume by label in flight at once (so up to this ×
 /// [`LABEL_CHUNK`] node calls).
-pub const LABEL_CHUNKS_IN_FLIGHT: usize = 4;
+pub const LABEL_CHUNKS_IN_FLIGHT: usize = 16;
 
 /// Ids of the sandboxes whose state passes `state` matching `sel` that `who` may see (a
 /// tenant's label call never touches another tenant's sandboxes, whatever their labels).

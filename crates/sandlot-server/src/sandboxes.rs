@@ -898,7 +898,7 @@ pub async fn set_ttl(st: &SharedState, id: &str, ttl_s: u64) -> ApiResult<Record
 /// placed, inserted, claimed, created on their nodes (all of the chunk's node calls at
 /// once) and marked running together, so up to this × [`BATCH_CHUNK`] node creates of one
 /// batch run at a time.
-pub const BATCH_CHUNKS_IN_FLIGHT: usize = 4;
+pub const BATCH_CHUNKS_IN_FLIGHT: usize = 16;
 
 /// Items of a batch whose registry writes go together: one
 /// [`crate::registry::Registry::insert_many`], one
