@@ -519,7 +519,7 @@ def main_simulated(args: argparse.Namespace, argv: list[str] | None) -> int:
              "all on this machine. Each round: single creates (`POST /v1/sandboxes`) from "
              f"{SIM_CONC_SINGLE} client threads, then batch creates (`POST "
              f"/v1/sandboxes:batch`, {args.batch_size} per call, one call at a time; the "
-             "server runs 32 items of a batch at once). cpu 0.1, 64 MiB, no TTL.")
+             "server runs a batch in chunks of 64, 16 chunks at once). cpu 0.1, 64 MiB, no TTL.")
     L.append("")
     L.append("| | creates | seconds | creates/s | errors |")
     L.append("|---|---:|---:|---:|---:|")

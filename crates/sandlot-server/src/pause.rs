@@ -7,23 +7,34 @@
 //! "sandbox is paused" at once), then the node freezes its processes; when the node fails,
 //! the record goes back to `running` and the sandbox is listed in `failed`. Resume thaws
 //! every matching `paused` sandbox on the node first, then sets `running`. Sandboxes in other
-//! states are not touched (and not listed), nor are other tenants' sandboxes ([`crate::auth`]). The sandboxes of one call are handled
-//! concurrently ([`LABEL_CONCURRENCY`] at a time, so a 32k job never asks the registry for
-//! 32k connections at once), in a task of their own (a client that goes away does not leave
-//! a record `paused` over a running sandbox). The TTL keeps counting while paused; delete
+//! states are not touched (and not listed), nor are other tenants' sandboxes ([`crate::auth`]).
+//! Pause and resume handle the sandboxes of one call in chunks of [`LABEL_CHUNK`]
+//! ([`LABEL_CHUNKS_IN_FLIGHT`] chunks at once): one registry write per chunk for its state
+//! changes ([`crate::registry::Registry::transition_many`]; one more for the failed ones
+//! of a pause), the node calls of a chunk all at once. Delete runs
+//! [`LABEL_CONCURRENCY`] one-sandbox deletes at a time. Each call runs in a task of its own
+//! (a client that goes away does not leave a record `paused` over a running sandbox). The TTL keeps counting while paused; delete
 //! works. Delete takes every matching sandbox in any state but `deleting` through the
 //! one-sandbox delete (`DELETE /v1/sandboxes/{id}`); a node failure lists it in `failed`
 //! (its record stays `deleting` and the reaper retries, as for a single delete).
 use crate::auth::Principal;
 use crate::error::{ApiResult, Json, ServerError};
+use crate::store::Record;
 use crate::SharedState;
 use axum::extract::State;
 use axum::Extension;
 use sandlot_api::{ErrorCode, LabelSelector, PauseFailure, PauseResult, SandboxState};
 
-/// Sandboxes of one label call handled at once (each holds a registry connection and a node
-/// call while it runs).
+/// Sandboxes of one label delete handled at once (each holds a registry connection and a
+/// node call while it runs).
 pub const LABEL_CONCURRENCY: usize = 64;
+
+/// Sandboxes of a pause or resume by label whose state changes are one registry write.
+pub const LABEL_CHUNK: usize = 256;
+
+/// Chunks of one pause or resume by label in flight at once (so up to this ×
+/// [`LABEL_CHUNK`] node calls).
+pub const LABEL_CHUNKS_IN_FLIGHT: usize = 16;
 
 /// Ids of the sandboxes whose state passes `state` matching `sel` that `who` may see (a
 /// tenant's label call never touches another tenant's sandboxes, whatever their labels).
@@ -33,6 +44,20 @@ async fn matching(
     sel: &LabelSelector,
     state: impl Fn(SandboxState) -> bool,
 ) -> ApiResult<Vec<String>> {
+    Ok(matching_records(st, who, sel, state)
+        .await?
+        .into_iter()
+        .map(|r| r.id)
+        .collect())
+}
+
+/// [`matching`]'s records.
+async fn matching_records(
+    st: &SharedState,
+    who: &Principal,
+    sel: &LabelSelector,
+    state: impl Fn(SandboxState) -> bool,
+) -> ApiResult<Vec<Record>> {
     if sel.labels.is_empty() {
         return Err(ServerError::invalid(
             "labels must hold at least one k: v pair (an empty selector would match every sandbox)",
@@ -44,7 +69,6 @@ async fn matching(
         .await?
         .into_iter()
         .filter(|r| state(r.state) && who.sees(r.tenant.as_deref()))
-        .map(|r| r.id)
         .collect())
 }
 
@@ -207,14 +231,193 @@ where
     Ok(res)
 }
 
+/// One answer per sandbox of a label call: `Ok(Some(id))` changed, `Ok(None)` not touched
+/// (its state changed meanwhile), `Err` failed.
+type Outcome = Result<Option<String>, PauseFailure>;
+
+/// The failure of sandbox `id` with `e`.
+fn failure(id: &str, e: &ServerError) -> PauseFailure {
+    PauseFailure {
+        id: id.to_owned(),
+        error: e.api_error(),
+    }
+}
+
+/// Pause of one chunk of `running` records ([`pause_one`]'s protocol per sandbox): every
+/// record `paused` in one write, the node pauses all at once, the records of those that
+/// failed back to `running` in one write.
+async fn pause_chunk(st: SharedState, recs: Vec<Record>) -> Vec<Outcome> {
+    let ids: Vec<String> = recs.iter().map(|r| r.id.clone()).collect();
+    let changed = match st
+        .store
+        .transition_many(&ids, &[SandboxState::Running], SandboxState::Paused, None)
+        .await
+    {
+        Ok(c) => c,
+        Err(e) => {
+            let e = ServerError::from(e);
+            return ids.iter().map(|id| Err(failure(id, &e))).collect();
+        }
+    };
+    let paused: Vec<&Record> = recs
+        .iter()
+        .zip(&changed)
+        .filter(|(_, c)| **c)
+        .map(|(r, _)| r)
+        .collect();
+    let node = futures::future::join_all(paused.iter().map(|r| st.node.pause(&r.id))).await;
+    let mut out: Vec<Outcome> = changed
+        .iter()
+        .filter(|c| !**c)
+        .map(|_| Ok(None)) // deleted or paused meanwhile
+        .collect();
+    let mut back = Vec::new();
+    for (rec, res) in paused.into_iter().zip(node) {
+        match res {
+            Err(e) => {
+                tracing::warn!(sandbox_id = %rec.id, error = %crate::error::chain(&e), "pause failed");
+                let e = ServerError::from(e);
+                crate::events::record_error(&st, "pause", Some(&rec.id), Some(rec.backend), &e);
+                back.push(rec.id.clone());
+                out.push(Err(failure(&rec.id, &e)));
+            }
+            Ok(()) => {
+                tracing::info!(sandbox_id = %rec.id, "sandbox paused");
+                let ev = crate::events::record(
+                    &st,
+                    "paused",
+                    Some(&rec.id),
+                    Some(rec.backend),
+                    Default::default(),
+                );
+                out.push(match ev {
+                    Ok(()) => Ok(Some(rec.id.clone())),
+                    Err(e) => Err(failure(&rec.id, &e.into())),
+                });
+            }
+        }
+    }
+    if !back.is_empty() {
+        let undo = st
+            .store
+            .transition_many(&back, &[SandboxState::Paused], SandboxState::Running, None)
+            .await;
+        if let Err(e) = undo {
+            tracing::error!(error = %crate::error::chain(&e), "records of failed pauses not set back to running");
+        }
+    }
+    out
+}
+
+/// Resume of one chunk of `paused` records ([`resume_one`]'s protocol per sandbox): the
+/// node resumes all at once, then the records of those resumed `running` in one write.
+async fn resume_chunk(st: SharedState, recs: Vec<Record>) -> Vec<Outcome> {
+    let node = futures::future::join_all(recs.iter().map(|r| st.node.resume(&r.id))).await;
+    let mut out = Vec::with_capacity(recs.len());
+    let mut ok: Vec<&Record> = Vec::new();
+    for (rec, res) in recs.iter().zip(node) {
+        match res {
+            Err(e) => {
+                tracing::warn!(sandbox_id = %rec.id, error = %crate::error::chain(&e), "resume failed");
+                if matches!(e, sandlot_node_api::NodeError::NotFound(_)) {
+                    mark_lost_if_node_gone(&st, &rec.id, &e.to_string()).await;
+                }
+                let e = ServerError::from(e);
+                crate::events::record_error(&st, "resume", Some(&rec.id), Some(rec.backend), &e);
+                out.push(Err(failure(&rec.id, &e)));
+            }
+            Ok(()) => {
+                // Cluster mode: taken over by another node (its route says so).
+                let elsewhere = st
+                    .cluster
+                    .get()
+                    .and_then(|c| c.route_of(&rec.id))
+                    .is_some_and(|to| to != rec.node);
+                if elsewhere {
+                    moved(&st, &rec.id).await;
+                }
+                ok.push(rec);
+            }
+        }
+    }
+    let ids: Vec<String> = ok.iter().map(|r| r.id.clone()).collect();
+    if ids.is_empty() {
+        return out;
+    }
+    match st
+        .store
+        .transition_many(&ids, &[SandboxState::Paused], SandboxState::Running, None)
+        .await
+    {
+        Err(e) => {
+            let e = ServerError::from(e);
+            out.extend(ids.iter().map(|id| Err(failure(id, &e))));
+        }
+        Ok(changed) => {
+            for (rec, c) in ok.into_iter().zip(changed) {
+                if !c {
+                    out.push(Ok(None)); // deleted meanwhile
+                    continue;
+                }
+                tracing::info!(sandbox_id = %rec.id, "sandbox resumed");
+                let ev = crate::events::record(
+                    &st,
+                    "resumed",
+                    Some(&rec.id),
+                    Some(rec.backend),
+                    Default::default(),
+                );
+                out.push(match ev {
+                    Ok(()) => Ok(Some(rec.id.clone())),
+                    Err(e) => Err(failure(&rec.id, &e.into())),
+                });
+            }
+        }
+    }
+    out
+}
+
+/// Runs `f` over `recs` in chunks of [`LABEL_CHUNK`], [`LABEL_CHUNKS_IN_FLIGHT`] at once,
+/// in a task of its own; the ids changed (sorted) and the failures.
+async fn run_chunks<F, Fut>(st: &SharedState, recs: Vec<Record>, f: F) -> ApiResult<PauseResult>
+where
+    F: Fn(SharedState, Vec<Record>) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = Vec<Outcome>> + Send + 'static,
+{
+    use futures::StreamExt;
+    let st = st.clone();
+    let mut chunks: Vec<Vec<Record>> = Vec::new();
+    let mut recs = recs.into_iter().peekable();
+    while recs.peek().is_some() {
+        chunks.push(recs.by_ref().take(LABEL_CHUNK).collect());
+    }
+    let runs = futures::stream::iter(chunks)
+        .map(move |c| f(st.clone(), c))
+        .buffer_unordered(LABEL_CHUNKS_IN_FLIGHT)
+        .collect::<Vec<_>>();
+    let outs = tokio::spawn(runs)
+        .await
+        .map_err(|e| ServerError::new(ErrorCode::Internal, format!("pause task failed: {e}")))?;
+    let mut res = PauseResult::default();
+    for o in outs.into_iter().flatten() {
+        match o {
+            Ok(Some(id)) => res.sandboxes.push(id),
+            Ok(None) => {}
+            Err(f) => res.failed.push(f),
+        }
+    }
+    res.sandboxes.sort();
+    Ok(res)
+}
+
 /// `POST /v1/sandboxes:pause` → `PauseResult` (see module docs).
 pub async fn pause(
     State(st): State<SharedState>,
     Extension(who): Extension<Principal>,
     Json(sel): Json<LabelSelector>,
 ) -> ApiResult<Json<PauseResult>> {
-    let ids = matching(&st, &who, &sel, |s| s == SandboxState::Running).await?;
-    Ok(Json(run_all(&st, ids, pause_one).await?))
+    let recs = matching_records(&st, &who, &sel, |s| s == SandboxState::Running).await?;
+    Ok(Json(run_chunks(&st, recs, pause_chunk).await?))
 }
 
 /// `POST /v1/sandboxes:resume` → `PauseResult` (see module docs).
@@ -223,8 +426,8 @@ pub async fn resume(
     Extension(who): Extension<Principal>,
     Json(sel): Json<LabelSelector>,
 ) -> ApiResult<Json<PauseResult>> {
-    let ids = matching(&st, &who, &sel, |s| s == SandboxState::Paused).await?;
-    Ok(Json(run_all(&st, ids, resume_one).await?))
+    let recs = matching_records(&st, &who, &sel, |s| s == SandboxState::Paused).await?;
+    Ok(Json(run_chunks(&st, recs, resume_chunk).await?))
 }
 
 /// Delete one sandbox for [`delete`] (one gone meanwhile counts as deleted, as for

@@ -238,6 +238,57 @@ pub trait Registry: Send + Sync + 'static {
         Ok(changed)
     }
 
+    /// [`Registry::claim_transition`] of every id in ONE write (a batch create's chunk, and
+    /// its heartbeat): per id, in order, whether `owner` holds its transition now (false
+    /// for a missing record or another live owner). The default claims one by one; both
+    /// stores override it with one transaction (PostgreSQL: one `UPDATE … WHERE id =
+    /// ANY($1)`).
+    ///
+    /// # Errors
+    /// Store failures (then none of the claims was written).
+    async fn claim_many(
+        &self,
+        ids: &[String],
+        owner: &str,
+        deadline_ms: i64,
+        now_ms: i64,
+    ) -> Result<Vec<bool>> {
+        let mut out = Vec::with_capacity(ids.len());
+        for id in ids {
+            out.push(
+                self.claim_transition(id, owner, deadline_ms, now_ms)
+                    .await?,
+            );
+        }
+        Ok(out)
+    }
+
+    /// [`Registry::transition`] of every id in ONE write (a batch create's chunk, a pause
+    /// or resume by label): per id, in order, whether its state changed to `to` (it was one
+    /// of `from`). With `release = Some(owner)`, a changed record's transition owner is
+    /// also cleared when `owner` holds it ([`Registry::transition_release`]). The default
+    /// runs one write per id; both stores override it with one transaction (PostgreSQL: one
+    /// `UPDATE … WHERE id = ANY($2)`).
+    ///
+    /// # Errors
+    /// Store failures (then none of the ids changed).
+    async fn transition_many(
+        &self,
+        ids: &[String],
+        from: &[SandboxState],
+        to: SandboxState,
+        release: Option<&str>,
+    ) -> Result<Vec<bool>> {
+        let mut out = Vec::with_capacity(ids.len());
+        for id in ids {
+            out.push(match release {
+                Some(owner) => self.transition_release(id, from, to, owner).await?,
+                None => self.transition(id, from, to).await?,
+            });
+        }
+        Ok(out)
+    }
+
     /// `creating` / `deleting` records with an owner whose deadline is at or before
     /// `now_ms`, and `creating` records no server claimed that are at least
     /// [`UNOWNED_CREATE_GRACE_MS`] old, oldest first: another server may finish or roll
@@ -441,6 +492,25 @@ impl Registry for Store {
         owner: &str,
     ) -> Result<bool> {
         self.transition_release_grouped(id, from, to, owner).await
+    }
+    async fn claim_many(
+        &self,
+        ids: &[String],
+        owner: &str,
+        deadline_ms: i64,
+        now_ms: i64,
+    ) -> Result<Vec<bool>> {
+        self.claim_many_grouped(ids, owner, deadline_ms, now_ms)
+            .await
+    }
+    async fn transition_many(
+        &self,
+        ids: &[String],
+        from: &[SandboxState],
+        to: SandboxState,
+        release: Option<&str>,
+    ) -> Result<Vec<bool>> {
+        self.transition_many_grouped(ids, from, to, release).await
     }
     async fn stale_transitions(&self, now_ms: i64) -> Result<Vec<StaleTransition>> {
         Ok(Store::stale_transitions(self, now_ms)?
@@ -658,6 +728,30 @@ const TRANSITION_RELEASE_SQL: &str = "UPDATE sandboxes SET state = $1,
        owner = CASE WHEN owner = $4 THEN NULL ELSE owner END
      WHERE id = $2 AND state = ANY($3)";
 
+/// `Registry::claim_many` as one statement: [`CLAIM_SQL`] for every id of `$3`; answers
+/// the ids claimed.
+const CLAIM_MANY_SQL: &str = "UPDATE sandboxes SET owner = $1, deadline = $2 WHERE id = ANY($3)
+     AND (owner IS NULL OR deadline IS NULL OR deadline <= $4 OR owner = $1) RETURNING id";
+
+/// `Registry::transition_many` as one statement: the state compare-and-set of every id of
+/// `$2`, clearing the owner `$4` (NULL: none) where it holds the claim; answers the ids
+/// changed.
+const TRANSITION_MANY_SQL: &str = "UPDATE sandboxes SET state = $1,
+       deadline = CASE WHEN owner = $4::text THEN NULL ELSE deadline END,
+       owner = CASE WHEN owner = $4::text THEN NULL ELSE owner END
+     WHERE id = ANY($2) AND state = ANY($3) RETURNING id";
+
+/// Per id of `ids`, in order, whether it is among the ids a `… RETURNING id` statement
+/// answered (`raw`).
+fn per_id(ids: &[String], raw: Raw) -> Result<Vec<bool>> {
+    match raw {
+        Raw::Ids(changed) => Ok(ids.iter().map(|id| changed.contains(id)).collect()),
+        _ => Err(StoreError::Unavailable(
+            "unexpected answer to a bulk update".into(),
+        )),
+    }
+}
+
 /// Most writes one PostgreSQL group transaction takes ([`PgRegistry`]'s group writer).
 pub const PG_GROUP_MAX: usize = 512;
 
@@ -683,10 +777,24 @@ enum Op {
         to: &'static str,
         owner: String,
     },
+    /// `Registry::claim_many`.
+    ClaimMany {
+        ids: Vec<String>,
+        owner: String,
+        deadline_ms: i64,
+        now_ms: i64,
+    },
+    /// `Registry::transition_many`.
+    TransitionMany {
+        ids: Vec<String>,
+        from: Vec<&'static str>,
+        to: &'static str,
+        release: Option<String>,
+    },
 }
 
 /// What an [`Op`]'s statement answered.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 enum Raw {
     /// The tenant's usage before the insert (zero without a quota) and whether the record
     /// was inserted.
@@ -698,6 +806,8 @@ enum Raw {
     },
     /// Rows an UPDATE changed.
     Rows(u64),
+    /// The ids an UPDATE … RETURNING id changed.
+    Ids(std::collections::HashSet<String>),
 }
 
 impl Op {
@@ -715,6 +825,8 @@ impl Op {
             Op::Insert { .. } => "insert sandbox",
             Op::Claim { .. } => "claim transition",
             Op::TransitionRelease { .. } => "update state and release",
+            Op::ClaimMany { .. } => "claim transitions",
+            Op::TransitionMany { .. } => "update states",
         }
     }
 }
@@ -739,6 +851,8 @@ async fn run_pipelined(
     let ins = c.prepare_cached(INSERT_SQL).await?;
     let claim = c.prepare_cached(CLAIM_SQL).await?;
     let tr = c.prepare_cached(TRANSITION_RELEASE_SQL).await?;
+    let claim_many = c.prepare_cached(CLAIM_MANY_SQL).await?;
+    let tr_many = c.prepare_cached(TRANSITION_MANY_SQL).await?;
     let mut tenants: Vec<&str> = ops
         .iter()
         .filter_map(|o| match o {
@@ -800,6 +914,7 @@ async fn run_pipelined(
     let calls = ops.iter().zip(&vals).map(|(o, v)| {
         let tx = &tx;
         let (ins, claim, tr) = (&ins, &claim, &tr);
+        let (claim_many, tr_many) = (&claim_many, &tr_many);
         async move {
             match (o, v) {
                 (Op::Insert { rec, key, .. }, Some(v)) => {
@@ -855,6 +970,32 @@ async fn run_pipelined(
                     },
                     _,
                 ) => Ok(Raw::Rows(tx.execute(tr, &[to, id, from, owner]).await?)),
+                (
+                    Op::ClaimMany {
+                        ids,
+                        owner,
+                        deadline_ms,
+                        now_ms,
+                    },
+                    _,
+                ) => {
+                    let rows = tx
+                        .query(claim_many, &[owner, deadline_ms, ids, now_ms])
+                        .await?;
+                    Ok(Raw::Ids(rows.iter().map(|r| r.get(0)).collect()))
+                }
+                (
+                    Op::TransitionMany {
+                        ids,
+                        from,
+                        to,
+                        release,
+                    },
+                    _,
+                ) => {
+                    let rows = tx.query(tr_many, &[to, ids, from, release]).await?;
+                    Ok(Raw::Ids(rows.iter().map(|r| r.get(0)).collect()))
+                }
                 (Op::Insert { .. }, None) => unreachable!("insert values are built per insert"),
             }
         }
@@ -1039,7 +1180,7 @@ impl Registry for PgRegistry {
         quota: Option<&Quota>,
     ) -> Result<KeyOutcome> {
         let raw = self.grouped_one(Op::insert(rec, key, quota)).await?;
-        let found = match (raw, key) {
+        let found = match (&raw, key) {
             (
                 Raw::Insert {
                     inserted: false, ..
@@ -1413,6 +1554,48 @@ impl Registry for PgRegistry {
             })
             .await?;
         Ok(matches!(raw, Raw::Rows(1)))
+    }
+
+    async fn claim_many(
+        &self,
+        ids: &[String],
+        owner: &str,
+        deadline_ms: i64,
+        now_ms: i64,
+    ) -> Result<Vec<bool>> {
+        if ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let raw = self
+            .grouped_one(Op::ClaimMany {
+                ids: ids.to_vec(),
+                owner: owner.to_owned(),
+                deadline_ms,
+                now_ms,
+            })
+            .await?;
+        per_id(ids, raw)
+    }
+
+    async fn transition_many(
+        &self,
+        ids: &[String],
+        from: &[SandboxState],
+        to: SandboxState,
+        release: Option<&str>,
+    ) -> Result<Vec<bool>> {
+        if ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let raw = self
+            .grouped_one(Op::TransitionMany {
+                ids: ids.to_vec(),
+                from: from.iter().map(|s| s.as_str()).collect(),
+                to: to.as_str(),
+                release: release.map(str::to_owned),
+            })
+            .await?;
+        per_id(ids, raw)
     }
 
     async fn stale_transitions(&self, now_ms: i64) -> Result<Vec<StaleTransition>> {
@@ -2130,6 +2313,87 @@ mod tests {
         assert_eq!(r.list().await.unwrap().len(), 5);
     }
 
+    /// [`Registry::claim_many`] and [`Registry::transition_many`]: per-id answers in order
+    /// (a missing id, another live owner, a state not in `from` answer false and change
+    /// nothing), a stale claim taken over, `release` clearing only its own owner's claim.
+    async fn contract_bulk(r: &dyn Registry) {
+        for (i, id) in ["b-a", "b-b", "b-c"].iter().enumerate() {
+            r.insert_checked(&rec(id, i as i64, None), None, None)
+                .await
+                .unwrap();
+        }
+        let ids = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert!(r.claim_many(&[], "s1", 100, 50).await.unwrap().is_empty());
+        assert!(r
+            .transition_many(&[], &[SandboxState::Creating], SandboxState::Running, None)
+            .await
+            .unwrap()
+            .is_empty());
+        let got = r
+            .claim_many(&ids(&["b-a", "b-b", "nope"]), "s1", 100, 50)
+            .await
+            .unwrap();
+        assert_eq!(got, [true, true, false]);
+        // b-a is s1's and alive at 60; b-c is free; a renewal by s1 holds.
+        let got = r
+            .claim_many(&ids(&["b-a", "b-c"]), "s2", 200, 60)
+            .await
+            .unwrap();
+        assert_eq!(got, [false, true]);
+        let got = r.claim_many(&ids(&["b-b"]), "s1", 120, 60).await.unwrap();
+        assert_eq!(got, [true]);
+        // At 150 s1's claim on b-a is stale: s2 takes it over.
+        let got = r.claim_many(&ids(&["b-a"]), "s2", 300, 150).await.unwrap();
+        assert_eq!(got, [true]);
+        let creating = [SandboxState::Creating];
+        let got = r
+            .transition_many(
+                &ids(&["b-a", "b-b", "b-c", "nope"]),
+                &creating,
+                SandboxState::Running,
+                Some("s2"),
+            )
+            .await
+            .unwrap();
+        assert_eq!(got, [true, true, true, false]);
+        for id in ["b-a", "b-b", "b-c"] {
+            let got = r.get(id).await.unwrap().unwrap().state;
+            assert_eq!(got, SandboxState::Running, "{id}");
+        }
+        // Only s1's claim on b-b is left: back in `deleting`, it is listed stale with s1.
+        let got = r
+            .transition_many(
+                &ids(&["b-a", "b-b", "b-c"]),
+                &[SandboxState::Running],
+                SandboxState::Deleting,
+                None,
+            )
+            .await
+            .unwrap();
+        assert_eq!(got, [true, true, true]);
+        let stale = r.stale_transitions(10_000).await.unwrap();
+        let stale: Vec<(&str, Option<&str>)> = stale
+            .iter()
+            .map(|t| (t.record.id.as_str(), t.owner.as_deref()))
+            .collect();
+        assert_eq!(stale, [("b-b", Some("s1"))]);
+        // A state not in `from` changes nothing.
+        let got = r
+            .transition_many(
+                &ids(&["b-a"]),
+                &[SandboxState::Running],
+                SandboxState::Paused,
+                None,
+            )
+            .await
+            .unwrap();
+        assert_eq!(got, [false]);
+        assert_eq!(
+            r.get("b-a").await.unwrap().unwrap().state,
+            SandboxState::Deleting
+        );
+    }
+
     /// Concurrent creates on ONE registry (the group writers of both stores): 80 creates of
     /// one tenant against a quota of 50, each admitted one claimed and then marked running
     /// with its claim released; exactly the quota admitted, every write applied, and a
@@ -2397,6 +2661,8 @@ mod tests {
         contract_mark_node_lost(&*s).await;
         let (_d, s) = sqlite("page");
         contract_list_page_and_summary(&*s).await;
+        let (_d, s) = sqlite("bulk");
+        contract_bulk(&*s).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -2445,6 +2711,10 @@ mod tests {
             return;
         };
         contract_list_page_and_summary(&*r[0]).await;
+        let Some(r) = pg("pg_contract_bulk", 1).await else {
+            return;
+        };
+        contract_bulk(&*r[0]).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -340,37 +340,10 @@ async fn settle_create(
     p: Prepared,
     inserted: ApiResult<KeyOutcome>,
 ) -> ApiResult<(Record, bool)> {
-    let Prepared {
-        rec, mut placed, ..
-    } = p;
-    match inserted? {
-        KeyOutcome::Inserted => {}
-        KeyOutcome::OverQuota(msg) => {
-            // RetryAfter marks it as the caller's own limit (run_code answers it as HTTP
-            // 429 instead of a `SandboxError` verdict).
-            return Err(ServerError::RetryAfter {
-                error: sandlot_api::ApiError::new(ErrorCode::ResourceExhausted, msg),
-                seconds: 1,
-            });
-        }
-        KeyOutcome::Replay(sid) => {
-            return match st.store.get(&sid).await? {
-                Some(r) => Ok((r, false)),
-                None => Err(ServerError::new(
-                    ErrorCode::NotFound,
-                    format!("sandbox {sid} created under this Idempotency-Key is gone"),
-                )),
-            };
-        }
-        KeyOutcome::Mismatch => {
-            return Err(ServerError::new(
-                ErrorCode::Conflict,
-                "Idempotency-Key was already used with a different request body",
-            ))
-        }
-    }
-    placed.0 = None; // the create below owns the route now
-    st.events.set_owner(&rec.id, rec.tenant.as_deref());
+    let rec = match admit(st, p, inserted).await? {
+        Admitted::Go(rec) => rec,
+        Admitted::Replayed(r) => return Ok((r, false)),
+    };
     // Own task: a dropped request future must not stop between the node's create and the
     // record update.
     let st2 = st.clone();
@@ -399,6 +372,59 @@ async fn settle_create(
     })
     .await
     .map_err(|e| ServerError::new(ErrorCode::Internal, format!("create task failed: {e}")))?
+}
+
+/// What [`admit`] ends with.
+enum Admitted {
+    /// Inserted: the node's create is next.
+    Go(Record),
+    /// The Idempotency-Key's sandbox, created before (answered 200).
+    Replayed(Record),
+}
+
+/// The insert's outcome `inserted` of a prepared create: a quota refusal (429), key
+/// mismatch (409) or error, a replay, or the record to create on its node (its cluster
+/// placement kept, its owner known to the event log).
+///
+/// # Errors
+/// As [`create_sandbox`] from its insert to the node's create.
+async fn admit(
+    st: &SharedState,
+    p: Prepared,
+    inserted: ApiResult<KeyOutcome>,
+) -> ApiResult<Admitted> {
+    let Prepared {
+        rec, mut placed, ..
+    } = p;
+    match inserted? {
+        KeyOutcome::Inserted => {}
+        KeyOutcome::OverQuota(msg) => {
+            // RetryAfter marks it as the caller's own limit (run_code answers it as HTTP
+            // 429 instead of a `SandboxError` verdict).
+            return Err(ServerError::RetryAfter {
+                error: sandlot_api::ApiError::new(ErrorCode::ResourceExhausted, msg),
+                seconds: 1,
+            });
+        }
+        KeyOutcome::Replay(sid) => {
+            return match st.store.get(&sid).await? {
+                Some(r) => Ok(Admitted::Replayed(r)),
+                None => Err(ServerError::new(
+                    ErrorCode::NotFound,
+                    format!("sandbox {sid} created under this Idempotency-Key is gone"),
+                )),
+            };
+        }
+        KeyOutcome::Mismatch => {
+            return Err(ServerError::new(
+                ErrorCode::Conflict,
+                "Idempotency-Key was already used with a different request body",
+            ))
+        }
+    }
+    placed.0 = None; // the create below owns the route now
+    st.events.set_owner(&rec.id, rec.tenant.as_deref());
+    Ok(Admitted::Go(rec))
 }
 
 /// Forgets a cluster placement (of the sandbox id) when the create stops before the node
@@ -443,50 +469,12 @@ async fn placement_request(
 /// on every other path `held` stays for the caller to release.
 async fn finish_create(
     st: &SharedState,
-    mut rec: Record,
+    rec: Record,
     held: &mut Option<crate::leader::Hold>,
 ) -> ApiResult<(Record, bool)> {
-    let spec = SandboxSpec {
-        id: rec.id.clone(),
-        backend: rec.backend,
-        image: rec.image.clone(),
-        cpu: rec.spec.cpu,
-        memory_mib: rec.spec.memory_mib,
-        disk_mib: rec.spec.disk_mib,
-        pids_max: rec.spec.pids_max,
-        env: rec.spec.env.clone(),
-        network: rec.spec.network.clone(),
-        runtime: rec.spec.runtime.clone(),
-    };
     let id = rec.id.clone();
-    let started = std::time::Instant::now();
-    let created = match &rec.spec.checkpoint {
-        Some(ck) => st.node.create_from_checkpoint(&spec, ck).await,
-        None => st.node.create(&spec).await,
-    };
-    st.metrics
-        .create_done(rec.backend, started.elapsed().as_secs_f64());
-    if let Err(e) = created {
-        st.store.forget_keys_of(&id).await?;
-        let outcome_unknown = matches!(e, NodeError::Transport(_));
-        if outcome_unknown {
-            // The sandbox may exist on the node: keep the record as `deleting` (no longer
-            // counted against the quota) so the reaper deletes it there, then the record.
-            tracing::warn!(sandbox_id = %id, error = %crate::error::chain(&e), "create's outcome unknown; the reaper deletes it");
-            let all = [SandboxState::Creating, SandboxState::Deleting];
-            st.store
-                .transition(&id, &all, SandboxState::Deleting)
-                .await?;
-        } else {
-            tracing::info!(sandbox_id = %id, error = %crate::error::chain(&e), "create failed; record removed");
-            st.store.remove(&id).await?;
-        }
-        let e = ServerError::from(e);
-        crate::events::record_error(st, "create", Some(&id), Some(rec.backend), &e);
-        if !outcome_unknown {
-            st.events.forget_owner(&id); // else the reaper's `deleted` event ends it
-        }
-        return Err(e);
+    if let Err(e) = node_create(st, &rec).await {
+        return Err(create_failed(st, &id, rec.backend, e).await);
     }
     let creating = [SandboxState::Creating];
     let running = match held.as_ref() {
@@ -512,6 +500,78 @@ async fn finish_create(
         }
     };
     if running {
+        return now_running(st, rec).await;
+    }
+    deleted_while_creating(st, &id).await
+}
+
+/// The node's create of record `rec` (the metrics' create time included).
+async fn node_create(st: &SharedState, rec: &Record) -> Result<(), NodeError> {
+    let spec = SandboxSpec {
+        id: rec.id.clone(),
+        backend: rec.backend,
+        image: rec.image.clone(),
+        cpu: rec.spec.cpu,
+        memory_mib: rec.spec.memory_mib,
+        disk_mib: rec.spec.disk_mib,
+        pids_max: rec.spec.pids_max,
+        env: rec.spec.env.clone(),
+        network: rec.spec.network.clone(),
+        runtime: rec.spec.runtime.clone(),
+    };
+    let started = std::time::Instant::now();
+    let created = match &rec.spec.checkpoint {
+        Some(ck) => st.node.create_from_checkpoint(&spec, ck).await,
+        None => st.node.create(&spec).await,
+    };
+    st.metrics
+        .create_done(rec.backend, started.elapsed().as_secs_f64());
+    created
+}
+
+/// After the node's create of sandbox `id` failed with `e`: its Idempotency-Keys are
+/// forgotten and its record removed — or, when the outcome is unknown (a transport
+/// error), kept as `deleting` so the reaper deletes it on the node. Returns the error to
+/// answer (a store failure on the way replaces `e`).
+async fn create_failed(
+    st: &SharedState,
+    id: &str,
+    backend: sandlot_api::Backend,
+    e: NodeError,
+) -> ServerError {
+    let outcome_unknown = matches!(e, NodeError::Transport(_));
+    let undo = async {
+        st.store.forget_keys_of(id).await?;
+        if outcome_unknown {
+            // The sandbox may exist on the node: keep the record as `deleting` (no longer
+            // counted against the quota) so the reaper deletes it there, then the record.
+            tracing::warn!(sandbox_id = %id, error = %crate::error::chain(&e), "create's outcome unknown; the reaper deletes it");
+            let all = [SandboxState::Creating, SandboxState::Deleting];
+            st.store
+                .transition(id, &all, SandboxState::Deleting)
+                .await?;
+        } else {
+            tracing::info!(sandbox_id = %id, error = %crate::error::chain(&e), "create failed; record removed");
+            st.store.remove(id).await?;
+        }
+        Ok::<(), crate::store::StoreError>(())
+    };
+    if let Err(se) = undo.await {
+        return se.into();
+    }
+    let e = ServerError::from(e);
+    crate::events::record_error(st, "create", Some(id), Some(backend), &e);
+    if !outcome_unknown {
+        st.events.forget_owner(id); // else the reaper's `deleted` event ends it
+    }
+    e
+}
+
+/// A create whose record just became `running`: its `created` event, or (when that event
+/// cannot be written) the sandbox deleted again and the call failed.
+async fn now_running(st: &SharedState, mut rec: Record) -> ApiResult<(Record, bool)> {
+    let id = rec.id.clone();
+    {
         tracing::info!(sandbox_id = %id, backend = %rec.backend, image = %rec.image, "sandbox running");
         let mut f = serde_json::Map::new();
         f.insert("image".into(), rec.image.clone().into());
@@ -524,8 +584,15 @@ async fn finish_create(
             return Err(e.into());
         }
         rec.state = SandboxState::Running;
-        return Ok((rec, true));
+        Ok((rec, true))
     }
+}
+
+/// A create whose record was no longer `creating` once the node had made the sandbox: a
+/// DELETE came meanwhile, so the sandbox is deleted on the node and its record removed;
+/// answers 409 `conflict`.
+async fn deleted_while_creating(st: &SharedState, id: &str) -> ApiResult<(Record, bool)> {
+    let id = id.to_owned();
     // A DELETE came while the node was creating: finish its job.
     tracing::info!(sandbox_id = %id, "deleted while being created; rolling back");
     if let Err(e) = st.node.delete(&id).await {
@@ -930,12 +997,16 @@ pub async fn set_ttl(st: &SharedState, id: &str, ttl_s: u64) -> ApiResult<Record
         .ok_or_else(|| ServerError::no_sandbox(id))
 }
 
-/// How many creates of one batch run at once (placement, record insert and node call of
-/// each item; [`create_batch`]).
-pub const BATCH_CONCURRENCY: usize = 32;
+/// Chunks of one batch in flight at once ([`create_batch`]): each chunk's items are
+/// placed, inserted, claimed, created on their nodes (all of the chunk's node calls at
+/// once) and marked running together, so up to this × [`BATCH_CHUNK`] node creates of one
+/// batch run at a time.
+pub const BATCH_CHUNKS_IN_FLIGHT: usize = 16;
 
-/// Items of a batch whose records one registry write inserts
-/// ([`crate::registry::Registry::insert_many`], one transaction).
+/// Items of a batch whose registry writes go together: one
+/// [`crate::registry::Registry::insert_many`], one
+/// [`crate::registry::Registry::claim_many`] and one
+/// [`crate::registry::Registry::transition_many`] per chunk (each one transaction).
 pub const BATCH_CHUNK: usize = 64;
 
 /// One item of a batch: its create request (or its own error) and whether it named a
@@ -1011,8 +1082,10 @@ fn batch_items(mut body: serde_json::Value) -> ApiResult<Vec<BatchEntry>> {
 
 /// `POST /v1/sandboxes:batch` → 200 [`sandlot_api::BatchCreateResponse`]: every item runs
 /// the single create's protocol ([`create_sandbox`]: placement, quota in the insert's
-/// transaction, node call, rollback on failure, so a failed item leaves nothing behind),
-/// [`BATCH_CONCURRENCY`] at a time, answered per item in request order. Partial success
+/// transaction, transition claim, node call, rollback on failure, so a failed item leaves
+/// nothing behind) with the registry writes of [`BATCH_CHUNK`] items at a time as one
+/// write each and [`BATCH_CHUNKS_IN_FLIGHT`] chunks at once, answered per item in request
+/// order. Partial success
 /// is normal: over the caller's quota or without node capacity an item fails with 429
 /// `resource_exhausted`, a bad item with 400, and the others are created.
 ///
@@ -1040,17 +1113,15 @@ pub async fn create_batch(
     }))
 }
 
-/// The items of a batch, answered in request order: [`BATCH_CHUNK`] at a time are prepared
-/// (validated, placed) and their records written with one store call
-/// ([`crate::registry::Registry::insert_many`]); the node creates run
-/// [`BATCH_CONCURRENCY`] at a time.
+/// The items of a batch, answered in request order: [`BATCH_CHUNK`] at a time run as one
+/// chunk ([`batch_chunk`]), [`BATCH_CHUNKS_IN_FLIGHT`] chunks at once.
 async fn run_batch(
     st: SharedState,
     who: Principal,
     key: Option<String>,
     items: Vec<BatchEntry>,
 ) -> Vec<sandlot_api::BatchItem> {
-    use futures::StreamExt;
+    use futures::{FutureExt, StreamExt};
     let who = std::sync::Arc::new(who);
     let mut chunks: Vec<Vec<(usize, BatchEntry)>> = Vec::new();
     for (index, entry) in items.into_iter().enumerate() {
@@ -1059,46 +1130,38 @@ async fn run_batch(
             _ => chunks.push(vec![(index, entry)]),
         }
     }
-    // The next chunk is placed and inserted only when fewer than BATCH_CONCURRENCY items
-    // are in flight, so at most about one chunk waits unclaimed. (A plain loop: the
-    // stream combinators' closures trip the compiler's Send check under tokio::spawn.)
+    // (A plain loop: the stream combinators' closures trip the compiler's Send check
+    // under tokio::spawn.)
     let n = chunks.iter().map(Vec::len).sum();
     let mut chunks = chunks.into_iter();
-    let mut ready: std::collections::VecDeque<BatchFuture> = Default::default();
     let mut running = futures::stream::FuturesOrdered::new();
     let mut out = Vec::with_capacity(n);
     loop {
-        while running.len() < BATCH_CONCURRENCY {
-            if let Some(f) = ready.pop_front() {
-                running.push_back(f);
-                continue;
-            }
+        while running.len() < BATCH_CHUNKS_IN_FLIGHT {
             match chunks.next() {
-                Some(c) => ready.extend(batch_chunk(st.clone(), who.clone(), key.clone(), c).await),
+                Some(c) => {
+                    running.push_back(batch_chunk(st.clone(), who.clone(), key.clone(), c).boxed())
+                }
                 None => break,
             }
         }
         match running.next().await {
-            Some(item) => out.push(item),
+            Some(items) => out.extend(items),
             None => break,
         }
     }
     out
 }
 
-/// The answer of one batch item, still to run.
-type BatchFuture = futures::future::BoxFuture<'static, sandlot_api::BatchItem>;
-
-/// One chunk of a batch: prepare every item, insert the records of those ready with one
-/// [`crate::registry::Registry::insert_many`], and return per item the future that answers
-/// it (the node create and the settling of its record for an inserted one).
+/// One chunk of a batch, answered per item in request order: prepare every item, insert
+/// the records of those ready with one [`crate::registry::Registry::insert_many`], answer
+/// the refused and replayed ones, then create the rest together ([`create_chunk`]).
 async fn batch_chunk(
     st: SharedState,
     who: std::sync::Arc<Principal>,
     key: Option<String>,
     chunk: Vec<(usize, BatchEntry)>,
-) -> Vec<BatchFuture> {
-    use futures::FutureExt;
+) -> Vec<sandlot_api::BatchItem> {
     let (st, who, key) = (&st, &*who, &key);
     let preps = futures::future::join_all(chunk.into_iter().map(
         |(index, (req, backend_given))| async move {
@@ -1149,9 +1212,10 @@ async fn batch_chunk(
     };
     drop(inserts);
     let mut outcomes = outcomes.into_iter();
-    preps
-        .into_iter()
-        .map(|(index, prep)| match prep {
+    let mut out = Vec::with_capacity(preps.len());
+    let mut go = Vec::new();
+    for (index, prep) in preps {
+        match prep {
             Ok(Prep::Ready(p)) => {
                 let inserted = outcomes.next().unwrap_or_else(|| {
                     Err(ServerError::new(
@@ -1159,13 +1223,172 @@ async fn batch_chunk(
                         "registry answered fewer items than it was given",
                     ))
                 });
-                let st = st.clone();
-                async move { batch_item(index, settle_create(&st, p, inserted).await) }.boxed()
+                match admit(st, p, inserted).await {
+                    Ok(Admitted::Go(rec)) => go.push((index, rec)),
+                    Ok(Admitted::Replayed(r)) => out.push(batch_item(index, Ok((r, false)))),
+                    Err(e) => out.push(batch_item(index, Err(e))),
+                }
             }
-            Ok(Prep::Done(answer)) => futures::future::ready(batch_item(index, Ok(answer))).boxed(),
-            Err(e) => futures::future::ready(batch_item(index, Err(e))).boxed(),
+            Ok(Prep::Done(answer)) => out.push(batch_item(index, Ok(answer))),
+            Err(e) => out.push(batch_item(index, Err(e))),
+        }
+    }
+    out.extend(create_chunk(st, go).await);
+    out.sort_by_key(|b| b.index);
+    out
+}
+
+/// Stops a chunk's heartbeat task when dropped.
+struct Beat(Option<tokio::task::JoinHandle<()>>);
+
+impl Beat {
+    /// Stops the heartbeat and waits until it has (no renewal can follow this).
+    async fn stop(mut self) {
+        if let Some(h) = self.0.take() {
+            h.abort();
+            let _ = h.await;
+        }
+    }
+}
+
+impl Drop for Beat {
+    fn drop(&mut self) {
+        if let Some(h) = &self.0 {
+            h.abort();
+        }
+    }
+}
+
+/// The inserted records `recs` (`(batch index, record)`) of one chunk, created as
+/// [`settle_create`] creates one, with the chunk's registry writes as one write each:
+/// their transitions claimed for this server with one
+/// [`crate::registry::Registry::claim_many`] (renewed together by one heartbeat while the
+/// node calls run), every node create at once, and the records of the sandboxes made set
+/// `running` (their claims cleared) with one
+/// [`crate::registry::Registry::transition_many`]. A failed node create is rolled back
+/// alone ([`create_failed`]); a record deleted meanwhile is deleted on its node
+/// ([`deleted_while_creating`]). Answers per item, in no particular order.
+async fn create_chunk(st: &SharedState, recs: Vec<(usize, Record)>) -> Vec<sandlot_api::BatchItem> {
+    if recs.is_empty() {
+        return Vec::new();
+    }
+    let ids: Vec<String> = recs.iter().map(|(_, r)| r.id.clone()).collect();
+    {
+        let mut creating = st.creating_set();
+        for id in &ids {
+            creating.insert(id.clone());
+        }
+    }
+    let done = |st: &SharedState, ids: &[String]| {
+        let mut creating = st.creating_set();
+        for id in ids {
+            creating.remove(id);
+        }
+    };
+    let ttl = st.cfg.transition_ttl.as_millis() as i64;
+    let me = st.cfg.server_id.clone();
+    let now = now_ms();
+    let held = match st.store.claim_many(&ids, &me, now + ttl, now).await {
+        Ok(h) => h,
+        Err(e) => {
+            // Nothing was asked of a node: each record goes again (as a single create
+            // whose claim failed).
+            done(st, &ids);
+            let e = ServerError::from(e).api_error();
+            let mut out = Vec::with_capacity(recs.len());
+            for (index, rec) in recs {
+                let _ = st.store.forget_keys_of(&rec.id).await;
+                let _ = st.store.remove(&rec.id).await;
+                st.events.forget_owner(&rec.id);
+                out.push(batch_item(index, Err(ServerError::Api(e.clone()))));
+            }
+            return out;
+        }
+    };
+    // Records another server holds (it is alive) are created without a claim, as a
+    // single create's that found its record claimed.
+    let beat_ids: Vec<String> = ids
+        .iter()
+        .zip(&held)
+        .filter(|(_, h)| **h)
+        .map(|(id, _)| id.clone())
+        .collect();
+    let beat = Beat((!beat_ids.is_empty()).then(|| {
+        let (st2, me2) = (st.clone(), me.clone());
+        tokio::spawn(async move {
+            let period = st2.cfg.transition_ttl / 3;
+            loop {
+                tokio::time::sleep(period).await;
+                let now = now_ms();
+                if let Err(e) = st2.store.claim_many(&beat_ids, &me2, now + ttl, now).await {
+                    tracing::warn!(error = %crate::error::chain(&e), "batch transition heartbeat failed");
+                }
+            }
         })
-        .collect()
+    }));
+    let created = futures::future::join_all(recs.iter().map(|(_, rec)| node_create(st, rec))).await;
+    // No heartbeat may re-claim a record after the writes below clear the owners.
+    beat.stop().await;
+    let mut out = Vec::with_capacity(recs.len());
+    // Held records whose claim the writes below do not clear (failed, or not running).
+    let mut release = Vec::new();
+    let (mut ok_held, mut ok_free) = (Vec::new(), Vec::new());
+    for (((index, rec), held), created) in recs.into_iter().zip(held).zip(created) {
+        match created {
+            Err(e) => {
+                let e = create_failed(st, &rec.id, rec.backend, e).await;
+                if held {
+                    release.push(rec.id.clone());
+                }
+                out.push(batch_item(index, Err(e)));
+            }
+            Ok(()) if held => ok_held.push((index, rec)),
+            Ok(()) => ok_free.push((index, rec)),
+        }
+    }
+    let creating = [SandboxState::Creating];
+    for (items, owner) in [(ok_held, Some(me.as_str())), (ok_free, None)] {
+        if items.is_empty() {
+            continue;
+        }
+        let item_ids: Vec<String> = items.iter().map(|(_, r)| r.id.clone()).collect();
+        match st
+            .store
+            .transition_many(&item_ids, &creating, SandboxState::Running, owner)
+            .await
+        {
+            Err(e) => {
+                let e = ServerError::from(e).api_error();
+                for (index, _) in items {
+                    out.push(batch_item(index, Err(ServerError::Api(e.clone()))));
+                }
+                if owner.is_some() {
+                    release.extend(item_ids);
+                }
+            }
+            Ok(changed) => {
+                for ((index, rec), running) in items.into_iter().zip(changed) {
+                    let answer = if running {
+                        now_running(st, rec).await
+                    } else {
+                        if owner.is_some() {
+                            release.push(rec.id.clone());
+                        }
+                        deleted_while_creating(st, &rec.id).await
+                    };
+                    out.push(batch_item(index, answer));
+                }
+            }
+        }
+    }
+    for id in release {
+        if let Err(e) = st.store.release_transition(&id, &me).await {
+            // The deadline lapses by itself; the leader's sweep then finishes the record.
+            tracing::warn!(sandbox_id = %id, error = %crate::error::chain(&e), "release transition");
+        }
+    }
+    done(st, &ids);
+    out
 }
 
 /// The answer of batch item `index`.

@@ -1000,6 +1000,43 @@ fn transition_release_on(
     Ok(n == 1)
 }
 
+/// [`Store::transition`] on `c` (a prepared statement).
+fn transition_on(
+    c: &Connection,
+    id: &str,
+    from: &[SandboxState],
+    to: SandboxState,
+) -> Result<bool> {
+    let from: Vec<&str> = from.iter().map(|s| s.as_str()).collect();
+    let from_json = serde_json::to_string(&from).expect("strings serialize");
+    let n = c
+        .prepare_cached(
+            "UPDATE sandboxes SET state = ?1 WHERE id = ?2
+             AND state IN (SELECT value FROM json_each(?3))",
+        )
+        .and_then(|mut st| st.execute(params![to.as_str(), id, from_json]))
+        .map_err(sql("update state"))?;
+    Ok(n == 1)
+}
+
+/// Runs `f` on `c` inside a savepoint of its own: all of `f`'s writes or, when it fails,
+/// none (an enclosing transaction, e.g. a group commit's, keeps the others' writes).
+fn in_savepoint<T>(c: &Connection, f: impl FnOnce(&Connection) -> Result<T>) -> Result<T> {
+    c.execute_batch("SAVEPOINT many")
+        .map_err(sql("savepoint"))?;
+    match f(c) {
+        Ok(v) => {
+            c.execute_batch("RELEASE many")
+                .map_err(sql("release savepoint"))?;
+            Ok(v)
+        }
+        Err(e) => {
+            let _ = c.execute_batch("ROLLBACK TO many; RELEASE many");
+            Err(e)
+        }
+    }
+}
+
 fn lock(conn: &Mutex<Connection>) -> std::sync::MutexGuard<'_, Connection> {
     // A panic while holding the lock cannot leave SQLite inconsistent (each statement
     // is atomic), so a poisoned lock is still usable.
@@ -1209,6 +1246,59 @@ impl Store {
         let (id, owner, from) = (id.to_owned(), owner.to_owned(), from.to_vec());
         self.grouped(move |c| transition_release_on(c, &id, &from, to, &owner))
             .await
+    }
+
+    /// `Registry::claim_many`: [`Store::claim_transition`] of every id in one job of the
+    /// group writer (one commit). Answers per id, in order.
+    ///
+    /// # Errors
+    /// [`StoreError::Sql`] (the job's writes are rolled back to its savepoint) and as
+    /// [`Store::grouped`].
+    pub async fn claim_many_grouped(
+        &self,
+        ids: &[String],
+        owner: &str,
+        deadline_ms: i64,
+        now_ms: i64,
+    ) -> Result<Vec<bool>> {
+        let (ids, owner) = (ids.to_vec(), owner.to_owned());
+        self.grouped(move |c| {
+            in_savepoint(c, |c| {
+                ids.iter()
+                    .map(|id| claim_on(c, id, &owner, deadline_ms, now_ms))
+                    .collect()
+            })
+        })
+        .await
+    }
+
+    /// `Registry::transition_many`: the compare-and-set of every id's state (with
+    /// `release`, clearing that owner's claim as `transition_release_on`) in one job of the
+    /// group writer (one commit). Answers per id, in order.
+    ///
+    /// # Errors
+    /// [`StoreError::Sql`] (the job's writes are rolled back to its savepoint) and as
+    /// [`Store::grouped`].
+    pub async fn transition_many_grouped(
+        &self,
+        ids: &[String],
+        from: &[SandboxState],
+        to: SandboxState,
+        release: Option<&str>,
+    ) -> Result<Vec<bool>> {
+        let (ids, from) = (ids.to_vec(), from.to_vec());
+        let release = release.map(str::to_owned);
+        self.grouped(move |c| {
+            in_savepoint(c, |c| {
+                ids.iter()
+                    .map(|id| match &release {
+                        Some(owner) => transition_release_on(c, id, &from, to, owner),
+                        None => transition_on(c, id, &from, to),
+                    })
+                    .collect()
+            })
+        })
+        .await
     }
 }
 

@@ -229,3 +229,32 @@ async fn rust_client_body_forms_are_accepted() {
             .all(|i| i.status == 201 && i.error.is_none()));
     }
 }
+
+/// A batch of several chunks (`BATCH_CHUNK` items share their registry writes): every item
+/// created and `running`, and no transition claim or in-flight mark left behind.
+#[tokio::test]
+async fn chunks_leave_no_claim_behind() {
+    let t = setup("batch-chunks");
+    let n = crate::sandboxes::BATCH_CHUNK * 2 + 7;
+    let r = post(&t.app, BATCH, json!({"count": n, "labels": {"job": "jc"}})).await;
+    assert_eq!(r.status, StatusCode::OK, "{:?}", r.body);
+    let v = r.json();
+    assert_eq!(statuses(&v), vec![201; n]);
+    let idx: Vec<u64> = v["results"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["index"].as_u64().unwrap())
+        .collect();
+    assert_eq!(idx, (0..n as u64).collect::<Vec<_>>());
+    assert_eq!(t.node.ids().len(), n);
+    let recs = t.st.store.list().await.unwrap();
+    assert_eq!(recs.len(), n);
+    assert!(recs
+        .iter()
+        .all(|r| r.state == sandlot_api::SandboxState::Running));
+    // A claim left set would show up as stale once its deadline passed.
+    let far = crate::now_ms() + 3_600_000;
+    assert!(t.st.store.stale_transitions(far).await.unwrap().is_empty());
+    assert!(t.st.creating_set().is_empty());
+}
