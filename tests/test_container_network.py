@@ -381,13 +381,13 @@ def _cmdline(p: Path) -> bytes:
 
 def make_box(client, network, runtime="runc", **kw) -> sandlot.Sandbox:
     """A sandbox of ``runtime``: "runc"/"runsc" containers, or "function" / "microvm" / "vm"
-    (the backend of that name; skips when the node has no such VM backend)."""
+    (the backend of that name; skips when that backend or its network is unavailable)."""
     if runtime in ("microvm", "vm"):
         try:
             return client.create(backend=runtime, image=IMAGE, memory_mib=256, ttl_s=300,
                                  network=network, **kw)
         except sandlot.Unavailable as e:
-            pytest.skip(f"no {runtime} backend here: {e}")
+            pytest.skip(f"{runtime} cannot run this sandbox here: {e}")
     if runtime == "function":
         return client.create(backend="function", image=IMAGE, memory_mib=128, ttl_s=300,
                              network=network, **kw)

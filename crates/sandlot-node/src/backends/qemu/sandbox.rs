@@ -276,16 +276,27 @@ impl QemuCore {
     /// What it made is removed by [`QemuCore::destroy`] (the create's rollback).
     ///
     /// # Errors
-    /// `InvalidArgument` when this backend has no network manager; the manager's errors
-    /// (`Unavailable` without `ip`/`nft`, `ResourceExhausted` when the pool is full).
+    /// `InvalidArgument` when this backend has no network manager; `Unavailable` when the
+    /// guest kit `kit` has no `virtio_net` module (a kit built before it was listed: rerun
+    /// `scripts/guest-kit.sh`); the manager's errors (`Unavailable` without `ip`/`nft`,
+    /// `ResourceExhausted` when the pool is full).
     pub(super) async fn attach_net(
         &self,
         spec: &SandboxSpec,
         uid: u32,
+        kit: &Path,
     ) -> NodeResult<Option<(PathBuf, sandlot_guest::vm_net::NetArg)>> {
         let sandlot_api::NetworkPolicy::Allow(policy) = &spec.network else {
             return Ok(None);
         };
+        let module = kit.join("modules").join("virtio_net.ko");
+        if !module.is_file() {
+            return Err(NodeError::Unavailable(format!(
+                "network allow policies on {} need the guest kit's virtio_net module, and {} is missing (rerun scripts/guest-kit.sh)",
+                self.name,
+                module.display()
+            )));
+        }
         let Some(net) = &self.net else {
             return Err(NodeError::InvalidArgument(format!(
                 "network allow policies are not enforced by the {} backend on this node",

@@ -437,7 +437,7 @@ impl Machine for VmBackend {
         super::create_vmm_cgroup(cg, memory_mib, spec.cpu, QEMU_PIDS)?;
         // An allow policy: the network namespace QEMU starts in, with its tap bridged to
         // the node's veth, before QEMU starts.
-        let net = self.core.attach_net(spec, uid).await?;
+        let net = self.core.attach_net(spec, uid, &self.cfg.kit_dir).await?;
         let smp = (spec.cpu.ceil() as u64).clamp(1, 16);
         let sock = dir.join(AGENT_SOCK);
         let mut append = format!(
