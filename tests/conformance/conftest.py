@@ -97,6 +97,7 @@ REDUCED: Dict[str, FrozenSet[str]] = {
         "test_bad_exec_requests",
         "test_echo_cwd_env_defaults",
         "test_argv_is_not_a_shell_string",
+        "test_loopback_is_up",
         "test_stdin_binary_and_text",
         "test_non_utf8_bytes_exact",
         "test_timeout_kills_background_children",
@@ -125,12 +126,13 @@ REDUCED: Dict[str, FrozenSet[str]] = {
         # checkpoint (test_checkpoint.py): one case, 5 boots
         "test_checkpoint_forks_three_sandboxes",
     }),
-    # Each module's shared `sb` is one boot, each `make`/create test one more: 17 tests,
+    # Each module's shared `sb` is one boot, each `make`/create test one more: 18 tests,
     # ~15 boots of ~8 s each under TCG.
     "vm": frozenset({
         "test_unknown_image_is_not_found",
         "test_bad_exec_requests",
         "test_echo_cwd_env_defaults",
+        "test_loopback_is_up",
         "test_stdin_binary_and_text",
         "test_timeout_kills_background_children",
         "test_missing_command_is_127",

@@ -35,6 +35,20 @@ def test_argv_is_not_a_shell_string(sb):
     assert r.exit_code == 0 and r.stdout == b"9\nchained\n"
 
 
+def test_loopback_is_up(sb):
+    # A server and a client on 127.0.0.1 in one sandbox, with no network policy: every
+    # backend's `lo` is up (microVM guests had it down, so local servers — a Jupyter
+    # kernel's ZeroMQ ports, `python3 -m http.server` — could not be reached from inside).
+    prog = (
+        "import socket\n"
+        "s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen(1)\n"
+        "c = socket.create_connection(s.getsockname(), timeout=5)\n"
+        "a, _ = s.accept(); c.sendall(b'ping'); print(a.recv(4).decode())\n"
+    )
+    r = sb.exec(["python3", "-c", prog], timeout_s=60)
+    assert (r.exit_code, r.stdout) == (0, b"ping\n"), r
+
+
 def test_large_program_through_stdin(sb):
     # 8 MiB of source: far past ARG_MAX (2 MiB) and MAX_ARG_STRLEN (128 KiB). The program
     # prints the digest of its own literal, so every byte must have arrived.

@@ -193,6 +193,9 @@ fn serve_in_root(cmdline: &str, phases: Option<Phases>) -> Result<(), String> {
         Some("mode=1777"),
     )?;
     let _ = nix::unistd::sethostname("sandlot");
+    // `lo` starts down in the guest kernel; programs reach their own servers on 127.0.0.1
+    // with or without a network policy.
+    crate::sys::loopback_up().map_err(|e| format!("bringing up lo: {e}"))?;
     if let Some(net) = sandlot_guest::vm_net::NetArg::from_cmdline(cmdline) {
         sandlot_guest::vm_net::configure(&net)?;
         sandlot_guest::vm_net::write_resolv_conf(&net)?;

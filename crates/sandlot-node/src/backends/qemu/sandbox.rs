@@ -644,12 +644,8 @@ async fn create_with<M: Machine + ?Sized>(
             tracing::info!(sandbox = %spec.id, backend = core.name, "sandbox created");
             Ok(())
         }
-        Err(e) => {
-            if let Err(c) = core.destroy(&spec.id).await {
-                tracing::warn!(sandbox = %spec.id, error = %c, "cleanup after a failed create");
-            }
-            Err(e)
-        }
+        // A failed rollback is part of the answer (NodeError::CleanupFailed), not only a log.
+        Err(e) => Err(e.with_cleanup(core.destroy(&spec.id).await)),
     }
 }
 
