@@ -236,6 +236,22 @@ where
 type Outcome = Result<Option<String>, PauseFailure>;
 
 /// The failure of sandbox `id` with `e`.
+/// The outcome of a sandbox a label call changed: its `kind` (`paused`/`resumed`) audit
+/// event recorded, or the failure to record it.
+fn changed_event(st: &SharedState, rec: &Record, kind: &'static str) -> Outcome {
+    tracing::info!(sandbox_id = %rec.id, "sandbox {kind}");
+    match crate::events::record(
+        st,
+        kind,
+        Some(&rec.id),
+        Some(rec.backend),
+        Default::default(),
+    ) {
+        Ok(()) => Ok(Some(rec.id.clone())),
+        Err(e) => Err(failure(&rec.id, &e.into())),
+    }
+}
+
 fn failure(id: &str, e: &ServerError) -> PauseFailure {
     PauseFailure {
         id: id.to_owned(),
@@ -282,18 +298,7 @@ async fn pause_chunk(st: SharedState, recs: Vec<Record>) -> Vec<Outcome> {
                 out.push(Err(failure(&rec.id, &e)));
             }
             Ok(()) => {
-                tracing::info!(sandbox_id = %rec.id, "sandbox paused");
-                let ev = crate::events::record(
-                    &st,
-                    "paused",
-                    Some(&rec.id),
-                    Some(rec.backend),
-                    Default::default(),
-                );
-                out.push(match ev {
-                    Ok(()) => Ok(Some(rec.id.clone())),
-                    Err(e) => Err(failure(&rec.id, &e.into())),
-                });
+                out.push(changed_event(&st, rec, "paused"));
             }
         }
     }
@@ -359,18 +364,7 @@ async fn resume_chunk(st: SharedState, recs: Vec<Record>) -> Vec<Outcome> {
                     out.push(Ok(None)); // deleted meanwhile
                     continue;
                 }
-                tracing::info!(sandbox_id = %rec.id, "sandbox resumed");
-                let ev = crate::events::record(
-                    &st,
-                    "resumed",
-                    Some(&rec.id),
-                    Some(rec.backend),
-                    Default::default(),
-                );
-                out.push(match ev {
-                    Ok(()) => Ok(Some(rec.id.clone())),
-                    Err(e) => Err(failure(&rec.id, &e.into())),
-                });
+                out.push(changed_event(&st, rec, "resumed"));
             }
         }
     }
