@@ -114,9 +114,8 @@ class Kernel:
         self.sockets = None
 
     async def start(self):
-        # ZeroMQ over Unix sockets in a private directory, not TCP on 127.0.0.1: a sandbox
-        # need not have a working loopback interface (a microvm guest's `lo` is down), and
-        # no port of the sandbox is taken.
+        # ZeroMQ over Unix sockets in a private directory, not TCP on 127.0.0.1: no port of
+        # the sandbox is taken, and nothing depends on the sandbox's loopback interface.
         self.sockets = tempfile.mkdtemp(prefix="sandlot-kernel-")
         self.km = AsyncKernelManager(kernel_name="python3", transport="ipc",
                                      ip=os.path.join(self.sockets, "k"))
