@@ -107,17 +107,9 @@ pub fn pg_unavailable(e: &tokio_postgres::Error) -> bool {
     }
 }
 
-/// The full source chain of an error, `a: b: c`, for logs.
-pub fn chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        cur = c.source();
-    }
-    s
-}
+/// The full source chain of an error, `a: b: c`, for logs (the node API's, so both sides
+/// format a chain alike).
+pub use sandlot_node_api::chain;
 
 impl IntoResponse for ServerError {
     fn into_response(self) -> Response {

@@ -219,6 +219,11 @@ where
     let outs = tokio::spawn(runs)
         .await
         .map_err(|e| ServerError::new(ErrorCode::Internal, format!("pause task failed: {e}")))?;
+    Ok(tally(outs))
+}
+
+/// The [`PauseResult`] of a label call's outcomes: changed ids (sorted) and failures.
+fn tally(outs: impl IntoIterator<Item = Outcome>) -> PauseResult {
     let mut res = PauseResult::default();
     for o in outs {
         match o {
@@ -228,7 +233,7 @@ where
         }
     }
     res.sandboxes.sort();
-    Ok(res)
+    res
 }
 
 /// One answer per sandbox of a label call: `Ok(Some(id))` changed, `Ok(None)` not touched
@@ -392,16 +397,7 @@ where
     let outs = tokio::spawn(runs)
         .await
         .map_err(|e| ServerError::new(ErrorCode::Internal, format!("pause task failed: {e}")))?;
-    let mut res = PauseResult::default();
-    for o in outs.into_iter().flatten() {
-        match o {
-            Ok(Some(id)) => res.sandboxes.push(id),
-            Ok(None) => {}
-            Err(f) => res.failed.push(f),
-        }
-    }
-    res.sandboxes.sort();
-    Ok(res)
+    Ok(tally(outs.into_iter().flatten()))
 }
 
 /// `POST /v1/sandboxes:pause` → `PauseResult` (see module docs).
