@@ -355,6 +355,11 @@ def test_files_read_write_list_stat_move_remove(box):
     assert st.type == FileType.FILE and st.size == len(blob) and st.name == "blob.bin"
     assert st.permissions.startswith("-r") and st.modified_time.year >= 2024
     assert box.files.exists("/tmp/m/2.txt") and not box.files.exists("/tmp/m/3.txt")
+    assert st.symlink_target is None
+    box.commands.run("ln -s blob.bin /tmp/blob.link")
+    link = box.files.get_info("/tmp/blob.link")  # followed, as envd's Stat
+    assert link.type == FileType.FILE and link.symlink_target == "/tmp/blob.bin"
+    box.files.remove("/tmp/blob.link")
 
     assert box.files.make_dir("/tmp/m/sub/deeper") is True
     assert box.files.make_dir("/tmp/m/sub") is False, "exists already"

@@ -120,6 +120,7 @@ REDUCED: Dict[str, FrozenSet[str]] = {
         "test_list_dir_entries",
         "test_dotdot_read_cannot_escape",
         "test_symlink_escapes_refused",
+        "test_stat_reports_files_dirs_and_links",
         # pause (test_pause.py): memory saved to a file, QEMU stopped, restored
         "test_pause_resume_keeps_a_background_process_and_files",
         "test_pause_twice_resume_twice_and_delete_while_paused",

@@ -188,6 +188,18 @@ def test_stat_reports_files_dirs_and_links(sb):
     assert (d.name, d.type) == ("st", "dir")
     link = sb.stat("st/link")  # followed inside the sandbox
     assert (link.name, link.type, link.size) == ("link", "file", 5)
+    # Where a link leads, as an absolute path inside the sandbox (E2B's symlinkTarget),
+    # through a chain of links, with `..` past the root clamped to it.
+    sb.exec("ln -sf /workspace/st/link st/chain && ln -sfn ../../../../workspace/st st/up"
+            " && ln -sf gone st/dangling")
+    assert link.link_target == "/workspace/st/a.txt"
+    assert sb.stat("st/chain").link_target == "/workspace/st/a.txt"
+    assert sb.stat("st/up").link_target == "/workspace/st"
+    assert f.link_target is None and d.link_target is None
+    entries = {e.name: e for e in sb.list_dir("st")}
+    assert (entries["link"].type, entries["link"].link_target) == ("symlink", "/workspace/st/a.txt")
+    assert (entries["dangling"].type, entries["dangling"].link_target) == ("symlink", None)
+    assert entries["a.txt"].link_target is None
     root = sb.stat("/")
     assert (root.name, root.type) == ("/", "dir")
     with pytest.raises(sandlot.NotFound):

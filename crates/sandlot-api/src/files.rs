@@ -29,6 +29,11 @@ pub struct FileEntry {
     pub mode: u32,
     /// Modification time, seconds since the Unix epoch.
     pub mtime: i64,
+    /// For a symbolic link: the absolute path inside the sandbox of its final target (every
+    /// link on the way resolved inside the sandbox). Absent for anything else and for a
+    /// dangling link.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub link_target: Option<String>,
 }
 
 /// `GET /v1/sandboxes/{id}/files/list` body.

@@ -147,6 +147,12 @@ pub struct FileInfo {
     pub mode: u32,
     /// Modification time, seconds since the Unix epoch.
     pub mtime: i64,
+    /// Where a symbolic link leads: the absolute path inside the sandbox of its final
+    /// target, every link on the way resolved inside the root (as E2B's envd reports
+    /// `symlinkTarget`). `None` for anything that is not a symlink, and for a link whose
+    /// target does not exist (dangling) or resolves through a special file system.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub link_target: Option<String>,
 }
 
 /// What a [`SandboxFs`] accepts beyond the path rules.
@@ -783,7 +789,56 @@ impl SandboxFs {
             .filter(|n| !n.is_empty())
             .unwrap_or("/")
             .to_string();
-        Ok(info_of(name, &st))
+        let mut info = info_of(name, &st);
+        if self.is_symlink(&p.abs) {
+            info.link_target = self.path_in_root(fd.as_fd());
+        }
+        Ok(info)
+    }
+
+    /// Whether `abs` itself (its last component not followed) is a symbolic link.
+    fn is_symlink(&self, abs: &str) -> bool {
+        let how = OpenHow::new()
+            .flags(OFlag::O_PATH | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC)
+            .resolve(in_root());
+        openat2_retry(self.root.as_fd(), abs, how)
+            .and_then(|fd| fstat(fd.as_fd()))
+            .is_ok_and(|st| st.st_mode & libc::S_IFMT == libc::S_IFLNK)
+    }
+
+    /// Final target of the symlink `abs`, resolved inside the root (see
+    /// [`FileInfo::link_target`]).
+    fn link_target(&self, abs: &str) -> Option<String> {
+        let how = OpenHow::new()
+            .flags(OFlag::O_PATH | OFlag::O_CLOEXEC)
+            .resolve(in_root());
+        let fd = openat2_retry(self.root.as_fd(), abs, how).ok()?;
+        check_fs(&self.policy, fd.as_fd(), abs).ok()?;
+        self.path_in_root(fd.as_fd())
+    }
+
+    /// The absolute path inside the sandbox of `fd` (opened under the root): the kernel's
+    /// name of it (`/proc/self/fd/N`, proc(5)) with the root's own name taken off the
+    /// front. `None` when the name is not under the root's (a file the kernel names from
+    /// another mount namespace) or is not UTF-8.
+    fn path_in_root(&self, fd: BorrowedFd<'_>) -> Option<String> {
+        let name = |fd: BorrowedFd<'_>| {
+            std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd()))
+                .ok()?
+                .into_os_string()
+                .into_string()
+                .ok()
+        };
+        let root = name(self.root.as_fd())?;
+        let full = name(fd)?;
+        if root == "/" {
+            return Some(full);
+        }
+        match full.strip_prefix(root.as_str())? {
+            "" => Some("/".to_owned()),
+            rest if rest.starts_with('/') => Some(rest.to_owned()),
+            _ => None,
+        }
     }
 
     /// Create directory `path` (owner `uid:gid`, mode 0755). With `parents`, missing
@@ -863,7 +918,12 @@ impl SandboxFs {
                 Err(Errno::ENOENT) => continue,
                 Err(e) => return Err(map_errno(e, "stat", &format!("{}/{name}", p.abs))),
             };
-            entries.push(info_of(name, &st));
+            let mut info = info_of(name, &st);
+            if info.kind == FileKind::Symlink {
+                info.link_target =
+                    self.link_target(&format!("{}/{}", p.abs.trim_end_matches('/'), info.name));
+            }
+            entries.push(info);
         }
         entries.sort_by(|a, b| a.name.cmp(&b.name));
         Ok(entries)
@@ -997,6 +1057,7 @@ fn info_of(name: String, st: &FileStat) -> FileInfo {
         size: st.st_size as u64,
         mode: st.st_mode & 0o7777,
         mtime: st.st_mtime,
+        link_target: None,
     }
 }
 
@@ -1386,6 +1447,45 @@ mod tests {
         for ok in ["/procx", "/workspace/proc", "x/../y"] {
             assert!(fs.path(ok).is_ok(), "{ok}");
         }
+    }
+
+    #[test]
+    fn symlinks_report_their_final_target_inside_the_root() {
+        use std::os::unix::fs::symlink;
+        // On tmpfs, one of the file systems the default policy accepts.
+        let tmp = tempfile::tempdir_in("/dev/shm").unwrap();
+        let root = tmp.path().join("root");
+        std::fs::create_dir_all(root.join("a/d")).unwrap();
+        std::fs::write(root.join("a/t.txt"), b"x").unwrap();
+        symlink("t.txt", root.join("a/rel")).unwrap();
+        symlink("/a/rel", root.join("a/chain")).unwrap();
+        symlink("../../../../a/d", root.join("a/up")).unwrap();
+        symlink("missing", root.join("a/dangling")).unwrap();
+        let fs = SandboxFs::open(&root, 0, 0).unwrap();
+        let st = fs.stat("/a/chain").unwrap();
+        assert_eq!(st.kind, FileKind::File, "stat follows the link");
+        assert_eq!(st.link_target.as_deref(), Some("/a/t.txt"));
+        assert_eq!(
+            fs.stat("/a/up").unwrap().link_target.as_deref(),
+            Some("/a/d"),
+            "`..` past the root is clamped to it"
+        );
+        assert_eq!(fs.stat("/a/t.txt").unwrap().link_target, None);
+        assert_eq!(fs.stat("/a/d").unwrap().link_target, None);
+        let list = fs.list("/a").unwrap();
+        let target = |n: &str| {
+            let e = list.iter().find(|e| e.name == n).unwrap();
+            (e.kind, e.link_target.clone())
+        };
+        assert_eq!(target("rel"), (FileKind::Symlink, Some("/a/t.txt".into())));
+        assert_eq!(target("up"), (FileKind::Symlink, Some("/a/d".into())));
+        assert_eq!(target("dangling"), (FileKind::Symlink, None));
+        assert_eq!(target("t.txt"), (FileKind::File, None));
+        let json = serde_json::to_value(fs.stat("/a/t.txt").unwrap()).unwrap();
+        assert!(
+            json.get("link_target").is_none(),
+            "left out when not a link"
+        );
     }
 
     #[test]

@@ -340,6 +340,7 @@ impl Node for FakeNode {
                         size: d.len() as u64,
                         mode: 0o644,
                         mtime: 0,
+                        link_target: None,
                     })
                 })
                 .collect()
@@ -370,6 +371,7 @@ impl Node for FakeNode {
             size,
             mode: if kind == FileType::Dir { 0o755 } else { 0o644 },
             mtime: 0,
+            link_target: None,
         })
         .ok_or_else(|| NodeError::NotFound(format!("no file {path}")))
     }

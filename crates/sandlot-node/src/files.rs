@@ -44,6 +44,7 @@ pub fn file_entry(i: FileInfo) -> FileEntry {
         size: i.size,
         mode: i.mode,
         mtime: i.mtime,
+        link_target: i.link_target,
     }
 }
 

@@ -181,6 +181,8 @@ class FileEntry:
         size: size in bytes.
         mode: permission bits, e.g. ``0o644``.
         mtime: modification time, seconds since the Unix epoch.
+        link_target: for a symlink, the absolute path inside the sandbox of its final
+            target; ``None`` otherwise and for a dangling link.
     """
 
     name: str
@@ -188,13 +190,15 @@ class FileEntry:
     size: int
     mode: int
     mtime: int
+    link_target: Optional[str] = None
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> "FileEntry":
         """Parse the wire ``FileEntry``."""
         try:
+            target = d.get("link_target")
             return cls(str(d["name"]), str(d["type"]), int(d["size"]), int(d["mode"]),
-                       int(d["mtime"]))
+                       int(d["mtime"]), None if target is None else str(target))
         except (KeyError, TypeError, ValueError) as e:
             raise ProtocolError(f"bad FileEntry {dict(d)!r:.300}: {e}") from e
 

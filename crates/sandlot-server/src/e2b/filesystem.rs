@@ -110,7 +110,7 @@ pub fn entry_info(e: &FileEntry, path: &str) -> serde_json::Value {
         FileType::Symlink => "FILE_TYPE_SYMLINK",
         FileType::Other => "FILE_TYPE_UNSPECIFIED",
     };
-    serde_json::json!({
+    let mut info = serde_json::json!({
         "name": e.name,
         "type": kind,
         "path": path,
@@ -120,7 +120,11 @@ pub fn entry_info(e: &FileEntry, path: &str) -> serde_json::Value {
         "owner": "root",
         "group": "root",
         "modifiedTime": crate::store::rfc3339(e.mtime.saturating_mul(1000)),
-    })
+    });
+    if let Some(t) = &e.link_target {
+        info["symlinkTarget"] = t.as_str().into();
+    }
+    info
 }
 
 /// `POST /filesystem.Filesystem/{method}`: the methods of the module docs.

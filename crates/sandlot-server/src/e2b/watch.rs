@@ -678,6 +678,7 @@ mod tests {
             size,
             mode,
             mtime,
+            link_target: None,
         }
     }
 

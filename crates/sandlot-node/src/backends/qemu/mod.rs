@@ -1106,7 +1106,7 @@ pub fn boot_failure(
     let alive = crate::sys::proc_starttime(pid) == Some(starttime);
     NodeError::io(
         format!(
-            "{what} did not become ready within {}s ({}; QEMU {}; {err}): console kept at {}; QEMU said: {}; console tail: {}",
+            "{what} did not become ready (limit {} s, {}; QEMU {}; {err}): console kept at {}; QEMU said: {}; console tail: {}",
             timeout.as_secs(),
             accel.as_str(),
             if alive { "still running" } else { "exited" },

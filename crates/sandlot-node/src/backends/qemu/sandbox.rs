@@ -25,6 +25,7 @@ use crate::backends::{ExecIo, SandboxBackend};
 use crate::cgroups::{CgroupRoot, SandboxCgroup};
 use crate::checkpoints::{Captured, Checkpoint};
 use crate::images::Image;
+use crate::liveness::Liveness;
 use crate::node::{NodeError, NodeResult, SandboxSpec, SandboxStatus};
 use crate::sys::{proc_starttime, spawn_blocking};
 use async_trait::async_trait;
@@ -35,6 +36,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::{watch, RwLock};
+
+/// How often a boot checks whether its QEMU has exited ([`QemuCore::wait_booted`]).
+const EXIT_POLL: Duration = Duration::from_millis(100);
 
 /// The jail of a QEMU running as `uid` under `uids` (agent and QMP sockets bound by the
 /// node and handed over as fds; none for a root QEMU of an older node, whose command line
@@ -320,7 +324,9 @@ impl QemuCore {
     }
 
     /// Waits until the agent of the VM being created as `id` (its QEMU `proc_`) answers,
-    /// within `timeouts.0` under KVM or `timeouts.1` under TCG.
+    /// within `timeouts.0` under KVM or `timeouts.1` under TCG. A QEMU that exits first
+    /// (a bad option, a device it cannot open) ends the wait at once (checked every
+    /// [`EXIT_POLL`]), not at the timeout.
     ///
     /// # Errors
     /// `Internal` naming the boot's failure with the console's tail (see
@@ -337,7 +343,24 @@ impl QemuCore {
             Accel::Kvm => timeouts.0,
             Accel::Tcg => timeouts.1,
         };
-        match agent.wait_ready_single(Instant::now() + timeout).await {
+        let started = Instant::now();
+        let exited = async {
+            while crate::liveness::proc_liveness(proc_.0, proc_.1) != Liveness::Dead {
+                tokio::time::sleep(EXIT_POLL).await;
+            }
+            Err(NodeError::io(
+                format!(
+                    "QEMU exited {} ms after it started",
+                    started.elapsed().as_millis()
+                ),
+                std::io::Error::other("QEMU exited"),
+            ))
+        };
+        let ready = tokio::select! {
+            r = agent.wait_ready_single(started + timeout) => r,
+            r = exited => r,
+        };
+        match ready {
             Ok(_) => Ok(()),
             Err(e) => Err(super::boot_failure(
                 &self.dir,
