@@ -357,9 +357,16 @@ impl MicrovmBackend {
             &dir.join(CONSOLE_LOG),
         ));
         let p = |x: &Path| x.display().to_string();
+        // `rerror=report` (QEMU's default, spelled out): a failed host read of the image
+        // disk, e.g. a lazy disk's chunk the registry cannot serve, reaches the guest as an
+        // I/O error of that request; the VM neither stops nor retries (`stop` would pause
+        // it until a QMP `cont`).
         args.extend([
             "-drive".into(),
-            format!("id=image,file={},format=raw,if=none,readonly=on", p(disk)),
+            format!(
+                "id=image,file={},format=raw,if=none,readonly=on,rerror=report",
+                p(disk)
+            ),
             "-device".into(),
             "virtio-blk-device,drive=image,serial=image".into(),
             "-drive".into(),
