@@ -4,7 +4,7 @@
 Usage (as root, after `scripts/setup.sh`; never in CI: it writes several GiB):
 
     .venv/bin/python bench/lazy.py [--binary target/release/sandlot] [--gib 1]
-        [--backends function,container] [--write BENCHMARKS.md]
+        [--backends function,container,microvm] [--write BENCHMARKS.md]
 
 What it does:
   1. Builds an image of about `--gib` GiB locally: the built-in busybox rootfs of the shared
@@ -18,12 +18,14 @@ What it does:
      - warm: 3 more creates + task on the same node (chunks cached / layers unpacked),
        median;
      - disk written: growth of the image store after the cold start (blobs, layers,
-       chunks);
+       chunks), plus for microvm its image disks (`DATA/microvm/images`: the eager EROFS
+       conversion; a lazy image's EROFS disk is a FUSE mount there, its chunks are in the
+       store);
      - bytes fetched: lazy, `sandlot_image_bytes_fetched_total{tier="registry"}`; eager,
        the blobs pulled;
      - read throughput once cached: page cache dropped (`echo 3 > drop_caches`), then
        `cat` of one whole 1/16 file in a warm sandbox (one exec, its round trip
-       included), median of 3.
+       included), median of 3 (microvm: the guest's own page cache is not dropped).
   Every temp dir, registry and server is removed at the end.
 """
 
@@ -152,9 +154,10 @@ def run_mode(binary: Path, tmp: Path, backend: str, mode: str, ref: str) -> dict
     srv = R.Server(binary, images, [], 60, tmp_parent="/var/tmp", env=env)
     srv.start()
     out: dict = {"backend": backend, "mode": mode}
+    vm_disks = srv.tmp / "data" / backend / "images"
     try:
         c = sandlot.Client(srv.url)
-        before = du(images)
+        before = du(images) + du(vm_disks)
         t = time.monotonic()
         pull = sh(binary, "image", "pull", "--eager" if mode == "eager" else "--lazy", ref,
                   "--images-dir", images, "--data-dir", srv.tmp / "data")
@@ -162,7 +165,7 @@ def run_mode(binary: Path, tmp: Path, backend: str, mode: str, ref: str) -> dict
         took, box, digest = one_start(c, backend, ref)
         out["cold_s"] = out["pull_s"] + took
         out["digest"] = digest.decode().strip()
-        out["disk_bytes"] = du(images) - before
+        out["disk_bytes"] = du(images) + du(vm_disks) - before
         time.sleep(1.5)  # the lazy daemons write their counters each second
         out["fetched"] = registry_bytes(srv.url) if mode == "lazy" else du(images / "blobs")
         box.delete()

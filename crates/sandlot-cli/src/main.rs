@@ -1671,8 +1671,12 @@ async fn image(cmd: ImageCmd) -> anyhow::Result<u8> {
                 .await
                 .with_context(|| format!("convert {reference}"))?;
             println!(
-                "{} {} files bytes, {} data bytes, manifest {}",
-                r.reference, r.files_bytes, r.data_bytes, r.manifest
+                "{} {} files bytes, {} data bytes, EROFS disk {} bytes, manifest {}",
+                r.reference,
+                r.files_bytes,
+                r.data_bytes,
+                r.disk_bytes.map_or("none".to_string(), |b| b.to_string()),
+                r.manifest
             );
         }
         ImageCmd::Import { path, name, dirs } => {
@@ -1696,6 +1700,10 @@ async fn image(cmd: ImageCmd) -> anyhow::Result<u8> {
                     S::Debootstrap(d) => format!("debootstrap {}", d.suite),
                     S::Registry { reference, .. } => format!("pull {reference}"),
                     S::Lazy { reference, .. } => match store.lazy_local_bytes(&img) {
+                        Some(l) if l.disk_total > 0 => format!(
+                            "lazy {reference} (local {}/{} bytes, EROFS disk {}/{} bytes)",
+                            l.cached, l.total, l.disk_cached, l.disk_total
+                        ),
                         Some(l) => {
                             format!("lazy {reference} (local {}/{} bytes)", l.cached, l.total)
                         }

@@ -158,6 +158,10 @@ pub enum ImageSource {
         config: String,
         /// Index blobs of the layers, bottom-most first.
         indexes: Vec<String>,
+        /// Index blob of the image's EROFS disk (the microVM backend's image disk, see
+        /// [`lazy::format`]); `None` for a lazy form converted without one.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        disk: Option<String>,
     },
     /// Imported from an OCI layout directory or a `docker save` / OCI archive.
     Archive {

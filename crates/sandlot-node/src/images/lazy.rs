@@ -11,7 +11,7 @@ use super::oci::{
 };
 use super::{ImageJson, ImageSource, ImageStore};
 use crate::node::{NodeError, NodeResult};
-use format::{LazyIndex, DATA_MEDIA_TYPE, INDEX_MEDIA_TYPE};
+use format::{LazyIndex, DATA_MEDIA_TYPE, DISK_FILE, DISK_INDEX_MEDIA_TYPE, INDEX_MEDIA_TYPE};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -70,6 +70,9 @@ pub struct ConvertReport {
     pub files_bytes: u64,
     /// Sum of the data blobs' bytes (after chunk deduplication).
     pub data_bytes: u64,
+    /// Bytes of the image's EROFS disk ([`format::DISK_FILE`]); `None` when none was made
+    /// (no `mkfs.erofs` on this host).
+    pub disk_bytes: Option<u64>,
 }
 
 /// How much of a lazy image is on this node.
@@ -79,6 +82,11 @@ pub struct LocalBytes {
     pub cached: u64,
     /// Bytes of all its distinct chunks.
     pub total: u64,
+    /// Of its EROFS disk (the microVM backend's image disk): bytes of its distinct chunks in
+    /// the chunk cache; 0 when it has none.
+    pub disk_cached: u64,
+    /// Bytes of all the distinct chunks of its EROFS disk; 0 when it has none.
+    pub disk_total: u64,
 }
 
 impl ImageStore {
@@ -108,8 +116,11 @@ impl ImageStore {
     /// the lazy format ([`mod@format`]) and push the result to `REPO:TAG-lazy` in the image's
     /// registry: an OCI image manifest whose config is the image's own config blob and
     /// whose layers are, bottom-most first, `(index, data)` pairs of media types
-    /// [`INDEX_MEDIA_TYPE`] and [`DATA_MEDIA_TYPE`], annotated [`ANNOTATION`]. Converting
-    /// again reuses blobs already made (content-addressed).
+    /// [`INDEX_MEDIA_TYPE`] and [`DATA_MEDIA_TYPE`], annotated [`ANNOTATION`], then the
+    /// image's EROFS disk for the microVM backend as one more pair, media types
+    /// [`DISK_INDEX_MEDIA_TYPE`] and [`DATA_MEDIA_TYPE`] (see [`mod@format`]; left out, with a
+    /// warning, when this host has no `mkfs.erofs`). Converting again reuses blobs already
+    /// made (content-addressed; the EROFS disk is made anew each time).
     ///
     /// A tag, not the referrers API, links the two forms: the Debian registry (distribution
     /// 2.8) has no referrers API, and a tag suffix is how eStargz and Nydus images are
@@ -118,7 +129,8 @@ impl ImageStore {
     /// # Errors
     /// `NotFound` when the image is not in the store; `InvalidArgument` when it is a
     /// built-in image (no config blob) or a layer cannot be represented (non-UTF-8 names);
-    /// `Unavailable` when the registry fails; `Internal` on local I/O.
+    /// `Unavailable` when the registry fails; `Internal` on local I/O or when `mkfs.erofs`
+    /// fails.
     pub async fn convert_lazy(&self, reference: &str) -> NodeResult<ConvertReport> {
         let img = self.get(reference)?;
         let config = img
@@ -152,6 +164,21 @@ impl ImageStore {
             data_bytes += idx.data_size;
             pairs.push((idx_digest, idx_size, idx));
         }
+        let disk = if crate::backends::qemu::find_binary("mkfs.erofs").is_some() {
+            let this = self.clone();
+            let layers = img.layers.clone();
+            Some(
+                tokio::task::spawn_blocking(move || this.convert_disk(&layers))
+                    .await
+                    .map_err(|e| NodeError::Unavailable(format!("convert task failed: {e}")))??,
+            )
+        } else {
+            tracing::warn!(
+                reference,
+                "no mkfs.erofs on this host: the lazy form has no EROFS disk (microVMs of it convert eagerly)"
+            );
+            None
+        };
         let (client, auth) = registry_client(&r, Duration::from_secs(10));
         client
             .store_auth_if_needed(r.resolve_registry(), &auth)
@@ -192,6 +219,17 @@ impl ImageStore {
                 "mediaType": DATA_MEDIA_TYPE, "digest": idx.data_digest, "size": idx.data_size,
             }));
         }
+        if let Some((idx_digest, idx_size, idx)) = &disk {
+            push(idx_digest.clone()).await?;
+            push(idx.data_digest.clone()).await?;
+            layers.push(serde_json::json!({
+                "mediaType": DISK_INDEX_MEDIA_TYPE, "digest": idx_digest, "size": idx_size,
+                "annotations": { ANNOTATION: "1" },
+            }));
+            layers.push(serde_json::json!({
+                "mediaType": DATA_MEDIA_TYPE, "digest": idx.data_digest, "size": idx.data_size,
+            }));
+        }
         push(config.clone()).await?;
         let config_size = std::fs::metadata(self.blob_path(&config)?)
             .map(|m| m.len())
@@ -217,7 +255,29 @@ impl ImageStore {
             manifest: digest,
             files_bytes,
             data_bytes,
+            disk_bytes: disk.map(|(_, _, idx)| idx.files_bytes),
         })
+    }
+
+    /// The image's EROFS disk (`mkfs.erofs` of the merged `layers`, top-most first, as the
+    /// microVM backend makes it) converted like a layer: a one-file tree [`DISK_FILE`]
+    /// (mode 0444) in a root of mode 0755, made in a temporary directory under the store's
+    /// `lazy/` and removed after. Returns the index's digest, size and contents.
+    fn convert_disk(&self, layers: &[PathBuf]) -> NodeResult<(String, u64, LazyIndex)> {
+        static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let tmp = self
+            .lazy_dir()
+            .join(format!("disk-{}-{n}.tmp", std::process::id()));
+        let _ = std::fs::remove_dir_all(&tmp);
+        std::fs::create_dir_all(&tmp)
+            .map_err(|e| NodeError::io(format!("create {}", tmp.display()), e))?;
+        super::set_mode(&self.lazy_dir(), 0o700)?;
+        let res = super::set_mode(&tmp, 0o755)
+            .and_then(|_| crate::backends::qemu::microvm::make_erofs(layers, &tmp.join(DISK_FILE)))
+            .and_then(|_| self.convert_layer(&tmp, None));
+        let _ = std::fs::remove_dir_all(&tmp);
+        res
     }
 
     /// Convert one unpacked layer directory: data blob and index blob into the blob store.
@@ -299,9 +359,13 @@ impl ImageStore {
         }
         let config = m["config"]["digest"].as_str().unwrap_or("").to_string();
         let mut indexes = Vec::new();
+        let mut disk = None;
         for l in m["layers"].as_array().into_iter().flatten() {
-            if l["mediaType"].as_str() == Some(INDEX_MEDIA_TYPE) {
-                indexes.push(l["digest"].as_str().unwrap_or("").to_string());
+            let digest = l["digest"].as_str().unwrap_or("").to_string();
+            match l["mediaType"].as_str() {
+                Some(INDEX_MEDIA_TYPE) => indexes.push(digest),
+                Some(DISK_INDEX_MEDIA_TYPE) => disk = Some(digest),
+                _ => {}
             }
         }
         let _lock = self.lock(false)?;
@@ -314,7 +378,11 @@ impl ImageStore {
         )?;
         let mut size = 0;
         let mut rels = Vec::new();
-        for d in indexes.iter().chain(std::iter::once(&config)) {
+        for d in indexes
+            .iter()
+            .chain(std::iter::once(&config))
+            .chain(disk.iter())
+        {
             digest_hex(d)?;
             if !self.blob_path(d)?.is_file() {
                 let mut buf = Vec::new();
@@ -334,6 +402,14 @@ impl ImageStore {
             size += idx.files_bytes;
             rels.push(format!("{LAZY_DIR}/mnt/{}", digest_hex(d)?));
         }
+        if let Some(d) = &disk {
+            let idx = self.lazy_index(d)?;
+            if idx.entries.len() != 2 || idx.entries[1].path != DISK_FILE {
+                return Err(NodeError::InvalidArgument(format!(
+                    "{lazy_ref}: its EROFS disk index {d} is not the one file {DISK_FILE}"
+                )));
+            }
+        }
         rels.reverse();
         let cfg: super::oci::ImageConfig = serde_json::from_slice(
             &std::fs::read(self.blob_path(&config)?)
@@ -342,6 +418,7 @@ impl ImageStore {
         .map_err(|e| NodeError::InvalidArgument(format!("{lazy_ref}: bad config: {e}")))?;
         let exec = cfg.config.unwrap_or_default();
         let mut blobs = indexes.clone();
+        blobs.extend(disk.clone());
         blobs.push(config.clone());
         blobs.push(manifest_digest.clone());
         let meta = ImageJson {
@@ -357,6 +434,7 @@ impl ImageStore {
                 manifest: manifest_digest,
                 config,
                 indexes,
+                disk,
             },
             layers: rels,
             blobs,
@@ -383,7 +461,11 @@ impl ImageStore {
         std::thread::scope(|s| {
             let started: Vec<_> = indexes
                 .iter()
-                .map(|d| s.spawn(move || self.ensure_mounted(d, lazy_reference)))
+                .map(|d| {
+                    s.spawn(move || {
+                        self.ensure_mounted(d, lazy_reference, &self.lazy_mount_point(d)?)
+                    })
+                })
                 .collect();
             started
                 .into_iter()
@@ -397,30 +479,76 @@ impl ImageStore {
         Ok(())
     }
 
+    /// Mount the EROFS disk of lazy image `img` (see [`mod@format`]) at `dir/lazy-<index
+    /// hex>` unless it is mounted there, and return the disk file's path
+    /// (`dir/lazy-<hex>/image.erofs`, mode 0444 in a root of mode 0755, readable through the
+    /// mount by every user that can reach `dir`); `None` when `img` is not lazy or its lazy
+    /// form has no disk. One FUSE daemon per mount point, shared by every VM of the image;
+    /// it fetches the chunks under each read, as for the layers.
+    ///
+    /// # Errors
+    /// `Unavailable` when the daemon does not mount within 10 s; `Internal` on local I/O.
+    pub fn mount_lazy_disk(&self, img: &super::Image, dir: &Path) -> NodeResult<Option<PathBuf>> {
+        let ImageSource::Lazy {
+            lazy_reference,
+            disk: Some(d),
+            ..
+        } = &img.source
+        else {
+            return Ok(None);
+        };
+        let mp = dir.join(format!("lazy-{}", digest_hex(d)?));
+        self.ensure_mounted(d, lazy_reference, &mp)?;
+        Ok(Some(mp.join(DISK_FILE)))
+    }
+
+    /// Where [`mount_lazy_disk`](Self::mount_lazy_disk) puts the EROFS disk of `img` under
+    /// `dir` (mounted or not); `None` when it has none.
+    ///
+    /// # Errors
+    /// `InvalidArgument` for a malformed digest.
+    pub fn lazy_disk_path(&self, img: &super::Image, dir: &Path) -> NodeResult<Option<PathBuf>> {
+        match &img.source {
+            ImageSource::Lazy { disk: Some(d), .. } => Ok(Some(
+                dir.join(format!("lazy-{}", digest_hex(d)?)).join(DISK_FILE),
+            )),
+            _ => Ok(None),
+        }
+    }
+
     /// How much of lazy image `img` is in the chunk cache; `None` for other images.
     pub fn lazy_local_bytes(&self, img: &super::Image) -> Option<LocalBytes> {
-        let ImageSource::Lazy { indexes, .. } = &img.source else {
+        let ImageSource::Lazy { indexes, disk, .. } = &img.source else {
             return None;
         };
-        let mut all = Vec::new();
-        for d in indexes {
-            let idx = self.lazy_index(d).ok()?;
-            all.extend(idx.entries.into_iter().flat_map(|e| e.chunks));
-        }
-        let mut seen = std::collections::HashSet::new();
-        let total = all
-            .iter()
-            .filter(|c| seen.insert(c.digest.clone()))
-            .map(|c| c.len)
-            .sum();
+        let count = |ds: &mut dyn Iterator<Item = &String>| -> Option<(u64, u64)> {
+            let mut all = Vec::new();
+            for d in ds {
+                let idx = self.lazy_index(d).ok()?;
+                all.extend(idx.entries.into_iter().flat_map(|e| e.chunks));
+            }
+            let mut seen = std::collections::HashSet::new();
+            let total = all
+                .iter()
+                .filter(|c| seen.insert(c.digest.clone()))
+                .map(|c| c.len)
+                .sum();
+            Some((fetch::cached_bytes(&self.dir, all.iter()), total))
+        };
+        let (cached, total) = count(&mut indexes.iter())?;
+        let (disk_cached, disk_total) = count(&mut disk.iter())?;
         Some(LocalBytes {
-            cached: fetch::cached_bytes(&self.dir, all.iter()),
+            cached,
             total,
+            disk_cached,
+            disk_total,
         })
     }
 
-    fn ensure_mounted(&self, index: &str, reference: &str) -> NodeResult<PathBuf> {
-        let mp = self.lazy_mount_point(index)?;
+    /// Mount lazy index `index` (chunks from `reference`'s repository) at `mp` unless a
+    /// live mount is there.
+    fn ensure_mounted(&self, index: &str, reference: &str, mp: &Path) -> NodeResult<PathBuf> {
+        let mp = mp.to_path_buf();
         // One mounter at a time per layer (creates of one image run at once, in this
         // process and others): the others wait, then find the mount live.
         let lock_path = mp.with_extension("lock");

@@ -298,7 +298,31 @@ impl MicrovmBackend {
 
     /// The image's EROFS disk, made once, and the create's hold on it (kept until the
     /// sandbox's `boot.json` names it; see [`ImageDisks::image_disk`]).
+    ///
+    /// A lazy image whose lazy form has an EROFS disk: that disk, served by a FUSE daemon
+    /// mounted at `images/lazy-<index hex>/` (mode 0755 root, `image.erofs` mode 0444;
+    /// reached only through `images/`, root:QEMU group 0710, like the eager disks) and
+    /// read chunk by chunk on demand ([`ImageStore::mount_lazy_disk`]). A lazy image
+    /// without one is converted eagerly as any other image (which fetches every chunk).
     async fn image_disk(&self, image: &Image) -> NodeResult<(PathBuf, DiskHold)> {
+        if let crate::images::ImageSource::Lazy { disk, .. } = &image.source {
+            if disk.is_some() {
+                let dir = self.cfg.dir.join("images");
+                let out = (self.cfg.images)
+                    .lazy_disk_path(image, &dir)?
+                    .expect("a lazy image with a disk");
+                let (images, img) = (self.cfg.images.clone(), image.clone());
+                let make = move |_: &Path| images.mount_lazy_disk(&img, &dir).map(|_| ());
+                let collect = || self.collect_disks(false);
+                return (self.disks)
+                    .image_disk(image, out, "lazy EROFS disk mounted", make, collect)
+                    .await;
+            }
+            tracing::info!(
+                image = %image.name,
+                "lazy image without an EROFS disk (converted by an older Sandlot): converting it eagerly, which fetches every chunk"
+            );
+        }
         let layers = image.layers.clone();
         let make = move |out: &Path| make_erofs(&layers, out);
         let (out, collect) = (self.disk_path(image), || self.collect_disks(false));
@@ -333,9 +357,16 @@ impl MicrovmBackend {
             &dir.join(CONSOLE_LOG),
         ));
         let p = |x: &Path| x.display().to_string();
+        // `rerror=report` (QEMU's default, spelled out): a failed host read of the image
+        // disk, e.g. a lazy disk's chunk the registry cannot serve, reaches the guest as an
+        // I/O error of that request; the VM neither stops nor retries (`stop` would pause
+        // it until a QMP `cont`).
         args.extend([
             "-drive".into(),
-            format!("id=image,file={},format=raw,if=none,readonly=on", p(disk)),
+            format!(
+                "id=image,file={},format=raw,if=none,readonly=on,rerror=report",
+                p(disk)
+            ),
             "-device".into(),
             "virtio-blk-device,drive=image,serial=image".into(),
             "-drive".into(),
@@ -441,8 +472,13 @@ async fn seed_scratch(ck: &Checkpoint, scratch: &Path, mib: u64) -> NodeResult<(
     .await
 }
 
-/// `mkfs.erofs` of the image's merged layers into `out` (via a temp file).
-fn make_erofs(layers: &[PathBuf], out: &Path) -> NodeResult<()> {
+/// `mkfs.erofs` of the image's merged layers (`layers`, the top-most first) into `out`
+/// (via a temp file), mode 0444. Also makes a lazy image's EROFS disk at convert time
+/// ([`ImageStore::convert_lazy`](crate::images::ImageStore::convert_lazy)).
+///
+/// # Errors
+/// `Internal` when the overlay mount or `mkfs.erofs` fails (its stderr is quoted).
+pub(crate) fn make_erofs(layers: &[PathBuf], out: &Path) -> NodeResult<()> {
     let tmp = out.with_extension("erofs.tmp");
     let merged_dir = out.with_extension("merge");
     let src = if layers.len() == 1 {

@@ -21,8 +21,23 @@
 //! mount), i.e. two layers of indirection and an external tool at convert time, and its
 //! block addressing does not deduplicate across images at our chunk size. A FUSE file
 //! system serving this index directly answers metadata from memory, fetches exactly the
-//! chunks a read touches, and is one Rust crate (`fuser`). EROFS stays the better choice
-//! for the microVM/VM backends (a block device), left for a later slice.
+//! chunks a read touches, and is one Rust crate (`fuser`).
+//!
+//! **The EROFS disk (microVM backend).** A microVM reads its image as a virtio-blk EROFS
+//! disk, not as a file tree, so [`ImageStore::convert_lazy`](crate::images::ImageStore::convert_lazy)
+//! also makes that disk (the same `mkfs.erofs` run over the merged layers as the eager
+//! microVM path, `backends::qemu::microvm::make_erofs`) and stores it in this same format as
+//! a one-file tree ([`DISK_FILE`], mode 0444, in a root directory of mode 0755): an extra
+//! `(index, data)` blob pair whose index has media type [`DISK_INDEX_MEDIA_TYPE`]. The node
+//! serves it with the same FUSE daemon, chunk fetches, digest checks and disk cache as the
+//! layers, and QEMU opens `<mount>/image.erofs` read-only: a guest read of a block becomes a
+//! host read of the file, which fetches the 1 MiB chunk(s) under it. Why a whole disk
+//! rather than a block device assembled from the layers' chunks: the guest needs no change
+//! and QEMU no new block driver, at the cost of storing the image's bytes twice in the
+//! registry (EROFS lays file data at 4 KiB, not 1 MiB, boundaries, so disk chunks do not
+//! deduplicate with file chunks). Older nodes skip the unknown media type; a lazy image
+//! converted before the disk existed falls back to the eager conversion (which reads every
+//! chunk).
 use crate::images::unpack::{hex, OPAQUE_XATTR};
 use crate::node::{NodeError, NodeResult};
 use serde::{Deserialize, Serialize};
@@ -39,6 +54,11 @@ pub const CHUNK_SIZE: u64 = 1 << 20;
 pub const INDEX_MEDIA_TYPE: &str = "application/vnd.sandlot.lazy.index.v1+json";
 /// Media type of a data blob (chunks end to end).
 pub const DATA_MEDIA_TYPE: &str = "application/vnd.sandlot.lazy.data.v1";
+/// Media type of the index blob of an image's EROFS disk (JSON of [`LazyIndex`]: a root
+/// directory holding the one file [`DISK_FILE`]); its data blob has [`DATA_MEDIA_TYPE`].
+pub const DISK_INDEX_MEDIA_TYPE: &str = "application/vnd.sandlot.lazy.erofs-index.v1+json";
+/// Name of the EROFS disk file in the root of its lazy tree.
+pub const DISK_FILE: &str = "image.erofs";
 /// Format version written into [`LazyIndex::version`].
 pub const FORMAT_VERSION: u32 = 1;
 
