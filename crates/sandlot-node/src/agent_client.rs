@@ -61,6 +61,8 @@ pub struct AgentClient {
     socket: PathBuf,
     connector: Option<Connector>,
     conn: tokio::sync::Mutex<Option<SendRequest<ReqBody>>>,
+    /// Open [`AgentClient::connect_port`] tunnels, at most [`MAX_TUNNELS`].
+    tunnels: std::sync::Arc<tokio::sync::Semaphore>,
 }
 
 fn agent_err(socket: &Path, what: &str, e: impl std::fmt::Display) -> NodeError {
@@ -77,6 +79,7 @@ impl AgentClient {
             socket: socket.into(),
             connector: None,
             conn: tokio::sync::Mutex::new(None),
+            tunnels: std::sync::Arc::new(tokio::sync::Semaphore::new(MAX_TUNNELS)),
         }
     }
 
@@ -87,6 +90,7 @@ impl AgentClient {
             socket: socket.into(),
             connector: Some(connector),
             conn: tokio::sync::Mutex::new(None),
+            tunnels: std::sync::Arc::new(tokio::sync::Semaphore::new(MAX_TUNNELS)),
         }
     }
 
@@ -577,6 +581,11 @@ impl ExecStream {
 /// Size of each direction's buffer in the [`AgentClient::connect_port`] pipe, bytes.
 const TUNNEL_BUF: usize = 64 * 1024;
 
+/// Most [`AgentClient::connect_port`] tunnels open at once on one agent. Each holds an
+/// HTTP/2 stream, and the agent serves at most 200 concurrent streams (hyper's default):
+/// the rest stay for execs, file calls and pings, which open tunnels must not starve.
+pub const MAX_TUNNELS: usize = 128;
+
 impl AgentClient {
     /// A TCP connection to `127.0.0.1:port` inside sandbox `id`, made by its agent
     /// ([`sandlot_guest::agent_proto::PATH_CONNECT`]) and carried by one HTTP/2 stream:
@@ -590,7 +599,8 @@ impl AgentClient {
     /// `InvalidArgument` (port 0); `Unavailable` starting with
     /// [`sandlot_node_api::PORT_NOT_LISTENING`] (connection refused inside, or no accept
     /// within the agent's connect timeout), or naming an agent too old for the call;
-    /// `Internal` when the agent cannot be reached or fails otherwise.
+    /// `ResourceExhausted` when [`MAX_TUNNELS`] are open; `Internal` when the agent cannot
+    /// be reached or fails otherwise.
     pub async fn connect_port(
         &self,
         id: &str,
@@ -603,6 +613,12 @@ impl AgentClient {
                 "port 0 cannot be reached".into(),
             ));
         }
+        let permit = self.tunnels.clone().try_acquire_owned().map_err(|_| {
+            NodeError::ResourceExhausted(format!(
+                "sandbox {id} has {MAX_TUNNELS} port connections open through its guest agent, \
+                 the most; close some first"
+            ))
+        })?;
         let spec = serde_json::to_vec(&ConnectRequest { port }).expect("ConnectRequest serialises");
         // Client → service: the spec frame, then what the pump reads from the pipe. A
         // channel of one chunk: the pump reads the pipe only as HTTP/2 takes the chunks.
@@ -685,6 +701,7 @@ impl AgentClient {
         // request body and `incoming` go, which resets the stream.
         let (gone_tx, gone_rx) = tokio::sync::oneshot::channel::<()>();
         tokio::spawn(async move {
+            let _permit = permit;
             tokio::select! {
                 _ = async { tokio::join!(up, down) } => {}
                 _ = gone_rx => {}
