@@ -12,9 +12,9 @@ skips with the reason (fails when SANDLOT_REQUIRE_BACKENDS names it).
 Which test runs where (`e2b_only` markers, the reason in each): what the server alone does
 (parsing Connect envelopes and uploads, TTL expiry, unknown ids) runs on `function` only;
 `microvm` boots under TCG in CI (seconds per boot), so it runs a reduced set — commands,
-files, pause/connect with a live process, create/list/kill — on one sandbox shared by the
-module's `box` tests, and the e2b pty (tests/test_pty.py has it on the other two);
-`get_host` is not implemented for microvm.
+files, pause/connect with a live process, create/list/kill, `get_host` — on one sandbox
+shared by the module's `box` tests, and the e2b pty (tests/test_pty.py has it on the other
+two).
 """
 
 from __future__ import annotations
@@ -662,8 +662,6 @@ while True:
 '''
 
 
-@pytest.mark.e2b_only("function", "container",
-                      why="ingress to microvm sandboxes is not implemented (docs/e2b.md)")
 def test_get_host_reaches_a_server_in_the_sandbox(box, e2b_env):
     """Ingress: `get_host(port)` names `<port>-<id>.<domain>`; Sandlot routes that host
     name (here sent as `Host` to its own listener, as a wildcard DNS name would) and

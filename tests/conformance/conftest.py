@@ -89,7 +89,7 @@ CASES: List[Case] = [
 ]
 
 #: Cases that run only a subset of the suite (slow boots), by test function name: every
-#: category (errors, exec, files, lifecycle, limits, processes, pause, checkpoint) has at least
+#: category (errors, exec, files, lifecycle, limits, processes, pause, checkpoint, ports) has at least
 #: one test.
 REDUCED: Dict[str, FrozenSet[str]] = {
     "microvm": frozenset({
@@ -126,6 +126,8 @@ REDUCED: Dict[str, FrozenSet[str]] = {
         "test_pause_twice_resume_twice_and_delete_while_paused",
         # checkpoint (test_checkpoint.py): one case, 5 boots
         "test_checkpoint_forks_three_sandboxes",
+        # ingress (test_ports.py): through the guest agent's tunnel; one boot
+        "test_ingress_reaches_a_server_on_the_sandbox_loopback",
     }),
     # Each module's shared `sb` is one boot, each `make`/create test one more: 18 tests,
     # ~15 boots of ~8 s each under TCG.
@@ -151,6 +153,8 @@ REDUCED: Dict[str, FrozenSet[str]] = {
         "test_pause_twice_resume_twice_and_delete_while_paused",
         # checkpoint (test_checkpoint.py): qcow2 layer snapshot, 4 boots + the parent's
         "test_checkpoint_forks_three_sandboxes",
+        # ingress (test_ports.py): through the guest agent's tunnel; one boot
+        "test_ingress_reaches_a_server_on_the_sandbox_loopback",
     }),
 }
 
@@ -159,7 +163,7 @@ CLUSTER_ENV = "SANDLOT_CONFORMANCE_CLUSTER"
 #: The cases run against a cluster (``SANDLOT_CONFORMANCE_CLUSTER``).
 CLUSTER_CASES = frozenset({"function", "container-runc"})
 #: The tests run against a cluster, for each of ``CLUSTER_CASES``: the microvm subset (one or
-#: more per category: errors, exec, files, lifecycle, limits, processes, pause, checkpoint),
+#: more per category: errors, exec, files, lifecycle, limits, processes, pause, checkpoint, ports),
 #: so both cases fit CI's budget (the whole suite on `function` alone takes ~60 s there),
 #: the per-case check that nothing is left behind on the node, and E2B pids across servers
 #: (test_e2b_cluster.py; cluster-only, on the E2B backend's case).

@@ -29,7 +29,8 @@ use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
 use nix::unistd::Pid;
 use sandlot_guest::agent_proto::{
     encode, ClockRequest, ExecExit, ExecRequest, FrameDecoder, FrameKind, IdentityRequest,
-    SignalRequest, PATH_CLOCK, PATH_EXEC, PATH_IDENTITY, PATH_PING, PATH_SIGNAL,
+    SignalRequest, CONNECT_TIMEOUT_MS, PATH_CLOCK, PATH_CONNECT, PATH_EXEC, PATH_IDENTITY,
+    PATH_PING, PATH_SIGNAL,
 };
 use sandlot_guest::spec::ExecStatus;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -752,6 +753,10 @@ async fn handle(req: Request<Incoming>, shared: Shared) -> Result<Response<Body>
             answer
         }
         (&Method::POST, PATH_CLOCK) => clock(req.into_body()).await,
+        (&Method::POST, PATH_CONNECT) => {
+            crate::agent_tunnel::connect(req.into_body(), Duration::from_millis(CONNECT_TIMEOUT_MS))
+                .await
+        }
         _ => text(StatusCode::NOT_FOUND, "no such call"),
     })
 }

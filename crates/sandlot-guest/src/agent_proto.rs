@@ -17,6 +17,7 @@
 //!   Resetting the stream (dropping the response) kills the command's whole process tree.
 //!   A bad request answers 400 with a text body.
 //! * `POST /v1/signal` — see [`PATH_SIGNAL`].
+//! * `POST /v1/connect` — a TCP tunnel into the sandbox, see [`PATH_CONNECT`].
 //!
 //! File calls (paths under `/v1/files/`; the rules of [`crate::sandbox_fs`], applied by the
 //! agent to its own root: relative paths under `/workspace`, `openat2` with
@@ -366,6 +367,37 @@ pub const PATH_CLOCK: &str = "/v1/clock";
 pub struct ClockRequest {
     /// The host's wall-clock time: nanoseconds since the Unix epoch (UTC).
     pub unix_ns: u64,
+}
+
+/// Path of the tunnel call (ingress: a TCP connection to a port inside the sandbox).
+///
+/// `POST /v1/connect` — request body: one [`FrameKind::Spec`] frame holding
+/// [`ConnectRequest`] JSON, then raw bytes, client → service. The agent connects to
+/// `127.0.0.1:port` in its own network namespace (the workload's: execs unshare only a pid
+/// namespace; in a VM the guest's only one) within [`CONNECT_TIMEOUT_MS`], then answers 200
+/// and streams what the service sends as the response body (service → client, raw). The
+/// end of the request body half-closes the TCP connection (`shutdown(SHUT_WR)`); the
+/// service's EOF ends the response body; resetting the stream closes the connection.
+/// HTTP/2 flow control bounds what is in flight either way.
+///
+/// Errors, before any 200, with a text body: 400 (bad spec frame, port 0), 502 (connection
+/// refused: nothing listens; the body starts with [`CONNECT_REFUSED_PREFIX`]), 504 (no
+/// accept within [`CONNECT_TIMEOUT_MS`]), 500 (another connect failure). An agent that
+/// predates the call answers 404.
+pub const PATH_CONNECT: &str = "/v1/connect";
+
+/// How long the agent waits for a connect to a port inside the sandbox, milliseconds.
+pub const CONNECT_TIMEOUT_MS: u64 = 5_000;
+
+/// How the text body of a 502 or 504 answer to [`PATH_CONNECT`] starts.
+pub const CONNECT_REFUSED_PREFIX: &str = "nothing listens on port";
+
+/// `POST /v1/connect` spec frame.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ConnectRequest {
+    /// TCP port on the sandbox's loopback (`127.0.0.1`), 1..=65535.
+    pub port: u16,
 }
 
 #[cfg(test)]

@@ -7,6 +7,7 @@
 
 mod agent;
 mod agent_files;
+mod agent_tunnel;
 mod exec;
 mod fsrules;
 mod host;

@@ -61,6 +61,8 @@ pub struct AgentClient {
     socket: PathBuf,
     connector: Option<Connector>,
     conn: tokio::sync::Mutex<Option<SendRequest<ReqBody>>>,
+    /// Open [`AgentClient::connect_port`] tunnels, at most [`MAX_TUNNELS`].
+    tunnels: std::sync::Arc<tokio::sync::Semaphore>,
 }
 
 fn agent_err(socket: &Path, what: &str, e: impl std::fmt::Display) -> NodeError {
@@ -77,6 +79,7 @@ impl AgentClient {
             socket: socket.into(),
             connector: None,
             conn: tokio::sync::Mutex::new(None),
+            tunnels: std::sync::Arc::new(tokio::sync::Semaphore::new(MAX_TUNNELS)),
         }
     }
 
@@ -87,6 +90,7 @@ impl AgentClient {
             socket: socket.into(),
             connector: Some(connector),
             conn: tokio::sync::Mutex::new(None),
+            tunnels: std::sync::Arc::new(tokio::sync::Semaphore::new(MAX_TUNNELS)),
         }
     }
 
@@ -571,5 +575,182 @@ impl ExecStream {
                 Some(Err(_)) | None => return Ok(None),
             }
         }
+    }
+}
+
+/// Size of each direction's buffer in the [`AgentClient::connect_port`] pipe, bytes.
+const TUNNEL_BUF: usize = 64 * 1024;
+
+/// Most [`AgentClient::connect_port`] tunnels open at once on one agent. Each holds an
+/// HTTP/2 stream, and the agent serves at most 200 concurrent streams (hyper's default):
+/// the rest stay for execs, file calls and pings, which open tunnels must not starve.
+pub const MAX_TUNNELS: usize = 128;
+
+impl AgentClient {
+    /// A TCP connection to `127.0.0.1:port` inside sandbox `id`, made by its agent
+    /// ([`sandlot_guest::agent_proto::PATH_CONNECT`]) and carried by one HTTP/2 stream:
+    /// the returned stream is one end of a [`tokio::io::duplex`] pipe (64 KiB
+    /// each way) whose other end a task pumps to and from that stream. Shutting down its
+    /// write half half-closes the TCP connection inside; its reads end at the service's
+    /// EOF; dropping it resets the HTTP/2 stream, which closes the connection. Memory is
+    /// bounded by the pipe and HTTP/2 flow control.
+    ///
+    /// # Errors
+    /// `InvalidArgument` (port 0); `Unavailable` starting with
+    /// [`sandlot_node_api::PORT_NOT_LISTENING`] (connection refused inside, or no accept
+    /// within the agent's connect timeout), or naming an agent too old for the call;
+    /// `ResourceExhausted` when [`MAX_TUNNELS`] are open; `Internal` when the agent cannot
+    /// be reached or fails otherwise.
+    pub async fn connect_port(
+        &self,
+        id: &str,
+        port: u16,
+    ) -> NodeResult<sandlot_node_api::PortConn> {
+        use sandlot_guest::agent_proto::{ConnectRequest, CONNECT_TIMEOUT_MS, PATH_CONNECT};
+        use sandlot_node_api::PORT_NOT_LISTENING;
+        if port == 0 {
+            return Err(NodeError::InvalidArgument(
+                "port 0 cannot be reached".into(),
+            ));
+        }
+        let permit = self.tunnels.clone().try_acquire_owned().map_err(|_| {
+            NodeError::ResourceExhausted(format!(
+                "sandbox {id} has {MAX_TUNNELS} port connections open through its guest agent, \
+                 the most; close some first"
+            ))
+        })?;
+        let spec = serde_json::to_vec(&ConnectRequest { port }).expect("ConnectRequest serialises");
+        // Client → service: the spec frame, then what the pump reads from the pipe. A
+        // channel of one chunk: the pump reads the pipe only as HTTP/2 takes the chunks.
+        let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(1);
+        let first =
+            futures::stream::once(async move { Bytes::from(encode(FrameKind::Spec, &spec)) });
+        let rest =
+            futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|b| (b, rx)) });
+        let frames = futures::StreamExt::map(futures::StreamExt::chain(first, rest), |b| {
+            Ok::<_, std::convert::Infallible>(hyper::body::Frame::data(b))
+        });
+        let body: ReqBody = http_body_util::StreamBody::new(frames).boxed();
+        // The agent answers within its connect timeout; a little more for the way there.
+        let wait = Duration::from_millis(CONNECT_TIMEOUT_MS) + Duration::from_secs(5);
+        let resp = match tokio::time::timeout(wait, self.call_body(Method::POST, PATH_CONNECT, body)).await {
+            Ok(r) => r?,
+            Err(_) => {
+                return Err(NodeError::Unavailable(format!(
+                    "{PORT_NOT_LISTENING} {port} in sandbox {id} (its agent did not answer within {} s)",
+                    wait.as_secs()
+                )))
+            }
+        };
+        let status = resp.status();
+        if status != StatusCode::OK {
+            let text = resp
+                .into_body()
+                .collect()
+                .await
+                .map(|b| String::from_utf8_lossy(&b.to_bytes()).into_owned())
+                .unwrap_or_default();
+            return Err(match status {
+                StatusCode::BAD_GATEWAY | StatusCode::GATEWAY_TIMEOUT => {
+                    NodeError::Unavailable(format!(
+                        "{PORT_NOT_LISTENING} {port} in sandbox {id} ({})",
+                        text.trim()
+                    ))
+                }
+                StatusCode::NOT_FOUND => NodeError::Unavailable(format!(
+                    "the guest agent of sandbox {id} predates port access (recreate the sandbox)"
+                )),
+                _ => agent_err(&self.socket, "connect", format!("{status}: {text}")),
+            });
+        }
+        let (ours, theirs) = tokio::io::duplex(TUNNEL_BUF);
+        let (mut pipe_rd, mut pipe_wr) = tokio::io::split(theirs);
+        let mut incoming = resp.into_body();
+        // Service → client. Ends at the response body's end (the service's EOF: the pipe's
+        // write side shuts down, the caller reads EOF) or when the caller dropped its end.
+        let down = async move {
+            use tokio::io::AsyncWriteExt;
+            while let Some(frame) = incoming.frame().await {
+                let Ok(frame) = frame else { break };
+                if let Ok(data) = frame.into_data() {
+                    if pipe_wr.write_all(&data).await.is_err() {
+                        return; // caller gone: dropping `incoming` resets the stream
+                    }
+                }
+            }
+            let _ = pipe_wr.shutdown().await;
+        };
+        // Client → service. The caller's shutdown (EOF here) ends the request body: the
+        // agent half-closes the connection.
+        let up = async move {
+            use tokio::io::AsyncReadExt;
+            loop {
+                let mut buf = bytes::BytesMut::with_capacity(TUNNEL_BUF);
+                match pipe_rd.read_buf(&mut buf).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(_) => {
+                        if tx.send(buf.freeze()).await.is_err() {
+                            return;
+                        }
+                    }
+                }
+            }
+        };
+        // Both directions in one task, which ends with both or when the caller drops its
+        // end (`gone`: a shutdown alone is a half-close, not the end); with the task the
+        // request body and `incoming` go, which resets the stream.
+        let (gone_tx, gone_rx) = tokio::sync::oneshot::channel::<()>();
+        tokio::spawn(async move {
+            let _permit = permit;
+            tokio::select! {
+                _ = async { tokio::join!(up, down) } => {}
+                _ = gone_rx => {}
+            }
+        });
+        Ok(Box::new(TunnelEnd {
+            pipe: ours,
+            _gone: gone_tx,
+        }))
+    }
+}
+
+/// The caller's end of an [`AgentClient::connect_port`] tunnel: the pipe, plus a sender
+/// whose drop tells the pump task the caller is gone.
+struct TunnelEnd {
+    pipe: tokio::io::DuplexStream,
+    _gone: tokio::sync::oneshot::Sender<()>,
+}
+
+impl tokio::io::AsyncRead for TunnelEnd {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.pipe).poll_read(cx, buf)
+    }
+}
+
+impl tokio::io::AsyncWrite for TunnelEnd {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::pin::Pin::new(&mut self.pipe).poll_write(cx, buf)
+    }
+
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.pipe).poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.pipe).poll_shutdown(cx)
     }
 }

@@ -397,3 +397,63 @@ async fn a_zygote_makes_the_helpers_and_a_killed_one_is_replaced() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+#[tokio::test]
+async fn connect_port_tunnels_both_ways_half_closes_and_closes_on_drop() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let test = "connect_port_tunnels_both_ways_half_closes_and_closes_on_drop";
+    let Some(a) = start(test).await else { return };
+    // The agent runs on the host here, so its loopback is the test's.
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = l.local_addr().unwrap().port();
+
+    // Echo of everything read, written after the client's half-close.
+    let mut conn = a.client.connect_port("sb-test", port).await.unwrap();
+    let (mut s, _) = l.accept().await.unwrap();
+    let big: Vec<u8> = (0..2_000_000u32).map(|i| (i % 253) as u8).collect();
+    let server = tokio::spawn(async move {
+        let mut got = Vec::new();
+        s.read_to_end(&mut got).await.unwrap();
+        s.write_all(&got).await.unwrap();
+    });
+    let send = big.clone();
+    let (mut rd, mut wr) = tokio::io::split(conn);
+    let writer = tokio::spawn(async move {
+        wr.write_all(&send).await.unwrap();
+        wr.shutdown().await.unwrap();
+        wr
+    });
+    let mut back = Vec::new();
+    rd.read_to_end(&mut back).await.unwrap();
+    assert!(back == big, "{} bytes back of {}", back.len(), big.len());
+    server.await.unwrap();
+    drop(rd.unsplit(writer.await.unwrap()));
+
+    // Dropping the stream (no shutdown) closes the connection inside.
+    conn = a.client.connect_port("sb-test", port).await.unwrap();
+    let (mut s, _) = l.accept().await.unwrap();
+    conn.write_all(b"hi").await.unwrap();
+    let mut two = [0u8; 2];
+    s.read_exact(&mut two).await.unwrap();
+    assert_eq!(&two, b"hi");
+    drop(conn);
+    let mut rest = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut rest))
+        .await
+        .expect("the service sees EOF once the caller drops its end")
+        .unwrap();
+
+    // Nothing listening; port 0.
+    drop(l);
+    match a.client.connect_port("sb-test", port).await {
+        Err(sandlot_node_api::NodeError::Unavailable(m)) => {
+            assert!(m.starts_with(sandlot_node_api::PORT_NOT_LISTENING), "{m}")
+        }
+        Err(e) => panic!("refused port: {e:?}"),
+        Ok(_) => panic!("refused port connected"),
+    }
+    assert!(matches!(
+        a.client.connect_port("sb-test", 0).await,
+        Err(sandlot_node_api::NodeError::InvalidArgument(_))
+    ));
+}

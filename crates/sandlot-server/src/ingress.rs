@@ -20,8 +20,8 @@
 //!
 //! **Errors** (Sandlot's `{"error": {"code", "message"}}`): unknown sandbox 404
 //! `not_found`; paused or not running 409 `conflict`; nothing listening on the port (or
-//! the app closed the connection without answering) **502** `unavailable`; a backend that
-//! cannot reach ports (microvm, vm, runsc for now) 503 `unavailable`; bad port 400.
+//! the app closed the connection without answering) **502** `unavailable`; bad port 400.
+//! Every backend reaches ports (microvm, vm and runsc through their guest agents).
 //!
 //! Forwarding: HTTP/1.1 to the app whatever the client spoke; hop-by-hop headers
 //! (RFC 9110 §7.6.1) are dropped both ways, `Host` is kept as the client sent it, and

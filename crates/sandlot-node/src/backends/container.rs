@@ -1541,10 +1541,9 @@ impl SandboxBackend for ContainerBackend {
     async fn connect_port(&self, id: &str, port: u16) -> NodeResult<sandlot_node_api::PortConn> {
         let c = self.fs_target(id).await?;
         if c.state.runtime == Runtime::Runsc {
-            // gVisor's network stack lives in its sentry, not in the kernel namespace.
-            return Err(NodeError::Unavailable(format!(
-                "sandbox {id} runs on runsc, whose ports cannot be reached yet"
-            )));
+            // gVisor's network stack lives in its sentry, not in the kernel namespace: the
+            // guest agent, inside the sandbox, connects for us (as in a VM).
+            return c.agent.connect_port(id, port).await;
         }
         let s = crate::ports::connect_in_netns(id, c.state.init_pid, c.state.init_starttime, port)
             .await?;

@@ -711,6 +711,13 @@ impl<M: Machine> SandboxBackend for M {
         Some(self)
     }
 
+    /// Through the guest agent ([`AgentClient::connect_port`]): the guest's loopback is
+    /// reachable only from inside the VM.
+    async fn connect_port(&self, id: &str, port: u16) -> NodeResult<sandlot_node_api::PortConn> {
+        let vm = self.core().fs_target(id).await?;
+        vm.agent.connect_port(id, port).await
+    }
+
     /// Saves memory and device state to `memory.state` and stops QEMU (see
     /// `microvm::snapshot`); a VM without QEMU arguments on record (created by an older node, no
     /// QMP socket) is frozen in its cgroup instead.
