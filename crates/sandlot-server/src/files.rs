@@ -180,6 +180,13 @@ pub async fn upload_share(
     }
 }
 
+/// The request's `Content-Length`, when it has a valid one.
+pub(crate) fn content_length(h: &axum::http::HeaderMap) -> Option<u64> {
+    h.get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok())
+}
+
 /// 413 `payload_too_large` of an upload over `limit` bytes.
 pub(crate) fn upload_too_large(limit: u64) -> ServerError {
     ServerError::new(
@@ -197,28 +204,28 @@ pub(crate) fn upload_too_large(limit: u64) -> ServerError {
 ///
 /// # Errors
 /// `payload_too_large`; the node's.
-pub(crate) async fn stream_upload(
+pub(crate) async fn stream_upload<S, E>(
     st: &SharedState,
     id: &str,
     path: &str,
-    headers: &axum::http::HeaderMap,
-    body: axum::body::Body,
+    declared: Option<u64>,
+    body: S,
     limit: u64,
-) -> ApiResult<u64> {
+) -> ApiResult<u64>
+where
+    S: futures::Stream<Item = Result<Bytes, E>> + Send + 'static,
+    E: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
     use futures::StreamExt;
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::Arc;
-    let declared = headers
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
     if declared.is_some_and(|n| n > limit) {
         return Err(upload_too_large(limit));
     }
     let over = Arc::new(AtomicBool::new(false));
     let flag = over.clone();
     let mut seen = 0u64;
-    let stream = body.into_data_stream().map(move |c| {
+    let stream = body.map(move |c| {
         let c = c.map_err(std::io::Error::other)?;
         seen += c.len() as u64;
         if seen > limit {
@@ -253,7 +260,16 @@ pub async fn write(
     crate::disk_reserve::check(&st)?;
     let limit = st.cfg.max_file_bytes as u64;
     if q.step.is_none() {
-        let r = stream_upload(&st, &rec.id, &path, &parts.headers, body, limit).await;
+        let declared = content_length(&parts.headers);
+        let r = stream_upload(
+            &st,
+            &rec.id,
+            &path,
+            declared,
+            body.into_data_stream(),
+            limit,
+        )
+        .await;
         audited(&st, &rec, "write", &path, r)?;
         return Ok(StatusCode::NO_CONTENT.into_response());
     }
