@@ -937,6 +937,39 @@ pub trait Node: Send + Sync + 'static {
 mod tests {
     use super::*;
 
+    #[tokio::test]
+    async fn streams_chunk_collect_and_refuse_over_the_limit() {
+        let data = bytes::Bytes::from(vec![7u8; STREAM_CHUNK * 2 + 5]);
+        let mut s = chunked(data.clone());
+        let mut sizes = Vec::new();
+        while let Some(c) = next_chunk(&mut s).await {
+            sizes.push(c.unwrap().len());
+        }
+        assert_eq!(sizes, [STREAM_CHUNK, STREAM_CHUNK, 5]);
+        let n = data.len() as u64;
+        assert_eq!(
+            collect_stream(chunked(data.clone()), n, "/f")
+                .await
+                .unwrap(),
+            data
+        );
+        let e = collect_stream(chunked(data.clone()), n - 1, "/f")
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(e, NodeError::InvalidArgument(ref m) if m.contains("over")),
+            "{e}"
+        );
+        let (tx, rx) = mpsc::channel(2);
+        tx.send(Ok(bytes::Bytes::from_static(b"ab"))).await.unwrap();
+        tx.send(Err(std::io::Error::other("gone"))).await.unwrap();
+        drop(tx);
+        let e = collect_stream(from_receiver(rx), 10, "/f")
+            .await
+            .unwrap_err();
+        assert!(e.to_string().contains("broke off"), "{e}");
+    }
+
     #[test]
     fn every_error_crosses_the_wire_with_its_kind_and_message() {
         let errors = [
