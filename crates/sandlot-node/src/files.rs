@@ -207,7 +207,7 @@ pub enum Piece {
 
 /// Chunks in flight between an upload's body and its writing thread (each at most what
 /// the body's producer hands out, e.g. 16 KiB–1 MiB for an HTTP body).
-const FEED_DEPTH: usize = 4;
+pub const FEED_DEPTH: usize = 4;
 
 /// The async side of a streamed write: runs `write` (which owns the receiving end, e.g. a
 /// blocking [`SandboxFs::write_from`]) while it pulls `body` into the channel, at most

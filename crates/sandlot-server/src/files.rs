@@ -246,7 +246,7 @@ where
 
 /// `PUT …/files?path=P[&step=N]`, raw body → 204 (`Sandlot-Replayed: true` when replayed).
 /// Atomic on the node (temp file, fsync, rename). Without `step` the body is streamed to
-/// the node as it arrives ([`stream_upload`]); a logged step is buffered whole (its data
+/// the node as it arrives (`stream_upload`); a logged step is buffered whole (its data
 /// goes into the trajectory log).
 pub async fn write(
     State(st): State<SharedState>,

@@ -638,7 +638,7 @@ pub const MULTIPART_FRAMING: usize = 64 * 1024;
 ///
 /// Without `Content-Encoding`, the body is streamed to the node as it arrives, no whole
 /// file in server memory: an octet-stream body to `path`, a `multipart/form-data` body part
-/// by part ([`stream_multipart`]; files of parts before a malformed or refused part stay
+/// by part (`stream_multipart`; files of parts before a malformed or refused part stay
 /// written), each at most `max_file_bytes` (413 `payload_too_large` past it, nothing left
 /// of that file); [`crate::budget::STREAM_SHARE`] of the file budget is held.
 ///
