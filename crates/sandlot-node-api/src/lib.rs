@@ -185,6 +185,101 @@ pub struct WarmPoolInfo {
     pub misses: u64,
 }
 
+/// A file's bytes in chunks (uploads into [`Node::write_file_stream`], downloads out of
+/// [`Node::read_file_stream`]). An `Err` item means the bytes broke off: the consumer
+/// must not take what came before it as the whole file.
+pub type ByteStream = std::pin::Pin<
+    Box<dyn futures_core::Stream<Item = std::io::Result<bytes::Bytes>> + Send + 'static>,
+>;
+
+/// Size in bytes of the chunks that streamed file calls hand out (256 KiB): the memory a
+/// streamed read or write holds per chunk in flight.
+pub const STREAM_CHUNK: usize = 256 << 10;
+
+/// The next item of `s` (a `StreamExt::next` without the `futures` dependency).
+pub async fn next_chunk(s: &mut ByteStream) -> Option<std::io::Result<bytes::Bytes>> {
+    std::future::poll_fn(|cx| s.as_mut().poll_next(cx)).await
+}
+
+/// The whole of `body`, failing with `InvalidArgument` past `max_bytes` (before the bytes
+/// over it are kept) or when it broke off. `path` names the file in messages.
+///
+/// # Errors
+/// `InvalidArgument` ("over N bytes", "upload broke off").
+pub async fn collect_stream(
+    mut body: ByteStream,
+    max_bytes: u64,
+    path: &str,
+) -> NodeResult<bytes::Bytes> {
+    let mut buf = bytes::BytesMut::new();
+    while let Some(chunk) = next_chunk(&mut body).await {
+        let chunk = chunk.map_err(|e| broke_off(path, &e))?;
+        if (buf.len() + chunk.len()) as u64 > max_bytes {
+            return Err(over_limit(path, max_bytes));
+        }
+        buf.extend_from_slice(&chunk);
+    }
+    Ok(buf.freeze())
+}
+
+/// `InvalidArgument` of an upload to `path` over `max_bytes` (the wording every node uses).
+pub fn over_limit(path: &str, max_bytes: u64) -> NodeError {
+    NodeError::InvalidArgument(format!(
+        "data is over {max_bytes} bytes; limit {max_bytes}: {path}"
+    ))
+}
+
+/// `InvalidArgument` of an upload to `path` whose body broke off with `e`.
+pub fn broke_off(path: &str, e: &std::io::Error) -> NodeError {
+    NodeError::InvalidArgument(format!("upload broke off, nothing written to {path}: {e}"))
+}
+
+/// `data` as a [`ByteStream`] of [`STREAM_CHUNK`]-byte slices (no copies).
+pub fn chunked(data: bytes::Bytes) -> ByteStream {
+    let mut off = 0;
+    Box::pin(futures_core_iter(move || {
+        if off >= data.len() {
+            return None;
+        }
+        let end = (off + STREAM_CHUNK).min(data.len());
+        let c = data.slice(off..end);
+        off = end;
+        Some(Ok(c))
+    }))
+}
+
+/// The chunks sent into `rx`, as a [`ByteStream`] (ends when every sender is gone).
+pub fn from_receiver(rx: mpsc::Receiver<std::io::Result<bytes::Bytes>>) -> ByteStream {
+    struct Rx(mpsc::Receiver<std::io::Result<bytes::Bytes>>);
+    impl futures_core::Stream for Rx {
+        type Item = std::io::Result<bytes::Bytes>;
+        fn poll_next(
+            mut self: std::pin::Pin<&mut Self>,
+            cx: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<Option<Self::Item>> {
+            self.0.poll_recv(cx)
+        }
+    }
+    Box::pin(Rx(rx))
+}
+
+/// A stream whose items come from `f` until it answers `None`.
+fn futures_core_iter<T, F: FnMut() -> Option<T> + Unpin>(
+    f: F,
+) -> impl futures_core::Stream<Item = T> {
+    struct FromFn<F>(F);
+    impl<T, F: FnMut() -> Option<T> + Unpin> futures_core::Stream for FromFn<F> {
+        type Item = T;
+        fn poll_next(
+            mut self: std::pin::Pin<&mut Self>,
+            _: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<Option<T>> {
+            std::task::Poll::Ready((self.0)())
+        }
+    }
+    FromFn(f)
+}
+
 /// Errors of node operations. Each maps to exactly one wire [`ErrorCode`].
 #[derive(Debug, thiserror::Error)]
 pub enum NodeError {
@@ -516,6 +611,51 @@ pub trait Node: Send + Sync + 'static {
     /// Write a file atomically (temp file + fsync + rename), creating parent directories.
     async fn write_file(&self, id: &str, path: &str, data: bytes::Bytes) -> NodeResult<()>;
 
+    /// Write a file atomically from a stream of chunks (temp file in the target's directory,
+    /// fsync, rename; parents created), holding only a few chunks in memory at a time;
+    /// answers the bytes written.
+    ///
+    /// The body is complete only when `body` ends (`None`): a chunk that is an `Err` (the
+    /// client broke off), or this future dropped before the end, leaves the target as it
+    /// was and no temp file behind. More than `max_bytes` bytes fail as soon as they are
+    /// seen, with nothing written. The default collects the body (bounded by `max_bytes`)
+    /// and calls [`Node::write_file`]; nodes that can stream override it.
+    ///
+    /// # Errors
+    /// As [`Node::write_file`]; `InvalidArgument` when the body is over `max_bytes`
+    /// ("over N bytes") or broke off ("upload broke off").
+    async fn write_file_stream(
+        &self,
+        id: &str,
+        path: &str,
+        body: ByteStream,
+        max_bytes: u64,
+    ) -> NodeResult<u64> {
+        let data = collect_stream(body, max_bytes, path).await?;
+        let n = data.len() as u64;
+        self.write_file(id, path, data).await?;
+        Ok(n)
+    }
+
+    /// Read a file as a stream of chunks (at most `max_bytes` bytes; a file over it, or one
+    /// growing past it while read, fails). Errors found before the first byte (missing,
+    /// not a regular file, over `max_bytes`) are the call's; later ones end the stream with
+    /// an `Err` item (so a consumer that sees the stream end without one has every byte).
+    /// The default reads the whole file with [`Node::read_file`] and hands it out in
+    /// [`STREAM_CHUNK`]-byte chunks; nodes that can stream override it.
+    ///
+    /// # Errors
+    /// As [`Node::read_file`].
+    async fn read_file_stream(
+        &self,
+        id: &str,
+        path: &str,
+        max_bytes: u64,
+    ) -> NodeResult<ByteStream> {
+        let data = self.read_file(id, path, max_bytes).await?;
+        Ok(chunked(bytes::Bytes::from(data)))
+    }
+
     /// Write `files` (path, content) in order, each atomically but not durably (no fsync),
     /// for a sandbox that never outlives a crash of this node (`run_code`'s). The default
     /// writes them one by one with [`Node::write_file`]; the `function` backend writes them
@@ -796,6 +936,39 @@ pub trait Node: Send + Sync + 'static {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn streams_chunk_collect_and_refuse_over_the_limit() {
+        let data = bytes::Bytes::from(vec![7u8; STREAM_CHUNK * 2 + 5]);
+        let mut s = chunked(data.clone());
+        let mut sizes = Vec::new();
+        while let Some(c) = next_chunk(&mut s).await {
+            sizes.push(c.unwrap().len());
+        }
+        assert_eq!(sizes, [STREAM_CHUNK, STREAM_CHUNK, 5]);
+        let n = data.len() as u64;
+        assert_eq!(
+            collect_stream(chunked(data.clone()), n, "/f")
+                .await
+                .unwrap(),
+            data
+        );
+        let e = collect_stream(chunked(data.clone()), n - 1, "/f")
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(e, NodeError::InvalidArgument(ref m) if m.contains("over")),
+            "{e}"
+        );
+        let (tx, rx) = mpsc::channel(2);
+        tx.send(Ok(bytes::Bytes::from_static(b"ab"))).await.unwrap();
+        tx.send(Err(std::io::Error::other("gone"))).await.unwrap();
+        drop(tx);
+        let e = collect_stream(from_receiver(rx), 10, "/f")
+            .await
+            .unwrap_err();
+        assert!(e.to_string().contains("broke off"), "{e}");
+    }
 
     #[test]
     fn every_error_crosses_the_wire_with_its_kind_and_message() {

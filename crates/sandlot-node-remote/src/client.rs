@@ -448,20 +448,51 @@ impl Node for RemoteNode {
     }
 
     async fn read_file(&self, id: &str, path: &str, max_bytes: u64) -> NodeResult<Vec<u8>> {
+        let s = self.read_file_stream(id, path, max_bytes).await?;
+        let fut = async {
+            let mut s = s;
+            let mut data = Vec::new();
+            while let Some(c) = sandlot_node_api::next_chunk(&mut s).await {
+                let c = c.map_err(|e| {
+                    NodeError::Transport(format!("node {}: read of {path}: {e}", self.base))
+                })?;
+                data.extend_from_slice(&c);
+            }
+            Ok(data)
+        };
+        self.limit(self.opts.call_timeout, "a node call", fut).await
+    }
+
+    async fn read_file_stream(
+        &self,
+        id: &str,
+        path: &str,
+        max_bytes: u64,
+    ) -> NodeResult<sandlot_node_api::ByteStream> {
         let rb = self
             .req(Method::GET, &["sandboxes", id, "files", "content"])
             .query(&[("path", path), ("max_bytes", &max_bytes.to_string())]);
-        let data = self.raw(rb).await?;
-        if data.len() as u64 > max_bytes {
-            return Err(NodeError::io(
-                format!(
-                    "node {}: read of {path} answered over {max_bytes} bytes",
-                    self.base
-                ),
-                std::io::Error::other("answer too long"),
-            ));
-        }
-        Ok(data.to_vec())
+        let fut = async {
+            let resp = rb.send().await.map_err(|e| self.transport(&e))?;
+            self.check(resp).await
+        };
+        let resp = self
+            .limit(self.opts.call_timeout, "a node call", fut)
+            .await?;
+        let base = self.base.clone();
+        let path = path.to_string();
+        let mut done = 0u64;
+        let s = resp.bytes_stream().map(move |c| {
+            let c = c.map_err(|e| std::io::Error::other(format!("node {base}: {}", chain(&e))))?;
+            done += c.len() as u64;
+            if done > max_bytes {
+                return Err(std::io::Error::other(format!(
+                    "node {base}: read of {path} answered over {max_bytes} bytes"
+                )));
+            }
+            Ok(c)
+        });
+        Ok(Box::pin(s))
     }
 
     async fn file_size(&self, id: &str, path: &str) -> NodeResult<u64> {
@@ -473,13 +504,63 @@ impl Node for RemoteNode {
     }
 
     async fn write_file(&self, id: &str, path: &str, data: Bytes) -> NodeResult<()> {
-        self.unit(
-            self.req(Method::PUT, &["sandboxes", id, "files", "content"])
-                .query(&[("path", path)])
-                .header(reqwest::header::CONTENT_TYPE, "application/octet-stream")
-                .body(data),
-        )
-        .await
+        self.write_file_stream(id, path, sandlot_node_api::chunked(data), u64::MAX)
+            .await
+            .map(|_| ())
+    }
+
+    /// The body goes out as it comes (chunked HTTP); the node writes it as it arrives. No
+    /// overall time limit (the upload lasts as long as its client): the connection's own
+    /// timeouts apply.
+    async fn write_file_stream(
+        &self,
+        id: &str,
+        path: &str,
+        body: sandlot_node_api::ByteStream,
+        max_bytes: u64,
+    ) -> NodeResult<u64> {
+        use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+        use std::sync::Arc;
+        // Why our side broke the body: 1 over the limit, 2 the source broke off.
+        let why = Arc::new(AtomicU8::new(0));
+        let sent = Arc::new(AtomicU64::new(0));
+        let (w, n) = (why.clone(), sent.clone());
+        let body = body.map(move |c| match c {
+            Err(e) => {
+                w.store(2, Ordering::SeqCst);
+                Err(e)
+            }
+            Ok(c) => {
+                if n.fetch_add(c.len() as u64, Ordering::SeqCst) + c.len() as u64 > max_bytes {
+                    w.store(1, Ordering::SeqCst);
+                    return Err(std::io::Error::other("over the limit"));
+                }
+                Ok(c)
+            }
+        });
+        let mut q = vec![("path", path.to_string())];
+        if max_bytes != u64::MAX {
+            q.push(("max_bytes", max_bytes.to_string()));
+        }
+        let rb = self
+            .req(Method::PUT, &["sandboxes", id, "files", "content"])
+            .query(&q)
+            .header(reqwest::header::CONTENT_TYPE, "application/octet-stream")
+            .body(reqwest::Body::wrap_stream(body));
+        let r = async {
+            let resp = rb.send().await.map_err(|e| self.transport(&e))?;
+            let resp = self.check(resp).await?;
+            resp.bytes().await.map_err(|e| self.transport(&e))
+        }
+        .await;
+        match why.load(Ordering::SeqCst) {
+            1 => Err(sandlot_node_api::over_limit(path, max_bytes)),
+            2 => Err(sandlot_node_api::broke_off(
+                path,
+                &std::io::Error::other("the body ended with an error"),
+            )),
+            _ => r.map(|_| sent.load(Ordering::SeqCst)),
+        }
     }
 
     async fn write_files_volatile(&self, id: &str, files: Vec<(String, Bytes)>) -> NodeResult<()> {

@@ -692,22 +692,49 @@ struct ReadQ {
     max_bytes: u64,
 }
 
+/// `GET …/files/content?path=&max_bytes=`: the file streamed as it is read (errors before
+/// the first byte are the wire error; a later one aborts the body, so the client sees a
+/// broken answer, never a short file).
 async fn read_file(
     State(n): State<Shared>,
     Path(id): Path<String>,
     QueryArg(q): QueryArg<ReadQ>,
 ) -> Result<Response, Failed> {
-    let data = n.read_file(&id, &q.path, q.max_bytes).await?;
-    Ok(([(header::CONTENT_TYPE, "application/octet-stream")], data).into_response())
+    let data = n.read_file_stream(&id, &q.path, q.max_bytes).await?;
+    Ok((
+        [(header::CONTENT_TYPE, "application/octet-stream")],
+        Body::from_stream(data),
+    )
+        .into_response())
 }
 
+#[derive(Deserialize)]
+struct WriteQ {
+    path: String,
+    /// Limit of the upload (absent from older servers: unlimited here, theirs applies).
+    #[serde(default)]
+    max_bytes: Option<u64>,
+}
+
+/// `PUT …/files/content?path=&max_bytes=`: the body streamed into the node's
+/// [`Node::write_file_stream`] (no whole file in memory); a body that breaks off leaves
+/// nothing written.
 async fn write_file(
     State(n): State<Shared>,
     Path(id): Path<String>,
-    QueryArg(q): QueryArg<PathQ>,
-    data: Bytes,
+    QueryArg(q): QueryArg<WriteQ>,
+    body: Body,
 ) -> Answer<serde_json::Value> {
-    n.write_file(&id, &q.path, data).await?;
+    let stream = body
+        .into_data_stream()
+        .map(|r| r.map_err(std::io::Error::other));
+    n.write_file_stream(
+        &id,
+        &q.path,
+        Box::pin(stream),
+        q.max_bytes.unwrap_or(u64::MAX),
+    )
+    .await?;
     Ok(empty())
 }
 

@@ -45,7 +45,9 @@ pub(crate) async fn connect_socket(path: &Path) -> std::io::Result<tokio::net::U
 
 /// Request body of every agent call: a whole buffer, or a stream (stdin of a background
 /// process).
-type ReqBody = http_body_util::combinators::BoxBody<Bytes, std::convert::Infallible>;
+/// Request bodies to the agent; an `Err` (a streamed upload that broke off) resets the
+/// HTTP/2 stream, so the agent drops what it had started.
+type ReqBody = http_body_util::combinators::BoxBody<Bytes, std::io::Error>;
 
 /// Opens the byte stream of one new agent connection, in place of connecting the socket
 /// (the `microvm` backend's relay, which keeps the connection across a pause).
@@ -63,6 +65,11 @@ pub struct AgentClient {
     conn: tokio::sync::Mutex<Option<SendRequest<ReqBody>>>,
     /// Open [`AgentClient::connect_port`] tunnels, at most [`MAX_TUNNELS`].
     tunnels: std::sync::Arc<tokio::sync::Semaphore>,
+}
+
+/// `data` as a [`ReqBody`].
+fn full(data: Bytes) -> ReqBody {
+    Full::new(data).map_err(|e| match e {}).boxed()
 }
 
 fn agent_err(socket: &Path, what: &str, e: impl std::fmt::Display) -> NodeError {
@@ -123,7 +130,7 @@ impl AgentClient {
         path: &str,
         body: Bytes,
     ) -> NodeResult<hyper::Response<Incoming>> {
-        self.call_body(method, path, Full::new(body).boxed()).await
+        self.call_body(method, path, full(body)).await
     }
 
     async fn call_body(
@@ -224,7 +231,7 @@ impl AgentClient {
             body.extend(encode(FrameKind::Stdin, data));
         }
         let body: ReqBody = match more {
-            None => Full::new(Bytes::from(body)).boxed(),
+            None => full(Bytes::from(body)),
             Some(rx) => {
                 let first = futures::stream::once(async move { Bytes::from(body) });
                 let rest = futures::stream::unfold(rx, |mut rx| async move {
@@ -233,7 +240,7 @@ impl AgentClient {
                         .map(|b| (Bytes::from(encode(FrameKind::Stdin, &b)), rx))
                 });
                 let frames = futures::StreamExt::map(futures::StreamExt::chain(first, rest), |b| {
-                    Ok::<_, std::convert::Infallible>(hyper::body::Frame::data(b))
+                    Ok::<_, std::io::Error>(hyper::body::Frame::data(b))
                 });
                 http_body_util::StreamBody::new(frames).boxed()
             }
@@ -322,70 +329,245 @@ impl AgentClient {
     }
 
     /// Reads the regular file at `path` (absolute, or relative to `/workspace`), at most
-    /// `max_bytes` bytes; memory grows with the bytes received.
+    /// `max_bytes` bytes; memory grows with the bytes received. The whole of
+    /// [`AgentClient::read_file_stream`].
     ///
     /// # Errors
     /// The agent's: `not_found`, `invalid_argument` (directory, not a regular file, special
     /// file system, refused directory, bad path), `payload_too_large` (over `max_bytes`,
     /// also when the file grows during the read), `permission_denied`, `internal`.
     pub async fn read_file(&self, path: &str, max_bytes: u64) -> Result<Vec<u8>, FsError> {
+        let mut s = self.read_file_stream(path, max_bytes).await?;
+        let mut data = Vec::new();
+        while let Some(chunk) = sandlot_node_api::next_chunk(&mut s).await {
+            let chunk = chunk.map_err(|e| {
+                e.into_inner()
+                    .and_then(|b| b.downcast::<FsError>().ok())
+                    .map(|b| *b)
+                    .unwrap_or_else(|| self.fs_internal("read body", "broke off"))
+            })?;
+            data.extend_from_slice(&chunk);
+        }
+        Ok(data)
+    }
+
+    /// [`AgentClient::read_file`] as a stream of the chunks the agent sends (memory: what
+    /// the HTTP/2 window holds). Errors after the answer's head (the file grew past
+    /// `max_bytes`, an I/O error, the agent's error trailer) end the stream with an `Err`
+    /// item whose inner error is the [`FsError`].
+    ///
+    /// # Errors
+    /// As [`AgentClient::read_file`], for what the agent answers before the first byte.
+    pub async fn read_file_stream(
+        &self,
+        path: &str,
+        max_bytes: u64,
+    ) -> Result<sandlot_node_api::ByteStream, FsError> {
         use sandlot_guest::agent_proto::{ReadFileRequest, PATH_FILES_READ, TRAILER_ERROR};
         let req = ReadFileRequest {
             path: path.to_string(),
             max_bytes,
         };
         let body = serde_json::to_vec(&req).expect("request serialises");
-        let mut body = self
+        let body = self
             .fs_call(PATH_FILES_READ, body.into())
             .await?
             .into_body();
-        let mut data = Vec::new();
-        while let Some(frame) = body.frame().await {
-            let frame = frame.map_err(|e| self.fs_internal("read body", e))?;
-            match frame.into_data() {
-                Ok(d) => {
-                    if (data.len() + d.len()) as u64 > max_bytes {
-                        return Err(FsError::new(
-                            FsCode::PayloadTooLarge,
-                            format!("file is over {max_bytes} bytes; limit {max_bytes}: {path}"),
-                        ));
-                    }
-                    data.extend_from_slice(&d);
+        let internal = {
+            let socket = self.socket.clone();
+            move |what: &str, e: String| FsError {
+                code: FsCode::Internal,
+                message: format!("guest agent at {}: {what}", socket.display()),
+                cause: Some(e),
+            }
+        };
+        let path = path.to_string();
+        let state = (body, 0u64, false);
+        let s = futures::stream::unfold(state, move |(mut body, mut done, ended)| {
+            let internal = internal.clone();
+            let path = path.clone();
+            async move {
+                if ended {
+                    return None;
                 }
-                Err(frame) => {
-                    if let Some(v) = frame.trailers_ref().and_then(|t| t.get(TRAILER_ERROR)) {
-                        return Err(serde_json::from_slice(v.as_bytes())
-                            .unwrap_or_else(|e| self.fs_internal("read error trailer", e)));
+                loop {
+                    let frame = match body.frame().await {
+                        None => return None,
+                        Some(Err(e)) => {
+                            let e = internal("read body", e.to_string());
+                            return Some((Err(std::io::Error::other(e)), (body, done, true)));
+                        }
+                        Some(Ok(f)) => f,
+                    };
+                    match frame.into_data() {
+                        Ok(d) => {
+                            done += d.len() as u64;
+                            if done > max_bytes {
+                                let e = FsError::new(
+                                    FsCode::PayloadTooLarge,
+                                    format!(
+                                        "file is over {max_bytes} bytes; limit {max_bytes}: {path}"
+                                    ),
+                                );
+                                return Some((Err(std::io::Error::other(e)), (body, done, true)));
+                            }
+                            if d.is_empty() {
+                                continue;
+                            }
+                            return Some((Ok(d), (body, done, false)));
+                        }
+                        Err(frame) => {
+                            if let Some(v) = frame.trailers_ref().and_then(|t| t.get(TRAILER_ERROR))
+                            {
+                                let e: FsError = serde_json::from_slice(v.as_bytes())
+                                    .unwrap_or_else(|e| {
+                                        internal("read error trailer", e.to_string())
+                                    });
+                                return Some((Err(std::io::Error::other(e)), (body, done, true)));
+                            }
+                        }
                     }
                 }
             }
-        }
-        Ok(data)
+        });
+        Ok(Box::pin(s))
     }
 
     /// Writes `data` to `path` atomically and durably (the agent answers after the rename
     /// and the directory's fsync), creating missing parents. `max_bytes` is the agent-side
-    /// limit (`payload_too_large` past it).
+    /// limit (`payload_too_large` past it). One chunk of
+    /// [`AgentClient::write_file_stream`].
     ///
     /// # Errors
     /// The agent's: `invalid_argument` (a directory, a special file system, a refused
     /// directory, bad path), `not_found`, `permission_denied`, `resource_exhausted` (the
     /// sandbox's space), `payload_too_large`, `internal`.
     pub async fn write_file(&self, path: &str, data: &[u8], max_bytes: u64) -> Result<(), FsError> {
+        let body = sandlot_node_api::chunked(Bytes::copy_from_slice(data));
+        self.write_stream_fs(path, body, max_bytes)
+            .await
+            .map(|_| ())
+    }
+
+    /// [`AgentClient::write_file`] from a stream: the chunks go to the agent as they come
+    /// (memory: the chunks in flight). A chunk that is an `Err`, or more than `max_bytes`
+    /// bytes, resets the request, so the agent removes its temp file and the target stays
+    /// as it was. Answers the bytes sent.
+    ///
+    /// # Errors
+    /// As [`AgentClient::write_file`], mapped to node errors; `InvalidArgument` when the body
+    /// is over `max_bytes` or broke off.
+    pub async fn write_file_stream(
+        &self,
+        path: &str,
+        body: sandlot_node_api::ByteStream,
+        max_bytes: u64,
+    ) -> NodeResult<u64> {
+        use std::sync::atomic::{AtomicU8, Ordering};
+        // Why our side ended the body with an error: 1 over the limit, 2 broke off.
+        let why = std::sync::Arc::new(AtomicU8::new(0));
+        let r = self
+            .write_stream_inner(path, body, max_bytes, why.clone())
+            .await;
+        match why.load(Ordering::SeqCst) {
+            1 => Err(sandlot_node_api::over_limit(path, max_bytes)),
+            2 => Err(sandlot_node_api::broke_off(
+                path,
+                &std::io::Error::other("the body ended with an error"),
+            )),
+            _ => r.map_err(crate::files::node_error),
+        }
+    }
+
+    async fn write_stream_fs(
+        &self,
+        path: &str,
+        body: sandlot_node_api::ByteStream,
+        max_bytes: u64,
+    ) -> Result<u64, FsError> {
+        let why = std::sync::Arc::new(std::sync::atomic::AtomicU8::new(0));
+        self.write_stream_inner(path, body, max_bytes, why).await
+    }
+
+    async fn write_stream_inner(
+        &self,
+        path: &str,
+        body: sandlot_node_api::ByteStream,
+        max_bytes: u64,
+        why: std::sync::Arc<std::sync::atomic::AtomicU8>,
+    ) -> Result<u64, FsError> {
         use sandlot_guest::agent_proto::{WriteFileRequest, PATH_FILES_WRITE};
+        use std::sync::atomic::{AtomicU64, Ordering};
         let req = WriteFileRequest {
             path: path.to_string(),
             max_bytes,
         };
         let spec = serde_json::to_vec(&req).expect("request serialises");
-        let mut body = encode(FrameKind::Spec, &spec);
-        body.extend_from_slice(data);
-        let resp = self.fs_call(PATH_FILES_WRITE, body.into()).await?;
-        resp.into_body()
+        let head = Bytes::from(encode(FrameKind::Spec, &spec));
+        // The body goes through a channel (hyper wants a `Sync` body; the stream is not):
+        // `None` marks its end, so a pump dropped half-way reads as broken, never as done.
+        let (tx, rx) = tokio::sync::mpsc::channel::<Option<std::io::Result<Bytes>>>(4);
+        let sent = std::sync::Arc::new(AtomicU64::new(0));
+        let counted = sent.clone();
+        let mut body = body;
+        let pump = async move {
+            if tx.send(Some(Ok(head))).await.is_err() {
+                return;
+            }
+            loop {
+                let item = tokio::select! {
+                    _ = tx.closed() => return,
+                    c = sandlot_node_api::next_chunk(&mut body) => c,
+                };
+                let msg = match item {
+                    None => None,
+                    Some(Err(e)) => {
+                        why.store(2, Ordering::SeqCst);
+                        Some(Err(e))
+                    }
+                    Some(Ok(c)) => {
+                        let n =
+                            counted.fetch_add(c.len() as u64, Ordering::SeqCst) + c.len() as u64;
+                        if n > max_bytes {
+                            why.store(1, Ordering::SeqCst);
+                            Some(Err(std::io::Error::other("over the limit")))
+                        } else {
+                            Some(Ok(c))
+                        }
+                    }
+                };
+                let last = !matches!(msg, Some(Ok(_)));
+                if tx.send(msg).await.is_err() || last {
+                    return;
+                }
+            }
+        };
+        let req_body = http_body_util::StreamBody::new(RxBody { rx, ended: false }).boxed();
+        let call = self.call_body(Method::POST, PATH_FILES_WRITE, req_body);
+        tokio::pin!(call, pump);
+        let resp = tokio::select! {
+            r = &mut call => r,
+            () = &mut pump => call.await,
+        };
+        let resp = resp.map_err(|e| self.fs_internal(PATH_FILES_WRITE, e))?;
+        let status = resp.status();
+        let bytes = resp
+            .into_body()
             .collect()
             .await
-            .map_err(|e| self.fs_internal("write", e))?;
-        Ok(())
+            .map_err(|e| self.fs_internal("write", e))?
+            .to_bytes();
+        if !status.is_success() {
+            return Err(
+                serde_json::from_slice::<FsError>(&bytes).unwrap_or_else(|_| {
+                    self.fs_internal(
+                        PATH_FILES_WRITE,
+                        format!("{status}: {}", String::from_utf8_lossy(&bytes)),
+                    )
+                }),
+            );
+        }
+        Ok(sent.load(Ordering::SeqCst))
     }
 
     /// Lists the directory at `path`, sorted by name (entries not followed).
@@ -628,7 +810,7 @@ impl AgentClient {
         let rest =
             futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|b| (b, rx)) });
         let frames = futures::StreamExt::map(futures::StreamExt::chain(first, rest), |b| {
-            Ok::<_, std::convert::Infallible>(hyper::body::Frame::data(b))
+            Ok::<_, std::io::Error>(hyper::body::Frame::data(b))
         });
         let body: ReqBody = http_body_util::StreamBody::new(frames).boxed();
         // The agent answers within its connect timeout; a little more for the way there.
@@ -752,5 +934,40 @@ impl tokio::io::AsyncWrite for TunnelEnd {
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<std::io::Result<()>> {
         std::pin::Pin::new(&mut self.pipe).poll_shutdown(cx)
+    }
+}
+
+/// A request body fed through a channel by an upload's pump: `Some(item)` items, `None`
+/// the end. The channel closing before `None` (the pump was dropped) is an error, so the
+/// agent never commits a partial file.
+struct RxBody {
+    rx: tokio::sync::mpsc::Receiver<Option<std::io::Result<Bytes>>>,
+    ended: bool,
+}
+
+impl futures::Stream for RxBody {
+    type Item = std::io::Result<hyper::body::Frame<Bytes>>;
+    fn poll_next(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Self::Item>> {
+        use std::task::Poll;
+        if self.ended {
+            return Poll::Ready(None);
+        }
+        match self.rx.poll_recv(cx) {
+            Poll::Pending => Poll::Pending,
+            Poll::Ready(Some(Some(item))) => Poll::Ready(Some(item.map(hyper::body::Frame::data))),
+            Poll::Ready(Some(None)) => {
+                self.ended = true;
+                Poll::Ready(None)
+            }
+            Poll::Ready(None) => {
+                self.ended = true;
+                Poll::Ready(Some(Err(std::io::Error::other(
+                    "upload abandoned before its end",
+                ))))
+            }
+        }
     }
 }

@@ -97,6 +97,48 @@ impl SandboxFs {
         self.0.write(path, data).map_err(node_error)
     }
 
+    /// A streamed [`write`](Self::write) of at most `max_bytes` bytes, fed from `rx` on
+    /// this (blocking) thread: [`Piece::Data`] chunks are appended, [`Piece::End`] commits;
+    /// an `Err` or a closed channel without `End` (the feeder was dropped: the client went
+    /// away) removes the temp file and leaves the target untouched. Answers the bytes
+    /// written. See [`feed`] for the async side.
+    ///
+    /// # Errors
+    /// As [`write`](Self::write); `InvalidArgument` over `max_bytes` or when the upload
+    /// broke off or was abandoned.
+    pub fn write_from(
+        &self,
+        path: &str,
+        max_bytes: u64,
+        mut rx: tokio::sync::mpsc::Receiver<NodeResult<Piece>>,
+    ) -> NodeResult<u64> {
+        let mut w = self.0.begin_write(path, max_bytes).map_err(node_error)?;
+        loop {
+            match rx.blocking_recv() {
+                Some(Ok(Piece::Data(b))) => w.write(&b).map_err(node_error)?,
+                Some(Ok(Piece::End)) => {
+                    let n = w.written();
+                    w.commit().map_err(node_error)?;
+                    return Ok(n);
+                }
+                Some(Err(e)) => return Err(e),
+                None => {
+                    return Err(NodeError::InvalidArgument(format!(
+                        "upload of {path} was abandoned; nothing written"
+                    )))
+                }
+            }
+        }
+    }
+
+    /// Open a regular file for a streamed read (see [`read`](Self::read) for the rules).
+    ///
+    /// # Errors
+    /// As [`read`](Self::read) (a file already over `max_bytes` fails here).
+    pub fn open_read(&self, path: &str, max_bytes: u64) -> NodeResult<sfs::FileReader> {
+        self.0.open_read(path, max_bytes).map_err(node_error)
+    }
+
     /// [`write`](Self::write) without the fsyncs: atomic, not durable.
     ///
     /// # Errors
@@ -153,4 +195,77 @@ mod tests {
     fn the_contract_names_the_guest_agents_workdir() {
         assert_eq!(sandlot_node_api::WORKDIR, super::WORKDIR);
     }
+}
+
+/// One message of an upload's feeder to [`SandboxFs::write_from`].
+#[derive(Debug)]
+pub enum Piece {
+    /// The next bytes.
+    Data(bytes::Bytes),
+    /// The body ended: commit.
+    End,
+}
+
+/// Chunks in flight between an upload's body and its writing thread (each at most what
+/// the body's producer hands out, e.g. 16 KiB–1 MiB for an HTTP body).
+pub const FEED_DEPTH: usize = 4;
+
+/// The async side of a streamed write: runs `write` (which owns the receiving end, e.g. a
+/// blocking [`SandboxFs::write_from`]) while it pulls `body` into the channel, at most
+/// [`FEED_DEPTH`] chunks ahead. Stops reading the body as soon as the writer is gone
+/// (failed, e.g. over its limit). `path` names the file in messages.
+///
+/// # Errors
+/// `write`'s.
+pub async fn feed<W>(
+    write: impl FnOnce(tokio::sync::mpsc::Receiver<NodeResult<Piece>>) -> W,
+    mut body: sandlot_node_api::ByteStream,
+    path: &str,
+) -> NodeResult<u64>
+where
+    W: std::future::Future<Output = NodeResult<u64>>,
+{
+    let (tx, rx) = tokio::sync::mpsc::channel(FEED_DEPTH);
+    let write = write(rx);
+    let pump = async move {
+        loop {
+            let item = tokio::select! {
+                _ = tx.closed() => return,
+                c = sandlot_node_api::next_chunk(&mut body) => c,
+            };
+            let (msg, last) = match item {
+                Some(Ok(b)) => (Ok(Piece::Data(b)), false),
+                Some(Err(e)) => (Err(sandlot_node_api::broke_off(path, &e)), true),
+                None => (Ok(Piece::End), true),
+            };
+            if tx.send(msg).await.is_err() || last {
+                return;
+            }
+        }
+    };
+    let (r, ()) = tokio::join!(write, pump);
+    r
+}
+
+/// The bytes of `reader` as a stream of [`sandlot_node_api::STREAM_CHUNK`]-byte chunks,
+/// read on a blocking thread at most a few chunks ahead of the consumer; a read error ends
+/// the stream with an `Err` item. Dropping the stream stops the thread.
+pub fn reader_stream(mut reader: sfs::FileReader) -> sandlot_node_api::ByteStream {
+    let (tx, rx) = tokio::sync::mpsc::channel(FEED_DEPTH);
+    tokio::task::spawn_blocking(move || loop {
+        let mut buf = vec![0u8; sandlot_node_api::STREAM_CHUNK];
+        let msg = match reader.read_chunk(&mut buf) {
+            Ok(0) => return,
+            Ok(n) => {
+                buf.truncate(n);
+                Ok(bytes::Bytes::from(buf))
+            }
+            Err(e) => Err(std::io::Error::other(e.to_string())),
+        };
+        let last = msg.is_err();
+        if tx.blocking_send(msg).is_err() || last {
+            return;
+        }
+    });
+    sandlot_node_api::from_receiver(rx)
 }

@@ -731,6 +731,27 @@ impl Node for LocalNode {
         self.owner(id)?.write_file(id, path, data).await
     }
 
+    async fn write_file_stream(
+        &self,
+        id: &str,
+        path: &str,
+        body: sandlot_node_api::ByteStream,
+        max_bytes: u64,
+    ) -> NodeResult<u64> {
+        self.owner(id)?
+            .write_file_stream(id, path, body, max_bytes)
+            .await
+    }
+
+    async fn read_file_stream(
+        &self,
+        id: &str,
+        path: &str,
+        max_bytes: u64,
+    ) -> NodeResult<sandlot_node_api::ByteStream> {
+        self.owner(id)?.read_file_stream(id, path, max_bytes).await
+    }
+
     async fn write_files_volatile(
         &self,
         id: &str,

@@ -913,6 +913,25 @@ impl Node for WithProcesses {
     async fn write_file(&self, id: &str, path: &str, data: Bytes) -> NodeResult<()> {
         self.inner.write_file(id, path, data).await
     }
+    async fn write_file_stream(
+        &self,
+        id: &str,
+        path: &str,
+        body: sandlot_node_api::ByteStream,
+        max_bytes: u64,
+    ) -> NodeResult<u64> {
+        self.inner
+            .write_file_stream(id, path, body, max_bytes)
+            .await
+    }
+    async fn read_file_stream(
+        &self,
+        id: &str,
+        path: &str,
+        max_bytes: u64,
+    ) -> NodeResult<sandlot_node_api::ByteStream> {
+        self.inner.read_file_stream(id, path, max_bytes).await
+    }
     async fn write_files_volatile(&self, id: &str, files: Vec<(String, Bytes)>) -> NodeResult<()> {
         self.inner.write_files_volatile(id, files).await
     }

@@ -158,6 +158,35 @@ impl BudgetNode {
     }
 }
 
+/// Bytes of the file budget a streamed read or write holds while it runs (2 MiB): the
+/// chunks in flight between the node and the client (the node's few
+/// [`sandlot_node_api::STREAM_CHUNK`]s, hyper's buffers), whatever the file's size.
+pub const STREAM_SHARE: u64 = 2 << 20;
+
+impl BudgetNode {
+    /// [`Node::read_file_stream`] holding [`STREAM_SHARE`] (at most the file's size) of the
+    /// file budget until the stream is dropped.
+    ///
+    /// # Errors
+    /// As [`Node::read_file_stream`]; `ResourceExhausted` when the share is not free in
+    /// time.
+    pub async fn read_stream_held(
+        &self,
+        id: &str,
+        path: &str,
+        max_bytes: u64,
+    ) -> NodeResult<sandlot_node_api::ByteStream> {
+        use futures::StreamExt;
+        let size = self.inner.file_size(id, path).await?;
+        let (permit, _) = self.budget.reserve(size.min(STREAM_SHARE)).await?;
+        let s = self.inner.read_file_stream(id, path, max_bytes).await?;
+        Ok(Box::pin(s.map(move |c| {
+            let _held = &permit;
+            c
+        })))
+    }
+}
+
 impl BudgetNode {
     /// [`Node::exec`] that also returns the exec output budget share (none without an exec
     /// budget), for a caller that keeps the result in memory after the exec — logs it,
@@ -394,6 +423,27 @@ impl Node for BudgetNode {
 
     async fn write_file(&self, id: &str, path: &str, data: bytes::Bytes) -> NodeResult<()> {
         self.inner.write_file(id, path, data).await
+    }
+
+    async fn write_file_stream(
+        &self,
+        id: &str,
+        path: &str,
+        body: sandlot_node_api::ByteStream,
+        max_bytes: u64,
+    ) -> NodeResult<u64> {
+        self.inner
+            .write_file_stream(id, path, body, max_bytes)
+            .await
+    }
+
+    async fn read_file_stream(
+        &self,
+        id: &str,
+        path: &str,
+        max_bytes: u64,
+    ) -> NodeResult<sandlot_node_api::ByteStream> {
+        self.read_stream_held(id, path, max_bytes).await
     }
 
     async fn write_files_volatile(

@@ -132,16 +132,28 @@ fn wrong_kind(q: &PathQuery) -> ServerError {
     )
 }
 
-/// Bytes of server memory an upload reserves per byte of its body: the buffered body and
-/// the node's copies while it writes (measured: two concurrent 250 MiB uploads take the
-/// server to ~1 GiB RSS, ~2 × each).
+/// Bytes of server memory a buffered upload reserves per byte of its body: the buffered
+/// body and the node's copies while it writes (measured: two concurrent 250 MiB uploads
+/// took the server to ~1 GiB RSS, ~2 × each). Only uploads logged as trajectory steps and
+/// E2B multipart/gzip uploads are buffered; plain uploads stream
+/// ([`crate::budget::STREAM_SHARE`]).
 pub const UPLOAD_SHARE_FACTOR: u64 = 2;
 
-/// Middleware of the files route: a `PUT` (upload, buffered whole before the node writes
-/// it) first reserves [`UPLOAD_SHARE_FACTOR`] × its `Content-Length` (without one,
-/// `max_file_bytes`) from the server-wide file data budget (`AppState::file_budget`, shared
-/// with file reads), before a byte of the body is read, and holds it until the answer;
-/// over budget for 2 s → 429 `resource_exhausted` with `Retry-After`. Other methods pass.
+/// Whether the query string `q` has a `step` parameter (a logged, buffered upload).
+fn has_step(q: Option<&str>) -> bool {
+    q.is_some_and(|q| {
+        q.split('&')
+            .any(|kv| kv == "step" || kv.starts_with("step="))
+    })
+}
+
+/// Middleware of the files route: a `PUT` (upload) first reserves its share of the
+/// server-wide file data budget (`AppState::file_budget`, shared with file reads), before
+/// a byte of the body is read, and holds it until the answer: a streamed upload
+/// [`crate::budget::STREAM_SHARE`] (at most its `Content-Length`), one logged as a
+/// trajectory step (`?step=`, buffered whole) [`UPLOAD_SHARE_FACTOR`] × its
+/// `Content-Length` (without one, `max_file_bytes`); over budget for 2 s → 429
+/// `resource_exhausted` with `Retry-After`. Other methods pass.
 pub async fn upload_share(
     State(st): State<SharedState>,
     req: axum::extract::Request,
@@ -157,28 +169,113 @@ pub async fn upload_share(
         .and_then(|v| v.parse::<u64>().ok())
         .unwrap_or(st.cfg.max_file_bytes as u64)
         .min(st.cfg.max_file_bytes as u64 + 1);
-    match st
-        .file_budget
-        .reserve(len.saturating_mul(UPLOAD_SHARE_FACTOR))
-        .await
-    {
+    let share = if has_step(req.uri().query()) {
+        len.saturating_mul(UPLOAD_SHARE_FACTOR)
+    } else {
+        len.min(crate::budget::STREAM_SHARE)
+    };
+    match st.file_budget.reserve(share).await {
         Ok((_share, _)) => next.run(req).await,
         Err(e) => ServerError::from(e).into_response(),
     }
 }
 
+/// The request's `Content-Length`, when it has a valid one.
+pub(crate) fn content_length(h: &axum::http::HeaderMap) -> Option<u64> {
+    h.get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok())
+}
+
+/// 413 `payload_too_large` of an upload over `limit` bytes.
+pub(crate) fn upload_too_large(limit: u64) -> ServerError {
+    ServerError::new(
+        ErrorCode::PayloadTooLarge,
+        format!("upload over the limit of {limit} bytes; nothing was written"),
+    )
+}
+
+/// Streams `body` into `path` of sandbox `id` through [`sandlot_node_api::Node::
+/// write_file_stream`] (no whole file in server memory), at most `limit` bytes: a
+/// `Content-Length` over it is refused before a byte is read, and a body that grows past
+/// it is cut off there; both answer 413 `payload_too_large` and leave no file (nor temp
+/// file) behind. A body that breaks off (client gone) leaves nothing either. Answers the
+/// bytes written. (Also the E2B `POST /files` octet-stream upload.)
+///
+/// # Errors
+/// `payload_too_large`; the node's.
+pub(crate) async fn stream_upload<S, E>(
+    st: &SharedState,
+    id: &str,
+    path: &str,
+    declared: Option<u64>,
+    body: S,
+    limit: u64,
+) -> ApiResult<u64>
+where
+    S: futures::Stream<Item = Result<Bytes, E>> + Send + 'static,
+    E: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    use futures::StreamExt;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    if declared.is_some_and(|n| n > limit) {
+        return Err(upload_too_large(limit));
+    }
+    let over = Arc::new(AtomicBool::new(false));
+    let flag = over.clone();
+    let mut seen = 0u64;
+    let stream = body.map(move |c| {
+        let c = c.map_err(std::io::Error::other)?;
+        seen += c.len() as u64;
+        if seen > limit {
+            flag.store(true, Ordering::SeqCst);
+            return Err(std::io::Error::other("over the upload limit"));
+        }
+        Ok(c)
+    });
+    let r = st
+        .node
+        .write_file_stream(id, path, Box::pin(stream), limit)
+        .await;
+    if over.load(Ordering::SeqCst) {
+        return Err(upload_too_large(limit));
+    }
+    Ok(r?)
+}
+
 /// `PUT …/files?path=P[&step=N]`, raw body → 204 (`Sandlot-Replayed: true` when replayed).
-/// Atomic on the node (temp file, fsync, rename).
+/// Atomic on the node (temp file, fsync, rename). Without `step` the body is streamed to
+/// the node as it arrives (`stream_upload`); a logged step is buffered whole (its data
+/// goes into the trajectory log).
 pub async fn write(
     State(st): State<SharedState>,
     Path(id): Path<String>,
     Query(q): Query<PathQuery>,
-    body: Result<Bytes, axum::extract::rejection::BytesRejection>,
+    req: axum::extract::Request,
 ) -> ApiResult<Response> {
     let path = q.get()?;
-    let data = body?;
+    let (parts, body) = req.into_parts();
     let rec = running(&st, &id).await?;
     crate::disk_reserve::check(&st)?;
+    let limit = st.cfg.max_file_bytes as u64;
+    if q.step.is_none() {
+        let declared = content_length(&parts.headers);
+        let r = stream_upload(
+            &st,
+            &rec.id,
+            &path,
+            declared,
+            body.into_data_stream(),
+            limit,
+        )
+        .await;
+        audited(&st, &rec, "write", &path, r)?;
+        return Ok(StatusCode::NO_CONTENT.into_response());
+    }
+    let data = axum::body::to_bytes(body, st.cfg.max_file_bytes)
+        .await
+        .map_err(|_| upload_too_large(limit))?;
     let r = call(
         &st,
         &rec,
@@ -197,7 +294,10 @@ pub async fn write(
 }
 
 /// `GET …/files?path=P[&step=N]` → the bytes, `application/octet-stream`. Logged only with
-/// `step`.
+/// `step`. Without `step` the file is streamed as the node reads it (chunked, holding
+/// [`crate::budget::STREAM_SHARE`] of the file budget); an error after the first byte
+/// (the file grew past the limit, an I/O error) aborts the answer, so a client never
+/// takes a short file for the whole.
 pub async fn read(
     State(st): State<SharedState>,
     Path(id): Path<String>,
@@ -206,20 +306,15 @@ pub async fn read(
     let path = q.get()?;
     let rec = running(&st, &id).await?;
     if q.step.is_none() {
-        // Unlogged read: the budget share stays with the answer until it is sent.
         let r = st
             .budget_node
-            .read_file_held(&rec.id, &path, st.cfg.max_file_bytes as u64)
+            .read_stream_held(&rec.id, &path, st.cfg.max_file_bytes as u64)
             .await
             .map_err(ServerError::from);
-        let (data, permit) = audited(&st, &rec, "read", &path, r)?;
-        let len = data.len();
+        let data = audited(&st, &rec, "read", &path, r)?;
         return Ok((
-            [
-                (header::CONTENT_TYPE, "application/octet-stream".to_string()),
-                (header::CONTENT_LENGTH, len.to_string()),
-            ],
-            held_body(data, permit),
+            [(header::CONTENT_TYPE, "application/octet-stream")],
+            axum::body::Body::from_stream(data),
         )
             .into_response());
     }

@@ -64,6 +64,40 @@ pub trait AgentFiles: Send + Sync {
             .map_err(node_error)
     }
 
+    /// Streams `body` to the file at `path` (created or replaced; at most `max_bytes`,
+    /// enforced here and by the agent), answering the bytes sent.
+    ///
+    /// # Errors
+    /// As [`Self::read_file`]; `InvalidArgument` over `max_bytes` or when the body broke
+    /// off (the agent then drops its temp file).
+    async fn write_file_stream(
+        &self,
+        id: &str,
+        path: &str,
+        body: sandlot_node_api::ByteStream,
+        max_bytes: u64,
+    ) -> NodeResult<u64> {
+        let s = self.file_agent(id).await?;
+        s.agent().write_file_stream(path, body, max_bytes).await
+    }
+
+    /// The bytes of the file at `path` as a stream (at most `max_bytes`).
+    ///
+    /// # Errors
+    /// As [`Self::read_file`], for what the agent answers before the first byte.
+    async fn read_file_stream(
+        &self,
+        id: &str,
+        path: &str,
+        max_bytes: u64,
+    ) -> NodeResult<sandlot_node_api::ByteStream> {
+        let s = self.file_agent(id).await?;
+        s.agent()
+            .read_file_stream(path, max_bytes)
+            .await
+            .map_err(node_error)
+    }
+
     /// The entries of the directory at `path`.
     ///
     /// # Errors

@@ -706,6 +706,35 @@ impl SandboxBackend for FunctionBackend {
         self.with_fs(id, move |fs| fs.write(&path, &data)).await
     }
 
+    async fn write_file_stream(
+        &self,
+        id: &str,
+        path: &str,
+        body: sandlot_node_api::ByteStream,
+        max_bytes: u64,
+    ) -> NodeResult<u64> {
+        let p = path.to_string();
+        crate::files::feed(
+            |rx| self.with_fs(id, move |fs| fs.write_from(&p, max_bytes, rx)),
+            body,
+            path,
+        )
+        .await
+    }
+
+    async fn read_file_stream(
+        &self,
+        id: &str,
+        path: &str,
+        max_bytes: u64,
+    ) -> NodeResult<sandlot_node_api::ByteStream> {
+        let path = path.to_string();
+        let reader = self
+            .with_fs(id, move |fs| fs.open_read(&path, max_bytes))
+            .await?;
+        Ok(crate::files::reader_stream(reader))
+    }
+
     async fn write_files_volatile(
         &self,
         id: &str,

@@ -98,6 +98,31 @@ pub trait SandboxBackend: Send + Sync {
         files_of(self)?.write_file(id, path, data).await
     }
 
+    /// Write a file from a stream (see [`crate::Node::write_file_stream`]): the agent's
+    /// streamed write where the agent serves files; others override it.
+    async fn write_file_stream(
+        &self,
+        id: &str,
+        path: &str,
+        body: sandlot_node_api::ByteStream,
+        max_bytes: u64,
+    ) -> NodeResult<u64> {
+        files_of(self)?
+            .write_file_stream(id, path, body, max_bytes)
+            .await
+    }
+
+    /// Read a file as a stream (see [`crate::Node::read_file_stream`]): the agent's
+    /// streamed read where the agent serves files; others override it.
+    async fn read_file_stream(
+        &self,
+        id: &str,
+        path: &str,
+        max_bytes: u64,
+    ) -> NodeResult<sandlot_node_api::ByteStream> {
+        files_of(self)?.read_file_stream(id, path, max_bytes).await
+    }
+
     /// Write files in order, not durably (see [`crate::Node::write_files_volatile`]).
     async fn write_files_volatile(
         &self,

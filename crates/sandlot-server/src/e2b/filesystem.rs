@@ -8,8 +8,8 @@
 //! | `MakeDir {path}` → `{entry}` | `mkdir -p`; `already_exists` when the path exists |
 //! | `Move {source, destination}` → `{entry}` | `mv` in the sandbox (destination's parents created) |
 //! | `Remove {path}` → `{}` | remove (a directory recursively); a missing path is not an error (envd's `os.RemoveAll`) |
-//! | `GET /files?path=&username=` → the bytes | read, at most `max_file_bytes` |
-//! | `POST /files?path=&username=`, `multipart/form-data` (part `file`, its filename the path when `path` is absent) or `application/octet-stream` → `[{name, type: "file", path}]` | write (parents created), at most `max_file_bytes` per request |
+//! | `GET /files?path=&username=` → the bytes | read, at most `max_file_bytes`; over 1 MiB streamed as read |
+//! | `POST /files?path=&username=`, `multipart/form-data` (part `file`, its filename the path when `path` is absent) or `application/octet-stream` → `[{name, type: "file", path}]` | write (parents created), at most `max_file_bytes` per file; streamed to the node as it arrives unless gzip |
 //!
 //! `EntryInfo` is `{name, type: FILE_TYPE_FILE|FILE_TYPE_DIRECTORY|FILE_TYPE_SYMLINK, path,
 //! size, mode, permissions ("-rw-r--r--"), owner, group, modifiedTime}`; owner and group are
@@ -24,7 +24,8 @@
 //! inflated bytes take their share of the server's file data budget as they grow, like a
 //! plain upload of that size (429 when the budget stays full). A
 //! download whose `Accept-Encoding` accepts gzip ([`accepts_gzip`]) is sent gzip-compressed
-//! as it goes out, with `Content-Encoding: gzip`, when its data is [`compressible`]; random,
+//! as it goes out, with `Content-Encoding: gzip`, when its data is [`compressible`] and at
+//! most [`STREAM_DOWNLOAD_ABOVE`] (1 MiB; larger files stream out as they are); random,
 //! encrypted or already compressed data and files under 1 KiB go out as they are (httpx,
 //! under the `e2b` SDK, accepts gzip on every request: deflating 1 MiB of random bytes
 //! cost ~10 ms on the server and again on the client, for no smaller body).
@@ -565,7 +566,14 @@ pub fn gzip(data: &[u8]) -> Bytes {
     Bytes::from(enc.finish().expect("writing into a Vec cannot fail"))
 }
 
-/// `GET /files?path=P[&username=U]` → the file's bytes (`application/octet-stream`), sent
+/// Files larger than this (1 MiB) are downloaded streamed, as they are read, never
+/// gzipped; smaller ones are read whole and may be gzipped.
+pub const STREAM_DOWNLOAD_ABOVE: u64 = 1 << 20;
+
+/// `GET /files?path=P[&username=U]` → the file's bytes (`application/octet-stream`). A
+/// file over [`STREAM_DOWNLOAD_ABOVE`] is streamed as the node reads it (chunked, identity,
+/// [`crate::budget::STREAM_SHARE`] of the file budget held; an error after the first byte
+/// aborts the answer). A smaller one is sent
 /// in chunks while the file's budget share is held (`files::held_body`); gzip-
 /// compressed as it is sent (`gzip_body`, chunked, no `Content-Length`) when the client
 /// accepts gzip ([`accepts_gzip`]) and the data is [`compressible`] — else as it is, with
@@ -581,10 +589,22 @@ pub async fn download(State(st): State<SharedState>, req: Request) -> Response {
             .as_deref()
             .ok_or_else(|| ServerError::invalid("missing query parameter `path`"))?;
         let path = resolve_files(path, &ctx.home)?;
-        let (data, permit) = st
-            .budget_node
-            .read_file_held(&ctx.id, &path, st.cfg.max_file_bytes as u64)
-            .await?;
+        let max = st.cfg.max_file_bytes as u64;
+        if st.node.file_size(&ctx.id, &path).await? > STREAM_DOWNLOAD_ABOVE {
+            // Streamed as it is read (identity): no whole file in server memory.
+            let data = st.budget_node.read_stream_held(&ctx.id, &path, max).await?;
+            return Ok::<_, ServerError>(
+                (
+                    [
+                        (header::CONTENT_TYPE, "application/octet-stream"),
+                        (header::VARY, "Accept-Encoding"),
+                    ],
+                    axum::body::Body::from_stream(data),
+                )
+                    .into_response(),
+            );
+        }
+        let (data, permit) = st.budget_node.read_file_held(&ctx.id, &path, max).await?;
         if accepts_gzip(&req.headers) && compressible(&data) {
             return Ok::<_, ServerError>(
                 (
@@ -620,12 +640,16 @@ pub const MULTIPART_FRAMING: usize = 64 * 1024;
 
 /// `POST /files?path=P[&username=U]` (module docs) → `[{name, type, path}]`.
 ///
-/// A `multipart/form-data` body is parsed as it arrives ([`multipart_files`]): each
-/// part's content is gathered in one buffer, sized from `Content-Length`, and the body's
-/// own chunks are let go as they are parsed — the upload is in memory once, not as the
-/// body and again as its parts. The server's file budget holds
-/// [`crate::files::UPLOAD_SHARE_FACTOR`] × `Content-Length` until the answer. Nothing is
-/// written before the whole body parsed (a malformed second part leaves no first file).
+/// Without `Content-Encoding`, the body is streamed to the node as it arrives, no whole
+/// file in server memory: an octet-stream body to `path`, a `multipart/form-data` body part
+/// by part (`stream_multipart`; files of parts before a malformed or refused part stay
+/// written), each at most `max_file_bytes` (413 `payload_too_large` past it, nothing left
+/// of that file); [`crate::budget::STREAM_SHARE`] of the file budget is held.
+///
+/// A gzip body is buffered and inflated ([`gunzip_bounded`]), its parts gathered by
+/// [`multipart_files`]; the server's file budget holds
+/// [`crate::files::UPLOAD_SHARE_FACTOR`] × `Content-Length` (and the inflated bytes their
+/// share) until the answer, and nothing is written before the whole body parsed.
 pub async fn upload(State(st): State<SharedState>, req: Request) -> Response {
     let (req, body) = req.into_parts();
     let r = async {
@@ -657,6 +681,36 @@ pub async fn upload(State(st): State<SharedState>, req: Request) -> Response {
             .and_then(|v| v.parse::<u64>().ok())
             .unwrap_or(limit as u64)
             .min(limit as u64 + 1);
+        if encoding == BodyEncoding::Identity {
+            // Streamed to the node part by part: a small budget share, no whole file held.
+            let (_share, _) = st
+                .file_budget
+                .reserve(len.min(crate::budget::STREAM_SHARE))
+                .await?;
+            crate::disk_reserve::check(&st)?;
+            let declared = crate::files::content_length(&req.headers);
+            let out = match boundary {
+                None => {
+                    let p = ctx.q.path.as_deref().unwrap_or_default();
+                    let path = resolve_files(p, &ctx.home)?;
+                    let stream = body.into_data_stream();
+                    crate::files::stream_upload(
+                        &st,
+                        &ctx.id,
+                        &path,
+                        declared,
+                        stream,
+                        limit as u64,
+                    )
+                    .await?;
+                    vec![written_entry(&path)]
+                }
+                Some(b) => {
+                    stream_multipart(&st, &ctx, body.into_data_stream(), b, limit as u64).await?
+                }
+            };
+            return Ok::<_, ServerError>(axum::Json(out).into_response());
+        }
         let (_share, _) = st
             .file_budget
             .reserve(len.saturating_mul(crate::files::UPLOAD_SHARE_FACTOR))
@@ -740,12 +794,70 @@ pub async fn upload(State(st): State<SharedState>, req: Request) -> Response {
                 ));
             }
             st.node.write_file(&ctx.id, &path, data).await?;
-            let name = path.rsplit('/').next().unwrap_or("").to_owned();
-            out.push(serde_json::json!({"name": name, "type": "file", "path": path}));
+            out.push(written_entry(&path));
         }
         Ok::<_, ServerError>(axum::Json(out).into_response())
     };
     r.await.unwrap_or_else(files_error)
+}
+
+/// The answer entry `{name, type: "file", path}` of a file written at `path`.
+fn written_entry(path: &str) -> serde_json::Value {
+    let name = path.rsplit('/').next().unwrap_or("").to_owned();
+    serde_json::json!({"name": name, "type": "file", "path": path})
+}
+
+/// Streams each part of a `multipart/form-data` body to its file as the part arrives
+/// (`crate::files::stream_upload`: at most `limit` bytes per part, 413 over it). The first
+/// part goes to `path` when the query has one, else to its filename; every later part to
+/// its filename (or `path` when it has none). Files of the parts before a failing part
+/// stay written; the failing part leaves nothing.
+///
+/// # Errors
+/// `invalid_argument` (malformed body, a part with neither filename nor `path`, no part at
+/// all); `payload_too_large`; the node's.
+async fn stream_multipart<S, E>(
+    st: &SharedState,
+    ctx: &FilesCtx,
+    body: S,
+    boundary: String,
+    limit: u64,
+) -> Result<Vec<serde_json::Value>, ServerError>
+where
+    S: futures::Stream<Item = Result<Bytes, E>> + Send + 'static,
+    E: Into<Box<dyn std::error::Error + Send + Sync>> + 'static,
+{
+    let err = |e: multer::Error| match e {
+        multer::Error::StreamReadFailed(e) => {
+            ServerError::invalid(format!("reading the upload: {e}"))
+        }
+        e => ServerError::invalid(format!("malformed multipart body: {e}")),
+    };
+    let mut mp = multer::Multipart::new(body, boundary);
+    let mut out = Vec::new();
+    while let Some(field) = mp.next_field().await.map_err(err)? {
+        let name = field
+            .file_name()
+            .filter(|f| !f.is_empty())
+            .map(str::to_owned);
+        let p = match (&ctx.q.path, name) {
+            (Some(p), _) if out.is_empty() => p.clone(),
+            (_, Some(f)) => f,
+            (Some(p), None) => p.clone(),
+            (None, None) => {
+                return Err(ServerError::invalid(
+                    "a multipart part has no filename and there is no `path`",
+                ))
+            }
+        };
+        let path = resolve_files(&p, &ctx.home)?;
+        crate::files::stream_upload(st, &ctx.id, &path, None, field, limit).await?;
+        out.push(written_entry(&path));
+    }
+    if out.is_empty() {
+        return Err(ServerError::invalid("the upload has no file"));
+    }
+    Ok(out)
 }
 
 /// The parts of a `multipart/form-data` body (RFC 7578) with boundary `boundary`, parsed
