@@ -9,7 +9,7 @@
 //! them through [`super::SandboxBackend::agent_files`].
 use crate::agent_client::AgentClient;
 use crate::files::{file_entry, node_error};
-use crate::node::NodeResult;
+use crate::node::{NodeError, NodeResult};
 use async_trait::async_trait;
 use sandlot_api::FileEntry;
 use std::sync::Arc;
@@ -37,10 +37,8 @@ pub trait AgentFiles: Send + Sync {
     /// `max_bytes` or a bad path, `Internal`).
     async fn read_file(&self, id: &str, path: &str, max_bytes: u64) -> NodeResult<Vec<u8>> {
         let s = self.file_agent(id).await?;
-        s.agent()
-            .read_file(path, max_bytes)
-            .await
-            .map_err(node_error)
+        let r = s.agent().read_file(path, max_bytes).await;
+        settled(self, id, r.map_err(node_error)).await
     }
 
     /// The size in bytes of the regular file at `path`.
@@ -49,7 +47,8 @@ pub trait AgentFiles: Send + Sync {
     /// As [`Self::read_file`]; `InvalidArgument` for anything but a regular file.
     async fn file_size(&self, id: &str, path: &str) -> NodeResult<u64> {
         let s = self.file_agent(id).await?;
-        super::agent_exec::file_size(s.agent(), path).await
+        let r = super::agent_exec::file_size(s.agent(), path).await;
+        settled(self, id, r).await
     }
 
     /// Writes `data` to the file at `path` (created or replaced).
@@ -58,10 +57,8 @@ pub trait AgentFiles: Send + Sync {
     /// As [`Self::read_file`].
     async fn write_file(&self, id: &str, path: &str, data: bytes::Bytes) -> NodeResult<()> {
         let s = self.file_agent(id).await?;
-        s.agent()
-            .write_file(path, &data, u64::MAX)
-            .await
-            .map_err(node_error)
+        let r = s.agent().write_file(path, &data, u64::MAX).await;
+        settled(self, id, r.map_err(node_error)).await
     }
 
     /// Streams `body` to the file at `path` (created or replaced; at most `max_bytes`,
@@ -78,7 +75,8 @@ pub trait AgentFiles: Send + Sync {
         max_bytes: u64,
     ) -> NodeResult<u64> {
         let s = self.file_agent(id).await?;
-        s.agent().write_file_stream(path, body, max_bytes).await
+        let r = s.agent().write_file_stream(path, body, max_bytes).await;
+        settled(self, id, r).await
     }
 
     /// The bytes of the file at `path` as a stream (at most `max_bytes`).
@@ -92,10 +90,8 @@ pub trait AgentFiles: Send + Sync {
         max_bytes: u64,
     ) -> NodeResult<sandlot_node_api::ByteStream> {
         let s = self.file_agent(id).await?;
-        s.agent()
-            .read_file_stream(path, max_bytes)
-            .await
-            .map_err(node_error)
+        let r = s.agent().read_file_stream(path, max_bytes).await;
+        settled(self, id, r.map_err(node_error)).await
     }
 
     /// The entries of the directory at `path`.
@@ -104,7 +100,8 @@ pub trait AgentFiles: Send + Sync {
     /// As [`Self::read_file`].
     async fn list_dir(&self, id: &str, path: &str) -> NodeResult<Vec<FileEntry>> {
         let s = self.file_agent(id).await?;
-        let v = s.agent().list_dir(path).await.map_err(node_error)?;
+        let r = s.agent().list_dir(path).await;
+        let v = settled(self, id, r.map_err(node_error)).await?;
         Ok(v.into_iter().map(file_entry).collect())
     }
 
@@ -114,7 +111,8 @@ pub trait AgentFiles: Send + Sync {
     /// As [`Self::read_file`].
     async fn remove_file(&self, id: &str, path: &str) -> NodeResult<()> {
         let s = self.file_agent(id).await?;
-        s.agent().remove(path).await.map_err(node_error)
+        let r = s.agent().remove(path).await;
+        settled(self, id, r.map_err(node_error)).await
     }
 
     /// The facts of `path`.
@@ -123,11 +121,8 @@ pub trait AgentFiles: Send + Sync {
     /// As [`Self::read_file`].
     async fn stat_file(&self, id: &str, path: &str) -> NodeResult<FileEntry> {
         let s = self.file_agent(id).await?;
-        s.agent()
-            .stat(path)
-            .await
-            .map(file_entry)
-            .map_err(node_error)
+        let r = s.agent().stat(path).await;
+        settled(self, id, r.map(file_entry).map_err(node_error)).await
     }
 
     /// Creates the directory `path` (its missing parents too with `parents`).
@@ -136,6 +131,22 @@ pub trait AgentFiles: Send + Sync {
     /// As [`Self::read_file`].
     async fn make_dir(&self, id: &str, path: &str, parents: bool) -> NodeResult<()> {
         let s = self.file_agent(id).await?;
-        s.agent().mkdir(path, parents).await.map_err(node_error)
+        let r = s.agent().mkdir(path, parents).await;
+        settled(self, id, r.map_err(node_error)).await
+    }
+}
+
+/// `res` of an agent call on sandbox `id` of `files`, except that an `Internal` failure of
+/// a sandbox that can no longer be served when it comes back (deleted, being deleted or
+/// paused while the call ran: its agent went away under it) answers that reason instead,
+/// as [`AgentFiles::file_agent`] gives it (`NotFound`, `Conflict`).
+async fn settled<T, F: AgentFiles + ?Sized>(
+    files: &F,
+    id: &str,
+    res: NodeResult<T>,
+) -> NodeResult<T> {
+    match res {
+        Err(e @ NodeError::Internal { .. }) => Err(files.file_agent(id).await.err().unwrap_or(e)),
+        r => r,
     }
 }
