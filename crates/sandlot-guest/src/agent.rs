@@ -808,17 +808,22 @@ async fn clock(body: Incoming) -> Response<Body> {
         .expect("valid response")
 }
 
-/// Reads frames from the request body until the spec frame; returns it with the decoder
-/// (which may hold the first stdin frames).
-async fn read_spec(body: &mut Incoming) -> Result<(ExecRequest, FrameDecoder), String> {
+/// Reads frames from a request body until the spec frame and parses it as `T`'s JSON;
+/// returns it with the decoder, which holds what followed it (the first stdin frames of
+/// an exec, the first raw bytes of a tunnel).
+pub(crate) async fn read_spec<T, B>(body: &mut B) -> Result<(T, FrameDecoder), String>
+where
+    T: serde::de::DeserializeOwned,
+    B: hyper::body::Body<Data = Bytes> + Unpin,
+    B::Error: std::fmt::Display,
+{
     let mut dec = FrameDecoder::default();
     loop {
         if let Some(f) = dec.next_frame().map_err(|e| e.to_string())? {
             if f.kind != FrameKind::Spec {
                 return Err(format!("first frame must be a spec, got {:?}", f.kind));
             }
-            let r: ExecRequest =
-                serde_json::from_slice(&f.data).map_err(|e| format!("spec JSON: {e}"))?;
+            let r = serde_json::from_slice(&f.data).map_err(|e| format!("spec JSON: {e}"))?;
             return Ok((r, dec));
         }
         match body.frame().await {
@@ -973,7 +978,7 @@ impl Drop for HandleGuard {
 
 async fn exec(mut body: Incoming, shared: Shared) -> Result<Response<Body>, String> {
     let live = shared.live.clone();
-    let (mut req, mut dec) = read_spec(&mut body).await?;
+    let (mut req, mut dec): (ExecRequest, _) = read_spec(&mut body).await?;
     if let Some(h) = &req.handle {
         if shared.handles.lock().unwrap().contains_key(h) {
             return Err(format!("handle {h:?} is already in use"));

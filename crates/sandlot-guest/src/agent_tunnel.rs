@@ -15,7 +15,7 @@ use bytes::{Bytes, BytesMut};
 use http_body_util::{BodyExt, Full, StreamBody};
 use hyper::body::Frame as BodyFrame;
 use hyper::{Response, StatusCode};
-use sandlot_guest::agent_proto::{ConnectRequest, FrameDecoder, FrameKind, CONNECT_REFUSED_PREFIX};
+use sandlot_guest::agent_proto::{ConnectRequest, CONNECT_REFUSED_PREFIX};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 type Body = http_body_util::combinators::BoxBody<Bytes, Infallible>;
@@ -30,34 +30,6 @@ fn text(status: StatusCode, msg: impl Into<String>) -> Response<Body> {
         .expect("valid response")
 }
 
-/// Reads the spec frame off `body`; returns it with the raw bytes that followed it.
-async fn read_spec<B>(body: &mut B) -> Result<(ConnectRequest, Vec<u8>), String>
-where
-    B: hyper::body::Body<Data = Bytes> + Unpin,
-    B::Error: std::fmt::Display,
-{
-    let mut dec = FrameDecoder::default();
-    loop {
-        if let Some(f) = dec.next_frame().map_err(|e| e.to_string())? {
-            if f.kind != FrameKind::Spec {
-                return Err(format!("first frame must be a spec, got {:?}", f.kind));
-            }
-            let r: ConnectRequest =
-                serde_json::from_slice(&f.data).map_err(|e| format!("connect spec JSON: {e}"))?;
-            return Ok((r, dec.into_rest()));
-        }
-        match body.frame().await {
-            Some(Ok(fr)) => {
-                if let Ok(data) = fr.into_data() {
-                    dec.push(&data);
-                }
-            }
-            Some(Err(e)) => return Err(format!("request body: {e}")),
-            None => return Err("request ended before the spec frame".into()),
-        }
-    }
-}
-
 /// `POST /v1/connect`: connects to `127.0.0.1:port` and pumps bytes both ways (see the
 /// module docs). `body` is the request body; `connect_timeout` is
 /// [`sandlot_guest::agent_proto::CONNECT_TIMEOUT_MS`] in the agent (shorter in tests).
@@ -66,8 +38,8 @@ where
     B: hyper::body::Body<Data = Bytes> + Unpin + Send + 'static,
     B::Error: std::fmt::Display + Send,
 {
-    let (req, first) = match read_spec(&mut body).await {
-        Ok(r) => r,
+    let (req, first) = match crate::agent::read_spec::<ConnectRequest, _>(&mut body).await {
+        Ok((req, dec)) => (req, dec.into_rest()),
         Err(msg) => return text(StatusCode::BAD_REQUEST, msg),
     };
     let port = req.port;
@@ -141,7 +113,7 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
-    use sandlot_guest::agent_proto::encode;
+    use sandlot_guest::agent_proto::{encode, FrameKind};
     use tokio::sync::mpsc;
 
     type ReqFrame = Result<BodyFrame<Bytes>, Infallible>;
