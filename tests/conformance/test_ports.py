@@ -75,6 +75,7 @@ def test_ingress_reaches_a_server_on_the_sandbox_loopback(sb, server):
 
     big = os.urandom(3 * 1024 * 1024)  # past every window and pipe buffer on the way
     sb.write_file("/tmp/site/hello.txt", b"hello through ingress\n")
+    sb.write_file("/tmp/site/a b?c.txt", b"escaped\n")
     sb.write_file("/tmp/site/big.bin", big)
     web = sb.spawn("cd /tmp/site && exec python3 -m http.server 8000 --bind 127.0.0.1")
     echo = None
@@ -87,6 +88,9 @@ def test_ingress_reaches_a_server_on_the_sandbox_loopback(sb, server):
         wait_until(served, timeout=60, interval=0.2, what="http.server in the sandbox")
         assert got["r"].status_code == 200, got["r"].text
         assert got["r"].text == "hello through ingress\n"
+        # The path reaches the app as sent, percent-escapes and all.
+        r = httpx.get(f"{base}/8000/a%20b%3Fc.txt", timeout=30)
+        assert (r.status_code, r.text) == (200, "escaped\n")
         r = httpx.get(f"{base}/8000/big.bin", timeout=60)
         assert r.status_code == 200
         assert hashlib.sha256(r.content).hexdigest() == hashlib.sha256(big).hexdigest()

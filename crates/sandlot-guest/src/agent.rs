@@ -29,8 +29,8 @@ use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
 use nix::unistd::Pid;
 use sandlot_guest::agent_proto::{
     encode, ClockRequest, ExecExit, ExecRequest, FrameDecoder, FrameKind, IdentityRequest,
-    SignalRequest, CONNECT_TIMEOUT_MS, PATH_CLOCK, PATH_CONNECT, PATH_EXEC, PATH_IDENTITY,
-    PATH_PING, PATH_SIGNAL,
+    SignalRequest, CONNECTION_WINDOW, CONNECT_TIMEOUT_MS, MAX_STREAMS, PATH_CLOCK, PATH_CONNECT,
+    PATH_EXEC, PATH_IDENTITY, PATH_PING, PATH_SIGNAL, STREAM_WINDOW,
 };
 use sandlot_guest::spec::ExecStatus;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -492,6 +492,9 @@ where
 {
     let svc = hyper::service::service_fn(move |req| handle(req, shared.clone()));
     let _ = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+        .max_concurrent_streams(MAX_STREAMS)
+        .initial_stream_window_size(STREAM_WINDOW)
+        .initial_connection_window_size(CONNECTION_WINDOW)
         .serve_connection(TokioIo::new(stream), svc)
         .await;
 }

@@ -55,6 +55,21 @@ pub const MAX_FRAME: usize = 1 << 20;
 /// Size of a frame header, bytes.
 pub const HEADER: usize = 5;
 
+/// Most concurrent HTTP/2 streams on one agent connection (the agent's
+/// `SETTINGS_MAX_CONCURRENT_STREAMS`, RFC 9113 §6.5.2).
+pub const MAX_STREAMS: u32 = 200;
+/// Flow-control window of each HTTP/2 stream, both ends, bytes (RFC 9113 §6.9.2). A
+/// stream nobody reads (a tunnel whose client stopped reading, an exec whose output is not
+/// consumed, a service in the sandbox that does not read) holds at most this much of its
+/// connection's window.
+pub const STREAM_WINDOW: u32 = 64 * 1024;
+/// Flow-control window of a whole agent connection, both ends, bytes: every stream
+/// ([`MAX_STREAMS`]) can sit on a full [`STREAM_WINDOW`] unread and the connection still
+/// carries 1 MiB more, so stalled streams never stall the other calls (HTTP/2 counts
+/// unread bytes against the connection's window too). It is also the most unread data
+/// one connection can buffer at the receiving end.
+pub const CONNECTION_WINDOW: u32 = MAX_STREAMS * STREAM_WINDOW + (1 << 20);
+
 /// What a frame carries.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u8)]

@@ -10,8 +10,8 @@ use hyper::{Method, Request, StatusCode};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use sandlot_guest::agent_proto::{
     encode, ClockRequest, ExecExit, ExecRequest, FileInfo, Frame, FrameDecoder, FrameKind, FsCode,
-    FsError, IdentityRequest, SignalRequest, PATH_CLOCK, PATH_EXEC, PATH_IDENTITY, PATH_PING,
-    PATH_SIGNAL,
+    FsError, IdentityRequest, SignalRequest, CONNECTION_WINDOW, PATH_CLOCK, PATH_EXEC,
+    PATH_IDENTITY, PATH_PING, PATH_SIGNAL, STREAM_WINDOW,
 };
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -113,10 +113,12 @@ impl AgentClient {
             None => connect_socket(&self.socket).await,
         }
         .map_err(|e| agent_err(&self.socket, "connect", e))?;
-        let (sender, connection) =
-            hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(stream))
-                .await
-                .map_err(|e| agent_err(&self.socket, "HTTP/2 handshake", e))?;
+        let (sender, connection) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
+            .initial_stream_window_size(STREAM_WINDOW)
+            .initial_connection_window_size(CONNECTION_WINDOW)
+            .handshake(TokioIo::new(stream))
+            .await
+            .map_err(|e| agent_err(&self.socket, "HTTP/2 handshake", e))?;
         tokio::spawn(async move {
             let _ = connection.await;
         });
@@ -834,9 +836,16 @@ impl AgentClient {
                 .unwrap_or_default();
             return Err(match status {
                 StatusCode::BAD_GATEWAY | StatusCode::GATEWAY_TIMEOUT => {
+                    // The agent's text starts as ours does; keep only its reason.
+                    let said = text.trim();
+                    let reason = said
+                        .strip_prefix(&format!("{PORT_NOT_LISTENING} {port}"))
+                        .map(str::trim)
+                        .filter(|r| r.starts_with('('))
+                        .map(str::to_owned)
+                        .unwrap_or_else(|| format!("({said})"));
                     NodeError::Unavailable(format!(
-                        "{PORT_NOT_LISTENING} {port} in sandbox {id} ({})",
-                        text.trim()
+                        "{PORT_NOT_LISTENING} {port} in sandbox {id} {reason}"
                     ))
                 }
                 StatusCode::NOT_FOUND => NodeError::Unavailable(format!(

@@ -457,3 +457,45 @@ async fn connect_port_tunnels_both_ways_half_closes_and_closes_on_drop() {
         Err(sandlot_node_api::NodeError::InvalidArgument(_))
     ));
 }
+
+#[tokio::test]
+async fn tunnels_nobody_reads_leave_the_other_calls_moving() {
+    use tokio::io::AsyncWriteExt;
+    let test = "tunnels_nobody_reads_leave_the_other_calls_moving";
+    let Some(a) = start(test).await else { return };
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = l.local_addr().unwrap().port();
+    // A service that pours 8 MiB into every connection; the callers never read.
+    let pour = tokio::spawn(async move {
+        let chunk = vec![7u8; 1 << 20];
+        loop {
+            let (mut s, _) = l.accept().await.unwrap();
+            let chunk = chunk.clone();
+            tokio::spawn(async move {
+                for _ in 0..8 {
+                    if s.write_all(&chunk).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    let mut held = Vec::new();
+    for _ in 0..16 {
+        held.push(a.client.connect_port("sb-test", port).await.unwrap());
+    }
+    // Let the stalled streams fill every window they can.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let t0 = Instant::now();
+    let (out, _, x) = tokio::time::timeout(
+        Duration::from_secs(20),
+        run(&a, &request("echo still-here", 10_000, false), None),
+    )
+    .await
+    .expect("an exec beside 16 unread tunnels finishes");
+    assert_eq!(x.status, ExecStatus::Exited { code: 0 });
+    assert_eq!(out, b"still-here\n");
+    assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
+    drop(held);
+    pour.abort();
+}

@@ -181,8 +181,10 @@ pub async fn proxy(
         Err(e) => return ServerError::from(e).into_response(),
     };
 
-    // The request as the app sees it.
-    let path = params.get("path").map(String::as_str).unwrap_or("");
+    // The request as the app sees it: the path after `/ports/{port}` exactly as the client
+    // sent it, still percent-encoded (the decoded `{*path}` would turn `%2F` into a
+    // separator, `%3F` into a query and `%23` into a fragment), then the query.
+    let path = req.uri().path().splitn(7, '/').nth(6).unwrap_or("");
     let query = req
         .uri()
         .query()

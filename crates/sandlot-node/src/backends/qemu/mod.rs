@@ -1104,14 +1104,22 @@ pub fn boot_failure(
     let _ = std::fs::copy(&console, &keep);
     prune_failed(&failed);
     let alive = crate::sys::proc_starttime(pid) == Some(starttime);
+    tracing::warn!(sandbox = %id, console = %keep.display(), "boot failed; console kept");
+    let said = tail_of(&dir.join("qemu.log"), 400);
+    // The message goes to the API caller: the kept console is named relative to the
+    // node's data directory, never by its host path.
     NodeError::io(
         format!(
-            "{what} did not become ready (limit {} s, {}; QEMU {}; {err}): console kept at {}; QEMU said: {}; console tail: {}",
+            "{what} did not become ready (limit {} s, {}; QEMU {}; {err}); its console is kept \
+             on the node as failed/{id}.console.log; QEMU said: {}; console tail: {}",
             timeout.as_secs(),
             accel.as_str(),
             if alive { "still running" } else { "exited" },
-            keep.display(),
-            tail_of(&dir.join("qemu.log"), 400),
+            if said.trim().is_empty() {
+                "(nothing)"
+            } else {
+                said.as_str()
+            },
             tail_of(&console, 800)
         ),
         std::io::Error::other("boot failed"),

@@ -349,10 +349,7 @@ impl QemuCore {
                 tokio::time::sleep(EXIT_POLL).await;
             }
             Err(NodeError::io(
-                format!(
-                    "QEMU exited {} ms after it started",
-                    started.elapsed().as_millis()
-                ),
+                format!("the boot ended after {} ms", started.elapsed().as_millis()),
                 std::io::Error::other("QEMU exited"),
             ))
         };
