@@ -488,7 +488,18 @@ impl AgentClient {
         max_bytes: u64,
     ) -> Result<u64, FsError> {
         let why = std::sync::Arc::new(std::sync::atomic::AtomicU8::new(0));
-        self.write_stream_inner(path, body, max_bytes, why).await
+        let r = self
+            .write_stream_inner(path, body, max_bytes, why.clone())
+            .await;
+        // Over the limit on our side: the request was reset (the agent dropped its temp
+        // file), so the answer is ours to give, with the agent's code for it.
+        if why.load(std::sync::atomic::Ordering::SeqCst) == 1 {
+            return Err(FsError::new(
+                FsCode::PayloadTooLarge,
+                format!("{path}: more than {max_bytes} bytes"),
+            ));
+        }
+        r
     }
 
     async fn write_stream_inner(
