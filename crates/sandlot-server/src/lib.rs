@@ -134,8 +134,7 @@ pub struct ServerConfig {
     /// Total bytes `run_code` returns in `files` per call (default 64 MiB); files past it
     /// are left out and named in `message`.
     pub run_code_fetch_bytes: u64,
-    /// `run_code` calls running at once (default max(4, 4 × cores)); as many answered
-    /// calls' sandbox deletes may run besides ([`run_code::Gate`]).
+    /// `run_code` calls running at once (default max(4, 4 × cores)).
     pub run_code_concurrency: usize,
     /// CPU limit of a `run_code` sandbox, in cores (default: the host's cores, at most 64;
     /// SandboxFusion runs code without a CPU cap, and a JVM or a compiler driver held to 1

@@ -146,7 +146,10 @@ pub async fn run_jupyter(
     };
     let st2 = st.clone();
     let (tx, rx) = tokio::sync::oneshot::channel();
-    tokio::spawn(async move { execute(&st2, &who, run, plan, tx, permit).await });
+    tokio::spawn(async move {
+        let _permit = permit;
+        execute(&st2, &who, run, plan, tx).await
+    });
     let resp = match rx.await {
         Ok(Ok(resp)) => resp,
         Ok(Err(quota)) => {

@@ -8,8 +8,7 @@
 //! mid-call; label `sandlot.kind=run_code`), writes `files` (base64) and the code to
 //! `/workspace`, compiles and runs it, fetches `fetch_files`, marks the sandbox `deleting`
 //! (which frees the caller's quota at once) and answers; the node delete finishes after the
-//! answer in one of `run_code_concurrency` cleanup slots, so the next call need not wait for
-//! it ([`Gate`]). The work runs in its own task,
+//! answer, with the call's admission slot held until it has. The work runs in its own task,
 //! so a client disconnect still ends in cleanup. The toolchain images of
 //! `sandlot up --run-code-pool-images` (default `lang-python,lang-cpp,lang-java`) have
 //! ready jails in the function warm pool, so such a call only hands one over.
@@ -63,18 +62,9 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-/// Admission control: a semaphore of running slots plus a bounded count of waiters, and
-/// a second semaphore of as many cleanup slots.
-///
-/// A call holds its running slot from admission until its answer is out and it holds a
-/// cleanup slot; the cleanup slot is held until the node delete has finished. So at most
-/// `slots` calls run and at most `slots` sandboxes are being deleted at once (at most
-/// `2 × slots` run_code sandboxes exist), and the node delete of one call no longer keeps
-/// the next call waiting for a running slot — unless `slots` deletes are in flight, when
-/// the answered call keeps its running slot until one ends (back-pressure).
+/// Admission control: a semaphore of running slots plus a bounded count of waiters.
 pub struct Gate {
     sem: Arc<Semaphore>,
-    cleanup: Arc<Semaphore>,
     slots: usize,
     queue: usize,
     waiting: AtomicUsize,
@@ -93,7 +83,6 @@ impl Gate {
     pub fn new(slots: usize, queue: usize) -> Self {
         Gate {
             sem: Arc::new(Semaphore::new(slots)),
-            cleanup: Arc::new(Semaphore::new(slots)),
             slots,
             queue,
             waiting: AtomicUsize::new(0),
@@ -106,19 +95,6 @@ impl Gate {
             self.slots - self.sem.available_permits(),
             self.waiting.load(Ordering::SeqCst),
         )
-    }
-
-    /// Sandboxes of answered calls whose node delete runs now.
-    pub fn cleaning(&self) -> usize {
-        self.slots - self.cleanup.available_permits()
-    }
-
-    /// Trade the running slot `run` of an answered call for a cleanup slot, held until its
-    /// node delete has finished: waits (keeping `run`) while `slots` deletes are in flight.
-    pub async fn to_cleanup(&self, run: OwnedSemaphorePermit) -> Option<OwnedSemaphorePermit> {
-        let slot = self.cleanup.clone().acquire_owned().await.ok();
-        drop(run);
-        slot
     }
 
     /// A running slot, waiting at most `wait`.
@@ -177,10 +153,12 @@ pub async fn run_code(
     };
     let st2 = st.clone();
     let (tx, rx) = tokio::sync::oneshot::channel();
-    // The task answers through `tx` and then deletes the sandbox, holding the admission
-    // permit until the answer and a cleanup slot after it ([`Gate`]); a client that
-    // disconnects does not stop the cleanup.
-    tokio::spawn(async move { execute(&st2, &who, req, plan, tx, permit).await });
+    // The task deletes the sandbox and then answers through `tx`, holding the admission
+    // permit throughout; a client that disconnects does not stop the cleanup.
+    tokio::spawn(async move {
+        let _permit = permit;
+        execute(&st2, &who, req, plan, tx).await
+    });
     let resp = match rx.await {
         Ok(Ok(resp)) => resp,
         Ok(Err(quota)) => {
@@ -373,7 +351,7 @@ fn exec_req(lang: &Language, cmd: Cmd, timeout: f64, stdin: Option<&str>) -> Exe
 ///
 /// The response goes to `answer` once the sandbox is marked `deleting`, so it no longer
 /// counts against the caller's quota when the answer arrives; the node delete finishes
-/// after the answer, the admission `permit` traded for a cleanup slot ([`Gate::to_cleanup`]). A failed delete is left to
+/// after the answer (the admission permit is held until then). A failed delete is left to
 /// the reaper (the sandbox is `deleting`).
 async fn execute(
     st: &SharedState,
@@ -381,7 +359,6 @@ async fn execute(
     req: RunCodeRequest,
     plan: Plan,
     answer: tokio::sync::oneshot::Sender<ApiResult<RunCodeResponse>>,
-    permit: OwnedSemaphorePermit,
 ) {
     let image = match image_for(st, plan.lang) {
         Ok(i) => i,
@@ -408,7 +385,6 @@ async fn execute(
         ..Default::default()
     };
     let labels = BTreeMap::from([("sandlot.kind".to_string(), "run_code".to_string())]);
-    let t0 = std::time::Instant::now();
     let id = match create_sandbox(st, who, create, labels, None).await {
         Ok((rec, _)) => rec.id,
         // The caller's quota is full: HTTP 429, to be retried, not a verdict on the code.
@@ -426,12 +402,10 @@ async fn execute(
     };
     // Budget shares of the fetched files, kept until the answer is handed over.
     let mut held = Vec::new();
-    let t_create = t0.elapsed();
     let out = run_in(st, &id, &req, plan, &mut held).await;
-    let t_run = t0.elapsed();
     // Answer once the sandbox is marked `deleting` (its quota is free from that mark), and
-    // finish the node delete afterwards in a cleanup slot ([`Gate`]): at most
-    // `run_code_concurrency` run_code sandboxes are being deleted at once.
+    // finish the node delete afterwards, still holding the admission permit so that at most
+    // `run_code_concurrency` sandboxes exist for run_code at once.
     let task = match start_delete(st, &id).await {
         Ok(t) => t,
         Err(e) => {
@@ -439,13 +413,11 @@ async fn execute(
             None
         }
     };
-    let t_mark = t0.elapsed();
     let _ = answer.send(Ok(match out {
         Ok(r) => r,
         Err(e) => sandbox_error(st, e.to_string()),
     }));
     drop(held);
-    let _cleanup = st.run_code_gate.to_cleanup(permit).await;
     let done = match task {
         Some(t) => t.await.unwrap_or_else(|e| {
             Err(ServerError::new(
@@ -458,13 +430,6 @@ async fn execute(
     if let Err(e) = done {
         tracing::warn!(sandbox_id = %id, error = %crate::error::chain(&e), "run_code: delete failed; the reaper retries");
     }
-    let t_del = t0.elapsed();
-    tracing::debug!(sandbox_id = %id, create_ms = ms(t_create), run_ms = ms(t_run - t_create), mark_ms = ms(t_mark - t_run), delete_ms = ms(t_del - t_mark), "run_code phases");
-}
-
-/// `d` in milliseconds, for logs.
-fn ms(d: Duration) -> f64 {
-    d.as_secs_f64() * 1000.0
 }
 
 /// An exec on the node with its audit event and latency observation.
@@ -625,43 +590,4 @@ fn truncation_note(stage: &str, r: &ExecResult) -> Option<String> {
             DEFAULT_MAX_OUTPUT / 2 / 1024
         )
     })
-}
-
-#[cfg(test)]
-mod gate_tests {
-    use super::Gate;
-    use std::time::Duration;
-
-    /// An answered call's cleanup slot does not hold back the next call; `slots` deletes in
-    /// flight do: the answered call keeps its running slot until one ends.
-    #[tokio::test]
-    async fn cleanup_slots_free_the_running_slot_and_are_bounded() {
-        let gate = Gate::new(1, 0);
-        let run = gate.admit(Duration::ZERO).await.unwrap();
-        let cleaning = gate.to_cleanup(run).await.expect("a free cleanup slot");
-        assert_eq!((gate.load(), gate.cleaning()), ((0, 0), 1));
-        // The next call runs while the first one's delete is in flight.
-        let run2 = gate.admit(Duration::ZERO).await.expect("running slot free");
-        assert_eq!(gate.load(), (1, 0));
-        // Its own cleanup waits for a cleanup slot, keeping its running slot meanwhile.
-        let waiting = gate.to_cleanup(run2);
-        tokio::pin!(waiting);
-        assert!(
-            tokio::time::timeout(Duration::from_millis(50), &mut waiting)
-                .await
-                .is_err(),
-            "a second delete in flight must wait for the cleanup slot"
-        );
-        assert_eq!(
-            gate.load(),
-            (1, 0),
-            "the running slot stays taken meanwhile"
-        );
-        assert!(gate.admit(Duration::ZERO).await.is_err());
-        drop(cleaning);
-        let second = waiting.await.expect("the freed cleanup slot");
-        assert_eq!((gate.load(), gate.cleaning()), ((0, 0), 1));
-        drop(second);
-        assert_eq!(gate.cleaning(), 0);
-    }
 }
