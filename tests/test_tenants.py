@@ -157,6 +157,45 @@ def test_two_tenants_are_isolated_on_every_route(tenants):
         a.get(sa.id)
 
 
+def test_ingress_is_per_tenant_and_takes_200_requests_at_once(tenants):
+    """Ingress (docs/api.md "Ports") to a port inside A's sandbox answers A (and the admin)
+    only: B's key gets 404 as for an unknown sandbox and no key 401, on both the path form
+    and the host-name form; 200 concurrent requests through it all succeed."""
+    a = tenants["clients"]["a"]
+    url, keys = tenants["server"].url, tenants["keys"]
+    sa = a.create(image="python", memory_mib=128, ttl_s=300)
+    try:
+        sa.write_file("/tmp/site/hi.txt", b"only for a\n")
+        sa.spawn("cd /tmp/site && exec python3 -m http.server 8000 --bind 127.0.0.1")
+        path = f"{url}/v1/sandboxes/{sa.id}/ports/8000/hi.txt"
+        host = f"8000-{sa.id}.sandlot.test"
+
+        def get(who, host_form=False):
+            headers = {"Authorization": f"Bearer {keys[who]}"} if who else {}
+            if host_form:
+                return httpx.get(f"{url}/hi.txt", headers={**headers, "Host": host},
+                                 timeout=60)
+            return httpx.get(path, headers=headers, timeout=60)
+
+        wait_until(lambda: get("a").status_code == 200, timeout=60, interval=0.2,
+                   what="http.server in A's sandbox")
+        for host_form in (False, True):
+            r = get("a", host_form)
+            assert (r.status_code, r.text) == (200, "only for a\n"), r.text
+            assert get("ops", host_form).status_code == 200, "the admin key reaches it"
+            r = get("b", host_form)
+            assert r.status_code == 404 and r.json()["error"]["code"] == "not_found", r.text
+            assert get(None, host_form).status_code == 401
+
+        import concurrent.futures
+        with concurrent.futures.ThreadPoolExecutor(200) as ex:
+            codes = list(ex.map(lambda i: get("a", host_form=i % 2 == 1).status_code,
+                                range(200)))
+        assert codes == [200] * 200, sorted(set(codes))
+    finally:
+        sa.delete()
+
+
 def test_trajectories_are_per_tenant(tenants):
     a, b = tenants["clients"]["a"], tenants["clients"]["b"]
     t = f"tenants-test/{os.getpid()}"

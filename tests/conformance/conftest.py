@@ -167,7 +167,10 @@ CLUSTER_CASES = frozenset({"function", "container-runc"})
 #: so both cases fit CI's budget (the whole suite on `function` alone takes ~60 s there),
 #: the per-case check that nothing is left behind on the node, and E2B pids across servers
 #: (test_e2b_cluster.py; cluster-only, on the E2B backend's case).
-CLUSTER_SUBSET: FrozenSet[str] = REDUCED["microvm"] | {
+# Ingress is not carried over the node API wire yet: a cluster's servers answer 503 for
+# `/ports/` (docs/operations.md, cluster mode), so test_ports stays out of this subset.
+CLUSTER_SUBSET: FrozenSet[str] = (REDUCED["microvm"] - {
+    "test_ingress_reaches_a_server_on_the_sandbox_loopback"}) | {
     "test_nothing_left_after_the_case", "test_e2b_pids_and_tags_reach_across_servers",
     "test_e2b_code_contexts_reach_across_servers",
     "test_e2b_snapshot_names_reach_across_servers"}
