@@ -26,6 +26,7 @@ import httpx
 import pytest
 
 from conftest import wait_until
+from conformance.test_ports import UPGRADE_ECHO
 
 e2b = pytest.importorskip("e2b", reason="the e2b SDK is not installed (scripts/setup.sh)")
 from e2b import CommandExitException, Sandbox, SandboxQuery, SandboxState  # noqa: E402
@@ -640,26 +641,6 @@ def test_watch_gzip_stream_input_in_busybox(e2b_env):
         sb.kill()
 
 
-UPGRADE_ECHO = r'''
-import socket, threading
-s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-s.bind(("127.0.0.1", 8002)); s.listen(8)
-def serve(c):
-    head = b""
-    while b"\r\n\r\n" not in head:
-        head += c.recv(4096)
-    assert b"upgrade: echo" in head.lower(), head
-    c.sendall(b"HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: echo\r\n\r\n")
-    while True:
-        d = c.recv(65536)
-        if not d:
-            break
-        c.sendall(d)
-    c.close()
-while True:
-    c, _ = s.accept()
-    threading.Thread(target=serve, args=(c,), daemon=True).start()
-'''
 
 
 def test_get_host_reaches_a_server_in_the_sandbox(box, e2b_env):

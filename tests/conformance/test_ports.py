@@ -23,6 +23,7 @@ def serve(c):
     head = b""
     while b"\r\n\r\n" not in head:
         head += c.recv(4096)
+    assert b"upgrade: echo" in head.lower(), head
     c.sendall(b"HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: echo\r\n\r\n")
     while True:
         d = c.recv(65536)
