@@ -1,88 +1,103 @@
 #!/usr/bin/env python3
-"""Module graph of one Rust crate: which module uses which, and the circles among them.
+"""The module graph of a Rust crate, and its import cycles (issue 24: "no import circles").
 
-Usage: scripts/modgraph.py [SRC_DIR] [--edges]   (default crates/sandlot-node/src)
+Usage: scripts/modgraph.py CRATE_SRC_DIR... [--dot] [--verbose]
 
-A module is a file (`a.rs` or `a/mod.rs` -> `a`, `a/b.rs` -> `a::b`, `lib.rs` -> `crate`).
-Module A uses module B when A's text (comments left out) names a path into B: `crate::b::..`,
-`super::..` (resolved against A's place) or `c::..` for a child module `c` of A; a path is
-charged to the longest module it names. Edges between a module and its own ancestor (a
-child reading its parent's items, a parent its child's) are left out: they are how Rust
-nests modules, not a circle of separate parts. Prints the number of modules and edges, each
-strongly connected set of two or more modules (a circle), and with --edges every edge.
-Exit status 0 either way: it reports, it does not judge.
+Reads every `.rs` file under each `src/` directory (a file `a/b.rs` or `a/b/mod.rs` is the
+module `a::b`; `lib.rs`/`main.rs` the crate root) and draws an edge A -> B for each path
+`crate::…` or `super::…` in A's code that names module B (in `use` trees, braces expanded,
+and in paths written inline). Comments, doc links included, and `#[cfg(test)] mod tests`
+blocks at a file's end do not count; neither do references between a module and its own
+ancestors (a child uses its parent's items by design). Prints one summary line per crate
+(`N modules, E edges, C cycles`) and each cycle (a strongly connected component of more
+than one module) with its edges; `--dot` prints the graph in Graphviz's dot language.
+Exit status: 0 without cycles, 1 with any, 2 on bad usage. A text reader, not a compiler:
+macro-generated paths are not seen.
 """
-from __future__ import annotations
-
+import os
 import re
 import sys
-from pathlib import Path
-
-PATH = re.compile(r"\b(crate|super|self|[a-z_][a-z0-9_]*)((?:::[a-z_][a-z0-9_]*)+)")
 
 
-def modules(src: Path) -> dict[str, Path]:
-    """Module path (`a::b`) -> file."""
-    out = {}
-    for f in sorted(src.rglob("*.rs")):
-        parts = list(f.relative_to(src).with_suffix("").parts)
-        if parts[-1] == "mod":
-            parts.pop()
-        if parts in (["lib"], ["main"]):
-            parts = []
-        out["::".join(parts) or "crate"] = f
-    return out
+def read_modules(src):
+    mods = {}
+    for dirpath, _, files in os.walk(src):
+        for f in files:
+            if f.endswith(".rs"):
+                parts = os.path.relpath(os.path.join(dirpath, f), src)[:-3].split("/")
+                if parts[-1] in ("mod", "lib", "main"):
+                    parts = parts[:-1]
+                with open(os.path.join(dirpath, f)) as fh:
+                    mods["::".join(parts)] = fh.read()
+    return mods
 
 
-def strip_comments(text: str) -> str:
-    text = re.sub(r"/\*.*?\*/", "", text, flags=re.S)
-    return "\n".join(line.split("//", 1)[0] for line in text.splitlines())
+def expand_use(prefix, tree):
+    """`a::{b, c::{d as e}}` -> ['a::b', 'a::c::d']."""
+    tree = tree.strip()
+    if not tree:
+        return []
+    if tree.startswith("{"):
+        parts, depth, cur = [], 0, ""
+        for ch in tree[1:-1]:
+            if ch == "," and depth == 0:
+                parts.append(cur)
+                cur = ""
+                continue
+            depth += (ch == "{") - (ch == "}")
+            cur += ch
+        parts.append(cur)
+        return [p for part in parts for p in expand_use(prefix, part)]
+    m = re.match(r"([\w:]+?)(::(\{.*\}))?\s*(as \w+)?$", tree, re.S)
+    if not m:
+        return []
+    head = m.group(1).rstrip(":")
+    full = f"{prefix}::{head}" if prefix else head
+    return expand_use(full, m.group(3)) if m.group(3) else [full]
 
 
-def uses(mod: str, text: str, mods: dict[str, Path]) -> set[str]:
-    here = [] if mod == "crate" else mod.split("::")
-    found = set()
-    # `use a::{b, c::d}` groups: enough to look at the head path of each `use`.
-    for m in PATH.finditer(text):
-        head, tail = m.group(1), m.group(2).split("::")[1:]
-        if head == "crate":
-            base = []
-        elif head in ("super", "self"):
-            base = list(here)
-            if head == "super":
-                base = base[:-1]
-            while tail and tail[0] == "super":
-                base, tail = base[:-1], tail[1:]
-        elif "::".join(here + [head]) in mods:
-            base, tail = list(here), [head] + tail
-        else:
-            continue
-        path = base + tail
-        while path and "::".join(path) not in mods:
-            path.pop()
-        target = "::".join(path) or "crate"
-        if target != mod:
-            found.add(target)
-    return found
+def edges_of(mods):
+    names = set(mods)
+
+    def owner(path):  # the longest module prefix of an item path
+        parts = path.split("::")
+        for i in range(len(parts), 0, -1):
+            if "::".join(parts[:i]) in names:
+                return "::".join(parts[:i])
+        return None
+
+    edges = {m: set() for m in names}
+    for m, src in mods.items():
+        src = re.sub(r"//[^\n]*", "", src)
+        src = re.sub(r"#\[cfg\(test\)\]\s*mod tests\s*\{.*", "", src, flags=re.S)
+        paths = []
+        for u in re.finditer(r"\buse\s+((?:crate|super)\b[^;]*);", src):
+            paths += expand_use("", re.sub(r"\s+", " ", u.group(1)))
+        paths += [a + b for a, b in re.findall(r"\b(crate|super)((?:::\w+)+)", src)]
+        for p in paths:
+            kind, _, rest = p.partition("::")
+            if not rest:
+                continue
+            base = [] if kind == "crate" else (m.split("::")[:-1] if m else [])
+            while rest.startswith("super::"):
+                base, rest = base[:-1], rest[len("super::"):]
+            t = owner("::".join(base + [rest]))
+            if t is None or t == m or m.startswith(t + "::") or t.startswith(m + "::"):
+                continue
+            edges[m].add(t)
+    return edges
 
 
-def related(a: str, b: str) -> bool:
-    """One is the other's ancestor (`crate` is everyone's)."""
-    if "crate" in (a, b):
-        return True
-    return a.startswith(b + "::") or b.startswith(a + "::")
+def cycles(edges):
+    """Tarjan's strongly connected components with more than one module."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+    sys.setrecursionlimit(100000)
 
-
-def sccs(nodes: list[str], edges: dict[str, set[str]]) -> list[list[str]]:
-    """Tarjan's strongly connected components."""
-    index, low, stack, on, out, n = {}, {}, [], set(), [], [0]
-
-    def visit(v: str) -> None:
-        index[v] = low[v] = n[0]
-        n[0] += 1
+    def visit(v):
+        index[v] = low[v] = len(index)
         stack.append(v)
         on.add(v)
-        for w in sorted(edges.get(v, ())):
+        for w in sorted(edges[v]):
             if w not in index:
                 visit(w)
                 low[v] = min(low[v], low[w])
@@ -96,35 +111,42 @@ def sccs(nodes: list[str], edges: dict[str, set[str]]) -> list[list[str]]:
                 comp.append(w)
                 if w == v:
                     break
-            out.append(sorted(comp))
+            if len(comp) > 1:
+                out.append(sorted(comp))
 
-    sys.setrecursionlimit(10000)
-    for v in nodes:
+    for v in sorted(edges):
         if v not in index:
             visit(v)
     return out
 
 
-def main() -> None:
-    args = [a for a in sys.argv[1:] if not a.startswith("--")]
-    src = Path(args[0] if args else "crates/sandlot-node/src")
-    mods = modules(src)
-    edges = {
-        m: {t for t in uses(m, strip_comments(f.read_text()), mods) if not related(m, t)}
-        for m, f in mods.items()
-    }
-    count = sum(len(v) for v in edges.values())
-    print(f"{len(mods)} modules, {count} edges (ancestor/descendant edges left out)")
-    if "--edges" in sys.argv:
-        for m in sorted(edges):
-            for t in sorted(edges[m]):
-                print(f"  {m} -> {t}")
-    circles = [c for c in sccs(sorted(mods), edges) if len(c) > 1]
-    if not circles:
-        print("no circles")
-    for c in circles:
-        print(f"circle of {len(c)}: {', '.join(c)}")
+def main(argv):
+    dirs = [a for a in argv if not a.startswith("--")]
+    if not dirs or any(not os.path.isdir(d) for d in dirs):
+        print(__doc__.strip().splitlines()[2], file=sys.stderr)
+        return 2
+    found = 0
+    for src in dirs:
+        edges = edges_of(read_modules(src))
+        cyc = cycles(edges)
+        found += len(cyc)
+        n_edges = sum(len(e) for e in edges.values())
+        print(f"{src}: {len(edges)} modules, {n_edges} edges, {len(cyc)} cycles")
+        for comp in cyc:
+            print("  cycle: " + ", ".join(comp))
+            for a in comp:
+                print(f"    {a or '(root)'} -> {', '.join(sorted(e for e in edges[a] if e in comp))}")
+        if "--dot" in argv:
+            print("digraph modules {")
+            for a in sorted(edges):
+                for b in sorted(edges[a]):
+                    print(f'  "{a or "(root)"}" -> "{b}";')
+            print("}")
+        if "--verbose" in argv:
+            for a in sorted(edges):
+                print(f"  {a or '(root)'} -> {', '.join(sorted(edges[a]))}")
+    return 1 if found else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main(sys.argv[1:]))

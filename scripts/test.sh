@@ -20,6 +20,8 @@ if cargo clippy --version >/dev/null 2>&1; then
   cargo clippy --release --locked --workspace --all-targets -- -D warnings
 else echo "SKIPPED: cargo clippy (not installed: rustup component add clippy)"; fi
 RUSTDOCFLAGS="-D warnings" cargo doc --release --locked --no-deps --workspace
+# The node crate's module graph has no import cycles (issue 24; prints the summary line).
+python3 scripts/modgraph.py crates/sandlot-node/src
 
 printf '\n==> cargo test at +%s s (release profile: shares the build with setup)\n' "$SECONDS"
 cargo test --release --locked --workspace -- --test-threads=2
