@@ -3,7 +3,8 @@
 //! (`SANDLOT_GUEST_BIN`, else `target/{release,debug}/sandlot-guest` of this build's
 //! profile); each test prints why it skips.
 use sandlot_api::{Backend, Cmd, ExecEvent, ExecRequest};
-use sandlot_node::backends::function::{mounts_under, read_state};
+use sandlot_node::backends::function::mounts_under;
+use sandlot_node::backends::saved::{self, SavedSandbox};
 use sandlot_node::cgroups::CgroupRoot;
 use sandlot_node::sys::proc_starttime;
 use sandlot_node::{LocalNode, Node, NodeConfig, NodeError};
@@ -434,7 +435,7 @@ async fn delete_during_exec_and_twice_leaves_nothing() {
     let mounts_before = mount_count(&env.cfg.data_dir);
     n.create(&spec("sb-del")).await.unwrap();
     let dir = env.sandbox_dir("sb-del");
-    let state = read_state(&dir).expect("state.json written");
+    let state = saved::read::<SavedSandbox>(&dir).expect("state.json written");
     assert_eq!(state.id, "sb-del");
     assert_eq!(proc_starttime(state.init_pid), Some(state.init_starttime));
     // The overlay lives in the sandbox's mount namespace; the host holds only the

@@ -5,7 +5,7 @@
 //! read when the node opens (setting it while other tests' threads read the environment
 //! would race). Needs root, cgroups and the guest binary; prints why it skips.
 use sandlot_api::{Cmd, ExecRequest};
-use sandlot_node::backends::function::read_state;
+use sandlot_node::backends::saved::{self, SavedSandbox};
 use sandlot_node::cgroups::CgroupRoot;
 use sandlot_node::sys::proc_starttime;
 use sandlot_node::{LocalNode, Node, NodeConfig, SandboxSpec};
@@ -127,7 +127,7 @@ async fn agent_path_keeps_exec_semantics_and_survives_restart() {
         "{r:?}"
     );
     // The agent itself holds the sandbox's own host uid, never host root.
-    let base = read_state(&cfg.data_dir.join("sandboxes").join(id))
+    let base = saved::read::<SavedSandbox>(&cfg.data_dir.join("sandboxes").join(id))
         .unwrap()
         .uid_base;
     let status =

@@ -8,7 +8,7 @@
 //! latency.
 use sandlot_api::{Backend, Cmd, ExecRequest};
 use sandlot_node::backends::function::pool::POOL_PREFIX;
-use sandlot_node::backends::function::read_state;
+use sandlot_node::backends::saved::{self, SavedSandbox};
 use sandlot_node::cgroups::CgroupRoot;
 use sandlot_node::sys::proc_starttime;
 use sandlot_node::{LocalNode, Node, NodeConfig, SandboxSpec};
@@ -151,7 +151,7 @@ async fn sh(node: &LocalNode, id: &str, script: &str) -> sandlot_api::ExecResult
 
 /// Cgroup name recorded for `id`: a `wp-` name when the sandbox came from the pool.
 fn cgroup_of(env: &Env, id: &str) -> String {
-    read_state(&env.sandbox_dir(id))
+    saved::read::<SavedSandbox>(&env.sandbox_dir(id))
         .unwrap_or_else(|| panic!("no state.json for {id}"))
         .cgroup_name()
         .to_string()
@@ -279,7 +279,7 @@ async fn pooled_create_is_used_works_and_deletes_clean() {
     let cpu = env.cgroup_file(&cg, "cpu.cfs_quota_us", "cpu.max");
     // 0.5 CPU: 5 ms per 10 ms period (v2: "5000 10000").
     assert!(cpu == "5000" || cpu == "5000 10000", "cpu quota {cpu}");
-    let state = read_state(&env.sandbox_dir("sb-pooled")).unwrap();
+    let state = saved::read::<SavedSandbox>(&env.sandbox_dir("sb-pooled")).unwrap();
     assert_eq!(state.id, "sb-pooled");
     assert_eq!(state.spec.memory_mib, 512);
     let pid = state.init_pid;
@@ -445,7 +445,11 @@ async fn restart_removes_pool_jails_and_readopts_real_ones() {
     assert_eq!(old.len(), 2, "{old:?}");
     let old_pids: Vec<i32> = old
         .iter()
-        .map(|p| read_state(&env.pool_dir().join(p)).unwrap().init_pid)
+        .map(|p| {
+            saved::read::<SavedSandbox>(&env.pool_dir().join(p))
+                .unwrap()
+                .init_pid
+        })
         .collect();
 
     // A second process on the same data dir (the first one "crashed": it is left alone
@@ -493,7 +497,9 @@ async fn restart_removes_pool_jails_and_readopts_real_ones() {
         b"kept"
     );
     let cg = cgroup_of(&env, "sb-keep");
-    let pid = read_state(&env.sandbox_dir("sb-keep")).unwrap().init_pid;
+    let pid = saved::read::<SavedSandbox>(&env.sandbox_dir("sb-keep"))
+        .unwrap()
+        .init_pid;
     n2.delete("sb-keep").await.unwrap();
     assert_gone(&env, "sb-keep", &cg, pid).await;
     // Dropping a pool destroys its own jails and nothing else.

@@ -5,7 +5,7 @@
 //! (`SANDLOT_GUEST_BIN`, else `target/{release,debug}/sandlot-guest` of this build's
 //! profile) and host `python3`; each test prints why it skips.
 use sandlot_api::{Cmd, ExecRequest, ExecResult};
-use sandlot_node::backends::function::read_state;
+use sandlot_node::backends::saved::{self, SavedSandbox};
 use sandlot_node::cgroups::CgroupRoot;
 use sandlot_node::{LocalNode, Node, NodeConfig, SandboxSpec};
 use std::os::unix::fs::MetadataExt;
@@ -31,7 +31,9 @@ impl Env {
         support::cgroups(&self.cfg)
     }
     fn base(&self, id: &str) -> u32 {
-        read_state(&self.dir(id)).expect("state.json").uid_base
+        saved::read::<SavedSandbox>(&self.dir(id))
+            .expect("state.json")
+            .uid_base
     }
 }
 
@@ -170,7 +172,7 @@ async fn each_sandbox_has_its_own_host_uid_range() {
 
     for (id, base) in [("sb-a", a), ("sb-b", b)] {
         // The init's id maps use the sandbox's own base.
-        let st = read_state(&env.dir(id)).unwrap();
+        let st = saved::read::<SavedSandbox>(&env.dir(id)).unwrap();
         for f in ["uid_map", "gid_map"] {
             let map = std::fs::read_to_string(format!("/proc/{}/{f}", st.init_pid)).unwrap();
             let fields: Vec<&str> = map.split_whitespace().collect();

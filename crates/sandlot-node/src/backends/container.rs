@@ -62,10 +62,11 @@ mod runtime;
 use super::agent_exec;
 use super::agent_files::{AgentFiles, HoldsAgent};
 use super::check_id;
-use super::function::{destroy_blocking, make_layer_dirs, own_dir, StoredSpec};
+use super::function::{destroy_blocking, make_layer_dirs, own_dir};
 use super::gvisor_audit;
 use super::pause::{check_live, freeze, thaw};
 use super::pool::WarmPool;
+use super::saved::{self, SavedSandbox};
 use super::uids::{UidLease, UidSlots};
 use super::{ExecIo, SandboxBackend};
 use crate::agent_client::AgentClient;
@@ -158,66 +159,28 @@ pub struct ContainerConfig {
     pub default_runtime: Runtime,
 }
 
-/// On-disk state of a running container: `DATA/containers/<id>/state.json`.
+/// On-disk state of a running container: `DATA/containers/<id>/state.json` (see
+/// [`saved`]).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ContainerState {
-    /// Sandbox id (also the runtime's container id).
-    pub id: String,
-    /// Image name.
-    pub image: String,
-    /// Environment of the image (applied before the sandbox's).
-    pub image_env: Vec<(String, String)>,
-    /// [`Image::version`](crate::images::Image::version) of the image it was created on
-    /// (recorded in its checkpoints); absent in state of older nodes.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub image_version: Option<String>,
+    /// What every sandbox records (its `init_pid` is the agent's pid, for runsc the
+    /// sandbox process's).
+    #[serde(flatten)]
+    pub saved: SavedSandbox,
     /// Which runtime runs it.
     pub runtime: Runtime,
-    /// Host uid/gid of root inside (start of its range of 65536 ids).
-    pub uid_base: u32,
-    /// Host pid of the container's pid 1 (the agent; for runsc the sandbox process).
-    pub init_pid: i32,
-    /// Its start time (field 22 of `/proc/PID/stat`).
-    pub init_starttime: u64,
-    /// Limits and environment.
-    pub spec: StoredSpec,
     /// The OCI runtime's container id, where it is not `id`: a container handed over by
     /// the container pool keeps the id it was started under (`cp-<hex>`, see
     /// [`pool`]). Absent (older state files too) = `id`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub runtime_id: Option<String>,
-    /// Name of its cgroup (under the backend's parent), where it is not `id` (handed over
-    /// by the container pool). Absent = `id`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub cgroup: Option<String>,
 }
 
 impl ContainerState {
     /// The OCI runtime's container id (`runtime_id`, else `id`).
     pub fn runtime_id(&self) -> &str {
-        self.runtime_id.as_deref().unwrap_or(&self.id)
+        self.runtime_id.as_deref().unwrap_or(&self.saved.id)
     }
-
-    /// Its cgroup's name (`cgroup`, else `id`).
-    pub fn cgroup_name(&self) -> &str {
-        self.cgroup.as_deref().unwrap_or(&self.id)
-    }
-}
-
-/// Writes `state` to `dir/state.json` atomically (temp file + rename).
-pub(crate) fn write_state(dir: &Path, state: &ContainerState) -> NodeResult<()> {
-    let json = serde_json::to_vec_pretty(state).expect("ContainerState serialises");
-    let tmp = dir.join("state.json.tmp");
-    std::fs::write(&tmp, json)
-        .and_then(|_| std::fs::rename(&tmp, dir.join("state.json")))
-        .map_err(|e| NodeError::io(format!("write {}/state.json", dir.display()), e))
-}
-
-/// Reads `dir/state.json`; `None` when missing or unreadable.
-pub(crate) fn read_state(dir: &Path) -> Option<ContainerState> {
-    std::fs::read(dir.join("state.json"))
-        .ok()
-        .and_then(|s| serde_json::from_slice(&s).ok())
 }
 
 struct Container {
@@ -329,23 +292,23 @@ impl ContainerBackend {
         let c = self.get(id)?;
         let life = (&c.deleting, &c.killed, &c.paused);
         let (guard, mut killed, mut plan) =
-            agent_exec::begin(id, life, &c.state.image_env, &c.state.spec, req).await?;
+            agent_exec::begin(id, life, &c.state.saved.image_env, &c.state.saved.spec, req).await?;
         if c.state.runtime == Runtime::Runsc {
             // gVisor's processes are invisible to the host pids cgroup (which also holds
             // gVisor itself): its own RLIMIT_NPROC bounds the sandbox's processes instead.
             plan.spec.rlimits.push(sandlot_guest::spec::Rlimit {
                 resource: sandlot_guest::spec::RlimitResource::Nproc,
-                value: c.state.spec.pids_max,
+                value: c.state.saved.spec.pids_max,
             });
         }
         let oom_before = c.cgroup.group().oom_kills();
-        let (pid, start) = (c.state.init_pid, c.state.init_starttime);
+        let (pid, start) = (c.state.saved.init_pid, c.state.saved.init_starttime);
         let died = move || proc_starttime(pid) != Some(start);
         let target = agent_exec::Target {
             id,
             kind: "container",
             agent: &c.agent,
-            pids_max: c.state.spec.pids_max,
+            pids_max: c.state.saved.spec.pids_max,
             died: &died,
         };
         let window = c.sentry.as_ref().map(|s| s.begin());
@@ -786,19 +749,11 @@ impl Core {
             "container create phases"
         );
         let state = ContainerState {
-            id: spec.id.clone(),
-            image: image.name.clone(),
-            image_env: image.env.clone(),
-            image_version: Some(image.version()),
+            saved: SavedSandbox::new(spec, image, (pid, starttime), uid_base),
             runtime,
-            uid_base,
-            init_pid: pid,
-            init_starttime: starttime,
-            spec: StoredSpec::from(spec),
             runtime_id: None,
-            cgroup: None,
         };
-        write_state(&dir, &state)?;
+        saved::write(&dir, &state)?;
         Ok(state)
     }
 
@@ -861,7 +816,7 @@ impl ContainerBackend {
             .lock()
             .unwrap()
             .values()
-            .any(|c| c.state.cgroup_name() == name)
+            .any(|c| c.state.saved.cgroup_name() == name)
             || self.pool.get().is_some_and(|p| p.owns(name))
     }
 
@@ -896,14 +851,17 @@ impl ContainerBackend {
 
     fn adopt(&self, state: ContainerState, uids: UidLease) -> Arc<Container> {
         let c = Arc::new(Container {
-            cgroup: self.core.cgroups.sandbox(state.cgroup_name()),
-            agent: AgentClient::new(agent_socket(&self.core.dir_of(&state.id), state.runtime)),
+            cgroup: self.core.cgroups.sandbox(state.saved.cgroup_name()),
+            agent: AgentClient::new(agent_socket(
+                &self.core.dir_of(&state.saved.id),
+                state.runtime,
+            )),
             _uids: uids,
             deleting: RwLock::new(false),
             killed: watch::channel(false).0,
             paused: AtomicBool::new(false),
             sentry: match state.runtime {
-                Runtime::Runsc => gvisor_audit::attach(&self.core.dir_of(&state.id)),
+                Runtime::Runsc => gvisor_audit::attach(&self.core.dir_of(&state.saved.id)),
                 _ => None,
             },
             state,
@@ -913,7 +871,7 @@ impl ContainerBackend {
         self.boxes
             .lock()
             .unwrap()
-            .insert(c.state.id.clone(), c.clone());
+            .insert(c.state.saved.id.clone(), c.clone());
         c
     }
 
@@ -928,11 +886,11 @@ impl ContainerBackend {
             .unwrap()
             .get(id)
             .map(|c| c.state.clone())
-            .or_else(|| read_state(&dir));
+            .or_else(|| saved::read::<ContainerState>(&dir));
         let runtime = runtime.or(known.as_ref().map(|s| s.runtime));
         let (rid, cg) = known
             .as_ref()
-            .map_or((id, id), |s| (s.runtime_id(), s.cgroup_name()));
+            .map_or((id, id), |s| (s.runtime_id(), s.saved.cgroup_name()));
         self.core.destroy_at(&dir, rid, cg, runtime, Some(id)).await
     }
 }
@@ -1484,11 +1442,11 @@ impl SandboxBackend for ContainerBackend {
         .await?;
         Ok(Captured {
             backend: Backend::Container,
-            image: c.state.image.clone(),
+            image: c.state.saved.image.clone(),
             runtime: Some(c.state.runtime.name().to_string()),
-            uid_base: Some(c.state.uid_base),
-            disk_mib: c.state.spec.disk_mib,
-            image_version: c.state.image_version.clone(),
+            uid_base: Some(c.state.saved.uid_base),
+            disk_mib: c.state.saved.spec.disk_mib,
+            image_version: c.state.saved.image_version.clone(),
         })
     }
 
@@ -1531,9 +1489,12 @@ impl SandboxBackend for ContainerBackend {
             .unwrap()
             .values()
             .map(|c| SandboxStatus {
-                id: c.state.id.clone(),
+                id: c.state.saved.id.clone(),
                 backend: Backend::Container,
-                liveness: crate::liveness::proc_liveness(c.state.init_pid, c.state.init_starttime),
+                liveness: crate::liveness::proc_liveness(
+                    c.state.saved.init_pid,
+                    c.state.saved.init_starttime,
+                ),
             })
             .collect()
     }
@@ -1545,8 +1506,13 @@ impl SandboxBackend for ContainerBackend {
             // guest agent, inside the sandbox, connects for us (as in a VM).
             return c.agent.connect_port(id, port).await;
         }
-        let s = crate::ports::connect_in_netns(id, c.state.init_pid, c.state.init_starttime, port)
-            .await?;
+        let s = crate::ports::connect_in_netns(
+            id,
+            c.state.saved.init_pid,
+            c.state.saved.init_starttime,
+            port,
+        )
+        .await?;
         Ok(Box::new(s))
     }
 
@@ -1569,11 +1535,12 @@ impl SandboxBackend for ContainerBackend {
                     .ok()
                     .and_then(|s| serde_json::from_slice(&s).ok());
             let alive = state.as_ref().is_some_and(|s| {
-                s.id == name && proc_starttime(s.init_pid) == Some(s.init_starttime)
+                s.saved.id == name
+                    && proc_starttime(s.saved.init_pid) == Some(s.saved.init_starttime)
             });
             match state {
                 Some(state) if alive && keep.contains(&name) => {
-                    let uids = self.uids.reserve(state.uid_base);
+                    let uids = self.uids.reserve(state.saved.uid_base);
                     self.adopt(state, uids);
                     tracing::info!(sandbox = %name, backend = "container", "sandbox re-adopted");
                     adopted.push(name);
@@ -1618,10 +1585,10 @@ impl ContainerBackend {
     async fn fs_target(&self, id: &str) -> NodeResult<Arc<Container>> {
         let c = self.get(id)?;
         check_live(id, *c.deleting.read().await, &c.paused)?;
-        if proc_starttime(c.state.init_pid) != Some(c.state.init_starttime) {
+        if proc_starttime(c.state.saved.init_pid) != Some(c.state.saved.init_starttime) {
             return Err(NodeError::Conflict(format!(
                 "sandbox {id} is not running (its init {} is gone)",
-                c.state.init_pid
+                c.state.saved.init_pid
             )));
         }
         Ok(c)

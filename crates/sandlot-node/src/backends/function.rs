@@ -84,6 +84,7 @@ pub mod pool;
 use super::check_id;
 use super::pause::{check_not_paused, freeze, thaw, FREEZE_TIMEOUT};
 use super::pool::WarmPool;
+use super::saved::{self, SavedSandbox};
 use super::spawn::{cloexec_pipe, dup_high, SpawnedChild};
 use super::uids::{UidLease, UidSlots, UID_COUNT};
 use super::{ExecIo, SandboxBackend};
@@ -101,7 +102,6 @@ use sandlot_api::{Backend, ExecEvent, ExecRequest, ExecResult, FileEntry};
 use sandlot_guest::spec::{ExecSpec, ExecStatus, InitReady, InitSpec, Rlimit, RlimitResource};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};
-use std::io::Write as _;
 use std::os::fd::OwnedFd;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
@@ -175,42 +175,14 @@ impl From<&SandboxSpec> for StoredSpec {
     }
 }
 
-/// On-disk state of a running sandbox: `DATA/sandboxes/<id>/state.json`.
+/// On-disk state of a running sandbox: `DATA/sandboxes/<id>/state.json` (see [`saved`]).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct JailState {
-    /// Sandbox id.
-    pub id: String,
+    /// What every sandbox records.
+    #[serde(flatten)]
+    pub saved: SavedSandbox,
     /// Always `function` here.
     pub backend: Backend,
-    /// Image name.
-    pub image: String,
-    /// Environment of the image (applied before the sandbox's).
-    pub image_env: Vec<(String, String)>,
-    /// [`Image::version`](crate::images::Image::version) of the image it was created on
-    /// (recorded in its checkpoints); absent in state of older nodes.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub image_version: Option<String>,
-    /// Host pid of the sandbox's pid 1.
-    pub init_pid: i32,
-    /// Its start time (field 22 of `/proc/PID/stat`).
-    pub init_starttime: u64,
-    /// Host uid/gid of root inside: the start of this jail's own range of 65536 ids
-    /// (files of older versions hold the node's shared base, which re-adoption keeps).
-    pub uid_base: u32,
-    /// Limits and environment.
-    pub spec: StoredSpec,
-    /// Name of the sandbox's cgroup when it is not the id: a sandbox handed over by the
-    /// warm pool keeps the cgroup it was built in (`wp-<hex>`; see [`pool`]).
-    /// Absent in older files and for cold-created sandboxes.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub cgroup: Option<String>,
-}
-
-impl JailState {
-    /// Name of the sandbox's cgroup under the node's parent group.
-    pub fn cgroup_name(&self) -> &str {
-        self.cgroup.as_deref().unwrap_or(&self.id)
-    }
 }
 
 /// One running sandbox.
@@ -246,7 +218,7 @@ struct Jail {
 
 impl Jail {
     fn check_not_paused(&self) -> NodeResult<()> {
-        check_not_paused(&self.paused, &self.state.id)
+        check_not_paused(&self.paused, &self.state.saved.id)
     }
 }
 
@@ -325,7 +297,11 @@ impl FunctionBackend {
         let asked_before = jail.execs_asked.fetch_add(1, Ordering::SeqCst);
         let a = jail.agent.ready();
         if a.is_none() && asked_before >= 1 {
-            agent::kick(&self.cfg.guest_bin, &self.dir_of(&jail.state.id), jail);
+            agent::kick(
+                &self.cfg.guest_bin,
+                &self.dir_of(&jail.state.saved.id),
+                jail,
+            );
         }
         a
     }
@@ -353,9 +329,9 @@ impl FunctionBackend {
             )));
         }
         jail.check_not_paused()?;
-        let pid = jail.state.init_pid;
-        let start = jail.state.init_starttime;
-        let uid = jail.state.uid_base;
+        let pid = jail.state.saved.init_pid;
+        let start = jail.state.saved.init_starttime;
+        let uid = jail.state.saved.uid_base;
         let id = id.to_string();
         spawn_blocking(move || {
             if proc_starttime(pid) != Some(start) {
@@ -414,7 +390,7 @@ impl FunctionBackend {
     /// Register a running jail; `uids` holds its host uid range (`state.uid_base`).
     fn adopt(&self, state: JailState, uids: UidLease) -> Arc<Jail> {
         let (killed, _) = watch::channel(false);
-        let cgroup = self.cgroups.sandbox(state.cgroup_name());
+        let cgroup = self.cgroups.sandbox(state.saved.cgroup_name());
         // A sandbox paused by a previous process stays paused (the kernel keeps it frozen).
         let paused = std::sync::atomic::AtomicBool::new(cgroup.group().freeze_requested());
         let jail = Arc::new(Jail {
@@ -434,7 +410,7 @@ impl FunctionBackend {
         self.jails
             .lock()
             .unwrap()
-            .insert(jail.state.id.clone(), jail.clone());
+            .insert(jail.state.saved.id.clone(), jail.clone());
         jail
     }
 
@@ -445,7 +421,7 @@ impl FunctionBackend {
             .lock()
             .unwrap()
             .values()
-            .any(|j| j.state.cgroup_name() == name)
+            .any(|j| j.state.saved.cgroup_name() == name)
             || self.pool.get().is_some_and(|p| p.owns(name))
     }
 
@@ -493,11 +469,11 @@ impl FunctionBackend {
         let res = async {
             let jail = self.jail(&spec.id)?;
             let net = self.net.get().await?;
-            let pid = jail.state.init_pid;
+            let pid = jail.state.saved.init_pid;
             let netns = PathBuf::from(format!("/proc/{pid}/ns/net"));
             let att = net.attach(&spec.id, &netns, policy).await?;
             // The init must still be the one the namespace path named (pids are reused).
-            if proc_starttime(pid) != Some(jail.state.init_starttime) {
+            if proc_starttime(pid) != Some(jail.state.saved.init_starttime) {
                 return Err(NodeError::io(
                     format!(
                         "sandbox {} lost its init {pid} while its network was set up",
@@ -506,7 +482,7 @@ impl FunctionBackend {
                     std::io::Error::other("sandbox init exited"),
                 ));
             }
-            let uid = jail.state.uid_base;
+            let uid = jail.state.saved.uid_base;
             let resolv = att.resolv_conf();
             spawn_blocking(move || {
                 // Through the init's root: the overlay exists only in its mount namespace.
@@ -550,9 +526,9 @@ impl FunctionBackend {
             .lock()
             .unwrap()
             .get(id)
-            .map(|j| j.state.cgroup_name().to_string());
+            .map(|j| j.state.saved.cgroup_name().to_string());
         let name = known
-            .or_else(|| read_state(&dir).and_then(|s| s.cgroup))
+            .or_else(|| saved::read::<JailState>(&dir).and_then(|s| s.saved.cgroup))
             .unwrap_or_else(|| id.to_string());
         let cg = self.cgroups.sandbox(&name);
         let host = spawn_blocking(move || destroy_blocking(&cg, &dir)).await;
@@ -614,7 +590,7 @@ impl SandboxBackend for FunctionBackend {
             let adopt = |state: JailState, uids| {
                 // The pooled jail's standby helper comes along (its group lies in the
                 // jail's cgroup, which keeps its pooled name).
-                let standby = pool.member().take_standby(state.cgroup_name());
+                let standby = pool.member().take_standby(state.saved.cgroup_name());
                 let jail = self.adopt(state, uids);
                 *jail.standby.lock().unwrap() = standby;
             };
@@ -633,7 +609,7 @@ impl SandboxBackend for FunctionBackend {
             .await
         {
             Ok(state) => {
-                let uid_base = state.uid_base;
+                let uid_base = state.saved.uid_base;
                 let uids = uids.expect("create_inner allocated a uid range");
                 self.adopt(state, uids);
                 self.attach_network(spec).await?;
@@ -664,11 +640,11 @@ impl SandboxBackend for FunctionBackend {
         .await?;
         Ok(Captured {
             backend: Backend::Function,
-            image: jail.state.image.clone(),
+            image: jail.state.saved.image.clone(),
             runtime: None,
-            uid_base: Some(jail.state.uid_base),
-            disk_mib: jail.state.spec.disk_mib,
-            image_version: jail.state.image_version.clone(),
+            uid_base: Some(jail.state.saved.uid_base),
+            disk_mib: jail.state.saved.spec.disk_mib,
+            image_version: jail.state.saved.image_version.clone(),
         })
     }
 
@@ -796,9 +772,12 @@ impl SandboxBackend for FunctionBackend {
             .unwrap()
             .values()
             .map(|j| SandboxStatus {
-                id: j.state.id.clone(),
+                id: j.state.saved.id.clone(),
                 backend: Backend::Function,
-                liveness: crate::liveness::proc_liveness(j.state.init_pid, j.state.init_starttime),
+                liveness: crate::liveness::proc_liveness(
+                    j.state.saved.init_pid,
+                    j.state.saved.init_starttime,
+                ),
             })
             .collect();
         v.sort_by(|a, b| a.id.cmp(&b.id));
@@ -815,8 +794,8 @@ impl SandboxBackend for FunctionBackend {
         jail.check_not_paused()?;
         let s = crate::ports::connect_in_netns(
             id,
-            jail.state.init_pid,
-            jail.state.init_starttime,
+            jail.state.saved.init_pid,
+            jail.state.saved.init_starttime,
             port,
         )
         .await?;
@@ -846,14 +825,17 @@ impl SandboxBackend for FunctionBackend {
                 adopted.push(name);
                 continue;
             }
-            let state = read_state(&self.dir_of(&name));
+            let state = saved::read::<JailState>(&self.dir_of(&name));
             let alive = state
                 .as_ref()
-                .map(|s| s.id == name && proc_starttime(s.init_pid) == Some(s.init_starttime))
+                .map(|s| {
+                    s.saved.id == name
+                        && proc_starttime(s.saved.init_pid) == Some(s.saved.init_starttime)
+                })
                 .unwrap_or(false);
             if let (Some(state), true, true) = (state, alive, keep.contains(&name)) {
                 // Its uid range stays its own: no new jail may get an overlapping one.
-                let uids = self.uids.reserve(state.uid_base);
+                let uids = self.uids.reserve(state.saved.uid_base);
                 let jail = self.adopt(state, uids);
                 // Execs of the previous process lost their caller: end them.
                 let cg = jail.cgroup.clone();
@@ -969,20 +951,12 @@ pub(crate) async fn build_jail(
     *ready = Some(r.clone());
 
     let state = JailState {
-        id: spec.id.clone(),
+        saved: SavedSandbox::new(spec, image, (r.pid, r.starttime), uid),
         backend: Backend::Function,
-        image: image.name.clone(),
-        image_env: image.env.clone(),
-        image_version: Some(image.version()),
-        init_pid: r.pid,
-        init_starttime: r.starttime,
-        uid_base: uid,
-        cgroup: None,
-        spec: StoredSpec::from(spec),
     };
     let st = state.clone();
     let d = dir.to_path_buf();
-    spawn_blocking(move || write_state(&d, &st)).await?;
+    spawn_blocking(move || saved::write(&d, &st)).await?;
     Ok(state)
 }
 
@@ -1045,9 +1019,9 @@ pub(crate) struct ExecPlan {
 
 impl ExecPlan {
     fn new(state: &JailState, req: &ExecRequest) -> NodeResult<ExecPlan> {
-        let mut plan = ExecPlan::build(&state.image_env, &state.spec, req)?;
-        plan.spec.init_pid = state.init_pid;
-        plan.spec.init_starttime = state.init_starttime;
+        let mut plan = ExecPlan::build(&state.saved.image_env, &state.saved.spec, req)?;
+        plan.spec.init_pid = state.saved.init_pid;
+        plan.spec.init_starttime = state.saved.init_starttime;
         Ok(plan)
     }
 
@@ -1345,7 +1319,7 @@ fn kick_standby(guest_bin: &Path, jail: &Arc<Jail>) {
     let bin = guest_bin.to_path_buf();
     tokio::spawn(async move {
         if let Err(e) = prepare_standby(&bin, &jail).await {
-            tracing::debug!(sandbox = %jail.state.id, error = %e, "no standby exec helper");
+            tracing::debug!(sandbox = %jail.state.saved.id, error = %e, "no standby exec helper");
         }
         jail.standby_busy.store(false, Ordering::SeqCst);
     });
@@ -1378,7 +1352,7 @@ async fn run_exec(
     };
     let stdin_piped = plan.stdin.is_some() || more_stdin.is_some();
     let mut killed_rx = jail.killed.subscribe();
-    let id = &jail.state.id;
+    let id = &jail.state.saved.id;
 
     // --- set-up, under the read side of the lifecycle lock ---
     let setup = jail.deleting.read().await;
@@ -1596,7 +1570,7 @@ async fn run_exec(
             return Err(if resource_exhausted {
                 NodeError::ResourceExhausted(format!(
                     "sandbox is at its process limit (pids_max={}): {message}",
-                    jail.state.spec.pids_max
+                    jail.state.saved.spec.pids_max
                 ))
             } else if user_error {
                 NodeError::InvalidArgument(message)
@@ -1850,30 +1824,6 @@ pub(crate) fn own_dir(p: &Path, uid: u32, mode: u32) -> NodeResult<()> {
         .map_err(|e| NodeError::io(format!("chown {} to {uid}", p.display()), e))?;
     std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode))
         .map_err(|e| NodeError::io(format!("chmod {}", p.display()), e))
-}
-
-/// Write `state.json` atomically (temp file + rename(2)), without fsync: the file only has
-/// to outlive the node process, not the host. The page cache survives a process crash;
-/// after a host crash every jail is dead anyway, and a torn or missing file makes
-/// `readopt` remove the directory as a leftover. (An fsync here cost ~13 ms per create on
-/// an ext4 virtual disk, most of a create.)
-pub(crate) fn write_state(dir: &Path, state: &JailState) -> NodeResult<()> {
-    let tmp = dir.join("state.json.tmp");
-    let dst = dir.join("state.json");
-    let json = serde_json::to_vec_pretty(state).expect("JailState serialises");
-    let mut f = std::fs::File::create(&tmp)
-        .map_err(|e| NodeError::io(format!("create {}", tmp.display()), e))?;
-    f.write_all(&json)
-        .map_err(|e| NodeError::io(format!("write {}", tmp.display()), e))?;
-    drop(f);
-    std::fs::rename(&tmp, &dst)
-        .map_err(|e| NodeError::io(format!("rename {} to {}", tmp.display(), dst.display()), e))
-}
-
-/// The state of the sandbox in `dir`, if it has a readable `state.json`.
-pub fn read_state(dir: &Path) -> Option<JailState> {
-    let s = std::fs::read(dir.join("state.json")).ok()?;
-    serde_json::from_slice(&s).ok()
 }
 
 /// Kill, remove cgroups, unmount the scratch disk and anything else left under `dir` (the
@@ -2169,26 +2119,28 @@ mod tests {
 
     fn state() -> JailState {
         JailState {
-            id: "sb-1".into(),
             backend: Backend::Function,
-            image: "busybox".into(),
-            image_env: vec![("A".into(), "img".into()), ("PATH".into(), "/img".into())],
-            image_version: None,
-            init_pid: 1,
-            init_starttime: 1,
-            uid_base: 100000,
-            cgroup: None,
-            spec: StoredSpec {
-                cpu: 1.0,
-                memory_mib: 64,
-                disk_mib: 10,
-                pids_max: 64,
-                env: [
-                    ("A".to_string(), "sb".to_string()),
-                    ("B".to_string(), "sb".to_string()),
-                ]
-                .into_iter()
-                .collect(),
+            saved: SavedSandbox {
+                id: "sb-1".into(),
+                image: "busybox".into(),
+                image_env: vec![("A".into(), "img".into()), ("PATH".into(), "/img".into())],
+                image_version: None,
+                init_pid: 1,
+                init_starttime: 1,
+                uid_base: 100000,
+                cgroup: None,
+                spec: StoredSpec {
+                    cpu: 1.0,
+                    memory_mib: 64,
+                    disk_mib: 10,
+                    pids_max: 64,
+                    env: [
+                        ("A".to_string(), "sb".to_string()),
+                        ("B".to_string(), "sb".to_string()),
+                    ]
+                    .into_iter()
+                    .collect(),
+                },
             },
         }
     }

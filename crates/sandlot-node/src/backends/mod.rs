@@ -12,6 +12,7 @@ pub mod gvisor_audit;
 mod pause;
 pub mod pool;
 pub mod qemu;
+pub mod saved;
 mod spawn;
 pub mod uids;
 

@@ -37,6 +37,7 @@
 //! failures (a missing image: up to a minute between tries), and on drop of the pool stops,
 //! finishes the build in flight and destroys every member it holds. Members are real
 //! processes, cgroups and directories and count toward the host's resources.
+use super::saved::{self, SavedSandbox};
 use super::uids::{UidLease, UidSlots};
 use crate::cgroups::{CgroupRoot, Limits};
 use crate::images::{Image, ImageStore};
@@ -71,8 +72,8 @@ pub struct PoolConfig {
 /// What a [`WarmPool`] needs of its backend: how to build, destroy and hand over one
 /// member.
 pub trait PoolMember: Send + Sync + 'static {
-    /// The backend's `state.json` contents.
-    type State: Clone + Send + 'static;
+    /// The backend's `state.json` contents (embedding a [`SavedSandbox`]).
+    type State: Clone + Send + serde::Serialize + 'static;
     /// Prefix of the members' names (directory and cgroup; `wp-`, `cp-`).
     const PREFIX: &'static str;
     /// What one member is, for logs (`jail`, `container`).
@@ -102,7 +103,8 @@ pub trait PoolMember: Send + Sync + 'static {
     /// What could not be removed.
     fn destroy(&self, name: &str, dir: &Path) -> impl Future<Output = NodeResult<()>> + Send;
 
-    /// The state of sandbox `spec` made of member `name`, built as `built`.
+    /// The state of sandbox `spec` made of member `name`, built as `built` (its common part:
+    /// [`SavedSandbox::handed_over`]).
     fn handed_over(
         &self,
         name: &str,
@@ -111,17 +113,8 @@ pub trait PoolMember: Send + Sync + 'static {
         image: &Image,
     ) -> Self::State;
 
-    /// Host pid and start time (field 22 of `/proc/PID/stat`) of the member's init.
-    fn init(state: &Self::State) -> (i32, u64);
-
-    /// The host uid base recorded in `dir/state.json`, if readable (leftovers at start).
-    fn read_uid_base(dir: &Path) -> Option<u32>;
-
-    /// Write `state` to `dir/state.json` atomically.
-    ///
-    /// # Errors
-    /// `Internal` (with the path) when the file cannot be written.
-    fn write_state(dir: &Path, state: &Self::State) -> NodeResult<()>;
+    /// The common part of a member's state (its init's pid and start time, its uid base).
+    fn saved(state: &Self::State) -> &SavedSandbox;
 
     /// Rewrite the member's per-sandbox `/proc` stand-ins (`sandlot_guest::procview`),
     /// built for the pool's limits, for `spec`'s (the member is still in `dir`).
@@ -259,7 +252,10 @@ impl<M: PoolMember> WarmPool<M> {
             .flatten()
             .filter_map(|e| {
                 let name = e.file_name().to_string_lossy().into_owned();
-                Some((name, uids.reserve(M::read_uid_base(&e.path())?)))
+                Some((
+                    name,
+                    uids.reserve(saved::read::<SavedSandbox>(&e.path())?.uid_base),
+                ))
             })
             .collect();
         let shared = Arc::new(Shared {
@@ -422,7 +418,10 @@ impl<M: PoolMember> WarmPool<M> {
             cpu: spec.cpu,
             pids_max: spec.pids_max,
         };
-        let (init_pid, init_starttime) = M::init(&p.state);
+        let (init_pid, init_starttime) = (
+            M::saved(&p.state).init_pid,
+            M::saved(&p.state).init_starttime,
+        );
         let (src, dst, st, name, id, sp) = (
             p.dir.clone(),
             dst.to_path_buf(),
@@ -446,7 +445,7 @@ impl<M: PoolMember> WarmPool<M> {
             }
             set_hostname(init_pid, &id)?;
             M::write_proc_views(&src, &st, &sp)?;
-            M::write_state(&src, &st)?;
+            saved::write(&src, &st)?;
             std::fs::rename(&src, &dst).map_err(|e| {
                 NodeError::io(format!("rename {} to {}", src.display(), dst.display()), e)
             })

@@ -40,9 +40,9 @@
 //!
 //! Everything else (runsc, crun, a network allow policy, another disk size, a fork of a
 //! checkpoint, an image outside the pool list) is created cold as before.
-use super::{read_state, write_proc_views, write_state, ContainerState, Core, Runtime};
-use crate::backends::function::StoredSpec;
+use super::{write_proc_views, ContainerState, Core, Runtime};
 use crate::backends::pool::{pool_spec, PoolMember, WarmPool};
+use crate::backends::saved::SavedSandbox;
 use crate::cgroups::CgroupRoot;
 use crate::images::Image;
 use crate::node::{NodeResult, SandboxSpec};
@@ -123,31 +123,14 @@ impl PoolMember for Containers {
         image: &Image,
     ) -> ContainerState {
         ContainerState {
-            id: spec.id.clone(),
-            image: image.name.clone(),
-            image_env: image.env.clone(),
-            // Handed over only while its layer stamp matches the image's lower dirs.
-            image_version: Some(image.version()),
+            saved: SavedSandbox::handed_over(name, &built.saved, spec, image),
             runtime: Runtime::Runc,
-            uid_base: built.uid_base,
-            init_pid: built.init_pid,
-            init_starttime: built.init_starttime,
-            spec: StoredSpec::from(spec),
             runtime_id: Some(name.to_string()),
-            cgroup: Some(name.to_string()),
         }
     }
 
-    fn init(state: &ContainerState) -> (i32, u64) {
-        (state.init_pid, state.init_starttime)
-    }
-
-    fn read_uid_base(dir: &Path) -> Option<u32> {
-        read_state(dir).map(|s| s.uid_base)
-    }
-
-    fn write_state(dir: &Path, state: &ContainerState) -> NodeResult<()> {
-        write_state(dir, state)
+    fn saved(state: &ContainerState) -> &SavedSandbox {
+        &state.saved
     }
 
     fn write_proc_views(dir: &Path, _state: &ContainerState, spec: &SandboxSpec) -> NodeResult<()> {

@@ -119,10 +119,10 @@ async fn attach_now(guest_bin: &Path, dir: &Path, jail: &Arc<Jail>) {
         Ok(None) => {}
         // Deleted meanwhile: the agent went with the sandbox.
         Err(e) if *jail.killed.borrow() => {
-            tracing::debug!(sandbox = %jail.state.id, error = %e, "guest agent start cut short by a delete")
+            tracing::debug!(sandbox = %jail.state.saved.id, error = %e, "guest agent start cut short by a delete")
         }
         Err(e) => {
-            tracing::warn!(sandbox = %jail.state.id, error = %e, "no guest agent in the function sandbox; execs take the helper path")
+            tracing::warn!(sandbox = %jail.state.saved.id, error = %e, "no guest agent in the function sandbox; execs take the helper path")
         }
     }
 }
@@ -159,12 +159,12 @@ async fn start(guest_bin: &Path, dir: &Path, jail: &Arc<Jail>) -> NodeResult<Opt
             }));
         }
     }
-    let (init, init_start) = (jail.state.init_pid, jail.state.init_starttime);
+    let (init, init_start) = (jail.state.saved.init_pid, jail.state.saved.init_starttime);
     let procs: Vec<PathBuf> = jail.cgroup.group().procs_files();
     let (bin, d) = (guest_bin.to_path_buf(), dir.to_path_buf());
     // Room for the agent's standing processes, granted only now that it starts (a jail
     // without an agent keeps exactly the spec's `pids_max`), and taken back if it fails.
-    let (cg, pids_max) = (jail.cgroup.clone(), jail.state.spec.pids_max);
+    let (cg, pids_max) = (jail.cgroup.clone(), jail.state.saved.spec.pids_max);
     let (pid, starttime) = spawn_blocking(move || {
         cg.set_pids_max(pids_max + EXTRA_PIDS)?;
         launch(&bin, &d, init, init_start, &procs).inspect_err(|_| {
@@ -175,10 +175,10 @@ async fn start(guest_bin: &Path, dir: &Path, jail: &Arc<Jail>) -> NodeResult<Opt
     drop(lock);
     let client = AgentClient::new(&sock);
     if let Err(e) = client.wait_ready(Instant::now() + READY_TIMEOUT).await {
-        let _ = jail.cgroup.set_pids_max(jail.state.spec.pids_max);
+        let _ = jail.cgroup.set_pids_max(jail.state.saved.spec.pids_max);
         return Err(e);
     }
-    tracing::debug!(sandbox = %jail.state.id, agent_pid = pid, "guest agent ready in the function sandbox");
+    tracing::debug!(sandbox = %jail.state.saved.id, agent_pid = pid, "guest agent ready in the function sandbox");
     Ok(Some(Agent {
         client,
         pid,
@@ -197,7 +197,7 @@ pub(super) async fn exec(
     sink: Option<ExecSink>,
     control: Option<ExecControl>,
 ) -> NodeResult<ExecResult> {
-    let id = &jail.state.id;
+    let id = &jail.state.saved.id;
     let mut killed = jail.killed.subscribe();
     let guard = jail.deleting.read().await;
     if *guard || *killed.borrow() {
@@ -210,13 +210,13 @@ pub(super) async fn exec(
     plan.spec.own_pid_ns = true;
     plan.spec.cgroup_procs.clear();
     let oom_before = jail.cgroup.group().oom_kills();
-    let (pid, start) = (jail.state.init_pid, jail.state.init_starttime);
+    let (pid, start) = (jail.state.saved.init_pid, jail.state.saved.init_starttime);
     let died = move || proc_starttime(pid) != Some(start);
     let target = agent_exec::Target {
         id,
         kind: "function sandbox",
         agent,
-        pids_max: jail.state.spec.pids_max,
+        pids_max: jail.state.saved.spec.pids_max,
         died: &died,
     };
     let mut res = agent_exec::run(target, plan, guard, &mut killed, sink, control).await?;

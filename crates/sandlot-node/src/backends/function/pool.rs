@@ -17,10 +17,11 @@
 //! overlay mount inside the sandbox's mount namespace holds the upper/work directories by
 //! reference, so renaming them on the host does not disturb it.
 use super::{
-    build_jail, destroy_blocking, disk_templates, pooled_standby, read_state, rewrite_proc_views,
-    write_state, FunctionConfig, JailState, Standby, StoredSpec,
+    build_jail, destroy_blocking, disk_templates, pooled_standby, rewrite_proc_views,
+    FunctionConfig, JailState, Standby,
 };
 use crate::backends::pool::{pool_spec, PoolMember, WarmPool};
+use crate::backends::saved::SavedSandbox;
 use crate::cgroups::CgroupRoot;
 use crate::images::Image;
 use crate::node::{NodeResult, SandboxSpec};
@@ -108,7 +109,7 @@ impl PoolMember for Jails {
             &mut None,
         )
         .await?;
-        state.cgroup = Some(name.to_string());
+        state.saved.cgroup = Some(name.to_string());
         // Without a standby the jail still serves; its first exec joins its group itself.
         // The standby serves the first exec on both exec paths: no guest agent starts while
         // the jail waits; the handed-over sandbox starts one at its second exec.
@@ -136,34 +137,17 @@ impl PoolMember for Jails {
         image: &Image,
     ) -> JailState {
         JailState {
-            id: spec.id.clone(),
+            saved: SavedSandbox::handed_over(name, &built.saved, spec, image),
             backend: Backend::Function,
-            image: image.name.clone(),
-            image_env: image.env.clone(),
-            // Handed over only while its layer stamp matches the image's lower dirs.
-            image_version: Some(image.version()),
-            init_pid: built.init_pid,
-            init_starttime: built.init_starttime,
-            uid_base: built.uid_base,
-            cgroup: Some(name.to_string()),
-            spec: StoredSpec::from(spec),
         }
     }
 
-    fn init(state: &JailState) -> (i32, u64) {
-        (state.init_pid, state.init_starttime)
-    }
-
-    fn read_uid_base(dir: &Path) -> Option<u32> {
-        read_state(dir).map(|s| s.uid_base)
-    }
-
-    fn write_state(dir: &Path, state: &JailState) -> NodeResult<()> {
-        write_state(dir, state)
+    fn saved(state: &JailState) -> &SavedSandbox {
+        &state.saved
     }
 
     fn write_proc_views(_dir: &Path, state: &JailState, spec: &SandboxSpec) -> NodeResult<()> {
-        rewrite_proc_views(state.init_pid, spec)
+        rewrite_proc_views(state.saved.init_pid, spec)
     }
 }
 
