@@ -31,10 +31,11 @@ import sandlot
 from conftest import REPO, free_port, private_image_node
 
 MIB = 1 << 20
-# 256 MiB of random files: the vm's ext4 disk costs ~13 chunks whatever the image (the
-# kernel mounting it, the guest's first writes copying 64 KiB qcow2 clusters, the online
-# grow touching the group descriptors and backup superblocks); at 128 MiB that alone was
-# ~10 % (measured: 16 of 139 MiB fetched), at the 1 GiB it is ~1 %.
+# 256 MiB of random files: a vm sandbox fetches about 16 chunks of its ext4 disk whatever
+# the image's size (the kernel mounting it, the guest's first writes copying 64 KiB qcow2
+# clusters, the online grow, busybox, the task's reads). Measured: 16 MiB of the 139 MiB
+# disk (11.5 %) with 128 MiB of files, 16 MiB of 268 MiB (6.0 %) with 256 MiB; at the
+# issue's 1 GiB it would be ~1.5 %.
 N_FILES = 64
 FILE_MIB = 4
 
