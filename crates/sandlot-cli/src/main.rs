@@ -1671,11 +1671,12 @@ async fn image(cmd: ImageCmd) -> anyhow::Result<u8> {
                 .await
                 .with_context(|| format!("convert {reference}"))?;
             println!(
-                "{} {} files bytes, {} data bytes, EROFS disk {} bytes, manifest {}",
+                "{} {} files bytes, {} data bytes, EROFS disk {} bytes, ext4 disk {} bytes, manifest {}",
                 r.reference,
                 r.files_bytes,
                 r.data_bytes,
                 r.disk_bytes.map_or("none".to_string(), |b| b.to_string()),
+                r.vm_disk_bytes.map_or("none".to_string(), |b| b.to_string()),
                 r.manifest
             );
         }
@@ -1700,12 +1701,21 @@ async fn image(cmd: ImageCmd) -> anyhow::Result<u8> {
                     S::Debootstrap(d) => format!("debootstrap {}", d.suite),
                     S::Registry { reference, .. } => format!("pull {reference}"),
                     S::Lazy { reference, .. } => match store.lazy_local_bytes(&img) {
-                        Some(l) if l.disk_total > 0 => format!(
-                            "lazy {reference} (local {}/{} bytes, EROFS disk {}/{} bytes)",
-                            l.cached, l.total, l.disk_cached, l.disk_total
-                        ),
                         Some(l) => {
-                            format!("lazy {reference} (local {}/{} bytes)", l.cached, l.total)
+                            let mut s = format!("local {}/{} bytes", l.cached, l.total);
+                            if l.disk_total > 0 {
+                                s += &format!(
+                                    ", EROFS disk {}/{} bytes",
+                                    l.disk_cached, l.disk_total
+                                );
+                            }
+                            if l.vm_disk_total > 0 {
+                                s += &format!(
+                                    ", ext4 disk {}/{} bytes",
+                                    l.vm_disk_cached, l.vm_disk_total
+                                );
+                            }
+                            format!("lazy {reference} ({s})")
                         }
                         None => format!("lazy {reference}"),
                     },

@@ -28,7 +28,6 @@ fn main() {
             Some("--zygote") => zygote::main(),
             flag => exec::main(flag == Some("--own-pid-ns")),
         },
-        Some("vm-disk-init") => vm::disk_init(),
         Some("agent") => agent::main(&std::env::args().skip(2).collect::<Vec<_>>()),
         _ => {
             eprintln!(

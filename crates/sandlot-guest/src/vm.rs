@@ -20,9 +20,12 @@
 //!
 //! With `sandlot.root=disk` on the kernel command line (the `vm` backend: a q35 VM whose
 //! root is a whole ext4 disk, see [`disk_root`]) steps 3–4 are instead: mount the virtio
-//! disk with serial `root` read-write at `/mnt/root`, make it `/`, and exec the disk's own
-//! agent [`DISK_AGENT`] as pid 1 (`sandlot-guest vm-disk-init`, [`disk_init`]), which grows
-//! the file system to the disk's size in a thread and does steps 5–6.
+//! disk with serial `root` read-write at `/mnt/root` and make it `/`; this process (the
+//! initramfs's `/init`, still pid 1) then grows the file system to the disk's size in a
+//! thread and does steps 5–6, as in a microVM. The disk holds nothing of Sandlot: the agent
+//! runs from the initramfs (its exec helpers re-exec `/proc/self/exe`, which names the
+//! initramfs file even though no path reaches it after the switch), so one disk — e.g. an
+//! image's ext4 disk served lazily by the node — serves nodes with any agent version.
 //!
 //! With `sandlot.probe` on the kernel command line it only prints [`PROBE_MARK`] to the
 //! console and powers off: the node's accelerator probe boots that to learn whether KVM can
@@ -150,7 +153,7 @@ fn boot() -> Result<(), String> {
     load_modules(net.is_some())?;
     phases.mark("modules");
     if cmdline.split_whitespace().any(|w| w == DISK_ROOT_ARG) {
-        return disk_root();
+        return disk_root(&cmdline);
     }
     let image = wait_disk("image")?;
     let scratch = wait_disk("scratch")?;
@@ -330,15 +333,10 @@ pub static IN_VM: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool:
 /// Kernel command line word that selects the `vm` boot: the root is a whole disk.
 pub const DISK_ROOT_ARG: &str = "sandlot.root=disk";
 
-/// Where the node installs the static `sandlot-guest` in a `vm` disk image; it is the
-/// disk's init (`vm-disk-init`).
-pub const DISK_AGENT: &str = "/.sandlot/sandlot-guest";
-
 /// `EXT4_IOC_RESIZE_FS` = `_IOW('f', 16, __u64)` (linux/fs/ext4/ext4.h): online grow of a
 /// mounted ext4 to the given block count (what resize2fs does on a mounted file system).
 const EXT4_IOC_RESIZE_FS: libc::c_ulong = 0x4008_6610;
 
-/// The `vm` boot from the initramfs: mount the `root` disk, switch to it, exec
 /// Makes the sandbox directories missing from the root file system mounted at `/mnt/root`,
 /// moves `/proc`, `/sys` and `/dev` into it and makes it the root (`MS_MOVE` onto `/` +
 /// chroot, as an initramfs `switch_root` does; the initramfs stays reachable to no one).
@@ -374,8 +372,12 @@ fn enter_root() -> Result<(), String> {
     Ok(())
 }
 
-/// [`DISK_AGENT`] (which keeps pid 1).
-fn disk_root() -> Result<(), String> {
+/// The `vm` boot from the initramfs: mount the `root` disk read-write, make it `/`, grow
+/// its ext4 to the disk's size in a thread (the grow takes a fraction of a second for a few
+/// GiB but minutes for a TiB under TCG; until it ends the sandbox has the base file
+/// system's free space), then serve the agent as pid 1 ([`serve_in_root`]). Never returns
+/// on success.
+fn disk_root(cmdline: &str) -> Result<(), String> {
     let dev = wait_disk("root")?;
     // noinit_itable: no background zeroing of the inode tables that the online grow adds
     // (gigabytes of writes for a large disk_mib; the disk is the sandbox's own, thrown away
@@ -388,14 +390,8 @@ fn disk_root() -> Result<(), String> {
         Some("noinit_itable"),
     )?;
     enter_root()?;
-    let prog = CString::new(DISK_AGENT).expect("no NUL");
-    let args = [
-        CString::new("sandlot-guest").expect("no NUL"),
-        CString::new("vm-disk-init").expect("no NUL"),
-    ];
-    let env: [CString; 0] = [];
-    let e = nix::unistd::execve(&prog, &args, &env).unwrap_err();
-    Err(format!("exec {DISK_AGENT}: {e}"))
+    std::thread::spawn(move || grow_ext4(&dev, "/"));
+    serve_in_root(cmdline, None)
 }
 
 /// Grows the ext4 at `mountpoint` to the size of `dev` (the node makes the per-sandbox
@@ -430,27 +426,4 @@ fn grow_ext4(dev: &str, mountpoint: &str) {
             t.elapsed()
         ));
     }
-}
-
-/// pid 1 of a `vm` after [`disk_root`] exec'd it from the disk (`sandlot-guest
-/// vm-disk-init`): `/proc`, `/sys`, `/dev` are already in place. Never returns on success.
-pub fn disk_init() -> i32 {
-    if std::process::id() != 1 {
-        eprintln!("sandlot-guest vm-disk-init: only pid 1 of a vm runs this");
-        return 2;
-    }
-    stdio_to_kmsg();
-    // The grow to the disk's size runs beside the agent: it takes a fraction of a second
-    // for a few GiB but minutes for a TiB under TCG; until it ends the sandbox has the base
-    // file system's free space.
-    std::thread::spawn(|| match wait_disk("root") {
-        Ok(dev) => grow_ext4(&dev, "/"),
-        Err(e) => log(&format!("grow: {e}")),
-    });
-    let cmdline = std::fs::read_to_string("/proc/cmdline").unwrap_or_default();
-    if let Err(e) = serve_in_root(&cmdline, None) {
-        log(&format!("boot failed: {e}"));
-    }
-    power_off();
-    1
 }

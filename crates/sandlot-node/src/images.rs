@@ -162,6 +162,10 @@ pub enum ImageSource {
         /// [`lazy::format`]); `None` for a lazy form converted without one.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         disk: Option<String>,
+        /// Index blob of the image's raw ext4 disk (the `vm` backend's base disk, see
+        /// [`lazy::format`]); `None` for a lazy form converted without one.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        vm_disk: Option<String>,
     },
     /// Imported from an OCI layout directory or a `docker save` / OCI archive.
     Archive {

@@ -11,7 +11,10 @@ use super::oci::{
 };
 use super::{ImageJson, ImageSource, ImageStore};
 use crate::node::{NodeError, NodeResult};
-use format::{LazyIndex, DATA_MEDIA_TYPE, DISK_FILE, DISK_INDEX_MEDIA_TYPE, INDEX_MEDIA_TYPE};
+use format::{
+    LazyIndex, DATA_MEDIA_TYPE, DISK_FILE, DISK_INDEX_MEDIA_TYPE, INDEX_MEDIA_TYPE, VM_DISK_FILE,
+    VM_DISK_INDEX_MEDIA_TYPE,
+};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -73,6 +76,9 @@ pub struct ConvertReport {
     /// Bytes of the image's EROFS disk ([`format::DISK_FILE`]); `None` when none was made
     /// (no `mkfs.erofs` on this host).
     pub disk_bytes: Option<u64>,
+    /// Bytes of the image's raw ext4 disk for the `vm` backend ([`format::VM_DISK_FILE`]);
+    /// `None` when none was made (no `mkfs.ext4` on this host).
+    pub vm_disk_bytes: Option<u64>,
 }
 
 /// How much of a lazy image is on this node.
@@ -87,6 +93,11 @@ pub struct LocalBytes {
     pub disk_cached: u64,
     /// Bytes of all the distinct chunks of its EROFS disk; 0 when it has none.
     pub disk_total: u64,
+    /// Of its ext4 disk (the `vm` backend's base disk): bytes of its distinct chunks in the
+    /// chunk cache; 0 when it has none.
+    pub vm_disk_cached: u64,
+    /// Bytes of all the distinct chunks of its ext4 disk; 0 when it has none.
+    pub vm_disk_total: u64,
 }
 
 impl ImageStore {
@@ -119,8 +130,10 @@ impl ImageStore {
     /// [`INDEX_MEDIA_TYPE`] and [`DATA_MEDIA_TYPE`], annotated [`ANNOTATION`], then the
     /// image's EROFS disk for the microVM backend as one more pair, media types
     /// [`DISK_INDEX_MEDIA_TYPE`] and [`DATA_MEDIA_TYPE`] (see [`mod@format`]; left out, with a
-    /// warning, when this host has no `mkfs.erofs`). Converting again reuses blobs already
-    /// made (content-addressed; the EROFS disk is made anew each time).
+    /// warning, when this host has no `mkfs.erofs`), then its raw ext4 disk for the `vm`
+    /// backend, media types [`VM_DISK_INDEX_MEDIA_TYPE`] and [`DATA_MEDIA_TYPE`] (left out,
+    /// with a warning, without `mkfs.ext4`). Converting again reuses blobs already made
+    /// (content-addressed; the disks are made anew each time).
     ///
     /// A tag, not the referrers API, links the two forms: the Debian registry (distribution
     /// 2.8) has no referrers API, and a tag suffix is how eStargz and Nydus images are
@@ -130,7 +143,7 @@ impl ImageStore {
     /// `NotFound` when the image is not in the store; `InvalidArgument` when it is a
     /// built-in image (no config blob) or a layer cannot be represented (non-UTF-8 names);
     /// `Unavailable` when the registry fails; `Internal` on local I/O or when `mkfs.erofs`
-    /// fails.
+    /// or `mkfs.ext4` fails.
     pub async fn convert_lazy(&self, reference: &str) -> NodeResult<ConvertReport> {
         let img = self.get(reference)?;
         let config = img
@@ -179,6 +192,21 @@ impl ImageStore {
             );
             None
         };
+        let vm_disk = if crate::backends::qemu::find_binary("mkfs.ext4").is_some() {
+            let this = self.clone();
+            let layers = img.layers.clone();
+            Some(
+                tokio::task::spawn_blocking(move || this.convert_vm_disk(&layers))
+                    .await
+                    .map_err(|e| NodeError::Unavailable(format!("convert task failed: {e}")))??,
+            )
+        } else {
+            tracing::warn!(
+                reference,
+                "no mkfs.ext4 on this host: the lazy form has no ext4 disk (vm sandboxes of it build their disk eagerly)"
+            );
+            None
+        };
         let (client, auth) = registry_client(&r, Duration::from_secs(10));
         client
             .store_auth_if_needed(r.resolve_registry(), &auth)
@@ -219,11 +247,18 @@ impl ImageStore {
                 "mediaType": DATA_MEDIA_TYPE, "digest": idx.data_digest, "size": idx.data_size,
             }));
         }
-        if let Some((idx_digest, idx_size, idx)) = &disk {
+        let disks = [
+            (DISK_INDEX_MEDIA_TYPE, &disk),
+            (VM_DISK_INDEX_MEDIA_TYPE, &vm_disk),
+        ];
+        for (media_type, d) in disks {
+            let Some((idx_digest, idx_size, idx)) = d else {
+                continue;
+            };
             push(idx_digest.clone()).await?;
             push(idx.data_digest.clone()).await?;
             layers.push(serde_json::json!({
-                "mediaType": DISK_INDEX_MEDIA_TYPE, "digest": idx_digest, "size": idx_size,
+                "mediaType": media_type, "digest": idx_digest, "size": idx_size,
                 "annotations": { ANNOTATION: "1" },
             }));
             layers.push(serde_json::json!({
@@ -256,6 +291,7 @@ impl ImageStore {
             files_bytes,
             data_bytes,
             disk_bytes: disk.map(|(_, _, idx)| idx.files_bytes),
+            vm_disk_bytes: vm_disk.map(|(_, _, idx)| idx.files_bytes),
         })
     }
 
@@ -264,6 +300,28 @@ impl ImageStore {
     /// (mode 0444) in a root of mode 0755, made in a temporary directory under the store's
     /// `lazy/` and removed after. Returns the index's digest, size and contents.
     fn convert_disk(&self, layers: &[PathBuf]) -> NodeResult<(String, u64, LazyIndex)> {
+        self.convert_disk_file(DISK_FILE, |out| {
+            crate::backends::qemu::microvm::make_erofs(layers, out)
+        })
+    }
+
+    /// The image's raw ext4 disk (`vm::make_ext4` of the merged `layers`, top-most first,
+    /// as the `vm` backend makes its eager disks, without the agent) converted like
+    /// [`convert_disk`](Self::convert_disk): a one-file tree [`VM_DISK_FILE`] (mode 0444).
+    fn convert_vm_disk(&self, layers: &[PathBuf]) -> NodeResult<(String, u64, LazyIndex)> {
+        self.convert_disk_file(VM_DISK_FILE, |out| {
+            crate::backends::qemu::vm::make_ext4(layers, out)?;
+            super::set_mode(out, 0o444)
+        })
+    }
+
+    /// A one-file tree `file` made by `make(path)` in a temporary directory (mode 0755)
+    /// under the store's `lazy/`, converted like a layer and removed after.
+    fn convert_disk_file(
+        &self,
+        file: &str,
+        make: impl FnOnce(&Path) -> NodeResult<()>,
+    ) -> NodeResult<(String, u64, LazyIndex)> {
         static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         let n = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let tmp = self
@@ -274,7 +332,7 @@ impl ImageStore {
             .map_err(|e| NodeError::io(format!("create {}", tmp.display()), e))?;
         super::set_mode(&self.lazy_dir(), 0o700)?;
         let res = super::set_mode(&tmp, 0o755)
-            .and_then(|_| crate::backends::qemu::microvm::make_erofs(layers, &tmp.join(DISK_FILE)))
+            .and_then(|_| make(&tmp.join(file)))
             .and_then(|_| self.convert_layer(&tmp, None));
         let _ = std::fs::remove_dir_all(&tmp);
         res
@@ -359,12 +417,13 @@ impl ImageStore {
         }
         let config = m["config"]["digest"].as_str().unwrap_or("").to_string();
         let mut indexes = Vec::new();
-        let mut disk = None;
+        let (mut disk, mut vm_disk) = (None, None);
         for l in m["layers"].as_array().into_iter().flatten() {
             let digest = l["digest"].as_str().unwrap_or("").to_string();
             match l["mediaType"].as_str() {
                 Some(INDEX_MEDIA_TYPE) => indexes.push(digest),
                 Some(DISK_INDEX_MEDIA_TYPE) => disk = Some(digest),
+                Some(VM_DISK_INDEX_MEDIA_TYPE) => vm_disk = Some(digest),
                 _ => {}
             }
         }
@@ -382,6 +441,7 @@ impl ImageStore {
             .iter()
             .chain(std::iter::once(&config))
             .chain(disk.iter())
+            .chain(vm_disk.iter())
         {
             digest_hex(d)?;
             if !self.blob_path(d)?.is_file() {
@@ -402,11 +462,15 @@ impl ImageStore {
             size += idx.files_bytes;
             rels.push(format!("{LAZY_DIR}/mnt/{}", digest_hex(d)?));
         }
-        if let Some(d) = &disk {
+        for (d, file, what) in [
+            (&disk, DISK_FILE, "EROFS"),
+            (&vm_disk, VM_DISK_FILE, "ext4"),
+        ] {
+            let Some(d) = d else { continue };
             let idx = self.lazy_index(d)?;
-            if idx.entries.len() != 2 || idx.entries[1].path != DISK_FILE {
+            if idx.entries.len() != 2 || idx.entries[1].path != file {
                 return Err(NodeError::InvalidArgument(format!(
-                    "{lazy_ref}: its EROFS disk index {d} is not the one file {DISK_FILE}"
+                    "{lazy_ref}: its {what} disk index {d} is not the one file {file}"
                 )));
             }
         }
@@ -419,6 +483,7 @@ impl ImageStore {
         let exec = cfg.config.unwrap_or_default();
         let mut blobs = indexes.clone();
         blobs.extend(disk.clone());
+        blobs.extend(vm_disk.clone());
         blobs.push(config.clone());
         blobs.push(manifest_digest.clone());
         let meta = ImageJson {
@@ -435,6 +500,7 @@ impl ImageStore {
                 config,
                 indexes,
                 disk,
+                vm_disk,
             },
             layers: rels,
             blobs,
@@ -502,6 +568,47 @@ impl ImageStore {
         Ok(Some(mp.join(DISK_FILE)))
     }
 
+    /// As [`mount_lazy_disk`](Self::mount_lazy_disk) for the raw ext4 disk of lazy image
+    /// `img` (the `vm` backend's base disk): mounted at `dir/lazy-<index hex>`, returns
+    /// `dir/lazy-<hex>/image.ext4`; `None` when `img` is not lazy or has no ext4 disk.
+    ///
+    /// # Errors
+    /// `Unavailable` when the daemon does not mount within 10 s; `Internal` on local I/O.
+    pub fn mount_lazy_vm_disk(
+        &self,
+        img: &super::Image,
+        dir: &Path,
+    ) -> NodeResult<Option<PathBuf>> {
+        let ImageSource::Lazy {
+            lazy_reference,
+            vm_disk: Some(d),
+            ..
+        } = &img.source
+        else {
+            return Ok(None);
+        };
+        let mp = dir.join(format!("lazy-{}", digest_hex(d)?));
+        self.ensure_mounted(d, lazy_reference, &mp)?;
+        Ok(Some(mp.join(VM_DISK_FILE)))
+    }
+
+    /// Where [`mount_lazy_vm_disk`](Self::mount_lazy_vm_disk) puts the ext4 disk of `img`
+    /// under `dir` (mounted or not); `None` when it has none.
+    ///
+    /// # Errors
+    /// `InvalidArgument` for a malformed digest.
+    pub fn lazy_vm_disk_path(&self, img: &super::Image, dir: &Path) -> NodeResult<Option<PathBuf>> {
+        match &img.source {
+            ImageSource::Lazy {
+                vm_disk: Some(d), ..
+            } => Ok(Some(
+                dir.join(format!("lazy-{}", digest_hex(d)?))
+                    .join(VM_DISK_FILE),
+            )),
+            _ => Ok(None),
+        }
+    }
+
     /// Where [`mount_lazy_disk`](Self::mount_lazy_disk) puts the EROFS disk of `img` under
     /// `dir` (mounted or not); `None` when it has none.
     ///
@@ -518,7 +625,13 @@ impl ImageStore {
 
     /// How much of lazy image `img` is in the chunk cache; `None` for other images.
     pub fn lazy_local_bytes(&self, img: &super::Image) -> Option<LocalBytes> {
-        let ImageSource::Lazy { indexes, disk, .. } = &img.source else {
+        let ImageSource::Lazy {
+            indexes,
+            disk,
+            vm_disk,
+            ..
+        } = &img.source
+        else {
             return None;
         };
         let count = |ds: &mut dyn Iterator<Item = &String>| -> Option<(u64, u64)> {
@@ -537,11 +650,14 @@ impl ImageStore {
         };
         let (cached, total) = count(&mut indexes.iter())?;
         let (disk_cached, disk_total) = count(&mut disk.iter())?;
+        let (vm_disk_cached, vm_disk_total) = count(&mut vm_disk.iter())?;
         Some(LocalBytes {
             cached,
             total,
             disk_cached,
             disk_total,
+            vm_disk_cached,
+            vm_disk_total,
         })
     }
 

@@ -6,16 +6,24 @@
 //! * `initramfs.cpio` — the same initramfs as the `microvm` backend's (the static
 //!   `sandlot-guest` as `/init` plus the guest kit's modules: q35 needs `virtio_pci`, the
 //!   Debian cloud kernel has it as a module, so the root disk cannot be found without it).
-//! * `images/<key>.qcow2` — the image's disk, built once per image (and per agent binary):
-//!   the image's layers merged by a read-only overlay mount with one more layer on top
-//!   holding `/.sandlot/sandlot-guest` (the static agent, the disk's init), written by
-//!   `mkfs.ext4 -d` (no mount, no loop device) into a raw file sized for the content plus
-//!   slack, then `qemu-img convert`ed to qcow2; read-only (mode 0444), shared as the backing
-//!   file of every VM of that image. `<key>` hashes the image name, creation time, layer
-//!   paths and the agent binary. Removed once no image in the store maps to it and no
+//! * `images/<key>.qcow2` — the image's disk, built once per image: the image's layers
+//!   merged by a read-only overlay mount, written by `mkfs.ext4 -d` (no mount, no loop
+//!   device) into a raw file sized for the content plus slack ([`make_ext4`]), then
+//!   `qemu-img convert`ed to qcow2; read-only (mode 0444), shared as the backing file of
+//!   every VM of that image. It holds nothing of Sandlot: the agent is the initramfs's
+//!   `/init`, which stays pid 1 after switching to the disk. `<key>` hashes the image name,
+//!   creation time and layer paths. Removed once no image in the store maps to it and no
 //!   chain of a VM or checkpoint backs onto it (`collect_disks`).
+//! * `images/lazy-<index hex>/image.ext4` — instead, for a lazy image whose lazy form has
+//!   an ext4 disk (`sandlot image convert` makes it with [`make_ext4`], see
+//!   `images::lazy::format`): that raw disk, served by a FUSE daemon that fetches its chunks
+//!   on first read ([`ImageStore::mount_lazy_vm_disk`]), so a VM reads only the blocks its
+//!   task touches; every VM's first layer backs onto it as a raw file. Why a disk made at
+//!   conversion and not here: building one on the node reads every file of the image
+//!   (every chunk fetched); a disk without the agent is the same for every node. A lazy
+//!   image converted without one is converted eagerly (logged).
 //! * `vms/<id>/` — one sandbox: `disk.qcow2` (`qemu-img create -f qcow2 -b <base> -F
-//!   qcow2`, virtual size = the base's + `disk_mib` MiB; the guest grows its ext4 to it
+//!   qcow2|raw`, virtual size = the base's + `disk_mib` MiB; the guest grows its ext4 to it
 //!   online), after checkpoints or in a fork more qcow2 layers (`layer-<hex>.qcow2`, see
 //!   `chain`), `agent.sock`, `qmp.sock`, `console.log`, `qemu.log`, `boot.json` /
 //!   `state.json` — as for `microvm`, owners included (QEMU runs as the sandbox's
@@ -27,10 +35,10 @@
 //! `sandlot.root=disk` on the command line) after SeaBIOS, q35's default firmware; no boot
 //! loader in the disk (under TCG a GRUB stage would add seconds to every boot for nothing:
 //! the kernel is the node's anyway). The initramfs's `/init` loads the modules, mounts the
-//! disk with virtio serial `root` read-write, makes it `/` and execs the disk's
-//! own `/.sandlot/sandlot-guest vm-disk-init` as pid 1 — the agent is the disk's init
-//! service, serving the container agent protocol on the virtio-serial port
-//! `org.sandlot.agent` (see `sandlot-guest`'s `vm` module).
+//! disk with virtio serial `root` read-write, makes it `/` and, still pid 1, grows the
+//! disk's ext4 and serves the container agent protocol on the virtio-serial port
+//! `org.sandlot.agent` (see `sandlot-guest`'s `vm` module). Disks built before this by
+//! older nodes still hold `/.sandlot/sandlot-guest`; it is no longer run.
 //!
 //! Accelerator, jailing (own cgroup with limits, `-sandbox on`, own session, re-adoption
 //! after a node restart), readiness deadline, failed-boot consoles, pause with memory
@@ -70,8 +78,6 @@ const READY_TIMEOUT_TCG: Duration = Duration::from_secs(180);
 const QEMU_PIDS: u64 = 160;
 /// QEMU's option whose value names the root disk (rewritten at pause: see `pause`).
 const DRIVE_FLAG: &str = "-drive";
-/// Where the agent lives inside the disk (`sandlot-guest`'s `vm::DISK_AGENT`).
-const DISK_AGENT_DIR: &str = ".sandlot";
 
 /// Static configuration of the vm backend.
 #[derive(Debug, Clone)]
@@ -80,8 +86,8 @@ pub struct VmConfig {
     pub dir: PathBuf,
     /// The guest kit (`vmlinuz`, `modules/`), built by `scripts/guest-kit.sh`.
     pub kit_dir: PathBuf,
-    /// The statically linked `sandlot-guest` (installed into every disk, and the
-    /// initramfs's `/init`).
+    /// The statically linked `sandlot-guest` (the initramfs's `/init`, the guest's pid 1
+    /// and agent).
     pub agent_bin: PathBuf,
     /// The node's accelerator decision, shared with the `microvm` backend.
     pub probe: Arc<AccelProbe>,
@@ -103,9 +109,6 @@ pub struct VmBackend {
     /// Directory, QEMU, cgroups, uids and the table of VMs.
     core: QemuCore,
     qemu_img: PathBuf,
-    /// Hash of the agent binary (part of every disk's key: a new agent means new disks).
-    agent_key: u64,
-    /// Serialises disk builds (one `mkfs.ext4 -d` at a time).
     /// Image disk builds (one at a time) and the disks creates in flight hold.
     disks: ImageDisks,
 }
@@ -172,33 +175,31 @@ fn qcow2_size(path: &Path) -> NodeResult<u64> {
     Ok(u64::from_be_bytes(hdr[24..32].try_into().expect("8 bytes")))
 }
 
-/// Builds the image's disk `out` (qcow2) from `layers` (top-most first) with `agent`
-/// installed as `/.sandlot/sandlot-guest`; everything in progress lives beside `out` with
-/// `.tmp` / `.merge` / `.kit` suffixes and is removed on return.
-fn make_disk(qemu_img: &Path, layers: &[PathBuf], agent: &Path, out: &Path) -> NodeResult<()> {
-    let kit = out.with_extension("kit");
-    let merged = out.with_extension("merge");
-    let raw = out.with_extension("raw.tmp");
-    let tmp = out.with_extension("qcow2.tmp");
+/// Writes the ext4 file system of the image whose layers are `layers` (top-most first) as
+/// the raw disk `raw` (no partition table, label `sandlot-root`, no journal, root owned by
+/// 0:0): the layers merged by a read-only overlay mount at `raw` + `.merge` (one layer is
+/// read as it is: overlayfs wants two lower layers without an upper one), then
+/// `mkfs.ext4 -d` of that tree into a file of the content's size + 25 % + 64 MiB. Used for
+/// the `vm` backend's image disks, eagerly here and at `sandlot image convert` for a lazy
+/// image's ext4 disk. The mount is removed on return; `raw` is left as made (the caller
+/// removes it on error).
+///
+/// # Errors
+/// `Internal` when the overlay cannot be mounted or `mkfs.ext4` fails.
+pub fn make_ext4(layers: &[PathBuf], raw: &Path) -> NodeResult<()> {
+    let merged = raw.with_extension("merge");
     let _ = nix::mount::umount2(&merged, nix::mount::MntFlags::MNT_DETACH);
-    for p in [&kit, &merged] {
-        let _ = std::fs::remove_dir_all(p);
-    }
+    let _ = std::fs::remove_dir_all(&merged);
     let res = (|| -> NodeResult<()> {
-        let bin_dir = kit.join(DISK_AGENT_DIR);
-        std::fs::create_dir_all(&bin_dir)
-            .and_then(|_| std::fs::create_dir_all(&merged))
-            .map_err(|e| NodeError::io(format!("create {}", bin_dir.display()), e))?;
-        let dst = bin_dir.join("sandlot-guest");
-        std::fs::copy(agent, &dst)
-            .map_err(|e| NodeError::io(format!("copy {}", agent.display()), e))?;
-        {
-            use std::os::unix::fs::PermissionsExt;
-            std::fs::set_permissions(&dst, std::fs::Permissions::from_mode(0o755))
-                .map_err(|e| NodeError::io(format!("chmod {}", dst.display()), e))?;
-        }
-        super::mount_layers(std::iter::once(&kit).chain(layers), &merged)?;
-        let (bytes, entries) = tree_usage(&merged);
+        let src = if let [one] = layers {
+            one.clone()
+        } else {
+            std::fs::create_dir_all(&merged)
+                .map_err(|e| NodeError::io(format!("create {}", merged.display()), e))?;
+            super::mount_layers(layers, &merged)?;
+            merged.clone()
+        };
+        let (bytes, entries) = tree_usage(&src);
         // Content + 25 % + 64 MiB: the ext4 metadata, and room so that a sandbox with a
         // small disk_mib still has the base's own slack.
         let size_mib = (bytes + bytes / 4).div_ceil(1 << 20) + 64;
@@ -211,11 +212,25 @@ fn make_disk(qemu_img: &Path, layers: &[PathBuf], agent: &Path, out: &Path) -> N
                 .arg("-E")
                 .arg("root_owner=0:0")
                 .arg("-d")
-                .arg(&merged)
-                .arg(&raw)
+                .arg(&src)
+                .arg(raw)
                 .arg(format!("{size_mib}M")),
             "mkfs.ext4 -d",
-        )?;
+        )
+    })();
+    let _ = nix::mount::umount2(&merged, nix::mount::MntFlags::MNT_DETACH);
+    let _ = std::fs::remove_dir(&merged);
+    res
+}
+
+/// Builds the image's disk `out` (qcow2) from `layers` (top-most first): [`make_ext4`],
+/// then `qemu-img convert`; everything in progress lives beside `out` with `.tmp` /
+/// `.merge` suffixes and is removed on return.
+fn make_disk(qemu_img: &Path, layers: &[PathBuf], out: &Path) -> NodeResult<()> {
+    let raw = out.with_extension("raw.tmp");
+    let tmp = out.with_extension("qcow2.tmp");
+    let res = (|| -> NodeResult<()> {
+        make_ext4(layers, &raw)?;
         run_tool(
             std::process::Command::new(qemu_img)
                 .args(["convert", "-q", "-f", "raw", "-O", "qcow2"])
@@ -231,9 +246,6 @@ fn make_disk(qemu_img: &Path, layers: &[PathBuf], agent: &Path, out: &Path) -> N
         std::fs::rename(&tmp, out)
             .map_err(|e| NodeError::io(format!("rename {}", tmp.display()), e))
     })();
-    let _ = nix::mount::umount2(&merged, nix::mount::MntFlags::MNT_DETACH);
-    let _ = std::fs::remove_dir(&merged);
-    let _ = std::fs::remove_dir_all(&kit);
     let _ = std::fs::remove_file(&raw);
     let _ = std::fs::remove_file(&tmp);
     res
@@ -271,7 +283,6 @@ impl VmBackend {
         super::prepare_backend_dir(&cfg.dir, &kernel, cfg.uids.group())?;
         let agent = std::fs::read(&cfg.agent_bin)
             .map_err(|e| NodeError::io(format!("read {}", cfg.agent_bin.display()), e))?;
-        let agent_key = fnv(&[&agent]);
         let mut entries = super::initramfs_entries(agent);
         let mods = cfg.kit_dir.join("modules");
         for m in order.lines().map(str::trim).filter(|l| !l.is_empty()) {
@@ -290,18 +301,17 @@ impl VmBackend {
             cfg,
             core,
             qemu_img,
-            agent_key,
             disks,
         })
     }
 
     /// Where the image's qcow2 base disk is (or will be): `images/<key>.qcow2`.
     fn disk_path(&self, image: &Image) -> PathBuf {
-        let agent_key = self.agent_key.to_le_bytes();
+        // "ext4 v2": disks without the agent (v1 disks' keys hashed the agent binary).
         let mut parts: Vec<&[u8]> = vec![
+            b"ext4 v2",
             image.name.as_bytes(),
             image.created_at.as_bytes(),
-            &agent_key,
         ];
         parts.extend(
             image
@@ -312,16 +322,40 @@ impl VmBackend {
         self.disks.path(&format!("{:016x}", fnv(&parts)))
     }
 
-    /// The image's qcow2 base disk, built once, and the create's hold on it (kept until the
-    /// sandbox's first layer names it; see [`ImageDisks::image_disk`]).
-    async fn image_disk(&self, image: &Image) -> NodeResult<(PathBuf, DiskHold)> {
-        let (layers, agent) = (image.layers.clone(), self.cfg.agent_bin.clone());
+    /// The image's base disk, its format for QEMU (`qcow2`, or `raw` for a lazy image's
+    /// ext4 disk) and the create's hold on it (kept until the sandbox's first layer names
+    /// it; see [`ImageDisks::image_disk`]).
+    ///
+    /// A lazy image whose lazy form has an ext4 disk: that disk, served by a FUSE daemon
+    /// mounted at `images/lazy-<index hex>/` (mode 0755 root, `image.ext4` mode 0444;
+    /// reached only through `images/`, root:QEMU group 0710, like the eager disks) and
+    /// read chunk by chunk on demand ([`ImageStore::mount_lazy_vm_disk`]). A lazy image
+    /// without one is converted eagerly as any other image (which fetches every chunk).
+    async fn image_disk(&self, image: &Image) -> NodeResult<(PathBuf, DiskHold, &'static str)> {
+        let dir = self.cfg.dir.join("images");
+        if let Some(out) = self.cfg.images.lazy_vm_disk_path(image, &dir)? {
+            let (images, img) = (self.cfg.images.clone(), image.clone());
+            let make = move |_: &Path| images.mount_lazy_vm_disk(&img, &dir).map(|_| ());
+            let collect = || self.collect_disks(false);
+            let (p, hold) = (self.disks)
+                .image_disk(image, out, "lazy ext4 disk mounted", make, collect)
+                .await?;
+            return Ok((p, hold, "raw"));
+        }
+        if matches!(image.source, crate::images::ImageSource::Lazy { .. }) {
+            tracing::info!(
+                image = %image.name,
+                "lazy image without an ext4 disk (converted by an older Sandlot or without mkfs.ext4): building its vm disk eagerly, which fetches every chunk"
+            );
+        }
+        let layers = image.layers.clone();
         let qemu_img = self.qemu_img.clone();
-        let make = move |out: &Path| make_disk(&qemu_img, &layers, &agent, out);
+        let make = move |out: &Path| make_disk(&qemu_img, &layers, out);
         let (out, collect) = (self.disk_path(image), || self.collect_disks(false));
-        (self.disks)
+        let (p, hold) = (self.disks)
             .image_disk(image, out, "image disk built (qcow2)", make, collect)
-            .await
+            .await?;
+        Ok((p, hold, "qcow2"))
     }
 
     /// The accelerator sandbox `id` runs with.
@@ -409,14 +443,20 @@ impl Machine for VmBackend {
             spawn_blocking(move || chain::seed_fork(&qemu_img, &ck_dir, &d, grow, group)).await?
         } else {
             // Held until the first layer (made next) names it (see `collect_disks`).
-            let (base, _hold) = self.image_disk(image).await?;
+            let (base, _hold, format) = self.image_disk(image).await?;
             let (disk, qemu_img) = (chain::layer_path(&dir, chain::FIRST), self.qemu_img.clone());
             let extra = mib << 20;
             spawn_blocking(move || {
-                let size = qcow2_size(&base)? + extra;
+                let size = if format == "raw" {
+                    std::fs::metadata(&base)
+                        .map_err(|e| NodeError::io(format!("stat {}", base.display()), e))?
+                        .len()
+                } else {
+                    qcow2_size(&base)?
+                } + extra;
                 run_tool(
                     std::process::Command::new(qemu_img)
-                        .args(["create", "-q", "-f", "qcow2", "-F", "qcow2", "-b"])
+                        .args(["create", "-q", "-f", "qcow2", "-F", format, "-b"])
                         .arg(&base)
                         .arg(&disk)
                         .arg(size.to_string()),
@@ -556,6 +596,57 @@ mod tests {
         assert_eq!(qcow2_size(&p).unwrap(), 5 << 30);
         std::fs::write(&p, [0u8; 64]).unwrap();
         assert!(qcow2_size(&p).is_err());
+    }
+
+    /// `debugfs -R "cat PATH" raw`: the file's bytes inside the ext4 `raw`.
+    fn ext4_cat(raw: &Path, path: &str) -> Vec<u8> {
+        let out = std::process::Command::new("debugfs")
+            .arg("-R")
+            .arg(format!("cat {path}"))
+            .arg(raw)
+            .output()
+            .unwrap();
+        out.stdout
+    }
+
+    #[test]
+    fn make_ext4_writes_the_merged_layers() {
+        if find_binary("mkfs.ext4").is_none() || find_binary("debugfs").is_none() {
+            eprintln!("skipped: no mkfs.ext4 or debugfs on this host");
+            return;
+        }
+        let d = tempfile::tempdir().unwrap();
+        let (upper, lower) = (d.path().join("upper"), d.path().join("lower"));
+        for (dir, a, b) in [(&lower, "old", "kept"), (&upper, "new", "")] {
+            std::fs::create_dir_all(dir.join("etc")).unwrap();
+            std::fs::write(dir.join("etc/a"), a).unwrap();
+            if !b.is_empty() {
+                std::fs::write(dir.join("etc/b"), b).unwrap();
+            }
+        }
+        // One layer: read as it is (no mount).
+        let one = d.path().join("one.raw");
+        make_ext4(std::slice::from_ref(&lower), &one).unwrap();
+        let mut magic = [0u8; 2];
+        {
+            use std::io::{Read, Seek};
+            let mut f = std::fs::File::open(&one).unwrap();
+            f.seek(std::io::SeekFrom::Start(1080)).unwrap();
+            f.read_exact(&mut magic).unwrap();
+        }
+        assert_eq!(u16::from_le_bytes(magic), 0xEF53, "ext4 superblock magic");
+        assert_eq!(ext4_cat(&one, "/etc/a"), b"old");
+        assert!(!one.with_extension("merge").exists());
+        // Two layers: the overlay mount needs root.
+        if !nix::unistd::geteuid().is_root() {
+            eprintln!("two-layer part skipped: an overlay mount needs root");
+            return;
+        }
+        let two = d.path().join("two.raw");
+        make_ext4(&[upper, lower], &two).unwrap();
+        assert_eq!(ext4_cat(&two, "/etc/a"), b"new");
+        assert_eq!(ext4_cat(&two, "/etc/b"), b"kept");
+        assert!(!two.with_extension("merge").exists());
     }
 
     #[test]

@@ -38,6 +38,17 @@
 //! deduplicate with file chunks). Older nodes skip the unknown media type; a lazy image
 //! converted before the disk existed falls back to the eager conversion (which reads every
 //! chunk).
+//!
+//! **The ext4 disk (`vm` backend).** Likewise for a `vm` sandbox, whose root is a whole
+//! read-write ext4 disk (a per-sandbox qcow2 over the image's base): the converter also
+//! makes the raw ext4 disk of the merged layers (`backends::qemu::vm::make_ext4`, the same
+//! function as the eager `vm` path; no agent in it: the guest's agent runs from the
+//! initramfs) and stores it as a one-file tree ([`VM_DISK_FILE`], mode 0444) with index
+//! media type [`VM_DISK_INDEX_MEDIA_TYPE`]. The node FUSE-mounts it as the EROFS disk and
+//! each VM's first qcow2 layer backs onto `<mount>/image.ext4` as a raw file: the guest's
+//! writes go to its qcow2, reads of untouched blocks fetch chunks. The ext4 file is sparse
+//! where mkfs wrote nothing; its all-zero chunks share one digest and are fetched once.
+//! Older nodes skip the media type; a lazy image without it builds its `vm` disk eagerly.
 use crate::images::unpack::{hex, OPAQUE_XATTR};
 use crate::node::{NodeError, NodeResult};
 use serde::{Deserialize, Serialize};
@@ -59,6 +70,12 @@ pub const DATA_MEDIA_TYPE: &str = "application/vnd.sandlot.lazy.data.v1";
 pub const DISK_INDEX_MEDIA_TYPE: &str = "application/vnd.sandlot.lazy.erofs-index.v1+json";
 /// Name of the EROFS disk file in the root of its lazy tree.
 pub const DISK_FILE: &str = "image.erofs";
+/// Media type of the index blob of an image's raw ext4 disk (the `vm` backend's base disk;
+/// a root directory holding the one file [`VM_DISK_FILE`]); its data blob has
+/// [`DATA_MEDIA_TYPE`].
+pub const VM_DISK_INDEX_MEDIA_TYPE: &str = "application/vnd.sandlot.lazy.ext4-index.v1+json";
+/// Name of the raw ext4 disk file in the root of its lazy tree.
+pub const VM_DISK_FILE: &str = "image.ext4";
 /// Format version written into [`LazyIndex::version`].
 pub const FORMAT_VERSION: u32 = 1;
 
