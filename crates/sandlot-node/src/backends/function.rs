@@ -84,7 +84,7 @@ pub mod pool;
 use super::check_id;
 use super::pause::{check_not_paused, freeze, thaw, FREEZE_TIMEOUT};
 use super::pool::WarmPool;
-use super::saved::{self, SavedSandbox};
+use super::saved::{self, SavedSandbox, StoredSpec};
 use super::spawn::{cloexec_pipe, dup_high, SpawnedChild};
 use super::uids::{UidLease, UidSlots, UID_COUNT};
 use super::{ExecIo, SandboxBackend};
@@ -101,7 +101,7 @@ use pool::{pool_dir, tmp_compatible, FunctionPool, Jails};
 use sandlot_api::{Backend, ExecEvent, ExecRequest, ExecResult, FileEntry};
 use sandlot_guest::spec::{ExecSpec, ExecStatus, InitReady, InitSpec, Rlimit, RlimitResource};
 use serde::{Deserialize, Serialize};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::os::fd::OwnedFd;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
@@ -145,34 +145,6 @@ pub struct FunctionConfig {
     /// First host uid (and gid) of the sandboxes' ranges: root inside the jail of slot `s`
     /// maps to `uid_base + s × 65536` (see [`super::uids`]).
     pub uid_base: u32,
-}
-
-/// Spec fields kept in `state.json` (serialisable copy of [`SandboxSpec`]).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct StoredSpec {
-    /// CPU quota in cores.
-    pub cpu: f64,
-    /// Memory limit in MiB.
-    pub memory_mib: u64,
-    /// Writable-layer limit in MiB (enforced per file through RLIMIT_FSIZE for now).
-    pub disk_mib: u64,
-    /// Process/thread limit.
-    pub pids_max: u64,
-    /// Sandbox environment.
-    pub env: BTreeMap<String, String>,
-}
-
-/// The stored part of a spec (limits and environment).
-impl From<&SandboxSpec> for StoredSpec {
-    fn from(spec: &SandboxSpec) -> StoredSpec {
-        StoredSpec {
-            cpu: spec.cpu,
-            memory_mib: spec.memory_mib,
-            disk_mib: spec.disk_mib,
-            pids_max: spec.pids_max,
-            env: spec.env.clone(),
-        }
-    }
 }
 
 /// On-disk state of a running sandbox: `DATA/sandboxes/<id>/state.json` (see [`saved`]).
@@ -1893,6 +1865,7 @@ impl Drop for FunctionBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::collections::BTreeMap;
 
     /// The standby helper's process and exec group: `(host pid, group dirs)`, once it is
     /// ready (within 10 s).

@@ -6,15 +6,43 @@
 //! [`ContainerState`](super::container::ContainerState) embed it with `#[serde(flatten)]`,
 //! so a file stays one flat JSON object, readable by and from older nodes. [`write`] and
 //! [`read`] store any backend's state.
-use super::function::StoredSpec;
 use crate::images::Image;
 use crate::node::{NodeError, NodeResult, SandboxSpec};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
 use std::path::Path;
 
 /// The file name of a sandbox's state in its directory.
 pub const STATE_FILE: &str = "state.json";
+
+/// Spec fields kept in `state.json` (serialisable copy of [`SandboxSpec`]).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StoredSpec {
+    /// CPU quota in cores.
+    pub cpu: f64,
+    /// Memory limit in MiB.
+    pub memory_mib: u64,
+    /// Writable-layer limit in MiB (enforced per file through RLIMIT_FSIZE for now).
+    pub disk_mib: u64,
+    /// Process/thread limit.
+    pub pids_max: u64,
+    /// Sandbox environment.
+    pub env: BTreeMap<String, String>,
+}
+
+/// The stored part of a spec (limits and environment).
+impl From<&SandboxSpec> for StoredSpec {
+    fn from(spec: &SandboxSpec) -> StoredSpec {
+        StoredSpec {
+            cpu: spec.cpu,
+            memory_mib: spec.memory_mib,
+            disk_mib: spec.disk_mib,
+            pids_max: spec.pids_max,
+            env: spec.env.clone(),
+        }
+    }
+}
 
 /// What every process-based sandbox records: its identity, image, first process and limits.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -118,7 +146,6 @@ pub fn read<T: DeserializeOwned>(dir: &Path) -> Option<T> {
 mod tests {
     use super::*;
     use crate::backends::container::{ContainerState, Runtime};
-    use std::collections::BTreeMap;
 
     fn saved() -> SavedSandbox {
         SavedSandbox {

@@ -49,7 +49,7 @@ use super::store;
 use super::{find_binary, spawn_qemu, Accel};
 use super::{DiskHold, ImageDisks, QemuUids, CONSOLE_LOG};
 use crate::agent_client::AgentClient;
-use crate::backends::function::StoredSpec;
+use crate::backends::saved::StoredSpec;
 use crate::cgroups::CgroupRoot;
 use crate::checkpoints::{Captured, Checkpoint};
 use crate::images::{fnv, Image, ImageStore};

@@ -1,6 +1,6 @@
 //! On-disk state of a QEMU sandbox (`microvm` and `vm`): `vms/<id>/state.json`.
 use super::Accel;
-use crate::backends::function::StoredSpec;
+use crate::backends::saved::StoredSpec;
 use crate::node::{NodeError, NodeResult};
 use serde::{Deserialize, Serialize};
 use std::path::Path;

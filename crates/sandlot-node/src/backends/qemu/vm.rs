@@ -56,7 +56,7 @@ use super::state::{write_json, VmState};
 use super::{find_binary, spawn_qemu, Accel};
 use super::{fresh_identity, AccelProbe, DiskHold, ImageDisks, QemuUids, AGENT_SOCK, CONSOLE_LOG};
 use crate::agent_client::AgentClient;
-use crate::backends::function::StoredSpec;
+use crate::backends::saved::StoredSpec;
 use crate::cgroups::CgroupRoot;
 use crate::checkpoints::Captured;
 use crate::images::{fnv, Image, ImageStore};
