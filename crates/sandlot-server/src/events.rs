@@ -212,13 +212,67 @@ impl Ring {
                 e.id = db.last_insert_rowid() as u64;
             }
         }
+        self.committed(e);
+        Ok(())
+    }
+
+    /// Write every event of `es` in ONE SQLite transaction (one commit for all); each gets
+    /// its id as [`Ring::insert`] gives one, and the ring gets them, in order, once the
+    /// transaction commits. On failure nothing is written, no id is used, and the events
+    /// come back (in order) with the error.
+    fn insert_all(
+        &mut self,
+        mut es: Vec<Event>,
+    ) -> Result<Vec<u64>, Box<(Vec<Event>, rusqlite::Error)>> {
+        if self.db.is_none() {
+            let mut ids = Vec::with_capacity(es.len());
+            for mut e in es {
+                e.id = self.last_id + 1;
+                ids.push(e.id);
+                self.committed(e);
+            }
+            return Ok(ids);
+        }
+        let db = self.db.as_ref().expect("checked above");
+        let written = (|| -> rusqlite::Result<Vec<u64>> {
+            let tx = db.unchecked_transaction()?;
+            let mut ids = Vec::with_capacity(es.len());
+            {
+                let mut st = tx.prepare_cached(
+                    "INSERT INTO events (time_ms, kind, sandbox, tenant, body) \
+                     VALUES (?1, ?2, ?3, ?4, ?5)",
+                )?;
+                for e in es.iter_mut() {
+                    e.id = 0;
+                    let body = serde_json::to_string(&*e).expect("event serializes");
+                    st.execute(params![e.time_ms, e.kind, e.sandbox, e.tenant, body])?;
+                    ids.push(tx.last_insert_rowid() as u64);
+                }
+            }
+            tx.commit()?;
+            Ok(ids)
+        })();
+        match written {
+            Err(err) => Err(Box::new((es, err))),
+            Ok(ids) => {
+                for (mut e, id) in es.into_iter().zip(&ids) {
+                    e.id = *id;
+                    self.committed(e);
+                }
+                Ok(ids)
+            }
+        }
+    }
+
+    /// Book keeping of an event whose insert committed with its id: the newest id, the
+    /// database's pruning, the ring.
+    fn committed(&mut self, e: Event) {
         self.last_id = e.id;
         self.prune(e.id);
         if self.events.len() >= RING_CAPACITY {
             self.events.pop_front();
         }
         self.events.push_back(e);
-        Ok(())
     }
 
     /// Write the queued events in order; the first failure stops (and is returned).
@@ -481,6 +535,59 @@ impl EventLog {
         }
     }
 
+    /// [`EventLog::push`] of several events, written in ONE transaction (a batch create's
+    /// chunk, a pause or resume by label's chunk): all of them are durable when this returns
+    /// `Ok` (their ids, in order), or none is and all wait in the queue, in order.
+    ///
+    /// # Errors
+    /// [`EventNotDurable`] (kind of the first event): the events (or an earlier one still
+    /// queued) could not be written; they wait in the queue.
+    pub fn push_many(&self, events: Vec<NewEvent<'_>>) -> Result<Vec<u64>, EventNotDurable> {
+        let Some(first_kind) = events.first().map(|e| e.kind.to_owned()) else {
+            return Ok(Vec::new());
+        };
+        let now = chrono::Utc::now();
+        let mut ring = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        let es: Vec<Event> = events
+            .into_iter()
+            .map(|n| {
+                let tenant = match n.sandbox {
+                    Some(s) if FINAL_KINDS.contains(&n.kind) => ring.owners.remove(s),
+                    Some(s) => ring.owners.get(s).cloned(),
+                    None => None,
+                };
+                Event {
+                    id: 0,
+                    time: now.to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
+                    time_ms: now.timestamp_millis(),
+                    kind: n.kind.to_owned(),
+                    sandbox: n.sandbox.map(str::to_owned),
+                    backend: n.backend.map(|b| b.as_str().to_owned()),
+                    tenant,
+                    fields: n.fields,
+                }
+            })
+            .collect();
+        let written = match ring.flush() {
+            Err(err) => Err((es, err)),
+            Ok(()) => ring.insert_all(es).map_err(|b| *b),
+        };
+        match written {
+            Ok(ids) => Ok(ids),
+            Err((es, source)) => {
+                tracing::error!(kind = %first_kind, events = es.len(), error = %source, pending = ring.pending.len() + es.len(), "audit events not written to the events database; queued for retry");
+                for e in es {
+                    ring.queue(e);
+                }
+                Err(EventNotDurable {
+                    kind: first_kind,
+                    pending: ring.pending.len(),
+                    source,
+                })
+            }
+        }
+    }
+
     /// Write the queued events now; Ok when none is left waiting.
     ///
     /// # Errors
@@ -613,6 +720,18 @@ impl EventLog {
         f.insert("message".into(), e.message.into());
         self.push("error", sandbox, backend, f)
     }
+}
+
+/// One event of [`EventLog::push_many`]: what [`EventLog::push`] takes.
+pub struct NewEvent<'a> {
+    /// Kind (module table).
+    pub kind: &'a str,
+    /// Sandbox id, when the event is about one.
+    pub sandbox: Option<&'a str>,
+    /// Backend of that sandbox, when known.
+    pub backend: Option<Backend>,
+    /// Fields of the kind.
+    pub fields: Map<String, Value>,
 }
 
 /// Parsed `since`.
@@ -837,6 +956,20 @@ pub fn record(
     st.events.push(kind, sandbox, backend, fields).map(|_| ())
 }
 
+/// [`record`] of several events in ONE write of the events database (a batch create's
+/// chunk, a label pause/resume chunk): all durable, or none (then all wait in the queue and
+/// every call they belong to fails, as [`record`]'s). Each is counted in
+/// `sandlot_events_total`.
+///
+/// # Errors
+/// [`EventNotDurable`], as [`EventLog::push_many`].
+pub fn record_many(st: &SharedState, events: Vec<NewEvent<'_>>) -> Result<(), EventNotDurable> {
+    for e in &events {
+        st.metrics.event(e.kind);
+    }
+    st.events.push_many(events).map(|_| ())
+}
+
 /// [`record`] for events with no caller to fail (the reaper's, start-up, background
 /// process exits, deletes): a non-durable event waits in the queue (logged there).
 pub fn record_queued(
@@ -945,6 +1078,47 @@ mod tests {
         drop(log);
         let log = EventLog::open(&path).unwrap();
         assert_eq!(push(&log, "e").unwrap(), 5, "ids continue after a restart");
+    }
+
+    fn many<'a>(kinds: &[&'a str]) -> Vec<NewEvent<'a>> {
+        kinds
+            .iter()
+            .map(|k| NewEvent {
+                kind: k,
+                sandbox: Some("sb-1"),
+                backend: None,
+                fields: Map::new(),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn push_many_writes_all_in_one_transaction_or_queues_all() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("events.db");
+        let log = EventLog::open(&path).unwrap();
+        assert_eq!(push(&log, "a").unwrap(), 1);
+        assert_eq!(log.push_many(many(&["b", "c", "d"])).unwrap(), [2, 3, 4]);
+        assert_eq!(log.push_many(Vec::new()).unwrap(), Vec::<u64>::new());
+        // Not durable: none of them is visible, all wait in the queue, in order.
+        log.refuse_writes_for_test(true);
+        let e = log.push_many(many(&["e", "f"])).unwrap_err();
+        assert_eq!((e.kind.as_str(), e.pending), ("e", 2));
+        assert!(log.push_many(many(&["g"])).is_err(), "the queue goes first");
+        assert_eq!(log.pending(), (3, 0));
+        assert_eq!(ids_and_kinds(&log).len(), 4);
+        log.refuse_writes_for_test(false);
+        assert_eq!(log.push_many(many(&["h", "i"])).unwrap(), [8, 9]);
+        let want: Vec<(u64, String)> = ["a", "b", "c", "d", "e", "f", "g", "h", "i"]
+            .iter()
+            .enumerate()
+            .map(|(i, k)| (i as u64 + 1, k.to_string()))
+            .collect();
+        assert_eq!(ids_and_kinds(&log), want);
+        drop(log);
+        // Durable: all of them are in the database after a restart.
+        let log = EventLog::open(&path).unwrap();
+        assert_eq!(ids_and_kinds(&log), want);
     }
 
     #[test]

@@ -11,7 +11,8 @@
 //! Pause and resume handle the sandboxes of one call in chunks of [`LABEL_CHUNK`]
 //! ([`LABEL_CHUNKS_IN_FLIGHT`] chunks at once): one registry write per chunk for its state
 //! changes ([`crate::registry::Registry::transition_many`]; one more for the failed ones
-//! of a pause), the node calls of a chunk all at once. Delete runs
+//! of a pause), one write of the events database for its `paused`/`resumed` audit events
+//! ([`crate::events::record_many`]), the node calls of a chunk all at once. Delete runs
 //! [`LABEL_CONCURRENCY`] one-sandbox deletes at a time. Each call runs in a task of its own
 //! (a client that goes away does not leave a record `paused` over a running sandbox). The TTL keeps counting while paused; delete
 //! works. Delete takes every matching sandbox in any state but `deleting` through the
@@ -240,23 +241,36 @@ fn tally(outs: impl IntoIterator<Item = Outcome>) -> PauseResult {
 /// (its state changed meanwhile), `Err` failed.
 type Outcome = Result<Option<String>, PauseFailure>;
 
-/// The failure of sandbox `id` with `e`.
-/// The outcome of a sandbox a label call changed: its `kind` (`paused`/`resumed`) audit
-/// event recorded, or the failure to record it.
-fn changed_event(st: &SharedState, rec: &Record, kind: &'static str) -> Outcome {
-    tracing::info!(sandbox_id = %rec.id, "sandbox {kind}");
-    match crate::events::record(
-        st,
-        kind,
-        Some(&rec.id),
-        Some(rec.backend),
-        Default::default(),
-    ) {
-        Ok(()) => Ok(Some(rec.id.clone())),
-        Err(e) => Err(failure(&rec.id, &e.into())),
+/// The outcomes of the sandboxes of a chunk that a label call changed: their `kind`
+/// (`paused`/`resumed`) audit events recorded in ONE write of the events database
+/// ([`crate::events::record_many`]), or, when that write fails, each one failed with it
+/// (the events wait in the queue).
+fn changed_events(st: &SharedState, recs: &[&Record], kind: &'static str) -> Vec<Outcome> {
+    if recs.is_empty() {
+        return Vec::new();
+    }
+    let events = recs
+        .iter()
+        .map(|rec| {
+            tracing::info!(sandbox_id = %rec.id, "sandbox {kind}");
+            crate::events::NewEvent {
+                kind,
+                sandbox: Some(&rec.id),
+                backend: Some(rec.backend),
+                fields: Default::default(),
+            }
+        })
+        .collect();
+    match crate::events::record_many(st, events) {
+        Ok(()) => recs.iter().map(|r| Ok(Some(r.id.clone()))).collect(),
+        Err(e) => {
+            let e = ServerError::from(e);
+            recs.iter().map(|r| Err(failure(&r.id, &e))).collect()
+        }
     }
 }
 
+/// The failure of sandbox `id` with `e`.
 fn failure(id: &str, e: &ServerError) -> PauseFailure {
     PauseFailure {
         id: id.to_owned(),
@@ -293,6 +307,7 @@ async fn pause_chunk(st: SharedState, recs: Vec<Record>) -> Vec<Outcome> {
         .map(|_| Ok(None)) // deleted or paused meanwhile
         .collect();
     let mut back = Vec::new();
+    let mut done = Vec::with_capacity(paused.len());
     for (rec, res) in paused.into_iter().zip(node) {
         match res {
             Err(e) => {
@@ -302,11 +317,10 @@ async fn pause_chunk(st: SharedState, recs: Vec<Record>) -> Vec<Outcome> {
                 back.push(rec.id.clone());
                 out.push(Err(failure(&rec.id, &e)));
             }
-            Ok(()) => {
-                out.push(changed_event(&st, rec, "paused"));
-            }
+            Ok(()) => done.push(rec),
         }
     }
+    out.extend(changed_events(&st, &done, "paused"));
     if !back.is_empty() {
         let undo = st
             .store
@@ -364,13 +378,15 @@ async fn resume_chunk(st: SharedState, recs: Vec<Record>) -> Vec<Outcome> {
             out.extend(ids.iter().map(|id| Err(failure(id, &e))));
         }
         Ok(changed) => {
+            let mut done = Vec::with_capacity(ok.len());
             for (rec, c) in ok.into_iter().zip(changed) {
-                if !c {
+                if c {
+                    done.push(rec);
+                } else {
                     out.push(Ok(None)); // deleted meanwhile
-                    continue;
                 }
-                out.push(changed_event(&st, rec, "resumed"));
             }
+            out.extend(changed_events(&st, &done, "resumed"));
         }
     }
     out

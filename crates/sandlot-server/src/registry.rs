@@ -66,16 +66,29 @@ pub trait Registry: Send + Sync + 'static {
     /// chunk): the outcomes, in order, are per item, as `insert_checked` would answer each
     /// (an item refused by its quota, replayed, or failing, e.g. on a duplicate id, leaves
     /// nothing of itself and does not stop the others); a quota check counts the items
-    /// admitted before it. The default calls `insert_checked` per item; both stores
-    /// override it with one transaction.
+    /// admitted before it. With `claim = Some((owner, deadline_ms))` each record inserted
+    /// is inserted with its transition claimed by `owner` until `deadline_ms` (what
+    /// [`Registry::claim_transition`] would then write, in the insert's own row write: a
+    /// batch create's chunk needs no separate claim). The default calls `insert_checked`
+    /// per item (then `claim_transition` per record inserted); both stores override it with
+    /// one transaction.
     ///
     /// # Errors
     /// The call as a whole: the store is unavailable, or the transaction could not begin or
     /// commit (then none of the items was written).
-    async fn insert_many(&self, items: &[InsertItem<'_>]) -> Result<Vec<Result<KeyOutcome>>> {
+    async fn insert_many(
+        &self,
+        items: &[InsertItem<'_>],
+        claim: Option<(&str, i64)>,
+    ) -> Result<Vec<Result<KeyOutcome>>> {
         let mut out = Vec::with_capacity(items.len());
         for (rec, key, quota) in items {
-            out.push(self.insert_checked(rec, *key, *quota).await);
+            let r = self.insert_checked(rec, *key, *quota).await;
+            if let (Ok(KeyOutcome::Inserted), Some((owner, deadline))) = (&r, claim) {
+                self.claim_transition(&rec.id, owner, deadline, i64::MIN)
+                    .await?;
+            }
+            out.push(r);
         }
         Ok(out)
     }
@@ -413,10 +426,14 @@ impl Registry for Store {
         // Group commit: concurrent creates share one SQLite commit.
         self.insert_grouped(rec, key, quota).await
     }
-    async fn insert_many(&self, items: &[InsertItem<'_>]) -> Result<Vec<Result<KeyOutcome>>> {
+    async fn insert_many(
+        &self,
+        items: &[InsertItem<'_>],
+        claim: Option<(&str, i64)>,
+    ) -> Result<Vec<Result<KeyOutcome>>> {
         // One job of the group writer: the items' savepoints in one commit (shared with
         // the concurrent single writes), without blocking the async runtime.
-        self.insert_many_grouped(items).await
+        self.insert_many_grouped(items, claim).await
     }
     async fn get(&self, id: &str) -> Result<Option<Record>> {
         Store::get(self, id)
@@ -693,7 +710,9 @@ fn insert_outcome(
 /// (the same limits as [`crate::store::over_quota`]); the Idempotency-Key `$11` is
 /// recorded only when `ok`, `ON CONFLICT DO NOTHING` (waiting for a concurrent
 /// uncommitted insert of the key), and the record only when `ok` and the key (if any) was
-/// recorded now. Answers the usage, whether `ok`, and whether the record was inserted.
+/// recorded now; `$19`/`$20` are its transition owner and deadline (both NULL but for a
+/// batch chunk's claimed insert). Answers the usage, whether `ok`, and whether the record
+/// was inserted.
 const INSERT_SQL: &str = "
 WITH u AS (
   SELECT COUNT(*) AS n, COALESCE(SUM((spec->>'cpu')::float8), 0.0)::float8 AS cpu,
@@ -711,13 +730,27 @@ WITH u AS (
   ON CONFLICT (key) DO NOTHING RETURNING 1
 ), s AS (
   INSERT INTO sandboxes (id, backend, image, state, node, created_at, expires_at, spec,
-    labels, tenant)
+    labels, tenant, owner, deadline)
   SELECT $1::text, $2::text, $3::text, $4::text, $5::text, $6::bigint, $7::bigint,
-    $8::text::jsonb, $9::text::jsonb, $10::text
+    $8::text::jsonb, $9::text::jsonb, $10::text, $19::text, $20::bigint
   FROM ok WHERE $11::text IS NULL OR EXISTS (SELECT 1 FROM k)
   RETURNING 1
 )
 SELECT u.n, u.cpu, u.mem, (SELECT COUNT(*) FROM s) > 0 FROM u";
+
+/// `Registry::insert_many` of items with neither an Idempotency-Key nor a quota (a batch
+/// of a caller without quota, without a key: the common case) as ONE statement: every
+/// record of the arrays `$1`..`$10` (one element per record, in order), with the
+/// transition owner `$11` and deadline `$12` (NULL: none). A duplicate id fails the whole
+/// statement; the caller then inserts the items one by one.
+const INSERT_MANY_SQL: &str = "
+INSERT INTO sandboxes (id, backend, image, state, node, created_at, expires_at, spec,
+  labels, tenant, owner, deadline)
+SELECT u.id, u.backend, u.image, u.state, u.node, u.created_at, u.expires_at,
+  u.spec::jsonb, u.labels::jsonb, u.tenant, $11::text, $12::bigint
+FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::bigint[],
+  $7::bigint[], $8::text[], $9::text[], $10::text[])
+  AS u(id, backend, image, state, node, created_at, expires_at, spec, labels, tenant)";
 
 const CLAIM_SQL: &str = "UPDATE sandboxes SET owner = $1, deadline = $2 WHERE id = $3
      AND (owner IS NULL OR deadline IS NULL OR deadline <= $4 OR owner = $1)";
@@ -762,6 +795,14 @@ enum Op {
         rec: Box<Record>,
         key: Option<(String, String)>,
         quota: Option<Quota>,
+        /// The transition claim written with the record: `(owner, deadline ms)`.
+        claim: Option<(String, i64)>,
+    },
+    /// `Registry::insert_many` of items without key or quota, as one statement
+    /// ([`INSERT_MANY_SQL`]).
+    InsertMany {
+        recs: Vec<Record>,
+        claim: Option<(String, i64)>,
     },
     /// `Registry::claim_transition`.
     Claim {
@@ -811,11 +852,17 @@ enum Raw {
 }
 
 impl Op {
-    fn insert(rec: &Record, key: Option<(&str, &str)>, quota: Option<&Quota>) -> Op {
+    fn insert(
+        rec: &Record,
+        key: Option<(&str, &str)>,
+        quota: Option<&Quota>,
+        claim: Option<(&str, i64)>,
+    ) -> Op {
         Op::Insert {
             rec: Box::new(rec.clone()),
             key: key.map(|(k, d)| (k.to_owned(), d.to_owned())),
             quota: quota.cloned(),
+            claim: claim.map(|(o, d)| (o.to_owned(), d)),
         }
     }
 
@@ -823,6 +870,7 @@ impl Op {
     fn what(&self) -> &'static str {
         match self {
             Op::Insert { .. } => "insert sandbox",
+            Op::InsertMany { .. } => "insert sandboxes",
             Op::Claim { .. } => "claim transition",
             Op::TransitionRelease { .. } => "update state and release",
             Op::ClaimMany { .. } => "claim transitions",
@@ -853,6 +901,7 @@ async fn run_pipelined(
     let tr = c.prepare_cached(TRANSITION_RELEASE_SQL).await?;
     let claim_many = c.prepare_cached(CLAIM_MANY_SQL).await?;
     let tr_many = c.prepare_cached(TRANSITION_MANY_SQL).await?;
+    let ins_many = c.prepare_cached(INSERT_MANY_SQL).await?;
     let mut tenants: Vec<&str> = ops
         .iter()
         .filter_map(|o| match o {
@@ -914,15 +963,24 @@ async fn run_pipelined(
     let calls = ops.iter().zip(&vals).map(|(o, v)| {
         let tx = &tx;
         let (ins, claim, tr) = (&ins, &claim, &tr);
-        let (claim_many, tr_many) = (&claim_many, &tr_many);
+        let (claim_many, tr_many, ins_many) = (&claim_many, &tr_many, &ins_many);
         async move {
             match (o, v) {
-                (Op::Insert { rec, key, .. }, Some(v)) => {
+                (
+                    Op::Insert {
+                        rec, key, claim, ..
+                    },
+                    Some(v),
+                ) => {
                     let (k, d) = match key {
                         Some((k, d)) => (Some(k.as_str()), Some(d.as_str())),
                         None => (None, None),
                     };
-                    let p: [&(dyn ToSql + Sync); 18] = [
+                    let (owner, deadline) = match claim {
+                        Some((o, d)) => (Some(o.as_str()), Some(*d)),
+                        None => (None, None),
+                    };
+                    let p: [&(dyn ToSql + Sync); 20] = [
                         &rec.id,
                         &rec.backend.as_str(),
                         &rec.image,
@@ -941,6 +999,8 @@ async fn run_pipelined(
                         &v.max_mem,
                         &rec.spec.cpu,
                         &v.mem,
+                        &owner,
+                        &deadline,
                     ];
                     let r = tx.query_one(ins, &p).await?;
                     Ok(Raw::Insert {
@@ -995,6 +1055,30 @@ async fn run_pipelined(
                 ) => {
                     let rows = tx.query(tr_many, &[to, ids, from, release]).await?;
                     Ok(Raw::Ids(rows.iter().map(|r| r.get(0)).collect()))
+                }
+                (Op::InsertMany { recs, claim }, _) => {
+                    let col = |f: fn(&Record) -> String| recs.iter().map(f).collect::<Vec<_>>();
+                    let ids = col(|r| r.id.clone());
+                    let backends = col(|r| r.backend.as_str().to_owned());
+                    let images = col(|r| r.image.clone());
+                    let states = col(|r| r.state.as_str().to_owned());
+                    let nodes = col(|r| r.node.clone());
+                    let specs = col(|r| serde_json::to_string(&r.spec).expect("spec serializes"));
+                    let labels =
+                        col(|r| serde_json::to_string(&r.labels).expect("labels serialize"));
+                    let created: Vec<i64> = recs.iter().map(|r| r.created_at_ms).collect();
+                    let expires: Vec<Option<i64>> = recs.iter().map(|r| r.expires_at_ms).collect();
+                    let tenants: Vec<Option<&str>> =
+                        recs.iter().map(|r| r.tenant.as_deref()).collect();
+                    let (owner, deadline) = match claim {
+                        Some((o, d)) => (Some(o.as_str()), Some(*d)),
+                        None => (None, None),
+                    };
+                    let p: [&(dyn ToSql + Sync); 12] = [
+                        &ids, &backends, &images, &states, &nodes, &created, &expires, &specs,
+                        &labels, &tenants, &owner, &deadline,
+                    ];
+                    Ok(Raw::Rows(tx.execute(ins_many, &p).await?))
                 }
                 (Op::Insert { .. }, None) => unreachable!("insert values are built per insert"),
             }
@@ -1179,7 +1263,7 @@ impl Registry for PgRegistry {
         key: Option<(&str, &str)>,
         quota: Option<&Quota>,
     ) -> Result<KeyOutcome> {
-        let raw = self.grouped_one(Op::insert(rec, key, quota)).await?;
+        let raw = self.grouped_one(Op::insert(rec, key, quota, None)).await?;
         let found = match (&raw, key) {
             (
                 Raw::Insert {
@@ -1192,10 +1276,30 @@ impl Registry for PgRegistry {
         insert_outcome(rec, key.map(|(_, d)| d), quota, raw, found)
     }
 
-    async fn insert_many(&self, items: &[InsertItem<'_>]) -> Result<Vec<Result<KeyOutcome>>> {
+    async fn insert_many(
+        &self,
+        items: &[InsertItem<'_>],
+        claim: Option<(&str, i64)>,
+    ) -> Result<Vec<Result<KeyOutcome>>> {
+        // Without keys and quotas (nothing per item to decide): one statement for all.
+        if items.len() > 1 && items.iter().all(|(_, k, q)| k.is_none() && q.is_none()) {
+            let op = Op::InsertMany {
+                recs: items.iter().map(|(r, _, _)| (*r).clone()).collect(),
+                claim: claim.map(|(o, d)| (o.to_owned(), d)),
+            };
+            match self.grouped_one(op).await {
+                Ok(Raw::Rows(n)) if n == items.len() as u64 => {
+                    return Ok(items.iter().map(|_| Ok(KeyOutcome::Inserted)).collect());
+                }
+                // A duplicate id (or any failure of the one statement): one by one below,
+                // so a failure stays with its item.
+                Ok(_) | Err(StoreError::Pg { .. }) => {}
+                Err(e) => return Err(e),
+            }
+        }
         let ops = items
             .iter()
-            .map(|(rec, key, quota)| Op::insert(rec, *key, *quota))
+            .map(|(rec, key, quota)| Op::insert(rec, *key, *quota, claim))
             .collect();
         let raws = self.grouped(ops).await?;
         // The keys of items not inserted, read in one query (after the commit: a key
@@ -2268,15 +2372,18 @@ mod tests {
             rec("sb-g", 8, None),
         );
         let out = r
-            .insert_many(&[
-                (&a, Some(("ka", "da")), Some(&q)),
-                (&b, None, Some(&q)),
-                (&c, Some(("kc", "dc")), Some(&q)), // 4th of the tenant: refused, key too
-                (&dup, None, None),                 // duplicate id: fails alone
-                (&e, Some(("k1", "d1")), None),     // replay of sb-k
-                (&f, Some(("k1", "other")), None),  // same key, other body
-                (&g, Some(("kg", "dg")), None),
-            ])
+            .insert_many(
+                &[
+                    (&a, Some(("ka", "da")), Some(&q)),
+                    (&b, None, Some(&q)),
+                    (&c, Some(("kc", "dc")), Some(&q)), // 4th of the tenant: refused, key too
+                    (&dup, None, None),                 // duplicate id: fails alone
+                    (&e, Some(("k1", "d1")), None),     // replay of sb-k
+                    (&f, Some(("k1", "other")), None),  // same key, other body
+                    (&g, Some(("kg", "dg")), None),
+                ],
+                Some(("srv-a", 1_000_000)),
+            )
             .await
             .unwrap();
         assert_eq!(out.len(), 7);
@@ -2298,10 +2405,44 @@ mod tests {
         assert_eq!(r.key_sandbox("ka").await.unwrap().unwrap().1, "sb-a");
         assert_eq!(r.key_sandbox("kg").await.unwrap().unwrap().1, "sb-g");
         assert!(r.key_sandbox("kc").await.unwrap().is_none());
+        // The records inserted carry the claim (written with the insert): another server
+        // cannot take it while it is live, its holder renews it, and it lapses at its
+        // deadline. Records not inserted by this call are not claimed.
+        assert!(!r
+            .claim_transition("sb-a", "srv-b", 2_000_000, 500_000)
+            .await
+            .unwrap());
+        assert!(r
+            .claim_transition("sb-g", "srv-a", 1_000_000, 500_000)
+            .await
+            .unwrap());
+        let stale: Vec<(String, Option<String>, i64)> = r
+            .stale_transitions(1_000_000)
+            .await
+            .unwrap()
+            .into_iter()
+            .filter(|s| s.owner.is_some())
+            .map(|s| (s.record.id, s.owner, s.deadline_ms))
+            .collect();
+        assert_eq!(
+            stale,
+            [
+                ("sb-a".to_owned(), Some("srv-a".to_owned()), 1_000_000),
+                ("sb-b".to_owned(), Some("srv-a".to_owned()), 1_000_000),
+                ("sb-g".to_owned(), Some("srv-a".to_owned()), 1_000_000),
+            ]
+        );
+        assert!(r
+            .claim_transition("sb-k", "srv-b", 2_000_000, 500_000)
+            .await
+            .unwrap());
         // A batch whose every item is refused or replayed writes nothing.
         let h = rec("sb-h", 9, t);
         let out = r
-            .insert_many(&[(&h, Some(("k1", "d1")), Some(&q)), (&h, None, Some(&q))])
+            .insert_many(
+                &[(&h, Some(("k1", "d1")), Some(&q)), (&h, None, Some(&q))],
+                None,
+            )
             .await
             .unwrap();
         assert_eq!(out[0].as_ref().unwrap(), &KeyOutcome::Replay("sb-k".into()));
@@ -2311,6 +2452,28 @@ mod tests {
             out[1]
         );
         assert_eq!(r.list().await.unwrap().len(), 5);
+        // Without keys and quotas (PostgreSQL: one statement for all): all inserted, with
+        // the claim; a duplicate id among them fails alone, the others are inserted.
+        let (x, y) = (rec("sb-x", 10, None), rec("sb-y", 11, None));
+        let out = r
+            .insert_many(&[(&x, None, None), (&y, None, None)], Some(("srv-c", 5)))
+            .await
+            .unwrap();
+        assert_eq!(out.len(), 2);
+        assert!(out
+            .iter()
+            .all(|o| o.as_ref().unwrap() == &KeyOutcome::Inserted));
+        assert!(!r.claim_transition("sb-y", "srv-d", 9, 4).await.unwrap());
+        assert!(r.claim_transition("sb-y", "srv-d", 9, 5).await.unwrap());
+        let z = rec("sb-z", 12, None);
+        let out = r
+            .insert_many(&[(&z, None, None), (&x, None, None)], None)
+            .await
+            .unwrap();
+        assert_eq!(out[0].as_ref().unwrap(), &KeyOutcome::Inserted);
+        assert!(out[1].is_err(), "{:?}", out[1]);
+        assert!(r.claim_transition("sb-z", "srv-d", 9, 0).await.unwrap());
+        assert_eq!(r.list().await.unwrap().len(), 8);
     }
 
     /// [`Registry::claim_many`] and [`Registry::transition_many`]: per-id answers in order

@@ -1003,10 +1003,11 @@ pub async fn set_ttl(st: &SharedState, id: &str, ttl_s: u64) -> ApiResult<Record
 /// batch run at a time.
 pub const BATCH_CHUNKS_IN_FLIGHT: usize = 16;
 
-/// Items of a batch whose registry writes go together: one
-/// [`crate::registry::Registry::insert_many`], one
-/// [`crate::registry::Registry::claim_many`] and one
-/// [`crate::registry::Registry::transition_many`] per chunk (each one transaction).
+/// Items of a batch whose writes go together: one
+/// [`crate::registry::Registry::insert_many`] (that also claims the records' creates for
+/// this server), one [`crate::registry::Registry::transition_many`] (to `running`) and one
+/// write of their `created` audit events ([`crate::events::record_many`]) per chunk, each
+/// one transaction.
 pub const BATCH_CHUNK: usize = 64;
 
 /// One item of a batch: its create request (or its own error) and whether it named a
@@ -1192,10 +1193,14 @@ async fn batch_chunk(
             _ => None,
         })
         .collect();
+    // Each record inserted carries this server's claim on its create (the transition of
+    // [`create_chunk`]), written with the insert: no separate claim write.
+    let deadline = now_ms() + st.cfg.transition_ttl.as_millis() as i64;
+    let claim = Some((st.cfg.server_id.as_str(), deadline));
     let outcomes: Vec<ApiResult<KeyOutcome>> = if inserts.is_empty() {
         Vec::new()
     } else {
-        match st.store.insert_many(&inserts).await {
+        match st.store.insert_many(&inserts, claim).await {
             Ok(v) => v
                 .into_iter()
                 .map(|r| r.map_err(ServerError::from))
@@ -1261,12 +1266,13 @@ impl Drop for Beat {
 
 /// The inserted records `recs` (`(batch index, record)`) of one chunk, created as
 /// [`settle_create`] creates one, with the chunk's registry writes as one write each:
-/// their transitions claimed for this server with one
-/// [`crate::registry::Registry::claim_many`] (renewed together by one heartbeat while the
-/// node calls run), every node create at once, and the records of the sandboxes made set
-/// `running` (their claims cleared) with one
-/// [`crate::registry::Registry::transition_many`]. A failed node create is rolled back
-/// alone ([`create_failed`]); a record deleted meanwhile is deleted on its node
+/// their transitions were claimed for this server by their insert ([`batch_chunk`]) and
+/// are renewed together by one heartbeat ([`crate::registry::Registry::claim_many`]) while
+/// the node calls run (every node create at once); the records of the sandboxes made are
+/// set `running` (their claims cleared) with one
+/// [`crate::registry::Registry::transition_many`] and their `created` audit events written
+/// with one [`crate::events::record_many`] ([`now_running_many`]). A failed node create is
+/// rolled back alone ([`create_failed`]); a record deleted meanwhile is deleted on its node
 /// ([`deleted_while_creating`]). Answers per item, in no particular order.
 async fn create_chunk(st: &SharedState, recs: Vec<(usize, Record)>) -> Vec<sandlot_api::BatchItem> {
     if recs.is_empty() {
@@ -1279,42 +1285,10 @@ async fn create_chunk(st: &SharedState, recs: Vec<(usize, Record)>) -> Vec<sandl
             creating.insert(id.clone());
         }
     }
-    let done = |st: &SharedState, ids: &[String]| {
-        let mut creating = st.creating_set();
-        for id in ids {
-            creating.remove(id);
-        }
-    };
     let ttl = st.cfg.transition_ttl.as_millis() as i64;
     let me = st.cfg.server_id.clone();
-    let now = now_ms();
-    let held = match st.store.claim_many(&ids, &me, now + ttl, now).await {
-        Ok(h) => h,
-        Err(e) => {
-            // Nothing was asked of a node: each record goes again (as a single create
-            // whose claim failed).
-            done(st, &ids);
-            let e = ServerError::from(e).api_error();
-            let mut out = Vec::with_capacity(recs.len());
-            for (index, rec) in recs {
-                let _ = st.store.forget_keys_of(&rec.id).await;
-                let _ = st.store.remove(&rec.id).await;
-                st.events.forget_owner(&rec.id);
-                out.push(batch_item(index, Err(ServerError::Api(e.clone()))));
-            }
-            return out;
-        }
-    };
-    // Records another server holds (it is alive) are created without a claim, as a
-    // single create's that found its record claimed.
-    let beat_ids: Vec<String> = ids
-        .iter()
-        .zip(&held)
-        .filter(|(_, h)| **h)
-        .map(|(id, _)| id.clone())
-        .collect();
-    let beat = Beat((!beat_ids.is_empty()).then(|| {
-        let (st2, me2) = (st.clone(), me.clone());
+    let beat = Beat(Some({
+        let (st2, me2, beat_ids) = (st.clone(), me.clone(), ids.clone());
         tokio::spawn(async move {
             let period = st2.cfg.transition_ttl / 3;
             loop {
@@ -1330,54 +1304,49 @@ async fn create_chunk(st: &SharedState, recs: Vec<(usize, Record)>) -> Vec<sandl
     // No heartbeat may re-claim a record after the writes below clear the owners.
     beat.stop().await;
     let mut out = Vec::with_capacity(recs.len());
-    // Held records whose claim the writes below do not clear (failed, or not running).
+    // Records whose claim the write below does not clear (failed, or not running).
     let mut release = Vec::new();
-    let (mut ok_held, mut ok_free) = (Vec::new(), Vec::new());
-    for (((index, rec), held), created) in recs.into_iter().zip(held).zip(created) {
+    let mut ok = Vec::new();
+    for ((index, rec), created) in recs.into_iter().zip(created) {
         match created {
             Err(e) => {
                 let e = create_failed(st, &rec.id, rec.backend, e).await;
-                if held {
-                    release.push(rec.id.clone());
-                }
+                release.push(rec.id.clone());
                 out.push(batch_item(index, Err(e)));
             }
-            Ok(()) if held => ok_held.push((index, rec)),
-            Ok(()) => ok_free.push((index, rec)),
+            Ok(()) => ok.push((index, rec)),
         }
     }
-    let creating = [SandboxState::Creating];
-    for (items, owner) in [(ok_held, Some(me.as_str())), (ok_free, None)] {
-        if items.is_empty() {
-            continue;
-        }
-        let item_ids: Vec<String> = items.iter().map(|(_, r)| r.id.clone()).collect();
+    if !ok.is_empty() {
+        let item_ids: Vec<String> = ok.iter().map(|(_, r)| r.id.clone()).collect();
         match st
             .store
-            .transition_many(&item_ids, &creating, SandboxState::Running, owner)
+            .transition_many(
+                &item_ids,
+                &[SandboxState::Creating],
+                SandboxState::Running,
+                Some(me.as_str()),
+            )
             .await
         {
             Err(e) => {
                 let e = ServerError::from(e).api_error();
-                for (index, _) in items {
+                for (index, _) in ok {
                     out.push(batch_item(index, Err(ServerError::Api(e.clone()))));
                 }
-                if owner.is_some() {
-                    release.extend(item_ids);
-                }
+                release.extend(item_ids);
             }
             Ok(changed) => {
-                for ((index, rec), running) in items.into_iter().zip(changed) {
-                    let answer = if running {
-                        now_running(st, rec).await
+                let mut running = Vec::with_capacity(ok.len());
+                for ((index, rec), c) in ok.into_iter().zip(changed) {
+                    if c {
+                        running.push((index, rec));
                     } else {
-                        if owner.is_some() {
-                            release.push(rec.id.clone());
-                        }
-                        deleted_while_creating(st, &rec.id).await
-                    };
-                    out.push(batch_item(index, answer));
+                        release.push(rec.id.clone());
+                        out.push(batch_item(index, deleted_while_creating(st, &rec.id).await));
+                    }
                 }
+                out.extend(now_running_many(st, running).await);
             }
         }
     }
@@ -1387,8 +1356,63 @@ async fn create_chunk(st: &SharedState, recs: Vec<(usize, Record)>) -> Vec<sandl
             tracing::warn!(sandbox_id = %id, error = %crate::error::chain(&e), "release transition");
         }
     }
-    done(st, &ids);
+    {
+        let mut creating = st.creating_set();
+        for id in &ids {
+            creating.remove(id);
+        }
+    }
     out
+}
+
+/// [`now_running`] of a chunk's records that just became `running`: their `created`
+/// events in ONE write of the events database, or (when they cannot be written) every one
+/// of those sandboxes deleted again and its item failed (503, as a single create's).
+async fn now_running_many(
+    st: &SharedState,
+    items: Vec<(usize, Record)>,
+) -> Vec<sandlot_api::BatchItem> {
+    if items.is_empty() {
+        return Vec::new();
+    }
+    let events: Vec<crate::events::NewEvent<'_>> = items
+        .iter()
+        .map(|(_, rec)| {
+            tracing::info!(sandbox_id = %rec.id, backend = %rec.backend, image = %rec.image, "sandbox running");
+            let mut f = serde_json::Map::new();
+            f.insert("image".into(), rec.image.clone().into());
+            crate::events::NewEvent {
+                kind: "created",
+                sandbox: Some(&rec.id),
+                backend: Some(rec.backend),
+                fields: f,
+            }
+        })
+        .collect();
+    match crate::events::record_many(st, events) {
+        Ok(()) => items
+            .into_iter()
+            .map(|(index, mut rec)| {
+                rec.state = SandboxState::Running;
+                batch_item(index, Ok((rec, true)))
+            })
+            .collect(),
+        Err(e) => {
+            // No sandbox without its audit event: roll the creates back, fail the items.
+            tracing::warn!(sandboxes = items.len(), error = %e, "creates rolled back: their events are not durable");
+            let e = ServerError::from(e).api_error();
+            let undone = futures::future::join_all(items.iter().map(|(_, rec)| async move {
+                if let Err(de) = delete_sandbox(st, &rec.id).await {
+                    tracing::error!(sandbox_id = %rec.id, error = %crate::error::chain(&de), "rollback delete failed; the reaper retries");
+                }
+            }));
+            undone.await;
+            items
+                .into_iter()
+                .map(|(index, _)| batch_item(index, Err(ServerError::Api(e.clone()))))
+                .collect()
+        }
+    }
 }
 
 /// The answer of batch item `index`.

@@ -323,7 +323,7 @@ impl Store {
         key: Option<(&str, &str)>,
         quota: Option<&Quota>,
     ) -> Result<KeyOutcome> {
-        insert_on(&self.conn(), rec, key, quota)
+        insert_on(&self.conn(), rec, key, quota, None)
     }
 
     /// One record by id.
@@ -1153,6 +1153,7 @@ impl Store {
                 &rec,
                 key.as_ref().map(|(k, d)| (k.as_str(), d.as_str())),
                 quota.as_ref(),
+                None,
             )
         })
         .await
@@ -1171,7 +1172,7 @@ impl Store {
             .map_err(sql("begin"))?;
         let out = items
             .iter()
-            .map(|(rec, key, quota)| insert_on(&tx, rec, *key, *quota))
+            .map(|(rec, key, quota)| insert_on(&tx, rec, *key, *quota, None))
             .collect();
         tx.commit().map_err(sql("commit"))?;
         Ok(out)
@@ -1180,14 +1181,17 @@ impl Store {
     /// [`Store::insert_many`] as one job of the group writer ([`Store::grouped`]): the
     /// items, each in its own savepoint, are committed with the group (one commit for the
     /// batch and the concurrent single writes), and the caller's thread never waits on the
-    /// connection lock.
+    /// connection lock. With `claim = Some((owner, deadline_ms))` every inserted record's
+    /// transition is claimed by `owner` in its insert (no separate claim write).
     ///
     /// # Errors
     /// As [`Store::grouped`] (the group's COMMIT failed: none of the items was written).
     pub async fn insert_many_grouped(
         &self,
         items: &[InsertItem<'_>],
+        claim: Option<(&str, i64)>,
     ) -> Result<Vec<Result<KeyOutcome>>> {
+        let claim = claim.map(|(o, d)| (o.to_owned(), d));
         type Owned = (Record, Option<(String, String)>, Option<Quota>);
         let owned: Vec<Owned> = items
             .iter()
@@ -1208,6 +1212,7 @@ impl Store {
                         r,
                         k.as_ref().map(|(k, d)| (k.as_str(), d.as_str())),
                         q.as_ref(),
+                        claim.as_ref().map(|(o, d)| (o.as_str(), *d)),
                     )
                 })
                 .collect())
@@ -1311,10 +1316,11 @@ fn insert_on(
     rec: &Record,
     key: Option<(&str, &str)>,
     quota: Option<&Quota>,
+    claim: Option<(&str, i64)>,
 ) -> Result<KeyOutcome> {
     c.execute_batch("SAVEPOINT sandlot_insert")
         .map_err(sql("savepoint"))?;
-    let out = insert_body(c, rec, key, quota);
+    let out = insert_body(c, rec, key, quota, claim);
     let end = match out {
         Ok(KeyOutcome::Inserted) => "RELEASE sandlot_insert",
         _ => "ROLLBACK TO sandlot_insert; RELEASE sandlot_insert",
@@ -1323,11 +1329,15 @@ fn insert_on(
     out
 }
 
+/// With `claim = Some((owner, deadline_ms))` the record is inserted with its transition
+/// already claimed by `owner` until `deadline_ms` (as [`Store::claim_transition`] would
+/// set it, in the same row write).
 fn insert_body(
     tx: &Connection,
     rec: &Record,
     key: Option<(&str, &str)>,
     quota: Option<&Quota>,
+    claim: Option<(&str, i64)>,
 ) -> Result<KeyOutcome> {
     if let Some((key, digest)) = key {
         let found: Option<(String, String)> = tx
@@ -1367,8 +1377,13 @@ fn insert_body(
     }
     let spec = serde_json::to_string(&rec.spec).expect("spec serializes");
     let labels = serde_json::to_string(&rec.labels).expect("labels serialize");
+    let (owner, deadline) = match claim {
+        Some((o, d)) => (Some(o), Some(d)),
+        None => (None, None),
+    };
     tx.prepare_cached(&format!(
-        "INSERT INTO sandboxes ({COLS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)"
+        "INSERT INTO sandboxes ({COLS}, owner, deadline) \
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12)"
     ))
     .and_then(|mut st| {
         st.execute(params![
@@ -1381,7 +1396,9 @@ fn insert_body(
             rec.expires_at_ms,
             spec,
             labels,
-            rec.tenant
+            rec.tenant,
+            owner,
+            deadline
         ])
     })
     .map_err(sql("insert sandbox"))?;

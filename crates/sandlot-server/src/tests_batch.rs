@@ -258,3 +258,36 @@ async fn chunks_leave_no_claim_behind() {
     assert!(t.st.store.stale_transitions(far).await.unwrap().is_empty());
     assert!(t.st.creating_set().is_empty());
 }
+
+/// A chunk's `created` events are one write of the events database: when it cannot be
+/// written, every item of the batch fails 503 `unavailable` and nothing is left behind (no
+/// sandbox on the node, no record, no claim); the events wait in the queue and are
+/// written, in order, once the database takes writes again.
+#[tokio::test]
+async fn events_not_durable_fail_every_item_and_leave_nothing() {
+    let t = setup("batch-events-full");
+    let n = crate::sandboxes::BATCH_CHUNK + 3;
+    t.st.events.refuse_writes_for_test(true);
+    let r = post(&t.app, BATCH, json!({"count": n, "labels": {"job": "je"}})).await;
+    assert_eq!(r.status, StatusCode::OK, "{:?}", r.body);
+    let v = r.json();
+    assert_eq!(statuses(&v), vec![503; n], "{v}");
+    assert_eq!(v["created"].as_u64(), Some(0));
+    assert!(v["results"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .all(|r| r["error"]["code"] == "unavailable"));
+    assert!(t.node.ids().is_empty(), "rolled back on the node");
+    assert_eq!(records(&t).await, 0, "no record left");
+    assert!(t.st.creating_set().is_empty());
+    let queued = t.st.events.pending().0;
+    assert!(queued > 0, "the events wait in the queue");
+    t.st.events.refuse_writes_for_test(false);
+    crate::lifecycle::reap_once(&t.st).await;
+    assert_eq!(t.st.events.pending().0, 0);
+    // Writable again: the same batch is created.
+    let r = post(&t.app, BATCH, json!({"count": n, "labels": {"job": "je"}})).await;
+    assert_eq!(statuses(&r.json()), vec![201; n]);
+    assert_eq!(t.node.ids().len(), n);
+}
