@@ -173,11 +173,12 @@ def test_a_quiet_upgraded_connection_is_closed_after_the_idle_timeout(srv, box):
         wait_until(ready, timeout=60, interval=0.3, what="the upgrade echo server")
         s = held[0]
         # Traffic keeps it open past the idle timeout...
-        for _ in range(3):
+        for i in range(3):
+            if i:
+                time.sleep(IDLE_S / 2)
             s.sendall(b"ping")
             assert s.recv(16) == b"ping"
-            time.sleep(IDLE_S / 2)
-        # ...quiet, it is closed after it.
+        # ...quiet, it is closed after it (counted from the last byte).
         t0 = time.monotonic()
         s.settimeout(IDLE_S + 20)
         assert s.recv(16) == b""
