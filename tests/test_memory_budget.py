@@ -185,6 +185,62 @@ def test_concurrent_uploads_stream_in_bounded_memory(node):
     assert peak - before < 8 * 64 / 2, (before, peak)
 
 
+def _gzip(data: bytes, times: int = 1) -> bytes:
+    """`data` repeated `times` times, gzip-compressed chunk by chunk (no whole copy)."""
+    import zlib
+    z = zlib.compressobj(6, zlib.DEFLATED, 31)
+    out = [z.compress(data) for _ in range(times)]
+    out.append(z.flush())
+    return b"".join(out)
+
+
+def _e2b_upload(url: str, sid: str, path: str, body: bytes, **headers) -> httpx.Response:
+    """E2B envd `POST /files` (octet-stream) of `body` to `path`, as root."""
+    h = {"E2b-Sandbox-Id": sid, "Content-Type": "application/octet-stream", **headers}
+    return httpx.post(f"{url}/files", params={"path": path, "username": "root"},
+                      content=body, headers=h, timeout=300)
+
+
+def test_concurrent_gzip_uploads_inflate_in_bounded_memory(node):
+    """E2B uploads with `Content-Encoding: gzip` were buffered and inflated whole (the
+    inflated bytes held, 2 x reserved from the file budget): 8 concurrent uploads that
+    inflate to 64 MiB each took the server's RSS up by hundreds of MiB (and the budget let
+    only some run at once). They are now inflated as they arrive and streamed to the
+    sandbox like plain uploads: all 8 at once, every file whole, RSS growth far below the
+    bytes in flight."""
+    srv = node
+    pid = srv.proc.pid
+    size = 64 * MIB
+    unit = bytes(range(256)) * 4096  # 1 MiB
+    gz = _gzip(unit, size // len(unit))
+    with sandlot.Client(srv.url, timeout=120, retries=0) as c:
+        try:
+            box = c.create(backend="function", image="busybox", memory_mib=128, disk_mib=1024, ttl_s=900)
+        except (sandlot.NotFound, sandlot.Unavailable) as e:
+            pytest.skip(f"no usable busybox function sandbox here: {e}")
+        before = rss_mib(pid)
+        sampler = PeakRss(pid)
+        try:
+            with ThreadPoolExecutor(8) as ex:
+                answers = list(ex.map(
+                    lambda i: _e2b_upload(srv.url, box.id, f"/gz{i}", gz, **{"Content-Encoding": "gzip"}),
+                    range(8)))
+            peak = sampler.stop()
+            sizes = [box.exec(["stat", "-c", "%s", f"/gz{i}"]).stdout.decode().strip() for i in range(8)]
+            same = box.exec(["sh", "-c", "md5sum /gz* | cut -d' ' -f1 | sort -u | wc -l"]).stdout.decode().strip()
+            one = box.read_file("/gz0")
+        finally:
+            sampler.stop()
+            box.delete()
+    print(f"gzip uploads ({len(gz)} bytes each, {size} inflated): {[a.status_code for a in answers]}, "
+          f"server RSS {before:.0f} -> peak {peak:.0f} MiB")
+    assert [a.status_code for a in answers] == [200] * 8, [a.text for a in answers]
+    assert sizes == [str(size)] * 8, sizes
+    assert same == "1", same
+    assert one == unit * (size // len(unit))
+    assert peak - before < 64, (before, peak)
+
+
 @pytest.fixture
 def small_file_node(binary, log_dir):
     if os.geteuid() != 0:
@@ -273,6 +329,48 @@ def test_aborted_upload_leaves_nothing(small_file_node):
                 time.sleep(0.2)
             assert _leftovers(box) == ["f"]
             assert box.read_file("/workspace/f") == b"old"
+        finally:
+            box.delete()
+
+
+def test_gzip_bomb_is_refused_and_leaves_nothing(small_file_node):
+    """An E2B gzip upload that inflates past `--max-file-mib` (a 256 MiB bomb in ~256 KiB)
+    answers 413 `payload_too_large` without inflating further, in an octet-stream body or
+    a multipart part, leaving the old file and no temp file; data that is not gzip, or gzip
+    cut short, answers 400 and leaves nothing; exactly the limit inflated is written."""
+    srv = small_file_node
+    bomb = _gzip(bytes(MIB), 256)
+    assert len(bomb) < MIB
+    with sandlot.Client(srv.url, timeout=60, retries=0) as c:
+        try:
+            box = c.create(backend="function", image="busybox", memory_mib=128, ttl_s=300)
+        except (sandlot.NotFound, sandlot.Unavailable) as e:
+            pytest.skip(f"no usable busybox function sandbox here: {e}")
+        try:
+            box.write_file("/workspace/f", b"old")
+            gz = {"Content-Encoding": "gzip"}
+            r = _e2b_upload(srv.url, box.id, "/workspace/f", bomb, **gz)
+            assert r.status_code == 413, r.text
+            assert "limit" in r.json()["message"], r.text
+            boundary = "XyZbomb"
+            mp = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; "
+                  f"filename=\"/workspace/f\"\r\nContent-Type: application/octet-stream\r\n\r\n").encode()
+            import zlib
+            z = zlib.compressobj(6, zlib.DEFLATED, 31)
+            mbomb = z.compress(mp) + b"".join(z.compress(bytes(MIB)) for _ in range(64)) + z.flush()
+            r = httpx.post(f"{srv.url}/files", params={"username": "root"}, content=mbomb, timeout=60,
+                           headers={"E2b-Sandbox-Id": box.id, **gz,
+                                    "Content-Type": f"multipart/form-data; boundary={boundary}"})
+            assert r.status_code == 413, r.text
+            for bad in (b"not gzip at all", _gzip(b"x" * 100_000)[:-9]):
+                r = _e2b_upload(srv.url, box.id, "/workspace/g", bad, **gz)
+                assert r.status_code == 400, r.text
+                assert "not gzip data" in r.json()["message"], r.text
+            assert box.read_file("/workspace/f") == b"old"
+            assert _leftovers(box) == ["f"]
+            r = _e2b_upload(srv.url, box.id, "/workspace/h", _gzip(b"z" * MIB, 8), **gz)
+            assert r.status_code == 200, r.text
+            assert box.read_file("/workspace/h") == b"z" * (8 * MIB)
         finally:
             box.delete()
 

@@ -374,6 +374,15 @@ struct ServerOpts {
     /// 408 deadline_exceeded. 0 = no rate floor.
     #[arg(long, default_value_t = 1024)]
     body_min_bytes_per_s: u64,
+    /// Seconds an app reached through ingress (`/v1/sandboxes/{id}/ports/{port}/…`) may
+    /// leave its connection quiet before its response head: counted from the last byte of
+    /// the request it took; past it 504 deadline_exceeded and the connection is closed.
+    #[arg(long, default_value_t = 60)]
+    ingress_response_timeout_s: u64,
+    /// Seconds an ingress connection past its response head (a streamed body, an upgraded
+    /// WebSocket) may move no byte either way before it is closed.
+    #[arg(long, default_value_t = 600)]
+    ingress_idle_timeout_s: u64,
     /// MiB of free space kept on the data directory's file system: below it creates,
     /// run_code, checkpoints and uploads answer 429 resource_exhausted (reads, execs and
     /// deletes still work). 0 = no check.
@@ -1158,6 +1167,12 @@ impl ServerOpts {
             max_requests_in_flight_per_ip: self.max_requests_in_flight_per_ip.map(|n| n.max(1)),
             body_read_timeout: std::time::Duration::from_secs(self.body_read_timeout_s.max(1)),
             body_min_rate: self.body_min_bytes_per_s,
+        };
+        cfg.ingress = sandlot_server::ingress::IngressLimits {
+            response_timeout: std::time::Duration::from_secs(
+                self.ingress_response_timeout_s.max(1),
+            ),
+            idle_timeout: std::time::Duration::from_secs(self.ingress_idle_timeout_s.max(1)),
         };
         cfg.disk_reserve_bytes = self.disk_reserve_mib << 20;
         cfg.exec_output_budget_bytes = self.exec_output_budget_mib.max(1) << 20;

@@ -38,6 +38,9 @@ pub struct FakeNode {
     /// While set, `create`, `exec`, `delete` and `list` fail with
     /// [`NodeError::Transport`] and this message, as a remote node behind a broken link.
     pub link_down: Mutex<Option<String>>,
+    /// Ports "inside" every sandbox, each the address of a real TCP listener of the test
+    /// on the host: `connect_port` connects there (any other port: nothing listens).
+    pub ports: Mutex<HashMap<u16, std::net::SocketAddr>>,
 }
 
 impl FakeNode {
@@ -318,6 +321,23 @@ impl Node for FakeNode {
     async fn file_size(&self, id: &str, path: &str) -> NodeResult<u64> {
         self.files(id, |f| f.get(path).map(|d| d.len() as u64))?
             .ok_or_else(|| NodeError::NotFound(format!("no file {path}")))
+    }
+
+    /// A real TCP connection to the test's listener mapped to `port` in
+    /// [`FakeNode::ports`] (for any running sandbox).
+    async fn connect_port(&self, id: &str, port: u16) -> NodeResult<crate::PortConn> {
+        self.files(id, |_| ())?;
+        let addr = self.ports.lock().unwrap().get(&port).copied();
+        let Some(addr) = addr else {
+            return Err(NodeError::Unavailable(format!(
+                "{} {port} in sandbox {id}",
+                crate::PORT_NOT_LISTENING
+            )));
+        };
+        let s = tokio::net::TcpStream::connect(addr).await.map_err(|e| {
+            NodeError::Unavailable(format!("{} {port}: {e}", crate::PORT_NOT_LISTENING))
+        })?;
+        Ok(Box::new(s))
     }
 
     async fn write_file(&self, id: &str, path: &str, data: Bytes) -> NodeResult<()> {

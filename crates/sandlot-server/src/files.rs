@@ -134,9 +134,8 @@ fn wrong_kind(q: &PathQuery) -> ServerError {
 
 /// Bytes of server memory a buffered upload reserves per byte of its body: the buffered
 /// body and the node's copies while it writes (measured: two concurrent 250 MiB uploads
-/// took the server to ~1 GiB RSS, ~2 × each). Only uploads logged as trajectory steps and
-/// E2B multipart/gzip uploads are buffered; plain uploads stream
-/// ([`crate::budget::STREAM_SHARE`]).
+/// took the server to ~1 GiB RSS, ~2 × each). Only uploads logged as trajectory steps are
+/// buffered; other uploads (E2B gzip ones too) stream ([`crate::budget::STREAM_SHARE`]).
 pub const UPLOAD_SHARE_FACTOR: u64 = 2;
 
 /// Whether the query string `q` has a `step` parameter (a logged, buffered upload).
@@ -246,8 +245,11 @@ where
 
 /// `PUT …/files?path=P[&step=N]`, raw body → 204 (`Sandlot-Replayed: true` when replayed).
 /// Atomic on the node (temp file, fsync, rename). Without `step` the body is streamed to
-/// the node as it arrives (`stream_upload`); a logged step is buffered whole (its data
-/// goes into the trajectory log).
+/// the node as it arrives (`stream_upload`); a logged step is buffered whole, and has to
+/// be: its sha256 is part of the request digest that decides replay (nothing written) or
+/// divergence (409) before the node is touched, and its bytes go into the trajectory log
+/// as a blob that a restore writes again (a logged read likewise keeps the bytes it
+/// answered, for replays). The budget share ([`upload_share`]) bounds what that holds.
 pub async fn write(
     State(st): State<SharedState>,
     Path(id): Path<String>,

@@ -20,7 +20,8 @@
 //!
 //! **Errors** (Sandlot's `{"error": {"code", "message"}}`): unknown sandbox 404
 //! `not_found`; paused or not running 409 `conflict`; nothing listening on the port (or
-//! the app closed the connection without answering) **502** `unavailable`; bad port 400.
+//! the app closed the connection without answering) **502** `unavailable`; an app that
+//! sends no response head in time **504** `deadline_exceeded` (below); bad port 400.
 //! Every backend reaches ports (microvm, vm and runsc through their guest agents).
 //!
 //! Forwarding: HTTP/1.1 to the app whatever the client spoke; hop-by-hop headers
@@ -28,6 +29,22 @@
 //! `X-Forwarded-Host`/`X-Forwarded-Proto` are added. One TCP connection into the sandbox
 //! per request (no pooling). An `Upgrade` request answered `101` becomes a byte pipe
 //! between the client and the app until either side closes.
+//!
+//! **Timeouts** ([`IngressLimits`]; `sandlot up --ingress-response-timeout-s`,
+//! `--ingress-idle-timeout-s`), so an app that accepts and then never answers cannot hold
+//! a connection into the sandbox (on microvm, vm and runsc one of the guest agent's 128
+//! tunnel slots) and a server task forever:
+//! - until the app's response head arrives, no byte may stay unmoved to or from the app
+//!   for [`IngressLimits::response_timeout`] (default 60 s): counted from the last byte of
+//!   the request the app took (a request body that flows keeps it alive; an app that stops
+//!   reading it does not). Past it the client gets **504** `deadline_exceeded` and the
+//!   connection into the sandbox is closed at once.
+//! - after the head (a streamed response body) and on an upgraded (`101`, WebSocket)
+//!   connection, a connection on which no byte moved either way for
+//!   [`IngressLimits::idle_timeout`] (default 600 s) is closed (a cut body; for an upgraded
+//!   pipe both sides see the close).
+//! - a client that goes away (or a body dropped) closes the connection into the sandbox
+//!   with it.
 use crate::auth;
 use crate::error::ServerError;
 use crate::sandboxes::running;
@@ -40,6 +57,152 @@ use hyper_util::rt::TokioIo;
 use sandlot_api::ErrorCode;
 use sandlot_node_api::{NodeError, PORT_NOT_LISTENING};
 use std::collections::HashMap;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+
+/// Timeouts of ingress connections (module docs, "Timeouts").
+#[derive(Debug, Clone)]
+pub struct IngressLimits {
+    /// Longest time with no byte moved to or from the app before its response head
+    /// arrives (default 60 s); past it 504 `deadline_exceeded`.
+    pub response_timeout: Duration,
+    /// Longest time with no byte moved either way on a connection whose response head
+    /// arrived (a streamed body, an upgraded WebSocket pipe) (default 600 s); past it the
+    /// connection is closed.
+    pub idle_timeout: Duration,
+}
+
+impl Default for IngressLimits {
+    fn default() -> Self {
+        IngressLimits {
+            response_timeout: Duration::from_secs(60),
+            idle_timeout: Duration::from_secs(600),
+        }
+    }
+}
+
+/// When a byte last moved on one connection into a sandbox (shared by its [`Tracked`]
+/// stream and the watchdogs).
+#[derive(Debug)]
+struct LastIo {
+    start: Instant,
+    /// Milliseconds after `start`.
+    at_ms: AtomicU64,
+}
+
+impl LastIo {
+    fn new() -> Arc<Self> {
+        Arc::new(LastIo {
+            start: Instant::now(),
+            at_ms: AtomicU64::new(0),
+        })
+    }
+
+    fn touch(&self) {
+        let ms = self.start.elapsed().as_millis() as u64;
+        self.at_ms.fetch_max(ms, Ordering::Relaxed);
+    }
+
+    fn quiet_for(&self) -> Duration {
+        let last = Duration::from_millis(self.at_ms.load(Ordering::Relaxed));
+        self.start.elapsed().saturating_sub(last)
+    }
+
+    /// Resolves once no byte moved for `limit`.
+    async fn quiet(&self, limit: Duration) {
+        loop {
+            let q = self.quiet_for();
+            if q >= limit {
+                return;
+            }
+            tokio::time::sleep(limit - q).await;
+        }
+    }
+}
+
+/// A stream that notes in [`LastIo`] every read or write that moved bytes.
+struct Tracked<T> {
+    inner: T,
+    last: Arc<LastIo>,
+}
+
+impl<T: AsyncRead + Unpin> AsyncRead for Tracked<T> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        let before = buf.filled().len();
+        let r = Pin::new(&mut self.inner).poll_read(cx, buf);
+        if matches!(r, Poll::Ready(Ok(()))) && buf.filled().len() > before {
+            self.last.touch();
+        }
+        r
+    }
+}
+
+impl<T: AsyncWrite + Unpin> AsyncWrite for Tracked<T> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        let r = Pin::new(&mut self.inner).poll_write(cx, buf);
+        if matches!(r, Poll::Ready(Ok(n)) if n > 0) {
+            self.last.touch();
+        }
+        r
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+/// Aborts the task driving a connection into a sandbox when dropped (which closes the
+/// connection and frees its tunnel slot).
+struct AbortOnDrop(tokio::task::AbortHandle);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// A response body that holds the connection into the sandbox open until it is dropped
+/// (ended, or its client gone).
+struct HoldConn {
+    inner: Body,
+    _conn: AbortOnDrop,
+}
+
+impl http_body::Body for HoldConn {
+    type Data = axum::body::Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
+        Pin::new(&mut self.inner).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        http_body::Body::is_end_stream(&self.inner)
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        http_body::Body::size_hint(&self.inner)
+    }
+}
 
 /// Headers of one hop only (RFC 9110 §7.6.1), never forwarded as they are.
 const HOP_BY_HOP: [&str; 8] = [
@@ -217,6 +380,12 @@ pub async fn proxy(
     *out.uri_mut() = uri;
     *out.headers_mut() = headers;
 
+    let limits = st.cfg.ingress.clone();
+    let last = LastIo::new();
+    let conn = Tracked {
+        inner: conn,
+        last: last.clone(),
+    };
     let (mut sender, connection) = match hyper::client::conn::http1::Builder::new()
         .handshake::<_, Body>(TokioIo::new(conn))
         .await
@@ -224,24 +393,53 @@ pub async fn proxy(
         Ok(x) => x,
         Err(e) => return bad_gateway(format!("port {port} of sandbox {id}: {e}")),
     };
-    tokio::spawn(async move {
-        if let Err(e) = connection.with_upgrades().await {
-            tracing::debug!(error = %e, "ingress connection ended with an error");
+    // The connection into the sandbox lives in this task; aborting it (`hold` dropped:
+    // a timeout, the client gone, the body done) closes the connection.
+    let idle = last.clone();
+    let quiet_limit = limits.idle_timeout.max(limits.response_timeout);
+    let task = tokio::spawn(async move {
+        tokio::select! {
+            r = connection.with_upgrades() => if let Err(e) = r {
+                tracing::debug!(error = %e, "ingress connection ended with an error");
+            },
+            () = idle.quiet(quiet_limit) => {
+                tracing::debug!("ingress connection idle; closed");
+            }
         }
     });
-    let mut resp = match sender.send_request(out).await {
-        Ok(r) => r,
-        Err(e) => {
-            return bad_gateway(format!(
-                "port {port} of sandbox {id} did not answer (HTTP/1.1): {e}"
-            ))
+    let hold = AbortOnDrop(task.abort_handle());
+    let mut resp = tokio::select! {
+        r = sender.send_request(out) => match r {
+            Ok(r) => r,
+            Err(e) => {
+                return bad_gateway(format!(
+                    "port {port} of sandbox {id} did not answer (HTTP/1.1): {e}"
+                ))
+            }
+        },
+        () = last.quiet(limits.response_timeout) => {
+            drop(hold);
+            return ServerError::new(
+                ErrorCode::DeadlineExceeded,
+                format!(
+                    "port {port} of sandbox {id} sent no response head within {} s of \
+                     the last byte it took (ingress response timeout); the connection \
+                     was closed",
+                    limits.response_timeout.as_secs_f64()
+                ),
+            )
+            .into_response();
         }
     };
     let switched = resp.status() == StatusCode::SWITCHING_PROTOCOLS;
+    strip_hop_by_hop(resp.headers_mut(), switched && upgrade);
     if switched {
         if let Some(client) = client_upgrade {
             let app = hyper::upgrade::on(&mut resp);
             tokio::spawn(async move {
+                // Held until the pipe ends: the connection task hands its stream over
+                // to `app` when the upgrade completes.
+                let _hold = hold;
                 let (client, app) = match tokio::try_join!(client, app) {
                     Ok(x) => x,
                     Err(e) => {
@@ -251,12 +449,22 @@ pub async fn proxy(
                 };
                 let mut client = TokioIo::new(client);
                 let mut app = TokioIo::new(app);
-                let _ = tokio::io::copy_bidirectional(&mut client, &mut app).await;
+                tokio::select! {
+                    _ = tokio::io::copy_bidirectional(&mut client, &mut app) => {}
+                    () = last.quiet(limits.idle_timeout) => {
+                        tracing::debug!("upgraded ingress connection idle; closed");
+                    }
+                }
             });
+            return resp.map(Body::new);
         }
     }
-    strip_hop_by_hop(resp.headers_mut(), switched && upgrade);
-    resp.map(Body::new)
+    resp.map(|b| {
+        Body::new(HoldConn {
+            inner: Body::new(b),
+            _conn: hold,
+        })
+    })
 }
 
 #[cfg(test)]

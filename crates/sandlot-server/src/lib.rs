@@ -73,6 +73,8 @@ mod tests_checkpoints;
 #[cfg(test)]
 mod tests_hardening;
 #[cfg(test)]
+mod tests_ingress;
+#[cfg(test)]
 mod tests_observe;
 #[cfg(test)]
 mod tests_processes;
@@ -161,6 +163,8 @@ pub struct ServerConfig {
     pub trajectory_fsync: bool,
     /// Connection limits and timeouts ([`conn`]).
     pub conn: conn::ConnLimits,
+    /// Timeouts of ingress connections to ports inside sandboxes ([`ingress`]).
+    pub ingress: ingress::IngressLimits,
     /// Free space of the data directory's file system below which creates, checkpoints and
     /// uploads are refused (default 256 MiB; 0 = no check; [`disk_reserve`]).
     pub disk_reserve_bytes: u64,
@@ -203,6 +207,7 @@ impl ServerConfig {
             election: None,
             images_dir: None,
             conn: conn::ConnLimits::default(),
+            ingress: ingress::IngressLimits::default(),
             disk_reserve_bytes: 256 << 20,
             e2b: e2b::E2bConfig::default(),
         }

@@ -9,7 +9,7 @@
 //! | `Move {source, destination}` → `{entry}` | `mv` in the sandbox (destination's parents created) |
 //! | `Remove {path}` → `{}` | remove (a directory recursively); a missing path is not an error (envd's `os.RemoveAll`) |
 //! | `GET /files?path=&username=` → the bytes | read, at most `max_file_bytes`; over 1 MiB streamed as read |
-//! | `POST /files?path=&username=`, `multipart/form-data` (part `file`, its filename the path when `path` is absent) or `application/octet-stream` → `[{name, type: "file", path}]` | write (parents created), at most `max_file_bytes` per file; streamed to the node as it arrives unless gzip |
+//! | `POST /files?path=&username=`, `multipart/form-data` (part `file`, its filename the path when `path` is absent) or `application/octet-stream` → `[{name, type: "file", path}]` | write (parents created), at most `max_file_bytes` per file; streamed to the node as it arrives (gzip inflated on the way) |
 //!
 //! `EntryInfo` is `{name, type: FILE_TYPE_FILE|FILE_TYPE_DIRECTORY|FILE_TYPE_SYMLINK, path,
 //! size, mode, permissions ("-rw-r--r--"), owner, group, modifiedTime}`; owner and group are
@@ -18,11 +18,11 @@
 //! `CreateWatcher`, `GetWatcherEvents`, `RemoveWatcher`) are served by [`super::watch`].
 //!
 //! **gzip** (what the SDK's `gzip=True` sends): an upload with `Content-Encoding: gzip`
-//! (or `x-gzip`) is inflated before it is parsed, at most `max_file_bytes` (+ 64 KiB of
-//! multipart framing) inflated bytes — more is refused with 413 without inflating further
-//! ([`gunzip_bounded`]), data that is not gzip with 400, any other encoding with 400. The
-//! inflated bytes take their share of the server's file data budget as they grow, like a
-//! plain upload of that size (429 when the budget stays full). A
+//! (or `x-gzip`) is inflated as it arrives and streamed on like a plain upload
+//! ([`gunzip_stream`]: ~100 KiB of memory whatever the ratio), at most `max_file_bytes`
+//! inflated bytes per file (+ 64 KiB of multipart framing in all) — more is refused with
+//! 413 without inflating further and leaves nothing of that file, data that is not gzip
+//! (or cut short) 400, any other encoding 400. A
 //! download whose `Accept-Encoding` accepts gzip ([`accepts_gzip`]) is sent gzip-compressed
 //! as it goes out, with `Content-Encoding: gzip`, when its data is [`compressible`] and at
 //! most [`STREAM_DOWNLOAD_ABOVE`] (1 MiB; larger files stream out as they are); random,
@@ -416,56 +416,115 @@ fn body_encoding(h: &HeaderMap) -> Result<BodyEncoding, ServerError> {
     }
 }
 
-/// The decompressed bytes of gzip data `gz` (every member, RFC 1952), at most `limit`
-/// bytes, inflated 64 KiB at a time: `grow(n)` is called before the output passes `n`
-/// bytes not yet accounted for (first `n` = the size the gzip trailer declares, then
-/// doubling), so the caller reserves memory as it is used; more than `limit` is refused
-/// without inflating further, so a gzip bomb costs at most `limit` + 64 KiB of memory.
-///
-/// # Errors
-/// `payload_too_large` when the data inflates to more than `limit` bytes;
-/// `invalid_argument` when it is not gzip; `grow`'s errors.
-pub fn gunzip_bounded(
-    gz: &[u8],
-    limit: usize,
-    mut grow: impl FnMut(usize) -> Result<(), ServerError>,
-) -> Result<Bytes, ServerError> {
-    use std::io::Read;
-    const STEP: usize = 64 * 1024;
-    // ISIZE (RFC 1952 2.3.1): the last member's size mod 2^32; only a first estimate.
-    let declared = gz
-        .len()
-        .checked_sub(4)
-        .map(|i| u32::from_le_bytes([gz[i], gz[i + 1], gz[i + 2], gz[i + 3]]) as usize)
-        .unwrap_or(0);
-    let mut accounted = declared.clamp(STEP, limit.max(STEP));
-    grow(accounted)?;
-    let mut out: Vec<u8> = Vec::new();
-    let mut dec = flate2::read::MultiGzDecoder::new(gz);
-    let mut buf = vec![0u8; STEP];
-    loop {
-        let n = dec.read(&mut buf).map_err(|e| {
-            ServerError::invalid(format!(
-                "the upload says Content-Encoding: gzip but is not gzip data: {e}"
-            ))
-        })?;
-        if n == 0 {
-            break;
-        }
-        if out.len() + n > limit {
-            return Err(ServerError::new(
-                ErrorCode::PayloadTooLarge,
-                format!("the gzip upload inflates to more than the limit of {limit} bytes"),
-            ));
-        }
-        if out.len() + n > accounted {
-            let more = accounted.min(limit - accounted).max(STEP);
-            grow(more)?;
-            accounted += more;
-        }
-        out.extend_from_slice(&buf[..n]);
+/// Why a [`gunzip_stream`] stopped with an error: the error its stream yielded was
+/// about the gzip data itself, and the upload answers this instead of what its reader
+/// made of the broken stream.
+#[derive(Debug, Default)]
+pub struct GunzipFailure(std::sync::Mutex<Option<ServerError>>);
+
+impl GunzipFailure {
+    fn set(&self, e: ServerError) {
+        *self.0.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
     }
-    Ok(Bytes::from(out))
+
+    /// The error, once (None when the gzip data was fine).
+    pub fn take(&self) -> Option<ServerError> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).take()
+    }
+}
+
+/// Input bytes of a gzip upload [`gunzip_stream`] hands the inflater per call: each call
+/// yields at most the inflater's 32 KiB buffer, so output is bounded per step whatever the
+/// ratio.
+const GUNZIP_STEP: usize = 8 * 1024;
+/// Inflated bytes [`gunzip_stream`] gathers before it yields a chunk.
+const GUNZIP_CHUNK: usize = 64 * 1024;
+
+/// `body` (gzip data, every member, RFC 1952) inflated as it arrives: a stream of chunks
+/// of about [`GUNZIP_CHUNK`] bytes, at most `limit` inflated bytes in all, never more than
+/// a chunk and the inflater's buffers (~100 KiB) in memory whatever the compression ratio
+/// (a gzip bomb is stopped at `limit` without inflating further). Inflating runs in the
+/// consumer's task, a bounded step per poll.
+///
+/// On an error the stream yields an `io::Error` and ends; what the caller should answer is
+/// left in `failure`: `payload_too_large` past `limit`, `invalid_argument` for data that
+/// is not gzip (or a truncated one). An error of `body` itself is passed on as it is
+/// (`failure` stays empty).
+pub fn gunzip_stream<S, E>(
+    body: S,
+    limit: u64,
+    failure: std::sync::Arc<GunzipFailure>,
+) -> impl futures::Stream<Item = std::io::Result<Bytes>> + Send + 'static
+where
+    S: futures::Stream<Item = Result<Bytes, E>> + Send + Unpin + 'static,
+    E: Into<Box<dyn std::error::Error + Send + Sync>> + 'static,
+{
+    use futures::StreamExt;
+    use std::io::Write;
+    struct State<S> {
+        body: S,
+        dec: flate2::write::MultiGzDecoder<Vec<u8>>,
+        pending: Bytes,
+        out_total: u64,
+        ended: bool,
+    }
+    let bad = {
+        let failure = failure.clone();
+        move |e: std::io::Error| {
+            let msg = format!("the upload says Content-Encoding: gzip but is not gzip data: {e}");
+            failure.set(ServerError::invalid(msg.clone()));
+            std::io::Error::new(std::io::ErrorKind::InvalidData, msg)
+        }
+    };
+    let state = State {
+        body,
+        dec: flate2::write::MultiGzDecoder::new(Vec::with_capacity(GUNZIP_CHUNK)),
+        pending: Bytes::new(),
+        out_total: 0,
+        ended: false,
+    };
+    futures::stream::try_unfold(state, move |mut s| {
+        let bad = bad.clone();
+        let failure = failure.clone();
+        async move {
+            // An `Err` ends the stream (try_unfold drops the state).
+            loop {
+                let have = s.dec.get_ref().len();
+                if s.out_total + have as u64 > limit {
+                    let msg =
+                        format!("the gzip upload inflates to more than the limit of {limit} bytes");
+                    failure.set(ServerError::new(ErrorCode::PayloadTooLarge, msg.clone()));
+                    return Err(std::io::Error::other(msg));
+                }
+                if have >= GUNZIP_CHUNK || (s.ended && have > 0) {
+                    let out = std::mem::take(s.dec.get_mut());
+                    s.out_total += out.len() as u64;
+                    return Ok(Some((Bytes::from(out), s)));
+                }
+                if s.ended {
+                    return Ok(None);
+                }
+                if !s.pending.is_empty() {
+                    let step = s.pending.len().min(GUNZIP_STEP);
+                    let n = s.dec.write(&s.pending[..step]).map_err(&bad)?;
+                    if n == 0 {
+                        return Err(bad(std::io::Error::other("the inflater took no input")));
+                    }
+                    let _ = s.pending.split_to(n);
+                    continue;
+                }
+                match s.body.next().await {
+                    Some(Ok(c)) => s.pending = c,
+                    Some(Err(e)) => return Err(std::io::Error::other(e)),
+                    None => {
+                        // The end: a truncated member is an error, not a short file.
+                        s.dec.try_finish().map_err(&bad)?;
+                        s.ended = true;
+                    }
+                }
+            }
+        }
+    })
 }
 
 /// Whether `Accept-Encoding` accepts gzip (a `gzip` or `x-gzip` coding whose `q` is not
@@ -640,16 +699,15 @@ pub const MULTIPART_FRAMING: usize = 64 * 1024;
 
 /// `POST /files?path=P[&username=U]` (module docs) → `[{name, type, path}]`.
 ///
-/// Without `Content-Encoding`, the body is streamed to the node as it arrives, no whole
-/// file in server memory: an octet-stream body to `path`, a `multipart/form-data` body part
-/// by part (`stream_multipart`; files of parts before a malformed or refused part stay
-/// written), each at most `max_file_bytes` (413 `payload_too_large` past it, nothing left
-/// of that file); [`crate::budget::STREAM_SHARE`] of the file budget is held.
-///
-/// A gzip body is buffered and inflated ([`gunzip_bounded`]), its parts gathered by
-/// [`multipart_files`]; the server's file budget holds
-/// [`crate::files::UPLOAD_SHARE_FACTOR`] × `Content-Length` (and the inflated bytes their
-/// share) until the answer, and nothing is written before the whole body parsed.
+/// The body is streamed to the node as it arrives, no whole file in server memory: an
+/// octet-stream body to `path`, a `multipart/form-data` body part by part
+/// (`stream_multipart`; files of parts before a malformed or refused part stay written),
+/// each at most `max_file_bytes` (413 `payload_too_large` past it, nothing left of that
+/// file); [`crate::budget::STREAM_SHARE`] of the file budget is held. A gzip body
+/// (`Content-Encoding: gzip`) is inflated on the way ([`gunzip_stream`]): the limits count
+/// inflated bytes (a multipart body at most `max_file_bytes` + [`MULTIPART_FRAMING`] of
+/// them in all), a gzip bomb is cut off at the limit (413, nothing left of the file it was
+/// writing), data that is not gzip is 400 `invalid_argument`.
 pub async fn upload(State(st): State<SharedState>, req: Request) -> Response {
     let (req, body) = req.into_parts();
     let r = async {
@@ -681,125 +739,57 @@ pub async fn upload(State(st): State<SharedState>, req: Request) -> Response {
             .and_then(|v| v.parse::<u64>().ok())
             .unwrap_or(limit as u64)
             .min(limit as u64 + 1);
-        if encoding == BodyEncoding::Identity {
-            // Streamed to the node part by part: a small budget share, no whole file held.
-            let (_share, _) = st
-                .file_budget
-                .reserve(len.min(crate::budget::STREAM_SHARE))
-                .await?;
-            crate::disk_reserve::check(&st)?;
-            let declared = crate::files::content_length(&req.headers);
-            let out = match boundary {
-                None => {
-                    let p = ctx.q.path.as_deref().unwrap_or_default();
-                    let path = resolve_files(p, &ctx.home)?;
-                    let stream = body.into_data_stream();
-                    crate::files::stream_upload(
-                        &st,
-                        &ctx.id,
-                        &path,
-                        declared,
-                        stream,
-                        limit as u64,
-                    )
-                    .await?;
-                    vec![written_entry(&path)]
-                }
-                Some(b) => {
-                    stream_multipart(&st, &ctx, body.into_data_stream(), b, limit as u64).await?
-                }
-            };
-            return Ok::<_, ServerError>(axum::Json(out).into_response());
-        }
+        // Streamed to the node part by part, inflated on the way when gzip: a small
+        // budget share, no whole file held.
         let (_share, _) = st
             .file_budget
-            .reserve(len.saturating_mul(crate::files::UPLOAD_SHARE_FACTOR))
+            .reserve(len.min(crate::budget::STREAM_SHARE))
             .await?;
-        let too_large = |e: axum::Error| {
-            ServerError::new(
-                ErrorCode::PayloadTooLarge,
-                format!("upload over the limit of {limit} bytes: {e}"),
-            )
-        };
-        // The inflated bytes take their own share of the file budget as they grow (held
-        // with `_inflated` until the answer), like a plain upload of that size.
-        let mut _inflated = Vec::new();
-        let parts: Vec<(Option<String>, Bytes)> = match encoding {
-            BodyEncoding::Identity => match boundary {
-                Some(b) => multipart_files(body.into_data_stream(), b, limit, len as usize).await?,
-                None => vec![(
-                    None,
-                    axum::body::to_bytes(body, limit).await.map_err(too_large)?,
-                )],
-            },
-            BodyEncoding::Gzip => {
-                let gz = axum::body::to_bytes(body, limit + MULTIPART_FRAMING)
-                    .await
-                    .map_err(too_large)?;
-                let budget = st.file_budget.clone();
-                let rt = tokio::runtime::Handle::current();
-                let (r, permits) = tokio::task::spawn_blocking(move || {
-                    let mut permits = Vec::new();
-                    let r = gunzip_bounded(&gz, limit + MULTIPART_FRAMING, |n| {
-                        let bytes = (n as u64).saturating_mul(crate::files::UPLOAD_SHARE_FACTOR);
-                        let (p, _) = rt.block_on(budget.reserve(bytes))?;
-                        permits.push(p);
-                        Ok(())
-                    });
-                    (r, permits)
-                })
-                .await
-                .map_err(|e| ServerError::new(ErrorCode::Internal, format!("gunzip task: {e}")))?;
-                _inflated = permits;
-                let inflated = r?;
-                match boundary {
-                    Some(b) => {
-                        let n = inflated.len();
-                        let one = futures::stream::once(async move {
-                            Ok::<_, std::convert::Infallible>(inflated)
-                        });
-                        multipart_files(one, b, limit, n).await?
-                    }
-                    None => vec![(None, inflated)],
-                }
-            }
-        };
-        let n = parts.len();
-        let files = parts
-            .into_iter()
-            .map(|(name, data)| {
-                let p = match (&ctx.q.path, name) {
-                    (Some(p), _) if n == 1 => p.clone(),
-                    (_, Some(f)) => f,
-                    (Some(p), None) => p.clone(),
-                    (None, None) => {
-                        return Err(ServerError::invalid(
-                            "a multipart part has no filename and there is no `path`",
-                        ))
-                    }
-                };
-                Ok((resolve_files(&p, &ctx.home)?, data))
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        if files.is_empty() {
-            return Err(ServerError::invalid("the upload has no file"));
-        }
         crate::disk_reserve::check(&st)?;
-        let mut out = Vec::new();
-        for (path, data) in files {
-            if data.len() > limit {
-                return Err(ServerError::new(
-                    ErrorCode::PayloadTooLarge,
-                    format!("{path}: over the limit of {limit} bytes"),
-                ));
+        use futures::TryStreamExt;
+        let failure = std::sync::Arc::new(GunzipFailure::default());
+        let (declared, body): (Option<u64>, BodyStream) = match encoding {
+            BodyEncoding::Identity => (
+                crate::files::content_length(&req.headers),
+                Box::pin(body.into_data_stream().err_into::<BoxError>()),
+            ),
+            // `Content-Length` counts gzip bytes, not the file's.
+            BodyEncoding::Gzip => {
+                let most = if boundary.is_some() {
+                    limit as u64 + MULTIPART_FRAMING as u64
+                } else {
+                    limit as u64 + 1
+                };
+                (
+                    None,
+                    Box::pin(
+                        gunzip_stream(body.into_data_stream(), most, failure.clone())
+                            .err_into::<BoxError>(),
+                    ),
+                )
             }
-            st.node.write_file(&ctx.id, &path, data).await?;
-            out.push(written_entry(&path));
-        }
+        };
+        let out = match boundary {
+            None => {
+                let p = ctx.q.path.as_deref().unwrap_or_default();
+                let path = resolve_files(p, &ctx.home)?;
+                crate::files::stream_upload(&st, &ctx.id, &path, declared, body, limit as u64)
+                    .await
+                    .map(|_| vec![written_entry(&path)])
+            }
+            Some(b) => stream_multipart(&st, &ctx, body, b, limit as u64).await,
+        };
+        let out = out.map_err(|e| failure.take().unwrap_or(e))?;
         Ok::<_, ServerError>(axum::Json(out).into_response())
     };
     r.await.unwrap_or_else(files_error)
 }
+
+/// An error of an upload body's stream.
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// An upload body as a stream of chunks (identity, or inflated by [`gunzip_stream`]).
+type BodyStream = std::pin::Pin<Box<dyn futures::Stream<Item = Result<Bytes, BoxError>> + Send>>;
 
 /// The answer entry `{name, type: "file", path}` of a file written at `path`.
 fn written_entry(path: &str) -> serde_json::Value {
@@ -860,61 +850,6 @@ where
     Ok(out)
 }
 
-/// The parts of a `multipart/form-data` body (RFC 7578) with boundary `boundary`, parsed
-/// by `multer` as `body` arrives: `(filename, content)` each, the content of each part
-/// gathered into one buffer (the first sized `size_hint` bytes, the body's length), at
-/// most `limit` bytes per part and `limit` + [`MULTIPART_FRAMING`] in all.
-///
-/// # Errors
-/// `payload_too_large` over the limits; `invalid_argument` for a malformed body or one
-/// that could not be read.
-pub async fn multipart_files<S, E>(
-    body: S,
-    boundary: String,
-    limit: usize,
-    size_hint: usize,
-) -> Result<Vec<(Option<String>, Bytes)>, ServerError>
-where
-    S: futures::Stream<Item = Result<Bytes, E>> + Send + 'static,
-    E: Into<Box<dyn std::error::Error + Send + Sync>> + 'static,
-{
-    let constraints = multer::Constraints::new().size_limit(
-        multer::SizeLimit::new()
-            .whole_stream((limit + MULTIPART_FRAMING) as u64)
-            .per_field(limit as u64),
-    );
-    let err = |e: multer::Error| match e {
-        multer::Error::StreamSizeExceeded { .. } | multer::Error::FieldSizeExceeded { .. } => {
-            ServerError::new(
-                ErrorCode::PayloadTooLarge,
-                format!("upload over the limit of {limit} bytes: {e}"),
-            )
-        }
-        multer::Error::StreamReadFailed(e) => {
-            ServerError::invalid(format!("reading the upload: {e}"))
-        }
-        e => ServerError::invalid(format!("malformed multipart body: {e}")),
-    };
-    let mut mp = multer::Multipart::with_constraints(body, boundary, constraints);
-    let mut parts = Vec::new();
-    while let Some(mut field) = mp.next_field().await.map_err(err)? {
-        let name = field
-            .file_name()
-            .filter(|f| !f.is_empty())
-            .map(str::to_owned);
-        let mut buf = bytes::BytesMut::with_capacity(if parts.is_empty() {
-            size_hint.min(limit)
-        } else {
-            0
-        });
-        while let Some(chunk) = field.chunk().await.map_err(err)? {
-            buf.extend_from_slice(&chunk);
-        }
-        parts.push((name, buf.freeze()));
-    }
-    Ok(parts)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -930,39 +865,84 @@ mod tests {
         assert_eq!(parent("/a"), None);
     }
 
-    #[test]
-    fn gzip_both_ways_and_bombs_are_bounded() {
+    /// `gz` through [`gunzip_stream`] in chunks of `chunk` bytes: the inflated bytes (or
+    /// the stream's error), what `failure` says, and the largest chunk it yielded.
+    async fn gunzip_all(
+        gz: Vec<u8>,
+        chunk: usize,
+        limit: u64,
+    ) -> (std::io::Result<Vec<u8>>, Option<ServerError>, usize) {
+        use futures::StreamExt;
+        let chunks: Vec<Result<Bytes, std::convert::Infallible>> = gz
+            .chunks(chunk)
+            .map(|c| Ok(Bytes::copy_from_slice(c)))
+            .collect();
+        let failure = std::sync::Arc::new(GunzipFailure::default());
+        let mut s = Box::pin(gunzip_stream(
+            futures::stream::iter(chunks),
+            limit,
+            failure.clone(),
+        ));
+        let (mut out, mut largest) = (Vec::new(), 0);
+        while let Some(c) = s.next().await {
+            match c {
+                Ok(c) => {
+                    largest = largest.max(c.len());
+                    out.extend_from_slice(&c);
+                }
+                Err(e) => return (Err(e), failure.take(), largest),
+            }
+        }
+        (Ok(out), failure.take(), largest)
+    }
+
+    #[tokio::test]
+    async fn gzip_both_ways_and_bombs_are_bounded() {
         let data = b"hello gzip ".repeat(1000);
-        let gz = gzip(&data);
+        let gz = gzip(&data).to_vec();
         assert!(gz.len() < data.len() / 10);
-        let ok = |_| Ok(());
-        assert_eq!(&gunzip_bounded(&gz, data.len(), ok).unwrap()[..], &data[..]);
-        let e = gunzip_bounded(&gz, data.len() - 1, ok).unwrap_err();
-        assert_eq!(e.api_error().code, ErrorCode::PayloadTooLarge);
-        let two = [gz.to_vec(), gzip(b"!").to_vec()].concat();
+        for chunk in [1, 7, 1 << 20] {
+            let (out, failure, _) = gunzip_all(gz.clone(), chunk, data.len() as u64).await;
+            assert_eq!(out.unwrap(), data, "chunks of {chunk}");
+            assert!(failure.is_none());
+        }
+        let (out, failure, _) = gunzip_all(gz.clone(), 100, data.len() as u64 - 1).await;
+        assert!(out.is_err());
         assert_eq!(
-            gunzip_bounded(&two, 1 << 20, ok).unwrap().len(),
-            data.len() + 1
+            failure.unwrap().api_error().code,
+            ErrorCode::PayloadTooLarge
         );
-        let e = gunzip_bounded(b"not gzip", 100, ok).unwrap_err();
-        assert_eq!(e.api_error().code, ErrorCode::InvalidArgument);
-        // Memory is accounted as it grows: two members whose trailer (the last one's)
-        // declares 1 byte still have every inflated byte accounted before it is kept.
-        let big = vec![7u8; 1 << 20];
-        let members = [gzip(&big).to_vec(), gzip(b"!").to_vec()].concat();
-        let mut total = 0;
-        let out = gunzip_bounded(&members, 4 << 20, |n| {
-            total += n;
-            Ok(())
-        })
-        .unwrap();
-        assert_eq!(out.len(), big.len() + 1);
-        assert!(total >= out.len() && total <= 2 * out.len(), "{total}");
-        let e = gunzip_bounded(&gz, 1 << 20, |_| {
-            Err(ServerError::new(ErrorCode::ResourceExhausted, "budget"))
-        })
-        .unwrap_err();
-        assert_eq!(e.api_error().code, ErrorCode::ResourceExhausted);
+        let two = [gz.clone(), gzip(b"!").to_vec()].concat();
+        let (out, _, _) = gunzip_all(two, 5, 1 << 20).await;
+        assert_eq!(out.unwrap().len(), data.len() + 1);
+        // Not gzip, cut short, empty: 400 with what was wrong.
+        for bad in [
+            b"not gzip".to_vec(),
+            gz[..gz.len() - 5].to_vec(),
+            Vec::new(),
+        ] {
+            let (out, failure, _) = gunzip_all(bad.clone(), 3, 1 << 20).await;
+            assert!(out.is_err(), "{bad:?}");
+            let e = failure.unwrap().api_error();
+            assert_eq!(e.code, ErrorCode::InvalidArgument);
+            assert!(e.message.contains("not gzip data"), "{}", e.message);
+        }
+        // A bomb: 512 MiB of zeros in ~500 KiB of gzip, fed in 64 KiB chunks, stops at a
+        // 4 MiB limit having yielded chunks of at most ~100 KiB.
+        let mut enc = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+        let zeros = vec![0u8; 1 << 20];
+        for _ in 0..512 {
+            std::io::Write::write_all(&mut enc, &zeros).unwrap();
+        }
+        let bomb = enc.finish().unwrap();
+        assert!(bomb.len() < 1 << 20, "{}", bomb.len());
+        let (out, failure, largest) = gunzip_all(bomb, 64 << 10, 4 << 20).await;
+        assert!(out.is_err());
+        assert_eq!(
+            failure.unwrap().api_error().code,
+            ErrorCode::PayloadTooLarge
+        );
+        assert!(largest <= GUNZIP_CHUNK + (32 << 10), "{largest}");
         let mut h = HeaderMap::new();
         assert!(!accepts_gzip(&h));
         for (v, want) in [
@@ -985,37 +965,6 @@ mod tests {
     fn permission_strings() {
         assert_eq!(permissions(FileType::File, 0o644), "-rw-r--r--");
         assert_eq!(permissions(FileType::Dir, 0o755), "drwxr-xr-x");
-    }
-
-    #[tokio::test]
-    async fn multipart_parts() {
-        let body: &'static [u8] = b"--XyZ\r\nContent-Disposition: form-data; name=\"file\"; filename=\"/tmp/a.txt\"\r\nContent-Type: application/octet-stream\r\n\r\nhello\r\n--XyZ\r\nContent-Disposition: form-data; name=\"file\"; filename=\"b\"\r\n\r\nline\r\n\r\n--XyZ--\r\n";
-        // Chunks split anywhere, a boundary included.
-        let parse = |b: &'static [u8], boundary: &str, limit: usize| {
-            let chunks: Vec<Result<Bytes, std::convert::Infallible>> =
-                b.chunks(7).map(|c| Ok(Bytes::from_static(c))).collect();
-            multipart_files(
-                futures::stream::iter(chunks),
-                boundary.into(),
-                limit,
-                b.len(),
-            )
-        };
-        let p = parse(body, "XyZ", 1 << 20).await.unwrap();
-        assert_eq!(p.len(), 2);
-        assert_eq!(p[0].0.as_deref(), Some("/tmp/a.txt"));
-        assert_eq!(&p[0].1[..], b"hello");
-        assert_eq!(p[1].0.as_deref(), Some("b"));
-        assert_eq!(&p[1].1[..], b"line\r\n");
-        let e = parse(body, "Q", 1 << 20).await.unwrap_err();
-        assert_eq!(e.api_error().code, ErrorCode::InvalidArgument);
-        let e = parse(b"--XyZ\r\nno header end", "XyZ", 1 << 20)
-            .await
-            .unwrap_err();
-        assert_eq!(e.api_error().code, ErrorCode::InvalidArgument);
-        let e = parse(body, "XyZ", 4).await.unwrap_err();
-        assert_eq!(e.api_error().code, ErrorCode::PayloadTooLarge);
-        assert!(multer::parse_boundary("multipart/form-data").is_err());
     }
 
     #[test]
