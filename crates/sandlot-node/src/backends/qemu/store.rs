@@ -25,8 +25,9 @@
 //!                                   once per node and image version, mode 0444
 //! ```
 //!
-//! Image disks outside the node's `DATA/<backend>/images/` (a lazy image's disk served by
-//! FUSE, the same bytes on every node) are named where they are.
+//! A lazy image's disk (a FUSE mount `lazy-<index hex>/` below `images/`) is copied too,
+//! which reads it whole. A backing file outside the node's `DATA/<backend>/images/` (none
+//! today) is named where it is.
 //!
 //! A resume on the same node reads `memory.state` there (the fast path: no copy, its own
 //! disk). A resume on another node ([`crate::Node::adopt_snapshot`]) first **claims** the
