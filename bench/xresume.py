@@ -1,19 +1,20 @@
 #!/usr/bin/env python3
-"""Cross-node vs same-node resume of a paused microVM (issue 22, "Benchmarks": "Real nodes:
-cross-node resume of a paused microVM vs same-node resume (ratio)").
+"""Cross-node vs same-node resume of a paused microVM or VM (issue 22, "Benchmarks": "Real
+nodes: cross-node resume of a paused microVM vs same-node resume (ratio)").
 
 Usage (as root, after scripts/setup.sh; etcd installed; no other local cluster up):
 
     .venv/bin/python bench/xresume.py [--binary target/release/sandlot] [--rounds 3]
-                                      [--write BENCHMARKS.md]
+                                      [--backend microvm|vm] [--write BENCHMARKS.md]
 
 Starts `scripts/cluster.sh up DIR 2` (nodes with `--snapshot-dir DIR/snapshots`, node lease
-3 s, templates off), creates one microVM (image `python`, 256 MiB) with a background loop,
-then per round, on the same sandbox:
+3 s, templates off), creates one microVM (or, with `--backend vm`, one q35 VM; image
+`python`, 256 MiB) with a background loop, then per round, on the same sandbox:
 
   same:  pause, resume (its node alive: the fast path, memory read from the store).
   cross: pause, kill -9 of its node, wait until it left etcd, resume (timed: the other node
-         claims the snapshot, copies the disk, restores), `cluster.sh node-start` of the
+         claims the snapshot, copies the disk (a vm: its qcow2 layers), restores),
+         `cluster.sh node-start` of the
          killed node (its orphan is deleted by the rejoin reconcile).
 
 Times are the `POST /v1/sandboxes:resume` call through the server (client wall time).
@@ -44,6 +45,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--binary", default=str(ROOT / "target" / "release" / "sandlot"))
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--backend", choices=["microvm", "vm"], default="microvm")
     ap.add_argument("--write")
     a = ap.parse_args()
     d = Path(f"/var/tmp/sandlot-xresume-bench-{os.getpid()}")
@@ -57,9 +59,9 @@ def main() -> None:
     url = next(ln.split()[1] for ln in up.stdout.splitlines() if ln.startswith("server "))
     same, cross = [], []
     try:
-        c = sandlot.Client(url, timeout=120, retries=0)
+        c = sandlot.Client(url, timeout=300, retries=0)
         tag = uuid.uuid4().hex[:12]
-        box = c.create(backend="microvm", image="python", memory_mib=256, ttl_s=900,
+        box = c.create(backend=a.backend, image="python", memory_mib=256, ttl_s=900,
                        labels={"xrb": tag})
         box.spawn(["sh", "-c", "while :; do date >> /workspace/t; sleep 0.2; done"],
                   timeout_s=900)
@@ -92,11 +94,12 @@ def main() -> None:
         shutil.rmtree(d, ignore_errors=True)
     ms = lambda xs: ", ".join(f"{x * 1000:.0f}" for x in xs)  # noqa: E731
     ratio = statistics.median(cross) / statistics.median(same)
+    what, flag = ("microVM", "") if a.backend == "microvm" else ("VM (q35)", " --backend vm")
     out = (f"\n## {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} — cross-node vs "
-           "same-node resume of a paused microVM (TCG)\n\n"
-           f"Command: `.venv/bin/python bench/xresume.py --rounds {a.rounds}`; this 2-core "
+           f"same-node resume of a paused {what} (TCG)\n\n"
+           f"Command: `.venv/bin/python bench/xresume.py --rounds {a.rounds}{flag}`; this 2-core "
            "host (Debian 12, TCG), `scripts/cluster.sh up DIR 2` (both nodes and the shared "
-           "store `DIR/snapshots` on one local disk), microVM `python` 256 MiB with a "
+           f"store `DIR/snapshots` on one local disk), {what} `python` 256 MiB with a "
            "background loop; time of `POST /v1/sandboxes:resume` through the server.\n\n"
            "| resume | runs (ms) | median (ms) |\n|---|---|---|\n"
            f"| same node (node alive) | {ms(same)} | {statistics.median(same) * 1000:.0f} |\n"
@@ -109,6 +112,8 @@ def main() -> None:
 
         p = Path(a.write)
         key = f"{time.strftime('%Y-%m-%d', time.gmtime())} xresume"
+        if a.backend != "microvm":
+            key += f" {a.backend}"
         p.write_text(R.upsert_section(p.read_text() if p.exists() else "", key, out.strip()))
 
 if __name__ == "__main__":

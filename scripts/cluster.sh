@@ -52,7 +52,7 @@
 # DIR/server.{pid,url,cmd,log} (I = 0) or DIR/serverI.{pid,url,cmd,log}. Logs: also DIR/nodeI.log,
 # DIR/etcd/mI.log, DIR/pg/postgres.log. Every node gets `--snapshot-dir DIR/snapshots`, the
 # shared snapshot store (one directory of this host, as an NFS mount would be on several),
-# so a paused microVM resumes on another node when its own is gone.
+# so a paused microVM or VM resumes on another node when its own is gone.
 set -euo pipefail
 
 die() { echo "cluster.sh: $*" >&2; exit 1; }

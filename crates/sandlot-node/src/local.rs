@@ -208,6 +208,8 @@ pub struct LocalNode {
     accel: Option<std::sync::Arc<AccelProbe>>,
     /// Network policies of every backend that applies them (state in `DATA/net`).
     net: std::sync::Arc<crate::net::NodeNet>,
+    /// The shared snapshot store (`--snapshot-dir`), when given and usable.
+    snapshot_store: Option<crate::backends::qemu::store::SnapshotStore>,
 }
 
 /// Backends that apply `network: {"allow": [...]}` (veth, nftables and the filtering
@@ -326,6 +328,14 @@ impl LocalNode {
         let qemu_uids = crate::backends::qemu::QemuUids::new(uids.clone());
         let probe = crate::backends::qemu::accel_from_env()
             .map(|forced| AccelProbe::new(forced, qemu_uids.clone()));
+        // One store for both QEMU backends (`--snapshot-dir`); a bad one makes them
+        // unavailable with the reason.
+        let snapshot_store = cfg
+            .snapshot_dir
+            .as_ref()
+            .map(|d| crate::backends::qemu::store::SnapshotStore::open(d, &cfg.name))
+            .transpose()
+            .map_err(|e| format!("snapshot dir: {e}"));
         let microvm = (|| -> Result<MicrovmBackend, String> {
             if !nix::unistd::Uid::effective().is_root() {
                 return Err("the microvm backend needs root (cgroups)".into());
@@ -341,13 +351,7 @@ impl LocalNode {
                     probe: probe.clone()?,
                     uids: qemu_uids.clone(),
                     images: images.clone(),
-                    snapshot_store: match &cfg.snapshot_dir {
-                        Some(d) => Some(
-                            crate::backends::qemu::store::SnapshotStore::open(d, &cfg.name)
-                                .map_err(|e| format!("snapshot dir: {e}"))?,
-                        ),
-                        None => None,
-                    },
+                    snapshot_store: snapshot_store.clone()?,
                     net: Some(net.clone()),
                 },
                 cg,
@@ -373,6 +377,7 @@ impl LocalNode {
                     images: images.clone(),
                     checkpoints_dir: cfg.data_dir.join("checkpoints"),
                     net: Some(net.clone()),
+                    snapshot_store: snapshot_store.clone()?,
                 },
                 cg,
             )
@@ -430,6 +435,7 @@ impl LocalNode {
             },
             accel: probe.ok(),
             net,
+            snapshot_store: snapshot_store.ok().flatten(),
         })
     }
 
@@ -784,8 +790,23 @@ impl Node for LocalNode {
         self.owner(id)?.resume(id).await
     }
 
+    /// The backend the snapshot's manifest names (`microvm`, `vm`) takes it over.
     async fn adopt_snapshot(&self, id: &str) -> NodeResult<()> {
-        match self.backend(Backend::Microvm) {
+        let Some(store) = self.snapshot_store.clone() else {
+            return Err(NodeError::NotFound(format!(
+                "no shared snapshot of sandbox {id}: node has no --snapshot-dir"
+            )));
+        };
+        crate::backends::check_id(id)?;
+        let i = id.to_owned();
+        let kind = match crate::sys::spawn_blocking(move || store.backend_of(&i))
+            .await?
+            .as_str()
+        {
+            "vm" => Backend::Vm,
+            _ => Backend::Microvm,
+        };
+        match self.backend(kind) {
             Ok(b) => b.adopt_snapshot(id).await,
             Err(e) => Err(NodeError::NotFound(format!(
                 "no shared snapshot of sandbox {id} can be taken here: {e}"

@@ -320,7 +320,7 @@ impl ClusterNode {
         Ok(n)
     }
 
-    /// Cross-node resume: asks the registered nodes that run `microvm` (all but `exclude`,
+    /// Cross-node resume: asks the registered nodes that run `microvm` or `vm` (all but `exclude`,
     /// the sandbox's own node) in turn to take sandbox `id` over from the shared snapshot
     /// store ([`Node::adopt_snapshot`]); the first that does becomes its route. Returns
     /// that node's name.
@@ -334,12 +334,15 @@ impl ClusterNode {
             .set
             .nodes()
             .values()
-            .filter(|r| Some(r.name.as_str()) != exclude && r.backends.contains(&Backend::Microvm))
+            .filter(|r| {
+                Some(r.name.as_str()) != exclude
+                    && (r.backends.contains(&Backend::Microvm) || r.backends.contains(&Backend::Vm))
+            })
             .map(|r| (r.usage.sandboxes, r.name.clone()))
             .collect();
         names.sort();
         let mut last = NodeError::NotFound(format!(
-            "sandbox {id}: its node is gone and no other node can resume it (no node with the shared snapshot store runs microvm)"
+            "sandbox {id}: its node is gone and no other node can resume it (no node with the shared snapshot store runs microvm or vm)"
         ));
         for (_, name) in names {
             let node = match self.remote(&name).await {
@@ -865,7 +868,7 @@ pub async fn mark_node_lost(st: &SharedState, node: &str, reason: &str) -> Vec<S
 /// store failed (PostgreSQL down), so the caller retries later ([`spawn_sweeper`] does,
 /// every [`SWEEP_RETRY`]) rather than leave them `running` on a node that is gone.
 pub async fn try_mark_node_lost(st: &SharedState, node: &str, reason: &str) -> (Vec<String>, bool) {
-    // One indexed update for the whole node (paused microVMs stay paused: with a shared
+    // One indexed update for the whole node (paused microVMs and VMs stay paused: with a shared
     // snapshot store another node resumes them; without one that resume marks them `lost`).
     let changed = match st.store.mark_node_lost(node).await {
         Ok(c) => c,

@@ -161,15 +161,15 @@ pub trait Registry: Send + Sync + 'static {
     async fn transition(&self, id: &str, from: &[SandboxState], to: SandboxState) -> Result<bool>;
 
     /// Cluster mode, a node left: every `running` or `paused` record on `node` becomes
-    /// `lost` in one write, except a paused `microvm` (its memory is in the shared snapshot
-    /// store and another node may resume it). Returns the ids and backends changed (one
+    /// `lost` in one write, except a paused `microvm` or `vm` (its memory is in the shared
+    /// snapshot store and another node may resume it). Returns the ids and backends changed (one
     /// indexed update, not a scan of every record).
     ///
     /// # Errors
     /// Store failures (nothing changed then).
     async fn mark_node_lost(&self, node: &str) -> Result<Vec<(String, Backend)>>;
 
-    /// Moves a `paused` record to node `node` (cluster mode: a paused microVM resumed on
+    /// Moves a `paused` record to node `node` (cluster mode: a paused (micro)VM resumed on
     /// another node from the shared snapshot store). Returns whether the row changed.
     ///
     /// # Errors
@@ -1502,7 +1502,7 @@ impl Registry for PgRegistry {
             .query(
                 &c.prepare_cached(
                     "UPDATE sandboxes SET state = 'lost' WHERE node = $1
-                     AND (state = 'running' OR (state = 'paused' AND backend <> 'microvm'))
+                     AND (state = 'running' OR (state = 'paused' AND backend NOT IN ('microvm', 'vm')))
                      RETURNING id, backend",
                 )
                 .await
@@ -2080,7 +2080,7 @@ mod tests {
     }
 
     /// A departed node's `running` and `paused` records become `lost` in one write, but a
-    /// paused microVM's; other nodes' and other states' records are untouched.
+    /// paused microVM's or VM's; other nodes' and other states' records are untouched.
     async fn contract_mark_node_lost(r: &dyn Registry) {
         let mk = |id: &str, node: &str, backend: Backend, state: SandboxState| {
             let mut x = rec(id, 1, None);
@@ -2093,6 +2093,7 @@ mod tests {
             mk("sb-pau", "gone", Backend::Container, SandboxState::Paused),
             mk("sb-vm", "gone", Backend::Microvm, SandboxState::Paused),
             mk("sb-vmrun", "gone", Backend::Microvm, SandboxState::Running),
+            mk("sb-q35", "gone", Backend::Vm, SandboxState::Paused),
             mk("sb-mk", "gone", Backend::Function, SandboxState::Creating),
             mk("sb-del", "gone", Backend::Function, SandboxState::Deleting),
             mk("sb-other", "here", Backend::Function, SandboxState::Running),

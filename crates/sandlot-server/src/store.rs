@@ -534,7 +534,7 @@ impl Store {
         Ok(n == 1)
     }
 
-    /// The `running`/`paused` records on `node` become `lost`, but a paused `microvm`'s
+    /// The `running`/`paused` records on `node` become `lost`, but a paused `microvm`'s or `vm`'s
     /// (see `Registry::mark_node_lost`); returns the ids and backends changed.
     ///
     /// # Errors
@@ -544,7 +544,7 @@ impl Store {
         let mut stmt = conn
             .prepare_cached(
                 "UPDATE sandboxes SET state = 'lost' WHERE node = ?1
-                 AND (state = 'running' OR (state = 'paused' AND backend <> 'microvm'))
+                 AND (state = 'running' OR (state = 'paused' AND backend NOT IN ('microvm', 'vm')))
                  RETURNING id, backend",
             )
             .map_err(sql("mark node lost"))?;

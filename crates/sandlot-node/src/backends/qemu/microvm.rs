@@ -380,53 +380,6 @@ impl MicrovmBackend {
         args.extend(super::control_args("virtio-serial-device"));
         args
     }
-
-    /// The steps of [`Machine::adopt_from_store`] after the claim: VM directory, uid,
-    /// cgroup, disk copy, `state.json`, then the resume from `claimed/memory.state`. On
-    /// error the caller removes what was made and gives the claim back.
-    async fn restore_claimed(
-        &self,
-        id: &str,
-        claimed: &Path,
-        m: store::Manifest,
-    ) -> NodeResult<()> {
-        let dir = self.core.vm_dir(id);
-        super::create_vm_dir(&dir, id)?;
-        let uid = self.cfg.uids.take(id)?;
-        {
-            let d = dir.clone();
-            spawn_blocking(move || super::prepare_vm_dir(&d, uid)).await?;
-        }
-        let cg = self.core.cgroups.sandbox(id);
-        let memory_mib = m.state.spec.memory_mib.max(128);
-        super::create_vmm_cgroup(&cg, memory_mib, m.state.spec.cpu, QEMU_PIDS)?;
-        let scratch = dir.join("scratch.img");
-        {
-            let (src, dst) = (claimed.join(store::DISK), scratch.clone());
-            spawn_blocking(move || crate::checkpoints::copy_disk(&src, &dst)).await?;
-        }
-        super::give_file(&scratch, uid)?;
-        let args = store::rebase_args(
-            &m.state.qemu_args,
-            &[
-                (m.vm_dir.as_path(), dir.as_path()),
-                (m.backend_dir.as_path(), self.cfg.dir.as_path()),
-                (m.kit_dir.as_path(), self.cfg.kit_dir.as_path()),
-            ],
-        );
-        let state = VmState {
-            qemu_args: args,
-            qemu_uid: Some(uid),
-            memory_saved: true,
-            ..m.state
-        };
-        write_json(&dir.join("state.json"), &state)?;
-        let vm = self.core.adopt(state, None);
-        let _life = vm.lifecycle.lock().await;
-        let mut target = self.core.target(&vm);
-        target.snapshot = Some(claimed.to_path_buf());
-        snapshot::resume(&target).await
-    }
 }
 
 /// A sparse ext4 file of `mib` MiB at `s` (the guest's writable layer).
@@ -748,7 +701,7 @@ impl Machine for MicrovmBackend {
             let images = backend_dir.join("images");
             for f in super::drive_files(&state.qemu_args.clone()) {
                 if f.starts_with(&images) {
-                    let copy = store.put_image(&f)?;
+                    let copy = store.put_image(&f, &images)?;
                     state.qemu_args =
                         store::rebase_args(&state.qemu_args, &[(f.as_path(), copy.as_path())]);
                 }
@@ -765,72 +718,61 @@ impl Machine for MicrovmBackend {
                     .duration_since(std::time::UNIX_EPOCH)
                     .map(|d| d.as_millis() as i64)
                     .unwrap_or(0),
+                layers: Vec::new(),
             };
             store.finish(&d, &m)
         })
         .await
     }
 
-    /// Claims the snapshot of `id` in the shared store, rebuilds its VM directory here
-    /// (this node's uid, cgroup, a copy of its disk) and resumes it from the snapshot's
-    /// memory file (see [`super::store`]).
-    async fn adopt_from_store(&self, id: &str) -> NodeResult<()> {
-        let Some(store) = self.core.store.clone() else {
-            return Err(NodeError::NotFound(format!(
-                "no shared snapshot of sandbox {id}: node has no --snapshot-dir"
-            )));
-        };
-        crate::backends::check_id(id)?;
-        if self.core.has(id) {
-            return Err(NodeError::Conflict(format!(
-                "sandbox {id} already runs on this node"
-            )));
+    async fn node_accel(&self) -> Accel {
+        self.resolve_accel().await
+    }
+
+    /// [`Machine::restore_claimed`] of a microVM: VM directory, uid, cgroup, a copy of its
+    /// scratch disk, `state.json`, then the resume from `claimed/memory.state`.
+    async fn restore_claimed(
+        &self,
+        id: &str,
+        claimed: &Path,
+        m: store::Manifest,
+    ) -> NodeResult<()> {
+        let dir = self.core.vm_dir(id);
+        super::create_vm_dir(&dir, id)?;
+        let uid = self.cfg.uids.take(id)?;
+        {
+            let d = dir.clone();
+            spawn_blocking(move || super::prepare_vm_dir(&d, uid)).await?;
         }
-        let t0 = Instant::now();
-        let (claimed, m) = {
-            let (s, i) = (store.clone(), id.to_owned());
-            spawn_blocking(move || s.claim(&i)).await?
-        };
-        let accel = self.resolve_accel().await;
-        let refuse = if m.backend != "microvm" || m.state.id != id {
-            Some(NodeError::InvalidArgument(format!(
-                "the snapshot of {id} is of backend {} / sandbox {}",
-                m.backend, m.state.id
-            )))
-        } else if m.state.netns.is_some() {
-            // Its network (veth, nftables, resolver, address) lives on the node it was
-            // created on.
-            Some(NodeError::Unavailable(format!(
-                "sandbox {id} has a network allow policy: it resumes only on the node that created it"
-            )))
-        } else if m.state.accel != accel {
-            Some(NodeError::Unavailable(format!(
-                "the snapshot of {id} was taken under {}; this node runs {}",
-                m.state.accel.as_str(),
-                accel.as_str()
-            )))
-        } else {
-            None
-        };
-        if let Some(e) = refuse {
-            store.unclaim(id);
-            return Err(e);
+        let cg = self.core.cgroups.sandbox(id);
+        let memory_mib = m.state.spec.memory_mib.max(128);
+        super::create_vmm_cgroup(&cg, memory_mib, m.state.spec.cpu, QEMU_PIDS)?;
+        let scratch = dir.join("scratch.img");
+        {
+            let (src, dst) = (claimed.join(store::DISK), scratch.clone());
+            spawn_blocking(move || crate::checkpoints::copy_disk(&src, &dst)).await?;
         }
-        let res = self.restore_claimed(id, &claimed, m).await;
-        match res {
-            Ok(()) => {
-                tracing::info!(sandbox = %id, ms = t0.elapsed().as_millis() as u64, "sandbox taken over from the shared snapshot store and resumed");
-                Ok(())
-            }
-            Err(e) => {
-                self.core.forget(id);
-                if let Err(c) = self.core.destroy(id).await {
-                    tracing::warn!(sandbox = %id, error = %c, "cleanup after a failed takeover");
-                }
-                store.unclaim(id);
-                Err(e)
-            }
-        }
+        super::give_file(&scratch, uid)?;
+        let args = store::rebase_args(
+            &m.state.qemu_args,
+            &[
+                (m.vm_dir.as_path(), dir.as_path()),
+                (m.backend_dir.as_path(), self.cfg.dir.as_path()),
+                (m.kit_dir.as_path(), self.cfg.kit_dir.as_path()),
+            ],
+        );
+        let state = VmState {
+            qemu_args: args,
+            qemu_uid: Some(uid),
+            memory_saved: true,
+            ..m.state
+        };
+        write_json(&dir.join("state.json"), &state)?;
+        let vm = self.core.adopt(state, None);
+        let _life = vm.lifecycle.lock().await;
+        let mut target = self.core.target(&vm);
+        target.snapshot = Some(claimed.to_path_buf());
+        snapshot::resume(&target).await
     }
 
     /// Removes the EROFS disks of images no longer in the store that no microVM uses

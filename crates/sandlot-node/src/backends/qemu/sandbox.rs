@@ -95,7 +95,7 @@ pub struct QemuCore {
     pub(super) cgroups: CgroupRoot,
     /// Host uids of the QEMUs (one per sandbox).
     pub(super) uids: Arc<QemuUids>,
-    /// The shared snapshot store pauses write to (`microvm` with `--snapshot-dir`).
+    /// The shared snapshot store pauses with memory write to (`--snapshot-dir`).
     pub(super) store: Option<super::store::SnapshotStore>,
     /// The node's network policies (`network: {"allow": ...}`, shared with the function
     /// and container backends); `None`: allow policies are refused.
@@ -616,24 +616,97 @@ pub(crate) trait Machine: Send + Sync {
     fn collect_disks(&self, partial: bool);
 
     /// After a pause with memory into the shared store's directory `dir` (QEMU stopped):
-    /// adds what another node needs (disks, manifest). Nothing by default (the `vm`
-    /// backend does not use the store).
+    /// adds what another node needs (disks, manifest; see [`super::store`]).
     ///
     /// # Errors
     /// Copy failures.
-    async fn publish(&self, _vm: &QemuVm, _dir: &Path) -> NodeResult<()> {
-        Ok(())
-    }
+    async fn publish(&self, vm: &QemuVm, dir: &Path) -> NodeResult<()>;
 
-    /// [`crate::Node::adopt_snapshot`] on this backend (`NotFound` by default).
+    /// The accelerator this node's VMs run with (a snapshot resumes only under the one
+    /// it was taken with).
+    async fn node_accel(&self) -> Accel;
+
+    /// The steps of [`crate::Node::adopt_snapshot`] after the claim of `id`'s snapshot
+    /// directory `claimed` (manifest `m`, already checked): VM directory, uid, cgroup,
+    /// disk copies, `state.json`, then the resume from `claimed/memory.state`. On error
+    /// the caller removes what was made and gives the claim back.
     ///
     /// # Errors
-    /// See [`crate::Node::adopt_snapshot`].
+    /// Copy, cgroup and restore failures.
+    async fn restore_claimed(
+        &self,
+        id: &str,
+        claimed: &Path,
+        m: super::store::Manifest,
+    ) -> NodeResult<()>;
+
+    /// [`crate::Node::adopt_snapshot`] on this backend: claims the snapshot of `id` in the
+    /// shared store, checks that this node can run it (backend, no network policy, the
+    /// same accelerator), rebuilds and resumes it ([`Self::restore_claimed`]); on failure
+    /// removes what was made and gives the claim back (another node, or a later try, may
+    /// take it).
+    ///
+    /// # Errors
+    /// `NotFound` (no shared store, no complete snapshot of `id`), `Conflict` (runs here
+    /// already, claimed by another node), `InvalidArgument` (a snapshot of another backend),
+    /// `Unavailable` (network policy, other accelerator), the restore's errors.
     async fn adopt_from_store(&self, id: &str) -> NodeResult<()> {
-        Err(NodeError::NotFound(format!(
-            "no shared snapshot of sandbox {id} for the {} backend",
-            self.core().name
-        )))
+        let core = self.core();
+        let Some(store) = core.store.clone() else {
+            return Err(NodeError::NotFound(format!(
+                "no shared snapshot of sandbox {id}: node has no --snapshot-dir"
+            )));
+        };
+        check_id(id)?;
+        if core.has(id) {
+            return Err(NodeError::Conflict(format!(
+                "sandbox {id} already runs on this node"
+            )));
+        }
+        let t0 = Instant::now();
+        let (claimed, m) = {
+            let (s, i) = (store.clone(), id.to_owned());
+            spawn_blocking(move || s.claim(&i)).await?
+        };
+        let accel = self.node_accel().await;
+        let refuse = if m.backend != core.name || m.state.id != id {
+            Some(NodeError::InvalidArgument(format!(
+                "the snapshot of {id} is of backend {} / sandbox {}; this is the {} backend",
+                m.backend, m.state.id, core.name
+            )))
+        } else if m.state.netns.is_some() {
+            // Its network (veth, nftables, resolver, address) lives on the node it was
+            // created on.
+            Some(NodeError::Unavailable(format!(
+                "sandbox {id} has a network allow policy: it resumes only on the node that created it"
+            )))
+        } else if m.state.accel != accel {
+            Some(NodeError::Unavailable(format!(
+                "the snapshot of {id} was taken under {}; this node runs {}",
+                m.state.accel.as_str(),
+                accel.as_str()
+            )))
+        } else {
+            None
+        };
+        if let Some(e) = refuse {
+            store.unclaim(id);
+            return Err(e);
+        }
+        match self.restore_claimed(id, &claimed, m).await {
+            Ok(()) => {
+                tracing::info!(sandbox = %id, backend = core.name, ms = t0.elapsed().as_millis() as u64, "sandbox taken over from the shared snapshot store and resumed");
+                Ok(())
+            }
+            Err(e) => {
+                core.forget(id);
+                if let Err(c) = core.destroy(id).await {
+                    tracing::warn!(sandbox = %id, error = %c, "cleanup after a failed takeover");
+                }
+                store.unclaim(id);
+                Err(e)
+            }
+        }
     }
 }
 

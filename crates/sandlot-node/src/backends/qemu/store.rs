@@ -1,27 +1,44 @@
 //! The shared snapshot store (`sandlot node --snapshot-dir DIR`, `SANDLOT_SNAPSHOT_DIR`):
 //! a directory every node of a cluster mounts at the same path (NFS, 3FS, CephFS; in tests
 //! one local directory shared by the namespaced nodes of `scripts/cluster.sh`), where a
-//! pause with memory of a `microvm` writes what another node needs to resume it:
+//! pause with memory of a `microvm` or a `vm` writes what another node needs to resume it:
 //!
 //! ```text
 //! DIR/sandboxes/<id>/memory.state   QEMU's migration stream (memory + device state)
-//! DIR/sandboxes/<id>/disk.img       sparse copy of the writable disk (ext4 scratch.img)
+//! DIR/sandboxes/<id>/disk.img       microvm: sparse copy of the writable disk (ext4
+//!                                   scratch.img)
+//! DIR/sandboxes/<id>/<layer>.qcow2  vm: sparse copies of the sandbox's own qcow2 layers
+//!                                   (the active one and the frozen ones below it, names
+//!                                   as in its VM directory: `disk.qcow2`,
+//!                                   `layer-<16 hex>.qcow2`; each names the next by that
+//!                                   relative name), the bottom one rebased (`qemu-img
+//!                                   rebase -u`) onto the store's copy of the image disk
 //! DIR/sandboxes/<id>/snapshot.json  [`Manifest`], written last: the snapshot is complete
-//! DIR/images/<node>/<file>.erofs    the image disk the guest ran on, byte for byte (a guest's
-//!                                   page cache holds blocks of it; another node's conversion
-//!                                   of the same image differs in its UUID and build time),
-//!                                   copied once per node and image version, mode 0444
+//! DIR/images/<node>/<file>          the image disk the guest ran on, byte for byte, named
+//!                                   by its path below `DATA/<backend>/images/` (`/` as
+//!                                   `_`): the microvm's EROFS `<version>.erofs` (a lazy
+//!                                   image's `lazy-<digest>_image.erofs`), the vm's qcow2
+//!                                   base `<key>.qcow2` (a guest's page cache holds blocks
+//!                                   of it, and a vm's layers hold only the clusters the
+//!                                   guest wrote over it; another node's build of the same
+//!                                   image differs in its UUID and build time), copied
+//!                                   once per node and image version, mode 0444
 //! ```
+//!
+//! A lazy image's disk (a FUSE mount `lazy-<index hex>/` below `images/`) is copied too,
+//! which reads it whole. A backing file outside the node's `DATA/<backend>/images/` (none
+//! today) is named where it is.
 //!
 //! A resume on the same node reads `memory.state` there (the fast path: no copy, its own
 //! disk). A resume on another node ([`crate::Node::adopt_snapshot`]) first **claims** the
 //! snapshot by renaming `DIR/sandboxes/<id>` to `DIR/sandboxes/.claimed-<id>` (an atomic
-//! rename: of two nodes only one wins), copies `disk.img` into its own VM directory, runs
-//! QEMU with the manifest's command line with the source node's directories replaced by
-//! its own and the image disk read from `DIR/images/`, restores the memory and removes the
-//! claimed directory. A failed restore renames it back. Image disks in `DIR/images/` are
-//! never removed by a node (a resumed guest keeps reading them); an operator removes those
-//! of image versions no sandbox runs any more.
+//! rename: of two nodes only one wins), copies the disk files (`disk.img`, or the layers
+//! the manifest lists) into its own VM directory, runs QEMU with the manifest's command
+//! line with the source node's directories replaced by its own and the image disk read
+//! from `DIR/images/`, restores the memory and removes the claimed directory. A failed
+//! restore renames it back. Image disks in `DIR/images/` are never removed by a node (a
+//! resumed guest keeps reading them); an operator removes those of image versions no
+//! sandbox runs any more.
 //!
 //! Directories are mode 0711 (QEMU, an unprivileged uid, opens image disks by path;
 //! nobody lists), files root's: memory states 0600 (passed to QEMU as descriptors).
@@ -38,7 +55,7 @@ pub struct Manifest {
     pub version: u32,
     /// The node that paused it (its `--name`).
     pub node: String,
-    /// Backend (`microvm`).
+    /// Backend (`microvm`, `vm`).
     pub backend: String,
     /// The VM's state at the pause; `qemu_args` name the image disk in `DIR/images/` and
     /// the source node's directories below.
@@ -51,6 +68,11 @@ pub struct Manifest {
     pub vm_dir: PathBuf,
     /// When the pause finished, Unix milliseconds.
     pub saved_at_ms: i64,
+    /// `vm`: the qcow2 layer files in the snapshot directory, the active layer (the one
+    /// `qemu_args`' root `-drive` names) first, then each one's backing file down to the
+    /// bottom one (backed by the image disk). Empty for `microvm` (its disk is [`DISK`]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub layers: Vec<String>,
 }
 
 /// File names inside a snapshot directory.
@@ -130,26 +152,33 @@ impl SnapshotStore {
         Ok(d)
     }
 
-    /// The copy of image disk `src` in `DIR/images/<node>/` (made once: an existing copy of
-    /// the same size is taken as it is). A disk already in the store is its own copy.
+    /// The copy of image disk `src`, a file under the backend's image directory `images`
+    /// (`DATA/<backend>/images`), in `DIR/images/<node>/` (made once: an existing copy of
+    /// the same size is taken as it is), named by its path below `images` with `/` as `_`
+    /// ([`copy_name`]: `<key>.qcow2`, `lazy-<digest>_image.erofs`). A disk already in the
+    /// store is its own copy.
     ///
     /// # Errors
-    /// `Internal` when the copy fails.
-    pub fn put_image(&self, src: &Path) -> NodeResult<PathBuf> {
+    /// `InvalidArgument` for a `src` not below `images`; `Internal` when the copy fails.
+    pub fn put_image(&self, src: &Path, images: &Path) -> NodeResult<PathBuf> {
         if src.starts_with(&self.root) {
             return Ok(src.to_path_buf());
         }
+        let name = copy_name(src, images).ok_or_else(|| {
+            NodeError::InvalidArgument(format!(
+                "image disk {} is not below {}",
+                src.display(),
+                images.display()
+            ))
+        })?;
         let dir = self.root.join("images").join(&self.node);
         mkdir_0711(&dir)?;
-        let name = src
-            .file_name()
-            .ok_or_else(|| NodeError::InvalidArgument(format!("image disk {}", src.display())))?;
-        let dst = dir.join(name);
+        let dst = dir.join(&name);
         let size = |p: &Path| std::fs::metadata(p).map(|m| m.len()).ok();
         if size(&dst).is_some() && size(&dst) == size(src) {
             return Ok(dst);
         }
-        let tmp = dir.join(format!(".{}.tmp", name.to_string_lossy()));
+        let tmp = dir.join(format!(".{name}.tmp"));
         let _ = std::fs::remove_file(&tmp);
         std::fs::copy(src, &tmp)
             .and_then(|_| std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o444)))
@@ -178,6 +207,35 @@ impl SnapshotStore {
             let _ = d.sync_all();
         }
         Ok(())
+    }
+
+    /// The backend (`microvm`, `vm`) of the complete snapshot of `id` (not claimed), read
+    /// from its manifest without claiming it: which backend of a node takes it over.
+    ///
+    /// # Errors
+    /// As [`Self::claim`]: `NotFound` (no complete snapshot), `Conflict` (claimed by a
+    /// node); `Internal` for a manifest that cannot be read.
+    pub fn backend_of(&self, id: &str) -> NodeResult<String> {
+        let p = self.sandbox_dir(id).join(MANIFEST);
+        match std::fs::read(&p) {
+            Ok(b) => serde_json::from_slice::<Manifest>(&b)
+                .map(|m| m.backend)
+                .map_err(|e| {
+                    NodeError::io(format!("parse {}", p.display()), std::io::Error::other(e))
+                }),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                if self.claimed_dir(id).exists() {
+                    return Err(NodeError::Conflict(format!(
+                        "the snapshot of sandbox {id} is being restored by another node"
+                    )));
+                }
+                Err(NodeError::NotFound(format!(
+                    "no complete snapshot of sandbox {id} in the shared store {}",
+                    self.root.display()
+                )))
+            }
+            Err(e) => Err(NodeError::io(format!("read {}", p.display()), e)),
+        }
     }
 
     /// Claims the snapshot of `id` for this node (see the module docs): its claimed
@@ -247,6 +305,15 @@ impl SnapshotStore {
     }
 }
 
+/// The name of image disk `src`'s copy in the store: its path below `images` with `/` as
+/// `_` (disks in subdirectories, such as a lazy image's FUSE mount `lazy-<digest>/`, have
+/// the same file name); `None` when `src` is not below `images` or not UTF-8.
+pub fn copy_name(src: &Path, images: &Path) -> Option<String> {
+    let rel = src.strip_prefix(images).ok()?.to_str()?;
+    (!rel.is_empty() && !rel.split('/').any(|c| c == ".." || c == "."))
+        .then(|| rel.replace('/', "_"))
+}
+
 /// `args` with every occurrence of each `(from, to)` path prefix replaced, in order (give
 /// longer, more specific paths first).
 pub fn rebase_args(args: &[String], map: &[(&Path, &Path)]) -> Vec<String> {
@@ -293,6 +360,42 @@ mod tests {
     }
 
     #[test]
+    fn image_copies_are_named_by_their_path_below_the_images_dir() {
+        let images = Path::new("/d/vm/images");
+        assert_eq!(
+            copy_name(Path::new("/d/vm/images/0123abcd.qcow2"), images).as_deref(),
+            Some("0123abcd.qcow2")
+        );
+        assert_eq!(
+            copy_name(Path::new("/d/vm/images/lazy-ab/image.erofs"), images).as_deref(),
+            Some("lazy-ab_image.erofs")
+        );
+        for bad in ["/d/vm/other.qcow2", "/d/vm/images", "/d/vm/images/../x"] {
+            assert_eq!(copy_name(Path::new(bad), images), None, "{bad}");
+        }
+        let d = tempfile::tempdir().unwrap();
+        let s = SnapshotStore::open(&d.path().join("store"), "n0").unwrap();
+        let imgs = d.path().join("images");
+        std::fs::create_dir_all(imgs.join("lazy-ab")).unwrap();
+        std::fs::write(imgs.join("lazy-ab/image.erofs"), b"disk bytes").unwrap();
+        let copy = s
+            .put_image(&imgs.join("lazy-ab/image.erofs"), &imgs)
+            .unwrap();
+        assert_eq!(copy, s.root().join("images/n0/lazy-ab_image.erofs"));
+        assert_eq!(std::fs::read(&copy).unwrap(), b"disk bytes");
+        assert_eq!(
+            std::fs::metadata(&copy).unwrap().permissions().mode() & 0o777,
+            0o444
+        );
+        assert_eq!(
+            s.put_image(&copy, &imgs).unwrap(),
+            copy,
+            "a copy is its own copy"
+        );
+        assert!(s.put_image(&d.path().join("elsewhere"), &imgs).is_err());
+    }
+
+    #[test]
     fn claim_is_exclusive_and_can_be_given_back() {
         let d = tempfile::tempdir().unwrap();
         let s = SnapshotStore::open(d.path(), "n0").unwrap();
@@ -320,11 +423,14 @@ mod tests {
             kit_dir: "/k".into(),
             vm_dir: "/x/vms/id".into(),
             saved_at_ms: 0,
+            layers: Vec::new(),
         };
         s.finish(&dir, &m).unwrap();
+        assert_eq!(s.backend_of(id).unwrap(), "microvm");
         let (claimed, got) = s.claim(id).unwrap();
         assert_eq!(got.node, "n0");
         assert!(matches!(s.claim(id), Err(NodeError::Conflict(_))));
+        assert!(matches!(s.backend_of(id), Err(NodeError::Conflict(_))));
         s.unclaim(id);
         assert!(!claimed.exists());
         s.claim(id).unwrap();

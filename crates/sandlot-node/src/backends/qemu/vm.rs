@@ -44,7 +44,9 @@
 //! after a node restart), readiness deadline, failed-boot consoles, pause with memory
 //! (the agent relay and the save/restore steps of `snapshot`; the `-drive` of the resume's
 //! command line is brought up to the active disk layer at each pause) and delete are the
-//! `microvm` backend's ([`super::microvm`], [`super`]).
+//! `microvm` backend's ([`super::microvm`], [`super`]). With a shared snapshot store a pause
+//! also copies the VM's own layers and the image's base disk there, so that another node
+//! resumes it ([`super::store`]: `publish`, `restore_claimed`, `chain::copy_out`/`copy_in`).
 //!
 //! Disk checkpoints and forks: live external qcow2 snapshots over QMP; a fork's disk is a
 //! new layer on the checkpoint's chain, shared by hard links, not copied (`chain`).
@@ -53,6 +55,7 @@ mod chain;
 use super::sandbox::{Boot, Booted, Machine, QemuCore, QemuVm};
 use super::snapshot::Relay;
 use super::state::{write_json, VmState};
+use super::store;
 use super::{find_binary, spawn_qemu, Accel};
 use super::{fresh_identity, AccelProbe, DiskHold, ImageDisks, QemuUids, AGENT_SOCK, CONSOLE_LOG};
 use crate::agent_client::AgentClient;
@@ -101,6 +104,10 @@ pub struct VmConfig {
     /// The node's network policies (shared with the other backends); `None`: allow
     /// policies are refused.
     pub net: Option<Arc<crate::net::NodeNet>>,
+    /// The shared snapshot store pauses with memory write to (`--snapshot-dir`;
+    /// [`super::store`]), so that another node can resume the VM; `None`: pauses stay on
+    /// this node.
+    pub snapshot_store: Option<super::store::SnapshotStore>,
 }
 
 /// The vm backend: q35 VMs by id.
@@ -120,6 +127,14 @@ fn drive_arg(dir: &Path, stem: &str) -> String {
         "id=root,node-name={stem},file={},format=qcow2,if=none,discard=unmap",
         chain::layer_path(dir, stem).display()
     )
+}
+
+/// The stem of the active layer named by the root `-drive` of `args` (its `node-name`,
+/// see [`drive_arg`]).
+fn drive_stem(args: &[String]) -> Option<&str> {
+    args.windows(2)
+        .filter(|w| w[0] == DRIVE_FLAG && w[1].starts_with("id=root,"))
+        .find_map(|w| w[1].split(',').find_map(|kv| kv.strip_prefix("node-name=")))
 }
 
 fn run_tool(cmd: &mut std::process::Command, what: &str) -> NodeResult<()> {
@@ -295,6 +310,7 @@ impl VmBackend {
         super::write_initramfs(&initrd, &entries)?;
         let mut core = QemuCore::new(Backend::Vm, &cfg.dir, qemu, cgroups, &cfg.uids)?;
         core.net = cfg.net.clone();
+        core.store = cfg.snapshot_store.clone();
         cfg.probe.start(&core.qemu, &cfg.kit_dir, &initrd);
         let disks = ImageDisks::new("vm", cfg.dir.join("images"), "qcow2", cfg.images.clone());
         Ok(VmBackend {
@@ -570,6 +586,125 @@ impl Machine for VmBackend {
                 .collect()
         };
         self.disks.collect(|i| self.disk_path(i), used, partial);
+    }
+
+    /// The shared store's copy of what another node needs besides the memory file (see
+    /// [`super::store`]): the VM's own qcow2 layers (sparse copies, the chain as
+    /// [`Self::before_pause`] left it), the image's base disk (once per node and image, in
+    /// `DIR/images/<node>/`) with the bottom layer pointed at that copy, and the manifest.
+    async fn publish(&self, vm: &QemuVm, dir: &Path) -> NodeResult<()> {
+        let Some(store) = self.core.store.clone() else {
+            return Ok(());
+        };
+        let id = vm.state.id.clone();
+        let vm_dir = self.core.vm_dir(&id);
+        let (d, backend_dir, kit_dir, qemu_img) = (
+            dir.to_path_buf(),
+            self.cfg.dir.clone(),
+            self.cfg.kit_dir.clone(),
+            self.qemu_img.clone(),
+        );
+        // The command line the pause brought up to date (the active layer's `-drive`).
+        let state = VmState {
+            qemu_args: vm.args.lock().unwrap().clone(),
+            memory_saved: true,
+            ..vm.state.clone()
+        };
+        spawn_blocking(move || {
+            let active = drive_stem(&state.qemu_args).ok_or_else(|| {
+                NodeError::io(
+                    format!("sandbox {id}: no root -drive with a node name"),
+                    std::io::Error::other("unexpected QEMU arguments"),
+                )
+            })?;
+            let (layers, base) = chain::copy_out(&vm_dir, active, &d)?;
+            let images = backend_dir.join("images");
+            if let Some(base) = base.filter(|b| b.starts_with(&images)) {
+                let copy = store.put_image(&base, &images)?;
+                chain::set_backing(&qemu_img, &d.join(&layers[layers.len() - 1]), &copy)?;
+            }
+            let m = store::Manifest {
+                version: 1,
+                node: store.node().to_owned(),
+                backend: "vm".into(),
+                state,
+                backend_dir,
+                kit_dir,
+                vm_dir,
+                saved_at_ms: std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map(|d| d.as_millis() as i64)
+                    .unwrap_or(0),
+                layers,
+            };
+            store.finish(&d, &m)
+        })
+        .await
+    }
+
+    async fn node_accel(&self) -> Accel {
+        self.cfg.probe.wait().await
+    }
+
+    /// [`Machine::restore_claimed`] of a q35 VM: VM directory, uid, cgroup, copies of the
+    /// snapshot's qcow2 layers (the bottom one backed by the store's image disk; the
+    /// frozen ones root's and shared read-only, the active one the uid's), `state.json`,
+    /// then the resume from `claimed/memory.state`.
+    async fn restore_claimed(
+        &self,
+        id: &str,
+        claimed: &Path,
+        m: store::Manifest,
+    ) -> NodeResult<()> {
+        let dir = self.core.vm_dir(id);
+        let want = drive_stem(&m.state.qemu_args).map(|s| format!("{s}.qcow2"));
+        let active = match m.layers.first() {
+            Some(a) if Some(a) == want.as_ref() => dir.join(a),
+            _ => {
+                return Err(NodeError::InvalidArgument(format!(
+                    "the snapshot of {id} lists layers {:?} that its QEMU command line does not start from",
+                    m.layers
+                )))
+            }
+        };
+        super::create_vm_dir(&dir, id)?;
+        let uid = self.cfg.uids.take(id)?;
+        {
+            let (src, d, names, group) = (
+                claimed.to_path_buf(),
+                dir.clone(),
+                m.layers.clone(),
+                self.cfg.uids.group(),
+            );
+            spawn_blocking(move || {
+                chain::copy_in(&src, &d, &names, group)?;
+                super::prepare_vm_files(&d, &[&active], uid)
+            })
+            .await?;
+        }
+        let cg = self.core.cgroups.sandbox(id);
+        let memory_mib = m.state.spec.memory_mib.max(128);
+        super::create_vmm_cgroup(&cg, memory_mib, m.state.spec.cpu, QEMU_PIDS)?;
+        let args = store::rebase_args(
+            &m.state.qemu_args,
+            &[
+                (m.vm_dir.as_path(), dir.as_path()),
+                (m.backend_dir.as_path(), self.cfg.dir.as_path()),
+                (m.kit_dir.as_path(), self.cfg.kit_dir.as_path()),
+            ],
+        );
+        let state = VmState {
+            qemu_args: args,
+            qemu_uid: Some(uid),
+            memory_saved: true,
+            ..m.state
+        };
+        write_json(&dir.join("state.json"), &state)?;
+        let vm = self.core.adopt(state, None);
+        let _life = vm.lifecycle.lock().await;
+        let mut target = self.core.target(&vm);
+        target.snapshot = Some(claimed.to_path_buf());
+        super::snapshot::resume(&target).await
     }
 }
 

@@ -313,6 +313,97 @@ pub fn layer_path(dir: &Path, stem: &str) -> PathBuf {
     dir.join(format!("{stem}.qcow2"))
 }
 
+/// Copies (sparse) the chain of the stopped VM in `dir` whose active layer is `active` (a
+/// stem) into the empty directory `dest` under the same names, for the shared snapshot
+/// store ([`crate::backends::qemu::store`]): the file names, active layer first, down to the
+/// bottom layer, and the bottom layer's backing file (the image disk, absolute; `None`
+/// for a disk without one). Blocking.
+///
+/// # Errors
+/// `Internal` on a damaged chain or copy failures.
+pub fn copy_out(
+    dir: &Path,
+    active: &str,
+    dest: &Path,
+) -> NodeResult<(Vec<String>, Option<PathBuf>)> {
+    if !is_layer(active) {
+        return Err(bad(&layer_path(dir, active), "not a layer of this backend"));
+    }
+    let top = layer_path(dir, active);
+    let mut names = vec![format!("{active}.qcow2")];
+    names.extend(ancestors(dir, &top)?);
+    for n in &names {
+        crate::checkpoints::copy_disk(&dir.join(n), &dest.join(n))?;
+    }
+    let bottom = dest.join(names.last().expect("at least the active layer"));
+    let base = backing_of(&bottom)?.map(PathBuf::from);
+    Ok((names, base))
+}
+
+/// Points the qcow2 file `layer` at the backing file `backing` (the same content under
+/// another path: `qemu-img rebase -u`, nothing is read or copied), its format told by its
+/// magic (qcow2, else raw). Blocking.
+///
+/// # Errors
+/// `Internal` when `backing` cannot be read or `qemu-img` fails.
+pub fn set_backing(qemu_img: &Path, layer: &Path, backing: &Path) -> NodeResult<()> {
+    let mut magic = [0u8; 4];
+    std::fs::File::open(backing)
+        .and_then(|mut f| f.read_exact(&mut magic))
+        .map_err(|e| NodeError::io(format!("read {}", backing.display()), e))?;
+    let fmt = if &magic == b"QFI\xfb" { "qcow2" } else { "raw" };
+    super::run_tool(
+        std::process::Command::new(qemu_img)
+            .args(["rebase", "-q", "-u", "-F", fmt, "-b"])
+            .arg(backing)
+            .arg(layer),
+        "qemu-img rebase -u",
+    )
+}
+
+/// Copies (sparse) the layer files `names` (active first, as [`copy_out`] lists them) from
+/// the snapshot directory `src` into the VM directory `dir`, after checking that they are
+/// one chain of this backend's layer names: the frozen ones become root's, readable by
+/// `group` ([`crate::backends::qemu::share_read_only`]); the active one stays root's until
+/// the caller gives it to the VM's uid. The bottom layer's backing file must exist (an
+/// image disk in the shared store, or one every node has). Blocking.
+///
+/// # Errors
+/// `InvalidArgument` for names that are not this backend's layers or not one chain;
+/// `Unavailable` when the image disk is missing; `Internal` on copy failures.
+pub fn copy_in(src: &Path, dir: &Path, names: &[String], group: Option<u32>) -> NodeResult<()> {
+    let stems: Option<Vec<&str>> = names
+        .iter()
+        .map(|n| n.strip_suffix(".qcow2").filter(|s| is_layer(s)))
+        .collect();
+    let Some(stems) = stems.filter(|s| !s.is_empty()) else {
+        return Err(NodeError::InvalidArgument(format!(
+            "snapshot layers {names:?} are not qcow2 layers of the vm backend"
+        )));
+    };
+    if ancestors(src, &layer_path(src, stems[0]))? != names[1..] {
+        return Err(NodeError::InvalidArgument(format!(
+            "snapshot layers {names:?} are not the chain of {} in {}",
+            names[0],
+            src.display()
+        )));
+    }
+    if let Some(base) = backing_of(&src.join(&names[names.len() - 1]))? {
+        if !Path::new(&base).is_file() {
+            return Err(NodeError::Unavailable(format!(
+                "the snapshot's image disk {base} is not reachable from this node"
+            )));
+        }
+    }
+    for n in names {
+        crate::checkpoints::copy_disk(&src.join(n), &dir.join(n))?;
+    }
+    for n in &names[1..] {
+        crate::backends::qemu::share_read_only(&dir.join(n), group)?;
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -407,6 +498,106 @@ mod tests {
             ancestors(&fork, &layer_path(&fork, &active)).unwrap().len(),
             2
         );
+    }
+
+    /// A chain base ← disk ← layer-a copied out for the shared store, its bottom rebased
+    /// onto a copy of the base, and copied into another VM directory: the copy resolves to
+    /// the base's copy; bad layer lists and a missing base are refused.
+    #[test]
+    fn chains_copy_out_and_in_over_a_copied_base() {
+        let Some(img) = qemu_img() else {
+            eprintln!("SKIP: qemu-img is not installed");
+            return;
+        };
+        if !nix::unistd::Uid::effective().is_root() {
+            eprintln!("SKIP: needs root (frozen layers become root's)");
+            return;
+        }
+        let t = tempfile::tempdir().unwrap();
+        let (vm, snap, other, store) = (
+            t.path().join("vm"),
+            t.path().join("snap"),
+            t.path().join("other"),
+            t.path().join("store"),
+        );
+        for d in [&vm, &snap, &other, &store] {
+            std::fs::create_dir(d).unwrap();
+        }
+        let base = t.path().join("base.qcow2");
+        super::super::run_tool(
+            std::process::Command::new(&img)
+                .args(["create", "-q", "-f", "qcow2"])
+                .arg(&base)
+                .arg("1M"),
+            "qemu-img create",
+        )
+        .unwrap();
+        create_layer(
+            &img,
+            base.to_str().unwrap(),
+            &vm.join("disk.qcow2"),
+            2 << 20,
+        )
+        .unwrap();
+        let a = new_layer();
+        create_layer(&img, "disk.qcow2", &layer_path(&vm, &a), 2 << 20).unwrap();
+
+        let (names, bottom_base) = copy_out(&vm, &a, &snap).unwrap();
+        assert_eq!(names, vec![format!("{a}.qcow2"), "disk.qcow2".to_string()]);
+        assert_eq!(bottom_base.as_deref(), Some(base.as_path()));
+        let base_copy = store.join("base.qcow2");
+        std::fs::copy(&base, &base_copy).unwrap();
+        set_backing(&img, &snap.join("disk.qcow2"), &base_copy).unwrap();
+        assert_eq!(
+            backing_of(&snap.join("disk.qcow2")).unwrap().as_deref(),
+            base_copy.to_str()
+        );
+
+        // Not a chain of this backend's layer names, or not in that order.
+        for bad in [
+            vec![],
+            vec!["../x.qcow2".to_string()],
+            vec!["disk.qcow2".to_string(), format!("{a}.qcow2")],
+            vec![format!("{a}.qcow2")],
+        ] {
+            assert!(
+                matches!(
+                    copy_in(&snap, &other, &bad, None),
+                    Err(NodeError::InvalidArgument(_))
+                ),
+                "{bad:?}"
+            );
+        }
+        copy_in(&snap, &other, &names, None).unwrap();
+        let out = std::process::Command::new(&img)
+            .args(["info", "--backing-chain"])
+            .arg(layer_path(&other, &a))
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let s = String::from_utf8_lossy(&out.stdout);
+        assert_eq!(s.matches("image: ").count(), 3, "{s}");
+        assert!(s.contains(base_copy.to_str().unwrap()), "{s}");
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(other.join("disk.qcow2"))
+            .unwrap()
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o444, "a frozen layer is shared read-only");
+
+        // The image disk is gone: refused before anything is copied.
+        std::fs::remove_file(&base_copy).unwrap();
+        let third = t.path().join("third");
+        std::fs::create_dir(&third).unwrap();
+        assert!(matches!(
+            copy_in(&snap, &third, &names, None),
+            Err(NodeError::Unavailable(_))
+        ));
+        assert_eq!(std::fs::read_dir(&third).unwrap().count(), 0);
     }
 
     #[test]
