@@ -43,7 +43,7 @@
 //! is re-adopted, and as an unprivileged host uid of its own that reaches only its own
 //! files and the shared read-only ones (see [`super`]).
 use super::sandbox::{Boot, Booted, Machine, QemuCore, QemuVm};
-use super::snapshot::{self, Relay};
+use super::snapshot::Relay;
 use super::state::{write_json, VmState};
 use super::store;
 use super::{find_binary, spawn_qemu, Accel};
@@ -706,20 +706,13 @@ impl Machine for MicrovmBackend {
                         store::rebase_args(&state.qemu_args, &[(f.as_path(), copy.as_path())]);
                 }
             }
-            let m = store::Manifest {
-                version: 1,
-                node: store.node().to_owned(),
-                backend: "microvm".into(),
+            let m = store::Manifest::new(
+                store.node(),
+                "microvm",
                 state,
-                backend_dir,
-                kit_dir,
-                vm_dir,
-                saved_at_ms: std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .map(|d| d.as_millis() as i64)
-                    .unwrap_or(0),
-                layers: Vec::new(),
-            };
+                (backend_dir, kit_dir, vm_dir),
+                Vec::new(),
+            );
             store.finish(&d, &m)
         })
         .await
@@ -753,26 +746,9 @@ impl Machine for MicrovmBackend {
             spawn_blocking(move || crate::checkpoints::copy_disk(&src, &dst)).await?;
         }
         super::give_file(&scratch, uid)?;
-        let args = store::rebase_args(
-            &m.state.qemu_args,
-            &[
-                (m.vm_dir.as_path(), dir.as_path()),
-                (m.backend_dir.as_path(), self.cfg.dir.as_path()),
-                (m.kit_dir.as_path(), self.cfg.kit_dir.as_path()),
-            ],
-        );
-        let state = VmState {
-            qemu_args: args,
-            qemu_uid: Some(uid),
-            memory_saved: true,
-            ..m.state
-        };
-        write_json(&dir.join("state.json"), &state)?;
-        let vm = self.core.adopt(state, None);
-        let _life = vm.lifecycle.lock().await;
-        let mut target = self.core.target(&vm);
-        target.snapshot = Some(claimed.to_path_buf());
-        snapshot::resume(&target).await
+        self.core
+            .resume_claimed(claimed, m, uid, &self.cfg.dir, &self.cfg.kit_dir)
+            .await
     }
 
     /// Removes the EROFS disks of images no longer in the store that no microVM uses

@@ -398,6 +398,47 @@ impl QemuCore {
         Ok(())
     }
 
+    /// The last steps of a resume on this node from `claimed`, a snapshot of the shared
+    /// store claimed for `id` ([`super::store`]), once the machine has made the VM
+    /// directory, its uid `uid`, its cgroup and its disks: the manifest's QEMU arguments
+    /// with the source node's directories replaced by this node's (`backend_dir`,
+    /// `kit_dir`, the VM directory), `state.json`, the VM registered as paused with memory,
+    /// then resumed from `claimed/memory.state`.
+    ///
+    /// # Errors
+    /// Writing `state.json`; those of [`snapshot::resume`] (the caller renames the claim
+    /// back).
+    pub(super) async fn resume_claimed(
+        &self,
+        claimed: &Path,
+        m: super::store::Manifest,
+        uid: u32,
+        backend_dir: &Path,
+        kit_dir: &Path,
+    ) -> NodeResult<()> {
+        let dir = self.vm_dir(&m.state.id);
+        let args = super::store::rebase_args(
+            &m.state.qemu_args,
+            &[
+                (m.vm_dir.as_path(), dir.as_path()),
+                (m.backend_dir.as_path(), backend_dir),
+                (m.kit_dir.as_path(), kit_dir),
+            ],
+        );
+        let state = VmState {
+            qemu_args: args,
+            qemu_uid: Some(uid),
+            memory_saved: true,
+            ..m.state
+        };
+        super::state::write_json(&dir.join("state.json"), &state)?;
+        let vm = self.adopt(state, None);
+        let _life = vm.lifecycle.lock().await;
+        let mut target = self.target(&vm);
+        target.snapshot = Some(claimed.to_path_buf());
+        snapshot::resume(&target).await
+    }
+
     /// The pause/resume [`snapshot::Target`] of `vm` (its QEMU restarted with `vm.args`).
     pub(super) fn target<'a>(&'a self, vm: &'a QemuVm) -> snapshot::Target<'a> {
         snapshot::Target {

@@ -75,6 +75,34 @@ pub struct Manifest {
     pub layers: Vec<String>,
 }
 
+impl Manifest {
+    /// The manifest of a pause on node `node` of a `backend` VM in `state`, with the source
+    /// node's `(backend_dir, kit_dir, vm_dir)` and the VM's own disk `layers` (`vm`; empty
+    /// for `microvm`), saved now.
+    pub fn new(
+        node: &str,
+        backend: &str,
+        state: VmState,
+        (backend_dir, kit_dir, vm_dir): (PathBuf, PathBuf, PathBuf),
+        layers: Vec<String>,
+    ) -> Self {
+        Manifest {
+            version: 1,
+            node: node.to_owned(),
+            backend: backend.to_owned(),
+            state,
+            backend_dir,
+            kit_dir,
+            vm_dir,
+            saved_at_ms: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_millis() as i64)
+                .unwrap_or(0),
+            layers,
+        }
+    }
+}
+
 /// File names inside a snapshot directory.
 pub const MANIFEST: &str = "snapshot.json";
 /// The writable disk's copy in a snapshot directory.

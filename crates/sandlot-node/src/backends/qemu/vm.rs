@@ -623,20 +623,13 @@ impl Machine for VmBackend {
                 let copy = store.put_image(&base, &images)?;
                 chain::set_backing(&qemu_img, &d.join(&layers[layers.len() - 1]), &copy)?;
             }
-            let m = store::Manifest {
-                version: 1,
-                node: store.node().to_owned(),
-                backend: "vm".into(),
+            let m = store::Manifest::new(
+                store.node(),
+                "vm",
                 state,
-                backend_dir,
-                kit_dir,
-                vm_dir,
-                saved_at_ms: std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .map(|d| d.as_millis() as i64)
-                    .unwrap_or(0),
+                (backend_dir, kit_dir, vm_dir),
                 layers,
-            };
+            );
             store.finish(&d, &m)
         })
         .await
@@ -685,26 +678,9 @@ impl Machine for VmBackend {
         let cg = self.core.cgroups.sandbox(id);
         let memory_mib = m.state.spec.memory_mib.max(128);
         super::create_vmm_cgroup(&cg, memory_mib, m.state.spec.cpu, QEMU_PIDS)?;
-        let args = store::rebase_args(
-            &m.state.qemu_args,
-            &[
-                (m.vm_dir.as_path(), dir.as_path()),
-                (m.backend_dir.as_path(), self.cfg.dir.as_path()),
-                (m.kit_dir.as_path(), self.cfg.kit_dir.as_path()),
-            ],
-        );
-        let state = VmState {
-            qemu_args: args,
-            qemu_uid: Some(uid),
-            memory_saved: true,
-            ..m.state
-        };
-        write_json(&dir.join("state.json"), &state)?;
-        let vm = self.core.adopt(state, None);
-        let _life = vm.lifecycle.lock().await;
-        let mut target = self.core.target(&vm);
-        target.snapshot = Some(claimed.to_path_buf());
-        super::snapshot::resume(&target).await
+        self.core
+            .resume_claimed(claimed, m, uid, &self.cfg.dir, &self.cfg.kit_dir)
+            .await
     }
 }
 
