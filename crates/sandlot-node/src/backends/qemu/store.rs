@@ -14,20 +14,24 @@
 //!                                   relative name), the bottom one rebased (`qemu-img
 //!                                   rebase -u`) onto the store's copy of the image disk
 //! DIR/sandboxes/<id>/snapshot.json  [`Manifest`], written last: the snapshot is complete
-//! DIR/images/<node>/<file>          the image disk the guest ran on, byte for byte, named
-//!                                   by its path below `DATA/<backend>/images/` (`/` as
-//!                                   `_`): the microvm's EROFS `<version>.erofs` (a lazy
-//!                                   image's `lazy-<digest>_image.erofs`), the vm's qcow2
-//!                                   base `<key>.qcow2` (a guest's page cache holds blocks
-//!                                   of it, and a vm's layers hold only the clusters the
-//!                                   guest wrote over it; another node's build of the same
-//!                                   image differs in its UUID and build time), copied
-//!                                   once per node and image version, mode 0444
+//! DIR/images/<node>/<stamp>-<file>  the image disk the guest ran on, byte for byte, named
+//!                                   by the source file's identity (`<stamp>`: device,
+//!                                   inode, size and times hashed) and its path below
+//!                                   `DATA/<backend>/images/` (`/` as `_`): the microvm's
+//!                                   EROFS `<version>.erofs` (a lazy image's
+//!                                   `lazy-<digest>_image.erofs`), the vm's qcow2 base
+//!                                   `<key>.qcow2` or a lazy image's raw
+//!                                   `lazy-<digest>_image.ext4` (a guest's page cache holds
+//!                                   blocks of it, and a vm's layers hold only the clusters
+//!                                   the guest wrote over it; another node's build of the
+//!                                   same image differs in its UUID and build time), copied
+//!                                   once per node and source file, mode 0444
 //! ```
 //!
 //! A lazy image's disk (a FUSE mount `lazy-<index hex>/` below `images/`) is copied too,
-//! which reads it whole. A backing file outside the node's `DATA/<backend>/images/` (none
-//! today) is named where it is.
+//! which reads it whole. A disk already in the store (the base of a VM resumed from it) is
+//! its own copy. The bottom layer's backing format is kept from its own header, never
+//! guessed from the base's bytes ([`super::vm`]'s `chain::set_backing`).
 //!
 //! A resume on the same node reads `memory.state` there (the fast path: no copy, its own
 //! disk). A resume on another node ([`crate::Node::adopt_snapshot`]) first **claims** the
@@ -181,14 +185,22 @@ impl SnapshotStore {
     }
 
     /// The copy of image disk `src`, a file under the backend's image directory `images`
-    /// (`DATA/<backend>/images`), in `DIR/images/<node>/` (made once: an existing copy of
-    /// the same size is taken as it is), named by its path below `images` with `/` as `_`
-    /// ([`copy_name`]: `<key>.qcow2`, `lazy-<digest>_image.erofs`). A disk already in the
-    /// store is its own copy.
+    /// (`DATA/<backend>/images`), in `DIR/images/<node>/`, named by the identity of `src`
+    /// (device, inode, size, modification and change times, hashed) and its path below
+    /// `images` with `/` as `_` ([`copy_name`]): `<hex>-<key>.qcow2`,
+    /// `<hex>-lazy-<digest>_image.erofs`. Made once per identity: a disk rebuilt under the
+    /// same name (an image removed and pulled again: a new UUID and checksum seeds at the
+    /// same size) gets a copy of its own instead of reusing the old one under layers
+    /// written over the new one. Copies go through a temp file of their own (unique per
+    /// call) renamed into place, so two pauses copying the same disk at once never expose
+    /// a half-written copy. A disk already in the store is its own copy.
     ///
     /// # Errors
-    /// `InvalidArgument` for a `src` not below `images`; `Internal` when the copy fails.
+    /// `InvalidArgument` for a `src` not below `images`; `Internal` when `src` cannot be
+    /// read or the copy fails.
     pub fn put_image(&self, src: &Path, images: &Path) -> NodeResult<PathBuf> {
+        use std::os::unix::fs::MetadataExt;
+        static TMP_SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         if src.starts_with(&self.root) {
             return Ok(src.to_path_buf());
         }
@@ -199,21 +211,37 @@ impl SnapshotStore {
                 images.display()
             ))
         })?;
+        let m = std::fs::metadata(src)
+            .map_err(|e| NodeError::io(format!("stat {}", src.display()), e))?;
+        let identity = [
+            m.dev(),
+            m.ino(),
+            m.size(),
+            m.mtime() as u64,
+            m.mtime_nsec() as u64,
+            m.ctime() as u64,
+            m.ctime_nsec() as u64,
+        ]
+        .map(u64::to_le_bytes);
+        let stamp = crate::images::fnv(&identity.iter().map(|b| &b[..]).collect::<Vec<_>>());
         let dir = self.root.join("images").join(&self.node);
         mkdir_0711(&dir)?;
-        let dst = dir.join(&name);
-        let size = |p: &Path| std::fs::metadata(p).map(|m| m.len()).ok();
-        if size(&dst).is_some() && size(&dst) == size(src) {
+        let dst = dir.join(format!("{stamp:016x}-{name}"));
+        if dst.exists() {
             return Ok(dst);
         }
-        let tmp = dir.join(format!(".{name}.tmp"));
-        let _ = std::fs::remove_file(&tmp);
-        std::fs::copy(src, &tmp)
+        let seq = TMP_SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let tmp = dir.join(format!(".{name}.{}-{seq}.tmp", std::process::id()));
+        let r = std::fs::copy(src, &tmp)
             .and_then(|_| std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o444)))
-            .and_then(|_| std::fs::rename(&tmp, &dst))
-            .map_err(|e| {
-                NodeError::io(format!("copy {} to {}", src.display(), dst.display()), e)
-            })?;
+            .and_then(|_| std::fs::rename(&tmp, &dst));
+        if let Err(e) = r {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(NodeError::io(
+                format!("copy {} to {}", src.display(), dst.display()),
+                e,
+            ));
+        }
         Ok(dst)
     }
 
@@ -409,8 +437,31 @@ mod tests {
         let copy = s
             .put_image(&imgs.join("lazy-ab/image.erofs"), &imgs)
             .unwrap();
-        assert_eq!(copy, s.root().join("images/n0/lazy-ab_image.erofs"));
+        assert_eq!(copy.parent(), Some(s.root().join("images/n0").as_path()));
+        let file = copy.file_name().unwrap().to_str().unwrap();
+        assert!(file.ends_with("-lazy-ab_image.erofs"), "{file}");
         assert_eq!(std::fs::read(&copy).unwrap(), b"disk bytes");
+        assert_eq!(
+            s.put_image(&imgs.join("lazy-ab/image.erofs"), &imgs)
+                .unwrap(),
+            copy,
+            "the same disk is copied once"
+        );
+        // Rebuilt under the same name and size: a copy of its own, the old one untouched.
+        std::fs::remove_file(imgs.join("lazy-ab/image.erofs")).unwrap();
+        std::fs::write(imgs.join("lazy-ab/image.erofs"), b"disk BYTES").unwrap();
+        let again = s
+            .put_image(&imgs.join("lazy-ab/image.erofs"), &imgs)
+            .unwrap();
+        assert_ne!(again, copy);
+        assert_eq!(std::fs::read(&again).unwrap(), b"disk BYTES");
+        assert_eq!(std::fs::read(&copy).unwrap(), b"disk bytes");
+        // No temp file is left behind.
+        let names: Vec<_> = std::fs::read_dir(s.root().join("images/n0"))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        assert!(names.iter().all(|n| !n.ends_with(".tmp")), "{names:?}");
         assert_eq!(
             std::fs::metadata(&copy).unwrap().permissions().mode() & 0o777,
             0o444

@@ -340,21 +340,70 @@ pub fn copy_out(
     Ok((names, base))
 }
 
-/// Points the qcow2 file `layer` at the backing file `backing` (the same content under
-/// another path: `qemu-img rebase -u`, nothing is read or copied), its format told by its
-/// magic (qcow2, else raw). Blocking.
+/// The format recorded in qcow2 file `path` for its backing file: the header extension
+/// "backing file format name" (type `0xe2792aca`; QEMU's `docs/interop/qcow2.txt`), which
+/// this backend always writes (`qemu-img create -F`, `rebase -F`). `None` when absent.
 ///
 /// # Errors
-/// `Internal` when `backing` cannot be read or `qemu-img` fails.
+/// `Internal` on an unreadable file, one that is not qcow2, or a malformed extension.
+pub fn backing_format_of(path: &Path) -> NodeResult<Option<String>> {
+    const BACKING_FORMAT: u32 = 0xe279_2aca;
+    let mut f = std::fs::File::open(path)
+        .map_err(|e| NodeError::io(format!("open {}", path.display()), e))?;
+    let mut hdr = [0u8; 104];
+    f.read_exact(&mut hdr)
+        .map_err(|e| NodeError::io(format!("read {}", path.display()), e))?;
+    let be32 = |b: &[u8]| u32::from_be_bytes(b[..4].try_into().expect("4 bytes"));
+    if &hdr[..4] != b"QFI\xfb" {
+        return Err(bad(path, "not a qcow2 file"));
+    }
+    // Extensions follow the header: 72 bytes in version 2, `header_length` in version 3.
+    let mut off = if be32(&hdr[4..]) >= 3 {
+        be32(&hdr[100..]) as u64
+    } else {
+        72
+    };
+    for _ in 0..64 {
+        let mut ext = [0u8; 8];
+        f.seek(SeekFrom::Start(off))
+            .and_then(|_| f.read_exact(&mut ext))
+            .map_err(|e| NodeError::io(format!("read {}", path.display()), e))?;
+        let (kind, len) = (be32(&ext[..4]), be32(&ext[4..]) as usize);
+        if kind == 0 {
+            return Ok(None);
+        }
+        if len > 4096 {
+            return Err(bad(path, "header extension longer than 4096 bytes"));
+        }
+        if kind == BACKING_FORMAT {
+            let mut name = vec![0u8; len];
+            f.read_exact(&mut name)
+                .map_err(|e| NodeError::io(format!("read {}", path.display()), e))?;
+            return String::from_utf8(name)
+                .map(Some)
+                .map_err(|_| bad(path, "backing format name is not UTF-8"));
+        }
+        off += 8 + len.next_multiple_of(8) as u64;
+    }
+    Err(bad(path, "more than 64 header extensions"))
+}
+
+/// Points the qcow2 file `layer` at the backing file `backing` (the same content under
+/// another path: `qemu-img rebase -u`, nothing is read or copied), keeping the backing
+/// format `layer` records ([`backing_format_of`]). The format is never guessed from
+/// `backing`'s bytes: a lazy image's raw disk comes from a registry, and raw bytes that
+/// look like a qcow2 header could name a backing file of their own.
+///
+/// # Errors
+/// `Internal` when `layer` records no backing format or `qemu-img` fails.
 pub fn set_backing(qemu_img: &Path, layer: &Path, backing: &Path) -> NodeResult<()> {
-    let mut magic = [0u8; 4];
-    std::fs::File::open(backing)
-        .and_then(|mut f| f.read_exact(&mut magic))
-        .map_err(|e| NodeError::io(format!("read {}", backing.display()), e))?;
-    let fmt = if &magic == b"QFI\xfb" { "qcow2" } else { "raw" };
+    let fmt = backing_format_of(layer)?.ok_or_else(|| bad(layer, "no backing format recorded"))?;
+    if !matches!(fmt.as_str(), "raw" | "qcow2") {
+        return Err(bad(layer, "backing format is neither raw nor qcow2"));
+    }
     super::run_tool(
         std::process::Command::new(qemu_img)
-            .args(["rebase", "-q", "-u", "-F", fmt, "-b"])
+            .args(["rebase", "-q", "-u", "-F", &fmt, "-b"])
             .arg(backing)
             .arg(layer),
         "qemu-img rebase -u",
@@ -552,6 +601,29 @@ mod tests {
             backing_of(&snap.join("disk.qcow2")).unwrap().as_deref(),
             base_copy.to_str()
         );
+        assert_eq!(
+            backing_format_of(&snap.join("disk.qcow2"))
+                .unwrap()
+                .as_deref(),
+            Some("qcow2")
+        );
+        // A raw base whose bytes start like a qcow2 header stays raw: the format is the
+        // layer's own record, not a guess from the base's content.
+        let raw_base = t.path().join("raw.img");
+        let mut bytes = b"QFI\xfb".to_vec();
+        bytes.resize(1 << 20, 0);
+        std::fs::write(&raw_base, &bytes).unwrap();
+        let top = t.path().join("over-raw.qcow2");
+        super::super::run_tool(
+            std::process::Command::new(&img)
+                .args(["create", "-q", "-f", "qcow2", "-F", "raw", "-b"])
+                .arg(&raw_base)
+                .arg(&top),
+            "qemu-img create",
+        )
+        .unwrap();
+        set_backing(&img, &top, &raw_base).unwrap();
+        assert_eq!(backing_format_of(&top).unwrap().as_deref(), Some("raw"));
 
         // Not a chain of this backend's layer names, or not in that order.
         for bad in [
