@@ -4,13 +4,15 @@
 Usage: scripts/modgraph.py CRATE_SRC_DIR... [--dot] [--verbose]
 
 Reads every `.rs` file under each `src/` directory (a file `a/b.rs` or `a/b/mod.rs` is the
-module `a::b`; `lib.rs`/`main.rs` the crate root) and draws an edge A -> B for each path
-`crate::…` or `super::…` in A's code that names module B (in `use` trees, braces expanded,
-and in paths written inline). Comments, doc links included, and `#[cfg(test)] mod tests`
-blocks at a file's end do not count; neither do references between a module and its own
-ancestors (a child uses its parent's items by design). Prints one summary line per crate
-(`N modules, E edges, C cycles`) and each cycle (a strongly connected component of more
-than one module) with its edges; `--dot` prints the graph in Graphviz's dot language.
+module `a::b`; `lib.rs`/`main.rs` the crate root) and draws an edge A -> B for each path in
+A's code that names module B: `crate::…`, `super::…`, `self::…` and paths through A's own
+child modules (`mod x;` then `x::…`), in `use` trees (braces expanded) and written inline.
+A module's use of its own children counts (so a cycle through a child is seen); a child's
+use of its ancestors does not (a child uses its parent's items by design). Comments (doc
+links included) and a `#[cfg(test)] mod tests` block at a file's end do not count. Prints
+one summary line per crate (`N modules, E edges, C cycles`) and each cycle (a strongly
+connected component of more than one module) with its edges; `--dot` prints the graph in
+Graphviz's dot language, `--verbose` every module's edges.
 Exit status: 0 without cycles, 1 with any, 2 on bad usage. A text reader, not a compiler:
 macro-generated paths are not seen.
 """
@@ -68,21 +70,30 @@ def edges_of(mods):
 
     edges = {m: set() for m in names}
     for m, src in mods.items():
-        src = re.sub(r"//[^\n]*", "", src)
+        src = re.sub(r"(?m)(^|\s)//.*$", r"\1", src)  # comments, not `http://` in strings
         src = re.sub(r"#\[cfg\(test\)\]\s*mod tests\s*\{.*", "", src, flags=re.S)
         paths = []
-        for u in re.finditer(r"\buse\s+((?:crate|super)\b[^;]*);", src):
+        children = set(re.findall(r"^\s*(?:pub(?:\([\w:]+\))?\s+)?mod\s+(\w+)\s*;", src, re.M))
+        heads = "crate|super|self" + "".join("|" + c for c in sorted(children))
+        for u in re.finditer(r"\buse\s+((?:%s)\b[^;]*);" % heads, src):
             paths += expand_use("", re.sub(r"\s+", " ", u.group(1)))
-        paths += [a + b for a, b in re.findall(r"\b(crate|super)((?:::\w+)+)", src)]
+        paths += [a + b for a, b in re.findall(r"(?<![\w:])(%s)((?:::\w+)+)" % heads, src)]
         for p in paths:
             kind, _, rest = p.partition("::")
             if not rest:
                 continue
-            base = [] if kind == "crate" else (m.split("::")[:-1] if m else [])
+            if kind not in ("crate", "super", "self"):  # a child module's path
+                kind, rest = "self", p
+            if kind == "crate":
+                base = []
+            elif kind == "self":
+                base = m.split("::") if m else []
+            else:
+                base = m.split("::")[:-1] if m else []
             while rest.startswith("super::"):
                 base, rest = base[:-1], rest[len("super::"):]
             t = owner("::".join(base + [rest]))
-            if t is None or t == m or m.startswith(t + "::") or t.startswith(m + "::"):
+            if t is None or t == m or m.startswith(t + "::"):
                 continue
             edges[m].add(t)
     return edges

@@ -35,6 +35,7 @@
 //! ([`ImageSource::Registry`], [`ImageSource::Archive`]) whose layers are content-addressed
 //! directories unpacked once and shared; the rest of the node consumes [`Image::layers`] as
 //! an overlay lowerdir list either way.
+pub mod disks;
 mod error;
 pub mod lazy;
 pub mod oci;

@@ -32,3 +32,27 @@ pub(crate) async fn spawn_blocking<T: Send + 'static>(
         .await
         .map_err(|e| NodeError::io("blocking task", std::io::Error::other(e.to_string())))?
 }
+
+/// The first executable file `name` found in `PATH` or the usual system directories
+/// (`/usr/local/sbin`, `/usr/local/bin`, `/usr/sbin`, `/usr/bin`, `/sbin`).
+pub fn find_binary(name: &str) -> Option<std::path::PathBuf> {
+    use std::os::unix::fs::PermissionsExt;
+    let path = std::env::var("PATH").unwrap_or_default();
+    let found = path
+        .split(':')
+        .chain([
+            "/usr/local/sbin",
+            "/usr/local/bin",
+            "/usr/sbin",
+            "/usr/bin",
+            "/sbin",
+        ])
+        .filter(|d| !d.is_empty())
+        .map(|d| std::path::Path::new(d).join(name))
+        .find(|p| {
+            std::fs::metadata(p)
+                .map(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+                .unwrap_or(false)
+        });
+    found
+}

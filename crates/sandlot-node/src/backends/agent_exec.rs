@@ -4,7 +4,7 @@
 //! caller's sink, pass signals to the agent's `/v1/signal`, and turn the exit frame into an
 //! [`ExecResult`]; and the one file call that needs more than a call of the agent's
 //! ([`file_size`]).
-use super::function::ExecPlan;
+use super::exec_plan::ExecPlan;
 use super::pause::check_live;
 use super::saved::StoredSpec;
 use crate::agent_client::{AgentClient, ExecChunk};

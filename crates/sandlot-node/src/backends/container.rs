@@ -75,6 +75,7 @@ use crate::checkpoints::{Captured, Checkpoint};
 use crate::images::Image;
 use crate::net::{NetworkManager, NodeNet};
 use crate::node::{NodeError, NodeResult, SandboxSpec, SandboxStatus};
+use crate::sys::find_binary;
 use crate::sys::{proc_starttime, spawn_blocking};
 use async_trait::async_trait;
 use pool::{pool_dir, spec_compatible, ContainerPool, Containers};
@@ -215,22 +216,6 @@ pub struct ContainerBackend {
     /// The warm pool of ready runc containers, once started
     /// ([`ContainerBackend::start_warm_pool`]).
     pool: std::sync::OnceLock<ContainerPool>,
-}
-
-/// Finds `name` in `PATH` (and the usual sbin directories).
-fn find_binary(name: &str) -> Option<PathBuf> {
-    let path = std::env::var("PATH").unwrap_or_default();
-    let found = path
-        .split(':')
-        .chain(["/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin"])
-        .filter(|d| !d.is_empty())
-        .map(|d| Path::new(d).join(name))
-        .find(|p| {
-            std::fs::metadata(p)
-                .map(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
-                .unwrap_or(false)
-        });
-    found
 }
 
 /// Where [`agent_copy`] puts the agent the containers bind-mount.

@@ -84,7 +84,7 @@ pub mod pool;
 use super::check_id;
 use super::pause::{check_not_paused, freeze, thaw, FREEZE_TIMEOUT};
 use super::pool::WarmPool;
-use super::saved::{self, SavedSandbox, StoredSpec};
+use super::saved::{self, SavedSandbox};
 use super::spawn::{cloexec_pipe, dup_high, SpawnedChild};
 use super::uids::{UidLease, UidSlots, UID_COUNT};
 use super::{ExecIo, SandboxBackend};
@@ -96,10 +96,9 @@ use crate::node::{ExecControl, ExecSink, NodeError, NodeResult, SandboxSpec, San
 use crate::output::Capture;
 use crate::sys::{proc_starttime, spawn_blocking};
 use async_trait::async_trait;
-use base64::Engine as _;
 use pool::{pool_dir, tmp_compatible, FunctionPool, Jails};
 use sandlot_api::{Backend, ExecEvent, ExecRequest, ExecResult, FileEntry};
-use sandlot_guest::spec::{ExecSpec, ExecStatus, InitReady, InitSpec, Rlimit, RlimitResource};
+use sandlot_guest::spec::{ExecStatus, InitReady, InitSpec};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::os::fd::OwnedFd;
@@ -112,14 +111,8 @@ use std::time::{Duration, Instant};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
 use tokio::sync::{watch, RwLock};
 
-/// Default cap on kept bytes per stream (1 MiB).
-pub use sandlot_node_api::DEFAULT_MAX_OUTPUT;
-/// Largest accepted `max_output_bytes` (64 MiB).
-pub const MAX_MAX_OUTPUT: u64 = 64 << 20;
-/// Default exec timeout (60 s).
-pub const DEFAULT_TIMEOUT_S: f64 = 60.0;
-/// Limit on open files of every exec.
-pub const NOFILE: u64 = 1024;
+pub(crate) use super::exec_plan::ExecPlan;
+pub use super::exec_plan::{DEFAULT_MAX_OUTPUT, DEFAULT_TIMEOUT_S, MAX_MAX_OUTPUT, NOFILE};
 
 /// How long `sandlot-guest init` may take.
 const INIT_TIMEOUT: Duration = Duration::from_secs(30);
@@ -980,149 +973,13 @@ pub(crate) fn rewrite_proc_views(init_pid: i32, spec: &SandboxSpec) -> NodeResul
     Ok(())
 }
 
-/// A validated exec, ready to hand to `sandlot-guest exec` (directly, or through the guest
-/// agent of a container).
-pub(crate) struct ExecPlan {
-    pub(crate) spec: ExecSpec,
-    pub(crate) stdin: Option<Vec<u8>>,
-    pub(crate) timeout: Duration,
-    pub(crate) cap: usize,
-}
-
+/// An exec plan for this jail: [`ExecPlan::build`] aimed at its init.
 impl ExecPlan {
     fn new(state: &JailState, req: &ExecRequest) -> NodeResult<ExecPlan> {
         let mut plan = ExecPlan::build(&state.saved.image_env, &state.saved.spec, req)?;
         plan.spec.init_pid = state.saved.init_pid;
         plan.spec.init_starttime = state.saved.init_starttime;
         Ok(plan)
-    }
-
-    /// Validates `req` against a sandbox with this image environment and spec; the
-    /// returned spec has no target (`init_pid` 0).
-    ///
-    /// # Errors
-    /// `InvalidArgument` for a bad timeout, output cap, user, cmd, cwd, env or stdin.
-    pub(crate) fn build(
-        image_env: &[(String, String)],
-        sandbox: &StoredSpec,
-        req: &ExecRequest,
-    ) -> NodeResult<ExecPlan> {
-        let timeout_s = req.timeout_s.unwrap_or(DEFAULT_TIMEOUT_S);
-        sandlot_api::check_timeout_s("timeout_s", timeout_s).map_err(NodeError::InvalidArgument)?;
-        let cap = req.max_output_bytes.unwrap_or(DEFAULT_MAX_OUTPUT);
-        if cap > MAX_MAX_OUTPUT {
-            return Err(NodeError::InvalidArgument(format!(
-                "max_output_bytes must be at most {MAX_MAX_OUTPUT}, got {cap}"
-            )));
-        }
-        match req.user.as_deref() {
-            None | Some("root") => {}
-            Some(u) => {
-                return Err(NodeError::InvalidArgument(format!(
-                "user {u:?} is not supported; only \"root\" (the sandbox's own unprivileged root)"
-            )))
-            }
-        }
-        let argv = req.cmd.to_argv();
-        if argv.is_empty() || argv[0].is_empty() {
-            return Err(NodeError::InvalidArgument("cmd must not be empty".into()));
-        }
-        if argv.iter().any(|a| a.contains('\0')) {
-            return Err(NodeError::InvalidArgument(
-                "cmd must not contain NUL bytes".into(),
-            ));
-        }
-        let cwd = req.cwd.clone().unwrap_or_else(|| "/workspace".to_string());
-        if !cwd.starts_with('/') || cwd.contains('\0') {
-            return Err(NodeError::InvalidArgument(format!(
-                "cwd must be an absolute path, got {cwd:?}"
-            )));
-        }
-        let mut env: Vec<(String, String)> = vec![
-            (
-                "PATH".into(),
-                "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".into(),
-            ),
-            ("HOME".into(), "/root".into()),
-            ("LANG".into(), "C.UTF-8".into()),
-            ("TERM".into(), "xterm".into()),
-        ];
-        let layers: Vec<(String, String)> = image_env
-            .iter()
-            .cloned()
-            .chain(sandbox.env.iter().map(|(k, v)| (k.clone(), v.clone())))
-            .chain(req.env.iter().map(|(k, v)| (k.clone(), v.clone())))
-            .collect();
-        for (k, v) in layers {
-            if k.is_empty() || k.contains('=') || k.contains('\0') || v.contains('\0') {
-                return Err(NodeError::InvalidArgument(format!(
-                    "bad environment variable name or value: {k:?}"
-                )));
-            }
-            match env.iter_mut().find(|(ek, _)| *ek == k) {
-                Some(slot) => slot.1 = v,
-                None => env.push((k, v)),
-            }
-        }
-        let stdin = match &req.stdin_b64 {
-            None => None,
-            Some(b) => Some(
-                base64::engine::general_purpose::STANDARD
-                    .decode(b)
-                    .map_err(|e| {
-                        NodeError::InvalidArgument(format!("stdin_b64 is not base64: {e}"))
-                    })?,
-            ),
-        };
-        let mut spec = ExecSpec {
-            init_pid: 0,
-            init_starttime: 0,
-            cgroup_procs: Vec::new(),
-            argv,
-            env,
-            cwd,
-            uid: 0,
-            gid: 0,
-            rlimits: vec![
-                Rlimit {
-                    resource: RlimitResource::Nofile,
-                    value: NOFILE,
-                },
-                Rlimit {
-                    resource: RlimitResource::Core,
-                    value: 0,
-                },
-                Rlimit {
-                    resource: RlimitResource::Fsize,
-                    value: sandbox.disk_mib.saturating_mul(1 << 20),
-                },
-            ],
-            own_pid_ns: false,
-            landlock: true,
-            stdin_null: false,
-            pty: None,
-        };
-        // Terminal mode: the helper's stdin is framed (`pty_frame_data`) and always a pipe.
-        let stdin = match req.pty {
-            None => stdin,
-            Some(size) => {
-                size.validate().map_err(NodeError::InvalidArgument)?;
-                spec.pty = Some(sandlot_guest::spec::PtySize {
-                    rows: size.rows,
-                    cols: size.cols,
-                });
-                Some(match stdin {
-                    Some(d) if !d.is_empty() => sandlot_guest::spec::pty_frame_data(&d),
-                    _ => Vec::new(),
-                })
-            }
-        };
-        Ok(ExecPlan {
-            spec,
-            stdin,
-            timeout: Duration::from_secs_f64(timeout_s),
-            cap: cap as usize,
-        })
     }
 }
 
@@ -1865,6 +1722,9 @@ impl Drop for FunctionBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backends::saved::StoredSpec;
+    use base64::Engine as _;
+    use sandlot_guest::spec::{Rlimit, RlimitResource};
     use std::collections::BTreeMap;
 
     /// The standby helper's process and exec group: `(host pid, group dirs)`, once it is

@@ -7,6 +7,7 @@
 mod agent_exec;
 pub mod agent_files;
 pub mod container;
+mod exec_plan;
 pub mod function;
 pub mod gvisor_audit;
 mod pause;

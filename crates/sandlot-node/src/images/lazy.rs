@@ -177,7 +177,7 @@ impl ImageStore {
             data_bytes += idx.data_size;
             pairs.push((idx_digest, idx_size, idx));
         }
-        let disk = if crate::backends::qemu::find_binary("mkfs.erofs").is_some() {
+        let disk = if crate::sys::find_binary("mkfs.erofs").is_some() {
             let this = self.clone();
             let layers = img.layers.clone();
             Some(
@@ -192,7 +192,7 @@ impl ImageStore {
             );
             None
         };
-        let vm_disk = if crate::backends::qemu::find_binary("mkfs.ext4").is_some() {
+        let vm_disk = if crate::sys::find_binary("mkfs.ext4").is_some() {
             let this = self.clone();
             let layers = img.layers.clone();
             Some(
@@ -300,9 +300,7 @@ impl ImageStore {
     /// (mode 0444) in a root of mode 0755, made in a temporary directory under the store's
     /// `lazy/` and removed after. Returns the index's digest, size and contents.
     fn convert_disk(&self, layers: &[PathBuf]) -> NodeResult<(String, u64, LazyIndex)> {
-        self.convert_disk_file(DISK_FILE, |out| {
-            crate::backends::qemu::microvm::make_erofs(layers, out)
-        })
+        self.convert_disk_file(DISK_FILE, |out| super::disks::make_erofs(layers, out))
     }
 
     /// The image's raw ext4 disk (`vm::make_ext4` of the merged `layers`, top-most first,
@@ -310,7 +308,7 @@ impl ImageStore {
     /// [`convert_disk`](Self::convert_disk): a one-file tree [`VM_DISK_FILE`] (mode 0444).
     fn convert_vm_disk(&self, layers: &[PathBuf]) -> NodeResult<(String, u64, LazyIndex)> {
         self.convert_disk_file(VM_DISK_FILE, |out| {
-            crate::backends::qemu::vm::make_ext4(layers, out)?;
+            super::disks::make_ext4(layers, out)?;
             super::set_mode(out, 0o444)
         })
     }

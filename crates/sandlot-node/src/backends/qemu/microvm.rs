@@ -52,6 +52,7 @@ use crate::agent_client::AgentClient;
 use crate::backends::saved::StoredSpec;
 use crate::cgroups::CgroupRoot;
 use crate::checkpoints::{Captured, Checkpoint};
+use crate::images::disks::make_erofs;
 use crate::images::{fnv, Image, ImageStore};
 use crate::node::{NodeError, NodeResult};
 use crate::sys::spawn_blocking;
@@ -423,50 +424,6 @@ async fn seed_scratch(ck: &Checkpoint, scratch: &Path, mib: u64) -> NodeResult<(
         crate::checkpoints::grow_ext4(&dst, mib)
     })
     .await
-}
-
-/// `mkfs.erofs` of the image's merged layers (`layers`, the top-most first) into `out`
-/// (via a temp file), mode 0444. Also makes a lazy image's EROFS disk at convert time
-/// ([`ImageStore::convert_lazy`](crate::images::ImageStore::convert_lazy)).
-///
-/// # Errors
-/// `Internal` when the overlay mount or `mkfs.erofs` fails (its stderr is quoted).
-pub(crate) fn make_erofs(layers: &[PathBuf], out: &Path) -> NodeResult<()> {
-    let tmp = out.with_extension("erofs.tmp");
-    let merged_dir = out.with_extension("merge");
-    let src = if layers.len() == 1 {
-        layers[0].clone()
-    } else {
-        std::fs::create_dir_all(&merged_dir)
-            .map_err(|e| NodeError::io(format!("create {}", merged_dir.display()), e))?;
-        super::mount_layers(layers, &merged_dir)?;
-        merged_dir.clone()
-    };
-    let res = std::process::Command::new("mkfs.erofs")
-        .arg("--quiet")
-        .arg(&tmp)
-        .arg(&src)
-        .output();
-    if layers.len() != 1 {
-        let _ = nix::mount::umount2(&merged_dir, nix::mount::MntFlags::MNT_DETACH);
-        let _ = std::fs::remove_dir(&merged_dir);
-    }
-    let out_ = res.map_err(|e| NodeError::io("run mkfs.erofs", e))?;
-    if !out_.status.success() {
-        let _ = std::fs::remove_file(&tmp);
-        return Err(NodeError::io(
-            format!(
-                "mkfs.erofs {}: {}",
-                src.display(),
-                String::from_utf8_lossy(&out_.stderr)
-            ),
-            std::io::Error::other("mkfs.erofs failed"),
-        ));
-    }
-    // Read by every microVM's QEMU (unprivileged uids), written by nobody.
-    std::fs::set_permissions(&tmp, std::os::unix::fs::PermissionsExt::from_mode(0o444))
-        .and_then(|_| std::fs::rename(&tmp, out))
-        .map_err(|e| NodeError::io(format!("rename {}", tmp.display()), e))
 }
 
 #[async_trait]

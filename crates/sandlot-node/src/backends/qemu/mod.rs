@@ -44,6 +44,7 @@ use crate::backends::uids::{UidLease, UidSlots};
 use crate::cgroups::{Limits, SandboxCgroup};
 use crate::images::{Image, ImageStore};
 use crate::node::{NodeError, NodeResult};
+pub(crate) use crate::sys::find_binary;
 use accel::probe_kvm;
 pub use accel::Accel;
 use sandlot_guest::agent_proto::IdentityRequest;
@@ -1227,48 +1228,6 @@ pub(crate) fn net_args(device: &str) -> Vec<String> {
         "-device".into(),
         format!("{device},netdev=net0"),
     ]
-}
-
-/// The first `name` found in `PATH` or the usual system directories (`/usr/local/sbin`,
-/// `/usr/local/bin`, `/usr/sbin`, `/usr/bin`, `/sbin`).
-pub(crate) fn find_binary(name: &str) -> Option<PathBuf> {
-    let path = std::env::var("PATH").unwrap_or_default();
-    let found = path
-        .split(':')
-        .chain([
-            "/usr/local/sbin",
-            "/usr/local/bin",
-            "/usr/sbin",
-            "/usr/bin",
-            "/sbin",
-        ])
-        .filter(|d| !d.is_empty())
-        .map(|d| Path::new(d).join(name))
-        .find(|p| p.is_file());
-    found
-}
-
-/// Mounts the read-only overlay of `layers` (the first on top) at the existing directory
-/// `at` (unmounted by the caller with `MNT_DETACH`).
-///
-/// # Errors
-/// `Internal` naming the number of layers when the mount fails.
-pub(crate) fn mount_layers<'a>(
-    layers: impl IntoIterator<Item = &'a PathBuf>,
-    at: &Path,
-) -> NodeResult<()> {
-    let lower: Vec<String> = layers
-        .into_iter()
-        .map(|l| l.display().to_string())
-        .collect();
-    nix::mount::mount(
-        Some("overlay"),
-        at,
-        Some("overlay"),
-        nix::mount::MsFlags::MS_RDONLY,
-        Some(format!("lowerdir={}", lower.join(":")).as_str()),
-    )
-    .map_err(|e| NodeError::io(format!("overlay mount of {} layers", lower.len()), e.into()))
 }
 
 /// One initramfs entry for [`write_cpio`]: path, mode, content (`None`: a directory).

@@ -62,6 +62,7 @@ use crate::agent_client::AgentClient;
 use crate::backends::saved::StoredSpec;
 use crate::cgroups::CgroupRoot;
 use crate::checkpoints::Captured;
+use crate::images::disks::{make_ext4, run_tool};
 use crate::images::{fnv, Image, ImageStore};
 use crate::node::{NodeError, NodeResult};
 use crate::sys::spawn_blocking;
@@ -137,42 +138,6 @@ fn drive_stem(args: &[String]) -> Option<&str> {
         .find_map(|w| w[1].split(',').find_map(|kv| kv.strip_prefix("node-name=")))
 }
 
-fn run_tool(cmd: &mut std::process::Command, what: &str) -> NodeResult<()> {
-    let out = cmd
-        .output()
-        .map_err(|e| NodeError::io(format!("run {what}"), e))?;
-    if !out.status.success() {
-        return Err(NodeError::io(
-            format!("{what}: {}", String::from_utf8_lossy(&out.stderr).trim()),
-            std::io::Error::other(format!("{what} failed")),
-        ));
-    }
-    Ok(())
-}
-
-/// Bytes (rounded to 4 KiB blocks, plus one block per entry) and entries under `root`,
-/// not following symlinks.
-fn tree_usage(root: &Path) -> (u64, u64) {
-    let (mut bytes, mut entries) = (0u64, 0u64);
-    let mut stack = vec![root.to_path_buf()];
-    while let Some(d) = stack.pop() {
-        let Ok(rd) = std::fs::read_dir(&d) else {
-            continue;
-        };
-        for e in rd.flatten() {
-            entries += 1;
-            let Ok(md) = e.path().symlink_metadata() else {
-                continue;
-            };
-            bytes += md.len().div_ceil(4096) * 4096 + 4096;
-            if md.is_dir() {
-                stack.push(e.path());
-            }
-        }
-    }
-    (bytes, entries)
-}
-
 /// The virtual size in bytes of a qcow2 file (header field `size`, bytes 24..32, big
 /// endian: QEMU's `docs/interop/qcow2.txt`).
 fn qcow2_size(path: &Path) -> NodeResult<u64> {
@@ -188,54 +153,6 @@ fn qcow2_size(path: &Path) -> NodeResult<u64> {
         ));
     }
     Ok(u64::from_be_bytes(hdr[24..32].try_into().expect("8 bytes")))
-}
-
-/// Writes the ext4 file system of the image whose layers are `layers` (top-most first) as
-/// the raw disk `raw` (no partition table, label `sandlot-root`, no journal, root owned by
-/// 0:0): the layers merged by a read-only overlay mount at `raw` + `.merge` (one layer is
-/// read as it is: overlayfs wants two lower layers without an upper one), then
-/// `mkfs.ext4 -d` of that tree into a file of the content's size + 25 % + 64 MiB. Used for
-/// the `vm` backend's image disks, eagerly here and at `sandlot image convert` for a lazy
-/// image's ext4 disk. The mount is removed on return; `raw` is left as made (the caller
-/// removes it on error).
-///
-/// # Errors
-/// `Internal` when the overlay cannot be mounted or `mkfs.ext4` fails.
-pub fn make_ext4(layers: &[PathBuf], raw: &Path) -> NodeResult<()> {
-    let merged = raw.with_extension("merge");
-    let _ = nix::mount::umount2(&merged, nix::mount::MntFlags::MNT_DETACH);
-    let _ = std::fs::remove_dir_all(&merged);
-    let res = (|| -> NodeResult<()> {
-        let src = if let [one] = layers {
-            one.clone()
-        } else {
-            std::fs::create_dir_all(&merged)
-                .map_err(|e| NodeError::io(format!("create {}", merged.display()), e))?;
-            super::mount_layers(layers, &merged)?;
-            merged.clone()
-        };
-        let (bytes, entries) = tree_usage(&src);
-        // Content + 25 % + 64 MiB: the ext4 metadata, and room so that a sandbox with a
-        // small disk_mib still has the base's own slack.
-        let size_mib = (bytes + bytes / 4).div_ceil(1 << 20) + 64;
-        let inodes = entries * 2 + 16384;
-        run_tool(
-            std::process::Command::new("mkfs.ext4")
-                .args(["-q", "-F", "-O", "^has_journal", "-L", "sandlot-root"])
-                .arg("-N")
-                .arg(inodes.to_string())
-                .arg("-E")
-                .arg("root_owner=0:0")
-                .arg("-d")
-                .arg(&src)
-                .arg(raw)
-                .arg(format!("{size_mib}M")),
-            "mkfs.ext4 -d",
-        )
-    })();
-    let _ = nix::mount::umount2(&merged, nix::mount::MntFlags::MNT_DETACH);
-    let _ = std::fs::remove_dir(&merged);
-    res
 }
 
 /// Builds the image's disk `out` (qcow2) from `layers` (top-most first): [`make_ext4`],
@@ -565,8 +482,8 @@ impl Machine for VmBackend {
         Ok((state, (agent, relay)))
     }
 
-    /// Removes the base disks of images no longer in the store (or built for another guest
-    /// agent) that no chain uses: the absolute backing file of any qcow2 layer in a VM's
+    /// Removes the base disks of images no longer in the store (and those of older nodes,
+    /// keyed with their agent binary) that no chain uses: the absolute backing file of any qcow2 layer in a VM's
     /// directory (running or paused) or a checkpoint's; with `partial`, also builds cut
     /// short. A layer whose header cannot be read stops the collection (logged).
     fn collect_disks(&self, partial: bool) {
@@ -765,7 +682,7 @@ mod tests {
         let d = tempfile::tempdir().unwrap();
         std::fs::create_dir(d.path().join("a")).unwrap();
         std::fs::write(d.path().join("a/f"), [1u8; 5000]).unwrap();
-        let (bytes, entries) = tree_usage(d.path());
+        let (bytes, entries) = crate::images::disks::tree_usage(d.path());
         assert_eq!(entries, 2);
         assert!(bytes >= 8192 + 4096);
     }
