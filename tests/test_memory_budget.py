@@ -362,6 +362,22 @@ def test_gzip_bomb_is_refused_and_leaves_nothing(small_file_node):
                            headers={"E2b-Sandbox-Id": box.id, **gz,
                                     "Content-Type": f"multipart/form-data; boundary={boundary}"})
             assert r.status_code == 413, r.text
+            # A multipart gzip body whose damage only its trailer shows (CRC-32 flipped):
+            # the body is read past the closing boundary and the upload refused.
+            z = zlib.compressobj(6, zlib.DEFLATED, 31)
+            good = z.compress(mp + b"crc" * 1000 + f"\r\n--{boundary}--\r\n".encode()) + z.flush()
+            damaged = good[:-8] + bytes([good[-8] ^ 0xFF]) + good[-7:]
+            r = httpx.post(f"{srv.url}/files", params={"username": "root"}, content=damaged, timeout=60,
+                           headers={"E2b-Sandbox-Id": box.id, **gz,
+                                    "Content-Type": f"multipart/form-data; boundary={boundary}"})
+            assert r.status_code == 400, r.text
+            assert "not gzip data" in r.json()["message"], r.text
+            r = httpx.post(f"{srv.url}/files", params={"username": "root"}, content=good, timeout=60,
+                           headers={"E2b-Sandbox-Id": box.id, **gz,
+                                    "Content-Type": f"multipart/form-data; boundary={boundary}"})
+            assert r.status_code == 200, r.text
+            assert box.read_file("/workspace/f") == b"crc" * 1000
+            box.write_file("/workspace/f", b"old")
             for bad in (b"not gzip at all", _gzip(b"x" * 100_000)[:-9]):
                 r = _e2b_upload(srv.url, box.id, "/workspace/g", bad, **gz)
                 assert r.status_code == 400, r.text

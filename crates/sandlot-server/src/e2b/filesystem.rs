@@ -777,7 +777,28 @@ pub async fn upload(State(st): State<SharedState>, req: Request) -> Response {
                     .await
                     .map(|_| vec![written_entry(&path)])
             }
-            Some(b) => stream_multipart(&st, &ctx, body, b, limit as u64).await,
+            // multer stops at the closing boundary: a gzip body is then read to its end
+            // (bounded by `most` inflated bytes) so that its trailer (CRC-32, length) is
+            // checked, as for a plain upload.
+            Some(b) => {
+                let shared = std::sync::Arc::new(std::sync::Mutex::new(body));
+                let r =
+                    stream_multipart(&st, &ctx, SharedBody(shared.clone()), b, limit as u64).await;
+                match (r, std::sync::Arc::try_unwrap(shared)) {
+                    (Ok(v), Ok(rest)) if encoding == BodyEncoding::Gzip => {
+                        let mut rest = rest.into_inner().unwrap_or_else(|e| e.into_inner());
+                        let mut end = Ok(v);
+                        while let Some(chunk) = futures::StreamExt::next(&mut rest).await {
+                            if let Err(e) = chunk {
+                                end = Err(ServerError::invalid(format!("reading the upload: {e}")));
+                                break;
+                            }
+                        }
+                        end
+                    }
+                    (r, _) => r,
+                }
+            }
         };
         let out = out.map_err(|e| failure.take().unwrap_or(e))?;
         Ok::<_, ServerError>(axum::Json(out).into_response())
@@ -790,6 +811,22 @@ type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// An upload body as a stream of chunks (identity, or inflated by [`gunzip_stream`]).
 type BodyStream = std::pin::Pin<Box<dyn futures::Stream<Item = Result<Bytes, BoxError>> + Send>>;
+
+/// An upload body shared between its reader (multer, which needs a `'static` stream and
+/// stops at the closing boundary) and the handler, which reads the rest afterwards.
+struct SharedBody(std::sync::Arc<std::sync::Mutex<BodyStream>>);
+
+impl futures::Stream for SharedBody {
+    type Item = Result<Bytes, BoxError>;
+
+    fn poll_next(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Self::Item>> {
+        let mut body = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        body.as_mut().poll_next(cx)
+    }
+}
 
 /// The answer entry `{name, type: "file", path}` of a file written at `path`.
 fn written_entry(path: &str) -> serde_json::Value {
