@@ -441,7 +441,7 @@ const GUNZIP_STEP: usize = 8 * 1024;
 const GUNZIP_CHUNK: usize = 64 * 1024;
 
 /// `body` (gzip data, every member, RFC 1952) inflated as it arrives: a stream of chunks
-/// of about [`GUNZIP_CHUNK`] bytes, at most `limit` inflated bytes in all, never more than
+/// of about `GUNZIP_CHUNK` (64 KiB) bytes, at most `limit` inflated bytes in all, never more than
 /// a chunk and the inflater's buffers (~100 KiB) in memory whatever the compression ratio
 /// (a gzip bomb is stopped at `limit` without inflating further). Inflating runs in the
 /// consumer's task, a bounded step per poll.
