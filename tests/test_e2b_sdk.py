@@ -26,7 +26,7 @@ import httpx
 import pytest
 
 from conftest import wait_until
-from conformance.test_ports import UPGRADE_ECHO
+from conformance.test_ports import UPGRADE_ECHO, upgrade_echo
 
 e2b = pytest.importorskip("e2b", reason="the e2b SDK is not installed (scripts/setup.sh)")
 from e2b import CommandExitException, Sandbox, SandboxQuery, SandboxState  # noqa: E402
@@ -701,25 +701,6 @@ def test_get_host_reaches_a_server_in_the_sandbox(box, e2b_env):
 
     def upgraded() -> bool:
         with socket.create_connection((u.hostname, u.port), timeout=10) as s:
-            s.sendall(f"GET /ws HTTP/1.1\r\nHost: {box.get_host(8002)}\r\n"
-                      "Connection: Upgrade\r\nUpgrade: echo\r\n\r\n".encode())
-            head = b""
-            while b"\r\n\r\n" not in head:
-                d = s.recv(4096)
-                if not d:
-                    break
-                head += d
-            if head.startswith(b"HTTP/1.1 502"):
-                return False
-            assert head.startswith(b"HTTP/1.1 101"), head
-            rest = head.split(b"\r\n\r\n", 1)[1]
-            for msg in (b"ping\n", b"x" * 100_000):
-                s.sendall(msg)
-                back = rest
-                while len(back) < len(msg):
-                    back += s.recv(65536)
-                rest = b""
-                assert back == msg
-            return True
+            return upgrade_echo(s, "/ws", box.get_host(8002), (b"ping\n", b"x" * 100_000))
     wait_until(upgraded, timeout=30, what="the upgrade echo server in the sandbox")
     srv.kill()

@@ -24,7 +24,7 @@ import pytest
 
 import sandlot
 from conftest import Server, private_base, remove_private_base, wait_until
-from conformance.test_ports import UPGRADE_ECHO
+from conformance.test_ports import UPGRADE_ECHO, upgrade_head
 
 RESPONSE_S = 2
 IDLE_S = 3
@@ -149,14 +149,7 @@ def test_a_quiet_upgraded_connection_is_closed_after_the_idle_timeout(srv, box):
 
     def upgraded():
         s = socket.create_connection((u.hostname, u.port), timeout=30)
-        s.sendall(f"GET /v1/sandboxes/{box.id}/ports/8002/ws HTTP/1.1\r\nHost: {u.netloc}\r\n"
-                  "Connection: Upgrade\r\nUpgrade: echo\r\n\r\n".encode())
-        head = b""
-        while b"\r\n\r\n" not in head:
-            d = s.recv(4096)
-            if not d:
-                break
-            head += d
+        head, _ = upgrade_head(s, f"/v1/sandboxes/{box.id}/ports/8002/ws", u.netloc)
         if not head.startswith(b"HTTP/1.1 101"):
             s.close()
             return None

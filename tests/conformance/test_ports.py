@@ -37,33 +37,46 @@ while True:
 '''
 
 
+def upgrade_head(s: socket.socket, path: str, host: str) -> tuple[bytes, bytes]:
+    """Sends `GET path` asking to upgrade to `echo` (Host: `host`) on the connected socket
+    `s` and reads the response head: (head, bytes already read after it)."""
+    s.sendall(f"GET {path} HTTP/1.1\r\nHost: {host}\r\n"
+              "Connection: Upgrade\r\nUpgrade: echo\r\n\r\n".encode())
+    head = b""
+    while b"\r\n\r\n" not in head:
+        d = s.recv(4096)
+        if not d:
+            break
+        head += d
+    head, _, rest = head.partition(b"\r\n\r\n")
+    return head, rest
+
+
+def upgrade_echo(s: socket.socket, path: str, host: str, msgs: tuple[bytes, ...]) -> bool:
+    """One upgraded connection on `s` ([`upgrade_head`]): False while nothing listens
+    (502), else asserts that each of `msgs` comes back, in order."""
+    head, rest = upgrade_head(s, path, host)
+    if head.startswith(b"HTTP/1.1 502"):
+        return False
+    assert head.startswith(b"HTTP/1.1 101"), head
+    for msg in msgs:
+        s.sendall(msg)
+        back = rest
+        while len(back) < len(msg):
+            d = s.recv(65536)
+            assert d, "connection closed before the echo came back"
+            back += d
+        rest = b""
+        assert back == msg
+    return True
+
+
 def _upgrade_echo(url: str, sandbox_id: str) -> bool:
-    """One upgraded connection through ingress to port 8002: False while nothing listens
-    (502), else asserts that what is sent comes back, in order, both small and large."""
+    """One upgraded connection through ingress to port 8002, small and large messages."""
     u = urlparse(url)
     with socket.create_connection((u.hostname, u.port), timeout=30) as s:
-        s.sendall(f"GET /v1/sandboxes/{sandbox_id}/ports/8002/ws HTTP/1.1\r\n"
-                  f"Host: {u.netloc}\r\nConnection: Upgrade\r\nUpgrade: echo\r\n\r\n".encode())
-        head = b""
-        while b"\r\n\r\n" not in head:
-            d = s.recv(4096)
-            if not d:
-                break
-            head += d
-        if head.startswith(b"HTTP/1.1 502"):
-            return False
-        assert head.startswith(b"HTTP/1.1 101"), head
-        rest = head.split(b"\r\n\r\n", 1)[1]
-        for msg in (b"ping\n", os.urandom(300_000)):
-            s.sendall(msg)
-            back = rest
-            while len(back) < len(msg):
-                d = s.recv(65536)
-                assert d, "connection closed before the echo came back"
-                back += d
-            rest = b""
-            assert back == msg
-    return True
+        return upgrade_echo(s, f"/v1/sandboxes/{sandbox_id}/ports/8002/ws", u.netloc,
+                            (b"ping\n", os.urandom(300_000)))
 
 
 def test_ingress_reaches_a_server_on_the_sandbox_loopback(sb, server):
