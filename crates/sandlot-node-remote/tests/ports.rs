@@ -1,6 +1,6 @@
 //! `Node::connect_port` over the node API: `RemoteNode` in front of a real `LocalNode`
 //! with the `function` backend (needs root, cgroups, the guest binary and the busybox
-//! image; prints `SKIPPED: <why>` otherwise), and the fake node's "unsupported" answer.
+//! image; prints `SKIPPED: <why>` otherwise), and the fake node's errors carried over the wire.
 use sandlot_api::{Backend, Cmd, ExecRequest};
 use sandlot_node::{LocalNode, Node, NodeError, SandboxSpec};
 use sandlot_node_api::fake::FakeNode;
@@ -14,12 +14,21 @@ mod common;
 mod support;
 
 #[tokio::test]
-async fn a_fake_node_answers_unavailable_over_the_wire() {
+async fn a_fake_node_answers_unavailable_and_not_found_over_the_wire() {
     let fake = Arc::new(FakeNode::default());
     let (url, _server) = common::start(fake, None).await;
     let remote = RemoteNode::connect(&url, None).await.unwrap();
+    // No such sandbox: not_found; a sandbox where nothing listens on the port: unavailable.
     assert!(matches!(
         remote.connect_port("sb-00000000000000000001", 80).await,
+        Err(NodeError::NotFound(_))
+    ));
+    remote
+        .create(&common::spec("sb-00000000000000000002"))
+        .await
+        .unwrap();
+    assert!(matches!(
+        remote.connect_port("sb-00000000000000000002", 80).await,
         Err(NodeError::Unavailable(_))
     ));
 }
