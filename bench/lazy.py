@@ -68,7 +68,12 @@ def sh(*cmd, env=None, timeout=3600) -> str:
 def du(p: Path) -> int:
     if not p.exists():
         return 0
-    return int(sh("du", "-sbx", "--apparent-size", p).split()[0])
+    # A chunk's temp file may vanish while du walks (a fetch finishing): du then exits 1
+    # but still prints the total of what it found.
+    r = subprocess.run(["du", "-sbx", "--apparent-size", str(p)], capture_output=True, text=True)
+    if r.returncode not in (0, 1) or not r.stdout.strip():
+        raise SystemExit(f"bench: du {p} failed:\n{r.stderr}")
+    return int(r.stdout.split()[0])
 
 
 def build_image(tmp: Path, gib: float, busybox_rootfs: Path) -> tuple[Path, int]:
