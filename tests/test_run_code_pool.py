@@ -156,3 +156,25 @@ def test_nothing_is_left_behind(node):
 
     wait_until(no_sandboxes, 60, what="every run_code sandbox deleted")
     wait_no_leaks(node["data"], node["before"], timeout=60, what="after pooled run_code calls")
+
+
+def test_stop_removes_the_ready_jails(node):
+    """SIGTERM stops the server for good: the warm pools' ready jails are not sandboxes, so
+    nothing of them (directory, mount, cgroup, process) stays behind (docs/operations.md
+    "Shutdown, restart, crash"). Last in the module: it stops the module's server."""
+    data: Path = node["data"]
+    pool_dir = data / "warm-pool"
+
+    def ready() -> list:
+        return sorted(p.name for p in pool_dir.glob("wp-*") if (p / "state.json").is_file())
+
+    wait_until(lambda: len(ready()) >= 2, 120, what="ready pooled jails")
+    names = ready()
+    assert node["server"].stop() == 0
+    left = [p.name for p in pool_dir.glob("wp-*")]
+    assert not left, f"pooled jails left after SIGTERM: {left}"
+    # With the pool directory empty, count_leaks counts every group, mount and process of
+    # the node (the sandboxes of this module's earlier tests are all deleted).
+    left = count_leaks(data)
+    assert (left["mounts"], left["cgroups"], left["processes"]) == (0, 0, 0), \
+        f"left after SIGTERM by the pooled jails {names}: {left}"

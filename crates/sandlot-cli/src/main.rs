@@ -1042,12 +1042,23 @@ async fn up(a: UpArgs) -> anyhow::Result<u8> {
     let images_dir = ncfg.images_dir.clone();
     set_image_cache_limit(&images_dir, a.image_cache_mib)?;
     let spill = ncfg.data_dir.join("process-output");
-    let node = sandlot_node::LocalNode::open(ncfg).context("open local node")?;
+    let local = Arc::new(sandlot_node::LocalNode::open(ncfg).context("open local node")?);
     // Background processes live on the node (output spilled under DATA/process-output).
-    let node = sandlot_node::WithProcesses::new(Arc::new(node), spill)?;
+    let node = sandlot_node::WithProcesses::new(local.clone(), spill)?;
     let mut cfg = a.server.config(a.data_dir, a.listen)?;
     cfg.images_dir = Some(images_dir);
-    serve_api(cfg, node).await
+    let served = serve_api(cfg, node).await;
+    stop_warm_pools(local).await;
+    served
+}
+
+/// On a stop for good: the warm pools' ready members go (they are not sandboxes; see
+/// [`sandlot_node::LocalNode::stop_warm_pools`]).
+async fn stop_warm_pools(local: Arc<sandlot_node::LocalNode>) {
+    match tokio::task::spawn_blocking(move || local.stop_warm_pools()).await {
+        Ok(()) => tracing::info!("warm pools stopped, their ready members removed"),
+        Err(e) => tracing::warn!(error = %e, "stopping the warm pools failed"),
+    }
 }
 
 async fn server(a: ServerArgs) -> anyhow::Result<u8> {
@@ -1247,12 +1258,12 @@ async fn node(a: NodeArgs) -> anyhow::Result<u8> {
         Some((advertise, cfg))
     };
     let spill = ncfg.data_dir.join("process-output");
-    let node = sandlot_node::LocalNode::open(ncfg).context("open local node")?;
+    let node = Arc::new(sandlot_node::LocalNode::open(ncfg).context("open local node")?);
     // Keep every live sandbox of a previous process (a restart of this node alone must not
     // lose a server's sandboxes); this also starts the warm pools. A server's readopt at its
     // own start then removes what it has no record of.
     let found = node.sandboxes_on_disk();
-    let adopted = sandlot_node_api::Node::readopt(&node, &found)
+    let adopted = sandlot_node_api::Node::readopt(&*node, &found)
         .await
         .context("re-adopt sandboxes")?;
     tracing::info!(
@@ -1262,7 +1273,8 @@ async fn node(a: NodeArgs) -> anyhow::Result<u8> {
     );
     // Background processes live on the node, for every server (output spilled under
     // DATA/process-output).
-    let node = sandlot_node::WithProcesses::new(Arc::new(node), spill)?;
+    let local = node.clone();
+    let node = sandlot_node::WithProcesses::new(node, spill)?;
     let listener = tokio::net::TcpListener::bind(listen)
         .await
         .with_context(|| format!("listen on {listen}"))?;
@@ -1275,6 +1287,7 @@ async fn node(a: NodeArgs) -> anyhow::Result<u8> {
             r = sandlot_node_remote::serve(listener, app) => r.context("accept")?,
             () = shutdown_signal() => {}
         }
+        stop_warm_pools(local).await;
         tracing::info!("stopped; sandboxes left running for re-adoption");
         return Ok(0);
     };
@@ -1338,6 +1351,7 @@ async fn node(a: NodeArgs) -> anyhow::Result<u8> {
             tracing::warn!("registration still shared; the record goes when the lease expires")
         }
     }
+    stop_warm_pools(local).await;
     served?;
     tracing::info!("stopped; sandboxes left running for re-adoption");
     Ok(0)

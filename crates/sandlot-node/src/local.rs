@@ -241,6 +241,20 @@ pub fn check_network_backend(
 }
 
 impl LocalNode {
+    /// Stop the warm pools of the `function` and `container` backends and destroy their
+    /// ready members (see [`crate::backends::pool::WarmPool::stop`]); blocks until done
+    /// (call it from a blocking task). For a node that stops for good (`sandlot up` and
+    /// `sandlot node` on SIGTERM/SIGINT): sandboxes stay for re-adoption, pool members are
+    /// not sandboxes and would only be swept at the next start. Later creates build cold.
+    pub fn stop_warm_pools(&self) {
+        if let Some(p) = self.function().and_then(|f| f.warm_pool()) {
+            p.stop();
+        }
+        if let Some(p) = self.container().and_then(|c| c.warm_pool()) {
+            p.stop();
+        }
+    }
+
     /// Ids of the sandboxes a previous process of this node left in its data directory
     /// (alive or not; warm-pool members excluded), sorted. `sandlot node` passes them all
     /// to [`Node::readopt`] at start, so a restarted node keeps every live sandbox until a

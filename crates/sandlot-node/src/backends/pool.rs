@@ -216,7 +216,8 @@ struct Shared<M: PoolMember> {
 /// The warm pool of one backend (see the module docs).
 pub struct WarmPool<M: PoolMember> {
     shared: Arc<Shared<M>>,
-    thread: Option<std::thread::JoinHandle<()>>,
+    /// The refill thread; taken by [`WarmPool::stop`].
+    thread: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
 impl<M: PoolMember> WarmPool<M> {
@@ -301,7 +302,7 @@ impl<M: PoolMember> WarmPool<M> {
         );
         let _ = slot.set(WarmPool {
             shared,
-            thread: Some(thread),
+            thread: Mutex::new(Some(thread)),
         });
         Ok(())
     }
@@ -471,15 +472,25 @@ impl<M: PoolMember> WarmPool<M> {
     }
 }
 
-impl<M: PoolMember> Drop for WarmPool<M> {
-    fn drop(&mut self) {
+impl<M: PoolMember> WarmPool<M> {
+    /// Stop refilling and destroy every ready member; blocks until done (the build in
+    /// flight is finished first, bounded by the backend's timeouts). Later creates find no
+    /// member and build their own. Idempotent. A node stopping for good calls it so that
+    /// its ready members (processes, mounts, loop devices, cgroups) do not outlive it; a
+    /// node that is killed leaves them to the next start's sweep.
+    pub fn stop(&self) {
         self.shared.stop.store(true, Ordering::SeqCst);
         self.shared.wake.notify_one();
-        if let Some(t) = self.thread.take() {
-            // Finishes the build in flight (bounded by the backend's timeouts), then
-            // destroys every member.
+        let thread = self.thread.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(t) = thread {
             let _ = t.join();
         }
+    }
+}
+
+impl<M: PoolMember> Drop for WarmPool<M> {
+    fn drop(&mut self) {
+        self.stop();
     }
 }
 
@@ -501,9 +512,8 @@ impl<M: PoolMember> Shared<M> {
             .drain()
             .flat_map(|(_, q)| q)
             .collect();
-        for p in all {
-            self.destroy(&p.name, &p.dir).await;
-        }
+        // At once: a node stopping waits for this (members are at most per_image × images).
+        futures::future::join_all(all.iter().map(|p| self.destroy(&p.name, &p.dir))).await;
     }
 
     /// Remove every entry of the pool directory that no hand-over holds.
