@@ -196,7 +196,9 @@ def run_mode(binary: Path, tmp: Path, backend: str, mode: str, ref: str) -> dict
         out["pull_out"] = pull.strip()
     finally:
         srv.stop()
-        mps = [ln.split()[4] for ln in open("/proc/self/mountinfo") if str(images) in ln]
+        # The image store's lazy mounts, and microvm/vm's lazy disk mounts in the data dir.
+        mps = [ln.split()[4] for ln in open("/proc/self/mountinfo")
+               if str(images) in ln or str(srv.tmp) in ln]
         for mp in mps:
             subprocess.run(["umount", "-l", mp], check=False)
         srv.cleanup_dir()
