@@ -175,9 +175,12 @@ def run_mode(binary: Path, tmp: Path, backend: str, mode: str, ref: str) -> dict
         out["fetched"] = registry_bytes(srv.url) if mode == "lazy" else du(images / "blobs")
         box.delete()
         warm = []
+        last = None
         for _ in range(3):
             w, b, _ = one_start(c, backend, ref)
             warm.append(w)
+            if last is not None:
+                last.delete()
             last = b
         out["warm_s"] = statistics.median(warm)
         # Read throughput once cached: f15 read once (chunks on disk), then 3 times with the

@@ -392,6 +392,124 @@ impl Qmp {
     }
 }
 
+/// A recording fake of QEMU's side of QMP for unit tests of the code that drives QEMU
+/// (pause, resume, migration) without a QEMU: it greets, records every command (with the
+/// descriptors passed along it, `SCM_RIGHTS`) and answers through a script.
+#[cfg(test)]
+pub(crate) mod fake {
+    use serde_json::{json, Value};
+    use std::io::Write;
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    use std::os::unix::net::{UnixListener, UnixStream};
+    use std::path::Path;
+    use std::sync::{Arc, Mutex};
+
+    /// One command as received: its name, its arguments (`null` when none) and the
+    /// descriptors that came with it.
+    pub(crate) struct Received {
+        pub name: String,
+        pub args: Value,
+        pub fds: Vec<OwnedFd>,
+    }
+
+    /// The script: given a command (and the commands before it), the lines to answer
+    /// (events and then the `return` or `error` object).
+    pub(crate) type Script = Box<dyn FnMut(&Received, &[Received]) -> Vec<Value> + Send>;
+
+    /// A fake QMP peer serving connections on a socket; `log` holds every command
+    /// received, `qmp_capabilities` included, in order, over all connections.
+    pub(crate) struct FakeQmp {
+        pub log: Arc<Mutex<Vec<Received>>>,
+    }
+
+    /// `{"return": {}}`.
+    pub(crate) fn ok() -> Vec<Value> {
+        vec![json!({ "return": {} })]
+    }
+
+    impl FakeQmp {
+        /// Listen on `sock` and serve every connection with `script`.
+        pub(crate) fn serve(sock: &Path, script: Script) -> FakeQmp {
+            let l = UnixListener::bind(sock).unwrap();
+            let log: Arc<Mutex<Vec<Received>>> = Arc::default();
+            let script = Arc::new(Mutex::new(script));
+            let (log2, script2) = (log.clone(), script.clone());
+            std::thread::spawn(move || {
+                for conn in l.incoming() {
+                    let Ok(s) = conn else { return };
+                    serve_one(s, &log2, &script2);
+                }
+            });
+            FakeQmp { log }
+        }
+
+        /// The names of the commands received so far.
+        pub(crate) fn names(&self) -> Vec<String> {
+            self.log
+                .lock()
+                .unwrap()
+                .iter()
+                .map(|r| r.name.clone())
+                .collect()
+        }
+    }
+
+    fn serve_one(mut s: UnixStream, log: &Mutex<Vec<Received>>, script: &Mutex<Script>) {
+        use nix::sys::socket::{recvmsg, ControlMessageOwned, MsgFlags};
+        let greet = b"{\"QMP\": {\"version\": {}, \"capabilities\": []}}\r\n";
+        if s.write_all(greet).is_err() {
+            return;
+        }
+        let mut buf = Vec::new();
+        let mut fds = Vec::new();
+        loop {
+            // One line per command; descriptors come with the first byte of their line.
+            while let Some(end) = buf.iter().position(|&b| b == b'\n') {
+                let line: Vec<u8> = buf.drain(..=end).collect();
+                let v: Value = serde_json::from_slice(&line).unwrap();
+                let r = Received {
+                    name: v["execute"].as_str().unwrap_or_default().to_string(),
+                    args: v.get("arguments").cloned().unwrap_or(Value::Null),
+                    fds: std::mem::take(&mut fds),
+                };
+                let answer = if r.name == "qmp_capabilities" {
+                    ok()
+                } else {
+                    let before = log.lock().unwrap();
+                    (script.lock().unwrap())(&r, &before)
+                };
+                log.lock().unwrap().push(r);
+                for a in answer {
+                    let mut out = serde_json::to_vec(&a).unwrap();
+                    out.extend_from_slice(b"\r\n");
+                    if s.write_all(&out).is_err() {
+                        return;
+                    }
+                }
+            }
+            let mut chunk = [0u8; 4096];
+            let mut cmsg = nix::cmsg_space!([std::os::fd::RawFd; 4]);
+            let mut iov = [std::io::IoSliceMut::new(&mut chunk)];
+            let Ok(msg) =
+                recvmsg::<()>(s.as_raw_fd(), &mut iov, Some(&mut cmsg), MsgFlags::empty())
+            else {
+                return;
+            };
+            if msg.bytes == 0 {
+                return;
+            }
+            let n = msg.bytes;
+            for c in msg.cmsgs().into_iter().flatten() {
+                if let ControlMessageOwned::ScmRights(raw) = c {
+                    // SAFETY: descriptors just received with SCM_RIGHTS are ours alone.
+                    fds.extend(raw.into_iter().map(|f| unsafe { OwnedFd::from_raw_fd(f) }));
+                }
+            }
+            buf.extend_from_slice(&chunk[..n]);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

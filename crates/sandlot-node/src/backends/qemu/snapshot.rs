@@ -619,7 +619,108 @@ pub(crate) async fn resume(t: &Target<'_>) -> NodeResult<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::qmp::fake::{ok, FakeQmp, Received};
+    use serde_json::Value;
+    use std::io::Write;
     use tokio::net::UnixListener;
+
+    /// QEMU's side of a migration to `fd:sandlot-mem`: the stream is written into the
+    /// descriptor passed with `getfd`; `query-migrate` answers `active` once, then `last`.
+    fn migrating_qemu(stream: &'static [u8], last: Value) -> crate::qmp::fake::Script {
+        let mut polls = 0;
+        Box::new(
+            move |r: &Received, before: &[Received]| match r.name.as_str() {
+                "migrate" => {
+                    assert_eq!(r.args["uri"], "fd:sandlot-mem");
+                    let getfd = before.iter().rev().find(|b| b.name == "getfd").unwrap();
+                    assert_eq!(getfd.args["fdname"], "sandlot-mem");
+                    let mut f = std::fs::File::from(getfd.fds[0].try_clone().unwrap());
+                    f.write_all(stream).unwrap();
+                    ok()
+                }
+                "query-migrate" => {
+                    polls += 1;
+                    if polls == 1 {
+                        vec![json!({"return": {"status": "active"}})]
+                    } else {
+                        vec![json!({ "return": last.clone() })]
+                    }
+                }
+                _ => ok(),
+            },
+        )
+    }
+
+    #[test]
+    fn save_memory_stops_streams_to_a_temp_file_and_renames_it() {
+        let d = tempfile::tempdir().unwrap();
+        let out = tempfile::tempdir().unwrap();
+        let qemu = FakeQmp::serve(
+            &d.path().join(QMP_SOCK),
+            migrating_qemu(b"QEVM state", json!({"status": "completed"})),
+        );
+        let size = save_memory(d.path(), out.path()).unwrap();
+        assert_eq!(size, 10);
+        assert_eq!(
+            std::fs::read(out.path().join(MEMORY_FILE)).unwrap(),
+            b"QEVM state"
+        );
+        assert!(!out.path().join(format!("{MEMORY_FILE}.tmp")).exists());
+        assert_eq!(
+            qemu.names(),
+            [
+                "qmp_capabilities",
+                "stop",
+                "migrate-set-parameters",
+                "getfd",
+                "migrate",
+                "query-migrate",
+                "query-migrate"
+            ]
+        );
+    }
+
+    #[test]
+    fn a_failed_migration_leaves_no_file_and_continues_the_guest() {
+        let d = tempfile::tempdir().unwrap();
+        let out = tempfile::tempdir().unwrap();
+        let qemu = FakeQmp::serve(
+            &d.path().join(QMP_SOCK),
+            migrating_qemu(
+                b"QEVM half",
+                json!({"status": "failed", "error-desc": "disk full"}),
+            ),
+        );
+        let e = save_memory(d.path(), out.path()).unwrap_err();
+        assert!(sandlot_node_api::chain(&e).contains("disk full"), "{e}");
+        assert!(!out.path().join(MEMORY_FILE).exists());
+        assert!(!out.path().join(format!("{MEMORY_FILE}.tmp")).exists());
+        assert_eq!(qemu.names().last().map(String::as_str), Some("cont"));
+    }
+
+    #[test]
+    fn continue_if_stopped_only_continues_a_stopped_guest() {
+        for (running, expected) in [
+            (
+                false,
+                vec!["qmp_capabilities", "query-status", "migrate_cancel", "cont"],
+            ),
+            (true, vec!["qmp_capabilities", "query-status"]),
+        ] {
+            let d = tempfile::tempdir().unwrap();
+            std::fs::write(d.path().join(MEMORY_FILE), b"stale").unwrap();
+            let qemu = FakeQmp::serve(
+                &d.path().join(QMP_SOCK),
+                Box::new(move |r: &Received, _: &[Received]| match r.name.as_str() {
+                    "query-status" => vec![json!({"return": {"running": running}})],
+                    _ => ok(),
+                }),
+            );
+            continue_if_stopped(d.path());
+            assert_eq!(qemu.names(), expected, "running: {running}");
+            assert!(!d.path().join(MEMORY_FILE).exists());
+        }
+    }
 
     async fn read_some(s: &mut UnixStream, ms: u64) -> Vec<u8> {
         let mut buf = vec![0u8; 64];
