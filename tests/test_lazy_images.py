@@ -156,10 +156,12 @@ def backend_ok(c, backend: str) -> bool:
     return status == "ok"
 
 
-def vm_checks(c, image, ref: str, want: dict, read: str) -> None:
+def vm_checks(c, image, ref: str, want: dict, read: str, data_dir: Path) -> None:
     """A vm sandbox of the lazy image boots from a qcow2 layer backed by its raw ext4 disk
     served by the FUSE daemon: the task's output equals the eager bytes and the ext4 disk's
-    chunks fetched (boot, the online grow, the task) stay under 10 % of the disk."""
+    chunks fetched (boot, the online grow, the task) stay under 10 % of the disk. A fork of
+    its checkpoint still boots after the disk's mount is gone (a host reboot, a killed
+    daemon): the fork mounts it again."""
     if not backend_ok(c, "vm"):
         return
     cached0, total = local_bytes(image, ref, "ext4 disk")
@@ -175,6 +177,19 @@ def vm_checks(c, image, ref: str, want: dict, read: str) -> None:
         print(f"vm: create + task {time.monotonic() - t:.1f} s; ext4 disk fetched "
               f"{cached} of {total} bytes ({100 * cached / total:.1f} %)")
         assert 0 < cached <= total // 10, (cached, total)
+        ck = box.checkpoint()
+    with open("/proc/self/mountinfo") as f:
+        mps = [ln.split()[4] for ln in f if f" {data_dir}/vm/images/lazy-" in ln]
+    assert len(mps) == 1, mps
+    subprocess.run(["umount", mps[0]], check=True)
+    try:
+        with c.create(checkpoint=ck, memory_mib=256, ttl_s=600) as fork:
+            r = fork.exec(["sh", "-c", "cat /data/new && " + read.format(f="f09")],
+                          timeout_s=180)
+            assert r.exit_code == 0, r
+            assert r.stdout.decode().split()[:2] == ["w", want["f09"]], r
+    finally:
+        c.delete_checkpoint(ck)
 
 
 def strip_disks(addr: str, repo: str, tag: str, new_tag: str) -> None:
@@ -264,7 +279,7 @@ def lazy_checks(binary, srv, image, tmp_path: Path, addr: str, rdir: Path) -> No
         assert r.exit_code == 0 and str(FILE_MIB * MIB) in r.stdout.decode(), r
     microvm_checks(c, image, ref, dict(want, **{"f07@2": sha(rnd["f07"][2 * MIB:3 * MIB])}),
                    read, addr, rdir)
-    vm_checks(c, image, ref, want, read)
+    vm_checks(c, image, ref, want, read, srv.data_dir)
     with c.create(backend="container", image=ref, memory_mib=128, ttl_s=300) as box:
         r = box.exec(["sh", "-c", read.format(f="f02")], timeout_s=60)
         assert r.exit_code == 0 and r.stdout.decode().split()[0] == want["f02"], r

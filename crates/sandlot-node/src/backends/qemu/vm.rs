@@ -370,6 +370,17 @@ impl Machine for VmBackend {
                     ck.meta.id, ck.meta.disk_mib
                 )));
             }
+            // A lazy image's disk is a FUSE mount that may be gone (a host reboot, a
+            // killed daemon) while checkpoints still name it: mount it again (held until
+            // the fork's layers name it). An eager base stays while a layer names it.
+            let _hold = match self
+                .cfg
+                .images
+                .lazy_vm_disk_path(image, &self.cfg.dir.join("images"))?
+            {
+                Some(_) => Some(self.image_disk(image).await?.1),
+                None => None,
+            };
             let (qemu_img, ck_dir, d) = (self.qemu_img.clone(), ck.dir.clone(), dir.clone());
             let grow = (mib - ck.meta.disk_mib) << 20;
             let group = self.cfg.uids.group();
