@@ -4,7 +4,8 @@
 Usage (as root, after `scripts/setup.sh`; never in CI: it writes several GiB):
 
     .venv/bin/python bench/lazy.py [--binary target/release/sandlot] [--gib 1]
-        [--backends function,container,microvm] [--write BENCHMARKS.md]
+        [--backends function,container,microvm] [--concurrent 64] [--concurrent-vm 4]
+        [--write BENCHMARKS.md]
 
 What it does:
   1. Builds an image of about `--gib` GiB locally: the built-in busybox rootfs of the shared
@@ -26,6 +27,13 @@ What it does:
      - read throughput once cached: page cache dropped (`echo 3 > drop_caches`), then
        `cat` of one whole 1/16 file in a warm sandbox (one exec, its round trip
        included), median of 3 (microvm: the guest's own page cache is not dropped).
+  3. Per backend and mode, concurrent cold starts on another fresh `sandlot up`:
+     `sandlot image pull [--eager] REF`, then `--concurrent` sandboxes (default 64;
+     `--concurrent-vm`, default 4, for microvm and vm: QEMU on TCG here) created in one
+     batch call and the task's reads (without the hashing: `wc -c` of the same bytes)
+     run in all of them at once; time until the last result, and
+     bytes fetched (lazy: from the registry, to compare with one cold start's: each chunk
+     once; eager: the blobs pulled).
   Every temp dir, registry and server is removed at the end.
 """
 
@@ -55,6 +63,9 @@ MIB = 1 << 20
 N_FILES = 16
 READ_MIB = 3
 TASK = ("for f in /data/f*; do head -c %d $f | sha256sum; done | sha256sum" % (READ_MIB * MIB))
+# The concurrent starts read the same bytes without hashing them: N sandboxes hashing
+# 48 MiB each would measure this host's CPU, not the image's loading.
+READ_TASK = ("for f in /data/f*; do head -c %d $f; done | wc -c" % (READ_MIB * MIB))
 
 
 def sh(*cmd, env=None, timeout=3600) -> str:
@@ -209,7 +220,77 @@ def run_mode(binary: Path, tmp: Path, backend: str, mode: str, ref: str) -> dict
     return out
 
 
-def render(meta: dict, rows: list[dict], image_bytes: int, cmd: str, gib: float) -> str:
+def run_concurrent(binary: Path, tmp: Path, backend: str, mode: str, ref: str, n: int) -> dict:
+    """Pull + `n` creates in one batch + the task in all of them at once, on a fresh node."""
+    import concurrent.futures
+    images = tmp / f"images-{backend}-{mode}-x{n}"
+    images.mkdir()
+    env = {"SANDLOT_GUEST_KIT_DIR": os.environ.get("SANDLOT_GUEST_KIT_DIR",
+                                                   "/var/lib/sandlot/guest-kit")}
+    shutil.copytree("/var/lib/sandlot/images/busybox", images / "busybox", symlinks=True)
+    srv = R.Server(binary, images, [], 60, tmp_parent="/var/tmp", env=env)
+    srv.start()
+    out: dict = {"backend": backend, "mode": mode, "n": n}
+    try:
+        c = sandlot.Client(srv.url, timeout=900)
+        t = time.monotonic()
+        sh(binary, "image", "pull", "--eager" if mode == "eager" else "--lazy", ref,
+           "--images-dir", images, "--data-dir", srv.tmp / "data")
+        res = c.create_many(n, backend=backend, image=ref, memory_mib=128, ttl_s=900)
+        if res.errors:
+            raise SystemExit(f"bench: {len(res.errors)} of {n} creates failed: {res.errors[:3]}")
+        with concurrent.futures.ThreadPoolExecutor(n) as ex:
+            outs = list(ex.map(lambda b: b.exec(["sh", "-c", READ_TASK], timeout_s=900),
+                               res.sandboxes))
+        out["all_s"] = time.monotonic() - t
+        bad = [r for r in outs if r.exit_code != 0]
+        if bad:
+            raise SystemExit(f"bench: task failed in {len(bad)} of {n} sandboxes: {bad[0]}")
+        out["counts"] = sorted({r.stdout.decode().strip() for r in outs})
+        if out["counts"] != [str(N_FILES * READ_MIB * MIB)]:
+            raise SystemExit(f"bench: the sandboxes read {out['counts']} bytes")
+        time.sleep(1.5)  # the lazy daemons write their counters each second
+        out["fetched"] = registry_bytes(srv.url) if mode == "lazy" else du(images / "blobs")
+        with concurrent.futures.ThreadPoolExecutor(8) as ex:
+            list(ex.map(lambda b: b.delete(), res.sandboxes))
+        c.close()
+    finally:
+        srv.stop()
+        mps = [ln.split()[4] for ln in open("/proc/self/mountinfo") if str(images) in ln]
+        for mp in mps:
+            subprocess.run(["umount", "-l", mp], check=False)
+        srv.cleanup_dir()
+        shutil.rmtree(images, ignore_errors=True)
+    return out
+
+
+def render_concurrent(rows: list[dict], crows: list[dict]) -> list[str]:
+    if not crows:
+        return []
+    one = {(r["backend"], r["mode"]): r for r in rows}
+    lines = ["", "Concurrent cold starts (fresh node: `image pull` + N creates in one batch call "
+             "+ the task's reads, without the hashing (`head -c` piped to `wc -c`), in all N at "
+             "once; time until the last result; bytes fetched vs one cold start's; microvm and "
+             "vm run fewer: QEMU on TCG here):", "",
+             "| backend | mode | N | all done | per start | bytes fetched | vs one cold start |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    for r in crows:
+        single = one.get((r["backend"], r["mode"]), {}).get("fetched") or 0
+        lines.append(f"| {r['backend']} | {r['mode']} | {r['n']} | {r['all_s']:.2f} s "
+                     f"| {r['all_s'] / r['n'] * 1000:.0f} ms | {r['fetched'] / MIB:.1f} MiB "
+                     f"| {r['fetched'] / max(single, 1):.2f}× |")
+    by = {(r["backend"], r["mode"]): r for r in crows}
+    ratios = []
+    for b in sorted({r["backend"] for r in crows}):
+        lz, eg = by.get((b, "lazy")), by.get((b, "eager"))
+        if lz and eg:
+            ratios.append(f"- {b}: {lz['n']} concurrent cold starts, eager / lazy time "
+                          f"{eg['all_s'] / lz['all_s']:.2f}×")
+    return lines + ([""] + ratios if ratios else [])
+
+
+def render(meta: dict, rows: list[dict], image_bytes: int, cmd: str, gib: float,
+           crows: list[dict] | None = None) -> str:
     when = _dt.datetime.now(_dt.timezone.utc)
     m = R.machine()
     lines = [f"## {when:%Y-%m-%d %H:%M} UTC — lazy images vs eager pull + unpack ({gib:g} GiB image)",
@@ -242,6 +323,7 @@ def render(meta: dict, rows: list[dict], image_bytes: int, cmd: str, gib: float)
             f"{lz['disk_bytes'] / max(eg['disk_bytes'], 1):.3f}×; bytes fetched "
             f"{lz['fetched'] / max(eg['fetched'], 1):.3f}×; read once cached "
             f"{lz['read_mib_s'] / eg['read_mib_s']:.2f}× (target ≥ 0.8×)")
+    lines += render_concurrent(rows, crows or [])
     same = {r["digest"] for r in rows}
     lines += ["", f"The task's output was identical in every row: {'yes' if len(same) == 1 else 'NO'}."]
     return "\n".join(lines) + "\n"
@@ -252,6 +334,10 @@ def main() -> int:
     ap.add_argument("--binary", default=str(REPO / "target" / "release" / "sandlot"))
     ap.add_argument("--gib", type=float, default=1.0)
     ap.add_argument("--backends", default="function,container")
+    ap.add_argument("--concurrent", type=int, default=64,
+                    help="concurrent cold starts per backend and mode (0: none)")
+    ap.add_argument("--concurrent-vm", type=int, default=4,
+                    help="as --concurrent for microvm and vm (QEMU on TCG here)")
     ap.add_argument("--write", help="upsert the section into this BENCHMARKS.md")
     a = ap.parse_args()
     binary = Path(a.binary).resolve()
@@ -260,6 +346,7 @@ def main() -> int:
     addr = f"127.0.0.1:{R.free_loopback_port()}"
     renv = {"SANDLOT_REGISTRY_ADDR": addr, "SANDLOT_REGISTRY_DIR": str(tmp / "registry")}
     rows = []
+    crows = []
     try:
         sh("bash", REPO / "scripts" / "registry.sh", "start", env=renv)
         t = time.monotonic()
@@ -278,12 +365,17 @@ def main() -> int:
                 r = run_mode(binary, tmp, backend, mode, ref)
                 print(json.dumps({k: v for k, v in r.items() if k != "pull_out"}), flush=True)
                 rows.append(r)
+            n = a.concurrent_vm if backend in ("microvm", "vm") else a.concurrent
+            for mode in ("lazy", "eager") if n > 0 else ():
+                r = run_concurrent(binary, tmp, backend, mode, ref, n)
+                print(json.dumps(r), flush=True)
+                crows.append(r)
     finally:
         subprocess.run(["bash", REPO / "scripts" / "registry.sh", "stop"],
                        env={**os.environ, **renv}, capture_output=True)
         shutil.rmtree(tmp, ignore_errors=True)
     cmd = ".venv/bin/python bench/lazy.py " + " ".join(sys.argv[1:])
-    body = render({}, rows, image_bytes, cmd.strip(), a.gib)
+    body = render({}, rows, image_bytes, cmd.strip(), a.gib, crows)
     print(body)
     if a.write:
         p = Path(a.write)

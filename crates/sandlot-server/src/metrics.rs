@@ -195,7 +195,7 @@ impl prometheus_client::collector::Collector for LazyCollector {
         let s = &m.stats;
         // (name, help, series by `tier` label; "" = no label)
         type Series<'a> = &'a [(&'a str, u64)];
-        let counters: [(&str, &str, Series); 6] = [
+        let counters: [(&str, &str, Series); 8] = [
             (
                 "sandlot_image_bytes_fetched",
                 "Bytes of lazy-image chunks loaded, by tier (registry: remote; disk: node cache)",
@@ -225,6 +225,16 @@ impl prometheus_client::collector::Collector for LazyCollector {
                 "sandlot_image_chunk_evictions",
                 "Chunks evicted from the node's disk cache by its size cap",
                 &[("", s.evictions)],
+            ),
+            (
+                "sandlot_image_complete_files",
+                "Complete-file copies of lazy-image files assembled from verified cached chunks",
+                &[("", s.complete_files)],
+            ),
+            (
+                "sandlot_image_passthrough_opens",
+                "Lazy-image file opens served by FUSE passthrough from a complete-file copy",
+                &[("", s.passthrough_opens)],
             ),
         ];
         for (name, help, series) in counters {

@@ -100,6 +100,9 @@ pub struct LocalBytes {
     pub vm_disk_total: u64,
 }
 
+/// A converted blob: its index's digest, size and contents.
+type ConvertedBlob = (String, u64, LazyIndex);
+
 impl ImageStore {
     fn lazy_dir(&self) -> PathBuf {
         self.dir.join(LAZY_DIR)
@@ -177,36 +180,24 @@ impl ImageStore {
             data_bytes += idx.data_size;
             pairs.push((idx_digest, idx_size, idx));
         }
-        let disk = if crate::sys::find_binary("mkfs.erofs").is_some() {
-            let this = self.clone();
-            let layers = img.layers.clone();
-            Some(
-                tokio::task::spawn_blocking(move || this.convert_disk(&layers))
-                    .await
-                    .map_err(|e| NodeError::Unavailable(format!("convert task failed: {e}")))??,
-            )
-        } else {
-            tracing::warn!(
+        let disk = self
+            .disk_if_tool(
+                &img.layers,
+                "mkfs.erofs",
                 reference,
-                "no mkfs.erofs on this host: the lazy form has no EROFS disk (microVMs of it convert eagerly)"
-            );
-            None
-        };
-        let vm_disk = if crate::sys::find_binary("mkfs.ext4").is_some() {
-            let this = self.clone();
-            let layers = img.layers.clone();
-            Some(
-                tokio::task::spawn_blocking(move || this.convert_vm_disk(&layers))
-                    .await
-                    .map_err(|e| NodeError::Unavailable(format!("convert task failed: {e}")))??,
+                "EROFS disk (microVMs of it convert eagerly)",
+                Self::convert_disk,
             )
-        } else {
-            tracing::warn!(
+            .await?;
+        let vm_disk = self
+            .disk_if_tool(
+                &img.layers,
+                "mkfs.ext4",
                 reference,
-                "no mkfs.ext4 on this host: the lazy form has no ext4 disk (vm sandboxes of it build their disk eagerly)"
-            );
-            None
-        };
+                "ext4 disk (vm sandboxes of it build their disk eagerly)",
+                Self::convert_vm_disk,
+            )
+            .await?;
         let (client, auth) = registry_client(&r, Duration::from_secs(10));
         client
             .store_auth_if_needed(r.resolve_registry(), &auth)
@@ -293,6 +284,33 @@ impl ImageStore {
             disk_bytes: disk.map(|(_, _, idx)| idx.files_bytes),
             vm_disk_bytes: vm_disk.map(|(_, _, idx)| idx.files_bytes),
         })
+    }
+
+    /// `make(layers)` on a blocking thread when this host has `tool`; `None` with a warning
+    /// (naming `reference` and `what` the lazy form then lacks) when it has not.
+    ///
+    /// # Errors
+    /// Those of `make`; `Unavailable` when its thread fails.
+    async fn disk_if_tool(
+        &self,
+        layers: &[PathBuf],
+        tool: &str,
+        reference: &str,
+        what: &str,
+        make: fn(&Self, &[PathBuf]) -> NodeResult<ConvertedBlob>,
+    ) -> NodeResult<Option<ConvertedBlob>> {
+        if crate::sys::find_binary(tool).is_none() {
+            tracing::warn!(
+                reference,
+                "no {tool} on this host: the lazy form has no {what}"
+            );
+            return Ok(None);
+        }
+        let (this, layers) = (self.clone(), layers.to_vec());
+        tokio::task::spawn_blocking(move || make(&this, &layers))
+            .await
+            .map_err(|e| NodeError::Unavailable(format!("convert task failed: {e}")))?
+            .map(Some)
     }
 
     /// The image's EROFS disk (`mkfs.erofs` of the merged `layers`, top-most first, as the

@@ -88,6 +88,8 @@ pub struct Stats {
     evicted_bytes: AtomicU64,
     fetch_us_sum: AtomicU64,
     fetches: AtomicU64,
+    complete_files: AtomicU64,
+    passthrough_opens: AtomicU64,
     fetch_buckets: [AtomicU64; FETCH_BUCKETS.len() + 1],
 }
 
@@ -121,6 +123,12 @@ pub struct StatsSnapshot {
     pub fetch_us_sum: u64,
     /// Successful registry fetches.
     pub fetches: u64,
+    /// Complete-file copies this daemon assembled from verified cached chunks
+    /// ([`ChunkStore::complete`]).
+    pub complete_files: u64,
+    /// Opens answered with FUSE passthrough to a verified complete-file copy (the kernel
+    /// then reads that file itself, with no daemon round trip).
+    pub passthrough_opens: u64,
     /// Successful fetches per latency bucket of [`FETCH_BUCKETS`] (not cumulative; the last
     /// one is `+Inf`).
     pub fetch_buckets: Vec<u64>,
@@ -141,6 +149,8 @@ impl StatsSnapshot {
         self.evicted_bytes += o.evicted_bytes;
         self.fetch_us_sum += o.fetch_us_sum;
         self.fetches += o.fetches;
+        self.complete_files += o.complete_files;
+        self.passthrough_opens += o.passthrough_opens;
         self.fetch_buckets.resize(FETCH_BUCKETS.len() + 1, 0);
         for (a, b) in self.fetch_buckets.iter_mut().zip(&o.fetch_buckets) {
             *a += b;
@@ -149,7 +159,7 @@ impl StatsSnapshot {
 }
 
 impl Stats {
-    fn fields(&self) -> [&AtomicU64; 12] {
+    fn fields(&self) -> [&AtomicU64; 14] {
         [
             &self.registry_bytes,
             &self.disk_bytes,
@@ -163,6 +173,8 @@ impl Stats {
             &self.evicted_bytes,
             &self.fetch_us_sum,
             &self.fetches,
+            &self.complete_files,
+            &self.passthrough_opens,
         ]
     }
 
@@ -186,6 +198,8 @@ impl Stats {
             evicted_bytes: v[9],
             fetch_us_sum: v[10],
             fetches: v[11],
+            complete_files: v[12],
+            passthrough_opens: v[13],
             fetch_buckets: self
                 .fetch_buckets
                 .iter()
@@ -209,6 +223,8 @@ impl Stats {
             s.evicted_bytes,
             s.fetch_us_sum,
             s.fetches,
+            s.complete_files,
+            s.passthrough_opens,
         ];
         for (a, n) in self.fields().iter().zip(v) {
             a.fetch_add(n, Ordering::Relaxed);
@@ -802,6 +818,109 @@ impl ChunkStore {
         )))
     }
 
+    /// Count one open answered with FUSE passthrough (see [`StatsSnapshot::passthrough_opens`]).
+    pub fn passthrough_opened(&self) {
+        self.stats.passthrough_opens.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The verified complete-file copy `key` ([`file_key`]) of a file of `size` bytes,
+    /// opened read-only under a shared `flock` (eviction skips it while the lock is held;
+    /// its LRU clock is refreshed): `None` when it is absent, of another size, or not
+    /// hashed by this process as the file is now (see [`complete`](Self::complete)).
+    pub fn open_complete(&self, key: &str, size: u64) -> Option<nix::fcntl::Flock<fs::File>> {
+        let f = fs::File::open(self.chunk_path(key).ok()?).ok()?;
+        let f = nix::fcntl::Flock::lock(f, nix::fcntl::FlockArg::LockShared).ok()?;
+        let m = f.metadata().ok()?;
+        if m.len() != size || !self.is_verified(key, FileId::of(&m)) {
+            return None;
+        }
+        self.touch(&f, key, &m, true);
+        Some(f)
+    }
+
+    /// Make sure the file of `size` bytes made of `chunks` (in order) has a verified
+    /// complete-file copy in the disk cache, named by [`file_key`]; returns whether it has.
+    /// Blocking file I/O: call it off the async workers. A one-chunk file's copy is its
+    /// chunk file (checked as a read of it is). An existing copy that this process has not
+    /// hashed as it is now is hashed chunk range by chunk range against `chunks`; a
+    /// mismatch removes it (counted in [`StatsSnapshot::corrupt_disk`]). A missing copy is
+    /// assembled from the cached chunks, each checked as a read of it is, into a temp file
+    /// renamed into place, accounted in the cache's size and evicted by its cap like a
+    /// chunk. Nothing is fetched: when a chunk is not cached, `false`.
+    pub fn complete(&self, key: &str, size: u64, chunks: &[ChunkRef]) -> bool {
+        use std::os::unix::fs::FileExt as _;
+        let Ok(path) = self.chunk_path(key) else {
+            return false;
+        };
+        if let [c] = chunks {
+            return c.digest == key && c.len == size && self.cached(&path, c).is_some();
+        }
+        if let Some(f) = fs::File::open(&path)
+            .ok()
+            .and_then(|f| nix::fcntl::Flock::lock(f, nix::fcntl::FlockArg::LockShared).ok())
+        {
+            if let Ok(m) = f.metadata() {
+                let id = FileId::of(&m);
+                let mut buf = Vec::new();
+                let intact = m.len() == size
+                    && (self.is_verified(key, id)
+                        || chunks.iter().enumerate().all(|(i, c)| {
+                            buf.resize(c.len as usize, 0);
+                            f.read_exact_at(&mut buf, i as u64 * super::format::CHUNK_SIZE)
+                                .is_ok()
+                                && chunk_digest(&buf) == c.digest
+                        }));
+                if intact {
+                    self.mark_verified(key, id);
+                    return true;
+                }
+                self.stats.corrupt_disk.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(file = key, path = %path.display(), "complete-file copy failed its digest check; removed");
+                drop(f);
+                if fs::remove_file(&path).is_ok() {
+                    self.account(-(m.len() as i64));
+                }
+            }
+        }
+        let paths: Vec<PathBuf> = chunks
+            .iter()
+            .filter_map(|c| self.chunk_path(&c.digest).ok())
+            .collect();
+        if paths.len() != chunks.len() || !paths.iter().all(|p| p.is_file()) {
+            return false;
+        }
+        let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+        let r = (|| -> std::io::Result<Option<fs::Metadata>> {
+            let mut f = fs::File::create(&tmp)?;
+            for (c, p) in chunks.iter().zip(&paths) {
+                let Some(b) = self.cached(p, c) else {
+                    return Ok(None);
+                };
+                f.write_all(&b)?;
+            }
+            fs::rename(&tmp, &path)?;
+            // The same inode, after the rename (which moves its ctime).
+            f.metadata().map(Some)
+        })();
+        match r {
+            Ok(Some(m)) if m.len() == size => {
+                self.mark_verified(key, FileId::of(&m));
+                self.stats.complete_files.fetch_add(1, Ordering::Relaxed);
+                self.account(size as i64);
+                true
+            }
+            Ok(_) => {
+                let _ = fs::remove_file(&tmp);
+                false
+            }
+            Err(e) => {
+                let _ = fs::remove_file(&tmp);
+                tracing::warn!(path = %path.display(), error = %e, "cannot write complete-file copy");
+                false
+            }
+        }
+    }
+
     /// Write verified chunk `digest` into the cache (temp file + rename), remember the file
     /// as verified, and account for it; failures only log: the bytes are still served.
     fn store(&self, path: &Path, b: &[u8], digest: &str) {
@@ -926,6 +1045,32 @@ impl Drop for StatsWriter {
     }
 }
 
+/// Name of the complete-file copy of a file of `size` bytes made of `chunks` (in order) in
+/// the disk cache ([`ChunkStore::complete`]): a one-chunk file's chunk digest (its chunk
+/// file is the copy); for more chunks `sha256:` + the SHA-256 of the text
+/// `sandlot-lazy-file-v1\n`, the size in decimal and each chunk digest, each followed by
+/// `\n` (so files with the same chunks share one copy); `None` for an empty file or chunks
+/// that are not whole [`CHUNK_SIZE`](super::format::CHUNK_SIZE) pieces (but the last)
+/// adding up to `size`.
+pub fn file_key(size: u64, chunks: &[ChunkRef]) -> Option<String> {
+    let whole = |c: &ChunkRef| c.len == super::format::CHUNK_SIZE;
+    if chunks.is_empty()
+        || chunks.iter().map(|c| c.len).sum::<u64>() != size
+        || !chunks[..chunks.len() - 1].iter().all(whole)
+    {
+        return None;
+    }
+    if let [c] = chunks {
+        return Some(c.digest.clone());
+    }
+    let mut s = format!("sandlot-lazy-file-v1\n{size}\n");
+    for c in chunks {
+        s.push_str(&c.digest);
+        s.push('\n');
+    }
+    Some(chunk_digest(s.as_bytes()))
+}
+
 /// Bytes of `chunks` present in the disk cache of `images_dir` (each distinct digest
 /// counted once; presence only, not verified).
 pub fn cached_bytes<'a>(images_dir: &Path, chunks: impl Iterator<Item = &'a ChunkRef>) -> u64 {
@@ -1018,6 +1163,66 @@ mod tests {
         // A chunk this store wrote after a (simulated) verified fetch is trusted at once.
         s.store(&p, &data, &c.digest);
         assert_eq!(s.cached_range(&p, &c, 0, 4).unwrap(), &data[..4]);
+    }
+
+    #[test]
+    fn complete_file_copies_are_assembled_from_cached_chunks_and_checked() {
+        let d = tempfile::tempdir().unwrap();
+        let s = ChunkStore::new(d.path(), None, FetchConfig::default()).unwrap();
+        let size = super::super::format::CHUNK_SIZE as usize;
+        let parts: Vec<Vec<u8>> = (0..3u8)
+            .map(|i| {
+                let n = if i == 2 { 1000 } else { size };
+                (0..n).map(|j| (j as u8).wrapping_mul(i + 3)).collect()
+            })
+            .collect();
+        let chunks: Vec<ChunkRef> = parts.iter().map(|p| chunk(p)).collect();
+        let total = (2 * size + 1000) as u64;
+        let key = file_key(total, &chunks).unwrap();
+        assert!(chunks.iter().all(|c| c.digest != key));
+        // Not whole chunks but the last, a wrong size, no chunks: no copy.
+        assert_eq!(file_key(total - 1, &chunks), None);
+        assert_eq!(file_key(0, &[]), None);
+        let short = [chunks[2].clone(), chunks[0].clone()];
+        assert_eq!(file_key(size as u64 + 1000, &short), None);
+        // A one-chunk file's copy is its chunk file.
+        assert_eq!(file_key(1000, &chunks[2..]).unwrap(), chunks[2].digest);
+
+        // A chunk missing: nothing is made (and nothing fetched).
+        for (c, p) in chunks.iter().zip(&parts).take(2) {
+            fs::write(s.chunk_path(&c.digest).unwrap(), p).unwrap();
+        }
+        assert!(!s.complete(&key, total, &chunks));
+        assert!(s.open_complete(&key, total).is_none());
+        fs::write(s.chunk_path(&chunks[2].digest).unwrap(), &parts[2]).unwrap();
+        assert!(s.complete(&key, total, &chunks));
+        let copy = s.chunk_path(&key).unwrap();
+        assert_eq!(fs::read(&copy).unwrap(), parts.concat());
+        assert!(s.open_complete(&key, total).is_some());
+        assert!(s.open_complete(&key, total + 1).is_none());
+        assert_eq!(s.stats.snapshot().complete_files, 1);
+        // Counted in the cache (with the chunks it came from).
+        assert_eq!(cache_usage(d.path()), 2 * total);
+
+        // Another process finds it and hashes it before use.
+        let s2 = ChunkStore::new(d.path(), None, FetchConfig::default()).unwrap();
+        assert!(s2.open_complete(&key, total).is_none());
+        assert!(s2.complete(&key, total, &chunks));
+        assert!(s2.open_complete(&key, total).is_some());
+        assert_eq!(s2.stats.snapshot().complete_files, 0);
+
+        // Changed in place: neither store trusts it; checking it removes it, and it is
+        // made again from the chunks.
+        std::thread::sleep(Duration::from_millis(20));
+        let mut bad = parts.concat();
+        bad[size + 7] ^= 1;
+        fs::write(&copy, &bad).unwrap();
+        assert!(s.open_complete(&key, total).is_none());
+        assert!(s2.open_complete(&key, total).is_none());
+        assert!(s2.complete(&key, total, &chunks));
+        assert_eq!(s2.stats.snapshot().corrupt_disk, 1);
+        assert_eq!(fs::read(&copy).unwrap(), parts.concat());
+        assert!(s2.open_complete(&key, total).is_some());
     }
 
     fn set_age(p: &Path, secs_ago: u64) {

@@ -19,17 +19,34 @@
 //! [`fetch_ahead_chunks`] of them that are not cached yet, in the background (at most
 //! [`MAX_PREFETCHES`] read-ahead steps at a time, more are skipped; off by default: it costs registry bytes a reader may never
 //! read).
-use super::fetch::ChunkStore;
+//!
+//! **Passthrough** (FUSE_PASSTHROUGH, kernel ≥ 6.9, `CONFIG_FUSE_PASSTHROUGH`; on unless
+//! `$SANDLOT_LAZY_PASSTHROUGH=0`): once every chunk of a file is in the disk cache, the
+//! daemon makes (in the background, at most [`MAX_COMPLETING`] at a time) a verified
+//! complete-file copy of it in the cache ([`ChunkStore::complete`], named by
+//! [`super::fetch::file_key`]: files with the same chunks share one), and later opens of
+//! that file register the copy as the open's backing file (`FUSE_DEV_IOC_BACKING_OPEN`,
+//! root only): the kernel then reads and maps it straight from the node's disk, with no
+//! daemon round trip. The kernel wants one I/O mode per inode at a time, so an inode with
+//! opens through the daemon (cached mode) gets no passthrough open until they are all
+//! released, and all passthrough opens of an inode share one backing file. The daemon
+//! holds a shared `flock` on a copy while it is a backing file (eviction skips it). The
+//! mount then has a stacking depth of 1 (the kernel's maximum is 2), so it can still be an
+//! overlayfs lower layer, and its backing files must not be on a stacked file system
+//! (overlayfs, FUSE): if the kernel refuses one, the daemon logs it and stops using
+//! passthrough.
+use super::fetch::{file_key, ChunkStore};
 use super::format::{Kind, LazyIndex, CHUNK_SIZE};
 use fuser::{
-    Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo, LockOwner,
-    OpenFlags, ReplyAttr, ReplyData, ReplyDirectory, ReplyEntry, ReplyOpen, ReplyXattr, Request,
+    BackingId, Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo,
+    InitFlags, LockOwner, OpenFlags, ReplyAttr, ReplyData, ReplyDirectory, ReplyEmpty, ReplyEntry,
+    ReplyOpen, ReplyXattr, Request,
 };
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::ffi::OsStr;
 use std::os::unix::ffi::OsStrExt;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, UNIX_EPOCH};
 
 /// Attribute/entry cache time given to the kernel: the tree never changes.
@@ -43,6 +60,41 @@ pub const MAX_PREFETCHES: usize = 4;
 
 /// Inodes whose last read end a daemon remembers for read-ahead (then it starts over).
 const MAX_TRACKED: usize = 4096;
+
+/// Complete-file copies one daemon makes or checks at a time (more are skipped, and tried
+/// again at a later open or release of the file).
+pub const MAX_COMPLETING: usize = 2;
+
+/// Whether lazy mounts ask the kernel for FUSE passthrough (`$SANDLOT_LAZY_PASSTHROUGH`,
+/// default on; `0` turns it off: every read goes through the daemon).
+pub fn passthrough_wanted() -> bool {
+    std::env::var("SANDLOT_LAZY_PASSTHROUGH").map_or(true, |v| v != "0")
+}
+
+/// A complete-file copy registered with the kernel as a backing file: the registration is
+/// dropped (`FUSE_DEV_IOC_BACKING_CLOSE`) before the file and its shared `flock`.
+struct Backing {
+    id: BackingId,
+    _file: nix::fcntl::Flock<std::fs::File>,
+}
+
+/// I/O mode of one inode's open files, as the daemon answered them.
+#[derive(Default)]
+struct InodeIo {
+    /// Opens answered in cached mode (reads through the daemon) not released yet.
+    cached: u32,
+    /// The backing file of its passthrough opens, while any is open.
+    backing: Weak<Backing>,
+}
+
+/// Open files by handle (only while passthrough is on; otherwise every handle is 0).
+#[derive(Default)]
+struct OpenFiles {
+    next_fh: u64,
+    /// Handle → (inode, its backing file when opened with passthrough).
+    handles: HashMap<u64, (u64, Option<Arc<Backing>>)>,
+    inodes: HashMap<u64, InodeIo>,
+}
 
 fn env_chunks(key: &str, default: u64) -> u64 {
     std::env::var(key)
@@ -87,6 +139,11 @@ pub struct LazyFs {
     prefetching: Arc<AtomicUsize>,
     ahead_chunks: u64,
     fetch_ahead: u64,
+    /// FUSE passthrough agreed at INIT and not refused since.
+    passthrough: AtomicBool,
+    files: Mutex<OpenFiles>,
+    /// Keys of the complete-file copies being made or checked now.
+    completing: Arc<Mutex<HashSet<String>>>,
 }
 
 impl LazyFs {
@@ -173,6 +230,9 @@ impl LazyFs {
             prefetching: Arc::new(AtomicUsize::new(0)),
             ahead_chunks: read_ahead_chunks(),
             fetch_ahead: fetch_ahead_chunks(),
+            passthrough: AtomicBool::new(false),
+            files: Mutex::new(OpenFiles::default()),
+            completing: Arc::new(Mutex::new(HashSet::new())),
         })
     }
 
@@ -244,7 +304,33 @@ impl LazyFs {
             pos = base + to;
         }
         self.read_ahead(ino.0, offset, end, &e.chunks);
+        if end == e.size && self.passthrough.load(Ordering::Relaxed) {
+            self.complete_later(n.entry);
+        }
         Ok(out)
+    }
+
+    /// In the background, make sure index entry `entry` (a regular file) has a verified
+    /// complete-file copy ([`ChunkStore::complete`]) when all its chunks are cached, so
+    /// that its later opens can use passthrough; skipped while [`MAX_COMPLETING`] others
+    /// run or one for the same copy does.
+    fn complete_later(&self, entry: usize) {
+        let e = &self.index.entries[entry];
+        let Some(key) = file_key(e.size, &e.chunks) else {
+            return;
+        };
+        {
+            let mut busy = self.completing.lock().unwrap_or_else(|p| p.into_inner());
+            if busy.len() >= MAX_COMPLETING || !busy.insert(key.clone()) {
+                return;
+            }
+        }
+        let (store, busy) = (self.chunks.clone(), self.completing.clone());
+        let (size, chunks) = (e.size, e.chunks.clone());
+        self.rt.spawn_blocking(move || {
+            store.complete(&key, size, &chunks);
+            busy.lock().unwrap_or_else(|p| p.into_inner()).remove(&key);
+        });
     }
 
     /// After a read of `[offset, end)` of `ino`: when it continues the previous read of that
@@ -334,6 +420,19 @@ impl Filesystem for LazyFs {
         let _ = config.set_max_write(MAX_REQUEST);
         let _ = config.set_max_background(64);
         let _ = config.set_congestion_threshold(48);
+        if passthrough_wanted() {
+            // Depth 1: the mount can be an overlayfs lower layer; backing files must be on
+            // a file system that is not stacked itself.
+            match config.add_capabilities(InitFlags::FUSE_PASSTHROUGH) {
+                Ok(()) if config.set_max_stack_depth(1).is_ok() => {
+                    self.passthrough.store(true, Ordering::Relaxed);
+                    tracing::info!("FUSE passthrough on: complete files are read by the kernel");
+                }
+                _ => tracing::info!(
+                    "this kernel offers no FUSE passthrough: every read goes through the daemon"
+                ),
+            }
+        }
         Ok(())
     }
 
@@ -369,9 +468,84 @@ impl Filesystem for LazyFs {
         if flags.0 & libc::O_ACCMODE != libc::O_RDONLY {
             return reply.error(Errno::from_i32(libc::EROFS));
         }
-        match self.node(ino) {
-            Some(_) => reply.opened(FileHandle(0), FopenFlags::FOPEN_KEEP_CACHE),
-            None => reply.error(Errno::from_i32(libc::ENOENT)),
+        let Some(n) = self.node(ino) else {
+            return reply.error(Errno::from_i32(libc::ENOENT));
+        };
+        let e = &self.index.entries[n.entry];
+        if e.kind != Kind::File || !self.passthrough.load(Ordering::Relaxed) {
+            return reply.opened(FileHandle(0), FopenFlags::FOPEN_KEEP_CACHE);
+        }
+        let mut guard = self.files.lock().unwrap_or_else(|p| p.into_inner());
+        let files = &mut *guard;
+        files.next_fh += 1;
+        let fh = files.next_fh;
+        let io = files.inodes.entry(ino.0).or_default();
+        let mut backing = io.backing.upgrade();
+        if backing.is_none() && io.cached == 0 {
+            let copy =
+                file_key(e.size, &e.chunks).and_then(|k| self.chunks.open_complete(&k, e.size));
+            if let Some(file) = copy {
+                use std::os::fd::AsFd as _;
+                match reply.open_backing(file.as_fd()) {
+                    Ok(id) => {
+                        let b = Arc::new(Backing { id, _file: file });
+                        io.backing = Arc::downgrade(&b);
+                        backing = Some(b);
+                    }
+                    Err(err) => {
+                        tracing::warn!(path = %e.path, error = %err, "the kernel refused a passthrough backing file: reads go through the daemon from now on");
+                        self.passthrough.store(false, Ordering::Relaxed);
+                    }
+                }
+            }
+        }
+        match backing {
+            Some(b) => {
+                files.handles.insert(fh, (ino.0, Some(b.clone())));
+                drop(guard);
+                self.chunks.passthrough_opened();
+                reply.opened_passthrough(FileHandle(fh), FopenFlags::empty(), &b.id);
+            }
+            None => {
+                io.cached += 1;
+                files.handles.insert(fh, (ino.0, None));
+                drop(guard);
+                reply.opened(FileHandle(fh), FopenFlags::FOPEN_KEEP_CACHE);
+                self.complete_later(n.entry);
+            }
+        }
+    }
+
+    fn release(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        _flush: bool,
+        reply: ReplyEmpty,
+    ) {
+        let mut last_cached = None;
+        {
+            let mut files = self.files.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some((ino, backing)) = files.handles.remove(&fh.0) {
+                if let Some(io) = files.inodes.get_mut(&ino) {
+                    if backing.is_none() {
+                        io.cached = io.cached.saturating_sub(1);
+                    }
+                    // The last passthrough open of the inode closes its backing file.
+                    drop(backing);
+                    if io.cached == 0 && io.backing.strong_count() == 0 {
+                        files.inodes.remove(&ino);
+                        last_cached = Some(ino);
+                    }
+                }
+            }
+        }
+        reply.ok();
+        if let Some(n) = last_cached.and_then(|ino| self.node(INodeNo(ino))) {
+            self.complete_later(n.entry);
         }
     }
 
