@@ -223,6 +223,12 @@ impl Node for Tracked {
     async fn resume(&self, id: &str) -> NodeResult<()> {
         self.inner.resume(id).await
     }
+    async fn pause_many(&self, ids: &[String]) -> Vec<NodeResult<()>> {
+        self.inner.pause_many(ids).await
+    }
+    async fn resume_many(&self, ids: &[String]) -> Vec<NodeResult<()>> {
+        self.inner.resume_many(ids).await
+    }
     async fn adopt_snapshot(&self, id: &str) -> NodeResult<()> {
         self.inner.adopt_snapshot(id).await?;
         if let Some(d) = self.data_dir.get() {

@@ -14,7 +14,8 @@
 //!   a create of an id it has is answered `Ok` (idempotent, as the contract asks).
 //! - exec (also `exec_controlled`, stdin and signals ignored): waits `exec_delay`, then exit
 //!   0 with stdout [`exec_stdout`] (names the node and says nothing ran).
-//! - pause / resume / delete / list / readopt: on the records (exec of a paused one answers
+//! - pause / resume (also `pause_many` / `resume_many`: one lock for all ids) / delete /
+//!   list / readopt: on the records (exec of a paused one answers
 //!   `conflict`, as on a real node). Records live in memory only: a restarted simulation
 //!   has none, so its servers mark the old ones `lost` or delete them on reconcile.
 //! - files, checkpoints, ports: `unavailable` with a message that says the node is
@@ -142,6 +143,20 @@ impl SimNode {
             }
             None => Err(self.not_found(id)),
         }
+    }
+
+    /// [`SimNode::set_paused`] of every id, under one lock; per-id results in order.
+    fn set_paused_many(&self, ids: &[String], paused: bool) -> Vec<NodeResult<()>> {
+        let mut b = self.book();
+        ids.iter()
+            .map(|id| match b.sandboxes.get_mut(id.as_str()) {
+                Some(r) => {
+                    r.paused = paused;
+                    Ok(())
+                }
+                None => Err(self.not_found(id)),
+            })
+            .collect()
     }
 
     /// `NotFound` for an unknown sandbox, else the "not simulated" error for `what`.
@@ -299,6 +314,15 @@ impl Node for SimNode {
 
     async fn resume(&self, id: &str) -> NodeResult<()> {
         self.set_paused(id, false)
+    }
+
+    /// All of `ids` under one lock of the book.
+    async fn pause_many(&self, ids: &[String]) -> Vec<NodeResult<()>> {
+        self.set_paused_many(ids, true)
+    }
+
+    async fn resume_many(&self, ids: &[String]) -> Vec<NodeResult<()>> {
+        self.set_paused_many(ids, false)
     }
 
     async fn delete(&self, id: &str) -> NodeResult<()> {
@@ -639,6 +663,20 @@ mod tests {
         let e = n.exec("sb-1", &req, None).await.unwrap_err();
         assert_eq!(e.code(), sandlot_api::ErrorCode::Conflict);
         n.resume("sb-1").await.unwrap();
+        // Bulk: per-id results in order, an unknown id fails alone.
+        let ids = ["sb-1".to_string(), "sb-9".into(), "sb-2".into()];
+        let out = n.pause_many(&ids).await;
+        assert!(out[0].is_ok() && out[2].is_ok(), "{out:?}");
+        let e = out[1].as_ref().unwrap_err();
+        assert_eq!(e.code(), sandlot_api::ErrorCode::NotFound, "{e}");
+        let e = n.exec("sb-2", &req, None).await.unwrap_err();
+        assert_eq!(e.code(), sandlot_api::ErrorCode::Conflict);
+        let out = n.resume_many(&ids).await;
+        assert!(
+            out[0].is_ok() && out[1].is_err() && out[2].is_ok(),
+            "{out:?}"
+        );
+        n.exec("sb-2", &req, None).await.unwrap();
         let e = n.read_file("sb-1", "/x", 10).await.unwrap_err();
         assert_eq!(e.code(), sandlot_api::ErrorCode::Unavailable);
         assert!(e.to_string().contains("not simulated"), "{e}");
@@ -652,7 +690,7 @@ mod tests {
         n.delete("sb-2").await.unwrap();
         assert!(n.list().await.unwrap().is_empty());
         assert_eq!(n.usage(), Resources::default());
-        assert_eq!(n.execs(), 1);
+        assert_eq!(n.execs(), 2);
     }
 
     #[test]

@@ -41,6 +41,12 @@ pub struct FakeNode {
     /// Ports "inside" every sandbox, each the address of a real TCP listener of the test
     /// on the host: `connect_port` connects there (any other port: nothing listens).
     pub ports: Mutex<HashMap<u16, std::net::SocketAddr>>,
+    /// Every `pause_many` / `resume_many` call, in order: (`"pause"` or `"resume"`, the
+    /// number of ids it carried).
+    pub bulk_calls: Mutex<Vec<(&'static str, usize)>>,
+    /// Ids whose pause and resume fail (`Internal`, "freezer refused"), one by one or in
+    /// bulk.
+    pub refuse_freeze: Mutex<std::collections::HashSet<String>>,
 }
 
 impl FakeNode {
@@ -56,6 +62,26 @@ impl FakeNode {
             Some(m) => Err(NodeError::Transport(m.clone())),
             None => Ok(()),
         }
+    }
+
+    /// Pause (`paused`) or resume one sandbox: `NotFound` when unknown, `Internal` when in
+    /// `refuse_freeze`.
+    fn freeze(&self, id: &str, paused: bool) -> NodeResult<()> {
+        if !self.sandboxes.lock().unwrap().contains_key(id) {
+            return Err(NodeError::NotFound(format!("no sandbox {id}")));
+        }
+        if self.refuse_freeze.lock().unwrap().contains(id) {
+            return Err(NodeError::internal(
+                format!("freezer refused sandbox {id}"),
+                None,
+            ));
+        }
+        if paused {
+            self.paused.lock().unwrap().insert(id.to_owned());
+        } else {
+            self.paused.lock().unwrap().remove(id);
+        }
+        Ok(())
     }
 
     fn files<T>(
@@ -405,19 +431,22 @@ impl Node for FakeNode {
     }
 
     async fn pause(&self, id: &str) -> NodeResult<()> {
-        if !self.sandboxes.lock().unwrap().contains_key(id) {
-            return Err(NodeError::NotFound(format!("no sandbox {id}")));
-        }
-        self.paused.lock().unwrap().insert(id.to_owned());
-        Ok(())
+        self.freeze(id, true)
     }
 
     async fn resume(&self, id: &str) -> NodeResult<()> {
-        if !self.sandboxes.lock().unwrap().contains_key(id) {
-            return Err(NodeError::NotFound(format!("no sandbox {id}")));
-        }
-        self.paused.lock().unwrap().remove(id);
-        Ok(())
+        self.freeze(id, false)
+    }
+
+    /// One call for all (recorded in `bulk_calls`), per-id results.
+    async fn pause_many(&self, ids: &[String]) -> Vec<NodeResult<()>> {
+        self.bulk_calls.lock().unwrap().push(("pause", ids.len()));
+        ids.iter().map(|id| self.freeze(id, true)).collect()
+    }
+
+    async fn resume_many(&self, ids: &[String]) -> Vec<NodeResult<()>> {
+        self.bulk_calls.lock().unwrap().push(("resume", ids.len()));
+        ids.iter().map(|id| self.freeze(id, false)).collect()
     }
 
     async fn delete(&self, id: &str) -> NodeResult<()> {

@@ -1,7 +1,7 @@
 //! The server side: [`RemoteNode`], a [`Node`] whose calls go to a node's [`crate::router`]
 //! over HTTP/2 cleartext (prior knowledge).
 use crate::wire::{
-    line, ControlFrame, ControlStart, ExecCall, ExecFrame, ForkCall, LineBuf, MkdirCall,
+    line, BulkCall, ControlFrame, ControlStart, ExecCall, ExecFrame, ForkCall, LineBuf, MkdirCall,
     ReadoptCall, VolatileFiles,
 };
 use async_trait::async_trait;
@@ -253,6 +253,44 @@ impl RemoteNode {
 
     async fn unit(&self, rb: RequestBuilder) -> NodeResult<()> {
         self.raw(rb).await.map(|_| ())
+    }
+
+    /// A bulk call (`verb`: `pause` or `resume`, [`crate::wire::BulkCall`]): per-id
+    /// results in order. A call that fails as a whole is each id's error (a transport
+    /// failure: each outcome unknown); an answer of the wrong length is an `Internal`
+    /// error for each id.
+    async fn bulk(&self, verb: &str, ids: &[String]) -> Vec<NodeResult<()>> {
+        let mut out = Vec::with_capacity(ids.len());
+        for part in ids.chunks(sandlot_node_api::BULK_MAX_IDS) {
+            let call = BulkCall { ids: part.to_vec() };
+            let answer: NodeResult<Vec<Option<WireError>>> =
+                self.call(self.req(Method::POST, &[verb]).json(&call)).await;
+            match answer {
+                Ok(v) if v.len() == part.len() => out.extend(v.into_iter().map(|w| match w {
+                    None => Ok(()),
+                    Some(w) => Err(NodeError::from_wire(w)),
+                })),
+                Ok(v) => {
+                    let m = format!(
+                        "node {}: {} results to a {verb} of {} ids",
+                        self.base,
+                        v.len(),
+                        part.len()
+                    );
+                    out.extend(part.iter().map(|_| {
+                        Err(NodeError::io(
+                            m.clone(),
+                            std::io::Error::other("bad answer"),
+                        ))
+                    }));
+                }
+                Err(e) => {
+                    let w = e.to_wire();
+                    out.extend(part.iter().map(|_| Err(NodeError::from_wire(w.clone()))));
+                }
+            }
+        }
+        out
     }
 
     fn exec_limit(&self, req: &ExecRequest) -> Duration {
@@ -621,6 +659,17 @@ impl Node for RemoteNode {
     async fn resume(&self, id: &str) -> NodeResult<()> {
         self.unit(self.req(Method::POST, &["sandboxes", id, "resume"]))
             .await
+    }
+
+    /// One `POST /v1/pause` for all of `ids` (in slices of `BULK_MAX_IDS`); a call that
+    /// fails as a whole (transport, refused) is every id's error.
+    async fn pause_many(&self, ids: &[String]) -> Vec<NodeResult<()>> {
+        self.bulk("pause", ids).await
+    }
+
+    /// One `POST /v1/resume` for all of `ids`, as [`RemoteNode::pause_many`].
+    async fn resume_many(&self, ids: &[String]) -> Vec<NodeResult<()>> {
+        self.bulk("resume", ids).await
     }
 
     async fn adopt_snapshot(&self, id: &str) -> NodeResult<()> {

@@ -21,6 +21,7 @@
 //! | list | `GET /v1/sandboxes` | - | `[SandboxStatus]` |
 //! | delete | `DELETE /v1/sandboxes/{id}` | - | `{}` |
 //! | pause, resume | `POST /v1/sandboxes/{id}/pause`, `/resume` | - | `{}` |
+//! | pause_many, resume_many | `POST /v1/pause`, `/v1/resume` | [`wire::BulkCall`] (`{"ids": [id]}`, at most `BULK_MAX_IDS`) | `[null \| WireError]`, one per id in order |
 //! | adopt_snapshot | `POST /v1/sandboxes/{id}/adopt-snapshot` | - | `{}` |
 //! | exec | `POST /v1/sandboxes/{id}/exec` | [`wire::ExecCall`] | NDJSON [`wire::ExecFrame`]s |
 //! | exec_controlled | `POST /v1/sandboxes/{id}/exec-controlled` | NDJSON [`wire::ControlFrame`]s | NDJSON [`wire::ExecFrame`]s |

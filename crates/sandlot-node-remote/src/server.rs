@@ -1,7 +1,7 @@
 //! The node side: [`router`] (every `Node` call as an HTTP route) and [`serve`] (h2c and
 //! HTTP/1.1 on one listener).
 use crate::wire::{
-    line, ControlFrame, ExecCall, ExecFrame, ForkCall, LineBuf, MkdirCall, ReadoptCall,
+    line, BulkCall, ControlFrame, ExecCall, ExecFrame, ForkCall, LineBuf, MkdirCall, ReadoptCall,
     VolatileFiles,
 };
 use axum::body::Body;
@@ -17,7 +17,7 @@ use bytes::Bytes;
 use futures::StreamExt;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use sandlot_api::ExecEvent;
-use sandlot_node_api::{ExecControl, Node, NodeError, SandboxSpec};
+use sandlot_node_api::{ExecControl, Node, NodeError, SandboxSpec, WireError};
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
 use std::sync::Arc;
@@ -201,6 +201,8 @@ pub fn router_gated(
         .route("/v1/info", get(info))
         .route("/v1/accel", get(accel))
         .route("/v1/readopt", post(readopt))
+        .route("/v1/pause", post(pause_many))
+        .route("/v1/resume", post(resume_many))
         .route("/v1/checkpoints", get(list_checkpoints))
         .route("/v1/checkpoints/{ck}", delete(delete_checkpoint))
         .route("/v1/sandboxes", get(list).post(create))
@@ -469,6 +471,52 @@ async fn pause(State(n): State<Shared>, Path(id): Path<String>) -> Answer<serde_
 async fn resume(State(n): State<Shared>, Path(id): Path<String>) -> Answer<serde_json::Value> {
     n.resume(&id).await?;
     Ok(empty())
+}
+
+/// The ids of a bulk call, refused past [`sandlot_node_api::BULK_MAX_IDS`].
+fn bulk_ids(c: BulkCall) -> Result<Vec<String>, Failed> {
+    if c.ids.len() > sandlot_node_api::BULK_MAX_IDS {
+        return Err(Failed(NodeError::InvalidArgument(format!(
+            "{} ids in one call; at most {}",
+            c.ids.len(),
+            sandlot_node_api::BULK_MAX_IDS
+        ))));
+    }
+    Ok(c.ids)
+}
+
+/// Per-id results of a bulk call on the wire: `null` for success, else the error.
+fn bulk_answer(out: Vec<sandlot_node_api::NodeResult<()>>) -> Json<Vec<Option<WireError>>> {
+    Json(
+        out.into_iter()
+            .map(|r| r.err().map(|e| e.to_wire()))
+            .collect(),
+    )
+}
+
+/// `POST /v1/pause` ([`BulkCall`]): `Node::pause_many` in a task of its own (a server that
+/// goes away does not leave half the ids unpaused).
+async fn pause_many(
+    State(n): State<Shared>,
+    JsonArg(c): JsonArg<BulkCall>,
+) -> Answer<Vec<Option<WireError>>> {
+    let ids = bulk_ids(c)?;
+    let out = tokio::spawn(async move { n.pause_many(&ids).await })
+        .await
+        .map_err(joined)?;
+    Ok(bulk_answer(out))
+}
+
+/// `POST /v1/resume` ([`BulkCall`]): `Node::resume_many`, as [`pause_many`].
+async fn resume_many(
+    State(n): State<Shared>,
+    JsonArg(c): JsonArg<BulkCall>,
+) -> Answer<Vec<Option<WireError>>> {
+    let ids = bulk_ids(c)?;
+    let out = tokio::spawn(async move { n.resume_many(&ids).await })
+        .await
+        .map_err(joined)?;
+    Ok(bulk_answer(out))
 }
 
 async fn adopt_snapshot(

@@ -103,6 +103,16 @@ pub struct ReadoptCall {
     pub keep: Vec<String>,
 }
 
+/// `POST /v1/pause` and `POST /v1/resume` body (`Node::pause_many`, `Node::resume_many`):
+/// at most [`sandlot_node_api::BULK_MAX_IDS`] sandbox ids. The answer is a JSON array with
+/// one element per id, in order: `null` where that id's call succeeded, else its
+/// [`sandlot_node_api::WireError`].
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct BulkCall {
+    /// The sandboxes to pause or resume.
+    pub ids: Vec<String>,
+}
+
 /// One JSON value and a newline.
 pub fn line<T: Serialize>(v: &T) -> bytes::Bytes {
     let mut out = serde_json::to_vec(v).expect("wire types serialize");

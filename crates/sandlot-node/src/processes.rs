@@ -953,6 +953,12 @@ impl Node for WithProcesses {
     async fn resume(&self, id: &str) -> NodeResult<()> {
         self.inner.resume(id).await
     }
+    async fn pause_many(&self, ids: &[String]) -> Vec<NodeResult<()>> {
+        self.inner.pause_many(ids).await
+    }
+    async fn resume_many(&self, ids: &[String]) -> Vec<NodeResult<()>> {
+        self.inner.resume_many(ids).await
+    }
     async fn adopt_snapshot(&self, id: &str) -> NodeResult<()> {
         self.inner.adopt_snapshot(id).await
     }

@@ -427,13 +427,72 @@ impl ClusterNode {
     /// The client of the node owning `id`.
     async fn owner(&self, id: &str) -> NodeResult<Arc<RemoteNode>> {
         let name = self.owner_name(id).await?;
-        self.remote(&name).await.map_err(|e| match e {
+        self.owner_node(&name, id).await
+    }
+
+    /// The client of node `name`, owner of `id` (named in the error when it is gone).
+    async fn owner_node(&self, name: &str, id: &str) -> NodeResult<Arc<RemoteNode>> {
+        self.remote(name).await.map_err(|e| match e {
             NodeError::Unavailable(_) => {
                 NodeError::Unavailable(format!("node {name} of sandbox {id} is not in the cluster"))
             }
             e => e,
         })
     }
+
+    /// The indexes of `ids` grouped by owning node; an id whose owner cannot be found gets
+    /// its error in `out` instead. Ids without a route are looked up once for all
+    /// ([`ClusterNode::owner_name`] of the first; the lookup fills every route it learns).
+    async fn by_owner(
+        &self,
+        ids: &[String],
+        out: &mut [Option<NodeResult<()>>],
+    ) -> HashMap<String, Vec<usize>> {
+        let mut groups: HashMap<String, Vec<usize>> = HashMap::new();
+        let mut unknown = Vec::new();
+        for (i, id) in ids.iter().enumerate() {
+            match self.route_of(id) {
+                Some(n) => groups.entry(n).or_default().push(i),
+                None => unknown.push(i),
+            }
+        }
+        let mut looked_up = false;
+        for i in unknown {
+            let owner = match self.route_of(&ids[i]) {
+                Some(n) => Ok(n),
+                None if looked_up => Err(NodeError::NotFound(format!(
+                    "no sandbox {} on any node",
+                    ids[i]
+                ))),
+                None => {
+                    looked_up = true;
+                    self.owner_name(&ids[i]).await
+                }
+            };
+            match owner {
+                Ok(n) => groups.entry(n).or_default().push(i),
+                Err(e) => out[i] = Some(Err(e)),
+            }
+        }
+        groups
+    }
+}
+
+/// A bulk call's result for one id; `None` (a node whose answer had fewer results than
+/// ids) is an `Internal` error of that id.
+fn unanswered(r: Option<NodeResult<()>>) -> NodeResult<()> {
+    r.unwrap_or_else(|| {
+        Err(NodeError::internal(
+            "the node's bulk answer had no result for this sandbox",
+            None,
+        ))
+    })
+}
+
+/// `n` copies of `e` (a bulk call that failed as a whole), kind and message kept.
+fn same_error(e: &NodeError, n: usize) -> impl Iterator<Item = NodeResult<()>> {
+    let w = e.to_wire();
+    (0..n).map(move |_| Err(NodeError::from_wire(w.clone())))
 }
 
 /// Sandbox statuses of many nodes, one list.
@@ -653,6 +712,73 @@ impl Node for ClusterNode {
 
     async fn adopt_snapshot(&self, id: &str) -> NodeResult<()> {
         self.resume_elsewhere(id, None).await.map(drop)
+    }
+
+    /// The ids grouped by owning node ([`ClusterNode::owner_name`]), one
+    /// [`Node::pause_many`] call per node, all nodes at once; an id whose owner is unknown
+    /// or gone gets [`Node::pause`]'s error.
+    async fn pause_many(&self, ids: &[String]) -> Vec<NodeResult<()>> {
+        let mut out: Vec<Option<NodeResult<()>>> = ids.iter().map(|_| None).collect();
+        let groups = self.by_owner(ids, &mut out).await;
+        let calls = groups.into_iter().map(|(name, idx)| async move {
+            let part: Vec<String> = idx.iter().map(|&i| ids[i].clone()).collect();
+            let res = match self.owner_node(&name, &part[0]).await {
+                Ok(node) => node.pause_many(&part).await,
+                Err(e) => same_error(&e, part.len()).collect(),
+            };
+            (idx, res)
+        });
+        for (idx, res) in futures::future::join_all(calls).await {
+            for (i, r) in idx.into_iter().zip(res) {
+                out[i] = Some(r);
+            }
+        }
+        out.into_iter().map(unanswered).collect()
+    }
+
+    /// As [`ClusterNode::pause_many`], with [`Node::resume`]'s fallback per id: an id
+    /// whose owner is gone, or that its owner answers `ResourceExhausted` for, goes
+    /// through the one-id [`Node::resume`] (taken over from the shared snapshot store).
+    async fn resume_many(&self, ids: &[String]) -> Vec<NodeResult<()>> {
+        let mut out: Vec<Option<NodeResult<()>>> = ids.iter().map(|_| None).collect();
+        let groups = self.by_owner(ids, &mut out).await;
+        // No node knows them: each one through the single resume's takeover.
+        let mut single: Vec<usize> = (0..ids.len())
+            .filter(|&i| matches!(out[i], Some(Err(NodeError::NotFound(_)))))
+            .collect();
+        let calls = groups.into_iter().map(|(name, idx)| async move {
+            let part: Vec<String> = idx.iter().map(|&i| ids[i].clone()).collect();
+            let res = match self.remote(&name).await {
+                Ok(node) => Ok(node.resume_many(&part).await),
+                Err(e) => Err(e),
+            };
+            (idx, res)
+        });
+        for (idx, res) in futures::future::join_all(calls).await {
+            match res {
+                // Gone: each one through the single resume's takeover.
+                Err(NodeError::Unavailable(_)) => single.extend(idx),
+                Err(e) => {
+                    for (i, r) in idx.into_iter().zip(same_error(&e, usize::MAX)) {
+                        out[i] = Some(r);
+                    }
+                }
+                Ok(res) => {
+                    for (i, r) in idx.into_iter().zip(res) {
+                        match r {
+                            Err(NodeError::ResourceExhausted(_)) => single.push(i),
+                            r => out[i] = Some(r),
+                        }
+                    }
+                }
+            }
+        }
+        let retried =
+            sandlot_node_api::bulk(single.iter().map(|&i| self.resume(&ids[i])).collect()).await;
+        for (i, r) in single.into_iter().zip(retried) {
+            out[i] = Some(r);
+        }
+        out.into_iter().map(unanswered).collect()
     }
 
     /// Deletes on the owning node. An id no node has, or whose node left the cluster, is

@@ -8,11 +8,13 @@
 //! the record goes back to `running` and the sandbox is listed in `failed`. Resume thaws
 //! every matching `paused` sandbox on the node first, then sets `running`. Sandboxes in other
 //! states are not touched (and not listed), nor are other tenants' sandboxes ([`crate::auth`]).
-//! Pause and resume handle the sandboxes of one call in chunks of [`LABEL_CHUNK`]
-//! ([`LABEL_CHUNKS_IN_FLIGHT`] chunks at once): one registry write per chunk for its state
-//! changes ([`crate::registry::Registry::transition_many`]; one more for the failed ones
-//! of a pause), one write of the events database for its `paused`/`resumed` audit events
-//! ([`crate::events::record_many`]), the node calls of a chunk all at once. Delete runs
+//! Pause and resume handle the sandboxes of one call in chunks of at most [`LABEL_CHUNK`]
+//! sandboxes of one node ([`LABEL_CHUNKS_IN_FLIGHT`] chunks at once): one registry write
+//! per chunk for its state changes ([`crate::registry::Registry::transition_many`]; one
+//! more for the failed ones of a pause), one write of the events database for its
+//! `paused`/`resumed` audit events ([`crate::events::record_many`]), and ONE node call
+//! for the chunk ([`sandlot_node_api::Node::pause_many`] / `resume_many`, per-id results:
+//! a sandbox the node fails is listed in `failed`, the others go on). Delete runs
 //! [`LABEL_CONCURRENCY`] one-sandbox deletes at a time. Each call runs in a task of its own
 //! (a client that goes away does not leave a record `paused` over a running sandbox). The TTL keeps counting while paused; delete
 //! works. Delete takes every matching sandbox in any state but `deleting` through the
@@ -300,7 +302,8 @@ async fn pause_chunk(st: SharedState, recs: Vec<Record>) -> Vec<Outcome> {
         .filter(|(_, c)| **c)
         .map(|(r, _)| r)
         .collect();
-    let node = futures::future::join_all(paused.iter().map(|r| st.node.pause(&r.id))).await;
+    let paused_ids: Vec<String> = paused.iter().map(|r| r.id.clone()).collect();
+    let node = st.node.pause_many(&paused_ids).await;
     let mut out: Vec<Outcome> = changed
         .iter()
         .filter(|c| !**c)
@@ -336,7 +339,8 @@ async fn pause_chunk(st: SharedState, recs: Vec<Record>) -> Vec<Outcome> {
 /// Resume of one chunk of `paused` records ([`resume_one`]'s protocol per sandbox): the
 /// node resumes all at once, then the records of those resumed `running` in one write.
 async fn resume_chunk(st: SharedState, recs: Vec<Record>) -> Vec<Outcome> {
-    let node = futures::future::join_all(recs.iter().map(|r| st.node.resume(&r.id))).await;
+    let ids: Vec<String> = recs.iter().map(|r| r.id.clone()).collect();
+    let node = st.node.resume_many(&ids).await;
     let mut out = Vec::with_capacity(recs.len());
     let mut ok: Vec<&Record> = Vec::new();
     for (rec, res) in recs.iter().zip(node) {
@@ -392,8 +396,10 @@ async fn resume_chunk(st: SharedState, recs: Vec<Record>) -> Vec<Outcome> {
     out
 }
 
-/// Runs `f` over `recs` in chunks of [`LABEL_CHUNK`], [`LABEL_CHUNKS_IN_FLIGHT`] at once,
-/// in a task of its own; the ids changed (sorted) and the failures.
+/// Runs `f` over `recs` in chunks of at most [`LABEL_CHUNK`] records of one node each
+/// (so a chunk's node call is one [`sandlot_node_api::Node::pause_many`] /
+/// `resume_many` to one node), [`LABEL_CHUNKS_IN_FLIGHT`] at once, in a task of its own;
+/// the ids changed (sorted) and the failures.
 async fn run_chunks<F, Fut>(st: &SharedState, recs: Vec<Record>, f: F) -> ApiResult<PauseResult>
 where
     F: Fn(SharedState, Vec<Record>) -> Fut + Send + 'static,
@@ -401,10 +407,16 @@ where
 {
     use futures::StreamExt;
     let st = st.clone();
+    let mut by_node: std::collections::BTreeMap<String, Vec<Record>> = Default::default();
+    for r in recs {
+        by_node.entry(r.node.clone()).or_default().push(r);
+    }
     let mut chunks: Vec<Vec<Record>> = Vec::new();
-    let mut recs = recs.into_iter().peekable();
-    while recs.peek().is_some() {
-        chunks.push(recs.by_ref().take(LABEL_CHUNK).collect());
+    for recs in by_node.into_values() {
+        let mut recs = recs.into_iter().peekable();
+        while recs.peek().is_some() {
+            chunks.push(recs.by_ref().take(LABEL_CHUNK).collect());
+        }
     }
     let runs = futures::stream::iter(chunks)
         .map(move |c| f(st.clone(), c))

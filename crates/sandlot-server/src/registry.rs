@@ -70,8 +70,10 @@ pub trait Registry: Send + Sync + 'static {
     /// is inserted with its transition claimed by `owner` until `deadline_ms` (what
     /// [`Registry::claim_transition`] would then write, in the insert's own row write: a
     /// batch create's chunk needs no separate claim). The default calls `insert_checked`
-    /// per item (then `claim_transition` per record inserted); both stores override it with
-    /// one transaction.
+    /// per item (then `claim_transition` per record inserted; an item whose claim fails or
+    /// is not granted is removed again, its Idempotency-Key with it, and answers the
+    /// claim's error, so every item is either inserted and claimed or not there); both
+    /// stores override it with one transaction.
     ///
     /// # Errors
     /// The call as a whole: the store is unavailable, or the transaction could not begin or
@@ -83,10 +85,38 @@ pub trait Registry: Send + Sync + 'static {
     ) -> Result<Vec<Result<KeyOutcome>>> {
         let mut out = Vec::with_capacity(items.len());
         for (rec, key, quota) in items {
-            let r = self.insert_checked(rec, *key, *quota).await;
+            let mut r = self.insert_checked(rec, *key, *quota).await;
             if let (Ok(KeyOutcome::Inserted), Some((owner, deadline))) = (&r, claim) {
-                self.claim_transition(&rec.id, owner, deadline, i64::MIN)
-                    .await?;
+                let claimed = match self
+                    .claim_transition(&rec.id, owner, deadline, i64::MIN)
+                    .await
+                {
+                    Ok(true) => Ok(()),
+                    Ok(false) => Err(StoreError::Unavailable(format!(
+                        "sandbox {}: the transition claim of the new record was not granted",
+                        rec.id
+                    ))),
+                    Err(e) => Err(e),
+                };
+                if let Err(e) = claimed {
+                    // Not half-done: the record (and its key) go again. Should that fail
+                    // too, the record is an unclaimed `creating` one, which
+                    // `stale_transitions` hands to the reaper after
+                    // UNOWNED_CREATE_GRACE_MS.
+                    let undo = async {
+                        self.forget_keys_of(&rec.id).await?;
+                        self.remove(&rec.id).await
+                    }
+                    .await;
+                    r = Err(match undo {
+                        Ok(_) => e,
+                        Err(u) => StoreError::Unavailable(format!(
+                            "{}; removing the unclaimed record also failed: {}",
+                            crate::error::chain(&e),
+                            crate::error::chain(&u)
+                        )),
+                    });
+                }
             }
             out.push(r);
         }
@@ -1232,51 +1262,8 @@ impl PgRegistry {
             .unwrap_or_else(|| Err(StoreError::Unavailable("no answer from the writer".into())))
     }
 
-    async fn conn(&self) -> Result<deadpool_postgres::Object> {
-        self.pool
-            .get()
-            .await
-            .map_err(|e| StoreError::Unavailable(e.to_string()))
-    }
-
-    async fn select(
-        &self,
-        q: &str,
-        p: &[&(dyn tokio_postgres::types::ToSql + Sync)],
-    ) -> Result<Vec<Record>> {
-        let c = self.conn().await?;
-        let st = c.prepare_cached(q).await.map_err(pg("prepare"))?;
-        c.query(&st, p)
-            .await
-            .map_err(pg("select sandboxes"))?
-            .iter()
-            .map(decode)
-            .collect()
-    }
-}
-
-#[async_trait]
-impl Registry for PgRegistry {
-    async fn insert_checked(
-        &self,
-        rec: &Record,
-        key: Option<(&str, &str)>,
-        quota: Option<&Quota>,
-    ) -> Result<KeyOutcome> {
-        let raw = self.grouped_one(Op::insert(rec, key, quota, None)).await?;
-        let found = match (&raw, key) {
-            (
-                Raw::Insert {
-                    inserted: false, ..
-                },
-                Some((k, _)),
-            ) => self.key_sandbox(k).await?,
-            _ => None,
-        };
-        insert_outcome(rec, key.map(|(_, d)| d), quota, raw, found)
-    }
-
-    async fn insert_many(
+    /// `Registry::insert_many` before [`PgRegistry::own_rows`].
+    async fn insert_many_once(
         &self,
         items: &[InsertItem<'_>],
         claim: Option<(&str, i64)>,
@@ -1342,6 +1329,132 @@ impl Registry for PgRegistry {
                 insert_outcome(rec, key.map(|(_, d)| d), *quota, raw?, f)
             })
             .collect())
+    }
+
+    /// After a batch insert with the claim `(owner, deadline)`: the items answered with an
+    /// error, or with a replay of their own new id, whose row exists exactly as the item's
+    /// record with this claim are this call's own rows (the one-statement insert, or the
+    /// group, committed but the answer to its COMMIT was lost, e.g. the connection
+    /// dropped, and the item-by-item retry then met its own rows as duplicates or its own
+    /// keys as replays): they answer `Inserted`. Ids are random per create and the claim
+    /// names this server and this call's deadline, so no other create's row matches.
+    /// Should the lookup itself fail, the outcomes stay as they were (the rows, if any,
+    /// stay claimed `creating`; the reaper rolls them back once the claim lapses).
+    async fn own_rows(
+        &self,
+        items: &[InsertItem<'_>],
+        owner: &str,
+        deadline: i64,
+        out: &mut [Result<KeyOutcome>],
+    ) {
+        let suspect: Vec<usize> = (0..items.len())
+            .filter(|&i| match &out[i] {
+                Err(_) => true,
+                Ok(KeyOutcome::Replay(sid)) => *sid == items[i].0.id,
+                Ok(_) => false,
+            })
+            .collect();
+        if suspect.is_empty() {
+            return;
+        }
+        let ids: Vec<&str> = suspect.iter().map(|&i| items[i].0.id.as_str()).collect();
+        let rows = async {
+            let c = self.conn().await?;
+            let st = c
+                .prepare_cached(&format!(
+                    "SELECT {COLS}, owner, deadline FROM sandboxes WHERE id = ANY($1)"
+                ))
+                .await
+                .map_err(pg("prepare"))?;
+            c.query(&st, &[&ids])
+                .await
+                .map_err(pg("select sandboxes of a batch"))
+        }
+        .await;
+        let rows = match rows {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::warn!(error = %crate::error::chain(&e), "batch insert: own rows not checked after failed items");
+                return;
+            }
+        };
+        let mut found: std::collections::HashMap<String, (Record, Option<String>, Option<i64>)> =
+            std::collections::HashMap::new();
+        for r in &rows {
+            if let Ok(rec) = decode(r) {
+                found.insert(rec.id.clone(), (rec, r.get(10), r.get(11)));
+            }
+        }
+        for i in suspect {
+            let rec = items[i].0;
+            let ours = found.get(&rec.id).is_some_and(|(row, o, d)| {
+                row == rec && o.as_deref() == Some(owner) && *d == Some(deadline)
+            });
+            if ours {
+                tracing::info!(sandbox_id = %rec.id, "batch insert: the row was written by this very call (its COMMIT's answer was lost)");
+                out[i] = Ok(KeyOutcome::Inserted);
+            }
+        }
+    }
+
+    async fn conn(&self) -> Result<deadpool_postgres::Object> {
+        self.pool
+            .get()
+            .await
+            .map_err(|e| StoreError::Unavailable(e.to_string()))
+    }
+
+    async fn select(
+        &self,
+        q: &str,
+        p: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+    ) -> Result<Vec<Record>> {
+        let c = self.conn().await?;
+        let st = c.prepare_cached(q).await.map_err(pg("prepare"))?;
+        c.query(&st, p)
+            .await
+            .map_err(pg("select sandboxes"))?
+            .iter()
+            .map(decode)
+            .collect()
+    }
+}
+
+#[async_trait]
+impl Registry for PgRegistry {
+    async fn insert_checked(
+        &self,
+        rec: &Record,
+        key: Option<(&str, &str)>,
+        quota: Option<&Quota>,
+    ) -> Result<KeyOutcome> {
+        let raw = self.grouped_one(Op::insert(rec, key, quota, None)).await?;
+        let found = match (&raw, key) {
+            (
+                Raw::Insert {
+                    inserted: false, ..
+                },
+                Some((k, _)),
+            ) => self.key_sandbox(k).await?,
+            _ => None,
+        };
+        insert_outcome(rec, key.map(|(_, d)| d), quota, raw, found)
+    }
+
+    /// One statement for items without keys and quotas, else one grouped write per item;
+    /// then, with a claim, [`PgRegistry::own_rows`]: an item whose write seemed to fail
+    /// but whose row is this very call's (a COMMIT whose answer was lost, then the retry
+    /// found the row) answers `Inserted`.
+    async fn insert_many(
+        &self,
+        items: &[InsertItem<'_>],
+        claim: Option<(&str, i64)>,
+    ) -> Result<Vec<Result<KeyOutcome>>> {
+        let mut out = self.insert_many_once(items, claim).await?;
+        if let Some((owner, deadline)) = claim {
+            self.own_rows(items, owner, deadline, &mut out).await;
+        }
+        Ok(out)
     }
 
     async fn get(&self, id: &str) -> Result<Option<Record>> {
@@ -2879,6 +2992,354 @@ mod tests {
             return;
         };
         contract_bulk(&*r[0]).await;
+    }
+
+    /// A test fake: the SQLite [`Store`] behind the trait's DEFAULT `insert_many` (every
+    /// other call delegated), whose `claim_transition` fails for ids starting `fail-`.
+    struct FakeClaimFails(Arc<Store>);
+
+    #[async_trait]
+    impl Registry for FakeClaimFails {
+        async fn insert_checked(
+            &self,
+            rec: &Record,
+            key: Option<(&str, &str)>,
+            quota: Option<&Quota>,
+        ) -> Result<KeyOutcome> {
+            Registry::insert_checked(&*self.0, rec, key, quota).await
+        }
+        async fn get(&self, id: &str) -> Result<Option<Record>> {
+            Registry::get(&*self.0, id).await
+        }
+        async fn list(&self) -> Result<Vec<Record>> {
+            Registry::list(&*self.0).await
+        }
+        async fn list_labeled(&self, labels: &BTreeMap<String, String>) -> Result<Vec<Record>> {
+            Registry::list_labeled(&*self.0, labels).await
+        }
+        async fn count_by_state(&self) -> Result<Vec<(String, String, u64)>> {
+            Registry::count_by_state(&*self.0).await
+        }
+        async fn list_page(
+            &self,
+            labels: &BTreeMap<String, String>,
+            tenant: Option<&str>,
+            after: Option<(i64, &str)>,
+            limit: usize,
+        ) -> Result<Vec<Record>> {
+            Registry::list_page(&*self.0, labels, tenant, after, limit).await
+        }
+        async fn summary(&self) -> Result<Summary> {
+            Registry::summary(&*self.0).await
+        }
+        async fn live_by_trajectory(&self, trajectory: &str) -> Result<Option<Record>> {
+            Registry::live_by_trajectory(&*self.0, trajectory).await
+        }
+        async fn due_for_reaping(&self, now_ms: i64) -> Result<Vec<Record>> {
+            Registry::due_for_reaping(&*self.0, now_ms).await
+        }
+        async fn transition(
+            &self,
+            id: &str,
+            from: &[SandboxState],
+            to: SandboxState,
+        ) -> Result<bool> {
+            Registry::transition(&*self.0, id, from, to).await
+        }
+        async fn mark_node_lost(&self, node: &str) -> Result<Vec<(String, Backend)>> {
+            Registry::mark_node_lost(&*self.0, node).await
+        }
+        async fn set_node(&self, id: &str, node: &str) -> Result<bool> {
+            Registry::set_node(&*self.0, id, node).await
+        }
+        async fn set_expiry(
+            &self,
+            id: &str,
+            expires_at_ms: Option<i64>,
+            ttl_s: u64,
+        ) -> Result<bool> {
+            Registry::set_expiry(&*self.0, id, expires_at_ms, ttl_s).await
+        }
+        async fn remove(&self, id: &str) -> Result<bool> {
+            Registry::remove(&*self.0, id).await
+        }
+        async fn key_sandbox(&self, key: &str) -> Result<Option<(String, String)>> {
+            Registry::key_sandbox(&*self.0, key).await
+        }
+        async fn forget_keys_of(&self, id: &str) -> Result<()> {
+            Registry::forget_keys_of(&*self.0, id).await
+        }
+        async fn set_transition(&self, id: &str, owner: Option<(&str, i64)>) -> Result<bool> {
+            Registry::set_transition(&*self.0, id, owner).await
+        }
+        async fn release_transition(&self, id: &str, owner: &str) -> Result<bool> {
+            Registry::release_transition(&*self.0, id, owner).await
+        }
+        async fn transition_release(
+            &self,
+            id: &str,
+            from: &[SandboxState],
+            to: SandboxState,
+            owner: &str,
+        ) -> Result<bool> {
+            Registry::transition_release(&*self.0, id, from, to, owner).await
+        }
+        async fn claim_many(
+            &self,
+            ids: &[String],
+            owner: &str,
+            deadline_ms: i64,
+            now_ms: i64,
+        ) -> Result<Vec<bool>> {
+            Registry::claim_many(&*self.0, ids, owner, deadline_ms, now_ms).await
+        }
+        async fn transition_many(
+            &self,
+            ids: &[String],
+            from: &[SandboxState],
+            to: SandboxState,
+            release: Option<&str>,
+        ) -> Result<Vec<bool>> {
+            Registry::transition_many(&*self.0, ids, from, to, release).await
+        }
+        async fn stale_transitions(&self, now_ms: i64) -> Result<Vec<StaleTransition>> {
+            Registry::stale_transitions(&*self.0, now_ms).await
+        }
+        async fn purge_keys(&self, before_ms: i64) -> Result<usize> {
+            Registry::purge_keys(&*self.0, before_ms).await
+        }
+        async fn insert_key(&self, k: &KeyRow) -> Result<()> {
+            Registry::insert_key(&*self.0, k).await
+        }
+        async fn key_by_digest(&self, digest: &str) -> Result<Option<KeyRow>> {
+            Registry::key_by_digest(&*self.0, digest).await
+        }
+        async fn list_keys(&self) -> Result<Vec<KeyRow>> {
+            Registry::list_keys(&*self.0).await
+        }
+        async fn revoke_key(&self, id: &str, now_ms: i64) -> Result<bool> {
+            Registry::revoke_key(&*self.0, id, now_ms).await
+        }
+        async fn has_keys(&self) -> Result<bool> {
+            Registry::has_keys(&*self.0).await
+        }
+        async fn claim_trajectory(&self, t: &str, tenant: &str) -> Result<bool> {
+            Registry::claim_trajectory(&*self.0, t, tenant).await
+        }
+        async fn trajectory_owner(&self, t: &str) -> Result<Option<String>> {
+            Registry::trajectory_owner(&*self.0, t).await
+        }
+        async fn forget_trajectory_owner(&self, t: &str) -> Result<()> {
+            Registry::forget_trajectory_owner(&*self.0, t).await
+        }
+        async fn insert_checkpoint(&self, c: &CheckpointRow) -> Result<()> {
+            Registry::insert_checkpoint(&*self.0, c).await
+        }
+        async fn get_checkpoint(&self, id: &str) -> Result<Option<CheckpointRow>> {
+            Registry::get_checkpoint(&*self.0, id).await
+        }
+        async fn list_checkpoints(&self) -> Result<Vec<CheckpointRow>> {
+            Registry::list_checkpoints(&*self.0).await
+        }
+        async fn remove_checkpoint(&self, id: &str) -> Result<()> {
+            Registry::remove_checkpoint(&*self.0, id).await
+        }
+        async fn set_checkpoint_name(&self, id: &str, name: &str) -> Result<()> {
+            Registry::set_checkpoint_name(&*self.0, id, name).await
+        }
+        async fn checkpoint_names(&self) -> Result<BTreeMap<String, String>> {
+            Registry::checkpoint_names(&*self.0).await
+        }
+
+        async fn claim_transition(
+            &self,
+            id: &str,
+            owner: &str,
+            deadline_ms: i64,
+            now_ms: i64,
+        ) -> Result<bool> {
+            if id.starts_with("fail-") {
+                return Err(StoreError::Unavailable(format!(
+                    "injected claim failure for {id}"
+                )));
+            }
+            Registry::claim_transition(&*self.0, id, owner, deadline_ms, now_ms).await
+        }
+    }
+
+    /// The default `insert_many` leaves nothing half-done: an item whose claim fails is
+    /// removed again (record and key) and answers the claim's error; the items before and
+    /// after it are inserted and claimed.
+    #[tokio::test]
+    async fn default_insert_many_removes_an_item_whose_claim_fails() {
+        let (_d, s) = sqlite("default_many");
+        let r = FakeClaimFails(s);
+        let (a, b, c) = (
+            rec("sb-a", 1, None),
+            rec("fail-b", 2, None),
+            rec("sb-c", 3, None),
+        );
+        let out = r
+            .insert_many(
+                &[
+                    (&a, None, None),
+                    (&b, Some(("kb", "db")), None),
+                    (&c, Some(("kc", "dc")), None),
+                ],
+                Some(("srv-a", 1_000_000)),
+            )
+            .await
+            .expect("the call as a whole succeeds");
+        assert_eq!(out[0].as_ref().unwrap(), &KeyOutcome::Inserted);
+        let e = out[1].as_ref().unwrap_err();
+        assert!(e.to_string().contains("injected claim failure"), "{e}");
+        assert_eq!(out[2].as_ref().unwrap(), &KeyOutcome::Inserted);
+        let ids: Vec<String> = r.list().await.unwrap().into_iter().map(|x| x.id).collect();
+        assert_eq!(ids, ["sb-a", "sb-c"]);
+        assert!(r.key_sandbox("kb").await.unwrap().is_none());
+        assert_eq!(r.key_sandbox("kc").await.unwrap().unwrap().1, "sb-c");
+        for id in ["sb-a", "sb-c"] {
+            assert!(!r
+                .claim_transition(id, "srv-b", 2_000_000, 500_000)
+                .await
+                .unwrap());
+        }
+    }
+
+    /// A TCP proxy to PostgreSQL at `target` (`host:port`): relays both ways until armed;
+    /// then the first client chunk holding `COMMIT` is sent on to PostgreSQL, but its
+    /// answer never comes back (the client's connection is closed first): the commit
+    /// happened and the client cannot know, as when a network drops at that moment. The
+    /// flag is cleared when it cut one. Returns its port and the flag.
+    async fn commit_cutting_proxy(target: String) -> (u16, Arc<std::sync::atomic::AtomicBool>) {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = l.local_addr().unwrap().port();
+        let armed = Arc::new(AtomicBool::new(false));
+        let flag = armed.clone();
+        tokio::spawn(async move {
+            while let Ok((client, _)) = l.accept().await {
+                let Ok(server) = tokio::net::TcpStream::connect(&target).await else {
+                    continue;
+                };
+                let armed = armed.clone();
+                tokio::spawn(async move {
+                    let (mut cr, mut cw) = client.into_split();
+                    let (mut sr, mut sw) = server.into_split();
+                    let cut = Arc::new(tokio::sync::Notify::new());
+                    let stop = cut.clone();
+                    let down = tokio::spawn(async move {
+                        let mut buf = vec![0u8; 1 << 16];
+                        loop {
+                            tokio::select! {
+                                _ = stop.notified() => return,
+                                n = sr.read(&mut buf) => match n {
+                                    Ok(0) | Err(_) => return,
+                                    Ok(n) => {
+                                        if cw.write_all(&buf[..n]).await.is_err() {
+                                            return;
+                                        }
+                                    }
+                                },
+                            }
+                        }
+                    });
+                    let mut buf = vec![0u8; 1 << 16];
+                    loop {
+                        let n = match cr.read(&mut buf).await {
+                            Ok(0) | Err(_) => break,
+                            Ok(n) => n,
+                        };
+                        let commit = buf[..n].windows(6).any(|w| w == b"COMMIT");
+                        if commit && armed.swap(false, Ordering::SeqCst) {
+                            // Stop relaying answers (closes the client's side), then let
+                            // PostgreSQL have the COMMIT and the time to run it.
+                            cut.notify_one();
+                            let _ = down.await;
+                            let _ = sw.write_all(&buf[..n]).await;
+                            tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+                            return;
+                        }
+                        if sw.write_all(&buf[..n]).await.is_err() {
+                            break;
+                        }
+                    }
+                });
+            }
+        });
+        (port, flag)
+    }
+
+    /// Review finding: a batch insert whose COMMIT's answer is lost (the connection drops
+    /// after PostgreSQL committed) retries item by item and meets its own rows; they are
+    /// recognised (same record, same claim) and answered `Inserted`, claimed as written.
+    /// Another create's row of the same id still answers its duplicate error.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn pg_batch_insert_recognises_its_own_rows_after_a_lost_commit() {
+        use std::sync::atomic::Ordering;
+        let Some(url) = crate::pg::testing::fresh_database("pg_lost_commit").await else {
+            return;
+        };
+        let (user, rest) = url.rsplit_once('@').expect("postgres://USER@HOST:PORT/DB");
+        let (hostport, db) = rest.split_once('/').expect("a database");
+        let (port, armed) = commit_cutting_proxy(hostport.to_owned()).await;
+        let pool = crate::pg::connect(&format!("{user}@127.0.0.1:{port}/{db}"), 2)
+            .await
+            .unwrap();
+        let r = PgRegistry::new(pool);
+        let claim = Some(("srv-a", 1_000_000));
+        // Keyless items: the one-statement path.
+        let recs: Vec<Record> = (0..3)
+            .map(|i| rec(&format!("sb-cut{i}"), i, None))
+            .collect();
+        let items: Vec<InsertItem> = recs.iter().map(|x| (x, None, None)).collect();
+        armed.store(true, Ordering::SeqCst);
+        let out = r.insert_many(&items, claim).await.unwrap();
+        assert!(!armed.load(Ordering::SeqCst), "the proxy cut no COMMIT");
+        for o in &out {
+            assert_eq!(o.as_ref().unwrap(), &KeyOutcome::Inserted, "{out:?}");
+        }
+        // Keyed items: one grouped write each; the retry meets its own keys.
+        let keyed: Vec<Record> = (3..5)
+            .map(|i| rec(&format!("sb-cut{i}"), i, None))
+            .collect();
+        let items: Vec<InsertItem> = vec![
+            (&keyed[0], Some(("kc3", "d3")), None),
+            (&keyed[1], Some(("kc4", "d4")), None),
+        ];
+        armed.store(true, Ordering::SeqCst);
+        let out = r.insert_many(&items, claim).await.unwrap();
+        assert!(!armed.load(Ordering::SeqCst), "the proxy cut no COMMIT");
+        for o in &out {
+            assert_eq!(o.as_ref().unwrap(), &KeyOutcome::Inserted, "{out:?}");
+        }
+        let ids: Vec<String> = r.list().await.unwrap().into_iter().map(|x| x.id).collect();
+        assert_eq!(ids, ["sb-cut0", "sb-cut1", "sb-cut2", "sb-cut3", "sb-cut4"]);
+        for id in &ids {
+            assert!(!r
+                .claim_transition(id, "srv-b", 2_000_000, 500_000)
+                .await
+                .unwrap());
+        }
+        // Not ours: another record under an existing id, or our record under another
+        // claim, is a duplicate as before; the rest of its batch goes in.
+        let other = rec("sb-cut0", 99, None);
+        let fresh = rec("sb-fresh", 100, None);
+        let out = r
+            .insert_many(
+                &[
+                    (&other, None, None),
+                    (&recs[1], None, None),
+                    (&fresh, None, None),
+                ],
+                Some(("srv-b", 2_000_000)),
+            )
+            .await
+            .unwrap();
+        assert!(out[0].is_err(), "{out:?}");
+        assert!(out[1].is_err(), "{out:?}");
+        assert_eq!(out[2].as_ref().unwrap(), &KeyOutcome::Inserted);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

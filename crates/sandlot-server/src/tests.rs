@@ -1648,6 +1648,62 @@ async fn trajectory_delete_log_and_concurrent_same_step() {
     assert_eq!(r.status, StatusCode::OK);
 }
 
+/// A pause or resume by label is ONE node call for the chunk (`pause_many` /
+/// `resume_many` with every id), with per-id results: a sandbox the node fails is listed
+/// in `failed` and stays `running`; the others change.
+#[tokio::test]
+async fn pause_by_label_is_one_bulk_node_call_with_per_id_failures() {
+    let t = setup("bulkpause");
+    let mut ids = Vec::new();
+    for _ in 0..5 {
+        ids.push(create(&t, json!({"labels": {"job": "bulk"}})).await);
+    }
+    let bad = ids[2].clone();
+    t.node.refuse_freeze.lock().unwrap().insert(bad.clone());
+    let r = call(
+        &t.app,
+        Method::POST,
+        "/v1/sandboxes:pause",
+        Some(json!({"labels": {"job": "bulk"}})),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::OK, "{:?}", r.body);
+    let body = r.json();
+    let mut want: Vec<String> = ids.iter().filter(|i| **i != bad).cloned().collect();
+    want.sort();
+    assert_eq!(body["sandboxes"], json!(want));
+    let failed = body["failed"].as_array().unwrap();
+    assert_eq!(failed.len(), 1, "{body}");
+    assert_eq!(failed[0]["id"], bad);
+    assert!(
+        failed[0]["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("freezer refused"),
+        "{body}"
+    );
+    assert_eq!(*t.node.bulk_calls.lock().unwrap(), [("pause", 5)]);
+    for id in &ids {
+        let r = call(&t.app, Method::GET, &format!("/v1/sandboxes/{id}"), None).await;
+        let want = if *id == bad { "running" } else { "paused" };
+        assert_eq!(r.json()["state"], want, "{id}");
+    }
+    t.node.refuse_freeze.lock().unwrap().clear();
+    let r = call(
+        &t.app,
+        Method::POST,
+        "/v1/sandboxes:resume",
+        Some(json!({"labels": {"job": "bulk"}})),
+    )
+    .await;
+    assert_eq!(r.json(), json!({"sandboxes": want}));
+    assert_eq!(
+        *t.node.bulk_calls.lock().unwrap(),
+        [("pause", 5), ("resume", 4)]
+    );
+    assert!(t.node.paused.lock().unwrap().is_empty());
+}
+
 #[tokio::test]
 async fn pause_resume_by_label() {
     let t = setup("pause");

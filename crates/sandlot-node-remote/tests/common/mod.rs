@@ -520,6 +520,31 @@ async fn pause_resume(node: &dyn Node, id: &str) {
     node.resume(id).await.expect("resume again (no-op)");
     let r = node.exec(id, &argv(&["echo", "back"]), None).await.unwrap();
     assert_eq!(r.stdout, "back\n");
+    // Bulk: one call, one result per id in order; an unknown id fails alone.
+    let ids = vec![new_id(), id.to_owned(), new_id()];
+    let mut out = node.pause_many(&ids).await;
+    assert_eq!(out.len(), 3);
+    out.remove(1).expect("bulk pause of the sandbox");
+    for r in out {
+        assert_kind(r, "not_found", "bulk pause of an unknown id");
+    }
+    assert_kind(
+        node.exec(id, &argv(&["echo", "x"]), None).await,
+        "conflict",
+        "exec after a bulk pause",
+    );
+    assert!(node.pause_many(&[]).await.is_empty());
+    let mut out = node.resume_many(&ids).await;
+    assert_eq!(out.len(), 3);
+    out.remove(1).expect("bulk resume of the sandbox");
+    for r in out {
+        assert_kind(r, "not_found", "bulk resume of an unknown id");
+    }
+    let r = node
+        .exec(id, &argv(&["echo", "again"]), None)
+        .await
+        .unwrap();
+    assert_eq!(r.stdout, "again\n");
 }
 
 async fn unknown_ids(node: &dyn Node) {
