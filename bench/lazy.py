@@ -160,6 +160,18 @@ def one_start(c, backend: str, ref: str) -> tuple:
     return took, box, r.stdout
 
 
+def stop_and_unmount(srv, images: Path) -> None:
+    """Stop the node, unmount its image store's lazy mounts and microvm/vm's lazy disk
+    mounts in its data dir (the daemons outlive a node by design), remove both dirs."""
+    srv.stop()
+    mps = [ln.split()[4] for ln in open("/proc/self/mountinfo")
+           if str(images) in ln or str(srv.tmp) in ln]
+    for mp in mps:
+        subprocess.run(["umount", "-l", mp], check=False)
+    srv.cleanup_dir()
+    shutil.rmtree(images, ignore_errors=True)
+
+
 def run_mode(binary: Path, tmp: Path, backend: str, mode: str, ref: str) -> dict:
     images = tmp / f"images-{backend}-{mode}"
     images.mkdir()
@@ -209,14 +221,7 @@ def run_mode(binary: Path, tmp: Path, backend: str, mode: str, ref: str) -> dict
         c.close()
         out["pull_out"] = pull.strip()
     finally:
-        srv.stop()
-        # The image store's lazy mounts, and microvm/vm's lazy disk mounts in the data dir.
-        mps = [ln.split()[4] for ln in open("/proc/self/mountinfo")
-               if str(images) in ln or str(srv.tmp) in ln]
-        for mp in mps:
-            subprocess.run(["umount", "-l", mp], check=False)
-        srv.cleanup_dir()
-        shutil.rmtree(images, ignore_errors=True)
+        stop_and_unmount(srv, images)
     return out
 
 
@@ -255,12 +260,7 @@ def run_concurrent(binary: Path, tmp: Path, backend: str, mode: str, ref: str, n
             list(ex.map(lambda b: b.delete(), res.sandboxes))
         c.close()
     finally:
-        srv.stop()
-        mps = [ln.split()[4] for ln in open("/proc/self/mountinfo") if str(images) in ln]
-        for mp in mps:
-            subprocess.run(["umount", "-l", mp], check=False)
-        srv.cleanup_dir()
-        shutil.rmtree(images, ignore_errors=True)
+        stop_and_unmount(srv, images)
     return out
 
 

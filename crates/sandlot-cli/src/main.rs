@@ -1283,11 +1283,12 @@ async fn node(a: NodeArgs) -> anyhow::Result<u8> {
         let app = sandlot_node_remote::router(node, Some(token));
         println!("sandlot node listening on http://{addr}");
         std::io::stdout().flush().ok();
-        tokio::select! {
-            r = sandlot_node_remote::serve(listener, app) => r.context("accept")?,
-            () = shutdown_signal() => {}
-        }
+        let served = tokio::select! {
+            r = sandlot_node_remote::serve(listener, app) => r.context("accept"),
+            () = shutdown_signal() => Ok(()),
+        };
         stop_warm_pools(local).await;
+        served?;
         tracing::info!("stopped; sandboxes left running for re-adoption");
         return Ok(0);
     };

@@ -714,7 +714,7 @@ impl Node for ClusterNode {
         self.resume_elsewhere(id, None).await.map(drop)
     }
 
-    /// The ids grouped by owning node ([`ClusterNode::owner_name`]), one
+    /// The ids grouped by owning node (`ClusterNode::owner_name`), one
     /// [`Node::pause_many`] call per node, all nodes at once; an id whose owner is unknown
     /// or gone gets [`Node::pause`]'s error.
     async fn pause_many(&self, ids: &[String]) -> Vec<NodeResult<()>> {
@@ -742,9 +742,12 @@ impl Node for ClusterNode {
     async fn resume_many(&self, ids: &[String]) -> Vec<NodeResult<()>> {
         let mut out: Vec<Option<NodeResult<()>>> = ids.iter().map(|_| None).collect();
         let groups = self.by_owner(ids, &mut out).await;
-        // No node knows them: each one through the single resume's takeover.
-        let mut single: Vec<usize> = (0..ids.len())
+        // Taken over from the shared snapshot store, each on its own: (index, the owner
+        // to avoid, whether the owner keeps a stale paused copy to delete afterwards).
+        // No node knows them: no owner (as the single resume; no second lookup per id).
+        let mut single: Vec<(usize, Option<String>, bool)> = (0..ids.len())
             .filter(|&i| matches!(out[i], Some(Err(NodeError::NotFound(_)))))
+            .map(|i| (i, None, false))
             .collect();
         let calls = groups.into_iter().map(|(name, idx)| async move {
             let part: Vec<String> = idx.iter().map(|&i| ids[i].clone()).collect();
@@ -752,12 +755,14 @@ impl Node for ClusterNode {
                 Ok(node) => Ok(node.resume_many(&part).await),
                 Err(e) => Err(e),
             };
-            (idx, res)
+            (name, idx, res)
         });
-        for (idx, res) in futures::future::join_all(calls).await {
+        for (name, idx, res) in futures::future::join_all(calls).await {
             match res {
-                // Gone: each one through the single resume's takeover.
-                Err(NodeError::Unavailable(_)) => single.extend(idx),
+                // Gone: each one taken over elsewhere.
+                Err(NodeError::Unavailable(_)) => {
+                    single.extend(idx.into_iter().map(|i| (i, Some(name.clone()), false)))
+                }
                 Err(e) => {
                     for (i, r) in idx.into_iter().zip(same_error(&e, usize::MAX)) {
                         out[i] = Some(r);
@@ -766,16 +771,32 @@ impl Node for ClusterNode {
                 Ok(res) => {
                     for (i, r) in idx.into_iter().zip(res) {
                         match r {
-                            Err(NodeError::ResourceExhausted(_)) => single.push(i),
+                            // The owner is full: resumed elsewhere, its copy deleted after.
+                            Err(NodeError::ResourceExhausted(_)) => {
+                                single.push((i, Some(name.clone()), true))
+                            }
                             r => out[i] = Some(r),
                         }
                     }
                 }
             }
         }
-        let retried =
-            sandlot_node_api::bulk(single.iter().map(|&i| self.resume(&ids[i])).collect()).await;
-        for (i, r) in single.into_iter().zip(retried) {
+        let takeovers = single.iter().map(|(i, owner, stale)| async move {
+            let id = &ids[*i];
+            self.resume_elsewhere(id, owner.as_deref()).await?;
+            if let (Some(name), true) = (owner, stale) {
+                let deleted = match self.remote(name).await {
+                    Ok(node) => node.delete(id).await,
+                    Err(e) => Err(e),
+                };
+                if let Err(e) = deleted {
+                    tracing::warn!(sandbox_id = %id, node = %name, error = %e, "stale paused copy not deleted; the next reconcile does");
+                }
+            }
+            Ok(())
+        });
+        let retried = sandlot_node_api::bulk(takeovers.collect()).await;
+        for ((i, _, _), r) in single.into_iter().zip(retried) {
             out[i] = Some(r);
         }
         out.into_iter().map(unanswered).collect()

@@ -1442,7 +1442,7 @@ impl Registry for PgRegistry {
     }
 
     /// One statement for items without keys and quotas, else one grouped write per item;
-    /// then, with a claim, [`PgRegistry::own_rows`]: an item whose write seemed to fail
+    /// then, with a claim, `PgRegistry::own_rows`: an item whose write seemed to fail
     /// but whose row is this very call's (a COMMIT whose answer was lost, then the retry
     /// found the row) answers `Inserted`.
     async fn insert_many(

@@ -371,15 +371,21 @@ impl Machine for VmBackend {
                 )));
             }
             // A lazy image's disk is a FUSE mount that may be gone (a host reboot, a
-            // killed daemon) while checkpoints still name it: mount it again (held until
-            // the fork's layers name it). An eager base stays while a layer names it.
-            let _hold = match self
+            // killed daemon) while checkpoints still name it: when the checkpoint backs
+            // onto this image's disk and it is missing, mount it again (held until the
+            // fork's layers name it). An eager base stays while a layer names it; a
+            // checkpoint of an older build of the image keeps its own base.
+            let d = ck.dir.clone();
+            let base = spawn_blocking(move || chain::base_of(&d)).await?;
+            let lazy = self
                 .cfg
                 .images
-                .lazy_vm_disk_path(image, &self.cfg.dir.join("images"))?
-            {
-                Some(_) => Some(self.image_disk(image).await?.1),
-                None => None,
+                .lazy_vm_disk_path(image, &self.cfg.dir.join("images"))?;
+            let _hold = match (base, lazy) {
+                (Some(b), Some(l)) if b == l && !b.exists() => {
+                    Some(self.image_disk(image).await?.1)
+                }
+                _ => None,
             };
             let (qemu_img, ck_dir, d) = (self.qemu_img.clone(), ck.dir.clone(), dir.clone());
             let grow = (mib - ck.meta.disk_mib) << 20;

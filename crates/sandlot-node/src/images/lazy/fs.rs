@@ -87,7 +87,7 @@ struct InodeIo {
     backing: Weak<Backing>,
 }
 
-/// Open files by handle (only while passthrough is on; otherwise every handle is 0).
+/// Open files by handle (regular files; handle 0 for other kinds).
 #[derive(Default)]
 struct OpenFiles {
     next_fh: u64,
@@ -304,7 +304,7 @@ impl LazyFs {
             pos = base + to;
         }
         self.read_ahead(ino.0, offset, end, &e.chunks);
-        if end == e.size && self.passthrough.load(Ordering::Relaxed) {
+        if end == e.size {
             self.complete_later(n.entry);
         }
         Ok(out)
@@ -313,8 +313,12 @@ impl LazyFs {
     /// In the background, make sure index entry `entry` (a regular file) has a verified
     /// complete-file copy ([`ChunkStore::complete`]) when all its chunks are cached, so
     /// that its later opens can use passthrough; skipped while [`MAX_COMPLETING`] others
-    /// run or one for the same copy does.
+    /// run or one for the same copy does, and while passthrough is off (nothing would
+    /// use the copy).
     fn complete_later(&self, entry: usize) {
+        if !self.passthrough.load(Ordering::Relaxed) {
+            return;
+        }
         let e = &self.index.entries[entry];
         let Some(key) = file_key(e.size, &e.chunks) else {
             return;
@@ -472,16 +476,20 @@ impl Filesystem for LazyFs {
             return reply.error(Errno::from_i32(libc::ENOENT));
         };
         let e = &self.index.entries[n.entry];
-        if e.kind != Kind::File || !self.passthrough.load(Ordering::Relaxed) {
+        if e.kind != Kind::File {
             return reply.opened(FileHandle(0), FopenFlags::FOPEN_KEEP_CACHE);
         }
+        // Off (by setting, or after the kernel refused a backing file): no new backing
+        // files, but an inode whose passthrough opens are still live keeps its backing
+        // (the kernel refuses a cached-mode open of an inode in passthrough mode: EIO).
+        let passthrough = self.passthrough.load(Ordering::Relaxed);
         let mut guard = self.files.lock().unwrap_or_else(|p| p.into_inner());
         let files = &mut *guard;
         files.next_fh += 1;
         let fh = files.next_fh;
         let io = files.inodes.entry(ino.0).or_default();
         let mut backing = io.backing.upgrade();
-        if backing.is_none() && io.cached == 0 {
+        if backing.is_none() && io.cached == 0 && passthrough {
             let copy =
                 file_key(e.size, &e.chunks).and_then(|k| self.chunks.open_complete(&k, e.size));
             if let Some(file) = copy {

@@ -148,6 +148,22 @@ pub fn ancestors(dir: &Path, top: &Path) -> NodeResult<Vec<String>> {
     Ok(out)
 }
 
+/// The image base the chain of the checkpoint in `ck_dir` backs onto: the absolute
+/// backing file of its bottom layer (`None` for a chain without one). Blocking.
+///
+/// # Errors
+/// As [`ancestors`].
+pub fn base_of(ck_dir: &Path) -> NodeResult<Option<PathBuf>> {
+    let top = ck_dir.join(TOP);
+    let bottom = match ancestors(ck_dir, &top)?.pop() {
+        Some(name) => ck_dir.join(name),
+        None => top,
+    };
+    Ok(backing_of(&bottom)?
+        .filter(|b| b.starts_with('/'))
+        .map(PathBuf::from))
+}
+
 /// Hard-links `src` to `dst`, copying (sparse, reflinked where possible) when they lie on
 /// different file systems.
 fn link(src: &Path, dst: &Path) -> NodeResult<()> {
