@@ -258,39 +258,89 @@ impl RemoteNode {
     /// A bulk call (`verb`: `pause` or `resume`, [`crate::wire::BulkCall`]): per-id
     /// results in order. A call that fails as a whole is each id's error (a transport
     /// failure: each outcome unknown); an answer of the wrong length is an `Internal`
-    /// error for each id.
+    /// error for each id. A node older than the bulk routes (HTTP 404 whose body is no
+    /// node error) gets the one-id calls instead, 32 at a time
+    /// ([`sandlot_node_api::bulk`]), so a label pause works during a rolling upgrade.
     async fn bulk(&self, verb: &str, ids: &[String]) -> Vec<NodeResult<()>> {
         let mut out = Vec::with_capacity(ids.len());
         for part in ids.chunks(sandlot_node_api::BULK_MAX_IDS) {
             let call = BulkCall { ids: part.to_vec() };
-            let answer: NodeResult<Vec<Option<WireError>>> =
-                self.call(self.req(Method::POST, &[verb]).json(&call)).await;
-            match answer {
-                Ok(v) if v.len() == part.len() => out.extend(v.into_iter().map(|w| match w {
-                    None => Ok(()),
-                    Some(w) => Err(NodeError::from_wire(w)),
-                })),
-                Ok(v) => {
-                    let m = format!(
-                        "node {}: {} results to a {verb} of {} ids",
-                        self.base,
-                        v.len(),
-                        part.len()
-                    );
-                    out.extend(part.iter().map(|_| {
-                        Err(NodeError::io(
-                            m.clone(),
-                            std::io::Error::other("bad answer"),
-                        ))
-                    }));
+            let v = match self.bulk_call(verb, &call).await {
+                Ok(Some(v)) => v,
+                Ok(None) => {
+                    let calls = part.iter().map(|id| async move {
+                        match verb {
+                            "pause" => self.pause(id).await,
+                            _ => self.resume(id).await,
+                        }
+                    });
+                    out.extend(sandlot_node_api::bulk(calls.collect()).await);
+                    continue;
                 }
                 Err(e) => {
                     let w = e.to_wire();
                     out.extend(part.iter().map(|_| Err(NodeError::from_wire(w.clone()))));
+                    continue;
                 }
+            };
+            if v.len() == part.len() {
+                out.extend(v.into_iter().map(|w| match w {
+                    None => Ok(()),
+                    Some(w) => Err(NodeError::from_wire(w)),
+                }));
+            } else {
+                let m = format!(
+                    "node {}: {} results to a {verb} of {} ids",
+                    self.base,
+                    v.len(),
+                    part.len()
+                );
+                out.extend(part.iter().map(|_| {
+                    Err(NodeError::io(
+                        m.clone(),
+                        std::io::Error::other("bad answer"),
+                    ))
+                }));
             }
         }
         out
+    }
+
+    /// One `POST /v1/{verb}`: the per-id answers, or `None` when the node has no such
+    /// route (404 without a node error in the body).
+    async fn bulk_call(
+        &self,
+        verb: &str,
+        call: &BulkCall,
+    ) -> NodeResult<Option<Vec<Option<WireError>>>> {
+        let fut = async {
+            let resp = self
+                .req(Method::POST, &[verb])
+                .json(call)
+                .send()
+                .await
+                .map_err(|e| self.transport(&e))?;
+            if resp.status() == StatusCode::NOT_FOUND {
+                let body = resp.bytes().await.map_err(|e| self.transport(&e))?;
+                return match serde_json::from_slice::<WireError>(&body) {
+                    Ok(w) => Err(NodeError::from_wire(w)),
+                    Err(_) => Ok(None),
+                };
+            }
+            let body = self
+                .check(resp)
+                .await?
+                .bytes()
+                .await
+                .map_err(|e| self.transport(&e))?;
+            serde_json::from_slice(&body).map(Some).map_err(|e| {
+                NodeError::io(
+                    format!("node {}: answer not understood", self.base),
+                    std::io::Error::other(e),
+                )
+            })
+        };
+        self.limit(self.opts.call_timeout, "a node call", fut).await
     }
 
     fn exec_limit(&self, req: &ExecRequest) -> Duration {

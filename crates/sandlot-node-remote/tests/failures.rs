@@ -456,3 +456,53 @@ async fn unparsable_calls_answer_wire_errors() {
         assert!(!e.message.is_empty(), "{what}");
     }
 }
+
+/// A node older than the bulk routes answers `POST /v1/pause|resume` with axum's bare 404
+/// (simulated here: the real router behind a layer that hides those two routes). The
+/// client then pauses and resumes id by id, with per-id results, instead of failing every
+/// id; a 404 that carries a node error is still that error.
+#[tokio::test]
+async fn bulk_calls_fall_back_to_one_id_calls_on_a_node_without_the_bulk_routes() {
+    use axum::http::StatusCode;
+    use axum::response::IntoResponse;
+    let fake = Arc::new(FakeNode::default());
+    let mut ids = Vec::new();
+    for _ in 0..40 {
+        let id = common::new_id();
+        fake.create(&common::spec(&id)).await.unwrap();
+        ids.push(id);
+    }
+    let hide = axum::middleware::from_fn(
+        |req: axum::extract::Request, next: axum::middleware::Next| async move {
+            if matches!(req.uri().path(), "/v1/pause" | "/v1/resume") {
+                return StatusCode::NOT_FOUND.into_response();
+            }
+            next.run(req).await
+        },
+    );
+    let app = sandlot_node_remote::router(fake.clone(), None).layer(hide);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(sandlot_node_remote::serve(listener, app));
+    let remote = RemoteNode::connect(&url, None).await.unwrap();
+
+    let mut with_unknown = ids.clone();
+    with_unknown.push(common::new_id());
+    let res = remote.pause_many(&with_unknown).await;
+    assert_eq!(res.len(), 41);
+    assert!(res[..40].iter().all(|r| r.is_ok()), "{res:?}");
+    assert!(matches!(res[40], Err(NodeError::NotFound(_))), "{:?}", res[40]);
+    assert_eq!(fake.paused.lock().unwrap().len(), 40);
+    // The fake's bulk entry points were never reached: these were one-id calls.
+    assert!(fake.bulk_calls.lock().unwrap().is_empty());
+    let res = remote.resume_many(&ids).await;
+    assert!(res.iter().all(|r| r.is_ok()), "{res:?}");
+    assert!(fake.paused.lock().unwrap().is_empty());
+
+    // On a current node the same calls are one bulk call each.
+    let (url, _server) = common::start(fake.clone(), None).await;
+    let remote = RemoteNode::connect(&url, None).await.unwrap();
+    let res = remote.pause_many(&with_unknown).await;
+    assert!(matches!(res[40], Err(NodeError::NotFound(_))), "{:?}", res[40]);
+    assert_eq!(*fake.bulk_calls.lock().unwrap(), [("pause", 41)]);
+}

@@ -417,3 +417,127 @@ async fn an_idempotent_retry_replays_when_no_node_has_room() {
     srv.stop().await;
     reg.deregister().await.unwrap();
 }
+
+/// A pause or resume by label in a cluster is one bulk call per owning node
+/// (`ClusterNode::pause_many` / `resume_many`), with per-id results: a sandbox its node
+/// refuses is listed in `failed` and stays `running`. Ids whose node left the cluster, or
+/// that no node knows, are not sent to any node: with no node able to take a snapshot
+/// over (these nodes run `function` only), each answers `NotFound`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_label_pause_is_one_bulk_call_per_node() {
+    let Some(etcd) = Etcd::start("a_label_pause_is_one_bulk_call_per_node", 1) else {
+        return;
+    };
+    let client = connect(&etcd.urls).await.unwrap();
+    let nodes = [
+        start_node("p1").await,
+        start_node("p2").await,
+        start_node("p3").await,
+    ];
+    let mut regs = Vec::new();
+    for n in &nodes {
+        regs.push(Some(register(&client, n, "2026-12-06T10:00:00Z").await));
+    }
+    let srv = TestServer::start(&client).await;
+    let api = Api {
+        http: reqwest::Client::new(),
+        base: srv.base.clone(),
+    };
+    let mut ids = Vec::new();
+    for _ in 0..12 {
+        let (s, b) = api
+            .call(
+                reqwest::Method::POST,
+                "/v1/sandboxes",
+                Some(json!({"backend": "function", "labels": {"job": "bulk"}})),
+            )
+            .await;
+        assert_eq!(s, 201, "{b}");
+        ids.push(b["id"].as_str().unwrap().to_owned());
+    }
+    for n in &nodes {
+        assert!(!n.fake.ids().is_empty(), "node {} got none", n.name);
+    }
+    let bad = nodes[1].fake.ids()[0].clone();
+    nodes[1]
+        .fake
+        .refuse_freeze
+        .lock()
+        .unwrap()
+        .insert(bad.clone());
+
+    let (s, b) = api
+        .call(
+            reqwest::Method::POST,
+            "/v1/sandboxes:pause",
+            Some(json!({"labels": {"job": "bulk"}})),
+        )
+        .await;
+    assert_eq!(s, 200, "{b}");
+    assert_eq!(b["sandboxes"].as_array().unwrap().len(), 11, "{b}");
+    assert_eq!(b["failed"][0]["id"], bad.as_str(), "{b}");
+    for n in &nodes {
+        let held = n.fake.ids().len();
+        assert_eq!(
+            *n.fake.bulk_calls.lock().unwrap(),
+            [("pause", held)],
+            "node {}",
+            n.name
+        );
+        for id in n.fake.ids() {
+            let want = if id == bad { "running" } else { "paused" };
+            assert_eq!(api.state(&id).await, want, "{id} on {}", n.name);
+        }
+    }
+    nodes[1].fake.refuse_freeze.lock().unwrap().clear();
+
+    // p3 leaves: resuming all ids through the cluster resumes p1's and p2's in one call
+    // each; p3's are not sent to p3 and, with no node to take them over, answer NotFound.
+    let gone = nodes[2].fake.ids();
+    regs[2].take().unwrap().deregister().await.unwrap();
+    eventually("p3 gone", Duration::from_secs(10), async || {
+        srv.cluster.nodes().get("p3").is_none()
+    })
+    .await;
+    let unknown = "sb-no-such-sandbox".to_owned();
+    let mut all = ids.clone();
+    all.push(unknown.clone());
+    let res = sandlot_node_api::Node::resume_many(&*srv.cluster, &all).await;
+    assert_eq!(res.len(), all.len());
+    for (id, r) in all.iter().zip(&res) {
+        if gone.contains(id) || *id == unknown {
+            assert!(
+                matches!(r, Err(sandlot_node_api::NodeError::NotFound(_))),
+                "{id}: {r:?}"
+            );
+        } else {
+            // `bad` too: never paused, its node resumes it as a no-op.
+            assert!(r.is_ok(), "{id}: {r:?}");
+        }
+    }
+    for n in &nodes[..2] {
+        let calls = n.fake.bulk_calls.lock().unwrap().clone();
+        assert_eq!(calls.len(), 2, "node {}: {calls:?}", n.name);
+        assert_eq!(calls[1], ("resume", n.fake.ids().len()), "node {}", n.name);
+        assert!(n.fake.paused.lock().unwrap().is_empty(), "node {}", n.name);
+    }
+    assert_eq!(
+        *nodes[2].fake.bulk_calls.lock().unwrap(),
+        [("pause", gone.len())]
+    );
+    assert_eq!(nodes[2].fake.paused.lock().unwrap().len(), gone.len());
+
+    // A pause of an unknown id goes to no node either.
+    let res =
+        sandlot_node_api::Node::pause_many(&*srv.cluster, std::slice::from_ref(&unknown)).await;
+    assert!(
+        matches!(res[0], Err(sandlot_node_api::NodeError::NotFound(_))),
+        "{res:?}"
+    );
+    let calls: Vec<usize> = nodes
+        .iter()
+        .map(|n| n.fake.bulk_calls.lock().unwrap().len())
+        .collect();
+    assert_eq!(calls, [2, 2, 1]);
+    srv.stop().await;
+}
