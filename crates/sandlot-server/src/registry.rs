@@ -804,6 +804,21 @@ const TRANSITION_MANY_SQL: &str = "UPDATE sandboxes SET state = $1,
        owner = CASE WHEN owner = $4::text THEN NULL ELSE owner END
      WHERE id = ANY($2) AND state = ANY($3) RETURNING id";
 
+/// [`TRANSITION_MANY_SQL`] run again after the answer to a COMMIT that contained it was
+/// lost (the connection closed: the first run may or may not have committed): the ids it
+/// changes now, and those already in state `$1` and not held by `$4` (what the first run
+/// left, had it committed). Such an id counts as changed; should another caller have made
+/// the same change meanwhile, both act on it, as two callers of one state change may.
+const TRANSITION_MANY_SETTLED_SQL: &str = "WITH changed AS (
+       UPDATE sandboxes SET state = $1,
+         deadline = CASE WHEN owner = $4::text THEN NULL ELSE deadline END,
+         owner = CASE WHEN owner = $4::text THEN NULL ELSE owner END
+       WHERE id = ANY($2) AND state = ANY($3) RETURNING id)
+     SELECT id FROM changed
+     UNION SELECT id FROM sandboxes
+       WHERE id = ANY($2) AND state = $1
+         AND ($4::text IS NULL OR owner IS DISTINCT FROM $4::text)";
+
 /// Per id of `ids`, in order, whether it is among the ids a `… RETURNING id` statement
 /// answered (`raw`).
 fn per_id(ids: &[String], raw: Raw) -> Result<Vec<bool>> {
@@ -861,6 +876,8 @@ enum Op {
         from: Vec<&'static str>,
         to: &'static str,
         release: Option<String>,
+        /// Run after a lost COMMIT ([`TRANSITION_MANY_SETTLED_SQL`]).
+        settled: bool,
     },
 }
 
@@ -907,6 +924,28 @@ impl Op {
             Op::TransitionMany { .. } => "update states",
         }
     }
+
+    /// The op to run again after the answer to a COMMIT that held it was lost, where it
+    /// differs from the op itself: a [`Op::TransitionMany`] that also counts what its
+    /// first run left.
+    fn after_lost_commit(&self) -> Option<Op> {
+        match self {
+            Op::TransitionMany {
+                ids,
+                from,
+                to,
+                release,
+                settled: false,
+            } => Some(Op::TransitionMany {
+                ids: ids.clone(),
+                from: from.clone(),
+                to,
+                release: release.clone(),
+                settled: true,
+            }),
+            _ => None,
+        }
+    }
 }
 
 /// A queued group job: its ops and where their answers go (`Err`: no connection, nothing
@@ -931,6 +970,7 @@ async fn run_pipelined(
     let tr = c.prepare_cached(TRANSITION_RELEASE_SQL).await?;
     let claim_many = c.prepare_cached(CLAIM_MANY_SQL).await?;
     let tr_many = c.prepare_cached(TRANSITION_MANY_SQL).await?;
+    let tr_settled = c.prepare_cached(TRANSITION_MANY_SETTLED_SQL).await?;
     let ins_many = c.prepare_cached(INSERT_MANY_SQL).await?;
     let mut tenants: Vec<&str> = ops
         .iter()
@@ -993,7 +1033,8 @@ async fn run_pipelined(
     let calls = ops.iter().zip(&vals).map(|(o, v)| {
         let tx = &tx;
         let (ins, claim, tr) = (&ins, &claim, &tr);
-        let (claim_many, tr_many, ins_many) = (&claim_many, &tr_many, &ins_many);
+        let (claim_many, tr_many, tr_settled, ins_many) =
+            (&claim_many, &tr_many, &tr_settled, &ins_many);
         async move {
             match (o, v) {
                 (
@@ -1080,10 +1121,12 @@ async fn run_pipelined(
                         from,
                         to,
                         release,
+                        settled,
                     },
                     _,
                 ) => {
-                    let rows = tx.query(tr_many, &[to, ids, from, release]).await?;
+                    let st = if *settled { tr_settled } else { tr_many };
+                    let rows = tx.query(st, &[to, ids, from, release]).await?;
                     Ok(Raw::Ids(rows.iter().map(|r| r.get(0)).collect()))
                 }
                 (Op::InsertMany { recs, claim }, _) => {
@@ -1126,7 +1169,8 @@ async fn run_pipelined(
 /// Runs a group: all ops in one pipelined transaction ([`run_pipelined`]); should that fail
 /// (one op's error such as a duplicate id, a deadlock with another server's group, a
 /// broken connection), each op again in a transaction of its own, so a failure stays with
-/// its op.
+/// its op. After a broken connection (the COMMIT may have gone through) a bulk state change
+/// runs again as [`Op::after_lost_commit`], also when it was the group's only op.
 async fn run_group(pool: &Pool, ops: &[Op]) -> Result<Vec<Result<Raw>>> {
     let mut c = pool
         .get()
@@ -1137,13 +1181,15 @@ async fn run_group(pool: &Pool, ops: &[Op]) -> Result<Vec<Result<Raw>>> {
         Ok(v) => return Ok(v.into_iter().map(Ok).collect()),
         Err(e) => e,
     };
-    if ops.len() == 1 {
+    // The connection closed: whether the COMMIT went through is unknown.
+    let lost = e.is_closed();
+    if ops.len() == 1 && !(lost && ops[0].after_lost_commit().is_some()) {
         return Ok(vec![Err(StoreError::Pg {
             op: ops[0].what(),
             source: e,
         })]);
     }
-    if e.is_closed() {
+    if lost {
         // The connection broke: a new one for the retries.
         drop(c);
         c = pool
@@ -1153,7 +1199,8 @@ async fn run_group(pool: &Pool, ops: &[Op]) -> Result<Vec<Result<Raw>>> {
     }
     let mut out = Vec::with_capacity(ops.len());
     for op in ops {
-        let one = run_pipelined(&mut c, std::slice::from_ref(op)).await;
+        let again = lost.then(|| op.after_lost_commit()).flatten();
+        let one = run_pipelined(&mut c, std::slice::from_ref(again.as_ref().unwrap_or(op))).await;
         out.push(match one {
             Ok(mut v) => Ok(v.pop().expect("one answer per op")),
             Err(source) => {
@@ -1810,6 +1857,7 @@ impl Registry for PgRegistry {
                 from: from.iter().map(|s| s.as_str()).collect(),
                 to: to.as_str(),
                 release: release.map(str::to_owned),
+                settled: false,
             })
             .await?;
         per_id(ids, raw)
@@ -3340,6 +3388,56 @@ mod tests {
         assert!(out[0].is_err(), "{out:?}");
         assert!(out[1].is_err(), "{out:?}");
         assert_eq!(out[2].as_ref().unwrap(), &KeyOutcome::Inserted);
+    }
+
+    /// Review finding: a bulk state change (a label pause's chunk) whose COMMIT's answer is
+    /// lost was reported failed (alone in its group) or unchanged (retried in a group)
+    /// although PostgreSQL had committed it: the records were `paused` while the caller
+    /// left their sandboxes running. Now it runs again counting what the first run left.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn pg_transition_many_after_a_lost_commit_reports_its_changes() {
+        use std::sync::atomic::Ordering;
+        let Some(url) = crate::pg::testing::fresh_database("pg_lost_commit_tr").await else {
+            return;
+        };
+        let (user, rest) = url.rsplit_once('@').expect("postgres://USER@HOST:PORT/DB");
+        let (hostport, db) = rest.split_once('/').expect("a database");
+        let (port, armed) = commit_cutting_proxy(hostport.to_owned()).await;
+        let pool = crate::pg::connect(&format!("{user}@127.0.0.1:{port}/{db}"), 2)
+            .await
+            .unwrap();
+        let r = PgRegistry::new(pool);
+        let ids: Vec<String> = (0..4).map(|i| format!("sb-tr{i}")).collect();
+        for (i, id) in ids.iter().enumerate() {
+            let mut x = rec(id, i as i64, None);
+            x.state = SandboxState::Running;
+            r.insert_checked(&x, None, None).await.unwrap();
+        }
+        // sb-tr3 is already paused: not this call's change.
+        assert!(r
+            .transition(&ids[3], &[SandboxState::Running], SandboxState::Paused)
+            .await
+            .unwrap());
+        let run = &ids[..3];
+        armed.store(true, Ordering::SeqCst);
+        let changed = r
+            .transition_many(run, &[SandboxState::Running], SandboxState::Paused, None)
+            .await
+            .unwrap();
+        assert!(!armed.load(Ordering::SeqCst), "the proxy cut no COMMIT");
+        assert_eq!(changed, [true, true, true]);
+        for id in &ids {
+            assert_eq!(
+                r.get(id).await.unwrap().unwrap().state,
+                SandboxState::Paused
+            );
+        }
+        // Without a cut, an id already in the target state is not reported changed.
+        let changed = r
+            .transition_many(&ids, &[SandboxState::Running], SandboxState::Paused, None)
+            .await
+            .unwrap();
+        assert_eq!(changed, [false, false, false, false]);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
