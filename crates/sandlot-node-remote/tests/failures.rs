@@ -491,7 +491,11 @@ async fn bulk_calls_fall_back_to_one_id_calls_on_a_node_without_the_bulk_routes(
     let res = remote.pause_many(&with_unknown).await;
     assert_eq!(res.len(), 41);
     assert!(res[..40].iter().all(|r| r.is_ok()), "{res:?}");
-    assert!(matches!(res[40], Err(NodeError::NotFound(_))), "{:?}", res[40]);
+    assert!(
+        matches!(res[40], Err(NodeError::NotFound(_))),
+        "{:?}",
+        res[40]
+    );
     assert_eq!(fake.paused.lock().unwrap().len(), 40);
     // The fake's bulk entry points were never reached: these were one-id calls.
     assert!(fake.bulk_calls.lock().unwrap().is_empty());
@@ -503,6 +507,10 @@ async fn bulk_calls_fall_back_to_one_id_calls_on_a_node_without_the_bulk_routes(
     let (url, _server) = common::start(fake.clone(), None).await;
     let remote = RemoteNode::connect(&url, None).await.unwrap();
     let res = remote.pause_many(&with_unknown).await;
-    assert!(matches!(res[40], Err(NodeError::NotFound(_))), "{:?}", res[40]);
+    assert!(
+        matches!(res[40], Err(NodeError::NotFound(_))),
+        "{:?}",
+        res[40]
+    );
     assert_eq!(*fake.bulk_calls.lock().unwrap(), [("pause", 41)]);
 }

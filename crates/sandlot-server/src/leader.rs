@@ -82,12 +82,28 @@ pub struct Hold {
 /// # Errors
 /// Store failures.
 pub async fn hold(st: &SharedState, id: &str) -> Result<Option<Hold>, crate::store::StoreError> {
-    let ttl = st.cfg.transition_ttl.as_millis() as i64;
-    let me = st.cfg.server_id.as_str();
-    let now = now_ms();
-    if !st.store.claim_transition(id, me, now + ttl, now).await? {
+    let (me, deadline) = claim(st);
+    if !st
+        .store
+        .claim_transition(id, me, deadline, now_ms())
+        .await?
+    {
         return Ok(None);
     }
+    Ok(Some(held(st, id)))
+}
+
+/// A claim of this server for a record written now: `(server id, deadline ms)`, what
+/// [`hold`] writes (a create inserts its record with it, so it needs no second write).
+pub fn claim(st: &SharedState) -> (&str, i64) {
+    let ttl = st.cfg.transition_ttl.as_millis() as i64;
+    (st.cfg.server_id.as_str(), now_ms() + ttl)
+}
+
+/// The [`Hold`] of record `id`, which this server has claimed already ([`claim`] written
+/// with the record): starts its heartbeat.
+pub fn held(st: &SharedState, id: &str) -> Hold {
+    let ttl = st.cfg.transition_ttl.as_millis() as i64;
     let (st2, id2) = (st.clone(), id.to_owned());
     let beat = tokio::spawn(async move {
         let period = st2.cfg.transition_ttl / 3;
@@ -104,11 +120,11 @@ pub async fn hold(st: &SharedState, id: &str) -> Result<Option<Hold>, crate::sto
             }
         }
     });
-    Ok(Some(Hold {
+    Hold {
         st: st.clone(),
         id: id.to_owned(),
         beat,
-    }))
+    }
 }
 
 impl Hold {

@@ -212,10 +212,15 @@ pub async fn create_sandbox(
         Prep::Done(answer) => return Ok(answer),
     };
     let key = p.key.as_ref().map(|(k, d)| (k.as_str(), d.as_str()));
+    // The record goes in with this server's transition claim (one write, not two).
     let inserted = st
         .store
-        .insert_checked(&p.rec, key, who.quota.as_ref())
-        .await;
+        .insert_many(
+            &[(&p.rec, key, who.quota.as_ref())],
+            Some(crate::leader::claim(st)),
+        )
+        .await
+        .and_then(|v| v.into_iter().next().expect("one outcome per item"));
     settle_create(st, p, inserted.map_err(ServerError::from)).await
 }
 
@@ -350,19 +355,10 @@ async fn settle_create(
     st.creating_set().insert(rec.id.clone());
     tokio::spawn(async move {
         let id = rec.id.clone();
-        // This server owns the create until it is done ([`crate::leader`]): should it die
-        // mid-call, the leader rolls the record back once the deadline has passed.
-        let held = match crate::leader::hold(&st2, &id).await {
-            Ok(h) => h,
-            Err(e) => {
-                st2.creating_set().remove(&id);
-                let _ = st2.store.forget_keys_of(&id).await;
-                let _ = st2.store.remove(&id).await;
-                st2.events.forget_owner(&id);
-                return Err(e.into());
-            }
-        };
-        let mut held = held;
+        // This server owns the create until it is done ([`crate::leader`]; claimed with
+        // the insert): should it die mid-call, the leader rolls the record back once the
+        // deadline has passed.
+        let mut held = Some(crate::leader::held(&st2, &id));
         let out = finish_create(&st2, rec, &mut held).await;
         if let Some(h) = held {
             h.release().await;
