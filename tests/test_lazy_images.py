@@ -627,3 +627,79 @@ def test_lazy_scale_corruption_and_cache_cap(binary, tmp_path, log_dir, monkeypa
     finally:
         registry_sh(addr, rdir, "stop")
     print(f"lazy scale test ({n_boxes} sandboxes) took {time.monotonic() - t0:.1f} s")
+
+
+def test_prefetch_trace_fetches_ahead_on_the_next_mount(binary, tmp_path, log_dir,
+                                                        monkeypatch):
+    """Issue 23 item 4: the chunks a lazy layer served in the first seconds after its
+    first read (a 5 s window here) are written as its prefetch trace; the next mount of the
+    layer on the node (here after its mounts were taken down and its chunk cache emptied)
+    fetches them ahead before any read, each once, so the next sandbox's same reads fetch
+    nothing, and read the right bytes."""
+    addr = f"127.0.0.1:{free_port()}"
+    rdir = tmp_path / "registry"
+    registry_sh(addr, rdir, "start")
+    monkeypatch.setenv("SANDLOT_LAZY_TRACE_S", "5")
+    try:
+        with private_image_node(binary, log_dir / "lazy-trace-node.log", monkeypatch,
+                                "sandlot-lazy-trace-") as (srv, image):
+            base = srv.data_dir.parent
+            store = base / "images"
+            try:
+                rnd = {f"t{i}": os.urandom(3 * MIB) for i in range(4)}
+                oci = tmp_path / "oci-trace"
+                oci_layout(oci, [tar_dir(store / "busybox" / "rootfs"), tar_files(rnd)])
+                ref = f"{addr}/sandlot-test/trace:v1"
+                src = base / "src-images"
+                for cmd in (["import", str(oci), "--name", ref], ["convert", ref]):
+                    subprocess.run([str(binary), "image", *cmd, "--data-dir",
+                                    str(base / "image-data"), "--images-dir", str(src)],
+                                   check=True, capture_output=True, timeout=120)
+                proxy = RangeProxy(addr)
+                try:
+                    pref = f"{proxy.addr}/sandlot-test/trace:v1"
+                    c = sandlot.Client(srv.url)
+                    read = ["sh", "-c", "head -c 2097152 /data/t1 | sha256sum"]
+                    want = sha(rnd["t1"][:2 * MIB])
+                    box = c.create(backend="function", image=pref, memory_mib=64, ttl_s=300)
+                    r = box.exec(read, timeout_s=60)
+                    assert r.exit_code == 0 and r.stdout.decode().split()[0] == want, r
+                    assert proxy.ranges, "the first read fetched nothing"
+                    traces = store / "lazy" / "traces"
+                    deadline = time.monotonic() + 20
+                    while len(list(traces.glob("*.json"))) < 2 \
+                            and time.monotonic() < deadline:
+                        time.sleep(0.3)
+                    # One trace per layer (busybox and the data files).
+                    assert len(list(traces.glob("*.json"))) == 2, list(traces.iterdir())
+                    box.delete()
+
+                    # The layers' mounts go (their daemons exit) and the chunk cache is
+                    # emptied: the next create mounts them again and prefetches.
+                    unmount_lazy(base)
+                    for p in (store / "chunks" / "sha256").iterdir():
+                        p.unlink()
+                    proxy.ranges.clear()
+                    box = c.create(backend="function", image=pref, memory_mib=64, ttl_s=300)
+                    deadline = time.monotonic() + 20
+                    seen = -1
+                    while time.monotonic() < deadline:
+                        n = len(proxy.ranges)
+                        if n == seen and n > 0:
+                            break
+                        seen = n
+                        time.sleep(1.0)
+                    ahead = dict(proxy.ranges)
+                    assert ahead and all(v == 1 for v in ahead.values()), ahead
+                    r = box.exec(read, timeout_s=60)
+                    assert r.exit_code == 0 and r.stdout.decode().split()[0] == want, r
+                    assert dict(proxy.ranges) == ahead, "the traced read fetched again"
+                    box.delete()
+                    c.close()
+                finally:
+                    proxy.close()
+            finally:
+                srv.delete_all()
+                unmount_lazy(base)
+    finally:
+        registry_sh(addr, rdir, "stop")

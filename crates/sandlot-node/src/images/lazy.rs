@@ -5,6 +5,7 @@
 pub mod fetch;
 pub mod format;
 pub mod fs;
+pub mod trace;
 
 use super::oci::{
     digest_hex, env_pairs, registry_client, sha256_digest, NoProgress, MAX_JSON_BYTES,
@@ -866,7 +867,22 @@ pub fn serve_main(args: &[std::ffi::OsString]) -> NodeResult<()> {
             .join(format!("{}.json", digest_hex(&index)?)),
         rt.handle(),
     );
-    let lazy = fs::LazyFs::new(idx, chunks, rt.handle().clone())?;
+    // A prefetch trace of this layer: fetched ahead now; none yet: this mount records one.
+    let mut recorder = None;
+    if let Some(window) = trace::window() {
+        let path = trace::path(store.dir(), digest_hex(&index)?);
+        let ahead = trace::load(&path, &idx);
+        if ahead.is_empty() {
+            recorder = trace::Recorder::new(path, window);
+        } else {
+            let (store, blob) = (chunks.clone(), idx.data_digest.clone());
+            rt.spawn(async move {
+                let n = trace::prefetch(store, blob, ahead).await;
+                tracing::info!(chunks = n, "prefetch trace fetched ahead");
+            });
+        }
+    }
+    let lazy = fs::LazyFs::new(idx, chunks, rt.handle().clone())?.recording(recorder);
     let mut cfg = fuser::Config::default();
     cfg.mount_options = vec![
         fuser::MountOption::FSName(format!("sandlot-lazy-{}", super::oci::short(&index))),

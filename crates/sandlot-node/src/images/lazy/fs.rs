@@ -144,6 +144,8 @@ pub struct LazyFs {
     files: Mutex<OpenFiles>,
     /// Keys of the complete-file copies being made or checked now.
     completing: Arc<Mutex<HashSet<String>>>,
+    /// Records this mount's first reads as the layer's prefetch trace.
+    trace: Option<Arc<super::trace::Recorder>>,
 }
 
 impl LazyFs {
@@ -233,7 +235,14 @@ impl LazyFs {
             passthrough: AtomicBool::new(false),
             files: Mutex::new(OpenFiles::default()),
             completing: Arc::new(Mutex::new(HashSet::new())),
+            trace: None,
         })
+    }
+
+    /// Record this mount's first reads with `trace` ([`super::trace`]).
+    pub fn recording(mut self, trace: Option<Arc<super::trace::Recorder>>) -> LazyFs {
+        self.trace = trace;
+        self
     }
 
     fn node(&self, ino: INodeNo) -> Option<&Node> {
@@ -302,6 +311,10 @@ impl LazyFs {
             }
             out.extend_from_slice(&bytes);
             pos = base + to;
+        }
+        if let (Some(t), true) = (&self.trace, end > offset) {
+            let chunks = (offset / CHUNK_SIZE) as usize..=((end - 1) / CHUNK_SIZE) as usize;
+            t.read(n.entry, chunks, &self.rt);
         }
         self.read_ahead(ino.0, offset, end, &e.chunks);
         if end == e.size {
