@@ -243,7 +243,12 @@ impl RemoteNode {
 
     async fn call<T: DeserializeOwned>(&self, rb: RequestBuilder) -> NodeResult<T> {
         let body = self.raw(rb).await?;
-        serde_json::from_slice(&body).map_err(|e| {
+        self.parse(&body)
+    }
+
+    /// The JSON answer `body` of a 2xx response.
+    fn parse<T: DeserializeOwned>(&self, body: &[u8]) -> NodeResult<T> {
+        serde_json::from_slice(body).map_err(|e| {
             NodeError::io(
                 format!("node {}: answer not understood", self.base),
                 std::io::Error::other(e),
@@ -333,12 +338,7 @@ impl RemoteNode {
                 .bytes()
                 .await
                 .map_err(|e| self.transport(&e))?;
-            serde_json::from_slice(&body).map(Some).map_err(|e| {
-                NodeError::io(
-                    format!("node {}: answer not understood", self.base),
-                    std::io::Error::other(e),
-                )
-            })
+            self.parse(&body).map(Some)
         };
         self.limit(self.opts.call_timeout, "a node call", fut).await
     }
@@ -877,12 +877,7 @@ impl Node for RemoteNode {
                 .bytes()
                 .await
                 .map_err(|e| self.transport(&e))?;
-            serde_json::from_slice(&body).map_err(|e| {
-                NodeError::io(
-                    format!("node {}: answer not understood", self.base),
-                    std::io::Error::other(e),
-                )
-            })
+            self.parse(&body)
         };
         self.limit(timeout + self.opts.exec_grace, "a process wait", fut)
             .await

@@ -3254,6 +3254,21 @@ mod tests {
         }
     }
 
+    /// A [`PgRegistry`] on a fresh database `name`, reached through
+    /// [`commit_cutting_proxy`], and the proxy's arming flag; `None` without PostgreSQL.
+    async fn behind_commit_cutter(
+        name: &str,
+    ) -> Option<(PgRegistry, Arc<std::sync::atomic::AtomicBool>)> {
+        let url = crate::pg::testing::fresh_database(name).await?;
+        let (user, rest) = url.rsplit_once('@').expect("postgres://USER@HOST:PORT/DB");
+        let (hostport, db) = rest.split_once('/').expect("a database");
+        let (port, armed) = commit_cutting_proxy(hostport.to_owned()).await;
+        let pool = crate::pg::connect(&format!("{user}@127.0.0.1:{port}/{db}"), 2)
+            .await
+            .unwrap();
+        Some((PgRegistry::new(pool), armed))
+    }
+
     /// A TCP proxy to PostgreSQL at `target` (`host:port`): relays both ways until armed;
     /// then the first client chunk holding `COMMIT` is sent on to PostgreSQL, but its
     /// answer never comes back (the client's connection is closed first): the commit
@@ -3326,16 +3341,9 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn pg_batch_insert_recognises_its_own_rows_after_a_lost_commit() {
         use std::sync::atomic::Ordering;
-        let Some(url) = crate::pg::testing::fresh_database("pg_lost_commit").await else {
+        let Some((r, armed)) = behind_commit_cutter("pg_lost_commit").await else {
             return;
         };
-        let (user, rest) = url.rsplit_once('@').expect("postgres://USER@HOST:PORT/DB");
-        let (hostport, db) = rest.split_once('/').expect("a database");
-        let (port, armed) = commit_cutting_proxy(hostport.to_owned()).await;
-        let pool = crate::pg::connect(&format!("{user}@127.0.0.1:{port}/{db}"), 2)
-            .await
-            .unwrap();
-        let r = PgRegistry::new(pool);
         let claim = Some(("srv-a", 1_000_000));
         // Keyless items: the one-statement path.
         let recs: Vec<Record> = (0..3)
@@ -3397,16 +3405,9 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn pg_transition_many_after_a_lost_commit_reports_its_changes() {
         use std::sync::atomic::Ordering;
-        let Some(url) = crate::pg::testing::fresh_database("pg_lost_commit_tr").await else {
+        let Some((r, armed)) = behind_commit_cutter("pg_lost_commit_tr").await else {
             return;
         };
-        let (user, rest) = url.rsplit_once('@').expect("postgres://USER@HOST:PORT/DB");
-        let (hostport, db) = rest.split_once('/').expect("a database");
-        let (port, armed) = commit_cutting_proxy(hostport.to_owned()).await;
-        let pool = crate::pg::connect(&format!("{user}@127.0.0.1:{port}/{db}"), 2)
-            .await
-            .unwrap();
-        let r = PgRegistry::new(pool);
         let ids: Vec<String> = (0..4).map(|i| format!("sb-tr{i}")).collect();
         for (i, id) in ids.iter().enumerate() {
             let mut x = rec(id, i as i64, None);
