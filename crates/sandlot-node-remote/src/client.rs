@@ -232,11 +232,16 @@ impl RemoteNode {
         }
     }
 
+    /// The whole body of `resp` when 2xx, else its error ([`RemoteNode::check`]).
+    async fn body(&self, resp: reqwest::Response) -> NodeResult<Bytes> {
+        let resp = self.check(resp).await?;
+        resp.bytes().await.map_err(|e| self.transport(&e))
+    }
+
     async fn raw(&self, rb: RequestBuilder) -> NodeResult<Bytes> {
         let fut = async {
             let resp = rb.send().await.map_err(|e| self.transport(&e))?;
-            let resp = self.check(resp).await?;
-            resp.bytes().await.map_err(|e| self.transport(&e))
+            self.body(resp).await
         };
         self.limit(self.opts.call_timeout, "a node call", fut).await
     }
@@ -332,13 +337,7 @@ impl RemoteNode {
                     Err(_) => Ok(None),
                 };
             }
-            let body = self
-                .check(resp)
-                .await?
-                .bytes()
-                .await
-                .map_err(|e| self.transport(&e))?;
-            self.parse(&body).map(Some)
+            self.parse(&self.body(resp).await?).map(Some)
         };
         self.limit(self.opts.call_timeout, "a node call", fut).await
     }
@@ -871,13 +870,7 @@ impl Node for RemoteNode {
             .query(&[("timeout_ms", timeout.as_millis().to_string())]);
         let fut = async {
             let resp = rb.send().await.map_err(|e| self.transport(&e))?;
-            let body = self
-                .check(resp)
-                .await?
-                .bytes()
-                .await
-                .map_err(|e| self.transport(&e))?;
-            self.parse(&body)
+            self.parse(&self.body(resp).await?)
         };
         self.limit(timeout + self.opts.exec_grace, "a process wait", fut)
             .await

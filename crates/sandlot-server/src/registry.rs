@@ -1183,7 +1183,7 @@ async fn run_group(pool: &Pool, ops: &[Op]) -> Result<Vec<Result<Raw>>> {
     };
     // The connection closed: whether the COMMIT went through is unknown.
     let lost = e.is_closed();
-    if ops.len() == 1 && !(lost && ops[0].after_lost_commit().is_some()) {
+    if ops.len() == 1 && !(lost && matches!(ops[0], Op::TransitionMany { .. })) {
         return Ok(vec![Err(StoreError::Pg {
             op: ops[0].what(),
             source: e,
