@@ -498,6 +498,17 @@ def scrape(url: str) -> dict:
     return out
 
 
+def push_lazy(binary, base: Path, oci: Path, ref: str, files: dict) -> None:
+    """Build an image of busybox (from the private store under `base`) + `files` in /data
+    as an OCI layout at `oci`, import it as `ref` into a store of its own and convert it
+    (pushes `ref` and its lazy form to the registry)."""
+    oci_layout(oci, [tar_dir(base / "images" / "busybox" / "rootfs"), tar_files(files)])
+    for cmd in (["import", str(oci), "--name", ref], ["convert", ref]):
+        subprocess.run([str(binary), "image", *cmd, "--data-dir", str(base / "image-data"),
+                        "--images-dir", str(base / "src-images")], check=True,
+                       capture_output=True, timeout=120)
+
+
 def scale_checks(binary, srv, image, tmp_path: Path, addr: str, n_boxes: int) -> None:
     """Steps 2-4 of the issue's second slice on a private node `srv` whose disk chunk
     cache is capped at CAP_MIB: `n_boxes` sandboxes of one cold lazy image created at once
@@ -507,14 +518,7 @@ def scale_checks(binary, srv, image, tmp_path: Path, addr: str, n_boxes: int) ->
     base = srv.data_dir.parent
     store = base / "images"
     rnd = {f"g{i:02}": os.urandom(2 * MIB) for i in range(12)}
-    oci = tmp_path / "oci-scale"
-    oci_layout(oci, [tar_dir(store / "busybox" / "rootfs"), tar_files(rnd)])
-    ref = f"{addr}/sandlot-test/scale:v1"
-    src = base / "src-images"
-    for cmd in (["import", str(oci), "--name", ref], ["convert", ref]):
-        subprocess.run([str(binary), "image", *cmd, "--data-dir", str(base / "image-data"),
-                        "--images-dir", str(src)], check=True, capture_output=True,
-                       timeout=120)
+    push_lazy(binary, base, tmp_path / "oci-scale", f"{addr}/sandlot-test/scale:v1", rnd)
     proxy = RangeProxy(addr)
     try:
         pref = f"{proxy.addr}/sandlot-test/scale:v1"
@@ -647,14 +651,8 @@ def test_prefetch_trace_fetches_ahead_on_the_next_mount(binary, tmp_path, log_di
             store = base / "images"
             try:
                 rnd = {f"t{i}": os.urandom(3 * MIB) for i in range(4)}
-                oci = tmp_path / "oci-trace"
-                oci_layout(oci, [tar_dir(store / "busybox" / "rootfs"), tar_files(rnd)])
-                ref = f"{addr}/sandlot-test/trace:v1"
-                src = base / "src-images"
-                for cmd in (["import", str(oci), "--name", ref], ["convert", ref]):
-                    subprocess.run([str(binary), "image", *cmd, "--data-dir",
-                                    str(base / "image-data"), "--images-dir", str(src)],
-                                   check=True, capture_output=True, timeout=120)
+                push_lazy(binary, base, tmp_path / "oci-trace",
+                          f"{addr}/sandlot-test/trace:v1", rnd)
                 proxy = RangeProxy(addr)
                 try:
                     pref = f"{proxy.addr}/sandlot-test/trace:v1"
