@@ -1246,7 +1246,7 @@ mod tests {
         assert_eq!(s.stats.snapshot().corrupt_disk, 1);
         assert!(!p.exists(), "a corrupt chunk is removed");
         // A chunk this store wrote after a (simulated) verified fetch is trusted at once.
-        s.store(&p, &data, &c.digest);
+        s.writer().store(&p, &data, &c.digest);
         assert_eq!(s.cached_range(&p, &c, 0, 4).unwrap(), &data[..4]);
     }
 
@@ -1359,7 +1359,7 @@ mod tests {
         let refs: Vec<ChunkRef> = data.iter().map(|b| chunk(b)).collect();
         for (i, (b, c)) in data.iter().zip(&refs).take(3).enumerate() {
             let p = s.chunk_path(&c.digest).unwrap();
-            s.store(&p, b, &c.digest);
+            s.writer().store(&p, b, &c.digest);
             set_age(&p, 100 - 10 * i as u64);
         }
         assert_eq!(cache_usage(d.path()), 300);
@@ -1367,7 +1367,8 @@ mod tests {
         assert_eq!(&**s.get("sha256:x", &refs[0]).await.unwrap(), &data[0][..]);
         // Two more: 500 > 350, down to <= 315: the two least recently used go.
         for (b, c) in data.iter().zip(&refs).skip(3) {
-            s.store(&s.chunk_path(&c.digest).unwrap(), b, &c.digest);
+            s.writer()
+                .store(&s.chunk_path(&c.digest).unwrap(), b, &c.digest);
         }
         let kept: Vec<bool> = refs
             .iter()
