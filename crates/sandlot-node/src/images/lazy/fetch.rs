@@ -33,7 +33,7 @@ use std::collections::HashMap;
 use std::fs;
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -954,14 +954,31 @@ impl ChunkStore {
     /// memory tier; one that misses both only fetches it again (digest-checked as ever).
     /// Nothing is `fsync`ed: a chunk file lost in a crash only costs a refetch, and the
     /// rename means a file under the chunk's name is never half-written.
+    ///
+    /// At most [`MAX_BACKGROUND_WRITES`] writes wait or run in the background per process
+    /// (each holds its chunk's bytes); beyond that the caller writes inline, so a disk
+    /// slower than the registry slows readers down instead of growing memory.
     fn store(&self, path: &Path, b: Arc<Vec<u8>>, digest: &str) {
         let w = self.writer();
         let (path, digest) = (path.to_path_buf(), digest.to_string());
+        let background = self.memory_chunks > 0
+            && BACKGROUND_WRITES
+                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                    (n < MAX_BACKGROUND_WRITES).then_some(n + 1)
+                })
+                .is_ok();
+        if !background {
+            return w.store(&path, &b, &digest);
+        }
+        let write = move || {
+            w.store(&path, &b, &digest);
+            BACKGROUND_WRITES.fetch_sub(1, Ordering::AcqRel);
+        };
         match tokio::runtime::Handle::try_current() {
-            Ok(rt) if self.memory_chunks > 0 => {
-                rt.spawn_blocking(move || w.store(&path, &b, &digest));
+            Ok(rt) => {
+                rt.spawn_blocking(write);
             }
-            _ => w.store(&path, &b, &digest),
+            Err(_) => write(),
         }
     }
 
@@ -1105,6 +1122,13 @@ struct CacheWriter {
     verified: Arc<Mutex<HashMap<String, FileId>>>,
     stats: Arc<Stats>,
 }
+
+/// Chunk writes a process may have waiting or running in the background (×1 MiB of
+/// memory at most, the chunk size).
+const MAX_BACKGROUND_WRITES: usize = 32;
+
+/// Chunk writes now waiting or running in the background (see [`ChunkStore::store`]).
+static BACKGROUND_WRITES: AtomicUsize = AtomicUsize::new(0);
 
 /// Temp-file suffixes of chunk writes in this process (two writes of one chunk never share
 /// a temp file).
