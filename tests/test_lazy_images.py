@@ -17,11 +17,13 @@ stopping it never disturbs the shared one on :5000.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import json
 import os
 import re
+import signal
 import subprocess
 import tarfile
 import time
@@ -106,13 +108,15 @@ def local_bytes(image, ref: str, what: str = "local") -> tuple:
     raise AssertionError(f"{ref} not in `image ls`")
 
 
-def microvm_checks(c, image, ref: str, want: dict, read: str, addr: str, rdir: Path) -> None:
+def microvm_checks(c, image, ref: str, want: dict, read: str, addr: str, rdir: Path,
+                   data_dir: Path) -> None:
     """A microVM of the lazy image boots from its EROFS disk served by the FUSE daemon
     (QEMU opens the mounted file): the task's output equals the eager bytes and the disk
     chunks fetched stay under 10 % of the disk; with the registry stopped a read of an
     unfetched part fails with EIO in the guest (QEMU's `rerror=report`), the VM keeps
-    answering and reads work again once the registry is back. Skipped (said so) without
-    the backend."""
+    answering and reads work again once the registry is back; paused, it resumes after
+    the disk's daemon was killed (the resume mounts it again). Skipped (said so) without the
+    backend."""
     status = c._request("GET", "/healthz").json().get("backends", {}).get("microvm")
     if status != "ok":
         print(f"microvm part skipped: backend microvm is not available here: {status}")
@@ -120,7 +124,8 @@ def microvm_checks(c, image, ref: str, want: dict, read: str, addr: str, rdir: P
     cached0, total = local_bytes(image, ref, "EROFS disk")
     assert cached0 == 0 and total >= N_FILES * FILE_MIB * MIB, (cached0, total)
     t = time.monotonic()
-    with c.create(backend="microvm", image=ref, memory_mib=256, ttl_s=300) as box:
+    with c.create(backend="microvm", image=ref, memory_mib=256, ttl_s=300,
+                  labels={"lazy": "microvm"}) as box:
         r = box.exec(["sh", "-c", read.format(f="f03")], timeout_s=120)
         assert r.exit_code == 0 and r.stdout.decode().split()[0] == want["f03"], r
         r = box.exec(["sh", "-c", "stat -c %s /data/f04"], timeout_s=60)
@@ -146,6 +151,9 @@ def microvm_checks(c, image, ref: str, want: dict, read: str, addr: str, rdir: P
         r = box.exec(["sh", "-c", "dd if=/data/f07 bs=1M skip=2 count=1 2>/dev/null"
                       " | sha256sum"], timeout_s=120)
         assert r.exit_code == 0 and r.stdout.decode().split()[0] == want["f07@2"], r
+        resume_after_daemon_kill(c, box, data_dir, "microvm")
+        r = box.exec(["sh", "-c", read.format(f="f11")], timeout_s=120)
+        assert r.exit_code == 0 and r.stdout.decode().split()[0] == want["f11"], r
 
 
 def backend_ok(c, backend: str) -> bool:
@@ -156,18 +164,67 @@ def backend_ok(c, backend: str) -> bool:
     return status == "ok"
 
 
+def lazy_disk_mount(data_dir: Path, backend: str) -> str:
+    """The one FUSE mount point of a lazy image disk under the node's `backend` dir."""
+    with open("/proc/self/mountinfo") as f:
+        mps = [ln.split()[4] for ln in f if f" {data_dir}/{backend}/images/lazy-" in ln]
+    assert len(mps) == 1, mps
+    return mps[0]
+
+
+def resume_after_daemon_kill(c, box, data_dir: Path, backend: str) -> None:
+    """Pauses `box` (created with labels {"lazy": backend}; a QEMU backend saves its
+    memory and stops QEMU), kill -9s the FUSE daemon serving its lazy disk (the mount is
+    left dead: ENOTCONN) and resumes it: the resume mounts the disk again before QEMU
+    reopens it."""
+    assert c.pause({"lazy": backend}) == [box.id]
+    mp = lazy_disk_mount(data_dir, backend)
+    daemons = []
+    for p in Path("/proc").iterdir():
+        try:
+            if p.name.isdigit() and mp.encode() in (p / "cmdline").read_bytes().split(b"\0"):
+                daemons.append(int(p.name))
+        except OSError:
+            pass  # exited meanwhile
+    assert len(daemons) == 1, daemons
+    os.kill(daemons[0], signal.SIGKILL)
+
+    def dead() -> bool:
+        try:
+            os.statvfs(mp)  # a stat answers from FUSE's attribute cache
+        except OSError as e:
+            return e.errno == errno.ENOTCONN
+        return False
+
+    def holders() -> list:
+        out = []
+        for p in Path("/proc").iterdir():
+            try:
+                for fd in (p / "fd").iterdir():
+                    t = os.readlink(fd)
+                    if t.startswith(mp) or t == "/dev/fuse":
+                        out.append((p.name, (p / "cmdline").read_bytes()[:80], t))
+            except OSError:
+                pass
+        return out
+    assert wait_for(dead), holders()
+    assert c.resume({"lazy": backend}) == [box.id]
+    assert lazy_disk_mount(data_dir, backend) == mp
+
+
 def vm_checks(c, image, ref: str, want: dict, read: str, data_dir: Path) -> None:
     """A vm sandbox of the lazy image boots from a qcow2 layer backed by its raw ext4 disk
     served by the FUSE daemon: the task's output equals the eager bytes and the ext4 disk's
-    chunks fetched (boot, the online grow, the task) stay under 10 % of the disk. A fork of
-    its checkpoint still boots after the disk's mount is gone (a host reboot, a killed
-    daemon): the fork mounts it again."""
+    chunks fetched (boot, the online grow, the task) stay under 10 % of the disk. The paused
+    VM resumes after the disk's daemon was killed, and a fork of its checkpoint boots
+    after the disk was unmounted (a host reboot): each mounts it again."""
     if not backend_ok(c, "vm"):
         return
     cached0, total = local_bytes(image, ref, "ext4 disk")
     assert cached0 == 0 and total >= N_FILES * FILE_MIB * MIB, (cached0, total)
     t = time.monotonic()
-    with c.create(backend="vm", image=ref, memory_mib=256, ttl_s=600) as box:
+    with c.create(backend="vm", image=ref, memory_mib=256, ttl_s=600,
+                  labels={"lazy": "vm"}) as box:
         r = box.exec(["sh", "-c", read.format(f="f08")], timeout_s=180)
         assert r.exit_code == 0 and r.stdout.decode().split()[0] == want["f08"], r
         r = box.exec(["sh", "-c", "stat -c %s /data/f09 && echo w > /data/new && cat /data/new"],
@@ -178,10 +235,10 @@ def vm_checks(c, image, ref: str, want: dict, read: str, data_dir: Path) -> None
               f"{cached} of {total} bytes ({100 * cached / total:.1f} %)")
         assert 0 < cached <= total // 10, (cached, total)
         ck = box.checkpoint()
-    with open("/proc/self/mountinfo") as f:
-        mps = [ln.split()[4] for ln in f if f" {data_dir}/vm/images/lazy-" in ln]
-    assert len(mps) == 1, mps
-    subprocess.run(["umount", mps[0]], check=True)
+        resume_after_daemon_kill(c, box, data_dir, "vm")
+        r = box.exec(["sh", "-c", "cat /data/new && " + read.format(f="f10")], timeout_s=180)
+        assert r.exit_code == 0 and r.stdout.decode().split()[:2] == ["w", want["f10"]], r
+    subprocess.run(["umount", lazy_disk_mount(data_dir, "vm")], check=True)
     try:
         with c.create(checkpoint=ck, memory_mib=256, ttl_s=600) as fork:
             r = fork.exec(["sh", "-c", "cat /data/new && " + read.format(f="f09")],
@@ -336,7 +393,7 @@ def lazy_checks(binary, srv, image, tmp_path: Path, addr: str, rdir: Path) -> No
         assert r.exit_code == 0 and str(FILE_MIB * MIB) in r.stdout.decode(), r
         passthrough_checks(srv, box, store, rnd["f03"])
     microvm_checks(c, image, ref, dict(want, **{"f07@2": sha(rnd["f07"][2 * MIB:3 * MIB])}),
-                   read, addr, rdir)
+                   read, addr, rdir, srv.data_dir)
     vm_checks(c, image, ref, want, read, srv.data_dir)
     with c.create(backend="container", image=ref, memory_mib=128, ttl_s=300) as box:
         r = box.exec(["sh", "-c", read.format(f="f02")], timeout_s=60)

@@ -787,8 +787,11 @@ fn fuse_mount_state(mp: &Path) -> MountState {
     if !found {
         return MountState::None;
     }
-    match std::fs::metadata(mp) {
-        Err(e) if e.raw_os_error() == Some(libc::ENOTCONN) => MountState::Dead,
+    // statfs, not stat: FUSE answers a stat from its attribute cache (the daemon's TTL is
+    // an hour) without asking the daemon, while every statfs is a request, which fails
+    // with ENOTCONN once the daemon is gone.
+    match nix::sys::statfs::statfs(mp) {
+        Err(nix::errno::Errno::ENOTCONN) => MountState::Dead,
         _ => MountState::Live,
     }
 }

@@ -713,6 +713,21 @@ impl Machine for MicrovmBackend {
     /// `boot.json`) and no create in flight holds; with `partial`, also conversions cut
     /// short. Nothing is removed while a VM's state names no QEMU arguments (written by a
     /// node before pause with memory).
+    async fn remount_lazy_disk(&self, vm: &QemuVm) -> NodeResult<Option<DiskHold>> {
+        let (images, dir) = (self.cfg.images.clone(), self.cfg.dir.join("images"));
+        let args = vm.args.lock().unwrap().clone();
+        let gone = spawn_blocking(move || {
+            super::lazy_image_gone(&images, super::drive_files(&args), |i| {
+                images.lazy_disk_path(i, &dir)
+            })
+        })
+        .await?;
+        match gone {
+            Some(img) => Ok(Some(self.image_disk(&img).await?.1)),
+            None => Ok(None),
+        }
+    }
+
     fn collect_disks(&self, partial: bool) {
         let used = || {
             let mut used = HashSet::new();

@@ -586,6 +586,47 @@ pub fn drive_files(args: &[String]) -> impl Iterator<Item = PathBuf> + '_ {
         .map(PathBuf::from)
 }
 
+/// Whether image disk `path` is there to open: a file, on a file system that answers
+/// (`statfs`). A lazy disk whose FUSE daemon died still `stat`s as a file from the
+/// kernel's attribute cache (the daemon's TTL is an hour) until its mount is replaced,
+/// but every `statfs` reaches the daemon and fails (`ENOTCONN`). Blocking.
+pub fn disk_present(path: &Path) -> bool {
+    path.is_file() && nix::sys::statfs::statfs(path).is_ok()
+}
+
+/// The image of `images` whose lazy disk (`lazy_path` of it under the backend's
+/// `images/` directory) is one of `files` and is missing — its FUSE mount is gone (a host
+/// reboot) or dead (a killed daemon: `statfs` answers `ENOTCONN`; a `stat` may still
+/// answer from the attribute cache). `None` when every lazy disk among `files` is there
+/// or no image has it. Blocking (lists the store).
+///
+/// # Errors
+/// Listing the image store.
+pub fn lazy_image_gone(
+    images: &ImageStore,
+    files: impl IntoIterator<Item = PathBuf>,
+    lazy_path: impl Fn(&Image) -> NodeResult<Option<PathBuf>>,
+) -> NodeResult<Option<Image>> {
+    let gone: Vec<PathBuf> = files
+        .into_iter()
+        .filter(|f| {
+            f.parent()
+                .and_then(|d| d.file_name())
+                .is_some_and(|n| n.to_string_lossy().starts_with("lazy-"))
+                && !disk_present(f)
+        })
+        .collect();
+    if gone.is_empty() {
+        return Ok(None);
+    }
+    for img in images.list()? {
+        if lazy_path(&img)?.is_some_and(|p| gone.contains(&p)) {
+            return Ok(Some(img));
+        }
+    }
+    Ok(None)
+}
+
 /// The image disks that creates in flight have picked (`image_disk`) but not yet recorded
 /// on disk (`boot.json`, a qcow2 layer): a collection keeps them. Taking a hold and a whole
 /// collection exclude each other, so a disk is either held before the collection looks or
@@ -678,8 +719,9 @@ impl ImageDisks {
     }
 
     /// The image disk `out` with a create's hold on it, made by `build` first when it is
-    /// missing (one build at a time per backend; the hold is taken before the disk is looked
-    /// for, see [`DiskHolds`]). The flag is `true` when this call made it.
+    /// missing or dead ([`disk_present`]; one build at a time per backend; the hold is
+    /// taken before the disk is looked for, see [`DiskHolds`]). The flag is `true` when
+    /// this call made it.
     ///
     /// # Errors
     /// `build`'s.
@@ -689,11 +731,11 @@ impl ImageDisks {
         build: impl std::future::Future<Output = NodeResult<()>>,
     ) -> NodeResult<(PathBuf, DiskHold, bool)> {
         let hold = self.holds.hold(&out);
-        if out.is_file() {
+        if disk_present(&out) {
             return Ok((out, hold, false));
         }
         let _one_build = self.build.lock().await;
-        if out.is_file() {
+        if disk_present(&out) {
             return Ok((out, hold, false));
         }
         build.await?;

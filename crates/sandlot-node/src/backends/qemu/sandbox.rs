@@ -656,6 +656,16 @@ pub(crate) trait Machine: Send + Sync {
     /// also builds cut short); failures are logged.
     fn collect_disks(&self, partial: bool);
 
+    /// Before paused `vm`'s QEMU starts again from its saved memory (and opens its disks
+    /// anew): when a lazy image disk its files name is gone (its FUSE mount lost to a host
+    /// reboot or a killed daemon), mounts it again as a create does and returns the hold
+    /// on it (kept until QEMU has it open). `None` when nothing was missing or no image
+    /// of the store has that disk (the resume then fails with QEMU's error).
+    ///
+    /// # Errors
+    /// Reading the VM's files; the mount's (`Unavailable` after 10 s).
+    async fn remount_lazy_disk(&self, vm: &QemuVm) -> NodeResult<Option<super::DiskHold>>;
+
     /// After a pause with memory into the shared store's directory `dir` (QEMU stopped):
     /// adds what another node needs (disks, manifest; see [`super::store`]).
     ///
@@ -886,6 +896,10 @@ impl<M: Machine> SandboxBackend for M {
         if vm.state.qemu_args.is_empty() {
             return thaw(id, core.name, &vm.deleting, &vm.paused, vm.cgroup.group()).await;
         }
+        let _disk = match vm.paused.load(std::sync::atomic::Ordering::SeqCst) {
+            true => self.remount_lazy_disk(&vm).await?,
+            false => None,
+        };
         snapshot::resume(&core.target(&vm)).await
     }
 

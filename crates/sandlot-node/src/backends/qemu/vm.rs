@@ -382,7 +382,7 @@ impl Machine for VmBackend {
                 .images
                 .lazy_vm_disk_path(image, &self.cfg.dir.join("images"))?;
             let _hold = match (base, lazy) {
-                (Some(b), Some(l)) if b == l && !b.exists() => {
+                (Some(b), Some(l)) if b == l && !super::disk_present(&b) => {
                     Some(self.image_disk(image).await?.1)
                 }
                 _ => None,
@@ -503,6 +503,30 @@ impl Machine for VmBackend {
     /// keyed with their agent binary) that no chain uses: the absolute backing file of any qcow2 layer in a VM's
     /// directory (running or paused) or a checkpoint's; with `partial`, also builds cut
     /// short. A layer whose header cannot be read stops the collection (logged).
+    async fn remount_lazy_disk(&self, vm: &QemuVm) -> NodeResult<Option<DiskHold>> {
+        let (images, dir) = (self.cfg.images.clone(), self.cfg.dir.join("images"));
+        let vm_dir = self.core.vm_dir(&vm.state.id);
+        let gone = spawn_blocking(move || {
+            // The chain's bottom layer names the image's disk (absolute backing file).
+            let bases = std::fs::read_dir(&vm_dir)
+                .map_err(|e| NodeError::io(format!("read {}", vm_dir.display()), e))?
+                .flatten()
+                .map(|e| e.path())
+                .filter(|p| p.extension().is_some_and(|x| x == "qcow2"))
+                .filter_map(|layer| chain::backing_of(&layer).transpose())
+                .collect::<NodeResult<Vec<String>>>()?;
+            let bases = bases.into_iter().filter(|b| b.starts_with('/'));
+            super::lazy_image_gone(&images, bases.map(PathBuf::from), |i| {
+                images.lazy_vm_disk_path(i, &dir)
+            })
+        })
+        .await?;
+        match gone {
+            Some(img) => Ok(Some(self.image_disk(&img).await?.1)),
+            None => Ok(None),
+        }
+    }
+
     fn collect_disks(&self, partial: bool) {
         let used = || {
             let holders = [self.cfg.dir.join("vms"), self.cfg.checkpoints_dir.clone()];
