@@ -2,8 +2,8 @@
 //! after the one that started them went away (its restart or kill -9, or a paused VM
 //! resumed on another node) can find them again (issue 25).
 //!
-//! Groundwork only: the agent does not yet fill this table, and no agent path serves it.
-//! What it holds per exec: the node's handle id (the key, [`crate::agent_proto::ExecRequest::handle`]),
+//! The agent tables every exec started with a handle; `GET /v1/execs` and
+//! `POST /v1/exec/attach` ([`crate::agent_proto::PATH_EXECS`]) serve it. What it holds per exec: the node's handle id (the key, [`crate::agent_proto::ExecRequest::handle`]),
 //! the command, the helper's pid, the start time, the state (running or its exit code)
 //! and an [`OutputRing`] of the output produced while no host is connected.
 //!
@@ -220,14 +220,14 @@ impl ExecTable {
 
     /// Records output of `handle` produced while no host is connected.
     pub fn output(&mut self, handle: &str, stream: Stream, data: &[u8]) -> Result<(), TableError> {
-        let e = self.get_mut(handle)?;
+        let e = self.entry(handle)?;
         e.output.push(stream, data);
         Ok(())
     }
 
     /// Marks `handle` ended with `code`.
     pub fn exited(&mut self, handle: &str, code: i32) -> Result<(), TableError> {
-        self.get_mut(handle)?.state = ExecState::Exited(code);
+        self.entry(handle)?.state = ExecState::Exited(code);
         Ok(())
     }
 
@@ -241,6 +241,11 @@ impl ExecTable {
     /// The entry of `handle`, if tabled.
     pub fn get(&self, handle: &str) -> Option<&ExecEntry> {
         self.entries.get(handle)
+    }
+
+    /// The entry of `handle` for changes (draining its ring), if tabled.
+    pub fn get_mut(&mut self, handle: &str) -> Option<&mut ExecEntry> {
+        self.entries.get_mut(handle)
     }
 
     /// Every entry, by handle id.
@@ -258,7 +263,7 @@ impl ExecTable {
         self.entries.is_empty()
     }
 
-    fn get_mut(&mut self, handle: &str) -> Result<&mut ExecEntry, TableError> {
+    fn entry(&mut self, handle: &str) -> Result<&mut ExecEntry, TableError> {
         self.entries
             .get_mut(handle)
             .ok_or_else(|| TableError::NotFound(handle.to_string()))
