@@ -33,9 +33,13 @@
 //! in its record.
 //!
 //! Lifetime: processes end with their sandbox (delete, TTL) and are forgotten with
-//! [`ProcessTable::forget_sandbox`]. The table is memory only: after a restart of the
-//! node's process its background processes are gone (their exec helpers die with the
-//! node's exec tasks) and their handles answer `NotFound`.
+//! [`ProcessTable::forget_sandbox`]. The table is memory only, but a process that runs
+//! through a sandbox's guest agent outlives the node's process (the agent tables it, with
+//! the last 64 KiB of its output and its end): after a restart [`ProcessTable::refind`]
+//! registers it again under its old handle (container; function sandboxes' agent path).
+//! Processes on the function backend's helper path die with the node's exec tasks and
+//! their handles answer `NotFound`; microvm and vm agents keep theirs, but the node does
+//! not ask them yet.
 use crate::node::{ExecControl, Node, NodeError, NodeResult};
 use bytes::Bytes;
 use sandlot_api::{
@@ -831,7 +835,7 @@ impl ProcessTable {
             .cloned()
             .ok_or_else(|| {
                 NodeError::NotFound(format!(
-                    "no process {pid} in sandbox {sandbox} (a background process is found again after a restart of its node only on the container, microvm and vm backends)"
+                    "no process {pid} in sandbox {sandbox} (after a restart of its node a background process is found again only where it ran through a guest agent: container sandboxes, and function sandboxes after their first exec)"
                 ))
             })
     }
