@@ -28,8 +28,8 @@ import pytest
 
 import sandlot
 from conftest import (
-    IMAGES_DIR, Server, count_leaks, pooled_names, private_base, remove_private_base,
-    wait_no_leaks, wait_until,
+    IMAGES_DIR, Server, count_leaks, host_processes_matching, pooled_names, private_base,
+    remove_private_base, wait_no_leaks, wait_until,
 )
 
 IMAGE = "python"
@@ -559,3 +559,100 @@ def test_kill9_during_delete_leaves_nothing(node, client, baseline):
         except sandlot.NotFound:
             pass
     assert_nothing_left(node, baseline, "deletes interrupted by kill -9")
+
+
+def _stdout_of(proc, until: bytes, timeout: float = 30) -> tuple:
+    """Reads ``proc``'s output from offset 0 (following) until ``until`` is in its stdout:
+    (stdout bytes from where the server still has them, the OutputSkipped events)."""
+    out, skipped = bytearray(), []
+    deadline = time.monotonic() + timeout
+    events = proc.output(follow=True, stdout_offset=0, stderr_offset=0)
+    try:
+        for ev in events:
+            if isinstance(ev, sandlot.OutputSkipped):
+                skipped.append(ev)
+            elif isinstance(ev, sandlot.StdoutChunk):
+                out += ev.data
+            if until in out:
+                break
+            assert time.monotonic() < deadline, f"no {until!r} in {bytes(out)!r}"
+    finally:
+        events.close()
+    return bytes(out), skipped
+
+
+def test_kill9_refinds_background_processes(node, client, baseline):
+    """Issue 25: background processes started through the container's guest agent outlive a
+    kill -9 of the server and are found again after its restart, under their old handles.
+    A counter printing every 0.2 s is listed as running, its output goes on from the same
+    offsets (what it printed while no server ran comes from the agent's ring, every line in
+    order), and a kill through its handle ends it in the sandbox; a process that exited
+    while no server ran is listed as exited with its exit code and its output."""
+    tag = f"{os.getpid()}{time.monotonic_ns() % 10**9}"
+    box = client.create(backend="container", runtime="runc", image=IMAGE, memory_mib=64,
+                        ttl_s=600)
+    try:
+        counter = box.spawn(f": counter-{tag}; i=0; while true; do echo n$i; "
+                            f"date +%s%N > /tmp/hb; i=$((i+1)); sleep 0.2; done")
+        short = box.spawn("sleep 1; echo bye >&2; exit 7")
+        before, _ = _stdout_of(counter, b"n3\n")
+        node.kill()
+        # The short one ends while no server runs; the counter prints ~12 lines meanwhile.
+        time.sleep(2.5)
+        survived = bool(host_processes_matching(f"counter-{tag}".encode()))
+        node.start()
+        assert survived, "the counter died with the server"
+
+        procs = {p.id: p for p in box.processes()}
+        assert set(procs) == {counter.id, short.id}, procs
+        c, s = procs[counter.id], procs[short.id]
+        assert c.state == "running", c.__dict__
+        assert c.cmd == counter.cmd, (c.cmd, counter.cmd)
+        assert s.state == "exited", s.__dict__
+        assert s.result is not None and s.result.exit_code == 7, s.result
+        assert box.process(short.id).wait(timeout=10).stderr == b"bye\n"
+
+        # The count goes on without a gap: the bytes the restarted server no longer has
+        # (those the old one had read) show as skipped, the rest continues them.
+        after, skipped = _stdout_of(c, b"n25\n")
+        gap = skipped[0].to if skipped else 0
+        assert gap <= len(before), (gap, len(before))
+        whole = (before[:gap] + after).decode()
+        lines = whole.splitlines()
+        assert lines == [f"n{i}" for i in range(len(lines))], whole
+        assert len(lines) >= 26
+
+        # Kill through the old handle: it ends, and its tree is gone from the sandbox.
+        c.kill()
+        res = c.wait(timeout=30)
+        assert res is not None and res.signal == 9, res
+        wait_until(lambda: not host_processes_matching(f"counter-{tag}".encode()), 15,
+                   what="the counter's tree to die")
+        a = box.read_file("/tmp/hb")
+        time.sleep(0.6)
+        assert box.read_file("/tmp/hb") == a, "the counter still runs"
+        # New background processes still work.
+        assert box.spawn("echo again").wait(timeout=30).stdout == b"again\n"
+    finally:
+        box.delete()
+    assert_nothing_left(node, baseline, "deleting the container")
+
+
+def test_kill9_refound_processes_die_with_their_sandbox(node, client, baseline):
+    """A background process found again after a kill -9 + restart still ends with its
+    sandbox: deleting the sandbox kills it (no host process left)."""
+    tag = f"{os.getpid()}{time.monotonic_ns() % 10**9}"
+    box = client.create(backend="container", runtime="runc", image=IMAGE, memory_mib=64,
+                        ttl_s=600)
+    try:
+        p = box.spawn(f": sleeper-{tag}; while true; do sleep 0.2; done")
+        wait_until(lambda: host_processes_matching(f"sleeper-{tag}".encode()), 15,
+                   what="the sleeper to start")
+        node.kill()
+        node.start()
+        assert [q.id for q in box.processes()] == [p.id]
+    finally:
+        box.delete()
+    wait_until(lambda: not host_processes_matching(f"sleeper-{tag}".encode()), 15,
+               what="the sleeper to die with its sandbox")
+    assert_nothing_left(node, baseline, "deleting the container")

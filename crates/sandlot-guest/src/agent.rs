@@ -28,13 +28,15 @@ use nix::sys::signal::{kill, Signal};
 use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
 use nix::unistd::Pid;
 use sandlot_guest::agent_proto::{
-    encode, ClockRequest, ExecExit, ExecRequest, FrameDecoder, FrameKind, IdentityRequest,
-    SignalRequest, CONNECTION_WINDOW, CONNECT_TIMEOUT_MS, MAX_STREAMS, PATH_CLOCK, PATH_CONNECT,
-    PATH_EXEC, PATH_IDENTITY, PATH_PING, PATH_SIGNAL, STREAM_WINDOW,
+    encode, AttachInfo, AttachRequest, ClockRequest, ExecExit, ExecInfo, ExecRequest, FrameDecoder,
+    FrameKind, IdentityRequest, SignalRequest, CONNECTION_WINDOW, CONNECT_TIMEOUT_MS, MAX_STREAMS,
+    PATH_CLOCK, PATH_CONNECT, PATH_EXEC, PATH_EXECS, PATH_EXEC_ATTACH, PATH_IDENTITY, PATH_PING,
+    PATH_SIGNAL, STREAM_WINDOW,
 };
+use sandlot_guest::exec_table::{ExecState, ExecTable, Stream};
 use sandlot_guest::spec::ExecStatus;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch, Notify};
 
 use crate::sys;
 
@@ -51,12 +53,238 @@ type Live = Arc<Mutex<HashSet<i32>>>;
 /// [`signal`]).
 type Handles = Arc<Mutex<std::collections::HashMap<String, i32>>>;
 
+/// When a named exec's reader goes away, how long to wait for its connection's end before
+/// taking it as the caller's cancel (which kills the exec): the stream's reset and the
+/// connection's end arrive separately when the node's process dies.
+const CONN_END_GRACE: Duration = Duration::from_secs(1);
+
+/// The connection reading a named exec's frames now: the one that started it, or the last
+/// that attached to it ([`PATH_EXEC_ATTACH`]).
+#[derive(Clone)]
+struct Reader {
+    tx: mpsc::Sender<Bytes>,
+    /// The connection's [`Shared::host_gone`].
+    host_gone: Arc<std::sync::atomic::AtomicBool>,
+    /// The connection's [`Shared::conn_ended`].
+    ended: Option<watch::Receiver<bool>>,
+}
+
+impl Reader {
+    fn open(&self) -> bool {
+        !self.tx.is_closed()
+    }
+
+    /// After its stream closed: true when its connection went away (the node's process:
+    /// keep the exec), false when the connection lives on (the caller cancelled).
+    async fn host_went(&self) -> bool {
+        if self.host_gone.load(SeqCst) {
+            return true;
+        }
+        let Some(mut ended) = self.ended.clone() else {
+            return false;
+        };
+        // `Err` from `wait_for`: the connection's sender was dropped, so it ended too.
+        let went = tokio::time::timeout(CONN_END_GRACE, ended.wait_for(|e| *e))
+            .await
+            .is_ok();
+        went
+    }
+}
+
+/// What the agent keeps of a named exec besides its [`ExecTable`] entry.
+struct Tabled {
+    /// Who reads its frames; `None` (or closed) while nobody does: output goes to the ring.
+    reader: Option<Reader>,
+    /// Bytes written so far to stdout and stderr.
+    totals: [u64; 2],
+    /// Its exit frame once it ended, for the node that takes it.
+    exit: Option<Bytes>,
+    /// Woken when a new reader attaches (the exec's task watches that one's close).
+    attached: Arc<Notify>,
+}
+
+/// The agent's named execs: the [`ExecTable`] (issue 25) and, per entry, its [`Tabled`].
+#[derive(Default)]
+struct Execs {
+    table: ExecTable,
+    tabled: std::collections::HashMap<String, Tabled>,
+}
+
+fn stream_of(kind: FrameKind) -> Stream {
+    if kind == FrameKind::Stderr {
+        Stream::Stderr
+    } else {
+        Stream::Stdout
+    }
+}
+
+fn frame_of(s: Stream) -> FrameKind {
+    match s {
+        Stream::Stdout => FrameKind::Stdout,
+        Stream::Stderr => FrameKind::Stderr,
+    }
+}
+
+impl Execs {
+    /// Tables the running exec `handle`; `None` when the table is full of running execs
+    /// (the exec then runs untabled, as a plain one).
+    fn add(
+        &mut self,
+        handle: &str,
+        argv: Vec<String>,
+        pid: i32,
+        reader: Reader,
+    ) -> Option<Arc<Notify>> {
+        self.table.insert(handle, argv, pid).ok()?;
+        let table = &self.table;
+        // Entries the insert evicted (ended ones nobody took).
+        self.tabled.retain(|h, _| table.get(h).is_some());
+        let attached = Arc::new(Notify::new());
+        self.tabled.insert(
+            handle.to_string(),
+            Tabled {
+                reader: Some(reader),
+                totals: [0, 0],
+                exit: None,
+                attached: attached.clone(),
+            },
+        );
+        Some(attached)
+    }
+
+    fn reader(&self, handle: &str) -> Option<Reader> {
+        self.tabled.get(handle)?.reader.clone()
+    }
+
+    /// Forgets the reader `tx` of `handle` (not a newer one that attached meanwhile).
+    fn drop_reader(&mut self, handle: &str, tx: &mpsc::Sender<Bytes>) {
+        if let Some(t) = self.tabled.get_mut(handle) {
+            if t.reader.as_ref().is_some_and(|r| r.tx.same_channel(tx)) {
+                t.reader = None;
+            }
+        }
+    }
+
+    /// Counts `data` and returns the open reader to send it to; without one it goes to
+    /// the ring.
+    fn output(
+        &mut self,
+        handle: &str,
+        kind: FrameKind,
+        data: &[u8],
+    ) -> Option<mpsc::Sender<Bytes>> {
+        let t = self.tabled.get_mut(handle)?;
+        t.totals[usize::from(kind == FrameKind::Stderr)] += data.len() as u64;
+        if let Some(r) = t.reader.as_ref().filter(|r| r.open()) {
+            return Some(r.tx.clone());
+        }
+        let _ = self.table.output(handle, stream_of(kind), data);
+        None
+    }
+
+    /// Puts `data` (already counted) in the ring: its reader went away while it was sent.
+    fn keep(&mut self, handle: &str, kind: FrameKind, data: &[u8]) {
+        let _ = self.table.output(handle, stream_of(kind), data);
+    }
+
+    /// Records the end of `handle` (`exit`: its exit frame); returns the open reader to
+    /// send the frame to.
+    fn finish(&mut self, handle: &str, code: i32, exit: Bytes) -> Option<mpsc::Sender<Bytes>> {
+        let _ = self.table.exited(handle, code);
+        let t = self.tabled.get_mut(handle)?;
+        t.exit = Some(exit);
+        t.reader.as_ref().filter(|r| r.open()).map(|r| r.tx.clone())
+    }
+
+    fn forget(&mut self, handle: &str) {
+        let _ = self.table.remove(handle);
+        self.tabled.remove(handle);
+    }
+
+    /// `GET /v1/execs`: every entry, by handle.
+    fn list(&self) -> Vec<ExecInfo> {
+        self.table
+            .iter()
+            .map(|(h, e)| {
+                let totals = self.tabled.get(h).map_or([0, 0], |t| t.totals);
+                ExecInfo {
+                    handle: h.to_string(),
+                    argv: e.command.clone(),
+                    pid: e.pid,
+                    started_unix_ms: e
+                        .started
+                        .duration_since(std::time::UNIX_EPOCH)
+                        .map_or(0, |d| d.as_millis() as u64),
+                    exit_code: match e.state {
+                        ExecState::Running => None,
+                        ExecState::Exited(c) => Some(c),
+                    },
+                    stdout_bytes: totals[0],
+                    stderr_bytes: totals[1],
+                    dropped: e.output.dropped(),
+                }
+            })
+            .collect()
+    }
+
+    /// `POST /v1/exec/attach` under the lock: the answer's first frames (the
+    /// [`AttachInfo`], the ring's content, the exit frame when it ended) and whether the
+    /// exec goes on (then `reader` reads it from now on). A 404 / 409 message otherwise.
+    fn attach(
+        &mut self,
+        handle: &str,
+        reader: Reader,
+    ) -> Result<(Vec<u8>, bool), (StatusCode, String)> {
+        let (Some(t), Some(e)) = (self.tabled.get_mut(handle), self.table.get_mut(handle)) else {
+            return Err((
+                StatusCode::NOT_FOUND,
+                format!("no exec with handle {handle:?}"),
+            ));
+        };
+        if t.reader.as_ref().is_some_and(|r| r.open()) {
+            return Err((
+                StatusCode::CONFLICT,
+                format!("exec {handle:?} is read by a live connection"),
+            ));
+        }
+        let chunks = e.output.drain();
+        let mut held = [0u64; 2];
+        for (s, d) in &chunks {
+            held[usize::from(*s == Stream::Stderr)] += d.len() as u64;
+        }
+        let info = AttachInfo {
+            stdout_offset: t.totals[0] - held[0],
+            stderr_offset: t.totals[1] - held[1],
+            dropped: e.output.dropped(),
+        };
+        let mut first = encode(
+            FrameKind::Spec,
+            &serde_json::to_vec(&info).expect("AttachInfo serialises"),
+        );
+        for (s, d) in &chunks {
+            first.extend(encode(frame_of(*s), d));
+        }
+        if let Some(exit) = &t.exit {
+            first.extend_from_slice(exit);
+            self.forget(handle);
+            return Ok((first, false));
+        }
+        t.reader = Some(reader);
+        t.attached.notify_one();
+        Ok((first, true))
+    }
+}
+
 /// What every call may need: the live helpers, the named execs and the helper started
 /// ahead of the next exec.
 #[derive(Clone, Default)]
 struct Shared {
     live: Live,
     handles: Handles,
+    /// Named execs, kept past their connection's end (see [`PATH_EXECS`]).
+    execs: Arc<Mutex<Execs>>,
+    /// Turns true when this call's connection ends ([`serve_conn`]); `None` outside one.
+    conn_ended: Option<watch::Receiver<bool>>,
     spare: Arc<Mutex<Option<Helper>>>,
     /// The exec-helper zygote (see [`crate::zygote`]) that makes the helpers.
     zygote: Arc<Mutex<ZygoteSlot>>,
@@ -486,10 +714,12 @@ async fn serve(listener: std::os::unix::net::UnixListener) -> i32 {
 }
 
 /// Serves one HTTP/2 connection until it ends.
-async fn serve_conn<S>(stream: S, shared: Shared)
+async fn serve_conn<S>(stream: S, mut shared: Shared)
 where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
+    let (ended_tx, ended_rx) = watch::channel(false);
+    shared.conn_ended = Some(ended_rx);
     let svc = hyper::service::service_fn(move |req| handle(req, shared.clone()));
     let _ = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
         .max_concurrent_streams(MAX_STREAMS)
@@ -497,6 +727,8 @@ where
         .initial_connection_window_size(CONNECTION_WINDOW)
         .serve_connection(TokioIo::new(stream), svc)
         .await;
+    // Named execs of this connection run on (see `Reader::host_went`).
+    let _ = ended_tx.send(true);
 }
 
 /// The agent of a microVM (called by [`crate::vm`] as pid 1): serves the protocol over the
@@ -741,6 +973,16 @@ async fn handle(req: Request<Incoming>, shared: Shared) -> Result<Response<Body>
             Err(msg) => text(StatusCode::BAD_REQUEST, msg),
         },
         (&Method::POST, PATH_SIGNAL) => signal(req.into_body(), &shared).await,
+        (&Method::GET, PATH_EXECS) => {
+            let list = lock(&shared.execs).list();
+            let json = serde_json::to_vec(&list).expect("ExecInfo serialises");
+            Response::builder()
+                .status(StatusCode::OK)
+                .header(hyper::header::CONTENT_TYPE, "application/json")
+                .body(Full::new(Bytes::from(json)).boxed())
+                .expect("valid response")
+        }
+        (&Method::POST, PATH_EXEC_ATTACH) => attach(req.into_body(), &shared).await,
         (&Method::POST, PATH_IDENTITY) => {
             let answer = identity(req.into_body()).await;
             if answer.status().is_success() && shared.spare_pending.load(SeqCst) {
@@ -990,6 +1232,7 @@ async fn exec(mut body: Incoming, shared: Shared) -> Result<Response<Body>, Stri
     req.spec.own_pid_ns = true;
     req.spec.cgroup_procs.clear();
     req.spec.stdin_null = !req.stdin;
+    let argv = req.spec.argv.clone();
     let spec_json = serde_json::to_vec(&req.spec).map_err(|e| e.to_string())?;
     let start = Instant::now();
     let oom_before = sandbox_oom_kills();
@@ -1051,13 +1294,28 @@ async fn exec(mut body: Incoming, shared: Shared) -> Result<Response<Body>, Stri
         });
     }
     let (tx, rx) = mpsc::channel::<Bytes>(16);
-    let out = pump(Some(stdout), FrameKind::Stdout, tx.clone());
-    let err = pump(Some(stderr), FrameKind::Stderr, tx.clone());
+    let reader = Reader {
+        tx: tx.clone(),
+        host_gone: shared.host_gone.clone(),
+        ended: shared.conn_ended.clone(),
+    };
+    // A named exec is tabled: its output and end then go through the table, to whichever
+    // connection reads it (see `PATH_EXECS`).
+    let tabled = req.handle.clone().and_then(|h| {
+        let attached = lock(&shared.execs).add(&h, argv, pid, reader.clone())?;
+        Some((h, attached))
+    });
+    let route = |kind| match &tabled {
+        Some((h, _)) => Route::Named(shared.execs.clone(), h.clone(), kind),
+        None => Route::Direct(tx.clone(), kind),
+    };
+    let out = pump(Some(stdout), route(FrameKind::Stdout));
+    let err = pump(Some(stderr), route(FrameKind::Stderr));
     let status_rx = tokio::net::unix::pipe::Receiver::from_owned_fd(status_r)
         .map_err(|e| format!("status pipe: {e}"))?;
     let timeout = Duration::from_millis(req.timeout_ms.max(1));
     let spare_after = shared.clone();
-    let host_gone = shared.host_gone.clone();
+    let execs = shared.execs.clone();
     tokio::spawn(async move {
         let _killer = killer;
         let _named = named;
@@ -1069,19 +1327,44 @@ async fn exec(mut body: Incoming, shared: Shared) -> Result<Response<Body>, Stri
         let deadline = std::pin::pin!(tokio::time::sleep(timeout));
         let mut deadline = deadline;
         let mut orphaned = false;
-        let (status, timed_out, read_done) = loop {
-            tokio::select! {
-                s = status_fut.as_mut() => break (s, false, true),
-                _ = deadline.as_mut() => break (None, true, false),
-                _ = tx.closed(), if !orphaned => {
-                    if host_gone.load(SeqCst) {
-                        // The host went away, not the caller: run on to the end or the
-                        // timeout (see `Shared::host_gone`).
-                        orphaned = true;
-                        continue;
-                    }
-                    break (None, false, false);
+        // `cancelled`: its reader's stream was reset on a live connection.
+        let (status, timed_out, read_done, cancelled) = loop {
+            let cur = match &tabled {
+                Some((h, _)) => lock(&execs).reader(h),
+                None => (!orphaned).then(|| reader.clone()),
+            };
+            let attached = async {
+                match &tabled {
+                    Some((_, a)) => a.notified().await,
+                    None => std::future::pending().await,
                 }
+            };
+            tokio::select! {
+                s = status_fut.as_mut() => break (s, false, true, false),
+                _ = deadline.as_mut() => break (None, true, false, false),
+                _ = async {
+                    match &cur {
+                        Some(r) => r.tx.closed().await,
+                        None => std::future::pending().await,
+                    }
+                } => {
+                    let r = cur.expect("closed only with a reader");
+                    // The host went away, not the caller: run on to the end or the
+                    // timeout (see `Shared::host_gone`; a named exec also when its
+                    // connection ended, see `PATH_EXECS`).
+                    let keep = match &tabled {
+                        Some(_) => r.host_went().await,
+                        None => r.host_gone.load(SeqCst),
+                    };
+                    if !keep {
+                        break (None, false, false, true);
+                    }
+                    match &tabled {
+                        Some((h, _)) => lock(&execs).drop_reader(h, &r.tx),
+                        None => orphaned = true,
+                    }
+                }
+                _ = attached => {}
             }
         };
         if status.is_none() {
@@ -1112,7 +1395,30 @@ async fn exec(mut body: Incoming, shared: Shared) -> Result<Response<Body>, Stri
                 .map(|(a, b)| b.saturating_sub(a)),
         };
         let json = serde_json::to_vec(&exit).expect("ExecExit serialises");
-        let _ = tx.send(Bytes::from(encode(FrameKind::Exit, &json))).await;
+        let frame = Bytes::from(encode(FrameKind::Exit, &json));
+        match &tabled {
+            None => {
+                let _ = tx.send(frame).await;
+            }
+            // Cancelled: nobody wants its end.
+            Some((h, _)) if cancelled => lock(&execs).forget(h),
+            Some((h, _)) => {
+                drop(tx);
+                let code = match &exit.status {
+                    ExecStatus::Exited { code } => *code,
+                    ExecStatus::Signaled { signal } => 128 + signal,
+                    ExecStatus::SetupFailed { .. } => -1,
+                };
+                let to = lock(&execs).finish(h, code, frame.clone());
+                // Delivered: the reader's node has its end. Otherwise it waits in the
+                // table for the next node that attaches.
+                if let Some(to) = to {
+                    if to.send(frame).await.is_ok() {
+                        lock(&execs).forget(h);
+                    }
+                }
+            }
+        }
         // The next exec's helper, started now that this one's answer is on its way.
         spare_after.refill_spare();
     });
@@ -1195,11 +1501,15 @@ impl Drop for KillOnDrop {
     }
 }
 
-fn pump(
-    fd: Option<OwnedFd>,
-    kind: FrameKind,
-    tx: mpsc::Sender<Bytes>,
-) -> tokio::task::JoinHandle<()> {
+/// Where a pump sends an exec's output (frames of the kind given).
+enum Route {
+    /// To its connection's stream (a plain exec).
+    Direct(mpsc::Sender<Bytes>, FrameKind),
+    /// Through the table (a named exec): to its reader, else to its ring.
+    Named(Arc<Mutex<Execs>>, String, FrameKind),
+}
+
+fn pump(fd: Option<OwnedFd>, route: Route) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
         let Some(fd) = fd else { return };
         let Ok(mut r) = tokio::net::unix::pipe::Receiver::from_owned_fd(fd) else {
@@ -1207,16 +1517,61 @@ fn pump(
         };
         let mut buf = vec![0u8; 64 * 1024];
         loop {
-            match r.read(&mut buf).await {
+            let n = match r.read(&mut buf).await {
                 Ok(0) | Err(_) => return,
-                Ok(n) => {
-                    // With no one to send to, keep draining (an exec that outlives its
-                    // host's connection must not die of SIGPIPE).
+                Ok(n) => n,
+            };
+            let data = &buf[..n];
+            // With no one to send to, keep draining (an exec that outlives its host's
+            // connection must not die of SIGPIPE).
+            match &route {
+                Route::Direct(tx, kind) => {
                     if !tx.is_closed() {
-                        let _ = tx.send(Bytes::from(encode(kind, &buf[..n]))).await;
+                        let _ = tx.send(Bytes::from(encode(*kind, data))).await;
+                    }
+                }
+                Route::Named(execs, h, kind) => {
+                    let to = lock(execs).output(h, *kind, data);
+                    if let Some(to) = to {
+                        if to.send(Bytes::from(encode(*kind, data))).await.is_err() {
+                            lock(execs).keep(h, *kind, data);
+                        }
                     }
                 }
             }
         }
     })
+}
+
+/// `POST /v1/exec/attach` (see [`PATH_EXEC_ATTACH`]): the named exec's ring, then its
+/// output as it comes and its exit.
+async fn attach(body: Incoming, shared: &Shared) -> Response<Body> {
+    let req: AttachRequest = match json_body(body, 4096, "attach").await {
+        Ok(r) => r,
+        Err(answer) => return answer,
+    };
+    let (tx, rx) = mpsc::channel::<Bytes>(16);
+    let reader = Reader {
+        tx,
+        host_gone: shared.host_gone.clone(),
+        ended: shared.conn_ended.clone(),
+    };
+    // Under the lock: no output slips between the ring's content and the reader.
+    let first = lock(&shared.execs).attach(&req.handle, reader);
+    let (first, goes_on) = match first {
+        Ok(f) => f,
+        Err((status, msg)) => return text(status, msg),
+    };
+    let first = futures_util::stream::once(async move {
+        Ok::<_, Infallible>(BodyFrame::data(Bytes::from(first)))
+    });
+    if !goes_on {
+        return Response::new(StreamBody::new(first).boxed());
+    }
+    let rest = futures_util::stream::unfold(rx, |mut rx| async move {
+        rx.recv()
+            .await
+            .map(|b| (Ok::<_, Infallible>(BodyFrame::data(b)), rx))
+    });
+    Response::new(StreamBody::new(futures_util::StreamExt::chain(first, rest)).boxed())
 }

@@ -18,6 +18,8 @@
 //!   A bad request answers 400 with a text body.
 //! * `POST /v1/signal` — see [`PATH_SIGNAL`].
 //! * `POST /v1/connect` — a TCP tunnel into the sandbox, see [`PATH_CONNECT`].
+//! * `GET /v1/execs` and `POST /v1/exec/attach` — named execs that outlived their node's
+//!   connection, see [`PATH_EXECS`] and [`PATH_EXEC_ATTACH`].
 //!
 //! File calls (paths under `/v1/files/`; the rules of [`crate::sandbox_fs`], applied by the
 //! agent to its own root: relative paths under `/workspace`, `openat2` with
@@ -215,7 +217,9 @@ pub struct ExecRequest {
     /// Whether stdin frames follow (else the command's stdin is `/dev/null`).
     pub stdin: bool,
     /// A name for this exec, unique among the agent's running execs, that
-    /// [`PATH_SIGNAL`] calls use to reach it; `None`: not signallable (a plain exec).
+    /// [`PATH_SIGNAL`] calls use to reach it (the node's background-process handle id);
+    /// `None`: not signallable (a plain exec). A named exec is also tabled: it survives the
+    /// end of its connection and can be found again ([`PATH_EXECS`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub handle: Option<String>,
 }
@@ -346,6 +350,74 @@ pub struct SignalRequest {
     pub handle: String,
     /// Signal number (Linux).
     pub signal: i32,
+}
+
+/// Path of the exec-table call (re-finding background execs after the node that started
+/// them went away: its restart or kill -9, or a paused VM resumed on another node).
+///
+/// `GET /v1/execs` → 200, a JSON array of [`ExecInfo`]: every exec started with an
+/// [`ExecRequest::handle`] whose end no node has taken yet (running, or ended while no node
+/// read it), sorted by handle. An agent that predates the call answers 404 ("no such
+/// call") at once: the node then has nothing to re-find.
+///
+/// A named exec outlives the connection that started it when that connection ends (the
+/// node's process went away); resetting its stream on a live connection (the caller
+/// cancelled) still kills it. While no connection reads it, its output goes to a ring of
+/// the last [`crate::exec_table::RING_CAP`] bytes (64 KiB; older bytes are dropped and
+/// counted), and its end is kept for [`PATH_EXEC_ATTACH`].
+pub const PATH_EXECS: &str = "/v1/execs";
+
+/// Path of the attach call: read a named exec again (see [`PATH_EXECS`]).
+///
+/// `POST /v1/exec/attach`, body [`AttachRequest`] JSON → 200, body: one
+/// [`FrameKind::Spec`] frame holding [`AttachInfo`] JSON, then what the ring holds as
+/// [`FrameKind::Stdout`] / [`FrameKind::Stderr`] frames, then the exec's output as it comes,
+/// then exactly one [`FrameKind::Exit`] frame ([`ExecExit`]) — at once when it already
+/// ended, after which the agent forgets it. Resetting this stream behaves as for
+/// `POST /v1/exec`. Errors, text body: 400 (bad body), 404 (no such handle: never named,
+/// or its end was taken), 409 (a live connection still reads it). An agent that predates
+/// the call answers 404.
+pub const PATH_EXEC_ATTACH: &str = "/v1/exec/attach";
+
+/// One entry of `GET /v1/execs`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExecInfo {
+    /// The exec's [`ExecRequest::handle`] (the node's handle id).
+    pub handle: String,
+    /// Its argv.
+    pub argv: Vec<String>,
+    /// Pid of its exec helper in the agent's pid namespace.
+    pub pid: i32,
+    /// When it started: milliseconds since the Unix epoch (the guest's clock).
+    pub started_unix_ms: u64,
+    /// `None` while running; its exit code once ended (128 + signal for a signal death,
+    /// -1 when it could not start).
+    pub exit_code: Option<i32>,
+    /// Bytes it wrote to stdout so far.
+    pub stdout_bytes: u64,
+    /// Bytes it wrote to stderr so far.
+    pub stderr_bytes: u64,
+    /// Output bytes dropped from its ring (written while nobody read it, past the cap).
+    pub dropped: u64,
+}
+
+/// `POST /v1/exec/attach` body.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AttachRequest {
+    /// [`ExecRequest::handle`] of the exec.
+    pub handle: String,
+}
+
+/// First frame of a `POST /v1/exec/attach` answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AttachInfo {
+    /// Offset within the exec's whole stdout of the first stdout byte that follows.
+    pub stdout_offset: u64,
+    /// Offset within the exec's whole stderr of the first stderr byte that follows.
+    pub stderr_offset: u64,
+    /// Output bytes dropped from the ring (both streams; the gaps the offsets show).
+    pub dropped: u64,
 }
 
 /// Path of the identity call (microVM guests only: the agent is pid 1).

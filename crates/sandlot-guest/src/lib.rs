@@ -7,6 +7,7 @@
 #![deny(missing_docs)]
 
 pub mod agent_proto;
+pub mod exec_table;
 pub mod layers;
 pub mod procview;
 pub mod sandbox_fs;

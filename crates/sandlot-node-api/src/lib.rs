@@ -509,6 +509,34 @@ pub struct ExecControl {
     pub handle: String,
 }
 
+/// A background exec a sandbox's guest agent still holds ([`Node::agent_execs`]): started
+/// by this node's previous process (before its restart or kill -9), or by another node
+/// before a paused sandbox moved here, and not yet taken by a node.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AgentExec {
+    /// Its handle ([`ExecControl::handle`]: the background process's id).
+    pub handle: String,
+    /// Its argv.
+    pub argv: Vec<String>,
+    /// When it started, milliseconds since the Unix epoch (the sandbox's clock).
+    pub started_unix_ms: u64,
+    /// `None` while running; its exit code when it ended while no node read it.
+    pub exit_code: Option<i32>,
+}
+
+/// Reading an [`AgentExec`] again ([`Node::exec_reattach`]).
+#[derive(Debug)]
+pub struct ExecReattach {
+    /// Its handle.
+    pub handle: String,
+    /// Signals to deliver, as [`ExecControl::signals`].
+    pub signals: mpsc::UnboundedReceiver<i32>,
+    /// Gets, before any output reaches the sink, the offsets within the exec's whole
+    /// stdout and stderr at which that output starts (what the agent still held: the
+    /// bytes before are lost).
+    pub offsets: tokio::sync::oneshot::Sender<(u64, u64)>,
+}
+
 /// A full-duplex byte stream to a TCP port inside a sandbox ([`Node::connect_port`]):
 /// what is written reaches the sandbox's listener as a TCP client's bytes would, and what
 /// it sends comes back. Shutting down the write half half-closes the TCP connection;
@@ -962,6 +990,38 @@ pub trait Node: Send + Sync + 'static {
     async fn process_remove(&self, id: &str, pid: &str) -> NodeResult<()> {
         let _ = (id, pid);
         no_processes()
+    }
+
+    /// The background execs sandbox `id`'s guest agent still holds (issue 25): what
+    /// [`Node::exec_reattach`] can take up after this node's process restarted. Empty
+    /// where there is no agent, or one too old to keep them (the default).
+    ///
+    /// # Errors
+    /// `NotFound` (no such sandbox), `Conflict` (paused or not running), `Internal` (the
+    /// agent cannot be reached or fails).
+    async fn agent_execs(&self, id: &str) -> NodeResult<Vec<AgentExec>> {
+        let _ = id;
+        Ok(Vec::new())
+    }
+
+    /// Takes up an [`AgentExec`] of sandbox `id` as [`Node::exec_controlled`] runs one:
+    /// output from where the agent's ring starts (see [`ExecReattach::offsets`]) to `sink`,
+    /// signals delivered, the result at its end (at once for one that already ended).
+    ///
+    /// # Errors
+    /// `NotFound` (no such sandbox or exec), `Conflict` (another node reads it), as
+    /// [`Node::exec_controlled`] otherwise; `Unavailable` where the node cannot (the
+    /// default).
+    async fn exec_reattach(
+        &self,
+        id: &str,
+        sink: Option<ExecSink>,
+        reattach: ExecReattach,
+    ) -> NodeResult<ExecResult> {
+        let _ = (id, sink, reattach);
+        Err(NodeError::Unavailable(
+            "re-attaching background execs is not supported by this node".into(),
+        ))
     }
 
     /// The accelerator (`"kvm"` or `"tcg"`) microvm and vm sandboxes get on this node,

@@ -9,9 +9,10 @@ use hyper::client::conn::http2::SendRequest;
 use hyper::{Method, Request, StatusCode};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use sandlot_guest::agent_proto::{
-    encode, ClockRequest, ExecExit, ExecRequest, FileInfo, Frame, FrameDecoder, FrameKind, FsCode,
-    FsError, IdentityRequest, SignalRequest, CONNECTION_WINDOW, PATH_CLOCK, PATH_EXEC,
-    PATH_IDENTITY, PATH_PING, PATH_SIGNAL, STREAM_WINDOW,
+    encode, AttachInfo, AttachRequest, ClockRequest, ExecExit, ExecInfo, ExecRequest, FileInfo,
+    Frame, FrameDecoder, FrameKind, FsCode, FsError, IdentityRequest, SignalRequest,
+    CONNECTION_WINDOW, PATH_CLOCK, PATH_EXEC, PATH_EXECS, PATH_EXEC_ATTACH, PATH_IDENTITY,
+    PATH_PING, PATH_SIGNAL, STREAM_WINDOW,
 };
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -716,6 +717,100 @@ impl AgentClient {
     }
 }
 
+/// How long [`AgentClient::list_execs`] and the start of [`AgentClient::attach`] may take.
+const EXECS_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Named execs that outlived their node's connection (issue 25, see
+/// [`sandlot_guest::agent_proto::PATH_EXECS`]).
+impl AgentClient {
+    /// The agent's named execs whose end no node has taken: running ones, and ones that
+    /// ended while no node read them. `Ok(None)` from an agent that predates the call
+    /// (404): it keeps no such table.
+    ///
+    /// # Errors
+    /// `Internal` when the agent cannot be reached, does not answer within 10 s, or
+    /// answers something else.
+    pub async fn list_execs(&self) -> NodeResult<Option<Vec<ExecInfo>>> {
+        let call = async {
+            let resp = self.call(Method::GET, PATH_EXECS, Bytes::new()).await?;
+            let status = resp.status();
+            let body = resp
+                .into_body()
+                .collect()
+                .await
+                .map_err(|e| agent_err(&self.socket, "execs", e))?
+                .to_bytes();
+            match status {
+                StatusCode::OK => serde_json::from_slice(&body)
+                    .map(Some)
+                    .map_err(|e| agent_err(&self.socket, "execs JSON", e)),
+                StatusCode::NOT_FOUND => Ok(None),
+                s => Err(agent_err(
+                    &self.socket,
+                    "execs",
+                    format!("{s}: {}", String::from_utf8_lossy(&body)),
+                )),
+            }
+        };
+        tokio::time::timeout(EXECS_TIMEOUT, call)
+            .await
+            .map_err(|_| agent_err(&self.socket, "execs", "no answer"))?
+    }
+
+    /// Reads the named exec `handle` again: where its output resumes ([`AttachInfo`]),
+    /// then, from [`ExecStream::next`], what its ring held, its output as it comes and its
+    /// exit (at once when it already ended). Dropping the stream on a live connection kills
+    /// the command, as for [`AgentClient::exec`].
+    ///
+    /// # Errors
+    /// `NotFound` when the agent has no such exec (or predates the call); `Conflict` when
+    /// another connection still reads it; `Internal` when the agent cannot be reached or
+    /// answers something else.
+    pub async fn attach(&self, handle: &str) -> NodeResult<(AttachInfo, ExecStream)> {
+        let start = async {
+            let body = serde_json::to_vec(&AttachRequest {
+                handle: handle.to_string(),
+            })
+            .expect("AttachRequest serialises");
+            let resp = self
+                .call(Method::POST, PATH_EXEC_ATTACH, body.into())
+                .await?;
+            let status = resp.status();
+            if status != StatusCode::OK {
+                let text = resp
+                    .into_body()
+                    .collect()
+                    .await
+                    .map(|b| String::from_utf8_lossy(&b.to_bytes()).into_owned())
+                    .unwrap_or_default();
+                return Err(match status {
+                    StatusCode::NOT_FOUND => NodeError::NotFound(format!(
+                        "guest agent at {}: no exec {handle}: {text}",
+                        self.socket.display()
+                    )),
+                    StatusCode::CONFLICT => NodeError::Conflict(format!(
+                        "guest agent at {}: {text}",
+                        self.socket.display()
+                    )),
+                    s => agent_err(&self.socket, "attach", format!("{s}: {text}")),
+                });
+            }
+            let mut stream = ExecStream {
+                body: resp.into_body(),
+                dec: FrameDecoder::default(),
+                socket: self.socket.clone(),
+            };
+            let info = stream.spec_frame().await?;
+            let info: AttachInfo = serde_json::from_slice(&info)
+                .map_err(|e| agent_err(&self.socket, "attach info", e))?;
+            Ok((info, stream))
+        };
+        tokio::time::timeout(EXECS_TIMEOUT, start)
+            .await
+            .map_err(|_| agent_err(&self.socket, "attach", "no answer"))?
+    }
+}
+
 /// The response of one exec: output frames, then the exit.
 pub struct ExecStream {
     body: Incoming,
@@ -733,6 +828,37 @@ pub enum ExecChunk {
 }
 
 impl ExecStream {
+    /// The first frame, which must be a [`FrameKind::Spec`] frame (an attach's
+    /// [`AttachInfo`]); its payload.
+    async fn spec_frame(&mut self) -> NodeResult<Vec<u8>> {
+        loop {
+            match self.dec.next_frame() {
+                Err(e) => return Err(agent_err(&self.socket, "attach frames", e)),
+                Ok(Some(Frame {
+                    kind: FrameKind::Spec,
+                    data,
+                })) => return Ok(data),
+                Ok(Some(f)) => {
+                    return Err(agent_err(
+                        &self.socket,
+                        "attach frames",
+                        format!("expected the info frame, got {:?}", f.kind),
+                    ))
+                }
+                Ok(None) => {}
+            }
+            match self.body.frame().await {
+                Some(Ok(f)) => {
+                    if let Ok(d) = f.into_data() {
+                        self.dec.push(&d);
+                    }
+                }
+                Some(Err(e)) => return Err(agent_err(&self.socket, "attach", e)),
+                None => return Err(agent_err(&self.socket, "attach", "stream ended early")),
+            }
+        }
+    }
+
     /// The next event; `Ok(None)` when the stream ended without an exit frame (the agent or
     /// its connection died).
     ///

@@ -743,6 +743,19 @@ impl Node for LocalNode {
         self.owner(id)?.read_file(id, path, max_bytes).await
     }
 
+    async fn agent_execs(&self, id: &str) -> NodeResult<Vec<crate::node::AgentExec>> {
+        self.owner(id)?.agent_execs(id).await
+    }
+
+    async fn exec_reattach(
+        &self,
+        id: &str,
+        sink: Option<ExecSink>,
+        reattach: crate::node::ExecReattach,
+    ) -> NodeResult<ExecResult> {
+        self.owner(id)?.exec_reattach(id, sink, reattach).await
+    }
+
     async fn file_size(&self, id: &str, path: &str) -> NodeResult<u64> {
         self.owner(id)?.file_size(id, path).await
     }

@@ -33,9 +33,13 @@
 //! in its record.
 //!
 //! Lifetime: processes end with their sandbox (delete, TTL) and are forgotten with
-//! [`ProcessTable::forget_sandbox`]. The table is memory only: after a restart of the
-//! node's process its background processes are gone (their exec helpers die with the
-//! node's exec tasks) and their handles answer `NotFound`.
+//! [`ProcessTable::forget_sandbox`]. The table is memory only, but a process that runs
+//! through a sandbox's guest agent outlives the node's process (the agent tables it, with
+//! the last 64 KiB of its output and its end): after a restart [`ProcessTable::refind`]
+//! registers it again under its old handle (container; function sandboxes' agent path).
+//! Processes on the function backend's helper path die with the node's exec tasks and
+//! their handles answer `NotFound`; microvm and vm agents keep theirs, but the node does
+//! not ask them yet.
 use crate::node::{ExecControl, Node, NodeError, NodeResult};
 use bytes::Bytes;
 use sandlot_api::{
@@ -144,6 +148,15 @@ impl OutputLog {
             }
         }
         self.end += len;
+    }
+
+    /// Makes an empty log start at offset `at` (a process taken up after a node restart:
+    /// the bytes before are lost and read as skipped).
+    pub fn begin_at(&mut self, at: u64) {
+        if self.end == 0 {
+            self.end = at;
+            self.floor = at;
+        }
     }
 
     /// Offset of the oldest retained byte.
@@ -640,9 +653,104 @@ impl ProcessTable {
             }
             exec = Box::pin(futures::future::ready(r));
         }
-        let task = tokio::spawn(collect(proc.clone(), exec, ev_rx));
+        let task = tokio::spawn(collect(proc.clone(), exec, ev_rx, None));
         *proc.task.lock().unwrap() = Some(task.abort_handle());
         Ok(proc.info())
+    }
+
+    /// Registers the background execs sandbox `sandbox`'s guest agent still holds (issue
+    /// 25: started by this node's previous process, or by the node a paused sandbox came
+    /// from) under their old handles, each taken up with [`Node::exec_reattach`]: running
+    /// ones go on (output from where the agent's ring starts, signals, wait, kill), ended
+    /// ones are listed with their result. Handles already in the table are left alone.
+    /// An agent that keeps no table, or that cannot be asked (paused, gone), gives none
+    /// (logged at debug). Returns how many were registered.
+    pub async fn refind(&self, sandbox: &str) -> usize {
+        let execs = match self.node.agent_execs(sandbox).await {
+            Ok(e) => e,
+            Err(e) => {
+                tracing::debug!(sandbox, error = %e, "no background execs re-found");
+                return 0;
+            }
+        };
+        let mut found = 0;
+        for e in execs {
+            let known = self
+                .by_sandbox
+                .lock()
+                .unwrap()
+                .get(sandbox)
+                .is_some_and(|sb| sb.list.iter().any(|p| p.id == e.handle));
+            if known {
+                continue;
+            }
+            match self.take_up(sandbox, e) {
+                Ok(()) => found += 1,
+                Err(err) => {
+                    tracing::warn!(sandbox, error = %err, "background exec not re-found");
+                }
+            }
+        }
+        if found > 0 {
+            tracing::info!(sandbox, found, "background processes re-found");
+        }
+        found
+    }
+
+    /// Registers one [`crate::node::AgentExec`] and starts its task.
+    fn take_up(&self, sandbox: &str, e: crate::node::AgentExec) -> NodeResult<()> {
+        let log = || {
+            OutputLog::new(DEFAULT_RETAIN as usize, &self.spill_dir).map_err(|err| {
+                NodeError::ResourceExhausted(format!(
+                    "cannot keep the output of a background process in {}: {err}",
+                    self.spill_dir.display()
+                ))
+            })
+        };
+        let (stdout, stderr) = (log()?, log()?);
+        let (sig_tx, sig_rx) = mpsc::unbounded_channel();
+        let started_at = chrono::DateTime::from_timestamp_millis(e.started_unix_ms as i64)
+            .unwrap_or_default()
+            .to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
+        let proc = self.admit(sandbox, |number| ProcessHandle {
+            id: e.handle.clone(),
+            number,
+            tag: None,
+            meta: None,
+            sandbox_id: sandbox.to_string(),
+            // `Cmd::Shell(s)` runs as exactly this argv.
+            cmd: match e.argv.as_slice() {
+                [sh, c, s] if sh == "/bin/sh" && c == "-c" => Cmd::Shell(s.clone()),
+                _ => Cmd::Argv(e.argv),
+            },
+            started_at,
+            state: Mutex::new(State {
+                stdout,
+                stderr,
+                result: None,
+                error: None,
+                ended_at: None,
+            }),
+            version: watch::channel(0).0,
+            stdin: Mutex::new(None),
+            signals: sig_tx,
+            task: Mutex::new(None),
+            pty: false,
+        })?;
+        let (off_tx, off_rx) = tokio::sync::oneshot::channel();
+        let reattach = crate::node::ExecReattach {
+            handle: e.handle,
+            signals: sig_rx,
+            offsets: off_tx,
+        };
+        let (ev_tx, ev_rx) = mpsc::channel::<ExecEvent>(64);
+        let node = self.node.clone();
+        let sid = sandbox.to_string();
+        let exec: ExecFuture =
+            Box::pin(async move { node.exec_reattach(&sid, Some(ev_tx), reattach).await });
+        let task = tokio::spawn(collect(proc.clone(), exec, ev_rx, Some(off_rx)));
+        *proc.task.lock().unwrap() = Some(task.abort_handle());
+        Ok(())
     }
 
     /// Adds `proc` under its sandbox, within the limits, numbering it
@@ -727,7 +835,7 @@ impl ProcessTable {
             .cloned()
             .ok_or_else(|| {
                 NodeError::NotFound(format!(
-                    "no process {pid} in sandbox {sandbox} (background processes do not survive a restart of their node)"
+                    "no process {pid} in sandbox {sandbox} (after a restart of its node a background process is found again only where it ran through a guest agent: container sandboxes, and function sandboxes after their first exec)"
                 ))
             })
     }
@@ -785,10 +893,14 @@ async fn kill_and_drop(p: Arc<ProcessHandle>) {
 }
 
 /// The process's task: runs the exec, moves its output into the logs, records the end.
+///
+/// `offsets` (a process taken up after a restart, [`ProcessTable::refind`]): where its
+/// output starts, which comes before any output.
 async fn collect(
     proc: Arc<ProcessHandle>,
     exec: ExecFuture,
     mut events: mpsc::Receiver<ExecEvent>,
+    offsets: Option<tokio::sync::oneshot::Receiver<(u64, u64)>>,
 ) {
     let push = |ev: ExecEvent| {
         let (stream, bytes) = match ev {
@@ -804,12 +916,29 @@ async fn collect(
         proc.bump();
     };
     tokio::pin!(exec);
-    let result = loop {
+    let mut early = None;
+    if let Some(offsets) = offsets {
         tokio::select! {
             biased;
-            Some(ev) = events.recv() => push(ev),
-            r = &mut exec => break r,
+            o = offsets => {
+                if let Ok((out, err)) = o {
+                    let mut st = proc.state.lock().unwrap();
+                    st.stdout.begin_at(out);
+                    st.stderr.begin_at(err);
+                }
+            }
+            r = &mut exec => early = Some(r),
         }
+    }
+    let result = match early {
+        Some(r) => r,
+        None => loop {
+            tokio::select! {
+                biased;
+                Some(ev) = events.recv() => push(ev),
+                r = &mut exec => break r,
+            }
+        },
     };
     while let Ok(ev) = events.try_recv() {
         push(ev);
@@ -876,6 +1005,14 @@ impl WithProcesses {
     /// The process table.
     pub fn table(&self) -> &Arc<ProcessTable> {
         &self.table
+    }
+
+    /// Re-finds sandbox `id`'s background processes in the background (after a resume: a
+    /// paused sandbox may come from another node, whose execs its agent kept), so the
+    /// resume's latency stays that of the resume.
+    fn refind_later(&self, id: &str) {
+        let (table, id) = (self.table.clone(), id.to_string());
+        tokio::spawn(async move { table.refind(&id).await });
     }
 }
 
@@ -951,13 +1088,21 @@ impl Node for WithProcesses {
         self.inner.pause(id).await
     }
     async fn resume(&self, id: &str) -> NodeResult<()> {
-        self.inner.resume(id).await
+        self.inner.resume(id).await?;
+        self.refind_later(id);
+        Ok(())
     }
     async fn pause_many(&self, ids: &[String]) -> Vec<NodeResult<()>> {
         self.inner.pause_many(ids).await
     }
     async fn resume_many(&self, ids: &[String]) -> Vec<NodeResult<()>> {
-        self.inner.resume_many(ids).await
+        let res = self.inner.resume_many(ids).await;
+        for (id, r) in ids.iter().zip(&res) {
+            if r.is_ok() {
+                self.refind_later(id);
+            }
+        }
+        res
     }
     async fn adopt_snapshot(&self, id: &str) -> NodeResult<()> {
         self.inner.adopt_snapshot(id).await
@@ -975,6 +1120,17 @@ impl Node for WithProcesses {
     async fn readopt(&self, keep: &[String]) -> NodeResult<Vec<String>> {
         let adopted = self.inner.readopt(keep).await?;
         self.table.retain_sandboxes(&adopted);
+        // Their background processes, before the server serves them (16 agents at a time;
+        // each call is bounded).
+        let table = &self.table;
+        futures::StreamExt::for_each_concurrent(
+            futures::stream::iter(&adopted),
+            16,
+            |id| async move {
+                table.refind(id).await;
+            },
+        )
+        .await;
         Ok(adopted)
     }
     async fn checkpoint(
@@ -1081,6 +1237,21 @@ mod tests {
             assert_eq!(l.read(5, 100), (90, (90u8..100).collect::<Vec<_>>()));
             assert_eq!(l.read(95, 2), (95, vec![95, 96]));
         }
+    }
+
+    #[test]
+    fn output_log_begun_at_an_offset_reads_from_there() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut l = OutputLog::new(8, dir.path()).unwrap();
+        l.begin_at(100);
+        assert_eq!((l.start(), l.end()), (100, 100));
+        l.push(b"abc");
+        assert_eq!((l.start(), l.end()), (100, 103));
+        // Older offsets are raised to the start (read as skipped by a cursor).
+        assert_eq!(l.read(0, 10), (100, b"abc".to_vec()));
+        // Only an empty log moves.
+        l.begin_at(500);
+        assert_eq!(l.end(), 103);
     }
 
     #[test]

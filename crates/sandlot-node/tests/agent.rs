@@ -499,3 +499,148 @@ async fn tunnels_nobody_reads_leave_the_other_calls_moving() {
     drop(held);
     pour.abort();
 }
+
+/// Collects an exec stream until `until` is in stdout (or the exit, when `until` is
+/// `None`): (stdout, stderr, exit if seen).
+async fn read_until(
+    s: &mut sandlot_node::agent_client::ExecStream,
+    until: Option<&[u8]>,
+) -> (
+    Vec<u8>,
+    Vec<u8>,
+    Option<sandlot_guest::agent_proto::ExecExit>,
+) {
+    let (mut out, mut err) = (Vec::new(), Vec::new());
+    loop {
+        if until.is_some_and(|u| out.windows(u.len()).any(|w| w == u)) {
+            return (out, err, None);
+        }
+        match s.next().await.unwrap().expect("stream ended without exit") {
+            ExecChunk::Output(true, d) => out.extend(d),
+            ExecChunk::Output(false, d) => err.extend(d),
+            ExecChunk::Exit(x) => return (out, err, Some(x)),
+        }
+    }
+}
+
+/// Issue 25: a named exec outlives its connection's end (the node's restart), keeps what
+/// it writes meanwhile in its ring, and a new connection finds it (`GET /v1/execs`),
+/// reads it on from where the ring starts (`POST /v1/exec/attach`) and signals it; one
+/// that ended meanwhile keeps its exit for the next node, once.
+#[tokio::test]
+async fn named_execs_outlive_their_connection_and_are_found_again() {
+    let Some(a) = start("named_execs_outlive_their_connection_and_are_found_again").await else {
+        return;
+    };
+    let sock = a._tmp.path().join("agent.sock");
+    // The first "node": starts two named execs and one plain one, then goes away.
+    let first = AgentClient::new(&sock);
+    let mut counter = request(
+        "i=0; while true; do echo n$i; i=$((i+1)); sleep 0.05; done",
+        60_000,
+        false,
+    );
+    counter.handle = Some("pr-counter".into());
+    let mut s1 = first.exec(&counter, None).await.unwrap();
+    let (out, _, _) = read_until(&mut s1, Some(b"n3\n")).await;
+    assert!(out.starts_with(b"n0\n"));
+    let mut short = request("sleep 0.3; echo done >&2; exit 7", 60_000, false);
+    short.handle = Some("pr-short".into());
+    let s2 = first.exec(&short, None).await.unwrap();
+    let marker = a._tmp.path().join("plain");
+    let plain = request(
+        &format!("echo $$ > {}; sleep 300", marker.display()),
+        60_000,
+        false,
+    );
+    let s3 = first.exec(&plain, None).await.unwrap();
+    while !marker.exists() {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    drop((s1, s2, s3));
+    drop(first);
+    // Output written while nobody reads goes to the ring; "pr-short" ends meanwhile.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+
+    // The second "node".
+    let second = AgentClient::new(&sock);
+    let list = second
+        .list_execs()
+        .await
+        .unwrap()
+        .expect("the agent has the call");
+    let handles: Vec<&str> = list.iter().map(|e| e.handle.as_str()).collect();
+    assert_eq!(handles, ["pr-counter", "pr-short"], "{list:?}");
+    let c = &list[0];
+    assert_eq!(c.exit_code, None);
+    assert_eq!(c.argv, counter.spec.argv);
+    assert!(c.stdout_bytes > out.len() as u64, "{c:?}");
+    assert!(c.pid > 0 && c.started_unix_ms > 0);
+    assert_eq!(list[1].exit_code, Some(7));
+    assert_eq!(list[1].stderr_bytes, 5);
+
+    // The ended one: its ring and exit, once.
+    let (info, mut s) = second.attach("pr-short").await.unwrap();
+    assert_eq!((info.stdout_offset, info.stderr_offset), (0, 0));
+    let (_, err, x) = read_until(&mut s, None).await;
+    assert_eq!(err, b"done\n");
+    assert_eq!(x.unwrap().status, ExecStatus::Exited { code: 7 });
+    assert!(matches!(
+        second.attach("pr-short").await,
+        Err(sandlot_node::node::NodeError::NotFound(_))
+    ));
+
+    // The running one: the ring's content starts where the first node stopped reading (or
+    // earlier: frames in flight when it went), and the count goes on without a gap.
+    let (info, mut s) = second.attach("pr-counter").await.unwrap();
+    assert!(info.stdout_offset <= out.len() as u64, "{info:?}");
+    assert_eq!(info.dropped, 0);
+    let (more, _, _) = read_until(&mut s, Some(b"n40\n")).await;
+    let mut whole = out[..info.stdout_offset as usize].to_vec();
+    whole.extend(&more);
+    let text = String::from_utf8_lossy(&whole);
+    for (i, line) in text.lines().enumerate() {
+        assert_eq!(line, format!("n{i}"), "{text}");
+    }
+    // A second reader while this one reads: refused.
+    let third = AgentClient::new(&sock);
+    assert!(matches!(
+        third.attach("pr-counter").await,
+        Err(sandlot_node::node::NodeError::Conflict(_))
+    ));
+    // Its handle still takes signals.
+    second.signal("pr-counter", libc::SIGKILL).await.unwrap();
+    let (_, _, x) = read_until(&mut s, None).await;
+    assert_eq!(x.unwrap().status, ExecStatus::Signaled { signal: 9 });
+    assert_eq!(second.list_execs().await.unwrap(), Some(vec![]));
+}
+
+/// Resetting a named exec's stream on a live connection is a cancel: the command dies and
+/// the table forgets it.
+#[tokio::test]
+async fn a_cancelled_named_exec_is_killed_and_forgotten() {
+    let Some(a) = start("a_cancelled_named_exec_is_killed_and_forgotten").await else {
+        return;
+    };
+    let mut req = request("echo up; sleep 300", 60_000, false);
+    req.handle = Some("pr-cancel".into());
+    let mut s = a.client.exec(&req, None).await.unwrap();
+    read_until(&mut s, Some(b"up\n")).await;
+    assert_eq!(a.client.list_execs().await.unwrap().unwrap().len(), 1);
+    drop(s);
+    // Within the agent's grace for a connection's end (1 s) and the kill.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let left = a.client.list_execs().await.unwrap().unwrap();
+        if left.is_empty() {
+            break;
+        }
+        assert!(Instant::now() < deadline, "still tabled: {left:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // The handle is free again.
+    let mut again = request("echo again", 10_000, false);
+    again.handle = Some("pr-cancel".into());
+    let (out, _, _) = run(&a, &again, None).await;
+    assert_eq!(out, b"again\n");
+}

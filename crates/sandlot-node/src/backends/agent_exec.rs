@@ -77,7 +77,7 @@ pub(super) async fn run<G>(
     sink: Option<ExecSink>,
     control: Option<ExecControl>,
 ) -> NodeResult<ExecResult> {
-    let (more_stdin, mut signals, handle) = match control {
+    let (more_stdin, signals, handle) = match control {
         Some(ctl) => (ctl.stdin, Some(ctl.signals), Some(ctl.handle)),
         None => (None, None, None),
     };
@@ -88,7 +88,7 @@ pub(super) async fn run<G>(
         handle: handle.clone(),
     };
     let id = t.id;
-    let mut stream = tokio::time::timeout(
+    let stream = tokio::time::timeout(
         plan.timeout + EXEC_GRACE,
         t.agent
             .exec_streaming(&areq, plan.stdin.as_deref(), more_stdin),
@@ -101,9 +101,59 @@ pub(super) async fn run<G>(
         )
     })??;
     drop(guard);
-    let mut out = Capture::new(plan.cap);
-    let mut err = Capture::new(plan.cap);
     let deadline = tokio::time::Instant::now() + plan.timeout + EXEC_GRACE;
+    relay(t, stream, plan.cap, deadline, killed, sink, signals, handle).await
+}
+
+/// Takes up the named exec `r.handle` that the agent of `t` kept after the node that read
+/// it went away (see [`AgentClient::attach`]): its offsets go to `r.offsets`, then it is
+/// relayed as [`run`] relays a new one (the agent enforces the exec's own timeout; the
+/// node waits at most the longest one plus the grace).
+///
+/// # Errors
+/// `NotFound` (the agent has no such exec), `Conflict` (another connection reads it), as
+/// [`run`] otherwise.
+pub(super) async fn reattach(
+    t: Target<'_>,
+    killed: &mut watch::Receiver<bool>,
+    sink: Option<ExecSink>,
+    r: crate::node::ExecReattach,
+) -> NodeResult<ExecResult> {
+    let (info, stream) = t.agent.attach(&r.handle).await?;
+    let _ = r.offsets.send((info.stdout_offset, info.stderr_offset));
+    let deadline = tokio::time::Instant::now()
+        + Duration::from_secs_f64(sandlot_api::MAX_TIMEOUT_S)
+        + EXEC_GRACE;
+    // The node keeps no copy of a background process's output (its logs do).
+    relay(
+        t,
+        stream,
+        0,
+        deadline,
+        killed,
+        sink,
+        Some(r.signals),
+        Some(r.handle),
+    )
+    .await
+}
+
+/// Relays `stream` (an exec's or an attach's frames) to the captures of `cap` bytes and
+/// `sink`, delivers `signals` to `handle`, and turns its end into the result.
+#[allow(clippy::too_many_arguments)]
+async fn relay(
+    t: Target<'_>,
+    mut stream: crate::agent_client::ExecStream,
+    cap: usize,
+    deadline: tokio::time::Instant,
+    killed: &mut watch::Receiver<bool>,
+    sink: Option<ExecSink>,
+    mut signals: Option<tokio::sync::mpsc::UnboundedReceiver<i32>>,
+    handle: Option<String>,
+) -> NodeResult<ExecResult> {
+    let id = t.id;
+    let mut out = Capture::new(cap);
+    let mut err = Capture::new(cap);
     let exit = loop {
         let step = tokio::select! {
             c = stream.next() => Ok(c?),

@@ -1501,6 +1501,45 @@ impl SandboxBackend for ContainerBackend {
         Ok(Box::new(s))
     }
 
+    async fn agent_execs(&self, id: &str) -> NodeResult<Vec<crate::node::AgentExec>> {
+        let c = self.fs_target(id).await?;
+        match c.agent.list_execs().await? {
+            Some(list) => Ok(list
+                .into_iter()
+                .map(|e| crate::node::AgentExec {
+                    handle: e.handle,
+                    argv: e.argv,
+                    started_unix_ms: e.started_unix_ms,
+                    exit_code: e.exit_code,
+                })
+                .collect()),
+            None => {
+                tracing::debug!(sandbox = %id, "guest agent keeps no exec table (older agent)");
+                Ok(Vec::new())
+            }
+        }
+    }
+
+    async fn exec_reattach(
+        &self,
+        id: &str,
+        sink: Option<crate::node::ExecSink>,
+        reattach: crate::node::ExecReattach,
+    ) -> NodeResult<ExecResult> {
+        let c = self.fs_target(id).await?;
+        let mut killed = c.killed.subscribe();
+        let (pid, start) = (c.state.saved.init_pid, c.state.saved.init_starttime);
+        let died = move || proc_starttime(pid) != Some(start);
+        let target = agent_exec::Target {
+            id,
+            kind: "container",
+            agent: &c.agent,
+            pids_max: c.state.saved.spec.pids_max,
+            died: &died,
+        };
+        agent_exec::reattach(target, &mut killed, sink, reattach).await
+    }
+
     async fn readopt(&self, keep: &[String]) -> NodeResult<Vec<String>> {
         let mut adopted = Vec::new();
         let mut errors = Vec::new();

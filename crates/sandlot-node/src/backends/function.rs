@@ -637,6 +637,67 @@ impl SandboxBackend for FunctionBackend {
         self.with_fs(id, move |fs| fs.read(&path, max_bytes)).await
     }
 
+    /// Background processes that went through the in-jail agent outlive the node's
+    /// process (the agent does); those of the helper path (a sandbox's first exec) die
+    /// with it.
+    async fn agent_execs(&self, id: &str) -> NodeResult<Vec<crate::node::AgentExec>> {
+        let jail = self.jail(id)?;
+        jail.check_not_paused()?;
+        let ready = jail.agent.ready();
+        let fresh;
+        let client = match &ready {
+            Some(a) => &a.client,
+            None => match agent::answering(&self.dir_of(id)).await {
+                Some(c) => {
+                    fresh = c;
+                    &fresh
+                }
+                None => return Ok(Vec::new()),
+            },
+        };
+        let Some(list) = client.list_execs().await? else {
+            tracing::debug!(sandbox = %id, "guest agent keeps no exec table (older agent)");
+            return Ok(Vec::new());
+        };
+        Ok(list
+            .into_iter()
+            .map(|e| crate::node::AgentExec {
+                handle: e.handle,
+                argv: e.argv,
+                started_unix_ms: e.started_unix_ms,
+                exit_code: e.exit_code,
+            })
+            .collect())
+    }
+
+    async fn exec_reattach(
+        &self,
+        id: &str,
+        sink: Option<crate::node::ExecSink>,
+        reattach: crate::node::ExecReattach,
+    ) -> NodeResult<ExecResult> {
+        let jail = self.jail(id)?;
+        jail.check_not_paused()?;
+        let ready = jail.agent.ready();
+        let fresh;
+        let client = match &ready {
+            Some(a) => &a.client,
+            None => match agent::answering(&self.dir_of(id)).await {
+                Some(c) => {
+                    fresh = c;
+                    &fresh
+                }
+                None => {
+                    return Err(NodeError::NotFound(format!(
+                        "sandbox {id} has no guest agent to take exec {} up from",
+                        reattach.handle
+                    )))
+                }
+            },
+        };
+        agent::reattach(&jail, client, sink, reattach).await
+    }
+
     async fn file_size(&self, id: &str, path: &str) -> NodeResult<u64> {
         let path = path.to_string();
         self.with_fs(id, move |fs| fs.size(&path)).await

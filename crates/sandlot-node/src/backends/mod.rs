@@ -181,6 +181,28 @@ pub trait SandboxBackend: Send + Sync {
     /// Re-adopt sandboxes in `keep` found alive on disk, clean up every other leftover.
     async fn readopt(&self, keep: &[String]) -> NodeResult<Vec<String>>;
 
+    /// The background execs sandbox `id`'s guest agent still holds (see
+    /// [`crate::Node::agent_execs`]); none by default (no agent).
+    async fn agent_execs(&self, id: &str) -> NodeResult<Vec<crate::node::AgentExec>> {
+        let _ = id;
+        Ok(Vec::new())
+    }
+
+    /// Takes up one of them (see [`crate::Node::exec_reattach`]); `Unavailable` by
+    /// default.
+    async fn exec_reattach(
+        &self,
+        id: &str,
+        sink: Option<ExecSink>,
+        reattach: crate::node::ExecReattach,
+    ) -> NodeResult<ExecResult> {
+        let _ = (id, sink, reattach);
+        Err(NodeError::Unavailable(format!(
+            "the {} backend cannot re-attach background execs",
+            self.kind().as_str()
+        )))
+    }
+
     /// A TCP connection to `127.0.0.1:port` inside sandbox `id` (ingress, see
     /// [`crate::ports`]).
     ///

@@ -227,6 +227,47 @@ pub(super) async fn exec(
     Ok(res)
 }
 
+/// Takes up the named exec `r.handle` that `agent` (`jail`'s) kept after the node that read
+/// it went away (see [`agent_exec::reattach`]).
+///
+/// # Errors
+/// Those of [`agent_exec::reattach`].
+pub(super) async fn reattach(
+    jail: &Arc<Jail>,
+    agent: &AgentClient,
+    sink: Option<ExecSink>,
+    r: crate::node::ExecReattach,
+) -> NodeResult<ExecResult> {
+    let id = &jail.state.saved.id;
+    let mut killed = jail.killed.subscribe();
+    let (pid, start) = (jail.state.saved.init_pid, jail.state.saved.init_starttime);
+    let died = move || proc_starttime(pid) != Some(start);
+    let target = agent_exec::Target {
+        id,
+        kind: "function sandbox",
+        agent,
+        pids_max: jail.state.saved.spec.pids_max,
+        died: &died,
+    };
+    agent_exec::reattach(target, &mut killed, sink, r).await
+}
+
+/// An agent that answers on `jail`'s socket under `dir` within [`REATTACH_TIMEOUT`] (one
+/// left by a previous node process, found before the re-adoption's reconnect finished), or
+/// `None`.
+pub(super) async fn answering(dir: &Path) -> Option<AgentClient> {
+    let sock = socket_path(dir);
+    if !sock.exists() {
+        return None;
+    }
+    let client = AgentClient::new(&sock);
+    client
+        .wait_ready(Instant::now() + REATTACH_TIMEOUT)
+        .await
+        .ok()
+        .map(|()| client)
+}
+
 /// Starts the guest agent of the jail whose init is `init` (start time `init_start`) and
 /// whose cgroups' `cgroup.procs` files are `procs`, serving on `dir/agent.sock`, and
 /// records it in `dir/agent.pid`; returns its host pid and start time. Blocking (waits for
