@@ -105,6 +105,31 @@ pub(super) async fn run<G>(
     relay(t, stream, plan.cap, deadline, killed, sink, signals, handle).await
 }
 
+/// The background execs sandbox `id`'s guest agent still holds
+/// ([`AgentClient::list_execs`]); none from an agent older than the table (logged at
+/// debug).
+///
+/// # Errors
+/// As [`AgentClient::list_execs`].
+pub(super) async fn agent_execs(
+    id: &str,
+    agent: &AgentClient,
+) -> NodeResult<Vec<crate::node::AgentExec>> {
+    let Some(list) = agent.list_execs().await? else {
+        tracing::debug!(sandbox = %id, "guest agent keeps no exec table (older agent)");
+        return Ok(Vec::new());
+    };
+    Ok(list
+        .into_iter()
+        .map(|e| crate::node::AgentExec {
+            handle: e.handle,
+            argv: e.argv,
+            started_unix_ms: e.started_unix_ms,
+            exit_code: e.exit_code,
+        })
+        .collect())
+}
+
 /// Takes up the named exec `r.handle` that the agent of `t` kept after the node that read
 /// it went away (see [`AgentClient::attach`]): its offsets go to `r.offsets`, then it is
 /// relayed as [`run`] relays a new one (the agent enforces the exec's own timeout; the

@@ -1503,21 +1503,7 @@ impl SandboxBackend for ContainerBackend {
 
     async fn agent_execs(&self, id: &str) -> NodeResult<Vec<crate::node::AgentExec>> {
         let c = self.fs_target(id).await?;
-        match c.agent.list_execs().await? {
-            Some(list) => Ok(list
-                .into_iter()
-                .map(|e| crate::node::AgentExec {
-                    handle: e.handle,
-                    argv: e.argv,
-                    started_unix_ms: e.started_unix_ms,
-                    exit_code: e.exit_code,
-                })
-                .collect()),
-            None => {
-                tracing::debug!(sandbox = %id, "guest agent keeps no exec table (older agent)");
-                Ok(Vec::new())
-            }
-        }
+        agent_exec::agent_execs(id, &c.agent).await
     }
 
     async fn exec_reattach(

@@ -655,19 +655,7 @@ impl SandboxBackend for FunctionBackend {
                 None => return Ok(Vec::new()),
             },
         };
-        let Some(list) = client.list_execs().await? else {
-            tracing::debug!(sandbox = %id, "guest agent keeps no exec table (older agent)");
-            return Ok(Vec::new());
-        };
-        Ok(list
-            .into_iter()
-            .map(|e| crate::node::AgentExec {
-                handle: e.handle,
-                argv: e.argv,
-                started_unix_ms: e.started_unix_ms,
-                exit_code: e.exit_code,
-            })
-            .collect())
+        super::agent_exec::agent_execs(id, client).await
     }
 
     async fn exec_reattach(

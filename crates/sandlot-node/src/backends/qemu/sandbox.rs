@@ -832,6 +832,32 @@ impl<M: Machine> SandboxBackend for M {
         Some(self)
     }
 
+    async fn agent_execs(&self, id: &str) -> NodeResult<Vec<crate::node::AgentExec>> {
+        let vm = self.core().fs_target(id).await?;
+        agent_exec::agent_execs(id, &vm.agent).await
+    }
+
+    async fn exec_reattach(
+        &self,
+        id: &str,
+        sink: Option<crate::node::ExecSink>,
+        reattach: crate::node::ExecReattach,
+    ) -> NodeResult<ExecResult> {
+        let core = self.core();
+        let vm = core.fs_target(id).await?;
+        let mut killed = vm.killed.subscribe();
+        let cell = vm.proc_.clone();
+        let died = move || !cell.lock().unwrap().exists();
+        let target = agent_exec::Target {
+            id,
+            kind: core.label,
+            agent: &vm.agent,
+            pids_max: vm.state.spec.pids_max,
+            died: &died,
+        };
+        agent_exec::reattach(target, &mut killed, sink, reattach).await
+    }
+
     /// Through the guest agent ([`AgentClient::connect_port`]): the guest's loopback is
     /// reachable only from inside the VM.
     async fn connect_port(&self, id: &str, port: u16) -> NodeResult<sandlot_node_api::PortConn> {
