@@ -317,6 +317,11 @@ struct PoolOpts {
     /// `runc run` (0 = no container pool). Pooled containers are real processes.
     #[arg(long, default_value_t = 2)]
     container_warm_pool: usize,
+    /// Members each warm pool (function jails, runc containers) builds at once while it
+    /// refills (at least 1; never more than the pool keeps). Builds wait mostly on the
+    /// kernel (mounts, cgroups), so a few at once keep the pool up with concurrent creates.
+    #[arg(long, env = "SANDLOT_WARM_POOL_BUILDS", default_value_t = 2)]
+    warm_pool_builds: usize,
 }
 
 /// API server flags (`sandlot up`, `sandlot server`).
@@ -1151,6 +1156,7 @@ impl PoolOpts {
         ncfg.function_pool_images =
             run_code_pool_images(&ncfg.images_dir, self.run_code_pool_images);
         ncfg.container_warm_pool = self.container_warm_pool;
+        ncfg.warm_pool_builds = self.warm_pool_builds;
     }
 }
 

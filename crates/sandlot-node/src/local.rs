@@ -63,6 +63,9 @@ pub struct NodeConfig {
     /// no container pool; `sandlot up` defaults to 2). The pool starts after the first
     /// [`Node::readopt`]; see [`crate::backends::container::pool`].
     pub container_warm_pool: usize,
+    /// Members each warm pool builds at once while it refills (default 2; at least 1, at
+    /// most the members the pool keeps: [`crate::backends::pool::PoolConfig::builds`]).
+    pub warm_pool_builds: usize,
     /// OCI runtime of `container` sandboxes created without one (default runc).
     pub default_runtime: Runtime,
     /// The microvm guest kit (kernel + modules, built by `scripts/guest-kit.sh`):
@@ -97,6 +100,7 @@ impl NodeConfig {
             warm_pool_images: Vec::new(),
             function_pool_images: Vec::new(),
             container_warm_pool: 0,
+            warm_pool_builds: 2,
             default_runtime: Runtime::Runc,
             snapshot_dir: std::env::var_os("SANDLOT_SNAPSHOT_DIR")
                 .filter(|v| !v.is_empty())
@@ -434,6 +438,7 @@ impl LocalNode {
             container_pool: PoolConfig {
                 per_image: cfg.container_warm_pool,
                 images: cfg.warm_pool_images.clone(),
+                max_builds: cfg.warm_pool_builds,
             },
             pool: PoolConfig {
                 per_image: cfg.warm_pool,
@@ -446,6 +451,7 @@ impl LocalNode {
                     }
                     images
                 },
+                max_builds: cfg.warm_pool_builds,
             },
             accel: probe.ok(),
             net,

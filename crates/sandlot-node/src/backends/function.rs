@@ -566,6 +566,7 @@ impl SandboxBackend for FunctionBackend {
                 return Ok(());
             }
         }
+        let started = std::time::Instant::now();
         let cg = self.cgroups.sandbox(&spec.id);
         let mut ready = None;
         let mut uids = None;
@@ -579,7 +580,7 @@ impl SandboxBackend for FunctionBackend {
                 self.adopt(state, uids);
                 self.attach_network(spec).await?;
                 // No agent yet: it starts at the second exec ([`Self::agent_of`]).
-                tracing::info!(sandbox = %spec.id, backend = "function", image = %image.name, uid_base, "sandbox created");
+                tracing::info!(sandbox = %spec.id, backend = "function", image = %image.name, uid_base, ms = started.elapsed().as_millis() as u64, "sandbox created");
                 Ok(())
             }
             Err(err) => {
@@ -1719,13 +1720,17 @@ pub(crate) fn destroy_blocking(cg: &SandboxCgroup, dir: &Path) -> NodeResult<()>
     if let Err(e) = cg.remove(KILL_TIMEOUT) {
         errs.push(e.into());
     }
-    // Never recurse into a mount: remove_dir_all would then delete through it.
+    // Never recurse into a mount: remove_dir_all would then delete through it. The mount
+    // table is read once more only when an unmount failed (each read walks every mount of
+    // the host's namespace).
     let scratch = dir.join("scratch");
+    let mut all_unmounted = true;
     for m in mounts_under(dir) {
         if m != scratch {
             tracing::warn!(path = %m.display(), "unmounting a leftover host mount of a sandbox");
         }
         if let Err(e) = nix::mount::umount2(&m, nix::mount::MntFlags::MNT_DETACH) {
+            all_unmounted = false;
             // EINVAL: not a mount point (any more): a concurrent cleanup was first.
             if e == nix::errno::Errno::EINVAL && !mounts_under(dir).contains(&m) {
                 continue;
@@ -1736,7 +1741,7 @@ pub(crate) fn destroy_blocking(cg: &SandboxCgroup, dir: &Path) -> NodeResult<()>
             ));
         }
     }
-    if mounts_under(dir).is_empty() {
+    if all_unmounted || mounts_under(dir).is_empty() {
         match std::fs::remove_dir_all(dir) {
             Ok(()) => {}
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}

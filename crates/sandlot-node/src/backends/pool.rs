@@ -32,11 +32,15 @@
 //! `rename`; v1 has `cgroup1_rename`), so one path that works on both is used.
 //!
 //! Refill: one thread per pool (a current-thread tokio runtime) keeps `per_image` ready
-//! members for each listed image, building one at a time so that it never takes more than
-//! about one core away from real creates; it is woken by every hand-over, backs off on
-//! failures (a missing image: up to a minute between tries), and on drop of the pool stops,
-//! finishes the build in flight and destroys every member it holds. Members are real
-//! processes, cgroups and directories and count toward the host's resources.
+//! members for each listed image, building up to [`PoolConfig::builds`] at once (`sandlot
+//! up --warm-pool-builds`, default 2), the image that misses the most members first. A
+//! build spends most of its wall time waiting on the kernel (mounts, namespaces, cgroup
+//! moves), so one build at a time fell behind concurrent creates, which then built their
+//! jail cold; a small bound keeps the refill from taking the cores real creates need. The
+//! loop is woken by every hand-over, backs off on failures (a missing image: up to a minute
+//! between tries), and on drop of the pool stops, finishes the builds in flight and
+//! destroys every member it holds. Members are real processes, cgroups and directories and
+//! count toward the host's resources.
 use super::saved::{self, SavedSandbox};
 use super::uids::{UidLease, UidSlots};
 use crate::cgroups::{CgroupRoot, Limits};
@@ -67,6 +71,19 @@ pub struct PoolConfig {
     pub per_image: usize,
     /// Image names to keep members of (names in the node's image store).
     pub images: Vec<String>,
+    /// Members built at once, at most ([`PoolConfig::builds`] bounds it to 1 ..=
+    /// `per_image` × images).
+    pub max_builds: usize,
+}
+
+impl PoolConfig {
+    /// Members the refill builds at once: `max_builds`, at least 1 and at most the number
+    /// of members the pool keeps (`per_image` × images).
+    pub fn builds(&self) -> usize {
+        self.max_builds
+            .min(self.per_image.saturating_mul(self.images.len()))
+            .max(1)
+    }
 }
 
 /// What a [`WarmPool`] needs of its backend: how to build, destroy and hand over one
@@ -390,6 +407,7 @@ impl<M: PoolMember> WarmPool<M> {
                 .and_then(|q| q.pop_front());
             self.shared.wake.notify_one();
             let Some(p) = p else {
+                tracing::debug!(image = %image.name, "{}: no ready {} for this create", M::NAME, M::WHAT);
                 self.shared.misses.fetch_add(1, Ordering::Relaxed);
                 return None;
             };
@@ -473,8 +491,8 @@ impl<M: PoolMember> WarmPool<M> {
 }
 
 impl<M: PoolMember> WarmPool<M> {
-    /// Stop refilling and destroy every ready member; blocks until done (the build in
-    /// flight is finished first, bounded by the backend's timeouts). Later creates find no
+    /// Stop refilling and destroy every ready member; blocks until done (the builds in
+    /// flight are finished and destroyed first, bounded by the backend's timeouts). Later creates find no
     /// member and build their own. Idempotent. A node stopping for good calls it so that
     /// its ready members (processes, mounts, loop devices, cgroups) do not outlive it; a
     /// node that is killed leaves them to the next start's sweep.
@@ -552,6 +570,7 @@ impl<M: PoolMember> Shared<M> {
         let layers = LayerStamp::of(&image.layers);
         // On failure the lease is dropped only after the half-built member is gone.
         let mut uids = None;
+        let started = std::time::Instant::now();
         let built = match self.uids.allocate() {
             Ok(u) => {
                 let base = uids.insert(u).base();
@@ -559,6 +578,7 @@ impl<M: PoolMember> Shared<M> {
             }
             Err(e) => Err(e),
         };
+        tracing::debug!(pooled = %name, image = %image.name, ok = built.is_ok(), ms = started.elapsed().as_millis() as u64, "{}: built a {}", M::NAME, M::WHAT);
         match built {
             Ok(state) => Ok(Pooled {
                 name,
@@ -575,35 +595,65 @@ impl<M: PoolMember> Shared<M> {
         }
     }
 
+    /// The image to build a member of next (see [`most_missing`]), counting ready members
+    /// and those in `building`.
+    fn next_image(
+        &self,
+        building: &HashMap<String, usize>,
+        backoff: &HashMap<String, (tokio::time::Instant, Duration)>,
+        now: tokio::time::Instant,
+    ) -> Option<String> {
+        most_missing(
+            &self.pool.images,
+            self.pool.per_image,
+            |i| self.ready_count(i) + building.get(i).copied().unwrap_or(0),
+            |i| backoff.get(i).is_some_and(|(until, _)| *until > now),
+        )
+        .cloned()
+    }
+
     async fn refill_loop(&self) {
+        use futures::StreamExt as _;
         // Leftovers of a previous process (the node's readopt already removed their cgroups
         // when it ran first; destroy covers both anyway).
         self.sweep_dir().await;
         let mut backoff: HashMap<String, (tokio::time::Instant, Duration)> = HashMap::new();
+        // Builds in flight (at most `builds`), and how many of each image.
+        let mut inflight = futures::stream::FuturesUnordered::new();
+        let mut building: HashMap<String, usize> = HashMap::new();
+        let builds = self.pool.builds();
         while !self.stop.load(Ordering::SeqCst) {
             let now = tokio::time::Instant::now();
-            let next = self.pool.images.iter().find(|i| {
-                self.ready_count(i) < self.pool.per_image
-                    && backoff.get(*i).is_none_or(|(until, _)| *until <= now)
-            });
-            let Some(name) = next.cloned() else {
-                // Nothing to do: wait for a hand-over, or for the earliest back-off to end.
-                let wait = backoff
-                    .values()
-                    .map(|(u, _)| u.saturating_duration_since(now))
-                    .filter(|d| !d.is_zero())
-                    .min()
-                    .unwrap_or(Duration::from_secs(5));
-                tokio::select! {
-                    _ = self.wake.notified() => {}
-                    _ = tokio::time::sleep(wait) => {}
-                }
-                continue;
+            while inflight.len() < builds {
+                let Some(name) = self.next_image(&building, &backoff, now) else {
+                    break;
+                };
+                *building.entry(name.clone()).or_default() += 1;
+                inflight.push(async move {
+                    let built = match self.images.get(&name) {
+                        Ok(image) => self.build_one(&image).await,
+                        Err(e) => Err(e),
+                    };
+                    (name, built)
+                });
+            }
+            // Wait for a build to finish, a hand-over (or stop), or the earliest back-off
+            // to end.
+            let wait = backoff
+                .values()
+                .map(|(u, _)| u.saturating_duration_since(now))
+                .filter(|d| !d.is_zero())
+                .min()
+                .unwrap_or(Duration::from_secs(5));
+            let done = tokio::select! {
+                Some(done) = inflight.next(), if !inflight.is_empty() => done,
+                _ = self.wake.notified() => continue,
+                _ = tokio::time::sleep(wait) => continue,
             };
-            let built = match self.images.get(&name) {
-                Ok(image) => self.build_one(&image).await,
-                Err(e) => Err(e),
-            };
+            let (name, built) = done;
+            if let Some(n) = building.get_mut(&name) {
+                *n = n.saturating_sub(1);
+            }
             match built {
                 Ok(p) => {
                     backoff.remove(&name);
@@ -627,7 +677,35 @@ impl<M: PoolMember> Shared<M> {
                 }
             }
         }
+        // Stopping: finish the builds in flight and destroy what they made.
+        while let Some((_, built)) = inflight.next().await {
+            if let Ok(p) = built {
+                self.destroy(&p.name, &p.dir).await;
+            }
+        }
     }
+}
+
+/// Of `images` with fewer than `per_image` members (`have`: ready plus being built) and not
+/// `backing_off`, the one missing the most (ties: the first listed), so that the image
+/// creates drain is refilled first; `None` when every image is full or backing off.
+fn most_missing(
+    images: &[String],
+    per_image: usize,
+    have: impl Fn(&str) -> usize,
+    backing_off: impl Fn(&str) -> bool,
+) -> Option<&String> {
+    let mut best: Option<(&String, usize)> = None;
+    for i in images {
+        let missing = per_image.saturating_sub(have(i));
+        if missing == 0 || backing_off(i) {
+            continue;
+        }
+        if best.is_none_or(|(_, m)| missing > m) {
+            best = Some((i, missing));
+        }
+    }
+    best.map(|(i, _)| i)
 }
 
 /// A fresh pooled name: `prefix` + hex digits of the time, the process id and a counter.
@@ -673,7 +751,50 @@ fn set_hostname(pid: i32, name: &str) -> NodeResult<()> {
 
 #[cfg(test)]
 mod tests {
-    use super::LayerStamp;
+    use super::{most_missing, LayerStamp, PoolConfig};
+
+    #[test]
+    fn builds_at_once_are_bounded_by_what_the_pool_keeps() {
+        let cfg = |per_image, n: usize, max_builds| PoolConfig {
+            per_image,
+            images: (0..n).map(|i| format!("i{i}")).collect(),
+            max_builds,
+        };
+        assert_eq!(cfg(4, 4, 2).builds(), 2);
+        assert_eq!(cfg(4, 4, 0).builds(), 1, "at least one");
+        assert_eq!(cfg(1, 2, 8).builds(), 2, "never more than the members kept");
+        assert_eq!(cfg(4, 1, 100).builds(), 4);
+    }
+
+    #[test]
+    fn the_image_missing_the_most_members_is_built_first() {
+        let images: Vec<String> = ["python", "lang-python", "lang-cpp"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        let pick = |have: &[usize], off: &[&str]| {
+            most_missing(
+                &images,
+                4,
+                |i| have[images.iter().position(|x| x == i).unwrap()],
+                |i| off.contains(&i),
+            )
+            .map(String::as_str)
+        };
+        assert_eq!(pick(&[4, 1, 3], &[]), Some("lang-python"));
+        assert_eq!(
+            pick(&[2, 2, 4], &[]),
+            Some("python"),
+            "ties: the first listed"
+        );
+        assert_eq!(pick(&[4, 1, 3], &["lang-python"]), Some("lang-cpp"));
+        assert_eq!(pick(&[4, 4, 4], &[]), None);
+        assert_eq!(pick(&[5, 4, 4], &[]), None, "more than per_image is full");
+        assert_eq!(
+            pick(&[0, 0, 0], &["python", "lang-python", "lang-cpp"]),
+            None
+        );
+    }
 
     #[test]
     fn a_layer_recreated_under_the_same_path_is_stale() {

@@ -144,8 +144,15 @@ pub async fn run_code(
     Json(req): Json<RunCodeRequest>,
 ) -> ApiResult<Json<RunCodeResponse>> {
     let plan = plan(&req).map_err(ServerError::invalid)?;
+    let arrived = std::time::Instant::now();
     let permit = match st.run_code_gate.admit(st.cfg.run_code_wait).await {
-        Ok(p) => p,
+        Ok(p) => {
+            tracing::debug!(
+                wait_ms = arrived.elapsed().as_millis() as u64,
+                "run_code: admitted"
+            );
+            p
+        }
         Err(e) => {
             st.metrics.run_code_done("Rejected");
             return Err(e);
@@ -385,6 +392,7 @@ async fn execute(
         ..Default::default()
     };
     let labels = BTreeMap::from([("sandlot.kind".to_string(), "run_code".to_string())]);
+    let started = std::time::Instant::now();
     let id = match create_sandbox(st, who, create, labels, None).await {
         Ok((rec, _)) => rec.id,
         // The caller's quota is full: HTTP 429, to be retried, not a verdict on the code.
@@ -402,7 +410,9 @@ async fn execute(
     };
     // Budget shares of the fetched files, kept until the answer is handed over.
     let mut held = Vec::new();
+    let created = started.elapsed();
     let out = run_in(st, &id, &req, plan, &mut held).await;
+    let ran = started.elapsed();
     // Answer once the sandbox is marked `deleting` (its quota is free from that mark), and
     // finish the node delete afterwards, still holding the admission permit so that at most
     // `run_code_concurrency` sandboxes exist for run_code at once.
@@ -430,6 +440,14 @@ async fn execute(
     if let Err(e) = done {
         tracing::warn!(sandbox_id = %id, error = %crate::error::chain(&e), "run_code: delete failed; the reaper retries");
     }
+    // Where a call's wall time goes (the admission slot is held through all three).
+    tracing::debug!(
+        sandbox_id = %id,
+        create_ms = created.as_millis() as u64,
+        run_ms = (ran - created).as_millis() as u64,
+        delete_ms = (started.elapsed() - ran).as_millis() as u64,
+        "run_code: done"
+    );
 }
 
 /// An exec on the node with its audit event and latency observation.
