@@ -604,3 +604,23 @@ def wait_for(pred, timeout: float, what: str, interval: float = 0.1) -> float:
         if time.monotonic() - t0 > timeout:
             pytest.fail(f"timed out after {timeout}s waiting for {what}")
         time.sleep(interval)
+
+
+def process_stdout(proc, until: bytes, timeout: float = 30) -> tuple:
+    """Reads ``proc``'s output from offset 0 (following) until ``until`` is in its stdout:
+    (stdout bytes from where the server still has them, the OutputSkipped events)."""
+    out, skipped = bytearray(), []
+    deadline = time.monotonic() + timeout
+    events = proc.output(follow=True, stdout_offset=0, stderr_offset=0)
+    try:
+        for ev in events:
+            if isinstance(ev, sandlot.OutputSkipped):
+                skipped.append(ev)
+            elif isinstance(ev, sandlot.StdoutChunk):
+                out += ev.data
+            if until in out:
+                break
+            assert time.monotonic() < deadline, f"no {until!r} in {bytes(out)!r}"
+    finally:
+        events.close()
+    return bytes(out), skipped

@@ -91,7 +91,8 @@ def restart_killed_nodes(d: Path, url: str) -> None:
 
 def resume_on_another_node(cluster, backend: str, timeout: float) -> None:
     """The shared body: create `backend` sandbox, a background loop, a file on disk and one
-    in guest RAM; pause (to the shared store); kill its node; resume by label elsewhere."""
+    in guest RAM; pause (to the shared store); kill its node; resume by label elsewhere;
+    the loop is listed there under its old handle and killed through it."""
     d, url = cluster
     c = sandlot.Client(url, timeout=timeout, retries=0)
     status = c._request("GET", "/healthz").json().get("backends", {}).get(backend)
@@ -143,6 +144,16 @@ def resume_on_another_node(cluster, backend: str, timeout: float) -> None:
     # The background process still runs: its file keeps growing after the resume.
     n1 = ticks(box)
     wait_for(lambda: ticks(box) >= n1 + 3, 30, "the loop to tick on the new node")
+    # The new node found it in the guest agent's table: listed under its old handle, and a
+    # kill through that handle ends it.
+    wait_for(lambda: [p.id for p in box.processes()] == [proc.id], 30,
+             "the background process to be listed on the new node")
+    box.process(proc.id).kill()
+    res = box.process(proc.id).wait(timeout=30)
+    assert res is not None and res.signal == 9, res
+    n2 = ticks(box)
+    time.sleep(1)
+    assert ticks(box) == n2, "the loop still runs after its kill"
     assert not snap.exists(), "the snapshot stays in the store after the resume"
     # The disk stays writable on the new node (its active layer is the sandbox's own).
     r = box.exec("echo after > /workspace/after.txt && sync && cat /workspace/after.txt")

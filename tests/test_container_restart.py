@@ -29,7 +29,7 @@ import pytest
 import sandlot
 from conftest import (
     IMAGES_DIR, Server, count_leaks, host_processes_matching, pooled_names, private_base,
-    remove_private_base, wait_no_leaks, wait_until,
+    process_stdout, remove_private_base, wait_no_leaks, wait_until,
 )
 
 IMAGE = "python"
@@ -561,26 +561,6 @@ def test_kill9_during_delete_leaves_nothing(node, client, baseline):
     assert_nothing_left(node, baseline, "deletes interrupted by kill -9")
 
 
-def _stdout_of(proc, until: bytes, timeout: float = 30) -> tuple:
-    """Reads ``proc``'s output from offset 0 (following) until ``until`` is in its stdout:
-    (stdout bytes from where the server still has them, the OutputSkipped events)."""
-    out, skipped = bytearray(), []
-    deadline = time.monotonic() + timeout
-    events = proc.output(follow=True, stdout_offset=0, stderr_offset=0)
-    try:
-        for ev in events:
-            if isinstance(ev, sandlot.OutputSkipped):
-                skipped.append(ev)
-            elif isinstance(ev, sandlot.StdoutChunk):
-                out += ev.data
-            if until in out:
-                break
-            assert time.monotonic() < deadline, f"no {until!r} in {bytes(out)!r}"
-    finally:
-        events.close()
-    return bytes(out), skipped
-
-
 def test_kill9_refinds_background_processes(node, client, baseline):
     """Issue 25: background processes started through the container's guest agent outlive a
     kill -9 of the server and are found again after its restart, under their old handles.
@@ -595,7 +575,7 @@ def test_kill9_refinds_background_processes(node, client, baseline):
         counter = box.spawn(f": counter-{tag}; i=0; while true; do echo n$i; "
                             f"date +%s%N > /tmp/hb; i=$((i+1)); sleep 0.2; done")
         short = box.spawn("sleep 1; echo bye >&2; exit 7")
-        before, _ = _stdout_of(counter, b"n3\n")
+        before, _ = process_stdout(counter, b"n3\n")
         node.kill()
         # The short one ends while no server runs; the counter prints ~12 lines meanwhile.
         time.sleep(2.5)
@@ -614,7 +594,7 @@ def test_kill9_refinds_background_processes(node, client, baseline):
 
         # The count goes on without a gap: the bytes the restarted server no longer has
         # (those the old one had read) show as skipped, the rest continues them.
-        after, skipped = _stdout_of(c, b"n25\n")
+        after, skipped = process_stdout(c, b"n25\n")
         gap = skipped[0].to if skipped else 0
         assert gap <= len(before), (gap, len(before))
         whole = (before[:gap] + after).decode()

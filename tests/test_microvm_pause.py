@@ -20,7 +20,7 @@ from typing import Iterator
 import pytest
 
 import sandlot
-from conftest import Server, private_base, remove_private_base, wait_until
+from conftest import Server, private_base, process_stdout, remove_private_base, wait_until
 
 IMAGE = "python"
 
@@ -104,6 +104,49 @@ def test_kill9_while_paused_then_resume_and_delete_paused(node):
     box.delete()
     wait_until(lambda: not vmdir.exists(), 30, what=f"{vmdir} to go")
     c.close()
+
+
+def test_kill9_refinds_background_processes(node):
+    """Issue 25 on microvm: background processes run by the guest agent outlive a kill -9
+    of `sandlot up` (QEMU and the guest go on) and are listed again under their old
+    handles after the restart: a counter printing every 0.2 s goes on from the same
+    offsets (what it printed meanwhile from the agent's ring, every line in order) and
+    ends when killed through its handle; one that exited meanwhile is `exited` with its
+    exit code and output."""
+    c = sandlot.Client(node.url, timeout=120)
+    box = c.create(backend="microvm", image=IMAGE, memory_mib=256, ttl_s=900)
+    try:
+        counter = box.spawn("i=0; while true; do echo n$i; date +%s%N > /tmp/hb; "
+                            "i=$((i+1)); sleep 0.2; done")
+        before, _ = process_stdout(counter, b"n3\n", timeout=60)
+        short = box.spawn("sleep 2; echo bye >&2; exit 7")
+        node.kill()
+        time.sleep(4)  # the short one ends while no server runs
+        node.start()
+        c.close()
+        c = sandlot.Client(node.url, timeout=120)
+        box = c.get(box.id)
+
+        procs = {p.id: p for p in box.processes()}
+        assert set(procs) == {counter.id, short.id}, procs
+        p, s = procs[counter.id], procs[short.id]
+        assert p.state == "running", p.__dict__
+        assert s.state == "exited" and s.result is not None and s.result.exit_code == 7, s
+        assert box.process(short.id).wait(timeout=30).stderr == b"bye\n"
+        after, skipped = process_stdout(p, b"n25\n", timeout=60)
+        gap = skipped[0].to if skipped else 0
+        assert gap <= len(before), (gap, len(before))
+        lines = (before[:gap] + after).decode().splitlines()
+        assert lines == [f"n{i}" for i in range(len(lines))], lines
+        p.kill()
+        res = p.wait(timeout=30)
+        assert res is not None and res.signal == 9, res
+        a = box.read_file("/tmp/hb")
+        time.sleep(0.6)
+        assert box.read_file("/tmp/hb") == a, "the counter still runs"
+    finally:
+        box.delete()
+        c.close()
 
 
 def _templates(node) -> list:

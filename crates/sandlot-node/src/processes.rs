@@ -1105,7 +1105,10 @@ impl Node for WithProcesses {
         res
     }
     async fn adopt_snapshot(&self, id: &str) -> NodeResult<()> {
-        self.inner.adopt_snapshot(id).await
+        self.inner.adopt_snapshot(id).await?;
+        // The processes the VM ran on its old node (its agent tables them).
+        self.refind_later(id);
+        Ok(())
     }
     async fn delete(&self, id: &str) -> NodeResult<()> {
         let r = self.inner.delete(id).await;
