@@ -73,6 +73,16 @@ fn full(data: Bytes) -> ReqBody {
     Full::new(data).map_err(|e| match e {}).boxed()
 }
 
+/// The body of an agent's answer other than success, as text (empty when it cannot be
+/// read).
+async fn error_text(resp: hyper::Response<Incoming>) -> String {
+    resp.into_body()
+        .collect()
+        .await
+        .map(|b| String::from_utf8_lossy(&b.to_bytes()).into_owned())
+        .unwrap_or_default()
+}
+
 fn agent_err(socket: &Path, what: &str, e: impl std::fmt::Display) -> NodeError {
     NodeError::io(
         format!("guest agent at {}: {what}", socket.display()),
@@ -251,12 +261,7 @@ impl AgentClient {
         let resp = self.call_body(Method::POST, PATH_EXEC, body).await?;
         if resp.status() != StatusCode::OK {
             let status = resp.status();
-            let text = resp
-                .into_body()
-                .collect()
-                .await
-                .map(|b| String::from_utf8_lossy(&b.to_bytes()).into_owned())
-                .unwrap_or_default();
+            let text = error_text(resp).await;
             return Err(agent_err(&self.socket, "exec", format!("{status}: {text}")));
         }
         Ok(ExecStream {
@@ -676,12 +681,7 @@ impl AgentClient {
         if status == StatusCode::NO_CONTENT || (missing_ok && status == StatusCode::NOT_FOUND) {
             return Ok(());
         }
-        let text = resp
-            .into_body()
-            .collect()
-            .await
-            .map(|b| String::from_utf8_lossy(&b.to_bytes()).into_owned())
-            .unwrap_or_default();
+        let text = error_text(resp).await;
         Err(agent_err(&self.socket, what, format!("{status}: {text}")))
     }
 
@@ -701,12 +701,7 @@ impl AgentClient {
         match resp.status() {
             StatusCode::NO_CONTENT | StatusCode::NOT_FOUND => Ok(()),
             status => {
-                let text = resp
-                    .into_body()
-                    .collect()
-                    .await
-                    .map(|b| String::from_utf8_lossy(&b.to_bytes()).into_owned())
-                    .unwrap_or_default();
+                let text = error_text(resp).await;
                 Err(agent_err(
                     &self.socket,
                     "signal",
@@ -777,12 +772,7 @@ impl AgentClient {
                 .await?;
             let status = resp.status();
             if status != StatusCode::OK {
-                let text = resp
-                    .into_body()
-                    .collect()
-                    .await
-                    .map(|b| String::from_utf8_lossy(&b.to_bytes()).into_owned())
-                    .unwrap_or_default();
+                let text = error_text(resp).await;
                 return Err(match status {
                     StatusCode::NOT_FOUND => NodeError::NotFound(format!(
                         "guest agent at {}: no exec {handle}: {text}",
@@ -965,12 +955,7 @@ impl AgentClient {
         };
         let status = resp.status();
         if status != StatusCode::OK {
-            let text = resp
-                .into_body()
-                .collect()
-                .await
-                .map(|b| String::from_utf8_lossy(&b.to_bytes()).into_owned())
-                .unwrap_or_default();
+            let text = error_text(resp).await;
             return Err(match status {
                 StatusCode::BAD_GATEWAY | StatusCode::GATEWAY_TIMEOUT => {
                     // The agent's text starts as ours does; keep only its reason.
