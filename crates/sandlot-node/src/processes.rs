@@ -36,10 +36,10 @@
 //! [`ProcessTable::forget_sandbox`]. The table is memory only, but a process that runs
 //! through a sandbox's guest agent outlives the node's process (the agent tables it, with
 //! the last 64 KiB of its output and its end): after a restart [`ProcessTable::refind`]
-//! registers it again under its old handle (container; function sandboxes' agent path).
+//! registers it again under its old handle (container, microvm, vm; function sandboxes'
+//! agent path), and so does a node that took over a paused VM from another one.
 //! Processes on the function backend's helper path die with the node's exec tasks and
-//! their handles answer `NotFound`; microvm and vm agents keep theirs, but the node does
-//! not ask them yet.
+//! their handles answer `NotFound`.
 use crate::node::{ExecControl, Node, NodeError, NodeResult};
 use bytes::Bytes;
 use sandlot_api::{
@@ -611,7 +611,7 @@ impl ProcessTable {
         };
         let (stdout, stderr) = (log()?, log()?);
         let sandbox_id = sandbox.to_string();
-        let proc = self.admit(sandbox, |number| ProcessHandle {
+        let proc = self.admit(sandbox, true, |number| ProcessHandle {
             id: new_id(),
             number,
             tag: req.tag,
@@ -686,6 +686,8 @@ impl ProcessTable {
             }
             match self.take_up(sandbox, e) {
                 Ok(()) => found += 1,
+                // Taken up by a re-find running beside this one.
+                Err(NodeError::Conflict(_)) => {}
                 Err(err) => {
                     tracing::warn!(sandbox, error = %err, "background exec not re-found");
                 }
@@ -712,7 +714,8 @@ impl ProcessTable {
         let started_at = chrono::DateTime::from_timestamp_millis(e.started_unix_ms as i64)
             .unwrap_or_default()
             .to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
-        let proc = self.admit(sandbox, |number| ProcessHandle {
+        // A process that already runs in the sandbox: not held to `max_running`.
+        let proc = self.admit(sandbox, false, |number| ProcessHandle {
             id: e.handle.clone(),
             number,
             tag: None,
@@ -753,18 +756,23 @@ impl ProcessTable {
         Ok(())
     }
 
-    /// Adds `proc` under its sandbox, within the limits, numbering it
-    /// ([`Process::number`]).
+    /// Adds `proc` under its sandbox, within the limits (`max_running` only when
+    /// `new_process`), numbering it ([`Process::number`]).
+    ///
+    /// # Errors
+    /// `ResourceExhausted` over `max_running`; `Conflict` when a process of that id is
+    /// listed already (two re-finds of one sandbox at once).
     fn admit(
         &self,
         sandbox: &str,
+        new_process: bool,
         make: impl FnOnce(u32) -> ProcessHandle,
     ) -> NodeResult<Arc<ProcessHandle>> {
         let mut map = self.by_sandbox.lock().unwrap();
         let sb = map.entry(sandbox.to_string()).or_default();
         let list = &mut sb.list;
         let running = list.iter().filter(|p| !p.ended()).count();
-        if running >= self.limits.max_running {
+        if new_process && running >= self.limits.max_running {
             return Err(NodeError::ResourceExhausted(format!(
                 "sandbox {} already runs {running} background processes (limit {}); wait for or delete one",
                 sandbox, self.limits.max_running
@@ -782,6 +790,12 @@ impl ProcessTable {
             sb.next_number = sandlot_api::FIRST_PROCESS_NUMBER;
         }
         let p = Arc::new(make(sb.next_number));
+        if sb.list.iter().any(|q| q.id == p.id) {
+            return Err(NodeError::Conflict(format!(
+                "process {} is listed in sandbox {sandbox} already",
+                p.id
+            )));
+        }
         // u32 numbers last 4 billion spawns; after that they wrap to the first again.
         sb.next_number = sb
             .next_number
@@ -835,7 +849,7 @@ impl ProcessTable {
             .cloned()
             .ok_or_else(|| {
                 NodeError::NotFound(format!(
-                    "no process {pid} in sandbox {sandbox} (after a restart of its node a background process is found again only where it ran through a guest agent: container sandboxes, and function sandboxes after their first exec)"
+                    "no process {pid} in sandbox {sandbox} (after a restart of its node a background process is found again only where it ran through a guest agent: container, microvm and vm sandboxes, and function sandboxes after their first exec)"
                 ))
             })
     }
@@ -1293,6 +1307,36 @@ mod tests {
         assert_eq!(l.read(9600, 5), (9600, input[9600..9605].to_vec()));
         // Byte 10_000 is at file position 0: this read wraps.
         assert_eq!(l.read(9990, 20), (9990, input[9990..10_010].to_vec()));
+    }
+
+    #[tokio::test]
+    async fn a_re_found_exec_is_listed_once_and_is_not_held_to_max_running() {
+        use sandlot_node_api::fake::FakeNode;
+        let dir = tempfile::tempdir().unwrap();
+        let limits = ProcessLimits {
+            max_running: 1,
+            max_kept: 64,
+        };
+        let table =
+            ProcessTable::new(Arc::new(FakeNode::default()), limits, dir.path().into()).unwrap();
+        let sb = "sb-0123456789abcdef0123";
+        let exec = |handle: &str| crate::node::AgentExec {
+            handle: handle.into(),
+            argv: vec!["/bin/sh".into(), "-c".into(), "sleep 9".into()],
+            started_unix_ms: 1,
+            exit_code: None,
+        };
+        // Two re-finds of one sandbox at once both try the same handle: one record.
+        table.take_up(sb, exec("pr-a")).unwrap();
+        assert!(matches!(
+            table.take_up(sb, exec("pr-a")),
+            Err(NodeError::Conflict(_))
+        ));
+        // Processes that already run are listed beyond `max_running` (1 here).
+        table.take_up(sb, exec("pr-b")).unwrap();
+        let ids: Vec<String> = table.list(sb).into_iter().map(|p| p.id).collect();
+        assert_eq!(ids, ["pr-a", "pr-b"]);
+        assert_eq!(table.list(sb)[0].cmd, Cmd::Shell("sleep 9".into()));
     }
 
     #[tokio::test]

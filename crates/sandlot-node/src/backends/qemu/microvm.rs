@@ -708,11 +708,6 @@ impl Machine for MicrovmBackend {
             .await
     }
 
-    /// Removes the EROFS disks of images no longer in the store that no microVM uses
-    /// (running or paused: the `-drive file=` of its QEMU arguments in `state.json` or
-    /// `boot.json`) and no create in flight holds; with `partial`, also conversions cut
-    /// short. Nothing is removed while a VM's state names no QEMU arguments (written by a
-    /// node before pause with memory).
     async fn remount_lazy_disk(&self, vm: &QemuVm) -> NodeResult<Option<DiskHold>> {
         let (images, dir) = (self.cfg.images.clone(), self.cfg.dir.join("images"));
         let args = vm.args.lock().unwrap().clone();
@@ -728,6 +723,11 @@ impl Machine for MicrovmBackend {
         }
     }
 
+    /// Removes the EROFS disks of images no longer in the store that no microVM uses
+    /// (running or paused: the `-drive file=` of its QEMU arguments in `state.json` or
+    /// `boot.json`) and no create in flight holds; with `partial`, also conversions cut
+    /// short. Nothing is removed while a VM's state names no QEMU arguments (written by a
+    /// node before pause with memory).
     fn collect_disks(&self, partial: bool) {
         let used = || {
             let mut used = HashSet::new();

@@ -731,11 +731,16 @@ impl ImageDisks {
         build: impl std::future::Future<Output = NodeResult<()>>,
     ) -> NodeResult<(PathBuf, DiskHold, bool)> {
         let hold = self.holds.hold(&out);
-        if disk_present(&out) {
+        // `statfs` of a lazy disk is a request to its FUSE daemon: not on this worker.
+        let present = |p: &Path| {
+            let p = p.to_path_buf();
+            crate::sys::spawn_blocking(move || Ok(disk_present(&p)))
+        };
+        if present(&out).await? {
             return Ok((out, hold, false));
         }
         let _one_build = self.build.lock().await;
-        if disk_present(&out) {
+        if present(&out).await? {
             return Ok((out, hold, false));
         }
         build.await?;

@@ -499,10 +499,6 @@ impl Machine for VmBackend {
         Ok((state, (agent, relay)))
     }
 
-    /// Removes the base disks of images no longer in the store (and those of older nodes,
-    /// keyed with their agent binary) that no chain uses: the absolute backing file of any qcow2 layer in a VM's
-    /// directory (running or paused) or a checkpoint's; with `partial`, also builds cut
-    /// short. A layer whose header cannot be read stops the collection (logged).
     async fn remount_lazy_disk(&self, vm: &QemuVm) -> NodeResult<Option<DiskHold>> {
         let (images, dir) = (self.cfg.images.clone(), self.cfg.dir.join("images"));
         let vm_dir = self.core.vm_dir(&vm.state.id);
@@ -527,6 +523,10 @@ impl Machine for VmBackend {
         }
     }
 
+    /// Removes the base disks of images no longer in the store (and those of older nodes,
+    /// keyed with their agent binary) that no chain uses: the absolute backing file of any qcow2 layer in a VM's
+    /// directory (running or paused) or a checkpoint's; with `partial`, also builds cut
+    /// short. A layer whose header cannot be read stops the collection (logged).
     fn collect_disks(&self, partial: bool) {
         let used = || {
             let holders = [self.cfg.dir.join("vms"), self.cfg.checkpoints_dir.clone()];

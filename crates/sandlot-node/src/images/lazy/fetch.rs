@@ -909,8 +909,17 @@ impl ChunkStore {
             .iter()
             .filter_map(|c| self.chunk_path(&c.digest).ok())
             .collect();
-        if paths.len() != chunks.len() || !paths.iter().all(|p| p.is_file()) {
+        if paths.len() != chunks.len() {
             return false;
+        }
+        // The last chunks read may still be on their way to disk (`store` writes in the
+        // background): wait for pending writes, at most 1 s, before giving up.
+        let deadline = Instant::now() + Duration::from_secs(1);
+        while !paths.iter().all(|p| p.is_file()) {
+            if BACKGROUND_WRITES.load(Ordering::Acquire) == 0 || Instant::now() > deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(20));
         }
         let tmp = path.with_extension(format!("tmp{}", std::process::id()));
         let r = (|| -> std::io::Result<Option<fs::Metadata>> {
@@ -970,9 +979,17 @@ impl ChunkStore {
         if !background {
             return w.store(&path, &b, &digest);
         }
+        /// Gives the slot back however the write ends (a panic included).
+        struct Slot;
+        impl Drop for Slot {
+            fn drop(&mut self) {
+                BACKGROUND_WRITES.fetch_sub(1, Ordering::AcqRel);
+            }
+        }
+        let slot = Slot;
         let write = move || {
+            let _slot = slot;
             w.store(&path, &b, &digest);
-            BACKGROUND_WRITES.fetch_sub(1, Ordering::AcqRel);
         };
         match tokio::runtime::Handle::try_current() {
             Ok(rt) => {
