@@ -235,6 +235,24 @@ impl FunctionBackend {
         })
     }
 
+    /// The jail of sandbox `id` (not paused) and its in-jail agent: the one this node
+    /// started, else one found answering in the jail's directory (a node restarted since);
+    /// `None` when none answers.
+    ///
+    /// # Errors
+    /// As [`Self::jail`]; `Conflict` when paused.
+    async fn jail_agent(&self, id: &str) -> NodeResult<(Arc<Jail>, Option<agent::JailAgent>)> {
+        let jail = self.jail(id)?;
+        jail.check_not_paused()?;
+        let a = match jail.agent.ready() {
+            Some(a) => Some(agent::JailAgent::Held(a)),
+            None => agent::answering(&self.dir_of(id))
+                .await
+                .map(agent::JailAgent::Found),
+        };
+        Ok((jail, a))
+    }
+
     fn jail(&self, id: &str) -> NodeResult<Arc<Jail>> {
         self.jails
             .lock()
@@ -642,21 +660,10 @@ impl SandboxBackend for FunctionBackend {
     /// process (the agent does); those of the helper path (a sandbox's first exec) die
     /// with it.
     async fn agent_execs(&self, id: &str) -> NodeResult<Vec<crate::node::AgentExec>> {
-        let jail = self.jail(id)?;
-        jail.check_not_paused()?;
-        let ready = jail.agent.ready();
-        let fresh;
-        let client = match &ready {
-            Some(a) => &a.client,
-            None => match agent::answering(&self.dir_of(id)).await {
-                Some(c) => {
-                    fresh = c;
-                    &fresh
-                }
-                None => return Ok(Vec::new()),
-            },
-        };
-        super::agent_exec::agent_execs(id, client).await
+        match self.jail_agent(id).await? {
+            (_, Some(a)) => super::agent_exec::agent_execs(id, a.client()).await,
+            (_, None) => Ok(Vec::new()),
+        }
     }
 
     async fn exec_reattach(
@@ -665,26 +672,13 @@ impl SandboxBackend for FunctionBackend {
         sink: Option<crate::node::ExecSink>,
         reattach: crate::node::ExecReattach,
     ) -> NodeResult<ExecResult> {
-        let jail = self.jail(id)?;
-        jail.check_not_paused()?;
-        let ready = jail.agent.ready();
-        let fresh;
-        let client = match &ready {
-            Some(a) => &a.client,
-            None => match agent::answering(&self.dir_of(id)).await {
-                Some(c) => {
-                    fresh = c;
-                    &fresh
-                }
-                None => {
-                    return Err(NodeError::NotFound(format!(
-                        "sandbox {id} has no guest agent to take exec {} up from",
-                        reattach.handle
-                    )))
-                }
-            },
+        let (jail, Some(a)) = self.jail_agent(id).await? else {
+            return Err(NodeError::NotFound(format!(
+                "sandbox {id} has no guest agent to take exec {} up from",
+                reattach.handle
+            )));
         };
-        agent::reattach(&jail, client, sink, reattach).await
+        agent::reattach(&jail, a.client(), sink, reattach).await
     }
 
     async fn file_size(&self, id: &str, path: &str) -> NodeResult<u64> {

@@ -69,6 +69,23 @@ pub(super) struct Agent {
     starttime: u64,
 }
 
+/// A jail's agent as a caller found it: the one the node started, or one found answering
+/// in the jail's directory ([`answering`]).
+pub(super) enum JailAgent {
+    Held(Arc<Agent>),
+    Found(AgentClient),
+}
+
+impl JailAgent {
+    /// Its client.
+    pub(super) fn client(&self) -> &AgentClient {
+        match self {
+            JailAgent::Held(a) => &a.client,
+            JailAgent::Found(c) => c,
+        }
+    }
+}
+
 /// A jail's agent once it answered, and whether a start is under way.
 #[derive(Default)]
 pub(super) struct AgentSlot {
