@@ -250,3 +250,51 @@ def test_whiteouts_and_opaque_dirs_work_in_a_sandbox(binary, client, server, tmp
         assert not any(p.exists() for p in layer_dirs)
     finally:
         cli(binary, "image", "rm", name, *d, check=False)
+
+
+def metric_values(url: str) -> dict[str, float]:
+    """`/metrics` as {series (name with its labels, as written): value}."""
+    import httpx
+
+    out = {}
+    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+        if line and not line.startswith("#"):
+            series, _, value = line.rpartition(" ")
+            out[series] = float(value)
+    return out
+
+
+def test_pulls_are_counted_by_mode_and_outcome(binary, server, registry, tmp_path):
+    """Every pull into a store is counted in its `stats/pulls.json`, whichever process made
+    it, and the server's `/metrics` reads its store's counters at scrape; the process and
+    host figures are there too."""
+    own = tmp_path / "images"
+    cli(binary, "image", "pull", "--eager", BB_REF, "--images-dir", str(own))
+    missing = f"{registry}/sandlot/no-such-image:latest"
+    assert cli(binary, "image", "pull", "--eager", missing, "--images-dir", str(own),
+               check=False).returncode != 0
+    stats = json.loads((own / "stats" / "pulls.json").read_text())
+    assert stats["pulls"]["eager"] == {"ok": 1, "not_found": 1}, stats
+    # A fresh store downloads every blob of the image: config + layers, at least 1 KiB.
+    assert stats["blob_bytes"]["eager"] > 1024, stats
+
+    before = metric_values(server.url)
+    ok = 'sandlot_image_pulls_total{mode="eager",outcome="ok"}'
+    nf = 'sandlot_image_pulls_total{mode="eager",outcome="not_found"}'
+    cli(binary, "image", "pull", "--eager", BB_REF, "--name", "pull-metrics-bb",
+        "--images-dir", IMAGES_DIR)
+    cli(binary, "image", "pull", "--eager", missing, "--images-dir", IMAGES_DIR, check=False)
+    after = metric_values(server.url)
+    assert after[ok] == before.get(ok, 0) + 1, (before.get(ok), after[ok])
+    assert after[nf] == before.get(nf, 0) + 1
+    assert 'sandlot_image_pull_bytes_total{mode="eager"}' in after
+    cli(binary, "image", "rm", "pull-metrics-bb", "--images-dir", IMAGES_DIR)
+
+    assert after["process_cpu_seconds_total"] > 0
+    assert after["process_resident_memory_bytes"] > 1 << 20
+    assert after["process_open_fds"] > 0
+    assert after["sandlot_host_cpus"] == os.cpu_count()
+    total = after['sandlot_host_memory_bytes{kind="total"}']
+    assert 0 < after['sandlot_host_memory_bytes{kind="available"}'] <= total
+    assert after['sandlot_host_cpu_seconds_total{mode="idle"}'] > 0
+    assert "sandlot_host_load1" in after

@@ -20,11 +20,12 @@
 //!                                SHA-256 of the normalised reference (image.json holds it)
 //! <dir>/blobs/sha256/<hex>       content-addressed blobs (see [`oci`])
 //! <dir>/layers/sha256/<hex>/     unpacked OCI layers by DiffID, shared by images (see [`oci`])
+//! <dir>/stats/pulls.json         counters of pulls into the store (see [`pull_stats`])
 //! <dir>/.<name>.tmp-<pid>/       an image being built (never listed; a leading dot is never a
 //!                                valid image name, so it cannot clash with one)
 //! ```
 //!
-//! `refs`, `blobs` and `layers` are reserved and cannot be short names.
+//! `refs`, `blobs`, `layers`, `stats` and the other [`RESERVED`] names cannot be short names.
 //!
 //! An image is built in its temp directory, `image.json` is written last (temp file, fsync,
 //! rename), and the directory is then renamed into place, so a half-built image is never
@@ -39,6 +40,7 @@ pub mod disks;
 mod error;
 pub mod lazy;
 pub mod oci;
+pub mod pull_stats;
 pub mod toolchain;
 pub mod unpack;
 
@@ -253,6 +255,7 @@ pub const RESERVED: &[&str] = &[
     RETIRED_DIR,
     lazy::LAZY_DIR,
     "chunks",
+    pull_stats::STATS_DIR,
 ];
 
 /// Directory (under the store) of removed or replaced built-in images whose `rootfs` a

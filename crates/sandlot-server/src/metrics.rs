@@ -21,6 +21,12 @@
 //! | `sandlot_image_chunk_fetch_seconds` | histogram | | latency of successful registry chunk fetches |
 //! | `sandlot_image_chunk_evictions_total`, `sandlot_image_chunk_evicted_bytes_total` | counter | | chunks evicted from the disk cache by its cap |
 //! | `sandlot_image_cache_bytes`, `sandlot_image_cache_limit_bytes` | gauge | | the disk chunk cache's size and cap (`--image-cache-mib`; 0: none) |
+//! | `sandlot_image_pulls_total` | counter | `mode` = `eager`\|`lazy`, `outcome` = `ok`\|`not_found`\|`error` | pulls into the image store by any process (node, `sandlot image pull`), from its counters file at scrape ([`sandlot_node::images::pull_stats`]) |
+//! | `sandlot_image_pull_bytes_total` | counter | `mode` | bytes of blobs those pulls downloaded from registries |
+//! | `process_cpu_seconds_total`, `process_resident_memory_bytes`, `process_open_fds` | counter, gauge, gauge | | this process (`getrusage`, procfs), at scrape |
+//! | `sandlot_host_cpus`, `sandlot_host_load1` | gauge | | CPUs online and the 1-minute load average of the host, at scrape |
+//! | `sandlot_host_cpu_seconds_total` | counter | `mode` = `user`\|`nice`\|`system`\|`idle`\|`iowait`\|`irq`\|`softirq`\|`steal` | the host's CPU time (`/proc/stat`), at scrape |
+//! | `sandlot_host_memory_bytes` | gauge | `kind` = `total`\|`available` | the host's memory (`/proc/meminfo` `MemTotal`, `MemAvailable`), at scrape |
 //! | `sandlot_warm_pool_ready` | gauge | `backend`, `image` | ready members of the node's warm pools (function jails, runc containers), at scrape |
 //! | `sandlot_warm_pool_handovers_total`, `sandlot_warm_pool_misses_total` | counter | `backend` | creates served by a pooled member / creates the pool could serve that went cold, since the node started (the node's counts, copied at scrape) |
 //! | `sandlot_warm_pool_image_handovers_total` | counter | `backend`, `image` | the hand-overs per image (`run_code` on a pooled `lang-*` image counts here), copied at scrape |
@@ -55,6 +61,8 @@ use sandlot_api::Backend;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 use std::sync::Mutex;
+
+mod collectors;
 
 /// Content type of the `/metrics` answer.
 pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
@@ -175,6 +183,8 @@ pub struct ScrapeExtra {
     pub cluster_nodes: Option<[i64; 2]>,
     /// The lazy image tiers of the image store (`None`: no image store configured).
     pub lazy: Option<sandlot_node::images::lazy::fetch::LazyMetrics>,
+    /// The image store's pull counters (`None`: no image store configured).
+    pub pulls: Option<sandlot_node::images::pull_stats::PullStats>,
 }
 
 /// The `sandlot_image_*` lazy-image metrics: counts summed from the daemons' stats files at
@@ -338,6 +348,7 @@ pub struct Metrics {
     leader: Gauge,
     cluster_nodes: Family<SimulatedLabel, Gauge>,
     lazy: std::sync::Arc<Mutex<Option<sandlot_node::images::lazy::fetch::LazyMetrics>>>,
+    pulls: std::sync::Arc<Mutex<Option<sandlot_node::images::pull_stats::PullStats>>>,
     /// The last minutes in 10 s buckets, for the status page's charts.
     pub timeline: crate::timeline::Timeline,
 }
@@ -527,8 +538,13 @@ impl Metrics {
         let lazy = LazyCollector::default();
         let lazy_slot = lazy.0.clone();
         registry.register_collector(Box::new(lazy));
+        let pulls = collectors::PullCollector::default();
+        let pulls_slot = pulls.0.clone();
+        registry.register_collector(Box::new(pulls));
+        registry.register_collector(Box::new(collectors::HostCollector));
         Metrics {
             lazy: lazy_slot,
+            pulls: pulls_slot,
             leader,
             cluster_nodes,
             events_pending,
@@ -677,6 +693,7 @@ impl Metrics {
         }
         self.data_dir_reserve.set(extra.data_dir_reserve as i64);
         *self.lazy.lock().unwrap_or_else(|p| p.into_inner()) = extra.lazy.clone();
+        *self.pulls.lock().unwrap_or_else(|p| p.into_inner()) = extra.pulls.clone();
         if let Some(counts) = extra.cluster_nodes {
             for (simulated, n) in ["false", "true"].into_iter().zip(counts) {
                 self.cluster_nodes
@@ -773,16 +790,17 @@ pub async fn metrics(State(st): State<SharedState>) -> ApiResult<impl IntoRespon
     for (backend, state, n) in st.store.count_by_state().await? {
         *counts.entry(BackendState { backend, state }).or_default() += n as i64;
     }
-    let (images, lazy) = match st.cfg.images_dir.clone() {
-        None => (None, None),
+    let (images, lazy, pulls) = match st.cfg.images_dir.clone() {
+        None => (None, None, None),
         Some(dir) => tokio::task::spawn_blocking(move || {
             (
                 count_images(&dir).ok(),
                 Some(sandlot_node::images::lazy::fetch::read_metrics(&dir)),
+                Some(sandlot_node::images::pull_stats::read(&dir)),
             )
         })
         .await
-        .unwrap_or((None, None)),
+        .unwrap_or((None, None, None)),
     };
     let (running, waiting) = st.run_code_gate.load();
     let pools = st.node.info().warm_pools;
@@ -803,6 +821,7 @@ pub async fn metrics(State(st): State<SharedState>) -> ApiResult<impl IntoRespon
             n
         }),
         lazy,
+        pulls,
     };
     let text = st
         .metrics

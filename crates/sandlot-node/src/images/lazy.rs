@@ -402,8 +402,29 @@ impl ImageStore {
     ///
     /// # Errors
     /// `NotFound` when the registry has no lazy form; `InvalidArgument` for a bad manifest
-    /// or index; `Unavailable` when the registry fails; `Internal` on local I/O.
+    /// or index; `Unavailable` when the registry fails; `Internal` on local I/O. Each call
+    /// is counted with its outcome and the blob bytes it downloaded ([`super::pull_stats`]).
     pub async fn pull_lazy(&self, reference: &str, name: Option<&str>) -> NodeResult<super::Image> {
+        let mut fetched = 0;
+        let r = self.pull_lazy_form(reference, name, &mut fetched).await;
+        let outcome = super::pull_stats::outcome(&r);
+        super::pull_stats::record(
+            &self.dir,
+            super::pull_stats::PullMode::Lazy,
+            outcome,
+            fetched,
+        );
+        r
+    }
+
+    /// [`pull_lazy`](Self::pull_lazy), adding the bytes of the blobs it downloads to
+    /// `fetched`.
+    async fn pull_lazy_form(
+        &self,
+        reference: &str,
+        name: Option<&str>,
+        fetched: &mut u64,
+    ) -> NodeResult<super::Image> {
         let whole = super::parse_reference(reference)?.whole();
         let name = match name {
             Some(n) => {
@@ -471,6 +492,7 @@ impl ImageStore {
                     .pull_blob(&r, &desc, &mut buf)
                     .await
                     .map_err(|e| reg_err(&format!("pull blob {d} of {lazy_ref}"), e))?;
+                *fetched += buf.len() as u64;
                 self.put_blob(&buf[..], Some(d), None, &NoProgress, d)?;
             }
         }

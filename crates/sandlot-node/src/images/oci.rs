@@ -748,12 +748,35 @@ impl ImageStore {
     /// # Errors
     /// `InvalidArgument` for a bad reference or name, a digest mismatch or a bad image;
     /// `NotFound` when the registry does not have it (or refuses access); `Unavailable`
-    /// when the registry cannot be reached; `Internal` on local I/O failure.
+    /// when the registry cannot be reached; `Internal` on local I/O failure. Each call is
+    /// counted with its outcome and the blob bytes it downloaded ([`super::pull_stats`]).
     pub async fn pull(
         &self,
         reference: &str,
         name: Option<&str>,
         progress: &dyn Progress,
+    ) -> NodeResult<super::Image> {
+        let mut fetched = 0;
+        let r = self
+            .pull_whole(reference, name, progress, &mut fetched)
+            .await;
+        let outcome = super::pull_stats::outcome(&r);
+        super::pull_stats::record(
+            &self.dir,
+            super::pull_stats::PullMode::Eager,
+            outcome,
+            fetched,
+        );
+        r
+    }
+
+    /// [`pull`](Self::pull), adding the bytes of the blobs it downloads to `fetched`.
+    async fn pull_whole(
+        &self,
+        reference: &str,
+        name: Option<&str>,
+        progress: &dyn Progress,
+        fetched: &mut u64,
     ) -> NodeResult<super::Image> {
         let r = super::parse_reference(reference)?;
         let name = match name {
@@ -842,6 +865,7 @@ impl ImageStore {
                     ))
                 })?;
                 w.write(&chunk)?;
+                *fetched += chunk.len() as u64;
                 progress.advance(&id, chunk.len() as u64);
             }
             w.commit(Some(dg))?;
