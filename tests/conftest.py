@@ -606,6 +606,18 @@ def wait_for(pred, timeout: float, what: str, interval: float = 0.1) -> float:
         time.sleep(interval)
 
 
+def scrape(url: str) -> Dict[str, float]:
+    """`GET {url}/metrics` as {series: value}, each series written as the text format has
+    it (name, then its labels in braces)."""
+    import httpx
+    out = {}
+    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+        if line and not line.startswith("#"):
+            k, _, v = line.rpartition(" ")
+            out[k] = float(v)
+    return out
+
+
 def process_stdout(proc, until: bytes, timeout: float = 30) -> tuple:
     """Reads ``proc``'s output from offset 0 (following) until ``until`` is in its stdout:
     (stdout bytes from where the server still has them, the OutputSkipped events)."""

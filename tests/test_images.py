@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 import sandlot
-from conftest import IMAGES_DIR
+from conftest import IMAGES_DIR, scrape
 
 REGISTRY = os.environ.get("SANDLOT_REGISTRY_ADDR", "127.0.0.1:5000")
 PY_REF = f"{REGISTRY}/sandlot/python:latest"
@@ -252,18 +252,6 @@ def test_whiteouts_and_opaque_dirs_work_in_a_sandbox(binary, client, server, tmp
         cli(binary, "image", "rm", name, *d, check=False)
 
 
-def metric_values(url: str) -> dict[str, float]:
-    """`/metrics` as {series (name with its labels, as written): value}."""
-    import httpx
-
-    out = {}
-    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
-        if line and not line.startswith("#"):
-            series, _, value = line.rpartition(" ")
-            out[series] = float(value)
-    return out
-
-
 def test_pulls_are_counted_by_mode_and_outcome(binary, server, registry, tmp_path):
     """Every pull into a store is counted in its `stats/pulls.json`, whichever process made
     it, and the server's `/metrics` reads its store's counters at scrape; the process and
@@ -278,13 +266,13 @@ def test_pulls_are_counted_by_mode_and_outcome(binary, server, registry, tmp_pat
     # A fresh store downloads every blob of the image: config + layers, at least 1 KiB.
     assert stats["blob_bytes"]["eager"] > 1024, stats
 
-    before = metric_values(server.url)
+    before = scrape(server.url)
     ok = 'sandlot_image_pulls_total{mode="eager",outcome="ok"}'
     nf = 'sandlot_image_pulls_total{mode="eager",outcome="not_found"}'
     cli(binary, "image", "pull", "--eager", BB_REF, "--name", "pull-metrics-bb",
         "--images-dir", IMAGES_DIR)
     cli(binary, "image", "pull", "--eager", missing, "--images-dir", IMAGES_DIR, check=False)
-    after = metric_values(server.url)
+    after = scrape(server.url)
     assert after[ok] == before.get(ok, 0) + 1, (before.get(ok), after[ok])
     assert after[nf] == before.get(nf, 0) + 1
     assert 'sandlot_image_pull_bytes_total{mode="eager"}' in after

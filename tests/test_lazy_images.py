@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 import sandlot
-from conftest import REPO, free_port, private_image_node
+from conftest import REPO, free_port, private_image_node, scrape
 
 MIB = 1 << 20
 # 256 MiB of random files: a vm sandbox fetches about 16 chunks of its ext4 disk whatever
@@ -542,17 +542,6 @@ class RangeProxy:
     def close(self):
         self.server.shutdown()
         self.server.server_close()
-
-
-def scrape(url: str) -> dict:
-    """`/metrics` as {series: value} (series with labels as written)."""
-    import httpx
-    out = {}
-    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
-        if line and not line.startswith("#"):
-            k, _, v = line.rpartition(" ")
-            out[k] = float(v)
-    return out
 
 
 def push_lazy(binary, base: Path, oci: Path, ref: str, files: dict) -> None:
