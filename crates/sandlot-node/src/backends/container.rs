@@ -53,6 +53,10 @@
 //! [`ContainerState`] (`runtime_id`, `cgroup`), through which every runtime call and cgroup
 //! lookup goes.
 //!
+//! Runtime commands: `run --detach` and `delete --force`, through the `OciRuntimeCli`
+//! trait of `container/runtime.rs` (the binaries; a recording fake in the unit tests, which
+//! cover the pid-file and died-at-start checks and which runtime deletes which id).
+//!
 //! Exit and OOM: the agent reports each exec's status; `oom_killed` is the delta of the
 //! container group's `oom_kill` counter over the exec (an overlapping exec's OOM kill is
 //! counted too).
@@ -80,22 +84,18 @@ use crate::sys::{proc_starttime, spawn_blocking};
 use async_trait::async_trait;
 use pool::{pool_dir, spec_compatible, ContainerPool, Containers};
 pub use runtime::RuntimeError;
-use runtime::{run_with_timeout, tail};
+use runtime::{tail, HostRuntime, OciRuntimeCli, RunRequest};
 use sandlot_api::{Backend, ExecRequest, ExecResult};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
-use std::os::fd::AsRawFd;
+use std::os::fd::AsFd;
 use std::os::unix::fs::PermissionsExt;
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::{watch, RwLock};
 
-/// How long the runtime's `run --detach` may take.
-const RUNTIME_TIMEOUT: Duration = Duration::from_secs(60);
 /// How long the agent may take to answer its first ping after the runtime returned.
 const AGENT_READY_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long killing and removing cgroups may take.
@@ -206,6 +206,8 @@ pub(crate) struct Core {
     pub(crate) cgroups: CgroupRoot,
     /// Each runtime's binary, or why it cannot run here.
     runtimes: Vec<(Runtime, Result<PathBuf, String>)>,
+    /// Runs the runtimes' commands ([`HostRuntime`]; unit tests: a recording fake).
+    cli: Arc<dyn OciRuntimeCli>,
 }
 
 /// The container backend: containers by id.
@@ -397,6 +399,7 @@ impl ContainerBackend {
         Ok(ContainerBackend {
             core: Arc::new(Core {
                 net,
+                cli: Arc::new(HostRuntime::new(cfg.state_root.clone())),
                 cfg,
                 cgroups,
                 runtimes,
@@ -441,30 +444,6 @@ impl Core {
 
     pub(crate) fn dir_of(&self, id: &str) -> PathBuf {
         self.cfg.dir.join(id)
-    }
-
-    /// The runtime command line with its global flags.
-    fn runtime_cmd(&self, r: Runtime, bin: &Path) -> std::process::Command {
-        let mut cmd = std::process::Command::new(bin);
-        cmd.arg("--root").arg(self.cfg.state_root.join(r.name()));
-        if r == Runtime::Runsc {
-            // systrap: no KVM needed; the node owns networking (none) and cgroups; writes go
-            // to the host overlay (so the disk quota and accounting see them).
-            cmd.args([
-                "--platform=systrap",
-                "--network=none",
-                "--ignore-cgroups",
-                "--overlay2=none",
-                // No caching that assumes exclusive access to the host overlay. The files
-                // API now goes through the agent (inside gVisor); kept until measured
-                // without it.
-                "--file-access=shared",
-                // The agent binds its socket in a host directory (see `agent_socket`).
-                "--host-uds=create",
-            ]);
-        }
-        cmd.stdin(Stdio::null());
-        cmd
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -625,12 +604,12 @@ impl Core {
             .append(true)
             .open(dir.join("agent.log"))
             .map_err(|e| NodeError::io(format!("create {}/agent.log", dir.display()), e))?;
-        let mut cmd = self.runtime_cmd(runtime, bin);
+        let mut flags = Vec::new();
         if runtime == Runtime::Runsc {
             // The sentry's refusals of the exec deny list, through its debug log.
             gvisor_audit::prepare(&dir)
                 .map_err(|e| NodeError::io(format!("mkfifo {}", dir.display()), e))?;
-            cmd.args(gvisor_audit::runsc_run_args(&dir));
+            flags.extend(gvisor_audit::runsc_run_args(&dir));
         }
         if runtime == Runtime::Runsc && netns.is_some() {
             // gVisor's sentry joins the namespace the node made and uses the kernel's
@@ -638,88 +617,29 @@ impl Core {
             // Its own netstack (`--network=sandbox`) would be the deeper layer, but
             // runsc 20240729 refuses it on this kernel: it takes any namespace that has
             // /proc/sys/net/core/rmem_default for the host's (fixed in gVisor 20240801).
-            cmd.arg("--network=host");
-        }
-        cmd.arg("run")
-            .arg("--detach")
-            .arg("--bundle")
-            .arg(&dir)
-            .arg("--pid-file")
-            .arg(dir.join("init.pid"))
-            // The listening socket as the container's fd 3.
-            .args(
-                listener
-                    .as_ref()
-                    .map(|_| ["--preserve-fds", "1"])
-                    .into_iter()
-                    .flatten(),
-            )
-            .arg(&spec.id)
-            .stdout(log.try_clone().map_err(|e| NodeError::io("dup log", e))?)
-            .stderr(log);
-        let lfd = listener.as_ref().map(|l| l.as_raw_fd());
-        let procs: Vec<std::ffi::CString> = if runtime == Runtime::Runsc {
-            cg.group()
-                .procs_files()
-                .iter()
-                .map(|p| std::ffi::CString::new(p.as_os_str().as_encoded_bytes()).unwrap())
-                .collect()
-        } else {
-            Vec::new()
-        };
-        // SAFETY: runs in the forked child before execve; only async-signal-safe calls
-        // (dup2, open, write, close) on data prepared before the fork.
-        unsafe {
-            cmd.pre_exec(move || {
-                if let Some(lfd) = lfd {
-                    if libc::dup2(lfd, 3) < 0 {
-                        return Err(std::io::Error::last_os_error());
-                    }
-                }
-                for p in &procs {
-                    let fd = libc::open(p.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
-                    if fd < 0 {
-                        return Err(std::io::Error::last_os_error());
-                    }
-                    let ok = libc::write(fd, b"0".as_ptr().cast(), 1) == 1;
-                    libc::close(fd);
-                    if !ok {
-                        return Err(std::io::Error::last_os_error());
-                    }
-                }
-                Ok(())
-            });
+            flags.push("--network=host".into());
         }
         let t_spawn = t0.elapsed();
-        let status = run_with_timeout(cmd, RUNTIME_TIMEOUT).await?;
+        let (pid_file, log_path) = (dir.join("init.pid"), dir.join("agent.log"));
+        let (pid, starttime) = self
+            .start(RunRequest {
+                runtime,
+                bin,
+                id: &spec.id,
+                bundle: &dir,
+                pid_file: &pid_file,
+                flags,
+                listen_fd: listener.as_ref().map(|l| l.as_fd()),
+                join_procs: match runtime {
+                    Runtime::Runsc => cg.group().procs_files(),
+                    _ => Vec::new(),
+                },
+                log,
+                log_path: &log_path,
+            })
+            .await?;
         let t_runtime = t0.elapsed();
         drop(listener);
-        if !status.success() {
-            let log = std::fs::read_to_string(dir.join("agent.log")).unwrap_or_default();
-            return Err(RuntimeError::Failed {
-                runtime: runtime.name(),
-                verb: "run",
-                id: spec.id.clone(),
-                status,
-                log: tail(&log, 2000).to_string(),
-            }
-            .into());
-        }
-        let pid: i32 = std::fs::read_to_string(dir.join("init.pid"))
-            .ok()
-            .and_then(|s| s.trim().parse().ok())
-            .ok_or_else(|| RuntimeError::NoPidFile {
-                runtime: runtime.name(),
-                path: dir.join("init.pid"),
-            })?;
-        let starttime = proc_starttime(pid).ok_or_else(|| RuntimeError::DiedAtStart {
-            id: spec.id.clone(),
-            log: tail(
-                &std::fs::read_to_string(dir.join("agent.log")).unwrap_or_default(),
-                2000,
-            )
-            .to_string(),
-        })?;
         let agent = AgentClient::new(agent_socket(&dir, runtime));
         agent
             .wait_ready(Instant::now() + AGENT_READY_TIMEOUT)
@@ -740,6 +660,35 @@ impl Core {
         };
         saved::write(&dir, &state)?;
         Ok(state)
+    }
+
+    /// `run --detach` of `req`, then the container's init as `(host pid, start time)`: the
+    /// pid from the runtime's pid file, alive right after the runtime returned.
+    ///
+    /// # Errors
+    /// The runtime's ([`OciRuntimeCli::run`]); [`RuntimeError::NoPidFile`] when it succeeded
+    /// without a readable pid file; [`RuntimeError::DiedAtStart`] (with the end of the log)
+    /// when that process is already gone.
+    async fn start(&self, req: RunRequest<'_>) -> Result<(i32, u64), RuntimeError> {
+        let (runtime, id) = (req.runtime, req.id.to_string());
+        let (pid_file, log_path) = (req.pid_file.to_path_buf(), req.log_path.to_path_buf());
+        self.cli.run(req).await?;
+        let pid: i32 = std::fs::read_to_string(&pid_file)
+            .ok()
+            .and_then(|s| s.trim().parse().ok())
+            .ok_or(RuntimeError::NoPidFile {
+                runtime: runtime.name(),
+                path: pid_file,
+            })?;
+        let starttime = proc_starttime(pid).ok_or_else(|| RuntimeError::DiedAtStart {
+            id,
+            log: tail(
+                &std::fs::read_to_string(&log_path).unwrap_or_default(),
+                2000,
+            )
+            .to_string(),
+        })?;
+        Ok((pid, starttime))
     }
 
     /// Runtime delete of container `runtime_id` (every runtime when `runtime` is unknown),
@@ -764,11 +713,9 @@ impl Core {
         };
         for r in candidates {
             if let Ok(bin) = self.runtime_bin(r) {
-                let mut cmd = self.runtime_cmd(r, &bin);
-                cmd.args(["delete", "--force", runtime_id])
-                    .stdout(Stdio::null())
-                    .stderr(Stdio::null());
-                let _ = run_with_timeout(cmd, RUNTIME_TIMEOUT).await;
+                // Best effort: a container the runtime does not know (never started, or
+                // already deleted) fails here, and the host clean-up goes on.
+                let _ = self.cli.delete_force(r, &bin, runtime_id).await;
             }
         }
         gvisor_audit::forget(&dir);
@@ -1617,5 +1564,246 @@ impl Drop for ContainerBackend {
                 let _ = std::fs::remove_dir(e.path().join(self.core.cgroups.parent()));
             }
         }
+    }
+}
+
+/// The backend's start and clean-up logic over a recording fake of the runtime CLI
+/// ([`runtime::fake::RecordingRuntime`]), without root. What needs root (the bundle's
+/// mounts, cgroup limits, the agent) is covered by the integration tests.
+#[cfg(test)]
+mod fake_runtime_tests {
+    use super::runtime::fake::{Answer, Call, RecordingRuntime};
+    use super::*;
+    use crate::backends::saved::StoredSpec;
+    use crate::cgroups::{CgroupVersion, HostFs};
+
+    /// A core with runc and runsc "installed" (crun not), cgroups under a plain directory
+    /// (no group exists: thaw, kill and remove have nothing to do) and `fake` as the CLI.
+    fn core(dir: &Path, fake: Arc<RecordingRuntime>) -> Core {
+        Core {
+            cfg: ContainerConfig {
+                dir: dir.join("containers"),
+                state_root: dir.join("runtime"),
+                disk_templates: dir.join("disk-templates"),
+                agent_bin: dir.join("sandlot-guest"),
+                default_runtime: Runtime::Runc,
+            },
+            net: NodeNet::new(dir.join("net")),
+            cgroups: CgroupRoot::with_fs(
+                CgroupVersion::V2,
+                vec![("unified", dir.join("cgroup"))],
+                Arc::new(HostFs),
+            ),
+            runtimes: vec![
+                (Runtime::Runc, Ok(PathBuf::from("/fake/runc"))),
+                (Runtime::Crun, Err("runtime crun is not installed".into())),
+                (Runtime::Runsc, Ok(PathBuf::from("/fake/runsc"))),
+            ],
+            cli: fake,
+        }
+    }
+
+    fn delete(runtime: Runtime, id: &str) -> Call {
+        Call::Delete {
+            runtime,
+            bin: PathBuf::from(format!("/fake/{}", runtime.name())),
+            id: id.into(),
+        }
+    }
+
+    /// `start` of `sb-1` in bundle `dir`.
+    async fn start(core: &Core, dir: &Path) -> Result<(i32, u64), RuntimeError> {
+        let (pid_file, log_path) = (dir.join("init.pid"), dir.join("agent.log"));
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log_path)
+            .unwrap();
+        core.start(RunRequest {
+            runtime: Runtime::Runc,
+            bin: Path::new("/fake/runc"),
+            id: "sb-1",
+            bundle: dir,
+            pid_file: &pid_file,
+            flags: Vec::new(),
+            listen_fd: None,
+            join_procs: Vec::new(),
+            log,
+            log_path: &log_path,
+        })
+        .await
+    }
+
+    #[tokio::test]
+    async fn start_takes_the_init_from_the_pid_file_when_it_lives() {
+        let tmp = tempfile::tempdir().unwrap();
+        let me = std::process::id() as i32;
+        let fake = RecordingRuntime::new([Answer::Ok {
+            pid: Some(me),
+            log: "",
+        }]);
+        let core = core(tmp.path(), fake.clone());
+        let got = start(&core, tmp.path()).await.unwrap();
+        assert_eq!(got, (me, proc_starttime(me).unwrap()));
+        assert_eq!(
+            fake.calls(),
+            [Call::Run {
+                runtime: Runtime::Runc,
+                id: "sb-1".into(),
+                bundle: tmp.path().into(),
+                pid_file: tmp.path().join("init.pid"),
+                flags: vec![],
+                preserve_fd: false,
+                join_procs: vec![],
+            }]
+        );
+    }
+
+    #[tokio::test]
+    async fn a_start_without_pid_file_or_with_a_dead_init_is_named() {
+        let tmp = tempfile::tempdir().unwrap();
+        // A pid that was just reaped.
+        let dead = std::process::Command::new("true").spawn().unwrap();
+        let dead_pid = dead.id() as i32;
+        dead.wait_with_output().unwrap();
+        let fake = RecordingRuntime::new([
+            Answer::Ok { pid: None, log: "" },
+            Answer::Ok {
+                pid: Some(dead_pid),
+                log: "sandlot-guest: accept: bad file descriptor\n",
+            },
+        ]);
+        let core = core(tmp.path(), fake);
+        let e = start(&core, tmp.path()).await.unwrap_err();
+        assert!(
+            matches!(&e, RuntimeError::NoPidFile { runtime: "runc", path } if *path == tmp.path().join("init.pid")),
+            "{e:?}"
+        );
+        let e = start(&core, tmp.path()).await.unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "container sb-1 died at start; sandlot-guest: accept: bad file descriptor"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_failed_or_slow_run_is_the_nodes_internal_error_with_the_log() {
+        let tmp = tempfile::tempdir().unwrap();
+        let fake = RecordingRuntime::new([
+            Answer::Fail {
+                log: "runc run failed: unable to start container process",
+            },
+            Answer::Timeout,
+        ]);
+        let core = core(tmp.path(), fake);
+        let e = NodeError::from(start(&core, tmp.path()).await.unwrap_err());
+        assert!(matches!(e, NodeError::Internal { .. }), "{e:?}");
+        assert_eq!(
+            sandlot_node_api::chain(&e),
+            "runc run sb-1: exit status: 1; runc run failed: unable to start container process"
+        );
+        let e = NodeError::from(start(&core, tmp.path()).await.unwrap_err());
+        assert_eq!(
+            sandlot_node_api::chain(&e),
+            "/fake/runc did not finish in 60s"
+        );
+    }
+
+    #[tokio::test]
+    async fn destroy_deletes_with_the_given_runtime_only_then_removes_the_bundle() {
+        let tmp = tempfile::tempdir().unwrap();
+        let fake = RecordingRuntime::new([]);
+        let core = core(tmp.path(), fake.clone());
+        let dir = tmp.path().join("containers/cp-ab");
+        std::fs::create_dir_all(dir.join("rootfs")).unwrap();
+        core.destroy_at(&dir, "cp-ab", "cp-ab", Some(Runtime::Runsc), None)
+            .await
+            .unwrap();
+        assert_eq!(fake.calls(), [delete(Runtime::Runsc, "cp-ab")]);
+        assert!(!dir.exists());
+    }
+
+    #[tokio::test]
+    async fn destroy_without_a_runtime_tries_each_installed_one_and_a_refused_delete_is_fine() {
+        let tmp = tempfile::tempdir().unwrap();
+        // runc knows no such container; runsc hangs.
+        let fake = RecordingRuntime::new([
+            Answer::Fail {
+                log: "container does not exist",
+            },
+            Answer::Timeout,
+        ]);
+        let core = core(tmp.path(), fake.clone());
+        let dir = tmp.path().join("containers/sb-1");
+        std::fs::create_dir_all(&dir).unwrap();
+        core.destroy_at(&dir, "sb-1", "sb-1", None, None)
+            .await
+            .unwrap();
+        // crun is not installed: not asked.
+        assert_eq!(
+            fake.calls(),
+            [
+                delete(Runtime::Runc, "sb-1"),
+                delete(Runtime::Runsc, "sb-1")
+            ]
+        );
+        assert!(!dir.exists());
+    }
+
+    fn backend(core: Core) -> ContainerBackend {
+        ContainerBackend {
+            core: Arc::new(core),
+            uids: UidSlots::new(1 << 20),
+            boxes: Mutex::new(HashMap::new()),
+            pool: std::sync::OnceLock::new(),
+        }
+    }
+
+    /// A create's rollback is `destroy(id, Some(runtime))`: the runtime deletes the id the
+    /// container was started under — the sandbox id, or the pooled name a hand-over kept.
+    #[tokio::test]
+    async fn the_rollback_deletes_the_id_the_runtime_knows() {
+        let tmp = tempfile::tempdir().unwrap();
+        let fake = RecordingRuntime::new([]);
+        let b = backend(core(tmp.path(), fake.clone()));
+        // A failed cold create: no state file yet.
+        let cold = tmp.path().join("containers/sb-1");
+        std::fs::create_dir_all(&cold).unwrap();
+        b.destroy("sb-1", Some(Runtime::Runc)).await.unwrap();
+        // A container handed over by the pool: its state names runc id and cgroup `cp-ab`.
+        let handed = tmp.path().join("containers/sb-2");
+        std::fs::create_dir_all(&handed).unwrap();
+        let state = ContainerState {
+            saved: SavedSandbox {
+                id: "sb-2".into(),
+                image: "busybox".into(),
+                image_env: vec![],
+                image_version: None,
+                init_pid: 0,
+                init_starttime: 0,
+                uid_base: 1 << 20,
+                spec: StoredSpec {
+                    cpu: 1.0,
+                    memory_mib: 256,
+                    disk_mib: 512,
+                    pids_max: 64,
+                    env: Default::default(),
+                },
+                cgroup: Some("cp-ab".into()),
+            },
+            runtime: Runtime::Runc,
+            runtime_id: Some("cp-ab".into()),
+        };
+        saved::write(&handed, &state).unwrap();
+        // The runtime comes from the state file.
+        b.destroy("sb-2", None).await.unwrap();
+        assert_eq!(
+            fake.calls(),
+            [
+                delete(Runtime::Runc, "sb-1"),
+                delete(Runtime::Runc, "cp-ab")
+            ]
+        );
+        assert!(!cold.exists() && !handed.exists());
     }
 }
