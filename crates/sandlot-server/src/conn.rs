@@ -21,7 +21,10 @@
 //!   answered `503 unavailable` with `Retry-After: 1` at once (load shedding) instead of
 //!   queueing; a streamed response holds its slot until its body ends. One peer address
 //!   holds at most [`ConnLimits::per_ip_requests`] of them (default a quarter), so it cannot
-//!   take every slot.
+//!   take every slot. Requests whose body is still arriving hold at most
+//!   [`ConnLimits::body_requests`] of them (three quarters), so slow bodies from many
+//!   addresses cannot take the slots of requests without a body (`GET`s, deletes, health
+//!   checks, `/metrics`); a request gives this share back once its body has been read.
 //! - **Request-body pace** ([`ConnLimits::body_read_timeout`], [`ConnLimits::body_min_rate`],
 //!   enforced by [`Paced`] around every request body): a body that sends nothing for the
 //!   read timeout, or averages under the floor once waited on for that long, is answered
@@ -34,7 +37,7 @@
 //! [`raise_nofile_limit`] lifts the soft `RLIMIT_NOFILE` to the hard one at start.
 //! Metrics: `sandlot_connections` (open), `sandlot_connections_refused_total{reason}`,
 //! `sandlot_connections_closed_total{reason}` (`evicted`, `header_timeout`, `idle_timeout`),
-//! `sandlot_requests_shed_total{reason}` (`total`, `per_ip`),
+//! `sandlot_requests_shed_total{reason}` (`total`, `per_ip`, `body`),
 //! `sandlot_request_body_timeouts_total`, `sandlot_accept_errors_total{error}`.
 use crate::SharedState;
 use axum::body::Body;
@@ -93,6 +96,13 @@ impl ConnLimits {
         self.max_requests_in_flight_per_ip
             .unwrap_or(self.max_requests_in_flight / 4)
             .max(1)
+    }
+
+    /// How many requests may be in flight with their body still arriving: the total less a
+    /// quarter kept for requests without a body (at least 1).
+    pub fn body_requests(&self) -> usize {
+        let total = self.max_requests_in_flight.max(1);
+        (total - total / 4).max(1)
     }
 }
 
@@ -215,6 +225,8 @@ pub struct ConnTable {
     max_total: usize,
     table: Mutex<Table>,
     slots: Arc<Semaphore>,
+    /// Slots of requests whose body has not been read to its end ([`ConnLimits::body_requests`]).
+    body_slots: Arc<Semaphore>,
     /// Requests in flight per peer IP address (absent: none).
     requests_per_ip: Mutex<HashMap<IpAddr, usize>>,
 }
@@ -224,11 +236,13 @@ impl ConnTable {
     pub fn new(limits: ConnLimits) -> Self {
         let max_total = effective_max_connections(limits.max_connections, nofile_soft());
         let slots = Arc::new(Semaphore::new(limits.max_requests_in_flight.max(1)));
+        let body_slots = Arc::new(Semaphore::new(limits.body_requests()));
         ConnTable {
             limits,
             max_total,
             table: Mutex::new(Table::default()),
             slots,
+            body_slots,
             requests_per_ip: Mutex::new(HashMap::new()),
         }
     }
@@ -462,32 +476,40 @@ impl ConnTask {
             let pace = BodyPace::of(&self.conns.limits);
             hyper::service::service_fn(move |req: Request<Incoming>| {
                 let guard = InFlight::start(conn.clone());
-                // The peer's own share first, so a peer over it takes no global slot.
+                let unread = !http_body::Body::is_end_stream(req.body());
+                // The peer's own share first, so a peer over it takes no global slot; then
+                // the share of requests with a body still to come.
                 let admitted = match conns.try_ip_slot(conn.ip) {
                     None => Err(Shed::PerIp),
-                    Some(ip_slot) => match conns.slots.clone().try_acquire_owned() {
-                        Ok(permit) => Ok((ip_slot, permit)),
-                        Err(_) => Err(Shed::Total),
+                    Some(ip_slot) => match unread
+                        .then(|| conns.body_slots.clone().try_acquire_owned())
+                        .transpose()
+                    {
+                        Err(_) => Err(Shed::Body),
+                        Ok(body_slot) => match conns.slots.clone().try_acquire_owned() {
+                            Ok(permit) => Ok((ip_slot, body_slot, permit)),
+                            Err(_) => Err(Shed::Total),
+                        },
                     },
                 };
                 let app = app.clone();
                 let st = st.clone();
                 async move {
-                    let (ip_slot, permit) = match admitted {
+                    let (ip_slot, body_slot, permit) = match admitted {
                         Ok(a) => a,
                         Err(shed) => {
                             st.metrics.request_shed(shed.label());
                             return Ok::<_, std::convert::Infallible>(overloaded(shed));
                         }
                     };
-                    let read =
-                        Arc::new(AtomicBool::new(http_body::Body::is_end_stream(req.body())));
+                    let read = Arc::new(AtomicBool::new(!unread));
                     let too_slow = Arc::new(AtomicBool::new(false));
                     let paced = is_paced(req.uri().path());
                     let req = req.map(|inner| {
                         let inner = ReadToEnd {
                             inner,
                             read: read.clone(),
+                            body_slot,
                         };
                         if paced {
                             Body::new(Paced::new(inner, pace, too_slow.clone()))
@@ -577,6 +599,8 @@ enum Shed {
     Total,
     /// [`ConnLimits::per_ip_requests`] reached for the peer's address.
     PerIp,
+    /// [`ConnLimits::body_requests`] reached: too many requests with a body still arriving.
+    Body,
 }
 
 impl Shed {
@@ -585,6 +609,7 @@ impl Shed {
         match self {
             Shed::Total => "total",
             Shed::PerIp => "per_ip",
+            Shed::Body => "body",
         }
     }
 }
@@ -609,6 +634,7 @@ fn overloaded(shed: Shed) -> Response<Body> {
         Shed::PerIp => {
             "server overloaded: too many requests in flight from your address; retry later"
         }
+        Shed::Body => "server overloaded: too many requests with a body in flight; retry later",
     };
     let mut r = error_response(
         StatusCode::SERVICE_UNAVAILABLE,
@@ -697,6 +723,9 @@ impl http_body::Body for Guarded {
 struct ReadToEnd {
     inner: Incoming,
     read: Arc<AtomicBool>,
+    /// The request's slot among [`ConnLimits::body_requests`], given back at the body's end
+    /// (or when the body is dropped unread).
+    body_slot: Option<OwnedSemaphorePermit>,
 }
 
 impl http_body::Body for ReadToEnd {
@@ -710,6 +739,7 @@ impl http_body::Body for ReadToEnd {
         let r = Pin::new(&mut self.inner).poll_frame(cx);
         if matches!(r, Poll::Ready(None)) || self.inner.is_end_stream() {
             self.read.store(true, Ordering::Release);
+            self.body_slot = None;
         }
         r
     }

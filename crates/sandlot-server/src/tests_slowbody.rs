@@ -286,3 +286,61 @@ async fn one_address_cannot_take_every_slot() {
     let ok = get_from(ip(1), r.addr, "/v1/ping").await;
     assert_eq!(status_of(&ok), "200", "{ok}");
 }
+
+/// Slow bodies from many addresses, each within its own share, fill only the share of
+/// requests with a body still arriving (three quarters): a further request with a body is
+/// shed `503`, requests without a body from anyone are still answered, and a body read to
+/// its end gives its slot back at once.
+#[tokio::test]
+async fn slow_bodies_from_many_addresses_leave_room_for_requests_without_one() {
+    let r = start(
+        "slowbody-many",
+        ConnLimits {
+            max_requests_in_flight: 8,
+            body_read_timeout: Duration::from_secs(30),
+            ..Default::default()
+        },
+    )
+    .await;
+    let limits = r.st.conns.limits();
+    assert_eq!((limits.per_ip_requests(), limits.body_requests()), (2, 6));
+    let mut held = Vec::new();
+    for n in 1..=3u8 {
+        for k in 1..=2 {
+            let mut s = connect_from(ip(n), r.addr).await;
+            s.write_all(post_head(100).as_bytes()).await.unwrap();
+            wait_until("the slow request to take a slot", || {
+                r.st.conns.requests_from(ip(n)) == k
+            })
+            .await;
+            held.push(s);
+        }
+    }
+    // A seventh body, from a fresh address within its own share: shed.
+    let mut body = connect_from(ip(4), r.addr).await;
+    body.write_all(post_head(2).as_bytes()).await.unwrap();
+    body.write_all(b"{}").await.unwrap();
+    let resp = read_response(&mut body, Duration::from_secs(5)).await;
+    assert_eq!(status_of(&resp), "503", "{resp}");
+    assert!(resp.contains("with a body in flight"), "{resp}");
+    // Requests without a body still get the two slots kept for them, one after another.
+    for n in [4, 5, 6] {
+        let ok = get_from(ip(n), r.addr, "/v1/ping").await;
+        assert_eq!(status_of(&ok), "200", "{ok}");
+    }
+    let text = get_from(ip(5), r.addr, "/metrics").await;
+    assert!(
+        text.contains("sandlot_requests_shed_total{reason=\"body\"} 1"),
+        "{text}"
+    );
+    // One slow body completes: its body slot is free although the other five still wait.
+    let mut first = held.remove(0);
+    first.write_all(&[b' '; 100]).await.unwrap();
+    let done = read_response(&mut first, Duration::from_secs(5)).await;
+    assert_ne!(status_of(&done), "503", "{done}");
+    let mut body = connect_from(ip(4), r.addr).await;
+    body.write_all(post_head(2).as_bytes()).await.unwrap();
+    body.write_all(b"{}").await.unwrap();
+    let resp = read_response(&mut body, Duration::from_secs(5)).await;
+    assert_ne!(status_of(&resp), "503", "{resp}");
+}
