@@ -36,8 +36,11 @@
 //! [`ProcessTable::forget_sandbox`]. The table is memory only, but a process that runs
 //! through a sandbox's guest agent outlives the node's process (the agent tables it, with
 //! the last 64 KiB of its output and its end): after a restart [`ProcessTable::refind`]
-//! registers it again under its old handle (container, microvm, vm; function sandboxes'
-//! agent path), and so does a node that took over a paused VM from another one.
+//! registers it again under its old handle, with its `tag`, `meta` and `number` (kept by
+//! the agent as the exec's labels) (container, microvm, vm; function sandboxes' agent
+//! path), and so does a node that took over a paused VM from another one. On a live node,
+//! an exec whose agent stream ends without an exit (the connection dropped) is asked for
+//! again and read on from the offsets the node has (see [`collect`]).
 //! Processes on the function backend's helper path die with the node's exec tasks and
 //! their handles answer `NotFound`.
 use crate::node::{ExecControl, Node, NodeError, NodeResult};
@@ -1122,13 +1125,14 @@ async fn collect(
             }
             (r, _) => break r,
         };
-        tokio::time::sleep(REATTACH_WAIT).await;
         // Its stdin went with the old connection (the agent closed it).
         if proc.stdin.lock().unwrap().take().is_some() {
             proc.bump();
         }
+        // Signals sent from now on wait for the new stream.
         let (sig_tx, sig_rx) = mpsc::unbounded_channel();
         *proc.signals.lock().unwrap() = sig_tx;
+        tokio::time::sleep(REATTACH_WAIT).await;
         let (off_tx, off_rx) = tokio::sync::oneshot::channel();
         let (ev_tx, ev_rx) = mpsc::channel::<ExecEvent>(64);
         let reattach = crate::node::ExecReattach {
