@@ -27,6 +27,7 @@ from typing import Dict, Iterator, List, Optional
 import pytest
 
 import sandlot
+from sandlot.process import spawn_body
 from conftest import (
     IMAGES_DIR, Server, count_leaks, host_processes_matching, pooled_names, private_base,
     process_stdout, remove_private_base, wait_no_leaks, wait_until,
@@ -567,14 +568,31 @@ def test_kill9_refinds_background_processes(node, client, baseline):
     A counter printing every 0.2 s is listed as running, its output goes on from the same
     offsets (what it printed while no server ran comes from the agent's ring, every line in
     order), and a kill through its handle ends it in the sandbox; a process that exited
-    while no server ran is listed as exited with its exit code and its output."""
+    while no server ran is listed as exited with its exit code and its output. Each is
+    listed with the tag, meta and number it was started with."""
     tag = f"{os.getpid()}{time.monotonic_ns() % 10**9}"
     box = client.create(backend="container", runtime="runc", image=IMAGE, memory_mib=64,
                         ttl_s=600)
+
+    def spawn_labelled(cmd: str, label: str) -> sandlot.Process:
+        # The SDK's spawn takes no tag/meta: the wire call.
+        body = spawn_body(cmd, None, None, None, False, None, None)
+        body.update(tag=label, meta={"run": tag, "k": [1, "é"]})
+        resp = box._client._request("POST", box._path("/processes"), json=body)
+        return sandlot.Process(box, resp.json())
+
+    def wire_processes() -> Dict[str, dict]:
+        resp = box._client._request("GET", box._path("/processes"))
+        return {d["id"]: d for d in resp.json()["processes"]}
+
     try:
-        counter = box.spawn(f": counter-{tag}; i=0; while true; do echo n$i; "
-                            f"date +%s%N > /tmp/hb; i=$((i+1)); sleep 0.2; done")
-        short = box.spawn("sleep 1; echo bye >&2; exit 7")
+        counter = spawn_labelled(f": counter-{tag}; i=0; while true; do echo n$i; "
+                                 f"date +%s%N > /tmp/hb; i=$((i+1)); sleep 0.2; done",
+                                 "counter")
+        short = spawn_labelled("sleep 1; echo bye >&2; exit 7", "short")
+        labels_before = {i: (d["tag"], d["meta"], d["number"])
+                         for i, d in wire_processes().items()}
+        assert labels_before[counter.id][0] == "counter", labels_before
         before, _ = process_stdout(counter, b"n3\n")
         node.kill()
         # The short one ends while no server runs; the counter prints ~12 lines meanwhile.
@@ -591,6 +609,10 @@ def test_kill9_refinds_background_processes(node, client, baseline):
         assert s.state == "exited", s.__dict__
         assert s.result is not None and s.result.exit_code == 7, s.result
         assert box.process(short.id).wait(timeout=10).stderr == b"bye\n"
+        # Tag, meta and number as they were started (the agent kept them).
+        labels_after = {i: (d.get("tag"), d.get("meta"), d["number"])
+                        for i, d in wire_processes().items()}
+        assert labels_after == labels_before, (labels_after, labels_before)
 
         # The count goes on without a gap: the bytes the restarted server no longer has
         # (those the old one had read) show as skipped, the rest continues them.

@@ -29,9 +29,9 @@ use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
 use nix::unistd::Pid;
 use sandlot_guest::agent_proto::{
     encode, AttachInfo, AttachRequest, ClockRequest, ExecExit, ExecInfo, ExecRequest, FrameDecoder,
-    FrameKind, IdentityRequest, SignalRequest, CONNECTION_WINDOW, CONNECT_TIMEOUT_MS, MAX_STREAMS,
-    PATH_CLOCK, PATH_CONNECT, PATH_EXEC, PATH_EXECS, PATH_EXEC_ATTACH, PATH_IDENTITY, PATH_PING,
-    PATH_SIGNAL, STREAM_WINDOW,
+    FrameKind, IdentityRequest, SignalRequest, CONNECTION_WINDOW, CONNECT_TIMEOUT_MS,
+    MAX_LABELS_BYTES, MAX_STREAMS, PATH_CLOCK, PATH_CONNECT, PATH_EXEC, PATH_EXECS,
+    PATH_EXEC_ATTACH, PATH_IDENTITY, PATH_PING, PATH_SIGNAL, STREAM_WINDOW,
 };
 use sandlot_guest::exec_table::{ExecState, ExecTable, Stream};
 use sandlot_guest::spec::ExecStatus;
@@ -132,10 +132,11 @@ impl Execs {
         &mut self,
         handle: &str,
         argv: Vec<String>,
+        labels: Option<serde_json::Value>,
         pid: i32,
         reader: Reader,
     ) -> Option<Arc<Notify>> {
-        self.table.insert(handle, argv, pid).ok()?;
+        self.table.insert(handle, argv, labels, pid).ok()?;
         let table = &self.table;
         // Entries the insert evicted (ended ones nobody took).
         self.tabled.retain(|h, _| table.get(h).is_some());
@@ -222,6 +223,7 @@ impl Execs {
                     stdout_bytes: totals[0],
                     stderr_bytes: totals[1],
                     dropped: e.output.dropped(),
+                    labels: e.labels.clone(),
                 }
             })
             .collect()
@@ -1229,6 +1231,16 @@ async fn exec(mut body: Incoming, shared: Shared) -> Result<Response<Body>, Stri
             return Err(format!("handle {h:?} is already in use"));
         }
     }
+    if let Some(l) = &req.labels {
+        let n = serde_json::to_vec(l).map_or(usize::MAX, |v| v.len());
+        if n > MAX_LABELS_BYTES {
+            return Err(format!(
+                "labels are {n} bytes of JSON, over the limit of {MAX_LABELS_BYTES}"
+            ));
+        }
+    }
+    // Kept only for a named exec (the table's).
+    let labels = req.labels.take().filter(|_| req.handle.is_some());
     req.spec.own_pid_ns = true;
     req.spec.cgroup_procs.clear();
     req.spec.stdin_null = !req.stdin;
@@ -1302,7 +1314,7 @@ async fn exec(mut body: Incoming, shared: Shared) -> Result<Response<Body>, Stri
     // A named exec is tabled: its output and end then go through the table, to whichever
     // connection reads it (see `PATH_EXECS`).
     let tabled = req.handle.clone().and_then(|h| {
-        let attached = lock(&shared.execs).add(&h, argv, pid, reader.clone())?;
+        let attached = lock(&shared.execs).add(&h, argv, labels, pid, reader.clone())?;
         Some((h, attached))
     });
     let route = |kind| match &tabled {

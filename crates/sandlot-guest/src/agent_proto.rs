@@ -222,7 +222,20 @@ pub struct ExecRequest {
     /// end of its connection and can be found again ([`PATH_EXECS`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub handle: Option<String>,
+    /// Opaque JSON the node attaches to a named exec (its background process's `tag`,
+    /// `meta` and `number`): the agent keeps it in its exec table as given and answers it
+    /// in [`ExecInfo::labels`], so a node that re-finds the exec lists it as it was
+    /// started. At most [`MAX_LABELS_BYTES`] bytes of compact JSON (more: 400); ignored
+    /// without a `handle`. Absent from nodes that predate it; agents that predate it
+    /// ignore it (the exec then comes back without its labels).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub labels: Option<serde_json::Value>,
 }
+
+/// Largest [`ExecRequest::labels`], bytes of compact JSON (8 KiB: the node's own caps on
+/// a process's `tag` and `meta`, 256 and 4096 bytes, with room for JSON escapes). The
+/// agent keeps at most [`crate::exec_table::TABLE_CAP`] of them: 8 MiB at most.
+pub const MAX_LABELS_BYTES: usize = 8 << 10;
 
 /// `POST /v1/exec` exit frame.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -399,6 +412,10 @@ pub struct ExecInfo {
     pub stderr_bytes: u64,
     /// Output bytes dropped from its ring (written while nobody read it, past the cap).
     pub dropped: u64,
+    /// Its [`ExecRequest::labels`], as given; absent when none were given (and from
+    /// agents that predate them).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub labels: Option<serde_json::Value>,
 }
 
 /// `POST /v1/exec/attach` body.

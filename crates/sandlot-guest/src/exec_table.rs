@@ -4,8 +4,10 @@
 //!
 //! The agent tables every exec started with a handle; `GET /v1/execs` and
 //! `POST /v1/exec/attach` ([`crate::agent_proto::PATH_EXECS`]) serve it. What it holds per exec: the node's handle id (the key, [`crate::agent_proto::ExecRequest::handle`]),
-//! the command, the helper's pid, the start time, the state (running or its exit code)
-//! and an [`OutputRing`] of the output produced while no host is connected.
+//! the command, the node's opaque labels ([`crate::agent_proto::ExecRequest::labels`], at
+//! most [`crate::agent_proto::MAX_LABELS_BYTES`]), the helper's pid, the start time, the
+//! state (running or its exit code) and an [`OutputRing`] of the output produced while no
+//! host is connected.
 //!
 //! Memory is bounded: each ring holds at most [`RING_CAP`] bytes per exec (older output is
 //! dropped and counted), and the table holds at most [`TABLE_CAP`] entries (a new exec
@@ -116,6 +118,8 @@ pub enum ExecState {
 pub struct ExecEntry {
     /// The command line (argv).
     pub command: Vec<String>,
+    /// The node's labels of it, as given (the agent does not read them).
+    pub labels: Option<serde_json::Value>,
     /// Pid of the exec helper (in the agent's pid namespace).
     pub pid: i32,
     /// When the exec started.
@@ -176,7 +180,8 @@ impl ExecTable {
         }
     }
 
-    /// Adds a running exec under `handle`; evicts the oldest ended entry when full.
+    /// Adds a running exec under `handle` with the node's `labels` (bounded by the
+    /// caller); evicts the oldest ended entry when full.
     ///
     /// Errors: [`TableError::InUse`] when `handle` is tabled, [`TableError::Full`] when
     /// every entry is running.
@@ -184,6 +189,7 @@ impl ExecTable {
         &mut self,
         handle: &str,
         command: Vec<String>,
+        labels: Option<serde_json::Value>,
         pid: i32,
     ) -> Result<(), TableError> {
         if self.entries.contains_key(handle) {
@@ -208,6 +214,7 @@ impl ExecTable {
             handle.to_string(),
             ExecEntry {
                 command,
+                labels,
                 pid,
                 started: SystemTime::now(),
                 state: ExecState::Running,
@@ -304,7 +311,7 @@ mod tests {
     #[test]
     fn ring_default_cap_is_bounded() {
         let mut t = ExecTable::default();
-        t.insert("h", vec!["yes".into()], 1).unwrap();
+        t.insert("h", vec!["yes".into()], None, 1).unwrap();
         for _ in 0..1000 {
             t.output("h", Stream::Stdout, &[b'y'; 1000]).unwrap();
         }
@@ -316,9 +323,17 @@ mod tests {
     #[test]
     fn table_tracks_state_and_rejects_duplicates() {
         let mut t = ExecTable::new(4, 16);
-        t.insert("a", vec!["sleep".into(), "9".into()], 10).unwrap();
+        let labels = serde_json::json!({"tag": "t", "number": 1000});
+        t.insert(
+            "a",
+            vec!["sleep".into(), "9".into()],
+            Some(labels.clone()),
+            10,
+        )
+        .unwrap();
+        assert_eq!(t.get("a").unwrap().labels, Some(labels));
         assert_eq!(
-            t.insert("a", vec![], 11),
+            t.insert("a", vec![], None, 11),
             Err(TableError::InUse("a".into()))
         );
         assert_eq!(t.get("a").unwrap().state, ExecState::Running);
@@ -332,12 +347,12 @@ mod tests {
     #[test]
     fn table_full_evicts_oldest_ended_else_refuses() {
         let mut t = ExecTable::new(2, 16);
-        t.insert("a", vec![], 1).unwrap();
-        t.insert("b", vec![], 2).unwrap();
-        assert_eq!(t.insert("c", vec![], 3), Err(TableError::Full));
+        t.insert("a", vec![], None, 1).unwrap();
+        t.insert("b", vec![], None, 2).unwrap();
+        assert_eq!(t.insert("c", vec![], None, 3), Err(TableError::Full));
         t.exited("b", 0).unwrap();
         t.exited("a", 0).unwrap();
-        t.insert("c", vec![], 3).unwrap();
+        t.insert("c", vec![], None, 3).unwrap();
         // "a" was tabled first, so it goes first.
         assert!(t.get("a").is_none());
         assert!(t.get("b").is_some());

@@ -507,6 +507,12 @@ pub struct ExecControl {
     pub signals: mpsc::UnboundedReceiver<i32>,
     /// A name for the exec, unique on the node (the guest agent's exec handle).
     pub handle: String,
+    /// Opaque JSON kept with the exec where a guest agent runs it (its exec table, at most
+    /// `sandlot_guest::agent_proto::MAX_LABELS_BYTES`) and given back in
+    /// [`AgentExec::labels`]: what `sandlot_node::processes` needs to list a re-found
+    /// process as it was started (`tag`, `meta`, `number`). Not carried by
+    /// `sandlot-node-remote` (its processes live in the node itself).
+    pub labels: Option<serde_json::Value>,
 }
 
 /// A background exec a sandbox's guest agent still holds ([`Node::agent_execs`]): started
@@ -522,6 +528,8 @@ pub struct AgentExec {
     pub started_unix_ms: u64,
     /// `None` while running; its exit code when it ended while no node read it.
     pub exit_code: Option<i32>,
+    /// Its [`ExecControl::labels`]; `None` when none were given or its agent predates them.
+    pub labels: Option<serde_json::Value>,
 }
 
 /// Reading an [`AgentExec`] again ([`Node::exec_reattach`]).

@@ -669,6 +669,7 @@ async fn exec_controlled(
         stdin: start.stdin.then_some(stdin_rx),
         signals: sig_rx,
         handle: start.handle,
+        labels: None,
     };
     // Reads the rest of the request stream into the control channels; it ends (closing
     // stdin and the signals) when the stream ends or breaks, or at a bad frame.

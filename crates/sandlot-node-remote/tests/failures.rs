@@ -58,6 +58,7 @@ async fn a_listener_killed_mid_exec_is_transport_not_not_found() {
             stdin: Some(stdin_rx),
             signals: sig_rx,
             handle: "h-cat".into(),
+            labels: None,
         };
         r3.exec_controlled(&id3, &req(&["cat"], 30.0), None, control)
             .await

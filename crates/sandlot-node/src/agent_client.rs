@@ -801,6 +801,47 @@ impl AgentClient {
     }
 }
 
+/// How many times [`AgentClient::attach_when_free`] asks while the agent answers 409, and
+/// how long it waits between: a second in all, the agent's own grace for a connection's
+/// end (`CONN_END_GRACE` in `sandlot-guest`'s agent) and then some.
+pub const ATTACH_CONFLICT_TRIES: u32 = 5;
+/// See [`ATTACH_CONFLICT_TRIES`].
+pub const ATTACH_CONFLICT_WAIT: Duration = Duration::from_millis(200);
+
+impl AgentClient {
+    /// [`AgentClient::attach`], asked again up to [`ATTACH_CONFLICT_TRIES`] times in all,
+    /// [`ATTACH_CONFLICT_WAIT`] apart, while the agent answers 409: the connection that
+    /// read the exec is going away but the agent has not seen its end yet (a node that
+    /// took a paused VM over while the old node's connection was still held, or this
+    /// node's own connection that just dropped). Logged once, at the first 409. All tries
+    /// together take at most 10 s, as one attach.
+    ///
+    /// # Errors
+    /// As [`AgentClient::attach`]; `Conflict` when the exec is still read by another
+    /// connection after the last try.
+    pub async fn attach_when_free(&self, handle: &str) -> NodeResult<(AttachInfo, ExecStream)> {
+        let tries = async {
+            let mut tries = 1;
+            loop {
+                match self.attach(handle).await {
+                    Err(NodeError::Conflict(msg)) if tries < ATTACH_CONFLICT_TRIES => {
+                        if tries == 1 {
+                            tracing::info!(handle, agent = %self.socket.display(), error = %msg,
+                                "exec still read by another connection; asking again");
+                        }
+                        tries += 1;
+                        tokio::time::sleep(ATTACH_CONFLICT_WAIT).await;
+                    }
+                    r => return r,
+                }
+            }
+        };
+        tokio::time::timeout(EXECS_TIMEOUT, tries)
+            .await
+            .map_err(|_| agent_err(&self.socket, "attach", "no answer"))?
+    }
+}
+
 /// The response of one exec: output frames, then the exit.
 pub struct ExecStream {
     body: Incoming,

@@ -36,8 +36,11 @@
 //! [`ProcessTable::forget_sandbox`]. The table is memory only, but a process that runs
 //! through a sandbox's guest agent outlives the node's process (the agent tables it, with
 //! the last 64 KiB of its output and its end): after a restart [`ProcessTable::refind`]
-//! registers it again under its old handle (container, microvm, vm; function sandboxes'
-//! agent path), and so does a node that took over a paused VM from another one.
+//! registers it again under its old handle, with its `tag`, `meta` and `number` (kept by
+//! the agent as the exec's labels) (container, microvm, vm; function sandboxes' agent
+//! path), and so does a node that took over a paused VM from another one. On a live node,
+//! an exec whose agent stream ends without an exit (the connection dropped) is asked for
+//! again and read on from the offsets the node has (see [`collect`]).
 //! Processes on the function backend's helper path die with the node's exec tasks and
 //! their handles answer `NotFound`.
 use crate::node::{ExecControl, Node, NodeError, NodeResult};
@@ -100,8 +103,16 @@ pub struct OutputLog {
     end: u64,
     /// No byte before this offset is retained (raised past bytes a failed write lost).
     floor: u64,
+    /// Offsets `[from, to)` the node never got (a re-attach after its connection to the
+    /// agent dropped found the agent's ring starting later, [`OutputLog::skip_to`]),
+    /// oldest first, at most [`MAX_HOLES`]; they read as skipped.
+    holes: std::collections::VecDeque<(u64, u64)>,
     file: Option<std::fs::File>,
 }
+
+/// Most holes an [`OutputLog`] keeps; older ones fold into its floor (the bytes before
+/// them then read as skipped too).
+const MAX_HOLES: usize = 16;
 
 impl OutputLog {
     /// An empty log retaining at most `cap` bytes in an unlinked file under `dir` (no file
@@ -119,6 +130,7 @@ impl OutputLog {
             cap: cap as u64,
             end: 0,
             floor: 0,
+            holes: Default::default(),
             file,
         })
     }
@@ -159,6 +171,42 @@ impl OutputLog {
         }
     }
 
+    /// Moves the end on to `at` without bytes (a re-attached stream that resumes past
+    /// what the node got): the bytes in between read as skipped, those retained before
+    /// them stay readable. Nothing happens when `at` is not past the end.
+    pub fn skip_to(&mut self, at: u64) {
+        if at <= self.end {
+            return;
+        }
+        self.holes.push_back((self.end, at));
+        self.end = at;
+        let start = self.start();
+        self.holes.retain(|h| h.1 > start);
+        while self.holes.len() > MAX_HOLES {
+            let (_, to) = self.holes.pop_front().expect("over the cap means one");
+            self.floor = self.floor.max(to);
+        }
+    }
+
+    /// Where a reader at `off` goes on when its bytes are not retained (older than
+    /// [`OutputLog::start`], or in a hole [`OutputLog::skip_to`] left): the next retained
+    /// offset; `None` when byte `off` is retained (or `off` is the end).
+    pub fn skip_from(&self, off: u64) -> Option<u64> {
+        let mut to = off.max(self.start());
+        // Sorted and disjoint: one pass moves across touching holes too.
+        for &(a, b) in &self.holes {
+            if a <= to && to < b {
+                to = b;
+            }
+        }
+        (to > off).then_some(to)
+    }
+
+    /// Whether any byte written is not retained (fell out of the cap, lost, or skipped).
+    pub fn lost_any(&self) -> bool {
+        self.start() > 0 || !self.holes.is_empty()
+    }
+
     /// Offset of the oldest retained byte.
     pub fn start(&self) -> u64 {
         self.end.saturating_sub(self.cap).max(self.floor)
@@ -169,16 +217,21 @@ impl OutputLog {
         self.end
     }
 
-    /// Up to `max` retained bytes from offset `from` (raised to [`OutputLog::start`] when
-    /// older), with the offset they start at. Empty at or past the end, and when the file
-    /// cannot be read (logged).
+    /// Up to `max` retained bytes from offset `from` (moved on as [`OutputLog::skip_from`]
+    /// says when not retained), with the offset they start at; they stop before a hole.
+    /// Empty at or past the end, and when the file cannot be read (logged).
     pub fn read(&self, from: u64, max: usize) -> (u64, Vec<u8>) {
         use std::os::unix::fs::FileExt;
-        let from = from.max(self.start());
+        let from = self.skip_from(from).unwrap_or(from);
         let Some(f) = self.file.as_ref().filter(|_| from < self.end) else {
             return (from, Vec::new());
         };
-        let n = (self.end - from).min(max as u64) as usize;
+        let limit = self
+            .holes
+            .iter()
+            .find(|h| h.0 > from)
+            .map_or(self.end, |h| h.0);
+        let n = (limit - from).min(max as u64) as usize;
         let mut buf = vec![0u8; n];
         let pos = from % self.cap;
         let first = ((self.cap - pos) as usize).min(n);
@@ -230,7 +283,8 @@ pub struct ProcessHandle {
     /// Bumped on every change (output, end, stdin closed); waiters and followers watch it.
     version: watch::Sender<u64>,
     stdin: Mutex<Option<mpsc::Sender<Bytes>>>,
-    signals: mpsc::UnboundedSender<i32>,
+    /// Replaced when the exec is taken up again after its agent connection dropped.
+    signals: Mutex<mpsc::UnboundedSender<i32>>,
     task: Mutex<Option<tokio::task::AbortHandle>>,
     /// Runs on a terminal: its stdin channel carries frames
     /// (`sandlot_guest::spec::pty_frame_data` / `pty_frame_resize`), not raw bytes.
@@ -314,7 +368,7 @@ impl ProcessHandle {
     /// # Errors
     /// `Conflict` when the process has already ended.
     pub fn signal(&self, signal: i32) -> NodeResult<()> {
-        if self.ended() || self.signals.send(signal).is_err() {
+        if self.ended() || self.signals.lock().unwrap().send(signal).is_err() {
             return Err(NodeError::Conflict(format!(
                 "process {} has already exited",
                 self.id
@@ -478,13 +532,13 @@ impl Cursor {
                     .enumerate()
                 {
                     let log = st.log(s);
-                    if self.offsets[i] < log.start() {
+                    if let Some(to) = log.skip_from(self.offsets[i]) {
                         let ev = ProcessEvent::Skipped {
                             stream: s,
                             from: self.offsets[i],
-                            to: log.start(),
+                            to,
                         };
-                        self.offsets[i] = log.start();
+                        self.offsets[i] = to;
                         return Some(ev);
                     }
                     let (off, data) = log.read(self.offsets[i], EVENT_CHUNK);
@@ -611,7 +665,7 @@ impl ProcessTable {
         };
         let (stdout, stderr) = (log()?, log()?);
         let sandbox_id = sandbox.to_string();
-        let proc = self.admit(sandbox, true, |number| ProcessHandle {
+        let proc = self.admit(sandbox, true, None, |number| ProcessHandle {
             id: new_id(),
             number,
             tag: req.tag,
@@ -628,14 +682,20 @@ impl ProcessTable {
             }),
             version: watch::channel(0).0,
             stdin: Mutex::new(stdin_tx),
-            signals: sig_tx,
+            signals: Mutex::new(sig_tx),
             task: Mutex::new(None),
             pty,
         })?;
+        let labels = Labels {
+            tag: proc.tag.clone(),
+            meta: proc.meta.clone(),
+            number: Some(proc.number),
+        };
         let control = ExecControl {
             stdin: stdin_rx,
             signals: sig_rx,
             handle: proc.id.clone(),
+            labels: serde_json::to_value(labels).ok(),
         };
         let (ev_tx, ev_rx) = mpsc::channel::<ExecEvent>(64);
         let node = self.node.clone();
@@ -653,16 +713,19 @@ impl ProcessTable {
             }
             exec = Box::pin(futures::future::ready(r));
         }
-        let task = tokio::spawn(collect(proc.clone(), exec, ev_rx, None));
+        let task = tokio::spawn(collect(proc.clone(), self.node.clone(), exec, ev_rx, None));
         *proc.task.lock().unwrap() = Some(task.abort_handle());
         Ok(proc.info())
     }
 
     /// Registers the background execs sandbox `sandbox`'s guest agent still holds (issue
     /// 25: started by this node's previous process, or by the node a paused sandbox came
-    /// from) under their old handles, each taken up with [`Node::exec_reattach`]: running
-    /// ones go on (output from where the agent's ring starts, signals, wait, kill), ended
-    /// ones are listed with their result. Handles already in the table are left alone.
+    /// from) under their old handles, with the `tag`, `meta` and `number` they were started
+    /// with (kept by the agent as the exec's labels; a new number when that one is taken,
+    /// none of them from an agent that predates labels), each taken up with
+    /// [`Node::exec_reattach`]: running ones go on (output from where the agent's ring
+    /// starts, signals, wait, kill), ended ones are listed with their result. Handles
+    /// already in the table are left alone.
     /// An agent that keeps no table, or that cannot be asked (paused, gone), gives none
     /// (logged at debug). Returns how many were registered.
     pub async fn refind(&self, sandbox: &str) -> usize {
@@ -714,12 +777,17 @@ impl ProcessTable {
         let started_at = chrono::DateTime::from_timestamp_millis(e.started_unix_ms as i64)
             .unwrap_or_default()
             .to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
+        // Labels this node did not write (another version's) are left out, not an error.
+        let labels: Labels = e
+            .labels
+            .and_then(|l| serde_json::from_value(l).ok())
+            .unwrap_or_default();
         // A process that already runs in the sandbox: not held to `max_running`.
-        let proc = self.admit(sandbox, false, |number| ProcessHandle {
+        let proc = self.admit(sandbox, false, labels.number, |number| ProcessHandle {
             id: e.handle.clone(),
             number,
-            tag: None,
-            meta: None,
+            tag: labels.tag,
+            meta: labels.meta,
             sandbox_id: sandbox.to_string(),
             // `Cmd::Shell(s)` runs as exactly this argv.
             cmd: match e.argv.as_slice() {
@@ -736,7 +804,7 @@ impl ProcessTable {
             }),
             version: watch::channel(0).0,
             stdin: Mutex::new(None),
-            signals: sig_tx,
+            signals: Mutex::new(sig_tx),
             task: Mutex::new(None),
             pty: false,
         })?;
@@ -751,13 +819,20 @@ impl ProcessTable {
         let sid = sandbox.to_string();
         let exec: ExecFuture =
             Box::pin(async move { node.exec_reattach(&sid, Some(ev_tx), reattach).await });
-        let task = tokio::spawn(collect(proc.clone(), exec, ev_rx, Some(off_rx)));
+        let task = tokio::spawn(collect(
+            proc.clone(),
+            self.node.clone(),
+            exec,
+            ev_rx,
+            Some(off_rx),
+        ));
         *proc.task.lock().unwrap() = Some(task.abort_handle());
         Ok(())
     }
 
     /// Adds `proc` under its sandbox, within the limits (`max_running` only when
-    /// `new_process`), numbering it ([`Process::number`]).
+    /// `new_process`), numbering it ([`Process::number`]): `want` (a re-found process's
+    /// old number) when no listed process has it, else the sandbox's next one.
     ///
     /// # Errors
     /// `ResourceExhausted` over `max_running`; `Conflict` when a process of that id is
@@ -766,6 +841,7 @@ impl ProcessTable {
         &self,
         sandbox: &str,
         new_process: bool,
+        want: Option<u32>,
         make: impl FnOnce(u32) -> ProcessHandle,
     ) -> NodeResult<Arc<ProcessHandle>> {
         let mut map = self.by_sandbox.lock().unwrap();
@@ -789,18 +865,24 @@ impl ProcessTable {
         if sb.next_number == 0 {
             sb.next_number = sandlot_api::FIRST_PROCESS_NUMBER;
         }
-        let p = Arc::new(make(sb.next_number));
+        let old = want.filter(|n| {
+            *n >= sandlot_api::FIRST_PROCESS_NUMBER && !sb.list.iter().any(|q| q.number == *n)
+        });
+        let p = Arc::new(make(old.unwrap_or(sb.next_number)));
         if sb.list.iter().any(|q| q.id == p.id) {
             return Err(NodeError::Conflict(format!(
                 "process {} is listed in sandbox {sandbox} already",
                 p.id
             )));
         }
-        // u32 numbers last 4 billion spawns; after that they wrap to the first again.
-        sb.next_number = sb
-            .next_number
-            .checked_add(1)
-            .unwrap_or(sandlot_api::FIRST_PROCESS_NUMBER);
+        // Numbers after the highest given (an old one kept is not given again).
+        if p.number >= sb.next_number {
+            // u32 numbers last 4 billion spawns; after that they wrap to the first again.
+            sb.next_number = p
+                .number
+                .checked_add(1)
+                .unwrap_or(sandlot_api::FIRST_PROCESS_NUMBER);
+        }
         sb.list.push(p.clone());
         Ok(p)
     }
@@ -906,57 +988,164 @@ async fn kill_and_drop(p: Arc<ProcessHandle>) {
     }
 }
 
+/// How many times in a row [`collect`] tries to take an exec up again after its agent
+/// connection dropped (the agent unreachable for the first try), and how long it waits
+/// before each try.
+const REATTACH_TRIES: u32 = 2;
+const REATTACH_WAIT: Duration = Duration::from_millis(500);
+/// Most re-attaches in one process's life (each one after a drop that a re-attach
+/// mended): a connection that keeps dropping ends the process's record, not a loop.
+const MAX_REATTACHES: u32 = 16;
+
+/// What [`ProcessTable`] keeps with a background exec in its guest agent
+/// ([`ExecControl::labels`]) so that a node that re-finds it lists it as it was started.
+/// Unknown fields are ignored and missing ones are `None` (other node versions).
+#[derive(Debug, Default, serde::Serialize, serde::Deserialize)]
+struct Labels {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    tag: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    meta: Option<serde_json::Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    number: Option<u32>,
+}
+
+/// Lines `log` up with a stream taken up again whose output starts at offset `at` of the
+/// exec's whole output: an empty log starts there ([`OutputLog::begin_at`]); bytes the
+/// node never got leave a hole ([`OutputLog::skip_to`]). Returns how many of the stream's
+/// next bytes the log already has (to drop).
+fn align(log: &mut OutputLog, at: u64) -> u64 {
+    if log.end() == 0 {
+        log.begin_at(at);
+        0
+    } else if at > log.end() {
+        log.skip_to(at);
+        0
+    } else {
+        log.end() - at
+    }
+}
+
+/// Moves one output event into the process's logs, dropping first the bytes `discard`
+/// says the log has already (per stream: stdout, stderr).
+fn push_event(proc: &ProcessHandle, discard: &mut [u64; 2], ev: ExecEvent) {
+    let (stream, bytes) = match ev {
+        ExecEvent::Stdout { data, data_b64 } => (StreamName::Stdout, raw_chunk(&data, &data_b64)),
+        ExecEvent::Stderr { data, data_b64 } => (StreamName::Stderr, raw_chunk(&data, &data_b64)),
+        _ => return,
+    };
+    let d = &mut discard[usize::from(stream == StreamName::Stderr)];
+    let skip = (*d).min(bytes.len() as u64);
+    *d -= skip;
+    let bytes = &bytes[skip as usize..];
+    if bytes.is_empty() {
+        return;
+    }
+    proc.state.lock().unwrap().log(stream).push(bytes);
+    proc.bump();
+}
+
 /// The process's task: runs the exec, moves its output into the logs, records the end.
 ///
 /// `offsets` (a process taken up after a restart, [`ProcessTable::refind`]): where its
 /// output starts, which comes before any output.
+///
+/// When the exec ends with an `Internal` error (its stream from the guest agent ended
+/// without an exit: the connection dropped, on a live node too), the agent may still run
+/// it: the task asks for it again ([`Node::exec_reattach`], up to [`REATTACH_TRIES`] times,
+/// [`REATTACH_WAIT`] apart) and goes on from the offsets it already has (bytes the agent
+/// no longer holds read as skipped; stdin is closed from then on, as the agent closed it
+/// with the old connection). Only when the agent no longer has the exec (or cannot be
+/// reached) does the original error end the process.
 async fn collect(
     proc: Arc<ProcessHandle>,
+    node: Arc<dyn Node>,
     exec: ExecFuture,
-    mut events: mpsc::Receiver<ExecEvent>,
+    events: mpsc::Receiver<ExecEvent>,
     offsets: Option<tokio::sync::oneshot::Receiver<(u64, u64)>>,
 ) {
-    let push = |ev: ExecEvent| {
-        let (stream, bytes) = match ev {
-            ExecEvent::Stdout { data, data_b64 } => {
-                (StreamName::Stdout, raw_chunk(&data, &data_b64))
+    let (mut exec, mut events, mut offsets) = (exec, events, offsets);
+    // Bytes of each stream the logs already have, to drop from the next output.
+    let mut discard = [0u64; 2];
+    // The error that ended the last connection, and the tries made to take the exec up
+    // again since.
+    let mut lost: Option<(NodeError, u32)> = None;
+    let mut reattaches = 0;
+    let result = loop {
+        let mut attached = true;
+        let mut early = None;
+        if let Some(mut o) = offsets.take() {
+            attached = false;
+            let got = tokio::select! {
+                biased;
+                o = &mut o => o.ok(),
+                r = &mut exec => {
+                    early = Some(r);
+                    // Sent in the poll that also ended it (an exec that had ended already).
+                    o.try_recv().ok()
+                }
+            };
+            if let Some((out, err)) = got {
+                attached = true;
+                let mut st = proc.state.lock().unwrap();
+                discard = [align(&mut st.stdout, out), align(&mut st.stderr, err)];
             }
-            ExecEvent::Stderr { data, data_b64 } => {
-                (StreamName::Stderr, raw_chunk(&data, &data_b64))
-            }
-            _ => return,
+        }
+        let r = match early {
+            Some(r) => r,
+            None => loop {
+                tokio::select! {
+                    biased;
+                    Some(ev) = events.recv() => push_event(&proc, &mut discard, ev),
+                    r = &mut exec => break r,
+                }
+            },
         };
-        proc.state.lock().unwrap().log(stream).push(&bytes);
-        proc.bump();
-    };
-    tokio::pin!(exec);
-    let mut early = None;
-    if let Some(offsets) = offsets {
-        tokio::select! {
-            biased;
-            o = offsets => {
-                if let Ok((out, err)) = o {
-                    let mut st = proc.state.lock().unwrap();
-                    st.stdout.begin_at(out);
-                    st.stderr.begin_at(err);
+        while let Ok(ev) = events.try_recv() {
+            push_event(&proc, &mut discard, ev);
+        }
+        let (orig, tries) = match (r, lost.take()) {
+            // A re-attach that did not reach the exec: try again while the agent could not
+            // be reached; otherwise the connection's end was the exec's.
+            (Err(e), Some((orig, tries))) if !attached => {
+                if e.code() == sandlot_api::ErrorCode::Internal && tries < REATTACH_TRIES {
+                    (orig, tries)
+                } else {
+                    tracing::debug!(process = %proc.id, error = %e, "background exec not taken up again");
+                    break Err(orig);
                 }
             }
-            r = &mut exec => early = Some(r),
-        }
-    }
-    let result = match early {
-        Some(r) => r,
-        None => loop {
-            tokio::select! {
-                biased;
-                Some(ev) = events.recv() => push(ev),
-                r = &mut exec => break r,
+            (Err(e), _)
+                if e.code() == sandlot_api::ErrorCode::Internal && reattaches < MAX_REATTACHES =>
+            {
+                reattaches += 1;
+                tracing::info!(sandbox = %proc.sandbox_id, process = %proc.id, error = %e,
+                    "background exec's stream ended without an exit; asking its guest agent");
+                (e, 0)
             }
-        },
+            (r, _) => break r,
+        };
+        // Its stdin went with the old connection (the agent closed it).
+        if proc.stdin.lock().unwrap().take().is_some() {
+            proc.bump();
+        }
+        // Signals sent from now on wait for the new stream.
+        let (sig_tx, sig_rx) = mpsc::unbounded_channel();
+        *proc.signals.lock().unwrap() = sig_tx;
+        tokio::time::sleep(REATTACH_WAIT).await;
+        let (off_tx, off_rx) = tokio::sync::oneshot::channel();
+        let (ev_tx, ev_rx) = mpsc::channel::<ExecEvent>(64);
+        let reattach = crate::node::ExecReattach {
+            handle: proc.id.clone(),
+            signals: sig_rx,
+            offsets: off_tx,
+        };
+        let (node, sid) = (node.clone(), proc.sandbox_id.clone());
+        exec = Box::pin(async move { node.exec_reattach(&sid, Some(ev_tx), reattach).await });
+        events = ev_rx;
+        offsets = Some(off_rx);
+        lost = Some((orig, tries + 1));
     };
-    while let Ok(ev) = events.try_recv() {
-        push(ev);
-    }
     {
         let mut st = proc.state.lock().unwrap();
         match result {
@@ -968,7 +1157,7 @@ async fn collect(
                 r.stderr_b64 = None;
                 r.stdout_bytes = st.stdout.end();
                 r.stderr_bytes = st.stderr.end();
-                r.truncated = st.stdout.start() > 0 || st.stderr.start() > 0;
+                r.truncated = st.stdout.lost_any() || st.stderr.lost_any();
                 st.result = Some(r);
             }
             Err(e) => st.error = Some(ApiError::new(e.code(), e.to_string())),
@@ -1309,6 +1498,235 @@ mod tests {
         assert_eq!(l.read(9990, 20), (9990, input[9990..10_010].to_vec()));
     }
 
+    #[test]
+    fn output_log_holes_read_as_skipped_and_keep_the_bytes_around_them() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut l = OutputLog::new(10, dir.path()).unwrap();
+        l.push(b"ab");
+        l.skip_to(5);
+        l.skip_to(3); // not past the end: nothing
+        l.push(b"fg");
+        assert_eq!((l.start(), l.end()), (0, 7));
+        assert!(l.lost_any());
+        // Reads stop before the hole and go on after it.
+        assert_eq!(l.read(0, 100), (0, b"ab".to_vec()));
+        assert_eq!(l.skip_from(2), Some(5));
+        assert_eq!(l.skip_from(3), Some(5));
+        assert_eq!(l.skip_from(1), None);
+        assert_eq!(l.read(2, 100), (5, b"fg".to_vec()));
+        // Touching holes are crossed at once.
+        l.skip_to(9);
+        l.skip_to(12);
+        assert_eq!(l.skip_from(7), Some(12));
+        // Past the cap, the oldest bytes go as before.
+        l.push(b"0123456789");
+        assert_eq!((l.start(), l.end()), (12, 22));
+        assert_eq!(l.skip_from(0), Some(12));
+        assert_eq!(l.read(0, 100), (12, b"0123456789".to_vec()));
+        // Holes beyond the cap fold into the floor.
+        let mut l = OutputLog::new(1 << 20, dir.path()).unwrap();
+        for i in 0..(MAX_HOLES as u64 + 4) {
+            l.push(b"x");
+            l.skip_to(3 * (i + 1));
+        }
+        assert_eq!(l.holes.len(), MAX_HOLES);
+        assert_eq!(l.start(), 12);
+        assert_eq!(l.read(0, 100), (12, b"x".to_vec()));
+    }
+
+    /// A fake node (for [`collect`]'s decisions, not the agent's): its exec writes "ab" to
+    /// stdout and ends as a dropped agent stream does (`Internal`); its re-attaches answer
+    /// from `attaches`, in order.
+    struct DroppingNode {
+        inner: sandlot_node_api::fake::FakeNode,
+        attaches: Mutex<std::collections::VecDeque<FakeAttach>>,
+        attach_calls: std::sync::atomic::AtomicUsize,
+    }
+
+    enum FakeAttach {
+        Fail(NodeError),
+        /// Offsets (stdout, stderr), then this stdout, then this exit code.
+        Resume((u64, u64), &'static [u8], i32),
+    }
+
+    const DROPPED: &str = "the guest agent ended the stream without an exit";
+
+    #[async_trait::async_trait]
+    impl Node for DroppingNode {
+        fn info(&self) -> sandlot_node_api::NodeInfo {
+            self.inner.info()
+        }
+        async fn create(&self, spec: &sandlot_node_api::SandboxSpec) -> NodeResult<()> {
+            self.inner.create(spec).await
+        }
+        async fn exec(
+            &self,
+            id: &str,
+            req: &ExecRequest,
+            sink: Option<sandlot_node_api::ExecSink>,
+        ) -> NodeResult<ExecResult> {
+            self.inner.exec(id, req, sink).await
+        }
+        async fn exec_controlled(
+            &self,
+            _id: &str,
+            _req: &ExecRequest,
+            sink: Option<sandlot_node_api::ExecSink>,
+            _control: ExecControl,
+        ) -> NodeResult<ExecResult> {
+            // Started: past the spawn's one poll (which takes an error there for a refusal).
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            let _ = sink.unwrap().send(ExecEvent::stdout(b"ab")).await;
+            Err(NodeError::io(
+                DROPPED,
+                std::io::Error::other("agent stream ended"),
+            ))
+        }
+        async fn exec_reattach(
+            &self,
+            _id: &str,
+            sink: Option<sandlot_node_api::ExecSink>,
+            r: crate::node::ExecReattach,
+        ) -> NodeResult<ExecResult> {
+            self.attach_calls
+                .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            let next = self.attaches.lock().unwrap().pop_front();
+            match next.expect("no more re-attaches scripted") {
+                FakeAttach::Fail(e) => Err(e),
+                FakeAttach::Resume(offsets, out, code) => {
+                    let _ = r.offsets.send(offsets);
+                    let _ = sink.unwrap().send(ExecEvent::stdout(out)).await;
+                    Ok(ExecResult {
+                        exit_code: code,
+                        ..Default::default()
+                    })
+                }
+            }
+        }
+        async fn read_file(&self, id: &str, path: &str, max: u64) -> NodeResult<Vec<u8>> {
+            self.inner.read_file(id, path, max).await
+        }
+        async fn file_size(&self, id: &str, path: &str) -> NodeResult<u64> {
+            self.inner.file_size(id, path).await
+        }
+        async fn write_file(&self, id: &str, path: &str, data: Bytes) -> NodeResult<()> {
+            self.inner.write_file(id, path, data).await
+        }
+        async fn list_dir(&self, id: &str, path: &str) -> NodeResult<Vec<sandlot_api::FileEntry>> {
+            self.inner.list_dir(id, path).await
+        }
+        async fn remove_file(&self, id: &str, path: &str) -> NodeResult<()> {
+            self.inner.remove_file(id, path).await
+        }
+        async fn stat_file(&self, id: &str, path: &str) -> NodeResult<sandlot_api::FileEntry> {
+            self.inner.stat_file(id, path).await
+        }
+        async fn make_dir(&self, id: &str, path: &str, parents: bool) -> NodeResult<()> {
+            self.inner.make_dir(id, path, parents).await
+        }
+        async fn pause(&self, id: &str) -> NodeResult<()> {
+            self.inner.pause(id).await
+        }
+        async fn resume(&self, id: &str) -> NodeResult<()> {
+            self.inner.resume(id).await
+        }
+        async fn delete(&self, id: &str) -> NodeResult<()> {
+            self.inner.delete(id).await
+        }
+        async fn list(&self) -> NodeResult<Vec<sandlot_node_api::SandboxStatus>> {
+            self.inner.list().await
+        }
+        async fn readopt(&self, keep: &[String]) -> NodeResult<Vec<String>> {
+            self.inner.readopt(keep).await
+        }
+    }
+
+    /// Spawns one process on a [`DroppingNode`] scripted with `attaches`; its record once
+    /// ended, its stdout events and how many re-attaches were asked.
+    async fn run_dropping(attaches: Vec<FakeAttach>) -> (Process, Vec<ProcessEvent>, usize) {
+        let dir = tempfile::tempdir().unwrap();
+        let node = Arc::new(DroppingNode {
+            inner: Default::default(),
+            attaches: Mutex::new(attaches.into()),
+            attach_calls: Default::default(),
+        });
+        let table =
+            ProcessTable::new(node.clone(), ProcessLimits::default(), dir.path().into()).unwrap();
+        let sb = "sb-0123456789abcdef0123";
+        let req: SpawnRequest = serde_json::from_str("{\"cmd\": \"x\", \"stdin\": true}").unwrap();
+        let p = table.spawn(sb, req).await.unwrap();
+        let h = table.get(sb, &p.id).unwrap();
+        let done = h.wait(Duration::from_secs(10)).await;
+        assert_eq!(done.state, ProcessState::Exited, "{done:?}");
+        let events = futures::StreamExt::collect(h.output(0, 0, false).unwrap()).await;
+        let calls = node.attach_calls.load(std::sync::atomic::Ordering::SeqCst);
+        (done, events, calls)
+    }
+
+    fn stdout_of(events: &[ProcessEvent]) -> Vec<u8> {
+        events
+            .iter()
+            .filter_map(|e| match e {
+                ProcessEvent::Stdout { data, data_b64, .. } => Some(raw_chunk(data, data_b64)),
+                _ => None,
+            })
+            .flatten()
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn a_dropped_agent_stream_is_taken_up_again_from_the_offsets_read() {
+        // The agent unreachable once, then it still runs the exec and its ring starts two
+        // bytes past what the node read: those read as skipped, the rest goes on.
+        let (p, events, calls) = run_dropping(vec![
+            FakeAttach::Fail(NodeError::io("connect", std::io::Error::other("refused"))),
+            FakeAttach::Resume((4, 0), b"ef", 0),
+        ])
+        .await;
+        assert_eq!(calls, 2);
+        assert!(p.error.is_none(), "{p:?}");
+        let r = p.result.unwrap();
+        assert_eq!((r.exit_code, r.stdout_bytes, r.truncated), (0, 6, true));
+        assert_eq!(stdout_of(&events), b"abef");
+        assert!(
+            events.iter().any(|e| matches!(
+                e,
+                ProcessEvent::Skipped {
+                    stream: StreamName::Stdout,
+                    from: 2,
+                    to: 4
+                }
+            )),
+            "{events:?}"
+        );
+        // Stdin went with the old connection.
+        assert!(!p.stdin_open);
+
+        // A ring that starts before what the node read: the bytes it has are not doubled.
+        let (p, events, calls) = run_dropping(vec![FakeAttach::Resume((1, 0), b"bcd", 3)]).await;
+        assert_eq!(calls, 1);
+        assert_eq!(p.result.unwrap().exit_code, 3);
+        assert_eq!(stdout_of(&events), b"abcd");
+    }
+
+    #[tokio::test]
+    async fn a_dropped_agent_stream_of_an_exec_the_agent_no_longer_has_ends_the_process() {
+        let (p, events, calls) = run_dropping(vec![FakeAttach::Fail(NodeError::NotFound(
+            "no exec".into(),
+        ))])
+        .await;
+        assert_eq!(calls, 1);
+        let e = p.error.unwrap();
+        assert_eq!(e.code, sandlot_api::ErrorCode::Internal);
+        assert!(e.message.contains(DROPPED), "{e:?}");
+        assert_eq!(stdout_of(&events), b"ab");
+        // An agent that stays unreachable: two tries, then the original end.
+        let unreachable = || FakeAttach::Fail(NodeError::io("connect", std::io::Error::other("x")));
+        let (p, _, calls) = run_dropping(vec![unreachable(), unreachable()]).await;
+        assert_eq!(calls, REATTACH_TRIES as usize);
+        assert!(p.error.unwrap().message.contains(DROPPED));
+    }
+
     #[tokio::test]
     async fn a_re_found_exec_is_listed_once_and_is_not_held_to_max_running() {
         use sandlot_node_api::fake::FakeNode;
@@ -1325,6 +1743,7 @@ mod tests {
             argv: vec!["/bin/sh".into(), "-c".into(), "sleep 9".into()],
             started_unix_ms: 1,
             exit_code: None,
+            labels: None,
         };
         // Two re-finds of one sandbox at once both try the same handle: one record.
         table.take_up(sb, exec("pr-a")).unwrap();
@@ -1337,6 +1756,35 @@ mod tests {
         let ids: Vec<String> = table.list(sb).into_iter().map(|p| p.id).collect();
         assert_eq!(ids, ["pr-a", "pr-b"]);
         assert_eq!(table.list(sb)[0].cmd, Cmd::Shell("sleep 9".into()));
+
+        // Labels the node gave at spawn: tag, meta and the old number come back; a number
+        // already listed is not given twice; labels of another shape are left out.
+        let labelled = |handle: &str, number: u32| crate::node::AgentExec {
+            labels: Some(serde_json::json!({
+                "tag": "t", "meta": {"k": [1]}, "number": number, "future": true
+            })),
+            ..exec(handle)
+        };
+        table.take_up(sb, labelled("pr-c", 1007)).unwrap();
+        table.take_up(sb, labelled("pr-d", 1007)).unwrap();
+        let odd = crate::node::AgentExec {
+            labels: Some(serde_json::json!({"tag": 5})),
+            ..exec("pr-e")
+        };
+        table.take_up(sb, odd).unwrap();
+        let l = table.list(sb);
+        let got: Vec<_> = l.iter().map(|p| (p.tag.as_deref(), p.number)).collect();
+        assert_eq!(
+            got,
+            [
+                (None, 1000),
+                (None, 1001),
+                (Some("t"), 1007),
+                (Some("t"), 1008),
+                (None, 1009)
+            ]
+        );
+        assert_eq!(l[2].meta, Some(serde_json::json!({"k": [1]})));
     }
 
     #[tokio::test]

@@ -65,6 +65,7 @@ fn request(script: &str, timeout_ms: u64, stdin: bool) -> ExecRequest {
         timeout_ms,
         stdin,
         handle: None,
+        labels: None,
     }
 }
 
@@ -643,4 +644,139 @@ async fn a_cancelled_named_exec_is_killed_and_forgotten() {
     again.handle = Some("pr-cancel".into());
     let (out, _, _) = run(&a, &again, None).await;
     assert_eq!(out, b"again\n");
+}
+
+/// A client whose connections the test can cut (as a socket error or an agent whose
+/// listener restarted would): each connection's socket is kept, cloned, in the list.
+fn cuttable_client(
+    sock: &std::path::Path,
+) -> (
+    AgentClient,
+    std::sync::Arc<std::sync::Mutex<Vec<std::os::unix::net::UnixStream>>>,
+) {
+    let held: std::sync::Arc<std::sync::Mutex<Vec<std::os::unix::net::UnixStream>>> =
+        Default::default();
+    let (h, path) = (held.clone(), sock.to_path_buf());
+    let connector: sandlot_node::agent_client::Connector = std::sync::Arc::new(move || {
+        let (held, path) = (h.clone(), path.clone());
+        Box::pin(async move {
+            let s = std::os::unix::net::UnixStream::connect(&path)?;
+            held.lock().unwrap().push(s.try_clone()?);
+            s.set_nonblocking(true)?;
+            tokio::net::UnixStream::from_std(s)
+        })
+    });
+    (AgentClient::with_connector(sock, connector), held)
+}
+
+fn cut(held: &std::sync::Mutex<Vec<std::os::unix::net::UnixStream>>) {
+    for c in held.lock().unwrap().drain(..) {
+        let _ = c.shutdown(std::net::Shutdown::Both);
+    }
+}
+
+/// Issue 25 on a live node: a named exec outlives the drop of the connection that read it
+/// (not the node going away); the same client connects again and takes it up where the
+/// agent's ring starts, the offsets fitting the count. An attach while another connection
+/// still reads it is answered 409 and `attach_when_free` asks again until that
+/// connection's end frees it.
+#[tokio::test]
+async fn a_named_exec_outlives_a_dropped_connection_and_is_taken_up_again() {
+    let Some(a) = start("a_named_exec_outlives_a_dropped_connection_and_is_taken_up_again").await
+    else {
+        return;
+    };
+    let sock = a._tmp.path().join("agent.sock");
+    let (client, held) = cuttable_client(&sock);
+    let mut counter = request(
+        "i=0; while true; do echo n$i; i=$((i+1)); sleep 0.05; done",
+        60_000,
+        false,
+    );
+    counter.handle = Some("pr-drop".into());
+    let mut s = client.exec(&counter, None).await.unwrap();
+    let (mut out, _, _) = read_until(&mut s, Some(b"n3\n")).await;
+    cut(&held);
+    // The stream ends without an exit frame.
+    loop {
+        match s.next().await.unwrap() {
+            Some(ExecChunk::Output(true, d)) => out.extend(d),
+            Some(other) => panic!("unexpected {other:?}"),
+            None => break,
+        }
+    }
+    drop(s);
+    // The agent keeps it (its connection ended: not a cancel); the same client reconnects.
+    let (info, mut s) = client.attach_when_free("pr-drop").await.unwrap();
+    let (more, _, _) = read_until(&mut s, Some(b"n30\n")).await;
+    let text = String::from_utf8_lossy(&more).into_owned();
+    let first: usize = text
+        .lines()
+        .next()
+        .and_then(|l| l.strip_prefix('n'))
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("{text}"));
+    for (i, line) in text.lines().enumerate() {
+        assert_eq!(line, format!("n{}", first + i), "{text}");
+    }
+    // The offset is that of the first line taken up; nothing read before is past it
+    // by more than the frames in flight when the connection went.
+    let offset: usize = (0..first).map(|i| format!("n{i}\n").len()).sum();
+    assert_eq!(info.stdout_offset, offset as u64, "{info:?} {text}");
+    assert!(first <= out.len() / 3 + 16, "{first} {}", out.len());
+
+    // A second client while this one reads: 409 at once for `attach`, and
+    // `attach_when_free` gets it once this connection is cut.
+    let other = AgentClient::new(&sock);
+    assert!(matches!(
+        other.attach("pr-drop").await,
+        Err(sandlot_node::node::NodeError::Conflict(_))
+    ));
+    let t0 = Instant::now();
+    let cutter = async {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        cut(&held);
+    };
+    let (r, ()) = tokio::join!(other.attach_when_free("pr-drop"), cutter);
+    let (_, mut s2) = r.unwrap();
+    assert!(t0.elapsed() >= Duration::from_millis(300));
+    drop(s);
+    read_until(&mut s2, Some(b"\n")).await;
+    other.signal("pr-drop", libc::SIGKILL).await.unwrap();
+    let (_, _, x) = read_until(&mut s2, None).await;
+    assert_eq!(x.unwrap().status, ExecStatus::Signaled { signal: 9 });
+}
+
+/// A named exec's labels (the node's tag, meta and number of its process) are kept as
+/// given and listed by `GET /v1/execs`; labels over the cap are refused (400), a plain
+/// exec's are not kept.
+#[tokio::test]
+async fn a_named_execs_labels_are_listed_as_given_and_bounded() {
+    let Some(a) = start("a_named_execs_labels_are_listed_as_given_and_bounded").await else {
+        return;
+    };
+    let labels = serde_json::json!({"tag": "t", "meta": {"k": [1, "é"]}, "number": 1003});
+    let mut req = request("echo up; sleep 300", 60_000, false);
+    req.handle = Some("pr-labels".into());
+    req.labels = Some(labels.clone());
+    let mut s = a.client.exec(&req, None).await.unwrap();
+    read_until(&mut s, Some(b"up\n")).await;
+    let list = a.client.list_execs().await.unwrap().unwrap();
+    assert_eq!(list.len(), 1);
+    assert_eq!(list[0].labels, Some(labels));
+
+    let mut big = request("true", 10_000, false);
+    big.handle = Some("pr-big".into());
+    big.labels = Some(serde_json::Value::String(
+        "x".repeat(sandlot_guest::agent_proto::MAX_LABELS_BYTES),
+    ));
+    let refused = match a.client.exec(&big, None).await {
+        Err(e) => format!("{e:?}"),
+        Ok(mut s) => format!("{:?}", s.next().await),
+    };
+    assert!(refused.contains("over the limit"), "{refused}");
+    assert_eq!(a.client.list_execs().await.unwrap().unwrap().len(), 1);
+    a.client.signal("pr-labels", libc::SIGKILL).await.unwrap();
+    let (_, _, x) = read_until(&mut s, None).await;
+    assert_eq!(x.unwrap().status, ExecStatus::Signaled { signal: 9 });
 }

@@ -81,6 +81,7 @@ async fn a_controlled_pty_takes_input_resizes_and_is_signalled() {
                 stdin: Some(in_rx),
                 signals: sig_rx,
                 handle: format!("pty-test-{}", script.len()),
+                labels: None,
             };
             let exec =
                 tokio::spawn(

@@ -401,6 +401,7 @@ async fn controlled(node: &dyn Node, id: &str) {
         stdin: Some(stdin_rx),
         signals: sig_rx,
         handle: format!("{id}-cat"),
+        labels: None,
     };
     let req = argv(&["cat"]);
     let run = node.exec_controlled(id, &req, Some(tx), control);
@@ -435,6 +436,7 @@ async fn controlled(node: &dyn Node, id: &str) {
         stdin: None,
         signals: sig_rx,
         handle: format!("{id}-sleep"),
+        labels: None,
     };
     let started = std::time::Instant::now();
     let req = argv(&["sleep", "30"]);

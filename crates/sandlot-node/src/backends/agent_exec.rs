@@ -77,15 +77,16 @@ pub(super) async fn run<G>(
     sink: Option<ExecSink>,
     control: Option<ExecControl>,
 ) -> NodeResult<ExecResult> {
-    let (more_stdin, signals, handle) = match control {
-        Some(ctl) => (ctl.stdin, Some(ctl.signals), Some(ctl.handle)),
-        None => (None, None, None),
+    let (more_stdin, signals, handle, labels) = match control {
+        Some(ctl) => (ctl.stdin, Some(ctl.signals), Some(ctl.handle), ctl.labels),
+        None => (None, None, None, None),
     };
     let areq = agent_proto::ExecRequest {
         spec: plan.spec,
         timeout_ms: plan.timeout.as_millis() as u64,
         stdin: plan.stdin.is_some() || more_stdin.is_some(),
         handle: handle.clone(),
+        labels,
     };
     let id = t.id;
     let stream = tokio::time::timeout(
@@ -126,17 +127,20 @@ pub(super) async fn agent_execs(
             argv: e.argv,
             started_unix_ms: e.started_unix_ms,
             exit_code: e.exit_code,
+            labels: e.labels,
         })
         .collect())
 }
 
 /// Takes up the named exec `r.handle` that the agent of `t` kept after the node that read
-/// it went away (see [`AgentClient::attach`]): its offsets go to `r.offsets`, then it is
+/// it went away (see [`AgentClient::attach`]; a 409 is asked again for a second,
+/// [`AgentClient::attach_when_free`]): its offsets go to `r.offsets`, then it is
 /// relayed as [`run`] relays a new one (the agent enforces the exec's own timeout; the
 /// node waits at most the longest one plus the grace).
 ///
 /// # Errors
-/// `NotFound` (the agent has no such exec), `Conflict` (another connection reads it), as
+/// `NotFound` (the agent has no such exec), `Conflict` (another connection still reads it
+/// after a second), as
 /// [`run`] otherwise.
 pub(super) async fn reattach(
     t: Target<'_>,
@@ -144,7 +148,7 @@ pub(super) async fn reattach(
     sink: Option<ExecSink>,
     r: crate::node::ExecReattach,
 ) -> NodeResult<ExecResult> {
-    let (info, stream) = t.agent.attach(&r.handle).await?;
+    let (info, stream) = t.agent.attach_when_free(&r.handle).await?;
     let _ = r.offsets.send((info.stdout_offset, info.stderr_offset));
     let deadline = tokio::time::Instant::now()
         + Duration::from_secs_f64(sandlot_api::MAX_TIMEOUT_S)
