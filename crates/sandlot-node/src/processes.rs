@@ -40,7 +40,7 @@
 //! the agent as the exec's labels) (container, microvm, vm; function sandboxes' agent
 //! path), and so does a node that took over a paused VM from another one. On a live node,
 //! an exec whose agent stream ends without an exit (the connection dropped) is asked for
-//! again and read on from the offsets the node has (see [`collect`]).
+//! again and read on from the offsets the node has (the process task, `collect`).
 //! Processes on the function backend's helper path die with the node's exec tasks and
 //! their handles answer `NotFound`.
 use crate::node::{ExecControl, Node, NodeError, NodeResult};
