@@ -413,7 +413,8 @@ impl ImageStore {
             super::pull_stats::PullMode::Lazy,
             outcome,
             fetched,
-        );
+        )
+        .await;
         r
     }
 

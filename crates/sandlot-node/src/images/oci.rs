@@ -766,7 +766,8 @@ impl ImageStore {
             super::pull_stats::PullMode::Eager,
             outcome,
             fetched,
-        );
+        )
+        .await;
         r
     }
 
