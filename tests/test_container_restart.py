@@ -613,6 +613,9 @@ def test_kill9_refinds_background_processes(node, client, baseline):
         labels_after = {i: (d.get("tag"), d.get("meta"), d["number"])
                         for i, d in wire_processes().items()}
         assert labels_after == labels_before, (labels_after, labels_before)
+        # Listed oldest first, as before the restart.
+        numbers = [d["number"] for d in wire_processes().values()]
+        assert numbers == sorted(numbers), numbers
 
         # The count goes on without a gap: the bytes the restarted server no longer has
         # (those the old one had read) show as skipped, the rest continues them.

@@ -729,7 +729,7 @@ impl ProcessTable {
     /// An agent that keeps no table, or that cannot be asked (paused, gone), gives none
     /// (logged at debug). Returns how many were registered.
     pub async fn refind(&self, sandbox: &str) -> usize {
-        let execs = match self.node.agent_execs(sandbox).await {
+        let mut execs = match self.node.agent_execs(sandbox).await {
             Ok(e) => e,
             Err(e) => {
                 tracing::debug!(sandbox, error = %e, "no background execs re-found");
@@ -737,6 +737,8 @@ impl ProcessTable {
             }
         };
         let mut found = 0;
+        // Listed oldest first, as they were before.
+        execs.sort_by_key(|e| e.started_unix_ms);
         for e in execs {
             let known = self
                 .by_sandbox
