@@ -362,6 +362,10 @@ struct ServerOpts {
     /// Seconds a keep-alive connection with no request in flight may stay quiet.
     #[arg(long, default_value_t = 60)]
     idle_timeout_s: u64,
+    /// Seconds an answer may wait for its client to accept its next bytes before the
+    /// connection is closed (a client that never reads cannot hold a request slot).
+    #[arg(long, default_value_t = 120)]
+    write_stall_timeout_s: u64,
     /// Requests in flight server-wide at most; more are answered 503 with Retry-After.
     #[arg(long, default_value_t = 4096)]
     max_requests_in_flight: usize,
@@ -1180,6 +1184,7 @@ impl ServerOpts {
             max_connections_per_ip: self.max_connections_per_ip.max(1),
             header_read_timeout: std::time::Duration::from_secs(self.header_read_timeout_s.max(1)),
             idle_timeout: std::time::Duration::from_secs(self.idle_timeout_s.max(1)),
+            write_stall_timeout: std::time::Duration::from_secs(self.write_stall_timeout_s.max(1)),
             max_requests_in_flight: self.max_requests_in_flight.max(1),
             max_requests_in_flight_per_ip: self.max_requests_in_flight_per_ip.map(|n| n.max(1)),
             body_read_timeout: std::time::Duration::from_secs(self.body_read_timeout_s.max(1)),

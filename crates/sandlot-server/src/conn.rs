@@ -25,6 +25,11 @@
 //!   [`ConnLimits::body_requests`] of them (three quarters), so slow bodies from many
 //!   addresses cannot take the slots of requests without a body (`GET`s, deletes, health
 //!   checks, `/metrics`); a request gives this share back once its body has been read.
+//! - **Write stalls** ([`ConnLimits::write_stall_timeout`]): an answer whose client
+//!   accepts none of its next bytes for that long (an HTTP/2 stream window left at 0, a
+//!   socket never read) has its connection closed (within twice the timeout), which frees
+//!   its slot; time the server
+//!   waits for the answer's own next bytes (a quiet exec stream) does not count.
 //! - **Request-body pace** ([`ConnLimits::body_read_timeout`], [`ConnLimits::body_min_rate`],
 //!   enforced by [`Paced`] around every request body): a body that sends nothing for the
 //!   read timeout, or averages under the floor once waited on for that long, is answered
@@ -36,7 +41,8 @@
 //!
 //! [`raise_nofile_limit`] lifts the soft `RLIMIT_NOFILE` to the hard one at start.
 //! Metrics: `sandlot_connections` (open), `sandlot_connections_refused_total{reason}`,
-//! `sandlot_connections_closed_total{reason}` (`evicted`, `header_timeout`, `idle_timeout`),
+//! `sandlot_connections_closed_total{reason}` (`evicted`, `header_timeout`, `idle_timeout`,
+//! `write_stall`),
 //! `sandlot_requests_shed_total{reason}` (`total`, `per_ip`, `body`),
 //! `sandlot_request_body_timeouts_total`, `sandlot_accept_errors_total{error}`.
 use crate::SharedState;
@@ -74,6 +80,9 @@ pub struct ConnLimits {
     pub header_read_timeout: Duration,
     /// Longest quiet time of a connection with no request in flight (default 60 s).
     pub idle_timeout: Duration,
+    /// Longest time an answer may wait for its client to accept its next bytes (default
+    /// 120 s): its connection is then closed (found within twice that).
+    pub write_stall_timeout: Duration,
     /// Requests in flight server-wide at most (default 4096); more → 503 at once.
     pub max_requests_in_flight: usize,
     /// Requests in flight from one peer IP address at most; more → 503 at once (default
@@ -113,6 +122,7 @@ impl Default for ConnLimits {
             max_connections_per_ip: 1024,
             header_read_timeout: Duration::from_secs(10),
             idle_timeout: Duration::from_secs(60),
+            write_stall_timeout: Duration::from_secs(120),
             max_requests_in_flight: 4096,
             max_requests_in_flight_per_ip: None,
             body_read_timeout: Duration::from_secs(10),
@@ -166,11 +176,20 @@ struct Conn {
     /// Waiting for a request head since ([`now_ms`]; 0 = not waiting: idle before any byte
     /// of the next request, or a request in flight).
     head_since: AtomicU64,
+    /// Answers waiting for the client to take their next bytes: since when ([`now_ms`]), by
+    /// answer id ([`Guarded`]).
+    client_waits: Mutex<HashMap<u64, u64>>,
     /// Notified when it is evicted.
     close: Notify,
 }
 
 impl Conn {
+    /// Since when the longest-waiting answer has waited for the client ([`now_ms`]).
+    fn oldest_client_wait(&self) -> Option<u64> {
+        let w = self.client_waits.lock().unwrap_or_else(|p| p.into_inner());
+        w.values().min().copied()
+    }
+
     fn idle(&self) -> bool {
         self.in_flight.load(Ordering::Acquire) == 0
     }
@@ -314,6 +333,7 @@ impl ConnTable {
             in_flight: AtomicUsize::new(0),
             last_io: AtomicU64::new(now),
             head_since: AtomicU64::new(now),
+            client_waits: Mutex::new(HashMap::new()),
             close: Notify::new(),
         });
         t.conns.insert(id, c.clone());
@@ -527,14 +547,7 @@ impl ConnTask {
                     if resp.status().is_client_error() || resp.status().is_server_error() {
                         close_if_unread(&mut resp, &read);
                     }
-                    Ok(resp.map(|b| {
-                        Body::new(Guarded {
-                            inner: b,
-                            _guard: guard,
-                            _permit: permit,
-                            _ip_slot: ip_slot,
-                        })
-                    }))
+                    Ok(resp.map(|b| Body::new(Guarded::new(b, guard, permit, ip_slot))))
                 }
             })
         };
@@ -544,10 +557,17 @@ impl ConnTask {
             let mut served = pin!(builder.serve_connection_with_upgrades(io, svc));
             let header_ms = self.conns.limits.header_read_timeout.as_millis() as u64;
             let idle_ms = self.conns.limits.idle_timeout.as_millis() as u64;
+            let stall_ms = self.conns.limits.write_stall_timeout.as_millis() as u64;
             let mut closing = None;
             loop {
                 let now = now_ms();
                 let mut wake = now + idle_ms.max(1);
+                if let Some(since) = self.conn.oldest_client_wait() {
+                    if now >= since + stall_ms {
+                        closing = Some("write_stall");
+                        break;
+                    }
+                }
                 if self.conn.idle() && !*self.stop.borrow() {
                     let head = self.conn.head_since.load(Ordering::Acquire);
                     let last = self.conn.last_io.load(Ordering::Acquire);
@@ -564,6 +584,9 @@ impl ConnTask {
                         wake = wake.min(head + header_ms);
                     }
                 }
+                // At least every write-stall timeout, so a stall that began after this
+                // check is found within twice the timeout (no wake-up per answer frame).
+                wake = wake.min(now + stall_ms.max(1));
                 let sleep = tokio::time::sleep(Duration::from_millis(wake.saturating_sub(now)));
                 tokio::select! {
                     r = served.as_mut() => {
@@ -691,12 +714,53 @@ impl Drop for InFlight {
     }
 }
 
-/// A response body that keeps its request counted in flight (and its slot) until it ends.
+/// A response body that keeps its request counted in flight (and its slot) until it ends,
+/// and tells its connection when it waits for the client: from its making (the head is
+/// not sent yet) and from each frame it hands over until it is polled again. A poll that
+/// finds no frame ready (the server's side is waiting) ends the wait.
 struct Guarded {
     inner: Body,
+    /// Key of its entry in the connection's `client_waits`.
+    id: u64,
     _guard: InFlight,
     _permit: OwnedSemaphorePermit,
     _ip_slot: IpSlot,
+}
+
+impl Guarded {
+    fn new(inner: Body, guard: InFlight, permit: OwnedSemaphorePermit, ip_slot: IpSlot) -> Self {
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        let g = Guarded {
+            inner,
+            id: NEXT.fetch_add(1, Ordering::Relaxed),
+            _guard: guard,
+            _permit: permit,
+            _ip_slot: ip_slot,
+        };
+        g.client_wait(true);
+        g
+    }
+
+    /// Start (again, from now) or end this answer's wait for the client.
+    fn client_wait(&self, waiting: bool) {
+        let mut w = self
+            ._guard
+            .0
+            .client_waits
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        if waiting {
+            w.insert(self.id, now_ms());
+        } else {
+            w.remove(&self.id);
+        }
+    }
+}
+
+impl Drop for Guarded {
+    fn drop(&mut self) {
+        self.client_wait(false);
+    }
 }
 
 impl http_body::Body for Guarded {
@@ -707,7 +771,9 @@ impl http_body::Body for Guarded {
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<http_body::Frame<Bytes>, axum::Error>>> {
-        Pin::new(&mut self.inner).poll_frame(cx)
+        let r = Pin::new(&mut self.inner).poll_frame(cx);
+        self.client_wait(matches!(r, Poll::Ready(Some(Ok(_)))));
+        r
     }
 
     fn is_end_stream(&self) -> bool {

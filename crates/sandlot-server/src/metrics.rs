@@ -33,7 +33,7 @@
 //! | `sandlot_events_total` | counter | `kind` | audit events recorded ([`crate::events`]) |
 //! | `sandlot_connections` | gauge | | open API connections, at scrape ([`crate::conn`]) |
 //! | `sandlot_connections_refused_total` | counter | `reason` = `total`\|`per_ip` | connections closed at accept: limit reached and none idle to make room |
-//! | `sandlot_connections_closed_total` | counter | `reason` = `evicted`\|`header_timeout`\|`idle_timeout` | connections the server closed |
+//! | `sandlot_connections_closed_total` | counter | `reason` = `evicted`\|`header_timeout`\|`idle_timeout`\|`write_stall` | connections the server closed |
 //! | `sandlot_requests_shed_total` | counter | `reason` = `total`\|`per_ip`\|`body` | requests answered 503 over the in-flight limit (server-wide / of the peer's address / of requests with a body still arriving) |
 //! | `sandlot_request_body_timeouts_total` | counter | | requests answered 408: the body arrived too slowly ([`crate::conn::Paced`]) |
 //! | `sandlot_accept_errors_total` | counter | `error` (errno name, e.g. `EMFILE`) | failed `accept` calls (each followed by a back-off) |

@@ -344,3 +344,87 @@ async fn slow_bodies_from_many_addresses_leave_room_for_requests_without_one() {
     let resp = read_response(&mut body, Duration::from_secs(5)).await;
     assert_ne!(status_of(&resp), "503", "{resp}");
 }
+
+/// A client that never takes an answer's bytes (an HTTP/2 stream window of 0: the heads
+/// arrive, no body byte can) cannot hold request slots: after the write-stall timeout the
+/// connection is closed and its slots are free, while an answer that fits the client's
+/// window is not cut however late the client reads it.
+#[tokio::test]
+async fn answers_a_client_never_takes_end_with_their_connection() {
+    let r = start(
+        "slowread",
+        ConnLimits {
+            max_requests_in_flight: 8,
+            write_stall_timeout: Duration::from_secs(1),
+            ..Default::default()
+        },
+    )
+    .await;
+    let tcp = connect_from(ip(7), r.addr).await;
+    let (mut send, conn) =
+        hyper::client::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
+            .initial_stream_window_size(0)
+            .handshake(hyper_util::rt::TokioIo::new(tcp))
+            .await
+            .unwrap();
+    let driver = tokio::spawn(conn);
+    let mut held = Vec::new();
+    for _ in 0..2 {
+        let req = hyper::Request::get("http://t/healthz")
+            .body(axum::body::Body::empty())
+            .unwrap();
+        let resp = send.send_request(req).await.unwrap();
+        assert_eq!(resp.status(), 200);
+        held.push(resp);
+    }
+    assert_eq!(
+        r.st.conns.requests_from(ip(7)),
+        2,
+        "both answers wait for the client"
+    );
+    let t = Instant::now();
+    wait_until("the stalled connection to be closed", || {
+        r.st.conns.requests_from(ip(7)) == 0
+    })
+    .await;
+    assert!(t.elapsed() < Duration::from_secs(4), "{:?}", t.elapsed());
+    let _ = tokio::time::timeout(Duration::from_secs(5), driver)
+        .await
+        .unwrap();
+    assert_eq!(
+        metric(
+            &r,
+            "sandlot_connections_closed_total{reason=\"write_stall\"}"
+        )
+        .await,
+        1.0
+    );
+    drop(held);
+
+    // A client with an open window that reads its answer 1.5 s late, on the same limits:
+    // the answer went out into the window at once, so nothing waited for the client.
+    let tcp = connect_from(ip(8), r.addr).await;
+    let (mut send, conn) =
+        hyper::client::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
+            .handshake(hyper_util::rt::TokioIo::new(tcp))
+            .await
+            .unwrap();
+    tokio::spawn(conn);
+    let req = hyper::Request::get("http://t/healthz")
+        .body(axum::body::Body::empty())
+        .unwrap();
+    let resp = send.send_request(req).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let body = axum::body::to_bytes(axum::body::Body::new(resp.into_body()), 1 << 20)
+        .await
+        .unwrap();
+    assert!(!body.is_empty());
+    assert_eq!(
+        metric(
+            &r,
+            "sandlot_connections_closed_total{reason=\"write_stall\"}"
+        )
+        .await,
+        1.0
+    );
+}
