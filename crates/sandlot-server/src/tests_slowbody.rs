@@ -317,10 +317,13 @@ async fn slow_bodies_from_many_addresses_leave_room_for_requests_without_one() {
         }
     }
     // A seventh body, from a fresh address within its own share: shed.
-    let mut body = connect_from(ip(4), r.addr).await;
-    body.write_all(post_head(2).as_bytes()).await.unwrap();
-    body.write_all(b"{}").await.unwrap();
-    let resp = read_response(&mut body, Duration::from_secs(5)).await;
+    let post = || async {
+        let mut body = connect_from(ip(4), r.addr).await;
+        body.write_all(post_head(2).as_bytes()).await.unwrap();
+        body.write_all(b"{}").await.unwrap();
+        read_response(&mut body, Duration::from_secs(5)).await
+    };
+    let resp = post().await;
     assert_eq!(status_of(&resp), "503", "{resp}");
     assert!(resp.contains("with a body in flight"), "{resp}");
     // Requests without a body still get the two slots kept for them, one after another.
@@ -338,10 +341,7 @@ async fn slow_bodies_from_many_addresses_leave_room_for_requests_without_one() {
     first.write_all(&[b' '; 100]).await.unwrap();
     let done = read_response(&mut first, Duration::from_secs(5)).await;
     assert_ne!(status_of(&done), "503", "{done}");
-    let mut body = connect_from(ip(4), r.addr).await;
-    body.write_all(post_head(2).as_bytes()).await.unwrap();
-    body.write_all(b"{}").await.unwrap();
-    let resp = read_response(&mut body, Duration::from_secs(5)).await;
+    let resp = post().await;
     assert_ne!(status_of(&resp), "503", "{resp}");
 }
 
@@ -360,14 +360,19 @@ async fn answers_a_client_never_takes_end_with_their_connection() {
         },
     )
     .await;
-    let tcp = connect_from(ip(7), r.addr).await;
-    let (mut send, conn) =
-        hyper::client::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
-            .initial_stream_window_size(0)
-            .handshake(hyper_util::rt::TokioIo::new(tcp))
-            .await
-            .unwrap();
-    let driver = tokio::spawn(conn);
+    // An HTTP/2 client from `from` with stream window `window`, its connection driven by
+    // the returned task.
+    let h2 = |from: u8, window: u32| async move {
+        let tcp = connect_from(ip(from), r.addr).await;
+        let (send, conn) =
+            hyper::client::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
+                .initial_stream_window_size(window)
+                .handshake::<_, axum::body::Body>(hyper_util::rt::TokioIo::new(tcp))
+                .await
+                .unwrap();
+        (send, tokio::spawn(conn))
+    };
+    let (mut send, driver) = h2(7, 0).await;
     let mut held = Vec::new();
     for _ in 0..2 {
         let req = hyper::Request::get("http://t/healthz")
@@ -403,13 +408,7 @@ async fn answers_a_client_never_takes_end_with_their_connection() {
 
     // A client with an open window that reads its answer 1.5 s late, on the same limits:
     // the answer went out into the window at once, so nothing waited for the client.
-    let tcp = connect_from(ip(8), r.addr).await;
-    let (mut send, conn) =
-        hyper::client::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
-            .handshake(hyper_util::rt::TokioIo::new(tcp))
-            .await
-            .unwrap();
-    tokio::spawn(conn);
+    let (mut send, _driver) = h2(8, 65_535).await;
     let req = hyper::Request::get("http://t/healthz")
         .body(axum::body::Body::empty())
         .unwrap();
