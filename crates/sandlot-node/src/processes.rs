@@ -810,17 +810,7 @@ impl ProcessTable {
             task: Mutex::new(None),
             pty: false,
         })?;
-        let (off_tx, off_rx) = tokio::sync::oneshot::channel();
-        let reattach = crate::node::ExecReattach {
-            handle: e.handle,
-            signals: sig_rx,
-            offsets: off_tx,
-        };
-        let (ev_tx, ev_rx) = mpsc::channel::<ExecEvent>(64);
-        let node = self.node.clone();
-        let sid = sandbox.to_string();
-        let exec: ExecFuture =
-            Box::pin(async move { node.exec_reattach(&sid, Some(ev_tx), reattach).await });
+        let (exec, ev_rx, off_rx) = reattach(&self.node, &proc, sig_rx);
         let task = tokio::spawn(collect(
             proc.clone(),
             self.node.clone(),
@@ -1012,6 +1002,30 @@ struct Labels {
     number: Option<u32>,
 }
 
+/// The exec of `proc` taken up again through its guest agent ([`Node::exec_reattach`]),
+/// its signals read from `signals`: the exec, its output events and the offsets its
+/// output starts at (sent before any output).
+fn reattach(
+    node: &Arc<dyn Node>,
+    proc: &ProcessHandle,
+    signals: mpsc::UnboundedReceiver<i32>,
+) -> (
+    ExecFuture,
+    mpsc::Receiver<ExecEvent>,
+    tokio::sync::oneshot::Receiver<(u64, u64)>,
+) {
+    let (off_tx, off_rx) = tokio::sync::oneshot::channel();
+    let (ev_tx, ev_rx) = mpsc::channel::<ExecEvent>(64);
+    let r = crate::node::ExecReattach {
+        handle: proc.id.clone(),
+        signals,
+        offsets: off_tx,
+    };
+    let (node, sid) = (node.clone(), proc.sandbox_id.clone());
+    let exec: ExecFuture = Box::pin(async move { node.exec_reattach(&sid, Some(ev_tx), r).await });
+    (exec, ev_rx, off_rx)
+}
+
 /// Lines `log` up with a stream taken up again whose output starts at offset `at` of the
 /// exec's whole output: an empty log starts there ([`OutputLog::begin_at`]); bytes the
 /// node never got leave a hole ([`OutputLog::skip_to`]). Returns how many of the stream's
@@ -1135,15 +1149,8 @@ async fn collect(
         let (sig_tx, sig_rx) = mpsc::unbounded_channel();
         *proc.signals.lock().unwrap() = sig_tx;
         tokio::time::sleep(REATTACH_WAIT).await;
-        let (off_tx, off_rx) = tokio::sync::oneshot::channel();
-        let (ev_tx, ev_rx) = mpsc::channel::<ExecEvent>(64);
-        let reattach = crate::node::ExecReattach {
-            handle: proc.id.clone(),
-            signals: sig_rx,
-            offsets: off_tx,
-        };
-        let (node, sid) = (node.clone(), proc.sandbox_id.clone());
-        exec = Box::pin(async move { node.exec_reattach(&sid, Some(ev_tx), reattach).await });
+        let (next, ev_rx, off_rx) = reattach(&node, &proc, sig_rx);
+        exec = next;
         events = ev_rx;
         offsets = Some(off_rx);
         lost = Some((orig, tries + 1));
