@@ -41,8 +41,10 @@ async fn idle_connections_neither_end_nor_block_the_node() {
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert!(!server.is_finished(), "serve ended: {:?}", server.await);
 
-    // Descriptors back: the node serves again (its pending accepts go through).
-    idle.truncate(idle.len() - 20);
+    // Descriptors back: the node serves again (its pending accepts go through). Two thirds
+    // are freed: the node's pending accepts of the connections still held take one
+    // descriptor each, so freeing fewer (once: 20) left none for this test's own connects.
+    idle.truncate(idle.len() / 3);
     let t = Instant::now();
     let r = loop {
         let fresh = RemoteNode::connect(&url, Some("t".into())).await;
