@@ -177,6 +177,14 @@ struct NodeArgs {
     /// `http://HOST:ITS_PORT` [default: the --listen-base IP].
     #[arg(long)]
     advertise: Option<String>,
+    /// Serve the node API over TLS with this certificate chain (PEM: the node's certificate
+    /// first). Servers then reach it at `https://…` and trust it through their
+    /// `--node-ca`; `scripts/node-tls.sh` makes a CA and node certificates.
+    #[arg(long, requires = "tls_key", conflicts_with = "simulate")]
+    tls_cert: Option<PathBuf>,
+    /// The private key of --tls-cert (PEM, PKCS#8: `BEGIN PRIVATE KEY`).
+    #[arg(long, requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
     /// SIMULATION, not a sandbox backend (issue 22): run N simulated node identities in
     /// this process, each with its own etcd lease and record (`simulated: true`) and its
     /// own node API listener; their sandboxes are in-memory records and exec runs nothing
@@ -236,6 +244,10 @@ struct ServerArgs {
     /// File holding the node API token (the nodes' `--token-file`).
     #[arg(long)]
     node_token_file: PathBuf,
+    /// PEM file of the CA certificate(s) that signed the nodes' TLS certificates (nodes
+    /// started with --tls-cert, reached at `https://…`), trusted beside the system's roots.
+    #[arg(long)]
+    node_ca: Option<PathBuf>,
     /// Name of this server: its id is NAME-RANDOM [default: HOST-PID-RANDOM], owner of the
     /// creates and deletes it runs and its value in the leader election (the random part
     /// keeps two servers started with one name apart).
@@ -1061,6 +1073,18 @@ async fn up(a: UpArgs) -> anyhow::Result<u8> {
     served
 }
 
+/// The node API on `listener`, over TLS when `tls` is set (`sandlot node --tls-cert`).
+async fn serve_node(
+    listener: tokio::net::TcpListener,
+    app: axum::Router,
+    tls: Option<sandlot_node_remote::TlsAcceptor>,
+) -> std::io::Result<()> {
+    match tls {
+        Some(tls) => sandlot_node_remote::serve_tls(listener, app, tls).await,
+        None => sandlot_node_remote::serve(listener, app).await,
+    }
+}
+
 /// On a stop for good: the warm pools' ready members go (they are not sandboxes; see
 /// [`sandlot_node::LocalNode::stop_warm_pools`]).
 async fn stop_warm_pools(local: Arc<sandlot_node::LocalNode>) {
@@ -1074,6 +1098,11 @@ async fn server(a: ServerArgs) -> anyhow::Result<u8> {
     init_logs(a.log_format);
     raise_nofile_limit();
     let token = read_token(&a.node_token_file)?;
+    let mut opts = sandlot_node_remote::RemoteOptions::default();
+    if let Some(ca) = &a.node_ca {
+        opts.tls_ca_pem =
+            Some(std::fs::read(ca).with_context(|| format!("read --node-ca {}", ca.display()))?);
+    }
     let mut cfg = a.server.config(a.data_dir, a.listen)?;
     cfg.images_dir = a.images_dir;
     cfg.transition_ttl = std::time::Duration::from_secs(a.transition_ttl_s);
@@ -1097,19 +1126,15 @@ async fn server(a: ServerArgs) -> anyhow::Result<u8> {
             });
             tracing::info!(server_id = %cfg.server_id, "several servers may share this database: leader election in etcd");
         }
-        let cluster = sandlot_server::cluster::ClusterNode::start(
-            &etcd,
-            Some(token),
-            sandlot_node_remote::RemoteOptions::default(),
-        )
-        .await
-        .context("read the node set from etcd")?;
+        let cluster = sandlot_server::cluster::ClusterNode::start(&etcd, Some(token), opts)
+            .await
+            .context("read the node set from etcd")?;
         let names: Vec<String> = cluster.nodes().keys().cloned().collect();
         tracing::info!(etcd = %a.etcd.join(","), nodes = ?names, "cluster mode: following the nodes registered in etcd");
         let server = sandlot_server::Server::bind_cluster(cfg, cluster).await?;
         return run_bound(server).await;
     };
-    let node = sandlot_node_remote::RemoteNode::connect(&url, Some(token))
+    let node = sandlot_node_remote::RemoteNode::connect_with(&url, Some(token), opts)
         .await
         .with_context(|| format!("connect to node {url}"))?;
     let name = sandlot_node_api::Node::info(&node).name;
@@ -1230,6 +1255,18 @@ async fn node(a: NodeArgs) -> anyhow::Result<u8> {
     init_logs(a.log_format);
     raise_nofile_limit();
     let token = read_token(&a.token_file)?;
+    let tls = match (&a.tls_cert, &a.tls_key) {
+        (Some(cert), Some(key)) => {
+            let read =
+                |p: &PathBuf| std::fs::read(p).with_context(|| format!("read {}", p.display()));
+            Some(
+                sandlot_node_remote::tls_acceptor(&read(cert)?, &read(key)?)
+                    .map_err(|e| anyhow::anyhow!("--tls-cert/--tls-key: {e}"))?,
+            )
+        }
+        _ => None,
+    };
+    let scheme = if tls.is_some() { "https" } else { "http" };
     let mut ncfg = sandlot_node::NodeConfig::new(data_dir);
     if let Some(d) = a.images_dir {
         ncfg.guest_kit_dir = sandlot_node::local::default_guest_kit_dir(&d);
@@ -1256,8 +1293,13 @@ async fn node(a: NodeArgs) -> anyhow::Result<u8> {
     } else {
         let advertise = a.advertise.clone().unwrap_or_default();
         anyhow::ensure!(
-            advertise.starts_with("http://"),
-            "--advertise {advertise:?} is not http://HOST:PORT (the node API is h2c)"
+            advertise.starts_with(&format!("{scheme}://")),
+            "--advertise {advertise:?} is not {scheme}://HOST:PORT ({})",
+            if tls.is_some() {
+                "--tls-cert: the node API is HTTPS"
+            } else {
+                "without --tls-cert the node API is h2c"
+            }
         );
         sandlot_cluster::node_key(&name).context("--name")?;
         anyhow::ensure!(
@@ -1292,10 +1334,10 @@ async fn node(a: NodeArgs) -> anyhow::Result<u8> {
     let addr = listener.local_addr()?;
     let Some((advertise, lease)) = cluster else {
         let app = sandlot_node_remote::router(node, Some(token));
-        println!("sandlot node listening on http://{addr}");
+        println!("sandlot node listening on {scheme}://{addr}");
         std::io::stdout().flush().ok();
         let served = tokio::select! {
-            r = sandlot_node_remote::serve(listener, app) => r.context("accept"),
+            r = serve_node(listener, app, tls) => r.context("accept"),
             () = shutdown_signal() => Ok(()),
         };
         stop_warm_pools(local).await;
@@ -1342,10 +1384,10 @@ async fn node(a: NodeArgs) -> anyhow::Result<u8> {
         simulated: false,
     });
     let app = sandlot_node_remote::router_gated(tracked, Some(token), Some(gate));
-    println!("sandlot node listening on http://{addr}");
+    println!("sandlot node listening on {scheme}://{addr}");
     std::io::stdout().flush().ok();
     let served = tokio::select! {
-        r = sandlot_node_remote::serve(listener, app) => r.context("accept"),
+        r = serve_node(listener, app, tls) => r.context("accept"),
         () = shutdown_signal() => Ok(()),
     };
     // Leave the cluster before exiting: the key goes now, not at the lease's expiry.

@@ -35,6 +35,10 @@ pub struct RemoteOptions {
     /// twice this closes the connection, so a node gone dark fails an exec that waits on
     /// it long before the exec's own limit (default 10 s).
     pub keepalive: Duration,
+    /// PEM certificates (one or more) trusted, beside the system's roots, for the
+    /// certificate of an `https://` node: the CA that signed the nodes' certificates
+    /// (`sandlot server --node-ca`). Unused for `http://` nodes (default: none).
+    pub tls_ca_pem: Option<Vec<u8>>,
 }
 
 impl Default for RemoteOptions {
@@ -44,6 +48,7 @@ impl Default for RemoteOptions {
             call_timeout: Duration::from_secs(300),
             exec_grace: Duration::from_secs(60),
             keepalive: Duration::from_secs(10),
+            tls_ca_pem: None,
         }
     }
 }
@@ -104,14 +109,17 @@ impl RemoteNode {
         Self::connect_with(url, token, RemoteOptions::default()).await
     }
 
-    /// A client of the node at `url` (`http://host:port`), sending `token` as
-    /// `Authorization: Bearer`; asks the node for its [`NodeInfo`] once (what
-    /// [`Node::info`] answers from then on).
+    /// A client of the node at `url` (`http://host:port`, or `https://host:port` for a
+    /// node serving TLS, [`crate::serve_tls`]), sending `token` as `Authorization:
+    /// Bearer`; asks the node for its [`NodeInfo`] once (what [`Node::info`] answers from
+    /// then on).
     ///
     /// # Errors
-    /// `InvalidArgument` for a URL that is not `http://…`; `Transport` when the node
-    /// cannot be reached or does not answer within `call_timeout`; `PermissionDenied` for a
-    /// refused token.
+    /// `InvalidArgument` for a URL that is not `http://…` or `https://…`, or a
+    /// [`RemoteOptions::tls_ca_pem`] that is not PEM certificates; `Transport` when the
+    /// node cannot be reached, its certificate is not trusted (or not for the URL's host),
+    /// or it does not answer within `call_timeout`; `PermissionDenied` for a refused
+    /// token.
     pub async fn connect_with(
         url: &str,
         token: Option<String>,
@@ -119,12 +127,26 @@ impl RemoteNode {
     ) -> NodeResult<RemoteNode> {
         let base = Url::parse(url)
             .map_err(|e| NodeError::InvalidArgument(format!("node URL {url:?}: {e}")))?;
-        if base.scheme() != "http" || base.cannot_be_a_base() {
+        if !matches!(base.scheme(), "http" | "https") || base.cannot_be_a_base() {
             return Err(NodeError::InvalidArgument(format!(
-                "node URL {url:?} is not http://host:port (the node API is h2c)"
+                "node URL {url:?} is not http://host:port or https://host:port"
             )));
         }
-        let http = reqwest::Client::builder()
+        let mut builder = reqwest::Client::builder();
+        if let Some(pem) = &opts.tls_ca_pem {
+            let cas = reqwest::Certificate::from_pem_bundle(pem).map_err(|e| {
+                NodeError::InvalidArgument(format!("node CA certificates (PEM): {}", chain(&e)))
+            })?;
+            if cas.is_empty() {
+                return Err(NodeError::InvalidArgument(
+                    "node CA certificates (PEM): no certificate found".into(),
+                ));
+            }
+            for ca in cas {
+                builder = builder.add_root_certificate(ca);
+            }
+        }
+        let http = builder
             .http2_prior_knowledge()
             .connect_timeout(opts.connect_timeout)
             .http2_keep_alive_interval(Some(opts.keepalive))

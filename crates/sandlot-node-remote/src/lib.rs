@@ -3,8 +3,10 @@
 //! [`RemoteNode`] is the [`sandlot_node_api::Node`] a server uses to reach it.
 //!
 //! # Transport
-//! HTTP/2 cleartext with prior knowledge (h2c, RFC 9113 §3.3) from [`RemoteNode`]; [`serve`]
-//! also answers HTTP/1.1 (hyper-util's auto builder), which is enough for every call but
+//! HTTP/2 with prior knowledge (RFC 9113 §3.3) from [`RemoteNode`]: cleartext (h2c) to an
+//! `http://` node ([`serve`]), inside TLS to an `https://` node ([`serve_tls`]; the node's
+//! certificate is checked against the system's roots and [`RemoteOptions::tls_ca_pem`]).
+//! Both also answer HTTP/1.1 (hyper-util's auto builder), which is enough for every call but
 //! [`Node::exec_controlled`](sandlot_node_api::Node::exec_controlled) (full duplex needs
 //! HTTP/2). Every request carries `Authorization: Bearer <token>` when the node has a token;
 //! the node compares it in constant time and answers `401` without it.
@@ -72,6 +74,8 @@ pub mod wire;
 
 pub use client::{RemoteNode, RemoteOptions};
 pub use server::{
-    router, router_gated, serve, status_of, ServingGate, AUTH_DEADLINE, MAX_BODY_BYTES,
-    MAX_CONNECTIONS, MAX_STREAMS,
+    router, router_gated, serve, serve_tls, status_of, tls_acceptor, ServingGate, AUTH_DEADLINE,
+    MAX_BODY_BYTES, MAX_CONNECTIONS, MAX_STREAMS,
 };
+/// The TLS side of [`serve_tls`], made by [`tls_acceptor`].
+pub use tokio_native_tls::TlsAcceptor;

@@ -312,6 +312,67 @@ pub fn router_gated(
 /// # Errors
 /// The listener's `accept` error, other than those retried.
 pub async fn serve(listener: tokio::net::TcpListener, app: Router) -> std::io::Result<()> {
+    serve_with(listener, app, None).await
+}
+
+/// [`serve`] over TLS: every connection first completes a TLS handshake with `tls` (see
+/// [`tls_acceptor`]), then speaks HTTP/1.1 or HTTP/2 inside it as [`serve`]'s do (the
+/// client sends the HTTP/2 preface: no ALPN is needed). The handshake counts toward the
+/// connection's [`AUTH_DEADLINE`]; a failed one closes the connection (logged at debug).
+///
+/// # Errors
+/// As [`serve`].
+pub async fn serve_tls(
+    listener: tokio::net::TcpListener,
+    app: Router,
+    tls: tokio_native_tls::TlsAcceptor,
+) -> std::io::Result<()> {
+    serve_with(listener, app, Some(Arc::new(tls))).await
+}
+
+/// The TLS side of [`serve_tls`] from the node's certificate chain `cert_pem` (PEM, the
+/// node's certificate first, then any intermediates) and its private key `key_pem` (PEM,
+/// PKCS#8: `-----BEGIN PRIVATE KEY-----`; an RSA or EC key in another form converts with
+/// `openssl pkcs8 -topk8 -nocrypt`). The TLS library is the host's OpenSSL (native-tls),
+/// as for image pulls.
+///
+/// # Errors
+/// A message naming what did not parse or match (no PEM certificate or key, the key not
+/// PKCS#8, a key that is not the first certificate's).
+pub fn tls_acceptor(
+    cert_pem: &[u8],
+    key_pem: &[u8],
+) -> Result<tokio_native_tls::TlsAcceptor, String> {
+    use tokio_native_tls::native_tls;
+    // native-tls does not check that the key is the certificate's (every handshake would
+    // fail instead): checked here with OpenSSL, its library on Linux.
+    let cert = openssl::x509::X509::from_pem(cert_pem)
+        .map_err(|e| format!("node TLS certificate (PEM): {e}"))?;
+    let key = openssl::pkey::PKey::private_key_from_pem(key_pem)
+        .map_err(|e| format!("node TLS key (PEM): {e}"))?;
+    let public = cert
+        .public_key()
+        .map_err(|e| format!("node TLS certificate's public key: {e}"))?;
+    if !public.public_eq(&key) {
+        return Err(
+            "node TLS key is not the certificate's key (the first certificate of the chain)".into(),
+        );
+    }
+    let id = native_tls::Identity::from_pkcs8(cert_pem, key_pem).map_err(|e| {
+        format!("node TLS certificate and key (PEM certificate chain, PKCS#8 PEM key): {e}")
+    })?;
+    let acceptor = native_tls::TlsAcceptor::builder(id)
+        .min_protocol_version(Some(native_tls::Protocol::Tlsv12))
+        .build()
+        .map_err(|e| format!("node TLS set-up: {e}"))?;
+    Ok(acceptor.into())
+}
+
+async fn serve_with(
+    listener: tokio::net::TcpListener,
+    app: Router,
+    tls: Option<Arc<tokio_native_tls::TlsAcceptor>>,
+) -> std::io::Result<()> {
     let mut conns = tokio::task::JoinSet::new();
     let mut refused: u64 = 0;
     loop {
@@ -337,41 +398,63 @@ pub async fn serve(listener: tokio::net::TcpListener, app: Router) -> std::io::R
         }
         let _ = stream.set_nodelay(true);
         let app = app.clone();
-        conns.spawn(async move {
-            let authed = ConnAuthed(Arc::new(std::sync::atomic::AtomicBool::new(false)));
-            let seen = authed.0.clone();
-            let svc =
-                hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
-                    use tower::ServiceExt;
-                    let mut req = req.map(Body::new);
-                    req.extensions_mut().insert(authed.clone());
-                    app.clone().oneshot(req)
-                });
-            let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
-            builder
-                .http1()
-                .timer(hyper_util::rt::TokioTimer::new())
-                .header_read_timeout(AUTH_DEADLINE);
-            builder
-                .http2()
-                .timer(hyper_util::rt::TokioTimer::new())
-                .max_concurrent_streams(Some(MAX_STREAMS))
-                .keep_alive_interval(Some(std::time::Duration::from_secs(20)))
-                .keep_alive_timeout(std::time::Duration::from_secs(20));
-            let conn = builder.serve_connection(TokioIo::new(stream), svc);
-            tokio::pin!(conn);
-            let ended = match tokio::time::timeout(AUTH_DEADLINE, conn.as_mut()).await {
-                Ok(r) => r,
-                Err(_) if seen.load(std::sync::atomic::Ordering::Relaxed) => conn.await,
-                Err(_) => {
-                    tracing::debug!(%peer, "node API connection closed: no authenticated call in time");
-                    return;
+        let deadline = tokio::time::Instant::now() + AUTH_DEADLINE;
+        match tls.clone() {
+            None => conns.spawn(serve_conn(stream, peer, app, deadline)),
+            Some(tls) => conns.spawn(async move {
+                match tokio::time::timeout_at(deadline, tls.accept(stream)).await {
+                    Ok(Ok(s)) => serve_conn(s, peer, app, deadline).await,
+                    Ok(Err(e)) => {
+                        tracing::debug!(%peer, error = %e, "node API TLS handshake failed")
+                    }
+                    Err(_) => tracing::debug!(%peer, "node API TLS handshake not done in time"),
                 }
-            };
-            if let Err(e) = ended {
-                tracing::debug!(%peer, error = %e, "node API connection ended with an error");
-            }
-        });
+            }),
+        };
+    }
+}
+
+/// One connection of [`serve_with`]: closed at `deadline` unless it made an authenticated
+/// call by then.
+async fn serve_conn<S>(
+    stream: S,
+    peer: std::net::SocketAddr,
+    app: Router,
+    deadline: tokio::time::Instant,
+) where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let authed = ConnAuthed(Arc::new(std::sync::atomic::AtomicBool::new(false)));
+    let seen = authed.0.clone();
+    let svc = hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
+        use tower::ServiceExt;
+        let mut req = req.map(Body::new);
+        req.extensions_mut().insert(authed.clone());
+        app.clone().oneshot(req)
+    });
+    let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+    builder
+        .http1()
+        .timer(hyper_util::rt::TokioTimer::new())
+        .header_read_timeout(AUTH_DEADLINE);
+    builder
+        .http2()
+        .timer(hyper_util::rt::TokioTimer::new())
+        .max_concurrent_streams(Some(MAX_STREAMS))
+        .keep_alive_interval(Some(std::time::Duration::from_secs(20)))
+        .keep_alive_timeout(std::time::Duration::from_secs(20));
+    let conn = builder.serve_connection(TokioIo::new(stream), svc);
+    tokio::pin!(conn);
+    let ended = match tokio::time::timeout_at(deadline, conn.as_mut()).await {
+        Ok(r) => r,
+        Err(_) if seen.load(std::sync::atomic::Ordering::Relaxed) => conn.await,
+        Err(_) => {
+            tracing::debug!(%peer, "node API connection closed: no authenticated call in time");
+            return;
+        }
+    };
+    if let Err(e) = ended {
+        tracing::debug!(%peer, error = %e, "node API connection ended with an error");
     }
 }
 

@@ -8,13 +8,8 @@ use sandlot_node_remote::RemoteNode;
 use std::sync::Arc;
 
 mod common;
+use common::with_processes;
 
-/// `node` serving background processes, as `sandlot node` serves its `LocalNode` (output
-/// spilled under a temporary directory that lives as long as the test process).
-fn with_processes(node: Arc<dyn Node>) -> Arc<sandlot_node::WithProcesses> {
-    let dir = tempfile::tempdir().unwrap().keep();
-    sandlot_node::WithProcesses::new(node, dir.join("process-output")).unwrap()
-}
 #[path = "../../sandlot-node/tests/support/mod.rs"]
 mod support;
 

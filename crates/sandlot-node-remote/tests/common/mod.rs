@@ -13,6 +13,13 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::mpsc;
 
+/// `node` serving background processes, as `sandlot node` serves its `LocalNode` (output
+/// spilled under a temporary directory that lives as long as the test process).
+pub fn with_processes(node: Arc<dyn Node>) -> Arc<sandlot_node::WithProcesses> {
+    let dir = tempfile::tempdir().unwrap().keep();
+    sandlot_node::WithProcesses::new(node, dir.join("process-output")).unwrap()
+}
+
 /// A node API for `node` on a fresh local port: its URL and the serving task (abort it
 /// to kill the listener and every connection).
 pub async fn start(
