@@ -661,3 +661,57 @@ def test_kill9_refound_processes_die_with_their_sandbox(node, client, baseline):
     wait_until(lambda: not host_processes_matching(f"sleeper-{tag}".encode()), 15,
                what="the sleeper to die with its sandbox")
     assert_nothing_left(node, baseline, "deleting the container")
+
+
+def test_kill9_keeps_read_ends_and_deleted_numbers(node, client, baseline):
+    """Issue 25: a process whose end the old server had read (waited on before the kill -9)
+    is still listed after the restart, exited with its exit code and its number (its
+    output, read by the old server, shows as skipped); processes deleted before the kill
+    (one running, one ended) are not listed again, and their numbers are not given to a
+    new process after the restart."""
+    box = client.create(backend="container", runtime="runc", image=IMAGE, memory_mib=64,
+                        ttl_s=600)
+
+    def wire_processes() -> Dict[str, dict]:
+        resp = box._client._request("GET", box._path("/processes"))
+        return {d["id"]: d for d in resp.json()["processes"]}
+
+    try:
+        done = box.spawn("echo out; exit 5")
+        res = done.wait(timeout=30)
+        assert res is not None and res.exit_code == 5 and res.stdout == b"out\n", res
+        deleted_running = box.spawn("sleep 300")
+        deleted_ended = box.spawn("exit 0")
+        assert deleted_ended.wait(timeout=30) is not None
+        numbers = {i: d["number"] for i, d in wire_processes().items()}
+        assert sorted(numbers.values()) == [1000, 1001, 1002], numbers
+        deleted_running.delete()
+        deleted_ended.delete()
+        assert set(wire_processes()) == {done.id}
+        node.kill()
+        node.start()
+
+        procs = wire_processes()
+        assert set(procs) == {done.id}, procs
+        d = procs[done.id]
+        assert d["state"] == "exited", d
+        assert d["result"]["exit_code"] == 5, d
+        assert d["number"] == numbers[done.id], d
+        # Its output went to the old server: gone, as skipped bytes.
+        out, skipped = bytearray(), []
+        for ev in box.process(done.id).output(follow=False, stdout_offset=0,
+                                              stderr_offset=0):
+            if isinstance(ev, sandlot.OutputSkipped):
+                skipped.append((ev.stream, ev.from_, ev.to))
+            elif isinstance(ev, sandlot.StdoutChunk):
+                out += ev.data
+        assert (bytes(out), skipped) == (b"", [("stdout", 0, 4)]), (out, skipped)
+
+        # A new process is numbered past every number given before the kill, deleted ones
+        # included.
+        new = box.spawn("echo new")
+        assert new.wait(timeout=30).stdout == b"new\n"
+        assert wire_processes()[new.id]["number"] == 1003, wire_processes()
+    finally:
+        box.delete()
+    assert_nothing_left(node, baseline, "deleting the container")

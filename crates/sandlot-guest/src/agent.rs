@@ -28,10 +28,11 @@ use nix::sys::signal::{kill, Signal};
 use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
 use nix::unistd::Pid;
 use sandlot_guest::agent_proto::{
-    encode, AttachInfo, AttachRequest, ClockRequest, ExecExit, ExecInfo, ExecRequest, FrameDecoder,
-    FrameKind, IdentityRequest, SignalRequest, CONNECTION_WINDOW, CONNECT_TIMEOUT_MS,
-    MAX_LABELS_BYTES, MAX_STREAMS, PATH_CLOCK, PATH_CONNECT, PATH_EXEC, PATH_EXECS,
-    PATH_EXEC_ATTACH, PATH_IDENTITY, PATH_PING, PATH_SIGNAL, STREAM_WINDOW,
+    encode, AttachInfo, AttachRequest, ClockRequest, ExecExit, ExecInfo, ExecList, ExecRequest,
+    ForgetRequest, FrameDecoder, FrameKind, IdentityRequest, SignalRequest, CONNECTION_WINDOW,
+    CONNECT_TIMEOUT_MS, EXECS_LIST_QUERY, MAX_LABELS_BYTES, MAX_STREAMS, PATH_CLOCK, PATH_CONNECT,
+    PATH_EXEC, PATH_EXECS, PATH_EXEC_ATTACH, PATH_EXEC_FORGET, PATH_IDENTITY, PATH_PING,
+    PATH_SIGNAL, STREAM_WINDOW,
 };
 use sandlot_guest::exec_table::{ExecState, ExecTable, Stream};
 use sandlot_guest::spec::ExecStatus;
@@ -197,9 +198,29 @@ impl Execs {
         t.reader.as_ref().filter(|r| r.open()).map(|r| r.tx.clone())
     }
 
+    /// Untables `handle`; nothing when it is not tabled.
     fn forget(&mut self, handle: &str) {
-        let _ = self.table.remove(handle);
+        let _ = self.table.forget(handle);
         self.tabled.remove(handle);
+    }
+
+    /// [`PATH_EXEC_FORGET`]: untables `handle`, killing it first (SIGKILL to its helper,
+    /// which takes its whole pid namespace) while it runs.
+    fn forget_killing(&mut self, handle: &str) {
+        if let Some(e) = self.table.get(handle) {
+            if e.state == ExecState::Running {
+                let _ = kill(Pid::from_raw(e.pid), Signal::SIGKILL);
+            }
+        }
+        self.forget(handle);
+    }
+
+    /// A node read the end of `handle`: it stays tabled, ended, until forgotten, and its
+    /// reader goes (so that reader's stream ends).
+    fn taken(&mut self, handle: &str) {
+        if let Some(t) = self.tabled.get_mut(handle) {
+            t.reader = None;
+        }
     }
 
     /// `GET /v1/execs`: every entry, by handle.
@@ -268,7 +289,8 @@ impl Execs {
         }
         if let Some(exit) = &t.exit {
             first.extend_from_slice(exit);
-            self.forget(handle);
+            // Kept, ended, until the node forgets it.
+            t.reader = None;
             return Ok((first, false));
         }
         t.reader = Some(reader);
@@ -976,8 +998,19 @@ async fn handle(req: Request<Incoming>, shared: Shared) -> Result<Response<Body>
         },
         (&Method::POST, PATH_SIGNAL) => signal(req.into_body(), &shared).await,
         (&Method::GET, PATH_EXECS) => {
-            let list = lock(&shared.execs).list();
-            let json = serde_json::to_vec(&list).expect("ExecInfo serialises");
+            let json = {
+                let execs = lock(&shared.execs);
+                let list = execs.list();
+                if req.uri().query() == Some(EXECS_LIST_QUERY) {
+                    serde_json::to_vec(&ExecList {
+                        execs: list,
+                        max_number: execs.table.max_number(),
+                    })
+                } else {
+                    serde_json::to_vec(&list)
+                }
+                .expect("ExecInfo serialises")
+            };
             Response::builder()
                 .status(StatusCode::OK)
                 .header(hyper::header::CONTENT_TYPE, "application/json")
@@ -985,6 +1018,15 @@ async fn handle(req: Request<Incoming>, shared: Shared) -> Result<Response<Body>
                 .expect("valid response")
         }
         (&Method::POST, PATH_EXEC_ATTACH) => attach(req.into_body(), &shared).await,
+        (&Method::POST, PATH_EXEC_FORGET) => {
+            match json_body::<ForgetRequest>(req.into_body(), 4096, "forget").await {
+                Ok(r) => {
+                    lock(&shared.execs).forget_killing(&r.handle);
+                    text(StatusCode::NO_CONTENT, "")
+                }
+                Err(answer) => answer,
+            }
+        }
         (&Method::POST, PATH_IDENTITY) => {
             let answer = identity(req.into_body()).await;
             if answer.status().is_success() && shared.spare_pending.load(SeqCst) {
@@ -1422,11 +1464,12 @@ async fn exec(mut body: Incoming, shared: Shared) -> Result<Response<Body>, Stri
                     ExecStatus::SetupFailed { .. } => -1,
                 };
                 let to = lock(&execs).finish(h, code, frame.clone());
-                // Delivered: the reader's node has its end. Otherwise it waits in the
-                // table for the next node that attaches.
+                // Delivered: the reader's node has its end; the entry stays, ended,
+                // until that node forgets it. Otherwise its end waits in the table for
+                // the next node that attaches.
                 if let Some(to) = to {
                     if to.send(frame).await.is_ok() {
-                        lock(&execs).forget(h);
+                        lock(&execs).taken(h);
                     }
                 }
             }

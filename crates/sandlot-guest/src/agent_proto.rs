@@ -18,8 +18,9 @@
 //!   A bad request answers 400 with a text body.
 //! * `POST /v1/signal` — see [`PATH_SIGNAL`].
 //! * `POST /v1/connect` — a TCP tunnel into the sandbox, see [`PATH_CONNECT`].
-//! * `GET /v1/execs` and `POST /v1/exec/attach` — named execs that outlived their node's
-//!   connection, see [`PATH_EXECS`] and [`PATH_EXEC_ATTACH`].
+//! * `GET /v1/execs`, `POST /v1/exec/attach` and `POST /v1/exec/forget` — named execs
+//!   that outlived their node's connection, see [`PATH_EXECS`], [`PATH_EXEC_ATTACH`] and
+//!   [`PATH_EXEC_FORGET`].
 //!
 //! File calls (paths under `/v1/files/`; the rules of [`crate::sandbox_fs`], applied by the
 //! agent to its own root: relative paths under `/workspace`, `openat2` with
@@ -226,7 +227,8 @@ pub struct ExecRequest {
     /// `meta` and `number`): the agent keeps it in its exec table as given and answers it
     /// in [`ExecInfo::labels`], so a node that re-finds the exec lists it as it was
     /// started. At most [`MAX_LABELS_BYTES`] bytes of compact JSON (more: 400); ignored
-    /// without a `handle`. Absent from nodes that predate it; agents that predate it
+    /// without a `handle`. The agent reads one field of it: `number`, when an unsigned
+    /// integer, of which it keeps the highest ever tabled ([`ExecList::max_number`]). Absent from nodes that predate it; agents that predate it
     /// ignore it (the exec then comes back without its labels).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub labels: Option<serde_json::Value>,
@@ -369,9 +371,13 @@ pub struct SignalRequest {
 /// them went away: its restart or kill -9, or a paused VM resumed on another node).
 ///
 /// `GET /v1/execs` → 200, a JSON array of [`ExecInfo`]: every exec started with an
-/// [`ExecRequest::handle`] whose end no node has taken yet (running, or ended while no node
-/// read it), sorted by handle. An agent that predates the call answers 404 ("no such
-/// call") at once: the node then has nothing to re-find.
+/// [`ExecRequest::handle`] that no node forgot yet ([`PATH_EXEC_FORGET`]): running, ended
+/// while no node read it, or ended and read (kept so that a later node still lists it),
+/// sorted by handle; at most [`crate::exec_table::TABLE_CAP`] (1,024) entries, the oldest
+/// ended evicted first. `GET /v1/execs?v=2` ([`EXECS_LIST_QUERY`]) answers an
+/// [`ExecList`] instead (the same array plus the highest number ever given); agents that
+/// predate it ignore the query and answer the array. An agent that predates the call
+/// answers 404 ("no such call") at once: the node then has nothing to re-find.
 ///
 /// A named exec outlives the connection that started it when that connection ends (the
 /// node's process went away); resetting its stream on a live connection (the caller
@@ -380,15 +386,38 @@ pub struct SignalRequest {
 /// counted), and its end is kept for [`PATH_EXEC_ATTACH`].
 pub const PATH_EXECS: &str = "/v1/execs";
 
+/// The query of `GET /v1/execs` that asks for an [`ExecList`] (see [`PATH_EXECS`]).
+pub const EXECS_LIST_QUERY: &str = "v=2";
+
+/// `GET /v1/execs?v=2` answer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExecList {
+    /// The entries, as `GET /v1/execs` answers them.
+    pub execs: Vec<ExecInfo>,
+    /// The highest `number` of [`ExecRequest::labels`] among every exec the agent ever
+    /// tabled (forgotten and evicted ones included): a node numbers new processes past it
+    /// so that a deleted process's number is not given again. `None` when none had one.
+    pub max_number: Option<u64>,
+}
+
+/// Path of the forget call: the node deleted a named exec's record (see [`PATH_EXECS`]).
+///
+/// `POST /v1/exec/forget`, body [`ForgetRequest`] JSON → 204 once the agent no longer
+/// tables the exec (an ended one is dropped with its end; a running one is killed first,
+/// its whole process tree, and its end goes to no one). An unknown handle is fine (204: forgetting
+/// twice is). 400 for a bad body. An agent that predates the call answers 404, which the
+/// node takes as done (such an agent forgets an exec once its end is read).
+pub const PATH_EXEC_FORGET: &str = "/v1/exec/forget";
+
 /// Path of the attach call: read a named exec again (see [`PATH_EXECS`]).
 ///
 /// `POST /v1/exec/attach`, body [`AttachRequest`] JSON → 200, body: one
 /// [`FrameKind::Spec`] frame holding [`AttachInfo`] JSON, then what the ring holds as
 /// [`FrameKind::Stdout`] / [`FrameKind::Stderr`] frames, then the exec's output as it comes,
 /// then exactly one [`FrameKind::Exit`] frame ([`ExecExit`]) — at once when it already
-/// ended, after which the agent forgets it. Resetting this stream behaves as for
+/// ended (the agent keeps it, ended, until [`PATH_EXEC_FORGET`]). Resetting this stream behaves as for
 /// `POST /v1/exec`. Errors, text body: 400 (bad body), 404 (no such handle: never named,
-/// or its end was taken), 409 (a live connection still reads it). An agent that predates
+/// forgotten or evicted), 409 (a live connection still reads it). An agent that predates
 /// the call answers 404.
 pub const PATH_EXEC_ATTACH: &str = "/v1/exec/attach";
 
@@ -425,6 +454,9 @@ pub struct AttachRequest {
     /// [`ExecRequest::handle`] of the exec.
     pub handle: String,
 }
+
+/// `POST /v1/exec/forget` body: the same one field as [`AttachRequest`].
+pub type ForgetRequest = AttachRequest;
 
 /// First frame of a `POST /v1/exec/attach` answer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

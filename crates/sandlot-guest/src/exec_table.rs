@@ -9,10 +9,17 @@
 //! state (running or its exit code) and an [`OutputRing`] of the output produced while no
 //! host is connected.
 //!
+//! An ended entry stays after a node has read its end, until the node forgets it
+//! ([`ExecTable::forget`], `POST /v1/exec/forget`: the node deleted the process's record),
+//! so that a node that connects later still lists the process as exited. The table also
+//! keeps the highest `number` label it ever tabled ([`ExecTable::max_number`]), so a node
+//! that connects later numbers new processes past those forgotten (not reused).
+//!
 //! Memory is bounded: each ring holds at most [`RING_CAP`] bytes per exec (older output is
-//! dropped and counted), and the table holds at most [`TABLE_CAP`] entries (a new exec
-//! beyond it is refused with [`TableError::Full`]; ended entries are evicted oldest first
-//! to make room).
+//! dropped and counted), and the table holds at most [`TABLE_CAP`] entries, running or
+//! ended (a new exec beyond it is refused with [`TableError::Full`]; ended entries, read
+//! or not, are evicted oldest first to make room: a node that connects after more than
+//! [`TABLE_CAP`] named execs no longer finds the oldest ended ones).
 
 use std::collections::{BTreeMap, VecDeque};
 use std::time::SystemTime;
@@ -161,6 +168,7 @@ pub struct ExecTable {
     ring_cap: usize,
     next_seq: u64,
     entries: BTreeMap<String, ExecEntry>,
+    max_number: Option<u64>,
 }
 
 impl Default for ExecTable {
@@ -177,11 +185,13 @@ impl ExecTable {
             ring_cap,
             next_seq: 0,
             entries: BTreeMap::new(),
+            max_number: None,
         }
     }
 
     /// Adds a running exec under `handle` with the node's `labels` (bounded by the
-    /// caller); evicts the oldest ended entry when full.
+    /// caller); evicts the oldest ended entry when full. A `number` field of `labels` that
+    /// is an unsigned integer raises [`ExecTable::max_number`] (the only label read).
     ///
     /// Errors: [`TableError::InUse`] when `handle` is tabled, [`TableError::Full`] when
     /// every entry is running.
@@ -208,6 +218,13 @@ impl ExecTable {
                 }
                 None => return Err(TableError::Full),
             }
+        }
+        if let Some(n) = labels
+            .as_ref()
+            .and_then(|l| l.get("number"))
+            .and_then(serde_json::Value::as_u64)
+        {
+            self.max_number = Some(self.max_number.map_or(n, |m| m.max(n)));
         }
         self.next_seq += 1;
         self.entries.insert(
@@ -238,11 +255,17 @@ impl ExecTable {
         Ok(())
     }
 
-    /// Removes `handle` (its node has taken its end), returning the entry.
-    pub fn remove(&mut self, handle: &str) -> Result<ExecEntry, TableError> {
-        self.entries
-            .remove(handle)
-            .ok_or_else(|| TableError::NotFound(handle.to_string()))
+    /// Removes `handle` (its node deleted it, or nobody wants its end), returning the
+    /// entry; `None` when it is not tabled (forgetting twice is fine). Its number stays
+    /// counted in [`ExecTable::max_number`].
+    pub fn forget(&mut self, handle: &str) -> Option<ExecEntry> {
+        self.entries.remove(handle)
+    }
+
+    /// The highest `number` label of every exec ever tabled (forgotten and evicted ones
+    /// included); `None` before the first one with such a label.
+    pub fn max_number(&self) -> Option<u64> {
+        self.max_number
     }
 
     /// The entry of `handle`, if tabled.
@@ -340,8 +363,46 @@ mod tests {
         t.exited("a", 3).unwrap();
         assert_eq!(t.get("a").unwrap().state, ExecState::Exited(3));
         assert_eq!(t.exited("b", 0), Err(TableError::NotFound("b".into())));
-        assert_eq!(t.remove("a").unwrap().pid, 10);
+        assert_eq!(t.forget("a").unwrap().pid, 10);
         assert!(t.is_empty());
+    }
+
+    #[test]
+    fn ended_entry_stays_until_forgotten_and_forget_is_idempotent() {
+        let mut t = ExecTable::new(4, 16);
+        t.insert("a", vec!["true".into()], None, 1).unwrap();
+        t.exited("a", 0).unwrap();
+        // Ended: still tabled (and listed) until forgotten.
+        assert_eq!(t.get("a").unwrap().state, ExecState::Exited(0));
+        assert_eq!(t.iter().count(), 1);
+        assert!(t.forget("a").is_some());
+        assert!(t.forget("a").is_none());
+        assert!(t.forget("never").is_none());
+        assert!(t.is_empty());
+        // Its handle can be used again once forgotten.
+        t.insert("a", vec![], None, 2).unwrap();
+    }
+
+    #[test]
+    fn max_number_outlives_forget_and_eviction() {
+        let mut t = ExecTable::new(2, 16);
+        assert_eq!(t.max_number(), None);
+        let n = |v: serde_json::Value| Some(serde_json::json!({ "number": v }));
+        t.insert("a", vec![], n(1003.into()), 1).unwrap();
+        t.insert("b", vec![], n(1001.into()), 2).unwrap();
+        assert_eq!(t.max_number(), Some(1003));
+        t.forget("a");
+        assert_eq!(t.max_number(), Some(1003));
+        // Labels without an unsigned `number` leave it alone.
+        t.insert("c", vec![], n("1009".into()), 3).unwrap();
+        t.exited("b", 0).unwrap();
+        t.exited("c", 0).unwrap();
+        t.insert("d", vec![], n((-5).into()), 4).unwrap();
+        t.insert("e", vec![], None, 5).unwrap();
+        assert_eq!(t.max_number(), Some(1003));
+        // Every entry that carried a number is evicted by now; the mark stays.
+        assert!(t.get("b").is_none());
+        assert_eq!(t.max_number(), Some(1003));
     }
 
     #[test]

@@ -47,6 +47,10 @@ pub struct FakeNode {
     /// Ids whose pause and resume fail (`Internal`, "freezer refused"), one by one or in
     /// bulk.
     pub refuse_freeze: Mutex<std::collections::HashSet<String>>,
+    /// What `agent_execs` answers for every live sandbox: no execs, this highest number.
+    pub agent_max_number: Mutex<Option<u32>>,
+    /// Every `agent_forget` call, in order: (sandbox id, handle).
+    pub agent_forgets: Mutex<Vec<(String, String)>>,
 }
 
 impl FakeNode {
@@ -553,6 +557,23 @@ impl Node for FakeNode {
         let mut v: Vec<_> = m.keys().cloned().collect();
         v.sort();
         Ok(v)
+    }
+
+    async fn agent_execs(&self, id: &str) -> NodeResult<crate::AgentExecs> {
+        self.files(id, |_| ())?;
+        Ok(crate::AgentExecs {
+            execs: Vec::new(),
+            max_number: *self.agent_max_number.lock().unwrap(),
+        })
+    }
+
+    async fn agent_forget(&self, id: &str, handle: &str) -> NodeResult<()> {
+        self.files(id, |_| ())?;
+        self.agent_forgets
+            .lock()
+            .unwrap()
+            .push((id.to_string(), handle.to_string()));
+        Ok(())
     }
 }
 

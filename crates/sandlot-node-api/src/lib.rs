@@ -517,7 +517,8 @@ pub struct ExecControl {
 
 /// A background exec a sandbox's guest agent still holds ([`Node::agent_execs`]): started
 /// by this node's previous process (before its restart or kill -9), or by another node
-/// before a paused sandbox moved here, and not yet taken by a node.
+/// before a paused sandbox moved here, and not yet forgotten ([`Node::agent_forget`]):
+/// running, or ended (whether or not a node read its end).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AgentExec {
     /// Its handle ([`ExecControl::handle`]: the background process's id).
@@ -526,10 +527,21 @@ pub struct AgentExec {
     pub argv: Vec<String>,
     /// When it started, milliseconds since the Unix epoch (the sandbox's clock).
     pub started_unix_ms: u64,
-    /// `None` while running; its exit code when it ended while no node read it.
+    /// `None` while running; its exit code once it ended.
     pub exit_code: Option<i32>,
     /// Its [`ExecControl::labels`]; `None` when none were given or its agent predates them.
     pub labels: Option<serde_json::Value>,
+}
+
+/// What [`Node::agent_execs`] answers.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct AgentExecs {
+    /// The execs the agent holds.
+    pub execs: Vec<AgentExec>,
+    /// The highest `number` label the agent ever held (deleted processes' included), so
+    /// that new processes are numbered past it; `None` when none had one or the agent
+    /// predates it.
+    pub max_number: Option<u32>,
 }
 
 /// Reading an [`AgentExec`] again ([`Node::exec_reattach`]).
@@ -1007,9 +1019,22 @@ pub trait Node: Send + Sync + 'static {
     /// # Errors
     /// `NotFound` (no such sandbox), `Conflict` (paused or not running), `Internal` (the
     /// agent cannot be reached or fails).
-    async fn agent_execs(&self, id: &str) -> NodeResult<Vec<AgentExec>> {
+    async fn agent_execs(&self, id: &str) -> NodeResult<AgentExecs> {
         let _ = id;
-        Ok(Vec::new())
+        Ok(AgentExecs::default())
+    }
+
+    /// Makes sandbox `id`'s guest agent forget the background exec `handle` (its process
+    /// record was deleted or evicted), so a later [`Node::agent_execs`] no longer lists
+    /// it. Unknown handles, no agent, and agents too old to keep ended execs are fine
+    /// (the default does nothing).
+    ///
+    /// # Errors
+    /// `NotFound` (no such sandbox), `Conflict` (paused or not running), `Internal` (the
+    /// agent cannot be reached or fails).
+    async fn agent_forget(&self, id: &str, handle: &str) -> NodeResult<()> {
+        let _ = (id, handle);
+        Ok(())
     }
 
     /// Takes up an [`AgentExec`] of sandbox `id` as [`Node::exec_controlled`] runs one:

@@ -9,10 +9,10 @@ use hyper::client::conn::http2::SendRequest;
 use hyper::{Method, Request, StatusCode};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use sandlot_guest::agent_proto::{
-    encode, AttachInfo, AttachRequest, ClockRequest, ExecExit, ExecInfo, ExecRequest, FileInfo,
-    Frame, FrameDecoder, FrameKind, FsCode, FsError, IdentityRequest, SignalRequest,
-    CONNECTION_WINDOW, PATH_CLOCK, PATH_EXEC, PATH_EXECS, PATH_EXEC_ATTACH, PATH_IDENTITY,
-    PATH_PING, PATH_SIGNAL, STREAM_WINDOW,
+    encode, AttachInfo, AttachRequest, ClockRequest, ExecExit, ExecInfo, ExecList, ExecRequest,
+    FileInfo, ForgetRequest, Frame, FrameDecoder, FrameKind, FsCode, FsError, IdentityRequest,
+    SignalRequest, CONNECTION_WINDOW, EXECS_LIST_QUERY, PATH_CLOCK, PATH_EXEC, PATH_EXECS,
+    PATH_EXEC_ATTACH, PATH_EXEC_FORGET, PATH_IDENTITY, PATH_PING, PATH_SIGNAL, STREAM_WINDOW,
 };
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -718,16 +718,25 @@ const EXECS_TIMEOUT: Duration = Duration::from_secs(10);
 /// Named execs that outlived their node's connection (issue 25, see
 /// [`sandlot_guest::agent_proto::PATH_EXECS`]).
 impl AgentClient {
-    /// The agent's named execs whose end no node has taken: running ones, and ones that
-    /// ended while no node read them. `Ok(None)` from an agent that predates the call
-    /// (404): it keeps no such table.
+    /// The agent's named execs that no node forgot ([`AgentClient::forget_exec`]):
+    /// running ones and ended ones, with the highest number it ever tabled (`None` from an
+    /// agent that predates it: the answer is then the bare list). `Ok(None)` from an agent
+    /// that predates the call (404): it keeps no such table.
     ///
     /// # Errors
     /// `Internal` when the agent cannot be reached, does not answer within 10 s, or
     /// answers something else.
-    pub async fn list_execs(&self) -> NodeResult<Option<Vec<ExecInfo>>> {
+    pub async fn list_execs(&self) -> NodeResult<Option<ExecList>> {
+        /// Either answer of `GET /v1/execs?v=2`: older agents ignore the query.
+        #[derive(serde::Deserialize)]
+        #[serde(untagged)]
+        enum Answer {
+            List(ExecList),
+            Bare(Vec<ExecInfo>),
+        }
         let call = async {
-            let resp = self.call(Method::GET, PATH_EXECS, Bytes::new()).await?;
+            let path = format!("{PATH_EXECS}?{EXECS_LIST_QUERY}");
+            let resp = self.call(Method::GET, &path, Bytes::new()).await?;
             let status = resp.status();
             let body = resp
                 .into_body()
@@ -737,7 +746,15 @@ impl AgentClient {
                 .to_bytes();
             match status {
                 StatusCode::OK => serde_json::from_slice(&body)
-                    .map(Some)
+                    .map(|a| {
+                        Some(match a {
+                            Answer::List(l) => l,
+                            Answer::Bare(execs) => ExecList {
+                                execs,
+                                max_number: None,
+                            },
+                        })
+                    })
                     .map_err(|e| agent_err(&self.socket, "execs JSON", e)),
                 StatusCode::NOT_FOUND => Ok(None),
                 s => Err(agent_err(
@@ -750,6 +767,39 @@ impl AgentClient {
         tokio::time::timeout(EXECS_TIMEOUT, call)
             .await
             .map_err(|_| agent_err(&self.socket, "execs", "no answer"))?
+    }
+
+    /// Makes the agent forget the named exec `handle` (see
+    /// [`sandlot_guest::agent_proto::PATH_EXEC_FORGET`]): its record was deleted. An
+    /// unknown handle, and an agent that predates the call (404), are fine.
+    ///
+    /// # Errors
+    /// `Internal` when the agent cannot be reached, does not answer within 10 s, or
+    /// refuses the request.
+    pub async fn forget_exec(&self, handle: &str) -> NodeResult<()> {
+        let body = serde_json::to_vec(&ForgetRequest {
+            handle: handle.to_string(),
+        })
+        .expect("ForgetRequest serialises");
+        let call = async {
+            let resp = self
+                .call(Method::POST, PATH_EXEC_FORGET, body.into())
+                .await?;
+            match resp.status() {
+                StatusCode::NO_CONTENT | StatusCode::NOT_FOUND => Ok(()),
+                status => {
+                    let text = error_text(resp).await;
+                    Err(agent_err(
+                        &self.socket,
+                        "forget",
+                        format!("{status}: {text}"),
+                    ))
+                }
+            }
+        };
+        tokio::time::timeout(EXECS_TIMEOUT, call)
+            .await
+            .map_err(|_| agent_err(&self.socket, "forget", "no answer"))?
     }
 
     /// Reads the named exec `handle` again: where its output resumes ([`AttachInfo`]),

@@ -749,8 +749,12 @@ impl Node for LocalNode {
         self.owner(id)?.read_file(id, path, max_bytes).await
     }
 
-    async fn agent_execs(&self, id: &str) -> NodeResult<Vec<crate::node::AgentExec>> {
+    async fn agent_execs(&self, id: &str) -> NodeResult<crate::node::AgentExecs> {
         self.owner(id)?.agent_execs(id).await
+    }
+
+    async fn agent_forget(&self, id: &str, handle: &str) -> NodeResult<()> {
+        self.owner(id)?.agent_forget(id, handle).await
     }
 
     async fn exec_reattach(

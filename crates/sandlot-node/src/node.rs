@@ -1,8 +1,8 @@
 //! The server↔node boundary: the contract lives in the `sandlot-node-api` crate; this
 //! module re-exports it for the node's own code.
 pub use sandlot_node_api::{
-    AgentExec, ExecControl, ExecReattach, ExecSink, Node, NodeError, NodeInfo, NodeResult,
-    SandboxSpec, SandboxStatus, WarmPoolInfo, WireError,
+    AgentExec, AgentExecs, ExecControl, ExecReattach, ExecSink, Node, NodeError, NodeInfo,
+    NodeResult, SandboxSpec, SandboxStatus, WarmPoolInfo, WireError,
 };
 use std::path::PathBuf;
 

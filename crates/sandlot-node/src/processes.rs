@@ -724,18 +724,30 @@ impl ProcessTable {
     /// with (kept by the agent as the exec's labels; a new number when that one is taken,
     /// none of them from an agent that predates labels), each taken up with
     /// [`Node::exec_reattach`]: running ones go on (output from where the agent's ring
-    /// starts, signals, wait, kill), ended ones are listed with their result. Handles
-    /// already in the table are left alone.
+    /// starts, signals, wait, kill), ended ones are listed with their result (also those
+    /// whose end the previous node had read: the agent keeps them until their record is
+    /// deleted, [`ProcessTable::remove`]). Handles already in the table are left alone.
+    /// New processes are numbered past the highest number the agent ever held, so the
+    /// numbers of processes deleted before the restart are not given again.
     /// An agent that keeps no table, or that cannot be asked (paused, gone), gives none
     /// (logged at debug). Returns how many were registered.
     pub async fn refind(&self, sandbox: &str) -> usize {
-        let mut execs = match self.node.agent_execs(sandbox).await {
-            Ok(e) => e,
+        let (mut execs, max_number) = match self.node.agent_execs(sandbox).await {
+            Ok(e) => (e.execs, e.max_number),
             Err(e) => {
                 tracing::debug!(sandbox, error = %e, "no background execs re-found");
                 return 0;
             }
         };
+        if let Some(max) = max_number.filter(|n| *n >= sandlot_api::FIRST_PROCESS_NUMBER) {
+            let mut map = self.by_sandbox.lock().unwrap();
+            let sb = map.entry(sandbox.to_string()).or_default();
+            if sb.next_number <= max {
+                sb.next_number = max
+                    .checked_add(1)
+                    .unwrap_or(sandlot_api::FIRST_PROCESS_NUMBER);
+            }
+        }
         let mut found = 0;
         // Listed oldest first, as they were before.
         execs.sort_by_key(|e| e.started_unix_ms);
@@ -849,7 +861,10 @@ impl ProcessTable {
         while list.len() >= self.limits.max_kept {
             match list.iter().position(|p| p.ended()) {
                 Some(i) => {
-                    list.remove(i);
+                    // Its agent (if any) forgets it too, so a later re-find does not list it.
+                    let gone = list.remove(i);
+                    let (node, sandbox) = (self.node.clone(), sandbox.to_string());
+                    tokio::spawn(async move { forget_in_agent(&*node, &sandbox, &gone.id).await });
                 }
                 None => break,
             }
@@ -929,7 +944,8 @@ impl ProcessTable {
     }
 
     /// Kills the process's whole tree (SIGKILL), waits for it to end (a few seconds at
-    /// most), and forgets it.
+    /// most), and forgets it, here and in its guest agent ([`Node::agent_forget`]: a
+    /// re-find after a restart does not list it again).
     ///
     /// # Errors
     /// `NotFound` for an unknown handle.
@@ -937,6 +953,7 @@ impl ProcessTable {
         let p = self.get(sandbox, pid)?;
         self.remove_record(sandbox, pid);
         kill_and_drop(p).await;
+        forget_in_agent(&*self.node, sandbox, pid).await;
         Ok(())
     }
 
@@ -968,6 +985,19 @@ impl ProcessTable {
             .flat_map(|sb| &sb.list)
             .filter(|p| !p.ended())
             .count()
+    }
+}
+
+/// [`Node::agent_forget`] of a deleted or evicted record; a failure is logged (the
+/// process would be listed again after a restart of this node).
+async fn forget_in_agent(node: &dyn Node, sandbox: &str, pid: &str) {
+    match node.agent_forget(sandbox, pid).await {
+        // The sandbox went meanwhile: nothing left to forget.
+        Ok(()) | Err(NodeError::NotFound(_)) => {}
+        Err(e) => {
+            tracing::warn!(sandbox, process = pid, error = %e,
+                "the guest agent did not forget a deleted background process");
+        }
     }
 }
 
@@ -1794,6 +1824,72 @@ mod tests {
             ]
         );
         assert_eq!(l[2].meta, Some(serde_json::json!({"k": [1]})));
+    }
+
+    /// Issue 25: after a restart new processes are numbered past the highest number the
+    /// agent ever held (a deleted process's number is not given again), and a record
+    /// deleted or evicted (the `max_kept` cap) is forgotten by the agent too.
+    #[tokio::test]
+    async fn numbers_go_past_the_agents_highest_and_gone_records_are_forgotten_there() {
+        use sandlot_node_api::fake::FakeNode;
+        use sandlot_node_api::SandboxSpec;
+        let dir = tempfile::tempdir().unwrap();
+        let fake = Arc::new(FakeNode::default());
+        *fake.agent_max_number.lock().unwrap() = Some(1007);
+        let limits = ProcessLimits {
+            max_running: 16,
+            max_kept: 2,
+        };
+        let table = ProcessTable::new(fake.clone(), limits, dir.path().into()).unwrap();
+        let sb = "sb-0123456789abcdef0123";
+        fake.create(&SandboxSpec {
+            id: sb.into(),
+            backend: sandlot_api::Backend::Function,
+            image: "python".into(),
+            cpu: 1.0,
+            memory_mib: 256,
+            disk_mib: 256,
+            pids_max: 64,
+            env: Default::default(),
+            network: sandlot_api::NetworkPolicy::None,
+            runtime: None,
+        })
+        .await
+        .unwrap();
+        assert_eq!(table.refind(sb).await, 0);
+        let echo = || SpawnRequest {
+            cmd: Cmd::Argv(vec!["echo".into(), "hi".into()]),
+            ..serde_json::from_str("{\"cmd\": \"x\"}").unwrap()
+        };
+        let mut ps = Vec::new();
+        for _ in 0..2 {
+            let p = table.spawn(sb, echo()).await.unwrap();
+            table
+                .get(sb, &p.id)
+                .unwrap()
+                .wait(Duration::from_secs(5))
+                .await;
+            ps.push(p);
+        }
+        assert_eq!((ps[0].number, ps[1].number), (1008, 1009));
+        // The third evicts the first (oldest exited); the agent is told.
+        let third = table.spawn(sb, echo()).await.unwrap();
+        assert_eq!(third.number, 1010);
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        while fake.agent_forgets.lock().unwrap().is_empty() {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "eviction not forgotten"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        table.remove(sb, &ps[1].id).await.unwrap();
+        let forgot = fake.agent_forgets.lock().unwrap().clone();
+        let want: Vec<(String, String)> = [&ps[0].id, &ps[1].id]
+            .iter()
+            .map(|p| (sb.to_string(), p.to_string()))
+            .collect();
+        assert_eq!(forgot, want);
     }
 
     #[tokio::test]

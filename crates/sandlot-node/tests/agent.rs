@@ -527,7 +527,8 @@ async fn read_until(
 /// Issue 25: a named exec outlives its connection's end (the node's restart), keeps what
 /// it writes meanwhile in its ring, and a new connection finds it (`GET /v1/execs`),
 /// reads it on from where the ring starts (`POST /v1/exec/attach`) and signals it; one
-/// that ended meanwhile keeps its exit for the next node, once.
+/// that ended meanwhile keeps its exit for the next node, and keeps it after that node
+/// read it, until a node forgets it (`POST /v1/exec/forget`).
 #[tokio::test]
 async fn named_execs_outlive_their_connection_and_are_found_again() {
     let Some(a) = start("named_execs_outlive_their_connection_and_are_found_again").await else {
@@ -569,7 +570,8 @@ async fn named_execs_outlive_their_connection_and_are_found_again() {
         .list_execs()
         .await
         .unwrap()
-        .expect("the agent has the call");
+        .expect("the agent has the call")
+        .execs;
     let handles: Vec<&str> = list.iter().map(|e| e.handle.as_str()).collect();
     assert_eq!(handles, ["pr-counter", "pr-short"], "{list:?}");
     let c = &list[0];
@@ -580,12 +582,19 @@ async fn named_execs_outlive_their_connection_and_are_found_again() {
     assert_eq!(list[1].exit_code, Some(7));
     assert_eq!(list[1].stderr_bytes, 5);
 
-    // The ended one: its ring and exit, once.
+    // The ended one: its ring and exit; then, read, its exit again (its output is gone:
+    // the offsets are past it) until it is forgotten.
     let (info, mut s) = second.attach("pr-short").await.unwrap();
     assert_eq!((info.stdout_offset, info.stderr_offset), (0, 0));
     let (_, err, x) = read_until(&mut s, None).await;
     assert_eq!(err, b"done\n");
     assert_eq!(x.unwrap().status, ExecStatus::Exited { code: 7 });
+    let (info, mut s) = second.attach("pr-short").await.unwrap();
+    assert_eq!((info.stdout_offset, info.stderr_offset), (0, 5));
+    let (_, err, x) = read_until(&mut s, None).await;
+    assert_eq!(err, b"");
+    assert_eq!(x.unwrap().status, ExecStatus::Exited { code: 7 });
+    second.forget_exec("pr-short").await.unwrap();
     assert!(matches!(
         second.attach("pr-short").await,
         Err(sandlot_node::node::NodeError::NotFound(_))
@@ -613,7 +622,95 @@ async fn named_execs_outlive_their_connection_and_are_found_again() {
     second.signal("pr-counter", libc::SIGKILL).await.unwrap();
     let (_, _, x) = read_until(&mut s, None).await;
     assert_eq!(x.unwrap().status, ExecStatus::Signaled { signal: 9 });
-    assert_eq!(second.list_execs().await.unwrap(), Some(vec![]));
+    // Read to its end, it stays listed, ended, until forgotten.
+    let list = second.list_execs().await.unwrap().unwrap().execs;
+    let ended: Vec<_> = list
+        .iter()
+        .map(|e| (e.handle.as_str(), e.exit_code))
+        .collect();
+    assert_eq!(ended, [("pr-counter", Some(137))]);
+    second.forget_exec("pr-counter").await.unwrap();
+    let left = second.list_execs().await.unwrap().unwrap();
+    assert_eq!((left.execs, left.max_number), (vec![], None));
+}
+
+/// `POST /v1/exec/forget` over the wire: an exec whose end its node read stays listed,
+/// ended, with its exit code and labels until forgotten; forgetting is idempotent (an
+/// unknown handle is fine); forgetting a running exec kills its tree; the highest number
+/// label ever tabled outlives the forgotten execs.
+#[tokio::test]
+async fn named_execs_stay_until_forgotten_and_their_numbers_are_not_forgotten() {
+    let Some(a) =
+        start("named_execs_stay_until_forgotten_and_their_numbers_are_not_forgotten").await
+    else {
+        return;
+    };
+    let numbered = |cmd: &str, handle: &str, number: u32| {
+        let mut r = request(cmd, 60_000, false);
+        r.handle = Some(handle.into());
+        r.labels = Some(serde_json::json!({"tag": handle, "number": number}));
+        r
+    };
+    // Read to its end on a live connection.
+    let (out, _, x) = run(&a, &numbered("echo hi; exit 3", "pr-read", 1003), None).await;
+    assert_eq!(out, b"hi\n");
+    assert_eq!(x.status, ExecStatus::Exited { code: 3 });
+    let mut s = a
+        .client
+        .exec(&numbered("echo up; sleep 300", "pr-run", 1001), None)
+        .await
+        .unwrap();
+    read_until(&mut s, Some(b"up\n")).await;
+    let list = a.client.list_execs().await.unwrap().unwrap();
+    assert_eq!(list.max_number, Some(1003));
+    let got: Vec<_> = list
+        .execs
+        .iter()
+        .map(|e| (e.handle.as_str(), e.exit_code, e.labels.clone()))
+        .collect();
+    assert_eq!(
+        got,
+        [
+            (
+                "pr-read",
+                Some(3),
+                Some(serde_json::json!({"tag": "pr-read", "number": 1003}))
+            ),
+            (
+                "pr-run",
+                None,
+                Some(serde_json::json!({"tag": "pr-run", "number": 1001}))
+            ),
+        ]
+    );
+
+    // Forgetting: gone from the list, twice is fine, unknown handles too.
+    a.client.forget_exec("pr-read").await.unwrap();
+    a.client.forget_exec("pr-read").await.unwrap();
+    a.client.forget_exec("pr-never").await.unwrap();
+    // A running one is killed: its stream ends at once (not after its 300 s), its end
+    // going to no one.
+    a.client.forget_exec("pr-run").await.unwrap();
+    let end = tokio::time::timeout(Duration::from_secs(5), async {
+        loop {
+            match s.next().await {
+                Ok(Some(ExecChunk::Output(..))) => {}
+                other => return other.map(|c| c.is_none()),
+            }
+        }
+    })
+    .await
+    .expect("the forgotten exec still runs");
+    assert!(!matches!(end, Ok(false)), "{end:?}");
+    let list = a.client.list_execs().await.unwrap().unwrap();
+    assert_eq!((list.execs, list.max_number), (vec![], Some(1003)));
+    // Its handle is free again.
+    let (out, _, _) = run(&a, &numbered("echo again", "pr-read", 1004), None).await;
+    assert_eq!(out, b"again\n");
+    assert_eq!(
+        a.client.list_execs().await.unwrap().unwrap().max_number,
+        Some(1004)
+    );
 }
 
 /// Resetting a named exec's stream on a live connection is a cancel: the command dies and
@@ -627,12 +724,12 @@ async fn a_cancelled_named_exec_is_killed_and_forgotten() {
     req.handle = Some("pr-cancel".into());
     let mut s = a.client.exec(&req, None).await.unwrap();
     read_until(&mut s, Some(b"up\n")).await;
-    assert_eq!(a.client.list_execs().await.unwrap().unwrap().len(), 1);
+    assert_eq!(a.client.list_execs().await.unwrap().unwrap().execs.len(), 1);
     drop(s);
     // Within the agent's grace for a connection's end (1 s) and the kill.
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {
-        let left = a.client.list_execs().await.unwrap().unwrap();
+        let left = a.client.list_execs().await.unwrap().unwrap().execs;
         if left.is_empty() {
             break;
         }
@@ -761,7 +858,7 @@ async fn a_named_execs_labels_are_listed_as_given_and_bounded() {
     req.labels = Some(labels.clone());
     let mut s = a.client.exec(&req, None).await.unwrap();
     read_until(&mut s, Some(b"up\n")).await;
-    let list = a.client.list_execs().await.unwrap().unwrap();
+    let list = a.client.list_execs().await.unwrap().unwrap().execs;
     assert_eq!(list.len(), 1);
     assert_eq!(list[0].labels, Some(labels));
 
@@ -775,7 +872,7 @@ async fn a_named_execs_labels_are_listed_as_given_and_bounded() {
         Ok(mut s) => format!("{:?}", s.next().await),
     };
     assert!(refused.contains("over the limit"), "{refused}");
-    assert_eq!(a.client.list_execs().await.unwrap().unwrap().len(), 1);
+    assert_eq!(a.client.list_execs().await.unwrap().unwrap().execs.len(), 1);
     a.client.signal("pr-labels", libc::SIGKILL).await.unwrap();
     let (_, _, x) = read_until(&mut s, None).await;
     assert_eq!(x.unwrap().status, ExecStatus::Signaled { signal: 9 });

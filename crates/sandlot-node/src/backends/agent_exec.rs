@@ -106,30 +106,35 @@ pub(super) async fn run<G>(
     relay(t, stream, plan.cap, deadline, killed, sink, signals, handle).await
 }
 
-/// The background execs sandbox `id`'s guest agent still holds
-/// ([`AgentClient::list_execs`]); none from an agent older than the table (logged at
-/// debug).
+/// The background execs sandbox `id`'s guest agent still holds and the highest number it
+/// ever held ([`AgentClient::list_execs`]); none from an agent older than the table
+/// (logged at debug).
 ///
 /// # Errors
 /// As [`AgentClient::list_execs`].
 pub(super) async fn agent_execs(
     id: &str,
     agent: &AgentClient,
-) -> NodeResult<Vec<crate::node::AgentExec>> {
+) -> NodeResult<crate::node::AgentExecs> {
     let Some(list) = agent.list_execs().await? else {
         tracing::debug!(sandbox = %id, "guest agent keeps no exec table (older agent)");
-        return Ok(Vec::new());
+        return Ok(Default::default());
     };
-    Ok(list
-        .into_iter()
-        .map(|e| crate::node::AgentExec {
-            handle: e.handle,
-            argv: e.argv,
-            started_unix_ms: e.started_unix_ms,
-            exit_code: e.exit_code,
-            labels: e.labels,
-        })
-        .collect())
+    Ok(crate::node::AgentExecs {
+        execs: list
+            .execs
+            .into_iter()
+            .map(|e| crate::node::AgentExec {
+                handle: e.handle,
+                argv: e.argv,
+                started_unix_ms: e.started_unix_ms,
+                exit_code: e.exit_code,
+                labels: e.labels,
+            })
+            .collect(),
+        // Numbers past u32 are none this node gave.
+        max_number: list.max_number.and_then(|n| u32::try_from(n).ok()),
+    })
 }
 
 /// Takes up the named exec `r.handle` that the agent of `t` kept after the node that read

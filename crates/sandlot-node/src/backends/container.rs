@@ -1448,9 +1448,13 @@ impl SandboxBackend for ContainerBackend {
         Ok(Box::new(s))
     }
 
-    async fn agent_execs(&self, id: &str) -> NodeResult<Vec<crate::node::AgentExec>> {
+    async fn agent_execs(&self, id: &str) -> NodeResult<crate::node::AgentExecs> {
         let c = self.fs_target(id).await?;
         agent_exec::agent_execs(id, &c.agent).await
+    }
+
+    async fn agent_forget(&self, id: &str, handle: &str) -> NodeResult<()> {
+        self.fs_target(id).await?.agent.forget_exec(handle).await
     }
 
     async fn exec_reattach(

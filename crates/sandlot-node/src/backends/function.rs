@@ -659,10 +659,17 @@ impl SandboxBackend for FunctionBackend {
     /// Background processes that went through the in-jail agent outlive the node's
     /// process (the agent does); those of the helper path (a sandbox's first exec) die
     /// with it.
-    async fn agent_execs(&self, id: &str) -> NodeResult<Vec<crate::node::AgentExec>> {
+    async fn agent_execs(&self, id: &str) -> NodeResult<crate::node::AgentExecs> {
         match self.jail_agent(id).await? {
             (_, Some(a)) => super::agent_exec::agent_execs(id, a.client()).await,
-            (_, None) => Ok(Vec::new()),
+            (_, None) => Ok(Default::default()),
+        }
+    }
+
+    async fn agent_forget(&self, id: &str, handle: &str) -> NodeResult<()> {
+        match self.jail_agent(id).await? {
+            (_, Some(a)) => a.client().forget_exec(handle).await,
+            (_, None) => Ok(()),
         }
     }
 

@@ -183,9 +183,15 @@ pub trait SandboxBackend: Send + Sync {
 
     /// The background execs sandbox `id`'s guest agent still holds (see
     /// [`crate::Node::agent_execs`]); none by default (no agent).
-    async fn agent_execs(&self, id: &str) -> NodeResult<Vec<crate::node::AgentExec>> {
+    async fn agent_execs(&self, id: &str) -> NodeResult<crate::node::AgentExecs> {
         let _ = id;
-        Ok(Vec::new())
+        Ok(Default::default())
+    }
+
+    /// Forgets one of them (see [`crate::Node::agent_forget`]); nothing by default.
+    async fn agent_forget(&self, id: &str, handle: &str) -> NodeResult<()> {
+        let _ = (id, handle);
+        Ok(())
     }
 
     /// Takes up one of them (see [`crate::Node::exec_reattach`]); `Unavailable` by

@@ -832,9 +832,18 @@ impl<M: Machine> SandboxBackend for M {
         Some(self)
     }
 
-    async fn agent_execs(&self, id: &str) -> NodeResult<Vec<crate::node::AgentExec>> {
+    async fn agent_execs(&self, id: &str) -> NodeResult<crate::node::AgentExecs> {
         let vm = self.core().fs_target(id).await?;
         agent_exec::agent_execs(id, &vm.agent).await
+    }
+
+    async fn agent_forget(&self, id: &str, handle: &str) -> NodeResult<()> {
+        self.core()
+            .fs_target(id)
+            .await?
+            .agent
+            .forget_exec(handle)
+            .await
     }
 
     async fn exec_reattach(
