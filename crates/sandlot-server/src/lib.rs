@@ -79,6 +79,8 @@ mod tests_observe;
 #[cfg(test)]
 mod tests_processes;
 #[cfg(test)]
+mod tests_quota_cost;
+#[cfg(test)]
 mod tests_slowbody;
 #[cfg(test)]
 mod tests_tenants;

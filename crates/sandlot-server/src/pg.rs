@@ -300,6 +300,112 @@ mod tests {
         assert_eq!(applied, files);
     }
 
+    /// Migration V9 (issue 22) on a database with sandboxes: `tenant_usage` holds each
+    /// tenant's count, millicores and MiB of its sandboxes not in `deleting` ('' for none),
+    /// and its triggers keep it (a bulk insert, a change into and out of `deleting`, a
+    /// delete).
+    #[tokio::test]
+    async fn tenant_usage_is_backfilled_by_its_migration() {
+        let Some(url) = super::testing::fresh_database("tenant_usage_backfill").await else {
+            return;
+        };
+        let (mut client, conn) = tokio_postgres::connect(&url, super::NoTls).await.unwrap();
+        tokio::spawn(conn);
+        super::embedded::migrations::runner()
+            .set_target(refinery::Target::Version(8))
+            .run_async(&mut client)
+            .await
+            .unwrap();
+        let add = "INSERT INTO sandboxes (id, backend, image, state, node, created_at, spec,
+                     labels, tenant)
+                   SELECT id, 'function', 'python', st, 'n1', 1,
+                     jsonb_build_object('cpu', cpu, 'memory_mib', mem), '{}', t
+                   FROM unnest($1::text[], $2::text[], $3::float8[], $4::bigint[], $5::text[])
+                     AS u(id, st, cpu, mem, t)";
+        client
+            .execute(
+                add,
+                &[
+                    &vec!["sb-1", "sb-2", "sb-3", "sb-4", "sb-5"],
+                    &vec!["running", "creating", "deleting", "running", "deleting"],
+                    &vec![0.1f64, 0.2, 1.5, 0.25, 2.0],
+                    &vec![100i64, 200, 300, 50, 1000],
+                    &vec![
+                        Some("key_a"),
+                        Some("key_a"),
+                        Some("key_a"),
+                        None,
+                        Some("key_b"),
+                    ],
+                ],
+            )
+            .await
+            .unwrap();
+        let pool = super::connect(&url, 1).await.unwrap();
+        let usage = || async {
+            client
+                .query(
+                    "SELECT tenant, n, mcpu, mem FROM tenant_usage
+                     WHERE n != 0 OR mcpu != 0 OR mem != 0 ORDER BY tenant",
+                    &[],
+                )
+                .await
+                .unwrap()
+                .iter()
+                .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3)))
+                .collect::<Vec<(String, i64, i64, i64)>>()
+        };
+        let row = |t: &str, n, c, m| (t.to_owned(), n, c, m);
+        assert_eq!(
+            usage().await,
+            [row("", 1, 250, 50), row("key_a", 2, 300, 300)]
+        );
+        // The tenant_locks of earlier versions is gone (tenant_usage is the lock now).
+        let c = pool.get().await.unwrap();
+        let locks: Option<String> = c
+            .query_one("SELECT to_regclass('tenant_locks')::text", &[])
+            .await
+            .unwrap()
+            .get(0);
+        assert_eq!(locks, None);
+        c.execute(
+            add,
+            &[
+                &vec!["sb-6", "sb-7"],
+                &vec!["creating", "creating"],
+                &vec![0.5f64, 0.5],
+                &vec![10i64, 20],
+                &vec![Some("key_b"), Some("key_c")],
+            ],
+        )
+        .await
+        .unwrap();
+        c.execute(
+            "UPDATE sandboxes SET state = 'running' WHERE id IN ('sb-5', 'sb-3')",
+            &[],
+        )
+        .await
+        .unwrap();
+        c.execute(
+            "UPDATE sandboxes SET state = 'deleting' WHERE id = 'sb-1'",
+            &[],
+        )
+        .await
+        .unwrap();
+        c.execute("DELETE FROM sandboxes WHERE id IN ('sb-1', 'sb-2')", &[])
+            .await
+            .unwrap();
+        assert_eq!(
+            usage().await,
+            [
+                row("", 1, 250, 50),
+                row("key_a", 1, 1500, 300),
+                row("key_b", 2, 2500, 1010),
+                row("key_c", 1, 500, 20)
+            ]
+        );
+    }
+
     #[tokio::test]
     async fn bad_url_and_unreachable_server() {
         assert!(matches!(

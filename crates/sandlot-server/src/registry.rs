@@ -14,9 +14,12 @@
 //!   `ON CONFLICT DO NOTHING`, which waits for a concurrent uncommitted insert of the same
 //!   key; the loser then reads the winner's committed row and gets
 //!   [`KeyOutcome::Replay`] (or [`KeyOutcome::Mismatch`]);
-//! - quotas: a create that checks a quota first locks its tenant's row in `tenant_locks`
-//!   (`FOR UPDATE`), then sums the tenant's sandboxes; creates of one tenant serialise on
-//!   that lock, so two servers cannot both admit the last slot.
+//! - quotas: each tenant's usage (count, cpu, memory of its sandboxes in any state but
+//!   `deleting`) is one row of `tenant_usage`, kept exact by triggers on `sandboxes`
+//!   (`migrations/pg/V9__tenant_usage.sql`); a group transaction first locks the rows of
+//!   the tenants it writes for (`FOR UPDATE`, sorted: [`LOCK_USAGE_SQL`]), then a quota
+//!   check reads its tenant's row (O(1), no scan of its sandboxes); creates of one tenant
+//!   serialise on that lock, so two servers cannot both admit the last slot.
 use crate::checkpoints::CheckpointRow;
 use crate::store::{InsertItem, KeyOutcome, KeyRow, Quota, Record, SpecJson, Store, StoreError};
 use async_trait::async_trait;
@@ -736,7 +739,8 @@ fn insert_outcome(
 }
 
 /// The insert of [`PgRegistry`] as one statement (so a group can pipeline it): with
-/// `$13` (check the quota) the tenant's usage `u` (any state but `deleting`) decides `ok`
+/// `$13` (check the quota) the tenant's usage `u` (any state but `deleting`: its one row
+/// of `tenant_usage`, migration V9, no scan of its sandboxes) decides `ok`
 /// (the same limits as [`crate::store::over_quota`]); the Idempotency-Key `$11` is
 /// recorded only when `ok`, `ON CONFLICT DO NOTHING` (waiting for a concurrent
 /// uncommitted insert of the key), and the record only when `ok` and the key (if any) was
@@ -745,10 +749,9 @@ fn insert_outcome(
 /// was inserted.
 const INSERT_SQL: &str = "
 WITH u AS (
-  SELECT COUNT(*) AS n, COALESCE(SUM((spec->>'cpu')::float8), 0.0)::float8 AS cpu,
-         COALESCE(SUM((spec->>'memory_mib')::bigint), 0)::bigint AS mem
-  FROM sandboxes WHERE $13::bool AND tenant IS NOT DISTINCT FROM $10::text
-  AND state != 'deleting'
+  SELECT COALESCE(SUM(n), 0)::bigint AS n, (COALESCE(SUM(mcpu), 0) / 1000.0)::float8 AS cpu,
+         COALESCE(SUM(mem), 0)::bigint AS mem
+  FROM tenant_usage WHERE $13::bool AND tenant = COALESCE($10::text, '')
 ), ok AS (
   SELECT 1 FROM u WHERE NOT $13::bool OR (
     ($14::bigint IS NULL OR u.n + 1 <= $14::bigint)
@@ -767,6 +770,19 @@ WITH u AS (
   RETURNING 1
 )
 SELECT u.n, u.cpu, u.mem, (SELECT COUNT(*) FROM s) > 0 FROM u";
+
+/// Locks (`FOR UPDATE`, creating it if missing) the `tenant_usage` row of every tenant of
+/// `$1` and of the tenant of every sandbox of the ids `$2`, in tenant order ('' for none).
+/// A group transaction runs it first: the row of a tenant is the lock under which its
+/// quota is checked (two servers cannot both admit its last slot), and the later writes
+/// of the group's triggers then find their rows already held.
+const LOCK_USAGE_SQL: &str = "
+INSERT INTO tenant_usage AS u (tenant)
+SELECT t FROM (
+  SELECT unnest($1::text[]) AS t
+  UNION SELECT COALESCE(tenant, '') FROM sandboxes WHERE id = ANY($2::text[])
+) x ORDER BY t
+ON CONFLICT (tenant) DO UPDATE SET n = u.n";
 
 /// `Registry::insert_many` of items with neither an Idempotency-Key nor a quota (a batch
 /// of a caller without quota, without a key: the common case) as ONE statement: every
@@ -956,10 +972,11 @@ type GroupJob = (
 );
 
 /// Runs `ops` in ONE transaction on `c`, their statements pipelined (sent without waiting
-/// for each answer): first the tenant locks of the quota'd inserts (sorted, so groups of
-/// several servers lock in one order), then every op in order (each statement sees the
-/// writes of those before it, so a quota counts the inserts admitted earlier in the
-/// group), then COMMIT. Any statement's failure fails the whole (rolled back).
+/// for each answer): first the usage rows of the tenants it writes for
+/// ([`LOCK_USAGE_SQL`]: sorted, so groups of several servers lock in one order), then every
+/// op in order (each statement sees the writes of those before it, so a quota counts the
+/// inserts admitted earlier in the group), then COMMIT. Any statement's failure fails the
+/// whole (rolled back).
 async fn run_pipelined(
     c: &mut deadpool_postgres::Object,
     ops: &[Op],
@@ -972,17 +989,31 @@ async fn run_pipelined(
     let tr_many = c.prepare_cached(TRANSITION_MANY_SQL).await?;
     let tr_settled = c.prepare_cached(TRANSITION_MANY_SETTLED_SQL).await?;
     let ins_many = c.prepare_cached(INSERT_MANY_SQL).await?;
-    let mut tenants: Vec<&str> = ops
-        .iter()
-        .filter_map(|o| match o {
-            Op::Insert {
-                rec,
-                quota: Some(_),
-                ..
-            } => Some(rec.tenant.as_deref().unwrap_or("")),
-            _ => None,
-        })
-        .collect();
+    let lock_usage = c.prepare_cached(LOCK_USAGE_SQL).await?;
+    // The usage rows this group's statements write (their triggers): of the tenants it
+    // inserts for, and of those whose sandboxes it moves into or out of `deleting`.
+    let mut tenants: Vec<&str> = Vec::new();
+    let mut moved: Vec<&str> = Vec::new();
+    let deleting = SandboxState::Deleting.as_str();
+    for o in ops {
+        match o {
+            Op::Insert { rec, .. } => tenants.push(rec.tenant.as_deref().unwrap_or("")),
+            Op::InsertMany { recs, .. } => {
+                tenants.extend(recs.iter().map(|r| r.tenant.as_deref().unwrap_or("")))
+            }
+            Op::TransitionRelease { id, from, to, .. } => {
+                if *to == deleting || from.contains(&deleting) {
+                    moved.push(id);
+                }
+            }
+            Op::TransitionMany { ids, from, to, .. } => {
+                if *to == deleting || from.contains(&deleting) {
+                    moved.extend(ids.iter().map(String::as_str));
+                }
+            }
+            Op::Claim { .. } | Op::ClaimMany { .. } => {}
+        }
+    }
     tenants.sort_unstable();
     tenants.dedup();
     // Owned parameter values the pipelined statements borrow.
@@ -1015,21 +1046,16 @@ async fn run_pipelined(
         })
         .collect();
     let tx = c.transaction().await?;
-    if !tenants.is_empty() {
-        // Two statements: the lock must be held before the usage is read (a statement's
-        // snapshot is taken when it starts).
-        tx.execute(
-            "INSERT INTO tenant_locks (tenant) SELECT unnest($1::text[]) ORDER BY 1
-             ON CONFLICT DO NOTHING",
-            &[&tenants],
-        )
-        .await?;
-        tx.execute(
-            "SELECT tenant FROM tenant_locks WHERE tenant = ANY($1) ORDER BY tenant FOR UPDATE",
-            &[&tenants],
-        )
-        .await?;
-    }
+    // Sent first, pipelined with the rest: PostgreSQL runs the statements in order and a
+    // statement's snapshot is taken when it starts, so a quota check reads the usage after
+    // the lock. In tenant order: groups of several servers lock usage rows in one order
+    // instead of deadlocking on them.
+    let lock = async {
+        if tenants.is_empty() && moved.is_empty() {
+            return Ok(0);
+        }
+        tx.execute(&lock_usage, &[&tenants, &moved]).await
+    };
     let calls = ops.iter().zip(&vals).map(|(o, v)| {
         let tx = &tx;
         let (ins, claim, tr) = (&ins, &claim, &tr);
@@ -1157,11 +1183,13 @@ async fn run_pipelined(
             }
         }
     });
-    // join_all polls (and so sends) the statements in order; their answers come back in
-    // order too.
-    let out: std::result::Result<Vec<Raw>, tokio_postgres::Error> =
-        futures::future::join_all(calls).await.into_iter().collect();
-    let out = out?;
+    // join! and join_all poll (and so send) the statements in order; their answers come
+    // back in order too.
+    let (locked, out) = futures::join!(lock, futures::future::join_all(calls));
+    locked?;
+    let out: Vec<Raw> = out
+        .into_iter()
+        .collect::<std::result::Result<_, tokio_postgres::Error>>()?;
     tx.commit().await?;
     Ok(out)
 }
@@ -2455,6 +2483,183 @@ mod tests {
         );
     }
 
+    /// Per tenant ('' for none): count, millicores and MiB of memory.
+    type Usage = BTreeMap<String, (i64, i64, i64)>;
+
+    /// Reads a store's `tenant_usage` table (rows of all zeros left out: as good as none).
+    type UsageProbe = dyn Fn() -> futures::future::BoxFuture<'static, Usage> + Sync;
+
+    /// The usage the records of `r` add up to, counted afresh (in Rust, from `list`).
+    async fn usage_from_records(r: &dyn Registry) -> Usage {
+        let mut u = Usage::new();
+        for x in r.list().await.unwrap() {
+            if x.state == SandboxState::Deleting {
+                continue;
+            }
+            let e = u.entry(x.tenant.unwrap_or_default()).or_default();
+            e.0 += 1;
+            e.1 += (x.spec.cpu * 1000.0).round() as i64;
+            e.2 += x.spec.memory_mib as i64;
+        }
+        u
+    }
+
+    /// `tenant_usage` (issue 22) equals a fresh count of the records after every kind of
+    /// write: single and batch inserts (with and without quota, with a claim), a refused
+    /// insert, state changes into `deleting` and back (single, bulk, with release), other
+    /// state changes, and removals of live and deleting records.
+    async fn contract_usage(r: &dyn Registry, probe: &UsageProbe) {
+        let check = |step: &'static str| async move {
+            let stored = probe().await;
+            assert_eq!(stored, usage_from_records(r).await, "after {step}");
+        };
+        let mk = |id: &str, i: i64, tenant: Option<&str>| {
+            let mut x = rec(id, i, tenant);
+            x.spec.cpu = 0.1 * (i % 7 + 1) as f64;
+            x.spec.memory_mib = 64 * (i as u64 % 5 + 1);
+            x
+        };
+        let tenants = [Some("key_u1"), Some("key_u2"), None];
+        let big = Quota {
+            max_sandboxes: Some(1000),
+            max_cpu: Some(500.0),
+            max_memory_mib: None,
+        };
+        for i in 0..6 {
+            let q = (i % 2 == 0).then_some(&big);
+            let x = mk(&format!("sb-u{i}"), i, tenants[i as usize % 3]);
+            assert_eq!(
+                r.insert_checked(&x, None, q).await.unwrap(),
+                KeyOutcome::Inserted
+            );
+        }
+        check("single inserts").await;
+        // A batch without keys and quotas (PostgreSQL: one statement), with a claim.
+        let batch: Vec<Record> = (6..18)
+            .map(|i| mk(&format!("sb-u{i}"), i, tenants[i as usize % 3]))
+            .collect();
+        let items: Vec<InsertItem> = batch.iter().map(|x| (x, None, None)).collect();
+        let out = r.insert_many(&items, Some(("srv-u", 100))).await.unwrap();
+        assert!(out.iter().all(|o| matches!(o, Ok(KeyOutcome::Inserted))));
+        check("a batch insert").await;
+        // A batch with a quota (per item), one refused.
+        let tight = Quota {
+            max_sandboxes: Some(8),
+            max_cpu: None,
+            max_memory_mib: None,
+        };
+        let batch: Vec<Record> = (18..21)
+            .map(|i| mk(&format!("sb-u{i}"), i, Some("key_u1")))
+            .collect();
+        let items: Vec<InsertItem> = batch.iter().map(|x| (x, None, Some(&tight))).collect();
+        let out = r.insert_many(&items, None).await.unwrap();
+        let n: Vec<bool> = out
+            .iter()
+            .map(|o| matches!(o, Ok(KeyOutcome::Inserted)))
+            .collect();
+        assert_eq!(n, [true, true, false], "key_u1 had 6, quota 8");
+        check("a batch insert with a quota").await;
+        // Into deleting: one, then several of every tenant, one claimed by its releaser.
+        assert!(r
+            .transition("sb-u0", &[SandboxState::Creating], SandboxState::Deleting)
+            .await
+            .unwrap());
+        check("a state change to deleting").await;
+        let ids: Vec<String> = (6..12).map(|i| format!("sb-u{i}")).collect();
+        let moved = r
+            .transition_many(
+                &ids,
+                &[SandboxState::Creating],
+                SandboxState::Deleting,
+                Some("srv-u"),
+            )
+            .await
+            .unwrap();
+        assert!(moved.iter().all(|m| *m));
+        assert!(r
+            .transition_release(
+                "sb-u12",
+                &[SandboxState::Creating],
+                SandboxState::Deleting,
+                "srv-u"
+            )
+            .await
+            .unwrap());
+        check("bulk state changes to deleting").await;
+        // Out of deleting again, and changes that do not move a record in or out.
+        assert!(r
+            .transition("sb-u6", &[SandboxState::Deleting], SandboxState::Running)
+            .await
+            .unwrap());
+        let ids: Vec<String> = ["sb-u7", "sb-u8"].map(String::from).to_vec();
+        let back = r
+            .transition_many(&ids, &[SandboxState::Deleting], SandboxState::Running, None)
+            .await
+            .unwrap();
+        assert_eq!(back, [true, true]);
+        assert!(r
+            .transition("sb-u1", &[SandboxState::Creating], SandboxState::Running)
+            .await
+            .unwrap());
+        assert!(!r.mark_node_lost("n1").await.unwrap().is_empty());
+        check("state changes out of deleting and between live states").await;
+        // Removals: a deleting record (counted nothing) and live ones.
+        assert!(r.remove("sb-u9").await.unwrap());
+        assert!(r.remove("sb-u2").await.unwrap());
+        assert!(r.remove("sb-u6").await.unwrap());
+        check("removals").await;
+        // The quota reads the kept usage: key_u1 now holds 4 (sb-u3, 15, 18, 19), so a
+        // quota of 5 admits one more.
+        let five = Quota {
+            max_sandboxes: Some(5),
+            ..tight
+        };
+        let last = |id: &str, i| mk(id, i, Some("key_u1"));
+        assert_eq!(
+            r.insert_checked(&last("sb-u30", 30), None, Some(&five))
+                .await
+                .unwrap(),
+            KeyOutcome::Inserted
+        );
+        assert!(matches!(
+            r.insert_checked(&last("sb-u31", 31), None, Some(&five))
+                .await
+                .unwrap(),
+            KeyOutcome::OverQuota(_)
+        ));
+        check("the last slot").await;
+    }
+
+    /// [`UsageProbe`] of a SQLite store.
+    fn sqlite_usage(s: &Arc<Store>) -> impl Fn() -> futures::future::BoxFuture<'static, Usage> {
+        let s = s.clone();
+        move || {
+            let s = s.clone();
+            Box::pin(async move { crate::store::read_tenant_usage(&s.conn()).unwrap() })
+        }
+    }
+
+    /// [`UsageProbe`] of a PostgreSQL database.
+    fn pg_usage(pool: &Pool) -> impl Fn() -> futures::future::BoxFuture<'static, Usage> {
+        let pool = pool.clone();
+        move || {
+            let pool = pool.clone();
+            Box::pin(async move {
+                let c = pool.get().await.unwrap();
+                c.query(
+                    "SELECT tenant, n, mcpu, mem FROM tenant_usage
+                     WHERE n != 0 OR mcpu != 0 OR mem != 0",
+                    &[],
+                )
+                .await
+                .unwrap()
+                .iter()
+                .map(|r| (r.get(0), (r.get(1), r.get(2), r.get(3))))
+                .collect()
+            })
+        }
+    }
+
     async fn contract_quota(r: &dyn Registry) {
         let q = Quota {
             max_sandboxes: Some(2),
@@ -2988,6 +3193,8 @@ mod tests {
         contract_list_page_and_summary(&*s).await;
         let (_d, s) = sqlite("bulk");
         contract_bulk(&*s).await;
+        let (_d, s) = sqlite("usage");
+        contract_usage(&*s, &sqlite_usage(&s)).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -3040,6 +3247,11 @@ mod tests {
             return;
         };
         contract_bulk(&*r[0]).await;
+        let Some(url) = crate::pg::testing::fresh_database("pg_contract_usage").await else {
+            return;
+        };
+        let pool = crate::pg::connect(&url, 2).await.unwrap();
+        contract_usage(&PgRegistry::new(pool.clone()), &pg_usage(&pool)).await;
     }
 
     /// A test fake: the SQLite [`Store`] behind the trait's DEFAULT `insert_many` (every

@@ -291,6 +291,7 @@ impl Store {
             )
             .map_err(open_err)?;
         }
+        create_tenant_usage(&conn).map_err(open_err)?;
         Ok(Store {
             conn: Arc::new(Mutex::new(conn)),
             group: OnceLock::new(),
@@ -874,6 +875,81 @@ fn key_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<KeyRow> {
     })
 }
 
+/// Creates, on a database without it, the per-tenant usage table (issue 22): the count,
+/// cpu (millicores, rounded per sandbox, so sums stay exact) and memory (MiB) of each
+/// tenant's sandboxes in any state but `deleting` (`tenant` '' for none: authentication
+/// off; tenant ids are `key_…`), filled from the existing rows and kept exact by triggers
+/// on `sandboxes`, all in one transaction. A quota check reads its tenant's one row
+/// instead of summing its sandboxes.
+fn create_tenant_usage(conn: &Connection) -> rusqlite::Result<()> {
+    // A spec's (`spec`: its column) cpu in millicores and memory in MiB, as counted.
+    let mcpu = |spec: &str| {
+        format!("CAST(round(COALESCE(json_extract({spec}, '$.cpu'), 0) * 1000) AS INTEGER)")
+    };
+    let mem = |spec: &str| format!("COALESCE(json_extract({spec}, '$.memory_mib'), 0)");
+    let (new_cpu, new_mem) = (mcpu("NEW.spec"), mem("NEW.spec"));
+    let (old_cpu, old_mem) = (mcpu("OLD.spec"), mem("OLD.spec"));
+    let (all_cpu, all_mem) = (mcpu("spec"), mem("spec"));
+    // Adds NEW to its tenant's row when NEW counts.
+    let add = format!(
+        "INSERT INTO tenant_usage (tenant, n, mcpu, mem)
+           SELECT COALESCE(NEW.tenant, ''), 1, {new_cpu}, {new_mem} WHERE NEW.state != 'deleting'
+           ON CONFLICT (tenant) DO UPDATE SET n = n + 1, mcpu = mcpu + excluded.mcpu,
+             mem = mem + excluded.mem;"
+    );
+    // Takes OLD from its tenant's row when OLD counted.
+    let sub = format!(
+        "UPDATE tenant_usage SET n = n - 1, mcpu = mcpu - {old_cpu}, mem = mem - {old_mem}
+           WHERE tenant = COALESCE(OLD.tenant, '') AND OLD.state != 'deleting';"
+    );
+    conn.execute_batch("BEGIN IMMEDIATE")?;
+    let made = (|| {
+        let exists = conn
+            .prepare("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'tenant_usage'")?
+            .exists([])?;
+        if exists {
+            return Ok(());
+        }
+        conn.execute_batch(&format!(
+            "CREATE TABLE tenant_usage (
+                tenant TEXT PRIMARY KEY, n INTEGER NOT NULL DEFAULT 0,
+                mcpu INTEGER NOT NULL DEFAULT 0, mem INTEGER NOT NULL DEFAULT 0);
+             INSERT INTO tenant_usage (tenant, n, mcpu, mem)
+               SELECT COALESCE(tenant, ''), COUNT(*), SUM({all_cpu}), SUM({all_mem})
+               FROM sandboxes WHERE state != 'deleting' GROUP BY 1;
+             CREATE TRIGGER sandboxes_usage_insert AFTER INSERT ON sandboxes
+               BEGIN {add} END;
+             CREATE TRIGGER sandboxes_usage_delete AFTER DELETE ON sandboxes
+               BEGIN {sub} END;
+             CREATE TRIGGER sandboxes_usage_update AFTER UPDATE OF state, tenant, spec
+               ON sandboxes
+               WHEN (OLD.state = 'deleting') != (NEW.state = 'deleting')
+                 OR OLD.tenant IS NOT NEW.tenant OR OLD.spec != NEW.spec
+               BEGIN {sub} {add} END;"
+        ))
+    })();
+    match made {
+        Ok(()) => conn.execute_batch("COMMIT"),
+        Err(e) => {
+            let _ = conn.execute_batch("ROLLBACK");
+            Err(e)
+        }
+    }
+}
+
+/// The rows of `tenant_usage` ([`create_tenant_usage`]) that count anything: tenant ('' for
+/// none) → (sandboxes, millicores, MiB). For tests.
+#[cfg(test)]
+pub(crate) fn read_tenant_usage(
+    c: &Connection,
+) -> rusqlite::Result<BTreeMap<String, (i64, i64, i64)>> {
+    let mut st = c.prepare(
+        "SELECT tenant, n, mcpu, mem FROM tenant_usage WHERE n != 0 OR mcpu != 0 OR mem != 0",
+    )?;
+    let rows = st.query_map([], |r| Ok((r.get(0)?, (r.get(1)?, r.get(2)?, r.get(3)?))))?;
+    rows.collect()
+}
+
 /// Which limit of `q` a new sandbox of `spec` would pass, given the tenant's current
 /// `n` sandboxes, `cpu` cores and `mem` MiB; `None` when it fits.
 pub(crate) fn over_quota(q: &Quota, n: u64, cpu: f64, mem: u64, spec: &SpecJson) -> Option<String> {
@@ -1362,16 +1438,17 @@ fn insert_body(
         .map_err(sql("insert idempotency key"))?;
     }
     if let Some(q) = quota {
-        let (n, cpu, mem): (i64, f64, i64) = tx
-            .query_row(
-                "SELECT COUNT(*), COALESCE(SUM(json_extract(spec, '$.cpu')), 0.0),
-                    COALESCE(SUM(json_extract(spec, '$.memory_mib')), 0)
-                 FROM sandboxes WHERE tenant IS ?1 AND state != 'deleting'",
-                [&rec.tenant],
-                |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
-            )
-            .map_err(sql("sum tenant usage"))?;
-        if let Some(msg) = over_quota(q, n as u64, cpu, mem as u64, &rec.spec) {
+        // The tenant's one row of `tenant_usage` ([`create_tenant_usage`]); none: unused.
+        let (n, mcpu, mem): (i64, i64, i64) = tx
+            .prepare_cached("SELECT n, mcpu, mem FROM tenant_usage WHERE tenant = COALESCE(?1, '')")
+            .and_then(|mut st| {
+                st.query_row([&rec.tenant], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
+                    .optional()
+            })
+            .map_err(sql("read tenant usage"))?
+            .unwrap_or((0, 0, 0));
+        let cpu = mcpu as f64 / 1000.0;
+        if let Some(msg) = over_quota(q, n.max(0) as u64, cpu, mem.max(0) as u64, &rec.spec) {
             return Ok(KeyOutcome::OverQuota(msg));
         }
     }
@@ -1444,6 +1521,70 @@ mod tests {
             .unwrap();
         let path = dir.path().join("sandlot.db");
         (dir, path)
+    }
+
+    /// A database of a version before `tenant_usage` (issue 22; its rows written without
+    /// the table and triggers) gets the table on open, filled from its rows (those in
+    /// `deleting` not counted; cpu in millicores), and the triggers keep it from then on.
+    #[test]
+    fn tenant_usage_is_backfilled_on_open() {
+        let (_tmp, path) = tmpdb("usage-backfill");
+        let mk = |id: &str, cpu: f64, mem: u64, tenant: Option<&str>| {
+            let mut x = rec(id, 1, None);
+            x.spec.cpu = cpu;
+            x.spec.memory_mib = mem;
+            x.tenant = tenant.map(str::to_owned);
+            x
+        };
+        {
+            let s = Store::open(&path).unwrap();
+            // What an older version's database looks like: no table, no triggers.
+            s.conn()
+                .execute_batch(
+                    "DROP TRIGGER sandboxes_usage_insert; DROP TRIGGER sandboxes_usage_delete;
+                     DROP TRIGGER sandboxes_usage_update; DROP TABLE tenant_usage;",
+                )
+                .unwrap();
+            for x in [
+                mk("sb-1", 0.1, 100, Some("key_a")),
+                mk("sb-2", 0.2, 200, Some("key_a")),
+                mk("sb-3", 1.5, 300, Some("key_a")),
+                mk("sb-4", 0.25, 50, None),
+                mk("sb-5", 2.0, 1000, Some("key_b")),
+            ] {
+                assert_eq!(s.insert_with_key(&x, None).unwrap(), KeyOutcome::Inserted);
+            }
+            assert!(s
+                .transition("sb-3", &[SandboxState::Creating], SandboxState::Deleting)
+                .unwrap());
+            assert!(s
+                .transition("sb-5", &[SandboxState::Creating], SandboxState::Deleting)
+                .unwrap());
+        }
+        let s = Store::open(&path).unwrap();
+        let want = |v: &[(&str, (i64, i64, i64))]| {
+            v.iter()
+                .map(|(t, u)| (t.to_string(), *u))
+                .collect::<BTreeMap<_, _>>()
+        };
+        assert_eq!(
+            read_tenant_usage(&s.conn()).unwrap(),
+            want(&[("", (1, 250, 50)), ("key_a", (2, 300, 300))])
+        );
+        // Kept from now on; a second open changes nothing.
+        assert!(s
+            .transition("sb-5", &[SandboxState::Deleting], SandboxState::Running)
+            .unwrap());
+        drop(s);
+        let s = Store::open(&path).unwrap();
+        assert_eq!(
+            read_tenant_usage(&s.conn()).unwrap(),
+            want(&[
+                ("", (1, 250, 50)),
+                ("key_a", (2, 300, 300)),
+                ("key_b", (1, 2000, 1000))
+            ])
+        );
     }
 
     #[test]
