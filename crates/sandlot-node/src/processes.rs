@@ -890,7 +890,14 @@ impl ProcessTable {
                 .checked_add(1)
                 .unwrap_or(sandlot_api::FIRST_PROCESS_NUMBER);
         }
-        sb.list.push(p.clone());
+        if new_process {
+            sb.list.push(p.clone());
+        } else {
+            // A re-found one goes where its number puts it: two re-finds running at once
+            // (at start and after a resume) may take a sandbox's processes up out of order.
+            let at = sb.list.iter().position(|q| q.number > p.number);
+            sb.list.insert(at.unwrap_or(sb.list.len()), p.clone());
+        }
         Ok(p)
     }
 

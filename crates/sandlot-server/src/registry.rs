@@ -17,7 +17,7 @@
 //! - quotas: each tenant's usage (count, cpu, memory of its sandboxes in any state but
 //!   `deleting`) is one row of `tenant_usage`, kept exact by triggers on `sandboxes`
 //!   (`migrations/pg/V9__tenant_usage.sql`); a group transaction first locks the rows of
-//!   the tenants it writes for (`FOR UPDATE`, sorted: [`LOCK_USAGE_SQL`]), then a quota
+//!   the tenants it writes for (`FOR UPDATE`, sorted: `LOCK_USAGE_SQL`), then a quota
 //!   check reads its tenant's row (O(1), no scan of its sandboxes); creates of one tenant
 //!   serialise on that lock, so two servers cannot both admit the last slot.
 use crate::checkpoints::CheckpointRow;
