@@ -698,17 +698,7 @@ impl AgentClient {
         })
         .expect("SignalRequest serialises");
         let resp = self.call(Method::POST, PATH_SIGNAL, body.into()).await?;
-        match resp.status() {
-            StatusCode::NO_CONTENT | StatusCode::NOT_FOUND => Ok(()),
-            status => {
-                let text = error_text(resp).await;
-                Err(agent_err(
-                    &self.socket,
-                    "signal",
-                    format!("{status}: {text}"),
-                ))
-            }
-        }
+        self.no_content(resp, "signal", true).await
     }
 }
 
@@ -785,17 +775,7 @@ impl AgentClient {
             let resp = self
                 .call(Method::POST, PATH_EXEC_FORGET, body.into())
                 .await?;
-            match resp.status() {
-                StatusCode::NO_CONTENT | StatusCode::NOT_FOUND => Ok(()),
-                status => {
-                    let text = error_text(resp).await;
-                    Err(agent_err(
-                        &self.socket,
-                        "forget",
-                        format!("{status}: {text}"),
-                    ))
-                }
-            }
+            self.no_content(resp, "forget", true).await
         };
         tokio::time::timeout(EXECS_TIMEOUT, call)
             .await

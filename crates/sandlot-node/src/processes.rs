@@ -1460,6 +1460,22 @@ impl Node for WithProcesses {
 mod tests {
     use super::*;
 
+    /// A small `function` sandbox `id` for the fake node.
+    fn function_spec(id: &str) -> sandlot_node_api::SandboxSpec {
+        sandlot_node_api::SandboxSpec {
+            id: id.into(),
+            backend: sandlot_api::Backend::Function,
+            image: "python".into(),
+            cpu: 1.0,
+            memory_mib: 256,
+            disk_mib: 256,
+            pids_max: 64,
+            env: Default::default(),
+            network: sandlot_api::NetworkPolicy::None,
+            runtime: None,
+        }
+    }
+
     fn log_of(cap: usize, chunks: &[&[u8]]) -> OutputLog {
         let mut l = OutputLog::new(cap, &std::env::temp_dir()).unwrap();
         for c in chunks {
@@ -1839,7 +1855,6 @@ mod tests {
     #[tokio::test]
     async fn numbers_go_past_the_agents_highest_and_gone_records_are_forgotten_there() {
         use sandlot_node_api::fake::FakeNode;
-        use sandlot_node_api::SandboxSpec;
         let dir = tempfile::tempdir().unwrap();
         let fake = Arc::new(FakeNode::default());
         *fake.agent_max_number.lock().unwrap() = Some(1007);
@@ -1849,20 +1864,7 @@ mod tests {
         };
         let table = ProcessTable::new(fake.clone(), limits, dir.path().into()).unwrap();
         let sb = "sb-0123456789abcdef0123";
-        fake.create(&SandboxSpec {
-            id: sb.into(),
-            backend: sandlot_api::Backend::Function,
-            image: "python".into(),
-            cpu: 1.0,
-            memory_mib: 256,
-            disk_mib: 256,
-            pids_max: 64,
-            env: Default::default(),
-            network: sandlot_api::NetworkPolicy::None,
-            runtime: None,
-        })
-        .await
-        .unwrap();
+        fake.create(&function_spec(sb)).await.unwrap();
         assert_eq!(table.refind(sb).await, 0);
         let echo = || SpawnRequest {
             cmd: Cmd::Argv(vec!["echo".into(), "hi".into()]),
@@ -1902,25 +1904,12 @@ mod tests {
     #[tokio::test]
     async fn with_processes_serves_the_process_calls_and_forgets_deleted_sandboxes() {
         use sandlot_node_api::fake::FakeNode;
-        use sandlot_node_api::{OutputCursor, SandboxSpec};
+        use sandlot_node_api::OutputCursor;
         let dir = tempfile::tempdir().unwrap();
         let node =
             WithProcesses::new(Arc::new(FakeNode::default()), dir.path().join("spill")).unwrap();
         let id = "sb-0123456789abcdef0123";
-        node.create(&SandboxSpec {
-            id: id.into(),
-            backend: sandlot_api::Backend::Function,
-            image: "python".into(),
-            cpu: 1.0,
-            memory_mib: 256,
-            disk_mib: 256,
-            pids_max: 64,
-            env: Default::default(),
-            network: sandlot_api::NetworkPolicy::None,
-            runtime: None,
-        })
-        .await
-        .unwrap();
+        node.create(&function_spec(id)).await.unwrap();
         let spawn = |argv: &[&str]| SpawnRequest {
             cmd: Cmd::Argv(argv.iter().map(|s| s.to_string()).collect()),
             ..serde_json::from_str("{\"cmd\": \"x\"}").unwrap()
