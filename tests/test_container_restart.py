@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from pathlib import Path
@@ -712,6 +713,42 @@ def test_kill9_keeps_read_ends_and_deleted_numbers(node, client, baseline):
         new = box.spawn("echo new")
         assert new.wait(timeout=30).stdout == b"new\n"
         assert wire_processes()[new.id]["number"] == 1003, wire_processes()
+    finally:
+        box.delete()
+    assert_nothing_left(node, baseline, "deleting the container")
+
+
+def test_kill9_while_paused_keeps_numbers_after_resume(node, client, baseline):
+    """A sandbox paused across a kill -9 of the server: its frozen agent is asked for its
+    processes when it is resumed, before the resume answers, so a spawn right after the
+    resume is numbered past them and the old ones keep their numbers (a spawn racing the
+    re-find took number 1000 again and the old process moved to 1002; found by a breaker)."""
+    label = uuid.uuid4().hex[:12]
+    box = client.create(backend="container", runtime="runc", image=IMAGE, memory_mib=64,
+                        ttl_s=600, labels={"pk": label})
+
+    def wire_processes() -> Dict[str, dict]:
+        resp = box._client._request("GET", box._path("/processes"))
+        return {d["id"]: d for d in resp.json()["processes"]}
+
+    try:
+        ended = box.spawn("exit 6")
+        assert ended.wait(timeout=30).exit_code == 6
+        running = box.spawn("sleep 300")
+        before = {i: d["number"] for i, d in wire_processes().items()}
+        assert before == {ended.id: 1000, running.id: 1001}, before
+        assert client.pause({"pk": label}) == [box.id]
+        node.kill()
+        node.start()
+        assert client.resume({"pk": label}) == [box.id]
+        new = box.spawn("echo new")
+        procs = wire_processes()
+        numbers = {i: d["number"] for i, d in procs.items()}
+        assert numbers == {**before, new.id: 1002}, numbers
+        assert procs[ended.id]["state"] == "exited", procs[ended.id]
+        assert procs[ended.id]["result"]["exit_code"] == 6, procs[ended.id]
+        assert procs[running.id]["state"] == "running", procs[running.id]
+        assert new.wait(timeout=30).stdout == b"new\n"
     finally:
         box.delete()
     assert_nothing_left(node, baseline, "deleting the container")

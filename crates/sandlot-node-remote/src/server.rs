@@ -315,8 +315,8 @@ pub async fn serve(listener: tokio::net::TcpListener, app: Router) -> std::io::R
     serve_with(listener, app, None).await
 }
 
-/// [`serve`] over TLS: every connection first completes a TLS handshake with `tls` (see
-/// [`tls_acceptor`]), then speaks HTTP/1.1 or HTTP/2 inside it as [`serve`]'s do (the
+/// [`serve`] over TLS (1.2: native-tls's server side turns 1.3 off): every connection
+/// first completes a TLS handshake with `tls` (see [`tls_acceptor`]), then speaks HTTP/1.1 or HTTP/2 inside it as [`serve`]'s do (the
 /// client sends the HTTP/2 preface: no ALPN is needed). The handshake counts toward the
 /// connection's [`AUTH_DEADLINE`]; a failed one closes the connection (logged at debug).
 ///
@@ -338,7 +338,8 @@ pub async fn serve_tls(
 ///
 /// # Errors
 /// A message naming what did not parse or match (no PEM certificate or key, the key not
-/// PKCS#8, a key that is not the first certificate's).
+/// PKCS#8 or encrypted, a key that is not the first certificate's). A certificate not
+/// valid now is only logged (a warning).
 pub fn tls_acceptor(
     cert_pem: &[u8],
     key_pem: &[u8],
@@ -348,8 +349,20 @@ pub fn tls_acceptor(
     // fail instead): checked here with OpenSSL, its library on Linux.
     let cert = openssl::x509::X509::from_pem(cert_pem)
         .map_err(|e| format!("node TLS certificate (PEM): {e}"))?;
-    let key = openssl::pkey::PKey::private_key_from_pem(key_pem)
+    if key_pem
+        .windows(b"ENCRYPTED".len())
+        .any(|w| w == b"ENCRYPTED")
+    {
+        return Err("node TLS key is encrypted, which is not supported: decrypt it (`openssl pkey -in KEY -out PLAIN.key`) and keep it readable by root only".into());
+    }
+    // A callback that gives no passphrase: OpenSSL's default would prompt on a terminal.
+    let key = openssl::pkey::PKey::private_key_from_pem_callback(key_pem, |_| Ok(0))
         .map_err(|e| format!("node TLS key (PEM): {e}"))?;
+    let now = openssl::asn1::Asn1Time::days_from_now(0)
+        .map_err(|e| format!("node TLS: the clock: {e}"))?;
+    if cert.not_after() < now || cert.not_before() > now {
+        tracing::warn!(not_before = %cert.not_before(), not_after = %cert.not_after(), "node TLS certificate is not valid now: servers will refuse it");
+    }
     let public = cert
         .public_key()
         .map_err(|e| format!("node TLS certificate's public key: {e}"))?;
@@ -359,7 +372,7 @@ pub fn tls_acceptor(
         );
     }
     let id = native_tls::Identity::from_pkcs8(cert_pem, key_pem).map_err(|e| {
-        format!("node TLS certificate and key (PEM certificate chain, PKCS#8 PEM key): {e}")
+        format!("node TLS certificate and key (PEM certificate chain, PKCS#8 PEM key; `openssl pkcs8 -topk8 -nocrypt` converts others): {e}")
     })?;
     let acceptor = native_tls::TlsAcceptor::builder(id)
         .min_protocol_version(Some(native_tls::Protocol::Tlsv12))

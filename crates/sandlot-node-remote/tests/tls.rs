@@ -124,6 +124,22 @@ async fn untrusted_cleartext_and_silent_clients_get_nothing() {
     let cert_pem = std::fs::read(&cert).unwrap();
     assert!(tls_acceptor(&cert_pem, &std::fs::read(other.join("node.key")).unwrap()).is_err());
     assert!(tls_acceptor(b"junk", b"junk").is_err());
+    // An encrypted key is refused with a message (OpenSSL's default would prompt for a
+    // passphrase on a terminal).
+    let enc = tmp.path().join("enc.key");
+    let out = std::process::Command::new("openssl")
+        .args(["pkcs8", "-topk8", "-passout", "pass:secret", "-in"])
+        .arg(&key)
+        .arg("-out")
+        .arg(&enc)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let e = tls_acceptor(&cert_pem, &std::fs::read(&enc).unwrap()).err();
+    assert!(
+        e.as_deref().is_some_and(|e| e.contains("encrypted")),
+        "{e:?}"
+    );
 
     // A connection that never starts a handshake is closed after AUTH_DEADLINE; the node
     // serves on.

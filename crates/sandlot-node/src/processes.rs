@@ -1256,12 +1256,18 @@ impl WithProcesses {
         &self.table
     }
 
-    /// Re-finds sandbox `id`'s background processes in the background (after a resume: a
-    /// paused sandbox may come from another node, whose execs its agent kept), so the
-    /// resume's latency stays that of the resume.
-    fn refind_later(&self, id: &str) {
-        let (table, id) = (self.table.clone(), id.to_string());
-        tokio::spawn(async move { table.refind(&id).await });
+    /// Re-finds the background processes of sandboxes `ids` (16 agents at a time; each
+    /// call is bounded) before the call that made them reachable answers: a re-adoption at
+    /// start, a resume (a sandbox paused while the node restarted, or one from another
+    /// node, whose agent kept its execs). A spawn right after then numbers past them (one
+    /// made while the re-find still ran took a number in use, found by a breaker) and a
+    /// list shows them all.
+    async fn refind_each(&self, ids: impl IntoIterator<Item = &String>) {
+        let table = &self.table;
+        futures::StreamExt::for_each_concurrent(futures::stream::iter(ids), 16, |id| async move {
+            table.refind(id).await;
+        })
+        .await;
     }
 }
 
@@ -1338,7 +1344,7 @@ impl Node for WithProcesses {
     }
     async fn resume(&self, id: &str) -> NodeResult<()> {
         self.inner.resume(id).await?;
-        self.refind_later(id);
+        self.table.refind(id).await;
         Ok(())
     }
     async fn pause_many(&self, ids: &[String]) -> Vec<NodeResult<()>> {
@@ -1346,17 +1352,18 @@ impl Node for WithProcesses {
     }
     async fn resume_many(&self, ids: &[String]) -> Vec<NodeResult<()>> {
         let res = self.inner.resume_many(ids).await;
-        for (id, r) in ids.iter().zip(&res) {
-            if r.is_ok() {
-                self.refind_later(id);
-            }
-        }
+        let resumed: Vec<&String> = ids
+            .iter()
+            .zip(&res)
+            .filter_map(|(id, r)| r.is_ok().then_some(id))
+            .collect();
+        self.refind_each(resumed).await;
         res
     }
     async fn adopt_snapshot(&self, id: &str) -> NodeResult<()> {
         self.inner.adopt_snapshot(id).await?;
         // The processes the VM ran on its old node (its agent tables them).
-        self.refind_later(id);
+        self.table.refind(id).await;
         Ok(())
     }
     async fn delete(&self, id: &str) -> NodeResult<()> {
@@ -1372,17 +1379,8 @@ impl Node for WithProcesses {
     async fn readopt(&self, keep: &[String]) -> NodeResult<Vec<String>> {
         let adopted = self.inner.readopt(keep).await?;
         self.table.retain_sandboxes(&adopted);
-        // Their background processes, before the server serves them (16 agents at a time;
-        // each call is bounded).
-        let table = &self.table;
-        futures::StreamExt::for_each_concurrent(
-            futures::stream::iter(&adopted),
-            16,
-            |id| async move {
-                table.refind(id).await;
-            },
-        )
-        .await;
+        // Their background processes, before the server serves them.
+        self.refind_each(&adopted).await;
         Ok(adopted)
     }
     async fn checkpoint(

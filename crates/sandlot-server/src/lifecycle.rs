@@ -44,6 +44,12 @@ pub async fn recover(st: &SharedState) -> anyhow::Result<()> {
             } else {
                 tracing::warn!(sandbox_id = %r.id, state = r.state.as_str(), "sandbox not re-adopted; record removed");
             }
+            if r.state == SandboxState::Creating {
+                // A create cut off by the restart failed: as for any failed create, its
+                // Idempotency-Keys are forgotten, so a retry creates anew (kept, the retry
+                // answered 404 "gone" forever).
+                st.store.forget_keys_of(&r.id).await?;
+            }
             st.store.remove(&r.id).await?;
             let mut f = serde_json::Map::new();
             f.insert("state".into(), r.state.as_str().into());

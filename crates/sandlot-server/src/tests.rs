@@ -926,6 +926,45 @@ async fn restart_readopts_running_records() {
 }
 
 #[tokio::test]
+async fn restart_forgets_the_keys_of_creates_it_cut_off() {
+    // A create cut off by a kill -9 (its record still `creating`, nothing on the node)
+    // failed: a retry with its Idempotency-Key creates anew (it answered 404 "gone").
+    let tmp = data_dir("cutcreate");
+    let dir = tmp.path().to_path_buf();
+    let node = Arc::new(FakeNode::default());
+    async fn post(t: &T) -> Resp {
+        let h = [("idempotency-key", "k-cut")];
+        let json = Some("application/json");
+        raw(
+            &t.app,
+            Method::POST,
+            "/v1/sandboxes",
+            json,
+            b"{}".to_vec(),
+            &h,
+        )
+        .await
+    }
+    let first = {
+        let t = open_on(&dir, &node);
+        let r = post(&t).await;
+        assert_eq!(r.status, StatusCode::CREATED);
+        let id = r.json()["id"].as_str().unwrap().to_string();
+        let back = [sandlot_api::SandboxState::Running];
+        let creating = sandlot_api::SandboxState::Creating;
+        assert!(t.st.store.transition(&id, &back, creating).await.unwrap());
+        node.sandboxes.lock().unwrap().remove(&id);
+        id
+    };
+    let t = open_on(&dir, &node);
+    lifecycle::recover(&t.st).await.unwrap();
+    assert!(t.st.store.list().await.unwrap().is_empty());
+    let r = post(&t).await;
+    assert_eq!(r.status, StatusCode::CREATED, "{:?}", r.json());
+    assert_ne!(r.json()["id"].as_str().unwrap(), first);
+}
+
+#[tokio::test]
 async fn restart_deletes_run_code_sandboxes_instead_of_readopting_them() {
     // A run_code call cut off by a crash of the server: nobody can read its answer, so its
     // sandbox (label `sandlot.kind=run_code`) must not live on until its TTL.
