@@ -511,7 +511,9 @@ pub struct ExecControl {
     /// `sandlot_guest::agent_proto::MAX_LABELS_BYTES`) and given back in
     /// [`AgentExec::labels`]: what `sandlot_node::processes` needs to list a re-found
     /// process as it was started (`tag`, `meta`, `number`). Not carried by
-    /// `sandlot-node-remote` (its processes live in the node itself).
+    /// `sandlot-node-remote` (its processes live in the node itself). `None`: nothing will
+    /// forget the exec later ([`Node::agent_forget`]), so the agent is told to forget it
+    /// as soon as its end has been read.
     pub labels: Option<serde_json::Value>,
 }
 

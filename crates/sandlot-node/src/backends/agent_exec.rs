@@ -81,6 +81,9 @@ pub(super) async fn run<G>(
         Some(ctl) => (ctl.stdin, Some(ctl.signals), Some(ctl.handle), ctl.labels),
         None => (None, None, None, None),
     };
+    // A named exec without labels has no process record to forget it later: the agent
+    // forgets it once its end is read (it keeps ended named execs until told).
+    let forget_after = handle.clone().filter(|_| labels.is_none());
     let areq = agent_proto::ExecRequest {
         spec: plan.spec,
         timeout_ms: plan.timeout.as_millis() as u64,
@@ -103,7 +106,14 @@ pub(super) async fn run<G>(
     })??;
     drop(guard);
     let deadline = tokio::time::Instant::now() + plan.timeout + EXEC_GRACE;
-    relay(t, stream, plan.cap, deadline, killed, sink, signals, handle).await
+    let agent = t.agent;
+    let result = relay(t, stream, plan.cap, deadline, killed, sink, signals, handle).await;
+    if let Some(h) = forget_after {
+        if let Err(e) = agent.forget_exec(&h).await {
+            tracing::debug!(sandbox = id, handle = %h, error = %e, "agent did not forget an unlabelled named exec");
+        }
+    }
+    result
 }
 
 /// The background execs sandbox `id`'s guest agent still holds and the highest number it
