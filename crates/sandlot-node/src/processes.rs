@@ -67,6 +67,8 @@ const STDIN_WAIT: Duration = Duration::from_secs(10);
 /// How long removing a process waits for its SIGKILL to take effect before it drops the
 /// exec (which kills the tree too).
 const KILL_WAIT: Duration = Duration::from_secs(5);
+/// How long a re-find waits for the end of a process its agent reports ended to be read.
+const REFOUND_END_WAIT: Duration = Duration::from_secs(5);
 
 /// Per-sandbox bounds of the table.
 #[derive(Debug, Clone, Copy)]
@@ -726,7 +728,8 @@ impl ProcessTable {
     /// [`Node::exec_reattach`]: running ones go on (output from where the agent's ring
     /// starts, signals, wait, kill), ended ones are listed with their result (also those
     /// whose end the previous node had read: the agent keeps them until their record is
-    /// deleted, [`ProcessTable::remove`]). Handles already in the table are left alone.
+    /// deleted, [`ProcessTable::remove`]; the call answers once their ends are read, at
+    /// most 5 s in all). Handles already in the table are left alone.
     /// New processes are numbered past the highest number the agent ever held, so the
     /// numbers of processes deleted before the restart are not given again.
     /// An agent that keeps no table, or that cannot be asked (paused, gone), gives none
@@ -749,6 +752,7 @@ impl ProcessTable {
             }
         }
         let mut found = 0;
+        let mut ended = Vec::new();
         // Listed oldest first, as they were before.
         execs.sort_by_key(|e| e.started_unix_ms);
         for e in execs {
@@ -761,8 +765,14 @@ impl ProcessTable {
             if known {
                 continue;
             }
+            let has_ended = e.exit_code.is_some();
             match self.take_up(sandbox, e) {
-                Ok(()) => found += 1,
+                Ok(proc) => {
+                    found += 1;
+                    if has_ended {
+                        ended.push(proc);
+                    }
+                }
                 // Taken up by a re-find running beside this one.
                 Err(NodeError::Conflict(_)) => {}
                 Err(err) => {
@@ -770,6 +780,10 @@ impl ProcessTable {
                 }
             }
         }
+        // An ended one is listed `running` until its re-attach reads its end (a list right
+        // after a resume showed a process that had exited as running; CI under load): the
+        // re-find answers once those ends are read, each bounded.
+        futures::future::join_all(ended.iter().map(|p| p.wait(REFOUND_END_WAIT))).await;
         if found > 0 {
             tracing::info!(sandbox, found, "background processes re-found");
         }
@@ -777,7 +791,11 @@ impl ProcessTable {
     }
 
     /// Registers one [`crate::node::AgentExec`] and starts its task.
-    fn take_up(&self, sandbox: &str, e: crate::node::AgentExec) -> NodeResult<()> {
+    fn take_up(
+        &self,
+        sandbox: &str,
+        e: crate::node::AgentExec,
+    ) -> NodeResult<Arc<ProcessHandle>> {
         let log = || {
             OutputLog::new(DEFAULT_RETAIN as usize, &self.spill_dir).map_err(|err| {
                 NodeError::ResourceExhausted(format!(
@@ -831,7 +849,7 @@ impl ProcessTable {
             Some(off_rx),
         ));
         *proc.task.lock().unwrap() = Some(task.abort_handle());
-        Ok(())
+        Ok(proc)
     }
 
     /// Adds `proc` under its sandbox, within the limits (`max_running` only when
