@@ -752,9 +752,13 @@ impl ProcessTable {
             }
         }
         let mut found = 0;
-        let mut ended = Vec::new();
         // Listed oldest first, as they were before.
         execs.sort_by_key(|e| e.started_unix_ms);
+        let ended: Vec<String> = execs
+            .iter()
+            .filter(|e| e.exit_code.is_some())
+            .map(|e| e.handle.clone())
+            .collect();
         for e in execs {
             let known = self
                 .by_sandbox
@@ -765,14 +769,8 @@ impl ProcessTable {
             if known {
                 continue;
             }
-            let has_ended = e.exit_code.is_some();
             match self.take_up(sandbox, e) {
-                Ok(proc) => {
-                    found += 1;
-                    if has_ended {
-                        ended.push(proc);
-                    }
-                }
+                Ok(()) => found += 1,
                 // Taken up by a re-find running beside this one.
                 Err(NodeError::Conflict(_)) => {}
                 Err(err) => {
@@ -782,7 +780,12 @@ impl ProcessTable {
         }
         // An ended one is listed `running` until its re-attach reads its end (a list right
         // after a resume showed a process that had exited as running; CI under load): the
-        // re-find answers once those ends are read, each bounded.
+        // re-find answers once those ends are read, whichever re-find took them up (one at
+        // start may still run when the resume thaws the agent it waited for).
+        let ended: Vec<_> = ended
+            .iter()
+            .filter_map(|h| self.get(sandbox, h).ok())
+            .collect();
         futures::future::join_all(ended.iter().map(|p| p.wait(REFOUND_END_WAIT))).await;
         if found > 0 {
             tracing::info!(sandbox, found, "background processes re-found");
@@ -791,11 +794,7 @@ impl ProcessTable {
     }
 
     /// Registers one [`crate::node::AgentExec`] and starts its task.
-    fn take_up(
-        &self,
-        sandbox: &str,
-        e: crate::node::AgentExec,
-    ) -> NodeResult<Arc<ProcessHandle>> {
+    fn take_up(&self, sandbox: &str, e: crate::node::AgentExec) -> NodeResult<()> {
         let log = || {
             OutputLog::new(DEFAULT_RETAIN as usize, &self.spill_dir).map_err(|err| {
                 NodeError::ResourceExhausted(format!(
@@ -849,7 +848,7 @@ impl ProcessTable {
             Some(off_rx),
         ));
         *proc.task.lock().unwrap() = Some(task.abort_handle());
-        Ok(proc)
+        Ok(())
     }
 
     /// Adds `proc` under its sandbox, within the limits (`max_running` only when

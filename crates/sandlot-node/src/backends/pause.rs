@@ -14,6 +14,10 @@ use tokio::sync::RwLock;
 /// How long freezing a sandbox's cgroup may take (pause).
 pub(crate) const FREEZE_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// How long a pause waits for the set-ups of execs and file calls already past their
+/// `paused` check (see [`freeze`]).
+const SETUP_WAIT: Duration = Duration::from_secs(10);
+
 /// `Conflict` ("sandbox is paused") while `paused` is set: exec and file calls of every
 /// backend that pauses by freezing its cgroup.
 pub(crate) fn check_not_paused(paused: &AtomicBool, id: &str) -> NodeResult<()> {
@@ -37,7 +41,9 @@ pub(crate) fn check_live(id: &str, deleting: bool, paused: &AtomicBool) -> NodeR
 
 /// Pause by freezing `group` (see [`super::SandboxBackend::pause`]), under the read side of the
 /// sandbox's lifecycle lock `deleting` (no delete runs meanwhile). `paused` is set first,
-/// so no new exec starts while the freeze is in progress, and cleared again if it fails.
+/// so no new exec starts while the freeze is in progress; then the set-ups of execs and
+/// file calls already past that check are waited for (the write side, at most 10 s), so
+/// a frozen sandbox holds no half-sent exec; `paused` is cleared again if the freeze fails.
 pub(crate) async fn freeze(
     id: &str,
     backend: &str,
@@ -45,14 +51,31 @@ pub(crate) async fn freeze(
     paused: &AtomicBool,
     group: &Cgroup,
 ) -> NodeResult<()> {
-    let guard = deleting.read().await;
+    if *deleting.read().await {
+        return Err(NodeError::NotFound(format!(
+            "sandbox {id} is being deleted"
+        )));
+    }
+    paused.store(true, Ordering::SeqCst);
+    // An exec that passed its `paused` check before it was set holds the read side until
+    // its set-up is done (an agent-backed one: until the agent answered, i.e. the exec is
+    // in the agent's table). Wait for those: an exec sent to an agent frozen before it read
+    // the request was registered only after the resume, after a node restart's re-find had
+    // listed the agent's execs, so it was missing and its number given again (CI).
+    let guard = match tokio::time::timeout(SETUP_WAIT, deleting.write()).await {
+        Ok(w) => w.downgrade(),
+        Err(_) => {
+            tracing::warn!(sandbox = %id, "pausing with an exec or file call still in its set-up after 10 s");
+            deleting.read().await
+        }
+    };
     if *guard {
+        paused.store(false, Ordering::SeqCst);
         return Err(NodeError::NotFound(format!(
             "sandbox {id} is being deleted"
         )));
     }
     let _freezer = crate::checkpoints::FREEZER.lock().await;
-    paused.store(true, Ordering::SeqCst);
     let g = group.clone();
     let res = spawn_blocking(move || Ok(g.freeze(Instant::now() + FREEZE_TIMEOUT)?)).await;
     if res.is_err() {
