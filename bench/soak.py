@@ -9,7 +9,8 @@ Usage (root, on the host; starts its own `sandlot up` on 127.0.0.1 with a tmpfs 
 `tests/test_soak.py` runs it for ~2.5 minutes in CI.
 
 Load (threads, each its own client, until the end):
-  - `good`: a well-behaved client, `exec ["true"]` in its own function sandbox; its latency
+  - `good`: a well-behaved client in its own process (not sharing the load's GIL),
+    `exec ["true"]` in its own function sandbox; its latency
     alone first (`--quiet-s`, the quiet p50/p99), then under load (loaded p50/p99).
   - `churn` x2: create (function, runc container with disk_mib 256, and every third a
     sandbox bound to a trajectory), exec, upload 1 MiB, read it back, delete.
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing as mp
 import os
 import resource
 import signal
@@ -103,7 +105,9 @@ class Soak:
                           args=["--warm-pool", "1", "--container-warm-pool", "1",
                                 "--exec-output-budget-mib", str(EXEC_BUDGET_MIB)])
         self.stop = threading.Event()
-        self.down = threading.Event()  # set while the server is being killed/restarted
+        # Set while the server is being killed/restarted; read by the good client's process.
+        self.down = mp.get_context("spawn").Event()
+        self.good_stop = mp.get_context("spawn").Event()
         self.lock = threading.Lock()
         self.ops: Counter = Counter()
         self.errors: Counter = Counter()
@@ -152,26 +156,32 @@ class Soak:
 
     # -- workers -------------------------------------------------------------------------
     def good_client(self, box_id: str) -> threading.Thread:
-        def run() -> None:
-            c = self.client()
-            box = c.get(box_id)
-            try:
-                while not self.stop.is_set():
-                    phase = "quiet" if self.now() < self.quiet_s else "loaded"
-                    t = time.monotonic()
-                    try:
-                        r = box.exec(["true"], timeout_s=30)
-                        assert r.exit_code == 0, r
-                        with self.lock:
-                            self.good.append((self.now(), time.monotonic() - t, phase))
-                        self.count("good")
-                    except Exception as e:  # noqa: BLE001
-                        self.count("good", e)
-                        self.stop.wait(0.5)
-                    self.stop.wait(0.1)
-            finally:
-                c.close()
-        t = threading.Thread(target=run, name="good", daemon=True)
+        """Starts the well-behaved client in its own process (`_good_loop`: a thread here
+        measured this process's GIL, held by the load's threads decoding 16 MiB answers,
+        as much as the server) and returns the thread that gathers its calls."""
+        ctx = mp.get_context("spawn")
+        out = ctx.Queue()
+        proc = ctx.Process(target=_good_loop, name="good", daemon=True,
+                           args=(self.srv.url, box_id, self.t0 + self.quiet_s,
+                                 self.good_stop, self.down, out))
+        proc.start()
+
+        def gather() -> None:
+            while True:
+                item = out.get()
+                if item is None:
+                    break
+                kind, t, value, phase = item
+                if kind == "ok":
+                    with self.lock:
+                        self.good.append((round(t - self.t0, 2), value, phase))
+                        self.ops["good"] += 1
+                else:
+                    with self.lock:
+                        self.errors[value] += 1
+            proc.join(timeout=30)
+
+        t = threading.Thread(target=gather, name="good", daemon=True)
         t.start()
         return t
 
@@ -398,6 +408,7 @@ class Soak:
             self.stop.wait(max(0.0, self.t0 + self.duration_s - time.monotonic()))
         finally:
             self.stop.set()
+            self.good_stop.set()
             for t in threads:
                 t.join(timeout=150)
             result["threads_stuck"] = [t.name for t in threads if t.is_alive()]
@@ -440,6 +451,33 @@ class Soak:
         q, lp = result["good_exec_ms"]["quiet_p99"], result["good_exec_ms"]["loaded_p99"]
         result["good_exec_ms"]["p99_ratio"] = round(lp / q, 1) if q and lp else None
         return result
+
+
+def _good_loop(url: str, box_id: str, quiet_until: float, stop: Any, down: Any,
+               out: Any) -> None:
+    """The well-behaved client (run in its own process): `exec ["true"]` in sandbox
+    `box_id` every 0.1 s until `stop` is set; puts `("ok", started, seconds, phase)` or
+    `("err", started, "good:<code>[:during_restart]", phase)` on `out` (monotonic clock,
+    shared by processes on Linux; phase `quiet` before `quiet_until`), then `None`."""
+    c = sandlot.Client(url, timeout=120, retries=2)
+    try:
+        box = c.get(box_id)
+        while not stop.is_set():
+            t = time.monotonic()
+            phase = "quiet" if t < quiet_until else "loaded"
+            try:
+                r = box.exec(["true"], timeout_s=30)
+                assert r.exit_code == 0, r
+                out.put(("ok", t, time.monotonic() - t, phase))
+            except Exception as e:  # noqa: BLE001 -- counted, the soak goes on
+                code = getattr(e, "code", type(e).__name__)
+                during = ":during_restart" if down.is_set() else ""
+                out.put(("err", t, f"good:{code}{during}", phase))
+                stop.wait(0.5)
+            stop.wait(0.1)
+    finally:
+        c.close()
+        out.put(None)
 
 
 def _alive(s: socket.socket) -> bool:
