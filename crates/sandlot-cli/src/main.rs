@@ -135,7 +135,8 @@ struct NodeArgs {
     /// Address to listen on (HOST:PORT; port 0 picks a free one).
     #[arg(long, required_unless_present = "simulate")]
     listen: Option<SocketAddr>,
-    /// Data directory (sandbox state, checkpoints, images).
+    /// Data directory (sandbox state, checkpoints, images). One node per directory: a node
+    /// already running on it (`DATA/node.lock` held) is waited for 10 s, then this start fails.
     #[arg(long, env = "SANDLOT_DATA_DIR", required_unless_present = "simulate")]
     data_dir: Option<PathBuf>,
     /// Image store directory [default: DATA/images].
@@ -231,7 +232,9 @@ struct ServerArgs {
     /// Address to listen on (HOST:PORT; port 0 picks a free one).
     #[arg(long, default_value = "127.0.0.1:7070")]
     listen: SocketAddr,
-    /// Data directory of the server's own state (sandlot.db, trajectory log, events).
+    /// Data directory of the server's own state (sandlot.db, trajectory log, events). Without
+    /// --postgres one server per directory: one already running on it (`DATA/server.lock`
+    /// held) is waited for 10 s, then this start fails.
     #[arg(long, env = "SANDLOT_DATA_DIR")]
     data_dir: PathBuf,
     /// URL of the node (`sandlot node`'s `http://HOST:PORT`); one node, no etcd.
@@ -282,7 +285,9 @@ struct UpArgs {
     /// Address to listen on (HOST:PORT; port 0 picks a free one).
     #[arg(long, default_value = "127.0.0.1:7070")]
     listen: SocketAddr,
-    /// Data directory (sandbox state, sandlot.db, images).
+    /// Data directory (sandbox state, sandlot.db, images). One process per directory: a
+    /// `sandlot up`, `node` or `server` already running on it is waited for 10 s, then this
+    /// start fails.
     #[arg(long, env = "SANDLOT_DATA_DIR", default_value = "/var/lib/sandlot")]
     data_dir: PathBuf,
     /// Image store directory [default: DATA/images].
@@ -1061,9 +1066,10 @@ async fn up(a: UpArgs) -> anyhow::Result<u8> {
         sandlot_node::backends::container::Runtime::parse(&a.server.default_runtime)
             .context("--default-runtime")?;
     let images_dir = ncfg.images_dir.clone();
-    set_image_cache_limit(&images_dir, a.image_cache_mib)?;
     let spill = ncfg.data_dir.join("process-output");
+    // First: the data directory's lock (another process on it: wait, then fail).
     let local = Arc::new(sandlot_node::LocalNode::open(ncfg).context("open local node")?);
+    set_image_cache_limit(&images_dir, a.image_cache_mib)?;
     // Background processes live on the node (output spilled under DATA/process-output).
     let node = sandlot_node::WithProcesses::new(local.clone(), spill)?;
     let mut cfg = a.server.config(a.data_dir, a.listen)?;
@@ -1286,7 +1292,6 @@ async fn node(a: NodeArgs) -> anyhow::Result<u8> {
         ncfg.data_dir.clone(),
         ncfg.images_dir.clone(),
     );
-    set_image_cache_limit(&images_dir, a.image_cache_mib)?;
     // Checked before anything starts: a bad TTL, URL or name fails at once.
     let cluster = if a.etcd.is_empty() {
         None
@@ -1311,7 +1316,9 @@ async fn node(a: NodeArgs) -> anyhow::Result<u8> {
         Some((advertise, cfg))
     };
     let spill = ncfg.data_dir.join("process-output");
+    // First: the data directory's lock (another process on it: wait, then fail).
     let node = Arc::new(sandlot_node::LocalNode::open(ncfg).context("open local node")?);
+    set_image_cache_limit(&images_dir, a.image_cache_mib)?;
     // Keep every live sandbox of a previous process (a restart of this node alone must not
     // lose a server's sandboxes); this also starts the warm pools. A server's readopt at its
     // own start then removes what it has no record of.

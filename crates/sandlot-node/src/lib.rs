@@ -12,6 +12,7 @@ pub mod agent_client;
 pub mod backends;
 pub mod cgroups;
 pub mod checkpoints;
+pub mod dirlock;
 pub mod disk;
 pub mod dns;
 pub mod files;

@@ -76,6 +76,12 @@ pub struct NodeConfig {
     /// microVM's pause with memory writes its snapshot so another node can resume it
     /// ([`crate::backends::qemu::store`]). `None`: pauses stay on this node's disk.
     pub snapshot_dir: Option<PathBuf>,
+    /// How long [`LocalNode::open`] waits for another process to release the data
+    /// directory's lock (`DATA/node.lock`, [`crate::dirlock`]) before it fails (default
+    /// [`crate::dirlock::DEFAULT_WAIT`], 10 s). `None`: take no lock, for a test that opens
+    /// a second node on the directory of a first one it keeps in place (a crashed
+    /// predecessor whose lock the kernel would have dropped).
+    pub lock_wait: Option<std::time::Duration>,
 }
 
 impl NodeConfig {
@@ -105,6 +111,7 @@ impl NodeConfig {
             snapshot_dir: std::env::var_os("SANDLOT_SNAPSHOT_DIR")
                 .filter(|v| !v.is_empty())
                 .map(PathBuf::from),
+            lock_wait: Some(crate::dirlock::DEFAULT_WAIT),
         }
     }
 }
@@ -214,6 +221,9 @@ pub struct LocalNode {
     net: std::sync::Arc<crate::net::NodeNet>,
     /// The shared snapshot store (`--snapshot-dir`), when given and usable.
     snapshot_store: Option<crate::backends::qemu::store::SnapshotStore>,
+    /// `DATA/node.lock`, held while the node lives (unless [`NodeConfig::lock_wait`] is
+    /// `None`).
+    _lock: Option<crate::dirlock::DirLock>,
 }
 
 /// Backends that apply `network: {"allow": [...]}` (veth, nftables and the filtering
@@ -282,16 +292,36 @@ impl LocalNode {
         ids
     }
 
-    /// Open the node: create the data directories, detect cgroups, check the guest binary.
+    /// Open the node: lock the data directory, create its directories, detect cgroups,
+    /// check the guest binary.
+    ///
+    /// The lock (`DATA/node.lock`, [`crate::dirlock`]) comes first, before anything in the
+    /// directory is read or changed: while another process holds it, `open` waits up to
+    /// [`NodeConfig::lock_wait`] (blocking), then fails. It is held until the node is
+    /// dropped or the process ends.
     ///
     /// A missing host feature (no cgroups, no executable guest binary, not root) does not fail
     /// the node: the function backend is then listed as unavailable with the reason.
     ///
     /// # Errors
-    /// `Internal` when the data or image directory cannot be created.
+    /// `Conflict` when another process holds the data directory's lock for the whole wait
+    /// (the message names the directory and the holder's pid); `Internal` when the data or
+    /// image directory or the lock file cannot be created.
     pub fn open(cfg: NodeConfig) -> NodeResult<LocalNode> {
         std::fs::create_dir_all(&cfg.data_dir)
             .map_err(|e| NodeError::io(format!("create {}", cfg.data_dir.display()), e))?;
+        let lock = cfg
+            .lock_wait
+            .map(|wait| {
+                use crate::dirlock::{DirLock, DirLockError, NODE_LOCK};
+                DirLock::acquire(&cfg.data_dir, NODE_LOCK, "node", wait).map_err(|e| match e {
+                    DirLockError::Held { .. } => NodeError::Conflict(e.to_string()),
+                    DirLockError::Io { path, source } => {
+                        NodeError::io(format!("lock file {}", path.display()), source)
+                    }
+                })
+            })
+            .transpose()?;
         let images = ImageStore::open(cfg.images_dir.clone())?;
         tracing::info!(guest = %cfg.guest_bin.display(), agent = %cfg.agent_bin.display(), "sandlot-guest binaries (function backend; agent of containers and VMs)");
         let cgroups = CgroupRoot::detect().map(|c| c.with_parent(&cfg.cgroup_parent));
@@ -456,6 +486,7 @@ impl LocalNode {
             accel: probe.ok(),
             net,
             snapshot_store: snapshot_store.ok().flatten(),
+            _lock: lock,
         })
     }
 

@@ -453,8 +453,13 @@ async fn restart_removes_pool_jails_and_readopts_real_ones() {
         .collect();
 
     // A second process on the same data dir (the first one "crashed": it is left alone
-    // and idle, its pool full).
-    let n2 = LocalNode::open(env.cfg.clone()).unwrap();
+    // and idle, its pool full). A crash drops the first one's data-dir lock; n1 lives on in
+    // this process and keeps it, so n2 takes none.
+    let n2 = LocalNode::open(NodeConfig {
+        lock_wait: None,
+        ..env.cfg.clone()
+    })
+    .unwrap();
     let adopted = n2.readopt(&["sb-keep".to_string()]).await.unwrap();
     assert_eq!(adopted, ["sb-keep"]);
     // The old pool's jails are gone (processes, cgroups, directories)...

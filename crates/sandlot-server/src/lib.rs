@@ -175,6 +175,10 @@ pub struct ServerConfig {
     pub images_dir: Option<PathBuf>,
     /// The E2B-compatible surface: image of the `base` template, backend ([`e2b`]).
     pub e2b: e2b::E2bConfig,
+    /// Without [`ServerConfig::postgres_url`]: how long [`Server::bind`] waits for another
+    /// process to release `DATA/server.lock` before it fails (default 10 s,
+    /// [`sandlot_node::dirlock::DEFAULT_WAIT`]).
+    pub lock_wait: Duration,
 }
 
 impl ServerConfig {
@@ -212,6 +216,7 @@ impl ServerConfig {
             ingress: ingress::IngressLimits::default(),
             disk_reserve_bytes: 256 << 20,
             e2b: e2b::E2bConfig::default(),
+            lock_wait: sandlot_node::dirlock::DEFAULT_WAIT,
         }
     }
 }
@@ -485,15 +490,24 @@ pub struct Server {
     /// With [`ServerConfig::postgres_url`]: the stores and the server lock, held while the
     /// server lives.
     _pg: Option<pg::ServerStores>,
+    /// Without it: `DATA/server.lock` ([`sandlot_node::dirlock`]), held while the server
+    /// lives.
+    _dir_lock: Option<sandlot_node::dirlock::DirLock>,
 }
 
 impl Server {
     /// Open the store, bind `cfg.listen`, and re-adopt the sandboxes of a previous run
-    /// ([`lifecycle::recover`]).
+    /// ([`lifecycle::recover`]). With the SQLite store (no [`ServerConfig::postgres_url`])
+    /// it first locks `DATA/server.lock` ([`sandlot_node::dirlock`]), waiting up to
+    /// [`ServerConfig::lock_wait`] for another process that holds it; the lock is held while
+    /// the server lives.
     ///
     /// # Errors
     /// Store, bind or re-adoption failures, with context; a non-loopback `cfg.listen` while
-    /// the store holds no API key (the server would serve anyone without authentication).
+    /// the store holds no API key (the server would serve anyone without authentication);
+    /// [`sandlot_node::dirlock::DirLockError::Held`] when another process holds the data
+    /// directory's server lock (nothing was opened); with PostgreSQL,
+    /// [`pg::PgError::InUse`] when another server without an election runs on the database.
     pub async fn bind(cfg: ServerConfig, node: Arc<dyn Node>) -> anyhow::Result<Server> {
         Self::bind_with(cfg, node, None).await
     }
@@ -519,6 +533,21 @@ impl Server {
         let listen = cfg.listen;
         let data_dir = cfg.data_dir.clone();
         let on_pg = cfg.postgres_url.is_some();
+        // Before the store is opened: a second server on this directory changes nothing.
+        let dir_lock = if on_pg {
+            None
+        } else {
+            std::fs::create_dir_all(&data_dir)
+                .with_context(|| format!("create data dir {}", data_dir.display()))?;
+            let (dir, wait) = (data_dir.clone(), cfg.lock_wait);
+            Some(
+                tokio::task::spawn_blocking(move || {
+                    use sandlot_node::dirlock::{DirLock, SERVER_LOCK};
+                    DirLock::acquire(&dir, SERVER_LOCK, "server", wait)
+                })
+                .await??,
+            )
+        };
         let (state, pg) = match cfg.postgres_url.clone() {
             None => (AppState::open(cfg, node)?, None),
             Some(url) => {
@@ -566,6 +595,7 @@ impl Server {
             state,
             listener,
             _pg: pg,
+            _dir_lock: dir_lock,
         })
     }
 

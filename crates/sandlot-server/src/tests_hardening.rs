@@ -386,3 +386,41 @@ fn node_ran_sleep(t: &T) -> bool {
         .iter()
         .any(|(_, argv)| argv.first().map(String::as_str) == Some("sleep"))
 }
+
+// Issue 25: one server per data directory (SQLite store). A second bind waits
+// `lock_wait`, then fails naming the directory and the holder's pid; once the first is
+// dropped the directory is free again.
+#[tokio::test]
+async fn a_second_server_on_one_data_dir_is_refused() {
+    let tmp = data_dir("dirlock");
+    let mut cfg = crate::ServerConfig::new(tmp.path().to_path_buf());
+    cfg.listen = "127.0.0.1:0".parse().unwrap();
+    cfg.lock_wait = std::time::Duration::from_millis(300);
+    let node = std::sync::Arc::new(sandlot_node_api::fake::FakeNode::default());
+    let first = crate::Server::bind(cfg.clone(), node.clone())
+        .await
+        .expect("first server");
+    let t0 = std::time::Instant::now();
+    let err = crate::Server::bind(cfg.clone(), node.clone())
+        .await
+        .err()
+        .expect("second server refused");
+    assert!(t0.elapsed() >= cfg.lock_wait, "{:?}", t0.elapsed());
+    assert!(
+        err.downcast_ref::<sandlot_node::dirlock::DirLockError>()
+            .is_some_and(|e| matches!(e, sandlot_node::dirlock::DirLockError::Held { .. })),
+        "{err:#}"
+    );
+    let msg = format!("{err:#}");
+    for want in [
+        format!("pid {}", std::process::id()),
+        tmp.path().display().to_string(),
+        "one server per data directory".to_owned(),
+    ] {
+        assert!(msg.contains(&want), "{want:?} not in {msg}");
+    }
+    drop(first);
+    crate::Server::bind(cfg, node)
+        .await
+        .expect("the directory is free once the first server is gone");
+}
