@@ -42,6 +42,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import queue
 import resource
 import signal
 import socket
@@ -168,7 +169,15 @@ class Soak:
 
         def gather() -> None:
             while True:
-                item = out.get()
+                try:
+                    item = out.get(timeout=1.0)
+                except queue.Empty:
+                    if proc.is_alive():
+                        continue
+                    # Died without its last item (killed, crashed): counted, not waited for.
+                    with self.lock:
+                        self.errors[f"good:process_exit_{proc.exitcode}"] += 1
+                    break
                 if item is None:
                     break
                 kind, t, value, phase = item
@@ -180,6 +189,9 @@ class Soak:
                     with self.lock:
                         self.errors[value] += 1
             proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
 
         t = threading.Thread(target=gather, name="good", daemon=True)
         t.start()
@@ -459,8 +471,9 @@ def _good_loop(url: str, box_id: str, quiet_until: float, stop: Any, down: Any,
     `box_id` every 0.1 s until `stop` is set; puts `("ok", started, seconds, phase)` or
     `("err", started, "good:<code>[:during_restart]", phase)` on `out` (monotonic clock,
     shared by processes on Linux; phase `quiet` before `quiet_until`), then `None`."""
-    c = sandlot.Client(url, timeout=120, retries=2)
+    c = None
     try:
+        c = sandlot.Client(url, timeout=120, retries=2)
         box = c.get(box_id)
         while not stop.is_set():
             t = time.monotonic()
@@ -476,8 +489,11 @@ def _good_loop(url: str, box_id: str, quiet_until: float, stop: Any, down: Any,
                 stop.wait(0.5)
             stop.wait(0.1)
     finally:
-        c.close()
-        out.put(None)
+        try:
+            if c is not None:
+                c.close()
+        finally:
+            out.put(None)
 
 
 def _alive(s: socket.socket) -> bool:

@@ -541,14 +541,19 @@ pub(crate) async fn frozen_copy<T: Send + 'static>(
     let marker = dest.join(FROZEN_MARKER);
     {
         let mut f = FREEZER.lock().await;
-        if !paused.load(SeqCst) {
+        // The group's own state, not `paused`: a pause sets that before it waits for the
+        // set-ups this copy's read side counts among ([`crate::backends::pause`]), so it
+        // may be set while the group still runs. Exact under FREEZER (every freeze and
+        // thaw holds it).
+        let frozen = group.freeze_requested();
+        if !frozen {
             let dirs: Vec<String> = group.dirs().map(|d| d.display().to_string()).collect();
             std::fs::write(&marker, dirs.join("\n"))
                 .map_err(|e| NodeError::io(format!("write {}", marker.display()), e))?;
         }
         let n = f.entry(id.to_owned()).or_insert(0);
         *n += 1;
-        if *n == 1 && !paused.load(SeqCst) {
+        if *n == 1 && !frozen {
             let g = group.clone();
             let frozen =
                 spawn_blocking(move || Ok(g.freeze(std::time::Instant::now() + FREEZE_TIMEOUT)?))

@@ -132,7 +132,11 @@ impl DirLock {
                 Err((_, e)) => return Err(io(std::io::Error::from(e))),
             }
         };
-        write_pid(&lock).map_err(io)?;
+        // The pid is for the message of a refused start only: a full data dir (ENOSPC)
+        // must not stop this one (a node starts on a full disk and refuses creates).
+        if let Err(e) = write_pid(&lock) {
+            tracing::warn!(lock = %path.display(), error = %e, "pid not written into the lock file");
+        }
         Ok(DirLock { _file: lock, path })
     }
 

@@ -1236,11 +1236,9 @@ async fn run_exec(
 
     // --- set-up, under the read side of the lifecycle lock ---
     let setup = jail.deleting.read().await;
-    if *setup || *killed_rx.borrow() {
-        return Err(NodeError::NotFound(format!(
-            "sandbox {id} is being deleted"
-        )));
-    }
+    // `paused` again under the lock: a pause waits for set-ups holding it, not for one
+    // that checked before and takes it after ([`super::pause`]).
+    super::pause::check_live(id, *setup || *killed_rx.borrow(), &jail.paused)?;
     // A standby helper has /dev/null as stdin: only for execs without stdin.
     let standby = if !stdin_piped {
         jail.take_standby()

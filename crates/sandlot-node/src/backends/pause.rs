@@ -14,8 +14,8 @@ use tokio::sync::RwLock;
 /// How long freezing a sandbox's cgroup may take (pause).
 pub(crate) const FREEZE_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// How long a pause waits for the set-ups of execs and file calls already past their
-/// `paused` check (see [`freeze`]).
+/// How long a pause waits for the set-ups of execs already past their `paused` check (see
+/// [`freeze`]).
 const SETUP_WAIT: Duration = Duration::from_secs(10);
 
 /// `Conflict` ("sandbox is paused") while `paused` is set: exec and file calls of every
@@ -41,9 +41,10 @@ pub(crate) fn check_live(id: &str, deleting: bool, paused: &AtomicBool) -> NodeR
 
 /// Pause by freezing `group` (see [`super::SandboxBackend::pause`]), under the read side of the
 /// sandbox's lifecycle lock `deleting` (no delete runs meanwhile). `paused` is set first,
-/// so no new exec starts while the freeze is in progress; then the set-ups of execs and
-/// file calls already past that check are waited for (the write side, at most 10 s), so
-/// a frozen sandbox holds no half-sent exec; `paused` is cleared again if the freeze fails.
+/// so no new exec starts while the freeze is in progress; then the set-ups of execs already
+/// past that check are waited for (the write side, at most 10 s; meanwhile new readers
+/// queue), so a frozen sandbox holds no half-sent exec; `paused` is cleared again if the
+/// freeze fails. `Conflict` when a resume ran while it waited.
 pub(crate) async fn freeze(
     id: &str,
     backend: &str,
@@ -56,18 +57,25 @@ pub(crate) async fn freeze(
             "sandbox {id} is being deleted"
         )));
     }
-    paused.store(true, Ordering::SeqCst);
+    let was_paused = paused.swap(true, Ordering::SeqCst);
     // An exec that passed its `paused` check before it was set holds the read side until
     // its set-up is done (an agent-backed one: until the agent answered, i.e. the exec is
     // in the agent's table). Wait for those: an exec sent to an agent frozen before it read
     // the request was registered only after the resume, after a node restart's re-find had
     // listed the agent's execs, so it was missing and its number given again (CI).
-    let guard = match tokio::time::timeout(SETUP_WAIT, deleting.write()).await {
-        Ok(w) => w.downgrade(),
-        Err(_) => {
-            tracing::warn!(sandbox = %id, "pausing with an exec or file call still in its set-up after 10 s");
-            deleting.read().await
+    let wait = async {
+        match tokio::time::timeout(SETUP_WAIT, deleting.write()).await {
+            Ok(w) => w.downgrade(),
+            Err(_) => {
+                tracing::warn!(sandbox = %id, "pausing while the sandbox's lifecycle lock is still held for reading after 10 s (an exec set-up, checkpoint copy or agent start); an exec on its way in may be frozen with it");
+                deleting.read().await
+            }
         }
+    };
+    let guard = if was_paused {
+        deleting.read().await
+    } else {
+        wait.await
     };
     if *guard {
         paused.store(false, Ordering::SeqCst);
@@ -76,6 +84,13 @@ pub(crate) async fn freeze(
         )));
     }
     let _freezer = crate::checkpoints::FREEZER.lock().await;
+    if !paused.load(Ordering::SeqCst) {
+        // A resume ran while this pause waited: it wins (freezing now would leave the
+        // sandbox frozen with `paused` clear).
+        return Err(NodeError::Conflict(format!(
+            "sandbox {id} was resumed while its pause waited"
+        )));
+    }
     let g = group.clone();
     let res = spawn_blocking(move || Ok(g.freeze(Instant::now() + FREEZE_TIMEOUT)?)).await;
     if res.is_err() {

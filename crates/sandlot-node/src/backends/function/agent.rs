@@ -217,11 +217,8 @@ pub(super) async fn exec(
     let id = &jail.state.saved.id;
     let mut killed = jail.killed.subscribe();
     let guard = jail.deleting.read().await;
-    if *guard || *killed.borrow() {
-        return Err(NodeError::NotFound(format!(
-            "sandbox {id} is being deleted"
-        )));
-    }
+    // `paused` again under the lock, as in the helper path's set-up.
+    crate::backends::pause::check_live(id, *guard || *killed.borrow(), &jail.paused)?;
     // The agent's helpers run each command in a pid namespace of its own (their tree
     // kill); landlock, capabilities, uid and seccomp as in the helper path.
     plan.spec.own_pid_ns = true;
