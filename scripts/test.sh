@@ -41,7 +41,9 @@ export SANDLOT_REQUIRE_BACKENDS
 
 printf '\n==> at +%s s: pytest tests/ (end to end, through the Python SDK; required backends: %s) and the bench harness tests\n' \
   "$SECONDS" "$SANDLOT_REQUIRE_BACKENDS"
-.venv/bin/python -m pytest -q -rfEs --durations=40 tests/ bench/test_run.py
+# Failures and errors are summarised last (-rsfE), on lines wide enough for their messages
+# (COLUMNS): the end of a long log is the part most often read.
+COLUMNS=400 .venv/bin/python -m pytest -q -rsfE --durations=40 tests/ bench/test_run.py
 
 # The conformance suite again, against a local cluster (scripts/cluster.sh up DIR 1 --postgres
 # --servers 2): creates and deletes through one server, everything else through the other;

@@ -693,17 +693,14 @@ pub async fn get_one(
     Ok(axum::Json(v).into_response())
 }
 
-/// `DELETE /sandboxes/{id}` → 204; 404 when unknown (the SDK's `kill` then answers
+/// `DELETE /sandboxes/{id}` → 204; 404 when unknown or already being deleted (the SDK's `kill` then answers
 /// `False`).
 pub async fn kill(
     State(st): State<SharedState>,
     Extension(who): Extension<Principal>,
     Path(id): Path<String>,
 ) -> E2bResult<StatusCode> {
-    let rec = visible(&st, &who, &id).await?;
-    if rec.state == SandboxState::Deleting {
-        return Err(E2bError(ServerError::no_sandbox(&id)));
-    }
+    visible(&st, &who, &id).await?;
     delete_sandbox(&st, &id).await?;
     Ok(StatusCode::NO_CONTENT)
 }

@@ -310,13 +310,20 @@ pub async fn visible_running(
     }
 }
 
-/// The record of sandbox `id` if `who` may see it, else 404 as for an unknown id.
+/// The record of sandbox `id` if `who` may see it and it is not being deleted, else 404 as
+/// for an unknown id: E2B's API forgets a sandbox once it is killed or its timeout ends,
+/// so a `deleting` (the TTL reaper or a kill at work) or `deleted` record is not found.
 ///
 /// # Errors
 /// 404 `not_found`; store errors.
 pub async fn visible(st: &SharedState, who: &Principal, id: &str) -> Result<Record, ServerError> {
+    use sandlot_api::SandboxState as S;
     match st.store.get(id).await? {
-        Some(r) if who.sees(r.tenant.as_deref()) => Ok(r),
+        Some(r)
+            if who.sees(r.tenant.as_deref()) && !matches!(r.state, S::Deleting | S::Deleted) =>
+        {
+            Ok(r)
+        }
         _ => Err(ServerError::new(
             ErrorCode::NotFound,
             format!("sandbox {id} not found"),

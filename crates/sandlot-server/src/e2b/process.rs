@@ -569,7 +569,6 @@ fn signal_name(sig: i32) -> String {
     }
 }
 
-/// The stream of a process: `start {pid}`, its output from the offsets, keepalives, `end`.
 /// Whether sandbox `id` is gone or going (no record, or `deleting`/`deleted`/`lost`): a
 /// stream whose process ended for that reason ends as envd's does when its sandbox is
 /// killed mid-command — an `unavailable` error, which the SDK answers with a health probe
@@ -592,6 +591,7 @@ fn sandbox_gone_error(id: &str) -> ConnectError {
     )
 }
 
+/// The stream of a process: `start {pid}`, its output from the offsets, keepalives, `end`.
 #[allow(clippy::too_many_arguments)]
 fn follow(
     st: &SharedState,
