@@ -327,14 +327,20 @@ class Soak:
     # -- faults --------------------------------------------------------------------------
     def disk_full(self) -> None:
         filler = self.data / "soak-filler"
-        st = os.statvfs(self.data)
-        room = st.f_bavail * st.f_frsize - 64 * MiB
+
+        def room() -> int:
+            st = os.statvfs(self.data)
+            return st.f_bavail * st.f_frsize - 64 * MiB
+
+        # Free space is measured before every MiB: the load writes beside the filler, and a
+        # size computed once would leave nothing free (all calls then fail, by design, on
+        # their audit events) when the filler is slow (a busy CI host).
         with open(filler, "wb") as f:
             chunk = b"\0" * MiB
             try:
-                while room > 0:
-                    f.write(chunk[:min(MiB, room)])
-                    room -= MiB
+                while (left := room()) > 0:
+                    f.write(chunk[:min(MiB, left)])
+                    f.flush()
             except OSError:
                 pass
         st = os.statvfs(self.data)
