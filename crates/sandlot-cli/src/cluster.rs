@@ -495,8 +495,7 @@ mod tests {
             memory_mib: 1024,
             sandboxes: 3,
         };
-        let t =
-            Tracked::new(Arc::new(sandlot_node_api::fake::FakeNode::default())).with_capacity(cap);
+        let t = Tracked::new(Arc::new(sandlot_node_fake::FakeNode::default())).with_capacity(cap);
         let spec = |id: &str, cpu: f64, mem: u64| SandboxSpec {
             id: id.into(),
             backend: Backend::Function,
@@ -527,7 +526,7 @@ mod tests {
 
     #[tokio::test]
     async fn usage_sums_the_live_sandboxes_it_knows() {
-        let t = Tracked::new(Arc::new(sandlot_node_api::fake::FakeNode::default()));
+        let t = Tracked::new(Arc::new(sandlot_node_fake::FakeNode::default()));
         let before = Instant::now();
         for (id, cpu, mem) in [("a", 1.0, 256), ("b", 0.5, 512), ("gone", 2.0, 64)] {
             t.limits
@@ -564,7 +563,7 @@ mod tests {
             r#"{"id":"sb-1","spec":{"cpu":2.0,"memory_mib":1024}}"#,
         )
         .unwrap();
-        let t = Tracked::new(Arc::new(sandlot_node_api::fake::FakeNode::default()));
+        let t = Tracked::new(Arc::new(sandlot_node_fake::FakeNode::default()));
         t.learn_readopted(d.path(), &["sb-1".into(), "sb-2".into()]);
         let l = t.limits.lock().unwrap();
         assert_eq!(l.get("sb-1").map(|x| (x.0, x.1)), Some((2.0, 1024)));

@@ -151,42 +151,55 @@ impl Fence {
 
 #[cfg(test)]
 mod tests {
+    //! Real time, no paused clock (tokio's `test-util` would be a feature the binaries'
+    //! build lacks, and `cargo test` would rebuild tokio and every crate above it): every
+    //! assertion is taken well away from a deadline, or after one has passed.
     use super::*;
     use std::time::Duration;
 
-    #[tokio::test(start_paused = true)]
+    const FAR: Duration = Duration::from_secs(3600);
+
+    #[tokio::test]
     async fn goes_off_at_deadline_and_only_a_new_lease_turns_it_on() {
         let f = Fence::new();
         assert!(!f.is_serving());
-        f.start(7, Instant::now() + Duration::from_secs(2));
+        f.start(7, Instant::now() + FAR);
         assert!(f.is_serving());
         assert_eq!((f.lease_id(), f.epoch()), (7, 1));
-        tokio::time::advance(Duration::from_millis(1500)).await;
-        f.extend(Instant::now() + Duration::from_secs(2));
-        tokio::time::advance(Duration::from_millis(1900)).await;
+        // Never backwards: a sooner deadline leaves the later one.
+        f.extend(Instant::now() + Duration::from_millis(1));
+        tokio::time::sleep(Duration::from_millis(20)).await;
         assert!(f.is_serving());
-        tokio::time::advance(Duration::from_millis(200)).await;
+        f.start(7, Instant::now() + Duration::from_millis(50));
+        f.extend(Instant::now() + Duration::from_millis(100));
+        assert!(f.is_serving());
+        tokio::time::sleep(Duration::from_millis(150)).await;
         assert!(!f.is_serving());
         // A late renewal answer cannot revive an expired fence.
-        f.extend(Instant::now() + Duration::from_secs(2));
+        f.extend(Instant::now() + FAR);
         assert!(!f.is_serving());
-        f.start(8, Instant::now() + Duration::from_secs(2));
+        f.start(8, Instant::now() + FAR);
         assert!(f.is_serving());
-        assert_eq!((f.lease_id(), f.epoch()), (8, 2));
+        assert_eq!((f.lease_id(), f.epoch()), (8, 3));
         f.off();
         assert!(!f.is_serving());
     }
 
-    #[tokio::test(start_paused = true)]
+    #[tokio::test]
     async fn fenced_resolves_at_the_deadline() {
         let f = Fence::new();
-        f.start(1, Instant::now() + Duration::from_secs(3));
         let t0 = Instant::now();
+        f.start(1, t0 + Duration::from_millis(200));
         f.fenced().await;
-        assert_eq!(t0.elapsed(), Duration::from_secs(3));
+        let waited = t0.elapsed();
+        assert!(waited >= Duration::from_millis(200), "{waited:?}");
+        assert!(!f.is_serving());
         let g = f.clone();
         let waiter = tokio::spawn(async move { g.serving().await });
-        f.start(2, Instant::now() + Duration::from_secs(3));
-        waiter.await.unwrap();
+        f.start(2, Instant::now() + FAR);
+        tokio::time::timeout(Duration::from_secs(30), waiter)
+            .await
+            .expect("serving() resolves when a new lease starts")
+            .unwrap();
     }
 }

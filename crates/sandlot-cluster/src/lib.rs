@@ -22,7 +22,6 @@ mod fence;
 mod lease;
 mod membership;
 mod record;
-#[cfg(feature = "testing")]
 pub mod testing;
 
 pub use election::{Election, Leadership, ELECTION_PREFIX};

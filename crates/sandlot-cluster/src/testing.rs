@@ -1,4 +1,4 @@
-//! Test support (feature `testing`): local etcd members for the cluster tests of every crate.
+//! Test support: local etcd members for the cluster tests of every crate.
 //!
 //! The members are started by the project's `scripts/etcd.sh` (Debian's etcd-server, which
 //! `scripts/setup.sh` installs) under a temporary directory and stopped when the handle is

@@ -5,8 +5,8 @@
 //! pause, resume, checkpoint, list, readopt) and the I/O calls (exec with streaming and live
 //! stdin/signals, files) and background processes (`process_*`: they live on the node, so
 //! every server reaching it sees them). Implementations: `sandlot_node::LocalNode` (in-process, the
-//! embedded `sandlot up`), a remote client of a `sandlot node` (cluster mode, in progress),
-//! and `fake::FakeNode` (feature `fake`, a unit-test fake that runs nothing).
+//! embedded `sandlot up`), `sandlot_node_remote`'s client of a `sandlot node` (cluster mode),
+//! and `sandlot_node_fake::FakeNode` (a unit-test fake that runs nothing).
 //!
 //! Errors: [`NodeError`], one wire [`ErrorCode`] each. [`NodeError::Transport`] means the
 //! outcome is unknown (the call or its answer was lost between server and node): retryable,
@@ -25,9 +25,6 @@ use sandlot_api::{
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use tokio::sync::mpsc;
-
-#[cfg(feature = "fake")]
-pub mod fake;
 
 /// Working directory of execs and of relative file paths inside every sandbox.
 pub const WORKDIR: &str = "/workspace";

@@ -3,10 +3,12 @@
 //! interprets a handful of argv shapes (`echo`, `exit N`, `sleep S`, `chunks N`,
 //! `python3 main.py`, `g++ …`, `./main` or `./test`) so the server's own logic can be checked. Real
 //! behaviour is tested against `LocalNode` end to end.
-use crate::{ExecSink, Node, NodeError, NodeInfo, NodeResult, SandboxSpec, SandboxStatus};
 use async_trait::async_trait;
 use bytes::Bytes;
 use sandlot_api::{Backend, ExecEvent, ExecRequest, ExecResult, FileEntry, FileType, Output};
+use sandlot_node_api::{
+    ExecSink, Node, NodeError, NodeInfo, NodeResult, SandboxSpec, SandboxStatus,
+};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Mutex;
 use std::time::Duration;
@@ -129,7 +131,7 @@ impl Node for FakeNode {
         id: &str,
         req: &ExecRequest,
         sink: Option<ExecSink>,
-        mut control: crate::ExecControl,
+        mut control: sandlot_node_api::ExecControl,
     ) -> NodeResult<ExecResult> {
         self.files(id, |_| ())?;
         let argv = req.cmd.to_argv();
@@ -355,17 +357,20 @@ impl Node for FakeNode {
 
     /// A real TCP connection to the test's listener mapped to `port` in
     /// [`FakeNode::ports`] (for any running sandbox).
-    async fn connect_port(&self, id: &str, port: u16) -> NodeResult<crate::PortConn> {
+    async fn connect_port(&self, id: &str, port: u16) -> NodeResult<sandlot_node_api::PortConn> {
         self.files(id, |_| ())?;
         let addr = self.ports.lock().unwrap().get(&port).copied();
         let Some(addr) = addr else {
             return Err(NodeError::Unavailable(format!(
                 "{} {port} in sandbox {id}",
-                crate::PORT_NOT_LISTENING
+                sandlot_node_api::PORT_NOT_LISTENING
             )));
         };
         let s = tokio::net::TcpStream::connect(addr).await.map_err(|e| {
-            NodeError::Unavailable(format!("{} {port}: {e}", crate::PORT_NOT_LISTENING))
+            NodeError::Unavailable(format!(
+                "{} {port}: {e}",
+                sandlot_node_api::PORT_NOT_LISTENING
+            ))
         })?;
         Ok(Box::new(s))
     }
@@ -468,11 +473,11 @@ impl Node for FakeNode {
             .into_iter()
             .map(|id| SandboxStatus {
                 liveness: if self.dead.lock().unwrap().contains(&id) {
-                    crate::Liveness::Dead
+                    sandlot_node_api::Liveness::Dead
                 } else if let Some(r) = self.unknown.lock().unwrap().get(&id) {
-                    crate::Liveness::Unknown(r.clone())
+                    sandlot_node_api::Liveness::Unknown(r.clone())
                 } else {
-                    crate::Liveness::Alive
+                    sandlot_node_api::Liveness::Alive
                 },
                 id,
                 backend: Backend::Function,
@@ -480,8 +485,12 @@ impl Node for FakeNode {
             .collect())
     }
 
-    async fn checkpoint(&self, id: &str, checkpoint_id: &str) -> NodeResult<crate::CheckpointMeta> {
-        crate::check_checkpoint_id(checkpoint_id)?;
+    async fn checkpoint(
+        &self,
+        id: &str,
+        checkpoint_id: &str,
+    ) -> NodeResult<sandlot_node_api::CheckpointMeta> {
+        sandlot_node_api::check_checkpoint_id(checkpoint_id)?;
         // Unlike file calls, a checkpoint works on a paused sandbox.
         let files = self
             .sandboxes
@@ -498,7 +507,7 @@ impl Node for FakeNode {
             .find(|s| s.id == id)
             .cloned()
             .ok_or_else(|| NodeError::NotFound(format!("no sandbox {id}")))?;
-        let meta = crate::CheckpointMeta {
+        let meta = sandlot_node_api::CheckpointMeta {
             id: checkpoint_id.into(),
             sandbox_id: id.into(),
             backend: spec.backend,
@@ -559,9 +568,9 @@ impl Node for FakeNode {
         Ok(v)
     }
 
-    async fn agent_execs(&self, id: &str) -> NodeResult<crate::AgentExecs> {
+    async fn agent_execs(&self, id: &str) -> NodeResult<sandlot_node_api::AgentExecs> {
         self.files(id, |_| ())?;
-        Ok(crate::AgentExecs {
+        Ok(sandlot_node_api::AgentExecs {
             execs: Vec::new(),
             max_number: *self.agent_max_number.lock().unwrap(),
         })

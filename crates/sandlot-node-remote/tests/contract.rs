@@ -3,7 +3,7 @@
 //! `RemoteNode` in front of a real `LocalNode` with the `function` backend (needs root,
 //! cgroups, the guest binary and the busybox image; prints `SKIPPED: <why>` otherwise).
 use sandlot_node::{LocalNode, Node};
-use sandlot_node_api::fake::FakeNode;
+use sandlot_node_fake::FakeNode;
 use sandlot_node_remote::RemoteNode;
 use std::sync::Arc;
 

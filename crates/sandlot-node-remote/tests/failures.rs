@@ -4,10 +4,10 @@
 //! test fake that answers one chosen error) behind the real router and client.
 use bytes::Bytes;
 use sandlot_api::{Cmd, ExecRequest};
-use sandlot_node_api::fake::FakeNode;
 use sandlot_node_api::{
     ExecControl, ExecSink, Node, NodeError, NodeInfo, NodeResult, SandboxSpec, SandboxStatus,
 };
+use sandlot_node_fake::FakeNode;
 use sandlot_node_remote::{RemoteNode, RemoteOptions};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};

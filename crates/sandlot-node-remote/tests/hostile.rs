@@ -3,8 +3,8 @@
 //! and with it `sandlot node`), and connections that make no authenticated call are
 //! closed after `AUTH_DEADLINE`. Its own test binary: it lowers the process's
 //! `RLIMIT_NOFILE`.
-use sandlot_node_api::fake::FakeNode;
 use sandlot_node_api::Node;
+use sandlot_node_fake::FakeNode;
 use sandlot_node_remote::{router, serve, RemoteNode, AUTH_DEADLINE};
 use std::io::Read;
 use std::sync::Arc;

@@ -3,7 +3,7 @@
 //! image; prints `SKIPPED: <why>` otherwise), and the fake node's errors carried over the wire.
 use sandlot_api::{Backend, Cmd, ExecRequest};
 use sandlot_node::{LocalNode, Node, NodeError, SandboxSpec};
-use sandlot_node_api::fake::FakeNode;
+use sandlot_node_fake::FakeNode;
 use sandlot_node_remote::RemoteNode;
 use std::sync::Arc;
 use std::time::{Duration, Instant};

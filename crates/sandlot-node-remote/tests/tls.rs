@@ -2,8 +2,8 @@
 //! suite through TLS, and what a client without the node's CA, with the wrong host, in
 //! cleartext or without a handshake gets. Certificates come from `scripts/node-tls.sh` (the
 //! openssl CLI); without openssl the tests print `SKIPPED: <why>`.
-use sandlot_node_api::fake::FakeNode;
 use sandlot_node_api::{Node, NodeError};
+use sandlot_node_fake::FakeNode;
 use sandlot_node_remote::AUTH_DEADLINE;
 use sandlot_node_remote::{router, serve_tls, tls_acceptor, RemoteNode, RemoteOptions};
 use std::io::Read;

@@ -1615,7 +1615,7 @@ mod tests {
     /// stdout and ends as a dropped agent stream does (`Internal`); its re-attaches answer
     /// from `attaches`, in order.
     struct DroppingNode {
-        inner: sandlot_node_api::fake::FakeNode,
+        inner: sandlot_node_fake::FakeNode,
         attaches: Mutex<std::collections::VecDeque<FakeAttach>>,
         attach_calls: std::sync::atomic::AtomicUsize,
     }
@@ -1806,7 +1806,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_re_found_exec_is_listed_once_and_is_not_held_to_max_running() {
-        use sandlot_node_api::fake::FakeNode;
+        use sandlot_node_fake::FakeNode;
         let dir = tempfile::tempdir().unwrap();
         let limits = ProcessLimits {
             max_running: 1,
@@ -1869,7 +1869,7 @@ mod tests {
     /// deleted or evicted (the `max_kept` cap) is forgotten by the agent too.
     #[tokio::test]
     async fn numbers_go_past_the_agents_highest_and_gone_records_are_forgotten_there() {
-        use sandlot_node_api::fake::FakeNode;
+        use sandlot_node_fake::FakeNode;
         let dir = tempfile::tempdir().unwrap();
         let fake = Arc::new(FakeNode::default());
         *fake.agent_max_number.lock().unwrap() = Some(1007);
@@ -1918,8 +1918,8 @@ mod tests {
 
     #[tokio::test]
     async fn with_processes_serves_the_process_calls_and_forgets_deleted_sandboxes() {
-        use sandlot_node_api::fake::FakeNode;
         use sandlot_node_api::OutputCursor;
+        use sandlot_node_fake::FakeNode;
         let dir = tempfile::tempdir().unwrap();
         let node =
             WithProcesses::new(Arc::new(FakeNode::default()), dir.path().join("spill")).unwrap();

@@ -4,7 +4,7 @@ use crate::{router, AppState, ServerConfig, SharedState};
 use axum::body::{Body, Bytes};
 use axum::http::{HeaderMap, Method, Request, StatusCode};
 use axum::Router;
-use sandlot_node_api::fake::FakeNode;
+use sandlot_node_fake::FakeNode;
 use serde_json::Value;
 use std::sync::Arc;
 use tower::ServiceExt;

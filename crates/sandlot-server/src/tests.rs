@@ -2,7 +2,7 @@
 use crate::test_support::*;
 use crate::{lifecycle, AppState, ServerConfig};
 use axum::http::{Method, StatusCode};
-use sandlot_node_api::fake::FakeNode;
+use sandlot_node_fake::FakeNode;
 use serde_json::{json, Value};
 use std::sync::Arc;
 use std::time::Duration;

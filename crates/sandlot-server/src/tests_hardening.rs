@@ -396,7 +396,7 @@ async fn a_second_server_on_one_data_dir_is_refused() {
     let mut cfg = crate::ServerConfig::new(tmp.path().to_path_buf());
     cfg.listen = "127.0.0.1:0".parse().unwrap();
     cfg.lock_wait = std::time::Duration::from_millis(300);
-    let node = std::sync::Arc::new(sandlot_node_api::fake::FakeNode::default());
+    let node = std::sync::Arc::new(sandlot_node_fake::FakeNode::default());
     let first = crate::Server::bind(cfg.clone(), node.clone())
         .await
         .expect("first server");

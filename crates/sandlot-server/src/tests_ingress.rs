@@ -4,7 +4,7 @@
 //! are real TCP listeners of the test (`FakeNode::ports`), and a real HTTP client.
 use crate::test_support::data_dir;
 use crate::{Server, ServerConfig};
-use sandlot_node_api::fake::FakeNode;
+use sandlot_node_fake::FakeNode;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;

@@ -3,7 +3,7 @@ use crate::{router, AppState, ServerConfig};
 use axum::body::Body;
 use axum::http::{Method, Request, StatusCode};
 use axum::Router;
-use sandlot_node_api::fake::FakeNode;
+use sandlot_node_fake::FakeNode;
 use serde_json::{json, Value};
 use std::sync::Arc;
 use tower::ServiceExt;

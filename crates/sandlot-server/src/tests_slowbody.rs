@@ -3,7 +3,7 @@
 use crate::conn::ConnLimits;
 use crate::test_support::data_dir;
 use crate::{Server, ServerConfig, SharedState};
-use sandlot_node_api::fake::FakeNode;
+use sandlot_node_fake::FakeNode;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::{Duration, Instant};

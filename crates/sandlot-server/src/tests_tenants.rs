@@ -479,7 +479,7 @@ async fn non_loopback_listen_needs_keys() {
     let dir = tmp.path().to_path_buf();
     let mut cfg = crate::ServerConfig::new(dir.clone());
     cfg.listen = "0.0.0.0:0".parse().unwrap();
-    let node = std::sync::Arc::new(sandlot_node_api::fake::FakeNode::default());
+    let node = std::sync::Arc::new(sandlot_node_fake::FakeNode::default());
     let err = crate::Server::bind(cfg.clone(), node.clone())
         .await
         .err()
@@ -498,7 +498,7 @@ async fn non_loopback_listen_needs_keys() {
     let lo = data_dir("tenant-bind-lo");
     let mut cfg = crate::ServerConfig::new(lo.path().to_path_buf());
     cfg.listen = "127.0.0.1:0".parse().unwrap();
-    let node = std::sync::Arc::new(sandlot_node_api::fake::FakeNode::default());
+    let node = std::sync::Arc::new(sandlot_node_fake::FakeNode::default());
     crate::Server::bind(cfg, node)
         .await
         .expect("loopback is fine");

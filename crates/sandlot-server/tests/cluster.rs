@@ -5,7 +5,7 @@
 //! reconcile under test are the real ones, as are etcd, HTTP/2 and the store).
 //! Without `etcd` on PATH the test prints "SKIPPED: ..." and returns.
 use sandlot_cluster::{connect, LeaseConfig, NodeRecord, NodeRegistration, Resources};
-use sandlot_node_api::fake::FakeNode;
+use sandlot_node_fake::FakeNode;
 use sandlot_node_remote::RemoteOptions;
 use sandlot_server::cluster::ClusterNode;
 use serde_json::{json, Value};

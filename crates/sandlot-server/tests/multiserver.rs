@@ -8,7 +8,7 @@
 //! an in-process node API server over the unit-test `FakeNode` (as in `tests/cluster.rs`).
 //! Without etcd or PostgreSQL a test prints "SKIPPED: ..." and returns.
 use sandlot_cluster::{connect, LeaseConfig, NodeRecord, NodeRegistration, Resources};
-use sandlot_node_api::fake::FakeNode;
+use sandlot_node_fake::FakeNode;
 use sandlot_node_remote::RemoteOptions;
 use sandlot_server::cluster::ClusterNode;
 use serde_json::{json, Value};
