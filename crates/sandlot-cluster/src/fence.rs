@@ -163,18 +163,20 @@ mod tests {
     async fn goes_off_at_deadline_and_only_a_new_lease_turns_it_on() {
         let f = Fence::new();
         assert!(!f.is_serving());
-        f.start(7, Instant::now() + FAR);
+        let t = Instant::now();
+        f.start(7, t + Duration::from_secs(600));
         assert!(f.is_serving());
         assert_eq!((f.lease_id(), f.epoch()), (7, 1));
-        // Never backwards: a sooner deadline leaves the later one.
-        f.extend(Instant::now() + Duration::from_millis(1));
-        tokio::time::sleep(Duration::from_millis(20)).await;
-        assert!(f.is_serving());
+        // A renewal moves the deadline on, never back (exact: no clock read in between).
+        f.extend(t + FAR);
+        assert_eq!(f.serving_until(), Some(t + FAR));
+        f.extend(t + Duration::from_secs(1));
+        assert_eq!(f.serving_until(), Some(t + FAR));
+        // Off at the deadline: a sleep past it can only oversleep.
         f.start(7, Instant::now() + Duration::from_millis(50));
-        f.extend(Instant::now() + Duration::from_millis(100));
-        assert!(f.is_serving());
         tokio::time::sleep(Duration::from_millis(150)).await;
         assert!(!f.is_serving());
+        assert_eq!(f.serving_until(), None);
         // A late renewal answer cannot revive an expired fence.
         f.extend(Instant::now() + FAR);
         assert!(!f.is_serving());
@@ -183,6 +185,7 @@ mod tests {
         assert_eq!((f.lease_id(), f.epoch()), (8, 3));
         f.off();
         assert!(!f.is_serving());
+        assert_eq!(f.serving_until(), None);
     }
 
     #[tokio::test]
@@ -190,7 +193,9 @@ mod tests {
         let f = Fence::new();
         let t0 = Instant::now();
         f.start(1, t0 + Duration::from_millis(200));
-        f.fenced().await;
+        tokio::time::timeout(Duration::from_secs(30), f.fenced())
+            .await
+            .expect("fenced() resolves at the deadline");
         let waited = t0.elapsed();
         assert!(waited >= Duration::from_millis(200), "{waited:?}");
         assert!(!f.is_serving());

@@ -274,7 +274,8 @@ pub fn sandbox_of(h: &HeaderMap) -> Result<String, ServerError> {
 ///
 /// # Errors
 /// As [`sandbox_of`], [`visible`] and [`crate::sandboxes::running`]: 400 without a sandbox
-/// id, 404 for an unknown or hidden one, 409 when it is not running.
+/// id, 404 for an unknown, hidden, deleting or deleted one, 409 when it is otherwise not
+/// running.
 pub async fn running_sandbox_of(
     st: &SharedState,
     who: &Principal,
@@ -289,8 +290,9 @@ pub async fn running_sandbox_of(
 /// [`crate::sandboxes::running`] from one store read (every envd call asks this).
 ///
 /// # Errors
-/// 404 `not_found` for an unknown or hidden sandbox, 409 `conflict` when it is not running
-/// (the messages of [`crate::sandboxes::running`]); store errors.
+/// 404 `not_found` for an unknown, hidden, deleting or deleted sandbox, 409 `conflict` when
+/// it is otherwise not running (the messages of [`crate::sandboxes::running`]); store
+/// errors.
 pub async fn visible_running(
     st: &SharedState,
     who: &Principal,
