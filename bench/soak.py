@@ -18,10 +18,14 @@ Load (threads, each its own client, until the end):
   - `bg`: background processes each writing ~20 MB (more than the 64 records a sandbox
     keeps: old ones are evicted).
   - `run_code`: `print(1)` through `POST /run_code`.
+  - `pull`: a function sandbox from a tag never pulled before (`PullSource`: a private
+    registry with busybox, re-tagged by one manifest PUT per create), `exec true`, delete.
   - abusive, from 127.0.0.2 (its own per-address connection limit): `--idle-conns` idle
     TCP connections held open (re-opened when the server closes them), and clients that
     ask for 8 MiB of exec output and never read the answer (held 5 s).
-Faults: at 40% of the run the data dir is filled to 64 MiB free (below the 256 MiB
+Faults: at 20% of the run the private registry is stopped for ~5 s: a create that must pull
+answers 503 `unavailable` (and leaves nothing behind), the `pull` loop's calls fail meanwhile
+(counted apart), and once the registry is back the same reference pulls and runs. At 40% the data dir is filled to 64 MiB free (below the 256 MiB
 reserve): a create must answer 429 `resource_exhausted`; the filler is removed 10 s later.
 At 60% the server is killed with SIGKILL and started again: recovery time = until
 `/v1/ping` answers, and until every long-lived sandbox answers an exec.
@@ -30,8 +34,7 @@ false: all of them are alive). After: every sandbox deleted, then the node's san
 mounts, cgroups, processes and veths are counted (tests/conftest.py `count_leaks`) until
 they are back to the count before the load (60 s at most).
 
-Not covered: a stopped registry (no pulls in the load); streamed uploads (uploads are
-buffered whole, charged to the file budget).
+Not covered: streamed uploads (uploads are buffered whole, charged to the file budget).
 
 Output: one JSON object (stdout, and `--out`). RSS bound = 100 MiB + the exec output budget
 + the file data budget (docs/operations.md "Server memory").
@@ -50,6 +53,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 import uuid
 from collections import Counter
 from pathlib import Path
@@ -60,8 +64,8 @@ sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "sdk" / "python"))
 
 import sandlot  # noqa: E402
-from conftest import (Server, count_leaks, find_binary, private_base,  # noqa: E402
-                      remove_private_base)
+from conftest import (IMAGES_DIR, Server, count_leaks, find_binary,  # noqa: E402
+                      free_port, private_base, remove_private_base)
 
 MiB = 1 << 20
 IDLE_MIB = 100
@@ -87,6 +91,55 @@ def rss_mib(pid: int) -> Optional[float]:
     except OSError:
         pass
     return None
+
+
+SHARED_REGISTRY = os.environ.get("SANDLOT_REGISTRY_ADDR", "127.0.0.1:5000")
+MANIFEST_TYPES = ("application/vnd.oci.image.manifest.v1+json, "
+                  "application/vnd.docker.distribution.manifest.v2+json")
+
+
+class PullSource:
+    """A private registry for the `pull` load and the registry fault: `scripts/registry.sh`
+    (Debian's docker-registry) on a free loopback port, storage under `rdir`, holding
+    `sandlot/busybox:latest` copied with skopeo from the shared test registry
+    (`scripts/registry.sh push`). [`PullSource.tag`] gives the image a new tag (one
+    manifest PUT, Distribution spec "Pushing manifests"), so a create from it must pull
+    (manifest and config; the layer is in the image store already).
+
+    Raises `RuntimeError` when the registry cannot be started or the image copied."""
+
+    def __init__(self, rdir: Path) -> None:
+        self.rdir, self.addr = rdir, f"127.0.0.1:{free_port()}"
+        self.sh("start")
+        src = f"docker://{SHARED_REGISTRY}/sandlot/busybox:latest"
+        r = subprocess.run(["skopeo", "copy", "--quiet", "--src-tls-verify=false",
+                            "--dest-tls-verify=false", src,
+                            f"docker://{self.addr}/sandlot/busybox:latest"],
+                           capture_output=True, text=True, timeout=120)
+        if r.returncode != 0:
+            self.sh("stop")
+            raise RuntimeError(f"skopeo copy {src}: {r.stderr.strip()[-300:]} "
+                               "(scripts/registry.sh start && scripts/registry.sh push)")
+        url = f"http://{self.addr}/v2/sandlot/busybox/manifests/latest"
+        req = urllib.request.Request(url, headers={"Accept": MANIFEST_TYPES})
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            self.manifest, self.media_type = resp.read(), resp.headers["Content-Type"]
+
+    def sh(self, cmd: str) -> None:
+        env = dict(os.environ, SANDLOT_REGISTRY_ADDR=self.addr,
+                   SANDLOT_REGISTRY_DIR=str(self.rdir))
+        r = subprocess.run(["bash", str(REPO / "scripts" / "registry.sh"), cmd], env=env,
+                           capture_output=True, text=True, timeout=60)
+        if r.returncode != 0:
+            raise RuntimeError(f"registry.sh {cmd}: {(r.stdout + r.stderr).strip()[-300:]}")
+
+    def tag(self, tag: str) -> str:
+        """Tags the image `tag` and returns its reference (`OSError` while stopped)."""
+        req = urllib.request.Request(
+            f"http://{self.addr}/v2/sandlot/busybox/manifests/{tag}", data=self.manifest,
+            method="PUT", headers={"Content-Type": self.media_type})
+        urllib.request.urlopen(req, timeout=10).close()
+        return f"{self.addr}/sandlot/busybox:{tag}"
 
 
 class Soak:
@@ -118,6 +171,9 @@ class Soak:
         self.faults: Dict[str, Any] = {}
         self.t0 = time.monotonic()
         self.long_lived: List[str] = []
+        self.pulls: Optional[PullSource] = None
+        self.pulled: List[str] = []  # references pulled into the shared image store
+        self.registry_down = threading.Event()
 
     # -- helpers -------------------------------------------------------------------------
     def now(self) -> float:
@@ -133,6 +189,8 @@ class Soak:
             else:
                 code = getattr(err, "code", type(err).__name__)
                 key = f"{what}:{code}" + (":during_restart" if self.down.is_set() else "")
+                if what == "pull" and self.registry_down.is_set():
+                    key += ":registry_down"
                 self.errors[key] += 1
 
     def loop(self, name: str, body: Callable[[sandlot.Client], None], pause: float = 0.0
@@ -233,6 +291,15 @@ class Soak:
             c.get(box_id).spawn(["sh", "-c", "head -c 20000000 /dev/urandom | od -An | head -c 20000000"],
                                 timeout_s=120, max_output_bytes=16 * MiB)
         return body
+
+    def pull_body(self, c: sandlot.Client) -> None:
+        assert self.pulls is not None
+        ref = self.pulls.tag(f"soak-{uuid.uuid4().hex[:12]}")
+        with self.lock:
+            self.pulled.append(ref)
+        with c.create(backend="function", image=ref, ttl_s=120,
+                      labels={"soak": "pull"}) as box:
+            assert box.exec(["true"], timeout_s=30).exit_code == 0
 
     def run_code_body(self, c: sandlot.Client) -> None:
         r = c.run_code("print(1)")
@@ -362,6 +429,48 @@ class Soak:
         filler.unlink()
         self.faults["disk_full"] = answer
 
+    def registry_stop(self) -> None:
+        """Stops the private registry ~5 s: a create that must pull fails `unavailable`
+        (how fast, what it left); then the same reference must pull once it is back."""
+        if self.pulls is None:
+            return
+        ans: Dict[str, Any] = {}
+        ref = self.pulls.tag("soak-while-down")  # tagged while up, never pulled yet
+        with self.lock:
+            self.pulled.append(ref)
+        self.registry_down.set()
+        self.pulls.sh("stop")
+        with self.client() as c:
+            t = time.monotonic()
+            try:
+                c.create(backend="function", image=ref, ttl_s=60,
+                         labels={"soak": "pull"}).delete()
+                ans["create_while_down"] = "created (the registry was not down?)"
+            except sandlot.SandlotError as e:
+                ans.update(create_status=e.status, create_code=e.code)
+            ans["create_while_down_s"] = round(time.monotonic() - t, 2)
+            ans["left_behind"] = [b.id for b in c.list(labels={"soak": "pull"})
+                                  if b.image == ref and b.state != "deleting"]
+            self.stop.wait(max(0.0, 5 - (time.monotonic() - t)))
+            self.pulls.sh("start")
+            # Calls in flight while it was down end by now; later errors are not its.
+            self.stop.wait(2.0)
+            self.registry_down.clear()
+            t = time.monotonic()
+            while True:
+                try:
+                    with c.create(backend="function", image=ref, ttl_s=60,
+                                  labels={"soak": "pull"}) as box:
+                        ans["exec_after"] = box.exec(["true"], timeout_s=30).exit_code
+                    ans["pull_after_s"] = round(time.monotonic() - t, 2)
+                    break
+                except sandlot.SandlotError as e:
+                    if time.monotonic() - t > 60:
+                        ans["pull_after"] = f"{e.status} {e.code}: {e}"
+                        break
+                    time.sleep(1.0)
+        self.faults["registry"] = ans
+
     def kill9(self) -> None:
         self.down.set()
         at_s = self.now()
@@ -394,6 +503,23 @@ class Soak:
                                 "all_exec_s": round(time.monotonic() - t, 2),
                                 "sandboxes_back": f"{len(ok)}/{len(self.long_lived)}"}
 
+    def forget_pulled(self) -> List[str]:
+        """Stops the private registry and removes the references the load pulled from the
+        shared image store (`sandlot image rm`); returns those that could not be."""
+        if self.pulls is not None:
+            try:
+                self.pulls.sh("stop")
+            except RuntimeError:
+                pass
+        left = []
+        for ref in self.pulled:
+            r = subprocess.run([str(self.binary), "image", "rm", ref, "--images-dir",
+                                IMAGES_DIR], capture_output=True, text=True, timeout=120,
+                               stdin=subprocess.DEVNULL)
+            if r.returncode != 0 and "not found" not in (r.stdout + r.stderr).lower():
+                left.append(f"{ref}: {(r.stdout + r.stderr).strip()[-200:]}")
+        return left
+
     # -- the run -------------------------------------------------------------------------
     def run(self) -> Dict[str, Any]:
         self.srv.start()
@@ -407,6 +533,10 @@ class Soak:
                 flood = c.create(backend="function", ttl_s=0, labels={"soak": "flood"})
                 bg = c.create(backend="function", ttl_s=0, labels={"soak": "bg"})
                 self.long_lived = [good.id, flood.id, bg.id]
+            try:
+                self.pulls = PullSource(self.base / "registry")
+            except (RuntimeError, OSError, subprocess.SubprocessError) as e:
+                self.faults["registry"] = {"skipped": str(e)}
             self.t0 = time.monotonic()
             threads.append(self.sampler())
             threads.append(self.good_client(good.id))
@@ -417,8 +547,10 @@ class Soak:
                         self.loop("bg", self.bg_body(bg.id), pause=1.0),
                         self.loop("run_code", self.run_code_body, pause=1.0),
                         self.abuser_idle(), self.abuser_never_reads(flood.id)]
+            if self.pulls is not None:
+                threads.append(self.loop("pull", self.pull_body, pause=1.0))
             load_s = self.duration_s - self.quiet_s
-            plan = [(0.4, self.disk_full), (0.6, self.kill9)]
+            plan = [(0.2, self.registry_stop), (0.4, self.disk_full), (0.6, self.kill9)]
             for frac, fault in plan:
                 at = self.t0 + self.quiet_s + frac * load_s
                 self.stop.wait(max(0.0, at - time.monotonic()))
@@ -447,6 +579,7 @@ class Soak:
                 self.srv.stop()
             finally:
                 subprocess.run(["umount", "-l", str(self.data)], check=False)
+                result["images_left"] = self.forget_pulled()
                 remove_private_base(self.base)
         quiet = [s for _, s, p in self.good if p == "quiet"]
         loaded = [s for _, s, p in self.good if p == "loaded"]
@@ -532,6 +665,7 @@ def markdown(res: Dict[str, Any], cmd: str, commit: str) -> str:
     """The BENCHMARKS.md section of one soak result (between `bench:begin soak` markers)."""
     g, r, h = res["good_exec_ms"], res["rss_mib"], res.get("host", {})
     k, d = res["faults"].get("kill9", {}), res["faults"].get("disk_full", {})
+    reg = res["faults"].get("registry", {})
     ok = lambda b: "met" if b else "MISSED"  # noqa: E731
     lb = h.get("loadavg_before")
     la = h.get("loadavg_after")
@@ -566,6 +700,12 @@ def markdown(res: Dict[str, Any], cmd: str, commit: str) -> str:
         f"| data dir full ({d.get('free_mib')} MiB free) → create | {d.get('create_status')} "
         f"`{d.get('create_code')}` (Retry-After {d.get('retry_after')}); exec exit "
         f"{d.get('exec_on_full_disk')} | 429 | {ok(d.get('create_status') == 429)} |",
+        f"| registry stopped → create that must pull | {reg.get('create_status')} "
+        f"`{reg.get('create_code')}` in {reg.get('create_while_down_s')} s, left "
+        f"{len(reg.get('left_behind', []))}; back → the same reference runs after "
+        f"{reg.get('pull_after_s')} s | 503, nothing left | "
+        f"{ok(reg.get('create_status') == 503 and not reg.get('left_behind'))} |"
+        if "skipped" not in reg else f"| registry fault | not run: {reg['skipped']} | | |",
         f"| left after deleting everything ({res['cleanup_s']} s) | "
         f"{leaked or 'nothing'} (before {res['leaks_before']}, after {res['leaks_after']}) "
         f"| nothing | {ok(not leaked)} |",
