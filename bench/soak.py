@@ -25,8 +25,9 @@ Load (threads, each its own client, until the end):
     ask for 8 MiB of exec output and never read the answer (held 5 s).
 Faults: at 20% of the run the private registry is stopped for ~5 s: a create that must pull
 answers 503 `unavailable` (and leaves nothing behind), the `pull` loop's calls fail meanwhile
-(counted apart), and once the registry is back the same reference pulls and runs. At 40% the data dir is filled to 64 MiB free (below the 256 MiB
-reserve): a create must answer 429 `resource_exhausted`; the filler is removed 10 s later.
+(counted apart), and once the registry is back the same reference pulls and runs. At 40%
+the data dir is filled to 64 MiB free (below the 256 MiB reserve): a create must answer 429
+`resource_exhausted`; the filler is removed 10 s later.
 At 60% the server is killed with SIGKILL and started again: recovery time = until
 `/v1/ping` answers, and until every long-lived sandbox answers an exec.
 Sampled: server RSS every second (VmRSS), sandbox states every 5 s (any `lost` sandbox is
@@ -102,7 +103,7 @@ class PullSource:
     """A private registry for the `pull` load and the registry fault: `scripts/registry.sh`
     (Debian's docker-registry) on a free loopback port, storage under `rdir`, holding
     `sandlot/busybox:latest` copied with skopeo from the shared test registry
-    (`scripts/registry.sh push`). [`PullSource.tag`] gives the image a new tag (one
+    (`scripts/registry.sh push`). `tag()` gives the image a new tag (one
     manifest PUT, Distribution spec "Pushing manifests"), so a create from it must pull
     (manifest and config; the layer is in the image store already).
 
@@ -111,19 +112,25 @@ class PullSource:
     def __init__(self, rdir: Path) -> None:
         self.rdir, self.addr = rdir, f"127.0.0.1:{free_port()}"
         self.sh("start")
-        src = f"docker://{SHARED_REGISTRY}/sandlot/busybox:latest"
-        r = subprocess.run(["skopeo", "copy", "--quiet", "--src-tls-verify=false",
-                            "--dest-tls-verify=false", src,
-                            f"docker://{self.addr}/sandlot/busybox:latest"],
-                           capture_output=True, text=True, timeout=120)
-        if r.returncode != 0:
-            self.sh("stop")
-            raise RuntimeError(f"skopeo copy {src}: {r.stderr.strip()[-300:]} "
-                               "(scripts/registry.sh start && scripts/registry.sh push)")
-        url = f"http://{self.addr}/v2/sandlot/busybox/manifests/latest"
-        req = urllib.request.Request(url, headers={"Accept": MANIFEST_TYPES})
-        with urllib.request.urlopen(req, timeout=10) as resp:
-            self.manifest, self.media_type = resp.read(), resp.headers["Content-Type"]
+        try:
+            src = f"docker://{SHARED_REGISTRY}/sandlot/busybox:latest"
+            r = subprocess.run(["skopeo", "copy", "--quiet", "--src-tls-verify=false",
+                                "--dest-tls-verify=false", src,
+                                f"docker://{self.addr}/sandlot/busybox:latest"],
+                               capture_output=True, text=True, timeout=120)
+            if r.returncode != 0:
+                raise RuntimeError(f"skopeo copy {src}: {r.stderr.strip()[-300:]} "
+                                   "(scripts/registry.sh start && scripts/registry.sh push)")
+            url = f"http://{self.addr}/v2/sandlot/busybox/manifests/latest"
+            req = urllib.request.Request(url, headers={"Accept": MANIFEST_TYPES})
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                self.manifest, self.media_type = resp.read(), resp.headers["Content-Type"]
+        except BaseException:
+            try:
+                self.sh("stop")
+            except RuntimeError:
+                pass
+            raise
 
     def sh(self, cmd: str) -> None:
         env = dict(os.environ, SANDLOT_REGISTRY_ADDR=self.addr,
