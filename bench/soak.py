@@ -111,6 +111,7 @@ class PullSource:
 
     def __init__(self, rdir: Path) -> None:
         self.rdir, self.addr = rdir, f"127.0.0.1:{free_port()}"
+        self.refs: List[str] = []  # every reference tagged (a create may have pulled it)
         self.sh("start")
         try:
             src = f"docker://{SHARED_REGISTRY}/sandlot/busybox:latest"
@@ -141,12 +142,15 @@ class PullSource:
             raise RuntimeError(f"registry.sh {cmd}: {(r.stdout + r.stderr).strip()[-300:]}")
 
     def tag(self, tag: str) -> str:
-        """Tags the image `tag` and returns its reference (`OSError` while stopped)."""
+        """Tags the image `tag` and returns its reference, also kept in `refs` (`OSError`
+        while stopped)."""
         req = urllib.request.Request(
             f"http://{self.addr}/v2/sandlot/busybox/manifests/{tag}", data=self.manifest,
             method="PUT", headers={"Content-Type": self.media_type})
         urllib.request.urlopen(req, timeout=10).close()
-        return f"{self.addr}/sandlot/busybox:{tag}"
+        ref = f"{self.addr}/sandlot/busybox:{tag}"
+        self.refs.append(ref)  # list.append is atomic: the pull loop and a fault tag
+        return ref
 
 
 class Soak:
@@ -179,7 +183,6 @@ class Soak:
         self.t0 = time.monotonic()
         self.long_lived: List[str] = []
         self.pulls: Optional[PullSource] = None
-        self.pulled: List[str] = []  # references pulled into the shared image store
         self.registry_down = threading.Event()
 
     # -- helpers -------------------------------------------------------------------------
@@ -302,8 +305,6 @@ class Soak:
     def pull_body(self, c: sandlot.Client) -> None:
         assert self.pulls is not None
         ref = self.pulls.tag(f"soak-{uuid.uuid4().hex[:12]}")
-        with self.lock:
-            self.pulled.append(ref)
         with c.create(backend="function", image=ref, ttl_s=120,
                       labels={"soak": "pull"}) as box:
             assert box.exec(["true"], timeout_s=30).exit_code == 0
@@ -443,8 +444,6 @@ class Soak:
             return
         ans: Dict[str, Any] = {}
         ref = self.pulls.tag("soak-while-down")  # tagged while up, never pulled yet
-        with self.lock:
-            self.pulled.append(ref)
         self.registry_down.set()
         self.pulls.sh("stop")
         with self.client() as c:
@@ -513,13 +512,14 @@ class Soak:
     def forget_pulled(self) -> List[str]:
         """Stops the private registry and removes the references the load pulled from the
         shared image store (`sandlot image rm`); returns those that could not be."""
-        if self.pulls is not None:
-            try:
-                self.pulls.sh("stop")
-            except RuntimeError:
-                pass
+        if self.pulls is None:
+            return []
+        try:
+            self.pulls.sh("stop")
+        except RuntimeError:
+            pass
         left = []
-        for ref in self.pulled:
+        for ref in self.pulls.refs:
             r = subprocess.run([str(self.binary), "image", "rm", ref, "--images-dir",
                                 IMAGES_DIR], capture_output=True, text=True, timeout=120,
                                stdin=subprocess.DEVNULL)

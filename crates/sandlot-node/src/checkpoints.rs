@@ -513,7 +513,7 @@ fn release(f: &mut std::collections::HashMap<String, usize>, id: &str) -> usize 
 /// Run the blocking `copy` while `group` is frozen, under the read side of the sandbox's
 /// lifecycle lock `deleting` so no delete runs meanwhile: the copy sees the writable layer
 /// at one instant of the sandbox's processes. The first of overlapping copies freezes the
-/// group (unless the sandbox is `paused`, then it is frozen already), the last one thaws it
+/// group (unless it is frozen already: a paused sandbox), the last one thaws it
 /// unless the sandbox is `paused` by then (a pause during the copy keeps it frozen). File
 /// API writes made from the host at the same moment may or may not be in it.
 ///

@@ -63,7 +63,9 @@ pub(crate) async fn freeze(
     // in the agent's table). Wait for those: an exec sent to an agent frozen before it read
     // the request was registered only after the resume, after a node restart's re-find had
     // listed the agent's execs, so it was missing and its number given again (CI).
-    let wait = async {
+    let guard = if was_paused {
+        deleting.read().await
+    } else {
         match tokio::time::timeout(SETUP_WAIT, deleting.write()).await {
             Ok(w) => w.downgrade(),
             Err(_) => {
@@ -71,11 +73,6 @@ pub(crate) async fn freeze(
                 deleting.read().await
             }
         }
-    };
-    let guard = if was_paused {
-        deleting.read().await
-    } else {
-        wait.await
     };
     if *guard {
         paused.store(false, Ordering::SeqCst);

@@ -6,7 +6,7 @@
 //! | `GET /v2/sandboxes?metadata=&state=&template=&startedAfter=&order=&limit=&nextToken=` → `[ListedSandbox]`, `X-Next-Token` when more follow | list of the caller's sandboxes, `metadata` = URL-encoded `k=v&…` (all must match), `state` = `running,paused`, `order` by start (default `desc`), `limit` 1–100 (default 100) |
 //! | `GET /sandboxes` → `[ListedSandbox]` | the running ones |
 //! | `GET /sandboxes/{id}` → `SandboxDetail` | get |
-//! | `DELETE /sandboxes/{id}` → 204 (404 unknown) | delete |
+//! | `DELETE /sandboxes/{id}` → 204 (404 unknown or being deleted) | delete |
 //! | `POST /sandboxes/{id}/timeout {timeout}` → 204 | TTL = now + timeout ([`crate::sandboxes::set_ttl`]) |
 //! | `POST /sandboxes/{id}/refreshes {duration}` → 204 | keepalive |
 //! | `POST /sandboxes/{id}/pause` → 204 (409 when paused) | pause (processes frozen, files kept) |
@@ -693,8 +693,8 @@ pub async fn get_one(
     Ok(axum::Json(v).into_response())
 }
 
-/// `DELETE /sandboxes/{id}` → 204; 404 when unknown or already being deleted (the SDK's `kill` then answers
-/// `False`).
+/// `DELETE /sandboxes/{id}` → 204; 404 when unknown or already being deleted (the SDK's
+/// `kill` then answers `False`).
 pub async fn kill(
     State(st): State<SharedState>,
     Extension(who): Extension<Principal>,
