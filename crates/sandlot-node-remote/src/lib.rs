@@ -72,7 +72,7 @@ mod client;
 mod server;
 pub mod wire;
 
-pub use client::{RemoteNode, RemoteOptions};
+pub use client::{NodeConnector, RemoteNode, RemoteOptions};
 pub use server::{
     router, router_gated, serve, serve_tls, status_of, tls_acceptor, ServingGate, AUTH_DEADLINE,
     MAX_BODY_BYTES, MAX_CONNECTIONS, MAX_STREAMS,

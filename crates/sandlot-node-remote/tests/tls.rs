@@ -5,7 +5,9 @@
 use sandlot_node_api::{Node, NodeError};
 use sandlot_node_fake::FakeNode;
 use sandlot_node_remote::AUTH_DEADLINE;
-use sandlot_node_remote::{router, serve_tls, tls_acceptor, RemoteNode, RemoteOptions};
+use sandlot_node_remote::{
+    router, serve_tls, tls_acceptor, NodeConnector, RemoteNode, RemoteOptions,
+};
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -80,6 +82,41 @@ async fn contract_over_tls() {
     // Every call, the streamed and full-duplex ones included, through TLS.
     common::run_all(&remote, &common::Profile::fake()).await;
     assert!(fake.execs.lock().unwrap().len() >= 3);
+}
+
+/// One connector (one HTTP client, the CA loaded once) reaches several nodes, each over its
+/// own connection: every node answers its own calls.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_connector_reaches_several_nodes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let Some((ca, cert, key)) = certs(tmp.path(), &["IP:127.0.0.1"]) else {
+        return;
+    };
+    let connector = NodeConnector::new(trusting(&ca)).unwrap();
+    let mut fakes = Vec::new();
+    let mut remotes = Vec::new();
+    for _ in 0..3 {
+        let fake = Arc::new(FakeNode::default());
+        let (port, _server) = start_tls(fake.clone(), &cert, &key).await;
+        let url = format!("https://127.0.0.1:{port}");
+        remotes.push(
+            connector
+                .connect(&url, Some("tls-t0ken".into()))
+                .await
+                .unwrap(),
+        );
+        fakes.push(fake);
+    }
+    for (i, r) in remotes.iter().enumerate() {
+        r.create(&common::spec(&format!("sb-{i}"))).await.unwrap();
+    }
+    for (i, f) in fakes.iter().enumerate() {
+        let ids: Vec<String> = f.list().await.unwrap().into_iter().map(|s| s.id).collect();
+        assert_eq!(ids, [format!("sb-{i}")]);
+    }
+    // A bad CA is refused when the connector is built, before any node is reached.
+    let e = NodeConnector::new(trusting(b"not a certificate")).unwrap_err();
+    assert!(matches!(e, NodeError::InvalidArgument(_)), "{e:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

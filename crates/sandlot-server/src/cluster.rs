@@ -28,6 +28,7 @@
 use crate::placement::{self, Candidate, PlacementError, Recent, Request};
 use crate::{events, SharedState};
 use async_trait::async_trait;
+use futures::StreamExt as _;
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 use sandlot_api::{Backend, ExecRequest, ExecResult, FileEntry, SandboxState};
@@ -36,7 +37,7 @@ use sandlot_node_api::{
     CheckpointMeta, ExecControl, ExecSink, Liveness, Node, NodeError, NodeInfo, NodeResult,
     SandboxSpec, SandboxStatus,
 };
-use sandlot_node_remote::{RemoteNode, RemoteOptions};
+use sandlot_node_remote::{NodeConnector, RemoteNode, RemoteOptions};
 use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
@@ -47,6 +48,11 @@ pub const JOB_LABEL: &str = "job";
 /// How long a placement counts in [`Candidate::recent`]: a node publishes its usage at most
 /// once a second, and the etcd watch brings it within milliseconds; 2 s covers both.
 pub const RECENT_PLACEMENT: Duration = Duration::from_secs(2);
+
+/// Nodes asked for their sandboxes at once when a server starts ([`ClusterNode::start`]),
+/// so that the start does not take the sum of every node's round trips (and of the
+/// connect timeout of each node that cannot be reached).
+pub const START_LEARN_CONCURRENCY: usize = 32;
 
 /// One placement this server made: when, what it asked, its job.
 type Placement = (Instant, f64, u64, Option<String>);
@@ -101,7 +107,8 @@ impl RecentQueue {
 pub struct ClusterNode {
     set: NodeSet,
     token: Option<String>,
-    opts: RemoteOptions,
+    /// One HTTP/2 client for every node (built once: each build loads the CA roots).
+    connector: NodeConnector,
     /// Node name → (advertise URL it was connected at, client).
     clients: Mutex<HashMap<String, (String, Arc<RemoteNode>)>>,
     /// Sandbox id → node name.
@@ -159,34 +166,43 @@ fn recent_on(recent: &mut HashMap<String, RecentQueue>, node: &str, now: Instant
 impl ClusterNode {
     /// Follows the node set in etcd (`client`, see [`sandlot_cluster::connect`]) and
     /// reaches nodes with `token` (the nodes' shared node API token) under `opts`; fills
-    /// the routes from every registered node's `list` and `list_checkpoints` (a node that
-    /// does not answer is logged and looked up later).
+    /// the routes from every registered node's `list` and `list_checkpoints`, up to
+    /// [`START_LEARN_CONCURRENCY`] nodes at once (a node that does not answer is logged
+    /// and looked up later).
     ///
     /// # Errors
-    /// `Unavailable` when etcd cannot be read.
+    /// `Unavailable` when etcd cannot be read; `InvalidArgument` for a
+    /// [`RemoteOptions::tls_ca_pem`] that is not PEM certificates.
     pub async fn start(
         client: &sandlot_cluster::Client,
         token: Option<String>,
         opts: RemoteOptions,
     ) -> NodeResult<Arc<ClusterNode>> {
+        let connector = NodeConnector::new(opts)?;
         let set = NodeSet::start(client)
             .await
             .map_err(|e| NodeError::Unavailable(format!("etcd: {e}")))?;
         let c = Arc::new(ClusterNode {
             set,
             token,
-            opts,
+            connector,
             clients: Mutex::default(),
             routes: RwLock::default(),
             checkpoints: RwLock::default(),
             rng: Mutex::new(StdRng::from_os_rng()),
             recent: Mutex::default(),
         });
-        for name in c.set.nodes().keys() {
-            if let Err(e) = c.learn(name).await {
-                tracing::warn!(node = %name, error = %e, "cannot list the node's sandboxes at start");
-            }
-        }
+        let names: Vec<String> = c.set.nodes().keys().cloned().collect();
+        let cn = &c;
+        futures::stream::iter(&names)
+            .map(|name| async move { (name, cn.learn(name).await) })
+            .buffer_unordered(START_LEARN_CONCURRENCY)
+            .for_each(|(name, r)| async move {
+                if let Err(e) = r {
+                    tracing::warn!(node = %name, error = %e, "cannot list the node's sandboxes at start");
+                }
+            })
+            .await;
         Ok(c)
     }
 
@@ -313,7 +329,8 @@ impl ClusterNode {
             }
         }
         let n = Arc::new(
-            RemoteNode::connect_with(&rec.advertise_url, self.token.clone(), self.opts.clone())
+            self.connector
+                .connect(&rec.advertise_url, self.token.clone())
                 .await?,
         );
         lock(&self.clients).insert(name.to_owned(), (rec.advertise_url.clone(), n.clone()));
