@@ -40,6 +40,7 @@ import os
 import shlex
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -254,6 +255,10 @@ class SimCluster:
         self.pg_dir = self.dir / "pg"
         self.nprocs = 1
         self.sim_name = "sim"
+        # Set by up(): seconds from the server's spawn to its `listening` line (it reads the
+        # node set and asks every node for its sandboxes first), and its RSS then (MiB).
+        self.server_start_s = 0.0
+        self.server_rss_mib = 0.0
 
     def _etcd(self, *a: str) -> subprocess.CompletedProcess:
         return subprocess.run(["bash", str(R.REPO / "scripts" / "etcd.sh"), *a],
@@ -306,6 +311,7 @@ class SimCluster:
                 raise SystemExit(f"bench: the simulation exited; see {self.dir / name}.log")
         slog = open(self.dir / "server.log", "ab")
         pg_args = ["--postgres", self.pg] if self.postgres else []
+        t0 = time.perf_counter()
         srv = subprocess.Popen(
             [str(self.binary), "server", "--listen", "127.0.0.1:0", "--etcd", self.etcd,
              "--data-dir", str(self.dir / "server"), "--node-token-file", str(token),
@@ -317,6 +323,8 @@ class SimCluster:
         for line in srv.stdout:
             if line.startswith("sandlot listening on "):
                 self.url = line.split()[-1]
+                self.server_start_s = time.perf_counter() - t0
+                self.server_rss_mib = (R.rss_bytes(srv.pid) or 0) / 2**20
                 break
         else:
             raise SystemExit(f"bench: the server exited; see {self.dir / 'server.log'}")
@@ -412,9 +420,10 @@ def sim_screenshot(url: str, out: Path) -> None:
 
 
 def sim_session(binary: Path, args: argparse.Namespace,
-                screenshot: str | None = None) -> tuple[list[tuple], int]:
+                screenshot: str | None = None) -> tuple[list[tuple], int, tuple[float, float]]:
     """One simulated cluster on `binary`: `args.rounds` rounds of single then batch creates;
-    (per-round (single s, errors, batch s, failed), live sandboxes at the end)."""
+    (per-round (single s, errors, batch s, failed), live sandboxes at the end, (the server's
+    start in s, its RSS then in MiB))."""
     c = SimCluster(binary, args.simulate, args.sim_capacity, args.sim_create_delay_ms)
     c.postgres = args.postgres
     rows = []
@@ -434,7 +443,7 @@ def sim_session(binary: Path, args: argparse.Namespace,
         live = R.httpx.get(f"{c.url}/healthz", timeout=30).json()["sandboxes"]
     finally:
         c.down()
-    return rows, live
+    return rows, live, (c.server_start_s, c.server_rss_mib)
 
 
 def sim_rates(rows: list[tuple], args: argparse.Namespace) -> tuple[float, float]:
@@ -453,10 +462,13 @@ def main_sim_baseline(args: argparse.Namespace, argv: list[str] | None) -> int:
     m = R.machine()
     subjects = {"baseline": Path(args.baseline), "candidate": Path(args.binary)}
     rows: dict[str, list[tuple]] = {k: [] for k in subjects}
+    starts: dict[str, list[tuple[float, float]]] = {k: [] for k in subjects}
     for i in range(args.alternate):
         for name, binary in subjects.items():
             print(f"bench: session {i + 1}/{args.alternate}: {name}", flush=True)
-            rows[name] += sim_session(binary, args)[0]
+            r, _, start = sim_session(binary, args)
+            rows[name] += r
+            starts[name].append(start)
     rates = {k: sim_rates(v, args) for k, v in rows.items()}
     L = [f"## {date} UTC — creates into {args.simulate} simulated nodes, candidate vs baseline",
          ""]
@@ -470,20 +482,34 @@ def main_sim_baseline(args: argparse.Namespace, argv: list[str] | None) -> int:
              f"registry), {args.rounds} rounds of {args.n_single} single creates (concurrency "
              f"{SIM_CONC_SINGLE}) then {args.n_batch} batch creates ({args.batch_size} per call).")
     L.append("")
-    L.append("| | single creates/s | batch creates/s | errors |")
-    L.append("|---|---:|---:|---:|")
+    start = {k: (statistics.median(s[0] for s in v), statistics.median(s[1] for s in v))
+             for k, v in starts.items()}
+    L.append("| | single creates/s | batch creates/s | errors | server start (median) | "
+             "server RSS at start (median) |")
+    L.append("|---|---:|---:|---:|---:|---:|")
     for k in subjects:
         err = sum(r[1] + r[3] for r in rows[k])
-        L.append(f"| {k} | {rates[k][0]:.1f} | {rates[k][1]:.1f} | {err} |")
+        L.append(f"| {k} | {rates[k][0]:.1f} | {rates[k][1]:.1f} | {err} | "
+                 f"{start[k][0]:.2f} s | {start[k][1]:.1f} MiB |")
     L.append(f"| candidate / baseline | {rates['candidate'][0] / rates['baseline'][0]:.2f}× | "
-             f"{rates['candidate'][1] / rates['baseline'][1]:.2f}× | |")
+             f"{rates['candidate'][1] / rates['baseline'][1]:.2f}× | | "
+             f"{start['candidate'][0] / start['baseline'][0]:.2f}× | "
+             f"{start['candidate'][1] / start['baseline'][1]:.2f}× |")
+    L.append("")
+    L.append("Server start: from spawning `sandlot server` to its `listening` line (it reads "
+             "the node set from etcd and asks every node for its sandboxes and checkpoints "
+             "first; the nodes hold no sandboxes then); RSS (VmRSS) at that moment. Per "
+             "session: " + "; ".join(f"{k} " + ", ".join(f"{a:.2f} s / {b:.0f} MiB"
+                                                          for a, b in v)
+                                     for k, v in starts.items()) + ".")
     L += [""] + args.note
     text = "\n".join(L).rstrip() + "\n"
     print(text)
     if args.json:
         Path(args.json).write_text(json.dumps({
             "date": date, "nodes": args.simulate, "subjects": {k: str(v) for k, v in subjects.items()},
-            "rows": rows, "single_per_s": {k: v[0] for k, v in rates.items()},
+            "rows": rows, "server_start_s_rss_mib": starts,
+            "single_per_s": {k: v[0] for k, v in rates.items()},
             "batch_per_s": {k: v[1] for k, v in rates.items()}}, indent=1))
     if args.write:
         path = Path(args.write)
@@ -503,7 +529,7 @@ def main_simulated(args: argparse.Namespace, argv: list[str] | None) -> int:
         shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     load_before = R.loadavg()
     m = R.machine()
-    rows, live = sim_session(binary, args, args.screenshot)
+    rows, live, (start_s, rss_mib) = sim_session(binary, args, args.screenshot)
     st = sum(r[0] for r in rows)
     bt = sum(r[2] for r in rows)
     ns, nb = args.n_single * len(rows), args.n_batch * len(rows)
@@ -515,7 +541,8 @@ def main_simulated(args: argparse.Namespace, argv: list[str] | None) -> int:
     L.append(f"One etcd member (scripts/etcd.sh), `sandlot node --simulate {args.simulate} "
              f"--max-sandboxes {args.sim_capacity} --sim-create-delay-ms "
              f"{args.sim_create_delay_ms}` (one process; SIMULATED nodes: each sandbox is a "
-             "record, nothing runs) and one `sandlot server --etcd` with its SQLite registry, "
+             "record, nothing runs) and one `sandlot server --etcd` with its "
+             f"{'PostgreSQL' if args.postgres else 'SQLite'} registry, "
              "all on this machine. Each round: single creates (`POST /v1/sandboxes`) from "
              f"{SIM_CONC_SINGLE} client threads, then batch creates (`POST "
              f"/v1/sandboxes:batch`, {args.batch_size} per call, one call at a time; the "
@@ -529,6 +556,8 @@ def main_simulated(args: argparse.Namespace, argv: list[str] | None) -> int:
              f"{sum(r[3] for r in rows)} |")
     L.append(f"| batch / single | | | {batch_rate / single_rate:.2f}× | |")
     L.append("")
+    L.append(f"Server start (spawn → `listening`, the nodes empty): {start_s:.2f} s, RSS then "
+             f"{rss_mib:.1f} MiB.")
     L.append(f"Live sandboxes at the end: {live} (in {args.simulate} simulated nodes). "
              "Per-round figures: " + "; ".join(
                  f"single {args.n_single / r[0]:.1f}/s, batch {args.n_batch / r[2]:.1f}/s"
@@ -540,7 +569,8 @@ def main_simulated(args: argparse.Namespace, argv: list[str] | None) -> int:
         Path(args.json).write_text(json.dumps({
             "date": date, "nodes": args.simulate, "single_creates": ns, "single_s": st,
             "single_per_s": single_rate, "batch_creates": nb, "batch_s": bt,
-            "batch_per_s": batch_rate, "rounds": rows, "live": live}, indent=1))
+            "batch_per_s": batch_rate, "rounds": rows, "live": live,
+            "server_start_s": start_s, "server_rss_mib": rss_mib}, indent=1))
     if args.write:
         path = Path(args.write)
         old = path.read_text() if path.exists() else ""
