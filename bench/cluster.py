@@ -235,6 +235,21 @@ SIM_CONC_SINGLE = 64
 SIM_BATCH = 1000
 
 
+def cpu_s(pid: int) -> float:
+    """utime + stime of `pid`, seconds (proc(5) fields 14, 15); 0 when it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            v = f.read().rsplit(")", 1)[1].split()
+        return (int(v[11]) + int(v[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+# --simulate: seconds without any client call after the rounds, over which the server's and
+# the simulation's CPU are measured (what the server's background work costs at the fill).
+SIM_IDLE_S = 10
+
+
 class SimCluster:
     """One etcd member (scripts/etcd.sh), `sandlot node --simulate N` and one `sandlot server
     --etcd` in a temporary directory; no root, no images. Set before `up()`: `postgres`
@@ -420,10 +435,12 @@ def sim_screenshot(url: str, out: Path) -> None:
 
 
 def sim_session(binary: Path, args: argparse.Namespace,
-                screenshot: str | None = None) -> tuple[list[tuple], int, tuple[float, float]]:
+                screenshot: str | None = None
+                ) -> tuple[list[tuple], int, tuple[float, float], tuple[float, float]]:
     """One simulated cluster on `binary`: `args.rounds` rounds of single then batch creates;
     (per-round (single s, errors, batch s, failed), live sandboxes at the end, (the server's
-    start in s, its RSS then in MiB))."""
+    start in s, its RSS then in MiB), (server, simulation) cores used over SIM_IDLE_S
+    seconds without calls at the end)."""
     c = SimCluster(binary, args.simulate, args.sim_capacity, args.sim_create_delay_ms)
     c.postgres = args.postgres
     rows = []
@@ -438,12 +455,20 @@ def sim_session(binary: Path, args: argparse.Namespace,
             rows.append((s_t, s_err, b_t, b_err))
             print(f"round {rnd}: single {args.n_single / s_t:.1f}/s ({s_err} errors), "
                   f"batch {args.n_batch / b_t:.1f}/s ({b_err} failed)", flush=True)
+        live = R.httpx.get(f"{c.url}/healthz", timeout=30).json()["sandboxes"]
+        assert c.server is not None
+        pids = [c.server.pid] + [s.pid for s in c.sims]
+        before = [cpu_s(p) for p in pids]
+        time.sleep(SIM_IDLE_S)
+        used = [cpu_s(p) - b for p, b in zip(pids, before)]
+        idle = (used[0] / SIM_IDLE_S, sum(used[1:]) / SIM_IDLE_S)
+        print(f"idle at {live} live: server {idle[0]:.3f} cores, simulation {idle[1]:.3f} cores",
+              flush=True)
         if screenshot:
             sim_screenshot(c.url, Path(screenshot))
-        live = R.httpx.get(f"{c.url}/healthz", timeout=30).json()["sandboxes"]
     finally:
         c.down()
-    return rows, live, (c.server_start_s, c.server_rss_mib)
+    return rows, live, (c.server_start_s, c.server_rss_mib), idle
 
 
 def sim_rates(rows: list[tuple], args: argparse.Namespace) -> tuple[float, float]:
@@ -463,12 +488,16 @@ def main_sim_baseline(args: argparse.Namespace, argv: list[str] | None) -> int:
     subjects = {"baseline": Path(args.baseline), "candidate": Path(args.binary)}
     rows: dict[str, list[tuple]] = {k: [] for k in subjects}
     starts: dict[str, list[tuple[float, float]]] = {k: [] for k in subjects}
+    idles: dict[str, list[tuple[float, float]]] = {k: [] for k in subjects}
+    lives: dict[str, list[int]] = {k: [] for k in subjects}
     for i in range(args.alternate):
         for name, binary in subjects.items():
             print(f"bench: session {i + 1}/{args.alternate}: {name}", flush=True)
-            r, _, start = sim_session(binary, args)
+            r, live, start, idle = sim_session(binary, args)
             rows[name] += r
             starts[name].append(start)
+            idles[name].append(idle)
+            lives[name].append(live)
     rates = {k: sim_rates(v, args) for k, v in rows.items()}
     L = [f"## {date} UTC — creates into {args.simulate} simulated nodes, candidate vs baseline",
          ""]
@@ -502,13 +531,21 @@ def main_sim_baseline(args: argparse.Namespace, argv: list[str] | None) -> int:
              "session: " + "; ".join(f"{k} " + ", ".join(f"{a:.2f} s / {b:.0f} MiB"
                                                           for a, b in v)
                                      for k, v in starts.items()) + ".")
+    L.append("")
+    L.append(f"Idle at the fill: cores used by the server and by the simulation over {SIM_IDLE_S} s "
+             "without any client call after the last round (the server's reaper and sweeps, "
+             "the nodes' usage publication), per session: " + "; ".join(
+                 f"{k} " + ", ".join(f"{a:.3f} / {b:.3f} at {n} live"
+                                     for (a, b), n in zip(v, lives[k]))
+                 for k, v in idles.items()) + ".")
     L += [""] + args.note
     text = "\n".join(L).rstrip() + "\n"
     print(text)
     if args.json:
         Path(args.json).write_text(json.dumps({
             "date": date, "nodes": args.simulate, "subjects": {k: str(v) for k, v in subjects.items()},
-            "rows": rows, "server_start_s_rss_mib": starts,
+            "rows": rows, "server_start_s_rss_mib": starts, "idle_cores_server_sim": idles,
+            "live": lives,
             "single_per_s": {k: v[0] for k, v in rates.items()},
             "batch_per_s": {k: v[1] for k, v in rates.items()}}, indent=1))
     if args.write:
@@ -529,7 +566,7 @@ def main_simulated(args: argparse.Namespace, argv: list[str] | None) -> int:
         shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     load_before = R.loadavg()
     m = R.machine()
-    rows, live, (start_s, rss_mib) = sim_session(binary, args, args.screenshot)
+    rows, live, (start_s, rss_mib), idle = sim_session(binary, args, args.screenshot)
     st = sum(r[0] for r in rows)
     bt = sum(r[2] for r in rows)
     ns, nb = args.n_single * len(rows), args.n_batch * len(rows)
@@ -557,7 +594,8 @@ def main_simulated(args: argparse.Namespace, argv: list[str] | None) -> int:
     L.append(f"| batch / single | | | {batch_rate / single_rate:.2f}× | |")
     L.append("")
     L.append(f"Server start (spawn → `listening`, the nodes empty): {start_s:.2f} s, RSS then "
-             f"{rss_mib:.1f} MiB.")
+             f"{rss_mib:.1f} MiB. Idle at the end ({SIM_IDLE_S} s without calls): server "
+             f"{idle[0]:.3f} cores, simulation {idle[1]:.3f} cores.")
     L.append(f"Live sandboxes at the end: {live} (in {args.simulate} simulated nodes). "
              "Per-round figures: " + "; ".join(
                  f"single {args.n_single / r[0]:.1f}/s, batch {args.n_batch / r[2]:.1f}/s"
@@ -570,7 +608,8 @@ def main_simulated(args: argparse.Namespace, argv: list[str] | None) -> int:
             "date": date, "nodes": args.simulate, "single_creates": ns, "single_s": st,
             "single_per_s": single_rate, "batch_creates": nb, "batch_s": bt,
             "batch_per_s": batch_rate, "rounds": rows, "live": live,
-            "server_start_s": start_s, "server_rss_mib": rss_mib}, indent=1))
+            "server_start_s": start_s, "server_rss_mib": rss_mib,
+            "idle_cores_server_sim": idle}, indent=1))
     if args.write:
         path = Path(args.write)
         old = path.read_text() if path.exists() else ""

@@ -126,16 +126,6 @@ def _ppid(pid: int) -> int:
         return -1
 
 
-def _cpu_s(pid: int) -> float:
-    """utime + stime of `pid`, seconds (proc(5) fields 14, 15)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            v = f.read().rsplit(")", 1)[1].split()
-        return (int(v[11]) + int(v[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return 0.0
-
-
 def _mem_kib(pid: int) -> int:
     """Proportional set size (PSS, shared pages split between sharers) of `pid` in KiB, or
     its RSS where smaps_rollup cannot be read."""
@@ -170,7 +160,7 @@ class Sampler(threading.Thread):
         mem: Counter = Counter()
         for comp, pids in self.c.pids().items():
             for p in pids:
-                t = _cpu_s(p)
+                t = C.cpu_s(p)
                 if t:
                     self.cpu_by_pid[(comp, p)] = t
                 mem[comp] += _mem_kib(p)

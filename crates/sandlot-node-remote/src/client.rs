@@ -796,6 +796,16 @@ impl Node for RemoteNode {
         self.call(self.req(Method::GET, &["sandboxes"])).await
     }
 
+    async fn list_not_alive(&self) -> NodeResult<Vec<SandboxStatus>> {
+        let req = self
+            .req(Method::GET, &["sandboxes"])
+            .query(&[("liveness", "not_alive")]);
+        let mut list: Vec<SandboxStatus> = self.call(req).await?;
+        // A node from before the filter ignores the query and sends every sandbox.
+        list.retain(|s| !s.liveness.is_alive());
+        Ok(list)
+    }
+
     async fn readopt(&self, keep: &[String]) -> NodeResult<Vec<String>> {
         let body = ReadoptCall {
             keep: keep.to_vec(),

@@ -21,6 +21,7 @@
 //! | create | `POST /v1/sandboxes` | `SandboxSpec` JSON | `{}` |
 //! | create_from_checkpoint | `POST /v1/sandboxes/from-checkpoint` | [`wire::ForkCall`] | `{}` |
 //! | list | `GET /v1/sandboxes` | - | `[SandboxStatus]` |
+//! | list_not_alive | `GET /v1/sandboxes?liveness=not_alive` | - | `[SandboxStatus]`, those not alive |
 //! | delete | `DELETE /v1/sandboxes/{id}` | - | `{}` |
 //! | pause, resume | `POST /v1/sandboxes/{id}/pause`, `/resume` | - | `{}` |
 //! | pause_many, resume_many | `POST /v1/pause`, `/v1/resume` | [`wire::BulkCall`] (`{"ids": [id]}`, at most `BULK_MAX_IDS`) | `[null \| WireError]`, one per id in order |

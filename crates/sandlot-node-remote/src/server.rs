@@ -517,8 +517,27 @@ async fn delete_checkpoint(
     Ok(empty())
 }
 
-async fn list(State(n): State<Shared>) -> Answer<Vec<sandlot_node_api::SandboxStatus>> {
-    Ok(Json(n.list().await?))
+/// `GET /v1/sandboxes[?liveness=not_alive]`.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ListQ {
+    liveness: Option<LivenessFilter>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "snake_case")]
+enum LivenessFilter {
+    NotAlive,
+}
+
+async fn list(
+    State(n): State<Shared>,
+    QueryArg(q): QueryArg<ListQ>,
+) -> Answer<Vec<sandlot_node_api::SandboxStatus>> {
+    Ok(Json(match q.liveness {
+        Some(LivenessFilter::NotAlive) => n.list_not_alive().await?,
+        None => n.list().await?,
+    }))
 }
 
 async fn create(

@@ -38,6 +38,44 @@ async fn contract_on_a_remote_fake_node() {
     assert!(fake.execs.lock().unwrap().len() >= 3);
 }
 
+/// `list_not_alive` over the node API: only the dead and the unknown, the same as the
+/// node's own answer; a filter the node does not know is a 400 with a stable code.
+#[tokio::test]
+async fn list_not_alive_sends_only_those_not_alive() {
+    let fake = Arc::new(FakeNode::default());
+    for id in ["sb-alive", "sb-dead", "sb-unknown"] {
+        fake.create(&common::spec(id)).await.unwrap();
+    }
+    fake.dead.lock().unwrap().insert("sb-dead".into());
+    fake.unknown
+        .lock()
+        .unwrap()
+        .insert("sb-unknown".into(), "EMFILE".into());
+    let (url, _server) = common::start(fake.clone(), Some("s3cret".into())).await;
+    let remote = RemoteNode::connect(&url, Some("s3cret".into()))
+        .await
+        .unwrap();
+    let mut ids: Vec<String> = remote
+        .list_not_alive()
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|s| s.id)
+        .collect();
+    ids.sort();
+    assert_eq!(ids, ["sb-dead", "sb-unknown"]);
+    assert_eq!(remote.list().await.unwrap().len(), 3);
+    let r = reqwest::Client::new()
+        .get(format!("{url}/v1/sandboxes?liveness=dead"))
+        .bearer_auth("s3cret")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 400);
+    let body: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(body["kind"], "invalid_argument", "{body}");
+}
+
 /// Deletes what the test left and the test's cgroup parent.
 struct Cleanup {
     node: Arc<LocalNode>,

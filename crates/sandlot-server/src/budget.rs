@@ -496,6 +496,10 @@ impl Node for BudgetNode {
         self.inner.list().await
     }
 
+    async fn list_not_alive(&self) -> NodeResult<Vec<SandboxStatus>> {
+        self.inner.list_not_alive().await
+    }
+
     async fn readopt(&self, keep: &[String]) -> NodeResult<Vec<String>> {
         self.inner.readopt(keep).await
     }

@@ -54,6 +54,11 @@ pub const RECENT_PLACEMENT: Duration = Duration::from_secs(2);
 /// connect timeout of each node that cannot be reached).
 pub const START_LEARN_CONCURRENCY: usize = 32;
 
+/// At most one lookup on every node per this interval for the routes whose node left the
+/// cluster ([`ClusterNode::owner_name`]): a dead node leaves one such route per sandbox it
+/// had.
+pub const REFIND_INTERVAL: Duration = Duration::from_secs(1);
+
 /// One placement this server made: when, what it asked, its job.
 type Placement = (Instant, f64, u64, Option<String>);
 
@@ -118,6 +123,8 @@ pub struct ClusterNode {
     rng: Mutex<StdRng>,
     /// Node name → this server's placements there within [`RECENT_PLACEMENT`], oldest first.
     recent: Mutex<HashMap<String, RecentQueue>>,
+    /// When a route whose node left was last looked up ([`ClusterNode::owner_name`]).
+    last_refind: Mutex<Option<Instant>>,
 }
 
 impl std::fmt::Debug for ClusterNode {
@@ -191,6 +198,7 @@ impl ClusterNode {
             checkpoints: RwLock::default(),
             rng: Mutex::new(StdRng::from_os_rng()),
             recent: Mutex::default(),
+            last_refind: Mutex::default(),
         });
         let names: Vec<String> = c.set.nodes().keys().cloned().collect();
         let cn = &c;
@@ -401,7 +409,7 @@ impl ClusterNode {
     /// # Errors
     /// As [`ClusterNode::remote`] and the node's `list`.
     pub async fn learn(&self, name: &str) -> NodeResult<Vec<SandboxStatus>> {
-        let list = self.learn_sandboxes(name).await?;
+        let list = self.learn_sandboxes(name, false).await?;
         let node = self.remote(name).await?;
         if let Ok(cks) = node.list_checkpoints().await {
             let mut map = write(&self.checkpoints);
@@ -412,10 +420,14 @@ impl ClusterNode {
         Ok(list)
     }
 
-    /// Asks node `name` for its sandboxes and routes them to it (no checkpoints: the
-    /// reaper's `list` every pass).
-    async fn learn_sandboxes(&self, name: &str) -> NodeResult<Vec<SandboxStatus>> {
-        let list = self.remote(name).await?.list().await?;
+    /// Asks node `name` for its sandboxes (with `not_alive`, only those not alive) and
+    /// routes them to it (no checkpoints).
+    async fn learn_sandboxes(&self, name: &str, not_alive: bool) -> NodeResult<Vec<SandboxStatus>> {
+        let node = self.remote(name).await?;
+        let list = match not_alive {
+            true => node.list_not_alive().await?,
+            false => node.list().await?,
+        };
         let mut routes = write(&self.routes);
         for s in &list {
             routes.insert(s.id.clone(), name.to_owned());
@@ -423,14 +435,37 @@ impl ClusterNode {
         Ok(list)
     }
 
+    /// [`Node::list`] (or with `not_alive`, [`Node::list_not_alive`]) of every registered
+    /// node at once, see [`ClusterNode::list`].
+    async fn list_each(&self, not_alive: bool) -> NodeResult<Vec<SandboxStatus>> {
+        let names: Vec<String> = self.set.nodes().keys().cloned().collect();
+        let n = names.len();
+        let (all, mut failed) = union(names, |name| async move {
+            self.learn_sandboxes(&name, not_alive).await
+        })
+        .await;
+        for (name, e) in &failed {
+            tracing::warn!(node = %name, error = %e, "list: node did not answer");
+        }
+        if n > 0 && failed.len() == n {
+            return Err(failed.swap_remove(0).1);
+        }
+        Ok(all)
+    }
+
     /// The node name owning `id`: the route, else a lookup on every node (once; the
-    /// answer is cached).
+    /// answer is cached). A route to a node that left the cluster is looked up again
+    /// (another server may have resumed the sandbox on another node from the shared
+    /// snapshot store), but at most once per [`REFIND_INTERVAL`] for all such routes: a
+    /// dead node leaves thousands of them, and a lookup lists every node.
     async fn owner_name(&self, id: &str) -> NodeResult<String> {
         if let Some(n) = self.route_of(id) {
-            return Ok(n);
+            if self.set.nodes().contains_key(&n) || !self.refind_due() {
+                return Ok(n);
+            }
         }
         let names: Vec<String> = self.set.nodes().keys().cloned().collect();
-        let lookups = names.iter().map(|n| self.learn_sandboxes(n));
+        let lookups = names.iter().map(|n| self.learn_sandboxes(n, false));
         let results = futures::future::join_all(lookups).await;
         for (n, r) in names.iter().zip(results) {
             if let Err(e) = r {
@@ -439,6 +474,17 @@ impl ClusterNode {
         }
         self.route_of(id)
             .ok_or_else(|| NodeError::NotFound(format!("no sandbox {id} on any node")))
+    }
+
+    /// Whether a lookup of a route whose node left may run now (see
+    /// [`ClusterNode::owner_name`]); if so, the next one waits [`REFIND_INTERVAL`].
+    fn refind_due(&self) -> bool {
+        let mut last = lock(&self.last_refind);
+        if last.is_some_and(|t| t.elapsed() < REFIND_INTERVAL) {
+            return false;
+        }
+        *last = Some(Instant::now());
+        true
     }
 
     /// The client of the node owning `id`.
@@ -845,20 +891,13 @@ impl Node for ClusterNode {
     /// left out (their sandboxes are neither alive nor dead to the caller); all failing is
     /// the first node's error.
     async fn list(&self) -> NodeResult<Vec<SandboxStatus>> {
-        let names: Vec<String> = self.set.nodes().keys().cloned().collect();
-        let n = names.len();
-        let (all, mut failed) = union(
-            names,
-            |name| async move { self.learn_sandboxes(&name).await },
-        )
-        .await;
-        for (name, e) in &failed {
-            tracing::warn!(node = %name, error = %e, "list: node did not answer");
-        }
-        if n > 0 && failed.len() == n {
-            return Err(failed.swap_remove(0).1);
-        }
-        Ok(all)
+        self.list_each(false).await
+    }
+
+    /// As [`ClusterNode::list`], of each node's [`Node::list_not_alive`] (the reaper's
+    /// call every pass: with S live sandboxes, the whole list moved S statuses a second).
+    async fn list_not_alive(&self) -> NodeResult<Vec<SandboxStatus>> {
+        self.list_each(true).await
     }
 
     /// Cluster mode reconciles per node ([`reconcile`]) rather than re-adopting: this only

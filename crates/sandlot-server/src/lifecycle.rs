@@ -94,7 +94,7 @@ pub async fn reaper(st: SharedState, mut stop: tokio::sync::watch::Receiver<bool
 /// `EMFILE` while reading `/proc`) leaves the record alone, with a log line — `lost` is
 /// final, so it is never concluded from the node's own trouble.
 async fn mark_lost(st: &SharedState) {
-    let Ok(statuses) = st.node.list().await else {
+    let Ok(statuses) = st.node.list_not_alive().await else {
         return;
     };
     for s in &statuses {

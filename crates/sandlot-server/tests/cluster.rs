@@ -274,6 +274,26 @@ async fn a_server_spreads_routes_and_sweeps_over_etcd_nodes() {
     );
     assert!(t0.elapsed() < Duration::from_secs(1), "{:?}", t0.elapsed());
 
+    // A sandbox that died under n1 (its fake says so) is marked lost by the reaper, which
+    // asks each node only for its sandboxes that are not alive; then it is deleted.
+    let died = nodes[0].fake.ids()[0].clone();
+    nodes[0].fake.dead.lock().unwrap().insert(died.clone());
+    eventually(
+        "the sandbox that died lost",
+        Duration::from_secs(10),
+        async || api.state(&died).await == "lost",
+    )
+    .await;
+    let (s, b) = api
+        .call(
+            reqwest::Method::DELETE,
+            &format!("/v1/sandboxes/{died}"),
+            None,
+        )
+        .await;
+    assert!(s == 200 || s == 204, "{s} {b}");
+    assert!(!nodes[0].fake.ids().contains(&died));
+
     // n3's registration is revoked: its sandboxes become lost, the others still exec.
     let lost_ids = nodes[2].fake.ids();
     regs[2].take().unwrap().deregister().await.unwrap();
