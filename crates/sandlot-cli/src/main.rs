@@ -1134,7 +1134,7 @@ async fn server(a: ServerArgs) -> anyhow::Result<u8> {
         }
         let cluster = sandlot_server::cluster::ClusterNode::start(&etcd, Some(token), opts)
             .await
-            .context("read the node set from etcd")?;
+            .context("cluster mode: read the node set from etcd (and --node-ca)")?;
         let names: Vec<String> = cluster.nodes().keys().cloned().collect();
         tracing::info!(etcd = %a.etcd.join(","), nodes = ?names, "cluster mode: following the nodes registered in etcd");
         let server = sandlot_server::Server::bind_cluster(cfg, cluster).await?;

@@ -15,7 +15,9 @@
 //!   start. A fork goes to the node that holds its checkpoint.
 //! - **Routing**: sandbox id → node name in memory (filled by creates, at start from every
 //!   node's `list`, and when a node (re)joins); no store query on the hot path. An id not in
-//!   the map is looked up once on every node (`list`) and cached. Every I/O call (exec,
+//!   the map is looked up once on every node (`list`) and cached; a caller holding the
+//!   record follows its `node` ([`ClusterNode::follow_record`]: another server moved the
+//!   sandbox). Every I/O call (exec,
 //!   streaming or controlled, files, pause/resume, checkpoint) goes to the owning node.
 //! - **Lost-node sweep** ([`spawn_sweeper`]): when a node leaves the set (lease expired or
 //!   revoked) every `running`/`paused` record of it becomes `lost` (a `lost` event with
@@ -50,14 +52,8 @@ pub const JOB_LABEL: &str = "job";
 pub const RECENT_PLACEMENT: Duration = Duration::from_secs(2);
 
 /// Nodes asked for their sandboxes at once when a server starts ([`ClusterNode::start`]),
-/// so that the start does not take the sum of every node's round trips (and of the
-/// connect timeout of each node that cannot be reached).
+/// so that the start does not take the sum of every node's round trips.
 pub const START_LEARN_CONCURRENCY: usize = 32;
-
-/// At most one lookup on every node per this interval for the routes whose node left the
-/// cluster ([`ClusterNode::owner_name`]): a dead node leaves one such route per sandbox it
-/// had.
-pub const REFIND_INTERVAL: Duration = Duration::from_secs(1);
 
 /// One placement this server made: when, what it asked, its job.
 type Placement = (Instant, f64, u64, Option<String>);
@@ -123,8 +119,6 @@ pub struct ClusterNode {
     rng: Mutex<StdRng>,
     /// Node name → this server's placements there within [`RECENT_PLACEMENT`], oldest first.
     recent: Mutex<HashMap<String, RecentQueue>>,
-    /// When a route whose node left was last looked up ([`ClusterNode::owner_name`]).
-    last_refind: Mutex<Option<Instant>>,
 }
 
 impl std::fmt::Debug for ClusterNode {
@@ -198,7 +192,6 @@ impl ClusterNode {
             checkpoints: RwLock::default(),
             rng: Mutex::new(StdRng::from_os_rng()),
             recent: Mutex::default(),
-            last_refind: Mutex::default(),
         });
         let names: Vec<String> = c.set.nodes().keys().cloned().collect();
         let cn = &c;
@@ -424,9 +417,10 @@ impl ClusterNode {
     /// routes them to it (no checkpoints).
     async fn learn_sandboxes(&self, name: &str, not_alive: bool) -> NodeResult<Vec<SandboxStatus>> {
         let node = self.remote(name).await?;
-        let list = match not_alive {
-            true => node.list_not_alive().await?,
-            false => node.list().await?,
+        let list = if not_alive {
+            node.list_not_alive().await?
+        } else {
+            node.list().await?
         };
         let mut routes = write(&self.routes);
         for s in &list {
@@ -453,16 +447,22 @@ impl ClusterNode {
         Ok(all)
     }
 
+    /// Routes sandbox `id` to `node`, the node its record names, when that node is
+    /// registered and the route says otherwise: another server moved it (a resume on
+    /// another node writes the record's `node`, [`crate::pause`]), and this server's
+    /// route still names the old node. Callers that read the record before a node call
+    /// pass it here (no I/O).
+    pub fn follow_record(&self, id: &str, node: &str) {
+        if self.route_of(id).as_deref() != Some(node) && self.set.nodes().contains_key(node) {
+            self.set_route(id, node);
+        }
+    }
+
     /// The node name owning `id`: the route, else a lookup on every node (once; the
-    /// answer is cached). A route to a node that left the cluster is looked up again
-    /// (another server may have resumed the sandbox on another node from the shared
-    /// snapshot store), but at most once per [`REFIND_INTERVAL`] for all such routes: a
-    /// dead node leaves thousands of them, and a lookup lists every node.
+    /// answer is cached).
     async fn owner_name(&self, id: &str) -> NodeResult<String> {
         if let Some(n) = self.route_of(id) {
-            if self.set.nodes().contains_key(&n) || !self.refind_due() {
-                return Ok(n);
-            }
+            return Ok(n);
         }
         let names: Vec<String> = self.set.nodes().keys().cloned().collect();
         let lookups = names.iter().map(|n| self.learn_sandboxes(n, false));
@@ -474,17 +474,6 @@ impl ClusterNode {
         }
         self.route_of(id)
             .ok_or_else(|| NodeError::NotFound(format!("no sandbox {id} on any node")))
-    }
-
-    /// Whether a lookup of a route whose node left may run now (see
-    /// [`ClusterNode::owner_name`]); if so, the next one waits [`REFIND_INTERVAL`].
-    fn refind_due(&self) -> bool {
-        let mut last = lock(&self.last_refind);
-        if last.is_some_and(|t| t.elapsed() < REFIND_INTERVAL) {
-            return false;
-        }
-        *last = Some(Instant::now());
-        true
     }
 
     /// The client of the node owning `id`.

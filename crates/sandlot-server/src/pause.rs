@@ -409,6 +409,7 @@ where
     let st = st.clone();
     let mut by_node: std::collections::BTreeMap<String, Vec<Record>> = Default::default();
     for r in recs {
+        crate::sandboxes::follow_record(&st, &r);
         by_node.entry(r.node.clone()).or_default().push(r);
     }
     let mut chunks: Vec<Vec<Record>> = Vec::new();

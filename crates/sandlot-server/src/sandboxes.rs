@@ -651,6 +651,7 @@ pub(crate) async fn start_delete_as(
     let Some(rec) = st.store.get(id).await? else {
         return Ok(None);
     };
+    follow_record(st, &rec);
     let all = [
         SandboxState::Creating,
         SandboxState::Running,
@@ -756,7 +757,16 @@ pub async fn running(st: &SharedState, id: &str) -> ApiResult<Record> {
             format!("sandbox {id} is {}, not running", rec.state.as_str()),
         ));
     }
+    follow_record(st, &rec);
     Ok(rec)
+}
+
+/// Cluster mode: the next node call for `rec` goes to the node its record names
+/// ([`crate::cluster::ClusterNode::follow_record`]).
+pub(crate) fn follow_record(st: &SharedState, rec: &Record) {
+    if let Some(c) = st.cluster.get() {
+        c.follow_record(&rec.id, &rec.node);
+    }
 }
 
 /// `POST /v1/sandboxes` → 201 `Sandbox` (200 on an idempotent replay). With `trajectory`:

@@ -294,6 +294,24 @@ async fn a_server_spreads_routes_and_sweeps_over_etcd_nodes() {
     assert!(s == 200 || s == 204, "{s} {b}");
     assert!(!nodes[0].fake.ids().contains(&died));
 
+    // A stale route (this server's map names another registered node than the record
+    // does, as after another server moved the sandbox): a call that reads the record
+    // follows the record's node.
+    let id = nodes[0].fake.ids()[0].clone();
+    cluster.set_route(&id, &nodes[1].name);
+    let (s, b) = api
+        .call(
+            reqwest::Method::POST,
+            &format!("/v1/sandboxes/{id}/exec"),
+            Some(json!({"cmd": ["true"]})),
+        )
+        .await;
+    assert_eq!(s, 200, "{b}");
+    assert_eq!(
+        cluster.route_of(&id).as_deref(),
+        Some(nodes[0].name.as_str())
+    );
+
     // n3's registration is revoked: its sandboxes become lost, the others still exec.
     let lost_ids = nodes[2].fake.ids();
     regs[2].take().unwrap().deregister().await.unwrap();
