@@ -2,7 +2,7 @@
 # Runs each cargo-fuzz target (fuzz/, libFuzzer on the nightly toolchain) for a bounded time
 # and fails on the first crash, panic, failed assertion, leak or timeout:
 #   frame_decoder  the guest-agent frame decoder (sandlot_guest::agent_proto::FrameDecoder)
-#   layer_unpack   the OCI layer unpacker (sandlot_node::images::unpack), needs root
+#   layer_unpack   the OCI layer unpacker (crates/sandlot-layer), needs root
 # Usage: scripts/fuzz.sh [SECONDS per target, default $FUZZ_SECONDS or 60] [TARGET...]
 # Seeds: fuzz/seeds/<target> (committed); inputs found are kept in fuzz/corpus/<target>
 # (ignored by git, reused by the next run on this machine). A crash leaves its input in

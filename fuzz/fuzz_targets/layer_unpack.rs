@@ -1,4 +1,4 @@
-//! Fuzz target: the OCI layer unpacker (`sandlot_node::images::unpack::unpack_layer`), which
+//! Fuzz target: the OCI layer unpacker (`sandlot_layer::unpack_layer`), which
 //! writes a hostile tar archive (tar paths, `..`, absolute names, symlinks and hard links,
 //! whiteouts `.wh.NAME`, opaque markers `.wh..wh..opq`, devices, FIFOs) onto the host.
 //!
@@ -17,7 +17,7 @@
 //! Needs root (whiteouts are `mknod` 0/0, opaque dirs a `trusted.*` xattr), as the node.
 #![no_main]
 use libfuzzer_sys::fuzz_target;
-use sandlot_node::images::unpack::{unpack_layer, Compression};
+use sandlot_layer::{unpack_layer, Compression};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -42,7 +42,8 @@ pub mod lazy;
 pub mod oci;
 pub mod pull_stats;
 pub mod toolchain;
-pub mod unpack;
+// Layer unpacking lives in its own crate, so the fuzz target builds only that.
+pub use sandlot_layer as unpack;
 
 use crate::node::{NodeError, NodeResult};
 pub use error::ImageError;

@@ -23,12 +23,12 @@
 //! - uid, gid, mode (setuid, setgid and sticky bits included) and mtime are kept as the
 //!   archive says. The layer directories live below a root-only (0700) directory, so host
 //!   users cannot reach a setuid file of an image; sandboxes mount layers `nosuid`.
-use crate::node::{NodeError, NodeResult};
 use nix::errno::Errno;
 use nix::fcntl::{openat, AtFlags, OFlag};
 use nix::sys::stat::{fstatat, futimens, mkdirat, mknodat, utimensat, Mode, SFlag, UtimensatFlags};
 use nix::sys::time::TimeSpec;
 use nix::unistd::{fchown, fchownat, linkat, symlinkat, unlinkat, Gid, Uid, UnlinkatFlags};
+use sandlot_node_api::{NodeError, NodeResult};
 use sha2::{Digest as _, Sha256};
 use std::ffi::{OsStr, OsString};
 use std::fs::File;
@@ -201,8 +201,8 @@ pub fn unpack_layer(
     r
 }
 
-/// Lowercase hex of bytes.
-pub(crate) fn hex(b: &[u8]) -> String {
+/// Lowercase hex of bytes, as a digest is written after `sha256:` (OCI image-spec `descriptor.md`).
+pub fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
