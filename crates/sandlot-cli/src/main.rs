@@ -411,7 +411,8 @@ struct ServerOpts {
     ingress_idle_timeout_s: u64,
     /// MiB of free space kept on the data directory's file system: below it creates,
     /// run_code, checkpoints and uploads answer 429 resource_exhausted (reads, execs and
-    /// deletes still work). 0 = no check.
+    /// deletes still work) and background processes' output files stop growing (those
+    /// bytes read as skipped). 0 = no check.
     #[arg(long, default_value_t = 256)]
     disk_reserve_mib: u64,
     /// MiB of exec output that foreground execs may hold in server memory at once; each
@@ -1071,7 +1072,11 @@ async fn up(a: UpArgs) -> anyhow::Result<u8> {
     let local = Arc::new(sandlot_node::LocalNode::open(ncfg).context("open local node")?);
     set_image_cache_limit(&images_dir, a.image_cache_mib)?;
     // Background processes live on the node (output spilled under DATA/process-output).
-    let node = sandlot_node::WithProcesses::new(local.clone(), spill)?;
+    let limits = sandlot_node::processes::ProcessLimits {
+        spill_reserve_bytes: a.server.disk_reserve_mib << 20,
+        ..Default::default()
+    };
+    let node = sandlot_node::WithProcesses::with_limits(local.clone(), limits, spill)?;
     let mut cfg = a.server.config(a.data_dir, a.listen)?;
     cfg.images_dir = Some(images_dir);
     let served = serve_api(cfg, node).await;

@@ -77,6 +77,13 @@ pub struct ProcessLimits {
     pub max_running: usize,
     /// Records (running + exited) per sandbox (default 64); the oldest exited go first.
     pub max_kept: usize,
+    /// Free bytes of the spill directory's file system below which an output log's file
+    /// stops growing (default 256 MiB, the server's `--disk-reserve-mib` default; 0: off).
+    /// The bytes it would have grown by are not retained and read as skipped, so a
+    /// sandbox's output cannot take the last free bytes of the data directory that the
+    /// node's and server's own records need; a log whose file has reached its cap goes on
+    /// overwriting it (no new space).
+    pub spill_reserve_bytes: u64,
 }
 
 impl Default for ProcessLimits {
@@ -84,6 +91,7 @@ impl Default for ProcessLimits {
         ProcessLimits {
             max_running: 16,
             max_kept: 64,
+            spill_reserve_bytes: 256 << 20,
         }
     }
 }
@@ -97,8 +105,10 @@ impl Default for ProcessLimits {
 /// as a ring — byte `n` is at file position `n % cap`, so the file never grows past `cap`
 /// bytes. The file is gone (space freed) when the log is dropped, i.e. when the process's
 /// record is forgotten (removed, evicted, or its sandbox deleted), and nothing is left
-/// behind by a crash. A write that fails (disk full) drops those bytes: they read as
-/// skipped (`start()` moves past them), the stream's total still counts them.
+/// behind by a crash. A write that fails (disk full), or that would grow the file while
+/// its file system has less than the log's reserve free ([`OutputLog::with_reserve`]),
+/// drops those bytes: they read as skipped (`start()` moves past them), the stream's total
+/// still counts them.
 #[derive(Debug)]
 pub struct OutputLog {
     cap: u64,
@@ -110,6 +120,11 @@ pub struct OutputLog {
     /// oldest first, at most [`MAX_HOLES`]; they read as skipped.
     holes: std::collections::VecDeque<(u64, u64)>,
     file: Option<std::fs::File>,
+    /// Bytes written into the file so far, up to `cap`: below `cap` a write may grow it.
+    filled: u64,
+    /// Free bytes the file's file system keeps: a write that may grow the file is dropped
+    /// below this (0: never).
+    reserve: u64,
 }
 
 /// Most holes an [`OutputLog`] keeps; older ones fold into its floor (the bytes before
@@ -134,7 +149,28 @@ impl OutputLog {
             floor: 0,
             holes: Default::default(),
             file,
+            filled: 0,
+            reserve: 0,
         })
+    }
+
+    /// The same log, dropping writes that may grow its file while its file system has
+    /// fewer than `bytes` free (`fstatvfs(3)`, `f_bavail`; 0: never).
+    pub fn with_reserve(mut self, bytes: u64) -> Self {
+        self.reserve = bytes;
+        self
+    }
+
+    /// Whether a write may grow the file while its file system is below the reserve.
+    fn below_reserve(&self) -> bool {
+        if self.reserve == 0 || self.filled >= self.cap {
+            return false;
+        }
+        let Some(f) = &self.file else { return false };
+        match nix::sys::statvfs::fstatvfs(f) {
+            Ok(st) => st.blocks_available().saturating_mul(st.fragment_size()) < self.reserve,
+            Err(_) => false,
+        }
     }
 
     /// Writes `data`, whose first byte has absolute offset `at`, into the ring (`data` is
@@ -156,9 +192,16 @@ impl OutputLog {
         let len = data.len() as u64;
         if self.cap > 0 && len > 0 {
             let skip = len.saturating_sub(self.cap);
-            if let Err(e) = self.write_at(self.end + skip, &data[skip as usize..]) {
+            if self.below_reserve() {
+                tracing::debug!(
+                    "background process output not retained: data dir below its reserve"
+                );
+                self.floor = self.end + len;
+            } else if let Err(e) = self.write_at(self.end + skip, &data[skip as usize..]) {
                 tracing::warn!(error = %e, "background process output not retained");
                 self.floor = self.end + len;
+            } else {
+                self.filled = (self.filled + len - skip).min(self.cap);
             }
         }
         self.end += len;
@@ -616,6 +659,22 @@ impl ProcessTable {
         }))
     }
 
+    /// An output log retaining `cap` bytes in the spill directory, under the table's
+    /// [`ProcessLimits::spill_reserve_bytes`].
+    ///
+    /// # Errors
+    /// `ResourceExhausted` when its file cannot be created (the spill directory is full).
+    fn new_log(&self, cap: u64) -> NodeResult<OutputLog> {
+        OutputLog::new(cap as usize, &self.spill_dir)
+            .map(|l| l.with_reserve(self.limits.spill_reserve_bytes))
+            .map_err(|e| {
+                NodeError::ResourceExhausted(format!(
+                    "cannot keep the output of a background process in {}: {e}",
+                    self.spill_dir.display()
+                ))
+            })
+    }
+
     /// Starts `req` in sandbox `sandbox` (the caller checked it exists and runs).
     ///
     /// # Errors
@@ -657,15 +716,7 @@ impl ProcessTable {
             (None, None)
         };
         let (sig_tx, sig_rx) = mpsc::unbounded_channel();
-        let log = || {
-            OutputLog::new(retain as usize, &self.spill_dir).map_err(|e| {
-                NodeError::ResourceExhausted(format!(
-                    "cannot keep the output of a background process in {}: {e}",
-                    self.spill_dir.display()
-                ))
-            })
-        };
-        let (stdout, stderr) = (log()?, log()?);
+        let (stdout, stderr) = (self.new_log(retain)?, self.new_log(retain)?);
         let sandbox_id = sandbox.to_string();
         let proc = self.admit(sandbox, true, None, |number| ProcessHandle {
             id: new_id(),
@@ -795,15 +846,7 @@ impl ProcessTable {
 
     /// Registers one [`crate::node::AgentExec`] and starts its task.
     fn take_up(&self, sandbox: &str, e: crate::node::AgentExec) -> NodeResult<()> {
-        let log = || {
-            OutputLog::new(DEFAULT_RETAIN as usize, &self.spill_dir).map_err(|err| {
-                NodeError::ResourceExhausted(format!(
-                    "cannot keep the output of a background process in {}: {err}",
-                    self.spill_dir.display()
-                ))
-            })
-        };
-        let (stdout, stderr) = (log()?, log()?);
+        let (stdout, stderr) = (self.new_log(DEFAULT_RETAIN)?, self.new_log(DEFAULT_RETAIN)?);
         let (sig_tx, sig_rx) = mpsc::unbounded_channel();
         let started_at = chrono::DateTime::from_timestamp_millis(e.started_unix_ms as i64)
             .unwrap_or_default()
@@ -1576,6 +1619,25 @@ mod tests {
     }
 
     #[test]
+    fn output_log_below_its_reserve_stops_growing_but_overwrites_a_full_ring() {
+        let dir = tempfile::tempdir().unwrap();
+        // No file system has u64::MAX bytes free: every write that may grow the file drops.
+        let mut l = OutputLog::new(8, dir.path())
+            .unwrap()
+            .with_reserve(u64::MAX);
+        l.push(b"abcd");
+        assert_eq!((l.start(), l.end()), (4, 4));
+        assert_eq!(l.read(0, 100), (4, Vec::new()));
+        assert_eq!(l.file.as_ref().unwrap().metadata().unwrap().len(), 0);
+        // A ring already at its cap takes new bytes in place (no growth) below the reserve.
+        let mut l = OutputLog::new(8, dir.path()).unwrap();
+        l.push(b"01234567");
+        let mut l = l.with_reserve(u64::MAX);
+        l.push(b"89");
+        assert_eq!(l.read(0, 100), (2, b"23456789".to_vec()));
+    }
+
+    #[test]
     fn output_log_holes_read_as_skipped_and_keep_the_bytes_around_them() {
         let dir = tempfile::tempdir().unwrap();
         let mut l = OutputLog::new(10, dir.path()).unwrap();
@@ -1810,7 +1872,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let limits = ProcessLimits {
             max_running: 1,
-            max_kept: 64,
+            ..Default::default()
         };
         let table =
             ProcessTable::new(Arc::new(FakeNode::default()), limits, dir.path().into()).unwrap();
@@ -1874,8 +1936,8 @@ mod tests {
         let fake = Arc::new(FakeNode::default());
         *fake.agent_max_number.lock().unwrap() = Some(1007);
         let limits = ProcessLimits {
-            max_running: 16,
             max_kept: 2,
+            ..Default::default()
         };
         let table = ProcessTable::new(fake.clone(), limits, dir.path().into()).unwrap();
         let sb = "sb-0123456789abcdef0123";
