@@ -411,8 +411,9 @@ struct ServerOpts {
     ingress_idle_timeout_s: u64,
     /// MiB of free space kept on the data directory's file system: below it creates,
     /// run_code, checkpoints and uploads answer 429 resource_exhausted (reads, execs and
-    /// deletes still work) and background processes' output files stop growing (those
-    /// bytes read as skipped). 0 = no check.
+    /// deletes still work); with `sandlot up` background processes' output files stop
+    /// growing too (those bytes read as skipped; `sandlot node` keeps 256 MiB). 0 = no
+    /// check.
     #[arg(long, default_value_t = 256)]
     disk_reserve_mib: u64,
     /// MiB of exec output that foreground execs may hold in server memory at once; each

@@ -81,8 +81,8 @@ pub struct ProcessLimits {
     /// stops growing (default 256 MiB, the server's `--disk-reserve-mib` default; 0: off).
     /// The bytes it would have grown by are not retained and read as skipped, so a
     /// sandbox's output cannot take the last free bytes of the data directory that the
-    /// node's and server's own records need; a log whose file has reached its cap goes on
-    /// overwriting it (no new space).
+    /// node's and server's own records need; a log whose file already has space for its
+    /// whole ring goes on overwriting it (no new space).
     pub spill_reserve_bytes: u64,
 }
 
@@ -120,8 +120,9 @@ pub struct OutputLog {
     /// oldest first, at most [`MAX_HOLES`]; they read as skipped.
     holes: std::collections::VecDeque<(u64, u64)>,
     file: Option<std::fs::File>,
-    /// Bytes written into the file so far, up to `cap`: below `cap` a write may grow it.
-    filled: u64,
+    /// Every byte of the ring has file space (`st_blocks` × 512 ≥ `cap`, remembered once
+    /// seen): writes then take no new space and the reserve is not checked.
+    full: bool,
     /// Free bytes the file's file system keeps: a write that may grow the file is dropped
     /// below this (0: never).
     reserve: u64,
@@ -149,7 +150,7 @@ impl OutputLog {
             floor: 0,
             holes: Default::default(),
             file,
-            filled: 0,
+            full: false,
             reserve: 0,
         })
     }
@@ -161,12 +162,21 @@ impl OutputLog {
         self
     }
 
-    /// Whether a write may grow the file while its file system is below the reserve.
-    fn below_reserve(&self) -> bool {
-        if self.reserve == 0 || self.filled >= self.cap {
+    /// Whether a write may grow the file while its file system is below the reserve. The
+    /// file's allocated size decides whether a write may grow it, not the bytes written:
+    /// holes ([`OutputLog::skip_to`], dropped writes) leave parts of a ring unallocated.
+    fn below_reserve(&mut self) -> bool {
+        use std::os::unix::fs::MetadataExt;
+        if self.reserve == 0 || self.full {
             return false;
         }
         let Some(f) = &self.file else { return false };
+        if f.metadata()
+            .is_ok_and(|m| m.blocks().saturating_mul(512) >= self.cap)
+        {
+            self.full = true;
+            return false;
+        }
         match nix::sys::statvfs::fstatvfs(f) {
             Ok(st) => st.blocks_available().saturating_mul(st.fragment_size()) < self.reserve,
             Err(_) => false,
@@ -200,8 +210,6 @@ impl OutputLog {
             } else if let Err(e) = self.write_at(self.end + skip, &data[skip as usize..]) {
                 tracing::warn!(error = %e, "background process output not retained");
                 self.floor = self.end + len;
-            } else {
-                self.filled = (self.filled + len - skip).min(self.cap);
             }
         }
         self.end += len;
@@ -1629,12 +1637,23 @@ mod tests {
         assert_eq!((l.start(), l.end()), (4, 4));
         assert_eq!(l.read(0, 100), (4, Vec::new()));
         assert_eq!(l.file.as_ref().unwrap().metadata().unwrap().len(), 0);
-        // A ring already at its cap takes new bytes in place (no growth) below the reserve.
+        // A ring whose file has all its space takes new bytes in place below the reserve.
         let mut l = OutputLog::new(8, dir.path()).unwrap();
         l.push(b"01234567");
         let mut l = l.with_reserve(u64::MAX);
         l.push(b"89");
         assert_eq!(l.read(0, 100), (2, b"23456789".to_vec()));
+        // A ring with a hole (a skipped stretch never written) has written as many bytes
+        // as its size but not all its space: a write there would grow the file, so it drops.
+        let page = 4096;
+        let mut l = OutputLog::new(2 * page, dir.path()).unwrap();
+        l.push(&vec![b'a'; page]);
+        l.skip_to(2 * page as u64);
+        l.push(&vec![b'b'; page]);
+        let mut l = l.with_reserve(u64::MAX);
+        let end = l.end();
+        l.push(&vec![b'c'; page]);
+        assert_eq!((l.start(), l.end()), (end + page as u64, end + page as u64));
     }
 
     #[test]

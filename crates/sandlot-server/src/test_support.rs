@@ -48,7 +48,13 @@ pub(crate) fn with_processes(
     dir: &std::path::Path,
     node: &Arc<FakeNode>,
 ) -> Arc<sandlot_node::WithProcesses> {
-    sandlot_node::WithProcesses::new(node.clone(), dir.join("process-output")).unwrap()
+    // No free-space reserve: output is kept whatever the test host's disk has free.
+    let limits = sandlot_node::processes::ProcessLimits {
+        spill_reserve_bytes: 0,
+        ..Default::default()
+    };
+    sandlot_node::WithProcesses::with_limits(node.clone(), limits, dir.join("process-output"))
+        .unwrap()
 }
 
 pub(crate) fn setup_with(name: &str, f: impl FnOnce(&mut ServerConfig)) -> T {

@@ -17,7 +17,12 @@ use tokio::sync::mpsc;
 /// spilled under a temporary directory that lives as long as the test process).
 pub fn with_processes(node: Arc<dyn Node>) -> Arc<sandlot_node::WithProcesses> {
     let dir = tempfile::tempdir().unwrap().keep();
-    sandlot_node::WithProcesses::new(node, dir.join("process-output")).unwrap()
+    // No free-space reserve: output is kept whatever the test host's disk has free.
+    let limits = sandlot_node::processes::ProcessLimits {
+        spill_reserve_bytes: 0,
+        ..Default::default()
+    };
+    sandlot_node::WithProcesses::with_limits(node, limits, dir.join("process-output")).unwrap()
 }
 
 /// A node API for `node` on a fresh local port: its URL and the serving task (abort it
