@@ -430,12 +430,14 @@ impl ClusterNode {
     }
 
     /// [`Node::list`] (or with `not_alive`, [`Node::list_not_alive`]) of every registered
-    /// node at once, see [`ClusterNode::list`].
-    async fn list_each(&self, not_alive: bool) -> NodeResult<Vec<SandboxStatus>> {
+    /// node at once, each status with the name of the node that answered it; see
+    /// [`ClusterNode::list`].
+    async fn list_each(&self, not_alive: bool) -> NodeResult<Vec<(String, SandboxStatus)>> {
         let names: Vec<String> = self.set.nodes().keys().cloned().collect();
         let n = names.len();
         let (all, mut failed) = union(names, |name| async move {
-            self.learn_sandboxes(&name, not_alive).await
+            let list = self.learn_sandboxes(&name, not_alive).await?;
+            Ok(list.into_iter().map(|s| (name.clone(), s)).collect())
         })
         .await;
         for (name, e) in &failed {
@@ -445,6 +447,14 @@ impl ClusterNode {
             return Err(failed.swap_remove(0).1);
         }
         Ok(all)
+    }
+
+    /// [`Node::list_not_alive`] of every registered node, each status with the name of the
+    /// node that answered it: the reaper marks a sandbox `lost` only when that is the node
+    /// its record names (a dead copy left on the node a sandbox moved away from says
+    /// nothing about the sandbox). Errors as [`ClusterNode::list`].
+    pub async fn list_not_alive_on_nodes(&self) -> NodeResult<Vec<(String, SandboxStatus)>> {
+        self.list_each(true).await
     }
 
     /// Routes sandbox `id` to `node`, the node its record names, when that node is
@@ -464,14 +474,8 @@ impl ClusterNode {
         if let Some(n) = self.route_of(id) {
             return Ok(n);
         }
-        let names: Vec<String> = self.set.nodes().keys().cloned().collect();
-        let lookups = names.iter().map(|n| self.learn_sandboxes(n, false));
-        let results = futures::future::join_all(lookups).await;
-        for (n, r) in names.iter().zip(results) {
-            if let Err(e) = r {
-                tracing::warn!(node = %n, error = %e, "sandbox lookup: node did not answer");
-            }
-        }
+        // Learns every node's routes; nodes that do not answer are logged there.
+        let _ = self.list_each(false).await;
         self.route_of(id)
             .ok_or_else(|| NodeError::NotFound(format!("no sandbox {id} on any node")))
     }
@@ -880,13 +884,23 @@ impl Node for ClusterNode {
     /// left out (their sandboxes are neither alive nor dead to the caller); all failing is
     /// the first node's error.
     async fn list(&self) -> NodeResult<Vec<SandboxStatus>> {
-        self.list_each(false).await
+        Ok(self
+            .list_each(false)
+            .await?
+            .into_iter()
+            .map(|(_, s)| s)
+            .collect())
     }
 
     /// As [`ClusterNode::list`], of each node's [`Node::list_not_alive`] (the reaper's
     /// call every pass: with S live sandboxes, the whole list moved S statuses a second).
     async fn list_not_alive(&self) -> NodeResult<Vec<SandboxStatus>> {
-        self.list_each(true).await
+        Ok(self
+            .list_each(true)
+            .await?
+            .into_iter()
+            .map(|(_, s)| s)
+            .collect())
     }
 
     /// Cluster mode reconciles per node ([`reconcile`]) rather than re-adopting: this only
@@ -1104,8 +1118,8 @@ pub struct Reconciled {
 /// become `lost` ("not on node NAME after it rejoined").
 ///
 /// # Errors
-/// The node's `list` error (nothing changed then); a failed orphan delete is logged and
-/// retried at the next reconcile.
+/// The node's `list` error, or `Unavailable` when the store cannot be read (nothing
+/// changed then); a failed orphan delete is logged and retried at the next reconcile.
 pub async fn reconcile(
     st: &SharedState,
     cluster: &ClusterNode,
@@ -1114,15 +1128,54 @@ pub async fn reconcile(
     // Records made after the list was taken are not judged by it.
     let listed_at = crate::now_ms();
     let on_node = cluster.learn(node).await?;
+    let records = read_records(st).await?;
+    let index = RecordIndex::new(&records);
+    settle(st, cluster, node, listed_at, &on_node, &index).await
+}
+
+/// Every record, read after the nodes' lists were taken: a sandbox a node lists then has
+/// its record (a create writes the record before it asks the node).
+async fn read_records(st: &SharedState) -> NodeResult<Vec<crate::store::Record>> {
+    st.store
+        .list()
+        .await
+        .map_err(|e| NodeError::Unavailable(format!("reconcile: read the records: {e:#}")))
+}
+
+/// The records by id and by node, for deciding many nodes' reconciles from one read.
+struct RecordIndex<'a> {
+    by_id: HashMap<&'a str, &'a crate::store::Record>,
+    by_node: HashMap<&'a str, Vec<&'a crate::store::Record>>,
+}
+
+impl<'a> RecordIndex<'a> {
+    fn new(records: &'a [crate::store::Record]) -> Self {
+        let mut by_node: HashMap<&str, Vec<&crate::store::Record>> = HashMap::new();
+        for r in records {
+            by_node.entry(r.node.as_str()).or_default().push(r);
+        }
+        RecordIndex {
+            by_id: records.iter().map(|r| (r.id.as_str(), r)).collect(),
+            by_node,
+        }
+    }
+}
+
+/// [`reconcile`] of `node` from its list `on_node`, taken at `listed_at`, and the records
+/// read after it.
+async fn settle(
+    st: &SharedState,
+    cluster: &ClusterNode,
+    node: &str,
+    listed_at: i64,
+    on_node: &[SandboxStatus],
+    records: &RecordIndex<'_>,
+) -> NodeResult<Reconciled> {
     let remote = cluster.remote(node).await?;
     let mut out = Reconciled::default();
     let mut present = BTreeSet::new();
-    for s in &on_node {
-        let rec = st.store.get(&s.id).await.unwrap_or_else(|e| {
-            tracing::error!(sandbox_id = %s.id, error = %e, "reconcile: store");
-            None
-        });
-        match rec {
+    for s in on_node {
+        match records.by_id.get(s.id.as_str()) {
             // On another node than its record says: a paused microVM resumed elsewhere
             // from the shared snapshot store while this node was away; this copy is an
             // orphan.
@@ -1144,9 +1197,8 @@ pub async fn reconcile(
             },
         }
     }
-    let records = st.store.list().await.unwrap_or_default();
     let reason = format!("not on node {node} after it rejoined");
-    for r in records.into_iter().filter(|r| r.node == node) {
+    for r in records.by_node.get(node).into_iter().flatten() {
         if present.contains(&r.id) || r.created_at_ms >= listed_at {
             continue;
         }
@@ -1155,7 +1207,7 @@ pub async fn reconcile(
             let mut f = serde_json::Map::new();
             f.insert("reason".into(), reason.clone().into());
             events::record_queued(st, "lost", Some(&r.id), Some(r.backend), f);
-            out.marked_lost.push(r.id);
+            out.marked_lost.push(r.id.clone());
         }
     }
     Ok(out)
@@ -1173,6 +1225,16 @@ pub async fn reconcile(
 /// Store errors.
 pub async fn recover(st: &SharedState, cluster: &ClusterNode) -> anyhow::Result<()> {
     let nodes = cluster.nodes();
+    // Every node's list first (up to START_LEARN_CONCURRENCY at once), then one read of the
+    // records for all of them: at a full unit (160 nodes, 384,000 sandboxes) a read of the
+    // whole store per node, and a record lookup per listed sandbox, made the start
+    // O(nodes × records) and serial.
+    let listed_at = crate::now_ms();
+    let lists: Vec<(String, NodeResult<Vec<SandboxStatus>>)> = futures::stream::iter(nodes.keys())
+        .map(|name| async move { (name.clone(), cluster.learn(name).await) })
+        .buffer_unordered(START_LEARN_CONCURRENCY)
+        .collect()
+        .await;
     let records = st.store.list().await?;
     let mut gone: BTreeSet<String> = BTreeSet::new();
     for r in &records {
@@ -1196,8 +1258,13 @@ pub async fn recover(st: &SharedState, cluster: &ClusterNode) -> anyhow::Result<
         )
         .await;
     }
-    for name in nodes.keys() {
-        match reconcile(st, cluster, name).await {
+    let index = RecordIndex::new(&records);
+    for (name, list) in lists {
+        let settled = match list {
+            Ok(on_node) => settle(st, cluster, &name, listed_at, &on_node, &index).await,
+            Err(e) => Err(e),
+        };
+        match settled {
             Ok(r) => {
                 tracing::info!(node = %name, kept = r.kept.len(), orphans = r.orphans_deleted.len(), lost = r.marked_lost.len(), "node reconciled")
             }

@@ -93,16 +93,35 @@ pub async fn reaper(st: SharedState, mut stop: tokio::sync::watch::Receiver<bool
 /// that cannot tell ([`sandlot_node_api::Liveness::Unknown`]: an error of its own such as
 /// `EMFILE` while reading `/proc`) leaves the record alone, with a log line — `lost` is
 /// final, so it is never concluded from the node's own trouble.
+///
+/// In cluster mode a status counts only from the node the record names: a sandbox resumed
+/// on another node can leave a dead copy on its old one.
 async fn mark_lost(st: &SharedState) {
-    let Ok(statuses) = st.node.list_not_alive().await else {
-        return;
+    let statuses: Vec<(Option<String>, sandlot_node_api::SandboxStatus)> = match st.cluster.get() {
+        Some(cluster) => match cluster.list_not_alive_on_nodes().await {
+            Ok(v) => v.into_iter().map(|(n, s)| (Some(n), s)).collect(),
+            Err(_) => return,
+        },
+        None => match st.node.list_not_alive().await {
+            Ok(v) => v.into_iter().map(|s| (None, s)).collect(),
+            Err(_) => return,
+        },
     };
-    for s in &statuses {
+    for (_, s) in &statuses {
         if let sandlot_node_api::Liveness::Unknown(why) = &s.liveness {
             tracing::warn!(sandbox_id = %s.id, reason = %why, "liveness unknown; not marked lost");
         }
     }
-    for s in statuses.into_iter().filter(|s| s.liveness.is_dead()) {
+    for (node, s) in statuses.into_iter().filter(|(_, s)| s.liveness.is_dead()) {
+        if let Some(node) = node {
+            if let Ok(Some(rec)) = st.store.get(&s.id).await {
+                if rec.node != node {
+                    tracing::info!(sandbox_id = %s.id, dead_on = %node, lives_on = %rec.node,
+                        "a dead copy on a node the sandbox moved away from; not marked lost");
+                    continue;
+                }
+            }
+        }
         let from = [SandboxState::Running, SandboxState::Paused];
         if let Ok(true) = st.store.transition(&s.id, &from, SandboxState::Lost).await {
             tracing::warn!(sandbox_id = %s.id, "sandbox died under its node; marked lost");

@@ -103,7 +103,17 @@ struct TestServer {
 
 impl TestServer {
     async fn start(client: &sandlot_cluster::Client) -> TestServer {
-        let dir = tempfile::tempdir().unwrap();
+        Self::start_in(client, tempfile::tempdir().unwrap()).await
+    }
+
+    /// Stops this server and starts another on its store (a restart).
+    async fn restart(self, client: &sandlot_cluster::Client) -> TestServer {
+        let _ = self.stop.send(());
+        let _ = tokio::time::timeout(Duration::from_secs(15), self.serving).await;
+        Self::start_in(client, self._dir).await
+    }
+
+    async fn start_in(client: &sandlot_cluster::Client, dir: tempfile::TempDir) -> TestServer {
         let mut cfg = sandlot_server::ServerConfig::new(dir.path().to_path_buf());
         cfg.listen = "127.0.0.1:0".parse().unwrap();
         cfg.disk_reserve_bytes = 0;
@@ -312,6 +322,47 @@ async fn a_server_spreads_routes_and_sweeps_over_etcd_nodes() {
         Some(nodes[0].name.as_str())
     );
 
+    // A dead copy of that sandbox on n2 (as the old node keeps one after a resume on
+    // another node) does not mark it lost: only the node its record names counts. A
+    // sandbox that died on n2 itself, reported in the same list, is the witness that the
+    // reaper saw the copy.
+    let witness = nodes[1].fake.ids()[0].clone();
+    nodes[1]
+        .fake
+        .sandboxes
+        .lock()
+        .unwrap()
+        .insert(id.clone(), Default::default());
+    nodes[1]
+        .fake
+        .dead
+        .lock()
+        .unwrap()
+        .extend([id.clone(), witness.clone()]);
+    eventually(
+        "the sandbox that died on n2 lost",
+        Duration::from_secs(10),
+        async || api.state(&witness).await == "lost",
+    )
+    .await;
+    // One more pass (1 s) past the one that marked the witness.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(
+        api.state(&id).await,
+        "running",
+        "a dead copy elsewhere made {id} lost"
+    );
+    nodes[1].fake.sandboxes.lock().unwrap().remove(&id);
+    nodes[1].fake.dead.lock().unwrap().remove(&id);
+    let (s, b) = api
+        .call(
+            reqwest::Method::DELETE,
+            &format!("/v1/sandboxes/{witness}"),
+            None,
+        )
+        .await;
+    assert!(s == 200 || s == 204, "{s} {b}");
+
     // n3's registration is revoked: its sandboxes become lost, the others still exec.
     let lost_ids = nodes[2].fake.ids();
     regs[2].take().unwrap().deregister().await.unwrap();
@@ -382,6 +433,31 @@ async fn a_server_spreads_routes_and_sweeps_over_etcd_nodes() {
         )
         .await;
     assert!(s == 200 || s == 204, "{s} {b}");
+
+    // A restart on the same store reconciles every node from one read of the records: an
+    // orphan on n1 (no record) is deleted there, a sandbox n2 no longer has is marked
+    // lost, the others stay running.
+    let orphan = "sb-0123456789abcdef0123".to_owned();
+    nodes[0]
+        .fake
+        .sandboxes
+        .lock()
+        .unwrap()
+        .insert(orphan.clone(), Default::default());
+    let vanished = nodes[1].fake.ids()[0].clone();
+    nodes[1].fake.sandboxes.lock().unwrap().remove(&vanished);
+    let srv = srv.restart(&client).await;
+    let api = Api {
+        http: reqwest::Client::new(),
+        base: srv.base.clone(),
+    };
+    assert!(!nodes[0].fake.ids().contains(&orphan), "orphan left on n1");
+    assert_eq!(api.state(&vanished).await, "lost");
+    for n in &nodes[..2] {
+        for id in n.fake.ids() {
+            assert_eq!(api.state(&id).await, "running", "{id} on {}", n.name);
+        }
+    }
 
     srv.stop().await;
 }
