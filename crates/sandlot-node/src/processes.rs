@@ -120,8 +120,8 @@ pub struct OutputLog {
     /// oldest first, at most [`MAX_HOLES`]; they read as skipped.
     holes: std::collections::VecDeque<(u64, u64)>,
     file: Option<std::fs::File>,
-    /// Every byte of the ring has file space (`st_blocks` × 512 ≥ `cap`, remembered once
-    /// seen): writes then take no new space and the reserve is not checked.
+    /// Every byte of the ring has file space (size and `st_blocks` × 512 both ≥ `cap`,
+    /// remembered once seen): writes then take no new space and the reserve is not checked.
     full: bool,
     /// Free bytes the file's file system keeps: a write that may grow the file is dropped
     /// below this (0: never).
@@ -171,8 +171,10 @@ impl OutputLog {
             return false;
         }
         let Some(f) = &self.file else { return false };
+        // Both: a file with a hole below its end, or space given past its end (XFS
+        // preallocation), is not full.
         if f.metadata()
-            .is_ok_and(|m| m.blocks().saturating_mul(512) >= self.cap)
+            .is_ok_and(|m| m.len() >= self.cap && m.blocks().saturating_mul(512) >= self.cap)
         {
             self.full = true;
             return false;
@@ -1626,6 +1628,15 @@ mod tests {
         assert_eq!(l.read(9990, 20), (9990, input[9990..10_010].to_vec()));
     }
 
+    /// Default limits without the free-space reserve: output is kept whatever the test
+    /// host's disk has free.
+    fn no_reserve() -> ProcessLimits {
+        ProcessLimits {
+            spill_reserve_bytes: 0,
+            ..Default::default()
+        }
+    }
+
     #[test]
     fn output_log_below_its_reserve_stops_growing_but_overwrites_a_full_ring() {
         let dir = tempfile::tempdir().unwrap();
@@ -1637,23 +1648,31 @@ mod tests {
         assert_eq!((l.start(), l.end()), (4, 4));
         assert_eq!(l.read(0, 100), (4, Vec::new()));
         assert_eq!(l.file.as_ref().unwrap().metadata().unwrap().len(), 0);
+        // The file system's allocation unit (4 KiB on ext4 and x86 tmpfs; larger on some),
+        // so that each write below fills whole units.
+        let probe = dir.path().join("probe");
+        std::fs::write(&probe, b"x").unwrap();
+        let unit = {
+            use std::os::unix::fs::MetadataExt;
+            (std::fs::metadata(&probe).unwrap().blocks() * 512).max(4096) as usize
+        };
         // A ring whose file has all its space takes new bytes in place below the reserve.
-        let mut l = OutputLog::new(8, dir.path()).unwrap();
-        l.push(b"01234567");
+        let mut l = OutputLog::new(unit, dir.path()).unwrap();
+        l.push(&vec![b'a'; unit]);
         let mut l = l.with_reserve(u64::MAX);
         l.push(b"89");
-        assert_eq!(l.read(0, 100), (2, b"23456789".to_vec()));
+        let end = l.end();
+        assert_eq!(l.read(end - 2, 100), (end - 2, b"89".to_vec()));
         // A ring with a hole (a skipped stretch never written) has written as many bytes
         // as its size but not all its space: a write there would grow the file, so it drops.
-        let page = 4096;
-        let mut l = OutputLog::new(2 * page, dir.path()).unwrap();
-        l.push(&vec![b'a'; page]);
-        l.skip_to(2 * page as u64);
-        l.push(&vec![b'b'; page]);
+        let mut l = OutputLog::new(2 * unit, dir.path()).unwrap();
+        l.push(&vec![b'a'; unit]);
+        l.skip_to(2 * unit as u64);
+        l.push(&vec![b'b'; unit]);
         let mut l = l.with_reserve(u64::MAX);
         let end = l.end();
-        l.push(&vec![b'c'; page]);
-        assert_eq!((l.start(), l.end()), (end + page as u64, end + page as u64));
+        l.push(&vec![b'c'; unit]);
+        assert_eq!((l.start(), l.end()), (end + unit as u64, end + unit as u64));
     }
 
     #[test]
@@ -1808,8 +1827,7 @@ mod tests {
             attaches: Mutex::new(attaches.into()),
             attach_calls: Default::default(),
         });
-        let table =
-            ProcessTable::new(node.clone(), ProcessLimits::default(), dir.path().into()).unwrap();
+        let table = ProcessTable::new(node.clone(), no_reserve(), dir.path().into()).unwrap();
         let sb = "sb-0123456789abcdef0123";
         let req: SpawnRequest = serde_json::from_str("{\"cmd\": \"x\", \"stdin\": true}").unwrap();
         let p = table.spawn(sb, req).await.unwrap();
@@ -1891,7 +1909,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let limits = ProcessLimits {
             max_running: 1,
-            ..Default::default()
+            ..no_reserve()
         };
         let table =
             ProcessTable::new(Arc::new(FakeNode::default()), limits, dir.path().into()).unwrap();
@@ -1956,7 +1974,7 @@ mod tests {
         *fake.agent_max_number.lock().unwrap() = Some(1007);
         let limits = ProcessLimits {
             max_kept: 2,
-            ..Default::default()
+            ..no_reserve()
         };
         let table = ProcessTable::new(fake.clone(), limits, dir.path().into()).unwrap();
         let sb = "sb-0123456789abcdef0123";
@@ -2002,8 +2020,12 @@ mod tests {
         use sandlot_node_api::OutputCursor;
         use sandlot_node_fake::FakeNode;
         let dir = tempfile::tempdir().unwrap();
-        let node =
-            WithProcesses::new(Arc::new(FakeNode::default()), dir.path().join("spill")).unwrap();
+        let node = WithProcesses::with_limits(
+            Arc::new(FakeNode::default()),
+            no_reserve(),
+            dir.path().join("spill"),
+        )
+        .unwrap();
         let id = "sb-0123456789abcdef0123";
         node.create(&function_spec(id)).await.unwrap();
         let spawn = |argv: &[&str]| SpawnRequest {

@@ -414,14 +414,15 @@ impl ClusterNode {
     }
 
     /// Asks node `name` for its sandboxes (with `not_alive`, only those not alive) and
-    /// routes them to it (no checkpoints).
+    /// routes them to it (no checkpoints). A not-alive list routes nothing: a dead copy
+    /// a node keeps of a sandbox that moved away must not take its route (a resume reads
+    /// the route to tell whether the sandbox is elsewhere).
     async fn learn_sandboxes(&self, name: &str, not_alive: bool) -> NodeResult<Vec<SandboxStatus>> {
         let node = self.remote(name).await?;
-        let list = if not_alive {
-            node.list_not_alive().await?
-        } else {
-            node.list().await?
-        };
+        if not_alive {
+            return node.list_not_alive().await;
+        }
+        let list = node.list().await?;
         let mut routes = write(&self.routes);
         for s in &list {
             routes.insert(s.id.clone(), name.to_owned());
@@ -1200,6 +1201,11 @@ async fn settle(
     let reason = format!("not on node {node} after it rejoined");
     for r in records.by_node.get(node).into_iter().flatten() {
         if present.contains(&r.id) || r.created_at_ms >= listed_at {
+            continue;
+        }
+        // The records were read after every node's list: one moved to another node since
+        // (a resume elsewhere) is not this node's to judge.
+        if !matches!(st.store.get(&r.id).await, Ok(Some(cur)) if cur.node == node) {
             continue;
         }
         let from = [SandboxState::Running, SandboxState::Paused];

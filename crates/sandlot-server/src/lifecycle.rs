@@ -113,9 +113,10 @@ async fn mark_lost(st: &SharedState) {
         }
     }
     for (node, s) in statuses.into_iter().filter(|(_, s)| s.liveness.is_dead()) {
-        if let Some(node) = node {
+        if let (Some(node), Some(cluster)) = (node, st.cluster.get()) {
             if let Ok(Some(rec)) = st.store.get(&s.id).await {
-                if rec.node != node {
+                // A record naming a node that is gone is the lost-node sweep's to mark.
+                if rec.node != node && cluster.nodes().contains_key(&rec.node) {
                     tracing::info!(sandbox_id = %s.id, dead_on = %node, lives_on = %rec.node,
                         "a dead copy on a node the sandbox moved away from; not marked lost");
                     continue;
